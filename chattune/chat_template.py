@@ -1,0 +1,136 @@
+"""Assistant-only label masks for any Hugging Face chat template, without `{% generation %}` markers.
+
+The trained token ids are exactly `apply_chat_template(messages, tokenize=True)`: we render the whole
+conversation once and tokenize it the way transformers does (`add_special_tokens=False`).
+
+To find what to train, we do not re-render the conversation turn by turn: templates such as Qwen3's
+render the last assistant turn differently (an empty think block), so turn-by-turn renderings are not
+prefixes of the full one. Instead we probe the template once for two strings:
+
+- the generation prompt (what `add_generation_prompt=True` appends, e.g. `<|im_start|>assistant\\n`),
+  which opens every assistant turn and is the prompt the model sees at inference time;
+- the end-of-turn token (the first special token the template writes after an assistant reply, e.g.
+  `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos).
+
+Each assistant reply is then the text from the end of its generation prompt to the end of its
+end-of-turn token: everything the model must produce at inference (think block and tool calls included),
+and nothing of the system/user/tool turns. Tokens whose first character lies in such a span are trained.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+_PROBE_USER = "chattune probe question"
+_PROBE_REPLY = "chattune probe reply"
+
+
+class ChatTemplateError(ValueError):
+    """The template cannot be used to locate assistant replies, or a conversation does not fit it."""
+
+
+@dataclass(frozen=True)
+class TemplateMarkers:
+    generation_prompt: str
+    end_of_turn: str
+
+
+@dataclass(frozen=True)
+class TokenizedConversation:
+    input_ids: list[int]
+    assistant_mask: list[bool]  # True where the token belongs to an assistant reply (incl. end of turn)
+
+
+def probe_template(tokenizer: PreTrainedTokenizerBase) -> TemplateMarkers:
+    """Find the generation prompt and the end-of-turn token of a tokenizer's chat template."""
+    if tokenizer.chat_template is None:
+        raise ChatTemplateError("the tokenizer has no chat_template")
+    user = [{"role": "user", "content": _PROBE_USER}]
+    without_prompt = tokenizer.apply_chat_template(user, tokenize=False)
+    with_prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": _PROBE_REPLY}], tokenize=False)
+    # Some templates end a conversation with eos unless a generation prompt follows (Phi-3), so the prompt
+    # is what follows the common prefix of the two renderings, and a reply must follow the prompt.
+    common = 0
+    while common < min(len(with_prompt), len(without_prompt)) and with_prompt[common] == without_prompt[common]:
+        common += 1
+    special = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content]
+    common = _back_off_to_token_boundary(with_prompt, common, special)
+    generation_prompt = with_prompt[common:]
+    if not generation_prompt.strip() or not rendered.startswith(with_prompt):
+        raise ChatTemplateError(
+            "the chat template has no generation prompt that an assistant reply follows "
+            f"(generation prompt {generation_prompt!r}), so assistant turns cannot be located"
+        )
+
+    reply_at = rendered.rfind(_PROBE_REPLY)
+    if reply_at < 0:
+        raise ChatTemplateError("the chat template does not render the assistant content verbatim")
+    after_reply = rendered[reply_at + len(_PROBE_REPLY) :]
+    found = [(after_reply.find(s), -len(s), s) for s in special if after_reply.find(s) >= 0]
+    if not found:
+        raise ChatTemplateError(
+            f"no special token follows an assistant reply in the chat template (text after the reply: {after_reply!r}); "
+            "cannot tell which end-of-turn token to train"
+        )
+    end_of_turn = min(found)[2]  # the earliest, longest at a tie
+    return TemplateMarkers(generation_prompt=generation_prompt, end_of_turn=end_of_turn)
+
+
+def _back_off_to_token_boundary(text: str, position: int, special_tokens: list[str]) -> int:
+    """Move `position` left until no special token of `text` straddles it."""
+    moved = True
+    while moved:
+        moved = False
+        for token in special_tokens:
+            at = text.find(token, max(0, position - len(token) + 1))
+            if 0 <= at < position < at + len(token):
+                position, moved = at, True
+    return position
+
+
+def assistant_spans(text: str, messages: list[dict], markers: TemplateMarkers) -> list[tuple[int, int]]:
+    """Character spans [start, end) of each assistant reply (with its end-of-turn token) in `text`."""
+    assistant_messages = [m for m in messages if m.get("role") == "assistant"]
+    headers = text.count(markers.generation_prompt)
+    if headers != len(assistant_messages):
+        raise ChatTemplateError(
+            f"the template rendered {headers} assistant headers {markers.generation_prompt!r} "
+            f"for {len(assistant_messages)} assistant messages"
+        )
+    spans, cursor = [], 0
+    for turn, message in enumerate(assistant_messages):
+        start = text.index(markers.generation_prompt, cursor) + len(markers.generation_prompt)
+        end_at = text.find(markers.end_of_turn, start)
+        if end_at < 0:
+            raise ChatTemplateError(f"assistant turn {turn} has no end-of-turn token {markers.end_of_turn!r}")
+        content = message.get("content")
+        if isinstance(content, str) and content.strip() and content.strip() not in text[start:end_at]:
+            raise ChatTemplateError(
+                f"assistant turn {turn}: its content is not where the template renders that turn "
+                f"(does it contain {markers.end_of_turn!r}?)"
+            )
+        spans.append((start, end_at + len(markers.end_of_turn)))
+        cursor = spans[-1][1]
+    return spans
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    markers: TemplateMarkers,
+) -> TokenizedConversation:
+    """Render and tokenize a conversation, marking the tokens of assistant replies."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = assistant_spans(text, messages, markers)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [s for s, _ in spans]
+    mask = []
+    for token_start, _ in encoding["offset_mapping"]:
+        # The span that starts at or before this token's first character, if the token starts inside it.
+        i = bisect.bisect_right(starts, token_start) - 1
+        mask.append(i >= 0 and token_start < spans[i][1])
+    return TokenizedConversation(input_ids=list(encoding["input_ids"]), assistant_mask=mask)

@@ -1,0 +1,30 @@
+"""Config helpers shared by recipes: the `${demo_asset:...}` resolver and resolved-config saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+DEMO_ASSETS = Path(__file__).resolve().parent / "assets" / "demo"
+
+
+def demo_asset(relative_path: str) -> str:
+    """Absolute path of a shipped demo asset, so configs work from any working directory."""
+    path = DEMO_ASSETS / relative_path
+    if not path.exists():
+        raise FileNotFoundError(f"demo asset {relative_path!r} not found under {DEMO_ASSETS}")
+    return str(path)
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("demo_asset"):
+        OmegaConf.register_new_resolver("demo_asset", demo_asset)
+
+
+def save_resolved_config(cfg: DictConfig, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+register_resolvers()

@@ -1,0 +1,96 @@
+"""Each rank's stream of packed microbatches, epoch after epoch.
+
+Every epoch draws one seeded permutation of all record indices (the same on every rank) and rank r
+takes positions r, r + world, r + 2*world, ...: the ranks' shares are disjoint, cover every record and
+need no communication. A rank tokenizes only its own share, a buffer of records at a time, and packs
+each buffer best-fit-decreasing into token-budget microbatches. Nothing is dropped at the end of an
+epoch: the last buffer's bins are emitted before the next epoch begins.
+
+The stream's position (epoch, records consumed, bins not yet emitted) is kept in `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from chattune.packing import Document, PackedBatch, best_fit_decreasing, collate_packed, empty_batch
+
+logger = logging.getLogger(__name__)
+
+
+class DocumentSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def get(self, index: int) -> Document | None: ...
+
+
+def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: int, shuffle: bool = True) -> list[int]:
+    """The record indices rank `rank` trains on in `epoch`."""
+    if shuffle:
+        order = torch.randperm(num_records, generator=torch.Generator().manual_seed(seed + epoch))
+    else:
+        order = torch.arange(num_records)
+    return order[rank::world_size].tolist()
+
+
+class PackedStream:
+    def __init__(
+        self,
+        documents: DocumentSource,
+        rank: int,
+        world_size: int,
+        seed: int,
+        max_tokens: int,
+        pad_token_id: int,
+        buffer_records: int = 256,
+        shuffle: bool = True,
+        num_epochs: int | None = None,
+    ):
+        if len(documents) < world_size:
+            raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
+        self.documents = documents
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.max_tokens, self.pad_token_id = max_tokens, pad_token_id
+        self.buffer_records, self.shuffle, self.num_epochs = buffer_records, shuffle, num_epochs
+        self.epoch = 0
+        self.position = 0  # records of this epoch's share already taken into the buffer
+        self.pending: list[list[Document]] = []  # packed bins not yet emitted
+
+    def _refill(self, share: list[int]) -> None:
+        chunk = share[self.position : self.position + self.buffer_records]
+        self.position += len(chunk)
+        docs = [doc for doc in map(self.documents.get, chunk) if doc is not None]
+        self.pending = best_fit_decreasing(docs, self.max_tokens)
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        while self.num_epochs is None or self.epoch < self.num_epochs:
+            share = epoch_share(len(self.documents), self.epoch, self.seed, self.rank, self.world_size, self.shuffle)
+            emitted = 0
+            while self.pending or self.position < len(share):
+                if not self.pending:
+                    self._refill(share)
+                    continue
+                emitted += 1
+                yield collate_packed(self.pending.pop(0))
+            if emitted == 0:
+                # Every record of this rank's share was skipped; an empty microbatch keeps the rank in
+                # step with the others (and the loop from spinning) instead of hanging them.
+                logger.warning("rank %d: no trainable documents in epoch %d", self.rank, self.epoch)
+                yield empty_batch(self.pad_token_id)
+            self.epoch += 1
+            self.position = 0
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "pending_doc_ids": [[doc.doc_id for doc in bin_] for bin_ in self.pending],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.pending = [[self.documents.get(i) for i in bin_] for bin_ in state["pending_doc_ids"]]

@@ -1,0 +1,68 @@
+"""Process-group set-up shared by all recipes. A plain `python recipes/sft.py` becomes a one-rank group,
+so single-process runs take exactly the code path of torchrun runs (FSDP2 included)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Initialise torch.distributed (nccl on CUDA, gloo on CPU) from torchrun's environment, or as a
+    one-rank group when launched without torchrun."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        # Ranks on one machine share its cores; more threads than cores slows everyone down.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch_device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", device_id=torch_device if device == "cuda" else None)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, torch_device)
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks in one collective (returns a new tensor)."""
+    values = values.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def all_reduce_max(value: int, device: torch.device) -> int:
+    """The largest of an integer over all ranks."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())

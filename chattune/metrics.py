@@ -1,0 +1,105 @@
+"""Step metrics: reduced over ranks once, written by rank 0 to stdout, metrics.jsonl and optionally wandb.
+
+Every recipe reports through here, so the same name always means the same computation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from chattune.distributed import all_reduce_sum
+from chattune.train_step import StepResult
+
+logger = logging.getLogger(__name__)
+
+
+def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum named per-rank figures over all ranks with ONE stacked all-reduce."""
+    names = sorted(values)
+    stacked = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
+    return dict(zip(names, all_reduce_sum(stacked).tolist()))
+
+
+def step_metrics(
+    step: int, result: StepResult, grad_norm: float, lr: float, step_time_s: float, device: torch.device,
+    extra_sums: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """The metrics of one step, over all ranks (one all-reduce). Collective: every rank must call it.
+
+    loss: summed unit losses / global units (token-weighted for SFT); num_tokens: global trainable
+    tokens; tokens_per_sec: those per second of step time (mean over ranks); extra_sums are summed over
+    ranks and divided by the global units (recipe-specific unit-weighted means)."""
+    sums = reduce_sums(
+        {"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens, **(extra_sums or {})},
+        device,
+    )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    units = max(result.global_units, 1)
+    step_time = sums.pop("step_time_s") / world
+    metrics = {
+        "step": step,
+        "loss": sums.pop("loss_sum") / units,
+        "num_tokens": result.global_units,
+        "tokens_per_sec": result.global_units / step_time,
+        "all_tokens_per_sec": sums.pop("all_tokens") / step_time,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "step_time_s": step_time,
+    }
+    metrics.update({name: value / units for name, value in sums.items()})
+    return metrics
+
+
+def format_line(metrics: dict[str, float]) -> str:
+    parts = [f"step {int(metrics['step'])}"]
+    for name, value in metrics.items():
+        if name == "step":
+            continue
+        if isinstance(value, float) and name in ("lr",):
+            parts.append(f"{name} {value:.2e}")
+        elif isinstance(value, float):
+            parts.append(f"{name} {value:.4g}")
+        else:
+            parts.append(f"{name} {value}")
+    return " | ".join(parts)
+
+
+class MetricLogger:
+    """Rank 0 writes; other ranks' calls do nothing. `backend` is 'stdout' or 'wandb' (stdout and JSONL
+    are always written)."""
+
+    def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None, wandb_kwargs: dict | None = None):
+        if backend not in ("stdout", "wandb"):
+            raise ValueError(f"logger must be 'stdout' or 'wandb', got {backend!r}")
+        self.is_main = is_main
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.wandb_run = None
+        if not is_main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if backend == "wandb":
+            import wandb  # imported lazily: only runs that ask for it need it configured
+
+            self.wandb_run = wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}))
+
+    def log(self, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        logger.info(format_line(metrics))
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+
+    def log_summary(self, summary: dict) -> None:
+        if self.is_main and self.wandb_run is not None:
+            self.wandb_run.summary.update(summary)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

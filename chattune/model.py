@@ -1,0 +1,77 @@
+"""Hugging Face causal LMs for packed training.
+
+`PackedCausalLM` wraps any `AutoModelForCausalLM` and returns per-token losses computed from the final
+hidden states in chunks (see `chattune.loss`) instead of full logits. It is also the FSDP root module,
+so the embedding, final norm and output head (tied or not) are gathered by the root's hooks when its
+forward runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from chattune.attention import ATTENTION_NAME
+from chattune.loss import chunked_token_losses
+from chattune.packing import PackedBatch
+
+
+class PackedCausalLM(nn.Module):
+    def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024):
+        super().__init__()
+        self.hf_model = hf_model
+        self.loss_chunk_size = loss_chunk_size
+        config = hf_model.config
+        for unsupported in ("final_logit_softcapping", "logit_scale"):
+            if getattr(config, unsupported, None) not in (None, 1.0):
+                raise NotImplementedError(f"{type(hf_model).__name__} uses {unsupported}, which chunked loss does not apply yet")
+
+    @property
+    def decoder(self) -> nn.Module:
+        return getattr(self.hf_model, self.hf_model.base_model_prefix)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored."""
+        # No attention_mask and no cache: the packed attention function separates documents.
+        hidden = self.decoder(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=batch.cu_seqlens,
+            cu_seq_lens_k=batch.cu_seqlens,
+            max_length_q=batch.max_seqlen,
+            max_length_k=batch.max_seqlen,
+        ).last_hidden_state
+        head = self.hf_model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise NotImplementedError("output heads with a bias are not supported by the chunked loss yet")
+        return chunked_token_losses(hidden[0], head.weight, batch.labels[0], self.loss_chunk_size)
+
+
+def build_hf_model(
+    tokenizer: PreTrainedTokenizerBase,
+    path: str | None = None,
+    config: PretrainedConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """Load a local HF model directory, or build one with random weights from a config (its vocabulary
+    sized to the tokenizer). Seed torch before calling for reproducible random weights."""
+    if (path is None) == (config is None):
+        raise ValueError("give exactly one of model.path (a local HF model directory) or model.config")
+    if path is not None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model.path {path!r} is not a local directory (chattune loads no models from a hub)")
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    else:
+        config.vocab_size = len(tokenizer)
+        config.pad_token_id = tokenizer.pad_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.get_input_embeddings().num_embeddings} embeddings")
+    model.config.use_cache = False
+    return model

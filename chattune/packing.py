@@ -1,0 +1,101 @@
+"""Packing tokenized documents into padding-free microbatches of shape (1, N).
+
+Documents are laid back to back in one row. Position ids restart at 0 for every document and
+`cu_seqlens` marks the boundaries, so the attention function keeps documents apart. Labels are already
+shifted per document (labels[i] is the token position i predicts) and the last position of every
+document is IGNORE_INDEX: no token is trained to predict across a document boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from chattune.loss import IGNORE_INDEX
+
+
+@dataclass
+class Document:
+    doc_id: int
+    input_ids: list[int]
+    labels: list[int]  # shifted: labels[i] is the target of position i, IGNORE_INDEX when untrained
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def shifted_labels(input_ids: list[int], trainable: list[bool]) -> list[int]:
+    """Targets for each position: the next token when that next token is trainable."""
+    labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(input_ids[1:], trainable[1:])]
+    return labels + [IGNORE_INDEX]
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (1, N) long
+    labels: torch.Tensor  # (1, N) long, shifted
+    position_ids: torch.Tensor  # (1, N) long, restarting at 0 per document
+    cu_seqlens: torch.Tensor  # (num_docs + 1,) int32
+    max_seqlen: int
+    doc_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_trainable_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        return PackedBatch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            labels=self.labels.to(device, non_blocking=True),
+            position_ids=self.position_ids.to(device, non_blocking=True),
+            cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
+            max_seqlen=self.max_seqlen,
+            doc_ids=self.doc_ids,
+        )
+
+
+def collate_packed(documents: list[Document]) -> PackedBatch:
+    if not documents:
+        raise ValueError("cannot collate an empty list of documents")
+    lengths = [len(d) for d in documents]
+    cu_seqlens = torch.zeros(len(documents) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return PackedBatch(
+        input_ids=torch.tensor([t for d in documents for t in d.input_ids]).unsqueeze(0),
+        labels=torch.tensor([t for d in documents for t in d.labels]).unsqueeze(0),
+        position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(lengths),
+        doc_ids=[d.doc_id for d in documents],
+    )
+
+
+def empty_batch(pad_token_id: int) -> PackedBatch:
+    """A one-token microbatch with nothing to train: lets a rank without data still run forward/backward,
+    so every rank makes the same collective calls and none waits forever."""
+    return collate_packed([Document(doc_id=-1, input_ids=[pad_token_id], labels=[IGNORE_INDEX])])
+
+
+def best_fit_decreasing(documents: list[Document], max_tokens: int) -> list[list[Document]]:
+    """Pack documents into bins of at most `max_tokens` tokens: longest first, each into the fullest bin
+    it still fits (a new bin when none fits). Bins are returned in creation order, documents in a bin
+    in insertion order."""
+    bins: list[list[Document]] = []
+    free: list[int] = []
+    for doc in sorted(documents, key=len, reverse=True):
+        if len(doc) > max_tokens:
+            raise ValueError(f"document {doc.doc_id} has {len(doc)} tokens, more than the budget {max_tokens}")
+        fitting = [i for i, room in enumerate(free) if room >= len(doc)]
+        if fitting:
+            best = min(fitting, key=lambda i: free[i])
+            bins[best].append(doc)
+            free[best] -= len(doc)
+        else:
+            bins.append([doc])
+            free.append(max_tokens - len(doc))
+    return bins

@@ -1,0 +1,112 @@
+"""The update step: the one place that owns microbatching and loss normalisation, for every recipe.
+
+For one optimizer step every rank takes exactly `grad_accum_steps` microbatches, counts the units the
+loss averages over (trainable tokens for SFT, preference pairs for DPO), and all-reduces that count
+ONCE. Each microbatch's loss is then (sum of unit losses) / (global unit count), and FSDP reduces
+gradients as a plain sum. The result is the gradient of the mean loss over every unit of the step,
+whatever the split into microbatches and ranks, and is never rescaled afterwards.
+
+Every rank runs the same number of forward/backward calls (ranks short of data get empty microbatches),
+so the end of the data can never leave one rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from chattune.distributed import all_reduce_sum
+from chattune.loss import IGNORE_INDEX
+from chattune.packing import PackedBatch, empty_batch
+
+
+class Objective(Protocol):
+    """What a recipe trains: how many loss units a microbatch holds, and their summed loss."""
+
+    def count_units(self, batch: PackedBatch) -> int: ...
+
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor: ...
+
+
+class TokenCrossEntropy:
+    """SFT: the unit is a trainable token (label != IGNORE_INDEX)."""
+
+    def count_units(self, batch: PackedBatch) -> int:
+        return batch.num_trainable_tokens
+
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+        return model(batch).sum()  # per-token losses are 0 at ignored labels
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # this rank's summed unit losses
+    local_units: int  # this rank's loss units
+    global_units: int  # all ranks' loss units (the normaliser)
+    local_tokens: int  # this rank's tokens, trained or not
+    doc_ids: list[int]  # this rank's documents, in order
+
+
+def take_microbatches(batches: Iterator[PackedBatch], count: int, pad_token_id: int) -> list[PackedBatch]:
+    """Prefetch one step's microbatches; if the data ends, pad with empty microbatches."""
+    taken = []
+    for _ in range(count):
+        batch = next(batches, None)
+        taken.append(batch if batch is not None else empty_batch(pad_token_id))
+    return taken
+
+
+def accumulate_gradients(
+    model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device
+) -> StepResult:
+    """Forward/backward every microbatch of one step with the global normaliser."""
+    local_units = sum(objective.count_units(b) for b in microbatches)
+    global_units = int(all_reduce_sum(torch.tensor([local_units], dtype=torch.int64, device=device)).item())
+    normaliser = max(global_units, 1)  # a step with nothing to train gives zero gradients, not NaN
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for batch in microbatches:
+        batch_loss = objective.loss_sum(model, batch.to(device))
+        (batch_loss / normaliser).backward()
+        loss_sum += batch_loss.detach().float()
+    return StepResult(
+        loss_sum=float(loss_sum),
+        local_units=local_units,
+        global_units=global_units,
+        local_tokens=sum(b.num_tokens for b in microbatches),
+        doc_ids=[d for b in microbatches for d in b.doc_ids if d >= 0],
+    )
+
+
+def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
+    """Total gradient norm over all ranks (gradients are sharded DTensors); clip when max_norm is set."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if hasattr(total_norm, "full_tensor"):  # DTensor: reduce the shard norms across ranks
+        total_norm = total_norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+    return float(total_norm)
+
+
+def train_step(
+    model: nn.Module,
+    objective: Objective,
+    microbatches: list[PackedBatch],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float | None,
+    device: torch.device,
+) -> tuple[StepResult, float]:
+    """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm."""
+    result = accumulate_gradients(model, objective, microbatches, device)
+    grad_norm = clip_gradients(model, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return result, grad_norm
+
+

@@ -1,0 +1,101 @@
+"""Supervised fine-tuning of a chat model on packed, padding-free conversations with FSDP2.
+
+    torchrun --nproc_per_node 2 recipes/sft.py [--config-name sft/tiny] key=value ...
+
+Read top to bottom: set-up, data, model, the training loop, saving. Copy this file to change the story.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from chattune.checkpoint import export_hf, save_checkpoint
+from chattune.config import save_resolved_config
+from chattune.data_stream import PackedStream
+from chattune.distributed import init_distributed
+from chattune.evaluation import evaluate
+from chattune.fsdp import shard_model
+from chattune.log import setup_logging
+from chattune.metrics import MetricLogger, step_metrics
+from chattune.model import PackedCausalLM, build_hf_model
+from chattune.sft_data import RecordSource, SFTDocuments
+from chattune.train_step import TokenCrossEntropy, take_microbatches, train_step
+
+logger = logging.getLogger("chattune.sft")
+
+
+@hydra.main(config_path="../configs", config_name="sft/tiny", version_base=None)
+def main(cfg: DictConfig) -> None:
+    # --- set-up: every rank composes the same config; rank 0 records it ---
+    dist_info = init_distributed(cfg.device)
+    setup_logging(dist_info.rank)
+    device, output_dir = dist_info.device, Path(cfg.output_dir)
+    if dist_info.is_main:
+        save_resolved_config(cfg, output_dir)
+    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
+
+    # --- data: each rank tokenizes and packs only its own share of every epoch ---
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def packed_stream(files, shuffle: bool, num_epochs: int | None) -> PackedStream:
+        documents = SFTDocuments(RecordSource(list(files)), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong)
+        return PackedStream(
+            documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
+            pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs,
+        )
+
+    train_stream = packed_stream(cfg.data.train_files, shuffle=True, num_epochs=None)
+    train_batches = iter(train_stream)
+    eval_batches = list(packed_stream(cfg.data.eval_files, shuffle=False, num_epochs=1)) if cfg.data.eval_files else []
+
+    # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
+    model_config = instantiate(cfg.model.config) if cfg.model.path is None else None
+    hf_model = build_hf_model(tokenizer, path=cfg.model.path, config=model_config).to(device)
+    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), device.type, dist_info.world_size, **cfg.model.fsdp)
+    num_params = sum(p.numel() for p in hf_model.parameters())
+    logger.info("model: %s, %.2fM parameters, %d rank(s) on %s", type(hf_model).__name__, num_params / 1e6, dist_info.world_size, device)
+
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
+    metric_logger = MetricLogger(str(output_dir), dist_info.is_main, cfg.logger, run_config=dict(cfg), wandb_kwargs=dict(cfg.wandb))
+    objective = TokenCrossEntropy()
+
+    # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
+    for step in range(1, cfg.max_steps + 1):
+        start = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        microbatches = take_microbatches(train_batches, cfg.grad_accum_steps, pad_id)
+        result, grad_norm = train_step(model, objective, microbatches, optimizer, scheduler, cfg.max_grad_norm, device)
+        step_time = time.perf_counter() - start
+        if result.global_units == 0 and step == 1:
+            raise RuntimeError("the first step has no trainable token on any rank: check the data and its labels")
+
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            metrics = step_metrics(step, result, grad_norm, lr, step_time, device)
+            metrics["epoch"] = train_stream.epoch
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and eval_batches:
+                metrics["eval_loss"] = evaluate(model, objective, eval_batches, device, pad_id)
+            metric_logger.log(metrics)
+        if cfg.save_every and step % cfg.save_every == 0:
+            train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": train_stream.state_dict()}
+            save_checkpoint(output_dir / "checkpoints" / f"step_{step}", model, optimizer, train_state)
+
+    # --- save: a Hugging Face directory that loads without chattune ---
+    export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main)
+    metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
+    metric_logger.close()
+    logger.info("done: %s", output_dir / "hf")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
