@@ -66,3 +66,11 @@ def all_reduce_max(value: int, device: torch.device) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
+
+
+def shutdown_distributed() -> None:
+    """Wait for every rank, then tear the group down. Without the barrier a rank that finishes first can
+    destroy its gloo context while a peer still talks to it, which aborts the process."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

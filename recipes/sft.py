@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from chattune.checkpoint import export_hf, save_checkpoint
 from chattune.config import save_resolved_config
 from chattune.data_stream import PackedStream
-from chattune.distributed import init_distributed
+from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.evaluation import evaluate
 from chattune.fsdp import shard_model
 from chattune.log import setup_logging
@@ -94,7 +94,7 @@ def main(cfg: DictConfig) -> None:
     metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
     metric_logger.close()
     logger.info("done: %s", output_dir / "hf")
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""Shared fixtures: the demo tokenizer, a tiny random Llama, and real demo documents."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig
+
+from chattune.chat_template import probe_template, tokenize_conversation
+from chattune.config import DEMO_ASSETS
+from chattune.model import build_hf_model
+from chattune.packing import Document, shifted_labels
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"
+
+
+def demo_tokenizer():
+    return AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    settings = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def tiny_model(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return build_hf_model(demo_tokenizer(), config=tiny_config(**overrides))
+
+
+def demo_documents(count: int, start: int = 0) -> list[Document]:
+    """Real demo conversations, tokenized with assistant-only labels."""
+    tokenizer = demo_tokenizer()
+    markers = probe_template(tokenizer)
+    lines = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines()[start : start + count]
+    docs = []
+    for i, line in enumerate(lines):
+        tokenized = tokenize_conversation(tokenizer, json.loads(line)["messages"], markers)
+        docs.append(Document(start + i, tokenized.input_ids, shifted_labels(tokenized.input_ids, tokenized.assistant_mask)))
+    return docs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_worker_process_group(rank: int, world_size: int, port: int) -> None:
+    """For torch.multiprocessing workers: a gloo group on loopback, one thread per rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return demo_tokenizer()

@@ -1,0 +1,89 @@
+"""The core promise: one step's gradients do not depend on how its documents are split into
+microbatches and ranks, and equal the gradient of the mean token loss computed the plain way."""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from chattune.distributed import shutdown_distributed
+from chattune.fsdp import shard_model
+from chattune.loss import IGNORE_INDEX
+from chattune.model import PackedCausalLM
+from chattune.packing import collate_packed, empty_batch
+from chattune.train_step import TokenCrossEntropy, accumulate_gradients
+from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
+
+NUM_DOCS = 12
+
+
+def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]], out_path: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    docs = demo_documents(NUM_DOCS)
+    model = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", world_size)
+    microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
+    result = accumulate_gradients(model, TokenCrossEntropy(), microbatches, torch.device("cpu"))
+    grads = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"grads": grads, "global_units": result.global_units}, out_path)
+    shutdown_distributed()
+
+
+def run_split(splits: list[list[list[int]]], tmp_path, name: str) -> dict:
+    out_path = str(tmp_path / f"{name}.pt")
+    mp.spawn(_worker, args=(len(splits), free_port(), splits, out_path), nprocs=len(splits), join=True)
+    return torch.load(out_path)
+
+
+def reference_gradients() -> tuple[dict[str, torch.Tensor], int]:
+    """Plain HF forward, one document at a time, stock SDPA, full logits: mean over all trained tokens."""
+    model = tiny_model(seed=0)
+    model.set_attn_implementation("sdpa")
+    docs = demo_documents(NUM_DOCS)
+    total_loss, total_tokens = 0.0, 0
+    for doc in docs:
+        logits = model(input_ids=torch.tensor([doc.input_ids]), use_cache=False).logits[0]
+        labels = torch.tensor(doc.labels)
+        total_loss = total_loss + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        total_tokens += int((labels != IGNORE_INDEX).sum())
+    (total_loss / total_tokens).backward()
+    return {name: p.grad for name, p in model.named_parameters()}, total_tokens
+
+
+def relative_error(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
+
+
+def test_gradients_invariant_to_microbatches_and_ranks(tmp_path):
+    everything = list(range(NUM_DOCS))
+    splits = {
+        "1rank_1mb": [[everything]],
+        "1rank_4mb": [[[0, 1, 2], [3, 4, 5, 6, 7], [8, 9], [10, 11]]],
+        # Deliberately uneven: rank 0 holds more tokens, so a rank-local normaliser would be wrong.
+        "2rank_2mb": [[[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[9], [10, 11]]],
+        # A rank short of data runs an empty microbatch and still contributes correctly.
+        "2rank_2mb_one_empty": [[[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [[11], []]],
+    }
+    want, want_tokens = reference_gradients()
+    for name, split in splits.items():
+        result = run_split(split, tmp_path, name)
+        assert result["global_units"] == want_tokens, name
+        error = relative_error(result["grads"], want)
+        assert error <= 1e-6, f"{name}: relative gradient error {error:.3g}"
+
+
+def test_reference_detects_a_wrong_normaliser():
+    """Guard that the comparison can fail: a per-document mean (a common mistake) differs clearly."""
+    want, _ = reference_gradients()
+    model = tiny_model(seed=0)
+    model.set_attn_implementation("sdpa")
+    docs = demo_documents(NUM_DOCS)
+    loss = 0.0
+    for doc in docs:
+        logits = model(input_ids=torch.tensor([doc.input_ids]), use_cache=False).logits[0]
+        loss = loss + F.cross_entropy(logits, torch.tensor(doc.labels), ignore_index=IGNORE_INDEX) / len(docs)
+    loss.backward()
+    wrong = {name: p.grad for name, p in model.named_parameters()}
+    assert relative_error(wrong, want) > 1e-3

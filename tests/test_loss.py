@@ -1,0 +1,62 @@
+"""The chunked output-layer cross-entropy equals a plain full-logit cross-entropy, values and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chattune.loss import IGNORE_INDEX, chunked_token_losses
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+def test_chunked_loss_matches_full_logits(chunk_size):
+    torch.manual_seed(0)
+    n, h, v = 53, 16, 97
+    hidden = torch.randn(n, h, dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float32, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    labels[torch.rand(n) < 0.3] = IGNORE_INDEX
+
+    losses = chunked_token_losses(hidden, weight, labels, chunk_size)
+    losses.sum().backward()
+    got = (losses.detach(), hidden.grad.clone(), weight.grad.clone())
+
+    hidden.grad, weight.grad = None, None
+    full = F.cross_entropy(hidden @ weight.t(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    full.backward()
+
+    assert losses.shape == (n,)
+    assert torch.all(losses[labels == IGNORE_INDEX] == 0)
+    assert relative_error(got[0].sum(), full.detach()) <= 1e-6
+    assert relative_error(got[1], hidden.grad) <= 1e-6
+    assert relative_error(got[2], weight.grad) <= 1e-6
+
+
+def test_chunked_loss_keeps_no_full_logits_for_backward():
+    """Only the chunk inputs are saved for backward, never a (N, V) logits tensor."""
+    n, h, v = 256, 8, 5000
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked_token_losses(hidden, weight, labels, chunk_size=32).sum()
+    assert max(saved) < n * v / 4, f"a saved tensor of {max(saved)} elements: full logits are {n * v}"
+
+
+def test_no_grad_path_matches():
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(20, 4), torch.randn(11, 4)
+    labels = torch.randint(0, 11, (20,))
+    with torch.no_grad():
+        got = chunked_token_losses(hidden, weight, labels, chunk_size=6)
+    want = F.cross_entropy(hidden @ weight.t(), labels, reduction="none")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

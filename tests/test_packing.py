@@ -1,0 +1,121 @@
+"""Packed microbatches: documents never see each other, labels never cross a boundary, nothing is lost."""
+
+import pytest
+import torch
+
+from chattune.attention import ATTENTION_NAME
+from chattune.data_stream import PackedStream, epoch_share
+from chattune.loss import IGNORE_INDEX
+from chattune.packing import Document, best_fit_decreasing, collate_packed, shifted_labels
+from conftest import demo_documents, tiny_model
+
+
+def test_packed_logits_equal_each_document_alone():
+    docs = demo_documents(6)
+    packed_model = tiny_model()
+    assert packed_model.config._attn_implementation == ATTENTION_NAME
+    plain_model = tiny_model()  # same seed, same weights, stock SDPA attention
+    plain_model.set_attn_implementation("sdpa")
+    packed_model.eval(), plain_model.eval()
+    batch = collate_packed(docs)
+    with torch.no_grad():
+        packed = packed_model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+            cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
+            max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
+        ).logits[0]
+        # Fallback: boundaries derived from position ids alone.
+        from_positions = packed_model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0]
+        offset = 0
+        for doc in docs:
+            alone = plain_model(input_ids=torch.tensor([doc.input_ids]), use_cache=False).logits[0]
+            n = len(doc)
+            assert (packed[offset : offset + n] - alone).abs().max() <= 1e-5
+            assert (from_positions[offset : offset + n] - alone).abs().max() <= 1e-5
+            offset += n
+    # The check can fail: boundaries that claim one document make the row causal across documents.
+    whole_row = torch.tensor([0, batch.num_tokens], dtype=torch.int32)
+    with torch.no_grad():
+        leaky = packed_model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+            cu_seq_lens_q=whole_row, cu_seq_lens_k=whole_row, max_length_q=batch.num_tokens, max_length_k=batch.num_tokens,
+        ).logits[0]
+    second = slice(len(docs[0]), len(docs[0]) + len(docs[1]))
+    assert (leaky[second] - packed[second]).abs().max() > 1e-3
+
+
+def test_labels_are_shifted_within_each_document():
+    docs = demo_documents(5)
+    batch = collate_packed(docs)
+    ids, labels = batch.input_ids[0].tolist(), batch.labels[0].tolist()
+    ends = batch.cu_seqlens[1:].tolist()
+    for end in ends:
+        assert labels[end - 1] == IGNORE_INDEX  # the last token of a document predicts nothing
+    for i, label in enumerate(labels):
+        if label != IGNORE_INDEX:
+            assert label == ids[i + 1] and (i + 1) not in ends
+    assert batch.position_ids[0].tolist() == [p for d in docs for p in range(len(d))]
+    assert batch.num_trainable_tokens == sum(l != IGNORE_INDEX for d in docs for l in d.labels)
+
+
+def test_shifted_labels_by_hand():
+    # position 0 predicts 11 (untrained), position 1 predicts 12 (trained), position 2 predicts 13 (trained)
+    assert shifted_labels([10, 11, 12, 13], [False, False, True, True]) == [IGNORE_INDEX, 12, 13, IGNORE_INDEX]
+
+
+def test_best_fit_decreasing_keeps_every_document_within_budget():
+    torch.manual_seed(0)
+    lengths = torch.randint(1, 100, (300,)).tolist()
+    docs = [Document(i, [1] * n, [IGNORE_INDEX] * n) for i, n in enumerate(lengths)]
+    bins = best_fit_decreasing(docs, max_tokens=128)
+    assert sorted(d.doc_id for b in bins for d in b) == list(range(300))
+    assert all(sum(len(d) for d in b) <= 128 for b in bins)
+    fill = sum(lengths) / (128 * len(bins))
+    assert fill > 0.95, fill
+    with pytest.raises(ValueError, match="more than the budget"):
+        best_fit_decreasing([Document(0, [1] * 200, [IGNORE_INDEX] * 200)], max_tokens=128)
+
+
+class ListSource:
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __len__(self):
+        return len(self.docs)
+
+    def get(self, index):
+        return self.docs[index]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_document_once_per_epoch_across_ranks(world_size):
+    docs = [Document(i, [1] * (5 + i % 17), [2] * (5 + i % 17)) for i in range(101)]
+    for epoch in range(2):
+        seen = []
+        for rank in range(world_size):
+            stream = PackedStream(ListSource(docs), rank, world_size, seed=7, max_tokens=64, pad_token_id=0,
+                                  buffer_records=10, num_epochs=epoch + 1)
+            stream.epoch = epoch
+            seen += [d for batch in stream for d in batch.doc_ids]
+        assert sorted(seen) == list(range(101))
+    # Deterministic, and a new permutation each epoch.
+    assert epoch_share(101, 0, 7, 0, 2) == epoch_share(101, 0, 7, 0, 2)
+    assert epoch_share(101, 0, 7, 0, 2) != epoch_share(101, 1, 7, 0, 2)
+
+
+def test_stream_state_dict_resumes_the_same_microbatches():
+    docs = [Document(i, [1] * (3 + i % 11), [2] * (3 + i % 11)) for i in range(80)]
+
+    def stream():
+        return PackedStream(ListSource(docs), 0, 1, seed=3, max_tokens=40, pad_token_id=0, buffer_records=16)
+
+    uninterrupted = iter(stream())
+    expected = [next(uninterrupted).doc_ids for _ in range(60)]
+    first = stream()
+    batches = iter(first)
+    got = [next(batches).doc_ids for _ in range(25)]
+    resumed = stream()
+    resumed.load_state_dict(first.state_dict())
+    batches = iter(resumed)
+    got += [next(batches).doc_ids for _ in range(35)]
+    assert got == expected
