@@ -3,10 +3,13 @@
 Every epoch draws one seeded permutation of all record indices (the same on every rank) and rank r
 takes positions r, r + world, r + 2*world, ...: the ranks' shares are disjoint, cover every record and
 need no communication. A rank tokenizes only its own share, a buffer of records at a time, and packs
-each buffer best-fit-decreasing into token-budget microbatches. Nothing is dropped at the end of an
-epoch: the last buffer's bins are emitted before the next epoch begins.
+each buffer best-fit-decreasing into token-budget microbatches. The least-filled bin of a buffer is not
+emitted but carried into the next buffer, where its documents get another chance to fill a bin (a
+half-empty microbatch costs a whole step on the rank that holds it). Nothing is dropped at the end of an
+epoch: the last buffer's bins, carried ones included, are emitted before the next epoch begins.
 
-The stream's position (epoch, records consumed, bins not yet emitted) is kept in `state_dict()`.
+The stream's position (epoch, records consumed, carried documents, bins not yet emitted) is kept in
+`state_dict()`.
 """
 
 from __future__ import annotations
@@ -59,12 +62,18 @@ class PackedStream:
         self.epoch = 0
         self.position = 0  # records of this epoch's share already taken into the buffer
         self.pending: list[list[Document]] = []  # packed bins not yet emitted
+        self.carried: list[Document] = []  # documents of the last buffer's least-filled bin
 
     def _refill(self, share: list[int]) -> None:
         chunk = share[self.position : self.position + self.buffer_records]
         self.position += len(chunk)
-        docs = [doc for doc in map(self.documents.get, chunk) if doc is not None]
-        self.pending = best_fit_decreasing(docs, self.max_tokens)
+        docs = self.carried + [doc for doc in map(self.documents.get, chunk) if doc is not None]
+        bins = best_fit_decreasing(docs, self.max_tokens)
+        self.carried = []
+        if self.position < len(share) and len(bins) > 1:
+            least_filled = min(range(len(bins)), key=lambda i: sum(map(len, bins[i])))
+            self.carried = bins.pop(least_filled)
+        self.pending = bins
 
     def __iter__(self) -> Iterator[PackedBatch]:
         while self.num_epochs is None or self.epoch < self.num_epochs:
@@ -89,8 +98,10 @@ class PackedStream:
             "epoch": self.epoch,
             "position": self.position,
             "pending_doc_ids": [[doc.doc_id for doc in bin_] for bin_ in self.pending],
+            "carried_doc_ids": [doc.doc_id for doc in self.carried],
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self.pending = [[self.documents.get(i) for i in bin_] for bin_ in state["pending_doc_ids"]]
+        self.carried = [self.documents.get(i) for i in state["carried_doc_ids"]]

@@ -25,13 +25,17 @@ def shard_model(
     model: PackedCausalLM,
     device_type: str,
     world_size: int,
-    param_dtype: str = "float32",
+    param_dtype: str = "auto",
     reduce_dtype: str = "float32",
     activation_checkpointing: bool = False,
 ) -> PackedCausalLM:
     if activation_checkpointing:
         model.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if param_dtype == "auto":  # bf16 compute where it is fast (CUDA); fp32 on CPU
+        param_dtype = "bfloat16" if device_type == "cuda" else "float32"
     mesh = init_device_mesh(device_type, (world_size,))
+    # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
+    # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)

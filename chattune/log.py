@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import sys
 
-import datasets
 import transformers
 
 
@@ -18,7 +17,6 @@ def setup_logging(rank: int) -> None:
         force=True,
     )
     # Libraries log progress bars and cache notices at INFO; keep the training log readable.
-    for noisy in ("datasets", "transformers", "httpx", "filelock"):
+    for noisy in ("transformers", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()

@@ -6,11 +6,11 @@ and logged: a conversation with no trainable token, and one longer than the micr
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 from transformers import PreTrainedTokenizerBase
 
 from chattune.chat_template import ChatTemplateError, TemplateMarkers, probe_template, tokenize_conversation
@@ -25,34 +25,72 @@ class DataError(ValueError):
     """A record that cannot be trained on, named by source file and record index."""
 
 
-@dataclass
 class RecordSource:
-    """Several files read with `datasets`, addressed by one global record index."""
+    """Records of several JSON/JSONL files, addressed by one global index.
 
-    files: list[str]
-    tables: list[datasets.Dataset] = field(default_factory=list)
+    Read with the standard json module, not `datasets`: Arrow infers one type per column across records,
+    so a reply "2" next to a malformed reply 7 silently becomes the integer 2. JSONL files are indexed by
+    line offsets and each record is parsed when it is asked for, so memory does not grow with the data.
+    """
 
-    def __post_init__(self) -> None:
-        if not self.files:
+    def __init__(self, files: list[str]):
+        if not files:
             raise DataError("no data files given (data.train_files is empty)")
+        self.files = list(files)
+        self._sources: list[list[int] | list[dict]] = []  # per file: JSONL line offsets, or JSON records
         for path in self.files:
             if not Path(path).is_file():
                 raise DataError(f"data file {path!r} does not exist")
-            table = datasets.load_dataset("json", data_files=path, split="train")
-            if "messages" not in table.column_names:
-                raise DataError(f"{path}: no 'messages' column (columns: {table.column_names})")
-            self.tables.append(table)
+            self._sources.append(_jsonl_offsets(path) if path.endswith(".jsonl") else _json_records(path))
+        if len(self) == 0:
+            raise DataError(f"the data files {self.files} hold no records")
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self.tables)
+        return sum(len(s) for s in self._sources)
 
     def locate(self, index: int) -> tuple[str, int, dict]:
         """(file, index within file, record) of a global record index."""
-        for path, table in zip(self.files, self.tables):
-            if index < len(table):
-                return path, index, table[index]
-            index -= len(table)
+        for path, source in zip(self.files, self._sources):
+            if index < len(source):
+                return path, index, _read_record(path, index, source[index])
+            index -= len(source)
         raise IndexError(index)
+
+
+def _jsonl_offsets(path: str) -> list[int]:
+    offsets, position = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                offsets.append(position)
+            position += len(line)
+    return offsets
+
+
+def _json_records(path: str) -> list[dict]:
+    try:
+        records = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(records, list):
+        raise DataError(f"{path}: a .json data file must hold a list of records, got {type(records).__name__}")
+    return records
+
+
+def _read_record(path: str, index: int, entry: int | dict) -> dict:
+    if isinstance(entry, int):  # a JSONL line offset
+        with open(path, "rb") as f:
+            f.seek(entry)
+            line = f.readline()
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path} record {index}: unparseable JSON line ({error})") from error
+    if not isinstance(entry, dict):
+        raise DataError(f"{path} record {index}: a record must be a JSON object, got {type(entry).__name__}")
+    if "messages" not in entry:
+        raise DataError(f"{path} record {index}: no 'messages' field (fields: {sorted(entry)})")
+    return entry
 
 
 def validate_messages(messages: object, where: str) -> list[dict]:

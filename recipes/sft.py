@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from chattune.checkpoint import export_hf, save_checkpoint
@@ -24,7 +24,7 @@ from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.evaluation import evaluate
 from chattune.fsdp import shard_model
 from chattune.log import setup_logging
-from chattune.metrics import MetricLogger, step_metrics
+from chattune.metrics import MetricLogger, reduce_sums, step_metrics
 from chattune.model import PackedCausalLM, build_hf_model
 from chattune.sft_data import RecordSource, SFTDocuments
 from chattune.train_step import TokenCrossEntropy, take_microbatches, train_step
@@ -61,12 +61,13 @@ def main(cfg: DictConfig) -> None:
     model_config = instantiate(cfg.model.config) if cfg.model.path is None else None
     hf_model = build_hf_model(tokenizer, path=cfg.model.path, config=model_config).to(device)
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), device.type, dist_info.world_size, **cfg.model.fsdp)
+    model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     num_params = sum(p.numel() for p in hf_model.parameters())
     logger.info("model: %s, %.2fM parameters, %d rank(s) on %s", type(hf_model).__name__, num_params / 1e6, dist_info.world_size, device)
 
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
-    metric_logger = MetricLogger(str(output_dir), dist_info.is_main, cfg.logger, run_config=dict(cfg), wandb_kwargs=dict(cfg.wandb))
+    metric_logger = MetricLogger(str(output_dir), dist_info.is_main, cfg.logger, run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb))
     objective = TokenCrossEntropy()
 
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
@@ -79,15 +80,20 @@ def main(cfg: DictConfig) -> None:
         if result.global_units == 0 and step == 1:
             raise RuntimeError("the first step has no trainable token on any rank: check the data and its labels")
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        is_last = step == cfg.max_steps
+        is_eval = bool(eval_batches) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
+        if step % cfg.log_every == 0 or is_last or is_eval:
             metrics = step_metrics(step, result, grad_norm, lr, step_time, device)
             metrics["epoch"] = train_stream.epoch
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and eval_batches:
+            if is_eval:
                 metrics["eval_loss"] = evaluate(model, objective, eval_batches, device, pad_id)
             metric_logger.log(metrics)
         if cfg.save_every and step % cfg.save_every == 0:
             train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": train_stream.state_dict()}
             save_checkpoint(output_dir / "checkpoints" / f"step_{step}", model, optimizer, train_state)
+
+    skipped = reduce_sums(vars(train_stream.documents.skipped), device)
+    logger.info("training records skipped over all ranks and epochs: %s", {k: int(v) for k, v in skipped.items()})
 
     # --- save: a Hugging Face directory that loads without chattune ---
     export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main)

@@ -8,8 +8,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from chattune.distributed import shutdown_distributed
-from chattune.fsdp import shard_model
+from chattune.fsdp import decoder_layers, shard_model
 from chattune.loss import IGNORE_INDEX
+from chattune.metrics import step_metrics
 from chattune.model import PackedCausalLM
 from chattune.packing import collate_packed, empty_batch
 from chattune.train_step import TokenCrossEntropy, accumulate_gradients
@@ -18,25 +19,29 @@ from conftest import demo_documents, free_port, init_worker_process_group, tiny_
 NUM_DOCS = 12
 
 
-def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]], out_path: str) -> None:
+def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]], out_path: str, checkpointing: bool) -> None:
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
-    model = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", world_size)
+    model = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", world_size,
+                        activation_checkpointing=checkpointing)
+    model.train()
+    assert all(layer.gradient_checkpointing == checkpointing for layer in decoder_layers(model))
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
     result = accumulate_gradients(model, TokenCrossEntropy(), microbatches, torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
+    metrics = step_metrics(1, result, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     if rank == 0:
-        torch.save({"grads": grads, "global_units": result.global_units}, out_path)
+        torch.save({"grads": grads, "global_units": result.global_units, "loss": metrics["loss"]}, out_path)
     shutdown_distributed()
 
 
-def run_split(splits: list[list[list[int]]], tmp_path, name: str) -> dict:
+def run_split(splits: list[list[list[int]]], tmp_path, name: str, checkpointing: bool = False) -> dict:
     out_path = str(tmp_path / f"{name}.pt")
-    mp.spawn(_worker, args=(len(splits), free_port(), splits, out_path), nprocs=len(splits), join=True)
+    mp.spawn(_worker, args=(len(splits), free_port(), splits, out_path, checkpointing), nprocs=len(splits), join=True)
     return torch.load(out_path)
 
 
-def reference_gradients() -> tuple[dict[str, torch.Tensor], int]:
+def reference_gradients() -> tuple[dict[str, torch.Tensor], int, float]:
     """Plain HF forward, one document at a time, stock SDPA, full logits: mean over all trained tokens."""
     model = tiny_model(seed=0)
     model.set_attn_implementation("sdpa")
@@ -47,8 +52,9 @@ def reference_gradients() -> tuple[dict[str, torch.Tensor], int]:
         labels = torch.tensor(doc.labels)
         total_loss = total_loss + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         total_tokens += int((labels != IGNORE_INDEX).sum())
-    (total_loss / total_tokens).backward()
-    return {name: p.grad for name, p in model.named_parameters()}, total_tokens
+    mean_loss = total_loss / total_tokens
+    mean_loss.backward()
+    return {name: p.grad for name, p in model.named_parameters()}, total_tokens, float(mean_loss)
 
 
 def relative_error(got: dict, want: dict) -> float:
@@ -65,18 +71,21 @@ def test_gradients_invariant_to_microbatches_and_ranks(tmp_path):
         "2rank_2mb": [[[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[9], [10, 11]]],
         # A rank short of data runs an empty microbatch and still contributes correctly.
         "2rank_2mb_one_empty": [[[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [[11], []]],
+        # Activation checkpointing recomputes layers (and re-enters FSDP hooks) in backward: same numbers.
+        "2rank_2mb_checkpointing": [[[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[9], [10, 11]]],
     }
-    want, want_tokens = reference_gradients()
+    want, want_tokens, want_loss = reference_gradients()
     for name, split in splits.items():
-        result = run_split(split, tmp_path, name)
+        result = run_split(split, tmp_path, name, checkpointing=name.endswith("checkpointing"))
         assert result["global_units"] == want_tokens, name
+        assert abs(result["loss"] - want_loss) <= 1e-5 * want_loss, f"{name}: logged loss {result['loss']} vs {want_loss}"
         error = relative_error(result["grads"], want)
         assert error <= 1e-6, f"{name}: relative gradient error {error:.3g}"
 
 
 def test_reference_detects_a_wrong_normaliser():
     """Guard that the comparison can fail: a per-document mean (a common mistake) differs clearly."""
-    want, _ = reference_gradients()
+    want, _, _ = reference_gradients()
     model = tiny_model(seed=0)
     model.set_attn_implementation("sdpa")
     docs = demo_documents(NUM_DOCS)

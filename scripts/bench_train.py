@@ -1,0 +1,62 @@
+"""Training throughput of an SFT config for 1 and 2 ranks (torchrun), from the run's own metrics.jsonl.
+
+    python scripts/bench_train.py [--ranks 1 2] [--steps 60] [--warmup 10] [-- key=value ...]
+
+Runs `recipes/sft.py` (default config `sft/tiny`) once per rank count with `log_every=1`, drops the
+first `--warmup` steps, and reports the mean over the rest of: trainable tokens/s (`tokens_per_sec`),
+all tokens/s (prompts included) and step time. Extra arguments after `--` are passed to the recipe as
+overrides. Copy the printed table and command into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_once(ranks: int, steps: int, overrides: list[str], output_dir: Path) -> list[dict]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+        str(ROOT / "recipes" / "sft.py"), f"output_dir={output_dir}", f"max_steps={steps}", "log_every=1",
+        "save_every=0", "eval_every=0", *overrides,
+    ]
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, after --")
+    args = parser.parse_args()
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+          + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+    print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
+    print("| ranks | trainable tokens/s | all tokens/s | step time (s) | steps measured |")
+    print("|---|---|---|---|---|")
+    for ranks in args.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = run_once(ranks, args.steps, args.overrides, Path(tmp) / "run")[args.warmup :]
+        trainable = sum(m["num_tokens"] for m in metrics)
+        seconds = sum(m["step_time_s"] for m in metrics)
+        all_tokens = sum(m["all_tokens_per_sec"] * m["step_time_s"] for m in metrics)
+        print(f"| {ranks} | {trainable / seconds:,.0f} | {all_tokens / seconds:,.0f} | "
+              f"{statistics.mean(m['step_time_s'] for m in metrics):.3f} | {len(metrics)} |")
+
+
+if __name__ == "__main__":
+    main()
