@@ -6,9 +6,11 @@ The collator passes `cu_seq_lens_q`/`max_length_q` (transformers' flash-attentio
 the models forward untouched to the attention function); we fall back to deriving them from
 `position_ids` (which restart at 0 per document) only when they are missing.
 
-- CPU: causal SDPA per document (exact, simple; CPU runs are small).
-- CUDA with flash-attn importable: `flash_attn_varlen_func`.
-- CUDA otherwise: torch's `varlen_attn`.
+- CPU (and fp32 on CUDA): causal SDPA per document (exact, simple; CPU runs are small).
+- CUDA bf16/fp16 with flash-attn importable: `flash_attn_varlen_func`.
+- CUDA bf16/fp16 otherwise: torch's `varlen_attn`.
+
+Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
 """
 
 from __future__ import annotations
@@ -40,28 +42,33 @@ def _flash_attn_varlen():
     return flash_attn_varlen_func
 
 
-def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout):
+def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
     # query: (1, Hq, N, D), key/value: (1, Hkv, N, D)
     enable_gqa = query.shape[1] != key.shape[1]
     bounds = cu_seqlens.tolist()
-    outputs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=enable_gqa,
-        )
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        mask = None
+        if window is not None and end - start > window:
+            positions = torch.arange(end - start, device=query.device)
+            distance = positions[:, None] - positions[None, :]
+            mask = (distance >= 0) & (distance < window)  # causal, and only the last `window` keys
+        outputs.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=enable_gqa,
+        ))
     return torch.cat(outputs, dim=2).transpose(1, 2)  # (1, N, Hq, D)
 
 
-def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout):
-    # varlen kernels take (N, H, D)
+def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window):
+    # varlen kernels take (N, H, D); window (W-1, 0) = causal over the last W keys, as transformers does
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    window_size = (window - 1, 0) if window is not None else (-1, 0)
     flash_varlen = _flash_attn_varlen()
     if flash_varlen is not None:
         out = flash_varlen(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            dropout_p=dropout, softmax_scale=scaling, causal=True,
+            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window_size,
         )
     else:
         if dropout:
@@ -70,7 +77,7 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout):
 
         out = varlen_attn(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
+            scale=scaling, window_size=window_size, enable_gqa=q.shape[1] != k.shape[1],
         )
     return out.unsqueeze(0)  # (1, N, Hq, D)
 
@@ -90,16 +97,19 @@ def packed_attention(
         raise ValueError(f"{ATTENTION_NAME} attention takes no attention_mask: packed batches pass cu_seqlens")
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME} attention expects packed rows of batch size 1, got {query.shape[0]}")
-    if getattr(module, "sliding_window", None):
-        raise NotImplementedError(f"{ATTENTION_NAME} attention does not implement sliding windows yet")
+    for unsupported in ("softcap", "s_aux"):  # silently ignoring them would train a different model
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"{ATTENTION_NAME} attention does not implement {unsupported} yet")
+    # Some models pass the window per call (Phi-3, Mistral), others keep it on the module (per layer type).
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     max_seqlen = kwargs.get("max_length_q")
     if cu_seqlens is None:
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
-    if query.is_cuda:
-        return _varlen(query, key, value, cu_seqlens, int(max_seqlen), scaling, dropout), None
-    return _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout), None
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):  # the varlen kernels' dtypes
+        return _varlen(query, key, value, cu_seqlens, int(max_seqlen), scaling, dropout, window), None
+    return _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window), None
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_attention)

@@ -1,8 +1,8 @@
 """Sharded training checkpoints (torch.distributed.checkpoint) and the final Hugging Face export.
 
 Layout of `{output_dir}/checkpoints/step_{N}/`: DCP shards of {"model", "optimizer"} plus
-`train_state.pt` (one file per rank: step, scheduler, data stream state), so a resume can restore each
-rank's own position.
+`train_state_rank{R}.pt` per rank (step, scheduler, that rank's data-stream state), so a resume can
+restore each rank's own position.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from transformers import PreTrainedTokenizerBase
 
@@ -34,6 +36,18 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     }
     dcp.save(state, checkpoint_id=str(directory))
     torch.save(train_state, directory / f"train_state_rank{dist.get_rank()}.pt")
+
+
+def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: restore model and optimizer shards in place; returns this rank's train_state."""
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
+    dcp.load(state, checkpoint_id=str(directory))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    return torch.load(directory / f"train_state_rank{dist.get_rank()}.pt", weights_only=False)
 
 
 def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path, is_main: bool) -> None:

@@ -53,7 +53,7 @@ class PackedStream:
         shuffle: bool = True,
         num_epochs: int | None = None,
     ):
-        if len(documents) < world_size:
+        if num_epochs is None and len(documents) < world_size:
             raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
         self.documents = documents
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -61,10 +61,19 @@ class PackedStream:
         self.buffer_records, self.shuffle, self.num_epochs = buffer_records, shuffle, num_epochs
         self.epoch = 0
         self.position = 0  # records of this epoch's share already taken into the buffer
+        self.emitted = 0  # microbatches emitted in this epoch
         self.pending: list[list[Document]] = []  # packed bins not yet emitted
         self.carried: list[Document] = []  # documents of the last buffer's least-filled bin
+        self._share_cache: tuple[int, list[int]] | None = None
 
-    def _refill(self, share: list[int]) -> None:
+    def _share(self) -> list[int]:
+        if self._share_cache is None or self._share_cache[0] != self.epoch:
+            share = epoch_share(len(self.documents), self.epoch, self.seed, self.rank, self.world_size, self.shuffle)
+            self._share_cache = (self.epoch, share)
+        return self._share_cache[1]
+
+    def _refill(self) -> None:
+        share = self._share()
         chunk = share[self.position : self.position + self.buffer_records]
         self.position += len(chunk)
         docs = self.carried + [doc for doc in map(self.documents.get, chunk) if doc is not None]
@@ -75,33 +84,40 @@ class PackedStream:
             self.carried = bins.pop(least_filled)
         self.pending = bins
 
+    def _epoch_done(self) -> bool:
+        return not self.pending and self.position >= len(self._share())
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.position, self.emitted = self.epoch + 1, 0, 0
+
     def __iter__(self) -> Iterator[PackedBatch]:
         while self.num_epochs is None or self.epoch < self.num_epochs:
-            share = epoch_share(len(self.documents), self.epoch, self.seed, self.rank, self.world_size, self.shuffle)
-            emitted = 0
-            while self.pending or self.position < len(share):
-                if not self.pending:
-                    self._refill(share)
-                    continue
-                emitted += 1
-                yield collate_packed(self.pending.pop(0))
-            if emitted == 0:
-                # Every record of this rank's share was skipped; an empty microbatch keeps the rank in
-                # step with the others (and the loop from spinning) instead of hanging them.
+            if not self.pending and not self._epoch_done():
+                self._refill()
+                continue
+            if self.pending:
+                batch = collate_packed(self.pending.pop(0))
+                self.emitted += 1
+            else:
+                # Every record of this rank's share was skipped (or it had none); an empty microbatch
+                # keeps the rank in step with the others (and the loop from spinning) instead of hanging.
                 logger.warning("rank %d: no trainable documents in epoch %d", self.rank, self.epoch)
-                yield empty_batch(self.pad_token_id)
-            self.epoch += 1
-            self.position = 0
+                batch = empty_batch(self.pad_token_id)
+            if self._epoch_done():
+                # Roll over before yielding, so a state taken now already points at the next epoch.
+                self._next_epoch()
+            yield batch
 
     def state_dict(self) -> dict:
         return {
             "epoch": self.epoch,
             "position": self.position,
+            "emitted": self.emitted,
             "pending_doc_ids": [[doc.doc_id for doc in bin_] for bin_ in self.pending],
             "carried_doc_ids": [doc.doc_id for doc in self.carried],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
+        self.epoch, self.position, self.emitted = state["epoch"], state["position"], state["emitted"]
         self.pending = [[self.documents.get(i) for i in bin_] for bin_ in state["pending_doc_ids"]]
         self.carried = [self.documents.get(i) for i in state["carried_doc_ids"]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -35,7 +36,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -45,10 +46,15 @@ def init_distributed(device: str = "auto") -> DistInfo:
     else:
         # Ranks on one machine share its cores; more threads than cores slows everyone down.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
         torch_device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", device_id=torch_device if device == "cuda" else None)
+        # Generous timeout: ranks wait in a barrier while rank 0 writes the final HF directory.
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            device_id=torch_device if device == "cuda" else None,
+            timeout=timedelta(minutes=60),
+        )
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, torch_device)
 
 

@@ -15,7 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def decoder_layers(model: PackedCausalLM) -> list[nn.Module]:
     """The repeated blocks, found through the class names HF lists in `_no_split_modules`."""
     names = set(model.hf_model._no_split_modules or [])
-    layers = [m for m in model.hf_model.modules() if type(m).__name__ in names]
+    # Match along the MRO: once sharded, a layer's class is FSDP2's dynamic subclass (FSDPLlamaDecoderLayer).
+    layers = [m for m in model.hf_model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"found no decoder layers in {type(model.hf_model).__name__} (looked for {sorted(names)})")
     return layers

@@ -17,7 +17,9 @@ IGNORE_INDEX = -100
 
 
 def _chunk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()
+    # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
+    # before the loss sees it. bf16 -> fp32 is exact, and so is TF32 on CUDA for bf16-valued inputs.
+    logits = hidden.float() @ weight.float().t()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
 
 

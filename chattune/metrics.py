@@ -26,22 +26,17 @@ def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, flo
 
 
 def step_metrics(
-    step: int, result: StepResult, grad_norm: float, lr: float, step_time_s: float, device: torch.device,
-    extra_sums: dict[str, float] | None = None,
+    step: int, result: StepResult, grad_norm: float, lr: float, step_time_s: float, device: torch.device
 ) -> dict[str, float]:
     """The metrics of one step, over all ranks (one all-reduce). Collective: every rank must call it.
 
     loss: summed unit losses / global units (token-weighted for SFT); num_tokens: global trainable
-    tokens; tokens_per_sec: those per second of step time (mean over ranks); extra_sums are summed over
-    ranks and divided by the global units (recipe-specific unit-weighted means)."""
-    sums = reduce_sums(
-        {"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens, **(extra_sums or {})},
-        device,
-    )
+    tokens; tokens_per_sec: those per second of step time (mean over ranks)."""
+    sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens}, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     units = max(result.global_units, 1)
     step_time = sums.pop("step_time_s") / world
-    metrics = {
+    return {
         "step": step,
         "loss": sums.pop("loss_sum") / units,
         "num_tokens": result.global_units,
@@ -51,8 +46,6 @@ def step_metrics(
         "grad_norm": grad_norm,
         "step_time_s": step_time,
     }
-    metrics.update({name: value / units for name, value in sums.items()})
-    return metrics
 
 
 def format_line(metrics: dict[str, float]) -> str:
@@ -82,6 +75,7 @@ class MetricLogger:
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")  # one run's curve per file: a rerun in the same output_dir starts it afresh
         if backend == "wandb":
             import wandb  # imported lazily: only runs that ask for it need it configured
 

@@ -22,12 +22,9 @@ from chattune.packing import PackedBatch
 class PackedCausalLM(nn.Module):
     def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024):
         super().__init__()
+        check_output_head(hf_model)
         self.hf_model = hf_model
         self.loss_chunk_size = loss_chunk_size
-        config = hf_model.config
-        for unsupported in ("final_logit_softcapping", "logit_scale"):
-            if getattr(config, unsupported, None) not in (None, 1.0):
-                raise NotImplementedError(f"{type(hf_model).__name__} uses {unsupported}, which chunked loss does not apply yet")
 
     @property
     def decoder(self) -> nn.Module:
@@ -45,10 +42,32 @@ class PackedCausalLM(nn.Module):
             max_length_q=batch.max_seqlen,
             max_length_k=batch.max_seqlen,
         ).last_hidden_state
-        head = self.hf_model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise NotImplementedError("output heads with a bias are not supported by the chunked loss yet")
-        return chunked_token_losses(hidden[0], head.weight, batch.labels[0], self.loss_chunk_size)
+        weight = self.hf_model.get_output_embeddings().weight
+        return chunked_token_losses(hidden[0], weight, batch.labels[0], self.loss_chunk_size)
+
+
+@torch.no_grad()
+def check_output_head(hf_model: PreTrainedModel) -> None:
+    """The chunked loss computes logits as hidden @ output_embedding.T. Refuse a model whose own forward
+    does something else (logit scaling or softcapping, a bias), instead of training a different model."""
+    head = hf_model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss")
+    was_training = hf_model.training
+    hf_model.eval()
+    device = head.weight.device
+    input_ids = torch.arange(8, device=device).unsqueeze(0) % hf_model.config.vocab_size
+    position_ids = torch.arange(8, device=device).unsqueeze(0)
+    decoder = getattr(hf_model, hf_model.base_model_prefix)
+    hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
+    logits = hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0].float()
+    hf_model.train(was_training)
+    ours = hidden.float() @ head.weight.float().t()
+    if not torch.allclose(ours, logits, rtol=1e-3, atol=1e-3 * float(logits.abs().max())):
+        raise NotImplementedError(
+            f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T "
+            "(logit scaling or softcapping?); the chunked loss does not support it yet"
+        )
 
 
 def build_hf_model(

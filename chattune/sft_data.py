@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from chattune.chat_template import ChatTemplateError, TemplateMarkers, probe_template, tokenize_conversation
@@ -140,7 +141,7 @@ class SFTDocuments:
         messages = validate_messages(record["messages"], where)
         try:
             tokenized = tokenize_conversation(self.tokenizer, messages, self.markers)
-        except ChatTemplateError as error:
+        except (ChatTemplateError, jinja2.TemplateError) as error:  # templates raise their own checks too
             raise DataError(f"{where}: {error}") from error
         if len(tokenized.input_ids) > self.max_tokens:
             message = f"{where}: {len(tokenized.input_ids)} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"

@@ -48,7 +48,6 @@ class StepResult:
     local_units: int  # this rank's loss units
     global_units: int  # all ranks' loss units (the normaliser)
     local_tokens: int  # this rank's tokens, trained or not
-    doc_ids: list[int]  # this rank's documents, in order
 
 
 def take_microbatches(batches: Iterator[PackedBatch], count: int, pad_token_id: int) -> list[PackedBatch]:
@@ -77,7 +76,6 @@ def accumulate_gradients(
         local_units=local_units,
         global_units=global_units,
         local_tokens=sum(b.num_tokens for b in microbatches),
-        doc_ids=[d for b in microbatches for d in b.doc_ids if d >= 0],
     )
 
 

@@ -40,6 +40,8 @@ def main(cfg: DictConfig) -> None:
     device, output_dir = dist_info.device, Path(cfg.output_dir)
     if dist_info.is_main:
         save_resolved_config(cfg, output_dir)
+        if (output_dir / "checkpoints").exists():
+            logger.warning("%s already holds checkpoints; this run starts from scratch and overwrites same-step ones", output_dir)
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
 
     # --- data: each rank tokenizes and packs only its own share of every epoch ---
@@ -59,7 +61,7 @@ def main(cfg: DictConfig) -> None:
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
     model_config = instantiate(cfg.model.config) if cfg.model.path is None else None
-    hf_model = build_hf_model(tokenizer, path=cfg.model.path, config=model_config).to(device)
+    hf_model = build_hf_model(tokenizer, path=cfg.model.path, config=model_config)  # on CPU; fully_shard moves each shard
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), device.type, dist_info.world_size, **cfg.model.fsdp)
     model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     num_params = sum(p.numel() for p in hf_model.parameters())
@@ -76,6 +78,8 @@ def main(cfg: DictConfig) -> None:
         lr = scheduler.get_last_lr()[0]
         microbatches = take_microbatches(train_batches, cfg.grad_accum_steps, pad_id)
         result, grad_norm = train_step(model, objective, microbatches, optimizer, scheduler, cfg.max_grad_norm, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
         step_time = time.perf_counter() - start
         if result.global_units == 0 and step == 1:
             raise RuntimeError("the first step has no trainable token on any rank: check the data and its labels")

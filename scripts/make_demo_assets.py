@@ -154,10 +154,17 @@ def main() -> None:
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
-    conversations = [make_conversation(rng) for _ in range(args.num_train + args.num_eval)]
-    for i, conversation in enumerate(conversations):
+    train = [make_conversation(rng) for _ in range(args.num_train)]
+    # Held out means never seen: short tasks repeat by chance, so skip any conversation already in train.
+    seen = {json.dumps(c["messages"]) for c in train}
+    held_out = []
+    while len(held_out) < args.num_eval:
+        conversation = make_conversation(rng)
+        if json.dumps(conversation["messages"]) not in seen:
+            seen.add(json.dumps(conversation["messages"]))
+            held_out.append(conversation)
+    for i, conversation in enumerate(train + held_out):
         conversation["id"] = f"demo-{i:05d}"
-    train, held_out = conversations[: args.num_train], conversations[args.num_train :]
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "chat_train.jsonl", train)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from chattune.chat_template import probe_template, tokenize_conversation
 from chattune.config import DEMO_ASSETS
+from chattune.distributed import free_port  # noqa: F401  (re-exported for the tests)
 from chattune.model import build_hf_model
 from chattune.packing import Document, shifted_labels
 
@@ -24,13 +24,13 @@ def demo_tokenizer():
     return AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
 
 
-def tiny_config(**overrides) -> LlamaConfig:
+def tiny_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
     settings = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
     )
     settings.update(overrides)
-    return LlamaConfig(**settings)
+    return AutoConfig.for_model(model_type, **settings)
 
 
 def tiny_model(seed: int = 0, **overrides):
@@ -50,10 +50,12 @@ def demo_documents(count: int, start: int = 0) -> list[Document]:
     return docs
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def relative_error(got: torch.Tensor | dict, want: torch.Tensor | dict) -> float:
+    """||got - want|| / ||want||; for dicts of tensors, the worst entry."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys()
+        return max(relative_error(got[k], want[k]) for k in want)
+    return float((got - want).norm() / want.norm())
 
 
 def init_worker_process_group(rank: int, world_size: int, port: int) -> None:

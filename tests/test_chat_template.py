@@ -23,10 +23,9 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from chattune.chat_template import ChatTemplateError, probe_template, tokenize_conversation
+from chattune.config import DEMO_ASSETS
+from conftest import SHARED_ASSETS
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DEMO_DIR = PROJECT_ROOT / "chattune" / "assets" / "demo"
-SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"
 
 DEMO_CONVERSATIONS = 300
 
@@ -187,7 +186,7 @@ def _shared(*parts: str) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_tokenizer():
-    return AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer")
+    return AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +196,7 @@ def demo_markers(demo_tokenizer):
 
 @pytest.fixture(scope="module")
 def demo_conversations() -> list[dict]:
-    with open(DEMO_DIR / "chat_train.jsonl") as f:
+    with open(DEMO_ASSETS / "chat_train.jsonl") as f:
         rows = [json.loads(line) for _, line in zip(range(DEMO_CONVERSATIONS), f)]
     return rows
 
@@ -413,7 +412,7 @@ def test_demo_markers(demo_markers):
 @pytest.fixture
 def fresh_demo_tokenizer():
     """A tokenizer of our own whose chat_template a test may change."""
-    return AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer")
+    return AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
 
 
 def test_no_chat_template_raises(fresh_demo_tokenizer):

@@ -13,8 +13,9 @@ from chattune.loss import IGNORE_INDEX
 from chattune.metrics import step_metrics
 from chattune.model import PackedCausalLM
 from chattune.packing import collate_packed, empty_batch
-from chattune.train_step import TokenCrossEntropy, accumulate_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
+from chattune.evaluation import evaluate
+from chattune.train_step import TokenCrossEntropy, accumulate_gradients, clip_gradients
+from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 NUM_DOCS = 12
 
@@ -27,11 +28,17 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
     model.train()
     assert all(layer.gradient_checkpointing == checkpointing for layer in decoder_layers(model))
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
-    result = accumulate_gradients(model, TokenCrossEntropy(), microbatches, torch.device("cpu"))
-    grads = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
+    objective = TokenCrossEntropy()
+    eval_loss = evaluate(model, objective, microbatches, torch.device("cpu"), pad_token_id=0)
+    result = accumulate_gradients(model, objective, microbatches, torch.device("cpu"))
+    grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
     metrics = step_metrics(1, result, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
+    grad_norm = clip_gradients(model, max_norm=None)
+    clipped_norm = clip_gradients(model, max_norm=grad_norm / 4)  # clips, returns the norm before
+    clipped = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"grads": grads, "global_units": result.global_units, "loss": metrics["loss"]}, out_path)
+        torch.save({"grads": grads, "global_units": result.global_units, "loss": metrics["loss"], "eval_loss": eval_loss,
+                    "grad_norm": grad_norm, "clipped_norm": clipped_norm, "clipped": clipped}, out_path)
     shutdown_distributed()
 
 
@@ -54,12 +61,7 @@ def reference_gradients() -> tuple[dict[str, torch.Tensor], int, float]:
         total_tokens += int((labels != IGNORE_INDEX).sum())
     mean_loss = total_loss / total_tokens
     mean_loss.backward()
-    return {name: p.grad for name, p in model.named_parameters()}, total_tokens, float(mean_loss)
-
-
-def relative_error(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys()
-    return max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
+    return {name: p.grad for name, p in model.named_parameters()}, total_tokens, float(mean_loss.detach())
 
 
 def test_gradients_invariant_to_microbatches_and_ranks(tmp_path):
@@ -79,6 +81,11 @@ def test_gradients_invariant_to_microbatches_and_ranks(tmp_path):
         result = run_split(split, tmp_path, name, checkpointing=name.endswith("checkpointing"))
         assert result["global_units"] == want_tokens, name
         assert abs(result["loss"] - want_loss) <= 1e-5 * want_loss, f"{name}: logged loss {result['loss']} vs {want_loss}"
+        assert abs(result["eval_loss"] - want_loss) <= 1e-5 * want_loss, f"{name}: eval loss {result['eval_loss']}"
+        want_norm = float(torch.sqrt(sum(g.double().square().sum() for g in want.values())))
+        assert abs(result["grad_norm"] - want_norm) <= 1e-5 * want_norm, f"{name}: grad norm {result['grad_norm']} vs {want_norm}"
+        assert result["clipped_norm"] == result["grad_norm"]
+        assert relative_error(result["clipped"], {k: g / 4 for k, g in want.items()}) <= 1e-5, f"{name}: clipping"
         error = relative_error(result["grads"], want)
         assert error <= 1e-6, f"{name}: relative gradient error {error:.3g}"
 

@@ -5,10 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from chattune.loss import IGNORE_INDEX, chunked_token_losses
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm())
+from conftest import relative_error
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
@@ -41,15 +38,31 @@ def test_chunked_loss_keeps_no_full_logits_for_backward():
     hidden = torch.randn(n, h, requires_grad=True)
     weight = torch.randn(v, h, requires_grad=True)
     labels = torch.randint(0, v, (n,))
-    saved = []
+    saved = {}  # storage -> elements: the weight is saved by every chunk but stored once
 
     def pack(t):
-        saved.append(t.numel())
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunked_token_losses(hidden, weight, labels, chunk_size=32).sum()
-    assert max(saved) < n * v / 4, f"a saved tensor of {max(saved)} elements: full logits are {n * v}"
+    # Without checkpointing every chunk's logits would be saved: n * v elements in total.
+    assert sum(saved.values()) < n * v / 4, f"{sum(saved.values())} saved elements: full logits are {n * v}"
+
+
+def test_bf16_inputs_give_fp32_logits():
+    """Under bf16 mixed precision the loss must equal fp32 cross-entropy of the (exactly upcast) inputs,
+    not that of bf16-rounded logits."""
+    torch.manual_seed(2)
+    hidden = (torch.randn(40, 32) * 3).bfloat16()
+    weight = torch.randn(300, 32).bfloat16()
+    labels = torch.randint(0, 300, (40,))
+    got = chunked_token_losses(hidden, weight, labels, chunk_size=16)
+    want = F.cross_entropy(hidden.float() @ weight.float().t(), labels, reduction="none")
+    assert got.dtype == torch.float32
+    assert relative_error(got, want) <= 1e-6
+    rounded = F.cross_entropy((hidden @ weight.t()).float(), labels, reduction="none")
+    assert relative_error(rounded, want) > 1e-4  # what the check guards against
 
 
 def test_no_grad_path_matches():

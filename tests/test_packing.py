@@ -10,11 +10,15 @@ from chattune.packing import Document, best_fit_decreasing, collate_packed, shif
 from conftest import demo_documents, tiny_model
 
 
-def test_packed_logits_equal_each_document_alone():
+@pytest.mark.parametrize("architecture", ["llama", "mistral_sliding_window"])
+def test_packed_logits_equal_each_document_alone(architecture):
     docs = demo_documents(6)
-    packed_model = tiny_model()
+    # Mistral with a window shorter than the documents: the window must be applied per document too.
+    overrides = {"model_type": "mistral", "sliding_window": 16} if architecture != "llama" else {}
+    packed_model = tiny_model(**overrides)
     assert packed_model.config._attn_implementation == ATTENTION_NAME
-    plain_model = tiny_model()  # same seed, same weights, stock SDPA attention
+    assert all(len(d) > 16 for d in docs)
+    plain_model = tiny_model(**overrides)  # same seed, same weights, stock SDPA attention
     plain_model.set_attn_implementation("sdpa")
     packed_model.eval(), plain_model.eval()
     batch = collate_packed(docs)
@@ -110,12 +114,21 @@ def test_stream_state_dict_resumes_the_same_microbatches():
         return PackedStream(ListSource(docs), 0, 1, seed=3, max_tokens=40, pad_token_id=0, buffer_records=16)
 
     uninterrupted = iter(stream())
-    expected = [next(uninterrupted).doc_ids for _ in range(60)]
-    first = stream()
-    batches = iter(first)
-    got = [next(batches).doc_ids for _ in range(25)]
-    resumed = stream()
-    resumed.load_state_dict(first.state_dict())
-    batches = iter(resumed)
-    got += [next(batches).doc_ids for _ in range(35)]
-    assert got == expected
+    expected = [next(uninterrupted).doc_ids for _ in range(60)]  # about three epochs
+    for stop in range(1, 60):  # every point, epoch boundaries included
+        first = stream()
+        batches = iter(first)
+        got = [next(batches).doc_ids for _ in range(stop)]
+        resumed = stream()
+        resumed.load_state_dict(first.state_dict())
+        batches = iter(resumed)
+        got += [next(batches).doc_ids for _ in range(60 - stop)]
+        assert got == expected, f"resuming after {stop} microbatches diverged"
+
+
+def test_a_rank_without_records_gets_empty_microbatches_in_a_finite_stream():
+    docs = [Document(0, [1, 2, 3], [2, 3, IGNORE_INDEX])]
+    batches = list(PackedStream(ListSource(docs), 1, 2, seed=0, max_tokens=8, pad_token_id=0, num_epochs=2))
+    assert len(batches) == 2 and all(b.num_trainable_tokens == 0 and b.doc_ids == [-1] for b in batches)
+    with pytest.raises(ValueError, match="cannot be shared"):
+        PackedStream(ListSource(docs), 1, 2, seed=0, max_tokens=8, pad_token_id=0)

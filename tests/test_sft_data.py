@@ -77,3 +77,20 @@ def test_overlong_records_are_dropped_and_counted_or_raise(tmp_path, tokenizer):
     strict = SFTDocuments(RecordSource([path]), tokenizer, max_tokens=128, overlong="error")
     with pytest.raises(DataError, match=r"long\.jsonl record 1: \d+ tokens exceed data.max_tokens_per_microbatch=128"):
         strict.get(1)
+
+
+def test_errors_raised_by_the_template_name_the_record(tmp_path, tokenizer):
+    """Templates enforce their own rules with raise_exception (e.g. roles must alternate)."""
+    tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' and loop.index0 % 2 == 1 %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}
+    path = write_jsonl(tmp_path / "chats.jsonl", [good(), bad])
+    documents = SFTDocuments(RecordSource([path]), tokenizer, max_tokens=512)
+    assert documents.get(0) is not None
+    with pytest.raises(DataError, match=r"chats\.jsonl record 1: Conversation roles must alternate"):
+        documents.get(1)

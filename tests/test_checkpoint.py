@@ -1,0 +1,64 @@
+"""Sharded checkpoints and the Hugging Face export, with two real ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from chattune.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from chattune.distributed import shutdown_distributed
+from chattune.fsdp import shard_model
+from chattune.model import PackedCausalLM
+from chattune.packing import collate_packed
+from chattune.train_step import TokenCrossEntropy, train_step
+from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, tiny_model
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("hf_model."): v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [optimizer.state[p][key].full_tensor().clone() for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
+
+
+def sharded(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = shard_model(PackedCausalLM(tiny_model(seed=seed)), "cpu", world_size)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+    from pathlib import Path
+
+    init_worker_process_group(rank, world_size, port)
+    tmp_path = Path(tmp)
+    model, optimizer = sharded(seed=0, world_size=world_size)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batch = collate_packed(demo_documents(4, start=4 * rank))
+    train_step(model, TokenCrossEntropy(), [batch], optimizer, scheduler, 1.0, torch.device("cpu"))
+    save_checkpoint(tmp_path / "step_1", model, optimizer, {"step": 1, "rank": rank})
+    export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=rank == 0)
+    weights, moments = full_state(model), full_optimizer_state(model, optimizer)
+
+    other, other_optimizer = sharded(seed=1, world_size=world_size)  # different weights, no optimizer state yet
+    train_step(other, TokenCrossEntropy(), [batch], other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0, torch.device("cpu"))
+    assert any(not torch.equal(weights[k], v) for k, v in full_state(other).items())
+    train_state = load_checkpoint(tmp_path / "step_1", other, other_optimizer)
+    assert train_state == {"step": 1, "rank": rank}
+    restored = full_state(other)
+    assert all(torch.equal(weights[k], restored[k]) for k in weights)
+    assert all(torch.equal(a, b) for a, b in zip(moments, full_optimizer_state(other, other_optimizer)))
+    if rank == 0:
+        torch.save(weights, tmp_path / "weights.pt")
+    shutdown_distributed()
+
+
+def test_checkpoint_round_trip_and_hf_export(tmp_path):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    weights = torch.load(tmp_path / "weights.pt")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(weights) <= set(exported)  # tied lm_head.weight may appear only in the loaded model
+    for name, value in weights.items():
+        assert torch.equal(exported[name], value), name
+    assert torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"])
