@@ -31,7 +31,9 @@ def run_once(ranks: int, steps: int, overrides: list[str], output_dir: Path) -> 
         str(ROOT / "recipes" / "sft.py"), f"output_dir={output_dir}", f"max_steps={steps}", "log_every=1",
         "save_every=0", "eval_every=0", *overrides,
     ]
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -1,9 +1,11 @@
-"""Exact-match accuracy of a trained demo model on the held-out demo chats, per task.
+"""Accuracy of a trained demo model on the held-out demo chats, per task.
 
     python scripts/eval_demo.py outputs/sft-tiny/hf [--limit 100]
 
-Every assistant turn is generated greedily from the true conversation before it and compared with the
-reference reply, so this measures what the model learned, not only that the loss fell.
+- token accuracy: teacher-forced, the share of assistant tokens (the trained ones, end of turn included)
+  that are the model's top prediction;
+- exact match: every assistant turn generated greedily from the true conversation before it, compared
+  with the reference reply as a whole.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from chattune.chat_template import probe_template, tokenize_conversation
+from chattune.loss import IGNORE_INDEX
+from chattune.packing import shifted_labels
 
 EVAL_FILE = Path(__file__).resolve().parent.parent / "chattune" / "assets" / "demo" / "chat_eval.jsonl"
 
@@ -38,6 +44,23 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
     conversations = [json.loads(line)["messages"] for line in EVAL_FILE.read_text().splitlines()[: args.limit]]
+    markers = probe_template(tokenizer)
+    token_correct, token_total = Counter(), Counter()
+    for messages in conversations:
+        tokenized = tokenize_conversation(tokenizer, messages, markers)
+        labels = torch.tensor(shifted_labels(tokenized.input_ids, tokenized.assistant_mask))
+        with torch.no_grad():
+            predictions = model(input_ids=torch.tensor([tokenized.input_ids])).logits[0].argmax(-1)
+        trained = (labels != IGNORE_INDEX).tolist()
+        # Contiguous runs of trained positions are the assistant turns, in order.
+        turn_starts = [i for i, t in enumerate(trained) if t and (i == 0 or not trained[i - 1])]
+        questions = [messages[i - 1]["content"] for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for position, is_trained in enumerate(trained):
+            if is_trained:
+                task = task_of(questions[sum(start <= position for start in turn_starts) - 1])
+                token_total[task] += 1
+                token_correct[task] += int(predictions[position] == labels[position])
+
     correct, total = Counter(), Counter()
     for messages in conversations:
         for i, message in enumerate(messages):
@@ -50,9 +73,11 @@ def main() -> None:
             task = task_of(messages[i - 1]["content"])
             total[task] += 1
             correct[task] += reply.strip() == message["content"].strip()
-    for task in sorted(total):
-        print(f"{task:12s} {correct[task] / total[task]:6.1%}  ({correct[task]}/{total[task]})")
-    print(f"{'all':12s} {sum(correct.values()) / sum(total.values()):6.1%}  ({sum(correct.values())}/{sum(total.values())})")
+    print(f"{'task':12s} {'token accuracy':>16s} {'exact match':>20s}")
+    for task in sorted(total) + ["all"]:
+        tc, tt = (sum(token_correct.values()), sum(token_total.values())) if task == "all" else (token_correct[task], token_total[task])
+        ec, et = (sum(correct.values()), sum(total.values())) if task == "all" else (correct[task], total[task])
+        print(f"{task:12s} {tc / tt:8.1%} ({tc:>5d}/{tt:<5d}) {ec / et:8.1%} ({ec:>4d}/{et:<4d})")
 
 
 if __name__ == "__main__":
