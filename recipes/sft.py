@@ -46,7 +46,8 @@ def main(cfg: DictConfig) -> None:
 
     # --- data: each rank tokenizes and packs only its own share of every epoch ---
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
+    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
     def packed_stream(files, shuffle: bool, num_epochs: int | None) -> PackedStream:
         documents = SFTDocuments(RecordSource(list(files)), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong)
@@ -69,7 +70,10 @@ def main(cfg: DictConfig) -> None:
 
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
-    metric_logger = MetricLogger(str(output_dir), dist_info.is_main, cfg.logger, run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb))
+    metric_logger = MetricLogger(
+        str(output_dir), dist_info.is_main, cfg.logger,
+        run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb),
+    )
     objective = TokenCrossEntropy()
 
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
@@ -85,7 +89,8 @@ def main(cfg: DictConfig) -> None:
             raise RuntimeError("the first step has no trainable token on any rank: check the data and its labels")
 
         is_last = step == cfg.max_steps
-        is_eval = bool(eval_batches) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
+        # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
+        is_eval = bool(cfg.data.eval_files) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
         if step % cfg.log_every == 0 or is_last or is_eval:
             metrics = step_metrics(step, result, grad_norm, lr, step_time, device)
             metrics["epoch"] = train_stream.epoch
