@@ -354,6 +354,21 @@ def test_qwen3_think_block_only_in_last_turn_and_trained(qwen3_tokenizer):
     assert not qwen3_tokenizer.apply_chat_template(messages, tokenize=False).startswith(first_two)
 
 
+def test_qwen3_reasoning_in_earlier_turns_is_dropped_by_the_template_and_not_trained(qwen3_tokenizer):
+    """Qwen3 renders an earlier turn's `<think>` reasoning away; what is trained is what is rendered."""
+    markers = probe_template(qwen3_tokenizer)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nthe user greets me\n</think>\n\nHello!"},
+        {"role": "user", "content": "Sky colour?"},
+        {"role": "assistant", "content": "<think>\nit is blue\n</think>\n\nBlue."},
+    ]
+    result = tokenize_conversation(qwen3_tokenizer, messages, markers)
+    assert result.input_ids == qwen3_tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+    runs = [_decode(qwen3_tokenizer, result.input_ids[a:b]) for a, b in _runs(result.assistant_mask)]
+    assert runs == ["Hello!<|im_end|>", "<think>\nit is blue\n</think>\n\nBlue.<|im_end|>"]
+
+
 def test_qwen3_no_think_block_when_conversation_ends_with_user(qwen3_tokenizer):
     markers = probe_template(qwen3_tokenizer)
     result = tokenize_conversation(qwen3_tokenizer, EDGE_CONVERSATIONS["ends with a user turn"], markers)

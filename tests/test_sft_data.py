@@ -26,7 +26,7 @@ def good(question: str = "What is 1 + 1?", answer: str = "2") -> dict:
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 7}]}, "must be a string"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}, "empty assistant reply"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
-        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a<|im_end|>b"}]}, "content is not where"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a<|im_end|>b"}]}, "end of its content is not inside"),
     ],
 )
 def test_bad_records_raise_with_file_and_index(tmp_path, tokenizer, bad_record, problem):

@@ -107,3 +107,20 @@ def test_copied_recipe_runs_with_config_path(tmp_path):
     run([sys.executable, str(copied), "--config-path", str(PROJECT_ROOT / "configs"), "--config-name", "sft/tiny",
          f"output_dir={out}", "max_steps=2", "log_every=1", "save_every=0", "eval_every=0"])
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+def test_a_bad_record_on_one_rank_stops_the_whole_job_with_its_name(tmp_path):
+    """Never a hang: the rank that meets the record fails with its name, and torchrun ends the others."""
+    lines = (PROJECT_ROOT / "chattune" / "assets" / "demo" / "chat_train.jsonl").read_text().splitlines()[:40]
+    lines[17] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        "recipes/sft.py", f"output_dir={tmp_path / 'run'}", "max_steps=50", f"data.train_files=[{data}]",
+        "data.eval_files=[]", "save_every=0", "data.max_tokens_per_microbatch=512",
+    ]
+    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0
+    assert "chats.jsonl record 17: message 1 has role 'wizard'" in result.stdout + result.stderr
