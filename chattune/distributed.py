@@ -3,8 +3,10 @@ so single-process runs take exactly the code path of torchrun runs (FSDP2 includ
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -80,3 +82,15 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int = 0) -> None:
+    """End the process now, skipping interpreter teardown. Call it last, after `shutdown_distributed()`.
+
+    Under load, gloo's C++ state can be destroyed during interpreter finalization with a thread still
+    joinable, which aborts the process (SIGABRT, "terminate called without an active exception") after
+    all the work is done: a launcher would report a finished run as failed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from chattune.checkpoint import export_hf, save_checkpoint
 from chattune.config import save_resolved_config
 from chattune.data_stream import PackedStream
-from chattune.distributed import init_distributed, shutdown_distributed
+from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.evaluation import evaluate
 from chattune.fsdp import shard_model
 from chattune.log import setup_logging
@@ -114,3 +114,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # the run is complete; skip interpreter teardown (see exit_process)

@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from chattune.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from chattune.distributed import shutdown_distributed
+from chattune.distributed import exit_process, shutdown_distributed
 from chattune.fsdp import shard_model
 from chattune.model import PackedCausalLM
 from chattune.packing import collate_packed
@@ -52,6 +52,7 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     if rank == 0:
         torch.save(weights, tmp_path / "weights.pt")
     shutdown_distributed()
+    exit_process()
 
 
 def test_checkpoint_round_trip_and_hf_export(tmp_path):

@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from chattune.distributed import shutdown_distributed
+from chattune.distributed import exit_process, shutdown_distributed
 from chattune.fsdp import decoder_layers, shard_model
 from chattune.loss import IGNORE_INDEX
 from chattune.metrics import step_metrics
@@ -40,6 +40,7 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
         torch.save({"grads": grads, "global_units": result.global_units, "loss": metrics["loss"], "eval_loss": eval_loss,
                     "grad_norm": grad_norm, "clipped_norm": clipped_norm, "clipped": clipped}, out_path)
     shutdown_distributed()
+    exit_process()
 
 
 def run_split(splits: list[list[list[int]]], tmp_path, name: str, checkpointing: bool = False) -> dict:
