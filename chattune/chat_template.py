@@ -125,10 +125,15 @@ def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     markers: TemplateMarkers,
+    tools: list[dict] | None = None,
+    last_turn_only: bool = False,
 ) -> TokenizedConversation:
-    """Render and tokenize a conversation, marking the tokens of assistant replies."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    """Render (with `tools`, as `apply_chat_template` would) and tokenize a conversation, marking the
+    tokens of assistant replies, or of the last one only."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     spans = assistant_spans(text, messages, markers)
+    if last_turn_only:
+        spans = spans[-1:]
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     starts = [s for s, _ in spans]
     mask = []

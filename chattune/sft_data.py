@@ -1,4 +1,5 @@
-"""SFT data: OpenAI-style `messages` records from local JSON/JSONL files, into shifted-label documents.
+"""SFT data: records of local JSON/JSONL/Parquet files (any format of `chattune.formats`), into
+shifted-label documents.
 
 Errors name the file, the record index and the problem. What is skipped rather than fatal is counted
 and logged: a conversation with no trainable token, and one longer than the microbatch budget.
@@ -11,20 +12,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from chattune.chat_template import ChatTemplateError, TemplateMarkers, probe_template, tokenize_conversation
+from chattune.formats import DataError, SourceSpec, to_conversation
 from chattune.packing import Document, shifted_labels
 
 logger = logging.getLogger(__name__)
-
-ROLES = {"system", "user", "assistant"}
-
-
-class DataError(ValueError):
-    """A record that cannot be trained on, named by source file and record index."""
-
 
 class RecordSource:
     """Records of several JSON/JSONL files, addressed by one global index.
@@ -34,26 +30,35 @@ class RecordSource:
     line offsets and each record is parsed when it is asked for, so memory does not grow with the data.
     """
 
-    def __init__(self, files: list[str]):
-        if not files:
-            raise DataError("no data files given (data.train_files is empty)")
-        self.files = list(files)
-        self._sources: list[list[int] | list[dict]] = []  # per file: JSONL line offsets, or JSON records
-        for path in self.files:
+    def __init__(self, specs: list[SourceSpec]):
+        if not specs:
+            raise DataError("no data sources given")
+        self.specs = list(specs)
+        self._sources: list = []  # per file: JSONL line offsets, JSON records, or a Parquet table
+        for spec in self.specs:
+            path = spec.path
             if not Path(path).is_file():
                 raise DataError(f"data file {path!r} does not exist")
-            self._sources.append(_jsonl_offsets(path) if path.endswith(".jsonl") else _json_records(path))
+            if path.endswith(".jsonl"):
+                self._sources.append(_jsonl_offsets(path))
+            elif path.endswith(".json"):
+                self._sources.append(_json_records(path))
+            elif path.endswith(".parquet"):
+                # Parquet stores its schema, so no type is inferred across records (unlike JSON in Arrow).
+                self._sources.append(datasets.load_dataset("parquet", data_files=path, split="train"))
+            else:
+                raise DataError(f"data file {path!r}: expected .jsonl, .json or .parquet")
         if len(self) == 0:
-            raise DataError(f"the data files {self.files} hold no records")
+            raise DataError(f"the data files {[s.path for s in self.specs]} hold no records")
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._sources)
 
-    def locate(self, index: int) -> tuple[str, int, dict]:
-        """(file, index within file, record) of a global record index."""
-        for path, source in zip(self.files, self._sources):
+    def locate(self, index: int) -> tuple[SourceSpec, int, dict]:
+        """(source, index within its file, record) of a global record index."""
+        for spec, source in zip(self.specs, self._sources):
             if index < len(source):
-                return path, index, _read_record(path, index, source[index])
+                return spec, index, _read_record(spec.path, index, source[index])
             index -= len(source)
         raise IndexError(index)
 
@@ -89,27 +94,7 @@ def _read_record(path: str, index: int, entry: int | dict) -> dict:
             raise DataError(f"{path} record {index}: unparseable JSON line ({error})") from error
     if not isinstance(entry, dict):
         raise DataError(f"{path} record {index}: a record must be a JSON object, got {type(entry).__name__}")
-    if "messages" not in entry:
-        raise DataError(f"{path} record {index}: no 'messages' field (fields: {sorted(entry)})")
     return entry
-
-
-def validate_messages(messages: object, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list, got {type(messages).__name__}")
-    clean = []
-    for turn, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
-            raise DataError(f"{where}: message {turn} has role {role!r}; expected one of {sorted(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise DataError(f"{where}: message {turn} content must be a string, got {type(message.get('content')).__name__}")
-        if message["role"] == "assistant" and not message["content"].strip():
-            raise DataError(f"{where}: message {turn} is an empty assistant reply")
-        clean.append({"role": message["role"], "content": message["content"]})
-    if not any(m["role"] == "assistant" for m in clean):
-        raise DataError(f"{where}: no assistant message, nothing to train")
-    return clean
 
 
 @dataclass
@@ -118,13 +103,23 @@ class SkipCounts:
     overlong: int = 0
 
 
-class SFTDocuments:
-    """Tokenized, label-masked documents by global record index."""
+TRAIN_ON = ("assistant", "last_assistant", "all")
 
-    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int, overlong: str = "drop"):
+
+class SFTDocuments:
+    """Tokenized, label-masked documents by global record index.
+
+    train_on: `assistant` (every assistant reply and its end-of-turn token), `last_assistant` (only the
+    final reply), or `all` (every token, prompts included)."""
+
+    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
+                 overlong: str = "drop", train_on: str = "assistant"):
         if overlong not in ("drop", "error"):
             raise ValueError(f"data.overlong must be 'drop' or 'error', got {overlong!r}")
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
         self.source = source
+        self.train_on = train_on
         self.tokenizer = tokenizer
         self.markers: TemplateMarkers = probe_template(tokenizer)
         self.max_tokens = max_tokens
@@ -136,11 +131,12 @@ class SFTDocuments:
 
     def get(self, index: int) -> Document | None:
         """The document of a record, or None for a counted skip."""
-        path, local_index, record = self.source.locate(index)
-        where = f"{path} record {local_index}"
-        messages = validate_messages(record["messages"], where)
+        spec, local_index, record = self.source.locate(index)
+        where = f"{spec.path} record {local_index}"
+        conversation = to_conversation(record, spec, where)
         try:
-            tokenized = tokenize_conversation(self.tokenizer, messages, self.markers)
+            tokenized = tokenize_conversation(self.tokenizer, conversation.messages, self.markers,
+                                              tools=conversation.tools, last_turn_only=self.train_on == "last_assistant")
         except (ChatTemplateError, jinja2.TemplateError) as error:  # templates raise their own checks too
             raise DataError(f"{where}: {error}") from error
         if len(tokenized.input_ids) > self.max_tokens:
@@ -150,7 +146,8 @@ class SFTDocuments:
             self.skipped.overlong += 1
             logger.warning("skipped (overlong): %s", message)
             return None
-        labels = shifted_labels(tokenized.input_ids, tokenized.assistant_mask)
+        trainable = [True] * len(tokenized.input_ids) if self.train_on == "all" else tokenized.assistant_mask
+        labels = shifted_labels(tokenized.input_ids, trainable)
         if all(label < 0 for label in labels):
             self.skipped.no_trainable_tokens += 1
             logger.warning("skipped (no trainable tokens): %s", where)

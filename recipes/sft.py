@@ -26,6 +26,7 @@ from chattune.fsdp import shard_model
 from chattune.log import setup_logging
 from chattune.metrics import MetricLogger, reduce_sums, step_metrics
 from chattune.model import PackedCausalLM, build_hf_model
+from chattune.formats import SourceSpec
 from chattune.sft_data import RecordSource, SFTDocuments
 from chattune.train_step import TokenCrossEntropy, take_microbatches, train_step
 
@@ -49,16 +50,19 @@ def main(cfg: DictConfig) -> None:
     # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
-    def packed_stream(files, shuffle: bool, num_epochs: int | None) -> PackedStream:
-        documents = SFTDocuments(RecordSource(list(files)), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong)
+    def packed_stream(sources, shuffle: bool, num_epochs: int | None) -> PackedStream:
+        specs = [SourceSpec.from_config(entry) for entry in OmegaConf.to_container(sources, resolve=True)]
+        documents = SFTDocuments(
+            RecordSource(specs), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong, cfg.data.train_on,
+        )
         return PackedStream(
             documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
             pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs,
         )
 
-    train_stream = packed_stream(cfg.data.train_files, shuffle=True, num_epochs=None)
+    train_stream = packed_stream(cfg.data.train, shuffle=True, num_epochs=None)
     train_batches = iter(train_stream)
-    eval_batches = list(packed_stream(cfg.data.eval_files, shuffle=False, num_epochs=1)) if cfg.data.eval_files else []
+    eval_batches = list(packed_stream(cfg.data.eval, shuffle=False, num_epochs=1)) if cfg.data.eval else []
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
     model_config = instantiate(cfg.model.config) if cfg.model.path is None else None
@@ -90,7 +94,7 @@ def main(cfg: DictConfig) -> None:
 
         is_last = step == cfg.max_steps
         # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
-        is_eval = bool(cfg.data.eval_files) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
+        is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
         if step % cfg.log_every == 0 or is_last or is_eval:
             metrics = step_metrics(step, result, grad_norm, lr, step_time, device)
             metrics["epoch"] = train_stream.epoch

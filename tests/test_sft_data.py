@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from chattune.sft_data import DataError, RecordSource, SFTDocuments
+from chattune.formats import DataError, SourceSpec
+from chattune.sft_data import RecordSource, SFTDocuments
 
 
 def write_jsonl(path, records) -> str:
@@ -21,7 +22,7 @@ def good(question: str = "What is 1 + 1?", answer: str = "2") -> dict:
 @pytest.mark.parametrize(
     ("bad_record", "problem"),
     [
-        ({"messages": []}, "non-empty list"),
+        ({"messages": []}, "non-empty list of messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 7}]}, "must be a string"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}, "empty assistant reply"),
@@ -31,7 +32,7 @@ def good(question: str = "What is 1 + 1?", answer: str = "2") -> dict:
 )
 def test_bad_records_raise_with_file_and_index(tmp_path, tokenizer, bad_record, problem):
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), good(), bad_record])
-    documents = SFTDocuments(RecordSource([path]), tokenizer, max_tokens=512)
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
     assert documents.get(0) is not None
     with pytest.raises(DataError, match=rf"chats\.jsonl record 2: .*{problem}"):
         documents.get(2)
@@ -40,7 +41,7 @@ def test_bad_records_raise_with_file_and_index(tmp_path, tokenizer, bad_record, 
 def test_record_index_is_per_file_across_several_files(tmp_path, tokenizer):
     first = write_jsonl(tmp_path / "a.jsonl", [good(), good()])
     second = write_jsonl(tmp_path / "b.jsonl", [good(), {"messages": [{"role": "user", "content": "x"}]}])
-    documents = SFTDocuments(RecordSource([first, second]), tokenizer, max_tokens=512)
+    documents = SFTDocuments(RecordSource([SourceSpec(first), SourceSpec(second)]), tokenizer, max_tokens=512)
     assert len(documents) == 4
     assert documents.get(2).doc_id == 2
     with pytest.raises(DataError, match=r"b\.jsonl record 1: no assistant message"):
@@ -49,32 +50,33 @@ def test_record_index_is_per_file_across_several_files(tmp_path, tokenizer):
 
 def test_missing_file_wrong_field_and_unparseable_line(tmp_path, tokenizer):
     with pytest.raises(DataError, match="does not exist"):
-        RecordSource([str(tmp_path / "missing.jsonl")])
+        RecordSource([SourceSpec(str(tmp_path / "missing.jsonl"))])
     path = write_jsonl(tmp_path / "wrong.jsonl", [good(), {"conversation": []}])
-    with pytest.raises(DataError, match=r"wrong\.jsonl record 1: no 'messages' field \(fields: \['conversation'\]\)"):
-        RecordSource([path]).locate(1)
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
+    with pytest.raises(DataError, match=r"wrong\.jsonl record 1: no 'messages' field for the messages format \(fields: \['conversation'\]\)"):
+        documents.get(1)
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(good()) + "\n{not json\n")
     with pytest.raises(DataError, match=r"broken\.jsonl record 1: unparseable JSON line"):
-        RecordSource([str(broken)]).locate(1)
+        RecordSource([SourceSpec(str(broken))]).locate(1)
 
 
 def test_json_list_files_are_read_too(tmp_path, tokenizer):
     path = tmp_path / "chats.json"
     path.write_text(json.dumps([good(), good("What is 2 + 2?", "4")]))
-    documents = SFTDocuments(RecordSource([str(path)]), tokenizer, max_tokens=512)
+    documents = SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, max_tokens=512)
     assert len(documents) == 2 and documents.get(1).doc_id == 1
     path.write_text(json.dumps({"messages": []}))
     with pytest.raises(DataError, match="must hold a list of records"):
-        RecordSource([str(path)])
+        RecordSource([SourceSpec(str(path))])
 
 
 def test_overlong_records_are_dropped_and_counted_or_raise(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "long.jsonl", [good(), good(answer="word " * 300)])
-    documents = SFTDocuments(RecordSource([path]), tokenizer, max_tokens=128, overlong="drop")
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="drop")
     assert documents.get(0) is not None and documents.get(1) is None
     assert documents.skipped.overlong == 1
-    strict = SFTDocuments(RecordSource([path]), tokenizer, max_tokens=128, overlong="error")
+    strict = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="error")
     with pytest.raises(DataError, match=r"long\.jsonl record 1: \d+ tokens exceed data.max_tokens_per_microbatch=128"):
         strict.get(1)
 
@@ -90,7 +92,7 @@ def test_errors_raised_by_the_template_name_the_record(tmp_path, tokenizer):
     )
     bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), bad])
-    documents = SFTDocuments(RecordSource([path]), tokenizer, max_tokens=512)
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
     assert documents.get(0) is not None
     with pytest.raises(DataError, match=r"chats\.jsonl record 1: Conversation roles must alternate"):
         documents.get(1)

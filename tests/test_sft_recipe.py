@@ -87,7 +87,7 @@ def test_local_model_directory_with_activation_checkpointing(tmp_path):
         sys.executable, "recipes/sft.py", "--config-name", "sft/local_model", f"model.path={model_dir}",
         f"output_dir={out}", "max_steps=4", "log_every=1", "save_every=0", "optimizer.lr=1e-3",
         "model.fsdp.param_dtype=float32", "model.fsdp.activation_checkpointing=true",
-        "data.max_tokens_per_microbatch=1024", "data.eval_files=[]",
+        "data.max_tokens_per_microbatch=1024", "data.eval=[]",
     ])
     metrics = read_metrics(out)
     assert len(metrics) == 4 and all(m["grad_norm"] > 0 for m in metrics)
@@ -117,8 +117,8 @@ def test_a_bad_record_on_one_rank_stops_the_whole_job_with_its_name(tmp_path):
     data.write_text("\n".join(lines) + "\n")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        "recipes/sft.py", f"output_dir={tmp_path / 'run'}", "max_steps=50", f"data.train_files=[{data}]",
-        "data.eval_files=[]", "save_every=0", "data.max_tokens_per_microbatch=512",
+        "recipes/sft.py", f"output_dir={tmp_path / 'run'}", "max_steps=50", f"data.train=[{data}]",
+        "data.eval=[]", "save_every=0", "data.max_tokens_per_microbatch=512",
     ]
     result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=180,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})

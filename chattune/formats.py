@@ -1,0 +1,199 @@
+"""Record formats: every supported layout becomes one `Conversation` (OpenAI-style messages + tools).
+
+| format | default columns | notes |
+|---|---|---|
+| `messages` | `messages`, `tools` | roles system/user/assistant/tool; assistant `tool_calls` |
+| `sharegpt` | `conversations` (turns of `from`/`value`), `system`, `tools` | role names mapped by `roles` |
+| `prompt_completion` | `prompt`, `completion` | each a string or a list of messages |
+| `alpaca` | `instruction`, `input`, `output`, `system` | user turn = instruction, blank line, input |
+
+A source may rename any column (`columns: {messages: chat}`) and, for ShareGPT, map more role names
+(`roles: {bot: assistant}`). Problems are `DataError`s that name the record and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class DataError(ValueError):
+    """A record that cannot be trained on, named by source file and record index."""
+
+
+ROLES = {"system", "user", "assistant", "tool"}
+
+DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
+    "messages": {"messages": "messages", "tools": "tools"},
+    "sharegpt": {"conversations": "conversations", "system": "system", "tools": "tools", "role": "from", "content": "value"},
+    "prompt_completion": {"prompt": "prompt", "completion": "completion"},
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
+}
+
+# ShareGPT role names -> chat roles. `tool_call` marks a turn whose value is a JSON call {name, arguments},
+# which becomes an assistant message with `tool_calls`.
+SHAREGPT_ROLES = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+    "function_call": "tool_call", "observation": "tool", "tool": "tool",
+}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One data source: a file, its format, and optional column renames and role names."""
+
+    path: str
+    format: str = "messages"
+    columns: dict[str, str] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.format not in DEFAULT_COLUMNS:
+            raise DataError(f"{self.path}: unknown format {self.format!r}; expected one of {sorted(DEFAULT_COLUMNS)}")
+        unknown = set(self.columns) - set(DEFAULT_COLUMNS[self.format])
+        if unknown:
+            raise DataError(f"{self.path}: format {self.format!r} has no column(s) {sorted(unknown)}; "
+                            f"its columns are {sorted(DEFAULT_COLUMNS[self.format])}")
+        if self.roles and self.format != "sharegpt":
+            raise DataError(f"{self.path}: `roles` applies to the sharegpt format only")
+        bad = {r for r in self.roles.values() if r not in ROLES | {"tool_call"}}
+        if bad:
+            raise DataError(f"{self.path}: roles map to {sorted(bad)}; allowed: {sorted(ROLES | {'tool_call'})}")
+
+    @classmethod
+    def from_config(cls, entry: str | Mapping) -> "SourceSpec":
+        """A path (messages format) or a mapping {path, format, columns, roles}."""
+        if isinstance(entry, str):
+            return cls(path=entry)
+        entry = dict(entry)
+        unknown = set(entry) - {"path", "format", "columns", "roles"}
+        if unknown or "path" not in entry:
+            raise DataError(f"a data source needs `path` and may have format/columns/roles; got keys {sorted(entry)}")
+        return cls(path=str(entry["path"]), format=str(entry.get("format", "messages")),
+                   columns=dict(entry.get("columns") or {}), roles=dict(entry.get("roles") or {}))
+
+    def column(self, name: str) -> str:
+        return self.columns.get(name, DEFAULT_COLUMNS[self.format][name])
+
+
+def to_conversation(record: dict, spec: SourceSpec, where: str) -> Conversation:
+    """Convert and validate one record."""
+    converter = {"messages": _from_messages, "sharegpt": _from_sharegpt,
+                 "prompt_completion": _from_prompt_completion, "alpaca": _from_alpaca}[spec.format]
+    conversation = converter(record, spec, where)
+    return Conversation(validate_messages(conversation.messages, where), conversation.tools)
+
+
+def _required(record: dict, spec: SourceSpec, name: str, where: str):
+    column = spec.column(name)
+    if record.get(column) is None:
+        raise DataError(f"{where}: no {column!r} field for the {spec.format} format (fields: {sorted(record)}); "
+                        f"rename columns with `columns: {{{name}: ...}}`")
+    return record[column]
+
+
+def _tools(record: dict, spec: SourceSpec, where: str) -> list[dict] | None:
+    tools = record.get(spec.column("tools"))
+    if tools in (None, "", []):
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{where}: tools is not valid JSON ({error})") from error
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: tools must be a list of objects")
+    if not tools:
+        return None
+    # OpenAI's schema wraps each function; bare function schemas (name, parameters) get wrapped.
+    return [t if "type" in t else {"type": "function", "function": t} for t in tools]
+
+
+def _from_messages(record: dict, spec: SourceSpec, where: str) -> Conversation:
+    return Conversation(_required(record, spec, "messages", where), _tools(record, spec, where))
+
+
+def _from_sharegpt(record: dict, spec: SourceSpec, where: str) -> Conversation:
+    turns = _required(record, spec, "conversations", where)
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: {spec.column('conversations')!r} must be a list of turns")
+    role_map = {**SHAREGPT_ROLES, **spec.roles}
+    role_key, content_key = spec.column("role"), spec.column("content")
+    messages = []
+    system = record.get(spec.column("system"))
+    if isinstance(system, str) and system.strip():
+        messages.append({"role": "system", "content": system})
+    for turn_index, turn in enumerate(turns):
+        name = turn.get(role_key) if isinstance(turn, dict) else None
+        if name not in role_map:
+            raise DataError(f"{where}: turn {turn_index} has role {name!r}; known: {sorted(role_map)} "
+                            "(map more with `roles: {name: user|assistant|system|tool|tool_call}`)")
+        value = turn.get(content_key)
+        if role_map[name] == "tool_call":
+            messages.append({"role": "assistant", "content": "", "tool_calls": [_parse_call(value, where, turn_index)]})
+        else:
+            messages.append({"role": role_map[name], "content": value})
+    return Conversation(messages, _tools(record, spec, where))
+
+
+def _parse_call(value: object, where: str, turn_index: int) -> dict:
+    try:
+        call = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as error:
+        raise DataError(f"{where}: turn {turn_index} is a function call that is not valid JSON ({error})") from error
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise DataError(f"{where}: turn {turn_index} is a function call without a name")
+    return {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+
+
+def _from_prompt_completion(record: dict, spec: SourceSpec, where: str) -> Conversation:
+    prompt = _required(record, spec, "prompt", where)
+    completion = _required(record, spec, "completion", where)
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+    if not isinstance(prompt, list) or not isinstance(completion, list):
+        raise DataError(f"{where}: prompt and completion must each be a string or a list of messages")
+    return Conversation(prompt + completion)
+
+
+def _from_alpaca(record: dict, spec: SourceSpec, where: str) -> Conversation:
+    instruction = _required(record, spec, "instruction", where)
+    output = _required(record, spec, "output", where)
+    extra = record.get(spec.column("input"))
+    user = f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra.strip() else instruction
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    system = record.get(spec.column("system"))
+    if isinstance(system, str) and system.strip():
+        messages.insert(0, {"role": "system", "content": system})
+    return Conversation(messages)
+
+
+def validate_messages(messages: object, where: str) -> list[dict]:
+    """Check roles and contents; returns clean copies (None-valued fields from columnar files dropped)."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: the conversation must be a non-empty list of messages, got {type(messages).__name__}")
+    clean = []
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise DataError(f"{where}: message {turn} has role {role!r}; expected one of {sorted(ROLES)}")
+        message = {k: v for k, v in message.items() if v is not None}
+        content = message.get("content", "")
+        calls = message.get("tool_calls")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {turn} content must be a string, got {type(content).__name__}")
+        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list) or not calls):
+            raise DataError(f"{where}: message {turn}: tool_calls must be a non-empty list on an assistant message")
+        if message["role"] == "assistant" and not content.strip() and not calls:
+            raise DataError(f"{where}: message {turn} is an empty assistant reply")
+        clean.append({**message, "content": content})
+    if not any(m["role"] == "assistant" for m in clean):
+        raise DataError(f"{where}: no assistant message, nothing to train")
+    return clean

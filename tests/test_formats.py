@@ -1,0 +1,182 @@
+"""Record formats become the right conversations; tool calls are trained exactly as rendered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from chattune.chat_template import probe_template, tokenize_conversation
+from chattune.formats import Conversation, DataError, SourceSpec, to_conversation
+from chattune.loss import IGNORE_INDEX
+from chattune.sft_data import RecordSource, SFTDocuments
+from conftest import SHARED_ASSETS
+
+USER, ASSISTANT = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}
+
+
+def convert(record: dict, **spec) -> Conversation:
+    return to_conversation(record, SourceSpec(path="x.jsonl", **spec), "x.jsonl record 0")
+
+
+def test_each_format_by_hand():
+    assert convert({"messages": [USER, ASSISTANT]}) == Conversation([USER, ASSISTANT])
+    assert convert({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}],
+                    "system": "Be kind."}, format="sharegpt") == Conversation(
+        [{"role": "system", "content": "Be kind."}, USER, ASSISTANT])
+    assert convert({"prompt": "Hi", "completion": "Hello!"}, format="prompt_completion") == Conversation([USER, ASSISTANT])
+    assert convert({"prompt": [USER], "completion": [ASSISTANT]}, format="prompt_completion") == Conversation([USER, ASSISTANT])
+    assert convert({"instruction": "Add.", "input": "2 and 3", "output": "5"}, format="alpaca") == Conversation(
+        [{"role": "user", "content": "Add.\n\n2 and 3"}, {"role": "assistant", "content": "5"}])
+    assert convert({"instruction": "Say hi.", "input": "", "output": "Hi"}, format="alpaca").messages[0]["content"] == "Say hi."
+
+
+def test_renamed_columns_and_roles():
+    record = {"chat": [{"speaker": "me", "text": "Hi"}, {"speaker": "bot", "text": "Hello!"}]}
+    got = convert(record, format="sharegpt", columns={"conversations": "chat", "role": "speaker", "content": "text"},
+                  roles={"me": "user", "bot": "assistant"})
+    assert got == Conversation([USER, ASSISTANT])
+    assert convert({"q": "Hi", "a": "Hello!"}, format="prompt_completion", columns={"prompt": "q", "completion": "a"}).messages == [USER, ASSISTANT]
+
+
+@pytest.mark.parametrize(
+    ("record", "spec", "problem"),
+    [
+        ({"msgs": [USER, ASSISTANT]}, {}, r"no 'messages' field for the messages format \(fields: \['msgs'\]\)"),
+        ({"conversations": [{"from": "robot", "value": "x"}]}, {"format": "sharegpt"}, "turn 0 has role 'robot'"),
+        ({"conversations": [{"from": "function_call", "value": "{not json"}]}, {"format": "sharegpt"}, "not valid JSON"),
+        ({"prompt": "Hi"}, {"format": "prompt_completion"}, "no 'completion' field"),
+        ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": []}]}, {}, "tool_calls must be a non-empty list"),
+        ({"messages": [USER, ASSISTANT], "tools": "[oops"}, {}, "tools is not valid JSON"),
+    ],
+)
+def test_bad_records_name_the_record(record, spec, problem):
+    with pytest.raises(DataError, match=rf"x\.jsonl record 0: .*{problem}"):
+        convert(record, **spec)
+
+
+def test_bad_source_specs():
+    with pytest.raises(DataError, match="unknown format 'csv'"):
+        SourceSpec("a.jsonl", format="csv")
+    with pytest.raises(DataError, match=r"has no column\(s\) \['chat'\]; its columns are"):
+        SourceSpec("a.jsonl", columns={"chat": "c"})
+    with pytest.raises(DataError, match="roles` applies to the sharegpt format only"):
+        SourceSpec("a.jsonl", roles={"bot": "assistant"})
+    with pytest.raises(DataError, match="needs `path`"):
+        SourceSpec.from_config({"file": "a.jsonl"})
+    assert SourceSpec.from_config("a.jsonl") == SourceSpec("a.jsonl")
+    assert SourceSpec.from_config({"path": "a.json", "format": "alpaca"}).format == "alpaca"
+
+
+def qwen3_expected_turns(messages: list[dict]) -> list[str]:
+    """The trained text of each assistant turn, written from Qwen3's template: content, then each tool
+    call as <tool_call> JSON, then <|im_end|>; an empty think block opens the final turn when it follows
+    the last user message."""
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    turns = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        text = message["content"]
+        for k, call in enumerate(message.get("tool_calls", [])):
+            function = call["function"]
+            arguments = function["arguments"]
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            text += ("\n" if (k == 0 and message["content"]) or k > 0 else "")
+            text += '<tool_call>\n{"name": "' + function["name"] + '", "arguments": ' + arguments + "}\n</tool_call>"
+        prefix = "<think>\n\n</think>\n\n" if i == len(messages) - 1 and i > last_user else ""
+        turns.append(prefix + text + "<|im_end|>")
+    return turns
+
+
+def test_sharegpt_tool_calls_on_qwen3_train_exactly_the_rendered_calls():
+    data, tokenizer_dir = SHARED_ASSETS / "data" / "sharegpt_toolcall_300.json", SHARED_ASSETS / "tokenizers" / "qwen3"
+    if not data.exists() or not tokenizer_dir.exists():
+        pytest.skip("shared test assets not available")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    markers = probe_template(tokenizer)
+    spec = SourceSpec(str(data), format="sharegpt")
+    records = json.loads(data.read_text())
+    calls_seen = 0
+    for index, record in enumerate(records):
+        conversation = to_conversation(record, spec, f"record {index}")
+        calls_seen += sum(len(m.get("tool_calls", [])) for m in conversation.messages)
+        tokenized = tokenize_conversation(tokenizer, conversation.messages, markers, tools=conversation.tools)
+        reference = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools, tokenize=True)
+        assert tokenized.input_ids == reference["input_ids"], index
+        mask, ids = tokenized.assistant_mask, tokenized.input_ids
+        runs, start = [], None
+        for position, flag in enumerate(mask + [False]):
+            if flag and start is None:
+                start = position
+            elif not flag and start is not None:
+                runs.append(tokenizer.decode(ids[start:position], clean_up_tokenization_spaces=False))
+                start = None
+        assert runs == qwen3_expected_turns(conversation.messages), index
+        assert (conversation.tools is not None) == ("<tools>" in tokenizer.decode(ids)), index
+    assert calls_seen >= 200  # the file is mostly tool-call conversations
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def trained_text(tokenizer, document) -> str:
+    return tokenizer.decode([label for label in document.labels if label != IGNORE_INDEX])
+
+
+def test_train_on_modes(tmp_path, tokenizer):
+    messages = [{"role": "system", "content": "Sys."}, USER, ASSISTANT,
+                {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Hello again!"}]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}])
+
+    def document(train_on):
+        return SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, 512, train_on=train_on).get(0)
+
+    assert trained_text(tokenizer, document("assistant")) == "Hello!<|im_end|>Hello again!<|im_end|>"
+    assert trained_text(tokenizer, document("last_assistant")) == "Hello again!<|im_end|>"
+    everything = document("all")
+    assert everything.labels[:-1] == everything.input_ids[1:]  # every next token, the first has no context
+    with pytest.raises(ValueError, match="train_on"):
+        document("prompts")
+
+
+def test_parquet_source_matches_jsonl(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"messages": [USER, ASSISTANT]}, {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    jsonl = write_jsonl(tmp_path / "c.jsonl", records)
+    parquet = tmp_path / "c.parquet"
+    pq.write_table(pa.Table.from_pylist(records), parquet)
+    from_jsonl = SFTDocuments(RecordSource([SourceSpec(jsonl)]), tokenizer, 512)
+    from_parquet = SFTDocuments(RecordSource([SourceSpec(str(parquet))]), tokenizer, 512)
+    assert len(from_parquet) == 2
+    for i in range(2):
+        assert from_parquet.get(i).input_ids == from_jsonl.get(i).input_ids
+        assert from_parquet.get(i).labels == from_jsonl.get(i).labels
+
+
+def test_readme_source_overrides_compose():
+    """The README's `data.train`/`data.eval` example parses into the sources it describes."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import PROJECT_ROOT
+
+    overrides = [
+        "data.train=[/data/chats.jsonl,{path:/data/tools.json,format:sharegpt,roles:{bot:assistant}}]",
+        "data.eval=[{path:/data/held_out.parquet,format:prompt_completion,columns:{prompt:question,completion:answer}}]",
+    ]
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    assert all(f"'{override}'" in readme for override in overrides)
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "configs"), version_base=None):
+        cfg = compose("sft/tiny", overrides=overrides)
+    specs = [SourceSpec.from_config(e) for e in OmegaConf.to_container(cfg.data.train) + OmegaConf.to_container(cfg.data.eval)]
+    assert specs == [
+        SourceSpec("/data/chats.jsonl"),
+        SourceSpec("/data/tools.json", format="sharegpt", roles={"bot": "assistant"}),
+        SourceSpec("/data/held_out.parquet", format="prompt_completion", columns={"prompt": "question", "completion": "answer"}),
+    ]
