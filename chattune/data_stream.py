@@ -2,14 +2,16 @@
 
 Every epoch draws one seeded permutation of all record indices (the same on every rank) and rank r
 takes positions r, r + world, r + 2*world, ...: the ranks' shares are disjoint, cover every record and
-need no communication. A rank tokenizes only its own share, a buffer of records at a time, and packs
-each buffer best-fit-decreasing into token-budget microbatches. The least-filled bin of a buffer is not
-emitted but carried into the next buffer, where its documents get another chance to fill a bin (a
-half-empty microbatch costs a whole step on the rank that holds it). Nothing is dropped at the end of an
-epoch: the last buffer's bins, carried ones included, are emitted before the next epoch begins.
+need no communication.
 
-The stream's position (epoch, records consumed, carried documents, bins not yet emitted) is kept in
-`state_dict()`.
+Three stages, each resumable:
+- `ShareSampler` walks the rank's share as (epoch, record) items, with an end-of-epoch marker;
+- a torchdata `StatefulDataLoader` tokenizes those records, in `num_workers` worker processes or in
+  this one, always in sampler order (so 0 and N workers give the same stream);
+- this process packs them, a buffer of records at a time, best-fit decreasing, into token-budget
+  microbatches. The least-filled bin of a buffer is carried into the next buffer, where its documents
+  get another chance to fill a bin (a half-empty microbatch costs a whole step on the rank that holds
+  it). At an epoch's end everything is emitted: nothing is dropped.
 """
 
 from __future__ import annotations
@@ -19,16 +21,20 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from chattune.packing import Document, PackedBatch, best_fit_decreasing, collate_packed, empty_batch
+from chattune.sft_data import SKIP_REASONS, Skipped
 
 logger = logging.getLogger(__name__)
+
+END_OF_EPOCH = -1
 
 
 class DocumentSource(Protocol):
     def __len__(self) -> int: ...
 
-    def get(self, index: int) -> Document | None: ...
+    def get(self, index: int) -> Document | Skipped: ...
 
 
 def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: int, shuffle: bool = True) -> list[int]:
@@ -38,6 +44,57 @@ def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: 
     else:
         order = torch.arange(num_records)
     return order[rank::world_size].tolist()
+
+
+class ShareSampler:
+    """(epoch, record index) items of one rank's share, each epoch closed by (epoch, END_OF_EPOCH).
+    Its own iterator and stateful, so StatefulDataLoader restores its position without replaying it."""
+
+    def __init__(self, num_records: int, rank: int, world_size: int, seed: int, shuffle: bool, num_epochs: int | None):
+        self.num_records, self.rank, self.world_size = num_records, rank, world_size
+        self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
+        self.epoch, self.position = 0, 0
+        self._share: tuple[int, list[int]] | None = None
+
+    def __iter__(self) -> "ShareSampler":
+        return self
+
+    def __next__(self) -> tuple[int, int]:
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        if self._share is None or self._share[0] != self.epoch:
+            self._share = (self.epoch, epoch_share(self.num_records, self.epoch, self.seed, self.rank, self.world_size, self.shuffle))
+        share = self._share[1]
+        if self.position < len(share):
+            self.position += 1
+            return self.epoch, share[self.position - 1]
+        item = (self.epoch, END_OF_EPOCH)
+        self.epoch, self.position = self.epoch + 1, 0
+        return item
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+class _TokenizedRecords(torch.utils.data.Dataset):
+    """Map-style view for the loader: (epoch, record) -> (epoch, Document | Skipped | END_OF_EPOCH)."""
+
+    def __init__(self, documents: DocumentSource):
+        self.documents = documents
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, item: tuple[int, int]):
+        epoch, index = item
+        return epoch, (END_OF_EPOCH if index == END_OF_EPOCH else self.documents.get(index))
+
+
+def _as_is(item):
+    return item
 
 
 class PackedStream:
@@ -52,72 +109,88 @@ class PackedStream:
         buffer_records: int = 256,
         shuffle: bool = True,
         num_epochs: int | None = None,
+        num_workers: int = 0,
     ):
         if num_epochs is None and len(documents) < world_size:
             raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
         self.documents = documents
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.max_tokens, self.pad_token_id = max_tokens, pad_token_id
-        self.buffer_records, self.shuffle, self.num_epochs = buffer_records, shuffle, num_epochs
-        self.epoch = 0
-        self.position = 0  # records of this epoch's share already taken into the buffer
-        self.emitted = 0  # microbatches emitted in this epoch
+        self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = rank, max_tokens, pad_token_id, buffer_records
+        self.loader = StatefulDataLoader(
+            _TokenizedRecords(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
+            sampler=ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs),
+            # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
+            # and the model's random init would depend on the data pipeline.
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._items: Iterator | None = None
+        self.epoch = 0  # epoch of the documents being packed and emitted
+        self.docs_in_epoch = 0  # documents of this epoch taken so far
         self.pending: list[list[Document]] = []  # packed bins not yet emitted
         self.carried: list[Document] = []  # documents of the last buffer's least-filled bin
-        self._share_cache: tuple[int, list[int]] | None = None
+        self.skipped = dict.fromkeys(SKIP_REASONS, 0)
 
-    def _share(self) -> list[int]:
-        if self._share_cache is None or self._share_cache[0] != self.epoch:
-            share = epoch_share(len(self.documents), self.epoch, self.seed, self.rank, self.world_size, self.shuffle)
-            self._share_cache = (self.epoch, share)
-        return self._share_cache[1]
+    def _take(self) -> tuple[list[Document], str]:
+        """Up to buffer_records records from the loader, and why taking stopped: "full", "epoch_end"
+        or "exhausted" (a finite stream has no more epochs)."""
+        documents = []
+        for _ in range(self.buffer_records):
+            item = next(self._items, None)
+            if item is None:
+                return documents, "exhausted"
+            epoch, document = item
+            self.epoch = epoch
+            if isinstance(document, int):  # END_OF_EPOCH
+                return documents, "epoch_end"
+            if isinstance(document, Skipped):
+                self.skipped[document.reason] += 1
+                logger.warning("skipped (%s): %s", document.reason, document.detail)
+                continue
+            documents.append(document)
+        return documents, "full"
 
-    def _refill(self) -> None:
-        share = self._share()
-        chunk = share[self.position : self.position + self.buffer_records]
-        self.position += len(chunk)
-        docs = self.carried + [doc for doc in map(self.documents.get, chunk) if doc is not None]
-        bins = best_fit_decreasing(docs, self.max_tokens)
+    def _refill(self) -> bool:
+        """Pack the next buffer into `pending`; False once a finite stream is exhausted."""
+        documents, stopped = self._take()
+        self.docs_in_epoch += len(documents)
+        bins = best_fit_decreasing(self.carried + documents, self.max_tokens)
         self.carried = []
-        if self.position < len(share) and len(bins) > 1:
+        if stopped == "full" and len(bins) > 1:
             least_filled = min(range(len(bins)), key=lambda i: sum(map(len, bins[i])))
             self.carried = bins.pop(least_filled)
         self.pending = bins
-
-    def _epoch_done(self) -> bool:
-        return not self.pending and self.position >= len(self._share())
-
-    def _next_epoch(self) -> None:
-        self.epoch, self.position, self.emitted = self.epoch + 1, 0, 0
-
-    def __iter__(self) -> Iterator[PackedBatch]:
-        while self.num_epochs is None or self.epoch < self.num_epochs:
-            if not self.pending and not self._epoch_done():
-                self._refill()
-                continue
-            if self.pending:
-                batch = collate_packed(self.pending.pop(0))
-                self.emitted += 1
-            else:
-                # Every record of this rank's share was skipped (or it had none); an empty microbatch
+        if stopped == "epoch_end":
+            if self.docs_in_epoch == 0:
+                # Every record of this rank's share was skipped (or it had none): an empty microbatch
                 # keeps the rank in step with the others (and the loop from spinning) instead of hanging.
                 logger.warning("rank %d: no trainable documents in epoch %d", self.rank, self.epoch)
-                batch = empty_batch(self.pad_token_id)
-            if self._epoch_done():
-                # Roll over before yielding, so a state taken now already points at the next epoch.
-                self._next_epoch()
-            yield batch
+                self.pending = [[]]
+            self.docs_in_epoch = 0
+        return bool(self.pending) or stopped != "exhausted"
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        if self._items is None:
+            self._items = iter(self.loader)
+        while True:
+            if not self.pending and not self._refill():
+                return
+            if self.pending:
+                bin_ = self.pending.pop(0)
+                yield collate_packed(bin_) if bin_ else empty_batch(self.pad_token_id)
 
     def state_dict(self) -> dict:
         return {
+            "loader": self.loader.state_dict(),
             "epoch": self.epoch,
-            "position": self.position,
-            "emitted": self.emitted,
+            "docs_in_epoch": self.docs_in_epoch,
             "pending_doc_ids": [[doc.doc_id for doc in bin_] for bin_ in self.pending],
             "carried_doc_ids": [doc.doc_id for doc in self.carried],
+            "skipped": dict(self.skipped),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position, self.emitted = state["epoch"], state["position"], state["emitted"]
+        self.loader.load_state_dict(state["loader"])
+        self._items = None
+        self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
         self.pending = [[self.documents.get(i) for i in bin_] for bin_ in state["pending_doc_ids"]]
         self.carried = [self.documents.get(i) for i in state["carried_doc_ids"]]
+        self.skipped = dict(state["skipped"])

@@ -8,7 +8,6 @@ and logged: a conversation with no trainable token, and one longer than the micr
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +18,6 @@ from transformers import PreTrainedTokenizerBase
 from chattune.chat_template import ChatTemplateError, TemplateMarkers, probe_template, tokenize_conversation
 from chattune.formats import DataError, SourceSpec, to_conversation
 from chattune.packing import Document, shifted_labels
-
-logger = logging.getLogger(__name__)
 
 class RecordSource:
     """Records of several JSON/JSONL files, addressed by one global index.
@@ -97,10 +94,16 @@ def _read_record(path: str, index: int, entry: int | dict) -> dict:
     return entry
 
 
-@dataclass
-class SkipCounts:
-    no_trainable_tokens: int = 0
-    overlong: int = 0
+SKIP_REASONS = ("overlong", "no_trainable_tokens")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A record left out on purpose; counted and logged by whoever consumes the documents (a loader
+    worker's counters would never reach the trainer)."""
+
+    reason: str  # one of SKIP_REASONS
+    detail: str
 
 
 TRAIN_ON = ("assistant", "last_assistant", "all")
@@ -124,13 +127,12 @@ class SFTDocuments:
         self.markers: TemplateMarkers = probe_template(tokenizer)
         self.max_tokens = max_tokens
         self.overlong = overlong
-        self.skipped = SkipCounts()
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def get(self, index: int) -> Document | None:
-        """The document of a record, or None for a counted skip."""
+    def get(self, index: int) -> Document | Skipped:
+        """The document of a record, or why it is skipped."""
         spec, local_index, record = self.source.locate(index)
         where = f"{spec.path} record {local_index}"
         conversation = to_conversation(record, spec, where)
@@ -143,13 +145,9 @@ class SFTDocuments:
             message = f"{where}: {len(tokenized.input_ids)} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
             if self.overlong == "error":
                 raise DataError(message)
-            self.skipped.overlong += 1
-            logger.warning("skipped (overlong): %s", message)
-            return None
+            return Skipped("overlong", message)
         trainable = [True] * len(tokenized.input_ids) if self.train_on == "all" else tokenized.assistant_mask
         labels = shifted_labels(tokenized.input_ids, trainable)
         if all(label < 0 for label in labels):
-            self.skipped.no_trainable_tokens += 1
-            logger.warning("skipped (no trainable tokens): %s", where)
-            return None
+            return Skipped("no_trainable_tokens", where)
         return Document(doc_id=index, input_ids=tokenized.input_ids, labels=labels)

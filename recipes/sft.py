@@ -43,9 +43,8 @@ def main(cfg: DictConfig) -> None:
         save_resolved_config(cfg, output_dir)
         if (output_dir / "checkpoints").exists():
             logger.warning("%s already holds checkpoints; this run starts from scratch and overwrites same-step ones", output_dir)
-    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
 
-    # --- data: each rank tokenizes and packs only its own share of every epoch ---
+    # --- data: each rank tokenizes (in loader workers) and packs only its own share of every epoch ---
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
     # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
@@ -57,7 +56,7 @@ def main(cfg: DictConfig) -> None:
         )
         return PackedStream(
             documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
-            pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs,
+            pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
         )
 
     train_stream = packed_stream(cfg.data.train, shuffle=True, num_epochs=None)
@@ -65,6 +64,7 @@ def main(cfg: DictConfig) -> None:
     eval_batches = list(packed_stream(cfg.data.eval, shuffle=False, num_epochs=1)) if cfg.data.eval else []
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
+    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
     model_config = instantiate(cfg.model.config) if cfg.model.path is None else None
     hf_model = build_hf_model(tokenizer, path=cfg.model.path, config=model_config)  # on CPU; fully_shard moves each shard
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), device.type, dist_info.world_size, **cfg.model.fsdp)
@@ -105,7 +105,7 @@ def main(cfg: DictConfig) -> None:
             train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": train_stream.state_dict()}
             save_checkpoint(output_dir / "checkpoints" / f"step_{step}", model, optimizer, train_state)
 
-    skipped = reduce_sums(vars(train_stream.documents.skipped), device)
+    skipped = reduce_sums(train_stream.skipped, device)
     logger.info("training records skipped over all ranks and epochs: %s", {k: int(v) for k, v in skipped.items()})
 
     # --- save: a Hugging Face directory that loads without chattune ---

@@ -94,28 +94,33 @@ class ListSource:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_document_once_per_epoch_across_ranks(world_size):
     docs = [Document(i, [1] * (5 + i % 17), [2] * (5 + i % 17)) for i in range(101)]
-    for epoch in range(2):
-        seen = []
-        for rank in range(world_size):
-            stream = PackedStream(ListSource(docs), rank, world_size, seed=7, max_tokens=64, pad_token_id=0,
-                                  buffer_records=10, num_epochs=epoch + 1)
-            stream.epoch = epoch
-            seen += [d for batch in stream for d in batch.doc_ids]
-        assert sorted(seen) == list(range(101))
+    seen = {0: [], 1: []}
+    for rank in range(world_size):
+        stream = PackedStream(ListSource(docs), rank, world_size, seed=7, max_tokens=64, pad_token_id=0,
+                              buffer_records=10, num_epochs=2)
+        for batch in stream:  # a microbatch never mixes epochs
+            seen[stream.epoch] += batch.doc_ids
+    for epoch in (0, 1):
+        assert sorted(seen[epoch]) == list(range(101)), f"epoch {epoch}"
     # Deterministic, and a new permutation each epoch.
     assert epoch_share(101, 0, 7, 0, 2) == epoch_share(101, 0, 7, 0, 2)
     assert epoch_share(101, 0, 7, 0, 2) != epoch_share(101, 1, 7, 0, 2)
 
 
-def test_stream_state_dict_resumes_the_same_microbatches():
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stream_state_dict_resumes_the_same_microbatches(num_workers):
     docs = [Document(i, [1] * (3 + i % 11), [2] * (3 + i % 11)) for i in range(80)]
 
     def stream():
-        return PackedStream(ListSource(docs), 0, 1, seed=3, max_tokens=40, pad_token_id=0, buffer_records=16)
+        return PackedStream(ListSource(docs), 0, 1, seed=3, max_tokens=40, pad_token_id=0, buffer_records=16,
+                            num_workers=num_workers)
 
     uninterrupted = iter(stream())
     expected = [next(uninterrupted).doc_ids for _ in range(60)]  # about three epochs
-    for stop in range(1, 60):  # every point, epoch boundaries included
+    boundaries = [i + 1 for i in range(59) if set(expected[i]) & set(expected[i + 1]) == set()]
+    # Every point with workers in-process; with worker processes (slower to start), a spread of points.
+    stops = range(1, 60) if num_workers == 0 else sorted({1, 2, 13, 29, 30, 31, 44, 59})
+    for stop in stops:
         first = stream()
         batches = iter(first)
         got = [next(batches).doc_ids for _ in range(stop)]
@@ -124,6 +129,28 @@ def test_stream_state_dict_resumes_the_same_microbatches():
         batches = iter(resumed)
         got += [next(batches).doc_ids for _ in range(60 - stop)]
         assert got == expected, f"resuming after {stop} microbatches diverged"
+    assert boundaries
+
+
+def test_workers_yield_identical_microbatches(tokenizer):
+    """Tokenizing in 2 worker processes gives the same microbatches, in the same order, as in-process."""
+    from chattune.config import DEMO_ASSETS
+    from chattune.formats import SourceSpec
+    from chattune.sft_data import RecordSource, SFTDocuments
+
+    documents = SFTDocuments(RecordSource([SourceSpec(str(DEMO_ASSETS / "chat_train.jsonl"))]), tokenizer, 1024)
+
+    def first_batches(num_workers):
+        stream = PackedStream(documents, 1, 2, seed=5, max_tokens=1024, pad_token_id=0, buffer_records=64,
+                              num_workers=num_workers)
+        batches = iter(stream)
+        return [next(batches) for _ in range(30)]
+
+    in_process, in_workers = first_batches(0), first_batches(2)
+    for a, b in zip(in_process, in_workers):
+        assert a.doc_ids == b.doc_ids
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.cu_seqlens, b.cu_seqlens)
 
 
 def test_a_rank_without_records_gets_empty_microbatches_in_a_finite_stream():

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from chattune.formats import DataError, SourceSpec
-from chattune.sft_data import RecordSource, SFTDocuments
+from chattune.packing import Document
+from chattune.sft_data import RecordSource, SFTDocuments, Skipped
 
 
 def write_jsonl(path, records) -> str:
@@ -74,8 +75,9 @@ def test_json_list_files_are_read_too(tmp_path, tokenizer):
 def test_overlong_records_are_dropped_and_counted_or_raise(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "long.jsonl", [good(), good(answer="word " * 300)])
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="drop")
-    assert documents.get(0) is not None and documents.get(1) is None
-    assert documents.skipped.overlong == 1
+    assert isinstance(documents.get(0), Document)
+    skipped = documents.get(1)
+    assert isinstance(skipped, Skipped) and skipped.reason == "overlong" and "long.jsonl record 1" in skipped.detail
     strict = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="error")
     with pytest.raises(DataError, match=r"long\.jsonl record 1: \d+ tokens exceed data.max_tokens_per_microbatch=128"):
         strict.get(1)

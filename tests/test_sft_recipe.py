@@ -124,3 +124,15 @@ def test_a_bad_record_on_one_rank_stops_the_whole_job_with_its_name(tmp_path):
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode != 0
     assert "chats.jsonl record 17: message 1 has role 'wizard'" in result.stdout + result.stderr
+
+
+def test_losses_do_not_depend_on_loader_workers_or_eval_data(tmp_path):
+    """Tokenizing in worker processes, or configuring held-out data, changes nothing the model sees
+    (a DataLoader drawing from the global RNG would change the model's random init)."""
+    losses = []
+    for name, extra in (("plain", ["data.num_workers=0"]), ("workers", ["data.num_workers=2", "data.eval=[]"])):
+        out = tmp_path / name
+        run([sys.executable, "recipes/sft.py", f"output_dir={out}", "max_steps=3", "log_every=1", "save_every=0",
+             "eval_every=0", "data.max_tokens_per_microbatch=512", *extra])
+        losses.append([m["loss"] for m in read_metrics(out)])
+    assert losses[0] == losses[1]
