@@ -1,0 +1,109 @@
+"""Data-pipeline throughput and pack fill: tokenize + assistant mask + pack, chattune vs TRL.
+
+    python scripts/bench_data.py [--conversations 20000] [--max-tokens 4096]
+
+Data: the shared real chats (`../shared/assets/data`: the ShareGPT chats and the long messages-format
+conversations) replicated to about `--conversations` conversations, with the shared Qwen3 tokenizer.
+
+- chattune: `SFTDocuments` + `PackedStream` (one rank, one epoch), with 0 and 2 loader workers;
+  assistant-only masks; conversations over the budget are dropped (counted).
+- TRL (only when `trl` is importable; install it in a separate benchmark environment, never as a
+  chattune dependency): `SFTTrainer`'s own dataset preparation (tokenize + BFD packing) on the same
+  conversations, with 1 and 2 processes. TRL's assistant masks need `{% generation %}` markers, so it
+  runs without them here: it does less work per conversation than chattune.
+
+Throughput counts the tokens that end up in packed microbatches; fill = those tokens / (rows x budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+from transformers import AutoTokenizer
+
+from chattune.data_stream import PackedStream
+from chattune.formats import SourceSpec, to_conversation
+from chattune.sft_data import RecordSource, SFTDocuments
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"
+
+
+def replicated_messages(count: int) -> list[dict]:
+    sources = [SourceSpec(str(SHARED / "data" / "sharegpt_fastchat_dummy.json"), format="sharegpt"),
+               SourceSpec(str(SHARED / "data" / "messages_deita_long.parquet"))]
+    records = RecordSource(sources)
+    conversations = []
+    for index in range(len(records)):
+        spec, local, record = records.locate(index)
+        conversations.append({"messages": to_conversation(record, spec, f"{spec.path} record {local}").messages})
+    return [conversations[i % len(conversations)] for i in range(count)]
+
+
+def bench_chattune(path: str, tokenizer, max_tokens: int, num_workers: int) -> tuple[float, float, int]:
+    start = time.perf_counter()
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens)
+    stream = PackedStream(documents, 0, 1, seed=0, max_tokens=max_tokens, pad_token_id=0, num_epochs=1,
+                          num_workers=num_workers)
+    sizes = [batch.num_tokens for batch in stream]
+    seconds = time.perf_counter() - start
+    return sum(sizes) / seconds, sum(sizes) / (len(sizes) * max_tokens), sum(stream.skipped.values())
+
+
+def bench_trl(path: str, tokenizer, max_tokens: int, num_proc: int | None) -> tuple[float, float]:
+    from trl import SFTConfig, SFTTrainer
+
+    datasets.disable_caching()  # or a second run would read the first one's result from disk
+    dataset = datasets.load_dataset("json", data_files=path, split="train")
+
+    class _Trainer:  # the attributes _prepare_dataset reads from its trainer
+        _tokenizer, chat_template, completion_only_loss = tokenizer, None, None
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SFTConfig(output_dir=tmp, max_length=max_tokens, packing=True, packing_strategy="bfd",
+                         dataset_num_proc=num_proc, report_to=[], bf16=False, use_cpu=True)
+        start = time.perf_counter()
+        packed = SFTTrainer._prepare_dataset(_Trainer(), dataset, tokenizer, args, True, None, "train")
+        seconds = time.perf_counter() - start
+    tokens = sum(len(ids) for ids in packed["input_ids"])
+    return tokens / seconds, tokens / (len(packed) * max_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=20000)
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    args = parser.parse_args()
+    if not SHARED.exists():
+        raise SystemExit(f"needs the shared test assets at {SHARED}")
+
+    logging.getLogger("chattune").setLevel(logging.ERROR)  # one warning per dropped conversation otherwise
+    datasets.disable_progress_bars()
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen3")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "chats.jsonl")
+        Path(path).write_text("".join(json.dumps(c) + "\n" for c in replicated_messages(args.conversations)))
+        print(f"{args.conversations} conversations, Qwen3 tokenizer, budget {args.max_tokens} tokens")
+        print("| pipeline | processes | tokens/s | fill |")
+        print("|---|---|---|---|")
+        for workers in (0, 2):
+            rate, fill, skipped = bench_chattune(path, tokenizer, args.max_tokens, workers)
+            where = "in-process" if workers == 0 else f"{workers} workers"
+            print(f"| chattune (assistant masks; {skipped} over-budget dropped) | {where} | {rate:,.0f} | {fill:.4f} |")
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            print("(trl not importable: no TRL reference)")
+            return
+        for num_proc in (None, 2):
+            rate, fill = bench_trl(path, tokenizer, args.max_tokens, num_proc)
+            print(f"| TRL {trl.__version__} SFT preparation (no assistant masks) | {num_proc or 1} | {rate:,.0f} | {fill:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
