@@ -22,6 +22,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import jinja2
+
 from transformers import PreTrainedTokenizerBase
 
 _PROBE_USER = "chattune probe question"
@@ -36,6 +38,8 @@ class ChatTemplateError(ValueError):
 class TemplateMarkers:
     generation_prompt: str
     end_of_turn: str
+    renders_tools: bool = False  # does the template write a `tools` list into the prompt?
+    renders_tool_calls: bool = False  # does it write an assistant message's `tool_calls`?
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,24 @@ def probe_template(tokenizer: PreTrainedTokenizerBase) -> TemplateMarkers:
             "cannot tell which end-of-turn token to train"
         )
     end_of_turn = min(found)[2]  # the earliest, longest at a tie
-    return TemplateMarkers(generation_prompt=generation_prompt, end_of_turn=end_of_turn)
+    tool = {"type": "function", "function": {"name": "chattune_probe_tool", "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "chattune_probe_call", "arguments": {}}}]}
+    return TemplateMarkers(
+        generation_prompt=generation_prompt,
+        end_of_turn=end_of_turn,
+        renders_tools=_renders(tokenizer, user, [tool], "chattune_probe_tool"),
+        renders_tool_calls=_renders(tokenizer, user + [call], None, "chattune_probe_call"),
+    )
+
+
+def _renders(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None, needle: str) -> bool:
+    """Whether the template writes `needle` (a probe tool or call); a template that rejects them does not."""
+    try:
+        return needle in tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return False
 
 
 def _back_off_to_token_boundary(text: str, position: int, special_tokens: list[str]) -> int:
@@ -127,11 +148,12 @@ def tokenize_conversation(
     markers: TemplateMarkers,
     tools: list[dict] | None = None,
     last_turn_only: bool = False,
+    skip_turns: int = 0,
 ) -> TokenizedConversation:
     """Render (with `tools`, as `apply_chat_template` would) and tokenize a conversation, marking the
-    tokens of assistant replies, or of the last one only."""
+    tokens of assistant replies after the first `skip_turns` ones, or of the last one only."""
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-    spans = assistant_spans(text, messages, markers)
+    spans = assistant_spans(text, messages, markers)[skip_turns:]
     if last_turn_only:
         spans = spans[-1:]
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

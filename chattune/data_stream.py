@@ -111,6 +111,8 @@ class PackedStream:
         num_epochs: int | None = None,
         num_workers: int = 0,
     ):
+        if buffer_records < 1:
+            raise ValueError(f"data.buffer_records must be at least 1, got {buffer_records}")
         if num_epochs is None and len(documents) < world_size:
             raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
         self.documents = documents

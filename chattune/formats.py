@@ -43,6 +43,7 @@ SHAREGPT_ROLES = {
 class Conversation:
     messages: list[dict]
     tools: list[dict] | None = None
+    prompt_replies: int = 0  # leading assistant replies that are context, not targets (prompt/completion)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,14 @@ class SourceSpec:
         """A path (messages format) or a mapping {path, format, columns, roles}."""
         if isinstance(entry, str):
             return cls(path=entry)
+        if not isinstance(entry, Mapping):
+            raise DataError(f"a data source is a path or a mapping, got {entry!r}")
         entry = dict(entry)
+        for key in ("columns", "roles"):
+            value = entry.get(key)
+            if value is not None and (not isinstance(value, Mapping)
+                                      or not all(isinstance(v, str) for v in value.values())):
+                raise DataError(f"{entry.get('path')}: `{key}` must map names to names, got {value!r}")
         unknown = set(entry) - {"path", "format", "columns", "roles"}
         if unknown or "path" not in entry:
             raise DataError(f"a data source needs `path` and may have format/columns/roles; got keys {sorted(entry)}")
@@ -88,7 +96,7 @@ def to_conversation(record: dict, spec: SourceSpec, where: str) -> Conversation:
     converter = {"messages": _from_messages, "sharegpt": _from_sharegpt,
                  "prompt_completion": _from_prompt_completion, "alpaca": _from_alpaca}[spec.format]
     conversation = converter(record, spec, where)
-    return Conversation(validate_messages(conversation.messages, where), conversation.tools)
+    return Conversation(validate_messages(conversation.messages, where), conversation.tools, conversation.prompt_replies)
 
 
 def _required(record: dict, spec: SourceSpec, name: str, where: str):
@@ -127,12 +135,12 @@ def _from_sharegpt(record: dict, spec: SourceSpec, where: str) -> Conversation:
     role_map = {**SHAREGPT_ROLES, **spec.roles}
     role_key, content_key = spec.column("role"), spec.column("content")
     messages = []
-    system = record.get(spec.column("system"))
-    if isinstance(system, str) and system.strip():
+    system = _optional_string(record, spec, "system", where)
+    if system.strip():
         messages.append({"role": "system", "content": system})
     for turn_index, turn in enumerate(turns):
         name = turn.get(role_key) if isinstance(turn, dict) else None
-        if name not in role_map:
+        if not isinstance(name, str) or name not in role_map:
             raise DataError(f"{where}: turn {turn_index} has role {name!r}; known: {sorted(role_map)} "
                             "(map more with `roles: {name: user|assistant|system|tool|tool_call}`)")
         value = turn.get(content_key)
@@ -160,17 +168,28 @@ def _from_prompt_completion(record: dict, spec: SourceSpec, where: str) -> Conve
     completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
     if not isinstance(prompt, list) or not isinstance(completion, list):
         raise DataError(f"{where}: prompt and completion must each be a string or a list of messages")
-    return Conversation(prompt + completion)
+    # Assistant turns inside the prompt are context: only the completion is trained.
+    replies_in_prompt = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in prompt)
+    return Conversation(prompt + completion, prompt_replies=replies_in_prompt)
+
+
+def _optional_string(record: dict, spec: SourceSpec, name: str, where: str) -> str:
+    value = record.get(spec.column(name))
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{where}: {spec.column(name)!r} must be a string, got {type(value).__name__}")
+    return value or ""
 
 
 def _from_alpaca(record: dict, spec: SourceSpec, where: str) -> Conversation:
     instruction = _required(record, spec, "instruction", where)
     output = _required(record, spec, "output", where)
-    extra = record.get(spec.column("input"))
-    user = f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra.strip() else instruction
+    if not isinstance(instruction, str):
+        raise DataError(f"{where}: {spec.column('instruction')!r} must be a string, got {type(instruction).__name__}")
+    extra = _optional_string(record, spec, "input", where)
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-    system = record.get(spec.column("system"))
-    if isinstance(system, str) and system.strip():
+    system = _optional_string(record, spec, "system", where)
+    if system.strip():
         messages.insert(0, {"role": "system", "content": system})
     return Conversation(messages)
 
@@ -181,8 +200,8 @@ def validate_messages(messages: object, where: str) -> list[dict]:
         raise DataError(f"{where}: the conversation must be a non-empty list of messages, got {type(messages).__name__}")
     clean = []
     for turn, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
+        role = message.get("role") if isinstance(message, dict) else message
+        if not isinstance(role, str) or role not in ROLES:
             raise DataError(f"{where}: message {turn} has role {role!r}; expected one of {sorted(ROLES)}")
         message = {k: v for k, v in message.items() if v is not None}
         content = message.get("content", "")
@@ -191,6 +210,12 @@ def validate_messages(messages: object, where: str) -> list[dict]:
             raise DataError(f"{where}: message {turn} content must be a string, got {type(content).__name__}")
         if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list) or not calls):
             raise DataError(f"{where}: message {turn}: tool_calls must be a non-empty list on an assistant message")
+        for call in calls or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                    or not isinstance(function.get("arguments", {}), (str, dict)):
+                raise DataError(f"{where}: message {turn}: a tool call must be "
+                                f"{{'function': {{'name': str, 'arguments': str or object}}}}, got {call!r}")
         if message["role"] == "assistant" and not content.strip() and not calls:
             raise DataError(f"{where}: message {turn} is an empty assistant reply")
         clean.append({**message, "content": content})

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import jinja2
 from transformers import PreTrainedTokenizerBase
 
-from chattune.chat_template import ChatTemplateError, TemplateMarkers, probe_template, tokenize_conversation
+from chattune.chat_template import TemplateMarkers, probe_template, tokenize_conversation
 from chattune.formats import DataError, SourceSpec, to_conversation
 from chattune.packing import Document, shifted_labels
 
@@ -72,9 +71,9 @@ def _jsonl_offsets(path: str) -> list[int]:
 
 def _json_records(path: str) -> list[dict]:
     try:
-        records = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise DataError(f"{path}: not valid JSON ({error})") from error
+        records = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DataError(f"{path}: not valid UTF-8 JSON ({error})") from error
     if not isinstance(records, list):
         raise DataError(f"{path}: a .json data file must hold a list of records, got {type(records).__name__}")
     return records
@@ -86,8 +85,8 @@ def _read_record(path: str, index: int, entry: int | dict) -> dict:
             f.seek(entry)
             line = f.readline()
         try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as error:
+            entry = json.loads(line.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise DataError(f"{path} record {index}: unparseable JSON line ({error})") from error
     if not isinstance(entry, dict):
         raise DataError(f"{path} record {index}: a record must be a JSON object, got {type(entry).__name__}")
@@ -136,11 +135,17 @@ class SFTDocuments:
         spec, local_index, record = self.source.locate(index)
         where = f"{spec.path} record {local_index}"
         conversation = to_conversation(record, spec, where)
+        uses_calls = any("tool_calls" in m for m in conversation.messages)
+        if (conversation.tools and not self.markers.renders_tools) or (uses_calls and not self.markers.renders_tool_calls):
+            raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
+                            "render them (training would silently leave them out)")
         try:
-            tokenized = tokenize_conversation(self.tokenizer, conversation.messages, self.markers,
-                                              tools=conversation.tools, last_turn_only=self.train_on == "last_assistant")
-        except (ChatTemplateError, jinja2.TemplateError) as error:  # templates raise their own checks too
-            raise DataError(f"{where}: {error}") from error
+            tokenized = tokenize_conversation(
+                self.tokenizer, conversation.messages, self.markers, tools=conversation.tools,
+                last_turn_only=self.train_on == "last_assistant", skip_turns=conversation.prompt_replies,
+            )
+        except Exception as error:  # the template's own checks (raise_exception) and its failures on odd data
+            raise DataError(f"{where}: {type(error).__name__}: {error}") from error
         if len(tokenized.input_ids) > self.max_tokens:
             message = f"{where}: {len(tokenized.input_ids)} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
             if self.overlong == "error":

@@ -180,3 +180,56 @@ def test_readme_source_overrides_compose():
         SourceSpec("/data/tools.json", format="sharegpt", roles={"bot": "assistant"}),
         SourceSpec("/data/held_out.parquet", format="prompt_completion", columns={"prompt": "question", "completion": "answer"}),
     ]
+
+
+@pytest.mark.parametrize(
+    ("record", "spec", "problem"),
+    [
+        ({"messages": [{"role": ["user"], "content": "hi"}, ASSISTANT]}, {}, r"message 0 has role \['user'\]"),
+        ({"conversations": [{"from": {}, "value": "x"}]}, {"format": "sharegpt"}, "turn 0 has role {}"),
+        ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": ["x"]}]}, {}, "a tool call must be"),
+        ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]}, {},
+         "a tool call must be"),
+        ({"instruction": "Add.", "input": 42, "output": "5"}, {"format": "alpaca"}, "'input' must be a string, got int"),
+        ({"instruction": ["a"], "output": "5"}, {"format": "alpaca"}, "'instruction' must be a string, got list"),
+        ({"conversations": [{"from": "human", "value": "x"}], "system": 3}, {"format": "sharegpt"}, "'system' must be a string"),
+    ],
+)
+def test_odd_types_are_data_errors(record, spec, problem):
+    with pytest.raises(DataError, match=rf"x\.jsonl record 0: .*{problem}"):
+        convert(record, **spec)
+
+
+def test_bad_source_config_types():
+    for entry, problem in ((5, "a path or a mapping"), ({"path": "a", "columns": ["x"]}, "`columns` must map"),
+                           ({"path": "a", "format": "sharegpt", "roles": {"bot": ["assistant"]}}, "`roles` must map")):
+        with pytest.raises(DataError, match=problem):
+            SourceSpec.from_config(entry)
+
+
+def test_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
+    prompt = [USER, ASSISTANT, {"role": "user", "content": "And?"}]
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": prompt, "completion": "Bye."}])
+    spec = SourceSpec(path, format="prompt_completion")
+    document = SFTDocuments(RecordSource([spec]), tokenizer, 512).get(0)
+    assert trained_text(tokenizer, document) == "Bye.<|im_end|>"
+
+
+def test_tools_on_a_template_that_cannot_render_them_are_refused(tmp_path, tokenizer):
+    """The demo template has no tool support: training would silently drop the schemas and calls."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
+    records = [{"messages": [USER, ASSISTANT], "tools": [{"name": "f", "parameters": {}}]},
+               {"messages": [USER, call, {"role": "tool", "content": "1"}, ASSISTANT]}]
+    documents = SFTDocuments(RecordSource([SourceSpec(write_jsonl(tmp_path / "t.jsonl", records))]), tokenizer, 512)
+    for index in (0, 1):
+        with pytest.raises(DataError, match=rf"record {index}: .*does not render them"):
+            documents.get(index)
+
+
+def test_undecodable_bytes_name_the_record(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"messages": [USER, ASSISTANT]}).encode() + b"\n" + b'{"messages": "caf\xe9"}\n')
+    documents = SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, 512)
+    assert documents.get(0).doc_id == 0
+    with pytest.raises(DataError, match=r"latin1\.jsonl record 1: unparseable JSON line"):
+        documents.get(1)

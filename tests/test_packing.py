@@ -159,3 +159,8 @@ def test_a_rank_without_records_gets_empty_microbatches_in_a_finite_stream():
     assert len(batches) == 2 and all(b.num_trainable_tokens == 0 and b.doc_ids == [-1] for b in batches)
     with pytest.raises(ValueError, match="cannot be shared"):
         PackedStream(ListSource(docs), 1, 2, seed=0, max_tokens=8, pad_token_id=0)
+
+
+def test_a_buffer_must_hold_at_least_one_record():
+    with pytest.raises(ValueError, match="buffer_records must be at least 1"):
+        PackedStream(ListSource([Document(0, [1], [IGNORE_INDEX])]), 0, 1, seed=0, max_tokens=8, pad_token_id=0, buffer_records=0)
