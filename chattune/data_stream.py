@@ -110,13 +110,18 @@ class PackedStream:
         shuffle: bool = True,
         num_epochs: int | None = None,
         num_workers: int = 0,
+        pad_to_multiple_of: int | None = None,
     ):
+        if pad_to_multiple_of and max_tokens % pad_to_multiple_of:
+            raise ValueError(f"data.max_tokens_per_microbatch={max_tokens} must be a multiple of "
+                             f"data.pad_to_multiple_of={pad_to_multiple_of}, or padding could exceed the budget")
         if buffer_records < 1:
             raise ValueError(f"data.buffer_records must be at least 1, got {buffer_records}")
         if num_epochs is None and len(documents) < world_size:
             raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
         self.documents = documents
         self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = rank, max_tokens, pad_token_id, buffer_records
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.loader = StatefulDataLoader(
             _TokenizedRecords(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
             sampler=ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs),
@@ -177,7 +182,10 @@ class PackedStream:
                 return
             if self.pending:
                 bin_ = self.pending.pop(0)
-                yield collate_packed(bin_) if bin_ else empty_batch(self.pad_token_id)
+                if bin_:
+                    yield collate_packed(bin_, self.pad_to_multiple_of, self.pad_token_id)
+                else:
+                    yield empty_batch(self.pad_token_id)
 
     def state_dict(self) -> dict:
         return {

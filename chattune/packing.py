@@ -59,9 +59,15 @@ class PackedBatch:
         )
 
 
-def collate_packed(documents: list[Document]) -> PackedBatch:
+def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = None, pad_token_id: int = 0) -> PackedBatch:
+    """One (1, N) row. With `pad_to_multiple_of`, N is rounded up by a padding segment of its own: its
+    own entry in cu_seqlens (so no real token attends to it) and IGNORE_INDEX labels (never trained)."""
     if not documents:
         raise ValueError("cannot collate an empty list of documents")
+    if pad_to_multiple_of:
+        padding = -sum(len(d) for d in documents) % pad_to_multiple_of
+        if padding:
+            documents = documents + [Document(doc_id=-1, input_ids=[pad_token_id] * padding, labels=[IGNORE_INDEX] * padding)]
     lengths = [len(d) for d in documents]
     cu_seqlens = torch.zeros(len(documents) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
@@ -71,7 +77,7 @@ def collate_packed(documents: list[Document]) -> PackedBatch:
         position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
-        doc_ids=[d.doc_id for d in documents],
+        doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
     )
 
 

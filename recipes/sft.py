@@ -57,6 +57,7 @@ def main(cfg: DictConfig) -> None:
         return PackedStream(
             documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
             pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
+            pad_to_multiple_of=cfg.data.pad_to_multiple_of,
         )
 
     train_stream = packed_stream(cfg.data.train, shuffle=True, num_epochs=None)

@@ -156,7 +156,7 @@ def test_workers_yield_identical_microbatches(tokenizer):
 def test_a_rank_without_records_gets_empty_microbatches_in_a_finite_stream():
     docs = [Document(0, [1, 2, 3], [2, 3, IGNORE_INDEX])]
     batches = list(PackedStream(ListSource(docs), 1, 2, seed=0, max_tokens=8, pad_token_id=0, num_epochs=2))
-    assert len(batches) == 2 and all(b.num_trainable_tokens == 0 and b.doc_ids == [-1] for b in batches)
+    assert len(batches) == 2 and all(b.num_trainable_tokens == 0 and b.doc_ids == [] for b in batches)
     with pytest.raises(ValueError, match="cannot be shared"):
         PackedStream(ListSource(docs), 1, 2, seed=0, max_tokens=8, pad_token_id=0)
 
@@ -164,3 +164,26 @@ def test_a_rank_without_records_gets_empty_microbatches_in_a_finite_stream():
 def test_a_buffer_must_hold_at_least_one_record():
     with pytest.raises(ValueError, match="buffer_records must be at least 1"):
         PackedStream(ListSource([Document(0, [1], [IGNORE_INDEX])]), 0, 1, seed=0, max_tokens=8, pad_token_id=0, buffer_records=0)
+
+
+def test_padding_to_a_multiple_is_never_attended_nor_trained():
+    docs = demo_documents(5)
+    plain, padded = collate_packed(docs), collate_packed(docs, pad_to_multiple_of=64, pad_token_id=0)
+    assert padded.num_tokens % 64 == 0 and padded.num_tokens > plain.num_tokens
+    assert padded.num_trainable_tokens == plain.num_trainable_tokens
+    assert padded.doc_ids == plain.doc_ids
+    assert padded.cu_seqlens[:-1].tolist() == plain.cu_seqlens.tolist()  # the padding is a segment of its own
+    model = tiny_model().eval()
+
+    def logits(batch):
+        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                     cu_seq_lens_q=batch.cu_seqlens, max_length_q=batch.max_seqlen).logits[0]
+
+    with torch.no_grad():
+        assert (logits(padded)[: plain.num_tokens] - logits(plain)).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="must be a multiple"):
+        PackedStream(ListSource(docs), 0, 1, seed=0, max_tokens=100, pad_token_id=0, pad_to_multiple_of=64)
+    stream = PackedStream(ListSource(docs), 0, 1, seed=0, max_tokens=512, pad_token_id=0, pad_to_multiple_of=64, num_epochs=1)
+    batches = list(stream)
+    assert all(b.num_tokens % 64 == 0 for b in batches)
+    assert sorted(d for b in batches for d in b.doc_ids) == list(range(5))
