@@ -17,6 +17,7 @@ Three stages, each resumable:
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -122,13 +123,15 @@ class PackedStream:
         self.documents = documents
         self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = rank, max_tokens, pad_token_id, buffer_records
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.loader = StatefulDataLoader(
-            _TokenizedRecords(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
-            sampler=ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs),
-            # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
-            # and the model's random init would depend on the data pipeline.
-            generator=torch.Generator().manual_seed(seed),
-        )
+        with warnings.catch_warnings():  # torchdata calls a deprecated torch API on construction
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            self.loader = StatefulDataLoader(
+                _TokenizedRecords(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
+                sampler=ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs),
+                # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
+                # and the model's random init would depend on the data pipeline.
+                generator=torch.Generator().manual_seed(seed),
+            )
         self._items: Iterator | None = None
         self.epoch = 0  # epoch of the documents being packed and emitted
         self.docs_in_epoch = 0  # documents of this epoch taken so far

@@ -1,0 +1,164 @@
+"""`chattune inspect`: what training will see, from the same config and overrides as a recipe.
+
+It reads the training sources the way the recipe does (same formats, template, masking and budget)
+and reports: records read, skipped by reason, documents, tokens, the trainable-token fraction, a
+length histogram, the pack fill at the microbatch budget, and a few documents with the trained tokens
+highlighted (terminal colours, or an HTML page with `--html`).
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from chattune import config as _config  # noqa: F401  (registers ${demo_asset:...})
+from chattune.data_stream import PackedStream
+from chattune.formats import SourceSpec
+from chattune.loss import IGNORE_INDEX
+from chattune.packing import Document
+from chattune.sft_data import SKIP_REASONS, RecordSource, SFTDocuments, Skipped
+
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
+
+
+def load_config(config_name: str, overrides: list[str], config_dir: Path = DEFAULT_CONFIG_DIR) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+        return compose(config_name, overrides=overrides)
+
+
+@dataclass
+class DataReport:
+    records: int = 0
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    lengths: list[int] = field(default_factory=list)
+    trainable_tokens: int = 0
+    examples: list[Document] = field(default_factory=list)
+    microbatches: int = 0
+    packed_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
+    specs = [SourceSpec.from_config(e) for e in OmegaConf.to_container(cfg.data.train, resolve=True)]
+    budget = cfg.data.max_tokens_per_microbatch
+    documents = SFTDocuments(RecordSource(specs), tokenizer, budget, cfg.data.overlong, cfg.data.train_on)
+    report = DataReport()
+    for index in range(min(len(documents), limit or len(documents))):
+        report.records += 1
+        document = documents.get(index)
+        if isinstance(document, Skipped):
+            report.skipped[document.reason] += 1
+            continue
+        report.lengths.append(len(document))
+        report.trainable_tokens += sum(label != IGNORE_INDEX for label in document.labels)
+        if len(report.examples) < num_examples:
+            report.examples.append(document)
+    stream = PackedStream(_FirstRecords(documents, report.records), 0, 1, cfg.seed, budget, 0,
+                          cfg.data.buffer_records, num_epochs=1, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+    for batch in stream:
+        report.microbatches += 1
+        report.packed_tokens += batch.num_tokens
+    return report
+
+
+class _FirstRecords:
+    """The first `count` records of a document source."""
+
+    def __init__(self, documents: SFTDocuments, count: int):
+        self.documents, self.count = documents, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def get(self, index: int):
+        return self.documents.get(index)
+
+
+def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:
+    """The document as (text, trained) pieces: token j is trained when position j-1 predicts it."""
+    pieces: list[tuple[str, bool]] = []
+    for position, token in enumerate(document.input_ids):
+        trained = position > 0 and document.labels[position - 1] != IGNORE_INDEX
+        text = tokenizer.decode([token], clean_up_tokenization_spaces=False)
+        if pieces and pieces[-1][1] == trained:
+            pieces[-1] = (pieces[-1][0] + text, trained)
+        else:
+            pieces.append((text, trained))
+    return pieces
+
+
+def histogram(lengths: list[int], width: int = 40) -> list[str]:
+    """Lengths in power-of-two buckets, as text bars."""
+    if not lengths:
+        return ["(no documents)"]
+    buckets: dict[int, int] = {}
+    for length in lengths:
+        upper = 1 << max(length - 1, 0).bit_length()
+        buckets[upper] = buckets.get(upper, 0) + 1
+    most = max(buckets.values())
+    return [f"{upper // 2 + 1:>6}-{upper:<6} {'#' * max(1, round(width * count / most)):<{width}} {count}"
+            for upper, count in sorted(buckets.items())]
+
+
+def summary_lines(report: DataReport, budget: int) -> list[str]:
+    skipped = ", ".join(f"{reason} {count}" for reason, count in report.skipped.items())
+    fill = report.packed_tokens / (report.microbatches * budget) if report.microbatches else 0.0
+    return [
+        f"records read: {report.records}",
+        f"skipped: {sum(report.skipped.values())} ({skipped})",
+        f"documents: {len(report.lengths)}",
+        f"tokens: {report.tokens}",
+        f"trainable tokens: {report.trainable_tokens} ({report.trainable_tokens / max(report.tokens, 1):.1%})",
+        f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}",
+    ]
+
+
+def render_terminal(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int, colour: bool) -> str:
+    lines = summary_lines(report, budget) + ["", "document lengths (tokens):", *histogram(report.lengths)]
+    for document in report.examples:
+        lines += ["", f"--- document {document.doc_id} ({len(document)} tokens; trained tokens "
+                      + ("in green" if colour else "between [[ ]]") + ") ---"]
+        parts = []
+        for text, trained in trained_pieces(tokenizer, document):
+            if colour:
+                parts.append(f"{TRAINED if trained else PLAIN}{text}{RESET}")
+            else:
+                parts.append(f"[[{text}]]" if trained else text)
+        lines.append("".join(parts))
+    return "\n".join(lines)
+
+
+def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int) -> str:
+    documents = []
+    for document in report.examples:
+        body = "".join(f'<span class="trained">{html.escape(text)}</span>' if trained else html.escape(text)
+                       for text, trained in trained_pieces(tokenizer, document))
+        documents.append(f"<h2>document {document.doc_id} ({len(document)} tokens)</h2><pre>{body}</pre>")
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report, budget))
+    bars = html.escape("\n".join(histogram(report.lengths)))
+    return (
+        "<!doctype html><meta charset='utf-8'><title>chattune inspect</title>"
+        "<style>body{font-family:sans-serif;margin:2em}pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}"
+        ".trained{background:#c8f7c5;color:#0a5d00;font-weight:bold}</style>"
+        f"<h1>What training will see</h1><ul>{summary}</ul><h2>document lengths (tokens)</h2><pre>{bars}</pre>"
+        "<p>Trained tokens are <span class='trained'>highlighted</span>.</p>" + "".join(documents)
+    )
+
+
+def run_inspect(config_name: str, overrides: list[str], config_dir: Path, num_docs: int, limit: int | None,
+                html_path: Path | None, colour: bool) -> str:
+    cfg = load_config(config_name, overrides, config_dir)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+    report = inspect_sources(cfg, tokenizer, num_docs, limit)
+    if html_path is not None:
+        html_path.write_text(render_html(report, tokenizer, cfg.data.max_tokens_per_microbatch), encoding="utf-8")
+    return render_terminal(report, tokenizer, cfg.data.max_tokens_per_microbatch, colour)

@@ -1,0 +1,38 @@
+"""`chattune inspect` reports what training will see, checked against counts made by hand."""
+
+from __future__ import annotations
+
+import json
+
+from chattune.cli import main
+from conftest import demo_tokenizer
+
+QUESTIONS = [("What is 2 + 2?", "2 + 2 = 4."), ("Reverse 'abc'.", "cba"), ("Sort 3, 1, 2", "1, 2, 3")]
+
+
+def test_inspect_counts_fill_and_highlighted_documents(tmp_path, capsys):
+    records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QUESTIONS]
+    records.append({"messages": [{"role": "user", "content": "Talk."}, {"role": "assistant", "content": "word " * 200}]})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    page = tmp_path / "report.html"
+
+    assert main(["inspect", "--num-docs", "2", "--no-color", "--html", str(page),
+                 f"data.train=[{data}]", "data.max_tokens_per_microbatch=128"]) == 0
+    out = capsys.readouterr().out
+
+    tokenizer = demo_tokenizer()
+    lengths = [len(tokenizer.apply_chat_template(r["messages"])["input_ids"]) for r in records[:3]]
+    # Trained: each answer's tokens and its <|im_end|> (the demo template puts "\n" before the answer).
+    trainable = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) + 1 for _, a in QUESTIONS)
+    assert "records read: 4" in out
+    assert "skipped: 1 (overlong 1, no_trainable_tokens 0)" in out
+    assert "documents: 3" in out
+    assert f"tokens: {sum(lengths)}" in out
+    assert f"trainable tokens: {trainable} ({trainable / sum(lengths):.1%})" in out
+    assert f"microbatches at 128 tokens: 1, fill {sum(lengths) / 128:.2%}" in out
+    assert "[[2 + 2 = 4.<|im_end|>]]" in out and "[[cba<|im_end|>]]" in out
+    assert "[[What is" not in out and "Sort 3, 1, 2" not in out  # two documents shown, prompts untrained
+    text = page.read_text()
+    assert '<span class="trained">2 + 2 = 4.&lt;|im_end|&gt;</span>' in text
+    assert "records read: 4" in text
