@@ -52,9 +52,11 @@ def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_exa
     budget = cfg.data.max_tokens_per_microbatch
     documents = SFTDocuments(RecordSource(specs), tokenizer, budget, cfg.data.overlong, cfg.data.train_on)
     report = DataReport()
+    outcomes: list[int | Skipped] = []  # per record: its length, or why it is skipped
     for index in range(min(len(documents), limit or len(documents))):
         report.records += 1
         document = documents.get(index)
+        outcomes.append(document if isinstance(document, Skipped) else len(document))
         if isinstance(document, Skipped):
             report.skipped[document.reason] += 1
             continue
@@ -62,7 +64,7 @@ def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_exa
         report.trainable_tokens += sum(label != IGNORE_INDEX for label in document.labels)
         if len(report.examples) < num_examples:
             report.examples.append(document)
-    stream = PackedStream(_FirstRecords(documents, report.records), 0, 1, cfg.seed, budget, 0,
+    stream = PackedStream(_KnownLengths(outcomes), 0, 1, cfg.seed, budget, 0,
                           cfg.data.buffer_records, num_epochs=1, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
     for batch in stream:
         report.microbatches += 1
@@ -70,17 +72,21 @@ def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_exa
     return report
 
 
-class _FirstRecords:
-    """The first `count` records of a document source."""
+class _KnownLengths:
+    """The records already read, as placeholder documents of their lengths: packing (and so the fill)
+    depends on lengths alone, so the stream need not tokenize everything a second time."""
 
-    def __init__(self, documents: SFTDocuments, count: int):
-        self.documents, self.count = documents, count
+    def __init__(self, outcomes: list[int | Skipped]):
+        self.outcomes = outcomes
 
     def __len__(self) -> int:
-        return self.count
+        return len(self.outcomes)
 
-    def get(self, index: int):
-        return self.documents.get(index)
+    def get(self, index: int) -> Document | Skipped:
+        outcome = self.outcomes[index]
+        if isinstance(outcome, Skipped):
+            return outcome
+        return Document(doc_id=index, input_ids=[0] * outcome, labels=[IGNORE_INDEX] * outcome)
 
 
 def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:
