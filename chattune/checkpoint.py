@@ -27,23 +27,20 @@ from chattune.model import PackedCausalLM
 HF_PREFIX = "hf_model."
 
 
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
 def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict) -> None:
     """Collective: every rank writes its shards and its own train_state."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
-    dcp.save(state, checkpoint_id=str(directory))
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(directory))
     torch.save(train_state, directory / f"train_state_rank{dist.get_rank()}.pt")
 
 
 def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Collective: restore model and optimizer shards in place; returns this rank's train_state."""
-    state = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
+    state = _sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -53,7 +53,7 @@ def format_line(metrics: dict[str, float]) -> str:
     for name, value in metrics.items():
         if name == "step":
             continue
-        if isinstance(value, float) and name in ("lr",):
+        if isinstance(value, float) and name == "lr":
             parts.append(f"{name} {value:.2e}")
         elif isinstance(value, float):
             parts.append(f"{name} {value:.4g}")

@@ -67,7 +67,7 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
     if pad_to_multiple_of:
         padding = -sum(len(d) for d in documents) % pad_to_multiple_of
         if padding:
-            documents = documents + [Document(doc_id=-1, input_ids=[pad_token_id] * padding, labels=[IGNORE_INDEX] * padding)]
+            documents = documents + [_padding(padding, pad_token_id)]
     lengths = [len(d) for d in documents]
     cu_seqlens = torch.zeros(len(documents) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
@@ -81,10 +81,15 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
     )
 
 
+def _padding(length: int, pad_token_id: int) -> Document:
+    """Tokens that are no document (doc_id -1) and train nothing."""
+    return Document(doc_id=-1, input_ids=[pad_token_id] * length, labels=[IGNORE_INDEX] * length)
+
+
 def empty_batch(pad_token_id: int) -> PackedBatch:
     """A one-token microbatch with nothing to train: lets a rank without data still run forward/backward,
     so every rank makes the same collective calls and none waits forever."""
-    return collate_packed([Document(doc_id=-1, input_ids=[pad_token_id], labels=[IGNORE_INDEX])])
+    return collate_packed([_padding(1, pad_token_id)])
 
 
 def best_fit_decreasing(documents: list[Document], max_tokens: int) -> list[list[Document]]:

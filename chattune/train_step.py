@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from chattune.distributed import all_reduce_sum
-from chattune.loss import IGNORE_INDEX
 from chattune.packing import PackedBatch, empty_batch
 
 
