@@ -136,6 +136,7 @@ class PackedStream:
         self.epoch = 0  # epoch of the documents being packed and emitted
         self.docs_in_epoch = 0  # documents of this epoch taken so far
         self.pending: list[list[Document]] = []  # packed bins not yet emitted
+        self.pending_ends_epoch = False  # `pending` holds the last bins of the epoch
         self.carried: list[Document] = []  # documents of the last buffer's least-filled bin
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)
 
@@ -168,6 +169,7 @@ class PackedStream:
             least_filled = min(range(len(bins)), key=lambda i: sum(map(len, bins[i])))
             self.carried = bins.pop(least_filled)
         self.pending = bins
+        self.pending_ends_epoch = stopped == "epoch_end"
         if stopped == "epoch_end":
             if self.docs_in_epoch == 0:
                 # Every record of this rank's share was skipped (or it had none): an empty microbatch
@@ -185,10 +187,9 @@ class PackedStream:
                 return
             if self.pending:
                 bin_ = self.pending.pop(0)
-                if bin_:
-                    yield collate_packed(bin_, self.pad_to_multiple_of, self.pad_token_id)
-                else:
-                    yield empty_batch(self.pad_token_id)
+                batch = collate_packed(bin_, self.pad_to_multiple_of, self.pad_token_id) if bin_ else empty_batch(self.pad_token_id)
+                batch.epoch, batch.ends_epoch = self.epoch, self.pending_ends_epoch and not self.pending
+                yield batch
 
     def state_dict(self) -> dict:
         return {
@@ -196,6 +197,7 @@ class PackedStream:
             "epoch": self.epoch,
             "docs_in_epoch": self.docs_in_epoch,
             "pending_doc_ids": [[doc.doc_id for doc in bin_] for bin_ in self.pending],
+            "pending_ends_epoch": self.pending_ends_epoch,
             "carried_doc_ids": [doc.doc_id for doc in self.carried],
             "skipped": dict(self.skipped),
         }
@@ -205,5 +207,6 @@ class PackedStream:
         self._items = None
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
         self.pending = [[self.documents.get(i) for i in bin_] for bin_ in state["pending_doc_ids"]]
+        self.pending_ends_epoch = state["pending_ends_epoch"]
         self.carried = [self.documents.get(i) for i in state["carried_doc_ids"]]
         self.skipped = dict(state["skipped"])

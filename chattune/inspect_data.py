@@ -9,7 +9,6 @@ highlighted (terminal colours, or an HTML page with `--html`).
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -20,8 +19,9 @@ from chattune import config as _config  # noqa: F401  (registers ${demo_asset:..
 from chattune.data_stream import PackedStream
 from chattune.formats import SourceSpec
 from chattune.loss import IGNORE_INDEX
+from chattune.data_report import DataReport, count_lines, scan_documents
 from chattune.packing import Document
-from chattune.sft_data import SKIP_REASONS, RecordSource, SFTDocuments, Skipped
+from chattune.sft_data import RecordSource, SFTDocuments, Skipped
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
@@ -32,39 +32,12 @@ def load_config(config_name: str, overrides: list[str], config_dir: Path = DEFAU
         return compose(config_name, overrides=overrides)
 
 
-@dataclass
-class DataReport:
-    records: int = 0
-    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
-    lengths: list[int] = field(default_factory=list)
-    trainable_tokens: int = 0
-    examples: list[Document] = field(default_factory=list)
-    microbatches: int = 0
-    packed_tokens: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-
 def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
     specs = [SourceSpec.from_config(e) for e in OmegaConf.to_container(cfg.data.train, resolve=True)]
     budget = cfg.data.max_tokens_per_microbatch
     documents = SFTDocuments(RecordSource(specs), tokenizer, budget, cfg.data.overlong, cfg.data.train_on)
-    report = DataReport()
-    outcomes: list[int | Skipped] = []  # per record: its length, or why it is skipped
-    for index in range(min(len(documents), limit or len(documents))):
-        report.records += 1
-        document = documents.get(index)
-        outcomes.append(document if isinstance(document, Skipped) else len(document))
-        if isinstance(document, Skipped):
-            report.skipped[document.reason] += 1
-            continue
-        report.lengths.append(len(document))
-        report.trainable_tokens += sum(label != IGNORE_INDEX for label in document.labels)
-        if len(report.examples) < num_examples:
-            report.examples.append(document)
-    stream = PackedStream(_KnownLengths(outcomes), 0, 1, cfg.seed, budget, 0,
+    report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples)
+    stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,
                           cfg.data.buffer_records, num_epochs=1, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
     for batch in stream:
         report.microbatches += 1
@@ -116,16 +89,8 @@ def histogram(lengths: list[int], width: int = 40) -> list[str]:
 
 
 def summary_lines(report: DataReport, budget: int) -> list[str]:
-    skipped = ", ".join(f"{reason} {count}" for reason, count in report.skipped.items())
     fill = report.packed_tokens / (report.microbatches * budget) if report.microbatches else 0.0
-    return [
-        f"records read: {report.records}",
-        f"skipped: {sum(report.skipped.values())} ({skipped})",
-        f"documents: {len(report.lengths)}",
-        f"tokens: {report.tokens}",
-        f"trainable tokens: {report.trainable_tokens} ({report.trainable_tokens / max(report.tokens, 1):.1%})",
-        f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}",
-    ]
+    return count_lines(report.counts()) + [f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}"]
 
 
 def render_terminal(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int, colour: bool) -> str:

@@ -39,6 +39,8 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # (num_docs + 1,) int32
     max_seqlen: int
     doc_ids: list[int] = field(default_factory=list)
+    epoch: int = 0  # the epoch its documents belong to
+    ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
 
     @property
     def num_trainable_tokens(self) -> int:
@@ -48,6 +50,11 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
+    @property
+    def num_document_tokens(self) -> int:
+        """Tokens of real documents (padding, always the last segment, excluded)."""
+        return int(self.cu_seqlens[len(self.doc_ids)])
+
     def to(self, device: torch.device | str) -> "PackedBatch":
         return PackedBatch(
             input_ids=self.input_ids.to(device, non_blocking=True),
@@ -56,6 +63,8 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
             max_seqlen=self.max_seqlen,
             doc_ids=self.doc_ids,
+            epoch=self.epoch,
+            ends_epoch=self.ends_epoch,
         )
 
 

@@ -7,12 +7,12 @@ gradients as a plain sum. The result is the gradient of the mean loss over every
 whatever the split into microbatches and ranks, and is never rescaled afterwards.
 
 Every rank runs the same number of forward/backward calls (ranks short of data get empty microbatches),
-so the end of the data can never leave one rank waiting in a collective.
+so the end of the data can never leave one rank waiting in a collective. The same all-reduce carries
+whether each rank has finished its share of the epoch (see `chattune.step_feed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from chattune.distributed import all_reduce_sum
-from chattune.packing import PackedBatch, empty_batch
+from chattune.packing import PackedBatch
 
 
 class Objective(Protocol):
@@ -47,23 +47,17 @@ class StepResult:
     local_units: int  # this rank's loss units
     global_units: int  # all ranks' loss units (the normaliser)
     local_tokens: int  # this rank's tokens, trained or not
-
-
-def take_microbatches(batches: Iterator[PackedBatch], count: int, pad_token_id: int) -> list[PackedBatch]:
-    """Prefetch one step's microbatches; if the data ends, pad with empty microbatches."""
-    taken = []
-    for _ in range(count):
-        batch = next(batches, None)
-        taken.append(batch if batch is not None else empty_batch(pad_token_id))
-    return taken
+    ranks_done: int = 0  # ranks that have finished their share of the epoch
 
 
 def accumulate_gradients(
-    model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device
+    model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device,
+    rank_done: bool = False,
 ) -> StepResult:
     """Forward/backward every microbatch of one step with the global normaliser."""
     local_units = sum(objective.count_units(b) for b in microbatches)
-    global_units = int(all_reduce_sum(torch.tensor([local_units], dtype=torch.int64, device=device)).item())
+    counts = all_reduce_sum(torch.tensor([local_units, int(rank_done)], dtype=torch.int64, device=device))
+    global_units, ranks_done = (int(c) for c in counts.tolist())
     normaliser = max(global_units, 1)  # a step with nothing to train gives zero gradients, not NaN
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for batch in microbatches:
@@ -75,6 +69,7 @@ def accumulate_gradients(
         local_units=local_units,
         global_units=global_units,
         local_tokens=sum(b.num_tokens for b in microbatches),
+        ranks_done=ranks_done,
     )
 
 
@@ -97,9 +92,10 @@ def train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     max_grad_norm: float | None,
     device: torch.device,
+    rank_done: bool = False,
 ) -> tuple[StepResult, float]:
     """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm."""
-    result = accumulate_gradients(model, objective, microbatches, device)
+    result = accumulate_gradients(model, objective, microbatches, device, rank_done)
     grad_norm = clip_gradients(model, max_grad_norm)
     optimizer.step()
     scheduler.step()

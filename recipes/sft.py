@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from chattune.checkpoint import export_hf, save_checkpoint
 from chattune.config import save_resolved_config
+from chattune.data_report import count_lines, report_sample, scan_documents
 from chattune.data_stream import PackedStream
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.evaluation import evaluate
@@ -28,7 +29,8 @@ from chattune.metrics import MetricLogger, reduce_sums, step_metrics
 from chattune.model import PackedCausalLM, build_hf_model
 from chattune.formats import SourceSpec
 from chattune.sft_data import RecordSource, SFTDocuments
-from chattune.train_step import TokenCrossEntropy, take_microbatches, train_step
+from chattune.step_feed import StepFeed
+from chattune.train_step import TokenCrossEntropy, train_step
 
 logger = logging.getLogger("chattune.sft")
 
@@ -49,20 +51,27 @@ def main(cfg: DictConfig) -> None:
     # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
-    def packed_stream(sources, shuffle: bool, num_epochs: int | None) -> PackedStream:
+    def sft_documents(sources) -> SFTDocuments:
         specs = [SourceSpec.from_config(entry) for entry in OmegaConf.to_container(sources, resolve=True)]
-        documents = SFTDocuments(
-            RecordSource(specs), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong, cfg.data.train_on,
-        )
+        return SFTDocuments(RecordSource(specs), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong,
+                            cfg.data.train_on)
+
+    def packed_stream(documents: SFTDocuments, shuffle: bool, num_epochs: int | None) -> PackedStream:
         return PackedStream(
             documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
             pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
             pad_to_multiple_of=cfg.data.pad_to_multiple_of,
         )
 
-    train_stream = packed_stream(cfg.data.train, shuffle=True, num_epochs=None)
-    train_batches = iter(train_stream)
-    eval_batches = list(packed_stream(cfg.data.eval, shuffle=False, num_epochs=1)) if cfg.data.eval else []
+    train_documents = sft_documents(cfg.data.train)
+    if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
+        sample = report_sample(len(train_documents), cfg.data.report_records, cfg.seed)
+        counts = reduce_sums(scan_documents(train_documents, sample[dist_info.rank :: dist_info.world_size]).counts(), device)
+        logger.info("training data (%d of %d records sampled): %s", len(sample), len(train_documents), "; ".join(count_lines(counts)))
+    # Every step takes grad_accum_steps microbatches per rank; epochs end on the same step on every rank.
+    feed = StepFeed(packed_stream(train_documents, shuffle=True, num_epochs=cfg.data.num_epochs),
+                    cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs)
+    eval_batches = list(packed_stream(sft_documents(cfg.data.eval), shuffle=False, num_epochs=1)) if cfg.data.eval else []
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
@@ -85,28 +94,39 @@ def main(cfg: DictConfig) -> None:
     for step in range(1, cfg.max_steps + 1):
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        microbatches = take_microbatches(train_batches, cfg.grad_accum_steps, pad_id)
-        result, grad_norm = train_step(model, objective, microbatches, optimizer, scheduler, cfg.max_grad_norm, device)
+        batches = feed.next_step()
+        result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
+                                       device, rank_done=batches.rank_done)
+        epoch_counts = feed.close_step(result.ranks_done, dist_info.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
         step_time = time.perf_counter() - start
         if result.global_units == 0 and step == 1:
             raise RuntimeError("the first step has no trainable token on any rank: check the data and its labels")
 
-        is_last = step == cfg.max_steps
+        if epoch_counts is not None:  # the step closed an epoch on every rank: its exact figures
+            counts = reduce_sums(epoch_counts, device)
+            fill = counts["tokens"] / max(counts["microbatches"] * cfg.data.max_tokens_per_microbatch, 1)
+            logger.info("epoch %d done at step %d: %d documents, %d tokens, %d trainable, %d microbatches (fill %.1f%%)",
+                        batches.epoch, step, counts["documents"], counts["tokens"], counts["trainable_tokens"],
+                        counts["microbatches"], 100 * fill)
+        is_last = step == cfg.max_steps or feed.finished
         # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
         is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
         if step % cfg.log_every == 0 or is_last or is_eval:
             metrics = step_metrics(step, result, grad_norm, lr, step_time, device)
-            metrics["epoch"] = train_stream.epoch
+            metrics["epoch"] = batches.epoch
             if is_eval:
                 metrics["eval_loss"] = evaluate(model, objective, eval_batches, device, pad_id)
             metric_logger.log(metrics)
         if cfg.save_every and step % cfg.save_every == 0:
-            train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": train_stream.state_dict()}
+            train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": feed.state_dict()}
             save_checkpoint(output_dir / "checkpoints" / f"step_{step}", model, optimizer, train_state)
+        if feed.finished:
+            logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
+            break
 
-    skipped = reduce_sums(train_stream.skipped, device)
+    skipped = reduce_sums(feed.stream.skipped, device)
     logger.info("training records skipped over all ranks and epochs: %s", {k: int(v) for k, v in skipped.items()})
 
     # --- save: a Hugging Face directory that loads without chattune ---

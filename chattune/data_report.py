@@ -1,0 +1,73 @@
+"""What the training data holds: records read, skipped by reason, documents, tokens and the trainable
+fraction. `chattune inspect` counts every record; a recipe counts a sample before its first step (summed
+over ranks) and the exact figures of each epoch as it closes. One set of names and one wording for all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from chattune.loss import IGNORE_INDEX
+from chattune.packing import Document
+from chattune.sft_data import SKIP_REASONS, Skipped
+
+
+@dataclass
+class DataReport:
+    records: int = 0
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    lengths: list[int] = field(default_factory=list)  # tokens per document
+    trainable_tokens: int = 0
+    examples: list[Document] = field(default_factory=list)
+    outcomes: list[int | Skipped] = field(default_factory=list)  # per record: its length, or why it is skipped
+    microbatches: int = 0  # when packed (inspect): microbatches and the tokens in them
+    packed_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def counts(self) -> dict[str, int]:
+        """Flat figures, summable over ranks."""
+        return {"records": self.records, "documents": len(self.lengths), "tokens": self.tokens,
+                "trainable_tokens": self.trainable_tokens, **{f"skipped/{r}": n for r, n in self.skipped.items()}}
+
+
+def scan_documents(documents, indices: Iterable[int], num_examples: int = 0) -> DataReport:
+    """Tokenize the records at `indices` (a `SFTDocuments`-like source) and count what they give."""
+    report = DataReport()
+    for index in indices:
+        report.records += 1
+        document = documents.get(index)
+        if isinstance(document, Skipped):
+            report.skipped[document.reason] += 1
+            report.outcomes.append(document)
+            continue
+        report.outcomes.append(len(document))
+        report.lengths.append(len(document))
+        report.trainable_tokens += sum(label != IGNORE_INDEX for label in document.labels)
+        if len(report.examples) < num_examples:
+            report.examples.append(document)
+    return report
+
+
+def count_lines(counts: dict[str, float]) -> list[str]:
+    """The figures of `DataReport.counts()` (or their sum over ranks) as report lines."""
+    skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/")}
+    tokens = int(counts["tokens"])
+    return [
+        f"records read: {int(counts['records'])}",
+        f"skipped: {sum(skipped.values())} ({', '.join(f'{reason} {n}' for reason, n in skipped.items())})",
+        f"documents: {int(counts['documents'])}",
+        f"tokens: {tokens}",
+        f"trainable tokens: {int(counts['trainable_tokens'])} ({counts['trainable_tokens'] / max(tokens, 1):.1%})",
+    ]
+
+
+def report_sample(num_records: int, size: int | None, seed: int) -> list[int]:
+    """The records a start-of-training report reads: `size` of them at random (all when None or more)."""
+    order = torch.randperm(num_records, generator=torch.Generator().manual_seed(seed))
+    return order[: size if size is not None else num_records].tolist()
