@@ -71,3 +71,10 @@ def report_sample(num_records: int, size: int | None, seed: int) -> list[int]:
     """The records a start-of-training report reads: `size` of them at random (all when None or more)."""
     order = torch.randperm(num_records, generator=torch.Generator().manual_seed(seed))
     return order[: size if size is not None else num_records].tolist()
+
+
+def epoch_line(counts: dict[str, float], budget: int) -> str:
+    """An epoch's figures over all ranks (`StepFeed` counts summed), as one log line."""
+    fill = counts["tokens"] / max(counts["microbatches"] * budget, 1)
+    return (f"{int(counts['documents'])} documents, {int(counts['tokens'])} tokens, {int(counts['trainable_tokens'])} "
+            f"trainable, {int(counts['microbatches'])} microbatches (fill {fill:.1%})")

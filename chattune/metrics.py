@@ -66,7 +66,8 @@ class MetricLogger:
     """Rank 0 writes; other ranks' calls do nothing. `backend` is 'stdout' or 'wandb' (stdout and JSONL
     are always written)."""
 
-    def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None, wandb_kwargs: dict | None = None):
+    def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None,
+                 wandb_kwargs: dict | None = None, resume_step: int | None = None):
         if backend not in ("stdout", "wandb"):
             raise ValueError(f"logger must be 'stdout' or 'wandb', got {backend!r}")
         self.is_main = is_main
@@ -75,11 +76,20 @@ class MetricLogger:
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")  # one run's curve per file: a rerun in the same output_dir starts it afresh
+        self._start_file(resume_step)
         if backend == "wandb":
             import wandb  # imported lazily: only runs that ask for it need it configured
 
             self.wandb_run = wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}))
+
+    def _start_file(self, resume_step: int | None) -> None:
+        """One run's curve per file: a fresh run starts it afresh; a resumed run keeps the lines up to its
+        checkpoint and drops later ones (the steps lost in a crash are trained and logged again)."""
+        kept = ""
+        if resume_step is not None and self.path.exists():
+            lines = self.path.read_text().splitlines(keepends=True)
+            kept = "".join(line for line in lines if line.strip() and json.loads(line).get("step", 0) <= resume_step)
+        self.path.write_text(kept)
 
     def log(self, metrics: dict[str, float]) -> None:
         if not self.is_main:

@@ -13,8 +13,10 @@ The price is a few empty microbatches per epoch on the ranks whose share packed 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from chattune.packing import PackedBatch, empty_batch
 
@@ -96,3 +98,19 @@ class StepFeed:
 
 def _zero_counts() -> dict[str, int]:
     return {"microbatches": 0, "documents": 0, "tokens": 0, "trainable_tokens": 0}
+
+
+class DocumentLedger:
+    """Debug record (`ledger=true`) of the documents each step trained on, one JSON line per step in
+    `{output_dir}/ledger/rank{R}.from_step{S}.jsonl` (a file per launch, so a resumed run's lines never mix
+    with those of the run it continues). The crash tests audit exactly-once training with it."""
+
+    def __init__(self, output_dir: Path, rank: int, start_step: int):
+        self.path = Path(output_dir) / "ledger" / f"rank{rank}.from_step{start_step}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+
+    def write(self, step: int, batches: StepBatches) -> None:
+        doc_ids = [i for batch in batches.microbatches for i in batch.doc_ids]
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "epoch": batches.epoch, "doc_ids": doc_ids}) + "\n")

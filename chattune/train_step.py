@@ -13,11 +13,14 @@ whether each rank has finished its share of the epoch (see `chattune.step_feed`)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from chattune.distributed import all_reduce_sum
 from chattune.packing import PackedBatch
@@ -73,14 +76,21 @@ def accumulate_gradients(
     )
 
 
-def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
-    """Total gradient norm over all ranks (gradients are sharded DTensors); clip when max_norm is set."""
+def clip_gradients(model: nn.Module, max_norm: float | None, local_loss_finite: bool = True) -> float:
+    """Total gradient norm over all ranks, clipped to max_norm when set. NaN on every rank when any rank's
+    loss or gradients are non-finite: one all-reduce carries both, so all ranks decide alike."""
     params = [p for p in model.parameters() if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if hasattr(total_norm, "full_tensor"):  # DTensor: reduce the shard norms across ranks
-        total_norm = total_norm.full_tensor()
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+    grads = [p.grad for p in params]
+    # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
+    if any(not isinstance(g, DTensor) for g in grads) and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
+    local_norm = torch.nn.utils.get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], foreach=True)
+    device = local_norm.device
+    sums = all_reduce_sum(torch.stack([local_norm.double().square(),
+                                       torch.tensor(0.0 if local_loss_finite else 1.0, dtype=torch.float64, device=device)]))
+    total_norm = sums[0].sqrt() if sums[1] == 0 else torch.tensor(float("nan"), dtype=torch.float64, device=device)
+    if max_norm is not None and torch.isfinite(total_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
     return float(total_norm)
 
 
@@ -94,10 +104,15 @@ def train_step(
     device: torch.device,
     rank_done: bool = False,
 ) -> tuple[StepResult, float]:
-    """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm."""
+    """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm.
+
+    A non-finite grad norm (any rank's loss or gradients) means the optimizer did not step, on every rank:
+    the parameters and optimizer state stay as they were (the schedule still advances with the step
+    number). The caller decides whether to go on or stop."""
     result = accumulate_gradients(model, objective, microbatches, device, rank_done)
-    grad_norm = clip_gradients(model, max_grad_norm)
-    optimizer.step()
+    grad_norm = clip_gradients(model, max_grad_norm, math.isfinite(result.loss_sum))
+    if math.isfinite(grad_norm):
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return result, grad_norm

@@ -6,7 +6,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from chattune.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from chattune.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
+from chattune.hf_export import export_hf
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.fsdp import shard_model
 from chattune.model import PackedCausalLM
@@ -37,19 +38,26 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batch = collate_packed(demo_documents(4, start=4 * rank))
     train_step(model, TokenCrossEntropy(), [batch], optimizer, scheduler, 1.0, torch.device("cpu"))
-    save_checkpoint(tmp_path / "step_1", model, optimizer, {"step": 1, "rank": rank})
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 1, model, optimizer, {"step": 1, "rank": rank}, meta={"world_size": world_size})
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=rank == 0)
     weights, moments = full_state(model), full_optimizer_state(model, optimizer)
 
     other, other_optimizer = sharded(seed=1, world_size=world_size)  # different weights, no optimizer state yet
     train_step(other, TokenCrossEntropy(), [batch], other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0, torch.device("cpu"))
     assert any(not torch.equal(weights[k], v) for k, v in full_state(other).items())
-    train_state = load_checkpoint(tmp_path / "step_1", other, other_optimizer)
+    train_state = load_checkpoint(root / "step_1", other, other_optimizer)
     assert train_state == {"step": 1, "rank": rank}
     restored = full_state(other)
     assert all(torch.equal(weights[k], restored[k]) for k in weights)
     assert all(torch.equal(a, b) for a, b in zip(moments, full_optimizer_state(other, other_optimizer)))
+    # Pruning keeps the newest; an uncommitted (.partial) directory is never a checkpoint.
+    for step in (2, 3, 4):
+        save_checkpoint(root, step, other, other_optimizer, {"step": step}, meta={}, keep_last_n=2)
     if rank == 0:
+        (root / "step_9.partial").mkdir()
+        assert [p.name for p in committed_checkpoints(root)] == ["step_3", "step_4"]
+        assert find_latest(root) == root / "step_4"
         torch.save(weights, tmp_path / "weights.pt")
     shutdown_distributed()
     exit_process()

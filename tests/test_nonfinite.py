@@ -1,0 +1,62 @@
+"""A non-finite loss on ONE rank stops the update on EVERY rank, with no extra collective and no hang."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.multiprocessing as mp
+
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.fsdp import shard_model
+from chattune.model import PackedCausalLM
+from chattune.packing import collate_packed
+from chattune.train_step import TokenCrossEntropy, train_step
+from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
+
+
+class PoisonedOnRank(TokenCrossEntropy):
+    """The SFT loss, made NaN on one rank (as an overflow in one microbatch would)."""
+
+    def __init__(self, rank: int, poisoned_rank: int):
+        self.poison = rank == poisoned_rank
+
+    def loss_sum(self, model, batch):
+        loss = super().loss_sum(model, batch)
+        return loss * float("nan") if self.poison else loss
+
+
+def full_weights(model) -> list[torch.Tensor]:
+    return [p.full_tensor().clone() for p in model.parameters()]
+
+
+def _worker(rank: int, world_size: int, port: int, out: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batch = collate_packed(demo_documents(3, start=3 * rank))
+    before = full_weights(model)
+
+    _, poisoned_norm = train_step(model, PoisonedOnRank(rank, poisoned_rank=1), [batch], optimizer, scheduler, 1.0,
+                                  torch.device("cpu"))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
+    no_optimizer_state = len(optimizer.state) == 0
+    grads_cleared = all(p.grad is None for p in model.parameters())
+
+    _, clean_norm = train_step(model, TokenCrossEntropy(), [batch], optimizer, scheduler, 1.0, torch.device("cpu"))
+    updated = not all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
+    torch.save({"poisoned_norm": poisoned_norm, "unchanged": unchanged, "no_optimizer_state": no_optimizer_state,
+                "grads_cleared": grads_cleared, "clean_norm": clean_norm, "updated": updated}, f"{out}.rank{rank}")
+    shutdown_distributed()
+    exit_process()
+
+
+def test_nan_on_one_rank_skips_the_update_on_all_ranks(tmp_path):
+    out = str(tmp_path / "result")
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = torch.load(f"{out}.rank{rank}")
+        assert math.isnan(result["poisoned_norm"]), f"rank {rank} did not see the other rank's NaN"
+        assert result["unchanged"] and result["no_optimizer_state"] and result["grads_cleared"], f"rank {rank} stepped"
+        assert math.isfinite(result["clean_norm"]) and result["updated"], f"rank {rank}: the next clean step must update"
