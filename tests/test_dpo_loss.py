@@ -1,0 +1,60 @@
+"""Each preference loss against its formula written out by hand with Python floats."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chattune.dpo_loss import PreferenceLoss
+
+# (policy chosen, policy rejected, reference chosen, reference rejected, chosen tokens, rejected tokens)
+PAIRS = [(-12.0, -15.5, -13.0, -14.0, 6, 9), (-40.25, -22.0, -41.0, -20.5, 20, 11), (-3.0, -3.0, -2.5, -4.0, 2, 3)]
+
+
+def log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def by_hand(loss_type: str, beta: float, eps: float, gamma: float, sft: float, pc, pr, rc, rr, nc, nr) -> tuple[float, float, float]:
+    if loss_type == "simpo":
+        chosen, rejected = beta * pc / nc, beta * pr / nr
+    elif loss_type == "sigmoid_norm":
+        chosen, rejected = beta * (pc - rc) / nc, beta * (pr - rr) / nr
+    else:
+        chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+    d = chosen - rejected
+    if loss_type in ("sigmoid", "sigmoid_norm"):
+        loss = -(1 - eps) * log_sigmoid(d) - eps * log_sigmoid(-d)
+    elif loss_type == "robust":
+        loss = (-(1 - eps) * log_sigmoid(d) + eps * log_sigmoid(-d)) / (1 - 2 * eps)
+    elif loss_type == "hinge":
+        loss = max(0.0, 1 - d)
+    elif loss_type == "ipo":
+        h = (pc - rc) - (pr - rr)
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        loss = -(1 - eps) * log_sigmoid(d - gamma) - eps * log_sigmoid(gamma - d)
+    return loss + sft * (-pc / nc), chosen, rejected
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo"])
+@pytest.mark.parametrize("eps,sft", [(0.0, 0.0), (0.2, 0.5)])
+def test_loss_matches_its_formula(loss_type, eps, sft):
+    beta, gamma = 0.3, 0.7
+    loss_fn = PreferenceLoss(loss_type, beta=beta, label_smoothing=eps, simpo_gamma=gamma, sft_weight=sft)
+    columns = [torch.tensor(c, dtype=torch.float64) for c in zip(*PAIRS)]
+    losses, chosen, rejected = loss_fn(*columns)
+    for i, pair in enumerate(PAIRS):
+        want_loss, want_chosen, want_rejected = by_hand(loss_type, beta, eps, gamma, sft, *pair)
+        assert abs(float(losses[i]) - want_loss) <= 1e-6 * max(1.0, abs(want_loss)), (loss_type, i)
+        assert abs(float(chosen[i]) - want_chosen) <= 1e-9 and abs(float(rejected[i]) - want_rejected) <= 1e-9
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="loss.type"):
+        PreferenceLoss("kto")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        PreferenceLoss(label_smoothing=0.5)
+    assert not PreferenceLoss("simpo").needs_reference and PreferenceLoss("ipo").needs_reference
