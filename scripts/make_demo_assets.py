@@ -1,4 +1,4 @@
-"""Generate chattune's demo assets: a synthetic chat dataset and a byte-level BPE tokenizer.
+"""Generate chattune's demo assets: a synthetic chat dataset, preference pairs and a byte-level BPE tokenizer.
 
 Deterministic (fixed seed): running it twice gives identical files. The outputs are committed under
 `chattune/assets/demo/` so the default recipe needs no network and no generation step:
@@ -6,7 +6,9 @@ Deterministic (fixed seed): running it twice gives identical files. The outputs 
     python scripts/make_demo_assets.py            # rewrites chattune/assets/demo/
 
 The tasks (arithmetic, sorting, counting, string edits, with multi-turn follow-ups) are ones a tiny
-model can learn to measurable accuracy in minutes, so a falling loss means something.
+model can learn to measurable accuracy in minutes, so a falling loss means something. The preference
+pairs (for DPO) share the context of a conversation and differ in its final reply: the correct one is
+chosen, a plausibly wrong one (a number off by a little, two characters swapped) rejected.
 """
 
 from __future__ import annotations
@@ -114,6 +116,31 @@ def make_conversation(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
+def corrupt(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer: the last number changed a little, or else two characters swapped."""
+    digits = [i for i, c in enumerate(answer) if c.isdigit()]
+    if digits:
+        end = digits[-1] + 1
+        start = end
+        while start > 0 and answer[start - 1].isdigit():
+            start -= 1
+        wrong = int(answer[start:end]) + rng.choice([-3, -2, -1, 1, 2, 3])
+        return answer[:start] + str(abs(wrong)) + answer[end:] if abs(wrong) != int(answer[start:end]) else answer + "0"
+    letters = [i for i in range(len(answer) - 1) if answer[i] != answer[i + 1] and answer[i].isalpha()]
+    if not letters:
+        return answer + answer[-1:]
+    i = rng.choice(letters)
+    return answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :]
+
+
+def make_preference_pair(rng: random.Random) -> dict:
+    """{prompt: the conversation up to its last user turn, chosen/rejected: one assistant message each}."""
+    messages = make_conversation(rng)["messages"]
+    answer = messages[-1]["content"]
+    return {"prompt": messages[:-1], "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": corrupt(answer, rng)}]}
+
+
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     # Digits one by one: arithmetic is learnable when 57 and 75 share their digit tokens.
@@ -149,6 +176,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEMO_DIR)
     parser.add_argument("--num-train", type=int, default=4000)
     parser.add_argument("--num-eval", type=int, default=200)
+    parser.add_argument("--num-pairs", type=int, default=2000)
+    parser.add_argument("--num-eval-pairs", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
@@ -169,6 +198,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "chat_train.jsonl", train)
     write_jsonl(args.out / "chat_eval.jsonl", held_out)
+
+    # Preference pairs from their own random stream: adding them left the chat files unchanged.
+    pair_rng = random.Random(args.seed + 1)
+    pairs = [make_preference_pair(pair_rng) for _ in range(args.num_pairs + args.num_eval_pairs)]
+    for i, pair in enumerate(pairs):
+        pair["id"] = f"demo-pair-{i:05d}"
+    write_jsonl(args.out / "preference_train.jsonl", pairs[: args.num_pairs])
+    write_jsonl(args.out / "preference_eval.jsonl", pairs[args.num_pairs :])
 
     # Train on role-headed turns so the role names ChatML renders become single tokens too.
     texts = [f"{m['role']}\n{m['content']}" for c in train for m in c["messages"]]
