@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from chattune.distributed import all_reduce_sum
-from chattune.train_step import StepResult
+from chattune.train_step import Objective, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -26,26 +26,26 @@ def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, flo
 
 
 def step_metrics(
-    step: int, result: StepResult, grad_norm: float, lr: float, step_time_s: float, device: torch.device
+    step: int, result: StepResult, objective: Objective, grad_norm: float, lr: float, step_time_s: float,
+    device: torch.device,
 ) -> dict[str, float]:
-    """The metrics of one step, over all ranks (one all-reduce). Collective: every rank must call it.
+    """The metrics of one step, over all ranks (one stacked all-reduce). Collective: every rank must call it.
 
-    loss: summed unit losses / global units (token-weighted for SFT); num_tokens: global trainable
-    tokens; tokens_per_sec: those per second of step time (mean over ranks)."""
-    sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens}, device)
+    The objective turns the summed figures into its metrics (loss, num_tokens, ...); tokens_per_sec is
+    trainable tokens per second of step time (mean over ranks), all_tokens_per_sec every token's."""
+    sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens,
+                        **result.figures}, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    units = max(result.global_units, 1)
-    step_time = sums.pop("step_time_s") / world
-    return {
-        "step": step,
-        "loss": sums.pop("loss_sum") / units,
-        "num_tokens": result.global_units,
-        "tokens_per_sec": result.global_units / step_time,
-        "all_tokens_per_sec": sums.pop("all_tokens") / step_time,
-        "lr": lr,
-        "grad_norm": grad_norm,
-        "step_time_s": step_time,
-    }
+    step_time = sums["step_time_s"] / world
+    metrics = {"step": step, **objective.metrics(sums, result.global_units)}
+    metrics.update(
+        tokens_per_sec=metrics["num_tokens"] / step_time,
+        all_tokens_per_sec=sums["all_tokens"] / step_time,
+        lr=lr,
+        grad_norm=grad_norm,
+        step_time_s=step_time,
+    )
+    return metrics
 
 
 def format_line(metrics: dict[str, float]) -> str:

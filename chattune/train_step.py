@@ -14,7 +14,7 @@ whether each rank has finished its share of the epoch (see `chattune.step_feed`)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,11 +27,14 @@ from chattune.packing import PackedBatch
 
 
 class Objective(Protocol):
-    """What a recipe trains: how many loss units a microbatch holds, and their summed loss."""
+    """What a recipe trains: how many loss units a microbatch holds, their summed loss (with any other
+    per-unit figures it reports, summed), and how the step's sums over all ranks become metrics."""
 
     def count_units(self, batch: PackedBatch) -> int: ...
 
-    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor: ...
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]: ...
 
 
 class TokenCrossEntropy:
@@ -40,8 +43,12 @@ class TokenCrossEntropy:
     def count_units(self, batch: PackedBatch) -> int:
         return batch.num_trainable_tokens
 
-    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
-        return model(batch).sum()  # per-token losses are 0 at ignored labels
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return model(batch).sum(), {}  # per-token losses are 0 at ignored labels
+
+    def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
+        """loss: token-weighted mean over every trainable token of the step; num_tokens: those tokens."""
+        return {"loss": sums["loss_sum"] / max(global_units, 1), "num_tokens": global_units}
 
 
 @dataclass
@@ -51,6 +58,7 @@ class StepResult:
     global_units: int  # all ranks' loss units (the normaliser)
     local_tokens: int  # this rank's tokens, trained or not
     ranks_done: int = 0  # ranks that have finished their share of the epoch
+    figures: dict[str, float] = field(default_factory=dict)  # this rank's other per-unit sums (the objective's)
 
 
 def accumulate_gradients(
@@ -63,16 +71,20 @@ def accumulate_gradients(
     global_units, ranks_done = (int(c) for c in counts.tolist())
     normaliser = max(global_units, 1)  # a step with nothing to train gives zero gradients, not NaN
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    figures: dict[str, torch.Tensor] = {}
     for batch in microbatches:
-        batch_loss = objective.loss_sum(model, batch.to(device))
+        batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
         (batch_loss / normaliser).backward()
         loss_sum += batch_loss.detach().float()
+        for name, value in batch_figures.items():
+            figures[name] = figures.get(name, 0.0) + value.detach().double()
     return StepResult(
         loss_sum=float(loss_sum),
         local_units=local_units,
         global_units=global_units,
         local_tokens=sum(b.num_tokens for b in microbatches),
         ranks_done=ranks_done,
+        figures={name: float(value) for name, value in figures.items()},
     )
 
 

@@ -138,10 +138,10 @@ def main(cfg: DictConfig) -> None:
         # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
         is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
         if step % cfg.log_every == 0 or is_last or is_eval:
-            metrics = step_metrics(step, result, grad_norm, lr, step_time, device)
+            metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
             metrics.update(epoch=batches.epoch, **counters)
             if is_eval:
-                metrics["eval_loss"] = evaluate(model, objective, eval_batches, device, pad_id)
+                metrics.update(evaluate(model, objective, eval_batches, device, pad_id))
             metric_logger.log(metrics)
         stopping = step == cfg.stop_after_step
         if (cfg.save_every and step % cfg.save_every == 0) or stopping:

@@ -29,10 +29,10 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
     assert all(layer.gradient_checkpointing == checkpointing for layer in decoder_layers(model))
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
     objective = TokenCrossEntropy()
-    eval_loss = evaluate(model, objective, microbatches, torch.device("cpu"), pad_token_id=0)
+    eval_loss = evaluate(model, objective, microbatches, torch.device("cpu"), pad_token_id=0)["eval_loss"]
     result = accumulate_gradients(model, objective, microbatches, torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
-    metrics = step_metrics(1, result, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
+    metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grad_norm = clip_gradients(model, max_norm=None)
     clipped_norm = clip_gradients(model, max_norm=grad_norm / 4)  # clips, returns the norm before
     clipped = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}

@@ -22,8 +22,8 @@ class PoisonedOnRank(TokenCrossEntropy):
         self.poison = rank == poisoned_rank
 
     def loss_sum(self, model, batch):
-        loss = super().loss_sum(model, batch)
-        return loss * float("nan") if self.poison else loss
+        loss, figures = super().loss_sum(model, batch)
+        return (loss * float("nan") if self.poison else loss), figures
 
 
 def full_weights(model) -> list[torch.Tensor]:
