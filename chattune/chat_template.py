@@ -15,16 +15,21 @@ prefixes of the full one. Instead we probe the template once for two strings:
 Each assistant reply is then the text from the end of its generation prompt to the end of its
 end-of-turn token: everything the model must produce at inference (think block and tool calls included),
 and nothing of the system/user/tool turns. Tokens whose first character lies in such a span are trained.
+
+For throughput, many rendered conversations are tokenized in one call (`TextBatchEncoder`) and masked
+with one vectorised search over all their tokens (`assistant_token_mask`); `tokenize_conversation` is
+the same path for a single conversation.
 """
 
 from __future__ import annotations
 
-import bisect
+import itertools
 from dataclasses import dataclass
 
 import jinja2
-
+import numpy as np
 from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 _PROBE_USER = "chattune probe question"
 _PROBE_REPLY = "chattune probe reply"
@@ -151,16 +156,91 @@ def tokenize_conversation(
     skip_turns: int = 0,
 ) -> TokenizedConversation:
     """Render (with `tools`, as `apply_chat_template` would) and tokenize a conversation, marking the
-    tokens of assistant replies after the first `skip_turns` ones, or of the last one only."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    tokens of assistant replies after the first `skip_turns` ones, or of the last one only.
+
+    One conversation through the same path as the batched one (`TextBatchEncoder`, `assistant_token_mask`)."""
+    text = render_conversation(tokenizer, messages, tools)
+    spans = trained_spans(text, messages, markers, last_turn_only, skip_turns)
+    encoded = TextBatchEncoder(tokenizer)([text])
+    mask = assistant_token_mask(encoded, [spans])
+    return TokenizedConversation(input_ids=encoded.ids.tolist(), assistant_mask=mask.tolist())
+
+
+def render_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The text `apply_chat_template(messages, tools=tools)` tokenizes."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+
+
+def trained_spans(text: str, messages: list[dict], markers: TemplateMarkers, last_turn_only: bool = False,
+                  skip_turns: int = 0) -> list[tuple[int, int]]:
+    """The assistant spans to train: those after the first `skip_turns` replies, or the last one only."""
     spans = assistant_spans(text, messages, markers)[skip_turns:]
-    if last_turn_only:
-        spans = spans[-1:]
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [s for s, _ in spans]
-    mask = []
-    for token_start, _ in encoding["offset_mapping"]:
-        # The span that starts at or before this token's first character, if the token starts inside it.
-        i = bisect.bisect_right(starts, token_start) - 1
-        mask.append(i >= 0 and token_start < spans[i][1])
-    return TokenizedConversation(input_ids=list(encoding["input_ids"]), assistant_mask=mask)
+    return spans[-1:] if last_turn_only else spans
+
+
+@dataclass(frozen=True)
+class EncodedTexts:
+    """Several texts tokenized back to back: flat arrays over all their tokens."""
+
+    ids: np.ndarray  # int64 token ids
+    starts: np.ndarray  # int64 offset of each token's first character in its own text
+    lengths: np.ndarray  # int64 tokens per text
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Index one past each text's last token in the flat arrays."""
+        return np.cumsum(self.lengths)
+
+
+class TextBatchEncoder:
+    """`tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)`, as flat numpy arrays.
+
+    A stock fast tokenizer is called through its Rust backend, configured exactly as transformers'
+    `_encode_plus` configures it (no truncation, no padding, its `split_special_tokens`): transformers'
+    per-text conversion of each encoding into Python dicts and lists costs more than the tokenization of a
+    short chat. Any other tokenizer goes through its own `__call__`."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        stock = isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
+        self._backend = tokenizer.backend_tokenizer if stock else None
+
+    def __call__(self, texts: list[str]) -> EncodedTexts:
+        if self._backend is not None:
+            backend = self._backend
+            if backend.truncation is not None:
+                backend.no_truncation()
+            if backend.padding is not None:
+                backend.no_padding()
+            if backend.encode_special_tokens != self.tokenizer.split_special_tokens:
+                backend.encode_special_tokens = self.tokenizer.split_special_tokens
+            encodings = backend.encode_batch(texts, add_special_tokens=False)
+            ids, offsets = [e.ids for e in encodings], [e.offsets for e in encodings]
+        else:
+            out = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = out["input_ids"], out["offset_mapping"]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        total = int(lengths.sum())
+        return EncodedTexts(
+            ids=np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total),
+            starts=np.fromiter((start for text in offsets for start, _ in text), dtype=np.int64, count=total),
+            lengths=lengths,
+        )
+
+
+def assistant_token_mask(encoded: EncodedTexts, spans: list[list[tuple[int, int]]]) -> np.ndarray:
+    """True for each token whose first character lies in one of its own text's `spans`.
+
+    All texts at once: text k's offsets (token starts and span bounds alike) are moved by k * _TEXT_STRIDE,
+    so one sorted array of span starts serves every text and no span reaches into another text."""
+    text_of_token = np.repeat(np.arange(len(encoded.lengths), dtype=np.int64), encoded.lengths)
+    positions = encoded.starts + text_of_token * _TEXT_STRIDE
+    bounds = np.array([(start + k * _TEXT_STRIDE, end + k * _TEXT_STRIDE)
+                       for k, text_spans in enumerate(spans) for start, end in text_spans], dtype=np.int64).reshape(-1, 2)
+    # The span that starts at or before each token's first character, if the token starts inside it.
+    span = np.searchsorted(bounds[:, 0], positions, side="right") - 1
+    inside = positions < bounds[np.maximum(span, 0), 1] if len(bounds) else np.zeros(len(positions), dtype=bool)
+    return (span >= 0) & inside
+
+
+_TEXT_STRIDE = 1 << 40  # more characters than any one text has

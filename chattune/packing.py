@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from chattune.loss import IGNORE_INDEX
@@ -29,6 +30,15 @@ def shifted_labels(input_ids: list[int], trainable: list[bool]) -> list[int]:
     """Targets for each position: the next token when that next token is trainable."""
     labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(input_ids[1:], trainable[1:])]
     return labels + [IGNORE_INDEX]
+
+
+def shifted_label_array(input_ids: np.ndarray, trainable: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """`shifted_labels` of several documents laid back to back (document k ends before index ends[k]):
+    the last position of every document predicts nothing, so no label crosses into the next document."""
+    labels = np.full(len(input_ids), IGNORE_INDEX, dtype=np.int64)
+    labels[:-1] = np.where(trainable[1:], input_ids[1:], IGNORE_INDEX)
+    labels[ends[ends > 0] - 1] = IGNORE_INDEX
+    return labels
 
 
 @dataclass
