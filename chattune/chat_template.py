@@ -184,7 +184,8 @@ class EncodedTexts:
 
     ids: np.ndarray  # int64 token ids
     starts: np.ndarray  # int64 offset of each token's first character in its own text
-    lengths: np.ndarray  # int64 tokens per text
+    lengths: np.ndarray  # int64 tokens per text in these arrays (0 for a text over `keep_at_most`)
+    counts: np.ndarray  # int64 tokens per text
 
     @property
     def ends(self) -> np.ndarray:
@@ -205,7 +206,9 @@ class TextBatchEncoder:
         stock = isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
         self._backend = tokenizer.backend_tokenizer if stock else None
 
-    def __call__(self, texts: list[str]) -> EncodedTexts:
+    def __call__(self, texts: list[str], keep_at_most: int | None = None) -> EncodedTexts:
+        """Tokenize `texts`; those of more than `keep_at_most` tokens are only counted (they will be
+        dropped: converting their tokens to arrays would be wasted work)."""
         if self._backend is not None:
             backend = self._backend
             if backend.truncation is not None:
@@ -215,16 +218,25 @@ class TextBatchEncoder:
             if backend.encode_special_tokens != self.tokenizer.split_special_tokens:
                 backend.encode_special_tokens = self.tokenizer.split_special_tokens
             encodings = backend.encode_batch(texts, add_special_tokens=False)
-            ids, offsets = [e.ids for e in encodings], [e.offsets for e in encodings]
+            counts = [len(e) for e in encodings]
+            kept = [keep_at_most is None or n <= keep_at_most for n in counts]
+            ids = [e.ids if keep else [] for e, keep in zip(encodings, kept)]
+            offsets = [e.offsets if keep else [] for e, keep in zip(encodings, kept)]
         else:
             out = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
-            ids, offsets = out["input_ids"], out["offset_mapping"]
+            counts = [len(i) for i in out["input_ids"]]
+            kept = [keep_at_most is None or n <= keep_at_most for n in counts]
+            ids = [i if keep else [] for i, keep in zip(out["input_ids"], kept)]
+            offsets = [o if keep else [] for o, keep in zip(out["offset_mapping"], kept)]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         total = int(lengths.sum())
         return EncodedTexts(
             ids=np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total),
-            starts=np.fromiter((start for text in offsets for start, _ in text), dtype=np.int64, count=total),
+            # every other number of the flattened (start, end) pairs
+            starts=np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(offsets)),
+                               dtype=np.int64, count=2 * total)[::2],
             lengths=lengths,
+            counts=np.array(counts, dtype=np.int64),
         )
 
 

@@ -8,6 +8,7 @@ document is IGNORE_INDEX: no token is trained to predict across a document bound
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,13 +83,18 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
     cu_seqlens = torch.zeros(len(documents) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
     return PackedBatch(
-        input_ids=torch.tensor([t for d in documents for t in d.input_ids]).unsqueeze(0),
-        labels=torch.tensor([t for d in documents for t in d.labels]).unsqueeze(0),
+        input_ids=_concatenated([d.input_ids for d in documents], sum(lengths)),
+        labels=_concatenated([d.labels for d in documents], sum(lengths)),
         position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
     )
+
+
+def _concatenated(lists: list[list[int]], total: int) -> torch.Tensor:
+    """The lists back to back as a (1, total) long tensor (numpy reads Python ints ~8x faster than torch.tensor)."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)).unsqueeze(0)
 
 
 def _padding(length: int, pad_token_id: int) -> Document:

@@ -190,7 +190,7 @@ class SFTDocuments:
 
     def _tokenize(self, rendered: list["_Rendered"]) -> list[Document | Skipped]:
         """Tokenize the rendered texts together; label and check each document."""
-        encoded = self._encode([r.text for r in rendered])
+        encoded = self._encode([r.text for r in rendered], keep_at_most=self.max_tokens)
         if self.train_on == "all":
             trainable = np.ones(len(encoded.ids), dtype=bool)
         else:
@@ -198,13 +198,14 @@ class SFTDocuments:
         labels = shifted_label_array(encoded.ids, trainable, encoded.ends)
         ends = encoded.ends.tolist()
         documents: list[Document | Skipped] = []
-        for r, start, end in zip(rendered, [0, *ends[:-1]], ends):
-            documents.append(self._document(r, encoded.ids[start:end], labels[start:end]))
+        for r, count, start, end in zip(rendered, encoded.counts.tolist(), [0, *ends[:-1]], ends):
+            documents.append(self._document(r, count, encoded.ids[start:end], labels[start:end]))
         return documents
 
-    def _document(self, rendered: "_Rendered", ids: np.ndarray, labels: np.ndarray) -> Document | Skipped:
-        if len(ids) > self.max_tokens:
-            message = f"{rendered.where}: {len(ids)} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
+    def _document(self, rendered: "_Rendered", count: int, ids: np.ndarray, labels: np.ndarray) -> Document | Skipped:
+        """The document of `count` tokens (`ids`, `labels`: empty when it is over the budget), or why not."""
+        if count > self.max_tokens:
+            message = f"{rendered.where}: {count} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
             if self.overlong == "error":
                 raise DataError(message)
             return Skipped("overlong", message)
