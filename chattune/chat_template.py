@@ -23,13 +23,22 @@ the same path for a single conversation.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jinja2
 import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+try:  # how transformers renders chat templates (private: checked against apply_chat_template by the tests)
+    from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                        _plain_template_data)
+except ImportError:
+    _compile_jinja_template = None
 
 _PROBE_USER = "chattune probe question"
 _PROBE_REPLY = "chattune probe reply"
@@ -167,8 +176,46 @@ def tokenize_conversation(
 
 
 def render_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The text `apply_chat_template(messages, tools=tools)` tokenizes."""
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    """The text `apply_chat_template(messages, tools=tools, tokenize=False)` renders, byte for byte.
+
+    Rendered the way transformers renders it (the same compiled template and sandbox, the same plain copies
+    of the messages and tools, the same variables), except that the sandbox's attribute checks are memoized
+    (`_memoized_template`): they cost a third of the rendering. Where transformers' internals are not
+    there to reuse, `apply_chat_template` itself."""
+    if _compile_jinja_template is None:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    template = _memoized_template(tokenizer.get_chat_template(None, tools))
+    chat = _plain_template_data([{k: v for k, v in m.items() if v is not None} for m in messages])
+    return template.render(messages=_alias_reasoning_fields(chat), tools=_plain_template_data(tools), documents=None,
+                           add_generation_prompt=False, **_plain_template_data(tokenizer.special_tokens_map))
+
+
+@functools.lru_cache(maxsize=16)
+def _memoized_template(source: str) -> jinja2.Template:
+    """transformers' compiled chat template, in an overlay of its sandboxed environment (same filters,
+    globals, extensions) whose verdicts on attribute safety are kept per (type of object, attribute name):
+    jinja's sandbox decides from those two alone, yet re-decides on every `message.content.strip` of every
+    conversation."""
+    environment = _compile_jinja_template(source).environment
+    overlay = environment.overlay()
+    if type(environment).is_safe_attribute is ImmutableSandboxedEnvironment.is_safe_attribute:
+        overlay.is_safe_attribute = _memoized_verdicts(overlay.is_safe_attribute)
+    return overlay.from_string(source)
+
+
+def _memoized_verdicts(is_safe_attribute: Callable[[object, str, object], bool]) -> Callable[[object, str, object], bool]:
+    verdicts: dict[tuple[type, str], bool] = {}
+
+    def memoized(obj: object, attr: str, value: object) -> bool:
+        key = (type(obj), attr)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = is_safe_attribute(obj, attr, value)
+            if len(verdicts) < 10_000:  # attribute names come from the template: a few dozen
+                verdicts[key] = verdict
+        return verdict
+
+    return memoized
 
 
 def trained_spans(text: str, messages: list[dict], markers: TemplateMarkers, last_turn_only: bool = False,
