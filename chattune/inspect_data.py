@@ -9,6 +9,7 @@ highlighted (terminal colours, or an HTML page with `--html`).
 from __future__ import annotations
 
 import html
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,9 +54,9 @@ def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_exa
     documents = SFTDocuments(RecordSource(specs), tokenizer, budget, cfg.data.overlong, cfg.data.train_on)
     report = DataReport()
     outcomes: list[int | Skipped] = []  # per record: its length, or why it is skipped
-    for index in range(min(len(documents), limit or len(documents))):
+    count = min(len(documents), limit or len(documents))
+    for document in _in_batches(documents, count, cfg.data.buffer_records):
         report.records += 1
-        document = documents.get(index)
         outcomes.append(document if isinstance(document, Skipped) else len(document))
         if isinstance(document, Skipped):
             report.skipped[document.reason] += 1
@@ -70,6 +71,12 @@ def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_exa
         report.microbatches += 1
         report.packed_tokens += batch.num_tokens
     return report
+
+
+def _in_batches(documents: SFTDocuments, count: int, batch: int) -> Iterator[Document | Skipped]:
+    """Documents 0 .. count-1, tokenized `batch` records at a time, as the training stream does."""
+    for start in range(0, count, batch):
+        yield from documents.get_many(range(start, min(count, start + batch)))
 
 
 class _KnownLengths:
