@@ -15,16 +15,30 @@ prefixes of the full one. Instead we probe the template once for two strings:
 Each assistant reply is then the text from the end of its generation prompt to the end of its
 end-of-turn token: everything the model must produce at inference (think block and tool calls included),
 and nothing of the system/user/tool turns. Tokens whose first character lies in such a span are trained.
+
+For throughput, many rendered conversations are tokenized in one call (`TextBatchEncoder`) and masked
+with one vectorised search over all their tokens (`assistant_token_mask`); `tokenize_conversation` is
+the same path for a single conversation.
 """
 
 from __future__ import annotations
 
-import bisect
+import functools
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jinja2
-
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+try:  # how transformers renders chat templates (private: checked against apply_chat_template by the tests)
+    from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                        _plain_template_data)
+except ImportError:
+    _compile_jinja_template = None
 
 _PROBE_USER = "chattune probe question"
 _PROBE_REPLY = "chattune probe reply"
@@ -151,16 +165,141 @@ def tokenize_conversation(
     skip_turns: int = 0,
 ) -> TokenizedConversation:
     """Render (with `tools`, as `apply_chat_template` would) and tokenize a conversation, marking the
-    tokens of assistant replies after the first `skip_turns` ones, or of the last one only."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    tokens of assistant replies after the first `skip_turns` ones, or of the last one only.
+
+    One conversation through the same path as the batched one (`TextBatchEncoder`, `assistant_token_mask`)."""
+    text = render_conversation(tokenizer, messages, tools)
+    spans = trained_spans(text, messages, markers, last_turn_only, skip_turns)
+    encoded = TextBatchEncoder(tokenizer)([text])
+    mask = assistant_token_mask(encoded, [spans])
+    return TokenizedConversation(input_ids=encoded.ids.tolist(), assistant_mask=mask.tolist())
+
+
+def render_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The text `apply_chat_template(messages, tools=tools, tokenize=False)` renders, byte for byte.
+
+    Rendered the way transformers renders it (the same compiled template and sandbox, the same plain copies
+    of the messages and tools, the same variables), except that the sandbox's attribute checks are memoized
+    (`_memoized_template`): they cost a third of the rendering. Where transformers' internals are not
+    there to reuse, `apply_chat_template` itself."""
+    if _compile_jinja_template is None:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    template = _memoized_template(tokenizer.get_chat_template(None, tools))
+    chat = _plain_template_data([{k: v for k, v in m.items() if v is not None} for m in messages])
+    return template.render(messages=_alias_reasoning_fields(chat), tools=_plain_template_data(tools), documents=None,
+                           add_generation_prompt=False, **_plain_template_data(tokenizer.special_tokens_map))
+
+
+@functools.lru_cache(maxsize=16)
+def _memoized_template(source: str) -> jinja2.Template:
+    """transformers' compiled chat template, in an overlay of its sandboxed environment (same filters,
+    globals, extensions) whose verdicts on attribute safety are kept per (type of object, attribute name):
+    jinja's sandbox decides from those two alone, yet re-decides on every `message.content.strip` of every
+    conversation."""
+    environment = _compile_jinja_template(source).environment
+    overlay = environment.overlay()
+    if type(environment).is_safe_attribute is ImmutableSandboxedEnvironment.is_safe_attribute:
+        overlay.is_safe_attribute = _memoized_verdicts(overlay.is_safe_attribute)
+    return overlay.from_string(source)
+
+
+def _memoized_verdicts(is_safe_attribute: Callable[[object, str, object], bool]) -> Callable[[object, str, object], bool]:
+    verdicts: dict[tuple[type, str], bool] = {}
+
+    def memoized(obj: object, attr: str, value: object) -> bool:
+        key = (type(obj), attr)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = is_safe_attribute(obj, attr, value)
+            if len(verdicts) < 10_000:  # attribute names come from the template: a few dozen
+                verdicts[key] = verdict
+        return verdict
+
+    return memoized
+
+
+def trained_spans(text: str, messages: list[dict], markers: TemplateMarkers, last_turn_only: bool = False,
+                  skip_turns: int = 0) -> list[tuple[int, int]]:
+    """The assistant spans to train: those after the first `skip_turns` replies, or the last one only."""
     spans = assistant_spans(text, messages, markers)[skip_turns:]
-    if last_turn_only:
-        spans = spans[-1:]
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [s for s, _ in spans]
-    mask = []
-    for token_start, _ in encoding["offset_mapping"]:
-        # The span that starts at or before this token's first character, if the token starts inside it.
-        i = bisect.bisect_right(starts, token_start) - 1
-        mask.append(i >= 0 and token_start < spans[i][1])
-    return TokenizedConversation(input_ids=list(encoding["input_ids"]), assistant_mask=mask)
+    return spans[-1:] if last_turn_only else spans
+
+
+@dataclass(frozen=True)
+class EncodedTexts:
+    """Several texts tokenized back to back: flat arrays over all their tokens."""
+
+    ids: np.ndarray  # int64 token ids
+    starts: np.ndarray  # int64 offset of each token's first character in its own text
+    lengths: np.ndarray  # int64 tokens per text in these arrays (0 for a text over `keep_at_most`)
+    counts: np.ndarray  # int64 tokens per text
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Index one past each text's last token in the flat arrays."""
+        return np.cumsum(self.lengths)
+
+
+class TextBatchEncoder:
+    """`tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)`, as flat numpy arrays.
+
+    A stock fast tokenizer is called through its Rust backend, configured exactly as transformers'
+    `_encode_plus` configures it (no truncation, no padding, its `split_special_tokens`): transformers'
+    per-text conversion of each encoding into Python dicts and lists costs more than the tokenization of a
+    short chat. Any other tokenizer goes through its own `__call__`."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        stock = isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
+        self._backend = tokenizer.backend_tokenizer if stock else None
+
+    def __call__(self, texts: list[str], keep_at_most: int | None = None) -> EncodedTexts:
+        """Tokenize `texts`; those of more than `keep_at_most` tokens are only counted (they will be
+        dropped: converting their tokens to arrays would be wasted work)."""
+        if self._backend is not None:
+            backend = self._backend
+            if backend.truncation is not None:
+                backend.no_truncation()
+            if backend.padding is not None:
+                backend.no_padding()
+            if backend.encode_special_tokens != self.tokenizer.split_special_tokens:
+                backend.encode_special_tokens = self.tokenizer.split_special_tokens
+            encodings = backend.encode_batch(texts, add_special_tokens=False)
+            counts = [len(e) for e in encodings]
+            kept = [keep_at_most is None or n <= keep_at_most for n in counts]
+            ids = [e.ids if keep else [] for e, keep in zip(encodings, kept)]
+            offsets = [e.offsets if keep else [] for e, keep in zip(encodings, kept)]
+        else:
+            out = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+            counts = [len(i) for i in out["input_ids"]]
+            kept = [keep_at_most is None or n <= keep_at_most for n in counts]
+            ids = [i if keep else [] for i, keep in zip(out["input_ids"], kept)]
+            offsets = [o if keep else [] for o, keep in zip(out["offset_mapping"], kept)]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        total = int(lengths.sum())
+        return EncodedTexts(
+            ids=np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total),
+            # every other number of the flattened (start, end) pairs
+            starts=np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(offsets)),
+                               dtype=np.int64, count=2 * total)[::2],
+            lengths=lengths,
+            counts=np.array(counts, dtype=np.int64),
+        )
+
+
+def assistant_token_mask(encoded: EncodedTexts, spans: list[list[tuple[int, int]]]) -> np.ndarray:
+    """True for each token whose first character lies in one of its own text's `spans`.
+
+    All texts at once: text k's offsets (token starts and span bounds alike) are moved by k * _TEXT_STRIDE,
+    so one sorted array of span starts serves every text and no span reaches into another text."""
+    text_of_token = np.repeat(np.arange(len(encoded.lengths), dtype=np.int64), encoded.lengths)
+    positions = encoded.starts + text_of_token * _TEXT_STRIDE
+    bounds = np.array([(start + k * _TEXT_STRIDE, end + k * _TEXT_STRIDE)
+                       for k, text_spans in enumerate(spans) for start, end in text_spans], dtype=np.int64).reshape(-1, 2)
+    # The span that starts at or before each token's first character, if the token starts inside it.
+    span = np.searchsorted(bounds[:, 0], positions, side="right") - 1
+    inside = positions < bounds[np.maximum(span, 0), 1] if len(bounds) else np.zeros(len(positions), dtype=bool)
+    return (span >= 0) & inside
+
+
+_TEXT_STRIDE = 1 << 40  # more characters than any one text has

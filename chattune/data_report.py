@@ -5,11 +5,12 @@ over ranks) and the exact figures of each epoch as it closes. One set of names a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from chattune.data_stream import documents_of
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document
 from chattune.sft_data import SKIP_REASONS, Skipped
@@ -36,12 +37,13 @@ class DataReport:
                 "trainable_tokens": self.trainable_tokens, **{f"skipped/{r}": n for r, n in self.skipped.items()}}
 
 
-def scan_documents(documents, indices: Iterable[int], num_examples: int = 0) -> DataReport:
-    """Tokenize the records at `indices` (a `SFTDocuments`-like source) and count what they give."""
+def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, batch_records: int = 256) -> DataReport:
+    """Tokenize the records at `indices` (a `SFTDocuments`-like source), `batch_records` at a time as the
+    training stream does, and count what they give."""
     report = DataReport()
-    for index in indices:
+    for document in (d for start in range(0, len(indices), batch_records)
+                     for d in documents_of(documents, list(indices[start : start + batch_records]))):
         report.records += 1
-        document = documents.get(index)
         if isinstance(document, Skipped):
             report.skipped[document.reason] += 1
             report.outcomes.append(document)

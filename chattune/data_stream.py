@@ -5,10 +5,11 @@ takes positions r, r + world, r + 2*world, ...: the ranks' shares are disjoint, 
 need no communication.
 
 Three stages, each resumable:
-- `ShareSampler` walks the rank's share as (epoch, record) items, with an end-of-epoch marker;
-- a torchdata `StatefulDataLoader` tokenizes those records, in `num_workers` worker processes or in
-  this one, always in sampler order (so 0 and N workers give the same stream);
-- this process packs them, a buffer of records at a time, best-fit decreasing, into token-budget
+- `ShareSampler` walks the rank's share in chunks of `buffer_records` records, the last chunk of an
+  epoch marked as closing it;
+- a torchdata `StatefulDataLoader` tokenizes each chunk (in one batch), in `num_workers` worker
+  processes or in this one, always in sampler order (so 0 and N workers give the same stream);
+- this process packs them, one chunk (a buffer) at a time, best-fit decreasing, into token-budget
   microbatches. The least-filled bin of a buffer is carried into the next buffer, where its documents
   get another chance to fill a bin (a half-empty microbatch costs a whole step on the rank that holds
   it). At an epoch's end everything is emitted: nothing is dropped.
@@ -29,13 +30,19 @@ from chattune.sft_data import SKIP_REASONS, Skipped
 
 logger = logging.getLogger(__name__)
 
-END_OF_EPOCH = -1
-
-
 class DocumentSource(Protocol):
+    """Documents by record index; a source may also have `get_many(indices)` (see `documents_of`)."""
+
     def __len__(self) -> int: ...
 
     def get(self, index: int) -> Document | Skipped: ...
+
+
+def documents_of(source: DocumentSource, indices: list[int]) -> list[Document | Skipped]:
+    """The documents of `indices`: in one batch where the source can (`SFTDocuments.get_many` tokenizes
+    them in one call), else one by one."""
+    get_many = getattr(source, "get_many", None)
+    return get_many(indices) if get_many is not None else [source.get(i) for i in indices]
 
 
 def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: int, shuffle: bool = True) -> list[int]:
@@ -48,29 +55,33 @@ def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: 
 
 
 class ShareSampler:
-    """(epoch, record index) items of one rank's share, each epoch closed by (epoch, END_OF_EPOCH).
+    """One rank's share, as (epoch, record indices, closes_epoch) chunks of up to `chunk_records` records
+    of one epoch; the last chunk of an epoch closes it (an empty share gives one empty closing chunk).
+    A chunk is one loader item, tokenized in one batch and packed as one buffer: per-item costs (the
+    loader's bookkeeping, a worker's queue) are paid per chunk, not per record.
     Its own iterator and stateful, so StatefulDataLoader restores its position without replaying it."""
 
-    def __init__(self, num_records: int, rank: int, world_size: int, seed: int, shuffle: bool, num_epochs: int | None):
+    def __init__(self, num_records: int, rank: int, world_size: int, seed: int, shuffle: bool, num_epochs: int | None,
+                 chunk_records: int):
         self.num_records, self.rank, self.world_size = num_records, rank, world_size
-        self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
+        self.seed, self.shuffle, self.num_epochs, self.chunk_records = seed, shuffle, num_epochs, chunk_records
         self.epoch, self.position = 0, 0
         self._share: tuple[int, list[int]] | None = None
 
     def __iter__(self) -> "ShareSampler":
         return self
 
-    def __next__(self) -> tuple[int, int]:
+    def __next__(self) -> tuple[int, list[int], bool]:
         if self.num_epochs is not None and self.epoch >= self.num_epochs:
             raise StopIteration
         if self._share is None or self._share[0] != self.epoch:
             self._share = (self.epoch, epoch_share(self.num_records, self.epoch, self.seed, self.rank, self.world_size, self.shuffle))
         share = self._share[1]
-        if self.position < len(share):
-            self.position += 1
-            return self.epoch, share[self.position - 1]
-        item = (self.epoch, END_OF_EPOCH)
-        self.epoch, self.position = self.epoch + 1, 0
+        chunk = share[self.position : self.position + self.chunk_records]
+        item = (self.epoch, chunk, self.position + len(chunk) >= len(share))
+        self.position += len(chunk)
+        if item[2]:
+            self.epoch, self.position = self.epoch + 1, 0
         return item
 
     def state_dict(self) -> dict:
@@ -80,8 +91,8 @@ class ShareSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-class _TokenizedRecords(torch.utils.data.Dataset):
-    """Map-style view for the loader: (epoch, record) -> (epoch, Document | Skipped | END_OF_EPOCH)."""
+class _TokenizedChunks(torch.utils.data.Dataset):
+    """Map-style view for the loader: (epoch, records, closes_epoch) -> (epoch, [Document | Skipped], closes_epoch)."""
 
     def __init__(self, documents: DocumentSource):
         self.documents = documents
@@ -89,9 +100,9 @@ class _TokenizedRecords(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.documents)
 
-    def __getitem__(self, item: tuple[int, int]):
-        epoch, index = item
-        return epoch, (END_OF_EPOCH if index == END_OF_EPOCH else self.documents.get(index))
+    def __getitem__(self, item: tuple[int, list[int], bool]):
+        epoch, indices, closes_epoch = item
+        return epoch, documents_of(self.documents, indices), closes_epoch
 
 
 def _as_is(item):
@@ -126,8 +137,8 @@ class PackedStream:
         with warnings.catch_warnings():  # torchdata calls a deprecated torch API on construction
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
-                _TokenizedRecords(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
-                sampler=ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs),
+                _TokenizedChunks(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
+                sampler=ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records),
                 # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
                 # and the model's random init would depend on the data pipeline.
                 generator=torch.Generator().manual_seed(seed),
@@ -141,23 +152,20 @@ class PackedStream:
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)
 
     def _take(self) -> tuple[list[Document], str]:
-        """Up to buffer_records records from the loader, and why taking stopped: "full", "epoch_end"
-        or "exhausted" (a finite stream has no more epochs)."""
+        """The next chunk of up to buffer_records records from the loader (skipped ones counted and left
+        out), and why taking stopped: "full", "epoch_end" or "exhausted" (a finite stream has no more epochs)."""
+        item = next(self._items, None)
+        if item is None:
+            return [], "exhausted"
+        self.epoch, chunk, closes_epoch = item
         documents = []
-        for _ in range(self.buffer_records):
-            item = next(self._items, None)
-            if item is None:
-                return documents, "exhausted"
-            epoch, document = item
-            self.epoch = epoch
-            if isinstance(document, int):  # END_OF_EPOCH
-                return documents, "epoch_end"
+        for document in chunk:
             if isinstance(document, Skipped):
                 self.skipped[document.reason] += 1
                 logger.warning("skipped (%s): %s", document.reason, document.detail)
-                continue
-            documents.append(document)
-        return documents, "full"
+            else:
+                documents.append(document)
+        return documents, "epoch_end" if closes_epoch else "full"
 
     def _refill(self) -> bool:
         """Pack the next buffer into `pending`; False once a finite stream is exhausted."""
@@ -206,7 +214,10 @@ class PackedStream:
         self.loader.load_state_dict(state["loader"])
         self._items = None
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
-        self.pending = [[self.documents.get(i) for i in bin_] for bin_ in state["pending_doc_ids"]]
+        # Each document is a record that was not skipped, so reading it again gives the document again.
+        ids = [i for bin_ in state["pending_doc_ids"] for i in bin_] + state["carried_doc_ids"]
+        by_id = dict(zip(ids, documents_of(self.documents, ids)))
+        self.pending = [[by_id[i] for i in bin_] for bin_ in state["pending_doc_ids"]]
         self.pending_ends_epoch = state["pending_ends_epoch"]
-        self.carried = [self.documents.get(i) for i in state["carried_doc_ids"]]
+        self.carried = [by_id[i] for i in state["carried_doc_ids"]]
         self.skipped = dict(state["skipped"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedTokenizerBase
 

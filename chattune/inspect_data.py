@@ -36,7 +36,8 @@ def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_exa
     specs = [SourceSpec.from_config(e) for e in OmegaConf.to_container(cfg.data.train, resolve=True)]
     budget = cfg.data.max_tokens_per_microbatch
     documents = SFTDocuments(RecordSource(specs), tokenizer, budget, cfg.data.overlong, cfg.data.train_on)
-    report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples)
+    report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
+                            batch_records=cfg.data.buffer_records)
     stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,
                           cfg.data.buffer_records, num_epochs=1, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
     for batch in stream:

@@ -8,8 +8,10 @@ document is IGNORE_INDEX: no token is trained to predict across a document bound
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from chattune.loss import IGNORE_INDEX
@@ -29,6 +31,15 @@ def shifted_labels(input_ids: list[int], trainable: list[bool]) -> list[int]:
     """Targets for each position: the next token when that next token is trainable."""
     labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(input_ids[1:], trainable[1:])]
     return labels + [IGNORE_INDEX]
+
+
+def shifted_label_array(input_ids: np.ndarray, trainable: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """`shifted_labels` of several documents laid back to back (document k ends before index ends[k]):
+    the last position of every document predicts nothing, so no label crosses into the next document."""
+    labels = np.full(len(input_ids), IGNORE_INDEX, dtype=np.int64)
+    labels[:-1] = np.where(trainable[1:], input_ids[1:], IGNORE_INDEX)
+    labels[ends[ends > 0] - 1] = IGNORE_INDEX
+    return labels
 
 
 @dataclass
@@ -81,13 +92,18 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
     cu_seqlens = torch.zeros(len(documents) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
     return PackedBatch(
-        input_ids=torch.tensor([t for d in documents for t in d.input_ids]).unsqueeze(0),
-        labels=torch.tensor([t for d in documents for t in d.labels]).unsqueeze(0),
+        input_ids=_concatenated([d.input_ids for d in documents], sum(lengths)),
+        labels=_concatenated([d.labels for d in documents], sum(lengths)),
         position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
     )
+
+
+def _concatenated(lists: list[list[int]], total: int) -> torch.Tensor:
+    """The lists back to back as a (1, total) long tensor (numpy reads Python ints ~8x faster than torch.tensor)."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)).unsqueeze(0)
 
 
 def _padding(length: int, pad_token_id: int) -> Document:

@@ -8,15 +8,20 @@ and logged: a conversation with no trainable token, and one longer than the micr
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import datasets
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.chat_template import TemplateMarkers, probe_template, tokenize_conversation
+from chattune.chat_template import (TemplateMarkers, TextBatchEncoder, assistant_token_mask, probe_template,
+                                    render_conversation, trained_spans)
 from chattune.formats import DataError, SourceSpec, to_conversation
-from chattune.packing import Document, shifted_labels
+from chattune.packing import Document, shifted_label_array
 
 class RecordSource:
     """Records of several JSON/JSONL files, addressed by one global index.
@@ -52,9 +57,24 @@ class RecordSource:
 
     def locate(self, index: int) -> tuple[SourceSpec, int, dict]:
         """(source, index within its file, record) of a global record index."""
-        for spec, source in zip(self.specs, self._sources):
+        return next(self.locate_many([index]))
+
+    def locate_many(self, indices: Iterable[int]) -> Iterator[tuple[SourceSpec, int, dict]]:
+        """`locate` of each index in turn, opening each JSONL file once rather than once per record."""
+        with ExitStack() as stack:
+            files: dict[str, BinaryIO] = {}
+            for index in indices:
+                file, local = self._position(index)
+                spec, entry = self.specs[file], self._sources[file][local]
+                if isinstance(entry, int) and spec.path not in files:
+                    files[spec.path] = stack.enter_context(open(spec.path, "rb"))
+                yield spec, local, _read_record(spec.path, local, entry, files.get(spec.path))
+
+    def _position(self, index: int) -> tuple[int, int]:
+        """(file number, index within that file) of a global record index."""
+        for file, source in enumerate(self._sources):
             if index < len(source):
-                return spec, index, _read_record(spec.path, index, source[index])
+                return file, index
             index -= len(source)
         raise IndexError(index)
 
@@ -79,11 +99,10 @@ def _json_records(path: str) -> list[dict]:
     return records
 
 
-def _read_record(path: str, index: int, entry: int | dict) -> dict:
-    if isinstance(entry, int):  # a JSONL line offset
-        with open(path, "rb") as f:
-            f.seek(entry)
-            line = f.readline()
+def _read_record(path: str, index: int, entry: int | dict, file: BinaryIO | None) -> dict:
+    if isinstance(entry, int):  # a JSONL line offset, read from the open `file`
+        file.seek(entry)
+        line = file.readline()
         try:
             entry = json.loads(line.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -124,6 +143,7 @@ class SFTDocuments:
         self.train_on = train_on
         self.tokenizer = tokenizer
         self.markers: TemplateMarkers = probe_template(tokenizer)
+        self._encode = TextBatchEncoder(tokenizer)
         self.max_tokens = max_tokens
         self.overlong = overlong
 
@@ -132,27 +152,73 @@ class SFTDocuments:
 
     def get(self, index: int) -> Document | Skipped:
         """The document of a record, or why it is skipped."""
-        spec, local_index, record = self.source.locate(index)
-        where = f"{spec.path} record {local_index}"
+        return self.get_many([index])[0]
+
+    def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
+        """`get` of each index, with all the texts tokenized in one call and masked at once.
+
+        Raises the DataError of the first bad record, as `get` one by one would: a record that fails to
+        convert or render stops the reading, and the records before it are still tokenized first (one of
+        them may be an overlong record that `overlong="error"` refuses)."""
+        prepared: list[_Rendered] = []
+        failure: DataError | None = None
+        for index, (spec, local_index, record) in zip(indices, self.source.locate_many(indices)):
+            try:
+                prepared.append(self._render(index, f"{spec.path} record {local_index}", spec, record))
+            except DataError as error:
+                failure = error
+                break
+        documents = self._tokenize(prepared) if prepared else []
+        if failure is not None:
+            raise failure
+        return documents
+
+    def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_Rendered":
+        """Convert, check and render one record, and locate the assistant replies it trains."""
         conversation = to_conversation(record, spec, where)
         uses_calls = any("tool_calls" in m for m in conversation.messages)
         if (conversation.tools and not self.markers.renders_tools) or (uses_calls and not self.markers.renders_tool_calls):
             raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
                             "render them (training would silently leave them out)")
         try:
-            tokenized = tokenize_conversation(
-                self.tokenizer, conversation.messages, self.markers, tools=conversation.tools,
-                last_turn_only=self.train_on == "last_assistant", skip_turns=conversation.prompt_replies,
-            )
+            text = render_conversation(self.tokenizer, conversation.messages, conversation.tools)
+            spans = trained_spans(text, conversation.messages, self.markers,
+                                  last_turn_only=self.train_on == "last_assistant", skip_turns=conversation.prompt_replies)
         except Exception as error:  # the template's own checks (raise_exception) and its failures on odd data
             raise DataError(f"{where}: {type(error).__name__}: {error}") from error
-        if len(tokenized.input_ids) > self.max_tokens:
-            message = f"{where}: {len(tokenized.input_ids)} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
+        return _Rendered(index, where, text, spans)
+
+    def _tokenize(self, rendered: list["_Rendered"]) -> list[Document | Skipped]:
+        """Tokenize the rendered texts together; label and check each document."""
+        encoded = self._encode([r.text for r in rendered], keep_at_most=self.max_tokens)
+        if self.train_on == "all":
+            trainable = np.ones(len(encoded.ids), dtype=bool)
+        else:
+            trainable = assistant_token_mask(encoded, [r.spans for r in rendered])
+        labels = shifted_label_array(encoded.ids, trainable, encoded.ends)
+        ends = encoded.ends.tolist()
+        documents: list[Document | Skipped] = []
+        for r, count, start, end in zip(rendered, encoded.counts.tolist(), [0, *ends[:-1]], ends):
+            documents.append(self._document(r, count, encoded.ids[start:end], labels[start:end]))
+        return documents
+
+    def _document(self, rendered: "_Rendered", count: int, ids: np.ndarray, labels: np.ndarray) -> Document | Skipped:
+        """The document of `count` tokens (`ids`, `labels`: empty when it is over the budget), or why not."""
+        if count > self.max_tokens:
+            message = f"{rendered.where}: {count} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
             if self.overlong == "error":
                 raise DataError(message)
             return Skipped("overlong", message)
-        trainable = [True] * len(tokenized.input_ids) if self.train_on == "all" else tokenized.assistant_mask
-        labels = shifted_labels(tokenized.input_ids, trainable)
-        if all(label < 0 for label in labels):
-            return Skipped("no_trainable_tokens", where)
-        return Document(doc_id=index, input_ids=tokenized.input_ids, labels=labels)
+        if not (labels >= 0).any():
+            return Skipped("no_trainable_tokens", rendered.where)
+        return Document(doc_id=rendered.index, input_ids=ids.tolist(), labels=labels.tolist())
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    """A record rendered by the chat template, waiting to be tokenized with the others of its batch."""
+
+    index: int  # global record index
+    where: str  # "file record i", for messages
+    text: str
+    spans: list[tuple[int, int]]  # character spans of the assistant replies to train

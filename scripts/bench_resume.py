@@ -16,7 +16,6 @@ the real stream, `load_state_dict`, take the next step.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path

@@ -22,8 +22,10 @@ import pytest
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
-from chattune.chat_template import ChatTemplateError, probe_template, tokenize_conversation
+from chattune.chat_template import ChatTemplateError, probe_template, render_conversation, tokenize_conversation
 from chattune.config import DEMO_ASSETS
+from chattune.formats import SourceSpec, to_conversation
+from chattune.sft_data import RecordSource
 from conftest import SHARED_ASSETS
 
 
@@ -485,3 +487,47 @@ def test_real_assistant_content_with_end_of_turn_token_raises(real, where):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content}]
     with pytest.raises(ChatTemplateError):
         tokenize_conversation(tokenizer, messages, markers)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The fast rendering is apply_chat_template's, byte for byte
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _real_conversations() -> list[tuple[str, list[dict], list[dict] | None]]:
+    """(label, messages, tools) of every shared chat, read as chattune reads them (tools and tool calls
+    included), plus edge cases: reasoning fields, None-valued fields, non-ASCII."""
+    records = RecordSource([SourceSpec(str(_shared("data", "sharegpt_fastchat_dummy.json")), format="sharegpt"),
+                            SourceSpec(str(_shared("data", "sharegpt_toolcall_300.json")), format="sharegpt"),
+                            SourceSpec(str(_shared("data", "messages_deita_long.parquet")))])
+    conversations = []
+    for index in range(len(records)):
+        spec, local, record = records.locate(index)
+        conversation = to_conversation(record, spec, f"{spec.path} record {local}")
+        conversations.append((f"{spec.path} record {local}", conversation.messages, conversation.tools))
+    assert any(tools for _, _, tools in conversations) and any("tool_calls" in m for _, ms, _ in conversations for m in ms)
+    extra = [
+        {"role": "user", "content": "Ünïcödé «quotes» 🙂 <b>html</b> & {{ braces }}"},
+        {"role": "assistant", "content": "Answer.", "reasoning_content": "thinking it over", "name": None},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "Done.", "thinking": "older reasoning name"},
+    ]
+    return conversations + [(f"edge {name}", messages, None) for name, messages in EDGE_CONVERSATIONS.items()] + [
+        ("reasoning and None fields", extra, None)]
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3", "phi3"])
+def test_render_conversation_is_apply_chat_template(name, request, demo_conversations):
+    tokenizer = request.getfixturevalue(f"{name}_tokenizer")
+    conversations = _real_conversations() + [(row["id"], row["messages"], None) for row in demo_conversations]
+    rendered = 0
+    for label, messages, tools in conversations:
+        try:
+            expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        except TemplateError as error:  # the template refuses it: so must the fast rendering
+            with pytest.raises(type(error)):
+                render_conversation(tokenizer, messages, tools)
+            continue
+        assert render_conversation(tokenizer, messages, tools) == expected, f"{name} {label}"
+        rendered += 1
+    assert rendered >= 0.9 * len(conversations)

@@ -187,3 +187,13 @@ def test_padding_to_a_multiple_is_never_attended_nor_trained():
     batches = list(stream)
     assert all(b.num_tokens % 64 == 0 for b in batches)
     assert sorted(d for b in batches for d in b.doc_ids) == list(range(5))
+
+
+def test_share_sampler_chunks_close_each_epoch():
+    from chattune.data_stream import ShareSampler
+
+    items = list(ShareSampler(8, 0, 1, seed=0, shuffle=False, num_epochs=2, chunk_records=4))
+    assert items == [(0, [0, 1, 2, 3], False), (0, [4, 5, 6, 7], True), (1, [0, 1, 2, 3], False), (1, [4, 5, 6, 7], True)]
+    assert list(ShareSampler(5, 0, 1, seed=0, shuffle=False, num_epochs=1, chunk_records=3)) == [(0, [0, 1, 2], False), (0, [3, 4], True)]
+    # rank 1 of 2 has no record of a one-record data set: one empty chunk closes each of its epochs
+    assert list(ShareSampler(1, 1, 2, seed=0, shuffle=False, num_epochs=2, chunk_records=3)) == [(0, [], True), (1, [], True)]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from transformers import AutoTokenizer
 
-from chattune.formats import DataError, SourceSpec
+from chattune.formats import DataError, SourceSpec, to_conversation
 from chattune.packing import Document
 from chattune.sft_data import RecordSource, SFTDocuments, Skipped
+from conftest import SHARED_ASSETS
 
 
 def write_jsonl(path, records) -> str:
@@ -98,3 +100,50 @@ def test_errors_raised_by_the_template_name_the_record(tmp_path, tokenizer):
     assert documents.get(0) is not None
     with pytest.raises(DataError, match=r"chats\.jsonl record 1: .*Conversation roles must alternate"):
         documents.get(1)
+
+
+def test_get_many_reports_the_first_bad_record_as_get_would(tmp_path, tokenizer):
+    """A batch raises what reading its records one by one would raise first: an overlong record before a
+    broken one is refused first, and a broken one before an overlong one."""
+    overlong, broken = good(answer="word " * 300), {"messages": [{"role": "user", "content": "x"}]}
+    path = write_jsonl(tmp_path / "chats.jsonl", [good(), overlong, broken, good(), broken, overlong])
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="error")
+    with pytest.raises(DataError, match=r"chats\.jsonl record 1: \d+ tokens exceed"):
+        documents.get_many([0, 1, 2])
+    with pytest.raises(DataError, match=r"chats\.jsonl record 4: no assistant message"):
+        documents.get_many([3, 4, 5])
+    dropping = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128)
+    first, second = dropping.get_many([0, 1])
+    assert isinstance(first, Document) and isinstance(second, Skipped) and second.reason == "overlong"
+
+
+def _shared_sources():
+    data = SHARED_ASSETS / "data"
+    if not data.exists():
+        pytest.skip(f"shared test assets not available ({data})")
+    return {
+        "fastchat": SourceSpec(str(data / "sharegpt_fastchat_dummy.json"), format="sharegpt"),
+        "toolcall": SourceSpec(str(data / "sharegpt_toolcall_300.json"), format="sharegpt"),
+        "deita": SourceSpec(str(data / "messages_deita_long.parquet")),
+    }
+
+
+@pytest.mark.parametrize(("tokenizer_name", "source_names"), [
+    ("qwen3", ("fastchat", "toolcall", "deita")), ("phi-3-mini", ("fastchat", "deita"))])
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant"])
+def test_batches_equal_one_by_one_on_real_chats(tokenizer_name, source_names, train_on):
+    """Batched tokenization and masking never mixes documents: each document of a batch is the document
+    of its record alone, and its tokens are `apply_chat_template`'s."""
+    sources = _shared_sources()
+    tokenizer = AutoTokenizer.from_pretrained(SHARED_ASSETS / "tokenizers" / tokenizer_name)
+    records = RecordSource([sources[name] for name in source_names])
+    documents = SFTDocuments(records, tokenizer, max_tokens=2048, train_on=train_on)
+    batched = [d for start in range(0, len(documents), 97) for d in documents.get_many(range(start, min(start + 97, len(documents))))]
+    assert sum(isinstance(d, Skipped) for d in batched) > 0  # some long conversations are over the budget
+    for index, document in enumerate(batched):
+        assert document == documents.get(index), index
+        if isinstance(document, Document):
+            spec, _, record = records.locate(index)
+            conversation = to_conversation(record, spec, "")
+            expected = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools)["input_ids"]
+            assert document.input_ids == list(expected), index
