@@ -23,7 +23,8 @@ class DataReport:
     lengths: list[int] = field(default_factory=list)  # tokens per document
     trainable_tokens: int = 0
     examples: list[Document] = field(default_factory=list)
-    outcomes: list[int | Skipped] = field(default_factory=list)  # per record: its length, or why it is skipped
+    overlong: dict[str, int] = field(default_factory=lambda: {"truncated": 0, "split": 0})
+    outcomes: list[int | Skipped] = field(default_factory=list)  # per document: its length, or why skipped
     microbatches: int = 0  # when packed (inspect): microbatches and the tokens in them
     packed_tokens: int = 0
 
@@ -34,7 +35,8 @@ class DataReport:
     def counts(self) -> dict[str, int]:
         """Flat figures, summable over ranks."""
         return {"records": self.records, "documents": len(self.lengths), "tokens": self.tokens,
-                "trainable_tokens": self.trainable_tokens, **{f"skipped/{r}": n for r, n in self.skipped.items()}}
+                "trainable_tokens": self.trainable_tokens, **{f"skipped/{r}": n for r, n in self.skipped.items()},
+                **{f"overlong/{r}": n for r, n in self.overlong.items()}}
 
 
 def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, batch_records: int = 256) -> DataReport:
@@ -43,12 +45,14 @@ def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, bat
     report = DataReport()
     for document in (d for start in range(0, len(indices), batch_records)
                      for d in documents_of(documents, list(indices[start : start + batch_records]))):
-        report.records += 1
+        report.records += isinstance(document, Skipped) or document.piece == 0
         if isinstance(document, Skipped):
             report.skipped[document.reason] += 1
             report.outcomes.append(document)
             continue
         report.outcomes.append(len(document))
+        if document.overlong:
+            report.overlong[document.overlong] += 1
         report.lengths.append(len(document))
         report.trainable_tokens += sum(label != IGNORE_INDEX for label in document.labels)
         if len(report.examples) < num_examples:
@@ -63,6 +67,7 @@ def count_lines(counts: dict[str, float]) -> list[str]:
     return [
         f"records read: {int(counts['records'])}",
         f"skipped: {sum(skipped.values())} ({', '.join(f'{reason} {n}' for reason, n in skipped.items())})",
+        f"over the budget and kept: truncated {int(counts['overlong/truncated'])}, split {int(counts['overlong/split'])}",
         f"documents: {int(counts['documents'])}",
         f"tokens: {tokens}",
         f"trainable tokens: {int(counts['trainable_tokens'])} ({counts['trainable_tokens'] / max(tokens, 1):.1%})",

@@ -150,6 +150,7 @@ class PackedStream:
         self.pending_ends_epoch = False  # `pending` holds the last bins of the epoch
         self.carried: list[Document] = []  # documents of the last buffer's least-filled bin
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)
+        self.overlong = {"truncated": 0, "split": 0}  # records over the budget that were kept, cut
 
     def _take(self) -> tuple[list[Document], str]:
         """The next chunk of up to buffer_records records from the loader (skipped ones counted and left
@@ -164,6 +165,8 @@ class PackedStream:
                 self.skipped[document.reason] += 1
                 logger.warning("skipped (%s): %s", document.reason, document.detail)
             else:
+                if document.overlong:
+                    self.overlong[document.overlong] += 1
                 documents.append(document)
         return documents, "epoch_end" if closes_epoch else "full"
 
@@ -204,20 +207,23 @@ class PackedStream:
             "loader": self.loader.state_dict(),
             "epoch": self.epoch,
             "docs_in_epoch": self.docs_in_epoch,
-            "pending_doc_ids": [[doc.doc_id for doc in bin_] for bin_ in self.pending],
+            "pending_doc_keys": [[doc.key for doc in bin_] for bin_ in self.pending],
             "pending_ends_epoch": self.pending_ends_epoch,
-            "carried_doc_ids": [doc.doc_id for doc in self.carried],
+            "carried_doc_keys": [doc.key for doc in self.carried],
             "skipped": dict(self.skipped),
+            "overlong": dict(self.overlong),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
         self._items = None
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
-        # Each document is a record that was not skipped, so reading it again gives the document again.
-        ids = [i for bin_ in state["pending_doc_ids"] for i in bin_] + state["carried_doc_ids"]
-        by_id = dict(zip(ids, documents_of(self.documents, ids)))
-        self.pending = [[by_id[i] for i in bin_] for bin_ in state["pending_doc_ids"]]
+        # Each document is (a piece of) a record that was not skipped: reading the record again gives it again.
+        keys = [tuple(k) for bin_ in state["pending_doc_keys"] for k in bin_] + [tuple(k) for k in state["carried_doc_keys"]]
+        records = sorted({record for record, _ in keys})
+        by_key = {d.key: d for d in documents_of(self.documents, records) if isinstance(d, Document)}
+        self.pending = [[by_key[tuple(k)] for k in bin_] for bin_ in state["pending_doc_keys"]]
         self.pending_ends_epoch = state["pending_ends_epoch"]
-        self.carried = [by_id[i] for i in state["carried_doc_ids"]]
+        self.carried = [by_key[tuple(k)] for k in state["carried_doc_keys"]]
         self.skipped = dict(state["skipped"])
+        self.overlong = dict(state["overlong"])

@@ -19,9 +19,16 @@ from chattune.loss import IGNORE_INDEX
 
 @dataclass
 class Document:
-    doc_id: int
+    doc_id: int  # the record it comes from
     input_ids: list[int]
     labels: list[int]  # shifted: labels[i] is the target of position i, IGNORE_INDEX when untrained
+    piece: int = 0  # which piece of its record (data.overlong=split cuts a long record into several)
+    overlong: str = ""  # "truncated" or "split" on the first piece of a record over the budget
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """What identifies the document in a data position (a checkpoint): record and piece."""
+        return self.doc_id, self.piece
 
     def __len__(self) -> int:
         return len(self.input_ids)

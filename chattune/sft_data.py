@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from chattune.chat_template import (TemplateMarkers, TextBatchEncoder, assistant_token_mask, probe_template,
                                     render_conversation, trained_spans)
 from chattune.formats import DataError, SourceSpec, to_conversation
+from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, shifted_label_array
 
 class RecordSource:
@@ -113,6 +114,7 @@ def _read_record(path: str, index: int, entry: int | dict, file: BinaryIO | None
 
 
 SKIP_REASONS = ("overlong", "no_trainable_tokens")
+OVERLONG = ("drop", "truncate", "split", "error")
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,19 @@ class SFTDocuments:
     """Tokenized, label-masked documents by global record index.
 
     train_on: `assistant` (every assistant reply and its end-of-turn token), `last_assistant` (only the
-    final reply), or `all` (every token, prompts included)."""
+    final reply), or `all` (every token, prompts included).
+
+    overlong, for a record of more tokens than the budget: `drop` (a counted skip), `truncate` (keep its
+    first max_tokens tokens), `split` (cut it into pieces of up to max_tokens tokens, each its own
+    document: a piece does not attend to the pieces before it, and the first token of each later piece is
+    not trained, as nothing before it in the piece predicts it), or `error`. Truncated and split records are
+    marked on their first document (`Document.overlong`) so the stream can count them; pieces with
+    nothing to train are left out (counted with the split)."""
 
     def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
                  overlong: str = "drop", train_on: str = "assistant"):
-        if overlong not in ("drop", "error"):
-            raise ValueError(f"data.overlong must be 'drop' or 'error', got {overlong!r}")
+        if overlong not in OVERLONG:
+            raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
         if train_on not in TRAIN_ON:
             raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
         self.source = source
@@ -151,11 +160,13 @@ class SFTDocuments:
         return len(self.source)
 
     def get(self, index: int) -> Document | Skipped:
-        """The document of a record, or why it is skipped."""
+        """The document of a record (its first piece, when split), or why it is skipped."""
         return self.get_many([index])[0]
 
     def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
-        """`get` of each index, with all the texts tokenized in one call and masked at once.
+        """The outcomes of the records at `indices`, in order: one Document or Skipped per record, or, for
+        a record that `overlong="split"` cuts, its pieces in order. All the texts are tokenized in one call
+        and masked at once.
 
         Raises the DataError of the first bad record, as `get` one by one would: a record that fails to
         convert or render stops the reading, and the records before it are still tokenized first (one of
@@ -190,7 +201,9 @@ class SFTDocuments:
 
     def _tokenize(self, rendered: list["_Rendered"]) -> list[Document | Skipped]:
         """Tokenize the rendered texts together; label and check each document."""
-        encoded = self._encode([r.text for r in rendered], keep_at_most=self.max_tokens)
+        # Dropped records need only their token count: converting their tokens would be wasted work.
+        keep_at_most = self.max_tokens if self.overlong in ("drop", "error") else None
+        encoded = self._encode([r.text for r in rendered], keep_at_most=keep_at_most)
         if self.train_on == "all":
             trainable = np.ones(len(encoded.ids), dtype=bool)
         else:
@@ -199,19 +212,33 @@ class SFTDocuments:
         ends = encoded.ends.tolist()
         documents: list[Document | Skipped] = []
         for r, count, start, end in zip(rendered, encoded.counts.tolist(), [0, *ends[:-1]], ends):
-            documents.append(self._document(r, count, encoded.ids[start:end], labels[start:end]))
+            documents += self._documents(r, count, encoded.ids[start:end], labels[start:end])
         return documents
 
-    def _document(self, rendered: "_Rendered", count: int, ids: np.ndarray, labels: np.ndarray) -> Document | Skipped:
-        """The document of `count` tokens (`ids`, `labels`: empty when it is over the budget), or why not."""
-        if count > self.max_tokens:
-            message = f"{rendered.where}: {count} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
-            if self.overlong == "error":
-                raise DataError(message)
-            return Skipped("overlong", message)
+    def _documents(self, rendered: "_Rendered", count: int, ids: np.ndarray, labels: np.ndarray) -> list[Document | Skipped]:
+        """The document(s) of a record of `count` tokens (`ids`, `labels`: empty when it will be dropped),
+        or why it is skipped."""
+        message = f"{rendered.where}: {count} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
+        if count > self.max_tokens and self.overlong == "error":
+            raise DataError(message)
+        if count > self.max_tokens and self.overlong == "drop":
+            return [Skipped("overlong", message)]
         if not (labels >= 0).any():
-            return Skipped("no_trainable_tokens", rendered.where)
-        return Document(doc_id=rendered.index, input_ids=ids.tolist(), labels=labels.tolist())
+            return [Skipped("no_trainable_tokens", rendered.where)]
+        if count <= self.max_tokens:
+            return [Document(doc_id=rendered.index, input_ids=ids.tolist(), labels=labels.tolist())]
+        cuts = range(0, count if self.overlong == "split" else 1, self.max_tokens)
+        pieces = []
+        for start in cuts:
+            piece_labels = labels[start : start + self.max_tokens].copy()
+            piece_labels[-1] = IGNORE_INDEX  # its target is the first token of the next piece, not in this one
+            if (piece_labels >= 0).any():
+                pieces.append(Document(doc_id=rendered.index, input_ids=ids[start : start + self.max_tokens].tolist(),
+                                       labels=piece_labels.tolist(), piece=len(pieces)))
+        if not pieces:
+            return [Skipped("no_trainable_tokens", f"{message}, and its first {self.max_tokens} tokens train nothing")]
+        pieces[0].overlong = "truncated" if self.overlong == "truncate" else "split"
+        return pieces
 
 
 @dataclass(frozen=True)

@@ -155,8 +155,9 @@ def main(cfg: DictConfig) -> None:
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
             break
 
-    skipped = reduce_sums(feed.stream.skipped, device)
-    logger.info("training records skipped over all ranks and epochs: %s", {k: int(v) for k, v in skipped.items()})
+    skipped = reduce_sums({**feed.stream.skipped, **feed.stream.overlong}, device)
+    logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
+                {k: int(skipped[k]) for k in feed.stream.skipped}, {k: int(skipped[k]) for k in feed.stream.overlong})
 
     # --- save: a Hugging Face directory that loads without chattune ---
     export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main)

@@ -6,11 +6,12 @@ Data: the shared real chats (`../shared/assets/data`: the ShareGPT chats and the
 conversations) replicated to about `--conversations` conversations, with the shared Qwen3 tokenizer.
 
 - chattune: `SFTDocuments` + `PackedStream` (one rank, one epoch), with 0 and 2 loader workers;
-  assistant-only masks; conversations over the budget are dropped (counted).
+  assistant-only masks; conversations over the budget truncated (as TRL does) or dropped (counted).
 - TRL (only when `trl` is importable; install it in a separate benchmark environment, never as a
   chattune dependency): `SFTTrainer`'s own dataset preparation (tokenize + BFD packing) on the same
-  conversations, with 1 and 2 processes. TRL's assistant masks need `{% generation %}` markers, so it
-  runs without them here: it does less work per conversation than chattune.
+  conversations, with 1 and 2 processes (its BFD packing truncates conversations over the budget). TRL's
+  assistant masks need `{% generation %}` markers, so it runs without them here: it does less work per
+  conversation than chattune.
 
 Throughput counts the tokens that end up in packed microbatches; fill = those tokens / (rows x budget).
 """
@@ -45,14 +46,15 @@ def replicated_messages(count: int) -> list[dict]:
     return [conversations[i % len(conversations)] for i in range(count)]
 
 
-def bench_chattune(path: str, tokenizer, max_tokens: int, num_workers: int) -> tuple[float, float, int]:
+def bench_chattune(path: str, tokenizer, max_tokens: int, num_workers: int, overlong: str) -> tuple[float, float, int]:
     start = time.perf_counter()
-    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens)
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens, overlong=overlong)
     stream = PackedStream(documents, 0, 1, seed=0, max_tokens=max_tokens, pad_token_id=0, num_epochs=1,
                           num_workers=num_workers)
     sizes = [batch.num_tokens for batch in stream]
     seconds = time.perf_counter() - start
-    return sum(sizes) / seconds, sum(sizes) / (len(sizes) * max_tokens), sum(stream.skipped.values())
+    over = sum(stream.skipped.values()) + sum(stream.overlong.values())
+    return sum(sizes) / seconds, sum(sizes) / (len(sizes) * max_tokens), over
 
 
 def bench_trl(path: str, tokenizer, max_tokens: int, num_proc: int | None) -> tuple[float, float]:
@@ -91,10 +93,12 @@ def main() -> None:
         print(f"{args.conversations} conversations, Qwen3 tokenizer, budget {args.max_tokens} tokens")
         print("| pipeline | processes | tokens/s | fill |")
         print("|---|---|---|---|")
-        for workers in (0, 2):
-            rate, fill, skipped = bench_chattune(path, tokenizer, args.max_tokens, workers)
+        # TRL's BFD packing truncates what is over the budget ("truncate" is its default overflow policy).
+        for overlong, workers in (("truncate", 0), ("truncate", 2), ("drop", 0), ("drop", 2)):
+            rate, fill, over = bench_chattune(path, tokenizer, args.max_tokens, workers, overlong)
             where = "in-process" if workers == 0 else f"{workers} workers"
-            print(f"| chattune (assistant masks; {skipped} over-budget dropped) | {where} | {rate:,.0f} | {fill:.4f} |")
+            done = "truncated" if overlong == "truncate" else "dropped"
+            print(f"| chattune (assistant masks; {over} over-budget {done}) | {where} | {rate:,.0f} | {fill:.4f} |")
         try:
             import trl  # noqa: F401
         except ImportError:

@@ -147,3 +147,73 @@ def test_batches_equal_one_by_one_on_real_chats(tokenizer_name, source_names, tr
             conversation = to_conversation(record, spec, "")
             expected = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools)["input_ids"]
             assert document.input_ids == list(expected), index
+
+
+def long_chat(turns: int = 6) -> dict:
+    messages = [{"role": "system", "content": "You are a tutor."}]
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"Question {i}: " + "why " * 10},
+                     {"role": "assistant", "content": f"Answer {i}: " + "because " * 12}]
+    return {"messages": messages}
+
+
+@pytest.mark.parametrize("policy", ["truncate", "split"])
+def test_overlong_records_truncated_or_split_keep_the_labels_of_the_whole(tmp_path, tokenizer, policy):
+    path = write_jsonl(tmp_path / "chats.jsonl", [good(), long_chat()])
+    whole = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=10_000).get(1)
+    assert whole.input_ids == tokenizer.apply_chat_template(long_chat()["messages"])["input_ids"]
+    budget = 64
+    assert len(whole) > 3 * budget
+    outcomes = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, budget, overlong=policy).get_many([0, 1])
+    assert outcomes[0].doc_id == 0 and not outcomes[0].overlong
+    pieces = outcomes[1:]
+    assert all(isinstance(p, Document) and p.doc_id == 1 and len(p) <= budget for p in pieces)
+    assert [p.piece for p in pieces] == list(range(len(pieces)))
+    assert pieces[0].overlong == ("truncated" if policy == "truncate" else "split")
+    assert all(not p.overlong for p in pieces[1:])
+    if policy == "truncate":
+        assert len(pieces) == 1 and pieces[0].input_ids == whole.input_ids[:budget]
+    # Every piece is a slice of the whole conversation at a multiple of the budget, labelled as the whole is,
+    # except that its last position predicts nothing (the next token is in the next piece).
+    cuts = range(0, len(whole), budget)
+    by_start = {start: (whole.input_ids[start : start + budget],
+                        whole.labels[start : min(start + budget, len(whole)) - 1] + [-100]) for start in cuts}
+    kept = [start for start in cuts if any(label >= 0 for label in by_start[start][1])]
+    if policy == "truncate":
+        kept = kept[:1]
+    assert [(p.input_ids, p.labels) for p in pieces] == [by_start[start] for start in kept]
+    if policy == "split":
+        assert len(kept) < len(cuts) or len(pieces) == len(cuts)  # untrained pieces left out
+
+
+def test_truncation_that_keeps_nothing_to_train_is_a_counted_skip(tmp_path, tokenizer):
+    record = {"messages": [{"role": "user", "content": "tell me " * 60}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl(tmp_path / "chats.jsonl", [record])
+    outcome = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, 32, overlong="truncate").get(0)
+    assert isinstance(outcome, Skipped) and outcome.reason == "no_trainable_tokens" and "record 0" in outcome.detail
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_workers):
+    from chattune.data_stream import PackedStream
+
+    records = [long_chat(turns=1 + i % 5) if i % 3 == 0 else good(f"What is {i} + {i}?", str(2 * i)) for i in range(30)]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+
+    def stream():
+        documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, 96, overlong="split")
+        return PackedStream(documents, 0, 1, seed=1, max_tokens=96, pad_token_id=0, buffer_records=8,
+                            num_workers=num_workers, num_epochs=2)
+
+    full = stream()
+    expected = [(b.doc_ids, b.input_ids.tolist()) for b in full]
+    split_records = sum(1 for r in records if len(tokenizer.apply_chat_template(r["messages"])["input_ids"]) > 96)
+    assert split_records > 3 and full.overlong == {"truncated": 0, "split": 2 * split_records}
+    for stop in ([3, 7, len(expected) - 2] if num_workers else range(1, len(expected))):
+        first = stream()
+        batches = iter(first)
+        got = [(b.doc_ids, b.input_ids.tolist()) for b in (next(batches) for _ in range(stop))]
+        resumed = stream()
+        resumed.load_state_dict(first.state_dict())
+        got += [(b.doc_ids, b.input_ids.tolist()) for b in resumed]
+        assert got == expected, f"resuming after {stop} microbatches diverged"
