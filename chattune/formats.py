@@ -48,12 +48,14 @@ class Conversation:
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """One data source: a file, its format, and optional column renames and role names."""
+    """One data source: a file (or a dataset directory or hub id, with its `split`), its format, and
+    optional column renames and role names."""
 
     path: str
     format: str = "messages"
     columns: dict[str, str] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
+    split: str = "train"
 
     def __post_init__(self) -> None:
         if self.format not in DEFAULT_COLUMNS:
@@ -70,7 +72,7 @@ class SourceSpec:
 
     @classmethod
     def from_config(cls, entry: str | Mapping) -> "SourceSpec":
-        """A path (messages format) or a mapping {path, format, columns, roles}."""
+        """A path (messages format) or a mapping {path, format, columns, roles, split}."""
         if isinstance(entry, str):
             return cls(path=entry)
         if not isinstance(entry, Mapping):
@@ -81,11 +83,12 @@ class SourceSpec:
             if value is not None and (not isinstance(value, Mapping)
                                       or not all(isinstance(v, str) for v in value.values())):
                 raise DataError(f"{entry.get('path')}: `{key}` must map names to names, got {value!r}")
-        unknown = set(entry) - {"path", "format", "columns", "roles"}
+        unknown = set(entry) - {"path", "format", "columns", "roles", "split"}
         if unknown or "path" not in entry:
-            raise DataError(f"a data source needs `path` and may have format/columns/roles; got keys {sorted(entry)}")
+            raise DataError(f"a data source needs `path` and may have format/columns/roles/split; got keys {sorted(entry)}")
         return cls(path=str(entry["path"]), format=str(entry.get("format", "messages")),
-                   columns=dict(entry.get("columns") or {}), roles=dict(entry.get("roles") or {}))
+                   columns=dict(entry.get("columns") or {}), roles=dict(entry.get("roles") or {}),
+                   split=str(entry.get("split", "train")))
 
     def column(self, name: str) -> str:
         return self.columns.get(name, DEFAULT_COLUMNS[self.format][name])

@@ -59,11 +59,19 @@ def _flatten(tree, prefix: str = "") -> dict:
 def run_fingerprint(cfg: DictConfig) -> dict:
     config = _flatten(OmegaConf.to_container(cfg, resolve=True))
     config = {k: v for k, v in config.items() if not any(k == r or k.startswith(r + ".") for r in RUNTIME_KEYS)}
-    files = [Path(SourceSpec.from_config(e).path) for e in OmegaConf.to_container(cfg.data.train, resolve=True)]
+    files: dict[str, str] = {}
+    for entry in OmegaConf.to_container(cfg.data.train, resolve=True):
+        path = Path(SourceSpec.from_config(entry).path)
+        if path.is_file():
+            files[str(path)] = file_fingerprint(path)
+        elif path.is_dir():  # a dataset directory: every file in it
+            files.update({str(p): file_fingerprint(p) for p in sorted(path.rglob("*")) if p.is_file()})
+        else:  # a hub dataset id: its name only (its content is the hub's to version)
+            files[str(path)] = "hub dataset"
     tokenizer_dir = Path(cfg.tokenizer.path)
     if tokenizer_dir.is_dir():
-        files += sorted(p for p in tokenizer_dir.iterdir() if p.is_file())
-    return {"config": config, "files": {str(p): file_fingerprint(p) for p in files}}
+        files.update({str(p): file_fingerprint(p) for p in sorted(tokenizer_dir.iterdir()) if p.is_file()})
+    return {"config": config, "files": files}
 
 
 def differences(saved: dict, current: dict) -> list[str]:

@@ -8,6 +8,7 @@ and logged: a conversation with no trainable token, and one longer than the micr
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -25,11 +26,14 @@ from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, shifted_label_array
 
 class RecordSource:
-    """Records of several JSON/JSONL files, addressed by one global index.
+    """Records of several sources, addressed by one global index.
 
-    Read with the standard json module, not `datasets`: Arrow infers one type per column across records,
-    so a reply "2" next to a malformed reply 7 silently becomes the integer 2. JSONL files are indexed by
-    line offsets and each record is parsed when it is asked for, so memory does not grow with the data.
+    JSON/JSONL files are read with the standard json module, not `datasets`: Arrow infers one type per
+    column across records, so a reply "2" next to a malformed reply 7 silently becomes the integer 2.
+    JSONL files are indexed by line offsets and each record is parsed when it is asked for, so memory does
+    not grow with the data. Parquet files, dataset directories and hub dataset ids (`org/name`, when the
+    machine is online; chattune itself never downloads anything else) go through `datasets.load_dataset`
+    with the source's `split`.
     """
 
     def __init__(self, specs: list[SourceSpec]):
@@ -39,6 +43,9 @@ class RecordSource:
         self._sources: list = []  # per file: JSONL line offsets, JSON records, or a Parquet table
         for spec in self.specs:
             path = spec.path
+            if Path(path).is_dir() or (not Path(path).exists() and _HUB_ID.fullmatch(path)):
+                self._sources.append(_load_dataset(spec))
+                continue
             if not Path(path).is_file():
                 raise DataError(f"data file {path!r} does not exist")
             if path.endswith(".jsonl"):
@@ -78,6 +85,19 @@ class RecordSource:
                 return file, index
             index -= len(source)
         raise IndexError(index)
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def _load_dataset(spec: SourceSpec) -> datasets.Dataset:
+    """A dataset directory or hub dataset id, read with `datasets` (a hub id needs the machine online)."""
+    try:
+        return datasets.load_dataset(spec.path, split=spec.split)
+    except Exception as error:  # datasets raises many types: missing repo, offline mode, bad split
+        where = "dataset directory" if Path(spec.path).is_dir() else "hub dataset"
+        raise DataError(f"{where} {spec.path!r} (split {spec.split!r}) could not be loaded: "
+                        f"{type(error).__name__}: {error}") from error
 
 
 def _jsonl_offsets(path: str) -> list[int]:

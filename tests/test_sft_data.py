@@ -217,3 +217,28 @@ def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_wo
         resumed.load_state_dict(first.state_dict())
         got += [(b.doc_ids, b.input_ids.tolist()) for b in resumed]
         assert got == expected, f"resuming after {stop} microbatches diverged"
+
+
+def test_dataset_directories_and_hub_ids_go_through_datasets(tmp_path, tokenizer, monkeypatch):
+    import datasets
+
+    directory = tmp_path / "my_dataset"
+    directory.mkdir()
+    rows = [good(), good("What is 2 + 2?", "4"), good("Reverse 'ab'.", "ba")]
+    datasets.Dataset.from_list(rows[:2]).to_parquet(str(directory / "train.parquet"))
+    datasets.Dataset.from_list(rows[2:]).to_parquet(str(directory / "test.parquet"))
+    spec = SourceSpec.from_config({"path": str(directory), "split": "test"})
+    documents = SFTDocuments(RecordSource([spec]), tokenizer, max_tokens=512)
+    assert len(documents) == 1
+    assert documents.get(0).input_ids == tokenizer.apply_chat_template(rows[2]["messages"])["input_ids"]
+    assert len(RecordSource([SourceSpec(str(directory))])) == 2  # split train by default
+
+    # Offline, as this machine is (the flags are read at import, so set the imported constants too).
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match=r"hub dataset 'someone/no-such-chats' \(split 'train'\) could not be loaded"):
+        RecordSource([SourceSpec("someone/no-such-chats")])
+    with pytest.raises(DataError, match="does not exist"):
+        RecordSource([SourceSpec(str(tmp_path / "missing.jsonl"))])
