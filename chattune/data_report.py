@@ -47,7 +47,7 @@ def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, bat
                      for d in documents_of(documents, list(indices[start : start + batch_records]))):
         report.records += isinstance(document, Skipped) or document.piece == 0
         if isinstance(document, Skipped):
-            report.skipped[document.reason] += 1
+            report.skipped[document.reason] = report.skipped.get(document.reason, 0) + 1
             report.outcomes.append(document)
             continue
         report.outcomes.append(len(document))

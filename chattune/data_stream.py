@@ -162,7 +162,7 @@ class PackedStream:
         documents = []
         for document in chunk:
             if isinstance(document, Skipped):
-                self.skipped[document.reason] += 1
+                self.skipped[document.reason] = self.skipped.get(document.reason, 0) + 1
                 logger.warning("skipped (%s): %s", document.reason, document.detail)
             else:
                 if document.overlong:

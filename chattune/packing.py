@@ -24,6 +24,13 @@ class Document:
     labels: list[int]  # shifted: labels[i] is the target of position i, IGNORE_INDEX when untrained
     piece: int = 0  # which piece of its record (data.overlong=split cuts a long record into several)
     overlong: str = ""  # "truncated" or "split" on the first piece of a record over the budget
+    # Sequences laid back to back inside the document that must not attend to each other, packed as one
+    # unit (DPO: chosen then rejected, so a pair always shares a microbatch). Empty: one sequence.
+    segments: tuple[int, ...] = ()
+
+    @property
+    def segment_lengths(self) -> tuple[int, ...]:
+        return self.segments or (len(self.input_ids),)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -57,6 +64,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # (num_docs + 1,) int32
     max_seqlen: int
     doc_ids: list[int] = field(default_factory=list)
+    padding: int = 0  # tokens of the padding segment (always last), if any
     epoch: int = 0  # the epoch its documents belong to
     ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
 
@@ -70,8 +78,8 @@ class PackedBatch:
 
     @property
     def num_document_tokens(self) -> int:
-        """Tokens of real documents (padding, always the last segment, excluded)."""
-        return int(self.cu_seqlens[len(self.doc_ids)])
+        """Tokens of real documents (padding excluded)."""
+        return self.num_tokens - self.padding
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         return PackedBatch(
@@ -81,6 +89,7 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
             max_seqlen=self.max_seqlen,
             doc_ids=self.doc_ids,
+            padding=self.padding,
             epoch=self.epoch,
             ends_epoch=self.ends_epoch,
         )
@@ -95,8 +104,10 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
         padding = -sum(len(d) for d in documents) % pad_to_multiple_of
         if padding:
             documents = documents + [_padding(padding, pad_token_id)]
-    lengths = [len(d) for d in documents]
-    cu_seqlens = torch.zeros(len(documents) + 1, dtype=torch.int32)
+    lengths = [n for d in documents for n in d.segment_lengths]
+    if any(sum(d.segment_lengths) != len(d) for d in documents):
+        raise ValueError("a document's segments must add up to its length")
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
     return PackedBatch(
         input_ids=_concatenated([d.input_ids for d in documents], sum(lengths)),
@@ -105,6 +116,7 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
+        padding=sum(len(d) for d in documents if d.doc_id < 0),
     )
 
 
