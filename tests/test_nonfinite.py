@@ -60,3 +60,29 @@ def test_nan_on_one_rank_skips_the_update_on_all_ranks(tmp_path):
         assert math.isnan(result["poisoned_norm"]), f"rank {rank} did not see the other rank's NaN"
         assert result["unchanged"] and result["no_optimizer_state"] and result["grads_cleared"], f"rank {rank} stepped"
         assert math.isfinite(result["clean_norm"]) and result["updated"], f"rank {rank}: the next clean step must update"
+
+
+def test_recipe_skips_or_stops_on_a_diverged_run_without_hanging(tmp_path):
+    """An absurd learning rate makes the weights overflow by step 3: `skip` counts the skipped updates and
+    finishes; `stop` ends every rank with the error, the checkpoints before it intact."""
+    from test_resume import launch
+    from test_sft_recipe import read_metrics
+
+    data = tmp_path / "chats.jsonl"
+    from chattune.config import DEMO_ASSETS
+
+    data.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:40]))
+    diverge = ["optimizer.lr=1e30", "scheduler.num_warmup_steps=2", "max_steps=6", "save_every=1"]
+    launch(tmp_path / "skip", data, 2, *diverge)
+    metrics = read_metrics(tmp_path / "skip")
+    assert metrics[-1]["step"] == 6 and metrics[-1]["nonfinite_skipped_steps"] >= 1
+    assert any(math.isnan(m["grad_norm"]) for m in metrics)
+
+    stopped = launch(tmp_path / "stop", data, 2, *diverge, "nonfinite_loss=stop", check=False)
+    assert stopped.returncode != 0
+    log = stopped.stdout + stopped.stderr
+    assert "non-finite loss or gradients; the optimizer did not step" in log
+    last_good = max(m["step"] for m in read_metrics(tmp_path / "stop"))
+    committed = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "stop" / "checkpoints").glob("step_*")
+                       if not p.name.endswith(".partial"))
+    assert committed and committed[-1] == last_good  # every completed step saved; the failed one not

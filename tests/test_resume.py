@@ -138,5 +138,12 @@ def test_changed_config_data_or_world_size_is_refused_with_what_differs(tmp_path
         allowed = launch(out, small_data, 2, "resume_allow_changes=true")
         assert "resuming despite a change" in allowed.stdout + allowed.stderr
         assert read_metrics(out)[-1]["step"] == 8
+        # An explicit checkpoint: its metrics lines are kept, later ones retrained and logged again.
+        explicit = launch(out, small_data, 2, f"resume={out}/checkpoints/step_3", "resume_allow_changes=true")
+        assert f"resumed from {out}/checkpoints/step_3 at step 3" in explicit.stdout + explicit.stderr
+        assert [m["step"] for m in read_metrics(out)] == list(range(1, 9))
+        fresh = launch(out, small_data, 2, "resume=null", "max_steps=2")
+        assert "holds checkpoints but resume=None: this run starts from scratch" in fresh.stdout + fresh.stderr
+        assert [m["step"] for m in read_metrics(out)] == [1, 2]
     finally:
         small_data.write_text(edited.read_text())
