@@ -6,6 +6,10 @@
 | `sharegpt` | `conversations` (turns of `from`/`value`), `system`, `tools` | role names mapped by `roles` |
 | `prompt_completion` | `prompt`, `completion` | each a string or a list of messages |
 | `alpaca` | `instruction`, `input`, `output`, `system` | user turn = instruction, blank line, input |
+| `preference` | `prompt` (or `messages`), `chosen`, `rejected`, `tools` | DPO pairs; each a string or a list of messages |
+| `sharegpt_preference` | `conversations`, `chosen`, `rejected` (turns of `from`/`value`), `system`, `tools` | DPO pairs |
+
+The two preference formats give a `PreferencePair` (`to_preference_pair`), not a `Conversation`.
 
 A source may rename any column (`columns: {messages: chat}`) and, for ShareGPT, map more role names
 (`roles: {bot: assistant}`). Problems are `DataError`s that name the record and what is wrong.
@@ -29,7 +33,13 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "sharegpt": {"conversations": "conversations", "system": "system", "tools": "tools", "role": "from", "content": "value"},
     "prompt_completion": {"prompt": "prompt", "completion": "completion"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
+    "preference": {"prompt": "prompt", "messages": "messages", "chosen": "chosen", "rejected": "rejected", "tools": "tools"},
+    "sharegpt_preference": {"conversations": "conversations", "chosen": "chosen", "rejected": "rejected",
+                            "system": "system", "tools": "tools", "role": "from", "content": "value"},
 }
+
+# Formats of preference pairs (DPO), read with `to_preference_pair` rather than `to_conversation`.
+PREFERENCE_FORMATS = ("preference", "sharegpt_preference")
 
 # ShareGPT role names -> chat roles. `tool_call` marks a turn whose value is a JSON call {name, arguments},
 # which becomes an assistant message with `tool_calls`.
@@ -64,8 +74,9 @@ class SourceSpec:
         if unknown:
             raise DataError(f"{self.path}: format {self.format!r} has no column(s) {sorted(unknown)}; "
                             f"its columns are {sorted(DEFAULT_COLUMNS[self.format])}")
-        if self.roles and self.format != "sharegpt":
-            raise DataError(f"{self.path}: `roles` applies to the sharegpt format only")
+        if self.roles and self.format not in ("sharegpt", "sharegpt_preference"):
+            raise DataError(f"{self.path}: `roles` applies to the sharegpt format only "
+                            "(and to its preference form, sharegpt_preference)")
         bad = {r for r in self.roles.values() if r not in ROLES | {"tool_call"}}
         if bad:
             raise DataError(f"{self.path}: roles map to {sorted(bad)}; allowed: {sorted(ROLES | {'tool_call'})}")
@@ -96,6 +107,8 @@ class SourceSpec:
 
 def to_conversation(record: dict, spec: SourceSpec, where: str) -> Conversation:
     """Convert and validate one record."""
+    if spec.format in PREFERENCE_FORMATS:
+        raise DataError(f"{where}: the {spec.format} format holds preference pairs (for DPO), not conversations")
     converter = {"messages": _from_messages, "sharegpt": _from_sharegpt,
                  "prompt_completion": _from_prompt_completion, "alpaca": _from_alpaca}[spec.format]
     conversation = converter(record, spec, where)
@@ -135,32 +148,40 @@ def _from_sharegpt(record: dict, spec: SourceSpec, where: str) -> Conversation:
     turns = _required(record, spec, "conversations", where)
     if not isinstance(turns, list):
         raise DataError(f"{where}: {spec.column('conversations')!r} must be a list of turns")
-    role_map = {**SHAREGPT_ROLES, **spec.roles}
-    role_key, content_key = spec.column("role"), spec.column("content")
     messages = []
     system = _optional_string(record, spec, "system", where)
     if system.strip():
         messages.append({"role": "system", "content": system})
-    for turn_index, turn in enumerate(turns):
-        name = turn.get(role_key) if isinstance(turn, dict) else None
-        if not isinstance(name, str) or name not in role_map:
-            raise DataError(f"{where}: turn {turn_index} has role {name!r}; known: {sorted(role_map)} "
-                            "(map more with `roles: {name: user|assistant|system|tool|tool_call}`)")
-        value = turn.get(content_key)
-        if role_map[name] == "tool_call":
-            messages.append({"role": "assistant", "content": "", "tool_calls": [_parse_call(value, where, turn_index)]})
-        else:
-            messages.append({"role": role_map[name], "content": value})
+    messages += _sharegpt_messages(turns, spec, where)
     return Conversation(messages, _tools(record, spec, where))
 
 
-def _parse_call(value: object, where: str, turn_index: int) -> dict:
+def _sharegpt_messages(turns: list, spec: SourceSpec, where: str, label: str = "turn") -> list[dict]:
+    """ShareGPT turns ({from, value}, names as the source's `columns` say) as chat messages."""
+    role_map = {**SHAREGPT_ROLES, **spec.roles}
+    role_key, content_key = spec.column("role"), spec.column("content")
+    messages = []
+    for turn_index, turn in enumerate(turns):
+        name = turn.get(role_key) if isinstance(turn, dict) else None
+        if not isinstance(name, str) or name not in role_map:
+            raise DataError(f"{where}: {label} {turn_index} has role {name!r}; known: {sorted(role_map)} "
+                            "(map more with `roles: {name: user|assistant|system|tool|tool_call}`)")
+        value = turn.get(content_key)
+        if role_map[name] == "tool_call":
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": [_parse_call(value, where, turn_index, label)]})
+        else:
+            messages.append({"role": role_map[name], "content": value})
+    return messages
+
+
+def _parse_call(value: object, where: str, turn_index: int, label: str = "turn") -> dict:
     try:
         call = json.loads(value) if isinstance(value, str) else value
     except json.JSONDecodeError as error:
-        raise DataError(f"{where}: turn {turn_index} is a function call that is not valid JSON ({error})") from error
+        raise DataError(f"{where}: {label} {turn_index} is a function call that is not valid JSON ({error})") from error
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise DataError(f"{where}: turn {turn_index} is a function call without a name")
+        raise DataError(f"{where}: {label} {turn_index} is a function call without a name")
     return {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
 
 
@@ -225,3 +246,106 @@ def validate_messages(messages: object, where: str) -> list[dict]:
     if not any(m["role"] == "assistant" for m in clean):
         raise DataError(f"{where}: no assistant message, nothing to train")
     return clean
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Preference pairs (DPO)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One preference pair: the shared context (system/user/assistant/tool messages, ending with a user or
+    tool turn) and the two assistant replies to it, chosen and rejected."""
+
+    context: list[dict]
+    chosen: dict
+    rejected: dict
+    tools: list[dict] | None = None
+
+
+def to_preference_pair(record: dict, spec: SourceSpec, where: str) -> PreferencePair:
+    """Convert and validate one record of a preference format.
+
+    `preference`: the context is `prompt` (or, in its place, `messages`): a string (one user turn) or a list
+    of messages; `chosen` and `rejected` are each a string (one assistant reply), one message, or a list of
+    messages whose last one is the reply and whose earlier ones extend the context. Each side's context
+    (prompt + all but its last message) must be the same for both sides.
+    `sharegpt_preference`: the context is `system` and the `conversations` turns; `chosen` and `rejected`
+    are each one turn (or a list of turns, read as above).
+
+    Each side, context + reply, is checked as `validate_messages` checks a conversation; the reply must be
+    an assistant message with non-empty content (or tool calls), and the context must end with a user or
+    tool turn. Identical replies are not an error here: the reader counts them as skipped."""
+    if spec.format == "preference":
+        context, chosen, rejected = _preference_sides(record, spec, where)
+    elif spec.format == "sharegpt_preference":
+        context, chosen, rejected = _sharegpt_preference_sides(record, spec, where)
+    else:
+        raise DataError(f"{where}: the {spec.format} format holds conversations, not preference pairs "
+                        f"(preference formats: {list(PREFERENCE_FORMATS)})")
+    sides = {}
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        if not side:
+            raise DataError(f"{where}: {spec.column(name)!r} holds no message")
+        reply = side[-1]
+        role = reply.get("role") if isinstance(reply, dict) else None
+        if role != "assistant":
+            raise DataError(f"{where}: the last message of {spec.column(name)!r} must be the assistant reply, "
+                            f"got role {role!r}")
+        for turn, message in enumerate(context + side):
+            if not isinstance(message, dict):
+                raise DataError(f"{where}: {name}: message {turn} must be an object, got {type(message).__name__}")
+        messages = validate_messages(context + side, f"{where}: {name}")
+        if not messages[:-1] or messages[-2]["role"] not in ("user", "tool"):
+            last = messages[-2]["role"] if len(messages) > 1 else None
+            raise DataError(f"{where}: the context of the {name} reply must end with a user or tool turn, "
+                            f"got {'no context' if last is None else f'a last turn of role {last!r}'}")
+        sides[name] = messages
+    if sides["chosen"][:-1] != sides["rejected"][:-1]:
+        raise DataError(f"{where}: the chosen and rejected replies have different contexts (prompt + all but "
+                        "the last message of each side must be the same)")
+    return PreferencePair(sides["chosen"][:-1], sides["chosen"][-1], sides["rejected"][-1], _tools(record, spec, where))
+
+
+def _preference_sides(record: dict, spec: SourceSpec, where: str) -> tuple[list, list, list]:
+    prompt_column, messages_column = spec.column("prompt"), spec.column("messages")
+    has_prompt, has_messages = record.get(prompt_column) is not None, record.get(messages_column) is not None
+    if has_prompt and has_messages:
+        raise DataError(f"{where}: both {prompt_column!r} and {messages_column!r} given for the context; keep one")
+    if not has_prompt and not has_messages:
+        raise DataError(f"{where}: no {prompt_column!r} (or {messages_column!r}) field for the preference format "
+                        f"(fields: {sorted(record)}); rename columns with `columns: {{prompt: ...}}`")
+    context = record[prompt_column if has_prompt else messages_column]
+    if isinstance(context, str):
+        context = [{"role": "user", "content": context}]
+    elif isinstance(context, dict):
+        context = [context]
+    if not isinstance(context, list):
+        raise DataError(f"{where}: {prompt_column if has_prompt else messages_column!r} must be a string or a list "
+                        f"of messages, got {type(context).__name__}")
+    sides = []
+    for name in ("chosen", "rejected"):
+        side = _required(record, spec, name, where)
+        if isinstance(side, str):
+            side = [{"role": "assistant", "content": side}]
+        elif isinstance(side, dict):
+            side = [side]
+        if not isinstance(side, list):
+            raise DataError(f"{where}: {spec.column(name)!r} must be a string, a message or a list of messages, "
+                            f"got {type(side).__name__}")
+        sides.append(side)
+    return list(context), sides[0], sides[1]
+
+
+def _sharegpt_preference_sides(record: dict, spec: SourceSpec, where: str) -> tuple[list, list, list]:
+    context = _from_sharegpt(record, spec, where).messages
+    sides = []
+    for name in ("chosen", "rejected"):
+        side = _required(record, spec, name, where)
+        if isinstance(side, dict):
+            side = [side]
+        if not isinstance(side, list):
+            raise DataError(f"{where}: {spec.column(name)!r} must be a turn or a list of turns, got {type(side).__name__}")
+        sides.append(_sharegpt_messages(side, spec, where, label=f"{spec.column(name)} turn"))
+    return context, sides[0], sides[1]
