@@ -1,0 +1,163 @@
+"""DPO through the shared update step: gradients invariant to how pairs are split into microbatches and
+ranks, equal to a plain per-pair computation (unpacked HF forwards, full logits), and metrics equal to
+the same per-pair values averaged by hand; live and cached reference alike."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from chattune.chat_template import probe_template, tokenize_conversation
+from chattune.config import DEMO_ASSETS
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.dpo_loss import PreferenceLoss
+from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObjective
+from chattune.fsdp import shard_model
+from chattune.loss import IGNORE_INDEX
+from chattune.metrics import step_metrics
+from chattune.model import PackedCausalLM
+from chattune.packing import Document, collate_packed, empty_batch, shifted_labels
+from chattune.train_step import accumulate_gradients
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
+
+NUM_PAIRS = 8
+# beta 0.1 (the usual DPO value): the loss depends on differences of sequence log-probs (~-70 here), so fp32
+# rounding in them reaches the gradient multiplied by beta; at beta 0.5 the same fp32 agreement is ~4e-6.
+LOSS = PreferenceLoss("sigmoid", beta=0.1, label_smoothing=0.1, sft_weight=0.3)
+
+
+def sides(pair: dict) -> list[list[dict]]:
+    return [pair["prompt"] + pair["chosen"], pair["prompt"] + pair["rejected"]]
+
+
+def demo_pairs() -> list[dict]:
+    lines = (DEMO_ASSETS / "preference_train.jsonl").read_text().splitlines()[:NUM_PAIRS]
+    return [json.loads(line) for line in lines]
+
+
+def pair_documents() -> list[Document]:
+    """Built here, independently of chattune.dpo_data: each side tokenized alone, only its last reply trained."""
+    tokenizer = demo_tokenizer()
+    markers = probe_template(tokenizer)
+    documents = []
+    for i, pair in enumerate(demo_pairs()):
+        ids, labels, lengths = [], [], []
+        for messages in sides(pair):
+            tokenized = tokenize_conversation(tokenizer, messages, markers, last_turn_only=True)
+            ids += tokenized.input_ids
+            labels += shifted_labels(tokenized.input_ids, tokenized.assistant_mask)
+            lengths.append(len(tokenized.input_ids))
+        documents.append(Document(i, ids, labels, segments=tuple(lengths)))
+    return documents
+
+
+def sequence_logps(model, documents) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """Plain HF: every side run alone with stock SDPA and full logits; (chosen, rejected, tokens, tokens)."""
+    out = []
+    for doc in documents:
+        n_chosen = doc.segments[0]
+        per_side = []
+        for ids, labels in ((doc.input_ids[:n_chosen], doc.labels[:n_chosen]), (doc.input_ids[n_chosen:], doc.labels[n_chosen:])):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+            target = torch.tensor(labels)
+            per_side.append((-F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum"),
+                             int((target != IGNORE_INDEX).sum())))
+        out.append((per_side[0][0], per_side[1][0], per_side[0][1], per_side[1][1]))
+    return out
+
+
+def reference_step() -> dict:
+    """The gradient of the mean per-pair loss, and every metric, by hand."""
+    policy, reference = tiny_model(seed=0), tiny_model(seed=1)
+    for model in (policy, reference):
+        model.set_attn_implementation("sdpa")
+    documents = pair_documents()
+    with torch.no_grad():
+        ref = sequence_logps(reference, documents)
+    pol = sequence_logps(policy, documents)
+    losses, rewards = [], []
+    for (pc, pr, nc, nr), (rc, rr, _, _) in zip(pol, ref):
+        chosen_reward, rejected_reward = LOSS.beta * (pc - rc), LOSS.beta * (pr - rr)
+        d = chosen_reward - rejected_reward
+        eps = LOSS.label_smoothing
+        loss = -(1 - eps) * F.logsigmoid(d) - eps * F.logsigmoid(-d) + LOSS.sft_weight * (-pc / nc)
+        losses.append(loss)
+        rewards.append((float(chosen_reward.detach()), float(rejected_reward.detach())))
+    mean = torch.stack(losses).mean()
+    mean.backward()
+    n = len(documents)
+    return {
+        "grads": {name: p.grad for name, p in policy.named_parameters()},
+        "ref_table": torch.tensor([[float(rc), float(rr)] for rc, rr, _, _ in ref], dtype=torch.float64),
+        "metrics": {
+            "loss": float(mean),
+            "rewards/chosen": sum(c for c, _ in rewards) / n,
+            "rewards/rejected": sum(r for _, r in rewards) / n,
+            "rewards/margins": sum(c - r for c, r in rewards) / n,
+            "rewards/accuracies": sum(c > r for c, r in rewards) / n,
+            "logps/chosen": sum(float(p[0]) for p in pol) / n,
+            "logps/rejected": sum(float(p[1]) for p in pol) / n,
+            "num_pairs": n,
+            "num_tokens": sum(p[2] + p[3] for p in pol),
+        },
+    }
+
+
+def _worker(rank, world_size, port, splits, out_path, ref_table):
+    init_worker_process_group(rank, world_size, port)
+    documents = pair_documents()
+    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", world_size)
+    policy.train()
+    if ref_table is None:
+        reference = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=1)), "cpu", world_size))
+    else:
+        reference = CachedReference(ref_table)
+    objective = PreferenceObjective(LOSS, reference)
+    microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
+    result = accumulate_gradients(policy, objective, microbatches, torch.device("cpu"))
+    metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
+    grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
+    if rank == 0:
+        torch.save({"grads": grads, "metrics": metrics}, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+def test_dpo_gradients_and_metrics_are_invariant_and_match_a_per_pair_computation(tmp_path):
+    want = reference_step()
+    everything = list(range(NUM_PAIRS))
+    splits = {
+        "1rank_1mb": [[everything]],
+        "1rank_3mb": [[[0, 1, 2], [3, 4], [5, 6, 7]]],
+        "2rank_2mb_uneven": [[[0, 1, 2, 3], [4]], [[5, 6], [7]]],
+        "2rank_2mb_one_empty": [[[0, 1, 2, 3, 4], [5, 6, 7]], [[], []]],
+    }
+    for reference in ("live", "cached"):
+        for name, split in splits.items():
+            out_path = str(tmp_path / f"{reference}_{name}.pt")
+            table = want["ref_table"] if reference == "cached" else None
+            mp.spawn(_worker, args=(len(split), free_port(), split, out_path, table), nprocs=len(split), join=True)
+            got = torch.load(out_path)
+            error = relative_error(got["grads"], want["grads"])
+            assert error <= 1e-6, f"{reference} {name}: relative gradient error {error:.3g}"
+            for key, value in want["metrics"].items():
+                assert math.isclose(got["metrics"][key], value, rel_tol=1e-5, abs_tol=1e-6), (reference, name, key)
+
+
+def test_a_per_microbatch_mean_would_be_caught():
+    """The comparison can fail: averaging per microbatch (not per global pair) changes the gradient."""
+    want = reference_step()["grads"]
+    policy, reference = tiny_model(seed=0), tiny_model(seed=1)
+    documents = pair_documents()
+    with torch.no_grad():
+        ref = sequence_logps(reference, documents)
+    pol = sequence_logps(policy, documents)
+    losses = [LOSS(*[torch.stack([x]) for x in (p[0], p[1], r[0], r[1])], torch.tensor([float(p[2])]),
+                   torch.tensor([float(p[3])]))[0][0] for p, r in zip(pol, ref)]
+    (torch.stack(losses[:5]).mean() + torch.stack(losses[5:]).mean()).div(2).backward()
+    wrong = {name: p.grad for name, p in policy.named_parameters()}
+    assert relative_error(wrong, want) > 1e-3
