@@ -104,6 +104,9 @@ def main(cfg: DictConfig) -> None:
     )
     ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
 
+    if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
+        metric_logger.log({"step": 0, **evaluate(model, objective, eval_batches, device, pad_id)})
+
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
     step = start_step
     for step in range(start_step + 1, cfg.max_steps + 1):

@@ -22,8 +22,10 @@ def run(command: list[str], env_extra: dict | None = None, timeout: int = 600) -
     return result
 
 
-def read_metrics(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(output_dir, include_start: bool = False) -> list[dict]:
+    """metrics.jsonl; the step-0 line (held-out metrics before training) only when asked for."""
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if include_start or m["step"] > 0]
 
 
 def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
@@ -40,6 +42,8 @@ def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     assert last < 0.6 * first, f"loss did not fall clearly: {first:.3f} -> {last:.3f}"
     assert metrics[-1]["eval_loss"] < first
+    start = read_metrics(out, include_start=True)[0]
+    assert start["step"] == 0 and metrics[-1]["eval_loss"] < 0.6 * start["eval_loss"]
 
     for step in (20, 40):
         checkpoint = out / "checkpoints" / f"step_{step}"
