@@ -224,7 +224,9 @@ def validate_messages(messages: object, where: str) -> list[dict]:
         raise DataError(f"{where}: the conversation must be a non-empty list of messages, got {type(messages).__name__}")
     clean = []
     for turn, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else message
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: message {turn} must be an object with a role and content, got {message!r}")
+        role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise DataError(f"{where}: message {turn} has role {role!r}; expected one of {sorted(ROLES)}")
         message = {k: v for k, v in message.items() if v is not None}

@@ -27,6 +27,7 @@ def good(question: str = "What is 1 + 1?", answer: str = "2") -> dict:
     [
         ({"messages": []}, "non-empty list of messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'"),
+        ({"messages": ["user", "hi"]}, "message 0 must be an object with a role and content, got 'user'"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 7}]}, "must be a string"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}, "empty assistant reply"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
