@@ -26,7 +26,7 @@ from chattune.chat_template import (TemplateMarkers, TextBatchEncoder, assistant
                                     render_conversation, trained_spans)
 from chattune.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
 from chattune.packing import Document, shifted_label_array
-from chattune.sft_data import RecordSource, Skipped
+from chattune.sft_data import RecordSource, Skipped, check_tools_rendered, render_then_tokenize
 
 SKIP_REASONS_DPO = ("overlong", "identical_replies")
 OVERLONG_DPO = ("drop", "error")
@@ -67,28 +67,14 @@ class PairDocuments:
         Raises the DataError of the first bad pair, as `get` one by one would: a pair that fails to convert
         or render stops the reading, and the pairs before it are still tokenized first (one of them may be
         an overlong pair that `overlong="error"` refuses)."""
-        prepared: list[_RenderedPair | Skipped] = []
-        failure: DataError | None = None
-        for index, (spec, local_index, record) in zip(indices, self.source.locate_many(indices)):
-            try:
-                prepared.append(self._render(index, f"{spec.path} record {local_index}", spec, record))
-            except DataError as error:
-                failure = error
-                break
-        documents = self._tokenize(prepared) if prepared else []
-        if failure is not None:
-            raise failure
-        return documents
+        return render_then_tokenize(self.source, indices, self._render, self._tokenize)
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_RenderedPair | Skipped":
         """Convert and check one pair, render its two sides and locate the reply each trains."""
         pair: PreferencePair = to_preference_pair(record, spec, where)
         if pair.chosen == pair.rejected:
             return Skipped("identical_replies", where)
-        uses_calls = any("tool_calls" in m for m in [*pair.context, pair.chosen, pair.rejected])
-        if (pair.tools and not self.markers.renders_tools) or (uses_calls and not self.markers.renders_tool_calls):
-            raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
-                            "render them (training would silently leave them out)")
+        check_tools_rendered(self.markers, pair.tools, [*pair.context, pair.chosen, pair.rejected], where)
         texts, spans = [], []
         for side in (pair.chosen, pair.rejected):
             messages = [*pair.context, side]

@@ -149,6 +149,33 @@ class Skipped:
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
 
+def render_then_tokenize(source: RecordSource, indices: Sequence[int], render, tokenize) -> list:
+    """`render(index, where, spec, record)` each record in order until one raises a DataError, then
+    `tokenize` the rendered ones together, then raise that error: the first bad record is reported as
+    reading one by one would report it (after the records before it, one of which may itself be refused
+    when tokenized, e.g. an overlong record under `overlong="error"`)."""
+    prepared = []
+    failure: DataError | None = None
+    for index, (spec, local_index, record) in zip(indices, source.locate_many(indices)):
+        try:
+            prepared.append(render(index, f"{spec.path} record {local_index}", spec, record))
+        except DataError as error:
+            failure = error
+            break
+    documents = tokenize(prepared) if prepared else []
+    if failure is not None:
+        raise failure
+    return documents
+
+
+def check_tools_rendered(markers: TemplateMarkers, tools: list | None, messages: list[dict], where: str) -> None:
+    """Refuse tools or tool calls that the chat template would silently leave out of the text."""
+    uses_calls = any("tool_calls" in m for m in messages)
+    if (tools and not markers.renders_tools) or (uses_calls and not markers.renders_tool_calls):
+        raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
+                        "render them (training would silently leave them out)")
+
+
 class SFTDocuments:
     """Tokenized, label-masked documents by global record index.
 
@@ -191,26 +218,12 @@ class SFTDocuments:
         Raises the DataError of the first bad record, as `get` one by one would: a record that fails to
         convert or render stops the reading, and the records before it are still tokenized first (one of
         them may be an overlong record that `overlong="error"` refuses)."""
-        prepared: list[_Rendered] = []
-        failure: DataError | None = None
-        for index, (spec, local_index, record) in zip(indices, self.source.locate_many(indices)):
-            try:
-                prepared.append(self._render(index, f"{spec.path} record {local_index}", spec, record))
-            except DataError as error:
-                failure = error
-                break
-        documents = self._tokenize(prepared) if prepared else []
-        if failure is not None:
-            raise failure
-        return documents
+        return render_then_tokenize(self.source, indices, self._render, self._tokenize)
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_Rendered":
         """Convert, check and render one record, and locate the assistant replies it trains."""
         conversation = to_conversation(record, spec, where)
-        uses_calls = any("tool_calls" in m for m in conversation.messages)
-        if (conversation.tools and not self.markers.renders_tools) or (uses_calls and not self.markers.renders_tool_calls):
-            raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
-                            "render them (training would silently leave them out)")
+        check_tools_rendered(self.markers, conversation.tools, conversation.messages, where)
         try:
             text = render_conversation(self.tokenizer, conversation.messages, conversation.tools)
             spans = trained_spans(text, conversation.messages, self.markers,
