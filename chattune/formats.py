@@ -318,26 +318,23 @@ def _preference_sides(record: dict, spec: SourceSpec, where: str) -> tuple[list,
     if not has_prompt and not has_messages:
         raise DataError(f"{where}: no {prompt_column!r} (or {messages_column!r}) field for the preference format "
                         f"(fields: {sorted(record)}); rename columns with `columns: {{prompt: ...}}`")
-    context = record[prompt_column if has_prompt else messages_column]
-    if isinstance(context, str):
-        context = [{"role": "user", "content": context}]
-    elif isinstance(context, dict):
-        context = [context]
-    if not isinstance(context, list):
-        raise DataError(f"{where}: {prompt_column if has_prompt else messages_column!r} must be a string or a list "
-                        f"of messages, got {type(context).__name__}")
-    sides = []
-    for name in ("chosen", "rejected"):
-        side = _required(record, spec, name, where)
-        if isinstance(side, str):
-            side = [{"role": "assistant", "content": side}]
-        elif isinstance(side, dict):
-            side = [side]
-        if not isinstance(side, list):
-            raise DataError(f"{where}: {spec.column(name)!r} must be a string, a message or a list of messages, "
-                            f"got {type(side).__name__}")
-        sides.append(side)
-    return list(context), sides[0], sides[1]
+    context_column = prompt_column if has_prompt else messages_column
+    context = _message_list(record[context_column], "user", context_column, where)
+    chosen, rejected = (_message_list(_required(record, spec, name, where), "assistant", spec.column(name), where)
+                        for name in ("chosen", "rejected"))
+    return context, chosen, rejected
+
+
+def _message_list(value: object, role: str, column: str, where: str) -> list:
+    """A field holding a string (one `role` message), one message, or a list of messages, as a list."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, dict):
+        return [value]
+    if not isinstance(value, list):
+        raise DataError(f"{where}: {column!r} must be a string, a message or a list of messages, "
+                        f"got {type(value).__name__}")
+    return list(value)
 
 
 def _sharegpt_preference_sides(record: dict, spec: SourceSpec, where: str) -> tuple[list, list, list]:
