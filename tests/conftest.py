@@ -50,6 +50,19 @@ def demo_documents(count: int, start: int = 0) -> list[Document]:
     return docs
 
 
+class ListSource:
+    """A document source over a list of ready documents (the stream's DocumentSource protocol)."""
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __len__(self):
+        return len(self.docs)
+
+    def get(self, index):
+        return self.docs[index]
+
+
 def relative_error(got: torch.Tensor | dict, want: torch.Tensor | dict) -> float:
     """||got - want|| / ||want||; for dicts of tensors, the worst entry."""
     if isinstance(want, dict):

@@ -7,7 +7,7 @@ from chattune.attention import ATTENTION_NAME
 from chattune.data_stream import PackedStream, epoch_share
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, best_fit_decreasing, collate_packed, shifted_labels
-from conftest import demo_documents, tiny_model
+from conftest import ListSource, demo_documents, tiny_model
 
 
 @pytest.mark.parametrize("architecture", ["llama", "mistral_sliding_window"])
@@ -78,17 +78,6 @@ def test_best_fit_decreasing_keeps_every_document_within_budget():
     assert fill > 0.95, fill
     with pytest.raises(ValueError, match="more than the budget"):
         best_fit_decreasing([Document(0, [1] * 200, [IGNORE_INDEX] * 200)], max_tokens=128)
-
-
-class ListSource:
-    def __init__(self, docs):
-        self.docs = docs
-
-    def __len__(self):
-        return len(self.docs)
-
-    def get(self, index):
-        return self.docs[index]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -10,19 +10,8 @@ import sys
 from chattune.data_stream import PackedStream
 from chattune.packing import Document
 from chattune.step_feed import StepFeed
-from conftest import free_port
+from conftest import ListSource, free_port
 from test_sft_recipe import read_metrics, run
-
-
-class ListSource:
-    def __init__(self, docs):
-        self.docs = docs
-
-    def __len__(self):
-        return len(self.docs)
-
-    def get(self, index):
-        return self.docs[index]
 
 
 def uneven_documents(count: int = 61) -> list[Document]:
