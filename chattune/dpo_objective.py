@@ -66,6 +66,8 @@ class CachedReference:
 
 
 class PreferenceObjective:
+    unit_name = "preference pair"
+
     def __init__(self, loss: PreferenceLoss, reference: Reference | None):
         if loss.needs_reference and reference is None:
             raise ValueError(f"loss.type={loss.loss_type!r} needs reference log-probs (a reference model or cache)")

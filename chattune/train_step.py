@@ -30,6 +30,8 @@ class Objective(Protocol):
     """What a recipe trains: how many loss units a microbatch holds, their summed loss (with any other
     per-unit figures it reports, summed), and how the step's sums over all ranks become metrics."""
 
+    unit_name: str  # what one loss unit is, for messages
+
     def count_units(self, batch: PackedBatch) -> int: ...
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
@@ -39,6 +41,8 @@ class Objective(Protocol):
 
 class TokenCrossEntropy:
     """SFT: the unit is a trainable token (label != IGNORE_INDEX)."""
+
+    unit_name = "trainable token"
 
     def count_units(self, batch: PackedBatch) -> int:
         return batch.num_trainable_tokens

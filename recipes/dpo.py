@@ -10,8 +10,6 @@ like the policy) gives the reference log-probs. Read top to bottom; copy this fi
 from __future__ import annotations
 
 import logging
-import math
-import time
 from pathlib import Path
 
 import hydra
@@ -21,24 +19,20 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from chattune.config import save_resolved_config
-from chattune.data_report import count_lines, epoch_line, report_sample, scan_documents
+from chattune.data_report import count_lines, report_sample, scan_documents
 from chattune.data_stream import PackedStream
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
-from chattune.evaluation import evaluate
-from chattune.faults import maybe_crash
 from chattune.fsdp import shard_model
-from chattune.hf_export import export_hf
 from chattune.log import setup_logging
-from chattune.metrics import MetricLogger, reduce_sums, step_metrics
+from chattune.metrics import reduce_sums
 from chattune.model import PackedCausalLM, build_hf_model
 from chattune.formats import SourceSpec
-from chattune.resume import checkpoint_to_resume, resume_training, run_fingerprint, run_meta, save_training
 from chattune.dpo_data import PairDocuments
 from chattune.dpo_loss import PreferenceLoss
 from chattune.dpo_objective import LiveReference, PreferenceObjective
 from chattune.sft_data import RecordSource
-from chattune.step_feed import DocumentLedger, StepFeed
-from chattune.train_step import train_step
+from chattune.step_feed import StepFeed
+from chattune.training_loop import train
 
 logger = logging.getLogger("chattune.dpo")
 
@@ -100,86 +94,8 @@ def main(cfg: DictConfig) -> None:
                                               dist_info.world_size, **cfg.model.fsdp))
     objective = PreferenceObjective(preference_loss, reference)
 
-    # --- resume: model, optimizer, scheduler, data position and RNG, or a fresh start ---
-    checkpoints = output_dir / "checkpoints"
-    meta = run_meta(dist_info.world_size, cfg.data.num_workers, run_fingerprint(cfg))
-    counters = {"nonfinite_skipped_steps": 0}
-    start_step = 0
-    resume_from = checkpoint_to_resume(cfg.resume, checkpoints)
-    if resume_from is not None:
-        start_step, counters = resume_training(resume_from, model, optimizer, scheduler, feed, meta, cfg.resume_allow_changes)
-        logger.info("resumed from %s at step %d (epoch %d)", resume_from, start_step, feed.epoch)
-    elif dist_info.is_main and checkpoints.exists():
-        logger.warning("%s holds checkpoints but resume=%s: this run starts from scratch", output_dir, cfg.resume)
-    metric_logger = MetricLogger(
-        str(output_dir), dist_info.is_main, cfg.logger, resume_step=start_step if resume_from else None,
-        run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb),
-    )
-    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
-
-    if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
-        metric_logger.log({"step": 0, **evaluate(model, objective, eval_batches, device, pad_id)})
-
-    # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
-    step = start_step
-    for step in range(start_step + 1, cfg.max_steps + 1):
-        if feed.finished:  # resumed after the last epoch
-            break
-        start = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
-        batches = feed.next_step()
-        if ledger:
-            ledger.write(step, batches)
-        maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
-        result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
-                                       device, rank_done=batches.rank_done)
-        epoch_counts = feed.close_step(result.ranks_done, dist_info.world_size)
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
-        step_time = time.perf_counter() - start
-        if result.global_units == 0 and step == 1:
-            raise RuntimeError("the first step has no preference pair on any rank: check the data")
-        if not math.isfinite(grad_norm):  # every rank sees the same NaN norm, so all decide alike
-            if cfg.nonfinite_loss == "stop":
-                raise FloatingPointError(f"step {step}: non-finite loss or gradients; the optimizer did not step. "
-                                         "The last checkpoint is intact (resume=auto continues from it).")
-            counters["nonfinite_skipped_steps"] += 1
-            logger.warning("step %d: non-finite loss or gradients, update skipped (%d so far)", step,
-                           counters["nonfinite_skipped_steps"])
-
-        if epoch_counts is not None:  # the step closed an epoch on every rank: its exact figures
-            logger.info("epoch %d done at step %d: %s", batches.epoch, step,
-                        epoch_line(reduce_sums(epoch_counts, device), cfg.data.max_tokens_per_microbatch))
-        is_last = step == cfg.max_steps or feed.finished
-        # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
-        is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
-        if step % cfg.log_every == 0 or is_last or is_eval:
-            metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
-            metrics.update(epoch=batches.epoch, **counters)
-            if is_eval:
-                metrics.update(evaluate(model, objective, eval_batches, device, pad_id))
-            metric_logger.log(metrics)
-        stopping = step == cfg.stop_after_step
-        if (cfg.save_every and step % cfg.save_every == 0) or stopping:
-            save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n)
-        if stopping:
-            logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
-            metric_logger.close()
-            shutdown_distributed()
-            return
-        if feed.finished:
-            logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
-            break
-
-    skipped = reduce_sums({**feed.stream.skipped, **feed.stream.overlong}, device)
-    logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
-                {k: int(skipped[k]) for k in feed.stream.skipped}, {k: int(skipped[k]) for k in feed.stream.overlong})
-
-    # --- save: a Hugging Face directory that loads without chattune ---
-    export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main)
-    metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
-    metric_logger.close()
-    logger.info("done: %s", output_dir / "hf")
+    # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
+    train(cfg, dist_info, model, objective, optimizer, scheduler, feed, eval_batches, tokenizer, pad_id)
     shutdown_distributed()
 
 

@@ -1,0 +1,124 @@
+"""The training loop every recipe runs: resume, update steps, metrics, evaluation, checkpoints.
+
+Recipes differ in their data and their objective (`chattune.train_step.Objective`); everything from the
+first step to the last is the same story, so it is told once here and SFT and DPO cannot drift apart:
+
+- resume (`resume=auto|PATH|null`): model, optimizer, scheduler, data position, RNG and counters;
+- held-out metrics at step 0, then every `eval_every` steps and at the end;
+- each step: its microbatches (`StepFeed`, epochs in lockstep), the shared update step, the epoch's
+  figures when it closes, metrics every `log_every` steps;
+- a non-finite loss or gradient: the update is skipped on every rank (counted) or the run stops;
+- checkpoints every `save_every` steps, and `stop_after_step` for a job's time slice;
+- at the end, a Hugging Face directory that loads without chattune.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data_report import epoch_line
+from chattune.distributed import DistInfo
+from chattune.evaluation import evaluate
+from chattune.faults import maybe_crash
+from chattune.hf_export import export_hf
+from chattune.metrics import MetricLogger, reduce_sums, step_metrics
+from chattune.packing import PackedBatch
+from chattune.resume import checkpoint_to_resume, resume_training, run_fingerprint, run_meta, save_training
+from chattune.step_feed import DocumentLedger, StepFeed
+from chattune.train_step import Objective, train_step
+
+logger = logging.getLogger(__name__)
+
+
+def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objective: Objective,
+          optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, feed: StepFeed,
+          eval_batches: list[PackedBatch], tokenizer: PreTrainedTokenizerBase, pad_id: int) -> None:
+    """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
+    `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved."""
+    device, output_dir = dist_info.device, Path(cfg.output_dir)
+
+    # --- resume: model, optimizer, scheduler, data position and RNG, or a fresh start ---
+    checkpoints = output_dir / "checkpoints"
+    meta = run_meta(dist_info.world_size, cfg.data.num_workers, run_fingerprint(cfg))
+    counters = {"nonfinite_skipped_steps": 0}
+    start_step = 0
+    resume_from = checkpoint_to_resume(cfg.resume, checkpoints)
+    if resume_from is not None:
+        start_step, counters = resume_training(resume_from, model, optimizer, scheduler, feed, meta, cfg.resume_allow_changes)
+        logger.info("resumed from %s at step %d (epoch %d)", resume_from, start_step, feed.epoch)
+    elif dist_info.is_main and checkpoints.exists():
+        logger.warning("%s holds checkpoints but resume=%s: this run starts from scratch", output_dir, cfg.resume)
+    metric_logger = MetricLogger(
+        str(output_dir), dist_info.is_main, cfg.logger, resume_step=start_step if resume_from else None,
+        run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb),
+    )
+    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
+
+    if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
+        metric_logger.log({"step": 0, **evaluate(model, objective, eval_batches, device, pad_id)})
+
+    # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
+    for step in range(start_step + 1, cfg.max_steps + 1):
+        if feed.finished:  # resumed after the last epoch
+            break
+        start = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        batches = feed.next_step()
+        if ledger:
+            ledger.write(step, batches)
+        maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
+        result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
+                                       device, rank_done=batches.rank_done)
+        epoch_counts = feed.close_step(result.ranks_done, dist_info.world_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
+        step_time = time.perf_counter() - start
+        if result.global_units == 0 and step == 1:
+            raise RuntimeError(f"the first step has no {objective.unit_name} on any rank: check the data")
+        if not math.isfinite(grad_norm):  # every rank sees the same NaN norm, so all decide alike
+            if cfg.nonfinite_loss == "stop":
+                raise FloatingPointError(f"step {step}: non-finite loss or gradients; the optimizer did not step. "
+                                         "The last checkpoint is intact (resume=auto continues from it).")
+            counters["nonfinite_skipped_steps"] += 1
+            logger.warning("step %d: non-finite loss or gradients, update skipped (%d so far)", step,
+                           counters["nonfinite_skipped_steps"])
+
+        if epoch_counts is not None:  # the step closed an epoch on every rank: its exact figures
+            logger.info("epoch %d done at step %d: %s", batches.epoch, step,
+                        epoch_line(reduce_sums(epoch_counts, device), cfg.data.max_tokens_per_microbatch))
+        is_last = step == cfg.max_steps or feed.finished
+        # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
+        is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
+        if step % cfg.log_every == 0 or is_last or is_eval:
+            metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
+            metrics.update(epoch=batches.epoch, **counters)
+            if is_eval:
+                metrics.update(evaluate(model, objective, eval_batches, device, pad_id))
+            metric_logger.log(metrics)
+        stopping = step == cfg.stop_after_step
+        if (cfg.save_every and step % cfg.save_every == 0) or stopping:
+            save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n)
+        if stopping:
+            logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
+            metric_logger.close()
+            return
+        if feed.finished:
+            logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
+            break
+
+    skipped = reduce_sums({**feed.stream.skipped, **feed.stream.overlong}, device)
+    logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
+                {k: int(skipped[k]) for k in feed.stream.skipped}, {k: int(skipped[k]) for k in feed.stream.overlong})
+
+    # --- save: a Hugging Face directory that loads without chattune ---
+    export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main)
+    metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
+    metric_logger.close()
+    logger.info("done: %s", output_dir / "hf")
