@@ -39,10 +39,13 @@ logger = logging.getLogger(__name__)
 
 def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objective: Objective,
           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, feed: StepFeed,
-          eval_batches: list[PackedBatch], tokenizer: PreTrainedTokenizerBase, pad_id: int) -> None:
+          eval_batches: list[PackedBatch], tokenizer: PreTrainedTokenizerBase, pad_id: int,
+          eval_objective: Objective | None = None) -> None:
     """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
-    `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved."""
+    `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved. `eval_objective` scores the
+    held-out batches when they need their own (e.g. cached reference log-probs of the eval records)."""
     device, output_dir = dist_info.device, Path(cfg.output_dir)
+    eval_objective = eval_objective or objective
 
     # --- resume: model, optimizer, scheduler, data position and RNG, or a fresh start ---
     checkpoints = output_dir / "checkpoints"
@@ -62,7 +65,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
     ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
-        metric_logger.log({"step": 0, **evaluate(model, objective, eval_batches, device, pad_id)})
+        metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
 
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -100,7 +103,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
             metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
             metrics.update(epoch=batches.epoch, **counters)
             if is_eval:
-                metrics.update(evaluate(model, objective, eval_batches, device, pad_id))
+                metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
             metric_logger.log(metrics)
         stopping = step == cfg.stop_after_step
         if (cfg.save_every and step % cfg.save_every == 0) or stopping:
