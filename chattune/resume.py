@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 # Config keys a resumed run may change freely: they do not change the training trajectory.
 RUNTIME_KEYS = ("output_dir", "resume", "resume_allow_changes", "log_every", "save_every", "keep_last_n",
-                "eval_every", "logger", "wandb", "stop_after_step", "nonfinite_loss", "ledger", "data.eval",
-                "data.report_records", "data.num_workers")
+                "eval_every", "logger", "progress", "wandb", "stop_after_step", "nonfinite_loss", "ledger",
+                "data.eval", "data.report_records", "data.num_workers")
 _EDGE_BYTES = 1 << 20
 
 
@@ -56,11 +56,10 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
-def run_fingerprint(cfg: DictConfig) -> dict:
-    config = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    config = {k: v for k, v in config.items() if not any(k == r or k.startswith(r + ".") for r in RUNTIME_KEYS)}
+def data_file_fingerprints(sources, tokenizer_path: str) -> dict[str, str]:
+    """Fingerprints of the files behind data sources (config entries) and of the tokenizer's files."""
     files: dict[str, str] = {}
-    for entry in OmegaConf.to_container(cfg.data.train, resolve=True):
+    for entry in OmegaConf.to_container(sources, resolve=True):
         path = Path(SourceSpec.from_config(entry).path)
         if path.is_file():
             files[str(path)] = file_fingerprint(path)
@@ -68,10 +67,16 @@ def run_fingerprint(cfg: DictConfig) -> dict:
             files.update({str(p): file_fingerprint(p) for p in sorted(path.rglob("*")) if p.is_file()})
         else:  # a hub dataset id: its name only (its content is the hub's to version)
             files[str(path)] = "hub dataset"
-    tokenizer_dir = Path(cfg.tokenizer.path)
+    tokenizer_dir = Path(tokenizer_path)
     if tokenizer_dir.is_dir():
         files.update({str(p): file_fingerprint(p) for p in sorted(tokenizer_dir.iterdir()) if p.is_file()})
-    return {"config": config, "files": files}
+    return files
+
+
+def run_fingerprint(cfg: DictConfig) -> dict:
+    config = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    config = {k: v for k, v in config.items() if not any(k == r or k.startswith(r + ".") for r in RUNTIME_KEYS)}
+    return {"config": config, "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path)}
 
 
 def differences(saved: dict, current: dict) -> list[str]:

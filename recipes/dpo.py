@@ -4,7 +4,9 @@
 
 The same story as recipes/sft.py, told with preference pairs: each pair is one packed document of two
 segments (chosen, rejected), the unit of the loss is the pair, and a frozen reference model (sharded
-like the policy) gives the reference log-probs. Read top to bottom; copy this file to change the story.
+like the policy) gives the reference log-probs, or a table of them computed once before training
+(`reference.cache=true`), or none (reference-free losses such as simpo). Read top to bottom; copy this
+file to change the story.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from chattune.model import PackedCausalLM, build_hf_model
 from chattune.formats import SourceSpec
 from chattune.dpo_data import PairDocuments
 from chattune.dpo_loss import PreferenceLoss
-from chattune.dpo_objective import LiveReference, PreferenceObjective
+from chattune import reference_cache
+from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObjective
 from chattune.sft_data import RecordSource
 from chattune.step_feed import StepFeed
 from chattune.training_loop import train
@@ -70,7 +73,8 @@ def main(cfg: DictConfig) -> None:
     # Every step takes grad_accum_steps microbatches per rank; epochs end on the same step on every rank.
     feed = StepFeed(packed_stream(train_documents, shuffle=True, num_epochs=cfg.data.num_epochs),
                     cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs)
-    eval_batches = list(packed_stream(pair_documents(cfg.data.eval), shuffle=False, num_epochs=1)) if cfg.data.eval else []
+    eval_documents = pair_documents(cfg.data.eval) if cfg.data.eval else None
+    eval_batches = list(packed_stream(eval_documents, shuffle=False, num_epochs=1)) if cfg.data.eval else []
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
@@ -83,19 +87,33 @@ def main(cfg: DictConfig) -> None:
 
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
-    # The loss and its reference: a frozen copy of the initial policy (or reference.path), sharded alike.
+
+    # --- the loss and its reference log-probs: none (reference-free), a live frozen model, or a cache ---
     preference_loss = PreferenceLoss(cfg.loss.type, cfg.loss.beta, cfg.loss.label_smoothing, cfg.loss.simpo_gamma,
                                      cfg.loss.sft_weight)
-    reference = None
-    if preference_loss.needs_reference:
+
+    def reference_model() -> torch.nn.Module:  # frozen: reference.path, else the initial policy; sharded alike
         torch.manual_seed(cfg.seed)  # built from config: the same weights as the initial policy
         reference_hf = build_hf_model(tokenizer, path=cfg.reference.path or cfg.model.path, config=model_config)
-        reference = LiveReference(shard_model(PackedCausalLM(reference_hf, cfg.loss.chunk_size), device.type,
-                                              dist_info.world_size, **cfg.model.fsdp))
+        return shard_model(PackedCausalLM(reference_hf, cfg.loss.chunk_size), device.type, dist_info.world_size,
+                           **cfg.model.fsdp)
+
+    reference = eval_reference = None
+    if preference_loss.needs_reference and not cfg.reference.cache:
+        reference = eval_reference = LiveReference(reference_model())
+    elif preference_loss.needs_reference:  # one pass before training, stored under reference.cache_dir
+        splits = {"train": train_documents, **({"eval": eval_documents} if cfg.data.eval else {})}
+        tables = reference_cache.load_or_build(
+            Path(cfg.reference.cache_dir), {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
+            {split: len(documents) for split, documents in splits.items()}, reference_model,
+            lambda split: packed_stream(splits[split], shuffle=False, num_epochs=1), device, pad_id, dist_info.is_main)
+        reference = CachedReference(tables["train"])
+        eval_reference = CachedReference(tables["eval"]) if cfg.data.eval else None
     objective = PreferenceObjective(preference_loss, reference)
+    eval_objective = PreferenceObjective(preference_loss, eval_reference)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, model, objective, optimizer, scheduler, feed, eval_batches, tokenizer, pad_id)
+    train(cfg, dist_info, model, objective, optimizer, scheduler, feed, eval_batches, tokenizer, pad_id, eval_objective)
     shutdown_distributed()
 
 

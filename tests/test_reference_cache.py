@@ -1,0 +1,100 @@
+"""The on-disk reference cache: its numbers against plain HF forwards, reuse, invalidation, and the DPO
+recipe with it (against a live reference, and resumed exactly)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from chattune import reference_cache
+from chattune.data_stream import PackedStream
+from chattune.model import PackedCausalLM
+from conftest import ListSource, free_port, tiny_model
+from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
+from test_sft_recipe import read_metrics, run
+
+CPU = torch.device("cpu")
+TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec")
+
+
+def build_tables(cache_dir, fingerprint: dict, make_reference) -> dict[str, torch.Tensor]:
+    documents = ListSource(pair_documents())
+    return reference_cache.load_or_build(
+        cache_dir, {"train": fingerprint}, {"train": len(documents)}, make_reference,
+        lambda split: PackedStream(documents, 0, 1, 0, 400, 0, buffer_records=3, shuffle=False, num_epochs=1),
+        CPU, 0, is_main=True)
+
+
+def test_table_matches_plain_forwards_and_is_reused_until_its_fingerprint_changes(tmp_path):
+    built = []
+
+    def make_reference():
+        built.append(1)
+        return PackedCausalLM(tiny_model(seed=1), loss_chunk_size=16)
+
+    table = build_tables(tmp_path, {"data": "a"}, make_reference)["train"]
+    want = torch.tensor([[float(c), float(r)] for c, r, _, _ in sequence_logps(tiny_model(seed=1), pair_documents())],
+                        dtype=torch.float64)
+    assert table.shape == (NUM_PAIRS, 2) and len(built) == 1
+    assert torch.allclose(table, want, rtol=1e-5, atol=1e-4), (table, want)
+
+    def must_not_build():
+        raise AssertionError("a valid cache must be loaded, not recomputed")
+
+    assert torch.equal(build_tables(tmp_path, {"data": "a"}, must_not_build)["train"], table)
+    build_tables(tmp_path, {"data": "b"}, make_reference)  # another fingerprint: another table
+    assert len(built) == 2 and len(list(tmp_path.glob("train-*.pt"))) == 2
+
+
+def test_weights_fingerprint_sees_a_change_inside_a_file_of_the_same_size(tmp_path):
+    model_dir, memo = tmp_path / "model", tmp_path / "cache" / "weight_hashes.json"
+    model_dir.mkdir()
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(bytes(3 << 20))
+    first = reference_cache.weights_fingerprint(model_dir, memo)
+    assert reference_cache.weights_fingerprint(model_dir, memo) == first and memo.is_file()
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] = 1  # the middle: outside the first and last MiB
+    weights.write_bytes(bytes(data))
+    assert reference_cache.weights_fingerprint(model_dir, memo) != first
+
+
+def dpo(out, cache_dir, *overrides: str) -> str:
+    result = run([
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        "recipes/dpo.py", f"output_dir={out}", "model.path=null", "max_steps=4", "log_every=1", "eval_every=4",
+        "save_every=0", "data.report_records=0", "optimizer.lr=3e-3", f"reference.cache_dir={cache_dir}", *overrides])
+    return result.stdout + result.stderr
+
+
+def test_cached_reference_run_matches_the_live_one_and_resumes_exactly(tmp_path):
+    cache = tmp_path / "cache"
+    dpo(tmp_path / "live", cache)
+    live = read_metrics(tmp_path / "live")
+    log = dpo(tmp_path / "cached", cache, "reference.cache=true")
+    assert "computing" in log and sorted(p.name.split("-")[0] for p in cache.glob("*.pt")) == ["eval", "train"]
+    cached = read_metrics(tmp_path / "cached")
+    for a, b in zip(live, cached, strict=True):  # the same numbers, from other packings of the reference pass
+        for key in ("loss", "rewards/margins", "eval_loss", "eval_rewards/accuracies"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a, b)
+
+    log = dpo(tmp_path / "resumed", cache, "reference.cache=true", "stop_after_step=2")
+    assert "loaded from" in log and "computing" not in log
+    log = dpo(tmp_path / "resumed", cache, "reference.cache=true")
+    assert "resumed from" in log and "computing" not in log
+    assert untimed(read_metrics(tmp_path / "resumed")) == untimed(cached)  # exactly
+
+
+def untimed(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in metrics]
+
+
+def test_reference_free_simpo_builds_no_reference(tmp_path):
+    log = dpo(tmp_path / "simpo", tmp_path / "cache", "loss.type=simpo", "loss.beta=2.0", "reference.cache=true")
+    assert "reference log-probs" not in log and not (tmp_path / "cache").exists()
+    metrics = read_metrics(tmp_path / "simpo")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) and m["num_pairs"] > 0 for m in metrics)
