@@ -1,7 +1,14 @@
-"""The `chattune` command. Subcommands take the same `--config-name`, `--config-path` and `key=value`
-overrides as the recipes.
+"""The `chattune` command.
 
-    chattune inspect [--config-name sft/tiny] [--num-docs 3] [--limit N] [--html FILE] [key=value ...]
+    chattune ls                                   the recipes and configs that ship, with what each is for
+    chattune cp RECIPE|CONFIG DEST [--force]      copy one to edit it (DEST: a file or a directory)
+    chattune inspect [CONFIG] [key=value ...]     what training will see: counts, lengths, fill, trained tokens
+    chattune validate [CONFIG] [key=value ...]    check a config and its data before launching a run
+    chattune plot OUTPUT_DIR [...] [--out FILE]   training curves of one or more runs, overlaid, as a PNG
+
+CONFIG is a config name such as sft/tiny (or --config-name NAME); --config-path DIR takes configs from
+your own directory, where they can build on the shipped ones (`defaults: [/sft/tiny, _self_]`). The
+key=value overrides are the recipes' own.
 """
 
 from __future__ import annotations
@@ -11,30 +18,127 @@ import logging
 import sys
 from pathlib import Path
 
-from chattune.inspect_data import DEFAULT_CONFIG_DIR, run_inspect
+from chattune.config import CONFIG_DIR
+
+DEFAULT_CONFIG = "sft/tiny"
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args, parser)
+    except _user_errors() as error:
+        print(f"chattune {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chattune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ls = commands.add_parser("ls", help="list the shipped recipes and configs")
+    ls.set_defaults(handler=_ls)
+
+    cp = commands.add_parser("cp", help="copy a shipped recipe or config to edit it")
+    cp.add_argument("name", metavar="RECIPE|CONFIG", help="e.g. sft, dpo, sft/tiny (see chattune ls)")
+    # A str, not a Path: Path drops the trailing "/" that marks a directory still to be made.
+    cp.add_argument("dest", metavar="DEST", help="a file path, or a directory (existing, or ending in /) to keep the file name")
+    cp.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
+    cp.set_defaults(handler=_cp)
 
     inspect = commands.add_parser("inspect", help="show what training will see: counts, lengths, fill, trained tokens")
-    inspect.add_argument("--config-name", default="sft/tiny")
-    inspect.add_argument("--config-path", type=Path, default=DEFAULT_CONFIG_DIR)
+    _add_config_arguments(inspect)
     inspect.add_argument("--num-docs", type=int, default=3, help="documents to show with their trained tokens")
     inspect.add_argument("--limit", type=int, default=None, help="read only the first N training records")
     inspect.add_argument("--html", type=Path, default=None, help="also write the report as an HTML page")
     inspect.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
                          help="colour trained tokens (default: when writing to a terminal)")
-    inspect.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    inspect.set_defaults(handler=_inspect)
 
-    args = parser.parse_args(argv)
+    validate = commands.add_parser("validate", help="check a config and its data before launching a run")
+    _add_config_arguments(validate)
+    validate.set_defaults(handler=_validate)
+
+    plot = commands.add_parser("plot", help="draw training curves of one or more runs as a PNG")
+    plot.add_argument("run_dirs", metavar="OUTPUT_DIR", nargs="+", type=Path, help="run output directories (metrics.jsonl)")
+    plot.add_argument("--out", type=Path, default=None,
+                      help="PNG to write (default: OUTPUT_DIR/metrics.png for one run, ./metrics.png for several)")
+    plot.set_defaults(handler=_plot)
+    return parser
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config-name", default=None, help=f"config to compose (default: {DEFAULT_CONFIG})")
+    parser.add_argument("--config-path", type=Path, default=CONFIG_DIR,
+                        help="directory of configs (default: the shipped ones, which stay reachable from yours)")
+    parser.add_argument("words", nargs="*", metavar="[CONFIG] key=value",
+                        help="a config name, as --config-name, then config overrides")
+
+
+def config_and_overrides(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, list[str]]:
+    """The config name and overrides: a first word that is no override (no '=', not ~key) names the config."""
+    words = list(args.words)
+    if words and "=" not in words[0] and not words[0].startswith("~"):
+        if args.config_name is not None:
+            parser.error(f"config given twice: --config-name {args.config_name} and {words[0]}")
+        return words[0], words[1:]
+    return args.config_name or DEFAULT_CONFIG, words
+
+
+def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.catalog import listing
+
+    print(listing())
+    return 0
+
+
+def _cp(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.catalog import copy
+
+    target, notes = copy(args.name, args.dest, args.force)
+    print(f"wrote {target}")
+    for note in notes:
+        print(note)
+    return 0
+
+
+def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.inspect_data import run_inspect  # transformers and the data pipeline: only when needed
+
+    config_name, overrides = config_and_overrides(args, parser)
     logging.basicConfig(level=logging.ERROR)  # per-record skip warnings are summed up in the report
     colour = sys.stdout.isatty() if args.color is None else args.color
-    print(run_inspect(args.config_name, args.overrides, args.config_path, args.num_docs, args.limit, args.html, colour))
+    print(run_inspect(config_name, overrides, args.config_path, args.num_docs, args.limit, args.html, colour))
     if args.html:
         print(f"\nwrote {args.html}")
     return 0
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.validate import run_validate
+
+    config_name, overrides = config_and_overrides(args, parser)
+    report, ok = run_validate(config_name, overrides, args.config_path.resolve())
+    print(report)
+    return 0 if ok else 1
+
+
+def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.plot import plot_runs
+
+    out = args.out or (args.run_dirs[0] / "metrics.png" if len(args.run_dirs) == 1 else Path("metrics.png"))
+    plot_runs(args.run_dirs, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the user's to fix: printed as one line, not a traceback."""
+    from chattune.catalog import CatalogError
+    from chattune.plot import PlotError
+
+    return CatalogError, PlotError
 
 
 if __name__ == "__main__":

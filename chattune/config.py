@@ -7,6 +7,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 DEMO_ASSETS = Path(__file__).resolve().parent / "assets" / "demo"
+# The shipped configs (configs/ beside the package, as in the repository and its editable install). The
+# recipes name this absolute directory in @hydra.main, so a copied recipe finds them from any directory,
+# and the hydra_plugins search-path plugin appends it so a user's --config-path can build on them.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def demo_asset(relative_path: str) -> str:

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
-from chattune.config import save_resolved_config
+from chattune.config import CONFIG_DIR, save_resolved_config
 from chattune.data_report import count_lines, report_sample, scan_documents
 from chattune.data_stream import PackedStream
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
@@ -40,7 +40,7 @@ from chattune.training_loop import train
 logger = logging.getLogger("chattune.dpo")
 
 
-@hydra.main(config_path="../configs", config_name="dpo/tiny", version_base=None)
+@hydra.main(config_path=str(CONFIG_DIR), config_name="dpo/tiny", version_base=None)
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config; rank 0 records it ---
     dist_info = init_distributed(cfg.device)

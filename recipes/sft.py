@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
-from chattune.config import save_resolved_config
+from chattune.config import CONFIG_DIR, save_resolved_config
 from chattune.data_report import count_lines, report_sample, scan_documents
 from chattune.data_stream import PackedStream
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
@@ -34,7 +34,7 @@ from chattune.train_step import TokenCrossEntropy
 logger = logging.getLogger("chattune.sft")
 
 
-@hydra.main(config_path="../configs", config_name="sft/tiny", version_base=None)
+@hydra.main(config_path=str(CONFIG_DIR), config_name="sft/tiny", version_base=None)
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config; rank 0 records it ---
     dist_info = init_distributed(cfg.device)
