@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -62,25 +63,57 @@ def format_line(metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+def _drop_dead_wandb_service() -> None:
+    """Forget a WANDB_SERVICE token inherited from a process that has died (its service died with it):
+    wandb.init would try to connect to it and fail instead of starting a service of its own."""
+    token = os.environ.get("WANDB_SERVICE", "")
+    fields = token.split("-")  # "<version>-<pid of the process that started the service>-..."
+    if len(fields) < 3 or not fields[1].isdigit():
+        return
+    try:
+        os.kill(int(fields[1]), 0)
+    except ProcessLookupError:
+        logger.warning("ignoring WANDB_SERVICE=%s: the process that started that wandb service is gone", token)
+        del os.environ["WANDB_SERVICE"]
+    except PermissionError:  # alive, another user's
+        return
+
+
+def init_wandb(output_dir: str, run_config: dict | None, wandb_kwargs: dict | None):
+    """A wandb run under `output_dir/wandb`, or a RuntimeError that says what to do instead."""
+    import wandb  # imported lazily: only runs that ask for it need it configured
+
+    _drop_dead_wandb_service()
+    try:
+        return wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}))
+    except Exception as e:  # wandb raises many types (UsageError, CommError, connection errors, timeouts)
+        raise RuntimeError(
+            f"logger=wandb: wandb.init failed: {type(e).__name__}: {e}\n"
+            "Log in (`wandb login` or WANDB_API_KEY), or log without network with wandb.mode=offline "
+            "(or WANDB_MODE=offline; `wandb sync` uploads the run later), or use logger=stdout."
+        ) from e
+
+
 class MetricLogger:
-    """Rank 0 writes; other ranks' calls do nothing. `backend` is 'stdout' or 'wandb' (stdout and JSONL
-    are always written)."""
+    """Rank 0 writes; other ranks' calls do nothing. `backend` is 'stdout' or 'wandb' (JSONL is always
+    written). Each call prints a console line, unless `step_lines` is False (a progress bar shows the
+    steps): then only lines with held-out (`eval_*`) metrics are printed."""
 
     def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None,
                  wandb_kwargs: dict | None = None, resume_step: int | None = None):
         if backend not in ("stdout", "wandb"):
             raise ValueError(f"logger must be 'stdout' or 'wandb', got {backend!r}")
         self.is_main = is_main
+        self.step_lines = True  # False while a progress bar shows the steps
         self.path = Path(output_dir) / "metrics.jsonl"
         self.wandb_run = None
+        self.last: dict[str, float] | None = None  # the latest logged metrics (rank 0), for a progress bar
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._start_file(resume_step)
         if backend == "wandb":
-            import wandb  # imported lazily: only runs that ask for it need it configured
-
-            self.wandb_run = wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}))
+            self.wandb_run = init_wandb(output_dir, run_config, wandb_kwargs)
 
     def _start_file(self, resume_step: int | None) -> None:
         """One run's curve per file: a fresh run starts it afresh; a resumed run keeps the lines up to its
@@ -94,16 +127,20 @@ class MetricLogger:
     def log(self, metrics: dict[str, float]) -> None:
         if not self.is_main:
             return
-        logger.info(format_line(metrics))
+        self.last = metrics
+        if self.step_lines or any(name.startswith("eval_") for name in metrics):
+            logger.info(format_line(metrics))
         with self.path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
 
     def log_summary(self, summary: dict) -> None:
+        """Run-level facts (e.g. the final HF directory): the wandb run's summary."""
         if self.is_main and self.wandb_run is not None:
             self.wandb_run.summary.update(summary)
 
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+            self.wandb_run = None

@@ -30,6 +30,7 @@ from chattune.faults import maybe_crash
 from chattune.hf_export import export_hf
 from chattune.metrics import MetricLogger, reduce_sums, step_metrics
 from chattune.packing import PackedBatch
+from chattune.progress import Progress
 from chattune.resume import checkpoint_to_resume, resume_training, run_fingerprint, run_meta, save_training
 from chattune.step_feed import DocumentLedger, StepFeed
 from chattune.train_step import Objective, train_step
@@ -66,6 +67,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
+    progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
+    metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
 
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -105,16 +108,19 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
             if is_eval:
                 metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
             metric_logger.log(metrics)
+        progress.update(step, metric_logger.last)
         stopping = step == cfg.stop_after_step
         if (cfg.save_every and step % cfg.save_every == 0) or stopping:
             save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n)
         if stopping:
+            progress.close()
             logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
             metric_logger.close()
             return
         if feed.finished:
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
             break
+    progress.close()
 
     skipped = reduce_sums({**feed.stream.skipped, **feed.stream.overlong}, device)
     logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",

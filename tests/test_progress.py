@@ -1,0 +1,111 @@
+"""The console progress: a bar on a terminal, the metric lines of before everywhere else."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+
+import pytest
+
+from chattune.metrics import MetricLogger
+from chattune.progress import Progress, wants_bar
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def console(monkeypatch):
+    """Make `stream` sys.stdout and root logging's console, as chattune.log sets it up; yield a function that
+    returns everything written to it."""
+
+    def install(stream: io.StringIO):
+        monkeypatch.setattr("sys.stdout", stream)
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("LOG %(message)s"))
+        root = logging.getLogger()
+        monkeypatch.setattr(root, "handlers", [handler])
+        monkeypatch.setattr(root, "level", logging.INFO)
+        return stream
+
+    return install
+
+
+def step_metrics(step: int) -> dict:
+    return {"step": step, "loss": 2.5 - 0.1 * step, "num_tokens": 1000, "tokens_per_sec": 4321.0, "lr": 1e-3}
+
+
+def run_steps(tmp_path, stream: io.StringIO, mode: str = "auto", log_every: int = 2) -> list[int]:
+    """A fake training loop with the hooks of chattune.training_loop: 5 of 10 steps, an eval line at step 4,
+    a warning at step 3. Returns the bar's count after each step (empty without a bar)."""
+    metric_logger = MetricLogger(str(tmp_path), is_main=True)
+    progress = Progress(0, 10, mode, is_main=True, stream=stream)
+    metric_logger.step_lines = not progress.shows_bar
+    counts = []
+    for step in range(1, 6):
+        if step % log_every == 0:
+            metric_logger.log({**step_metrics(step), **({"eval_loss": 1.75} if step == 4 else {})})
+        if step == 3:
+            logging.getLogger("chattune.training_loop").warning("a warning at step %d", step)
+        progress.update(step, metric_logger.last)
+        if progress.shows_bar:
+            counts.append(progress.bar.n)
+    progress.close()
+    return counts
+
+
+def test_a_terminal_gets_a_bar_with_step_loss_tokens_per_second_and_eta(tmp_path, console):
+    out = console(FakeTerminal())
+    assert run_steps(tmp_path, out) == [1, 2, 3, 4, 5]  # every step moves the bar, not only logged ones
+    text = out.getvalue()
+    frames = [frame for frame in re.split(r"[\r\n]", text) if frame.startswith("step ")]
+    assert frames, text
+    last = frames[-1]
+    assert "step 5/10" in last and "50%" in last
+    assert "loss 2.1" in last and "4.32k tok/s" in last  # the step-4 line: the last one logged
+    assert re.search(r"\[\d\d:\d\d<\d\d:\d\d\]", last), last  # elapsed < ETA
+
+
+def test_log_lines_print_above_the_bar_and_only_eval_metric_lines(tmp_path, console):
+    out = console(FakeTerminal())
+    run_steps(tmp_path, out)
+    lines = out.getvalue().split("\n")
+    logged = [line.split("LOG ", 1)[1] for line in lines if "LOG " in line]
+    assert logged[0] == "a warning at step 3"
+    assert logged[1].startswith("step 4 |") and "eval_loss 1.75" in logged[1]
+    assert len(logged) == 2  # the step-2 metrics are in the bar and metrics.jsonl, not a line
+    for line in lines:  # tqdm.write clears the bar first: no line holds both a bar frame and a log line
+        assert "LOG " not in line or line.rsplit("\r", 1)[-1].startswith("LOG ")
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("stream, mode", [(io.StringIO(), "auto"), (FakeTerminal(), "lines")])
+def test_off_a_terminal_or_with_lines_the_metric_lines_are_as_before(tmp_path, console, stream, mode):
+    out = console(stream)
+    assert run_steps(tmp_path, out, mode) == []
+    text = out.getvalue()
+    assert "\r" not in text and "|#" not in text and "/10" not in text  # nothing bar-like
+    assert text.splitlines() == [
+        "LOG step 2 | loss 2.3 | num_tokens 1000 | tokens_per_sec 4321 | lr 1.00e-03",
+        "LOG a warning at step 3",
+        "LOG step 4 | loss 2.1 | num_tokens 1000 | tokens_per_sec 4321 | lr 1.00e-03 | eval_loss 1.75",
+    ]
+
+
+def test_modes():
+    assert wants_bar("bar", io.StringIO()) and not wants_bar("lines", FakeTerminal())
+    assert wants_bar("auto", FakeTerminal()) and not wants_bar("auto", io.StringIO())
+    with pytest.raises(ValueError, match="progress must be one of auto, bar, lines"):
+        Progress(0, 10, "tqdm", is_main=False)
+    assert not Progress(0, 10, "bar", is_main=False, stream=FakeTerminal()).shows_bar  # only rank 0 shows it
+
+
+def test_a_resumed_run_starts_the_bar_at_its_step(console):
+    out = console(FakeTerminal())
+    progress = Progress(40, 100, "auto", stream=out)
+    progress.update(41, {"loss": 1.0, "tokens_per_sec": 10.0})
+    progress.close()
+    assert "step 41/100" in out.getvalue().split("\r")[-1]
