@@ -1,0 +1,254 @@
+"""`chattune validate` / `check_config`: the shipped configs are clean, and every problem of a bad config
+is reported at once, one line each, the same way by the command and by the recipes' start-up check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from chattune import validate
+from chattune.validate import ConfigError, check_config, run_validate
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def compose_config(name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        return compose(name, overrides=overrides)
+
+
+def problems(report: str) -> list[str]:
+    """The problem lines of a report (not its notes, not its summary line)."""
+    return [line for line in report.splitlines()[:-1] if not line.startswith("note: ")]
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A stand-in for a local Hugging Face model directory: only its config.json is ever looked at."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 32768}))
+    return directory
+
+
+def test_sft_tiny_is_clean(tmp_path):
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
+    assert (report, ok) == ("config OK", True)
+
+
+def test_local_model_needs_a_model_directory(tmp_path, model_dir):
+    # model.path: ??? does not replace sft/tiny's null when merged: the composed config holds null.
+    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}"], CONFIGS)
+    assert not ok
+    assert problems(report) == ["model.path: required by sft/local_model (???), not set",
+                                "tokenizer.path: null is not allowed; expected a string",
+                                "model: neither model.path nor model.config is set"]
+
+    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
+    assert (report, ok) == ("config OK", True)
+    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}",
+                                                  "data.max_tokens_per_microbatch=65536"], CONFIGS)
+    assert ok and report.splitlines()[0] == (
+        "note: data.max_tokens_per_microbatch: 65536 is more than model.path's max_position_embeddings 32768: "
+        "a document longer than 32768 tokens gets positions the model was not trained on")
+
+    (model_dir / "config.json").unlink()
+    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
+    assert problems(report) == [f"model.path: '{model_dir}' has no config.json: not a Hugging Face model directory"]
+
+
+def test_dpo_tiny_is_clean_given_its_sft_model(tmp_path, model_dir):
+    report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
+    assert (report, ok) == ("config OK", True)
+
+    missing = tmp_path / "no-sft-run" / "hf"
+    report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={missing}"], CONFIGS)
+    assert report.splitlines() == [
+        f"model.path: '{missing}' is not a local directory (chattune loads no models from a hub)", "1 problem(s)"]
+
+
+def test_a_users_config_dir_building_on_dpo_tiny_and_its_required_keys(tmp_path, model_dir):
+    # Merged over dpo/tiny, a ??? keeps dpo/tiny's value: only the config file itself shows the key required.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "run.yaml").write_text("# @package _global_\ndefaults:\n  - /dpo/tiny\n  - _self_\n\nmodel:\n  path: ???\n")
+    report, ok = run_validate("mine/run", [f"output_dir={tmp_path}"], tmp_path)
+    assert problems(report) == ["model.path: required by mine/run (???), not set"]
+
+    report, ok = run_validate("mine/run", [f"output_dir={tmp_path}", f"model.path={model_dir}", "data.train=[]",
+                                           "data.overlong=split"], tmp_path)
+    assert problems(report) == ["data.overlong: 'split' is not one of drop, error",  # a DPO config: DPO's choices
+                                "data.train: no data sources: training needs at least one"]
+
+
+def test_every_problem_is_reported_in_one_run(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    report, ok = run_validate("sft/tiny", [
+        f"output_dir={tmp_path}", "optimizer.lrr=0.1", "max_steps=ten", "data.overlong=trim",
+        f"data.train=[{missing},org/chats]", "grad_accum_steps=0", "ledger=1", "optimizer.lr='3e-3'",
+        "+data.max_token_per_microbatch=8", "data.train_on=assistants",
+    ], CONFIGS)
+    assert not ok
+    assert sorted(problems(report)) == sorted([
+        "optimizer.lrr: unknown key; did you mean optimizer.lr?",
+        "max_steps: expected an integer, got 'ten'",
+        "data.overlong: 'trim' is not one of drop, truncate, split, error",
+        f"data.train[0]: data file '{missing}' does not exist",
+        "grad_accum_steps: must be at least 1, got 0",
+        "ledger: expected true or false, got 1",
+        "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)",
+        "data.max_token_per_microbatch: unknown key; did you mean data.max_tokens_per_microbatch?",
+        "data.train_on: 'assistants' is not one of assistant, last_assistant, all; did you mean assistant?",
+    ])
+    assert "note: data.train[1]: 'org/chats' is not a local path: read as a hub dataset id (needs the machine online)" in report
+    assert report.splitlines()[-1] == "9 problem(s)"
+
+
+def test_check_config_raises_the_same_lines(tmp_path):
+    overrides = [f"output_dir={tmp_path}", "max_steps=ten", "data.overlong=trim", "grad_accum_steps=0",
+                 "data.num_workers=-1", "+optimizer.lrr=0.1"]
+    report, _ = run_validate("sft/tiny", overrides, CONFIGS)
+    with pytest.raises(ConfigError) as raised:
+        check_config(compose_config("sft/tiny", overrides), world_size=2)
+    assert isinstance(raised.value, ValueError)
+    assert raised.value.problems == problems(report) and len(raised.value.problems) == 5
+    assert str(raised.value).splitlines() == [*problems(report), "5 problem(s)"]
+
+    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}"]), world_size=2) == []
+
+
+def test_composition_errors_are_problems_not_tracebacks(tmp_path):
+    report, ok = run_validate("sft/tinny", [], CONFIGS)
+    assert not ok and report.startswith(f"config: sft/tinny from {CONFIGS}: Cannot find primary config")
+    assert report.splitlines()[0].endswith("; did you mean sft/tiny?") and report.splitlines()[1] == "1 problem(s)"
+
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "data.train=[a,", "max_steps=0", "optimizer.eps=1e-6",
+                                           "wandb.entity=me", "nosuch.key=1"], CONFIGS)
+    assert problems(report) == [
+        "override 'data.train=[a,': no viable alternative at input '[a,'",
+        "nosuch: unknown key",
+        "max_steps: must be at least 1, got 0",
+        # valid keys, but Hydra adds a key that is not in the config only with "+"
+        "optimizer.eps: not in the config; add it with +optimizer.eps=1e-6",
+        "wandb.entity: not in the config; add it with +wandb.entity=me",
+    ]
+
+
+def test_targets_are_checked_against_their_signatures(tmp_path):
+    report, _ = run_validate("sft/tiny", [
+        f"output_dir={tmp_path}", "optimizer._target_=torch.optim.SGD", "optimizer._partial_=false",
+        "scheduler._target_=torch.optim.lr_scheduler.StepLR", "+scheduler.num_training_steps=5",
+        "+model.config.hidden_sizee=64", "model.config._target_=transformers.NoSuchConfig",
+    ], CONFIGS)
+    assert sorted(problems(report)) == sorted([
+        "optimizer._partial_: must be true: the recipe calls the result with its own arguments",
+        "optimizer.betas: unknown key: not a parameter of torch.optim.SGD",
+        "scheduler.num_warmup_steps: unknown key: not a parameter of torch.optim.lr_scheduler.StepLR",
+        "scheduler.num_training_steps: passed by the recipe; remove it from the config",
+        "scheduler.step_size: required by torch.optim.lr_scheduler.StepLR, not set",
+        "model.config._target_: cannot import 'transformers.NoSuchConfig': ImportError: "
+        "Error loading 'transformers.NoSuchConfig':",
+    ])
+
+    # Hugging Face configs keep any extra keyword (and read old names such as rope_theta): a note, with the close name.
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "+model.config.hidden_sizee=64"], CONFIGS)
+    assert ok and ("note: model.config.hidden_sizee: not a named parameter of transformers.LlamaConfig "
+                   "(passed on as an extra keyword); did you mean model.config.hidden_size?") in report
+
+
+def test_sources_formats_and_paths(tmp_path):
+    text = tmp_path / "chats.txt"
+    text.write_text("")
+    report, _ = run_validate("sft/tiny", [
+        f"output_dir={tmp_path}", f"data.train=[{{path:{text}}},{{path:{tmp_path},formt:sharegpt}},{{path:{tmp_path},format:sharegtp}}]",
+        f"data.eval=[{{path:{tmp_path},format:alpaca,columns:{{prompt:q}}}},{{path:{tmp_path},format:preference}}]",
+        "tokenizer.path=/no/such/tokenizer",
+    ], CONFIGS)
+    assert problems(report) == [
+        f"data.train[0]: data file '{text}': expected .jsonl, .json or .parquet",
+        "data.train[1].formt: unknown key; did you mean data.train[1].format?",
+        "data.train[2].format: 'sharegtp' is not one of messages, sharegpt, prompt_completion, alpaca; did you mean sharegpt?",
+        f"data.eval[0]: {tmp_path}: format 'alpaca' has no column(s) ['prompt']; its columns are "
+        "['input', 'instruction', 'output', 'system']",
+        "data.eval[1].format: 'preference' is not one of messages, sharegpt, prompt_completion, alpaca",
+        "tokenizer.path: '/no/such/tokenizer' does not exist",
+    ]
+
+    report, _ = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={tmp_path}", f"data.train=[{text}]",
+                                          "data.overlong=truncate", "loss.type=dpo", "loss.beta=0"], CONFIGS)
+    assert problems(report) == [
+        "data.overlong: 'truncate' is not one of drop, error",
+        "loss.type: 'dpo' is not one of sigmoid, robust, hinge, ipo, sigmoid_norm, simpo; did you mean ipo?",
+        "data.train[0].format: 'messages' is not one of preference, sharegpt_preference (DPO reads preference pairs)",
+        f"data.train[0]: data file '{text}': expected .jsonl, .json or .parquet",
+        f"model.path: '{tmp_path}' has no config.json: not a Hugging Face model directory",
+        "loss.beta: must be positive, got 0",
+    ]
+
+
+def test_numbers_that_cannot_work(tmp_path):
+    report, _ = run_validate("sft/tiny", [
+        f"output_dir={tmp_path}", "stop_after_step=300", "data.pad_to_multiple_of=100", "keep_last_n=0",
+        "log_every=0", "save_every=-1", "max_grad_norm=0", "max_steps=null", "data.num_epochs=1.5",
+        "grad_accum_steps=true",
+    ], CONFIGS)
+    assert problems(report) == [
+        "max_steps: null is not allowed; expected an integer",
+        "grad_accum_steps: expected an integer, got true",  # a bool is no int here
+        "data.num_epochs: expected an integer, got 1.5",
+        "log_every: must be at least 1, got 0",
+        "save_every: must be at least 0, got -1 (0: never)",
+        "keep_last_n: must be at least 1, got 0 (null keeps every checkpoint)",
+        "max_grad_norm: must be positive (null: no clipping), got 0",
+        "data.max_tokens_per_microbatch: 2048 is not a multiple of data.pad_to_multiple_of 100: padding could exceed the budget",
+    ]
+    report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path}", "stop_after_step=300"], CONFIGS)
+    assert problems(report) == ["stop_after_step: 300 is after max_steps 200: the run ends first"]
+
+
+def test_the_checkpoint_to_resume_must_fit_the_run(tmp_path):
+    checkpoint = tmp_path / "checkpoints" / "step_5"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "chattune.json").write_text(json.dumps({"world_size": 2, "num_workers": 0, "step": 5}))
+
+    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}"]), world_size=2) == []
+    with pytest.raises(ConfigError) as raised:
+        check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "data.num_workers=2"]), world_size=4)
+    assert raised.value.problems == [
+        f"resume: {checkpoint} was written by 2 rank(s), this run has 4: relaunch with --nproc_per_node 2, "
+        "or start afresh with resume=null",
+        f"data.num_workers: {checkpoint} was written with data.num_workers=0, this run has 2: resume with 0, or resume=null",
+    ]
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
+    assert ok and f"note: resume: continues from {checkpoint}, written by 2 rank(s): launch with --nproc_per_node 2" in report
+
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", f"resume={tmp_path}"], CONFIGS)
+    assert problems(report) == [f"resume: {tmp_path} is not a complete chattune checkpoint (no chattune.json)"]
+
+
+def test_the_schema_is_what_hydra_composes_and_its_nulls_have_types():
+    for recipe, name in validate.BASE_CONFIGS.items():
+        assert validate.base_config(recipe) == OmegaConf.to_container(compose_config(name, []), resolve=True)
+        untyped = [key for key, value in _leaves(validate.base_config(recipe))
+                   if value is None and key not in validate.NULLABLE and not key.startswith(validate.OPEN_SECTIONS)]
+        assert untyped == [], "add these null-by-default keys to validate.NULLABLE with their type"
+
+
+def test_copied_constants_agree_with_their_modules():
+    from chattune import dpo_data, fsdp, sft_data
+
+    assert validate.OVERLONG == sft_data.OVERLONG and validate.TRAIN_ON == sft_data.TRAIN_ON
+    assert validate.OVERLONG_DPO == dpo_data.OVERLONG_DPO
+    assert validate.DTYPES == tuple(fsdp.DTYPES)
+    assert validate.HUB_ID.pattern == sft_data._HUB_ID.pattern
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for name, value in tree.items():
+        if isinstance(value, dict) and "_target_" not in value:
+            yield from _leaves(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
