@@ -17,7 +17,7 @@ What is checked:
   `wandb` is passed to `wandb.init` as it is: any key. Data sources are checked against `SourceSpec`;
 - types, against the base config's values (an int is a number, a bool is not an int); keys documented
   as taking null are listed in `NULLABLE` with their type when set;
-- enum values (device, logger, nonfinite_loss, data.train_on, data.overlong, model.fsdp dtypes,
+- enum values (device, logger, progress, nonfinite_loss, data.train_on, data.overlong, model.fsdp dtypes,
   loss.type, source formats for the recipe, resume = auto | null | a checkpoint directory);
 - paths: each data source (a file must exist and be .jsonl/.json/.parquet; a directory is a dataset;
   a missing `owner/name` is a hub dataset id: a note), tokenizer.path, model.path and reference.path
@@ -55,6 +55,7 @@ from transformers import PretrainedConfig
 from chattune import config as _config  # noqa: F401  (registers ${demo_asset:...})
 from chattune.dpo_loss import LOSS_TYPES, REFERENCE_FREE
 from chattune.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, DataError, SourceSpec
+from chattune.progress import PROGRESS_MODES
 
 # The shipped configs, whose base configs define the valid keys (the same directory as config.CONFIG_DIR).
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -448,7 +449,8 @@ class _Checker:
 
     def enums(self) -> None:
         allowed = {
-            "device": DEVICES, "logger": LOGGERS, "nonfinite_loss": NONFINITE_LOSS, "data.train_on": TRAIN_ON,
+            "device": DEVICES, "logger": LOGGERS, "progress": PROGRESS_MODES, "nonfinite_loss": NONFINITE_LOSS,
+            "data.train_on": TRAIN_ON,
             "data.overlong": OVERLONG_DPO if self.recipe == "dpo" else OVERLONG,
             "model.fsdp.param_dtype": ("auto", *DTYPES), "model.fsdp.reduce_dtype": tuple(DTYPES),
         }

@@ -89,7 +89,7 @@ def test_every_problem_is_reported_in_one_run(tmp_path):
     report, ok = run_validate("sft/tiny", [
         f"output_dir={tmp_path}", "optimizer.lrr=0.1", "max_steps=ten", "data.overlong=trim",
         f"data.train=[{missing},org/chats]", "grad_accum_steps=0", "ledger=1", "optimizer.lr='3e-3'",
-        "+data.max_token_per_microbatch=8", "data.train_on=assistants",
+        "+data.max_token_per_microbatch=8", "data.train_on=assistants", "progress=bars",
     ], CONFIGS)
     assert not ok
     assert sorted(problems(report)) == sorted([
@@ -102,9 +102,10 @@ def test_every_problem_is_reported_in_one_run(tmp_path):
         "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)",
         "data.max_token_per_microbatch: unknown key; did you mean data.max_tokens_per_microbatch?",
         "data.train_on: 'assistants' is not one of assistant, last_assistant, all; did you mean assistant?",
+        "progress: 'bars' is not one of auto, bar, lines; did you mean bar?",
     ])
     assert "note: data.train[1]: 'org/chats' is not a local path: read as a hub dataset id (needs the machine online)" in report
-    assert report.splitlines()[-1] == "9 problem(s)"
+    assert report.splitlines()[-1] == "10 problem(s)"
 
 
 def test_check_config_raises_the_same_lines(tmp_path):
