@@ -110,7 +110,7 @@ def main(cfg: DictConfig) -> None:
         reference = CachedReference(tables["train"])
         eval_reference = CachedReference(tables["eval"]) if cfg.data.eval else None
     objective = PreferenceObjective(preference_loss, reference)
-    eval_objective = PreferenceObjective(preference_loss, eval_reference)
+    eval_objective = PreferenceObjective(preference_loss, eval_reference) if cfg.data.eval else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
     train(cfg, dist_info, model, objective, optimizer, scheduler, feed, eval_batches, tokenizer, pad_id, eval_objective)

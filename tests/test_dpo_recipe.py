@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from conftest import free_port
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import SHARED_ASSETS, free_port, tiny_config
 from test_sft_recipe import read_metrics, run
 
 DPO_KEYS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -28,3 +32,30 @@ def test_sft_then_dpo_raises_held_out_preference_accuracy(tmp_path):
     assert metrics[-1]["eval_rewards/accuracies"] >= 0.6 and metrics[-1]["eval_rewards/margins"] > 0.1
     assert metrics[-1]["eval_loss"] < start["eval_loss"] - 0.05
     assert (dpo / "hf" / "model.safetensors").is_file() and (dpo / "checkpoints" / "step_30" / "chattune.json").is_file()
+
+
+@pytest.mark.skipif(not (SHARED_ASSETS / "tokenizers" / "qwen3").is_dir(), reason="../shared/assets is absent")
+def test_dpo_local_model_config_on_a_qwen3_directory_and_real_preference_pairs(tmp_path):
+    """dpo/local_model as a user runs it: a local Qwen3-architecture directory with the real Qwen3 tokenizer
+    and template, UltraFeedback pairs, the reference cached before training."""
+    tokenizer = AutoTokenizer.from_pretrained(SHARED_ASSETS / "tokenizers" / "qwen3")
+    config = tiny_config("qwen3", head_dim=16, vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    model_dir = tmp_path / "policy"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "dpo"
+    pairs = tmp_path / "pairs.jsonl"  # the first 12 real pairs: a 151k-token vocabulary is slow on CPU
+    lines = (SHARED_ASSETS / "data" / "preference_ultrafeedback_200.jsonl").read_text().splitlines(keepends=True)
+    pairs.write_text("".join(lines[:12]))
+    log = run([sys.executable, "recipes/dpo.py", "--config-name", "dpo/local_model", f"model.path={model_dir}",
+               f"data.train=[{{path: {pairs}, format: preference}}]", f"output_dir={out}", "max_steps=3",
+               "log_every=1", "save_every=0", "optimizer.lr=1e-3", "model.fsdp.param_dtype=float32",
+               f"reference.cache_dir={tmp_path / 'cache'}", "data.max_tokens_per_microbatch=4096",
+               "data.report_records=0"])
+    assert "reference log-probs of train: computing" in log.stdout + log.stderr
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["num_pairs"] > 0 for m in metrics)
+    # Step 1: the policy is its own (cached) reference, so every implicit reward is 0 and the loss log 2.
+    assert abs(metrics[0]["rewards/margins"]) < 1e-4 and metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-4)
+    assert (out / "hf" / "model.safetensors").is_file()
