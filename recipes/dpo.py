@@ -12,6 +12,7 @@ file to change the story.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import hydra
@@ -36,15 +37,20 @@ from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObj
 from chattune.sft_data import RecordSource
 from chattune.step_feed import StepFeed
 from chattune.training_loop import train
+from chattune.validate import check_config
 
 logger = logging.getLogger("chattune.dpo")
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="dpo/tiny", version_base=None)
 def main(cfg: DictConfig) -> None:
-    # --- set-up: every rank composes the same config; rank 0 records it ---
+    # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
+    # loaded yet, the same checks as `chattune validate`); rank 0 records it ---
+    config_notes = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), recipe="dpo")
     dist_info = init_distributed(cfg.device)
     setup_logging(dist_info.rank)
+    for note in config_notes if dist_info.is_main else []:
+        logger.info("config note: %s", note)
     device, output_dir = dist_info.device, Path(cfg.output_dir)
     if dist_info.is_main:
         save_resolved_config(cfg, output_dir)

@@ -9,6 +9,7 @@ Read top to bottom: set-up, data, model and objective, then the shared training 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import hydra
@@ -29,6 +30,7 @@ from chattune.formats import SourceSpec
 from chattune.sft_data import RecordSource, SFTDocuments
 from chattune.step_feed import StepFeed
 from chattune.training_loop import train
+from chattune.validate import check_config
 from chattune.train_step import TokenCrossEntropy
 
 logger = logging.getLogger("chattune.sft")
@@ -36,9 +38,13 @@ logger = logging.getLogger("chattune.sft")
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="sft/tiny", version_base=None)
 def main(cfg: DictConfig) -> None:
-    # --- set-up: every rank composes the same config; rank 0 records it ---
+    # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
+    # loaded yet, the same checks as `chattune validate`); rank 0 records it ---
+    config_notes = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), recipe="sft")
     dist_info = init_distributed(cfg.device)
     setup_logging(dist_info.rank)
+    for note in config_notes if dist_info.is_main else []:
+        logger.info("config note: %s", note)
     device, output_dir = dist_info.device, Path(cfg.output_dir)
     if dist_info.is_main:
         save_resolved_config(cfg, output_dir)
