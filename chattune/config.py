@@ -6,6 +6,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from chattune.formats import SourceSpec
+
 DEMO_ASSETS = Path(__file__).resolve().parent / "assets" / "demo"
 # The shipped configs (configs/ beside the package, as in the repository and its editable install). The
 # recipes name this absolute directory in @hydra.main, so a copied recipe finds them from any directory,
@@ -32,3 +34,8 @@ def save_resolved_config(cfg: DictConfig, directory: Path) -> None:
 
 
 register_resolvers()
+
+
+def source_specs(sources) -> list[SourceSpec]:
+    """The data sources of a config list (`data.train`, `data.eval`): paths or {path, format, ...} mappings."""
+    return [SourceSpec.from_config(entry) for entry in OmegaConf.to_container(sources, resolve=True)]

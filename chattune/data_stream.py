@@ -123,7 +123,10 @@ class PackedStream:
         num_epochs: int | None = None,
         num_workers: int = 0,
         pad_to_multiple_of: int | None = None,
+        sampler: Iterator[tuple[int, list[int], bool]] | None = None,
     ):
+        """`sampler`: another source of (epoch, record indices, closes_epoch) chunks than this rank's share
+        of each epoch (`chattune.mixture.MixtureSampler`); it must be stateful like `ShareSampler`."""
         if pad_to_multiple_of and max_tokens % pad_to_multiple_of:
             raise ValueError(f"data.max_tokens_per_microbatch={max_tokens} must be a multiple of "
                              f"data.pad_to_multiple_of={pad_to_multiple_of}, or padding could exceed the budget")
@@ -138,7 +141,7 @@ class PackedStream:
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
                 _TokenizedChunks(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
-                sampler=ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records),
+                sampler=sampler or ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records),
                 # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
                 # and the model's random init would depend on the data pipeline.
                 generator=torch.Generator().manual_seed(seed),

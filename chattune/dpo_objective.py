@@ -20,6 +20,7 @@ from torch import nn
 
 from chattune.dpo_loss import PreferenceLoss
 from chattune.loss import IGNORE_INDEX
+from chattune.mixture import source_figures
 from chattune.packing import PackedBatch
 
 
@@ -68,10 +69,11 @@ class CachedReference:
 class PreferenceObjective:
     unit_name = "preference pair"
 
-    def __init__(self, loss: PreferenceLoss, reference: Reference | None):
+    def __init__(self, loss: PreferenceLoss, reference: Reference | None, num_sources: int = 1):
         if loss.needs_reference and reference is None:
             raise ValueError(f"loss.type={loss.loss_type!r} needs reference log-probs (a reference model or cache)")
         self.loss, self.reference = loss, reference
+        self.num_sources = num_sources  # a mixture's sources: per-source sums for the mixer (chattune.mixer)
 
     def count_units(self, batch: PackedBatch) -> int:
         return len(batch.doc_ids)
@@ -91,6 +93,8 @@ class PreferenceObjective:
             "logps_chosen": chosen.detach().sum(), "logps_rejected": rejected.detach().sum(),
             "tokens": chosen_tokens.sum() + rejected_tokens.sum(),
         }
+        if self.num_sources > 1:
+            figures.update(source_figures(batch, losses, torch.ones_like(losses), self.num_sources))
         return loss, figures
 
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class DataError(ValueError):
@@ -66,8 +67,19 @@ class SourceSpec:
     columns: dict[str, str] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
     split: str = "train"
+    # Mixtures (data.mixing): the source's name in logs, its sampling weight, and its own masking mode
+    # (null: data.train_on).
+    name: str | None = None
+    weight: float = 1.0
+    train_on: str | None = None
+
+    @property
+    def display_name(self) -> str:
+        return self.name or Path(self.path).stem
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.weight, (int, float)) and self.weight >= 0):
+            raise DataError(f"{self.path}: weight must be a number >= 0, got {self.weight!r}")
         if self.format not in DEFAULT_COLUMNS:
             raise DataError(f"{self.path}: unknown format {self.format!r}; expected one of {sorted(DEFAULT_COLUMNS)}")
         unknown = set(self.columns) - set(DEFAULT_COLUMNS[self.format])
@@ -94,12 +106,14 @@ class SourceSpec:
             if value is not None and (not isinstance(value, Mapping)
                                       or not all(isinstance(v, str) for v in value.values())):
                 raise DataError(f"{entry.get('path')}: `{key}` must map names to names, got {value!r}")
-        unknown = set(entry) - {"path", "format", "columns", "roles", "split"}
+        optional = ("format", "columns", "roles", "split", "name", "weight", "train_on")
+        unknown = set(entry) - {"path", *optional}
         if unknown or "path" not in entry:
-            raise DataError(f"a data source needs `path` and may have format/columns/roles/split; got keys {sorted(entry)}")
+            raise DataError(f"a data source needs `path` and may have {'/'.join(optional)}; got keys {sorted(entry)}")
         return cls(path=str(entry["path"]), format=str(entry.get("format", "messages")),
                    columns=dict(entry.get("columns") or {}), roles=dict(entry.get("roles") or {}),
-                   split=str(entry.get("split", "train")))
+                   split=str(entry.get("split", "train")), name=entry.get("name"), weight=entry.get("weight", 1.0),
+                   train_on=entry.get("train_on"))
 
     def column(self, name: str) -> str:
         return self.columns.get(name, DEFAULT_COLUMNS[self.format][name])

@@ -27,6 +27,7 @@ class Document:
     # Sequences laid back to back inside the document that must not attend to each other, packed as one
     # unit (DPO: chosen then rejected, so a pair always shares a microbatch). Empty: one sequence.
     segments: tuple[int, ...] = ()
+    source: int = 0  # which data source (of a mixture) the record belongs to
 
     @property
     def segment_lengths(self) -> tuple[int, ...]:
@@ -64,6 +65,8 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # (num_docs + 1,) int32
     max_seqlen: int
     doc_ids: list[int] = field(default_factory=list)
+    doc_lengths: list[int] = field(default_factory=list)  # tokens of each document, in order
+    doc_sources: list[int] = field(default_factory=list)  # data source of each document
     padding: int = 0  # tokens of the padding segment (always last), if any
     epoch: int = 0  # the epoch its documents belong to
     ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
@@ -89,6 +92,8 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
             max_seqlen=self.max_seqlen,
             doc_ids=self.doc_ids,
+            doc_lengths=self.doc_lengths,
+            doc_sources=self.doc_sources,
             padding=self.padding,
             epoch=self.epoch,
             ends_epoch=self.ends_epoch,
@@ -116,6 +121,8 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
+        doc_lengths=[len(d) for d in documents if d.doc_id >= 0],
+        doc_sources=[d.source for d in documents if d.doc_id >= 0],
         padding=sum(len(d) for d in documents if d.doc_id < 0),
     )
 

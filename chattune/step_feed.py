@@ -17,8 +17,12 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chattune.packing import PackedBatch, empty_batch
+
+if TYPE_CHECKING:
+    from chattune.mixer import Mixer
 
 
 @dataclass
@@ -34,11 +38,12 @@ class StepFeed:
     on the same step on every rank (`finished`)."""
 
     def __init__(self, stream: Iterable[PackedBatch], grad_accum_steps: int, pad_token_id: int,
-                 num_epochs: int | None = None):
+                 num_epochs: int | None = None, mixer: "Mixer | None" = None):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
         self.stream, self.grad_accum_steps, self.pad_token_id = stream, grad_accum_steps, pad_token_id
         self.num_epochs = num_epochs
+        self.mixer = mixer  # a mixture's sampling state (chattune.mixer), checkpointed with the data position
         self.epoch = 0
         self.rank_done = False  # waiting for the other ranks to finish the epoch
         self.epoch_counts = _zero_counts()  # this rank's figures of the epoch so far
@@ -87,10 +92,12 @@ class StepFeed:
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict(), "epoch": self.epoch, "rank_done": self.rank_done,
-                "epoch_counts": dict(self.epoch_counts)}
+                "epoch_counts": dict(self.epoch_counts), "mixer": self.mixer.state_dict() if self.mixer else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
+        if self.mixer is not None:
+            self.mixer.load_state_dict(state["mixer"])
         self._batches = None
         self.epoch, self.rank_done = state["epoch"], state["rank_done"]
         self.epoch_counts = dict(state["epoch_counts"])

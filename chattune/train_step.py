@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from chattune.distributed import all_reduce_sum
+from chattune.loss import IGNORE_INDEX
+from chattune.mixture import document_sums, source_figures
 from chattune.packing import PackedBatch
 
 
@@ -44,11 +46,19 @@ class TokenCrossEntropy:
 
     unit_name = "trainable token"
 
+    def __init__(self, num_sources: int = 1):
+        self.num_sources = num_sources  # a mixture's sources: per-source sums for the mixer (chattune.mixer)
+
     def count_units(self, batch: PackedBatch) -> int:
         return batch.num_trainable_tokens
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return model(batch).sum(), {}  # per-token losses are 0 at ignored labels
+        token_losses = model(batch)  # 0 at ignored labels
+        if self.num_sources == 1:
+            return token_losses.sum(), {}
+        doc_losses = document_sums(batch, token_losses.detach())
+        doc_units = document_sums(batch, (batch.labels[0] != IGNORE_INDEX).to(token_losses.device))
+        return token_losses.sum(), source_figures(batch, doc_losses, doc_units, self.num_sources)
 
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
         """loss: token-weighted mean over every trainable token of the step; num_tokens: those tokens."""

@@ -5,8 +5,9 @@ first step to the last is the same story, so it is told once here and SFT and DP
 
 - resume (`resume=auto|PATH|null`): model, optimizer, scheduler, data position, RNG and counters;
 - held-out metrics at step 0, then every `eval_every` steps and at the end;
-- each step: its microbatches (`StepFeed`, epochs in lockstep), the shared update step, the epoch's
-  figures when it closes, metrics every `log_every` steps;
+- each step: its microbatches (`StepFeed`, epochs in lockstep), the shared update step, a mixture's
+  per-source figures and online update (`chattune.mixer`), the epoch's figures when it closes,
+  metrics every `log_every` steps;
 - a non-finite loss or gradient: the update is skipped on every rank (counted) or the run stops;
 - checkpoints every `save_every` steps, and `stop_after_step` for a job's time slice;
 - at the end, a Hugging Face directory that loads without chattune.
@@ -96,15 +97,22 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
             logger.warning("step %d: non-finite loss or gradients, update skipped (%d so far)", step,
                            counters["nonfinite_skipped_steps"])
 
+        mixing = None
+        if feed.mixer is not None:  # a mixture: per-source sums, and online mixing's update (collective)
+            feed.mixer.observe(result.figures, math.isfinite(grad_norm))
+            mixing = feed.mixer.maybe_update(step, device)
+
         if epoch_counts is not None:  # the step closed an epoch on every rank: its exact figures
             logger.info("epoch %d done at step %d: %s", batches.epoch, step,
                         epoch_line(reduce_sums(epoch_counts, device), cfg.data.max_tokens_per_microbatch))
         is_last = step == cfg.max_steps or feed.finished
         # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
         is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
-        if step % cfg.log_every == 0 or is_last or is_eval:
+        if step % cfg.log_every == 0 or is_last or is_eval or mixing:
             metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
-            metrics.update(epoch=batches.epoch, **counters)
+            metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
+            if feed.mixer is not None:
+                metrics.update(feed.mixer.metrics(device))
             if is_eval:
                 metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
             metric_logger.log(metrics)

@@ -66,6 +66,9 @@ BASE_CONFIGS = {"sft": "sft/tiny", "dpo": "dpo/tiny"}
 OVERLONG = ("drop", "truncate", "split", "error")  # sft_data.OVERLONG
 OVERLONG_DPO = ("drop", "error")  # dpo_data.OVERLONG_DPO
 TRAIN_ON = ("assistant", "last_assistant", "all")  # sft_data.TRAIN_ON
+MIXING_MODES = ("none", "static", "online")  # mixer.MODES
+MIXING_REWARDS = ("mean_loss", "loss_decrease")  # mixer.REWARDS
+MIXING_STOPPING = ("first_exhausted", "all_exhausted")  # mixture.STOPPING
 DTYPES = ("float32", "bfloat16", "float16")  # fsdp.DTYPES
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # sft_data._HUB_ID: a path that is read as a hub dataset id
 
@@ -450,7 +453,8 @@ class _Checker:
     def enums(self) -> None:
         allowed = {
             "device": DEVICES, "logger": LOGGERS, "progress": PROGRESS_MODES, "nonfinite_loss": NONFINITE_LOSS,
-            "data.train_on": TRAIN_ON,
+            "data.train_on": TRAIN_ON, "data.mixing.mode": MIXING_MODES, "data.mixing.reward": MIXING_REWARDS,
+            "data.mixing.stopping": MIXING_STOPPING,
             "data.overlong": OVERLONG_DPO if self.recipe == "dpo" else OVERLONG,
             "model.fsdp.param_dtype": ("auto", *DTYPES), "model.fsdp.reduce_dtype": tuple(DTYPES),
         }

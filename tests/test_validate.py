@@ -239,12 +239,14 @@ def test_the_schema_is_what_hydra_composes_and_its_nulls_have_types():
 
 
 def test_copied_constants_agree_with_their_modules():
-    from chattune import dpo_data, fsdp, sft_data
+    from chattune import dpo_data, fsdp, mixer, mixture, sft_data
 
     assert validate.OVERLONG == sft_data.OVERLONG and validate.TRAIN_ON == sft_data.TRAIN_ON
     assert validate.OVERLONG_DPO == dpo_data.OVERLONG_DPO
     assert validate.DTYPES == tuple(fsdp.DTYPES)
     assert validate.HUB_ID.pattern == sft_data._HUB_ID.pattern
+    assert (validate.MIXING_MODES, validate.MIXING_REWARDS) == (mixer.MODES, mixer.REWARDS)
+    assert validate.MIXING_STOPPING == mixture.STOPPING
 
 
 def _leaves(tree: dict, prefix: str = ""):
