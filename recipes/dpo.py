@@ -18,10 +18,10 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from chattune.config import CONFIG_DIR, save_resolved_config
+from chattune.config import CONFIG_DIR, save_resolved_config, source_specs
 from chattune.data_report import count_lines, report_sample, scan_documents
 from chattune.data_stream import PackedStream
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
@@ -30,6 +30,8 @@ from chattune.log import setup_logging
 from chattune.metrics import reduce_sums
 from chattune.model import PackedCausalLM, build_hf_model
 from chattune.formats import SourceSpec
+from chattune.mixer import mixture_sampling
+from chattune.mixture import MixedDocuments
 from chattune.dpo_data import PairDocuments
 from chattune.dpo_loss import PreferenceLoss
 from chattune import reference_cache
@@ -60,26 +62,30 @@ def main(cfg: DictConfig) -> None:
     # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
-    def pair_documents(sources) -> PairDocuments:  # a pair: one document of two segments, chosen then rejected
-        specs = [SourceSpec.from_config(entry) for entry in OmegaConf.to_container(sources, resolve=True)]
-        return PairDocuments(RecordSource(specs), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong)
+    def pair_documents(specs: list[SourceSpec]) -> MixedDocuments:  # a pair: one document of two segments
+        return MixedDocuments([(spec.display_name, PairDocuments(
+            RecordSource([spec]), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong)) for spec in specs])
 
-    def packed_stream(documents: PairDocuments, shuffle: bool, num_epochs: int | None) -> PackedStream:
+    def packed_stream(documents: MixedDocuments, shuffle: bool, num_epochs: int | None, sampler=None) -> PackedStream:
         return PackedStream(
             documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
             pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
-            pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+            pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler,
         )
 
-    train_documents = pair_documents(cfg.data.train)
+    train_specs = source_specs(cfg.data.train)
+    train_documents = pair_documents(train_specs)
+    # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
+    mixer, mixture_sampler = mixture_sampling(cfg.data.mixing, train_specs, train_documents.sizes, dist_info.rank,
+                                              dist_info.world_size, cfg.seed, cfg.data.num_epochs, cfg.data.buffer_records)
     if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
         sample = report_sample(len(train_documents), cfg.data.report_records, cfg.seed)
         counts = reduce_sums(scan_documents(train_documents, sample[dist_info.rank :: dist_info.world_size]).counts(), device)
         logger.info("training data (%d of %d records sampled): %s", len(sample), len(train_documents), "; ".join(count_lines(counts)))
     # Every step takes grad_accum_steps microbatches per rank; epochs end on the same step on every rank.
-    feed = StepFeed(packed_stream(train_documents, shuffle=True, num_epochs=cfg.data.num_epochs),
-                    cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs)
-    eval_documents = pair_documents(cfg.data.eval) if cfg.data.eval else None
+    feed = StepFeed(packed_stream(train_documents, shuffle=True, num_epochs=cfg.data.num_epochs, sampler=mixture_sampler),
+                    cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer)
+    eval_documents = pair_documents(source_specs(cfg.data.eval)) if cfg.data.eval else None
     eval_batches = list(packed_stream(eval_documents, shuffle=False, num_epochs=1)) if cfg.data.eval else []
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
@@ -115,7 +121,7 @@ def main(cfg: DictConfig) -> None:
             lambda split: packed_stream(splits[split], shuffle=False, num_epochs=1), device, pad_id, dist_info.is_main)
         reference = CachedReference(tables["train"])
         eval_reference = CachedReference(tables["eval"]) if cfg.data.eval else None
-    objective = PreferenceObjective(preference_loss, reference)
+    objective = PreferenceObjective(preference_loss, reference, num_sources=mixer.num_sources if mixer else 1)
     eval_objective = PreferenceObjective(preference_loss, eval_reference) if cfg.data.eval else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---

@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from chattune.config import CONFIG_DIR, save_resolved_config, source_specs

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from chattune import reference_cache
+from chattune.config import DEMO_ASSETS
 from chattune.data_stream import PackedStream
 from chattune.model import PackedCausalLM
 from conftest import ListSource, free_port, tiny_model
@@ -98,3 +99,18 @@ def test_reference_free_simpo_builds_no_reference(tmp_path):
     metrics = read_metrics(tmp_path / "simpo")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor(m["loss"])) and m["num_pairs"] > 0 for m in metrics)
+
+
+def test_dpo_on_a_two_source_mixture_with_the_reference_cached(tmp_path):
+    """Pairs of two sources behind one record index: the cache rows are found by that index (at step 1 the
+    policy is its own reference: loss log 2, margins 0) and the mixer reports each source."""
+    lines = (DEMO_ASSETS / "preference_train.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[:60]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[60:100]))
+    sources = (f"data.train=[{{path: {tmp_path / 'a.jsonl'}, format: preference, weight: 3}}, "
+               f"{{path: {tmp_path / 'b.jsonl'}, format: preference, weight: 1}}]")
+    dpo(tmp_path / "mixed", tmp_path / "cache", sources, "data.mixing.mode=static", "reference.cache=true",
+        "optimizer.lr=0")  # lr 0: the policy stays its own reference, so every step must give log 2
+    metrics = read_metrics(tmp_path / "mixed")
+    assert all(m["loss"] == pytest.approx(0.693147, abs=1e-5) and abs(m["rewards/margins"]) < 1e-5 for m in metrics)
+    assert metrics[-1]["mix/a/target"] == 0.75 and metrics[-1]["mix/a/documents"] + metrics[-1]["mix/b/documents"] > 0
