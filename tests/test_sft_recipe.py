@@ -64,19 +64,6 @@ def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
     assert len(new_tokens) > 0 and tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
 
 
-def test_single_process_run_with_wandb_offline(tmp_path):
-    out = tmp_path / "single"
-    run(
-        [sys.executable, "recipes/sft.py", f"output_dir={out}", "max_steps=3", "log_every=1", "save_every=0",
-         "eval_every=0", "logger=wandb", "data.max_tokens_per_microbatch=512"],
-        env_extra={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
-    )
-    metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert list((out / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
-    assert (out / "hf" / "config.json").is_file()
-
-
 def test_local_model_directory_with_activation_checkpointing(tmp_path):
     """The real-model path: a local HF directory (weights + tokenizer) fine-tuned via sft/local_model."""
     from conftest import demo_tokenizer, tiny_model
