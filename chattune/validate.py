@@ -155,10 +155,13 @@ def run_validate(config_name: str, overrides: list[str], config_path: Path,
     if cfg is not None:
         recipe = "dpo" if config_name.startswith("dpo/") or "reference" in cfg else "sft"
         overridden = {override.lstrip("+~").split("=", 1)[0] for override in overrides}
-        for key in _required_keys(config_name, Path(config_path)):
-            if key not in overridden:
-                findings.problem(key, f"required by {config_name} (???), not set")
+        unset = [key for key in _required_keys(config_name, Path(config_path)) if key not in overridden]
+        for key in unset:
+            findings.problem(key, f"required by {config_name} (???), not set")
         find_problems(cfg, world_size, recipe, findings)
+        # An unset required key still holds the value it inherited: its other problems are about that value.
+        findings.problems = [line for line in findings.problems
+                             if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")]
         for key, override in added.items():  # valid keys, but Hydra adds a key only with "+"
             if not findings.has_problem(key):
                 findings.problem(key, f"not in the config; add it with +{override}")

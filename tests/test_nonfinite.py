@@ -19,6 +19,7 @@ class PoisonedOnRank(TokenCrossEntropy):
     """The SFT loss, made NaN on one rank (as an overflow in one microbatch would)."""
 
     def __init__(self, rank: int, poisoned_rank: int):
+        super().__init__()
         self.poison = rank == poisoned_rank
 
     def loss_sum(self, model, batch):
