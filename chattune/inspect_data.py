@@ -12,30 +12,28 @@ import html
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from chattune import config as _config  # noqa: F401  (registers ${demo_asset:...})
+from chattune.config import CONFIG_DIR, source_specs  # importing chattune.config registers ${demo_asset:...}
 from chattune.data_stream import PackedStream
-from chattune.formats import SourceSpec
 from chattune.loss import IGNORE_INDEX
 from chattune.data_report import DataReport, count_lines, scan_documents
 from chattune.packing import Document
-from chattune.sft_data import RecordSource, SFTDocuments, Skipped
+from chattune.sft_data import Skipped
+from chattune.training_data import sft_documents
 
-DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
 
-def load_config(config_name: str, overrides: list[str], config_dir: Path = DEFAULT_CONFIG_DIR) -> DictConfig:
+def load_config(config_name: str, overrides: list[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
     with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
         return compose(config_name, overrides=overrides)
 
 
 def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
-    specs = [SourceSpec.from_config(e) for e in OmegaConf.to_container(cfg.data.train, resolve=True)]
     budget = cfg.data.max_tokens_per_microbatch
-    documents = SFTDocuments(RecordSource(specs), tokenizer, budget, cfg.data.overlong, cfg.data.train_on)
+    documents = sft_documents(source_specs(cfg.data.train), tokenizer, cfg.data)  # as the SFT recipe reads them
     report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
                             batch_records=cfg.data.buffer_records)
     stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,

@@ -52,13 +52,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 from transformers import PretrainedConfig
 
-from chattune import config as _config  # noqa: F401  (registers ${demo_asset:...})
+from chattune.config import CONFIG_DIR  # importing chattune.config also registers ${demo_asset:...}
 from chattune.dpo_loss import LOSS_TYPES, REFERENCE_FREE
 from chattune.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, DataError, SourceSpec
 from chattune.progress import PROGRESS_MODES
 
-# The shipped configs, whose base configs define the valid keys (the same directory as config.CONFIG_DIR).
-SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# The shipped configs (CONFIG_DIR), whose base configs define the valid keys.
 BASE_CONFIGS = {"sft": "sft/tiny", "dpo": "dpo/tiny"}
 
 # Copies of constants whose modules take seconds to import (datasets, FSDP, the HF model code), which
@@ -192,7 +191,7 @@ def _compose(config_name: str, overrides: list[str], config_dir: Path,
             return cfg, added
         cfg, error = _try_compose(config_name, [])
         if cfg is None:
-            names = (_config_names(config_dir) | _config_names(SHIPPED_CONFIGS)) - {config_name} if config_dir.is_dir() else ()
+            names = (_config_names(config_dir) | _config_names(CONFIG_DIR)) - {config_name} if config_dir.is_dir() else ()
             findings.problem("config", f"{config_name} from {config_dir}: {_first_line(error)}"
                                        f"{_did_you_mean(config_name, names)}")
             return None, added
@@ -213,7 +212,7 @@ def _required_keys(config_name: str, config_dir: Path) -> list[str]:
     """The keys the config file itself marks ??? (required). Merging keeps a value from the configs it
     builds on over a ???, so the composed config does not show them missing: a recipe would silently run
     with the parent's value (e.g. sft/tiny's model)."""
-    for directory in (config_dir, SHIPPED_CONFIGS):  # the search path's order
+    for directory in (config_dir, CONFIG_DIR):  # the search path's order
         path = directory / f"{config_name}.yaml"
         if path.is_file():
             if "/" in config_name and "@package _global_" not in path.read_text():
@@ -245,7 +244,7 @@ def _first_line(error: Exception) -> str:
 def base_config(recipe: str) -> dict:
     """The shipped base config of a recipe, resolved: its keys are the valid keys, its values' types the
     expected types."""
-    cfg = _load_with_defaults(SHIPPED_CONFIGS / f"{BASE_CONFIGS[recipe]}.yaml")
+    cfg = _load_with_defaults(CONFIG_DIR / f"{BASE_CONFIGS[recipe]}.yaml")
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -262,7 +261,7 @@ def _load_with_defaults(path: Path) -> DictConfig:
         if entry == "_self_":
             parts.append(own)
         elif isinstance(entry, str):
-            included = SHIPPED_CONFIGS / entry[1:] if entry.startswith("/") else path.parent / entry
+            included = CONFIG_DIR / entry[1:] if entry.startswith("/") else path.parent / entry
             parts.append(_load_with_defaults(included.with_suffix(".yaml")))
     return OmegaConf.merge(*parts)
 

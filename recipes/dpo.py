@@ -21,23 +21,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from chattune.config import CONFIG_DIR, save_resolved_config, source_specs
-from chattune.data_report import count_lines, report_sample, scan_documents
-from chattune.data_stream import PackedStream
+from chattune.config import CONFIG_DIR, save_resolved_config
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.fsdp import shard_model
 from chattune.log import setup_logging
-from chattune.metrics import reduce_sums
 from chattune.model import PackedCausalLM, build_hf_model
-from chattune.formats import SourceSpec
-from chattune.mixer import mixture_sampling
-from chattune.mixture import MixedDocuments
-from chattune.dpo_data import PairDocuments
 from chattune.dpo_loss import PreferenceLoss
 from chattune import reference_cache
 from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObjective
-from chattune.sft_data import RecordSource
-from chattune.step_feed import StepFeed
+from chattune.training_data import build_training_data, pair_documents, packed_stream
 from chattune.training_loop import train
 from chattune.validate import check_config
 
@@ -62,31 +54,8 @@ def main(cfg: DictConfig) -> None:
     # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
-    def pair_documents(specs: list[SourceSpec]) -> MixedDocuments:  # a pair: one document of two segments
-        return MixedDocuments([(spec.display_name, PairDocuments(
-            RecordSource([spec]), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong)) for spec in specs])
-
-    def packed_stream(documents: MixedDocuments, shuffle: bool, num_epochs: int | None, sampler=None) -> PackedStream:
-        return PackedStream(
-            documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
-            pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
-            pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler,
-        )
-
-    train_specs = source_specs(cfg.data.train)
-    train_documents = pair_documents(train_specs)
-    # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
-    mixer, mixture_sampler = mixture_sampling(cfg.data.mixing, train_specs, train_documents.sizes, dist_info.rank,
-                                              dist_info.world_size, cfg.seed, cfg.data.num_epochs, cfg.data.buffer_records)
-    if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
-        sample = report_sample(len(train_documents), cfg.data.report_records, cfg.seed)
-        counts = reduce_sums(scan_documents(train_documents, sample[dist_info.rank :: dist_info.world_size]).counts(), device)
-        logger.info("training data (%d of %d records sampled): %s", len(sample), len(train_documents), "; ".join(count_lines(counts)))
-    # Every step takes grad_accum_steps microbatches per rank; epochs end on the same step on every rank.
-    feed = StepFeed(packed_stream(train_documents, shuffle=True, num_epochs=cfg.data.num_epochs, sampler=mixture_sampler),
-                    cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer)
-    eval_documents = pair_documents(source_specs(cfg.data.eval)) if cfg.data.eval else None
-    eval_batches = list(packed_stream(eval_documents, shuffle=False, num_epochs=1)) if cfg.data.eval else []
+    # The sources behind one record index, drawn as data.mixing says; a data report; each rank's step feed.
+    data = build_training_data(cfg, dist_info, pad_id, lambda specs: pair_documents(specs, tokenizer, cfg.data))
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
@@ -114,18 +83,19 @@ def main(cfg: DictConfig) -> None:
     if preference_loss.needs_reference and not cfg.reference.cache:
         reference = eval_reference = LiveReference(reference_model())
     elif preference_loss.needs_reference:  # one pass before training, stored under reference.cache_dir
-        splits = {"train": train_documents, **({"eval": eval_documents} if cfg.data.eval else {})}
+        splits = {"train": data.train, **({"eval": data.eval} if data.eval else {})}
         tables = reference_cache.load_or_build(
             Path(cfg.reference.cache_dir), {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
             {split: len(documents) for split, documents in splits.items()}, reference_model,
-            lambda split: packed_stream(splits[split], shuffle=False, num_epochs=1), device, pad_id, dist_info.is_main)
+            lambda split: packed_stream(cfg, dist_info, pad_id, splits[split], shuffle=False, num_epochs=1), device, pad_id,
+            dist_info.is_main)
         reference = CachedReference(tables["train"])
         eval_reference = CachedReference(tables["eval"]) if cfg.data.eval else None
-    objective = PreferenceObjective(preference_loss, reference, num_sources=mixer.num_sources if mixer else 1)
+    objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)
     eval_objective = PreferenceObjective(preference_loss, eval_reference) if cfg.data.eval else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, model, objective, optimizer, scheduler, feed, eval_batches, tokenizer, pad_id, eval_objective)
+    train(cfg, dist_info, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id, eval_objective)
     shutdown_distributed()
 
 

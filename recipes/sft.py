@@ -18,19 +18,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from chattune.config import CONFIG_DIR, save_resolved_config, source_specs
-from chattune.data_report import count_lines, report_sample, scan_documents
-from chattune.data_stream import PackedStream
+from chattune.config import CONFIG_DIR, save_resolved_config
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.fsdp import shard_model
 from chattune.log import setup_logging
-from chattune.metrics import reduce_sums
-from chattune.formats import SourceSpec
-from chattune.mixer import mixture_sampling
-from chattune.mixture import MixedDocuments
 from chattune.model import PackedCausalLM, build_hf_model
-from chattune.sft_data import RecordSource, SFTDocuments
-from chattune.step_feed import StepFeed
+from chattune.training_data import build_training_data, sft_documents
 from chattune.training_loop import train
 from chattune.validate import check_config
 from chattune.train_step import TokenCrossEntropy
@@ -56,32 +49,8 @@ def main(cfg: DictConfig) -> None:
     # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
-    def sft_documents(specs: list[SourceSpec]) -> MixedDocuments:  # the sources behind one record index
-        return MixedDocuments([(spec.display_name, SFTDocuments(
-            RecordSource([spec]), tokenizer, cfg.data.max_tokens_per_microbatch, cfg.data.overlong,
-            spec.train_on or cfg.data.train_on)) for spec in specs])
-
-    def packed_stream(documents: MixedDocuments, shuffle: bool, num_epochs: int | None, sampler=None) -> PackedStream:
-        return PackedStream(
-            documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch,
-            pad_id, cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
-            pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler,
-        )
-
-    train_specs = source_specs(cfg.data.train)
-    train_documents = sft_documents(train_specs)
-    # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
-    mixer, mixture_sampler = mixture_sampling(cfg.data.mixing, train_specs, train_documents.sizes, dist_info.rank,
-                                              dist_info.world_size, cfg.seed, cfg.data.num_epochs, cfg.data.buffer_records)
-    if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
-        sample = report_sample(len(train_documents), cfg.data.report_records, cfg.seed)
-        counts = reduce_sums(scan_documents(train_documents, sample[dist_info.rank :: dist_info.world_size]).counts(), device)
-        logger.info("training data (%d of %d records sampled): %s", len(sample), len(train_documents), "; ".join(count_lines(counts)))
-    # Every step takes grad_accum_steps microbatches per rank; epochs end on the same step on every rank.
-    feed = StepFeed(packed_stream(train_documents, shuffle=True, num_epochs=cfg.data.num_epochs, sampler=mixture_sampler),
-                    cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer)
-    eval_documents = sft_documents(source_specs(cfg.data.eval)) if cfg.data.eval else None
-    eval_batches = list(packed_stream(eval_documents, shuffle=False, num_epochs=1)) if cfg.data.eval else []
+    # The sources behind one record index, drawn as data.mixing says; a data report; each rank's step feed.
+    data = build_training_data(cfg, dist_info, pad_id, lambda specs: sft_documents(specs, tokenizer, cfg.data))
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
@@ -94,10 +63,10 @@ def main(cfg: DictConfig) -> None:
 
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
-    objective = TokenCrossEntropy(num_sources=mixer.num_sources if mixer else 1)
+    objective = TokenCrossEntropy(num_sources=data.num_sources)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, model, objective, optimizer, scheduler, feed, eval_batches, tokenizer, pad_id)
+    train(cfg, dist_info, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id)
     shutdown_distributed()
 
 
