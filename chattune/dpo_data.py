@@ -16,23 +16,21 @@ the same microbatch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.chat_template import (TemplateMarkers, TextBatchEncoder, assistant_token_mask, probe_template,
-                                    render_conversation, trained_spans)
+from chattune.chat_template import assistant_token_mask, render_conversation, trained_spans
 from chattune.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
 from chattune.packing import Document, shifted_label_array
-from chattune.sft_data import RecordSource, Skipped, check_tools_rendered, render_then_tokenize
+from chattune.sft_data import RecordSource, Skipped, TemplateDocuments, check_tools_rendered
 
 SKIP_REASONS_DPO = ("overlong", "identical_replies")
 OVERLONG_DPO = ("drop", "error")
 
 
-class PairDocuments:
+class PairDocuments(TemplateDocuments):
     """Tokenized, label-masked preference pairs by global record index: one `Document` per pair, or why
     the pair is `Skipped`.
 
@@ -46,28 +44,7 @@ class PairDocuments:
         not_pairs = [s.path for s in source.specs if s.format not in PREFERENCE_FORMATS]
         if not_pairs:
             raise DataError(f"{not_pairs}: DPO needs preference data (format one of {list(PREFERENCE_FORMATS)})")
-        self.source = source
-        self.tokenizer = tokenizer
-        self.markers: TemplateMarkers = probe_template(tokenizer)
-        self._encode = TextBatchEncoder(tokenizer)
-        self.max_tokens = max_tokens
-        self.overlong = overlong
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def get(self, index: int) -> Document | Skipped:
-        """The document of a pair, or why it is skipped."""
-        return self.get_many([index])[0]
-
-    def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
-        """The outcomes of the pairs at `indices`, in order: one Document or Skipped per pair. All the
-        sides are tokenized in one call and masked at once.
-
-        Raises the DataError of the first bad pair, as `get` one by one would: a pair that fails to convert
-        or render stops the reading, and the pairs before it are still tokenized first (one of them may be
-        an overlong pair that `overlong="error"` refuses)."""
-        return render_then_tokenize(self.source, indices, self._render, self._tokenize)
+        super().__init__(source, tokenizer, max_tokens, overlong)
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_RenderedPair | Skipped":
         """Convert and check one pair, render its two sides and locate the reply each trains."""

@@ -149,54 +149,16 @@ class Skipped:
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
 
-def render_then_tokenize(source: RecordSource, indices: Sequence[int], render, tokenize) -> list:
-    """`render(index, where, spec, record)` each record in order until one raises a DataError, then
-    `tokenize` the rendered ones together, then raise that error: the first bad record is reported as
-    reading one by one would report it (after the records before it, one of which may itself be refused
-    when tokenized, e.g. an overlong record under `overlong="error"`)."""
-    prepared = []
-    failure: DataError | None = None
-    for index, (spec, local_index, record) in zip(indices, source.locate_many(indices)):
-        try:
-            prepared.append(render(index, f"{spec.path} record {local_index}", spec, record))
-        except DataError as error:
-            failure = error
-            break
-    documents = tokenize(prepared) if prepared else []
-    if failure is not None:
-        raise failure
-    return documents
+class TemplateDocuments:
+    """What SFT documents and preference pairs share: records of a source, rendered with the tokenizer's
+    chat template (`_render`, one record) and tokenized in one batch (`_tokenize`), by global record index.
 
+    Reading stops at the first record that fails to convert or render, and its DataError is raised after
+    the records before it are tokenized: the error is the one reading one by one would report (a record
+    before it may itself be refused when tokenized, e.g. an overlong one under `overlong="error"`)."""
 
-def check_tools_rendered(markers: TemplateMarkers, tools: list | None, messages: list[dict], where: str) -> None:
-    """Refuse tools or tool calls that the chat template would silently leave out of the text."""
-    uses_calls = any("tool_calls" in m for m in messages)
-    if (tools and not markers.renders_tools) or (uses_calls and not markers.renders_tool_calls):
-        raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
-                        "render them (training would silently leave them out)")
-
-
-class SFTDocuments:
-    """Tokenized, label-masked documents by global record index.
-
-    train_on: `assistant` (every assistant reply and its end-of-turn token), `last_assistant` (only the
-    final reply), or `all` (every token, prompts included).
-
-    overlong, for a record of more tokens than the budget: `drop` (a counted skip), `truncate` (keep its
-    first max_tokens tokens), `split` (cut it into pieces of up to max_tokens tokens, each its own
-    document: a piece does not attend to the pieces before it, and the first token of each later piece is
-    not trained, as nothing before it in the piece predicts it), or `error`. Truncated and split records are
-    marked on their first document (`Document.overlong`) so the stream can count them; pieces with
-    nothing to train are left out (counted with the split)."""
-
-    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
-                 overlong: str = "drop", train_on: str = "assistant"):
-        if overlong not in OVERLONG:
-            raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
-        if train_on not in TRAIN_ON:
-            raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
+    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int, overlong: str):
         self.source = source
-        self.train_on = train_on
         self.tokenizer = tokenizer
         self.markers: TemplateMarkers = probe_template(tokenizer)
         self._encode = TextBatchEncoder(tokenizer)
@@ -207,18 +169,60 @@ class SFTDocuments:
         return len(self.source)
 
     def get(self, index: int) -> Document | Skipped:
-        """The document of a record (its first piece, when split), or why it is skipped."""
         return self.get_many([index])[0]
 
     def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
-        """The outcomes of the records at `indices`, in order: one Document or Skipped per record, or, for
-        a record that `overlong="split"` cuts, its pieces in order. All the texts are tokenized in one call
-        and masked at once.
+        """The outcomes of the records at `indices`, in order (a Document or why it is Skipped)."""
+        prepared = []
+        failure: DataError | None = None
+        for index, (spec, local_index, record) in zip(indices, self.source.locate_many(indices)):
+            try:
+                prepared.append(self._render(index, f"{spec.path} record {local_index}", spec, record))
+            except DataError as error:
+                failure = error
+                break
+        documents = self._tokenize(prepared) if prepared else []
+        if failure is not None:
+            raise failure
+        return documents
 
-        Raises the DataError of the first bad record, as `get` one by one would: a record that fails to
-        convert or render stops the reading, and the records before it are still tokenized first (one of
-        them may be an overlong record that `overlong="error"` refuses)."""
-        return render_then_tokenize(self.source, indices, self._render, self._tokenize)
+    def _render(self, index: int, where: str, spec: SourceSpec, record: dict):
+        raise NotImplementedError
+
+    def _tokenize(self, prepared: list) -> list[Document | Skipped]:
+        raise NotImplementedError
+
+
+def check_tools_rendered(markers: TemplateMarkers, tools: list | None, messages: list[dict], where: str) -> None:
+    """Refuse tools or tool calls that the chat template would silently leave out of the text."""
+    uses_calls = any("tool_calls" in m for m in messages)
+    if (tools and not markers.renders_tools) or (uses_calls and not markers.renders_tool_calls):
+        raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
+                        "render them (training would silently leave them out)")
+
+
+class SFTDocuments(TemplateDocuments):
+    """Tokenized, label-masked documents by global record index.
+
+    train_on: `assistant` (every assistant reply and its end-of-turn token), `last_assistant` (only the
+    final reply), or `all` (every token, prompts included).
+
+    overlong, for a record of more tokens than the budget: `drop` (a counted skip), `truncate` (keep its
+    first max_tokens tokens), `split` (cut it into pieces of up to max_tokens tokens, each its own
+    document: a piece does not attend to the pieces before it, and the first token of each later piece is
+    not trained, as nothing before it in the piece predicts it), or `error`. Truncated and split records are
+    marked on their first document (`Document.overlong`) so the stream can count them; pieces with
+    nothing to train are left out (counted with the split). `get` gives the first piece of a split record,
+    `get_many` all its pieces in order."""
+
+    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
+                 overlong: str = "drop", train_on: str = "assistant"):
+        if overlong not in OVERLONG:
+            raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
+        super().__init__(source, tokenizer, max_tokens, overlong)
+        self.train_on = train_on
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_Rendered":
         """Convert, check and render one record, and locate the assistant replies it trains."""
