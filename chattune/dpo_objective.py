@@ -94,7 +94,7 @@ class PreferenceObjective:
             "tokens": chosen_tokens.sum() + rejected_tokens.sum(),
         }
         if self.num_sources > 1:
-            figures.update(source_figures(batch, losses, torch.ones_like(losses), self.num_sources))
+            figures.update(source_figures(batch, losses, self.num_sources, doc_units=torch.ones_like(losses)))
         return loss, figures
 
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:

@@ -180,14 +180,16 @@ def document_sums(batch: PackedBatch, per_token: torch.Tensor) -> torch.Tensor:
     return sums.index_add(0, doc_of_token, per_token[: int(lengths.sum())].double())
 
 
-def source_figures(batch: PackedBatch, doc_losses: torch.Tensor, doc_units: torch.Tensor,
-                   num_sources: int) -> dict[str, torch.Tensor]:
+def source_figures(batch: PackedBatch, doc_losses: torch.Tensor, num_sources: int,
+                   doc_units: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-source sums of one microbatch (documents, trainable tokens, loss units, summed loss), from
-    per-document losses the objective has already computed: no extra forward. The same keys for every
-    microbatch (zeros where a source is absent), so ranks can all-reduce them stacked."""
+    per-document losses the objective has already computed: no extra forward. `doc_units`: each
+    document's loss units (None: its trainable tokens). The same keys for every microbatch (zeros where a
+    source is absent), so ranks can all-reduce them stacked."""
     device = doc_losses.device
     sources = torch.tensor(batch.doc_sources, dtype=torch.long, device=device)
     doc_tokens = document_sums(batch, (batch.labels[0] != IGNORE_INDEX).to(device))
+    doc_units = doc_tokens if doc_units is None else doc_units
 
     def per_source(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(num_sources, dtype=torch.float64, device=device).index_add(0, sources, values.double())

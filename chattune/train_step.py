@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from chattune.distributed import all_reduce_sum
-from chattune.loss import IGNORE_INDEX
 from chattune.mixture import document_sums, source_figures
 from chattune.packing import PackedBatch
 
@@ -57,8 +56,7 @@ class TokenCrossEntropy:
         if self.num_sources == 1:
             return token_losses.sum(), {}
         doc_losses = document_sums(batch, token_losses.detach())
-        doc_units = document_sums(batch, (batch.labels[0] != IGNORE_INDEX).to(token_losses.device))
-        return token_losses.sum(), source_figures(batch, doc_losses, doc_units, self.num_sources)
+        return token_losses.sum(), source_figures(batch, doc_losses, self.num_sources)  # units: trainable tokens
 
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
         """loss: token-weighted mean over every trainable token of the step; num_tokens: those tokens."""
