@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.chat_template import assistant_token_mask, render_conversation, trained_spans
+from chattune.chat_template import render_conversation, trained_spans
 from chattune.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
 from chattune.packing import Document, shifted_label_array
 from chattune.sft_data import RecordSource, Skipped, TemplateDocuments, check_tools_rendered
@@ -67,9 +67,9 @@ class PairDocuments(TemplateDocuments):
         """Tokenize the sides of all rendered pairs together; label and check each pair."""
         rendered = [p for p in prepared if isinstance(p, _RenderedPair)]
         # A side over the budget makes its pair overlong: only its token count is needed.
-        encoded = self._encode([text for r in rendered for text in r.texts], keep_at_most=self.max_tokens)
-        trainable = assistant_token_mask(encoded, [side for r in rendered for side in r.spans])
-        labels = shifted_label_array(encoded.ids, trainable, encoded.ends)
+        encoded = self._encode([text for r in rendered for text in r.texts], [side for r in rendered for side in r.spans],
+                               keep_at_most=self.max_tokens)
+        labels = shifted_label_array(encoded.ids, encoded.trainable, encoded.ends)
         ends = encoded.ends.tolist()
         starts, counts = [0, *ends[:-1]], encoded.counts.tolist()
         documents = iter([

@@ -19,8 +19,7 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.chat_template import (TemplateMarkers, TextBatchEncoder, assistant_token_mask, probe_template,
-                                    render_conversation, trained_spans)
+from chattune.chat_template import TemplateMarkers, TextBatchEncoder, probe_template, render_conversation, trained_spans
 from chattune.formats import DataError, SourceSpec, to_conversation
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, shifted_label_array
@@ -240,11 +239,10 @@ class SFTDocuments(TemplateDocuments):
         """Tokenize the rendered texts together; label and check each document."""
         # Dropped records need only their token count: converting their tokens would be wasted work.
         keep_at_most = self.max_tokens if self.overlong in ("drop", "error") else None
-        encoded = self._encode([r.text for r in rendered], keep_at_most=keep_at_most)
-        if self.train_on == "all":
-            trainable = np.ones(len(encoded.ids), dtype=bool)
-        else:
-            trainable = assistant_token_mask(encoded, [r.spans for r in rendered])
+        everything = self.train_on == "all"
+        encoded = self._encode([r.text for r in rendered], None if everything else [r.spans for r in rendered],
+                               keep_at_most=keep_at_most)
+        trainable = np.ones(len(encoded.ids), dtype=bool) if everything else encoded.trainable
         labels = shifted_label_array(encoded.ids, trainable, encoded.ends)
         ends = encoded.ends.tolist()
         documents: list[Document | Skipped] = []

@@ -531,3 +531,42 @@ def test_render_conversation_is_apply_chat_template(name, request, demo_conversa
         assert render_conversation(tokenizer, messages, tools) == expected, f"{name} {label}"
         rendered += 1
     assert rendered >= 0.9 * len(conversations)
+
+
+def _first_character_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[bool]:
+    """The masking rule from transformers' own offsets, token by token: trained when the token's first
+    character lies in a span."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return [any(start <= first < end for start, end in spans) for first, _ in offsets]
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3", "phi3"])
+def test_batch_encoder_masks_by_first_character(name, request):
+    """The encoder finds a span's tokens from its two bounds alone (no per-token offsets): for random spans
+    over text with multi-byte and multi-token characters, bounds inside a token, at the end of the text and
+    empty spans, its masks equal the first-character rule on transformers' offsets, and so do those of the
+    generic path (any tokenizer's own `__call__`)."""
+    import random
+
+    from chattune.chat_template import TextBatchEncoder
+
+    tokenizer = request.getfixturevalue(f"{name}_tokenizer")
+    pieces = ["Hello", " world", "\n\n", "  ", "Ünïcödé", " «quotes»", " 🙂🙂", " 👩‍👩‍👧", " 漢字かな", " e\u0301",
+              "<|im_end|>", "\t", "abc123", " ...", "\u200b", "ﬁ"]
+    rng = random.Random(0)
+    texts, spans = [], []
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+        bounds = sorted(rng.choices(range(len(text) + 1), k=2 * rng.randint(0, 3)))
+        texts.append(text)
+        spans.append(list(zip(bounds[0::2], bounds[1::2])))
+    spans[0] = [(0, len(texts[0]))]
+    generic = TextBatchEncoder(tokenizer)
+    generic._backend = None
+    for encoder in (TextBatchEncoder(tokenizer), generic):
+        encoded = encoder(texts, spans)
+        ends = encoded.ends.tolist()
+        for k, (text, text_spans) in enumerate(zip(texts, spans)):
+            mask = encoded.trainable[ends[k] - encoded.lengths[k] : ends[k]].tolist()
+            assert mask == _first_character_mask(tokenizer, text, text_spans), (name, text, text_spans)
+    assert TextBatchEncoder(tokenizer)._backend is not None  # the fast path was the one checked first
