@@ -23,15 +23,14 @@ For throughput, many rendered conversations are tokenized and masked in one call
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jinja2
-import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+from chattune.text_encoder import TextBatchEncoder
 
 try:  # how transformers renders chat templates (private: checked against apply_chat_template by the tests)
     from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
@@ -221,130 +220,3 @@ def trained_spans(text: str, messages: list[dict], markers: TemplateMarkers, las
     """The assistant spans to train: those after the first `skip_turns` replies, or the last one only."""
     spans = assistant_spans(text, messages, markers)[skip_turns:]
     return spans[-1:] if last_turn_only else spans
-
-
-@dataclass(frozen=True)
-class EncodedTexts:
-    """Several texts tokenized back to back: flat arrays over all their tokens."""
-
-    ids: np.ndarray  # int64 token ids
-    trainable: np.ndarray  # bool: the token's first character lies in one of its own text's spans
-    lengths: np.ndarray  # int64 tokens per text in these arrays (0 for a text over `keep_at_most`)
-    counts: np.ndarray  # int64 tokens per text
-
-    @property
-    def ends(self) -> np.ndarray:
-        """Index one past each text's last token in the flat arrays."""
-        return np.cumsum(self.lengths)
-
-
-class TextBatchEncoder:
-    """`tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)`, as flat numpy arrays, with
-    the tokens whose first character lies in given character spans marked trainable.
-
-    A stock fast tokenizer is called through its Rust backend, configured exactly as transformers'
-    `_encode_plus` configures it (no truncation, no padding, its `split_special_tokens`): transformers'
-    per-text conversion of each encoding into Python dicts and lists costs more than the tokenization of a
-    short chat. Nor are the offsets of every token converted to Python (a third of the tokenizer's cost
-    again): the tokens of a span are found from its two bounds alone (`_first_token_at_or_after`).
-    Any other tokenizer goes through its own `__call__` and a search over all its offsets."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        self.tokenizer = tokenizer
-        stock = isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
-        self._backend = tokenizer.backend_tokenizer if stock else None
-
-    def __call__(self, texts: list[str], spans: list[list[tuple[int, int]]] | None = None,
-                 keep_at_most: int | None = None) -> EncodedTexts:
-        """Tokenize `texts`, marking the tokens in `spans[k]` of text k (none without `spans`); texts of
-        more than `keep_at_most` tokens are only counted (they will be dropped: converting their tokens to
-        arrays would be wasted work)."""
-        spans = spans if spans is not None else [[] for _ in texts]
-        if self._backend is not None:
-            encodings = self._encode_with_backend(texts)
-            counts = [len(e) for e in encodings]
-            kept = [keep_at_most is None or n <= keep_at_most for n in counts]
-            ids = [e.ids if keep else [] for e, keep in zip(encodings, kept)]
-            ranges = [[(_first_token_at_or_after(e, start), _first_token_at_or_after(e, end)) for start, end in text_spans]
-                      if keep else [] for e, keep, text_spans in zip(encodings, kept, spans)]
-            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-            trainable = _mask_of_ranges(ranges, lengths)
-        else:
-            out = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
-            counts = [len(i) for i in out["input_ids"]]
-            kept = [keep_at_most is None or n <= keep_at_most for n in counts]
-            ids = [i if keep else [] for i, keep in zip(out["input_ids"], kept)]
-            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-            starts = [start for offsets, keep in zip(out["offset_mapping"], kept) if keep for start, _ in offsets]
-            trainable = _mask_of_starts(np.array(starts, dtype=np.int64), lengths, spans)
-        return EncodedTexts(
-            ids=np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())),
-            trainable=trainable,
-            lengths=lengths,
-            counts=np.array(counts, dtype=np.int64),
-        )
-
-    def _encode_with_backend(self, texts: list[str]) -> list:
-        backend = self._backend
-        if backend.truncation is not None:
-            backend.no_truncation()
-        if backend.padding is not None:
-            backend.no_padding()
-        if backend.encode_special_tokens != self.tokenizer.split_special_tokens:
-            backend.encode_special_tokens = self.tokenizer.split_special_tokens
-        return backend.encode_batch(texts, add_special_tokens=False)
-
-
-def _first_token_at_or_after(encoding, position: int) -> int:
-    """The index of the first token of a Rust `Encoding` whose first character is at or after `position`
-    (the number of tokens if none is). Token starts never decrease along an encoding, so that is where
-    `position` would be inserted into the sorted starts: the token holding the character at `position`
-    (`char_to_token`, the first such token) is a guess within a token or two of it, corrected by walking;
-    a position no token holds (past the end, or a character the normalizer removed) is binary-searched."""
-    count = len(encoding)
-    guess = encoding.char_to_token(position)
-    if guess is None:
-        low, high = 0, count
-        while low < high:
-            middle = (low + high) // 2
-            if encoding.token_to_chars(middle)[0] < position:
-                low = middle + 1
-            else:
-                high = middle
-        return low
-    while guess > 0 and encoding.token_to_chars(guess - 1)[0] >= position:
-        guess -= 1
-    while guess < count and encoding.token_to_chars(guess)[0] < position:
-        guess += 1
-    return guess
-
-
-def _mask_of_ranges(ranges: list[list[tuple[int, int]]], lengths: np.ndarray) -> np.ndarray:
-    """A flat mask over all texts' tokens (text k has lengths[k]), True inside each text's token ranges."""
-    offsets = (np.cumsum(lengths) - lengths).tolist()  # where each text's tokens begin
-    flat = np.array([(offset + first, offset + end) for offset, text_ranges in zip(offsets, ranges)
-                     for first, end in text_ranges if end > first], dtype=np.int64).reshape(-1, 2)
-    # +1 where a range opens, -1 where it closes: the running sum is positive inside a range.
-    change = np.zeros(int(lengths.sum()) + 1, dtype=np.int64)
-    np.add.at(change, flat[:, 0], 1)
-    np.add.at(change, flat[:, 1], -1)
-    return np.cumsum(change[:-1]) > 0
-
-
-def _mask_of_starts(starts: np.ndarray, lengths: np.ndarray, spans: list[list[tuple[int, int]]]) -> np.ndarray:
-    """True for each token whose first character (`starts`, in its own text) lies in one of its own text's
-    `spans`, for any order of token starts.
-
-    All texts at once: text k's offsets (token starts and span bounds alike) are moved by k * _TEXT_STRIDE,
-    so one sorted array of span starts serves every text and no span reaches into another text."""
-    text_of_token = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    positions = starts + text_of_token * _TEXT_STRIDE
-    bounds = np.array([(start + k * _TEXT_STRIDE, end + k * _TEXT_STRIDE)
-                       for k, text_spans in enumerate(spans) for start, end in text_spans], dtype=np.int64).reshape(-1, 2)
-    # The span that starts at or before each token's first character, if the token starts inside it.
-    span = np.searchsorted(bounds[:, 0], positions, side="right") - 1
-    inside = positions < bounds[np.maximum(span, 0), 1] if len(bounds) else np.zeros(len(positions), dtype=bool)
-    return (span >= 0) & inside
-
-
-_TEXT_STRIDE = 1 << 40  # more characters than any one text has

@@ -19,10 +19,11 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.chat_template import TemplateMarkers, TextBatchEncoder, probe_template, render_conversation, trained_spans
+from chattune.chat_template import TemplateMarkers, probe_template, render_conversation, trained_spans
 from chattune.formats import DataError, SourceSpec, to_conversation
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, shifted_label_array
+from chattune.text_encoder import TextBatchEncoder
 
 class RecordSource:
     """Records of several sources, addressed by one global index.
@@ -160,7 +161,7 @@ class TemplateDocuments:
         self.source = source
         self.tokenizer = tokenizer
         self.markers: TemplateMarkers = probe_template(tokenizer)
-        self._encode = TextBatchEncoder(tokenizer)
+        self._encode = TextBatchEncoder(tokenizer, cut_after=self.markers.end_of_turn)
         self.max_tokens = max_tokens
         self.overlong = overlong
 
@@ -237,23 +238,28 @@ class SFTDocuments(TemplateDocuments):
 
     def _tokenize(self, rendered: list["_Rendered"]) -> list[Document | Skipped]:
         """Tokenize the rendered texts together; label and check each document."""
-        # Dropped records need only their token count: converting their tokens would be wasted work.
+        # Dropped records need only their token count: converting their tokens would be wasted work. And when
+        # they are dropped or truncated, a record's tokens past the budget are never used: a long one need
+        # not be tokenized whole (its count is then a lower bound; an error reports the exact one).
         keep_at_most = self.max_tokens if self.overlong in ("drop", "error") else None
+        needed = self.max_tokens if self.overlong in ("drop", "truncate") else None
         everything = self.train_on == "all"
         encoded = self._encode([r.text for r in rendered], None if everything else [r.spans for r in rendered],
-                               keep_at_most=keep_at_most)
+                               keep_at_most=keep_at_most, needed=needed)
         trainable = np.ones(len(encoded.ids), dtype=bool) if everything else encoded.trainable
         labels = shifted_label_array(encoded.ids, trainable, encoded.ends)
         ends = encoded.ends.tolist()
         documents: list[Document | Skipped] = []
-        for r, count, start, end in zip(rendered, encoded.counts.tolist(), [0, *ends[:-1]], ends):
-            documents += self._documents(r, count, encoded.ids[start:end], labels[start:end])
+        for r, count, cut, start, end in zip(rendered, encoded.counts.tolist(), encoded.cut.tolist(), [0, *ends[:-1]], ends):
+            documents += self._documents(r, count, cut, encoded.ids[start:end], labels[start:end])
         return documents
 
-    def _documents(self, rendered: "_Rendered", count: int, ids: np.ndarray, labels: np.ndarray) -> list[Document | Skipped]:
-        """The document(s) of a record of `count` tokens (`ids`, `labels`: empty when it will be dropped),
-        or why it is skipped."""
-        message = f"{rendered.where}: {count} tokens exceed data.max_tokens_per_microbatch={self.max_tokens}"
+    def _documents(self, rendered: "_Rendered", count: int, cut: bool, ids: np.ndarray,
+                   labels: np.ndarray) -> list[Document | Skipped]:
+        """The document(s) of a record of `count` tokens (at least, if `cut`: only its beginning was
+        tokenized; `ids`, `labels`: empty when it will be dropped), or why it is skipped."""
+        message = (f"{rendered.where}: {'at least ' if cut else ''}{count} tokens exceed "
+                   f"data.max_tokens_per_microbatch={self.max_tokens}")
         if count > self.max_tokens and self.overlong == "error":
             raise DataError(message)
         if count > self.max_tokens and self.overlong == "drop":
