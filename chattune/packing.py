@@ -8,6 +8,7 @@ document is IGNORE_INDEX: no token is trained to predict across a document bound
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 
@@ -117,7 +118,7 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
     return PackedBatch(
         input_ids=_concatenated([d.input_ids for d in documents], sum(lengths)),
         labels=_concatenated([d.labels for d in documents], sum(lengths)),
-        position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+        position_ids=_positions(lengths).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
@@ -130,6 +131,13 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
 def _concatenated(lists: list[list[int]], total: int) -> torch.Tensor:
     """The lists back to back as a (1, total) long tensor (numpy reads Python ints ~8x faster than torch.tensor)."""
     return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)).unsqueeze(0)
+
+
+def _positions(lengths: list[int]) -> torch.Tensor:
+    """0, 1, ..., n-1 for each length n, back to back."""
+    lengths_array = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths_array) - lengths_array
+    return torch.from_numpy(np.arange(int(lengths_array.sum()), dtype=np.int64) - np.repeat(starts, lengths_array))
 
 
 def _padding(length: int, pad_token_id: int) -> Document:
@@ -145,19 +153,20 @@ def empty_batch(pad_token_id: int) -> PackedBatch:
 
 def best_fit_decreasing(documents: list[Document], max_tokens: int) -> list[list[Document]]:
     """Pack documents into bins of at most `max_tokens` tokens: longest first, each into the fullest bin
-    it still fits (a new bin when none fits). Bins are returned in creation order, documents in a bin
-    in insertion order."""
+    it still fits (the first created among equally full ones; a new bin when none fits). Bins are
+    returned in creation order, documents in a bin in insertion order."""
     bins: list[list[Document]] = []
-    free: list[int] = []
+    rooms: list[tuple[int, int]] = []  # (free tokens, bin index) of every bin, sorted
     for doc in sorted(documents, key=len, reverse=True):
-        if len(doc) > max_tokens:
-            raise ValueError(f"document {doc.doc_id} has {len(doc)} tokens, more than the budget {max_tokens}")
-        fitting = [i for i, room in enumerate(free) if room >= len(doc)]
-        if fitting:
-            best = min(fitting, key=lambda i: free[i])
+        size = len(doc)
+        if size > max_tokens:
+            raise ValueError(f"document {doc.doc_id} has {size} tokens, more than the budget {max_tokens}")
+        at = bisect.bisect_left(rooms, (size, -1))  # the least room that still fits, earliest bin first
+        if at < len(rooms):
+            room, best = rooms.pop(at)
             bins[best].append(doc)
-            free[best] -= len(doc)
+            bisect.insort(rooms, (room - size, best))
         else:
             bins.append([doc])
-            free.append(max_tokens - len(doc))
+            bisect.insort(rooms, (max_tokens - size, len(bins) - 1))
     return bins

@@ -80,6 +80,32 @@ def test_best_fit_decreasing_keeps_every_document_within_budget():
         best_fit_decreasing([Document(0, [1] * 200, [IGNORE_INDEX] * 200)], max_tokens=128)
 
 
+def _best_fit_by_scanning(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Best-fit decreasing the plain way: for each document, longest first (stable), scan every bin for
+    the one with the least room that still fits it, the first such bin on a tie."""
+    bins, free = [], []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fitting = [b for b, room in enumerate(free) if room >= lengths[index]]
+        if fitting:
+            best = min(fitting, key=lambda b: free[b])
+            bins[best].append(index)
+            free[best] -= lengths[index]
+        else:
+            bins.append([index])
+            free.append(max_tokens - lengths[index])
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_fit_decreasing_is_the_plain_scan(seed):
+    """Same bins, same order, as scanning every bin, with many equal lengths and rooms (ties)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 20, (400,), generator=generator).mul(6).tolist()
+    docs = [Document(i, [1] * n, [IGNORE_INDEX] * n) for i, n in enumerate(lengths)]
+    bins = best_fit_decreasing(docs, max_tokens=120)
+    assert [[d.doc_id for d in b] for b in bins] == _best_fit_by_scanning(lengths, 120)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_document_once_per_epoch_across_ranks(world_size):
     docs = [Document(i, [1] * (5 + i % 17), [2] * (5 + i % 17)) for i in range(101)]
