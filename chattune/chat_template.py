@@ -16,8 +16,8 @@ Each assistant reply is then the text from the end of its generation prompt to t
 end-of-turn token: everything the model must produce at inference (think block and tool calls included),
 and nothing of the system/user/tool turns. Tokens whose first character lies in such a span are trained.
 
-For throughput, many rendered conversations are tokenized and masked in one call (`TextBatchEncoder`);
-`tokenize_conversation` is the same path for a single conversation.
+For throughput, many rendered conversations are tokenized and masked in one call
+(`chattune.text_encoder.TextBatchEncoder`); `tokenize_conversation` is the same path for one conversation.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from chattune.data_stream import documents_of
@@ -54,7 +55,7 @@ def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, bat
         if document.overlong:
             report.overlong[document.overlong] += 1
         report.lengths.append(len(document))
-        report.trainable_tokens += sum(label != IGNORE_INDEX for label in document.labels)
+        report.trainable_tokens += int(np.count_nonzero(document.labels != IGNORE_INDEX))
         if len(report.examples) < num_examples:
             report.examples.append(document)
     return report

@@ -94,8 +94,8 @@ class PairDocuments(TemplateDocuments):
         for name, side_labels in zip(("chosen", "rejected"), labels):
             if not (side_labels >= 0).any():
                 raise DataError(f"{rendered.where}: the {name} reply has no token to train")
-        return Document(doc_id=rendered.index, input_ids=np.concatenate(ids).tolist(),
-                        labels=np.concatenate(labels).tolist(), segments=(counts[0], counts[1]))
+        return Document(doc_id=rendered.index, input_ids=np.concatenate(ids),
+                        labels=np.concatenate(labels), segments=(counts[0], counts[1]))
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class _KnownLengths:
 def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:
     """The document as (text, trained) pieces: token j is trained when position j-1 predicts it."""
     pieces: list[tuple[str, bool]] = []
-    for position, token in enumerate(document.input_ids):
+    for position, token in enumerate(document.input_ids.tolist()):
         trained = position > 0 and document.labels[position - 1] != IGNORE_INDEX
         text = tokenizer.decode([token], clean_up_tokenization_spaces=False)
         if pieces and pieces[-1][1] == trained:

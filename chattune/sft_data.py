@@ -267,15 +267,15 @@ class SFTDocuments(TemplateDocuments):
         if not (labels >= 0).any():
             return [Skipped("no_trainable_tokens", rendered.where)]
         if count <= self.max_tokens:
-            return [Document(doc_id=rendered.index, input_ids=ids.tolist(), labels=labels.tolist())]
+            return [Document(doc_id=rendered.index, input_ids=ids, labels=labels)]
         cuts = range(0, count if self.overlong == "split" else 1, self.max_tokens)
         pieces = []
         for start in cuts:
             piece_labels = labels[start : start + self.max_tokens].copy()
             piece_labels[-1] = IGNORE_INDEX  # its target is the first token of the next piece, not in this one
             if (piece_labels >= 0).any():
-                pieces.append(Document(doc_id=rendered.index, input_ids=ids[start : start + self.max_tokens].tolist(),
-                                       labels=piece_labels.tolist(), piece=len(pieces)))
+                pieces.append(Document(doc_id=rendered.index, input_ids=ids[start : start + self.max_tokens],
+                                       labels=piece_labels, piece=len(pieces)))
         if not pieces:
             return [Skipped("no_trainable_tokens", f"{message}, and its first {self.max_tokens} tokens train nothing")]
         pieces[0].overlong = "truncated" if self.overlong == "truncate" else "split"

@@ -81,8 +81,8 @@ def check_pair(tokenizer, turn: FinalTurn, document: Document, pair: PreferenceP
     assert len(document.segments) == 2 and sum(document.segments) == len(document.input_ids) == len(document.labels)
     cut = document.segments[0]
     for name, reply, ids, labels in (
-        ("chosen", pair.chosen, document.input_ids[:cut], document.labels[:cut]),
-        ("rejected", pair.rejected, document.input_ids[cut:], document.labels[cut:]),
+        ("chosen", pair.chosen, document.input_ids[:cut].tolist(), document.labels[:cut].tolist()),
+        ("rejected", pair.rejected, document.input_ids[cut:].tolist(), document.labels[cut:].tolist()),
     ):
         messages = [*pair.context, reply]
         expected_ids = list(tokenizer.apply_chat_template(messages, tools=pair.tools, tokenize=True)["input_ids"])
@@ -163,9 +163,9 @@ def test_demo_pair_exact_layout(tmp_path, tokenizer):
     chosen_ids = tokenizer.apply_chat_template(record["prompt"] + record["chosen"], tokenize=True)["input_ids"]
     rejected_ids = tokenizer.apply_chat_template(record["prompt"] + record["rejected"], tokenize=True)["input_ids"]
     document = documents_of(tmp_path, tokenizer, [record]).get(0)
-    assert document.input_ids == list(chosen_ids) + list(rejected_ids)
+    assert document.input_ids.tolist() == list(chosen_ids) + list(rejected_ids)
     assert document.segments == (len(chosen_ids), len(rejected_ids))
-    trained = [_decode(tokenizer, [t]) for t in document.labels if t != IGNORE_INDEX]
+    trained = [_decode(tokenizer, [t]) for t in document.labels.tolist() if t != IGNORE_INDEX]
     assert "".join(trained) == "Blue.<|im_end|>" + "Red, I think.<|im_end|>"
     # per side: the label of the token before the reply is its first token; the side's last label is ignored
     assert document.labels[len(chosen_ids) - 1] == IGNORE_INDEX and document.labels[-1] == IGNORE_INDEX
@@ -360,7 +360,7 @@ def test_overlong_pairs_are_dropped_or_raise(tmp_path, tokenizer):
     assert limit < chosen_len + rejected_len and budget <= limit
     dropped = documents_of(tmp_path, tokenizer, [short, long], max_tokens=limit, overlong="drop")
     outcomes = dropped.get_many([0, 1])
-    assert isinstance(outcomes[0], Document) and outcomes[0].input_ids == fits.input_ids
+    assert isinstance(outcomes[0], Document) and outcomes[0].input_ids.tolist() == fits.input_ids.tolist()
     assert isinstance(outcomes[1], Skipped) and outcomes[1].reason == "overlong"
     assert f"{chosen_len + rejected_len} tokens (chosen {chosen_len} + rejected {rejected_len})" in outcomes[1].detail
     # exactly at the budget is not overlong

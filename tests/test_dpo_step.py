@@ -61,7 +61,8 @@ def sequence_logps(model, documents) -> list[tuple[torch.Tensor, torch.Tensor, i
     for doc in documents:
         n_chosen = doc.segments[0]
         per_side = []
-        for ids, labels in ((doc.input_ids[:n_chosen], doc.labels[:n_chosen]), (doc.input_ids[n_chosen:], doc.labels[n_chosen:])):
+        for ids, labels in ((doc.input_ids[:n_chosen].tolist(), doc.labels[:n_chosen].tolist()),
+                             (doc.input_ids[n_chosen:].tolist(), doc.labels[n_chosen:].tolist())):
             logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
             target = torch.tensor(labels)
             per_side.append((-F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum"),

@@ -124,7 +124,7 @@ def write_jsonl(path, records) -> str:
 
 
 def trained_text(tokenizer, document) -> str:
-    return tokenizer.decode([label for label in document.labels if label != IGNORE_INDEX])
+    return tokenizer.decode([label for label in document.labels.tolist() if label != IGNORE_INDEX])
 
 
 def test_train_on_modes(tmp_path, tokenizer):
@@ -138,7 +138,7 @@ def test_train_on_modes(tmp_path, tokenizer):
     assert trained_text(tokenizer, document("assistant")) == "Hello!<|im_end|>Hello again!<|im_end|>"
     assert trained_text(tokenizer, document("last_assistant")) == "Hello again!<|im_end|>"
     everything = document("all")
-    assert everything.labels[:-1] == everything.input_ids[1:]  # every next token, the first has no context
+    assert everything.labels[:-1].tolist() == everything.input_ids[1:].tolist()  # every next token, the first has no context
     with pytest.raises(ValueError, match="train_on"):
         document("prompts")
 
@@ -155,8 +155,8 @@ def test_parquet_source_matches_jsonl(tmp_path, tokenizer):
     from_parquet = SFTDocuments(RecordSource([SourceSpec(str(parquet))]), tokenizer, 512)
     assert len(from_parquet) == 2
     for i in range(2):
-        assert from_parquet.get(i).input_ids == from_jsonl.get(i).input_ids
-        assert from_parquet.get(i).labels == from_jsonl.get(i).labels
+        assert from_parquet.get(i).input_ids.tolist() == from_jsonl.get(i).input_ids.tolist()
+        assert from_parquet.get(i).labels.tolist() == from_jsonl.get(i).labels.tolist()
 
 
 def test_readme_source_overrides_compose():

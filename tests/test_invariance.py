@@ -56,8 +56,8 @@ def reference_gradients() -> tuple[dict[str, torch.Tensor], int, float]:
     docs = demo_documents(NUM_DOCS)
     total_loss, total_tokens = 0.0, 0
     for doc in docs:
-        logits = model(input_ids=torch.tensor([doc.input_ids]), use_cache=False).logits[0]
-        labels = torch.tensor(doc.labels)
+        logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
+        labels = torch.tensor(doc.labels.tolist())
         total_loss = total_loss + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         total_tokens += int((labels != IGNORE_INDEX).sum())
     mean_loss = total_loss / total_tokens
@@ -99,8 +99,8 @@ def test_reference_detects_a_wrong_normaliser():
     docs = demo_documents(NUM_DOCS)
     loss = 0.0
     for doc in docs:
-        logits = model(input_ids=torch.tensor([doc.input_ids]), use_cache=False).logits[0]
-        loss = loss + F.cross_entropy(logits, torch.tensor(doc.labels), ignore_index=IGNORE_INDEX) / len(docs)
+        logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
+        loss = loss + F.cross_entropy(logits, torch.tensor(doc.labels.tolist()), ignore_index=IGNORE_INDEX) / len(docs)
     loss.backward()
     wrong = {name: p.grad for name, p in model.named_parameters()}
     assert relative_error(wrong, want) > 1e-3

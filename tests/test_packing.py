@@ -32,7 +32,7 @@ def test_packed_logits_equal_each_document_alone(architecture):
         from_positions = packed_model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0]
         offset = 0
         for doc in docs:
-            alone = plain_model(input_ids=torch.tensor([doc.input_ids]), use_cache=False).logits[0]
+            alone = plain_model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
             n = len(doc)
             assert (packed[offset : offset + n] - alone).abs().max() <= 1e-5
             assert (from_positions[offset : offset + n] - alone).abs().max() <= 1e-5

@@ -147,7 +147,7 @@ def test_batches_equal_one_by_one_on_real_chats(tokenizer_name, source_names, tr
             spec, _, record = records.locate(index)
             conversation = to_conversation(record, spec, "")
             expected = tokenizer.apply_chat_template(conversation.messages, tools=conversation.tools)["input_ids"]
-            assert document.input_ids == list(expected), index
+            assert document.input_ids.tolist() == list(expected), index
 
 
 def long_chat(turns: int = 6) -> dict:
@@ -162,7 +162,7 @@ def long_chat(turns: int = 6) -> dict:
 def test_overlong_records_truncated_or_split_keep_the_labels_of_the_whole(tmp_path, tokenizer, policy):
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), long_chat()])
     whole = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=10_000).get(1)
-    assert whole.input_ids == tokenizer.apply_chat_template(long_chat()["messages"])["input_ids"]
+    assert whole.input_ids.tolist() == tokenizer.apply_chat_template(long_chat()["messages"])["input_ids"]
     budget = 64
     assert len(whole) > 3 * budget
     outcomes = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, budget, overlong=policy).get_many([0, 1])
@@ -173,16 +173,16 @@ def test_overlong_records_truncated_or_split_keep_the_labels_of_the_whole(tmp_pa
     assert pieces[0].overlong == ("truncated" if policy == "truncate" else "split")
     assert all(not p.overlong for p in pieces[1:])
     if policy == "truncate":
-        assert len(pieces) == 1 and pieces[0].input_ids == whole.input_ids[:budget]
+        assert len(pieces) == 1 and pieces[0].input_ids.tolist() == whole.input_ids[:budget].tolist()
     # Every piece is a slice of the whole conversation at a multiple of the budget, labelled as the whole is,
     # except that its last position predicts nothing (the next token is in the next piece).
     cuts = range(0, len(whole), budget)
-    by_start = {start: (whole.input_ids[start : start + budget],
-                        whole.labels[start : min(start + budget, len(whole)) - 1] + [-100]) for start in cuts}
+    by_start = {start: (whole.input_ids[start : start + budget].tolist(),
+                        whole.labels[start : min(start + budget, len(whole)) - 1].tolist() + [-100]) for start in cuts}
     kept = [start for start in cuts if any(label >= 0 for label in by_start[start][1])]
     if policy == "truncate":
         kept = kept[:1]
-    assert [(p.input_ids, p.labels) for p in pieces] == [by_start[start] for start in kept]
+    assert [(p.input_ids.tolist(), p.labels.tolist()) for p in pieces] == [by_start[start] for start in kept]
     if policy == "split":
         assert len(kept) < len(cuts) or len(pieces) == len(cuts)  # untrained pieces left out
 
@@ -231,7 +231,7 @@ def test_dataset_directories_and_hub_ids_go_through_datasets(tmp_path, tokenizer
     spec = SourceSpec.from_config({"path": str(directory), "split": "test"})
     documents = SFTDocuments(RecordSource([spec]), tokenizer, max_tokens=512)
     assert len(documents) == 1
-    assert documents.get(0).input_ids == tokenizer.apply_chat_template(rows[2]["messages"])["input_ids"]
+    assert documents.get(0).input_ids.tolist() == tokenizer.apply_chat_template(rows[2]["messages"])["input_ids"]
     assert len(RecordSource([SourceSpec(str(directory))])) == 2  # split train by default
 
     # Offline, as this machine is (the flags are read at import, so set the imported constants too).

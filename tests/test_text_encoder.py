@@ -164,8 +164,9 @@ def test_truncated_and_dropped_records_are_those_of_whole_tokenization(tmp_path,
     assert sum(cuts) < sum(len(render_conversation(tokenizer, c["messages"])) for c in chats)  # some were cut
     dropped = documents["drop"].get_many(indices)
     first_pieces = [d for d in documents["split"].get_many(indices) if d.piece == 0]
-    assert [(d.doc_id, d.input_ids, d.labels) for d in truncated] == [(d.doc_id, d.input_ids, d.labels) for d in first_pieces]
+    assert [(d.doc_id, d.input_ids.tolist(), d.labels.tolist()) for d in truncated] == [
+        (d.doc_id, d.input_ids.tolist(), d.labels.tolist()) for d in first_pieces]
     for d in truncated:
-        assert d.input_ids == tokenizer.apply_chat_template(chats[d.doc_id]["messages"])["input_ids"][:budget]
+        assert d.input_ids.tolist() == tokenizer.apply_chat_template(chats[d.doc_id]["messages"])["input_ids"][:budget]
     long_ones = {d.doc_id for d in first_pieces if d.overlong}
     assert long_ones and {i for i, d in enumerate(dropped) if getattr(d, "reason", "") == "overlong"} == long_ones
