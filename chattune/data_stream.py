@@ -18,6 +18,7 @@ Three stages, each resumable:
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Protocol
@@ -109,6 +110,13 @@ def _as_is(item):
     return item
 
 
+def _tokenize_on_one_thread(worker_id: int) -> None:
+    """Each loader worker is one of `num_workers` processes already: the Rust tokenizer's own thread pool
+    on top of them only oversubscribes the cores (measured ~10% slower with 2 workers on 2 cores). The
+    tokenizer reads this variable on every call, and its output does not depend on it."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 class PackedStream:
     def __init__(
         self,
@@ -141,6 +149,7 @@ class PackedStream:
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
                 _TokenizedChunks(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
+                worker_init_fn=_tokenize_on_one_thread,
                 sampler=sampler or ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records),
                 # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
                 # and the model's random init would depend on the data pipeline.
