@@ -176,9 +176,9 @@ def render_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     """The text `apply_chat_template(messages, tools=tools, tokenize=False)` renders, byte for byte.
 
     Rendered the way transformers renders it (the same compiled template and sandbox, the same plain copies
-    of the messages and tools, the same variables), except that the sandbox's attribute checks are memoized
-    (`_memoized_template`): they cost a third of the rendering. Where transformers' internals are not
-    there to reuse, `apply_chat_template` itself."""
+    of the messages and tools, the same variables), except that the sandbox's attribute lookups are decided
+    once per type and name where the sandbox's own answer depends on nothing else (`_memoized_template`).
+    Where transformers' internals are not there to reuse, `apply_chat_template` itself."""
     if _compile_jinja_template is None:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     template = _memoized_template(tokenizer.get_chat_template(None, tools))
@@ -190,14 +190,64 @@ def render_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
 @functools.lru_cache(maxsize=16)
 def _memoized_template(source: str) -> jinja2.Template:
     """transformers' compiled chat template, in an overlay of its sandboxed environment (same filters,
-    globals, extensions) whose verdicts on attribute safety are kept per (type of object, attribute name):
-    jinja's sandbox decides from those two alone, yet re-decides on every `message.content.strip` of every
-    conversation."""
+    globals, extensions) whose attribute lookups on plain dicts, strings and lists are routed once per
+    (type, attribute name) (`_routed_getattr`), and whose verdicts on attribute safety are kept per (type,
+    name) for other objects (the template's namespace): jinja's immutable sandbox decides from those two
+    alone, yet re-decides on every lookup of every conversation."""
     environment = _compile_jinja_template(source).environment
     overlay = environment.overlay()
-    if type(environment).is_safe_attribute is ImmutableSandboxedEnvironment.is_safe_attribute:
+    stock = type(environment)
+    if (stock.is_safe_attribute is ImmutableSandboxedEnvironment.is_safe_attribute
+            and stock.getattr is ImmutableSandboxedEnvironment.getattr):
         overlay.is_safe_attribute = _memoized_verdicts(overlay.is_safe_attribute)
+        overlay.getattr = _routed_getattr(overlay)
     return overlay.from_string(source)
+
+
+_ITEM, _ATTRIBUTE, _SANDBOX = "item", "attribute", "sandbox"
+
+
+def _routed_getattr(environment: ImmutableSandboxedEnvironment) -> Callable[[object, str], object]:
+    """The sandbox's `getattr` (what `message.content` or `content.strip` compiles to), its outcome decided
+    once per (type, attribute name) for objects of exactly dict, str or list.
+
+    For those types the sandbox's answer depends on nothing else: an instance has no attributes of its own,
+    so either the type has the attribute, whose safety verdict depends on type and name alone, or the lookup
+    falls back to the item `obj[name]` (`message.content` on a dict: an AttributeError raised and caught on
+    every lookup, a quarter of the rendering). Format methods, unsafe attributes and every other type still
+    go through the sandbox itself."""
+    sandboxed = environment.getattr
+    routes: dict[tuple[type, str], str] = {}
+
+    def routed(obj: object, attribute: str) -> object:
+        kind = type(obj)
+        if kind is dict or kind is str or kind is list:
+            route = routes.get((kind, attribute))
+            if route is None:
+                route = _route(environment, obj, attribute)
+                if len(routes) < 10_000:  # attribute names come from the template: a few dozen
+                    routes[kind, attribute] = route
+            if route is _ITEM:
+                try:
+                    return obj[attribute]
+                except (TypeError, LookupError):
+                    return environment.undefined(obj=obj, name=attribute)
+            if route is _ATTRIBUTE:
+                return getattr(obj, attribute)
+        return sandboxed(obj, attribute)
+
+    return routed
+
+
+def _route(environment: ImmutableSandboxedEnvironment, obj: object, attribute: str) -> str:
+    """How the sandbox resolves `obj.attribute`, the same for every object of obj's (plain) type."""
+    try:
+        value = getattr(obj, attribute)
+    except AttributeError:
+        return _ITEM
+    if environment.wrap_str_format(value) is None and environment.is_safe_attribute(obj, attribute, value):
+        return _ATTRIBUTE
+    return _SANDBOX
 
 
 def _memoized_verdicts(is_safe_attribute: Callable[[object, str, object], bool]) -> Callable[[object, str, object], bool]:

@@ -531,3 +531,36 @@ def test_render_conversation_is_apply_chat_template(name, request, demo_conversa
         assert render_conversation(tokenizer, messages, tools) == expected, f"{name} {label}"
         rendered += 1
     assert rendered >= 0.9 * len(conversations)
+
+
+# Every way the sandbox resolves `x.name`: a dict's item, a missing item, a dict method, str methods, the
+# sandboxed str.format, list methods (safe and mutating: unsafe), a namespace's attribute, an item of a list.
+ATTRIBUTE_TEMPLATE = (
+    "{% set ns = namespace(count=0) %}"
+    "{% for message in messages %}"
+    "{% set ns.count = ns.count + 1 %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content.strip() | upper }}"
+    "{% if message.missing is defined %}MISSING{% endif %}"
+    "{{ message.keys() | list | length }}{{ '{}!'.format(message.role) }}"
+    "{{ message.content.split(' ') | length }}{{ messages.index(message) }}"
+    "{% if messages.append is defined %}APPEND{% endif %}{{ messages.count(message) }}"
+    "{{ ns.count }}{{ message.content.startswith('W') }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_rendering_resolves_attributes_as_the_sandbox_does(fresh_demo_tokenizer):
+    """The routed attribute lookups give apply_chat_template's text for every kind of lookup, and a template
+    that calls a mutating list method still fails as in the sandbox."""
+    fresh_demo_tokenizer.chat_template = ATTRIBUTE_TEMPLATE
+    messages = [{"role": "user", "content": " Why is the sky blue? "}, {"role": "assistant", "content": "Water."},
+                {"role": "user", "content": "What"}, {"role": "assistant", "content": "Rayleigh scattering."}]
+    for _ in range(2):  # the second time every route is already decided
+        assert render_conversation(fresh_demo_tokenizer, messages) == fresh_demo_tokenizer.apply_chat_template(
+            messages, tokenize=False)
+    fresh_demo_tokenizer.chat_template = "{% for m in messages %}{{ messages.append(m) }}{% endfor %}"
+    with pytest.raises(Exception) as expected:
+        fresh_demo_tokenizer.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(type(expected.value)):
+        render_conversation(fresh_demo_tokenizer, messages)
