@@ -31,6 +31,12 @@ from chattune.step_feed import StepFeed
 logger = logging.getLogger(__name__)
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads: empty microbatches hold one token that nothing attends to and nothing trains, so
+    any valid id will do (the tokenizer's pad, else its eos, else 0)."""
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+
+
 def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
     """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`)."""
     return MixedDocuments([(spec.display_name, SFTDocuments(

@@ -23,13 +23,12 @@ from transformers import AutoTokenizer
 
 from chattune.config import CONFIG_DIR, save_resolved_config
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
-from chattune.fsdp import shard_model
 from chattune.log import setup_logging
-from chattune.model import PackedCausalLM, build_hf_model
 from chattune.dpo_loss import PreferenceLoss
 from chattune import reference_cache
 from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObjective
-from chattune.training_data import build_training_data, pair_documents, packed_stream
+from chattune.training_data import build_training_data, packed_stream, pad_token_id, pair_documents
+from chattune.training_model import build_sharded_model
 from chattune.training_loop import train
 from chattune.validate import check_config
 
@@ -51,17 +50,13 @@ def main(cfg: DictConfig) -> None:
 
     # --- data: each rank tokenizes (in loader workers) and packs only its own share of every epoch ---
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
-    # Empty microbatches hold one token that nothing attends to and nothing trains: any valid id will do.
-    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    pad_id = pad_token_id(tokenizer)
 
     # The sources behind one record index, drawn as data.mixing says; a data report; each rank's step feed.
     data = build_training_data(cfg, dist_info, pad_id, lambda specs: pair_documents(specs, tokenizer, cfg.data))
 
     # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
-    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights before sharding
-    model_config = instantiate(cfg.model.config) if cfg.model.path is None else None
-    hf_model = build_hf_model(tokenizer, path=cfg.model.path, config=model_config)  # on CPU; fully_shard moves each shard
-    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), device.type, dist_info.world_size, **cfg.model.fsdp)
+    hf_model, model = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path)
     model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     num_params = sum(p.numel() for p in hf_model.parameters())
     logger.info("model: %s, %.2fM parameters, %d rank(s) on %s", type(hf_model).__name__, num_params / 1e6, dist_info.world_size, device)
@@ -74,10 +69,7 @@ def main(cfg: DictConfig) -> None:
                                      cfg.loss.sft_weight)
 
     def reference_model() -> torch.nn.Module:  # frozen: reference.path, else the initial policy; sharded alike
-        torch.manual_seed(cfg.seed)  # built from config: the same weights as the initial policy
-        reference_hf = build_hf_model(tokenizer, path=cfg.reference.path or cfg.model.path, config=model_config)
-        return shard_model(PackedCausalLM(reference_hf, cfg.loss.chunk_size), device.type, dist_info.world_size,
-                           **cfg.model.fsdp)
+        return build_sharded_model(cfg, tokenizer, dist_info, cfg.reference.path or cfg.model.path)[1]
 
     reference = eval_reference = None
     if preference_loss.needs_reference and not cfg.reference.cache:
