@@ -63,6 +63,23 @@ class ListSource:
         return self.docs[index]
 
 
+def trained_runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs [start, end) of True."""
+    runs, start = [], None
+    for i, flag in enumerate([*mask, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def decode_exactly(tokenizer, ids: list[int]) -> str:
+    """The tokens' text as written (special tokens kept, no clean-up of spaces)."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 def relative_error(got: torch.Tensor | dict, want: torch.Tensor | dict) -> float:
     """||got - want|| / ||want||; for dicts of tensors, the worst entry."""
     if isinstance(want, dict):

@@ -26,7 +26,7 @@ from chattune.chat_template import ChatTemplateError, probe_template, render_con
 from chattune.config import DEMO_ASSETS
 from chattune.formats import SourceSpec, to_conversation
 from chattune.sft_data import RecordSource
-from conftest import SHARED_ASSETS
+from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 
 
 DEMO_CONVERSATIONS = 300
@@ -120,22 +120,6 @@ def _expected_char_spans(text: str, spec: TemplateSpec, messages: list[dict]) ->
     return spans
 
 
-def _runs(mask: list[bool]) -> list[tuple[int, int]]:
-    """Maximal runs [start, end) of True."""
-    runs, start = [], None
-    for i, flag in enumerate([*mask, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
 def check_conversation(tokenizer, markers, spec: TemplateSpec, messages: list[dict], label: str) -> None:
     result = tokenize_conversation(tokenizer, messages, markers)
 
@@ -156,8 +140,8 @@ def check_conversation(tokenizer, markers, spec: TemplateSpec, messages: list[di
 
     # The trained tokens, run by run, decode to exactly what the assistant says (think block, end of turn).
     expected_texts = [spec.trained_text(reply) for reply in spec.rendered_replies(messages)]
-    runs = _runs(result.assistant_mask)
-    got_texts = [_decode(tokenizer, result.input_ids[a:b]) for a, b in runs]
+    runs = trained_runs(result.assistant_mask)
+    got_texts = [decode_exactly(tokenizer, result.input_ids[a:b]) for a, b in runs]
     assert len(runs) == len(expected_texts), f"{label}: {len(runs)} trained runs for {len(expected_texts)} replies"
     assert got_texts == expected_texts, f"{label}: trained text differs"
     for a, b in runs:  # each run closes with the end-of-turn token, the token after it is not trained
@@ -349,7 +333,7 @@ def test_qwen3_think_block_only_in_last_turn_and_trained(qwen3_tokenizer):
     markers = probe_template(qwen3_tokenizer)
     messages = EDGE_CONVERSATIONS["system + two exchanges"]
     result = tokenize_conversation(qwen3_tokenizer, messages, markers)
-    runs = [_decode(qwen3_tokenizer, result.input_ids[a:b]) for a, b in _runs(result.assistant_mask)]
+    runs = [decode_exactly(qwen3_tokenizer, result.input_ids[a:b]) for a, b in trained_runs(result.assistant_mask)]
     assert runs == ["Hello! How can I help?<|im_end|>", "<think>\n\n</think>\n\nBlue.<|im_end|>"]
     # the rendering is not the concatenation of turn-by-turn renderings
     first_two = qwen3_tokenizer.apply_chat_template(messages[:3], tokenize=False)
@@ -367,14 +351,14 @@ def test_qwen3_reasoning_in_earlier_turns_is_dropped_by_the_template_and_not_tra
     ]
     result = tokenize_conversation(qwen3_tokenizer, messages, markers)
     assert result.input_ids == qwen3_tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
-    runs = [_decode(qwen3_tokenizer, result.input_ids[a:b]) for a, b in _runs(result.assistant_mask)]
+    runs = [decode_exactly(qwen3_tokenizer, result.input_ids[a:b]) for a, b in trained_runs(result.assistant_mask)]
     assert runs == ["Hello!<|im_end|>", "<think>\nit is blue\n</think>\n\nBlue.<|im_end|>"]
 
 
 def test_qwen3_no_think_block_when_conversation_ends_with_user(qwen3_tokenizer):
     markers = probe_template(qwen3_tokenizer)
     result = tokenize_conversation(qwen3_tokenizer, EDGE_CONVERSATIONS["ends with a user turn"], markers)
-    runs = [_decode(qwen3_tokenizer, result.input_ids[a:b]) for a, b in _runs(result.assistant_mask)]
+    runs = [decode_exactly(qwen3_tokenizer, result.input_ids[a:b]) for a, b in trained_runs(result.assistant_mask)]
     assert runs == ["Hello.<|im_end|>"]
 
 
@@ -387,7 +371,7 @@ def test_phi3_trains_end_not_eos(phi3_tokenizer):
     assert result.assistant_mask[-1] is False
     trained_ends = [m for i, m in zip(result.input_ids, result.assistant_mask) if i == end_id]
     assert trained_ends == [False, False, True, False, True]  # system, user, assistant, user, assistant
-    runs = [_decode(phi3_tokenizer, result.input_ids[a:b]) for a, b in _runs(result.assistant_mask)]
+    runs = [decode_exactly(phi3_tokenizer, result.input_ids[a:b]) for a, b in trained_runs(result.assistant_mask)]
     assert runs == ["Hello! How can I help?<|end|>", "Blue.<|end|>"]
 
 
@@ -411,14 +395,14 @@ def test_demo_system_and_two_exchanges_exact_tokens(demo_tokenizer, demo_markers
     assert trained == ["4", ".", "<|im_end|>", "6", ".", "<|im_end|>"]
     # everything else (system, user, role headers, the newline after each <|im_end|>) is not trained
     untrained = "".join(
-        _decode(demo_tokenizer, [i]) for i, m in zip(result.input_ids, result.assistant_mask) if not m
+        decode_exactly(demo_tokenizer, [i]) for i, m in zip(result.input_ids, result.assistant_mask) if not m
     )
     assert untrained == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
         "<|im_start|>assistant\n\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n<|im_start|>assistant\n\n"
     )
     assert tokens[-1] == "Ċ" and result.assistant_mask[-1] is False
-    assert _runs(result.assistant_mask) == [(a, a + 3) for a in (tokens.index("4"), tokens.index("6"))]
+    assert trained_runs(result.assistant_mask) == [(a, a + 3) for a in (tokens.index("4"), tokens.index("6"))]
 
 
 def test_demo_markers(demo_markers):

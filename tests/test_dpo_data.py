@@ -21,7 +21,7 @@ from chattune.formats import DEFAULT_COLUMNS, DataError, PreferencePair, SourceS
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, collate_packed
 from chattune.sft_data import RecordSource, Skipped
-from conftest import SHARED_ASSETS
+from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 
 DEMO_PAIRS = DEMO_ASSETS / "preference_train.jsonl"
 ULTRAFEEDBACK = "preference_ultrafeedback_200.jsonl"
@@ -59,21 +59,6 @@ PHI3 = FinalTurn("phi-3-mini", "<|assistant|>\n", lambda c: c + "<|end|>", str.l
                  "<|endoftext|>")
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, flag in enumerate([*flags, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 def check_pair(tokenizer, turn: FinalTurn, document: Document, pair: PreferencePair, index: int, label: str) -> None:
     """The document of `pair` against apply_chat_template and the hand-written final turn of each side."""
     assert isinstance(document, Document), f"{label}: {document}"
@@ -95,13 +80,13 @@ def check_pair(tokenizer, turn: FinalTurn, document: Document, pair: PreferenceP
         assert labels[-1] == IGNORE_INDEX, f"{label} {name}: the side's last position must predict nothing"
         trained = [False] + [label_ != IGNORE_INDEX for label_ in labels[:-1]]
         assert all(labels[i] in (IGNORE_INDEX, ids[i + 1]) for i in range(len(ids) - 1)), f"{label} {name}: shift"
-        runs = _runs(trained)
+        runs = trained_runs(trained)
         assert len(runs) == 1, f"{label} {name}: {len(runs)} trained runs, expected the final reply only"
         start, end = runs[0]
-        assert _decode(tokenizer, ids[start:end]) == turn.trained(rendered), f"{label} {name}: trained text"
+        assert decode_exactly(tokenizer, ids[start:end]) == turn.trained(rendered), f"{label} {name}: trained text"
         assert tokenizer.convert_ids_to_tokens(ids[end - 1]) == turn.end_of_turn, f"{label} {name}: end of turn"
         # what follows the end of turn is the template's closing text, untrained
-        assert _decode(tokenizer, ids[end:]) == turn.untrained_tail, f"{label} {name}: text after the reply"
+        assert decode_exactly(tokenizer, ids[end:]) == turn.untrained_tail, f"{label} {name}: text after the reply"
 
 
 def read_pairs(spec: SourceSpec) -> list[PreferencePair | None]:
@@ -165,7 +150,7 @@ def test_demo_pair_exact_layout(tmp_path, tokenizer):
     document = documents_of(tmp_path, tokenizer, [record]).get(0)
     assert document.input_ids.tolist() == list(chosen_ids) + list(rejected_ids)
     assert document.segments == (len(chosen_ids), len(rejected_ids))
-    trained = [_decode(tokenizer, [t]) for t in document.labels.tolist() if t != IGNORE_INDEX]
+    trained = [decode_exactly(tokenizer, [t]) for t in document.labels.tolist() if t != IGNORE_INDEX]
     assert "".join(trained) == "Blue.<|im_end|>" + "Red, I think.<|im_end|>"
     # per side: the label of the token before the reply is its first token; the side's last label is ignored
     assert document.labels[len(chosen_ids) - 1] == IGNORE_INDEX and document.labels[-1] == IGNORE_INDEX
@@ -225,7 +210,7 @@ def test_qwen3_trains_the_empty_think_block_of_each_side(tmp_path):
                          {"role": "user", "content": "Colour?"}], "chosen": "Blue.", "rejected": "Red."}
     document = documents_of(tmp_path, tokenizer, [record]).get(0)
     cut = document.segments[0]
-    trained = [_decode(tokenizer, [document.input_ids[i + 1] for i in range(lo, hi - 1) if document.labels[i] != IGNORE_INDEX])
+    trained = [decode_exactly(tokenizer, [document.input_ids[i + 1] for i in range(lo, hi - 1) if document.labels[i] != IGNORE_INDEX])
                for lo, hi in ((0, cut), (cut, len(document)))]
     assert trained == ["<think>\n\n</think>\n\nBlue.<|im_end|>", "<think>\n\n</think>\n\nRed.<|im_end|>"]
 
