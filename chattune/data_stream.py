@@ -40,10 +40,27 @@ class DocumentSource(Protocol):
 
 
 def documents_of(source: DocumentSource, indices: list[int]) -> list[Document | Skipped]:
-    """The documents of `indices`: in one batch where the source can (`SFTDocuments.get_many` tokenizes
-    them in one call), else one by one."""
+    """The outcomes of `indices`, flat and in order: in one batch where the source can
+    (`SFTDocuments.get_many` tokenizes them in one call), else one by one. A record gives one `Skipped`
+    or its documents (several pieces when `data.overlong=split` cuts it), so there may be more outcomes
+    than indices: `outcomes_by_record` regroups them."""
     get_many = getattr(source, "get_many", None)
     return get_many(indices) if get_many is not None else [source.get(i) for i in indices]
+
+
+def outcomes_by_record(outcomes: list[Document | Skipped], num_records: int) -> list[list[Document | Skipped]]:
+    """`documents_of`'s flat outcomes of `num_records` records, one list per record: a record's outcomes
+    start with a `Skipped` or with its first piece (piece 0), and its later pieces follow in order."""
+    records: list[list[Document | Skipped]] = []
+    for outcome in outcomes:
+        if isinstance(outcome, Skipped) or outcome.piece == 0:
+            records.append([])
+        elif not records:
+            raise RuntimeError(f"a later piece of record {outcome.doc_id} came without its first piece")
+        records[-1].append(outcome)
+    if len(records) != num_records:  # a source broke the contract: fail loudly rather than lose records
+        raise RuntimeError(f"{num_records} records gave the outcomes of {len(records)}")
+    return records
 
 
 def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: int, shuffle: bool = True) -> list[int]:

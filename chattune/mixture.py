@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from chattune.data_stream import DocumentSource, documents_of
+from chattune.data_stream import DocumentSource, documents_of, outcomes_by_record
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, PackedBatch
 from chattune.sft_data import Skipped
@@ -54,16 +54,18 @@ class MixedDocuments:
         return self.get_many([index])[0]
 
     def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
+        """The outcomes of `indices` in order, flat like `documents_of` (a split record gives all its pieces)."""
         by_source: dict[int, list[int]] = {}
         for position, index in enumerate(indices):
             by_source.setdefault(self.source_of(index), []).append(position)
-        out: list[Document | Skipped | None] = [None] * len(indices)
+        out: list[list[Document | Skipped]] = [[] for _ in indices]
         for source, positions in by_source.items():  # one batch per source, as its tokenizer prefers
             offset = self.offsets[source]
             got = documents_of(self.sources[source], [indices[p] - offset for p in positions])
-            for position, item in zip(positions, got):
-                out[position] = replace(item, doc_id=item.doc_id + offset, source=source) if isinstance(item, Document) else item
-        return out
+            for position, outcomes in zip(positions, outcomes_by_record(got, len(positions))):
+                out[position] = [replace(item, doc_id=item.doc_id + offset, source=source) if isinstance(item, Document)
+                                 else item for item in outcomes]
+        return [item for outcomes in out for item in outcomes]
 
 
 class ProbabilitySchedule:

@@ -36,3 +36,18 @@ def test_inspect_counts_fill_and_highlighted_documents(tmp_path, capsys):
     text = page.read_text()
     assert '<span class="trained">2 + 2 = 4.&lt;|im_end|&gt;</span>' in text
     assert "records read: 4" in text
+
+
+def test_inspect_with_split_reads_every_record_of_the_long_chats(capsys):
+    """The 5 shared deita conversations, 3 of them over a 4096 budget: split, none lost (3 of 5 were read)."""
+    import pytest
+
+    from conftest import SHARED_ASSETS
+
+    if not SHARED_ASSETS.is_dir():
+        pytest.skip("../shared/assets is absent")
+    assert main(["inspect", "--num-docs", "0", "--no-color", "data.overlong=split", "data.max_tokens_per_microbatch=4096",
+                 f"data.train=[{SHARED_ASSETS}/data/messages_deita_long.parquet]",
+                 f"tokenizer.path={SHARED_ASSETS}/tokenizers/qwen3"]) == 0
+    out = capsys.readouterr().out
+    assert "records read: 5" in out and "split 3" in out

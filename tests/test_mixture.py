@@ -138,3 +138,29 @@ def test_online_update_matches_a_hand_computation_and_is_identical_on_every_rank
     assert np.allclose(state0["schedule"]["probabilities"][1], p_after, rtol=1e-12)
     assert logged0["mix/hard/probability"] > logged0["mix/easy/probability"]
     assert logged0["mix/unseen/reward"] == 0.0 and logged0["mix/hard/reward"] == pytest.approx(2.0)
+
+
+def test_split_records_keep_every_piece_and_every_record_after_them(tmp_path):
+    """data.overlong=split: one record gives several documents. The records after a split one in the same
+    read must not be lost (they were, when outcomes were matched to records one to one)."""
+    from chattune.data_stream import documents_of
+    from chattune.formats import SourceSpec
+    from chattune.sft_data import RecordSource, SFTDocuments
+    from conftest import DEMO_ASSETS, demo_tokenizer
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:12]))
+    tokenizer = demo_tokenizer()
+
+    def source():
+        return SFTDocuments(RecordSource([SourceSpec(str(data))]), tokenizer, 48, overlong="split")
+
+    mixed = MixedDocuments([("a", source()), ("b", source())])
+    indices = [13, 2, 0, 20, 5, 11, 3]  # both sources, out of order
+    got = mixed.get_many(indices)
+    # Independently: each record read on its own, re-addressed by its source's offset.
+    want = [(i, d.piece, d.input_ids.tolist()) for i in indices
+            for d in documents_of(source(), [i % 12])]
+    assert len(want) > len(indices), "the budget should split some records"
+    assert [(d.doc_id, d.piece, d.input_ids.tolist()) for d in got] == want
+    assert [d.source for d in got if d.piece == 0] == [int(i >= 12) for i in indices]
