@@ -48,7 +48,7 @@ def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, bat
                      for d in documents_of(documents, list(indices[start : start + batch_records]))):
         report.records += isinstance(document, Skipped) or document.piece == 0
         if isinstance(document, Skipped):
-            report.skipped[document.reason] = report.skipped.get(document.reason, 0) + 1
+            report.skipped[document.reason] += 1
             report.outcomes.append(document)
             continue
         report.outcomes.append(len(document))
@@ -64,10 +64,11 @@ def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, bat
 def count_lines(counts: dict[str, float]) -> list[str]:
     """The figures of `DataReport.counts()` (or their sum over ranks) as report lines."""
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/")}
+    reasons = ", ".join(f"{reason} {n}" for reason, n in skipped.items() if n)
     tokens = int(counts["tokens"])
     return [
         f"records read: {int(counts['records'])}",
-        f"skipped: {sum(skipped.values())} ({', '.join(f'{reason} {n}' for reason, n in skipped.items())})",
+        f"skipped: {sum(skipped.values())}" + (f" ({reasons})" if reasons else ""),
         f"over the budget and kept: truncated {int(counts['overlong/truncated'])}, split {int(counts['overlong/split'])}",
         f"documents: {int(counts['documents'])}",
         f"tokens: {tokens}",

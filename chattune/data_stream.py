@@ -191,7 +191,7 @@ class PackedStream:
         documents = []
         for document in chunk:
             if isinstance(document, Skipped):
-                self.skipped[document.reason] = self.skipped.get(document.reason, 0) + 1
+                self.skipped[document.reason] += 1
                 logger.warning("skipped (%s): %s", document.reason, document.detail)
             else:
                 if document.overlong:
@@ -254,5 +254,5 @@ class PackedStream:
         self.pending = [[by_key[tuple(k)] for k in bin_] for bin_ in state["pending_doc_keys"]]
         self.pending_ends_epoch = state["pending_ends_epoch"]
         self.carried = [by_key[tuple(k)] for k in state["carried_doc_keys"]]
-        self.skipped = dict(state["skipped"])
+        self.skipped = {**dict.fromkeys(SKIP_REASONS, 0), **state["skipped"]}  # a reason added since the save: 0
         self.overlong = dict(state["overlong"])

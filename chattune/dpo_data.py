@@ -26,7 +26,6 @@ from chattune.formats import PREFERENCE_FORMATS, DataError, PreferencePair, Sour
 from chattune.packing import Document, shifted_label_array
 from chattune.sft_data import RecordSource, Skipped, TemplateDocuments, check_tools_rendered
 
-SKIP_REASONS_DPO = ("overlong", "identical_replies")
 OVERLONG_DPO = ("drop", "error")
 
 

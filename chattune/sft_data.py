@@ -133,7 +133,10 @@ def _read_record(path: str, index: int, entry: int | dict, file: BinaryIO | None
     return entry
 
 
-SKIP_REASONS = ("overlong", "no_trainable_tokens")
+# Every reason a record can be left out, for SFT and preference data alike. The skip counters are
+# `dict.fromkeys(SKIP_REASONS, 0)` on every rank, so ranks all-reduce the same keys whatever their
+# share of the data skipped (a counter that grew a key on one rank only aborted the collective).
+SKIP_REASONS = ("overlong", "no_trainable_tokens", "identical_replies", "bad_record")
 OVERLONG = ("drop", "truncate", "split", "error")
 
 
@@ -144,6 +147,10 @@ class Skipped:
 
     reason: str  # one of SKIP_REASONS
     detail: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in SKIP_REASONS:
+            raise ValueError(f"unknown skip reason {self.reason!r}: add it to SKIP_REASONS")
 
 
 TRAIN_ON = ("assistant", "last_assistant", "all")

@@ -26,7 +26,7 @@ def test_inspect_counts_fill_and_highlighted_documents(tmp_path, capsys):
     # Trained: each answer's tokens and its <|im_end|> (the demo template puts "\n" before the answer).
     trainable = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) + 1 for _, a in QUESTIONS)
     assert "records read: 4" in out
-    assert "skipped: 1 (overlong 1, no_trainable_tokens 0)" in out
+    assert "skipped: 1 (overlong 1)\n" in out
     assert "documents: 3" in out
     assert f"tokens: {sum(lengths)}" in out
     assert f"trainable tokens: {trainable} ({trainable / sum(lengths):.1%})" in out
