@@ -30,6 +30,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
 
+from chattune.errors import UserError
 from chattune.text_encoder import TextBatchEncoder
 
 try:  # how transformers renders chat templates (private: checked against apply_chat_template by the tests)
@@ -42,7 +43,7 @@ _PROBE_USER = "chattune probe question"
 _PROBE_REPLY = "chattune probe reply"
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError, ValueError):
     """The template cannot be used to locate assistant replies, or a conversation does not fit it."""
 
 

@@ -4,7 +4,7 @@ Every epoch draws one seeded permutation of all record indices (the same on ever
 takes positions r, r + world, r + 2*world, ...: the ranks' shares are disjoint, cover every record and
 need no communication.
 
-Three stages, each resumable:
+Three stages:
 - `ShareSampler` walks the rank's share in chunks of `buffer_records` records, the last chunk of an
   epoch marked as closing it;
 - a torchdata `StatefulDataLoader` tokenizes each chunk (in one batch), in `num_workers` worker
@@ -13,6 +13,11 @@ Three stages, each resumable:
   microbatches. The least-filled bin of a buffer is carried into the next buffer, where its documents
   get another chance to fill a bin (a half-empty microbatch costs a whole step on the rank that holds
   it). At an epoch's end everything is emitted: nothing is dropped.
+
+The stream's position (`state_dict`) is the sampler's state after the last chunk packed, with the
+packed bins not yet emitted and the carried documents (by record): a resumed stream samples on from
+there and tokenizes again, so it does not depend on how far the loader had prefetched or on its number
+of workers, and nothing is replayed.
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ from typing import Protocol
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from chattune.errors import UserError
 from chattune.packing import Document, PackedBatch, best_fit_decreasing, collate_packed, empty_batch
 from chattune.sft_data import SKIP_REASONS, Skipped
 
 logger = logging.getLogger(__name__)
+
+LOGGED_SKIPS = 20  # skipped records logged one by one per reason and rank; the rest are only counted
 
 class DocumentSource(Protocol):
     """Documents by record index; a source may also have `get_many(indices)` (see `documents_of`)."""
@@ -43,24 +51,9 @@ def documents_of(source: DocumentSource, indices: list[int]) -> list[Document | 
     """The outcomes of `indices`, flat and in order: in one batch where the source can
     (`SFTDocuments.get_many` tokenizes them in one call), else one by one. A record gives one `Skipped`
     or its documents (several pieces when `data.overlong=split` cuts it), so there may be more outcomes
-    than indices: `outcomes_by_record` regroups them."""
+    than indices: `chattune.sft_data.outcomes_by_record` regroups them."""
     get_many = getattr(source, "get_many", None)
     return get_many(indices) if get_many is not None else [source.get(i) for i in indices]
-
-
-def outcomes_by_record(outcomes: list[Document | Skipped], num_records: int) -> list[list[Document | Skipped]]:
-    """`documents_of`'s flat outcomes of `num_records` records, one list per record: a record's outcomes
-    start with a `Skipped` or with its first piece (piece 0), and its later pieces follow in order."""
-    records: list[list[Document | Skipped]] = []
-    for outcome in outcomes:
-        if isinstance(outcome, Skipped) or outcome.piece == 0:
-            records.append([])
-        elif not records:
-            raise RuntimeError(f"a later piece of record {outcome.doc_id} came without its first piece")
-        records[-1].append(outcome)
-    if len(records) != num_records:  # a source broke the contract: fail loudly rather than lose records
-        raise RuntimeError(f"{num_records} records gave the outcomes of {len(records)}")
-    return records
 
 
 def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: int, shuffle: bool = True) -> list[int]:
@@ -109,8 +102,26 @@ class ShareSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
+class _Positioned:
+    """A stateful sampler whose chunks carry its state after each: the stream keeps the state after the
+    last chunk it consumed as its data position, which therefore does not depend on how far the loader
+    has prefetched, nor on how many worker processes it has."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> "_Positioned":
+        return self
+
+    def __next__(self) -> tuple[int, list[int], bool, dict]:
+        epoch, indices, closes_epoch = next(self.sampler)
+        return epoch, indices, closes_epoch, self.sampler.state_dict()
+
+
 class _TokenizedChunks(torch.utils.data.Dataset):
-    """Map-style view for the loader: (epoch, records, closes_epoch) -> (epoch, [Document | Skipped], closes_epoch)."""
+    """Map-style view for the loader: (epoch, records, closes_epoch, position) -> (epoch, [Document |
+    Skipped], closes_epoch, position). A user error (a bad record) travels back as the item itself, so
+    the trainer raises it with its own message: the loader would wrap it in a worker's traceback text."""
 
     def __init__(self, documents: DocumentSource):
         self.documents = documents
@@ -118,9 +129,13 @@ class _TokenizedChunks(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.documents)
 
-    def __getitem__(self, item: tuple[int, list[int], bool]):
-        epoch, indices, closes_epoch = item
-        return epoch, documents_of(self.documents, indices), closes_epoch
+    def __getitem__(self, item: tuple[int, list[int], bool, dict]):
+        epoch, indices, closes_epoch, position = item
+        try:
+            outcomes = documents_of(self.documents, indices)
+        except UserError as error:
+            outcomes = error
+        return epoch, outcomes, closes_epoch, position
 
 
 def _as_is(item):
@@ -162,12 +177,13 @@ class PackedStream:
         self.documents = documents
         self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = rank, max_tokens, pad_token_id, buffer_records
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.sampler = sampler or ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records)
+        self.position: dict | None = None  # the sampler's state after the last chunk taken (None: none yet)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch API on construction
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
                 _TokenizedChunks(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
-                worker_init_fn=_tokenize_on_one_thread,
-                sampler=sampler or ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records),
+                worker_init_fn=_tokenize_on_one_thread, sampler=_Positioned(self.sampler),
                 # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
                 # and the model's random init would depend on the data pipeline.
                 generator=torch.Generator().manual_seed(seed),
@@ -187,12 +203,18 @@ class PackedStream:
         item = next(self._items, None)
         if item is None:
             return [], "exhausted"
-        self.epoch, chunk, closes_epoch = item
+        self.epoch, chunk, closes_epoch, self.position = item
+        if isinstance(chunk, UserError):  # found by a loader worker: raised here, with its own message
+            raise chunk
         documents = []
         for document in chunk:
             if isinstance(document, Skipped):
                 self.skipped[document.reason] += 1
-                logger.warning("skipped (%s): %s", document.reason, document.detail)
+                if self.skipped[document.reason] <= LOGGED_SKIPS:
+                    logger.warning("skipped (%s): %s", document.reason, document.detail)
+                if self.skipped[document.reason] == LOGGED_SKIPS:
+                    logger.warning("rank %d: further %s skips are counted (in the epoch and end figures), not logged",
+                                   self.rank, document.reason)
             else:
                 if document.overlong:
                     self.overlong[document.overlong] += 1
@@ -233,7 +255,7 @@ class PackedStream:
 
     def state_dict(self) -> dict:
         return {
-            "loader": self.loader.state_dict(),
+            "sampler": self.position,
             "epoch": self.epoch,
             "docs_in_epoch": self.docs_in_epoch,
             "pending_doc_keys": [[doc.key for doc in bin_] for bin_ in self.pending],
@@ -244,7 +266,12 @@ class PackedStream:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state["loader"])
+        if "sampler" in state:  # continue sampling after the last chunk taken; the loader starts afresh
+            self.position = state["sampler"]
+            if self.position is not None:
+                self.sampler.load_state_dict(self.position)
+        else:  # a checkpoint of chattune before 2026-11-23 holds the loader's own state (same num_workers only)
+            self.loader.load_state_dict(state["loader"])
         self._items = None
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
         # Each document is (a piece of) a record that was not skipped: reading the record again gives it again.

@@ -37,13 +37,13 @@ class PairDocuments(TemplateDocuments):
     `error`. Pairs are never cut: a truncated reply would be compared on text the model never finishes."""
 
     def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
-                 overlong: str = "drop"):
+                 overlong: str = "drop", on_bad_record: str = "error"):
         if overlong not in OVERLONG_DPO:
             raise ValueError(f"data.overlong must be one of {OVERLONG_DPO} for preference data, got {overlong!r}")
         not_pairs = [s.path for s in source.specs if s.format not in PREFERENCE_FORMATS]
         if not_pairs:
             raise DataError(f"{not_pairs}: DPO needs preference data (format one of {list(PREFERENCE_FORMATS)})")
-        super().__init__(source, tokenizer, max_tokens, overlong)
+        super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record)
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_RenderedPair | Skipped":
         """Convert and check one pair, render its two sides and locate the reply each trains."""
@@ -62,22 +62,18 @@ class PairDocuments(TemplateDocuments):
             texts.append(text)
         return _RenderedPair(index, where, (texts[0], texts[1]), (spans[0], spans[1]))
 
-    def _tokenize(self, prepared: list["_RenderedPair | Skipped"]) -> list[Document | Skipped]:
+    def _tokenize(self, rendered: list["_RenderedPair"]) -> list[Document | Skipped]:
         """Tokenize the sides of all rendered pairs together; label and check each pair."""
-        rendered = [p for p in prepared if isinstance(p, _RenderedPair)]
         # A side over the budget makes its pair overlong: only its token count is needed.
         encoded = self._encode([text for r in rendered for text in r.texts], [side for r in rendered for side in r.spans],
                                keep_at_most=self.max_tokens)
         labels = shifted_label_array(encoded.ids, encoded.trainable, encoded.ends)
         ends = encoded.ends.tolist()
         starts, counts = [0, *ends[:-1]], encoded.counts.tolist()
-        documents = iter([
-            self._document(r, counts[2 * k : 2 * k + 2],
-                           [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
-                           [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)])
-            for k, r in enumerate(rendered)
-        ])
-        return [next(documents) if isinstance(p, _RenderedPair) else p for p in prepared]
+        return [self._document(r, counts[2 * k : 2 * k + 2],
+                               [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
+                               [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)])
+                for k, r in enumerate(rendered)]
 
     def _document(self, rendered: "_RenderedPair", counts: list[int], ids: list[np.ndarray],
                   labels: list[np.ndarray]) -> Document | Skipped:
@@ -92,7 +88,7 @@ class PairDocuments(TemplateDocuments):
             return Skipped("overlong", message)
         for name, side_labels in zip(("chosen", "rejected"), labels):
             if not (side_labels >= 0).any():
-                raise DataError(f"{rendered.where}: the {name} reply has no token to train")
+                return self._bad_record(DataError(f"{rendered.where}: the {name} reply has no token to train"))
         return Document(doc_id=rendered.index, input_ids=np.concatenate(ids),
                         labels=np.concatenate(labels), segments=(counts[0], counts[1]))
 

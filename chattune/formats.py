@@ -22,9 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chattune.errors import UserError
 
-class DataError(ValueError):
-    """A record that cannot be trained on, named by source file and record index."""
+
+class DataError(UserError, ValueError):
+    """A record that cannot be trained on, named by source file and record number."""
 
 
 ROLES = {"system", "user", "assistant", "tool"}

@@ -25,10 +25,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from chattune.data_stream import DocumentSource, documents_of, outcomes_by_record
+from chattune.data_stream import DocumentSource, documents_of
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, PackedBatch
-from chattune.sft_data import Skipped
+from chattune.sft_data import Skipped, outcomes_by_record
 
 STOPPING = ("first_exhausted", "all_exhausted")
 _BLOCK = 4096  # draws per block of uniform numbers

@@ -19,7 +19,7 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.chat_template import TemplateMarkers, probe_template, render_conversation, trained_spans
+from chattune.chat_template import ChatTemplateError, TemplateMarkers, probe_template, render_conversation, trained_spans
 from chattune.formats import DataError, SourceSpec, to_conversation
 from chattune.loss import IGNORE_INDEX
 from chattune.packing import Document, shifted_label_array
@@ -31,25 +31,28 @@ class RecordSource:
     JSON/JSONL files are read with the standard json module, not `datasets`: Arrow infers one type per
     column across records, so a reply "2" next to a malformed reply 7 silently becomes the integer 2.
     JSONL files are indexed by line offsets and each record is parsed when it is asked for, so memory does
-    not grow with the data. Parquet files, dataset directories and hub dataset ids (`org/name`, when the
-    machine is online; chattune itself never downloads anything else) go through `datasets.load_dataset`
-    with the source's `split`.
+    not grow with the data. Parquet files, dataset directories and hub datasets (written `hf:org/name`:
+    a missing local path is never taken for a hub id) go through `datasets.load_dataset` with the
+    source's `split`.
+
+    Records are named in messages by their 1-based number in their file (and, for JSONL, their line).
     """
 
     def __init__(self, specs: list[SourceSpec]):
         if not specs:
             raise DataError("no data sources given")
         self.specs = list(specs)
-        self._sources: list = []  # per file: JSONL line offsets, JSON records, or a Parquet table
+        self._sources: list = []  # per file: a _JsonlIndex, JSON records, or a datasets table
         for spec in self.specs:
             path = spec.path
-            if Path(path).is_dir() or (not Path(path).exists() and _HUB_ID.fullmatch(path)):
+            if hub_id(path) is not None or Path(path).is_dir():
                 self._sources.append(_load_dataset(spec))
                 continue
             if not Path(path).is_file():
-                raise DataError(f"data file {path!r} does not exist")
+                raise DataError(f"data file {path!r} does not exist" + (
+                    f" (a hub dataset is written {HUB_PREFIX}{path})" if HUB_LIKE.fullmatch(path) and "." not in Path(path).name else ""))
             if path.endswith(".jsonl"):
-                self._sources.append(_jsonl_offsets(path))
+                self._sources.append(_JsonlIndex(path))
             elif path.endswith(".json"):
                 self._sources.append(_json_records(path))
             elif path.endswith(".parquet"):
@@ -57,26 +60,34 @@ class RecordSource:
                 self._sources.append(datasets.load_dataset("parquet", data_files=path, split="train"))
             else:
                 raise DataError(f"data file {path!r}: expected .jsonl, .json or .parquet")
-        if len(self) == 0:
-            raise DataError(f"the data files {[s.path for s in self.specs]} hold no records")
+        for spec, source in zip(self.specs, self._sources):
+            if len(source) == 0:
+                raise DataError(f"data source {spec.path!r} holds no records")
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._sources)
 
-    def locate(self, index: int) -> tuple[SourceSpec, int, dict]:
-        """(source, index within its file, record) of a global record index."""
+    def locate(self, index: int) -> tuple[SourceSpec, str, dict | DataError]:
         return next(self.locate_many([index]))
 
-    def locate_many(self, indices: Iterable[int]) -> Iterator[tuple[SourceSpec, int, dict]]:
-        """`locate` of each index in turn, opening each JSONL file once rather than once per record."""
+    def locate_many(self, indices: Iterable[int]) -> Iterator[tuple[SourceSpec, str, dict | DataError]]:
+        """(source, the record's name for messages, the record or why it cannot be read) of each global
+        index in turn, opening each JSONL file once rather than once per record."""
         with ExitStack() as stack:
             files: dict[str, BinaryIO] = {}
             for index in indices:
                 file, local = self._position(index)
-                spec, entry = self.specs[file], self._sources[file][local]
-                if isinstance(entry, int) and spec.path not in files:
-                    files[spec.path] = stack.enter_context(open(spec.path, "rb"))
-                yield spec, local, _read_record(spec.path, local, entry, files.get(spec.path))
+                spec, source = self.specs[file], self._sources[file]
+                if isinstance(source, _JsonlIndex):
+                    if spec.path not in files:
+                        files[spec.path] = stack.enter_context(open(spec.path, "rb"))
+                    where = f"{spec.path} record {local + 1} (line {source.lines[local]})"
+                    yield spec, where, _parse_jsonl_record(where, files[spec.path], int(source.offsets[local]))
+                else:
+                    where = f"{spec.path} record {local + 1}"
+                    entry = source[local]
+                    yield spec, where, entry if isinstance(entry, dict) else DataError(
+                        f"{where}: a record must be a JSON object, got {type(entry).__name__}")
 
     def _position(self, index: int) -> tuple[int, int]:
         """(file number, index within that file) of a global record index."""
@@ -87,30 +98,44 @@ class RecordSource:
         raise IndexError(index)
 
 
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+HUB_PREFIX = "hf:"
+HUB_LIKE = re.compile(r"[\w.-]+/[\w.-]+")  # a missing path that may have meant a hub id (for the hint)
+
+
+def hub_id(path: str) -> str | None:
+    """The hub id of a path written `hf:org/name`; None for a local path."""
+    return path[len(HUB_PREFIX):] if path.startswith(HUB_PREFIX) else None
 
 
 def _load_dataset(spec: SourceSpec) -> datasets.Dataset:
-    """A dataset directory or hub dataset id, read with `datasets` (a hub id needs the machine online)."""
+    """A dataset directory or hub dataset (`hf:org/name`), read with `datasets` (a hub id needs the machine online)."""
+    name = hub_id(spec.path) or spec.path
     try:
-        return datasets.load_dataset(spec.path, split=spec.split)
+        return datasets.load_dataset(name, split=spec.split)
     except Exception as error:  # datasets raises many types: missing repo, offline mode, bad split
-        where = "dataset directory" if Path(spec.path).is_dir() else "hub dataset"
-        raise DataError(f"{where} {spec.path!r} (split {spec.split!r}) could not be loaded: "
+        where = "hub dataset" if hub_id(spec.path) else "dataset directory"
+        raise DataError(f"{where} {name!r} (split {spec.split!r}) could not be loaded: "
                         f"{type(error).__name__}: {error}") from error
 
 
-def _jsonl_offsets(path: str) -> list[int]:
-    offsets, position = [], 0
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                offsets.append(position)
-            position += len(line)
-    return offsets
+class _JsonlIndex:
+    """Where each record (non-blank line) of a JSONL file starts, and its line number."""
+
+    def __init__(self, path: str):
+        offsets, lines, position = [], [], 0
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    offsets.append(position)
+                    lines.append(number)
+                position += len(line)
+        self.offsets, self.lines = np.array(offsets, dtype=np.int64), np.array(lines, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
 
 
-def _json_records(path: str) -> list[dict]:
+def _json_records(path: str) -> list:
     try:
         records = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -120,16 +145,15 @@ def _json_records(path: str) -> list[dict]:
     return records
 
 
-def _read_record(path: str, index: int, entry: int | dict, file: BinaryIO | None) -> dict:
-    if isinstance(entry, int):  # a JSONL line offset, read from the open `file`
-        file.seek(entry)
-        line = file.readline()
-        try:
-            entry = json.loads(line.decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise DataError(f"{path} record {index}: unparseable JSON line ({error})") from error
+def _parse_jsonl_record(where: str, file: BinaryIO, offset: int) -> dict | DataError:
+    file.seek(offset)
+    line = file.readline()
+    try:
+        entry = json.loads(line.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return DataError(f"{where}: unparseable JSON line ({error})")
     if not isinstance(entry, dict):
-        raise DataError(f"{path} record {index}: a record must be a JSON object, got {type(entry).__name__}")
+        return DataError(f"{where}: a record must be a JSON object, got {type(entry).__name__}")
     return entry
 
 
@@ -153,6 +177,25 @@ class Skipped:
             raise ValueError(f"unknown skip reason {self.reason!r}: add it to SKIP_REASONS")
 
 
+def outcomes_by_record(outcomes: list[Document | Skipped], num_records: int) -> list[list[Document | Skipped]]:
+    """The flat outcomes of `num_records` records (as `get_many` gives them), one list per record: a
+    record's outcomes start with a `Skipped` or with its first piece (piece 0), and its later pieces
+    (`overlong=split`) follow in order."""
+    records: list[list[Document | Skipped]] = []
+    for outcome in outcomes:
+        if isinstance(outcome, Skipped) or outcome.piece == 0:
+            records.append([])
+        elif not records:
+            raise RuntimeError(f"a later piece of record {outcome.doc_id} came without its first piece")
+        records[-1].append(outcome)
+    if len(records) != num_records:  # a source broke the contract: fail loudly rather than lose records
+        raise RuntimeError(f"{num_records} records gave the outcomes of {len(records)}")
+    return records
+
+
+ON_BAD_RECORD = ("error", "skip")
+
+
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
 
@@ -160,17 +203,26 @@ class TemplateDocuments:
     """What SFT documents and preference pairs share: records of a source, rendered with the tokenizer's
     chat template (`_render`, one record) and tokenized in one batch (`_tokenize`), by global record index.
 
-    Reading stops at the first record that fails to convert or render, and its DataError is raised after
-    the records before it are tokenized: the error is the one reading one by one would report (a record
-    before it may itself be refused when tokenized, e.g. an overlong one under `overlong="error"`)."""
+    A record that cannot be read, converted, rendered or trained on is a DataError, or with
+    `on_bad_record="skip"` a counted `Skipped("bad_record")` naming the record and the problem. Reading
+    stops at the first error, which is raised after the records before it are tokenized: the error is the
+    one reading one by one would report (a record before it may itself be refused when tokenized, e.g. an
+    overlong one under `overlong="error"`, which `on_bad_record` does not turn into a skip)."""
 
-    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int, overlong: str):
+    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int, overlong: str,
+                 on_bad_record: str = "error"):
+        if on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(f"data.on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
         self.source = source
         self.tokenizer = tokenizer
-        self.markers: TemplateMarkers = probe_template(tokenizer)
+        try:
+            self.markers: TemplateMarkers = probe_template(tokenizer)
+        except ChatTemplateError as error:
+            raise ChatTemplateError(f"tokenizer {tokenizer.name_or_path}: {error}") from error
         self._encode = TextBatchEncoder(tokenizer, cut_after=self.markers.end_of_turn)
         self.max_tokens = max_tokens
         self.overlong = overlong
+        self.on_bad_record = on_bad_record
 
     def __len__(self) -> int:
         return len(self.source)
@@ -179,24 +231,37 @@ class TemplateDocuments:
         return self.get_many([index])[0]
 
     def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
-        """The outcomes of the records at `indices`, in order (a Document or why it is Skipped)."""
-        prepared = []
+        """The outcomes of the records at `indices`, flat and in order: a record gives one `Skipped` or
+        its documents (several pieces of a record that `overlong="split"` cuts)."""
+        outcomes: list = []  # per record: what _render prepared for tokenizing, or why it is skipped
         failure: DataError | None = None
-        for index, (spec, local_index, record) in zip(indices, self.source.locate_many(indices)):
+        for index, (spec, where, record) in zip(indices, self.source.locate_many(indices)):
             try:
-                prepared.append(self._render(index, f"{spec.path} record {local_index}", spec, record))
+                if isinstance(record, DataError):
+                    raise record
+                outcomes.append(self._render(index, where, spec, record))
             except DataError as error:
-                failure = error
-                break
-        documents = self._tokenize(prepared) if prepared else []
+                if self.on_bad_record != "skip":
+                    failure = error
+                    break
+                outcomes.append(Skipped("bad_record", str(error)))
+        rendered = [o for o in outcomes if not isinstance(o, Skipped)]
+        tokenized = iter(outcomes_by_record(self._tokenize(rendered), len(rendered)) if rendered else [])
+        documents = [item for o in outcomes for item in ([o] if isinstance(o, Skipped) else next(tokenized))]
         if failure is not None:
             raise failure
         return documents
 
+    def _bad_record(self, error: DataError) -> Skipped:
+        """A record found unusable while tokenizing: raised, or skipped under on_bad_record="skip"."""
+        if self.on_bad_record != "skip":
+            raise error
+        return Skipped("bad_record", str(error))
+
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict):
         raise NotImplementedError
 
-    def _tokenize(self, prepared: list) -> list[Document | Skipped]:
+    def _tokenize(self, rendered: list) -> list[Document | Skipped]:
         raise NotImplementedError
 
 
@@ -223,12 +288,12 @@ class SFTDocuments(TemplateDocuments):
     `get_many` all its pieces in order."""
 
     def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
-                 overlong: str = "drop", train_on: str = "assistant"):
+                 overlong: str = "drop", train_on: str = "assistant", on_bad_record: str = "error"):
         if overlong not in OVERLONG:
             raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
         if train_on not in TRAIN_ON:
             raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
-        super().__init__(source, tokenizer, max_tokens, overlong)
+        super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record)
         self.train_on = train_on
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_Rendered":

@@ -41,13 +41,14 @@ def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, d
     """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`)."""
     return MixedDocuments([(spec.display_name, SFTDocuments(
         RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong,
-        spec.train_on or data.train_on)) for spec in specs])
+        spec.train_on or data.train_on, data.on_bad_record)) for spec in specs])
 
 
 def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
     """Preference pairs: one document of two segments (chosen, rejected) per pair."""
     return MixedDocuments([(spec.display_name, PairDocuments(
-        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong)) for spec in specs])
+        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong, data.on_bad_record))
+        for spec in specs])
 
 
 def packed_stream(cfg: DictConfig, dist_info: DistInfo, pad_id: int, documents: MixedDocuments, shuffle: bool,

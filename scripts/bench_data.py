@@ -45,8 +45,8 @@ def replicated_messages(count: int) -> list[dict]:
     records = RecordSource(sources)
     conversations = []
     for index in range(len(records)):
-        spec, local, record = records.locate(index)
-        conversations.append({"messages": to_conversation(record, spec, f"{spec.path} record {local}").messages})
+        spec, where, record = records.locate(index)
+        conversations.append({"messages": to_conversation(record, spec, where).messages})
     return [conversations[i % len(conversations)] for i in range(count)]
 
 

@@ -486,9 +486,9 @@ def _real_conversations() -> list[tuple[str, list[dict], list[dict] | None]]:
                             SourceSpec(str(_shared("data", "messages_deita_long.parquet")))])
     conversations = []
     for index in range(len(records)):
-        spec, local, record = records.locate(index)
-        conversation = to_conversation(record, spec, f"{spec.path} record {local}")
-        conversations.append((f"{spec.path} record {local}", conversation.messages, conversation.tools))
+        spec, where, record = records.locate(index)
+        conversation = to_conversation(record, spec, where)
+        conversations.append((where, conversation.messages, conversation.tools))
     assert any(tools for _, _, tools in conversations) and any("tool_calls" in m for _, ms, _ in conversations for m in ms)
     extra = [
         {"role": "user", "content": "Ünïcödé «quotes» 🙂 <b>html</b> & {{ braces }}"},

@@ -93,8 +93,8 @@ def read_pairs(spec: SourceSpec) -> list[PreferencePair | None]:
     """Each record's pair by `to_preference_pair` (None where the replies are identical)."""
     source = RecordSource([spec])
     pairs = []
-    for index, (_, local, record) in enumerate(source.locate_many(range(len(source)))):
-        pair = to_preference_pair(record, spec, f"{spec.path} record {local}")
+    for index, (_, where, record) in enumerate(source.locate_many(range(len(source)))):
+        pair = to_preference_pair(record, spec, where)
         pairs.append(None if pair.chosen == pair.rejected else pair)
     return pairs
 
@@ -193,7 +193,9 @@ def test_shared_preference_data_on_real_tokenizers(real, file):
     outcomes = documents.get_many(range(len(documents)))
     identical = [i for i, p in enumerate(pairs) if p is None]
     assert [i for i, o in enumerate(outcomes) if isinstance(o, Skipped)] == identical
-    assert all(outcomes[i] == Skipped("identical_replies", f"{spec.path} record {i}") for i in identical)
+    line = " (line {})" if spec.path.endswith(".jsonl") else ""  # records are named 1-based, JSONL ones with their line
+    assert all(outcomes[i] == Skipped("identical_replies", f"{spec.path} record {i + 1}" + line.format(i + 1))
+               for i in identical)
     for index, (pair, document) in enumerate(zip(pairs, outcomes)):
         if pair is not None:
             check_pair(tokenizer, turn, document, pair, index, f"{turn.name} {file} record {index}")
@@ -305,9 +307,9 @@ MESSAGE_CONTEXT = [{"role": "user", "content": "Q"}]
 def test_bad_pairs_raise_naming_the_record(tmp_path, tokenizer, bad_record, problem):
     documents = documents_of(tmp_path, tokenizer, [pair_record(), pair_record(), bad_record])
     assert isinstance(documents.get(1), Document)
-    with pytest.raises(DataError, match=rf"pairs\.jsonl record 2: .*{problem}"):
+    with pytest.raises(DataError, match=rf"pairs\.jsonl record 3 \(line 3\): .*{problem}"):
         documents.get(2)
-    with pytest.raises(DataError, match=rf"pairs\.jsonl record 2: .*{problem}"):
+    with pytest.raises(DataError, match=rf"pairs\.jsonl record 3 \(line 3\): .*{problem}"):
         documents.get_many([0, 1, 2])
 
 
@@ -317,7 +319,7 @@ def test_sharegpt_preference_missing_column(tmp_path, tokenizer):
                {"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "gpt", "value": "A"}}]
     documents = documents_of(tmp_path, tokenizer, records, format="sharegpt_preference")
     assert isinstance(documents.get(0), Document)
-    with pytest.raises(DataError, match=r"pairs\.jsonl record 1: no 'rejected' field for the sharegpt_preference format"):
+    with pytest.raises(DataError, match=r"pairs\.jsonl record 2 \(line 2\): no 'rejected' field for the sharegpt_preference format"):
         documents.get(1)
 
 
@@ -327,7 +329,7 @@ def test_identical_replies_are_a_counted_skip(tmp_path, tokenizer):
                                                    {"prompt": MESSAGE_CONTEXT, "chosen": same, "rejected": same}])
     outcomes = documents.get_many([0, 1, 2])
     assert isinstance(outcomes[0], Document)
-    assert outcomes[1:] == [Skipped("identical_replies", f"{tmp_path / 'pairs.jsonl'} record {i}") for i in (1, 2)]
+    assert outcomes[1:] == [Skipped("identical_replies", f"{tmp_path / 'pairs.jsonl'} record {i} (line {i})") for i in (2, 3)]
     # a batch of skips only still works
     assert documents.get_many([1, 2]) == outcomes[1:]
 
@@ -352,10 +354,10 @@ def test_overlong_pairs_are_dropped_or_raise(tmp_path, tokenizer):
     assert documents_of(tmp_path, tokenizer, [long], max_tokens=10).get(0).reason == "overlong"
     strict = documents_of(tmp_path, tokenizer, [short, long], max_tokens=limit, overlong="error")
     assert isinstance(strict.get(0), Document)
-    with pytest.raises(DataError, match=rf"pairs\.jsonl record 1: {chosen_len + rejected_len} tokens .* exceed "
+    with pytest.raises(DataError, match=rf"pairs\.jsonl record 2 \(line 2\): {chosen_len + rejected_len} tokens .* exceed "
                                         rf"data.max_tokens_per_microbatch={limit}"):
         strict.get(1)
-    with pytest.raises(DataError, match="pairs\\.jsonl record 1"):
+    with pytest.raises(DataError, match="pairs\\.jsonl record 2 \\(line 2\\)"):
         strict.get_many([0, 1])
     with pytest.raises(ValueError, match="data.overlong"):
         documents_of(tmp_path, tokenizer, [short], overlong="truncate")

@@ -222,7 +222,7 @@ def test_tools_on_a_template_that_cannot_render_them_are_refused(tmp_path, token
                {"messages": [USER, call, {"role": "tool", "content": "1"}, ASSISTANT]}]
     documents = SFTDocuments(RecordSource([SourceSpec(write_jsonl(tmp_path / "t.jsonl", records))]), tokenizer, 512)
     for index in (0, 1):
-        with pytest.raises(DataError, match=rf"record {index}: .*does not render them"):
+        with pytest.raises(DataError, match=rf"t\.jsonl record {index + 1} \(line {index + 1}\): .*does not render them"):
             documents.get(index)
 
 
@@ -231,5 +231,5 @@ def test_undecodable_bytes_name_the_record(tmp_path, tokenizer):
     path.write_bytes(json.dumps({"messages": [USER, ASSISTANT]}).encode() + b"\n" + b'{"messages": "caf\xe9"}\n')
     documents = SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, 512)
     assert documents.get(0).doc_id == 0
-    with pytest.raises(DataError, match=r"latin1\.jsonl record 1: unparseable JSON line"):
+    with pytest.raises(DataError, match=r"latin1\.jsonl record 2 \(line 2\): unparseable JSON line"):
         documents.get(1)

@@ -38,7 +38,7 @@ def test_bad_records_raise_with_file_and_index(tmp_path, tokenizer, bad_record, 
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), good(), bad_record])
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
     assert documents.get(0) is not None
-    with pytest.raises(DataError, match=rf"chats\.jsonl record 2: .*{problem}"):
+    with pytest.raises(DataError, match=rf"chats\.jsonl record 3 \(line 3\): .*{problem}"):
         documents.get(2)
 
 
@@ -48,7 +48,7 @@ def test_record_index_is_per_file_across_several_files(tmp_path, tokenizer):
     documents = SFTDocuments(RecordSource([SourceSpec(first), SourceSpec(second)]), tokenizer, max_tokens=512)
     assert len(documents) == 4
     assert documents.get(2).doc_id == 2
-    with pytest.raises(DataError, match=r"b\.jsonl record 1: no assistant message"):
+    with pytest.raises(DataError, match=r"b\.jsonl record 2 \(line 2\): no assistant message"):
         documents.get(3)
 
 
@@ -57,12 +57,13 @@ def test_missing_file_wrong_field_and_unparseable_line(tmp_path, tokenizer):
         RecordSource([SourceSpec(str(tmp_path / "missing.jsonl"))])
     path = write_jsonl(tmp_path / "wrong.jsonl", [good(), {"conversation": []}])
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
-    with pytest.raises(DataError, match=r"wrong\.jsonl record 1: no 'messages' field for the messages format \(fields: \['conversation'\]\)"):
+    with pytest.raises(DataError, match=r"wrong\.jsonl record 2 \(line 2\): no 'messages' field for the messages format \(fields: \['conversation'\]\)"):
         documents.get(1)
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(good()) + "\n{not json\n")
-    with pytest.raises(DataError, match=r"broken\.jsonl record 1: unparseable JSON line"):
-        RecordSource([SourceSpec(str(broken))]).locate(1)
+    _, where, error = RecordSource([SourceSpec(str(broken))]).locate(1)
+    assert where.endswith("broken.jsonl record 2 (line 2)") and isinstance(error, DataError)
+    assert str(error).startswith(f"{where}: unparseable JSON line")
 
 
 def test_json_list_files_are_read_too(tmp_path, tokenizer):
@@ -80,9 +81,9 @@ def test_overlong_records_are_dropped_and_counted_or_raise(tmp_path, tokenizer):
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="drop")
     assert isinstance(documents.get(0), Document)
     skipped = documents.get(1)
-    assert isinstance(skipped, Skipped) and skipped.reason == "overlong" and "long.jsonl record 1" in skipped.detail
+    assert isinstance(skipped, Skipped) and skipped.reason == "overlong" and "long.jsonl record 2 (line 2)" in skipped.detail
     strict = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="error")
-    with pytest.raises(DataError, match=r"long\.jsonl record 1: \d+ tokens exceed data.max_tokens_per_microbatch=128"):
+    with pytest.raises(DataError, match=r"long\.jsonl record 2 \(line 2\): \d+ tokens exceed data.max_tokens_per_microbatch=128"):
         strict.get(1)
 
 
@@ -99,7 +100,7 @@ def test_errors_raised_by_the_template_name_the_record(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), bad])
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
     assert documents.get(0) is not None
-    with pytest.raises(DataError, match=r"chats\.jsonl record 1: .*Conversation roles must alternate"):
+    with pytest.raises(DataError, match=r"chats\.jsonl record 2 \(line 2\): .*Conversation roles must alternate"):
         documents.get(1)
 
 
@@ -109,9 +110,9 @@ def test_get_many_reports_the_first_bad_record_as_get_would(tmp_path, tokenizer)
     overlong, broken = good(answer="word " * 300), {"messages": [{"role": "user", "content": "x"}]}
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), overlong, broken, good(), broken, overlong])
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="error")
-    with pytest.raises(DataError, match=r"chats\.jsonl record 1: \d+ tokens exceed"):
+    with pytest.raises(DataError, match=r"chats\.jsonl record 2 \(line 2\): \d+ tokens exceed"):
         documents.get_many([0, 1, 2])
-    with pytest.raises(DataError, match=r"chats\.jsonl record 4: no assistant message"):
+    with pytest.raises(DataError, match=r"chats\.jsonl record 5 \(line 5\): no assistant message"):
         documents.get_many([3, 4, 5])
     dropping = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128)
     first, second = dropping.get_many([0, 1])
@@ -191,7 +192,7 @@ def test_truncation_that_keeps_nothing_to_train_is_a_counted_skip(tmp_path, toke
     record = {"messages": [{"role": "user", "content": "tell me " * 60}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "chats.jsonl", [record])
     outcome = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, 32, overlong="truncate").get(0)
-    assert isinstance(outcome, Skipped) and outcome.reason == "no_trainable_tokens" and "record 0" in outcome.detail
+    assert isinstance(outcome, Skipped) and outcome.reason == "no_trainable_tokens" and "record 1 (line 1)" in outcome.detail
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -240,6 +241,11 @@ def test_dataset_directories_and_hub_ids_go_through_datasets(tmp_path, tokenizer
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataError, match=r"hub dataset 'someone/no-such-chats' \(split 'train'\) could not be loaded"):
+        RecordSource([SourceSpec("hf:someone/no-such-chats")])
+    # A missing relative path is never taken for a hub id (it used to try the network).
+    with pytest.raises(DataError, match=r"data file 'someone/no-such-chats' does not exist \(a hub dataset is written hf:someone/no-such-chats\)"):
         RecordSource([SourceSpec("someone/no-such-chats")])
+    with pytest.raises(DataError, match=r"data file 'data/chats.jsonl' does not exist$"):
+        RecordSource([SourceSpec("data/chats.jsonl")])
     with pytest.raises(DataError, match="does not exist"):
         RecordSource([SourceSpec(str(tmp_path / "missing.jsonl"))])

@@ -114,7 +114,7 @@ def test_a_bad_record_on_one_rank_stops_the_whole_job_with_its_name(tmp_path):
     result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=180,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode != 0
-    assert "chats.jsonl record 17: message 1 has role 'wizard'" in result.stdout + result.stderr
+    assert "chats.jsonl record 18 (line 18): message 1 has role 'wizard'" in result.stdout + result.stderr
 
 
 def test_losses_do_not_depend_on_loader_workers_or_eval_data(tmp_path):

@@ -42,8 +42,8 @@ def rendered(tokenizer) -> list[str]:
     if SHARED_ASSETS.exists():
         records = RecordSource(SHARED_CHATS)
         for index in range(len(records)):
-            spec, local, record = records.locate(index)
-            conversation = to_conversation(record, spec, f"{spec.path} record {local}")
+            spec, where, record = records.locate(index)
+            conversation = to_conversation(record, spec, where)
             try:
                 texts.append(render_conversation(tokenizer, conversation.messages, conversation.tools))
             except Exception:  # a template's own refusal (e.g. Phi-3 and tool roles): not this test's subject
