@@ -22,6 +22,13 @@ def decoder_layers(model: PackedCausalLM) -> list[nn.Module]:
     return layers
 
 
+def compute_dtype(param_dtype: str, device_type: str) -> str:
+    """model.fsdp.param_dtype resolved: `auto` is bf16 where it is fast (CUDA) and fp32 on CPU."""
+    if param_dtype == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    return param_dtype
+
+
 def shard_model(
     model: PackedCausalLM,
     device_type: str,
@@ -32,8 +39,7 @@ def shard_model(
 ) -> PackedCausalLM:
     if activation_checkpointing:
         model.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if param_dtype == "auto":  # bf16 compute where it is fast (CUDA); fp32 on CPU
-        param_dtype = "bfloat16" if device_type == "cuda" else "float32"
+    param_dtype = compute_dtype(param_dtype, device_type)
     mesh = init_device_mesh(device_type, (world_size,))
     # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
     # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.

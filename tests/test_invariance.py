@@ -33,8 +33,8 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
     result = accumulate_gradients(model, objective, microbatches, torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
-    grad_norm = clip_gradients(model, max_norm=None)
-    clipped_norm = clip_gradients(model, max_norm=grad_norm / 4)  # clips, returns the norm before
+    grad_norm, _ = clip_gradients(model, max_norm=None)
+    clipped_norm, _ = clip_gradients(model, max_norm=grad_norm / 4)  # clips, returns the norm before
     clipped = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
         torch.save({"grads": grads, "global_units": result.global_units, "loss": metrics["loss"], "eval_loss": eval_loss,
