@@ -16,12 +16,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from chattune.config import CONFIG_DIR
+from chattune.errors import UserError
 
 RECIPES_DIR = CONFIG_DIR.parent / "recipes"
 NO_DESCRIPTION = "(no description)"
 
 
-class CatalogError(Exception):
+class CatalogError(UserError):
     """A name that is not shipped, or a copy that would overwrite a file."""
 
 

@@ -57,8 +57,10 @@ def _write_synced(path: Path, data: bytes) -> None:
 
 
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict, meta: dict, keep_last_n: int | None = None) -> Path:
-    """Collective: write `root/step_{step}` atomically; then keep only the newest `keep_last_n`."""
+                    train_state: dict, meta: dict, keep_last_n: int | None = None,
+                    extra_files: dict[str, bytes] | None = None) -> Path:
+    """Collective: write `root/step_{step}` atomically; then keep only the newest `keep_last_n`.
+    `extra_files` (rank 0's): more files of the checkpoint, by name."""
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
@@ -70,6 +72,8 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
     maybe_crash("save", step)
     _barrier()  # every rank's files are complete
     if _rank() == 0:
+        for name, data in (extra_files or {}).items():
+            _write_synced(partial / name, data)
         _write_synced(partial / META_FILE, json.dumps({**meta, "step": step}, indent=1).encode())
         if final.exists():  # re-saving a step (a run resumed from an older checkpoint)
             shutil.rmtree(final)

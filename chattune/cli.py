@@ -19,16 +19,23 @@ import sys
 from pathlib import Path
 
 from chattune.config import CONFIG_DIR
+from chattune.errors import UserError
 
 DEFAULT_CONFIG = "sft/tiny"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may follow options (`inspect sft/tiny --limit 5 key=value`): argparse leaves words after an
+    # option unparsed, and they join the config words.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "words") or any(word.startswith("-") for word in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.words = [*args.words, *extra]
     try:
         return args.handler(args, parser)
-    except _user_errors() as error:
+    except UserError as error:  # the user's to fix: one message, no traceback
         print(f"chattune {args.command}: error: {error}", file=sys.stderr)
         return 1
 
@@ -70,10 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-name", default=None, help=f"config to compose (default: {DEFAULT_CONFIG})")
-    parser.add_argument("--config-path", type=Path, default=CONFIG_DIR,
-                        help="directory of configs (default: the shipped ones, which stay reachable from yours)")
+    parser.add_argument("--config-path", default=None,
+                        help="directory of configs, as the recipe's --config-path: absolute, or relative to the recipe's "
+                             "directory as Hydra resolves it (default: the shipped configs, which stay reachable from yours)")
+    parser.add_argument("--config-dir", type=Path, default=None,
+                        help="a further directory of configs, searched first (relative to here), as the recipe's --config-dir")
+    parser.add_argument("--recipe", type=Path, default=None,
+                        help="the recipe file a relative --config-path is resolved from (default: the shipped recipe)")
     parser.add_argument("words", nargs="*", metavar="[CONFIG] key=value",
                         help="a config name, as --config-name, then config overrides")
+
+
+def config_location(args: argparse.Namespace, config_name: str) -> tuple[Path, Path | None]:
+    """(--config-path resolved as the recipe resolves it, --config-dir)."""
+    from chattune.catalog import RECIPES_DIR
+    from chattune.config import resolve_config_path
+
+    if args.config_path is None:
+        return CONFIG_DIR, args.config_dir
+    recipe = args.recipe or RECIPES_DIR / f"{config_name.split('/')[0]}.py"
+    return resolve_config_path(args.config_path, recipe.resolve()), args.config_dir
 
 
 def config_and_overrides(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, list[str]]:
@@ -109,7 +132,8 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config_name, overrides = config_and_overrides(args, parser)
     logging.basicConfig(level=logging.ERROR)  # per-record skip warnings are summed up in the report
     colour = sys.stdout.isatty() if args.color is None else args.color
-    print(run_inspect(config_name, overrides, args.config_path, args.num_docs, args.limit, args.html, colour))
+    config_path, config_dir = config_location(args, config_name)
+    print(run_inspect(config_name, overrides, config_path, args.num_docs, args.limit, args.html, colour, config_dir))
     if args.html:
         print(f"\nwrote {args.html}")
     return 0
@@ -119,7 +143,8 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from chattune.validate import run_validate
 
     config_name, overrides = config_and_overrides(args, parser)
-    report, ok = run_validate(config_name, overrides, args.config_path.resolve())
+    config_path, config_dir = config_location(args, config_name)
+    report, ok = run_validate(config_name, overrides, config_path, config_dir=config_dir, read_data=True)
     print(report)
     return 0 if ok else 1
 
@@ -131,14 +156,6 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plot_runs(args.run_dirs, out)
     print(f"wrote {out}")
     return 0
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    """Errors that are the user's to fix: printed as one line, not a traceback."""
-    from chattune.catalog import CatalogError
-    from chattune.plot import PlotError
-
-    return CatalogError, PlotError
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ DEMO_ASSETS = Path(__file__).resolve().parent / "assets" / "demo"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+def resolve_config_path(config_path: str | Path, recipe_file: Path) -> Path:
+    """An absolute --config-path as it is; a relative one from the recipe's directory, as Hydra resolves it."""
+    path = Path(config_path).expanduser()
+    return path if path.is_absolute() else (Path(recipe_file).parent / path).resolve()
+
+
 def demo_asset(relative_path: str) -> str:
     """Absolute path of a shipped demo asset, so configs work from any working directory."""
     path = DEMO_ASSETS / relative_path

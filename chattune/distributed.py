@@ -32,9 +32,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_with_launcher() -> None:
+    """Under torchrun, have the kernel stop this worker (SIGTERM) when the launcher dies. torchrun starts
+    each worker in a session of its own, so killing torchrun's process group (or torchrun itself, kill
+    -9) would otherwise leave the workers training on, orphaned, into an output directory a relaunch then
+    finds in use. Linux only (prctl); elsewhere a no-op."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Initialise torch.distributed (nccl on CUDA, gloo on CPU) from torchrun's environment, or as a
     one-rank group when launched without torchrun."""
+    stop_with_launcher()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -74,6 +89,15 @@ def all_reduce_max(value: int, device: torch.device) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
+
+
+def broadcast_from_main(obj):
+    """Rank 0's `obj` (any picklable object) on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def shutdown_distributed() -> None:

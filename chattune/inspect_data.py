@@ -1,9 +1,11 @@
 """`chattune inspect`: what training will see, from the same config and overrides as a recipe.
 
-It reads the training sources the way the recipe does (same formats, template, masking and budget)
-and reports: records read, skipped by reason, documents, tokens, the trainable-token fraction, a
-length histogram, the pack fill at the microbatch budget, and a few documents with the trained tokens
-highlighted (terminal colours, or an HTML page with `--html`).
+It first runs `chattune validate`'s checks (the config, the tokenizer and its chat template, the first
+records of every source), then reads the training sources the way the recipe does (same formats,
+template, masking and budget: conversations for an SFT config, preference pairs for a DPO one) and
+reports: records read, skipped by reason, documents, tokens, the trainable-token fraction, a length
+histogram, the pack fill at the microbatch budget, and a few documents (a pair: its chosen and its
+rejected side) with the trained tokens highlighted (terminal colours, or an HTML page with `--html`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from omegaconf import DictConfig
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from chattune.config import CONFIG_DIR, source_specs  # importing chattune.config registers ${demo_asset:...}
 from chattune.data_stream import PackedStream
@@ -21,19 +23,33 @@ from chattune.loss import IGNORE_INDEX
 from chattune.data_report import DataReport, count_lines, scan_documents
 from chattune.packing import Document
 from chattune.sft_data import Skipped
-from chattune.training_data import sft_documents
+from chattune.tokenizer import load_tokenizer
+from chattune.training_data import pair_documents, sft_documents
+from chattune.validate import ConfigError, hydra_search_path, validate_command
 
 TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
 
-def load_config(config_name: str, overrides: list[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
-    with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+def load_config(config_name: str, overrides: list[str], config_path: Path = CONFIG_DIR,
+                config_dir: Path | None = None) -> DictConfig:
+    """The config a recipe would compose, after `chattune validate`'s checks (ConfigError: every problem)."""
+    findings = validate_command(config_name, overrides, config_path, None, config_dir, read_data=True,
+                                output_dir_checks=False)
+    if findings.problems:
+        raise ConfigError(findings.problems)
+    with hydra_search_path(config_path, config_dir):
         return compose(config_name, overrides=overrides)
+
+
+def is_preference_config(cfg: DictConfig) -> bool:
+    """A DPO config (it has a reference section), read as preference pairs."""
+    return "reference" in cfg
 
 
 def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
     budget = cfg.data.max_tokens_per_microbatch
-    documents = sft_documents(source_specs(cfg.data.train), tokenizer, cfg.data)  # as the SFT recipe reads them
+    specs = source_specs(cfg.data.train)  # read as the recipe reads them
+    documents = (pair_documents if is_preference_config(cfg) else sft_documents)(specs, tokenizer, cfg.data)
     report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
                             batch_records=cfg.data.buffer_records)
     stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,
@@ -59,6 +75,15 @@ class _KnownLengths:
         if isinstance(outcome, Skipped):
             return outcome
         return Document(doc_id=index, input_ids=[0] * outcome, labels=[IGNORE_INDEX] * outcome)
+
+
+def sides(document: Document) -> list[tuple[str, Document]]:
+    """(title, part) of a document to show: a preference pair's chosen and rejected sides, else itself."""
+    if len(document.segments) != 2:
+        return [("", document)]
+    chosen = document.segments[0]
+    return [(" chosen", Document(document.doc_id, document.input_ids[:chosen], document.labels[:chosen])),
+            (" rejected", Document(document.doc_id, document.input_ids[chosen:], document.labels[chosen:]))]
 
 
 def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:
@@ -95,24 +120,26 @@ def summary_lines(report: DataReport, budget: int) -> list[str]:
 def render_terminal(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int, colour: bool) -> str:
     lines = summary_lines(report, budget) + ["", "document lengths (tokens):", *histogram(report.lengths)]
     for document in report.examples:
-        lines += ["", f"--- document {document.doc_id} ({len(document)} tokens; trained tokens "
-                      + ("in green" if colour else "between [[ ]]") + ") ---"]
-        parts = []
-        for text, trained in trained_pieces(tokenizer, document):
-            if colour:
-                parts.append(f"{TRAINED if trained else PLAIN}{text}{RESET}")
-            else:
-                parts.append(f"[[{text}]]" if trained else text)
-        lines.append("".join(parts))
+        for title, part in sides(document):
+            lines += ["", f"--- document {document.doc_id}{title} ({len(part)} tokens; trained tokens "
+                          + ("in green" if colour else "between [[ ]]") + ") ---"]
+            parts = []
+            for text, trained in trained_pieces(tokenizer, part):
+                if colour:
+                    parts.append(f"{TRAINED if trained else PLAIN}{text}{RESET}")
+                else:
+                    parts.append(f"[[{text}]]" if trained else text)
+            lines.append("".join(parts))
     return "\n".join(lines)
 
 
 def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int) -> str:
     documents = []
     for document in report.examples:
-        body = "".join(f'<span class="trained">{html.escape(text)}</span>' if trained else html.escape(text)
-                       for text, trained in trained_pieces(tokenizer, document))
-        documents.append(f"<h2>document {document.doc_id} ({len(document)} tokens)</h2><pre>{body}</pre>")
+        for title, part in sides(document):
+            body = "".join(f'<span class="trained">{html.escape(text)}</span>' if trained else html.escape(text)
+                           for text, trained in trained_pieces(tokenizer, part))
+            documents.append(f"<h2>document {document.doc_id}{title} ({len(part)} tokens)</h2><pre>{body}</pre>")
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report, budget))
     bars = html.escape("\n".join(histogram(report.lengths)))
     return (
@@ -124,10 +151,10 @@ def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: 
     )
 
 
-def run_inspect(config_name: str, overrides: list[str], config_dir: Path, num_docs: int, limit: int | None,
-                html_path: Path | None, colour: bool) -> str:
-    cfg = load_config(config_name, overrides, config_dir)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+def run_inspect(config_name: str, overrides: list[str], config_path: Path, num_docs: int, limit: int | None,
+                html_path: Path | None, colour: bool, config_dir: Path | None = None) -> str:
+    cfg = load_config(config_name, overrides, config_path, config_dir)
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
     report = inspect_sources(cfg, tokenizer, num_docs, limit)
     if html_path is not None:
         html_path.write_text(render_html(report, tokenizer, cfg.data.max_tokens_per_microbatch), encoding="utf-8")

@@ -79,13 +79,15 @@ def _drop_dead_wandb_service() -> None:
         return
 
 
-def init_wandb(output_dir: str, run_config: dict | None, wandb_kwargs: dict | None):
-    """A wandb run under `output_dir/wandb`, or a RuntimeError that says what to do instead."""
+def init_wandb(output_dir: str, run_config: dict | None, wandb_kwargs: dict | None, run_id: str | None = None):
+    """A wandb run under `output_dir/wandb` (the run `run_id` continued, when given: a resumed training
+    run logs into the wandb run it started), or a RuntimeError that says what to do instead."""
     import wandb  # imported lazily: only runs that ask for it need it configured
 
     _drop_dead_wandb_service()
+    continued = {"id": run_id, "resume": "allow"} if run_id else {}
     try:
-        return wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}))
+        return wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}), **continued)
     except Exception as e:  # wandb raises many types (UsageError, CommError, connection errors, timeouts)
         raise RuntimeError(
             f"logger=wandb: wandb.init failed: {type(e).__name__}: {e}\n"
@@ -100,7 +102,7 @@ class MetricLogger:
     steps): then only lines with held-out (`eval_*`) metrics are printed."""
 
     def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None,
-                 wandb_kwargs: dict | None = None, resume_step: int | None = None):
+                 wandb_kwargs: dict | None = None, resume_step: int | None = None, wandb_id: str | None = None):
         if backend not in ("stdout", "wandb"):
             raise ValueError(f"logger must be 'stdout' or 'wandb', got {backend!r}")
         self.is_main = is_main
@@ -113,7 +115,12 @@ class MetricLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._start_file(resume_step)
         if backend == "wandb":
-            self.wandb_run = init_wandb(output_dir, run_config, wandb_kwargs)
+            self.wandb_run = init_wandb(output_dir, run_config, wandb_kwargs, wandb_id)
+
+    @property
+    def wandb_id(self) -> str | None:
+        """The wandb run's id (rank 0 with logger=wandb), saved with checkpoints so a resume continues it."""
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def _start_file(self, resume_step: int | None) -> None:
         """One run's curve per file: a fresh run starts it afresh; a resumed run keeps the lines up to its

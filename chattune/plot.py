@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from chattune.errors import UserError
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -29,7 +31,7 @@ PANELS: list[tuple[str, list[str]]] = [
 LINE_STYLES = ["-", "--", ":", "-."]
 
 
-class PlotError(Exception):
+class PlotError(UserError):
     """Input that cannot be plotted, or matplotlib missing."""
 
 

@@ -32,38 +32,47 @@ from chattune.hf_export import export_hf
 from chattune.metrics import MetricLogger, reduce_sums, step_metrics
 from chattune.packing import PackedBatch
 from chattune.progress import Progress
-from chattune.resume import checkpoint_to_resume, resume_training, run_fingerprint, run_meta, save_training
+from chattune.output_dir import RunStart
+from chattune.resume import resume_training, save_training
 from chattune.step_feed import DocumentLedger, StepFeed
-from chattune.train_step import Objective, train_step
+from chattune.fsdp import compute_dtype
+from chattune.train_step import LossScale, Objective, train_step
 
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objective: Objective,
+def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn.Module, objective: Objective,
           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, feed: StepFeed,
           eval_batches: list[PackedBatch], tokenizer: PreTrainedTokenizerBase, pad_id: int,
           eval_objective: Objective | None = None) -> None:
     """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
-    `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved. `eval_objective` scores the
-    held-out batches when they need their own (e.g. cached reference log-probs of the eval records)."""
+    `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved. `start` is what the launch
+    continues (`chattune.output_dir.claim_output_dir`). `eval_objective` scores the held-out batches when
+    they need their own (e.g. cached reference log-probs of the eval records)."""
     device, output_dir = dist_info.device, Path(cfg.output_dir)
     eval_objective = eval_objective or objective
 
     # --- resume: model, optimizer, scheduler, data position and RNG, or a fresh start ---
     checkpoints = output_dir / "checkpoints"
-    meta = run_meta(dist_info.world_size, cfg.data.num_workers, run_fingerprint(cfg))
     counters = {"nonfinite_skipped_steps": 0}
-    start_step = 0
-    resume_from = checkpoint_to_resume(cfg.resume, checkpoints)
-    if resume_from is not None:
-        start_step, counters = resume_training(resume_from, model, optimizer, scheduler, feed, meta, cfg.resume_allow_changes)
-        logger.info("resumed from %s at step %d (epoch %d)", resume_from, start_step, feed.epoch)
-    elif dist_info.is_main and checkpoints.exists():
-        logger.warning("%s holds checkpoints but resume=%s: this run starts from scratch", output_dir, cfg.resume)
+    # fp16 compute needs loss scaling (its gradients underflow otherwise); bf16 and fp32 run unscaled.
+    loss_scale = LossScale(enabled=compute_dtype(cfg.model.fsdp.param_dtype, device.type) == "float16")
+    if loss_scale.enabled:
+        counters["overflow_skipped_steps"] = 0
+    start_step, wandb_id = 0, None
+    if start.resume_from is not None:
+        start_step, saved_counters = resume_training(start.resume_from, start.plan, model, optimizer, scheduler, feed,
+                                                     loss_scale)
+        counters.update(saved_counters)
+        wandb_id = start.checkpoint_meta.get("wandb_id")
+        logger.info("resumed from %s at step %d (epoch %d)", start.resume_from, start_step, feed.epoch)
     metric_logger = MetricLogger(
-        str(output_dir), dist_info.is_main, cfg.logger, resume_step=start_step if resume_from else None,
+        str(output_dir), dist_info.is_main, cfg.logger, resume_step=start_step if start.resume_from else None,
         run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb),
+        wandb_id=wandb_id,
     )
+    # Written with every checkpoint (rank 0's): what a resume checks, and the wandb run it continues.
+    meta = {**start.meta, "wandb_id": metric_logger.wandb_id}
     ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
@@ -82,14 +91,17 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
             ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
         result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
-                                       device, rank_done=batches.rank_done)
+                                       device, rank_done=batches.rank_done, loss_scale=loss_scale)
         epoch_counts = feed.close_step(result.ranks_done, dist_info.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
         step_time = time.perf_counter() - start
         if result.global_units == 0 and step == 1:
             raise RuntimeError(f"the first step has no {objective.unit_name} on any rank: check the data")
-        if not math.isfinite(grad_norm):  # every rank sees the same NaN norm, so all decide alike
+        if result.overflow:  # fp16: the loss scale was too high for this step; LossScale has lowered it
+            counters["overflow_skipped_steps"] += 1
+            logger.info("step %d: fp16 gradients overflowed, update skipped; loss scale now %g", step, loss_scale.scale)
+        elif not math.isfinite(grad_norm):  # every rank sees the same NaN norm, so all decide alike
             if cfg.nonfinite_loss == "stop":
                 raise FloatingPointError(f"step {step}: non-finite loss or gradients; the optimizer did not step. "
                                          "The last checkpoint is intact (resume=auto continues from it).")
@@ -111,6 +123,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
             metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
             metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
+            if loss_scale.enabled:
+                metrics["loss_scale"] = loss_scale.scale
             if feed.mixer is not None:
                 metrics.update(feed.mixer.metrics(device))
             if is_eval:
@@ -119,7 +133,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, model: torch.nn.Module, objectiv
         progress.update(step, metric_logger.last)
         stopping = step == cfg.stop_after_step
         if (cfg.save_every and step % cfg.save_every == 0) or stopping:
-            save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n)
+            save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n, loss_scale)
         if stopping:
             progress.close()
             logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)

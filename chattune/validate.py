@@ -20,7 +20,8 @@ What is checked:
 - enum values (device, logger, progress, nonfinite_loss, data.train_on, data.overlong, model.fsdp dtypes,
   loss.type, source formats for the recipe, resume = auto | null | a checkpoint directory);
 - paths: each data source (a file must exist and be .jsonl/.json/.parquet; a directory is a dataset;
-  a missing `owner/name` is a hub dataset id: a note), tokenizer.path, model.path and reference.path
+  `hf:org/name` is a hub dataset: a note; a missing path never is one), tokenizer.path (`hf:org/name` a
+  hub tokenizer: a note), model.path and reference.path
   (local directories; a model directory must hold config.json);
 - numbers that cannot work: steps, intervals, budgets and counts below their minimum (`AT_LEAST`),
   max_grad_norm and loss.beta not positive, label smoothing outside [0, 0.5), a negative lr,
@@ -39,13 +40,20 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
+from hydra import compose
+from hydra._internal.hydra import Hydra  # Hydra's own set-up, so --config-dir is searched as a recipe searches it
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -54,6 +62,7 @@ from transformers import PretrainedConfig
 
 from chattune.config import CONFIG_DIR  # importing chattune.config also registers ${demo_asset:...}
 from chattune.dpo_loss import LOSS_TYPES, REFERENCE_FREE
+from chattune.errors import UserError
 from chattune.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, DataError, SourceSpec
 from chattune.progress import PROGRESS_MODES
 
@@ -65,11 +74,13 @@ BASE_CONFIGS = {"sft": "sft/tiny", "dpo": "dpo/tiny"}
 OVERLONG = ("drop", "truncate", "split", "error")  # sft_data.OVERLONG
 OVERLONG_DPO = ("drop", "error")  # dpo_data.OVERLONG_DPO
 TRAIN_ON = ("assistant", "last_assistant", "all")  # sft_data.TRAIN_ON
+ON_BAD_RECORD = ("error", "skip")  # sft_data.ON_BAD_RECORD
 MIXING_MODES = ("none", "static", "online")  # mixer.MODES
 MIXING_REWARDS = ("mean_loss", "loss_decrease")  # mixer.REWARDS
 MIXING_STOPPING = ("first_exhausted", "all_exhausted")  # mixture.STOPPING
 DTYPES = ("float32", "bfloat16", "float16")  # fsdp.DTYPES
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # sft_data._HUB_ID: a path that is read as a hub dataset id
+HUB_PREFIX = "hf:"  # sft_data.HUB_PREFIX: a hub id is written hf:org/name (a missing path never is one)
+HUB_LIKE = re.compile(r"[\w.-]+/[\w.-]+")  # sft_data.HUB_LIKE: a missing path that may have meant a hub id
 
 DEVICES = ("auto", "cpu", "cuda")  # distributed.init_distributed: anything but "cuda" runs on the CPU
 LOGGERS = ("stdout", "wandb")  # metrics.MetricLogger
@@ -84,6 +95,8 @@ NULLABLE: dict[str, type] = {
     "wandb.mode": str, "model.path": str, "model.config": dict, "reference.path": str, "data.eval": list,
     "data.pad_to_multiple_of": int, "data.num_epochs": int, "data.report_records": int,
 }
+# Keys that take a value of another type than their default's too.
+ALTERNATIVE_TYPES: dict[str, tuple[type, ...]] = {"resume_allow_changes": (bool, list)}  # list: of strings
 # The smallest value that can work (null, where allowed, is fine).
 AT_LEAST = {
     "max_steps": 1, "grad_accum_steps": 1, "log_every": 1, "save_every": 0, "eval_every": 0, "keep_last_n": 1,
@@ -99,7 +112,7 @@ RECIPE_ARGUMENTS = {"optimizer": (1, ()), "scheduler": (1, ("num_training_steps"
 _UNSET = object()  # a value that could not be resolved (already reported)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot run; the message lists every problem, one per line."""
 
     def __init__(self, problems: list[str]):
@@ -139,61 +152,143 @@ def format_report(findings: Findings) -> str:
 def check_config(cfg: DictConfig, world_size: int, recipe: str | None = None) -> list[str]:
     """Raise ConfigError listing every problem of a composed config; otherwise return the notes.
     `recipe` ("sft" or "dpo") defaults to "dpo" when the config has a `reference` section."""
-    findings = find_problems(cfg, world_size, recipe)
+    findings = find_problems(cfg, world_size, recipe, output_dir_checks=False)
     if findings.problems:
         raise ConfigError(findings.problems)
     return findings.notes
 
 
 def run_validate(config_name: str, overrides: list[str], config_path: Path,
-                 world_size: int | None = None) -> tuple[str, bool]:
-    """Compose `config_name` from `config_path` with `overrides` as a recipe would and check it:
-    (the report, whether the config has no problem)."""
+                 world_size: int | None = None, config_dir: Path | None = None,
+                 read_data: bool = False) -> tuple[str, bool]:
+    """Compose `config_name` from `config_path` (and `config_dir`, Hydra's --config-dir, searched first)
+    with `overrides` as a recipe would and check it: (the report, whether the config has no problem).
+    `read_data`: also load the tokenizer and read the first records of every source."""
+    findings = validate_command(config_name, overrides, config_path, world_size, config_dir, read_data)
+    return format_report(findings), not findings.problems
+
+
+def validate_command(config_name: str, overrides: list[str], config_path: Path, world_size: int | None = None,
+                     config_dir: Path | None = None, read_data: bool = False, output_dir_checks: bool = True) -> Findings:
+    """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir)."""
     findings = Findings()
-    cfg, added = _compose(config_name, list(overrides), Path(config_path), findings)
+    cfg, added = _compose(config_name, list(overrides), Path(config_path), findings, config_dir)
     if cfg is not None:
         recipe = "dpo" if config_name.startswith("dpo/") or "reference" in cfg else "sft"
         overridden = {override.lstrip("+~").split("=", 1)[0] for override in overrides}
-        unset = [key for key in _required_keys(config_name, Path(config_path)) if key not in overridden]
+        searched = [d for d in (config_dir, Path(config_path)) if d is not None]
+        unset = [key for key in _required_keys(config_name, searched) if key not in overridden]
         for key in unset:
             findings.problem(key, f"required by {config_name} (???), not set")
-        find_problems(cfg, world_size, recipe, findings)
+        find_problems(cfg, world_size, recipe, findings, output_dir_checks)
         # An unset required key still holds the value it inherited: its other problems are about that value.
         findings.problems = [line for line in findings.problems
                              if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")]
         for key, override in added.items():  # valid keys, but Hydra adds a key only with "+"
             if not findings.has_problem(key):
                 findings.problem(key, f"not in the config; add it with +{override}")
-    return format_report(findings), not findings.problems
+        if read_data and not findings.problems:
+            read_first_records(cfg, recipe, findings)
+    return findings
+
+
+FIRST_RECORDS = 8  # records `chattune validate` reads of each source
+
+
+def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: int = FIRST_RECORDS) -> None:
+    """Load the tokenizer and read the first `count` records of every source as the recipe reads them
+    (format, chat template, masks, budget): an empty or malformed file, a bad first record or a tokenizer
+    without a chat template is reported here rather than after the model is loaded."""
+    from chattune.config import source_specs
+    from chattune.dpo_data import PairDocuments
+    from chattune.sft_data import RecordSource, SFTDocuments, Skipped
+    from chattune.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer.path)
+    except UserError as error:
+        findings.problems.append(str(error))  # it names tokenizer.path
+        return
+    data = cfg.data
+    for split in ("train", "eval"):
+        for index, spec in enumerate(source_specs(data[split] or [])):
+            key = f"data.{split}[{index}]"
+            try:
+                source = RecordSource([spec])
+                if recipe == "dpo":
+                    documents = PairDocuments(source, tokenizer, data.max_tokens_per_microbatch, data.overlong,
+                                              data.on_bad_record)
+                else:
+                    documents = SFTDocuments(source, tokenizer, data.max_tokens_per_microbatch, data.overlong,
+                                             spec.train_on or data.train_on, data.on_bad_record)
+                outcomes = documents.get_many(range(min(count, len(documents))))
+            except UserError as error:
+                findings.problem(key, str(error))
+                continue
+            skipped = [o for o in outcomes if isinstance(o, Skipped)]
+            if skipped:
+                findings.note(key, f"{len(skipped)} of its first {min(count, len(documents))} records would be skipped, "
+                                   f"e.g. {skipped[0].reason}: {skipped[0].detail}")
 
 
 def find_problems(cfg: DictConfig, world_size: int | None = None, recipe: str | None = None,
-                  findings: Findings | None = None) -> Findings:
-    """Every problem (and note) of a composed config, added to `findings`."""
+                  findings: Findings | None = None, output_dir_checks: bool = True) -> Findings:
+    """Every problem (and note) of a composed config, added to `findings`. `output_dir_checks`: also
+    what a launch would do with output_dir (a recipe decides that itself, holding the directory's lock)."""
     findings = findings if findings is not None else Findings()
     recipe = recipe or ("dpo" if "reference" in cfg else "sft")
     values = _plain(cfg, "", findings)
-    _Checker(values, recipe, findings).run(world_size)
+    _Checker(values, recipe, findings, cfg if output_dir_checks else None).run(world_size)
     return findings
 
 
 # --- composing ---
 
 
-def _compose(config_name: str, overrides: list[str], config_dir: Path,
-             findings: Findings) -> tuple[DictConfig | None, dict[str, str]]:
+@contextmanager
+def hydra_search_path(config_path: Path, config_dir: Path | None = None) -> Iterator[None]:
+    """Hydra initialised as a recipe initialises it: configs from `config_path` (its --config-path, or
+    the shipped configs), with `config_dir` (--config-dir) searched before it and the shipped configs
+    after it (the search-path plugin)."""
+    search_path = create_config_search_path(str(Path(config_path).resolve()))
+    if config_dir is not None:
+        search_path.prepend(provider="command-line", path=f"file://{Path(config_dir).resolve()}",
+                            anchor=SearchPathQuery(provider="schema"))
+    Hydra.create_main_hydra2(task_name="chattune", config_search_path=search_path)
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def composes(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None) -> bool:
+    """Whether Hydra composes the config as given (a recipe's launch does exactly this first)."""
+    with hydra_search_path(config_path, config_dir):
+        return _try_compose(config_name, overrides)[0] is not None
+
+
+def _compose(config_name: str, overrides: list[str], config_path: Path, findings: Findings,
+             config_dir: Path | None = None) -> tuple[DictConfig | None, dict[str, str]]:
     """The composed config (None if even the bare config fails) and the keys that were only added by
     retrying an override as `+key=value` (key -> override). Failing overrides are reported and left out."""
     added: dict[str, str] = {}
-    with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+    for flag, directory in (("--config-path", config_path), ("--config-dir", config_dir)):
+        if directory is not None and not Path(directory).is_dir():
+            hint = (" (a relative --config-path is resolved from the recipe's directory, as Hydra does: give an "
+                    "absolute path, or --config-dir DIR for a directory relative to where you are)"
+                    if flag == "--config-path" else "")
+            findings.problem(flag, f"{directory} is not a directory{hint}")
+            return None, added
+    with hydra_search_path(config_path, config_dir):
         cfg, _ = _try_compose(config_name, overrides)
         if cfg is not None:
             return cfg, added
         cfg, error = _try_compose(config_name, [])
         if cfg is None:
-            names = (_config_names(config_dir) | _config_names(CONFIG_DIR)) - {config_name} if config_dir.is_dir() else ()
-            findings.problem("config", f"{config_name} from {config_dir}: {_first_line(error)}"
-                                       f"{_did_you_mean(config_name, names)}")
+            searched = [d for d in (config_dir, config_path, CONFIG_DIR) if d is not None]
+            names = set().union(*map(_config_names, searched)) - {config_name}
+            findings.problem("config", f"{config_name} from {' or '.join(map(str, dict.fromkeys(searched)))}: "
+                                       f"{_first_line(error)}{_did_you_mean(config_name, names)}")
             return None, added
         accepted: list[str] = []  # one override at a time, to find those at fault
         for override in overrides:
@@ -208,11 +303,11 @@ def _compose(config_name: str, overrides: list[str], config_dir: Path,
         return compose(config_name, overrides=accepted), added
 
 
-def _required_keys(config_name: str, config_dir: Path) -> list[str]:
+def _required_keys(config_name: str, config_dirs: list[Path]) -> list[str]:
     """The keys the config file itself marks ??? (required). Merging keeps a value from the configs it
     builds on over a ???, so the composed config does not show them missing: a recipe would silently run
     with the parent's value (e.g. sft/tiny's model)."""
-    for directory in (config_dir, CONFIG_DIR):  # the search path's order
+    for directory in (*config_dirs, CONFIG_DIR):  # the search path's order
         path = directory / f"{config_name}.yaml"
         if path.is_file():
             if "/" in config_name and "@package _global_" not in path.read_text():
@@ -349,8 +444,9 @@ def _fits(value: Any, expected: type) -> bool:
 
 
 class _Checker:
-    def __init__(self, values: dict, recipe: str, findings: Findings):
-        self.values, self.recipe, self.findings = values, recipe, findings
+    def __init__(self, values: dict, recipe: str, findings: Findings, cfg: DictConfig | None = None):
+        """`cfg`: the composed config, to check output_dir and the resume as a launch would (None: not checked)."""
+        self.values, self.recipe, self.findings, self.cfg = values, recipe, findings, cfg
         self.schema = base_config(recipe)
         self.schema_keys = list(_dotted_keys(self.schema))
 
@@ -361,7 +457,8 @@ class _Checker:
         self.sources("data.eval", required=False)
         self.paths()
         self.numbers()
-        self.resume(world_size)
+        if self.cfg is not None:
+            self.output_dir(self.cfg, world_size)
 
     # keys and types
 
@@ -387,6 +484,10 @@ class _Checker:
             return
         if isinstance(value, dict) and "_target_" in value:
             self.target(value, expected if isinstance(expected, dict) else None, key)
+            return
+        if key in ALTERNATIVE_TYPES and isinstance(value, ALTERNATIVE_TYPES[key]):
+            if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+                self.findings.problem(key, f"expected a list of strings, got {_show(value)}")
             return
         expected_type = type(expected) if expected is not None else NULLABLE.get(key)
         if expected_type is None:
@@ -455,7 +556,7 @@ class _Checker:
     def enums(self) -> None:
         allowed = {
             "device": DEVICES, "logger": LOGGERS, "progress": PROGRESS_MODES, "nonfinite_loss": NONFINITE_LOSS,
-            "data.train_on": TRAIN_ON, "data.mixing.mode": MIXING_MODES, "data.mixing.reward": MIXING_REWARDS,
+            "data.train_on": TRAIN_ON, "data.on_bad_record": ON_BAD_RECORD, "data.mixing.mode": MIXING_MODES, "data.mixing.reward": MIXING_REWARDS,
             "data.mixing.stopping": MIXING_STOPPING,
             "data.overlong": OVERLONG_DPO if self.recipe == "dpo" else OVERLONG,
             "model.fsdp.param_dtype": ("auto", *DTYPES), "model.fsdp.reduce_dtype": tuple(DTYPES),
@@ -514,20 +615,23 @@ class _Checker:
         if Path(path).is_file():
             if not path.endswith(DATA_SUFFIXES):
                 self.findings.problem(key, f"data file {path!r}: expected .jsonl, .json or .parquet")
-        elif HUB_ID.fullmatch(path) and not path.endswith(DATA_SUFFIXES):
-            self.findings.note(key, f"{path!r} is not a local path: read as a hub dataset id (needs the machine online)")
+        elif path.startswith(HUB_PREFIX):
+            self.findings.note(key, f"{path!r}: a hub dataset (needs the machine online)")
         else:
-            self.findings.problem(key, f"data file {path!r} does not exist")
+            hint = f" (a hub dataset is written {HUB_PREFIX}{path})" if HUB_LIKE.fullmatch(path) and not \
+                path.endswith(DATA_SUFFIXES) else ""
+            self.findings.problem(key, f"data file {path!r} does not exist{hint}")
 
     def paths(self) -> None:
         tokenizer = _get(self.values, "tokenizer.path")
         if isinstance(tokenizer, str) and not Path(tokenizer).is_dir():
-            if Path(tokenizer).exists():
+            if tokenizer.startswith(HUB_PREFIX):
+                self.findings.note("tokenizer.path", f"{tokenizer!r}: a hub tokenizer (needs the machine online)")
+            elif Path(tokenizer).exists():
                 self.findings.problem("tokenizer.path", f"{tokenizer!r} is not a directory")
-            elif HUB_ID.fullmatch(tokenizer):
-                self.findings.note("tokenizer.path", f"{tokenizer!r} is not a local directory: a hub id (needs the machine online)")
             else:
-                self.findings.problem("tokenizer.path", f"{tokenizer!r} does not exist")
+                hint = f" (a hub tokenizer is written {HUB_PREFIX}{tokenizer})" if HUB_LIKE.fullmatch(tokenizer) else ""
+                self.findings.problem("tokenizer.path", f"{tokenizer!r} does not exist{hint}")
         for key in ("model.path", "reference.path"):
             path = _get(self.values, key)
             if not isinstance(path, str):
@@ -582,45 +686,49 @@ class _Checker:
             return None  # a missing or unreadable config.json is reported by paths()
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    def resume(self, world_size: int | None) -> None:
-        """The checkpoint this run would continue from must fit it: resuming refuses another number of
-        ranks or loader workers (each rank's data position belongs to its share of the epoch)."""
+    def output_dir(self, cfg: DictConfig, world_size: int | None) -> None:
+        """What a launch would do with output_dir, decided as the recipe decides it (`chattune.output_dir`):
+        writable, not locked by a live run, and the checkpoint it continues fits this config (or an
+        earlier run's results would be overwritten without overwrite=true)."""
         if world_size is not None and world_size < 1:
             self.findings.problem("world_size", f"must be at least 1, got {world_size}")
-        checkpoint = self.checkpoint_to_resume()
-        if checkpoint is None:
+        output_dir = _get(self.values, "output_dir")
+        if not isinstance(output_dir, str) or self.findings.problems:
+            return  # the decision needs a config without other problems (the fingerprint resolves it whole)
+        directory = Path(output_dir)
+        existing = next(p for p in (directory, *directory.resolve().parents) if p.exists())
+        if not existing.is_dir():
+            self.findings.problem("output_dir", f"{existing} is not a directory")
             return
-        from chattune.checkpoint import read_meta
+        if not os.access(existing, os.W_OK | os.X_OK):
+            self.findings.problem("output_dir", f"cannot write into {existing} (permission denied)")
+            return
+        resume = _get(self.values, "resume")
+        if not directory.is_dir() and not (isinstance(resume, str) and resume != "auto"):
+            return  # nothing there to resume, lock or overwrite (and no need to import torch to say so)
+        # torch.distributed.checkpoint and the data fingerprints take seconds to import: only where needed.
+        from chattune.output_dir import OutputDirLock, describe_holder, plan_start
+        from chattune.resume import ResumeError, run_fingerprint, run_meta
 
+        lock = OutputDirLock(directory)
+        if lock.is_held():
+            self.findings.problem("output_dir", f"in use by another run: {describe_holder(lock.holder())}")
         try:
-            meta = read_meta(checkpoint)
-        except (OSError, ValueError) as error:
-            self.findings.problem("resume", str(error))
+            plan = plan_start(cfg, run_meta(world_size, run_fingerprint(cfg)))
+        except UserError as error:
+            key = "resume" if isinstance(error, ResumeError) else "output_dir"
+            self.findings.problem(key, str(error))
             return
-        saved_ranks, saved_workers = meta.get("world_size"), meta.get("num_workers")
-        if world_size is None:
-            self.findings.note("resume", f"continues from {checkpoint}, written by {saved_ranks} rank(s): "
-                                         f"launch with --nproc_per_node {saved_ranks}")
-        elif saved_ranks != world_size:
-            self.findings.problem("resume", f"{checkpoint} was written by {saved_ranks} rank(s), this run has {world_size}: "
-                                            f"relaunch with --nproc_per_node {saved_ranks}, or start afresh with resume=null")
-        workers = _get(self.values, "data.num_workers")
-        if isinstance(workers, int) and saved_workers != workers:
-            self.findings.problem("data.num_workers", f"{checkpoint} was written with data.num_workers={saved_workers}, "
-                                                      f"this run has {workers}: resume with {saved_workers}, or resume=null")
-
-    def checkpoint_to_resume(self) -> Path | None:
-        """As resume.checkpoint_to_resume, without its check that a given path is a complete checkpoint."""
-        resume, output_dir = _get(self.values, "resume"), _get(self.values, "output_dir")
-        if isinstance(resume, str) and resume != "auto":
-            return Path(resume)
-        checkpoints = Path(output_dir) / "checkpoints" if isinstance(output_dir, str) else None
-        # chattune.checkpoint imports torch.distributed.checkpoint (seconds): only where checkpoints may be.
-        if resume != "auto" or checkpoints is None or not checkpoints.is_dir():
-            return None
-        from chattune.checkpoint import find_latest
-
-        return find_latest(checkpoints)
+        start = plan.start
+        if start.resume_from is not None:
+            saved = start.checkpoint_meta
+            ranks = "" if world_size is not None else f", written by {saved['world_size']} rank(s): launch with " \
+                                                        f"--nproc_per_node {saved['world_size']}"
+            self.findings.note("resume", f"continues from {start.resume_from} at step {saved['step']}{ranks}")
+        for line in start.plan.notes + [f"{h} (the schedule is recomputed for the new horizon)" for h in start.plan.horizon]:
+            self.findings.note("resume", line)
+        for path in plan.move_aside + plan.copy_aside:
+            self.findings.note("output_dir", f"{path} would be set aside as {path.name}.abandoned")
 
 
 def _dotted_keys(tree: dict, prefix: str = ""):

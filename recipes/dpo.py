@@ -15,15 +15,15 @@ import logging
 import os
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from transformers import AutoTokenizer
 
-from chattune.config import CONFIG_DIR, save_resolved_config
-from chattune.distributed import exit_process, init_distributed, shutdown_distributed
+from chattune.distributed import init_distributed, shutdown_distributed
+from chattune.launch import recipe_main
 from chattune.log import setup_logging
+from chattune.output_dir import claim_output_dir
+from chattune.tokenizer import load_tokenizer
 from chattune.dpo_loss import PreferenceLoss
 from chattune import reference_cache
 from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObjective
@@ -35,21 +35,22 @@ from chattune.validate import check_config
 logger = logging.getLogger("chattune.dpo")
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="dpo/tiny", version_base=None)
+@recipe_main(config_name="dpo/tiny")
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
-    # loaded yet, the same checks as `chattune validate`); rank 0 records it ---
+    # loaded yet, the same checks as `chattune validate`) ---
     config_notes = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), recipe="dpo")
     dist_info = init_distributed(cfg.device)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
         logger.info("config note: %s", note)
-    device, output_dir = dist_info.device, Path(cfg.output_dir)
-    if dist_info.is_main:
-        save_resolved_config(cfg, output_dir)
+    device = dist_info.device
+    # The output directory is this run's alone (a lock), and what the launch continues is settled (a
+    # resume is checked against the checkpoint, an earlier run is never overwritten by accident).
+    start = claim_output_dir(cfg, dist_info)
 
     # --- data: each rank tokenizes (in loader workers) and packs only its own share of every epoch ---
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
     pad_id = pad_token_id(tokenizer)
 
     # The sources behind one record index, drawn as data.mixing says; a data report; each rank's step feed.
@@ -87,10 +88,9 @@ def main(cfg: DictConfig) -> None:
     eval_objective = PreferenceObjective(preference_loss, eval_reference) if cfg.data.eval else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id, eval_objective)
+    train(cfg, dist_info, start, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id, eval_objective)
     shutdown_distributed()
 
 
 if __name__ == "__main__":
     main()
-    exit_process()  # the run is complete; skip interpreter teardown (see exit_process)

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from transformers import AutoTokenizer
 
-from chattune.config import CONFIG_DIR, save_resolved_config
-from chattune.distributed import exit_process, init_distributed, shutdown_distributed
+from chattune.distributed import init_distributed, shutdown_distributed
+from chattune.launch import recipe_main
 from chattune.log import setup_logging
+from chattune.output_dir import claim_output_dir
+from chattune.tokenizer import load_tokenizer
 from chattune.training_data import build_training_data, pad_token_id, sft_documents
 from chattune.training_model import build_sharded_model
 from chattune.training_loop import train
@@ -29,21 +28,22 @@ from chattune.train_step import TokenCrossEntropy
 logger = logging.getLogger("chattune.sft")
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="sft/tiny", version_base=None)
+@recipe_main(config_name="sft/tiny")
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
-    # loaded yet, the same checks as `chattune validate`); rank 0 records it ---
+    # loaded yet, the same checks as `chattune validate`) ---
     config_notes = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), recipe="sft")
     dist_info = init_distributed(cfg.device)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
         logger.info("config note: %s", note)
-    device, output_dir = dist_info.device, Path(cfg.output_dir)
-    if dist_info.is_main:
-        save_resolved_config(cfg, output_dir)
+    device = dist_info.device
+    # The output directory is this run's alone (a lock), and what the launch continues is settled (a
+    # resume is checked against the checkpoint, an earlier run is never overwritten by accident).
+    start = claim_output_dir(cfg, dist_info)
 
     # --- data: each rank tokenizes (in loader workers) and packs only its own share of every epoch ---
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
     pad_id = pad_token_id(tokenizer)
 
     # The sources behind one record index, drawn as data.mixing says; a data report; each rank's step feed.
@@ -60,10 +60,9 @@ def main(cfg: DictConfig) -> None:
     objective = TokenCrossEntropy(num_sources=data.num_sources)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id)
+    train(cfg, dist_info, start, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id)
     shutdown_distributed()
 
 
 if __name__ == "__main__":
     main()
-    exit_process()  # the run is complete; skip interpreter teardown (see exit_process)

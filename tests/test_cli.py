@@ -175,8 +175,9 @@ def test_plot_names_the_file_and_line_of_bad_input(tmp_path, capsys):
 def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_path, monkeypatch, capsys):
     calls = []
 
-    def run_validate(config_name: str, overrides: list[str], config_path: Path) -> tuple[str, bool]:
-        calls.append((config_name, overrides, config_path))
+    def run_validate(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None,
+                     read_data: bool = False) -> tuple[str, bool]:
+        calls.append((config_name, overrides, config_path, config_dir, read_data))
         return f"report for {config_name}", "bad=1" not in overrides
 
     monkeypatch.setitem(sys.modules, "chattune.validate", types.SimpleNamespace(run_validate=run_validate))
@@ -184,7 +185,17 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
     assert capsys.readouterr().out == "report for dpo/tiny\n"
     assert main(["validate", "--config-name", "sft/local_model", "--config-path", str(tmp_path), "bad=1"]) == 1
     assert main(["validate", "~wandb"]) == 0
-    assert calls == [("dpo/tiny", ["max_steps=3"], CONFIG_DIR), ("sft/local_model", ["bad=1"], tmp_path.resolve()),
-                     ("sft/tiny", ["~wandb"], CONFIG_DIR)]
+    # A relative --config-path is resolved from the recipe's directory, as Hydra resolves the recipe's own
+    # (the shipped recipe of the config's group, or --recipe); --config-dir is relative to where we are.
+    assert main(["validate", "sft/mine", "--config-path", "my_configs", "max_steps=2"]) == 0
+    assert main(["validate", "sft/mine", "--config-path", "my_configs", "--recipe", str(tmp_path / "my_sft.py")]) == 0
+    assert main(["validate", "sft/mine", "--config-dir", "my_configs"]) == 0
+    recipes = CONFIG_DIR.parent / "recipes"
+    assert calls == [("dpo/tiny", ["max_steps=3"], CONFIG_DIR, None, True),
+                     ("sft/local_model", ["bad=1"], tmp_path.resolve(), None, True),
+                     ("sft/tiny", ["~wandb"], CONFIG_DIR, None, True),
+                     ("sft/mine", ["max_steps=2"], recipes / "my_configs", None, True),
+                     ("sft/mine", [], tmp_path / "my_configs", None, True),
+                     ("sft/mine", [], CONFIG_DIR, Path("my_configs"), True)]
     with pytest.raises(SystemExit):
         main(["validate", "--config-name", "sft/tiny", "dpo/tiny"])

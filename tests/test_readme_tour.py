@@ -14,7 +14,7 @@ from conftest import PROJECT_ROOT
 
 # The launches of the tour and the tests that run them (with smaller step counts and models).
 LAUNCHES = {
-    "torchrun --nproc_per_node 2 recipes/sft.py max_steps=100 optimizer.lr=1e-3":
+    "torchrun --nproc_per_node 2 recipes/sft.py max_steps=100 optimizer.lr=1e-3 output_dir=outputs/sft-lr1e-3":
         "test_sft_recipe::test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model",
     "torchrun --nproc_per_node 2 my_sft.py --config-path $PWD/my_configs --config-name my_tiny":
         "test_sft_recipe::test_copied_recipe_runs_with_config_path",
@@ -49,7 +49,7 @@ def test_every_launch_in_the_tour_names_a_test_that_exists():
 def test_the_chattune_commands_of_the_tour_run_as_written(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
-    run_dir = tmp_path / "outputs" / "sft-tiny"  # what the tour's first launch leaves for `chattune plot`
+    run_dir = tmp_path / "outputs" / "sft-lr1e-3"  # what the tour's first launch leaves for `chattune plot`
     run_dir.mkdir(parents=True)
     run_dir.joinpath("metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "loss": 5.0 / s, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 1e3}) + "\n"

@@ -1,20 +1,57 @@
-"""Nothing lost, nothing silent, no run damaging another: recipe-level checks with real torchrun processes
-(2 ranks, gloo) for the data-loss and crash bugs a new user hit, each reproduced first."""
+"""Nothing lost, nothing silent, no run damaging another: recipe-level checks with real processes (torchrun
+and 2 gloo ranks where ranks matter) for the data-loss and crash bugs a new user hit, each reproduced
+first, and for the resume policy (README, "What chattune promises")."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from chattune.config import DEMO_ASSETS
-from conftest import free_port
-from test_sft_recipe import run
+from conftest import PROJECT_ROOT, free_port
+from test_sft_recipe import read_metrics, run
+
+DEMO_CHATS = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)
+SMALL = ["max_steps=6", "save_every=2", "log_every=1", "eval_every=0", "data.eval=[]", "data.report_records=0",
+         "data.max_tokens_per_microbatch=512", "data.buffer_records=16"]
 
 
 def torchrun(nproc: int, recipe: str, *overrides: str, **kwargs):
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(free_port()), recipe, *overrides], **kwargs)
+
+
+def launch(*args: str, nproc: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A recipe launch that may fail (python, or torchrun with `nproc` ranks)."""
+    head = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                   str(nproc), "--master_port", str(free_port())]
+    return subprocess.run([*head, *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def chats(tmp_path: Path, count: int = 40, name: str = "chats.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(DEMO_CHATS[:count]))
+    return path
+
+
+def steps(out: Path) -> list[int]:
+    return [m["step"] for m in read_metrics(out)]
+
+
+def our_traceback_lines(stderr: str) -> list[str]:
+    """Traceback lines from chattune's or a recipe's code (torchrun's own report of a failed worker is a
+    traceback of torch/distributed/run.py, which is not ours to remove)."""
+    return [line for line in stderr.splitlines()
+            if line.strip().startswith("File ") and ("chattune" in line or "recipes/" in line)]
 
 
 def test_dpo_on_two_ranks_counts_a_pair_with_identical_replies_on_one_rank(tmp_path):
@@ -31,3 +68,206 @@ def test_dpo_on_two_ranks_counts_a_pair_with_identical_replies_on_one_rank(tmp_p
     log = result.stdout + result.stderr
     assert "training data (30 of 30 records sampled): records read: 30; skipped: 1 (identical_replies 1)" in log
     assert "skipped {'overlong': 0, 'no_trainable_tokens': 0, 'identical_replies': 1, 'bad_record': 0}" in log
+
+
+def test_split_records_are_all_trained_on_two_ranks(tmp_path):
+    """data.overlong=split: the records after a split one in the same read were lost (7 of 61 never
+    trained while the report said all were read). The ledger shows every record trained, in one epoch."""
+    data = chats(tmp_path, 30)
+    out = tmp_path / "run"
+    result = torchrun(2, "recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", "data.overlong=split",
+                      "data.max_tokens_per_microbatch=64", "data.num_epochs=1", "max_steps=100", "ledger=true",
+                      "save_every=0", "eval_every=0", "data.eval=[]", "data.report_records=null", "data.buffer_records=8")
+    log = result.stdout + result.stderr
+    assert "training data (30 of 30 records sampled): records read: 30;" in log
+    trained = Counter(i for path in (out / "ledger").glob("rank*.jsonl") for line in path.read_text().splitlines()
+                      for i in json.loads(line)["doc_ids"])
+    assert sorted(trained) == list(range(30)), "records never trained"
+    assert sum(trained.values()) > 30, "the 64-token budget should have split some records into several pieces"
+
+
+def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_stops_its_workers(tmp_path):
+    """Two runs into one output_dir used to interleave their checkpoints and metrics (steps 1,2,3,4,10,5,...)."""
+    data = chats(tmp_path)
+    out = tmp_path / "run"
+    args = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "max_steps=400", "save_every=1"]
+    first = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                              str(free_port()), *args], cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
+            assert first.poll() is None and time.time() < deadline, "the first run did not get going"
+            time.sleep(0.5)
+        holder = json.loads((out / ".chattune.lock").read_text())
+        second = launch(*args, nproc=2)
+        assert second.returncode != 0
+        assert second.stderr.count(f"chattune: error: output_dir {out} is in use by another run: pid {holder['pid']} on "
+                                   f"host {holder['host']}") == 1, second.stderr[-3000:]
+        assert not our_traceback_lines(second.stderr)
+
+        # kill -9 of torchrun alone (its workers run in sessions of their own): the workers stop with it.
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        deadline = time.time() + 60
+        while OutputDirLockHeld(out) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not OutputDirLockHeld(out), "the workers outlived their launcher"
+    finally:
+        first.kill()
+    before = steps(out)
+    assert before == list(range(1, len(before) + 1))
+    resumed = launch(*args[:-2], "max_steps=12", nproc=2)  # resume=auto from its last checkpoint
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert steps(out) == list(range(1, 13))
+
+
+def OutputDirLockHeld(out: Path) -> bool:
+    from chattune.output_dir import OutputDirLock
+
+    return OutputDirLock(out).is_held()
+
+
+def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
+    data = chats(tmp_path)
+    out = tmp_path / "run"
+    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
+    assert launch(*base).returncode == 0  # steps 1..6, checkpoints step_2, 4, 6, hf/
+    first_metrics = (out / "metrics.jsonl").read_text()
+
+    # resume=null into a used directory (the remedy the resume error used to suggest) is refused, untouched.
+    refused = launch(*base, "resume=null")
+    assert refused.returncode != 0 and refused.stderr.count("chattune: error: ") == 1
+    assert f"output_dir {out} holds an earlier run's results (checkpoints, metrics.jsonl, hf)" in refused.stderr
+    assert "overwrite=true" in refused.stderr and (out / "metrics.jsonl").read_text() == first_metrics
+
+    # overwrite=true starts over; the earlier files are moved aside, never deleted, never resumed.
+    fresh = launch(*base, "resume=null", "overwrite=true", "max_steps=4", "keep_last_n=1")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert (out / "metrics.jsonl.abandoned").read_text() == first_metrics
+    assert sorted(p.name for p in (out / "checkpoints.abandoned").iterdir()) == ["step_2", "step_4", "step_6"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"]  # keep_last_n prunes its own only
+    assert (out / "hf.abandoned" / "model.safetensors").is_file() and steps(out) == [1, 2, 3, 4]
+
+    # resume=PATH to an older checkpoint: the newer ones (another trajectory now) are set aside, so neither
+    # keep_last_n nor a later resume=auto prefers them.
+    longer = launch(*base, "max_steps=8", "keep_last_n=null")
+    assert longer.returncode == 0 and sorted(p.name for p in (out / "checkpoints").iterdir()) == \
+        ["step_4", "step_6", "step_8"]
+    older = launch(*base, f"resume={out}/checkpoints/step_4", "max_steps=8", "keep_last_n=2", "optimizer.lr=1e-3",
+                   "resume_allow_changes=[optimizer.lr]")
+    assert older.returncode == 0, older.stderr[-3000:]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_6", "step_6.abandoned", "step_8", "step_8.abandoned"], names
+    assert steps(out) == list(range(1, 9)) and (out / "hf.abandoned.2").is_dir()
+    abandoned_curve = [json.loads(line)["step"] for line in (out / "metrics.jsonl.abandoned.2").read_text().splitlines()]
+    assert abandoned_curve == list(range(1, 9))
+    again = launch(*base, "max_steps=8", "optimizer.lr=1e-3", "resume_allow_changes=[optimizer.lr]")
+    assert f"resumed from {out}/checkpoints/step_8 at step 8" in again.stdout + again.stderr
+
+
+def test_a_typo_at_launch_is_reported_as_validate_reports_it():
+    result = launch("recipes/sft.py", "optimizer.lrr=1e-3", "max_stepz=3", "data.overlong=trim")
+    assert result.returncode != 0
+    assert result.stderr.splitlines() == [
+        "chattune: error: optimizer.lrr: unknown key; did you mean optimizer.lr?",
+        "max_stepz: unknown key; did you mean max_steps?",
+        "data.overlong: 'trim' is not one of drop, truncate, split, error",
+        "3 problem(s)",
+    ]
+    relative = launch("recipes/sft.py", "--config-path", "no_such_configs", "--config-name", "mine")
+    assert relative.returncode != 0 and relative.stderr.count("chattune: error: ") == 1
+    assert f"--config-path: {PROJECT_ROOT / 'recipes' / 'no_such_configs'} is not a directory (a relative --config-path " \
+           "is resolved from the recipe's directory" in relative.stderr
+
+
+def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
+    """It used to drown in 66-124 lines: a traceback per rank and another rank's "Connection closed by peer"."""
+    lines = DEMO_CHATS[:40]
+    lines[17] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}) + "\n"
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(lines))
+    result = launch("recipes/sft.py", f"output_dir={tmp_path / 'run'}", f"data.train=[{data}]", "max_steps=50",
+                    "data.eval=[]", "save_every=0", "data.max_tokens_per_microbatch=512", "data.report_records=0", nproc=2)
+    assert result.returncode != 0
+    message = f"chattune: error: {data} record 18 (line 18): message 1 has role 'wizard'"
+    assert (result.stdout + result.stderr).count(message) == 1
+    assert "Connection closed by peer" not in result.stderr and not our_traceback_lines(result.stderr)
+    assert "the chattune error printed above (a user error, not a bug: no traceback)" in result.stderr
+
+
+def base_run(tmp_path: Path, data: Path, *extra: str) -> list[str]:
+    return ["recipes/sft.py", f"output_dir={tmp_path / 'run'}", f"data.train=[{data}]", *SMALL, *extra]
+
+
+def test_resume_policy_horizon_numerics_and_refusals(tmp_path):
+    data = chats(tmp_path)
+    straight = launch(*base_run(tmp_path, data)[:1], *[a.replace("/run", "/straight") for a in base_run(tmp_path, data)[1:]],
+                      "data.num_workers=2")
+    assert straight.returncode == 0
+    args = base_run(tmp_path, data)
+    out = tmp_path / "run"
+    assert launch(*args, "stop_after_step=3").returncode == 0
+
+    # stop_after_step at or before the resumed step: said, not silently run on.
+    stop = launch(*args, "stop_after_step=2")
+    assert stop.returncode != 0 and "stop_after_step=2, but this run continues from" in stop.stderr
+
+    # Refused: data, tokenizer, seed and model changes; the message names the exact override that accepts them.
+    seed = launch(*args, "seed=7", "model.config.hidden_size=128")
+    assert seed.returncode != 0 and "config seed: 42 -> 7" in seed.stderr
+    assert "resume_allow_changes=[model.config.hidden_size,seed]" in seed.stderr
+
+    # Numerics-only (loader workers, loss chunks): accepted with a note, and the run continues exactly.
+    resumed = launch(*args, "data.num_workers=2", "loss.chunk_size=100")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "config data.num_workers: 0 -> 2 (the same documents and updates, computed differently)" in resumed.stdout
+    straight_losses = [m["loss"] for m in read_metrics(tmp_path / "straight")]
+    assert [m["loss"] for m in read_metrics(out)] == pytest.approx(straight_losses, rel=1e-5)
+
+    # The horizon: accepted with a warning that gives the learning rate at the resume step, old and new.
+    longer = launch(*args, "max_steps=40", "data.num_workers=2", "loss.chunk_size=100")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "resuming with another learning-rate schedule (max_steps: 6 -> 40): the LR at step 6 is 0.0018 (it was " \
+           "0.0018 under the checkpoint's schedule)" in longer.stdout
+    assert steps(out)[-1] == 40
+
+
+def test_a_fixed_record_is_named_and_can_be_accepted_alone(tmp_path):
+    data = chats(tmp_path)
+    args = base_run(tmp_path, data)
+    assert launch(*args, "stop_after_step=2").returncode == 0
+    lines = data.read_text().splitlines(keepends=True)
+    fixed = json.loads(lines[11])
+    fixed["messages"][-1]["content"] += " (fixed)"
+    lines[11] = json.dumps(fixed) + "\n"
+    data.write_text("".join(lines))
+    refused = launch(*args)
+    assert refused.returncode != 0
+    assert f"data file {data}: record 12 (line 12) changed" in refused.stderr
+    assert f"resume_allow_changes=[{data}:12]" in refused.stderr
+    accepted = launch(*args, f"resume_allow_changes=[{data}:12]")
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert f"data file {data}: record 12 (line 12) changed (accepted by resume_allow_changes)" in accepted.stdout
+    lines[3] = lines[3].replace('"content": "', '"content": "x', 1)  # another record: accepting 12 is not enough
+    data.write_text("".join(lines))
+    assert launch(*args, "max_steps=8", f"resume_allow_changes=[{data}:12]").returncode != 0
+
+
+def test_bad_records_are_skipped_counted_and_logged_on_both_ranks(tmp_path):
+    lines = DEMO_CHATS[:40]
+    for index in (3, 20, 21, 33):
+        lines[index] = json.dumps({"messages": [{"role": "user", "content": "no reply"}]}) + "\n"
+    lines[9] = "{not json\n"
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(lines))
+    out = tmp_path / "run"
+    result = torchrun(2, "recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", "data.on_bad_record=skip",
+                      "data.num_epochs=1", "max_steps=50", "save_every=0", "eval_every=0", "data.eval=[]",
+                      "data.report_records=0", "data.max_tokens_per_microbatch=512")
+    log = result.stdout + result.stderr
+    assert "'bad_record': 5" in log
+    assert f"skipped (bad_record): {data} record 10 (line 10): unparseable JSON line" in log
+    for index in (3, 20, 21, 33):
+        assert f"skipped (bad_record): {data} record {index + 1} (line {index + 1}): no assistant message" in log
+    assert "35 documents" in log  # the epoch's figures: every other record trained

@@ -4,6 +4,8 @@ is reported at once, one line each, the same way by the command and by the recip
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,7 @@ def test_every_problem_is_reported_in_one_run(tmp_path):
     missing = tmp_path / "missing.jsonl"
     report, ok = run_validate("sft/tiny", [
         f"output_dir={tmp_path}", "optimizer.lrr=0.1", "max_steps=ten", "data.overlong=trim",
-        f"data.train=[{missing},org/chats]", "grad_accum_steps=0", "ledger=1", "optimizer.lr='3e-3'",
+        f"data.train=[{missing},org/chats,hf:org/chats]", "grad_accum_steps=0", "ledger=1", "optimizer.lr='3e-3'",
         "+data.max_token_per_microbatch=8", "data.train_on=assistants", "progress=bars",
     ], CONFIGS)
     assert not ok
@@ -97,6 +99,7 @@ def test_every_problem_is_reported_in_one_run(tmp_path):
         "max_steps: expected an integer, got 'ten'",
         "data.overlong: 'trim' is not one of drop, truncate, split, error",
         f"data.train[0]: data file '{missing}' does not exist",
+        "data.train[1]: data file 'org/chats' does not exist (a hub dataset is written hf:org/chats)",
         "grad_accum_steps: must be at least 1, got 0",
         "ledger: expected true or false, got 1",
         "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)",
@@ -104,8 +107,8 @@ def test_every_problem_is_reported_in_one_run(tmp_path):
         "data.train_on: 'assistants' is not one of assistant, last_assistant, all; did you mean assistant?",
         "progress: 'bars' is not one of auto, bar, lines; did you mean bar?",
     ])
-    assert "note: data.train[1]: 'org/chats' is not a local path: read as a hub dataset id (needs the machine online)" in report
-    assert report.splitlines()[-1] == "10 problem(s)"
+    assert "note: data.train[2]: 'hf:org/chats': a hub dataset (needs the machine online)" in report
+    assert report.splitlines()[-1] == "11 problem(s)"
 
 
 def test_check_config_raises_the_same_lines(tmp_path):
@@ -210,24 +213,58 @@ def test_numbers_that_cannot_work(tmp_path):
     assert problems(report) == ["stop_after_step: 300 is after max_steps 200: the run ends first"]
 
 
-def test_the_checkpoint_to_resume_must_fit_the_run(tmp_path):
+def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_path):
+    from chattune.output_dir import OutputDirLock
+    from chattune.resume import run_fingerprint
+
     checkpoint = tmp_path / "checkpoints" / "step_5"
     checkpoint.mkdir(parents=True)
-    (checkpoint / "chattune.json").write_text(json.dumps({"world_size": 2, "num_workers": 0, "step": 5}))
+    fingerprint = run_fingerprint(compose_config("sft/tiny", [f"output_dir={tmp_path}"]))
+    (checkpoint / "chattune.json").write_text(json.dumps({"world_size": 2, "step": 5, "fingerprint": fingerprint}))
+    # The recipes' own check leaves output_dir to the launch, which decides it holding the directory's lock.
+    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1"]), world_size=4) == []
 
-    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}"]), world_size=2) == []
-    with pytest.raises(ConfigError) as raised:
-        check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "data.num_workers=2"]), world_size=4)
-    assert raised.value.problems == [
-        f"resume: {checkpoint} was written by 2 rank(s), this run has 4: relaunch with --nproc_per_node 2, "
-        "or start afresh with resume=null",
-        f"data.num_workers: {checkpoint} was written with data.num_workers=0, this run has 2: resume with 0, or resume=null",
-    ]
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
-    assert ok and f"note: resume: continues from {checkpoint}, written by 2 rank(s): launch with --nproc_per_node 2" in report
-
+    assert ok and f"note: resume: continues from {checkpoint} at step 5, written by 2 rank(s): launch with " \
+                  "--nproc_per_node 2" in report
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS, world_size=4)
+    assert problems(report) == [f"resume: {checkpoint} was written by 2 rank(s), this run has 4: each rank's data "
+                                "position is a place in its own share of the epoch, which another number of ranks "
+                                "would split differently. Relaunch with --nproc_per_node 2."]
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1e-3", "seed=1"], CONFIGS)
+    assert not ok and "config optimizer.lr: 0.003 -> 0.001\n  config seed: 42 -> 1" in report
+    assert "resume with resume_allow_changes=[optimizer.lr,seed] (accepts only these changes" in report
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1e-3",
+                                           "resume_allow_changes=[optimizer]", "data.num_workers=2", "max_steps=300"], CONFIGS)
+    assert ok, report
+    assert "note: resume: config optimizer.lr: 0.003 -> 0.001 (accepted by resume_allow_changes)" in report
+    assert "note: resume: config data.num_workers: 0 -> 2 (the same documents and updates, computed differently)" in report
+    assert "note: resume: max_steps: 200 -> 300 (the schedule is recomputed for the new horizon)" in report
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "stop_after_step=5"], CONFIGS)
+    assert not ok and "stop_after_step=5, but this run continues from" in report
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "resume=null"], CONFIGS)
+    assert not ok and f"output_dir: output_dir {tmp_path} holds an earlier run's results (checkpoints)" in report
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "resume=null", "overwrite=true"], CONFIGS)
+    assert ok and f"note: output_dir: {tmp_path / 'checkpoints'} would be set aside as checkpoints.abandoned" in report
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", f"resume={tmp_path}"], CONFIGS)
-    assert problems(report) == [f"resume: {tmp_path} is not a complete chattune checkpoint (no chattune.json)"]
+    assert problems(report) == [f"resume: resume={tmp_path}: {tmp_path} is not a complete chattune checkpoint "
+                                "(no chattune.json)"]
+    # A live run's lock (held here by a child process, as another launch would hold it).
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from chattune.output_dir import OutputDirLock; OutputDirLock(Path(sys.argv[1])).acquire(); "
+                               "print('locked', flush=True); time.sleep(60)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
+        assert not ok and f"output_dir: in use by another run: pid {holder.pid} on host " in report
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not OutputDirLock(tmp_path).is_held()  # a dead holder's lock is free again
+    assert run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)[1]
+    (tmp_path / "file").write_text("")
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path / 'file' / 'run'}"], CONFIGS)
+    assert problems(report) == [f"output_dir: {tmp_path / 'file'} is not a directory"]
 
 
 def test_the_schema_is_what_hydra_composes_and_its_nulls_have_types():
@@ -242,9 +279,10 @@ def test_copied_constants_agree_with_their_modules():
     from chattune import dpo_data, fsdp, mixer, mixture, sft_data
 
     assert validate.OVERLONG == sft_data.OVERLONG and validate.TRAIN_ON == sft_data.TRAIN_ON
+    assert validate.ON_BAD_RECORD == sft_data.ON_BAD_RECORD
     assert validate.OVERLONG_DPO == dpo_data.OVERLONG_DPO
     assert validate.DTYPES == tuple(fsdp.DTYPES)
-    assert validate.HUB_ID.pattern == sft_data._HUB_ID.pattern
+    assert validate.HUB_PREFIX == sft_data.HUB_PREFIX and validate.HUB_LIKE.pattern == sft_data.HUB_LIKE.pattern
     assert (validate.MIXING_MODES, validate.MIXING_REWARDS) == (mixer.MODES, mixer.REWARDS)
     assert validate.MIXING_STOPPING == mixture.STOPPING
 

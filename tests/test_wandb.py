@@ -137,3 +137,17 @@ def test_a_failing_wandb_init_says_what_to_do(tmp_path, wandb_env):
     with pytest.raises(RuntimeError, match=r"wandb.init failed: .*(?s:.*)wandb.mode=offline.*logger=stdout"):
         MetricLogger(str(tmp_path), True, "wandb", wandb_kwargs={"mode": "online"})  # no API key anywhere
     assert not MetricLogger(str(tmp_path), False, "wandb").wandb_run  # other ranks never start wandb
+
+
+def test_a_resumed_run_logs_into_the_wandb_run_it_started(tmp_path, wandb_env):
+    out = tmp_path / "run"
+    command = [sys.executable, "recipes/sft.py", f"output_dir={out}", "max_steps=4", "log_every=1", "save_every=2",
+               "eval_every=0", "data.eval=[]", "logger=wandb", "data.max_tokens_per_microbatch=512",
+               "data.report_records=0"]
+    run([*command, "stop_after_step=2"], env_extra=wandb_env, timeout=180)
+    run_id = json.loads((out / "checkpoints" / "step_2" / "chattune.json").read_text())["wandb_id"]
+    assert run_id
+    run(command, env_extra=wandb_env, timeout=180)
+    run_dirs = sorted((out / "wandb").glob("offline-run-*"), key=lambda d: d.stat().st_mtime)
+    assert len(run_dirs) == 2 and all(d.name.endswith(f"-{run_id}") for d in run_dirs), run_dirs
+    assert [row["_step"] for row in read_offline_run(run_dirs[-1])[1]] == [3, 4]

@@ -1,0 +1,141 @@
+"""The bad-input table: every kind of bad input a user can give gets one clear error that names the key,
+file or record and the problem (or a counted skip), never a traceback, a silent drop or a hang.
+
+Each row is checked through `chattune validate` (in-process, the same checks a recipe runs at its start,
+plus the first records of every source), and the rows marked `launch` also through a real recipe launch,
+whose stderr must hold the message exactly once and no traceback. Multi-rank failures (a bad record on
+one rank, a busy output directory, a refused resume) are in tests/test_run_safety.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from chattune.config import DEMO_ASSETS
+from chattune.validate import run_validate
+from conftest import PROJECT_ROOT
+
+CONFIGS = PROJECT_ROOT / "configs"
+
+
+@dataclass
+class Case:
+    overrides: list[str]  # {tmp} is the test's directory
+    expected: str  # the problem line (formatted with {tmp}); it must appear exactly once
+    launch: bool = False  # also check a recipe launch
+    config: str = "sft/tiny"
+
+
+def chat(content: str = "Hi.", reply: str | None = "Hello.") -> str:
+    messages = [{"role": "user", "content": content}] + ([{"role": "assistant", "content": reply}] if reply else [])
+    return json.dumps({"messages": messages})
+
+
+def prepare(tmp: Path) -> None:
+    """The files the cases point at."""
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "broken.jsonl").write_text(chat() + "\n{not json\n")
+    (tmp / "no_reply.jsonl").write_text(chat() + "\n\n" + chat(reply=None) + "\n")
+    (tmp / "wrong_column.jsonl").write_text(json.dumps({"conversation": []}) + "\n")
+    (tmp / "list.json").write_text(json.dumps({"not": "a list"}))
+    (tmp / "data.txt").write_text("hello\n")
+    (tmp / "pairs.jsonl").write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "4"}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp / "no_template")
+    (tmp / "file").write_text("")
+
+
+CASES = {
+    "typo'd key": Case(["optimizer.lrr=1e-3"], "optimizer.lrr: unknown key; did you mean optimizer.lr?", launch=True),
+    "typo'd nested key": Case(["data.max_token_per_microbatch=8"],
+                              "data.max_token_per_microbatch: unknown key; did you mean data.max_tokens_per_microbatch?"),
+    "wrong type": Case(["max_steps=ten"], "max_steps: expected an integer, got 'ten'"),
+    "quoted number": Case(["optimizer.lr='3e-3'"],
+                          "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)"),
+    "bad enum": Case(["data.on_bad_record=ignore"], "data.on_bad_record: 'ignore' is not one of error, skip"),
+    "bad resume_allow_changes": Case(["resume_allow_changes=3"], "resume_allow_changes: expected true or false, got 3"),
+    "unparseable override": Case(["data.train=[a,"], "override 'data.train=[a,'"),
+    "number that cannot work": Case(["grad_accum_steps=0"], "grad_accum_steps: must be at least 1, got 0"),
+    "unknown config": Case([], "config: sft/tinny from", config="sft/tinny"),
+    "missing data file": Case(["data.train=[{tmp}/missing.jsonl]"],
+                              "data.train[0]: data file '{tmp}/missing.jsonl' does not exist", launch=True),
+    "missing relative path, not a hub id": Case(
+        ["data.train=[my/chats]"], "data.train[0]: data file 'my/chats' does not exist (a hub dataset is written hf:my/chats)"),
+    "not a data file": Case(["data.train=[{tmp}/data.txt]"],
+                            "data.train[0]: data file '{tmp}/data.txt': expected .jsonl, .json or .parquet"),
+    "empty data file": Case(["data.train=[{tmp}/empty.jsonl]"], "data.train[0]: data source '{tmp}/empty.jsonl' holds no records"),
+    "json that is not a list": Case(["data.train=[{tmp}/list.json]"],
+                                    "data.train[0]: {tmp}/list.json: a .json data file must hold a list of records, got dict"),
+    "unparseable line": Case(["data.train=[{tmp}/broken.jsonl]"],
+                             "data.train[0]: {tmp}/broken.jsonl record 2 (line 2): unparseable JSON line"),
+    "no assistant reply (after a blank line)": Case(
+        ["data.train=[{tmp}/no_reply.jsonl]"],
+        "data.train[0]: {tmp}/no_reply.jsonl record 2 (line 3): no assistant message, nothing to train"),
+    "wrong column": Case(["data.train=[{tmp}/wrong_column.jsonl]"],
+                         "data.train[0]: {tmp}/wrong_column.jsonl record 1 (line 1): no 'messages' field for the messages format"),
+    "unknown source key": Case(["data.train=[{{path: {tmp}/x.jsonl, fromat: sharegpt}}]"],
+                               "data.train[0].fromat: unknown key; did you mean data.train[0].format?"),
+    "missing tokenizer": Case(["tokenizer.path={tmp}/no_such_tokenizer"],
+                              "tokenizer.path: '{tmp}/no_such_tokenizer' does not exist"),
+    "tokenizer without a chat template": Case(
+        ["tokenizer.path={tmp}/no_template"],
+        "tokenizer.path '{tmp}/no_template': the tokenizer has no chat template. chattune renders every record with the "
+        "tokenizer's chat template. Use the tokenizer of a chat (instruct) model, or add a template", launch=True),
+    "missing model directory": Case(["model.path={tmp}/no_model"],
+                                    "model.path: '{tmp}/no_model' is not a local directory (chattune loads no models from a hub)"),
+    "output_dir under a file": Case(["output_dir={tmp}/file/run"], "output_dir: {tmp}/file is not a directory"),
+    "resume from something that is not a checkpoint": Case(
+        ["resume={tmp}"], "resume: resume={tmp}: {tmp} is not a complete chattune checkpoint (no chattune.json)"),
+    "stop_after_step after max_steps": Case(["stop_after_step=300"], "stop_after_step: 300 is after max_steps 200: the run ends first"),
+    "preference data for SFT": Case(["data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]"],
+                                    "data.train[0].format: 'preference' is not one of messages, sharegpt"),
+    "DPO overlong split": Case(["data.overlong=split", "model.path=null"], "data.overlong: 'split' is not one of drop, error",
+                               config="dpo/tiny"),
+}
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("bad_input")
+    prepare(directory)
+    return directory
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_gets_one_clear_error(name, tmp):
+    case = CASES[name]
+    overrides = [o.format(tmp=tmp) for o in case.overrides]
+    if not any(o.startswith("output_dir=") for o in overrides):
+        overrides.append(f"output_dir={tmp / 'out' / ''.join(c if c.isalnum() else '_' for c in name)}")
+    expected = case.expected.format(tmp=tmp)
+    report, ok = run_validate(case.config, overrides, CONFIGS, read_data=True)
+    assert not ok
+    assert sum(line.startswith(expected) for line in report.splitlines()) == 1, report
+    if not case.launch:
+        return
+    recipe = "recipes/dpo.py" if case.config.startswith("dpo") else "recipes/sft.py"
+    result = subprocess.run([sys.executable, recipe, *overrides, "max_steps=2", "data.report_records=0"], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1
+    assert result.stderr.count("chattune: error: ") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert expected.split(": ", 1)[1] in result.stderr
+
+
+def test_a_pair_with_identical_replies_is_a_counted_skip_not_an_error(tmp):
+    report, ok = run_validate("dpo/tiny", ["model.path=null", f"data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]",
+                                           f"output_dir={tmp / 'out' / 'pairs'}"], CONFIGS, read_data=True)
+    assert ok and f"note: data.train[0]: 1 of its first 1 records would be skipped, e.g. identical_replies" in report
+
+
+def test_on_bad_record_skip_turns_a_bad_record_into_a_counted_skip(tmp):
+    report, ok = run_validate("sft/tiny", [f"data.train=[{tmp}/broken.jsonl]", "data.on_bad_record=skip",
+                                           f"output_dir={tmp / 'out' / 'skip'}"], CONFIGS, read_data=True)
+    assert ok and f"1 of its first 2 records would be skipped, e.g. bad_record: {tmp}/broken.jsonl record 2 (line 2)" in report
