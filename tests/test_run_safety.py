@@ -117,9 +117,9 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
         first.kill()
     before = steps(out)
     assert before == list(range(1, len(before) + 1))
-    resumed = launch(*args[:-2], "max_steps=12", nproc=2)  # resume=auto from its last checkpoint
+    resumed = launch(*args[:-2], f"max_steps={len(before) + 3}", nproc=2)  # resume=auto from its last checkpoint
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert steps(out) == list(range(1, 13))
+    assert steps(out) == list(range(1, len(before) + 4))
 
 
 def OutputDirLockHeld(out: Path) -> bool:
