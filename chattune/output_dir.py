@@ -47,16 +47,9 @@ class OutputDirInUse(UserError):
     """Another live run holds the directory, or it holds an earlier run's results this launch would overwrite."""
 
 
-def _process_start(pid: int) -> str | None:
-    """The kernel's start time of a process (with the pid, it tells a process from a later one that reuses the pid)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 class OutputDirLock:
-    """An exclusive flock on `directory/.chattune.lock`, held until this process exits (or `release`)."""
+    """An exclusive flock on `directory/.chattune.lock`, held until this process exits. The file is never
+    removed (unlinking it would race a new claimant); who holds it is the flock's, not the file's, say."""
 
     def __init__(self, directory: Path):
         self.path = Path(directory) / LOCK_FILE
@@ -72,16 +65,11 @@ class OutputDirLock:
             raise OutputDirInUse(f"output_dir {self.path.parent} is in use by another run: {describe_holder(self.holder())}. "
                                  "Wait for it to finish or stop it, or choose another output_dir.") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "process_start": _process_start(os.getpid()), "command": " ".join(sys.argv)}
+                  "command": " ".join(sys.argv)}
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(holder).encode())
         os.fsync(fd)
         self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock; the file stays (unlinking it would race a new claimant)
-            self._fd = None
 
     def holder(self) -> dict:
         """What the lock file says of its holder ({} if unreadable)."""
@@ -171,14 +159,14 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
             read_meta(source)
         except (OSError, ValueError) as error:
             raise ResumeError(f"resume={cfg.resume}: {error}") from error
+    saved = read_meta(source) if source is not None else {}
     plan = StartPlan(RunStart(source, check_resumable(source, meta, cfg) if source is not None else ResumePlan(),
-                              meta, read_meta(source) if source is not None else {}))
+                              meta, saved))
     previous = previous_results(output_dir)
     if source is not None and source.resolve().parent == checkpoints.resolve():
         # Continuing from an older checkpoint of this directory abandons what came after it: its later
         # checkpoints (which resume=auto and keep_last_n would otherwise prefer) and its final export.
-        step = read_meta(source)["step"]
-        plan.move_aside = [c for c in committed_checkpoints(checkpoints) if read_meta(c)["step"] > step]
+        plan.move_aside = [c for c in committed_checkpoints(checkpoints) if read_meta(c)["step"] > saved["step"]]
         if plan.move_aside:
             plan.move_aside += [p for p in (output_dir / "hf",) if p.exists()]
             plan.copy_aside = [p for p in (output_dir / "metrics.jsonl",) if p.is_file()]  # kept up to `step`

@@ -26,7 +26,7 @@ from torch import nn
 from chattune.distributed import all_reduce_max, all_reduce_sum
 from chattune.dpo_objective import pair_logps
 from chattune.packing import PackedBatch, empty_batch
-from chattune.resume import data_file_fingerprints
+from chattune.data_fingerprint import data_file_fingerprints
 
 logger = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from chattune.distributed import DistInfo
 from chattune.evaluation import evaluate
 from chattune.faults import maybe_crash
 from chattune.hf_export import export_hf
+from chattune.fsdp import compute_dtype
 from chattune.metrics import MetricLogger, reduce_sums, step_metrics
+from chattune.output_dir import RunStart
 from chattune.packing import PackedBatch
 from chattune.progress import Progress
-from chattune.output_dir import RunStart
 from chattune.resume import resume_training, save_training
 from chattune.step_feed import DocumentLedger, StepFeed
-from chattune.fsdp import compute_dtype
 from chattune.train_step import LossScale, Objective, train_step
 
 logger = logging.getLogger(__name__)
