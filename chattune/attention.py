@@ -19,7 +19,10 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
+
+from chattune.errors import UnsupportedModel
+from chattune.packing import PackedBatch
 
 ATTENTION_NAME = "chattune_packed"
 
@@ -99,7 +102,7 @@ def packed_attention(
         raise ValueError(f"{ATTENTION_NAME} attention expects packed rows of batch size 1, got {query.shape[0]}")
     for unsupported in ("softcap", "s_aux"):  # silently ignoring them would train a different model
         if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"{ATTENTION_NAME} attention does not implement {unsupported} yet")
+            raise UnsupportedModel(f"{ATTENTION_NAME} attention does not implement {unsupported} yet")
     # Some models pass the window per call (Phi-3, Mistral), others keep it on the module (per layer type).
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     cu_seqlens = kwargs.get("cu_seq_lens_q")
@@ -113,3 +116,19 @@ def packed_attention(
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_attention)
+
+
+def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+    """The final hidden states (N, H) of a packed (1, N) row through the model's decoder: no attention
+    mask and no cache; the document boundaries reach `packed_attention` as transformers' flash-attention
+    kwargs, which the models pass on untouched."""
+    decoder = getattr(hf_model, hf_model.base_model_prefix)
+    return decoder(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        cu_seq_lens_q=batch.cu_seqlens,
+        cu_seq_lens_k=batch.cu_seqlens,
+        max_length_q=batch.max_seqlen,
+        max_length_k=batch.max_seqlen,
+    ).last_hidden_state[0]

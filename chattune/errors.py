@@ -33,6 +33,10 @@ class UserError(Exception):
     the message alone says what to fix."""
 
 
+class UnsupportedModel(UserError, NotImplementedError):
+    """A model chattune cannot train correctly (yet): refused at start-up rather than trained wrong."""
+
+
 def _process_group():
     try:
         import torch.distributed as dist

@@ -14,36 +14,26 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from chattune.attention import ATTENTION_NAME
+from chattune.attention import ATTENTION_NAME, packed_hidden_states
+from chattune.errors import UnsupportedModel
 from chattune.loss import chunked_token_losses
 from chattune.packing import PackedBatch
+from chattune.packing_probe import check_packing_isolation
 
 
 class PackedCausalLM(nn.Module):
     def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024):
         super().__init__()
         check_output_head(hf_model)
+        check_packing_isolation(hf_model)  # documents packed in one row must not see each other
         self.hf_model = hf_model
         self.loss_chunk_size = loss_chunk_size
 
-    @property
-    def decoder(self) -> nn.Module:
-        return getattr(self.hf_model, self.hf_model.base_model_prefix)
-
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored."""
-        # No attention_mask and no cache: the packed attention function separates documents.
-        hidden = self.decoder(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            cu_seq_lens_q=batch.cu_seqlens,
-            cu_seq_lens_k=batch.cu_seqlens,
-            max_length_q=batch.max_seqlen,
-            max_length_k=batch.max_seqlen,
-        ).last_hidden_state
+        hidden = packed_hidden_states(self.hf_model, batch)
         weight = self.hf_model.get_output_embeddings().weight
-        return chunked_token_losses(hidden[0], weight, batch.labels[0], self.loss_chunk_size)
+        return chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size)
 
 
 @torch.no_grad()
@@ -52,7 +42,7 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
     does something else (logit scaling or softcapping, a bias), instead of training a different model."""
     head = hf_model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
-        raise NotImplementedError(f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss")
+        raise UnsupportedModel(f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss")
     was_training = hf_model.training
     hf_model.eval()
     device = head.weight.device
@@ -64,7 +54,7 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
     hf_model.train(was_training)
     ours = hidden.float() @ head.weight.float().t()
     if not torch.allclose(ours, logits, rtol=1e-3, atol=1e-3 * float(logits.abs().max())):
-        raise NotImplementedError(
+        raise UnsupportedModel(
             f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T "
             "(logit scaling or softcapping?); the chunked loss does not support it yet"
         )
