@@ -51,3 +51,25 @@ def test_inspect_with_split_reads_every_record_of_the_long_chats(capsys):
                  f"tokenizer.path={SHARED_ASSETS}/tokenizers/qwen3"]) == 0
     out = capsys.readouterr().out
     assert "records read: 5" in out and "split 3" in out
+
+
+def test_inspect_reads_preference_pairs_for_a_dpo_config(tmp_path, capsys):
+    pairs = [{"prompt": "What is 2 + 2?", "chosen": "4.", "rejected": "5."},
+             {"prompt": "Reverse 'ab'.", "chosen": "ba", "rejected": "ba"}]  # identical replies: a counted skip
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    assert main(["inspect", "dpo/tiny", "--num-docs", "1", "--no-color", "model.path=null",
+                 f"data.train=[{{path: {data}, format: preference}}]"]) == 0
+    out = capsys.readouterr().out
+    assert "records read: 2" in out and "skipped: 1 (identical_replies 1)" in out and "documents: 1" in out
+    assert "--- document 0 chosen (" in out and "--- document 0 rejected (" in out
+    assert "[[4.<|im_end|>]]" in out and "[[5.<|im_end|>]]" in out
+
+
+def test_inspect_runs_validates_checks_first_and_never_tries_a_hub(tmp_path, capsys):
+    assert main(["inspect", "sft/tiny", "optimizer.lrr=1", "data.train=[data/chats.jsonl]",
+                 "tokenizer.path=tokenizers/qwen3"]) == 1
+    err = capsys.readouterr().err
+    assert "optimizer.lrr: unknown key; did you mean optimizer.lr?" in err
+    assert "data.train[0]: data file 'data/chats.jsonl' does not exist" in err
+    assert "tokenizer.path: 'tokenizers/qwen3' does not exist (a hub tokenizer is written hf:tokenizers/qwen3)" in err
