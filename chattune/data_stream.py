@@ -266,12 +266,12 @@ class PackedStream:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if "sampler" in state:  # continue sampling after the last chunk taken; the loader starts afresh
-            self.position = state["sampler"]
-            if self.position is not None:
-                self.sampler.load_state_dict(self.position)
-        else:  # a checkpoint of chattune before 2026-11-23 holds the loader's own state (same num_workers only)
-            self.loader.load_state_dict(state["loader"])
+        if "sampler" not in state:
+            raise UserError("this checkpoint was written by an earlier chattune, whose data position was the data "
+                            "loader's own state: resume it with the chattune that wrote it, or start over")
+        self.position = state["sampler"]  # sampling continues after the last chunk taken; the loader starts afresh
+        if self.position is not None:
+            self.sampler.load_state_dict(self.position)
         self._items = None
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
         # Each document is (a piece of) a record that was not skipped: reading the record again gives it again.
