@@ -1,6 +1,6 @@
 """Check a config before a run: `chattune validate CONFIG [key=value ...]`, and `check_config` at the start
-of every recipe. Every problem is reported at once, one line each ("key: problem"), without loading a
-model, a tokenizer or a single record.
+of every recipe (and, through `chattune.launch`, a command line Hydra cannot compose). Every problem is
+reported at once, one line each ("key: problem"), without loading a model.
 
 What is checked:
 
@@ -27,12 +27,18 @@ What is checked:
   max_grad_norm and loss.beta not positive, label smoothing outside [0, 0.5), a negative lr,
   stop_after_step after max_steps, a budget that is not a multiple of data.pad_to_multiple_of, neither
   model.path nor model.config;
-- the checkpoint a run would resume from (resume=auto or a path): it must be complete, and written with
-  the same number of ranks (when known) and data.num_workers, as resuming refuses otherwise.
+- `chattune validate` only (a recipe decides these itself, holding the output directory's lock):
+  output_dir must be writable and not locked by a live run, and what a launch would continue is
+  decided as the launch decides it (`chattune.output_dir.plan_start`: the resume's checks against the
+  checkpoint, an earlier run that only overwrite=true may replace);
+- `chattune validate` only: the tokenizer is loaded (it must have a chat template) and the first
+  `FIRST_RECORDS` records of every source are read as the recipe reads them (an empty or malformed
+  file, a bad record).
 
 Notes (not problems): hub ids, a microbatch budget above the max_position_embeddings of model.path
 (documents that long get positions the model was not trained on), unknown HF config keys, an unused
-reference.path, the checkpoint `chattune validate` would resume from and the ranks it needs.
+reference.path, the checkpoint `chattune validate` would resume from and the ranks it needs, what a
+resume would accept and what would be moved aside, records of the first ones that would be skipped.
 """
 
 from __future__ import annotations
