@@ -200,7 +200,6 @@ def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> RunStart:
     launch continues (refusing what it must not), moves aside what another trajectory left and writes
     config.yaml. Every rank gets the same decision, or raises the same error."""
     global _lock
-    meta = run_meta(dist_info.world_size, run_fingerprint(cfg))
     outcome: RunStart | UserError | None = None
     if dist_info.is_main:
         try:
@@ -208,7 +207,7 @@ def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> RunStart:
                 lock = OutputDirLock(Path(cfg.output_dir))
                 lock.acquire()
                 _lock = lock
-            plan = plan_start(cfg, meta)
+            plan = plan_start(cfg, run_meta(dist_info.world_size, run_fingerprint(cfg)))
             for line in apply_plan(plan):
                 logger.warning("moved aside: %s", line)
             outcome = plan.start
