@@ -19,18 +19,18 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from chattune.config.launch import recipe_main
+from chattune.config.validate import check_config
+from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
-from chattune.launch import recipe_main
 from chattune.log import setup_logging
-from chattune.output_dir import claim_output_dir
-from chattune.tokenizer import load_tokenizer
-from chattune.dpo_loss import PreferenceLoss
-from chattune import reference_cache
-from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObjective
-from chattune.training_data import build_training_data, packed_stream, pad_token_id, pair_documents
-from chattune.training_model import build_sharded_model
-from chattune.training_loop import train
-from chattune.validate import check_config
+from chattune.model.build import build_sharded_model
+from chattune.objectives import reference_cache
+from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective
+from chattune.objectives.pair_losses import PreferenceLoss
+from chattune.train.inputs import build_training_data, packed_stream, pad_token_id, pair_documents
+from chattune.train.loop import train
+from chattune.train.output_dir import claim_output_dir
 
 logger = logging.getLogger("chattune.dpo")
 

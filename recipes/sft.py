@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 recipes/sft.py [--config-name sft/tiny] key=value ...
 
 Read top to bottom: set-up, data, model and objective, then the shared training loop
-(`chattune.training_loop.train`). Copy this file to change the story.
+(`chattune.train.loop.train`). Copy this file to change the story.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import os
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from chattune.config.launch import recipe_main
+from chattune.config.validate import check_config
+from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
-from chattune.launch import recipe_main
 from chattune.log import setup_logging
-from chattune.output_dir import claim_output_dir
-from chattune.tokenizer import load_tokenizer
-from chattune.training_data import build_training_data, pad_token_id, sft_documents
-from chattune.training_model import build_sharded_model
-from chattune.training_loop import train
-from chattune.validate import check_config
-from chattune.train_step import TokenCrossEntropy
+from chattune.model.build import build_sharded_model
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.inputs import build_training_data, pad_token_id, sft_documents
+from chattune.train.loop import train
+from chattune.train.output_dir import claim_output_dir
 
 logger = logging.getLogger("chattune.sft")
 

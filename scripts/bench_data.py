@@ -32,9 +32,10 @@ from pathlib import Path
 import datasets
 from transformers import AutoTokenizer
 
-from chattune.data_stream import PackedStream
-from chattune.formats import SourceSpec, to_conversation
-from chattune.sft_data import RecordSource, SFTDocuments
+from chattune.data.formats import SourceSpec, to_conversation
+from chattune.data.sft_documents import SFTDocuments
+from chattune.data.sources import RecordSource
+from chattune.data.stream import PackedStream
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"
 

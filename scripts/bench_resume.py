@@ -22,12 +22,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from chattune.config import DEMO_ASSETS
-from chattune.data_stream import PackedStream
-from chattune.formats import SourceSpec
-from chattune.packing import Document
-from chattune.sft_data import RecordSource, SFTDocuments
-from chattune.step_feed import StepFeed
+from chattune.config.paths import DEMO_ASSETS
+from chattune.data.documents import Document
+from chattune.data.formats import SourceSpec
+from chattune.data.sft_documents import SFTDocuments
+from chattune.data.sources import RecordSource
+from chattune.data.stream import PackedStream
+from chattune.train.feed import StepFeed
 
 BUDGET, ACCUM, SEED = 2048, 2, 0
 

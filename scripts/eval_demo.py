@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chattune.chat_template import probe_template, tokenize_conversation
-from chattune.loss import IGNORE_INDEX
-from chattune.packing import shifted_labels
+from chattune.data.chat_template import probe_template, tokenize_conversation
+from chattune.data.documents import IGNORE_INDEX, shifted_labels
 
 EVAL_FILE = Path(__file__).resolve().parent.parent / "chattune" / "assets" / "demo" / "chat_eval.jsonl"
 

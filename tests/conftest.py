@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from chattune.chat_template import probe_template, tokenize_conversation
-from chattune.config import DEMO_ASSETS
+from chattune.config.paths import DEMO_ASSETS
+from chattune.data.chat_template import probe_template, tokenize_conversation
+from chattune.data.documents import Document, shifted_labels
 from chattune.distributed import free_port  # noqa: F401  (re-exported for the tests)
-from chattune.model import build_hf_model
-from chattune.packing import Document, shifted_labels
+from chattune.model.causal_lm import build_hf_model
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_ROOT
 from transformers import AutoTokenizer
 
-from chattune.config import DEMO_ASSETS
-from chattune.validate import run_validate
-from conftest import PROJECT_ROOT
+from chattune.config.paths import DEMO_ASSETS
+from chattune.config.validate import run_validate
 
 CONFIGS = PROJECT_ROOT / "configs"
 

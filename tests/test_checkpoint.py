@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import torch
 import torch.multiprocessing as mp
+from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, tiny_model
 from transformers import AutoModelForCausalLM
 
-from chattune.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
-from chattune.hf_export import export_hf
+from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
-from chattune.fsdp import shard_model
-from chattune.model import PackedCausalLM
-from chattune.packing import collate_packed
-from chattune.train_step import TokenCrossEntropy, train_step
-from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, tiny_model
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.export import export_hf
+from chattune.model.fsdp import shard_model
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
+from chattune.train.step import train_step
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -11,14 +11,14 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-
-from chattune import catalog
-from chattune.cli import main
-from chattune.config import CONFIG_DIR
-from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 from test_sft_recipe import read_metrics, run
+
+from chattune.cli import catalog
+from chattune.cli.main import main
+from chattune.config.paths import CONFIG_DIR
 
 RECIPES = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.py"))
 SHIPPED_CONFIGS = sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
@@ -139,7 +139,7 @@ def write_run(directory: Path, dpo: bool) -> Path:
 
 def test_plot_overlays_runs_with_one_panel_per_metric(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from chattune.plot import plot_runs
+    from chattune.cli.plot import plot_runs
 
     sft, dpo = write_run(tmp_path / "sft-run", dpo=False), write_run(tmp_path / "dpo-run", dpo=True)
     png = tmp_path / "plots" / "curves.png"
@@ -180,7 +180,7 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
         calls.append((config_name, overrides, config_path, config_dir, read_data))
         return f"report for {config_name}", "bad=1" not in overrides
 
-    monkeypatch.setitem(sys.modules, "chattune.validate", types.SimpleNamespace(run_validate=run_validate))
+    monkeypatch.setitem(sys.modules, "chattune.config.validate", types.SimpleNamespace(run_validate=run_validate))
     assert main(["validate", "dpo/tiny", "max_steps=3"]) == 0
     assert capsys.readouterr().out == "report for dpo/tiny\n"
     assert main(["validate", "--config-name", "sft/local_model", "--config-path", str(tmp_path), "bad=1"]) == 1

@@ -1,7 +1,7 @@
-"""Preference pairs (`chattune.dpo_data`): one document per pair, chosen then rejected, each side exactly
+"""Preference pairs (`chattune.data.pair_documents`): one document per pair, chosen then rejected, each side exactly
 `apply_chat_template(context + [reply])` with only its final reply and end-of-turn token trained.
 
-The expected trained text is written by hand for each template (not from `chattune.chat_template`'s span
+The expected trained text is written by hand for each template (not from `chattune.data.chat_template`'s span
 logic): what follows the assistant header of the final turn in the rendering, up to the end-of-turn token.
 """
 
@@ -13,15 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 from transformers import AutoTokenizer
 
-from chattune.config import DEMO_ASSETS
-from chattune.dpo_data import PairDocuments
-from chattune.formats import DEFAULT_COLUMNS, DataError, PreferencePair, SourceSpec, to_conversation, to_preference_pair
-from chattune.loss import IGNORE_INDEX
-from chattune.packing import Document, collate_packed
-from chattune.sft_data import RecordSource, Skipped
-from conftest import SHARED_ASSETS, decode_exactly, trained_runs
+from chattune.config.paths import DEMO_ASSETS
+from chattune.data.documents import IGNORE_INDEX, Document, Skipped
+from chattune.data.formats import (
+    DEFAULT_COLUMNS,
+    DataError,
+    PreferencePair,
+    SourceSpec,
+    to_conversation,
+    to_preference_pair,
+)
+from chattune.data.packing import collate_packed
+from chattune.data.pair_documents import PairDocuments
+from chattune.data.sources import RecordSource
 
 DEMO_PAIRS = DEMO_ASSETS / "preference_train.jsonl"
 ULTRAFEEDBACK = "preference_ultrafeedback_200.jsonl"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from chattune.dpo_loss import PreferenceLoss
+from chattune.objectives.pair_losses import PreferenceLoss
 
 # (policy chosen, policy rejected, reference chosen, reference rejected, chosen tokens, rejected tokens)
 PAIRS = [(-12.0, -15.5, -13.0, -14.0, 6, 9), (-40.25, -22.0, -41.0, -20.5, 20, 11), (-3.0, -3.0, -2.5, -4.0, 2, 3)]

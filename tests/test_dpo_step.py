@@ -10,19 +10,19 @@ import math
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-
-from chattune.chat_template import probe_template, tokenize_conversation
-from chattune.config import DEMO_ASSETS
-from chattune.distributed import exit_process, shutdown_distributed
-from chattune.dpo_loss import PreferenceLoss
-from chattune.dpo_objective import CachedReference, LiveReference, PreferenceObjective
-from chattune.fsdp import shard_model
-from chattune.loss import IGNORE_INDEX
-from chattune.metrics import step_metrics
-from chattune.model import PackedCausalLM
-from chattune.packing import Document, collate_packed, empty_batch, shifted_labels
-from chattune.train_step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
+
+from chattune.config.paths import DEMO_ASSETS
+from chattune.data.chat_template import probe_template, tokenize_conversation
+from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
+from chattune.data.packing import collate_packed, empty_batch
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.fsdp import shard_model
+from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective
+from chattune.objectives.pair_losses import PreferenceLoss
+from chattune.train.metrics import step_metrics
+from chattune.train.step import accumulate_gradients
 
 NUM_PAIRS = 8
 # beta 0.1 (the usual DPO value): the loss depends on differences of sequence log-probs (~-70 here), so fp32
@@ -40,7 +40,7 @@ def demo_pairs() -> list[dict]:
 
 
 def pair_documents() -> list[Document]:
-    """Built here, independently of chattune.dpo_data: each side tokenized alone, only its last reply trained."""
+    """Built here, independently of chattune.data.pair_documents: each side tokenized alone, only its last reply trained."""
     tokenizer = demo_tokenizer()
     markers = probe_template(tokenizer)
     documents = []

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import SHARED_ASSETS
 from transformers import AutoTokenizer
 
-from chattune.chat_template import probe_template, tokenize_conversation
-from chattune.formats import Conversation, DataError, SourceSpec, to_conversation
-from chattune.loss import IGNORE_INDEX
-from chattune.sft_data import RecordSource, SFTDocuments
-from conftest import SHARED_ASSETS
+from chattune.data.chat_template import probe_template, tokenize_conversation
+from chattune.data.documents import IGNORE_INDEX
+from chattune.data.formats import Conversation, DataError, SourceSpec, to_conversation
+from chattune.data.sft_documents import SFTDocuments
+from chattune.data.sources import RecordSource
 
 USER, ASSISTANT = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}
 
@@ -161,10 +162,9 @@ def test_parquet_source_matches_jsonl(tmp_path, tokenizer):
 
 def test_readme_source_overrides_compose():
     """The README's `data.train`/`data.eval` example parses into the sources it describes."""
+    from conftest import PROJECT_ROOT
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    from conftest import PROJECT_ROOT
 
     overrides = [
         "data.train=[/data/chats.jsonl,{path:/data/tools.json,format:sharegpt,roles:{bot:assistant}}]",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from chattune.cli import main
 from conftest import demo_tokenizer
+
+from chattune.cli.main import main
 
 QUESTIONS = [("What is 2 + 2?", "2 + 2 = 4."), ("Reverse 'abc'.", "cba"), ("Sort 3, 1, 2", "1, 2, 3")]
 
@@ -41,7 +42,6 @@ def test_inspect_counts_fill_and_highlighted_documents(tmp_path, capsys):
 def test_inspect_with_split_reads_every_record_of_the_long_chats(capsys):
     """The 5 shared deita conversations, 3 of them over a 4096 budget: split, none lost (3 of 5 were read)."""
     import pytest
-
     from conftest import SHARED_ASSETS
 
     if not SHARED_ASSETS.is_dir():

@@ -1,9 +1,9 @@
 """The packed model wrapper refuses models whose logits are not hidden @ output_embedding.T."""
 
 import pytest
-
-from chattune.model import PackedCausalLM
 from conftest import tiny_model
+
+from chattune.model.causal_lm import PackedCausalLM
 
 
 def test_plain_heads_are_accepted():

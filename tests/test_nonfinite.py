@@ -6,13 +6,14 @@ import math
 
 import torch
 import torch.multiprocessing as mp
-
-from chattune.distributed import exit_process, shutdown_distributed
-from chattune.fsdp import shard_model
-from chattune.model import PackedCausalLM
-from chattune.packing import collate_packed
-from chattune.train_step import TokenCrossEntropy, train_step
 from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
+
+from chattune.data.packing import collate_packed
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.fsdp import shard_model
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.step import train_step
 
 
 class PoisonedOnRank(TokenCrossEntropy):
@@ -70,7 +71,7 @@ def test_recipe_skips_or_stops_on_a_diverged_run_without_hanging(tmp_path):
     from test_sft_recipe import read_metrics
 
     data = tmp_path / "chats.jsonl"
-    from chattune.config import DEMO_ASSETS
+    from chattune.config.paths import DEMO_ASSETS
 
     data.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:40]))
     diverge = ["optimizer.lr=1e30", "scheduler.num_warmup_steps=2", "max_steps=6", "save_every=1"]

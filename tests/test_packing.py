@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
-from chattune.attention import ATTENTION_NAME
-from chattune.data_stream import PackedStream, epoch_share
-from chattune.loss import IGNORE_INDEX
-from chattune.packing import Document, best_fit_decreasing, collate_packed, shifted_labels
 from conftest import ListSource, demo_documents, tiny_model
+
+from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
+from chattune.data.packing import best_fit_decreasing, collate_packed
+from chattune.data.stream import PackedStream, epoch_share
+from chattune.model.attention import ATTENTION_NAME
 
 
 @pytest.mark.parametrize("architecture", ["llama", "mistral_sliding_window"])
@@ -149,9 +149,10 @@ def test_stream_state_dict_resumes_the_same_microbatches(num_workers):
 
 def test_workers_yield_identical_microbatches(tokenizer):
     """Tokenizing in 2 worker processes gives the same microbatches, in the same order, as in-process."""
-    from chattune.config import DEMO_ASSETS
-    from chattune.formats import SourceSpec
-    from chattune.sft_data import RecordSource, SFTDocuments
+    from chattune.config.paths import DEMO_ASSETS
+    from chattune.data.formats import SourceSpec
+    from chattune.data.sft_documents import SFTDocuments
+    from chattune.data.sources import RecordSource
 
     documents = SFTDocuments(RecordSource([SourceSpec(str(DEMO_ASSETS / "chat_train.jsonl"))]), tokenizer, 1024)
 
@@ -205,7 +206,7 @@ def test_padding_to_a_multiple_is_never_attended_nor_trained():
 
 
 def test_share_sampler_chunks_close_each_epoch():
-    from chattune.data_stream import ShareSampler
+    from chattune.data.stream import ShareSampler
 
     items = list(ShareSampler(8, 0, 1, seed=0, shuffle=False, num_epochs=2, chunk_records=4))
     assert items == [(0, [0, 1, 2, 3], False), (0, [4, 5, 6, 7], True), (1, [0, 1, 2, 3], False), (1, [4, 5, 6, 7], True)]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import demo_documents, tiny_model
 from torch import nn
 
-from chattune.loss import IGNORE_INDEX
-from chattune.packing import Document, collate_packed, shifted_labels
-from chattune.packing_probe import ALONE_TOLERANCE, SWAP_TOLERANCE, check_packing_isolation, probe_packing
-from conftest import demo_documents, tiny_model
+from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
+from chattune.data.packing import collate_packed
+from chattune.model.packing_probe import ALONE_TOLERANCE, SWAP_TOLERANCE, check_packing_isolation, probe_packing
 
 # Softmax attention only. Windows shorter than the probe's documents, so the windowed path is probed too.
 ORDINARY = {

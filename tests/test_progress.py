@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from chattune.metrics import MetricLogger
-from chattune.progress import Progress, wants_bar
+from chattune.train.metrics import MetricLogger
+from chattune.train.progress import Progress, wants_bar
 
 
 class FakeTerminal(io.StringIO):
@@ -39,7 +39,7 @@ def step_metrics(step: int) -> dict:
 
 
 def run_steps(tmp_path, stream: io.StringIO, mode: str = "auto", log_every: int = 2) -> list[int]:
-    """A fake training loop with the hooks of chattune.training_loop: 5 of 10 steps, an eval line at step 4,
+    """A fake training loop with the hooks of chattune.train.loop: 5 of 10 steps, an eval line at step 4,
     a warning at step 3. Returns the bar's count after each step (empty without a bar)."""
     metric_logger = MetricLogger(str(tmp_path), is_main=True)
     progress = Progress(0, 10, mode, is_main=True, stream=stream)
@@ -49,7 +49,7 @@ def run_steps(tmp_path, stream: io.StringIO, mode: str = "auto", log_every: int 
         if step % log_every == 0:
             metric_logger.log({**step_metrics(step), **({"eval_loss": 1.75} if step == 4 else {})})
         if step == 3:
-            logging.getLogger("chattune.training_loop").warning("a warning at step %d", step)
+            logging.getLogger("chattune.train.loop").warning("a warning at step %d", step)
         progress.update(step, metric_logger.last)
         if progress.shows_bar:
             counts.append(progress.bar.n)

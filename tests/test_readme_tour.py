@@ -8,9 +8,9 @@ import json
 import shlex
 
 import pytest
-
-from chattune.cli import main
 from conftest import PROJECT_ROOT
+
+from chattune.cli.main import main
 
 # The launches of the tour and the tests that run them (with smaller step counts and models).
 LAUNCHES = {

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from chattune.config import DEMO_ASSETS
 from conftest import PROJECT_ROOT, free_port
+from safetensors.torch import load_file
 from test_sft_recipe import read_metrics, run
+
+from chattune.config.paths import DEMO_ASSETS
 
 NUM_RECORDS = 60
 

@@ -14,10 +14,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from chattune.config import DEMO_ASSETS
 from conftest import PROJECT_ROOT, free_port
 from test_sft_recipe import read_metrics, run
+
+from chattune.config.paths import DEMO_ASSETS
 
 DEMO_CHATS = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)
 SMALL = ["max_steps=6", "save_every=2", "log_every=1", "eval_every=0", "data.eval=[]", "data.report_records=0",
@@ -123,7 +123,7 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
 
 
 def OutputDirLockHeld(out: Path) -> bool:
-    from chattune.output_dir import OutputDirLock
+    from chattune.train.output_dir import OutputDirLock
 
     return OutputDirLock(out).is_held()
 

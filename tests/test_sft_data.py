@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import SHARED_ASSETS
 from transformers import AutoTokenizer
 
-from chattune.formats import DataError, SourceSpec, to_conversation
-from chattune.packing import Document
-from chattune.sft_data import RecordSource, SFTDocuments, Skipped
-from conftest import SHARED_ASSETS
+from chattune.data.documents import Document, Skipped
+from chattune.data.formats import DataError, SourceSpec, to_conversation
+from chattune.data.sft_documents import SFTDocuments
+from chattune.data.sources import RecordSource
 
 
 def write_jsonl(path, records) -> str:
@@ -197,7 +198,7 @@ def test_truncation_that_keeps_nothing_to_train_is_a_counted_skip(tmp_path, toke
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_workers):
-    from chattune.data_stream import PackedStream
+    from chattune.data.stream import PackedStream
 
     records = [long_chat(turns=1 + i % 5) if i % 3 == 0 else good(f"What is {i} + {i}?", str(2 * i)) for i in range(30)]
     path = write_jsonl(tmp_path / "chats.jsonl", records)

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from conftest import PROJECT_ROOT, free_port
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 METRIC_KEYS = {"step", "loss", "num_tokens", "tokens_per_sec", "lr", "grad_norm", "step_time_s"}
 

@@ -7,11 +7,12 @@ import json
 import re
 import sys
 
-from chattune.data_stream import PackedStream
-from chattune.packing import Document
-from chattune.step_feed import StepFeed
 from conftest import ListSource, free_port
 from test_sft_recipe import read_metrics, run
+
+from chattune.data.documents import Document
+from chattune.data.stream import PackedStream
+from chattune.train.feed import StepFeed
 
 
 def uneven_documents(count: int = 61) -> list[Document]:

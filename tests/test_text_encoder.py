@@ -8,15 +8,16 @@ import json
 import random
 
 import pytest
+from conftest import SHARED_ASSETS
 from transformers import AutoTokenizer
 
-from chattune import text_encoder
-from chattune.chat_template import probe_template, render_conversation
-from chattune.config import DEMO_ASSETS
-from chattune.formats import SourceSpec, to_conversation
-from chattune.sft_data import RecordSource, SFTDocuments
-from chattune.text_encoder import TextBatchEncoder
-from conftest import SHARED_ASSETS
+from chattune.config.paths import DEMO_ASSETS
+from chattune.data import text_encoder
+from chattune.data.chat_template import probe_template, render_conversation
+from chattune.data.formats import SourceSpec, to_conversation
+from chattune.data.sft_documents import SFTDocuments
+from chattune.data.sources import RecordSource
+from chattune.data.text_encoder import TextBatchEncoder
 
 TOKENIZERS = {"demo": DEMO_ASSETS / "tokenizer", "qwen3": SHARED_ASSETS / "tokenizers" / "qwen3",
               "phi3": SHARED_ASSETS / "tokenizers" / "phi-3-mini"}

@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from chattune import validate
-from chattune.validate import ConfigError, check_config, run_validate
+from chattune.config import validate
+from chattune.config.validate import ConfigError, check_config, run_validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -214,8 +214,8 @@ def test_numbers_that_cannot_work(tmp_path):
 
 
 def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_path):
-    from chattune.output_dir import OutputDirLock
-    from chattune.resume import run_fingerprint
+    from chattune.train.output_dir import OutputDirLock
+    from chattune.train.resume import run_fingerprint
 
     checkpoint = tmp_path / "checkpoints" / "step_5"
     checkpoint.mkdir(parents=True)
@@ -251,7 +251,7 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
                                 "(no chattune.json)"]
     # A live run's lock (held here by a child process, as another launch would hold it).
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from chattune.output_dir import OutputDirLock; OutputDirLock(Path(sys.argv[1])).acquire(); "
+                               "from chattune.train.output_dir import OutputDirLock; OutputDirLock(Path(sys.argv[1])).acquire(); "
                                "print('locked', flush=True); time.sleep(60)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -276,13 +276,18 @@ def test_the_schema_is_what_hydra_composes_and_its_nulls_have_types():
 
 
 def test_copied_constants_agree_with_their_modules():
-    from chattune import dpo_data, fsdp, mixer, mixture, sft_data
+    from chattune.data import chat_documents, sources
+    from chattune.data import mixing_policy as mixer
+    from chattune.data import pair_documents as dpo_data
+    from chattune.data import sft_documents as sft_data
+    from chattune.data import source_mixture as mixture
+    from chattune.model import fsdp
 
     assert validate.OVERLONG == sft_data.OVERLONG and validate.TRAIN_ON == sft_data.TRAIN_ON
-    assert validate.ON_BAD_RECORD == sft_data.ON_BAD_RECORD
+    assert validate.ON_BAD_RECORD == chat_documents.ON_BAD_RECORD
     assert validate.OVERLONG_DPO == dpo_data.OVERLONG_DPO
     assert validate.DTYPES == tuple(fsdp.DTYPES)
-    assert validate.HUB_PREFIX == sft_data.HUB_PREFIX and validate.HUB_LIKE.pattern == sft_data.HUB_LIKE.pattern
+    assert validate.HUB_PREFIX == sources.HUB_PREFIX and validate.HUB_LIKE.pattern == sources.HUB_LIKE.pattern
     assert (validate.MIXING_MODES, validate.MIXING_REWARDS) == (mixer.MODES, mixer.REWARDS)
     assert validate.MIXING_STOPPING == mixture.STOPPING
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-from chattune.config import CONFIG_DIR
+from chattune.config.paths import CONFIG_DIR
 
 
 class ChattuneSearchPathPlugin(SearchPathPlugin):

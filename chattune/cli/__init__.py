@@ -1,0 +1,1 @@
+"""The `chattune` command: ls, cp, validate, inspect, plot."""

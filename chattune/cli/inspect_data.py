@@ -1,0 +1,160 @@
+"""`chattune inspect`: what training will see, from the same config and overrides as a recipe.
+
+It first runs `chattune validate`'s checks (the config, the tokenizer and its chat template, the first
+records of every source), then reads the training sources the way the recipe does (same formats,
+template, masking and budget: conversations for an SFT config, preference pairs for a DPO one) and
+reports: records read, skipped by reason, documents, tokens, the trainable-token fraction, a length
+histogram, the pack fill at the microbatch budget, and a few documents (a pair: its chosen and its
+rejected side) with the trained tokens highlighted (terminal colours, or an HTML page with `--html`).
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from hydra import compose
+from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
+
+from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
+from chattune.config.validate import ConfigError, hydra_search_path, validate_command
+from chattune.data.documents import IGNORE_INDEX, Document, Skipped
+from chattune.data.report import DataReport, count_lines, scan_documents
+from chattune.data.sources import source_specs
+from chattune.data.stream import PackedStream
+from chattune.data.tokenizer import load_tokenizer
+from chattune.train.inputs import pair_documents, sft_documents
+
+TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
+
+
+def load_config(config_name: str, overrides: list[str], config_path: Path = CONFIG_DIR,
+                config_dir: Path | None = None) -> DictConfig:
+    """The config a recipe would compose, after `chattune validate`'s checks (ConfigError: every problem)."""
+    findings = validate_command(config_name, overrides, config_path, None, config_dir, read_data=True,
+                                output_dir_checks=False)
+    if findings.problems:
+        raise ConfigError(findings.problems)
+    with hydra_search_path(config_path, config_dir):
+        return compose(config_name, overrides=overrides)
+
+
+def is_preference_config(cfg: DictConfig) -> bool:
+    """A DPO config (it has a reference section), read as preference pairs."""
+    return "reference" in cfg
+
+
+def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
+    budget = cfg.data.max_tokens_per_microbatch
+    specs = source_specs(cfg.data.train)  # read as the recipe reads them
+    documents = (pair_documents if is_preference_config(cfg) else sft_documents)(specs, tokenizer, cfg.data)
+    report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
+                            batch_records=cfg.data.buffer_records)
+    stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,
+                          cfg.data.buffer_records, num_epochs=1, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+    for batch in stream:
+        report.microbatches += 1
+        report.packed_tokens += batch.num_tokens
+    return report
+
+
+class _KnownLengths:
+    """The records already read, as placeholder documents of their lengths: packing (and so the fill)
+    depends on lengths alone, so the stream need not tokenize everything a second time."""
+
+    def __init__(self, outcomes: list[int | Skipped]):
+        self.outcomes = outcomes
+
+    def __len__(self) -> int:
+        return len(self.outcomes)
+
+    def get(self, index: int) -> Document | Skipped:
+        outcome = self.outcomes[index]
+        if isinstance(outcome, Skipped):
+            return outcome
+        return Document(doc_id=index, input_ids=[0] * outcome, labels=[IGNORE_INDEX] * outcome)
+
+
+def sides(document: Document) -> list[tuple[str, Document]]:
+    """(title, part) of a document to show: a preference pair's chosen and rejected sides, else itself."""
+    if len(document.segments) != 2:
+        return [("", document)]
+    chosen = document.segments[0]
+    return [(" chosen", Document(document.doc_id, document.input_ids[:chosen], document.labels[:chosen])),
+            (" rejected", Document(document.doc_id, document.input_ids[chosen:], document.labels[chosen:]))]
+
+
+def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:
+    """The document as (text, trained) pieces: token j is trained when position j-1 predicts it."""
+    pieces: list[tuple[str, bool]] = []
+    for position, token in enumerate(document.input_ids.tolist()):
+        trained = position > 0 and document.labels[position - 1] != IGNORE_INDEX
+        text = tokenizer.decode([token], clean_up_tokenization_spaces=False)
+        if pieces and pieces[-1][1] == trained:
+            pieces[-1] = (pieces[-1][0] + text, trained)
+        else:
+            pieces.append((text, trained))
+    return pieces
+
+
+def histogram(lengths: list[int], width: int = 40) -> list[str]:
+    """Lengths in power-of-two buckets, as text bars."""
+    if not lengths:
+        return ["(no documents)"]
+    buckets: dict[int, int] = {}
+    for length in lengths:
+        upper = 1 << max(length - 1, 0).bit_length()
+        buckets[upper] = buckets.get(upper, 0) + 1
+    most = max(buckets.values())
+    return [f"{upper // 2 + 1:>6}-{upper:<6} {'#' * max(1, round(width * count / most)):<{width}} {count}"
+            for upper, count in sorted(buckets.items())]
+
+
+def summary_lines(report: DataReport, budget: int) -> list[str]:
+    fill = report.packed_tokens / (report.microbatches * budget) if report.microbatches else 0.0
+    return count_lines(report.counts()) + [f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}"]
+
+
+def render_terminal(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int, colour: bool) -> str:
+    lines = summary_lines(report, budget) + ["", "document lengths (tokens):", *histogram(report.lengths)]
+    for document in report.examples:
+        for title, part in sides(document):
+            lines += ["", f"--- document {document.doc_id}{title} ({len(part)} tokens; trained tokens "
+                          + ("in green" if colour else "between [[ ]]") + ") ---"]
+            parts = []
+            for text, trained in trained_pieces(tokenizer, part):
+                if colour:
+                    parts.append(f"{TRAINED if trained else PLAIN}{text}{RESET}")
+                else:
+                    parts.append(f"[[{text}]]" if trained else text)
+            lines.append("".join(parts))
+    return "\n".join(lines)
+
+
+def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int) -> str:
+    documents = []
+    for document in report.examples:
+        for title, part in sides(document):
+            body = "".join(f'<span class="trained">{html.escape(text)}</span>' if trained else html.escape(text)
+                           for text, trained in trained_pieces(tokenizer, part))
+            documents.append(f"<h2>document {document.doc_id}{title} ({len(part)} tokens)</h2><pre>{body}</pre>")
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report, budget))
+    bars = html.escape("\n".join(histogram(report.lengths)))
+    return (
+        "<!doctype html><meta charset='utf-8'><title>chattune inspect</title>"
+        "<style>body{font-family:sans-serif;margin:2em}pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}"
+        ".trained{background:#c8f7c5;color:#0a5d00;font-weight:bold}</style>"
+        f"<h1>What training will see</h1><ul>{summary}</ul><h2>document lengths (tokens)</h2><pre>{bars}</pre>"
+        "<p>Trained tokens are <span class='trained'>highlighted</span>.</p>" + "".join(documents)
+    )
+
+
+def run_inspect(config_name: str, overrides: list[str], config_path: Path, num_docs: int, limit: int | None,
+                html_path: Path | None, colour: bool, config_dir: Path | None = None) -> str:
+    cfg = load_config(config_name, overrides, config_path, config_dir)
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    report = inspect_sources(cfg, tokenizer, num_docs, limit)
+    if html_path is not None:
+        html_path.write_text(render_html(report, tokenizer, cfg.data.max_tokens_per_microbatch), encoding="utf-8")
+    return render_terminal(report, tokenizer, cfg.data.max_tokens_per_microbatch, colour)

@@ -1,0 +1,162 @@
+"""The `chattune` command.
+
+    chattune ls                                   the recipes and configs that ship, with what each is for
+    chattune cp RECIPE|CONFIG DEST [--force]      copy one to edit it (DEST: a file or a directory)
+    chattune inspect [CONFIG] [key=value ...]     what training will see: counts, lengths, fill, trained tokens
+    chattune validate [CONFIG] [key=value ...]    check a config and its data before launching a run
+    chattune plot OUTPUT_DIR [...] [--out FILE]   training curves of one or more runs, overlaid, as a PNG
+
+CONFIG is a config name such as sft/tiny (or --config-name NAME); --config-path DIR takes configs from
+your own directory, where they can build on the shipped ones (`defaults: [/sft/tiny, _self_]`). The
+key=value overrides are the recipes' own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from chattune.config.paths import CONFIG_DIR
+from chattune.errors import UserError
+
+DEFAULT_CONFIG = "sft/tiny"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may follow options (`inspect sft/tiny --limit 5 key=value`): argparse leaves words after an
+    # option unparsed, and they join the config words.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "words") or any(word.startswith("-") for word in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.words = [*args.words, *extra]
+    try:
+        return args.handler(args, parser)
+    except UserError as error:  # the user's to fix: one message, no traceback
+        print(f"chattune {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chattune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ls = commands.add_parser("ls", help="list the shipped recipes and configs")
+    ls.set_defaults(handler=_ls)
+
+    cp = commands.add_parser("cp", help="copy a shipped recipe or config to edit it")
+    cp.add_argument("name", metavar="RECIPE|CONFIG", help="e.g. sft, dpo, sft/tiny (see chattune ls)")
+    # A str, not a Path: Path drops the trailing "/" that marks a directory still to be made.
+    cp.add_argument("dest", metavar="DEST", help="a file path, or a directory (existing, or ending in /) to keep the file name")
+    cp.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
+    cp.set_defaults(handler=_cp)
+
+    inspect = commands.add_parser("inspect", help="show what training will see: counts, lengths, fill, trained tokens")
+    _add_config_arguments(inspect)
+    inspect.add_argument("--num-docs", type=int, default=3, help="documents to show with their trained tokens")
+    inspect.add_argument("--limit", type=int, default=None, help="read only the first N training records")
+    inspect.add_argument("--html", type=Path, default=None, help="also write the report as an HTML page")
+    inspect.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
+                         help="colour trained tokens (default: when writing to a terminal)")
+    inspect.set_defaults(handler=_inspect)
+
+    validate = commands.add_parser("validate", help="check a config and its data before launching a run")
+    _add_config_arguments(validate)
+    validate.set_defaults(handler=_validate)
+
+    plot = commands.add_parser("plot", help="draw training curves of one or more runs as a PNG")
+    plot.add_argument("run_dirs", metavar="OUTPUT_DIR", nargs="+", type=Path, help="run output directories (metrics.jsonl)")
+    plot.add_argument("--out", type=Path, default=None,
+                      help="PNG to write (default: OUTPUT_DIR/metrics.png for one run, ./metrics.png for several)")
+    plot.set_defaults(handler=_plot)
+    return parser
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config-name", default=None, help=f"config to compose (default: {DEFAULT_CONFIG})")
+    parser.add_argument("--config-path", default=None,
+                        help="directory of configs, as the recipe's --config-path: absolute, or relative to the recipe's "
+                             "directory as Hydra resolves it (default: the shipped configs, which stay reachable from yours)")
+    parser.add_argument("--config-dir", type=Path, default=None,
+                        help="a further directory of configs, searched first (relative to here), as the recipe's --config-dir")
+    parser.add_argument("--recipe", type=Path, default=None,
+                        help="the recipe file a relative --config-path is resolved from (default: the shipped recipe)")
+    parser.add_argument("words", nargs="*", metavar="[CONFIG] key=value",
+                        help="a config name, as --config-name, then config overrides")
+
+
+def config_location(args: argparse.Namespace, config_name: str) -> tuple[Path, Path | None]:
+    """(--config-path resolved as the recipe resolves it, --config-dir)."""
+    from chattune.cli.catalog import RECIPES_DIR
+    from chattune.config.paths import resolve_config_path
+
+    if args.config_path is None:
+        return CONFIG_DIR, args.config_dir
+    recipe = args.recipe or RECIPES_DIR / f"{config_name.split('/')[0]}.py"
+    return resolve_config_path(args.config_path, recipe.resolve()), args.config_dir
+
+
+def config_and_overrides(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, list[str]]:
+    """The config name and overrides: a first word that is no override (no '=', not ~key) names the config."""
+    words = list(args.words)
+    if words and "=" not in words[0] and not words[0].startswith("~"):
+        if args.config_name is not None:
+            parser.error(f"config given twice: --config-name {args.config_name} and {words[0]}")
+        return words[0], words[1:]
+    return args.config_name or DEFAULT_CONFIG, words
+
+
+def _ls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.cli.catalog import listing
+
+    print(listing())
+    return 0
+
+
+def _cp(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.cli.catalog import copy
+
+    target, notes = copy(args.name, args.dest, args.force)
+    print(f"wrote {target}")
+    for note in notes:
+        print(note)
+    return 0
+
+
+def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.cli.inspect_data import run_inspect  # transformers and the data pipeline: only when needed
+
+    config_name, overrides = config_and_overrides(args, parser)
+    logging.basicConfig(level=logging.ERROR)  # per-record skip warnings are summed up in the report
+    colour = sys.stdout.isatty() if args.color is None else args.color
+    config_path, config_dir = config_location(args, config_name)
+    print(run_inspect(config_name, overrides, config_path, args.num_docs, args.limit, args.html, colour, config_dir))
+    if args.html:
+        print(f"\nwrote {args.html}")
+    return 0
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.config.validate import run_validate
+
+    config_name, overrides = config_and_overrides(args, parser)
+    config_path, config_dir = config_location(args, config_name)
+    report, ok = run_validate(config_name, overrides, config_path, config_dir=config_dir, read_data=True)
+    print(report)
+    return 0 if ok else 1
+
+
+def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.cli.plot import plot_runs
+
+    out = args.out or (args.run_dirs[0] / "metrics.png" if len(args.run_dirs) == 1 else Path("metrics.png"))
+    plot_runs(args.run_dirs, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""How a recipe is launched: a Hydra app whose command line chattune checks first, and whose user errors
+are printed once.
+
+    @recipe_main(config_name="sft/tiny")
+    def main(cfg: DictConfig) -> None: ...
+
+    if __name__ == "__main__":
+        main()
+
+On top of `hydra.main`:
+- a command line Hydra cannot compose (a typo'd key, a value it cannot parse, a config that does not
+  exist) is reported as `chattune validate` reports it: every problem at once, an unknown key with the
+  nearest valid one, instead of Hydra's first error and its advice to add the key with `+`;
+- a relative `--config-path` is resolved from the recipe's own file, as Hydra does (`chattune validate
+  --recipe FILE` resolves it the same way);
+- `report_errors`: a user error is printed once, without a traceback, on any number of ranks;
+- the process ends as soon as the run is done (`exit_process`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+from hydra._internal.utils import get_args_parser
+from omegaconf import DictConfig
+
+from chattune.config.paths import CONFIG_DIR, resolve_config_path
+from chattune.config.validate import ConfigError, composes, validate_command
+from chattune.distributed import exit_process
+from chattune.errors import report_errors
+
+CONFIG_PATH_FLAGS = ("--config-path", "-cp")
+_HYDRA_COMMANDS = ("help", "hydra_help", "cfg", "info", "shell_completion", "multirun")  # not a training run
+
+
+def with_absolute_config_path(argv: list[str], recipe_file: Path) -> list[str]:
+    """`argv` with a relative --config-path (-cp) made absolute, resolved as Hydra would for `recipe_file`
+    (the decorated recipe: Hydra would otherwise resolve it from this module's directory)."""
+    out, argv = [], list(argv)
+    while argv:
+        word = argv.pop(0)
+        flag, equals, value = word.partition("=")
+        if flag in CONFIG_PATH_FLAGS and (equals or argv):
+            value = value if equals else argv.pop(0)
+            out += [flag, str(resolve_config_path(value, recipe_file))]
+        else:
+            out.append(word)
+    return out
+
+
+def check_command_line(argv: list[str], default_config: str) -> None:
+    """Raise a ConfigError with every problem `chattune validate` finds when Hydra cannot compose the
+    config of this command line (argv[1:], its --config-path already absolute)."""
+    args = get_args_parser().parse_args(argv[1:])
+    if any(getattr(args, name) for name in _HYDRA_COMMANDS):
+        return  # Hydra's own commands (--help, --cfg job, ...): Hydra answers them
+    config_name = args.config_name or default_config
+    config_path = Path(args.config_path) if args.config_path else CONFIG_DIR
+    config_dir = Path(args.config_dir) if args.config_dir else None
+    if config_dir is None or config_dir.is_dir():
+        if config_path.is_dir() and composes(config_name, args.overrides, config_path, config_dir):
+            return  # the recipe checks the composed config itself (check_config), with every other problem
+    findings = validate_command(config_name, args.overrides, config_path, int(os.environ.get("WORLD_SIZE", "1")),
+                                config_dir)
+    if findings.problems:
+        raise ConfigError(findings.problems)
+
+
+def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
+    """Decorate a recipe's `main(cfg)`: the result is called without arguments and reads the command line."""
+
+    def decorate(task: Callable[[DictConfig], None]) -> Callable[[], None]:
+        recipe_file = Path(inspect.getfile(task)).resolve()
+
+        def run_task(cfg: DictConfig) -> None:
+            with report_errors():
+                task(cfg)
+
+        app = hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base=None)(run_task)
+
+        @functools.wraps(task)
+        def launch() -> None:
+            with report_errors():
+                sys.argv = with_absolute_config_path(sys.argv, recipe_file)
+                check_command_line(sys.argv, config_name)
+            app()
+            exit_process()  # the run is complete; skip interpreter teardown (see exit_process)
+
+        return launch
+
+    return decorate

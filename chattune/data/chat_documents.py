@@ -1,0 +1,92 @@
+"""What SFT documents and preference pairs share: records read from a `RecordSource`, rendered with
+the tokenizer's chat template and tokenized in one batch, with bad records raised or skipped
+(`data.on_bad_record`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data.chat_template import ChatTemplateError, TemplateMarkers, probe_template
+from chattune.data.documents import Document, Skipped, outcomes_by_record
+from chattune.data.formats import DataError, SourceSpec
+from chattune.data.sources import RecordSource
+from chattune.data.text_encoder import TextBatchEncoder
+
+ON_BAD_RECORD = ("error", "skip")
+
+
+class TemplateDocuments:
+    """What SFT documents and preference pairs share: records of a source, rendered with the tokenizer's
+    chat template (`_render`, one record) and tokenized in one batch (`_tokenize`), by global record index.
+
+    A record that cannot be read, converted, rendered or trained on is a DataError, or with
+    `on_bad_record="skip"` a counted `Skipped("bad_record")` naming the record and the problem. Reading
+    stops at the first error, which is raised after the records before it are tokenized: the error is the
+    one reading one by one would report (a record before it may itself be refused when tokenized, e.g. an
+    overlong one under `overlong="error"`, which `on_bad_record` does not turn into a skip)."""
+
+    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int, overlong: str,
+                 on_bad_record: str = "error"):
+        if on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(f"data.on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
+        self.source = source
+        self.tokenizer = tokenizer
+        try:
+            self.markers: TemplateMarkers = probe_template(tokenizer)
+        except ChatTemplateError as error:
+            raise ChatTemplateError(f"tokenizer {tokenizer.name_or_path}: {error}") from error
+        self._encode = TextBatchEncoder(tokenizer, cut_after=self.markers.end_of_turn)
+        self.max_tokens = max_tokens
+        self.overlong = overlong
+        self.on_bad_record = on_bad_record
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def get(self, index: int) -> Document | Skipped:
+        return self.get_many([index])[0]
+
+    def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
+        """The outcomes of the records at `indices`, flat and in order: a record gives one `Skipped` or
+        its documents (several pieces of a record that `overlong="split"` cuts)."""
+        outcomes: list = []  # per record: what _render prepared for tokenizing, or why it is skipped
+        failure: DataError | None = None
+        for index, (spec, where, record) in zip(indices, self.source.locate_many(indices)):
+            try:
+                if isinstance(record, DataError):
+                    raise record
+                outcomes.append(self._render(index, where, spec, record))
+            except DataError as error:
+                if self.on_bad_record != "skip":
+                    failure = error
+                    break
+                outcomes.append(Skipped("bad_record", str(error)))
+        rendered = [o for o in outcomes if not isinstance(o, Skipped)]
+        tokenized = iter(outcomes_by_record(self._tokenize(rendered), len(rendered)) if rendered else [])
+        documents = [item for o in outcomes for item in ([o] if isinstance(o, Skipped) else next(tokenized))]
+        if failure is not None:
+            raise failure
+        return documents
+
+    def _bad_record(self, error: DataError) -> Skipped:
+        """A record found unusable while tokenizing: raised, or skipped under on_bad_record="skip"."""
+        if self.on_bad_record != "skip":
+            raise error
+        return Skipped("bad_record", str(error))
+
+    def _render(self, index: int, where: str, spec: SourceSpec, record: dict):
+        raise NotImplementedError
+
+    def _tokenize(self, rendered: list) -> list[Document | Skipped]:
+        raise NotImplementedError
+
+
+def check_tools_rendered(markers: TemplateMarkers, tools: list | None, messages: list[dict], where: str) -> None:
+    """Refuse tools or tool calls that the chat template would silently leave out of the text."""
+    uses_calls = any("tool_calls" in m for m in messages)
+    if (tools and not markers.renders_tools) or (uses_calls and not markers.renders_tool_calls):
+        raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
+                        "render them (training would silently leave them out)")

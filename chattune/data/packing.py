@@ -1,0 +1,126 @@
+"""Packing tokenized documents into padding-free microbatches of shape (1, N).
+
+Documents are laid back to back in one row. Position ids restart at 0 for every document and
+`cu_seqlens` marks the boundaries, so the attention function keeps documents apart. Labels are already
+shifted per document (labels[i] is the token position i predicts) and the last position of every
+document is IGNORE_INDEX: no token is trained to predict across a document boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from chattune.data.documents import IGNORE_INDEX, Document
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (1, N) long
+    labels: torch.Tensor  # (1, N) long, shifted
+    position_ids: torch.Tensor  # (1, N) long, restarting at 0 per document
+    cu_seqlens: torch.Tensor  # (num_docs + 1,) int32
+    max_seqlen: int
+    doc_ids: list[int] = field(default_factory=list)
+    doc_lengths: list[int] = field(default_factory=list)  # tokens of each document, in order
+    doc_sources: list[int] = field(default_factory=list)  # data source of each document
+    padding: int = 0  # tokens of the padding segment (always last), if any
+    epoch: int = 0  # the epoch its documents belong to
+    ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
+
+    @property
+    def num_trainable_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_document_tokens(self) -> int:
+        """Tokens of real documents (padding excluded)."""
+        return self.num_tokens - self.padding
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        return PackedBatch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            labels=self.labels.to(device, non_blocking=True),
+            position_ids=self.position_ids.to(device, non_blocking=True),
+            cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
+            max_seqlen=self.max_seqlen,
+            doc_ids=self.doc_ids,
+            doc_lengths=self.doc_lengths,
+            doc_sources=self.doc_sources,
+            padding=self.padding,
+            epoch=self.epoch,
+            ends_epoch=self.ends_epoch,
+        )
+
+
+def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = None, pad_token_id: int = 0) -> PackedBatch:
+    """One (1, N) row. With `pad_to_multiple_of`, N is rounded up by a padding segment of its own: its
+    own entry in cu_seqlens (so no real token attends to it) and IGNORE_INDEX labels (never trained)."""
+    if not documents:
+        raise ValueError("cannot collate an empty list of documents")
+    if pad_to_multiple_of:
+        padding = -sum(len(d) for d in documents) % pad_to_multiple_of
+        if padding:
+            documents = documents + [_padding(padding, pad_token_id)]
+    lengths = [n for d in documents for n in d.segment_lengths]
+    if any(sum(d.segment_lengths) != len(d) for d in documents):
+        raise ValueError("a document's segments must add up to its length")
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return PackedBatch(
+        input_ids=torch.from_numpy(np.concatenate([d.input_ids for d in documents])).unsqueeze(0),
+        labels=torch.from_numpy(np.concatenate([d.labels for d in documents])).unsqueeze(0),
+        position_ids=_positions(lengths).unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(lengths),
+        doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
+        doc_lengths=[len(d) for d in documents if d.doc_id >= 0],
+        doc_sources=[d.source for d in documents if d.doc_id >= 0],
+        padding=sum(len(d) for d in documents if d.doc_id < 0),
+    )
+
+
+def _positions(lengths: list[int]) -> torch.Tensor:
+    """0, 1, ..., n-1 for each length n, back to back."""
+    lengths_array = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths_array) - lengths_array
+    return torch.from_numpy(np.arange(int(lengths_array.sum()), dtype=np.int64) - np.repeat(starts, lengths_array))
+
+
+def _padding(length: int, pad_token_id: int) -> Document:
+    """Tokens that are no document (doc_id -1) and train nothing."""
+    return Document(doc_id=-1, input_ids=np.full(length, pad_token_id), labels=np.full(length, IGNORE_INDEX))
+
+
+def empty_batch(pad_token_id: int) -> PackedBatch:
+    """A one-token microbatch with nothing to train: lets a rank without data still run forward/backward,
+    so every rank makes the same collective calls and none waits forever."""
+    return collate_packed([_padding(1, pad_token_id)])
+
+
+def best_fit_decreasing(documents: list[Document], max_tokens: int) -> list[list[Document]]:
+    """Pack documents into bins of at most `max_tokens` tokens: longest first, each into the fullest bin
+    it still fits (the first created among equally full ones; a new bin when none fits). Bins are
+    returned in creation order, documents in a bin in insertion order."""
+    bins: list[list[Document]] = []
+    rooms: list[tuple[int, int]] = []  # (free tokens, bin index) of every bin, sorted
+    for doc in sorted(documents, key=len, reverse=True):
+        size = len(doc)
+        if size > max_tokens:
+            raise ValueError(f"document {doc.doc_id} has {size} tokens, more than the budget {max_tokens}")
+        at = bisect.bisect_left(rooms, (size, -1))  # the least room that still fits, earliest bin first
+        if at < len(rooms):
+            room, best = rooms.pop(at)
+            bins[best].append(doc)
+            bisect.insort(rooms, (room - size, best))
+        else:
+            bins.append([doc])
+            bisect.insort(rooms, (max_tokens - size, len(bins) - 1))
+    return bins

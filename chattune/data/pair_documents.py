@@ -1,0 +1,104 @@
+"""DPO data: preference pairs of local JSON/JSONL/Parquet files (the `preference` and `sharegpt_preference`
+formats of `chattune.data.formats`), into one shifted-label document per pair.
+
+A pair's document is its chosen sequence then its rejected sequence, back to back (`Document.segments`
+gives their lengths, so they are packed as one unit and never attend to each other). Each side is the
+context and that side's reply rendered by the chat template exactly as `apply_chat_template` renders it;
+its trained tokens are exactly its final assistant reply (as the template renders it after the generation
+prompt, e.g. Qwen3's empty think block) and the end-of-turn token. Labels are shifted within each side,
+and the last position of each side predicts nothing.
+
+Errors name the file, the record index and the problem, as in `chattune.data.sft_documents`. What is skipped rather
+than fatal is counted by whoever consumes the documents: a pair whose two replies are identical (nothing
+to prefer) and a pair longer than the microbatch budget (chosen + rejected tokens: both sides must go into
+the same microbatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data.chat_documents import TemplateDocuments, check_tools_rendered
+from chattune.data.chat_template import render_conversation, trained_spans
+from chattune.data.documents import Document, Skipped, shifted_label_array
+from chattune.data.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
+from chattune.data.sources import RecordSource
+
+OVERLONG_DPO = ("drop", "error")
+
+
+class PairDocuments(TemplateDocuments):
+    """Tokenized, label-masked preference pairs by global record index: one `Document` per pair, or why
+    the pair is `Skipped`.
+
+    overlong, for a pair of more tokens (chosen + rejected) than `max_tokens`: `drop` (a counted skip) or
+    `error`. Pairs are never cut: a truncated reply would be compared on text the model never finishes."""
+
+    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
+                 overlong: str = "drop", on_bad_record: str = "error"):
+        if overlong not in OVERLONG_DPO:
+            raise ValueError(f"data.overlong must be one of {OVERLONG_DPO} for preference data, got {overlong!r}")
+        not_pairs = [s.path for s in source.specs if s.format not in PREFERENCE_FORMATS]
+        if not_pairs:
+            raise DataError(f"{not_pairs}: DPO needs preference data (format one of {list(PREFERENCE_FORMATS)})")
+        super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record)
+
+    def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_RenderedPair | Skipped":
+        """Convert and check one pair, render its two sides and locate the reply each trains."""
+        pair: PreferencePair = to_preference_pair(record, spec, where)
+        if pair.chosen == pair.rejected:
+            return Skipped("identical_replies", where)
+        check_tools_rendered(self.markers, pair.tools, [*pair.context, pair.chosen, pair.rejected], where)
+        texts, spans = [], []
+        for side in (pair.chosen, pair.rejected):
+            messages = [*pair.context, side]
+            try:
+                text = render_conversation(self.tokenizer, messages, pair.tools)
+                spans.append(trained_spans(text, messages, self.markers, last_turn_only=True))
+            except Exception as error:  # the template's own checks (raise_exception) and its failures on odd data
+                raise DataError(f"{where}: {type(error).__name__}: {error}") from error
+            texts.append(text)
+        return _RenderedPair(index, where, (texts[0], texts[1]), (spans[0], spans[1]))
+
+    def _tokenize(self, rendered: list["_RenderedPair"]) -> list[Document | Skipped]:
+        """Tokenize the sides of all rendered pairs together; label and check each pair."""
+        # A side over the budget makes its pair overlong: only its token count is needed.
+        encoded = self._encode([text for r in rendered for text in r.texts], [side for r in rendered for side in r.spans],
+                               keep_at_most=self.max_tokens)
+        labels = shifted_label_array(encoded.ids, encoded.trainable, encoded.ends)
+        ends = encoded.ends.tolist()
+        starts, counts = [0, *ends[:-1]], encoded.counts.tolist()
+        return [self._document(r, counts[2 * k : 2 * k + 2],
+                               [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
+                               [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)])
+                for k, r in enumerate(rendered)]
+
+    def _document(self, rendered: "_RenderedPair", counts: list[int], ids: list[np.ndarray],
+                  labels: list[np.ndarray]) -> Document | Skipped:
+        """The document of a pair whose sides have `counts` tokens (`ids`, `labels`: empty for a side over
+        the budget), or why it is skipped."""
+        total = sum(counts)
+        if total > self.max_tokens:
+            message = (f"{rendered.where}: {total} tokens (chosen {counts[0]} + rejected {counts[1]}) exceed "
+                       f"data.max_tokens_per_microbatch={self.max_tokens}")
+            if self.overlong == "error":
+                raise DataError(message)
+            return Skipped("overlong", message)
+        for name, side_labels in zip(("chosen", "rejected"), labels):
+            if not (side_labels >= 0).any():
+                return self._bad_record(DataError(f"{rendered.where}: the {name} reply has no token to train"))
+        return Document(doc_id=rendered.index, input_ids=np.concatenate(ids),
+                        labels=np.concatenate(labels), segments=(counts[0], counts[1]))
+
+
+@dataclass(frozen=True)
+class _RenderedPair:
+    """A pair's two sides rendered by the chat template, waiting to be tokenized with the others of its batch."""
+
+    index: int  # global record index
+    where: str  # "file record i", for messages
+    texts: tuple[str, str]  # chosen, rejected
+    spans: tuple[list[tuple[int, int]], list[tuple[int, int]]]  # character span of each side's trained reply

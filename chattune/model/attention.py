@@ -1,0 +1,134 @@
+"""One attention function for packed, padding-free batches, registered with transformers.
+
+A packed microbatch is a single row (1, N) holding several documents back to back. Causal attention
+over the row would let a document attend to the ones before it, so attention must run per document.
+The collator passes `cu_seq_lens_q`/`max_length_q` (transformers' flash-attention kwarg names, which
+the models forward untouched to the attention function); we fall back to deriving them from
+`position_ids` (which restart at 0 per document) only when they are missing.
+
+- CPU (and fp32 on CUDA): causal SDPA per document (exact, simple; CPU runs are small).
+- CUDA bf16/fp16 with flash-attn importable: `flash_attn_varlen_func`.
+- CUDA bf16/fp16 otherwise: torch's `varlen_attn`.
+
+Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+
+from chattune.data.packing import PackedBatch
+from chattune.errors import UnsupportedModel
+
+ATTENTION_NAME = "chattune_packed"
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Document boundaries of a packed row whose position ids restart at 0 per document."""
+    positions = position_ids.reshape(-1)
+    starts = torch.nonzero(positions == 0).reshape(-1)
+    total = torch.tensor([positions.numel()], device=positions.device)
+    cu_seqlens = torch.cat([starts, total]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+@functools.cache
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
+    # query: (1, Hq, N, D), key/value: (1, Hkv, N, D)
+    enable_gqa = query.shape[1] != key.shape[1]
+    bounds = cu_seqlens.tolist()
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        mask = None
+        if window is not None and end - start > window:
+            positions = torch.arange(end - start, device=query.device)
+            distance = positions[:, None] - positions[None, :]
+            mask = (distance >= 0) & (distance < window)  # causal, and only the last `window` keys
+        outputs.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=enable_gqa,
+        ))
+    return torch.cat(outputs, dim=2).transpose(1, 2)  # (1, N, Hq, D)
+
+
+def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window):
+    # varlen kernels take (N, H, D); window (W-1, 0) = causal over the last W keys, as transformers does
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    window_size = (window - 1, 0) if window is not None else (-1, 0)
+    flash_varlen = _flash_attn_varlen()
+    if flash_varlen is not None:
+        out = flash_varlen(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window_size,
+        )
+    else:
+        if dropout:
+            raise ValueError("torch varlen_attn has no dropout; set attention_dropout=0 or install flash-attn")
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            scale=scaling, window_size=window_size, enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return out.unsqueeze(0)  # (1, N, Hq, D)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each document of a packed (1, N) row. Returns (1, N, H, D)."""
+    if attention_mask is not None:
+        raise ValueError(f"{ATTENTION_NAME} attention takes no attention_mask: packed batches pass cu_seqlens")
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTENTION_NAME} attention expects packed rows of batch size 1, got {query.shape[0]}")
+    for unsupported in ("softcap", "s_aux"):  # silently ignoring them would train a different model
+        if kwargs.get(unsupported) is not None:
+            raise UnsupportedModel(f"{ATTENTION_NAME} attention does not implement {unsupported} yet")
+    # Some models pass the window per call (Phi-3, Mistral), others keep it on the module (per layer type).
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    max_seqlen = kwargs.get("max_length_q")
+    if cu_seqlens is None:
+        cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
+    cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):  # the varlen kernels' dtypes
+        return _varlen(query, key, value, cu_seqlens, int(max_seqlen), scaling, dropout, window), None
+    return _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window), None
+
+
+AttentionInterface.register(ATTENTION_NAME, packed_attention)
+
+
+def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+    """The final hidden states (N, H) of a packed (1, N) row through the model's decoder: no attention
+    mask and no cache; the document boundaries reach `packed_attention` as transformers' flash-attention
+    kwargs, which the models pass on untouched."""
+    decoder = getattr(hf_model, hf_model.base_model_prefix)
+    return decoder(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        cu_seq_lens_q=batch.cu_seqlens,
+        cu_seq_lens_k=batch.cu_seqlens,
+        max_length_q=batch.max_seqlen,
+        max_length_k=batch.max_seqlen,
+    ).last_hidden_state[0]

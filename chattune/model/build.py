@@ -1,0 +1,28 @@
+"""The model a recipe trains, and DPO's frozen reference: an HF causal LM from a local directory or from
+`model.config` (random weights), with the chunked loss head, sharded with FSDP2 per decoder layer and
+at the root. One builder, so the policy and a reference built from the config get the same weights."""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.distributed.fsdp import FSDPModule
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from chattune.distributed import DistInfo
+from chattune.model.causal_lm import PackedCausalLM, build_hf_model
+from chattune.model.fsdp import shard_model
+
+
+def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,
+                        path: str | None) -> tuple[PreTrainedModel, FSDPModule]:
+    """(the HF model, the sharded loss-head model around it): loaded from `path`, or built from
+    `cfg.model.config` when `path` is None."""
+    # The same seed on every rank, and for every model built: identical initial weights before sharding.
+    torch.manual_seed(cfg.seed)
+    config = instantiate(cfg.model.config) if path is None else None
+    hf_model = build_hf_model(tokenizer, path=path, config=config)  # on CPU; fully_shard moves each shard
+    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), dist_info.device.type, dist_info.world_size,
+                        **cfg.model.fsdp)
+    return hf_model, model

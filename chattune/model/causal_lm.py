@@ -1,0 +1,86 @@
+"""Hugging Face causal LMs for packed training.
+
+`PackedCausalLM` wraps any `AutoModelForCausalLM` and returns per-token losses computed from the final
+hidden states in chunks (see `chattune.model.chunked_loss`) instead of full logits. It is also the FSDP root module,
+so the embedding, final norm and output head (tied or not) are gathered by the root's hooks when its
+forward runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from chattune.data.packing import PackedBatch
+from chattune.errors import UnsupportedModel
+from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
+from chattune.model.chunked_loss import chunked_token_losses
+from chattune.model.packing_probe import check_packing_isolation
+
+
+class PackedCausalLM(nn.Module):
+    def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024):
+        super().__init__()
+        check_output_head(hf_model)
+        check_packing_isolation(hf_model)  # documents packed in one row must not see each other
+        self.hf_model = hf_model
+        self.loss_chunk_size = loss_chunk_size
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored."""
+        hidden = packed_hidden_states(self.hf_model, batch)
+        weight = self.hf_model.get_output_embeddings().weight
+        return chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size)
+
+
+@torch.no_grad()
+def check_output_head(hf_model: PreTrainedModel) -> None:
+    """The chunked loss computes logits as hidden @ output_embedding.T. Refuse a model whose own forward
+    does something else (logit scaling or softcapping, a bias), instead of training a different model."""
+    head = hf_model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise UnsupportedModel(f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss")
+    was_training = hf_model.training
+    hf_model.eval()
+    device = head.weight.device
+    input_ids = torch.arange(8, device=device).unsqueeze(0) % hf_model.config.vocab_size
+    position_ids = torch.arange(8, device=device).unsqueeze(0)
+    decoder = getattr(hf_model, hf_model.base_model_prefix)
+    hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
+    logits = hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0].float()
+    hf_model.train(was_training)
+    ours = hidden.float() @ head.weight.float().t()
+    if not torch.allclose(ours, logits, rtol=1e-3, atol=1e-3 * float(logits.abs().max())):
+        raise UnsupportedModel(
+            f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T "
+            "(logit scaling or softcapping?); the chunked loss does not support it yet"
+        )
+
+
+def build_hf_model(
+    tokenizer: PreTrainedTokenizerBase,
+    path: str | None = None,
+    config: PretrainedConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """Load a local HF model directory, or build one with random weights from a config (its vocabulary
+    sized to the tokenizer). Seed torch before calling for reproducible random weights."""
+    if (path is None) == (config is None):
+        raise ValueError("give exactly one of model.path (a local HF model directory) or model.config")
+    if path is not None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model.path {path!r} is not a local directory (chattune loads no models from a hub)")
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    else:
+        config.vocab_size = len(tokenizer)
+        config.pad_token_id = tokenizer.pad_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.get_input_embeddings().num_embeddings} embeddings")
+    model.config.use_cache = False
+    return model

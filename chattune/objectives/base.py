@@ -1,0 +1,24 @@
+"""What every objective provides to the update step, evaluation and metrics (SFT's cross-entropy and
+DPO's preference objective implement it side by side)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from chattune.data.packing import PackedBatch
+
+
+class Objective(Protocol):
+    """What a recipe trains: how many loss units a microbatch holds, their summed loss (with any other
+    per-unit figures it reports, summed), and how the step's sums over all ranks become metrics."""
+
+    unit_name: str  # what one loss unit is, for messages
+
+    def count_units(self, batch: PackedBatch) -> int: ...
+
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]: ...

@@ -1,0 +1,114 @@
+"""The DPO objective for the shared update step: the unit is the preference pair.
+
+A pair is one packed document of two segments, chosen then rejected (`chattune.data.pair_documents`), so a
+microbatch holds whole pairs: segment 2k is pair k's chosen reply in context, 2k+1 its rejected one,
+and a padding segment, if any, comes last. Per-pair log-probabilities are sums of the chunked loss's
+per-token values over each segment's trained positions (the final reply and its end-of-turn token):
+no full logits, no second forward of the policy.
+
+The reference log-probabilities come from a frozen reference model run under no_grad on the same
+packed microbatch (`LiveReference`), or from a table computed once before training (`CachedReference`,
+see `chattune.objectives.reference_cache`); reference-free losses need neither.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from chattune.data.documents import IGNORE_INDEX
+from chattune.data.packing import PackedBatch
+from chattune.data.source_mixture import source_figures
+from chattune.objectives.pair_losses import PreferenceLoss
+
+
+def pair_logps(token_losses: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:
+    """(chosen log-probs, rejected log-probs, chosen tokens, rejected tokens), one entry per pair."""
+    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().to(token_losses.device)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=token_losses.device), lengths)
+    logps = torch.zeros(len(lengths), dtype=token_losses.dtype, device=token_losses.device)
+    logps = logps.index_add(0, segment, -token_losses)
+    trained = (batch.labels[0] != IGNORE_INDEX).to(token_losses.dtype)
+    tokens = torch.zeros(len(lengths), dtype=token_losses.dtype, device=token_losses.device).index_add(0, segment, trained)
+    pairs = len(batch.doc_ids)
+    return logps[0 : 2 * pairs : 2], logps[1 : 2 * pairs : 2], tokens[0 : 2 * pairs : 2], tokens[1 : 2 * pairs : 2]
+
+
+class Reference(Protocol):
+    def __call__(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LiveReference:
+    """A frozen reference model (sharded like the policy) run on the same packed microbatch."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def __call__(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen, rejected, _, _ = pair_logps(self.model(batch), batch)
+        return chosen, rejected
+
+
+class CachedReference:
+    """Reference log-probs looked up by record index in a table made before training."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # (num_records, 2) float64: chosen, rejected; NaN where never computed
+
+    def __call__(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.table[torch.tensor(batch.doc_ids, dtype=torch.long)]
+        if torch.isnan(rows).any():
+            raise RuntimeError(f"the reference cache has no entry for some of records {batch.doc_ids}")
+        device = batch.input_ids.device
+        return rows[:, 0].float().to(device), rows[:, 1].float().to(device)
+
+
+class PreferenceObjective:
+    unit_name = "preference pair"
+
+    def __init__(self, loss: PreferenceLoss, reference: Reference | None, num_sources: int = 1):
+        if loss.needs_reference and reference is None:
+            raise ValueError(f"loss.type={loss.loss_type!r} needs reference log-probs (a reference model or cache)")
+        self.loss, self.reference = loss, reference
+        self.num_sources = num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
+
+    def count_units(self, batch: PackedBatch) -> int:
+        return len(batch.doc_ids)
+
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        token_losses = model(batch)
+        chosen, rejected, chosen_tokens, rejected_tokens = pair_logps(token_losses, batch)
+        ref_chosen, ref_rejected = self.reference(batch) if self.loss.needs_reference else (None, None)
+        losses, chosen_reward, rejected_reward = self.loss(chosen, rejected, ref_chosen, ref_rejected,
+                                                           chosen_tokens, rejected_tokens)
+        # 0 * (all token losses) keeps a microbatch without pairs (an empty one) in the autograd graph: every
+        # rank must run backward through every forward, since FSDP reduces gradients in those hooks.
+        loss = losses.sum() + 0.0 * token_losses.sum()
+        figures = {
+            "rewards_chosen": chosen_reward.sum(), "rewards_rejected": rejected_reward.sum(),
+            "accuracies": (chosen_reward > rejected_reward).sum(),
+            "logps_chosen": chosen.detach().sum(), "logps_rejected": rejected.detach().sum(),
+            "tokens": chosen_tokens.sum() + rejected_tokens.sum(),
+        }
+        if self.num_sources > 1:
+            figures.update(source_figures(batch, losses, self.num_sources, doc_units=torch.ones_like(losses)))
+        return loss, figures
+
+    def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
+        """Means over every pair of the step (all ranks and microbatches); accuracies is the fraction of
+        pairs whose chosen reward beats the rejected one (not a comparison of mean rewards)."""
+        pairs = max(global_units, 1)
+        return {
+            "loss": sums["loss_sum"] / pairs,
+            "rewards/chosen": sums["rewards_chosen"] / pairs,
+            "rewards/rejected": sums["rewards_rejected"] / pairs,
+            "rewards/margins": (sums["rewards_chosen"] - sums["rewards_rejected"]) / pairs,
+            "rewards/accuracies": sums["accuracies"] / pairs,
+            "logps/chosen": sums["logps_chosen"] / pairs,
+            "logps/rejected": sums["logps_rejected"] / pairs,
+            "num_pairs": global_units,
+            "num_tokens": int(sums["tokens"]),
+        }

@@ -1,0 +1,156 @@
+"""Reference log-probs computed once, before training, and kept on disk.
+
+A frozen reference model costs a forward per microbatch and its weights in memory for the whole run.
+With `reference.cache=true` the recipe instead runs the reference once over every record (each rank
+its share, packed as in training), all-reduces the per-record table and drops the model. The table is
+stored as `<cache_dir>/<key>.pt`, where the key hashes everything the numbers depend on: the data
+files and source settings, the tokenizer, the packing budget and overlong policy, the reference
+weights (their full content) and the precision. A later run (or a resumed one) with the same key
+loads the table instead of recomputing it; a change anywhere gives another key, so a stale table is
+never used. Loading the same file makes a resumed run see exactly the numbers the first run saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from chattune.data.fingerprint import data_file_fingerprints
+from chattune.data.packing import PackedBatch, empty_batch
+from chattune.distributed import all_reduce_max, all_reduce_sum
+from chattune.objectives.dpo import pair_logps
+
+logger = logging.getLogger(__name__)
+
+_HASH_BLOCK = 1 << 24
+
+
+def weights_fingerprint(model_dir: Path, memo_path: Path) -> dict[str, str]:
+    """sha256 of every file of a model directory. Weights fine-tuned in place keep their size, so the
+    whole content is hashed; the hashes are memoized by (size, mtime) in `memo_path`, so a large model
+    is read once, not at every start."""
+    memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+    digests = {}
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        stat = path.stat()
+        stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+        entry = memo.get(str(path.resolve()))
+        if entry is None or entry["stamp"] != stamp:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(_HASH_BLOCK):
+                    digest.update(block)
+            entry = memo[str(path.resolve())] = {"stamp": stamp, "sha256": digest.hexdigest()}
+        digests[str(path.relative_to(model_dir))] = entry["sha256"]
+    text = json.dumps(memo, indent=1)
+    if not memo_path.is_file() or memo_path.read_text() != text:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(memo_path, lambda f: f.write(text.encode()))
+    return digests
+
+
+def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
+    """What the reference log-probs of `cfg.data.<split>` depend on."""
+    reference_dir = cfg.reference.path or cfg.model.path
+    if reference_dir is not None:
+        weights = weights_fingerprint(Path(reference_dir), Path(cfg.reference.cache_dir) / "weight_hashes.json")
+    else:  # built from config: the seed fixes the initial weights
+        weights = {"config": OmegaConf.to_container(cfg.model.config, resolve=True), "seed": cfg.seed}
+    return {
+        "sources": OmegaConf.to_container(cfg.data[split], resolve=True),
+        "files": data_file_fingerprints(cfg.data[split], cfg.tokenizer.path),
+        "max_tokens_per_microbatch": cfg.data.max_tokens_per_microbatch,
+        "overlong": cfg.data.overlong,
+        "reference_weights": weights,
+        "fsdp": OmegaConf.to_container(cfg.model.fsdp, resolve=True),  # precision changes the numbers
+        "device": device_type,
+    }
+
+
+def cache_key(fingerprint: dict) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
+
+
+@torch.no_grad()
+def compute_reference_table(reference: nn.Module, batches: Iterable[PackedBatch], num_records: int,
+                            device: torch.device, pad_token_id: int) -> torch.Tensor:
+    """Collective: (num_records, 2) float64 table of (chosen, rejected) reference log-probs, each rank
+    computing its own share's rows from `batches`. Ranks with fewer batches run empty ones (every FSDP
+    forward is a collective). Rows of records that never reach training (skipped) stay NaN."""
+    was_training = reference.training
+    reference.eval()
+    table = torch.zeros(num_records, 2, dtype=torch.float64)
+    filled = torch.zeros(num_records, dtype=torch.float64)
+    batches = iter(batches)
+    while True:
+        batch = next(batches, None)
+        if all_reduce_max(int(batch is not None), device) == 0:
+            break
+        batch = (batch or empty_batch(pad_token_id)).to(device)
+        chosen, rejected, _, _ = pair_logps(reference(batch), batch)
+        rows = torch.tensor(batch.doc_ids, dtype=torch.long)
+        table[rows] = torch.stack([chosen, rejected], dim=1).double().cpu()
+        filled[rows] = 1.0
+    reference.train(was_training)
+    together = all_reduce_sum(torch.cat([table, filled[:, None]], dim=1).to(device)).cpu()
+    table = together[:, :2]
+    table[together[:, 2] == 0] = float("nan")
+    return table
+
+
+def load_or_build(cache_dir: Path, fingerprints: dict[str, dict], num_records: dict[str, int],
+                  make_reference: Callable[[], nn.Module], make_batches: Callable[[str], Iterable[PackedBatch]],
+                  device: torch.device, pad_token_id: int, is_main: bool) -> dict[str, torch.Tensor]:
+    """Collective: the reference table of each named split (e.g. "train", "eval"), loaded from
+    `cache_dir` where a valid one is stored, else computed with one reference model (built only if some
+    table is missing) and stored by rank 0."""
+    tables: dict[str, torch.Tensor] = {}
+    for split, fingerprint in fingerprints.items():
+        path = cache_dir / f"{split}-{cache_key(fingerprint)}.pt"
+        table = _load(path, fingerprint, num_records[split])
+        # Every rank must agree to build (it is collective): build unless every rank could load.
+        if all_reduce_max(int(table is None), device) == 0:
+            logger.info("reference log-probs of %s: loaded from %s", split, path)
+            tables[split] = table
+    missing = [split for split in fingerprints if split not in tables]
+    if not missing:
+        return tables
+    reference = make_reference()
+    for split in missing:
+        path = cache_dir / f"{split}-{cache_key(fingerprints[split])}.pt"
+        logger.info("reference log-probs of %s: computing %d records (one pass) into %s", split, num_records[split], path)
+        tables[split] = compute_reference_table(reference, make_batches(split), num_records[split], device, pad_token_id)
+        if is_main:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            content = {"fingerprint": fingerprints[split], "table": tables[split]}
+            _write_atomically(path, lambda f: torch.save(content, f))
+    del reference  # the point of the cache: training holds no reference weights
+    return tables
+
+
+def _load(path: Path, fingerprint: dict, num_records: int) -> torch.Tensor | None:
+    if not path.is_file():
+        return None
+    content = torch.load(path, weights_only=True)
+    if content["fingerprint"] != fingerprint or content["table"].shape != (num_records, 2):
+        # Same key, other content: a hash collision or a hand-edited file. Never use it.
+        logger.warning("%s does not match this run's data and reference; recomputing it", path)
+        return None
+    return content["table"]
+
+
+def _write_atomically(path: Path, write: Callable) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # ranks may write the same file
+    with open(partial, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)

@@ -1,0 +1,31 @@
+"""Held-out loss, computed the same way as the training loss (sum of unit losses / global units)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from chattune.data.packing import PackedBatch, empty_batch
+from chattune.distributed import all_reduce_max
+from chattune.objectives.base import Objective
+from chattune.train.metrics import reduce_sums
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch], device: torch.device,
+             pad_token_id: int) -> dict[str, float]:
+    """The objective's metrics over all ranks' held-out batches, named `eval_*` (eval_loss, ...). A rank with
+    fewer batches runs empty ones: every FSDP forward is a collective, so all ranks make the same number."""
+    sums: dict[str, float] = {"loss_sum": 0.0, "units": 0.0}
+    was_training = model.training
+    model.eval()
+    for i in range(all_reduce_max(len(batches), device)):
+        batch = batches[i] if i < len(batches) else empty_batch(pad_token_id)
+        loss, figures = objective.loss_sum(model, batch.to(device))
+        sums["loss_sum"] += float(loss)
+        sums["units"] += objective.count_units(batch)
+        for name, value in figures.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    model.train(was_training)
+    sums = reduce_sums(sums, device)
+    return {f"eval_{name}": value for name, value in objective.metrics(sums, int(sums["units"])).items()}

@@ -1,0 +1,95 @@
+"""The data side of every recipe, set up once so SFT, DPO and `chattune inspect` see the same documents.
+
+Each source of `data.train` / `data.eval` becomes its own document source (with its own format, columns
+and `train_on`), all behind one record index (`MixedDocuments`). `data.mixing` decides how the training
+records are drawn (`chattune.data.mixing_policy`); a sample is counted for the data report; each rank gets its step
+feed (tokenized in loader workers, packed, epochs in lockstep) and its share of the held-out batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data.formats import SourceSpec
+from chattune.data.mixing_policy import Mixer, mixture_sampling
+from chattune.data.packing import PackedBatch
+from chattune.data.pair_documents import PairDocuments
+from chattune.data.report import count_lines, report_sample, scan_documents
+from chattune.data.sft_documents import SFTDocuments
+from chattune.data.source_mixture import MixedDocuments
+from chattune.data.sources import RecordSource, source_specs
+from chattune.data.stream import PackedStream
+from chattune.distributed import DistInfo
+from chattune.train.feed import StepFeed
+from chattune.train.metrics import reduce_sums
+
+logger = logging.getLogger(__name__)
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads: empty microbatches hold one token that nothing attends to and nothing trains, so
+    any valid id will do (the tokenizer's pad, else its eos, else 0)."""
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+
+
+def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
+    """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`)."""
+    return MixedDocuments([(spec.display_name, SFTDocuments(
+        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong,
+        spec.train_on or data.train_on, data.on_bad_record)) for spec in specs])
+
+
+def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
+    """Preference pairs: one document of two segments (chosen, rejected) per pair."""
+    return MixedDocuments([(spec.display_name, PairDocuments(
+        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong, data.on_bad_record))
+        for spec in specs])
+
+
+def packed_stream(cfg: DictConfig, dist_info: DistInfo, pad_id: int, documents: MixedDocuments, shuffle: bool,
+                  num_epochs: int | None, sampler=None) -> PackedStream:
+    """This rank's packed microbatches of `documents`: its share of every epoch, or of a mixture's draws."""
+    return PackedStream(
+        documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch, pad_id,
+        cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
+        pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler,
+    )
+
+
+@dataclass
+class TrainingData:
+    train: MixedDocuments
+    eval: MixedDocuments | None
+    feed: StepFeed  # each step's microbatches on this rank
+    eval_batches: list[PackedBatch]  # this rank's share of the held-out data
+    mixer: Mixer | None  # data.mixing static or online; None: the sources are concatenated
+
+    @property
+    def num_sources(self) -> int:
+        """Sources the objective reports per-source sums for (1: no mixture, nothing per source)."""
+        return self.mixer.num_sources if self.mixer else 1
+
+
+def build_training_data(cfg: DictConfig, dist_info: DistInfo, pad_id: int,
+                        documents_of: Callable[[list[SourceSpec]], MixedDocuments]) -> TrainingData:
+    """Collective (the data report's counts are summed over ranks)."""
+    train_specs = source_specs(cfg.data.train)
+    train = documents_of(train_specs)
+    # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
+    mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, dist_info.rank, dist_info.world_size,
+                                      cfg.seed, cfg.data.num_epochs, cfg.data.buffer_records)
+    if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
+        sample = report_sample(len(train), cfg.data.report_records, cfg.seed)
+        counts = reduce_sums(scan_documents(train, sample[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device)
+        logger.info("training data (%d of %d records sampled): %s", len(sample), len(train), "; ".join(count_lines(counts)))
+    # Every step takes grad_accum_steps microbatches per rank; epochs end on the same step on every rank.
+    stream = packed_stream(cfg, dist_info, pad_id, train, shuffle=True, num_epochs=cfg.data.num_epochs, sampler=sampler)
+    feed = StepFeed(stream, cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer)
+    held_out = documents_of(source_specs(cfg.data.eval)) if cfg.data.eval else None
+    eval_batches = list(packed_stream(cfg, dist_info, pad_id, held_out, shuffle=False, num_epochs=1)) if held_out else []
+    return TrainingData(train, held_out, feed, eval_batches, mixer)

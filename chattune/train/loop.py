@@ -1,0 +1,156 @@
+"""The training loop every recipe runs: resume, update steps, metrics, evaluation, checkpoints.
+
+Recipes differ in their data and their objective (`chattune.objectives.base.Objective`); everything from the
+first step to the last is the same story, so it is told once here and SFT and DPO cannot drift apart:
+
+- resume (`resume=auto|PATH|null`): model, optimizer, scheduler, data position, RNG and counters;
+- held-out metrics at step 0, then every `eval_every` steps and at the end;
+- each step: its microbatches (`StepFeed`, epochs in lockstep), the shared update step, a mixture's
+  per-source figures and online update (`chattune.data.mixing_policy`), the epoch's figures when it closes,
+  metrics every `log_every` steps;
+- a non-finite loss or gradient: the update is skipped on every rank (counted) or the run stops;
+- checkpoints every `save_every` steps, and `stop_after_step` for a job's time slice;
+- at the end, a Hugging Face directory that loads without chattune.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data.packing import PackedBatch
+from chattune.data.report import epoch_line
+from chattune.distributed import DistInfo
+from chattune.model.export import export_hf
+from chattune.model.fsdp import compute_dtype
+from chattune.objectives.base import Objective
+from chattune.train.evaluation import evaluate
+from chattune.train.faults import maybe_crash
+from chattune.train.feed import DocumentLedger, StepFeed
+from chattune.train.metrics import MetricLogger, reduce_sums, step_metrics
+from chattune.train.output_dir import RunStart
+from chattune.train.progress import Progress
+from chattune.train.resume import resume_training, save_training
+from chattune.train.step import LossScale, train_step
+
+logger = logging.getLogger(__name__)
+
+
+def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn.Module, objective: Objective,
+          optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, feed: StepFeed,
+          eval_batches: list[PackedBatch], tokenizer: PreTrainedTokenizerBase, pad_id: int,
+          eval_objective: Objective | None = None) -> None:
+    """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
+    `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved. `start` is what the launch
+    continues (`chattune.train.output_dir.claim_output_dir`). `eval_objective` scores the held-out batches when
+    they need their own (e.g. cached reference log-probs of the eval records)."""
+    device, output_dir = dist_info.device, Path(cfg.output_dir)
+    eval_objective = eval_objective or objective
+
+    # --- resume: model, optimizer, scheduler, data position and RNG, or a fresh start ---
+    checkpoints = output_dir / "checkpoints"
+    counters = {"nonfinite_skipped_steps": 0}
+    # fp16 compute needs loss scaling (its gradients underflow otherwise); bf16 and fp32 run unscaled.
+    loss_scale = LossScale(enabled=compute_dtype(cfg.model.fsdp.param_dtype, device.type) == "float16")
+    if loss_scale.enabled:
+        counters["overflow_skipped_steps"] = 0
+    start_step, wandb_id = 0, None
+    if start.resume_from is not None:
+        start_step, saved_counters = resume_training(start.resume_from, start.plan, model, optimizer, scheduler, feed,
+                                                     loss_scale)
+        counters.update(saved_counters)
+        wandb_id = start.checkpoint_meta.get("wandb_id")
+        logger.info("resumed from %s at step %d (epoch %d)", start.resume_from, start_step, feed.epoch)
+    metric_logger = MetricLogger(
+        str(output_dir), dist_info.is_main, cfg.logger, resume_step=start_step if start.resume_from else None,
+        run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb),
+        wandb_id=wandb_id,
+    )
+    # Written with every checkpoint (rank 0's): what a resume checks, and the wandb run it continues.
+    meta = {**start.meta, "wandb_id": metric_logger.wandb_id}
+    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
+
+    if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
+        metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
+    progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
+    metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
+
+    # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
+    for step in range(start_step + 1, cfg.max_steps + 1):
+        if feed.finished:  # resumed after the last epoch
+            break
+        start = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        batches = feed.next_step()
+        if ledger:
+            ledger.write(step, batches)
+        maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
+        result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
+                                       device, rank_done=batches.rank_done, loss_scale=loss_scale)
+        epoch_counts = feed.close_step(result.ranks_done, dist_info.world_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
+        step_time = time.perf_counter() - start
+        if result.global_units == 0 and step == 1:
+            raise RuntimeError(f"the first step has no {objective.unit_name} on any rank: check the data")
+        if result.overflow:  # fp16: the loss scale was too high for this step; LossScale has lowered it
+            counters["overflow_skipped_steps"] += 1
+            logger.info("step %d: fp16 gradients overflowed, update skipped; loss scale now %g", step, loss_scale.scale)
+        elif not math.isfinite(grad_norm):  # every rank sees the same NaN norm, so all decide alike
+            if cfg.nonfinite_loss == "stop":
+                raise FloatingPointError(f"step {step}: non-finite loss or gradients; the optimizer did not step. "
+                                         "The last checkpoint is intact (resume=auto continues from it).")
+            counters["nonfinite_skipped_steps"] += 1
+            logger.warning("step %d: non-finite loss or gradients, update skipped (%d so far)", step,
+                           counters["nonfinite_skipped_steps"])
+
+        mixing = None
+        if feed.mixer is not None:  # a mixture: per-source sums, and online mixing's update (collective)
+            feed.mixer.observe(result.figures, math.isfinite(grad_norm))
+            mixing = feed.mixer.maybe_update(step, device)
+
+        if epoch_counts is not None:  # the step closed an epoch on every rank: its exact figures
+            logger.info("epoch %d done at step %d: %s", batches.epoch, step,
+                        epoch_line(reduce_sums(epoch_counts, device), cfg.data.max_tokens_per_microbatch))
+        is_last = step == cfg.max_steps or feed.finished
+        # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
+        is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
+        if step % cfg.log_every == 0 or is_last or is_eval or mixing:
+            metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
+            metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
+            if loss_scale.enabled:
+                metrics["loss_scale"] = loss_scale.scale
+            if feed.mixer is not None:
+                metrics.update(feed.mixer.metrics(device))
+            if is_eval:
+                metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
+            metric_logger.log(metrics)
+        progress.update(step, metric_logger.last)
+        stopping = step == cfg.stop_after_step
+        if (cfg.save_every and step % cfg.save_every == 0) or stopping:
+            save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n, loss_scale)
+        if stopping:
+            progress.close()
+            logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
+            metric_logger.close()
+            return
+        if feed.finished:
+            logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
+            break
+    progress.close()
+
+    skipped = reduce_sums({**feed.stream.skipped, **feed.stream.overlong}, device)
+    logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
+                {k: int(skipped[k]) for k in feed.stream.skipped}, {k: int(skipped[k]) for k in feed.stream.overlong})
+
+    # --- save: a Hugging Face directory that loads without chattune ---
+    export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main)
+    metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
+    metric_logger.close()
+    logger.info("done: %s", output_dir / "hf")

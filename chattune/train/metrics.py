@@ -1,0 +1,154 @@
+"""Step metrics: reduced over ranks once, written by rank 0 to stdout, metrics.jsonl and optionally wandb.
+
+Every recipe reports through here, so the same name always means the same computation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from chattune.distributed import all_reduce_sum
+from chattune.objectives.base import Objective
+from chattune.train.step import StepResult
+
+logger = logging.getLogger(__name__)
+
+
+def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum named per-rank figures over all ranks with ONE stacked all-reduce."""
+    names = sorted(values)
+    stacked = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
+    return dict(zip(names, all_reduce_sum(stacked).tolist()))
+
+
+def step_metrics(
+    step: int, result: StepResult, objective: Objective, grad_norm: float, lr: float, step_time_s: float,
+    device: torch.device,
+) -> dict[str, float]:
+    """The metrics of one step, over all ranks (one stacked all-reduce). Collective: every rank must call it.
+
+    The objective turns the summed figures into its metrics (loss, num_tokens, ...); tokens_per_sec is
+    trainable tokens per second of step time (mean over ranks), all_tokens_per_sec every token's."""
+    sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens,
+                        **result.figures}, device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    step_time = sums["step_time_s"] / world
+    metrics = {"step": step, **objective.metrics(sums, result.global_units)}
+    metrics.update(
+        tokens_per_sec=metrics["num_tokens"] / step_time,
+        all_tokens_per_sec=sums["all_tokens"] / step_time,
+        lr=lr,
+        grad_norm=grad_norm,
+        step_time_s=step_time,
+    )
+    return metrics
+
+
+def format_line(metrics: dict[str, float]) -> str:
+    parts = [f"step {int(metrics['step'])}"]
+    for name, value in metrics.items():
+        if name == "step":
+            continue
+        if isinstance(value, float) and name == "lr":
+            parts.append(f"{name} {value:.2e}")
+        elif isinstance(value, float):
+            parts.append(f"{name} {value:.4g}")
+        else:
+            parts.append(f"{name} {value}")
+    return " | ".join(parts)
+
+
+def _drop_dead_wandb_service() -> None:
+    """Forget a WANDB_SERVICE token inherited from a process that has died (its service died with it):
+    wandb.init would try to connect to it and fail instead of starting a service of its own."""
+    token = os.environ.get("WANDB_SERVICE", "")
+    fields = token.split("-")  # "<version>-<pid of the process that started the service>-..."
+    if len(fields) < 3 or not fields[1].isdigit():
+        return
+    try:
+        os.kill(int(fields[1]), 0)
+    except ProcessLookupError:
+        logger.warning("ignoring WANDB_SERVICE=%s: the process that started that wandb service is gone", token)
+        del os.environ["WANDB_SERVICE"]
+    except PermissionError:  # alive, another user's
+        return
+
+
+def init_wandb(output_dir: str, run_config: dict | None, wandb_kwargs: dict | None, run_id: str | None = None):
+    """A wandb run under `output_dir/wandb` (the run `run_id` continued, when given: a resumed training
+    run logs into the wandb run it started), or a RuntimeError that says what to do instead."""
+    import wandb  # imported lazily: only runs that ask for it need it configured
+
+    _drop_dead_wandb_service()
+    continued = {"id": run_id, "resume": "allow"} if run_id else {}
+    try:
+        return wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}), **continued)
+    except Exception as e:  # wandb raises many types (UsageError, CommError, connection errors, timeouts)
+        raise RuntimeError(
+            f"logger=wandb: wandb.init failed: {type(e).__name__}: {e}\n"
+            "Log in (`wandb login` or WANDB_API_KEY), or log without network with wandb.mode=offline "
+            "(or WANDB_MODE=offline; `wandb sync` uploads the run later), or use logger=stdout."
+        ) from e
+
+
+class MetricLogger:
+    """Rank 0 writes; other ranks' calls do nothing. `backend` is 'stdout' or 'wandb' (JSONL is always
+    written). Each call prints a console line, unless `step_lines` is False (a progress bar shows the
+    steps): then only lines with held-out (`eval_*`) metrics are printed."""
+
+    def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None,
+                 wandb_kwargs: dict | None = None, resume_step: int | None = None, wandb_id: str | None = None):
+        if backend not in ("stdout", "wandb"):
+            raise ValueError(f"logger must be 'stdout' or 'wandb', got {backend!r}")
+        self.is_main = is_main
+        self.step_lines = True  # False while a progress bar shows the steps
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.wandb_run = None
+        self.last: dict[str, float] | None = None  # the latest logged metrics (rank 0), for a progress bar
+        if not is_main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._start_file(resume_step)
+        if backend == "wandb":
+            self.wandb_run = init_wandb(output_dir, run_config, wandb_kwargs, wandb_id)
+
+    @property
+    def wandb_id(self) -> str | None:
+        """The wandb run's id (rank 0 with logger=wandb), saved with checkpoints so a resume continues it."""
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def _start_file(self, resume_step: int | None) -> None:
+        """One run's curve per file: a fresh run starts it afresh; a resumed run keeps the lines up to its
+        checkpoint and drops later ones (the steps lost in a crash are trained and logged again)."""
+        kept = ""
+        if resume_step is not None and self.path.exists():
+            lines = self.path.read_text().splitlines(keepends=True)
+            kept = "".join(line for line in lines if line.strip() and json.loads(line).get("step", 0) <= resume_step)
+        self.path.write_text(kept)
+
+    def log(self, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        self.last = metrics
+        if self.step_lines or any(name.startswith("eval_") for name in metrics):
+            logger.info(format_line(metrics))
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+
+    def log_summary(self, summary: dict) -> None:
+        """Run-level facts (e.g. the final HF directory): the wandb run's summary."""
+        if self.is_main and self.wandb_run is not None:
+            self.wandb_run.summary.update(summary)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

@@ -1,0 +1,220 @@
+"""An output directory belongs to one run at a time, and a launch never damages what another left there.
+
+- **A lock** (`.chattune.lock`): rank 0 holds an exclusive `flock` on it for the run's whole life and
+  writes its pid, host, start time and command into it. A second run into the same directory is
+  refused with those facts while the first is alive (even when only its workers survived a killed
+  launcher). The kernel drops an flock with the process that held it, so a lock left by a dead run
+  (kill -9, a lost node) is free again: no stale lock ever blocks a relaunch.
+- **What a launch continues** (`resume`): `auto`, the newest complete checkpoint; a path, that one;
+  `null`, nothing. A directory that holds an earlier run's results (checkpoints, metrics.jsonl, hf/)
+  is started over only with `overwrite=true`.
+- **Nothing of another trajectory is deleted or resumed by accident**: the checkpoints newer than the
+  one a run continues from, and everything an overwritten run left, are moved aside as `*.abandoned`
+  (never picked up by resume=auto, never pruned by keep_last_n; delete them when you no longer need them).
+
+`claim_output_dir` does all of it before anything is loaded or written, so a refused launch costs seconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from chattune.config.paths import save_resolved_config
+from chattune.distributed import DistInfo, broadcast_from_main
+from chattune.errors import UserError
+from chattune.train.checkpoint import committed_checkpoints, find_latest, read_meta
+from chattune.train.resume import ResumeError, ResumePlan, check_resumable, run_fingerprint, run_meta
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".chattune.lock"
+RESULTS = ("checkpoints", "metrics.jsonl", "hf", "ledger")  # what a run leaves; config.yaml is rewritten at every start
+ABANDONED = ".abandoned"
+
+
+class OutputDirInUse(UserError):
+    """Another live run holds the directory, or it holds an earlier run's results this launch would overwrite."""
+
+
+class OutputDirLock:
+    """An exclusive flock on `directory/.chattune.lock`, held until this process exits. The file is never
+    removed (unlinking it would race a new claimant); who holds it is the flock's, not the file's, say."""
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputDirInUse(f"output_dir {self.path.parent} is in use by another run: {describe_holder(self.holder())}. "
+                                 "Wait for it to finish or stop it, or choose another output_dir.") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+        os.fsync(fd)
+        self._fd = fd
+
+    def holder(self) -> dict:
+        """What the lock file says of its holder ({} if unreadable)."""
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def is_held(self) -> bool:
+        """Whether a live process holds the lock (checked by trying to take it for an instant)."""
+        if not self.path.is_file():
+            return False
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # also drops the lock if we got it
+        return False
+
+
+def describe_holder(holder: dict) -> str:
+    if not holder:
+        return "a process whose lock file is unreadable"
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}: "
+            f"{holder.get('command', '?')}")
+
+
+def previous_results(output_dir: Path) -> list[str]:
+    """What an earlier run left in `output_dir` that a new start would overwrite or mix with."""
+    found = []
+    for name in RESULTS:
+        path = output_dir / name
+        if path.is_file() and path.stat().st_size > 0 or path.is_dir() and any(path.iterdir()):
+            found.append(name)
+    return found
+
+
+def _aside_name(path: Path) -> Path:
+    """`path.abandoned`, or `.abandoned.2`, ... if taken."""
+    target, number = path.with_name(path.name + ABANDONED), 1
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{path.name}{ABANDONED}.{number}")
+    return target
+
+
+def set_aside(path: Path) -> Path:
+    """Rename `path` to `*.abandoned`: kept, but never resumed, pruned or overwritten."""
+    target = _aside_name(path)
+    os.rename(path, target)
+    return target
+
+
+@dataclass
+class RunStart:
+    """What a launch continues: nothing (a fresh start) or a checkpoint, and what the resume accepted."""
+
+    resume_from: Path | None = None
+    plan: ResumePlan = field(default_factory=ResumePlan)  # the accepted changes, to log and apply when loading
+    meta: dict = field(default_factory=dict)  # world size and run fingerprint, written with every checkpoint
+    checkpoint_meta: dict = field(default_factory=dict)  # the resumed checkpoint's (e.g. its wandb run id)
+
+
+@dataclass
+class StartPlan:
+    """What a launch will do with `output_dir`, decided before anything is touched."""
+
+    start: RunStart
+    move_aside: list[Path] = field(default_factory=list)  # renamed *.abandoned
+    copy_aside: list[Path] = field(default_factory=list)  # copied *.abandoned (an abandoned trajectory's full curve)
+
+
+def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
+    """What this launch continues and what it moves aside, without touching anything; a UserError for a
+    launch that must not resume what it asks for, or would overwrite an earlier run without overwrite=true."""
+    output_dir = Path(cfg.output_dir)
+    checkpoints = output_dir / "checkpoints"
+    if cfg.resume is None:
+        source = None
+    elif cfg.resume == "auto":
+        source = find_latest(checkpoints)
+    else:
+        source = Path(cfg.resume)
+        try:
+            read_meta(source)
+        except (OSError, ValueError) as error:
+            raise ResumeError(f"resume={cfg.resume}: {error}") from error
+    saved = read_meta(source) if source is not None else {}
+    plan = StartPlan(RunStart(source, check_resumable(source, meta, cfg) if source is not None else ResumePlan(),
+                              meta, saved))
+    previous = previous_results(output_dir)
+    if source is not None and source.resolve().parent == checkpoints.resolve():
+        # Continuing from an older checkpoint of this directory abandons what came after it: its later
+        # checkpoints (which resume=auto and keep_last_n would otherwise prefer) and its final export.
+        plan.move_aside = [c for c in committed_checkpoints(checkpoints) if read_meta(c)["step"] > saved["step"]]
+        if plan.move_aside:
+            plan.move_aside += [p for p in (output_dir / "hf",) if p.exists()]
+            plan.copy_aside = [p for p in (output_dir / "metrics.jsonl",) if p.is_file()]  # kept up to `step`
+    elif previous:  # a fresh start, or another directory's checkpoint continued, in a used directory
+        if not cfg.overwrite:
+            what = "nothing to continue from" if source is None else f"a checkpoint of another directory to continue ({source})"
+            raise OutputDirInUse(
+                f"output_dir {output_dir} holds an earlier run's results ({', '.join(previous)}), and this launch has "
+                f"{what} (resume={cfg.resume}). Continue that run with resume=auto or resume=PATH to one of its "
+                f"checkpoints; start over here with overwrite=true (its files are moved aside as *{ABANDONED}, not "
+                "deleted); or choose another output_dir.")
+        plan.move_aside = [output_dir / name for name in previous]
+    return plan
+
+
+def apply_plan(plan: StartPlan) -> list[str]:
+    """Move and copy aside what the plan says; the moves as "old -> new" lines."""
+    moved = [f"{path} -> {set_aside(path)}" for path in plan.move_aside]
+    for path in plan.copy_aside:
+        copy = _aside_name(path)
+        shutil.copy2(path, copy)
+        moved.append(f"{path} copied to {copy}")
+    return moved
+
+
+_lock: OutputDirLock | None = None  # this process's lock, held until it exits
+
+
+def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> RunStart:
+    """Collective, before anything is loaded or written: rank 0 locks `output_dir`, decides what the
+    launch continues (refusing what it must not), moves aside what another trajectory left and writes
+    config.yaml. Every rank gets the same decision, or raises the same error."""
+    global _lock
+    outcome: RunStart | UserError | None = None
+    if dist_info.is_main:
+        try:
+            if _lock is None:
+                lock = OutputDirLock(Path(cfg.output_dir))
+                lock.acquire()
+                _lock = lock
+            plan = plan_start(cfg, run_meta(dist_info.world_size, run_fingerprint(cfg)))
+            for line in apply_plan(plan):
+                logger.warning("moved aside: %s", line)
+            outcome = plan.start
+            save_resolved_config(cfg, Path(cfg.output_dir))
+        except UserError as error:
+            outcome = error
+    outcome = broadcast_from_main(outcome)
+    if isinstance(outcome, UserError):
+        raise outcome
+    return outcome

@@ -1,0 +1,281 @@
+"""Exact resume: what a checkpoint holds beyond the weights, and whether it can continue the run that
+asks to (`check_resumable`).
+
+A run's fingerprint is its resolved config and a fingerprint of each training data file and of the
+tokenizer files. A resumed run may change (README, "What chattune promises"):
+
+- freely: where and how often it logs, saves and evaluates (`RUNTIME_KEYS`);
+- with a warning that gives the learning rate at the resume step under the old and the new schedule:
+  its horizon (`HORIZON_KEYS`);
+- with a note: how the same numbers are computed (`NUMERICS_KEYS`: activation checkpointing, loss
+  chunks, loader workers);
+- only when named in `resume_allow_changes` (a list of config keys or sections, data files, or single
+  records `FILE:N`; `true` accepts anything): everything else, the data, tokenizer, seed and model
+  included. A data file edited in place is compared record by record, so a fixed record is named and
+  can be accepted alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from chattune.data.fingerprint import (
+    RECORD_HASHES,
+    data_file_fingerprints,
+    record_files,
+    record_hashes,
+    record_hashes_file,
+    saved_record_hashes,
+)
+from chattune.errors import UserError
+from chattune.train.checkpoint import load_checkpoint, read_meta, save_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# Config keys a resumed run may change freely: they do not change the training trajectory.
+RUNTIME_KEYS = ("output_dir", "resume", "resume_allow_changes", "overwrite", "log_every", "save_every", "keep_last_n",
+                "eval_every", "logger", "progress", "wandb", "stop_after_step", "nonfinite_loss", "ledger",
+                "data.eval", "data.report_records")
+# The run's length: the schedule is stretched or shrunk from the resume step on (warned, with both rates).
+HORIZON_KEYS = ("max_steps", "data.num_epochs")
+# How, not what, is computed: the same documents and updates, up to float rounding (noted).
+NUMERICS_KEYS = ("model.fsdp.activation_checkpointing", "loss.chunk_size", "data.num_workers")
+_MAX_LISTED = 10  # changed records named in a message
+
+
+class ResumeError(UserError, RuntimeError):
+    """The checkpoint cannot continue this run exactly."""
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        flat = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: tree}
+
+
+def run_fingerprint(cfg: DictConfig) -> dict:
+    config = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    config = {k: v for k, v in config.items() if not _under(k, RUNTIME_KEYS)}
+    return {"config": config, "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path),
+            "record_files": record_files(cfg.data.train)}
+
+
+def _under(key: str, sections) -> bool:
+    return any(key == s or key.startswith(s + ".") for s in sections)
+
+
+# --- what changed, and what a resume accepts ---
+
+
+@dataclass(frozen=True)
+class Difference:
+    kind: str  # "config" or "file"
+    key: str  # a dotted config key, or a file path
+    text: str  # what changed, for messages
+    records: tuple[int, ...] | None = None  # a data file edited in place: its changed records (1-based)
+
+
+def differences(saved: dict, current: dict, saved_hashes: dict[str, np.ndarray] | None = None) -> list[Difference]:
+    """What differs between two run fingerprints; a JSON/JSONL data file with the same number of records
+    as its saved hashes is compared record by record."""
+    found = []
+    before, now = saved.get("config", {}), current.get("config", {})
+    for key in sorted(set(before) | set(now)):
+        if before.get(key, "<absent>") != now.get(key, "<absent>"):
+            found.append(Difference("config", key, f"config {key}: {before.get(key, '<absent>')!r} -> {now.get(key, '<absent>')!r}"))
+    before, now = saved.get("files", {}), current.get("files", {})
+    for key in sorted(set(before) | set(now)):
+        if before.get(key, "<absent>") == now.get(key, "<absent>"):
+            continue
+        old_hashes = (saved_hashes or {}).get(key)
+        hashed = record_hashes(Path(key)) if old_hashes is not None else None
+        if hashed is not None and len(hashed[0]) == len(old_hashes):
+            changed = np.flatnonzero(hashed[0] != old_hashes)
+            lines = hashed[1]
+            named = [f"record {i + 1}" + (f" (line {lines[i]})" if lines is not None else "") for i in changed[:_MAX_LISTED]]
+            more = f" and {len(changed) - _MAX_LISTED} more" if len(changed) > _MAX_LISTED else ""
+            text = f"data file {key}: {', '.join(named)}{more} changed" if len(changed) else f"data file {key}: edited (same records)"
+            found.append(Difference("file", key, text, tuple(int(i) + 1 for i in changed)))
+        elif old_hashes is not None and hashed is not None:
+            found.append(Difference("file", key, f"data file {key}: {len(old_hashes)} -> {len(hashed[0])} records (records "
+                                                 "added or removed change every epoch's order)"))
+        else:
+            found.append(Difference("file", key, f"files {key}: {before.get(key, '<absent>')!r} -> {now.get(key, '<absent>')!r}"))
+    return found
+
+
+def allowed_changes(value) -> tuple[bool, list[str]]:
+    """`resume_allow_changes`: (accept anything, the keys / files / FILE:N records it names)."""
+    if value is True:
+        return True, []
+    if value is None or value is False:
+        return False, []
+    if isinstance(value, (list, tuple, ListConfig)) and all(isinstance(v, str) for v in value):
+        return False, list(value)
+    raise ResumeError(f"resume_allow_changes must be true, false or a list of config keys, data files or FILE:N "
+                      f"records, got {value!r}")
+
+
+def _accepts(entries: list[str], difference: Difference) -> bool:
+    if difference.kind == "config":
+        return _under(difference.key, entries)
+    path = Path(difference.key).resolve()
+    records: set[int] = set()
+    for entry in entries:
+        file, _, number = entry.rpartition(":")
+        if Path(entry).resolve() == path:
+            return True  # the whole file
+        if number.isdigit() and file and Path(file).resolve() == path:
+            records.add(int(number))
+    return difference.records is not None and bool(records) and set(difference.records) <= records
+
+
+def _accept_hint(difference: Difference) -> str:
+    """What resume_allow_changes entry accepts exactly this difference."""
+    if difference.records:
+        return ",".join(f"{difference.key}:{r}" for r in difference.records)
+    return difference.key
+
+
+@dataclass
+class ResumePlan:
+    """What a resume accepted: lines to log at the start, the changed horizon and the other config keys."""
+
+    notes: list[str] = field(default_factory=list)
+    horizon: list[str] = field(default_factory=list)  # the changed horizon keys, as "key: old -> new"
+    changed_keys: list[str] = field(default_factory=list)  # every accepted config key that changed
+
+    @property
+    def optimizer_changed(self) -> bool:
+        return any(_under(key, ("optimizer",)) for key in self.changed_keys)
+
+    @property
+    def schedule_changed(self) -> bool:
+        return bool(self.horizon) or any(_under(key, ("scheduler", "optimizer.lr")) for key in self.changed_keys)
+
+
+def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
+    """Whether the checkpoint at `directory` can continue this run: a ResumePlan, or a ResumeError that
+    lists every refused difference and the exact `resume_allow_changes` that would accept them."""
+    saved = read_meta(directory)
+    if meta["world_size"] is not None and saved["world_size"] != meta["world_size"]:
+        raise ResumeError(
+            f"{directory} was written by {saved['world_size']} rank(s), this run has {meta['world_size']}: each rank's "
+            "data position is a place in its own share of the epoch, which another number of ranks would split "
+            f"differently. Relaunch with --nproc_per_node {saved['world_size']}.")
+    if cfg.stop_after_step is not None and cfg.stop_after_step <= saved["step"]:
+        raise ResumeError(
+            f"stop_after_step={cfg.stop_after_step}, but this run continues from {directory} at step {saved['step']}: "
+            "there is no step left to stop after. Raise stop_after_step or drop it, or resume an earlier checkpoint "
+            "with resume=PATH.")
+    fingerprint = dict(saved["fingerprint"])
+    if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
+        fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
+    anything, entries = allowed_changes(cfg.resume_allow_changes)
+    online_mixing = cfg.data.mixing.mode == "online"
+    plan, refused = ResumePlan(), []
+    for difference in differences(fingerprint, meta["fingerprint"], saved_record_hashes(directory)):
+        key = difference.key if difference.kind == "config" else None
+        if key is not None:
+            plan.changed_keys.append(key)  # (a refused one raises below)
+        if key in HORIZON_KEYS:
+            plan.horizon.append(difference.text.removeprefix("config "))
+        elif key in NUMERICS_KEYS and not (key == "data.num_workers" and online_mixing):
+            plan.notes.append(f"{difference.text} (the same documents and updates, computed differently)")
+        elif anything or _accepts(entries, difference):
+            plan.notes.append(f"{difference.text} (accepted by resume_allow_changes)")
+        else:
+            refused.append(difference)
+    if refused:
+        why = ("\n  (online mixing applies a new probability from the furthest draw the loaders have prefetched, "
+               "which depends on data.num_workers)" if any(d.key == "data.num_workers" for d in refused) else "")
+        raise ResumeError(
+            f"{directory} cannot continue this run: what it trains changed since the checkpoint was written:\n  "
+            + "\n  ".join(d.text for d in refused) + why
+            + f"\nIf that is what you want, resume with resume_allow_changes=[{','.join(map(_accept_hint, refused))}] "
+            "(accepts only these changes; true accepts any). Or start over with overwrite=true, or choose another output_dir.")
+    return plan
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def run_meta(world_size: int, fingerprint: dict) -> dict:
+    return {"world_size": world_size, "fingerprint": fingerprint}
+
+
+def save_training(root: Path, step: int, model, optimizer, scheduler, feed, meta: dict, counters: dict,
+                  keep_last_n: int | None, loss_scale=None) -> Path:
+    """Collective: everything an exact resume needs, atomically."""
+    train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": feed.state_dict(),
+                   "rng": rng_state(), "counters": dict(counters),
+                   "loss_scale": loss_scale.state_dict() if loss_scale is not None else None}
+    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    hashes = record_hashes_file(meta["fingerprint"]) if is_main else None
+    return save_checkpoint(root, step, model, optimizer, train_state, meta, keep_last_n,
+                           extra_files={RECORD_HASHES: hashes} if hashes else None)
+
+
+def resume_training(directory: Path, plan: ResumePlan, model, optimizer, scheduler, feed,
+                    loss_scale=None) -> tuple[int, dict]:
+    """Collective: restore a run from `directory` (checked by `check_resumable`); returns (its step, its counters)."""
+    # The optimizer's hyperparameters as this run's config sets them (the checkpoint's state replaces them).
+    configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+    train_state = load_checkpoint(directory, model, optimizer)
+    scheduler.load_state_dict(train_state["scheduler"])
+    feed.load_state_dict(train_state["data"])
+    set_rng_state(train_state["rng"])
+    if loss_scale is not None and loss_scale.enabled and train_state.get("loss_scale"):
+        loss_scale.load_state_dict(train_state["loss_scale"])
+    for note in plan.notes:
+        logger.warning("resuming despite a change: %s", note)
+    if plan.optimizer_changed:  # an accepted change of the optimizer's settings takes effect
+        for group, settings in zip(optimizer.param_groups, configured):
+            group.update(settings)
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    if plan.schedule_changed:
+        old, new = follow_new_schedule(scheduler, optimizer)
+        logger.warning("resuming with another learning-rate schedule (%s): the LR at step %d is %s (it was %s under "
+                       "the checkpoint's schedule)", "; ".join(plan.horizon + [k for k in plan.changed_keys if
+                                                                               _under(k, ("scheduler", "optimizer.lr"))]),
+                       train_state["step"], _rates(new), _rates(old))
+    return train_state["step"], train_state["counters"]
+
+
+def follow_new_schedule(scheduler, optimizer) -> tuple[list[float], list[float]]:
+    """After loading a checkpoint's scheduler state into a scheduler built for another horizon, schedule
+    or base rate: the rates at the resume step under the old and the new schedule, the optimizer set to
+    the new ones (which a LambdaLR, e.g. transformers' warmup + cosine, computes in closed form from the
+    step). Other schedulers keep the checkpoint's rate and follow their own rule from the next step."""
+    old = list(scheduler.get_last_lr())
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return old, old
+    new = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, new):
+        group["lr"] = lr
+    scheduler._last_lr = list(new)  # what get_last_lr() reports; LRScheduler keeps it in this attribute
+    return old, new
+
+
+def _rates(rates: list[float]) -> str:
+    return ", ".join(f"{r:.3g}" for r in rates)

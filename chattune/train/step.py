@@ -1,0 +1,155 @@
+"""The update step: the one place that owns microbatching and loss normalisation, for every recipe.
+
+For one optimizer step every rank takes exactly `grad_accum_steps` microbatches, counts the units the
+loss averages over (trainable tokens for SFT, preference pairs for DPO), and all-reduces that count
+ONCE. Each microbatch's loss is then (sum of unit losses) / (global unit count), and FSDP reduces
+gradients as a plain sum. The result is the gradient of the mean loss over every unit of the step,
+whatever the split into microbatches and ranks, and is never rescaled afterwards.
+
+Every rank runs the same number of forward/backward calls (ranks short of data get empty microbatches),
+so the end of the data can never leave one rank waiting in a collective. The same all-reduce carries
+whether each rank has finished its share of the epoch (see `chattune.train.feed`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from chattune.data.packing import PackedBatch
+from chattune.distributed import all_reduce_sum
+from chattune.objectives.base import Objective
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # this rank's summed unit losses
+    local_units: int  # this rank's loss units
+    global_units: int  # all ranks' loss units (the normaliser)
+    local_tokens: int  # this rank's tokens, trained or not
+    ranks_done: int = 0  # ranks that have finished their share of the epoch
+    figures: dict[str, float] = field(default_factory=dict)  # this rank's other per-unit sums (the objective's)
+    overflow: bool = False  # fp16: finite losses, non-finite gradients (the loss scale was too high)
+
+
+def accumulate_gradients(
+    model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device,
+    rank_done: bool = False, loss_scale: float = 1.0,
+) -> StepResult:
+    """Forward/backward every microbatch of one step with the global normaliser. The gradients come out
+    multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out)."""
+    local_units = sum(objective.count_units(b) for b in microbatches)
+    counts = all_reduce_sum(torch.tensor([local_units, int(rank_done)], dtype=torch.int64, device=device))
+    global_units, ranks_done = (int(c) for c in counts.tolist())
+    normaliser = max(global_units, 1)  # a step with nothing to train gives zero gradients, not NaN
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    figures: dict[str, torch.Tensor] = {}
+    for batch in microbatches:
+        batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
+        (batch_loss * (loss_scale / normaliser) if loss_scale != 1.0 else batch_loss / normaliser).backward()
+        loss_sum += batch_loss.detach().float()
+        for name, value in batch_figures.items():
+            figures[name] = figures.get(name, 0.0) + value.detach().double()
+    return StepResult(
+        loss_sum=float(loss_sum),
+        local_units=local_units,
+        global_units=global_units,
+        local_tokens=sum(b.num_tokens for b in microbatches),
+        ranks_done=ranks_done,
+        figures={name: float(value) for name, value in figures.items()},
+    )
+
+
+def clip_gradients(model: nn.Module, max_norm: float | None, local_loss_finite: bool = True,
+                   loss_scale: float = 1.0) -> tuple[float, bool]:
+    """(Total gradient norm over all ranks, whether every rank's loss was finite); the gradients are
+    divided by `loss_scale` and clipped to max_norm when set. The norm is NaN on every rank when any rank's
+    loss or gradients are non-finite: one all-reduce carries both, so all ranks decide alike (and tell
+    an fp16 overflow, finite losses with non-finite gradients, from a non-finite loss)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
+    if any(not isinstance(g, DTensor) for g in grads) and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
+    local_norm = torch.nn.utils.get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], foreach=True)
+    device = local_norm.device
+    sums = all_reduce_sum(torch.stack([local_norm.double().square(),
+                                       torch.tensor(0.0 if local_loss_finite else 1.0, dtype=torch.float64, device=device)]))
+    losses_finite = bool(sums[1] == 0)
+    total_norm = sums[0].sqrt() / loss_scale if losses_finite else torch.tensor(float("nan"), dtype=torch.float64, device=device)
+    if loss_scale != 1.0 and torch.isfinite(total_norm):  # unscale the local shards in place
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], 1.0 / loss_scale)
+    if max_norm is not None and torch.isfinite(total_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
+    return float(total_norm), losses_finite
+
+
+class LossScale:
+    """Dynamic loss scaling, for fp16 compute (model.fsdp.param_dtype=float16), whose gradients would
+    otherwise underflow: every unit's loss is already divided by the step's global unit count, so most
+    gradient values are far below fp16's smallest normal number (6e-5).
+
+    The loss is multiplied by `scale` before backward and the gradients divided by it before clipping.
+    A step whose losses are finite but whose gradients are not (an overflow) is skipped on every rank and
+    halves the scale; `growth_interval` finite steps in a row double it. The decision rides on the global
+    gradient norm's all-reduce (`clip_gradients`), so every rank takes the same one, which a per-rank
+    overflow check (torch.amp.GradScaler's) does not promise for sharded gradients. The algorithm and
+    defaults are GradScaler's. Disabled (scale 1, no state changes) for bf16 and fp32."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.enabled, self.growth_interval = enabled, growth_interval
+        self.scale = init_scale if enabled else 1.0
+        self.good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale, self.good_steps = self.scale / 2, 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = state["scale"], state["good_steps"]
+
+
+def train_step(
+    model: nn.Module,
+    objective: Objective,
+    microbatches: list[PackedBatch],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float | None,
+    device: torch.device,
+    rank_done: bool = False,
+    loss_scale: LossScale | None = None,
+) -> tuple[StepResult, float]:
+    """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm.
+
+    A non-finite grad norm (any rank's loss or gradients) means the optimizer did not step, on every rank:
+    the parameters and optimizer state stay as they were (the schedule still advances with the step
+    number). `result.overflow` tells an fp16 overflow (handled by `loss_scale`: the step is retried at
+    a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
+    on or stop."""
+    loss_scale = loss_scale or LossScale(enabled=False)
+    result = accumulate_gradients(model, objective, microbatches, device, rank_done, loss_scale.scale)
+    grad_norm, losses_finite = clip_gradients(model, max_grad_norm, math.isfinite(result.loss_sum), loss_scale.scale)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    result.overflow = loss_scale.enabled and losses_finite and not math.isfinite(grad_norm)
+    loss_scale.update(result.overflow)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return result, grad_norm
+
+
