@@ -33,8 +33,8 @@ import datasets
 from transformers import AutoTokenizer
 
 from chattune.data.formats import SourceSpec, to_conversation
+from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.sources import RecordSource
 from chattune.data.stream import PackedStream
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"

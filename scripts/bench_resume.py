@@ -25,8 +25,8 @@ from transformers import AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import Document
 from chattune.data.formats import SourceSpec
+from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.sources import RecordSource
 from chattune.data.stream import PackedStream
 from chattune.train.feed import StepFeed
 

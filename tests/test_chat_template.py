@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.chat_template import ChatTemplateError, probe_template, render_conversation, tokenize_conversation
 from chattune.data.formats import SourceSpec, to_conversation
-from chattune.data.sources import RecordSource
+from chattune.data.records import RecordSource
 
 DEMO_CONVERSATIONS = 300
 

@@ -28,7 +28,7 @@ from chattune.data.formats import (
 )
 from chattune.data.packing import collate_packed
 from chattune.data.pair_documents import PairDocuments
-from chattune.data.sources import RecordSource
+from chattune.data.records import RecordSource
 
 DEMO_PAIRS = DEMO_ASSETS / "preference_train.jsonl"
 ULTRAFEEDBACK = "preference_ultrafeedback_200.jsonl"

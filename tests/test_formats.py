@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.formats import Conversation, DataError, SourceSpec, to_conversation
+from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.sources import RecordSource
 
 USER, ASSISTANT = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}
 

@@ -146,8 +146,8 @@ def test_split_records_keep_every_piece_and_every_record_after_them(tmp_path):
     from conftest import DEMO_ASSETS, demo_tokenizer
 
     from chattune.data.formats import SourceSpec
+    from chattune.data.records import RecordSource
     from chattune.data.sft_documents import SFTDocuments
-    from chattune.data.sources import RecordSource
     from chattune.data.stream import documents_of
 
     data = tmp_path / "chats.jsonl"

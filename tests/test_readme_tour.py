@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import runpy
 import shlex
 
 import pytest
@@ -62,3 +63,11 @@ def test_the_chattune_commands_of_the_tour_run_as_written(tmp_path, monkeypatch,
     assert "config OK" in out and "documents:" in out and "sft/tiny" in out
     assert (tmp_path / "my_sft.py").is_file() and (tmp_path / "my_configs" / "my_tiny.yaml").is_file()
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_layout_table_is_the_real_tree():
+    # Regenerate with `python scripts/readme_layout.py --write` after adding, moving or renaming a module.
+    layout = runpy.run_path(str(PROJECT_ROOT / "scripts" / "readme_layout.py"))
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    assert layout["layout_table"]() in readme
+    assert layout["replace_in_readme"](readme, layout["layout_table"]()) == readme

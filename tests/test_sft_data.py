@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from chattune.data.documents import Document, Skipped
 from chattune.data.formats import DataError, SourceSpec, to_conversation
+from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.sources import RecordSource
 
 
 def write_jsonl(path, records) -> str:

@@ -15,8 +15,8 @@ from chattune.config.paths import DEMO_ASSETS
 from chattune.data import text_encoder
 from chattune.data.chat_template import probe_template, render_conversation
 from chattune.data.formats import SourceSpec, to_conversation
+from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.sources import RecordSource
 from chattune.data.text_encoder import TextBatchEncoder
 
 TOKENIZERS = {"demo": DEMO_ASSETS / "tokenizer", "qwen3": SHARED_ASSETS / "tokenizers" / "qwen3",

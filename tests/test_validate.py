@@ -3,16 +3,18 @@ is reported at once, one line each, the same way by the command and by the recip
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from chattune.config import validate
+from chattune.config.schema import schema_for
 from chattune.config.validate import ConfigError, check_config, run_validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -267,29 +269,22 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
     assert problems(report) == [f"output_dir: {tmp_path / 'file'} is not a directory"]
 
 
-def test_the_schema_is_what_hydra_composes_and_its_nulls_have_types():
-    for recipe, name in validate.BASE_CONFIGS.items():
-        assert validate.base_config(recipe) == OmegaConf.to_container(compose_config(name, []), resolve=True)
-        untyped = [key for key, value in _leaves(validate.base_config(recipe))
-                   if value is None and key not in validate.NULLABLE and not key.startswith(validate.OPEN_SECTIONS)]
-        assert untyped == [], "add these null-by-default keys to validate.NULLABLE with their type"
+def test_the_schema_defaults_are_the_shipped_base_configs_and_its_nulls_have_types():
+    # The schema in code and the YAML a recipe composes must not drift apart: same keys, same defaults.
+    for recipe, name in (("sft", "sft/tiny"), ("dpo", "dpo/tiny")):
+        schema = schema_for(recipe)
+        assert dataclasses.asdict(schema()) == OmegaConf.to_container(compose_config(name, []), resolve=False)
+        null_by_default = [key for key, value in _leaves(dataclasses.asdict(schema())) if value is None]
+        untyped = [key for key in null_by_default if not _nullable(schema, key)]
+        assert null_by_default and untyped == [], "give these null-by-default keys an `X | None` type"
 
 
-def test_copied_constants_agree_with_their_modules():
-    from chattune.data import chat_documents, sources
-    from chattune.data import mixing_policy as mixer
-    from chattune.data import pair_documents as dpo_data
-    from chattune.data import sft_documents as sft_data
-    from chattune.data import source_mixture as mixture
-    from chattune.model import fsdp
-
-    assert validate.OVERLONG == sft_data.OVERLONG and validate.TRAIN_ON == sft_data.TRAIN_ON
-    assert validate.ON_BAD_RECORD == chat_documents.ON_BAD_RECORD
-    assert validate.OVERLONG_DPO == dpo_data.OVERLONG_DPO
-    assert validate.DTYPES == tuple(fsdp.DTYPES)
-    assert validate.HUB_PREFIX == sources.HUB_PREFIX and validate.HUB_LIKE.pattern == sources.HUB_LIKE.pattern
-    assert (validate.MIXING_MODES, validate.MIXING_REWARDS) == (mixer.MODES, mixer.REWARDS)
-    assert validate.MIXING_STOPPING == mixture.STOPPING
+def _nullable(schema: type, key: str) -> bool:
+    section = schema
+    for name in key.split("."):
+        hint = typing.get_type_hints(section)[name]
+        section = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
+    return type(None) in typing.get_args(hint)
 
 
 def _leaves(tree: dict, prefix: str = ""):
@@ -298,3 +293,16 @@ def _leaves(tree: dict, prefix: str = ""):
             yield from _leaves(value, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", value
+
+
+def test_every_key_of_the_schema_has_a_meaning():
+    def keys_without_help(section: type, prefix: str = ""):
+        hints = typing.get_type_hints(section)
+        for item in dataclasses.fields(section):
+            nested = [a for a in (typing.get_args(hints[item.name]) or (hints[item.name],)) if dataclasses.is_dataclass(a)]
+            if nested:
+                yield from keys_without_help(nested[0], f"{prefix}{item.name}.")
+            elif not item.metadata.get("help"):
+                yield prefix + item.name
+
+    assert [key for recipe in ("sft", "dpo") for key in keys_without_help(schema_for(recipe))] == []

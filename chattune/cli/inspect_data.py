@@ -17,11 +17,13 @@ from hydra import compose
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from chattune.config.compose import hydra_search_path
+from chattune.config.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
-from chattune.config.validate import ConfigError, hydra_search_path, validate_command
+from chattune.config.validate import validate_command
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
+from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
-from chattune.data.sources import source_specs
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import load_tokenizer
 from chattune.train.inputs import pair_documents, sft_documents

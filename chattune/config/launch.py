@@ -30,8 +30,10 @@ import hydra
 from hydra._internal.utils import get_args_parser
 from omegaconf import DictConfig
 
+from chattune.config.compose import composes
+from chattune.config.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
-from chattune.config.validate import ConfigError, composes, validate_command
+from chattune.config.validate import validate_command
 from chattune.distributed import exit_process
 from chattune.errors import report_errors
 

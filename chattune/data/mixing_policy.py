@@ -21,12 +21,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from chattune.config.schema import MIXING_MODES, MIXING_REWARDS
 from chattune.data.formats import SourceSpec
 from chattune.data.source_mixture import MixtureSampler, ProbabilitySchedule
 from chattune.distributed import all_reduce_sum
-
-MODES = ("none", "static", "online")
-REWARDS = ("mean_loss", "loss_decrease")
 
 
 class Mixer:
@@ -34,8 +32,8 @@ class Mixer:
                  eta: float = 0.1, update_every: int = 10, reward: str = "mean_loss"):
         if mode not in ("static", "online"):
             raise ValueError(f"data.mixing.mode must be static or online for a mixer, got {mode!r}")
-        if reward not in REWARDS:
-            raise ValueError(f"data.mixing.reward must be one of {REWARDS}, got {reward!r}")
+        if reward not in MIXING_REWARDS:
+            raise ValueError(f"data.mixing.reward must be one of {MIXING_REWARDS}, got {reward!r}")
         if not 0.0 <= gamma <= 1.0 or eta < 0 or update_every < 1:
             raise ValueError(f"data.mixing needs 0 <= gamma <= 1, eta >= 0, update_every >= 1; got {gamma}, {eta}, {update_every}")
         weights = np.asarray(weights, dtype=np.float64)
@@ -135,8 +133,8 @@ def mixture_sampling(mixing: Mapping, specs: Sequence[SourceSpec], sizes: Sequen
                      seed: int, num_epochs: int | None, chunk_records: int) -> tuple[Mixer | None, MixtureSampler | None]:
     """The mixer and this rank's sampler for `data.mixing` (both None for mode `none`: the sources are
     simply concatenated and every record is seen once per epoch)."""
-    if mixing["mode"] not in MODES:
-        raise ValueError(f"data.mixing.mode must be one of {MODES}, got {mixing['mode']!r}")
+    if mixing["mode"] not in MIXING_MODES:
+        raise ValueError(f"data.mixing.mode must be one of {MIXING_MODES}, got {mixing['mode']!r}")
     if mixing["mode"] == "none":
         return None, None
     mixer = Mixer([spec.display_name for spec in specs], [spec.weight for spec in specs], mixing["mode"],

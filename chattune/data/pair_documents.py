@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.data.chat_documents import TemplateDocuments, check_tools_rendered
+from chattune.config.schema import OVERLONG_DPO
 from chattune.data.chat_template import render_conversation, trained_spans
 from chattune.data.documents import Document, Skipped, shifted_label_array
 from chattune.data.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
-from chattune.data.sources import RecordSource
-
-OVERLONG_DPO = ("drop", "error")
+from chattune.data.records import RecordSource
+from chattune.data.templated_documents import TemplateDocuments, check_tools_rendered
 
 
 class PairDocuments(TemplateDocuments):

@@ -12,16 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from chattune.data.chat_documents import TemplateDocuments, check_tools_rendered
+from chattune.config.schema import OVERLONG, TRAIN_ON
 from chattune.data.chat_template import render_conversation, trained_spans
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped, shifted_label_array
 from chattune.data.formats import DataError, SourceSpec, to_conversation
-from chattune.data.sources import RecordSource
-
-OVERLONG = ("drop", "truncate", "split", "error")
-
-
-TRAIN_ON = ("assistant", "last_assistant", "all")
+from chattune.data.records import RecordSource
+from chattune.data.templated_documents import TemplateDocuments, check_tools_rendered
 
 
 class SFTDocuments(TemplateDocuments):

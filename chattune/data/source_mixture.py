@@ -25,11 +25,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from chattune.config.schema import MIXING_STOPPING
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped, outcomes_by_record
 from chattune.data.packing import PackedBatch
 from chattune.data.stream import DocumentSource, documents_of
 
-STOPPING = ("first_exhausted", "all_exhausted")
 _BLOCK = 4096  # draws per block of uniform numbers
 
 
@@ -113,8 +113,8 @@ class MixtureSampler:
 
     def __init__(self, sizes: Sequence[int], schedule: ProbabilitySchedule, rank: int, world_size: int, seed: int,
                  stopping: str, num_epochs: int | None, chunk_records: int):
-        if stopping not in STOPPING:
-            raise ValueError(f"data.mixing.stopping must be one of {STOPPING}, got {stopping!r}")
+        if stopping not in MIXING_STOPPING:
+            raise ValueError(f"data.mixing.stopping must be one of {MIXING_STOPPING}, got {stopping!r}")
         if min(sizes) < 1:
             raise ValueError(f"every source of a mixture needs records; sizes {list(sizes)}")
         self.sizes, self.offsets = list(sizes), np.concatenate([[0], np.cumsum(sizes)]).tolist()

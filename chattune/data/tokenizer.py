@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from chattune.data.sources import HUB_LIKE, HUB_PREFIX, hub_id
+from chattune.data.formats import HUB_LIKE, HUB_PREFIX, hub_id
 from chattune.errors import UserError
 
 

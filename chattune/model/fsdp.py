@@ -7,9 +7,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from chattune.config.schema import DTYPES
 from chattune.model.causal_lm import PackedCausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def decoder_layers(model: PackedCausalLM) -> list[nn.Module]:
@@ -43,7 +44,7 @@ def shard_model(
     mesh = init_device_mesh(device_type, (world_size,))
     # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
     # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype])
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

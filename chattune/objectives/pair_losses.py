@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
-REFERENCE_FREE = ("simpo",)
+from chattune.config.schema import LOSS_TYPES, REFERENCE_FREE
 
 
 @dataclass(frozen=True)

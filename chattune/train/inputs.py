@@ -19,10 +19,10 @@ from chattune.data.formats import SourceSpec
 from chattune.data.mixing_policy import Mixer, mixture_sampling
 from chattune.data.packing import PackedBatch
 from chattune.data.pair_documents import PairDocuments
+from chattune.data.records import RecordSource, source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
 from chattune.data.sft_documents import SFTDocuments
 from chattune.data.source_mixture import MixedDocuments
-from chattune.data.sources import RecordSource, source_specs
 from chattune.data.stream import PackedStream
 from chattune.distributed import DistInfo
 from chattune.train.feed import StepFeed

@@ -15,7 +15,8 @@ from typing import TextIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-PROGRESS_MODES = ("auto", "bar", "lines")
+from chattune.config.schema import PROGRESS_MODES
+
 BAR_FORMAT = "step {n_fmt}/{total_fmt} |{bar}| {percentage:3.0f}%{postfix} [{elapsed}<{remaining}]"
 
 

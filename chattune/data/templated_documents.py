@@ -9,13 +9,12 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from chattune.config.schema import ON_BAD_RECORD
 from chattune.data.chat_template import ChatTemplateError, TemplateMarkers, probe_template
 from chattune.data.documents import Document, Skipped, outcomes_by_record
 from chattune.data.formats import DataError, SourceSpec
-from chattune.data.sources import RecordSource
+from chattune.data.records import RecordSource
 from chattune.data.text_encoder import TextBatchEncoder
-
-ON_BAD_RECORD = ("error", "skip")
 
 
 class TemplateDocuments:

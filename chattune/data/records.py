@@ -7,7 +7,6 @@ Errors name the file, the record (1-based, with the JSONL line) and the problem.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,7 +16,7 @@ import datasets
 import numpy as np
 from omegaconf import OmegaConf
 
-from chattune.data.formats import DataError, SourceSpec
+from chattune.data.formats import HUB_LIKE, HUB_PREFIX, DataError, SourceSpec, hub_id
 
 
 class RecordSource:
@@ -91,17 +90,6 @@ class RecordSource:
                 return file, index
             index -= len(source)
         raise IndexError(index)
-
-
-HUB_PREFIX = "hf:"
-
-
-HUB_LIKE = re.compile(r"[\w.-]+/[\w.-]+")  # a missing path that may have meant a hub id (for the hint)
-
-
-def hub_id(path: str) -> str | None:
-    """The hub id of a path written `hf:org/name`; None for a local path."""
-    return path[len(HUB_PREFIX):] if path.startswith(HUB_PREFIX) else None
 
 
 def _load_dataset(spec: SourceSpec) -> datasets.Dataset:

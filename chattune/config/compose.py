@@ -1,0 +1,106 @@
+"""Composing a config as a recipe composes it, for `chattune validate`, `chattune inspect` and a recipe's
+launch (`chattune.config.launch`): the same search path (--config-path, --config-dir, the shipped
+configs), and each override that Hydra refuses reported on its own line rather than stopping at the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hydra import compose
+from hydra._internal.hydra import Hydra  # Hydra's own set-up, so --config-dir is searched as a recipe searches it
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from chattune.config.findings import Findings, did_you_mean, dotted_keys, first_line, get_value
+from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths also registers ${demo_asset:...}
+
+
+@contextmanager
+def hydra_search_path(config_path: Path, config_dir: Path | None = None) -> Iterator[None]:
+    """Hydra initialised as a recipe initialises it: configs from `config_path` (its --config-path, or
+    the shipped configs), with `config_dir` (--config-dir) searched before it and the shipped configs
+    after it (the search-path plugin)."""
+    search_path = create_config_search_path(str(Path(config_path).resolve()))
+    if config_dir is not None:
+        search_path.prepend(provider="command-line", path=f"file://{Path(config_dir).resolve()}",
+                            anchor=SearchPathQuery(provider="schema"))
+    Hydra.create_main_hydra2(task_name="chattune", config_search_path=search_path)
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def composes(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None) -> bool:
+    """Whether Hydra composes the config as given (a recipe's launch does exactly this first)."""
+    with hydra_search_path(config_path, config_dir):
+        return _try_compose(config_name, overrides)[0] is not None
+
+
+def compose_reporting(config_name: str, overrides: list[str], config_path: Path, findings: Findings,
+             config_dir: Path | None = None) -> tuple[DictConfig | None, dict[str, str]]:
+    """The composed config (None if even the bare config fails) and the keys that were only added by
+    retrying an override as `+key=value` (key -> override). Failing overrides are reported and left out."""
+    added: dict[str, str] = {}
+    for flag, directory in (("--config-path", config_path), ("--config-dir", config_dir)):
+        if directory is not None and not Path(directory).is_dir():
+            hint = (" (a relative --config-path is resolved from the recipe's directory, as Hydra does: give an "
+                    "absolute path, or --config-dir DIR for a directory relative to where you are)"
+                    if flag == "--config-path" else "")
+            findings.problem(flag, f"{directory} is not a directory{hint}")
+            return None, added
+    with hydra_search_path(config_path, config_dir):
+        cfg, _ = _try_compose(config_name, overrides)
+        if cfg is not None:
+            return cfg, added
+        cfg, error = _try_compose(config_name, [])
+        if cfg is None:
+            searched = [d for d in (config_dir, config_path, CONFIG_DIR) if d is not None]
+            names = set().union(*map(_config_names, searched)) - {config_name}
+            findings.problem("config", f"{config_name} from {' or '.join(map(str, dict.fromkeys(searched)))}: "
+                                       f"{first_line(error)}{did_you_mean(config_name, names)}")
+            return None, added
+        accepted: list[str] = []  # one override at a time, to find those at fault
+        for override in overrides:
+            cfg, error = _try_compose(config_name, [*accepted, override])
+            if cfg is not None:
+                accepted.append(override)
+            elif override[:1] not in "+~" and _try_compose(config_name, [*accepted, "+" + override])[0] is not None:
+                accepted.append("+" + override)
+                added[override.split("=", 1)[0]] = override
+            else:
+                findings.problem(f"override {override!r}", first_line(error))
+        return compose(config_name, overrides=accepted), added
+
+
+def required_keys(config_name: str, config_dirs: list[Path]) -> list[str]:
+    """The keys the config file itself marks ??? (required). Merging keeps a value from the configs it
+    builds on over a ???, so the composed config does not show them missing: a recipe would silently run
+    with the parent's value (e.g. sft/tiny's model)."""
+    for directory in (*config_dirs, CONFIG_DIR):  # the search path's order
+        path = directory / f"{config_name}.yaml"
+        if path.is_file():
+            if "/" in config_name and "@package _global_" not in path.read_text():
+                return []  # its keys live under its group's package, where a ??? shows as missing anyway
+            raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            return [key for key in dotted_keys(raw) if get_value(raw, key) == "???"]
+    return []
+
+
+def _try_compose(config_name: str, overrides: list[str]) -> tuple[DictConfig | None, Exception | None]:
+    try:
+        return compose(config_name, overrides=overrides), None
+    except (HydraException, OmegaConfBaseException) as error:
+        return None, error
+
+
+def _config_names(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory).with_suffix("")) for p in directory.rglob("*.yaml")}
+

@@ -1,0 +1,244 @@
+"""The config schema: every key a recipe reads, with its type, default and one-line meaning.
+
+`SFTConfig` and `DPOConfig` are what `recipes/sft.py` and `recipes/dpo.py` read. Their defaults are the
+shipped base configs (`configs/sft/tiny.yaml`, `configs/dpo/tiny.yaml`, the embedded default run);
+tests/test_validate.py checks that the two agree key for key. The YAML files stay the user-facing
+configs that Hydra composes; `chattune validate` and each recipe's start-up check (`chattune.config.checks`)
+check a composed config against these classes: unknown keys (with the nearest valid one), missing keys,
+types (`X | None`: null allowed), choices, minimums and the other bounds in each key's metadata.
+
+Hydra does not enforce the schema itself (no structured config in the defaults lists): its first error
+would stop composition, where validate reports every problem at once, each with a suggestion.
+
+The choices of enum keys are defined here once and imported by the modules that act on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# --- the choices of enum keys ---
+
+DEVICES = ("auto", "cpu", "cuda")
+LOGGERS = ("stdout", "wandb")
+PROGRESS_MODES = ("auto", "bar", "lines")
+NONFINITE_LOSS = ("skip", "stop")
+TRAIN_ON = ("assistant", "last_assistant", "all")
+OVERLONG = ("drop", "truncate", "split", "error")
+OVERLONG_DPO = ("drop", "error")  # a pair is never cut: both replies share the prompt
+ON_BAD_RECORD = ("error", "skip")
+MIXING_MODES = ("none", "static", "online")
+MIXING_STOPPING = ("first_exhausted", "all_exhausted")
+MIXING_REWARDS = ("mean_loss", "loss_decrease")
+DTYPES = ("float32", "bfloat16", "float16")
+LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
+REFERENCE_FREE = ("simpo",)  # preference losses that need no reference model
+
+
+def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+        choices: tuple[str, ...] | None = None, at_least: int | None = None, hint: str = "",
+        bound: tuple[Callable[[float], bool], str] | None = None, open_section: bool = False,
+        recipe_passes: tuple[int, tuple[str, ...]] | None = None) -> Any:
+    """A config key: its default (or `factory` for a mutable one) and one-line meaning (`help`), with
+    what the checks need: `choices`, `at_least` (with a `hint` on failure), `bound` (predicate, message),
+    `open_section` (a mapping passed on as it is: any key), `recipe_passes` (for a `_target_` section
+    called with `_partial_`: how many positional arguments and which keywords the recipe adds)."""
+    metadata = {"help": help, "choices": choices, "at_least": at_least, "hint": hint, "bound": bound,
+                "open_section": open_section, "recipe_passes": recipe_passes}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, help: str = "", **kwargs: Any) -> Any:
+    """A nested section, defaulting to `cls()`."""
+    return key(help=help, factory=cls, **kwargs)
+
+
+# --- the sections ---
+
+
+@dataclass
+class WandbConfig:
+    project: str = key("chattune", "wandb project")
+    name: str | None = key(None, "run name (null: wandb picks one)")
+    mode: str | None = key(None, "null: $WANDB_MODE or online | offline: no network or API key, `wandb sync` later")
+
+
+@dataclass
+class TokenizerConfig:
+    path: str = key("${demo_asset:tokenizer}", "a local tokenizer directory with a chat template, or hf:org/name")
+
+
+@dataclass
+class TinyLlamaConfig:
+    """The embedded default model (`model.config` is instantiated: any HF config class and its keys)."""
+
+    _target_: str = key("transformers.LlamaConfig", "the HF config class")
+    hidden_size: int = key(192, "model width")
+    intermediate_size: int = key(512, "MLP width")
+    num_hidden_layers: int = key(4, "decoder layers")
+    num_attention_heads: int = key(6, "query heads")
+    num_key_value_heads: int = key(2, "key/value heads (grouped-query attention)")
+    max_position_embeddings: int = key(1024, "longest position the model is built for")
+    tie_word_embeddings: bool = key(True, "the output layer shares the embedding matrix")
+
+
+@dataclass
+class FSDPConfig:
+    param_dtype: str = key("auto", "compute dtype; auto: bfloat16 on CUDA, float32 on CPU (shards stay fp32)",
+                           choices=("auto", *DTYPES))
+    reduce_dtype: str = key("float32", "dtype of the gradient reduction", choices=DTYPES)
+    activation_checkpointing: bool = key(False, "recompute each decoder layer's activations in the backward")
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = key(None, "a local Hugging Face model directory; null builds `config` with random weights")
+    config: TinyLlamaConfig | None = section(TinyLlamaConfig, "an HF config (_target_ and its keys) for random init")
+    fsdp: FSDPConfig = section(FSDPConfig, "FSDP2 sharding and mixed precision")
+
+
+@dataclass
+class MixingConfig:
+    mode: str = key("none", "none: sources concatenated, every record once per epoch | static: by weight | "
+                            "online: bandit", choices=MIXING_MODES)
+    stopping: str = key("all_exhausted", "a mixture's epoch ends when the first source or every source has "
+                                         "finished a pass", choices=MIXING_STOPPING)
+    gamma: float = key(0.1, "online: share of the probability spread evenly over the sources (exploration)")
+    eta: float = key(0.1, "online: step size of the log-weights")
+    update_every: int = key(10, "online: steps between updates")
+    reward: str = key("mean_loss", "online: mean_loss | loss_decrease", choices=MIXING_REWARDS)
+
+
+@dataclass
+class DataConfig:
+    train: list[Any] = key(factory=lambda: ["${demo_asset:chat_train.jsonl}"],
+                           help="training sources: paths or {path, format, columns, roles, ...}")
+    eval: list[Any] | None = key(factory=lambda: ["${demo_asset:chat_eval.jsonl}"], help="held-out sources")
+    train_on: str = key("assistant", "the tokens trained on", choices=TRAIN_ON)
+    max_tokens_per_microbatch: int = key(2048, "the token budget of one packed microbatch", at_least=1)
+    buffer_records: int = key(256, "records tokenized and packed together (best-fit decreasing)", at_least=1)
+    num_workers: int = key(0, "tokenizing processes per rank (0: in the training process)", at_least=0)
+    pad_to_multiple_of: int | None = key(None, "round each microbatch up (padding is never trained or attended)",
+                                         at_least=1)
+    overlong: str = key("drop", "a record over the budget: drop | truncate | split | error", choices=OVERLONG)
+    on_bad_record: str = key("error", "a record that cannot be read or trained on: error | skip",
+                             choices=ON_BAD_RECORD)
+    num_epochs: int | None = key(None, "stop after this many epochs (null: max_steps decides)", at_least=1)
+    report_records: int | None = key(1000, "records counted for the data report (null: all, 0: none)", at_least=0)
+    mixing: MixingConfig = section(MixingConfig, "how training sources are sampled")
+
+
+@dataclass
+class LossConfig:
+    chunk_size: int = key(1024, "tokens per chunk of the output-layer cross-entropy", at_least=1)
+
+
+@dataclass
+class OptimizerConfig:
+    _target_: str = key("torch.optim.AdamW", "the optimizer class")
+    _partial_: bool = key(True, "the recipe passes the parameters")
+    lr: float = key(3e-3, "learning rate", bound=(lambda v: v >= 0, "must not be negative"))
+    betas: list[float] = key(factory=lambda: [0.9, 0.95], help="AdamW's moment decay rates")
+    weight_decay: float = key(0.01, "decoupled weight decay")
+
+
+@dataclass
+class SchedulerConfig:
+    _target_: str = key("transformers.get_cosine_schedule_with_warmup", "the schedule function")
+    _partial_: bool = key(True, "the recipe passes the optimizer and num_training_steps")
+    num_warmup_steps: int = key(10, "linear warm-up steps", at_least=0)
+
+
+@dataclass
+class SFTConfig:
+    """The keys of `recipes/sft.py` (defaults: configs/sft/tiny.yaml)."""
+
+    output_dir: str = key("outputs/sft-tiny", "where checkpoints, metrics and the HF export go")
+    seed: int = key(42, "seeds model init, data order and dropout")
+    device: str = key("auto", "auto | cpu | cuda", choices=DEVICES)
+    max_steps: int = key(200, "optimizer steps", at_least=1)
+    grad_accum_steps: int = key(1, "microbatches per optimizer step, per rank", at_least=1)
+    max_grad_norm: float | None = key(1.0, "gradient clipping (null: none; the norm is still logged)",
+                                      bound=(lambda v: v > 0, "must be positive (null: no clipping)"))
+    log_every: int = key(5, "steps between metric lines", at_least=1)
+    save_every: int = key(100, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)")
+    keep_last_n: int | None = key(3, "checkpoints kept (null: all)", at_least=1,
+                                  hint=" (null keeps every checkpoint)")
+    resume: str | None = key("auto", "auto: the newest checkpoint in output_dir | PATH | null: never")
+    overwrite: bool = key(False, "start over in an output_dir that holds an earlier run (moved aside)")
+    resume_allow_changes: bool | list[str] = key(False, "keys, data files or FILE:N records a resume accepts "
+                                                        "changed (true: any)")
+    stop_after_step: int | None = key(None, "save a checkpoint and exit after this step", at_least=1)
+    nonfinite_loss: str = key("skip", "skip: drop that step's update | stop: raise", choices=NONFINITE_LOSS)
+    ledger: bool = key(False, "log each step's document ids per rank under output_dir/ledger/")
+    eval_every: int = key(50, "held-out loss every N steps and at the end (0: never)", at_least=0,
+                          hint=" (0: never)")
+    logger: str = key("stdout", "stdout | wandb (metrics.jsonl is always written)", choices=LOGGERS)
+    progress: str = key("auto", "auto: a bar on a terminal, metric lines otherwise | bar | lines",
+                        choices=PROGRESS_MODES)
+    wandb: WandbConfig = section(WandbConfig, "passed to wandb.init", open_section=True)
+    tokenizer: TokenizerConfig = section(TokenizerConfig)
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    loss: LossConfig = section(LossConfig)
+    optimizer: OptimizerConfig = section(OptimizerConfig, "instantiated with the trainable parameters",
+                                         recipe_passes=(1, ()))
+    scheduler: SchedulerConfig = section(SchedulerConfig, "instantiated with the optimizer",
+                                         recipe_passes=(1, ("num_training_steps",)))
+
+
+@dataclass
+class ReferenceConfig:
+    path: str | None = key(None, "the frozen reference model directory (null: the initial policy, model.path)")
+    cache: bool = key(False, "reference log-probs computed once before training, stored and reused")
+    cache_dir: str = key("outputs/reference_cache", "shared by runs: a table is reused wherever data and "
+                                                    "reference match")
+
+
+@dataclass
+class DPODataConfig(DataConfig):
+    train: list[Any] = key(factory=lambda: [{"path": "${demo_asset:preference_train.jsonl}", "format": "preference"}],
+                           help="preference sources")
+    eval: list[Any] | None = key(factory=lambda: [{"path": "${demo_asset:preference_eval.jsonl}",
+                                                   "format": "preference"}], help="held-out preference sources")
+    overlong: str = key("drop", "a pair over the budget: drop | error", choices=OVERLONG_DPO)
+
+
+@dataclass
+class DPOLossConfig(LossConfig):
+    type: str = key("sigmoid", "the preference loss (simpo: reference-free)", choices=LOSS_TYPES)
+    beta: float = key(0.1, "the preference loss's inverse temperature", bound=(lambda v: v > 0, "must be positive"))
+    label_smoothing: float = key(0.0, "sigmoid, sigmoid_norm, robust, simpo",
+                                 bound=(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"))
+    simpo_gamma: float = key(0.5, "simpo's target reward margin")
+    sft_weight: float = key(0.0, "adds this times the chosen reply's mean token NLL")
+
+
+@dataclass
+class DPOConfig(SFTConfig):
+    """The keys of `recipes/dpo.py` (defaults: configs/dpo/tiny.yaml, which builds on sft/tiny)."""
+
+    output_dir: str = key("outputs/dpo-tiny", "where checkpoints, metrics and the HF export go")
+    max_steps: int = key(60, "optimizer steps", at_least=1)
+    eval_every: int = key(20, "held-out metrics every N steps and at the end (0: never)", at_least=0,
+                          hint=" (0: never)")
+    model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
+    data: DPODataConfig = section(DPODataConfig)
+    loss: DPOLossConfig = section(DPOLossConfig)
+    optimizer: OptimizerConfig = section(lambda: OptimizerConfig(lr=5e-4),
+                                         "instantiated with the trainable parameters", recipe_passes=(1, ()))
+    scheduler: SchedulerConfig = section(lambda: SchedulerConfig(num_warmup_steps=5),
+                                         "instantiated with the optimizer", recipe_passes=(1, ("num_training_steps",)))
+    reference: ReferenceConfig = section(ReferenceConfig, "the frozen reference of the preference loss")
+
+
+SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig}
+
+
+def schema_for(recipe: str) -> type:
+    return SCHEMAS[recipe]

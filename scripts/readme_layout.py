@@ -1,0 +1,63 @@
+"""README's "Layout" table, generated from the real tree: one line per package of chattune/, with the
+first line of its `__init__` docstring and its modules.
+
+    python scripts/readme_layout.py           # print the table
+    python scripts/readme_layout.py --write   # replace the table in README.md
+
+tests/test_readme_tour.py checks that README's table is this script's output.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "chattune"
+FIXED_ROWS = {  # what is not a package of chattune/, before and after the packages
+    "before": [("`recipes/sft.py`, `recipes/dpo.py`", "the SFT and DPO recipes: flat, copyable Hydra apps"),
+               ("`configs/sft/`, `configs/dpo/`", "`sft/tiny` (default), `sft/local_model` (a real local model), "
+                                                  "`dpo/tiny`, `dpo/local_model`")],
+    "after": [("`hydra_plugins/chattune_searchpath/`", "puts the shipped configs on Hydra's search path, for users' "
+                                                       "own config directories"),
+              ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, this table"),
+              ("`BENCHMARKS.md`", "measured throughput and the commands that produced it")],
+}
+BEGIN, END = "| path | what |\n|---|---|\n", "\n\n"
+
+
+def first_docstring_line(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return doc.split("\n\n")[0].replace("\n", " ").strip()
+
+
+def modules(directory: Path) -> str:
+    return ", ".join(f"`{p.stem}`" for p in sorted(directory.glob("*.py")) if p.name != "__init__.py")
+
+
+def layout_table() -> str:
+    rows = list(FIXED_ROWS["before"])
+    top = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    rows.append(("`chattune/`", "what every package uses: " + ", ".join(
+        f"`{p.stem}` ({first_docstring_line(p).split(':')[0].split('.')[0].lower()})" for p in top)))
+    for package in sorted(p.parent for p in PACKAGE.glob("*/__init__.py")):
+        rows.append((f"`chattune/{package.name}/`", f"{first_docstring_line(package / '__init__.py')} "
+                                                    f"Modules: {modules(package)}"))
+    rows += FIXED_ROWS["after"]
+    return BEGIN + "\n".join(f"| {path} | {what} |" for path, what in rows)
+
+
+def replace_in_readme(text: str, table: str) -> str:
+    start = text.index(BEGIN, text.index("## Layout"))
+    end = text.find(END, start)
+    return text[:start] + table + (text[end:] if end != -1 else "\n")
+
+
+if __name__ == "__main__":
+    table = layout_table()
+    if "--write" in sys.argv[1:]:
+        readme = ROOT / "README.md"
+        readme.write_text(replace_in_readme(readme.read_text(), table))
+    else:
+        print(table)
