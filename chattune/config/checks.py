@@ -27,7 +27,7 @@ from chattune.config.schema import REFERENCE_FREE, schema_for
 from chattune.data.formats import DEFAULT_COLUMNS, HUB_LIKE, HUB_PREFIX, PREFERENCE_FORMATS, DataError, SourceSpec
 from chattune.errors import UserError
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files data.sources.RecordSource reads itself
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files data.records.RecordSource reads itself
 SOURCE_KEYS = tuple(f.name for f in fields(SourceSpec))
 SOURCE_LISTS = ("data.train", "data.eval")  # checked against SourceSpec, not by type
 
@@ -197,7 +197,6 @@ class Checker:
                 if not _fits(item, expected):
                     self.wrong_type(f"{key}[{index}]", item, expected)
 
-
     def wrong_type(self, key: str, value: Any, expected: type) -> None:
         quoted_number = expected in (int, float) and isinstance(value, str) and _is_number(value)
         hint = " (a quoted number: write it without quotes)" if quoted_number else ""
@@ -230,7 +229,7 @@ class Checker:
         if recipe_passes and values.get("_partial_") is not True:
             self.findings.problem(f"{key}._partial_", "must be true: the recipe calls the result with its own arguments")
         known = schema_fields(section) if section is not None else {}
-        same_target = "_target_" in known and dataclasses.fields(section)[0].default == name
+        same_target = "_target_" in known and section.__dataclass_fields__["_target_"].default == name
         for arg, value in values.items():
             child = f"{key}.{arg}"
             if arg.startswith("_"):  # Hydra's own: _target_, _partial_, _convert_, _recursive_, _args_

@@ -47,7 +47,6 @@ def format_report(findings: Findings) -> str:
     return "\n".join([*findings.problems, *(f"note: {n}" for n in findings.notes), summary_line(findings.problems)])
 
 
-
 # --- keys and values ---
 
 

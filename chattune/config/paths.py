@@ -1,4 +1,5 @@
-"""Config helpers shared by recipes: the `${demo_asset:...}` resolver and resolved-config saving."""
+"""Where the shipped configs (`CONFIG_DIR`) and demo assets (`DEMO_ASSETS`) are, how a --config-path is
+resolved, the `${demo_asset:...}` resolver, and saving a run's resolved config."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The config schema: every key a recipe reads, with its type, default and one-line meaning.
 
-`SFTConfig` and `DPOConfig` are what `recipes/sft.py` and `recipes/dpo.py` read. Their defaults are the
+`SFTConfig` and `DPOConfig` describe the config `recipes/sft.py` and `recipes/dpo.py` read. Their defaults are the
 shipped base configs (`configs/sft/tiny.yaml`, `configs/dpo/tiny.yaml`, the embedded default run);
 tests/test_validate.py checks that the two agree key for key. The YAML files stay the user-facing
 configs that Hydra composes; `chattune validate` and each recipe's start-up check (`chattune.config.checks`)

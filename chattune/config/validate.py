@@ -10,8 +10,9 @@ lines). What is checked:
   config file marks ??? and no override sets (`chattune validate` only: the composed config cannot
   tell, as merging keeps the value of the config it builds on);
 - keys: the valid keys of a recipe are those of its schema (`chattune.config.schema`: `SFTConfig`,
-  `DPOConfig`, whose defaults are the shipped base configs `sft/tiny` and `dpo/tiny`). An unknown key is reported with the nearest valid one; a key the recipe reads that was
-  removed (`~key`) is reported missing. A section with a `_target_` is checked against the callable's
+  `DPOConfig`, whose defaults are the shipped base configs `sft/tiny` and `dpo/tiny`). An unknown key
+  is reported with the nearest valid one; a key the recipe reads that was removed (`~key`) is
+  reported missing. A section with a `_target_` is checked against the callable's
   signature instead: unknown and missing required arguments, arguments the recipe passes itself
   (the optimizer's parameters, the scheduler's optimizer and `num_training_steps`), and `_partial_`.
   Hugging Face config classes accept any extra keyword, so an unknown `model.config` key is a note.

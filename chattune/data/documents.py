@@ -104,6 +104,3 @@ def shifted_label_array(input_ids: np.ndarray, trainable: np.ndarray, ends: np.n
     labels[:-1] = np.where(trainable[1:], input_ids[1:], IGNORE_INDEX)
     labels[ends[ends > 0] - 1] = IGNORE_INDEX
     return labels
-
-
-IGNORE_INDEX = -100

@@ -26,7 +26,7 @@ from chattune.data.chat_template import render_conversation, trained_spans
 from chattune.data.documents import Document, Skipped, shifted_label_array
 from chattune.data.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
 from chattune.data.records import RecordSource
-from chattune.data.templated_documents import TemplateDocuments, check_tools_rendered
+from chattune.data.template_documents import TemplateDocuments, check_tools_rendered
 
 
 class PairDocuments(TemplateDocuments):

@@ -17,7 +17,7 @@ from chattune.data.chat_template import render_conversation, trained_spans
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped, shifted_label_array
 from chattune.data.formats import DataError, SourceSpec, to_conversation
 from chattune.data.records import RecordSource
-from chattune.data.templated_documents import TemplateDocuments, check_tools_rendered
+from chattune.data.template_documents import TemplateDocuments, check_tools_rendered
 
 
 class SFTDocuments(TemplateDocuments):
