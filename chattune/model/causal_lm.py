@@ -18,6 +18,7 @@ from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.chunked_loss import chunked_token_losses
+from chattune.model.flops import model_flops
 from chattune.model.packing_probe import check_packing_isolation
 
 
@@ -28,6 +29,7 @@ class PackedCausalLM(nn.Module):
         check_packing_isolation(hf_model)  # documents packed in one row must not see each other
         self.hf_model = hf_model
         self.loss_chunk_size = loss_chunk_size
+        self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored."""

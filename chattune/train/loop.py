@@ -28,6 +28,7 @@ from chattune.data.packing import PackedBatch
 from chattune.data.report import epoch_line
 from chattune.distributed import DistInfo
 from chattune.model.export import export_hf
+from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.fsdp import compute_dtype
 from chattune.objectives.base import Objective
 from chattune.train.evaluation import evaluate
@@ -78,6 +79,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
+    flops = getattr(model, "flops", None)  # PackedCausalLM's FLOP counts: MFU where the device's peak is known
+    peak = peak_flops(device)
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
 
@@ -88,6 +91,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         batches = feed.next_step()
+        step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops else 0.0
         if ledger:
             ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
@@ -122,7 +126,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
         is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
-            metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device)
+            metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device, step_flops, peak)
             metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
             if loss_scale.enabled:
                 metrics["loss_scale"] = loss_scale.scale

@@ -29,25 +29,43 @@ def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, flo
 
 def step_metrics(
     step: int, result: StepResult, objective: Objective, grad_norm: float, lr: float, step_time_s: float,
-    device: torch.device,
+    device: torch.device, model_flops: float = 0.0, peak_flops: float | None = None,
 ) -> dict[str, float]:
     """The metrics of one step, over all ranks (one stacked all-reduce). Collective: every rank must call it.
 
     The objective turns the summed figures into its metrics (loss, num_tokens, ...); tokens_per_sec is
-    trainable tokens per second of step time (mean over ranks), all_tokens_per_sec every token's."""
+    trainable tokens per second of step time (mean over ranks), all_tokens_per_sec every token's, and
+    all_tokens_per_sec_per_device the same per rank. `model_flops`: this rank's model FLOPs of the step
+    (`chattune.model.flops`); with the device's `peak_flops`, mfu is their rate per device over the peak.
+    On CUDA, peak memory (allocated and reserved since the start, GiB) is the largest of any rank's."""
     sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens,
-                        **result.figures}, device)
+                        "model_flops": model_flops, **result.figures}, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     step_time = sums["step_time_s"] / world
     metrics = {"step": step, **objective.metrics(sums, result.global_units)}
     metrics.update(
         tokens_per_sec=metrics["num_tokens"] / step_time,
         all_tokens_per_sec=sums["all_tokens"] / step_time,
+        all_tokens_per_sec_per_device=sums["all_tokens"] / step_time / world,
         lr=lr,
         grad_norm=grad_norm,
         step_time_s=step_time,
     )
+    if peak_flops:
+        metrics["mfu"] = sums["model_flops"] / step_time / world / peak_flops
+    if device.type == "cuda":
+        metrics.update(peak_memory(device))
     return metrics
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """The largest peak allocated and reserved CUDA memory of any rank, GiB. Collective."""
+    peaks = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                         dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    allocated, reserved = (peaks / 2**30).tolist()
+    return {"peak_memory_allocated_gib": allocated, "peak_memory_reserved_gib": reserved}
 
 
 def format_line(metrics: dict[str, float]) -> str:

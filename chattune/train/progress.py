@@ -28,12 +28,16 @@ def wants_bar(mode: str, stream: TextIO) -> bool:
 
 
 def bar_postfix(metrics: Mapping[str, float]) -> str:
-    """The last logged loss and tokens/s, as the bar shows them."""
+    """The last logged loss, tokens/s, MFU and peak memory (where measured), as the bar shows them."""
     parts = []
     if "loss" in metrics:
         parts.append(f"loss {metrics['loss']:.4g}")
     if "tokens_per_sec" in metrics:
         parts.append(f"{tqdm.format_sizeof(metrics['tokens_per_sec'])} tok/s")
+    if "mfu" in metrics:
+        parts.append(f"MFU {metrics['mfu']:.1%}")
+    if "peak_memory_allocated_gib" in metrics:
+        parts.append(f"{metrics['peak_memory_allocated_gib']:.1f} GiB")
     return " | ".join(parts)
 
 

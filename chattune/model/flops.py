@@ -1,0 +1,78 @@
+"""Model FLOPs of a training step and MFU (model FLOPs utilisation).
+
+A step's model FLOPs are those of its matmuls, forward and backward (backward = 2 × forward):
+- dense: 6 × (matmul weights) per token. The matmul weights are every `nn.Linear` weight of the model,
+  the output layer included; an embedding lookup is no matmul. A mixture-of-experts model counts all
+  its experts, so its MFU is overstated by (experts / active experts) in its expert layers;
+- attention: per layer and per document of n tokens, QKᵀ and AV each take 2 × (query heads × head dim)
+  FLOPs per (query, key) pair, and causal attention has n (n + 1) / 2 pairs: 12 × layers × query heads
+  × head dim × Σ n (n + 1) / 2 per step, training included. Sliding windows are not subtracted.
+
+MFU = model FLOPs per second per device / the device's peak dense bf16 FLOP/s (`PEAK_FLOPS`). Recomputed
+activations (activation checkpointing, the chunked loss) are not model FLOPs: they lower MFU, as they
+should. On a device without a table entry (CPU, an unknown GPU) MFU is not reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from chattune.data.packing import PackedBatch
+
+# Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts unless named), FLOP/s.
+# Matched against torch.cuda.get_device_name() in order: the first name it contains wins.
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+)
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    matmul_weights: int  # elements of every nn.Linear weight (the output layer included)
+    attention_width: int  # layers × query heads × head dim: the width of QKᵀ and AV over all layers
+
+    def step_flops(self, tokens: int, causal_pairs: int) -> float:
+        """Model FLOPs (forward + backward) of `tokens` tokens whose documents hold `causal_pairs`
+        (query, key) pairs in all (Σ n (n + 1) / 2)."""
+        return 6.0 * self.matmul_weights * tokens + 12.0 * self.attention_width * causal_pairs
+
+
+def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
+    """The FLOP counts of a (not yet sharded) HF causal LM, from its modules and config."""
+    weights = sum(m.weight.numel() for m in hf_model.modules() if isinstance(m, nn.Linear))
+    config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelFlops(matmul_weights=weights, attention_width=config.num_hidden_layers * heads * head_dim)
+
+
+def causal_pairs(cu_seqlens: torch.Tensor) -> int:
+    """Σ n (n + 1) / 2 over the segments of a packed row (from its CPU `cu_seqlens`; no device sync)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    return int((lengths * (lengths + 1) // 2).sum())
+
+
+def batch_flops(flops: ModelFlops, batch: PackedBatch) -> float:
+    """Model FLOPs of a packed microbatch's documents (its padding segment, if any, is not model work)."""
+    segments = batch.cu_seqlens[:-1] if batch.padding else batch.cu_seqlens
+    return flops.step_flops(batch.num_document_tokens, causal_pairs(segments))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak dense bf16 FLOP/s, None where unknown (CPU, a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in PEAK_FLOPS if part in name), None)

@@ -1,0 +1,41 @@
+"""Model FLOPs and MFU (`chattune.model.flops`, `chattune.train.metrics.step_metrics`), against hand counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from chattune.data.documents import Document
+from chattune.data.packing import collate_packed
+from chattune.model.flops import batch_flops, model_flops, peak_flops
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.metrics import step_metrics
+from chattune.train.step import StepResult
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_flops_are_the_hand_count(tied):
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied)
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    # per layer: q 64x64, k and v 64x32 (2 kv heads of 16), o 64x64, gate and up 64x96, down 96x64
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96
+    assert flops.matmul_weights == 2 * per_layer + 100 * 64  # + the output layer, tied or not; no embedding lookup
+    assert flops.attention_width == 2 * 4 * 16
+
+    documents = [Document(doc_id=i, input_ids=np.ones(n), labels=np.ones(n)) for i, n in enumerate([3, 5])]
+    batch = collate_packed(documents, pad_to_multiple_of=10)  # + a padding segment of 2 tokens: not model work
+    pairs = 3 * 4 // 2 + 5 * 6 // 2
+    assert batch_flops(flops, batch) == 6 * flops.matmul_weights * 8 + 12 * flops.attention_width * pairs
+
+
+def test_mfu_is_model_flops_per_second_over_the_peak():
+    result = StepResult(loss_sum=20.0, local_units=10, global_units=10, local_tokens=16)
+    metrics = step_metrics(3, result, TokenCrossEntropy(), grad_norm=1.0, lr=1e-3, step_time_s=2.0,
+                           device=torch.device("cpu"), model_flops=5e12, peak_flops=10e12)
+    assert metrics["mfu"] == pytest.approx(5e12 / 2.0 / 10e12)
+    assert metrics["all_tokens_per_sec_per_device"] == pytest.approx(16 / 2.0)
+    assert "mfu" not in step_metrics(3, result, TokenCrossEntropy(), 1.0, 1e-3, 2.0, torch.device("cpu"), 5e12, None)
+    assert peak_flops(torch.device("cpu")) is None
