@@ -23,6 +23,7 @@ from chattune.model.build import build_sharded_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.inputs import build_training_data, pad_token_id, sft_documents
 from chattune.train.loop import train
+from chattune.train.optimizer import build_optimizer
 from chattune.train.output_dir import claim_output_dir
 
 logger = logging.getLogger("chattune.sft")
@@ -55,7 +56,7 @@ def main(cfg: DictConfig) -> None:
     num_params = sum(p.numel() for p in hf_model.parameters())
     logger.info("model: %s, %.2fM parameters, %d rank(s) on %s", type(hf_model).__name__, num_params / 1e6, dist_info.world_size, device)
 
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), dist_info.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
     objective = TokenCrossEntropy(num_sources=data.num_sources)
 

@@ -1,9 +1,10 @@
 """The packed model wrapper refuses models whose logits are not hidden @ output_embedding.T."""
 
 import pytest
+import torch
 from conftest import tiny_model
 
-from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.causal_lm import PackedCausalLM, check_output_head
 
 
 def test_plain_heads_are_accepted():
@@ -15,3 +16,12 @@ def test_scaled_logits_are_refused():
     """Granite divides its logits by `logits_scaling`; the chunked loss would silently train another model."""
     with pytest.raises(NotImplementedError, match="computes its logits differently"):
         PackedCausalLM(tiny_model(model_type="granite", logits_scaling=4.0))
+
+
+def test_the_head_check_is_not_fooled_by_bf16():
+    """A bf16 model's logits are a bf16 GEMM: compared in fp32 against our own upcast product they differ by
+    bf16 rounding, and a stock model was refused. Scaled logits are still refused in bf16."""
+    check_output_head(tiny_model().to(torch.bfloat16))
+    check_output_head(tiny_model(tie_word_embeddings=False).to(torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="computes its logits differently"):
+        check_output_head(tiny_model(model_type="granite", logits_scaling=4.0).to(torch.bfloat16))

@@ -22,8 +22,12 @@ class PackedBatch:
     input_ids: torch.Tensor  # (1, N) long
     labels: torch.Tensor  # (1, N) long, shifted
     position_ids: torch.Tensor  # (1, N) long, restarting at 0 per document
-    cu_seqlens: torch.Tensor  # (num_docs + 1,) int32
+    cu_seqlens: torch.Tensor  # (num_segments + 1,) int32
     max_seqlen: int
+    # Built on the CPU by the collator, so per-segment and per-document sums on the GPU need no
+    # repeat_interleave over device lengths (a host sync per microbatch).
+    segment_ids: torch.Tensor  # (N,) long: each token's segment (cu_seqlens entry)
+    document_ids: torch.Tensor  # (N,) long: each token's document of doc_ids (padding: len(doc_ids))
     doc_ids: list[int] = field(default_factory=list)
     doc_lengths: list[int] = field(default_factory=list)  # tokens of each document, in order
     doc_sources: list[int] = field(default_factory=list)  # data source of each document
@@ -51,6 +55,8 @@ class PackedBatch:
             position_ids=self.position_ids.to(device, non_blocking=True),
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
             max_seqlen=self.max_seqlen,
+            segment_ids=self.segment_ids.to(device, non_blocking=True),
+            document_ids=self.document_ids.to(device, non_blocking=True),
             doc_ids=self.doc_ids,
             doc_lengths=self.doc_lengths,
             doc_sources=self.doc_sources,
@@ -80,6 +86,8 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
         position_ids=_positions(lengths).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
+        segment_ids=torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)),
+        document_ids=torch.from_numpy(np.repeat(np.arange(len(documents)), [len(d) for d in documents])),
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
         doc_lengths=[len(d) for d in documents if d.doc_id >= 0],
         doc_sources=[d.source for d in documents if d.doc_id >= 0],

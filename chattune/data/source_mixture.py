@@ -175,10 +175,9 @@ class MixtureSampler:
 
 def document_sums(batch: PackedBatch, per_token: torch.Tensor) -> torch.Tensor:
     """Sums of a per-token value over each document of the microbatch (padding excluded)."""
-    lengths = torch.tensor(batch.doc_lengths, dtype=torch.long, device=per_token.device)
-    doc_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=per_token.device), lengths)
-    sums = torch.zeros(len(lengths), dtype=torch.float64, device=per_token.device)
-    return sums.index_add(0, doc_of_token, per_token[: int(lengths.sum())].double())
+    num_docs = len(batch.doc_lengths)
+    sums = torch.zeros(num_docs + 1, dtype=torch.float64, device=per_token.device)  # + padding, dropped
+    return sums.index_add(0, batch.document_ids.to(per_token.device), per_token.double())[:num_docs]
 
 
 def source_figures(batch: PackedBatch, doc_losses: torch.Tensor, num_sources: int,

@@ -41,7 +41,11 @@ class PackedCausalLM(nn.Module):
 @torch.no_grad()
 def check_output_head(hf_model: PreTrainedModel) -> None:
     """The chunked loss computes logits as hidden @ output_embedding.T. Refuse a model whose own forward
-    does something else (logit scaling or softcapping, a bias), instead of training a different model."""
+    does something else (logit scaling or softcapping, a bias), instead of training a different model.
+
+    Both sides are computed in the model's own dtype, as its forward computes them (a bf16 model's logits
+    are a bf16 GEMM), so a bf16 model is not refused for bf16 rounding and no fp32 copy of the output
+    layer is made; the tolerance is a few units of that dtype's precision."""
     head = hf_model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise UnsupportedModel(f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss")
@@ -54,8 +58,9 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
     hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
     logits = hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0].float()
     hf_model.train(was_training)
-    ours = hidden.float() @ head.weight.float().t()
-    if not torch.allclose(ours, logits, rtol=1e-3, atol=1e-3 * float(logits.abs().max())):
+    ours = (hidden @ head.weight.t()).float()
+    tolerance = max(1e-3, 4 * torch.finfo(head.weight.dtype).eps)
+    if not torch.allclose(ours, logits, rtol=tolerance, atol=tolerance * float(logits.abs().max())):
         raise UnsupportedModel(
             f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T "
             "(logit scaling or softcapping?); the chunked loss does not support it yet"

@@ -26,12 +26,12 @@ from chattune.objectives.pair_losses import PreferenceLoss
 
 def pair_logps(token_losses: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:
     """(chosen log-probs, rejected log-probs, chosen tokens, rejected tokens), one entry per pair."""
-    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().to(token_losses.device)
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=token_losses.device), lengths)
-    logps = torch.zeros(len(lengths), dtype=token_losses.dtype, device=token_losses.device)
+    num_segments = batch.cu_seqlens.shape[0] - 1
+    segment = batch.segment_ids.to(token_losses.device)
+    logps = torch.zeros(num_segments, dtype=token_losses.dtype, device=token_losses.device)
     logps = logps.index_add(0, segment, -token_losses)
     trained = (batch.labels[0] != IGNORE_INDEX).to(token_losses.dtype)
-    tokens = torch.zeros(len(lengths), dtype=token_losses.dtype, device=token_losses.device).index_add(0, segment, trained)
+    tokens = torch.zeros(num_segments, dtype=token_losses.dtype, device=token_losses.device).index_add(0, segment, trained)
     pairs = len(batch.doc_ids)
     return logps[0 : 2 * pairs : 2], logps[1 : 2 * pairs : 2], tokens[0 : 2 * pairs : 2], tokens[1 : 2 * pairs : 2]
 

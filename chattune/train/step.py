@@ -55,13 +55,16 @@ def accumulate_gradients(
         loss_sum += batch_loss.detach().float()
         for name, value in batch_figures.items():
             figures[name] = figures.get(name, 0.0) + value.detach().double()
+    # One device-to-host transfer for the step's sums (not one .item() per figure).
+    names = list(figures)
+    values = torch.stack([loss_sum.double(), *(figures[n] for n in names)]).tolist()
     return StepResult(
-        loss_sum=float(loss_sum),
+        loss_sum=values[0],
         local_units=local_units,
         global_units=global_units,
         local_tokens=sum(b.num_tokens for b in microbatches),
         ranks_done=ranks_done,
-        figures={name: float(value) for name, value in figures.items()},
+        figures=dict(zip(names, values[1:])),
     )
 
 

@@ -1,0 +1,24 @@
+"""The optimizer a recipe instantiates from `optimizer` (any torch optimizer class, `_partial_: true`).
+
+On CUDA an optimizer that has a fused implementation (AdamW, Adam, SGD) gets `fused=True` unless the
+config sets `fused` itself: one kernel per step over all parameters instead of a few per tensor group.
+On the CPU the default stays (`foreach`), which is the reference the exactness tests compare against.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+
+def build_optimizer(optimizer_cfg: DictConfig, parameters: Iterable[torch.nn.Parameter],
+                    device: torch.device) -> torch.optim.Optimizer:
+    make = instantiate(optimizer_cfg)  # a functools.partial of the optimizer class
+    accepts_fused = "fused" in inspect.signature(make.func).parameters
+    if device.type == "cuda" and accepts_fused and "fused" not in make.keywords:
+        return make(parameters, fused=True)
+    return make(parameters)
