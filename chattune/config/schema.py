@@ -100,6 +100,8 @@ class ModelConfig:
     path: str | None = key(None, "a local Hugging Face model directory; null builds `config` with random weights")
     config: TinyLlamaConfig | None = section(TinyLlamaConfig, "an HF config (_target_ and its keys) for random init")
     fsdp: FSDPConfig = section(FSDPConfig, "FSDP2 sharding and mixed precision")
+    compile: bool | str = key("auto", "torch.compile each decoder layer: auto (on CUDA, not on CPU) | true | false",
+                              choices=("auto",))
 
 
 @dataclass

@@ -45,6 +45,7 @@ def _flash_attn_varlen():
     return flash_attn_varlen_func
 
 
+@torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
 def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
     # query: (1, Hq, N, D), key/value: (1, Hkv, N, D)
     enable_gqa = query.shape[1] != key.shape[1]

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.distributed import DistInfo
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.fsdp import shard_model
+from chattune.model.fsdp import compile_enabled, shard_model
 
 
 def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,
@@ -24,5 +24,5 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     config = instantiate(cfg.model.config) if path is None else None
     hf_model = build_hf_model(tokenizer, path=path, config=config)  # on CPU; fully_shard moves each shard
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), dist_info.device.type, dist_info.world_size,
-                        **cfg.model.fsdp)
+                        **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, dist_info.device.type))
     return hf_model, model

@@ -1,11 +1,20 @@
-"""FSDP2 sharding for HF decoder models: one `fully_shard` unit per decoder layer plus the root."""
+"""Parallelising an HF decoder model, in torchtitan's order: activation checkpointing, then
+`torch.compile` of each decoder layer, then FSDP2 (one `fully_shard` unit per decoder layer plus the root).
+
+Compiling per layer (not the whole model) keeps graphs small and shared: every layer runs the same code,
+so one compiled graph serves them all. FSDP2's hooks stay outside the graphs (dynamo skips them). The
+first change of the packed length N recompiles once with dynamic shapes; `compiled_graphs` counts the
+graphs so far, and a count that keeps growing means recompiles."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from chattune.config.schema import DTYPES
 from chattune.model.causal_lm import PackedCausalLM
@@ -30,6 +39,43 @@ def compute_dtype(param_dtype: str, device_type: str) -> str:
     return param_dtype
 
 
+def compile_enabled(setting: bool | str, device_type: str) -> bool:
+    """model.compile resolved: `auto` compiles on CUDA (where it pays) and not on the CPU."""
+    if setting == "auto":
+        return device_type == "cuda"
+    return setting in (True, "true")
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has produced in this process so far (the first, plus each recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_layers(layers: list[nn.Module], activation_checkpointing: bool) -> None:
+    """Replace each layer's forward with one compiled function per layer class, checkpointed around it
+    when asked. The layer's own (undecorated) forward is compiled: transformers wraps `forward` for its
+    gradient checkpointing, and FSDP2's subclass of the layer wraps it again, so compiling through those
+    wrappers recompiles on every layer (they share one code object). The forward is set on the instance,
+    so parameter names (checkpoints, export) and FSDP2's module hooks (outside the graph) are unchanged."""
+    compiled: dict[type, object] = {}
+    for layer in layers:
+        cls = type(layer)
+        if cls not in compiled:
+            forward = getattr(cls.forward, "__wrapped__", cls.forward)  # under transformers' checkpointing wrapper
+            compiled[cls] = torch.compile(forward)
+        layer.forward = functools.partial(_checkpointed if activation_checkpointing else _called, compiled[cls], layer)
+
+
+def _called(forward, layer, *args, **kwargs):
+    return forward(layer, *args, **kwargs)
+
+
+def _checkpointed(forward, layer, *args, **kwargs):
+    return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
+
+
 def shard_model(
     model: PackedCausalLM,
     device_type: str,
@@ -37,8 +83,11 @@ def shard_model(
     param_dtype: str = "auto",
     reduce_dtype: str = "float32",
     activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> PackedCausalLM:
-    if activation_checkpointing:
+    if compile:
+        compile_layers(decoder_layers(model), activation_checkpointing)
+    elif activation_checkpointing:
         model.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = compute_dtype(param_dtype, device_type)
     mesh = init_device_mesh(device_type, (world_size,))

@@ -29,7 +29,7 @@ from chattune.data.report import epoch_line
 from chattune.distributed import DistInfo
 from chattune.model.export import export_hf
 from chattune.model.flops import batch_flops, peak_flops
-from chattune.model.fsdp import compute_dtype
+from chattune.model.fsdp import compile_enabled, compiled_graphs, compute_dtype
 from chattune.objectives.base import Objective
 from chattune.train.evaluation import evaluate
 from chattune.train.faults import maybe_crash
@@ -81,6 +81,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
     flops = getattr(model, "flops", None)  # PackedCausalLM's FLOP counts: MFU where the device's peak is known
     peak = peak_flops(device)
+    compiling = compile_enabled(cfg.model.compile, device.type)
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
 
@@ -130,6 +131,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
             if loss_scale.enabled:
                 metrics["loss_scale"] = loss_scale.scale
+            if compiling:
+                metrics["compiled_graphs"] = compiled_graphs()
             if feed.mixer is not None:
                 metrics.update(feed.mixer.metrics(device))
             if is_eval:

@@ -1,0 +1,55 @@
+"""`model.compile`: each decoder layer compiled (with FSDP2 around it) computes the same losses and gradients
+as eager, within float reordering; a second packed length recompiles once, not every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import demo_documents, init_worker_process_group, relative_error, tiny_model
+
+from chattune.data.packing import collate_packed
+from chattune.distributed import free_port
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.fsdp import compile_enabled, compiled_graphs, shard_model
+
+
+def _losses_and_grads(model, batches):
+    out = []
+    for batch in batches:
+        losses = model(batch)
+        losses.sum().backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        out.append((losses.detach(), grads))
+    return out
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_compiled_layers_match_eager(activation_checkpointing):
+    torch._dynamo.reset()  # graphs compiled by an earlier test would be reused
+    init_worker_process_group(0, 1, free_port())
+    try:
+        documents = demo_documents(20)
+        batches = [collate_packed(documents[a:b]) for a, b in ((0, 5), (5, 12), (0, 3), (12, 20))]
+        eager = _losses_and_grads(shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", 1,
+                                              activation_checkpointing=activation_checkpointing), batches)
+        model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", 1, compile=True,
+                            activation_checkpointing=activation_checkpointing)
+        graphs = [compiled_graphs()]
+        compiled = []
+        for batch in batches:
+            compiled += _losses_and_grads(model, [batch])
+            graphs.append(compiled_graphs())
+    finally:
+        torch.distributed.destroy_process_group()
+    # Four packed lengths: the first compile, one recompile with dynamic shapes, then no more.
+    assert graphs[1] > graphs[0] and graphs[2] > graphs[1] and graphs[2] == graphs[3] == graphs[4]
+    for (eager_losses, eager_grads), (losses, grads) in zip(eager, compiled):
+        assert relative_error(losses, eager_losses) < 1e-5
+        assert relative_error(grads, eager_grads) < 1e-4
+
+
+@pytest.mark.parametrize("setting, device, expected", [("auto", "cuda", True), ("auto", "cpu", False),
+                                                       (True, "cpu", True), (False, "cuda", False)])
+def test_auto_compiles_on_cuda_only(setting, device, expected):
+    assert compile_enabled(setting, device) is expected
