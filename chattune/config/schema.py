@@ -36,6 +36,7 @@ MIXING_REWARDS = ("mean_loss", "loss_decrease")
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
 REFERENCE_FREE = ("simpo",)  # preference losses that need no reference model
+LOSS_IMPLEMENTATIONS = ("auto", "chunked", "cut_cross_entropy")
 
 
 def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
@@ -138,6 +139,8 @@ class DataConfig:
 @dataclass
 class LossConfig:
     chunk_size: int = key(1024, "tokens per chunk of the output-layer cross-entropy", at_least=1)
+    implementation: str = key("auto", "the output-layer loss: auto (cut_cross_entropy on CUDA when installed) | "
+                                      "chunked (exact fp32) | cut_cross_entropy", choices=LOSS_IMPLEMENTATIONS)
 
 
 @dataclass

@@ -12,7 +12,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.distributed import DistInfo
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.fsdp import compile_enabled, shard_model
+from chattune.model.fsdp import compile_enabled, compute_dtype, shard_model
+from chattune.model.fused_loss import resolve_loss_implementation
 
 
 def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,
@@ -23,6 +24,13 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     torch.manual_seed(cfg.seed)
     config = instantiate(cfg.model.config) if path is None else None
     hf_model = build_hf_model(tokenizer, path=path, config=config)  # on CPU; fully_shard moves each shard
-    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size), dist_info.device.type, dist_info.world_size,
-                        **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, dist_info.device.type))
+    device_type = dist_info.device.type
+    dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
+    if device_type == "cuda" and dtype != "float32":
+        # The one fp32 matmul left is the chunked loss head's, on bf16/fp16-valued inputs: TF32 represents
+        # those exactly (10 mantissa bits) and accumulates in fp32, so it gives the fp32 result, faster.
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
+    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation), device_type,
+                        dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type))
     return hf_model, model

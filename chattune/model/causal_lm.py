@@ -1,7 +1,8 @@
 """Hugging Face causal LMs for packed training.
 
 `PackedCausalLM` wraps any `AutoModelForCausalLM` and returns per-token losses computed from the final
-hidden states in chunks (see `chattune.model.chunked_loss`) instead of full logits. It is also the FSDP root module,
+hidden states in chunks (see `chattune.model.chunked_loss`), or by cut-cross-entropy on CUDA
+(`chattune.model.fused_loss`), instead of full logits. It is also the FSDP root module,
 so the embedding, final norm and output head (tied or not) are gathered by the root's hooks when its
 forward runs.
 """
@@ -19,22 +20,28 @@ from chattune.errors import UnsupportedModel
 from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.flops import model_flops
+from chattune.model.fused_loss import cce_token_losses
 from chattune.model.packing_probe import check_packing_isolation
 
 
 class PackedCausalLM(nn.Module):
-    def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024):
+    def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024, loss_implementation: str = "chunked"):
+        """`loss_implementation`: `chunked` (exact fp32, `chattune.model.chunked_loss`) or
+        `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA)."""
         super().__init__()
         check_output_head(hf_model)
         check_packing_isolation(hf_model)  # documents packed in one row must not see each other
         self.hf_model = hf_model
         self.loss_chunk_size = loss_chunk_size
+        self.loss_implementation = loss_implementation
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored."""
         hidden = packed_hidden_states(self.hf_model, batch)
         weight = self.hf_model.get_output_embeddings().weight
+        if self.loss_implementation == "cut_cross_entropy":
+            return cce_token_losses(hidden, weight, batch.labels[0])
         return chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size)
 
 

@@ -8,7 +8,7 @@ tokenizer files. A resumed run may change (README, "What chattune promises"):
 - with a warning that gives the learning rate at the resume step under the old and the new schedule:
   its horizon (`HORIZON_KEYS`);
 - with a note: how the same numbers are computed (`NUMERICS_KEYS`: activation checkpointing, compile, loss
-  chunks, loader workers);
+  chunks and implementation, loader workers);
 - only when named in `resume_allow_changes` (a list of config keys or sections, data files, or single
   records `FILE:N`; `true` accepts anything): everything else, the data, tokenizer, seed and model
   included. A data file edited in place is compared record by record, so a fixed record is named and
@@ -46,7 +46,8 @@ RUNTIME_KEYS = ("output_dir", "resume", "resume_allow_changes", "overwrite", "lo
 # The run's length: the schedule is stretched or shrunk from the resume step on (warned, with both rates).
 HORIZON_KEYS = ("max_steps", "data.num_epochs")
 # How, not what, is computed: the same documents and updates, up to float rounding (noted).
-NUMERICS_KEYS = ("model.fsdp.activation_checkpointing", "model.compile", "loss.chunk_size", "data.num_workers")
+NUMERICS_KEYS = ("model.fsdp.activation_checkpointing", "model.compile", "loss.chunk_size", "loss.implementation",
+                 "data.num_workers")
 _MAX_LISTED = 10  # changed records named in a message
 
 
