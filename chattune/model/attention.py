@@ -8,7 +8,8 @@ the models forward untouched to the attention function); we fall back to derivin
 
 - CPU (and fp32 on CUDA): causal SDPA per document (exact, simple; CPU runs are small).
 - CUDA bf16/fp16 with flash-attn importable: `flash_attn_varlen_func`.
-- CUDA bf16/fp16 otherwise: torch's `varlen_attn`.
+- CUDA bf16/fp16 otherwise: torch's `varlen_attn` (grouped-query attention by repeated kv heads on a
+  torch before 2.13, whose `varlen_attn` has no `enable_gqa`).
 
 Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
 """
@@ -16,6 +17,7 @@ Sliding windows follow transformers' convention (a query sees itself and the `wi
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,32 @@ def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
     return torch.cat(outputs, dim=2).transpose(1, 2)  # (1, N, Hq, D)
 
 
+def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None):
+    """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: before 2.13 it takes neither
+    `enable_gqa` (grouped-query attention then repeats the kv heads, as the kernel would read them) nor,
+    in some versions, `window_size` (then only plain causal attention, `is_causal`)."""
+    if varlen_attn is None:
+        from torch.nn.attention.varlen import varlen_attn
+    parameters = inspect.signature(varlen_attn).parameters
+    extra = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in parameters:
+            extra["enable_gqa"] = True
+        else:
+            repeats = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    if "window_size" in parameters:
+        extra["window_size"] = window_size
+    elif tuple(window_size) != (-1, 0):
+        raise UnsupportedModel(f"this torch's varlen_attn cannot apply a sliding window {window_size}: install "
+                               "flash-attn (pip install -e \".[gpu]\") or torch>=2.13")
+    elif "is_causal" in parameters:
+        extra["is_causal"] = True
+    else:
+        raise UnsupportedModel("this torch's varlen_attn has no causal masking: install flash-attn or torch>=2.13")
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, **extra)
+
+
 def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window):
     # varlen kernels take (N, H, D); window (W-1, 0) = causal over the last W keys, as transformers does
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
@@ -77,12 +105,7 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window)
     else:
         if dropout:
             raise ValueError("torch varlen_attn has no dropout; set attention_dropout=0 or install flash-attn")
-        from torch.nn.attention.varlen import varlen_attn
-
-        out = varlen_attn(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            scale=scaling, window_size=window_size, enable_gqa=q.shape[1] != k.shape[1],
-        )
+        out = torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size)
     return out.unsqueeze(0)  # (1, N, Hq, D)
 
 
