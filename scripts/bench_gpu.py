@@ -1,0 +1,218 @@
+"""chattune's SFT step on one GPU, next to TRL's SFTTrainer on the same model, data and token budget.
+
+    python scripts/bench_gpu.py --assets ../shared/assets [--runs short06 short17 long06] [--steps 30]
+
+Builds random-init Qwen3-shaped models (0.6B, 1.7B; bf16 safetensors, the shared Qwen3 tokenizer) and the
+benchmark corpora from the shared assets (20k short real chats; 200 long deita chats), under --work. Each
+run trains `recipes/sft.py` (torchrun, one process) and, when `trl` is importable, TRL's SFTTrainer
+(padding-free packing, sdpa) on the same model directory, corpus and per-step token budget. Prints one
+markdown row per run and tool, and writes them as JSON to --work/results.json:
+- tokens/s: every token fed, per device, over steps --warmup+1..--steps (chattune: its metrics.jsonl,
+  `all_tokens_per_sec_per_device`; TRL: tokens counted in `training_step` over that window's wall time);
+- MFU: chattune's own (`chattune.model.flops`: matmuls and causal attention per document). TRL's is the
+  same model FLOPs per token (same model and data) times its tokens/s;
+- peak memory: torch's peak allocated (GiB) in each process.
+
+`--device cpu --runs tiny` runs the chattune side on a tiny model on the CPU (a check of this script).
+On a machine without internet: see ../shared/gpu/README.md for the wheels (hydra, torchdata, datasets,
+TRL, cut-cross-entropy) and PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied)
+    "tiny": (64, 128, 2, 4, 2),
+    "0.6b": (1024, 3072, 28, 16, 8),
+    "1.7b": (2048, 6144, 28, 16, 8),
+}
+# name: (model size, corpus, per-microbatch budget, grad_accum_steps, activation checkpointing)
+RUNS = {
+    "short06": ("0.6b", "short", 16384, 2, False),
+    "short17": ("1.7b", "short", 16384, 2, True),
+    "long06": ("0.6b", "long", 16384, 1, False),
+    "tiny": ("tiny", "short", 2048, 1, False),
+}
+
+
+def make_corpora(assets: Path, out: Path) -> dict[str, Path]:
+    """short: the FastChat chats replicated 40x (20k); long: the deita chats replicated 40x (200). Copy k
+    appends " (#k)" to every user message, so no two conversations are identical."""
+    paths = {"short": out / "fastchat_20k.jsonl", "long": out / "deita_long_200.jsonl"}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    roles = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+    fastchat = json.loads((assets / "data" / "sharegpt_fastchat_dummy.json").read_text())
+    short = [[{"role": roles[m["from"]], "content": m["value"]} for m in c["conversations"]] for c in fastchat]
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(assets / "data" / "messages_deita_long.parquet").to_pylist()
+    long = [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] for r in rows]
+    for name, conversations in (("short", short), ("long", long)):
+        with open(paths[name], "w", encoding="utf-8") as f:
+            for k in range(40):
+                for messages in conversations:
+                    copy = [dict(m, content=f"{m['content']} (#{k})") if k and m["role"] == "user" else m
+                            for m in messages]
+                    f.write(json.dumps({"messages": copy}, ensure_ascii=False) + "\n")
+    return paths
+
+
+def make_model(size: str, assets: Path, out: Path) -> Path:
+    """A random-init Qwen3-shaped model directory (bf16 safetensors and the shared Qwen3 tokenizer)."""
+    directory = out / f"qwen3-{size}"
+    if (directory / "config.json").is_file():
+        return directory
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[size]
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=128 if size != "tiny" else 16, tie_word_embeddings=True,
+                         max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, use_cache=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_chattune(name: str, model_dir: Path, corpus: Path, args: argparse.Namespace) -> dict:
+    size, _, budget, accum, checkpointing = RUNS[name]
+    output_dir = args.work / f"chattune-{name}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               str(ROOT / "recipes" / "sft.py"), "--config-name", "sft/local_model", f"model.path={model_dir}",
+               f"data.train=[{corpus}]", "data.eval=[]", f"output_dir={output_dir}", "overwrite=true",
+               f"max_steps={args.steps}", "log_every=1", "save_every=0", "eval_every=0", f"device={args.device}",
+               f"data.max_tokens_per_microbatch={budget}", f"grad_accum_steps={accum}", "data.num_workers=2",
+               f"model.fsdp.activation_checkpointing={str(checkpointing).lower()}", "progress=lines",
+               "data.report_records=0", *args.chattune_overrides]
+    log = args.work / f"chattune-{name}.log"
+    with open(log, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise SystemExit(f"chattune run {name} failed ({code}): see {log}")
+    records = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
+    steps = [r for r in records if isinstance(r.get("step"), int) and args.warmup < r["step"] <= args.steps
+             and "all_tokens_per_sec_per_device" in r]
+    total_time = sum(r["step_time_s"] for r in steps)
+    tokens = sum(r["all_tokens_per_sec_per_device"] * r["step_time_s"] for r in steps)
+    mfu = [r["mfu"] for r in steps if "mfu" in r]
+    return {"run": name, "tool": "chattune", "tokens_per_s": tokens / total_time,
+            "mfu": sum(m * r["step_time_s"] for m, r in zip(mfu, steps)) / total_time if mfu else None,
+            "peak_memory_gib": max((r.get("peak_memory_allocated_gib", 0.0) for r in steps), default=None),
+            "first_loss": records[0].get("loss"), "last_loss": steps[-1].get("loss") if steps else None}
+
+
+def run_trl(name: str, model_dir: Path, corpus: Path, args: argparse.Namespace) -> dict | None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print(f"trl is not importable: no TRL row for {name}", file=sys.stderr)
+        return None
+    _, _, budget, accum, checkpointing = RUNS[name]
+    command = [sys.executable, __file__, "--trl-worker", str(model_dir), str(corpus), str(budget), str(accum),
+               str(int(checkpointing)), str(args.steps), str(args.warmup)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    (args.work / f"trl-{name}.log").write_text(done.stderr)
+    if done.returncode:
+        raise SystemExit(f"TRL run {name} failed: see {args.work / f'trl-{name}.log'}")
+    return {"run": name, "tool": "trl", **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def trl_worker(model_dir: str, corpus: str, budget: str, accum: str, checkpointing: str, steps: str,
+               warmup: str) -> None:
+    """TRL's SFTTrainer: packing (BFD, padding-free), one bin per microbatch, bf16 autocast over fp32
+    weights, sdpa attention, no eval or saving. Prints one JSON line."""
+    import contextlib
+    import tempfile
+
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    datasets.disable_progress_bars()
+    dataset = datasets.Dataset.from_dict({"messages": [json.loads(line)["messages"] for line in open(corpus)]})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    counted, ends = {"tokens": 0}, {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, trainer_args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            ends[state.global_step] = (time.perf_counter(), counted["tokens"])
+
+    class Counting(SFTTrainer):
+        def training_step(self, model, inputs, *rest, **kwargs):
+            counted["tokens"] += int(inputs["input_ids"].numel())
+            return super().training_step(model, inputs, *rest, **kwargs)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = SFTConfig(output_dir=tmp, max_length=int(budget), packing=True, per_device_train_batch_size=1,
+                           gradient_accumulation_steps=int(accum), max_steps=int(steps), bf16=True,
+                           gradient_checkpointing=checkpointing == "1", logging_steps=1, report_to="none",
+                           save_strategy="no", dataset_num_proc=8, dataloader_num_workers=2, learning_rate=1e-5)
+        trainer = Counting(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                           callbacks=[Clock()])
+        torch.cuda.reset_peak_memory_stats()
+        with contextlib.redirect_stdout(sys.stderr):
+            trainer.train()
+    (t0, k0), (t1, k1) = ends[int(warmup)], ends[int(steps)]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print(json.dumps({"tokens_per_s": (k1 - k0) / (t1 - t0), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+                      "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--trl-worker"]:
+        trl_worker(*sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--assets", type=Path, default=ROOT.parent / "shared" / "assets")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/chattune-bench-gpu"))
+    parser.add_argument("--runs", nargs="+", default=["short06", "short17", "long06"], choices=sorted(RUNS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the figures (compile, warm-up)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("chattune_overrides", nargs="*", help="extra key=value overrides for the chattune runs")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.work.mkdir(parents=True, exist_ok=True)
+    corpora = make_corpora(args.assets, args.work / "data")
+    rows = []
+    print("| run | tool | tokens/s per device | MFU | peak memory (GiB) | loss first → last |\n|---|---|---|---|---|---|")
+    for name in args.runs:
+        size, corpus, *_ = RUNS[name]
+        model_dir = make_model(size, args.assets, args.work / "models")
+        ours = run_chattune(name, model_dir, corpora[corpus], args)
+        theirs = None if args.no_trl or args.device == "cpu" else run_trl(name, model_dir, corpora[corpus], args)
+        if theirs is not None and ours["mfu"] is not None:
+            theirs["mfu"] = ours["mfu"] * theirs["tokens_per_s"] / ours["tokens_per_s"]  # same model FLOPs per token
+        for row in (ours, theirs):
+            if row is None:
+                continue
+            rows.append(row)
+            mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"
+            memory = f"{row['peak_memory_gib']:.1f}" if row.get("peak_memory_gib") else "n/a"
+            print(f"| {name} | {row['tool']} | {row['tokens_per_s']:,.0f} | {mfu} | {memory} | "
+                  f"{row['first_loss']:.3f} → {row['last_loss']:.3f} |", flush=True)
+        if theirs is not None:
+            print(f"|  | chattune / TRL | {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}× |  |  |  |", flush=True)
+    (args.work / "results.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
