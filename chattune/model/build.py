@@ -29,7 +29,10 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     if device_type == "cuda" and dtype != "float32":
         # The one fp32 matmul left is the chunked loss head's, on bf16/fp16-valued inputs: TF32 represents
         # those exactly (10 mantissa bits) and accumulates in fp32, so it gives the fp32 result, faster.
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = True
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation), device_type,
                         dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type))
