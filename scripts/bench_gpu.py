@@ -13,7 +13,7 @@ markdown row per run and tool, and writes them as JSON to --work/results.json:
   same model FLOPs per token (same model and data) times its tokens/s;
 - peak memory: torch's peak allocated (GiB) in each process.
 
-`--device cpu --runs tiny` runs the chattune side on a tiny model on the CPU (a check of this script).
+`--set KEY=VALUE` (repeatable) adds an override to the chattune runs. `--device cpu --runs tiny` runs the chattune side on a tiny model on the CPU (a check of this script).
 On a machine without internet: see ../shared/gpu/README.md for the wheels (hydra, torchdata, datasets,
 TRL, cut-cross-entropy) and PYTHONPATH.
 """
@@ -21,6 +21,7 @@ TRL, cut-cross-entropy) and PYTHONPATH.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,6 +42,12 @@ RUNS = {
     "long06": ("0.6b", "long", 16384, 1, False),
     "tiny": ("tiny", "short", 2048, 1, False),
 }
+
+
+def child_env() -> dict[str, str]:
+    """The environment of the runs: this checkout first on PYTHONPATH (chattune need not be installed)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
 def make_corpora(assets: Path, out: Path) -> dict[str, Path]:
@@ -97,10 +104,10 @@ def run_chattune(name: str, model_dir: Path, corpus: Path, args: argparse.Namesp
                f"max_steps={args.steps}", "log_every=1", "save_every=0", "eval_every=0", f"device={args.device}",
                f"data.max_tokens_per_microbatch={budget}", f"grad_accum_steps={accum}", "data.num_workers=2",
                f"model.fsdp.activation_checkpointing={str(checkpointing).lower()}", "progress=lines",
-               "data.report_records=0", *args.chattune_overrides]
+               "data.report_records=0", *args.set]
     log = args.work / f"chattune-{name}.log"
     with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=child_env()).returncode
     if code:
         raise SystemExit(f"chattune run {name} failed ({code}): see {log}")
     records = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
@@ -116,15 +123,13 @@ def run_chattune(name: str, model_dir: Path, corpus: Path, args: argparse.Namesp
 
 
 def run_trl(name: str, model_dir: Path, corpus: Path, args: argparse.Namespace) -> dict | None:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("trl") is None:
         print(f"trl is not importable: no TRL row for {name}", file=sys.stderr)
         return None
     _, _, budget, accum, checkpointing = RUNS[name]
     command = [sys.executable, __file__, "--trl-worker", str(model_dir), str(corpus), str(budget), str(accum),
                str(int(checkpointing)), str(args.steps), str(args.warmup)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=child_env())
     (args.work / f"trl-{name}.log").write_text(done.stderr)
     if done.returncode:
         raise SystemExit(f"TRL run {name} failed: see {args.work / f'trl-{name}.log'}")
@@ -187,8 +192,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the figures (compile, warm-up)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--no-trl", action="store_true")
-    parser.add_argument("chattune_overrides", nargs="*", help="extra key=value overrides for the chattune runs")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra override for the chattune runs (repeatable), e.g. --set model.compile=false")
     args = parser.parse_args()
+    if not 1 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 1 and below --steps")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.work.mkdir(parents=True, exist_ok=True)
     corpora = make_corpora(args.assets, args.work / "data")
@@ -207,8 +215,8 @@ def main() -> None:
             rows.append(row)
             mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"
             memory = f"{row['peak_memory_gib']:.1f}" if row.get("peak_memory_gib") else "n/a"
-            print(f"| {name} | {row['tool']} | {row['tokens_per_s']:,.0f} | {mfu} | {memory} | "
-                  f"{row['first_loss']:.3f} → {row['last_loss']:.3f} |", flush=True)
+            losses = " → ".join(f"{row[k]:.3f}" if row.get(k) is not None else "n/a" for k in ("first_loss", "last_loss"))
+            print(f"| {name} | {row['tool']} | {row['tokens_per_s']:,.0f} | {mfu} | {memory} | {losses} |", flush=True)
         if theirs is not None:
             print(f"|  | chattune / TRL | {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}× |  |  |  |", flush=True)
     (args.work / "results.json").write_text(json.dumps(rows, indent=1))

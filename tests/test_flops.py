@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 from chattune.data.documents import Document
 from chattune.data.packing import collate_packed
@@ -39,3 +39,13 @@ def test_mfu_is_model_flops_per_second_over_the_peak():
     assert metrics["all_tokens_per_sec_per_device"] == pytest.approx(16 / 2.0)
     assert "mfu" not in step_metrics(3, result, TokenCrossEntropy(), 1.0, 1e-3, 2.0, torch.device("cpu"), 5e12, None)
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2, vocab_size=50, decoder_sparse_step=1, mlp_only_layers=[])
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # q, k, v (2 kv heads of 8), o
+    experts = 4 * (2 * 16 * 32 + 32 * 16)  # each expert: gate and up 32 -> 16, down 16 -> 32
+    assert flops.matmul_weights == attention + experts * 2 // 4 + 50 * 32  # 2 of 4 experts per token; output layer

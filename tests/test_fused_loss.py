@@ -52,6 +52,9 @@ def test_the_implementation_is_chosen_by_device_dtype_and_setting(monkeypatch):
     assert fused_loss.resolve_loss_implementation("auto", "cuda", "float32") == "chunked"  # exact fp32 stays exact
     assert fused_loss.resolve_loss_implementation("auto", "cuda", "bfloat16") == "cut_cross_entropy"
     assert fused_loss.resolve_loss_implementation("chunked", "cuda", "bfloat16") == "chunked"
+    with pytest.raises(UserError, match="bf16 or fp16"):  # CCE's CUDA kernels refuse fp32 inputs in backward
+        fused_loss.resolve_loss_implementation("cut_cross_entropy", "cuda", "float32")
+    assert fused_loss.resolve_loss_implementation("cut_cross_entropy", "cpu", "float32") == "cut_cross_entropy"
     monkeypatch.setattr(fused_loss, "cce_available", lambda: False)
     assert fused_loss.resolve_loss_implementation("auto", "cuda", "bfloat16") == "chunked"
     with pytest.raises(UserError, match="cut_cross_entropy package is not installed"):

@@ -14,7 +14,7 @@ from test_sft_recipe import read_metrics, run
 
 from chattune.config.paths import DEMO_ASSETS
 
-TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec")
+TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")
 
 
 @pytest.fixture(scope="module")

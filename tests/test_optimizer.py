@@ -17,5 +17,6 @@ def test_fused_on_cuda_unless_the_config_says_otherwise():
     assert build_optimizer(_config(), params, torch.device("cuda")).defaults["fused"] is True
     assert not build_optimizer(_config(), params, torch.device("cpu")).defaults["fused"]
     assert not build_optimizer(_config(fused=False), params, torch.device("cuda")).defaults["fused"]
+    assert not build_optimizer(_config(foreach=True), params, torch.device("cuda")).defaults["fused"]  # not both
     without_fused = OmegaConf.create({"_target_": "torch.optim.LBFGS", "_partial_": True, "lr": 1e-3})
     assert "fused" not in build_optimizer(without_fused, params, torch.device("cuda")).defaults  # not passed

@@ -17,7 +17,7 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives import reference_cache
 
 CPU = torch.device("cpu")
-TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec")
+TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")
 
 
 def build_tables(cache_dir, fingerprint: dict, make_reference) -> dict[str, torch.Tensor]:

@@ -16,11 +16,11 @@ Sliding windows follow transformers' convention (a query sees itself and the `wi
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
 from transformers import AttentionInterface, PreTrainedModel
 
 from chattune.data.packing import PackedBatch
@@ -38,13 +38,18 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-@functools.cache
-def _flash_attn_varlen():
+def _import_flash_attn_varlen():
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         return None
     return flash_attn_varlen_func
+
+
+# Decided once at import, outside any compiled code: under torch.compile, a failing import or an
+# inspect.signature inside the attention function would be traced (a graph break in every layer).
+_FLASH_ATTN_VARLEN = _import_flash_attn_varlen()
+_TORCH_VARLEN_PARAMETERS = frozenset(inspect.signature(_torch_varlen_attn).parameters)
 
 
 @torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
@@ -71,8 +76,9 @@ def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, var
     `enable_gqa` (grouped-query attention then repeats the kv heads, as the kernel would read them) nor,
     in some versions, `window_size` (then only plain causal attention, `is_causal`)."""
     if varlen_attn is None:
-        from torch.nn.attention.varlen import varlen_attn
-    parameters = inspect.signature(varlen_attn).parameters
+        varlen_attn, parameters = _torch_varlen_attn, _TORCH_VARLEN_PARAMETERS
+    else:  # a stand-in (tests)
+        parameters = inspect.signature(varlen_attn).parameters
     extra = {}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
@@ -96,9 +102,8 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window)
     # varlen kernels take (N, H, D); window (W-1, 0) = causal over the last W keys, as transformers does
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     window_size = (window - 1, 0) if window is not None else (-1, 0)
-    flash_varlen = _flash_attn_varlen()
-    if flash_varlen is not None:
-        out = flash_varlen(
+    if _FLASH_ATTN_VARLEN is not None:
+        out = _FLASH_ATTN_VARLEN(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
             dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window_size,
         )

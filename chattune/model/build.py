@@ -26,14 +26,13 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     hf_model = build_hf_model(tokenizer, path=path, config=config)  # on CPU; fully_shard moves each shard
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
-    if device_type == "cuda" and dtype != "float32":
+    implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
+    if device_type == "cuda" and dtype != "float32" and implementation == "chunked":
         # The one fp32 matmul left is the chunked loss head's, on bf16/fp16-valued inputs: TF32 represents
         # those exactly (10 mantissa bits) and accumulates in fp32, so it gives the fp32 result, faster.
-        if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
-        else:
-            torch.backends.cuda.matmul.allow_tf32 = True
-    implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
+        # The legacy setter keeps every reader consistent (mixing it with `fp32_precision` makes the
+        # legacy getters raise, and cut-cross-entropy and Inductor read them).
+        torch.set_float32_matmul_precision("high")
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation), device_type,
                         dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type))
     return hf_model, model

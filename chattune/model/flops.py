@@ -2,8 +2,9 @@
 
 A step's model FLOPs are those of its matmuls, forward and backward (backward = 2 × forward):
 - dense: 6 × (matmul weights) per token. The matmul weights are every `nn.Linear` weight of the model,
-  the output layer included; an embedding lookup is no matmul. A mixture-of-experts model counts all
-  its experts, so its MFU is overstated by (experts / active experts) in its expert layers;
+  the output layer included (an embedding lookup is no matmul), and the experts of a mixture-of-experts
+  layer (3-D parameters in transformers 5) scaled by the share each token uses (`num_experts_per_tok` /
+  the number of experts);
 - attention: per layer and per document of n tokens, QKᵀ and AV each take 2 × (query heads × head dim)
   FLOPs per (query, key) pair, and causal attention has n (n + 1) / 2 pairs: 12 × layers × query heads
   × head dim × Σ n (n + 1) / 2 per step, training included. Sliding windows are not subtracted.
@@ -29,8 +30,9 @@ PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),
-    ("H200", 989e12),
     ("GH200", 989e12),
+    ("H200", 989e12),
+    ("GB200", 2500e12),
     ("B200", 2250e12),
     ("A100", 312e12),
     ("L40S", 362e12),
@@ -53,6 +55,14 @@ def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
     """The FLOP counts of a (not yet sharded) HF causal LM, from its modules and config."""
     weights = sum(m.weight.numel() for m in hf_model.modules() if isinstance(m, nn.Linear))
     config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+    experts = [p.numel() for m in hf_model.modules() if not isinstance(m, nn.modules.conv._ConvNd)
+               for p in m.parameters(recurse=False) if p.dim() == 3]  # stacked expert weights (not conv kernels)
+    if experts:
+        total = next((getattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                      if getattr(config, name, None)), None)
+        active = getattr(config, "num_experts_per_tok", None)
+        share = active / total if total and active else 1.0
+        weights += int(sum(experts) * share)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelFlops(matmul_weights=weights, attention_width=config.num_hidden_layers * heads * head_dim)

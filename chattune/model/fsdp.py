@@ -59,6 +59,11 @@ def compile_layers(layers: list[nn.Module], activation_checkpointing: bool) -> N
     gradient checkpointing, and FSDP2's subclass of the layer wraps it again, so compiling through those
     wrappers recompiles on every layer (they share one code object). The forward is set on the instance,
     so parameter names (checkpoints, export) and FSDP2's module hooks (outside the graph) are unchanged."""
+    # Every layer shares one forward code object, whose cache also holds the graphs of eval (no grad), a
+    # DPO reference (frozen), one-token empty microbatches and the dynamic-shape recompile: more than
+    # dynamo's default limit of 8, past which it would silently run the layers uncompiled.
+    if hasattr(torch._dynamo.config, "recompile_limit"):  # cache_size_limit before torch 2.7
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled: dict[type, object] = {}
     for layer in layers:
         cls = type(layer)

@@ -9,7 +9,8 @@ tokens, forward + backward), against our fp32 chunked head at 761 ms:
 Its kernels compute logits block by block in bf16 with fp32 accumulation and never store them. They
 return per-token losses (`reduction="none"`), which DPO's log-probs and mixing's per-source figures need.
 Its gradient filtering (`filter_eps="high"`, the library's default) skips logit blocks whose softmax is
-below bf16 resolution, so their gradient contribution is invisible in bf16 anyway.
+below bf16 resolution, so their gradient contribution is invisible in bf16 anyway. It finds the trained
+positions with `nonzero()`, one host sync per microbatch that our own code avoids.
 
 `loss.implementation`:
 - `auto`: CCE on CUDA with bf16/fp16 compute when `cut_cross_entropy` is importable (the `gpu` extra),
@@ -45,6 +46,9 @@ def cce_available() -> bool:
 def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str) -> str:
     """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype."""
     if setting == "cut_cross_entropy":
+        if device_type == "cuda" and compute_dtype == "float32":
+            raise UserError("loss.implementation=cut_cross_entropy: its CUDA kernels take bf16 or fp16 inputs; with "
+                            "model.fsdp.param_dtype=float32 use loss.implementation=chunked (or auto)")
         if not cce_available():
             raise UserError("loss.implementation=cut_cross_entropy: the cut_cross_entropy package is not installed "
                             "(pip install -e \".[gpu]\", or pip install cut-cross-entropy)")
