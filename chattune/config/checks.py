@@ -87,25 +87,25 @@ def base_type(hint: Any) -> type:
     return object if hint is Any else hint
 
 
-def schema_keys(section: type, prefix: str = ""):
-    """Every dotted key of a schema, sections included (a section that may be null, by its own type)."""
-    for name, (hint, _) in schema_fields(section).items():
-        key = join_key(prefix, name)
-        yield key
-        nested = [o for o in type_options(hint)[0] if dataclasses.is_dataclass(o)]
-        if nested:
-            yield from schema_keys(nested[0], key)
+def section_type(hint: Any) -> type | None:
+    """The schema section a hint holds (`Section` or `Section | None`), None for a plain value."""
+    return next((o for o in type_options(hint)[0] if dataclasses.is_dataclass(o)), None)
 
 
-def keys_with(section: type, metadata_key: str, prefix: str = ""):
-    """(dotted key, metadata) of every key whose metadata sets `metadata_key`, in schema order."""
+def schema_items(section: type, prefix: str = ""):
+    """(dotted key, metadata) of every key of a schema in schema order, sections included (a section
+    that may be null, by its own type)."""
     for name, (hint, metadata) in schema_fields(section).items():
         key = join_key(prefix, name)
-        if metadata.get(metadata_key) is not None:
-            yield key, metadata
-        nested = [o for o in type_options(hint)[0] if dataclasses.is_dataclass(o)]
-        if nested:
-            yield from keys_with(nested[0], metadata_key, key)
+        yield key, metadata
+        nested = section_type(hint)
+        if nested is not None:
+            yield from schema_items(nested, key)
+
+
+def keys_with(section: type, metadata_key: str):
+    """(dotted key, metadata) of every key whose metadata sets `metadata_key`, in schema order."""
+    return [(key, metadata) for key, metadata in schema_items(section) if metadata.get(metadata_key) is not None]
 
 
 def _fits(value: Any, expected: type) -> bool:
@@ -137,7 +137,7 @@ class Checker:
         """`cfg`: the composed config, to check output_dir and the resume as a launch would (None: not checked)."""
         self.values, self.recipe, self.findings, self.cfg = values, recipe, findings, cfg
         self.schema = schema_for(recipe)
-        self.schema_keys = list(schema_keys(self.schema))
+        self.schema_keys = [key for key, _ in schema_items(self.schema)]
 
     def run(self, world_size: int | None) -> None:
         self.structure(self.values, self.schema, "")
@@ -175,8 +175,7 @@ class Checker:
                 self.findings.problem(key, f"null is not allowed; expected {TYPE_NAMES.get(base_type(options[0]), 'a value')}")
             return
         if isinstance(value, dict) and "_target_" in value:
-            sections = [o for o in options if dataclasses.is_dataclass(o)]
-            self.target(value, sections[0] if sections else None, metadata, key)
+            self.target(value, section_type(hint), metadata, key)
             return
         for option in options:
             if _fits(value, base_type(option)):

@@ -41,9 +41,7 @@ def compute_dtype(param_dtype: str, device_type: str) -> str:
 
 def compile_enabled(setting: bool | str, device_type: str) -> bool:
     """model.compile resolved: `auto` compiles on CUDA (where it pays) and not on the CPU."""
-    if setting == "auto":
-        return device_type == "cuda"
-    return setting in (True, "true")
+    return device_type == "cuda" if setting == "auto" else setting is True
 
 
 def compiled_graphs() -> int:

@@ -92,7 +92,6 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         batches = feed.next_step()
-        step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops else 0.0
         if ledger:
             ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
@@ -127,6 +126,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
         is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
+            # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it.
+            step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak else 0.0
             metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device, step_flops, peak)
             metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
             if loss_scale.enabled:
