@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import demo_documents, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_documents, relative_error, tiny_model
 
 from chattune.data.packing import collate_packed
 from chattune.distributed import free_port
@@ -25,9 +25,13 @@ def _losses_and_grads(model, batches):
 
 
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
-def test_compiled_layers_match_eager(activation_checkpointing):
+def test_compiled_layers_match_eager(activation_checkpointing, monkeypatch):
     torch._dynamo.reset()  # graphs compiled by an earlier test would be reused
-    init_worker_process_group(0, 1, free_port())
+    # A one-rank group in this process; monkeypatch takes its variables away again, so that recipes other
+    # tests launch later do not inherit them.
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         documents = demo_documents(20)
         batches = [collate_packed(documents[a:b]) for a, b in ((0, 5), (5, 12), (0, 3), (12, 20))]
