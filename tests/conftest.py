@@ -38,6 +38,18 @@ def tiny_model(seed: int = 0, **overrides):
     return build_hf_model(demo_tokenizer(), config=tiny_config(**overrides))
 
 
+def exported_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded HF export, read with safetensors through its index (not chattune's code)."""
+    from safetensors.torch import load_file
+
+    weight_map = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    weights = {}
+    for file in sorted(set(weight_map.values())):
+        weights.update(load_file(hf_dir / file))
+    assert sorted(weights) == sorted(weight_map), "the index and the shards disagree"
+    return weights
+
+
 def demo_documents(count: int, start: int = 0) -> list[Document]:
     """Real demo conversations, tokenized with assistant-only labels."""
     tokenizer = demo_tokenizer()

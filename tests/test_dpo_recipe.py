@@ -30,7 +30,7 @@ def test_sft_then_dpo_raises_held_out_preference_accuracy(tmp_path):
     assert all(DPO_KEYS <= m.keys() for m in metrics)
     assert metrics[-1]["eval_rewards/accuracies"] >= 0.6 and metrics[-1]["eval_rewards/margins"] > 0.1
     assert metrics[-1]["eval_loss"] < start["eval_loss"] - 0.05
-    assert (dpo / "hf" / "model.safetensors").is_file() and (dpo / "checkpoints" / "step_30" / "chattune.json").is_file()
+    assert (dpo / "hf" / "model.safetensors.index.json").is_file() and (dpo / "checkpoints" / "step_30" / "chattune.json").is_file()
 
 
 @pytest.mark.skipif(not (SHARED_ASSETS / "tokenizers" / "qwen3").is_dir(), reason="../shared/assets is absent")
@@ -57,4 +57,4 @@ def test_dpo_local_model_config_on_a_qwen3_directory_and_real_preference_pairs(t
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["num_pairs"] > 0 for m in metrics)
     # Step 1: the policy is its own (cached) reference, so every implicit reward is 0 and the loss log 2.
     assert abs(metrics[0]["rewards/margins"]) < 1e-4 and metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-4)
-    assert (out / "hf" / "model.safetensors").is_file()
+    assert (out / "hf" / "model.safetensors.index.json").is_file()

@@ -1,21 +1,27 @@
-"""The packed model wrapper refuses models whose logits are not hidden @ output_embedding.T."""
+"""The architecture checks refuse models whose logits are not hidden @ output_embedding.T, on the model
+itself and on the miniature the builder checks instead of the (possibly unloaded) real model."""
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 
-from chattune.model.causal_lm import PackedCausalLM, check_output_head
+from chattune.model.architecture_check import check_architecture
+from chattune.model.causal_lm import check_output_head
 
 
 def test_plain_heads_are_accepted():
-    PackedCausalLM(tiny_model())
-    PackedCausalLM(tiny_model(tie_word_embeddings=False))
+    check_output_head(tiny_model())
+    check_output_head(tiny_model(tie_word_embeddings=False))
+    check_architecture(tiny_config())
+    check_architecture(tiny_config(tie_word_embeddings=False, vocab_size=5000))
 
 
 def test_scaled_logits_are_refused():
     """Granite divides its logits by `logits_scaling`; the chunked loss would silently train another model."""
     with pytest.raises(NotImplementedError, match="computes its logits differently"):
-        PackedCausalLM(tiny_model(model_type="granite", logits_scaling=4.0))
+        check_output_head(tiny_model(model_type="granite", logits_scaling=4.0))
+    with pytest.raises(NotImplementedError, match="computes its logits differently"):
+        check_architecture(tiny_config(model_type="granite", logits_scaling=4.0, vocab_size=5000))
 
 
 def test_the_head_check_is_not_fooled_by_bf16():

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT_ROOT, free_port
-from safetensors.torch import load_file
+from conftest import PROJECT_ROOT, exported_weights, free_port
 from test_sft_recipe import read_metrics, run
 
 from chattune.config.paths import DEMO_ASSETS
@@ -49,7 +48,7 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors")
+    wa, wb = exported_weights(a / "hf"), exported_weights(b / "hf")
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "final weights differ"
 

@@ -147,7 +147,7 @@ def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
     assert (out / "metrics.jsonl.abandoned").read_text() == first_metrics
     assert sorted(p.name for p in (out / "checkpoints.abandoned").iterdir()) == ["step_2", "step_4", "step_6"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"]  # keep_last_n prunes its own only
-    assert (out / "hf.abandoned" / "model.safetensors").is_file() and steps(out) == [1, 2, 3, 4]
+    assert (out / "hf.abandoned" / "model.safetensors.index.json").is_file() and steps(out) == [1, 2, 3, 4]
 
     # resume=PATH to an older checkpoint: the newer ones (another trajectory now) are set aside, so neither
     # keep_last_n nor a later resume=auto prefers them.

@@ -160,6 +160,12 @@ class SchedulerConfig:
 
 
 @dataclass
+class ExportConfig:
+    dtype: str = key("auto", "dtype of the exported weights; auto: the source checkpoint's (float32 for random init)",
+                     choices=("auto", *DTYPES))
+
+
+@dataclass
 class SFTConfig:
     """The keys of `recipes/sft.py` (defaults: configs/sft/tiny.yaml)."""
 
@@ -174,6 +180,8 @@ class SFTConfig:
     save_every: int = key(100, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)")
     keep_last_n: int | None = key(3, "checkpoints kept (null: all)", at_least=1,
                                   hint=" (null keeps every checkpoint)")
+    save_async: bool = key(False, "write checkpoints in the background while training goes on (committed "
+                                  "when complete)")
     resume: str | None = key("auto", "auto: the newest checkpoint in output_dir | PATH | null: never")
     overwrite: bool = key(False, "start over in an output_dir that holds an earlier run (moved aside)")
     resume_allow_changes: bool | list[str] = key(False, "keys, data files or FILE:N records a resume accepts "
@@ -195,6 +203,7 @@ class SFTConfig:
                                          recipe_passes=(1, ()))
     scheduler: SchedulerConfig = section(SchedulerConfig, "instantiated with the optimizer",
                                          recipe_passes=(1, ("num_training_steps",)))
+    export: ExportConfig = section(ExportConfig, "the Hugging Face directory written at the end (output_dir/hf)")
 
 
 @dataclass

@@ -1,19 +1,32 @@
 """The model a recipe trains, and DPO's frozen reference: an HF causal LM from a local directory or from
 `model.config` (random weights), with the chunked loss head, sharded with FSDP2 per decoder layer and
-at the root. One builder, so the policy and a reference built from the config get the same weights."""
+at the root. One builder, so the policy and a reference built from the config get the same weights.
+
+From a directory the model is built on the meta device, sharded, then each rank loads only its own shard
+(`chattune.model.load`): no rank ever holds the whole model. Random-init models (small, for experiments)
+are built whole on the CPU with the run's seed, as before, then sharded: the same weights on every rank
+and in every release."""
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.distributed import DistInfo
+from chattune.errors import UserError
+from chattune.model import load
+from chattune.model.architecture_check import check_architecture
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import compile_enabled, compute_dtype, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
+
+logger = logging.getLogger(__name__)
 
 
 def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,
@@ -22,8 +35,17 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     `cfg.model.config` when `path` is None."""
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
     torch.manual_seed(cfg.seed)
-    config = instantiate(cfg.model.config) if path is None else None
-    hf_model = build_hf_model(tokenizer, path=path, config=config)  # on CPU; fully_shard moves each shard
+    files, stored_dtype = None, None
+    if path is None:
+        hf_model = build_hf_model(tokenizer, config=instantiate(cfg.model.config))  # whole, on CPU
+    else:
+        directory = Path(path)
+        if not directory.is_dir():
+            raise UserError(f"model.path {path!r} is not a local directory (chattune loads no models from a hub)")
+        hf_model, files = _empty_or_full(directory)
+        stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
+        check_vocabulary(hf_model, tokenizer)
+    check_architecture(hf_model.config)  # on a random-init miniature: the real weights may not exist yet
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
@@ -33,6 +55,35 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         # The legacy setter keeps every reader consistent (mixing it with `fp32_precision` makes the
         # legacy getters raise, and cut-cross-entropy and Inductor read them).
         torch.set_float32_matmul_precision("high")
-    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation), device_type,
+    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype), device_type,
                         dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type))
+    if files is not None:
+        load.materialise_and_load(model, hf_model, Path(path), files, dist_info.device)
     return hf_model, model
+
+
+def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:
+    """(a meta-built model, its checkpoint's files) when the checkpoint can be read shard by shard, else
+    (the whole model from `from_pretrained`, None), with a warning that says why."""
+    files = load.checkpoint_files(directory)
+    if files is None:
+        reason = "it holds no safetensors weights"
+    else:
+        hf_model = load.build_empty(directory)
+        missing = load.missing_tensors(hf_model, files)
+        if not missing:
+            hf_model.config.use_cache = False
+            return hf_model, files
+        reason = (f"{len(missing)} of the model's tensors are stored under other names (e.g. {missing[0]}), which "
+                  "transformers converts while loading")
+    logger.warning("model.path %s: %s, so every rank loads the whole model with from_pretrained (host memory: "
+                   "the full model per rank)", directory, reason)
+    hf_model = load.load_full(directory)
+    hf_model.config.use_cache = False
+    return hf_model, None
+
+
+def check_vocabulary(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    embeddings = hf_model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {embeddings} embeddings")

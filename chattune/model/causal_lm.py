@@ -9,8 +9,6 @@ forward runs.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -21,19 +19,20 @@ from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.flops import model_flops
 from chattune.model.fused_loss import cce_token_losses
-from chattune.model.packing_probe import check_packing_isolation
 
 
 class PackedCausalLM(nn.Module):
-    def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024, loss_implementation: str = "chunked"):
+    def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024, loss_implementation: str = "chunked",
+                 source_dtype: torch.dtype | None = None):
         """`loss_implementation`: `chunked` (exact fp32, `chattune.model.chunked_loss`) or
-        `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA)."""
+        `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA). Its architecture is checked by
+        `chattune.model.architecture_check` (the builder runs it), not here: `hf_model` may be on the meta
+        device, its weights loaded after sharding."""
         super().__init__()
-        check_output_head(hf_model)
-        check_packing_isolation(hf_model)  # documents packed in one row must not see each other
         self.hf_model = hf_model
         self.loss_chunk_size = loss_chunk_size
         self.loss_implementation = loss_implementation
+        self.source_dtype = source_dtype  # the dtype the weights were stored in (export.dtype=auto writes it back)
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -74,27 +73,14 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
         )
 
 
-def build_hf_model(
-    tokenizer: PreTrainedTokenizerBase,
-    path: str | None = None,
-    config: PretrainedConfig | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> PreTrainedModel:
-    """Load a local HF model directory, or build one with random weights from a config (its vocabulary
-    sized to the tokenizer). Seed torch before calling for reproducible random weights."""
-    if (path is None) == (config is None):
-        raise ValueError("give exactly one of model.path (a local HF model directory) or model.config")
-    if path is not None:
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"model.path {path!r} is not a local directory (chattune loads no models from a hub)")
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION_NAME, dtype=dtype)
-    else:
-        config.vocab_size = len(tokenizer)
-        config.pad_token_id = tokenizer.pad_token_id
-        config.eos_token_id = tokenizer.eos_token_id
-        config.bos_token_id = tokenizer.bos_token_id
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.get_input_embeddings().num_embeddings} embeddings")
+def build_hf_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig,
+                   dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A model with random weights built from a config, its vocabulary sized to the tokenizer. Seed torch
+    before calling for reproducible weights. (Model directories are loaded by `chattune.model.load`.)"""
+    config.vocab_size = len(tokenizer)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
     model.config.use_cache = False
     return model

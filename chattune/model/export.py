@@ -1,34 +1,146 @@
-"""The final Hugging Face export: gathered full weights as safetensors, config and tokenizer, loadable
-without chattune."""
+"""The final Hugging Face export: a standard sharded safetensors directory (`model-0000k-of-0000n.safetensors`
+and `model.safetensors.index.json`), config and tokenizer, loadable without chattune.
+
+Tensors are gathered one at a time and streamed into their file, so rank 0 holds one full tensor at a
+time, never the model (gathering the whole state dict first, as `save_pretrained` needs, costs rank 0 the
+full model in fp32: 280 GB for 70B). A safetensors header lists every tensor's dtype, shape and byte range,
+all known before any tensor is gathered, so each file's header is written first and its tensors appended.
+The weights are written in the source model's dtype by default (a bf16 checkpoint comes back bf16, not
+twice its size in fp32). The directory is written as `hf.partial` and renamed, so a crash never leaves a
+half-written `hf/`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.load import SAFETENSORS_INDEX
 
-HF_PREFIX = "hf_model."
+MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default shard size
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
 
 
-def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path, is_main: bool) -> None:
-    """Collective: gather full weights and have rank 0 write a Hugging Face directory (safetensors,
-    config, tokenizer with its chat template) that loads without chattune."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str  # its name in the HF model (and the file)
+    source: torch.Tensor  # the parameter (a DTensor shard) or buffer to gather
+    dtype: torch.dtype  # as written
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+
+
+def export_dtype(setting: str, source: torch.dtype | None) -> torch.dtype:
+    """export.dtype resolved: `auto` is the source checkpoint's dtype (fp32 for random-init models)."""
+    if setting == "auto":
+        return source or torch.float32
+    return getattr(torch, setting)
+
+
+def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTensor]:
+    """What `save_pretrained` would save, in order: parameters (a tied output layer once, under the
+    embedding's name) and persistent buffers; floating-point tensors in `dtype`."""
+    hf_model = model.hf_model
+    planned = [(name, parameter) for name, parameter in hf_model.named_parameters()]
+    planned += [(f"{prefix}{'.' if prefix else ''}{name}", buffer) for prefix, module in hf_model.named_modules()
+                for name, buffer in module._buffers.items()
+                if buffer is not None and name not in module._non_persistent_buffers_set]
+    return [PlannedTensor(name, tensor, dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
+            for name, tensor in planned]
+
+
+def split_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Consecutive groups of at most `max_shard_bytes` (a larger tensor is a shard of its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.num_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.num_bytes
+    return shards
+
+
+def safetensors_header(tensors: list[PlannedTensor]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding `tensors` in this order; padded
+    with spaces so the data starts 8-byte aligned, as the safetensors library writes it."""
+    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    for tensor in tensors:
+        entries[tensor.name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                                "data_offsets": [offset, offset + tensor.num_bytes]}
+        offset += tensor.num_bytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+def _gathered(tensor: PlannedTensor) -> torch.Tensor:
+    """Collective for a sharded parameter: the full tensor, in the export dtype, on the CPU."""
+    full = tensor.source.full_tensor() if isinstance(tensor.source, DTensor) else tensor.source
+    return full.detach().to(device="cpu", dtype=tensor.dtype).contiguous()
+
+
+def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path, is_main: bool,
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Collective: write a sharded Hugging Face directory (weights in `dtype`, config, tokenizer with its
+    chat template) that loads without chattune. Every rank takes part in each tensor's gather; rank 0
+    writes."""
+    staging = directory.with_name(directory.name + ".partial")
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)  # left by an export that crashed
+        staging.mkdir(parents=True)
+    shards = split_shards(plan_tensors(model, dtype), max_shard_bytes)
+    weight_map, total = {}, 0
+    for number, shard in enumerate(shards, start=1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        with open(staging / file_name, "wb") if is_main else contextlib.nullcontext() as f:
+            if is_main:
+                f.write(safetensors_header(shard))
+            for tensor in shard:
+                full = _gathered(tensor)  # every rank takes part, one tensor at a time
+                if is_main:
+                    f.write(full.reshape(-1).view(torch.uint8).numpy().data)
+                    weight_map[tensor.name] = file_name
+                    total += tensor.num_bytes
+                del full
+            if is_main:
+                f.flush()
+                os.fsync(f.fileno())
     if not is_main:
         return
-    state_dict = {k.removeprefix(HF_PREFIX): v for k, v in full.items()}
+    (staging / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                        indent=2))
+    _save_config(model, staging, dtype)
+    tokenizer.save_pretrained(staging)
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.rename(staging, directory)
+
+
+def _save_config(model: PackedCausalLM, directory: Path, dtype: torch.dtype) -> None:
     hf_model = model.hf_model
     config = copy.deepcopy(hf_model.config)
     config.use_cache = True  # training needs it off; generation wants it on
     config._attn_implementation = "sdpa"  # readers do not have chattune's packed attention registered
-    saved_config = hf_model.config
-    hf_model.config = config
-    try:
-        hf_model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-    finally:
-        hf_model.config = saved_config
-    tokenizer.save_pretrained(directory)
+    config.dtype = dtype  # what the weights are stored in: from_pretrained(dtype="auto") gives it back
+    config.save_pretrained(directory)
+    if hf_model.can_generate() and hf_model.generation_config is not None:
+        hf_model.generation_config.save_pretrained(directory)

@@ -9,6 +9,11 @@ Layout of `{output_dir}/checkpoints/step_{N}/`:
 A checkpoint is written under `step_{N}.partial` and renamed to `step_{N}` only once every rank's files
 are complete, so a crash during a save leaves a `.partial` directory that is never resumed from (and is
 removed by the next save of that step). `find_latest` only considers committed directories.
+
+With `save_async` (`BackgroundSaves`), DCP copies the state to CPU memory (a few seconds' pause at most)
+and writes it from a thread while training goes on; the same rename commits it, from that thread, once
+every rank's shards and DCP's metadata are on disk. A crash before that leaves the `.partial` directory,
+as above; at most one save is in flight (the next one waits for it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -56,34 +63,84 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+class BackgroundSaves:
+    """Checkpoint writes in a background thread (`dcp.async_save`), each committed by that thread when it is
+    complete. Collective to create (a gloo group of its own, so the writer's collectives never interleave
+    with training's)."""
+
+    def __init__(self) -> None:
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chattune-checkpoint")
+        self._pending: Future | None = None
+
+    def start(self, state: dict, directory: Path, commit: Callable[[], None]) -> None:
+        """Copy `state` to CPU memory now; write it to `directory` and then call `commit` in the background."""
+        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group)
+
+        def write_then_commit() -> None:
+            written.result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
+            commit()
+
+        self._pending = self._executor.submit(write_then_commit)
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is written and committed; raise its error if it failed."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown()
+
+
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     train_state: dict, meta: dict, keep_last_n: int | None = None,
-                    extra_files: dict[str, bytes] | None = None) -> Path:
+                    extra_files: dict[str, bytes] | None = None, background: BackgroundSaves | None = None) -> Path:
     """Collective: write `root/step_{step}` atomically; then keep only the newest `keep_last_n`.
-    `extra_files` (rank 0's): more files of the checkpoint, by name."""
+    `extra_files` (rank 0's): more files of the checkpoint, by name. With `background`, return once the state
+    is copied; the write and the commit finish in the background."""
+    if background is not None:
+        background.wait()  # one save in flight at a time
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
         partial.mkdir(parents=True)
     _barrier()  # nobody writes into the directory before it is clean
-    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(partial))
-    buffer = _serialize(train_state)
-    _write_synced(partial / f"train_state_rank{_rank()}.pt", buffer)
-    maybe_crash("save", step)
-    _barrier()  # every rank's files are complete
-    if _rank() == 0:
+    if background is None:
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(partial))
+    _write_synced(partial / f"train_state_rank{_rank()}.pt", _serialize(train_state))
+
+    def rank0_files() -> None:
         for name, data in (extra_files or {}).items():
             _write_synced(partial / name, data)
         _write_synced(partial / META_FILE, json.dumps({**meta, "step": step}, indent=1).encode())
-        if final.exists():  # re-saving a step (a run resumed from an older checkpoint)
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _sync_directory(root)
-        if keep_last_n:
-            for old in committed_checkpoints(root)[:-keep_last_n]:
-                shutil.rmtree(old)
+
+    if background is not None:
+        if _rank() == 0:
+            rank0_files()  # the directory only counts once renamed, after every shard is written
+        background.start(_sharded_state(model, optimizer), partial,
+                         lambda: _commit(partial, final, keep_last_n) if _rank() == 0 else None)
+        maybe_crash("save", step)
+        return final
+    maybe_crash("save", step)
+    _barrier()  # every rank's files are complete
+    if _rank() == 0:
+        rank0_files()
+        _commit(partial, final, keep_last_n)
     _barrier()
     return final
+
+
+def _commit(partial: Path, final: Path, keep_last_n: int | None) -> None:
+    """Rank 0: the rename that makes a complete checkpoint count, then pruning."""
+    if final.exists():  # re-saving a step (a run resumed from an older checkpoint)
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    _sync_directory(final.parent)
+    if keep_last_n:
+        for old in committed_checkpoints(final.parent)[:-keep_last_n]:
+            shutil.rmtree(old)
 
 
 def _serialize(obj: dict) -> bytes:

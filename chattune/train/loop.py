@@ -27,10 +27,11 @@ from transformers import PreTrainedTokenizerBase
 from chattune.data.packing import PackedBatch
 from chattune.data.report import epoch_line
 from chattune.distributed import DistInfo
-from chattune.model.export import export_hf
+from chattune.model.export import export_dtype, export_hf
 from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.fsdp import compile_enabled, compiled_graphs, compute_dtype
 from chattune.objectives.base import Objective
+from chattune.train.checkpoint import BackgroundSaves
 from chattune.train.evaluation import evaluate
 from chattune.train.faults import maybe_crash
 from chattune.train.feed import DocumentLedger, StepFeed
@@ -76,6 +77,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
     # Written with every checkpoint (rank 0's): what a resume checks, and the wandb run it continues.
     meta = {**start.meta, "wandb_id": metric_logger.wandb_id}
     ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
+    background = BackgroundSaves() if cfg.save_async else None  # checkpoints written while training goes on
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
@@ -142,8 +144,11 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         progress.update(step, metric_logger.last)
         stopping = step == cfg.stop_after_step
         if (cfg.save_every and step % cfg.save_every == 0) or stopping:
-            save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n, loss_scale)
+            save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n, loss_scale,
+                          background)
         if stopping:
+            if background is not None:
+                background.close()  # the checkpoint is committed before the job's slice ends
             progress.close()
             logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
             metric_logger.close()
@@ -157,8 +162,10 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
     logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
                 {k: int(skipped[k]) for k in feed.stream.skipped}, {k: int(skipped[k]) for k in feed.stream.overlong})
 
+    if background is not None:
+        background.close()
     # --- save: a Hugging Face directory that loads without chattune ---
-    export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main)
+    export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main, export_dtype(cfg.export.dtype, model.source_dtype))
     metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
     metric_logger.close()
     logger.info("done: %s", output_dir / "hf")

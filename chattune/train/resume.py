@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # Config keys a resumed run may change freely: they do not change the training trajectory.
 RUNTIME_KEYS = ("output_dir", "resume", "resume_allow_changes", "overwrite", "log_every", "save_every", "keep_last_n",
-                "eval_every", "logger", "progress", "wandb", "stop_after_step", "nonfinite_loss", "ledger",
+                "save_async", "export", "eval_every", "logger", "progress", "wandb", "stop_after_step", "nonfinite_loss", "ledger",
                 "data.eval", "data.report_records")
 # The run's length: the schedule is stretched or shrunk from the resume step on (warned, with both rates).
 HORIZON_KEYS = ("max_steps", "data.num_epochs")
@@ -226,7 +226,7 @@ def run_meta(world_size: int, fingerprint: dict) -> dict:
 
 
 def save_training(root: Path, step: int, model, optimizer, scheduler, feed, meta: dict, counters: dict,
-                  keep_last_n: int | None, loss_scale=None) -> Path:
+                  keep_last_n: int | None, loss_scale=None, background=None) -> Path:
     """Collective: everything an exact resume needs, atomically."""
     train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": feed.state_dict(),
                    "rng": rng_state(), "counters": dict(counters),
@@ -234,7 +234,7 @@ def save_training(root: Path, step: int, model, optimizer, scheduler, feed, meta
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     hashes = record_hashes_file(meta["fingerprint"]) if is_main else None
     return save_checkpoint(root, step, model, optimizer, train_state, meta, keep_last_n,
-                           extra_files={RECORD_HASHES: hashes} if hashes else None)
+                           extra_files={RECORD_HASHES: hashes} if hashes else None, background=background)
 
 
 def resume_training(directory: Path, plan: ResumePlan, model, optimizer, scheduler, feed,

@@ -1,0 +1,142 @@
+"""Loading a local Hugging Face model directory into a sharded model without a full copy on any rank.
+
+The model is built on the meta device (shapes only), sharded with FSDP2, then materialised: each rank
+allocates only its own shard of every parameter and reads exactly those rows from the safetensors files
+(safetensors' `get_slice`, one file open at a time). This is how torchtitan and torchtune start large models;
+`from_pretrained` on every rank would hold the whole model in host memory per rank (8 ranks of an 8B model:
+~256 GB in fp32).
+
+What `from_pretrained` does besides copying tensors is reproduced and tested bit for bit
+(tests/test_sharded_load.py): tied embeddings stay one parameter (the checkpoint's `lm_head.weight`, if
+any, is ignored, as transformers does); non-persistent buffers (rotary `inv_freq`) are computed by the
+model's own `_init_weights`, which is what `from_pretrained` runs for them; the source dtype is cast to
+the fp32 of the shards exactly as `from_pretrained(dtype=float32)` casts it.
+
+A directory this cannot read (no safetensors, or tensor names that transformers renames while loading:
+fused MoE experts, legacy prefixes) is loaded by `from_pretrained` on every rank, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from chattune.errors import UserError
+from chattune.model.attention import ATTENTION_NAME
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+HF_PREFIX = "hf_model."  # PackedCausalLM holds the HF model under this name
+
+
+def checkpoint_files(directory: Path) -> dict[str, Path] | None:
+    """Tensor name -> the safetensors file holding it (from the index, or the one file), or None when the
+    directory has no safetensors weights."""
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / SAFETENSORS_SINGLE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    return None
+
+
+def source_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype a model directory's config says its weights are stored in (None when it does not say)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def build_empty(directory: Path) -> PreTrainedModel:
+    """The model of `directory`'s config with fp32 parameters on the meta device (no memory) and real
+    buffers, computed as `from_pretrained` computes them."""
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
+    _materialise_buffers(model)
+    return model
+
+
+@torch.no_grad()
+def _materialise_buffers(model: PreTrainedModel) -> None:
+    """Give every meta buffer CPU memory and the value `from_pretrained` gives it: the model's own
+    `_init_weights` of the module that owns it (which, for a rotary embedding, recomputes `inv_freq` from the
+    config). Parameters stay on meta (initialising a meta tensor is a no-op)."""
+    for module in model.modules():
+        owned = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        if not owned:
+            continue
+        for name in owned:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        model._init_weights(module)
+
+
+def missing_tensors(model: PreTrainedModel, files: dict[str, Path]) -> list[str]:
+    """The model's parameters and persistent buffers that the checkpoint does not hold under their own name."""
+    return [name for name in _loadable_names(model) if name not in files]
+
+
+def _loadable_names(model: nn.Module) -> list[str]:
+    persistent = [f"{prefix}{'.' if prefix else ''}{name}" for prefix, module in model.named_modules()
+                  for name, buffer in module._buffers.items()
+                  if buffer is not None and name not in module._non_persistent_buffers_set]
+    return [name for name, _ in model.named_parameters()] + persistent  # tied parameters once, by their first name
+
+
+def materialise_and_load(model: nn.Module, hf_model: PreTrainedModel, directory: Path, files: dict[str, Path],
+                         device: torch.device) -> None:
+    """After `fully_shard` of a meta-built model: allocate each rank's shards on `device` and fill them from
+    the checkpoint, reading only this rank's rows. Buffers keep the values they were built with, unless
+    the checkpoint holds them (persistent buffers)."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)  # FSDP2 allocates only the local shards
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    targets = dict(hf_model.named_parameters())
+    targets.update(hf_model.named_buffers())
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in _loadable_names(hf_model):
+        by_file[files[name]].append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as reader:
+                for name in names:
+                    _load_local(reader, name, targets[name], directory)
+
+
+def _load_local(reader, name: str, target: torch.Tensor, directory: Path) -> None:
+    """Copy this rank's part of tensor `name` into `target` (a DTensor shard or a replicated tensor)."""
+    stored = reader.get_slice(name)
+    if list(stored.get_shape()) != list(target.shape):
+        raise UserError(f"model.path {directory}: tensor {name} has shape {stored.get_shape()} in the checkpoint, "
+                        f"but the model built from its config.json expects {list(target.shape)}")
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        local = target.to_local()
+    else:
+        shape, offset, local = tuple(target.shape), (0,) * target.dim(), target
+    if local.numel() == 0:  # a rank past the end of a short dimension holds nothing
+        return
+    rows = tuple(slice(start, start + size) for start, size in zip(offset, shape))
+    local.copy_(stored[rows] if rows else stored[:])
+
+
+def load_full(directory: Path) -> PreTrainedModel:
+    """`from_pretrained` in fp32 on the CPU: the whole model on every rank (the fallback)."""
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
