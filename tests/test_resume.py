@@ -53,14 +53,18 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "final weights differ"
 
 
-@pytest.mark.parametrize("nproc,num_workers", [(1, 0), (2, 0), (1, 2), (2, 2)])
-def test_stop_and_resume_reproduces_the_uninterrupted_run(tmp_path, small_data, nproc, num_workers):
+@pytest.mark.parametrize("nproc,num_workers,save_async", [(1, 0, False), (2, 0, False), (1, 2, False), (2, 2, False),
+                                                         (2, 0, True)])
+def test_stop_and_resume_reproduces_the_uninterrupted_run(tmp_path, small_data, nproc, num_workers, save_async):
+    """With save_async the checkpoints are written from a thread while the next steps train: what they hold
+    must still be the state of their step (DCP copies it before training goes on)."""
     workers = f"data.num_workers={num_workers}"
     launch(tmp_path / "straight", small_data, nproc, workers)
-    launch(tmp_path / "resumed", small_data, nproc, workers, "stop_after_step=4")
+    launch(tmp_path / "resumed", small_data, nproc, workers, "stop_after_step=4", f"save_async={save_async}")
     assert [s for s, _ in losses(tmp_path / "resumed")] == [1, 2, 3, 4]
     assert not (tmp_path / "resumed" / "hf").exists()
-    launch(tmp_path / "resumed", small_data, nproc, workers)  # resume=auto is the default
+    assert (tmp_path / "resumed" / "checkpoints" / "step_4" / "chattune.json").is_file()
+    launch(tmp_path / "resumed", small_data, nproc, workers, f"save_async={save_async}")  # resume=auto is the default
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     assert_same_weights(tmp_path / "resumed", tmp_path / "straight")
 
@@ -78,21 +82,25 @@ def ledger_steps(out: Path) -> dict[str, dict[int, tuple[int, list[int]]]]:
     return launches
 
 
-@pytest.mark.parametrize("crash", ["step:7:1", "save:6:1"])
-def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, small_data, crash):
+@pytest.mark.parametrize("crash,save_async", [("step:7:1", False), ("save:6:1", False), ("step:7:1", True),
+                                              ("save:6:1", True)])
+def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, small_data, crash, save_async):
     out = tmp_path / "run"
-    crashed = launch(out, small_data, 2, "ledger=true", env={"CHATTUNE_CRASH_AT": crash}, check=False)
+    crashed = launch(out, small_data, 2, "ledger=true", f"save_async={save_async}", env={"CHATTUNE_CRASH_AT": crash},
+                     check=False)
     assert crashed.returncode != 0, "the injected SIGKILL should have ended the run"
     checkpoints = out / "checkpoints"
     if crash.startswith("save"):  # killed with its files half written: never committed, never resumed from
         assert (checkpoints / "step_6.partial").is_dir() and not (checkpoints / "step_6").exists()
         resume_step = 3
+    elif save_async:  # step 6's write may or may not have been complete (and committed) when step 7 was killed
+        resume_step = 6 if (checkpoints / "step_6").is_dir() else 3
     else:
         resume_step = 6
     assert sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".partial")) == \
         [f"step_{s}" for s in (3, 6) if s <= resume_step]
 
-    launch(out, small_data, 2, "ledger=true")
+    launch(out, small_data, 2, "ledger=true", f"save_async={save_async}")
     launches = ledger_steps(out)
     before, after = launches["from_step0.jsonl"], launches[f"from_step{resume_step}.jsonl"]
     assert max(before) > resume_step, "the crash should have lost some trained steps"

@@ -1,8 +1,8 @@
 """The final Hugging Face export: a standard sharded safetensors directory (`model-0000k-of-0000n.safetensors`
 and `model.safetensors.index.json`), config and tokenizer, loadable without chattune.
 
-Tensors are gathered one at a time and streamed into their file, so rank 0 holds one full tensor at a
-time, never the model (gathering the whole state dict first, as `save_pretrained` needs, costs rank 0 the
+Tensors are gathered one at a time, each rank's rows streamed into the file as they arrive, so rank 0
+holds one rank's part of one tensor at a time, never the model (gathering the whole state dict first, as `save_pretrained` needs, costs rank 0 the
 full model in fp32: 280 GB for 70B). A safetensors header lists every tensor's dtype, shape and byte range,
 all known before any tensor is gathered, so each file's header is written first and its tensors appended.
 The weights are written in the source model's dtype by default (a bf16 checkpoint comes back bf16, not
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedTokenizerBase
 
 from chattune.model.causal_lm import PackedCausalLM
@@ -92,10 +93,41 @@ def safetensors_header(tensors: list[PlannedTensor]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
-def _gathered(tensor: PlannedTensor) -> torch.Tensor:
-    """Collective for a sharded parameter: the full tensor, in the export dtype, on the CPU."""
-    full = tensor.source.full_tensor() if isinstance(tensor.source, DTensor) else tensor.source
-    return full.detach().to(device="cpu", dtype=tensor.dtype).contiguous()
+def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
+    """Collective: rank 0 writes the full tensor's bytes, in the export dtype, to `f`. FSDP2 shards along the
+    first dimension, in rank order, which is also the order of the rows in the file: rank 0 writes its own
+    rows, then receives each other rank's rows and writes them. No rank ever holds the full tensor (a
+    gather would: gloo also copies the gathered tensor once more into a flat buffer)."""
+    source = tensor.source.detach()
+
+    def write(part: torch.Tensor) -> None:
+        f.write(part.to(device="cpu", dtype=tensor.dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    if not isinstance(source, DTensor):  # a buffer: every rank has all of it
+        if is_main:
+            write(source)
+        return
+    if tuple(source.placements) != (Shard(0),):
+        full = source.full_tensor()
+        if is_main:
+            write(full)
+        return
+    group, world = source.device_mesh.get_group(), source.device_mesh.size()
+    rows = source.shape[0]
+    chunk = -(-rows // world)  # FSDP2 shards like torch.chunk: ceil(rows / W) rows per rank, fewer at the end
+    local = source.to_local()
+    if not is_main:
+        if local.shape[0] > 0:
+            dist.send(local.contiguous(), group=group, group_dst=0)
+        return
+    write(local)
+    for rank in range(1, world):
+        rank_rows = min(chunk, max(0, rows - rank * chunk))
+        if rank_rows:
+            received = local.new_empty((rank_rows, *source.shape[1:]))
+            dist.recv(received, group=group, group_src=rank)
+            write(received)
+            del received
 
 
 def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path, is_main: bool,
@@ -114,13 +146,11 @@ def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directo
         with open(staging / file_name, "wb") if is_main else contextlib.nullcontext() as f:
             if is_main:
                 f.write(safetensors_header(shard))
-            for tensor in shard:
-                full = _gathered(tensor)  # every rank takes part, one tensor at a time
+            for tensor in shard:  # every rank takes part, one tensor at a time
+                _write_gathered(f, tensor, is_main)
                 if is_main:
-                    f.write(full.reshape(-1).view(torch.uint8).numpy().data)
                     weight_map[tensor.name] = file_name
                     total += tensor.num_bytes
-                del full
             if is_main:
                 f.flush()
                 os.fsync(f.fileno())
