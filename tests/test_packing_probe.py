@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import demo_documents, tiny_model
+from conftest import demo_documents, tiny_config, tiny_model
 from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
@@ -220,3 +220,37 @@ def test_training_mode_is_restored(training):
         check_packing_isolation(refused)
     for model in (accepted, refused):
         assert all(module.training == training for module in model.modules())
+
+
+ALL_ARCHITECTURES = {**{name: (overrides, True) for name, overrides in ORDINARY.items()},
+                     **{name: (overrides, False) for name, (overrides, _) in HYBRID.items()},
+                     **{name: (overrides, False) for name, overrides in FAILING_PACKED_FORWARD.items()}}
+
+
+@pytest.mark.parametrize("name", ALL_ARCHITECTURES)
+def test_the_miniature_gives_the_full_models_verdict(name):
+    """The builder checks a random-init miniature of the config (first layers, vocabulary cut to 1024), not
+    the model it loads shard by shard: every architecture above gets the verdict its full model gets."""
+    from chattune.model.architecture_check import check_architecture
+
+    overrides, accepted = ALL_ARCHITECTURES[name]
+    config = tiny_config(**{"vocab_size": 5000, **overrides})  # larger than the miniature's vocabulary
+    if accepted:
+        check_architecture(config)
+    else:
+        with pytest.raises(NotImplementedError):
+            check_architecture(config)
+
+
+def test_the_miniature_keeps_a_late_kind_of_layer():
+    """Six layers, the one convolution last: the miniature keeps all six (every kind the config lists),
+    so the leak is found; without the convolution two layers suffice."""
+    from chattune.model.architecture_check import check_architecture, miniature_config
+
+    leaky = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 5 + ["conv"])
+    assert miniature_config(leaky).num_hidden_layers == 6
+    with pytest.raises(NotImplementedError, match="Lfm2ShortConv"):
+        check_architecture(leaky)
+    plain = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 6)
+    assert miniature_config(plain).num_hidden_layers == 2
+    check_architecture(plain)
