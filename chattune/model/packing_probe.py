@@ -181,7 +181,8 @@ def layer_kinds(hf_model: PreTrainedModel) -> str | None:
 def check_packing_isolation(hf_model: PreTrainedModel) -> None:
     """Refuse (UnsupportedModel, a NotImplementedError) a model whose final hidden states for a document change when it is
     packed after another document, as chattune trains it, or whose packed forward fails. Four forwards
-    of 9 to 31 tokens; call it on the full model before sharding, like check_output_head."""
+    of 9 to 31 tokens. The builder runs it on a random-init miniature of the model
+    (`chattune.model.architecture_check`), like check_output_head."""
     name = type(hf_model).__name__
     try:
         result = probe_packing(hf_model)
