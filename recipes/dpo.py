@@ -24,6 +24,7 @@ from chattune.config.validate import check_config
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.log import setup_logging
+from chattune.model.adapters import BaseModelView, trainable_parameters
 from chattune.model.build import build_sharded_model
 from chattune.objectives import reference_cache
 from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective
@@ -57,13 +58,15 @@ def main(cfg: DictConfig) -> None:
     # The sources behind one record index, drawn as data.mixing says; a data report; each rank's step feed.
     data = build_training_data(cfg, dist_info, pad_id, lambda specs: pair_documents(specs, tokenizer, cfg.data))
 
-    # --- model: HF causal LM, chunked loss head, FSDP2 per decoder layer + root ---
-    hf_model, model = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path)
+    # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
+    hf_model, model, peft_model = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft)
     model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     num_params = sum(p.numel() for p in hf_model.parameters())
-    logger.info("model: %s, %.2fM parameters, %d rank(s) on %s", type(hf_model).__name__, num_params / 1e6, dist_info.world_size, device)
+    trainable = trainable_parameters(model)  # the adapters with peft=lora: optimizer and checkpoints hold only them
+    logger.info("model: %s, %.2fM parameters (%.2fM trained), %d rank(s) on %s", type(hf_model).__name__,
+                num_params / 1e6, sum(p.numel() for p in trainable) / 1e6, dist_info.world_size, device)
 
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), dist_info.device)  # fused on CUDA
+    optimizer = build_optimizer(cfg.optimizer, trainable, dist_info.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
 
     # --- the loss and its reference log-probs: none (reference-free), a live frozen model, or a cache ---
@@ -71,7 +74,10 @@ def main(cfg: DictConfig) -> None:
                                      cfg.loss.sft_weight)
 
     def reference_model() -> torch.nn.Module:  # frozen: reference.path, else the initial policy; sharded alike
-        return build_sharded_model(cfg, tokenizer, dist_info, cfg.reference.path or cfg.model.path)[1]
+        if peft_model is not None and cfg.reference.path is None:  # LoRA: the policy's own base; no second model
+            logger.info("reference: the policy's base (adapters off)")
+            return BaseModelView(model, peft_model)
+        return build_sharded_model(cfg, tokenizer, dist_info, cfg.reference.path or cfg.model.path).model
 
     reference = eval_reference = None
     if preference_loss.needs_reference and not cfg.reference.cache:
@@ -89,7 +95,8 @@ def main(cfg: DictConfig) -> None:
     eval_objective = PreferenceObjective(preference_loss, eval_reference) if cfg.data.eval else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, start, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id, eval_objective)
+    train(cfg, dist_info, start, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id, eval_objective,
+          peft_model=peft_model)
     shutdown_distributed()
 
 

@@ -83,12 +83,13 @@ def ledger_steps(out: Path) -> dict[str, dict[int, tuple[int, dict[str, list[int
     return launches
 
 
-@pytest.mark.parametrize("crash,save_async", [("step:7:1", False), ("save:6:1", False), ("step:7:1", True),
-                                              ("save:6:1", True)])
-def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, small_data, crash, save_async):
+@pytest.mark.parametrize("crash,save_async,lora", [("step:7:1", False, False), ("save:6:1", False, False),
+                                                   ("step:7:1", True, False), ("save:6:1", True, False),
+                                                   ("save:6:1", False, True)])
+def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, small_data, crash, save_async, lora):
     out = tmp_path / "run"
-    crashed = launch(out, small_data, 2, "ledger=true", f"save_async={save_async}", env={"CHATTUNE_CRASH_AT": crash},
-                     check=False)
+    extra = ["ledger=true", f"save_async={save_async}", *(["peft=lora", "peft.rank=4"] if lora else [])]
+    crashed = launch(out, small_data, 2, *extra, env={"CHATTUNE_CRASH_AT": crash}, check=False)
     assert crashed.returncode != 0, "the injected SIGKILL should have ended the run"
     checkpoints = out / "checkpoints"
     if crash.startswith("save"):  # killed with its files half written: never committed, never resumed from
@@ -101,7 +102,7 @@ def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, smal
     assert sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".partial")) == \
         [f"step_{s}" for s in (3, 6) if s <= resume_step]
 
-    launch(out, small_data, 2, "ledger=true", f"save_async={save_async}")
+    launch(out, small_data, 2, *extra)
     launches = ledger_steps(out)
     before, after = launches["from_step0.jsonl"], launches[f"from_step{resume_step}.jsonl"]
     assert max(before) > resume_step, "the crash should have lost some trained steps"

@@ -306,3 +306,16 @@ def test_every_key_of_the_schema_has_a_meaning():
                 yield prefix + item.name
 
     assert [key for recipe in ("sft", "dpo") for key in keys_without_help(schema_for(recipe))] == []
+
+
+def test_the_peft_group_and_its_keys(tmp_path):
+    """peft=lora selects configs/peft/lora.yaml; its keys are checked like every other section's."""
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rank=8"], CONFIGS)
+    assert (report, ok) == ("config OK", True)
+    assert OmegaConf.to_container(compose_config("sft/tiny", ["peft=lora"]).peft) == \
+        dataclasses.asdict(typing.get_type_hints(schema_for("sft"))["peft"].__args__[0]())
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rnk=8", "peft.rank=0",
+                                           "peft.dropout=1.5"], CONFIGS)
+    assert not ok and problems(report) == [
+        "peft.rnk: unknown key; did you mean peft.rank?", "peft.rank: must be at least 1, got 0",
+        "peft.dropout: must be in [0, 1), got 1.5"], report

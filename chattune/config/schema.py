@@ -37,6 +37,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
 REFERENCE_FREE = ("simpo",)  # preference losses that need no reference model
 LOSS_IMPLEMENTATIONS = ("auto", "chunked", "cut_cross_entropy")
+PEFT_TYPES = ("lora",)
 
 
 def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
@@ -163,6 +164,20 @@ class SchedulerConfig:
 class ExportConfig:
     dtype: str = key("auto", "dtype of the exported weights; auto: the source checkpoint's (float32 for random init)",
                      choices=("auto", *DTYPES))
+    merge: bool = key(False, "with peft: also write the base with the adapters merged into it (output_dir/hf)")
+
+
+@dataclass
+class PeftConfig:
+    type: str = key("lora", "the adapter kind", choices=PEFT_TYPES)
+    rank: int = key(16, "the adapters' inner dimension (r)", at_least=1)
+    alpha: float = key(32, "the update is scaled by alpha / rank", bound=(lambda v: v > 0, "must be positive"))
+    dropout: float = key(0.0, "dropout on the adapters' input (0 keeps gradients independent of the split)",
+                         bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    target_modules: str | list[str] = key("all-linear", "all-linear (every linear layer but the output layer) or "
+                                                        "a list of module name patterns")
+    modules_to_save: list[str] = key(factory=list, help="modules trained in full besides the adapters "
+                                                        "(e.g. lm_head, embed_tokens)")
 
 
 @dataclass
@@ -203,6 +218,8 @@ class SFTConfig:
                                          recipe_passes=(1, ()))
     scheduler: SchedulerConfig = section(SchedulerConfig, "instantiated with the optimizer",
                                          recipe_passes=(1, ("num_training_steps",)))
+    peft: PeftConfig | None = key(None, "null: full fine-tuning | peft=lora: adapters on a frozen base "
+                                        "(configs/peft/lora.yaml)")
     export: ExportConfig = section(ExportConfig, "the Hugging Face directory written at the end (output_dir/hf)")
 
 

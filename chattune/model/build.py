@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.distributed import DistInfo
 from chattune.errors import UserError
 from chattune.model import load
+from chattune.model.adapters import add_adapters, initial_values
 from chattune.model.architecture_check import check_architecture
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import compile_enabled, compute_dtype, shard_model
@@ -29,10 +32,16 @@ from chattune.model.fused_loss import resolve_loss_implementation
 logger = logging.getLogger(__name__)
 
 
+class BuiltModel(NamedTuple):
+    hf_model: PreTrainedModel  # the Hugging Face model (with the adapters injected, if any)
+    model: FSDPModule  # the sharded loss-head model around it: what trains
+    peft_model: PeftModel | None  # peft's handle on the adapters (None: full fine-tuning)
+
+
 def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,
-                        path: str | None) -> tuple[PreTrainedModel, FSDPModule]:
-    """(the HF model, the sharded loss-head model around it): loaded from `path`, or built from
-    `cfg.model.config` when `path` is None."""
+                        path: str | None, adapters: DictConfig | None = None) -> BuiltModel:
+    """The model loaded from `path`, or built from `cfg.model.config` when `path` is None, with LoRA
+    `adapters` (the `peft` section) on its frozen base when given, sharded."""
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
     torch.manual_seed(cfg.seed)
     files, stored_dtype = None, None
@@ -46,6 +55,7 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)
     check_architecture(hf_model.config)  # on a random-init miniature: the real weights may not exist yet
+    peft_model = add_adapters(hf_model, adapters) if adapters is not None else None
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
@@ -55,11 +65,12 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         # The legacy setter keeps every reader consistent (mixing it with `fp32_precision` makes the
         # legacy getters raise, and cut-cross-entropy and Inductor read them).
         torch.set_float32_matmul_precision("high")
+    initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype), device_type,
                         dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type))
     if files is not None:
-        load.materialise_and_load(model, hf_model, Path(path), files, dist_info.device)
-    return hf_model, model
+        load.materialise_and_load(model, hf_model, Path(path), files, dist_info.device, initial)
+    return BuiltModel(hf_model, model, peft_model)
 
 
 def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:

@@ -18,16 +18,21 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from peft import get_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.load import SAFETENSORS_INDEX
+from chattune.model.adapters import ADAPTER, LORA_PARAMETER
+from chattune.model.load import SAFETENSORS_INDEX, stored_name
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default shard size
 SAFETENSORS_DTYPES = {
@@ -42,6 +47,7 @@ class PlannedTensor:
     source: torch.Tensor  # the parameter (a DTensor shard) or buffer to gather
     dtype: torch.dtype  # as written
     shape: tuple[int, ...]
+    delta: Callable[[int, int], torch.Tensor] | None = None  # rows [a, b) of a merged LoRA update, added in fp32
 
     @property
     def num_bytes(self) -> int:
@@ -57,14 +63,35 @@ def export_dtype(setting: str, source: torch.dtype | None) -> torch.dtype:
 
 def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTensor]:
     """What `save_pretrained` would save, in order: parameters (a tied output layer once, under the
-    embedding's name) and persistent buffers; floating-point tensors in `dtype`."""
+    embedding's name) and persistent buffers; floating-point tensors in `dtype`. With LoRA adapters, the
+    base model with each adapter merged into its layer (W + scaling * B @ A), under the base's own names.
+    Collective when there are adapters (their small A and B are gathered whole)."""
     hf_model = model.hf_model
-    planned = [(name, parameter) for name, parameter in hf_model.named_parameters()]
-    planned += [(f"{prefix}{'.' if prefix else ''}{name}", buffer) for prefix, module in hf_model.named_modules()
+    planned = []
+    for name, parameter in hf_model.named_parameters():
+        if LORA_PARAMETER.search(name) or ".original_module." in name:
+            continue  # adapters are merged below; a module in modules_to_save is written as trained
+        delta = _lora_delta(hf_model.get_submodule(name.removesuffix(".base_layer.weight"))) \
+            if name.endswith(".base_layer.weight") else None
+        planned.append((stored_name(name), parameter, delta))
+    planned += [(f"{prefix}{'.' if prefix else ''}{name}", buffer, None) for prefix, module in hf_model.named_modules()
                 for name, buffer in module._buffers.items()
                 if buffer is not None and name not in module._non_persistent_buffers_set]
-    return [PlannedTensor(name, tensor, dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
-            for name, tensor in planned]
+    return [PlannedTensor(name, tensor, dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape), delta)
+            for name, tensor, delta in planned]
+
+
+def _lora_delta(layer: LoraLayer) -> Callable[[int, int], torch.Tensor] | None:
+    """Rows [a, b) of a LoRA layer's update scaling * B @ A (None when it has no adapter)."""
+    if ADAPTER not in layer.lora_A:
+        return None
+
+    def full(weight: torch.Tensor) -> torch.Tensor:
+        weight = weight.detach()
+        return (weight.full_tensor() if isinstance(weight, DTensor) else weight).float()
+
+    a, b, scaling = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight), layer.scaling[ADAPTER]
+    return lambda start, stop: scaling * (b[start:stop] @ a)
 
 
 def split_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
@@ -100,7 +127,9 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
     gather would: gloo also copies the gathered tensor once more into a flat buffer)."""
     source = tensor.source.detach()
 
-    def write(part: torch.Tensor) -> None:
+    def write(part: torch.Tensor, first_row: int = 0) -> None:
+        if tensor.delta is not None:  # a merged adapter
+            part = part.float() + tensor.delta(first_row, first_row + part.shape[0]).to(part.device)
         f.write(part.to(device="cpu", dtype=tensor.dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
     if not isinstance(source, DTensor):  # a buffer: every rank has all of it
@@ -126,7 +155,7 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
         if rank_rows:
             received = local.new_empty((rank_rows, *source.shape[1:]))
             dist.recv(received, group=group, group_src=rank)
-            write(received)
+            write(received, rank * chunk)
             del received
 
 
@@ -174,3 +203,30 @@ def _save_config(model: PackedCausalLM, directory: Path, dtype: torch.dtype) -> 
     config.save_pretrained(directory)
     if hf_model.can_generate() and hf_model.generation_config is not None:
         hf_model.generation_config.save_pretrained(directory)
+
+
+def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedTokenizerBase, directory: Path,
+                   is_main: bool, base_path: str | None) -> None:
+    """Collective: a peft adapter directory (adapter_config.json, adapter_model.safetensors, the tokenizer)
+    that `peft.PeftModel.from_pretrained(base, directory)` loads. The trained tensors are small: gathered
+    whole."""
+    trained = {}
+    for name, parameter in model.hf_model.named_parameters():
+        if parameter.requires_grad:
+            full = parameter.detach().full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
+            trained[f"base_model.model.{name}"] = full.cpu()
+    if not is_main:
+        return
+    staging = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    weights = get_peft_model_state_dict(peft_model, state_dict=trained)
+    save_file({k: v.contiguous() for k, v in weights.items()}, staging / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    config = copy.deepcopy(peft_model.peft_config[ADAPTER])
+    config.base_model_name_or_path = base_path
+    config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.rename(staging, directory)

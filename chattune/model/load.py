@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -98,11 +99,23 @@ def _loadable_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()] + persistent  # tied parameters once, by their first name
 
 
+# The segments peft adds to the names of the modules it wraps: q_proj.base_layer.weight is the checkpoint's
+# q_proj.weight; a module in modules_to_save keeps the original and a trained copy of it.
+_PEFT_WRAPPERS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
+
+
+def stored_name(name: str) -> str:
+    """A parameter's name in an HF checkpoint, for a model that peft may have wrapped."""
+    return _PEFT_WRAPPERS.sub("", name)
+
+
 def materialise_and_load(model: nn.Module, hf_model: PreTrainedModel, directory: Path, files: dict[str, Path],
-                         device: torch.device) -> None:
+                         device: torch.device, initial: dict[str, torch.Tensor] | None = None) -> None:
     """After `fully_shard` of a meta-built model: allocate each rank's shards on `device` and fill them from
-    the checkpoint, reading only this rank's rows. Buffers keep the values they were built with, unless
-    the checkpoint holds them (persistent buffers)."""
+    the checkpoint, reading only this rank's rows; parameters in `initial` (adapters created after the
+    build) from those full values instead. Buffers keep the values they were built with, unless the
+    checkpoint holds them (persistent buffers)."""
+    initial = initial or {}
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)  # FSDP2 allocates only the local shards
     with torch.no_grad():
@@ -113,7 +126,24 @@ def materialise_and_load(model: nn.Module, hf_model: PreTrainedModel, directory:
     readers = {file: SafetensorsFile(file) for file in set(files.values())}
     with torch.no_grad():
         for name in _loadable_names(hf_model):
-            _load_local(readers[files[name]], name, targets[name], directory)
+            if name in initial:
+                _load_local(InMemory(initial[name]), "", targets[name], directory)
+            else:
+                stored = stored_name(name)
+                _load_local(readers[files[stored]], stored, targets[name], directory)
+
+
+class InMemory:
+    """A full tensor already in memory, read like a checkpoint file (the `SafetensorsFile` interface)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensor.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensor[start:stop] if self.tensor.dim() else self.tensor.reshape(1)
 
 
 class SafetensorsFile:

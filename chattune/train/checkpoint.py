@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -43,8 +44,15 @@ META_FILE = "chattune.json"
 _COMMITTED = re.compile(r"step_(\d+)")
 
 
+# Frozen parameters (a LoRA run's base) are not saved: they are the model directory's, reloaded at resume.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    # ignore_frozen_params still lists a frozen output layer tied to the embedding: dropped by name.
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    weights = {k: v for k, v in get_model_state_dict(model, options=TRAINED_ONLY).items() if k not in frozen}
+    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer, options=TRAINED_ONLY)}
 
 
 def _rank() -> int:
@@ -183,6 +191,8 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     """Collective: restore model and optimizer shards in place; returns this rank's train_state."""
     state = _sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    # Not strict: the frozen keys are absent by design; every trained key is present (dcp.load fills exactly
+    # the keys `_sharded_state` lists, and raises when the checkpoint lacks one).
+    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED_ONLY)
     return torch.load(directory / f"train_state_rank{_rank()}.pt", weights_only=False)

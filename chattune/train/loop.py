@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from chattune.data.packing import PackedBatch
 from chattune.data.report import epoch_line
 from chattune.distributed import DistInfo
-from chattune.model.export import export_dtype, export_hf
+from chattune.model.export import export_adapter, export_dtype, export_hf
 from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.fsdp import compile_enabled, compiled_graphs, compute_dtype
 from chattune.objectives.base import Objective
@@ -47,11 +47,12 @@ logger = logging.getLogger(__name__)
 def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn.Module, objective: Objective,
           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, feed: StepFeed,
           eval_batches: list[PackedBatch], tokenizer: PreTrainedTokenizerBase, pad_id: int,
-          eval_objective: Objective | None = None) -> None:
+          eval_objective: Objective | None = None, peft_model=None) -> None:
     """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
     `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved. `start` is what the launch
     continues (`chattune.train.output_dir.claim_output_dir`). `eval_objective` scores the held-out batches when
-    they need their own (e.g. cached reference log-probs of the eval records)."""
+    they need their own (e.g. cached reference log-probs of the eval records). With `peft_model` (LoRA), the
+    export is a peft adapter directory, `output_dir/adapter`, and with export.merge the merged model in `hf`."""
     device, output_dir = dist_info.device, Path(cfg.output_dir)
     eval_objective = eval_objective or objective
 
@@ -165,7 +166,12 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
     if background is not None:
         background.close()
     # --- save: a Hugging Face directory that loads without chattune ---
-    export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main, export_dtype(cfg.export.dtype, model.source_dtype))
-    metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
+    dtype = export_dtype(cfg.export.dtype, model.source_dtype)
+    if peft_model is not None:
+        export_adapter(model, peft_model, tokenizer, output_dir / "adapter", dist_info.is_main, cfg.model.path)
+        metric_logger.log_summary({"adapter_dir": str((output_dir / "adapter").resolve())})
+    if peft_model is None or cfg.export.merge:
+        export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main, dtype)  # adapters merged, if any
+        metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
     metric_logger.close()
-    logger.info("done: %s", output_dir / "hf")
+    logger.info("done: %s", output_dir / ("hf" if peft_model is None or cfg.export.merge else "adapter"))

@@ -1,0 +1,83 @@
+"""LoRA adapters through peft: injected into the HF model before sharding, the base frozen.
+
+`add_adapters` calls peft's `get_peft_model`, which injects the LoRA layers into the model in place (the
+HF model object stays the one `PackedCausalLM` runs; the returned PeftModel is kept for what peft owns:
+switching the adapters off, its config and its adapter file format). Everything but the adapters and
+`modules_to_save` is frozen, so the optimizer, its state and the checkpoints hold only those.
+
+On a meta-built model (loaded shard by shard, `chattune.model.load`) peft's initialisation of the adapters
+is a no-op; they are given CPU memory and initialised here with peft's own `reset_lora_parameters` (seeded
+like the rest of the run), and `initial_values` hands them to the loader, which writes them into their
+shards after FSDP2 allocates them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from omegaconf import DictConfig
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
+from transformers import PreTrainedModel
+
+from chattune.data.packing import PackedBatch
+
+ADAPTER = "default"  # peft's name for the one adapter
+LORA_PARAMETER = re.compile(r"\.lora_(A|B|magnitude_vector|embedding_A|embedding_B)\.")
+
+
+def lora_config(settings: DictConfig) -> LoraConfig:
+    """The `peft` config section as peft's LoraConfig."""
+    target = settings.target_modules
+    return LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=target if isinstance(target, str) else list(target),
+        modules_to_save=list(settings.modules_to_save) or None, task_type="CAUSAL_LM",
+    )
+
+
+def add_adapters(hf_model: PreTrainedModel, settings: DictConfig) -> PeftModel:
+    """Inject LoRA adapters into `hf_model` in place and freeze the rest; returns peft's wrapper."""
+    peft_model = get_peft_model(hf_model, lora_config(settings))
+    with torch.no_grad():
+        for module in hf_model.modules():
+            if isinstance(module, LoraLayer) and any(p.is_meta for p in module.lora_A.parameters()):
+                module.lora_A.to_empty(device="cpu")
+                module.lora_B.to_empty(device="cpu")
+                module.reset_lora_parameters(ADAPTER, True)  # peft's default init: kaiming A, zero B
+    return peft_model
+
+
+def initial_values(hf_model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Parameters that already hold values on a meta-built model (the adapters), by name."""
+    return {name: p.detach().clone() for name, p in hf_model.named_parameters() if not p.is_meta}
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class BaseModelView:
+    """The policy with its adapters switched off: its frozen base model, a DPO reference without a second
+    copy of the weights in memory. Each call runs in eval mode and restores the policy's mode; `eval` and
+    `requires_grad_` are no-ops (the adapters must stay trainable)."""
+
+    def __init__(self, model: nn.Module, peft_model: PeftModel):
+        self.model, self.peft_model = model, peft_model
+
+    def eval(self) -> BaseModelView:
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> BaseModelView:
+        return self
+
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.peft_model.disable_adapter():
+                return self.model(batch)
+        finally:
+            self.model.train(was_training)

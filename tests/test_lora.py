@@ -1,0 +1,183 @@
+"""LoRA (peft=lora): adapter gradients invariant to the split and equal to a plain peft forward's; both
+recipes train with it on two ranks; resume is exact; the exported adapter and the merged model reproduce
+the trained model's held-out loss, computed the plain way; the DPO reference is the base itself."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import (
+    demo_documents,
+    demo_tokenizer,
+    exported_weights,
+    free_port,
+    init_worker_process_group,
+    relative_error,
+    tiny_model,
+)
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+from test_sft_recipe import read_metrics, run
+from transformers import AutoModelForCausalLM
+
+from chattune.config.paths import DEMO_ASSETS
+from chattune.data.chat_template import probe_template, tokenize_conversation
+from chattune.data.documents import IGNORE_INDEX, shifted_labels
+from chattune.data.packing import collate_packed
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.model.adapters import add_adapters
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.fsdp import shard_model
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.step import accumulate_gradients, clip_gradients
+
+NUM_DOCS = 12
+LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
+                         "modules_to_save": []})
+
+
+def lora_model():
+    """The tiny model with adapters whose B is not zero (at peft's init B = 0, so A's gradient is 0)."""
+    model = tiny_model(seed=0)
+    peft_model = add_adapters(model, LORA)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model, peft_model
+
+
+def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkpointing: bool) -> None:
+    init_worker_process_group(rank, world_size, port)
+    docs = demo_documents(NUM_DOCS)
+    hf_model, _ = lora_model()
+    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size,
+                        activation_checkpointing=checkpointing)
+    model.train()
+    microbatches = [collate_packed([docs[i] for i in mb]) for mb in splits[rank]]
+    accumulate_gradients(model, TokenCrossEntropy(), microbatches, torch.device("cpu"))
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "the base must stay frozen"
+    grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()
+             if p.requires_grad}
+    grad_norm, _ = clip_gradients(model, max_norm=None)
+    if rank == 0:
+        torch.save({"grads": grads, "grad_norm": grad_norm}, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+def reference_gradients() -> dict[str, torch.Tensor]:
+    """Plain peft model, stock SDPA, one document at a time: mean over every trained token."""
+    model, _ = lora_model()
+    model.set_attn_implementation("sdpa")
+    total, tokens = 0.0, 0
+    for doc in demo_documents(NUM_DOCS):
+        logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
+        labels = torch.tensor(doc.labels.tolist())
+        total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        tokens += int((labels != IGNORE_INDEX).sum())
+    (total / tokens).backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_adapter_gradients_do_not_depend_on_the_split(tmp_path):
+    want = reference_gradients()
+    want_norm = float(torch.sqrt(sum(g.float().pow(2).sum() for g in want.values())))
+    splits = {"1x1": [[list(range(NUM_DOCS))]], "1x4": [[[0, 1, 2], [3, 4, 5, 6, 7], [8, 9], [10, 11]]],
+              "2x2": [[[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[9], [10, 11]]]}
+    for name, split in splits.items():
+        for checkpointing in ((False, True) if name == "2x2" else (False,)):
+            out = str(tmp_path / f"{name}_{checkpointing}.pt")
+            mp.spawn(_worker, args=(len(split), free_port(), split, out, checkpointing), nprocs=len(split), join=True)
+            got = torch.load(out)
+            assert sorted(got["grads"]) == sorted(want) and len(want) == 2 * 7 * 2  # 2 layers x 7 linears x (A, B)
+            assert relative_error(got["grads"], want) < 1e-5, name
+            assert abs(got["grad_norm"] - want_norm) / want_norm < 1e-5, name
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny base model directory with the demo tokenizer (what a user's model.path holds)."""
+    directory = tmp_path_factory.mktemp("base")
+    tiny_model(seed=3).save_pretrained(directory)
+    demo_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def sft(out, base, *overrides: str, nproc: int = 2):
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                str(free_port()), "recipes/sft.py", f"output_dir={out}", f"model.path={base}", f"tokenizer.path={base}",
+                "peft=lora", "peft.rank=4", "max_steps=6", "save_every=3", "eval_every=6", "log_every=1",
+                "data.report_records=0", "optimizer.lr=1e-2", *overrides])
+
+
+def eval_documents():
+    tokenizer = demo_tokenizer()
+    markers = probe_template(tokenizer)
+    for line in (DEMO_ASSETS / "chat_eval.jsonl").read_text().splitlines():
+        tokenized = tokenize_conversation(tokenizer, json.loads(line)["messages"], markers)
+        yield tokenized.input_ids, shifted_labels(tokenized.input_ids, tokenized.assistant_mask)
+
+
+@torch.no_grad()
+def plain_eval_loss(model) -> float:
+    """Mean assistant-token loss over the demo eval chats, one plain forward per chat."""
+    total, tokens = 0.0, 0
+    for ids, labels in eval_documents():
+        logits = model(input_ids=torch.tensor([list(ids)]), use_cache=False).logits[0].float()
+        labels = torch.tensor(list(labels))
+        total += float(F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"))
+        tokens += int((labels != IGNORE_INDEX).sum())
+    return total / tokens
+
+
+def test_sft_lora_resumes_exactly_and_exports_what_it_trained(tmp_path, base_dir):
+    from peft import PeftModel
+
+    sft(tmp_path / "straight", base_dir, "export.merge=true")
+    sft(tmp_path / "resumed", base_dir, "stop_after_step=4")
+    saved = FileSystemReader(str(tmp_path / "resumed" / "checkpoints" / "step_4")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert len(model_keys) == 2 * 7 * 2 and all("lora_" in k for k in model_keys), "only the adapters are saved"
+    assert sum(k.startswith("optimizer.state.") for k in saved) == 3 * len(model_keys)  # step, exp_avg, exp_avg_sq
+    sft(tmp_path / "resumed", base_dir)
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [(m["step"], m["loss"]) for m in resumed] == [(m["step"], m["loss"]) for m in straight]
+    adapter = tmp_path / "straight" / "adapter"
+    from safetensors.torch import load_file
+
+    a, b = load_file(adapter / "adapter_model.safetensors"), load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in a) and len(a) == 2 * 7 * 2
+
+    # The trained model's held-out loss (chattune's packed eval at the last step) against the adapter loaded
+    # by peft onto the base, and the merged model, each run the plain way.
+    trained = [m for m in straight if "eval_loss" in m][-1]["eval_loss"]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf", dtype=torch.float32).eval()
+    assert "lm_head.weight" not in exported_weights(tmp_path / "straight" / "hf")  # tied, written once
+    loss_adapter, loss_merged = plain_eval_loss(with_adapter), plain_eval_loss(merged)
+    assert abs(loss_adapter - trained) / trained < 1e-5, (loss_adapter, trained)
+    assert abs(loss_merged - trained) / trained < 1e-5, (loss_merged, trained)
+    assert abs(loss_adapter - plain_eval_loss(AutoModelForCausalLM.from_pretrained(base_dir))) > 1e-3  # it trained
+
+
+def test_dpo_lora_uses_the_base_as_its_reference(tmp_path, base_dir):
+    """At the first step the policy is its base exactly (B = 0), so a reference that is the base gives
+    rewards of exactly 0; later they move. No second model is built (the log says which reference)."""
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(free_port()), "recipes/dpo.py", f"output_dir={tmp_path / 'dpo'}", f"model.path={base_dir}",
+                  f"tokenizer.path={base_dir}", "peft=lora", "peft.rank=4", "max_steps=4", "eval_every=0",
+                  "log_every=1", "save_every=0", "data.report_records=0", "optimizer.lr=1e-2"])
+    metrics = read_metrics(tmp_path / "dpo")
+    assert metrics[0]["rewards/chosen"] == 0 and metrics[0]["rewards/rejected"] == 0
+    assert metrics[-1]["rewards/margins"] != 0
+    assert "reference: the policy's base (adapters off)" in result.stdout + result.stderr
+    assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").is_file()
