@@ -112,7 +112,8 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     before_load = RssSampler.current()
     sampler.reset()
     start = time.perf_counter()
-    hf_model, model = build_sharded_model(cfg, VocabularyOnly(QWEN3_1_5B["vocab_size"]), dist_info, model_dir)
+    built = build_sharded_model(cfg, VocabularyOnly(QWEN3_1_5B["vocab_size"]), dist_info, model_dir)
+    hf_model, model = built[0], built[1]  # (hf_model, model[, peft_model]) depending on the checkout
     torch.distributed.barrier()
     load_s, load_peak = time.perf_counter() - start, sampler.peak()
     parameters = sum(p.numel() for p in hf_model.parameters())

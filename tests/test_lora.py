@@ -37,8 +37,7 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.step import accumulate_gradients, clip_gradients
 
 NUM_DOCS = 12
-LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
-                         "modules_to_save": []})
+LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"})
 
 
 def lora_model():

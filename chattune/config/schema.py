@@ -176,8 +176,6 @@ class PeftConfig:
                          bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
     target_modules: str | list[str] = key("all-linear", "all-linear (every linear layer but the output layer) or "
                                                         "a list of module name patterns")
-    modules_to_save: list[str] = key(factory=list, help="modules trained in full besides the adapters "
-                                                        "(e.g. lm_head, embed_tokens)")
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 `add_adapters` calls peft's `get_peft_model`, which injects the LoRA layers into the model in place (the
 HF model object stays the one `PackedCausalLM` runs; the returned PeftModel is kept for what peft owns:
-switching the adapters off, its config and its adapter file format). Everything but the adapters and
-`modules_to_save` is frozen, so the optimizer, its state and the checkpoints hold only those.
+switching the adapters off, its config and its adapter file format). Everything but the adapters is
+frozen, so the optimizer, its state and the checkpoints hold only those.
 
 On a meta-built model (loaded shard by shard, `chattune.model.load`) peft's initialisation of the adapters
 is a no-op; they are given CPU memory and initialised here with peft's own `reset_lora_parameters` (seeded
@@ -34,7 +34,7 @@ def lora_config(settings: DictConfig) -> LoraConfig:
     return LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=target if isinstance(target, str) else list(target),
-        modules_to_save=list(settings.modules_to_save) or None, task_type="CAUSAL_LM",
+        task_type="CAUSAL_LM",
     )
 
 
