@@ -61,13 +61,19 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 class BaseModelView:
     """The policy with its adapters switched off: its frozen base model, a DPO reference without a second
-    copy of the weights in memory. Each call runs in eval mode and restores the policy's mode; `eval` and
-    `requires_grad_` are no-ops (the adapters must stay trainable)."""
+    copy of the weights in memory. Each call runs in eval mode and restores the policy's mode; `eval`,
+    `train` and `requires_grad_` are no-ops (the policy's mode and trainable adapters are its own), and it
+    reads as in eval mode."""
+
+    training = False
 
     def __init__(self, model: nn.Module, peft_model: PeftModel):
         self.model, self.peft_model = model, peft_model
 
     def eval(self) -> BaseModelView:
+        return self
+
+    def train(self, mode: bool = True) -> BaseModelView:
         return self
 
     def requires_grad_(self, requires_grad: bool = True) -> BaseModelView:
