@@ -2,12 +2,12 @@
 and `model.safetensors.index.json`), config and tokenizer, loadable without chattune.
 
 Tensors are gathered one at a time, each rank's rows streamed into the file as they arrive, so rank 0
-holds one rank's part of one tensor at a time, never the model (gathering the whole state dict first, as `save_pretrained` needs, costs rank 0 the
-full model in fp32: 280 GB for 70B). A safetensors header lists every tensor's dtype, shape and byte range,
-all known before any tensor is gathered, so each file's header is written first and its tensors appended.
-The weights are written in the source model's dtype by default (a bf16 checkpoint comes back bf16, not
-twice its size in fp32). The directory is written as `hf.partial` and renamed, so a crash never leaves a
-half-written `hf/`.
+holds one rank's part of one tensor at a time, never the model (gathering the whole state dict first, as
+`save_pretrained` needs, costs rank 0 the full model in fp32: 280 GB for 70B). A safetensors header lists
+every tensor's dtype, shape and byte range, all known before any tensor is gathered, so each file's header
+is written first and its tensors appended. The weights are written in the source model's dtype by default
+(a bf16 checkpoint comes back bf16, not twice its size in fp32). The directory is written as `hf.partial`
+and renamed, so a crash never leaves a half-written `hf/`.
 """
 
 from __future__ import annotations
@@ -24,21 +24,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 from peft import get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedTokenizerBase
 
-from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
-from chattune.model.load import SAFETENSORS_INDEX, stored_name
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.load import SAFETENSORS_INDEX, STORED_DTYPES, saved_tensors, stored_name
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default shard size
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in STORED_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -68,17 +65,14 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
     Collective when there are adapters (their small A and B are gathered whole)."""
     hf_model = model.hf_model
     planned = []
-    for name, parameter in hf_model.named_parameters():
+    for name, tensor in saved_tensors(hf_model):
         if LORA_PARAMETER.search(name) or ".original_module." in name:
             continue  # adapters are merged below; a module in modules_to_save is written as trained
         delta = _lora_delta(hf_model.get_submodule(name.removesuffix(".base_layer.weight"))) \
             if name.endswith(".base_layer.weight") else None
-        planned.append((stored_name(name), parameter, delta))
-    planned += [(f"{prefix}{'.' if prefix else ''}{name}", buffer, None) for prefix, module in hf_model.named_modules()
-                for name, buffer in module._buffers.items()
-                if buffer is not None and name not in module._non_persistent_buffers_set]
-    return [PlannedTensor(name, tensor, dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape), delta)
-            for name, tensor, delta in planned]
+        planned.append(PlannedTensor(stored_name(name), tensor, dtype if tensor.is_floating_point() else tensor.dtype,
+                                     tuple(tensor.shape), delta))
+    return planned
 
 
 def _lora_delta(layer: LoraLayer) -> Callable[[int, int], torch.Tensor] | None:
@@ -164,10 +158,7 @@ def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directo
     """Collective: write a sharded Hugging Face directory (weights in `dtype`, config, tokenizer with its
     chat template) that loads without chattune. Every rank takes part in each tensor's gather; rank 0
     writes."""
-    staging = directory.with_name(directory.name + ".partial")
-    if is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # left by an export that crashed
-        staging.mkdir(parents=True)
+    staging = _staging(directory) if is_main else None
     shards = split_shards(plan_tensors(model, dtype), max_shard_bytes)
     weight_map, total = {}, 0
     for number, shard in enumerate(shards, start=1):
@@ -189,6 +180,19 @@ def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directo
                                                         indent=2))
     _save_config(model, staging, dtype)
     tokenizer.save_pretrained(staging)
+    _publish(staging, directory)
+
+
+def _staging(directory: Path) -> Path:
+    """Rank 0: an empty `directory.partial` to write into (one left by an export that crashed is removed)."""
+    staging = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _publish(staging: Path, directory: Path) -> None:
+    """Rank 0: the complete `staging` becomes `directory` (replacing an earlier export)."""
     if directory.exists():
         shutil.rmtree(directory)
     os.rename(staging, directory)
@@ -217,9 +221,7 @@ def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedToken
             trained[f"base_model.model.{name}"] = full.cpu()
     if not is_main:
         return
-    staging = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = _staging(directory)
     weights = get_peft_model_state_dict(peft_model, state_dict=trained)
     save_file({k: v.contiguous() for k, v in weights.items()}, staging / "adapter_model.safetensors",
               metadata={"format": "pt"})
@@ -227,6 +229,4 @@ def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedToken
     config.base_model_name_or_path = base_path
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.rename(staging, directory)
+    _publish(staging, directory)

@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
-HF_PREFIX = "hf_model."  # PackedCausalLM holds the HF model under this name
 
 
 def checkpoint_files(directory: Path) -> dict[str, Path] | None:
@@ -92,11 +91,17 @@ def missing_tensors(model: PreTrainedModel, files: dict[str, Path]) -> list[str]
     return [name for name in _loadable_names(model) if name not in files]
 
 
-def _loadable_names(model: nn.Module) -> list[str]:
-    persistent = [f"{prefix}{'.' if prefix else ''}{name}" for prefix, module in model.named_modules()
+def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of what an HF checkpoint holds, in order: parameters (tied ones once, by their first
+    name) and persistent buffers."""
+    persistent = [(f"{prefix}{'.' if prefix else ''}{name}", buffer) for prefix, module in model.named_modules()
                   for name, buffer in module._buffers.items()
                   if buffer is not None and name not in module._non_persistent_buffers_set]
-    return [name for name, _ in model.named_parameters()] + persistent  # tied parameters once, by their first name
+    return list(model.named_parameters()) + persistent
+
+
+def _loadable_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in saved_tensors(model)]
 
 
 # The segments peft adds to the names of the modules it wraps: q_proj.base_layer.weight is the checkpoint's
@@ -118,19 +123,16 @@ def materialise_and_load(model: nn.Module, hf_model: PreTrainedModel, directory:
     initial = initial or {}
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)  # FSDP2 allocates only the local shards
+    readers = {file: SafetensorsFile(file) for file in set(files.values())}
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
-    targets = dict(hf_model.named_parameters())
-    targets.update(hf_model.named_buffers())
-    readers = {file: SafetensorsFile(file) for file in set(files.values())}
-    with torch.no_grad():
-        for name in _loadable_names(hf_model):
+        for name, target in saved_tensors(hf_model):
             if name in initial:
-                _load_local(InMemory(initial[name]), "", targets[name], directory)
+                _load_local(InMemory(initial[name]), "", target, directory)
             else:
                 stored = stored_name(name)
-                _load_local(readers[files[stored]], stored, targets[name], directory)
+                _load_local(readers[files[stored]], stored, target, directory)
 
 
 class InMemory:
