@@ -37,7 +37,8 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.step import accumulate_gradients, clip_gradients
 
 NUM_DOCS = 12
-LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"})
+LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
+                        "use_dora": False, "modules_to_save": None, "quantize_base": None})
 
 
 def lora_model():

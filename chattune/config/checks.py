@@ -7,6 +7,7 @@ Each check adds lines to a `Findings`; nothing stops at the first problem.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import json
 import os
@@ -121,6 +122,12 @@ def _number(values: dict, key: str) -> int | float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _cuda_available() -> bool:
+    import torch  # only for a config that asks for a 4-bit base
+
+    return torch.cuda.is_available()
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -146,6 +153,7 @@ class Checker:
         self.sources("data.eval", required=False)
         self.paths()
         self.numbers()
+        self.quantized_base()
         if self.cfg is not None:
             self.output_dir(self.cfg, world_size)
 
@@ -354,6 +362,19 @@ class Checker:
         if (self.recipe == "dpo" and isinstance(get_value(self.values, "reference.path"), str)
                 and get_value(self.values, "loss.type") in REFERENCE_FREE):
             self.findings.note("reference.path", f"unused: loss.type={get_value(self.values, 'loss.type')} needs no reference")
+
+    def quantized_base(self) -> None:
+        """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
+        quantize_base = get_value(self.values, "peft.quantize_base")
+        if not isinstance(quantize_base, str):
+            return
+        device = get_value(self.values, "device")
+        if device == "cpu" or (device == "auto" and not _cuda_available()):
+            self.findings.problem("peft.quantize_base", "a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory "
+                                                        "with bitsandbytes' GPU kernels. On the CPU, set "
+                                                        "peft.quantize_base=null (LoRA on the full-precision base)")
+        elif importlib.util.find_spec("bitsandbytes") is None:
+            self.findings.problem("peft.quantize_base", 'needs bitsandbytes: pip install "chattune[qlora]"')
 
     def bound(self, key: str, holds, message: str) -> None:
         value = _number(self.values, key)

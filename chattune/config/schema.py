@@ -38,6 +38,7 @@ LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
 REFERENCE_FREE = ("simpo",)  # preference losses that need no reference model
 LOSS_IMPLEMENTATIONS = ("auto", "chunked", "cut_cross_entropy")
 PEFT_TYPES = ("lora",)
+QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)
 
 
 def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
@@ -176,6 +177,11 @@ class PeftConfig:
                          bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
     target_modules: str | list[str] = key("all-linear", "all-linear (every linear layer but the output layer) or "
                                                         "a list of module name patterns")
+    use_dora: bool = key(False, "DoRA: a trained magnitude per output row on top of the LoRA direction")
+    modules_to_save: list[str] | None = key(None, "modules trained in full next to the adapters, e.g. [embed_tokens, "
+                                                  "lm_head] (tied embeddings stay tied: one matrix)")
+    quantize_base: str | None = key(None, "QLoRA: the frozen base's linear layers in 4 bits with bitsandbytes, "
+                                          "CUDA only (null: the base in full precision)", choices=QUANTIZE_BASE)
 
 
 @dataclass

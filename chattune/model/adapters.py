@@ -8,7 +8,8 @@ frozen, so the optimizer, its state and the checkpoints hold only those.
 On a meta-built model (loaded shard by shard, `chattune.model.load`) peft's initialisation of the adapters
 is a no-op; they are given CPU memory and initialised here with peft's own `reset_lora_parameters` (seeded
 like the rest of the run), and `initial_values` hands them to the loader, which writes them into their
-shards after FSDP2 allocates them.
+shards after FSDP2 allocates them. DoRA's magnitudes are the norms of the base weights' rows: they are
+computed after the base is loaded (`set_dora_magnitudes`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from omegaconf import DictConfig
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PreTrainedModel
 
 from chattune.data.packing import PackedBatch
+from chattune.model import quantize
 
 ADAPTER = "default"  # peft's name for the one adapter
 LORA_PARAMETER = re.compile(r"\.lora_(A|B|magnitude_vector|embedding_A|embedding_B)\.")
@@ -34,12 +38,20 @@ def lora_config(settings: DictConfig) -> LoraConfig:
     return LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=target if isinstance(target, str) else list(target),
+        use_dora=settings.use_dora,
+        modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
+        # A tied model has one embedding matrix: training embed_tokens or lm_head trains it, as one tensor
+        # read at the input and the output (as full fine-tuning would), not two copies that drift apart.
+        ensure_weight_tying=bool(settings.modules_to_save),
         task_type="CAUSAL_LM",
     )
 
 
 def add_adapters(hf_model: PreTrainedModel, settings: DictConfig) -> PeftModel:
-    """Inject LoRA adapters into `hf_model` in place and freeze the rest; returns peft's wrapper."""
+    """Inject LoRA adapters into `hf_model` in place and freeze the rest; returns peft's wrapper. A meta-built
+    model's adapters are initialised here, its DoRA magnitudes (which need the base weights) by
+    `set_dora_magnitudes` once the base is loaded. A 4-bit base (QLoRA) is quantized after this, under the
+    adapters (`chattune.model.quantize`)."""
     peft_model = get_peft_model(hf_model, lora_config(settings))
     with torch.no_grad():
         for module in hf_model.modules():
@@ -50,9 +62,44 @@ def add_adapters(hf_model: PreTrainedModel, settings: DictConfig) -> PeftModel:
     return peft_model
 
 
+def is_dora_magnitude(name: str) -> bool:
+    return ".lora_magnitude_vector." in name
+
+
+@torch.no_grad()
+def set_dora_magnitudes(hf_model: PreTrainedModel) -> None:
+    """DoRA's magnitudes of a model loaded shard by shard: the row norms of W + scaling * B @ A, computed as
+    peft computes them when the weights are in memory. Collective (A is gathered whole). A magnitude is
+    sharded along its rows like its layer's weight (FSDP2 shards both along dim 0, with the same chunking),
+    so each rank computes its own rows from its own rows of W and B."""
+    for module in hf_model.modules():
+        if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_magnitude_vector:
+            continue
+        magnitude = module.lora_magnitude_vector[ADAPTER].weight
+        weight, a, b = module.get_base_layer().weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        a = a.full_tensor() if isinstance(a, DTensor) else a
+        local_b = b.to_local() if isinstance(b, DTensor) else b
+        local_magnitude = magnitude.to_local() if isinstance(magnitude, DTensor) else magnitude
+        if isinstance(weight, DTensor):
+            local_weight = weight.to_local()
+        else:  # a 4-bit base: replicated whole, take this rank's rows
+            first = _first_row(magnitude)
+            local_weight = quantize.dequantized(weight)[first:first + local_magnitude.shape[0]]
+        rows = local_weight.float() + module.scaling[ADAPTER] * (local_b.float() @ a.float())
+        local_magnitude.copy_(torch.linalg.norm(rows, dim=1))
+
+
+def _first_row(tensor: torch.Tensor) -> int:
+    if not isinstance(tensor, DTensor):
+        return 0
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return offset[0]
+
+
 def initial_values(hf_model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """Parameters that already hold values on a meta-built model (the adapters), by name."""
-    return {name: p.detach().clone() for name, p in hf_model.named_parameters() if not p.is_meta}
+    return {name: p.detach().clone() for name, p in hf_model.named_parameters()
+            if not p.is_meta and not quantize.is_quantized(p)}
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -22,11 +22,11 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.distributed import DistInfo
 from chattune.errors import UserError
-from chattune.model import load
-from chattune.model.adapters import add_adapters, initial_values
+from chattune.model import load, quantize
+from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes
 from chattune.model.architecture_check import check_architecture
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.fsdp import compile_enabled, compute_dtype, shard_model
+from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,12 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)
     check_architecture(hf_model.config)  # on a random-init miniature: the real weights may not exist yet
-    peft_model = add_adapters(hf_model, adapters) if adapters is not None else None
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
+    peft_model = add_adapters(hf_model, adapters) if adapters is not None else None
+    if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
+        quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype],
+                                  dist_info.device)
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
     if device_type == "cuda" and dtype != "float32" and implementation == "chunked":
         # The one fp32 matmul left is the chunked loss head's, on bf16/fp16-valued inputs: TF32 represents
@@ -67,9 +70,12 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         torch.set_float32_matmul_precision("high")
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype), device_type,
-                        dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type))
+                        dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type),
+                        replicated=quantize.replicated_parameters(hf_model))
     if files is not None:
         load.materialise_and_load(model, hf_model, Path(path), files, dist_info.device, initial)
+    if adapters is not None and adapters.use_dora:
+        set_dora_magnitudes(hf_model)  # from the loaded (or quantized) base: the norms of the weights it runs with
     return BuiltModel(hf_model, model, peft_model)
 
 

@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.load import SAFETENSORS_INDEX, STORED_DTYPES, saved_tensors, stored_name
+from chattune.model.quantize import dequantized, is_quantized, weight_shape
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default shard size
 SAFETENSORS_DTYPES = {dtype: name for name, dtype in STORED_DTYPES.items()}
@@ -44,7 +45,7 @@ class PlannedTensor:
     source: torch.Tensor  # the parameter (a DTensor shard) or buffer to gather
     dtype: torch.dtype  # as written
     shape: tuple[int, ...]
-    delta: Callable[[int, int], torch.Tensor] | None = None  # rows [a, b) of a merged LoRA update, added in fp32
+    merge: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # (rows in fp32, first row) -> merged rows
 
     @property
     def num_bytes(self) -> int:
@@ -61,22 +62,25 @@ def export_dtype(setting: str, source: torch.dtype | None) -> torch.dtype:
 def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTensor]:
     """What `save_pretrained` would save, in order: parameters (a tied output layer once, under the
     embedding's name) and persistent buffers; floating-point tensors in `dtype`. With LoRA adapters, the
-    base model with each adapter merged into its layer (W + scaling * B @ A), under the base's own names.
-    Collective when there are adapters (their small A and B are gathered whole)."""
+    base model with each adapter merged into its layer, under the base's own names (a 4-bit base
+    dequantized). Collective when there are adapters (their small A, B and DoRA magnitudes are gathered whole)."""
     hf_model = model.hf_model
     planned = []
     for name, tensor in saved_tensors(hf_model):
         if LORA_PARAMETER.search(name) or ".original_module." in name:
             continue  # adapters are merged below; a module in modules_to_save is written as trained
-        delta = _lora_delta(hf_model.get_submodule(name.removesuffix(".base_layer.weight"))) \
+        merge = _lora_merge(hf_model.get_submodule(name.removesuffix(".base_layer.weight"))) \
             if name.endswith(".base_layer.weight") else None
-        planned.append(PlannedTensor(stored_name(name), tensor, dtype if tensor.is_floating_point() else tensor.dtype,
-                                     tuple(tensor.shape), delta))
+        floating = tensor.is_floating_point() or is_quantized(tensor)
+        planned.append(PlannedTensor(stored_name(name), tensor, dtype if floating else tensor.dtype,
+                                     tuple(weight_shape(tensor)), merge))
     return planned
 
 
-def _lora_delta(layer: LoraLayer) -> Callable[[int, int], torch.Tensor] | None:
-    """Rows [a, b) of a LoRA layer's update scaling * B @ A (None when it has no adapter)."""
+def _lora_merge(layer: LoraLayer) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    """Rows [a, b) of a LoRA layer's merged weight from the base's rows: W + scaling * B @ A, and with DoRA
+    each row of that rescaled to its trained magnitude, m / ||W + scaling * B @ A|| (peft's merge; the norm
+    of a row needs only that row). None when the layer has no adapter."""
     if ADAPTER not in layer.lora_A:
         return None
 
@@ -85,7 +89,16 @@ def _lora_delta(layer: LoraLayer) -> Callable[[int, int], torch.Tensor] | None:
         return (weight.full_tensor() if isinstance(weight, DTensor) else weight).float()
 
     a, b, scaling = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight), layer.scaling[ADAPTER]
-    return lambda start, stop: scaling * (b[start:stop] @ a)
+    magnitude = full(layer.lora_magnitude_vector[ADAPTER].weight) if ADAPTER in layer.lora_magnitude_vector else None
+
+    def merged(rows: torch.Tensor, first: int) -> torch.Tensor:
+        last = first + rows.shape[0]
+        rows = rows + scaling * (b[first:last] @ a).to(rows.device)
+        if magnitude is not None:
+            rows = rows * (magnitude[first:last].to(rows.device) / torch.linalg.norm(rows, dim=1)).unsqueeze(1)
+        return rows
+
+    return merged
 
 
 def split_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
@@ -119,11 +132,11 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
     first dimension, in rank order, which is also the order of the rows in the file: rank 0 writes its own
     rows, then receives each other rank's rows and writes them. No rank ever holds the full tensor (a
     gather would: gloo also copies the gathered tensor once more into a flat buffer)."""
-    source = tensor.source.detach()
+    source = dequantized(tensor.source).detach()  # a 4-bit weight: its full-precision matrix (replicated)
 
     def write(part: torch.Tensor, first_row: int = 0) -> None:
-        if tensor.delta is not None:  # a merged adapter
-            part = part.float() + tensor.delta(first_row, first_row + part.shape[0]).to(part.device)
+        if tensor.merge is not None:  # a merged adapter
+            part = tensor.merge(part.float(), first_row)
         f.write(part.to(device="cpu", dtype=tensor.dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
     if not isinstance(source, DTensor):  # a buffer: every rank has all of it
@@ -214,16 +227,21 @@ def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedToken
     """Collective: a peft adapter directory (adapter_config.json, adapter_model.safetensors, the tokenizer)
     that `peft.PeftModel.from_pretrained(base, directory)` loads. The trained tensors are small: gathered
     whole."""
-    trained = {}
-    for name, parameter in model.hf_model.named_parameters():
+    trained, gathered = {}, {}
+    # Every name of a trained tensor: a tied embedding trained in full (modules_to_save) is one parameter
+    # under two names, and peft's file holds it under both (gathered once).
+    for name, parameter in model.hf_model.named_parameters(remove_duplicate=False):
         if parameter.requires_grad:
-            full = parameter.detach().full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
-            trained[f"base_model.model.{name}"] = full.cpu()
+            if id(parameter) not in gathered:
+                full = parameter.detach().full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
+                gathered[id(parameter)] = full.cpu()
+            trained[f"base_model.model.{name}"] = gathered[id(parameter)]
     if not is_main:
         return
     staging = _staging(directory)
     weights = get_peft_model_state_dict(peft_model, state_dict=trained)
-    save_file({k: v.contiguous() for k, v in weights.items()}, staging / "adapter_model.safetensors",
+    # safetensors refuses tensors that share memory: the tied one is written twice, as peft writes it.
+    save_file({k: v.clone().contiguous() for k, v in weights.items()}, staging / "adapter_model.safetensors",
               metadata={"format": "pt"})
     config = copy.deepcopy(peft_model.peft_config[ADAPTER])
     config.base_model_name_or_path = base_path

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from chattune.data.packing import PackedBatch
+from chattune.model.quantize import weight_shape
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts unless named), FLOP/s.
 # Matched against torch.cuda.get_device_name() in order: the first name it contains wins.
@@ -53,7 +54,7 @@ class ModelFlops:
 
 def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
     """The FLOP counts of a (not yet sharded) HF causal LM, from its modules and config."""
-    weights = sum(m.weight.numel() for m in hf_model.modules() if isinstance(m, nn.Linear))
+    weights = sum(weight_shape(m.weight).numel() for m in hf_model.modules() if isinstance(m, nn.Linear))  # 4-bit: unpacked
     config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
     experts = [p.numel() for m in hf_model.modules() if not isinstance(m, nn.modules.conv._ConvNd)
                for p in m.parameters(recurse=False) if p.dim() == 3]  # stacked expert weights (not conv kernels)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from chattune.config.schema import DTYPES
 from chattune.model.causal_lm import PackedCausalLM
@@ -22,13 +23,14 @@ from chattune.model.causal_lm import PackedCausalLM
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
-def decoder_layers(model: PackedCausalLM) -> list[nn.Module]:
+def decoder_layers(model: PackedCausalLM | PreTrainedModel) -> list[nn.Module]:
     """The repeated blocks, found through the class names HF lists in `_no_split_modules`."""
-    names = set(model.hf_model._no_split_modules or [])
+    hf_model = model.hf_model if isinstance(model, PackedCausalLM) else model
+    names = set(hf_model._no_split_modules or [])
     # Match along the MRO: once sharded, a layer's class is FSDP2's dynamic subclass (FSDPLlamaDecoderLayer).
-    layers = [m for m in model.hf_model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    layers = [m for m in hf_model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
-        raise ValueError(f"found no decoder layers in {type(model.hf_model).__name__} (looked for {sorted(names)})")
+        raise ValueError(f"found no decoder layers in {type(hf_model).__name__} (looked for {sorted(names)})")
     return layers
 
 
@@ -87,7 +89,9 @@ def shard_model(
     reduce_dtype: str = "float32",
     activation_checkpointing: bool = False,
     compile: bool = False,
+    replicated: set[nn.Parameter] | None = None,
 ) -> PackedCausalLM:
+    """`replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize)."""
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:
@@ -98,8 +102,8 @@ def shard_model(
     # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.
     policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype])
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=replicated)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=replicated)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Each rank's loss is already divided by the GLOBAL token count, so the cross-rank

@@ -33,6 +33,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from chattune.errors import UserError
+from chattune.model import quantize
+from chattune.model.adapters import is_dora_magnitude
 from chattune.model.attention import ATTENTION_NAME
 
 logger = logging.getLogger(__name__)
@@ -122,17 +124,41 @@ def materialise_and_load(model: nn.Module, hf_model: PreTrainedModel, directory:
     checkpoint holds them (persistent buffers)."""
     initial = initial or {}
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=device)  # FSDP2 allocates only the local shards
+    # FSDP2 allocates only the local shards; the placeholders of a 4-bit base are left alone (allocating them
+    # would hold the whole base in fp32) and filled, quantized, one layer at a time below.
+    placeholders = {id(p) for p in quantize.replicated_parameters(hf_model)}
+    model._apply(lambda t: t if id(t) in placeholders else torch.empty_like(t, device=device))
     readers = {file: SafetensorsFile(file) for file in set(files.values())}
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
         for name, target in saved_tensors(hf_model):
+            if id(target) in placeholders or is_dora_magnitude(name):
+                continue  # below / computed from the loaded base (adapters.set_dora_magnitudes)
             if name in initial:
                 _load_local(InMemory(initial[name]), "", target, directory)
             else:
                 stored = stored_name(name)
                 _load_local(readers[files[stored]], stored, target, directory)
+        for module_name, module in hf_model.named_modules():
+            if quantize.has_quantized_weight(module):
+                weight, bias = (_read_whole(readers, files, stored_name(f"{module_name}.{kind}"), directory, module)
+                                for kind in ("weight", "bias"))
+                quantize.load_quantized(module, weight, bias, device)
+
+
+def _read_whole(readers: dict, files: dict[str, Path], name: str, directory: Path, module: nn.Module
+                ) -> torch.Tensor | None:
+    """Tensor `name` whole, for a 4-bit layer (None for the bias of a layer that has none)."""
+    target = getattr(module, name.rsplit(".", 1)[1])
+    if target is None:
+        return None
+    stored = readers[files[name]]
+    shape = list(quantize.weight_shape(target))
+    if list(stored.shape(name)) != shape:
+        raise UserError(f"model.path {directory}: tensor {name} has shape {stored.shape(name)} in the checkpoint, "
+                        f"but the model built from its config.json expects {shape}")
+    return stored.read_rows(name, 0, shape[0])
 
 
 class InMemory:

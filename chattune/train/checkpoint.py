@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from chattune.model.quantize import has_quantized_weight
 from chattune.train.faults import maybe_crash
 
 META_FILE = "chattune.json"
@@ -49,9 +50,13 @@ TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    # ignore_frozen_params still lists a frozen output layer tied to the embedding: dropped by name.
+    # ignore_frozen_params still lists a frozen output layer tied to the embedding, and a 4-bit layer adds its
+    # quantization state to the state dict as entries of their own: only trained parameters and buffers stay.
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    weights = {k: v for k, v in get_model_state_dict(model, options=TRAINED_ONLY).items() if k not in frozen}
+    quantization_state = tuple(f"{name}.weight." for name, module in model.named_modules()
+                               if has_quantized_weight(module))  # weight.absmax, weight.quant_map..
+    weights = {k: v for k, v in get_model_state_dict(model, options=TRAINED_ONLY).items()
+               if k not in frozen and not k.startswith(quantization_state)}
     return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer, options=TRAINED_ONLY)}
 
 
