@@ -21,6 +21,7 @@ from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.log import setup_logging
 from chattune.model.adapters import trainable_parameters
 from chattune.model.build import build_sharded_model
+from chattune.model.quantize import weight_shape
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.inputs import build_training_data, pad_token_id, sft_documents
 from chattune.train.loop import train
@@ -54,7 +55,7 @@ def main(cfg: DictConfig) -> None:
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
     hf_model, model, peft_model = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft)
     model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
-    num_params = sum(p.numel() for p in hf_model.parameters())
+    num_params = sum(weight_shape(p).numel() for p in hf_model.parameters())  # a 4-bit weight: its matrix
     trainable = trainable_parameters(model)  # the adapters with peft=lora: optimizer and checkpoints hold only them
     logger.info("model: %s, %.2fM parameters (%.2fM trained), %d rank(s) on %s", type(hf_model).__name__,
                 num_params / 1e6, sum(p.numel() for p in trainable) / 1e6, dist_info.world_size, device)

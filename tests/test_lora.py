@@ -30,7 +30,7 @@ from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX, shifted_labels
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
-from chattune.model.adapters import add_adapters
+from chattune.model.adapters import BaseModelView, add_adapters
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
@@ -41,10 +41,17 @@ LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, 
                         "use_dora": False, "modules_to_save": None, "quantize_base": None})
 
 
-def lora_model():
+# The adapter kinds the invariance test covers: plain LoRA, DoRA (a trained magnitude per row) and LoRA with
+# the tied embedding trained in full (one matrix at the input and the output).
+VARIANTS = {"lora": LORA, "dora": OmegaConf.merge(LORA, {"use_dora": True}),
+            "embeddings": OmegaConf.merge(LORA, {"modules_to_save": ["embed_tokens"]})}
+TRAINED = {"lora": 2 * 7 * 2, "dora": 2 * 7 * 3, "embeddings": 2 * 7 * 2 + 1}  # 2 layers x 7 linears x (A, B[, m])
+
+
+def lora_model(settings=LORA):
     """The tiny model with adapters whose B is not zero (at peft's init B = 0, so A's gradient is 0)."""
     model = tiny_model(seed=0)
-    peft_model = add_adapters(model, LORA)
+    peft_model = add_adapters(model, settings)
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,10 +60,10 @@ def lora_model():
     return model, peft_model
 
 
-def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkpointing: bool) -> None:
+def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkpointing: bool, variant: str) -> None:
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
-    hf_model, _ = lora_model()
+    hf_model, _ = lora_model(VARIANTS[variant])
     model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size,
                         activation_checkpointing=checkpointing)
     model.train()
@@ -72,9 +79,9 @@ def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkp
     exit_process()
 
 
-def reference_gradients() -> dict[str, torch.Tensor]:
+def reference_gradients(variant: str) -> dict[str, torch.Tensor]:
     """Plain peft model, stock SDPA, one document at a time: mean over every trained token."""
-    model, _ = lora_model()
+    model, _ = lora_model(VARIANTS[variant])
     model.set_attn_implementation("sdpa")
     total, tokens = 0.0, 0
     for doc in demo_documents(NUM_DOCS):
@@ -86,19 +93,42 @@ def reference_gradients() -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
-def test_adapter_gradients_do_not_depend_on_the_split(tmp_path):
-    want = reference_gradients()
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_adapter_gradients_do_not_depend_on_the_split(tmp_path, variant):
+    want = reference_gradients(variant)
     want_norm = float(torch.sqrt(sum(g.float().pow(2).sum() for g in want.values())))
     splits = {"1x1": [[list(range(NUM_DOCS))]], "1x4": [[[0, 1, 2], [3, 4, 5, 6, 7], [8, 9], [10, 11]]],
               "2x2": [[[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[9], [10, 11]]]}
+    if variant != "lora":  # the split machinery is the same: one sharded split against the plain model
+        splits = {"2x2": splits["2x2"]}
     for name, split in splits.items():
-        for checkpointing in ((False, True) if name == "2x2" else (False,)):
+        for checkpointing in ((False, True) if name == "2x2" and variant == "lora" else (False,)):
             out = str(tmp_path / f"{name}_{checkpointing}.pt")
-            mp.spawn(_worker, args=(len(split), free_port(), split, out, checkpointing), nprocs=len(split), join=True)
+            mp.spawn(_worker, args=(len(split), free_port(), split, out, checkpointing, variant), nprocs=len(split),
+                     join=True)
             got = torch.load(out)
-            assert sorted(got["grads"]) == sorted(want) and len(want) == 2 * 7 * 2  # 2 layers x 7 linears x (A, B)
+            assert sorted(got["grads"]) == sorted(want) and len(want) == TRAINED[variant]
             assert relative_error(got["grads"], want) < 1e-5, name
             assert abs(got["grad_norm"] - want_norm) / want_norm < 1e-5, name
+
+
+def test_the_base_view_switches_off_everything_the_adapters_train():
+    """DPO's reference with LoRA is the policy with its adapters off: DoRA's magnitudes and a tied embedding
+    trained in full (modules_to_save) must be off too, giving the untouched base's losses."""
+    settings = OmegaConf.merge(LORA, {"use_dora": True, "modules_to_save": ["embed_tokens"]})
+    hf_model = tiny_model(seed=0)
+    peft_model = add_adapters(hf_model, settings)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            if p.requires_grad:  # every trained tensor moves away from the base
+                p.add_(0.05 * torch.randn_like(p))
+    policy = PackedCausalLM(hf_model, loss_chunk_size=16)
+    batch = collate_packed(demo_documents(3))
+    with torch.no_grad():
+        base_losses = PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16)(batch)
+        assert torch.equal(BaseModelView(policy, peft_model)(batch), base_losses)
+        assert not torch.allclose(policy(batch), base_losses)
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +197,41 @@ def test_sft_lora_resumes_exactly_and_exports_what_it_trained(tmp_path, base_dir
     assert abs(loss_adapter - trained) / trained < 1e-5, (loss_adapter, trained)
     assert abs(loss_merged - trained) / trained < 1e-5, (loss_merged, trained)
     assert abs(loss_adapter - plain_eval_loss(AutoModelForCausalLM.from_pretrained(base_dir))) > 1e-3  # it trained
+
+
+def test_dora_and_trained_embeddings_resume_exactly_and_export_what_they_trained(tmp_path, base_dir):
+    """DoRA with the tied embedding trained in full, from a model directory (DoRA's magnitudes computed from
+    the base loaded shard by shard). At the first step the model is its base exactly, as with plain LoRA."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    options = ("peft.use_dora=true", "peft.modules_to_save=[embed_tokens]")
+    sft(tmp_path / "plain", base_dir, "max_steps=1", "save_every=0", "eval_every=0")
+    sft(tmp_path / "straight", base_dir, *options, "export.merge=true")
+    sft(tmp_path / "resumed", base_dir, *options, "stop_after_step=4")
+    sft(tmp_path / "resumed", base_dir, *options)
+    plain, straight, resumed = (read_metrics(tmp_path / run) for run in ("plain", "straight", "resumed"))
+    assert abs(straight[0]["loss"] - plain[0]["loss"]) <= 1e-6 * plain[0]["loss"], "DoRA at init is its base"
+    assert [(m["step"], m["loss"]) for m in resumed] == [(m["step"], m["loss"]) for m in straight]
+
+    adapter = tmp_path / "straight" / "adapter"
+    a, b = load_file(adapter / "adapter_model.safetensors"), load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sum("lora_magnitude_vector" in k for k in a) == 2 * 7
+    # One matrix under both of its names, as peft writes a tied module it trained in full.
+    assert torch.equal(a["base_model.model.model.embed_tokens.weight"], a["base_model.model.lm_head.weight"])
+
+    trained = [m for m in straight if "eval_loss" in m][-1]["eval_loss"]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf", dtype=torch.float32).eval()
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight  # still tied
+    loss_adapter, loss_merged = plain_eval_loss(with_adapter), plain_eval_loss(merged)
+    assert abs(loss_adapter - trained) / trained < 1e-5, (loss_adapter, trained)
+    assert abs(loss_merged - trained) / trained < 1e-5, (loss_merged, trained)
+    embedding = exported_weights(tmp_path / "straight" / "hf")["model.embed_tokens.weight"]
+    original = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).model.embed_tokens.weight
+    assert not torch.equal(embedding, original), "the embedding trained"
 
 
 @pytest.mark.parametrize("cache", [False, True])

@@ -319,3 +319,21 @@ def test_the_peft_group_and_its_keys(tmp_path):
     assert not ok and problems(report) == [
         "peft.rnk: unknown key; did you mean peft.rank?", "peft.rank: must be at least 1, got 0",
         "peft.dropout: must be in [0, 1), got 1.5"], report
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.use_dora=true",
+                                           "peft.modules_to_save=[embed_tokens]"], CONFIGS)
+    assert (report, ok) == ("config OK", True)
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.quantize_base=nf8",
+                                           "peft.use_dora=maybe"], CONFIGS)
+    assert not ok and problems(report) == [
+        "peft.use_dora: expected true or false, got 'maybe'",
+        "peft.quantize_base: 'nf8' is not one of nf4, fp4; did you mean nf4?"], report
+
+
+def test_qlora_is_refused_on_the_cpu(tmp_path):
+    """peft=qlora composes lora.yaml with a 4-bit base; on a CPU it is one clear problem, not a crash later."""
+    assert compose_config("sft/tiny", ["peft=qlora"]).peft.quantize_base == "nf4"
+    report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", "peft=qlora", "device=cpu", "model.path=null",
+                                           "model.config._target_=transformers.Qwen3Config"], CONFIGS)
+    assert not ok and problems(report) == [
+        "peft.quantize_base: a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory with bitsandbytes' GPU "
+        "kernels. On the CPU, set peft.quantize_base=null (LoRA on the full-precision base)"], report

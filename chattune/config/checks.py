@@ -24,7 +24,7 @@ from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryV
 from transformers import PretrainedConfig
 
 from chattune.config.findings import UNSET, Findings, closest, did_you_mean, first_line, get_value, join_key, show
-from chattune.config.schema import REFERENCE_FREE, schema_for
+from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE, schema_for
 from chattune.data.formats import DEFAULT_COLUMNS, HUB_LIKE, HUB_PREFIX, PREFERENCE_FORMATS, DataError, SourceSpec
 from chattune.errors import UserError
 
@@ -365,9 +365,8 @@ class Checker:
 
     def quantized_base(self) -> None:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
-        quantize_base = get_value(self.values, "peft.quantize_base")
-        if not isinstance(quantize_base, str):
-            return
+        if get_value(self.values, "peft.quantize_base") not in QUANTIZE_BASE:
+            return  # null (full precision), or not a format (reported by enums)
         device = get_value(self.values, "device")
         if device == "cpu" or (device == "auto" and not _cuda_available()):
             self.findings.problem("peft.quantize_base", "a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory "

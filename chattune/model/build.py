@@ -69,9 +69,15 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         # legacy getters raise, and cut-cross-entropy and Inductor read them).
         torch.set_float32_matmul_precision("high")
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
+    replicated = quantize.replicated_parameters(hf_model)
+    compile = compile_enabled(cfg.model.compile, device_type)
+    if replicated and compile and cfg.model.compile == "auto":
+        # bitsandbytes' 4-bit layers inside compiled decoder layers are not verified here: `auto` leaves a 4-bit
+        # base uncompiled (model.compile=true still asks for it).
+        compile = False
+        logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype), device_type,
-                        dist_info.world_size, **cfg.model.fsdp, compile=compile_enabled(cfg.model.compile, device_type),
-                        replicated=quantize.replicated_parameters(hf_model))
+                        dist_info.world_size, **cfg.model.fsdp, compile=compile, replicated=replicated)
     if files is not None:
         load.materialise_and_load(model, hf_model, Path(path), files, dist_info.device, initial)
     if adapters is not None and adapters.use_dora:
