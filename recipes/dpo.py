@@ -88,7 +88,8 @@ def main(cfg: DictConfig) -> None:
         tables = reference_cache.load_or_build(
             Path(cfg.reference.cache_dir), {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
             {split: len(documents) for split, documents in splits.items()}, reference_model,
-            lambda split: packed_stream(cfg, dist_info, pad_id, splits[split], shuffle=False, num_epochs=1), device, pad_id,
+            lambda split: packed_stream(cfg, dist_info.rank, dist_info.world_size, pad_id, splits[split], shuffle=False,
+                                        num_epochs=1), device, pad_id,
             dist_info.is_main)
         reference = CachedReference(tables["train"])
         eval_reference = CachedReference(tables["eval"]) if cfg.data.eval else None

@@ -21,8 +21,9 @@ def uneven_documents(count: int = 61) -> list[Document]:
 
 
 def make_feeds(docs, world_size, num_epochs, grad_accum_steps=2):
-    return [StepFeed(PackedStream(ListSource(docs), rank, world_size, seed=5, max_tokens=48, pad_token_id=0,
-                                  buffer_records=8, num_epochs=num_epochs), grad_accum_steps, 0, num_epochs)
+    return [StepFeed({rank: PackedStream(ListSource(docs), rank, world_size, seed=5, max_tokens=48, pad_token_id=0,
+                                         buffer_records=8, num_epochs=num_epochs)}, grad_accum_steps, 0, num_epochs,
+                     num_streams=world_size)
             for rank in range(world_size)]
 
 
@@ -36,8 +37,8 @@ def run_steps(feeds, max_steps=10_000):
         taken = [feed.next_step() for feed in feeds]
         steps.append([(t.epoch, [b.doc_ids for b in t.microbatches], [b.epoch for b in t.microbatches if b.doc_ids])
                       for t in taken])
-        ranks_done = sum(t.rank_done for t in taken)
-        counts = [feed.close_step(ranks_done, len(feeds)) for feed in feeds]
+        streams_done = sum(t.streams_done for t in taken)
+        counts = [feed.close_step(streams_done) for feed in feeds]
         assert all(c is None for c in counts) or all(c is not None for c in counts)
         if counts[0] is not None:
             closed.append({k: sum(c[k] for c in counts) for k in counts[0]})

@@ -232,7 +232,8 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS, world_size=4)
     assert problems(report) == [f"resume: {checkpoint} was written by 2 rank(s), this run has 4: each rank's data "
                                 "position is a place in its own share of the epoch, which another number of ranks "
-                                "would split differently. Relaunch with --nproc_per_node 2."]
+                                "would split differently. Relaunch with --nproc_per_node 2 (runs with data.microbatches_per_step "
+                                "resume on any number of ranks that divides it)."]
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1e-3", "seed=1"], CONFIGS)
     assert not ok and "config optimizer.lr: 0.003 -> 0.001\n  config seed: 42 -> 1" in report
     assert "resume with resume_allow_changes=[optimizer.lr,seed] (accepts only these changes" in report

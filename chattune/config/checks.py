@@ -154,6 +154,7 @@ class Checker:
         self.paths()
         self.numbers()
         self.quantized_base()
+        self.step_layout(world_size)
         if self.cfg is not None:
             self.output_dir(self.cfg, world_size)
 
@@ -362,6 +363,21 @@ class Checker:
         if (self.recipe == "dpo" and isinstance(get_value(self.values, "reference.path"), str)
                 and get_value(self.values, "loss.type") in REFERENCE_FREE):
             self.findings.note("reference.path", f"unused: loss.type={get_value(self.values, 'loss.type')} needs no reference")
+
+    def step_layout(self, world_size: int | None) -> None:
+        """World-size-invariant steps (data.microbatches_per_step) are dealt to the ranks, which must divide
+        them; the microbatches per rank follow from them, so grad_accum_steps stays at 1."""
+        total = _number(self.values, "data.microbatches_per_step")
+        if not isinstance(total, int) or total < 1:
+            return
+        accum = _number(self.values, "grad_accum_steps")
+        if accum not in (None, 1):
+            self.findings.problem("grad_accum_steps", f"{accum} with data.microbatches_per_step={total}: the microbatches "
+                                                      "per rank follow from it (data.microbatches_per_step / ranks); "
+                                                      "leave grad_accum_steps at 1")
+        if world_size is not None and world_size >= 1 and total % world_size:
+            self.findings.problem("data.microbatches_per_step", f"{total} cannot be dealt to {world_size} ranks: the "
+                                                                "number of ranks must divide it")
 
     def quantized_base(self) -> None:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""

@@ -192,12 +192,14 @@ def read_meta(directory: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: restore model and optimizer shards in place; returns this rank's train_state."""
+def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    own_state: bool = True) -> dict:
+    """Collective: restore model and optimizer shards in place (DCP reshards them for another number of ranks);
+    returns this rank's train_state (`own_state=False`: rank 0's)."""
     state = _sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
     # Not strict: the frozen keys are absent by design; every trained key is present (dcp.load fills exactly
     # the keys `_sharded_state` lists, and raises when the checkpoint lacks one).
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED_ONLY)
-    return torch.load(directory / f"train_state_rank{_rank()}.pt", weights_only=False)
+    return torch.load(directory / f"train_state_rank{_rank() if own_state else 0}.pt", weights_only=False)

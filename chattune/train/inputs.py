@@ -25,6 +25,7 @@ from chattune.data.sft_documents import SFTDocuments
 from chattune.data.source_mixture import MixedDocuments
 from chattune.data.stream import PackedStream
 from chattune.distributed import DistInfo
+from chattune.errors import UserError
 from chattune.train.feed import StepFeed
 from chattune.train.metrics import reduce_sums
 
@@ -51,14 +52,29 @@ def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, 
         for spec in specs])
 
 
-def packed_stream(cfg: DictConfig, dist_info: DistInfo, pad_id: int, documents: MixedDocuments, shuffle: bool,
+def packed_stream(cfg: DictConfig, share: int, num_shares: int, pad_id: int, documents: MixedDocuments, shuffle: bool,
                   num_epochs: int | None, sampler=None) -> PackedStream:
-    """This rank's packed microbatches of `documents`: its share of every epoch, or of a mixture's draws."""
+    """The packed microbatches of share `share` of `num_shares` of `documents` (a rank's, or a stream's of
+    world-size-invariant steps): that share of every epoch, or of a mixture's draws."""
     return PackedStream(
-        documents, dist_info.rank, dist_info.world_size, cfg.seed, cfg.data.max_tokens_per_microbatch, pad_id,
+        documents, share, num_shares, cfg.seed, cfg.data.max_tokens_per_microbatch, pad_id,
         cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
         pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler,
     )
+
+
+def stream_layout(cfg: DictConfig, dist_info: DistInfo) -> tuple[list[int], int, int]:
+    """(this rank's stream numbers, the streams over all ranks, microbatches per stream and step). Per rank: one
+    stream, the rank's share, grad_accum_steps microbatches of it a step. World-size-invariant
+    (data.microbatches_per_step = M): M streams, one microbatch each a step, rank r owning M/W consecutive ones."""
+    total = cfg.data.microbatches_per_step
+    if total is None:
+        return [dist_info.rank], dist_info.world_size, cfg.grad_accum_steps
+    if total % dist_info.world_size:
+        raise UserError(f"data.microbatches_per_step={total} cannot be dealt to {dist_info.world_size} ranks: "
+                        "the number of ranks must divide it")
+    per_rank = total // dist_info.world_size
+    return list(range(dist_info.rank * per_rank, (dist_info.rank + 1) * per_rank)), total, 1
 
 
 @dataclass
@@ -81,15 +97,22 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, pad_id: int,
     train_specs = source_specs(cfg.data.train)
     train = documents_of(train_specs)
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
-    mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, dist_info.rank, dist_info.world_size,
-                                      cfg.seed, cfg.data.num_epochs, cfg.data.buffer_records)
+    streams, num_streams, per_stream = stream_layout(cfg, dist_info)
+    mixer, samplers = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, streams, num_streams, cfg.seed,
+                                       cfg.data.num_epochs, cfg.data.buffer_records)
     if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
         sample = report_sample(len(train), cfg.data.report_records, cfg.seed)
         counts = reduce_sums(scan_documents(train, sample[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device)
         logger.info("training data (%d of %d records sampled): %s", len(sample), len(train), "; ".join(count_lines(counts)))
-    # Every step takes grad_accum_steps microbatches per rank; epochs end on the same step on every rank.
-    stream = packed_stream(cfg, dist_info, pad_id, train, shuffle=True, num_epochs=cfg.data.num_epochs, sampler=sampler)
-    feed = StepFeed(stream, cfg.grad_accum_steps, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer)
+    # Every step takes grad_accum_steps microbatches per rank (or one of each stream); epochs end on the same
+    # step on every rank.
+    packed = {number: packed_stream(cfg, number, num_streams, pad_id, train, shuffle=True,
+                                    num_epochs=cfg.data.num_epochs, sampler=samplers[number] if samplers else None)
+              for number in streams}
+    invariant = cfg.data.microbatches_per_step is not None
+    feed = StepFeed(packed, per_stream, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer, num_streams=num_streams,
+                    seed=cfg.seed if invariant else None)
     held_out = documents_of(source_specs(cfg.data.eval)) if cfg.data.eval else None
-    eval_batches = list(packed_stream(cfg, dist_info, pad_id, held_out, shuffle=False, num_epochs=1)) if held_out else []
+    eval_batches = list(packed_stream(cfg, dist_info.rank, dist_info.world_size, pad_id, held_out, shuffle=False,
+                                      num_epochs=1)) if held_out else []
     return TrainingData(train, held_out, feed, eval_batches, mixer)

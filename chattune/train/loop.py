@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedTokenizerBase
 
+from chattune.data.documents import SKIP_REASONS
 from chattune.data.packing import PackedBatch
 from chattune.data.report import epoch_line
 from chattune.distributed import DistInfo
@@ -94,13 +95,14 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             break
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        batches = feed.next_step()
+        batches = feed.next_step(step)
         if ledger:
             ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
         result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
-                                       device, rank_done=batches.rank_done, loss_scale=loss_scale)
-        epoch_counts = feed.close_step(result.ranks_done, dist_info.world_size)
+                                       device, streams_done=batches.streams_done, loss_scale=loss_scale,
+                                       seeds=batches.seeds)
+        epoch_counts = feed.close_step(result.streams_done)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
         step_time = time.perf_counter() - start
@@ -159,9 +161,9 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             break
     progress.close()
 
-    skipped = reduce_sums({**feed.stream.skipped, **feed.stream.overlong}, device)
+    skipped = reduce_sums(feed.skipped, device)
     logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
-                {k: int(skipped[k]) for k in feed.stream.skipped}, {k: int(skipped[k]) for k in feed.stream.overlong})
+                {k: int(skipped[k]) for k in SKIP_REASONS}, {k: int(skipped[k]) for k in skipped if k not in SKIP_REASONS})
 
     if background is not None:
         background.close()

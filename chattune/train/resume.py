@@ -36,6 +36,7 @@ from chattune.data.fingerprint import (
 )
 from chattune.errors import UserError
 from chattune.train.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from chattune.train.feed import merge_states
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +170,14 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     """Whether the checkpoint at `directory` can continue this run: a ResumePlan, or a ResumeError that
     lists every refused difference and the exact `resume_allow_changes` that would accept them."""
     saved = read_meta(directory)
-    if meta["world_size"] is not None and saved["world_size"] != meta["world_size"]:
+    world_size_changed = meta["world_size"] is not None and saved["world_size"] != meta["world_size"]
+    invariant = cfg.data.microbatches_per_step is not None
+    if world_size_changed and not invariant:
         raise ResumeError(
             f"{directory} was written by {saved['world_size']} rank(s), this run has {meta['world_size']}: each rank's "
             "data position is a place in its own share of the epoch, which another number of ranks would split "
-            f"differently. Relaunch with --nproc_per_node {saved['world_size']}.")
+            f"differently. Relaunch with --nproc_per_node {saved['world_size']} (runs with "
+            "data.microbatches_per_step resume on any number of ranks that divides it).")
     if cfg.stop_after_step is not None and cfg.stop_after_step <= saved["step"]:
         raise ResumeError(
             f"stop_after_step={cfg.stop_after_step}, but this run continues from {directory} at step {saved['step']}: "
@@ -185,6 +189,9 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     anything, entries = allowed_changes(cfg.resume_allow_changes)
     online_mixing = cfg.data.mixing.mode == "online"
     plan, refused = ResumePlan(), []
+    if world_size_changed:
+        plan.notes.append(f"world size {saved['world_size']} -> {meta['world_size']} (world-size-invariant steps: the "
+                          "same documents per step; the data streams are dealt to the new ranks)")
     for difference in differences(fingerprint, meta["fingerprint"], saved_record_hashes(directory)):
         key = difference.key if difference.kind == "config" else None
         if key is not None:
@@ -242,10 +249,20 @@ def resume_training(directory: Path, plan: ResumePlan, model, optimizer, schedul
     """Collective: restore a run from `directory` (checked by `check_resumable`); returns (its step, its counters)."""
     # The optimizer's hyperparameters as this run's config sets them (the checkpoint's state replaces them).
     configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-    train_state = load_checkpoint(directory, model, optimizer)
+    saved_ranks = read_meta(directory)["world_size"]
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    # Another number of ranks (world-size-invariant steps): the step, schedule and counters are every rank's
+    # alike, read from rank 0's state; the data positions of all ranks are dealt anew below.
+    train_state = load_checkpoint(directory, model, optimizer, own_state=saved_ranks == world_size)
     scheduler.load_state_dict(train_state["scheduler"])
-    feed.load_state_dict(train_state["data"])
-    set_rng_state(train_state["rng"])
+    if saved_ranks == world_size:
+        feed.load_state_dict(train_state["data"])
+        set_rng_state(train_state["rng"])
+    else:  # world-size-invariant steps on another number of ranks: every rank's data position, dealt anew
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        states = [torch.load(directory / f"train_state_rank{r}.pt", weights_only=False)["data"] for r in range(saved_ranks)]
+        feed.load_state_dict(merge_states(states, rank))
+        # The RNG: each microbatch seeds its own (StepFeed's seeds); the ranks' saved streams have no new owner.
     if loss_scale is not None and loss_scale.enabled and train_state.get("loss_scale"):
         loss_scale.load_state_dict(train_state["loss_scale"])
     for note in plan.notes:

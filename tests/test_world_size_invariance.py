@@ -1,0 +1,127 @@
+"""World-size-invariant steps (data.microbatches_per_step): a step's documents are fixed by the data and the
+seed, not by the number of ranks. Runs of 4 microbatches a step on 1 rank × 4, 2 ranks × 2 and 4 ranks × 1
+follow the same loss curve for 20 steps (to float summation order), for SFT and DPO, with 0 and 2 loader
+workers, with and without a static mixture; a checkpoint written on 2 ranks resumes on 1 and on 4 ranks
+with the uninterrupted run's remaining losses, and the ledger shows every document once per epoch across
+the change, each step training the same documents as the uninterrupted run."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from test_resume import ledger_steps
+from test_sft_recipe import read_metrics, run
+
+from chattune.config.paths import DEMO_ASSETS
+
+STEPS = 20
+TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
+CHATS, PAIRS = 40, 24
+# Launches dominate the time: a smaller model than sft/tiny's keeps 20 steps at a few seconds.
+SMALL_MODEL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+               "model.config.num_attention_heads=4"]
+
+
+def write_lines(path: Path, source: str, start: int, count: int) -> Path:
+    path.write_text("".join((DEMO_ASSETS / source).read_text().splitlines(keepends=True)[start:start + count]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, list[str]]:
+    """Small sources, so that 20 steps span several epochs: `data.train` overrides per recipe and mixing."""
+    root = tmp_path_factory.mktemp("data")
+    chats = write_lines(root / "chats.jsonl", "chat_train.jsonl", 0, CHATS)
+    more_chats = write_lines(root / "more_chats.jsonl", "chat_train.jsonl", CHATS, 16)
+    pairs = write_lines(root / "pairs.jsonl", "preference_train.jsonl", 0, PAIRS)
+    mixed = "data.mixing.mode=static"
+    return {
+        "sft": [f"data.train=[{chats}]"],
+        "sft-mixed": [f"data.train=[{{path:{chats},weight:2}},{{path:{more_chats},weight:1}}]", mixed],
+        "dpo": [f"data.train=[{{path:{pairs},format:preference}}]"],
+    }
+
+
+def launch(out: Path, nproc: int, recipe: str, *overrides: str) -> None:
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+         str(free_port()), f"recipes/{recipe}.py", f"output_dir={out}", f"max_steps={STEPS}", "log_every=1",
+         "eval_every=0", "save_every=0", "data.eval=[]", "data.microbatches_per_step=4",
+         "data.max_tokens_per_microbatch=512", "data.buffer_records=8", "data.report_records=0", *SMALL_MODEL,
+         *overrides])
+
+
+def losses(out: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(out)]
+
+
+def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), what
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    assert worst <= TOLERANCE, f"{what}: relative difference {worst:.2e}"
+
+
+# Every run costs a launch (CI has 2 cores), so each factor is covered once rather than crossed: SFT on all
+# three splits of 4 microbatches, with 0 and 2 loader workers, and resumed onto 1 and 4 ranks from 2; a static
+# mixture and DPO on the two extreme splits (the sampler and the feed are the recipes' shared code). The
+# (ranks, loader workers) of each setting's runs:
+SPLITS = {"sft": [(1, 0), (4, 0)], "sft-mixed": [(1, 2), (4, 0)], "dpo": [(1, 2), (4, 0)]}
+RANDOM_INIT = ["model.path=null"]  # DPO from the tiny random-init model (policy and reference alike)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, data) -> Path:
+    """SFT on 2 ranks × 2, checkpointed at step 10, with the document ledger."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    launch(out, 2, "sft", *data["sft"], "data.num_workers=2", "save_every=10", "ledger=true")
+    return out
+
+
+@pytest.mark.parametrize("setting", list(SPLITS))
+def test_the_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path, data, two_ranks, setting):
+    recipe = setting.split("-")[0]
+    curves = {}
+    for nproc, workers in SPLITS[setting]:
+        out = tmp_path / f"w{nproc}"
+        launch(out, nproc, recipe, *data[setting], *(RANDOM_INIT if recipe == "dpo" else []),
+               f"data.num_workers={workers}")
+        curves[nproc] = losses(out)
+        assert max(m["epoch"] for m in read_metrics(out)) >= 2, "the run should span several epochs"
+    if setting == "sft":
+        curves[2] = losses(two_ranks)
+    first, *others = curves
+    assert len(set(curves[first])) > 5, "the loss should move"
+    for nproc in others:
+        assert_same_curve(curves[nproc], curves[first], f"{setting}: {nproc} ranks against {first}")
+
+
+def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, data, two_ranks):
+    want = losses(two_ranks)
+    before = ledger_steps(two_ranks)["from_step0.jsonl"]
+    for nproc, workers in ((1, 2), (4, 0)):
+        out = tmp_path / f"resumed_on_{nproc}"
+        out.mkdir()
+        shutil.copytree(two_ranks / "checkpoints" / "step_10", out / "checkpoints" / "step_10")
+        launch(out, nproc, "sft", *data["sft"], "ledger=true", f"data.num_workers={workers}")
+        got = [(m["step"], m["loss"]) for m in read_metrics(out)]
+        assert [s for s, _ in got] == list(range(11, STEPS + 1))
+        assert_same_curve([loss for _, loss in got], want[10:], f"resumed on {nproc} ranks")
+
+        # Every document once per epoch: steps 1-10 on 2 ranks, 11-20 on the new number.
+        after = ledger_steps(out)["from_step10.jsonl"]
+        per_epoch: dict[int, Counter] = {}
+        for steps in ({s: v for s, v in before.items() if s <= 10}, after):
+            for epoch, ids in steps.values():
+                per_epoch.setdefault(epoch, Counter()).update(i for rank_ids in ids.values() for i in rank_ids)
+        for epoch, counts in per_epoch.items():
+            assert max(counts.values()) == 1, f"epoch {epoch}: a document trained twice"
+            if epoch < max(per_epoch):
+                assert sorted(counts) == list(range(CHATS)), f"epoch {epoch}: documents missing"
+        # The same documents in the same steps as the uninterrupted run, whoever trains them.
+        for step in range(11, STEPS + 1):
+            assert sorted(i for ids in after[step][1].values() for i in ids) == \
+                sorted(i for ids in before[step][1].values() for i in ids), f"step {step}"
