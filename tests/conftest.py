@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.chat_template import probe_template, tokenize_conversation
-from chattune.data.documents import Document, shifted_labels
+from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.distributed import free_port  # noqa: F401  (re-exported for the tests)
 from chattune.model.causal_lm import build_hf_model
 
@@ -48,6 +48,20 @@ def exported_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
         weights.update(load_file(hf_dir / file))
     assert sorted(weights) == sorted(weight_map), "the index and the shards disagree"
     return weights
+
+
+def plain_mean_token_loss(model, count: int) -> torch.Tensor:
+    """An HF model's mean loss over the trained tokens of the first `count` demo conversations, one plain
+    unpacked forward per conversation (the independent reference of the packed, sharded computation)."""
+    import torch.nn.functional as F
+
+    total, tokens = 0.0, 0
+    for doc in demo_documents(count):
+        logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
+        labels = torch.tensor(doc.labels.tolist())
+        total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        tokens += int((labels != IGNORE_INDEX).sum())
+    return total / tokens
 
 
 def demo_documents(count: int, start: int = 0) -> list[Document]:
@@ -106,6 +120,15 @@ def init_worker_process_group(rank: int, world_size: int, port: int) -> None:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny base model directory with the demo tokenizer (what a user's model.path holds)."""
+    directory = tmp_path_factory.mktemp("base")
+    tiny_model(seed=3).save_pretrained(directory)
+    demo_tokenizer().save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from conftest import (
     exported_weights,
     free_port,
     init_worker_process_group,
+    plain_mean_token_loss,
     relative_error,
     tiny_model,
 )
@@ -83,13 +84,7 @@ def reference_gradients(variant: str) -> dict[str, torch.Tensor]:
     """Plain peft model, stock SDPA, one document at a time: mean over every trained token."""
     model, _ = lora_model(VARIANTS[variant])
     model.set_attn_implementation("sdpa")
-    total, tokens = 0.0, 0
-    for doc in demo_documents(NUM_DOCS):
-        logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
-        labels = torch.tensor(doc.labels.tolist())
-        total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        tokens += int((labels != IGNORE_INDEX).sum())
-    (total / tokens).backward()
+    plain_mean_token_loss(model, NUM_DOCS).backward()
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -129,15 +124,6 @@ def test_the_base_view_switches_off_everything_the_adapters_train():
         base_losses = PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16)(batch)
         assert torch.equal(BaseModelView(policy, peft_model)(batch), base_losses)
         assert not torch.allclose(policy(batch), base_losses)
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    """A tiny base model directory with the demo tokenizer (what a user's model.path holds)."""
-    directory = tmp_path_factory.mktemp("base")
-    tiny_model(seed=3).save_pretrained(directory)
-    demo_tokenizer().save_pretrained(directory)
-    return directory
 
 
 def sft(out, base, *overrides: str, nproc: int = 2):

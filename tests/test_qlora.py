@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from conftest import PROJECT_ROOT, demo_documents, demo_tokenizer, exported_weights, free_port, init_worker_process_group, \
-    relative_error, tiny_model
+    plain_mean_token_loss, relative_error
 from omegaconf import OmegaConf
 from torch.distributed.tensor import distribute_tensor
 from transformers import AutoModelForCausalLM
 
-from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.model.build import build_sharded_model
@@ -93,24 +91,6 @@ def dequantized_base(base) -> AutoModelForCausalLM:
     return model
 
 
-def mean_token_loss(model) -> torch.Tensor:
-    total, tokens = 0.0, 0
-    for doc in demo_documents(NUM_DOCS):
-        logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
-        labels = torch.tensor(doc.labels.tolist())
-        total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        tokens += int((labels != IGNORE_INDEX).sum())
-    return total / tokens
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("base")
-    tiny_model(seed=3).save_pretrained(directory)
-    demo_tokenizer().save_pretrained(directory)
-    return directory
-
-
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
 def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir, use_dora):
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -130,7 +110,7 @@ def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir,
                 params[name].copy_(value)
             else:  # DoRA's magnitudes, set by chattune from the loaded 4-bit rows: peft's own, from its base
                 assert "lora_magnitude_vector" in name and torch.allclose(params[name], value, rtol=1e-6), name
-    loss = mean_token_loss(reference)
+    loss = plain_mean_token_loss(reference, NUM_DOCS)
     loss.backward()
     want = {name: p.grad for name, p in reference.named_parameters() if p.requires_grad}
     assert sorted(want) == sorted(trained) and len(want) == 2 * len(LINEARS) * (3 if use_dora else 2)
@@ -144,7 +124,7 @@ def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir,
     # The adapter directory, loaded by peft onto the dequantized base, gives the trained model's loss.
     with_adapter = PeftModel.from_pretrained(dequantized_base(base_dir), tmp_path / "adapter").eval()
     with torch.no_grad():
-        assert abs(float(mean_token_loss(with_adapter)) - float(loss)) / float(loss) < 1e-5
+        assert abs(float(plain_mean_token_loss(with_adapter, NUM_DOCS)) - float(loss)) / float(loss) < 1e-5
 
 
 def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
