@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from conftest import PROJECT_ROOT, demo_documents, demo_tokenizer, exported_weights, free_port, init_worker_process_group, \
     plain_mean_token_loss, relative_error
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import distribute_tensor
 from transformers import AutoModelForCausalLM
 
@@ -24,6 +25,7 @@ from chattune.distributed import exit_process, init_distributed, shutdown_distri
 from chattune.model.build import build_sharded_model
 from chattune.model.export import export_adapter, export_hf
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.checkpoint import load_checkpoint, save_checkpoint
 from chattune.train.step import accumulate_gradients
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -72,10 +74,31 @@ def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora
                for name, p in model.named_parameters() if p.requires_grad}
     export_hf(model, demo_tokenizer(), Path(out) / "hf", dist_info.is_main)
     export_adapter(model, peft_model, demo_tokenizer(), Path(out) / "adapter", dist_info.is_main, base)
+    checkpoint_round_trip(model, Path(out) / "checkpoints")  # last: its optimizer step moves the adapters
     if rank == 0:
         torch.save(trained, f"{out}/trained.pt")
     shutdown_distributed()
     exit_process()
+
+
+def checkpoint_round_trip(model, root: Path) -> None:
+    """A checkpoint holds the adapters and their optimizer state, nothing of the 4-bit base (its weights nor
+    its quantization state); loading it restores the adapters after they moved."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    optimizer.step()
+    saved = {name: p.detach().full_tensor().clone() for name, p in model.named_parameters() if p.requires_grad}
+    directory = save_checkpoint(root, 1, model, optimizer, {"step": 1}, {"world_size": 2})
+    keys = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys), sorted(model_keys)[:5]
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    load_checkpoint(directory, model, optimizer)
+    assert all(torch.equal(p.detach().full_tensor(), saved[name]) for name, p in model.named_parameters()
+               if p.requires_grad)
+    optimizer.zero_grad(set_to_none=False)
 
 
 def dequantized_base(base) -> AutoModelForCausalLM:
