@@ -56,7 +56,7 @@ def write_records(path: Path, count: int) -> None:
 
 def feed(documents, workers: int) -> StepFeed:
     stream = PackedStream(documents, 0, 1, SEED, BUDGET, 0, 256, num_workers=workers)
-    return StepFeed({0: stream}, ACCUM, 0)
+    return StepFeed(stream, ACCUM, 0)
 
 
 def state_at(records: int, position: int, workers: int) -> tuple[dict, int]:
@@ -66,7 +66,7 @@ def state_at(records: int, position: int, workers: int) -> tuple[dict, int]:
     while consumed < position:
         step = placeholder.next_step()
         consumed += sum(len(b.doc_ids) for b in step.microbatches)
-        placeholder.close_step(step.streams_done)
+        placeholder.close_step(step.rank_done)
     return placeholder.state_dict(), consumed
 
 

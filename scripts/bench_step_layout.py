@@ -1,17 +1,22 @@
 """The cost of world-size-invariant steps in the data pipeline: pack fill and tokens/s, per-rank packing
-(today's default) against `data.microbatches_per_step` streams.
+(today's default) against `data.microbatches_per_step`, for a job of `--ranks` ranks.
 
-    python scripts/bench_step_layout.py [--conversations 20000] [--max-tokens 4096] [--microbatches 8]
+    python scripts/bench_step_layout.py [--conversations 20000] [--max-tokens 4096] [--ranks 8] [--microbatches 8]
+                                        [--epochs 1]
 
 Data: the shared real chats (`../shared/assets/data`, as `scripts/bench_data.py` reads them) replicated to
-about `--conversations` conversations, with the shared Qwen3 tokenizer, one epoch. Both layouts are driven
-through `StepFeed` on one process, as one rank of a one-rank run takes them:
-- per rank: one stream (the rank's share: all of it), `--microbatches` microbatches a step;
-- invariant: `--microbatches` streams, one microbatch each a step (the same streams as that many ranks
-  of per-rank packing would have).
-Fill = document tokens / (microbatch slots x budget), counting the empty microbatches that keep streams in
-step at the end of the epoch; tokens/s = document tokens packed per second of the whole pipeline
-(tokenize, mask, pack, step assembly), best of `--repeats`.
+about `--conversations` conversations, with the shared Qwen3 tokenizer, `--epochs` epochs, no loader workers. The
+ranks are simulated in this one process, their step all-reduce done by hand:
+- per rank: each rank packs its own share, `--microbatches / --ranks` microbatches a step, the ranks
+  waiting for each other at the end of the epoch;
+- invariant: every rank packs all the data the same way and trains its `--microbatches / --ranks` of
+  each step's `--microbatches`, steps running on across epoch ends (one rank is timed: they all do the
+  same work).
+Fill = document tokens / (microbatch slots x budget) over all ranks, counting the empty microbatches of
+every epoch's end (per rank) or of the run's end (invariant); also without the run's last step (whose
+empty slots any layout has, once per run). tokens/s per rank = the document tokens a rank trains / the seconds its pipeline takes
+(tokenize, mask, pack, assemble its steps): what one rank's training can consume at most from the pipeline
+of one process (loader workers take the tokenizing off it).
 """
 
 from __future__ import annotations
@@ -32,46 +37,77 @@ from chattune.data.stream import PackedStream
 from chattune.train.feed import StepFeed
 
 
-def one_epoch(documents: SFTDocuments, max_tokens: int, microbatches: int, invariant: bool) -> tuple[float, float]:
-    """(fill, tokens/s) of one epoch through StepFeed."""
-    start = time.perf_counter()
-    if invariant:
-        streams = {v: PackedStream(documents, v, microbatches, 0, max_tokens, 0, num_epochs=1) for v in range(microbatches)}
-        feed = StepFeed(streams, 1, 0, num_epochs=1, num_streams=microbatches, seed=0)
-    else:
-        feed = StepFeed({0: PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=1)}, microbatches, 0, num_epochs=1)
-    tokens = slots = 0
-    step = 0
-    while not feed.finished:
+def drive(feeds: list[StepFeed]) -> tuple[int, int, int, int]:
+    """Run the feeds (the ranks of one job) to their end: (document tokens, microbatch slots) over them, and
+    the same of the run's last step alone."""
+    tokens = slots = step = 0
+    while not feeds[0].finished:
         step += 1
-        batches = feed.next_step(step)
-        tokens += sum(b.num_document_tokens for b in batches.microbatches)
-        slots += len(batches.microbatches)
-        feed.close_step(batches.streams_done)
-    seconds = time.perf_counter() - start
-    return tokens / (slots * max_tokens), tokens / seconds
+        taken = [feed.next_step(step) for feed in feeds]
+        last_tokens = sum(b.num_document_tokens for t in taken for b in t.microbatches)
+        last_slots = sum(len(t.microbatches) for t in taken)
+        tokens, slots = tokens + last_tokens, slots + last_slots
+        ranks_done = sum(t.rank_done for t in taken)
+        for feed in feeds:
+            feed.close_step(ranks_done)
+    return tokens, slots, last_tokens, last_slots
+
+
+def fills(counts: tuple[int, int, int, int], max_tokens: int) -> tuple[float, float]:
+    """(fill of the run, fill of the run without its last step)."""
+    tokens, slots, last_tokens, last_slots = counts
+    return tokens / (slots * max_tokens), (tokens - last_tokens) / ((slots - last_slots) * max_tokens)
+
+
+def per_rank(documents, max_tokens: int, ranks: int, microbatches: int, epochs: int) -> tuple[tuple[float, float], float]:
+    """(fills, tokens/s per rank) of per-rank packing."""
+    feeds = [StepFeed(PackedStream(documents, rank, ranks, 0, max_tokens, 0, num_epochs=epochs), microbatches // ranks, 0,
+                      num_epochs=epochs, num_ranks=ranks) for rank in range(ranks)]
+    start = time.perf_counter()
+    counts = drive(feeds)
+    seconds_per_rank = (time.perf_counter() - start) / ranks  # the ranks' pipelines ran one after another here
+    return fills(counts, max_tokens), counts[0] / ranks / seconds_per_rank
+
+
+def invariant(documents, max_tokens: int, ranks: int, microbatches: int, epochs: int) -> tuple[tuple[float, float], float]:
+    """(fills, tokens/s per rank) of world-size-invariant steps: the fill of all slots (one feed training all
+    of them), the time of rank 0 of `ranks` (it packs everything and trains its slots)."""
+    counts = drive([StepFeed(PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs), microbatches, 0,
+                             num_epochs=epochs, slots=range(microbatches))])
+    per_rank_slots = range(microbatches // ranks)
+    start = time.perf_counter()
+    mine = drive([StepFeed(PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs), microbatches, 0,
+                           num_epochs=epochs, slots=per_rank_slots)])[0]
+    return fills(counts, max_tokens), mine / (time.perf_counter() - start)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=20000)
     parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=8, help="per step, over all ranks")
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    if args.microbatches % args.ranks:
+        parser.error("--ranks must divide --microbatches")
     tokenizer = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen3")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "chats.jsonl"
         path.write_text("".join(json.dumps(m) + "\n" for m in replicated_messages(args.conversations)))
         documents = SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, args.max_tokens, overlong="truncate")
-        print("| layout | streams | microbatches per step | fill | tokens/s |\n|---|---|---|---|---|")
-        for name, invariant in (("per rank (data.microbatches_per_step=null)", False),
-                                (f"invariant (data.microbatches_per_step={args.microbatches})", True)):
-            runs = [one_epoch(documents, args.max_tokens, args.microbatches, invariant) for _ in range(args.repeats)]
-            fill = runs[0][0]
-            assert all(abs(r[0] - fill) < 1e-12 for r in runs), "the same epoch packs the same way every time"
-            streams = args.microbatches if invariant else 1
-            print(f"| {name} | {streams} | {args.microbatches} | {fill:.4f} | {max(r[1] for r in runs):,.0f} |", flush=True)
+        print("| layout | ranks | microbatches per step | epochs | fill | fill without the last step | tokens/s per rank |\n"
+              "|---|---|---|---|---|---|---|")
+        for name, measure in (("per rank (`data.microbatches_per_step=null`)", per_rank),
+                              (f"invariant (`data.microbatches_per_step={args.microbatches}`)", invariant)):
+            for ranks in sorted({1, args.ranks}):
+                runs = [measure(documents, args.max_tokens, ranks, args.microbatches, args.epochs)
+                        for _ in range(args.repeats)]
+                fill, steady = runs[0][0]
+                assert all(r[0] == runs[0][0] for r in runs), "the same data packs the same way every time"
+                print(f"| {name} | {ranks} | {args.microbatches} | {args.epochs} | {fill:.4f} | {steady:.4f} | "
+                      f"{max(r[1] for r in runs):,.0f} |", flush=True)
 
 
 if __name__ == "__main__":

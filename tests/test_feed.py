@@ -12,7 +12,7 @@ from test_sft_recipe import read_metrics, run
 
 from chattune.data.documents import Document
 from chattune.data.stream import PackedStream
-from chattune.train.feed import StepFeed
+from chattune.train.feed import StepFeed, merge_states
 
 
 def uneven_documents(count: int = 61) -> list[Document]:
@@ -21,9 +21,9 @@ def uneven_documents(count: int = 61) -> list[Document]:
 
 
 def make_feeds(docs, world_size, num_epochs, grad_accum_steps=2):
-    return [StepFeed({rank: PackedStream(ListSource(docs), rank, world_size, seed=5, max_tokens=48, pad_token_id=0,
-                                         buffer_records=8, num_epochs=num_epochs)}, grad_accum_steps, 0, num_epochs,
-                     num_streams=world_size)
+    return [StepFeed(PackedStream(ListSource(docs), rank, world_size, seed=5, max_tokens=48, pad_token_id=0,
+                                  buffer_records=8, num_epochs=num_epochs), grad_accum_steps, 0, num_epochs,
+                     num_ranks=world_size)
             for rank in range(world_size)]
 
 
@@ -37,11 +37,11 @@ def run_steps(feeds, max_steps=10_000):
         taken = [feed.next_step() for feed in feeds]
         steps.append([(t.epoch, [b.doc_ids for b in t.microbatches], [b.epoch for b in t.microbatches if b.doc_ids])
                       for t in taken])
-        streams_done = sum(t.streams_done for t in taken)
-        counts = [feed.close_step(streams_done) for feed in feeds]
-        assert all(c is None for c in counts) or all(c is not None for c in counts)
-        if counts[0] is not None:
-            closed.append({k: sum(c[k] for c in counts) for k in counts[0]})
+        ranks_done = sum(t.rank_done for t in taken)
+        per_rank = [feed.close_step(ranks_done) for feed in feeds]
+        assert all([e for e, _ in c] == [e for e, _ in per_rank[0]] for c in per_rank), "ranks closed other epochs"
+        for at in range(len(per_rank[0])):
+            closed.append({k: sum(c[at][1][k] for c in per_rank) for k in per_rank[0][at][1]})
     return steps, closed
 
 
@@ -107,3 +107,55 @@ def test_two_rank_run_stops_after_num_epochs_and_reports_each_epoch(tmp_path):
     assert {m["epoch"] for m in metrics if m["step"] <= int(done[0][1])} == {0}
     assert {m["epoch"] for m in metrics if m["step"] > int(done[0][1])} == {1}
     assert (out / "hf").is_dir()
+
+
+def invariant_feeds(docs, world_size, num_epochs, microbatches_per_step=4):
+    """World-size-invariant steps: every rank packs all of `docs` and trains its slots of each step."""
+    per_rank = microbatches_per_step // world_size
+    return [StepFeed(PackedStream(ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0, buffer_records=8,
+                                  num_epochs=num_epochs), microbatches_per_step, 0, num_epochs, num_ranks=world_size,
+                     slots=range(rank * per_rank, (rank + 1) * per_rank), seed=3)
+            for rank in range(world_size)]
+
+
+def test_invariant_steps_train_the_same_documents_on_any_number_of_ranks():
+    docs = uneven_documents(59)  # epochs of 23 microbatches: not a whole number of 4-microbatch steps
+    # Independent of the feed: two epochs' packing, as a one-rank stream of all the data gives it.
+    packed = [b.doc_ids for b in PackedStream(ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0,
+                                              buffer_records=8, num_epochs=2)]
+    by_step = None
+    for world_size in (1, 2, 4):
+        feeds = invariant_feeds(docs, world_size, num_epochs=2)
+        steps, closed = run_steps(feeds)
+        # A step's microbatches, in slot order over the ranks, are the next four of the one stream, across
+        # the end of the first epoch: only the run's last step has empty ones.
+        flat = [[ids for _, microbatches, _ in step for ids in microbatches] for step in steps]
+        assert [ids for step in flat for ids in step if ids] == packed
+        assert all(ids for step in flat[:-1] for ids in step), "a step before the last one has an empty microbatch"
+        crossing = [i for i, step in enumerate(steps) if len({e for _, _, epochs in step for e in epochs}) == 2]
+        assert len(crossing) == 1 and steps[crossing[0] + 1][0][0] == 1, "one step should cross into epoch 1"
+        assert [c["documents"] for c in closed] == [len(docs), len(docs)]
+        assert all(c["tokens"] == sum(map(len, docs)) for c in closed)
+        assert by_step is None or flat == by_step, f"{world_size} ranks train other documents per step"
+        by_step = flat
+        # Each microbatch is seeded by its place in the step, not by its rank.
+        seeds = [s for feed in invariant_feeds(docs, world_size, 1) for s in feed.next_step(7).seeds]
+        assert seeds == invariant_feeds(docs, 1, 1)[0].next_step(7).seeds and len(set(seeds)) == 4
+
+
+def test_invariant_state_resumes_on_another_number_of_ranks():
+    docs = uneven_documents(59)
+    expected, _ = run_steps(invariant_feeds(docs, 2, num_epochs=2))
+    flat = [[ids for _, microbatches, _ in step for ids in microbatches] for step in expected]
+    for stop in range(1, len(expected)):  # the step that crosses into epoch 1 and those around it included
+        feeds = invariant_feeds(docs, 2, num_epochs=2)
+        run_steps(feeds, max_steps=stop)
+        states = [feed.state_dict() for feed in feeds]
+        for world_size in (1, 4):
+            resumed = invariant_feeds(docs, world_size, num_epochs=2)
+            for rank, feed in enumerate(resumed):
+                feed.load_state_dict(merge_states(states, rank))
+            rest, closed = run_steps(resumed)
+            assert [[ids for _, mbs, _ in step for ids in mbs] for step in rest] == flat[stop:], (stop, world_size)
+            # The epoch's counts so far move whole to the new rank 0: each closed epoch still counts every document.
+            assert closed and all(c["documents"] == len(docs) for c in closed), (stop, world_size)

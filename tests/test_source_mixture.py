@@ -107,12 +107,12 @@ RANK_FIGURES = [([30.0, 2.0, 0.0], [10, 4, 0]), ([10.0, 1.0, 0.0], [10, 6, 0])]
 def _update_on_rank(rank: int, world_size: int, port: int, results) -> None:
     init_worker_process_group(rank, world_size, port)
     mixer = Mixer(["hard", "easy", "unseen"], [1, 1, 2], "online", gamma=0.3, eta=0.5, update_every=2)
-    mixer.samplers = [sampler(mixer.schedule, rank, world_size)]
-    records(mixer.samplers[0], 100 + 40 * rank)  # ranks have generated different numbers of draws
+    mixer.sampler = sampler(mixer.schedule, rank, world_size)
+    records(mixer.sampler, 100 + 40 * rank)  # ranks have generated different numbers of draws
     mixer.observe(figures(*RANK_FIGURES[rank]), finite=True)
     assert mixer.maybe_update(1, torch_cpu()) is None  # not an update step
     logged = mixer.maybe_update(2, torch_cpu())
-    results[rank] = (mixer.state_dict(), logged, mixer.samplers[0].draw)
+    results[rank] = (mixer.state_dict(), logged, mixer.sampler.draw)
 
 
 def torch_cpu():

@@ -1,12 +1,13 @@
 """World-size-invariant steps (data.microbatches_per_step): a step's documents are fixed by the data and the
 seed, not by the number of ranks. Runs of 4 microbatches a step on 1 rank × 4, 2 ranks × 2 and 4 ranks × 1
 follow the same loss curve for 20 steps (to float summation order), for SFT and DPO, with 0 and 2 loader
-workers, with and without a static mixture; a checkpoint written on 2 ranks resumes on 1 and on 4 ranks
+workers, with and without a static or an online mixture; a checkpoint written on 2 ranks resumes on 1 and on 4 ranks
 with the uninterrupted run's remaining losses, and the ledger shows every document once per epoch across
 the change, each step training the same documents as the uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from collections import Counter
@@ -39,11 +40,18 @@ def data(tmp_path_factory) -> dict[str, list[str]]:
     chats = write_lines(root / "chats.jsonl", "chat_train.jsonl", 0, CHATS)
     more_chats = write_lines(root / "more_chats.jsonl", "chat_train.jsonl", CHATS, 16)
     pairs = write_lines(root / "pairs.jsonl", "preference_train.jsonl", 0, PAIRS)
+    more_pairs = write_lines(root / "more_pairs.jsonl", "preference_train.jsonl", PAIRS, 12)
     mixed = "data.mixing.mode=static"
     return {
         "sft": [f"data.train=[{chats}]"],
         "sft-mixed": [f"data.train=[{{path:{chats},weight:2}},{{path:{more_chats},weight:1}}]", mixed],
+        # Online: every rank samples the one stream alike, so the bandit's updates do not depend on the ranks
+        # either (for a given number of loader workers: the update takes effect from the furthest draw read).
+        "sft-online": [f"data.train=[{{path:{chats},weight:2}},{{path:{more_chats},weight:1}}]",
+                       "data.mixing.mode=online", "data.mixing.update_every=3", "data.mixing.eta=1.0"],
         "dpo": [f"data.train=[{{path:{pairs},format:preference}}]"],
+        "dpo-mixed": [f"data.train=[{{path:{pairs},format:preference,weight:2}},"
+                      f"{{path:{more_pairs},format:preference,weight:1}}]", mixed],
     }
 
 
@@ -65,11 +73,11 @@ def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
     assert worst <= TOLERANCE, f"{what}: relative difference {worst:.2e}"
 
 
-# Every run costs a launch (CI has 2 cores), so each factor is covered once rather than crossed: SFT on all
-# three splits of 4 microbatches, with 0 and 2 loader workers, and resumed onto 1 and 4 ranks from 2; a static
-# mixture and DPO on the two extreme splits (the sampler and the feed are the recipes' shared code). The
-# (ranks, loader workers) of each setting's runs:
-SPLITS = {"sft": [(1, 0), (4, 0)], "sft-mixed": [(1, 2), (4, 0)], "dpo": [(1, 2), (4, 0)]}
+# Every run costs a launch (CI has 2 cores), so loader workers are not crossed with the rest: each setting
+# runs on 1 rank × 4, 2 × 2 and 4 × 1, some with 0 loader workers and some with 2, and all must agree. The
+# (ranks, loader workers) of each setting's runs (SFT's 2 × 2 is the `two_ranks` run, with 2 workers):
+SPLITS = {"sft": [(1, 0), (4, 0)], "sft-mixed": [(1, 2), (2, 0), (4, 0)], "sft-online": [(1, 2), (4, 2)],
+          "dpo": [(1, 0), (2, 2), (4, 0)], "dpo-mixed": [(1, 2), (2, 0), (4, 0)]}
 RANDOM_INIT = ["model.path=null"]  # DPO from the tiny random-init model (policy and reference alike)
 
 
@@ -91,6 +99,9 @@ def test_the_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path, data, t
                f"data.num_workers={workers}")
         curves[nproc] = losses(out)
         assert max(m["epoch"] for m in read_metrics(out)) >= 2, "the run should span several epochs"
+        if setting == "sft-online":
+            moved = {round(m["mix/chats/probability"], 6) for m in read_metrics(out) if "mix/chats/probability" in m}
+            assert len(moved) > 2, "the bandit should have updated the probabilities"
     if setting == "sft":
         curves[2] = losses(two_ranks)
     first, *others = curves
@@ -111,12 +122,17 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, data, two_ran
         assert [s for s, _ in got] == list(range(11, STEPS + 1))
         assert_same_curve([loss for _, loss in got], want[10:], f"resumed on {nproc} ranks")
 
-        # Every document once per epoch: steps 1-10 on 2 ranks, 11-20 on the new number.
+        # Every document once per epoch: steps 1-10 on 2 ranks, 11-20 on the new number (each document counted
+        # in its own epoch: a step may cross from one epoch into the next).
         after = ledger_steps(out)["from_step10.jsonl"]
         per_epoch: dict[int, Counter] = {}
-        for steps in ({s: v for s, v in before.items() if s <= 10}, after):
-            for epoch, ids in steps.values():
-                per_epoch.setdefault(epoch, Counter()).update(i for rank_ids in ids.values() for i in rank_ids)
+        for path in [*sorted((two_ranks / "ledger").glob("rank*.from_step0.jsonl")),
+                     *sorted((out / "ledger").glob("rank*.from_step10.jsonl"))]:
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                if path.parent == out / "ledger" or entry["step"] <= 10:
+                    for doc, epoch in zip(entry["doc_ids"], entry["doc_epochs"], strict=True):
+                        per_epoch.setdefault(epoch, Counter())[doc] += 1
         for epoch, counts in per_epoch.items():
             assert max(counts.values()) == 1, f"epoch {epoch}: a document trained twice"
             if epoch < max(per_epoch):

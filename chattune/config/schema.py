@@ -128,9 +128,9 @@ class DataConfig:
     max_tokens_per_microbatch: int = key(2048, "the token budget of one packed microbatch", at_least=1)
     buffer_records: int = key(256, "records tokenized and packed together (best-fit decreasing)", at_least=1)
     microbatches_per_step: int | None = key(None, "world-size-invariant steps: the step's microbatches over all "
-                                                  "ranks, packed from as many fixed shares of the data whatever the "
-                                                  "number of ranks, which must divide it (grad_accum_steps follows); "
-                                                  "null: each rank packs its own share", at_least=1)
+                                                  "ranks, the next ones of one packing of all the data that every "
+                                                  "rank makes alike; the number of ranks must divide it "
+                                                  "(grad_accum_steps follows). null: each rank packs its own share", at_least=1)
     num_workers: int = key(0, "tokenizing processes per rank (0: in the training process)", at_least=0)
     pad_to_multiple_of: int | None = key(None, "round each microbatch up (padding is never trained or attended)",
                                          at_least=1)

@@ -50,7 +50,7 @@ class Mixer:
         self.interval = np.zeros((2, len(names)))  # this rank's loss sums and loss units since the last update
         self.totals = np.zeros((2, len(names)))  # this rank's documents and trainable tokens since the start
         self.previous_mean = np.full(len(names), np.nan)  # loss_decrease: each source's mean at the last update
-        self.samplers: list[MixtureSampler] = []  # this rank's (one per stream)
+        self.sampler: MixtureSampler | None = None
 
     @property
     def num_sources(self) -> int:
@@ -78,7 +78,7 @@ class Mixer:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         positions = np.zeros(world)
-        positions[rank] = max(sampler.draw for sampler in self.samplers)
+        positions[rank] = self.sampler.draw
         sums = all_reduce_sum(torch.tensor(np.concatenate([self.interval.ravel(), positions]), dtype=torch.float64,
                                            device=device)).cpu().numpy()
         loss, units = sums[: 2 * self.num_sources].reshape(2, self.num_sources)
@@ -140,19 +140,17 @@ class Mixer:
         self.previous_mean = np.asarray(state["previous_mean"])
 
 
-def mixture_sampling(mixing: Mapping, specs: Sequence[SourceSpec], sizes: Sequence[int], streams: Sequence[int],
-                     num_streams: int, seed: int, num_epochs: int | None, chunk_records: int
-                     ) -> tuple[Mixer | None, dict[int, MixtureSampler] | None]:
-    """The mixer and the samplers of this rank's streams (`streams` of `num_streams`: the ranks, or the
-    streams of world-size-invariant steps) for `data.mixing`; both None for mode `none` (the sources are
-    simply concatenated and every record is seen once per epoch)."""
+def mixture_sampling(mixing: Mapping, specs: Sequence[SourceSpec], sizes: Sequence[int], share: int, num_shares: int,
+                     seed: int, num_epochs: int | None, chunk_records: int) -> tuple[Mixer | None, MixtureSampler | None]:
+    """The mixer and the sampler of share `share` of `num_shares` (this rank's, or the whole mixture for
+    world-size-invariant steps) for `data.mixing`; both None for mode `none` (the sources are simply
+    concatenated and every record is seen once per epoch)."""
     if mixing["mode"] not in MIXING_MODES:
         raise ValueError(f"data.mixing.mode must be one of {MIXING_MODES}, got {mixing['mode']!r}")
     if mixing["mode"] == "none":
         return None, None
     mixer = Mixer([spec.display_name for spec in specs], [spec.weight for spec in specs], mixing["mode"],
                   mixing["gamma"], mixing["eta"], mixing["update_every"], mixing["reward"])
-    samplers = {number: MixtureSampler(sizes, mixer.schedule, number, num_streams, seed, mixing["stopping"], num_epochs,
-                                       chunk_records) for number in streams}
-    mixer.samplers = list(samplers.values())
-    return mixer, samplers
+    mixer.sampler = MixtureSampler(sizes, mixer.schedule, share, num_shares, seed, mixing["stopping"], num_epochs,
+                                   chunk_records)
+    return mixer, mixer.sampler

@@ -164,9 +164,11 @@ class PackedStream:
         num_workers: int = 0,
         pad_to_multiple_of: int | None = None,
         sampler: Iterator[tuple[int, list[int], bool]] | None = None,
+        log_skips: bool = True,
     ):
         """`sampler`: another source of (epoch, record indices, closes_epoch) chunks than this rank's share
-        of each epoch (`chattune.data.source_mixture.MixtureSampler`); it must be stateful like `ShareSampler`."""
+        of each epoch (`chattune.data.source_mixture.MixtureSampler`); it must be stateful like `ShareSampler`.
+        `log_skips`: log skipped records and empty epochs (they are counted either way)."""
         if pad_to_multiple_of and max_tokens % pad_to_multiple_of:
             raise ValueError(f"data.max_tokens_per_microbatch={max_tokens} must be a multiple of "
                              f"data.pad_to_multiple_of={pad_to_multiple_of}, or padding could exceed the budget")
@@ -176,7 +178,7 @@ class PackedStream:
             raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
         self.documents = documents
         self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = rank, max_tokens, pad_token_id, buffer_records
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_multiple_of, self.log_skips = pad_to_multiple_of, log_skips
         self.sampler = sampler or ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records)
         self.position: dict | None = None  # the sampler's state after the last chunk taken (None: none yet)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch API on construction
@@ -210,9 +212,9 @@ class PackedStream:
         for document in chunk:
             if isinstance(document, Skipped):
                 self.skipped[document.reason] += 1
-                if self.skipped[document.reason] <= LOGGED_SKIPS:
+                if self.log_skips and self.skipped[document.reason] <= LOGGED_SKIPS:
                     logger.warning("skipped (%s): %s", document.reason, document.detail)
-                if self.skipped[document.reason] == LOGGED_SKIPS:
+                if self.log_skips and self.skipped[document.reason] == LOGGED_SKIPS:
                     logger.warning("rank %d: further %s skips are counted (in the epoch and end figures), not logged",
                                    self.rank, document.reason)
             else:
@@ -236,7 +238,8 @@ class PackedStream:
             if self.docs_in_epoch == 0:
                 # Every record of this rank's share was skipped (or it had none): an empty microbatch
                 # keeps the rank in step with the others (and the loop from spinning) instead of hanging.
-                logger.warning("rank %d: no trainable documents in epoch %d", self.rank, self.epoch)
+                if self.log_skips:
+                    logger.warning("rank %d: no trainable documents in epoch %d", self.rank, self.epoch)
                 self.pending = [[]]
             self.docs_in_epoch = 0
         return bool(self.pending) or stopped != "exhausted"

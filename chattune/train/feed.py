@@ -1,17 +1,22 @@
-"""Each update step's microbatches from a rank's packed stream, with epochs kept in lockstep across ranks.
+"""Each update step's microbatches from a rank's packed stream.
 
-The ranks' shares of an epoch hold the same number of records (±1) but pack into different numbers of
-microbatches. Left alone, a rank would run into epoch e+1 while another still trains on epoch e: the
-"epoch" each logs would differ, and a finite stream would end on one rank while the others still wait
-in a collective. So a rank that reaches the end of its share stops there, fills the rest of the step
-with empty microbatches and keeps taking empty steps until every rank has reached the end; the step in
-which the last rank does closes the epoch for all. Whether a rank has reached the end travels in the
-step's one all-reduce (`accumulate_gradients`), so agreeing costs no extra communication.
+Per rank (the default) each rank packs its own share of the data, and epochs are kept in lockstep across
+ranks. The ranks' shares of an epoch hold the same number of records (±1) but pack into different numbers
+of microbatches. Left alone, a rank would run into epoch e+1 while another still trains on epoch e: the
+"epoch" each logs would differ, and a finite stream would end on one rank while the others still wait in a
+collective. So a rank that reaches the end of its share stops there, fills the rest of the step with empty
+microbatches and keeps taking empty steps until every rank has reached the end; the step in which the last
+rank does closes the epoch for all. Whether a rank has reached the end travels in the step's one all-reduce
+(`accumulate_gradients`), so agreeing costs no extra communication. The price is the empty microbatches of
+the ranks whose share packed tighter.
 
-The price is a few empty microbatches per epoch on the ranks whose share packed tighter.
-
-With `data.microbatches_per_step` the unit of this is not the rank but the stream: a fixed number of them,
-dealt to the ranks, so that a step's documents do not depend on the number of ranks (`StepFeed`).
+World-size-invariant (`data.microbatches_per_step` = M): every rank reads, tokenizes and packs the whole
+data into the same one stream, takes the next M microbatches of it every step and trains only its own M/W
+of them (`slots`). A step's documents are then fixed by the data and the seed, not by the number of ranks
+W, and a checkpoint's data position is the same on every rank, so any other number of ranks can continue
+it. Every rank sees where an epoch ends, so no agreement is needed, and no step waits for one: a step that
+reaches an epoch's last microbatch fills its remaining slots from the next epoch (only the run's very end
+leaves slots empty). The price is that each rank tokenizes and packs all the data, W times its own share.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ if TYPE_CHECKING:
 @dataclass
 class StepBatches:
     microbatches: list[PackedBatch]
-    epoch: int
-    streams_done: int  # this rank's streams that have taken the last microbatch of their share of `epoch`
+    epoch: int  # the epoch of the step's first microbatch (world-size-invariant steps may also start the next)
+    rank_done: bool  # this rank's stream has given the last microbatch of an epoch
     # World-size-invariant steps: each microbatch's RNG seed, a function of the run's seed, the step and the
     # microbatch's place in the global step (dropout draws the same masks on any number of ranks). None:
     # the ranks' RNG streams as they run.
@@ -41,34 +46,35 @@ class StepBatches:
 
 
 class StepFeed:
-    """`next_step()` gives a step's microbatches; `close_step(streams_done)` is told after the step's
-    all-reduce how many streams, over all ranks, have finished the epoch. `num_epochs` (None: unbounded) ends
-    the feed on the same step on every rank (`finished`).
+    """`next_step()` gives a step's microbatches; `close_step(ranks_done)` is told after the step's all-reduce
+    how many ranks have finished an epoch and returns the epochs the step closed. `num_epochs` (None:
+    unbounded) ends the feed on the same step on every rank (`finished`).
 
-    `streams` maps a stream's number to this rank's packed streams. Per rank (the default) a rank has one
-    stream, its share of the data, numbered by its rank, and takes `microbatches_per_stream` (grad_accum_steps)
-    microbatches of it per step. World-size-invariant (`data.microbatches_per_step` = M): there are M streams
-    whatever the number of ranks W, stream v packing the v-th of M shares of the data, and each step takes
-    one microbatch from every stream; rank r owns streams r*M/W .. (r+1)*M/W - 1. Which documents a step
-    trains on is then fixed by the data and the seed, not by W, and a checkpoint's per-stream positions can
-    be dealt to another number of ranks (`merge_states`)."""
+    Each step takes `microbatches_per_step` microbatches of `stream`. Per rank (`slots` None) they are all
+    this rank's, and a step never runs past the end of an epoch. World-size-invariant, `stream` is the same
+    on every rank, steps run on across epoch ends, and this rank trains the step's microbatches `slots`
+    (rank r of W: r*M/W .. (r+1)*M/W - 1), seeded from `seed`, the step and the slot."""
 
-    def __init__(self, streams: dict[int, Iterable[PackedBatch]], microbatches_per_stream: int, pad_token_id: int,
-                 num_epochs: int | None = None, mixer: "Mixer | None" = None, num_streams: int | None = None,
-                 seed: int | None = None):
-        if microbatches_per_stream < 1:
-            raise ValueError(f"grad_accum_steps must be at least 1, got {microbatches_per_stream}")
-        self.streams = dict(sorted(streams.items()))
-        self.microbatches_per_stream, self.pad_token_id = microbatches_per_stream, pad_token_id
-        self.num_streams = num_streams or len(self.streams)  # over all ranks
-        self.invariant = seed is not None  # world-size-invariant steps (per-microbatch seeds)
-        self.seed = seed
-        self.num_epochs = num_epochs
+    def __init__(self, stream: Iterable[PackedBatch], microbatches_per_step: int, pad_token_id: int,
+                 num_epochs: int | None = None, mixer: "Mixer | None" = None, num_ranks: int = 1,
+                 slots: range | None = None, seed: int = 0):
+        if microbatches_per_step < 1:
+            raise ValueError(f"microbatches per step must be at least 1, got {microbatches_per_step}")
+        if slots is not None and (slots.start < 0 or slots.stop > microbatches_per_step):
+            raise ValueError(f"slots {slots} are not microbatches of a step of {microbatches_per_step}")
+        self.stream, self.microbatches_per_step, self.pad_token_id = stream, microbatches_per_step, pad_token_id
+        self.num_epochs, self.num_ranks = num_epochs, num_ranks
+        self.slots, self.seed = slots, seed
         self.mixer = mixer  # a mixture's sampling state (chattune.data.mixing_policy), checkpointed with the data position
-        self.epoch = 0
-        self.done = dict.fromkeys(self.streams, False)  # a stream waiting for the others to finish the epoch
+        self.epoch = 0  # the epoch of the next microbatch
+        self.rank_done = False  # per rank: the stream finished the epoch, empty steps until every rank has
         self.epoch_counts = _zero_counts()  # this rank's figures of the epoch so far
-        self._batches: dict[int, Iterator[PackedBatch]] | None = None
+        self._closing: list[tuple[int, dict[str, int]]] = []  # epochs this step ended, with their figures
+        self._batches: Iterator[PackedBatch] | None = None
+
+    @property
+    def invariant(self) -> bool:
+        return self.slots is not None
 
     @property
     def finished(self) -> bool:
@@ -76,118 +82,111 @@ class StepFeed:
 
     @property
     def skipped(self) -> dict[str, int]:
-        """This rank's skipped and over-budget-but-kept records, over its streams."""
-        totals: dict[str, int] = {}
-        for stream in self.streams.values():
-            for name, count in {**stream.skipped, **stream.overlong}.items():
-                totals[name] = totals.get(name, 0) + count
-        return totals
+        """Skipped and over-budget-but-kept records that this rank counts (summed over ranks, they are the
+        run's): its share's; world-size-invariant, every rank reads every record, so rank 0 counts them."""
+        counts = {**self.stream.skipped, **self.stream.overlong}
+        return counts if not self.invariant or self.slots.start == 0 else dict.fromkeys(counts, 0)
 
-    def next_step(self, step: int | None = None) -> StepBatches:
+    def next_step(self, step: int = 0) -> StepBatches:
         """`step`: the step number (the per-microbatch seeds of world-size-invariant steps)."""
         if self.finished:
             raise RuntimeError(f"the data feed finished after {self.num_epochs} epoch(s)")
         if self._batches is None:
-            self._batches = {number: iter(stream) for number, stream in self.streams.items()}
+            self._batches = iter(self.stream)
+        step_epoch = self.epoch
         taken: list[PackedBatch] = []
-        for number in self.streams:
-            from_stream = []
-            while not self.done[number] and len(from_stream) < self.microbatches_per_stream:
-                batch = next(self._batches[number], None)
-                if batch is None:  # a finite stream ended: its last epoch is over
-                    self.done[number] = True
-                    break
-                if batch.epoch != self.epoch:
-                    raise RuntimeError(f"the stream gave a microbatch of epoch {batch.epoch} during epoch {self.epoch} "
-                                       "without marking the end of the epoch")
-                from_stream.append(batch)
-                self.done[number] = batch.ends_epoch
-                self._count(batch)
-            taken += from_stream
-            taken += [empty_batch(self.pad_token_id) for _ in range(self.microbatches_per_stream - len(from_stream))]
-        seeds = None
+        while not self.rank_done and len(taken) < self.microbatches_per_step:
+            batch = next(self._batches, None)
+            if batch is None:  # a finite stream ended: its last epoch is over
+                self.rank_done = True
+                if self.invariant:
+                    self._close_epoch()
+                break
+            if batch.epoch != self.epoch:
+                raise RuntimeError(f"the stream gave a microbatch of epoch {batch.epoch} during epoch {self.epoch} "
+                                   "without marking the end of the epoch")
+            taken.append(batch)
+            if not self.invariant or len(taken) - 1 in self.slots:
+                _count(self.epoch_counts, batch)
+            if not self.invariant:  # the step stops at the epoch's end; the ranks agree on it in the all-reduce
+                self.rank_done = batch.ends_epoch
+            elif batch.ends_epoch:  # every rank sees this end: the step runs on into the next epoch
+                self._close_epoch()
+                self.rank_done = self.finished
+        slots = self.slots if self.invariant else range(self.microbatches_per_step)
+        mine = [taken[i] if i < len(taken) else empty_batch(self.pad_token_id) for i in slots]
+        seeds = [microbatch_seed(self.seed, step, slot) for slot in slots] if self.invariant else None
+        return StepBatches(mine, step_epoch, bool(self._closing) or self.rank_done, seeds)
+
+    def _close_epoch(self) -> None:
+        self._closing.append((self.epoch, self.epoch_counts))
+        self.epoch, self.epoch_counts = self.epoch + 1, _zero_counts()
+
+    def close_step(self, ranks_done: int) -> list[tuple[int, dict[str, int]]]:
+        """Record the step's agreement (`ranks_done` over all ranks). Returns the epochs the step closed
+        (on every rank alike), each with this rank's figures of it (summable over ranks)."""
         if self.invariant:
-            if step is None:
-                raise ValueError("world-size-invariant steps need the step number (their microbatches' seeds)")
-            seeds = [microbatch_seed(self.seed, step, number) for number in self.streams]
-        return StepBatches(taken, self.epoch, sum(self.done.values()), seeds)
-
-    def close_step(self, streams_done: int) -> dict[str, int] | None:
-        """Record the step's agreement (`streams_done` over all ranks). When it closed the epoch (on every
-        rank alike), returns this rank's figures of that epoch (summable over ranks); otherwise None."""
-        if streams_done < self.num_streams:
-            return None
-        counts, self.epoch_counts = self.epoch_counts, _zero_counts()
-        self.epoch += 1
-        self.done = dict.fromkeys(self.streams, False)
-        return counts
-
-    def _count(self, batch: PackedBatch) -> None:
-        if batch.doc_ids:  # not an empty microbatch
-            self.epoch_counts["microbatches"] += 1
-        self.epoch_counts["documents"] += len(batch.doc_ids)
-        self.epoch_counts["tokens"] += batch.num_document_tokens
-        self.epoch_counts["trainable_tokens"] += batch.num_trainable_tokens
+            closed, self._closing = self._closing, []
+            return closed
+        if ranks_done < self.num_ranks:
+            return []
+        self._close_epoch()
+        closed, self._closing, self.rank_done = self._closing, [], False
+        return closed
 
     def state_dict(self) -> dict:
-        mixer = self.mixer.state_dict() if self.mixer else None
-        if not self.invariant:  # one stream per rank: the layout of earlier checkpoints
-            (number,) = self.streams
-            return {"stream": self.streams[number].state_dict(), "epoch": self.epoch, "rank_done": self.done[number],
-                    "epoch_counts": dict(self.epoch_counts), "mixer": mixer}
-        return {"streams": {number: stream.state_dict() for number, stream in self.streams.items()},
-                "done": dict(self.done), "epoch": self.epoch, "epoch_counts": dict(self.epoch_counts), "mixer": mixer,
-                "num_streams": self.num_streams}
+        state = {"stream": self.stream.state_dict(), "epoch": self.epoch, "rank_done": self.rank_done,
+                 "epoch_counts": dict(self.epoch_counts), "mixer": self.mixer.state_dict() if self.mixer else None}
+        if self.invariant:
+            state["microbatches_per_step"] = self.microbatches_per_step
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        if self.invariant != ("streams" in state):
-            raise UserError("this checkpoint's data position is per " + ("rank" if self.invariant else "stream") +
-                            ": data.microbatches_per_step cannot be switched on or off in a resumed run")
-        if self.invariant:
-            if state["num_streams"] != self.num_streams:
-                raise UserError(f"this checkpoint has {state['num_streams']} data streams, this run "
-                                f"{self.num_streams} (data.microbatches_per_step): it cannot continue it")
-            for number, stream in self.streams.items():
-                stream.load_state_dict(state["streams"][number])
-            self.done = {number: state["done"][number] for number in self.streams}
-        else:
-            (number,) = self.streams
-            self.streams[number].load_state_dict(state["stream"])
-            self.done = {number: state["rank_done"]}
+        if "streams" in state:
+            raise UserError("this checkpoint was written by an earlier chattune's world-size-invariant steps (one "
+                            "stream per microbatch): resume it with the chattune that wrote it, or start over")
+        saved = state.get("microbatches_per_step")
+        if saved != (self.microbatches_per_step if self.invariant else None):
+            raise UserError(f"this checkpoint was written with data.microbatches_per_step={saved}, this run has "
+                            f"{self.microbatches_per_step if self.invariant else None}: a run's steps cannot change "
+                            "their microbatches on resume")
+        self.stream.load_state_dict(state["stream"])
         if self.mixer is not None:
             self.mixer.load_state_dict(state["mixer"])
         self._batches = None
-        self.epoch = state["epoch"]
+        self.epoch, self.rank_done = state["epoch"], state["rank_done"]
         self.epoch_counts = dict(state["epoch_counts"])
 
 
 def merge_states(states: list[dict], rank: int) -> dict:
     """The data position of a world-size-invariant run saved by `len(states)` ranks, for rank `rank` of
-    another number of ranks: every stream's own position (the new rank takes those it owns), and the
-    sums that are only ever reduced over ranks (the epoch's counts, a mixer's loss and document sums) put
-    whole on rank 0, zeros elsewhere, so that their all-reduced totals are unchanged."""
-    merged = {"streams": {}, "done": {}, "epoch": states[0]["epoch"], "num_streams": states[0]["num_streams"]}
-    for state in states:
-        merged["streams"].update(state["streams"])
-        merged["done"].update(state["done"])
-        if state["epoch"] != merged["epoch"]:
-            raise RuntimeError("the checkpoint's ranks disagree on the epoch")
-    counts = _zero_counts()
-    for state in states:
-        for name in counts:
-            counts[name] += state["epoch_counts"][name] if rank == 0 else 0
-    merged["epoch_counts"] = counts
-    merged["mixer"] = None
-    if states[0]["mixer"] is not None:
+    another number of ranks. The stream's position is every rank's alike; the sums that are only ever
+    reduced over ranks (the epoch's counts, a mixer's loss and document sums) are put whole on rank 0,
+    zeros elsewhere, so that their all-reduced totals are unchanged."""
+    first = states[0]
+    if any((s["stream"], s["epoch"], s["rank_done"]) != (first["stream"], first["epoch"], first["rank_done"])
+           for s in states):
+        raise RuntimeError("the checkpoint's ranks disagree on the data position of a world-size-invariant run")
+    counts = {name: sum(s["epoch_counts"][name] for s in states) if rank == 0 else 0 for name in first["epoch_counts"]}
+    merged = {**first, "epoch_counts": counts}
+    if first["mixer"] is not None:
         from chattune.data.mixing_policy import Mixer
 
-        merged["mixer"] = Mixer.merge_states([state["mixer"] for state in states], rank)
+        merged["mixer"] = Mixer.merge_states([s["mixer"] for s in states], rank)
     return merged
 
 
-def microbatch_seed(seed: int, step: int, stream: int) -> int:
-    """The RNG seed of stream `stream`'s microbatch in `step`: the same on any number of ranks."""
-    return (seed * 1_000_003 + step * 65_537 + stream) % 2**63
+def microbatch_seed(seed: int, step: int, slot: int) -> int:
+    """The RNG seed of the microbatch in place `slot` of `step`: the same on any number of ranks."""
+    return (seed * 1_000_003 + step * 65_537 + slot) % 2**63
+
+
+def _count(counts: dict[str, int], batch: PackedBatch) -> None:
+    if batch.doc_ids:  # not an empty microbatch
+        counts["microbatches"] += 1
+    counts["documents"] += len(batch.doc_ids)
+    counts["tokens"] += batch.num_document_tokens
+    counts["trainable_tokens"] += batch.num_trainable_tokens
 
 
 def _zero_counts() -> dict[str, int]:
@@ -206,5 +205,7 @@ class DocumentLedger:
 
     def write(self, step: int, batches: StepBatches) -> None:
         doc_ids = [i for batch in batches.microbatches for i in batch.doc_ids]
+        doc_epochs = [batch.epoch for batch in batches.microbatches for _ in batch.doc_ids]  # a step may cross one
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, "epoch": batches.epoch, "doc_ids": doc_ids}) + "\n")
+            f.write(json.dumps({"step": step, "epoch": batches.epoch, "doc_ids": doc_ids, "doc_epochs": doc_epochs})
+                    + "\n")

@@ -53,28 +53,38 @@ def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, 
 
 
 def packed_stream(cfg: DictConfig, share: int, num_shares: int, pad_id: int, documents: MixedDocuments, shuffle: bool,
-                  num_epochs: int | None, sampler=None) -> PackedStream:
-    """The packed microbatches of share `share` of `num_shares` of `documents` (a rank's, or a stream's of
-    world-size-invariant steps): that share of every epoch, or of a mixture's draws."""
+                  num_epochs: int | None, sampler=None, log_skips: bool = True) -> PackedStream:
+    """The packed microbatches of share `share` of `num_shares` of `documents` (a rank's, or all of it for
+    world-size-invariant steps): that share of every epoch, or of a mixture's draws. `log_skips`: whether
+    this rank logs the records it skips (not when every rank reads the same ones)."""
     return PackedStream(
         documents, share, num_shares, cfg.seed, cfg.data.max_tokens_per_microbatch, pad_id,
         cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
-        pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler,
+        pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler, log_skips=log_skips,
     )
 
 
-def stream_layout(cfg: DictConfig, dist_info: DistInfo) -> tuple[list[int], int, int]:
-    """(this rank's stream numbers, the streams over all ranks, microbatches per stream and step). Per rank: one
-    stream, the rank's share, grad_accum_steps microbatches of it a step. World-size-invariant
-    (data.microbatches_per_step = M): M streams, one microbatch each a step, rank r owning M/W consecutive ones."""
+@dataclass
+class StepLayout:
+    """Which data a rank packs and which of a step's microbatches it trains."""
+
+    share: int  # this rank's share of the data ...
+    num_shares: int  # ... of this many
+    microbatches_per_step: int  # taken from the stream per step
+    slots: range | None  # world-size-invariant: this rank's microbatches of each step; None: all it takes
+
+
+def step_layout(cfg: DictConfig, dist_info: DistInfo) -> StepLayout:
+    """Per rank: the rank's share, grad_accum_steps microbatches of it a step. World-size-invariant
+    (data.microbatches_per_step = M): all the data, M microbatches a step, rank r training M/W consecutive ones."""
     total = cfg.data.microbatches_per_step
     if total is None:
-        return [dist_info.rank], dist_info.world_size, cfg.grad_accum_steps
+        return StepLayout(dist_info.rank, dist_info.world_size, cfg.grad_accum_steps, None)
     if total % dist_info.world_size:
         raise UserError(f"data.microbatches_per_step={total} cannot be dealt to {dist_info.world_size} ranks: "
                         "the number of ranks must divide it")
     per_rank = total // dist_info.world_size
-    return list(range(dist_info.rank * per_rank, (dist_info.rank + 1) * per_rank)), total, 1
+    return StepLayout(0, 1, total, range(dist_info.rank * per_rank, (dist_info.rank + 1) * per_rank))
 
 
 @dataclass
@@ -97,21 +107,20 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, pad_id: int,
     train_specs = source_specs(cfg.data.train)
     train = documents_of(train_specs)
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
-    streams, num_streams, per_stream = stream_layout(cfg, dist_info)
-    mixer, samplers = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, streams, num_streams, cfg.seed,
-                                       cfg.data.num_epochs, cfg.data.buffer_records)
+    layout = step_layout(cfg, dist_info)
+    mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, layout.share, layout.num_shares,
+                                       cfg.seed, cfg.data.num_epochs, cfg.data.buffer_records)
     if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
         sample = report_sample(len(train), cfg.data.report_records, cfg.seed)
         counts = reduce_sums(scan_documents(train, sample[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device)
         logger.info("training data (%d of %d records sampled): %s", len(sample), len(train), "; ".join(count_lines(counts)))
-    # Every step takes grad_accum_steps microbatches per rank (or one of each stream); epochs end on the same
-    # step on every rank.
-    packed = {number: packed_stream(cfg, number, num_streams, pad_id, train, shuffle=True,
-                                    num_epochs=cfg.data.num_epochs, sampler=samplers[number] if samplers else None)
-              for number in streams}
-    invariant = cfg.data.microbatches_per_step is not None
-    feed = StepFeed(packed, per_stream, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer, num_streams=num_streams,
-                    seed=cfg.seed if invariant else None)
+    # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
+    # stream, and only rank 0 logs its skipped records); epochs end on the same step on every rank.
+    stream = packed_stream(cfg, layout.share, layout.num_shares, pad_id, train, shuffle=True,
+                           num_epochs=cfg.data.num_epochs, sampler=sampler,
+                           log_skips=layout.slots is None or dist_info.rank == 0)
+    feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
+                    num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed)
     held_out = documents_of(source_specs(cfg.data.eval)) if cfg.data.eval else None
     eval_batches = list(packed_stream(cfg, dist_info.rank, dist_info.world_size, pad_id, held_out, shuffle=False,
                                       num_epochs=1)) if held_out else []

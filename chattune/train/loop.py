@@ -100,9 +100,9 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
         result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
-                                       device, streams_done=batches.streams_done, loss_scale=loss_scale,
+                                       device, rank_done=batches.rank_done, loss_scale=loss_scale,
                                        seeds=batches.seeds)
-        epoch_counts = feed.close_step(result.streams_done)
+        closed_epochs = feed.close_step(result.ranks_done)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
         step_time = time.perf_counter() - start
@@ -124,8 +124,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             feed.mixer.observe(result.figures, math.isfinite(grad_norm))
             mixing = feed.mixer.maybe_update(step, device)
 
-        if epoch_counts is not None:  # the step closed an epoch on every rank: its exact figures
-            logger.info("epoch %d done at step %d: %s", batches.epoch, step,
+        for epoch, epoch_counts in closed_epochs:  # the step closed an epoch on every rank: its exact figures
+            logger.info("epoch %d done at step %d: %s", epoch, step,
                         epoch_line(reduce_sums(epoch_counts, device), cfg.data.max_tokens_per_microbatch))
         is_last = step == cfg.max_steps or feed.finished
         # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.

@@ -191,7 +191,7 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     plan, refused = ResumePlan(), []
     if world_size_changed:
         plan.notes.append(f"world size {saved['world_size']} -> {meta['world_size']} (world-size-invariant steps: the "
-                          "same documents per step; the data streams are dealt to the new ranks)")
+                          "same documents per step; every rank continues the one data stream)")
     for difference in differences(fingerprint, meta["fingerprint"], saved_record_hashes(directory)):
         key = difference.key if difference.kind == "config" else None
         if key is not None:
@@ -252,17 +252,17 @@ def resume_training(directory: Path, plan: ResumePlan, model, optimizer, schedul
     saved_ranks = read_meta(directory)["world_size"]
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     # Another number of ranks (world-size-invariant steps): the step, schedule and counters are every rank's
-    # alike, read from rank 0's state; the data positions of all ranks are dealt anew below.
+    # alike, read from rank 0's state; the data position too, with the sums of all ranks (below).
     train_state = load_checkpoint(directory, model, optimizer, own_state=saved_ranks == world_size)
     scheduler.load_state_dict(train_state["scheduler"])
     if saved_ranks == world_size:
         feed.load_state_dict(train_state["data"])
         set_rng_state(train_state["rng"])
-    else:  # world-size-invariant steps on another number of ranks: every rank's data position, dealt anew
+    else:  # world-size-invariant steps on another number of ranks: the one stream's position, and the sums moved
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         states = [torch.load(directory / f"train_state_rank{r}.pt", weights_only=False)["data"] for r in range(saved_ranks)]
         feed.load_state_dict(merge_states(states, rank))
-        # The RNG: each microbatch seeds its own (StepFeed's seeds); the ranks' saved streams have no new owner.
+        # The RNG: each microbatch seeds its own (StepFeed's seeds), so the ranks' saved RNG states are not needed.
     if loss_scale is not None and loss_scale.enabled and train_state.get("loss_scale"):
         loss_scale.load_state_dict(train_state["loss_scale"])
     for note in plan.notes:

@@ -32,22 +32,22 @@ class StepResult:
     local_units: int  # this rank's loss units
     global_units: int  # all ranks' loss units (the normaliser)
     local_tokens: int  # this rank's tokens, trained or not
-    streams_done: int = 0  # streams, over all ranks, that have finished their share of the epoch
+    ranks_done: int = 0  # ranks whose data stream has finished the epoch
     figures: dict[str, float] = field(default_factory=dict)  # this rank's other per-unit sums (the objective's)
     overflow: bool = False  # fp16: finite losses, non-finite gradients (the loss scale was too high)
 
 
 def accumulate_gradients(
     model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device,
-    streams_done: int = 0, loss_scale: float = 1.0, seeds: list[int] | None = None,
+    rank_done: bool = False, loss_scale: float = 1.0, seeds: list[int] | None = None,
 ) -> StepResult:
     """Forward/backward every microbatch of one step with the global normaliser. The gradients come out
-    multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out). `streams_done`: this
-    rank's data streams that finished the epoch (summed in the same all-reduce). `seeds`: the RNG seed of
+    multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out). `rank_done`: this
+    rank's data stream finished the epoch (counted over ranks in the same all-reduce). `seeds`: the RNG seed of
     each microbatch (world-size-invariant steps: dropout independent of which rank runs it)."""
     local_units = sum(objective.count_units(b) for b in microbatches)
-    counts = all_reduce_sum(torch.tensor([local_units, int(streams_done)], dtype=torch.int64, device=device))
-    global_units, all_streams_done = (int(c) for c in counts.tolist())
+    counts = all_reduce_sum(torch.tensor([local_units, int(rank_done)], dtype=torch.int64, device=device))
+    global_units, ranks_done = (int(c) for c in counts.tolist())
     normaliser = max(global_units, 1)  # a step with nothing to train gives zero gradients, not NaN
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     figures: dict[str, torch.Tensor] = {}
@@ -67,7 +67,7 @@ def accumulate_gradients(
         local_units=local_units,
         global_units=global_units,
         local_tokens=sum(b.num_tokens for b in microbatches),
-        streams_done=all_streams_done,
+        ranks_done=ranks_done,
         figures=dict(zip(names, values[1:])),
     )
 
@@ -138,7 +138,7 @@ def train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     max_grad_norm: float | None,
     device: torch.device,
-    streams_done: int = 0,
+    rank_done: bool = False,
     loss_scale: LossScale | None = None,
     seeds: list[int] | None = None,
 ) -> tuple[StepResult, float]:
@@ -150,7 +150,7 @@ def train_step(
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
     on or stop."""
     loss_scale = loss_scale or LossScale(enabled=False)
-    result = accumulate_gradients(model, objective, microbatches, device, streams_done, loss_scale.scale, seeds)
+    result = accumulate_gradients(model, objective, microbatches, device, rank_done, loss_scale.scale, seeds)
     grad_norm, losses_finite = clip_gradients(model, max_grad_norm, math.isfinite(result.loss_sum), loss_scale.scale)
     if math.isfinite(grad_norm):
         optimizer.step()
