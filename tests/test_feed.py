@@ -1,5 +1,7 @@
-"""Epochs in lockstep: every rank's steps belong to the same epoch, no step mixes two epochs, every
-document is trained once per epoch, and a finite run ends on the same step on every rank."""
+"""Per rank, epochs in lockstep: every rank's steps belong to the same epoch, no step mixes two epochs, every
+document is trained once per epoch, and a finite run ends on the same step on every rank. World-size-
+invariant: every number of ranks trains the same microbatches per step, steps run on across an epoch's end,
+and a saved position resumes on another number of ranks."""
 
 from __future__ import annotations
 
