@@ -3,7 +3,8 @@ seed, not by the number of ranks. Runs of 4 microbatches a step on 1 rank × 4, 
 follow the same loss curve for 20 steps (to float summation order), for SFT and DPO, with 0 and 2 loader
 workers, with and without a static or an online mixture; a checkpoint written on 2 ranks resumes on 1 and on 4 ranks
 with the uninterrupted run's remaining losses, and the ledger shows every document once per epoch across
-the change, each step training the same documents as the uninterrupted run."""
+the change, each step training the same documents as the uninterrupted run; an online mixture's state
+moves with such a checkpoint."""
 
 from __future__ import annotations
 
@@ -141,3 +142,24 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, data, two_ran
         for step in range(11, STEPS + 1):
             assert sorted(i for ids in after[step][1].values() for i in ids) == \
                 sorted(i for ids in before[step][1].values() for i in ids), f"step {step}"
+
+
+def test_an_online_mixture_resumes_on_another_number_of_ranks(tmp_path, data):
+    """The mixture's state moves with the checkpoint: the bandit's weights and reward sums, its per-source
+    totals (summed over the old ranks, held by the new rank 0) and the sampler's position."""
+    whole = tmp_path / "two_ranks"
+    launch(whole, 2, "sft", *data["sft-online"], "data.num_workers=2", "save_every=10")
+    want = read_metrics(whole)
+    for nproc in (1, 4):
+        out = tmp_path / f"resumed_on_{nproc}"
+        out.mkdir()
+        shutil.copytree(whole / "checkpoints" / "step_10", out / "checkpoints" / "step_10")
+        launch(out, nproc, "sft", *data["sft-online"], "data.num_workers=2")
+        got = read_metrics(out)
+        assert [m["step"] for m in got] == list(range(11, STEPS + 1))
+        assert_same_curve([m["loss"] for m in got], [m["loss"] for m in want[10:]], f"resumed on {nproc} ranks")
+        for mine, theirs in zip(got, want[10:]):
+            mixture = {k: v for k, v in theirs.items() if k.startswith("mix/")}
+            assert mixture and {k for k in mine if k.startswith("mix/")} == set(mixture), mine["step"]
+            for key, value in mixture.items():
+                assert abs(mine[key] - value) <= TOLERANCE * max(abs(value), 1), (mine["step"], key, mine[key], value)
