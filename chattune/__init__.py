@@ -4,4 +4,11 @@ The library holds the pieces every recipe shares (data, packing, attention, loss
 metrics, checkpointing); the recipes in `recipes/` tell the training story with them.
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# bitsandbytes, which peft imports whenever it is installed, warns at import that its CPU backend's
+# optional `kernels` package is missing (bitsandbytes 0.50). chattune trains 4-bit bases on CUDA only, so
+# on the CPU that warning is noise, and it would stand before a launch's one clear error message.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
