@@ -9,11 +9,13 @@ import json
 import re
 import sys
 
+import pytest
 from conftest import ListSource, free_port
 from test_sft_recipe import read_metrics, run
 
 from chattune.data.documents import Document
 from chattune.data.stream import PackedStream
+from chattune.errors import UserError
 from chattune.train.feed import StepFeed, merge_states
 
 
@@ -161,3 +163,17 @@ def test_invariant_state_resumes_on_another_number_of_ranks():
             assert [[ids for _, mbs, _ in step for ids in mbs] for step in rest] == flat[stop:], (stop, world_size)
             # The epoch's counts so far move whole to the new rank 0: each closed epoch still counts every document.
             assert closed and all(c["documents"] == len(docs) for c in closed), (stop, world_size)
+
+
+def test_a_position_of_another_step_layout_is_refused():
+    """A run cannot switch between per-rank and world-size-invariant steps, change M, or continue the
+    per-stream positions of the earlier invariant design: each would train other documents."""
+    docs = uneven_documents(59)
+    per_rank = make_feeds(docs, 1, num_epochs=1)[0].state_dict()
+    invariant = invariant_feeds(docs, 2, num_epochs=1)[0].state_dict()
+    for feed, state, says in ((invariant_feeds(docs, 2, 1)[0], per_rank, "data.microbatches_per_step=None"),
+                              (make_feeds(docs, 1, 1)[0], invariant, "data.microbatches_per_step=4"),
+                              (invariant_feeds(docs, 1, 1, microbatches_per_step=2)[0], invariant, "has 2"),
+                              (invariant_feeds(docs, 2, 1)[0], {"streams": {}}, "one stream per microbatch")):
+        with pytest.raises(UserError, match=re.escape(says)):
+            feed.load_state_dict(state)
