@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 class StepBatches:
     microbatches: list[PackedBatch]
     epoch: int  # the epoch of the step's first microbatch (world-size-invariant steps may also start the next)
-    rank_done: bool  # this rank's stream has given the last microbatch of an epoch
+    rank_done: bool  # per rank: this rank's stream has given the last microbatch of the epoch (invariant: of the run)
     # World-size-invariant steps: each microbatch's RNG seed, a function of the run's seed, the step and the
     # microbatch's place in the global step (dropout draws the same masks on any number of ranks). None:
     # the ranks' RNG streams as they run.
@@ -116,7 +116,7 @@ class StepFeed:
         slots = self.slots if self.invariant else range(self.microbatches_per_step)
         mine = [taken[i] if i < len(taken) else empty_batch(self.pad_token_id) for i in slots]
         seeds = [microbatch_seed(self.seed, step, slot) for slot in slots] if self.invariant else None
-        return StepBatches(mine, step_epoch, bool(self._closing) or self.rank_done, seeds)
+        return StepBatches(mine, step_epoch, self.rank_done, seeds)
 
     def _close_epoch(self) -> None:
         self._closing.append((self.epoch, self.epoch_counts))
