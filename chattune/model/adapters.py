@@ -126,6 +126,10 @@ class BaseModelView:
     def requires_grad_(self, requires_grad: bool = True) -> BaseModelView:
         return self
 
+    def modules(self):
+        """The policy's modules (what resharding the view frees: `chattune.model.fsdp.reshard`)."""
+        return self.model.modules()
+
     def __call__(self, batch: PackedBatch) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()

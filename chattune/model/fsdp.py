@@ -81,6 +81,20 @@ def _checkpointed(forward, layer, *args, **kwargs):
     return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit of `model` and register its fp32 shards again.
+
+    Call after a forward-only pass (evaluation, a DPO reference, the reference cache pass) and before
+    reading parameters by name (the export). FSDP2 never reshards the root unit after a forward, only
+    after a backward (in training its parameters are needed again at once): after a forward with no
+    backward the root's embeddings, final norm and output layer stay gathered, in `param_dtype`, and
+    `named_parameters()` returns those bf16 copies instead of the fp32 masters. A no-op on units that are
+    already sharded."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def shard_model(
     model: PackedCausalLM,
     device_type: str,
@@ -91,12 +105,14 @@ def shard_model(
     compile: bool = False,
     replicated: set[nn.Parameter] | None = None,
 ) -> PackedCausalLM:
-    """`replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize)."""
+    """`replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). The
+    model records what was applied (`compiled`, `compute_dtype`): the loop and the logs read it there."""
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:
         model.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = compute_dtype(param_dtype, device_type)
+    model.compiled, model.compute_dtype = compile, param_dtype
     mesh = init_device_mesh(device_type, (world_size,))
     # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
     # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.

@@ -21,6 +21,8 @@ from torch import nn
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
 from chattune.data.source_mixture import source_figures
+from chattune.model.adapters import BaseModelView
+from chattune.model.fsdp import reshard
 from chattune.objectives.pair_losses import PreferenceLoss
 
 
@@ -41,14 +43,21 @@ class Reference(Protocol):
 
 
 class LiveReference:
-    """A frozen reference model (sharded like the policy) run on the same packed microbatch."""
+    """A frozen reference model (sharded like the policy) run on the same packed microbatch.
 
-    def __init__(self, model: nn.Module):
+    A reference of its own is resharded after each forward: FSDP2 leaves a root unit gathered after a
+    forward (only a backward reshards it), and a reference never runs one, so its embeddings and output
+    layer would otherwise stay gathered on every rank for the whole run. A view of the policy's base
+    (LoRA, `BaseModelView`) is not: it shares the policy's root, gathered for the policy's own backward."""
+
+    def __init__(self, model: nn.Module | BaseModelView):
         self.model = model.eval().requires_grad_(False)
 
     @torch.no_grad()
     def __call__(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected, _, _ = pair_logps(self.model(batch), batch)
+        if not isinstance(self.model, BaseModelView):
+            reshard(self.model)
         return chosen, rejected
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from chattune.data.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_max, all_reduce_sum
+from chattune.model.fsdp import reshard
 from chattune.objectives.dpo import pair_logps
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ def compute_reference_table(reference: nn.Module, batches: Iterable[PackedBatch]
         table[rows] = torch.stack([chosen, rejected], dim=1).double().cpu()
         filled[rows] = 1.0
     reference.train(was_training)
+    reshard(reference)  # a view of the policy (LoRA) would otherwise start training with its root gathered
     together = all_reduce_sum(torch.cat([table, filled[:, None]], dim=1).to(device)).cpu()
     table = together[:, :2]
     table[together[:, 2] == 0] = float("nan")

@@ -7,6 +7,7 @@ from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_max
+from chattune.model.fsdp import reshard
 from chattune.objectives.base import Objective
 from chattune.train.metrics import reduce_sums
 
@@ -15,7 +16,8 @@ from chattune.train.metrics import reduce_sums
 def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch], device: torch.device,
              pad_token_id: int) -> dict[str, float]:
     """The objective's metrics over all ranks' held-out batches, named `eval_*` (eval_loss, ...). A rank with
-    fewer batches runs empty ones: every FSDP forward is a collective, so all ranks make the same number."""
+    fewer batches runs empty ones: every FSDP forward is a collective, so all ranks make the same number.
+    The model is resharded after the last forward (`chattune.model.fsdp.reshard`)."""
     sums: dict[str, float] = {"loss_sum": 0.0, "units": 0.0}
     was_training = model.training
     model.eval()
@@ -27,5 +29,6 @@ def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch],
         for name, value in figures.items():
             sums[name] = sums.get(name, 0.0) + float(value)
     model.train(was_training)
+    reshard(model)  # the root's gathered bf16 copies would otherwise stay (and be what an export reads)
     sums = reduce_sums(sums, device)
     return {f"eval_{name}": value for name, value in objective.metrics(sums, int(sums["units"])).items()}
