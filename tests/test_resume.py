@@ -158,3 +158,59 @@ def test_changed_config_data_or_world_size_is_refused_with_what_differs(tmp_path
         assert [m["step"] for m in read_metrics(out)] == [1, 2]
     finally:
         small_data.write_text(edited.read_text())
+
+
+class FakeCuda:
+    """torch.cuda's generator functions for a process that sees `visible` devices and runs on `current`:
+    each device's generator state is a tensor holding its index; another device's index is an error, as
+    on a real machine."""
+
+    def __init__(self, visible: int, current: int):
+        self.visible, self.current, self.restored = visible, current, {}
+
+    def install(self, monkeypatch) -> None:
+        for name in ("is_available", "is_initialized"):
+            monkeypatch.setattr(torch.cuda, name, lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.visible)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([self._index(device)]))
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([i]) for i in range(self.visible)])
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self._set)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: [self._set(s, i) for i, s in enumerate(states)])
+
+    def _index(self, device) -> int:
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index >= self.visible:
+            raise RuntimeError(f"invalid device ordinal {index}: {self.visible} visible")
+        return index
+
+    def _set(self, state, device="cuda") -> None:
+        self.restored[self._index(device)] = int(state[0])
+
+
+def test_a_rank_resumes_its_own_cuda_generator_on_fewer_visible_devices(monkeypatch):
+    """Rank 1 saved on cuda:1 of 2 visible devices; relaunched with one device visible (one GPU a process) it
+    runs on cuda:0 and gets the generator it saved, not every device's (which crashed the resume)."""
+    from chattune.train.resume import rng_state, set_rng_state
+
+    saved_on = FakeCuda(visible=2, current=1)
+    saved_on.install(monkeypatch)
+    state = rng_state()
+    assert int(state["cuda"][0]) == 1, "the state of the rank's own device"
+
+    resumed_on = FakeCuda(visible=1, current=0)
+    resumed_on.install(monkeypatch)
+    set_rng_state(state)
+    assert resumed_on.restored == {0: 1}
+
+
+def test_a_checkpoint_with_every_devices_generator_still_resumes(monkeypatch):
+    """Checkpoints written before saved `get_rng_state_all()`: the rank's own device's entry is restored."""
+    from chattune.train.resume import set_rng_state
+
+    old = {"torch": torch.get_rng_state(), "python": __import__("random").getstate(),
+           "numpy": __import__("numpy").random.get_state(), "cuda": [torch.tensor([0]), torch.tensor([1])]}
+    resumed_on = FakeCuda(visible=2, current=1)
+    resumed_on.install(monkeypatch)
+    set_rng_state(old)
+    assert resumed_on.restored == {1: 1}

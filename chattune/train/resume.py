@@ -216,16 +216,27 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
 
 
 def rng_state() -> dict:
+    """The generators a resume restores. On CUDA only this rank's own device's (the current device, set at
+    start-up): a relaunch may see fewer devices (another CUDA_VISIBLE_DEVICES, one GPU a process), and
+    every visible device's state would not fit it."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_initialized() else None}
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_initialized():
+        return
+    device = torch.cuda.current_device()
+    if isinstance(cuda, (list, tuple)):  # checkpoints written before: every visible device's generator
+        if device >= len(cuda):
+            logger.warning("the checkpoint holds no CUDA generator state for device %d; it is not restored", device)
+            return
+        cuda = cuda[device]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def run_meta(world_size: int, fingerprint: dict) -> dict:
