@@ -74,3 +74,40 @@ def test_no_grad_path_matches():
         got = chunked_token_losses(hidden, weight, labels, chunk_size=6)
     want = F.cross_entropy(hidden @ weight.t(), labels, reduction="none")
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_tf32_is_switched_on_for_the_head_matmuls_alone():
+    """With tf32=True (CUDA, bf16 compute) every matmul of the head, forward and backward (the chunks'
+    recomputation included), runs with TF32 allowed, and none outside it: the process-wide setting stays
+    `highest`. Observed on the CPU through the precision setting each matmul sees when it is dispatched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Precisions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                seen.append(torch.get_float32_matmul_precision())
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=generator).bfloat16().requires_grad_()
+    weight = torch.randn(30, 16, generator=generator).bfloat16().requires_grad_()
+    labels = torch.randint(0, 30, (40,), generator=generator)
+    assert torch.get_float32_matmul_precision() == "highest"
+    with Precisions():
+        losses = chunked_token_losses(hidden, weight, labels, chunk_size=16, tf32=True)
+        losses.sum().backward()
+        outside = torch.randn(4, 4) @ torch.randn(4, 4)
+    assert len(seen) == 3 + 3 + 3 * 2 + 1  # 3 chunks: forward, recomputed forward, 2 backward matmuls; one outside
+    assert seen[:-1] == ["high"] * (len(seen) - 1) and seen[-1] == "highest"
+    assert torch.get_float32_matmul_precision() == "highest"
+
+    # The same values as the plain path (on the CPU TF32 changes nothing; on CUDA the forward is exact).
+    plain_hidden, plain_weight = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    plain = chunked_token_losses(plain_hidden, plain_weight, labels, chunk_size=16)
+    plain.sum().backward()
+    torch.testing.assert_close(losses, plain, rtol=0, atol=0)
+    torch.testing.assert_close(hidden.grad, plain_hidden.grad)
+    torch.testing.assert_close(weight.grad, plain_weight.grad)
+    assert outside.shape == (4, 4)

@@ -23,17 +23,20 @@ from chattune.model.fused_loss import cce_token_losses
 
 class PackedCausalLM(nn.Module):
     def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024, loss_implementation: str = "chunked",
-                 source_dtype: torch.dtype | None = None):
+                 source_dtype: torch.dtype | None = None, tf32_head: bool = False):
         """`loss_implementation`: `chunked` (exact fp32, `chattune.model.chunked_loss`) or
-        `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA). Its architecture is checked by
+        `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA); `tf32_head`: the chunked head's matmuls
+        in TF32 (CUDA with bf16/fp16 compute, where that is exact for its forward). Its architecture is checked by
         `chattune.model.architecture_check` (the builder runs it), not here: `hf_model` may be on the meta
         device, its weights loaded after sharding."""
         super().__init__()
         self.hf_model = hf_model
         self.loss_chunk_size = loss_chunk_size
         self.loss_implementation = loss_implementation
+        self.tf32_head = tf32_head
         self.source_dtype = source_dtype  # the dtype the weights were stored in (export.dtype=auto writes it back)
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
+        self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored."""
@@ -41,7 +44,7 @@ class PackedCausalLM(nn.Module):
         weight = self.hf_model.get_output_embeddings().weight
         if self.loss_implementation == "cut_cross_entropy":
             return cce_token_losses(hidden, weight, batch.labels[0])
-        return chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size)
+        return chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head)
 
 
 @torch.no_grad()

@@ -5,9 +5,19 @@ Each chunk is computed under non-reentrant activation checkpointing: the forward
 hidden states and labels, and the backward recomputes that chunk's logits, one chunk at a time.
 Returning per-token losses (not only their sum) keeps the function general: SFT sums them, DPO turns
 them into per-sequence log-probabilities.
+
+With `tf32=True` (CUDA, bf16/fp16 compute: the builder decides) the head's own matmuls, forward and
+backward, run in TF32, and nothing else does: the global switch (`torch.set_float32_matmul_precision`) would
+also turn every other fp32 matmul of the process into TF32 (RoPE where transformers computes it as a
+matmul, LoRA merges, DoRA magnitudes). The forward is exact in TF32: its inputs are bf16 values, which TF32
+represents exactly (10 mantissa bits), and it accumulates in fp32. The backward rounds the fp32 softmax
+gradient to TF32 (a relative 2^-11 per element) before its two matmuls.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -16,20 +26,55 @@ from torch.utils.checkpoint import checkpoint
 from chattune.data.documents import IGNORE_INDEX
 
 
-def _chunk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+@contextmanager
+def tf32_matmuls() -> Iterator[None]:
+    """fp32 matmuls in TF32 inside the block only. The legacy setter, as every reader of the flag expects
+    (mixing it with the newer `fp32_precision` settings makes the legacy getters raise)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+class _TF32Logits(torch.autograd.Function):
+    """hidden.float() @ weight.float().t(), its forward and backward matmuls in TF32 (the backward runs
+    outside the forward's code, in autograd's engine, so a context around the forward would not reach it)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        with tf32_matmuls():
+            return hidden.float() @ weight.float().t()
+
+    @staticmethod
+    def backward(ctx, grad_logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        hidden, weight = ctx.saved_tensors
+        grad_hidden = grad_weight = None
+        with tf32_matmuls():
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (grad_logits @ weight.float()).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad_logits.t() @ hidden.float()).to(weight.dtype)
+        return grad_hidden, grad_weight
+
+
+def _chunk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        tf32: bool = False) -> torch.Tensor:
     # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
-    # before the loss sees it. bf16 -> fp32 is exact, and so is TF32 on CUDA for bf16-valued inputs.
-    logits = hidden.float() @ weight.float().t()
+    # before the loss sees it. bf16 -> fp32 is exact.
+    logits = _TF32Logits.apply(hidden, weight) if tf32 else hidden.float() @ weight.float().t()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def chunked_token_losses(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, tf32: bool = False
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where label is IGNORE_INDEX).
 
     hidden: (N, H) final hidden states; weight: (V, H) output embedding; labels: (N,) already shifted
-    (labels[i] is the token that position i must predict).
+    (labels[i] is the token that position i must predict). `tf32`: the head's matmuls in TF32 (see above).
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
@@ -38,7 +83,7 @@ def chunked_token_losses(
     for start in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         if needs_grad:
-            losses.append(checkpoint(_chunk_token_losses, h, weight, y, use_reentrant=False))
+            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, use_reentrant=False))
         else:
-            losses.append(_chunk_token_losses(h, weight, y))
+            losses.append(_chunk_token_losses(h, weight, y, tf32))
     return torch.cat(losses)
