@@ -57,5 +57,28 @@ def test_the_implementation_is_chosen_by_device_dtype_and_setting(monkeypatch):
     assert fused_loss.resolve_loss_implementation("cut_cross_entropy", "cpu", "float32") == "cut_cross_entropy"
     monkeypatch.setattr(fused_loss, "cce_available", lambda: False)
     assert fused_loss.resolve_loss_implementation("auto", "cuda", "bfloat16") == "chunked"
-    with pytest.raises(UserError, match="cut_cross_entropy package is not installed"):
+    with pytest.raises(UserError, match="cut_cross_entropy package cannot be imported"):
         fused_loss.resolve_loss_implementation("cut_cross_entropy", "cuda", "bfloat16")
+
+
+def test_a_failed_import_on_cuda_is_a_warning_with_the_reason(monkeypatch, caplog):
+    monkeypatch.setattr(fused_loss, "_import_cce", lambda: (None, "RuntimeError: Triton found no compiler"))
+    with caplog.at_level("WARNING"):
+        assert fused_loss.resolve_loss_implementation("auto", "cpu", "float32") == "chunked"
+        assert not caplog.records, "the CPU never uses CCE: nothing to warn about"
+        assert fused_loss.resolve_loss_implementation("auto", "cuda", "bfloat16") == "chunked"
+    assert len(caplog.records) == 1 and "Triton found no compiler" in caplog.text
+    with pytest.raises(UserError, match="Triton found no compiler"):
+        fused_loss.resolve_loss_implementation("cut_cross_entropy", "cuda", "bfloat16")
+
+
+def test_the_gradients_accumulate_in_fp32_where_the_release_allows_it(monkeypatch):
+    """25.1.1 (the registry's newest) has no fp32 accumulation; later releases take accum_e_fp32/accum_c_fp32."""
+    assert fused_loss.cce_options(on_cuda=False) == {"impl": "torch_compile"}
+
+    def later_release(e, c, targets, ignore_index=-100, softcap=None, reduction="mean", shift=0, filter_eps="auto",
+                      accum_e_fp32=False, accum_c_fp32=False, impl="cce"):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(fused_loss, "_import_cce", lambda: (later_release, None))
+    assert fused_loss.cce_options(on_cuda=True) == {"impl": "cce", "accum_e_fp32": True, "accum_c_fp32": True}

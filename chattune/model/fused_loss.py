@@ -6,15 +6,29 @@ tokens, forward + backward), against our fp32 chunked head at 761 ms:
 - Liger's fused linear cross-entropy: 482 ms;
 - CCE: 329 ms, the fastest, with 10% less peak memory.
 
-Its kernels compute logits block by block in bf16 with fp32 accumulation and never store them. They
-return per-token losses (`reduction="none"`), which DPO's log-probs and mixing's per-source figures need.
-Its gradient filtering (`filter_eps="high"`, the library's default) skips logit blocks whose softmax is
-below bf16 resolution, so their gradient contribution is invisible in bf16 anyway. It finds the trained
-positions with `nonzero()`, one host sync per microbatch that our own code avoids.
+What its kernels do (read from the release the registry has, 25.1.1, and the repository after it):
+- The forward computes logits block by block in bf16 with fp32 accumulation and never stores them; it
+  returns per-token losses (`reduction="none"`), which DPO's log-probs and mixing's per-source figures need.
+- The backward recomputes each block's softmax and drops (`filter_eps`) every block of (tokens × vocabulary
+  entries) in which all |softmax − one-hot| are below `filter_eps`: "high" (the default of
+  `linear_cross_entropy`; `cce_linear_cross_entropy`'s is "auto", the same value) is bf16's machine epsilon
+  / 32 = 2.4e-4. Those entries are small, not zero: their contributions to the hidden-state and output-layer
+  gradients are left out, an approximation (the vocabulary rows that only rare tokens' small probabilities
+  touch lose their gradient), not a rounding bf16 would make anyway.
+- The gradients of the hidden states and of the output layer are accumulated over token blocks in the
+  inputs' dtype (bf16), with atomic adds, in 25.1.1: more roundings than our chunked path, which sums each
+  chunk's fp32 product before one cast. Later releases (the repository's, not yet on the registry) can
+  accumulate both in fp32 (`accum_e_fp32`, `accum_c_fp32`): `cce_token_losses` asks for that wherever the
+  installed release has those options (`cce_options`).
+- It finds the trained positions with `nonzero()`: one host sync per microbatch that our own code avoids.
+
+The tolerance against the exact fp32 chunked path, on the same bf16 inputs: `scripts/gpu_check.py` measures
+it on CUDA (per-token losses, summed loss, output-layer gradient; BENCHMARKS.md), the tests on the CPU
+through CCE's torch implementation (`tests/test_fused_loss.py`).
 
 `loss.implementation`:
 - `auto`: CCE on CUDA with bf16/fp16 compute when `cut_cross_entropy` is importable (the `gpu` extra),
-  otherwise `chunked`;
+  otherwise `chunked`, with a warning on CUDA that says why CCE could not be used;
 - `chunked`: the exact fp32 chunked path (`chattune.model.chunked_loss`), the CPU path and the reference;
 - `cut_cross_entropy`: always CCE. On the CPU it runs CCE's torch implementation, which is how the tests
   check it against the reference.
@@ -23,24 +37,46 @@ positions with `nonzero()`, one host sync per microbatch that our own code avoid
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 
 import torch
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UserError
 
+logger = logging.getLogger(__name__)
+# Options of later releases that accumulate the hidden-state and output-layer gradients in fp32.
+FP32_ACCUMULATION_OPTIONS = ("accum_e_fp32", "accum_c_fp32")
+
 
 @functools.cache
-def _linear_cross_entropy():
+def _import_cce() -> tuple[object | None, str | None]:
+    """(cut_cross_entropy's linear_cross_entropy, None), or (None, why it cannot be imported). Importing it
+    also imports Triton, which can fail for other reasons than a missing package: any error is a reason."""
     try:
         from cut_cross_entropy import linear_cross_entropy
-    except ImportError:
-        return None
-    return linear_cross_entropy
+    except Exception as error:  # noqa: BLE001  (reported, never swallowed: see resolve_loss_implementation)
+        return None, f"{type(error).__name__}: {error}"
+    return linear_cross_entropy, None
+
+
+def _linear_cross_entropy():
+    return _import_cce()[0]
 
 
 def cce_available() -> bool:
     return _linear_cross_entropy() is not None
+
+
+def cce_options(on_cuda: bool) -> dict:
+    """The keyword options of our call: CCE's kernels on CUDA, with fp32 accumulation of the gradients where
+    the installed release has it (25.1.1 has not); CCE's torch implementation elsewhere, which has none of
+    the kernels' options."""
+    if not on_cuda:
+        return {"impl": "torch_compile"}
+    parameters = inspect.signature(_linear_cross_entropy()).parameters
+    return {"impl": "cce", **{name: True for name in FP32_ACCUMULATION_OPTIONS if name in parameters}}
 
 
 def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str) -> str:
@@ -50,11 +86,15 @@ def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: s
             raise UserError("loss.implementation=cut_cross_entropy: its CUDA kernels take bf16 or fp16 inputs; with "
                             "model.fsdp.param_dtype=float32 use loss.implementation=chunked (or auto)")
         if not cce_available():
-            raise UserError("loss.implementation=cut_cross_entropy: the cut_cross_entropy package is not installed "
-                            "(pip install -e \".[gpu]\", or pip install cut-cross-entropy)")
+            raise UserError("loss.implementation=cut_cross_entropy: the cut_cross_entropy package cannot be imported "
+                            f"({_import_cce()[1]}); pip install -e \".[gpu]\", or pip install cut-cross-entropy")
         return setting
     if setting == "auto":
         fast = device_type == "cuda" and compute_dtype in ("bfloat16", "float16")
+        if fast and not cce_available():
+            logger.warning("loss.implementation=auto: cut-cross-entropy cannot be imported (%s), so the output layer's "
+                           "loss is the chunked fp32 head, about twice as slow on CUDA (pip install -e \".[gpu]\"; "
+                           "loss.implementation=chunked says it is meant)", _import_cce()[1])
         return "cut_cross_entropy" if fast and cce_available() else "chunked"
     return setting
 
@@ -64,6 +104,5 @@ def cce_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision)."""
     if weight.dtype != hidden.dtype:  # CCE wants one dtype; FSDP hands both over in param_dtype
         weight = weight.to(hidden.dtype)
-    impl = "cce" if hidden.is_cuda else "torch_compile"
     return _linear_cross_entropy()(hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="none",
-                                   impl=impl).float()
+                                   **cce_options(hidden.is_cuda)).float()
