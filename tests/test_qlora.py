@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import PROJECT_ROOT, demo_documents, demo_tokenizer, exported_weights, free_port, init_worker_process_group, \
-    plain_mean_token_loss, relative_error
+    plain_mean_token_loss, relative_error, tiny_model
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import distribute_tensor
@@ -23,10 +23,14 @@ from transformers import AutoModelForCausalLM
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.model.build import build_sharded_model
+from chattune.model.adapters import add_adapters
+from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_adapter, export_hf
+from chattune.model.fsdp import decoder_layers, shard_model
+from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import load_checkpoint, save_checkpoint
-from chattune.train.step import accumulate_gradients
+from chattune.train.step import accumulate_gradients, train_step
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -57,7 +61,7 @@ def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora
     dist_info = init_distributed("cpu")
     hf_model, model, peft_model = build_sharded_model(run_config(base), demo_tokenizer(), dist_info, base,
                                                       adapters=settings(use_dora))
-    quantized = [m for m in hf_model.modules() if type(m) is bnb.nn.Linear4bit]
+    quantized = [m for m in hf_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 2 * len(LINEARS)
     assert all(m.weight.bnb_quantized and m.weight.dtype == torch.uint8 for m in quantized), "4 bits, replicated"
     assert all(not p.requires_grad for m in quantized for p in m.parameters())
@@ -157,3 +161,32 @@ def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "peft.quantize_base" in output and "CUDA only" in output
     assert "Traceback" not in output
+
+
+def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_path):
+    """Quantized from the compute dtype, a layer dequantizes straight to it (quantized from fp32 it dequantized
+    to fp32 and cast, every layer of every step); bitsandbytes' forward replaced a frozen fp32 bias by its
+    bf16 copy, which the merged export then wrote (Qwen2's qkv biases)."""
+    hf_model = tiny_model(seed=4, model_type="qwen2")
+    biases = {name: p.detach().clone() for name, p in hf_model.named_parameters() if name.endswith("_proj.bias")}
+    assert biases, "the test needs a model with linear biases"
+    peft_model = add_adapters(hf_model, settings(use_dora=False))
+    quantize_linears(decoder_layers(hf_model), "nf4", torch.bfloat16, torch.device("cpu"))
+    modules = quantized_modules(hf_model)
+    assert modules and all(m.weight.quant_state.dtype == torch.bfloat16 for m in modules)
+
+    init_worker_process_group(0, 1, free_port())
+    try:
+        model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), "cpu", 1, param_dtype="bfloat16",
+                            replicated=replicated_parameters(hf_model))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        train_step(model, TokenCrossEntropy(), [collate_packed(demo_documents(4))], optimizer,
+                   torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0, torch.device("cpu"))
+        export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
+        export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
+    finally:
+        shutdown_distributed()
+    exported = exported_weights(tmp_path / "hf")
+    for name, bias in biases.items():
+        stored = name.replace(".base_layer", "")
+        assert torch.equal(exported[stored], bias), f"{stored}: the export is not the model's bias"

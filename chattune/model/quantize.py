@@ -7,6 +7,12 @@ corrupt QLoRA under FSDP2 silently (bitsandbytes issue 1945, accelerate issue 39
 `fully_shard` as ignored parameters instead; at 4 bits the whole base is already an eighth of its fp32
 shards on two ranks. Everything else (embeddings, norms, output layer, the adapters) is sharded as in LoRA.
 
+The weights are quantized from the compute dtype (bf16 on CUDA), so their quantization state is in it and
+each forward dequantizes straight to it (quantized from fp32, every layer of every step would dequantize to
+fp32 and then cast). The layers are bitsandbytes' `Linear4bit` with one change, `ExactBiasLinear4bit`: its
+forward casts a frozen bias (Qwen2-style qkv biases) to the compute dtype out of place, where bitsandbytes
+replaces the stored bias by its bf16 copy, which a merged export would then write.
+
 bitsandbytes is imported only here and only when a 4-bit base is asked for: it is no install dependency
 (`pip install "chattune[qlora]"`). The recipes refuse a 4-bit base on the CPU (`chattune.config.checks`):
 the point of QLoRA is GPU memory, and bitsandbytes' CPU kernels are not what we train on; the functions
@@ -14,6 +20,8 @@ below run on any device bitsandbytes supports, so the tests exercise them on the
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -30,6 +38,24 @@ def bitsandbytes():
     except ImportError as error:
         raise UserError('peft.quantize_base needs bitsandbytes: pip install "chattune[qlora]"') from error
     return bitsandbytes
+
+
+@functools.cache
+def linear4bit_class() -> type[nn.Module]:
+    """bitsandbytes' 4-bit linear layer whose forward leaves the stored bias as it is (see the module docstring)."""
+    bnb = bitsandbytes()
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    class ExactBiasLinear4bit(bnb.nn.Linear4bit):
+        """`bnb.nn.Linear4bit` computing in its construction's `compute_dtype`, the bias cast out of place."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            fix_4bit_weight_quant_state_from_module(self)  # bitsandbytes' own repair of a state lost in a move
+            bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+            return bnb.matmul_4bit(x.to(self.compute_dtype), self.weight, bias=bias,
+                                   quant_state=self.weight.quant_state).to(x.dtype)
+
+    return ExactBiasLinear4bit
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
@@ -51,21 +77,21 @@ def quantize_linears(layers: list[nn.Module], quant_type: str, compute_dtype: to
     linears excepted) with a bitsandbytes 4-bit linear; returns the new modules. peft's LoRA layer keeps
     running its base layer and adds the adapters' output, so the adapters are injected first, on the
     full-precision structure (peft's DoRA set-up cannot copy a 4-bit layer on the meta device). Weights
-    already in memory are quantized on `device` now; meta weights (a model built to be loaded shard by
-    shard) stay unquantized placeholders until `load_quantized` fills them."""
-    bnb = bitsandbytes()
+    already in memory are quantized on `device` now, from `compute_dtype`; meta weights (a model built to be
+    loaded shard by shard) stay unquantized placeholders until `load_quantized` fills them."""
+    linear4bit = linear4bit_class()
     replaced = []
     for layer in layers:
         for name, linear in list(layer.named_modules()):
             if type(linear) is not nn.Linear or any(part.startswith("lora_") for part in name.split(".")):
                 continue
-            quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                          compute_dtype=compute_dtype, quant_type=quant_type, device="meta")
+            quantized = linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                   compute_dtype=compute_dtype, quant_type=quant_type, device="meta")
             # bitsandbytes' CPU inference path repacks the weight in place in eval mode; we keep one layout.
             quantized.support_avx512bf16_for_cpu = False
             if linear.bias is not None:
                 quantized.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
-            quantized.weight = _params4bit(linear.weight.detach(), quant_type, quantized)
+            quantized.weight = _params4bit(linear.weight.detach().to(compute_dtype), quant_type, quantized)
             if not linear.weight.is_meta:
                 quantized.weight = quantized.weight.to(device)  # bitsandbytes quantizes on the move
                 if quantized.bias is not None:
@@ -98,16 +124,17 @@ def replicated_parameters(model: nn.Module) -> set[nn.Parameter]:
 
 @torch.no_grad()
 def load_quantized(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
-    """Fill a placeholder 4-bit layer from its full-precision weight (and bias), quantized on `device`."""
+    """Fill a placeholder 4-bit layer from its full-precision weight (and bias), quantized on `device` from the
+    layer's compute dtype."""
     placeholder = module.weight
-    module.weight = _params4bit(weight.to(device=device, dtype=torch.float32), placeholder.quant_type, module)
+    module.weight = _params4bit(weight.to(device=device, dtype=module.compute_dtype), placeholder.quant_type, module)
     module.weight = module.weight.to(device)
     if bias is not None:
         module.bias = nn.Parameter(bias.to(device=device, dtype=torch.float32), requires_grad=False)
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """The full-precision matrix of a weight (a 4-bit one dequantized, in its original dtype)."""
+    """The full-precision matrix of a weight (a 4-bit one dequantized, in the dtype it was quantized from)."""
     if not is_quantized(weight):
         return weight
     return bitsandbytes().functional.dequantize_4bit(weight.data, weight.quant_state)
