@@ -72,3 +72,36 @@ def test_checkpoint_round_trip_and_hf_export(tmp_path):
     for name, value in weights.items():
         assert torch.equal(exported[name], value), name
     assert torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"])
+
+
+def test_async_saves_on_cuda_stage_through_one_reused_pinned_stager(monkeypatch, tmp_path):
+    """On CUDA every save copies into the same pinned buffers (one stager, made once, closed at the end); on
+    the CPU, DCP's default staging (pinned memory needs CUDA). The stager's own behaviour (pinned, reused
+    buffers) is DCP's; scripts/gpu_check.py runs it on a GPU (async saves, exact resume)."""
+    from concurrent.futures import Future
+
+    from chattune.train import checkpoint
+
+    class Stager:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    made, passed = [], []
+    monkeypatch.setattr(checkpoint, "pinned_stager", lambda: made.append(Stager()) or made[-1])
+
+    def async_save(state, checkpoint_id, process_group, async_stager):
+        passed.append(async_stager)
+        done = Future()
+        done.set_result(None)
+        return done
+
+    monkeypatch.setattr(checkpoint.dcp, "async_save", async_save)
+    saves = checkpoint.BackgroundSaves(torch.device("cuda", 0))
+    for name in ("a", "b"):
+        saves.start({}, tmp_path / name, lambda: None)
+        saves.wait()
+    saves.close()
+    assert len(made) == 1 and passed == [made[0], made[0]] and made[0].closed
+    assert checkpoint.BackgroundSaves(torch.device("cpu"))._stager is None

@@ -11,7 +11,9 @@ are complete, so a crash during a save leaves a `.partial` directory that is nev
 removed by the next save of that step). `find_latest` only considers committed directories.
 
 With `save_async` (`BackgroundSaves`), DCP copies the state to CPU memory (a few seconds' pause at most)
-and writes it from a thread while training goes on; the same rename commits it, from that thread, once
+and writes it from a thread while training goes on; on CUDA that copy goes into pinned buffers allocated at
+the first save and reused by every later one (DCP's `DefaultStager`), not into a fresh pageable copy of the
+whole state per save; the same rename commits it, from that thread, once
 every rank's shards and DCP's metadata are on disk. A crash before that leaves the `.partial` directory,
 as above; at most one save is in flight (the next one waits for it).
 """
@@ -76,19 +78,31 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def pinned_stager():
+    """DCP's stager into pinned host buffers that it keeps (by source storage) and reuses for every save. The
+    copy is made before `async_save` returns (the optimizer changes the state right after), with
+    non-blocking copies and one device sync; nothing is shared with another process."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=True))
+
+
 class BackgroundSaves:
     """Checkpoint writes in a background thread (`dcp.async_save`), each committed by that thread when it is
     complete. Collective to create (a gloo group of its own, so the writer's collectives never interleave
-    with training's)."""
+    with training's). On CUDA the state is staged through one reused set of pinned buffers (`pinned_stager`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chattune-checkpoint")
         self._pending: Future | None = None
+        self._stager = pinned_stager() if device is not None and device.type == "cuda" else None
 
     def start(self, state: dict, directory: Path, commit: Callable[[], None]) -> None:
         """Copy `state` to CPU memory now; write it to `directory` and then call `commit` in the background."""
-        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group)
+        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group,
+                                 async_stager=self._stager)
 
         def write_then_commit() -> None:
             written.result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
@@ -105,6 +119,9 @@ class BackgroundSaves:
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
+        if self._stager is not None:  # its pinned buffers (a stager we pass in stays ours to close)
+            self._stager.close()
+            self._stager = None
 
 
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -30,13 +29,13 @@ from chattune.data.report import epoch_line
 from chattune.distributed import DistInfo
 from chattune.model.export import export_adapter, export_dtype, export_hf
 from chattune.model.flops import batch_flops, peak_flops
-from chattune.model.fsdp import compile_enabled, compiled_graphs, compute_dtype
+from chattune.model.fsdp import compiled_graphs
 from chattune.objectives.base import Objective
 from chattune.train.checkpoint import BackgroundSaves
 from chattune.train.evaluation import evaluate
 from chattune.train.faults import maybe_crash
 from chattune.train.feed import DocumentLedger, StepFeed
-from chattune.train.metrics import MetricLogger, reduce_sums, step_metrics
+from chattune.train.metrics import MetricLogger, StepTimer, reduce_sums, step_metrics
 from chattune.train.output_dir import RunStart
 from chattune.train.progress import Progress
 from chattune.train.resume import resume_training, save_training
@@ -61,7 +60,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
     checkpoints = output_dir / "checkpoints"
     counters = {"nonfinite_skipped_steps": 0}
     # fp16 compute needs loss scaling (its gradients underflow otherwise); bf16 and fp32 run unscaled.
-    loss_scale = LossScale(enabled=compute_dtype(cfg.model.fsdp.param_dtype, device.type) == "float16")
+    loss_scale = LossScale(enabled=model.compute_dtype == "float16")
     if loss_scale.enabled:
         counters["overflow_skipped_steps"] = 0
     start_step, wandb_id = 0, None
@@ -79,21 +78,22 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
     # Written with every checkpoint (rank 0's): what a resume checks, and the wandb run it continues.
     meta = {**start.meta, "wandb_id": metric_logger.wandb_id}
     ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
-    background = BackgroundSaves() if cfg.save_async else None  # checkpoints written while training goes on
+    background = BackgroundSaves(device) if cfg.save_async else None  # checkpoints written while training goes on
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
     flops = getattr(model, "flops", None)  # PackedCausalLM's FLOP counts: MFU where the device's peak is known
     peak = peak_flops(device)
-    compiling = compile_enabled(cfg.model.compile, device.type)
+    compiling = model.compiled  # as the builder decided (a 4-bit base stays uncompiled under model.compile=auto)
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
+    timer = StepTimer(device)
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
 
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
     for step in range(start_step + 1, cfg.max_steps + 1):
         if feed.finished:  # resumed after the last epoch
             break
-        start = time.perf_counter()
+        timer.start()
         lr = scheduler.get_last_lr()[0]
         batches = feed.next_step(step)
         if ledger:
@@ -102,10 +102,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
                                        device, rank_done=batches.rank_done, loss_scale=loss_scale,
                                        seeds=batches.seeds)
+        timer.stop()
         closed_epochs = feed.close_step(result.ranks_done)
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # the step's kernels belong to its time, not the next one's
-        step_time = time.perf_counter() - start
         if result.global_units == 0 and step == 1:
             raise RuntimeError(f"the first step has no {objective.unit_name} on any rank: check the data")
         if result.overflow:  # fp16: the loss scale was too high for this step; LossScale has lowered it
@@ -133,7 +131,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
             # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it.
             step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak else 0.0
-            metrics = step_metrics(step, result, objective, grad_norm, lr, step_time, device, step_flops, peak)
+            metrics = step_metrics(step, result, objective, grad_norm, lr, timer.seconds(), device, step_flops, peak)
             metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
             if loss_scale.enabled:
                 metrics["loss_scale"] = loss_scale.scale

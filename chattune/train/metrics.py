@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +19,37 @@ from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
 
 logger = logging.getLogger(__name__)
+
+
+class StepTimer:
+    """A step's time as the device runs it. On CUDA, events recorded at the step's start and end: reading
+    their interval waits only for the step's own last kernel, and only on the steps that log it (a
+    `torch.cuda.synchronize()` after every step stalled the host on every step, logged or not). Elsewhere
+    the host's clock, the device being the host."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._start = self._end = None
+        self._host: list[float] = []
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        self._host = [time.perf_counter()]
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        self._host.append(time.perf_counter())
+
+    def seconds(self) -> float:
+        """The last step's time (waits for its last kernel on CUDA)."""
+        if self.cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1000.0
+        return self._host[1] - self._host[0]
 
 
 def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:

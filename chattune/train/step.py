@@ -9,6 +9,11 @@ whatever the split into microbatches and ranks, and is never rescaled afterwards
 Every rank runs the same number of forward/backward calls (ranks short of data get empty microbatches),
 so the end of the data can never leave one rank waiting in a collective. The same all-reduce carries
 how many data streams have finished their share of the epoch (see `chattune.train.feed`).
+
+On CUDA the host waits for the device once per step (`train_step`): the unit count stays on the device as
+the normaliser, and the step's sums, counts, gradient norm and the finite checks come back in one
+transfer, right before the optimizer's step, which needs them. cut-cross-entropy's `nonzero()` adds one
+sync per microbatch (`chattune.model.fused_loss`); the logged metrics add one on the steps that log.
 """
 
 from __future__ import annotations
@@ -37,6 +42,50 @@ class StepResult:
     overflow: bool = False  # fp16: finite losses, non-finite gradients (the loss scale was too high)
 
 
+@dataclass
+class _DeviceSums:
+    """A step's figures while they are still on the device (read later, in the step's one transfer)."""
+
+    counts: torch.Tensor  # int64 (2,): all ranks' loss units, ranks whose stream is done
+    loss_sum: torch.Tensor  # this rank's summed unit losses (fp32)
+    figures: dict[str, torch.Tensor]  # the objective's other sums (fp64)
+    local_units: int
+    local_tokens: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.loss_sum.double(), *self.figures.values(), *self.counts.double()]
+
+    def result(self, values: list[float]) -> StepResult:
+        """The StepResult from `tensors()`'s values, read to the host."""
+        loss_sum, rest = values[0], values[1:]
+        figures, (global_units, ranks_done) = rest[:len(self.figures)], rest[len(self.figures):]
+        return StepResult(loss_sum=loss_sum, local_units=self.local_units, global_units=int(global_units),
+                          local_tokens=self.local_tokens, ranks_done=int(ranks_done),
+                          figures=dict(zip(self.figures, figures)))
+
+
+def _forward_backward(model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device,
+                      rank_done: bool, loss_scale: float, seeds: list[int] | None) -> _DeviceSums:
+    local_units = sum(objective.count_units(b) for b in microbatches)
+    counts = all_reduce_sum(torch.tensor([local_units, int(rank_done)], dtype=torch.int64, device=device))
+    # The normaliser stays on the device: reading it here would wait for every kernel queued before it (the
+    # previous step's optimizer). A step with nothing to train gives zero gradients, not NaN.
+    global_units = counts[0].clamp(min=1)
+    normaliser = global_units.to(torch.float32)  # as `loss / int` would convert it
+    scale = (loss_scale / global_units.double()).to(torch.float32) if loss_scale != 1.0 else None
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    figures: dict[str, torch.Tensor] = {}
+    for index, batch in enumerate(microbatches):
+        if seeds is not None:
+            torch.manual_seed(seeds[index])
+        batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
+        (batch_loss * scale if scale is not None else batch_loss / normaliser).backward()
+        loss_sum += batch_loss.detach().float()
+        for name, value in batch_figures.items():
+            figures[name] = figures.get(name, 0.0) + value.detach().double()
+    return _DeviceSums(counts, loss_sum, figures, local_units, sum(b.num_tokens for b in microbatches))
+
+
 def accumulate_gradients(
     model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device,
     rank_done: bool = False, loss_scale: float = 1.0, seeds: list[int] | None = None,
@@ -45,31 +94,30 @@ def accumulate_gradients(
     multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out). `rank_done`: this
     rank's data stream finished the epoch (counted over ranks in the same all-reduce). `seeds`: the RNG seed of
     each microbatch (world-size-invariant steps: dropout independent of which rank runs it)."""
-    local_units = sum(objective.count_units(b) for b in microbatches)
-    counts = all_reduce_sum(torch.tensor([local_units, int(rank_done)], dtype=torch.int64, device=device))
-    global_units, ranks_done = (int(c) for c in counts.tolist())
-    normaliser = max(global_units, 1)  # a step with nothing to train gives zero gradients, not NaN
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    figures: dict[str, torch.Tensor] = {}
-    for index, batch in enumerate(microbatches):
-        if seeds is not None:
-            torch.manual_seed(seeds[index])
-        batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
-        (batch_loss * (loss_scale / normaliser) if loss_scale != 1.0 else batch_loss / normaliser).backward()
-        loss_sum += batch_loss.detach().float()
-        for name, value in batch_figures.items():
-            figures[name] = figures.get(name, 0.0) + value.detach().double()
-    # One device-to-host transfer for the step's sums (not one .item() per figure).
-    names = list(figures)
-    values = torch.stack([loss_sum.double(), *(figures[n] for n in names)]).tolist()
-    return StepResult(
-        loss_sum=values[0],
-        local_units=local_units,
-        global_units=global_units,
-        local_tokens=sum(b.num_tokens for b in microbatches),
-        ranks_done=ranks_done,
-        figures=dict(zip(names, values[1:])),
-    )
+    sums = _forward_backward(model, objective, microbatches, device, rank_done, loss_scale, seeds)
+    return sums.result(torch.stack(sums.tensors()).tolist())
+
+
+def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite: torch.Tensor,
+                    loss_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`clip_gradients` with its results left on the device: (total norm, NaN where any rank's loss is not
+    finite; whether every rank's loss was finite). Nothing here waits for the device: the gradients are
+    unscaled and clipped whatever the norm (with a non-finite norm they become NaN, and the step is skipped)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
+    if any(not isinstance(g, DTensor) for g in grads) and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
+    local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
+    sums = all_reduce_sum(torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double()]))
+    losses_finite = sums[1] == 0
+    total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
+    if loss_scale != 1.0:  # unscale the local shards in place
+        torch._foreach_mul_(local_grads, 1.0 / loss_scale)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
+    return total_norm, losses_finite
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None, local_loss_finite: bool = True,
@@ -78,22 +126,10 @@ def clip_gradients(model: nn.Module, max_norm: float | None, local_loss_finite: 
     divided by `loss_scale` and clipped to max_norm when set. The norm is NaN on every rank when any rank's
     loss or gradients are non-finite: one all-reduce carries both, so all ranks decide alike (and tell
     an fp16 overflow, finite losses with non-finite gradients, from a non-finite loss)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
-    if any(not isinstance(g, DTensor) for g in grads) and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
-    local_norm = torch.nn.utils.get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], foreach=True)
-    device = local_norm.device
-    sums = all_reduce_sum(torch.stack([local_norm.double().square(),
-                                       torch.tensor(0.0 if local_loss_finite else 1.0, dtype=torch.float64, device=device)]))
-    losses_finite = bool(sums[1] == 0)
-    total_norm = sums[0].sqrt() / loss_scale if losses_finite else torch.tensor(float("nan"), dtype=torch.float64, device=device)
-    if loss_scale != 1.0 and torch.isfinite(total_norm):  # unscale the local shards in place
-        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], 1.0 / loss_scale)
-    if max_norm is not None and torch.isfinite(total_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
-    return float(total_norm), losses_finite
+    finite = torch.tensor(local_loss_finite)
+    total_norm, losses_finite = _clip_on_device(model, max_norm, finite, loss_scale)
+    norm, all_finite = torch.stack([total_norm, losses_finite.double()]).tolist()
+    return norm, bool(all_finite)
 
 
 class LossScale:
@@ -150,14 +186,16 @@ def train_step(
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
     on or stop."""
     loss_scale = loss_scale or LossScale(enabled=False)
-    result = accumulate_gradients(model, objective, microbatches, device, rank_done, loss_scale.scale, seeds)
-    grad_norm, losses_finite = clip_gradients(model, max_grad_norm, math.isfinite(result.loss_sum), loss_scale.scale)
+    sums = _forward_backward(model, objective, microbatches, device, rank_done, loss_scale.scale, seeds)
+    total_norm, losses_finite = _clip_on_device(model, max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale)
+    # The step's one device-to-host transfer: its sums, counts, gradient norm and finiteness together. The
+    # optimizer's step below is the one decision that needs them on the host.
+    values = torch.stack([total_norm, losses_finite.double(), *sums.tensors()]).tolist()
+    grad_norm, all_finite, result = values[0], bool(values[1]), sums.result(values[2:])
     if math.isfinite(grad_norm):
         optimizer.step()
-    result.overflow = loss_scale.enabled and losses_finite and not math.isfinite(grad_norm)
+    result.overflow = loss_scale.enabled and all_finite and not math.isfinite(grad_norm)
     loss_scale.update(result.overflow)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return result, grad_norm
-
-
