@@ -46,6 +46,17 @@ def stop_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's name, and its older one
+
+
+def default_cuda_allocator(environ: dict[str, str] = os.environ) -> None:
+    """Expandable segments for the CUDA caching allocator, unless the user configured it: packed
+    microbatches change length from step to step, and fixed-size segments then fragment (memory reserved
+    and not usable). Read by torch when CUDA first allocates, so set before any CUDA work."""
+    if not any(environ.get(name) for name in ALLOCATOR_SETTINGS):
+        environ[ALLOCATOR_SETTINGS[0]] = "expandable_segments:True"
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Initialise torch.distributed (nccl on CUDA, gloo on CPU) from torchrun's environment, or as a
     one-rank group when launched without torchrun."""
@@ -58,6 +69,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     local_rank = int(os.environ["LOCAL_RANK"])
     if device == "cuda":
+        default_cuda_allocator()
         torch.cuda.set_device(local_rank)
         torch_device = torch.device("cuda", local_rank)
     else:

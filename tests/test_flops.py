@@ -49,3 +49,29 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
     attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # q, k, v (2 kv heads of 8), o
     experts = 4 * (2 * 16 * 32 + 32 * 16)  # each expert: gate and up 32 -> 16, down 16 -> 32
     assert flops.matmul_weights == attention + experts * 2 // 4 + 50 * 32  # 2 of 4 experts per token; output layer
+
+
+def test_frozen_weights_count_four_times_their_size_per_token():
+    """LoRA: a frozen weight takes the forward and its input's gradient (2 + 2 FLOPs per element and token),
+    not its own gradient; a trained one all three (6)."""
+    from omegaconf import OmegaConf
+
+    from chattune.model.adapters import add_adapters
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    add_adapters(model, OmegaConf.create({"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+                                          "use_dora": False, "modules_to_save": None}))
+    flops = model_flops(model)
+    base = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96) + 100 * 64  # every base linear and the output layer
+    adapters = 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4)  # per layer: q's A (4x64) and B (64x4), v's A and B (32x4)
+    assert (flops.frozen_matmul_weights, flops.matmul_weights) == (base, adapters)
+    assert flops.step_flops(tokens=10, causal_pairs=0) == (4 * base + 6 * adapters) * 10
+
+
+def test_h200_nvl_has_its_own_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200 NVL")
+    assert peak_flops(torch.device("cuda", 0)) == 835e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert peak_flops(torch.device("cuda", 0)) == 989e12

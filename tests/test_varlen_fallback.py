@@ -1,6 +1,8 @@
 """torch's varlen_attn on the torch a GPU machine has: before 2.13 it has no `enable_gqa` (and some versions
-only `is_causal`), so grouped-query attention repeats the kv heads. Checked on the CPU with stand-ins
-that compute real attention (per-document SDPA) and accept only what each torch's signature accepts."""
+only `is_causal`), so grouped-query attention either passes unequal head counts to the kernel as they are
+(where a probe at start-up sees that agree with repeated kv heads) or repeats the kv heads. Checked on the
+CPU with stand-ins that compute real attention (per-document SDPA) and accept only what each torch's
+signature accepts."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import _per_document_sdpa, torch_varlen_attn
+from chattune.model.attention import _per_document_sdpa, probe_native_gqa, torch_varlen_attn
 
 
 def _attention(q, k, v, cu_seqlens, scale):  # (N, H, D) in, (N, Hq, D) out, like the kernels
@@ -27,6 +29,19 @@ def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     return _attention(query, key, value, cu_seq_q, scale)
 
 
+def varlen_attn_native_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """A wrapper without enable_gqa over a kernel that takes fewer kv heads as they are (the flash kernel)."""
+    assert tuple(window_size) == (-1, 0)
+    return _attention(query, key, value, cu_seq_q, scale)
+
+
+def varlen_attn_first_kv_head(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """A wrapper that takes unequal head counts without complaint and computes the wrong thing with them."""
+    if key.shape[1] != query.shape[1]:
+        key, value = key[:, :1].expand(-1, query.shape[1], -1), value[:, :1].expand(-1, query.shape[1], -1)
+    return _attention(query, key, value, cu_seq_q, scale)
+
+
 @pytest.mark.parametrize("varlen_attn", [varlen_attn_2_11, varlen_attn_2_13])
 def test_grouped_query_attention_on_either_torch(varlen_attn):
     generator = torch.Generator().manual_seed(0)
@@ -42,3 +57,26 @@ def test_a_sliding_window_needs_a_torch_that_applies_it():
     q = k = v = torch.randn(4, 2, 8)
     with pytest.raises(UnsupportedModel, match="sliding window"):
         torch_varlen_attn(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, None, (2, 0), varlen_attn=varlen_attn_2_11)
+
+
+@pytest.mark.parametrize("varlen_attn, settled", [(varlen_attn_2_13, "flag"), (varlen_attn_native_gqa, "native"),
+                                                  (varlen_attn_2_11, "repeat"), (varlen_attn_first_kv_head, "repeat")])
+def test_the_probe_uses_unequal_head_counts_only_where_they_agree_with_repeated_kv_heads(varlen_attn, settled):
+    assert probe_native_gqa(torch.device("cpu"), varlen_attn=varlen_attn) == settled
+
+
+def test_native_grouped_query_attention_hands_the_kernel_the_kv_heads_as_they_are():
+    calls = []
+
+    def recording(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        calls.append(key.shape[1])
+        return varlen_attn_native_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                      window_size=window_size)
+
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(9, 4, 8, generator=generator)
+    k, v = torch.randn(9, 2, 8, generator=generator), torch.randn(9, 2, 8, generator=generator)
+    cu_seqlens = torch.tensor([0, 4, 9], dtype=torch.int32)
+    got = torch_varlen_attn(q, k, v, cu_seqlens, 5, None, (-1, 0), varlen_attn=recording, gqa="native")
+    torch.testing.assert_close(got, _attention(q, k, v, cu_seqlens, None))
+    assert calls == [2], "the kv heads must not be repeated"

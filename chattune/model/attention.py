@@ -8,8 +8,13 @@ the models forward untouched to the attention function); we fall back to derivin
 
 - CPU (and fp32 on CUDA): causal SDPA per document (exact, simple; CPU runs are small).
 - CUDA bf16/fp16 with flash-attn importable: `flash_attn_varlen_func`.
-- CUDA bf16/fp16 otherwise: torch's `varlen_attn` (grouped-query attention by repeated kv heads on a
-  torch before 2.13, whose `varlen_attn` has no `enable_gqa`).
+- CUDA bf16/fp16 otherwise: torch's `varlen_attn`. Grouped-query attention (fewer kv heads than query
+  heads) goes to the flash kernel as it is (the kernel supports it): with `enable_gqa` on torch >= 2.13;
+  on an older torch, whose wrapper has no such flag, once `probe_native_gqa` has seen unequal head counts
+  agree with repeated kv heads on the device at start-up; otherwise the kv heads are repeated first (Hq/Hkv
+  times their memory and bandwidth).
+
+`attention_backend` names the path a run takes (the builder logs it at start-up).
 
 Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
 """
@@ -17,6 +22,7 @@ Sliding windows follow transformers' convention (a query sees itself and the `wi
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,7 @@ from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 
 ATTENTION_NAME = "chattune_packed"
+logger = logging.getLogger(__name__)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -50,6 +57,9 @@ def _import_flash_attn_varlen():
 # inspect.signature inside the attention function would be traced (a graph break in every layer).
 _FLASH_ATTN_VARLEN = _import_flash_attn_varlen()
 _TORCH_VARLEN_PARAMETERS = frozenset(inspect.signature(_torch_varlen_attn).parameters)
+# How torch's varlen_attn is given fewer kv heads than query heads: "flag" (its enable_gqa), "native" (unequal
+# head counts as they are: a wrapper without the flag, verified by `probe_native_gqa`) or "repeat".
+_varlen_gqa = "flag" if "enable_gqa" in _TORCH_VARLEN_PARAMETERS else "repeat"
 
 
 @torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
@@ -71,19 +81,21 @@ def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
     return torch.cat(outputs, dim=2).transpose(1, 2)  # (1, N, Hq, D)
 
 
-def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None):
-    """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: before 2.13 it takes neither
-    `enable_gqa` (grouped-query attention then repeats the kv heads, as the kernel would read them) nor,
-    in some versions, `window_size` (then only plain causal attention, `is_causal`)."""
+def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None, gqa: str | None = None):
+    """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: before 2.13 it has no
+    `enable_gqa` (grouped-query attention then passes unequal head counts as they are where `gqa` is
+    "native", else repeats the kv heads) and, in some versions, no `window_size` (then only plain causal
+    attention, `is_causal`). `gqa`: "native" or "repeat" for a wrapper without the flag (default: what
+    `probe_native_gqa` settled)."""
     if varlen_attn is None:
         varlen_attn, parameters = _torch_varlen_attn, _TORCH_VARLEN_PARAMETERS
-    else:  # a stand-in (tests)
+    else:  # a stand-in (tests, the probe)
         parameters = inspect.signature(varlen_attn).parameters
     extra = {}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
             extra["enable_gqa"] = True
-        else:
+        elif (gqa or _varlen_gqa) != "native":
             repeats = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     if "window_size" in parameters:
@@ -96,6 +108,52 @@ def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, var
     else:
         raise UnsupportedModel("this torch's varlen_attn has no causal masking: install flash-attn or torch>=2.13")
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, **extra)
+
+
+def probe_native_gqa(device: torch.device, varlen_attn=None) -> str:
+    """Settle how torch's varlen_attn takes grouped-query attention on `device` ("flag", "native" or "repeat",
+    see the module docstring), once, before anything is compiled. A wrapper without `enable_gqa` is tried on
+    a small case with unequal head counts, forward and backward; it is used so only where it runs and agrees
+    with repeated kv heads."""
+    global _varlen_gqa
+    parameters = _TORCH_VARLEN_PARAMETERS if varlen_attn is None else inspect.signature(varlen_attn).parameters
+    if "enable_gqa" in parameters:
+        return "flag"
+    if device.type != "cuda" and varlen_attn is None:  # the kernel is CUDA's: nothing to probe
+        return _varlen_gqa
+    generator = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    inputs = [torch.randn(48, heads, 64, generator=generator, device=device, dtype=dtype) for heads in (4, 2, 2)]
+    cu_seqlens = torch.tensor([0, 17, 48], dtype=torch.int32, device=device)
+
+    def run(gqa: str) -> list[torch.Tensor]:
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        out = torch_varlen_attn(q, k, v, cu_seqlens, 31, None, (-1, 0), varlen_attn=varlen_attn, gqa=gqa)
+        out.float().square().sum().backward()
+        return [out.detach().float(), *(t.grad.float() for t in (q, k, v))]
+
+    try:
+        native = run("native")
+    except (RuntimeError, ValueError, AssertionError) as error:  # the wrapper or kernel refuses unequal heads
+        logger.info("torch varlen_attn takes no unequal head counts here (%s): kv heads are repeated", error)
+        native = None
+    repeated = run("repeat")
+    agree = native is not None and all(torch.allclose(a, b, rtol=2e-2, atol=2e-2) for a, b in zip(native, repeated))
+    if native is not None and not agree:
+        logger.warning("torch varlen_attn with unequal head counts disagrees with repeated kv heads: repeating them")
+    if varlen_attn is None:
+        _varlen_gqa = "native" if agree else "repeat"
+    return "native" if agree else "repeat"
+
+
+def attention_backend(device_type: str, compute_dtype: str) -> str:
+    """The attention path packed rows take on this device and compute dtype, for the start-up log."""
+    if device_type == "cuda" and compute_dtype in ("bfloat16", "float16"):
+        if _FLASH_ATTN_VARLEN is not None:
+            return "flash-attn varlen"
+        gqa = {"flag": "native (enable_gqa)", "native": "native", "repeat": "by repeated kv heads"}[_varlen_gqa]
+        return f"torch varlen_attn (grouped-query attention {gqa})"
+    return "per-document SDPA (a loop over documents, outside compiled graphs)"
 
 
 def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window):

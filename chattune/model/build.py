@@ -25,6 +25,7 @@ from chattune.errors import UserError
 from chattune.model import load, quantize
 from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes
 from chattune.model.architecture_check import check_architecture
+from chattune.model.attention import attention_backend, probe_native_gqa
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
@@ -62,12 +63,11 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype],
                                   dist_info.device)
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
-    if device_type == "cuda" and dtype != "float32" and implementation == "chunked":
-        # The one fp32 matmul left is the chunked loss head's, on bf16/fp16-valued inputs: TF32 represents
-        # those exactly (10 mantissa bits) and accumulates in fp32, so it gives the fp32 result, faster.
-        # The legacy setter keeps every reader consistent (mixing it with `fp32_precision` makes the
-        # legacy getters raise, and cut-cross-entropy and Inductor read them).
-        torch.set_float32_matmul_precision("high")
+    # The chunked head's matmuls (and only those: `chattune.model.chunked_loss`) in TF32 on CUDA, where bf16/fp16
+    # inputs make its forward exact in TF32.
+    tf32_head = device_type == "cuda" and dtype != "float32" and implementation == "chunked"
+    if device_type == "cuda":
+        probe_native_gqa(dist_info.device)  # before any layer is compiled: the attention reads what it settles
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     replicated = quantize.replicated_parameters(hf_model)
     compile = compile_enabled(cfg.model.compile, device_type)
@@ -76,13 +76,35 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         # base uncompiled (model.compile=true still asks for it).
         compile = False
         logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
-    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype), device_type,
-                        dist_info.world_size, **cfg.model.fsdp, compile=compile, replicated=replicated)
+    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype, tf32_head),
+                        device_type, dist_info.world_size, **cfg.model.fsdp, compile=compile, replicated=replicated)
+    describe_compute(model, device_type)
     if files is not None:
         load.materialise_and_load(model, hf_model, Path(path), files, dist_info.device, initial)
     if adapters is not None and adapters.use_dora:
         set_dora_magnitudes(hf_model)  # from the loaded (or quantized) base: the norms of the weights it runs with
     return BuiltModel(hf_model, model, peft_model)
+
+
+_described: set[str] = set()
+
+
+def describe_compute(model: PackedCausalLM, device_type: str) -> None:
+    """Log once what a step runs: the attention path, the output layer's loss and whether the decoder layers
+    are compiled; warn where a setting makes the CUDA path slow (nothing falls back silently)."""
+    head = {"cut_cross_entropy": "cut-cross-entropy (fused)",
+            "chunked": "chunked fp32 head" + (" (its matmuls in TF32)" if model.tf32_head else "")}
+    line = (f"compute: {model.compute_dtype} on {device_type}; attention: "
+            f"{attention_backend(device_type, model.compute_dtype)}; loss: {head[model.loss_implementation]}; "
+            f"decoder layers {'compiled' if model.compiled else 'not compiled'}")
+    if line in _described:  # a DPO reference built like the policy: said once
+        return
+    _described.add(line)
+    logger.info(line)
+    if device_type == "cuda" and model.compute_dtype == "float32":
+        logger.warning("model.fsdp.param_dtype=float32 on CUDA: attention runs per document through SDPA (a loop "
+                       "over documents, a graph break in every compiled layer) and every matmul in fp32, several "
+                       "times slower than bf16; model.fsdp.param_dtype=auto computes in bf16 (fp32 masters either way)")
 
 
 def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:

@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.fsdp import reshard
 from chattune.model.load import SAFETENSORS_INDEX, STORED_DTYPES, saved_tensors, stored_name
 from chattune.model.quantize import dequantized, is_quantized, weight_shape
 
@@ -154,7 +155,7 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
     local = source.to_local()
     if not is_main:
         if local.shape[0] > 0:
-            dist.send(local.contiguous(), group=group, group_dst=0)
+            send_and_wait(local.contiguous(), group)
         return
     write(local)
     for rank in range(1, world):
@@ -166,11 +167,22 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
             del received
 
 
+def send_and_wait(rows: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Send `rows` to rank 0 and return once they have left: one send in flight per rank. An NCCL send returns
+    as soon as it is enqueued, so a rank would otherwise enqueue every tensor of the model at once while
+    rank 0 receives and writes them one at a time, and the NCCL watchdog, which times a collective from its
+    enqueue, would count rank 0's whole write against the last of them. (gloo's send already blocks.)"""
+    dist.send(rows, group=group, group_dst=0)
+    if rows.is_cuda:
+        torch.cuda.current_stream(rows.device).synchronize()  # `send` made this stream wait for the transfer
+
+
 def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path, is_main: bool,
               dtype: torch.dtype = torch.float32, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Collective: write a sharded Hugging Face directory (weights in `dtype`, config, tokenizer with its
     chat template) that loads without chattune. Every rank takes part in each tensor's gather; rank 0
     writes."""
+    reshard(model)  # after an evaluation the root's parameters are its gathered bf16 copies, not the fp32 masters
     staging = _staging(directory) if is_main else None
     shards = split_shards(plan_tensors(model, dtype), max_shard_bytes)
     weight_map, total = {}, 0
@@ -227,6 +239,7 @@ def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedToken
     """Collective: a peft adapter directory (adapter_config.json, adapter_model.safetensors, the tokenizer)
     that `peft.PeftModel.from_pretrained(base, directory)` loads. The trained tensors are small: gathered
     whole."""
+    reshard(model)  # read the fp32 masters, not a root left gathered in bf16 by an evaluation
     trained, gathered = {}, {}
     # Every name of a trained tensor: a tied embedding trained in full (modules_to_save) is one parameter
     # under two names, and peft's file holds it under both (gathered once).

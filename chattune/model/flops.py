@@ -1,10 +1,11 @@
 """Model FLOPs of a training step and MFU (model FLOPs utilisation).
 
 A step's model FLOPs are those of its matmuls, forward and backward (backward = 2 × forward):
-- dense: 6 × (matmul weights) per token. The matmul weights are every `nn.Linear` weight of the model,
-  the output layer included (an embedding lookup is no matmul), and the experts of a mixture-of-experts
-  layer (3-D parameters in transformers 5) scaled by the share each token uses (`num_experts_per_tok` /
-  the number of experts);
+- dense: 6 × (trained matmul weights) + 4 × (frozen matmul weights) per token: a frozen weight (a LoRA
+  run's base, a 4-bit base) takes the forward and the gradient of its input, not its own gradient. The
+  matmul weights are every `nn.Linear` weight of the model, the output layer included (an embedding lookup
+  is no matmul), and the experts of a mixture-of-experts layer (3-D parameters in transformers 5) scaled by
+  the share each token uses (`num_experts_per_tok` / the number of experts);
 - attention: per layer and per document of n tokens, QKᵀ and AV each take 2 × (query heads × head dim)
   FLOPs per (query, key) pair, and causal attention has n (n + 1) / 2 pairs: 12 × layers × query heads
   × head dim × Σ n (n + 1) / 2 per step, training included. Sliding windows are not subtracted.
@@ -32,6 +33,7 @@ PEAK_FLOPS = (
     ("H100 NVL", 835e12),
     ("H100", 989e12),
     ("GH200", 989e12),
+    ("H200 NVL", 835e12),
     ("H200", 989e12),
     ("GB200", 2500e12),
     ("B200", 2250e12),
@@ -43,30 +45,38 @@ PEAK_FLOPS = (
 
 @dataclass(frozen=True)
 class ModelFlops:
-    matmul_weights: int  # elements of every nn.Linear weight (the output layer included)
+    matmul_weights: int  # elements of every trained nn.Linear weight (the output layer included)
     attention_width: int  # layers × query heads × head dim: the width of QKᵀ and AV over all layers
+    frozen_matmul_weights: int = 0  # elements of the frozen ones (no weight gradient)
 
     def step_flops(self, tokens: int, causal_pairs: int) -> float:
         """Model FLOPs (forward + backward) of `tokens` tokens whose documents hold `causal_pairs`
         (query, key) pairs in all (Σ n (n + 1) / 2)."""
-        return 6.0 * self.matmul_weights * tokens + 12.0 * self.attention_width * causal_pairs
+        return ((6.0 * self.matmul_weights + 4.0 * self.frozen_matmul_weights) * tokens
+                + 12.0 * self.attention_width * causal_pairs)
 
 
 def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
-    """The FLOP counts of a (not yet sharded) HF causal LM, from its modules and config."""
-    weights = sum(weight_shape(m.weight).numel() for m in hf_model.modules() if isinstance(m, nn.Linear))  # 4-bit: unpacked
+    """The FLOP counts of a (not yet sharded) HF causal LM, from its modules and config; frozen weights (those
+    that do not require gradients when it is called) apart."""
+    weights = {True: 0, False: 0}  # by requires_grad
+    for m in hf_model.modules():
+        if isinstance(m, nn.Linear):
+            weights[m.weight.requires_grad] += weight_shape(m.weight).numel()  # 4-bit: unpacked
     config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
-    experts = [p.numel() for m in hf_model.modules() if not isinstance(m, nn.modules.conv._ConvNd)
+    experts = [p for m in hf_model.modules() if not isinstance(m, nn.modules.conv._ConvNd)
                for p in m.parameters(recurse=False) if p.dim() == 3]  # stacked expert weights (not conv kernels)
     if experts:
         total = next((getattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
                       if getattr(config, name, None)), None)
         active = getattr(config, "num_experts_per_tok", None)
         share = active / total if total and active else 1.0
-        weights += int(sum(experts) * share)
+        for p in experts:
+            weights[p.requires_grad] += int(p.numel() * share)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelFlops(matmul_weights=weights, attention_width=config.num_hidden_layers * heads * head_dim)
+    return ModelFlops(matmul_weights=weights[True], attention_width=config.num_hidden_layers * heads * head_dim,
+                      frozen_matmul_weights=weights[False])
 
 
 def causal_pairs(cu_seqlens: torch.Tensor) -> int:

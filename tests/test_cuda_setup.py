@@ -1,0 +1,60 @@
+"""What a CUDA run sets up and says at start-up, checked on the CPU (issue 26, items 7 and 8): the allocator's
+expandable segments unless the user configured it, and one line naming the attention path, the loss and
+whether the layers are compiled, with a warning for the slow fp32 path. scripts/gpu_check.py runs them on a GPU."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import tiny_model
+
+from chattune.distributed import default_cuda_allocator
+from chattune.model import build
+from chattune.model.causal_lm import PackedCausalLM
+
+
+def test_expandable_segments_unless_the_user_configured_the_allocator():
+    environ: dict[str, str] = {}
+    default_cuda_allocator(environ)
+    assert environ == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # torch's name and the older one users set
+        theirs = {name: "max_split_size_mb:512"}
+        default_cuda_allocator(theirs)
+        assert theirs == {name: "max_split_size_mb:512"}
+
+
+def _model(compute_dtype: str, loss: str = "cut_cross_entropy", compiled: bool = True) -> PackedCausalLM:
+    model = PackedCausalLM(tiny_model(), loss_implementation=loss, tf32_head=loss == "chunked" and compute_dtype != "float32")
+    model.compute_dtype, model.compiled = compute_dtype, compiled
+    return model
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(build, "_described", set())
+
+
+def test_the_start_up_line_names_attention_loss_and_compile(caplog):
+    with caplog.at_level(logging.INFO, logger="chattune.model.build"):
+        build.describe_compute(_model("bfloat16"), "cuda")
+        build.describe_compute(_model("bfloat16"), "cuda")  # a DPO reference built alike: said once
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "attention: torch varlen_attn" in lines[0] or "attention: flash-attn varlen" in lines[0]
+    assert "loss: cut-cross-entropy" in lines[0] and "decoder layers compiled" in lines[0]
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="chattune.model.build"):
+        build.describe_compute(_model("bfloat16", loss="chunked", compiled=False), "cuda")
+    assert "loss: chunked fp32 head (its matmuls in TF32)" in caplog.text and "not compiled" in caplog.text
+
+
+def test_fp32_compute_on_cuda_is_a_warning(caplog):
+    with caplog.at_level(logging.INFO, logger="chattune.model.build"):
+        build.describe_compute(_model("float32", loss="chunked", compiled=False), "cuda")
+        build.describe_compute(_model("float32", loss="chunked", compiled=False), "cpu")  # the CPU's own path
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "param_dtype=float32 on CUDA" in warnings[0]
+    assert "attention: per-document SDPA" in caplog.text
