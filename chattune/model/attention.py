@@ -119,8 +119,8 @@ def probe_native_gqa(device: torch.device, varlen_attn=None) -> str:
     parameters = _TORCH_VARLEN_PARAMETERS if varlen_attn is None else inspect.signature(varlen_attn).parameters
     if "enable_gqa" in parameters:
         return "flag"
-    if device.type != "cuda" and varlen_attn is None:  # the kernel is CUDA's: nothing to probe
-        return _varlen_gqa
+    if varlen_attn is None and (device.type != "cuda" or _FLASH_ATTN_VARLEN is not None):
+        return _varlen_gqa  # the kernel is CUDA's, and with flash-attn installed it is not used
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inputs = [torch.randn(48, heads, 64, generator=generator, device=device, dtype=dtype) for heads in (4, 2, 2)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -42,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from chattune.model.quantize import has_quantized_weight
 from chattune.train.faults import maybe_crash
+
+logger = logging.getLogger(__name__)
 
 META_FILE = "chattune.json"
 _COMMITTED = re.compile(r"step_(\d+)")
@@ -81,8 +84,14 @@ def _write_synced(path: Path, data: bytes) -> None:
 def pinned_stager():
     """DCP's stager into pinned host buffers that it keeps (by source storage) and reuses for every save. The
     copy is made before `async_save` returns (the optimizer changes the state right after), with
-    non-blocking copies and one device sync; nothing is shared with another process."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    non-blocking copies and one device sync; nothing is shared with another process. None (DCP's default,
+    a fresh copy per save) on a torch without it, with a warning."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError as error:
+        logger.warning("save_async: this torch's DCP has no DefaultStager (%s): every save copies the state afresh",
+                       error)
+        return None
 
     return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=True))

@@ -1,0 +1,661 @@
+"""Verify chattune's GPU path in one command, on one GPU: one JSON file and one markdown table, a row per
+check, PASS / FAIL / SKIP with its figure.
+
+    python scripts/gpu_check.py [--out DIR] [--assets DIR] [--only CHECK ...]    # one GPU (the default device)
+    python scripts/gpu_check.py --device cpu                                      # the CPU smoke test (CI runs it)
+
+Checks (the tolerances are the documented ones; a row shows the measured figure next to its bound):
+- `packed_vs_hf`: a packed bf16 row (12 real chats) through chattune's sharded model (FSDP2 mixed precision,
+  eager layers) against each chat alone through stock Hugging Face (sdpa) in bf16, both heads in fp32:
+  per-token losses (max |diff| ≤ 0.05), their sum (relative ≤ 1e-3) and a q_proj gradient (relative ≤ 3e-2).
+  `leak_control`: the same row with every document attending to the ones before it must miss the per-token
+  bound tenfold, or the check proves nothing. On the CPU, fp32 and ≤ 1e-4 / 1e-6 / 1e-5.
+- `cce_vs_chunked`: cut-cross-entropy against the exact fp32 chunked head on the same bf16 inputs (8192
+  tokens, the tokenizer's vocabulary, peaked logits): per-token losses (≤ 1e-3 of the largest), their sum
+  (≤ 1e-4) and the output layer's and hidden states' gradients (≤ 3e-2: CCE 25.1.1 sums them in bf16 and
+  drops blocks below `filter_eps`, see chattune.model.fused_loss). On the CPU, CCE's torch implementation,
+  which rounds the logits to bf16: ≤ 5e-3 / 2.5e-4 / 1e-2, as tests/test_fused_loss.py.
+- `tf32_scope`: the chunked head with its matmuls in TF32 gives the fp32 forward (≤ 1e-5 relative) and leaves
+  the process's matmul precision at `highest`.
+- `compile_vs_eager`, `recompiles`: compiled decoder layers against eager on the same batches (losses ≤ 1e-2,
+  gradients ≤ 5e-2 in bf16; 1e-5 / 1e-4 on the CPU), and the compiled graphs over 20 steps of packed rows of
+  varying length (none after the third).
+- `host_syncs`: device syncs in one warm `train_step` of 2 microbatches (torch.cuda.set_sync_debug_mode): at
+  most the step's one transfer, plus cut-cross-entropy's `nonzero()` per microbatch. CUDA only.
+- `dpo_reference_memory`: DPO with a live reference, peak memory with the forward-only reshard and without
+  it (the reference's root left gathered). On the CPU: the reference's gathered parameters, 0 and not 0.
+- `throughput`: full SFT, LoRA and QLoRA steps of `recipes/sft.py` on the 0.6B and 1.7B Qwen3 shapes (random
+  weights, 20k short real chats, 2 × 16,384-token microbatches a step; the 1.7B with activation
+  checkpointing): tokens/s per device, MFU and peak memory; TRL's SFTTrainer beside full SFT when `trl` is
+  importable. Targets: MFU ≥ 45% on the 1.7B full step; ≥ 3× TRL's tokens/s; peak memory ≤ TRL's.
+- `resume_exact`: 8 steps straight against 4, stop, resume, 4 with `save_async=true` and evaluation on:
+  bitwise equal losses. `export_masters`: the export after a final step that saved a checkpoint equals that
+  checkpoint's fp32 masters, tensor for tensor; `export_after_eval`: the export after a final step that
+  evaluated and saved nothing holds fp32 masters, not bf16 copies (issue 26, item 1).
+
+On a GPU machine without internet it runs from a checkout on PYTHONPATH with torch ≥ 2.11; carry as wheels
+(../shared/gpu/fetch_wheels.sh, ../shared/gpu/README.md): hydra-core, omegaconf, antlr4-python3-runtime,
+torchdata, datasets (with dill, multiprocess), peft, cut-cross-entropy, and for the optional rows
+bitsandbytes (QLoRA) and trl. Real tokenizer and chats come from --assets (../shared/assets: the Qwen3
+tokenizer, the FastChat chats); without them the run uses chattune's demo tokenizer and chats, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from chattune.config.paths import DEMO_ASSETS  # noqa: E402
+from chattune.data.chat_template import probe_template, tokenize_conversation  # noqa: E402
+from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
+from chattune.data.packing import collate_packed  # noqa: E402
+
+# hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied embeddings)
+SHAPES = {"tiny": (64, 128, 2, 4, 2), "0.6b": (1024, 3072, 28, 16, 8), "1.7b": (2048, 6144, 28, 16, 8)}
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # PASS | FAIL | SKIP
+    figure: str
+    bound: str = ""
+    detail: str = ""
+
+
+@dataclass
+class Context:
+    device: torch.device
+    out: Path
+    work: Path
+    tokenizer_dir: Path
+    chats: Path  # a JSONL of {"messages": [...]}, the throughput corpus
+    real_assets: bool
+    rows: list[Row] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def shape(self) -> str:
+        """The model shape of the in-process checks."""
+        return "0.6b" if self.cuda else "tiny"
+
+    def add(self, check: str, passed: bool | None, figure: str, bound: str = "", detail: str = "") -> None:
+        status = "SKIP" if passed is None else ("PASS" if passed else "FAIL")
+        self.rows.append(Row(check, status, figure, bound, detail))
+        print(f"[gpu_check] {status} {check}: {figure} {('(' + bound + ')') if bound else ''} {detail}", flush=True)
+
+
+# --- models and data ---
+
+
+def tokenizer(ctx: Context):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ctx.tokenizer_dir)
+
+
+def hf_model(ctx: Context, shape: str, layers: int | None = None, seed: int = 0):
+    """A random-init Qwen3-shaped model (fp32, on the CPU, chattune's packed attention), the vocabulary sized
+    to the tokenizer."""
+    from transformers import Qwen3Config
+
+    from chattune.model.causal_lm import build_hf_model
+
+    hidden, intermediate, num_layers, heads, kv_heads = SHAPES[shape]
+    config = Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers or num_layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=128 if shape != "tiny" else 16, tie_word_embeddings=True,
+                         max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    return build_hf_model(tokenizer(ctx), config)
+
+
+def model_dir(ctx: Context, shape: str) -> Path:
+    """A model directory for the recipes: the same model saved in bf16 with the tokenizer."""
+    directory = ctx.work / "models" / f"qwen3-{shape}"
+    if not (directory / "config.json").is_file():
+        model = hf_model(ctx, shape).to(torch.bfloat16)
+        model.config._attn_implementation = "sdpa"
+        model.save_pretrained(directory)
+        tokenizer(ctx).save_pretrained(directory)
+    return directory
+
+
+def chat_documents(ctx: Context, count: int, start: int = 0) -> list[Document]:
+    """Real chats tokenized with assistant-only labels, as training sees them."""
+    tok = tokenizer(ctx)
+    markers = probe_template(tok)
+    lines = ctx.chats.read_text().splitlines()[start:start + count]
+    documents = []
+    for i, line in enumerate(lines):
+        tokenized = tokenize_conversation(tok, json.loads(line)["messages"], markers)
+        documents.append(Document(start + i, tokenized.input_ids,
+                                  shifted_labels(tokenized.input_ids, tokenized.assistant_mask)))
+    return documents
+
+
+def sharded(ctx: Context, model, compile: bool = False, loss: str = "chunked"):
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.fsdp import shard_model
+
+    tf32 = ctx.cuda and loss == "chunked"
+    return shard_model(PackedCausalLM(model, 1024, loss, tf32_head=tf32), ctx.device.type, 1, compile=compile)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+
+
+def within(figure: float, bound: float) -> bool:
+    return figure <= bound
+
+
+# --- in-process checks (a one-rank group) ---
+
+
+def check_packed_vs_hf(ctx: Context) -> None:
+    documents = chat_documents(ctx, 12)
+    model = hf_model(ctx, ctx.shape)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    reference = reference.to(ctx.device, dtype)
+    ours = sharded(ctx, model)
+    batch = collate_packed(documents).to(ctx.device)
+    losses = ours(batch)
+    losses.sum().backward()
+    layer = len(model.model.layers) // 2
+    grad = model.model.layers[layer].self_attn.q_proj.weight.grad.full_tensor().float()
+    head = reference.lm_head.weight
+
+    def head_losses(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # our head's computation, fp32
+        return F.cross_entropy(hidden.float() @ head.float().t(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+    want = []
+    for document in documents:
+        ids = torch.as_tensor(document.input_ids, device=ctx.device).unsqueeze(0)
+        hidden = reference.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        want.append(head_losses(hidden, torch.as_tensor(document.labels, device=ctx.device)))
+    want = torch.cat(want)
+    want.sum().backward()
+    want_grad = reference.model.layers[layer].self_attn.q_proj.weight.grad.float()
+    with torch.no_grad():  # the control: one causal attention over the whole row, documents see each other
+        # (an explicit all-ones mask: with none, transformers finds the documents from the position ids)
+        hidden = reference.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                                 attention_mask=torch.ones_like(batch.input_ids)).last_hidden_state[0]
+        leaked = head_losses(hidden, batch.labels[0])
+    bounds = (0.05, 1e-3, 3e-2) if ctx.cuda else (1e-4, 1e-6, 1e-5)
+    token = float((losses.detach() - want.detach()).abs().max())
+    total = abs(float(losses.sum()) - float(want.sum())) / abs(float(want.sum()))
+    grad_error = relative(grad, want_grad)
+    ok = token <= bounds[0] and total <= bounds[1] and grad_error <= bounds[2]
+    ctx.add("packed_vs_hf", ok, f"token max|diff| {token:.3g}, sum rel {total:.2g}, q_proj grad rel {grad_error:.2g}",
+            f"≤ {bounds[0]:g} / {bounds[1]:g} / {bounds[2]:g}", f"{batch.num_tokens} tokens, {len(documents)} chats")
+    control = float((leaked - want.detach()).abs().max())
+    ctx.add("leak_control", control > 10 * bounds[0], f"token max|diff| {control:.3g} with documents leaking",
+            f"> {10 * bounds[0]:g}: ten times the check's bound")
+
+
+def check_cce(ctx: Context) -> None:
+    from chattune.model import fused_loss
+    from chattune.model.chunked_loss import chunked_token_losses
+
+    if not fused_loss.cce_available():
+        ctx.add("cce_vs_chunked", None, "cut-cross-entropy cannot be imported", detail=str(fused_loss._import_cce()[1]))
+        return
+    tokens, width, vocab = (8192, 1024, len(tokenizer(ctx))) if ctx.cuda else (200, 32, 500)
+    generator = torch.Generator(device=ctx.device).manual_seed(0)
+    hidden = torch.randn(tokens, width, generator=generator, device=ctx.device).bfloat16()
+    # Peaked logits (std ~4), like a trained model's, not the near-uniform softmax of random weights.
+    weight = (torch.randn(vocab, width, generator=generator, device=ctx.device) * 4 / width ** 0.5).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator, device=ctx.device)
+    labels[::7] = IGNORE_INDEX
+    upstream = torch.linspace(0.5, 1.5, tokens, device=ctx.device)
+
+    def run(loss_fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        losses = loss_fn(h, w)
+        (losses * upstream).sum().backward()
+        return losses.detach(), h.grad.float(), w.grad.float()
+
+    want = run(lambda h, w: chunked_token_losses(h, w, labels, chunk_size=1024))
+    got = run(lambda h, w: fused_loss.cce_token_losses(h, w, labels))
+    token = float((got[0] - want[0]).abs().max() / want[0].abs().max())
+    total = abs(float(got[0].sum() - want[0].sum())) / abs(float(want[0].sum()))
+    hidden_grad, head_grad = relative(got[1], want[1]), relative(got[2], want[2])
+    # CUDA: the kernels accumulate the logits in fp32 and never round them; the CPU's torch implementation
+    # rounds them to bf16 (tests/test_fused_loss.py's bounds).
+    bounds = (1e-3, 1e-4, 3e-2) if ctx.cuda else (5e-3, 2.5e-4, 1e-2)
+    ok = token <= bounds[0] and total <= bounds[1] and max(hidden_grad, head_grad) <= bounds[2]
+    options = fused_loss.cce_options(ctx.cuda)
+    ctx.add("cce_vs_chunked", ok, f"token {token:.2g} of max, sum rel {total:.2g}, hidden grad rel {hidden_grad:.2g}, "
+            f"head grad rel {head_grad:.2g}", f"≤ {bounds[0]:g} / {bounds[1]:g} / {bounds[2]:g} / {bounds[2]:g}",
+            f"{tokens}x{width}, vocab {vocab}, options {options}")
+
+
+def check_tf32_scope(ctx: Context) -> None:
+    from chattune.model.chunked_loss import chunked_token_losses
+
+    tokens, width, vocab = (4096, 1024, 32768) if ctx.cuda else (256, 64, 1024)
+    generator = torch.Generator(device=ctx.device).manual_seed(1)
+    hidden = torch.randn(tokens, width, generator=generator, device=ctx.device).bfloat16()
+    weight = (torch.randn(vocab, width, generator=generator, device=ctx.device) / width ** 0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator, device=ctx.device)
+    before = torch.get_float32_matmul_precision()
+    fast = chunked_token_losses(hidden, weight, labels, 1024, tf32=True)
+    fast.sum().backward()
+    exact = chunked_token_losses(hidden, weight, labels, 1024, tf32=False).detach()
+    error = relative(fast.detach(), exact)
+    after = torch.get_float32_matmul_precision()
+    ctx.add("tf32_scope", error <= 1e-5 and before == after == "highest",
+            f"forward rel {error:.2g} against fp32; precision {before} -> {after}", "≤ 1e-5; highest")
+
+
+def check_compile(ctx: Context) -> None:
+    from chattune.model.fsdp import compiled_graphs
+
+    torch._dynamo.reset()
+    documents = chat_documents(ctx, 80, start=100)
+    rows, start = [], 0
+    for size in [3, 5, 2, 7, 4, 6, 3, 5, 8, 2, 4, 6, 5, 3, 7, 4, 2, 6, 5, 3]:  # 20 packed lengths
+        rows.append(collate_packed(documents[start % 60:start % 60 + size]))
+        start += size
+    layers = 4 if ctx.cuda else None
+
+    def losses_and_grads(model, batches):
+        out = []
+        for batch in batches:
+            losses = model(batch.to(ctx.device))
+            losses.sum().backward()
+            out.append((losses.detach(), {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}))
+            model.zero_grad(set_to_none=True)
+        return out
+
+    eager = losses_and_grads(sharded(ctx, hf_model(ctx, ctx.shape, layers)), rows[:3])
+    compiled_model = sharded(ctx, hf_model(ctx, ctx.shape, layers), compile=True)
+    graphs, compiled = [compiled_graphs()], []
+    for index, batch in enumerate(rows):
+        result = losses_and_grads(compiled_model, [batch])
+        if index < 3:
+            compiled += result
+        graphs.append(compiled_graphs())
+    bounds = (1e-2, 5e-2) if ctx.cuda else (1e-5, 1e-4)
+    loss_error = max(relative(c[0], e[0]) for c, e in zip(compiled, eager))
+    grad_error = max(relative(c[1][n], e[1][n]) for c, e in zip(compiled, eager) for n in e[1])
+    ctx.add("compile_vs_eager", loss_error <= bounds[0] and grad_error <= bounds[1],
+            f"losses rel {loss_error:.2g}, gradients rel {grad_error:.2g}", f"≤ {bounds[0]:g} / {bounds[1]:g}")
+    later = graphs[-1] - graphs[3]
+    ctx.add("recompiles", later == 0, f"graphs after each of 20 steps: {graphs[1:]}", "none after the third")
+
+
+def _pair_batches(ctx: Context, count: int) -> list:
+    """Preference pairs made of real chats: chosen = a chat, rejected = another, one packed document each."""
+    documents = chat_documents(ctx, 2 * count, start=300)
+    pairs = []
+    for k in range(count):
+        chosen, rejected = documents[2 * k], documents[2 * k + 1]
+        pairs.append(Document(k, [*chosen.input_ids, *rejected.input_ids], [*chosen.labels, *rejected.labels],
+                              segments=(len(chosen), len(rejected))))
+    return [collate_packed(pairs[i:i + 4]) for i in range(0, count, 4)]
+
+
+def check_dpo_reference(ctx: Context) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from chattune.objectives.dpo import LiveReference, PreferenceObjective, pair_logps
+    from chattune.objectives.pair_losses import PreferenceLoss
+    from chattune.train.step import train_step
+
+    class WithoutReshard(LiveReference):  # the reference as it was: its root left gathered after a forward
+        @torch.no_grad()
+        def __call__(self, batch):
+            chosen, rejected, _, _ = pair_logps(self.model(batch), batch)
+            return chosen, rejected
+
+    batches = _pair_batches(ctx, 8)
+
+    def run(reference_class) -> tuple[float, int]:
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        policy = sharded(ctx, hf_model(ctx, ctx.shape))
+        reference_model = sharded(ctx, hf_model(ctx, ctx.shape))
+        objective = PreferenceObjective(PreferenceLoss("sigmoid", 0.1, 0.0, 0.5, 0.0), reference_class(reference_model))
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        for step in range(2):
+            train_step(policy, objective, batches[step:step + 1], optimizer, scheduler, 1.0, ctx.device)
+        gathered = sum(not isinstance(p, DTensor) for p in reference_model.parameters())
+        peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else float("nan")
+        return peak, gathered
+
+    fixed, unfixed = run(LiveReference), run(WithoutReshard)
+    if ctx.cuda:
+        ctx.add("dpo_reference_memory", fixed[0] < unfixed[0] and fixed[1] == 0,
+                f"peak {fixed[0]:.2f} GiB resharded vs {unfixed[0]:.2f} GiB gathered", "lower",
+                f"gathered reference parameters: {fixed[1]} vs {unfixed[1]}")
+    else:
+        ctx.add("dpo_reference_memory", fixed[1] == 0 < unfixed[1],
+                f"reference parameters left gathered: {fixed[1]} resharded vs {unfixed[1]} without", "0 and not 0")
+
+
+def check_host_syncs(ctx: Context) -> None:
+    if not ctx.cuda:
+        ctx.add("host_syncs", None, "CUDA only")
+        return
+    from chattune.model.fused_loss import resolve_loss_implementation
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.optimizer import build_optimizer
+    from chattune.train.step import train_step
+    from omegaconf import OmegaConf
+
+    loss = resolve_loss_implementation("auto", "cuda", "bfloat16")
+    model = sharded(ctx, hf_model(ctx, ctx.shape, layers=4), loss=loss)
+    optimizer = build_optimizer(OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-5}),
+                                [p for p in model.parameters() if p.requires_grad], ctx.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    documents = chat_documents(ctx, 16, start=400)
+    microbatches = [collate_packed(documents[:8]), collate_packed(documents[8:])]
+    for _ in range(2):  # warm: the first steps allocate, autotune and initialise the optimizer's state
+        train_step(model, TokenCrossEntropy(), microbatches, optimizer, scheduler, 1.0, ctx.device)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(model, TokenCrossEntropy(), microbatches, optimizer, scheduler, 1.0, ctx.device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    allowed = 1 + (len(microbatches) if loss == "cut_cross_entropy" else 0)
+    ctx.add("host_syncs", len(syncs) <= allowed, f"{len(syncs)} in a step of 2 microbatches ({loss})", f"≤ {allowed}",
+            "; ".join(sorted(set(syncs)))[:300])
+
+
+def in_process_checks(ctx: Context, only: set[str] | None) -> None:
+    from chattune.distributed import init_distributed, shutdown_distributed
+
+    saved_environment = dict(os.environ)
+    init_distributed(ctx.device.type)  # a one-rank group, as a plain `python recipes/sft.py` makes
+    try:
+        for name, check in (("packed_vs_hf", check_packed_vs_hf), ("cce_vs_chunked", check_cce),
+                            ("tf32_scope", check_tf32_scope), ("compile_vs_eager", check_compile),
+                            ("host_syncs", check_host_syncs), ("dpo_reference_memory", check_dpo_reference)):
+            if only and name not in only:
+                continue
+            started = time.perf_counter()
+            try:
+                check(ctx)
+            except Exception as error:  # a broken check is a FAIL with its reason; the other checks still run
+                ctx.add(name, False, f"{type(error).__name__}: {error}"[:300], detail=traceback.format_exc()[-1500:])
+            ctx.seconds[name] = time.perf_counter() - started
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+    finally:
+        shutdown_distributed()
+        os.environ.clear()
+        os.environ.update(saved_environment)
+
+
+# --- recipe runs (torchrun, one process each) ---
+
+
+def recipe_environment() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def run_recipe(ctx: Context, name: str, overrides: list[str], recipe: str = "sft") -> tuple[Path, str]:
+    """Launch a recipe into work/<name> (a fresh directory unless a launch continues it); (output dir, log)."""
+    output_dir = ctx.work / name
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               str(ROOT / "recipes" / f"{recipe}.py"), "--config-name", f"{recipe}/local_model",
+               f"output_dir={output_dir}", f"device={ctx.device.type}", "progress=lines", "data.report_records=0",
+               *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, env=recipe_environment(), cwd=ROOT)
+    log = done.stdout + done.stderr
+    (ctx.out / f"{name}.log").write_text(log)
+    if done.returncode:
+        raise RuntimeError(f"{name} failed ({done.returncode}): {log[-1200:]}")
+    return output_dir, log
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def throughput(ctx: Context, shapes: list[str], steps: int, warmup: int) -> None:
+    budget, accum = (16384, 2) if ctx.cuda else (2048, 1)
+    modes = {"sft": [], "lora": ["peft=lora"], "qlora": ["peft=qlora"]}
+    figures = {}
+    for shape in shapes:
+        directory = model_dir(ctx, shape)
+        for mode, extra in modes.items():
+            name = f"throughput_{shape}_{mode}"
+            if mode == "qlora" and not ctx.cuda:
+                ctx.add(name, None, "a 4-bit base is CUDA only")
+                continue
+            if mode == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+                ctx.add(name, None, "bitsandbytes is not importable")
+                continue
+            started = time.perf_counter()
+            try:
+                output_dir, log = run_recipe(ctx, name, [
+                    f"model.path={directory}", f"data.train=[{ctx.chats}]", "data.eval=[]", "overwrite=true",
+                    f"max_steps={steps}", "log_every=1", "save_every=0", "eval_every=0",
+                    f"data.max_tokens_per_microbatch={budget}", f"grad_accum_steps={accum}", "data.num_workers=2",
+                    f"model.fsdp.activation_checkpointing={'true' if shape == '1.7b' else 'false'}", *extra])
+            except RuntimeError as error:
+                ctx.add(name, False, str(error).splitlines()[0][:200])
+                continue
+            rows = [m for m in metrics(output_dir) if warmup < m["step"] <= steps]
+            seconds = sum(m["step_time_s"] for m in rows)
+            tokens = sum(m["all_tokens_per_sec_per_device"] * m["step_time_s"] for m in rows) / seconds
+            mfu = sum(m.get("mfu", 0.0) * m["step_time_s"] for m in rows) / seconds if "mfu" in rows[-1] else None
+            peak = max(m.get("peak_memory_allocated_gib", 0.0) for m in rows) or None
+            compute = next((line.split("] ", 1)[-1] for line in log.splitlines() if "] compute:" in line), "")
+            figures[(shape, mode)] = {"tokens_per_s": tokens, "mfu": mfu, "peak_gib": peak}
+            ctx.add(name, True, f"{tokens:,.0f} tokens/s per device, MFU {mfu:.1%}" if mfu is not None
+                    else f"{tokens:,.0f} tokens/s per device", f"peak {peak:.1f} GiB" if peak else "", compute)
+            ctx.seconds[name] = time.perf_counter() - started
+    if not ctx.cuda:
+        return
+    if ("1.7b", "sft") in figures and figures["1.7b", "sft"]["mfu"] is not None:
+        mfu = figures["1.7b", "sft"]["mfu"]
+        ctx.add("target_mfu_1.7b", mfu >= 0.45, f"MFU {mfu:.1%}", "≥ 45%")
+    compare_with_trl(ctx, shapes, figures, steps, warmup)
+
+
+def compare_with_trl(ctx: Context, shapes: list[str], figures: dict, steps: int, warmup: int) -> None:
+    if importlib.util.find_spec("trl") is None:
+        ctx.add("trl", None, "trl is not importable: no comparison")
+        return
+    import bench_gpu
+
+    for shape in shapes:
+        if (shape, "sft") not in figures:
+            continue
+        run = {"0.6b": "short06", "1.7b": "short17"}[shape]
+        arguments = argparse.Namespace(work=ctx.work / "trl", steps=steps, warmup=warmup)
+        arguments.work.mkdir(parents=True, exist_ok=True)
+        try:
+            theirs = bench_gpu.run_trl(run, model_dir(ctx, shape), ctx.chats, arguments)
+        except SystemExit as error:
+            ctx.add(f"trl_{shape}", False, str(error))
+            continue
+        ours = figures[shape, "sft"]
+        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        ctx.add(f"target_vs_trl_{shape}", ratio >= 3.0, f"{ratio:.2f}× TRL's {theirs['tokens_per_s']:,.0f} tokens/s", "≥ 3×")
+        if ours["peak_gib"] is not None:
+            ctx.add(f"target_memory_vs_trl_{shape}", ours["peak_gib"] <= theirs["peak_memory_gib"],
+                    f"{ours['peak_gib']:.1f} GiB vs TRL's {theirs['peak_memory_gib']:.1f} GiB", "≤ TRL's")
+
+
+def resume_and_export(ctx: Context) -> None:
+    """8 steps straight against 4 + stop + resume + 4 (async checkpoints, evaluation on); the exports."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    eval_file = ctx.work / "eval.jsonl"
+    eval_file.write_text("\n".join(ctx.chats.read_text().splitlines()[-48:]) + "\n")
+    budget = 4096 if ctx.cuda else 1024
+    common = [f"model.path={model_dir(ctx, ctx.shape)}", f"data.train=[{ctx.chats}]", f"data.eval=[{eval_file}]",
+              "max_steps=8", "log_every=1", "eval_every=4", "save_async=true", "export.dtype=float32",
+              f"data.max_tokens_per_microbatch={budget}", "grad_accum_steps=2", "data.num_workers=2"]
+    started = time.perf_counter()
+    straight, _ = run_recipe(ctx, "resume_straight", [*common, "save_every=3", "overwrite=true"])  # saves 3, 6
+    resumed, _ = run_recipe(ctx, "resume_resumed", [*common, "save_every=3", "overwrite=true", "stop_after_step=4"])
+    resumed, log = run_recipe(ctx, "resume_resumed", [*common, "save_every=4"])  # resumes at 4, saves at 8
+    ctx.seconds["resume_and_export"] = time.perf_counter() - started
+    if "resumed from" not in log:
+        ctx.add("resume_exact", False, "the second launch did not resume")
+        return
+    losses = {m["step"]: m["loss"] for m in metrics(straight) if "loss" in m}
+    again = {m["step"]: m["loss"] for m in metrics(resumed) if "loss" in m}
+    differing = [step for step in losses if losses[step] != again.get(step)]
+    ctx.add("resume_exact", not differing and sorted(losses) == list(range(1, 9)),
+            "bitwise equal losses at steps 1-8" if not differing else f"losses differ at steps {differing}",
+            "bitwise", f"max rel diff {max(abs(losses[s] - again[s]) / abs(losses[s]) for s in losses):.2g}")
+
+    def exported(run: Path) -> dict[str, torch.Tensor]:
+        index = json.loads((run / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+        weights = {}
+        for file in sorted(set(index.values())):
+            weights.update(load_file(run / "hf" / file))
+        return weights
+
+    checkpoint = ctx.work / "resume_masters.pt"
+    dcp_to_torch_save(resumed / "checkpoints" / "step_8", checkpoint)
+    masters = {name.removeprefix("hf_model."): value for name, value in torch.load(checkpoint)["model"].items()}
+    weights = exported(resumed)
+    mismatched = [name for name, value in weights.items() if not torch.equal(value, masters.get(name, value + 1))]
+    # A tied output layer is one parameter, written once (under the embedding's name).
+    unwritten = [name for name in masters if name not in weights
+                 and not any(torch.equal(masters[name], value) for value in weights.values())]
+    ctx.add("export_masters", not mismatched and not unwritten,
+            f"{len(weights) - len(mismatched)} of {len(weights)} exported tensors equal to the step-8 checkpoint's "
+            f"fp32 masters; {len(unwritten)} masters not written", "all, bitwise", ", ".join((mismatched + unwritten)[:3]))
+    after_eval = exported(straight)
+    shares = {name: float((after_eval[name].bfloat16().float() != after_eval[name]).float().mean())
+              for name in ("model.embed_tokens.weight", "model.norm.weight")}
+    ctx.add("export_after_eval", min(shares.values()) > 0.5,
+            "share of values that are not bf16 values: " + ", ".join(f"{k} {v:.2f}" for k, v in shares.items()),
+            "> 0.5 (bf16 copies: 0)")
+
+
+# --- the report ---
+
+
+def environment(ctx: Context) -> dict:
+    import transformers
+
+    facts = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(ctx.device),
+             "assets": "shared (Qwen3 tokenizer, FastChat chats)" if ctx.real_assets else "chattune's demo tokenizer and chats"}
+    if ctx.cuda:
+        facts["gpu"] = torch.cuda.get_device_name(ctx.device)
+    for package in ("cut_cross_entropy", "bitsandbytes", "flash_attn", "trl", "peft"):
+        spec = importlib.util.find_spec(package)
+        facts[package] = "absent" if spec is None else _version(package)
+    return facts
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = {"cut_cross_entropy": "cut-cross-entropy", "flash_attn": "flash-attn"}
+    try:
+        return version(names.get(package, package))
+    except PackageNotFoundError:
+        return "present"
+
+
+def write_report(ctx: Context, facts: dict) -> bool:
+    failed = [row for row in ctx.rows if row.status == "FAIL"]
+    (ctx.out / "gpu_check.json").write_text(json.dumps(
+        {"environment": facts, "rows": [asdict(row) for row in ctx.rows], "seconds": ctx.seconds}, indent=1))
+    lines = [f"gpu_check on {facts.get('gpu', facts['device'])}, torch {facts['torch']}, transformers "
+             f"{facts['transformers']}, cut-cross-entropy {facts['cut_cross_entropy']}, bitsandbytes "
+             f"{facts['bitsandbytes']}, trl {facts['trl']}; {facts['assets']}", "",
+             "| check | result | figure | bound | detail |", "|---|---|---|---|---|"]
+    for row in ctx.rows:
+        detail = row.detail.replace("|", "/").replace("\n", " ")[:200]
+        lines.append(f"| {row.check} | {row.status} | {row.figure} | {row.bound} | {detail} |")
+    lines.append(f"\n{len(ctx.rows)} rows, {len(failed)} FAIL; {sum(ctx.seconds.values()):.0f} s in the checks")
+    (ctx.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return not failed
+
+
+def find_assets(given: Path | None) -> Path | None:
+    candidates = [given] if given else [Path(os.environ["ASSETS"])] if os.environ.get("ASSETS") else [
+        ROOT.parent / "shared" / "assets", ROOT / "shared" / "assets"]
+    return next((c for c in candidates if c and (c / "tokenizers" / "qwen3").is_dir()), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check_results"))
+    parser.add_argument("--work", type=Path, default=None, help="models, data and runs (default: OUT/work)")
+    parser.add_argument("--assets", type=Path, default=None, help="../shared/assets (the Qwen3 tokenizer, real chats)")
+    parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
+                        help="throughput shapes (default: 0.6b 1.7b on CUDA, tiny on the CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="throughput steps (default: 12 on CUDA, 4 on the CPU)")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these checks (names as in the table; "
+                        "throughput and resume_and_export for the recipe runs)")
+    args = parser.parse_args()
+    torch.set_float32_matmul_precision("highest")  # what chattune must leave as it is (tf32_scope)
+    out = args.out.resolve()
+    work = (args.work or out / "work").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    assets = find_assets(args.assets) if args.device == "cuda" else None
+    if assets is not None:
+        import bench_gpu
+
+        chats = bench_gpu.make_corpora(assets, work / "data")["short"]
+        tokenizer_dir = assets / "tokenizers" / "qwen3"
+    else:
+        chats, tokenizer_dir = DEMO_ASSETS / "chat_train.jsonl", DEMO_ASSETS / "tokenizer"
+    ctx = Context(torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"), out, work,
+                  tokenizer_dir, chats, assets is not None)
+    facts = environment(ctx)
+    print(f"[gpu_check] {facts}", flush=True)
+    only = set(args.only) if args.only else None
+    in_process_checks(ctx, only)
+    if not only or "throughput" in only:
+        shapes = args.shapes or (["0.6b", "1.7b"] if ctx.cuda else ["tiny"])
+        steps = args.steps or (12 if ctx.cuda else 4)
+        throughput(ctx, shapes, steps, warmup=max(1, steps // 3))
+    if not only or "resume_and_export" in only:
+        try:
+            resume_and_export(ctx)
+        except Exception as error:
+            ctx.add("resume_exact", False, f"{type(error).__name__}: {error}"[:300])
+    return 0 if write_report(ctx, facts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
