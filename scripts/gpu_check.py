@@ -336,9 +336,11 @@ def check_dpo_reference(ctx: Context) -> None:
     batches = _pair_batches(ctx, 8)
 
     def run(reference_class) -> tuple[float, int]:
+        """(peak memory above what was allocated before, GiB; the reference's parameters left gathered)."""
         if ctx.cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
         policy = sharded(ctx, hf_model(ctx, ctx.shape))
         reference_model = sharded(ctx, hf_model(ctx, ctx.shape))
         objective = PreferenceObjective(PreferenceLoss("sigmoid", 0.1, 0.0, 0.5, 0.0), reference_class(reference_model))
@@ -347,7 +349,7 @@ def check_dpo_reference(ctx: Context) -> None:
         for step in range(2):
             train_step(policy, objective, batches[step:step + 1], optimizer, scheduler, 1.0, ctx.device)
         gathered = sum(not isinstance(p, DTensor) for p in reference_model.parameters())
-        peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else float("nan")
+        peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**30 if ctx.cuda else float("nan")
         return peak, gathered
 
     fixed, unfixed = run(LiveReference), run(WithoutReshard)
@@ -397,6 +399,8 @@ def in_process_checks(ctx: Context, only: set[str] | None) -> None:
     from chattune.distributed import init_distributed, shutdown_distributed
 
     saved_environment = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # a group of its own, whatever the shell or a caller left set
     init_distributed(ctx.device.type)  # a one-rank group, as a plain `python recipes/sft.py` makes
     try:
         for name, check in (("packed_vs_hf", check_packed_vs_hf), ("cce_vs_chunked", check_cce),

@@ -21,7 +21,7 @@ FIXED_ROWS = {  # what is not a package of chattune/, before and after the packa
                                                   "`dpo/tiny`, `dpo/local_model`")],
     "after": [("`hydra_plugins/chattune_searchpath/`", "puts the shipped configs on Hydra's search path, for users' "
                                                        "own config directories"),
-              ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, this table"),
+              ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, the GPU check (`gpu_check.py`), this table"),
               ("`BENCHMARKS.md`", "measured throughput and the commands that produced it")],
 }
 BEGIN, END = "| path | what |\n|---|---|\n", "\n\n"

@@ -122,6 +122,20 @@ def init_worker_process_group(rank: int, world_size: int, port: int) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A one-rank gloo group in the test's own process. Its environment variables are set with monkeypatch,
+    which takes them away again: recipes that later tests launch must not inherit a finished group's
+    RANK and MASTER_PORT."""
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     """A tiny base model directory with the demo tokenizer (what a user's model.path holds)."""

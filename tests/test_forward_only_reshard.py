@@ -9,13 +9,12 @@ updates), the export from its safetensors files: neither through `named_paramete
 from __future__ import annotations
 
 import torch
-from conftest import demo_documents, demo_tokenizer, exported_weights, free_port, init_worker_process_group, tiny_model
+from conftest import demo_documents, demo_tokenizer, exported_weights, tiny_model
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from chattune.data.packing import collate_packed
-from chattune.distributed import shutdown_distributed
 from chattune.model.adapters import BaseModelView, add_adapters
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_adapter, export_hf
@@ -56,14 +55,10 @@ def _not_bf16_values(tensor: torch.Tensor) -> float:
     return float((tensor.to(torch.bfloat16).float() != tensor).float().mean())
 
 
-def test_an_export_after_an_evaluation_writes_the_fp32_masters(tmp_path):
-    init_worker_process_group(0, 1, free_port())
-    try:
-        model = _bf16_model(tiny_model(seed=0))
-        masters = _train_then_evaluate(model)
-        export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
-    finally:
-        shutdown_distributed()
+def test_an_export_after_an_evaluation_writes_the_fp32_masters(tmp_path, one_rank_group):
+    model = _bf16_model(tiny_model(seed=0))
+    masters = _train_then_evaluate(model)
+    export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
     exported = exported_weights(tmp_path / "hf")
     for name in ("model.embed_tokens.weight", "model.norm.weight"):  # the root unit's parameters
         assert _not_bf16_values(masters[name]) > 0.5, f"{name}: the test needs masters that are not bf16 values"
@@ -71,16 +66,12 @@ def test_an_export_after_an_evaluation_writes_the_fp32_masters(tmp_path):
     assert all(torch.equal(exported[name], value) for name, value in masters.items())
 
 
-def test_an_adapter_export_after_an_evaluation_writes_the_fp32_embeddings(tmp_path):
-    init_worker_process_group(0, 1, free_port())
-    try:
-        hf_model = tiny_model(seed=0)
-        peft_model = add_adapters(hf_model, LORA_WITH_EMBEDDINGS)
-        model = _bf16_model(hf_model)
-        masters = _train_then_evaluate(model)
-        export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
-    finally:
-        shutdown_distributed()
+def test_an_adapter_export_after_an_evaluation_writes_the_fp32_embeddings(tmp_path, one_rank_group):
+    hf_model = tiny_model(seed=0)
+    peft_model = add_adapters(hf_model, LORA_WITH_EMBEDDINGS)
+    model = _bf16_model(hf_model)
+    masters = _train_then_evaluate(model)
+    export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     embedding = next(value for name, value in masters.items() if name.endswith("embed_tokens.modules_to_save.default.weight"))
     stored = next(value for name, value in saved.items() if name.endswith("embed_tokens.weight"))
@@ -88,22 +79,18 @@ def test_an_adapter_export_after_an_evaluation_writes_the_fp32_embeddings(tmp_pa
     assert torch.equal(stored, embedding)
 
 
-def test_a_live_reference_leaves_its_parameters_sharded():
-    init_worker_process_group(0, 1, free_port())
-    try:
-        reference_model = _bf16_model(tiny_model(seed=0))
-        reference = LiveReference(reference_model)
-        batch = collate_packed(demo_documents(4))
-        batch.doc_ids = batch.doc_ids[:2]  # two "pairs": the logps are not what is checked here
-        reference(batch)
-        gathered = [name for name, p in reference_model.named_parameters() if not isinstance(p, DTensor)]
-        assert not gathered, f"gathered after the reference's forward: {gathered}"
+def test_a_live_reference_leaves_its_parameters_sharded(one_rank_group):
+    reference_model = _bf16_model(tiny_model(seed=0))
+    reference = LiveReference(reference_model)
+    batch = collate_packed(demo_documents(4))
+    batch.doc_ids = batch.doc_ids[:2]  # two "pairs": the logps are not what is checked here
+    reference(batch)
+    gathered = [name for name, p in reference_model.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered, f"gathered after the reference's forward: {gathered}"
 
-        # A view of the policy's base (LoRA) shares the policy's root: left for the policy's backward.
-        hf_model = tiny_model(seed=1)
-        peft_model = add_adapters(hf_model, LORA_WITH_EMBEDDINGS)
-        policy = _bf16_model(hf_model)
-        LiveReference(BaseModelView(policy, peft_model))(batch)
-        assert any(not isinstance(p, DTensor) for p in policy.parameters())
-    finally:
-        shutdown_distributed()
+    # A view of the policy's base (LoRA) shares the policy's root: left for the policy's backward.
+    hf_model = tiny_model(seed=1)
+    peft_model = add_adapters(hf_model, LORA_WITH_EMBEDDINGS)
+    policy = _bf16_model(hf_model)
+    LiveReference(BaseModelView(policy, peft_model))(batch)
+    assert any(not isinstance(p, DTensor) for p in policy.parameters())

@@ -163,7 +163,7 @@ def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
     assert "Traceback" not in output
 
 
-def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_path):
+def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_path, one_rank_group):
     """Quantized from the compute dtype, a layer dequantizes straight to it (quantized from fp32 it dequantized
     to fp32 and cast, every layer of every step); bitsandbytes' forward replaced a frozen fp32 bias by its
     bf16 copy, which the merged export then wrote (Qwen2's qkv biases)."""
@@ -175,17 +175,13 @@ def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_pat
     modules = quantized_modules(hf_model)
     assert modules and all(m.weight.quant_state.dtype == torch.bfloat16 for m in modules)
 
-    init_worker_process_group(0, 1, free_port())
-    try:
-        model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), "cpu", 1, param_dtype="bfloat16",
-                            replicated=replicated_parameters(hf_model))
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        train_step(model, TokenCrossEntropy(), [collate_packed(demo_documents(4))], optimizer,
-                   torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0, torch.device("cpu"))
-        export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
-        export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
-    finally:
-        shutdown_distributed()
+    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), "cpu", 1, param_dtype="bfloat16",
+                        replicated=replicated_parameters(hf_model))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    train_step(model, TokenCrossEntropy(), [collate_packed(demo_documents(4))], optimizer,
+               torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0, torch.device("cpu"))
+    export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
+    export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
     exported = exported_weights(tmp_path / "hf")
     for name, bias in biases.items():
         stored = name.replace(".base_layer", "")

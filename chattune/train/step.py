@@ -12,8 +12,9 @@ how many data streams have finished their share of the epoch (see `chattune.trai
 
 On CUDA the host waits for the device once per step (`train_step`): the unit count stays on the device as
 the normaliser, and the step's sums, counts, gradient norm and the finite checks come back in one
-transfer, right before the optimizer's step, which needs them. cut-cross-entropy's `nonzero()` adds one
-sync per microbatch (`chattune.model.fused_loss`); the logged metrics add one on the steps that log.
+transfer, right before the optimizer's step, which needs them. What remains: cut-cross-entropy's `nonzero()`,
+one sync per microbatch (`chattune.model.fused_loss`); and, only on the steps that log, the step timer's
+event and the metrics' reductions (`chattune.train.metrics`).
 """
 
 from __future__ import annotations
