@@ -231,5 +231,5 @@ def test_undecodable_bytes_name_the_record(tmp_path, tokenizer):
     path.write_bytes(json.dumps({"messages": [USER, ASSISTANT]}).encode() + b"\n" + b'{"messages": "caf\xe9"}\n')
     documents = SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, 512)
     assert documents.get(0).doc_id == 0
-    with pytest.raises(DataError, match=r"latin1\.jsonl record 2 \(line 2\): unparseable JSON line"):
+    with pytest.raises(DataError, match=r"latin1\.jsonl record 2 \(line 2\): not UTF-8 text \(byte 18 of the line"):
         documents.get(1)

@@ -154,6 +154,7 @@ class Checker:
         self.paths()
         self.numbers()
         self.quantized_base()
+        self.device()
         self.step_layout(world_size)
         if self.cfg is not None:
             self.output_dir(self.cfg, world_size)
@@ -164,12 +165,13 @@ class Checker:
         """A section's keys: each known one checked against its type, unknown and missing ones reported
         (an open section, passed on as it is, takes any key and needs none)."""
         known = schema_fields(section)
+        aliases = {alias: join_key(key, name) for name, (_, metadata) in known.items() for alias in metadata["aliases"]}
         for name, value in values.items():
             child = join_key(key, str(name))
             if name in known:
                 self.value(value, *known[name], child)
             elif not open_section:
-                self.unknown(child, [join_key(key, n) for n in known])
+                self.unknown(child, [join_key(key, n) for n in known], aliases.get(str(name)))
         if not open_section:
             for name in known:
                 if name not in values:
@@ -210,12 +212,14 @@ class Checker:
         hint = " (a quoted number: write it without quotes)" if quoted_number else ""
         self.findings.problem(key, f"expected {TYPE_NAMES[expected]}, got {show(value)}{hint}")
 
-    def unknown(self, key: str, siblings: list[str]) -> None:
-        """An unknown key, with the closest sibling or, failing that, a key of that name in another section."""
+    def unknown(self, key: str, siblings: list[str], alias_of: str | None = None) -> None:
+        """An unknown key, with the key it is another name for (peft's `r` for `rank`), the closest sibling or,
+        failing those, a key of that name in another section."""
         leaf = key.rsplit(".", 1)[-1]
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in siblings}
         nearest = closest(leaf, by_leaf)
-        match = [by_leaf[nearest]] if nearest else [k for k in self.schema_keys if k.rsplit(".", 1)[-1] == leaf][:1]
+        match = [alias_of] if alias_of else [by_leaf[nearest]] if nearest else \
+            [k for k in self.schema_keys if k.rsplit(".", 1)[-1] == leaf][:1]
         self.findings.problem(key, f"unknown key; did you mean {match[0]}?" if match else "unknown key")
 
     def target(self, values: dict, section: type | None, metadata: dict, key: str) -> None:
@@ -379,6 +383,11 @@ class Checker:
             self.findings.problem("data.microbatches_per_step", f"{total} cannot be dealt to {world_size} ranks: the "
                                                                 "number of ranks must divide it")
 
+    def device(self) -> None:
+        if get_value(self.values, "device") == "cuda" and not _cuda_available():
+            self.findings.problem("device", "cuda, but torch finds no CUDA device on this machine (torch.cuda.is_available() "
+                                            "is False): use device=auto (CUDA where there is one) or device=cpu")
+
     def quantized_base(self) -> None:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
         if get_value(self.values, "peft.quantize_base") not in QUANTIZE_BASE:
@@ -392,8 +401,12 @@ class Checker:
             self.findings.problem("peft.quantize_base", 'needs bitsandbytes: pip install "chattune[qlora]"')
 
     def bound(self, key: str, holds, message: str) -> None:
-        value = _number(self.values, key)
-        if value is not None and not holds(value):
+        value = get_value(self.values, key)
+        if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            pass  # a list of numbers (optimizer.betas)
+        elif (value := _number(self.values, key)) is None:
+            return  # absent, null or of another type (reported by the type checks)
+        if not holds(value):
             self.findings.problem(key, f"{message}, got {value}")
 
     def max_positions(self) -> int | None:

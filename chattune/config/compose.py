@@ -68,10 +68,13 @@ def compose_reporting(config_name: str, overrides: list[str], config_path: Path,
                                        f"{first_line(error)}{did_you_mean(config_name, names)}")
             return None, added
         accepted: list[str] = []  # one override at a time, to find those at fault
+        searched = [d for d in (config_dir, config_path, CONFIG_DIR) if d is not None]
         for override in overrides:
             cfg, error = _try_compose(config_name, [*accepted, override])
             if cfg is not None:
                 accepted.append(override)
+            elif (unselected := _unselected_group(config_name, accepted, override, searched)) is not None:
+                findings.problem(override.lstrip("+~").split("=", 1)[0], unselected)
             elif override[:1] not in "+~" and _try_compose(config_name, [*accepted, "+" + override])[0] is not None:
                 accepted.append("+" + override)
                 added[override.split("=", 1)[0]] = override
@@ -92,6 +95,22 @@ def required_keys(config_name: str, config_dirs: list[Path]) -> list[str]:
             raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
             return [key for key in dotted_keys(raw) if get_value(raw, key) == "???"]
     return []
+
+
+def _unselected_group(config_name: str, accepted: list[str], override: str, searched: list[Path]) -> str | None:
+    """The advice for a key set inside a config group that is null here (`peft.rank=8` without `peft=lora`):
+    choose one of the group's configs first. (Hydra would advise `+peft.rank=8`, which makes a section of
+    that one key.) None when the override is not of that kind."""
+    key = override.lstrip("+~").split("=", 1)[0]
+    group = key.split(".", 1)[0]
+    options = sorted({p.stem for d in searched if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
+    if "." not in key or not options:
+        return None
+    cfg, _ = _try_compose(config_name, accepted)
+    if cfg is None or group not in cfg or cfg[group] is not None:
+        return None
+    return (f"{group} is null in this config: choose one first, {' or '.join(f'{group}={o}' for o in options)} "
+            f"(e.g. {group}={options[0]} {override})")
 
 
 def _try_compose(config_name: str, overrides: list[str]) -> tuple[DictConfig | None, Exception | None]:

@@ -43,14 +43,15 @@ QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)
 
 def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
         choices: tuple[str, ...] | None = None, at_least: int | None = None, hint: str = "",
-        bound: tuple[Callable[[float], bool], str] | None = None, open_section: bool = False,
-        recipe_passes: tuple[int, tuple[str, ...]] | None = None) -> Any:
+        bound: tuple[Callable[[Any], bool], str] | None = None, open_section: bool = False,
+        recipe_passes: tuple[int, tuple[str, ...]] | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """A config key: its default (or `factory` for a mutable one) and one-line meaning (`help`), with
-    what the checks need: `choices`, `at_least` (with a `hint` on failure), `bound` (predicate, message),
-    `open_section` (a mapping passed on as it is: any key), `recipe_passes` (for a `_target_` section
-    called with `_partial_`: how many positional arguments and which keywords the recipe adds)."""
+    what the checks need: `choices`, `at_least` (with a `hint` on failure), `bound` (predicate on a number or
+    a list, message), `open_section` (a mapping passed on as it is: any key), `recipe_passes` (for a
+    `_target_` section called with `_partial_`: how many positional arguments and which keywords the recipe
+    adds), `aliases` (what users write for this key elsewhere, e.g. peft's own names: suggested as it)."""
     metadata = {"help": help, "choices": choices, "at_least": at_least, "hint": hint, "bound": bound,
-                "open_section": open_section, "recipe_passes": recipe_passes}
+                "open_section": open_section, "recipe_passes": recipe_passes, "aliases": aliases}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -154,7 +155,8 @@ class OptimizerConfig:
     _target_: str = key("torch.optim.AdamW", "the optimizer class")
     _partial_: bool = key(True, "the recipe passes the parameters")
     lr: float = key(3e-3, "learning rate", bound=(lambda v: v >= 0, "must not be negative"))
-    betas: list[float] = key(factory=lambda: [0.9, 0.95], help="AdamW's moment decay rates")
+    betas: list[float] = key(factory=lambda: [0.9, 0.95], help="AdamW's moment decay rates",
+                             bound=(lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"))
     weight_decay: float = key(0.01, "decoupled weight decay")
 
 
@@ -175,10 +177,11 @@ class ExportConfig:
 @dataclass
 class PeftConfig:
     type: str = key("lora", "the adapter kind", choices=PEFT_TYPES)
-    rank: int = key(16, "the adapters' inner dimension (r)", at_least=1)
-    alpha: float = key(32, "the update is scaled by alpha / rank", bound=(lambda v: v > 0, "must be positive"))
+    rank: int = key(16, "the adapters' inner dimension (r)", at_least=1, aliases=("r",))
+    alpha: float = key(32, "the update is scaled by alpha / rank", bound=(lambda v: v > 0, "must be positive"),
+                       aliases=("lora_alpha",))
     dropout: float = key(0.0, "dropout on the adapters' input (0 keeps gradients independent of the split)",
-                         bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+                         bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"), aliases=("lora_dropout",))
     target_modules: str | list[str] = key("all-linear", "all-linear (every linear layer but the output layer) or "
                                                         "a list of module name patterns")
     use_dora: bool = key(False, "DoRA: a trained magnitude per output row on top of the LoRA direction")

@@ -118,7 +118,7 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
         return
     data = cfg.data
     for split in ("train", "eval"):
-        for index, spec in enumerate(source_specs(data[split] or [])):
+        for index, spec in enumerate(source_specs(data[split])):
             key = f"data.{split}[{index}]"
             try:
                 source = RecordSource([spec])

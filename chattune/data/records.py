@@ -135,13 +135,19 @@ def _parse_jsonl_record(where: str, file: BinaryIO, offset: int) -> dict | DataE
     line = file.readline()
     try:
         entry = json.loads(line.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return DataError(f"{where}: unparseable JSON line ({error})")
+    except json.JSONDecodeError as error:  # its own "line 1 column N" counts within this one line: say the column
+        return DataError(f"{where}: unparseable JSON at column {error.colno}: {error.msg}")
+    except UnicodeDecodeError as error:
+        return DataError(f"{where}: not UTF-8 text (byte {error.start + 1} of the line: {error.reason})")
     if not isinstance(entry, dict):
         return DataError(f"{where}: a record must be a JSON object, got {type(entry).__name__}")
     return entry
 
 
 def source_specs(sources) -> list[SourceSpec]:
-    """The data sources of a config list (`data.train`, `data.eval`): paths or {path, format, ...} mappings."""
-    return [SourceSpec.from_config(entry) for entry in OmegaConf.to_container(sources, resolve=True)]
+    """The data sources of a config list (`data.train`, `data.eval`): paths or {path, format, ...} mappings;
+    none for null or an empty list."""
+    if sources is None:
+        return []
+    entries = OmegaConf.to_container(sources, resolve=True) if OmegaConf.is_config(sources) else list(sources)
+    return [SourceSpec.from_config(entry) for entry in entries]
