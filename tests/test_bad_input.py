@@ -162,6 +162,16 @@ def test_on_bad_record_skip_turns_a_bad_record_into_a_counted_skip(tmp):
     assert ok and f"1 of its first 2 records would be skipped, e.g. bad_record: {tmp}/broken.jsonl record 2 (line 2)" in report
 
 
+def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
+    result = subprocess.run([sys.executable, "recipes/sft.py", "peft=lora", "peft.modules_to_save=[embed_tokenz]",
+                             f"output_dir={tmp / 'out' / 'modules_to_save'}", "max_steps=2", "data.report_records=0"],
+                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("chattune: error: peft.modules_to_save: 'embed_tokenz' names no module of "
+                               "LlamaForCausalLM; did you mean embed_tokens?") == 1
+
+
 def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp):
     """A hybrid model (LFM2's short convolutions run across document boundaries): the start-up probe
     refuses it once, clearly, before any step (its leak was 2e-4 to 1e-3 per-token loss)."""

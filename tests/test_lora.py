@@ -237,3 +237,19 @@ def test_dpo_lora_uses_the_base_as_its_reference(tmp_path, base_dir, cache):
     assert metrics[-1]["rewards/margins"] != 0
     assert "reference: the policy's base (adapters off)" in result.stdout + result.stderr
     assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_adapter_module_names_must_name_modules_of_the_model():
+    """peft.modules_to_save=[embed_tokenz] used to train nothing more than plain LoRA, silently; a single
+    string target_modules is one module name (peft would read it as a regular expression over full paths)."""
+    from chattune.errors import UserError
+
+    with pytest.raises(UserError, match=r"peft.modules_to_save: 'embed_tokenz' names no module of LlamaForCausalLM; "
+                                        r"did you mean embed_tokens\?"):
+        add_adapters(tiny_model(), OmegaConf.merge(LORA, {"modules_to_save": ["embed_tokenz"]}))
+    with pytest.raises(UserError, match=r"peft.target_modules: 'q_projj' names no module .*did you mean q_proj"):
+        add_adapters(tiny_model(), OmegaConf.merge(LORA, {"target_modules": ["q_projj", "v_proj"]}))
+    model = tiny_model()
+    add_adapters(model, OmegaConf.merge(LORA, {"target_modules": "q_proj"}))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert len(trained) == 2 * 2 and all(".self_attn.q_proj.lora_" in name for name in trained), trained

@@ -275,3 +275,61 @@ def test_bad_records_are_skipped_counted_and_logged_on_both_ranks(tmp_path, inva
     for index in (3, 20, 21, 33):
         assert log.count(f"skipped (bad_record): {data} record {index + 1} (line {index + 1}): no assistant message") == 1
     assert "35 documents" in log  # the epoch's figures: every other record trained
+
+
+def test_overwrite_starts_over_whatever_resume_says_and_a_horizon_behind_the_checkpoint_is_refused(tmp_path):
+    """overwrite=true used to resume (resume=auto found the checkpoint), accept max_steps below its step as a
+    horizon change, train nothing, cut metrics.jsonl and replace hf/ with no copy."""
+    data = chats(tmp_path)
+    out = tmp_path / "run"
+    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
+    assert launch(*base, "max_steps=5").returncode == 0  # checkpoints step_2, step_4; hf/ at step 5
+    first_metrics = (out / "metrics.jsonl").read_text()
+    first_export = (out / "hf" / "model.safetensors.index.json").read_text()
+
+    behind = launch(*base, "max_steps=3")  # resume=auto: step 4
+    assert behind.returncode != 0 and behind.stderr.count("chattune: error: ") == 1
+    assert f"max_steps=3, but this run continues from {out}/checkpoints/step_4 at step 4" in behind.stderr
+    assert (out / "metrics.jsonl").read_text() == first_metrics  # refused before anything was touched
+    # Each remedy the message offers, as written: an earlier checkpoint with resume=PATH ...
+    earlier = launch(*base, "max_steps=3", f"resume={out}/checkpoints/step_2")
+    assert earlier.returncode == 0, earlier.stderr[-3000:]
+    assert steps(out) == [1, 2, 3] and (out / "checkpoints" / "step_4.abandoned").is_dir()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl.abandoned").read_text().splitlines()] == \
+        [1, 2, 3, 4, 5]
+    # ... a horizon raised past the checkpoint ...
+    raised = launch(*base, "max_steps=6")
+    assert raised.returncode == 0 and f"resumed from {out}/checkpoints/step_2 at step 2" in raised.stdout + raised.stderr
+    # ... and overwrite=true, which now starts over: everything set aside, nothing resumed.
+    mixed = launch(*base, "max_steps=2", "overwrite=true", f"resume={out}/checkpoints/step_2")
+    assert mixed.returncode != 0 and "overwrite=true starts over, and resume=" in mixed.stderr
+    fresh = launch(*base, "max_steps=2", "overwrite=true")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "resumed from" not in fresh.stdout + fresh.stderr and steps(out) == [1, 2]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+    assert sorted(p.name for p in (out / "checkpoints.abandoned").iterdir()) == \
+        ["step_2", "step_4", "step_4.abandoned", "step_6"]
+    assert first_export in [(p / "model.safetensors.index.json").read_text() for p in out.glob("hf.abandoned*")]
+
+
+def test_a_resumed_run_sets_aside_the_export_and_metrics_it_replaces(tmp_path):
+    """A 7-step run saved at step 5, relaunched with max_steps=12, resumed from step 5 and wrote its export over
+    the step-7 one. Now the step-7 export (the adapter directory and the merged model) and the metrics lines
+    after step 5 are kept aside."""
+    from safetensors.torch import load_file
+
+    data = chats(tmp_path)
+    out = tmp_path / "run"
+    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "save_every=5", "peft=lora",
+            "export.merge=true"]
+    assert launch(*base, "max_steps=7").returncode == 0
+    adapter_at_7 = load_file(out / "adapter" / "adapter_model.safetensors")
+    metrics_at_7 = (out / "metrics.jsonl").read_text()
+    resumed = launch(*base, "max_steps=12")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out}/checkpoints/step_5 at step 5" in resumed.stdout + resumed.stderr
+    assert (out / "metrics.jsonl.abandoned").read_text() == metrics_at_7 and steps(out) == list(range(1, 13))
+    kept = load_file(out / "adapter.abandoned" / "adapter_model.safetensors")
+    assert kept.keys() == adapter_at_7.keys() and all((kept[k] == adapter_at_7[k]).all() for k in kept)
+    assert (out / "hf.abandoned" / "model.safetensors.index.json").is_file() and (out / "hf").is_dir()
+    assert "moved aside" in resumed.stdout + resumed.stderr

@@ -183,7 +183,7 @@ class PeftConfig:
     dropout: float = key(0.0, "dropout on the adapters' input (0 keeps gradients independent of the split)",
                          bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"), aliases=("lora_dropout",))
     target_modules: str | list[str] = key("all-linear", "all-linear (every linear layer but the output layer) or "
-                                                        "a list of module name patterns")
+                                                        "module names (a list, or one name)")
     use_dora: bool = key(False, "DoRA: a trained magnitude per output row on top of the LoRA direction")
     modules_to_save: list[str] | None = key(None, "modules trained in full next to the adapters, e.g. [embed_tokens, "
                                                   "lm_head] (tied embeddings stay tied: one matrix)")

@@ -14,6 +14,7 @@ computed after the base is loaded (`set_dora_magnitudes`).
 
 from __future__ import annotations
 
+import difflib
 import re
 
 import torch
@@ -26,18 +27,46 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import PreTrainedModel
 
 from chattune.data.packing import PackedBatch
+from chattune.errors import UserError
 from chattune.model import quantize
 
 ADAPTER = "default"  # peft's name for the one adapter
 LORA_PARAMETER = re.compile(r"\.lora_(A|B|magnitude_vector|embedding_A|embedding_B)\.")
 
 
+ALL_LINEAR = "all-linear"
+
+
+def target_names(settings: DictConfig) -> str | list[str]:
+    """peft.target_modules as chattune reads it: `all-linear`, or module names (a single string is one name;
+    peft itself would take it as a regular expression over full module paths)."""
+    target = settings.target_modules
+    if isinstance(target, str):
+        return target if target == ALL_LINEAR else [target]
+    return list(target)
+
+
+def check_module_names(hf_model: PreTrainedModel, settings: DictConfig) -> None:
+    """Every name in peft.target_modules and peft.modules_to_save must name modules of the model (peft matches
+    a name against the end of a module's path, and silently trains nothing for a name that matches none),
+    with the nearest names the model has suggested."""
+    paths = [name for name, _ in hf_model.named_modules() if name]
+    leaves = sorted({path.rsplit(".", 1)[-1] for path in paths})
+    targets = target_names(settings)
+    for key, names in (("peft.target_modules", [] if targets == ALL_LINEAR else targets),
+                       ("peft.modules_to_save", list(settings.modules_to_save or []))):
+        for name in names:
+            if not any(path == name or path.endswith("." + name) for path in paths):
+                near = difflib.get_close_matches(name, leaves, n=3, cutoff=0.6)
+                hint = f"; did you mean {' or '.join(near)}?" if near else f" (its modules: {', '.join(leaves[:20])})"
+                raise UserError(f"{key}: {name!r} names no module of {type(hf_model).__name__}{hint}")
+
+
 def lora_config(settings: DictConfig) -> LoraConfig:
     """The `peft` config section as peft's LoraConfig."""
-    target = settings.target_modules
     return LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=target if isinstance(target, str) else list(target),
+        target_modules=target_names(settings),
         use_dora=settings.use_dora,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         # A tied model has one embedding matrix: training embed_tokens or lm_head trains it, as one tensor
@@ -52,6 +81,7 @@ def add_adapters(hf_model: PreTrainedModel, settings: DictConfig) -> PeftModel:
     model's adapters are initialised here, its DoRA magnitudes (which need the base weights) by
     `set_dora_magnitudes` once the base is loaded. A 4-bit base (QLoRA) is quantized after this, under the
     adapters (`chattune.model.quantize`)."""
+    check_module_names(hf_model, settings)
     peft_model = get_peft_model(hf_model, lora_config(settings))
     with torch.no_grad():
         for module in hf_model.modules():

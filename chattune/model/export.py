@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import shutil
 import struct
@@ -30,12 +31,14 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedTokenizerBase
 
+from chattune.files import set_aside
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import reshard
 from chattune.model.load import SAFETENSORS_INDEX, STORED_DTYPES, saved_tensors, stored_name
 from chattune.model.quantize import dequantized, is_quantized, weight_shape
 
+logger = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default shard size
 SAFETENSORS_DTYPES = {dtype: name for name, dtype in STORED_DTYPES.items()}
 
@@ -217,9 +220,10 @@ def _staging(directory: Path) -> Path:
 
 
 def _publish(staging: Path, directory: Path) -> None:
-    """Rank 0: the complete `staging` becomes `directory` (replacing an earlier export)."""
+    """Rank 0: the complete `staging` becomes `directory`; an earlier export there is set aside as
+    `*.abandoned` (a resumed run's export replaces an earlier launch's: never in place)."""
     if directory.exists():
-        shutil.rmtree(directory)
+        logger.warning("moved aside: %s -> %s (an earlier export, replaced by this run's)", directory, set_aside(directory))
     os.rename(staging, directory)
 
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from chattune.files import set_aside
 from chattune.model.quantize import has_quantized_weight
 from chattune.train.faults import maybe_crash
 
@@ -173,8 +174,8 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
 
 def _commit(partial: Path, final: Path, keep_last_n: int | None) -> None:
     """Rank 0: the rename that makes a complete checkpoint count, then pruning."""
-    if final.exists():  # re-saving a step (a run resumed from an older checkpoint)
-        shutil.rmtree(final)
+    if final.exists():  # a step saved again (a run resumed from an older checkpoint): never replaced in place
+        logger.warning("moved aside: %s -> %s (saved again by this run)", final, set_aside(final))
     os.rename(partial, final)
     _sync_directory(final.parent)
     if keep_last_n:

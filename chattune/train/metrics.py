@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from chattune.distributed import all_reduce_sum
+from chattune.files import write_atomically
 from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
 
@@ -180,7 +181,7 @@ class MetricLogger:
         if resume_step is not None and self.path.exists():
             lines = self.path.read_text().splitlines(keepends=True)
             kept = "".join(line for line in lines if line.strip() and json.loads(line).get("step", 0) <= resume_step)
-        self.path.write_text(kept)
+        write_atomically(self.path, kept.encode())  # the lines dropped were copied aside first (output_dir)
 
     def log(self, metrics: dict[str, float]) -> None:
         if not self.is_main:

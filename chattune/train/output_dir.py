@@ -6,11 +6,14 @@
   launcher). The kernel drops an flock with the process that held it, so a lock left by a dead run
   (kill -9, a lost node) is free again: no stale lock ever blocks a relaunch.
 - **What a launch continues** (`resume`): `auto`, the newest complete checkpoint; a path, that one;
-  `null`, nothing. A directory that holds an earlier run's results (checkpoints, metrics.jsonl, hf/)
-  is started over only with `overwrite=true`.
+  `null`, nothing. `overwrite=true` starts over whatever `resume` says (and refuses a `resume=PATH` next
+  to it: the two ask for opposite things). A directory that holds an earlier run's results
+  (checkpoints, metrics.jsonl, hf/, adapter/) is started over only with `overwrite=true`.
 - **Nothing of another trajectory is deleted or resumed by accident**: the checkpoints newer than the
   one a run continues from, and everything an overwritten run left, are moved aside as `*.abandoned`
   (never picked up by resume=auto, never pruned by keep_last_n; delete them when you no longer need them).
+  The metrics lines after the step a run continues from are kept in a copy, `metrics.jsonl.abandoned`;
+  an export that a later one replaces is set aside the same way (`chattune.model.export`).
 
 `claim_output_dir` does all of it before anything is loaded or written, so a refused launch costs seconds.
 """
@@ -33,14 +36,14 @@ from omegaconf import DictConfig
 from chattune.config.paths import save_resolved_config
 from chattune.distributed import DistInfo, broadcast_from_main
 from chattune.errors import UserError
+from chattune.files import ABANDONED, aside_name, set_aside
 from chattune.train.checkpoint import committed_checkpoints, find_latest, read_meta
 from chattune.train.resume import ResumeError, ResumePlan, check_resumable, run_fingerprint, run_meta
 
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".chattune.lock"
-RESULTS = ("checkpoints", "metrics.jsonl", "hf", "ledger")  # what a run leaves; config.yaml is rewritten at every start
-ABANDONED = ".abandoned"
+RESULTS = ("checkpoints", "metrics.jsonl", "hf", "adapter", "ledger")  # what a run leaves; config.yaml is rewritten at every start
 
 
 class OutputDirInUse(UserError):
@@ -109,22 +112,6 @@ def previous_results(output_dir: Path) -> list[str]:
     return found
 
 
-def _aside_name(path: Path) -> Path:
-    """`path.abandoned`, or `.abandoned.2`, ... if taken."""
-    target, number = path.with_name(path.name + ABANDONED), 1
-    while target.exists():
-        number += 1
-        target = path.with_name(f"{path.name}{ABANDONED}.{number}")
-    return target
-
-
-def set_aside(path: Path) -> Path:
-    """Rename `path` to `*.abandoned`: kept, but never resumed, pruned or overwritten."""
-    target = _aside_name(path)
-    os.rename(path, target)
-    return target
-
-
 @dataclass
 class RunStart:
     """What a launch continues: nothing (a fresh start) or a checkpoint, and what the resume accepted."""
@@ -149,7 +136,10 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
     launch that must not resume what it asks for, or would overwrite an earlier run without overwrite=true."""
     output_dir = Path(cfg.output_dir)
     checkpoints = output_dir / "checkpoints"
-    if cfg.resume is None:
+    if cfg.overwrite and cfg.resume not in (None, "auto"):
+        raise OutputDirInUse(f"overwrite=true starts over, and resume={cfg.resume} continues that checkpoint: give one "
+                             "of the two")
+    if cfg.resume is None or cfg.overwrite:  # overwrite=true: a fresh start, whatever resume=auto would find
         source = None
     elif cfg.resume == "auto":
         source = find_latest(checkpoints)
@@ -168,8 +158,9 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
         # checkpoints (which resume=auto and keep_last_n would otherwise prefer) and its final export.
         plan.move_aside = [c for c in committed_checkpoints(checkpoints) if read_meta(c)["step"] > saved["step"]]
         if plan.move_aside:
-            plan.move_aside += [p for p in (output_dir / "hf",) if p.exists()]
-            plan.copy_aside = [p for p in (output_dir / "metrics.jsonl",) if p.is_file()]  # kept up to `step`
+            plan.move_aside += [p for p in (output_dir / "hf", output_dir / "adapter") if p.exists()]
+        if logged_after(output_dir / "metrics.jsonl", saved["step"]):  # kept up to `step`: the rest in a copy
+            plan.copy_aside = [output_dir / "metrics.jsonl"]
     elif previous:  # a fresh start, or another directory's checkpoint continued, in a used directory
         if not cfg.overwrite:
             what = "nothing to continue from" if source is None else f"a checkpoint of another directory to continue ({source})"
@@ -182,11 +173,19 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
     return plan
 
 
+def logged_after(metrics: Path, step: int) -> bool:
+    """Whether `metrics` (a metrics.jsonl) holds a line of a step after `step`."""
+    if not metrics.is_file():
+        return False
+    with metrics.open() as lines:
+        return any(line.strip() and json.loads(line).get("step", 0) > step for line in lines)
+
+
 def apply_plan(plan: StartPlan) -> list[str]:
     """Move and copy aside what the plan says; the moves as "old -> new" lines."""
     moved = [f"{path} -> {set_aside(path)}" for path in plan.move_aside]
     for path in plan.copy_aside:
-        copy = _aside_name(path)
+        copy = aside_name(path)
         shutil.copy2(path, copy)
         moved.append(f"{path} copied to {copy}")
     return moved

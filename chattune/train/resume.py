@@ -178,6 +178,11 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
             "data position is a place in its own share of the epoch, which another number of ranks would split "
             f"differently. Relaunch with --nproc_per_node {saved['world_size']} (runs with "
             "data.microbatches_per_step resume on any number of ranks that divides it).")
+    if cfg.max_steps < saved["step"]:
+        raise ResumeError(
+            f"max_steps={cfg.max_steps}, but this run continues from {directory} at step {saved['step']}: the horizon is "
+            "behind the checkpoint. Raise max_steps, resume an earlier checkpoint with resume=PATH, or start over with "
+            "overwrite=true.")
     if cfg.stop_after_step is not None and cfg.stop_after_step <= saved["step"]:
         raise ResumeError(
             f"stop_after_step={cfg.stop_after_step}, but this run continues from {directory} at step {saved['step']}: "
