@@ -92,7 +92,8 @@ CASES = {
         "tokenizer's chat template. Use the tokenizer of a chat (instruct) model, or add a template", launch=True),
     "missing model directory": Case(["model.path={tmp}/no_model"],
                                     "model.path: '{tmp}/no_model' is not a local directory (chattune loads no models from a hub)"),
-    "output_dir under a file": Case(["output_dir={tmp}/file/run"], "output_dir: {tmp}/file is not a directory"),
+    "output_dir under a file": Case(["output_dir={tmp}/file/run"], "output_dir: {tmp}/file is not a directory",
+                                    launch=True),
     "resume from something that is not a checkpoint": Case(
         ["resume={tmp}"], "resume: resume={tmp}: {tmp} is not a complete chattune checkpoint (no chattune.json)"),
     "stop_after_step after max_steps": Case(["stop_after_step=300"], "stop_after_step: 300 is after max_steps 200: the run ends first"),
@@ -160,6 +161,46 @@ def test_on_bad_record_skip_turns_a_bad_record_into_a_counted_skip(tmp):
     report, ok = run_validate("sft/tiny", [f"data.train=[{tmp}/broken.jsonl]", "data.on_bad_record=skip",
                                            f"output_dir={tmp / 'out' / 'skip'}"], CONFIGS, read_data=True)
     assert ok and f"1 of its first 2 records would be skipped, e.g. bad_record: {tmp}/broken.jsonl record 2 (line 2)" in report
+
+
+def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
+    """Hydra creates output_dir before the recipe runs, and its OSError (or the lock's) was what a launch gave."""
+    from chattune.config.checks import output_dir_problem
+    from chattune.train.output_dir import OutputDirInUse, OutputDirLock
+
+    with pytest.raises(OutputDirInUse, match=f"output_dir {tmp / 'file' / 'run'}: cannot create its lock file"):
+        OutputDirLock(tmp / "file" / "run").acquire()
+    read_only = tmp / "read_only"
+    read_only.mkdir(exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(read_only)], capture_output=True).returncode:
+        # Without the right to mount (root runs everywhere else unhindered), the check itself, on a denied access.
+        monkeypatch.setattr(os, "access", lambda path, mode: False)
+        assert output_dir_problem(read_only / "run") == \
+            f"cannot write into {read_only} (permission denied, or a read-only file system)"
+        return
+    try:
+        result = subprocess.run([sys.executable, "recipes/sft.py", f"output_dir={read_only / 'run'}", "max_steps=2"],
+                                cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finally:
+        subprocess.run(["umount", str(read_only)])
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
+    assert result.stderr.count(f"chattune: error: output_dir: cannot write into {read_only} (permission denied, or a "
+                               "read-only file system)") == 1
+
+
+def test_data_that_trains_nothing_is_refused_before_the_model_loads(tmp):
+    """Every record over the budget: the data report said 0 documents, then the model was built and the run
+    died with a RuntimeError at its first step."""
+    result = subprocess.run([sys.executable, "recipes/sft.py", "data.max_tokens_per_microbatch=8",
+                             f"output_dir={tmp / 'out' / 'overlong'}", "max_steps=2"],
+                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("chattune: error: data.train: none of its 4000 records gives a token to train (skipped: "
+                               "overlong 4000): 4000 are longer than data.max_tokens_per_microbatch=8 (data.overlong="
+                               "drop): raise the budget, or keep them with data.overlong=truncate or split") == 1
+    assert "model: " not in result.stdout  # stopped before the model was built
 
 
 def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):

@@ -136,6 +136,16 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def output_dir_problem(directory: Path) -> str | None:
+    """Why a run could not create or write `directory` (its nearest existing ancestor decides), or None."""
+    existing = next(p for p in (directory, *directory.resolve().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot write into {existing} (permission denied, or a read-only file system)"
+    return None
+
+
 # --- the checks ---
 
 
@@ -431,12 +441,9 @@ class Checker:
         if not isinstance(output_dir, str) or self.findings.problems:
             return  # the decision needs a config without other problems (the fingerprint resolves it whole)
         directory = Path(output_dir)
-        existing = next(p for p in (directory, *directory.resolve().parents) if p.exists())
-        if not existing.is_dir():
-            self.findings.problem("output_dir", f"{existing} is not a directory")
-            return
-        if not os.access(existing, os.W_OK | os.X_OK):
-            self.findings.problem("output_dir", f"cannot write into {existing} (permission denied)")
+        problem = output_dir_problem(directory)
+        if problem is not None:
+            self.findings.problem("output_dir", problem)
             return
         resume = get_value(self.values, "resume")
         if not directory.is_dir() and not (isinstance(resume, str) and resume != "auto"):

@@ -38,10 +38,11 @@ def hydra_search_path(config_path: Path, config_dir: Path | None = None) -> Iter
         GlobalHydra.instance().clear()
 
 
-def composes(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None) -> bool:
-    """Whether Hydra composes the config as given (a recipe's launch does exactly this first)."""
+def composed(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None) -> DictConfig | None:
+    """The config as Hydra composes it from this command line (a recipe's launch does exactly this first), or
+    None where Hydra cannot."""
     with hydra_search_path(config_path, config_dir):
-        return _try_compose(config_name, overrides)[0] is not None
+        return _try_compose(config_name, overrides)[0]
 
 
 def compose_reporting(config_name: str, overrides: list[str], config_path: Path, findings: Findings,

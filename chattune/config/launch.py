@@ -28,9 +28,10 @@ from pathlib import Path
 
 import hydra
 from hydra._internal.utils import get_args_parser
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from chattune.config.compose import composes
+from chattune.config.checks import output_dir_problem
+from chattune.config.compose import composed
 from chattune.config.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
 from chattune.config.validate import validate_command
@@ -66,7 +67,13 @@ def check_command_line(argv: list[str], default_config: str) -> None:
     config_path = Path(args.config_path) if args.config_path else CONFIG_DIR
     config_dir = Path(args.config_dir) if args.config_dir else None
     if config_dir is None or config_dir.is_dir():
-        if config_path.is_dir() and composes(config_name, args.overrides, config_path, config_dir):
+        cfg = composed(config_name, args.overrides, config_path, config_dir) if config_path.is_dir() else None
+        if cfg is not None:
+            # Hydra creates output_dir (its run directory) before the recipe runs: say why it cannot, first.
+            output_dir = OmegaConf.select(cfg, "output_dir", throw_on_resolution_failure=False)
+            problem = output_dir_problem(Path(output_dir)) if isinstance(output_dir, str) else None
+            if problem is not None:
+                raise ConfigError([f"output_dir: {problem}"])
             return  # the recipe checks the composed config itself (check_config), with every other problem
     findings = validate_command(config_name, args.overrides, config_path, int(os.environ.get("WORLD_SIZE", "1")),
                                 config_dir)

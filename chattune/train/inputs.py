@@ -101,6 +101,30 @@ class TrainingData:
         return self.mixer.num_sources if self.mixer else 1
 
 
+def check_something_trains(cfg: DictConfig, dist_info: DistInfo, train: MixedDocuments,
+                           counts: dict[str, float] | None = None) -> None:
+    """Collective: a UserError, with what the records gave, when not one record of the training data gives a
+    token to train (every one over the budget with data.overlong=drop, say). `counts`: the whole data's, if
+    already counted (otherwise the ranks count it in parts here)."""
+    if counts is None:
+        every = range(len(train))
+        counts = reduce_sums(scan_documents(train, every[dist_info.rank :: dist_info.world_size]).counts(),
+                             dist_info.device)
+    if counts["trainable_tokens"] > 0:
+        return
+    skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/") and n}
+    hints = []
+    if skipped.get("overlong"):
+        hints.append(f"{skipped['overlong']} are longer than data.max_tokens_per_microbatch="
+                     f"{cfg.data.max_tokens_per_microbatch} (data.overlong={cfg.data.overlong}): raise the budget"
+                     + (", or keep them with data.overlong=truncate or split" if cfg.data.overlong == "drop" else ""))
+    if skipped.get("no_trainable_tokens"):
+        hints.append(f"{skipped['no_trainable_tokens']} have no token to train under data.train_on={cfg.data.train_on}")
+    reasons = ", ".join(f"{reason} {n}" for reason, n in skipped.items())
+    raise UserError(f"data.train: none of its {int(counts['records'])} records gives a token to train (skipped: "
+                    f"{reasons or 'none'})" + (": " + "; ".join(hints) if hints else ""))
+
+
 def build_training_data(cfg: DictConfig, dist_info: DistInfo, pad_id: int,
                         documents_of: Callable[[list[SourceSpec]], MixedDocuments]) -> TrainingData:
     """Collective (the data report's counts are summed over ranks)."""
@@ -114,6 +138,8 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, pad_id: int,
         sample = report_sample(len(train), cfg.data.report_records, cfg.seed)
         counts = reduce_sums(scan_documents(train, sample[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device)
         logger.info("training data (%d of %d records sampled): %s", len(sample), len(train), "; ".join(count_lines(counts)))
+        if counts["trainable_tokens"] == 0:  # before the model is loaded: nothing of this data would train
+            check_something_trains(cfg, dist_info, train, counts if len(sample) == len(train) else None)
     # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
     # stream, and only rank 0 logs its skipped records); epochs end on the same step on every rank.
     stream = packed_stream(cfg, layout.share, layout.num_shares, pad_id, train, shuffle=True,

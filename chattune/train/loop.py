@@ -27,6 +27,7 @@ from chattune.data.documents import SKIP_REASONS
 from chattune.data.packing import PackedBatch
 from chattune.data.report import epoch_line
 from chattune.distributed import DistInfo
+from chattune.errors import UserError
 from chattune.model.export import export_adapter, export_dtype, export_hf
 from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.fsdp import compiled_graphs
@@ -104,8 +105,9 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
                                        seeds=batches.seeds)
         timer.stop()
         closed_epochs = feed.close_step(result.ranks_done)
-        if result.global_units == 0 and step == 1:
-            raise RuntimeError(f"the first step has no {objective.unit_name} on any rank: check the data")
+        if result.global_units == 0 and step == 1:  # (with the data report on, caught before the model loads)
+            raise UserError(f"the first step has no {objective.unit_name} on any rank: its records were all skipped "
+                            "or train nothing; `chattune inspect` with this config shows what each record gives")
         if result.overflow:  # fp16: the loss scale was too high for this step; LossScale has lowered it
             counters["overflow_skipped_steps"] += 1
             logger.info("step %d: fp16 gradients overflowed, update skipped; loss scale now %g", step, loss_scale.scale)

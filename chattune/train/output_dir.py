@@ -59,8 +59,12 @@ class OutputDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:  # read-only, no permission, a file in the way: the user's to fix
+            raise OutputDirInUse(f"output_dir {self.path.parent}: cannot create its lock file ({error.strerror}): choose "
+                                 "a directory this run can write") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
