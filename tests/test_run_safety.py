@@ -333,3 +333,27 @@ def test_a_resumed_run_sets_aside_the_export_and_metrics_it_replaces(tmp_path):
     assert kept.keys() == adapter_at_7.keys() and all((kept[k] == adapter_at_7[k]).all() for k in kept)
     assert (out / "hf.abandoned" / "model.safetensors.index.json").is_file() and (out / "hf").is_dir()
     assert "moved aside" in resumed.stdout + resumed.stderr
+
+
+def test_a_damaged_checkpoint_is_named_with_the_intact_one_to_resume_from(tmp_path):
+    """A shard file lost after the commit: validate said OK, then both ranks tracebacked in the load. Now the
+    checkpoint's files are checked against its metadata, at validate and at launch, and the remedy works."""
+    from chattune.config.validate import run_validate
+
+    data = chats(tmp_path)
+    out = tmp_path / "run"
+    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
+    assert launch(*base, nproc=2).returncode == 0  # checkpoints step_2, 4, 6
+    (out / "checkpoints" / "step_6" / "__1_0.distcp").unlink()
+    expected = (f"the checkpoint {out}/checkpoints/step_6 is damaged: __1_0.distcp is missing. The newest intact "
+                f"checkpoint before it is {out}/checkpoints/step_4 (step 4): continue from there with "
+                f"resume={out}/checkpoints/step_4")
+    report, ok = run_validate("sft/tiny", [a for a in base[1:]] + ["max_steps=8"], PROJECT_ROOT / "configs", world_size=2)
+    assert not ok and f"resume: {expected}" in report.splitlines()
+    refused = launch(*base, "max_steps=8", nproc=2)
+    assert refused.returncode != 0 and refused.stderr.count("chattune: error: ") == 1
+    assert f"chattune: error: {expected}" in refused.stderr and not our_traceback_lines(refused.stderr)
+    resumed = launch(*base, "max_steps=8", f"resume={out}/checkpoints/step_4", nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out}/checkpoints/step_4 at step 4" in resumed.stdout + resumed.stderr
+    assert steps(out) == list(range(1, 9)) and (out / "checkpoints" / "step_6.abandoned").is_dir()

@@ -37,7 +37,7 @@ from chattune.config.paths import save_resolved_config
 from chattune.distributed import DistInfo, broadcast_from_main
 from chattune.errors import UserError
 from chattune.files import ABANDONED, aside_name, set_aside
-from chattune.train.checkpoint import committed_checkpoints, find_latest, read_meta
+from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_meta
 from chattune.train.resume import ResumeError, ResumePlan, check_resumable, run_fingerprint, run_meta
 
 logger = logging.getLogger(__name__)
@@ -154,6 +154,8 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
         except (OSError, ValueError) as error:
             raise ResumeError(f"resume={cfg.resume}: {error}") from error
     saved = read_meta(source) if source is not None else {}
+    if source is not None and (damaged := damage(source)):
+        raise ResumeError(f"the checkpoint {source} is damaged: {'; '.join(damaged)}. {_intact_before(source, saved['step'])}")
     plan = StartPlan(RunStart(source, check_resumable(source, meta, cfg) if source is not None else ResumePlan(),
                               meta, saved))
     previous = previous_results(output_dir)
@@ -175,6 +177,15 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
                 "deleted); or choose another output_dir.")
         plan.move_aside = [output_dir / name for name in previous]
     return plan
+
+
+def _intact_before(source: Path, step: int) -> str:
+    """The remedy for a damaged checkpoint: the newest intact one before it, or starting over."""
+    for candidate in reversed(committed_checkpoints(source.parent)):
+        if read_meta(candidate)["step"] < step and not damage(candidate):
+            return (f"The newest intact checkpoint before it is {candidate} (step {read_meta(candidate)['step']}): "
+                    f"continue from there with resume={candidate}")
+    return "No intact checkpoint comes before it: start over with overwrite=true (it is set aside), or choose another output_dir"
 
 
 def logged_after(metrics: Path, step: int) -> bool:
