@@ -215,20 +215,38 @@ def test_numbers_that_cannot_work(tmp_path):
     assert problems(report) == ["stop_after_step: 300 is after max_steps 200: the run ends first"]
 
 
+def fake_checkpoint(output_dir, meta: dict):
+    """A committed checkpoint holding `meta` and a (tiny) intact DCP state: what validate reads of one."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = output_dir / "checkpoints" / f"step_{meta['step']}"
+    checkpoint.mkdir(parents=True)
+    dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(checkpoint), no_dist=True)
+    for rank in range(meta["world_size"]):
+        (checkpoint / f"train_state_rank{rank}.pt").write_bytes(b"")
+    (checkpoint / "chattune.json").write_text(json.dumps(meta))
+    return checkpoint
+
+
 def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_path):
     from chattune.train.output_dir import OutputDirLock
     from chattune.train.resume import run_fingerprint
 
-    checkpoint = tmp_path / "checkpoints" / "step_5"
-    checkpoint.mkdir(parents=True)
-    fingerprint = run_fingerprint(compose_config("sft/tiny", [f"output_dir={tmp_path}"]))
-    (checkpoint / "chattune.json").write_text(json.dumps({"world_size": 2, "step": 5, "fingerprint": fingerprint}))
+    checkpoint = fake_checkpoint(tmp_path, {"world_size": 2, "step": 5,
+                                            "fingerprint": run_fingerprint(compose_config("sft/tiny", [f"output_dir={tmp_path}"]))})
     # The recipes' own check leaves output_dir to the launch, which decides it holding the directory's lock.
     assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1"]), world_size=4) == []
 
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
     assert ok and f"note: resume: continues from {checkpoint} at step 5, written by 2 rank(s): launch with " \
                   "--nproc_per_node 2" in report
+    invariant = tmp_path / "invariant"  # world-size-invariant steps: any divisor of M resumes the checkpoint
+    fake_checkpoint(invariant, {"world_size": 2, "step": 3, "fingerprint": run_fingerprint(compose_config(
+        "sft/tiny", [f"output_dir={invariant}", "data.microbatches_per_step=4"]))})
+    report, ok = run_validate("sft/tiny", [f"output_dir={invariant}", "data.microbatches_per_step=4"], CONFIGS)
+    assert ok and f"written by 2 rank(s): launch with any --nproc_per_node that divides data.microbatches_per_step=4 " \
+                  "(1, 2, 4)" in report, report
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS, world_size=4)
     assert problems(report) == [f"resume: {checkpoint} was written by 2 rank(s), this run has 4: each rank's data "
                                 "position is a place in its own share of the epoch, which another number of ranks "

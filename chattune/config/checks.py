@@ -464,8 +464,15 @@ class Checker:
         start = plan.start
         if start.resume_from is not None:
             saved = start.checkpoint_meta
-            ranks = "" if world_size is not None else f", written by {saved['world_size']} rank(s): launch with " \
-                                                        f"--nproc_per_node {saved['world_size']}"
+            invariant = get_value(self.values, "data.microbatches_per_step")
+            if world_size is not None:
+                ranks = ""
+            elif isinstance(invariant, int):  # world-size-invariant steps: any divisor of M resumes it
+                divisors = ", ".join(str(n) for n in range(1, invariant + 1) if invariant % n == 0)
+                ranks = (f", written by {saved['world_size']} rank(s): launch with any --nproc_per_node that divides "
+                         f"data.microbatches_per_step={invariant} ({divisors})")
+            else:
+                ranks = f", written by {saved['world_size']} rank(s): launch with --nproc_per_node {saved['world_size']}"
             self.findings.note("resume", f"continues from {start.resume_from} at step {saved['step']}{ranks}")
         for line in start.plan.notes + [f"{h} (the schedule is recomputed for the new horizon)" for h in start.plan.horizon]:
             self.findings.note("resume", line)
