@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import demo_tokenizer
 
 from chattune.cli.main import main
@@ -73,3 +75,30 @@ def test_inspect_runs_validates_checks_first_and_never_tries_a_hub(tmp_path, cap
     assert "optimizer.lrr: unknown key; did you mean optimizer.lr?" in err
     assert "data.train[0]: data file 'data/chats.jsonl' does not exist" in err
     assert "tokenizer.path: 'tokenizers/qwen3' does not exist (a hub tokenizer is written hf:tokenizers/qwen3)" in err
+
+
+@pytest.mark.parametrize("tokenizer_dir", ["phi-3-mini", "qwen3", "demo"])
+def test_the_highlighted_pieces_are_the_decoded_document(tokenizer_dir):
+    """Decoded token by token, a SentencePiece tokenizer (Phi-3's) lost every space a token carries at its
+    start ("Whoareyou?"): the pieces now join to exactly the decoded document, trained spans where they are."""
+    from conftest import SHARED_ASSETS
+    from transformers import AutoTokenizer
+
+    from chattune.cli.inspect_data import trained_pieces
+    from chattune.config.paths import DEMO_ASSETS
+    from chattune.data.chat_template import probe_template, tokenize_conversation
+    from chattune.data.documents import Document, shifted_labels
+
+    directory = DEMO_ASSETS / "tokenizer" if tokenizer_dir == "demo" else SHARED_ASSETS / "tokenizers" / tokenizer_dir
+    if not directory.is_dir():
+        pytest.skip(f"{directory} is absent")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    messages = [{"role": "user", "content": "Who are you? Tell me in two short sentences."},
+                {"role": "assistant", "content": "I am a helpful assistant. Ask me anything, café included."}]
+    tokenized = tokenize_conversation(tokenizer, messages, probe_template(tokenizer))
+    document = Document(0, tokenized.input_ids, shifted_labels(tokenized.input_ids, tokenized.assistant_mask))
+    pieces = trained_pieces(tokenizer, document)
+    assert "".join(text for text, _ in pieces) == tokenizer.decode(tokenized.input_ids, clean_up_tokenization_spaces=False)
+    trained = "".join(text for text, is_trained in pieces if is_trained)
+    assert "I am a helpful assistant. Ask me anything, café included." in trained
+    assert "Who are you?" not in trained

@@ -88,15 +88,26 @@ def sides(document: Document) -> list[tuple[str, Document]]:
 
 
 def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:
-    """The document as (text, trained) pieces: token j is trained when position j-1 predicts it."""
+    """The document as (text, trained) pieces: token j is trained when position j-1 predicts it. Each piece is
+    the text its tokens add to the decoded document (token by token, SentencePiece tokenizers such as
+    Phi-3's drop the spaces a token carries at its start: `Whoareyou?`)."""
+    ids = document.input_ids.tolist()
+    trained = [position > 0 and document.labels[position - 1] != IGNORE_INDEX for position in range(len(ids))]
+    runs, start = [], 0
+    for position in range(1, len(ids) + 1):
+        if position == len(ids) or trained[position] != trained[start]:
+            runs.append((start, position, trained[start]))
+            start = position
     pieces: list[tuple[str, bool]] = []
-    for position, token in enumerate(document.input_ids.tolist()):
-        trained = position > 0 and document.labels[position - 1] != IGNORE_INDEX
-        text = tokenizer.decode([token], clean_up_tokenization_spaces=False)
-        if pieces and pieces[-1][1] == trained:
-            pieces[-1] = (pieces[-1][0] + text, trained)
-        else:
-            pieces.append((text, trained))
+    decoded = ""
+    for start, end, is_trained in runs:
+        text = tokenizer.decode(ids[:end], clean_up_tokenization_spaces=False)
+        # The prefix's text is that of the document so far, unless a character spans the boundary (bytes of
+        # one UTF-8 character in two tokens): then the run alone.
+        piece = text[len(decoded):] if text.startswith(decoded) else \
+            tokenizer.decode(ids[start:end], clean_up_tokenization_spaces=False)
+        pieces.append((piece, is_trained))
+        decoded = text
     return pieces
 
 
