@@ -108,6 +108,10 @@ CASES = {
         ["peft.rank=8"], "peft.rank: peft is null in this config: choose one first, peft=lora or peft=qlora "
                          "(e.g. peft=lora peft.rank=8)", launch=True),
     "peft's own name for a key": Case(["peft=lora", "peft.r=8"], "peft.r: unknown key; did you mean peft.rank?"),
+    "Hydra's run directory": Case(["hydra.run.dir={tmp}/elsewhere"],
+                                  "hydra.run.dir: a run's directory is output_dir: set output_dir=DIR instead", launch=True),
+    "Hydra's change of directory": Case(["hydra.job.chdir=true"], "hydra.job.chdir: chattune writes into output_dir itself",
+                                        launch=True),
 }
 
 

@@ -34,7 +34,7 @@ from chattune.config.checks import output_dir_problem
 from chattune.config.compose import composed
 from chattune.config.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
-from chattune.config.validate import validate_command
+from chattune.config.validate import hydra_placement_problems, validate_command
 from chattune.distributed import exit_process
 from chattune.errors import report_errors
 
@@ -61,6 +61,9 @@ def check_command_line(argv: list[str], default_config: str) -> None:
     """Raise a ConfigError with every problem `chattune validate` finds when Hydra cannot compose the
     config of this command line (argv[1:], its --config-path already absolute)."""
     args = get_args_parser().parse_args(argv[1:])
+    placement = hydra_placement_problems(args.overrides)
+    if placement:
+        raise ConfigError(placement)
     if any(getattr(args, name) for name in _HYDRA_COMMANDS):
         return  # Hydra's own commands (--help, --cfg job, ...): Hydra answers them
     config_name = args.config_name or default_config

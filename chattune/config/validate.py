@@ -74,10 +74,27 @@ def run_validate(config_name: str, overrides: list[str], config_path: Path,
     return format_report(findings), not findings.problems
 
 
+# Hydra settings that would put a run's files elsewhere than output_dir (which the recipe writes itself, and
+# which every rank must resolve alike): refused with what to write instead.
+HYDRA_PLACEMENT = {
+    "hydra.run.dir": "a run's directory is output_dir: set output_dir=DIR instead",
+    "hydra.job.chdir": "chattune writes into output_dir itself, from the directory you launch in (a relative "
+                       "output_dir would land inside itself after the change of directory): leave hydra.job.chdir out",
+}
+
+
+def hydra_placement_problems(overrides: list[str]) -> list[str]:
+    """A problem line for each override of `HYDRA_PLACEMENT`."""
+    keys = [override.lstrip("+~").split("=", 1)[0] for override in overrides]
+    return [f"{key}: {HYDRA_PLACEMENT[key]}" for key in keys if key in HYDRA_PLACEMENT]
+
+
 def validate_command(config_name: str, overrides: list[str], config_path: Path, world_size: int | None = None,
                      config_dir: Path | None = None, read_data: bool = False, output_dir_checks: bool = True) -> Findings:
     """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir)."""
     findings = Findings()
+    findings.problems += hydra_placement_problems(list(overrides))
+    overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in HYDRA_PLACEMENT]
     cfg, added = compose_reporting(config_name, list(overrides), Path(config_path), findings, config_dir)
     if cfg is not None:
         recipe = "dpo" if config_name.startswith("dpo/") or "reference" in cfg else "sft"
