@@ -46,6 +46,8 @@ def stop_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+_one_rank_group = False  # this process made its own one-rank group (launched without torchrun)
+_groups_made = 0  # process groups this process has made (one per multirun job)
 ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's name, and its older one
 
 
@@ -60,11 +62,13 @@ def default_cuda_allocator(environ: dict[str, str] = os.environ) -> None:
 def init_distributed(device: str = "auto") -> DistInfo:
     """Initialise torch.distributed (nccl on CUDA, gloo on CPU) from torchrun's environment, or as a
     one-rank group when launched without torchrun."""
+    global _one_rank_group, _groups_made
     stop_with_launcher()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if "RANK" not in os.environ or _one_rank_group:
+        # A group of its own: a fresh port for each (a multirun sweep makes one group per job, in one process).
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        _one_rank_group = True
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -79,11 +83,18 @@ def init_distributed(device: str = "auto") -> DistInfo:
         torch_device = torch.device("cpu")
     if not dist.is_initialized():
         # Generous timeout: ranks wait in a barrier while rank 0 writes the final HF directory.
-        dist.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo",
-            device_id=torch_device if device == "cuda" else None,
-            timeout=timedelta(minutes=60),
-        )
+        timeout = timedelta(minutes=60)
+        store = {}
+        if _groups_made and "TORCHELASTIC_RUN_ID" in os.environ:
+            # torchrun's store outlives a group, with the keys of the last one (a multirun job's, in this same
+            # process): a later group rendezvouses under keys of its own.
+            agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=timeout)
+            store = {"store": dist.PrefixStore(f"chattune/group{_groups_made}", agent_store),
+                     "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
+                                device_id=torch_device if device == "cuda" else None, timeout=timeout, **store)
+        _groups_made += 1
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, torch_device)
 
 

@@ -356,3 +356,14 @@ def test_qlora_is_refused_on_the_cpu(tmp_path):
     assert not ok and problems(report) == [
         "peft.quantize_base: a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory with bitsandbytes' GPU "
         "kernels. On the CPU, set peft.quantize_base=null (LoRA on the full-precision base)"], report
+
+
+def test_notes_for_a_warmup_or_a_save_interval_longer_than_the_run(tmp_path):
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "max_steps=5"], CONFIGS)
+    assert ok
+    assert "note: scheduler.num_warmup_steps: 10 is more than max_steps 5: the learning rate never reaches optimizer.lr" \
+        in report.splitlines()
+    assert "note: save_every: 100 is more than max_steps 5: no checkpoint is written, so the run can be neither resumed " \
+           "nor extended (its export is still written)" in report.splitlines()
+    report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
+    assert "num_warmup_steps" not in report and "save_every" not in report

@@ -344,6 +344,13 @@ class Checker:
         max_steps, stop = _number(self.values, "max_steps"), _number(self.values, "stop_after_step")
         if max_steps is not None and stop is not None and stop > max_steps:
             self.findings.problem("stop_after_step", f"{stop} is after max_steps {max_steps}: the run ends first")
+        warmup, save_every = _number(self.values, "scheduler.num_warmup_steps"), _number(self.values, "save_every")
+        if max_steps is not None and warmup is not None and warmup > max_steps:
+            self.findings.note("scheduler.num_warmup_steps", f"{warmup} is more than max_steps {max_steps}: the learning "
+                                                             "rate never reaches optimizer.lr")
+        if max_steps is not None and save_every is not None and save_every > max_steps:
+            self.findings.note("save_every", f"{save_every} is more than max_steps {max_steps}: no checkpoint is written, so "
+                                             "the run can be neither resumed nor extended (its export is still written)")
         budget, multiple = _number(self.values, "data.max_tokens_per_microbatch"), _number(self.values, "data.pad_to_multiple_of")
         if budget and multiple and multiple > 0 and budget % multiple:
             self.findings.problem("data.max_tokens_per_microbatch", f"{budget} is not a multiple of data.pad_to_multiple_of "

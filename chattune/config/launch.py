@@ -28,6 +28,8 @@ from pathlib import Path
 
 import hydra
 from hydra._internal.utils import get_args_parser
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from chattune.config.checks import output_dir_problem
@@ -84,6 +86,19 @@ def check_command_line(argv: list[str], default_config: str) -> None:
         raise ConfigError(findings.problems)
 
 
+def job_config(cfg: DictConfig) -> DictConfig:
+    """A multirun (-m) job trains into a directory of its own, output_dir/<job number> (its overrides are in
+    its config.yaml): jobs into one output_dir would refuse each other. A single run: `cfg` as it is."""
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode != RunMode.MULTIRUN:
+        return cfg
+    cfg.output_dir = str(Path(cfg.output_dir) / str(hydra_config.job.num))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"chattune: multirun job {hydra_config.job.num} ({' '.join(hydra_config.overrides.task)}) -> "
+              f"output_dir={cfg.output_dir}", file=sys.stderr, flush=True)
+    return cfg
+
+
 def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
     """Decorate a recipe's `main(cfg)`: the result is called without arguments and reads the command line."""
 
@@ -92,7 +107,7 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Ca
 
         def run_task(cfg: DictConfig) -> None:
             with report_errors():
-                task(cfg)
+                task(job_config(cfg))
 
         app = hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base=None)(run_task)
 

@@ -267,6 +267,7 @@ class DPOConfig(SFTConfig):
 
     output_dir: str = key("outputs/dpo-tiny", "where checkpoints, metrics and the HF export go")
     max_steps: int = key(60, "optimizer steps", at_least=1)
+    save_every: int = key(30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)")
     eval_every: int = key(20, "held-out metrics every N steps and at the end (0: never)", at_least=0,
                           hint=" (0: never)")
     model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))

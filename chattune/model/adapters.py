@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 
 import torch
 from omegaconf import DictConfig
@@ -82,7 +83,9 @@ def add_adapters(hf_model: PreTrainedModel, settings: DictConfig) -> PeftModel:
     `set_dora_magnitudes` once the base is loaded. A 4-bit base (QLoRA) is quantized after this, under the
     adapters (`chattune.model.quantize`)."""
     check_module_names(hf_model, settings)
-    peft_model = get_peft_model(hf_model, lora_config(settings))
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: once per rank
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        peft_model = get_peft_model(hf_model, lora_config(settings))
     with torch.no_grad():
         for module in hf_model.modules():
             if isinstance(module, LoraLayer) and any(p.is_meta for p in module.lora_A.parameters()):

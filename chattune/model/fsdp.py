@@ -110,7 +110,11 @@ def shard_model(
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:
-        model.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_model = model.hf_model
+        if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers' name since 5.2x (the old one warns)
+            hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = compute_dtype(param_dtype, device_type)
     model.compiled, model.compute_dtype = compile, param_dtype
     mesh = init_device_mesh(device_type, (world_size,))

@@ -37,7 +37,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.faults import maybe_crash
 from chattune.train.feed import DocumentLedger, StepFeed
 from chattune.train.metrics import MetricLogger, StepTimer, reduce_sums, step_metrics
-from chattune.train.output_dir import RunStart
+from chattune.train.output_dir import RunStart, release_output_dir
 from chattune.train.progress import Progress
 from chattune.train.resume import resume_training, save_training
 from chattune.train.step import LossScale, train_step
@@ -155,6 +155,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             progress.close()
             logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
             metric_logger.close()
+            release_output_dir()
             return
         if feed.finished:
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
@@ -176,4 +177,5 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main, dtype)  # adapters merged, if any
         metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
     metric_logger.close()
+    release_output_dir()
     logger.info("done: %s", output_dir / ("hf" if peft_model is None or cfg.export.merge else "adapter"))

@@ -1,7 +1,7 @@
 """An output directory belongs to one run at a time, and a launch never damages what another left there.
 
 - **A lock** (`.chattune.lock`): rank 0 holds an exclusive `flock` on it for the run's whole life and
-  writes its pid, host, start time and command into it. A second run into the same directory is
+  writes its pid, host, start time and command into it; a run that ends removes it. A second run into the same directory is
   refused with those facts while the first is alive (even when only its workers survived a killed
   launcher). The kernel drops an flock with the process that held it, so a lock left by a dead run
   (kill -9, a lost node) is free again: no stale lock ever blocks a relaunch.
@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -51,32 +52,49 @@ class OutputDirInUse(UserError):
 
 
 class OutputDirLock:
-    """An exclusive flock on `directory/.chattune.lock`, held until this process exits. The file is never
-    removed (unlinking it would race a new claimant); who holds it is the flock's, not the file's, say."""
+    """An exclusive flock on `directory/.chattune.lock`, held until the run ends (or its process dies). A run
+    that ends removes the file while still holding the lock, and a claimant keeps a lock only on the file
+    still at the path, so a removal never lets two runs in; who holds it is the flock's, not the file's, say."""
 
     def __init__(self, directory: Path):
         self.path = Path(directory) / LOCK_FILE
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:  # read-only, no permission, a file in the way: the user's to fix
-            raise OutputDirInUse(f"output_dir {self.path.parent}: cannot create its lock file ({error.strerror}): choose "
-                                 "a directory this run can write") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as error:  # read-only, no permission, a file in the way: the user's to fix
+                raise OutputDirInUse(f"output_dir {self.path.parent}: cannot create its lock file ({error.strerror}): "
+                                     "choose a directory this run can write") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputDirInUse(f"output_dir {self.path.parent} is in use by another run: "
+                                     f"{describe_holder(self.holder())}. Wait for it to finish or stop it, or choose "
+                                     "another output_dir.") from None
+            # A run that ended cleanly removes the file while it holds the lock: if it did so between our open
+            # and our flock, we hold a file no one else will open. Only the file at the path counts.
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                break
             os.close(fd)
-            raise OutputDirInUse(f"output_dir {self.path.parent} is in use by another run: {describe_holder(self.holder())}. "
-                                 "Wait for it to finish or stop it, or choose another output_dir.") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "command": " ".join(sys.argv)}
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(holder).encode())
         os.fsync(fd)
         self._fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file while still holding it, then let go (a run that ended leaves no lock behind)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
 
     def holder(self) -> dict:
         """What the lock file says of its holder ({} if unreadable)."""
@@ -216,19 +234,32 @@ def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> RunStart:
     global _lock
     outcome: RunStart | UserError | None = None
     if dist_info.is_main:
+        output_dir = Path(cfg.output_dir)
+        created = not output_dir.exists()
         try:
-            if _lock is None:
-                lock = OutputDirLock(Path(cfg.output_dir))
-                lock.acquire()
-                _lock = lock
+            lock = OutputDirLock(output_dir)
+            lock.acquire()
+            _lock = lock
             plan = plan_start(cfg, run_meta(dist_info.world_size, run_fingerprint(cfg)))
             for line in apply_plan(plan):
                 logger.warning("moved aside: %s", line)
             outcome = plan.start
-            save_resolved_config(cfg, Path(cfg.output_dir))
+            save_resolved_config(cfg, output_dir)
         except UserError as error:
             outcome = error
+            release_output_dir()
+            if created and output_dir.is_dir() and not any(output_dir.iterdir()):
+                output_dir.rmdir()  # a refused launch leaves no empty directory behind
     outcome = broadcast_from_main(outcome)
     if isinstance(outcome, UserError):
         raise outcome
     return outcome
+
+
+def release_output_dir() -> None:
+    """Let go of this process's output directory (its lock file removed): at the end of a run, or of each
+    job of a multirun sweep, which claims its own directory next."""
+    global _lock
+    if _lock is not None:
+        _lock.release()
+        _lock = None

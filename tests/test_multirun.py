@@ -1,0 +1,41 @@
+"""Hydra's multirun (`-m`): each job trains into a directory of its own, output_dir/<job number>, one after
+another in one process (per rank), its process group and output-directory lock released and made again
+between jobs. It used to run every job into the same output_dir, so the second was refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import PROJECT_ROOT
+from test_run_safety import launch
+
+SWEEP = ["max_steps=3", "optimizer.lr=1e-3,3e-3", "eval_every=0", "save_every=0", "data.report_records=0",
+         "log_every=1"]
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["one process", "torchrun, 2 ranks"])
+def test_each_multirun_job_trains_into_its_own_directory(tmp_path, nproc):
+    out = tmp_path / "sweep"
+    result = launch("recipes/sft.py", "-m", f"output_dir={out}", *SWEEP, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for job, lr in ((0, 1e-3), (1, 3e-3)):
+        directory = out / str(job)
+        config = (directory / "config.yaml").read_text()
+        assert f"lr: {lr}" in config and (directory / "hf" / "model.safetensors.index.json").is_file()
+        assert [json.loads(line)["step"] for line in (directory / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+        assert not (directory / ".chattune.lock").exists()
+        assert result.stderr.count(f"chattune: multirun job {job} (") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["0", "1", "multirun.yaml"]
+    assert not (PROJECT_ROOT / "multirun").exists() and not (PROJECT_ROOT / "outputs" / "sft-tiny" / "0").exists()
+
+
+def test_a_run_leaves_no_lock_and_a_refused_one_no_empty_directory(tmp_path):
+    out = tmp_path / "run"
+    assert launch("recipes/sft.py", f"output_dir={out}", "max_steps=2", "save_every=0", "eval_every=0",
+                  "data.report_records=0").returncode == 0
+    assert not (out / ".chattune.lock").exists()  # a clean exit leaves no stale lock
+    fresh = tmp_path / "never_made"
+    refused = launch("recipes/sft.py", f"output_dir={fresh}", f"resume={tmp_path}", "max_steps=2")
+    assert refused.returncode == 1 and "is not a complete chattune checkpoint" in refused.stderr
+    assert not fresh.exists(), "a refused launch left its output_dir behind"
