@@ -88,7 +88,7 @@ def _peer_reported(store, error: BaseException) -> bool:
         return True
 
 
-def _write_error_file(message: str) -> None:
+def write_error_file(message: str) -> None:
     """torchrun's failure report shows this rank's TORCHELASTIC_ERROR_FILE as its "traceback" (instead of
     a link to its docs). Written whole, atomically: torchrun fails on a partial file."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -122,19 +122,19 @@ def report_errors() -> Iterator[None]:
         store = _note_store()
         if _claim_report(store):
             print(format_user_error(error), file=sys.stderr)
-            _write_error_file("the chattune error printed above (a user error, not a bug: no traceback)")
+            write_error_file("the chattune error printed above (a user error, not a bug: no traceback)")
         else:
-            _write_error_file("stopped: another rank reported the error")
+            write_error_file("stopped: another rank reported the error")
             time.sleep(_GRACE_S)
         _exit()
     except Exception as error:  # not BaseException: Ctrl-C and sys.exit pass through
         store = _note_store()
         if _peer_reported(store, error):
-            _write_error_file("stopped: another rank reported the error")
+            write_error_file("stopped: another rank reported the error")
             _exit()
         if store is not None:
             with contextlib.suppress(RuntimeError):
                 store.compare_set(NOTE, "", str(_rank()))  # this bug's traceback is the one to read
-        _write_error_file(f"{type(error).__name__}: {error} (the traceback above, rank {_rank()})")
+        write_error_file(f"{type(error).__name__}: {error} (the traceback above, rank {_rank()})")
         sys.excepthook(type(error), error, error.__traceback__)
         _exit()

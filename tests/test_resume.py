@@ -214,3 +214,81 @@ def test_a_checkpoint_with_every_devices_generator_still_resumes(monkeypatch):
     resumed_on.install(monkeypatch)
     set_rng_state(old)
     assert resumed_on.restored == {1: 1}
+
+
+def _until_logged(process: subprocess.Popen, out: Path, step: int) -> None:
+    """Wait until the run has logged `step` (its output goes to files: a pipe nobody reads would block it)."""
+    import time
+
+    metrics = out / "metrics.jsonl"
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < step:
+        assert process.poll() is None, "the run ended before it was signalled"
+        time.sleep(0.2)
+
+
+def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, small_data):
+    """What a scheduler's preemption does: SIGTERM to the launcher mid-run. Every rank finishes its step, all agree
+    in the step's all-reduce, the checkpoint of the step reached is saved, and the relaunch trains on exactly as
+    the uninterrupted run did (losses and weights bit for bit), every document once per epoch."""
+    import signal
+    import sys
+
+    launch(tmp_path / "straight", small_data, 2, "data.num_workers=2")
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               "recipes/sft.py", f"output_dir={out}", "max_steps=8", "save_every=0", "log_every=1", f"data.train=[{small_data}]",
+               "data.eval=[]", "grad_accum_steps=2", "data.max_tokens_per_microbatch=512", "data.buffer_records=16",
+               "data.report_records=0", "data.num_workers=2", "ledger=true"]
+    with open(tmp_path / "stopped.log", "w") as log:
+        process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        _until_logged(process, out, 2)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    output = (tmp_path / "stopped.log").read_text()
+    saved = [p.name for p in (out / "checkpoints").iterdir()]
+    assert len(saved) == 1, saved
+    step = int(saved[0].removeprefix("step_"))
+    assert 2 <= step < 8 and [s for s, _ in losses(out)] == list(range(1, step + 1))
+    assert output.count(f"chattune: stopped by SIGTERM after step {step}: checkpoint {out}/checkpoints/step_{step} saved") == 1
+    assert output.count("chattune: SIGTERM: stopping after the current step") == 1  # rank 0's line only
+
+    launch(out, small_data, 2, "data.num_workers=2", "ledger=true", "save_every=0")
+    assert losses(out) == losses(tmp_path / "straight")
+    assert_same_weights(out, tmp_path / "straight")
+    per_epoch: dict[int, Counter] = {}
+    for steps in ledger_steps(out).values():
+        for epoch, ids in steps.values():
+            per_epoch.setdefault(epoch, Counter()).update(i for rank_ids in ids.values() for i in rank_ids)
+    assert all(max(counts.values()) == 1 for counts in per_epoch.values()), "a document trained twice in an epoch"
+    assert all(sorted(counts) == list(range(NUM_RECORDS)) for epoch, counts in per_epoch.items() if epoch < max(per_epoch))
+
+
+def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, small_data):
+    import signal
+    import sys
+    import time
+
+    command = [sys.executable, "recipes/sft.py", "max_steps=200", "save_every=0", "log_every=1", "eval_every=0",
+               f"data.train=[{small_data}]", "data.eval=[]", "data.max_tokens_per_microbatch=512", "data.report_records=0"]
+    out = tmp_path / "once"
+    with open(tmp_path / "once.log", "w") as log:
+        process = subprocess.Popen([*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        _until_logged(process, out, 2)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 75
+    output = (tmp_path / "once.log").read_text()
+    step = max(s for s, _ in losses(out))
+    assert (out / "checkpoints" / f"step_{step}" / "chattune.json").is_file()
+    assert output.count(f"chattune: stopped by SIGINT after step {step}") == 1
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+
+    out = tmp_path / "twice"
+    with open(tmp_path / "twice.log", "w") as log:
+        process = subprocess.Popen([*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        _until_logged(process, out, 2)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+    output = (tmp_path / "twice.log").read_text()
+    assert "chattune: SIGINT again: exiting now, without saving" in output and "Traceback" not in output

@@ -37,8 +37,9 @@ from chattune.config.compose import composed
 from chattune.config.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
 from chattune.config.validate import hydra_placement_problems, validate_command
-from chattune.distributed import exit_process
-from chattune.errors import report_errors
+from chattune import interrupts
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.errors import report_errors, write_error_file
 
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
 _HYDRA_COMMANDS = ("help", "hydra_help", "cfg", "info", "shell_completion", "multirun")  # not a training run
@@ -113,10 +114,18 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Ca
 
         @functools.wraps(task)
         def launch() -> None:
+            interrupts.install()  # a signal from here on stops the run after a step, with a checkpoint
             with report_errors():
                 sys.argv = with_absolute_config_path(sys.argv, recipe_file)
                 check_command_line(sys.argv, config_name)
-            app()
+            try:
+                app()
+            except interrupts.Preempted as stopped:  # its checkpoint is saved; every rank stopped after the same step
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"chattune: {stopped}", file=sys.stderr, flush=True)
+                write_error_file(str(stopped))  # what torchrun's report of the exit status shows
+                shutdown_distributed()
+                exit_process(stopped.code)
             exit_process()  # the run is complete; skip interpreter teardown (see exit_process)
 
         return launch

@@ -34,6 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from chattune.data.documents import SKIP_REASONS, Document, Skipped
 from chattune.data.packing import PackedBatch, best_fit_decreasing, collate_packed, empty_batch
 from chattune.errors import UserError
+from chattune.interrupts import ignore_in_worker
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +146,10 @@ def _as_is(item):
 def _tokenize_on_one_thread(worker_id: int) -> None:
     """Each loader worker is one of `num_workers` processes already: the Rust tokenizer's own thread pool
     on top of them only oversubscribes the cores (measured ~10% slower with 2 workers on 2 cores). The
-    tokenizer reads this variable on every call, and its output does not depend on it."""
+    tokenizer reads this variable on every call, and its output does not depend on it. A stop signal is the
+    trainer's to act on (`chattune.interrupts`): the step it finishes still reads from this worker."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ignore_in_worker()
 
 
 class PackedStream:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedTokenizerBase
 
+from chattune import interrupts
 from chattune.data.documents import SKIP_REASONS
 from chattune.data.packing import PackedBatch
 from chattune.data.report import epoch_line
@@ -102,7 +104,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
         result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
                                        device, rank_done=batches.rank_done, loss_scale=loss_scale,
-                                       seeds=batches.seeds)
+                                       seeds=batches.seeds, stop=interrupts.requested() is not None)
         timer.stop()
         closed_epochs = feed.close_step(result.ranks_done)
         if result.global_units == 0 and step == 1:  # (with the data report on, caught before the model loads)
@@ -128,8 +130,10 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             logger.info("epoch %d done at step %d: %s", epoch, step,
                         epoch_line(reduce_sums(epoch_counts, device), cfg.data.max_tokens_per_microbatch))
         is_last = step == cfg.max_steps or feed.finished
-        # Decided from the config alone: evaluate() is collective, every rank must agree to enter it.
-        is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last)
+        signalled = result.stop_ranks > 0  # a stop signal on any rank (agreed in the step's all-reduce)
+        # Decided from the config and the step's all-reduce: evaluate() is collective, every rank must agree to
+        # enter it (not on a signalled stop, whose grace period belongs to the checkpoint).
+        is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last) and not signalled
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
             # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it.
             step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak else 0.0
@@ -145,17 +149,23 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
                 metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
             metric_logger.log(metrics)
         progress.update(step, metric_logger.last)
-        stopping = step == cfg.stop_after_step
+        stopping = step == cfg.stop_after_step or signalled
         if (cfg.save_every and step % cfg.save_every == 0) or stopping:
+            saving = time.perf_counter()
             save_training(checkpoints, step, model, optimizer, scheduler, feed, meta, counters, cfg.keep_last_n, loss_scale,
                           background)
         if stopping:
             if background is not None:
                 background.close()  # the checkpoint is committed before the job's slice ends
             progress.close()
-            logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
             metric_logger.close()
             release_output_dir()
+            if signalled:  # every rank stops here, after the same step
+                raise interrupts.Preempted(
+                    f"stopped by {interrupts.signal_name(interrupts.requested())} after step {step}: checkpoint "
+                    f"{checkpoints / f'step_{step}'} saved in {time.perf_counter() - saving:.1f} s; run the same command "
+                    "again to continue")
+            logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
             return
         if feed.finished:
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)

@@ -41,6 +41,7 @@ class StepResult:
     ranks_done: int = 0  # ranks whose data stream has finished the epoch
     figures: dict[str, float] = field(default_factory=dict)  # this rank's other per-unit sums (the objective's)
     overflow: bool = False  # fp16: finite losses, non-finite gradients (the loss scale was too high)
+    stop_ranks: int = 0  # ranks that received a stop signal (chattune.interrupts): every rank stops after this step
 
 
 @dataclass
@@ -100,10 +101,12 @@ def accumulate_gradients(
 
 
 def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite: torch.Tensor,
-                    loss_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    loss_scale: float, stop: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`clip_gradients` with its results left on the device: (total norm, NaN where any rank's loss is not
-    finite; whether every rank's loss was finite). Nothing here waits for the device: the gradients are
-    unscaled and clipped whatever the norm (with a non-finite norm they become NaN, and the step is skipped)."""
+    finite; whether every rank's loss was finite; how many ranks asked to stop). Nothing here waits for the
+    device: the gradients are unscaled and clipped whatever the norm (with a non-finite norm they become NaN,
+    and the step is skipped). The same all-reduce carries `stop`, this rank's stop request: the step's end is
+    where every rank agrees to stop, its data already in hand."""
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
@@ -111,14 +114,15 @@ def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite:
         raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
-    sums = all_reduce_sum(torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double()]))
+    sums = all_reduce_sum(torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(),
+                                       torch.tensor(float(stop), dtype=torch.float64, device=local_norm.device)]))
     losses_finite = sums[1] == 0
     total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
     if loss_scale != 1.0:  # unscale the local shards in place
         torch._foreach_mul_(local_grads, 1.0 / loss_scale)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
-    return total_norm, losses_finite
+    return total_norm, losses_finite, sums[2]
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None, local_loss_finite: bool = True,
@@ -128,7 +132,7 @@ def clip_gradients(model: nn.Module, max_norm: float | None, local_loss_finite: 
     loss or gradients are non-finite: one all-reduce carries both, so all ranks decide alike (and tell
     an fp16 overflow, finite losses with non-finite gradients, from a non-finite loss)."""
     finite = torch.tensor(local_loss_finite)
-    total_norm, losses_finite = _clip_on_device(model, max_norm, finite, loss_scale)
+    total_norm, losses_finite, _ = _clip_on_device(model, max_norm, finite, loss_scale)
     norm, all_finite = torch.stack([total_norm, losses_finite.double()]).tolist()
     return norm, bool(all_finite)
 
@@ -178,6 +182,7 @@ def train_step(
     rank_done: bool = False,
     loss_scale: LossScale | None = None,
     seeds: list[int] | None = None,
+    stop: bool = False,
 ) -> tuple[StepResult, float]:
     """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm.
 
@@ -185,14 +190,16 @@ def train_step(
     the parameters and optimizer state stay as they were (the schedule still advances with the step
     number). `result.overflow` tells an fp16 overflow (handled by `loss_scale`: the step is retried at
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
-    on or stop."""
+    on or stop. `stop`: this rank received a stop signal; `result.stop_ranks` counts the ranks that did."""
     loss_scale = loss_scale or LossScale(enabled=False)
     sums = _forward_backward(model, objective, microbatches, device, rank_done, loss_scale.scale, seeds)
-    total_norm, losses_finite = _clip_on_device(model, max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale)
+    total_norm, losses_finite, stop_ranks = _clip_on_device(model, max_grad_norm, torch.isfinite(sums.loss_sum),
+                                                            loss_scale.scale, stop)
     # The step's one device-to-host transfer: its sums, counts, gradient norm and finiteness together. The
     # optimizer's step below is the one decision that needs them on the host.
-    values = torch.stack([total_norm, losses_finite.double(), *sums.tensors()]).tolist()
-    grad_norm, all_finite, result = values[0], bool(values[1]), sums.result(values[2:])
+    values = torch.stack([total_norm, losses_finite.double(), stop_ranks, *sums.tensors()]).tolist()
+    grad_norm, all_finite, result = values[0], bool(values[1]), sums.result(values[3:])
+    result.stop_ranks = int(values[2])
     if math.isfinite(grad_norm):
         optimizer.step()
     result.overflow = loss_scale.enabled and all_finite and not math.isfinite(grad_norm)

@@ -1,0 +1,77 @@
+"""Stopping on a signal without losing work: a preempted, cancelled or Ctrl-C'd run finishes the step it is
+in, saves a checkpoint and exits (status `EXIT_CODE`), and its relaunch continues exactly.
+
+Schedulers stop a job with a signal and a grace period: SLURM and Kubernetes send SIGTERM (SLURM's
+`--signal=USR1@SECONDS` sends SIGUSR1 ahead of the time limit), a terminal sends SIGINT. The handlers here
+only take note (`requested`): the training loop carries the note in the step's existing all-reduce, so
+every rank stops after the same step even when the signal reached them at different steps
+(`chattune.train.step`), then saves and raises `Preempted`, which ends the process with `EXIT_CODE`.
+
+- A second SIGTERM is ignored: under torchrun a worker can get two (torchrun passes its own on, and a dying
+  launcher sends another through PR_SET_PDEATHSIG), and the save must not be cut short.
+- A second SIGINT (Ctrl-C twice) exits at once, with status 130 and nothing saved.
+- Data-loader workers ignore both (`ignore_in_worker`): torchrun signals a worker's whole process group,
+  and the step being finished still reads from them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+_requested: int | None = None  # the first signal received
+
+
+class Preempted(BaseException):
+    """Raised by the loop once the checkpoint of a signalled stop is saved. A BaseException, like
+    SystemExit: not a user error, not a bug; the launcher ends the process with `EXIT_CODE`."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = EXIT_CODE
+
+
+def _write(text: str) -> None:
+    """One line on stderr from the first rank only (every rank gets the signal). os.write: async-signal-safe,
+    unlike logging or print, whose locks the signal may have interrupted."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, text.encode())
+
+
+def _handle(signum: int, frame) -> None:
+    global _requested
+    name = signal.Signals(signum).name
+    if _requested is None:
+        _requested = signum
+        again = " (Ctrl-C again to exit at once, without saving)" if signum == signal.SIGINT else ""
+        _write(f"chattune: {name}: stopping after the current step, with a checkpoint{again}\n")
+    elif signum == signal.SIGINT:
+        _write("chattune: SIGINT again: exiting now, without saving\n")
+        os._exit(128 + signal.SIGINT)
+
+
+def install() -> None:
+    """Take note of SIGTERM, SIGINT and SIGUSR1 from now on, in this (main) thread's process."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers (an embedding application keeps its own)
+    for signum in SIGNALS:
+        signal.signal(signum, _handle)
+
+
+def requested() -> int | None:
+    """The first stop signal this process received, or None."""
+    return _requested
+
+
+def signal_name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum is not None else "a signal (on another rank)"
+
+
+def ignore_in_worker() -> None:
+    """In a data-loader worker: leave stopping to the trainer, whose current step still reads from us."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
