@@ -78,7 +78,8 @@ def main(cfg: DictConfig) -> None:
         if peft_model is not None and cfg.reference.path is None:  # LoRA: the policy's own base; no second model
             logger.info("reference: the policy's base (adapters off)")
             return BaseModelView(model, peft_model)
-        return build_sharded_model(cfg, tokenizer, dist_info, cfg.reference.path or cfg.model.path).model
+        return build_sharded_model(cfg, tokenizer, dist_info, cfg.reference.path or cfg.model.path,
+                                   key="reference.path" if cfg.reference.path else "model.path").model
 
     reference = eval_reference = None
     if preference_loss.needs_reference and not cfg.reference.cache:

@@ -91,7 +91,7 @@ CASES = {
         "tokenizer.path '{tmp}/no_template': the tokenizer has no chat template. chattune renders every record with the "
         "tokenizer's chat template. Use the tokenizer of a chat (instruct) model, or add a template", launch=True),
     "missing model directory": Case(["model.path={tmp}/no_model"],
-                                    "model.path: '{tmp}/no_model' is not a local directory (chattune loads no models from a hub)"),
+                                    "model.path: '{tmp}/no_model' is not a local directory"),
     "output_dir under a file": Case(["output_dir={tmp}/file/run"], "output_dir: {tmp}/file is not a directory",
                                     launch=True),
     "resume from something that is not a checkpoint": Case(

@@ -72,7 +72,7 @@ def test_dpo_tiny_is_clean_given_its_sft_model(tmp_path, model_dir):
     missing = tmp_path / "no-sft-run" / "hf"
     report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={missing}"], CONFIGS)
     assert report.splitlines() == [
-        f"model.path: '{missing}' is not a local directory (chattune loads no models from a hub)", "1 problem(s)"]
+        f"model.path: '{missing}' is not a local directory", "1 problem(s)"]
 
 
 def test_a_users_config_dir_building_on_dpo_tiny_and_its_required_keys(tmp_path, model_dir):

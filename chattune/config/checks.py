@@ -25,8 +25,11 @@ from transformers import PretrainedConfig
 
 from chattune.config.findings import UNSET, Findings, closest, did_you_mean, first_line, get_value, join_key, show
 from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE, schema_for
-from chattune.data.formats import DEFAULT_COLUMNS, HUB_LIKE, HUB_PREFIX, PREFERENCE_FORMATS, DataError, SourceSpec
+from chattune.data.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, DataError, SourceSpec
 from chattune.errors import UserError
+from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
+
+HUB_NOTE = "downloaded once per node into the Hugging Face cache, or read from it offline"
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files data.records.RecordSource reads itself
 SOURCE_KEYS = tuple(f.name for f in fields(SourceSpec))
@@ -364,19 +367,20 @@ class Checker:
     def paths(self) -> None:
         tokenizer = get_value(self.values, "tokenizer.path")
         if isinstance(tokenizer, str) and not Path(tokenizer).is_dir():
-            if tokenizer.startswith(HUB_PREFIX):
-                self.findings.note("tokenizer.path", f"{tokenizer!r}: a hub tokenizer (needs the machine online)")
+            if hub_id(tokenizer) is not None:
+                self.findings.note("tokenizer.path", f"{tokenizer!r}: a hub tokenizer ({HUB_NOTE})")
             elif Path(tokenizer).exists():
                 self.findings.problem("tokenizer.path", f"{tokenizer!r} is not a directory")
             else:
-                hint = f" (a hub tokenizer is written {HUB_PREFIX}{tokenizer})" if HUB_LIKE.fullmatch(tokenizer) else ""
-                self.findings.problem("tokenizer.path", f"{tokenizer!r} does not exist{hint}")
+                self.findings.problem("tokenizer.path", f"{tokenizer!r} does not exist{hub_hint(tokenizer, 'tokenizer')}")
         for key in ("model.path", "reference.path"):
             path = get_value(self.values, key)
             if not isinstance(path, str):
                 continue
-            if not Path(path).is_dir():
-                self.findings.problem(key, f"{path!r} is not a local directory (chattune loads no models from a hub)")
+            if hub_id(path) is not None:
+                self.findings.note(key, f"{path!r}: a hub model ({HUB_NOTE})")
+            elif not Path(path).is_dir():
+                self.findings.problem(key, f"{path!r} is not a local directory{hub_hint(path, 'model')}")
             elif not (Path(path) / "config.json").is_file():
                 self.findings.problem(key, f"{path!r} has no config.json: not a Hugging Face model directory")
         if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:

@@ -18,7 +18,6 @@ A source may rename any column (`columns: {messages: chat}`) and, for ShareGPT, 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -366,12 +365,3 @@ def _sharegpt_preference_sides(record: dict, spec: SourceSpec, where: str) -> tu
         sides.append(_sharegpt_messages(side, spec, where, label=f"{spec.column(name)} turn"))
     return context, sides[0], sides[1]
 
-
-# A hub dataset or tokenizer is written hf:org/name; a missing local path is never taken for one.
-HUB_PREFIX = "hf:"
-HUB_LIKE = re.compile(r"[\w.-]+/[\w.-]+")  # a missing path that may have meant a hub id (for the hint)
-
-
-def hub_id(path: str) -> str | None:
-    """The hub id of a path written `hf:org/name`; None for a local path."""
-    return path[len(HUB_PREFIX):] if path.startswith(HUB_PREFIX) else None

@@ -16,7 +16,8 @@ import datasets
 import numpy as np
 from omegaconf import OmegaConf
 
-from chattune.data.formats import HUB_LIKE, HUB_PREFIX, DataError, SourceSpec, hub_id
+from chattune.data.formats import DataError, SourceSpec
+from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_id
 
 
 class RecordSource:

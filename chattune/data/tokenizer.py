@@ -1,6 +1,6 @@
-"""A run's tokenizer: from a local directory, or a hub id written `hf:org/name` (a missing local path is
-never taken for a hub id, so a typo fails at once instead of trying the network), with a chat template,
-which chattune renders every record with."""
+"""A run's tokenizer: from a local directory, or a hub id written `hf:org/name` (`chattune.hub`: a missing
+local path is never taken for a hub id, so a typo fails at once instead of trying the network), with a chat
+template, which chattune renders every record with."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from chattune.data.formats import HUB_LIKE, HUB_PREFIX, hub_id
 from chattune.errors import UserError
+from chattune.hub import hub_hint, local_directory
 
 
 class TokenizerError(UserError):
@@ -22,14 +22,14 @@ NO_TEMPLATE_HELP = ("chattune renders every record with the tokenizer's chat tem
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer at `path` (config key tokenizer.path); a TokenizerError that names the path otherwise."""
-    name = hub_id(path)
-    if name is None and not Path(path).is_dir():
-        hint = f" (a hub tokenizer is written {HUB_PREFIX}{path})" if HUB_LIKE.fullmatch(path) else ""
+    """The tokenizer at `path` (config key tokenizer.path); a TokenizerError that names the path otherwise.
+    Collective for a hub id under torch.distributed (`chattune.hub.local_directory`)."""
+    directory = local_directory(path, "tokenizer.path")
+    if not directory.is_dir():
         raise TokenizerError(f"tokenizer.path {path!r} " + ("is not a directory" if Path(path).exists() else "does not exist")
-                             + hint)
+                             + hub_hint(path, "tokenizer"))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name or path)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as error:  # a directory without tokenizer files, or a hub id that fails offline
         raise TokenizerError(f"tokenizer.path {path!r} could not be loaded: {type(error).__name__}: {error}") from error
     if not tokenizer.chat_template:

@@ -22,6 +22,7 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.distributed import DistInfo
 from chattune.errors import UserError
+from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
 from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes
 from chattune.model.architecture_check import check_architecture
@@ -40,18 +41,19 @@ class BuiltModel(NamedTuple):
 
 
 def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,
-                        path: str | None, adapters: DictConfig | None = None) -> BuiltModel:
-    """The model loaded from `path`, or built from `cfg.model.config` when `path` is None, with LoRA
-    `adapters` (the `peft` section) on its frozen base when given, sharded."""
+                        path: str | None, adapters: DictConfig | None = None, key: str = "model.path") -> BuiltModel:
+    """The model loaded from `path` (a local directory or a hub id, `chattune.hub`; `key` is its config key), or
+    built from `cfg.model.config` when `path` is None, with LoRA `adapters` (the `peft` section) on its frozen
+    base when given, sharded."""
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
     torch.manual_seed(cfg.seed)
     files, stored_dtype = None, None
     if path is None:
         hf_model = build_hf_model(tokenizer, config=instantiate(cfg.model.config))  # whole, on CPU
     else:
-        directory = Path(path)
+        directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
-            raise UserError(f"model.path {path!r} is not a local directory (chattune loads no models from a hub)")
+            raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
         hf_model, files = _empty_or_full(directory)
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)
@@ -80,7 +82,7 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
                         device_type, dist_info.world_size, **cfg.model.fsdp, compile=compile, replicated=replicated)
     describe_compute(model, device_type)
     if files is not None:
-        load.materialise_and_load(model, hf_model, Path(path), files, dist_info.device, initial)
+        load.materialise_and_load(model, hf_model, directory, files, dist_info.device, initial)
     if adapters is not None and adapters.use_dora:
         set_dora_magnitudes(hf_model)  # from the loaded (or quantized) base: the norms of the weights it runs with
     return BuiltModel(hf_model, model, peft_model)

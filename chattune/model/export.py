@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedTokenizerBase
 
 from chattune.files import set_aside
+from chattune.hub import hub_id
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import reshard
@@ -261,7 +262,12 @@ def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedToken
     save_file({k: v.clone().contiguous() for k, v in weights.items()}, staging / "adapter_model.safetensors",
               metadata={"format": "pt"})
     config = copy.deepcopy(peft_model.peft_config[ADAPTER])
-    config.base_model_name_or_path = base_path
+    repo = hub_id(base_path) if base_path else None
+    if repo is not None:  # what peft loads the base from: the hub repository and revision, not chattune's hf: path
+        config.base_model_name_or_path, _, revision = repo.partition("@")
+        config.revision = revision or None
+    else:
+        config.base_model_name_or_path = base_path
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     _publish(staging, directory)

@@ -26,6 +26,7 @@ from torch import nn
 from chattune.data.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_max, all_reduce_sum
+from chattune.hub import local_directory
 from chattune.model.fsdp import reshard
 from chattune.objectives.dpo import pair_logps
 
@@ -61,8 +62,9 @@ def weights_fingerprint(model_dir: Path, memo_path: Path) -> dict[str, str]:
 def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
     """What the reference log-probs of `cfg.data.<split>` depend on."""
     reference_dir = cfg.reference.path or cfg.model.path
-    if reference_dir is not None:
-        weights = weights_fingerprint(Path(reference_dir), Path(cfg.reference.cache_dir) / "weight_hashes.json")
+    if reference_dir is not None:  # a hub id: its cached snapshot (collective: every rank asks, in the same order)
+        directory = local_directory(reference_dir, "reference.path" if cfg.reference.path else "model.path")
+        weights = weights_fingerprint(directory, Path(cfg.reference.cache_dir) / "weight_hashes.json")
     else:  # built from config: the seed fixes the initial weights
         weights = {"config": OmegaConf.to_container(cfg.model.config, resolve=True), "seed": cfg.seed}
     return {
