@@ -357,3 +357,20 @@ def test_a_damaged_checkpoint_is_named_with_the_intact_one_to_resume_from(tmp_pa
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_4 at step 4" in resumed.stdout + resumed.stderr
     assert steps(out) == list(range(1, 9)) and (out / "checkpoints" / "step_6.abandoned").is_dir()
+
+
+def test_every_remedy_of_the_stop_after_step_refusal_works_as_written(tmp_path):
+    data = chats(tmp_path)
+    out = tmp_path / "run"
+    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "save_every=0"]
+    assert launch(*base, "stop_after_step=2").returncode == 0
+    again = launch(*base, "stop_after_step=2")  # the same command: no step left to stop after
+    message = (f"stop_after_step=2, but this run continues from {out}/checkpoints/step_2 at step 2: there is no step "
+               "left to stop after. Raise stop_after_step or drop it, or resume an earlier checkpoint with resume=PATH.")
+    assert again.returncode == 1 and again.stderr.count(f"chattune: error: {message}") == 1
+    assert launch(*base, "stop_after_step=4").returncode == 0 and steps(out) == [1, 2, 3, 4]  # raised
+    earlier = launch(*base, "stop_after_step=4", f"resume={out}/checkpoints/step_2")  # an earlier checkpoint
+    assert earlier.returncode == 0 and steps(out) == [1, 2, 3, 4]
+    assert f"resumed from {out}/checkpoints/step_2 at step 2" in earlier.stdout + earlier.stderr
+    dropped = launch(*base)  # dropped: on to max_steps
+    assert dropped.returncode == 0 and steps(out) == list(range(1, 7))
