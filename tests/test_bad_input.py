@@ -101,17 +101,15 @@ CASES = {
                                     "data.train[0].format: 'preference' is not one of messages, sharegpt"),
     "DPO overlong split": Case(["data.overlong=split", "model.path=null"], "data.overlong: 'split' is not one of drop, error",
                                config="dpo/tiny"),
-    "device=cuda without CUDA": Case(["device=cuda"], "device: cuda, but torch finds no CUDA device on this machine",
-                                     launch=True),
-    "one beta": Case(["optimizer.betas=[0.9]"], "optimizer.betas: must be two numbers in [0, 1), got [0.9]", launch=True),
+    "device=cuda without CUDA": Case(["device=cuda"], "device: cuda, but torch finds no CUDA device on this machine"),
+    "one beta": Case(["optimizer.betas=[0.9]"], "optimizer.betas: must be two numbers in [0, 1), got [0.9]"),
     "an adapter key without adapters": Case(
         ["peft.rank=8"], "peft.rank: peft is null in this config: choose one first, peft=lora or peft=qlora "
                          "(e.g. peft=lora peft.rank=8)", launch=True),
     "peft's own name for a key": Case(["peft=lora", "peft.r=8"], "peft.r: unknown key; did you mean peft.rank?"),
     "Hydra's run directory": Case(["hydra.run.dir={tmp}/elsewhere"],
                                   "hydra.run.dir: a run's directory is output_dir: set output_dir=DIR instead", launch=True),
-    "Hydra's change of directory": Case(["hydra.job.chdir=true"], "hydra.job.chdir: chattune writes into output_dir itself",
-                                        launch=True),
+    "Hydra's change of directory": Case(["hydra.job.chdir=true"], "hydra.job.chdir: chattune writes into output_dir itself"),
 }
 
 
@@ -144,15 +142,15 @@ def test_bad_input_gets_one_clear_error(name, tmp):
 
 @pytest.mark.parametrize("overrides", [["data.eval=[]"], ["data.eval=null"], ["peft=lora", "peft.rank=8"]],
                          ids=["no eval list", "null eval", "the remedy for an adapter key without adapters"])
-def test_what_validate_and_inspect_accept(overrides, tmp):
+def test_what_validate_and_inspect_accept(overrides, tmp, capsys):
     """No held-out data (the README's real-model command passes data.eval=[]) is a valid config; and the remedy
     the adapter-key message gives works as written."""
+    from chattune.cli.main import main
+
     report, ok = run_validate("sft/tiny", [*overrides, f"output_dir={tmp / 'out' / 'accepted'}"], CONFIGS, read_data=True)
     assert ok, report
-    result = subprocess.run([sys.executable, "-m", "chattune.cli.main", "inspect", "sft/tiny", *overrides, "--limit", "20"],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert main(["inspect", "sft/tiny", *overrides, "--limit", "20", "--no-color"]) == 0
+    assert "records read: 20" in capsys.readouterr().out
 
 
 def test_a_pair_with_identical_replies_is_a_counted_skip_not_an_error(tmp):

@@ -11,7 +11,7 @@ import sys
 from conftest import PROJECT_ROOT
 
 CPU_CHECKS = {"packed_vs_hf", "leak_control", "cce_vs_chunked", "tf32_scope", "compile_vs_eager", "recompiles",
-              "dpo_reference_memory", "throughput_tiny_sft", "throughput_tiny_lora", "resume_exact", "export_masters",
+              "dpo_reference_memory", "throughput_tiny_sft", "resume_exact", "export_masters",
               "export_after_eval"}
 CUDA_ONLY = {"host_syncs", "throughput_tiny_qlora"}
 

@@ -30,11 +30,8 @@ def test_each_multirun_job_trains_into_its_own_directory(tmp_path, nproc):
     assert not (PROJECT_ROOT / "multirun").exists() and not (PROJECT_ROOT / "outputs" / "sft-tiny" / "0").exists()
 
 
-def test_a_run_leaves_no_lock_and_a_refused_one_no_empty_directory(tmp_path):
-    out = tmp_path / "run"
-    assert launch("recipes/sft.py", f"output_dir={out}", "max_steps=2", "save_every=0", "eval_every=0",
-                  "data.report_records=0").returncode == 0
-    assert not (out / ".chattune.lock").exists()  # a clean exit leaves no stale lock
+def test_a_refused_launch_leaves_no_empty_directory(tmp_path):
+    """(A run that ends leaves no stale lock: the multirun jobs above.)"""
     fresh = tmp_path / "never_made"
     refused = launch("recipes/sft.py", f"output_dir={fresh}", f"resume={tmp_path}", "max_steps=2")
     assert refused.returncode == 1 and "is not a complete chattune checkpoint" in refused.stderr

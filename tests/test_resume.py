@@ -53,20 +53,36 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "final weights differ"
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, small_data):
+    """The uninterrupted 8-step run on 1 and on 2 ranks (made once, when first asked for): the reference of every
+    interrupted one. Loader workers change nothing of it (tests/test_sft_recipe.py), so one run serves them all."""
+    runs: dict[int, Path] = {}
+
+    def run_on(nproc: int) -> Path:
+        if nproc not in runs:
+            runs[nproc] = tmp_path_factory.mktemp(f"uninterrupted{nproc}")
+            launch(runs[nproc], small_data, nproc, "data.num_workers=2")
+        return runs[nproc]
+
+    return run_on
+
+
 @pytest.mark.parametrize("nproc,num_workers,save_async", [(1, 0, False), (2, 0, False), (1, 2, False), (2, 2, False),
                                                          (2, 0, True)])
-def test_stop_and_resume_reproduces_the_uninterrupted_run(tmp_path, small_data, nproc, num_workers, save_async):
+def test_stop_and_resume_reproduces_the_uninterrupted_run(tmp_path, small_data, uninterrupted, nproc, num_workers,
+                                                          save_async):
     """With save_async the checkpoints are written from a thread while the next steps train: what they hold
     must still be the state of their step (DCP copies it before training goes on)."""
     workers = f"data.num_workers={num_workers}"
-    launch(tmp_path / "straight", small_data, nproc, workers)
+    straight = uninterrupted(nproc)
     launch(tmp_path / "resumed", small_data, nproc, workers, "stop_after_step=4", f"save_async={save_async}")
     assert [s for s, _ in losses(tmp_path / "resumed")] == [1, 2, 3, 4]
     assert not (tmp_path / "resumed" / "hf").exists()
     assert (tmp_path / "resumed" / "checkpoints" / "step_4" / "chattune.json").is_file()
     launch(tmp_path / "resumed", small_data, nproc, workers, f"save_async={save_async}")  # resume=auto is the default
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
-    assert_same_weights(tmp_path / "resumed", tmp_path / "straight")
+    assert losses(tmp_path / "resumed") == losses(straight)
+    assert_same_weights(tmp_path / "resumed", straight)
 
 
 def ledger_steps(out: Path) -> dict[str, dict[int, tuple[int, dict[str, list[int]]]]]:
@@ -226,14 +242,14 @@ def _until_logged(process: subprocess.Popen, out: Path, step: int) -> None:
         time.sleep(0.2)
 
 
-def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, small_data):
+def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, small_data, uninterrupted):
     """What a scheduler's preemption does: SIGTERM to the launcher mid-run. Every rank finishes its step, all agree
     in the step's all-reduce, the checkpoint of the step reached is saved, and the relaunch trains on exactly as
     the uninterrupted run did (losses and weights bit for bit), every document once per epoch."""
     import signal
     import sys
 
-    launch(tmp_path / "straight", small_data, 2, "data.num_workers=2")
+    straight = uninterrupted(2)
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                "recipes/sft.py", f"output_dir={out}", "max_steps=8", "save_every=0", "log_every=1", f"data.train=[{small_data}]",
@@ -253,8 +269,8 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
     assert output.count("chattune: SIGTERM: stopping after the current step") == 1  # rank 0's line only
 
     launch(out, small_data, 2, "data.num_workers=2", "ledger=true", "save_every=0")
-    assert losses(out) == losses(tmp_path / "straight")
-    assert_same_weights(out, tmp_path / "straight")
+    assert losses(out) == losses(straight)
+    assert_same_weights(out, straight)
     per_epoch: dict[int, Counter] = {}
     for steps in ledger_steps(out).values():
         for epoch, ids in steps.values():
