@@ -10,6 +10,9 @@ every rank stops after the same step even when the signal reached them at differ
 - A second SIGTERM is ignored: under torchrun a worker can get two (torchrun passes its own on, and a dying
   launcher sends another through PR_SET_PDEATHSIG), and the save must not be cut short.
 - A second SIGINT (Ctrl-C twice) exits at once, with status 130 and nothing saved.
+- A stop that has not ended the process `STOP_DEADLINE_S` after the signal (a peer gone in the middle of a
+  collective, which only the process group's own timeout would end) exits with 128 + the signal: a
+  scheduler would have killed it by then, and a worker orphaned by a killed launcher must not linger.
 - Data-loader workers ignore both (`ignore_in_worker`): torchrun signals a worker's whole process group,
   and the step being finished still reads from them.
 """
@@ -21,6 +24,7 @@ import signal
 import threading
 
 EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
+STOP_DEADLINE_S = 600.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 _requested: int | None = None  # the first signal received
@@ -49,9 +53,18 @@ def _handle(signum: int, frame) -> None:
         _requested = signum
         again = " (Ctrl-C again to exit at once, without saving)" if signum == signal.SIGINT else ""
         _write(f"chattune: {name}: stopping after the current step, with a checkpoint{again}\n")
+        deadline = threading.Timer(STOP_DEADLINE_S, _give_up, args=(signum,))
+        deadline.daemon = True
+        deadline.start()
     elif signum == signal.SIGINT:
         _write("chattune: SIGINT again: exiting now, without saving\n")
         os._exit(128 + signal.SIGINT)
+
+
+def _give_up(signum: int) -> None:
+    _write(f"chattune: {signal.Signals(signum).name}: the stop did not finish within {STOP_DEADLINE_S:.0f} s; exiting "
+           "without saving\n")
+    os._exit(128 + signum)
 
 
 def install() -> None:

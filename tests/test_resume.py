@@ -308,3 +308,22 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
         assert process.wait(timeout=30) == 130
     output = (tmp_path / "twice.log").read_text()
     assert "chattune: SIGINT again: exiting now, without saving" in output and "Traceback" not in output
+
+
+def test_a_stop_that_cannot_finish_gives_up_after_its_deadline(monkeypatch):
+    """A peer gone in the middle of a collective would hold a signalled worker until the process group's own
+    timeout (an hour): after STOP_DEADLINE_S the process exits without saving."""
+    import signal
+    import time
+
+    from chattune import interrupts
+
+    exits = []
+    monkeypatch.setattr(interrupts, "STOP_DEADLINE_S", 0.2)
+    monkeypatch.setattr(interrupts, "_requested", None)
+    monkeypatch.setattr(interrupts.os, "_exit", exits.append)
+    interrupts._handle(signal.SIGTERM, None)
+    assert interrupts.requested() == signal.SIGTERM and not exits
+    interrupts._handle(signal.SIGTERM, None)  # a second SIGTERM changes nothing
+    time.sleep(0.6)
+    assert exits == [128 + signal.SIGTERM]
