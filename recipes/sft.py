@@ -9,21 +9,19 @@ Read top to bottom: set-up, data, model and objective, then the shared training 
 from __future__ import annotations
 
 import logging
-import os
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from chattune.config.launch import recipe_main
-from chattune.config.validate import check_config
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
+from chattune.launch.app import recipe_main
+from chattune.launch.validate import check_config
 from chattune.log import setup_logging
 from chattune.model.adapters import trainable_parameters
-from chattune.model.build import build_sharded_model
-from chattune.model.quantize import weight_shape
+from chattune.model.build import build_trained_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
-from chattune.train.inputs import build_training_data, pad_token_id, sft_documents
+from chattune.train.inputs import build_training_data
 from chattune.train.loop import train
 from chattune.train.optimizer import build_optimizer
 from chattune.train.output_dir import claim_output_dir
@@ -35,38 +33,30 @@ logger = logging.getLogger("chattune.sft")
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---
-    config_notes = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), recipe="sft")
+    config_notes = check_config(cfg, recipe="sft")
     dist_info = init_distributed(cfg.device)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
         logger.info("config note: %s", note)
-    device = dist_info.device
     # The output directory is this run's alone (a lock), and what the launch continues is settled (a
     # resume is checked against the checkpoint, an earlier run is never overwritten by accident).
     start = claim_output_dir(cfg, dist_info)
 
     # --- data: each rank tokenizes (in loader workers) and packs only its own share of every epoch ---
     tokenizer = load_tokenizer(cfg.tokenizer.path)
-    pad_id = pad_token_id(tokenizer)
-
-    # The sources behind one record index, drawn as data.mixing says; a data report; each rank's step feed.
-    data = build_training_data(cfg, dist_info, pad_id, lambda specs: sft_documents(specs, tokenizer, cfg.data))
+    # Conversations with assistant-only labels, every source behind one record index, drawn as data.mixing
+    # says; a data report; each rank's step feed.
+    data = build_training_data(cfg, dist_info, tokenizer, recipe="sft")
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
-    hf_model, model, peft_model = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft)
-    model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
-    num_params = sum(weight_shape(p).numel() for p in hf_model.parameters())  # a 4-bit weight: its matrix
-    trainable = trainable_parameters(model)  # the adapters with peft=lora: optimizer and checkpoints hold only them
-    logger.info("model: %s, %.2fM parameters (%.2fM trained), %d rank(s) on %s", type(hf_model).__name__,
-                num_params / 1e6, sum(p.numel() for p in trainable) / 1e6, dist_info.world_size, device)
-
+    built = build_trained_model(cfg, tokenizer, dist_info)
+    trainable = trainable_parameters(built.model)  # the adapters with peft=lora: optimizer and checkpoints hold only them
     optimizer = build_optimizer(cfg.optimizer, trainable, dist_info.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
     objective = TokenCrossEntropy(num_sources=data.num_sources)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, start, model, objective, optimizer, scheduler, data.feed, data.eval_batches, tokenizer, pad_id,
-          peft_model=peft_model)
+    train(cfg, dist_info, start, built, data, objective, optimizer, scheduler, tokenizer)
     shutdown_distributed()
 
 

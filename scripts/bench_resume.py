@@ -66,7 +66,7 @@ def state_at(records: int, position: int, workers: int) -> tuple[dict, int]:
     while consumed < position:
         step = placeholder.next_step()
         consumed += sum(len(b.doc_ids) for b in step.microbatches)
-        placeholder.close_step(step.rank_done)
+        placeholder.close_step(step.epoch_end_reached)
     return placeholder.state_dict(), consumed
 
 

@@ -47,9 +47,9 @@ def drive(feeds: list[StepFeed]) -> tuple[int, int, int, int]:
         last_tokens = sum(b.num_document_tokens for t in taken for b in t.microbatches)
         last_slots = sum(len(t.microbatches) for t in taken)
         tokens, slots = tokens + last_tokens, slots + last_slots
-        ranks_done = sum(t.rank_done for t in taken)
+        ranks_at_epoch_end = sum(t.epoch_end_reached for t in taken)
         for feed in feeds:
-            feed.close_step(ranks_done)
+            feed.close_step(ranks_at_epoch_end)
     return tokens, slots, last_tokens, last_slots
 
 

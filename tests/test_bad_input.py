@@ -20,7 +20,7 @@ from conftest import PROJECT_ROOT
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.config.validate import run_validate
+from chattune.launch.validate import run_validate
 
 CONFIGS = PROJECT_ROOT / "configs"
 
@@ -167,7 +167,7 @@ def test_on_bad_record_skip_turns_a_bad_record_into_a_counted_skip(tmp):
 
 def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
     """Hydra creates output_dir before the recipe runs, and its OSError (or the lock's) was what a launch gave."""
-    from chattune.config.checks import output_dir_problem
+    from chattune.launch.run_rules import output_dir_problem
     from chattune.train.output_dir import OutputDirInUse, OutputDirLock
 
     with pytest.raises(OutputDirInUse, match=f"output_dir {tmp / 'file' / 'run'}: cannot create its lock file"):

@@ -14,6 +14,7 @@ from chattune.model.export import export_hf
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
+from chattune.train.feed import StepBatches
 from chattune.train.step import train_step
 
 
@@ -38,14 +39,14 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     model, optimizer = sharded(seed=0, world_size=world_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batch = collate_packed(demo_documents(4, start=4 * rank))
-    train_step(model, TokenCrossEntropy(), [batch], optimizer, scheduler, 1.0, torch.device("cpu"))
+    train_step(model, TokenCrossEntropy(), StepBatches([batch]), optimizer, scheduler, 1.0, torch.device("cpu"))
     root = tmp_path / "checkpoints"
     save_checkpoint(root, 1, model, optimizer, {"step": 1, "rank": rank}, meta={"world_size": world_size})
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=rank == 0)
     weights, moments = full_state(model), full_optimizer_state(model, optimizer)
 
     other, other_optimizer = sharded(seed=1, world_size=world_size)  # different weights, no optimizer state yet
-    train_step(other, TokenCrossEntropy(), [batch], other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0, torch.device("cpu"))
+    train_step(other, TokenCrossEntropy(), StepBatches([batch]), other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0, torch.device("cpu"))
     assert any(not torch.equal(weights[k], v) for k, v in full_state(other).items())
     train_state = load_checkpoint(root / "step_1", other, other_optimizer)
     assert train_state == {"step": 1, "rank": rank}

@@ -180,7 +180,7 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
         calls.append((config_name, overrides, config_path, config_dir, read_data))
         return f"report for {config_name}", "bad=1" not in overrides
 
-    monkeypatch.setitem(sys.modules, "chattune.config.validate", types.SimpleNamespace(run_validate=run_validate))
+    monkeypatch.setitem(sys.modules, "chattune.launch.validate", types.SimpleNamespace(run_validate=run_validate))
     assert main(["validate", "dpo/tiny", "max_steps=3"]) == 0
     assert capsys.readouterr().out == "report for dpo/tiny\n"
     assert main(["validate", "--config-name", "sft/local_model", "--config-path", str(tmp_path), "bad=1"]) == 1

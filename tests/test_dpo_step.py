@@ -22,6 +22,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.metrics import step_metrics
+from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 
 NUM_PAIRS = 8
@@ -119,7 +120,7 @@ def _worker(rank, world_size, port, splits, out_path, ref_table):
         reference = CachedReference(ref_table)
     objective = PreferenceObjective(LOSS, reference)
     microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
-    result = accumulate_gradients(policy, objective, microbatches, torch.device("cpu"))
+    result = accumulate_gradients(policy, objective, StepBatches(microbatches), torch.device("cpu"))
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
     if rank == 0:

@@ -41,8 +41,8 @@ def run_steps(feeds, max_steps=10_000):
         taken = [feed.next_step() for feed in feeds]
         steps.append([(t.epoch, [b.doc_ids for b in t.microbatches], [b.epoch for b in t.microbatches if b.doc_ids])
                       for t in taken])
-        ranks_done = sum(t.rank_done for t in taken)
-        per_rank = [feed.close_step(ranks_done) for feed in feeds]
+        ranks_at_epoch_end = sum(t.epoch_end_reached for t in taken)
+        per_rank = [feed.close_step(ranks_at_epoch_end) for feed in feeds]
         assert all([e for e, _ in c] == [e for e, _ in per_rank[0]] for c in per_rank), "ranks closed other epochs"
         for at in range(len(per_rank[0])):
             closed.append({k: sum(c[at][1][k] for c in per_rank) for k in per_rank[0][at][1]})

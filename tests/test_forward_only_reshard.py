@@ -22,6 +22,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import LiveReference
 from chattune.train.evaluation import evaluate
+from chattune.train.feed import StepBatches
 from chattune.train.step import train_step
 
 CPU = torch.device("cpu")
@@ -44,7 +45,7 @@ def _train_then_evaluate(model: PackedCausalLM, steps: int = 2) -> dict[str, tor
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     model.train()
     for step in range(steps):
-        train_step(model, TokenCrossEntropy(), [collate_packed(documents[4 * (step % 2):4 * (step % 2) + 4])],
+        train_step(model, TokenCrossEntropy(), StepBatches([collate_packed(documents[4 * (step % 2):4 * (step % 2) + 4])]),
                    optimizer, scheduler, 1.0, CPU)
     evaluate(model, TokenCrossEntropy(), [collate_packed(demo_documents(3, start=20))], CPU, pad_token_id=0)
     return {names[id(p)]: p.detach().full_tensor() for group in optimizer.param_groups for p in group["params"]}

@@ -15,6 +15,7 @@ from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.feed import StepBatches
 from chattune.train.step import LossScale, accumulate_gradients, clip_gradients, train_step
 
 # A real step holds millions of trainable tokens (64 microbatches of 16k tokens on 8 ranks): each token's
@@ -38,7 +39,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     results = {}
     for name, dtype, scale in (("fp32", "float32", 1.0), ("fp16", "float16", 1.0), ("fp16_scaled", "float16", 2.0**16)):
         model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", world_size, param_dtype=dtype)
-        accumulate_gradients(model, LargeStep(), [batch], cpu, loss_scale=scale)
+        accumulate_gradients(model, LargeStep(), StepBatches([batch]), cpu, loss_scale=scale)
         norm, _ = clip_gradients(model, None, loss_scale=scale)
         results[name] = (gradients(model), norm)
 
@@ -48,11 +49,11 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.full_tensor().clone() for p in model.parameters()]
     loss_scale = LossScale(enabled=True, init_scale=2.0**100)
-    overflowed, norm = train_step(model, LargeStep(), [batch], optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale)
+    overflowed, norm = train_step(model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale)
     unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     after_overflow = loss_scale.scale
     loss_scale.scale = 2.0**16
-    stepped, _ = train_step(model, LargeStep(), [batch], optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale)
+    stepped, _ = train_step(model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale)
     changed = not all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     if rank == 0:
         torch.save({"results": results, "overflow": overflowed.overflow, "overflow_norm": norm, "unchanged": unchanged,

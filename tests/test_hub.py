@@ -11,7 +11,7 @@ from pathlib import Path
 from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 from test_run_safety import launch
 
-from chattune.config.validate import run_validate
+from chattune.launch.validate import run_validate
 
 REPO = "chattune-test/tiny-chat"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

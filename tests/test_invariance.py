@@ -16,6 +16,7 @@ from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.evaluation import evaluate
 from chattune.train.metrics import step_metrics
+from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
 
 NUM_DOCS = 12
@@ -31,7 +32,7 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
     objective = TokenCrossEntropy()
     eval_loss = evaluate(model, objective, microbatches, torch.device("cpu"), pad_token_id=0)["eval_loss"]
-    result = accumulate_gradients(model, objective, microbatches, torch.device("cpu"))
+    result = accumulate_gradients(model, objective, StepBatches(microbatches), torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grad_norm, _ = clip_gradients(model, max_norm=None)

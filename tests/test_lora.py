@@ -35,6 +35,7 @@ from chattune.model.adapters import BaseModelView, add_adapters
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
 
 NUM_DOCS = 12
@@ -69,7 +70,7 @@ def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkp
                         activation_checkpointing=checkpointing)
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) for mb in splits[rank]]
-    accumulate_gradients(model, TokenCrossEntropy(), microbatches, torch.device("cpu"))
+    accumulate_gradients(model, TokenCrossEntropy(), StepBatches(microbatches), torch.device("cpu"))
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "the base must stay frozen"
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()
              if p.requires_grad}

@@ -13,6 +13,7 @@ from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.feed import StepBatches
 from chattune.train.step import train_step
 
 
@@ -40,13 +41,13 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     batch = collate_packed(demo_documents(3, start=3 * rank))
     before = full_weights(model)
 
-    _, poisoned_norm = train_step(model, PoisonedOnRank(rank, poisoned_rank=1), [batch], optimizer, scheduler, 1.0,
+    _, poisoned_norm = train_step(model, PoisonedOnRank(rank, poisoned_rank=1), StepBatches([batch]), optimizer, scheduler, 1.0,
                                   torch.device("cpu"))
     unchanged = all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
     no_optimizer_state = len(optimizer.state) == 0
     grads_cleared = all(p.grad is None for p in model.parameters())
 
-    _, clean_norm = train_step(model, TokenCrossEntropy(), [batch], optimizer, scheduler, 1.0, torch.device("cpu"))
+    _, clean_norm = train_step(model, TokenCrossEntropy(), StepBatches([batch]), optimizer, scheduler, 1.0, torch.device("cpu"))
     updated = not all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
     torch.save({"poisoned_norm": poisoned_norm, "unchanged": unchanged, "no_optimizer_state": no_optimizer_state,
                 "grads_cleared": grads_cleared, "clean_norm": clean_norm, "updated": updated}, f"{out}.rank{rank}")

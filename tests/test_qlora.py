@@ -30,6 +30,7 @@ from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import load_checkpoint, save_checkpoint
+from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, train_step
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -72,7 +73,7 @@ def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora
     model.train()
     docs = demo_documents(NUM_DOCS)
     mine = docs[rank::world_size]
-    accumulate_gradients(model, TokenCrossEntropy(), [collate_packed(mine[:2]), collate_packed(mine[2:])],
+    accumulate_gradients(model, TokenCrossEntropy(), StepBatches([collate_packed(mine[:2]), collate_packed(mine[2:])]),
                          torch.device("cpu"))
     trained = {name.removeprefix("hf_model."): (p.full_tensor().detach().clone(), p.grad.full_tensor().clone())
                for name, p in model.named_parameters() if p.requires_grad}
@@ -178,7 +179,7 @@ def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_pat
     model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), "cpu", 1, param_dtype="bfloat16",
                         replicated=replicated_parameters(hf_model))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    train_step(model, TokenCrossEntropy(), [collate_packed(demo_documents(4))], optimizer,
+    train_step(model, TokenCrossEntropy(), StepBatches([collate_packed(demo_documents(4))]), optimizer,
                torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0, torch.device("cpu"))
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
     export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)

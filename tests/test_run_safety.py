@@ -350,7 +350,7 @@ def test_a_resumed_run_sets_aside_the_export_and_metrics_it_replaces(tmp_path):
 def test_a_damaged_checkpoint_is_named_with_the_intact_one_to_resume_from(tmp_path):
     """A shard file lost after the commit: validate said OK, then both ranks tracebacked in the load. Now the
     checkpoint's files are checked against its metadata, at validate and at launch, and the remedy works."""
-    from chattune.config.validate import run_validate
+    from chattune.launch.validate import run_validate
 
     data = chats(tmp_path)
     out = tmp_path / "run"

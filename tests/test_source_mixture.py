@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from conftest import ListSource, demo_documents, free_port, init_worker_process_group
 
 from chattune.data.mixing_policy import Mixer
-from chattune.data.source_mixture import MixedDocuments, MixtureSampler, ProbabilitySchedule
+from chattune.data.source_mixture import MixtureSampler, ProbabilitySchedule
+from chattune.data.sources import MixedDocuments
 
 SIZES = [50, 200, 10]
 OFFSETS = [0, 50, 250, 260]

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from chattune.config.schema import schema_for
-from chattune.config.validate import ConfigError, check_config, run_validate
+from chattune.launch.validate import ConfigError, check_config, run_validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -17,16 +17,16 @@ from hydra import compose
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from chattune.config.compose import hydra_search_path
-from chattune.config.findings import ConfigError
+from chattune.launch.compose import hydra_search_path
+from chattune.launch.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
-from chattune.config.validate import validate_command
+from chattune.launch.validate import validate_command
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
 from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
+from chattune.data.sources import RECIPE_DATA, recipe_kind
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import load_tokenizer
-from chattune.train.inputs import pair_documents, sft_documents
 
 TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
@@ -42,15 +42,10 @@ def load_config(config_name: str, overrides: list[str], config_path: Path = CONF
         return compose(config_name, overrides=overrides)
 
 
-def is_preference_config(cfg: DictConfig) -> bool:
-    """A DPO config (it has a reference section), read as preference pairs."""
-    return "reference" in cfg
-
-
 def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
     budget = cfg.data.max_tokens_per_microbatch
     specs = source_specs(cfg.data.train)  # read as the recipe reads them
-    documents = (pair_documents if is_preference_config(cfg) else sft_documents)(specs, tokenizer, cfg.data)
+    documents = RECIPE_DATA[recipe_kind(cfg)].read(specs, tokenizer, cfg.data)
     report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
                             batch_records=cfg.data.buffer_records)
     stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,

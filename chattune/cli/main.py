@@ -140,7 +140,7 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from chattune.config.validate import run_validate
+    from chattune.launch.validate import run_validate
 
     config_name, overrides = config_and_overrides(args, parser)
     config_path, config_dir = config_location(args, config_name)

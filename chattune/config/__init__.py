@@ -1,1 +1,1 @@
-"""Configs: where the shipped ones are, the schema of every key, validation, and a recipe's Hydra app."""
+"""Configs: where the shipped ones are (`paths`) and the schema of every key (`schema`); nothing above them."""

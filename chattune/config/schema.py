@@ -3,7 +3,7 @@
 `SFTConfig` and `DPOConfig` describe the config `recipes/sft.py` and `recipes/dpo.py` read. Their defaults are the
 shipped base configs (`configs/sft/tiny.yaml`, `configs/dpo/tiny.yaml`, the embedded default run);
 tests/test_validate.py checks that the two agree key for key. The YAML files stay the user-facing
-configs that Hydra composes; `chattune validate` and each recipe's start-up check (`chattune.config.checks`)
+configs that Hydra composes; `chattune validate` and each recipe's start-up check (`chattune.launch.schema_checks`)
 check a composed config against these classes: unknown keys (with the nearest valid one), missing keys,
 types (`X | None`: null allowed), choices, minimums and the other bounds in each key's metadata.
 
@@ -16,8 +16,11 @@ The choices of enum keys are defined here once and imported by the modules that 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 # --- the choices of enum keys ---
@@ -39,19 +42,28 @@ REFERENCE_FREE = ("simpo",)  # preference losses that need no reference model
 LOSS_IMPLEMENTATIONS = ("auto", "chunked", "cut_cross_entropy")
 PEFT_TYPES = ("lora",)
 QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)
+# What a resumed run may change of a key without resume_allow_changes (`chattune.train.resume`): "free" (where and
+# how often it logs, saves and evaluates: not the trajectory), "horizon" (the run's length: the schedule is
+# recomputed, with a warning) or "numerics" (how, not what, is computed: a note).
+RESUME_CHANGES = ("free", "horizon", "numerics")
 
 
 def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
         choices: tuple[str, ...] | None = None, at_least: int | None = None, hint: str = "",
         bound: tuple[Callable[[Any], bool], str] | None = None, open_section: bool = False,
-        recipe_passes: tuple[int, tuple[str, ...]] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+        recipe_passes: tuple[int, tuple[str, ...]] | None = None, aliases: tuple[str, ...] = (),
+        resume: str | None = None) -> Any:
     """A config key: its default (or `factory` for a mutable one) and one-line meaning (`help`), with
     what the checks need: `choices`, `at_least` (with a `hint` on failure), `bound` (predicate on a number or
     a list, message), `open_section` (a mapping passed on as it is: any key), `recipe_passes` (for a
     `_target_` section called with `_partial_`: how many positional arguments and which keywords the recipe
-    adds), `aliases` (what users write for this key elsewhere, e.g. peft's own names: suggested as it)."""
+    adds), `aliases` (what users write for this key elsewhere, e.g. peft's own names: suggested as it), and what a
+    resumed run may do with it (`resume`, one of `RESUME_CHANGES`; None: a change is refused unless
+    resume_allow_changes names it)."""
+    if resume is not None and resume not in RESUME_CHANGES:
+        raise ValueError(f"resume={resume!r} is not one of {RESUME_CHANGES}")
     metadata = {"help": help, "choices": choices, "at_least": at_least, "hint": hint, "bound": bound,
-                "open_section": open_section, "recipe_passes": recipe_passes, "aliases": aliases}
+                "open_section": open_section, "recipe_passes": recipe_passes, "aliases": aliases, "resume": resume}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -96,7 +108,8 @@ class FSDPConfig:
     param_dtype: str = key("auto", "compute dtype; auto: bfloat16 on CUDA, float32 on CPU (shards stay fp32)",
                            choices=("auto", *DTYPES))
     reduce_dtype: str = key("float32", "dtype of the gradient reduction", choices=DTYPES)
-    activation_checkpointing: bool = key(False, "recompute each decoder layer's activations in the backward")
+    activation_checkpointing: bool = key(False, "recompute each decoder layer's activations in the backward",
+                                         resume="numerics")
 
 
 @dataclass
@@ -105,7 +118,7 @@ class ModelConfig:
     config: TinyLlamaConfig | None = section(TinyLlamaConfig, "an HF config (_target_ and its keys) for random init")
     fsdp: FSDPConfig = section(FSDPConfig, "FSDP2 sharding and mixed precision")
     compile: bool | str = key("auto", "torch.compile each decoder layer: auto (on CUDA, not on CPU) | true | false",
-                              choices=("auto",))
+                              choices=("auto",), resume="numerics")
 
 
 @dataclass
@@ -124,7 +137,8 @@ class MixingConfig:
 class DataConfig:
     train: list[Any] = key(factory=lambda: ["${demo_asset:chat_train.jsonl}"],
                            help="training sources: paths or {path, format, columns, roles, ...}")
-    eval: list[Any] | None = key(factory=lambda: ["${demo_asset:chat_eval.jsonl}"], help="held-out sources")
+    eval: list[Any] | None = key(factory=lambda: ["${demo_asset:chat_eval.jsonl}"], help="held-out sources",
+                                 resume="free")
     train_on: str = key("assistant", "the tokens trained on", choices=TRAIN_ON)
     max_tokens_per_microbatch: int = key(2048, "the token budget of one packed microbatch", at_least=1)
     buffer_records: int = key(256, "records tokenized and packed together (best-fit decreasing)", at_least=1)
@@ -132,22 +146,26 @@ class DataConfig:
                                                   "ranks, the next ones of one packing of all the data that every "
                                                   "rank makes alike; the number of ranks must divide it "
                                                   "(grad_accum_steps follows). null: each rank packs its own share", at_least=1)
-    num_workers: int = key(0, "tokenizing processes per rank (0: in the training process)", at_least=0)
+    num_workers: int = key(0, "tokenizing processes per rank (0: in the training process)", at_least=0,
+                           resume="numerics")
     pad_to_multiple_of: int | None = key(None, "round each microbatch up (padding is never trained or attended)",
                                          at_least=1)
     overlong: str = key("drop", "a record over the budget: drop | truncate | split | error", choices=OVERLONG)
     on_bad_record: str = key("error", "a record that cannot be read or trained on: error | skip",
                              choices=ON_BAD_RECORD)
-    num_epochs: int | None = key(None, "stop after this many epochs (null: max_steps decides)", at_least=1)
-    report_records: int | None = key(1000, "records counted for the data report (null: all, 0: none)", at_least=0)
+    num_epochs: int | None = key(None, "stop after this many epochs (null: max_steps decides)", at_least=1,
+                                 resume="horizon")
+    report_records: int | None = key(1000, "records counted for the data report (null: all, 0: none)", at_least=0,
+                                     resume="free")
     mixing: MixingConfig = section(MixingConfig, "how training sources are sampled")
 
 
 @dataclass
 class LossConfig:
-    chunk_size: int = key(1024, "tokens per chunk of the output-layer cross-entropy", at_least=1)
+    chunk_size: int = key(1024, "tokens per chunk of the output-layer cross-entropy", at_least=1, resume="numerics")
     implementation: str = key("auto", "the output-layer loss: auto (cut_cross_entropy on CUDA when installed) | "
-                                      "chunked (exact fp32) | cut_cross_entropy", choices=LOSS_IMPLEMENTATIONS)
+                                      "chunked (exact fp32) | cut_cross_entropy", choices=LOSS_IMPLEMENTATIONS,
+                                      resume="numerics")
 
 
 @dataclass
@@ -195,32 +213,34 @@ class PeftConfig:
 class SFTConfig:
     """The keys of `recipes/sft.py` (defaults: configs/sft/tiny.yaml)."""
 
-    output_dir: str = key("outputs/sft-tiny", "where checkpoints, metrics and the HF export go")
+    output_dir: str = key("outputs/sft-tiny", "where checkpoints, metrics and the HF export go", resume="free")
     seed: int = key(42, "seeds model init, data order and dropout")
     device: str = key("auto", "auto | cpu | cuda", choices=DEVICES)
-    max_steps: int = key(200, "optimizer steps", at_least=1)
+    max_steps: int = key(200, "optimizer steps", at_least=1, resume="horizon")
     grad_accum_steps: int = key(1, "microbatches per optimizer step, per rank", at_least=1)
     max_grad_norm: float | None = key(1.0, "gradient clipping (null: none; the norm is still logged)",
                                       bound=(lambda v: v > 0, "must be positive (null: no clipping)"))
-    log_every: int = key(5, "steps between metric lines", at_least=1)
-    save_every: int = key(100, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)")
+    log_every: int = key(5, "steps between metric lines", at_least=1, resume="free")
+    save_every: int = key(100, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)",
+                          resume="free")
     keep_last_n: int | None = key(3, "checkpoints kept (null: all)", at_least=1,
-                                  hint=" (null keeps every checkpoint)")
+                                  hint=" (null keeps every checkpoint)", resume="free")
     save_async: bool = key(False, "write checkpoints in the background while training goes on (committed "
-                                  "when complete)")
-    resume: str | None = key("auto", "auto: the newest checkpoint in output_dir | PATH | null: never")
-    overwrite: bool = key(False, "start over in an output_dir that holds an earlier run (moved aside)")
+                                  "when complete)", resume="free")
+    resume: str | None = key("auto", "auto: the newest checkpoint in output_dir | PATH | null: never", resume="free")
+    overwrite: bool = key(False, "start over in an output_dir that holds an earlier run (moved aside)", resume="free")
     resume_allow_changes: bool | list[str] = key(False, "keys, data files or FILE:N records a resume accepts "
-                                                        "changed (true: any)")
-    stop_after_step: int | None = key(None, "save a checkpoint and exit after this step", at_least=1)
-    nonfinite_loss: str = key("skip", "skip: drop that step's update | stop: raise", choices=NONFINITE_LOSS)
-    ledger: bool = key(False, "log each step's document ids per rank under output_dir/ledger/")
+                                                        "changed (true: any)", resume="free")
+    stop_after_step: int | None = key(None, "save a checkpoint and exit after this step", at_least=1, resume="free")
+    nonfinite_loss: str = key("skip", "skip: drop that step's update | stop: raise", choices=NONFINITE_LOSS,
+                              resume="free")
+    ledger: bool = key(False, "log each step's document ids per rank under output_dir/ledger/", resume="free")
     eval_every: int = key(50, "held-out loss every N steps and at the end (0: never)", at_least=0,
-                          hint=" (0: never)")
-    logger: str = key("stdout", "stdout | wandb (metrics.jsonl is always written)", choices=LOGGERS)
+                          hint=" (0: never)", resume="free")
+    logger: str = key("stdout", "stdout | wandb (metrics.jsonl is always written)", choices=LOGGERS, resume="free")
     progress: str = key("auto", "auto: a bar on a terminal, metric lines otherwise | bar | lines",
-                        choices=PROGRESS_MODES)
-    wandb: WandbConfig = section(WandbConfig, "passed to wandb.init", open_section=True)
+                        choices=PROGRESS_MODES, resume="free")
+    wandb: WandbConfig = section(WandbConfig, "passed to wandb.init", open_section=True, resume="free")
     tokenizer: TokenizerConfig = section(TokenizerConfig)
     model: ModelConfig = section(ModelConfig)
     data: DataConfig = section(DataConfig)
@@ -231,7 +251,8 @@ class SFTConfig:
                                          recipe_passes=(1, ("num_training_steps",)))
     peft: PeftConfig | None = key(None, "null: full fine-tuning | peft=lora: adapters on a frozen base "
                                         "(configs/peft/lora.yaml)")
-    export: ExportConfig = section(ExportConfig, "the Hugging Face directory written at the end (output_dir/hf)")
+    export: ExportConfig = section(ExportConfig, "the Hugging Face directory written at the end (output_dir/hf)",
+                                   resume="free")
 
 
 @dataclass
@@ -247,7 +268,8 @@ class DPODataConfig(DataConfig):
     train: list[Any] = key(factory=lambda: [{"path": "${demo_asset:preference_train.jsonl}", "format": "preference"}],
                            help="preference sources")
     eval: list[Any] | None = key(factory=lambda: [{"path": "${demo_asset:preference_eval.jsonl}",
-                                                   "format": "preference"}], help="held-out preference sources")
+                                                   "format": "preference"}], help="held-out preference sources",
+                                                   resume="free")
     overlong: str = key("drop", "a pair over the budget: drop | error", choices=OVERLONG_DPO)
 
 
@@ -265,11 +287,12 @@ class DPOLossConfig(LossConfig):
 class DPOConfig(SFTConfig):
     """The keys of `recipes/dpo.py` (defaults: configs/dpo/tiny.yaml, which builds on sft/tiny)."""
 
-    output_dir: str = key("outputs/dpo-tiny", "where checkpoints, metrics and the HF export go")
-    max_steps: int = key(60, "optimizer steps", at_least=1)
-    save_every: int = key(30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)")
+    output_dir: str = key("outputs/dpo-tiny", "where checkpoints, metrics and the HF export go", resume="free")
+    max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
+    save_every: int = key(30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)",
+                          resume="free")
     eval_every: int = key(20, "held-out metrics every N steps and at the end (0: never)", at_least=0,
-                          hint=" (0: never)")
+                          hint=" (0: never)", resume="free")
     model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
     data: DPODataConfig = section(DPODataConfig)
     loss: DPOLossConfig = section(DPOLossConfig)
@@ -285,3 +308,49 @@ SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig}
 
 def schema_for(recipe: str) -> type:
     return SCHEMAS[recipe]
+
+
+# --- reading the schema: its keys, their types and metadata ---
+
+
+@lru_cache(maxsize=None)
+def schema_fields(section: type) -> dict[str, tuple[Any, dict]]:
+    """A schema section's keys: name -> (type hint, metadata)."""
+    hints = typing.get_type_hints(section)
+    return {f.name: (hints[f.name], f.metadata) for f in dataclasses.fields(section)}
+
+
+def type_options(hint: Any) -> tuple[list[Any], bool]:
+    """The types a hint allows, and whether it allows null (`X | None`)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        return [a for a in args if a is not type(None)], type(None) in args
+    return [hint], False
+
+
+def section_type(hint: Any) -> type | None:
+    """The schema section a hint holds (`Section` or `Section | None`), None for a plain value."""
+    return next((o for o in type_options(hint)[0] if dataclasses.is_dataclass(o)), None)
+
+
+def schema_items(section: type, prefix: str = ""):
+    """(dotted key, metadata) of every key of a schema in schema order, sections included (a section
+    that may be null, by its own type)."""
+    for name, (hint, metadata) in schema_fields(section).items():
+        key = f"{prefix}.{name}" if prefix else name
+        yield key, metadata
+        nested = section_type(hint)
+        if nested is not None:
+            yield from schema_items(nested, key)
+
+
+def keys_with(section: type, metadata_key: str):
+    """(dotted key, metadata) of every key whose metadata sets `metadata_key`, in schema order."""
+    return [(key, metadata) for key, metadata in schema_items(section) if metadata.get(metadata_key) is not None]
+
+
+def keys_resumed_as(change: str) -> tuple[str, ...]:
+    """The keys (a section: everything under it) of every recipe whose `resume` metadata is `change`, in schema order."""
+    keys = [key for schema in SCHEMAS.values() for key, metadata in keys_with(schema, "resume")
+            if metadata["resume"] == change]
+    return tuple(dict.fromkeys(keys))

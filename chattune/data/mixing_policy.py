@@ -4,7 +4,7 @@
 over the sources: sampling probabilities p = (1 - gamma) * w / sum(w) + gamma / K, and every
 `update_every` steps each source that was trained on gets the importance-weighted reward r / p
 (log w += eta * r / p). The reward is measured on the microbatches the model already trains on (the
-objectives report per-source loss sums, `chattune.data.source_mixture.source_figures`): `mean_loss`, the mean
+objectives report per-source loss sums, `chattune.objectives.source_figures`): `mean_loss`, the mean
 training loss of the source's loss units since the last update (where the model still errs), or
 `loss_decrease`, how much that mean fell since the previous update (where it still learns).
 

@@ -20,51 +20,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from chattune.config.schema import MIXING_STOPPING
-from chattune.data.documents import IGNORE_INDEX, Document, Skipped, outcomes_by_record
-from chattune.data.packing import PackedBatch
-from chattune.data.stream import DocumentSource, documents_of
 
 _BLOCK = 4096  # draws per block of uniform numbers
-
-
-class MixedDocuments:
-    """Several document sources behind one record index (source k's records follow source k-1's).
-    Each document is re-addressed by that global index and tagged with its source."""
-
-    def __init__(self, sources: Sequence[tuple[str, DocumentSource]]):
-        self.names = [name for name, _ in sources]
-        self.sources = [documents for _, documents in sources]
-        self.sizes = [len(documents) for documents in self.sources]
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
-
-    def __len__(self) -> int:
-        return self.offsets[-1]
-
-    def source_of(self, index: int) -> int:
-        return bisect.bisect_right(self.offsets, index) - 1
-
-    def get(self, index: int) -> Document | Skipped:
-        return self.get_many([index])[0]
-
-    def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
-        """The outcomes of `indices` in order, flat like `documents_of` (a split record gives all its pieces)."""
-        by_source: dict[int, list[int]] = {}
-        for position, index in enumerate(indices):
-            by_source.setdefault(self.source_of(index), []).append(position)
-        out: list[list[Document | Skipped]] = [[] for _ in indices]
-        for source, positions in by_source.items():  # one batch per source, as its tokenizer prefers
-            offset = self.offsets[source]
-            got = documents_of(self.sources[source], [indices[p] - offset for p in positions])
-            for position, outcomes in zip(positions, outcomes_by_record(got, len(positions))):
-                out[position] = [replace(item, doc_id=item.doc_id + offset, source=source) if isinstance(item, Document)
-                                 else item for item in outcomes]
-        return [item for outcomes in out for item in outcomes]
 
 
 class ProbabilitySchedule:
@@ -171,29 +133,3 @@ class MixtureSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.draw, self.picks, self.epoch = state["draw"], list(state["picks"]), state["epoch"]
-
-
-def document_sums(batch: PackedBatch, per_token: torch.Tensor) -> torch.Tensor:
-    """Sums of a per-token value over each document of the microbatch (padding excluded)."""
-    num_docs = len(batch.doc_lengths)
-    sums = torch.zeros(num_docs + 1, dtype=torch.float64, device=per_token.device)  # + padding, dropped
-    return sums.index_add(0, batch.document_ids.to(per_token.device), per_token.double())[:num_docs]
-
-
-def source_figures(batch: PackedBatch, doc_losses: torch.Tensor, num_sources: int,
-                   doc_units: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Per-source sums of one microbatch (documents, trainable tokens, loss units, summed loss), from
-    per-document losses the objective has already computed: no extra forward. `doc_units`: each
-    document's loss units (None: its trainable tokens). The same keys for every microbatch (zeros where a
-    source is absent), so ranks can all-reduce them stacked."""
-    device = doc_losses.device
-    sources = torch.tensor(batch.doc_sources, dtype=torch.long, device=device)
-    doc_tokens = document_sums(batch, (batch.labels[0] != IGNORE_INDEX).to(device))
-    doc_units = doc_tokens if doc_units is None else doc_units
-
-    def per_source(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(num_sources, dtype=torch.float64, device=device).index_add(0, sources, values.double())
-
-    sums = {"documents": per_source(torch.ones(len(sources), device=device)), "tokens": per_source(doc_tokens),
-            "units": per_source(doc_units.detach()), "loss": per_source(doc_losses.detach())}
-    return {f"source_{name}/{k}": values[k] for name, values in sums.items() for k in range(num_sources)}

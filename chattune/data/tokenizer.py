@@ -35,3 +35,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if not tokenizer.chat_template:
         raise TokenizerError(f"tokenizer.path {path!r}: the tokenizer has no chat template. {NO_TEMPLATE_HELP}")
     return tokenizer
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads: empty microbatches hold one token that nothing attends to and nothing trains, so
+    any valid id will do (the tokenizer's pad, else its eos, else 0)."""
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)

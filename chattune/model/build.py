@@ -24,7 +24,7 @@ from chattune.distributed import DistInfo
 from chattune.errors import UserError
 from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
-from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes
+from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
 from chattune.model.architecture_check import check_architecture
 from chattune.model.attention import attention_backend, probe_native_gqa
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
@@ -38,6 +38,18 @@ class BuiltModel(NamedTuple):
     hf_model: PreTrainedModel  # the Hugging Face model (with the adapters injected, if any)
     model: FSDPModule  # the sharded loss-head model around it: what trains
     peft_model: PeftModel | None  # peft's handle on the adapters (None: full fine-tuning)
+
+
+def build_trained_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo) -> BuiltModel:
+    """The model a recipe trains: model.path (or model.config) with the `peft` section's adapters, sharded, in
+    training mode, its size logged."""
+    built = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft)
+    built.model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
+    num_params = sum(quantize.weight_shape(p).numel() for p in built.hf_model.parameters())  # a 4-bit weight: its matrix
+    trained = sum(p.numel() for p in trainable_parameters(built.model))  # the adapters with peft=lora
+    logger.info("model: %s, %.2fM parameters (%.2fM trained), %d rank(s) on %s", type(built.hf_model).__name__,
+                num_params / 1e6, trained / 1e6, dist_info.world_size, dist_info.device)
+    return built
 
 
 def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,

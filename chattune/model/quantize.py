@@ -14,7 +14,7 @@ forward casts a frozen bias (Qwen2-style qkv biases) to the compute dtype out of
 replaces the stored bias by its bf16 copy, which a merged export would then write.
 
 bitsandbytes is imported only here and only when a 4-bit base is asked for: it is no install dependency
-(`pip install "chattune[qlora]"`). The recipes refuse a 4-bit base on the CPU (`chattune.config.checks`):
+(`pip install "chattune[qlora]"`). The recipes refuse a 4-bit base on the CPU (`chattune.launch.run_rules`):
 the point of QLoRA is GPU memory, and bitsandbytes' CPU kernels are not what we train on; the functions
 below run on any device bitsandbytes supports, so the tests exercise them on the CPU.
 """

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch
-from chattune.data.source_mixture import document_sums, source_figures
+from chattune.objectives.source_figures import document_sums, source_figures
 
 
 class TokenCrossEntropy:

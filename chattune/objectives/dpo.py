@@ -20,7 +20,7 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
-from chattune.data.source_mixture import source_figures
+from chattune.objectives.source_figures import source_figures
 from chattune.model.adapters import BaseModelView
 from chattune.model.fsdp import reshard
 from chattune.objectives.pair_losses import PreferenceLoss

@@ -6,10 +6,9 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max
+from chattune.distributed import all_reduce_max, reduce_sums
 from chattune.model.fsdp import reshard
 from chattune.objectives.base import Objective
-from chattune.train.metrics import reduce_sums
 
 
 @torch.no_grad()

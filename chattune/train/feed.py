@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 @dataclass
 class StepBatches:
     microbatches: list[PackedBatch]
-    epoch: int  # the epoch of the step's first microbatch (world-size-invariant steps may also start the next)
-    rank_done: bool  # per rank: this rank's stream has given the last microbatch of the epoch (invariant: of the run)
+    epoch: int = 0  # the epoch of the step's first microbatch (world-size-invariant steps may also start the next)
+    # Per rank: this rank's stream has given the last microbatch of the epoch (invariant: of the run).
+    epoch_end_reached: bool = False
     # World-size-invariant steps: each microbatch's RNG seed, a function of the run's seed, the step and the
     # microbatch's place in the global step (dropout draws the same masks on any number of ranks). None:
     # the ranks' RNG streams as they run.
@@ -46,7 +47,7 @@ class StepBatches:
 
 
 class StepFeed:
-    """`next_step()` gives a step's microbatches; `close_step(ranks_done)` is told after the step's all-reduce
+    """`next_step()` gives a step's microbatches; `close_step(ranks_at_epoch_end)` is told after the step's all-reduce
     how many ranks have finished an epoch and returns the epochs the step closed. `num_epochs` (None:
     unbounded) ends the feed on the same step on every rank (`finished`).
 
@@ -67,7 +68,7 @@ class StepFeed:
         self.slots, self.seed = slots, seed
         self.mixer = mixer  # a mixture's sampling state (chattune.data.mixing_policy), checkpointed with the data position
         self.epoch = 0  # the epoch of the next microbatch
-        self.rank_done = False  # per rank: the stream finished the epoch, empty steps until every rank has
+        self.epoch_end_reached = False  # per rank: the stream finished the epoch, empty steps until every rank has
         self.epoch_counts = _zero_counts()  # this rank's figures of the epoch so far
         self._closing: list[tuple[int, dict[str, int]]] = []  # epochs this step ended, with their figures
         self._batches: Iterator[PackedBatch] | None = None
@@ -95,10 +96,10 @@ class StepFeed:
             self._batches = iter(self.stream)
         step_epoch = self.epoch
         taken: list[PackedBatch] = []
-        while not self.rank_done and len(taken) < self.microbatches_per_step:
+        while not self.epoch_end_reached and len(taken) < self.microbatches_per_step:
             batch = next(self._batches, None)
             if batch is None:  # a finite stream ended: its last epoch is over
-                self.rank_done = True
+                self.epoch_end_reached = True
                 if self.invariant:
                     self._close_epoch()
                 break
@@ -109,33 +110,34 @@ class StepFeed:
             if not self.invariant or len(taken) - 1 in self.slots:
                 _count(self.epoch_counts, batch)
             if not self.invariant:  # the step stops at the epoch's end; the ranks agree on it in the all-reduce
-                self.rank_done = batch.ends_epoch
+                self.epoch_end_reached = batch.ends_epoch
             elif batch.ends_epoch:  # every rank sees this end: the step runs on into the next epoch
                 self._close_epoch()
-                self.rank_done = self.finished
+                self.epoch_end_reached = self.finished
         slots = self.slots if self.invariant else range(self.microbatches_per_step)
         mine = [taken[i] if i < len(taken) else empty_batch(self.pad_token_id) for i in slots]
         seeds = [microbatch_seed(self.seed, step, slot) for slot in slots] if self.invariant else None
-        return StepBatches(mine, step_epoch, self.rank_done, seeds)
+        return StepBatches(mine, step_epoch, self.epoch_end_reached, seeds)
 
     def _close_epoch(self) -> None:
         self._closing.append((self.epoch, self.epoch_counts))
         self.epoch, self.epoch_counts = self.epoch + 1, _zero_counts()
 
-    def close_step(self, ranks_done: int) -> list[tuple[int, dict[str, int]]]:
-        """Record the step's agreement (`ranks_done` over all ranks). Returns the epochs the step closed
+    def close_step(self, ranks_at_epoch_end: int) -> list[tuple[int, dict[str, int]]]:
+        """Record the step's agreement (`ranks_at_epoch_end`: how many ranks' streams reached it). Returns the epochs the step closed
         (on every rank alike), each with this rank's figures of it (summable over ranks)."""
         if self.invariant:
             closed, self._closing = self._closing, []
             return closed
-        if ranks_done < self.num_ranks:
+        if ranks_at_epoch_end < self.num_ranks:
             return []
         self._close_epoch()
-        closed, self._closing, self.rank_done = self._closing, [], False
+        closed, self._closing, self.epoch_end_reached = self._closing, [], False
         return closed
 
     def state_dict(self) -> dict:
-        state = {"stream": self.stream.state_dict(), "epoch": self.epoch, "rank_done": self.rank_done,
+        # "rank_done": the key checkpoints have always had for epoch_end_reached.
+        state = {"stream": self.stream.state_dict(), "epoch": self.epoch, "rank_done": self.epoch_end_reached,
                  "epoch_counts": dict(self.epoch_counts), "mixer": self.mixer.state_dict() if self.mixer else None}
         if self.invariant:
             state["microbatches_per_step"] = self.microbatches_per_step
@@ -154,7 +156,7 @@ class StepFeed:
         if self.mixer is not None:
             self.mixer.load_state_dict(state["mixer"])
         self._batches = None
-        self.epoch, self.rank_done = state["epoch"], state["rank_done"]
+        self.epoch, self.epoch_end_reached = state["epoch"], state["rank_done"]
         self.epoch_counts = dict(state["epoch_counts"])
 
 

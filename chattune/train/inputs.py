@@ -1,55 +1,29 @@
-"""The data side of every recipe, set up once so SFT, DPO and `chattune inspect` see the same documents.
-
-Each source of `data.train` / `data.eval` becomes its own document source (with its own format, columns
-and `train_on`), all behind one record index (`MixedDocuments`). `data.mixing` decides how the training
-records are drawn (`chattune.data.mixing_policy`); a sample is counted for the data report; each rank gets its step
+"""The data side of every recipe's run, set up once: the recipe kind's documents (`chattune.data.sources`, which
+`chattune validate` and `chattune inspect` read too), one record index over every source. `data.mixing` decides
+how the training records are drawn (`chattune.data.mixing_policy`); a sample is counted for the data report; each rank gets its step
 feed (tokenized in loader workers, packed, epochs in lockstep) and its share of the held-out batches.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from chattune.data.formats import SourceSpec
 from chattune.data.mixing_policy import Mixer, mixture_sampling
 from chattune.data.packing import PackedBatch
-from chattune.data.pair_documents import PairDocuments
-from chattune.data.records import RecordSource, source_specs
+from chattune.data.records import source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
-from chattune.data.sft_documents import SFTDocuments
-from chattune.data.source_mixture import MixedDocuments
+from chattune.data.sources import RECIPE_DATA, MixedDocuments
 from chattune.data.stream import PackedStream
-from chattune.distributed import DistInfo
+from chattune.data.tokenizer import pad_token_id
+from chattune.distributed import DistInfo, reduce_sums
 from chattune.errors import UserError
 from chattune.train.feed import StepFeed
-from chattune.train.metrics import reduce_sums
 
 logger = logging.getLogger(__name__)
-
-
-def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id that pads: empty microbatches hold one token that nothing attends to and nothing trains, so
-    any valid id will do (the tokenizer's pad, else its eos, else 0)."""
-    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-
-
-def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
-    """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`)."""
-    return MixedDocuments([(spec.display_name, SFTDocuments(
-        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong,
-        spec.train_on or data.train_on, data.on_bad_record)) for spec in specs])
-
-
-def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
-    """Preference pairs: one document of two segments (chosen, rejected) per pair."""
-    return MixedDocuments([(spec.display_name, PairDocuments(
-        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong, data.on_bad_record))
-        for spec in specs])
 
 
 def packed_stream(cfg: DictConfig, share: int, num_shares: int, pad_id: int, documents: MixedDocuments, shuffle: bool,
@@ -94,6 +68,7 @@ class TrainingData:
     feed: StepFeed  # each step's microbatches on this rank
     eval_batches: list[PackedBatch]  # this rank's share of the held-out data
     mixer: Mixer | None  # data.mixing static or online; None: the sources are concatenated
+    pad_id: int  # what pads an empty microbatch (`chattune.data.tokenizer.pad_token_id`)
 
     @property
     def num_sources(self) -> int:
@@ -125,11 +100,13 @@ def check_something_trains(cfg: DictConfig, dist_info: DistInfo, train: MixedDoc
                     f"{reasons or 'none'})" + (": " + "; ".join(hints) if hints else ""))
 
 
-def build_training_data(cfg: DictConfig, dist_info: DistInfo, pad_id: int,
-                        documents_of: Callable[[list[SourceSpec]], MixedDocuments]) -> TrainingData:
-    """Collective (the data report's counts are summed over ranks)."""
+def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase,
+                        recipe: str) -> TrainingData:
+    """Collective (the data report's counts are summed over ranks). `recipe`: the kind of documents read
+    (`chattune.data.sources.RECIPE_DATA`)."""
+    read, pad_id = RECIPE_DATA[recipe].read, pad_token_id(tokenizer)
     train_specs = source_specs(cfg.data.train)
-    train = documents_of(train_specs)
+    train = read(train_specs, tokenizer, cfg.data)
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
     layout = step_layout(cfg, dist_info)
     mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, layout.share, layout.num_shares,
@@ -147,7 +124,7 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, pad_id: int,
                            log_skips=layout.slots is None or dist_info.rank == 0)
     feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
                     num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed)
-    held_out = documents_of(source_specs(cfg.data.eval)) if cfg.data.eval else None
+    held_out = read(source_specs(cfg.data.eval), tokenizer, cfg.data) if cfg.data.eval else None
     eval_batches = list(packed_stream(cfg, dist_info.rank, dist_info.world_size, pad_id, held_out, shuffle=False,
                                       num_epochs=1)) if held_out else []
-    return TrainingData(train, held_out, feed, eval_batches, mixer)
+    return TrainingData(train, held_out, feed, eval_batches, mixer, pad_id)

@@ -26,10 +26,10 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune import interrupts
 from chattune.data.documents import SKIP_REASONS
-from chattune.data.packing import PackedBatch
 from chattune.data.report import epoch_line
-from chattune.distributed import DistInfo
+from chattune.distributed import DistInfo, reduce_sums
 from chattune.errors import UserError
+from chattune.model.build import BuiltModel
 from chattune.model.export import export_adapter, export_dtype, export_hf
 from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.fsdp import compiled_graphs
@@ -37,26 +37,28 @@ from chattune.objectives.base import Objective
 from chattune.train.checkpoint import BackgroundSaves
 from chattune.train.evaluation import evaluate
 from chattune.train.faults import maybe_crash
-from chattune.train.feed import DocumentLedger, StepFeed
-from chattune.train.metrics import MetricLogger, StepTimer, reduce_sums, step_metrics
+from chattune.train.feed import DocumentLedger, StepBatches, StepFeed
+from chattune.train.inputs import TrainingData
+from chattune.train.metrics import MetricLogger, StepTimer, step_metrics
 from chattune.train.output_dir import RunStart, release_output_dir
 from chattune.train.progress import Progress
 from chattune.train.resume import resume_training, save_training
-from chattune.train.step import LossScale, train_step
+from chattune.train.step import LossScale, StepResult, train_step
 
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn.Module, objective: Objective,
-          optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, feed: StepFeed,
-          eval_batches: list[PackedBatch], tokenizer: PreTrainedTokenizerBase, pad_id: int,
-          eval_objective: Objective | None = None, peft_model=None) -> None:
+def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltModel, data: TrainingData,
+          objective: Objective, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+          tokenizer: PreTrainedTokenizerBase, eval_objective: Objective | None = None) -> None:
     """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
     `output_dir/hf`; or stop after `stop_after_step`, its checkpoint saved. `start` is what the launch
-    continues (`chattune.train.output_dir.claim_output_dir`). `eval_objective` scores the held-out batches when
-    they need their own (e.g. cached reference log-probs of the eval records). With `peft_model` (LoRA), the
-    export is a peft adapter directory, `output_dir/adapter`, and with export.merge the merged model in `hf`."""
+    continues (`chattune.train.output_dir.claim_output_dir`); `built` and `data` are the builder's and the data
+    set-up's results. `eval_objective` scores the held-out batches when they need their own (e.g. cached
+    reference log-probs of the eval records). With LoRA (`built.peft_model`), the export is a peft adapter
+    directory, `output_dir/adapter`, and with export.merge the merged model in `hf`."""
     device, output_dir = dist_info.device, Path(cfg.output_dir)
+    model, feed, eval_batches, pad_id = built.model, data.feed, data.eval_batches, data.pad_id
     eval_objective = eval_objective or objective
 
     # --- resume: model, optimizer, scheduler, data position and RNG, or a fresh start ---
@@ -85,9 +87,6 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
-    flops = getattr(model, "flops", None)  # PackedCausalLM's FLOP counts: MFU where the device's peak is known
-    peak = peak_flops(device)
-    compiling = model.compiled  # as the builder decided (a 4-bit base stays uncompiled under model.compile=auto)
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
     timer = StepTimer(device)
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
@@ -102,11 +101,10 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         if ledger:
             ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
-        result, grad_norm = train_step(model, objective, batches.microbatches, optimizer, scheduler, cfg.max_grad_norm,
-                                       device, rank_done=batches.rank_done, loss_scale=loss_scale,
-                                       seeds=batches.seeds, stop=interrupts.requested() is not None)
+        result, grad_norm = train_step(model, objective, batches, optimizer, scheduler, cfg.max_grad_norm, device,
+                                       loss_scale=loss_scale, stop=interrupts.requested() is not None)
         timer.stop()
-        closed_epochs = feed.close_step(result.ranks_done)
+        closed_epochs = feed.close_step(result.ranks_at_epoch_end)
         if result.global_units == 0 and step == 1:  # (with the data report on, caught before the model loads)
             raise UserError(f"the first step has no {objective.unit_name} on any rank: its records were all skipped "
                             "or train nothing; `chattune inspect` with this config shows what each record gives")
@@ -135,16 +133,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
         # enter it (not on a signalled stop, whose grace period belongs to the checkpoint).
         is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last) and not signalled
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
-            # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it.
-            step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak else 0.0
-            metrics = step_metrics(step, result, objective, grad_norm, lr, timer.seconds(), device, step_flops, peak)
-            metrics.update(epoch=batches.epoch, **counters, **(mixing or {}))
-            if loss_scale.enabled:
-                metrics["loss_scale"] = loss_scale.scale
-            if compiling:
-                metrics["compiled_graphs"] = compiled_graphs()
-            if feed.mixer is not None:
-                metrics.update(feed.mixer.metrics(device))
+            metrics = logged_metrics(step, result, grad_norm, lr, timer.seconds(), batches, model, objective, device,
+                                     {**counters, **(mixing or {})}, loss_scale, feed)
             if is_eval:
                 metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
             metric_logger.log(metrics)
@@ -171,7 +161,34 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
             break
     progress.close()
+    finish(cfg, dist_info, built, feed, tokenizer, metric_logger, background)
 
+
+def logged_metrics(step: int, result: StepResult, grad_norm: float, lr: float, step_time_s: float,
+                   batches: StepBatches, model: torch.nn.Module, objective: Objective, device: torch.device,
+                   counts: dict, loss_scale: LossScale, feed: StepFeed) -> dict[str, float]:
+    """Collective: the metrics a logged step reports, over all ranks: the step's own (`step_metrics`), its
+    epoch, the run's skip counters and a mixture's update (`counts`), the loss scale, compiled graphs, and a
+    mixture's per-source figures."""
+    flops, peak = getattr(model, "flops", None), peak_flops(device)  # PackedCausalLM's FLOP counts; a known peak
+    # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it.
+    step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak else 0.0
+    metrics = step_metrics(step, result, objective, grad_norm, lr, step_time_s, device, step_flops, peak)
+    metrics.update(epoch=batches.epoch, **counts)
+    if loss_scale.enabled:
+        metrics["loss_scale"] = loss_scale.scale
+    if model.compiled:  # as the builder decided (a 4-bit base stays uncompiled under model.compile=auto)
+        metrics["compiled_graphs"] = compiled_graphs()
+    if feed.mixer is not None:
+        metrics.update(feed.mixer.metrics(device))
+    return metrics
+
+
+def finish(cfg: DictConfig, dist_info: DistInfo, built: BuiltModel, feed: StepFeed, tokenizer: PreTrainedTokenizerBase,
+           metric_logger: MetricLogger, background: BackgroundSaves | None) -> None:
+    """Collective: the end of a run that reached its last step: the records skipped over the run, the last
+    checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory)."""
+    device, output_dir, peft_model = dist_info.device, Path(cfg.output_dir), built.peft_model
     skipped = reduce_sums(feed.skipped, device)
     logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
                 {k: int(skipped[k]) for k in SKIP_REASONS}, {k: int(skipped[k]) for k in skipped if k not in SKIP_REASONS})
@@ -179,12 +196,12 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, model: torch.nn
     if background is not None:
         background.close()
     # --- save: a Hugging Face directory that loads without chattune ---
-    dtype = export_dtype(cfg.export.dtype, model.source_dtype)
+    dtype = export_dtype(cfg.export.dtype, built.model.source_dtype)
     if peft_model is not None:
-        export_adapter(model, peft_model, tokenizer, output_dir / "adapter", dist_info.is_main, cfg.model.path)
+        export_adapter(built.model, peft_model, tokenizer, output_dir / "adapter", dist_info.is_main, cfg.model.path)
         metric_logger.log_summary({"adapter_dir": str((output_dir / "adapter").resolve())})
     if peft_model is None or cfg.export.merge:
-        export_hf(model, tokenizer, output_dir / "hf", dist_info.is_main, dtype)  # adapters merged, if any
+        export_hf(built.model, tokenizer, output_dir / "hf", dist_info.is_main, dtype)  # adapters merged, if any
         metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
     metric_logger.close()
     release_output_dir()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chattune.distributed import all_reduce_sum
+from chattune.distributed import reduce_sums
 from chattune.files import write_atomically
 from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
@@ -51,13 +51,6 @@ class StepTimer:
             self._end.synchronize()
             return self._start.elapsed_time(self._end) / 1000.0
         return self._host[1] - self._host[0]
-
-
-def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum named per-rank figures over all ranks with ONE stacked all-reduce."""
-    names = sorted(values)
-    stacked = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
-    return dict(zip(names, all_reduce_sum(stacked).tolist()))
 
 
 def step_metrics(

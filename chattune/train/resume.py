@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from chattune.config.schema import keys_resumed_as
 from chattune.data.fingerprint import (
     RECORD_HASHES,
     data_file_fingerprints,
@@ -40,15 +41,10 @@ from chattune.train.feed import merge_states
 
 logger = logging.getLogger(__name__)
 
-# Config keys a resumed run may change freely: they do not change the training trajectory.
-RUNTIME_KEYS = ("output_dir", "resume", "resume_allow_changes", "overwrite", "log_every", "save_every", "keep_last_n",
-                "save_async", "export", "eval_every", "logger", "progress", "wandb", "stop_after_step", "nonfinite_loss", "ledger",
-                "data.eval", "data.report_records")
-# The run's length: the schedule is stretched or shrunk from the resume step on (warned, with both rates).
-HORIZON_KEYS = ("max_steps", "data.num_epochs")
-# How, not what, is computed: the same documents and updates, up to float rounding (noted).
-NUMERICS_KEYS = ("model.fsdp.activation_checkpointing", "model.compile", "loss.chunk_size", "loss.implementation",
-                 "data.num_workers")
+# What a resumed run may change, as each key's `resume` metadata in the schema says (`chattune.config.schema`):
+RUNTIME_KEYS = keys_resumed_as("free")  # freely: they do not change the training trajectory
+HORIZON_KEYS = keys_resumed_as("horizon")  # the run's length: the schedule is recomputed (warned, with both rates)
+NUMERICS_KEYS = keys_resumed_as("numerics")  # how, not what, is computed: the same updates up to rounding (noted)
 _MAX_LISTED = 10  # changed records named in a message
 
 

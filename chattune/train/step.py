@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from chattune.data.packing import PackedBatch
 from chattune.distributed import all_reduce_sum
 from chattune.objectives.base import Objective
+from chattune.train.feed import StepBatches
 
 
 @dataclass
@@ -38,7 +38,7 @@ class StepResult:
     local_units: int  # this rank's loss units
     global_units: int  # all ranks' loss units (the normaliser)
     local_tokens: int  # this rank's tokens, trained or not
-    ranks_done: int = 0  # ranks whose data stream has finished the epoch
+    ranks_at_epoch_end: int = 0  # ranks whose data stream has finished the epoch
     figures: dict[str, float] = field(default_factory=dict)  # this rank's other per-unit sums (the objective's)
     overflow: bool = False  # fp16: finite losses, non-finite gradients (the loss scale was too high)
     stop_ranks: int = 0  # ranks that received a stop signal (chattune.interrupts): every rank stops after this step
@@ -60,16 +60,17 @@ class _DeviceSums:
     def result(self, values: list[float]) -> StepResult:
         """The StepResult from `tensors()`'s values, read to the host."""
         loss_sum, rest = values[0], values[1:]
-        figures, (global_units, ranks_done) = rest[:len(self.figures)], rest[len(self.figures):]
+        figures, (global_units, ranks_at_epoch_end) = rest[:len(self.figures)], rest[len(self.figures):]
         return StepResult(loss_sum=loss_sum, local_units=self.local_units, global_units=int(global_units),
-                          local_tokens=self.local_tokens, ranks_done=int(ranks_done),
+                          local_tokens=self.local_tokens, ranks_at_epoch_end=int(ranks_at_epoch_end),
                           figures=dict(zip(self.figures, figures)))
 
 
-def _forward_backward(model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device,
-                      rank_done: bool, loss_scale: float, seeds: list[int] | None) -> _DeviceSums:
+def _forward_backward(model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device,
+                      loss_scale: float) -> _DeviceSums:
+    microbatches, seeds = batches.microbatches, batches.seeds
     local_units = sum(objective.count_units(b) for b in microbatches)
-    counts = all_reduce_sum(torch.tensor([local_units, int(rank_done)], dtype=torch.int64, device=device))
+    counts = all_reduce_sum(torch.tensor([local_units, int(batches.epoch_end_reached)], dtype=torch.int64, device=device))
     # The normaliser stays on the device: reading it here would wait for every kernel queued before it (the
     # previous step's optimizer). A step with nothing to train gives zero gradients, not NaN.
     global_units = counts[0].clamp(min=1)
@@ -88,15 +89,14 @@ def _forward_backward(model: nn.Module, objective: Objective, microbatches: list
     return _DeviceSums(counts, loss_sum, figures, local_units, sum(b.num_tokens for b in microbatches))
 
 
-def accumulate_gradients(
-    model: nn.Module, objective: Objective, microbatches: list[PackedBatch], device: torch.device,
-    rank_done: bool = False, loss_scale: float = 1.0, seeds: list[int] | None = None,
-) -> StepResult:
+def accumulate_gradients(model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device,
+                         loss_scale: float = 1.0) -> StepResult:
     """Forward/backward every microbatch of one step with the global normaliser. The gradients come out
-    multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out). `rank_done`: this
-    rank's data stream finished the epoch (counted over ranks in the same all-reduce). `seeds`: the RNG seed of
-    each microbatch (world-size-invariant steps: dropout independent of which rank runs it)."""
-    sums = _forward_backward(model, objective, microbatches, device, rank_done, loss_scale, seeds)
+    multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out). Whether this rank's data
+    stream finished the epoch (`batches.epoch_end_reached`) is counted over ranks in the same all-reduce;
+    `batches.seeds`: the RNG seed of each microbatch (world-size-invariant steps: dropout independent of which
+    rank runs it)."""
+    sums = _forward_backward(model, objective, batches, device, loss_scale)
     return sums.result(torch.stack(sums.tensors()).tolist())
 
 
@@ -174,14 +174,12 @@ class LossScale:
 def train_step(
     model: nn.Module,
     objective: Objective,
-    microbatches: list[PackedBatch],
+    batches: StepBatches,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     max_grad_norm: float | None,
     device: torch.device,
-    rank_done: bool = False,
     loss_scale: LossScale | None = None,
-    seeds: list[int] | None = None,
     stop: bool = False,
 ) -> tuple[StepResult, float]:
     """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm.
@@ -192,7 +190,7 @@ def train_step(
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
     on or stop. `stop`: this rank received a stop signal; `result.stop_ranks` counts the ranks that did."""
     loss_scale = loss_scale or LossScale(enabled=False)
-    sums = _forward_backward(model, objective, microbatches, device, rank_done, loss_scale.scale, seeds)
+    sums = _forward_backward(model, objective, batches, device, loss_scale.scale)
     total_norm, losses_finite, stop_ranks = _clip_on_device(model, max_grad_norm, torch.isfinite(sums.loss_sum),
                                                             loss_scale.scale, stop)
     # The step's one device-to-host transfer: its sums, counts, gradient norm and finiteness together. The

@@ -1,9 +1,9 @@
 """Check a config before a run: `chattune validate CONFIG [key=value ...]`, and `check_config` at the start
-of every recipe (and, through `chattune.config.launch`, a command line Hydra cannot compose). Every problem is
+of every recipe (and, through `chattune.launch.app`, a command line Hydra cannot compose). Every problem is
 reported at once, one line each ("key: problem"), without loading a model.
 
-The modules: `compose` (Hydra, as a recipe composes), `checks` (against the schema), `findings` (the
-lines). What is checked:
+The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against the schema), `run_rules`
+(the run's own rules), `findings` (the lines). What is checked:
 
 - composition: a config name that does not exist, an override Hydra cannot parse or apply (an override
   of a key that is not in the config is retried as `+key=value`, so it is reported as below), a key the
@@ -45,19 +45,25 @@ resume would accept and what would be moved aside, records of the first ones tha
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from chattune.config.checks import Checker, plain_values
-from chattune.config.compose import compose_reporting, required_keys
-from chattune.config.findings import ConfigError, Findings, format_report
+from chattune.launch.compose import compose_reporting, required_keys
+from chattune.launch.findings import ConfigError, Findings, format_report
+from chattune.launch.run_rules import RunRules
+from chattune.launch.schema_checks import SchemaChecks, plain_values
+from chattune.data.sources import recipe_kind
 from chattune.errors import UserError
 
 
-def check_config(cfg: DictConfig, world_size: int, recipe: str | None = None) -> list[str]:
-    """Raise ConfigError listing every problem of a composed config; otherwise return the notes.
-    `recipe` ("sft" or "dpo") defaults to "dpo" when the config has a `reference` section."""
+def check_config(cfg: DictConfig, world_size: int | None = None, recipe: str | None = None) -> list[str]:
+    """Raise ConfigError listing every problem of a composed config; otherwise return the notes. `world_size`
+    defaults to the launch's (torchrun's WORLD_SIZE, else 1); `recipe` ("sft" or "dpo") to "dpo" when the config
+    has a `reference` section."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     findings = find_problems(cfg, world_size, recipe, output_dir_checks=False)
     if findings.problems:
         raise ConfigError(findings.problems)
@@ -97,7 +103,7 @@ def validate_command(config_name: str, overrides: list[str], config_path: Path, 
     overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in HYDRA_PLACEMENT]
     cfg, added = compose_reporting(config_name, list(overrides), Path(config_path), findings, config_dir)
     if cfg is not None:
-        recipe = "dpo" if config_name.startswith("dpo/") or "reference" in cfg else "sft"
+        recipe = recipe_kind(cfg, config_name)
         overridden = {override.lstrip("+~").split("=", 1)[0] for override in overrides}
         searched = [d for d in (config_dir, Path(config_path)) if d is not None]
         unset = [key for key in required_keys(config_name, searched) if key not in overridden]
@@ -123,9 +129,8 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
     (format, chat template, masks, budget): an empty or malformed file, a bad first record or a tokenizer
     without a chat template is reported here rather than after the model is loaded."""
     from chattune.data.documents import Skipped
-    from chattune.data.pair_documents import PairDocuments
-    from chattune.data.records import RecordSource, source_specs
-    from chattune.data.sft_documents import SFTDocuments
+    from chattune.data.records import source_specs
+    from chattune.data.sources import RECIPE_DATA
     from chattune.data.tokenizer import load_tokenizer
 
     try:
@@ -138,13 +143,7 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
         for index, spec in enumerate(source_specs(data[split])):
             key = f"data.{split}[{index}]"
             try:
-                source = RecordSource([spec])
-                if recipe == "dpo":
-                    documents = PairDocuments(source, tokenizer, data.max_tokens_per_microbatch, data.overlong,
-                                              data.on_bad_record)
-                else:
-                    documents = SFTDocuments(source, tokenizer, data.max_tokens_per_microbatch, data.overlong,
-                                             spec.train_on or data.train_on, data.on_bad_record)
+                documents = RECIPE_DATA[recipe].read([spec], tokenizer, data)
                 outcomes = documents.get_many(range(min(count, len(documents))))
             except UserError as error:
                 findings.problem(key, str(error))
@@ -160,7 +159,21 @@ def find_problems(cfg: DictConfig, world_size: int | None = None, recipe: str | 
     """Every problem (and note) of a composed config, added to `findings`. `output_dir_checks`: also
     what a launch would do with output_dir (a recipe decides that itself, holding the directory's lock)."""
     findings = findings if findings is not None else Findings()
-    recipe = recipe or ("dpo" if "reference" in cfg else "sft")
+    recipe = recipe or recipe_kind(cfg)
     values = plain_values(cfg, "", findings)
-    Checker(values, recipe, findings, cfg if output_dir_checks else None).run(world_size)
+    schema = SchemaChecks(values, recipe, findings)
+    rules = RunRules(values, recipe, findings, schema, cfg if output_dir_checks else None)
+    # In this order, which is the report's: keys and values first, then what they point to, then the launch.
+    schema.keys_and_types(values, schema.schema, "")
+    schema.choices()
+    rules.sources("data.train", required=True)
+    rules.sources("data.eval", required=False)
+    rules.paths()
+    schema.bounds()
+    rules.steps_and_budget()
+    rules.quantized_base()
+    rules.device()
+    rules.step_layout(world_size)
+    if rules.cfg is not None:
+        rules.output_dir(rules.cfg, world_size)
     return findings

@@ -32,11 +32,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from chattune.config.checks import output_dir_problem
-from chattune.config.compose import composed
-from chattune.config.findings import ConfigError
+from chattune.launch.run_rules import output_dir_problem
+from chattune.launch.compose import composed
+from chattune.launch.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
-from chattune.config.validate import hydra_placement_problems, validate_command
+from chattune.launch.validate import hydra_placement_problems, validate_command
 from chattune import interrupts
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import report_errors, write_error_file

@@ -1,5 +1,5 @@
 """Composing a config as a recipe composes it, for `chattune validate`, `chattune inspect` and a recipe's
-launch (`chattune.config.launch`): the same search path (--config-path, --config-dir, the shipped
+launch (`chattune.launch.app`): the same search path (--config-path, --config-dir, the shipped
 configs), and each override that Hydra refuses reported on its own line rather than stopping at the first.
 """
 
@@ -18,7 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from chattune.config.findings import Findings, did_you_mean, dotted_keys, first_line, get_value
+from chattune.launch.findings import Findings, did_you_mean, dotted_keys, first_line, get_value
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths also registers ${demo_asset:...}
 
 

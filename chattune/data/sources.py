@@ -1,0 +1,100 @@
+"""The documents a recipe reads, defined once for the recipes, `chattune validate` and `chattune inspect`.
+
+A recipe kind (`RECIPE_DATA`: "sft", "dpo") names the record formats it accepts and how a source's records
+become documents: conversations with assistant-only labels, or preference pairs. Every source of
+`data.train` / `data.eval` becomes its own document source (with its own format, columns and `train_on`),
+all behind one record index (`MixedDocuments`). A third recipe kind is one more entry in the table.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data.documents import Document, Skipped, outcomes_by_record
+from chattune.data.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, SourceSpec
+from chattune.data.pair_documents import PairDocuments
+from chattune.data.records import RecordSource
+from chattune.data.sft_documents import SFTDocuments
+from chattune.data.stream import DocumentSource, documents_of
+
+
+class MixedDocuments:
+    """Several document sources behind one record index (source k's records follow source k-1's).
+    Each document is re-addressed by that global index and tagged with its source."""
+
+    def __init__(self, sources: Sequence[tuple[str, DocumentSource]]):
+        self.names = [name for name, _ in sources]
+        self.sources = [documents for _, documents in sources]
+        self.sizes = [len(documents) for documents in self.sources]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def source_of(self, index: int) -> int:
+        return bisect.bisect_right(self.offsets, index) - 1
+
+    def get(self, index: int) -> Document | Skipped:
+        return self.get_many([index])[0]
+
+    def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
+        """The outcomes of `indices` in order, flat like `documents_of` (a split record gives all its pieces)."""
+        by_source: dict[int, list[int]] = {}
+        for position, index in enumerate(indices):
+            by_source.setdefault(self.source_of(index), []).append(position)
+        out: list[list[Document | Skipped]] = [[] for _ in indices]
+        for source, positions in by_source.items():  # one batch per source, as its tokenizer prefers
+            offset = self.offsets[source]
+            got = documents_of(self.sources[source], [indices[p] - offset for p in positions])
+            for position, outcomes in zip(positions, outcomes_by_record(got, len(positions))):
+                out[position] = [replace(item, doc_id=item.doc_id + offset, source=source) if isinstance(item, Document)
+                                 else item for item in outcomes]
+        return [item for outcomes in out for item in outcomes]
+
+
+def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
+    """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`)."""
+    return MixedDocuments([(spec.display_name, SFTDocuments(
+        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong,
+        spec.train_on or data.train_on, data.on_bad_record)) for spec in specs])
+
+
+def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
+    """Preference pairs: one document of two segments (chosen, rejected) per pair."""
+    return MixedDocuments([(spec.display_name, PairDocuments(
+        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong, data.on_bad_record))
+        for spec in specs])
+
+
+DocumentsOf = Callable[[list[SourceSpec], PreTrainedTokenizerBase, DictConfig], MixedDocuments]
+
+
+@dataclass(frozen=True)
+class RecipeData:
+    """What a recipe kind reads: its documents and the record formats that give them."""
+
+    documents: DocumentsOf
+    formats: tuple[str, ...]
+    reads: str  # said when a source's format is not one of `formats`
+
+    def read(self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
+        return self.documents(specs, tokenizer, data)
+
+
+RECIPE_DATA: dict[str, RecipeData] = {
+    "sft": RecipeData(sft_documents, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), ""),
+    "dpo": RecipeData(pair_documents, tuple(f for f in DEFAULT_COLUMNS if f in PREFERENCE_FORMATS),
+                      " (DPO reads preference pairs)"),
+}
+
+
+def recipe_kind(cfg: DictConfig, config_name: str | None = None) -> str:
+    """The recipe kind a composed config is for: "dpo" when its name is under dpo/ or it has a `reference`
+    section (only the DPO schema has one), else "sft"."""
+    return "dpo" if (config_name or "").startswith("dpo/") or "reference" in cfg else "sft"

@@ -1,0 +1,244 @@
+"""The rules of a run that its schema cannot state: data sources and their files, the tokenizer's and models'
+paths, the step counts and the microbatch budget, the step layout on the ranks, a 4-bit base, the device and,
+for `chattune validate`, what a launch would do with output_dir.
+
+Each check adds lines to a `Findings`; nothing stops at the first problem.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE
+from chattune.data.formats import DataError, SourceSpec
+from chattune.data.sources import RECIPE_DATA
+from chattune.errors import UserError
+from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
+from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show
+from chattune.launch.schema_checks import SchemaChecks, number
+
+HUB_NOTE = "downloaded once per node into the Hugging Face cache, or read from it offline"
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files data.records.RecordSource reads itself
+SOURCE_KEYS = tuple(f.name for f in fields(SourceSpec))
+
+
+def _cuda_available() -> bool:
+    import torch  # only for a config that asks for a 4-bit base
+
+    return torch.cuda.is_available()
+
+
+def output_dir_problem(directory: Path) -> str | None:
+    """Why a run could not create or write `directory` (its nearest existing ancestor decides), or None."""
+    existing = next(p for p in (directory, *directory.resolve().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot write into {existing} (permission denied, or a read-only file system)"
+    return None
+
+
+class RunRules:
+    """The run's own rules. `cfg`: the composed config, to check output_dir and the resume as a launch would
+    (None: not checked)."""
+
+    def __init__(self, values: dict, recipe: str, findings: Findings, schema: SchemaChecks, cfg: DictConfig | None = None):
+        self.values, self.recipe, self.findings, self.schema, self.cfg = values, recipe, findings, schema, cfg
+
+    def sources(self, key: str, required: bool) -> None:
+        sources = get_value(self.values, key)
+        if sources is UNSET or (sources is None and not required):
+            return
+        if not isinstance(sources, list):
+            self.findings.problem(key, f"expected a list of data sources, got {show(sources)}")
+            return
+        if required and not sources:
+            self.findings.problem(key, "no data sources: training needs at least one")
+            return
+        accepted = RECIPE_DATA[self.recipe]
+        formats = list(accepted.formats)
+        for index, entry in enumerate(sources):
+            where = f"{key}[{index}]"
+            if isinstance(entry, str):
+                entry = {"path": entry}
+            if not isinstance(entry, dict):
+                if entry is not UNSET:
+                    self.findings.problem(where, "a data source is a path or a mapping {path, format, columns, roles, split}")
+                continue
+            if UNSET in entry.values():
+                continue
+            unknown = [name for name in entry if name not in SOURCE_KEYS]
+            for name in unknown:
+                self.schema.unknown(f"{where}.{name}", [f"{where}.{k}" for k in SOURCE_KEYS])
+            fmt = entry.get("format", SourceSpec.format)
+            if fmt not in formats:
+                self.findings.problem(f"{where}.format", f"{fmt!r} is not one of {', '.join(formats)}{accepted.reads}"
+                                                         f"{did_you_mean(str(fmt), formats)}")
+            elif not unknown:
+                try:
+                    SourceSpec.from_config(entry)
+                except DataError as error:
+                    self.findings.problem(where, str(error))
+            if not isinstance(entry.get("path"), str):
+                self.findings.problem(f"{where}.path", f"a source needs a path, got {show(entry.get('path'))}")
+            else:
+                self.data_path(where, entry["path"])
+
+    def data_path(self, key: str, path: str) -> None:
+        if Path(path).is_dir():
+            return  # a dataset directory, read with datasets.load_dataset
+        if Path(path).is_file():
+            if not path.endswith(DATA_SUFFIXES):
+                self.findings.problem(key, f"data file {path!r}: expected .jsonl, .json or .parquet")
+        elif path.startswith(HUB_PREFIX):
+            self.findings.note(key, f"{path!r}: a hub dataset (needs the machine online)")
+        else:
+            hint = f" (a hub dataset is written {HUB_PREFIX}{path})" if HUB_LIKE.fullmatch(path) and not \
+                path.endswith(DATA_SUFFIXES) else ""
+            self.findings.problem(key, f"data file {path!r} does not exist{hint}")
+
+    def paths(self) -> None:
+        tokenizer = get_value(self.values, "tokenizer.path")
+        if isinstance(tokenizer, str) and not Path(tokenizer).is_dir():
+            if hub_id(tokenizer) is not None:
+                self.findings.note("tokenizer.path", f"{tokenizer!r}: a hub tokenizer ({HUB_NOTE})")
+            elif Path(tokenizer).exists():
+                self.findings.problem("tokenizer.path", f"{tokenizer!r} is not a directory")
+            else:
+                self.findings.problem("tokenizer.path", f"{tokenizer!r} does not exist{hub_hint(tokenizer, 'tokenizer')}")
+        for key in ("model.path", "reference.path"):
+            path = get_value(self.values, key)
+            if not isinstance(path, str):
+                continue
+            if hub_id(path) is not None:
+                self.findings.note(key, f"{path!r}: a hub model ({HUB_NOTE})")
+            elif not Path(path).is_dir():
+                self.findings.problem(key, f"{path!r} is not a local directory{hub_hint(path, 'model')}")
+            elif not (Path(path) / "config.json").is_file():
+                self.findings.problem(key, f"{path!r} has no config.json: not a Hugging Face model directory")
+        if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:
+            self.findings.problem("model", "neither model.path nor model.config is set")
+        if isinstance(get_value(self.values, "reference.path"), str) and get_value(self.values, "loss.type") in REFERENCE_FREE:
+            self.findings.note("reference.path", f"unused: loss.type={get_value(self.values, 'loss.type')} needs no reference")
+
+    def steps_and_budget(self) -> None:
+        """stop_after_step within the run, a warm-up or save interval longer than it (notes), a budget that padding
+        could exceed, and a budget beyond the positions model.path was trained on (a note)."""
+        max_steps, stop = number(self.values, "max_steps"), number(self.values, "stop_after_step")
+        if max_steps is not None and stop is not None and stop > max_steps:
+            self.findings.problem("stop_after_step", f"{stop} is after max_steps {max_steps}: the run ends first")
+        warmup, save_every = number(self.values, "scheduler.num_warmup_steps"), number(self.values, "save_every")
+        if max_steps is not None and warmup is not None and warmup > max_steps:
+            self.findings.note("scheduler.num_warmup_steps", f"{warmup} is more than max_steps {max_steps}: the learning "
+                                                             "rate never reaches optimizer.lr")
+        if max_steps is not None and save_every is not None and save_every > max_steps:
+            self.findings.note("save_every", f"{save_every} is more than max_steps {max_steps}: no checkpoint is written, so "
+                                             "the run can be neither resumed nor extended (its export is still written)")
+        budget, multiple = number(self.values, "data.max_tokens_per_microbatch"), number(self.values, "data.pad_to_multiple_of")
+        if budget and multiple and multiple > 0 and budget % multiple:
+            self.findings.problem("data.max_tokens_per_microbatch", f"{budget} is not a multiple of data.pad_to_multiple_of "
+                                                                    f"{multiple}: padding could exceed the budget")
+        positions = self.max_positions()
+        if budget and positions and budget > positions:
+            self.findings.note("data.max_tokens_per_microbatch",
+                               f"{budget} is more than model.path's max_position_embeddings {positions}: a document "
+                               f"longer than {positions} tokens gets positions the model was not trained on")
+
+    def quantized_base(self) -> None:
+        """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
+        if get_value(self.values, "peft.quantize_base") not in QUANTIZE_BASE:
+            return  # null (full precision), or not a format (reported by enums)
+        device = get_value(self.values, "device")
+        if device == "cpu" or (device == "auto" and not _cuda_available()):
+            self.findings.problem("peft.quantize_base", "a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory "
+                                                        "with bitsandbytes' GPU kernels. On the CPU, set "
+                                                        "peft.quantize_base=null (LoRA on the full-precision base)")
+        elif importlib.util.find_spec("bitsandbytes") is None:
+            self.findings.problem("peft.quantize_base", 'needs bitsandbytes: pip install "chattune[qlora]"')
+
+    def device(self) -> None:
+        if get_value(self.values, "device") == "cuda" and not _cuda_available():
+            self.findings.problem("device", "cuda, but torch finds no CUDA device on this machine (torch.cuda.is_available() "
+                                            "is False): use device=auto (CUDA where there is one) or device=cpu")
+
+    def step_layout(self, world_size: int | None) -> None:
+        """World-size-invariant steps (data.microbatches_per_step) are dealt to the ranks, which must divide
+        them; the microbatches per rank follow from them, so grad_accum_steps stays at 1."""
+        total = number(self.values, "data.microbatches_per_step")
+        if not isinstance(total, int) or total < 1:
+            return
+        accum = number(self.values, "grad_accum_steps")
+        if accum not in (None, 1):
+            self.findings.problem("grad_accum_steps", f"{accum} with data.microbatches_per_step={total}: the microbatches "
+                                                      "per rank follow from it (data.microbatches_per_step / ranks); "
+                                                      "leave grad_accum_steps at 1")
+        if world_size is not None and world_size >= 1 and total % world_size:
+            self.findings.problem("data.microbatches_per_step", f"{total} cannot be dealt to {world_size} ranks: the "
+                                                                "number of ranks must divide it")
+
+    def max_positions(self) -> int | None:
+        """max_position_embeddings of the pretrained model at model.path (a model built from model.config
+        has been trained on no position yet)."""
+        path = get_value(self.values, "model.path")
+        if not isinstance(path, str):
+            return None
+        try:
+            value = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return None  # a missing or unreadable config.json is reported by paths()
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def output_dir(self, cfg: DictConfig, world_size: int | None) -> None:
+        """What a launch would do with output_dir, decided as the recipe decides it (`chattune.train.output_dir`):
+        writable, not locked by a live run, and the checkpoint it continues fits this config (or an
+        earlier run's results would be overwritten without overwrite=true)."""
+        if world_size is not None and world_size < 1:
+            self.findings.problem("world_size", f"must be at least 1, got {world_size}")
+        output_dir = get_value(self.values, "output_dir")
+        if not isinstance(output_dir, str) or self.findings.problems:
+            return  # the decision needs a config without other problems (the fingerprint resolves it whole)
+        directory = Path(output_dir)
+        problem = output_dir_problem(directory)
+        if problem is not None:
+            self.findings.problem("output_dir", problem)
+            return
+        resume = get_value(self.values, "resume")
+        if not directory.is_dir() and not (isinstance(resume, str) and resume != "auto"):
+            return  # nothing there to resume, lock or overwrite (and no need to import torch to say so)
+        # torch.distributed.checkpoint and the data fingerprints take seconds to import: only where needed.
+        from chattune.train.output_dir import OutputDirLock, describe_holder, plan_start
+        from chattune.train.resume import ResumeError, run_fingerprint, run_meta
+
+        lock = OutputDirLock(directory)
+        if lock.is_held():
+            self.findings.problem("output_dir", f"in use by another run: {describe_holder(lock.holder())}")
+        try:
+            plan = plan_start(cfg, run_meta(world_size, run_fingerprint(cfg)))
+        except UserError as error:
+            key = "resume" if isinstance(error, ResumeError) else "output_dir"
+            self.findings.problem(key, str(error))
+            return
+        start = plan.start
+        if start.resume_from is not None:
+            saved = start.checkpoint_meta
+            invariant = get_value(self.values, "data.microbatches_per_step")
+            if world_size is not None:
+                ranks = ""
+            elif isinstance(invariant, int):  # world-size-invariant steps: any divisor of M resumes it
+                divisors = ", ".join(str(n) for n in range(1, invariant + 1) if invariant % n == 0)
+                ranks = (f", written by {saved['world_size']} rank(s): launch with any --nproc_per_node that divides "
+                         f"data.microbatches_per_step={invariant} ({divisors})")
+            else:
+                ranks = f", written by {saved['world_size']} rank(s): launch with --nproc_per_node {saved['world_size']}"
+            self.findings.note("resume", f"continues from {start.resume_from} at step {saved['step']}{ranks}")
+        for line in start.plan.notes + [f"{h} (the schedule is recomputed for the new horizon)" for h in start.plan.horizon]:
+            self.findings.note("resume", line)
+        for path in plan.move_aside + plan.copy_aside:
+            self.findings.note("output_dir", f"{path} would be set aside as {path.name}.abandoned")
