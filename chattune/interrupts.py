@@ -14,17 +14,20 @@ every rank stops after the same step even when the signal reached them at differ
   collective, which only the process group's own timeout would end) exits with 128 + the signal: a
   scheduler would have killed it by then, and a worker orphaned by a killed launcher must not linger.
 - Data-loader workers ignore both (`ignore_in_worker`): torchrun signals a worker's whole process group,
-  and the step being finished still reads from them.
+  and the step being finished still reads from them. They die with their trainer process instead.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 
 EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
 STOP_DEADLINE_S = 600.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 _requested: int | None = None  # the first signal received
@@ -85,6 +88,14 @@ def signal_name(signum: int | None) -> str:
 
 
 def ignore_in_worker() -> None:
-    """In a data-loader worker: leave stopping to the trainer, whose current step still reads from us."""
+    """In a data-loader worker: leave stopping to the trainer, whose current step still reads from us. A worker
+    that ignores SIGTERM also ignores its trainer's own terminate() at exit, so it ends with its trainer instead:
+    the kernel kills it when the trainer dies (Linux's PR_SET_PDEATHSIG), and it exits at once if the trainer
+    is already gone. Otherwise a preempted run would leave its workers behind, blocked on a full queue."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
+    trainer = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != trainer:  # the trainer died before the request above took effect
+        os._exit(0)
