@@ -79,12 +79,9 @@ DocumentsOf = Callable[[list[SourceSpec], PreTrainedTokenizerBase, DictConfig], 
 class RecipeData:
     """What a recipe kind reads: its documents and the record formats that give them."""
 
-    documents: DocumentsOf
+    read: DocumentsOf  # (the sources' specs, the tokenizer, the data section) -> their documents
     formats: tuple[str, ...]
     reads: str  # said when a source's format is not one of `formats`
-
-    def read(self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
-        return self.documents(specs, tokenizer, data)
 
 
 RECIPE_DATA: dict[str, RecipeData] = {

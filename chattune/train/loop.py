@@ -89,6 +89,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
     timer = StepTimer(device)
+    peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
 
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
@@ -134,7 +135,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
         is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last) and not signalled
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
             metrics = logged_metrics(step, result, grad_norm, lr, timer.seconds(), batches, model, objective, device,
-                                     {**counters, **(mixing or {})}, loss_scale, feed)
+                                     {**counters, **(mixing or {})}, loss_scale, feed, peak)
             if is_eval:
                 metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
             metric_logger.log(metrics)
@@ -166,11 +167,11 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
 
 def logged_metrics(step: int, result: StepResult, grad_norm: float, lr: float, step_time_s: float,
                    batches: StepBatches, model: torch.nn.Module, objective: Objective, device: torch.device,
-                   counts: dict, loss_scale: LossScale, feed: StepFeed) -> dict[str, float]:
+                   counts: dict, loss_scale: LossScale, feed: StepFeed, peak: float | None) -> dict[str, float]:
     """Collective: the metrics a logged step reports, over all ranks: the step's own (`step_metrics`), its
     epoch, the run's skip counters and a mixture's update (`counts`), the loss scale, compiled graphs, and a
-    mixture's per-source figures."""
-    flops, peak = getattr(model, "flops", None), peak_flops(device)  # PackedCausalLM's FLOP counts; a known peak
+    mixture's per-source figures. `peak`: the device's peak FLOP/s, for MFU (None: unknown)."""
+    flops = getattr(model, "flops", None)  # PackedCausalLM's FLOP counts
     # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it.
     step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak else 0.0
     metrics = step_metrics(step, result, objective, grad_norm, lr, step_time_s, device, step_flops, peak)
