@@ -42,7 +42,8 @@ def untimed(out: Path) -> list[dict]:
     return [{k: v for k, v in m.items() if k not in TIMINGS} for m in read_metrics(out)]
 
 
-@pytest.mark.parametrize("mode,nproc,num_workers", [("static", 1, 0), ("static", 2, 0), ("online", 1, 2), ("online", 2, 0)])
+# (static on 1 rank is not run on its own: CI time; 2 ranks cover what one does, and the online runs cover 1 rank)
+@pytest.mark.parametrize("mode,nproc,num_workers", [("static", 2, 0), ("online", 1, 2), ("online", 2, 0)])
 def test_mixture_resumes_exactly(tmp_path, sources, mode, nproc, num_workers):
     settings = (sources, f"data.mixing.mode={mode}", "data.mixing.update_every=2", "data.mixing.eta=0.2",
                 f"data.num_workers={num_workers}", "max_steps=8", "grad_accum_steps=2")
@@ -62,8 +63,8 @@ def test_mixture_resumes_exactly(tmp_path, sources, mode, nproc, num_workers):
 
 def test_online_mixing_moves_toward_the_hard_source(tmp_path, sources):
     out = tmp_path / "online"
-    launch(out, 1, sources, "data.mixing.mode=online", "data.mixing.update_every=5", "data.mixing.eta=0.05",
-           "max_steps=60", "log_every=5", "optimizer.lr=3e-3")
+    launch(out, 1, sources, "data.mixing.mode=online", "data.mixing.update_every=3", "data.mixing.eta=0.1",
+           "max_steps=30", "log_every=3", "optimizer.lr=3e-3")
     updates = [m for m in read_metrics(out) if "mix/hard/probability" in m]
     first, last = updates[0], updates[-1]
     # The easy source's constant reply is learned within a few steps: its loss, and so its reward, collapses.
