@@ -17,17 +17,19 @@ from __future__ import annotations
 import difflib
 import re
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PreTrainedModel
 
 from chattune.data.packing import PackedBatch
+
+if TYPE_CHECKING:  # peft (and the bitsandbytes it imports) is imported where adapters are made: seconds per process
+    from peft import LoraConfig, PeftModel
 from chattune.errors import UserError
 from chattune.model import quantize
 
@@ -65,6 +67,8 @@ def check_module_names(hf_model: PreTrainedModel, settings: DictConfig) -> None:
 
 def lora_config(settings: DictConfig) -> LoraConfig:
     """The `peft` config section as peft's LoraConfig."""
+    from peft import LoraConfig
+
     return LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=target_names(settings),
@@ -82,6 +86,9 @@ def add_adapters(hf_model: PreTrainedModel, settings: DictConfig) -> PeftModel:
     model's adapters are initialised here, its DoRA magnitudes (which need the base weights) by
     `set_dora_magnitudes` once the base is loaded. A 4-bit base (QLoRA) is quantized after this, under the
     adapters (`chattune.model.quantize`)."""
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+
     check_module_names(hf_model, settings)
     with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: once per rank
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -105,6 +112,8 @@ def set_dora_magnitudes(hf_model: PreTrainedModel) -> None:
     peft computes them when the weights are in memory. Collective (A is gathered whole). A magnitude is
     sharded along its rows like its layer's weight (FSDP2 shards both along dim 0, with the same chunking),
     so each rank computes its own rows from its own rows of W and B."""
+    from peft.tuners.lora import LoraLayer
+
     for module in hf_model.modules():
         if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_magnitude_vector:
             continue

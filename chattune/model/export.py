@@ -22,11 +22,10 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from peft import get_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedTokenizerBase
@@ -38,6 +37,9 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import reshard
 from chattune.model.load import SAFETENSORS_INDEX, STORED_DTYPES, saved_tensors, stored_name
 from chattune.model.quantize import dequantized, is_quantized, weight_shape
+
+if TYPE_CHECKING:  # peft is imported where an adapter is exported: it costs seconds per process
+    from peft.tuners.lora import LoraLayer
 
 logger = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default shard size
@@ -82,7 +84,7 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
     return planned
 
 
-def _lora_merge(layer: LoraLayer) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+def _lora_merge(layer: "LoraLayer") -> Callable[[torch.Tensor, int], torch.Tensor] | None:
     """Rows [a, b) of a LoRA layer's merged weight from the base's rows: W + scaling * B @ A, and with DoRA
     each row of that rescaled to its trained magnitude, m / ||W + scaling * B @ A|| (peft's merge; the norm
     of a row needs only that row). None when the layer has no adapter."""
@@ -257,6 +259,8 @@ def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedToken
     if not is_main:
         return
     staging = _staging(directory)
+    from peft import get_peft_model_state_dict
+
     weights = get_peft_model_state_dict(peft_model, state_dict=trained)
     # safetensors refuses tensors that share memory: the tied one is written twice, as peft writes it.
     save_file({k: v.clone().contiguous() for k, v in weights.items()}, staging / "adapter_model.safetensors",
