@@ -20,10 +20,28 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    # Context parallelism (parallel.context): groups of this many consecutive ranks share each packed row,
+    # each holding a contiguous slice of it (`chattune.model.context_parallel`); 1: every rank its own rows.
+    context_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which data-parallel rank this is: the ranks of one context group read the same microbatches."""
+        return self.rank // self.context_size
+
+    @property
+    def data_ranks(self) -> int:
+        """Data-parallel ranks: the streams of microbatches a step trains on."""
+        return self.world_size // self.context_size
+
+    @property
+    def context_rank(self) -> int:
+        """This rank's place in its context group: which slice of each row it computes."""
+        return self.rank % self.context_size
 
 
 def free_port() -> int:
@@ -47,6 +65,7 @@ def stop_with_launcher() -> None:
 
 
 _one_rank_group = False  # this process made its own one-rank group (launched without torchrun)
+_context_group: "dist.ProcessGroup | None" = None  # this rank's context-parallel group (None: parallel.context=1)
 _groups_made = 0  # process groups this process has made (one per multirun job)
 ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's name, and its older one
 
@@ -59,10 +78,11 @@ def default_cuda_allocator(environ: dict[str, str] = os.environ) -> None:
         environ[ALLOCATOR_SETTINGS[0]] = "expandable_segments:True"
 
 
-def init_distributed(device: str = "auto") -> DistInfo:
+def init_distributed(device: str = "auto", context_size: int = 1) -> DistInfo:
     """Initialise torch.distributed (nccl on CUDA, gloo on CPU) from torchrun's environment, or as a
-    one-rank group when launched without torchrun."""
-    global _one_rank_group, _groups_made
+    one-rank group when launched without torchrun. `context_size` (parallel.context): ranks r*C .. r*C+C-1
+    form a context group (`context_group()`); it must divide the number of ranks."""
+    global _one_rank_group, _groups_made, _context_group
     stop_with_launcher()
     if "RANK" not in os.environ or _one_rank_group:
         # A group of its own: a fresh port for each (a multirun sweep makes one group per job, in one process).
@@ -95,7 +115,31 @@ def init_distributed(device: str = "auto") -> DistInfo:
         dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
                                 device_id=torch_device if device == "cuda" else None, timeout=timeout, **store)
         _groups_made += 1
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, torch_device)
+    world_size = dist.get_world_size()
+    if context_size < 1 or world_size % context_size:
+        raise ValueError(f"parallel.context={context_size} must divide the number of ranks, {world_size}")
+    _context_group = None
+    if context_size > 1:
+        # Consecutive ranks (the same machine first): the attention's all-to-all is the busiest traffic of a
+        # step. Every rank creates every group, in the same order, as new_group requires.
+        for first in range(0, world_size, context_size):
+            group = dist.new_group(list(range(first, first + context_size)))
+            if first <= dist.get_rank() < first + context_size:
+                _context_group = group
+    return DistInfo(dist.get_rank(), world_size, local_rank, torch_device, context_size)
+
+
+def context_group() -> "dist.ProcessGroup | None":
+    """This rank's context-parallel group (the ranks that share each packed row); None without context
+    parallelism."""
+    return _context_group
+
+
+def counts_rows() -> bool:
+    """Whether this rank reports the figures of the rows it trains (loss units, losses, data counts). Under
+    context parallelism every rank of a group computes the same row, and only its first one reports it, so that
+    sums over all ranks count every row once."""
+    return _context_group is None or dist.get_rank(_context_group) == 0
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -133,6 +177,8 @@ def broadcast_from_main(obj):
 def shutdown_distributed() -> None:
     """Wait for every rank, then tear the group down. Without the barrier a rank that finishes first can
     destroy its gloo context while a peer still talks to it, which aborts the process."""
+    global _context_group
+    _context_group = None
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

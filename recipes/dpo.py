@@ -42,7 +42,7 @@ def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---
     config_notes = check_config(cfg, recipe="dpo")
-    dist_info = init_distributed(cfg.device)
+    dist_info = init_distributed(cfg.device, cfg.parallel.context)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
         logger.info("config note: %s", note)
@@ -95,7 +95,7 @@ def reference_log_probs(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     tables = reference_cache.load_or_build(
         Path(cfg.reference.cache_dir), {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
         {split: len(documents) for split, documents in splits.items()}, reference_model,
-        lambda split: packed_stream(cfg, dist_info.rank, dist_info.world_size, data.pad_id, splits[split], shuffle=False,
+        lambda split: packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, data.pad_id, splits[split], shuffle=False,
                                     num_epochs=1), device, data.pad_id,
         dist_info.is_main)
     return CachedReference(tables["train"]), CachedReference(tables["eval"]) if cfg.data.eval else None

@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---
     config_notes = check_config(cfg, recipe="sft")
-    dist_info = init_distributed(cfg.device)
+    dist_info = init_distributed(cfg.device, cfg.parallel.context)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
         logger.info("config note: %s", note)

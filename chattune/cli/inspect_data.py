@@ -24,7 +24,7 @@ from chattune.launch.validate import validate_command
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
 from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
-from chattune.data.sources import RECIPE_DATA, recipe_kind
+from chattune.data.sources import RECIPE_DATA, recipe_kind, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import load_tokenizer
 
@@ -43,9 +43,9 @@ def load_config(config_name: str, overrides: list[str], config_path: Path = CONF
 
 
 def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
-    budget = cfg.data.max_tokens_per_microbatch
+    budget = row_budget(cfg.data, cfg.parallel.context)[0]  # a row's tokens (context parallelism: the group's)
     specs = source_specs(cfg.data.train)  # read as the recipe reads them
-    documents = RECIPE_DATA[recipe_kind(cfg)].read(specs, tokenizer, cfg.data)
+    documents = RECIPE_DATA[recipe_kind(cfg)].read(specs, tokenizer, cfg.data, cfg.parallel.context)
     report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
                             batch_records=cfg.data.buffer_records)
     stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,
@@ -164,5 +164,6 @@ def run_inspect(config_name: str, overrides: list[str], config_path: Path, num_d
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     report = inspect_sources(cfg, tokenizer, num_docs, limit)
     if html_path is not None:
-        html_path.write_text(render_html(report, tokenizer, cfg.data.max_tokens_per_microbatch), encoding="utf-8")
-    return render_terminal(report, tokenizer, cfg.data.max_tokens_per_microbatch, colour)
+        html_path.write_text(render_html(report, tokenizer, row_budget(cfg.data, cfg.parallel.context)[0]),
+                             encoding="utf-8")
+    return render_terminal(report, tokenizer, row_budget(cfg.data, cfg.parallel.context)[0], colour)

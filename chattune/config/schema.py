@@ -113,6 +113,13 @@ class FSDPConfig:
 
 
 @dataclass
+class ParallelConfig:
+    context: int = key(1, "context parallelism: ranks that share each packed row (of parallel.context x "
+                          "data.max_tokens_per_microbatch tokens), each computing a slice; divides the number of ranks "
+                          "and the model's attention heads", at_least=1)
+
+
+@dataclass
 class ModelConfig:
     path: str | None = key(None, "a local Hugging Face model directory; null builds `config` with random weights")
     config: TinyLlamaConfig | None = section(TinyLlamaConfig, "an HF config (_target_ and its keys) for random init")
@@ -243,6 +250,7 @@ class SFTConfig:
     wandb: WandbConfig = section(WandbConfig, "passed to wandb.init", open_section=True, resume="free")
     tokenizer: TokenizerConfig = section(TokenizerConfig)
     model: ModelConfig = section(ModelConfig)
+    parallel: ParallelConfig = section(ParallelConfig, "how ranks share the work beyond FSDP's sharding")
     data: DataConfig = section(DataConfig)
     loss: LossConfig = section(LossConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig, "instantiated with the trainable parameters",

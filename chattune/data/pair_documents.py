@@ -37,13 +37,13 @@ class PairDocuments(TemplateDocuments):
     `error`. Pairs are never cut: a truncated reply would be compared on text the model never finishes."""
 
     def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
-                 overlong: str = "drop", on_bad_record: str = "error"):
+                 overlong: str = "drop", on_bad_record: str = "error", budget_name: str | None = None):
         if overlong not in OVERLONG_DPO:
             raise ValueError(f"data.overlong must be one of {OVERLONG_DPO} for preference data, got {overlong!r}")
         not_pairs = [s.path for s in source.specs if s.format not in PREFERENCE_FORMATS]
         if not_pairs:
             raise DataError(f"{not_pairs}: DPO needs preference data (format one of {list(PREFERENCE_FORMATS)})")
-        super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record)
+        super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record, budget_name)
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_RenderedPair | Skipped":
         """Convert and check one pair, render its two sides and locate the reply each trains."""
@@ -82,7 +82,7 @@ class PairDocuments(TemplateDocuments):
         total = sum(counts)
         if total > self.max_tokens:
             message = (f"{rendered.where}: {total} tokens (chosen {counts[0]} + rejected {counts[1]}) exceed "
-                       f"data.max_tokens_per_microbatch={self.max_tokens}")
+                       f"{self.budget_name}")
             if self.overlong == "error":
                 raise DataError(message)
             return Skipped("overlong", message)

@@ -35,12 +35,13 @@ class SFTDocuments(TemplateDocuments):
     `get_many` all its pieces in order."""
 
     def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
-                 overlong: str = "drop", train_on: str = "assistant", on_bad_record: str = "error"):
+                 overlong: str = "drop", train_on: str = "assistant", on_bad_record: str = "error",
+                 budget_name: str | None = None):
         if overlong not in OVERLONG:
             raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
         if train_on not in TRAIN_ON:
             raise ValueError(f"data.train_on must be one of {TRAIN_ON}, got {train_on!r}")
-        super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record)
+        super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record, budget_name)
         self.train_on = train_on
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_Rendered":
@@ -78,7 +79,7 @@ class SFTDocuments(TemplateDocuments):
         """The document(s) of a record of `count` tokens (at least, if `cut`: only its beginning was
         tokenized; `ids`, `labels`: empty when it will be dropped), or why it is skipped."""
         message = (f"{rendered.where}: {'at least ' if cut else ''}{count} tokens exceed "
-                   f"data.max_tokens_per_microbatch={self.max_tokens}")
+                   f"{self.budget_name}")
         if count > self.max_tokens and self.overlong == "error":
             raise DataError(message)
         if count > self.max_tokens and self.overlong == "drop":

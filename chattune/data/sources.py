@@ -58,28 +58,42 @@ class MixedDocuments:
         return [item for outcomes in out for item in outcomes]
 
 
-def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
-    """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`)."""
+def row_budget(data: DictConfig, context: int = 1) -> tuple[int, str]:
+    """The tokens of one packed row and how messages name them: data.max_tokens_per_microbatch per rank, times
+    the `context` ranks that share a row under context parallelism (parallel.context)."""
+    per_rank = data.max_tokens_per_microbatch
+    if context == 1:
+        return per_rank, f"data.max_tokens_per_microbatch={per_rank}"
+    return per_rank * context, (f"the row budget {per_rank * context} (data.max_tokens_per_microbatch={per_rank} "
+                                f"x parallel.context={context})")
+
+
+def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
+                  context: int = 1) -> MixedDocuments:
+    """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`), each at most
+    a row (`row_budget`)."""
+    budget, budget_name = row_budget(data, context)
     return MixedDocuments([(spec.display_name, SFTDocuments(
-        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong,
-        spec.train_on or data.train_on, data.on_bad_record)) for spec in specs])
+        RecordSource([spec]), tokenizer, budget, data.overlong, spec.train_on or data.train_on, data.on_bad_record,
+        budget_name)) for spec in specs])
 
 
-def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig) -> MixedDocuments:
-    """Preference pairs: one document of two segments (chosen, rejected) per pair."""
+def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
+                   context: int = 1) -> MixedDocuments:
+    """Preference pairs: one document of two segments (chosen, rejected) per pair, at most a row."""
+    budget, budget_name = row_budget(data, context)
     return MixedDocuments([(spec.display_name, PairDocuments(
-        RecordSource([spec]), tokenizer, data.max_tokens_per_microbatch, data.overlong, data.on_bad_record))
-        for spec in specs])
+        RecordSource([spec]), tokenizer, budget, data.overlong, data.on_bad_record, budget_name)) for spec in specs])
 
 
-DocumentsOf = Callable[[list[SourceSpec], PreTrainedTokenizerBase, DictConfig], MixedDocuments]
+DocumentsOf = Callable[[list[SourceSpec], PreTrainedTokenizerBase, DictConfig, int], MixedDocuments]
 
 
 @dataclass(frozen=True)
 class RecipeData:
     """What a recipe kind reads: its documents and the record formats that give them."""
 
-    read: DocumentsOf  # (the sources' specs, the tokenizer, the data section) -> their documents
+    read: DocumentsOf  # (the sources' specs, the tokenizer, the data section, parallel.context) -> their documents
     formats: tuple[str, ...]
     reads: str  # said when a source's format is not one of `formats`
 

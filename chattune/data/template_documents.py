@@ -28,7 +28,7 @@ class TemplateDocuments:
     overlong one under `overlong="error"`, which `on_bad_record` does not turn into a skip)."""
 
     def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int, overlong: str,
-                 on_bad_record: str = "error"):
+                 on_bad_record: str = "error", budget_name: str | None = None):
         if on_bad_record not in ON_BAD_RECORD:
             raise ValueError(f"data.on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
         self.source = source
@@ -39,6 +39,8 @@ class TemplateDocuments:
             raise ChatTemplateError(f"tokenizer {tokenizer.name_or_path}: {error}") from error
         self._encode = TextBatchEncoder(tokenizer, cut_after=self.markers.end_of_turn)
         self.max_tokens = max_tokens
+        # How messages name the budget: the config key, or under context parallelism the row budget it comes from.
+        self.budget_name = budget_name or f"data.max_tokens_per_microbatch={max_tokens}"
         self.overlong = overlong
         self.on_bad_record = on_bad_record
 

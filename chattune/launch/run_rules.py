@@ -145,11 +145,13 @@ class RunRules:
         if budget and multiple and multiple > 0 and budget % multiple:
             self.findings.problem("data.max_tokens_per_microbatch", f"{budget} is not a multiple of data.pad_to_multiple_of "
                                                                     f"{multiple}: padding could exceed the budget")
-        positions = self.max_positions()
-        if budget and positions and budget > positions:
+        positions, context = self.max_positions(), self.context_size()
+        row = budget * context if budget and context else budget
+        if row and positions and row > positions:
             self.findings.note("data.max_tokens_per_microbatch",
-                               f"{budget} is more than model.path's max_position_embeddings {positions}: a document "
-                               f"longer than {positions} tokens gets positions the model was not trained on")
+                               f"{budget}{f' x parallel.context={context}' if context > 1 else ''} is more than "
+                               f"model.path's max_position_embeddings {positions}: a document longer than {positions} "
+                               "tokens gets positions the model was not trained on")
 
     def quantized_base(self) -> None:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
@@ -179,9 +181,47 @@ class RunRules:
             self.findings.problem("grad_accum_steps", f"{accum} with data.microbatches_per_step={total}: the microbatches "
                                                       "per rank follow from it (data.microbatches_per_step / ranks); "
                                                       "leave grad_accum_steps at 1")
-        if world_size is not None and world_size >= 1 and total % world_size:
-            self.findings.problem("data.microbatches_per_step", f"{total} cannot be dealt to {world_size} ranks: the "
-                                                                "number of ranks must divide it")
+        context = self.context_size()
+        if world_size is not None and world_size >= 1 and world_size % context == 0 and total % (world_size // context):
+            ranks = world_size // context
+            self.findings.problem("data.microbatches_per_step", f"{total} cannot be dealt to {ranks} data-parallel "
+                                  "ranks: the number of ranks" + (f" divided by parallel.context={context} ({ranks})"
+                                                                  if context > 1 else "") + " must divide it")
+
+    def context_size(self) -> int:
+        """parallel.context where it is a valid size, else 1 (an invalid one is reported by the schema checks)."""
+        context = number(self.values, "parallel.context")
+        return context if isinstance(context, int) and context >= 1 else 1
+
+    def context_parallel(self, world_size: int | None) -> None:
+        """parallel.context: it divides the number of ranks (each group of that many ranks shares a row) and the
+        model's attention heads (each rank attends with heads/context of them)."""
+        context = self.context_size()
+        if context == 1:
+            return
+        if world_size is not None and world_size >= 1 and world_size % context:
+            self.findings.problem("parallel.context", f"{context} does not divide the {world_size} ranks of this launch: "
+                                  f"each group of {context} ranks shares a row; launch a multiple of {context} ranks "
+                                  "(--nproc_per_node) or choose a divisor of the number of ranks")
+        heads = self.attention_heads()
+        if heads and heads % context:
+            self.findings.problem("parallel.context", f"{context} does not divide the model's {heads} attention heads: "
+                                  f"each rank of a context group attends with heads/context of them; choose a divisor "
+                                  f"of {heads}")
+
+    def attention_heads(self) -> int | None:
+        """The model's query heads: model.path's config.json, or model.config for a model built from a config."""
+        path = get_value(self.values, "model.path")
+        if isinstance(path, str):
+            try:
+                config = json.loads((Path(path) / "config.json").read_text())
+            except (OSError, ValueError):
+                return None  # reported by paths()
+            config = config.get("text_config", config) if isinstance(config, dict) else {}
+            heads = config.get("num_attention_heads") if isinstance(config, dict) else None
+        else:
+            heads = get_value(self.values, "model.config.num_attention_heads")
+        return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
 
     def max_positions(self) -> int | None:
         """max_position_embeddings of the pretrained model at model.path (a model built from model.config

@@ -138,12 +138,13 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
     except UserError as error:
         findings.problems.append(str(error))  # it names tokenizer.path
         return
-    data = cfg.data
+    data, context = cfg.data, cfg.parallel.context
+    context = context if isinstance(context, int) and context >= 1 else 1  # (an invalid one is reported already)
     for split in ("train", "eval"):
         for index, spec in enumerate(source_specs(data[split])):
             key = f"data.{split}[{index}]"
             try:
-                documents = RECIPE_DATA[recipe].read([spec], tokenizer, data)
+                documents = RECIPE_DATA[recipe].read([spec], tokenizer, data, context)
                 outcomes = documents.get_many(range(min(count, len(documents))))
             except UserError as error:
                 findings.problem(key, str(error))
@@ -174,6 +175,7 @@ def find_problems(cfg: DictConfig, world_size: int | None = None, recipe: str | 
     rules.quantized_base()
     rules.device()
     rules.step_layout(world_size)
+    rules.context_parallel(world_size)
     if rules.cfg is not None:
         rules.output_dir(rules.cfg, world_size)
     return findings

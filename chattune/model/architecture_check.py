@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import check_output_head
-from chattune.model.packing_probe import check_packing_isolation
+from chattune.model.context_parallel import active_group, check_heads, whole_rows
+from chattune.model.packing_probe import check_context_split, check_packing_isolation
 
 MINIATURE_LAYERS = 2
 MINIATURE_VOCAB = 1024
@@ -92,12 +93,21 @@ def build_miniature(config: PretrainedConfig) -> PreTrainedModel:
     return model
 
 
-def check_architecture(config: PretrainedConfig) -> None:
+def check_architecture(config: PretrainedConfig, device: torch.device | None = None) -> None:
     """Refuse (UnsupportedModel) an architecture whose packed forward lets documents see each other or whose
     logits are not hidden @ output_embedding.T, measured on a random-init miniature. The global RNG is left
-    as it was, so random-init weights built after the check do not change."""
+    as it was, so random-init weights built after the check do not change. Under context parallelism the
+    miniature must also compute a row split across the context group as the whole row (`check_context_split`,
+    on `device`)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MINIATURE_SEED)
         miniature = build_miniature(config)
-    check_packing_isolation(miniature)  # first: it turns a failing packed forward into a clear refusal
-    check_output_head(miniature)
+    with whole_rows():  # each rank probes the miniature on its own
+        check_packing_isolation(miniature)  # first: it turns a failing packed forward into a clear refusal
+        check_output_head(miniature)
+    group = active_group()
+    if group is not None:  # collective over the context group: every rank built the same miniature
+        check_heads(config.get_text_config().num_attention_heads, torch.distributed.get_world_size(group),
+                    type(miniature).__name__)
+        # on the run's device: the group's collectives (nccl on CUDA) take its tensors
+        check_context_split(miniature.to(device or torch.device("cpu")), group)

@@ -16,6 +16,9 @@ the models forward untouched to the attention function); we fall back to derivin
 
 `attention_backend` names the path a run takes (the builder logs it at start-up).
 
+With context parallelism (`chattune.model.context_parallel`) each rank holds a slice of the row: an all-to-all
+gives every rank the whole row for a share of the heads before the same kernels run, and another swaps back.
+
 Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
 """
 
@@ -31,6 +34,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
+from chattune.model.context_parallel import active_group, heads_to_sequence, sequence_to_heads
 
 ATTENTION_NAME = "chattune_packed"
 logger = logging.getLogger(__name__)
@@ -194,12 +198,19 @@ def packed_attention(
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     max_seqlen = kwargs.get("max_length_q")
+    group = active_group()
     if cu_seqlens is None:
+        if group is not None:  # a slice's position ids do not say where the row's documents start
+            raise ValueError(f"{ATTENTION_NAME} attention under context parallelism needs the row's cu_seq_lens_q")
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    if group is not None:  # this rank's slice of every head -> the whole row for its share of the heads
+        query, key, value = heads_to_sequence(query, key, value, group)
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):  # the varlen kernels' dtypes
-        return _varlen(query, key, value, cu_seqlens, int(max_seqlen), scaling, dropout, window), None
-    return _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window), None
+        output = _varlen(query, key, value, cu_seqlens, int(max_seqlen), scaling, dropout, window)
+    else:
+        output = _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window)
+    return (output if group is None else sequence_to_heads(output, group)), None
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_attention)

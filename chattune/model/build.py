@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -32,6 +31,9 @@ from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, de
 from chattune.model.fused_loss import resolve_loss_implementation
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # peft is imported only by runs with adapters (chattune.model.adapters): seconds per process
+    from peft import PeftModel
 
 
 class BuiltModel(NamedTuple):
@@ -69,7 +71,7 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         hf_model, files = _empty_or_full(directory)
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)
-    check_architecture(hf_model.config)  # on a random-init miniature: the real weights may not exist yet
+    check_architecture(hf_model.config, dist_info.device)  # on a random-init miniature: the real weights may not exist yet
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
     peft_model = add_adapters(hf_model, adapters) if adapters is not None else None

@@ -10,6 +10,7 @@ forward runs.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -17,6 +18,7 @@ from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.chunked_loss import chunked_token_losses
+from chattune.model.context_parallel import active_group, gather_row, row_slice
 from chattune.model.flops import model_flops
 from chattune.model.fused_loss import cce_token_losses
 
@@ -39,7 +41,16 @@ class PackedCausalLM(nn.Module):
         self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored."""
+        """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored. Under
+        context parallelism every rank of the group passes the whole row, computes its own slice and returns
+        the whole row's losses (`chattune.model.context_parallel`)."""
+        group = active_group()
+        if group is None:
+            return self._token_losses(batch)
+        local = row_slice(batch, dist.get_world_size(group), dist.get_rank(group))
+        return gather_row(self._token_losses(local), group, batch.num_tokens)
+
+    def _token_losses(self, batch: PackedBatch) -> torch.Tensor:
         hidden = packed_hidden_states(self.hf_model, batch)
         weight = self.hf_model.get_output_embeddings().weight
         if self.loss_implementation == "cut_cross_entropy":

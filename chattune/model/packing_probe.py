@@ -232,3 +232,35 @@ def check_packing_isolation(hf_model: PreTrainedModel) -> None:
         "packed rows (packing cannot be turned off), so this model is not supported for training yet; models "
         "whose only sequence mixing is softmax attention (Llama, Qwen2/3, Mistral, Gemma, Phi-3, OLMo, ...) are."
     )
+
+
+def check_context_split(hf_model: PreTrainedModel, group) -> None:
+    """Under context parallelism (`chattune.model.context_parallel`): refuse a model whose packed row, split
+    across the ranks of `group` (each its slice, attention exchanged), does not compute what the row run whole
+    computes. Every rank of the group runs it on the same miniature, at start-up. One probe row [A, B, C] (31
+    tokens) has document boundaries inside the slices and documents straddling them for any group size; the
+    limit is the probe's ALONE_TOLERANCE (the split changes only the shapes the matmuls see)."""
+    from chattune.model.context_parallel import split_hidden_states, whole_rows
+
+    embeddings = hf_model.get_input_embeddings()
+    vocab_size = min(embeddings.num_embeddings,
+                     getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
+    batch = collate_packed(probe_documents(vocab_size)).to(embeddings.weight.device)
+    was_training = hf_model.training
+    hf_model.eval()
+    try:
+        with torch.no_grad(), whole_rows():
+            whole = packed_hidden_states(hf_model, batch)
+        split = split_hidden_states(lambda piece: packed_hidden_states(hf_model, piece), batch, group)
+    finally:
+        hf_model.train(was_training)
+    difference = _difference(split, whole)
+    if not difference.max_relative <= ALONE_TOLERANCE:
+        raise UnsupportedModel(
+            f"{type(hf_model).__name__} computes a packed row split across the {torch.distributed.get_world_size(group)} "
+            f"ranks of parallel.context differently from the whole row: final hidden states differ by up to "
+            f"{difference.max_relative:.2e} (at token {difference.position} of {batch.num_tokens}; limit "
+            f"{ALONE_TOLERANCE:.0e}). Its layers read more of the row than their own tokens and position ids; train it "
+            "with parallel.context=1"
+        )
+

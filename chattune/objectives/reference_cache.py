@@ -25,7 +25,7 @@ from torch import nn
 
 from chattune.data.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max, all_reduce_sum
+from chattune.distributed import all_reduce_max, all_reduce_sum, counts_rows
 from chattune.hub import local_directory
 from chattune.model.fsdp import reshard
 from chattune.objectives.dpo import pair_logps
@@ -71,6 +71,7 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
         "sources": OmegaConf.to_container(cfg.data[split], resolve=True),
         "files": data_file_fingerprints(cfg.data[split], cfg.tokenizer.path),
         "max_tokens_per_microbatch": cfg.data.max_tokens_per_microbatch,
+        "context": cfg.parallel.context,  # the row budget, and how rows are split
         "overlong": cfg.data.overlong,
         "reference_weights": weights,
         "fsdp": OmegaConf.to_container(cfg.model.fsdp, resolve=True),  # precision changes the numbers
@@ -99,9 +100,10 @@ def compute_reference_table(reference: nn.Module, batches: Iterable[PackedBatch]
             break
         batch = (batch or empty_batch(pad_token_id)).to(device)
         chosen, rejected, _, _ = pair_logps(reference(batch), batch)
-        rows = torch.tensor(batch.doc_ids, dtype=torch.long)
-        table[rows] = torch.stack([chosen, rejected], dim=1).double().cpu()
-        filled[rows] = 1.0
+        if counts_rows():  # context parallelism: the group's ranks computed the same rows, its first one fills them
+            rows = torch.tensor(batch.doc_ids, dtype=torch.long)
+            table[rows] = torch.stack([chosen, rejected], dim=1).double().cpu()
+            filled[rows] = 1.0
     reference.train(was_training)
     reshard(reference)  # a view of the policy (LoRA) would otherwise start training with its root gathered
     together = all_reduce_sum(torch.cat([table, filled[:, None]], dim=1).to(device)).cpu()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max, reduce_sums
+from chattune.distributed import all_reduce_max, counts_rows, reduce_sums
 from chattune.model.fsdp import reshard
 from chattune.objectives.base import Objective
 
@@ -23,10 +23,11 @@ def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch],
     for i in range(all_reduce_max(len(batches), device)):
         batch = batches[i] if i < len(batches) else empty_batch(pad_token_id)
         loss, figures = objective.loss_sum(model, batch.to(device))
-        sums["loss_sum"] += float(loss)
-        sums["units"] += objective.count_units(batch)
+        weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
+        sums["loss_sum"] += float(loss) * weight
+        sums["units"] += objective.count_units(batch) * weight
         for name, value in figures.items():
-            sums[name] = sums.get(name, 0.0) + float(value)
+            sums[name] = sums.get(name, 0.0) + float(value) * weight
     model.train(was_training)
     reshard(model)  # the root's gathered bf16 copies would otherwise stay (and be what an export reads)
     sums = reduce_sums(sums, device)

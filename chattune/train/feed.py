@@ -58,7 +58,7 @@ class StepFeed:
 
     def __init__(self, stream: Iterable[PackedBatch], microbatches_per_step: int, pad_token_id: int,
                  num_epochs: int | None = None, mixer: "Mixer | None" = None, num_ranks: int = 1,
-                 slots: range | None = None, seed: int = 0):
+                 slots: range | None = None, seed: int = 0, counts: bool = True):
         if microbatches_per_step < 1:
             raise ValueError(f"microbatches per step must be at least 1, got {microbatches_per_step}")
         if slots is not None and (slots.start < 0 or slots.stop > microbatches_per_step):
@@ -66,6 +66,9 @@ class StepFeed:
         self.stream, self.microbatches_per_step, self.pad_token_id = stream, microbatches_per_step, pad_token_id
         self.num_epochs, self.num_ranks = num_epochs, num_ranks
         self.slots, self.seed = slots, seed
+        # Whether this rank's figures (epoch counts, skips) go into the sums over ranks: not on the other ranks of a
+        # context group, which read the same microbatches as its first (chattune.model.context_parallel).
+        self.counts = counts
         self.mixer = mixer  # a mixture's sampling state (chattune.data.mixing_policy), checkpointed with the data position
         self.epoch = 0  # the epoch of the next microbatch
         self.epoch_end_reached = False  # per rank: the stream finished the epoch, empty steps until every rank has
@@ -86,7 +89,8 @@ class StepFeed:
         """Skipped and over-budget-but-kept records that this rank counts (summed over ranks, they are the
         run's): its share's; world-size-invariant, every rank reads every record, so rank 0 counts them."""
         counts = {**self.stream.skipped, **self.stream.overlong}
-        return counts if not self.invariant or self.slots.start == 0 else dict.fromkeys(counts, 0)
+        mine = self.counts and (not self.invariant or self.slots.start == 0)
+        return counts if mine else dict.fromkeys(counts, 0)
 
     def next_step(self, step: int = 0) -> StepBatches:
         """`step`: the step number (the per-microbatch seeds of world-size-invariant steps)."""
@@ -107,7 +111,7 @@ class StepFeed:
                 raise RuntimeError(f"the stream gave a microbatch of epoch {batch.epoch} during epoch {self.epoch} "
                                    "without marking the end of the epoch")
             taken.append(batch)
-            if not self.invariant or len(taken) - 1 in self.slots:
+            if self.counts and (not self.invariant or len(taken) - 1 in self.slots):
                 _count(self.epoch_counts, batch)
             if not self.invariant:  # the step stops at the epoch's end; the ranks agree on it in the all-reduce
                 self.epoch_end_reached = batch.ends_epoch

@@ -16,7 +16,7 @@ from chattune.data.mixing_policy import Mixer, mixture_sampling
 from chattune.data.packing import PackedBatch
 from chattune.data.records import source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
-from chattune.data.sources import RECIPE_DATA, MixedDocuments
+from chattune.data.sources import RECIPE_DATA, MixedDocuments, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import pad_token_id
 from chattune.distributed import DistInfo, reduce_sums
@@ -32,7 +32,7 @@ def packed_stream(cfg: DictConfig, share: int, num_shares: int, pad_id: int, doc
     world-size-invariant steps): that share of every epoch, or of a mixture's draws. `log_skips`: whether
     this rank logs the records it skips (not when every rank reads the same ones)."""
     return PackedStream(
-        documents, share, num_shares, cfg.seed, cfg.data.max_tokens_per_microbatch, pad_id,
+        documents, share, num_shares, cfg.seed, row_budget(cfg.data, cfg.parallel.context)[0], pad_id,
         cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
         pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler, log_skips=log_skips,
     )
@@ -50,15 +50,17 @@ class StepLayout:
 
 def step_layout(cfg: DictConfig, dist_info: DistInfo) -> StepLayout:
     """Per rank: the rank's share, grad_accum_steps microbatches of it a step. World-size-invariant
-    (data.microbatches_per_step = M): all the data, M microbatches a step, rank r training M/W consecutive ones."""
-    total = cfg.data.microbatches_per_step
+    (data.microbatches_per_step = M): all the data, M microbatches a step, rank r training M/W consecutive ones.
+    Under context parallelism a "rank" here is a data-parallel rank: the C ranks of a context group read and
+    train the same microbatches (`DistInfo.data_rank`)."""
+    total, rank, ranks = cfg.data.microbatches_per_step, dist_info.data_rank, dist_info.data_ranks
     if total is None:
-        return StepLayout(dist_info.rank, dist_info.world_size, cfg.grad_accum_steps, None)
-    if total % dist_info.world_size:
-        raise UserError(f"data.microbatches_per_step={total} cannot be dealt to {dist_info.world_size} ranks: "
-                        "the number of ranks must divide it")
-    per_rank = total // dist_info.world_size
-    return StepLayout(0, 1, total, range(dist_info.rank * per_rank, (dist_info.rank + 1) * per_rank))
+        return StepLayout(rank, ranks, cfg.grad_accum_steps, None)
+    if total % ranks:
+        raise UserError(f"data.microbatches_per_step={total} cannot be dealt to {ranks} data-parallel ranks: "
+                        "the number of ranks (divided by parallel.context) must divide it")
+    per_rank = total // ranks
+    return StepLayout(0, 1, total, range(rank * per_rank, (rank + 1) * per_rank))
 
 
 @dataclass
@@ -90,8 +92,8 @@ def check_something_trains(cfg: DictConfig, dist_info: DistInfo, train: MixedDoc
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/") and n}
     hints = []
     if skipped.get("overlong"):
-        hints.append(f"{skipped['overlong']} are longer than data.max_tokens_per_microbatch="
-                     f"{cfg.data.max_tokens_per_microbatch} (data.overlong={cfg.data.overlong}): raise the budget"
+        hints.append(f"{skipped['overlong']} are longer than {row_budget(cfg.data, cfg.parallel.context)[1]} "
+                     f"(data.overlong={cfg.data.overlong}): raise the budget"
                      + (", or keep them with data.overlong=truncate or split" if cfg.data.overlong == "drop" else ""))
     if skipped.get("no_trainable_tokens"):
         hints.append(f"{skipped['no_trainable_tokens']} have no token to train under data.train_on={cfg.data.train_on}")
@@ -104,9 +106,9 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
                         recipe: str) -> TrainingData:
     """Collective (the data report's counts are summed over ranks). `recipe`: the kind of documents read
     (`chattune.data.sources.RECIPE_DATA`)."""
-    read, pad_id = RECIPE_DATA[recipe].read, pad_token_id(tokenizer)
+    read, pad_id, context = RECIPE_DATA[recipe].read, pad_token_id(tokenizer), cfg.parallel.context
     train_specs = source_specs(cfg.data.train)
-    train = read(train_specs, tokenizer, cfg.data)
+    train = read(train_specs, tokenizer, cfg.data, context)
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
     layout = step_layout(cfg, dist_info)
     mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, layout.share, layout.num_shares,
@@ -118,13 +120,15 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
         if counts["trainable_tokens"] == 0:  # before the model is loaded: nothing of this data would train
             check_something_trains(cfg, dist_info, train, counts if len(sample) == len(train) else None)
     # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
-    # stream, and only rank 0 logs its skipped records); epochs end on the same step on every rank.
+    # stream, and only rank 0 logs its skipped records; context parallelism: a group's ranks read the same stream,
+    # and only its first counts and logs); epochs end on the same step on every rank.
+    counts = dist_info.context_rank == 0
     stream = packed_stream(cfg, layout.share, layout.num_shares, pad_id, train, shuffle=True,
                            num_epochs=cfg.data.num_epochs, sampler=sampler,
-                           log_skips=layout.slots is None or dist_info.rank == 0)
+                           log_skips=counts and (layout.slots is None or dist_info.rank == 0))
     feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
-                    num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed)
-    held_out = read(source_specs(cfg.data.eval), tokenizer, cfg.data) if cfg.data.eval else None
-    eval_batches = list(packed_stream(cfg, dist_info.rank, dist_info.world_size, pad_id, held_out, shuffle=False,
-                                      num_epochs=1)) if held_out else []
+                    num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed, counts=counts)
+    held_out = read(source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
+    eval_batches = list(packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, pad_id, held_out, shuffle=False,
+                                      num_epochs=1, log_skips=counts)) if held_out else []
     return TrainingData(train, held_out, feed, eval_batches, mixer, pad_id)

@@ -27,7 +27,8 @@ from transformers import PreTrainedTokenizerBase
 from chattune import interrupts
 from chattune.data.documents import SKIP_REASONS
 from chattune.data.report import epoch_line
-from chattune.distributed import DistInfo, reduce_sums
+from chattune.data.sources import row_budget
+from chattune.distributed import DistInfo, counts_rows, reduce_sums
 from chattune.errors import UserError
 from chattune.model.build import BuiltModel
 from chattune.model.export import export_adapter, export_dtype, export_hf
@@ -82,7 +83,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
     )
     # Written with every checkpoint (rank 0's): what a resume checks, and the wandb run it continues.
     meta = {**start.meta, "wandb_id": metric_logger.wandb_id}
-    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger else None
+    # (one ledger per row: a context group's other ranks train the same documents)
+    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger and dist_info.context_rank == 0 else None
     background = BackgroundSaves(device) if cfg.save_async else None  # checkpoints written while training goes on
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
@@ -127,7 +129,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
 
         for epoch, epoch_counts in closed_epochs:  # the step closed an epoch on every rank: its exact figures
             logger.info("epoch %d done at step %d: %s", epoch, step,
-                        epoch_line(reduce_sums(epoch_counts, device), cfg.data.max_tokens_per_microbatch))
+                        epoch_line(reduce_sums(epoch_counts, device), row_budget(cfg.data, cfg.parallel.context)[0]))
         is_last = step == cfg.max_steps or feed.finished
         signalled = result.stop_ranks > 0  # a stop signal on any rank (agreed in the step's all-reduce)
         # Decided from the config and the step's all-reduce: evaluate() is collective, every rank must agree to
@@ -173,7 +175,8 @@ def logged_metrics(step: int, result: StepResult, grad_norm: float, lr: float, s
     mixture's per-source figures. `peak`: the device's peak FLOP/s, for MFU (None: unknown)."""
     flops = getattr(model, "flops", None)  # PackedCausalLM's FLOP counts
     # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it.
-    step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak else 0.0
+    # A row's FLOPs count once over all ranks (context parallelism: on the group's first rank; the group shares them)
+    step_flops = sum(batch_flops(flops, b) for b in batches.microbatches) if flops and peak and counts_rows() else 0.0
     metrics = step_metrics(step, result, objective, grad_norm, lr, step_time_s, device, step_flops, peak)
     metrics.update(epoch=batches.epoch, **counts)
     if loss_scale.enabled:

@@ -152,6 +152,7 @@ class ResumePlan:
     notes: list[str] = field(default_factory=list)
     horizon: list[str] = field(default_factory=list)  # the changed horizon keys, as "key: old -> new"
     changed_keys: list[str] = field(default_factory=list)  # every accepted config key that changed
+    layout_changed: bool = False  # another number of ranks or context size: the data position is merged over ranks
 
     @property
     def optimizer_changed(self) -> bool:
@@ -167,6 +168,8 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     lists every refused difference and the exact `resume_allow_changes` that would accept them."""
     saved = read_meta(directory)
     world_size_changed = meta["world_size"] is not None and saved["world_size"] != meta["world_size"]
+    saved_context = saved["fingerprint"].get("config", {}).get("parallel.context", 1)  # (older checkpoints: 1)
+    context_changed = saved_context != cfg.parallel.context
     invariant = cfg.data.microbatches_per_step is not None
     if world_size_changed and not invariant:
         raise ResumeError(
@@ -174,6 +177,12 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
             "data position is a place in its own share of the epoch, which another number of ranks would split "
             f"differently. Relaunch with --nproc_per_node {saved['world_size']} (runs with "
             "data.microbatches_per_step resume on any number of ranks that divides it).")
+    if context_changed and not invariant:
+        raise ResumeError(
+            f"{directory} was written with parallel.context={saved_context}, this run has {cfg.parallel.context}: the "
+            "data-parallel ranks (ranks / parallel.context) each hold a place in their own share of the epoch, and "
+            f"another context size would share it differently. Relaunch with parallel.context={saved_context} (runs "
+            "with data.microbatches_per_step resume with any layout of ranks).")
     if cfg.max_steps < saved["step"]:
         raise ResumeError(
             f"max_steps={cfg.max_steps}, but this run continues from {directory} at step {saved['step']}: the horizon is "
@@ -187,14 +196,27 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     fingerprint = dict(saved["fingerprint"])
     if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
         fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
+    fingerprint["config"] = {"parallel.context": 1, **fingerprint.get("config", {})}  # before context parallelism
     anything, entries = allowed_changes(cfg.resume_allow_changes)
     online_mixing = cfg.data.mixing.mode == "online"
     plan, refused = ResumePlan(), []
     if world_size_changed:
         plan.notes.append(f"world size {saved['world_size']} -> {meta['world_size']} (world-size-invariant steps: the "
                           "same documents per step; every rank continues the one data stream)")
+    plan.layout_changed = world_size_changed or context_changed
+    saved_budget = fingerprint["config"].get("data.max_tokens_per_microbatch")
+    same_rows = saved_budget is not None and saved_budget * saved_context == (
+        cfg.data.max_tokens_per_microbatch * cfg.parallel.context)
     for difference in differences(fingerprint, meta["fingerprint"], saved_record_hashes(directory)):
         key = difference.key if difference.kind == "config" else None
+        if key in ("parallel.context", "data.max_tokens_per_microbatch") and context_changed and same_rows:
+            # (world-size-invariant steps, checked above) packing reads the row budget, which is unchanged
+            if key == "parallel.context":
+                plan.notes.append(f"{difference.text}: the same row budget, the same packed rows split another way")
+            else:
+                plan.notes.append(f"{difference.text} with parallel.context {saved_context} -> {cfg.parallel.context}: "
+                                  "the same row budget")
+            continue
         if key is not None:
             plan.changed_keys.append(key)  # (a refused one raises below)
         if key in HORIZON_KEYS:
@@ -262,12 +284,13 @@ def resume_training(directory: Path, plan: ResumePlan, model, optimizer, schedul
     # The optimizer's hyperparameters as this run's config sets them (the checkpoint's state replaces them).
     configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
     saved_ranks = read_meta(directory)["world_size"]
-    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    # Another number of ranks (world-size-invariant steps): the step, schedule and counters are every rank's
-    # alike, read from rank 0's state; the data position too, with the sums of all ranks (below).
-    train_state = load_checkpoint(directory, model, optimizer, own_state=saved_ranks == world_size)
+    # Another layout of ranks (world-size-invariant steps: another number of ranks or context size): the step,
+    # schedule and counters are every rank's alike, read from rank 0's state; the data position too, with the sums
+    # of all ranks (below).
+    same_layout = not plan.layout_changed
+    train_state = load_checkpoint(directory, model, optimizer, own_state=same_layout)
     scheduler.load_state_dict(train_state["scheduler"])
-    if saved_ranks == world_size:
+    if same_layout:
         feed.load_state_dict(train_state["data"])
         set_rng_state(train_state["rng"])
     else:  # world-size-invariant steps on another number of ranks: the one stream's position, and the sums moved

@@ -10,6 +10,10 @@ Every rank runs the same number of forward/backward calls (ranks short of data g
 so the end of the data can never leave one rank waiting in a collective. The same all-reduce carries
 how many data streams have finished their share of the epoch (see `chattune.train.feed`).
 
+Under context parallelism (`chattune.model.context_parallel`) the C ranks of a group train the same rows,
+each computing a slice; the group's first rank alone counts their units and reports their sums, so the
+normaliser and the metrics count every row once.
+
 On CUDA the host waits for the device once per step (`train_step`): the unit count stays on the device as
 the normaliser, and the step's sums, counts, gradient norm and the finite checks come back in one
 transfer, right before the optimizer's step, which needs them. What remains: cut-cross-entropy's `nonzero()`,
@@ -27,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from chattune.distributed import all_reduce_sum
+from chattune.distributed import all_reduce_sum, counts_rows
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
 
@@ -69,7 +73,10 @@ class _DeviceSums:
 def _forward_backward(model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device,
                       loss_scale: float) -> _DeviceSums:
     microbatches, seeds = batches.microbatches, batches.seeds
-    local_units = sum(objective.count_units(b) for b in microbatches)
+    # Context parallelism: every rank of a group trains the same rows, and only the first counts and reports them.
+    counted = counts_rows()
+    weight = 1.0 if counted else 0.0
+    local_units = sum(objective.count_units(b) for b in microbatches) if counted else 0
     counts = all_reduce_sum(torch.tensor([local_units, int(batches.epoch_end_reached)], dtype=torch.int64, device=device))
     # The normaliser stays on the device: reading it here would wait for every kernel queued before it (the
     # previous step's optimizer). A step with nothing to train gives zero gradients, not NaN.
@@ -83,10 +90,11 @@ def _forward_backward(model: nn.Module, objective: Objective, batches: StepBatch
             torch.manual_seed(seeds[index])
         batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
         (batch_loss * scale if scale is not None else batch_loss / normaliser).backward()
-        loss_sum += batch_loss.detach().float()
+        loss_sum += batch_loss.detach().float() * weight
         for name, value in batch_figures.items():
-            figures[name] = figures.get(name, 0.0) + value.detach().double()
-    return _DeviceSums(counts, loss_sum, figures, local_units, sum(b.num_tokens for b in microbatches))
+            figures[name] = figures.get(name, 0.0) + value.detach().double() * weight
+    local_tokens = sum(b.num_tokens for b in microbatches) if counted else 0
+    return _DeviceSums(counts, loss_sum, figures, local_units, local_tokens)
 
 
 def accumulate_gradients(model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device,
