@@ -51,8 +51,7 @@ TOLERANCE = 1e-5  # relative gradient error: fp32, the same sums in another orde
 
 
 def model(seed: int = 0):
-    hf_model = tiny_model(seed=seed, **QWEN3)
-    return hf_model
+    return tiny_model(seed=seed, **QWEN3)
 
 
 def random_document(doc_id: int, length: int, trained_from: int, seed: int, vocab: int) -> Document:

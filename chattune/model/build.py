@@ -95,6 +95,9 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype, tf32_head),
                         device_type, dist_info.world_size, **cfg.model.fsdp, compile=compile, replicated=replicated)
     describe_compute(model, device_type)
+    if dist_info.context_size > 1:
+        logger.info("context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
+                    dist_info.context_size)
     if files is not None:
         load.materialise_and_load(model, hf_model, directory, files, dist_info.device, initial)
     if adapters is not None and adapters.use_dora:

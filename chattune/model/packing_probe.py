@@ -49,6 +49,7 @@ from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import packed_hidden_states
+from chattune.model.context_parallel import split_hidden_states, whole_rows
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
 PROBE_LENGTHS = (11, 9, 11)
@@ -240,8 +241,6 @@ def check_context_split(hf_model: PreTrainedModel, group) -> None:
     computes. Every rank of the group runs it on the same miniature, at start-up. One probe row [A, B, C] (31
     tokens) has document boundaries inside the slices and documents straddling them for any group size; the
     limit is the probe's ALONE_TOLERANCE (the split changes only the shapes the matmuls see)."""
-    from chattune.model.context_parallel import split_hidden_states, whole_rows
-
     embeddings = hf_model.get_input_embeddings()
     vocab_size = min(embeddings.num_embeddings,
                      getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
