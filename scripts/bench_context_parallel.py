@@ -45,7 +45,7 @@ def peak_resident_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str) -> None:
+def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str, threads: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(context),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(context))
     from transformers import AutoConfig, AutoTokenizer
@@ -60,7 +60,9 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     from chattune.train.feed import StepBatches
     from chattune.train.step import train_step
 
-    dist_info = init_distributed("cpu", context_size=context)
+    dist_info = init_distributed("cpu", context_size=context)  # (threads: the cores over the ranks)
+    if threads:
+        torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
     torch.manual_seed(0)
     hf_model = build_hf_model(tokenizer, AutoConfig.for_model("qwen3", **MODEL))
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=3, help="at least 2: the first one is not measured")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     args = parser.parse_args()
     from chattune.distributed import free_port
 
@@ -99,7 +102,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for context in args.contexts:
             out = f"{tmp}/c{context}"
-            mp.spawn(worker, args=(context, free_port(), args.tokens, args.steps, out), nprocs=context, join=True)
+            mp.spawn(worker, args=(context, free_port(), args.tokens, args.steps, out, args.threads), nprocs=context, join=True)
             ranks = [torch.load(f"{out}.rank{r}") for r in range(context)]
             before = max(r["before"] for r in ranks)
             peak = max(r["peak"] for r in ranks)

@@ -10,14 +10,16 @@ import json
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-import datasets
 import numpy as np
 from omegaconf import OmegaConf
 
 from chattune.data.formats import DataError, SourceSpec
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_id
+
+if TYPE_CHECKING:  # datasets (with pandas) is imported only to read Parquet and dataset directories: a second per process
+    import datasets
 
 
 class RecordSource:
@@ -52,6 +54,8 @@ class RecordSource:
                 self._sources.append(_json_records(path))
             elif path.endswith(".parquet"):
                 # Parquet stores its schema, so no type is inferred across records (unlike JSON in Arrow).
+                import datasets
+
                 self._sources.append(datasets.load_dataset("parquet", data_files=path, split="train"))
             else:
                 raise DataError(f"data file {path!r}: expected .jsonl, .json or .parquet")
@@ -95,6 +99,8 @@ class RecordSource:
 
 def _load_dataset(spec: SourceSpec) -> datasets.Dataset:
     """A dataset directory or hub dataset (`hf:org/name`), read with `datasets` (a hub id needs the machine online)."""
+    import datasets
+
     name = hub_id(spec.path) or spec.path
     try:
         return datasets.load_dataset(name, split=spec.split)
