@@ -38,11 +38,6 @@ class DistInfo:
         """Data-parallel ranks: the streams of microbatches a step trains on."""
         return self.world_size // self.context_size
 
-    @property
-    def context_rank(self) -> int:
-        """This rank's place in its context group: which slice of each row it computes."""
-        return self.rank % self.context_size
-
 
 def free_port() -> int:
     with socket.socket() as s:

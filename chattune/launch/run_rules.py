@@ -7,6 +7,7 @@ Each check adds lines to a `Findings`; nothing stops at the first problem.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -146,8 +147,7 @@ class RunRules:
             self.findings.problem("data.max_tokens_per_microbatch", f"{budget} is not a multiple of data.pad_to_multiple_of "
                                                                     f"{multiple}: padding could exceed the budget")
         positions, context = self.max_positions(), self.context_size()
-        row = budget * context if budget and context else budget
-        if row and positions and row > positions:
+        if budget and positions and budget * context > positions:
             self.findings.note("data.max_tokens_per_microbatch",
                                f"{budget}{f' x parallel.context={context}' if context > 1 else ''} is more than "
                                f"model.path's max_position_embeddings {positions}: a document longer than {positions} "
@@ -211,28 +211,29 @@ class RunRules:
 
     def attention_heads(self) -> int | None:
         """The model's query heads: model.path's config.json, or model.config for a model built from a config."""
-        path = get_value(self.values, "model.path")
-        if isinstance(path, str):
-            try:
-                config = json.loads((Path(path) / "config.json").read_text())
-            except (OSError, ValueError):
-                return None  # reported by paths()
-            config = config.get("text_config", config) if isinstance(config, dict) else {}
+        if isinstance(get_value(self.values, "model.path"), str):
+            config = self.pretrained_config
+            config = config.get("text_config", config)
             heads = config.get("num_attention_heads") if isinstance(config, dict) else None
         else:
             heads = get_value(self.values, "model.config.num_attention_heads")
         return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
 
+    @functools.cached_property
+    def pretrained_config(self) -> dict:
+        """model.path's config.json ({} where there is none, or it is unreadable: reported by paths())."""
+        try:
+            config = json.loads((Path(get_value(self.values, "model.path")) / "config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            return {}
+        return config if isinstance(config, dict) else {}
+
     def max_positions(self) -> int | None:
         """max_position_embeddings of the pretrained model at model.path (a model built from model.config
         has been trained on no position yet)."""
-        path = get_value(self.values, "model.path")
-        if not isinstance(path, str):
+        if not isinstance(get_value(self.values, "model.path"), str):
             return None
-        try:
-            value = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
-        except (OSError, ValueError, AttributeError):
-            return None  # a missing or unreadable config.json is reported by paths()
+        value = self.pretrained_config.get("max_position_embeddings")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def output_dir(self, cfg: DictConfig, world_size: int | None) -> None:

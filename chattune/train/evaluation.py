@@ -20,10 +20,10 @@ def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch],
     sums: dict[str, float] = {"loss_sum": 0.0, "units": 0.0}
     was_training = model.training
     model.eval()
+    weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
     for i in range(all_reduce_max(len(batches), device)):
         batch = batches[i] if i < len(batches) else empty_batch(pad_token_id)
         loss, figures = objective.loss_sum(model, batch.to(device))
-        weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
         sums["loss_sum"] += float(loss) * weight
         sums["units"] += objective.count_units(batch) * weight
         for name, value in figures.items():

@@ -19,7 +19,7 @@ from chattune.data.report import count_lines, report_sample, scan_documents
 from chattune.data.sources import RECIPE_DATA, MixedDocuments, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import pad_token_id
-from chattune.distributed import DistInfo, reduce_sums
+from chattune.distributed import DistInfo, counts_rows, reduce_sums
 from chattune.errors import UserError
 from chattune.train.feed import StepFeed
 
@@ -122,7 +122,7 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
     # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
     # stream, and only rank 0 logs its skipped records; context parallelism: a group's ranks read the same stream,
     # and only its first counts and logs); epochs end on the same step on every rank.
-    counts = dist_info.context_rank == 0
+    counts = counts_rows()
     stream = packed_stream(cfg, layout.share, layout.num_shares, pad_id, train, shuffle=True,
                            num_epochs=cfg.data.num_epochs, sampler=sampler,
                            log_skips=counts and (layout.slots is None or dist_info.rank == 0))

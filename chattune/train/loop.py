@@ -84,7 +84,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
     # Written with every checkpoint (rank 0's): what a resume checks, and the wandb run it continues.
     meta = {**start.meta, "wandb_id": metric_logger.wandb_id}
     # (one ledger per row: a context group's other ranks train the same documents)
-    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger and dist_info.context_rank == 0 else None
+    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger and counts_rows() else None
     background = BackgroundSaves(device) if cfg.save_async else None  # checkpoints written while training goes on
 
     if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve

@@ -168,7 +168,11 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     lists every refused difference and the exact `resume_allow_changes` that would accept them."""
     saved = read_meta(directory)
     world_size_changed = meta["world_size"] is not None and saved["world_size"] != meta["world_size"]
-    saved_context = saved["fingerprint"].get("config", {}).get("parallel.context", 1)  # (older checkpoints: 1)
+    fingerprint = dict(saved["fingerprint"])
+    if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
+        fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
+    fingerprint["config"] = {"parallel.context": 1, **fingerprint.get("config", {})}  # before context parallelism
+    saved_context = fingerprint["config"]["parallel.context"]
     context_changed = saved_context != cfg.parallel.context
     invariant = cfg.data.microbatches_per_step is not None
     if world_size_changed and not invariant:
@@ -193,10 +197,6 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
             f"stop_after_step={cfg.stop_after_step}, but this run continues from {directory} at step {saved['step']}: "
             "there is no step left to stop after. Raise stop_after_step or drop it, or resume an earlier checkpoint "
             "with resume=PATH.")
-    fingerprint = dict(saved["fingerprint"])
-    if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
-        fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
-    fingerprint["config"] = {"parallel.context": 1, **fingerprint.get("config", {})}  # before context parallelism
     anything, entries = allowed_changes(cfg.resume_allow_changes)
     online_mixing = cfg.data.mixing.mode == "online"
     plan, refused = ResumePlan(), []
