@@ -2,7 +2,7 @@
 (today's default) against `data.microbatches_per_step`, for a job of `--ranks` ranks.
 
     python scripts/bench_step_layout.py [--conversations 20000] [--max-tokens 4096] [--ranks 8] [--microbatches 8]
-                                        [--epochs 1]
+                                        [--epochs 1] [--cache]
 
 Data: the shared real chats (`../shared/assets/data`, as `scripts/bench_data.py` reads them) replicated to
 about `--conversations` conversations, with the shared Qwen3 tokenizer, `--epochs` epochs, no loader workers. The
@@ -17,6 +17,9 @@ every epoch's end (per rank) or of the run's end (invariant); also without the r
 empty slots any layout has, once per run). tokens/s per rank = the document tokens a rank trains / the seconds its pipeline takes
 (tokenize, mask, pack, assemble its steps): what one rank's training can consume at most from the pipeline
 of one process (loader workers take the tokenizing off it).
+
+--cache: the documents come from a warm token cache (`chattune.data.token_cache`, built before the timing starts):
+packing reads the lengths, and a rank reads only the tokens of the microbatches it trains.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import time
 from pathlib import Path
 
 from bench_data import SHARED, replicated_messages
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
+from chattune.data.cached_sources import open_documents
 from chattune.data.formats import SourceSpec
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
@@ -89,6 +94,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8, help="per step, over all ranks")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cache", action="store_true", help="read the documents from a warm token cache")
     args = parser.parse_args()
     if args.microbatches % args.ranks:
         parser.error("--ranks must divide --microbatches")
@@ -97,6 +103,11 @@ def main() -> None:
         path = Path(tmp) / "chats.jsonl"
         path.write_text("".join(json.dumps(m) + "\n" for m in replicated_messages(args.conversations)))
         documents = SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, args.max_tokens, overlong="truncate")
+        if args.cache:
+            data = OmegaConf.create({"cache": str(Path(tmp) / "cache"), "train_on": "assistant", "overlong": "truncate",
+                                     "on_bad_record": "error", "max_tokens_per_microbatch": args.max_tokens, "num_workers": 0})
+            documents = open_documents("sft", [SourceSpec(str(path))], tokenizer, data).sources[0]
+            assert documents.cached
         print("| layout | ranks | microbatches per step | epochs | fill | fill without the last step | tokens/s per rank |\n"
               "|---|---|---|---|---|---|---|")
         for name, measure in (("per rank (`data.microbatches_per_step=null`)", per_rank),

@@ -148,3 +148,14 @@ def base_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer():
     return demo_tokenizer()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache_dir(tmp_path_factory) -> Path:
+    """Token caches (data.cache=auto) of this test process and the launches it starts, not the user's
+    ~/.cache: one directory per xdist worker, shared by its tests (a cache is found by its key)."""
+    from chattune.data.token_cache import CACHE_DIR_ENV
+
+    directory = tmp_path_factory.mktemp("token_cache")
+    os.environ[CACHE_DIR_ENV] = str(directory)
+    return directory

@@ -9,6 +9,7 @@ moves with such a checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections import Counter
@@ -144,6 +145,22 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, data, two_ran
         for step in range(11, STEPS + 1):
             assert sorted(i for ids in after[step][1].values() for i in ids) == \
                 sorted(i for ids in before[step][1].values() for i in ids), f"step {step}"
+
+
+def test_the_token_cache_changes_no_document_and_no_loss(tmp_path, data, two_ranks):
+    """`two_ranks` read its documents from the token cache (data.cache=auto, the default; built by its 2 ranks
+    together, or by an earlier launch on the same file); the same run tokenizing as it reads (data.cache=off) trains the same documents in every step, with
+    the same losses to 1e-6."""
+    from chattune.data.token_cache import CACHE_DIR_ENV, MANIFEST
+
+    chats = data["sft"][0].removeprefix("data.train=[").removesuffix("]")
+    manifests = [json.loads(m.read_text()) for m in (Path(os.environ[CACHE_DIR_ENV]) / "tokens").glob(f"*/{MANIFEST}")]
+    assert any(m["source"] == chats for m in manifests), "two_ranks should have read a token cache"
+    out = tmp_path / "off"
+    launch(out, 2, "sft", *data["sft"], "data.num_workers=2", "ledger=true", "data.cache=off")
+    got, want = losses(out), losses(two_ranks)
+    assert len(got) == STEPS and max(abs(g - w) / abs(w) for g, w in zip(got, want)) <= 1e-6
+    assert ledger_steps(out)["from_step0.jsonl"] == ledger_steps(two_ranks)["from_step0.jsonl"]
 
 
 def test_an_online_mixture_resumes_on_another_number_of_ranks(tmp_path, data):

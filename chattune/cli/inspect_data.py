@@ -24,7 +24,8 @@ from chattune.launch.validate import validate_command
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
 from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
-from chattune.data.sources import RECIPE_DATA, recipe_kind, row_budget
+from chattune.data.cached_sources import open_documents
+from chattune.data.sources import recipe_kind, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import load_tokenizer
 
@@ -45,7 +46,8 @@ def load_config(config_name: str, overrides: list[str], config_path: Path = CONF
 def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
     budget = row_budget(cfg.data, cfg.parallel.context)[0]  # a row's tokens (context parallelism: the group's)
     specs = source_specs(cfg.data.train)  # read as the recipe reads them
-    documents = RECIPE_DATA[recipe_kind(cfg)].read(specs, tokenizer, cfg.data, cfg.parallel.context)
+    # From the sources' token caches where they are built (data.cache), else tokenized here as read.
+    documents = open_documents(recipe_kind(cfg), specs, tokenizer, cfg.data, cfg.parallel.context, build=False)
     report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
                             batch_records=cfg.data.buffer_records)
     stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,

@@ -4,6 +4,7 @@
     chattune cp RECIPE|CONFIG DEST [--force]      copy one to edit it (DEST: a file or a directory)
     chattune inspect [CONFIG] [key=value ...]     what training will see: counts, lengths, fill, trained tokens
     chattune validate [CONFIG] [key=value ...]    check a config and its data before launching a run
+    chattune prepare [CONFIG] [key=value ...]     tokenize its data once into token caches, before a big job
     chattune plot OUTPUT_DIR [...] [--out FILE]   training curves of one or more runs, overlaid, as a PNG
 
 CONFIG is a config name such as sft/tiny (or --config-name NAME); --config-path DIR takes configs from
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check a config and its data before launching a run")
     _add_config_arguments(validate)
     validate.set_defaults(handler=_validate)
+
+    prepare = commands.add_parser("prepare", help="tokenize a config's data once into token caches (data.cache)")
+    _add_config_arguments(prepare)
+    prepare.set_defaults(handler=_prepare)
 
     plot = commands.add_parser("plot", help="draw training curves of one or more runs as a PNG")
     plot.add_argument("run_dirs", metavar="OUTPUT_DIR", nargs="+", type=Path, help="run output directories (metrics.jsonl)")
@@ -147,6 +152,16 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     report, ok = run_validate(config_name, overrides, config_path, config_dir=config_dir, read_data=True)
     print(report)
     return 0 if ok else 1
+
+
+def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.cli.prepare import run_prepare
+
+    config_name, overrides = config_and_overrides(args, parser)
+    logging.basicConfig(level=logging.WARNING)
+    config_path, config_dir = config_location(args, config_name)
+    print(run_prepare(config_name, overrides, config_path, config_dir))
+    return 0
 
 
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -153,8 +153,10 @@ class DataConfig:
                                                   "ranks, the next ones of one packing of all the data that every "
                                                   "rank makes alike; the number of ranks must divide it "
                                                   "(grad_accum_steps follows). null: each rank packs its own share", at_least=1)
-    num_workers: int = key(0, "tokenizing processes per rank (0: in the training process)", at_least=0,
-                           resume="numerics")
+    num_workers: int = key(0, "tokenizing processes per rank (0: in the training process); with a token cache, "
+                              "those that build it", at_least=0, resume="numerics")
+    cache: str = key("auto", "the token cache: auto (in $CHATTUNE_CACHE_DIR, else ~/.cache/chattune) | off (tokenize "
+                             "as read, every launch) | a directory", resume="free")
     pad_to_multiple_of: int | None = key(None, "round each microbatch up (padding is never trained or attended)",
                                          at_least=1)
     overlong: str = key("drop", "a record over the budget: drop | truncate | split | error", choices=OVERLONG)

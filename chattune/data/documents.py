@@ -51,9 +51,10 @@ def outcomes_by_record(outcomes: list[Document | Skipped], num_records: int) -> 
 
 @dataclass(eq=False)
 class Document:
-    """A tokenized, labelled record (or piece of one). Its tokens are int64 numpy arrays (lists are
-    converted): a loader worker hands documents to the trainer by pickling, and an array pickles as one
-    block of bytes where a list pickles int by int."""
+    """A tokenized, labelled record (or piece of one). Its tokens are integer numpy arrays (lists are
+    converted to int64): a loader worker hands documents to the trainer by pickling, and an array pickles as
+    one block of bytes where a list pickles int by int. From a token cache they are int32 views of its memory
+    maps, read only when collated (`chattune.data.token_cache`)."""
 
     doc_id: int  # the record it comes from
     input_ids: np.ndarray
@@ -66,8 +67,10 @@ class Document:
     source: int = 0  # which data source (of a mixture) the record belongs to
 
     def __post_init__(self) -> None:
-        self.input_ids = np.asarray(self.input_ids, dtype=np.int64)
-        self.labels = np.asarray(self.labels, dtype=np.int64)
+        if not (isinstance(self.input_ids, np.ndarray) and self.input_ids.dtype in (np.int32, np.int64)):
+            self.input_ids = np.asarray(self.input_ids, dtype=np.int64)
+        if not (isinstance(self.labels, np.ndarray) and self.labels.dtype in (np.int32, np.int64)):
+            self.labels = np.asarray(self.labels, dtype=np.int64)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Document):

@@ -81,8 +81,8 @@ def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = N
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
     return PackedBatch(
-        input_ids=torch.from_numpy(np.concatenate([d.input_ids for d in documents])).unsqueeze(0),
-        labels=torch.from_numpy(np.concatenate([d.labels for d in documents])).unsqueeze(0),
+        input_ids=torch.from_numpy(np.concatenate([d.input_ids for d in documents], dtype=np.int64)).unsqueeze(0),
+        labels=torch.from_numpy(np.concatenate([d.labels for d in documents], dtype=np.int64)).unsqueeze(0),
         position_ids=_positions(lengths).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),

@@ -37,6 +37,11 @@ class MixedDocuments:
     def __len__(self) -> int:
         return self.offsets[-1]
 
+    @property
+    def cached(self) -> bool:
+        """Every source reads from its token cache (`chattune.data.token_cache`): nothing left to tokenize."""
+        return all(getattr(documents, "cached", False) for documents in self.sources)
+
     def source_of(self, index: int) -> int:
         return bisect.bisect_right(self.offsets, index) - 1
 
@@ -68,39 +73,49 @@ def row_budget(data: DictConfig, context: int = 1) -> tuple[int, str]:
                                 f"x parallel.context={context})")
 
 
-def sft_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
-                  context: int = 1) -> MixedDocuments:
-    """Conversations with assistant-only labels (each source's `train_on`, else `data.train_on`), each at most
+def sft_source(spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1) -> SFTDocuments:
+    """A source's conversations with assistant-only labels (its `train_on`, else `data.train_on`), each at most
     a row (`row_budget`)."""
     budget, budget_name = row_budget(data, context)
-    return MixedDocuments([(spec.display_name, SFTDocuments(
-        RecordSource([spec]), tokenizer, budget, data.overlong, spec.train_on or data.train_on, data.on_bad_record,
-        budget_name)) for spec in specs])
+    return SFTDocuments(RecordSource([spec]), tokenizer, budget, data.overlong, spec.train_on or data.train_on,
+                        data.on_bad_record, budget_name)
 
 
-def pair_documents(specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
-                   context: int = 1) -> MixedDocuments:
-    """Preference pairs: one document of two segments (chosen, rejected) per pair, at most a row."""
+def pair_source(spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1) -> PairDocuments:
+    """A source's preference pairs: one document of two segments (chosen, rejected) per pair, at most a row."""
     budget, budget_name = row_budget(data, context)
-    return MixedDocuments([(spec.display_name, PairDocuments(
-        RecordSource([spec]), tokenizer, budget, data.overlong, data.on_bad_record, budget_name)) for spec in specs])
+    return PairDocuments(RecordSource([spec]), tokenizer, budget, data.overlong, data.on_bad_record, budget_name)
 
 
-DocumentsOf = Callable[[list[SourceSpec], PreTrainedTokenizerBase, DictConfig, int], MixedDocuments]
+def document_settings(spec: SourceSpec, data: DictConfig, context: int = 1) -> dict:
+    """The settings, besides the spec and the tokenizer, that shape a source's documents (and so key its token
+    cache, `chattune.data.token_cache`): the masking, the overlong policy, the budget and its name in messages,
+    and what a bad record does."""
+    budget, budget_name = row_budget(data, context)
+    return {"train_on": spec.train_on or data.train_on, "overlong": data.overlong, "budget": budget,
+            "budget_name": budget_name, "on_bad_record": data.on_bad_record}
+
+
+SourceOf = Callable[[SourceSpec, PreTrainedTokenizerBase, DictConfig, int], DocumentSource]
 
 
 @dataclass(frozen=True)
 class RecipeData:
-    """What a recipe kind reads: its documents and the record formats that give them."""
+    """What a recipe kind reads: each source's documents and the record formats that give them."""
 
-    read: DocumentsOf  # (the sources' specs, the tokenizer, the data section, parallel.context) -> their documents
+    source: SourceOf  # (a source's spec, the tokenizer, the data section, parallel.context) -> its documents
     formats: tuple[str, ...]
     reads: str  # said when a source's format is not one of `formats`
 
+    def read(self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
+             context: int = 1) -> MixedDocuments:
+        """Every source's documents behind one record index, tokenized as they are read (no token cache)."""
+        return MixedDocuments([(spec.display_name, self.source(spec, tokenizer, data, context)) for spec in specs])
+
 
 RECIPE_DATA: dict[str, RecipeData] = {
-    "sft": RecipeData(sft_documents, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), ""),
-    "dpo": RecipeData(pair_documents, tuple(f for f in DEFAULT_COLUMNS if f in PREFERENCE_FORMATS),
+    "sft": RecipeData(sft_source, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), ""),
+    "dpo": RecipeData(pair_source, tuple(f for f in DEFAULT_COLUMNS if f in PREFERENCE_FORMATS),
                       " (DPO reads preference pairs)"),
 }
 

@@ -26,6 +26,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,6 +40,16 @@ from chattune.interrupts import ignore_in_worker
 logger = logging.getLogger(__name__)
 
 LOGGED_SKIPS = 20  # skipped records logged one by one per reason and rank; the rest are only counted
+
+
+@dataclass
+class PackedBin:
+    """A microbatch's documents as packed, with the epoch they belong to; `PackedStream.collate` makes the batch."""
+
+    documents: list[Document]  # empty: a rank with nothing to train this epoch (an empty microbatch)
+    epoch: int
+    ends_epoch: bool  # the last microbatch of its share of that epoch
+
 
 class DocumentSource(Protocol):
     """Documents by record index; a source may also have `get_many(indices)` (see `documents_of`)."""
@@ -248,6 +259,11 @@ class PackedStream:
         return bool(self.pending) or stopped != "exhausted"
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        return map(self.collate, self.bins())
+
+    def bins(self) -> Iterator[PackedBin]:
+        """The microbatches as packed, not yet collated: a world-size-invariant step collates only those its rank
+        trains (from a token cache, the others' tokens are then never read)."""
         if self._items is None:
             self._items = iter(self.loader)
         while True:
@@ -255,9 +271,13 @@ class PackedStream:
                 return
             if self.pending:
                 bin_ = self.pending.pop(0)
-                batch = collate_packed(bin_, self.pad_to_multiple_of, self.pad_token_id) if bin_ else empty_batch(self.pad_token_id)
-                batch.epoch, batch.ends_epoch = self.epoch, self.pending_ends_epoch and not self.pending
-                yield batch
+                yield PackedBin(bin_, self.epoch, self.pending_ends_epoch and not self.pending)
+
+    def collate(self, packed: PackedBin) -> PackedBatch:
+        batch = (collate_packed(packed.documents, self.pad_to_multiple_of, self.pad_token_id) if packed.documents
+                 else empty_batch(self.pad_token_id))
+        batch.epoch, batch.ends_epoch = packed.epoch, packed.ends_epoch
+        return batch
 
     def state_dict(self) -> dict:
         return {

@@ -16,7 +16,9 @@ of them (`slots`). A step's documents are then fixed by the data and the seed, n
 W, and a checkpoint's data position is the same on every rank, so any other number of ranks can continue
 it. Every rank sees where an epoch ends, so no agreement is needed, and no step waits for one: a step that
 reaches an epoch's last microbatch fills its remaining slots from the next epoch (only the run's very end
-leaves slots empty). The price is that each rank tokenizes and packs all the data, W times its own share.
+leaves slots empty). The price is that each rank packs all the data, W times its own share: from a token cache
+(`chattune.data.token_cache`) packing reads only the documents' lengths, and a rank collates (reads the tokens of)
+only the microbatches it trains; with data.cache=off it also tokenizes all of it.
 """
 
 from __future__ import annotations
@@ -96,10 +98,11 @@ class StepFeed:
         """`step`: the step number (the per-microbatch seeds of world-size-invariant steps)."""
         if self.finished:
             raise RuntimeError(f"the data feed finished after {self.num_epochs} epoch(s)")
-        if self._batches is None:
-            self._batches = iter(self.stream)
+        if self._batches is None:  # world-size-invariant: packed, collated below only where this rank trains it
+            bins = getattr(self.stream, "bins", None)
+            self._batches = iter(bins() if self.invariant and bins is not None else self.stream)
         step_epoch = self.epoch
-        taken: list[PackedBatch] = []
+        taken: list = []  # PackedBatch, or PackedBin where this rank does not train it
         while not self.epoch_end_reached and len(taken) < self.microbatches_per_step:
             batch = next(self._batches, None)
             if batch is None:  # a finite stream ended: its last epoch is over
@@ -110,8 +113,11 @@ class StepFeed:
             if batch.epoch != self.epoch:
                 raise RuntimeError(f"the stream gave a microbatch of epoch {batch.epoch} during epoch {self.epoch} "
                                    "without marking the end of the epoch")
+            trained_here = not self.invariant or len(taken) in self.slots
+            if trained_here and not isinstance(batch, PackedBatch):
+                batch = self.stream.collate(batch)
             taken.append(batch)
-            if self.counts and (not self.invariant or len(taken) - 1 in self.slots):
+            if self.counts and trained_here:
                 _count(self.epoch_counts, batch)
             if not self.invariant:  # the step stops at the epoch's end; the ranks agree on it in the all-reduce
                 self.epoch_end_reached = batch.ends_epoch

@@ -16,7 +16,8 @@ from chattune.data.mixing_policy import Mixer, mixture_sampling
 from chattune.data.packing import PackedBatch
 from chattune.data.records import source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
-from chattune.data.sources import RECIPE_DATA, MixedDocuments, row_budget
+from chattune.data.cached_sources import open_documents
+from chattune.data.sources import MixedDocuments, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import pad_token_id
 from chattune.distributed import DistInfo, counts_rows, reduce_sums
@@ -31,9 +32,11 @@ def packed_stream(cfg: DictConfig, share: int, num_shares: int, pad_id: int, doc
     """The packed microbatches of share `share` of `num_shares` of `documents` (a rank's, or all of it for
     world-size-invariant steps): that share of every epoch, or of a mixture's draws. `log_skips`: whether
     this rank logs the records it skips (not when every rank reads the same ones)."""
+    # From a token cache there is nothing to tokenize: loader workers would only copy the documents across.
+    num_workers = 0 if documents.cached else cfg.data.num_workers
     return PackedStream(
         documents, share, num_shares, cfg.seed, row_budget(cfg.data, cfg.parallel.context)[0], pad_id,
-        cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=cfg.data.num_workers,
+        cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=num_workers,
         pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler, log_skips=log_skips,
     )
 
@@ -106,9 +109,10 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
                         recipe: str) -> TrainingData:
     """Collective (the data report's counts are summed over ranks). `recipe`: the kind of documents read
     (`chattune.data.sources.RECIPE_DATA`)."""
-    read, pad_id, context = RECIPE_DATA[recipe].read, pad_token_id(tokenizer), cfg.parallel.context
+    pad_id, context = pad_token_id(tokenizer), cfg.parallel.context
     train_specs = source_specs(cfg.data.train)
-    train = read(train_specs, tokenizer, cfg.data, context)
+    # Each source from its token cache (data.cache), built by every rank together on the first launch.
+    train = open_documents(recipe, train_specs, tokenizer, cfg.data, context)
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
     layout = step_layout(cfg, dist_info)
     mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, layout.share, layout.num_shares,
@@ -128,7 +132,7 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
                            log_skips=counts and (layout.slots is None or dist_info.rank == 0))
     feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
                     num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed, counts=counts)
-    held_out = read(source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
+    held_out = open_documents(recipe, source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
     eval_batches = list(packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, pad_id, held_out, shuffle=False,
                                       num_epochs=1, log_skips=counts)) if held_out else []
     return TrainingData(train, held_out, feed, eval_batches, mixer, pad_id)
