@@ -65,14 +65,14 @@ def open_documents(recipe: str, specs: list[SourceSpec], tokenizer: PreTrainedTo
                             f"only: set data.cache to a directory every machine of the job sees (or build it on each "
                             "with chattune prepare), or data.cache=off")
         if not found[0] and build:
-            _build(recipe, spec, tokenizer, data, context, final, key)
-        if is_complete(final):
+            _build(recipe, spec, tokenizer, data, context, final, key)  # every rank sees the cache after it
+        if not found[0] and not build:
+            documents = recipe_data.source(spec, tokenizer, data, context)
+        else:
             documents = CachedDocuments(final)
             if found[0] and rank == 0:
                 logger.info("data source %s: token cache %s (%d records, %d tokens)", spec.path, final,
                             len(documents), documents.num_tokens)
-        else:
-            documents = recipe_data.source(spec, tokenizer, data, context)
         sources.append((spec.display_name, documents))
     return MixedDocuments(sources)
 

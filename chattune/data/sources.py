@@ -76,21 +76,22 @@ def row_budget(data: DictConfig, context: int = 1) -> tuple[int, str]:
 def sft_source(spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1) -> SFTDocuments:
     """A source's conversations with assistant-only labels (its `train_on`, else `data.train_on`), each at most
     a row (`row_budget`)."""
-    budget, budget_name = row_budget(data, context)
-    return SFTDocuments(RecordSource([spec]), tokenizer, budget, data.overlong, spec.train_on or data.train_on,
-                        data.on_bad_record, budget_name)
+    settings = document_settings(spec, data, context)
+    return SFTDocuments(RecordSource([spec]), tokenizer, settings["budget"], settings["overlong"], settings["train_on"],
+                        settings["on_bad_record"], settings["budget_name"])
 
 
 def pair_source(spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1) -> PairDocuments:
     """A source's preference pairs: one document of two segments (chosen, rejected) per pair, at most a row."""
-    budget, budget_name = row_budget(data, context)
-    return PairDocuments(RecordSource([spec]), tokenizer, budget, data.overlong, data.on_bad_record, budget_name)
+    settings = document_settings(spec, data, context)
+    return PairDocuments(RecordSource([spec]), tokenizer, settings["budget"], settings["overlong"],
+                         settings["on_bad_record"], settings["budget_name"])
 
 
 def document_settings(spec: SourceSpec, data: DictConfig, context: int = 1) -> dict:
     """The settings, besides the spec and the tokenizer, that shape a source's documents (and so key its token
     cache, `chattune.data.token_cache`): the masking, the overlong policy, the budget and its name in messages,
-    and what a bad record does."""
+    and what a bad record does. The sources above are made from these very settings, so the key cannot miss one."""
     budget, budget_name = row_budget(data, context)
     return {"train_on": spec.train_on or data.train_on, "overlong": data.overlong, "budget": budget,
             "budget_name": budget_name, "on_bad_record": data.on_bad_record}
