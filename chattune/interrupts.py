@@ -15,6 +15,11 @@ every rank stops after the same step even when the signal reached them at differ
   scheduler would have killed it by then, and a worker orphaned by a killed launcher must not linger.
 - Data-loader workers ignore both (`ignore_in_worker`): torchrun signals a worker's whole process group,
   and the step being finished still reads from them. They die with their trainer process instead.
+
+Under `chattune run` (`chattune.cli.run`, torchrun's elastic agent that leaves stopping to the workers)
+each worker registers its pid once its handlers are in place, so the launcher signals only workers that can take
+it, and ends through `exit_code`: it records the status it means (75, 130, ...) for the launcher, which exits
+with it, and itself exits 0, so that the agent sees a clean end instead of a failed worker to report and kill.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run 
 STOP_DEADLINE_S = 600.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+LAUNCHER_DIR_ENV = "CHATTUNE_LAUNCHER_DIR"  # set by `chattune run`: where its workers register and leave their status
 
 _requested: int | None = None  # the first signal received
 
@@ -55,19 +61,23 @@ def _handle(signum: int, frame) -> None:
     if _requested is None:
         _requested = signum
         again = " (Ctrl-C again to exit at once, without saving)" if signum == signal.SIGINT else ""
-        _write(f"chattune: {name}: stopping after the current step, with a checkpoint{again}\n")
+        grace = ""
+        if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHER_DIR_ENV not in os.environ:
+            grace = ("; torchrun kills its workers 30 s after passing a signal on (its --shutdown-timeout): launch with "
+                     "`chattune run` instead of torchrun to let a longer step and save finish")
+        _write(f"chattune: {name}: stopping after the current step, with a checkpoint{again}{grace}\n")
         deadline = threading.Timer(STOP_DEADLINE_S, _give_up, args=(signum,))
         deadline.daemon = True
         deadline.start()
     elif signum == signal.SIGINT:
         _write("chattune: SIGINT again: exiting now, without saving\n")
-        os._exit(128 + signal.SIGINT)
+        os._exit(exit_code(128 + signal.SIGINT))
 
 
 def _give_up(signum: int) -> None:
     _write(f"chattune: {signal.Signals(signum).name}: the stop did not finish within {STOP_DEADLINE_S:.0f} s; exiting "
            "without saving\n")
-    os._exit(128 + signum)
+    os._exit(exit_code(128 + signum))
 
 
 def install() -> None:
@@ -76,6 +86,24 @@ def install() -> None:
         return  # only the main thread may set handlers (an embedding application keeps its own)
     for signum in SIGNALS:
         signal.signal(signum, _handle)
+    launcher_dir = os.environ.get(LAUNCHER_DIR_ENV)
+    if launcher_dir:  # registered only now: a signal the launcher forwards finds these handlers
+        with open(os.path.join(launcher_dir, f"worker-{os.getpid()}"), "w"):
+            pass
+
+
+def exit_code(code: int) -> int:
+    """The status this process exits with to end with `code` (75: stopped with a checkpoint; 128 + a signal):
+    `code` itself, or under `chattune run` 0, with `code` left in the launcher's directory for it to exit with."""
+    launcher_dir = os.environ.get(LAUNCHER_DIR_ENV)
+    if not launcher_dir or code == 0:
+        return code
+    try:
+        with open(os.path.join(launcher_dir, f"exit-{os.getpid()}"), "w") as status:
+            status.write(str(code))
+    except OSError:  # the launcher is gone (and its directory with it): nobody reads a status but the agent
+        return code
+    return 0
 
 
 def requested() -> int | None:

@@ -29,12 +29,21 @@ def small_data(tmp_path_factory) -> Path:
     return path
 
 
-def launch(out: Path, data: Path, nproc: int, *overrides: str, env: dict | None = None, check: bool = True):
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+CHATTUNE_RUN = (sys.executable, "-m", "chattune.cli.main", "run")  # `chattune run`
+
+
+def launch_command(out: Path, data: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = TORCHRUN) -> list[str]:
     """8 steps over ~3 epochs of the small data (epochs end mid-run, with ranks waiting for each other)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "recipes/sft.py", f"output_dir={out}", "max_steps=8",
-               "save_every=3", "log_every=1", f"data.train=[{data}]", "data.eval=[]", "grad_accum_steps=2",
-               "data.max_tokens_per_microbatch=512", "data.buffer_records=16", "data.report_records=0", *overrides]
+    return [*launcher, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "recipes/sft.py",
+            f"output_dir={out}", "max_steps=8", "save_every=3", "log_every=1", f"data.train=[{data}]", "data.eval=[]",
+            "grad_accum_steps=2", "data.max_tokens_per_microbatch=512", "data.buffer_records=16",
+            "data.report_records=0", *overrides]
+
+
+def launch(out: Path, data: Path, nproc: int, *overrides: str, env: dict | None = None, check: bool = True,
+           launcher: tuple[str, ...] = TORCHRUN):
+    command = launch_command(out, data, nproc, *overrides, launcher=launcher)
     if check:
         return run(command, env_extra=env)
     import os
@@ -343,3 +352,57 @@ def test_a_stop_that_cannot_finish_gives_up_after_its_deadline(monkeypatch):
     interrupts._handle(signal.SIGTERM, None)  # a second SIGTERM changes nothing
     time.sleep(0.6)
     assert exits == [128 + signal.SIGTERM]
+
+
+SLOW_STEP_S = 35  # longer than torchrun's 30 s between passing a signal on and killing its workers
+
+
+def _run_processes(out: Path) -> list[int]:
+    """Every process of the run into `out`: the launcher, its workers and their loader workers."""
+    return [int(pid) for pid in _processes_left(out, wait_s=0)]
+
+
+@pytest.mark.parametrize("signum,everyone", [("SIGTERM", True), ("SIGINT", False)])
+def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(tmp_path, small_data, uninterrupted,
+                                                                               signum, everyone):
+    """A preemption in a step that takes longer than torchrun's 30 s grace: SIGTERM to every process of the job
+    (as SLURM signals a job step) or Ctrl-C to the launcher alone (as a terminal does). Under `chattune run` the
+    step finishes and its checkpoint is saved, the launcher exits 75 without a traceback, nothing of the run is
+    left (processes, lock), and the relaunch trains on exactly as the uninterrupted run did."""
+    import os
+    import signal
+    import time
+
+    straight = uninterrupted(2)
+    out = tmp_path / "run"
+    command = launch_command(out, small_data, 2, "save_every=0", "data.num_workers=2", launcher=CHATTUNE_RUN)
+    env = {**os.environ, "CHATTUNE_SLOW_AT": f"step:3:{SLOW_STEP_S}"}
+    with open(tmp_path / "stopped.log", "w") as log:
+        process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        _until_logged(process, out, 2)  # the workers are in step 3, asleep
+        signalled = time.monotonic()
+        for pid in _run_processes(out) if everyone else [process.pid]:
+            os.kill(pid, getattr(signal, signum))
+        assert process.wait(timeout=SLOW_STEP_S + 120) == 75
+    assert time.monotonic() - signalled > 30, "the step should have outlived torchrun's grace period"
+    output = (tmp_path / "stopped.log").read_text()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_3"]
+    assert (out / "checkpoints" / "step_3" / "chattune.json").is_file()
+    assert output.count(f"chattune: stopped by {signum} after step 3: checkpoint {out}/checkpoints/step_3 saved") == 1
+    assert "Traceback" not in output and "forcefully exiting" not in output and "FAILED" not in output, output
+    assert not (out / ".chattune.lock").exists()
+    assert _processes_left(out) == [], "the stopped run left processes behind"
+
+    launch(out, small_data, 2, "save_every=0", "data.num_workers=2", launcher=CHATTUNE_RUN)
+    assert losses(out) == losses(straight)
+    assert_same_weights(out, straight)
+
+
+def test_chattune_run_reports_a_failed_worker_once_without_a_traceback(tmp_path):
+    result = subprocess.run([*CHATTUNE_RUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "sft",
+                             f"output_dir={tmp_path / 'run'}", f"data.train=[{tmp_path / 'missing.jsonl'}]"],
+                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert output.count(f"chattune: error: data.train[0]: data file '{tmp_path / 'missing.jsonl'}' does not exist") == 1
+    assert "recipes/sft.py FAILED" in output and "Traceback" not in output

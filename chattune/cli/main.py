@@ -6,6 +6,8 @@
     chattune validate [CONFIG] [key=value ...]    check a config and its data before launching a run
     chattune prepare [CONFIG] [key=value ...]     tokenize its data once into token caches, before a big job
     chattune plot OUTPUT_DIR [...] [--out FILE]   training curves of one or more runs, overlaid, as a PNG
+    chattune run [TORCHRUN OPTIONS] RECIPE [...]  torchrun that lets a stopping run finish its save (SIGTERM,
+                                                  Ctrl-C) however long it takes, and exits 75 without a traceback
 
 CONFIG is a config name such as sft/tiny (or --config-name NAME); --config-path DIR takes configs from
 your own directory, where they can build on the shipped ones (`defaults: [/sft/tiny, _self_]`). The
@@ -26,6 +28,9 @@ DEFAULT_CONFIG = "sft/tiny"
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # torchrun's own options and the recipe's overrides, passed on as they are
+        return _run(argv[1:])
     parser = build_parser()
     # Overrides may follow options (`inspect sft/tiny --limit 5 key=value`): argparse leaves words after an
     # option unparsed, and they join the config words.
@@ -77,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, default=None,
                       help="PNG to write (default: OUTPUT_DIR/metrics.png for one run, ./metrics.png for several)")
     plot.set_defaults(handler=_plot)
+
+    # (listed for --help; `main` hands its arguments to torchrun's parser unread)
+    commands.add_parser("run", help="launch a recipe as torchrun does, letting a stopped run finish its save",
+                        add_help=False)
     return parser
 
 
@@ -171,6 +180,16 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plot_runs(args.run_dirs, out)
     print(f"wrote {out}")
     return 0
+
+
+def _run(argv: list[str]) -> int:
+    from chattune.cli.run import main as run_main
+
+    try:
+        return run_main(argv)
+    except UserError as error:
+        print(f"chattune run: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Ca
                     print(f"chattune: {stopped}", file=sys.stderr, flush=True)
                 write_error_file(str(stopped))  # what torchrun's report of the exit status shows
                 shutdown_distributed()
-                exit_process(stopped.code)
+                exit_process(interrupts.exit_code(stopped.code))
             exit_process()  # the run is complete; skip interpreter teardown (see exit_process)
 
         return launch

@@ -1,19 +1,24 @@
-"""Fault injection for the crash-safety tests: `CHATTUNE_CRASH_AT=point:step[:rank]` makes that rank
-(every rank when none is given) SIGKILL itself when it reaches `point` ("step": in the middle of that
-step, its microbatches taken and not yet trained on; "save": with its checkpoint files written but not
-committed) at that step.
+"""Fault injection for the crash-safety and preemption tests; no-ops unless their variable is set.
 
-A SIGKILL cannot be caught or cleaned up after, which is exactly what preemption and OOM-killers do.
+- `CHATTUNE_CRASH_AT=point:step[:rank]` makes that rank (every rank when none is given) SIGKILL itself when it
+  reaches `point` ("step": in the middle of that step, its microbatches taken and not yet trained on; "save":
+  with its checkpoint files written but not committed) at that step. A SIGKILL cannot be caught or cleaned up
+  after, which is exactly what preemption and OOM-killers do.
+- `CHATTUNE_SLOW_AT=step:N:SECONDS` makes every rank sleep that long in the middle of step N: a step longer
+  than a launcher's grace period (torchrun kills its workers 30 s after passing a signal on), without a
+  model that slow.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch.distributed as dist
 
 ENV = "CHATTUNE_CRASH_AT"
+SLOW_ENV = "CHATTUNE_SLOW_AT"
 
 
 def maybe_crash(point: str, step: int) -> None:
@@ -24,3 +29,12 @@ def maybe_crash(point: str, step: int) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if target_point == point and int(target_step) == step and (not target_rank or int(target_rank[0]) == rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_slow(point: str, step: int) -> None:
+    spec = os.environ.get(SLOW_ENV)
+    if not spec:
+        return
+    target_point, target_step, seconds = spec.split(":")
+    if target_point == point and int(target_step) == step:
+        time.sleep(float(seconds))  # a signal does not cut it short (PEP 475): the step really is this long

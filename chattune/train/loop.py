@@ -37,7 +37,7 @@ from chattune.model.fsdp import compiled_graphs
 from chattune.objectives.base import Objective
 from chattune.train.checkpoint import BackgroundSaves
 from chattune.train.evaluation import evaluate
-from chattune.train.faults import maybe_crash
+from chattune.train.faults import maybe_crash, maybe_slow
 from chattune.train.feed import DocumentLedger, StepBatches, StepFeed
 from chattune.train.inputs import TrainingData
 from chattune.train.metrics import MetricLogger, StepTimer, step_metrics
@@ -104,6 +104,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
         if ledger:
             ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
+        maybe_slow("step", step)  # and for the preemption tests (CHATTUNE_SLOW_AT)
         result, grad_norm = train_step(model, objective, batches, optimizer, scheduler, cfg.max_grad_norm, device,
                                        loss_scale=loss_scale, stop=interrupts.requested() is not None)
         timer.stop()
