@@ -14,6 +14,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from conftest import PROJECT_ROOT
+
+from chattune.config.paths import DEMO_ASSETS
 from chattune.config.schema import schema_for
 from chattune.launch.validate import ConfigError, check_config, run_validate
 
@@ -32,10 +35,11 @@ def problems(report: str) -> list[str]:
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    """A stand-in for a local Hugging Face model directory: only its config.json is ever looked at."""
+    """A stand-in for a local Hugging Face model directory: its config.json is read, its weights only found."""
     directory = tmp_path / "model"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 32768}))
+    (directory / "model.safetensors").touch()
     return directory
 
 
@@ -63,6 +67,42 @@ def test_local_model_needs_a_model_directory(tmp_path, model_dir):
     (model_dir / "config.json").unlink()
     report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
     assert problems(report) == [f"model.path: '{model_dir}' has no config.json: not a Hugging Face model directory"]
+
+
+def test_a_model_directory_without_all_its_weights_is_a_problem_before_a_launch(tmp_path, model_dir):
+    """A config.json is not a model: a directory whose weights never arrived, or whose index names shards that
+    are missing (a download cut short), is named by validate, not by an OSError from deep in the loading."""
+    run = [f"output_dir={tmp_path / 'run'}", f"model.path={model_dir}"]
+    (model_dir / "model.safetensors").unlink()
+    report, ok = run_validate("sft/local_model", run, CONFIGS)
+    assert not ok and problems(report) == [
+        f"model.path: '{model_dir}': it holds no model weights (model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin, pytorch_model.bin.index.json): a directory that save_pretrained wrote, or a complete "
+        "download, has them"]
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
+    (model_dir / shards[0]).touch()
+    report, ok = run_validate("sft/local_model", run, CONFIGS)
+    assert not ok and problems(report) == [
+        f"model.path: '{model_dir}': 2 of the 3 weight files its model.safetensors.index.json names are missing "
+        f"({shards[1]}, {shards[2]})"]
+    for shard in shards[1:]:
+        (model_dir / shard).touch()
+    assert run_validate("sft/local_model", run, CONFIGS) == ("config OK", True)
+    (model_dir / "model.safetensors.index.json").unlink()
+    (model_dir / "pytorch_model.bin").touch()  # what from_pretrained also reads
+    assert run_validate("sft/local_model", run, CONFIGS) == ("config OK", True)
+
+
+def test_a_launch_on_a_model_directory_without_weights_says_so_in_one_block(tmp_path, model_dir):
+    (model_dir / "model.safetensors").unlink()
+    result = subprocess.run([sys.executable, "recipes/sft.py", "--config-name", "sft/local_model",
+                             f"model.path={model_dir}", f"tokenizer.path={DEMO_ASSETS / 'tokenizer'}",
+                             f"output_dir={tmp_path / 'run'}"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output and "OSError" not in output
+    assert output.count("chattune: error:") == 1 and f"'{model_dir}': it holds no model weights" in output
 
 
 def test_dpo_tiny_is_clean_given_its_sft_model(tmp_path, model_dir):

@@ -23,6 +23,7 @@ from chattune.errors import UserError
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
 from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show
 from chattune.launch.schema_checks import SchemaChecks, number
+from chattune.model.weights import weights_problem
 
 HUB_NOTE = "downloaded once per node into the Hugging Face cache, or read from it offline"
 
@@ -124,6 +125,8 @@ class RunRules:
                 self.findings.problem(key, f"{path!r} is not a local directory{hub_hint(path, 'model')}")
             elif not (Path(path) / "config.json").is_file():
                 self.findings.problem(key, f"{path!r} has no config.json: not a Hugging Face model directory")
+            elif (problem := weights_problem(Path(path))) is not None:
+                self.findings.problem(key, f"{path!r}: {problem}")
         if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:
             self.findings.problem("model", "neither model.path nor model.config is set")
         if isinstance(get_value(self.values, "reference.path"), str) and get_value(self.values, "loss.type") in REFERENCE_FREE:

@@ -35,7 +35,8 @@ from chattune.hub import hub_id
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import reshard
-from chattune.model.load import SAFETENSORS_INDEX, STORED_DTYPES, saved_tensors, stored_name
+from chattune.model.load import STORED_DTYPES, saved_tensors, stored_name
+from chattune.model.weights import SAFETENSORS_INDEX
 from chattune.model.quantize import dequantized, is_quantized, weight_shape
 
 if TYPE_CHECKING:  # peft is imported where an adapter is exported: it costs seconds per process

@@ -36,11 +36,10 @@ from chattune.errors import UserError
 from chattune.model import quantize
 from chattune.model.adapters import is_dora_magnitude
 from chattune.model.attention import ATTENTION_NAME
+from chattune.model.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
 
 
 def checkpoint_files(directory: Path) -> dict[str, Path] | None:
