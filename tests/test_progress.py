@@ -109,3 +109,47 @@ def test_a_resumed_run_starts_the_bar_at_its_step(console):
     progress.update(41, {"loss": 1.0, "tokens_per_sec": 10.0})
     progress.close()
     assert "step 41/100" in out.getvalue().split("\r")[-1]
+
+
+def _screen(written: str) -> list[str]:
+    """The lines a terminal shows for `written`: a carriage return goes back to the line's start and ESC[K
+    erases from the cursor to the line's end (what rank 0's bar and the other ranks' lines use)."""
+    lines, line, cursor = [], [], 0
+    for token in re.findall(r"\x1b\[K|\r|\n|[^\r\n\x1b]", written):
+        if token == "\n":
+            lines.append("".join(line))
+            line, cursor = [], 0
+        elif token == "\r":
+            cursor = 0
+        elif token == "\x1b[K":
+            del line[cursor:]
+        else:
+            line[cursor:cursor + 1] = [token]
+            cursor += 1
+    return lines + ["".join(line)]
+
+
+def test_another_ranks_line_prints_above_the_bar_not_into_it(monkeypatch):
+    """Ranks share the terminal: rank 1's warning must not be appended to rank 0's half-drawn bar."""
+    from chattune.log import setup_logging
+
+    terminal = FakeTerminal()
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # put back afterwards, with the level, for the tests that follow
+    monkeypatch.setattr(root, "level", root.level)
+    bar = Progress(0, 10, "bar", is_main=True, stream=terminal)  # rank 0's bar (same terminal)
+    bar.update(3, {"loss": 2.0})
+    setup_logging(1, stream=terminal)  # rank 1's console: what another process writes to the same terminal
+    logging.getLogger("chattune.test").warning("skipped record 7 of /data/chats.jsonl: no assistant turn")
+    bar.update(4, {"loss": 1.9})
+    bar.close()
+    screen = [line for line in _screen(terminal.getvalue()) if line]
+    warning = [line for line in screen if "skipped record 7" in line]
+    assert len(warning) == 1 and re.fullmatch(r"\d\d:\d\d:\d\d \[rank1\] skipped record 7 of /data/chats.jsonl: "
+                                              r"no assistant turn", warning[0]), screen
+    assert screen[-1].startswith("step 4/10"), screen  # the bar is drawn again, below the line
+
+    logs = io.StringIO()  # off a terminal (a log file, CI) lines are written as they are
+    setup_logging(1, stream=logs)
+    logging.getLogger("chattune.test").warning("plain")
+    assert logs.getvalue().endswith("[rank1] plain\n") and "\x1b" not in logs.getvalue()
