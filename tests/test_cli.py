@@ -199,3 +199,14 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
                      ("sft/mine", [], CONFIG_DIR, Path("my_configs"), True)]
     with pytest.raises(SystemExit):
         main(["validate", "--config-name", "sft/tiny", "dpo/tiny"])
+
+
+def test_commands_that_take_seconds_say_what_they_do_first(tmp_path, capsys):
+    """Their imports and first records take seconds: the first line, on stderr, comes before any of it."""
+    assert main(["validate", "sft/tiny", f"output_dir={tmp_path / 'run'}"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0] == ("chattune validate: checking sft/tiny: every key, the data's first records, "
+                                            "the output directory and its checkpoints ...")
+    assert captured.out.strip() == "config OK"
+    assert main(["inspect", "--config-name", "dpo/tiny", "--limit", "5", "model.path=nowhere"]) == 1
+    assert capsys.readouterr().err.startswith("chattune inspect: reading the data of dpo/tiny ...\n")

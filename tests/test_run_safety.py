@@ -170,6 +170,7 @@ def test_a_typo_at_launch_is_reported_as_validate_reports_it():
     result = launch("recipes/sft.py", "optimizer.lrr=1e-3", "max_stepz=3", "data.overlong=trim")
     assert result.returncode != 0
     assert result.stderr.splitlines() == [
+        "chattune: sft with sft/tiny on 1 rank(s): checking the config, then reading the data and loading the model",
         "chattune: error: optimizer.lrr: unknown key; did you mean optimizer.lr?",
         "max_stepz: unknown key; did you mean max_steps?",
         "data.overlong: 'trim' is not one of drop, truncate, split, error",

@@ -200,7 +200,9 @@ def test_prepare_with_the_cache_off_says_there_is_nothing_to_prepare(capsys):
 
     assert main(["prepare", "sft/tiny", "data.cache=off"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("chattune prepare: error: data.cache=off") and err.count("error") == 1, err
+    first, *block = err.splitlines()  # what it is doing, said at once; then the error
+    assert first.startswith("chattune prepare: tokenizing the data of sft/tiny")
+    assert block[0].startswith("chattune prepare: error: data.cache=off") and err.count("error") == 1, err
 
 
 def test_a_cache_directory_that_cannot_be_made_is_one_clear_error(tmp_path):

@@ -39,11 +39,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.words = [*args.words, *extra]
+    announce(args)
     try:
         return args.handler(args, parser)
     except UserError as error:  # the user's to fix: one message, no traceback
         print(f"chattune {args.command}: error: {error}", file=sys.stderr)
         return 1
+
+
+# The first line of a command that takes seconds (imports, the data's first records): said at once, on stderr.
+_FIRST_LINES = {"validate": "checking {config}: every key, the data's first records, the output directory and its "
+                            "checkpoints",
+                "inspect": "reading the data of {config}",
+                "prepare": "tokenizing the data of {config} into token caches, where not done before"}
+
+
+def announce(args: argparse.Namespace) -> None:
+    line = _FIRST_LINES.get(args.command)
+    if line is not None:
+        words = [word for word in args.words if "=" not in word and not word.startswith("~")]
+        config = args.config_name or (words[0] if words else DEFAULT_CONFIG)
+        print(f"chattune {args.command}: {line.format(config=config)} ...", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

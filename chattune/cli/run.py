@@ -102,6 +102,8 @@ def recipe_path(word: str) -> str:
 
 def main(argv: list[str]) -> int:
     """`chattune run ARGS`: ARGS as torchrun takes them. Returns the exit status."""
+    print("chattune run: starting torchrun's agent (stop signals are passed on to the workers, who save and exit 75)",
+          file=sys.stderr, flush=True)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -70,6 +70,9 @@ def check_command_line(argv: list[str], default_config: str) -> None:
     if any(getattr(args, name) for name in _HYDRA_COMMANDS):
         return  # Hydra's own commands (--help, --cfg job, ...): Hydra answers them
     config_name = args.config_name or default_config
+    if os.environ.get("RANK", "0") == "0":  # the first line of a launch, before the seconds of checks and loading
+        print(f"chattune: {Path(argv[0]).stem} with {config_name} on {os.environ.get('WORLD_SIZE', '1')} rank(s): "
+              "checking the config, then reading the data and loading the model", file=sys.stderr, flush=True)
     config_path = Path(args.config_path) if args.config_path else CONFIG_DIR
     config_dir = Path(args.config_dir) if args.config_dir else None
     if config_dir is None or config_dir.is_dir():
