@@ -199,15 +199,40 @@ def test_the_tool_error_names_the_template_that_renders_them_and_it_works_as_wri
         documents.get_many([0])
     assert str(error.value) == (
         f"{data} record 1 (line 1): the record has tools or tool calls, but the tokenizer's chat template does not "
-        "render them (training would silently leave them out): render them with tokenizer.chat_template=chatml, a "
-        "template chattune ships for tools that writes only special tokens this tokenizer has; with "
-        "data.on_bad_record=skip such records are skipped (counted and logged)")
-    remedy = str(error.value).split("render them with ", 1)[1].split(",", 1)[0]
+        "render them (training would silently leave them out): set tokenizer.chat_template=chatml (a template "
+        "chattune ships that renders them, with special tokens this tokenizer has); with data.on_bad_record=skip such "
+        "records are skipped (counted and logged)")
+    remedy = str(error.value).split("leave them out): set ", 1)[1].split(" ", 1)[0]
     key, value = remedy.split("=")
     assert key == "tokenizer.chat_template"
     tokenizer = load_tokenizer(settings(value))
     document = SFTDocuments(RecordSource([SourceSpec(str(data))]), tokenizer, max_tokens=4096).get(0)
     assert trained_texts(tokenizer, document) == CHATML_REPLIES
+
+
+def test_without_a_shipped_template_that_fits_the_tool_error_asks_for_a_file_and_one_works(tmp_path):
+    """Phi-3's tokenizer has none of ChatML's or Llama 3's markers: the error asks for a template file, and a
+    file in Phi-3's own format that renders tools trains the record."""
+    directory = SHARED_ASSETS / "tokenizers" / "phi-3-mini"
+    if not directory.is_dir():
+        pytest.skip(f"{directory} is absent")
+    data = write_jsonl(tmp_path / "tools.jsonl", [{"messages": CONVERSATION[1:], "tools": [WEATHER]}])
+    documents = SFTDocuments(RecordSource([SourceSpec(str(data))]), load_tokenizer(settings(None, directory)), 4096)
+    with pytest.raises(DataError, match=r"leave them out\): set tokenizer\.chat_template=PATH, a template file that "
+                                        r"renders them \(chattune's own, chatml, llama3, write special tokens this "
+                                        r"tokenizer does not have\); with data\.on_bad_record=skip"):
+        documents.get(0)
+    template = tmp_path / "phi3_tools.jinja"
+    template.write_text("{% if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>\n{% endif %}"
+                        "{% for m in messages %}<|{{ 'user' if m.role == 'tool' else m.role }}|>\n{{ m.content }}"
+                        "{% for c in m.tool_calls or [] %}{{ c.function | tojson }}{% endfor %}<|end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tokenizer = load_tokenizer(settings(str(template), directory))
+    document = SFTDocuments(RecordSource([SourceSpec(str(data))]), tokenizer, 4096).get(0)
+    assert [text.strip() for text in trained_texts(tokenizer, document)] == [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}<|end|>',
+        'Now Rome.{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}<|end|>',
+        "Paris: 20 C. Rome: 25 C.<|end|>"]
 
 
 def test_the_remedy_trains_the_shared_tool_call_data_through_chattune_inspect(capsys):
@@ -220,7 +245,7 @@ def test_the_remedy_trains_the_shared_tool_call_data_through_chattune_inspect(ca
     assert main(["inspect", "sft/tiny", source, "--num-docs", "0", "--no-color"]) == 1
     err = capsys.readouterr().err
     assert "the record has tools or tool calls, but the tokenizer's chat template does not render them" in err
-    remedy = err.split("render them with ", 1)[1].split(",", 1)[0]
+    remedy = err.split("leave them out): set ", 1)[1].split(" ", 1)[0]
     assert remedy == "tokenizer.chat_template=chatml"
     assert main(["inspect", "sft/tiny", source, remedy, "--num-docs", "1", "--no-color",
                  "data.max_tokens_per_microbatch=16384"]) == 0

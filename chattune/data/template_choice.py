@@ -123,9 +123,11 @@ def template_fingerprint(value: str | None) -> str | None:
 
 
 def missing_markers(tokenizer, text: str) -> list[str]:
-    """The `<|...|>` markers of a template text that the tokenizer does not encode as one token."""
+    """The `<|...|>` markers of a template text that the tokenizer does not encode as one token: neither one of its
+    added tokens (which text is always split at) nor a text that it encodes as one id."""
+    added = {token.content for token in tokenizer.added_tokens_decoder.values()}
     markers = sorted(set(_MARKER.findall(text)), key=text.index)
-    return [m for m in markers if len(tokenizer(m, add_special_tokens=False)["input_ids"]) != 1]
+    return [m for m in markers if m not in added and len(tokenizer(m, add_special_tokens=False)["input_ids"]) != 1]
 
 
 def fitting_shipped_templates(tokenizer) -> list[str]:

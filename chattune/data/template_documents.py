@@ -92,9 +92,9 @@ class TemplateDocuments:
         """A template that renders tools: a shipped one whose special tokens this tokenizer has, else a file."""
         fitting = fitting_shipped_templates(self.tokenizer)
         if fitting:
-            return (f"render them with {' or '.join(f'{KEY}={name}' for name in fitting)}, a template chattune ships "
-                    "for tools that writes only special tokens this tokenizer has")
-        return (f"give a template that renders them as {KEY}=PATH (chattune's own, {', '.join(shipped_names())}, "
+            return (f"set {' or '.join(f'{KEY}={name}' for name in fitting)} (a template chattune ships that renders "
+                    "them, with special tokens this tokenizer has)")
+        return (f"set {KEY}=PATH, a template file that renders them (chattune's own, {', '.join(shipped_names())}, "
                 "write special tokens this tokenizer does not have)")
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict):
