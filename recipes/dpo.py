@@ -51,7 +51,7 @@ def main(cfg: DictConfig) -> None:
     start = claim_output_dir(cfg, dist_info)
 
     # --- data: each rank tokenizes (in loader workers) and packs only its own share of every epoch ---
-    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    tokenizer = load_tokenizer(cfg.tokenizer)
     # Preference pairs (one document of two segments each), every source behind one record index, drawn as
     # data.mixing says; a data report; each rank's step feed.
     data = build_training_data(cfg, dist_info, tokenizer, recipe="dpo")

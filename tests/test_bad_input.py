@@ -42,6 +42,8 @@ def prepare(tmp: Path) -> None:
     """The files the cases point at."""
     (tmp / "empty.jsonl").write_text("")
     (tmp / "broken.jsonl").write_text(chat() + "\n{not json\n")
+    (tmp / "control.jsonl").write_text(chat() + "\n" + chat("a\tb").replace("\\t", "\t") + "\n" + chat() + "\n")
+    (tmp / "broken.json").write_text("[\n" + chat() + ",\n" + chat("a\tb").replace("\\t", "\t") + "\n]")
     (tmp / "no_reply.jsonl").write_text(chat() + "\n\n" + chat(reply=None) + "\n")
     (tmp / "wrong_column.jsonl").write_text(json.dumps({"conversation": []}) + "\n")
     (tmp / "list.json").write_text(json.dumps({"not": "a list"}))
@@ -76,7 +78,19 @@ CASES = {
                                     "data.train[0]: {tmp}/list.json: a .json data file must hold a list of records, got dict"),
     "unparseable line": Case(["data.train=[{tmp}/broken.jsonl]"],
                              "data.train[0]: {tmp}/broken.jsonl record 2 (line 2): unparseable JSON at column 2: "
-                             "Expecting property name enclosed in double quotes"),
+                             "Expecting property name enclosed in double quotes; with data.on_bad_record=skip such "
+                             "records are skipped (counted and logged)"),
+    "raw tab inside a JSONL string": Case(
+        ["data.train=[{tmp}/control.jsonl]"],
+        "data.train[0]: {tmp}/control.jsonl record 2 (line 2): unparseable JSON at column 45: Invalid control character "
+        "'\\t' in a string (JSON writes a tab as \\t, a newline as \\n); with data.on_bad_record=skip such records are "
+        "skipped (counted and logged)", launch=True),
+    "unparseable .json file": Case(
+        ["data.train=[{tmp}/broken.json]"],
+        "data.train[0]: {tmp}/broken.json: unparseable JSON at line 3, column 45: Invalid control character '\\t' in a "
+        "string (JSON writes a tab as \\t, a newline as \\n); a .json file is parsed whole, so data.on_bad_record "
+        "cannot skip a part of it (in a .jsonl file, one record a line, data.on_bad_record=skip skips the lines that "
+        "do not parse)"),
     "no assistant reply (after a blank line)": Case(
         ["data.train=[{tmp}/no_reply.jsonl]"],
         "data.train[0]: {tmp}/no_reply.jsonl record 2 (line 3): no assistant message, nothing to train"),
@@ -88,8 +102,19 @@ CASES = {
                               "tokenizer.path: '{tmp}/no_such_tokenizer' does not exist"),
     "tokenizer without a chat template": Case(
         ["tokenizer.path={tmp}/no_template"],
-        "tokenizer.path '{tmp}/no_template': the tokenizer has no chat template. chattune renders every record with the "
-        "tokenizer's chat template. Use the tokenizer of a chat (instruct) model, or add a template", launch=True),
+        "tokenizer.path '{tmp}/no_template': the tokenizer has no chat template. chattune renders every record with a "
+        "chat template. Use the tokenizer of a chat (instruct) model, or give one with tokenizer.chat_template: a "
+        "template chattune ships (chatml, llama3), a file, or inline Jinja", launch=True),
+    "unknown chat template name": Case(
+        ["tokenizer.chat_template=chatm"], "tokenizer.chat_template: 'chatm' is not a template chattune ships; did you "
+                                           "mean chatml? (shipped: chatml, llama3;", launch=True),
+    "missing chat template file": Case(
+        ["tokenizer.chat_template={tmp}/missing.jinja"],
+        "tokenizer.chat_template: template file '{tmp}/missing.jinja' does not exist (shipped: chatml, llama3;"),
+    "a chat template whose special tokens the tokenizer lacks": Case(
+        ["tokenizer.chat_template=llama3"],
+        "tokenizer.chat_template: 'llama3' writes <|begin_of_text|>, <|start_header_id|>, <|end_header_id|>, "
+        "<|eot_id|>, which the tokenizer at tokenizer.path", launch=True),
     "missing model directory": Case(["model.path={tmp}/no_model"],
                                     "model.path: '{tmp}/no_model' is not a local directory"),
     "output_dir under a file": Case(["output_dir={tmp}/file/run"], "output_dir: {tmp}/file is not a directory",
@@ -163,6 +188,28 @@ def test_on_bad_record_skip_turns_a_bad_record_into_a_counted_skip(tmp):
     report, ok = run_validate("sft/tiny", [f"data.train=[{tmp}/broken.jsonl]", "data.on_bad_record=skip",
                                            f"output_dir={tmp / 'out' / 'skip'}"], CONFIGS, read_data=True)
     assert ok and f"1 of its first 2 records would be skipped, e.g. bad_record: {tmp}/broken.jsonl record 2 (line 2)" in report
+
+
+@pytest.mark.parametrize("data", ["broken.jsonl", "control.jsonl"])
+def test_the_remedy_an_unparseable_line_names_works_as_written(data, tmp, capsys):
+    """The error names data.on_bad_record=skip; with it the line is counted, logged and skipped, the others train."""
+    from chattune.cli.main import main
+
+    source = f"data.train=[{tmp / data}]"
+    assert main(["inspect", "sft/tiny", source, "--num-docs", "0", "--no-color"]) == 1
+    remedy = capsys.readouterr().err.split("; with ", 1)[1].split(" ", 1)[0]
+    assert remedy == "data.on_bad_record=skip"
+    assert main(["inspect", "sft/tiny", source, remedy, "--num-docs", "0", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    lines = len((tmp / data).read_text().splitlines())
+    assert f"records read: {lines}" in out and "skipped: 1 (bad_record 1)" in out and f"documents: {lines - 1}" in out
+
+
+def test_the_remedy_for_a_tokenizer_without_a_chat_template_works_as_written(tmp):
+    """A base model's tokenizer (no template) trains with a template chattune ships, named in the error."""
+    report, ok = run_validate("sft/tiny", [f"tokenizer.path={tmp}/no_template", "tokenizer.chat_template=chatml",
+                                           f"output_dir={tmp / 'out' / 'no_template'}"], CONFIGS, read_data=True)
+    assert ok, report
 
 
 def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):

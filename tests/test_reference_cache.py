@@ -62,6 +62,25 @@ def test_weights_fingerprint_sees_a_change_inside_a_file_of_the_same_size(tmp_pa
     assert reference_cache.weights_fingerprint(model_dir, memo) != first
 
 
+def test_the_reference_fingerprint_follows_the_chat_template_text(tmp_path):
+    """A template renders the pairs' tokens: another template, or a template file edited in place, is another table."""
+    from test_validate import compose_config
+
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    def fingerprint(*overrides: str) -> dict:
+        return reference_cache.cache_fingerprint(compose_config("dpo/tiny", ["model.path=null", *overrides]), "train", "cpu")
+
+    own, mine = fingerprint(), fingerprint(f"tokenizer.chat_template={template}")
+    assert "chat_template" not in own  # null: the tokenizer's own template, among its files (earlier tables still match)
+    assert mine != own and mine != fingerprint("tokenizer.chat_template=chatml")
+    assert fingerprint(f"tokenizer.chat_template={template}") == mine
+    template.write_text(template.read_text() + "{# edited #}")
+    assert fingerprint(f"tokenizer.chat_template={template}") != mine
+
+
 def dpo(out, cache_dir, *overrides: str) -> str:
     result = run([
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),

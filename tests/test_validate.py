@@ -407,3 +407,44 @@ def test_notes_for_a_warmup_or_a_save_interval_longer_than_the_run(tmp_path):
            "nor extended (its export is still written)" in report.splitlines()
     report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
     assert "num_warmup_steps" not in report and "save_every" not in report
+
+
+def test_a_resume_is_refused_when_the_chat_template_changes_even_in_a_file_of_the_same_name(tmp_path):
+    """The fingerprint holds the template's text (by hash): a file edited in place is a change, refused with the
+    remedy that accepts it; a checkpoint written before tokenizer.chat_template existed resumes with null."""
+    from chattune.train.resume import run_fingerprint
+
+    template = tmp_path / "mine.jinja"
+    template.write_text((Path(__file__).resolve().parents[1] / "chattune/assets/chat_templates/chatml.jinja").read_text())
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", f"tokenizer.chat_template={template}"]
+    fake_checkpoint(out, {"world_size": 1, "step": 5, "fingerprint": run_fingerprint(compose_config("sft/tiny", overrides))})
+    assert run_validate("sft/tiny", overrides, CONFIGS, world_size=1)[1]
+    template.write_text(template.read_text().replace("# Tools", "# Functions"))
+    report, ok = run_validate("sft/tiny", overrides, CONFIGS, world_size=1)
+    assert not ok and f"\n  config tokenizer.chat_template: '{template} (sha256 " in report, report
+    assert "resume with resume_allow_changes=[tokenizer.chat_template] (accepts only these changes" in report
+    report, ok = run_validate("sft/tiny", [*overrides, "resume_allow_changes=[tokenizer.chat_template]"], CONFIGS,
+                              world_size=1)
+    assert ok and f"note: resume: config tokenizer.chat_template: '{template} (sha256 " in report, report
+    report, ok = run_validate("sft/tiny", [f"output_dir={out}"], CONFIGS, world_size=1)  # back to the tokenizer's own
+    assert not ok and f"config tokenizer.chat_template: '{template} (sha256 " in report and "' -> None" in report
+
+    older = tmp_path / "older"  # written before the key: its fingerprint does not have it
+    fingerprint = run_fingerprint(compose_config("sft/tiny", [f"output_dir={older}"]))
+    del fingerprint["config"]["tokenizer.chat_template"]
+    fake_checkpoint(older, {"world_size": 1, "step": 5, "fingerprint": fingerprint})
+    assert run_validate("sft/tiny", [f"output_dir={older}"], CONFIGS, world_size=1)[1]
+    report, ok = run_validate("sft/tiny", [f"output_dir={older}", "tokenizer.chat_template=chatml"], CONFIGS, world_size=1)
+    assert not ok and "config tokenizer.chat_template: None -> 'chatml (sha256 " in report, report
+
+
+def test_a_bad_chat_template_is_reported_with_the_other_problems(tmp_path):
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "tokenizer.chat_template=chatm", "max_steps=ten",
+                                           f"data.train=[{tmp_path}/missing.jsonl]"], CONFIGS)
+    assert problems(report) == [
+        "max_steps: expected an integer, got 'ten'",
+        f"data.train[0]: data file '{tmp_path}/missing.jsonl' does not exist",
+        "tokenizer.chat_template: 'chatm' is not a template chattune ships; did you mean chatml? (shipped: chatml, "
+        "llama3; otherwise the path of a template file (./NAME for one in the working directory) or inline Jinja, "
+        "holding {{ or {%)"]

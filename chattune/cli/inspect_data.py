@@ -163,7 +163,7 @@ def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: 
 def run_inspect(config_name: str, overrides: list[str], config_path: Path, num_docs: int, limit: int | None,
                 html_path: Path | None, colour: bool, config_dir: Path | None = None) -> str:
     cfg = load_config(config_name, overrides, config_path, config_dir)
-    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    tokenizer = load_tokenizer(cfg.tokenizer)
     report = inspect_sources(cfg, tokenizer, num_docs, limit)
     if html_path is not None:
         html_path.write_text(render_html(report, tokenizer, row_budget(cfg.data, cfg.parallel.context)[0]),

@@ -22,7 +22,7 @@ def run_prepare(config_name: str, overrides: list[str], config_path: Path, confi
     if cache_root(cfg.data.cache) is None:
         raise UserError("data.cache=off: the sources are tokenized as they are read, there is nothing to prepare "
                         "(data.cache=auto, or a directory, keeps a token cache)")
-    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    tokenizer = load_tokenizer(cfg.tokenizer)
     lines = []
     for section in ("train", "eval"):
         specs = source_specs(cfg.data[section])

@@ -87,6 +87,9 @@ class WandbConfig:
 @dataclass
 class TokenizerConfig:
     path: str = key("${demo_asset:tokenizer}", "a local tokenizer directory with a chat template, or hf:org/name")
+    chat_template: str | None = key(None, "the template records are rendered with and the export writes: null (the "
+                                          "tokenizer's own) | a name chattune ships (chatml, llama3) | a file | "
+                                          "inline Jinja")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from chattune.data.chat_template import render_conversation, trained_spans
 from chattune.data.documents import Document, Skipped, shifted_label_array
 from chattune.data.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
 from chattune.data.records import RecordSource
-from chattune.data.template_documents import TemplateDocuments, check_tools_rendered
+from chattune.data.template_documents import TemplateDocuments
 
 
 class PairDocuments(TemplateDocuments):
@@ -50,7 +50,7 @@ class PairDocuments(TemplateDocuments):
         pair: PreferencePair = to_preference_pair(record, spec, where)
         if pair.chosen == pair.rejected:
             return Skipped("identical_replies", where)
-        check_tools_rendered(self.markers, pair.tools, [*pair.context, pair.chosen, pair.rejected], where)
+        self.check_tools_rendered(pair.tools, [*pair.context, pair.chosen, pair.rejected], where)
         texts, spans = [], []
         for side in (pair.chosen, pair.rejected):
             messages = [*pair.context, side]

@@ -130,8 +130,12 @@ class _JsonlIndex:
 def _json_records(path: str) -> list:
     try:
         records = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DataError(f"{path}: not valid UTF-8 JSON ({error})") from error
+    except json.JSONDecodeError as error:  # the file is one JSON value: no record can be skipped on its own
+        raise DataError(f"{path}: unparseable JSON at line {error.lineno}, column {error.colno}: {_json_problem(error)}; "
+                        "a .json file is parsed whole, so data.on_bad_record cannot skip a part of it (in a .jsonl "
+                        "file, one record a line, data.on_bad_record=skip skips the lines that do not parse)") from error
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: not UTF-8 text (byte {error.start + 1}: {error.reason})") from error
     if not isinstance(records, list):
         raise DataError(f"{path}: a .json data file must hold a list of records, got {type(records).__name__}")
     return records
@@ -143,12 +147,21 @@ def _parse_jsonl_record(where: str, file: BinaryIO, offset: int) -> dict | DataE
     try:
         entry = json.loads(line.decode("utf-8"))
     except json.JSONDecodeError as error:  # its own "line 1 column N" counts within this one line: say the column
-        return DataError(f"{where}: unparseable JSON at column {error.colno}: {error.msg}")
+        return DataError(f"{where}: unparseable JSON at column {error.colno}: {_json_problem(error)}")
     except UnicodeDecodeError as error:
         return DataError(f"{where}: not UTF-8 text (byte {error.start + 1} of the line: {error.reason})")
     if not isinstance(entry, dict):
         return DataError(f"{where}: a record must be a JSON object, got {type(entry).__name__}")
     return entry
+
+
+def _json_problem(error: json.JSONDecodeError) -> str:
+    """What the json module found, without the word that leads to its position ("Invalid control character at"),
+    and for a raw control character in a string, how JSON writes it."""
+    problem = error.msg.removesuffix(" at")
+    if problem == "Invalid control character":
+        problem += f" {error.doc[error.pos]!r} in a string (JSON writes a tab as \\t, a newline as \\n)"
+    return problem
 
 
 def source_specs(sources) -> list[SourceSpec]:

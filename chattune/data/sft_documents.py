@@ -17,7 +17,7 @@ from chattune.data.chat_template import render_conversation, trained_spans
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped, shifted_label_array
 from chattune.data.formats import DataError, SourceSpec, to_conversation
 from chattune.data.records import RecordSource
-from chattune.data.template_documents import TemplateDocuments, check_tools_rendered
+from chattune.data.template_documents import TemplateDocuments
 
 
 class SFTDocuments(TemplateDocuments):
@@ -47,7 +47,7 @@ class SFTDocuments(TemplateDocuments):
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_Rendered":
         """Convert, check and render one record, and locate the assistant replies it trains."""
         conversation = to_conversation(record, spec, where)
-        check_tools_rendered(self.markers, conversation.tools, conversation.messages, where)
+        self.check_tools_rendered(conversation.tools, conversation.messages, where)
         try:
             text = render_conversation(self.tokenizer, conversation.messages, conversation.tools)
             spans = trained_spans(text, conversation.messages, self.markers,

@@ -5,6 +5,7 @@ the tokenizer's chat template and tokenized in one batch, with bad records raise
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +15,7 @@ from chattune.data.chat_template import ChatTemplateError, TemplateMarkers, prob
 from chattune.data.documents import Document, Skipped, outcomes_by_record
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.records import RecordSource
+from chattune.data.template_choice import KEY, fitting_shipped_templates, shipped_names
 from chattune.data.text_encoder import TextBatchEncoder
 
 
@@ -69,14 +71,31 @@ class TemplateDocuments:
         tokenized = iter(outcomes_by_record(self._tokenize(rendered), len(rendered)) if rendered else [])
         documents = [item for o in outcomes for item in ([o] if isinstance(o, Skipped) else next(tokenized))]
         if failure is not None:
-            raise failure
+            raise with_skip_remedy(failure)
         return documents
 
     def _bad_record(self, error: DataError) -> Skipped:
         """A record found unusable while tokenizing: raised, or skipped under on_bad_record="skip"."""
         if self.on_bad_record != "skip":
-            raise error
+            raise with_skip_remedy(error)
         return Skipped("bad_record", str(error))
+
+    def check_tools_rendered(self, tools: list | None, messages: list[dict], where: str) -> None:
+        """Refuse tools or tool calls that the chat template would silently leave out of the text."""
+        uses_calls = any("tool_calls" in m for m in messages)
+        if (tools and not self.markers.renders_tools) or (uses_calls and not self.markers.renders_tool_calls):
+            raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
+                            f"render them (training would silently leave them out): {self._tools_remedy}")
+
+    @functools.cached_property
+    def _tools_remedy(self) -> str:
+        """A template that renders tools: a shipped one whose special tokens this tokenizer has, else a file."""
+        fitting = fitting_shipped_templates(self.tokenizer)
+        if fitting:
+            return (f"set {' or '.join(f'{KEY}={name}' for name in fitting)} (a template chattune ships that renders "
+                    "them, with special tokens this tokenizer has)")
+        return (f"set {KEY}=PATH, a template file that renders them (chattune's own, {', '.join(shipped_names())}, "
+                "write special tokens this tokenizer does not have)")
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict):
         raise NotImplementedError
@@ -85,9 +104,8 @@ class TemplateDocuments:
         raise NotImplementedError
 
 
-def check_tools_rendered(markers: TemplateMarkers, tools: list | None, messages: list[dict], where: str) -> None:
-    """Refuse tools or tool calls that the chat template would silently leave out of the text."""
-    uses_calls = any("tool_calls" in m for m in messages)
-    if (tools and not markers.renders_tools) or (uses_calls and not markers.renders_tool_calls):
-        raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
-                        "render them (training would silently leave them out)")
+def with_skip_remedy(error: DataError) -> DataError:
+    """A record's error as raised under on_bad_record="error": it names the setting that skips such records."""
+    remedy = DataError(f"{error}; with data.on_bad_record=skip such records are skipped (counted and logged)")
+    remedy.__cause__ = error
+    return remedy

@@ -1,6 +1,6 @@
 """The rules of a run that its schema cannot state: data sources and their files, the tokenizer's and models'
-paths, the step counts and the microbatch budget, the step layout on the ranks, a 4-bit base, the device and,
-for `chattune validate`, what a launch would do with output_dir.
+paths, the chat template a config names, the step counts and the microbatch budget, the step layout on the
+ranks, a 4-bit base, the device and, for `chattune validate`, what a launch would do with output_dir.
 
 Each check adds lines to a `Findings`; nothing stops at the first problem.
 """
@@ -19,6 +19,8 @@ from omegaconf import DictConfig
 from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.sources import RECIPE_DATA
+from chattune.data.template_choice import KEY as TEMPLATE_KEY
+from chattune.data.template_choice import template_problem
 from chattune.errors import UserError
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
 from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show
@@ -115,6 +117,10 @@ class RunRules:
                 self.findings.problem("tokenizer.path", f"{tokenizer!r} is not a directory")
             else:
                 self.findings.problem("tokenizer.path", f"{tokenizer!r} does not exist{hub_hint(tokenizer, 'tokenizer')}")
+        template = get_value(self.values, TEMPLATE_KEY)
+        problem = template_problem(template) if template is None or isinstance(template, str) else None
+        if problem is not None:  # (a value of another type is reported by the schema checks)
+            self.findings.problem(TEMPLATE_KEY, problem)
         for key in ("model.path", "reference.path"):
             path = get_value(self.values, key)
             if not isinstance(path, str):

@@ -134,9 +134,9 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
     from chattune.data.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer.path)
+        tokenizer = load_tokenizer(cfg.tokenizer)
     except UserError as error:
-        findings.problems.append(str(error))  # it names tokenizer.path
+        findings.problems.append(str(error))  # it names tokenizer.path or tokenizer.chat_template
         return
     data, context = cfg.data, cfg.parallel.context
     context = context if isinstance(context, int) and context >= 1 else 1  # (an invalid one is reported already)

@@ -25,6 +25,7 @@ from torch import nn
 
 from chattune.data.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
+from chattune.data.template_choice import template_fingerprint
 from chattune.distributed import all_reduce_max, all_reduce_sum, counts_rows
 from chattune.hub import local_directory
 from chattune.model.fsdp import reshard
@@ -67,7 +68,7 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
         weights = weights_fingerprint(directory, Path(cfg.reference.cache_dir) / "weight_hashes.json")
     else:  # built from config: the seed fixes the initial weights
         weights = {"config": OmegaConf.to_container(cfg.model.config, resolve=True), "seed": cfg.seed}
-    return {
+    fingerprint = {
         "sources": OmegaConf.to_container(cfg.data[split], resolve=True),
         "files": data_file_fingerprints(cfg.data[split], cfg.tokenizer.path),
         "max_tokens_per_microbatch": cfg.data.max_tokens_per_microbatch,
@@ -77,6 +78,10 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
         "fsdp": OmegaConf.to_container(cfg.model.fsdp, resolve=True),  # precision changes the numbers
         "device": device_type,
     }
+    template = cfg.tokenizer.get("chat_template")
+    if template is not None:  # in place of the tokenizer's own (which is among its files): by its text
+        fingerprint["chat_template"] = template_fingerprint(template)
+    return fingerprint
 
 
 def cache_key(fingerprint: dict) -> str:

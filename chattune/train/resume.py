@@ -1,8 +1,9 @@
 """Exact resume: what a checkpoint holds beyond the weights, and whether it can continue the run that
 asks to (`check_resumable`).
 
-A run's fingerprint is its resolved config and a fingerprint of each training data file and of the
-tokenizer files. A resumed run may change (README, "What chattune promises"):
+A run's fingerprint is its resolved config (the chat template it names with a hash of its text), and a
+fingerprint of each training data file and of the tokenizer files. A resumed run may change (README, "What
+chattune promises"):
 
 - freely: where and how often it logs, saves and evaluates (`RUNTIME_KEYS`);
 - with a warning that gives the learning rate at the resume step under the old and the new schedule:
@@ -35,6 +36,8 @@ from chattune.data.fingerprint import (
     record_hashes_file,
     saved_record_hashes,
 )
+from chattune.data.template_choice import KEY as TEMPLATE_KEY
+from chattune.data.template_choice import template_fingerprint
 from chattune.errors import UserError
 from chattune.train.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from chattune.train.feed import merge_states
@@ -64,6 +67,9 @@ def _flatten(tree, prefix: str = "") -> dict:
 def run_fingerprint(cfg: DictConfig) -> dict:
     config = _flatten(OmegaConf.to_container(cfg, resolve=True))
     config = {k: v for k, v in config.items() if not _under(k, RUNTIME_KEYS)}
+    # The chat template as its text: a template file (or a shipped one) edited under the same name renders other
+    # documents. (null: the tokenizer's own, among the tokenizer files below.)
+    config[TEMPLATE_KEY] = template_fingerprint(cfg.tokenizer.get("chat_template"))
     return {"config": config, "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path),
             "record_files": record_files(cfg.data.train)}
 
@@ -171,7 +177,8 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     fingerprint = dict(saved["fingerprint"])
     if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
         fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
-    fingerprint["config"] = {"parallel.context": 1, **fingerprint.get("config", {})}  # before context parallelism
+    # Keys added since: older checkpoints were written with their defaults (one context rank, the tokenizer's template).
+    fingerprint["config"] = {"parallel.context": 1, TEMPLATE_KEY: None, **fingerprint.get("config", {})}
     saved_context = fingerprint["config"]["parallel.context"]
     context_changed = saved_context != cfg.parallel.context
     invariant = cfg.data.microbatches_per_step is not None
