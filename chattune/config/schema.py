@@ -99,7 +99,8 @@ class TinyLlamaConfig:
     num_hidden_layers: int = key(4, "decoder layers")
     num_attention_heads: int = key(6, "query heads")
     num_key_value_heads: int = key(2, "key/value heads (grouped-query attention)")
-    max_position_embeddings: int = key(1024, "longest position the model is built for")
+    max_position_embeddings: int = key(2048, "longest sequence the model is built for (written into its export, "
+                                             "where a run from it checks its budget against it)")
     tie_word_embeddings: bool = key(True, "the output layer shares the embedding matrix")
 
 
