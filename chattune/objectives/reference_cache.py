@@ -67,9 +67,10 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
         weights = weights_fingerprint(directory, Path(cfg.reference.cache_dir) / "weight_hashes.json")
     else:  # built from config: the seed fixes the initial weights
         weights = {"config": OmegaConf.to_container(cfg.model.config, resolve=True), "seed": cfg.seed}
-    return {
-        "sources": OmegaConf.to_container(cfg.data[split], resolve=True),
-        "files": data_file_fingerprints(cfg.data[split], cfg.tokenizer.path),
+    sources = cfg.data[split] if cfg.data[split] is not None else OmegaConf.create([])
+    fingerprint = {
+        "sources": OmegaConf.to_container(sources, resolve=True),
+        "files": data_file_fingerprints(sources, cfg.tokenizer.path),
         "max_tokens_per_microbatch": cfg.data.max_tokens_per_microbatch,
         "context": cfg.parallel.context,  # the row budget, and how rows are split
         "overlong": cfg.data.overlong,
@@ -77,6 +78,11 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
         "fsdp": OmegaConf.to_container(cfg.model.fsdp, resolve=True),  # precision changes the numbers
         "device": device_type,
     }
+    if cfg.data.eval_split is not None:  # which records of data.train each table holds (the eval one: its held-out)
+        fingerprint["eval_split"] = {"eval_split": cfg.data.eval_split, "seed": cfg.seed,
+                                     "train": OmegaConf.to_container(cfg.data.train, resolve=True),
+                                     "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path)}
+    return fingerprint
 
 
 def cache_key(fingerprint: dict) -> str:

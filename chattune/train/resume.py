@@ -171,7 +171,8 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     fingerprint = dict(saved["fingerprint"])
     if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
         fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
-    fingerprint["config"] = {"parallel.context": 1, **fingerprint.get("config", {})}  # before context parallelism
+    # Keys added since: what a checkpoint written before them ran with (before context parallelism, the held-out split)
+    fingerprint["config"] = {"parallel.context": 1, "data.eval_split": None, **fingerprint.get("config", {})}
     saved_context = fingerprint["config"]["parallel.context"]
     context_changed = saved_context != cfg.parallel.context
     invariant = cfg.data.microbatches_per_step is not None
