@@ -68,7 +68,7 @@ def main(cfg: DictConfig) -> None:
     reference, eval_reference = (reference_log_probs(cfg, tokenizer, dist_info, built, data)
                                  if preference_loss.needs_reference else (None, None))
     objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)
-    eval_objective = PreferenceObjective(preference_loss, eval_reference) if cfg.data.eval else None
+    eval_objective = PreferenceObjective(preference_loss, eval_reference) if data.eval is not None else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
     train(cfg, dist_info, start, built, data, objective, optimizer, scheduler, tokenizer, eval_objective)
@@ -91,14 +91,14 @@ def reference_log_probs(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         live = LiveReference(reference_model())
         return live, live
     device = dist_info.device
-    splits = {"train": data.train, **({"eval": data.eval} if data.eval else {})}
+    splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     tables = reference_cache.load_or_build(
         Path(cfg.reference.cache_dir), {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
         {split: len(documents) for split, documents in splits.items()}, reference_model,
         lambda split: packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, data.pad_id, splits[split], shuffle=False,
                                     num_epochs=1), device, data.pad_id,
         dist_info.is_main)
-    return CachedReference(tables["train"]), CachedReference(tables["eval"]) if cfg.data.eval else None
+    return CachedReference(tables["train"]), CachedReference(tables["eval"]) if data.eval is not None else None
 
 
 if __name__ == "__main__":

@@ -201,7 +201,8 @@ def test_shared_preference_data_on_real_tokenizers(real, file):
     identical = [i for i, p in enumerate(pairs) if p is None]
     assert [i for i, o in enumerate(outcomes) if isinstance(o, Skipped)] == identical
     line = " (line {})" if spec.path.endswith(".jsonl") else ""  # records are named 1-based, JSONL ones with their line
-    assert all(outcomes[i] == Skipped("identical_replies", f"{spec.path} record {i + 1}" + line.format(i + 1))
+    assert all(outcomes[i] == Skipped("identical_replies", f"{spec.path} record {i + 1}" + line.format(i + 1)
+                                      + ": the chosen and the rejected reply are the same, nothing to prefer")
                for i in identical)
     for index, (pair, document) in enumerate(zip(pairs, outcomes)):
         if pair is not None:
@@ -336,7 +337,9 @@ def test_identical_replies_are_a_counted_skip(tmp_path, tokenizer):
                                                    {"prompt": MESSAGE_CONTEXT, "chosen": same, "rejected": same}])
     outcomes = documents.get_many([0, 1, 2])
     assert isinstance(outcomes[0], Document)
-    assert outcomes[1:] == [Skipped("identical_replies", f"{tmp_path / 'pairs.jsonl'} record {i} (line {i})") for i in (2, 3)]
+    assert outcomes[1:] == [Skipped("identical_replies", f"{tmp_path / 'pairs.jsonl'} record {i} (line {i}): the chosen "
+                                                         "and the rejected reply are the same, nothing to prefer")
+                            for i in (2, 3)]
     # a batch of skips only still works
     assert documents.get_many([1, 2]) == outcomes[1:]
 

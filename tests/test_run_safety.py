@@ -67,6 +67,8 @@ def test_dpo_on_two_ranks_counts_a_pair_with_identical_replies_on_one_rank(tmp_p
                       "data.report_records=null", "data.max_tokens_per_microbatch=1024")
     log = result.stdout + result.stderr
     assert "training data (30 of 30 records sampled): records read: 30; skipped: 1 (identical_replies 1)" in log
+    assert log.count(f"] skipped (identical_replies): {data} record 8 (line 8): the chosen and the rejected reply are "
+                     "the same, nothing to prefer\n") == 1  # a reason, as every skip's line gives
     assert "skipped {'overlong': 0, 'no_trainable_tokens': 0, 'identical_replies': 1, 'bad_record': 0}" in log
 
 
@@ -255,27 +257,43 @@ def test_a_fixed_record_is_named_and_can_be_accepted_alone(tmp_path):
     assert launch(*args, "max_steps=8", f"resume_allow_changes=[{data}:12]").returncode != 0
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_bad_records_are_skipped_counted_and_logged_on_both_ranks(tmp_path, invariant):
-    """Per rank each rank reads, counts and logs its own share; world-size-invariant every rank reads every
-    record, and each skip is still counted and logged once."""
+def test_bad_records_are_skipped_counted_and_logged_alike_by_whichever_rank_reads_them(tmp_path):
+    """Per rank each rank reads, counts and logs its own share (here each meets bad records); world-size-invariant
+    every rank reads every record, and each skip is still counted and logged once, by rank 0. Every line names the
+    file, the record and the reason, and a record's line is the same whichever rank logs it."""
     lines = DEMO_CHATS[:40]
-    for index in (3, 20, 21, 33):
+    # (epoch 0's shares, seed 42: rank 0 reads 12, 22 and 30 of these, rank 1 reads 3, 9 and 33)
+    for index in (3, 22, 30, 33):
         lines[index] = json.dumps({"messages": [{"role": "user", "content": "no reply"}]}) + "\n"
     lines[9] = "{not json\n"
+    lines[12] = '{"messages": [{"role": "user", "content": "a\tb"}]}\n'  # a control character in a string
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(lines))
-    out = tmp_path / "run"
-    result = torchrun(2, "recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", "data.on_bad_record=skip",
-                      "data.num_epochs=1", "max_steps=50", "save_every=0", "eval_every=0", "data.eval=[]",
-                      "data.report_records=0", "data.max_tokens_per_microbatch=512",
-                      *(["data.microbatches_per_step=2"] if invariant else []))
-    log = result.stdout + result.stderr
-    assert "'bad_record': 5" in log
-    assert log.count(f"skipped (bad_record): {data} record 10 (line 10): unparseable JSON at column 2") == 1
-    for index in (3, 20, 21, 33):
-        assert log.count(f"skipped (bad_record): {data} record {index + 1} (line {index + 1}): no assistant message") == 1
-    assert "35 documents" in log  # the epoch's figures: every other record trained
+    reasons = {index + 1: "no assistant message, nothing to train" for index in (3, 22, 30, 33)}
+    reasons |= {10: "unparseable JSON at column 2: ", 13: "unparseable JSON at column 45: "}  # and json's words
+    logged = {}
+    for invariant in (False, True):
+        result = torchrun(2, "recipes/sft.py", f"output_dir={tmp_path / str(invariant)}", f"data.train=[{data}]",
+                          "data.on_bad_record=skip", "data.num_epochs=1", "max_steps=50", "save_every=0", "eval_every=0",
+                          "data.eval=[]", "data.report_records=0", "data.max_tokens_per_microbatch=512",
+                          *(["data.microbatches_per_step=2"] if invariant else []))
+        log = result.stdout + result.stderr
+        assert "'bad_record': 6" in log
+        assert "34 documents" in log  # the epoch's figures: every other record trained
+        skips = [line.split(" [", 1)[1] for line in log.splitlines() if "] skipped (" in line]
+        # "rankR] skipped (bad_record): FILE record N (line N): reason"
+        by_record = {}
+        for line in skips:
+            rank, detail = line.split("] skipped (bad_record): ")
+            record = int(detail.removeprefix(f"{data} record ").split(" ", 1)[0])
+            assert detail.startswith(f"{data} record {record} (line {record}): {reasons[record]}"), line
+            assert record not in by_record, f"record {record} logged twice"
+            by_record[record] = (rank, detail)
+        assert sorted(by_record) == sorted(reasons)
+        logged[invariant] = by_record
+    assert {rank for rank, _ in logged[False].values()} == {"rank0", "rank1"}  # each rank met its own
+    assert {rank for rank, _ in logged[True].values()} == {"rank0"}
+    assert {r: d for r, (_, d) in logged[False].items()} == {r: d for r, (_, d) in logged[True].items()}
 
 
 def test_overwrite_starts_over_and_every_remedy_of_a_resume_refusal_works_as_written(tmp_path):

@@ -4,6 +4,7 @@ is reported at once, one line each, the same way by the command and by the recip
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -108,11 +109,59 @@ def test_a_launch_on_a_model_directory_without_weights_says_so_in_one_block(tmp_
 def test_dpo_tiny_is_clean_given_its_sft_model(tmp_path, model_dir):
     report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
     assert (report, ok) == ("config OK", True)
+    # Positions restart with each side of a pair: the note names what may outgrow them
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 1024}))
+    report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
+    assert ok and report.splitlines()[0] == (
+        "note: data.max_tokens_per_microbatch: 2048 is more than model.path's max_position_embeddings 1024: a pair's "
+        "side (the prompt and one reply) longer than 1024 tokens gets positions the model was not trained on")
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 32768}))
 
     missing = tmp_path / "no-sft-run" / "hf"
     report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={missing}"], CONFIGS)
     assert report.splitlines() == [
         f"model.path: '{missing}' is not a local directory", "1 problem(s)"]
+
+
+# How a user runs each shipped config (`chattune ls`), with what it needs besides: "{model}" is a local model
+# directory like a real one (32768 positions, the demo tokenizer); dpo/tiny finds sft/tiny's own export where it
+# looks for it (outputs/sft-tiny/hf).
+SHIPPED_USES = {
+    "sft/tiny": [("sft/tiny", [])],
+    "dpo/tiny": [("dpo/tiny", [])],
+    "sft/local_model": [("sft/local_model", ["model.path={model}"])],
+    "dpo/local_model": [("dpo/local_model", ["model.path={model}",
+                                             "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"])],
+    "peft/lora": [("sft/tiny", ["peft=lora"]), ("dpo/tiny", ["peft=lora"])],
+    "peft/qlora": [("sft/local_model", ["model.path={model}", "peft=qlora"])],  # CUDA with bitsandbytes only
+}
+
+
+def test_the_uses_cover_every_shipped_config():
+    from chattune.cli.catalog import configs
+
+    assert sorted(SHIPPED_USES) == sorted(entry.name for entry in configs())
+
+
+@pytest.mark.parametrize("config, overrides", [use for uses in SHIPPED_USES.values() for use in uses])
+def test_every_shipped_config_validates_without_a_note(tmp_path, monkeypatch, config, overrides):
+    """As `chattune validate` runs it (the data read too), from a fresh directory: "config OK" and nothing else.
+    dpo/tiny used to note its own budget against the 1024 positions sft/tiny's model said it was built for."""
+    from hydra.utils import instantiate
+
+    from chattune.launch.run_rules import _cuda_available
+    from conftest import demo_tokenizer, tiny_config
+
+    if "peft=qlora" in overrides and not (_cuda_available() and importlib.util.find_spec("bitsandbytes")):
+        pytest.skip("QLoRA validates on CUDA with bitsandbytes only (test_qlora_is_refused_on_the_cpu)")
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    tiny_config(max_position_embeddings=32768).save_pretrained(model)
+    demo_tokenizer().save_pretrained(model)
+    if config == "dpo/tiny":  # sft/tiny's export: its model.config, as the run writes it into hf/config.json
+        instantiate(compose_config("sft/tiny", []).model.config).save_pretrained(tmp_path / "outputs" / "sft-tiny" / "hf")
+    report, ok = run_validate(config, [o.format(model=model) for o in overrides], CONFIGS, read_data=True)
+    assert (report, ok) == ("config OK", True)
 
 
 def test_a_users_config_dir_building_on_dpo_tiny_and_its_required_keys(tmp_path, model_dir):

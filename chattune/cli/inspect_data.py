@@ -2,10 +2,11 @@
 
 It first runs `chattune validate`'s checks (the config, the tokenizer and its chat template, the first
 records of every source), then reads the training sources the way the recipe does (same formats,
-template, masking and budget: conversations for an SFT config, preference pairs for a DPO one) and
-reports: records read, skipped by reason, documents, tokens, the trainable-token fraction, a length
-histogram, the pack fill at the microbatch budget, and a few documents (a pair: its chosen and its
-rejected side) with the trained tokens highlighted (terminal colours, or an HTML page with `--html`).
+template, masking and budget: conversations for an SFT config, preference pairs for a DPO one; without the
+records `data.eval_split` holds out for eval, which it counts per source) and reports: records read, skipped
+by reason, documents, tokens, the trainable-token fraction, a length histogram, the pack fill at the
+microbatch budget, and a few documents (a pair: its chosen and its rejected side) with the trained tokens
+highlighted (terminal colours, or an HTML page with `--html`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from chattune.launch.findings import ConfigError
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
 from chattune.launch.validate import validate_command
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
+from chattune.data.held_out import held_out_line, hold_out
 from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
 from chattune.data.cached_sources import open_documents
@@ -48,8 +50,13 @@ def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_exa
     specs = source_specs(cfg.data.train)  # read as the recipe reads them
     # From the sources' token caches where they are built (data.cache), else tokenized here as read.
     documents = open_documents(recipe_kind(cfg), specs, tokenizer, cfg.data, cfg.parallel.context, build=False)
+    # data.eval_split: the records training reads, without those held out for eval (said in the report)
+    split = hold_out(documents, cfg.data.eval_split, cfg.seed)
+    documents = split.train
     report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
                             batch_records=cfg.data.buffer_records)
+    if split.held_out is not None:
+        report.held_out = held_out_line(split, cfg.data.eval_split)
     stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,
                           cfg.data.buffer_records, num_epochs=1, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
     for batch in stream:
@@ -123,7 +130,8 @@ def histogram(lengths: list[int], width: int = 40) -> list[str]:
 
 def summary_lines(report: DataReport, budget: int) -> list[str]:
     fill = report.packed_tokens / (report.microbatches * budget) if report.microbatches else 0.0
-    return count_lines(report.counts()) + [f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}"]
+    return ([report.held_out] if report.held_out else []) + count_lines(report.counts()) + [
+        f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}"]
 
 
 def render_terminal(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int, colour: bool) -> str:

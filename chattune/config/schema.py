@@ -74,6 +74,11 @@ def section(cls: type, help: str = "", **kwargs: Any) -> Any:
     return key(help=help, factory=cls, **kwargs)
 
 
+def is_eval_split(value: float) -> bool:
+    """data.eval_split: a fraction in (0, 1), or a whole number of records (an int, not 5.0) of at least 1."""
+    return (isinstance(value, int) and value >= 1) or (isinstance(value, float) and 0 < value < 1)
+
+
 # --- the sections ---
 
 
@@ -102,7 +107,8 @@ class TinyLlamaConfig:
     num_hidden_layers: int = key(4, "decoder layers")
     num_attention_heads: int = key(6, "query heads")
     num_key_value_heads: int = key(2, "key/value heads (grouped-query attention)")
-    max_position_embeddings: int = key(1024, "longest position the model is built for")
+    max_position_embeddings: int = key(2048, "longest sequence the model is built for (written into its export, "
+                                             "where a run from it checks its budget against it)")
     tie_word_embeddings: bool = key(True, "the output layer shares the embedding matrix")
 
 
@@ -149,6 +155,11 @@ class DataConfig:
                            help="training sources: paths or {path, format, columns, roles, ...}")
     eval: list[Any] | None = key(factory=lambda: ["${demo_asset:chat_eval.jsonl}"], help="held-out sources",
                                  resume="free")
+    eval_split: float | None = key(None, "records of the training sources held out and evaluated, never trained: a "
+                                         "fraction in (0, 1) of each source, or a count over all of them (in "
+                                         "proportion to their sizes); the same records on any ranks and resumes. "
+                                         "null: none", bound=(is_eval_split, "must be a fraction in (0, 1) or a "
+                                                              "whole number of records of at least 1 (null: none)"))
     train_on: str = key("assistant", "the tokens trained on", choices=TRAIN_ON)
     max_tokens_per_microbatch: int = key(2048, "the token budget of one packed microbatch", at_least=1)
     buffer_records: int = key(256, "records tokenized and packed together (best-fit decreasing)", at_least=1)

@@ -49,7 +49,7 @@ class PairDocuments(TemplateDocuments):
         """Convert and check one pair, render its two sides and locate the reply each trains."""
         pair: PreferencePair = to_preference_pair(record, spec, where)
         if pair.chosen == pair.rejected:
-            return Skipped("identical_replies", where)
+            return Skipped("identical_replies", f"{where}: the chosen and the rejected reply are the same, nothing to prefer")
         self.check_tools_rendered(pair.tools, [*pair.context, pair.chosen, pair.rejected], where)
         texts, spans = [], []
         for side in (pair.chosen, pair.rejected):

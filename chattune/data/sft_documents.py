@@ -85,7 +85,7 @@ class SFTDocuments(TemplateDocuments):
         if count > self.max_tokens and self.overlong == "drop":
             return [Skipped("overlong", message)]
         if not (labels >= 0).any():
-            return [Skipped("no_trainable_tokens", rendered.where)]
+            return [Skipped("no_trainable_tokens", f"{rendered.where}: no token to train with train_on={self.train_on}")]
         if count <= self.max_tokens:
             return [Document(doc_id=rendered.index, input_ids=ids, labels=labels)]
         cuts = range(0, count if self.overlong == "split" else 1, self.max_tokens)

@@ -45,6 +45,14 @@ class MixedDocuments:
     def source_of(self, index: int) -> int:
         return bisect.bisect_right(self.offsets, index) - 1
 
+    def origin(self, index: int) -> tuple[int, int]:
+        """(source, the record's number in that source) of a record index. The number is the record's in its
+        file even where the source holds only some of the file's records (`chattune.data.held_out.RecordSubset`)."""
+        source = self.source_of(index)
+        local = index - self.offsets[source]
+        record = getattr(self.sources[source], "record", None)
+        return source, record(local) if record is not None else local
+
     def get(self, index: int) -> Document | Skipped:
         return self.get_many([index])[0]
 

@@ -57,7 +57,7 @@ from chattune.hub import hub_id
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1  # bump when the arrays, or the documents chattune makes from records, change
+LAYOUT_VERSION = 2  # bump when the arrays, or the documents chattune makes from records, change
 CACHE_DIR_ENV = "CHATTUNE_CACHE_DIR"  # where data.cache=auto keeps caches (default ~/.cache/chattune)
 MANIFEST = "manifest.json"
 CHUNK_RECORDS = 1024  # records tokenized in one batch (one loader item) while building

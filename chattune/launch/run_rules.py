@@ -155,11 +155,14 @@ class RunRules:
         if budget and multiple and multiple > 0 and budget % multiple:
             self.findings.problem("data.max_tokens_per_microbatch", f"{budget} is not a multiple of data.pad_to_multiple_of "
                                                                     f"{multiple}: padding could exceed the budget")
+        # Positions restart with every document (and every side of a preference pair), so the longest sequence is a
+        # row's: a document of the whole budget, or a pair's side beside a short other side.
         positions, context = self.max_positions(), self.context_size()
+        sequence = "a document" if self.recipe == "sft" else "a pair's side (the prompt and one reply)"
         if budget and positions and budget * context > positions:
             self.findings.note("data.max_tokens_per_microbatch",
                                f"{budget}{f' x parallel.context={context}' if context > 1 else ''} is more than "
-                               f"model.path's max_position_embeddings {positions}: a document longer than {positions} "
+                               f"model.path's max_position_embeddings {positions}: {sequence} longer than {positions} "
                                "tokens gets positions the model was not trained on")
 
     def quantized_base(self) -> None:

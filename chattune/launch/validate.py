@@ -35,7 +35,8 @@ The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against t
   checkpoint, an earlier run that only overwrite=true may replace);
 - `chattune validate` only: the tokenizer is loaded (it must have a chat template) and the first
   `FIRST_RECORDS` records of every source are read as the recipe reads them (an empty or malformed
-  file, a bad record).
+  file, a bad record), and data.eval_split is checked against the training sources' numbers of records
+  (each must keep one to train).
 
 Notes (not problems): hub ids, a microbatch budget above the max_position_embeddings of model.path
 (documents that long get positions the model was not trained on), unknown HF config keys, an unused
@@ -129,6 +130,7 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
     (format, chat template, masks, budget): an empty or malformed file, a bad first record or a tokenizer
     without a chat template is reported here rather than after the model is loaded."""
     from chattune.data.documents import Skipped
+    from chattune.data.held_out import split_problem
     from chattune.data.records import source_specs
     from chattune.data.sources import RECIPE_DATA
     from chattune.data.tokenizer import load_tokenizer
@@ -140,6 +142,7 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
         return
     data, context = cfg.data, cfg.parallel.context
     context = context if isinstance(context, int) and context >= 1 else 1  # (an invalid one is reported already)
+    train_sizes: list[tuple[str, int]] = []  # (name, records) of each readable training source, for data.eval_split
     for split in ("train", "eval"):
         for index, spec in enumerate(source_specs(data[split])):
             key = f"data.{split}[{index}]"
@@ -149,10 +152,16 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
             except UserError as error:
                 findings.problem(key, str(error))
                 continue
+            if split == "train":
+                train_sizes.append((spec.display_name, len(documents)))
             skipped = [o for o in outcomes if isinstance(o, Skipped)]
             if skipped:
                 findings.note(key, f"{len(skipped)} of its first {min(count, len(documents))} records would be skipped, "
                                    f"e.g. {skipped[0].reason}: {skipped[0].detail}")
+    if train_sizes and len(train_sizes) == len(source_specs(data.train)):  # all read: what eval_split leaves
+        problem = split_problem(*zip(*train_sizes), data.eval_split)
+        if problem is not None:
+            findings.problems.append(problem)
 
 
 def find_problems(cfg: DictConfig, world_size: int | None = None, recipe: str | None = None,

@@ -68,9 +68,10 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
         weights = weights_fingerprint(directory, Path(cfg.reference.cache_dir) / "weight_hashes.json")
     else:  # built from config: the seed fixes the initial weights
         weights = {"config": OmegaConf.to_container(cfg.model.config, resolve=True), "seed": cfg.seed}
+    sources = cfg.data[split] if cfg.data[split] is not None else OmegaConf.create([])
     fingerprint = {
-        "sources": OmegaConf.to_container(cfg.data[split], resolve=True),
-        "files": data_file_fingerprints(cfg.data[split], cfg.tokenizer.path),
+        "sources": OmegaConf.to_container(sources, resolve=True),
+        "files": data_file_fingerprints(sources, cfg.tokenizer.path),
         "max_tokens_per_microbatch": cfg.data.max_tokens_per_microbatch,
         "context": cfg.parallel.context,  # the row budget, and how rows are split
         "overlong": cfg.data.overlong,
@@ -81,6 +82,10 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
     template = cfg.tokenizer.get("chat_template")
     if template is not None:  # in place of the tokenizer's own (which is among its files): by its text
         fingerprint["chat_template"] = template_fingerprint(template)
+    if cfg.data.eval_split is not None:  # which records of data.train each table holds (the eval one: its held-out)
+        fingerprint["eval_split"] = {"eval_split": cfg.data.eval_split, "seed": cfg.seed,
+                                     "train": OmegaConf.to_container(cfg.data.train, resolve=True),
+                                     "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path)}
     return fingerprint
 
 

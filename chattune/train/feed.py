@@ -24,7 +24,7 @@ only the microbatches it trains; with data.cache=off it also tokenizes all of it
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,16 +208,22 @@ def _zero_counts() -> dict[str, int]:
 class DocumentLedger:
     """Debug record (`ledger=true`) of the documents each step trained on, one JSON line per step in
     `{output_dir}/ledger/rank{R}.from_step{S}.jsonl` (a file per launch, so a resumed run's lines never mix
-    with those of the run it continues). The crash tests audit exactly-once training with it."""
+    with those of the run it continues): their ids (the training data's record indices) and, with `origin`
+    (`MixedDocuments.origin`), each one's [source, record number in that source]. The crash tests audit
+    exactly-once training with it."""
 
-    def __init__(self, output_dir: Path, rank: int, start_step: int):
+    def __init__(self, output_dir: Path, rank: int, start_step: int,
+                 origin: Callable[[int], tuple[int, int]] | None = None):
         self.path = Path(output_dir) / "ledger" / f"rank{rank}.from_step{start_step}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
+        self.origin = origin
 
     def write(self, step: int, batches: StepBatches) -> None:
         doc_ids = [i for batch in batches.microbatches for i in batch.doc_ids]
         doc_epochs = [batch.epoch for batch in batches.microbatches for _ in batch.doc_ids]  # a step may cross one
+        line = {"step": step, "epoch": batches.epoch, "doc_ids": doc_ids, "doc_epochs": doc_epochs}
+        if self.origin is not None:
+            line["records"] = [list(self.origin(i)) for i in doc_ids]
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, "epoch": batches.epoch, "doc_ids": doc_ids, "doc_epochs": doc_epochs})
-                    + "\n")
+            f.write(json.dumps(line) + "\n")

@@ -1,5 +1,6 @@
 """The data side of every recipe's run, set up once: the recipe kind's documents (`chattune.data.sources`, which
-`chattune validate` and `chattune inspect` read too), one record index over every source. `data.mixing` decides
+`chattune validate` and `chattune inspect` read too), one record index over every source, less the records
+`data.eval_split` holds out for eval (`chattune.data.held_out`). `data.mixing` decides
 how the training records are drawn (`chattune.data.mixing_policy`); a sample is counted for the data report; each rank gets its step
 feed (tokenized in loader workers, packed, epochs in lockstep) and its share of the held-out batches.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from chattune.data.held_out import held_out_line, hold_out, joined
 from chattune.data.mixing_policy import Mixer, mixture_sampling
 from chattune.data.packing import PackedBatch
 from chattune.data.records import source_specs
@@ -69,7 +71,7 @@ def step_layout(cfg: DictConfig, dist_info: DistInfo) -> StepLayout:
 @dataclass
 class TrainingData:
     train: MixedDocuments
-    eval: MixedDocuments | None
+    eval: MixedDocuments | None  # data.eval_split's held-out records and data.eval's sources; None: no eval
     feed: StepFeed  # each step's microbatches on this rank
     eval_batches: list[PackedBatch]  # this rank's share of the held-out data
     mixer: Mixer | None  # data.mixing static or online; None: the sources are concatenated
@@ -113,6 +115,12 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
     train_specs = source_specs(cfg.data.train)
     # Each source from its token cache (data.cache), built by every rank together on the first launch.
     train = open_documents(recipe, train_specs, tokenizer, cfg.data, context)
+    # data.eval_split: some records of each source held out for eval; training reads only the others (any epoch,
+    # mixture or step layout), the same ones on every rank and launch
+    split = hold_out(train, cfg.data.eval_split, cfg.seed)
+    train = split.train
+    if split.held_out is not None:
+        logger.info(held_out_line(split, cfg.data.eval_split))
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
     layout = step_layout(cfg, dist_info)
     mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, layout.share, layout.num_shares,
@@ -132,7 +140,8 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
                            log_skips=counts and (layout.slots is None or dist_info.rank == 0))
     feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
                     num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed, counts=counts)
-    held_out = open_documents(recipe, source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
+    own_eval = open_documents(recipe, source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
+    held_out = joined(split.held_out, own_eval)  # data.eval_split's records, then data.eval's
     eval_batches = list(packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, pad_id, held_out, shuffle=False,
-                                      num_epochs=1, log_skips=counts)) if held_out else []
+                                      num_epochs=1, log_skips=counts)) if held_out is not None else []
     return TrainingData(train, held_out, feed, eval_batches, mixer, pad_id)

@@ -84,10 +84,12 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
     # Written with every checkpoint (rank 0's): what a resume checks, and the wandb run it continues.
     meta = {**start.meta, "wandb_id": metric_logger.wandb_id}
     # (one ledger per row: a context group's other ranks train the same documents)
-    ledger = DocumentLedger(output_dir, dist_info.rank, start_step) if cfg.ledger and counts_rows() else None
+    ledger = (DocumentLedger(output_dir, dist_info.rank, start_step, data.train.origin) if cfg.ledger and counts_rows()
+              else None)
     background = BackgroundSaves(device) if cfg.save_async else None  # checkpoints written while training goes on
 
-    if cfg.data.eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
+    has_eval = data.eval is not None  # data.eval's sources, data.eval_split's held-out records, or both
+    if has_eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
         metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
     timer = StepTimer(device)
@@ -135,7 +137,7 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
         signalled = result.stop_ranks > 0  # a stop signal on any rank (agreed in the step's all-reduce)
         # Decided from the config and the step's all-reduce: evaluate() is collective, every rank must agree to
         # enter it (not on a signalled stop, whose grace period belongs to the checkpoint).
-        is_eval = bool(cfg.data.eval) and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last) and not signalled
+        is_eval = has_eval and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last) and not signalled
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
             metrics = logged_metrics(step, result, grad_norm, lr, timer.seconds(), batches, model, objective, device,
                                      {**counters, **(mixing or {})}, loss_scale, feed, peak)

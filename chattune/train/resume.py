@@ -177,8 +177,10 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     fingerprint = dict(saved["fingerprint"])
     if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
         fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
-    # Keys added since: older checkpoints were written with their defaults (one context rank, the tokenizer's template).
-    fingerprint["config"] = {"parallel.context": 1, TEMPLATE_KEY: None, **fingerprint.get("config", {})}
+    # Keys added since: what a checkpoint written before them ran with (one context rank, the tokenizer's own
+    # template, no held-out split).
+    fingerprint["config"] = {"parallel.context": 1, TEMPLATE_KEY: None, "data.eval_split": None,
+                             **fingerprint.get("config", {})}
     saved_context = fingerprint["config"]["parallel.context"]
     context_changed = saved_context != cfg.parallel.context
     invariant = cfg.data.microbatches_per_step is not None
