@@ -158,8 +158,11 @@ def test_every_shipped_config_validates_without_a_note(tmp_path, monkeypatch, co
     model = tmp_path / "model"
     tiny_config(max_position_embeddings=32768).save_pretrained(model)
     demo_tokenizer().save_pretrained(model)
+    (model / "model.safetensors").touch()  # its weights are only looked for
     if config == "dpo/tiny":  # sft/tiny's export: its model.config, as the run writes it into hf/config.json
-        instantiate(compose_config("sft/tiny", []).model.config).save_pretrained(tmp_path / "outputs" / "sft-tiny" / "hf")
+        sft_export = tmp_path / "outputs" / "sft-tiny" / "hf"
+        instantiate(compose_config("sft/tiny", []).model.config).save_pretrained(sft_export)
+        (sft_export / "model.safetensors").touch()
     report, ok = run_validate(config, [o.format(model=model) for o in overrides], CONFIGS, read_data=True)
     assert (report, ok) == ("config OK", True)
 
