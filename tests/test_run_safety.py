@@ -388,3 +388,15 @@ def test_a_damaged_checkpoint_is_named_with_the_intact_one_to_resume_from(tmp_pa
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_4 at step 4" in resumed.stdout + resumed.stderr
     assert steps(out) == list(range(1, 9)) and (out / "checkpoints" / "step_6.abandoned").is_dir()
+
+
+def test_cfg_job_is_a_dry_run(tmp_path):
+    """README's dry run: Hydra's --cfg job prints the composed config, overrides applied, and trains nothing."""
+    out = tmp_path / "run"
+    result = launch("recipes/sft.py", "--cfg", "job", "max_steps=3", f"output_dir={out}")
+    assert result.returncode == 0, result.stderr
+    from omegaconf import OmegaConf
+
+    printed = OmegaConf.create(result.stdout)
+    assert printed.max_steps == 3 and printed.output_dir == str(out) and printed.data.max_tokens_per_microbatch == 2048
+    assert not out.exists() and result.stderr == ""
