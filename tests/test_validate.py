@@ -500,3 +500,28 @@ def test_a_bad_chat_template_is_reported_with_the_other_problems(tmp_path):
         "tokenizer.chat_template: 'chatm' is not a template chattune ships; did you mean chatml? (shipped: chatml, "
         "llama3; otherwise the path of a template file (./NAME for one in the working directory) or inline Jinja, "
         "holding {{ or {%)"]
+
+
+def test_a_schedule_target_is_checked_from_its_source_without_importing_its_module():
+    """transformers' scheduler module imports peft and bitsandbytes (seconds): validate reads the function's
+    parameters from its source instead, and they must be exactly what importing it gives."""
+    script = """
+import inspect, sys, transformers
+from chattune.launch.schema_checks import target_parameters
+names = ["get_cosine_schedule_with_warmup", "get_linear_schedule_with_warmup", "get_constant_schedule",
+         "get_cosine_with_hard_restarts_schedule_with_warmup", "get_wsd_schedule"]
+read = {n: target_parameters(f"transformers.{n}") for n in names}
+assert all(target is None for target, _ in read.values()), "imported, not read"
+assert "transformers.optimization" not in sys.modules
+for n, (_, parameters) in read.items():
+    real = inspect.signature(getattr(transformers, n)).parameters
+    assert [(k, p.kind, p.default is p.empty) for k, p in parameters.items()] == \\
+        [(k, p.kind, p.default is p.empty) for k, p in real.items()], n
+print("same")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "same", result.stderr[-3000:]
+    report, ok = run_validate("sft/tiny", ["scheduler.num_cycle=0.5", "~scheduler.num_warmup_steps"], CONFIGS)
+    assert problems(report) == ["scheduler.num_cycle: unknown key; did you mean scheduler.num_cycles?",
+                                "scheduler.num_warmup_steps: required by transformers.get_cosine_schedule_with_warmup, "
+                                "not set"]

@@ -7,8 +7,13 @@ Each check adds lines to a `Findings`; nothing stops at the first problem.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import inspect
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 import typing
 from typing import Any
 
@@ -159,8 +164,7 @@ class SchemaChecks:
         schema's own target, against the schema's types)."""
         name = values["_target_"]
         try:
-            target = get_object(name)
-            parameters = inspect.signature(target).parameters
+            target, parameters = target_parameters(name)
         except Exception as error:  # an import of user code can raise anything
             self.findings.problem(f"{key}._target_", f"cannot import {name!r}: {type(error).__name__}: {first_line(error)}")
             return
@@ -219,3 +223,48 @@ class SchemaChecks:
             return  # absent, null or of another type (reported by the type checks)
         if not holds(value):
             self.findings.problem(key, f"{message}, got {value}")
+
+
+_GIVEN = object()  # a parameter's default, read from source: that it has one is all the checks ask
+
+
+def target_parameters(name: str) -> tuple[Any, Mapping[str, inspect.Parameter]]:
+    """(What `_target_` `name` names, or None where it was read from source; its parameters.)
+
+    A function that a lazy package exports (transformers: `transformers.X` from its submodule) is read from its
+    submodule's source when that submodule is not imported yet: importing transformers' scheduler module imports
+    peft and bitsandbytes, two of the six seconds `chattune validate sft/tiny` took, for a list of parameters.
+    Anything else (classes, other modules) is imported."""
+    definition = _lazily_exported_function(name)
+    if definition is not None:
+        return None, _parameters_of(definition)
+    target = get_object(name)
+    return target, inspect.signature(target).parameters
+
+
+def _lazily_exported_function(name: str) -> ast.FunctionDef | None:
+    package_name, _, attribute = name.rpartition(".")
+    package = sys.modules.get(package_name)
+    submodule = getattr(package, "_class_to_module", {}).get(attribute) if package is not None else None
+    if not isinstance(submodule, str) or f"{package_name}.{submodule}" in sys.modules:
+        return None
+    spec = importlib.util.find_spec(f"{package_name}.{submodule}")
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    tree = ast.parse(Path(spec.origin).read_text())
+    return next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == attribute), None)
+
+
+def _parameters_of(function: ast.FunctionDef) -> Mapping[str, inspect.Parameter]:
+    args, P = function.args, inspect.Parameter
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    parameters = [P(arg.arg, P.POSITIONAL_ONLY if arg in args.posonlyargs else P.POSITIONAL_OR_KEYWORD,
+                    default=P.empty if default is None else _GIVEN) for arg, default in zip(positional, defaults)]
+    if args.vararg:
+        parameters.append(P(args.vararg.arg, P.VAR_POSITIONAL))
+    parameters += [P(arg.arg, P.KEYWORD_ONLY, default=P.empty if default is None else _GIVEN)
+                   for arg, default in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg:
+        parameters.append(P(args.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(parameters).parameters
