@@ -367,3 +367,13 @@ def test_notes_for_a_warmup_or_a_save_interval_longer_than_the_run(tmp_path):
            "nor extended (its export is still written)" in report.splitlines()
     report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
     assert "num_warmup_steps" not in report and "save_every" not in report
+
+
+def test_a_sample_prompts_file_that_is_not_there_is_a_problem(tmp_path):
+    missing = tmp_path / "prompts.jsonl"
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}"], CONFIGS)
+    assert not ok and problems(report) == [f"eval.sample_prompts: prompts file {str(missing)!r} does not exist"]
+    missing.write_text('{"prompt": "Hi"}\n')
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}",
+                                           "eval.samples=0"], CONFIGS)
+    assert ok, report

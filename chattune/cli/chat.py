@@ -166,7 +166,9 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
     if resolved == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda, but torch finds no CUDA device on this machine: use --device auto or cpu")
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a bar per loaded file: noise before the first prompt
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     except (OSError, ValueError) as error:

@@ -4,8 +4,8 @@ From a held-out set (`held_out_prompts`: a conversation's messages before its la
 preference pair's shared prompt), or from a prompts file (`read_prompts_file`, the format `chattune chat
 --prompts` and `eval.sample_prompts` read):
 
-- `.jsonl`: one JSON object per line, `{"messages": [...], "tools": [...]}` (a trailing assistant reply, if
-  any, is left out: a held-out conversation is a prompt as it is) or `{"prompt": "text"}` (one user turn);
+- `.jsonl`: one JSON object per line, `{"messages": [...], "tools": [...]}` (a last message that is an assistant
+  reply is left out: a held-out conversation is a prompt as it is) or `{"prompt": "text"}` (one user turn);
 - any other file: one user prompt per non-blank line.
 """
 
@@ -98,7 +98,9 @@ def _json_prompt(line: str, where: str) -> Prompt:
         return Prompt([{"role": "user", "content": record["prompt"]}])
     if not isinstance(record, dict) or "messages" not in record:
         raise DataError(f'{where}: a prompt is {{"messages": [...]}} (with "tools" if any) or {{"prompt": "text"}}')
-    messages = before_last_reply(validate_messages(record["messages"], where, require_reply=False))
+    messages = validate_messages(record["messages"], where, require_reply=False)
+    if messages[-1]["role"] == "assistant":  # a whole conversation: its last reply is what the model writes
+        messages = messages[:-1]
     if not messages:
         raise DataError(f"{where}: no message before the assistant reply")
     tools = record.get("tools")

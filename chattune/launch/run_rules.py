@@ -124,6 +124,10 @@ class RunRules:
                 self.findings.problem(key, f"{path!r} is not a local directory{hub_hint(path, 'model')}")
             elif not (Path(path) / "config.json").is_file():
                 self.findings.problem(key, f"{path!r} has no config.json: not a Hugging Face model directory")
+        prompts = get_value(self.values, "eval.sample_prompts")
+        if isinstance(prompts, str) and not Path(prompts).is_file():
+            self.findings.problem("eval.sample_prompts", f"prompts file {prompts!r} "
+                                  + ("is not a file" if Path(prompts).exists() else "does not exist"))
         if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:
             self.findings.problem("model", "neither model.path nor model.config is set")
         if isinstance(get_value(self.values, "reference.path"), str) and get_value(self.values, "loss.type") in REFERENCE_FREE:
