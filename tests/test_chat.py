@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 from conftest import PROJECT_ROOT, demo_chat_prompts, demo_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chattune.cli.chat import converse, load_chat_model, Chat
+from chattune.cli.chat import Chat, converse, load_chat_model
 from chattune.cli.main import main
 from chattune.model.generate import Sampling, stop_token_ids
 
@@ -135,7 +135,8 @@ def lora_adapter(base_dir: Path, adapter_dir: Path) -> None:
     assert config["base_model_name_or_path"] == str(base_dir)
 
 
-def test_an_adapter_directory_answers_as_its_base_with_the_adapter_merged(chat_model_dir, tmp_path, capsys):
+def test_an_adapter_directory_answers_as_its_base_with_the_adapter_merged(chat_model_dir, tmp_path, capsys,
+                                                                          monkeypatch):
     from peft import PeftModel
 
     adapter = tmp_path / "adapter"
@@ -165,6 +166,12 @@ def test_an_adapter_directory_answers_as_its_base_with_the_adapter_merged(chat_m
     assert "does not exist" in error and "--base DIR" in error
     assert main(["chat", str(moved), "--base", str(chat_model_dir), "--prompts", str(prompt_file),
                  "--max-new-tokens", "24"]) == 0
+    assert [json.loads(line)["reply"] for line in capsys.readouterr().out.splitlines()] == want
+    # A relative base (a run's model.path as written) is read from where the command runs.
+    config["base_model_name_or_path"] = os.path.relpath(chat_model_dir, tmp_path)
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    assert main(["chat", "moved_adapter", "--prompts", str(prompt_file), "--max-new-tokens", "24"]) == 0
     assert [json.loads(line)["reply"] for line in capsys.readouterr().out.splitlines()] == want
 
 

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
+    from chattune.data.prompts import Prompt
+    from chattune.model.generate import Reply, Sampling
+
 ADAPTER_CONFIG = "adapter_config.json"
 RESET, QUIT = "/reset", ("/quit", "/exit")
 
@@ -77,10 +80,10 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
 class Chat:
     """A loaded model answering conversations."""
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling, stop_ids: list[int]):
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: Sampling, stop_ids: list[int]):
         self.model, self.tokenizer, self.sampling, self.stop_ids = model, tokenizer, sampling, stop_ids
 
-    def reply(self, messages: list[dict], tools: list[dict] | None = None):
+    def reply(self, messages: list[dict], tools: list[dict] | None = None) -> Reply:
         import torch
 
         from chattune.model.generate import generate_reply, prompt_ids
@@ -90,7 +93,7 @@ class Chat:
                                   self.stop_ids)
 
 
-def answer_prompts(chat: Chat, prompts: list, system: str | None, out: Path | None, stdout: TextIO) -> int:
+def answer_prompts(chat: Chat, prompts: list[Prompt], system: str | None, out: Path | None, stdout: TextIO) -> int:
     """Each prompt answered on its own, one JSON line each: to stdout as they come, or `out`, written whole at
     the end (through a temporary file: an earlier file there is replaced at once, never half-written)."""
     lines = []
@@ -175,10 +178,14 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
         raise UserError(f"{model_dir} could not be loaded as a causal language model: {type(error).__name__}: "
                         f"{str(error).splitlines()[0]}") from error
     if adapter:
+        import warnings
+
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(model, directory)
+            with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+                model = PeftModel.from_pretrained(model, directory)
         except (OSError, ValueError, RuntimeError, KeyError) as error:
             raise UserError(f"the adapter {directory} does not fit the base model {model_dir}: {type(error).__name__}: "
                             f"{str(error).splitlines()[0]}") from error
@@ -205,20 +212,29 @@ def _adapter_base(directory: Path, base: str | None) -> Path:
     directory, or a hub repository `org/name` at its `revision`, from the Hugging Face cache or downloaded)."""
     from chattune.hub import local_directory
 
-    key = "--base"
-    if base is None:
-        config = json.loads((directory / ADAPTER_CONFIG).read_text())
-        base, revision = config.get("base_model_name_or_path"), config.get("revision")
-        key = f"{directory / ADAPTER_CONFIG}'s base_model_name_or_path"
-        if not base:
-            raise UserError(f"the adapter {directory} names no base model: its run built the base from model.config "
-                            "(random weights, saved nowhere). Chat with the run's merged export (export.merge=true "
-                            "writes output_dir/hf), or give the base with --base DIR")
-        if not Path(base).exists() and HUB_LIKE.fullmatch(base):  # how chattune writes a hub base: org/name + revision
-            base = f"{HUB_PREFIX}{base}" + (f"@{revision}" if revision else "")
-    path = local_directory(base, key)
+    if base is not None:
+        path = local_directory(base, "--base")
+        if not (path / "config.json").is_file():
+            raise UserError(f"--base {base} " + ("has no config.json: not a Hugging Face model directory"
+                                                 if path.is_dir() else "is not a local directory"))
+        return path
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    named, revision = config.get("base_model_name_or_path"), config.get("revision")
+    key = f"{directory / ADAPTER_CONFIG}'s base_model_name_or_path"
+    remedy = "give the base with --base DIR"
+    if not named:
+        raise UserError(f"the adapter {directory} names no base model: its run built the base from model.config "
+                        "(random weights, saved nowhere). Chat with the run's merged export (export.merge=true "
+                        f"writes output_dir/hf), or {remedy}")
+    path = Path(named)
+    if not path.exists() and HUB_LIKE.fullmatch(named):  # chattune writes a hub base as org/name (and a revision)
+        try:
+            path = local_directory(f"{HUB_PREFIX}{named}" + (f"@{revision}" if revision else ""), key)
+        except UserError as error:
+            raise UserError(f"the base model {named} ({key}) is not a directory here (a relative path is read from "
+                            f"where you run chattune chat), nor a hub repository found: {error}. Or {remedy}") from None
     if not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
-        raise UserError(f"the base model {base} ({key}) {what}" + ("" if key == "--base" else
-                        ": a relative path is read from where you run chattune chat; give the base with --base DIR"))
+        what = "has no config.json" if path.is_dir() else "does not exist"
+        raise UserError(f"the base model {named} ({key}) {what} (a relative path is read from where you run chattune "
+                        f"chat): {remedy}")
     return path
