@@ -27,7 +27,7 @@ from chattune.log import setup_logging
 from chattune.model.adapters import BaseModelView, trainable_parameters
 from chattune.model.build import BuiltModel, build_sharded_model, build_trained_model
 from chattune.objectives import reference_cache
-from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective
+from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.inputs import TrainingData, build_training_data, packed_stream
 from chattune.train.loop import train
@@ -68,7 +68,10 @@ def main(cfg: DictConfig) -> None:
     reference, eval_reference = (reference_log_probs(cfg, tokenizer, dist_info, built, data)
                                  if preference_loss.needs_reference else (None, None))
     objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)
-    eval_objective = PreferenceObjective(preference_loss, eval_reference) if data.eval is not None else None
+    # A reference that is the initial policy makes the held-out figures before the first step known (every
+    # reward 0): they are logged without running the model (PreferenceObjective.known_start_metrics).
+    eval_objective = PreferenceObjective(preference_loss, eval_reference, reference_is_start=is_initial_policy(
+        cfg.reference.path, cfg.model.path)) if data.eval is not None else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
     train(cfg, dist_info, start, built, data, objective, optimizer, scheduler, tokenizer, eval_objective)

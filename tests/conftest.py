@@ -145,6 +145,56 @@ def base_dir(tmp_path_factory):
     return directory
 
 
+CHAT_MODEL_DOCS = 6  # the demo chats the chat model learns (their last replies, at least in form)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> Path:
+    """A tiny chat model that answers: the tiny Llama trained (plain HF, full batch, a few seconds) on the first
+    CHAT_MODEL_DOCS demo chats until its greedy replies to their prompts are replies that end with the
+    end-of-turn token; saved with the demo tokenizer and its chat template, as a run's hf/ export is."""
+    import torch.nn.functional as F
+
+    directory = tmp_path_factory.mktemp("chat_model")
+    model = tiny_model(seed=0)
+    model.set_attn_implementation("sdpa")  # a padded batch; the saved model is a stock one
+    documents = demo_documents(CHAT_MODEL_DOCS)
+    length = max(len(d.input_ids) for d in documents)
+    ids = torch.zeros(len(documents), length, dtype=torch.long)
+    labels = torch.full((len(documents), length), IGNORE_INDEX)
+    mask = torch.zeros(len(documents), length, dtype=torch.long)
+    for row, doc in enumerate(documents):
+        n = len(doc.input_ids)
+        ids[row, :n] = torch.tensor(doc.input_ids.tolist())
+        labels[row, :n] = torch.tensor(doc.labels.tolist())
+        mask[row, :n] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matmuls: more threads on shared cores only wait for each other (20x slower)
+    try:
+        for _ in range(200):
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.config.use_cache = True
+    model.save_pretrained(directory)
+    demo_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def demo_chat_prompts(count: int = CHAT_MODEL_DOCS) -> list[list[dict]]:
+    """The messages before the last reply of the first `count` demo chats (those `chat_model_dir` learned)."""
+    prompts = []
+    for line in (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines()[:count]:
+        messages = json.loads(line)["messages"]
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompts.append(messages[:last])
+    return prompts
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return demo_tokenizer()

@@ -19,8 +19,9 @@ from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
-from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective
+from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
+from chattune.train.evaluation import evaluate
 from chattune.train.metrics import step_metrics
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
@@ -163,3 +164,44 @@ def test_a_per_microbatch_mean_would_be_caught():
     (torch.stack(losses[:5]).mean() + torch.stack(losses[5:]).mean()).div(2).backward()
     wrong = {name: p.grad for name, p in policy.named_parameters()}
     assert relative_error(wrong, want) > 1e-3
+
+
+def test_dpo_metrics_before_the_first_step_are_known_where_the_reference_is_the_initial_policy(one_rank_group):
+    """Known without a forward (every reward 0, the loss at margin 0, pairs and tokens counted, log-probs from a
+    cached table) and equal to what a real evaluation computes, for every loss type whose value is known."""
+    cpu = torch.device("cpu")
+    documents = pair_documents()
+    batches = [collate_packed(documents[:5]), collate_packed(documents[5:])]
+    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", 1)
+    live = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", 1))  # the initial policy, again
+    table = torch.full((NUM_PAIRS, 2), float("nan"), dtype=torch.float64)
+    for batch in batches:  # the reference cache's table, as reference_cache computes it: the live reference's values
+        chosen, rejected = live(batch)
+        table[batch.doc_ids] = torch.stack([chosen, rejected], dim=1).double()
+    losses = [PreferenceLoss("sigmoid", beta=0.1, label_smoothing=0.1), PreferenceLoss("robust", beta=0.2, label_smoothing=0.2),
+              PreferenceLoss("hinge", beta=0.5), PreferenceLoss("ipo", beta=0.3), PreferenceLoss("sigmoid_norm", beta=0.1)]
+    for loss in losses:
+        for reference in (live, CachedReference(table)):
+            objective = PreferenceObjective(loss, reference, reference_is_start=True)
+            known = objective.known_start_metrics(batches, cpu)
+            real = evaluate(policy, objective, batches, cpu, pad_token_id=0)
+            assert {f"eval_{name}" for name in known} == set(real) - (
+                set() if reference is not live else {"eval_logps/chosen", "eval_logps/rejected"})
+            for name, value in known.items():
+                assert math.isclose(real[f"eval_{name}"], value, rel_tol=1e-6, abs_tol=1e-6), (loss, name)
+            assert real["eval_rewards/margins"] == 0.0  # the comparison is of a real evaluation with exact zeros
+    assert math.isclose(PreferenceLoss("sigmoid").loss_without_preference(), math.log(2))
+    assert math.isclose(PreferenceLoss("ipo", beta=0.25).loss_without_preference(), 4.0)
+    # Not known in advance: a reference-free loss, an SFT term (the chosen reply's NLL), another reference.
+    assert PreferenceObjective(PreferenceLoss("simpo"), None, reference_is_start=True).known_start_metrics(batches, cpu) is None
+    assert PreferenceObjective(LOSS, live, reference_is_start=True).known_start_metrics(batches, cpu) is None  # sft_weight
+    assert PreferenceObjective(PreferenceLoss("sigmoid"), live).known_start_metrics(batches, cpu) is None
+
+
+def test_which_reference_is_the_initial_policy(tmp_path):
+    (tmp_path / "model").mkdir()
+    assert is_initial_policy(None, None) and is_initial_policy(None, "hf:org/name")
+    assert is_initial_policy(str(tmp_path / "model"), str(tmp_path / "." / "model"))
+    assert not is_initial_policy(str(tmp_path / "other"), str(tmp_path / "model"))
+    assert not is_initial_policy(str(tmp_path / "model"), None)  # a directory against a model built from config
+    assert is_initial_policy("hf:org/name", "hf:org/name") and not is_initial_policy("hf:org/name", "hf:org/other")

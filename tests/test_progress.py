@@ -9,7 +9,7 @@ import re
 import pytest
 
 from chattune.train.metrics import MetricLogger
-from chattune.train.progress import Progress, wants_bar
+from chattune.train.progress import Progress, TaskProgress, wants_bar
 
 
 class FakeTerminal(io.StringIO):
@@ -153,3 +153,48 @@ def test_another_ranks_line_prints_above_the_bar_not_into_it(monkeypatch):
     setup_logging(1, stream=logs)
     logging.getLogger("chattune.test").warning("plain")
     assert logs.getvalue().endswith("[rank1] plain\n") and "\x1b" not in logs.getvalue()
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_long_evaluation_says_where_it_is_every_ten_seconds_and_a_short_one_says_nothing(console):
+    out = console(io.StringIO())
+    clock = FakeClock()
+    progress = Progress(0, 10, "auto", stream=out)
+    assert not progress.shows_bar
+    short = TaskProgress("eval", 3, "batches", stream=out, clock=clock)
+    for done in range(1, 4):
+        clock.now += 1.0
+        short.update(done)
+    short.close()
+    assert out.getvalue() == ""  # 3 s: no line
+
+    long = TaskProgress("eval", 400, "batches", stream=out, clock=clock)
+    for done in range(1, 401):
+        clock.now += 0.125  # 50 s in all
+        long.update(done)
+    long.close()
+    assert out.getvalue().splitlines() == ["LOG eval: 40/400 batches, 5 s", "LOG eval: 120/400 batches, 15 s",
+                                           "LOG eval: 200/400 batches, 25 s", "LOG eval: 280/400 batches, 35 s",
+                                           "LOG eval: 360/400 batches, 45 s", "LOG eval: 400/400 batches done in 50 s"]
+    other_rank = Progress(0, 10, "lines", is_main=False, stream=out).task("eval", 400, "batches")
+    other_rank.update(400)
+    other_rank.close()
+    assert len(out.getvalue().splitlines()) == 6  # only rank 0 speaks
+
+
+def test_on_a_terminal_a_long_evaluation_gets_a_bar_of_its_own(console):
+    out = console(FakeTerminal())
+    progress = Progress(0, 10, "auto", stream=out)
+    evaluation = TaskProgress("eval", 40, "batches", bar=progress.shows_bar, stream=out, delay_s=0)
+    for done in range(1, 41):
+        evaluation.update(done)
+    evaluation.close()
+    progress.close()
+    frames = [frame for frame in re.split(r"[\r\n]", out.getvalue()) if frame.startswith("eval")]
+    assert frames and "/40" in frames[-1] and "batches" in frames[-1], out.getvalue()
+    assert "LOG" not in out.getvalue()  # the bar, not lines

@@ -4,6 +4,7 @@ with fewer steps); the real-model launches name the tests that run them."""
 from __future__ import annotations
 
 import importlib
+import io
 import runpy
 import shlex
 import subprocess
@@ -49,6 +50,7 @@ def test_the_main_command_and_the_tour_run_in_order_in_one_directory(tmp_path, m
     and trained nothing."""
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 12 + 7?\n/quit\n"))  # what `chattune chat` is told
     (tmp_path / "recipes").symlink_to(PROJECT_ROOT / "recipes")
     for line in [MAIN, *tour_commands()]:
         if line in REAL_MODELS:

@@ -525,3 +525,11 @@ print("same")
     assert problems(report) == ["scheduler.num_cycle: unknown key; did you mean scheduler.num_cycles?",
                                 "scheduler.num_warmup_steps: required by transformers.get_cosine_schedule_with_warmup, "
                                 "not set"]
+def test_a_sample_prompts_file_that_is_not_there_is_a_problem(tmp_path):
+    missing = tmp_path / "prompts.jsonl"
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}"], CONFIGS)
+    assert not ok and problems(report) == [f"eval.sample_prompts: prompts file {str(missing)!r} does not exist"]
+    missing.write_text('{"prompt": "Hi"}\n')
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}",
+                                           "eval.samples=0"], CONFIGS)
+    assert ok, report

@@ -112,9 +112,19 @@ def test_sft_run_records_config_every_metric_and_the_hf_directory(tmp_path, wand
     metrics = read_metrics(out, include_start=True)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3] and "eval_loss" in metrics[-1]
     assert [row["_step"] for row in history] == [0, 1, 2, 3]
+    tables = {}
     for logged, row in zip(metrics, history):  # every metric, with the value of metrics.jsonl
-        assert {k: v for k, v in row.items() if not k.startswith("_")} == {k: v for k, v in logged.items() if k != "step"}
+        assert {k: v for k, v in row.items() if not k.startswith(("_", "samples."))} == \
+            {k: v for k, v in logged.items() if k != "step"}
+        if "samples.path" in row:  # the evaluation's sample replies, a table file of the run
+            tables[row["_step"]] = json.loads((run_dirs[-1] / "files" / row["samples.path"]).read_text())
     assert summary["loss"] == metrics[-1]["loss"] and summary["eval_loss"] == metrics[-1]["eval_loss"]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted(tables) == [0, 3] and [s["step"] for s in samples] == [0] * 4 + [3] * 4  # eval.samples=4
+    for step, table in tables.items():  # the lines of samples.jsonl, each prompt as "role: content" lines
+        assert table == {"columns": ["step", "prompt", "reply"], "data": [
+            [step, "\n".join(f"{m['role']}: {m['content']}" for m in s["prompt"]), s["reply"]] for s in samples
+            if s["step"] == step]}
 
 
 def test_metric_names_with_slashes_reach_wandb_as_they_are(tmp_path, wandb_env):

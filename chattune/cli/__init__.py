@@ -1,1 +1,1 @@
-"""The `chattune` command: ls, cp, validate, inspect, prepare, plot, run."""
+"""The `chattune` command: ls, cp, validate, inspect, prepare, plot, chat, run."""

@@ -6,6 +6,7 @@
     chattune validate [CONFIG] [key=value ...]    check a config and its data before launching a run
     chattune prepare [CONFIG] [key=value ...]     tokenize its data once into token caches, before a big job
     chattune plot OUTPUT_DIR [...] [--out FILE]   training curves of one or more runs, overlaid, as a PNG
+    chattune chat DIR [--prompts FILE] [...]      talk to an exported model (hf/ or adapter/), or answer prompts
     chattune run [TORCHRUN OPTIONS] RECIPE [...]  torchrun that lets a stopping run finish its save (SIGTERM,
                                                   Ctrl-C) however long it takes, and exits 75 without a traceback
 
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, default=None,
                       help="PNG to write (default: OUTPUT_DIR/metrics.png for one run, ./metrics.png for several)")
     plot.set_defaults(handler=_plot)
+
+    chat = commands.add_parser("chat", help="talk to an exported model (hf/ or adapter/), or answer a file of prompts")
+    from chattune.cli.chat import add_arguments  # (argparse only: the model's imports wait for the command)
+
+    add_arguments(chat)
+    chat.set_defaults(handler=_chat)
 
     # (listed for --help; `main` hands its arguments to torchrun's parser unread)
     commands.add_parser("run", help="launch a recipe as torchrun does, letting a stopped run finish its save",
@@ -196,6 +203,13 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plot_runs(args.run_dirs, out)
     print(f"wrote {out}")
     return 0
+
+
+def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.cli.chat import run_chat
+
+    logging.basicConfig(level=logging.WARNING)
+    return run_chat(args)
 
 
 def _run(argv: list[str]) -> int:

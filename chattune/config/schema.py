@@ -216,6 +216,15 @@ class ExportConfig:
 
 
 @dataclass
+class EvalConfig:
+    samples: int = key(4, "prompts answered greedily by the model at every evaluation, written to samples.jsonl "
+                          "(and wandb); 0: none", at_least=0, hint=" (0: none)")
+    sample_prompts: str | None = key(None, "a prompts file (.jsonl of {messages} or {prompt}, else one prompt a "
+                                           "line) to sample from; null: the held-out set's first records (data.eval)")
+    max_new_tokens: int = key(64, "the longest sample reply, in tokens", at_least=1)
+
+
+@dataclass
 class PeftConfig:
     type: str = key("lora", "the adapter kind", choices=PEFT_TYPES)
     rank: int = key(16, "the adapters' inner dimension (r)", at_least=1, aliases=("r",))
@@ -260,6 +269,7 @@ class SFTConfig:
     ledger: bool = key(False, "log each step's document ids per rank under output_dir/ledger/", resume="free")
     eval_every: int = key(50, "held-out loss every N steps and at the end (0: never)", at_least=0,
                           hint=" (0: never)", resume="free")
+    eval: EvalConfig = section(EvalConfig, "sample replies at every evaluation", resume="free")
     logger: str = key("stdout", "stdout | wandb (metrics.jsonl is always written)", choices=LOGGERS, resume="free")
     progress: str = key("auto", "auto: a bar on a terminal, metric lines otherwise | bar | lines",
                         choices=PROGRESS_MODES, resume="free")

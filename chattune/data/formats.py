@@ -234,8 +234,9 @@ def _from_alpaca(record: dict, spec: SourceSpec, where: str) -> Conversation:
     return Conversation(messages)
 
 
-def validate_messages(messages: object, where: str) -> list[dict]:
-    """Check roles and contents; returns clean copies (None-valued fields from columnar files dropped)."""
+def validate_messages(messages: object, where: str, require_reply: bool = True) -> list[dict]:
+    """Check roles and contents; returns clean copies (None-valued fields from columnar files dropped).
+    `require_reply`: an assistant message must be among them (a prompt, `chattune.data.prompts`, needs none)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: the conversation must be a non-empty list of messages, got {type(messages).__name__}")
     clean = []
@@ -261,7 +262,7 @@ def validate_messages(messages: object, where: str) -> list[dict]:
         if message["role"] == "assistant" and not content.strip() and not calls:
             raise DataError(f"{where}: message {turn} is an empty assistant reply")
         clean.append({**message, "content": content})
-    if not any(m["role"] == "assistant" for m in clean):
+    if require_reply and not any(m["role"] == "assistant" for m in clean):
         raise DataError(f"{where}: no assistant message, nothing to train")
     return clean
 

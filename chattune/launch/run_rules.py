@@ -133,6 +133,10 @@ class RunRules:
                 self.findings.problem(key, f"{path!r} has no config.json: not a Hugging Face model directory")
             elif (problem := weights_problem(Path(path))) is not None:
                 self.findings.problem(key, f"{path!r}: {problem}")
+        prompts = get_value(self.values, "eval.sample_prompts")
+        if isinstance(prompts, str) and not Path(prompts).is_file():
+            self.findings.problem("eval.sample_prompts", f"prompts file {prompts!r} "
+                                  + ("is not a file" if Path(prompts).exists() else "does not exist"))
         if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:
             self.findings.problem("model", "neither model.path nor model.config is set")
         if isinstance(get_value(self.values, "reference.path"), str) and get_value(self.values, "loss.type") in REFERENCE_FREE:

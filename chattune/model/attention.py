@@ -16,6 +16,9 @@ the models forward untouched to the attention function); we fall back to derivin
 
 `attention_backend` names the path a run takes (the builder logs it at start-up).
 
+Generation (a prompt, then one token at a time against a KV cache) is not a packed row: `stock_attention`
+gives the model transformers' SDPA attention for its duration (`chattune.model.generate`).
+
 With context parallelism (`chattune.model.context_parallel`) each rank holds a slice of the row: an all-to-all
 gives every rank the whole row for a share of the heads before the same kernels run, and another swaps back.
 
@@ -24,8 +27,10 @@ Sliding windows follow transformers' convention (a query sees itself and the `wi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -214,6 +219,21 @@ def packed_attention(
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_attention)
+
+
+@contextlib.contextmanager
+def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
+    """transformers' SDPA attention instead of the packed one while the block runs, then the packed one again.
+    For generation: its queries after the prompt are one token against a KV cache of the tokens before it,
+    which the packed attention (whole rows, documents from position ids) does not take."""
+    if hf_model.config._attn_implementation != ATTENTION_NAME:
+        yield
+        return
+    hf_model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        hf_model.set_attn_implementation(ATTENTION_NAME)
 
 
 def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:

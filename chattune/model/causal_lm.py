@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
+from chattune.model.attention import ATTENTION_NAME, packed_hidden_states, stock_attention
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.context_parallel import active_group, gather_row, row_slice
 from chattune.model.flops import model_flops
@@ -49,6 +49,15 @@ class PackedCausalLM(nn.Module):
             return self._token_losses(batch)
         local = row_slice(batch, dist.get_world_size(group), dist.get_rank(group))
         return gather_row(self._token_losses(local), group, batch.num_tokens)
+
+    def generate(self, **kwargs) -> torch.Tensor:
+        """The wrapped model's `generate` (transformers'), with its attention as transformers' SDPA for the
+        duration (a KV cache is no packed row). Sharded, this is one of FSDP2's forward methods
+        (`chattune.model.fsdp.shard_model` registers it): the root's parameters (embeddings, final norm,
+        output layer) are gathered around it, each decoder layer's around each of its forwards, so every
+        rank must make the same calls (`chattune.model.generate`)."""
+        with stock_attention(self.hf_model):
+            return self.hf_model.generate(**kwargs)
 
     def _token_losses(self, batch: PackedBatch) -> torch.Tensor:
         hidden = packed_hidden_states(self.hf_model, batch)

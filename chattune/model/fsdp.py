@@ -8,12 +8,14 @@ graphs so far, and a count that keeps growing means recompiles."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -73,6 +75,19 @@ def compile_layers(layers: list[nn.Module], activation_checkpointing: bool) -> N
         layer.forward = functools.partial(_checkpointed if activation_checkpointing else _called, compiled[cls], layer)
 
 
+@contextlib.contextmanager
+def eager_layers(model: PackedCausalLM) -> Iterator[None]:
+    """The decoder layers' own (uncompiled) forwards while the block runs: generation's shapes (a prompt, then
+    one token against a growing cache) would otherwise compile graphs of their own, for a few short prompts,
+    and count as recompiles in `compiled_graphs`. A no-op for layers that are not compiled."""
+    replaced = {layer: layer.__dict__.pop("forward") for layer in decoder_layers(model) if "forward" in layer.__dict__}
+    try:
+        yield
+    finally:
+        for layer, forward in replaced.items():
+            layer.forward = forward
+
+
 def _called(forward, layer, *args, **kwargs):
     return forward(layer, *args, **kwargs)
 
@@ -124,6 +139,8 @@ def shard_model(
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=replicated)
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=replicated)
+    # generate() runs the HF model directly: FSDP2 must gather the root's parameters around it as around forward.
+    register_fsdp_forward_method(model, "generate")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Each rank's loss is already divided by the GLOBAL token count, so the cross-rank

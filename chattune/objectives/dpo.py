@@ -13,6 +13,7 @@ see `chattune.objectives.reference_cache`); reference-free losses need neither.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
+from chattune.distributed import counts_rows, reduce_sums
+from chattune.hub import hub_id
 from chattune.objectives.source_figures import source_figures
 from chattune.model.adapters import BaseModelView
 from chattune.model.fsdp import reshard
@@ -75,14 +78,31 @@ class CachedReference:
         return rows[:, 0].float().to(device), rows[:, 1].float().to(device)
 
 
+def is_initial_policy(reference_path: str | None, model_path: str | None) -> bool:
+    """Whether the reference (reference.path) is the policy as training starts: none given (the initial policy,
+    or with LoRA the policy's base with its adapters off, which is the policy while its B matrices are zero, as
+    peft initialises them), or the policy's own model.path."""
+    if reference_path is None:
+        return True
+    if model_path is None:
+        return False
+    if hub_id(reference_path) is not None or hub_id(model_path) is not None:
+        return reference_path == model_path
+    return Path(reference_path).resolve() == Path(model_path).resolve()
+
+
 class PreferenceObjective:
     unit_name = "preference pair"
 
-    def __init__(self, loss: PreferenceLoss, reference: Reference | None, num_sources: int = 1):
+    def __init__(self, loss: PreferenceLoss, reference: Reference | None, num_sources: int = 1,
+                 reference_is_start: bool = False):
+        """`reference_is_start`: the reference is the policy as training starts (`is_initial_policy`), so the
+        held-out metrics before the first step are known without a forward (`known_start_metrics`)."""
         if loss.needs_reference and reference is None:
             raise ValueError(f"loss.type={loss.loss_type!r} needs reference log-probs (a reference model or cache)")
         self.loss, self.reference = loss, reference
         self.num_sources = num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
+        self.reference_is_start = reference_is_start
 
     def count_units(self, batch: PackedBatch) -> int:
         return len(batch.doc_ids)
@@ -105,6 +125,36 @@ class PreferenceObjective:
         if self.num_sources > 1:
             figures.update(source_figures(batch, losses, self.num_sources, doc_units=torch.ones_like(losses)))
         return loss, figures
+
+    def known_start_metrics(self, batches: list[PackedBatch], device: torch.device) -> dict[str, float] | None:
+        """Collective: the metrics of `batches` (all ranks') before the first step, where the reference is the
+        initial policy, without running the model: every reward is 0 (so the margins, and the accuracy, which
+        counts pairs whose chosen reward beats the rejected one), the loss is the loss type's at margin 0
+        (`PreferenceLoss.loss_without_preference`), and the pairs and tokens are counted. The policy's
+        log-probs are the reference's: with cached ones (`CachedReference`) they are read from its table, with
+        a live reference they would need its forward and are left out. None where the figures are not known
+        in advance (another reference, simpo, an SFT term)."""
+        loss = self.loss.loss_without_preference()
+        if not self.reference_is_start or loss is None:
+            return None
+        weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
+        sums = {"pairs": 0.0, "tokens": 0.0, "logps_chosen": 0.0, "logps_rejected": 0.0}
+        for batch in batches:
+            sums["pairs"] += self.count_units(batch) * weight
+            sums["tokens"] += int((batch.labels != IGNORE_INDEX).sum()) * weight
+            if isinstance(self.reference, CachedReference) and batch.doc_ids:
+                chosen, rejected = self.reference(batch)
+                sums["logps_chosen"] += float(chosen.double().sum()) * weight
+                sums["logps_rejected"] += float(rejected.double().sum()) * weight
+        sums = reduce_sums(sums, device)
+        pairs = int(sums["pairs"])
+        figures = {"loss_sum": loss * pairs, "rewards_chosen": 0.0, "rewards_rejected": 0.0, "accuracies": 0.0,
+                   "logps_chosen": sums["logps_chosen"], "logps_rejected": sums["logps_rejected"],
+                   "tokens": sums["tokens"]}
+        metrics = self.metrics(figures, pairs)
+        if not isinstance(self.reference, CachedReference):
+            del metrics["logps/chosen"], metrics["logps/rejected"]
+        return metrics
 
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
         """Means over every pair of the step (all ranks and microbatches); accuracies is the fraction of

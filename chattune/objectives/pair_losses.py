@@ -46,6 +46,17 @@ class PreferenceLoss:
     def needs_reference(self) -> bool:
         return self.loss_type not in REFERENCE_FREE
 
+    def loss_without_preference(self) -> float | None:
+        """The per-pair loss where the policy is its reference (every reward 0, so the margin 0): this loss's
+        formula at margin 0, whatever the log-probs (sigmoid, sigmoid_norm and robust: ln 2 at any label
+        smoothing; hinge: 1; ipo: 1 / (4 beta^2)). None where it depends on the policy's log-probs: a
+        reference-free loss (simpo) or an SFT term (the chosen reply's NLL)."""
+        if not self.needs_reference or self.sft_weight:
+            return None
+        zero, one = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+        losses, _, _ = self(zero, zero, zero, zero, one, one)
+        return float(losses[0])
+
     def rewards(self, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
                 ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,1 +1,1 @@
-"""Training: the update step, the loop, checkpoints and resume, metrics, the run's output directory."""
+"""Training: the update step, the loop, checkpoints and resume, metrics and sample replies, the run's output directory."""

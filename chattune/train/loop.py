@@ -4,7 +4,8 @@ Recipes differ in their data and their objective (`chattune.objectives.base.Obje
 first step to the last is the same story, so it is told once here and SFT and DPO cannot drift apart:
 
 - resume (`resume=auto|PATH|null`): model, optimizer, scheduler, data position, RNG and counters;
-- held-out metrics at step 0, then every `eval_every` steps and at the end;
+- held-out metrics at step 0 (known without a forward where the objective says so: DPO against the initial
+  policy), then every `eval_every` steps and at the end, each with the sample replies of `eval.samples` prompts;
 - each step: its microbatches (`StepFeed`, epochs in lockstep), the shared update step, a mixture's
   per-source figures and online update (`chattune.data.mixing_policy`), the epoch's figures when it closes,
   metrics every `log_every` steps;
@@ -44,6 +45,7 @@ from chattune.train.metrics import MetricLogger, StepTimer, step_metrics
 from chattune.train.output_dir import RunStart, release_output_dir
 from chattune.train.progress import Progress
 from chattune.train.resume import resume_training, save_training
+from chattune.train.samples import run_samples
 from chattune.train.step import LossScale, StepResult, train_step
 
 logger = logging.getLogger(__name__)
@@ -87,14 +89,20 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
     ledger = (DocumentLedger(output_dir, dist_info.rank, start_step, data.train.origin) if cfg.ledger and counts_rows()
               else None)
     background = BackgroundSaves(device) if cfg.save_async else None  # checkpoints written while training goes on
-
+    # eval.samples: a few prompts answered at every evaluation, into samples.jsonl (and wandb)
+    samples = run_samples(cfg, tokenizer, dist_info, start_step if start.resume_from else None, metric_logger.wandb_run)
     has_eval = data.eval is not None  # data.eval's sources, data.eval_split's held-out records, or both
-    if has_eval and cfg.eval_every > 0 and start_step == 0:  # the starting point of the held-out curve
-        metric_logger.log({"step": 0, **evaluate(model, eval_objective, eval_batches, device, pad_id)})
+    evaluating = cfg.eval_every > 0 and (has_eval or samples is not None)
+
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
+    metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
+    if evaluating and start_step == 0:  # the starting point of the held-out curve
+        if has_eval:
+            metric_logger.log({"step": 0, **start_metrics(model, eval_objective, eval_batches, device, pad_id, progress)})
+        if samples is not None:
+            samples(model, 0)
     timer = StepTimer(device)
     peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
-    metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
 
     # --- training loop: one update step = grad_accum_steps microbatches on every rank ---
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -137,13 +145,15 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
         signalled = result.stop_ranks > 0  # a stop signal on any rank (agreed in the step's all-reduce)
         # Decided from the config and the step's all-reduce: evaluate() is collective, every rank must agree to
         # enter it (not on a signalled stop, whose grace period belongs to the checkpoint).
-        is_eval = has_eval and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or is_last) and not signalled
+        is_eval = evaluating and (step % cfg.eval_every == 0 or is_last) and not signalled
         if step % cfg.log_every == 0 or is_last or is_eval or mixing:
             metrics = logged_metrics(step, result, grad_norm, lr, timer.seconds(), batches, model, objective, device,
                                      {**counters, **(mixing or {})}, loss_scale, feed, peak)
-            if is_eval:
-                metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id))
+            if is_eval and has_eval:
+                metrics.update(evaluate(model, eval_objective, eval_batches, device, pad_id, progress))
             metric_logger.log(metrics)
+        if is_eval and samples is not None:
+            samples(model, step)
         progress.update(step, metric_logger.last)
         stopping = step == cfg.stop_after_step or signalled
         if (cfg.save_every and step % cfg.save_every == 0) or stopping:
@@ -168,6 +178,20 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
             break
     progress.close()
     finish(cfg, dist_info, built, feed, tokenizer, metric_logger, background)
+
+
+def start_metrics(model: torch.nn.Module, objective: Objective, batches: list, device: torch.device, pad_id: int,
+                  progress: Progress) -> dict[str, float]:
+    """Collective: the held-out metrics before the first step (`eval_*`): those the objective knows without a
+    forward (`known_start_metrics`: DPO whose reference is the initial policy), else an evaluation."""
+    known = getattr(objective, "known_start_metrics", None)
+    metrics = known(batches, device) if known is not None else None
+    if metrics is None:
+        return evaluate(model, objective, batches, device, pad_id, progress)
+    logger.info("step 0: held-out metrics known without evaluating (the reference is the initial policy: every "
+                "reward 0, loss %.6g)%s", metrics["loss"],
+                "" if "logps/chosen" in metrics else "; logps/* are left out: they need the model's forward")
+    return {f"eval_{name}": value for name, value in metrics.items()}
 
 
 def logged_metrics(step: int, result: StepResult, grad_norm: float, lr: float, step_time_s: float,

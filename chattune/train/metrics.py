@@ -141,6 +141,17 @@ def init_wandb(output_dir: str, run_config: dict | None, wandb_kwargs: dict | No
         ) from e
 
 
+def start_step_log(path: Path, resume_step: int | None) -> None:
+    """One run's lines per file (metrics.jsonl, samples.jsonl: JSON objects with a `step`): a fresh run starts it
+    afresh; a resumed run keeps the lines up to its checkpoint's step and drops later ones (the steps lost in a
+    crash are run and logged again; `chattune.train.output_dir` copied the dropped lines aside first)."""
+    kept = ""
+    if resume_step is not None and path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        kept = "".join(line for line in lines if line.strip() and json.loads(line).get("step", 0) <= resume_step)
+    write_atomically(path, kept.encode())
+
+
 class MetricLogger:
     """Rank 0 writes; other ranks' calls do nothing. `backend` is 'stdout' or 'wandb' (JSONL is always
     written). Each call prints a console line, unless `step_lines` is False (a progress bar shows the
@@ -168,13 +179,7 @@ class MetricLogger:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def _start_file(self, resume_step: int | None) -> None:
-        """One run's curve per file: a fresh run starts it afresh; a resumed run keeps the lines up to its
-        checkpoint and drops later ones (the steps lost in a crash are trained and logged again)."""
-        kept = ""
-        if resume_step is not None and self.path.exists():
-            lines = self.path.read_text().splitlines(keepends=True)
-            kept = "".join(line for line in lines if line.strip() and json.loads(line).get("step", 0) <= resume_step)
-        write_atomically(self.path, kept.encode())  # the lines dropped were copied aside first (output_dir)
+        start_step_log(self.path, resume_step)
 
     def log(self, metrics: dict[str, float]) -> None:
         if not self.is_main:

@@ -8,11 +8,12 @@
 - **What a launch continues** (`resume`): `auto`, the newest complete checkpoint; a path, that one;
   `null`, nothing. `overwrite=true` starts over whatever `resume` says (and refuses a `resume=PATH` next
   to it: the two ask for opposite things). A directory that holds an earlier run's results
-  (checkpoints, metrics.jsonl, hf/, adapter/) is started over only with `overwrite=true`.
+  (checkpoints, metrics.jsonl, samples.jsonl, hf/, adapter/) is started over only with `overwrite=true`.
 - **Nothing of another trajectory is deleted or resumed by accident**: the checkpoints newer than the
   one a run continues from, and everything an overwritten run left, are moved aside as `*.abandoned`
   (never picked up by resume=auto, never pruned by keep_last_n; delete them when you no longer need them).
-  The metrics lines after the step a run continues from are kept in a copy, `metrics.jsonl.abandoned`;
+  The metrics and sample lines after the step a run continues from are kept in a copy, `metrics.jsonl.abandoned`
+  (`samples.jsonl.abandoned`);
   an export that a later one replaces is set aside the same way (`chattune.model.export`).
 
 `claim_output_dir` does all of it before anything is loaded or written, so a refused launch costs seconds.
@@ -44,7 +45,8 @@ from chattune.train.resume import ResumeError, ResumePlan, check_resumable, run_
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".chattune.lock"
-RESULTS = ("checkpoints", "metrics.jsonl", "hf", "adapter", "ledger")  # what a run leaves; config.yaml is rewritten at every start
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # one line per logged step (`chattune.train.metrics.start_step_log`)
+RESULTS = ("checkpoints", *STEP_LOGS, "hf", "adapter", "ledger")  # what a run leaves; config.yaml is rewritten at every start
 
 
 class OutputDirInUse(UserError):
@@ -183,8 +185,8 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
         plan.move_aside = [c for c in committed_checkpoints(checkpoints) if read_meta(c)["step"] > saved["step"]]
         if plan.move_aside:
             plan.move_aside += [p for p in (output_dir / "hf", output_dir / "adapter") if p.exists()]
-        if logged_after(output_dir / "metrics.jsonl", saved["step"]):  # kept up to `step`: the rest in a copy
-            plan.copy_aside = [output_dir / "metrics.jsonl"]
+        # kept up to `step`: the rest in a copy
+        plan.copy_aside = [output_dir / name for name in STEP_LOGS if logged_after(output_dir / name, saved["step"])]
     elif previous:  # a fresh start, or another directory's checkpoint continued, in a used directory
         if not cfg.overwrite:
             what = "nothing to continue from" if source is None else f"a checkpoint of another directory to continue ({source})"
@@ -207,7 +209,7 @@ def _intact_before(source: Path, step: int) -> str:
 
 
 def logged_after(metrics: Path, step: int) -> bool:
-    """Whether `metrics` (a metrics.jsonl) holds a line of a step after `step`."""
+    """Whether `metrics` (a metrics.jsonl or samples.jsonl) holds a line of a step after `step`."""
     if not metrics.is_file():
         return False
     with metrics.open() as lines:

@@ -1,0 +1,97 @@
+"""Replies from a chat model: a conversation rendered with the tokenizer's chat template and its generation
+prompt, transformers' `generate`, the reply read up to the template's end-of-turn token.
+
+One path for `chattune chat` (a plain Hugging Face model, or a peft adapter over its base) and for the
+samples of an evaluation (the sharded model being trained, `chattune.train.samples`). The sharded model runs
+collectively: every rank calls `generate_reply` the same number of times with `synced=True`, and
+transformers' `synced_gpus` keeps a rank whose reply has ended running forwards (each one all-gathers the
+layers' parameters) until every rank's has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data.chat_template import probe_template
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.fsdp import eager_layers, reshard
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a reply is drawn: greedy at temperature 0, else sampled (nucleus `top_p`)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def generate_kwargs(self) -> dict:
+        if self.temperature <= 0:
+            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
+                "max_new_tokens": self.max_new_tokens}
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str  # the reply's tokens decoded, without the end-of-turn token that ended it
+    token_ids: list[int]  # as generated, the end-of-turn token included when it ended the reply
+    finished: bool  # ended by an end-of-turn token (False: cut at max_new_tokens)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a reply: the chat template's end-of-turn token (`chattune.data.chat_template`: e.g.
+    `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos), and the eos token. A ChatTemplateError (a
+    UserError) for a tokenizer without a usable chat template."""
+    end_of_turn = tokenizer.convert_tokens_to_ids(probe_template(tokenizer).end_of_turn)
+    ids = [end_of_turn] if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return list(dict.fromkeys(ids))
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The token ids the model continues: `apply_chat_template(messages, tools=tools, add_generation_prompt=True)`."""
+    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)
+    return list(encoded["input_ids"])
+
+
+def generate_reply(model: nn.Module, tokenizer: PreTrainedTokenizerBase, ids: list[int], sampling: Sampling,
+                   stop_ids: list[int], synced: bool = False) -> Reply:
+    """The model's reply to the prompt `ids` (`prompt_ids`). `model`: a Hugging Face causal LM (or a peft model
+    over one), or chattune's sharded `PackedCausalLM` inside `sharded_generation`, where every rank must call
+    this alike with `synced=True`. Sampling draws from torch's global RNG (seed it for a repeatable reply)."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), eos_token_id=stop_ids,
+                            pad_token_id=pad, use_cache=True, synced_gpus=synced, **sampling.generate_kwargs())
+    new = output[0, len(ids):].tolist()
+    end = next((i for i, token in enumerate(new) if token in stop_ids), None)
+    # (a rank that finished first under synced_gpus pads its row until every rank has: cut at the stop token)
+    token_ids = new if end is None else new[: end + 1]
+    text = tokenizer.decode(token_ids if end is None else token_ids[:-1], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)
+    return Reply(text, token_ids, end is not None)
+
+
+@contextlib.contextmanager
+def sharded_generation(model: PackedCausalLM) -> Iterator[None]:
+    """The sharded model being trained, ready for `generate_reply`: eval mode (no dropout), no gradients, its
+    decoder layers uncompiled (`chattune.model.fsdp.eager_layers`); afterwards its mode as it was and every
+    FSDP unit resharded (the root stays gathered after a forward method). Collective, like every forward."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), eager_layers(model):
+            yield
+    finally:
+        model.train(was_training)
+        reshard(model)

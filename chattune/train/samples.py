@@ -1,0 +1,124 @@
+"""Sample replies at every evaluation: a few prompts answered greedily by the model being trained, written by
+rank 0 to `output_dir/samples.jsonl` (one line per prompt: step, prompt, reply) and, with logger=wandb, as a
+table.
+
+`eval.samples` prompts come from `eval.sample_prompts` (a prompts file, `chattune.data.prompts`) or else from
+the held-out set (`data.eval`: the context before each of its first records' last reply). Under FSDP every
+forward is a collective, so the ranks answer the prompts in turns of one prompt each (rank r: prompts r, r +
+W, ...; a rank out of prompts repeats its last one, whose answer nobody keeps), every reply greedy with the same
+token limit, and transformers' `synced_gpus` keeps a rank whose reply has ended stepping until every rank's
+has (`chattune.model.generate`). Greedy replies draw no random numbers: the training that follows is the one
+without samples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
+
+from chattune.data.prompts import Prompt, held_out_prompts, read_prompts_file
+from chattune.data.held_out import held_out_counts, held_out_records
+from chattune.data.records import RecordSource, source_specs
+from chattune.distributed import DistInfo
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
+from chattune.train.metrics import start_step_log
+
+logger = logging.getLogger(__name__)
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def run_samples(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, resume_step: int | None,
+                wandb_run=None) -> EvalSamples | None:
+    """The run's sample prompts, ready to answer (None: eval.samples=0, evaluation off, or no prompts). Rank 0
+    starts samples.jsonl: afresh, or for a resumed run (`resume_step`) with its lines up to that step (the later
+    ones were copied aside by `chattune.train.output_dir`), also when sampling is now off."""
+    path = Path(cfg.output_dir) / SAMPLES_FILE
+    prompts = sample_prompts(cfg)
+    if dist_info.is_main and (prompts or (resume_step is not None and path.exists())):
+        start_step_log(path, resume_step)
+    if not prompts:
+        return None
+    return EvalSamples(prompts, tokenizer, cfg.eval.max_new_tokens, dist_info, path, wandb_run)
+
+
+def sample_prompts(cfg: DictConfig) -> list[Prompt]:
+    """The prompts a run samples: the first eval.samples of eval.sample_prompts, or else of data.eval, then of
+    the records data.eval_split holds out (none with eval.samples=0, or evaluation off)."""
+    count = cfg.eval.samples if cfg.eval_every > 0 else 0
+    if count <= 0:
+        return []
+    if cfg.eval.sample_prompts is not None:
+        return read_prompts_file(cfg.eval.sample_prompts)[:count]
+    prompts = held_out_prompts(source_specs(cfg.data.eval), count) if cfg.data.eval else []
+    if len(prompts) < count and cfg.data.eval_split is not None:
+        train = source_specs(cfg.data.train)
+        sizes = [len(RecordSource([spec])) for spec in train]
+        for index, (spec, size, held) in enumerate(zip(train, sizes, held_out_counts(sizes, cfg.data.eval_split))):
+            prompts += held_out_prompts([spec], count - len(prompts), held_out_records(size, held, cfg.seed, index))
+    return prompts
+
+
+class EvalSamples:
+    """The sample prompts of a run, tokenized once, answered by the model at each evaluation (`answer`) and
+    written by rank 0 (`write`)."""
+
+    def __init__(self, prompts: list[Prompt], tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+                 dist_info: DistInfo, path: Path, wandb_run=None):
+        """`path`: the samples.jsonl rank 0 appends to; `wandb_run`: rank 0's, with logger=wandb."""
+        self.prompts, self.tokenizer, self.dist_info = prompts, tokenizer, dist_info
+        self.path, self.wandb_run = path, wandb_run
+        self.sampling = Sampling(max_new_tokens=max_new_tokens)  # greedy
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.ids = [prompt_ids(tokenizer, p.messages, p.tools) for p in prompts]
+
+    def answer(self, model: PackedCausalLM) -> list[str]:
+        """Collective: every prompt's greedy reply (rank 0 gets them all, in prompt order; the others [])."""
+        rank, world = self.dist_info.rank, self.dist_info.world_size
+        turns = -(-len(self.ids) // world)
+        mine = list(range(rank, len(self.ids), world))
+        replies: dict[int, str] = {}
+        with sharded_generation(model):
+            for turn in range(turns):
+                index = mine[min(turn, len(mine) - 1)] if mine else 0  # out of prompts: one again, answer dropped
+                reply = generate_reply(model, self.tokenizer, self.ids[index], self.sampling, self.stop_ids,
+                                       synced=world > 1)
+                if turn < len(mine):
+                    replies[index] = reply.text
+        if world > 1:
+            gathered: list[dict[int, str] | None] = [None] * world if rank == 0 else None
+            dist.gather_object(replies, gathered, dst=0)
+            if rank != 0:
+                return []
+            replies = {index: text for part in gathered for index, text in part.items()}
+        return [replies[i] for i in range(len(self.ids))]
+
+    def write(self, step: int, replies: list[str]) -> None:
+        """Rank 0: one line per prompt in samples.jsonl, and the step's table to wandb."""
+        if not self.dist_info.is_main:
+            return
+        rows = [{"step": step, "prompt": prompt.messages, "reply": reply} for prompt, reply in zip(self.prompts, replies)]
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        if self.wandb_run is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "reply"],
+                                data=[[step, prompt.as_text(), reply] for prompt, reply in zip(self.prompts, replies)])
+            self.wandb_run.log({"samples": table}, step=step)
+
+    def __call__(self, model: PackedCausalLM, step: int) -> None:
+        """Collective: answer the prompts with the model as it is at `step`, and write the replies."""
+        started = time.perf_counter()
+        replies = self.answer(model)
+        self.write(step, replies)
+        if self.dist_info.is_main:
+            logger.info("step %d: %d sample replies in %.1f s (%s)", step, len(replies), time.perf_counter() - started,
+                        self.path)
