@@ -24,6 +24,7 @@ with it, and itself exits 0, so that the agent sees a clean end instead of a fai
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -86,20 +87,25 @@ def install() -> None:
         return  # only the main thread may set handlers (an embedding application keeps its own)
     for signum in SIGNALS:
         signal.signal(signum, _handle)
-    launcher_dir = os.environ.get(LAUNCHER_DIR_ENV)
-    if launcher_dir:  # registered only now: a signal the launcher forwards finds these handlers
-        with open(os.path.join(launcher_dir, f"worker-{os.getpid()}"), "w"):
-            pass
+    if os.environ.get(LAUNCHER_DIR_ENV):  # registered only now: a signal the launcher forwards finds these handlers
+        with contextlib.suppress(OSError):  # its directory is gone with the launcher: nobody to register with
+            _launcher_file("worker").close()
+
+
+def _launcher_file(kind: str):
+    """A new file of `kind` in `chattune run`'s directory, named for the agent's attempt and this process: the
+    launcher reads the latest attempt's (`chattune.cli.run.registered`)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return open(os.path.join(os.environ[LAUNCHER_DIR_ENV], f"{kind}-{attempt}-{os.getpid()}"), "w")
 
 
 def exit_code(code: int) -> int:
     """The status this process exits with to end with `code` (75: stopped with a checkpoint; 128 + a signal):
     `code` itself, or under `chattune run` 0, with `code` left in the launcher's directory for it to exit with."""
-    launcher_dir = os.environ.get(LAUNCHER_DIR_ENV)
-    if not launcher_dir or code == 0:
+    if not os.environ.get(LAUNCHER_DIR_ENV) or code == 0:
         return code
     try:
-        with open(os.path.join(launcher_dir, f"exit-{os.getpid()}"), "w") as status:
+        with _launcher_file("exit") as status:
             status.write(str(code))
     except OSError:  # the launcher is gone (and its directory with it): nobody reads a status but the agent
         return code

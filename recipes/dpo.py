@@ -70,8 +70,9 @@ def main(cfg: DictConfig) -> None:
     objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)
     # A reference that is the initial policy makes the held-out figures before the first step known (every
     # reward 0): they are logged without running the model (PreferenceObjective.known_start_metrics).
+    quantized = cfg.peft is not None and cfg.peft.quantize_base is not None
     eval_objective = PreferenceObjective(preference_loss, eval_reference, reference_is_start=is_initial_policy(
-        cfg.reference.path, cfg.model.path)) if data.eval is not None else None
+        cfg.reference.path, cfg.model.path, quantized)) if data.eval is not None else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
     train(cfg, dist_info, start, built, data, objective, optimizer, scheduler, tokenizer, eval_objective)

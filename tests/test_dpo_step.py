@@ -205,3 +205,7 @@ def test_which_reference_is_the_initial_policy(tmp_path):
     assert not is_initial_policy(str(tmp_path / "other"), str(tmp_path / "model"))
     assert not is_initial_policy(str(tmp_path / "model"), None)  # a directory against a model built from config
     assert is_initial_policy("hf:org/name", "hf:org/name") and not is_initial_policy("hf:org/name", "hf:org/other")
+    # QLoRA: the policy's base in 4 bits; a reference.path is read whole, so it is not the policy (its own base,
+    # adapters off, with no reference.path, is)
+    assert not is_initial_policy(str(tmp_path / "model"), str(tmp_path / "model"), quantized_base=True)
+    assert is_initial_policy(None, str(tmp_path / "model"), quantized_base=True)

@@ -202,6 +202,9 @@ def test_without_data_eval_the_samples_come_from_the_records_eval_split_holds_ou
         messages = json.loads(lines[i])["messages"]
         last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")
         want.append(messages[:last])
-    assert [p.messages for p in sample_prompts(cfg)] == want
-    cfg.data.eval_split = None
-    assert sample_prompts(cfg) == []  # no held-out set, no prompts file: nothing to sample
+    from chattune.data.held_out import held_out_records
+
+    split_records = held_out_records(50, 5, seed=7, source=0)  # what the run's split holds out (TrainingData)
+    assert list(split_records) == held
+    assert [p.messages for p in sample_prompts(cfg, [split_records])] == want
+    assert sample_prompts(cfg, [split_records[:0]]) == []  # no held-out set, no prompts file: nothing to sample

@@ -1,6 +1,6 @@
 """`chattune run`'s signal relay (chattune.cli.run.SignalRelay), with real processes: every stop signal reaches
-every registered worker exactly once, a signal received before a worker registered reaches it when it does, and a
-registered pid that is not the launcher's own child is never signalled."""
+every registered worker exactly once, a registered pid that is not the launcher's own child is never signalled,
+and a signal that finds no worker registered stops the launch instead of waiting for one."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from conftest import PROJECT_ROOT
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from chattune.cli.run import SignalRelay, meant_status, recipe_path
 
 WORKER = """
@@ -17,7 +21,7 @@ import os, signal, sys, time
 received = []
 for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, lambda signum, frame: received.append(signum))
-open(os.path.join(sys.argv[1], f"worker-{os.getpid()}"), "w").close()  # registered, its handlers in place
+open(os.path.join(sys.argv[1], f"worker-0-{os.getpid()}"), "w").close()  # registered, its handlers in place
 deadline = time.monotonic() + 30
 while len(received) < 2 and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -41,18 +45,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # killed, its parent gone: a zombie until something reaps it
 
 
-def test_each_signal_reaches_each_registered_child_once_and_early_ones_wait_for_it(tmp_path):
+def test_each_signal_reaches_each_registered_child_once(tmp_path):
     stranger = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE, text=True)
     stranger_pid = int(stranger.stdout.readline())  # a grandchild: registered below, but not the launcher's child
-    (tmp_path / f"worker-{stranger_pid}").touch()
+    (tmp_path / f"worker-0-{stranger_pid}").touch()
     relay = SignalRelay(tmp_path)
-    relay._on_signal(signal.SIGUSR1, None)  # before the worker exists: held
+    with pytest.raises(SignalException):  # no worker of its own yet: the launch stops, as torchrun's would
+        relay._on_signal(signal.SIGUSR1, None)
+    relay.received.clear()
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     _wait_registered(tmp_path, 2)
-    relay.relay()  # what the relay's watcher does every 0.2 s
+    relay._on_signal(signal.SIGUSR1, None)
     relay._on_signal(signal.SIGTERM, None)
-    relay.relay()
-    relay.relay()
+    relay.relay()  # nothing new: nothing sent again
     output, _ = worker.communicate(timeout=60)
     assert output.split() == [str(int(signal.SIGUSR1)), str(int(signal.SIGTERM))]
     assert _alive(stranger_pid), "a process that is not a worker was signalled"
@@ -60,15 +65,40 @@ def test_each_signal_reaches_each_registered_child_once_and_early_ones_wait_for_
     stranger.wait()
 
 
-def test_the_launcher_exits_with_the_status_its_workers_meant(tmp_path):
+def test_a_signal_before_any_worker_registered_stops_the_launch(tmp_path):
+    """A rendezvous waiting for its nodes, workers still importing, a script that is no chattune recipe: Ctrl-C
+    stops the launch at once (nothing has trained) instead of being held for workers that never take it."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    process = subprocess.Popen([sys.executable, "-m", "chattune.cli.main", "run", "--nproc_per_node", "1",
+                                "--monitor-interval", "0.1", str(script)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    time.sleep(8)  # the agent has started its worker
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT, output
+    assert "chattune run: stopped by SIGINT before training began; nothing to save" in output
+    assert "Traceback" not in output
+
+
+def test_the_launcher_exits_with_the_status_its_latest_workers_meant(tmp_path):
     assert meant_status(tmp_path) == 0  # nobody stopped: the run ended as the agent says
-    (tmp_path / "exit-101").write_text("75")
-    (tmp_path / "exit-102").write_text("75")
+    for pid in (101, 102, 103):
+        (tmp_path / f"worker-0-{pid}").touch()
+    (tmp_path / "exit-0-101").write_text("75")
+    (tmp_path / "exit-0-102").write_text("75")
     assert meant_status(tmp_path) == 75
-    (tmp_path / "exit-103").write_text("130")  # Ctrl-C twice on one of them: the harder stop is the run's
+    (tmp_path / "exit-0-103").write_text("130")  # Ctrl-C twice on one of them: the harder stop is the run's
     assert meant_status(tmp_path) == 130
+    (tmp_path / "worker-1-201").touch()  # the agent restarted its workers (--max-restarts): the old statuses are stale
+    assert meant_status(tmp_path) == 0
+    (tmp_path / "exit-1-201").write_text("75")
+    assert meant_status(tmp_path) == 75
 
 
-def test_a_shipped_recipe_is_found_by_its_name():
+def test_a_shipped_recipe_is_found_by_its_name(tmp_path, monkeypatch):
     assert recipe_path("sft").endswith("recipes/sft.py") and Path(recipe_path("dpo")).is_file()
     assert recipe_path("my_recipe.py") == "my_recipe.py"  # anything else is torchrun's to find
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sft").mkdir()  # a directory of that name is no script
+    assert recipe_path("sft").endswith("recipes/sft.py")

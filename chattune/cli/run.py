@@ -14,10 +14,10 @@ status the workers meant (75: stopped with a checkpoint; 130: Ctrl-C twice), wit
 that failed gets torchrun's report of it, without the agent's own traceback. What a worker does on a signal
 is `chattune.interrupts`.
 
-Workers register (a file named by their pid in the launcher's directory) once their handlers are in place. A
-signal that arrives before, while they import, is held and passed on when they register: no worker dies of
-a signal it could not take yet. Only this process's own children are signalled, so a registered pid that has
-ended and been reused by another program is left alone.
+Workers register (a file named by their pid in the launcher's directory) once their handlers are in place, and
+only registered workers that are this process's own children are signalled (a pid that has ended and been
+reused by another program is left alone). A signal that finds none registered stops the agent as torchrun
+would (`SignalRelay`): the run had not begun to train.
 """
 
 from __future__ import annotations
@@ -27,55 +27,64 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 from chattune.cli.catalog import RECIPES_DIR
 from chattune.errors import UserError
 from chattune.interrupts import LAUNCHER_DIR_ENV, SIGNALS
 
-_POLL_S = 0.2  # how often a held signal looks for workers that registered since
 
 
 class SignalRelay:
-    """The stop signals this launcher received, each passed on once, in order, to every registered worker."""
+    """The stop signals this launcher received, each passed on once, in order, to every registered worker. A
+    signal that finds no worker registered (a rendezvous still waiting for its nodes, workers still importing, a
+    script that is not a chattune recipe) stops the agent as torchrun's own handler does: nothing has trained,
+    nothing is lost, and the launcher must not ignore it."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         self.received: list[int] = []
         self._sent: dict[int, int] = {}  # pid -> how many of `received` it has been sent
-        self._lock = threading.RLock()  # a signal may arrive while the watcher relays
-        self._closed = threading.Event()
 
     def install(self) -> None:
         for signum in SIGNALS:
             signal.signal(signum, self._on_signal)
-        threading.Thread(target=self._watch, name="chattune-signal-relay", daemon=True).start()
-
-    def close(self) -> None:
-        self._closed.set()
 
     def _on_signal(self, signum: int, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
         self.received.append(signum)
-        self.relay()
+        if not self.relay():  # the agent stops its workers with SIGTERM: a Ctrl-C would give each a traceback
+            raise SignalException(f"chattune run got {signal.Signals(signum).name} before any worker could take it",
+                                  sigval=signal.SIGTERM)
 
-    def _watch(self) -> None:
-        while not self._closed.wait(_POLL_S):
-            if self.received:
-                self.relay()
-
-    def relay(self) -> None:
-        with self._lock:
-            for pid in self.workers():
-                first, self._sent[pid] = self._sent.get(pid, 0), len(self.received)  # marked before sending
-                for signum in self.received[first:len(self.received)]:
-                    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                        os.kill(pid, signum)
+    def relay(self) -> list[int]:
+        """Send every registered worker the signals it has not had yet; the workers it found. Runs in the main
+        thread only (signal handlers do), so a signal arriving meanwhile re-enters it: each pid's count is marked
+        before its signals are sent, and never lowered."""
+        count, workers = len(self.received), self.workers()
+        for pid in workers:
+            first = self._sent.get(pid, 0)
+            if first >= count:
+                continue
+            self._sent[pid] = count
+            for signum in self.received[first:count]:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.kill(pid, signum)
+        return workers
 
     def workers(self) -> list[int]:
-        """The registered workers that are still this process's children."""
-        pids = (int(path.name.removeprefix("worker-")) for path in self.directory.glob("worker-*"))
-        return [pid for pid in pids if _is_child(pid)]
+        """The registered workers (of the agent's latest attempt) that are still this process's children."""
+        return [pid for pid in registered(self.directory, "worker") if _is_child(pid)]
+
+
+def registered(directory: Path, kind: str) -> dict[int, Path]:
+    """The files of `kind` ("worker": a registration, "exit": a status) that the workers of the agent's latest
+    attempt left, by pid: under `--max-restarts` an earlier attempt's are stale. Named `KIND-ATTEMPT-PID`."""
+    files = [(path, *map(int, path.name.split("-")[1:])) for path in directory.glob(f"{kind}-*-*")]
+    attempts = [int(path.name.split("-")[1]) for path in directory.glob("worker-*-*")]
+    latest = max(attempts, default=0)
+    return {pid: path for path, attempt, pid in files if attempt == latest}
 
 
 def _is_child(pid: int) -> bool:
@@ -89,13 +98,14 @@ def _is_child(pid: int) -> bool:
 
 
 def meant_status(directory: Path) -> int:
-    """The status the workers stopped with (the most severe, where they differ), or 0 when none stopped."""
-    return max((int(path.read_text()) for path in directory.glob("exit-*")), default=0)
+    """The status the workers of the latest attempt stopped with (the most severe, where they differ), or 0 when
+    none stopped."""
+    return max((int(path.read_text()) for path in registered(directory, "exit").values()), default=0)
 
 
 def recipe_path(word: str) -> str:
     """A recipe's script: `word` itself, or a shipped recipe named as `chattune ls` names it (sft, dpo)."""
-    if Path(word).exists() or not (RECIPES_DIR / f"{word}.py").is_file():
+    if Path(word).is_file() or not (RECIPES_DIR / f"{word}.py").is_file():
         return word
     return str(RECIPES_DIR / f"{word}.py")
 
@@ -104,6 +114,7 @@ def main(argv: list[str]) -> int:
     """`chattune run ARGS`: ARGS as torchrun takes them. Returns the exit status."""
     print("chattune run: starting torchrun's agent (stop signals are passed on to the workers, who save and exit 75)",
           file=sys.stderr, flush=True)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -126,6 +137,9 @@ def main(argv: list[str]) -> int:
         except ChildFailedError as failure:  # a worker failed: torchrun's report (which points to its error block)
             print(failure.format_msg(), file=sys.stderr, flush=True)
             return 1
-        finally:
-            relay.close()
+        except SignalException:  # before any worker could take it: the agent has stopped them
+            first = signal.Signals(relay.received[0])
+            print(f"chattune run: stopped by {first.name} before training began; nothing to save", file=sys.stderr,
+                  flush=True)
+            return 128 + first
         return meant_status(Path(directory))

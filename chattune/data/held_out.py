@@ -1,7 +1,7 @@
 """The automatic held-out split (`data.eval_split`): records of the training sources kept out of training and
 evaluated instead.
 
-How many: a fraction f in (0, 1) holds out round(f x N) records of each training source of N records (at least
+How many: a fraction f in (0, 1) holds out f x N records, rounded half up, of each training source of N records (at least
 one); a count C >= 1 holds out C records in all, shared by the sources in proportion to their sizes (largest
 remainder; a tie goes to the earlier source). Every source keeps at least one record to train.
 
@@ -123,23 +123,26 @@ class HeldOutSplit:
     held_out: MixedDocuments | None  # the held-out records of the sources that give some (None: no split)
     counts: list[int]  # held out of each training source
     sizes: list[int]  # each training source's records before the split
+    records: list[np.ndarray]  # the record numbers held out of each training source (ascending; empty: none)
 
 
 def hold_out(train: MixedDocuments, eval_split, seed: int) -> HeldOutSplit:
     """`train` split by `data.eval_split` (None: not split). A UserError naming data.eval_split where it cannot."""
     if eval_split is None:
-        return HeldOutSplit(train, None, [0] * len(train.sizes), list(train.sizes))
+        none = np.zeros(0, dtype=np.int64)
+        return HeldOutSplit(train, None, [0] * len(train.sizes), list(train.sizes), [none] * len(train.sizes))
     problem = split_problem(train.names, train.sizes, eval_split)
     if problem is not None:
         raise UserError(problem)
-    kept, held = [], []
+    kept, held, records = [], [], []
     counts = held_out_counts(train.sizes, eval_split)
     for source, (name, documents, count) in enumerate(zip(train.names, train.sources, counts)):
         out = held_out_records(len(documents), count, seed, source)
         kept.append((name, RecordSubset(documents, np.setdiff1d(np.arange(len(documents)), out))))
+        records.append(out)
         if count:
             held.append((f"{name} (held out)", RecordSubset(documents, out)))
-    return HeldOutSplit(MixedDocuments(kept), MixedDocuments(held), counts, list(train.sizes))
+    return HeldOutSplit(MixedDocuments(kept), MixedDocuments(held), counts, list(train.sizes), records)
 
 
 def held_out_line(split: HeldOutSplit, eval_split) -> str:

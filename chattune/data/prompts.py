@@ -19,7 +19,7 @@ from pathlib import Path
 
 from chattune.data.formats import PREFERENCE_FORMATS, DataError, SourceSpec, to_conversation, to_preference_pair, \
     validate_messages
-from chattune.data.records import RecordSource
+from chattune.data.records import RecordSource, json_problem
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +74,19 @@ def held_out_prompts(specs: list[SourceSpec], count: int, records: Sequence[int]
     return prompts
 
 
+def prompts_file_problem(path: str | Path) -> str | None:
+    """Why `path` is no prompts file to read (a missing path, a directory), or None; `chattune validate` asks too."""
+    if Path(path).is_file():
+        return None
+    return f"prompts file {str(path)!r} " + ("is not a file" if Path(path).exists() else "does not exist")
+
+
 def read_prompts_file(path: str | Path) -> list[Prompt]:
     """The prompts of a prompts file (see the module docstring); a DataError naming the line otherwise."""
+    problem = prompts_file_problem(path)
+    if problem is not None:
+        raise DataError(problem)
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"prompts file {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
@@ -95,7 +103,7 @@ def _json_prompt(line: str, where: str) -> Prompt:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise DataError(f"{where}: unparseable JSON at column {error.colno}: {error.msg}") from None
+        raise DataError(f"{where}: unparseable JSON at column {error.colno}: {json_problem(error)}") from None
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and "messages" not in record:
         return Prompt([{"role": "user", "content": record["prompt"]}])
     if not isinstance(record, dict) or "messages" not in record:

@@ -131,7 +131,7 @@ def _json_records(path: str) -> list:
     try:
         records = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:  # the file is one JSON value: no record can be skipped on its own
-        raise DataError(f"{path}: unparseable JSON at line {error.lineno}, column {error.colno}: {_json_problem(error)}; "
+        raise DataError(f"{path}: unparseable JSON at line {error.lineno}, column {error.colno}: {json_problem(error)}; "
                         "a .json file is parsed whole, so data.on_bad_record cannot skip a part of it (in a .jsonl "
                         "file, one record a line, data.on_bad_record=skip skips the lines that do not parse)") from error
     except UnicodeDecodeError as error:
@@ -147,7 +147,7 @@ def _parse_jsonl_record(where: str, file: BinaryIO, offset: int) -> dict | DataE
     try:
         entry = json.loads(line.decode("utf-8"))
     except json.JSONDecodeError as error:  # its own "line 1 column N" counts within this one line: say the column
-        return DataError(f"{where}: unparseable JSON at column {error.colno}: {_json_problem(error)}")
+        return DataError(f"{where}: unparseable JSON at column {error.colno}: {json_problem(error)}")
     except UnicodeDecodeError as error:
         return DataError(f"{where}: not UTF-8 text (byte {error.start + 1} of the line: {error.reason})")
     if not isinstance(entry, dict):
@@ -155,7 +155,7 @@ def _parse_jsonl_record(where: str, file: BinaryIO, offset: int) -> dict | DataE
     return entry
 
 
-def _json_problem(error: json.JSONDecodeError) -> str:
+def json_problem(error: json.JSONDecodeError) -> str:
     """What the json module found, without the word that leads to its position ("Invalid control character at"),
     and for a raw control character in a string, how JSON writes it."""
     problem = error.msg.removesuffix(" at")

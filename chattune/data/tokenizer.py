@@ -60,11 +60,17 @@ def usable_template(tokenizer: PreTrainedTokenizerBase, setting: str, path: str)
     """The text of the template `setting` names, once it compiles and every `<|...|>` marker it writes is one
     token of the tokenizer at `path`."""
     from jinja2 import TemplateError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:  # how transformers compiles a template (its extensions included); a private name, so not relied on
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        compile_template = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string
 
     chosen = read_chat_template(setting)
     try:
-        _compile_jinja_template(chosen.text)
+        compile_template(chosen.text)
     except TemplateError as error:
         line = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
         raise ChatTemplateSettingError(f"{chosen.label} is not valid Jinja{line}: {error}") from error

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE
 from chattune.data.formats import DataError, SourceSpec
+from chattune.data.prompts import prompts_file_problem
 from chattune.data.sources import RECIPE_DATA
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.template_choice import template_problem
@@ -134,9 +135,8 @@ class RunRules:
             elif (problem := weights_problem(Path(path))) is not None:
                 self.findings.problem(key, f"{path!r}: {problem}")
         prompts = get_value(self.values, "eval.sample_prompts")
-        if isinstance(prompts, str) and not Path(prompts).is_file():
-            self.findings.problem("eval.sample_prompts", f"prompts file {prompts!r} "
-                                  + ("is not a file" if Path(prompts).exists() else "does not exist"))
+        if isinstance(prompts, str) and (problem := prompts_file_problem(prompts)) is not None:
+            self.findings.problem("eval.sample_prompts", problem)
         if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:
             self.findings.problem("model", "neither model.path nor model.config is set")
         if isinstance(get_value(self.values, "reference.path"), str) and get_value(self.values, "loss.type") in REFERENCE_FREE:

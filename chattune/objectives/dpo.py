@@ -78,13 +78,14 @@ class CachedReference:
         return rows[:, 0].float().to(device), rows[:, 1].float().to(device)
 
 
-def is_initial_policy(reference_path: str | None, model_path: str | None) -> bool:
+def is_initial_policy(reference_path: str | None, model_path: str | None, quantized_base: bool = False) -> bool:
     """Whether the reference (reference.path) is the policy as training starts: none given (the initial policy,
     or with LoRA the policy's base with its adapters off, which is the policy while its B matrices are zero, as
-    peft initialises them), or the policy's own model.path."""
+    peft initialises them), or the policy's own model.path, read at the policy's precision (not where the
+    policy's base is quantized, `quantized_base`: a reference.path is loaded whole)."""
     if reference_path is None:
         return True
-    if model_path is None:
+    if model_path is None or quantized_base:
         return False
     if hub_id(reference_path) is not None or hub_id(model_path) is not None:
         return reference_path == model_path

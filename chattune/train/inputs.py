@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
@@ -76,6 +78,7 @@ class TrainingData:
     eval_batches: list[PackedBatch]  # this rank's share of the held-out data
     mixer: Mixer | None  # data.mixing static or online; None: the sources are concatenated
     pad_id: int  # what pads an empty microbatch (`chattune.data.tokenizer.pad_token_id`)
+    held_out_records: list[np.ndarray]  # per training source, the record numbers data.eval_split holds out
 
     @property
     def num_sources(self) -> int:
@@ -144,4 +147,4 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
     held_out = joined(split.held_out, own_eval)  # data.eval_split's records, then data.eval's
     eval_batches = list(packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, pad_id, held_out, shuffle=False,
                                       num_epochs=1, log_skips=counts)) if held_out is not None else []
-    return TrainingData(train, held_out, feed, eval_batches, mixer, pad_id)
+    return TrainingData(train, held_out, feed, eval_batches, mixer, pad_id, split.records)

@@ -90,7 +90,8 @@ def train(cfg: DictConfig, dist_info: DistInfo, start: RunStart, built: BuiltMod
               else None)
     background = BackgroundSaves(device) if cfg.save_async else None  # checkpoints written while training goes on
     # eval.samples: a few prompts answered at every evaluation, into samples.jsonl (and wandb)
-    samples = run_samples(cfg, tokenizer, dist_info, start_step if start.resume_from else None, metric_logger.wandb_run)
+    samples = run_samples(cfg, tokenizer, dist_info, start_step if start.resume_from else None, data.held_out_records,
+                          metric_logger.wandb_run)
     has_eval = data.eval is not None  # data.eval's sources, data.eval_split's held-out records, or both
     evaluating = cfg.eval_every > 0 and (has_eval or samples is not None)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -23,8 +24,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from chattune.data.prompts import Prompt, held_out_prompts, read_prompts_file
-from chattune.data.held_out import held_out_counts, held_out_records
-from chattune.data.records import RecordSource, source_specs
+from chattune.data.records import source_specs
 from chattune.distributed import DistInfo
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
@@ -36,12 +36,12 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 def run_samples(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, resume_step: int | None,
-                wandb_run=None) -> EvalSamples | None:
+                held_out_records: Sequence[Sequence[int]] = (), wandb_run=None) -> EvalSamples | None:
     """The run's sample prompts, ready to answer (None: eval.samples=0, evaluation off, or no prompts). Rank 0
     starts samples.jsonl: afresh, or for a resumed run (`resume_step`) with its lines up to that step (the later
     ones were copied aside by `chattune.train.output_dir`), also when sampling is now off."""
     path = Path(cfg.output_dir) / SAMPLES_FILE
-    prompts = sample_prompts(cfg)
+    prompts = sample_prompts(cfg, held_out_records)
     if dist_info.is_main and (prompts or (resume_step is not None and path.exists())):
         start_step_log(path, resume_step)
     if not prompts:
@@ -49,20 +49,19 @@ def run_samples(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: 
     return EvalSamples(prompts, tokenizer, cfg.eval.max_new_tokens, dist_info, path, wandb_run)
 
 
-def sample_prompts(cfg: DictConfig) -> list[Prompt]:
+def sample_prompts(cfg: DictConfig, held_out_records: Sequence[Sequence[int]] = ()) -> list[Prompt]:
     """The prompts a run samples: the first eval.samples of eval.sample_prompts, or else of data.eval, then of
-    the records data.eval_split holds out (none with eval.samples=0, or evaluation off)."""
+    the records data.eval_split holds out (`held_out_records`: their numbers in each training source); none with
+    eval.samples=0, or evaluation off."""
     count = cfg.eval.samples if cfg.eval_every > 0 else 0
     if count <= 0:
         return []
     if cfg.eval.sample_prompts is not None:
         return read_prompts_file(cfg.eval.sample_prompts)[:count]
     prompts = held_out_prompts(source_specs(cfg.data.eval), count) if cfg.data.eval else []
-    if len(prompts) < count and cfg.data.eval_split is not None:
-        train = source_specs(cfg.data.train)
-        sizes = [len(RecordSource([spec])) for spec in train]
-        for index, (spec, size, held) in enumerate(zip(train, sizes, held_out_counts(sizes, cfg.data.eval_split))):
-            prompts += held_out_prompts([spec], count - len(prompts), held_out_records(size, held, cfg.seed, index))
+    for spec, records in zip(source_specs(cfg.data.train), held_out_records):
+        if len(prompts) < count and len(records):
+            prompts += held_out_prompts([spec], count - len(prompts), records)
     return prompts
 
 
