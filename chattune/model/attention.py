@@ -40,6 +40,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model.context_parallel import active_group, heads_to_sequence, sequence_to_heads
+from chattune.model.mixers import isolate_documents
 
 ATTENTION_NAME = "chattune_packed"
 logger = logging.getLogger(__name__)
@@ -239,7 +240,9 @@ def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
 def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
     """The final hidden states (N, H) of a packed (1, N) row through the model's decoder: no attention
     mask and no cache; the document boundaries reach `packed_attention` as transformers' flash-attention
-    kwargs, which the models pass on untouched."""
+    kwargs, which the models pass on untouched; token mixers other than attention take them too
+    (`chattune.model.mixers`)."""
+    isolate_documents(hf_model)
     decoder = getattr(hf_model, hf_model.base_model_prefix)
     return decoder(
         input_ids=batch.input_ids,
