@@ -12,6 +12,7 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import collate_packed
+from chattune.model.mixers import isolate_documents, leaking_mixers
 from chattune.model.packing_probe import ALONE_TOLERANCE, SWAP_TOLERANCE, check_packing_isolation, probe_packing
 
 # Softmax attention only. Windows shorter than the probe's documents, so the windowed path is probed too.
@@ -31,6 +32,8 @@ ORDINARY = {
 
 SMALL_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
 # (overrides, a module class the message must name). Torch fallback paths: no mamba_ssm / causal_conv1d.
+# chattune keeps their mixers per document (`chattune.model.mixers`): the probe accepts them, and refuses them
+# with the mixers over the whole row (`leaking_mixers`), as it refuses a mixer chattune does not handle.
 HYBRID = {
     "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
     # The smallest leak: a conv after the last attention reaches only the first 2 tokens after a boundary.
@@ -44,13 +47,9 @@ HYBRID = {
                           "num_local_experts": 4, "shared_intermediate_size": 64}, "GraniteMoeHybridMambaLayer"),
     "jamba": ({"model_type": "jamba", "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                "expert_layer_offset": 1, "num_experts": 4}, "JambaMambaMixer"),
-    "mamba": ({"model_type": "mamba", "state_size": 16}, "MambaMixer"),
-    "minimax": ({"model_type": "minimax", "layer_types": ["linear_attention", "full_attention"], "head_dim": 16,
-                 "num_local_experts": 4, "block_size": 16}, "MiniMaxLightningAttention"),
     "lfm3": ({"model_type": "lfm3", "layer_types": ["conv", "full_attention"], "head_dim": 16}, "Lfm3ShortConv"),
     "mamba2": ({"model_type": "mamba2", "num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16,
                 "chunk_size": 16}, "Mamba2Mixer"),
-    "falcon_mamba": ({"model_type": "falcon_mamba", "state_size": 16}, "FalconMambaMixer"),
     "nemotron_h": ({"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention"], "head_dim": 16,
                     "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
                     "n_routed_experts": 4, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32},
@@ -63,20 +62,28 @@ HYBRID = {
                      "linear_head_dim": 16, "linear_num_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
                      "qk_nope_head_dim": 8, "v_head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                      "moe_intermediate_size": 32}, "KimiLinearDeltaAttention"),
+}
+# Gated delta rule (whose torch path in transformers refuses cu_seqlens without flash-linear-attention).
+GATED_DELTA_NET = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+HYBRID.update({
+    "qwen3_next": ({"model_type": "qwen3_next", "head_dim": 16, **GATED_DELTA_NET, "num_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+                   "Qwen3NextGatedDeltaNet"),
+    "qwen3_5": ({"model_type": "qwen3_5_text", "head_dim": 16, **GATED_DELTA_NET}, "Qwen3_5GatedDeltaNet"),
+    "olmo_hybrid": ({"model_type": "olmo_hybrid", **GATED_DELTA_NET}, "OlmoHybridGatedDeltaNet"),
+})
+# Mixers chattune does not handle: the layers pass them no document boundaries (pure Mamba-1), or their forwards
+# take more than hidden states (MiniMax's lightning attention, RecurrentGemma, RWKV). Still refused.
+UNHANDLED = {
+    "minimax": ({"model_type": "minimax", "layer_types": ["linear_attention", "full_attention"], "head_dim": 16,
+                 "num_local_experts": 4, "block_size": 16}, "MiniMaxLightningAttention"),
+    "mamba": ({"model_type": "mamba", "state_size": 16}, "MambaMixer"),
+    "falcon_mamba": ({"model_type": "falcon_mamba", "state_size": 16}, "FalconMambaMixer"),
     "recurrent_gemma": ({"model_type": "recurrent_gemma", "lru_width": 64, "attention_window_size": 16,
                          "block_types": ["recurrent", "attention"], "head_dim": 16, "num_key_value_heads": 1},
                         "RecurrentGemmaRglru"),
     "rwkv": ({"model_type": "rwkv", "attention_hidden_size": 64, "context_length": 128}, "RwkvSelfAttention"),
-}
-
-# Linear attention whose torch path refuses cu_seqlens without flash-linear-attention (transformers raises).
-GATED_DELTA_NET = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
-                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
-FAILING_PACKED_FORWARD = {
-    "qwen3_next": {"model_type": "qwen3_next", "head_dim": 16, **GATED_DELTA_NET, "num_experts": 4,
-                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
-    "qwen3_5": {"model_type": "qwen3_5_text", "head_dim": 16, **GATED_DELTA_NET},
-    "olmo_hybrid": {"model_type": "olmo_hybrid", **GATED_DELTA_NET},
 }
 
 
@@ -96,20 +103,36 @@ def test_ordinary_models_pass(name):
 
 
 @pytest.mark.parametrize("name", HYBRID)
-def test_hybrid_models_are_refused(name):
+def test_hybrid_models_pass_with_their_mixers_per_document(name):
     overrides, mixer = HYBRID[name]
+    model = tiny_model(**overrides)
+    result = probe_packing(model)
+    assert result.swapped.max_relative <= SWAP_TOLERANCE / 10 and result.alone.max_relative <= 1e-5, result
+    check_packing_isolation(model)
+    # The leak control: the same mixers over the whole row are refused, and named.
+    with leaking_mixers(), pytest.raises(NotImplementedError, match="does not keep packed documents apart") as refusal:
+        check_packing_isolation(model)
+    message = str(refusal.value)
+    assert mixer in message and "document B changes by up to" in message and "not supported" in message, message
+    with leaking_mixers():  # orders of magnitude above the tolerance even with random weights
+        assert probe_packing(model).swapped.max_relative > 30 * SWAP_TOLERANCE
+
+
+@pytest.mark.parametrize("name", UNHANDLED)
+def test_mixers_chattune_does_not_handle_are_refused(name):
+    overrides, mixer = UNHANDLED[name]
     model = tiny_model(**overrides)
     with pytest.raises(NotImplementedError, match="does not keep packed documents apart") as refusal:
         check_packing_isolation(model)
     message = str(refusal.value)
     assert mixer in message and "document B changes by up to" in message and "not supported" in message, message
-    # The leak is orders of magnitude above the tolerance even with random weights.
     assert probe_packing(model).swapped.max_relative > 30 * SWAP_TOLERANCE
 
 
 def test_the_lfm2_message_says_what_and_why():
+    """The message a mixer chattune does not keep per document gets (LFM2's, with the handling off)."""
     model = tiny_model(model_type="lfm2", layer_types=["conv", "full_attention"])
-    with pytest.raises(NotImplementedError) as refusal:
+    with leaking_mixers(), pytest.raises(NotImplementedError) as refusal:
         check_packing_isolation(model)
     message = str(refusal.value)
     for part in ("Lfm2ForCausalLM does not keep packed documents apart", "Lfm2ShortConv x1",
@@ -121,6 +144,7 @@ def test_the_lfm2_message_says_what_and_why():
 def packed_token_losses(model, docs) -> list[torch.Tensor]:
     """Per-token losses of each document, all in one packed row as chattune trains them."""
     batch = collate_packed(docs)
+    isolate_documents(model)  # as chattune's packed forward does (`packed_hidden_states`)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                        cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
@@ -138,12 +162,12 @@ def plain_token_losses(model, docs) -> list[torch.Tensor]:
     return losses
 
 
-@pytest.mark.parametrize("name", ["llama", "lfm2", "falcon_h1"])
+@pytest.mark.parametrize("name", ["llama", "lfm2", "falcon_h1", "minimax"])
 def test_verdict_matches_real_token_losses(name):
     """Independent of the probe's documents and measure: the training loss of real demo conversations,
     packed as chattune trains them vs each document alone in the same model with stock SDPA attention.
     Unchanged for what the probe accepts, changed after a boundary for what it refuses."""
-    overrides = ORDINARY[name] if name in ORDINARY else HYBRID[name][0]
+    overrides = ORDINARY[name] if name in ORDINARY else {**HYBRID, **UNHANDLED}[name][0]
     model = tiny_model(**overrides).eval()
     plain = tiny_model(**overrides).eval()  # same seed, same weights
     plain.set_attn_implementation("sdpa")
@@ -151,13 +175,13 @@ def test_verdict_matches_real_token_losses(name):
     docs = [Document(d.doc_id, d.input_ids, shifted_labels(d.input_ids.tolist(), [True] * len(d))) for d in demo_documents(3)]
     differences = [float((p - a).abs().max()) for p, a in zip(packed_token_losses(model, docs), plain_token_losses(plain, docs))]
     assert differences[0] <= 1e-5  # nothing before the first document: the same either way
-    if name in ORDINARY:
+    if name not in UNHANDLED:
         check_packing_isolation(model)
         assert max(differences) <= 1e-5, differences
     else:
         with pytest.raises(NotImplementedError):
             check_packing_isolation(model)
-        assert min(differences[1:]) > 3e-5, differences  # measured: 1.4e-4 (LFM2), 1.5e-4 (Falcon-H1)
+        assert min(differences[1:]) > 3e-5, differences
 
 
 class TokenShift(nn.Module):
@@ -200,20 +224,29 @@ def test_positions_that_do_not_restart_are_refused():
     assert "No module looks like" in str(refusal.value)
 
 
-@pytest.mark.parametrize("name", FAILING_PACKED_FORWARD)
-def test_a_failing_packed_forward_is_refused(name):
-    """Qwen3-Next's gated delta rule (and its relatives') refuses cu_seqlens when flash-linear-attention is
-    missing (its torch path cannot keep documents apart): refused with that reason at start-up, not a
-    crash at the first step."""
-    model = tiny_model(**FAILING_PACKED_FORWARD[name])
-    with pytest.raises(NotImplementedError, match="cannot run chattune's packed forward.*not supported") as refusal:
+class RefusesRows(nn.Module):
+    """A layer that refuses packed rows, as transformers' gated delta rule did without flash-linear-attention."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        raise ValueError("can't keep packed sequences apart")
+
+
+def test_a_failing_packed_forward_is_refused():
+    """A model whose packed forward raises is refused with that reason at start-up, not a crash at the first step."""
+    model = tiny_model()
+    model.model.layers[1].mlp = RefusesRows(model.model.layers[1].mlp)
+    with pytest.raises(NotImplementedError, match="cannot run chattune's packed forward.*apart.*not supported") as refusal:
         check_packing_isolation(model)
-    assert isinstance(refusal.value.__cause__, Exception)
+    assert isinstance(refusal.value.__cause__, ValueError)
 
 
 @pytest.mark.parametrize("training", [True, False])
 def test_training_mode_is_restored(training):
-    accepted, refused = tiny_model(), tiny_model(model_type="lfm2", layer_types=["conv", "full_attention"])
+    accepted, refused = tiny_model(), tiny_model(**UNHANDLED["minimax"][0])
     accepted.train(training), refused.train(training)
     check_packing_isolation(accepted)
     with pytest.raises(NotImplementedError):
@@ -223,8 +256,8 @@ def test_training_mode_is_restored(training):
 
 
 ALL_ARCHITECTURES = {**{name: (overrides, True) for name, overrides in ORDINARY.items()},
-                     **{name: (overrides, False) for name, (overrides, _) in HYBRID.items()},
-                     **{name: (overrides, False) for name, overrides in FAILING_PACKED_FORWARD.items()}}
+                     **{name: (overrides, True) for name, (overrides, _) in HYBRID.items()},
+                     **{name: (overrides, False) for name, (overrides, _) in UNHANDLED.items()}}
 
 
 @pytest.mark.parametrize("name", ALL_ARCHITECTURES)
@@ -244,13 +277,14 @@ def test_the_miniature_gives_the_full_models_verdict(name):
 
 def test_the_miniature_keeps_a_late_kind_of_layer():
     """Six layers, the one convolution last: the miniature keeps all six (every kind the config lists),
-    so the leak is found; without the convolution two layers suffice."""
+    so the leak is found (the convolution over the whole row); without the convolution two layers suffice."""
     from chattune.model.architecture_check import check_architecture, miniature_config
 
     leaky = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 5 + ["conv"])
     assert miniature_config(leaky).num_hidden_layers == 6
-    with pytest.raises(NotImplementedError, match="Lfm2ShortConv"):
+    with leaking_mixers(), pytest.raises(NotImplementedError, match="Lfm2ShortConv"):
         check_architecture(leaky)
+    check_architecture(leaky)  # per document, as chattune runs it
     plain = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 6)
     assert miniature_config(plain).num_hidden_layers == 2
     check_architecture(plain)

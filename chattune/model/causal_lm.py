@@ -83,9 +83,13 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
     device = head.weight.device
     input_ids = torch.arange(8, device=device).unsqueeze(0) % hf_model.config.vocab_size
     position_ids = torch.arange(8, device=device).unsqueeze(0)
+    # One document, its boundaries passed as a packed row's are (some attention layers get no position ids).
+    cu_seqlens = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    row = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seqlens,
+               cu_seq_lens_k=cu_seqlens, max_length_q=8, max_length_k=8)
     decoder = getattr(hf_model, hf_model.base_model_prefix)
-    hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
-    logits = hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0].float()
+    hidden = decoder(**row).last_hidden_state[0]
+    logits = hf_model(**row).logits[0].float()
     hf_model.train(was_training)
     ours = (hidden @ head.weight.t()).float()
     tolerance = max(1e-3, 4 * torch.finfo(head.weight.dtype).eps)

@@ -1,0 +1,169 @@
+"""Hybrid models (short convolutions, Mamba SSMs, gated delta rule / KDA linear attention between attention
+layers) train packed and exact: one packed row of documents gives the per-token losses and gradients of
+stock transformers run on each document alone (its own SDPA attention, no chattune code), fp32 on CPU. The
+leak control runs the same row with the mixers over the whole row and sees the difference."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from chattune.data.documents import IGNORE_INDEX, Document
+from chattune.data.packing import collate_packed
+from chattune.errors import UnsupportedModel
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.mixers import (GATED_DELTA_RULE, KDA, MAMBA, MAMBA2, SHORT_CONV, check_context_parallel,
+                                   handled_mixers, leaking_mixers, seq_idx_from_cu_seqlens)
+
+GATED_DELTA_NET = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+SMALL_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# name: (tiny config overrides, the mixer kind it must hold). Chunked recurrences: the delta rules' torch
+# path chunks by 64 tokens, the Mamba-2 configs below by 16; the convolutions' kernels are 3 or 4 taps.
+FAMILIES = {
+    "qwen3_5": ({"model_type": "qwen3_5_text", "head_dim": 16, **GATED_DELTA_NET}, GATED_DELTA_RULE),
+    "qwen3_5_moe": ({"model_type": "qwen3_5_moe_text", "head_dim": 16, **GATED_DELTA_NET, **MOE,
+                     "shared_expert_intermediate_size": 32}, GATED_DELTA_RULE),
+    "qwen3_next": ({"model_type": "qwen3_next", "head_dim": 16, **GATED_DELTA_NET, **MOE,
+                    "shared_expert_intermediate_size": 32}, GATED_DELTA_RULE),
+    "olmo_hybrid": ({"model_type": "olmo_hybrid", **GATED_DELTA_NET}, GATED_DELTA_RULE),
+    "kimi_linear": ({"model_type": "kimi_linear", "layer_types": ["linear_attention", "full_attention"],
+                     "linear_head_dim": 16, "linear_num_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 8, "v_head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32}, KDA),
+    "nemotron_h": ({"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention"], "head_dim": 16,
+                    "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
+                    "n_routed_experts": 4, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32},
+                   MAMBA2),
+    "granitemoehybrid": ({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"], **SMALL_MAMBA2,
+                          "num_local_experts": 4, "shared_intermediate_size": 64}, MAMBA2),
+    "falcon_h1": ({"model_type": "falcon_h1", "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16,
+                   "mamba_d_state": 16, "mamba_chunk_size": 16, "head_dim": 16}, MAMBA2),
+    "bamba": ({"model_type": "bamba", "attn_layer_indices": [1], **SMALL_MAMBA2}, MAMBA2),
+    "zamba2": ({"model_type": "zamba2", "layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 4,
+                "mamba_d_state": 16, "chunk_size": 16, "adapter_rank": 8}, MAMBA2),
+    "jamba": ({"model_type": "jamba", "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+               "expert_layer_offset": 1, "num_experts": 4}, MAMBA),
+    "zamba": ({"model_type": "zamba", "num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1,
+               "n_mamba_heads": 2, "mamba_d_state": 16}, MAMBA),
+    "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, SHORT_CONV),
+    "lfm2_moe": ({"model_type": "lfm2_moe", "layer_types": ["conv", "full_attention"], "num_dense_layers": 1,
+                  **MOE}, SHORT_CONV),
+}
+# Longer than the chunk (64) and the kernels, of different lengths: chunk boundaries fall inside documents.
+LENGTHS = (83, 17, 70)
+
+
+def random_documents(vocab_size: int, lengths=LENGTHS, seed: int = 0, segments: bool = False) -> list[Document]:
+    """Documents of random tokens, every other label ignored (the loss must keep positions straight)."""
+    rng = np.random.default_rng(seed)
+    documents = []
+    for index, length in enumerate(lengths):
+        ids = rng.integers(0, vocab_size, size=length)
+        labels = np.append(ids[1:], IGNORE_INDEX)
+        labels[rng.random(length) < 0.3] = IGNORE_INDEX
+        split = (length // 2, length - length // 2) if segments else ()
+        if segments:
+            labels[split[0] - 1] = IGNORE_INDEX  # nothing trained across the chosen/rejected boundary
+        documents.append(Document(doc_id=index, input_ids=ids, labels=labels, segments=split))
+    return documents
+
+
+def sequences(documents: list[Document]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input ids, labels) of each sequence run alone: a document, or each segment of one."""
+    pieces = []
+    for document in documents:
+        bounds = np.cumsum((0, *(document.segments or (len(document),))))
+        pieces += [(document.input_ids[a:b], document.labels[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return pieces
+
+
+def stock_losses(model, documents: list[Document]) -> torch.Tensor:
+    """Per-token losses of each sequence through stock transformers alone (SDPA attention, its own mixers)."""
+    losses = []
+    for ids, labels in sequences(documents):
+        logits = model(input_ids=torch.tensor(ids).unsqueeze(0), use_cache=False).logits[0]
+        losses.append(F.cross_entropy(logits.float(), torch.tensor(labels), ignore_index=IGNORE_INDEX, reduction="none"))
+    return torch.cat(losses)
+
+
+def packed_and_stock(overrides: dict, documents_for, leak: bool = False):
+    """(packed losses, stock losses, [(name, packed grad, stock grad)]) of one tiny model."""
+    model = tiny_model(**overrides)
+    stock = copy.deepcopy(model)
+    stock.set_attn_implementation("sdpa")
+    documents = documents_for(model.config.vocab_size)
+    packed = PackedCausalLM(model)
+    if leak:
+        with leaking_mixers():
+            packed_losses = packed(collate_packed(documents))
+    else:
+        packed_losses = packed(collate_packed(documents))
+    packed_losses.sum().backward()
+    reference = stock_losses(stock, documents)
+    reference.sum().backward()
+    stock_parameters = dict(stock.named_parameters())
+    grads = [(name, p.grad, stock_parameters[name].grad) for name, p in model.named_parameters() if p.grad is not None]
+    return packed_losses.detach(), reference.detach(), grads
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_row_equals_each_document_alone(name):
+    overrides, kind = FAMILIES[name]
+    assert kind in handled_mixers(tiny_model(**overrides)).values()
+    losses, reference, grads = packed_and_stock(overrides, random_documents)
+    trained = reference != 0
+    assert torch.allclose(losses, reference, rtol=1e-5, atol=1e-6), (losses - reference).abs().max()
+    assert float(((losses - reference).abs()[trained] / reference[trained]).max()) <= 1e-5
+    assert len(grads) == len(list(p for p in tiny_model(**overrides).parameters()))  # every weight trained
+    worst = max(grads, key=lambda g: relative(g[1], g[2]))
+    assert relative(worst[1], worst[2]) <= 1e-4, (worst[0], relative(worst[1], worst[2]))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])
+def test_a_dpo_pair_chosen_and_rejected_are_separate_sequences(name):
+    """A DPO pair is one document of two segments (chosen, rejected) sharing a prompt: each goes alone."""
+    def pairs(vocab_size):
+        documents = random_documents(vocab_size, lengths=(90, 40), segments=True)
+        for document in documents:  # the rejected reply repeats the chosen one's prompt, as a pair does
+            half = document.segments[0]
+            document.input_ids[half:half + 10] = document.input_ids[:10]
+        return documents
+
+    losses, reference, grads = packed_and_stock(FAMILIES[name][0], pairs)
+    assert torch.allclose(losses, reference, rtol=1e-5, atol=1e-6)
+    assert max(relative(packed, stock) for _, packed, stock in grads) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2", "jamba"])
+def test_the_leak_control_fails_with_mixers_over_the_whole_row(name):
+    losses, reference, grads = packed_and_stock(FAMILIES[name][0], random_documents, leak=True)
+    first = LENGTHS[0]
+    assert torch.allclose(losses[:first], reference[:first], rtol=1e-5, atol=1e-6)  # nothing before document 1
+    # Documents 2 and 3 see the ones before: the exactness test's limits are broken, the gradients' by far.
+    assert not torch.allclose(losses[first:], reference[first:], rtol=1e-5, atol=1e-6)
+    assert max(relative(packed, stock) for _, packed, stock in grads) > 100 * 1e-4
+
+
+def test_seq_idx_numbers_each_token_by_its_document():
+    cu_seqlens = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    assert seq_idx_from_cu_seqlens(cu_seqlens).tolist() == [[0, 0, 0, 1, 2, 2, 2, 2]]
+    assert seq_idx_from_cu_seqlens(cu_seqlens).dtype == torch.int32
+
+
+def test_context_parallelism_is_refused_with_the_layer_and_the_remedy():
+    model = tiny_model(**FAMILIES["qwen3_5"][0])
+    check_context_parallel(model, 1)
+    with pytest.raises(UnsupportedModel, match=r"Qwen3_5GatedDeltaNet \(gated delta rule\).*parallel.context=1"):
+        check_context_parallel(model, 2)
+    check_context_parallel(tiny_model(), 2)  # attention only: context parallelism stays open
