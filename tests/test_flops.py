@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 from chattune.data.documents import Document
@@ -29,6 +30,43 @@ def test_model_flops_are_the_hand_count(tied):
     batch = collate_packed(documents, pad_to_multiple_of=10)  # + a padding segment of 2 tokens: not model work
     pairs = 3 * 4 // 2 + 5 * 6 // 2
     assert batch_flops(flops, batch) == 6 * flops.matmul_weights * 8 + 12 * flops.attention_width * pairs
+
+
+# (config overrides of `tiny_model` (hidden 64, 4 query heads), attention width, mixers' forward FLOPs per token),
+# counted by hand from the config numbers: convolution 2 × kernel × channels, state 6 × its elements per token.
+HYBRID = {
+    # gated DeltaNet: keys 2 heads × 16, values 4 heads × 16: conv channels 2 × 32 + 64; a 16 × 16 state
+    # per value head
+    "qwen3_5": ({"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"], "head_dim": 16,
+                 "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                 "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4},
+                1 * 4 * 16, 2 * 4 * (2 * 2 * 16 + 4 * 16) + 6 * 4 * 16 * 16),
+    # a short convolution of kernel 3 over the 64 hidden channels; head dim 64 / 4
+    "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"], "conv_L_cache": 3},
+             1 * 4 * 16, 2 * 3 * 64),
+    # Mamba-2: 8 heads × 16 = d_inner 128, conv over d_inner + 2 × (1 group × state 16); an MLP-only layer
+    "nemotron_h": ({"model_type": "nemotron_h", "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"],
+                    "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16,
+                    "conv_kernel": 4, "chunk_size": 16},
+                   1 * 4 * 16, 2 * 4 * (8 * 16 + 2 * 1 * 16) + 6 * 8 * 16 * 16),
+    # no attention at all: two Mamba-2 layers, d_inner = expand 2 × 64 = 8 heads × 16
+    "mamba2": ({"model_type": "mamba2", "num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 1, "state_size": 16,
+                "conv_kernel": 4, "chunk_size": 16},
+               0, 2 * (2 * 4 * (128 + 2 * 1 * 16) + 6 * 128 * 16)),
+}
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_models_count_their_attention_layers_and_their_mixers(name):
+    overrides, attention_width, mixer_flops = HYBRID[name]
+    flops = model_flops(tiny_model(**overrides))
+    assert (flops.attention_width, flops.mixer_flops_per_token) == (attention_width, mixer_flops)
+
+    documents = [Document(doc_id=i, input_ids=np.ones(n), labels=np.ones(n)) for i, n in enumerate([3, 5])]
+    pairs = 3 * 4 // 2 + 5 * 6 // 2
+    # backward = 2 × forward for the mixers too
+    expected = 6 * flops.matmul_weights * 8 + 3 * mixer_flops * 8 + 12 * attention_width * pairs
+    assert batch_flops(flops, collate_packed(documents)) == expected
 
 
 def test_mfu_is_model_flops_per_second_over_the_peak():
