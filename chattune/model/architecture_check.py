@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import check_output_head
 from chattune.model.context_parallel import active_group, check_heads, whole_rows
-from chattune.model.packing_probe import check_context_split, check_packing_isolation
+from chattune.model.mixers import check_context_parallel, choose_mixer_path, handled_mixers
+from chattune.model.packing_probe import check_context_split, check_fast_mixers, check_packing_isolation
 
 MINIATURE_LAYERS = 2
 MINIATURE_VOCAB = 1024
@@ -102,12 +103,17 @@ def check_architecture(config: PretrainedConfig, device: torch.device | None = N
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MINIATURE_SEED)
         miniature = build_miniature(config)
+    device = device or torch.device("cpu")
+    choose_mixer_path(device, set(handled_mixers(miniature).values()))
     with whole_rows():  # each rank probes the miniature on its own
         check_packing_isolation(miniature)  # first: it turns a failing packed forward into a clear refusal
         check_output_head(miniature)
+        if device.type == "cuda":
+            check_fast_mixers(miniature, device)  # the varlen kernels, where chosen, against the exact path
     group = active_group()
     if group is not None:  # collective over the context group: every rank built the same miniature
+        check_context_parallel(miniature, torch.distributed.get_world_size(group))
         check_heads(config.get_text_config().num_attention_heads, torch.distributed.get_world_size(group),
                     type(miniature).__name__)
         # on the run's device: the group's collectives (nccl on CUDA) take its tensors
-        check_context_split(miniature.to(device or torch.device("cpu")), group)
+        check_context_split(miniature.to(device), group)

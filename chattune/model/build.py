@@ -26,6 +26,7 @@ from chattune.model import load, quantize
 from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
 from chattune.model.architecture_check import check_architecture
 from chattune.model.attention import attention_backend, probe_native_gqa
+from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
@@ -63,7 +64,8 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     torch.manual_seed(cfg.seed)
     files, stored_dtype = None, None
     if path is None:
-        hf_model = build_hf_model(tokenizer, config=instantiate(cfg.model.config))  # whole, on CPU
+        # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
+        hf_model = build_hf_model(tokenizer, config=instantiate(cfg.model.config, _convert_="all"))  # whole, on CPU
     else:
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
@@ -116,6 +118,9 @@ def describe_compute(model: PackedCausalLM, device_type: str) -> None:
     line = (f"compute: {model.compute_dtype} on {device_type}; attention: "
             f"{attention_backend(device_type, model.compute_dtype)}; loss: {head[model.loss_implementation]}; "
             f"decoder layers {'compiled' if model.compiled else 'not compiled'}")
+    mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
+    if mixer_paths:
+        line += f"; sequence mixers: {mixer_paths}"
     if line in _described:  # a DPO reference built like the policy: said once
         return
     _described.add(line)

@@ -203,6 +203,17 @@ def mixer_path() -> str:
 
 
 @contextmanager
+def per_document() -> Iterator[None]:
+    """The per-document path while the block runs, whatever was chosen (`check_fast_mixers` compares them)."""
+    global _path
+    chosen, _path = _path, PER_DOCUMENT
+    try:
+        yield
+    finally:
+        _path = chosen
+
+
+@contextmanager
 def leaking_mixers() -> Iterator[None]:
     """The mixers run over the whole row while the block runs: the leak this module removes (tests only)."""
     global _isolating

@@ -35,6 +35,7 @@ model takes on the device it is on: on CPU, the torch fallbacks of the SSM / con
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import packed_hidden_states
 from chattune.model.context_parallel import split_hidden_states, whole_rows
+from chattune.model import mixers
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
 PROBE_LENGTHS = (11, 9, 11)
@@ -263,3 +265,34 @@ def check_context_split(hf_model: PreTrainedModel, group) -> None:
             "with parallel.context=1"
         )
 
+
+
+# The varlen kernels against the per-document path on the device, in bf16: a few units of bf16's precision.
+FAST_MIXER_TOLERANCE = 3e-2
+
+
+def check_fast_mixers(hf_model: PreTrainedModel, device: torch.device) -> None:
+    """Where the varlen path of the delta-rule mixers was chosen (`chattune.model.mixers.choose_mixer_path`): run
+    the probe's rows through a bf16 copy of the miniature on `device` both ways; a varlen path that fails or
+    differs from the per-document one by more than FAST_MIXER_TOLERANCE is dropped for the per-document path,
+    with a warning that says what was measured."""
+    if mixers.mixer_path() != mixers.VARLEN:
+        return
+    embeddings = hf_model.get_input_embeddings()
+    vocab_size = min(embeddings.num_embeddings,
+                     getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
+    batch = collate_packed(probe_documents(vocab_size)).to(device)
+    model = copy.deepcopy(hf_model).to(device=device, dtype=torch.bfloat16).eval()
+    try:
+        with torch.no_grad():
+            fast = packed_hidden_states(model, batch)
+            with mixers.per_document():
+                exact = packed_hidden_states(model, batch)
+    except Exception as error:  # a kernel that refuses the row: the exact path instead, said
+        mixers.fall_back_to_per_document(f"they failed on the probe's packed row ({type(error).__name__}: {error})")
+        return
+    difference = _difference(fast, exact)
+    if not difference.max_relative <= FAST_MIXER_TOLERANCE:
+        mixers.fall_back_to_per_document(
+            f"on the probe's packed row they differ from the per-document path by up to {difference.max_relative:.2e} "
+            f"(limit {FAST_MIXER_TOLERANCE:.0e}, bf16 on {device})")
