@@ -167,3 +167,23 @@ def test_context_parallelism_is_refused_with_the_layer_and_the_remedy():
     with pytest.raises(UnsupportedModel, match=r"Qwen3_5GatedDeltaNet \(gated delta rule\).*parallel.context=1"):
         check_context_parallel(model, 2)
     check_context_parallel(tiny_model(), 2)  # attention only: context parallelism stays open
+
+
+def test_cuda_without_the_kernels_runs_per_document_and_says_how_to_install_them(caplog, monkeypatch):
+    from chattune.model import mixers
+
+    monkeypatch.setattr(mixers, "fast_kernels_available", lambda: False)
+    with caplog.at_level("WARNING", logger="chattune.model.mixers"):
+        assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE, SHORT_CONV}) == mixers.PER_DOCUMENT
+    assert 'pip install -e ".[hybrid]"' in caplog.text and "gated delta rule" in caplog.text
+    monkeypatch.setattr(mixers, "fast_kernels_available", lambda: True)
+    try:
+        assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE}) == mixers.VARLEN
+        assert "varlen" in mixers.mixer_path_name({GATED_DELTA_RULE}, "cuda")
+        assert mixers.mixer_path_name({GATED_DELTA_RULE}, "cpu") == "gated delta rule: per document"
+        with caplog.at_level("WARNING", logger="chattune.model.mixers"):
+            mixers.fall_back_to_per_document("a reason")
+        assert mixers.mixer_path() == mixers.PER_DOCUMENT and "a reason" in caplog.text
+    finally:
+        mixers.choose_mixer_path(torch.device("cpu"), set())
+    assert mixers.choose_mixer_path(torch.device("cuda"), {MAMBA2}) == mixers.PER_DOCUMENT  # no varlen Mamba-2 path

@@ -12,15 +12,16 @@ each document alone, by one of two paths:
   On CUDA each call uses whatever kernels transformers picks for the mixer (mamba-ssm, causal-conv1d, fla),
   so this path is fast where documents are long; its cost is a Python loop over documents per layer, kept
   out of compiled graphs (a graph break around each mixer).
-- **varlen** (CUDA, the delta-rule mixers only: gated DeltaNet of Qwen3.5 / Qwen3-Next / OLMo-Hybrid and
-  KDA of Kimi-Linear): the whole row in one call. transformers already hands the row's `cu_seq_lens_q` to
-  fla's `chunk_gated_delta_rule` / `chunk_kda` as `cu_seqlens`; we add `seq_idx` (each token's document)
+- **varlen** (CUDA, the gated DeltaNet of Qwen3.5 / Qwen3-Next / OLMo-Hybrid only): the whole row in one
+  call. transformers already hands the row's `cu_seq_lens_q` to fla's `chunk_gated_delta_rule` as
+  `cu_seqlens`; we add `seq_idx` (each token's document)
   for causal-conv1d's `causal_conv1d_fn`, which transformers does not pass (without it the convolution
   reads across boundaries, as transformers' torch fallback does with `cu_seq_lens_q`). Chosen only where
   both packages import (`pip install -e ".[hybrid]"`) and `check_fast_mixers` finds it equal to the
   per-document path on the device; otherwise the run uses the per-document path and says why.
 
-Mamba-2 mixers (Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba, Zamba2) take no document boundaries in
+Kimi-Linear's KDA runs per document: transformers 5.24 passes its kwargs to fla's `chunk_kda` as they are,
+and `chunk_kda` takes `cu_seqlens`, not `cu_seq_lens_q` (the boundaries would be dropped). Mamba-2 mixers (Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba, Zamba2) take no document boundaries in
 transformers 5.24 (`seq_idx` is gone from their forwards), so they run per document on every device.
 
 Context parallelism is refused for these models (`check_context_parallel`): a recurrence needs the whole
@@ -67,7 +68,7 @@ HANDLED = {
     "Lfm2MoeShortConv": SHORT_CONV,
     "Lfm3ShortConv": SHORT_CONV,
 }
-VARLEN_KINDS = (GATED_DELTA_RULE, KDA)
+VARLEN_KINDS = (GATED_DELTA_RULE,)
 INSTALL_HINT = 'pip install -e ".[hybrid]"'
 # The packed-row kwargs transformers forwards to the mixers: the per-document path takes them out (each call
 # is one document; transformers' torch fallbacks refuse `cu_seqlens`).
