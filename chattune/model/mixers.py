@@ -232,6 +232,6 @@ def check_context_parallel(hf_model: nn.Module, context_size: int) -> None:
         layers = ", ".join(f"{name} ({kind})" for name, kind in mixers.items())
         raise UnsupportedModel(
             f"{type(hf_model).__name__} has sequence layers other than attention ({layers}) that need each document "
-            "whole and in order, and parallel.context splits packed rows across ranks; set parallel.context=1 "
-            "(shorter packed rows, data.max_tokens, bring the memory down instead)"
+            "whole and in order, and parallel.context splits packed rows across ranks: set parallel.context=1 "
+            "(for memory, a smaller data.max_tokens_per_microbatch or model.fsdp.activation_checkpointing=true)"
         )
