@@ -6,6 +6,7 @@ leak control runs the same row with the mixers over the whole row and sees the d
 from __future__ import annotations
 
 import copy
+import inspect
 
 import numpy as np
 import pytest
@@ -177,18 +178,100 @@ def test_context_parallelism_is_refused_with_the_layer_and_the_remedy():
 def test_cuda_without_the_kernels_runs_per_document_and_says_how_to_install_them(caplog, monkeypatch):
     from chattune.model import mixers
 
-    monkeypatch.setattr(mixers, "fast_kernels_available", lambda: False)
+    monkeypatch.setattr(mixers, "kernels_available", lambda kind: False)
     with caplog.at_level("WARNING", logger="chattune.model.mixers"):
-        assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE, SHORT_CONV}) == mixers.PER_DOCUMENT
+        assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE, SHORT_CONV}) == set()
     assert 'pip install -e ".[hybrid]"' in caplog.text and "gated delta rule" in caplog.text
-    monkeypatch.setattr(mixers, "fast_kernels_available", lambda: True)
+    monkeypatch.setattr(mixers, "kernels_available", lambda kind: True)
     try:
-        assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE}) == mixers.VARLEN
+        assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE, MAMBA2, SHORT_CONV, KDA, MAMBA}) == {
+            GATED_DELTA_RULE, MAMBA2, SHORT_CONV}  # no varlen path for KDA and Mamba-1 (module docstring)
+        assert mixers.choose_mixer_path(torch.device("cpu"), {GATED_DELTA_RULE}) == set()
+        mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE})
         assert "varlen" in mixers.mixer_path_name({GATED_DELTA_RULE}, "cuda")
         assert mixers.mixer_path_name({GATED_DELTA_RULE}, "cpu") == "gated delta rule: per document"
         with caplog.at_level("WARNING", logger="chattune.model.mixers"):
             mixers.fall_back_to_per_document("a reason")
-        assert mixers.mixer_path() == mixers.PER_DOCUMENT and "a reason" in caplog.text
+        assert mixers.varlen_kinds() == set() and "a reason" in caplog.text
     finally:
         mixers.choose_mixer_path(torch.device("cpu"), set())
-    assert mixers.choose_mixer_path(torch.device("cuda"), {MAMBA2}) == mixers.PER_DOCUMENT  # no varlen Mamba-2 path
+
+
+def _segments(seq_idx: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run of equal values of a (1, N) seq_idx: the documents a kernel must keep apart."""
+    values = seq_idx[0].tolist()
+    starts = [i for i in range(len(values)) if i == 0 or values[i] != values[i - 1]]
+    return list(zip(starts, starts[1:] + [len(values)]))
+
+
+def _per_segment(function, sliced: dict[str, int], bounds):
+    """`function` (transformers' torch path) run per segment on the arguments named in `sliced`, each cut on its
+    sequence dimension, the outputs concatenated on the first argument's: what a varlen kernel computes."""
+    names = list(inspect.signature(function).parameters)
+
+    def run(*args, **kwargs):
+        bound = dict(zip(names, args)) | kwargs
+        pieces = []
+        for start, end in bounds(bound):
+            cut = {k: v.narrow(sliced[k], start, end - start) if k in sliced else v for k, v in bound.items()}
+            out = function(**cut)
+            pieces.append(out[0] if isinstance(out, tuple) else out)
+        joined = torch.cat(pieces, sliced[names[0]])
+        return (joined, None) if "beta" in sliced else joined
+    return run
+
+
+CONV = {"hidden_states": 2}  # (B, C, N)
+VARLEN_STAND_INS = {  # family: (transformers module, {kernel: (its boundary argument, {argument: sequence dim})})
+    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5",
+                {"causal_conv1d_fn": ("seq_idx", CONV),
+                 "torch_chunk_gated_delta_rule": ("cu_seqlens", dict.fromkeys(("query", "key", "value", "g", "beta"), 1))}),
+    "lfm2": ("transformers.models.lfm2.modeling_lfm2", {"causal_conv1d_fn": ("seq_idx", CONV)}),
+    "bamba": ("transformers.models.bamba.modeling_bamba",
+              {"causal_conv1d_fn": ("seq_idx", CONV),
+               "mamba2_chunk_scan": ("seq_idx", dict.fromkeys(("hidden_states", "dt", "B", "C"), 1))}),
+}
+
+
+@pytest.mark.parametrize("name", VARLEN_STAND_INS)
+def test_the_varlen_path_gives_the_kernels_the_rows_boundaries(name, monkeypatch):
+    """The varlen path on CPU, with stand-ins for the CUDA kernels that keep documents apart only by the
+    boundaries they are given (`seq_idx`, `cu_seqlens`), and fail without them: the whole row in one call per
+    layer equals stock transformers on each document alone."""
+    import importlib
+
+    from chattune.model import mixers
+
+    module_name, kernels = VARLEN_STAND_INS[name]
+    module = importlib.import_module(module_name)
+    calls = []
+    for kernel, (boundary, sliced) in kernels.items():
+        torch_path = getattr(module, kernel).__wrapped__
+
+        def bounds(bound, boundary=boundary, kernel=kernel, sliced=sliced):
+            given = bound.get(boundary)
+            if given is None:  # one sequence (stock transformers on one document), or a varlen call that leaks
+                first = next(iter(sliced))
+                return [(0, bound[first].shape[sliced[first]])]
+            calls.append(kernel)
+            if boundary == "seq_idx":
+                assert given.dtype == torch.int32 and given.shape[0] == 1
+                return _segments(given)
+            edges = given.tolist()
+            return list(zip(edges[:-1], edges[1:]))
+
+        monkeypatch.setattr(module, kernel, _per_segment(torch_path, sliced, bounds))
+    if name == "bamba":  # the fused training kernel (conv, scan, norm, out_proj) has no torch path: transformers
+        # then takes the unfused one, whose two kernels are stood in for (the fused one takes seq_idx the same way)
+        monkeypatch.setattr(module, "mamba2_split_conv1d_scan_combined", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mixers, "_VARLEN_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(mixers, "kernels_available", lambda kind: True)
+    kind = FAMILIES[name][1]
+    try:
+        assert mixers.choose_mixer_path(torch.device("cuda"), {kind}) == {kind}
+        losses, reference, grads = packed_and_stock(FAMILIES[name][0], random_documents)
+    finally:
+        mixers.choose_mixer_path(torch.device("cpu"), set())
+    assert set(calls) == set(kernels)  # the whole row went to each stand-in, with its boundaries
+    assert torch.allclose(losses, reference, rtol=1e-5, atol=1e-6), (losses - reference).abs().max()
+    assert max(relative(packed, stock) for _, packed, stock in grads) <= 1e-4

@@ -12,17 +12,21 @@ each document alone, by one of two paths:
   On CUDA each call uses whatever kernels transformers picks for the mixer (mamba-ssm, causal-conv1d, fla),
   so this path is fast where documents are long; its cost is a Python loop over documents per layer, kept
   out of compiled graphs (a graph break around each mixer).
-- **varlen** (CUDA, the gated DeltaNet of Qwen3.5 / Qwen3-Next / OLMo-Hybrid only): the whole row in one
-  call. transformers already hands the row's `cu_seq_lens_q` to fla's `chunk_gated_delta_rule` as
-  `cu_seqlens`; we add `seq_idx` (each token's document)
-  for causal-conv1d's `causal_conv1d_fn`, which transformers does not pass (without it the convolution
-  reads across boundaries, as transformers' torch fallback does with `cu_seq_lens_q`). Chosen only where
-  both packages import (`pip install -e ".[hybrid]"`) and `check_fast_mixers` finds it equal to the
-  per-document path on the device; otherwise the run uses the per-document path and says why.
+- **varlen** (CUDA): the whole row in one call, the kernels given the boundaries. transformers 5.24 passes a
+  mixer's kwargs on to its kernels (filtered to each kernel's parameters), so adding `seq_idx` (each token's
+  document, `seq_idx_from_cu_seqlens`) reaches causal-conv1d's `causal_conv1d_fn` and mamba-ssm's
+  `mamba_split_conv1d_scan_combined` / `mamba_chunk_scan_combined`, and the row's `cu_seq_lens_q` reaches
+  fla's `chunk_gated_delta_rule` as `cu_seqlens`. Without `seq_idx` the convolution and the SSM scan read
+  across boundaries (transformers' torch fallback of the convolution even takes `cu_seq_lens_q` and ignores
+  it). Kinds with a varlen path and the packages it needs: `VARLEN_KERNELS` (the gated delta rule of
+  Qwen3.5 / Qwen3-Next / OLMo-Hybrid; the Mamba-2 SSM of Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba, Zamba2;
+  the short convolutions of LFM2, whose input is in the channel-last layout causal-conv1d needs for `seq_idx`).
+  Chosen only where its packages import (`pip install -e ".[hybrid]"`) and `check_fast_mixers` finds it
+  equal to the per-document path on the device; otherwise the run uses the per-document path and says why.
 
-Kimi-Linear's KDA runs per document: transformers 5.24 passes its kwargs to fla's `chunk_kda` as they are,
-and `chunk_kda` takes `cu_seqlens`, not `cu_seq_lens_q` (the boundaries would be dropped). Mamba-2 mixers (Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba, Zamba2) take no document boundaries in
-transformers 5.24 (`seq_idx` is gone from their forwards), so they run per document on every device.
+Per document on every device: Kimi-Linear's KDA (transformers passes its kwargs to fla's `chunk_kda` as they
+are, and `chunk_kda` takes `cu_seqlens`, not `cu_seq_lens_q`: the boundaries would be dropped) and the Mamba-1
+SSMs of Jamba and Zamba (mamba-ssm's selective scan takes no `seq_idx`).
 
 Context parallelism is refused for these models (`check_context_parallel`): a recurrence needs the whole
 document in order, and each rank holds a slice of it. An exchange that gives each rank the whole row for a
@@ -68,15 +72,20 @@ HANDLED = {
     "Lfm2MoeShortConv": SHORT_CONV,
     "Lfm3ShortConv": SHORT_CONV,
 }
-VARLEN_KINDS = (GATED_DELTA_RULE,)
+# The kinds with a varlen path on CUDA, and the packages (import names) it needs.
+VARLEN_KERNELS = {GATED_DELTA_RULE: ("fla", "causal_conv1d"), MAMBA2: ("mamba_ssm", "causal_conv1d"),
+                  SHORT_CONV: ("causal_conv1d",)}
+_VARLEN_NAMES = {GATED_DELTA_RULE: "varlen (fla chunk_gated_delta_rule with cu_seqlens, causal-conv1d with seq_idx)",
+                 MAMBA2: "varlen (mamba-ssm and causal-conv1d with seq_idx)",
+                 SHORT_CONV: "varlen (causal-conv1d with seq_idx)"}
 INSTALL_HINT = 'pip install -e ".[hybrid]"'
 # The packed-row kwargs transformers forwards to the mixers: the per-document path takes them out (each call
 # is one document; transformers' torch fallbacks refuse `cu_seqlens`).
 _ROW_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _ROW_ATTRIBUTE = "_chattune_row_cu_seqlens"  # set by the layer hook for mixers that are not passed the kwargs
 
-PER_DOCUMENT, VARLEN = "per-document", "varlen"
-_path = PER_DOCUMENT  # the path the delta-rule mixers take on CUDA, settled once at start-up (`choose_mixer_path`)
+_varlen: set[str] = set()  # the kinds on the varlen path, settled once at start-up (`choose_mixer_path`)
+_VARLEN_DEVICES = ("cuda",)  # where the varlen kernels run (tests add "cpu" with stand-in kernels)
 _isolating = True  # tests turn it off (`leaking_mixers`) to show the leak it removes
 
 
@@ -85,9 +94,9 @@ def handled_mixers(hf_model: nn.Module) -> dict[str, str]:
     return {type(m).__name__: HANDLED[type(m).__name__] for m in hf_model.modules() if type(m).__name__ in HANDLED}
 
 
-def fast_kernels_available() -> bool:
-    """Whether fla (varlen delta rules) and causal-conv1d (the convolution with `seq_idx`) both import."""
-    return all(importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d"))
+def kernels_available(kind: str) -> bool:
+    """Whether the packages of `kind`'s varlen path (`VARLEN_KERNELS`) all import."""
+    return all(importlib.util.find_spec(name) is not None for name in VARLEN_KERNELS[kind])
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -131,7 +140,7 @@ def _packed_forward(mixer: nn.Module, forward: Callable) -> Callable:
         if kwargs.get("attention_mask") is not None:
             raise ValueError(f"{type(mixer).__name__}: a packed row takes no attention_mask")
         hidden = args[0] if args else kwargs["hidden_states"]
-        if kind in VARLEN_KINDS and _path == VARLEN and hidden.is_cuda:  # one call; the kernels take the boundaries
+        if kind in _varlen and hidden.device.type in _VARLEN_DEVICES:  # one call; the kernels take the boundaries
             kwargs["seq_idx"] = seq_idx_from_cu_seqlens(cu_seqlens.to(torch.int32))
             return forward(*args, **kwargs)
         return _per_document(forward, cu_seqlens, args, kwargs)
@@ -164,54 +173,52 @@ def _per_document(forward: Callable, cu_seqlens: torch.Tensor, args: tuple, kwar
     return torch.cat(outputs, dim=1)
 
 
-def choose_mixer_path(device: torch.device, kinds: set[str]) -> str:
-    """Settle, once at start-up, the path the delta-rule mixers take (module docstring): varlen on CUDA where the
-    kernels import, else per document, with a warning giving the install command on CUDA."""
-    global _path
-    _path = PER_DOCUMENT
-    if device.type == "cuda" and kinds & set(VARLEN_KINDS):
-        if fast_kernels_available():
-            _path = VARLEN
+def choose_mixer_path(device: torch.device, kinds: set[str]) -> set[str]:
+    """Settle, once at start-up, which of the model's mixer `kinds` take the varlen path (module docstring): on
+    CUDA, those whose kernels import; a kind that has a varlen path but lacks its kernels is said, with the
+    install command. Returns the varlen kinds."""
+    _varlen.clear()
+    if device.type != "cuda":
+        return set()
+    for kind in sorted(kinds & VARLEN_KERNELS.keys()):
+        if kernels_available(kind):
+            _varlen.add(kind)
         else:
-            logger.warning("the model's %s layers run per document of each packed row (exact, a loop over "
-                           "documents) because fla and causal-conv1d are not both installed; for the varlen "
-                           "kernels: %s", " and ".join(sorted(kinds & set(VARLEN_KINDS))), INSTALL_HINT)
-    return _path
+            logger.warning("the model's %s layers run per document of each packed row (exact, a loop over documents) "
+                           "because %s are not all installed; for the varlen kernels: %s",
+                           kind, " and ".join(VARLEN_KERNELS[kind]), INSTALL_HINT)
+    return set(_varlen)
+
+
+def varlen_kinds() -> set[str]:
+    return set(_varlen)
 
 
 def fall_back_to_per_document(reason: str) -> None:
     """The varlen path failed its check on the device (`check_fast_mixers`): per document, with a warning."""
-    global _path
-    _path = PER_DOCUMENT
-    logger.warning("the varlen linear-attention kernels are not used: %s; the mixers run per document (exact)", reason)
+    kinds = " and ".join(sorted(_varlen))
+    _varlen.clear()
+    logger.warning("the varlen kernels of the %s layers are not used: %s; those layers run per document (exact)",
+                   kinds, reason)
 
 
 def mixer_path_name(kinds: set[str], device_type: str) -> str | None:
     """The mixers' path for the `compute:` line, or None for a model without handled mixers."""
     if not kinds:
         return None
-    names = []
-    for kind in sorted(kinds):
-        if kind in VARLEN_KINDS and device_type == "cuda" and _path == VARLEN:
-            names.append(f"{kind}: varlen (fla cu_seqlens, causal-conv1d seq_idx)")
-        else:
-            names.append(f"{kind}: per document")
-    return "; ".join(names)
-
-
-def mixer_path() -> str:
-    return _path
+    return "; ".join(f"{kind}: {_VARLEN_NAMES[kind] if kind in _varlen and device_type in _VARLEN_DEVICES else 'per document'}"
+                     for kind in sorted(kinds))
 
 
 @contextmanager
 def per_document() -> Iterator[None]:
     """The per-document path while the block runs, whatever was chosen (`check_fast_mixers` compares them)."""
-    global _path
-    chosen, _path = _path, PER_DOCUMENT
+    chosen = set(_varlen)
+    _varlen.clear()
     try:
         yield
     finally:
-        _path = chosen
+        _varlen.update(chosen)
 
 
 @contextmanager

@@ -272,17 +272,21 @@ FAST_MIXER_TOLERANCE = 3e-2
 
 
 def check_fast_mixers(hf_model: PreTrainedModel, device: torch.device) -> None:
-    """Where the varlen path of the delta-rule mixers was chosen (`chattune.model.mixers.choose_mixer_path`): run
-    the probe's rows through a bf16 copy of the miniature on `device` both ways; a varlen path that fails or
-    differs from the per-document one by more than FAST_MIXER_TOLERANCE is dropped for the per-document path,
-    with a warning that says what was measured."""
-    if mixers.mixer_path() != mixers.VARLEN:
+    """Where a varlen path was chosen for the model's mixers (`chattune.model.mixers.choose_mixer_path`): run the
+    probe's rows through a bf16 copy of the miniature on `device` both ways, its mixers in training mode (the
+    fused Mamba-2 kernel is the training path); a varlen path that fails or differs from the per-document path
+    by more than FAST_MIXER_TOLERANCE is dropped for the per-document path, with a warning that says what was
+    measured."""
+    if not mixers.varlen_kinds():
         return
     embeddings = hf_model.get_input_embeddings()
     vocab_size = min(embeddings.num_embeddings,
                      getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
     batch = collate_packed(probe_documents(vocab_size)).to(device)
     model = copy.deepcopy(hf_model).to(device=device, dtype=torch.bfloat16).eval()
+    for module in model.modules():
+        if type(module).__name__ in mixers.HANDLED:
+            module.train()
     try:
         with torch.no_grad():
             fast = packed_hidden_states(model, batch)
