@@ -263,18 +263,19 @@ def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
 
 
 def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp):
-    """A hybrid model (LFM2's short convolutions run across document boundaries): the start-up probe
-    refuses it once, clearly, before any step (its leak was 2e-4 to 1e-3 per-token loss)."""
+    """A hybrid model whose mixer chattune does not keep per document (MiniMax's lightning attention runs
+    across document boundaries): the start-up probe refuses it once, clearly, before any step."""
     from conftest import demo_tokenizer, tiny_model
+    from test_packing_probe import UNHANDLED
 
-    model_dir = tmp / "lfm2"
-    tiny_model(model_type="lfm2", layer_types=["conv", "full_attention"]).save_pretrained(model_dir)
+    model_dir = tmp / "minimax"
+    tiny_model(**UNHANDLED["minimax"][0]).save_pretrained(model_dir)
     demo_tokenizer().save_pretrained(model_dir)
     result = subprocess.run([sys.executable, "recipes/sft.py", "--config-name", "sft/local_model", f"model.path={model_dir}",
-                             f"output_dir={tmp / 'out' / 'lfm2'}", "max_steps=2", "data.report_records=0",
+                             f"output_dir={tmp / 'out' / 'minimax'}", "max_steps=2", "data.report_records=0",
                              "data.eval=[]", "model.fsdp.activation_checkpointing=false"],
                             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.count("chattune: error: Lfm2ForCausalLM does not keep packed documents apart") == 1
-    assert "Lfm2ShortConv x1" in result.stderr and not (tmp / "out" / "lfm2" / "metrics.jsonl").exists()
+    assert result.stderr.count("chattune: error: MiniMaxForCausalLM does not keep packed documents apart") == 1
+    assert "MiniMaxLightningAttention x1" in result.stderr and not (tmp / "out" / "minimax" / "metrics.jsonl").exists()
