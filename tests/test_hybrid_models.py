@@ -269,9 +269,36 @@ def test_the_varlen_path_gives_the_kernels_the_rows_boundaries(name, monkeypatch
     kind = FAMILIES[name][1]
     try:
         assert mixers.choose_mixer_path(torch.device("cuda"), {kind}) == {kind}
+        from chattune.model.packing_probe import check_fast_mixers
+
+        check_fast_mixers(tiny_model(**FAMILIES[name][0]), torch.device("cpu"))  # the start-up check keeps it
+        assert mixers.varlen_kinds() == {kind}
+        calls.clear()
         losses, reference, grads = packed_and_stock(FAMILIES[name][0], random_documents)
     finally:
         mixers.choose_mixer_path(torch.device("cpu"), set())
     assert set(calls) == set(kernels)  # the whole row went to each stand-in, with its boundaries
     assert torch.allclose(losses, reference, rtol=1e-5, atol=1e-6), (losses - reference).abs().max()
     assert max(relative(packed, stock) for _, packed, stock in grads) <= 1e-4
+
+
+def test_a_varlen_path_that_fails_on_the_device_falls_back_to_per_document(caplog, monkeypatch):
+    """The start-up check of the varlen path (`check_fast_mixers`), on CPU: transformers' torch fallbacks refuse
+    `seq_idx` (as kernels that are missing or refuse the row would), so the run is put on the per-document path
+    with a warning that says why; the miniature itself is left as it was."""
+    from chattune.model import mixers
+    from chattune.model.packing_probe import check_fast_mixers
+
+    monkeypatch.setattr(mixers, "_VARLEN_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(mixers, "kernels_available", lambda kind: True)
+    model = tiny_model(**FAMILIES["lfm2"][0]).eval()
+    try:
+        mixers.choose_mixer_path(torch.device("cuda"), {SHORT_CONV})
+        with caplog.at_level("WARNING", logger="chattune.model.mixers"):
+            check_fast_mixers(model, torch.device("cpu"))
+        assert mixers.varlen_kinds() == set()
+    finally:
+        mixers.choose_mixer_path(torch.device("cpu"), set())
+    assert "varlen kernels of the short convolution layers are not used" in caplog.text
+    assert "can't keep packed sequences apart" in caplog.text and "per document (exact)" in caplog.text
+    assert not model.training and next(model.parameters()).dtype == torch.float32
