@@ -1,12 +1,13 @@
 """Start-up probe: refuse a model whose packed forward lets a document see the documents before it.
 
 chattune trains on packed rows: several documents back to back in one (1, N) row, kept apart by
-`cu_seqlens` and by position ids that restart at 0 per document. Only the attention function sees
-`cu_seqlens`. Any other layer that mixes tokens along the sequence (LFM2's short convolutions, the
-Mamba / SSM mixers of Falcon-H1, Bamba, Jamba, Granite-MoE-hybrid or Nemotron-H, the linear attention
-of MiniMax or Kimi-Linear, ...) runs over the whole row, so a document's hidden states depend on the
-documents packed before it, and packed training trains something else than the model run on one
-document at a time.
+`cu_seqlens` and by position ids that restart at 0 per document. The attention function sees `cu_seqlens`,
+and so do the token mixers `chattune.model.mixers` knows (the short convolutions, Mamba SSMs and linear
+attention of Qwen3.5, Nemotron-H, LFM2, ...). Any other layer that mixes tokens along the sequence (MiniMax's
+lightning attention, RWKV, a mixer of a new architecture, ...) runs over the whole row, so a document's hidden
+states depend on the documents packed before it, and packed training trains something else than the model
+run on one document at a time. The measurements below were made with the mixers over the whole row
+(`chattune.model.mixers.leaking_mixers`).
 
 `check_packing_isolation` measures this rather than trusting a list of model types. It runs the decoder
 exactly as `PackedCausalLM.forward` does on two packed rows of three short documents, [A, B, C] and
@@ -49,9 +50,9 @@ from transformers.pytorch_utils import Conv1D
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
+from chattune.model import mixers
 from chattune.model.attention import packed_hidden_states
 from chattune.model.context_parallel import split_hidden_states, whole_rows
-from chattune.model import mixers
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
 PROBE_LENGTHS = (11, 9, 11)
@@ -264,7 +265,6 @@ def check_context_split(hf_model: PreTrainedModel, group) -> None:
             f"{ALONE_TOLERANCE:.0e}). Its layers read more of the row than their own tokens and position ids; train it "
             "with parallel.context=1"
         )
-
 
 
 # The varlen kernels against the per-document path on the device, in bf16: a few units of bf16's precision.
