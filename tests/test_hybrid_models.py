@@ -185,7 +185,7 @@ def test_cuda_without_the_kernels_runs_per_document_and_says_how_to_install_them
     monkeypatch.setattr(mixers, "kernels_available", lambda kind: True)
     try:
         assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE, MAMBA2, SHORT_CONV, KDA, MAMBA}) == {
-            GATED_DELTA_RULE, MAMBA2, SHORT_CONV}  # no varlen path for KDA and Mamba-1 (module docstring)
+            GATED_DELTA_RULE, MAMBA2, SHORT_CONV, KDA}  # no varlen path for Mamba-1 (module docstring)
         assert mixers.choose_mixer_path(torch.device("cpu"), {GATED_DELTA_RULE}) == set()
         mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE})
         assert "varlen" in mixers.mixer_path_name({GATED_DELTA_RULE}, "cuda")
@@ -226,6 +226,9 @@ VARLEN_STAND_INS = {  # family: (transformers module, {kernel: (its boundary arg
     "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5",
                 {"causal_conv1d_fn": ("seq_idx", CONV),
                  "torch_chunk_gated_delta_rule": ("cu_seqlens", dict.fromkeys(("query", "key", "value", "g", "beta"), 1))}),
+    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear",
+                    {"causal_conv1d_fn": ("seq_idx", CONV),
+                     "chunk_kimi_delta_attention": ("cu_seqlens", dict.fromkeys(("query", "key", "value", "g", "beta"), 1))}),
     "lfm2": ("transformers.models.lfm2.modeling_lfm2", {"causal_conv1d_fn": ("seq_idx", CONV)}),
     "bamba": ("transformers.models.bamba.modeling_bamba",
               {"causal_conv1d_fn": ("seq_idx", CONV),

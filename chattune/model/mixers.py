@@ -16,17 +16,17 @@ each document alone, by one of two paths:
   mixer's kwargs on to its kernels (filtered to each kernel's parameters), so adding `seq_idx` (each token's
   document, `seq_idx_from_cu_seqlens`) reaches causal-conv1d's `causal_conv1d_fn` and mamba-ssm's
   `mamba_split_conv1d_scan_combined` / `mamba_chunk_scan_combined`, and the row's `cu_seq_lens_q` reaches
-  fla's `chunk_gated_delta_rule` as `cu_seqlens`. Without `seq_idx` the convolution and the SSM scan read
+  fla's `chunk_gated_delta_rule` as `cu_seqlens` (Kimi-Linear passes its kwargs to fla's `chunk_kda` as they
+  are, so `cu_seqlens` is added for KDA). Without `seq_idx` the convolution and the SSM scan read
   across boundaries (transformers' torch fallback of the convolution even takes `cu_seq_lens_q` and ignores
   it). Kinds with a varlen path and the packages it needs: `VARLEN_KERNELS` (the gated delta rule of
-  Qwen3.5 / Qwen3-Next / OLMo-Hybrid; the Mamba-2 SSM of Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba, Zamba2;
+  Qwen3.5 / Qwen3-Next / OLMo-Hybrid; KDA of Kimi-Linear; the Mamba-2 SSM of Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba, Zamba2;
   the short convolutions of LFM2, whose input is in the channel-last layout causal-conv1d needs for `seq_idx`).
   Chosen only where its packages import (`pip install -e ".[hybrid]"`) and `check_fast_mixers` finds it
   equal to the per-document path on the device; otherwise the run uses the per-document path and says why.
 
-Per document on every device: Kimi-Linear's KDA (transformers passes its kwargs to fla's `chunk_kda` as they
-are, and `chunk_kda` takes `cu_seqlens`, not `cu_seq_lens_q`: the boundaries would be dropped) and the Mamba-1
-SSMs of Jamba and Zamba (mamba-ssm's selective scan takes no `seq_idx`).
+Per document on every device: the Mamba-1 SSMs of Jamba and Zamba (mamba-ssm's selective scan takes no
+`seq_idx`).
 
 Context parallelism is refused for these models (`check_context_parallel`): a recurrence needs the whole
 document in order, and each rank holds a slice of it. An exchange that gives each rank the whole row for a
@@ -73,9 +73,10 @@ HANDLED = {
     "Lfm3ShortConv": SHORT_CONV,
 }
 # The kinds with a varlen path on CUDA, and the packages (import names) it needs.
-VARLEN_KERNELS = {GATED_DELTA_RULE: ("fla", "causal_conv1d"), MAMBA2: ("mamba_ssm", "causal_conv1d"),
-                  SHORT_CONV: ("causal_conv1d",)}
+VARLEN_KERNELS = {GATED_DELTA_RULE: ("fla", "causal_conv1d"), KDA: ("fla", "causal_conv1d"),
+                  MAMBA2: ("mamba_ssm", "causal_conv1d"), SHORT_CONV: ("causal_conv1d",)}
 _VARLEN_NAMES = {GATED_DELTA_RULE: "varlen (fla chunk_gated_delta_rule with cu_seqlens, causal-conv1d with seq_idx)",
+                 KDA: "varlen (fla chunk_kda with cu_seqlens, causal-conv1d with seq_idx)",
                  MAMBA2: "varlen (mamba-ssm and causal-conv1d with seq_idx)",
                  SHORT_CONV: "varlen (causal-conv1d with seq_idx)"}
 INSTALL_HINT = 'pip install -e ".[hybrid]"'
@@ -142,6 +143,8 @@ def _packed_forward(mixer: nn.Module, forward: Callable) -> Callable:
         hidden = args[0] if args else kwargs["hidden_states"]
         if kind in _varlen and hidden.device.type in _VARLEN_DEVICES:  # one call; the kernels take the boundaries
             kwargs["seq_idx"] = seq_idx_from_cu_seqlens(cu_seqlens.to(torch.int32))
+            if kind == KDA:  # transformers hands Kimi's kwargs to fla's chunk_kda as they are: it reads `cu_seqlens`
+                kwargs["cu_seqlens"] = cu_seqlens
             return forward(*args, **kwargs)
         return _per_document(forward, cu_seqlens, args, kwargs)
 
