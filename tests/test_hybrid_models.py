@@ -165,6 +165,7 @@ def test_seq_idx_numbers_each_token_by_its_document():
     cu_seqlens = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
     assert seq_idx_from_cu_seqlens(cu_seqlens).tolist() == [[0, 0, 0, 1, 2, 2, 2, 2]]
     assert seq_idx_from_cu_seqlens(cu_seqlens).dtype == torch.int32
+    assert seq_idx_from_cu_seqlens(cu_seqlens, 8).tolist() == [[0, 0, 0, 1, 2, 2, 2, 2]]
 
 
 def test_context_parallelism_is_refused_with_the_layer_and_the_remedy():

@@ -100,11 +100,12 @@ def kernels_available(kind: str) -> bool:
     return all(importlib.util.find_spec(name) is not None for name in VARLEN_KERNELS[kind])
 
 
-def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """(1, N) int32: each token's document index, causal-conv1d's `seq_idx`, from a row's `cu_seqlens`."""
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    """(1, N) int32: each token's document index, causal-conv1d's `seq_idx`, from a row's `cu_seqlens`. Given
+    the row's length `num_tokens`, CUDA need not be synchronised to size the result."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
     documents = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
-    return documents.repeat_interleave(lengths).unsqueeze(0)
+    return documents.repeat_interleave(lengths, output_size=num_tokens).unsqueeze(0)
 
 
 def isolate_documents(hf_model: nn.Module) -> None:
@@ -142,7 +143,7 @@ def _packed_forward(mixer: nn.Module, forward: Callable) -> Callable:
             raise ValueError(f"{type(mixer).__name__}: a packed row takes no attention_mask")
         hidden = args[0] if args else kwargs["hidden_states"]
         if kind in _varlen and hidden.device.type in _VARLEN_DEVICES:  # one call; the kernels take the boundaries
-            kwargs["seq_idx"] = seq_idx_from_cu_seqlens(cu_seqlens.to(torch.int32))
+            kwargs["seq_idx"] = seq_idx_from_cu_seqlens(cu_seqlens.to(torch.int32), hidden.shape[1])
             if kind == KDA:  # transformers hands Kimi's kwargs to fla's chunk_kda as they are: it reads `cu_seqlens`
                 kwargs["cu_seqlens"] = cu_seqlens
             return forward(*args, **kwargs)
