@@ -121,15 +121,19 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> Difference:
     return Difference(float(relative[worst]), worst)
 
 
+def _vocab_size(hf_model: PreTrainedModel) -> int:
+    """The token ids the probe may draw: the embedding rows the config's vocabulary really uses."""
+    embeddings = hf_model.get_input_embeddings()
+    return min(embeddings.num_embeddings,
+               getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
+
+
 @torch.no_grad()
 def probe_packing(hf_model: PreTrainedModel) -> ProbeResult:
     """The three measurements of the module docstring (four forwards of 9 to 31 tokens). Eval mode
     during the probe, the training mode restored after. Exceptions of the model's forward propagate."""
-    embeddings = hf_model.get_input_embeddings()
-    vocab_size = min(embeddings.num_embeddings,
-                     getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
-    device = embeddings.weight.device
-    a, b, c = probe_documents(vocab_size)
+    device = hf_model.get_input_embeddings().weight.device
+    a, b, c = probe_documents(_vocab_size(hf_model))
 
     def packed(documents: list[Document]) -> torch.Tensor:
         return packed_hidden_states(hf_model, collate_packed(documents).to(device))  # as PackedCausalLM.forward
@@ -244,10 +248,7 @@ def check_context_split(hf_model: PreTrainedModel, group) -> None:
     computes. Every rank of the group runs it on the same miniature, at start-up. One probe row [A, B, C] (31
     tokens) has document boundaries inside the slices and documents straddling them for any group size; the
     limit is the probe's ALONE_TOLERANCE (the split changes only the shapes the matmuls see)."""
-    embeddings = hf_model.get_input_embeddings()
-    vocab_size = min(embeddings.num_embeddings,
-                     getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
-    batch = collate_packed(probe_documents(vocab_size)).to(embeddings.weight.device)
+    batch = collate_packed(probe_documents(_vocab_size(hf_model))).to(hf_model.get_input_embeddings().weight.device)
     was_training = hf_model.training
     hf_model.eval()
     try:
@@ -279,10 +280,7 @@ def check_fast_mixers(hf_model: PreTrainedModel, device: torch.device) -> None:
     measured."""
     if not mixers.varlen_kinds():
         return
-    embeddings = hf_model.get_input_embeddings()
-    vocab_size = min(embeddings.num_embeddings,
-                     getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
-    batch = collate_packed(probe_documents(vocab_size)).to(device)
+    batch = collate_packed(probe_documents(_vocab_size(hf_model))).to(device)
     model = copy.deepcopy(hf_model).to(device=device, dtype=torch.bfloat16).eval()
     for module in model.modules():
         if type(module).__name__ in mixers.HANDLED:
