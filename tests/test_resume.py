@@ -305,6 +305,7 @@ def _processes_left(out: Path, wait_s: float = 10.0) -> list[str]:
 
 
 def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, small_data):
+    import os
     import signal
     import sys
     import time
@@ -324,8 +325,12 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
 
     out = tmp_path / "twice"
+    # Step 3 takes 20 s (fault injection), so the second Ctrl-C always finds the first one's save still ahead
+    # (a tiny step and save could otherwise finish between the two signals and exit 75).
+    slow = {**os.environ, "CHATTUNE_SLOW_AT": "step:3:20"}
     with open(tmp_path / "twice.log", "w") as log:
-        process = subprocess.Popen([*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   env=slow)
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGINT)
         time.sleep(0.05)
