@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from chattune.data.documents import IGNORE_INDEX
+from chattune.model.output_logits import LogitTransform
 
 
 @contextmanager
@@ -61,21 +62,26 @@ class _TF32Logits(torch.autograd.Function):
 
 
 def _chunk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        tf32: bool = False) -> torch.Tensor:
+                        tf32: bool = False, transform: LogitTransform | None = None) -> torch.Tensor:
     # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
     # before the loss sees it. bf16 -> fp32 is exact.
     logits = _TF32Logits.apply(hidden, weight) if tf32 else hidden.float() @ weight.float().t()
+    if transform is not None:
+        logits = transform(logits)  # in fp32, inside the checkpoint: recomputed with the chunk's logits
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def chunked_token_losses(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, tf32: bool = False
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, tf32: bool = False,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where label is IGNORE_INDEX).
 
     hidden: (N, H) final hidden states; weight: (V, H) output embedding; labels: (N,) already shifted
     (labels[i] is the token that position i must predict). `tf32`: the head's matmuls in TF32 (see above).
+    `transform`: the model's scaling / soft-capping of hidden @ W.T (`chattune.model.output_logits`).
     """
+    transform = None if transform is None or transform.is_identity else transform
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -83,7 +89,7 @@ def chunked_token_losses(
     for start in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         if needs_grad:
-            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, use_reentrant=False))
+            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, use_reentrant=False))
         else:
-            losses.append(_chunk_token_losses(h, weight, y, tf32))
+            losses.append(_chunk_token_losses(h, weight, y, tf32, transform))
     return torch.cat(losses)

@@ -44,6 +44,7 @@ import torch
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UserError
+from chattune.model.output_logits import LogitTransform
 
 logger = logging.getLogger(__name__)
 # Options of later releases that accumulate the hidden-state and output-layer gradients in fp32.
@@ -99,10 +100,20 @@ def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: s
     return setting
 
 
-def cce_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cce_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                     transform: LogitTransform | None = None) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where the label is IGNORE_INDEX) of hidden (N, H) against the
-    output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision)."""
+    output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision).
+
+    `transform` (`chattune.model.output_logits`): CCE soft-caps natively (`softcap`); a logit scale s has no
+    option of its own, so the hidden states are scaled instead ((s·h) @ W.T = s·(h @ W.T)), in fp32 and rounded
+    once to the inputs' dtype: one more bf16 rounding of each hidden state than the model's own forward."""
     if weight.dtype != hidden.dtype:  # CCE wants one dtype; FSDP hands both over in param_dtype
         weight = weight.to(hidden.dtype)
+    softcap = None
+    if transform is not None:
+        if transform.multiplier != 1.0 or transform.divisor != 1.0:
+            hidden = (hidden.float() * transform.multiplier / transform.divisor).to(weight.dtype)
+        softcap = transform.softcap
     return _linear_cross_entropy()(hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="none",
-                                   **cce_options(hidden.is_cuda)).float()
+                                   softcap=softcap, **cce_options(hidden.is_cuda)).float()
