@@ -189,6 +189,9 @@ class LossConfig:
     implementation: str = key("auto", "the output-layer loss: auto (cut_cross_entropy on CUDA when installed) | "
                                       "chunked (exact fp32) | cut_cross_entropy", choices=LOSS_IMPLEMENTATIONS,
                                       resume="numerics")
+    router_aux_coef: float | None = key(None, "MoE models: the router load-balancing loss's coefficient (null: the "
+                                              "model's router_aux_loss_coef where its config sets output_router_logits; "
+                                              "0: off)", bound=(lambda v: v is None or v >= 0, "must be >= 0"))
 
 
 @dataclass

@@ -238,10 +238,15 @@ def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
 
 
 def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
-    """The final hidden states (N, H) of a packed (1, N) row through the model's decoder: no attention
-    mask and no cache; the document boundaries reach `packed_attention` as transformers' flash-attention
-    kwargs, which the models pass on untouched; token mixers other than attention take them too
-    (`chattune.model.mixers`)."""
+    """The final hidden states (N, H) of a packed (1, N) row through the model's decoder (`packed_decoder_output`)."""
+    return packed_decoder_output(hf_model, batch).last_hidden_state[0]
+
+
+def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outputs: bool):
+    """The decoder's output for a packed (1, N) row: no attention mask and no cache; the document boundaries
+    reach `packed_attention` as transformers' flash-attention kwargs, which the models pass on untouched; token
+    mixers other than attention take them too (`chattune.model.mixers`). `outputs`: transformers' output_*
+    flags (`output_router_logits=True` for a MoE model's router logits)."""
     isolate_documents(hf_model)
     decoder = getattr(hf_model, hf_model.base_model_prefix)
     return decoder(
@@ -252,4 +257,5 @@ def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch
         cu_seq_lens_k=batch.cu_seqlens,
         max_length_q=batch.max_seqlen,
         max_length_k=batch.max_seqlen,
-    ).last_hidden_state[0]
+        **{name: value for name, value in outputs.items() if value},
+    )

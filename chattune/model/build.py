@@ -30,6 +30,7 @@ from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.mixers import handled_mixers, mixer_path_name
+from chattune.model.router_loss import router_loss_for
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,13 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         # base uncompiled (model.compile=true still asks for it).
         compile = False
         logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
-    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype, tf32_head),
+    router_loss = router_loss_for(hf_model, cfg.loss.router_aux_coef)
+    if router_loss is not None and dist_info.context_size > 1:
+        raise UserError(f"loss.router_aux_coef: {type(hf_model).__name__} trains with its router load-balancing loss, "
+                        "computed per document, and parallel.context>1 splits documents across ranks; set "
+                        "loss.router_aux_coef=0 to train without it, or parallel.context=1")
+    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype, tf32_head,
+                                       router_loss),
                         device_type, dist_info.world_size, **cfg.model.fsdp, compile=compile, replicated=replicated)
     describe_compute(model, device_type)
     if dist_info.context_size > 1:
@@ -121,6 +128,13 @@ def describe_compute(model: PackedCausalLM, device_type: str) -> None:
     mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
     if mixer_paths:
         line += f"; sequence mixers: {mixer_paths}"
+    if model.logit_transform.describe():
+        line += f"; output logits: {model.logit_transform.describe()}"
+    experts = experts_implementation(model.hf_model, model.compiled, model.compute_dtype)
+    if experts:
+        line += f"; experts: {experts}"
+    if model.router_loss is not None:
+        line += f"; {model.router_loss.describe()}"
     if line in _described:  # a DPO reference built like the policy: said once
         return
     _described.add(line)
@@ -129,6 +143,19 @@ def describe_compute(model: PackedCausalLM, device_type: str) -> None:
         logger.warning("model.fsdp.param_dtype=float32 on CUDA: attention runs per document through SDPA (a loop "
                        "over documents, a graph break in every compiled layer) and every matmul in fp32, several "
                        "times slower than bf16; model.fsdp.param_dtype=auto computes in bf16 (fp32 masters either way)")
+
+
+def experts_implementation(hf_model: PreTrainedModel, compiled: bool, compute_dtype: str) -> str | None:
+    """How a MoE model's experts run (transformers' `experts_implementation`: grouped_mm, its default where
+    torch's grouped GEMM can dispatch, else eager, the per-expert loop), None for a model without experts
+    modules of transformers' experts interface. Inside compiled layers transformers keeps the grouped GEMM for
+    bf16 weights only (inductor has none for other dtypes) and loops over the experts otherwise."""
+    if not any(hasattr(module, "_is_expert_parallel") for module in hf_model.modules()):  # set by that interface
+        return None
+    name = hf_model.config.get_text_config()._experts_implementation
+    if name == "grouped_mm" and compiled and compute_dtype != "bfloat16":
+        return f"a loop over the experts (compiled {compute_dtype} layers: transformers' grouped GEMM takes bf16 only)"
+    return {"grouped_mm": "grouped GEMM (torch._grouped_mm)", "eager": "a loop over the experts (eager)"}.get(name, name)
 
 
 def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:

@@ -2,7 +2,9 @@
 
 `PackedCausalLM` wraps any `AutoModelForCausalLM` and returns per-token losses computed from the final
 hidden states in chunks (see `chattune.model.chunked_loss`), or by cut-cross-entropy on CUDA
-(`chattune.model.fused_loss`), instead of full logits. It is also the FSDP root module,
+(`chattune.model.fused_loss`), instead of full logits, with the model's own logit scaling or soft-capping
+(`chattune.model.output_logits`); for a MoE model trained with its router loss, also each document's
+load-balancing loss (`chattune.model.router_loss`). It is also the FSDP root module,
 so the embedding, final norm and output head (tied or not) are gathered by the root's hooks when its
 forward runs.
 """
@@ -16,19 +18,22 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import ATTENTION_NAME, packed_hidden_states, stock_attention
+from chattune.model.attention import ATTENTION_NAME, packed_decoder_output, stock_attention
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.context_parallel import active_group, gather_row, row_slice
 from chattune.model.flops import model_flops
 from chattune.model.fused_loss import cce_token_losses
+from chattune.model.output_logits import LogitTransform
+from chattune.model.router_loss import RouterLoss
 
 
 class PackedCausalLM(nn.Module):
     def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024, loss_implementation: str = "chunked",
-                 source_dtype: torch.dtype | None = None, tf32_head: bool = False):
+                 source_dtype: torch.dtype | None = None, tf32_head: bool = False, router_loss: RouterLoss | None = None):
         """`loss_implementation`: `chunked` (exact fp32, `chattune.model.chunked_loss`) or
         `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA); `tf32_head`: the chunked head's matmuls
-        in TF32 (CUDA with bf16/fp16 compute, where that is exact for its forward). Its architecture is checked by
+        in TF32 (CUDA with bf16/fp16 compute, where that is exact for its forward); `router_loss`: a MoE model's
+        load-balancing loss, computed by training forwards that ask for it. Its architecture is checked by
         `chattune.model.architecture_check` (the builder runs it), not here: `hf_model` may be on the meta
         device, its weights loaded after sharding."""
         super().__init__()
@@ -37,16 +42,22 @@ class PackedCausalLM(nn.Module):
         self.loss_implementation = loss_implementation
         self.tf32_head = tf32_head
         self.source_dtype = source_dtype  # the dtype the weights were stored in (export.dtype=auto writes it back)
+        self.logit_transform = LogitTransform.from_config(hf_model.config)  # verified by check_output_head
+        self.router_loss = router_loss
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
         self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored. Under
-        context parallelism every rank of the group passes the whole row, computes its own slice and returns
-        the whole row's losses (`chattune.model.context_parallel`)."""
+    def forward(self, batch: PackedBatch, router_losses: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored. With
+        `router_losses` (a model with a `router_loss`), also each segment's coefficient-weighted load-balancing
+        loss (S,). Under context parallelism every rank of the group passes the whole row, computes its own
+        slice and returns the whole row's losses (`chattune.model.context_parallel`)."""
         group = active_group()
         if group is None:
-            return self._token_losses(batch)
+            return self._token_losses(batch, router_losses)
+        if router_losses:  # the builder refuses the combination; a document's router logits span the group
+            raise ValueError("the router loss is computed per document, which context parallelism splits")
         local = row_slice(batch, dist.get_world_size(group), dist.get_rank(group))
         return gather_row(self._token_losses(local), group, batch.num_tokens)
 
@@ -59,18 +70,29 @@ class PackedCausalLM(nn.Module):
         with stock_attention(self.hf_model):
             return self.hf_model.generate(**kwargs)
 
-    def _token_losses(self, batch: PackedBatch) -> torch.Tensor:
-        hidden = packed_hidden_states(self.hf_model, batch)
+    def _token_losses(self, batch: PackedBatch, router_losses: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if router_losses and self.router_loss is None:
+            raise ValueError("router losses asked of a model trained without a router loss")
+        output = packed_decoder_output(self.hf_model, batch, output_router_logits=router_losses)
+        hidden = output.last_hidden_state[0]
         weight = self.hf_model.get_output_embeddings().weight
         if self.loss_implementation == "cut_cross_entropy":
-            return cce_token_losses(hidden, weight, batch.labels[0])
-        return chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head)
+            losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform)
+        else:
+            losses = chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head,
+                                          self.logit_transform)
+        if not router_losses:
+            return losses
+        # The segment bounds on the host: one sync per microbatch of a run with a router loss (CUDA).
+        return losses, self.router_loss.per_document(output.router_logits, batch.cu_seqlens.tolist())
 
 
 @torch.no_grad()
 def check_output_head(hf_model: PreTrainedModel) -> None:
-    """The chunked loss computes logits as hidden @ output_embedding.T. Refuse a model whose own forward
-    does something else (logit scaling or softcapping, a bias), instead of training a different model.
+    """The losses compute logits as hidden @ output_embedding.T, then scale or soft-cap them as the config says
+    (`LogitTransform`). Refuse a model whose own forward does something else (a bias, a scaling the config does
+    not name), instead of training a different model.
 
     Both sides are computed in the model's own dtype, as its forward computes them (a bf16 model's logits
     are a bf16 GEMM), so a bf16 model is not refused for bf16 rounding and no fp32 copy of the output
@@ -91,12 +113,14 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
     hidden = decoder(**row).last_hidden_state[0]
     logits = hf_model(**row).logits[0].float()
     hf_model.train(was_training)
-    ours = (hidden @ head.weight.t()).float()
+    transform = LogitTransform.from_config(hf_model.config)
+    ours = transform(hidden @ head.weight.t()).float()
     tolerance = max(1e-3, 4 * torch.finfo(head.weight.dtype).eps)
     if not torch.allclose(ours, logits, rtol=tolerance, atol=tolerance * float(logits.abs().max())):
+        applied = transform.describe() or "nothing else"
         raise UnsupportedModel(
-            f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T "
-            "(logit scaling or softcapping?); the chunked loss does not support it yet"
+            f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T followed by "
+            f"what its config names ({applied}); chattune's losses do not support that head"
         )
 
 

@@ -22,3 +22,16 @@ class Objective(Protocol):
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]: ...
+
+
+def model_losses(model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's per-token losses (N,), and in training each segment's router loss (S,) where the model trains
+    with one (`chattune.model.router_loss`; None otherwise). Evaluation reports the objective's loss alone."""
+    if getattr(model, "router_loss", None) is not None and model.training:
+        return model(batch, router_losses=True)
+    return model(batch), None
+
+
+def objective_loss(sums: dict[str, float]) -> float:
+    """The step's summed objective loss without the router term it trained with (logged apart, `router_loss`)."""
+    return sums["loss_sum"] - sums.get("router_loss", 0.0)

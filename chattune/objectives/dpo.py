@@ -26,6 +26,7 @@ from chattune.hub import hub_id
 from chattune.objectives.source_figures import source_figures
 from chattune.model.adapters import BaseModelView
 from chattune.model.fsdp import reshard
+from chattune.objectives.base import model_losses, objective_loss
 from chattune.objectives.pair_losses import PreferenceLoss
 
 
@@ -109,7 +110,7 @@ class PreferenceObjective:
         return len(batch.doc_ids)
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        token_losses = model(batch)
+        token_losses, router_losses = model_losses(model, batch)
         chosen, rejected, chosen_tokens, rejected_tokens = pair_logps(token_losses, batch)
         ref_chosen, ref_rejected = self.reference(batch) if self.loss.needs_reference else (None, None)
         losses, chosen_reward, rejected_reward = self.loss(chosen, rejected, ref_chosen, ref_rejected,
@@ -123,6 +124,10 @@ class PreferenceObjective:
             "logps_chosen": chosen.detach().sum(), "logps_rejected": rejected.detach().sum(),
             "tokens": chosen_tokens.sum() + rejected_tokens.sum(),
         }
+        if router_losses is not None:  # a pair: the mean of its two sequences' router losses
+            pairs = len(batch.doc_ids)
+            router = 0.5 * (router_losses[0 : 2 * pairs : 2] + router_losses[1 : 2 * pairs : 2]).sum()
+            loss, figures["router_loss"] = loss + router, router.detach()
         if self.num_sources > 1:
             figures.update(source_figures(batch, losses, self.num_sources, doc_units=torch.ones_like(losses)))
         return loss, figures
@@ -161,8 +166,9 @@ class PreferenceObjective:
         """Means over every pair of the step (all ranks and microbatches); accuracies is the fraction of
         pairs whose chosen reward beats the rejected one (not a comparison of mean rewards)."""
         pairs = max(global_units, 1)
+        router = {"router_loss": sums["router_loss"] / pairs} if "router_loss" in sums else {}
         return {
-            "loss": sums["loss_sum"] / pairs,
+            "loss": objective_loss(sums) / pairs, **router,
             "rewards/chosen": sums["rewards_chosen"] / pairs,
             "rewards/rejected": sums["rewards_rejected"] / pairs,
             "rewards/margins": (sums["rewards_chosen"] - sums["rewards_rejected"]) / pairs,
