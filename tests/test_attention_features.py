@@ -96,6 +96,7 @@ def stock_losses(model, documents: list[Document]) -> torch.Tensor:
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach(), want.detach()
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
@@ -438,3 +439,59 @@ def test_a_plain_model_has_plain_attention_layers():
     from conftest import tiny_model
 
     assert attention_features(tiny_model()) == (AttentionLayer(16),) * 2
+
+
+# On a CUDA machine: the real kernels against the exact path (bf16 inputs, fp32 reference from the same inputs).
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the varlen flash kernels")
+
+
+def _cuda_case(hq: int = 8, hkv: int = 2, d: int = 64):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    n = 300
+    q, k, v = (torch.randn(n, h, d, generator=generator, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (hq, hkv, hkv))
+    sinks = (torch.randn(hq, generator=generator, device="cuda") + 1).requires_grad_()
+    cu_seqlens = torch.tensor([0, 100, 130, 300], dtype=torch.int32, device="cuda")
+    upstream = torch.randn(n, hq, d, generator=generator, device="cuda")
+    return q, k, v, sinks, cu_seqlens, upstream
+
+
+@cuda
+@pytest.mark.parametrize("window", [None, 64])
+def test_on_cuda_the_sink_kernel_path_equals_the_exact_one(window):
+    q, k, v, sinks, cu_seqlens, upstream = _cuda_case()
+    window_size = (window - 1, 0) if window else (-1, 0)
+    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 170, None, window_size)
+    fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = _exact(*fp32, sinks, cu_seqlens, window)
+    assert relative(got.float(), want) <= 1e-2
+    mine = _grads(got.float(), upstream, (q, k, v, sinks))
+    reference = _grads(want, upstream, (*fp32, sinks))
+    worst = max(relative(a.float(), b) for a, b in zip(mine, reference))
+    assert worst <= 3e-2, worst
+
+
+@cuda
+@pytest.mark.skipif(not attention._FLASH_ATTN_SOFTCAP, reason="needs flash-attn with softcap")
+def test_on_cuda_flash_attn_soft_capping_equals_the_exact_path():
+    q, k, v, _, cu_seqlens, upstream = _cuda_case()
+    rows = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    got = attention._varlen(*rows, cu_seqlens, 170, 0.125, 0.0, 64, 3.0)[0]
+    fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = _per_document_exact(*[t.transpose(0, 1).unsqueeze(0) for t in fp32], cu_seqlens, 0.125, 0.0, 64, 3.0)[0]
+    assert relative(got.float(), want) <= 1e-2
+    worst = max(relative(a.float(), b) for a, b in zip(_grads(got.float(), upstream, (q, k, v)),
+                                                       _grads(want, upstream, tuple(fp32))))
+    assert worst <= 3e-2, worst
+
+
+@cuda
+def test_on_cuda_head_size_512_takes_per_document_sdpa():
+    q, k, v, _, cu_seqlens, _ = _cuda_case(d=512)
+    rows = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    assert attention_path("cuda", q.dtype, 512) == SDPA
+    got = attention.packed_attention(torch.nn.Module(), *rows, None, scaling=None, cu_seq_lens_q=cu_seqlens,
+                                     max_length_q=170)[0][0]
+    want = _per_document_exact(*[t.float() for t in rows], cu_seqlens, None, 0.0, None)[0]
+    assert relative(got.float(), want) <= 1e-2
