@@ -37,6 +37,9 @@ tanh(scores / cap) * cap before the mask):
   -sum_i exp(sink - lse_i') (dO_i . O_i). Where this torch has no such ops (decided at import), those layers
   take the exact per-document loop. Sinks together with soft-capping (no model has both): the exact loop.
 
+The exact loop on CUDA holds each document's (heads, L, L) fp32 scores and probabilities for the backward:
+fine for short documents, heavy for long ones (Gemma 2 without flash-attn: install it, `pip install -e ".[gpu]"`).
+
 `attention_backend` names the path a run takes (the builder logs it at start-up), per layer where the
 layers differ (`attention_features` reads what it needs from the model).
 
