@@ -32,6 +32,10 @@ MOE = {
                       head_dim=16, output_router_logits=True, router_aux_loss_coef=COEFFICIENT),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                     router_aux_loss_coef=COEFFICIENT),
+    # attention sinks, sliding windows and experts with biases
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
+                    router_aux_loss_coef=COEFFICIENT),
 }
 NUM_DOCS = 8
 

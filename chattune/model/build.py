@@ -25,7 +25,7 @@ from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
 from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
 from chattune.model.architecture_check import check_architecture
-from chattune.model.attention import attention_backend, probe_native_gqa
+from chattune.model.attention import attention_backend, attention_features, probe_native_gqa
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
@@ -123,7 +123,8 @@ def describe_compute(model: PackedCausalLM, device_type: str) -> None:
     head = {"cut_cross_entropy": "cut-cross-entropy (fused)",
             "chunked": "chunked fp32 head" + (" (its matmuls in TF32)" if model.tf32_head else "")}
     line = (f"compute: {model.compute_dtype} on {device_type}; attention: "
-            f"{attention_backend(device_type, model.compute_dtype)}; loss: {head[model.loss_implementation]}; "
+            f"{attention_backend(device_type, model.compute_dtype, attention_features(model.hf_model))}; "
+            f"loss: {head[model.loss_implementation]}; "
             f"decoder layers {'compiled' if model.compiled else 'not compiled'}")
     mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
     if mixer_paths:
