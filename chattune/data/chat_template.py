@@ -5,14 +5,16 @@ conversation once and tokenize it the way transformers does (`add_special_tokens
 
 To find what to train, we do not re-render the conversation turn by turn: templates such as Qwen3's
 render the last assistant turn differently (an empty think block), so turn-by-turn renderings are not
-prefixes of the full one. Instead we probe the template once for three strings:
+prefixes of the full one. Instead we probe the template once for these strings:
 
 - the generation prompt (what `add_generation_prompt=True` appends, e.g. `<|im_start|>assistant\\n`),
   which opens every assistant turn and is the prompt the model sees at inference time;
 - the end-of-turn token (the first special token the template writes after the reply that ends a
   conversation, e.g. `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos): what the model emits to stop;
 - the token that closes a reply that another turn follows: the same for most templates, but harmony (gpt-oss)
-  ends the last reply with `<|return|>` and an earlier one, which is history, with `<|end|>`.
+  ends the last reply with `<|return|>` and an earlier one, which is history, with `<|end|>`;
+- the token that closes a tool call: the end-of-turn token where the template writes it after the call,
+  else the first special token after the call (harmony's `<|call|>`).
 
 Each assistant reply is then the text from the end of its generation prompt to the end of its
 end-of-turn token: everything the model must produce at inference (think block and tool calls included),
@@ -63,6 +65,7 @@ class TemplateMarkers:
     generation_prompt: str
     end_of_turn: str  # closes the reply that ends a conversation
     end_of_earlier_turn: str  # closes a reply that another turn follows (usually end_of_turn)
+    end_of_tool_call: str  # closes a reply that calls a tool (usually end_of_turn)
     renders_tools: bool = False  # does the template write a `tools` list into the prompt?
     renders_tool_calls: bool = False  # does it write an assistant message's `tool_calls`?
 
@@ -114,6 +117,7 @@ def probe_template(tokenizer: PreTrainedTokenizerBase) -> TemplateMarkers:
         generation_prompt=generation_prompt,
         end_of_turn=end_of_turn,
         end_of_earlier_turn=_end_of_earlier_turn(tokenizer, user, special) or end_of_turn,
+        end_of_tool_call=_end_of_tool_call(tokenizer, user, special, end_of_turn) or end_of_turn,
         renders_tools=_renders(tokenizer, user, [tool], "chattune_probe_tool"),
         renders_tool_calls=_renders(tokenizer, user + [call], None, "chattune_probe_call"),
     )
@@ -135,6 +139,28 @@ def _end_of_earlier_turn(tokenizer: PreTrainedTokenizerBase, user: list[dict], s
         return None
     between = followed[reply_at + len(_PROBE_REPLY) : follow_up_at]
     found = [(between.find(s), -len(s), s) for s in special if between.find(s) >= 0]
+    return min(found)[2] if found else None
+
+
+def _end_of_tool_call(tokenizer: PreTrainedTokenizerBase, user: list[dict], special: list[str],
+                      end_of_turn: str) -> str | None:
+    """The first special token after the arguments of a tool call that ends a conversation, where the
+    end-of-turn token is not written after them (harmony closes a call with `<|call|>`, not `<|return|>`).
+    None where the end-of-turn token closes calls too, or the template does not render the call."""
+    value = "chattune probe value"
+    function = {"name": "chattune_probe_call", "arguments": {"chattune_probe_argument": value}}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+    try:
+        rendered = tokenizer.apply_chat_template(user + [call], tokenize=False)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return None
+    at = rendered.rfind(value)
+    if at < 0:
+        return None
+    after = rendered[at + len(value) :]
+    if end_of_turn in after:
+        return None
+    found = [(after.find(s), -len(s), s) for s in special if after.find(s) >= 0]
     return min(found)[2] if found else None
 
 
@@ -160,10 +186,16 @@ def _back_off_to_token_boundary(text: str, position: int, special_tokens: list[s
 
 def assistant_spans(text: str, messages: list[dict], markers: TemplateMarkers) -> list[tuple[int, int]]:
     """Character spans [start, end) of each assistant reply in `text`: from the end of its generation prompt
-    to the end of its end-of-turn token, or to the start of the token that closes it as history (see the
-    module docstring)."""
+    to the end of the token that closes it, or to the start of that token where it closes the reply as
+    history only (see the module docstring)."""
     prompt = markers.generation_prompt
-    ends = sorted({markers.end_of_turn, markers.end_of_earlier_turn}, key=len, reverse=True)
+    trained_ends = {markers.end_of_turn, markers.end_of_tool_call}
+    ends = sorted(trained_ends | {markers.end_of_earlier_turn}, key=len, reverse=True)
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if role != "assistant" and isinstance(content, str) and prompt in content:
+            raise ChatTemplateError(f"message {index} ({role}) contains the assistant header {prompt!r}: its text "
+                                    "would be taken for an assistant turn")
     replies = [(index, m) for index, m in enumerate(messages) if m.get("role") == "assistant"]
     spans, cursor = [], 0
     for turn, (index, message) in enumerate(replies):
@@ -175,7 +207,10 @@ def assistant_spans(text: str, messages: list[dict], markers: TemplateMarkers) -
         content = message.get("content")
         # Templates may rewrite the start of a reply (Qwen3 drops the reasoning of earlier turns), but a
         # reply cut short by an end-of-turn token inside it loses its end: check that its last line is there.
-        ending = content.strip().splitlines()[-1][-32:] if isinstance(content, str) and content.strip() else ""
+        # Not for a tool call: its content may be reasoning that the template leaves out (gpt-oss does once
+        # an answer follows).
+        ending = (content.strip().splitlines()[-1][-32:]
+                  if isinstance(content, str) and content.strip() and not message.get("tool_calls") else "")
         then_assistant = index + 1 < len(messages) and messages[index + 1].get("role") == "assistant"
         position = start
         while True:
@@ -195,10 +230,18 @@ def assistant_spans(text: str, messages: list[dict], markers: TemplateMarkers) -
                 f"assistant turn {turn}: the end of its content is not inside the turn the template renders "
                 f"(does the content contain {token!r}?)"
             )
-        spans.append((start, closed if token == markers.end_of_turn else end_at))
+        for field in _TEXT_FIELDS:
+            inside = next((t for t in ends if isinstance(message.get(field), str) and t in message[field]), None)
+            if inside is not None:
+                raise ChatTemplateError(f"assistant turn {turn}: its {field} contains {inside!r}, which closes "
+                                        "a turn in this chat template")
+        spans.append((start, closed if token in trained_ends else end_at))
         cursor = closed
     _check_headers_in_replies(text, prompt, spans)
     return spans
+
+
+_TEXT_FIELDS = ("content", "thinking", "reasoning_content", "reasoning")  # the reasoning names transformers reads
 
 
 def _next_end(text: str, position: int, ends: list[str]) -> tuple[int, str]:
@@ -211,8 +254,8 @@ def _next_end(text: str, position: int, ends: list[str]) -> tuple[int, str]:
 
 
 def _check_headers_in_replies(text: str, prompt: str, spans: list[tuple[int, int]]) -> None:
-    """Every assistant header opens a reply or lies inside one: another (the text of a system, user or tool
-    message that writes it) would be a turn the labels do not know of."""
+    """Every assistant header opens a reply or lies inside one: another (the template writes it for some
+    other role) would be a turn the labels do not know of."""
     reply = 0  # spans are in order: the first one that ends after the header
     at = text.find(prompt)
     while at >= 0:
@@ -221,7 +264,7 @@ def _check_headers_in_replies(text: str, prompt: str, spans: list[tuple[int, int
         if reply == len(spans) or spans[reply][0] - len(prompt) > at:
             raise ChatTemplateError(
                 f"the template rendered an assistant header {prompt!r} at character {at} outside the "
-                f"{len(spans)} assistant replies (does a non-assistant message contain it?)"
+                f"{len(spans)} assistant replies (does the template write it for another role?)"
             )
         at = text.find(prompt, at + 1)
 
