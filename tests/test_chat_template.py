@@ -406,7 +406,13 @@ def test_demo_system_and_two_exchanges_exact_tokens(demo_tokenizer, demo_markers
 
 def test_demo_markers(demo_markers):
     assert demo_markers.generation_prompt == "<|im_start|>assistant\n"
-    assert demo_markers.end_of_turn == "<|im_end|>"
+    assert demo_markers.end_of_turn == demo_markers.end_of_earlier_turn == demo_markers.end_of_tool_call == "<|im_end|>"
+
+
+def test_real_templates_close_every_reply_with_their_end_of_turn(real):
+    """Only harmony (tests/test_gpt_oss_template.py) closes earlier replies and tool calls differently."""
+    tokenizer, markers, spec = real
+    assert markers.end_of_turn == markers.end_of_earlier_turn == markers.end_of_tool_call == spec.end_of_turn
 
 
 @pytest.fixture
@@ -440,6 +446,22 @@ def test_template_without_end_of_turn_token_raises(fresh_demo_tokenizer):
     )
     with pytest.raises(ChatTemplateError, match="end-of-turn"):
         probe_template(fresh_demo_tokenizer)
+
+
+def test_template_writing_an_assistant_header_for_another_role_raises(fresh_demo_tokenizer):
+    # ChatML, but a system message is written under the assistant header
+    fresh_demo_tokenizer.chat_template = (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + ('assistant' if message['role'] == 'system' else message['role']) + '\\n' }}"
+        "{{- message['content'] + '<|im_end|>' + '\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    markers = probe_template(fresh_demo_tokenizer)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "system", "content": "Be brief."}]
+    with pytest.raises(ChatTemplateError, match="assistant header .* outside the 1 assistant replies"):
+        tokenize_conversation(fresh_demo_tokenizer, messages, markers)
 
 
 @pytest.mark.parametrize(

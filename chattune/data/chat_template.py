@@ -5,16 +5,25 @@ conversation once and tokenize it the way transformers does (`add_special_tokens
 
 To find what to train, we do not re-render the conversation turn by turn: templates such as Qwen3's
 render the last assistant turn differently (an empty think block), so turn-by-turn renderings are not
-prefixes of the full one. Instead we probe the template once for two strings:
+prefixes of the full one. Instead we probe the template once for these strings:
 
 - the generation prompt (what `add_generation_prompt=True` appends, e.g. `<|im_start|>assistant\\n`),
   which opens every assistant turn and is the prompt the model sees at inference time;
-- the end-of-turn token (the first special token the template writes after an assistant reply, e.g.
-  `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos).
+- the end-of-turn token (the first special token the template writes after the reply that ends a
+  conversation, e.g. `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos): what the model emits to stop;
+- the token that closes a reply that another turn follows: the same for most templates, but harmony (gpt-oss)
+  ends the last reply with `<|return|>` and an earlier one, which is history, with `<|end|>`;
+- the token that closes a tool call: the end-of-turn token where the template writes it after the call,
+  else the first special token after the call (harmony's `<|call|>`).
 
 Each assistant reply is then the text from the end of its generation prompt to the end of its
 end-of-turn token: everything the model must produce at inference (think block and tool calls included),
-and nothing of the system/user/tool turns. Tokens whose first character lies in such a span are trained.
+and nothing of the system/user/tool turns. A reply may hold several messages that the model opens itself
+(harmony's reasoning, then its answer or tool call: `...<|end|><|start|>assistant...`). A reply closed by
+the history token instead of the end-of-turn token is trained without that token: it is how history records
+the reply, not what the model writes to end it (gpt-oss stops with `<|return|>` or `<|call|>`; trained on
+`<|end|>` after its answers, it would learn not to stop).
+Tokens whose first character lies in such a span are trained.
 
 For throughput, many rendered conversations are tokenized and masked in one call
 (`chattune.data.text_encoder.TextBatchEncoder`); `tokenize_conversation` is the same path for one conversation.
@@ -44,6 +53,7 @@ except ImportError:
 
 _PROBE_USER = "chattune probe question"
 _PROBE_REPLY = "chattune probe reply"
+_PROBE_FOLLOW_UP = "chattune probe follow-up"
 
 
 class ChatTemplateError(UserError, ValueError):
@@ -53,7 +63,9 @@ class ChatTemplateError(UserError, ValueError):
 @dataclass(frozen=True)
 class TemplateMarkers:
     generation_prompt: str
-    end_of_turn: str
+    end_of_turn: str  # closes the reply that ends a conversation
+    end_of_earlier_turn: str  # closes a reply that another turn follows (usually end_of_turn)
+    end_of_tool_call: str  # closes a reply that calls a tool (usually end_of_turn)
     renders_tools: bool = False  # does the template write a `tools` list into the prompt?
     renders_tool_calls: bool = False  # does it write an assistant message's `tool_calls`?
 
@@ -65,7 +77,7 @@ class TokenizedConversation:
 
 
 def probe_template(tokenizer: PreTrainedTokenizerBase) -> TemplateMarkers:
-    """Find the generation prompt and the end-of-turn token of a tokenizer's chat template."""
+    """Find the generation prompt and the end-of-turn tokens of a tokenizer's chat template."""
     if tokenizer.chat_template is None:
         raise ChatTemplateError("the tokenizer has no chat_template")
     user = [{"role": "user", "content": _PROBE_USER}]
@@ -104,9 +116,52 @@ def probe_template(tokenizer: PreTrainedTokenizerBase) -> TemplateMarkers:
     return TemplateMarkers(
         generation_prompt=generation_prompt,
         end_of_turn=end_of_turn,
+        end_of_earlier_turn=_end_of_earlier_turn(tokenizer, user, special) or end_of_turn,
+        end_of_tool_call=_end_of_tool_call(tokenizer, user, special, end_of_turn) or end_of_turn,
         renders_tools=_renders(tokenizer, user, [tool], "chattune_probe_tool"),
         renders_tool_calls=_renders(tokenizer, user + [call], None, "chattune_probe_call"),
     )
+
+
+def _end_of_earlier_turn(tokenizer: PreTrainedTokenizerBase, user: list[dict], special: list[str]) -> str | None:
+    """The first special token between a reply and the user turn after it (the earliest, longest at a tie).
+
+    None where there is none, or the template refuses a second user turn: then no reply is ever followed
+    by another turn that could be told apart from it, and the end-of-turn token serves."""
+    try:
+        followed = tokenizer.apply_chat_template(
+            user + [{"role": "assistant", "content": _PROBE_REPLY}, {"role": "user", "content": _PROBE_FOLLOW_UP}],
+            tokenize=False)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return None
+    reply_at, follow_up_at = followed.find(_PROBE_REPLY), followed.rfind(_PROBE_FOLLOW_UP)
+    if reply_at < 0 or follow_up_at < reply_at:
+        return None
+    between = followed[reply_at + len(_PROBE_REPLY) : follow_up_at]
+    found = [(between.find(s), -len(s), s) for s in special if between.find(s) >= 0]
+    return min(found)[2] if found else None
+
+
+def _end_of_tool_call(tokenizer: PreTrainedTokenizerBase, user: list[dict], special: list[str],
+                      end_of_turn: str) -> str | None:
+    """The first special token after the arguments of a tool call that ends a conversation, where the
+    end-of-turn token is not written after them (harmony closes a call with `<|call|>`, not `<|return|>`).
+    None where the end-of-turn token closes calls too, or the template does not render the call."""
+    value = "chattune probe value"
+    function = {"name": "chattune_probe_call", "arguments": {"chattune_probe_argument": value}}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+    try:
+        rendered = tokenizer.apply_chat_template(user + [call], tokenize=False)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return None
+    at = rendered.rfind(value)
+    if at < 0:
+        return None
+    after = rendered[at + len(value) :]
+    if end_of_turn in after:
+        return None
+    found = [(after.find(s), -len(s), s) for s in special if after.find(s) >= 0]
+    return min(found)[2] if found else None
 
 
 def _renders(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None, needle: str) -> bool:
@@ -130,32 +185,88 @@ def _back_off_to_token_boundary(text: str, position: int, special_tokens: list[s
 
 
 def assistant_spans(text: str, messages: list[dict], markers: TemplateMarkers) -> list[tuple[int, int]]:
-    """Character spans [start, end) of each assistant reply (with its end-of-turn token) in `text`."""
-    assistant_messages = [m for m in messages if m.get("role") == "assistant"]
-    headers = text.count(markers.generation_prompt)
-    if headers != len(assistant_messages):
-        raise ChatTemplateError(
-            f"the template rendered {headers} assistant headers {markers.generation_prompt!r} "
-            f"for {len(assistant_messages)} assistant messages"
-        )
+    """Character spans [start, end) of each assistant reply in `text`: from the end of its generation prompt
+    to the end of the token that closes it, or to the start of that token where it closes the reply as
+    history only (see the module docstring)."""
+    prompt = markers.generation_prompt
+    trained_ends = {markers.end_of_turn, markers.end_of_tool_call}
+    ends = sorted(trained_ends | {markers.end_of_earlier_turn}, key=len, reverse=True)
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if role != "assistant" and isinstance(content, str) and prompt in content:
+            raise ChatTemplateError(f"message {index} ({role}) contains the assistant header {prompt!r}: its text "
+                                    "would be taken for an assistant turn")
+    replies = [(index, m) for index, m in enumerate(messages) if m.get("role") == "assistant"]
     spans, cursor = [], 0
-    for turn, message in enumerate(assistant_messages):
-        start = text.index(markers.generation_prompt, cursor) + len(markers.generation_prompt)
-        end_at = text.find(markers.end_of_turn, start)
-        if end_at < 0:
-            raise ChatTemplateError(f"assistant turn {turn} has no end-of-turn token {markers.end_of_turn!r}")
+    for turn, (index, message) in enumerate(replies):
+        header = text.find(prompt, cursor)
+        if header < 0:
+            raise ChatTemplateError(f"assistant turn {turn}: the template rendered no assistant header {prompt!r} "
+                                    "for it (after the previous turn)")
+        start = header + len(prompt)
         content = message.get("content")
         # Templates may rewrite the start of a reply (Qwen3 drops the reasoning of earlier turns), but a
         # reply cut short by an end-of-turn token inside it loses its end: check that its last line is there.
-        ending = content.strip().splitlines()[-1][-32:] if isinstance(content, str) and content.strip() else ""
+        # Not for a tool call: its content may be reasoning that the template leaves out (gpt-oss does once
+        # an answer follows).
+        ending = (content.strip().splitlines()[-1][-32:]
+                  if isinstance(content, str) and content.strip() and not message.get("tool_calls") else "")
+        then_assistant = index + 1 < len(messages) and messages[index + 1].get("role") == "assistant"
+        position = start
+        while True:
+            end_at, token = _next_end(text, position, ends)
+            if end_at < 0:
+                raise ChatTemplateError(f"assistant turn {turn} has no end-of-turn token "
+                                        f"{' or '.join(map(repr, ends))}")
+            closed = end_at + len(token)
+            # The model ends a message and opens another assistant message itself: the reply goes on, unless
+            # that message is the next assistant message of the conversation (then this reply holds its content).
+            goes_on = text.startswith(prompt, closed) and not (then_assistant and ending in text[start:end_at])
+            if not goes_on:
+                break
+            position = closed
         if ending and ending not in text[start:end_at]:
             raise ChatTemplateError(
                 f"assistant turn {turn}: the end of its content is not inside the turn the template renders "
-                f"(does the content contain {markers.end_of_turn!r}?)"
+                f"(does the content contain {token!r}?)"
             )
-        spans.append((start, end_at + len(markers.end_of_turn)))
-        cursor = spans[-1][1]
+        for field in _TEXT_FIELDS:
+            inside = next((t for t in ends if isinstance(message.get(field), str) and t in message[field]), None)
+            if inside is not None:
+                raise ChatTemplateError(f"assistant turn {turn}: its {field} contains {inside!r}, which closes "
+                                        "a turn in this chat template")
+        spans.append((start, closed if token in trained_ends else end_at))
+        cursor = closed
+    _check_headers_in_replies(text, prompt, spans)
     return spans
+
+
+_TEXT_FIELDS = ("content", "thinking", "reasoning_content", "reasoning")  # the reasoning names transformers reads
+
+
+def _next_end(text: str, position: int, ends: list[str]) -> tuple[int, str]:
+    """The first end token at or after `position` (the longest of those that start there), or (-1, "")."""
+    found = [(at, -len(token), token) for token in ends if (at := text.find(token, position)) >= 0]
+    if not found:
+        return -1, ""
+    at, _, token = min(found)
+    return at, token
+
+
+def _check_headers_in_replies(text: str, prompt: str, spans: list[tuple[int, int]]) -> None:
+    """Every assistant header opens a reply or lies inside one: another (the template writes it for some
+    other role) would be a turn the labels do not know of."""
+    reply = 0  # spans are in order: the first one that ends after the header
+    at = text.find(prompt)
+    while at >= 0:
+        while reply < len(spans) and spans[reply][1] <= at:
+            reply += 1
+        if reply == len(spans) or spans[reply][0] - len(prompt) > at:
+            raise ChatTemplateError(
+                f"the template rendered an assistant header {prompt!r} at character {at} outside the "
+                f"{len(spans)} assistant replies (does the template write it for another role?)"
+            )
+        at = text.find(prompt, at + 1)
 
 
 def tokenize_conversation(

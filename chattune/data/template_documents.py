@@ -39,7 +39,9 @@ class TemplateDocuments:
             self.markers: TemplateMarkers = probe_template(tokenizer)
         except ChatTemplateError as error:
             raise ChatTemplateError(f"tokenizer {tokenizer.name_or_path}: {error}") from error
-        self._encode = TextBatchEncoder(tokenizer, cut_after=self.markers.end_of_turn)
+        # Cut long texts after the token that closes earlier replies: harmony's end of turn (<|return|>)
+        # closes only the last one, so a text would hardly ever be cut there.
+        self._encode = TextBatchEncoder(tokenizer, cut_after=self.markers.end_of_earlier_turn)
         self.max_tokens = max_tokens
         # How messages name the budget: the config key, or under context parallelism the row budget it comes from.
         self.budget_name = budget_name or f"data.max_tokens_per_microbatch={max_tokens}"
