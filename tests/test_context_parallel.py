@@ -285,3 +285,53 @@ def test_a_resume_accepts_another_context_size_only_with_world_size_invariant_st
     # Another row budget packs other rows: refused like any change of what is trained
     report, ok = run_validate("sft/tiny", [*written, "data.max_tokens_per_microbatch=1024"], CONFIGS, world_size=1)
     assert not ok and "config parallel.context: 2 -> 1" in report and "resume_allow_changes=[parallel.context]" in report
+
+
+# gpt-oss: attention sinks (one per query head) and sliding windows; 8 query heads so each rank holds 4 of them.
+GPT_OSS = dict(model_type="gpt_oss", num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+               num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+
+
+def _gpt_oss_model():
+    hf_model = tiny_model(seed=0, **GPT_OSS)
+    with torch.no_grad():  # sinks far from 0 and unequal per head: a rank given another rank's heads' sinks shows
+        for name, parameter in hf_model.named_parameters():
+            if name.endswith("sinks"):
+                parameter.copy_(torch.linspace(-2.0, 3.0, parameter.numel()))
+    return hf_model
+
+
+def _sink_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    init_distributed("cpu", context_size=world_size)
+    policy = shard_model(PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64), "cpu", world_size)
+    policy.train()
+    rows = sft_rows(len(demo_tokenizer()))
+    accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([collate_packed(row) for row in rows]),
+                         torch.device("cpu"))
+    grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
+    check_context_split(_gpt_oss_model(), context_group())  # the start-up probe passes it too
+    if rank == 0:
+        torch.save(grads, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+def test_attention_sinks_split_across_a_context_group_train_as_on_one(tmp_path):
+    """Each rank of the group attends with its share of the heads, and must take those heads' sinks."""
+    rows = sft_rows(len(demo_tokenizer()))
+    stock = _gpt_oss_model()
+    stock.set_attn_implementation("eager")
+    total, tokens = 0.0, 0
+    for document in (d for row in rows for d in row):
+        logits = stock(input_ids=torch.tensor(document.input_ids).unsqueeze(0)).logits[0]
+        labels = torch.tensor(document.labels)
+        total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        tokens += int((labels != IGNORE_INDEX).sum())
+    (total / tokens).backward()
+    want = {name: p.grad for name, p in stock.named_parameters()}
+    out_path = str(tmp_path / "sinks.pt")
+    mp.spawn(_sink_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
+    got = torch.load(out_path)
+    assert relative_error(got["model.layers.0.self_attn.sinks"], want["model.layers.0.self_attn.sinks"]) <= TOLERANCE
+    assert relative_error(got, want) <= TOLERANCE
