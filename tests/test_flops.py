@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma4TextConfig, GPT2Config, GptOssConfig, LlamaConfig,
-                          Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DbrxConfig, DeepseekV3Config, Gemma4TextConfig, GPT2Config,
+                          GptOssConfig, LlamaConfig, Qwen3MoeConfig)
 
 from chattune.data.documents import Document
 from chattune.data.packing import collate_packed
@@ -97,7 +97,8 @@ PAIRS = 3 * 4 // 2 + 5 * 6 // 2
 
 
 def packed_documents():
-    return collate_packed([Document(doc_id=i, input_ids=np.ones(n), labels=np.ones(n)) for i, n in enumerate(DOCUMENTS)])
+    documents = [Document(doc_id=i, input_ids=np.ones(n), labels=np.ones(n)) for i, n in enumerate(DOCUMENTS)]
+    return collate_packed(documents)
 
 
 def test_deepseek_v3_counts_latent_attention_the_router_the_active_experts_and_the_shared_one():
@@ -110,7 +111,8 @@ def test_deepseek_v3_counts_latent_attention_the_router_the_active_experts_and_t
                               tie_word_embeddings=False)
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     # per layer, 4 heads: q_a 32 -> 24 (q_lora_rank), q_b 24 -> 4 × (8 + 4) (query/key head: nope + rope),
-    # kv_a 32 -> 16 + 4 (kv_lora_rank + the shared rotary key), kv_b 16 -> 4 × (8 + 6) (key nope + value), o 4 × 6 -> 32
+    # kv_a 32 -> 16 + 4 (kv_lora_rank + the shared rotary key), kv_b 16 -> 4 × (8 + 6) (key nope + value),
+    # o 4 × 6 -> 32
     attention = 32 * 24 + 24 * 4 * 12 + 32 * 20 + 16 * 4 * 14 + 4 * 6 * 32
     dense_mlp = 3 * 32 * 64  # layer 0: gate, up 32 -> 64, down 64 -> 32
     router = 32 * 4
@@ -151,6 +153,18 @@ def test_gpt_oss_counts_its_experts_without_their_biases():
     attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # its sinks are one scalar per head: no matmul
     router = 32 * 4
     experts = 4 * (32 * 2 * 16 + 16 * 32)  # gate_up 32 -> 2 × 16, down 16 -> 32; their biases are no matmul
+    assert flops.matmul_weights == attention + router + experts * 2 // 4 + 50 * 32
+
+
+def test_dbrx_counts_its_flat_expert_stacks_at_the_active_share():
+    """DBRX stores each expert weight as one 2-D stack (experts × rows, hidden), its expert numbers in ffn_config."""
+    config = DbrxConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=50, max_seq_len=64,
+                        attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2})
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    attention = 32 * (32 + 2 * 2 * 8) + 32 * 32  # Wqkv: q and 2 kv heads of 8 for k and v; out_proj
+    router = 32 * 4
+    experts = 3 * 4 * 16 * 32  # w1, v1, w2: 4 experts × 16 rows × 32
     assert flops.matmul_weights == attention + router + experts * 2 // 4 + 50 * 32
 
 

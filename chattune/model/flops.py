@@ -73,7 +73,7 @@ def text_config(config):
 
 # Config names of the number of routed experts and of the experts each token uses.
 ROUTED_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-ACTIVE_EXPERTS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token")
+ACTIVE_EXPERTS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token", "moe_top_k")
 
 
 def _config_int(source, names: tuple[str, ...]) -> int | None:
@@ -106,7 +106,9 @@ def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
     that do not require gradients when it is called) apart."""
     weights = {True: 0, False: 0}  # by requires_grad
     config = text_config(hf_model.config)
-    routed, active = _config_int(config, ROUTED_EXPERTS), _config_int(config, ACTIVE_EXPERTS)
+    moe = (config, getattr(config, "ffn_config", None))  # DBRX keeps its experts' numbers in its ffn_config
+    routed = next((n for source in moe if (n := _config_int(source, ROUTED_EXPERTS))), None)
+    active = next((n for source in moe if (n := _config_int(source, ACTIVE_EXPERTS))), None)
     for m in hf_model.modules():
         for p, share in _matmul_weights(m, routed, active):
             weights[p.requires_grad] += int(weight_shape(p).numel() * share)  # 4-bit: unpacked
