@@ -3,10 +3,11 @@
 A step's model FLOPs are those of its matmuls, forward and backward (backward = 2 × forward):
 - dense: 6 × (trained matmul weights) + 4 × (frozen matmul weights) per token: a frozen weight (a LoRA
   run's base, a 4-bit base) takes the forward and the gradient of its input, not its own gradient. The
-  matmul weights are every `nn.Linear` weight of the model, the output layer included (an embedding lookup
-  is no matmul), and the 3-D weights of transformers 5: a stack of the routed experts of a mixture-of-experts
-  layer scaled by the share each token uses (`num_experts_per_tok` / the number of routed experts; a shared
-  expert, an `nn.Linear` or a stack of its own, is always used);
+  matmul weights are every `nn.Linear` weight of the model (GPT-2's `Conv1D` too), the output layer included (an
+  embedding lookup is no matmul), the routers' weights of mixture-of-experts layers, and the stacked expert weights
+  of transformers 5 (3-D): a stack of the routed experts scaled by the share each token uses (`num_experts_per_tok`
+  / the number of routed experts; a shared expert, an `nn.Linear` or a stack of its own, is always used;
+  `_matmul_weights`);
 - attention: per softmax-attention layer and per document of n tokens, QKᵀ takes 2 × (query heads × query/key
   head dim) and AV 2 × (query heads × value head dim) FLOPs per (query, key) pair, and causal attention has
   n (n + 1) / 2 pairs: 12 × Σ over layers of (query heads × (query/key + value head dim) / 2) × Σ n (n + 1) / 2
