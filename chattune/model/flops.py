@@ -12,7 +12,7 @@ A step's model FLOPs are those of its matmuls, forward and backward (backward = 
   head dim) and AV 2 × (query heads × value head dim) FLOPs per (query, key) pair, and causal attention has
   n (n + 1) / 2 pairs: 12 × Σ over layers of (query heads × (query/key + value head dim) / 2) × Σ n (n + 1) / 2
   per step, training included (the head sizes are equal but for multi-head latent attention). Heads and head
-  sizes are read per layer from the attention modules (`attention_shape`): Gemma 4's global layers have wider
+  sizes are read per layer from the attention modules (`attention_shapes`): Gemma 4's global layers have wider
   heads than its sliding ones. Sliding windows are not subtracted.
 - hybrid models (the token mixers of `chattune.model.mixers.HANDLED`: short convolutions, Mamba SSMs, the
   gated delta rule, KDA): the attention term counts only their softmax-attention layers, and each mixer adds
