@@ -231,6 +231,12 @@ def _check_output_head(miniature: PreTrainedModel) -> None:
             head.copy_(original)
 
 
+def _decoder(hf_model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder a causal LM runs: its `base_model_prefix` attribute, or `.model` where that names none (Llama 4's
+    and Mllama's causal LMs: prefix language_model, decoder model)."""
+    return getattr(hf_model, hf_model.base_model_prefix, None) or hf_model.model
+
+
 @torch.no_grad()
 def check_stock_attention(miniature: PreTrainedModel) -> None:
     """Refuse a model whose forward on one document with chattune's attention differs from its forward with
@@ -249,7 +255,7 @@ def check_stock_attention(miniature: PreTrainedModel) -> None:
         ours = packed_hidden_states(miniature, batch)
         try:
             stock.set_attn_implementation("eager")
-            theirs = getattr(stock, stock.base_model_prefix)(input_ids=batch.input_ids, use_cache=False)
+            theirs = _decoder(stock)(input_ids=batch.input_ids, use_cache=False)
         except Exception as error:  # transformers' own forward: whatever it raises, there is nothing to compare with
             logger.warning("%s: transformers' own forward fails on the miniature (%s: %s), so its attention masks are "
                            "not compared with chattune's", type(miniature).__name__, type(error).__name__, error)
