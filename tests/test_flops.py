@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+from transformers import (AutoModelForCausalLM, DbrxConfig, DeepseekV3Config, Gemma4TextConfig, GPT2Config,
+                          GptOssConfig, LlamaConfig, Qwen3MoeConfig)
 
 from chattune.data.documents import Document
 from chattune.data.packing import collate_packed
@@ -85,8 +86,95 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
                             num_experts_per_tok=2, vocab_size=50, decoder_sparse_step=1, mlp_only_layers=[])
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # q, k, v (2 kv heads of 8), o
+    router = 4 * 32  # a TopKRouter's own weight (F.linear, no nn.Linear): 32 -> 4 experts' scores
     experts = 4 * (2 * 16 * 32 + 32 * 16)  # each expert: gate and up 32 -> 16, down 16 -> 32
-    assert flops.matmul_weights == attention + experts * 2 // 4 + 50 * 32  # 2 of 4 experts per token; output layer
+    # 2 of 4 experts per token; the output layer
+    assert flops.matmul_weights == attention + router + experts * 2 // 4 + 50 * 32
+
+
+DOCUMENTS = [3, 5]  # two documents: 3 · 4 / 2 + 5 · 6 / 2 = 21 causal pairs
+PAIRS = 3 * 4 // 2 + 5 * 6 // 2
+
+
+def packed_documents():
+    documents = [Document(doc_id=i, input_ids=np.ones(n), labels=np.ones(n)) for i, n in enumerate(DOCUMENTS)]
+    return collate_packed(documents)
+
+
+def test_deepseek_v3_counts_latent_attention_the_router_the_active_experts_and_the_shared_one():
+    """Multi-head latent attention, a dense first layer (first_k_dense_replace), then routed experts (2 of 4 per
+    token) beside a shared expert that every token uses."""
+    config = DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                              n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24,
+                              kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, vocab_size=50,
+                              tie_word_embeddings=False)
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    # per layer, 4 heads: q_a 32 -> 24 (q_lora_rank), q_b 24 -> 4 × (8 + 4) (query/key head: nope + rope),
+    # kv_a 32 -> 16 + 4 (kv_lora_rank + the shared rotary key), kv_b 16 -> 4 × (8 + 6) (key nope + value),
+    # o 4 × 6 -> 32
+    attention = 32 * 24 + 24 * 4 * 12 + 32 * 20 + 16 * 4 * 14 + 4 * 6 * 32
+    dense_mlp = 3 * 32 * 64  # layer 0: gate, up 32 -> 64, down 64 -> 32
+    router = 32 * 4
+    routed = 4 * (2 * 16 * 32 + 16 * 32)  # 4 experts: gate and up 32 -> 16, down 16 -> 32
+    shared = 3 * 32 * 16  # one shared expert (nn.Linear), always used
+    lm_head = 50 * 32
+    assert flops.matmul_weights == 2 * attention + dense_mlp + router + routed * 2 // 4 + shared + lm_head
+    # QKᵀ over the 12-wide query/key heads, AV over the 6-wide value heads: 4 · (12 + 6) / 2 per layer
+    assert flops.attention_width == 2 * 4 * (12 + 6) // 2
+    assert batch_flops(flops, packed_documents()) == 6 * flops.matmul_weights * 8 + 12 * flops.attention_width * PAIRS
+
+
+def test_gemma4_counts_each_layers_own_head_size_and_its_active_experts():
+    """Gemma 4 keeps the head size per layer (`per_layer_config`: its global layers' `global_head_dim`); its config
+    refuses a global `head_dim` read. Its MoE layers add routed experts (`top_k_experts` of `num_experts`) to the
+    dense MLP."""
+    config = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, global_head_dim=16, vocab_size=50,
+                              layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+                              enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    sliding = 32 * 4 * 8 + 2 * 32 * 2 * 8 + 4 * 8 * 32  # q, k and v (2 kv heads), o; heads of 8
+    full = 32 * 4 * 16 + 2 * 32 * 2 * 16 + 4 * 16 * 32  # the same with heads of 16
+    mlp = 3 * 32 * 64
+    router = 32 * 4  # an nn.Linear (its `proj`)
+    experts = 4 * (2 * 16 * 32 + 16 * 32)
+    lm_head = 50 * 32  # tied: the output layer is counted, the embedding lookup not
+    assert flops.matmul_weights == sliding + full + 2 * (mlp + router + experts * 2 // 4) + lm_head
+    assert flops.attention_width == 4 * 8 + 4 * 16
+    assert batch_flops(flops, packed_documents()) == 6 * flops.matmul_weights * 8 + 12 * flops.attention_width * PAIRS
+
+
+def test_gpt_oss_counts_its_experts_without_their_biases():
+    config = GptOssConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, vocab_size=50,
+                          layer_types=["full_attention"], tie_word_embeddings=False)
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # its sinks are one scalar per head: no matmul
+    router = 32 * 4
+    experts = 4 * (32 * 2 * 16 + 16 * 32)  # gate_up 32 -> 2 × 16, down 16 -> 32; their biases are no matmul
+    assert flops.matmul_weights == attention + router + experts * 2 // 4 + 50 * 32
+
+
+def test_dbrx_counts_its_flat_expert_stacks_at_the_active_share():
+    """DBRX stores each expert weight as one 2-D stack (experts × rows, hidden), its expert numbers in ffn_config."""
+    config = DbrxConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=50, max_seq_len=64,
+                        attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2})
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    attention = 32 * (32 + 2 * 2 * 8) + 32 * 32  # Wqkv: q and 2 kv heads of 8 for k and v; out_proj
+    router = 32 * 4
+    experts = 3 * 4 * 16 * 32  # w1, v1, w2: 4 experts × 16 rows × 32
+    assert flops.matmul_weights == attention + router + experts * 2 // 4 + 50 * 32
+
+
+def test_gpt2_counts_its_conv1d_projections():
+    """GPT-2's `Conv1D` is a linear layer (its weight transposed), not a convolution."""
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=50)
+    flops = model_flops(AutoModelForCausalLM.from_config(config))
+    per_layer = 32 * 3 * 32 + 32 * 32 + 32 * 4 * 32 + 4 * 32 * 32  # c_attn (q, k, v), c_proj, c_fc, mlp c_proj
+    assert flops.matmul_weights == 2 * per_layer + 50 * 32
+    assert flops.attention_width == 2 * 32
 
 
 def test_frozen_weights_count_four_times_their_size_per_token():

@@ -1,37 +1,51 @@
 """Start-up checks of a model's architecture, run on a miniature of it instead of the model itself.
 
-Two things chattune must refuse before training: an output head that is not `hidden @ weight.T`
-(`check_output_head`) and layers that let packed documents see each other (`check_packing_isolation`).
-Both are properties of the architecture and its config (logit scaling, softcapping, a bias, a conv or SSM
-layer), not of the trained weights, so they are checked on a random-init miniature: the same model class
-and config, with only the first decoder layers (enough to hold every kind of layer the config lists) and a
-small vocabulary. The real model is never built in full on one rank (it is loaded shard by shard, see
-`chattune.model.load`), and the miniature costs two layers' weights instead of the whole model.
+What chattune must refuse before training: an output head that is not `hidden @ weight.T` (`check_output_head`),
+layers that let packed documents see each other (`check_packing_isolation`), attention that masks more than
+chattune's causal attention per document does (`check_stock_attention`), and a model that cannot be built with
+chattune's attention at all (`build_miniature`). These are properties of the architecture and its config (logit
+scaling, softcapping, a bias, a conv or SSM layer, chunked attention), not of the trained weights, so they are
+checked on a random-init miniature: the same model class and config, with only the first decoder layers (enough
+to hold every kind of layer the config lists), a small vocabulary and short windows. The real model is never built
+in full on one rank (it is loaded shard by shard, see `chattune.model.load`), and the miniature costs two layers'
+weights instead of the whole model. Whatever the model's own code raises on the way is a refusal that names it,
+not a crash.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from chattune.model.attention import ATTENTION_NAME
+from chattune.data.packing import collate_packed
+from chattune.errors import UnsupportedModel
+from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.causal_lm import check_output_head
 from chattune.model.context_parallel import active_group, check_heads, whole_rows
+from chattune.model.flops import attention_heads, text_config
 from chattune.model.mixers import check_context_parallel, choose_mixer_path, handled_mixers
-from chattune.model.packing_probe import check_context_split, check_fast_mixers, check_packing_isolation
+from chattune.model.packing_probe import (ALONE_TOLERANCE, PROBE_LENGTHS, check_context_split, check_fast_mixers,
+                                          check_packing_isolation, probe_documents)
+
+logger = logging.getLogger(__name__)
 
 MINIATURE_LAYERS = 2
 MINIATURE_VOCAB = 1024
 # Per-layer lists of layer kinds, as configs name them; the miniature keeps a prefix holding every kind.
 PER_LAYER_KINDS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern", "mlp_layer_types",
-                   "no_rope_layers")
+                   "no_rope_layers", "num_attention_heads_per_layer")
 # Lists of the layer indices that differ from the rest (attention in a Mamba stack, dense in an MoE stack).
 LAYER_INDEX_LISTS = ("attn_layer_indices", "mlp_only_layers", "full_attn_idxs")
 # The first k layers differ from the rest (dense layers before the MoE ones).
 LEADING_LAYERS = ("first_k_dense_replace", "num_dense_layers")
 MINIATURE_SEED = 1234
+# Windows and attention chunks of the miniature, shorter than the checks' documents, so that they are checked too.
+MINIATURE_WINDOW = 4
+WINDOWS = ("sliding_window", "attention_chunk_size")
 
 
 def _layer_kinds(config: PretrainedConfig, num_layers: int) -> set[tuple[str, object]]:
@@ -54,44 +68,107 @@ def _layer_kinds(config: PretrainedConfig, num_layers: int) -> set[tuple[str, ob
 
 def miniature_config(config: PretrainedConfig, min_layers: int = MINIATURE_LAYERS) -> PretrainedConfig:
     """`config` with its first layers only (at least `min_layers`, and as many as it takes to hold every
-    kind of layer the full model has) and a vocabulary of at most MINIATURE_VOCAB tokens."""
-    text = config.get_text_config()
-    total = text.num_hidden_layers
+    kind of layer the full model has) and a vocabulary of at most MINIATURE_VOCAB tokens. Everything the config
+    keeps per layer is cut to the kept layers: the lists of layer kinds, the per-layer overrides of a heterogeneous
+    config (Gemma 4's `per_layer_config`), and layers that reuse the keys and values of earlier ones (Gemma 3n and
+    Gemma 4's `num_kv_shared_layers`) keep layers of their own to reuse them from. A config without a depth of
+    its own (`num_hidden_layers`: BLT's, set per stack: ProphetNet's) keeps its depth. Sliding windows and
+    attention chunks are cut to MINIATURE_WINDOW tokens, shorter than the checks' documents."""
+    small = copy.deepcopy(config)
+    small_text = text_config(small)
+    total = getattr(small_text, "num_hidden_layers", None)
+    if isinstance(total, int):
+        keep, shared = _kept_layers(small_text, total, min_layers)
+        if keep < total:
+            _cut_layers(small_text, total, keep, shared)
+    _cut_vocabulary(small_text)
+    for attribute in WINDOWS:
+        value = getattr(small_text, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MINIATURE_WINDOW:
+            setattr(small_text, attribute, MINIATURE_WINDOW)
+    return small
+
+
+def _kept_layers(text: PretrainedConfig, total: int, min_layers: int) -> tuple[int, int]:
+    """(layers kept, of which the last ones reuse earlier layers' keys and values)."""
     every_kind = _layer_kinds(text, total)
     keep = min(total, min_layers)
     while keep < total and _layer_kinds(text, keep) != every_kind:
         keep += 1
-    small = copy.deepcopy(config)
-    small_text = small.get_text_config()
+    shared = getattr(text, "num_kv_shared_layers", None)
+    if not isinstance(shared, int) or shared <= 0:
+        return keep, 0
+    # The last `shared` layers reuse the keys and values of the last layer of their kind before them: the
+    # miniature keeps `keep` layers of its own (every kind) followed by as many reusing ones.
+    reusing = min(shared, keep)
+    return min(total - shared, keep) + reusing, reusing
+
+
+def _cut_layers(text: PretrainedConfig, total: int, keep: int, shared: int) -> None:
+    try:
+        text.num_hidden_layers = keep
+    except NotImplementedError:  # a depth set per stack (ProphetNet's num_decoder_layers): the whole depth is kept
+        return
     for attribute in PER_LAYER_KINDS:
-        value = getattr(small_text, attribute, None)
-        if isinstance(value, (list, tuple, str)) and len(value) == total and attribute in small_text.__dict__:
-            setattr(small_text, attribute, value[:keep])
-    small_text.num_hidden_layers = keep
-    if small_text.vocab_size > MINIATURE_VOCAB:
-        small_text.vocab_size = MINIATURE_VOCAB
-        for token in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the small vocabulary
-            value = getattr(small_text, token, None)
-            if isinstance(value, int) and value >= MINIATURE_VOCAB:
-                setattr(small_text, token, None)
-    return small
+        value = getattr(text, attribute, None)
+        if isinstance(value, (list, tuple, str)) and len(value) == total and attribute in text.__dict__:
+            setattr(text, attribute, value[:keep])
+    if shared:
+        text.num_kv_shared_layers = shared
+    if getattr(text, "is_heterogeneous", False):  # per-layer overrides of the kept layers only
+        overrides = text._heterogeneity_spec.per_layer_overrides
+        text.per_layer_config = {index: dict(values) for index, values in overrides.items() if index < keep}
+
+
+def _cut_vocabulary(text: PretrainedConfig) -> None:
+    if text.vocab_size <= MINIATURE_VOCAB:
+        return
+    text.vocab_size = MINIATURE_VOCAB
+    # Per-layer input embeddings (Gemma 3n, Gemma 4) are looked up by the same token ids.
+    if (getattr(text, "vocab_size_per_layer_input", None) or 0) > MINIATURE_VOCAB:
+        text.vocab_size_per_layer_input = MINIATURE_VOCAB
+    for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(text, token, None)
+        if isinstance(value, int) and value >= MINIATURE_VOCAB:
+            # the last id of the small vocabulary rather than None: some configs type these ids as int (CWM's)
+            setattr(text, token, MINIATURE_VOCAB - 1)
 
 
 def build_miniature(config: PretrainedConfig) -> PreTrainedModel:
     """A random-init fp32 miniature of `config`'s model on the CPU. Some architectures tie or share weights
     across layers by index (Zamba's shared blocks) and cannot be built with fewer layers than their pattern
-    spans: one more layer is tried until the model builds (at most the full depth)."""
-    total = config.get_text_config().num_hidden_layers
-    for min_layers in range(MINIATURE_LAYERS, total + 1):
+    spans: one more layer is tried until the model builds (at most the full depth). A model that builds with
+    transformers' own attention but not with chattune's (its attention classes are picked from a table by name:
+    Falcon, GPT-Neo, GIT), or not at all, is refused."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, type(config).__name__)
+    total = getattr(text_config(config), "num_hidden_layers", None)
+    depths = range(MINIATURE_LAYERS, total + 1) if isinstance(total, int) and total > MINIATURE_LAYERS else [total]
+    for min_layers in depths:
+        small = miniature_config(config, min_layers or MINIATURE_LAYERS)
         try:
-            model = AutoModelForCausalLM.from_config(miniature_config(config, min_layers),
-                                                     attn_implementation=ATTENTION_NAME, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(small, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
             break
-        except (ValueError, KeyError, IndexError):
-            if min_layers >= total:
-                raise
+        except Exception as error:  # one refusal below names it, whatever the model's constructor raised
+            failure = error
+            if _builds_with_stock_attention(small):
+                raise UnsupportedModel(
+                    f"{name}: its model builds with transformers' own attention but not with chattune's packed "
+                    f"attention ({type(error).__name__}: {error}); its attention layers do not go through "
+                    "transformers' attention interface, so chattune cannot keep packed documents apart in them"
+                ) from error
+    else:
+        raise UnsupportedModel(f"{name}: no causal LM can be built from its config ({type(failure).__name__}: "
+                               f"{failure})") from failure
     model.config.use_cache = False
     return model
+
+
+def _builds_with_stock_attention(config: PretrainedConfig) -> bool:
+    try:
+        AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    except Exception:  # the model does not build at all: not chattune's attention's doing
+        return False
+    return True
 
 
 def check_architecture(config: PretrainedConfig, device: torch.device | None = None) -> None:
@@ -107,13 +184,92 @@ def check_architecture(config: PretrainedConfig, device: torch.device | None = N
     choose_mixer_path(device, set(handled_mixers(miniature).values()))
     with whole_rows():  # each rank probes the miniature on its own
         check_packing_isolation(miniature)  # first: it turns a failing packed forward into a clear refusal
-        check_output_head(miniature)
+        _check_output_head(miniature)
+        check_stock_attention(miniature)
         if device.type == "cuda":
             check_fast_mixers(miniature, device)  # the varlen kernels, where chosen, against the exact path
     group = active_group()
     if group is not None:  # collective over the context group: every rank built the same miniature
-        check_context_parallel(miniature, torch.distributed.get_world_size(group))
-        check_heads(config.get_text_config().num_attention_heads, torch.distributed.get_world_size(group),
-                    type(miniature).__name__)
+        context_size = torch.distributed.get_world_size(group)
+        check_context_parallel(miniature, context_size)
+        for heads in sorted(set(attention_heads(miniature))):  # per layer: they may differ
+            check_heads(heads, context_size, type(miniature).__name__)
         # on the run's device: the group's collectives (nccl on CUDA) take its tensors
         check_context_split(miniature.to(device), group)
+
+
+# The miniature's output layer is scaled by this in the output-layer check: random-init logits are far below any
+# softcap (tanh(x / c) · c ≈ x for |x| ≪ c, within the check's tolerance: the caps of NanoChat (15) and Gemma 3n
+# (30) went unseen), scaled they saturate it.
+HEAD_CHECK_SCALE = 100.0
+
+
+def _check_output_head(miniature: PreTrainedModel) -> None:
+    """`check_output_head` on logits large enough for a softcap to show (HEAD_CHECK_SCALE), the model's own forward
+    failing a refusal with the cause rather than a crash."""
+    config = miniature.config
+    if getattr(config, "vocab_size", None) is None:
+        # check_output_head reads config.vocab_size, which a composite config (Gemma 3, Fuyu) keeps in its text
+        # config: the miniature's own copy is given it.
+        config.vocab_size = text_config(config).vocab_size
+    head = miniature.get_output_embeddings().weight
+    original = head.detach().clone()
+    try:
+        with torch.no_grad():
+            head.mul_(HEAD_CHECK_SCALE)
+        check_output_head(miniature)
+    except UnsupportedModel:
+        raise
+    except Exception as error:  # the model's own forward: any exception it raises is the refusal's cause
+        raise UnsupportedModel(
+            f"{type(miniature).__name__}: its forward with chattune's attention fails on the output-layer check's "
+            f"document (8 tokens): {type(error).__name__}: {str(error).rstrip('.')}. chattune cannot check its output "
+            "layer, so the model is not supported for training yet"
+        ) from error
+    finally:
+        with torch.no_grad():
+            head.copy_(original)
+
+
+def _decoder(hf_model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder a causal LM runs: its `base_model_prefix` attribute, or `.model` where that names none (Llama 4's
+    and Mllama's causal LMs: prefix language_model, decoder model)."""
+    return getattr(hf_model, hf_model.base_model_prefix, None) or hf_model.model
+
+
+@torch.no_grad()
+def check_stock_attention(miniature: PreTrainedModel) -> None:
+    """Refuse a model whose forward on one document with chattune's attention differs from its forward with
+    transformers' own (eager) attention: what the packing probe cannot see, as it compares chattune's attention with
+    itself. Its causal attention per document keeps a sliding window but knows no other mask: chunked attention
+    (Llama 4's attention_chunk_size), bidirectional attention or any mask of the model's own would train another
+    model. Final hidden states of one document of the probe, fp32, limit
+    ALONE_TOLERANCE (the two attentions differ by rounding, ~1e-6)."""
+    stock = copy.deepcopy(miniature)
+    vocabulary = min(miniature.get_input_embeddings().num_embeddings, text_config(miniature.config).vocab_size)
+    document = probe_documents(vocabulary, lengths=(sum(PROBE_LENGTHS),))
+    batch = collate_packed(document)
+    was_training = miniature.training
+    miniature.eval(), stock.eval()
+    try:
+        ours = packed_hidden_states(miniature, batch)
+        try:
+            stock.set_attn_implementation("eager")
+            theirs = _decoder(stock)(input_ids=batch.input_ids, use_cache=False)
+        except Exception as error:  # transformers' own forward: whatever it raises, there is nothing to compare with
+            logger.warning("%s: transformers' own forward fails on the miniature (%s: %s), so its attention masks are "
+                           "not compared with chattune's", type(miniature).__name__, type(error).__name__, error)
+            return
+    finally:
+        miniature.train(was_training)
+    theirs = theirs.last_hidden_state[0]
+    difference = (ours.double() - theirs.double()).norm(dim=-1) / theirs.double().norm(dim=-1).clamp_min(1e-30)
+    worst = float(torch.nan_to_num(difference, nan=float("inf")).max())
+    if not worst <= ALONE_TOLERANCE:
+        raise UnsupportedModel(
+            f"{type(miniature).__name__} computes a single document differently with chattune's attention than with "
+            f"transformers' own: final hidden states differ by up to {worst:.2e} (limit {ALONE_TOLERANCE:.0e}, one "
+            f"document of {batch.num_tokens} tokens, windows and attention chunks of {MINIATURE_WINDOW}). Its "
+            "attention masks more than causal attention within a sliding window (chunked or bidirectional "
+            "attention, a mask of its own), which chattune's packed attention does not implement yet"
+        )

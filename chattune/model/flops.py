@@ -3,12 +3,17 @@
 A step's model FLOPs are those of its matmuls, forward and backward (backward = 2 × forward):
 - dense: 6 × (trained matmul weights) + 4 × (frozen matmul weights) per token: a frozen weight (a LoRA
   run's base, a 4-bit base) takes the forward and the gradient of its input, not its own gradient. The
-  matmul weights are every `nn.Linear` weight of the model, the output layer included (an embedding lookup
-  is no matmul), and the experts of a mixture-of-experts layer (3-D parameters in transformers 5) scaled by
-  the share each token uses (`num_experts_per_tok` / the number of experts);
-- attention: per layer and per document of n tokens, QKᵀ and AV each take 2 × (query heads × head dim)
-  FLOPs per (query, key) pair, and causal attention has n (n + 1) / 2 pairs: 12 × layers × query heads
-  × head dim × Σ n (n + 1) / 2 per step, training included. Sliding windows are not subtracted.
+  matmul weights are every `nn.Linear` weight of the model (GPT-2's `Conv1D` too), the output layer included (an
+  embedding lookup is no matmul), the routers' weights of mixture-of-experts layers, and the stacked expert weights
+  of transformers 5 (3-D): a stack of the routed experts scaled by the share each token uses (`num_experts_per_tok`
+  / the number of routed experts; a shared expert, an `nn.Linear` or a stack of its own, is always used;
+  `_matmul_weights`);
+- attention: per softmax-attention layer and per document of n tokens, QKᵀ takes 2 × (query heads × query/key
+  head dim) and AV 2 × (query heads × value head dim) FLOPs per (query, key) pair, and causal attention has
+  n (n + 1) / 2 pairs: 12 × Σ over layers of (query heads × (query/key + value head dim) / 2) × Σ n (n + 1) / 2
+  per step, training included (the head sizes are equal but for multi-head latent attention). Heads and head
+  sizes are read per layer from the attention modules (`attention_shapes`): Gemma 4's global layers have wider
+  heads than its sliding ones. Sliding windows are not subtracted.
 - hybrid models (the token mixers of `chattune.model.mixers.HANDLED`: short convolutions, Mamba SSMs, the
   gated delta rule, KDA): the attention term counts only their softmax-attention layers, and each mixer adds
   its sequence work beyond its `nn.Linear` projections (which the dense term counts), per token, forward
@@ -21,6 +26,7 @@ A step's model FLOPs are those of its matmuls, forward and backward (backward = 
     ≈ 6 × d_inner × state size (its per-element exp of Δ·A not counted);
   - elementwise gates, norms and activations are not counted, nor the extra intra-chunk work of the chunked
     kernels (like recomputation, it is the algorithm's cost, not the model's).
+Modules run more than once per token (looped or shared layers) are counted once.
 
 MFU = model FLOPs per second per device / the device's peak dense bf16 FLOP/s (`PEAK_FLOPS`). Recomputed
 activations (activation checkpointing, the chunked loss) are not model FLOPs: they lower MFU, as they
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from chattune.data.packing import PackedBatch
 from chattune.model.mixers import GATED_DELTA_RULE, HANDLED, KDA, MAMBA, MAMBA2
@@ -56,10 +63,35 @@ PEAK_FLOPS = (
 )
 
 
+def text_config(config):
+    """The text config of a model's config: the config itself or its text model's, the object itself (changes to
+    it are the config's). A config holding a text encoder and a decoder (MusicGen) gives its decoder's."""
+    try:
+        return config.get_text_config()
+    except ValueError:  # several text configs: get_text_config(decoder=True) names the decoder's
+        return config.get_text_config(decoder=True)
+
+
+# Config names of the number of routed experts and of the experts each token uses.
+ROUTED_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+ACTIVE_EXPERTS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token", "moe_top_k")
+
+
+def _config_int(source, names: tuple[str, ...]) -> int | None:
+    """The first of `names` that `source` holds as a positive int. A heterogeneous config's per-layer attributes are
+    not read globally (transformers refuses: they differ by layer)."""
+    per_layer = getattr(source, "per_layer_attributes", None) or ()
+    for name in names:
+        value = getattr(source, name, None) if name not in per_layer else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 @dataclass(frozen=True)
 class ModelFlops:
     matmul_weights: int  # elements of every trained nn.Linear weight (the output layer included)
-    attention_width: int  # attention layers × query heads × head dim: the width of QKᵀ and AV over all layers
+    attention_width: int  # Σ over attention layers of query heads × head dim: the width of QKᵀ and AV
     frozen_matmul_weights: int = 0  # elements of the frozen ones (no weight gradient)
     mixer_flops_per_token: int = 0  # forward FLOPs per token of the mixers other than attention (hybrid models)
 
@@ -74,37 +106,89 @@ def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
     """The FLOP counts of a (not yet sharded) HF causal LM, from its modules and config; frozen weights (those
     that do not require gradients when it is called) apart."""
     weights = {True: 0, False: 0}  # by requires_grad
+    config = text_config(hf_model.config)
+    moe = (config, getattr(config, "ffn_config", None))  # DBRX keeps its experts' numbers in its ffn_config
+    routed = next((n for source in moe if (n := _config_int(source, ROUTED_EXPERTS))), None)
+    active = next((n for source in moe if (n := _config_int(source, ACTIVE_EXPERTS))), None)
     for m in hf_model.modules():
-        if isinstance(m, nn.Linear):
-            weights[m.weight.requires_grad] += weight_shape(m.weight).numel()  # 4-bit: unpacked
-    config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
-    experts = [p for m in hf_model.modules() if not isinstance(m, nn.modules.conv._ConvNd)
-               for p in m.parameters(recurse=False) if p.dim() == 3]  # stacked expert weights (not conv kernels)
-    if experts:
-        total = next((getattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
-                      if getattr(config, name, None)), None)
-        active = getattr(config, "num_experts_per_tok", None)
-        share = active / total if total and active else 1.0
-        for p in experts:
-            weights[p.requires_grad] += int(p.numel() * share)
+        for p, share in _matmul_weights(m, routed, active):
+            weights[p.requires_grad] += int(weight_shape(p).numel() * share)  # 4-bit: unpacked
     decoder = hf_model.get_decoder()  # the text decoder: a vision tower's modules are not counted here
     mixers = [m for m in decoder.modules() if type(m).__name__ in HANDLED]
-    attention_layers = config.num_hidden_layers
-    if mixers:
-        # Count the softmax-attention modules, not config entries: the families spell per-layer kinds
-        # differently (layer_types, layers_block_type, attention indices or periods; "hybrid" layers holding
-        # attention and a mixer, MLP-only layers), while their attention classes are all `...Attention`
-        # (KDA's `KimiLinearDeltaAttention`, a mixer, apart). Zamba's shared blocks are one module per layer.
-        attention_layers = sum(type(m).__name__.endswith("Attention") and type(m).__name__ not in HANDLED
-                               for m in decoder.modules())
-    attention_width = 0
-    if attention_layers:  # a pure Mamba-2 model has no attention heads in its config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        attention_width = attention_layers * heads * head_dim
-    return ModelFlops(matmul_weights=weights[True], attention_width=attention_width,
+    return ModelFlops(matmul_weights=weights[True], attention_width=sum(attention_widths(hf_model)),
                       frozen_matmul_weights=weights[False],
                       mixer_flops_per_token=sum(mixer_forward_flops(m) for m in mixers))
+
+
+def _matmul_weights(module: nn.Module, routed: int | None, active: int | None) -> list[tuple[nn.Parameter, float]]:
+    """The matmul weights a module holds itself, each with the share of it a token uses: an `nn.Linear`'s weight
+    (GPT-2's `Conv1D` is one, transposed), a router's (`...TopKRouter`, a weight of its own applied with F.linear),
+    and the stacked weights of the routed experts (3-D, DBRX's 2-D stacks of experts × rows in its `...Expert...`
+    modules), scaled by active / routed experts. Any other 3-D weight (a shared expert kept as a stack of one,
+    block-diagonal gates) counts whole; biases, norms, embeddings and convolution kernels are no matmul weights."""
+    if isinstance(module, (nn.Linear, Conv1D)):
+        return [(module.weight, 1.0)]
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return []
+    name = type(module).__name__
+    found = []
+    for parameter_name, p in module.named_parameters(recurse=False):
+        if parameter_name.endswith("bias"):
+            continue
+        stacked = p.dim() == 3 or p.dim() == 2 and "Expert" in name
+        if stacked:
+            share = active / routed if routed and active and p.shape[0] % routed == 0 and (
+                p.dim() == 2 or p.shape[0] == routed) else 1.0
+            found.append((p, share))
+        elif p.dim() == 2 and parameter_name == "weight" and name.lower().endswith("topkrouter"):
+            found.append((p, 1.0))
+    return found
+
+
+def attention_modules(hf_model: PreTrainedModel) -> list[nn.Module]:
+    """The softmax-attention modules of the text decoder, one per attention layer, read from the modules rather than
+    the config: families spell per-layer kinds differently (layer_types, layers_block_type, attention indices or
+    periods, "hybrid" layers holding attention and a mixer, MLP-only layers) and some keep head sizes per layer
+    (Gemma 4's global layers), while their attention classes are all `...Attention`. A mixer of `HANDLED` is not
+    softmax attention (KDA's `KimiLinearDeltaAttention`); a wrapper holding the attention proper (BERT's
+    `BertAttention` around `BertSelfAttention`) is not counted apart from it."""
+    def attention(module: nn.Module) -> bool:
+        name = type(module).__name__
+        return name.endswith("Attention") and name not in HANDLED
+
+    found = [m for m in hf_model.get_decoder().modules() if attention(m)]
+    return [m for m in found if not any(attention(inner) for inner in m.modules() if inner is not m)]
+
+
+def attention_shapes(hf_model: PreTrainedModel) -> list[tuple[int, int, int]]:
+    """Per attention layer (`attention_modules`): (query heads, query/key head dim, value head dim), read from the
+    module's own attributes where it has them (per layer: Gemma 4's global layers' `head_dim`, Laguna's heads,
+    multi-head latent attention's `qk_head_dim` and `v_head_dim`), else from its config's, else the text config's.
+    A module naming no heads anywhere is no multi-head attention and is left out."""
+    config = text_config(hf_model.config)
+    shapes = []
+    for module in attention_modules(hf_model):
+        sources = (module, getattr(module, "config", None), config)
+        heads = next((n for s in sources if (n := _config_int(s, ("num_heads", "num_attention_heads", "n_heads")))),
+                     None)
+        if heads is None:
+            continue
+        qk_dim = next((n for s in sources if (n := _config_int(s, ("qk_head_dim", "head_dim", "head_size",
+                                                                   "attention_head_size")))), None)
+        qk_dim = qk_dim or config.hidden_size // heads
+        shapes.append((heads, qk_dim, _config_int(module, ("v_head_dim",)) or qk_dim))
+    return shapes
+
+
+def attention_widths(hf_model: PreTrainedModel) -> list[int]:
+    """Per attention layer, the width of QKᵀ and AV: query heads × (query/key head dim + value head dim) / 2
+    (query heads × head dim where both are the head dim)."""
+    return [heads * (qk_dim + v_dim) // 2 for heads, qk_dim, v_dim in attention_shapes(hf_model)]
+
+
+def attention_heads(hf_model: PreTrainedModel) -> list[int]:
+    """The query heads of each attention layer (what context parallelism divides)."""
+    return [heads for heads, _, _ in attention_shapes(hf_model)]
 
 
 def mixer_forward_flops(mixer: nn.Module) -> int:
