@@ -12,18 +12,19 @@ first layers (two, or as many as its per-layer kinds need), with a few per-archi
 config does not build (`EXTRA`).
 
 2026-11-26, transformers 5.24.0, torch 2.13 (CPU, fp32), 196 architectures:
-- 104 train exactly;
-- 78 are refused: 32 let packed documents see each other (9 with sequence mixers chattune does not keep per
+- 121 train exactly, among them those with attention sinks (gpt-oss, GraniteSWA, Granite-MoE-SWA, MiMo-V2-Flash,
+  Flint), attention soft-capping (Gemma 2, VaultGemma), scaled or soft-capped logits (the Cohere family, MiniCPM3,
+  NanoChat, Beam, Gemma 3n) and Gemma 4's per-layer head sizes;
+- 70 are refused: 32 let packed documents see each other (9 with sequence mixers chattune does not keep per
   document: Mamba-1, RWKV, xLSTM, MiniMax's lightning attention, RecurrentGemma, Bailing's and Zaya's mixers,
   Inkling's convolutions; 23 older models whose positions or attention ignore the packed boundaries: BART family,
-  BLOOM, XGLM, XLM, BigBird, ...); 17 have an output layer with a bias (BERT family, Phi, CodeGen, GPT-J, ...);
-  7 scale or cap their logits (Cohere family, MiniCPM3, NanoChat, Beam, Gemma 3n); 6 use attention sinks (gpt-oss,
-  GraniteSWA, MiMo-V2-Flash, ...) and 2 attention softcapping (Gemma 2, VaultGemma); 6 index attention with a mask
-  chattune does not build (DeepSeek-V3.2's sparse attention and its kin); 3 need flash-linear-attention for their
-  gated delta rule; 3 pick their attention from a table of their own (Falcon, GPT-Neo, GIT); Doge and MPT pass
-  attention masks of their own;
-- 9 are refused today for a fault of chattune's own code outside this test's reach (`CHATTUNE_FIXES`, strict
-  xfail): 4 of them train exactly once it is fixed;
+  BLOOM, XGLM, XLM, BigBird, ...); 17 have an output layer with a bias (BERT family, Phi, CodeGen, GPT-J, ...) and
+  Dory one with a learned per-token logit scale; 6 index attention with a mask chattune does not build
+  (DeepSeek-V3.2's sparse attention and its kin); 3 need flash-linear-attention for their gated delta rule (Lara,
+  Qwen4-Exp); 3 pass their attention neither boundaries nor position ids (BLT, Inkling2); 3 pick their attention
+  from a table of their own (Falcon, GPT-Neo, GIT); Doge and MPT pass attention masks of their own; 3 attend
+  differently from causal attention in a window (Llama 4's chunked attention, DeepSeek-V4), which the check
+  against transformers' own attention on one document sees;
 - 5 are skipped (`SKIPPED`): two draft models for speculative decoding, two MusicGen configs transformers cannot
   build a causal LM from, Gemma 3n's multimodal model without timm.
 The walk takes about 15 s on 2 CPU cores.
@@ -52,6 +53,7 @@ from chattune.errors import UnsupportedModel
 from chattune.model.architecture_check import MINIATURE_VOCAB, check_architecture, miniature_config
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.output_logits import LogitTransform
 from chattune.model.flops import attention_heads, model_flops, text_config
 
 # Sizes of the tiny configs, by the attribute names the configs use for them (only those a config has are set).
@@ -144,24 +146,6 @@ SKIPPED = {
                 "(transformers reads decoder attributes from the composite config: AttributeError); its decoder reads "
                 "codebooks",
     "musicgen_melody": "as musicgen: AutoModelForCausalLM cannot build its causal LM from MusicgenMelodyConfig",
-}
-# Refused today because of chattune code this change does not touch (the fix each needs); strict: the test says when
-# the fix lands. True: the architecture then trains exactly (measured with the fix applied by hand); False: it is then
-# refused with a clear reason instead of chattune's own exception.
-CONTIGUOUS = ("chattune.model.attention._per_document_sdpa returns the attention output as a non-contiguous view "
-              "(torch.cat(...).transpose(1, 2)); these models .view() it (transformers' own attention functions return "
-              "it contiguous): add .contiguous()")
-DECODER = ("chattune.model.attention.packed_hidden_states and causal_lm.check_output_head find the decoder as "
-           "getattr(model, model.base_model_prefix), an attribute Llama4ForCausalLM and MllamaForCausalLM do not "
-           "have (their prefix is language_model, their decoder .model): AttributeError inside chattune")
-BOUNDARIES = ("the model passes its attention neither cu_seq_lens_q nor position_ids: chattune.model.attention."
-              "packed_attention fails (KeyError / AttributeError) where it should raise UnsupportedModel saying so")
-CHATTUNE_FIXES = {
-    "afmoe": (CONTIGUOUS, True), "jetmoe": (CONTIGUOUS, True), "dory": (CONTIGUOUS, True),
-    "mllama": (DECODER, True),
-    # Llama 4's chunked attention is then refused by check_stock_attention (test_chunked_attention_is_refused)
-    "llama4": (DECODER, False), "llama4_text": (DECODER, False),
-    "blt": (BOUNDARIES, False), "inkling2_text": (BOUNDARIES, False), "inkling2_loop_text": (BOUNDARIES, False),
 }
 if importlib.util.find_spec("timm") is None:
     SKIPPED["gemma3n"] = "its vision tower (TimmWrapperModel) needs timm, not installed (gemma3n_text is walked)"
@@ -394,16 +378,13 @@ def check_exact(trained: Trained) -> None:
                               f"(its norm {float(stock.norm()):.2e}, the whole gradient's {scale:.2e})")
 
 
-@pytest.mark.parametrize("model_type", [
-    pytest.param(model_type, marks=pytest.mark.xfail(strict=True, reason=CHATTUNE_FIXES[model_type][0]))
-    if model_type in CHATTUNE_FIXES else model_type for model_type in ARCHITECTURES])
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_every_architecture_is_refused_or_trains_exactly(model_type):
     if model_type in SKIPPED:
         pytest.skip(SKIPPED[model_type])
     outcome = walk(model_type)
     if isinstance(outcome, UnsupportedModel):
         check_refusal(outcome)
-        assert CHATTUNE_FIXES.get(model_type, ("", False))[1] is False, f"refused: {outcome}"
         stock_runs(tiny_config(model_type))  # refused for its architecture, not for a broken tiny config
     else:
         check_exact(outcome)
@@ -430,20 +411,21 @@ def test_gemma4_miniature_keeps_its_per_layer_heads_and_shared_key_values():
     assert PackedCausalLM(model).flops.attention_width == 4 * (16 * 9 + 32)  # 9 sliding layers, 1 full
 
 
-def test_chunked_attention_is_refused(monkeypatch):
+def test_chunked_attention_is_refused():
     """Llama 4's chunked attention (a query sees the keys of its own chunk of attention_chunk_size tokens only) is
     carried by the mask, which chattune's packed attention does not take: the packing probe cannot see it (it
     compares chattune's attention with itself), the stock check does (packed losses differ from stock ones by 0.23
-    in the walk). Today Llama 4 is refused earlier, chattune not finding its decoder (CHATTUNE_FIXES): the
-    decoder's attribute is given its prefix's name here, as that fix will."""
-    monkeypatch.setattr(transformers.Llama4ForCausalLM, "base_model_prefix", "model")
+    in the walk; chattune finds Llama 4's decoder under `.model`, its prefix naming none)."""
     with pytest.raises(UnsupportedModel, match="differently with chattune's attention than with transformers' own"):
         check_architecture(tiny_config("llama4_text"))
 
 
-def test_a_final_logit_softcap_far_above_random_init_logits_is_refused():
+def test_a_final_logit_softcap_far_above_random_init_logits_is_seen(monkeypatch):
     """NanoChat caps its logits at 15 (tanh(x / 15) · 15): random-init logits are far below it, where the cap is
-    nearly the identity; the output-layer check scales them up until it shows."""
+    nearly the identity; the output-layer check scales them up until it shows. chattune applies the cap (the walk
+    trains NanoChat exactly); with the cap left out of chattune's losses, the check refuses the model."""
+    check_architecture(tiny_config("nanochat"))
+    monkeypatch.setattr(LogitTransform, "from_config", classmethod(lambda cls, config: cls()))
     with pytest.raises(UnsupportedModel, match="computes its logits differently"):
         check_architecture(tiny_config("nanochat"))
 

@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
+from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_hidden_states
 from chattune.model.causal_lm import check_output_head
 from chattune.model.context_parallel import active_group, check_heads, whole_rows
 from chattune.model.flops import attention_heads, text_config
@@ -207,11 +207,6 @@ HEAD_CHECK_SCALE = 100.0
 def _check_output_head(miniature: PreTrainedModel) -> None:
     """`check_output_head` on logits large enough for a softcap to show (HEAD_CHECK_SCALE), the model's own forward
     failing a refusal with the cause rather than a crash."""
-    config = miniature.config
-    if getattr(config, "vocab_size", None) is None:
-        # check_output_head reads config.vocab_size, which a composite config (Gemma 3, Fuyu) keeps in its text
-        # config: the miniature's own copy is given it.
-        config.vocab_size = text_config(config).vocab_size
     head = miniature.get_output_embeddings().weight
     original = head.detach().clone()
     try:
@@ -229,12 +224,6 @@ def _check_output_head(miniature: PreTrainedModel) -> None:
     finally:
         with torch.no_grad():
             head.copy_(original)
-
-
-def _decoder(hf_model: PreTrainedModel) -> torch.nn.Module:
-    """The decoder a causal LM runs: its `base_model_prefix` attribute, or `.model` where that names none (Llama 4's
-    and Mllama's causal LMs: prefix language_model, decoder model)."""
-    return getattr(hf_model, hf_model.base_model_prefix, None) or hf_model.model
 
 
 @torch.no_grad()
@@ -255,7 +244,7 @@ def check_stock_attention(miniature: PreTrainedModel) -> None:
         ours = packed_hidden_states(miniature, batch)
         try:
             stock.set_attn_implementation("eager")
-            theirs = _decoder(stock)(input_ids=batch.input_ids, use_cache=False)
+            theirs = decoder_of(stock)(input_ids=batch.input_ids, use_cache=False)
         except Exception as error:  # transformers' own forward: whatever it raises, there is nothing to compare with
             logger.warning("%s: transformers' own forward fails on the miniature (%s: %s), so its attention masks are "
                            "not compared with chattune's", type(miniature).__name__, type(error).__name__, error)

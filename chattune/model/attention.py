@@ -148,7 +148,7 @@ def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
         outputs.append(F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=enable_gqa,
         ))
-    return torch.cat(outputs, dim=2).transpose(1, 2)  # (1, N, Hq, D)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (1, N, Hq, D): some models .view() it
 
 
 def _document_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -184,7 +184,7 @@ def _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window,
         if dropout:
             probs = F.dropout(probs, p=dropout)
         outputs.append(torch.matmul(probs, v).to(query.dtype))
-    return torch.cat(outputs, dim=2).transpose(1, 2)  # (1, N, Hq, D)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (1, N, Hq, D): some models .view() it
 
 
 def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None, gqa: str | None = None):
@@ -452,8 +452,9 @@ def packed_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each document of a packed (1, N) row. Returns (1, N, H, D)."""
-    if attention_mask is not None:
-        raise ValueError(f"{ATTENTION_NAME} attention takes no attention_mask: packed batches pass cu_seqlens")
+    if attention_mask is not None:  # a model that builds its own mask (Doge, MPT) cannot be kept to documents here
+        raise UnsupportedModel(f"{type(module).__name__} passes its own attention mask to the attention function; "
+                               f"{ATTENTION_NAME} attention takes none (packed rows pass cu_seqlens)")
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME} attention expects packed rows of batch size 1, got {query.shape[0]}")
     sinks = kwargs.get("s_aux")  # gpt-oss: (Hq,) logits, one per query head
@@ -466,6 +467,9 @@ def packed_attention(
     if cu_seqlens is None:
         if group is not None:  # a slice's position ids do not say where the row's documents start
             raise ValueError(f"{ATTENTION_NAME} attention under context parallelism needs the row's cu_seq_lens_q")
+        if kwargs.get("position_ids") is None:  # BLT, Inkling2: nothing says where the documents are
+            raise UnsupportedModel(f"{type(module).__name__} passes neither cu_seq_lens_q nor position_ids to its "
+                                   "attention, so the packed attention cannot tell where a row's documents start")
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
     if group is not None:  # this rank's slice of every head -> the whole row for its share of the heads
@@ -503,6 +507,12 @@ def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
         hf_model.set_attn_implementation(ATTENTION_NAME)
 
 
+def decoder_of(hf_model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder a causal LM runs: its `base_model_prefix` attribute, or `.model` where that names none (Llama 4's
+    and Mllama's causal LMs: prefix language_model, decoder model)."""
+    return getattr(hf_model, hf_model.base_model_prefix, None) or hf_model.model
+
+
 def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
     """The final hidden states (N, H) of a packed (1, N) row through the model's decoder (`packed_decoder_output`)."""
     return packed_decoder_output(hf_model, batch).last_hidden_state[0]
@@ -514,8 +524,7 @@ def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outpu
     mixers other than attention take them too (`chattune.model.mixers`). `outputs`: transformers' output_*
     flags (`output_router_logits=True` for a MoE model's router logits)."""
     isolate_documents(hf_model)
-    decoder = getattr(hf_model, hf_model.base_model_prefix)
-    return decoder(
+    return decoder_of(hf_model)(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         use_cache=False,

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import ATTENTION_NAME, packed_decoder_output, stock_attention
+from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_decoder_output, stock_attention
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.context_parallel import active_group, gather_row, row_slice
 from chattune.model.flops import model_flops
@@ -100,17 +100,20 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
     head = hf_model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise UnsupportedModel(f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss")
+    learned = [name for name, _ in head.named_parameters() if name not in ("weight", "bias")]
+    if learned:  # Dory's per-token logit_scale: at its initial value the logits match, but it would never train
+        raise UnsupportedModel(f"{type(hf_model).__name__}: its output layer has parameters besides its weight "
+                               f"({', '.join(learned)}), which chattune's losses do not train")
     was_training = hf_model.training
     hf_model.eval()
     device = head.weight.device
-    input_ids = torch.arange(8, device=device).unsqueeze(0) % hf_model.config.vocab_size
+    input_ids = torch.arange(8, device=device).unsqueeze(0) % head.weight.shape[0]  # a composite config: vocab in its text config
     position_ids = torch.arange(8, device=device).unsqueeze(0)
     # One document, its boundaries passed as a packed row's are (some attention layers get no position ids).
     cu_seqlens = torch.tensor([0, 8], dtype=torch.int32, device=device)
     row = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seqlens,
                cu_seq_lens_k=cu_seqlens, max_length_q=8, max_length_k=8)
-    decoder = getattr(hf_model, hf_model.base_model_prefix)
-    hidden = decoder(**row).last_hidden_state[0]
+    hidden = decoder_of(hf_model)(**row).last_hidden_state[0]
     logits = hf_model(**row).logits[0].float()
     hf_model.train(was_training)
     transform = LogitTransform.from_config(hf_model.config)
