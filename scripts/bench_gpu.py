@@ -2,7 +2,9 @@
 
     python scripts/bench_gpu.py --assets ../shared/assets [--runs short06 short17 long06] [--steps 30]
 
-Builds random-init Qwen3-shaped models (0.6B, 1.7B; bf16 safetensors, the shared Qwen3 tokenizer) and the
+Builds random-init Qwen3-shaped models (0.6B, 1.7B), and for `--runs gptoss gemma4` a gpt-oss-shaped MoE with
+attention sinks (1B, 4 of 16 experts active) and a Gemma-4-shaped model with head size 512 on its global layers
+(0.4B) (bf16 safetensors, the shared Qwen3 tokenizer), and the
 benchmark corpora from the shared assets (20k short real chats; 200 long deita chats), under --work. Each
 run trains `recipes/sft.py` (torchrun, one process) and, when `trl` is importable, TRL's SFTTrainer
 (padding-free packing, sdpa) on the same model directory, corpus and per-step token budget. Prints one
@@ -13,7 +15,8 @@ markdown row per run and tool, and writes them as JSON to --work/results.json:
   same model FLOPs per token (same model and data) times its tokens/s;
 - peak memory: torch's peak allocated (GiB) in each process.
 
-`--set KEY=VALUE` (repeatable) adds an override to the chattune runs. `--device cpu --runs tiny` runs the chattune side on a tiny model on the CPU (a check of this script).
+`--set KEY=VALUE` (repeatable) adds an override to the chattune runs. `--device cpu --runs tiny tiny_gptoss tiny_gemma4`
+runs the chattune side on tiny models on the CPU (a check of this script).
 On a machine without internet: see ../shared/gpu/README.md for the wheels (hydra, torchdata, datasets,
 TRL, cut-cross-entropy) and PYTHONPATH.
 """
@@ -35,12 +38,33 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen3's published c
     "0.6b": (1024, 3072, 28, 16, 8),
     "1.7b": (2048, 6144, 28, 16, 8),
 }
-# name: (model size, corpus, per-microbatch budget, grad_accum_steps, activation checkpointing)
+# Other families, shaped like their published models but smaller (transformers' config keywords): gpt-oss (attention
+# sinks on every layer, sliding windows of 128 on every other one, 4 of 16 experts with biases) and Gemma 4 (a global
+# layer of head size 512 after every five sliding ones of 256: the layers the flash kernels cannot take).
+FAMILIES = {
+    "gptoss-1b": ("GptOssConfig", dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=12,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=64, num_local_experts=16,
+                                       num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)),
+    "gemma4-0.4b": ("Gemma4TextConfig", dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                             num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                             global_head_dim=512, sliding_window=512, hidden_size_per_layer_input=0)),
+    "tiny-gptoss": ("GptOssConfig", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                         num_experts_per_tok=2, sliding_window=16, tie_word_embeddings=False)),
+    "tiny-gemma4": ("Gemma4TextConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             global_head_dim=32, sliding_window=16, hidden_size_per_layer_input=0)),
+}
+# name: (model, corpus, per-microbatch budget, grad_accum_steps, activation checkpointing)
 RUNS = {
     "short06": ("0.6b", "short", 16384, 2, False),
     "short17": ("1.7b", "short", 16384, 2, True),
     "long06": ("0.6b", "long", 16384, 1, False),
+    "gptoss": ("gptoss-1b", "short", 16384, 2, False),
+    "gemma4": ("gemma4-0.4b", "long", 16384, 1, False),
     "tiny": ("tiny", "short", 2048, 1, False),
+    "tiny_gptoss": ("tiny-gptoss", "short", 2048, 1, False),
+    "tiny_gemma4": ("tiny-gemma4", "short", 2048, 1, False),
 }
 
 
@@ -75,22 +99,30 @@ def make_corpora(assets: Path, out: Path) -> dict[str, Path]:
 
 
 def make_model(size: str, assets: Path, out: Path) -> Path:
-    """A random-init Qwen3-shaped model directory (bf16 safetensors and the shared Qwen3 tokenizer)."""
-    directory = out / f"qwen3-{size}"
+    """A random-init model directory (bf16 safetensors and the shared Qwen3 tokenizer): Qwen3-shaped (SHAPES) or of
+    another family (FAMILIES)."""
+    directory = out / (f"qwen3-{size}" if size in SHAPES else size)
     if (directory / "config.json").is_file():
         return directory
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-    hidden, intermediate, layers, heads, kv_heads = SHAPES[size]
     tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=128 if size != "tiny" else 16, tie_word_embeddings=True,
-                         max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, use_cache=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tokens = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  max_position_embeddings=40960, use_cache=False)
+    if size in SHAPES:
+        hidden, intermediate, layers, heads, kv_heads = SHAPES[size]
+        config = Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=128 if size != "tiny" else 16, tie_word_embeddings=True, rope_theta=1e6,
+                             rms_norm_eps=1e-6, **tokens)
+    else:
+        name, settings = FAMILIES[size]
+        extra = {"vocab_size_per_layer_input": len(tokenizer)} if name == "Gemma4TextConfig" else {}
+        config = getattr(transformers, name)(**settings, **tokens, **extra)
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
