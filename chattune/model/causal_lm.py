@@ -132,6 +132,7 @@ def build_hf_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig,
     """A model with random weights built from a config, its vocabulary sized to the tokenizer. Seed torch
     before calling for reproducible weights. (Model directories are loaded by `chattune.model.load`.)"""
     config.vocab_size = len(tokenizer)
+    config.get_text_config().vocab_size = len(tokenizer)  # a composite config keeps it in its text config
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
