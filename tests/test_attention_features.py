@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_hybrid_models import random_documents as hybrid_random_documents
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, GptOssConfig
 
 from chattune.data.documents import IGNORE_INDEX, Document
@@ -69,14 +69,7 @@ def packed_and_stock(name: str, seed: int = 0):
 
 
 def random_documents(vocab_size: int, lengths=LENGTHS, seed: int = 0) -> list[Document]:
-    rng = np.random.default_rng(seed)
-    documents = []
-    for index, length in enumerate(lengths):
-        ids = rng.integers(0, vocab_size, size=length)
-        labels = np.append(ids[1:], IGNORE_INDEX)
-        labels[rng.random(length) < 0.3] = IGNORE_INDEX
-        documents.append(Document(doc_id=index, input_ids=ids, labels=labels))
-    return documents
+    return hybrid_random_documents(vocab_size, lengths, seed)
 
 
 def packed_losses(model, documents: list[Document]) -> torch.Tensor:

@@ -5,6 +5,7 @@ leak control runs the same row with the mixers over the whole row and sees the d
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
@@ -102,17 +103,20 @@ def packed_and_stock(overrides: dict, documents_for, leak: bool = False):
     stock = copy.deepcopy(model)
     stock.set_attn_implementation("sdpa")
     documents = documents_for(model.config.vocab_size)
-    packed = PackedCausalLM(model)
-    if leak:
-        with leaking_mixers():
-            packed_losses = packed(collate_packed(documents))
-    else:
-        packed_losses = packed(collate_packed(documents))
+    with leaking_mixers() if leak else contextlib.nullcontext():
+        return compare_with_stock(PackedCausalLM(model), stock, documents)
+
+
+def compare_with_stock(packed: PackedCausalLM, stock, documents: list[Document]):
+    """(packed losses, stock losses, [(name, packed grad, stock grad)]): one packed row of `documents` through
+    `packed`, each sequence alone through `stock` (the same weights), forward and backward."""
+    packed_losses = packed(collate_packed(documents))
     packed_losses.sum().backward()
     reference = stock_losses(stock, documents)
     reference.sum().backward()
     stock_parameters = dict(stock.named_parameters())
-    grads = [(name, p.grad, stock_parameters[name].grad) for name, p in model.named_parameters() if p.grad is not None]
+    grads = [(name, p.grad, stock_parameters[name].grad) for name, p in packed.hf_model.named_parameters()
+             if p.grad is not None]
     return packed_losses.detach(), reference.detach(), grads
 
 

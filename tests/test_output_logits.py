@@ -11,9 +11,8 @@ import copy
 import pytest
 import torch
 from conftest import tiny_model
-from test_hybrid_models import random_documents, relative, stock_losses
+from test_hybrid_models import compare_with_stock, random_documents, relative
 
-from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.architecture_check import check_architecture
 from chattune.model.causal_lm import PackedCausalLM, check_output_head
@@ -36,17 +35,10 @@ def packed_and_stock(overrides: dict, implementation: str = "chunked", transform
     model = tiny_model(**overrides)
     stock = copy.deepcopy(model)
     stock.set_attn_implementation("eager")  # transformers' own attention (Gemma 2 has no SDPA path)
-    documents = random_documents(model.config.vocab_size, LENGTHS)
     packed = PackedCausalLM(model, loss_chunk_size=32, loss_implementation=implementation)
     if transform is not None:
         packed.logit_transform = transform
-    losses = packed(collate_packed(documents))
-    losses.sum().backward()
-    reference = stock_losses(stock, documents)
-    reference.sum().backward()
-    stock_parameters = dict(stock.named_parameters())
-    grads = [(name, p.grad, stock_parameters[name].grad) for name, p in model.named_parameters() if p.grad is not None]
-    return losses.detach(), reference.detach(), grads
+    return compare_with_stock(packed, stock, random_documents(model.config.vocab_size, LENGTHS))
 
 
 @pytest.mark.parametrize("implementation", ["chunked", "cut_cross_entropy"])
