@@ -12,16 +12,16 @@ first layers (two, or as many as its per-layer kinds need), with a few per-archi
 config does not build (`EXTRA`).
 
 2026-11-26, transformers 5.24.0, torch 2.13 (CPU, fp32), 196 architectures:
-- 121 train exactly, among them those with attention sinks (gpt-oss, GraniteSWA, Granite-MoE-SWA, MiMo-V2-Flash,
+- 122 train exactly, among them those with attention sinks (gpt-oss, GraniteSWA, Granite-MoE-SWA, MiMo-V2-Flash,
   Flint), attention soft-capping (Gemma 2, VaultGemma), scaled or soft-capped logits (the Cohere family, MiniCPM3,
-  NanoChat, Beam, Gemma 3n) and Gemma 4's per-layer head sizes;
-- 70 are refused: 32 let packed documents see each other (9 with sequence mixers chattune does not keep per
+  NanoChat, Beam, Gemma 3n), Gemma 4's per-layer head sizes and Lara-Mini's gated delta rule;
+- 69 are refused: 32 let packed documents see each other (9 with sequence mixers chattune does not keep per
   document: Mamba-1, RWKV, xLSTM, MiniMax's lightning attention, RecurrentGemma, Bailing's and Zaya's mixers,
   Inkling's convolutions; 23 older models whose positions or attention ignore the packed boundaries: BART family,
   BLOOM, XGLM, XLM, BigBird, ...); 17 have an output layer with a bias (BERT family, Phi, CodeGen, GPT-J, ...) and
   Dory one with a learned per-token logit scale; 6 index attention with a mask chattune does not build
-  (DeepSeek-V3.2's sparse attention and its kin); 3 need flash-linear-attention for their gated delta rule (Lara,
-  Qwen4-Exp); 3 pass their attention neither boundaries nor position ids (BLT, Inkling2); 3 pick their attention
+  (DeepSeek-V3.2's sparse attention and its kin); 2 need an attention mask in their forward (Qwen4-Exp);
+  3 pass their attention neither boundaries nor position ids (BLT, Inkling2); 3 pick their attention
   from a table of their own (Falcon, GPT-Neo, GIT); Doge and MPT pass attention masks of their own; 3 attend
   differently from causal attention in a window (Llama 4's chunked attention, DeepSeek-V4), which the check
   against transformers' own attention on one document sees;

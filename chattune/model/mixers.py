@@ -59,6 +59,8 @@ HANDLED = {
     "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_RULE,
     "Qwen3NextGatedDeltaNet": GATED_DELTA_RULE,
     "OlmoHybridGatedDeltaNet": GATED_DELTA_RULE,
+    "LaraMiniGatedDeltaNet": GATED_DELTA_RULE,
+    "Qwen4ExpTextGatedDeltaNet": GATED_DELTA_RULE,
     "KimiLinearDeltaAttention": KDA,
     "NemotronHMamba2Mixer": MAMBA2,
     "GraniteMoeHybridMambaLayer": MAMBA2,
