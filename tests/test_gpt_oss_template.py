@@ -254,3 +254,12 @@ def test_channel_tags_in_content_are_a_bad_record_named_by_file_and_line(tmp_pat
         documents.get(1)
     with pytest.raises(jinja2.TemplateError):  # as apply_chat_template refuses it
         harmony.apply_chat_template(bad["messages"], tokenize=False)
+
+
+def test_generation_stops_where_training_ends_a_reply(harmony):
+    """A reply ends with <|return|> (an answer) or <|call|> (a tool call): sample replies stop at both."""
+    from chattune.model.generate import stop_token_ids
+
+    ids = stop_token_ids(harmony)
+    assert ids[:2] == harmony.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    assert "<|end|>" not in harmony.convert_ids_to_tokens(ids)  # history's token: the model does not stop there

@@ -47,10 +47,12 @@ class Reply:
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end a reply: the chat template's end-of-turn token (`chattune.data.chat_template`: e.g.
-    `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos), and the eos token. A ChatTemplateError (a
-    UserError) for a tokenizer without a usable chat template."""
-    end_of_turn = tokenizer.convert_tokens_to_ids(probe_template(tokenizer).end_of_turn)
-    ids = [end_of_turn] if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id else []
+    `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos), the token that ends a tool call where the template
+    has one of its own (gpt-oss's `<|call|>`), and the eos token: the ends training teaches. A ChatTemplateError
+    (a UserError) for a tokenizer without a usable chat template."""
+    markers = probe_template(tokenizer)
+    ends = [tokenizer.convert_tokens_to_ids(token) for token in (markers.end_of_turn, markers.end_of_tool_call)]
+    ids = [end for end in ends if isinstance(end, int) and end != tokenizer.unk_token_id]
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return list(dict.fromkeys(ids))
