@@ -20,10 +20,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, GptOssC
 
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
-from chattune.model import attention
-from chattune.model.attention import (EXACT, SDPA, SINK_VARLEN, VARLEN, AttentionLayer, _per_document_exact,
-                                      attention_backend, attention_features, attention_path, packed_hidden_states,
-                                      sink_varlen_attn)
+from chattune.model import attention, attention_kernels
+from chattune.model.attention import (EXACT, SDPA, SINK_VARLEN, VARLEN, AttentionLayer, attention_backend,
+                                      attention_features, attention_path, packed_hidden_states)
+from chattune.model.attention_kernels import _per_document_exact, sink_varlen_attn
 
 WINDOW = 4
 LENGTHS = (13, 6, 11)  # longer than the window, of different lengths: windows and boundaries both matter
@@ -306,8 +306,8 @@ def _(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, i
 def test_the_sink_path_compiles_in_one_graph(monkeypatch):
     """With custom ops standing in for torch's (registered as torch registers its own), `_SinkVarlen` traces
     forward and backward without a graph break, and the compiled gradients are the eager ones."""
-    monkeypatch.setattr(attention, "_TORCH_SINK_OPS", (torch.ops.chattune_test.varlen_attn,
-                                                       torch.ops.chattune_test.varlen_attn_backward))
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", (torch.ops.chattune_test.varlen_attn,
+                                                               torch.ops.chattune_test.varlen_attn_backward))
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
 
     def loss(q, k, v, sinks):
@@ -325,13 +325,13 @@ def test_the_sink_path_compiles_in_one_graph(monkeypatch):
 
 def test_this_torch_has_the_ops_the_sink_path_calls():
     """torch 2.13's varlen flash ops, with the arguments `_SinkVarlen` passes by name (checked at import)."""
-    assert attention._TORCH_SINK_OPS is not None
+    assert attention_kernels._TORCH_SINK_OPS is not None
 
 
 # The path of each layer.
 
 def test_each_layer_takes_the_path_its_device_dtype_head_size_and_features_allow(monkeypatch):
-    monkeypatch.setattr(attention, "_FLASH_ATTN_SOFTCAP", False)
+    monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", False)
     assert attention_path("cpu", torch.float32, 64) == SDPA
     assert attention_path("cpu", torch.bfloat16, 64, sinks=True) == EXACT
     assert attention_path("cpu", "float32", 64, softcap=True) == EXACT
@@ -345,10 +345,10 @@ def test_each_layer_takes_the_path_its_device_dtype_head_size_and_features_allow
     assert attention_path("cuda", torch.bfloat16, 64, sinks=True) == SINK_VARLEN
     assert attention_path("cuda", torch.bfloat16, 64, softcap=True) == EXACT  # torch's varlen_attn: no softcap
     assert attention_path("cuda", torch.bfloat16, 64, sinks=True, softcap=True) == EXACT
-    monkeypatch.setattr(attention, "_FLASH_ATTN_SOFTCAP", True)
+    monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", True)
     assert attention_path("cuda", torch.bfloat16, 64, softcap=True) == VARLEN
     assert attention_path("cuda", torch.bfloat16, 512, softcap=True) == EXACT
-    monkeypatch.setattr(attention, "_TORCH_SINK_OPS", None)
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", None)
     assert attention_path("cuda", torch.bfloat16, 64, sinks=True) == EXACT
 
 
@@ -367,8 +367,8 @@ def _force_cuda(monkeypatch) -> list[tuple[str, int]]:
         return _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window, softcap)
 
     monkeypatch.setattr(attention, "attention_path", as_on_cuda)
-    monkeypatch.setattr(attention, "_varlen", varlen_stand_in)
-    monkeypatch.setattr(attention, "_TORCH_SINK_OPS", STAND_IN_OPS)
+    monkeypatch.setattr(attention_kernels, "_varlen", varlen_stand_in)
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", STAND_IN_OPS)
     return taken
 
 
@@ -403,8 +403,8 @@ def test_gpt_oss_on_the_cuda_sink_path_equals_stock(monkeypatch):
 def test_the_start_up_line_names_each_group_of_layers(monkeypatch):
     plain = "per-document SDPA (a loop over documents, outside compiled graphs)"
     assert attention_backend("cpu", "float32") == plain  # the old call
-    monkeypatch.setattr(attention, "_FLASH_ATTN_VARLEN", lambda *args, **kwargs: None)
-    monkeypatch.setattr(attention, "_FLASH_ATTN_SOFTCAP", True)
+    monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_VARLEN", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", True)
     assert attention_backend("cuda", "bfloat16") == "flash-attn varlen"
     gemma4 = attention_features(AutoModelForCausalLM.from_config(gemma4_config()))
     assert gemma4 == (AttentionLayer(16), AttentionLayer(512), AttentionLayer(16), AttentionLayer(512))
@@ -419,7 +419,7 @@ def test_the_start_up_line_names_each_group_of_layers(monkeypatch):
     gemma2 = attention_features(AutoModelForCausalLM.from_config(gemma2_config()))
     assert gemma2 == (AttentionLayer(16, softcap=True),) * 4
     assert attention_backend("cuda", "bfloat16", gemma2) == "all 4 layers with soft-capping: flash-attn varlen"
-    monkeypatch.setattr(attention, "_FLASH_ATTN_SOFTCAP", False)
+    monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", False)
     assert attention_backend("cuda", "bfloat16", gemma2).startswith(
         "all 4 layers with soft-capping: per-document exact attention")
     latent = (AttentionLayer(192, value_head_dim=128),)  # query/key and value heads of different sizes (MLA)
@@ -466,11 +466,11 @@ def test_on_cuda_the_sink_kernel_path_equals_the_exact_one(window):
 
 
 @cuda
-@pytest.mark.skipif(not attention._FLASH_ATTN_SOFTCAP, reason="needs flash-attn with softcap")
+@pytest.mark.skipif(not attention_kernels._FLASH_ATTN_SOFTCAP, reason="needs flash-attn with softcap")
 def test_on_cuda_flash_attn_soft_capping_equals_the_exact_path():
     q, k, v, _, cu_seqlens, upstream = _cuda_case()
     rows = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    got = attention._varlen(*rows, cu_seqlens, 170, 0.125, 0.0, 64, 3.0)[0]
+    got = attention_kernels._varlen(*rows, cu_seqlens, 170, 0.125, 0.0, 64, 3.0)[0]
     fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
     want = _per_document_exact(*[t.transpose(0, 1).unsqueeze(0) for t in fp32], cu_seqlens, 0.125, 0.0, 64, 3.0)[0]
     assert relative(got.float(), want) <= 1e-2

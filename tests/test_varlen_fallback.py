@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import _per_document_sdpa, probe_native_gqa, torch_varlen_attn
+from chattune.model.attention_kernels import _per_document_sdpa, probe_native_gqa, torch_varlen_attn
 
 
 def _attention(q, k, v, cu_seqlens, scale):  # (N, H, D) in, (N, Hq, D) out, like the kernels

@@ -25,7 +25,8 @@ from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
 from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
 from chattune.model.architecture_check import check_architecture
-from chattune.model.attention import attention_backend, attention_features, probe_native_gqa
+from chattune.model.attention import attention_backend, attention_features
+from chattune.model.attention_kernels import probe_native_gqa
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation

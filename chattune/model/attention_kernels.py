@@ -1,0 +1,289 @@
+"""The attention kernels on a packed row: each attends causally within every document of a row that holds several
+back to back, given their boundaries (`cu_seqlens`).
+
+`chattune.model.attention` chooses one per layer (`attention_path`) and calls it; this module says how each one
+computes. The per-document loops take (1, H, N, D), as transformers hands its attention functions; the varlen
+kernels take (N, H, D) (`_varlen` and `_sink_varlen` turn the one into the other). All return (1, N, Hq, D).
+
+- `_per_document_sdpa`: causal SDPA per document (exact, simple).
+- `_per_document_exact`: the same loop with the scores written out (fp32 softmax), as transformers' eager
+  attention for gpt-oss and Gemma 2 computes them: attention sinks (`s_aux`: gpt-oss, a learned per-head logit
+  in every query's softmax denominator, whose probability is dropped) and logit soft-capping (`softcap`: Gemma 2,
+  scores become tanh(scores / cap) * cap before the mask). SDPA has neither. On CUDA it holds each document's
+  (heads, L, L) fp32 scores and probabilities for the backward: fine for short documents, heavy for long ones
+  (Gemma 2 without flash-attn: install it, `pip install -e ".[gpu]"`).
+- `_varlen`: flash-attn's `flash_attn_varlen_func` where flash-attn is importable, soft-capping through its
+  `softcap`; otherwise torch's `varlen_attn` (`torch_varlen_attn`), which has no soft-capping (those layers take
+  the exact loop). Grouped-query attention (fewer kv heads than query heads) goes to torch's flash kernel as it
+  is (the kernel supports it): with `enable_gqa` on torch >= 2.13; on an older torch, whose wrapper has no such
+  flag, once `probe_native_gqa` has seen unequal head counts agree with repeated kv heads on the device at
+  start-up; otherwise the kv heads are repeated first (Hq/Hkv times their memory and bandwidth).
+- Neither flash kernel takes head sizes over 256 (`VARLEN_MAX_HEAD_DIM`; Gemma 4's global layers: 512), nor value
+  heads of another size than the query's (multi-head latent attention): such layers take `_per_document_sdpa`
+  (CUDA's efficient and cuDNN kernels do take them).
+- `_sink_varlen` (`sink_varlen_attn`): attention sinks on torch's flash kernel through its custom ops
+  (`torch.ops.torch_attn._varlen_attn` and `_varlen_attn_backward`, the ones `varlen_attn` wraps), whatever
+  else is installed. The forward rescales the output by sigmoid(lse - sink) = exp(lse) / (exp(lse) +
+  exp(sink)). The gradient must also flow through lse, and no kernel's public API gives that:
+  torch's `varlen_attn(return_aux=AuxRequest(lse=True))` drops the lse's gradient in its backward (it
+  returns dq, dk, dv from the output's gradient alone), and flash-attn's `return_attn_probs=True` lse is
+  not differentiable either (flash-attention issues 141 and 1137). Rescaling that lse would train with
+  wrong q and k gradients. So `_SinkVarlen` hands the kernel's own backward the sink-inclusive lse,
+  log(exp(lse) + exp(sink)), and the rescaled output: the flash backward recomputes the probabilities
+  from the lse it is given and the softmax correction from the output it is given, which is then exactly
+  the backward of a softmax over the keys plus a sink of value zero; the sink's gradient is
+  -sum_i exp(sink - lse_i') (dO_i . O_i). Where this torch has no such ops (`_TORCH_SINK_OPS` is None, decided
+  at import), those layers take the exact loop; so do sinks together with soft-capping (no model has both).
+
+Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
+The loops over documents are left out of compiled graphs (`torch.compiler.disable`); every choice that
+depends on what is installed is made here at import, outside compiled code. One of them changes after import:
+`_varlen_gqa`, which `probe_native_gqa` rebinds at start-up. Other modules read these through this module
+(`attention_kernels._varlen_gqa`), never `from ... import` them: a copy would keep the import-time value, and a
+test's monkeypatch here would not reach it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
+
+from chattune.errors import UnsupportedModel
+
+logger = logging.getLogger(__name__)
+
+
+def _import_flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+# Decided once at import, outside any compiled code: under torch.compile, a failing import or an
+# inspect.signature inside the attention function would be traced (a graph break in every layer).
+_FLASH_ATTN_VARLEN = _import_flash_attn_varlen()
+_TORCH_VARLEN_PARAMETERS = frozenset(inspect.signature(_torch_varlen_attn).parameters)
+# How torch's varlen_attn is given fewer kv heads than query heads: "flag" (its enable_gqa), "native" (unequal
+# head counts as they are: a wrapper without the flag, verified by `probe_native_gqa`) or "repeat".
+_varlen_gqa = "flag" if "enable_gqa" in _TORCH_VARLEN_PARAMETERS else "repeat"
+_FLASH_ATTN_SOFTCAP = _FLASH_ATTN_VARLEN is not None and "softcap" in inspect.signature(_FLASH_ATTN_VARLEN).parameters
+VARLEN_MAX_HEAD_DIM = 256  # the largest head size flash-attn's and torch's varlen flash kernels take
+
+# The arguments `_SinkVarlen` passes torch's varlen flash ops by name (torch >= 2.13's schemas).
+_SINK_OP_ARGUMENTS = {
+    "_varlen_attn": {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "scale",
+                     "window_size", "enable_gqa"},
+    "_varlen_attn_backward": {"grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "cu_seq_k", "max_q",
+                              "max_k", "is_causal", "rng_state", "scale", "window_size"},
+}
+
+
+def _torch_sink_ops() -> tuple | None:
+    """torch's varlen flash forward and backward ops, (out, lse, rng_state) and (dq, dk, dv), where this torch has
+    them with the arguments `_SinkVarlen` passes; None otherwise (attention sinks then take the exact loop)."""
+    ops = []
+    for name, needed in _SINK_OP_ARGUMENTS.items():
+        op = getattr(torch.ops.torch_attn, name, None)
+        schema = getattr(getattr(op, "default", None), "_schema", None)
+        if schema is None or len(schema.returns) != 3 or not needed <= {a.name for a in schema.arguments}:
+            return None
+        ops.append(op)
+    return tuple(ops)
+
+
+_TORCH_SINK_OPS = _torch_sink_ops()
+
+
+@torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
+def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
+    # query: (1, Hq, N, D), key/value: (1, Hkv, N, D)
+    enable_gqa = query.shape[1] != key.shape[1]
+    bounds = cu_seqlens.tolist()
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        mask = None  # causal, and only the last `window` keys where the window is shorter than the document
+        if window is not None and end - start > window:
+            mask = _document_mask(end - start, window, query.device)
+        outputs.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=enable_gqa,
+        ))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (1, N, Hq, D): some models .view() it
+
+
+def _document_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(L, L) bool, True where query i may see key j: causal, and only the last `window` keys (itself included)."""
+    positions = torch.arange(length, device=device)
+    distance = positions[:, None] - positions[None, :]
+    return (distance >= 0) & (distance < window) if window is not None else distance >= 0
+
+
+@torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
+def _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window, softcap=None, sinks=None):
+    """Attention per document with the scores written out, as transformers' eager attention computes them:
+    soft-capping (Gemma 2) is tanh(scores / cap) * cap before the mask; sinks (gpt-oss) are one more logit per
+    head in every query's softmax, whose probability is dropped. Scores and softmax in fp32 (exact on fp32)."""
+    # query: (1, Hq, N, D), key/value: (1, Hkv, N, D), sinks: (Hq,)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # transformers' repeat_kv: query head h reads kv head h // groups
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    bounds = cu_seqlens.tolist()
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (t[:, :, start:end].float() for t in (query, key, value))
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~_document_mask(end - start, window, query.device), float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().reshape(1, -1, 1, 1).expand(1, -1, end - start, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        if dropout:
+            probs = F.dropout(probs, p=dropout)
+        outputs.append(torch.matmul(probs, v).to(query.dtype))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (1, N, Hq, D): some models .view() it
+
+
+def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None, gqa: str | None = None):
+    """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: before 2.13 it has no
+    `enable_gqa` (grouped-query attention then passes unequal head counts as they are where `gqa` is
+    "native", else repeats the kv heads) and, in some versions, no `window_size` (then only plain causal
+    attention, `is_causal`). `gqa`: "native" or "repeat" for a wrapper without the flag (default: what
+    `probe_native_gqa` settled)."""
+    if varlen_attn is None:
+        varlen_attn, parameters = _torch_varlen_attn, _TORCH_VARLEN_PARAMETERS
+    else:  # a stand-in (tests, the probe)
+        parameters = inspect.signature(varlen_attn).parameters
+    extra = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in parameters:
+            extra["enable_gqa"] = True
+        elif (gqa or _varlen_gqa) != "native":
+            repeats = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    if "window_size" in parameters:
+        extra["window_size"] = window_size
+    elif tuple(window_size) != (-1, 0):
+        raise UnsupportedModel(f"this torch's varlen_attn cannot apply a sliding window {window_size}: install "
+                               "flash-attn (pip install -e \".[gpu]\") or torch>=2.13")
+    elif "is_causal" in parameters:
+        extra["is_causal"] = True
+    else:
+        raise UnsupportedModel("this torch's varlen_attn has no causal masking: install flash-attn or torch>=2.13")
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, **extra)
+
+
+def probe_native_gqa(device: torch.device, varlen_attn=None) -> str:
+    """Settle how torch's varlen_attn takes grouped-query attention on `device` ("flag", "native" or "repeat",
+    see the module docstring), once, before anything is compiled. A wrapper without `enable_gqa` is tried on
+    a small case with unequal head counts, forward and backward; it is used so only where it runs and agrees
+    with repeated kv heads."""
+    global _varlen_gqa
+    parameters = _TORCH_VARLEN_PARAMETERS if varlen_attn is None else inspect.signature(varlen_attn).parameters
+    if "enable_gqa" in parameters:
+        return "flag"
+    if varlen_attn is None and (device.type != "cuda" or _FLASH_ATTN_VARLEN is not None):
+        return _varlen_gqa  # the kernel is CUDA's, and with flash-attn installed it is not used
+    generator = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    inputs = [torch.randn(48, heads, 64, generator=generator, device=device, dtype=dtype) for heads in (4, 2, 2)]
+    cu_seqlens = torch.tensor([0, 17, 48], dtype=torch.int32, device=device)
+
+    def run(gqa: str) -> list[torch.Tensor]:
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        out = torch_varlen_attn(q, k, v, cu_seqlens, 31, None, (-1, 0), varlen_attn=varlen_attn, gqa=gqa)
+        out.float().square().sum().backward()
+        return [out.detach().float(), *(t.grad.float() for t in (q, k, v))]
+
+    try:
+        native = run("native")
+    except (RuntimeError, ValueError, AssertionError) as error:  # the wrapper or kernel refuses unequal heads
+        logger.info("torch varlen_attn takes no unequal head counts here (%s): kv heads are repeated", error)
+        native = None
+    repeated = run("repeat")
+    agree = native is not None and all(torch.allclose(a, b, rtol=2e-2, atol=2e-2) for a, b in zip(native, repeated))
+    if native is not None and not agree:
+        logger.warning("torch varlen_attn with unequal head counts disagrees with repeated kv heads: repeating them")
+    if varlen_attn is None:
+        _varlen_gqa = "native" if agree else "repeat"
+    return "native" if agree else "repeat"
+
+
+class _SinkVarlen(torch.autograd.Function):
+    """Attention with sinks on torch's varlen flash kernel (module docstring): the output rescaled by
+    sigmoid(lse - sink), and the kernel's backward handed the sink-inclusive lse and the rescaled output."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, scale, window_size, ops):
+        forward_op, backward_op = ops if ops is not None else _TORCH_SINK_OPS
+        is_causal = tuple(window_size) == (-1, 0)  # as varlen_attn tells the op
+        out, lse, rng_state = forward_op(
+            query=q, key=k, value=v, cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=max_seqlen, max_k=max_seqlen,
+            is_causal=is_causal, scale=scale, window_size=list(window_size), enable_gqa=q.shape[1] != k.shape[1])
+        if tuple(lse.shape) != (q.shape[1], q.shape[0]):  # the layout the rescaling below is written for
+            raise RuntimeError(f"torch's varlen flash kernel returned an lse of shape {tuple(lse.shape)}, not "
+                               f"(heads, tokens) = {(q.shape[1], q.shape[0])}: attention sinks cannot use it")
+        sink = sinks.float()[:, None]
+        lse_with_sink = torch.logaddexp(lse, sink)  # (H, N), the kernel's lse layout
+        out = (out * torch.sigmoid(lse - sink).transpose(0, 1).unsqueeze(-1)).to(out.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_with_sink, sinks, cu_seqlens, rng_state)
+        ctx.arguments = (max_seqlen, is_causal, scale, list(window_size), backward_op)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse_with_sink, sinks, cu_seqlens, rng_state = ctx.saved_tensors
+        max_seqlen, is_causal, scale, window_size, backward_op = ctx.arguments
+        grad_out = grad_out.contiguous()
+        # The kernel recomputes the probabilities as exp(score - lse) and subtracts rowsum(dO * O): with the
+        # sink-inclusive lse and the rescaled output that is the backward of the softmax with the sink in it.
+        dq, dk, dv = backward_op(
+            grad_out=grad_out, query=q, key=k, value=v, out=out, lse=lse_with_sink, cu_seq_q=cu_seqlens,
+            cu_seq_k=cu_seqlens, max_q=max_seqlen, max_k=max_seqlen, is_causal=is_causal, rng_state=rng_state,
+            scale=scale, window_size=window_size)
+        dsinks = None
+        if ctx.needs_input_grad[3]:  # d sink = -sum_i P(sink)_i (dO_i . O_i), P(sink)_i = exp(sink - lse_i)
+            delta = (grad_out.float() * out.float()).sum(-1).transpose(0, 1)  # (H, N)
+            sink_probs = torch.exp(sinks.float()[:, None] - lse_with_sink)
+            dsinks = -(sink_probs * delta).sum(1).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+def sink_varlen_attn(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, window_size, ops=None) -> torch.Tensor:
+    """Attention with sinks on (N, H, D) tensors through torch's varlen flash kernel (`_SinkVarlen`); `sinks`: (Hq,).
+    `ops`: stand-ins for torch's (forward, backward) ops (tests)."""
+    return _SinkVarlen.apply(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, tuple(window_size), ops)
+
+
+def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window, softcap=None):
+    # varlen kernels take (N, H, D); window (W-1, 0) = causal over the last W keys, as transformers does
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    window_size = (window - 1, 0) if window is not None else (-1, 0)
+    if _FLASH_ATTN_VARLEN is not None:
+        extra = {"softcap": softcap} if softcap is not None else {}  # attention_path: only where it takes softcap
+        out = _FLASH_ATTN_VARLEN(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window_size, **extra,
+        )
+    else:
+        if dropout:
+            raise ValueError("torch varlen_attn has no dropout; set attention_dropout=0 or install flash-attn")
+        out = torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size)
+    return out.unsqueeze(0)  # (1, N, Hq, D)
+
+
+def _sink_varlen(query, key, value, sinks, cu_seqlens, max_seqlen, scaling, dropout, window):
+    if dropout:
+        raise ValueError("torch's varlen flash kernel (attention sinks) has no dropout; set attention_dropout=0")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    window_size = (window - 1, 0) if window is not None else (-1, 0)
+    return sink_varlen_attn(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, window_size).unsqueeze(0)
