@@ -106,7 +106,7 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     cfg = OmegaConf.create({"seed": 0, "model": {"path": model_dir, "config": None, "compile": False,
                                                  "fsdp": {"param_dtype": "float32", "reduce_dtype": "float32",
                                                           "activation_checkpointing": False}},
-                            "loss": {"chunk_size": 1024, "implementation": "chunked"}})
+                            "loss": {"chunk_size": 1024, "implementation": "chunked", "router_aux_coef": None}})
     dist_info = init_distributed("cpu")
     torch.distributed.barrier()
     before_load = RssSampler.current()

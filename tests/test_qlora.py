@@ -48,7 +48,7 @@ def run_config(path: str):
     return OmegaConf.create({
         "seed": 0, "model": {"path": path, "compile": False,
                              "fsdp": {"param_dtype": "auto", "reduce_dtype": "float32", "activation_checkpointing": False}},
-        "loss": {"chunk_size": 64, "implementation": "chunked"}})
+        "loss": {"chunk_size": 64, "implementation": "chunked", "router_aux_coef": None}})
 
 
 def random_b(name: str, shape) -> torch.Tensor:

@@ -44,7 +44,7 @@ def run_config(path: str | None, seed: int = 0):
         "seed": seed, "model": {"path": path, "compile": False, "config": {"_target_": "transformers.LlamaConfig",
                                 **{k: v for k, v in ODD_SHAPES.items() if k not in ("vocab_size", "head_dim")}},
                                 "fsdp": {"param_dtype": "auto", "reduce_dtype": "float32", "activation_checkpointing": False}},
-        "loss": {"chunk_size": 64, "implementation": "chunked"}})
+        "loss": {"chunk_size": 64, "implementation": "chunked", "router_aux_coef": None}})
 
 
 def gathered(model, hf_model) -> dict[str, torch.Tensor]:
