@@ -137,6 +137,17 @@ def counts_rows() -> bool:
     return _context_group is None or dist.get_rank(_context_group) == 0
 
 
+def host_values_on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """Host values as a tensor on `device`, queued without waiting for the device. `torch.tensor(values,
+    device=cuda)` copies from pageable memory, which synchronises the stream: the host would wait for every
+    kernel queued before (the previous step's optimizer, the previous microbatch's backward). A copy from
+    pinned memory is queued like a kernel."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over all ranks in one collective (returns a new tensor)."""
     values = values.clone()
@@ -148,7 +159,7 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
 def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum named per-rank figures over all ranks with ONE stacked all-reduce."""
     names = sorted(values)
-    stacked = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
+    stacked = host_values_on(device, [float(values[n]) for n in names], torch.float64)
     return dict(zip(names, all_reduce_sum(stacked).tolist()))
 
 

@@ -10,6 +10,7 @@ per-layer choice of path run through a whole model with the device type forced t
 
 from __future__ import annotations
 
+import inspect
 import copy
 
 import pytest
@@ -257,6 +258,22 @@ def test_rescaling_by_an_lse_without_gradient_gets_queries_and_keys_wrong():
     assert min(relative(a, b) for a, b in zip(naive_grads, exact_grads)) > 1e-2
 
 
+def reference_forward_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
+                           window_size=None):
+    """torch 2.11's torch_attn::_varlen_attn: no enable_gqa (here over a kernel that refuses unequal heads)."""
+    assert key.shape[1] == query.shape[1], "no GQA flag: the kv heads must come repeated"
+    return reference_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size)
+
+
+def test_the_sink_path_on_torch_2_11s_ops_repeats_the_kv_heads_and_stays_exact():
+    q, k, v, sinks, cu_seqlens, upstream = _sink_case()
+    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(reference_forward_2_11, reference_backward))
+    want = _exact(q, k, v, sinks, cu_seqlens, 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for mine, reference in zip(_grads(got, upstream, (q, k, v, sinks)), _grads(want, upstream, (q, k, v, sinks))):
+        assert relative(mine, reference) <= 1e-5
+
+
 def test_the_sink_path_tells_the_kernel_what_varlen_attn_would():
     calls = []
 
@@ -264,6 +281,7 @@ def test_the_sink_path_tells_the_kernel_what_varlen_attn_would():
         calls.append({k: kwargs[k] for k in ("is_causal", "window_size", "enable_gqa", "max_q")})
         return reference_forward(**kwargs)
 
+    recording.__signature__ = inspect.signature(reference_forward)  # torch >= 2.12's op: it takes enable_gqa
     q, k, v, sinks, cu_seqlens, _ = _sink_case()
     sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(recording, reference_backward))
     sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (-1, 0), ops=(recording, reference_backward))
@@ -306,6 +324,7 @@ def _(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, i
 def test_the_sink_path_compiles_in_one_graph(monkeypatch):
     """With custom ops standing in for torch's (registered as torch registers its own), `_SinkVarlen` traces
     forward and backward without a graph break, and the compiled gradients are the eager ones."""
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_GQA_FLAG", True)  # the stand-in ops take enable_gqa
     monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", (torch.ops.chattune_test.varlen_attn,
                                                                torch.ops.chattune_test.varlen_attn_backward))
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
@@ -324,7 +343,8 @@ def test_the_sink_path_compiles_in_one_graph(monkeypatch):
 
 
 def test_this_torch_has_the_ops_the_sink_path_calls():
-    """torch 2.13's varlen flash ops, with the arguments `_SinkVarlen` passes by name (checked at import)."""
+    """torch's varlen flash ops (2.11 and later), with the arguments `_SinkVarlen` passes by name (checked at
+    import)."""
     assert attention_kernels._TORCH_SINK_OPS is not None
 
 
@@ -368,6 +388,7 @@ def _force_cuda(monkeypatch) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(attention, "attention_path", as_on_cuda)
     monkeypatch.setattr(attention_kernels, "_varlen", varlen_stand_in)
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_GQA_FLAG", True)  # the stand-in ops take enable_gqa
     monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", STAND_IN_OPS)
     return taken
 

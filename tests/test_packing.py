@@ -213,3 +213,31 @@ def test_share_sampler_chunks_close_each_epoch():
     assert list(ShareSampler(5, 0, 1, seed=0, shuffle=False, num_epochs=1, chunk_records=3)) == [(0, [0, 1, 2], False), (0, [3, 4], True)]
     # rank 1 of 2 has no record of a one-record data set: one empty chunk closes each of its epochs
     assert list(ShareSampler(1, 1, 2, seed=0, shuffle=False, num_epochs=2, chunk_records=3)) == [(0, [], True), (1, [], True)]
+
+
+def test_a_microbatch_and_host_values_reach_the_device_unchanged():
+    from chattune.distributed import host_values_on
+
+    batch = collate_packed(demo_documents(3))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    moved = batch.to(device)
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "segment_ids", "document_ids"):
+        original, copy = getattr(batch, name), getattr(moved, name)
+        assert copy.device.type == device.type and copy.dtype == original.dtype
+        assert torch.equal(copy.cpu(), original)
+    values = host_values_on(device, [3, 1, 4], torch.int64)
+    assert values.device.type == device.type and values.tolist() == [3, 1, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: whether a host-to-device copy waits for the device")
+def test_a_microbatch_and_host_values_go_to_the_gpu_without_a_host_sync():
+    from chattune.distributed import host_values_on
+
+    batch = collate_packed(demo_documents(3))
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising copy raises
+    try:
+        moved = batch.to("cuda")
+        values = host_values_on(torch.device("cuda"), [3, 1], torch.int64)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(moved.input_ids.cpu(), batch.input_ids) and values.tolist() == [3, 1]

@@ -49,14 +49,24 @@ class PackedBatch:
         return self.num_tokens - self.padding
 
     def to(self, device: torch.device | str) -> "PackedBatch":
+        device = torch.device(device)
+        # To CUDA from pinned memory: from pageable memory the copy would wait for the kernels already queued
+        # (the previous microbatch's backward), leaving the device idle while the host queues the next forward.
+        pinned = device.type == "cuda"
+
+        def moved(tensor: torch.Tensor) -> torch.Tensor:
+            if pinned and tensor.device.type == "cpu" and not tensor.is_pinned():
+                tensor = tensor.pin_memory()
+            return tensor.to(device, non_blocking=True)
+
         return PackedBatch(
-            input_ids=self.input_ids.to(device, non_blocking=True),
-            labels=self.labels.to(device, non_blocking=True),
-            position_ids=self.position_ids.to(device, non_blocking=True),
-            cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
+            input_ids=moved(self.input_ids),
+            labels=moved(self.labels),
+            position_ids=moved(self.position_ids),
+            cu_seqlens=moved(self.cu_seqlens),
             max_seqlen=self.max_seqlen,
-            segment_ids=self.segment_ids.to(device, non_blocking=True),
-            document_ids=self.document_ids.to(device, non_blocking=True),
+            segment_ids=moved(self.segment_ids),
+            document_ids=moved(self.document_ids),
             doc_ids=self.doc_ids,
             doc_lengths=self.doc_lengths,
             doc_sources=self.doc_sources,

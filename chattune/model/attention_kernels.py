@@ -15,7 +15,7 @@ kernels take (N, H, D) (`_varlen` and `_sink_varlen` turn the one into the other
 - `_varlen`: flash-attn's `flash_attn_varlen_func` where flash-attn is importable, soft-capping through its
   `softcap`; otherwise torch's `varlen_attn` (`torch_varlen_attn`), which has no soft-capping (those layers take
   the exact loop). Grouped-query attention (fewer kv heads than query heads) goes to torch's flash kernel as it
-  is (the kernel supports it): with `enable_gqa` on torch >= 2.13; on an older torch, whose wrapper has no such
+  is (the kernel supports it): with `enable_gqa` on torch >= 2.12; on torch 2.11, whose wrapper has no such
   flag, once `probe_native_gqa` has seen unequal head counts agree with repeated kv heads on the device at
   start-up; otherwise the kv heads are repeated first (Hq/Hkv times their memory and bandwidth).
 - Neither flash kernel takes head sizes over 256 (`VARLEN_MAX_HEAD_DIM`; Gemma 4's global layers: 512), nor value
@@ -34,6 +34,8 @@ kernels take (N, H, D) (`_varlen` and `_sink_varlen` turn the one into the other
   the backward of a softmax over the keys plus a sink of value zero; the sink's gradient is
   -sum_i exp(sink - lse_i') (dO_i . O_i). Where this torch has no such ops (`_TORCH_SINK_OPS` is None, decided
   at import), those layers take the exact loop; so do sinks together with soft-capping (no model has both).
+  torch 2.11's ops have no `enable_gqa` either: there the kv heads go in as `probe_native_gqa` settled (as they
+  are, or repeated, whose gradients autograd sums back).
 
 Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
 The loops over documents are left out of compiled graphs (`torch.compiler.disable`); every choice that
@@ -51,8 +53,6 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
-
-from chattune.errors import UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,11 @@ _varlen_gqa = "flag" if "enable_gqa" in _TORCH_VARLEN_PARAMETERS else "repeat"
 _FLASH_ATTN_SOFTCAP = _FLASH_ATTN_VARLEN is not None and "softcap" in inspect.signature(_FLASH_ATTN_VARLEN).parameters
 VARLEN_MAX_HEAD_DIM = 256  # the largest head size flash-attn's and torch's varlen flash kernels take
 
-# The arguments `_SinkVarlen` passes torch's varlen flash ops by name (torch >= 2.13's schemas).
+# The arguments `_SinkVarlen` passes torch's varlen flash ops by name (torch >= 2.11's schemas; `enable_gqa`
+# too where the forward op has it, from 2.12).
 _SINK_OP_ARGUMENTS = {
     "_varlen_attn": {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "scale",
-                     "window_size", "enable_gqa"},
+                     "window_size"},
     "_varlen_attn_backward": {"grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "cu_seq_k", "max_q",
                               "max_k", "is_causal", "rng_state", "scale", "window_size"},
 }
@@ -97,7 +98,15 @@ def _torch_sink_ops() -> tuple | None:
     return tuple(ops)
 
 
+def _takes_gqa_flag(op) -> bool:
+    """Whether a varlen forward op (torch's, or a test's stand-in function) has an `enable_gqa` argument."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    names = {a.name for a in schema.arguments} if schema is not None else set(inspect.signature(op).parameters)
+    return "enable_gqa" in names
+
+
 _TORCH_SINK_OPS = _torch_sink_ops()
+_TORCH_SINK_GQA_FLAG = _TORCH_SINK_OPS is not None and _takes_gqa_flag(_TORCH_SINK_OPS[0])
 
 
 @torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
@@ -154,11 +163,10 @@ def _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window,
 
 
 def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None, gqa: str | None = None):
-    """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: before 2.13 it has no
-    `enable_gqa` (grouped-query attention then passes unequal head counts as they are where `gqa` is
-    "native", else repeats the kv heads) and, in some versions, no `window_size` (then only plain causal
-    attention, `is_causal`). `gqa`: "native" or "repeat" for a wrapper without the flag (default: what
-    `probe_native_gqa` settled)."""
+    """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: torch 2.11's has no `enable_gqa`
+    (grouped-query attention then passes unequal head counts as they are where `gqa` is "native", else repeats
+    the kv heads). `gqa`: "native" or "repeat" for a wrapper without the flag (default: what `probe_native_gqa`
+    settled). Every supported torch (>= 2.11) takes `scale` and `window_size`."""
     if varlen_attn is None:
         varlen_attn, parameters = _torch_varlen_attn, _TORCH_VARLEN_PARAMETERS
     else:  # a stand-in (tests, the probe)
@@ -170,16 +178,8 @@ def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, var
         elif (gqa or _varlen_gqa) != "native":
             repeats = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-    if "window_size" in parameters:
-        extra["window_size"] = window_size
-    elif tuple(window_size) != (-1, 0):
-        raise UnsupportedModel(f"this torch's varlen_attn cannot apply a sliding window {window_size}: install "
-                               "flash-attn (pip install -e \".[gpu]\") or torch>=2.13")
-    elif "is_causal" in parameters:
-        extra["is_causal"] = True
-    else:
-        raise UnsupportedModel("this torch's varlen_attn has no causal masking: install flash-attn or torch>=2.13")
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, **extra)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling,
+                       window_size=window_size, **extra)
 
 
 def probe_native_gqa(device: torch.device, varlen_attn=None) -> str:
@@ -223,12 +223,13 @@ class _SinkVarlen(torch.autograd.Function):
     sigmoid(lse - sink), and the kernel's backward handed the sink-inclusive lse and the rescaled output."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, scale, window_size, ops):
-        forward_op, backward_op = ops if ops is not None else _TORCH_SINK_OPS
+    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, scale, window_size, ops, gqa_flag):
+        forward_op, backward_op = ops
         is_causal = tuple(window_size) == (-1, 0)  # as varlen_attn tells the op
+        extra = {"enable_gqa": q.shape[1] != k.shape[1]} if gqa_flag else {}
         out, lse, rng_state = forward_op(
             query=q, key=k, value=v, cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=max_seqlen, max_k=max_seqlen,
-            is_causal=is_causal, scale=scale, window_size=list(window_size), enable_gqa=q.shape[1] != k.shape[1])
+            is_causal=is_causal, scale=scale, window_size=list(window_size), **extra)
         if tuple(lse.shape) != (q.shape[1], q.shape[0]):  # the layout the rescaling below is written for
             raise RuntimeError(f"torch's varlen flash kernel returned an lse of shape {tuple(lse.shape)}, not "
                                f"(heads, tokens) = {(q.shape[1], q.shape[0])}: attention sinks cannot use it")
@@ -255,13 +256,18 @@ class _SinkVarlen(torch.autograd.Function):
             delta = (grad_out.float() * out.float()).sum(-1).transpose(0, 1)  # (H, N)
             sink_probs = torch.exp(sinks.float()[:, None] - lse_with_sink)
             dsinks = -(sink_probs * delta).sum(1).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def sink_varlen_attn(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, window_size, ops=None) -> torch.Tensor:
     """Attention with sinks on (N, H, D) tensors through torch's varlen flash kernel (`_SinkVarlen`); `sinks`: (Hq,).
     `ops`: stand-ins for torch's (forward, backward) ops (tests)."""
-    return _SinkVarlen.apply(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, tuple(window_size), ops)
+    # torch's ops' flag is read at import (no signature inspection under torch.compile); stand-ins run eagerly
+    ops, gqa_flag = (_TORCH_SINK_OPS, _TORCH_SINK_GQA_FLAG) if ops is None else (ops, _takes_gqa_flag(ops[0]))
+    if q.shape[1] != k.shape[1] and not gqa_flag and _varlen_gqa != "native":
+        repeats = q.shape[1] // k.shape[1]  # torch 2.11: no enable_gqa, and the probe saw no native GQA
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    return _SinkVarlen.apply(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, tuple(window_size), ops, gqa_flag)
 
 
 def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window, softcap=None):

@@ -7,6 +7,7 @@ import torch
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
+from chattune.distributed import host_values_on
 
 
 def document_sums(batch: PackedBatch, per_token: torch.Tensor) -> torch.Tensor:
@@ -23,7 +24,7 @@ def source_figures(batch: PackedBatch, doc_losses: torch.Tensor, num_sources: in
     document's loss units (None: its trainable tokens). The same keys for every microbatch (zeros where a
     source is absent), so ranks can all-reduce them stacked."""
     device = doc_losses.device
-    sources = torch.tensor(batch.doc_sources, dtype=torch.long, device=device)
+    sources = host_values_on(device, batch.doc_sources, torch.long)
     doc_tokens = document_sums(batch, (batch.labels[0] != IGNORE_INDEX).to(device))
     doc_units = doc_tokens if doc_units is None else doc_units
 

@@ -16,7 +16,8 @@ normaliser and the metrics count every row once.
 
 On CUDA the host waits for the device once per step (`train_step`): the unit count stays on the device as
 the normaliser, and the step's sums, counts, gradient norm and the finite checks come back in one
-transfer, right before the optimizer's step, which needs them. What remains: cut-cross-entropy's `nonzero()`,
+transfer, right before the optimizer's step, which needs them. Host values go to the device from pinned
+memory (`host_values_on`, `PackedBatch.to`): a copy from pageable memory would wait for the device too. What remains: cut-cross-entropy's `nonzero()`,
 one sync per microbatch (`chattune.model.fused_loss`); and, only on the steps that log, the step timer's
 event and the metrics' reductions (`chattune.train.metrics`).
 """
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from chattune.distributed import all_reduce_sum, counts_rows
+from chattune.distributed import all_reduce_sum, counts_rows, host_values_on
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
 
@@ -77,7 +78,7 @@ def _forward_backward(model: nn.Module, objective: Objective, batches: StepBatch
     counted = counts_rows()
     weight = 1.0 if counted else 0.0
     local_units = sum(objective.count_units(b) for b in microbatches) if counted else 0
-    counts = all_reduce_sum(torch.tensor([local_units, int(batches.epoch_end_reached)], dtype=torch.int64, device=device))
+    counts = all_reduce_sum(host_values_on(device, [local_units, int(batches.epoch_end_reached)], torch.int64))
     # The normaliser stays on the device: reading it here would wait for every kernel queued before it (the
     # previous step's optimizer). A step with nothing to train gives zero gradients, not NaN.
     global_units = counts[0].clamp(min=1)
@@ -123,7 +124,7 @@ def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite:
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
     sums = all_reduce_sum(torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(),
-                                       torch.tensor(float(stop), dtype=torch.float64, device=local_norm.device)]))
+                                       host_values_on(local_norm.device, [float(stop)], torch.float64)[0]]))
     losses_finite = sums[1] == 0
     total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
     if loss_scale != 1.0:  # unscale the local shards in place
