@@ -94,8 +94,9 @@ BUDGET_MARGIN_S = 20  # a budgeted run returns within --budget plus this (a stop
 CHILDREN: set[subprocess.Popen] = set()  # the launches running (run_bounded): a watchdog stops them
 
 
-class OutOfBudget(Exception):
-    """An item stopped because the budget ran out."""
+class OutOfBudget(BaseException):
+    """An item stopped because the budget ran out (a BaseException, as KeyboardInterrupt: code that catches
+    Exception, torch.compile's fallbacks among it, lets it through)."""
 
 
 class Budget:
@@ -121,19 +122,44 @@ class Budget:
         return None if self.seconds is None else max(1.0, self.left())
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (Linux /proc; elsewhere none)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        children = parents.get(queue.pop(), [])
+        found += children
+        queue += children
+    return found
+
+
 def stop_process_group(process: subprocess.Popen) -> None:
-    """SIGTERM to a child started in a session of its own and everything it started (torchrun's workers,
-    their loader workers), SIGKILL after 5 s."""
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, None)):
+    """SIGTERM to a child started in a session of its own and everything in it (torchrun, which stops its
+    workers), SIGKILL after 5 s to that group and to every process the child started (torchrun's workers run
+    in sessions of their own)."""
+    started = descendants(process.pid)
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
-            return
+            pass
         try:
             process.wait(wait)
-            return
         except subprocess.TimeoutExpired:
             continue
+        if sig == signal.SIGTERM:
+            break
+    for pid in started:  # what outlived its launcher
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def run_bounded(command: list[str], timeout: float | None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

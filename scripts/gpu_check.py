@@ -718,6 +718,7 @@ def run_items(ctx: Context, items: list[Item], report: Callable[[], None]) -> No
                 group.__exit__(None, None, None)
                 group = None
             ctx.current, started = item, time.perf_counter()
+            report()  # the files list this item as not finished until it is
             try:
                 with alarm(ctx.budget.left() if item.in_process else None):
                     item.run(ctx)
@@ -938,7 +939,17 @@ def main() -> int:
                                                         "--work": [str(work)]})
 
     def report(final: bool = False) -> bool:
-        return write_report(ctx, environment(ctx), rerun(), final)
+        """The report so far; the items not done yet in it as NOT RUN rows (what the files say if the process
+        is killed from outside), which the next report replaces."""
+        with ctx.lock:
+            rows, not_run = list(ctx.rows), list(ctx.not_run)
+        provisional = [Row(item.name, "NOT RUN", "not finished (gpu_check stopped while it ran)" if item is ctx.current
+                           else "not run (gpu_check stopped before it)") for item in list(ctx.pending)]
+        ctx.rows, ctx.not_run = rows + provisional, not_run + [row.check for row in provisional]
+        try:
+            return write_report(ctx, environment(ctx), rerun(), final)
+        finally:
+            ctx.rows, ctx.not_run = rows, not_run
 
     ctx.pending = []
     watchdog(ctx, report)
