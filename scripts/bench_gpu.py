@@ -15,6 +15,12 @@ markdown row per run and tool, and writes them as JSON to --work/results.json:
   same model FLOPs per token (same model and data) times its tokens/s;
 - peak memory: torch's peak allocated (GiB) in each process.
 
+`--budget SECONDS` (from the start): the runs in priority order (`PRIORITY`: short06 with its TRL run first,
+then short17, long06, the other families), each chattune or TRL run only where its estimate (`ESTIMATES`:
+start-up plus steps, rough H100 seconds; `--estimate-scale` multiplies them) fits the time left, a launch
+stopped with all it started when the budget ends; it returns within SECONDS + 20, every item a row (a
+"not run (budget: needs ~N s, M s left)" one where it did not fit) in the table and results.json, and prints
+the second call (`--runs` the rest). A failed run is a row too; the exit status is 1 when one failed.
 `--set KEY=VALUE` (repeatable) adds an override to the chattune runs. `--device cpu --runs tiny tiny_gptoss tiny_gemma4`
 runs the chattune side on tiny models on the CPU (a check of this script).
 On a machine without internet: see ../shared/gpu/README.md for the wheels (hydra, torchdata, datasets,

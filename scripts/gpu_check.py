@@ -1,8 +1,26 @@
 """Verify chattune's GPU path in one command, on one GPU: one JSON file and one markdown table, a row per
 check, PASS / FAIL / SKIP with its figure.
 
-    python scripts/gpu_check.py [--out DIR] [--assets DIR] [--only CHECK ...]    # one GPU (the default device)
+    python scripts/gpu_check.py [--out DIR] [--assets DIR] [--only ITEM ...]     # one GPU (the default device)
+    python scripts/gpu_check.py --budget 540 [--estimate-scale F]                # within 540 s (+ 20 s margin)
     python scripts/gpu_check.py --device cpu                                      # the CPU smoke test (CI runs it)
+
+Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`packed_vs_hf`,
+`cce_vs_chunked`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`), `throughput_0.6b_sft`,
+`resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and QLoRA launches, then
+`trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten minutes in all). With
+`--budget SECONDS` (counted from the start) an item starts only where its estimate (`ESTIMATES`,
+`LAUNCH_ESTIMATES`: rough H100 seconds; `--estimate-scale` multiplies them) fits the time left; an in-process
+check still running when the budget ends is stopped (SIGALRM), a launch is stopped with everything it started
+(its timeout is the time left). The script returns within the budget plus 20 s (a watchdog's last resort),
+every item in the table and JSON (PASS / FAIL / SKIP, or NOT RUN: "not run (budget: needs ~N s, M s left)",
+"not finished (...)"), rewritten after every item so that even a kill from outside leaves them, and prints the
+second call that runs the rest (`--only` those items, `--out OUT-rest`, the same `--work`).
+The in-process checks build their models as recipes/sft.py does, through chattune.model.build's
+build_sharded_model (the architecture check, the loss head, `probe_native_gqa` on CUDA, FSDP2 with the
+recipe's settings); the environment's `varlen_gqa` says how torch's varlen_attn took grouped-query attention
+(flag: its enable_gqa; native: unequal head counts as they are, probed; repeat: kv heads repeated) and
+`compute` the start-up line of those models.
 
 Checks (the tolerances are the documented ones; a row shows the measured figure next to its bound):
 - `packed_vs_hf`: a packed bf16 row (12 real chats) through chattune's sharded model (FSDP2 mixed precision,
@@ -29,6 +47,8 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   checkpointing): tokens/s per device, MFU and peak memory; TRL's SFTTrainer beside full SFT when `trl` is
   importable. Targets: MFU ≥ 45% on the 1.7B full step; ≥ 3× TRL's tokens/s; peak memory ≤ TRL's. (The CPU
   smoke test runs the full SFT launch alone, on the tiny shape.)
+- `cuda_tests`: the project's CUDA-only tests, `pytest -k cuda` over the test files with a
+  `torch.cuda.is_available()` skip and tests/test_varlen_fallback.py, in a subprocess (needs pytest). CUDA only.
 - `resume_exact`: 8 steps straight against 4, stop, resume, 4 with `save_async=true` and evaluation on:
   bitwise equal losses. `export_masters`: the export after a final step that saved a checkpoint equals that
   checkpoint's fp32 masters, tensor for tensor; `export_after_eval`: the export after a final step that
@@ -37,7 +57,8 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
 On a GPU machine without internet it runs from a checkout on PYTHONPATH with torch ≥ 2.11; carry as wheels
 (../shared/gpu/fetch_wheels.sh, ../shared/gpu/README.md): hydra-core, omegaconf, antlr4-python3-runtime,
 torchdata, datasets (with dill, multiprocess), peft, cut-cross-entropy, and for the optional rows
-bitsandbytes (QLoRA) and trl. Real tokenizer and chats come from --assets (../shared/assets: the Qwen3
+bitsandbytes (QLoRA), trl and pytest (`cuda_tests`). scripts/gpu_carry.py builds that carry folder and prints
+the one command to run there (with a `--budget` that fits the call). Real tokenizer and chats come from --assets (../shared/assets: the Qwen3
 tokenizer, the FastChat chats); without them the run uses chattune's demo tokenizer and chats, and says so.
 """
 
