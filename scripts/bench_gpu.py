@@ -15,6 +15,12 @@ markdown row per run and tool, and writes them as JSON to --work/results.json:
   same model FLOPs per token (same model and data) times its tokens/s;
 - peak memory: torch's peak allocated (GiB) in each process.
 
+`--budget SECONDS` (from the start): the runs in priority order (`PRIORITY`: short06 with its TRL run first,
+then short17, long06, the other families), each chattune or TRL run only where its estimate (`ESTIMATES`:
+start-up plus steps, rough H100 seconds; `--estimate-scale` multiplies them) fits the time left, a launch
+stopped with all it started when the budget ends; it returns within SECONDS + 20, every item a row (a
+"not run (budget: needs ~N s, M s left)" one where it did not fit) in the table and results.json, and prints
+the second call (`--runs` the rest). A failed run is a row too; the exit status is 1 when one failed.
 `--set KEY=VALUE` (repeatable) adds an override to the chattune runs. `--device cpu --runs tiny tiny_gptoss tiny_gemma4`
 runs the chattune side on tiny models on the CPU (a check of this script).
 On a machine without internet: see ../shared/gpu/README.md for the wheels (hydra, torchdata, datasets,
@@ -27,11 +33,14 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+STARTED = time.monotonic()  # the budget counts from here: the process's imports are part of it
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied)
     "tiny": (64, 128, 2, 4, 2),
@@ -66,6 +75,132 @@ RUNS = {
     "tiny_gptoss": ("tiny-gptoss", "short", 2048, 1, False),
     "tiny_gemma4": ("tiny-gemma4", "short", 2048, 1, False),
 }
+
+
+# Rough wall time of each item (seconds on one H100; the H200 is a little faster): (start-up, per step) for
+# chattune's launch (model directory, torchrun, tokenizing, compiling the layers) and TRL's (model load,
+# tokenizing the whole corpus with datasets, packing), the steps at each run's token budget from the
+# baseline in ../shared/gpu/README.md, rounded up. An item runs only where start-up + steps x per step is
+# no more than the budget left.
+ESTIMATES = {
+    "short06": ((90, 1.5), (120, 3.0)),
+    "short17": ((120, 3.5), (150, 4.5)),
+    "long06": ((90, 1.5), (120, 2.0)),
+    "gptoss": ((150, 3.0), (150, 5.0)),
+    "gemma4": ((120, 2.0), (150, 3.0)),
+    "tiny": ((25, 0.5), (60, 1.0)),
+    "tiny_gptoss": ((25, 0.5), (60, 1.0)),
+    "tiny_gemma4": ((25, 0.5), (60, 1.0)),
+}
+# Most valuable first: the 0.6B short run with TRL beside it, then the 1.7B, the long chats, the other families.
+PRIORITY = ["short06", "short17", "long06", "gptoss", "gemma4", "tiny", "tiny_gptoss", "tiny_gemma4"]
+BUDGET_MARGIN_S = 20  # a budgeted run returns within --budget plus this (a stopped launch's shutdown, the report)
+
+
+CHILDREN: set[subprocess.Popen] = set()  # the launches running (run_bounded): a watchdog stops them
+
+
+class OutOfBudget(BaseException):
+    """An item stopped because the budget ran out (a BaseException, as KeyboardInterrupt: code that catches
+    Exception, torch.compile's fallbacks among it, lets it through)."""
+
+
+class Budget:
+    """A wall-clock budget counted from the process's start (None: unlimited): what is left, whether an
+    item's estimate fits in it, and the words of a row that did not run."""
+
+    def __init__(self, seconds: float | None, started: float = STARTED, scale: float = 1.0):
+        self.seconds, self.started, self.scale = seconds, started, scale
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.monotonic() - self.started)
+
+    def fits(self, estimate: float) -> bool:
+        """Never start an item whose estimate exceeds what is left (nor any once nothing is left)."""
+        left = self.left()
+        return left > 0 and estimate * self.scale <= left
+
+    def not_run(self, estimate: float) -> str:
+        return f"not run (budget: needs ~{estimate * self.scale:.0f} s, {max(0.0, self.left()):.0f} s left)"
+
+    def timeout(self) -> float | None:
+        """A child launch's timeout: what is left (None without a budget)."""
+        return None if self.seconds is None else max(1.0, self.left())
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (Linux /proc; elsewhere none)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        children = parents.get(queue.pop(), [])
+        found += children
+        queue += children
+    return found
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM to a child started in a session of its own and everything in it (torchrun, which stops its
+    workers), SIGKILL after 5 s to that group and to every process the child started (torchrun's workers run
+    in sessions of their own)."""
+    started = descendants(process.pid)
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            break
+    for pid in started:  # what outlived its launcher
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_bounded(command: list[str], timeout: float | None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own that, at `timeout` seconds, stops the child and all it started
+    (subprocess.run's own timeout kills the child alone: torchrun's workers would go on holding the GPU)
+    and raises OutOfBudget."""
+    with subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, start_new_session=True,
+                          **kwargs) as process:
+        CHILDREN.add(process)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_process_group(process)
+            process.communicate()
+            raise OutOfBudget(f"stopped by the budget after {timeout:.0f} s") from None
+        except BaseException:
+            stop_process_group(process)
+            raise
+        finally:
+            CHILDREN.discard(process)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def rerun_command(script: str, argv: list[str], replaced: dict[str, list[str]]) -> str:
+    """The command line `argv` with the options in `replaced` (e.g. --runs, --only) given the new values."""
+    kept, skipping = [], False
+    for argument in argv:
+        if argument.startswith("--"):
+            skipping = argument.split("=", 1)[0] in replaced
+        if not skipping:
+            kept.append(argument)
+    for option, values in replaced.items():
+        kept += [option, *values]
+    return shlex.join([sys.executable, script, *kept])
 
 
 def child_env() -> dict[str, str]:
@@ -127,7 +262,9 @@ def make_model(size: str, assets: Path, out: Path) -> Path:
     return directory
 
 
-def run_chattune(name: str, model_dir: Path, corpus: Path, args: argparse.Namespace) -> dict:
+def run_chattune(name: str, model_dir: Path, corpus: Path, args: argparse.Namespace,
+                 timeout: float | None = None) -> dict:
+    """`timeout`: seconds before the launch is stopped (OutOfBudget)."""
     size, _, budget, accum, checkpointing = RUNS[name]
     output_dir = args.work / f"chattune-{name}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
@@ -139,7 +276,7 @@ def run_chattune(name: str, model_dir: Path, corpus: Path, args: argparse.Namesp
                "data.report_records=0", *args.set]
     log = args.work / f"chattune-{name}.log"
     with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=child_env()).returncode
+        code = run_bounded(command, timeout, stdout=out, stderr=subprocess.STDOUT, env=child_env()).returncode
     if code:
         raise SystemExit(f"chattune run {name} failed ({code}): see {log}")
     records = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
@@ -154,14 +291,15 @@ def run_chattune(name: str, model_dir: Path, corpus: Path, args: argparse.Namesp
             "first_loss": records[0].get("loss"), "last_loss": steps[-1].get("loss") if steps else None}
 
 
-def run_trl(name: str, model_dir: Path, corpus: Path, args: argparse.Namespace) -> dict | None:
+def run_trl(name: str, model_dir: Path, corpus: Path, args: argparse.Namespace,
+            timeout: float | None = None) -> dict | None:
     if importlib.util.find_spec("trl") is None:
         print(f"trl is not importable: no TRL row for {name}", file=sys.stderr)
         return None
     _, _, budget, accum, checkpointing = RUNS[name]
     command = [sys.executable, __file__, "--trl-worker", str(model_dir), str(corpus), str(budget), str(accum),
                str(int(checkpointing)), str(args.steps), str(args.warmup)]
-    done = subprocess.run(command, capture_output=True, text=True, env=child_env())
+    done = run_bounded(command, timeout, env=child_env())
     (args.work / f"trl-{name}.log").write_text(done.stderr)
     if done.returncode:
         raise SystemExit(f"TRL run {name} failed: see {args.work / f'trl-{name}.log'}")
@@ -212,10 +350,26 @@ def trl_worker(model_dir: str, corpus: str, budget: str, accum: str, checkpointi
                       "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}))
 
 
-def main() -> None:
+def estimate(name: str, tool: str, steps: int) -> float:
+    """An item's estimated seconds (ESTIMATES) at `steps` steps."""
+    start_up, per_step = ESTIMATES[name][tool == "trl"]
+    return start_up + per_step * steps
+
+
+def print_row(row: dict) -> None:
+    if row["status"] != "ran":
+        print(f"| {row['run']} | {row['tool']} | {row['status']} |  |  |  |", flush=True)
+        return
+    mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"
+    memory = f"{row['peak_memory_gib']:.1f}" if row.get("peak_memory_gib") else "n/a"
+    losses = " → ".join(f"{row[k]:.3f}" if row.get(k) is not None else "n/a" for k in ("first_loss", "last_loss"))
+    print(f"| {row['run']} | {row['tool']} | {row['tokens_per_s']:,.0f} | {mfu} | {memory} | {losses} |", flush=True)
+
+
+def main() -> int:
     if sys.argv[1:2] == ["--trl-worker"]:
         trl_worker(*sys.argv[2:])
-        return
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--assets", type=Path, default=ROOT.parent / "shared" / "assets")
     parser.add_argument("--work", type=Path, default=Path("/tmp/chattune-bench-gpu"))
@@ -226,33 +380,58 @@ def main() -> None:
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra override for the chattune runs (repeatable), e.g. --set model.compile=false")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="wall-clock budget: runs in priority order (short06 and its TRL run first), each only "
+                             "where its estimate fits what is left, a launch stopped when the budget runs out; "
+                             f"returns within SECONDS + {BUDGET_MARGIN_S}")
+    parser.add_argument("--estimate-scale", type=float, default=1.0, metavar="FACTOR",
+                        help="multiply every estimate (a slower card: above 1; 0 starts every item and lets the "
+                             "budget stop it)")
     args = parser.parse_args()
     if not 1 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 1 and below --steps")
+    budget = Budget(args.budget, scale=args.estimate_scale)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.work.mkdir(parents=True, exist_ok=True)
-    corpora = make_corpora(args.assets, args.work / "data")
-    rows = []
+    with_trl = not args.no_trl and args.device != "cpu" and importlib.util.find_spec("trl") is not None
+    if not args.no_trl and args.device != "cpu" and not with_trl:
+        print("trl is not importable: no TRL rows", file=sys.stderr)
+    runs = sorted(dict.fromkeys(args.runs), key=PRIORITY.index)
+    items = [(name, tool) for name in runs for tool in (("chattune", "trl") if with_trl else ("chattune",))]
+    rows, ours, corpora, not_run = [], {}, None, []
     print("| run | tool | tokens/s per device | MFU | peak memory (GiB) | loss first → last |\n|---|---|---|---|---|---|")
-    for name in args.runs:
-        size, corpus, *_ = RUNS[name]
-        model_dir = make_model(size, args.assets, args.work / "models")
-        ours = run_chattune(name, model_dir, corpora[corpus], args)
-        theirs = None if args.no_trl or args.device == "cpu" else run_trl(name, model_dir, corpora[corpus], args)
-        if theirs is not None and ours["mfu"] is not None:
-            theirs["mfu"] = ours["mfu"] * theirs["tokens_per_s"] / ours["tokens_per_s"]  # same model FLOPs per token
-        for row in (ours, theirs):
-            if row is None:
-                continue
-            rows.append(row)
-            mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"
-            memory = f"{row['peak_memory_gib']:.1f}" if row.get("peak_memory_gib") else "n/a"
-            losses = " → ".join(f"{row[k]:.3f}" if row.get(k) is not None else "n/a" for k in ("first_loss", "last_loss"))
-            print(f"| {name} | {row['tool']} | {row['tokens_per_s']:,.0f} | {mfu} | {memory} | {losses} |", flush=True)
-        if theirs is not None:
-            print(f"|  | chattune / TRL | {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}× |  |  |  |", flush=True)
-    (args.work / "results.json").write_text(json.dumps(rows, indent=1))
+    for name, tool in items:
+        needed = estimate(name, tool, args.steps)
+        if not budget.fits(needed):
+            row = {"run": name, "tool": tool, "status": budget.not_run(needed)}
+            not_run.append(name)
+        else:
+            try:
+                size, corpus, *_ = RUNS[name]
+                corpora = corpora or make_corpora(args.assets, args.work / "data")
+                model_dir = make_model(size, args.assets, args.work / "models")
+                run = run_chattune if tool == "chattune" else run_trl
+                row = {**run(name, model_dir, corpora[corpus], args, budget.timeout()), "status": "ran"}
+                if tool == "trl" and name in ours and ours[name]["mfu"] is not None:  # same model FLOPs per token
+                    row["mfu"] = ours[name]["mfu"] * row["tokens_per_s"] / ours[name]["tokens_per_s"]
+            except OutOfBudget as stopped:
+                row = {"run": name, "tool": tool, "status": f"not finished ({stopped}; estimate ~{needed:.0f} s)"}
+                not_run.append(name)
+            except (Exception, SystemExit) as error:  # a failed run is a row; the others still run
+                row = {"run": name, "tool": tool, "status": f"FAIL: {error}"[:300]}
+        rows.append(row)
+        print_row(row)
+        if row["status"] == "ran" and tool == "chattune":
+            ours[name] = row
+        elif row["status"] == "ran" and name in ours:
+            print(f"|  | chattune / TRL | {ours[name]['tokens_per_s'] / row['tokens_per_s']:.2f}× |  |  |  |",
+                  flush=True)
+        (args.work / "results.json").write_text(json.dumps(rows, indent=1))  # after every item
+    if not_run:
+        print("Not run within the budget; the second call:\n  "
+              + rerun_command(__file__, sys.argv[1:], {"--runs": list(dict.fromkeys(not_run))}), flush=True)
+    return 1 if any(row["status"].startswith("FAIL") for row in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,26 @@
 """Verify chattune's GPU path in one command, on one GPU: one JSON file and one markdown table, a row per
 check, PASS / FAIL / SKIP with its figure.
 
-    python scripts/gpu_check.py [--out DIR] [--assets DIR] [--only CHECK ...]    # one GPU (the default device)
+    python scripts/gpu_check.py [--out DIR] [--assets DIR] [--only ITEM ...]     # one GPU (the default device)
+    python scripts/gpu_check.py --budget 540 [--estimate-scale F]                # within 540 s (+ 20 s margin)
     python scripts/gpu_check.py --device cpu                                      # the CPU smoke test (CI runs it)
+
+Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`packed_vs_hf`,
+`cce_vs_chunked`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`), `throughput_0.6b_sft`,
+`resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and QLoRA launches, then
+`trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten minutes in all). With
+`--budget SECONDS` (counted from the start) an item starts only where its estimate (`ESTIMATES`,
+`LAUNCH_ESTIMATES`: rough H100 seconds; `--estimate-scale` multiplies them) fits the time left; an in-process
+check still running when the budget ends is stopped (SIGALRM), a launch is stopped with everything it started
+(its timeout is the time left). The script returns within the budget plus 20 s (a watchdog's last resort),
+every item in the table and JSON (PASS / FAIL / SKIP, or NOT RUN: "not run (budget: needs ~N s, M s left)",
+"not finished (...)"), rewritten after every item so that even a kill from outside leaves them, and prints the
+second call that runs the rest (`--only` those items, `--out OUT-rest`, the same `--work`).
+The in-process checks build their models as recipes/sft.py does, through chattune.model.build's
+build_sharded_model (the architecture check, the loss head, `probe_native_gqa` on CUDA, FSDP2 with the
+recipe's settings); the environment's `varlen_gqa` says how torch's varlen_attn took grouped-query attention
+(flag: its enable_gqa; native: unequal head counts as they are, probed; repeat: kv heads repeated) and
+`compute` the start-up line of those models.
 
 Checks (the tolerances are the documented ones; a row shows the measured figure next to its bound):
 - `packed_vs_hf`: a packed bf16 row (12 real chats) through chattune's sharded model (FSDP2 mixed precision,
@@ -29,6 +47,8 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   checkpointing): tokens/s per device, MFU and peak memory; TRL's SFTTrainer beside full SFT when `trl` is
   importable. Targets: MFU ≥ 45% on the 1.7B full step; ≥ 3× TRL's tokens/s; peak memory ≤ TRL's. (The CPU
   smoke test runs the full SFT launch alone, on the tiny shape.)
+- `cuda_tests`: the project's CUDA-only tests, `pytest -k cuda` over the test files with a
+  `torch.cuda.is_available()` skip and tests/test_varlen_fallback.py, in a subprocess (needs pytest). CUDA only.
 - `resume_exact`: 8 steps straight against 4, stop, resume, 4 with `save_async=true` and evaluation on:
   bitwise equal losses. `export_masters`: the export after a final step that saved a checkpoint equals that
   checkpoint's fp32 masters, tensor for tensor; `export_after_eval`: the export after a final step that
@@ -37,27 +57,35 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
 On a GPU machine without internet it runs from a checkout on PYTHONPATH with torch ≥ 2.11; carry as wheels
 (../shared/gpu/fetch_wheels.sh, ../shared/gpu/README.md): hydra-core, omegaconf, antlr4-python3-runtime,
 torchdata, datasets (with dill, multiprocess), peft, cut-cross-entropy, and for the optional rows
-bitsandbytes (QLoRA) and trl. Real tokenizer and chats come from --assets (../shared/assets: the Qwen3
+bitsandbytes (QLoRA), trl and pytest (`cuda_tests`). scripts/gpu_carry.py builds that carry folder and prints
+the one command to run there (with a `--budget` that fits the call). Real tokenizer and chats come from --assets (../shared/assets: the Qwen3
 tokenizer, the FastChat chats); without them the run uses chattune's demo tokenizer and chats, and says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
+import logging
 import os
-import subprocess
+import re
+import shlex
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
-import torch
-import torch.nn.functional as F
+STARTED = time.monotonic()  # --budget counts from here: torch's import is part of it
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -67,6 +95,8 @@ from chattune.config.paths import DEMO_ASSETS  # noqa: E402
 from chattune.data.chat_template import probe_template, tokenize_conversation  # noqa: E402
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
 from chattune.data.packing import collate_packed  # noqa: E402
+import bench_gpu  # noqa: E402
+from bench_gpu import BUDGET_MARGIN_S, Budget, OutOfBudget, rerun_command, run_bounded, stop_process_group  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied embeddings)
 SHAPES = {"tiny": (64, 128, 2, 4, 2), "0.6b": (1024, 3072, 28, 16, 8), "1.7b": (2048, 6144, 28, 16, 8)}
@@ -75,7 +105,7 @@ SHAPES = {"tiny": (64, 128, 2, 4, 2), "0.6b": (1024, 3072, 28, 16, 8), "1.7b": (
 @dataclass
 class Row:
     check: str
-    status: str  # PASS | FAIL | SKIP
+    status: str  # PASS | FAIL | SKIP | NOT RUN (the budget: an item not started, or stopped)
     figure: str
     bound: str = ""
     detail: str = ""
@@ -89,8 +119,16 @@ class Context:
     tokenizer_dir: Path
     chats: Path  # a JSONL of {"messages": [...]}, the throughput corpus
     real_assets: bool
+    budget: Budget = field(default_factory=lambda: Budget(None))
     rows: list[Row] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    not_run: list[str] = field(default_factory=list)  # the items a second call runs (--only)
+    dist_info: object = None  # chattune.distributed.DistInfo of the in-process checks' one-rank group
+    figures: dict = field(default_factory=dict)  # (shape, mode): the throughput runs' figures
+    compute: list[str] = field(default_factory=list)  # the start-up "compute:" lines of the models built here
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: list = field(default_factory=list)  # the items not yet done (run_items)
+    current: object = None  # the item running
 
     @property
     def cuda(self) -> bool:
@@ -103,8 +141,15 @@ class Context:
 
     def add(self, check: str, passed: bool | None, figure: str, bound: str = "", detail: str = "") -> None:
         status = "SKIP" if passed is None else ("PASS" if passed else "FAIL")
-        self.rows.append(Row(check, status, figure, bound, detail))
+        with self.lock:
+            self.rows.append(Row(check, status, figure, bound, detail))
         print(f"[gpu_check] {status} {check}: {figure} {('(' + bound + ')') if bound else ''} {detail}", flush=True)
+
+    def add_not_run(self, item: str, figure: str) -> None:
+        with self.lock:
+            self.rows.append(Row(item, "NOT RUN", figure))
+            self.not_run.append(item)
+        print(f"[gpu_check] NOT RUN {item}: {figure}", flush=True)
 
 
 # --- models and data ---
@@ -116,20 +161,45 @@ def tokenizer(ctx: Context):
     return AutoTokenizer.from_pretrained(ctx.tokenizer_dir)
 
 
+def qwen3_config(shape: str, layers: int | None = None) -> dict:
+    """transformers.Qwen3Config's keywords for a shape (the vocabulary is the tokenizer's: build_hf_model)."""
+    hidden, intermediate, num_layers, heads, kv_heads = SHAPES[shape]
+    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers or num_layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128 if shape != "tiny" else 16,
+                tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
+
+
 def hf_model(ctx: Context, shape: str, layers: int | None = None, seed: int = 0):
     """A random-init Qwen3-shaped model (fp32, on the CPU, chattune's packed attention), the vocabulary sized
-    to the tokenizer."""
+    to the tokenizer: the weights `recipe_model` builds from the same seed."""
     from transformers import Qwen3Config
 
     from chattune.model.causal_lm import build_hf_model
 
-    hidden, intermediate, num_layers, heads, kv_heads = SHAPES[shape]
-    config = Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers or num_layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=128 if shape != "tiny" else 16, tie_word_embeddings=True,
-                         max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
-    return build_hf_model(tokenizer(ctx), config)
+    return build_hf_model(tokenizer(ctx), Qwen3Config(**qwen3_config(shape, layers)))
+
+
+def recipe_model(ctx: Context, shape: str, layers: int | None = None, compile: bool = False, loss: str = "chunked",
+                 seed: int = 0):
+    """The model as recipes/sft.py builds it, through the same function (chattune.model.build.build_sharded_model,
+    which build_trained_model calls): the architecture check, the loss head's choice and its TF32 scope,
+    `probe_native_gqa` on CUDA (how torch's varlen_attn takes grouped-query attention: the path a recipe's
+    attention then takes), FSDP2 with the recipe's `model.fsdp` settings and the start-up "compute:" line. The
+    config is the recipe's own (configs/sft/tiny.yaml's defaults) with `model.config` the Qwen3 shape: random
+    weights from `seed`, equal to hf_model(ctx, shape, layers, seed)'s. A BuiltModel (hf_model, model, ...)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from chattune.config.paths import CONFIG_DIR
+    from chattune.model.build import build_sharded_model
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose("sft/tiny", overrides=[f"seed={seed}", f"device={ctx.device.type}",
+                                             f"model.compile={str(compile).lower()}", f"loss.implementation={loss}"])
+    with open_dict(cfg):
+        cfg.model.config = {"_target_": "transformers.Qwen3Config", **qwen3_config(shape, layers)}
+    return build_sharded_model(cfg, tokenizer(ctx), ctx.dist_info, None)
 
 
 def model_dir(ctx: Context, shape: str) -> Path:
@@ -156,14 +226,6 @@ def chat_documents(ctx: Context, count: int, start: int = 0) -> list[Document]:
     return documents
 
 
-def sharded(ctx: Context, model, compile: bool = False, loss: str = "chunked"):
-    from chattune.model.causal_lm import PackedCausalLM
-    from chattune.model.fsdp import shard_model
-
-    tf32 = ctx.cuda and loss == "chunked"
-    return shard_model(PackedCausalLM(model, 1024, loss, tf32_head=tf32), ctx.device.type, 1, compile=compile)
-
-
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
 
@@ -176,13 +238,22 @@ def within(figure: float, bound: float) -> bool:
 
 
 def check_packed_vs_hf(ctx: Context) -> None:
+    from torch.distributed.tensor import DTensor
+
     documents = chat_documents(ctx, 12)
-    model = hf_model(ctx, ctx.shape)
-    reference = copy.deepcopy(model)
+    built = recipe_model(ctx, ctx.shape)  # eager layers
+    model, ours = built.hf_model, built.model
+    reference = hf_model(ctx, ctx.shape)  # the same seed: the same weights, checked here
     reference.set_attn_implementation("sdpa")
+    reference = reference.to(ctx.device)
+    differing = [name for name, parameter in model.named_parameters()
+                 if not torch.equal(parameter.full_tensor() if isinstance(parameter, DTensor) else parameter,
+                                    reference.get_parameter(name))]
+    if differing:
+        ctx.add("packed_vs_hf", False, f"the reference's weights differ from the recipe-built model's: {differing[:3]}")
+        return
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
-    reference = reference.to(ctx.device, dtype)
-    ours = sharded(ctx, model)
+    reference = reference.to(dtype)
     batch = collate_packed(documents).to(ctx.device)
     losses = ours(batch)
     losses.sum().backward()
@@ -293,8 +364,8 @@ def check_compile(ctx: Context) -> None:
             model.zero_grad(set_to_none=True)
         return out
 
-    eager = losses_and_grads(sharded(ctx, hf_model(ctx, ctx.shape, layers)), rows[:3])
-    compiled_model = sharded(ctx, hf_model(ctx, ctx.shape, layers), compile=True)
+    eager = losses_and_grads(recipe_model(ctx, ctx.shape, layers).model, rows[:3])
+    compiled_model = recipe_model(ctx, ctx.shape, layers, compile=True).model
     graphs, compiled = [compiled_graphs()], []
     for index, batch in enumerate(rows):
         result = losses_and_grads(compiled_model, [batch])
@@ -343,8 +414,8 @@ def check_dpo_reference(ctx: Context) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
         before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
-        policy = sharded(ctx, hf_model(ctx, ctx.shape))
-        reference_model = sharded(ctx, hf_model(ctx, ctx.shape))
+        policy = recipe_model(ctx, ctx.shape).model
+        reference_model = recipe_model(ctx, ctx.shape).model
         objective = PreferenceObjective(PreferenceLoss("sigmoid", 0.1, 0.0, 0.5, 0.0), reference_class(reference_model))
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -368,15 +439,14 @@ def check_host_syncs(ctx: Context) -> None:
     if not ctx.cuda:
         ctx.add("host_syncs", None, "CUDA only")
         return
-    from chattune.model.fused_loss import resolve_loss_implementation
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.train.optimizer import build_optimizer
     from chattune.train.feed import StepBatches
     from chattune.train.step import train_step
     from omegaconf import OmegaConf
 
-    loss = resolve_loss_implementation("auto", "cuda", "bfloat16")
-    model = sharded(ctx, hf_model(ctx, ctx.shape, layers=4), loss=loss)
+    model = recipe_model(ctx, ctx.shape, layers=4, loss="auto").model  # layers not compiled, as before
+    loss = model.loss_implementation
     optimizer = build_optimizer(OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-5}),
                                 [p for p in model.parameters() if p.requires_grad], ctx.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -398,27 +468,19 @@ def check_host_syncs(ctx: Context) -> None:
             "; ".join(sorted(set(syncs)))[:300])
 
 
-def in_process_checks(ctx: Context, only: set[str] | None) -> None:
+@contextmanager
+def one_rank_group(ctx: Context):
+    """The in-process checks' one-rank group, made by the recipe's own start-up (chattune.distributed's
+    init_distributed: the CUDA allocator's settings, the device, the group), as a plain `python recipes/sft.py`
+    makes it; the environment restored after."""
     from chattune.distributed import init_distributed, shutdown_distributed
 
     saved_environment = dict(os.environ)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)  # a group of its own, whatever the shell or a caller left set
-    init_distributed(ctx.device.type)  # a one-rank group, as a plain `python recipes/sft.py` makes
+    ctx.dist_info = init_distributed(ctx.device.type)
     try:
-        for name, check in (("packed_vs_hf", check_packed_vs_hf), ("cce_vs_chunked", check_cce),
-                            ("tf32_scope", check_tf32_scope), ("compile_vs_eager", check_compile),
-                            ("host_syncs", check_host_syncs), ("dpo_reference_memory", check_dpo_reference)):
-            if only and name not in only:
-                continue
-            started = time.perf_counter()
-            try:
-                check(ctx)
-            except Exception as error:  # a broken check is a FAIL with its reason; the other checks still run
-                ctx.add(name, False, f"{type(error).__name__}: {error}"[:300], detail=traceback.format_exc()[-1500:])
-            ctx.seconds[name] = time.perf_counter() - started
-            if ctx.cuda:
-                torch.cuda.empty_cache()
+        yield
     finally:
         shutdown_distributed()
         os.environ.clear()
@@ -435,13 +497,14 @@ def recipe_environment() -> dict[str, str]:
 
 
 def run_recipe(ctx: Context, name: str, overrides: list[str], recipe: str = "sft") -> tuple[Path, str]:
-    """Launch a recipe into work/<name> (a fresh directory unless a launch continues it); (output dir, log)."""
+    """Launch a recipe into work/<name> (a fresh directory unless a launch continues it); (output dir, log).
+    The launch is stopped when the budget runs out (OutOfBudget)."""
     output_dir = ctx.work / name
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                str(ROOT / "recipes" / f"{recipe}.py"), "--config-name", f"{recipe}/local_model",
                f"output_dir={output_dir}", f"device={ctx.device.type}", "progress=lines", "data.report_records=0",
                *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, env=recipe_environment(), cwd=ROOT)
+    done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
     log = done.stdout + done.stderr
     (ctx.out / f"{name}.log").write_text(log)
     if done.returncode:
@@ -453,73 +516,92 @@ def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def throughput(ctx: Context, shapes: list[str], steps: int, warmup: int) -> None:
-    budget, accum = (16384, 2) if ctx.cuda else (2048, 1)
-    modes = {"sft": [], "lora": ["peft=lora"], "qlora": ["peft=qlora"]}
-    figures = {}
-    for shape in shapes:
-        directory = model_dir(ctx, shape)
-        for mode, extra in modes.items():
-            name = f"throughput_{shape}_{mode}"
-            if mode == "qlora" and not ctx.cuda:
-                ctx.add(name, None, "a 4-bit base is CUDA only")
-                continue
-            if mode == "lora" and not ctx.cuda:  # the CPU smoke test: the SFT launch exercises the same path
-                continue
-            if mode == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-                ctx.add(name, None, "bitsandbytes is not importable")
-                continue
-            started = time.perf_counter()
-            try:
-                output_dir, log = run_recipe(ctx, name, [
-                    f"model.path={directory}", f"data.train=[{ctx.chats}]", "data.eval=[]", "overwrite=true",
-                    f"max_steps={steps}", "log_every=1", "save_every=0", "eval_every=0",
-                    f"data.max_tokens_per_microbatch={budget}", f"grad_accum_steps={accum}", "data.num_workers=2",
-                    f"model.fsdp.activation_checkpointing={'true' if shape == '1.7b' else 'false'}", *extra])
-            except RuntimeError as error:
-                ctx.add(name, False, str(error).splitlines()[0][:200])
-                continue
-            rows = [m for m in metrics(output_dir) if warmup < m["step"] <= steps]
-            seconds = sum(m["step_time_s"] for m in rows)
-            tokens = sum(m["all_tokens_per_sec_per_device"] * m["step_time_s"] for m in rows) / seconds
-            mfu = sum(m.get("mfu", 0.0) * m["step_time_s"] for m in rows) / seconds if "mfu" in rows[-1] else None
-            peak = max(m.get("peak_memory_allocated_gib", 0.0) for m in rows) or None
-            compute = next((line.split("] ", 1)[-1] for line in log.splitlines() if "] compute:" in line), "")
-            figures[(shape, mode)] = {"tokens_per_s": tokens, "mfu": mfu, "peak_gib": peak}
-            ctx.add(name, True, f"{tokens:,.0f} tokens/s per device, MFU {mfu:.1%}" if mfu is not None
-                    else f"{tokens:,.0f} tokens/s per device", f"peak {peak:.1f} GiB" if peak else "", compute)
-            ctx.seconds[name] = time.perf_counter() - started
-    if not ctx.cuda:
+def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int) -> None:
+    """One SFT (mode sft), LoRA or QLoRA launch of recipes/sft.py: its tokens/s, MFU and peak memory; after
+    the 1.7B SFT run the MFU target."""
+    name = f"throughput_{shape}_{mode}"
+    if mode == "qlora" and not ctx.cuda:
+        ctx.add(name, None, "a 4-bit base is CUDA only")
         return
-    if ("1.7b", "sft") in figures and figures["1.7b", "sft"]["mfu"] is not None:
-        mfu = figures["1.7b", "sft"]["mfu"]
+    if mode == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        ctx.add(name, None, "bitsandbytes is not importable")
+        return
+    budget, accum = (16384, 2) if ctx.cuda else (2048, 1)
+    extra = {"sft": [], "lora": ["peft=lora"], "qlora": ["peft=qlora"]}[mode]
+    directory = model_dir(ctx, shape)
+    try:
+        output_dir, log = run_recipe(ctx, name, [
+            f"model.path={directory}", f"data.train=[{ctx.chats}]", "data.eval=[]", "overwrite=true",
+            f"max_steps={steps}", "log_every=1", "save_every=0", "eval_every=0",
+            f"data.max_tokens_per_microbatch={budget}", f"grad_accum_steps={accum}", "data.num_workers=2",
+            f"model.fsdp.activation_checkpointing={'true' if shape == '1.7b' else 'false'}", *extra])
+    except RuntimeError as error:
+        ctx.add(name, False, str(error).splitlines()[0][:200])
+        return
+    rows = [m for m in metrics(output_dir) if warmup < m["step"] <= steps]
+    seconds = sum(m["step_time_s"] for m in rows)
+    tokens = sum(m["all_tokens_per_sec_per_device"] * m["step_time_s"] for m in rows) / seconds
+    mfu = sum(m.get("mfu", 0.0) * m["step_time_s"] for m in rows) / seconds if "mfu" in rows[-1] else None
+    peak = max(m.get("peak_memory_allocated_gib", 0.0) for m in rows) or None
+    compute = next((line.split("] ", 1)[-1] for line in log.splitlines() if "] compute:" in line), "")
+    ctx.figures[shape, mode] = {"tokens_per_s": tokens, "mfu": mfu, "peak_gib": peak}
+    ctx.add(name, True, f"{tokens:,.0f} tokens/s per device, MFU {mfu:.1%}" if mfu is not None
+            else f"{tokens:,.0f} tokens/s per device", f"peak {peak:.1f} GiB" if peak else "", compute)
+    if ctx.cuda and shape == "1.7b" and mode == "sft" and mfu is not None:
         ctx.add("target_mfu_1.7b", mfu >= 0.45, f"MFU {mfu:.1%}", "≥ 45%")
-    compare_with_trl(ctx, shapes, figures, steps, warmup)
 
 
-def compare_with_trl(ctx: Context, shapes: list[str], figures: dict, steps: int, warmup: int) -> None:
+def compare_with_trl(ctx: Context, shape: str, steps: int, warmup: int) -> None:
+    """TRL's SFTTrainer on the throughput run's model, chats and token budget (bench_gpu.run_trl): the targets
+    ≥ 3× its tokens/s and peak memory ≤ its."""
     if importlib.util.find_spec("trl") is None:
-        ctx.add("trl", None, "trl is not importable: no comparison")
+        ctx.add(f"trl_{shape}", None, "trl is not importable: no comparison")
+        return
+    if (shape, "sft") not in ctx.figures:
+        ctx.add(f"trl_{shape}", None, f"throughput_{shape}_sft has no figure to compare with")
         return
     import bench_gpu
 
-    for shape in shapes:
-        if (shape, "sft") not in figures:
-            continue
-        run = {"0.6b": "short06", "1.7b": "short17"}[shape]
-        arguments = argparse.Namespace(work=ctx.work / "trl", steps=steps, warmup=warmup)
-        arguments.work.mkdir(parents=True, exist_ok=True)
-        try:
-            theirs = bench_gpu.run_trl(run, model_dir(ctx, shape), ctx.chats, arguments)
-        except SystemExit as error:
-            ctx.add(f"trl_{shape}", False, str(error))
-            continue
-        ours = figures[shape, "sft"]
-        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-        ctx.add(f"target_vs_trl_{shape}", ratio >= 3.0, f"{ratio:.2f}× TRL's {theirs['tokens_per_s']:,.0f} tokens/s", "≥ 3×")
-        if ours["peak_gib"] is not None:
-            ctx.add(f"target_memory_vs_trl_{shape}", ours["peak_gib"] <= theirs["peak_memory_gib"],
-                    f"{ours['peak_gib']:.1f} GiB vs TRL's {theirs['peak_memory_gib']:.1f} GiB", "≤ TRL's")
+    run = {"0.6b": "short06", "1.7b": "short17"}[shape]
+    arguments = argparse.Namespace(work=ctx.work / "trl", steps=steps, warmup=warmup)
+    arguments.work.mkdir(parents=True, exist_ok=True)
+    try:
+        theirs = bench_gpu.run_trl(run, model_dir(ctx, shape), ctx.chats, arguments, ctx.budget.timeout())
+    except SystemExit as error:
+        ctx.add(f"trl_{shape}", False, str(error))
+        return
+    ours = ctx.figures[shape, "sft"]
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    ctx.add(f"target_vs_trl_{shape}", ratio >= 3.0, f"{ratio:.2f}× TRL's {theirs['tokens_per_s']:,.0f} tokens/s", "≥ 3×")
+    if ours["peak_gib"] is not None:
+        ctx.add(f"target_memory_vs_trl_{shape}", ours["peak_gib"] <= theirs["peak_memory_gib"],
+                f"{ours['peak_gib']:.1f} GiB vs TRL's {theirs['peak_memory_gib']:.1f} GiB", "≤ TRL's")
+
+
+def cuda_test_files() -> list[str]:
+    """The test files with CUDA-only tests (a `torch.cuda.is_available()` skip), and tests/test_varlen_fallback.py
+    (torch's varlen_attn as the GPU machine's torch has it)."""
+    files = {f"tests/{path.name}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+             if "cuda.is_available()" in path.read_text()}
+    return sorted(files | {"tests/test_varlen_fallback.py"})
+
+
+def cuda_tests(ctx: Context) -> None:
+    """The project's CUDA-only tests (`pytest -k cuda` over cuda_test_files()), a subprocess: CUDA only."""
+    if not ctx.cuda:
+        ctx.add("cuda_tests", None, "CUDA only")
+        return
+    if importlib.util.find_spec("pytest") is None:
+        ctx.add("cuda_tests", None, "pytest is not importable")
+        return
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *cuda_test_files(), "-k", "cuda"]
+    done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
+    log = done.stdout + done.stderr
+    (ctx.out / "cuda_tests.log").write_text(log)
+    summary = next((line.strip("= ") for line in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed|error|deselected|skipped)", line)), f"exit {done.returncode}")
+    skipped = "; ".join(line.split("] ", 1)[-1] for line in log.splitlines() if line.startswith("SKIPPED"))
+    ctx.add("cuda_tests", done.returncode == 0 and "passed" in summary, summary, "all selected pass",
+            f"{shlex.join(command[3:])}; {skipped}"[:300])
 
 
 def resume_and_export(ctx: Context) -> None:
@@ -574,6 +656,152 @@ def resume_and_export(ctx: Context) -> None:
             "> 0.5 (bf16 copies: 0)")
 
 
+# --- the items, in priority order, within a budget ---
+
+# Estimated seconds of each item: (one H100, the CPU smoke test's tiny shape on two cores). The in-process
+# checks build 0.6B models on the CPU and shard them (~10 s each) and compile layers; a launch is the
+# torchrun start-up, tokenizing and compiling (tens of seconds) plus its steps, at the rates in
+# ../shared/gpu/README.md's baseline (0.6B about 1.5 s a step of 2 x 16,384 tokens, 1.7B about 3.5 s;
+# TRL slower, after tokenizing the whole corpus). Rough and rounded up: --estimate-scale adjusts them.
+ESTIMATES = {
+    "packed_vs_hf": (90, 6), "cce_vs_chunked": (30, 8), "tf32_scope": (15, 2), "compile_vs_eager": (150, 25),
+    "host_syncs": (60, 0), "dpo_reference_memory": (90, 3), "resume_and_export": (300, 75), "cuda_tests": (60, 0),
+}
+# A throughput launch: (start-up, per step) on one H100 by shape and mode; tiny on the CPU: (15, 1.5).
+LAUNCH_ESTIMATES = {
+    ("0.6b", "sft"): (120, 2.0), ("0.6b", "lora"): (110, 1.5), ("0.6b", "qlora"): (150, 2.0), ("0.6b", "trl"): (150, 4.0),
+    ("1.7b", "sft"): (150, 5.0), ("1.7b", "lora"): (140, 4.0), ("1.7b", "qlora"): (180, 5.0), ("1.7b", "trl"): (180, 6.0),
+}
+IN_PROCESS = {"packed_vs_hf": check_packed_vs_hf, "cce_vs_chunked": check_cce, "tf32_scope": check_tf32_scope,
+              "compile_vs_eager": check_compile, "host_syncs": check_host_syncs,
+              "dpo_reference_memory": check_dpo_reference}
+
+
+@dataclass
+class Item:
+    name: str  # as --only takes it
+    estimate: float  # seconds
+    run: Callable[[Context], None]
+    in_process: bool = False
+
+
+def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
+    """Every item, most valuable first: the in-process exactness checks, the first shape's SFT throughput,
+    resume and export, the CUDA-only tests, TRL beside the first shape, the next shape's SFT throughput (the
+    MFU target), then LoRA and QLoRA and the remaining TRL runs."""
+    warmup = max(1, steps // 3)
+
+    def estimate(shape: str, mode: str) -> float:
+        start_up, per_step = LAUNCH_ESTIMATES.get((shape, mode), (150, 5.0)) if ctx.cuda else (15, 1.5)
+        return start_up + per_step * steps
+
+    def launch(shape: str, mode: str) -> Item:
+        if mode == "trl":
+            return Item(f"trl_{shape}", estimate(shape, mode), lambda c: compare_with_trl(c, shape, steps, warmup))
+        needed = 0 if mode == "qlora" and not ctx.cuda else estimate(shape, mode)
+        return Item(f"throughput_{shape}_{mode}", needed, lambda c: throughput_run(c, shape, mode, steps, warmup))
+
+    cost = 0 if ctx.cuda else 1  # the (CUDA, CPU) column of ESTIMATES
+    items = [Item(name, ESTIMATES[name][cost], check, in_process=True) for name, check in IN_PROCESS.items()]
+    first, *others = shapes
+    items += [launch(first, "sft"), Item("resume_and_export", ESTIMATES["resume_and_export"][cost], resume_and_export),
+              Item("cuda_tests", ESTIMATES["cuda_tests"][cost], cuda_tests)]
+    modes = ["lora", "qlora"] if ctx.cuda else ["qlora"]  # the CPU smoke test: the SFT launch, no LoRA launch
+    if ctx.cuda:
+        items.append(launch(first, "trl"))
+    items += [launch(shape, "sft") for shape in others]
+    items += [launch(first, mode) for mode in modes]
+    for shape in others:
+        items += [launch(shape, "trl")] if ctx.cuda else []
+        items += [launch(shape, mode) for mode in modes]
+    return items
+
+
+def run_items(ctx: Context, items: list[Item], report: Callable[[], None]) -> None:
+    """Each item in order where its estimate fits the budget left, else a NOT RUN row; the in-process ones in
+    the one-rank group and stopped (SIGALRM) when the budget runs out, a launch stopped then by its timeout.
+    The report is rewritten after every item."""
+    pending = list(items)
+    ctx.pending = pending
+    group = None
+    try:
+        while pending:
+            item = pending[0]
+            if not ctx.budget.fits(item.estimate):
+                ctx.add_not_run(item.name, ctx.budget.not_run(item.estimate))
+                pending.pop(0)
+                report()
+                continue
+            if item.in_process and group is None:
+                group = one_rank_group(ctx)
+                group.__enter__()
+            elif not item.in_process and group is not None:
+                group.__exit__(None, None, None)
+                group = None
+            ctx.current, started = item, time.perf_counter()
+            report()  # the files list this item as not finished until it is
+            try:
+                with alarm(ctx.budget.left() if item.in_process else None):
+                    item.run(ctx)
+            except OutOfBudget as stopped:
+                ctx.add_not_run(item.name, f"not finished ({stopped}; estimate ~{item.estimate * ctx.budget.scale:.0f} s)")
+            except Exception as error:  # a broken check is a FAIL with its reason; the other checks still run
+                ctx.add(item.name, False, f"{type(error).__name__}: {error}"[:300], detail=traceback.format_exc()[-1500:])
+            ctx.seconds.setdefault(item.name, time.perf_counter() - started)
+            ctx.current = None
+            pending.pop(0)
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+            report()
+    finally:
+        if group is not None:
+            group.__exit__(None, None, None)
+
+
+@contextmanager
+def alarm(seconds: float | None):
+    """OutOfBudget raised in the main thread after `seconds` (None: no limit): an in-process check stopped
+    when the budget runs out (at its next Python bytecode: a long kernel or compile finishes first)."""
+    if seconds is None or seconds == float("inf"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise OutOfBudget(f"stopped by the budget after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def watchdog(ctx: Context, report: Callable[[], None]) -> None:
+    """The last resort when the budget's margin is spent too (the main thread stuck in a kernel, a collective
+    or a child's shutdown): the item running and those pending are NOT RUN rows, the report is written, the
+    children stopped, the process ends (exit 1)."""
+    if ctx.budget.seconds is None:
+        return
+
+    def expire() -> None:
+        for item in list(ctx.pending):
+            if item is ctx.current:
+                ctx.add_not_run(item.name, f"not finished (stopped by the watchdog at the budget + {BUDGET_MARGIN_S // 2} s)")
+            else:
+                ctx.add_not_run(item.name, ctx.budget.not_run(item.estimate))
+        ctx.pending.clear()
+        report()
+        for child in list(bench_gpu.CHILDREN):
+            stop_process_group(child)
+        os._exit(1)
+
+    timer = threading.Timer(max(0.0, ctx.budget.left()) + BUDGET_MARGIN_S // 2, expire)
+    timer.daemon = True
+    timer.start()
+
+
 # --- the report ---
 
 
@@ -587,7 +815,42 @@ def environment(ctx: Context) -> dict:
     for package in ("cut_cross_entropy", "bitsandbytes", "flash_attn", "trl", "peft"):
         spec = importlib.util.find_spec(package)
         facts[package] = "absent" if spec is None else _version(package)
+    facts["varlen_gqa"] = varlen_gqa(ctx)
+    if ctx.compute:
+        facts["compute"] = " / ".join(dict.fromkeys(ctx.compute))
     return facts
+
+
+def varlen_gqa(ctx: Context) -> str:
+    """How torch's varlen_attn takes grouped-query attention in this process (chattune.model.attention_kernels'
+    `_varlen_gqa`: flag, native or repeat), and who settled it."""
+    from chattune.model import attention_kernels
+
+    value = attention_kernels._varlen_gqa
+    if value == "flag":
+        how = "torch's varlen_attn has enable_gqa"
+    elif not ctx.cuda:
+        how = "torch's signature, no probe off CUDA"
+    elif ctx.dist_info is None:
+        how = "not probed yet: no model was built in this process"
+    else:
+        how = "settled by probe_native_gqa in chattune.model.build.build_sharded_model"
+    if attention_kernels._FLASH_ATTN_VARLEN is not None:
+        how += "; flash-attn is installed and takes the varlen path instead"
+    return f"{value} ({how})"
+
+
+class ComputeLines(logging.Handler):
+    """Keeps the start-up "compute:" lines (chattune.model.build.describe_compute) of the models built here."""
+
+    def __init__(self, ctx: Context):
+        super().__init__(logging.INFO)
+        self.ctx = ctx
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("compute:"):
+            self.ctx.compute.append(message)
 
 
 def _version(package: str) -> str:
@@ -600,21 +863,38 @@ def _version(package: str) -> str:
         return "present"
 
 
-def write_report(ctx: Context, facts: dict) -> bool:
-    failed = [row for row in ctx.rows if row.status == "FAIL"]
-    (ctx.out / "gpu_check.json").write_text(json.dumps(
-        {"environment": facts, "rows": [asdict(row) for row in ctx.rows], "seconds": ctx.seconds}, indent=1))
+def write_report(ctx: Context, facts: dict, rerun: str | None = None, final: bool = True) -> bool:
+    """gpu_check.json and gpu_check.md (rewritten after every item); printed when `final`. True: no FAIL."""
+    with ctx.lock:
+        rows = list(ctx.rows)
+        failed = [row for row in rows if row.status == "FAIL"]
+        budget = None if ctx.budget.seconds is None else {
+            "seconds": ctx.budget.seconds, "elapsed": round(time.monotonic() - ctx.budget.started, 1),
+            "margin": BUDGET_MARGIN_S, "estimate_scale": ctx.budget.scale}
+        (ctx.out / "gpu_check.json").write_text(json.dumps(
+            {"environment": facts, "rows": [asdict(row) for row in rows], "seconds": ctx.seconds, "budget": budget,
+             "not_run": list(ctx.not_run), "rerun": rerun}, indent=1))
+        lines = _table(ctx, facts, rows, failed)
+        if rerun:
+            lines.append(f"Not run within the budget ({', '.join(ctx.not_run)}); the second call:\n\n    {rerun}")
+        (ctx.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    if final:
+        print("\n".join(lines), flush=True)
+    return not failed
+
+
+def _table(ctx: Context, facts: dict, rows: list[Row], failed: list[Row]) -> list[str]:
     lines = [f"gpu_check on {facts.get('gpu', facts['device'])}, torch {facts['torch']}, transformers "
              f"{facts['transformers']}, cut-cross-entropy {facts['cut_cross_entropy']}, bitsandbytes "
-             f"{facts['bitsandbytes']}, trl {facts['trl']}; {facts['assets']}", "",
+             f"{facts['bitsandbytes']}, trl {facts['trl']}; {facts['assets']}; varlen gqa: {facts['varlen_gqa']}"
+             + (f"; {facts['compute']}" if facts.get("compute") else ""), "",
              "| check | result | figure | bound | detail |", "|---|---|---|---|---|"]
-    for row in ctx.rows:
+    for row in rows:
         detail = row.detail.replace("|", "/").replace("\n", " ")[:200]
         lines.append(f"| {row.check} | {row.status} | {row.figure} | {row.bound} | {detail} |")
-    lines.append(f"\n{len(ctx.rows)} rows, {len(failed)} FAIL; {sum(ctx.seconds.values()):.0f} s in the checks")
-    (ctx.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    return not failed
+    lines.append(f"\n{len(rows)} rows, {len(failed)} FAIL, {sum(r.status == 'NOT RUN' for r in rows)} NOT RUN; "
+                 f"{sum(ctx.seconds.values()):.0f} s in the checks")
+    return lines
 
 
 def find_assets(given: Path | None) -> Path | None:
@@ -632,8 +912,15 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
                         help="throughput shapes (default: 0.6b 1.7b on CUDA, tiny on the CPU)")
     parser.add_argument("--steps", type=int, default=None, help="throughput steps (default: 12 on CUDA, 4 on the CPU)")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these checks (names as in the table; "
-                        "throughput and resume_and_export for the recipe runs)")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these items (names as in the table's NOT RUN "
+                        "rows and the header; `throughput` for every throughput and TRL launch)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="wall-clock budget from the start: the items in priority order, each only where its "
+                             "estimate fits what is left, the one running stopped when it runs out; returns within "
+                             f"SECONDS + {BUDGET_MARGIN_S} with every item in the table and the command for the rest")
+    parser.add_argument("--estimate-scale", type=float, default=1.0, metavar="FACTOR",
+                        help="multiply every estimate (a slower card: above 1; 0 starts every item and lets the "
+                             "budget stop it)")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("highest")  # what chattune must leave as it is (tf32_scope)
     out = args.out.resolve()
@@ -642,28 +929,61 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     assets = find_assets(args.assets) if args.device == "cuda" else None
     if assets is not None:
-        import bench_gpu
-
         chats = bench_gpu.make_corpora(assets, work / "data")["short"]
         tokenizer_dir = assets / "tokenizers" / "qwen3"
     else:
         chats, tokenizer_dir = DEMO_ASSETS / "chat_train.jsonl", DEMO_ASSETS / "tokenizer"
     ctx = Context(torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"), out, work,
-                  tokenizer_dir, chats, assets is not None)
-    facts = environment(ctx)
-    print(f"[gpu_check] {facts}", flush=True)
-    only = set(args.only) if args.only else None
-    in_process_checks(ctx, only)
-    if not only or "throughput" in only:
-        shapes = args.shapes or (["0.6b", "1.7b"] if ctx.cuda else ["tiny"])
-        steps = args.steps or (12 if ctx.cuda else 4)
-        throughput(ctx, shapes, steps, warmup=max(1, steps // 3))
-    if not only or "resume_and_export" in only:
+                  tokenizer_dir, chats, assets is not None, Budget(args.budget, scale=args.estimate_scale))
+    shapes = args.shapes or (["0.6b", "1.7b"] if ctx.cuda else ["tiny"])
+    items = plan(ctx, shapes, args.steps or (12 if ctx.cuda else 4))
+    names = [item.name for item in items]
+    if args.only:
+        aliases = {"throughput": [n for n in names if n.startswith(("throughput_", "trl_"))]}
+        unknown = [name for name in args.only if name not in names and name not in aliases]
+        if unknown:
+            parser.error(f"--only {' '.join(unknown)}: the items are {', '.join(names)} (and `throughput`)")
+        wanted = {n for name in args.only for n in aliases.get(name, [name])}
+        items = [item for item in items if item.name in wanted]
+    handler = ComputeLines(ctx)
+    build_logger = logging.getLogger("chattune.model.build")
+    build_logger.addHandler(handler)
+    build_logger.setLevel(logging.INFO)
+    print(f"[gpu_check] {environment(ctx)}", flush=True)
+    print(f"[gpu_check] items in order: {', '.join(f'{i.name} (~{i.estimate * ctx.budget.scale:.0f} s)' for i in items)}"
+          + (f"; budget {args.budget:.0f} s" if args.budget is not None else ""), flush=True)
+
+    def rerun() -> str | None:
+        if not ctx.not_run:
+            return None
+        return rerun_command(__file__, sys.argv[1:], {"--only": list(ctx.not_run), "--out": [f"{out}-rest"],
+                                                        "--work": [str(work)]})
+
+    def report(final: bool = False) -> bool:
+        """The report so far; the items not done yet in it as NOT RUN rows (what the files say if the process
+        is killed from outside), which the next report replaces."""
+        with ctx.lock:
+            rows, not_run = list(ctx.rows), list(ctx.not_run)
+        provisional = [Row(item.name, "NOT RUN", "not finished (gpu_check stopped while it ran)" if item is ctx.current
+                           else "not run (gpu_check stopped before it)") for item in list(ctx.pending)]
+        ctx.rows, ctx.not_run = rows + provisional, not_run + [row.check for row in provisional]
         try:
-            resume_and_export(ctx)
-        except Exception as error:
-            ctx.add("resume_exact", False, f"{type(error).__name__}: {error}"[:300])
-    return 0 if write_report(ctx, facts) else 1
+            return write_report(ctx, environment(ctx), rerun(), final)
+        finally:
+            ctx.rows, ctx.not_run = rows, not_run
+
+    ctx.pending = []
+    watchdog(ctx, report)
+    try:
+        run_items(ctx, items, report)
+    finally:  # a crash or an interrupt still leaves the report, every item in it
+        for item in list(ctx.pending):
+            ctx.add_not_run(item.name, "not run (gpu_check stopped before it)")
+        ctx.pending.clear()
+        passed = report(final=True)
+        if ctx.not_run:
+            print(f"[gpu_check] the second call, for what did not run:\n  {rerun()}", flush=True)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
