@@ -57,6 +57,8 @@ PACKAGES = [
     ("peft", "0.21.2", "LoRA (ours over the machine's, of unknown version)"),
     ("trl", "1.16.0", "the TRL comparison rows"),
     ("cut-cross-entropy", "25.1.1", "the fused output-layer loss"),
+    ("pytest", "9.2.0", "gpu_check's cuda_tests row (the CUDA-only tests)"),
+    ("pluggy", "1.7.0", "pytest's"), ("iniconfig", "2.3.1", "pytest's"),
     ("fla-core", "0.6.0", "the hybrid models' kernels (pure Python, Triton)"),
     ("flash-linear-attention", "0.6.0", "the hybrid models' kernels (pure Python, Triton)"),
 ]
@@ -74,7 +76,7 @@ IMPORTS = [
     ("antlr4", True, "antlr4-python3-runtime"), ("torchdata.stateful_dataloader", True, "torchdata"),
     ("datasets", True, "datasets"), ("peft", True, "peft"), ("chattune.cli.main", True, "the project"),
     ("cut_cross_entropy", False, "cut-cross-entropy"), ("trl", False, "trl"), ("fla", False, "fla-core"),
-    ("bitsandbytes", False, "bitsandbytes (--with-bitsandbytes)"), ("flash_attn", False, "not carried"),
+    ("pytest", False, "pytest"), ("bitsandbytes", False, "bitsandbytes (--with-bitsandbytes)"), ("flash_attn", False, "not carried"),
 ]
 MINIMUM = {"python": (3, 10), "torch": (2, 11), "transformers": (5, 0)}
 DEFAULT_BUDGET = 540  # seconds: the device tool's 10-minute command, less the machine's start-up slack
@@ -377,24 +379,24 @@ def check_env(folder: Path, target: Path, dry_run: bool, allow_cpu: bool = False
 
 
 def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str, budget: int) -> None:
-    """What ran, what did not, and the second command for the rest."""
+    """What ran, what did not, and the second command for the rest. Reads the scripts' own reports:
+    gpu_check.json's rows and `not_run` (the items its budget left out or stopped), bench_gpu's results.json
+    rows and their `status` ("ran", "not run (budget ...)", "not finished (...)", "FAIL: ...")."""
     lines, again = [], []
     report = results / "gpu_check" / "gpu_check.json"
     if check_args == "none":
         lines.append("gpu_check: not asked for (--no-check)")
     elif report.is_file():
-        rows = json.loads(report.read_text())["rows"]
-        counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
-        lines.append(f"gpu_check: {len(rows)} rows, {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP")
+        facts = json.loads(report.read_text())
+        rows = facts["rows"]
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "SKIP", "NOT RUN")}
+        lines.append(f"gpu_check: {len(rows)} rows, {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP, "
+                     f"{counts['NOT RUN']} NOT RUN")
         lines += [f"  FAIL {r['check']}: {r['figure']} {r['detail'][:150]}" for r in rows if r["status"] == "FAIL"]
-        skipped = [r for r in rows if r["status"] == "SKIP"]
-        lines += [f"  SKIP {r['check']}: {r['figure']}" for r in skipped]
-        unrun = {("throughput" if r["check"].startswith(("throughput", "target_", "trl")) else
-                  "resume_and_export" if r["check"].startswith(("resume", "export")) else r["check"])
-                 for r in skipped if re.search(r"budget|not run|no time", r["figure"] + " " + r["detail"], re.I)}
-        if unrun:
-            again.append(f"--no-bench --check-args '--only {' '.join(sorted(unrun))}'")
-        if any("bitsandbytes" in r["figure"] for r in skipped):
+        lines += [f"  {r['status']} {r['check']}: {r['figure']}" for r in rows if r["status"] in ("SKIP", "NOT RUN")]
+        if facts.get("not_run"):
+            again.append(f"--no-bench --check-args '--only {' '.join(dict.fromkeys(facts['not_run']))}'")
+        if any("bitsandbytes" in r["figure"] for r in rows if r["status"] == "SKIP"):
             lines.append("  QLoRA: bitsandbytes was not carried: python scripts/gpu_carry.py --with-bitsandbytes, "
                          "then the second command it prints")
     else:
@@ -406,11 +408,15 @@ def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str,
         rest = []
     elif bench.is_file():
         rows = json.loads(bench.read_text())
-        done = {r["run"] for r in rows}
         for r in rows:
-            lines.append(f"bench {r['run']} {r['tool']}: {r['tokens_per_s']:,.0f} tokens/s"
-                         + (f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""))
-        rest = [run for run in wanted if run not in done]
+            if r.get("status", "ran") == "ran":
+                lines.append(f"bench {r['run']} {r['tool']}: {r['tokens_per_s']:,.0f} tokens/s"
+                             + (f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""))
+            else:
+                lines.append(f"bench {r['run']} {r['tool']}: {r['status']}")
+        left_out = {r["run"] for r in rows if r.get("status", "ran").startswith("not ")}  # not run / not finished
+        rest = [run for run in dict.fromkeys(wanted + sorted(left_out))
+                if run in left_out or run not in {r["run"] for r in rows}]
     else:
         lines.append("bench_gpu: no results (see logs.tar.gz: bench_gpu.log)")
         rest = wanted

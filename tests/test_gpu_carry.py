@@ -141,14 +141,17 @@ p.add_argument("--work"); p.add_argument("--assets"); p.add_argument("--only", n
 a = p.parse_args(); a.out.mkdir(parents=True, exist_ok=True)
 print("stand-in gpu_check", sys.argv[1:]); (a.out / "throughput_0.6b_sft.log").write_text("a recipe's log")
 rows = [{"check": "packed_vs_hf", "status": "PASS", "figure": "0.03", "bound": "", "detail": ""},
-        {"check": "resume_exact", "status": "SKIP", "figure": "not run: past the budget", "bound": "", "detail": ""}]
-(a.out / "gpu_check.json").write_text(json.dumps({"rows": rows})); (a.out / "gpu_check.md").write_text("| table |")
+        {"check": "resume_and_export", "status": "NOT RUN", "figure": "not run (budget: needs ~90 s, 12 s left)",
+         "bound": "", "detail": ""}]
+(a.out / "gpu_check.json").write_text(json.dumps({"rows": rows, "not_run": ["resume_and_export"]}))
+(a.out / "gpu_check.md").write_text("| table |")
 """
 STAND_IN_BENCH = """import argparse, json, pathlib, sys
 p = argparse.ArgumentParser(); p.add_argument("--budget", type=int); p.add_argument("--work", type=pathlib.Path)
 p.add_argument("--assets"); p.add_argument("--runs", nargs="+")
 a = p.parse_args(); a.work.mkdir(parents=True, exist_ok=True); print("stand-in bench_gpu", sys.argv[1:])
-(a.work / "results.json").write_text(json.dumps([{"run": a.runs[0], "tool": "chattune", "tokens_per_s": 1000.0}]))
+(a.work / "results.json").write_text(json.dumps([{"run": a.runs[0], "tool": "chattune", "tokens_per_s": 1000.0,
+                                                   "status": "ran"}]))
 sys.exit(1)
 """
 
@@ -182,28 +185,35 @@ def test_run_sh_runs_both_scripts_and_leaves_a_summary(built, tmp_path):
         assert sorted(tar.getnames()) == ["./bench_gpu.log", "./env.log", "./gpu_check.log",
                                           "./gpu_check/throughput_0.6b_sft.log", "./install.log"]
     summary = (results / "summary.txt").read_text()
-    assert summary in out and "gpu_check: 2 rows, 1 PASS, 0 FAIL, 1 SKIP" in summary
+    assert summary in out and "gpu_check: 2 rows, 1 PASS, 0 FAIL, 0 SKIP, 1 NOT RUN" in summary
     assert f"bash {small}/run.sh --results \"$OUT\" --budget 200 --no-bench --check-args '--only resume_and_export'" in summary
     assert "--no-check --runs 'short17'" in summary
 
 
 def test_summary_names_the_second_call(tmp_path):
+    """The summary reads the reports in the formats gpu_check.py and bench_gpu.py write (their own tests
+    check those): gpu_check.json's rows and `not_run`, results.json's rows with a `status`."""
     (tmp_path / "gpu_check").mkdir()
     rows = [{"check": "packed_vs_hf", "status": "PASS", "figure": "0.03", "bound": "", "detail": ""},
             {"check": "throughput_0.6b_qlora", "status": "SKIP", "figure": "bitsandbytes is not importable",
              "bound": "", "detail": ""},
-            {"check": "throughput_1.7b_sft", "status": "SKIP", "figure": "not run: over the budget", "bound": "",
-             "detail": ""},
-            {"check": "resume_exact", "status": "SKIP", "figure": "left out (budget)", "bound": "", "detail": ""},
+            {"check": "throughput_1.7b_sft", "status": "NOT RUN", "figure": "not run (budget: needs ~200 s, 40 s left)",
+             "bound": "", "detail": ""},
+            {"check": "resume_and_export", "status": "NOT RUN", "figure": "not finished (stopped by the budget)",
+             "bound": "", "detail": ""},
             {"check": "host_syncs", "status": "FAIL", "figure": "3 syncs", "bound": "", "detail": "at step 2"}]
-    (tmp_path / "gpu_check" / "gpu_check.json").write_text(json.dumps({"rows": rows}))
-    (tmp_path / "bench_gpu.json").write_text(json.dumps([{"run": "short06", "tool": "chattune", "tokens_per_s": 20000.0,
-                                                          "mfu": 0.07}]))
-    gpu_carry.summary(tmp_path, tmp_path, "", "short06 short17", ".gpu-carry", 540)
+    (tmp_path / "gpu_check" / "gpu_check.json").write_text(json.dumps(
+        {"rows": rows, "not_run": ["throughput_1.7b_sft", "resume_and_export"]}))
+    (tmp_path / "bench_gpu.json").write_text(json.dumps([
+        {"run": "short06", "tool": "chattune", "tokens_per_s": 20000.0, "mfu": 0.07, "status": "ran"},
+        {"run": "short06", "tool": "trl", "status": "FAIL: trl crashed"},
+        {"run": "long06", "tool": "chattune", "status": "not run (budget: needs ~150 s, 20 s left)"}]))
+    gpu_carry.summary(tmp_path, tmp_path, "", "short06 short17 long06", ".gpu-carry", 540)
     text = (tmp_path / "summary.txt").read_text()
-    assert "5 rows, 1 PASS, 1 FAIL, 3 SKIP" in text and "FAIL host_syncs" in text and "--with-bitsandbytes" in text
-    assert "--no-bench --check-args '--only resume_and_export throughput'" in text
-    assert "--no-check --runs 'short17'" in text and "short06 chattune: 20,000 tokens/s, MFU 7.0%" in text
+    assert "5 rows, 1 PASS, 1 FAIL, 1 SKIP, 2 NOT RUN" in text and "FAIL host_syncs" in text and "--with-bitsandbytes" in text
+    assert "--no-bench --check-args '--only throughput_1.7b_sft resume_and_export'" in text
+    assert "--no-check --runs 'short17 long06'" in text and "short06 chattune: 20,000 tokens/s, MFU 7.0%" in text
+    assert "short06 trl: FAIL: trl crashed" in text
 
     gpu_carry.summary(tmp_path, tmp_path, "none", "none", ".gpu-carry", 540)
     assert "nothing left for a second call" in (tmp_path / "summary.txt").read_text()
