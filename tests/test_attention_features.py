@@ -303,6 +303,17 @@ def _(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, i
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+# torch 2.11's varlen forward op has no enable_gqa: `_TORCH_SINK_OPS` is None there, sinks take the exact loop.
+def _varlen_op_takes_enable_gqa() -> bool:
+    op = getattr(torch.ops.torch_attn, "_varlen_attn", None)
+    return op is not None and "enable_gqa" in {argument.name for argument in op.default._schema.arguments}
+
+
+SINK_OPS_IN_THIS_TORCH = _varlen_op_takes_enable_gqa()
+
+
+@pytest.mark.skipif(not SINK_OPS_IN_THIS_TORCH, reason=f"torch {torch.__version__} never takes the sink path (its "
+                    "_varlen_attn op has no enable_gqa); its compile of it gave other gradients than eager (2.11.0)")
 def test_the_sink_path_compiles_in_one_graph(monkeypatch):
     """With custom ops standing in for torch's (registered as torch registers its own), `_SinkVarlen` traces
     forward and backward without a graph break, and the compiled gradients are the eager ones."""
@@ -324,14 +335,17 @@ def test_the_sink_path_compiles_in_one_graph(monkeypatch):
 
 
 def test_this_torch_has_the_ops_the_sink_path_calls():
-    """torch 2.13's varlen flash ops, with the arguments `_SinkVarlen` passes by name (checked at import)."""
-    assert attention_kernels._TORCH_SINK_OPS is not None
+    """torch's varlen flash ops, with the arguments `_SinkVarlen` passes by name (checked at import): from torch
+    2.12 on; 2.11's forward op has no enable_gqa, and the sink layers take the exact loop."""
+    assert (attention_kernels._TORCH_SINK_OPS is not None) == SINK_OPS_IN_THIS_TORCH
+    assert SINK_OPS_IN_THIS_TORCH == (tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 12))
 
 
 # The path of each layer.
 
 def test_each_layer_takes_the_path_its_device_dtype_head_size_and_features_allow(monkeypatch):
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", False)
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", STAND_IN_OPS)  # as on torch >= 2.12
     assert attention_path("cpu", torch.float32, 64) == SDPA
     assert attention_path("cpu", torch.bfloat16, 64, sinks=True) == EXACT
     assert attention_path("cpu", "float32", 64, softcap=True) == EXACT
@@ -403,6 +417,7 @@ def test_gpt_oss_on_the_cuda_sink_path_equals_stock(monkeypatch):
 def test_the_start_up_line_names_each_group_of_layers(monkeypatch):
     plain = "per-document SDPA (a loop over documents, outside compiled graphs)"
     assert attention_backend("cpu", "float32") == plain  # the old call
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", STAND_IN_OPS)  # as on torch >= 2.12
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_VARLEN", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", True)
     assert attention_backend("cuda", "bfloat16") == "flash-attn varlen"
