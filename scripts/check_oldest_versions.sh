@@ -51,7 +51,7 @@ cd "$ROOT"
 # parallelism, FSDP (sharded load, checkpoints), LoRA/QLoRA, resume, the packing probe, the walk over every
 # architecture transformers registers, hybrid models and the data pipeline. Left out for time: the
 # world-size invariance launches (7 minutes) and the SIGKILL variants of the resume tests (3 minutes).
-# About 17 minutes on 2 busy cores.
+# About 14 minutes on 2 cores, and 2 for the set-up with the wheels at hand.
 CORE_TESTS=(
     tests/test_model.py tests/test_layers.py tests/test_attention_features.py tests/test_varlen_fallback.py
     tests/test_chunked_loss.py tests/test_fused_loss.py tests/test_pair_losses.py tests/test_output_logits.py
