@@ -352,6 +352,7 @@ def test_this_torch_has_the_ops_the_sink_path_calls():
 
 def test_each_layer_takes_the_path_its_device_dtype_head_size_and_features_allow(monkeypatch):
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", False)
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", STAND_IN_OPS)  # the choice, whatever ops this torch has
     assert attention_path("cpu", torch.float32, 64) == SDPA
     assert attention_path("cpu", torch.bfloat16, 64, sinks=True) == EXACT
     assert attention_path("cpu", "float32", 64, softcap=True) == EXACT
@@ -424,6 +425,7 @@ def test_gpt_oss_on_the_cuda_sink_path_equals_stock(monkeypatch):
 def test_the_start_up_line_names_each_group_of_layers(monkeypatch):
     plain = "per-document SDPA (a loop over documents, outside compiled graphs)"
     assert attention_backend("cpu", "float32") == plain  # the old call
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", STAND_IN_OPS)  # the choice, whatever ops this torch has
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_VARLEN", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", True)
     assert attention_backend("cuda", "bfloat16") == "flash-attn varlen"

@@ -98,8 +98,19 @@ def handled_mixers(hf_model: nn.Module) -> dict[str, str]:
 
 
 def kernels_available(kind: str) -> bool:
-    """Whether the packages of `kind`'s varlen path (`VARLEN_KERNELS`) all import."""
-    return all(importlib.util.find_spec(name) is not None for name in VARLEN_KERNELS[kind])
+    """Whether the packages of `kind`'s varlen path (`VARLEN_KERNELS`) all import. Imported, not only found: a
+    package that is installed but does not import (a build for another torch) makes transformers <= 5.17 take its
+    torch fallback, which ignores `seq_idx` (the leak of a short convolution is then too small for
+    `check_fast_mixers` to see); transformers 5.24's fallback refuses it instead."""
+    for name in VARLEN_KERNELS[kind]:
+        if importlib.util.find_spec(name) is None:
+            return False
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # an extension built for another torch or CUDA fails in many ways
+            logger.warning("%s is installed but does not import (%s: %s)", name, type(error).__name__, error)
+            return False
+    return True
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
@@ -191,7 +202,7 @@ def choose_mixer_path(device: torch.device, kinds: set[str]) -> set[str]:
             _varlen.add(kind)
         else:
             logger.warning("the model's %s layers run per document of each packed row (exact, a loop over documents) "
-                           "because %s are not all installed; for the varlen kernels: %s",
+                           "because %s do not all import; for the varlen kernels: %s",
                            kind, " and ".join(VARLEN_KERNELS[kind]), INSTALL_HINT)
     return set(_varlen)
 
