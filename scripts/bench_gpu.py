@@ -168,6 +168,15 @@ def stop_process_group(process: subprocess.Popen) -> None:
             pass
 
 
+def add_budget_arguments(parser: argparse.ArgumentParser, order: str) -> None:
+    """--budget and --estimate-scale, as this script and gpu_check.py take them; `order`: what the budget does."""
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help=f"wall-clock budget from the start: {order}; returns within SECONDS + {BUDGET_MARGIN_S}")
+    parser.add_argument("--estimate-scale", type=float, default=1.0, metavar="FACTOR",
+                        help="multiply every estimate (a slower card: above 1; 0 starts every item and lets the "
+                             "budget stop it)")
+
+
 def run_bounded(command: list[str], timeout: float | None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run in a session of its own that, at `timeout` seconds, stops the child and all it started
@@ -380,13 +389,8 @@ def main() -> int:
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra override for the chattune runs (repeatable), e.g. --set model.compile=false")
-    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                        help="wall-clock budget: runs in priority order (short06 and its TRL run first), each only "
-                             "where its estimate fits what is left, a launch stopped when the budget runs out; "
-                             f"returns within SECONDS + {BUDGET_MARGIN_S}")
-    parser.add_argument("--estimate-scale", type=float, default=1.0, metavar="FACTOR",
-                        help="multiply every estimate (a slower card: above 1; 0 starts every item and lets the "
-                             "budget stop it)")
+    add_budget_arguments(parser, "runs in priority order (short06 and its TRL run first), each only where its "
+                                 "estimate fits what is left, a launch stopped when the budget runs out")
     args = parser.parse_args()
     if not 1 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 1 and below --steps")

@@ -96,7 +96,8 @@ from chattune.data.chat_template import probe_template, tokenize_conversation  #
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
 from chattune.data.packing import collate_packed  # noqa: E402
 import bench_gpu  # noqa: E402
-from bench_gpu import BUDGET_MARGIN_S, Budget, OutOfBudget, rerun_command, run_bounded, stop_process_group  # noqa: E402
+from bench_gpu import (BUDGET_MARGIN_S, Budget, OutOfBudget, add_budget_arguments, rerun_command,  # noqa: E402
+                       run_bounded, stop_process_group)
 
 # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied embeddings)
 SHAPES = {"tiny": (64, 128, 2, 4, 2), "0.6b": (1024, 3072, 28, 16, 8), "1.7b": (2048, 6144, 28, 16, 8)}
@@ -914,13 +915,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="throughput steps (default: 12 on CUDA, 4 on the CPU)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these items (names as in the table's NOT RUN "
                         "rows and the header; `throughput` for every throughput and TRL launch)")
-    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                        help="wall-clock budget from the start: the items in priority order, each only where its "
-                             "estimate fits what is left, the one running stopped when it runs out; returns within "
-                             f"SECONDS + {BUDGET_MARGIN_S} with every item in the table and the command for the rest")
-    parser.add_argument("--estimate-scale", type=float, default=1.0, metavar="FACTOR",
-                        help="multiply every estimate (a slower card: above 1; 0 starts every item and lets the "
-                             "budget stop it)")
+    add_budget_arguments(parser, "the items in priority order, each only where its estimate fits what is left, the "
+                                 "one running stopped when it runs out, every item in the table and the command for "
+                                 "the rest")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("highest")  # what chattune must leave as it is (tf32_scope)
     out = args.out.resolve()
