@@ -23,8 +23,8 @@ stopped with all it started when the budget ends; it returns within SECONDS + 20
 the second call (`--runs` the rest). A failed run is a row too; the exit status is 1 when one failed.
 `--set KEY=VALUE` (repeatable) adds an override to the chattune runs. `--device cpu --runs tiny tiny_gptoss tiny_gemma4`
 runs the chattune side on tiny models on the CPU (a check of this script).
-On a machine without internet: see ../shared/gpu/README.md for the wheels (hydra, torchdata, datasets,
-TRL, cut-cross-entropy) and PYTHONPATH.
+On a machine without internet: `python scripts/gpu_carry.py` builds the folder of wheels (hydra, torchdata,
+datasets, TRL, cut-cross-entropy) and assets to carry there, and prints the command that runs this script.
 """
 
 from __future__ import annotations

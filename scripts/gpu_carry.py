@@ -58,7 +58,7 @@ PACKAGES = [
     ("trl", "1.16.0", "the TRL comparison rows"),
     ("cut-cross-entropy", "25.1.1", "the fused output-layer loss"),
     ("pytest", "9.2.0", "gpu_check's cuda_tests row (the CUDA-only tests)"),
-    ("pluggy", "1.7.0", "pytest's"), ("iniconfig", "2.3.1", "pytest's"),
+    ("pluggy", "1.7.0", "pytest's"), ("iniconfig", "2.3.1", "pytest's"), ("pygments", "2.21.0", "pytest 9's"),
     ("fla-core", "0.6.0", "the hybrid models' kernels (pure Python, Triton)"),
     ("flash-linear-attention", "0.6.0", "the hybrid models' kernels (pure Python, Triton)"),
 ]
@@ -78,7 +78,7 @@ IMPORTS = [
     ("cut_cross_entropy", False, "cut-cross-entropy"), ("trl", False, "trl"), ("fla", False, "fla-core"),
     ("pytest", False, "pytest"), ("bitsandbytes", False, "bitsandbytes (--with-bitsandbytes)"), ("flash_attn", False, "not carried"),
 ]
-MINIMUM = {"python": (3, 10), "torch": (2, 11), "transformers": (5, 0)}
+MINIMUM = {"python": (3, 10), "torch": (2, 11), "transformers": (5, 17)}  # pyproject.toml's floors
 DEFAULT_BUDGET = 540  # seconds: the device tool's 10-minute command, less the machine's start-up slack
 
 
@@ -281,7 +281,7 @@ def build(args: argparse.Namespace) -> dict:
         bnb_name = carry_path(folders[1], args.root)
         report["bnb"] = {"folder": str(folders[1]), "bytes": sizes[folders[1]], "carry": [name, bnb_name],
                          "command": command_for(name, args.budget, f" --extra-wheels {bnb_name}/wheels "
-                                                f"--no-bench --check-args '--only throughput --shapes 0.6b'")}
+                                                f"--no-bench --check-args '--only throughput_0.6b_qlora'")}
     return report
 
 
@@ -378,7 +378,8 @@ def check_env(folder: Path, target: Path, dry_run: bool, allow_cpu: bool = False
     return 0
 
 
-def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str, budget: int) -> None:
+def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str, budget: int,
+            extra_wheels: list[str] = ()) -> None:
     """What ran, what did not, and the second command for the rest. Reads the scripts' own reports:
     gpu_check.json's rows and `not_run` (the items its budget left out or stopped), bench_gpu's results.json
     rows and their `status` ("ran", "not run (budget ...)", "not finished (...)", "FAIL: ...")."""
@@ -422,8 +423,12 @@ def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str,
         rest = wanted
     if rest:
         again.append(f"--no-check --runs '{' '.join(rest)}'")
+    # A second call carries and installs what this one did (--extra-wheels: the bitsandbytes folder)
+    carried = [carry, *dict.fromkeys(Path(d).parent.as_posix() if Path(d).name == "wheels" else d for d in extra_wheels)]
+    wheels = "".join(f" --extra-wheels {d}" for d in extra_wheels)
     for extra in again:
-        lines.append(f"second call (carry [\"{carry}\"]): bash {carry}/run.sh --results \"$OUT\" --budget {budget} {extra}")
+        lines.append(f"second call (carry {json.dumps(carried)}): bash {carry}/run.sh --results \"$OUT\" --budget {budget}"
+                     f"{wheels} {extra}")
     if not again:
         lines.append("nothing left for a second call")
     text = "\n".join(lines)
@@ -436,7 +441,7 @@ def main() -> int:
         return check_env(Path(sys.argv[2]), Path(sys.argv[3]), "--dry-run" in sys.argv[4:], "--allow-cpu" in sys.argv[4:])
     if sys.argv[1:2] == ["--summary"]:
         folder, results, check_args, runs, carry, budget = sys.argv[2:8]
-        summary(Path(folder), Path(results), check_args, runs, carry, int(budget))
+        summary(Path(folder), Path(results), check_args, runs, carry, int(budget), sys.argv[8:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / ".gpu-carry", help="the folder (default: .gpu-carry/)")

@@ -93,7 +93,9 @@ rc=${PIPESTATUS[0]}
 
 # The two runs, each under its budget (the scripts' --budget) and a hard stop GRACE seconds later.
 left() { echo $(( BUDGET - SECONDS - RESERVE )); }
-stop() { if command -v timeout >/dev/null; then echo "timeout --kill-after=10 $(( $1 + GRACE ))"; fi; }
+# SIGINT, not timeout's default SIGTERM: Python turns it into KeyboardInterrupt, on which the scripts stop their
+# launches' process groups (torchrun and its workers run in sessions of their own) and write their reports.
+stop() { if command -v timeout >/dev/null; then echo "timeout -s INT --kill-after=10 $(( $1 + GRACE ))"; fi; }
 check_rc=skipped bench_rc=skipped
 cd "$PROJECT" || exit 2
 if [ "$DO_CHECK" = 1 ]; then
@@ -124,5 +126,6 @@ say "done: gpu_check rc=$check_rc, bench_gpu rc=$bench_rc"
 [ "$DRY" = 1 ] && exit 0
 [ "$DO_BENCH" = 1 ] || RUNS=none
 [ "$DO_CHECK" = 1 ] || CHECK_ARGS=none
-"$PY" "$FOLDER/gpu_carry.py" --summary "$FOLDER" "$RESULTS" "$CHECK_ARGS" "$RUNS" "$CARRY" "$BUDGET"
+"$PY" "$FOLDER/gpu_carry.py" --summary "$FOLDER" "$RESULTS" "$CHECK_ARGS" "$RUNS" "$CARRY" "$BUDGET" \
+    ${EXTRA[@]+"${EXTRA[@]}"}
 case "$check_rc $bench_rc" in "0 0"|"0 skipped"|"skipped 0"|"skipped skipped") exit 0 ;; *) exit 1 ;; esac

@@ -54,12 +54,13 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   checkpoint's fp32 masters, tensor for tensor; `export_after_eval`: the export after a final step that
   evaluated and saved nothing holds fp32 masters, not bf16 copies (issue 26, item 1).
 
-On a GPU machine without internet it runs from a checkout on PYTHONPATH with torch ≥ 2.11; carry as wheels
-(../shared/gpu/fetch_wheels.sh, ../shared/gpu/README.md): hydra-core, omegaconf, antlr4-python3-runtime,
-torchdata, datasets (with dill, multiprocess), peft, cut-cross-entropy, and for the optional rows
-bitsandbytes (QLoRA), trl and pytest (`cuda_tests`). scripts/gpu_carry.py builds that carry folder and prints
-the one command to run there (with a `--budget` that fits the call). Real tokenizer and chats come from --assets (../shared/assets: the Qwen3
-tokenizer, the FastChat chats); without them the run uses chattune's demo tokenizer and chats, and says so.
+On a GPU machine without internet (torch ≥ 2.11, transformers ≥ 5.17 preinstalled) it runs from a checkout
+on PYTHONPATH with the wheels the machine lacks: `python scripts/gpu_carry.py` builds that carry folder
+(hydra-core, omegaconf, antlr4-python3-runtime, torchdata, datasets, peft, cut-cross-entropy, trl, pytest)
+and prints the one command that installs it and runs this script and bench_gpu.py within a budget; QLoRA's
+bitsandbytes is a folder and a call of its own (`--with-bitsandbytes`). Real tokenizer and chats come from
+--assets (../shared/assets: the Qwen3 tokenizer, the FastChat chats); without them the run uses chattune's demo
+tokenizer and chats, and says so.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -561,8 +563,6 @@ def compare_with_trl(ctx: Context, shape: str, steps: int, warmup: int) -> None:
     if (shape, "sft") not in ctx.figures:
         ctx.add(f"trl_{shape}", None, f"throughput_{shape}_sft has no figure to compare with")
         return
-    import bench_gpu
-
     run = {"0.6b": "short06", "1.7b": "short17"}[shape]
     arguments = argparse.Namespace(work=ctx.work / "trl", steps=steps, warmup=warmup)
     arguments.work.mkdir(parents=True, exist_ok=True)
@@ -588,18 +588,23 @@ def cuda_test_files() -> list[str]:
 
 
 def cuda_tests(ctx: Context) -> None:
-    """The project's CUDA-only tests (`pytest -k cuda` over cuda_test_files()), a subprocess: CUDA only."""
+    """The project's CUDA-only tests (`-k cuda` over cuda_test_files()) and the varlen stand-ins' tests (whose
+    signature test then compares them with this machine's torch), a subprocess: CUDA only."""
     if not ctx.cuda:
         ctx.add("cuda_tests", None, "CUDA only")
         return
-    if importlib.util.find_spec("pytest") is None:
-        ctx.add("cuda_tests", None, "pytest is not importable")
+    importable = subprocess.run([sys.executable, "-c", "import pytest"], capture_output=True, text=True)
+    if importable.returncode:  # absent, or a dependency of it missing (pygments for pytest 9)
+        ctx.add("cuda_tests", None, "pytest does not import", detail=importable.stderr.strip()[-300:])
         return
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *cuda_test_files(), "-k", "cuda"]
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *cuda_test_files(), "-k",
+               "cuda or varlen_fallback"]  # -k matches module names too: every test of test_varlen_fallback.py
     done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
     log = done.stdout + done.stderr
     (ctx.out / "cuda_tests.log").write_text(log)
-    summary = next((line.strip("= ") for line in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed|error|deselected|skipped)", line)), f"exit {done.returncode}")
+    counts = re.compile(r"\d+ (passed|failed|error|deselected|skipped)")
+    summary = next((line.strip("= ") for line in reversed(log.splitlines()) if counts.search(line)),
+                   f"exit {done.returncode}")
     skipped = "; ".join(line.split("] ", 1)[-1] for line in log.splitlines() if line.startswith("SKIPPED"))
     ctx.add("cuda_tests", done.returncode == 0 and "passed" in summary, summary, "all selected pass",
             f"{shlex.join(command[3:])}; {skipped}"[:300])
@@ -832,12 +837,12 @@ def varlen_gqa(ctx: Context) -> str:
         how = "torch's varlen_attn has enable_gqa"
     elif not ctx.cuda:
         how = "torch's signature, no probe off CUDA"
+    elif attention_kernels._FLASH_ATTN_VARLEN is not None:  # probe_native_gqa returns without probing
+        how = "not probed: flash-attn is installed and takes the varlen path (attention sinks repeat the kv heads)"
     elif ctx.dist_info is None:
         how = "not probed yet: no model was built in this process"
     else:
         how = "settled by probe_native_gqa in chattune.model.build.build_sharded_model"
-    if attention_kernels._FLASH_ATTN_VARLEN is not None:
-        how += "; flash-attn is installed and takes the varlen path instead"
     return f"{value} ({how})"
 
 
@@ -864,20 +869,21 @@ def _version(package: str) -> str:
         return "present"
 
 
-def write_report(ctx: Context, facts: dict, rerun: str | None = None, final: bool = True) -> bool:
-    """gpu_check.json and gpu_check.md (rewritten after every item); printed when `final`. True: no FAIL."""
+def write_report(ctx: Context, facts: dict, rows: list[Row], not_run: list[str], rerun: str | None = None,
+                 final: bool = True) -> bool:
+    """gpu_check.json and gpu_check.md (rewritten after every item) of `rows`; printed when `final`. True: no
+    FAIL. `not_run`: the items a second call runs (`rerun`)."""
     with ctx.lock:
-        rows = list(ctx.rows)
         failed = [row for row in rows if row.status == "FAIL"]
         budget = None if ctx.budget.seconds is None else {
             "seconds": ctx.budget.seconds, "elapsed": round(time.monotonic() - ctx.budget.started, 1),
             "margin": BUDGET_MARGIN_S, "estimate_scale": ctx.budget.scale}
         (ctx.out / "gpu_check.json").write_text(json.dumps(
             {"environment": facts, "rows": [asdict(row) for row in rows], "seconds": ctx.seconds, "budget": budget,
-             "not_run": list(ctx.not_run), "rerun": rerun}, indent=1))
+             "not_run": not_run, "rerun": rerun}, indent=1))
         lines = _table(ctx, facts, rows, failed)
         if rerun:
-            lines.append(f"Not run within the budget ({', '.join(ctx.not_run)}); the second call:\n\n    {rerun}")
+            lines.append(f"Not run within the budget ({', '.join(not_run)}); the second call:\n\n    {rerun}")
         (ctx.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     if final:
         print("\n".join(lines), flush=True)
@@ -931,7 +937,7 @@ def main() -> int:
     else:
         chats, tokenizer_dir = DEMO_ASSETS / "chat_train.jsonl", DEMO_ASSETS / "tokenizer"
     ctx = Context(torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"), out, work,
-                  tokenizer_dir, chats, assets is not None, Budget(args.budget, scale=args.estimate_scale))
+                  tokenizer_dir, chats, assets is not None, Budget(args.budget, started=STARTED, scale=args.estimate_scale))
     shapes = args.shapes or (["0.6b", "1.7b"] if ctx.cuda else ["tiny"])
     items = plan(ctx, shapes, args.steps or (12 if ctx.cuda else 4))
     names = [item.name for item in items]
@@ -950,10 +956,10 @@ def main() -> int:
     print(f"[gpu_check] items in order: {', '.join(f'{i.name} (~{i.estimate * ctx.budget.scale:.0f} s)' for i in items)}"
           + (f"; budget {args.budget:.0f} s" if args.budget is not None else ""), flush=True)
 
-    def rerun() -> str | None:
-        if not ctx.not_run:
+    def rerun(not_run: list[str]) -> str | None:
+        if not not_run:
             return None
-        return rerun_command(__file__, sys.argv[1:], {"--only": list(ctx.not_run), "--out": [f"{out}-rest"],
+        return rerun_command(__file__, sys.argv[1:], {"--only": not_run, "--out": [f"{out}-rest"],
                                                         "--work": [str(work)]})
 
     def report(final: bool = False) -> bool:
@@ -963,11 +969,8 @@ def main() -> int:
             rows, not_run = list(ctx.rows), list(ctx.not_run)
         provisional = [Row(item.name, "NOT RUN", "not finished (gpu_check stopped while it ran)" if item is ctx.current
                            else "not run (gpu_check stopped before it)") for item in list(ctx.pending)]
-        ctx.rows, ctx.not_run = rows + provisional, not_run + [row.check for row in provisional]
-        try:
-            return write_report(ctx, environment(ctx), rerun(), final)
-        finally:
-            ctx.rows, ctx.not_run = rows, not_run
+        not_run += [row.check for row in provisional]
+        return write_report(ctx, environment(ctx), rows + provisional, not_run, rerun(not_run), final)
 
     ctx.pending = []
     watchdog(ctx, report)
@@ -979,7 +982,7 @@ def main() -> int:
         ctx.pending.clear()
         passed = report(final=True)
         if ctx.not_run:
-            print(f"[gpu_check] the second call, for what did not run:\n  {rerun()}", flush=True)
+            print(f"[gpu_check] the second call, for what did not run:\n  {rerun(list(ctx.not_run))}", flush=True)
     return 0 if passed else 1
 
 

@@ -260,14 +260,23 @@ def test_rescaling_by_an_lse_without_gradient_gets_queries_and_keys_wrong():
 
 def reference_forward_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
                            window_size=None):
-    """torch 2.11's torch_attn::_varlen_attn: no enable_gqa (here over a kernel that refuses unequal heads)."""
-    assert key.shape[1] == query.shape[1], "no GQA flag: the kv heads must come repeated"
-    return reference_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size)
+    """torch 2.11's torch_attn::_varlen_attn: no enable_gqa; its kernel given the kv heads as they are."""
+    return reference_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size,
+                             enable_gqa=key.shape[1] != query.shape[1])
 
 
-def test_the_sink_path_on_torch_2_11s_ops_repeats_the_kv_heads_and_stays_exact():
+@pytest.mark.parametrize("settled", ["repeat", "native"])
+def test_the_sink_path_on_torch_2_11s_ops_gives_the_kv_heads_as_the_probe_settled_and_stays_exact(settled, monkeypatch):
+    monkeypatch.setattr(attention_kernels, "_varlen_gqa", settled)
+    heads_seen = []
+
+    def recording(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None):
+        heads_seen.append(key.shape[1])
+        return reference_forward_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size)
+
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
-    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(reference_forward_2_11, reference_backward))
+    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(recording, reference_backward))
+    assert heads_seen == [q.shape[1] if settled == "repeat" else k.shape[1]]
     want = _exact(q, k, v, sinks, cu_seqlens, 3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for mine, reference in zip(_grads(got, upstream, (q, k, v, sinks)), _grads(want, upstream, (q, k, v, sinks))):
@@ -435,8 +444,14 @@ def test_the_start_up_line_names_each_group_of_layers(monkeypatch):
     assert attention_backend("cpu", "float32", gemma4) == plain
     gpt_oss = attention_features(AutoModelForCausalLM.from_config(gpt_oss_config()))
     assert gpt_oss == (AttentionLayer(16, sinks=True),) * 4
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_GQA_FLAG", True)
     assert attention_backend("cuda", "bfloat16", gpt_oss).startswith(
-        "all 4 layers with attention sinks: torch varlen flash kernel, output times sigmoid(lse - sink)")
+        "all 4 layers with attention sinks: torch varlen flash kernel (grouped-query attention native (enable_gqa)), "
+        "output times sigmoid(lse - sink)")
+    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_GQA_FLAG", False)  # torch 2.11's ops, as the probe settled
+    monkeypatch.setattr(attention_kernels, "_varlen_gqa", "repeat")
+    assert "torch varlen flash kernel (grouped-query attention by repeated kv heads)" in attention_backend(
+        "cuda", "bfloat16", gpt_oss)
     assert attention_backend("cpu", "float32", gpt_oss).startswith(
         "all 4 layers with attention sinks: per-document exact attention")
     gemma2 = attention_features(AutoModelForCausalLM.from_config(gemma2_config()))

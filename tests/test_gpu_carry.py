@@ -215,6 +215,12 @@ def test_summary_names_the_second_call(tmp_path):
     assert "--no-check --runs 'short17 long06'" in text and "short06 chattune: 20,000 tokens/s, MFU 7.0%" in text
     assert "short06 trl: FAIL: trl crashed" in text
 
+    # a call that installed the bitsandbytes folder: its second call carries and installs it again
+    gpu_carry.summary(tmp_path, tmp_path, "", "short06", ".gpu-carry", 540, [".gpu-carry-bnb/wheels"])
+    text = (tmp_path / "summary.txt").read_text()
+    assert ('second call (carry [".gpu-carry", ".gpu-carry-bnb"]): bash .gpu-carry/run.sh --results "$OUT" --budget 540 '
+            "--extra-wheels .gpu-carry-bnb/wheels --no-bench --check-args '--only throughput_1.7b_sft resume_and_export'") in text
+
     gpu_carry.summary(tmp_path, tmp_path, "none", "none", ".gpu-carry", 540)
     assert "nothing left for a second call" in (tmp_path / "summary.txt").read_text()
 

@@ -296,7 +296,7 @@ def _torch_short_conv_refuses_seq_idx() -> bool:
 
     try:
         modeling_lfm2.causal_conv1d_fn(torch.zeros(1, 2, 4), torch.zeros(2, 3), seq_idx=torch.zeros(1, 4, dtype=torch.int32))
-    except (TypeError, ValueError):
+    except Exception:  # refused: transformers' own TypeError/ValueError, or a real kernel's RuntimeError on CPU tensors
         return True
     return False
 
@@ -344,4 +344,7 @@ def test_kernels_that_are_installed_but_do_not_import_are_not_available(tmp_path
     assert "causal_conv1d is installed but does not import" in caplog.text and "another torch" in caplog.text
     (package / "__init__.py").write_text("")
     monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
-    assert mixers.kernels_available(SHORT_CONV)
+    try:
+        assert mixers.kernels_available(SHORT_CONV)
+    finally:  # the stand-in imported: later tests in this process must not find it
+        sys.modules.pop("causal_conv1d", None)

@@ -230,7 +230,7 @@ def test_a_microbatch_and_host_values_reach_the_device_unchanged():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: whether a host-to-device copy waits for the device")
-def test_a_microbatch_and_host_values_go_to_the_gpu_without_a_host_sync():
+def test_on_cuda_a_microbatch_and_host_values_go_to_the_device_without_a_host_sync():
     from chattune.distributed import host_values_on
 
     batch = collate_packed(demo_documents(3))

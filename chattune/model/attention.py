@@ -96,13 +96,15 @@ def attention_path(device_type: str, dtype: torch.dtype | str, head_dim: int, *,
 
 
 def _path_name(path: str) -> str:
+    gqa_names = {"flag": "native (enable_gqa)", "native": "native", "repeat": "by repeated kv heads"}
     if path == VARLEN:
         if kernels._FLASH_ATTN_VARLEN is not None:
             return "flash-attn varlen"
-        gqa = {"flag": "native (enable_gqa)", "native": "native", "repeat": "by repeated kv heads"}[kernels._varlen_gqa]
-        return f"torch varlen_attn (grouped-query attention {gqa})"
+        return f"torch varlen_attn (grouped-query attention {gqa_names[kernels._varlen_gqa]})"
     if path == SINK_VARLEN:
-        return "torch varlen flash kernel, output times sigmoid(lse - sink), backward through the sink-inclusive lse"
+        gqa = gqa_names["flag" if kernels._TORCH_SINK_GQA_FLAG else kernels._varlen_gqa]
+        return (f"torch varlen flash kernel (grouped-query attention {gqa}), output times sigmoid(lse - sink), "
+                "backward through the sink-inclusive lse")
     if path == SDPA:
         return "per-document SDPA (a loop over documents, outside compiled graphs)"
     return ("per-document exact attention (scores written out, fp32 softmax; a loop over documents, "

@@ -17,9 +17,9 @@ normaliser and the metrics count every row once.
 On CUDA the host waits for the device once per step (`train_step`): the unit count stays on the device as
 the normaliser, and the step's sums, counts, gradient norm and the finite checks come back in one
 transfer, right before the optimizer's step, which needs them. Host values go to the device from pinned
-memory (`host_values_on`, `PackedBatch.to`): a copy from pageable memory would wait for the device too. What remains: cut-cross-entropy's `nonzero()`,
-one sync per microbatch (`chattune.model.fused_loss`); and, only on the steps that log, the step timer's
-event and the metrics' reductions (`chattune.train.metrics`).
+memory (`host_values_on`, `PackedBatch.to`): a copy from pageable memory would wait for the device too.
+What remains: cut-cross-entropy's `nonzero()`, one sync per microbatch (`chattune.model.fused_loss`); and,
+only on the steps that log, the step timer's event and the metrics' reductions (`chattune.train.metrics`).
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite:
         raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
+    stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
     sums = all_reduce_sum(torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(),
-                                       host_values_on(local_norm.device, [float(stop)], torch.float64)[0]]))
+                                       stop_flag]))
     losses_finite = sums[1] == 0
     total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
     if loss_scale != 1.0:  # unscale the local shards in place
