@@ -162,6 +162,15 @@ def _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window,
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (1, N, Hq, D): some models .view() it
 
 
+def _kv_heads_for_kernel(q, k, v, takes_gqa_flag: bool, gqa: str):
+    """The kv heads as a varlen kernel is to be given them: as they are where it takes `enable_gqa` or takes
+    unequal head counts natively (`gqa` "native", settled by `probe_native_gqa`), else repeated to the query's."""
+    if q.shape[1] == k.shape[1] or takes_gqa_flag or gqa == "native":
+        return k, v
+    repeats = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+
+
 def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None, gqa: str | None = None):
     """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: torch 2.11's has no `enable_gqa`
     (grouped-query attention then passes unequal head counts as they are where `gqa` is "native", else repeats
@@ -171,13 +180,9 @@ def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, var
         varlen_attn, parameters = _torch_varlen_attn, _TORCH_VARLEN_PARAMETERS
     else:  # a stand-in (tests, the probe)
         parameters = inspect.signature(varlen_attn).parameters
-    extra = {}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in parameters:
-            extra["enable_gqa"] = True
-        elif (gqa or _varlen_gqa) != "native":
-            repeats = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    takes_gqa_flag = "enable_gqa" in parameters
+    extra = {"enable_gqa": True} if takes_gqa_flag and q.shape[1] != k.shape[1] else {}
+    k, v = _kv_heads_for_kernel(q, k, v, takes_gqa_flag, gqa or _varlen_gqa)
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling,
                        window_size=window_size, **extra)
 
@@ -267,9 +272,7 @@ def sink_varlen_attn(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, window_siz
     `ops`: stand-ins for torch's (forward, backward) ops (tests)."""
     # torch's ops' flag is read at import (no signature inspection under torch.compile); stand-ins run eagerly
     ops, gqa_flag = (_TORCH_SINK_OPS, _TORCH_SINK_GQA_FLAG) if ops is None else (ops, _takes_gqa_flag(ops[0]))
-    if q.shape[1] != k.shape[1] and not gqa_flag and _varlen_gqa != "native":
-        repeats = q.shape[1] // k.shape[1]  # torch 2.11: no enable_gqa, and the probe saw no native GQA
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    k, v = _kv_heads_for_kernel(q, k, v, gqa_flag, _varlen_gqa)  # torch 2.11's ops have no enable_gqa
     return _SinkVarlen.apply(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, tuple(window_size), ops, gqa_flag)
 
 
