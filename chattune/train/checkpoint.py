@@ -12,14 +12,15 @@ removed by the next save of that step). `find_latest` only considers committed d
 
 With `save_async` (`BackgroundSaves`), DCP copies the state to CPU memory (a few seconds' pause at most)
 and writes it from a thread while training goes on; on CUDA that copy goes into pinned buffers allocated at
-the first save and reused by every later one (DCP's `DefaultStager`), not into a fresh pageable copy of the
-whole state per save; the same rename commits it, from that thread, once
+the first save and reused by every later one (DCP's `DefaultStager`; on torch 2.11 and 2.12, whose stager
+copies one state only, fresh pinned buffers per save), not into a fresh pageable copy of the whole state per save; the same rename commits it, from that thread, once
 every rank's shards and DCP's metadata are on disk. A crash before that leaves the `.partial` directory,
 as above; at most one save is in flight (the next one waits for it).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -99,21 +100,64 @@ def pinned_stager():
                                         use_non_blocking_copy=True))
 
 
+@functools.cache
+def stager_is_reusable() -> bool:
+    """Whether one DCP `DefaultStager` can stage more than one save. torch 2.11 and 2.12 close its copier at
+    the end of every stage (to break a reference cycle), so a second save through the same stager fails
+    (`KeyError: <class 'type'>`, found by the first GPU run of scripts/gpu_check.py); 2.13 keeps it open
+    until `close()`. Settled by staging a tiny state twice through a CPU stager, not by version numbers."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return False
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1), "nested": {"step": 0}})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
+
+
 class BackgroundSaves:
     """Checkpoint writes in a background thread (`dcp.async_save`), each committed by that thread when it is
     complete. Collective to create (a gloo group of its own, so the writer's collectives never interleave
-    with training's). On CUDA the state is staged through one reused set of pinned buffers (`pinned_stager`)."""
+    with training's). On CUDA the state is staged through pinned buffers (`pinned_stager`): one stager and
+    its buffers for every save where this torch's stager can be reused (`stager_is_reusable`), else a fresh
+    one per save. `make_stager` replaces `pinned_stager` (the tests stage through a CPU stager)."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None,
+                 make_stager: Callable[[], object] | None = None) -> None:
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chattune-checkpoint")
         self._pending: Future | None = None
-        self._stager = pinned_stager() if device is not None and device.type == "cuda" else None
+        if make_stager is None and device is not None and device.type == "cuda":
+            make_stager = pinned_stager
+        self._make_stager = make_stager
+        self._stager = None
+
+    def _stager_for_next_save(self):
+        """The stager of the next save: the one made before where it can be reused, else a fresh one."""
+        if self._make_stager is None:
+            return None
+        if self._stager is not None and not stager_is_reusable():
+            self._stager.close()  # spent: this torch's stager copies one state only
+            self._stager = None
+        if self._stager is None:
+            if not stager_is_reusable():
+                logger.debug("save_async: this torch's DCP stager copies one state only: fresh pinned buffers")
+            self._stager = self._make_stager()
+            if self._stager is None:  # a torch without DefaultStager: DCP's default staging from now on
+                self._make_stager = None
+        return self._stager
 
     def start(self, state: dict, directory: Path, commit: Callable[[], None]) -> None:
         """Copy `state` to CPU memory now; write it to `directory` and then call `commit` in the background."""
         written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group,
-                                 async_stager=self._stager)
+                                 async_stager=self._stager_for_next_save())
 
         def write_then_commit() -> None:
             written.result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
