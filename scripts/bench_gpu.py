@@ -79,13 +79,14 @@ RUNS = {
 
 # Rough wall time of each item (seconds on one H100; the H200 is a little faster): (start-up, per step) for
 # chattune's launch (model directory, torchrun, tokenizing, compiling the layers) and TRL's (model load,
-# tokenizing the whole corpus with datasets, packing), the steps at each run's token budget from the
-# baseline in ../shared/gpu/README.md, rounded up. An item runs only where start-up + steps x per step is
-# no more than the budget left.
+# tokenizing the whole corpus with datasets, packing). chattune's short06 and long06 are the first GPU run's
+# (2026-11-26, one H200: both in about 115 s at 30 steps) with a margin; short17 from gpu_check's 1.7B launch;
+# TRL's and the other families' are still guesses from the baseline in ../shared/gpu/README.md. An item runs
+# only where start-up + steps x per step is no more than the budget left.
 ESTIMATES = {
-    "short06": ((90, 1.5), (120, 3.0)),
-    "short17": ((120, 3.5), (150, 4.5)),
-    "long06": ((90, 1.5), (120, 2.0)),
+    "short06": ((50, 1.0), (120, 3.0)),
+    "short17": ((70, 2.0), (150, 4.5)),
+    "long06": ((50, 1.0), (120, 2.0)),
     "gptoss": ((150, 3.0), (150, 5.0)),
     "gemma4": ((120, 2.0), (150, 3.0)),
     "tiny": ((25, 0.5), (60, 1.0)),

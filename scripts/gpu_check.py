@@ -66,6 +66,7 @@ tokenizer and chats, and says so.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import logging
@@ -412,11 +413,17 @@ def check_dpo_reference(ctx: Context) -> None:
     batches = _pair_batches(ctx, 8)
 
     def run(reference_class) -> tuple[float, int]:
-        """(peak memory above what was allocated before, GiB; the reference's parameters left gathered)."""
+        """(peak memory above what was allocated before, GiB; the reference's parameters left gathered).
+        Whatever an earlier run or check left in reference cycles is collected first: freed during this run,
+        it would lower this run's figure by its size (the first GPU run measured the two runs 4 GiB apart,
+        the wrong way round, before this)."""
+        gc.collect()
         if ctx.cuda:
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
         before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
+        befores.append(before / 2**30)
         policy = recipe_model(ctx, ctx.shape).model
         reference_model = recipe_model(ctx, ctx.shape).model
         objective = PreferenceObjective(PreferenceLoss("sigmoid", 0.1, 0.0, 0.5, 0.0), reference_class(reference_model))
@@ -426,22 +433,24 @@ def check_dpo_reference(ctx: Context) -> None:
             train_step(policy, objective, StepBatches(batches[step:step + 1]), optimizer, scheduler, 1.0, ctx.device)
         gathered = sum(not isinstance(p, DTensor) for p in reference_model.parameters())
         peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**30 if ctx.cuda else float("nan")
+        del policy, reference_model, objective, optimizer, scheduler
         return peak, gathered
 
+    befores: list[float] = []
     fixed, unfixed = run(LiveReference), run(WithoutReshard)
     if ctx.cuda:
         ctx.add("dpo_reference_memory", fixed[0] < unfixed[0] and fixed[1] == 0,
                 f"peak {fixed[0]:.2f} GiB resharded vs {unfixed[0]:.2f} GiB gathered", "lower",
-                f"gathered reference parameters: {fixed[1]} vs {unfixed[1]}")
+                f"gathered reference parameters: {fixed[1]} vs {unfixed[1]}; allocated before each run "
+                f"{befores[0]:.2f} / {befores[1]:.2f} GiB")
     else:
         ctx.add("dpo_reference_memory", fixed[1] == 0 < unfixed[1],
                 f"reference parameters left gathered: {fixed[1]} resharded vs {unfixed[1]} without", "0 and not 0")
 
 
 def check_host_syncs(ctx: Context) -> None:
-    if not ctx.cuda:
-        ctx.add("host_syncs", None, "CUDA only")
-        return
+    """The set-up and two warm steps run on every device (so the CPU smoke test covers them); the count of
+    syncs needs CUDA's sync debug mode."""
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.train.optimizer import build_optimizer
     from chattune.train.feed import StepBatches
@@ -450,13 +459,16 @@ def check_host_syncs(ctx: Context) -> None:
 
     model = recipe_model(ctx, ctx.shape, layers=4, loss="auto").model  # layers not compiled, as before
     loss = model.loss_implementation
-    optimizer = build_optimizer(OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-5}),
+    optimizer = build_optimizer(OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-5}),
                                 [p for p in model.parameters() if p.requires_grad], ctx.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     documents = chat_documents(ctx, 16, start=400)
     microbatches = [collate_packed(documents[:8]), collate_packed(documents[8:])]
     for _ in range(2):  # warm: the first steps allocate, autotune and initialise the optimizer's state
         train_step(model, TokenCrossEntropy(), StepBatches(microbatches), optimizer, scheduler, 1.0, ctx.device)
+    if not ctx.cuda:
+        ctx.add("host_syncs", None, "CUDA only (its set-up and two warm steps ran)")
+        return
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -664,19 +676,20 @@ def resume_and_export(ctx: Context) -> None:
 
 # --- the items, in priority order, within a budget ---
 
-# Estimated seconds of each item: (one H100, the CPU smoke test's tiny shape on two cores). The in-process
-# checks build 0.6B models on the CPU and shard them (~10 s each) and compile layers; a launch is the
-# torchrun start-up, tokenizing and compiling (tens of seconds) plus its steps, at the rates in
-# ../shared/gpu/README.md's baseline (0.6B about 1.5 s a step of 2 x 16,384 tokens, 1.7B about 3.5 s;
-# TRL slower, after tokenizing the whole corpus). Rough and rounded up: --estimate-scale adjusts them.
+# Estimated seconds of each item: (one H100, the CPU smoke test's tiny shape on two cores). The GPU column is
+# what the first GPU run measured (2026-11-26, one H200, torch 2.11: BENCHMARKS.md) times about 1.5 for an
+# H100 and noise: packed_vs_hf 26 s, cce 9, compile 28, dpo 38, cuda_tests 15, one resume launch 84. A launch
+# is start-up (torchrun, tokenizing, building, compiling, the two slow first steps) plus its steps: 0.6B SFT
+# 71 s for 12 steps, 1.7B 98 s, 0.6B LoRA 83 s. QLoRA and TRL are not measured yet (guesses from the
+# ../shared/gpu/README.md baseline). --estimate-scale adjusts them all.
 ESTIMATES = {
-    "packed_vs_hf": (90, 6), "cce_vs_chunked": (30, 8), "tf32_scope": (15, 2), "compile_vs_eager": (150, 25),
-    "host_syncs": (60, 0), "dpo_reference_memory": (90, 3), "resume_and_export": (300, 75), "cuda_tests": (60, 0),
+    "packed_vs_hf": (40, 6), "cce_vs_chunked": (15, 8), "tf32_scope": (5, 2), "compile_vs_eager": (45, 25),
+    "host_syncs": (30, 3), "dpo_reference_memory": (60, 3), "resume_and_export": (240, 75), "cuda_tests": (30, 0),
 }
 # A throughput launch: (start-up, per step) on one H100 by shape and mode; tiny on the CPU: (15, 1.5).
 LAUNCH_ESTIMATES = {
-    ("0.6b", "sft"): (120, 2.0), ("0.6b", "lora"): (110, 1.5), ("0.6b", "qlora"): (150, 2.0), ("0.6b", "trl"): (150, 4.0),
-    ("1.7b", "sft"): (150, 5.0), ("1.7b", "lora"): (140, 4.0), ("1.7b", "qlora"): (180, 5.0), ("1.7b", "trl"): (180, 6.0),
+    ("0.6b", "sft"): (70, 1.5), ("0.6b", "lora"): (75, 1.5), ("0.6b", "qlora"): (110, 2.0), ("0.6b", "trl"): (150, 4.0),
+    ("1.7b", "sft"): (90, 2.5), ("1.7b", "lora"): (95, 2.5), ("1.7b", "qlora"): (140, 3.0), ("1.7b", "trl"): (180, 6.0),
 }
 IN_PROCESS = {"packed_vs_hf": check_packed_vs_hf, "cce_vs_chunked": check_cce, "tf32_scope": check_tf32_scope,
               "compile_vs_eager": check_compile, "host_syncs": check_host_syncs,
