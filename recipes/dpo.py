@@ -63,8 +63,7 @@ def main(cfg: DictConfig) -> None:
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
 
     # --- the loss and its reference log-probs: none (reference-free), a live frozen model, or a cache ---
-    preference_loss = PreferenceLoss(cfg.loss.type, cfg.loss.beta, cfg.loss.label_smoothing, cfg.loss.simpo_gamma,
-                                     cfg.loss.sft_weight)
+    preference_loss = PreferenceLoss.from_config(cfg.loss)  # loss.type's row of PAIR_LOSSES, with its settings
     reference, eval_reference = (reference_log_probs(cfg, tokenizer, dist_info, built, data)
                                  if preference_loss.needs_reference else (None, None))
     objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)

@@ -45,7 +45,7 @@ from chattune.train.step import accumulate_gradients
 
 # Qwen3-shaped (q/k norms, head_dim of its own), 8 query heads and 2 kv heads.
 QWEN3 = dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
-LOSS = PreferenceLoss("sigmoid", beta=0.1)
+LOSS = PreferenceLoss(loss_type="sigmoid", beta=0.1)
 REFERENCE = torch.tensor([[-180.0, -170.0]], dtype=torch.float64)  # the pair's (chosen, rejected) reference log-probs
 TOLERANCE = 1e-5  # relative gradient error: fp32, the same sums in another order
 
