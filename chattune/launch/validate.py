@@ -9,10 +9,10 @@ The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against t
   of a key that is not in the config is retried as `+key=value`, so it is reported as below), a key the
   config file marks ??? and no override sets (`chattune validate` only: the composed config cannot
   tell, as merging keeps the value of the config it builds on);
-- keys: the valid keys of a recipe are those of its kind's schema (`chattune.launch.recipe_kinds`: `SFTConfig`,
-  `DPOConfig`, whose defaults are the shipped base configs `sft/tiny` and `dpo/tiny`). A recipe passes its
-  kind; `chattune validate` takes it from the config's name (`kind_of_config`: its group, or that of the
-  config it builds on), never from the keys the config holds. An unknown key
+- keys: the valid keys of a recipe are those of its kind's schema (`chattune.launch.recipe_kinds`:
+  `SFTConfig`, `DPOConfig`, whose defaults are the shipped base configs `sft/tiny` and `dpo/tiny`). A
+  recipe passes its kind; `chattune validate` takes it from the config's name (`kind_of_config`: its
+  group, or that of the config it builds on), never from the keys the config holds. An unknown key
   is reported with the nearest valid one; a key the recipe reads that was removed (`~key`) is
   reported missing. A section with a `_target_` is checked against the callable's
   signature instead: unknown and missing required arguments, arguments the recipe passes itself
@@ -55,8 +55,8 @@ from omegaconf import DictConfig
 
 from chattune.launch.compose import compose_reporting, required_keys
 from chattune.launch.findings import ConfigError, Findings, format_report
-from chattune.launch.run_rules import RunRules
 from chattune.launch.recipe_kinds import RecipeKind, RecipeKindError, kind_of_config
+from chattune.launch.run_rules import RunRules
 from chattune.launch.schema_checks import SchemaChecks, plain_values
 from chattune.errors import UserError
 
