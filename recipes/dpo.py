@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import DistInfo, init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
+from chattune.launch.recipe_kinds import DPO
 from chattune.launch.validate import check_config
 from chattune.log import setup_logging
 from chattune.model.adapters import BaseModelView, trainable_parameters
@@ -41,7 +42,7 @@ logger = logging.getLogger("chattune.dpo")
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---
-    config_notes = check_config(cfg, recipe="dpo")
+    config_notes = check_config(cfg, DPO)  # checked as a DPO config: its schema, formats and rules
     dist_info = init_distributed(cfg.device, cfg.parallel.context)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
@@ -54,7 +55,7 @@ def main(cfg: DictConfig) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer)
     # Preference pairs (one document of two segments each), every source behind one record index, drawn as
     # data.mixing says; a data report; each rank's step feed.
-    data = build_training_data(cfg, dist_info, tokenizer, recipe="dpo")
+    data = build_training_data(cfg, dist_info, tokenizer, DPO.data)
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
     built = build_trained_model(cfg, tokenizer, dist_info)
@@ -63,8 +64,7 @@ def main(cfg: DictConfig) -> None:
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
 
     # --- the loss and its reference log-probs: none (reference-free), a live frozen model, or a cache ---
-    preference_loss = PreferenceLoss(cfg.loss.type, cfg.loss.beta, cfg.loss.label_smoothing, cfg.loss.simpo_gamma,
-                                     cfg.loss.sft_weight)
+    preference_loss = PreferenceLoss.from_config(cfg.loss)  # loss.type's row of PAIR_LOSSES, with its settings
     reference, eval_reference = (reference_log_probs(cfg, tokenizer, dist_info, built, data)
                                  if preference_loss.needs_reference else (None, None))
     objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
+from chattune.launch.recipe_kinds import SFT
 from chattune.launch.validate import check_config
 from chattune.log import setup_logging
 from chattune.model.adapters import trainable_parameters
@@ -33,7 +34,7 @@ logger = logging.getLogger("chattune.sft")
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---
-    config_notes = check_config(cfg, recipe="sft")
+    config_notes = check_config(cfg, SFT)  # checked as an SFT config: its schema, formats and rules
     dist_info = init_distributed(cfg.device, cfg.parallel.context)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
@@ -46,7 +47,7 @@ def main(cfg: DictConfig) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer)
     # Conversations with assistant-only labels, every source behind one record index, drawn as data.mixing
     # says; a data report; each rank's step feed.
-    data = build_training_data(cfg, dist_info, tokenizer, recipe="sft")
+    data = build_training_data(cfg, dist_info, tokenizer, SFT.data)
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
     built = build_trained_model(cfg, tokenizer, dist_info)

@@ -426,7 +426,7 @@ def check_dpo_reference(ctx: Context) -> None:
         befores.append(before / 2**30)
         policy = recipe_model(ctx, ctx.shape).model
         reference_model = recipe_model(ctx, ctx.shape).model
-        objective = PreferenceObjective(PreferenceLoss("sigmoid", 0.1, 0.0, 0.5, 0.0), reference_class(reference_model))
+        objective = PreferenceObjective(PreferenceLoss(loss_type="sigmoid", beta=0.1), reference_class(reference_model))
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         for step in range(2):

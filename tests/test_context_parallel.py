@@ -45,7 +45,7 @@ from chattune.train.step import accumulate_gradients
 
 # Qwen3-shaped (q/k norms, head_dim of its own), 8 query heads and 2 kv heads.
 QWEN3 = dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
-LOSS = PreferenceLoss("sigmoid", beta=0.1)
+LOSS = PreferenceLoss(loss_type="sigmoid", beta=0.1)
 REFERENCE = torch.tensor([[-180.0, -170.0]], dtype=torch.float64)  # the pair's (chosen, rejected) reference log-probs
 TOLERANCE = 1e-5  # relative gradient error: fp32, the same sums in another order
 
@@ -241,19 +241,20 @@ def test_dpo_with_lora_trains_the_same_pairs_split_across_a_context_group(tmp_pa
 def test_a_context_size_must_divide_the_ranks_and_the_heads():
     from test_validate import compose_config
 
+    from chattune.launch.recipe_kinds import SFT
     from chattune.launch.validate import ConfigError, check_config
 
     cfg = compose_config("sft/tiny", ["parallel.context=4"])  # the tiny model has 6 heads
     with pytest.raises(ConfigError) as caught:
-        check_config(cfg, world_size=2)
+        check_config(cfg, SFT, world_size=2)
     message = str(caught.value)
     assert "parallel.context: 4 does not divide the 2 ranks" in message
     assert "does not divide the model's 6 attention heads" in message
     cfg = compose_config("sft/tiny", ["parallel.context=2", "data.microbatches_per_step=3", "grad_accum_steps=1"])
     with pytest.raises(ConfigError, match=r"3 cannot be dealt to 2 data-parallel ranks: the number of ranks divided by "
                                           r"parallel.context=2 \(2\) must divide it"):
-        check_config(cfg, world_size=4)
-    check_config(compose_config("sft/tiny", ["parallel.context=2"]), world_size=2)  # fine
+        check_config(cfg, SFT, world_size=4)
+    check_config(compose_config("sft/tiny", ["parallel.context=2"]), SFT, world_size=2)  # fine
 
 
 def test_a_resume_accepts_another_context_size_only_with_world_size_invariant_steps(tmp_path):

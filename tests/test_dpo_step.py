@@ -29,7 +29,7 @@ from chattune.train.step import accumulate_gradients
 NUM_PAIRS = 8
 # beta 0.1 (the usual DPO value): the loss depends on differences of sequence log-probs (~-70 here), so fp32
 # rounding in them reaches the gradient multiplied by beta; at beta 0.5 the same fp32 agreement is ~4e-6.
-LOSS = PreferenceLoss("sigmoid", beta=0.1, label_smoothing=0.1, sft_weight=0.3)
+LOSS = PreferenceLoss(loss_type="sigmoid", beta=0.1, label_smoothing=0.1, sft_weight=0.3)
 
 
 def sides(pair: dict) -> list[list[dict]]:
@@ -178,8 +178,10 @@ def test_dpo_metrics_before_the_first_step_are_known_where_the_reference_is_the_
     for batch in batches:  # the reference cache's table, as reference_cache computes it: the live reference's values
         chosen, rejected = live(batch)
         table[batch.doc_ids] = torch.stack([chosen, rejected], dim=1).double()
-    losses = [PreferenceLoss("sigmoid", beta=0.1, label_smoothing=0.1), PreferenceLoss("robust", beta=0.2, label_smoothing=0.2),
-              PreferenceLoss("hinge", beta=0.5), PreferenceLoss("ipo", beta=0.3), PreferenceLoss("sigmoid_norm", beta=0.1)]
+    losses = [PreferenceLoss(loss_type="sigmoid", beta=0.1, label_smoothing=0.1),
+              PreferenceLoss(loss_type="robust", beta=0.2, label_smoothing=0.2),
+              PreferenceLoss(loss_type="hinge", beta=0.5), PreferenceLoss(loss_type="ipo", beta=0.3),
+              PreferenceLoss(loss_type="sigmoid_norm", beta=0.1)]
     for loss in losses:
         for reference in (live, CachedReference(table)):
             objective = PreferenceObjective(loss, reference, reference_is_start=True)
@@ -190,12 +192,13 @@ def test_dpo_metrics_before_the_first_step_are_known_where_the_reference_is_the_
             for name, value in known.items():
                 assert math.isclose(real[f"eval_{name}"], value, rel_tol=1e-6, abs_tol=1e-6), (loss, name)
             assert real["eval_rewards/margins"] == 0.0  # the comparison is of a real evaluation with exact zeros
-    assert math.isclose(PreferenceLoss("sigmoid").loss_without_preference(), math.log(2))
-    assert math.isclose(PreferenceLoss("ipo", beta=0.25).loss_without_preference(), 4.0)
+    assert math.isclose(PreferenceLoss(loss_type="sigmoid").loss_without_preference(), math.log(2))
+    assert math.isclose(PreferenceLoss(loss_type="ipo", beta=0.25).loss_without_preference(), 4.0)
     # Not known in advance: a reference-free loss, an SFT term (the chosen reply's NLL), another reference.
-    assert PreferenceObjective(PreferenceLoss("simpo"), None, reference_is_start=True).known_start_metrics(batches, cpu) is None
+    assert PreferenceObjective(PreferenceLoss(loss_type="simpo"), None,
+                               reference_is_start=True).known_start_metrics(batches, cpu) is None
     assert PreferenceObjective(LOSS, live, reference_is_start=True).known_start_metrics(batches, cpu) is None  # sft_weight
-    assert PreferenceObjective(PreferenceLoss("sigmoid"), live).known_start_metrics(batches, cpu) is None
+    assert PreferenceObjective(PreferenceLoss(loss_type="sigmoid"), live).known_start_metrics(batches, cpu) is None
 
 
 def test_which_reference_is_the_initial_policy(tmp_path):

@@ -43,7 +43,7 @@ def by_hand(loss_type: str, beta: float, eps: float, gamma: float, sft: float, p
 @pytest.mark.parametrize("eps,sft", [(0.0, 0.0), (0.2, 0.5)])
 def test_loss_matches_its_formula(loss_type, eps, sft):
     beta, gamma = 0.3, 0.7
-    loss_fn = PreferenceLoss(loss_type, beta=beta, label_smoothing=eps, simpo_gamma=gamma, sft_weight=sft)
+    loss_fn = PreferenceLoss(loss_type=loss_type, beta=beta, label_smoothing=eps, simpo_gamma=gamma, sft_weight=sft)
     columns = [torch.tensor(c, dtype=torch.float64) for c in zip(*PAIRS)]
     losses, chosen, rejected = loss_fn(*columns)
     for i, pair in enumerate(PAIRS):
@@ -54,7 +54,7 @@ def test_loss_matches_its_formula(loss_type, eps, sft):
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="loss.type"):
-        PreferenceLoss("kto")
+        PreferenceLoss(loss_type="kto")
     with pytest.raises(ValueError, match="label_smoothing"):
         PreferenceLoss(label_smoothing=0.5)
-    assert not PreferenceLoss("simpo").needs_reference and PreferenceLoss("ipo").needs_reference
+    assert not PreferenceLoss(loss_type="simpo").needs_reference and PreferenceLoss(loss_type="ipo").needs_reference

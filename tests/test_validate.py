@@ -19,6 +19,7 @@ from conftest import PROJECT_ROOT
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.config.schema import schema_for
+from chattune.launch.recipe_kinds import SFT
 from chattune.launch.validate import ConfigError, check_config, run_validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -210,12 +211,12 @@ def test_check_config_raises_the_same_lines(tmp_path):
                  "data.num_workers=-1", "+optimizer.lrr=0.1"]
     report, _ = run_validate("sft/tiny", overrides, CONFIGS)
     with pytest.raises(ConfigError) as raised:
-        check_config(compose_config("sft/tiny", overrides), world_size=2)
+        check_config(compose_config("sft/tiny", overrides), SFT, world_size=2)
     assert isinstance(raised.value, ValueError)
     assert raised.value.problems == problems(report) and len(raised.value.problems) == 5
     assert str(raised.value).splitlines() == [*problems(report), "5 problem(s)"]
 
-    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}"]), world_size=2) == []
+    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}"]), SFT, world_size=2) == []
 
 
 def test_composition_errors_are_problems_not_tracebacks(tmp_path):
@@ -328,7 +329,7 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
     checkpoint = fake_checkpoint(tmp_path, {"world_size": 2, "step": 5,
                                             "fingerprint": run_fingerprint(compose_config("sft/tiny", [f"output_dir={tmp_path}"]))})
     # The recipes' own check leaves output_dir to the launch, which decides it holding the directory's lock.
-    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1"]), world_size=4) == []
+    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1"]), SFT, world_size=4) == []
 
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
     assert ok and f"note: resume: continues from {checkpoint} at step 5, written by 2 rank(s): launch with " \

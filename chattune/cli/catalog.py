@@ -106,10 +106,21 @@ def copy(name: str, dest: str | Path, force: bool = False) -> tuple[Path, list[s
                         "  with your own configs: --config-path DIR --config-name NAME"]
     text, notes = absolute_defaults(entry.path.read_text(encoding="utf-8"), entry.name.rpartition("/")[0])
     target.write_text(text, encoding="utf-8")
-    recipe = RECIPES_DIR / f"{entry.name.partition('/')[0]}.py"
-    notes.append(f"use it: python {recipe if recipe.exists() else 'RECIPE.py'} --config-path "
+    recipe = recipe_of(entry.name)
+    notes.append(f"use it: python {recipe if recipe is not None and recipe.exists() else 'RECIPE.py'} --config-path "
                  f"{target.parent.resolve()} --config-name {target.stem} [key=value ...]")
     return target, notes
+
+
+def recipe_of(config_name: str) -> Path | None:
+    """The shipped recipe that runs a shipped config: its recipe kind's (`kind_of_config`); None for a config that
+    is no recipe's (peft/lora: a choice for one)."""
+    from chattune.launch.recipe_kinds import RecipeKindError, kind_of_config
+
+    try:
+        return RECIPES_DIR / kind_of_config(config_name).kind.recipe_file
+    except RecipeKindError:
+        return None
 
 
 def absolute_defaults(text: str, group: str) -> tuple[str, list[str]]:

@@ -2,11 +2,12 @@
 
 It first runs `chattune validate`'s checks (the config, the tokenizer and its chat template, the first
 records of every source), then reads the training sources the way the recipe does (same formats,
-template, masking and budget: conversations for an SFT config, preference pairs for a DPO one; without the
-records `data.eval_split` holds out for eval, which it counts per source) and reports: records read, skipped
-by reason, documents, tokens, the trainable-token fraction, a length histogram, the pack fill at the
-microbatch budget, and a few documents (a pair: its chosen and its rejected side) with the trained tokens
-highlighted (terminal colours, or an HTML page with `--html`).
+template, masking and budget: conversations for an SFT config, preference pairs for a DPO one, as the
+config's name says, `chattune.launch.recipe_kinds.kind_of_config`; without the records `data.eval_split`
+holds out for eval, which it counts per source) and reports: records read, skipped by reason, documents,
+tokens, the trainable-token fraction, a length histogram, the pack fill at the microbatch budget, and a few
+documents (a pair: its chosen and its rejected side) with the trained tokens highlighted (terminal colours,
+or an HTML page with `--html`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.launch.compose import hydra_search_path
 from chattune.launch.findings import ConfigError
+from chattune.launch.recipe_kinds import RecipeKind, kind_of_config
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
 from chattune.launch.validate import validate_command
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
@@ -27,7 +29,7 @@ from chattune.data.held_out import held_out_line, hold_out
 from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
 from chattune.data.cached_sources import open_documents
-from chattune.data.sources import recipe_kind, row_budget
+from chattune.data.sources import row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import load_tokenizer
 
@@ -35,21 +37,24 @@ TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
 
 def load_config(config_name: str, overrides: list[str], config_path: Path = CONFIG_DIR,
-                config_dir: Path | None = None) -> DictConfig:
-    """The config a recipe would compose, after `chattune validate`'s checks (ConfigError: every problem)."""
+                config_dir: Path | None = None) -> tuple[DictConfig, RecipeKind]:
+    """The config a recipe would compose and its recipe kind (its name's), after `chattune validate`'s checks
+    (ConfigError: every problem)."""
     findings = validate_command(config_name, overrides, config_path, None, config_dir, read_data=True,
                                 output_dir_checks=False)
     if findings.problems:
         raise ConfigError(findings.problems)
+    kind = kind_of_config(config_name, config_path, config_dir).kind
     with hydra_search_path(config_path, config_dir):
-        return compose(config_name, overrides=overrides)
+        return compose(config_name, overrides=overrides), kind
 
 
-def inspect_sources(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None) -> DataReport:
+def inspect_sources(cfg: DictConfig, kind: RecipeKind, tokenizer: PreTrainedTokenizerBase, num_examples: int,
+                    limit: int | None) -> DataReport:
     budget = row_budget(cfg.data, cfg.parallel.context)[0]  # a row's tokens (context parallelism: the group's)
     specs = source_specs(cfg.data.train)  # read as the recipe reads them
     # From the sources' token caches where they are built (data.cache), else tokenized here as read.
-    documents = open_documents(recipe_kind(cfg), specs, tokenizer, cfg.data, cfg.parallel.context, build=False)
+    documents = open_documents(kind.name, specs, tokenizer, cfg.data, cfg.parallel.context, build=False)
     # data.eval_split: the records training reads, without those held out for eval (said in the report)
     split = hold_out(documents, cfg.data.eval_split, cfg.seed)
     documents = split.train
@@ -170,9 +175,9 @@ def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: 
 
 def run_inspect(config_name: str, overrides: list[str], config_path: Path, num_docs: int, limit: int | None,
                 html_path: Path | None, colour: bool, config_dir: Path | None = None) -> str:
-    cfg = load_config(config_name, overrides, config_path, config_dir)
+    cfg, kind = load_config(config_name, overrides, config_path, config_dir)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    report = inspect_sources(cfg, tokenizer, num_docs, limit)
+    report = inspect_sources(cfg, kind, tokenizer, num_docs, limit)
     if html_path is not None:
         html_path.write_text(render_html(report, tokenizer, row_budget(cfg.data, cfg.parallel.context)[0]),
                              encoding="utf-8")

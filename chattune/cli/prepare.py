@@ -10,7 +10,6 @@ from pathlib import Path
 from chattune.cli.inspect_data import load_config
 from chattune.data.cached_sources import open_documents
 from chattune.data.records import source_specs
-from chattune.data.sources import recipe_kind
 from chattune.data.token_cache import cache_root
 from chattune.data.tokenizer import load_tokenizer
 from chattune.errors import UserError
@@ -18,7 +17,7 @@ from chattune.errors import UserError
 
 def run_prepare(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None) -> str:
     """Build (or find) the token cache of every training and held-out source; one line per source."""
-    cfg = load_config(config_name, overrides, config_path, config_dir)
+    cfg, kind = load_config(config_name, overrides, config_path, config_dir)
     if cache_root(cfg.data.cache) is None:
         raise UserError("data.cache=off: the sources are tokenized as they are read, there is nothing to prepare "
                         "(data.cache=auto, or a directory, keeps a token cache)")
@@ -27,7 +26,7 @@ def run_prepare(config_name: str, overrides: list[str], config_path: Path, confi
     for section in ("train", "eval"):
         specs = source_specs(cfg.data[section])
         started = time.perf_counter()
-        documents = open_documents(recipe_kind(cfg), specs, tokenizer, cfg.data, cfg.parallel.context)
+        documents = open_documents(kind.name, specs, tokenizer, cfg.data, cfg.parallel.context)
         elapsed = time.perf_counter() - started
         for spec, source in zip(specs, documents.sources):
             manifest = source.manifest

@@ -1,9 +1,12 @@
 """The documents a recipe reads, defined once for the recipes, `chattune validate` and `chattune inspect`.
 
-A recipe kind (`RECIPE_DATA`: "sft", "dpo") names the record formats it accepts and how a source's records
-become documents: conversations with assistant-only labels, or preference pairs. Every source of
-`data.train` / `data.eval` becomes its own document source (with its own format, columns and `train_on`),
-all behind one record index (`MixedDocuments`). A third recipe kind is one more entry in the table.
+What a recipe kind reads (`RecipeData`, one per kind in `RECIPE_DATA`: "sft", "dpo"): the record formats it
+accepts and how a source's records become documents, conversations with assistant-only labels or preference
+pairs. The recipe kinds themselves (their schema, objective, reference model) are the table of
+`chattune.launch.recipe_kinds`, whose entries hold these; the data layer keeps them by kind name because a
+token cache is keyed by it (`chattune.data.token_cache`). Every source of `data.train` / `data.eval` becomes
+its own document source (with its own format, columns and `train_on`), all behind one record index
+(`MixedDocuments`).
 """
 
 from __future__ import annotations
@@ -112,9 +115,11 @@ SourceOf = Callable[[SourceSpec, PreTrainedTokenizerBase, DictConfig, int], Docu
 class RecipeData:
     """What a recipe kind reads: each source's documents and the record formats that give them."""
 
+    name: str  # the recipe kind's name, which keys its token caches
     source: SourceOf  # (a source's spec, the tokenizer, the data section, parallel.context) -> its documents
     formats: tuple[str, ...]
     reads: str  # said when a source's format is not one of `formats`
+    pairs: bool  # each document is a preference pair (two segments: chosen, rejected), not one conversation
 
     def read(self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
              context: int = 1) -> MixedDocuments:
@@ -122,14 +127,9 @@ class RecipeData:
         return MixedDocuments([(spec.display_name, self.source(spec, tokenizer, data, context)) for spec in specs])
 
 
-RECIPE_DATA: dict[str, RecipeData] = {
-    "sft": RecipeData(sft_source, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), ""),
-    "dpo": RecipeData(pair_source, tuple(f for f in DEFAULT_COLUMNS if f in PREFERENCE_FORMATS),
-                      " (DPO reads preference pairs)"),
-}
-
-
-def recipe_kind(cfg: DictConfig, config_name: str | None = None) -> str:
-    """The recipe kind a composed config is for: "dpo" when its name is under dpo/ or it has a `reference`
-    section (only the DPO schema has one), else "sft"."""
-    return "dpo" if (config_name or "").startswith("dpo/") or "reference" in cfg else "sft"
+SFT_DATA = RecipeData("sft", sft_source, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), "",
+                      pairs=False)
+PAIR_DATA = RecipeData("dpo", pair_source, tuple(f for f in DEFAULT_COLUMNS if f in PREFERENCE_FORMATS),
+                       " (DPO reads preference pairs)", pairs=True)
+# By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.cached_sources`).
+RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA)}

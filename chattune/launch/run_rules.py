@@ -19,12 +19,12 @@ from omegaconf import DictConfig
 from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.prompts import prompts_file_problem
-from chattune.data.sources import RECIPE_DATA
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.template_choice import template_problem
 from chattune.errors import UserError
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
 from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show
+from chattune.launch.recipe_kinds import RecipeKind
 from chattune.launch.schema_checks import SchemaChecks, number
 from chattune.model.weights import weights_problem
 
@@ -51,11 +51,12 @@ def output_dir_problem(directory: Path) -> str | None:
 
 
 class RunRules:
-    """The run's own rules. `cfg`: the composed config, to check output_dir and the resume as a launch would
-    (None: not checked)."""
+    """The run's own rules, for a config of recipe kind `kind`. `cfg`: the composed config, to check output_dir and
+    the resume as a launch would (None: not checked)."""
 
-    def __init__(self, values: dict, recipe: str, findings: Findings, schema: SchemaChecks, cfg: DictConfig | None = None):
-        self.values, self.recipe, self.findings, self.schema, self.cfg = values, recipe, findings, schema, cfg
+    def __init__(self, values: dict, kind: RecipeKind, findings: Findings, schema: SchemaChecks,
+                 cfg: DictConfig | None = None):
+        self.values, self.kind, self.findings, self.schema, self.cfg = values, kind, findings, schema, cfg
 
     def sources(self, key: str, required: bool) -> None:
         sources = get_value(self.values, key)
@@ -67,7 +68,7 @@ class RunRules:
         if required and not sources:
             self.findings.problem(key, "no data sources: training needs at least one")
             return
-        accepted = RECIPE_DATA[self.recipe]
+        accepted = self.kind.data
         formats = list(accepted.formats)
         for index, entry in enumerate(sources):
             where = f"{key}[{index}]"
@@ -122,7 +123,7 @@ class RunRules:
         problem = template_problem(template) if template is None or isinstance(template, str) else None
         if problem is not None:  # (a value of another type is reported by the schema checks)
             self.findings.problem(TEMPLATE_KEY, problem)
-        for key in ("model.path", "reference.path"):
+        for key in ("model.path", *(("reference.path",) if self.kind.needs_reference else ())):
             path = get_value(self.values, key)
             if not isinstance(path, str):
                 continue
@@ -162,7 +163,7 @@ class RunRules:
         # Positions restart with every document (and every side of a preference pair), so the longest sequence is a
         # row's: a document of the whole budget, or a pair's side beside a short other side.
         positions, context = self.max_positions(), self.context_size()
-        sequence = "a document" if self.recipe == "sft" else "a pair's side (the prompt and one reply)"
+        sequence = "a pair's side (the prompt and one reply)" if self.kind.pairs else "a document"
         if budget and positions and budget * context > positions:
             self.findings.note("data.max_tokens_per_microbatch",
                                f"{budget}{f' x parallel.context={context}' if context > 1 else ''} is more than "

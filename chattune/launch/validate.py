@@ -9,8 +9,10 @@ The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against t
   of a key that is not in the config is retried as `+key=value`, so it is reported as below), a key the
   config file marks ??? and no override sets (`chattune validate` only: the composed config cannot
   tell, as merging keeps the value of the config it builds on);
-- keys: the valid keys of a recipe are those of its schema (`chattune.config.schema`: `SFTConfig`,
-  `DPOConfig`, whose defaults are the shipped base configs `sft/tiny` and `dpo/tiny`). An unknown key
+- keys: the valid keys of a recipe are those of its kind's schema (`chattune.launch.recipe_kinds`:
+  `SFTConfig`, `DPOConfig`, whose defaults are the shipped base configs `sft/tiny` and `dpo/tiny`). A
+  recipe passes its kind; `chattune validate` takes it from the config's name (`kind_of_config`: its
+  group, or that of the config it builds on), never from the keys the config holds. An unknown key
   is reported with the nearest valid one; a key the recipe reads that was removed (`~key`) is
   reported missing. A section with a `_target_` is checked against the callable's
   signature instead: unknown and missing required arguments, arguments the recipe passes itself
@@ -53,19 +55,18 @@ from omegaconf import DictConfig
 
 from chattune.launch.compose import compose_reporting, required_keys
 from chattune.launch.findings import ConfigError, Findings, format_report
+from chattune.launch.recipe_kinds import RecipeKind, RecipeKindError, kind_of_config
 from chattune.launch.run_rules import RunRules
 from chattune.launch.schema_checks import SchemaChecks, plain_values
-from chattune.data.sources import recipe_kind
 from chattune.errors import UserError
 
 
-def check_config(cfg: DictConfig, world_size: int | None = None, recipe: str | None = None) -> list[str]:
-    """Raise ConfigError listing every problem of a composed config; otherwise return the notes. `world_size`
-    defaults to the launch's (torchrun's WORLD_SIZE, else 1); `recipe` ("sft" or "dpo") to "dpo" when the config
-    has a `reference` section."""
+def check_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = None) -> list[str]:
+    """Raise ConfigError listing every problem of a composed config for recipe kind `kind`; otherwise return the
+    notes. `world_size` defaults to the launch's (torchrun's WORLD_SIZE, else 1)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    findings = find_problems(cfg, world_size, recipe, output_dir_checks=False)
+    findings = find_problems(cfg, kind, world_size, output_dir_checks=False)
     if findings.problems:
         raise ConfigError(findings.problems)
     return findings.notes
@@ -97,20 +98,30 @@ def hydra_placement_problems(overrides: list[str]) -> list[str]:
 
 
 def validate_command(config_name: str, overrides: list[str], config_path: Path, world_size: int | None = None,
-                     config_dir: Path | None = None, read_data: bool = False, output_dir_checks: bool = True) -> Findings:
-    """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir)."""
+                     config_dir: Path | None = None, read_data: bool = False, output_dir_checks: bool = True,
+                     kind: RecipeKind | None = None) -> Findings:
+    """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir). `kind`:
+    the recipe's, where one is launched; None: the config name's (`kind_of_config`)."""
     findings = Findings()
     findings.problems += hydra_placement_problems(list(overrides))
     overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in HYDRA_PLACEMENT]
     cfg, added = compose_reporting(config_name, list(overrides), Path(config_path), findings, config_dir)
+    if cfg is not None and kind is None:
+        try:
+            named = kind_of_config(config_name, config_path, config_dir)
+        except RecipeKindError as error:
+            findings.problem("config", str(error))
+            return findings
+        kind = named.kind
+        if named.named_by != config_name:  # said, as a config of another kind would fail its checks
+            findings.note("config", f"{config_name} is checked as a {kind.name} config: it builds on {named.named_by}")
     if cfg is not None:
-        recipe = recipe_kind(cfg, config_name)
         overridden = {override.lstrip("+~").split("=", 1)[0] for override in overrides}
         searched = [d for d in (config_dir, Path(config_path)) if d is not None]
         unset = [key for key in required_keys(config_name, searched) if key not in overridden]
         for key in unset:
             findings.problem(key, f"required by {config_name} (???), not set")
-        find_problems(cfg, world_size, recipe, findings, output_dir_checks)
+        find_problems(cfg, kind, world_size, findings, output_dir_checks)
         # An unset required key still holds the value it inherited: its other problems are about that value.
         findings.problems = [line for line in findings.problems
                              if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")]
@@ -118,21 +129,20 @@ def validate_command(config_name: str, overrides: list[str], config_path: Path, 
             if not findings.has_problem(key):
                 findings.problem(key, f"not in the config; add it with +{override}")
         if read_data and not findings.problems:
-            read_first_records(cfg, recipe, findings)
+            read_first_records(cfg, kind, findings)
     return findings
 
 
 FIRST_RECORDS = 8  # records `chattune validate` reads of each source
 
 
-def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: int = FIRST_RECORDS) -> None:
+def read_first_records(cfg: DictConfig, kind: RecipeKind, findings: Findings, count: int = FIRST_RECORDS) -> None:
     """Load the tokenizer and read the first `count` records of every source as the recipe reads them
     (format, chat template, masks, budget): an empty or malformed file, a bad first record or a tokenizer
     without a chat template is reported here rather than after the model is loaded."""
     from chattune.data.documents import Skipped
     from chattune.data.held_out import split_problem
     from chattune.data.records import source_specs
-    from chattune.data.sources import RECIPE_DATA
     from chattune.data.tokenizer import load_tokenizer
 
     try:
@@ -147,7 +157,7 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
         for index, spec in enumerate(source_specs(data[split])):
             key = f"data.{split}[{index}]"
             try:
-                documents = RECIPE_DATA[recipe].read([spec], tokenizer, data, context)
+                documents = kind.data.read([spec], tokenizer, data, context)
                 outcomes = documents.get_many(range(min(count, len(documents))))
             except UserError as error:
                 findings.problem(key, str(error))
@@ -164,15 +174,15 @@ def read_first_records(cfg: DictConfig, recipe: str, findings: Findings, count: 
             findings.problems.append(problem)
 
 
-def find_problems(cfg: DictConfig, world_size: int | None = None, recipe: str | None = None,
-                  findings: Findings | None = None, output_dir_checks: bool = True) -> Findings:
-    """Every problem (and note) of a composed config, added to `findings`. `output_dir_checks`: also
-    what a launch would do with output_dir (a recipe decides that itself, holding the directory's lock)."""
+def find_problems(cfg: DictConfig, kind: RecipeKind, world_size: int | None = None, findings: Findings | None = None,
+                  output_dir_checks: bool = True) -> Findings:
+    """Every problem (and note) of a composed config for recipe kind `kind`, added to `findings`.
+    `output_dir_checks`: also what a launch would do with output_dir (a recipe decides that itself, holding the
+    directory's lock)."""
     findings = findings if findings is not None else Findings()
-    recipe = recipe or recipe_kind(cfg)
     values = plain_values(cfg, "", findings)
-    schema = SchemaChecks(values, recipe, findings)
-    rules = RunRules(values, recipe, findings, schema, cfg if output_dir_checks else None)
+    schema = SchemaChecks(values, kind.name, findings)
+    rules = RunRules(values, kind, findings, schema, cfg if output_dir_checks else None)
     # In this order, which is the report's: keys and values first, then what they point to, then the launch.
     schema.keys_and_types(values, schema.schema, "")
     schema.choices()

@@ -1,5 +1,5 @@
 """Preference losses on per-pair log-probabilities, one value per pair (the caller sums and divides by
-the global pair count, so the unit of normalisation is the pair).
+the global pair count, so the unit of normalisation is the pair), kept as a table of functions.
 
 Inputs per pair: the summed log-probabilities of the chosen and rejected replies under the policy and
 the reference, and the replies' token counts. Each loss compares implicit rewards r = beta * (policy -
@@ -14,20 +14,122 @@ reference) log-ratios, normalised the way that loss is defined:
 - `simpo` (Meng et al. 2024, reference-free): -log s(beta * (mean logp chosen - mean logp rejected) - gamma)
 
 An optional SFT term adds `sft_weight` * the mean token NLL of the chosen reply (per pair).
+
+Why a table: the losses differ in one formula each and in what they need, and the rest of chattune asks
+about the needs, never about a loss's name: whether a reference model is built (`needs_reference`), whether
+the rewards are length-normalised (`per_token`), which `loss.*` settings the formula reads (`reads`). Each
+loss is one function and one `PairLossRow` in `PAIR_LOSSES` that declares those needs, so a new loss (ORPO,
+...) is one function and one row (`register_pair_loss`), plus its name among the config's choices
+(`chattune.config.schema.LOSS_TYPES`, which tests/test_recipe_table.py keeps equal to this table).
+`PreferenceLoss` is built from keyword arguments or from a config's `loss` section (`from_config`).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from chattune.config.schema import LOSS_TYPES, REFERENCE_FREE
+# The `loss.*` settings of every preference loss besides its type: `beta` scales every loss's rewards and
+# `sft_weight` weighs every loss's SFT term; a loss's function takes those it reads by keyword (`PairLossRow.reads`).
+SETTINGS = ("beta", "label_smoothing", "simpo_gamma", "sft_weight")
 
 
 @dataclass(frozen=True)
+class PairRewards:
+    """What a loss function is given, one entry per pair: the implicit rewards (normalised as its row says) and
+    their margin, and the policy's summed log-probs and the replies' token counts they came from."""
+
+    margin: torch.Tensor  # chosen_reward - rejected_reward
+    chosen_reward: torch.Tensor
+    rejected_reward: torch.Tensor
+    policy_chosen: torch.Tensor
+    policy_rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+PairLossFunction = Callable[..., torch.Tensor]  # (PairRewards, **the settings of its row's `reads`) -> per-pair losses
+
+
+@dataclass(frozen=True)
+class PairLossRow:
+    """One preference loss: its formula and what it needs."""
+
+    name: str  # its loss.type
+    function: PairLossFunction
+    needs_reference: bool  # rewards are log-ratios against a reference; False: the policy's own log-probs
+    per_token: bool  # each side's reward is divided by its reply's token count (length-normalised)
+    reads: tuple[str, ...] = ()  # the settings (of SETTINGS) `function` takes by keyword
+
+
+PAIR_LOSSES: dict[str, PairLossRow] = {}
+
+
+def register_pair_loss(row: PairLossRow) -> PairLossRow:
+    """Add `row` to `PAIR_LOSSES`, after checking that its name is new and that its function takes exactly the
+    settings it declares it reads (by keyword, besides the rewards)."""
+    if row.name in PAIR_LOSSES:
+        raise ValueError(f"a preference loss named {row.name!r} is registered already")
+    unknown = [name for name in row.reads if name not in SETTINGS]
+    if unknown:
+        raise ValueError(f"preference loss {row.name!r} reads {unknown}, which are not loss settings {SETTINGS}")
+    parameters = list(inspect.signature(row.function).parameters.values())[1:]
+    taken = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    if taken != set(row.reads):
+        raise ValueError(f"preference loss {row.name!r} declares reads={row.reads} but its function takes "
+                         f"{sorted(taken)}")
+    PAIR_LOSSES[row.name] = row
+    return row
+
+
+# --- the losses: one function each (a function may serve several rows), and their rows ---
+
+
+def smoothed_sigmoid(pairs: PairRewards, *, label_smoothing: float) -> torch.Tensor:
+    eps = label_smoothing
+    return -(1 - eps) * F.logsigmoid(pairs.margin) - eps * F.logsigmoid(-pairs.margin)
+
+
+def robust(pairs: PairRewards, *, label_smoothing: float) -> torch.Tensor:
+    eps = label_smoothing
+    return ((1 - eps) * -F.logsigmoid(pairs.margin) + eps * F.logsigmoid(-pairs.margin)) / (1 - 2 * eps)
+
+
+def hinge(pairs: PairRewards) -> torch.Tensor:
+    return torch.relu(1 - pairs.margin)
+
+
+def ipo(pairs: PairRewards, *, beta: float) -> torch.Tensor:
+    return (pairs.margin / beta - 1 / (2 * beta)) ** 2
+
+
+def simpo(pairs: PairRewards, *, label_smoothing: float, simpo_gamma: float) -> torch.Tensor:
+    eps, margin = label_smoothing, pairs.margin
+    return -(1 - eps) * F.logsigmoid(margin - simpo_gamma) - eps * F.logsigmoid(-(margin - simpo_gamma))
+
+
+for _row in (
+    PairLossRow("sigmoid", smoothed_sigmoid, needs_reference=True, per_token=False, reads=("label_smoothing",)),
+    PairLossRow("robust", robust, needs_reference=True, per_token=False, reads=("label_smoothing",)),
+    PairLossRow("hinge", hinge, needs_reference=True, per_token=False),
+    PairLossRow("ipo", ipo, needs_reference=True, per_token=False, reads=("beta",)),
+    PairLossRow("sigmoid_norm", smoothed_sigmoid, needs_reference=True, per_token=True, reads=("label_smoothing",)),
+    PairLossRow("simpo", simpo, needs_reference=False, per_token=True, reads=("label_smoothing", "simpo_gamma")),
+):
+    register_pair_loss(_row)
+del _row
+
+
+@dataclass(frozen=True, kw_only=True)
 class PreferenceLoss:
+    """A preference loss of `PAIR_LOSSES` with its settings: `PreferenceLoss(loss_type="ipo", beta=0.3)`, or
+    `PreferenceLoss.from_config(cfg.loss)`."""
+
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -35,16 +137,26 @@ class PreferenceLoss:
     sft_weight: float = 0.0
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss.type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.loss_type not in PAIR_LOSSES:
+            raise ValueError(f"loss.type must be one of {tuple(PAIR_LOSSES)}, got {self.loss_type!r}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"loss.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.beta <= 0:
             raise ValueError(f"loss.beta must be positive, got {self.beta}")
 
+    @classmethod
+    def from_config(cls, loss: Mapping[str, Any]) -> PreferenceLoss:
+        """The loss of a config's `loss` section: its `type` and the settings it holds (the others at their
+        defaults); the section's other keys (chunk_size, implementation, ...) are the output layer's."""
+        return cls(loss_type=loss["type"], **{name: loss[name] for name in SETTINGS if name in loss})
+
+    @property
+    def row(self) -> PairLossRow:
+        return PAIR_LOSSES[self.loss_type]
+
     @property
     def needs_reference(self) -> bool:
-        return self.loss_type not in REFERENCE_FREE
+        return self.row.needs_reference
 
     def loss_without_preference(self) -> float | None:
         """The per-pair loss where the policy is its reference (every reward 0, so the margin 0): this loss's
@@ -60,11 +172,15 @@ class PreferenceLoss:
     def rewards(self, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
                 ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Implicit rewards of each side, normalised as this loss compares them."""
-        if self.loss_type == "simpo":
-            return self.beta * policy_chosen / chosen_tokens, self.beta * policy_rejected / rejected_tokens
+        """Implicit rewards of each side, normalised as this loss compares them (its row's `needs_reference` and
+        `per_token`)."""
+        row = self.row
+        if not row.needs_reference:  # reference-free: the policy's own log-probs
+            if row.per_token:
+                return self.beta * policy_chosen / chosen_tokens, self.beta * policy_rejected / rejected_tokens
+            return self.beta * policy_chosen, self.beta * policy_rejected
         chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-        if self.loss_type == "sigmoid_norm":
+        if row.per_token:
             chosen, rejected = chosen / chosen_tokens, rejected / rejected_tokens
         return self.beta * chosen, self.beta * rejected
 
@@ -74,18 +190,9 @@ class PreferenceLoss:
         """(per-pair losses, chosen rewards, rejected rewards); rewards are detached."""
         chosen_reward, rejected_reward = self.rewards(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
                                                       chosen_tokens, rejected_tokens)
-        margin = chosen_reward - rejected_reward
-        eps = self.label_smoothing
-        if self.loss_type in ("sigmoid", "sigmoid_norm"):
-            losses = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
-        elif self.loss_type == "robust":
-            losses = ((1 - eps) * -F.logsigmoid(margin) + eps * F.logsigmoid(-margin)) / (1 - 2 * eps)
-        elif self.loss_type == "hinge":
-            losses = torch.relu(1 - margin)
-        elif self.loss_type == "ipo":
-            losses = (margin / self.beta - 1 / (2 * self.beta)) ** 2
-        else:  # simpo
-            losses = -(1 - eps) * F.logsigmoid(margin - self.simpo_gamma) - eps * F.logsigmoid(-(margin - self.simpo_gamma))
+        pairs = PairRewards(chosen_reward - rejected_reward, chosen_reward, rejected_reward, policy_chosen,
+                            policy_rejected, chosen_tokens, rejected_tokens)
+        losses = self.row.function(pairs, **{name: getattr(self, name) for name in self.row.reads})
         if self.sft_weight:
             losses = losses + self.sft_weight * (-policy_chosen / chosen_tokens)
         return losses, chosen_reward.detach(), rejected_reward.detach()

@@ -1,5 +1,5 @@
-"""The data side of every recipe's run, set up once: the recipe kind's documents (`chattune.data.sources`, which
-`chattune validate` and `chattune inspect` read too), one record index over every source, less the records
+"""The data side of every recipe's run, set up once: the documents of the recipe's kind (its `RecipeData`,
+`chattune.data.sources`, which `chattune validate` and `chattune inspect` read too), one record index over every source, less the records
 `data.eval_split` holds out for eval (`chattune.data.held_out`). `data.mixing` decides
 how the training records are drawn (`chattune.data.mixing_policy`); a sample is counted for the data report; each rank gets its step
 feed (tokenized in loader workers, packed, epochs in lockstep) and its share of the held-out batches.
@@ -21,7 +21,7 @@ from chattune.data.packing import PackedBatch
 from chattune.data.records import source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
 from chattune.data.cached_sources import open_documents
-from chattune.data.sources import MixedDocuments, row_budget
+from chattune.data.sources import MixedDocuments, RecipeData, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import pad_token_id
 from chattune.distributed import DistInfo, counts_rows, reduce_sums
@@ -111,13 +111,13 @@ def check_something_trains(cfg: DictConfig, dist_info: DistInfo, train: MixedDoc
 
 
 def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase,
-                        recipe: str) -> TrainingData:
-    """Collective (the data report's counts are summed over ranks). `recipe`: the kind of documents read
-    (`chattune.data.sources.RECIPE_DATA`)."""
+                        recipe_data: RecipeData) -> TrainingData:
+    """Collective (the data report's counts are summed over ranks). `recipe_data`: what the recipe's kind reads
+    (`chattune.launch.recipe_kinds.RecipeKind.data`)."""
     pad_id, context = pad_token_id(tokenizer), cfg.parallel.context
     train_specs = source_specs(cfg.data.train)
     # Each source from its token cache (data.cache), built by every rank together on the first launch.
-    train = open_documents(recipe, train_specs, tokenizer, cfg.data, context)
+    train = open_documents(recipe_data.name, train_specs, tokenizer, cfg.data, context)
     # data.eval_split: some records of each source held out for eval; training reads only the others (any epoch,
     # mixture or step layout), the same ones on every rank and launch
     split = hold_out(train, cfg.data.eval_split, cfg.seed)
@@ -143,7 +143,7 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
                            log_skips=counts and (layout.slots is None or dist_info.rank == 0))
     feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
                     num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed, counts=counts)
-    own_eval = open_documents(recipe, source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
+    own_eval = open_documents(recipe_data.name, source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
     held_out = joined(split.held_out, own_eval)  # data.eval_split's records, then data.eval's
     eval_batches = list(packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, pad_id, held_out, shuffle=False,
                                       num_epochs=1, log_skips=counts)) if held_out is not None else []

@@ -1,0 +1,187 @@
+"""The recipe kinds' table (`chattune.launch.recipe_kinds`) and the preference losses' table
+(`chattune.objectives.pair_losses`): what each entry declares, that a config's kind comes from its name and
+never from its keys, and that a new loss is one function and one row."""
+
+from __future__ import annotations
+
+import ast
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import PROJECT_ROOT
+from omegaconf import OmegaConf
+from test_validate import CONFIGS, compose_config, problems
+
+from chattune.cli import catalog
+from chattune.config.schema import LOSS_TYPES, REFERENCE_FREE, schema_for
+from chattune.data.formats import PREFERENCE_FORMATS
+from chattune.data.sources import RECIPE_DATA
+from chattune.launch import recipe_kinds
+from chattune.launch.findings import ConfigError
+from chattune.launch.recipe_kinds import DPO, RECIPE_KINDS, SFT, RecipeKindError, kind_of_config
+from chattune.launch.validate import check_config, run_validate
+from chattune.objectives import pair_losses
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.objectives.dpo import PreferenceObjective
+from chattune.objectives.pair_losses import PAIR_LOSSES, PairLossRow, PairRewards, PreferenceLoss, register_pair_loss
+
+# --- the recipe kinds ---
+
+
+def test_each_kind_declares_its_schema_documents_formats_objective_and_reference():
+    assert list(RECIPE_KINDS) == ["sft", "dpo"] and RECIPE_KINDS["sft"] is SFT and RECIPE_KINDS["dpo"] is DPO
+    assert (SFT.schema, DPO.schema) == (schema_for("sft"), schema_for("dpo"))  # the schema checks' own table agrees
+    assert (SFT.objective_class(), DPO.objective_class()) == (TokenCrossEntropy, PreferenceObjective)
+    assert (SFT.pairs, DPO.pairs) == (False, True) and (SFT.needs_reference, DPO.needs_reference) == (False, True)
+    assert set(DPO.formats) == set(PREFERENCE_FORMATS) and not set(SFT.formats) & set(PREFERENCE_FORMATS)
+    for name, kind in RECIPE_KINDS.items():
+        assert kind.data is RECIPE_DATA[name] and kind.data.name == name  # the token caches' key is the kind's name
+        assert ("reference" in kind.schema.__dataclass_fields__) is kind.needs_reference  # its section
+
+
+@pytest.mark.parametrize("name", list(RECIPE_KINDS))
+def test_each_shipped_recipe_passes_its_own_kind_and_runs_configs_of_its_group(name):
+    tree = ast.parse((PROJECT_ROOT / "recipes" / RECIPE_KINDS[name].recipe_file).read_text())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module == "chattune.launch.recipe_kinds" for alias in node.names]
+    assert [getattr(recipe_kinds, n) for n in imported] == [RECIPE_KINDS[name]]
+    default = next(k.value.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                   and getattr(node.func, "id", None) == "recipe_main" for k in node.keywords if k.arg == "config_name")
+    assert kind_of_config(default).kind is RECIPE_KINDS[name]
+
+
+@pytest.mark.parametrize("config", sorted(p.relative_to(CONFIGS).with_suffix("").as_posix()
+                                          for group in RECIPE_KINDS for p in (CONFIGS / group).glob("*.yaml")))
+def test_each_shipped_config_has_the_kind_of_its_group(config):
+    assert kind_of_config(config) == recipe_kinds.ConfigKind(RECIPE_KINDS[config.split("/")[0]], config)
+
+
+def test_a_config_of_no_kind_group_has_the_kind_of_the_nearest_config_it_builds_on(tmp_path):
+    (tmp_path / "mine").mkdir()
+    # dpo/tiny builds on sft/tiny: the nearest is dpo/tiny.
+    (tmp_path / "mine" / "run.yaml").write_text("# @package _global_\ndefaults:\n  - /dpo/tiny\n  - _self_\n")
+    (tmp_path / "mine" / "chat.yaml").write_text("# @package _global_\ndefaults:\n  - /sft/local_model\n  - _self_\n")
+    assert kind_of_config("mine/run", tmp_path) == recipe_kinds.ConfigKind(DPO, "dpo/tiny")
+    assert kind_of_config("mine/chat", tmp_path) == recipe_kinds.ConfigKind(SFT, "sft/local_model")
+    report, ok = run_validate("mine/run", [f"output_dir={tmp_path / 'out'}", "model.path=null"], tmp_path)
+    assert (report, ok) == ("note: config: mine/run is checked as a dpo config: it builds on dpo/tiny\nconfig OK", True)
+
+
+def test_an_unknown_group_is_one_clear_error_naming_the_config(tmp_path):
+    (tmp_path / "nope").mkdir()
+    (tmp_path / "nope" / "run.yaml").write_text("# @package _global_\nmax_steps: 3\n")  # builds on nothing
+    with pytest.raises(RecipeKindError, match=r"^nope/run: no recipe kind: .* group \(sft/ or dpo/\).* nope/run is in "
+                                              r"group nope/ and builds on none"):
+        kind_of_config("nope/run", tmp_path)
+    report, ok = run_validate("nope/run", [], tmp_path)
+    assert not ok and len(problems(report)) == 1 and problems(report)[0].startswith("config: nope/run: no recipe kind")
+    (tmp_path / "bare.yaml").write_text("max_steps: 3\n")
+    with pytest.raises(RecipeKindError, match=r"^bare: no recipe kind: .* bare is in no group"):
+        kind_of_config("bare", tmp_path)
+
+
+def test_the_kind_is_never_inferred_from_the_keys(tmp_path):
+    # A DPO config without its `reference` section stays DPO (named so, or building on dpo/tiny): the DPO schema
+    # reports the section missing.
+    report, _ = run_validate("dpo/tiny", [f"output_dir={tmp_path / 'out'}", "model.path=null", "~reference"], CONFIGS)
+    assert problems(report) == ["reference: missing: the recipe reads it (removed with ~?)"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "run.yaml").write_text("# @package _global_\ndefaults:\n  - /dpo/tiny\n  - _self_\n")
+    report, _ = run_validate("mine/run", [f"output_dir={tmp_path / 'out'}", "model.path=null", "~reference"], tmp_path)
+    assert problems(report) == ["reference: missing: the recipe reads it (removed with ~?)"]
+    # An SFT config with a stray `reference` stays SFT: its schema reports the key, and its chats are still SFT data.
+    report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path / 'out'}", "+reference.path=/models/ref"], CONFIGS)
+    assert problems(report) == ["reference: unknown key"]
+    with pytest.raises(ConfigError) as raised:
+        check_config(compose_config("sft/tiny", ["+reference.path=/models/ref"]), SFT, world_size=1)
+    assert raised.value.problems == ["reference: unknown key"]
+
+
+def test_reading_the_table_imports_neither_torch_nor_hydra_for_a_kind_group():
+    """`chattune cp` asks it which recipe runs a config: no torch, transformers or Hydra for that."""
+    code = ("import sys; from chattune.launch.recipe_kinds import kind_of_config; kind_of_config('dpo/tiny'); "
+            "print(sorted(m for m in ('torch', 'transformers', 'hydra') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_a_copied_config_names_the_recipe_of_its_kind(tmp_path):
+    _, notes = catalog.copy("dpo/local_model", tmp_path / "my_dpo.yaml")
+    assert f"use it: python {PROJECT_ROOT / 'recipes' / 'dpo.py'} --config-path" in notes[-1]
+    _, notes = catalog.copy("peft/lora", tmp_path / "my_lora.yaml")  # a choice for a recipe, no recipe's own
+    assert notes[-1].startswith("use it: python RECIPE.py --config-path")
+
+
+# --- the preference losses ---
+
+
+def test_the_needs_of_each_builtin_loss():
+    needs = {name: (row.needs_reference, row.per_token, row.reads) for name, row in PAIR_LOSSES.items()}
+    assert needs == {
+        "sigmoid": (True, False, ("label_smoothing",)),
+        "robust": (True, False, ("label_smoothing",)),
+        "hinge": (True, False, ()),
+        "ipo": (True, False, ("beta",)),
+        "sigmoid_norm": (True, True, ("label_smoothing",)),
+        "simpo": (False, True, ("label_smoothing", "simpo_gamma")),
+    }
+    # The config's choices are the table's, and its reference-free losses those whose row needs no reference.
+    assert tuple(PAIR_LOSSES) == LOSS_TYPES
+    assert {name for name, row in PAIR_LOSSES.items() if not row.needs_reference} == set(REFERENCE_FREE)
+
+
+def test_a_loss_is_built_from_keywords_or_a_config_section_never_positionally():
+    section = compose_config("dpo/tiny", ["loss.type=simpo", "loss.beta=2.0", "loss.simpo_gamma=0.3"]).loss
+    assert PreferenceLoss.from_config(section) == PreferenceLoss(loss_type="simpo", beta=2.0, simpo_gamma=0.3)
+    assert PreferenceLoss.from_config(OmegaConf.create({"type": "ipo"})) == PreferenceLoss(loss_type="ipo")
+    with pytest.raises(TypeError):
+        PreferenceLoss("sigmoid", 0.1)  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"loss.type must be one of \('sigmoid', .*'simpo'\), got 'orpo'"):
+        PreferenceLoss(loss_type="orpo")
+
+
+def odds_ratio(pairs: PairRewards, *, beta: float) -> torch.Tensor:
+    """ORPO's odds-ratio term (Hong et al. 2024) on each reply's mean token log-prob; its NLL is loss.sft_weight's."""
+    chosen, rejected = pairs.policy_chosen / pairs.chosen_tokens, pairs.policy_rejected / pairs.rejected_tokens
+    log_odds = (chosen - torch.log1p(-torch.exp(chosen))) - (rejected - torch.log1p(-torch.exp(rejected)))
+    return -beta * F.logsigmoid(log_odds)
+
+
+def test_a_new_loss_is_one_function_and_one_row(monkeypatch):
+    monkeypatch.setattr(pair_losses, "PAIR_LOSSES", dict(PAIR_LOSSES))  # the row is gone after the test
+    row = register_pair_loss(PairLossRow("orpo", odds_ratio, needs_reference=False, per_token=True, reads=("beta",)))
+    assert pair_losses.PAIR_LOSSES["orpo"] is row and "orpo" not in PAIR_LOSSES
+    loss = PreferenceLoss.from_config({"type": "orpo", "beta": 0.25, "sft_weight": 1.0})
+    assert loss == PreferenceLoss(loss_type="orpo", beta=0.25, sft_weight=1.0) and loss.row is row
+    assert not loss.needs_reference and loss.loss_without_preference() is None
+    PreferenceObjective(loss, reference=None)  # reference-free: no reference model asked for
+
+    columns = ([-6.0, -30.0], [-9.0, -11.0], [4.0, 10.0], [3.0, 11.0])  # policy chosen, rejected; their tokens
+    policy_chosen, policy_rejected, chosen_tokens, rejected_tokens = (torch.tensor(c, dtype=torch.float64) for c in columns)
+    losses, chosen_reward, rejected_reward = loss(policy_chosen, policy_rejected, None, None, chosen_tokens,
+                                                  rejected_tokens)
+    for i in range(2):
+        mean_chosen = float(policy_chosen[i] / chosen_tokens[i])
+        mean_rejected = float(policy_rejected[i] / rejected_tokens[i])
+        log_odds = ((mean_chosen - math.log1p(-math.exp(mean_chosen)))
+                    - (mean_rejected - math.log1p(-math.exp(mean_rejected))))
+        want = 0.25 * math.log1p(math.exp(-log_odds)) - mean_chosen  # the odds-ratio term and the chosen reply's NLL
+        assert math.isclose(float(losses[i]), want, rel_tol=1e-12)
+        assert math.isclose(float(chosen_reward[i]), 0.25 * mean_chosen, rel_tol=1e-12)  # per_token, reference-free
+        assert math.isclose(float(rejected_reward[i]), 0.25 * mean_rejected, rel_tol=1e-12)
+
+
+def test_a_row_must_be_new_and_declare_what_its_function_reads(monkeypatch):
+    monkeypatch.setattr(pair_losses, "PAIR_LOSSES", dict(PAIR_LOSSES))
+    with pytest.raises(ValueError, match="'sigmoid' is registered already"):
+        register_pair_loss(PairLossRow("sigmoid", odds_ratio, needs_reference=True, per_token=False, reads=("beta",)))
+    with pytest.raises(ValueError, match=r"declares reads=\(\) but its function takes \['beta'\]"):
+        register_pair_loss(PairLossRow("orpo", odds_ratio, needs_reference=False, per_token=True))
+    with pytest.raises(ValueError, match=r"reads \['lambda'\], which are not loss settings"):
+        register_pair_loss(PairLossRow("orpo", odds_ratio, needs_reference=False, per_token=True, reads=("lambda",)))
+    assert "orpo" not in pair_losses.PAIR_LOSSES
