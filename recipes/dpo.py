@@ -38,7 +38,7 @@ from chattune.train.output_dir import claim_output_dir
 logger = logging.getLogger("chattune.dpo")
 
 
-@recipe_main(config_name="dpo/tiny")
+@recipe_main(config_name="dpo/tiny", kind=DPO)
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---

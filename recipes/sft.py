@@ -30,7 +30,7 @@ from chattune.train.output_dir import claim_output_dir
 logger = logging.getLogger("chattune.sft")
 
 
-@recipe_main(config_name="sft/tiny")
+@recipe_main(config_name="sft/tiny", kind=SFT)
 def main(cfg: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---

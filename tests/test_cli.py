@@ -176,9 +176,15 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
     calls = []
 
     def run_validate(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None,
-                     read_data: bool = False) -> tuple[str, bool]:
+                     read_data: bool = False, kind=None) -> tuple[str, bool]:
         calls.append((config_name, overrides, config_path, config_dir, read_data))
+        kinds.append(kind)
         return f"report for {config_name}", "bad=1" not in overrides
+
+    kinds = []
+    # --recipe's kind, as recipe_main marks it (the real validate module, which recipes import, is stood in for here)
+    (tmp_path / "my_sft.py").write_text("from chattune.launch.recipe_kinds import SFT\n\n\ndef main():\n    pass\n\n\n"
+                                        "main.recipe_kind = SFT\n")
 
     monkeypatch.setitem(sys.modules, "chattune.launch.validate", types.SimpleNamespace(run_validate=run_validate))
     assert main(["validate", "dpo/tiny", "max_steps=3"]) == 0
@@ -197,6 +203,7 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
                      ("sft/mine", ["max_steps=2"], recipes / "my_configs", None, True),
                      ("sft/mine", [], tmp_path / "my_configs", None, True),
                      ("sft/mine", [], CONFIG_DIR, Path("my_configs"), True)]
+    assert [kind and kind.name for kind in kinds] == [None, None, None, None, "sft", None]  # --recipe's kind
     with pytest.raises(SystemExit):
         main(["validate", "--config-name", "sft/tiny", "dpo/tiny"])
 

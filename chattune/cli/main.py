@@ -120,7 +120,8 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-dir", type=Path, default=None,
                         help="a further directory of configs, searched first (relative to here), as the recipe's --config-dir")
     parser.add_argument("--recipe", type=Path, default=None,
-                        help="the recipe file a relative --config-path is resolved from (default: the shipped recipe)")
+                        help="the recipe file: a relative --config-path is resolved from it, and `validate` checks the keys "
+                             "its kind declares (a copied recipe's own; default: the shipped recipe)")
     parser.add_argument("words", nargs="*", metavar="[CONFIG] key=value",
                         help="a config name, as --config-name, then config overrides")
 
@@ -177,11 +178,13 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.launch.recipe_kinds import kind_of_recipe
     from chattune.launch.validate import run_validate
 
     config_name, overrides = config_and_overrides(args, parser)
     config_path, config_dir = config_location(args, config_name)
-    report, ok = run_validate(config_name, overrides, config_path, config_dir=config_dir, read_data=True)
+    kind = kind_of_recipe(args.recipe) if args.recipe is not None else None  # a copied recipe's own keys
+    report, ok = run_validate(config_name, overrides, config_path, config_dir=config_dir, read_data=True, kind=kind)
     print(report)
     return 0 if ok else 1
 

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from chattune.launch.run_rules import output_dir_problem
 from chattune.launch.compose import composed
 from chattune.launch.findings import ConfigError
+from chattune.launch.recipe_kinds import RECIPE_KIND_ATTRIBUTE, RecipeKind
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
 from chattune.launch.validate import hydra_placement_problems, validate_command
 from chattune import interrupts
@@ -60,9 +61,9 @@ def with_absolute_config_path(argv: list[str], recipe_file: Path) -> list[str]:
     return out
 
 
-def check_command_line(argv: list[str], default_config: str) -> None:
+def check_command_line(argv: list[str], default_config: str, kind: RecipeKind | None = None) -> None:
     """Raise a ConfigError with every problem `chattune validate` finds when Hydra cannot compose the
-    config of this command line (argv[1:], its --config-path already absolute)."""
+    config of this command line (argv[1:], its --config-path already absolute). `kind`: the recipe's."""
     args = get_args_parser().parse_args(argv[1:])
     placement = hydra_placement_problems(args.overrides)
     if placement:
@@ -85,7 +86,7 @@ def check_command_line(argv: list[str], default_config: str) -> None:
                 raise ConfigError([f"output_dir: {problem}"])
             return  # the recipe checks the composed config itself (check_config), with every other problem
     findings = validate_command(config_name, args.overrides, config_path, int(os.environ.get("WORLD_SIZE", "1")),
-                                config_dir)
+                                config_dir, kind=kind)
     if findings.problems:
         raise ConfigError(findings.problems)
 
@@ -103,8 +104,11 @@ def job_config(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
-    """Decorate a recipe's `main(cfg)`: the result is called without arguments and reads the command line."""
+def recipe_main(config_name: str, kind: RecipeKind | None = None) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
+    """Decorate a recipe's `main(cfg)`: the result is called without arguments and reads the command line.
+    `kind`: the recipe's kind (`chattune.launch.recipe_kinds`: SFT, DPO, or one `extended` with a schema of
+    the recipe's own), which a command line Hydra cannot compose is checked against and `chattune validate
+    --recipe FILE` reads (the function's `recipe_kind`); the recipe passes it to `check_config` itself."""
 
     def decorate(task: Callable[[DictConfig], None]) -> Callable[[], None]:
         recipe_file = Path(inspect.getfile(task)).resolve()
@@ -120,7 +124,7 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Ca
             interrupts.install()  # a signal from here on stops the run after a step, with a checkpoint
             with report_errors():
                 sys.argv = with_absolute_config_path(sys.argv, recipe_file)
-                check_command_line(sys.argv, config_name)
+                check_command_line(sys.argv, config_name, kind)
             try:
                 app()
             except interrupts.Preempted as stopped:  # its checkpoint is saved; every rank stopped after the same step
@@ -131,6 +135,7 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], None]], Ca
                 exit_process(interrupts.exit_code(stopped.code))
             exit_process()  # the run is complete; skip interpreter teardown (see exit_process)
 
+        setattr(launch, RECIPE_KIND_ATTRIBUTE, kind)
         return launch
 
     return decorate

@@ -17,7 +17,10 @@ and the objective. The last two are named "module:attribute" and imported when a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,6 +75,42 @@ class RecipeKind:
     def objective_class(self) -> type:
         """The class of its objective (`chattune.objectives`)."""
         return _named(self.objective)
+
+    def extended(self, schema: type) -> RecipeKind:
+        """This kind with a copied recipe's own schema: a dataclass subclassing this kind's, whose added keys
+        (`chattune.config.schema.key`) are then checked like the built-in ones, by the recipe's launch and by
+        `chattune validate --recipe FILE`."""
+        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema) and issubclass(schema, self.schema)):
+            raise TypeError(f"the schema of a {self.name} recipe must be a dataclass subclassing "
+                            f"{self.schema.__name__} (chattune.config.schema), got {schema!r}")
+        return dataclasses.replace(self, schema=schema)
+
+
+RECIPE_KIND_ATTRIBUTE = "recipe_kind"  # set by `chattune.launch.app.recipe_main` on the function it makes
+
+
+def kind_of_recipe(recipe_file: Path) -> RecipeKind | None:
+    """The kind a recipe file declares (`@recipe_main(..., kind=...)`), read by importing it as a module (its
+    `if __name__ == "__main__"` part does not run); None where it declares none. A copied recipe with keys of
+    its own is validated against its own schema this way."""
+    path = Path(recipe_file).resolve()
+    if not path.is_file():
+        raise RecipeKindError(f"{recipe_file}: no such recipe file")
+    name = f"chattune_recipe_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RecipeKindError(f"{recipe_file}: not a Python file that can be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(name, None)
+    kinds = {id(kind): kind for value in vars(module).values()
+             if isinstance(kind := getattr(value, RECIPE_KIND_ATTRIBUTE, None), RecipeKind)}
+    if len(kinds) > 1:
+        raise RecipeKindError(f"{recipe_file}: more than one recipe_main with a kind; a recipe file launches one")
+    return next(iter(kinds.values()), None)
 
 
 def _named(path: str) -> Any:

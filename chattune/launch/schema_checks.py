@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 from transformers import PretrainedConfig
 
-from chattune.config.schema import keys_with, schema_fields, schema_for, schema_items, section_type, type_options
+from chattune.config.schema import keys_with, schema_fields, schema_items, section_type, type_options
 from chattune.launch.findings import UNSET, Findings, closest, did_you_mean, first_line, get_value, join_key, show
 
 SOURCE_LISTS = ("data.train", "data.eval")  # checked against SourceSpec by the run's rules, not by type
@@ -93,9 +93,10 @@ def number(values: dict, key: str) -> int | float | None:
 class SchemaChecks:
     """Keys, types, choices and bounds, as the recipe's schema declares them."""
 
-    def __init__(self, values: dict, recipe: str, findings: Findings):
+    def __init__(self, values: dict, schema: type, findings: Findings):
+        """`schema`: the recipe kind's (`RecipeKind.schema`: a copied recipe's own where it extends one)."""
         self.values, self.findings = values, findings
-        self.schema = schema_for(recipe)
+        self.schema = schema
         self.schema_keys = [key for key, _ in schema_items(self.schema)]
 
     def keys_and_types(self, values: dict, section: type, key: str, open_section: bool = False) -> None:

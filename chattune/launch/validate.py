@@ -74,11 +74,12 @@ def check_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = Non
 
 def run_validate(config_name: str, overrides: list[str], config_path: Path,
                  world_size: int | None = None, config_dir: Path | None = None,
-                 read_data: bool = False) -> tuple[str, bool]:
+                 read_data: bool = False, kind: RecipeKind | None = None) -> tuple[str, bool]:
     """Compose `config_name` from `config_path` (and `config_dir`, Hydra's --config-dir, searched first)
     with `overrides` as a recipe would and check it: (the report, whether the config has no problem).
-    `read_data`: also load the tokenizer and read the first records of every source."""
-    findings = validate_command(config_name, overrides, config_path, world_size, config_dir, read_data)
+    `read_data`: also load the tokenizer and read the first records of every source. `kind`: the recipe's
+    (`kind_of_recipe`), else the config name's."""
+    findings = validate_command(config_name, overrides, config_path, world_size, config_dir, read_data, kind=kind)
     return format_report(findings), not findings.problems
 
 
@@ -181,7 +182,7 @@ def find_problems(cfg: DictConfig, kind: RecipeKind, world_size: int | None = No
     directory's lock)."""
     findings = findings if findings is not None else Findings()
     values = plain_values(cfg, "", findings)
-    schema = SchemaChecks(values, kind.name, findings)
+    schema = SchemaChecks(values, kind.schema, findings)
     rules = RunRules(values, kind, findings, schema, cfg if output_dir_checks else None)
     # In this order, which is the report's: keys and values first, then what they point to, then the launch.
     schema.keys_and_types(values, schema.schema, "")
