@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from chattune.config.layout_rules import pad_multiple_problem
 from chattune.data.documents import SKIP_REASONS, Document, Skipped
 from chattune.data.packing import PackedBatch, best_fit_decreasing, collate_packed, empty_batch
 from chattune.errors import UserError
@@ -183,9 +184,9 @@ class PackedStream:
         """`sampler`: another source of (epoch, record indices, closes_epoch) chunks than this rank's share
         of each epoch (`chattune.data.source_mixture.MixtureSampler`); it must be stateful like `ShareSampler`.
         `log_skips`: log skipped records and empty epochs (they are counted either way)."""
-        if pad_to_multiple_of and max_tokens % pad_to_multiple_of:
-            raise ValueError(f"data.max_tokens_per_microbatch={max_tokens} must be a multiple of "
-                             f"data.pad_to_multiple_of={pad_to_multiple_of}, or padding could exceed the budget")
+        padding = pad_multiple_problem(max_tokens, pad_to_multiple_of)
+        if padding:
+            raise ValueError(f"data.max_tokens_per_microbatch: {padding}")
         if buffer_records < 1:
             raise ValueError(f"data.buffer_records must be at least 1, got {buffer_records}")
         if num_epochs is None and len(documents) < world_size:

@@ -24,6 +24,7 @@ from chattune.data.template_choice import template_problem
 from chattune.errors import UserError
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
 from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show
+from chattune.config.layout_rules import context_ranks_problem, microbatch_ranks_problem, pad_multiple_problem
 from chattune.launch.recipe_kinds import RecipeKind
 from chattune.launch.schema_checks import SchemaChecks, number
 from chattune.model.weights import weights_problem
@@ -157,9 +158,9 @@ class RunRules:
             self.findings.note("save_every", f"{save_every} is more than max_steps {max_steps}: no checkpoint is written, so "
                                              "the run can be neither resumed nor extended (its export is still written)")
         budget, multiple = number(self.values, "data.max_tokens_per_microbatch"), number(self.values, "data.pad_to_multiple_of")
-        if budget and multiple and multiple > 0 and budget % multiple:
-            self.findings.problem("data.max_tokens_per_microbatch", f"{budget} is not a multiple of data.pad_to_multiple_of "
-                                                                    f"{multiple}: padding could exceed the budget")
+        problem = pad_multiple_problem(budget, multiple)
+        if problem:
+            self.findings.problem("data.max_tokens_per_microbatch", problem)
         # Positions restart with every document (and every side of a preference pair), so the longest sequence is a
         # row's: a document of the whole budget, or a pair's side beside a short other side.
         positions, context = self.max_positions(), self.context_size()
@@ -198,12 +199,9 @@ class RunRules:
             self.findings.problem("grad_accum_steps", f"{accum} with data.microbatches_per_step={total}: the microbatches "
                                                       "per rank follow from it (data.microbatches_per_step / ranks); "
                                                       "leave grad_accum_steps at 1")
-        context = self.context_size()
-        if world_size is not None and world_size >= 1 and world_size % context == 0 and total % (world_size // context):
-            ranks = world_size // context
-            self.findings.problem("data.microbatches_per_step", f"{total} cannot be dealt to {ranks} data-parallel "
-                                  "ranks: the number of ranks" + (f" divided by parallel.context={context} ({ranks})"
-                                                                  if context > 1 else "") + " must divide it")
+        problem = microbatch_ranks_problem(total, world_size, self.context_size()) if world_size is not None else None
+        if problem:
+            self.findings.problem("data.microbatches_per_step", problem)
 
     def context_size(self) -> int:
         """parallel.context where it is a valid size, else 1 (an invalid one is reported by the schema checks)."""
@@ -216,10 +214,9 @@ class RunRules:
         context = self.context_size()
         if context == 1:
             return
-        if world_size is not None and world_size >= 1 and world_size % context:
-            self.findings.problem("parallel.context", f"{context} does not divide the {world_size} ranks of this launch: "
-                                  f"each group of {context} ranks shares a row; launch a multiple of {context} ranks "
-                                  "(--nproc_per_node) or choose a divisor of the number of ranks")
+        problem = context_ranks_problem(context, world_size) if world_size is not None else None
+        if problem:
+            self.findings.problem("parallel.context", problem)
         heads = self.attention_heads()
         if heads and heads % context:
             self.findings.problem("parallel.context", f"{context} does not divide the model's {heads} attention heads: "

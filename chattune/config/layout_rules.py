@@ -1,0 +1,36 @@
+"""The rules a run's layout must keep, written once: `chattune validate` (and a recipe's start-up check,
+`chattune.launch.run_rules`) reports each as a problem of its key, and the runtime code that depends on it
+raises the same words if it is ever reached with a config that skipped the check (a library caller, a test).
+
+Each function returns the problem (without its key) or None.
+"""
+
+from __future__ import annotations
+
+
+def pad_multiple_problem(budget: int | None, multiple: int | None) -> str | None:
+    """data.max_tokens_per_microbatch against data.pad_to_multiple_of: a row is padded up to the multiple."""
+    if budget and multiple and multiple > 0 and budget % multiple:
+        return f"{budget} is not a multiple of data.pad_to_multiple_of {multiple}: padding could exceed the budget"
+    return None
+
+
+def context_ranks_problem(context: int, world_size: int) -> str | None:
+    """parallel.context against the number of ranks: each group of `context` consecutive ranks shares a row."""
+    if context > 1 and world_size >= 1 and world_size % context:
+        return (f"{context} does not divide the {world_size} ranks of this launch: each group of {context} ranks "
+                f"shares a row; launch a multiple of {context} ranks (--nproc_per_node) or choose a divisor of the "
+                "number of ranks")
+    return None
+
+
+def microbatch_ranks_problem(microbatches: int, world_size: int, context: int) -> str | None:
+    """data.microbatches_per_step against the data-parallel ranks (ranks / parallel.context): each takes an
+    equal share of a step's microbatches."""
+    if world_size < 1 or context < 1 or world_size % context:
+        return None  # the context rule's problem
+    ranks = world_size // context
+    if microbatches % ranks:
+        return (f"{microbatches} cannot be dealt to {ranks} data-parallel ranks: the number of ranks"
+                + (f" divided by parallel.context={context} ({ranks})" if context > 1 else "") + " must divide it")
+    return None
