@@ -186,7 +186,7 @@ class PackedStream:
         `log_skips`: log skipped records and empty epochs (they are counted either way)."""
         padding = pad_multiple_problem(max_tokens, pad_to_multiple_of)
         if padding:
-            raise ValueError(f"data.max_tokens_per_microbatch: {padding}")
+            raise ValueError(f"data.max_tokens_per_microbatch: {padding} (it must be a multiple of data.pad_to_multiple_of)")
         if buffer_records < 1:
             raise ValueError(f"data.buffer_records must be at least 1, got {buffer_records}")
         if num_epochs is None and len(documents) < world_size:
