@@ -100,7 +100,7 @@ def check_something_trains(cfg: DictConfig, dist_info: DistInfo, train: MixedDoc
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/") and n}
     hints = []
     if skipped.get("overlong"):
-        hints.append(f"{skipped['overlong']} are longer than {row_budget(cfg.data, cfg.parallel.context)[1]} "
+        hints.append(f"{skipped['overlong']} are longer than {row_budget(cfg.data, dist_info.cp)[1]} "
                      f"(data.overlong={cfg.data.overlong}): raise the budget"
                      + (", or keep them with data.overlong=truncate or split" if cfg.data.overlong == "drop" else ""))
     if skipped.get("no_trainable_tokens"):
