@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-
 # The mesh's axes, outermost first: a rank's place along each is its coordinate (row-major, as `init_device_mesh`
 # lays ranks out), so the ranks of one context group are consecutive (the same machine first: the attention's
 # all-to-all is the busiest traffic of a step).
@@ -56,8 +55,10 @@ class ParallelDims:
       row-/column-wise plans (`parallelize_module` on `mesh["tp"]`) before `fully_shard` shards over
       dp_shard_cp; the output layer is sharded over the vocabulary, so the chunked loss reduces its
       log-sum-exp and target logit over `group("tp")`. The ranks of a tp group read the same microbatches and
-      compute the same row (the data rank ignores tp, `reports_rows` also asks tp coordinate 0); the gradient
-      norm's squares sum over dp_shard x cp x tp (a replicated parameter's counted once, by tp rank 0).
+      compute the same row (the data rank ignores tp, `reports_rows` also asks tp coordinate 0). In the gradient
+      norm a parameter sharded over tp sums its squares over dp_shard x cp x tp, one replicated over tp (the
+      norms' weights) over dp_shard x cp only: the norm is then taken of the DTensors by their placements
+      (`get_total_norm` on them) rather than of the local shards.
     """
 
     rank: int
@@ -129,7 +130,7 @@ class ParallelDims:
 
     # --- process groups ---
 
-    def group(self, axis: str) -> "dist.ProcessGroup | None":
+    def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of this rank's line along `axis` (one of MESH_AXES); None where its degree is 1."""
         if self.degrees[axis] == 1:
             return None
@@ -138,23 +139,23 @@ class ParallelDims:
         return self.mesh.get_group(axis)
 
     @property
-    def cp_group(self) -> "dist.ProcessGroup | None":
+    def cp_group(self) -> dist.ProcessGroup | None:
         """This rank's context group (the ranks that share each packed row); None without context parallelism.
         The builder sets it on the model (`chattune.model.context_parallel.set_context_group`)."""
         return self.group("cp")
 
     @property
-    def dp_group(self) -> "dist.ProcessGroup | None":
+    def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel ranks with this rank's cp coordinate (one per context group); None on one group."""
         return self.group("dp_shard")
 
     @property
-    def world_group(self) -> "dist.ProcessGroup | None":
+    def world_group(self) -> dist.ProcessGroup | None:
         """Every rank (torch's default group); None without a process group."""
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
     @property
-    def grad_norm_group(self) -> "dist.ProcessGroup | None":
+    def grad_norm_group(self) -> dist.ProcessGroup | None:
         """The ranks over which the squares of the gradient norm are summed: those whose shards together hold
         every parameter once (`shard_ranks`, dp_shard x cp), today the whole world."""
         return self.world_group
@@ -185,7 +186,7 @@ def stop_with_launcher() -> None:
 
 _one_rank_group = False  # this process made its own one-rank group (launched without torchrun)
 _mesh: ParallelDims | None = None  # init_distributed's (`current_mesh`) ...
-_mesh_world: "dist.ProcessGroup | None" = None  # ... made on this default group (a later group is another run's)
+_mesh_world: dist.ProcessGroup | None = None  # ... made on this default group (a later group is another run's)
 _groups_made = 0  # process groups this process has made (one per multirun job)
 ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's name, and its older one
 
@@ -280,7 +281,7 @@ def host_values_on(device: torch.device, values: list, dtype: torch.dtype) -> to
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def all_reduce_sum(values: torch.Tensor, group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
+def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum a tensor over the ranks of `group` (None: all ranks) in one collective (returns a new tensor)."""
     values = values.clone()
     if dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -25,7 +25,7 @@ from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
 
 # 8 query heads: every context size here divides them (4 repeats the 2 kv heads).
-HEADS = dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+HEADS = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
 
 
 def members(group) -> list[int] | None:
@@ -121,7 +121,7 @@ def test_a_mesh_made_by_hand_or_without_a_group():
     hand = ParallelDims(5, 8, 1, torch.device("cpu"), cp=2)
     assert (hand.data_rank, hand.data_ranks, hand.cp_rank, hand.reports_rows, hand.context_size) == (2, 4, 1, False, 2)
     with pytest.raises(ValueError, match="no device mesh"):
-        hand.cp_group
+        _ = hand.cp_group
     with pytest.raises(ValueError, match=r"parallel.context=3 must divide the number of ranks, 8"):
         ParallelDims(0, 8, 0, torch.device("cpu"), cp=3)
     assert not dist.is_initialized()
