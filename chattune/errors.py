@@ -48,7 +48,7 @@ def _process_group():
 def _note_store():
     """The process group's store (torchrun's agent store: it outlives any rank), or None on one rank."""
     dist = _process_group()
-    if dist is None or dist.get_world_size() == 1:
+    if dist is None or dist.get_world_size() == 1:  # torch's, as in `_rank`: there may be no mesh yet
         return None
     from torch.distributed import distributed_c10d
 
@@ -63,6 +63,8 @@ def _note_store():
 
 
 def _rank() -> int:
+    # torch's own rank, not the mesh's (`chattune.distributed.current_mesh`): errors are reported from before any
+    # mesh exists (the launcher, init_distributed itself) and from groups made without one.
     dist = _process_group()
     return dist.get_rank() if dist is not None else int(os.environ.get("RANK", "0"))
 

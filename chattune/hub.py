@@ -67,5 +67,7 @@ def local_directory(path: str, key: str) -> Path:
 def _barrier() -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    from chattune.distributed import current_mesh  # torch: only where a hub id is read
+
+    if current_mesh().world_size > 1:
         dist.barrier()

@@ -66,7 +66,7 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
     torch.manual_seed(0)
     hf_model = build_hf_model(tokenizer, AutoConfig.for_model("qwen3", **MODEL))
-    model = shard_model(PackedCausalLM(hf_model), "cpu", context)
+    model = shard_model(PackedCausalLM(hf_model, context_group=dist_info.cp_group), "cpu", context)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

@@ -32,7 +32,7 @@ from chattune.model import context_parallel
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
-from chattune.distributed import context_group, exit_process, init_distributed, shutdown_distributed
+from chattune.distributed import current_mesh, exit_process, init_distributed, shutdown_distributed
 from chattune.errors import UnsupportedModel
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
@@ -116,7 +116,8 @@ row_slice = causal_lm.row_slice
 
 
 def _gradients(objective, rows, world_size) -> dict[str, torch.Tensor]:
-    policy = shard_model(PackedCausalLM(model(), loss_chunk_size=64), "cpu", world_size)
+    policy = shard_model(PackedCausalLM(model(), loss_chunk_size=64, context_group=current_mesh().cp_group), "cpu",
+                         world_size)
     policy.train()
     accumulate_gradients(policy, objective, StepBatches([collate_packed(row) for row in rows]), torch.device("cpu"))
     return {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
@@ -132,7 +133,7 @@ def _probe_refusals(world_size: int) -> list[str | None]:
             context_parallel.row_slice = lambda *args: dataclasses.replace(
                 original(*args), position_ids=torch.arange(original(*args).num_tokens).unsqueeze(0))
         try:
-            check_context_split(model(), context_group())
+            check_context_split(model(), current_mesh().cp_group)
             refusals.append(None)
         except UnsupportedModel as error:
             refusals.append(str(error))
@@ -304,14 +305,15 @@ def _gpt_oss_model():
 
 def _sink_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
-    init_distributed("cpu", context_size=world_size)
-    policy = shard_model(PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64), "cpu", world_size)
+    mesh = init_distributed("cpu", context_size=world_size)
+    policy = shard_model(PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64, context_group=mesh.cp_group), "cpu",
+                         world_size)
     policy.train()
     rows = sft_rows(len(demo_tokenizer()))
     accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([collate_packed(row) for row in rows]),
                          torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
-    check_context_split(_gpt_oss_model(), context_group())  # the start-up probe passes it too
+    check_context_split(_gpt_oss_model(), mesh.cp_group)  # the start-up probe passes it too
     if rank == 0:
         torch.save(grads, out_path)
     shutdown_distributed()

@@ -22,23 +22,23 @@ from chattune.data.formats import DataError, SourceSpec
 from chattune.data.sources import RECIPE_DATA, MixedDocuments, document_settings
 from chattune.data.token_cache import (CachedDocuments, build_source_cache, cache_name, cache_root, is_complete,
                                        source_key, staging_directory, tokenizer_digest)
-from chattune.distributed import broadcast_from_main
+from chattune.distributed import broadcast_from_main, current_mesh
 from chattune.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
 def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    mesh = current_mesh()  # one rank for `chattune prepare` and `chattune inspect`
+    return mesh.rank, mesh.world_size
 
 
 def _every_rank(value) -> list:
     """`value` of every rank, in rank order (one all-gather; no communication on one rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    world_size = current_mesh().world_size
+    if world_size == 1:
         return [value]
-    values = [None] * dist.get_world_size()
+    values = [None] * world_size
     dist.all_gather_object(values, value)
     return values
 

@@ -24,7 +24,7 @@ import torch
 from chattune.config.schema import MIXING_MODES, MIXING_REWARDS
 from chattune.data.formats import SourceSpec
 from chattune.data.source_mixture import MixtureSampler, ProbabilitySchedule
-from chattune.distributed import all_reduce_sum
+from chattune.distributed import all_reduce_sum, current_mesh
 
 
 class Mixer:
@@ -75,8 +75,8 @@ class Mixer:
         identical on every rank, and their log figures; None on other steps."""
         if self.mode != "online" or step % self.update_every:
             return None
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        mesh = current_mesh()
+        world, rank = mesh.world_size, mesh.rank
         positions = np.zeros(world)
         positions[rank] = self.sampler.draw
         sums = all_reduce_sum(torch.tensor(np.concatenate([self.interval.ravel(), positions]), dtype=torch.float64,

@@ -76,7 +76,9 @@ class MixedDocuments:
 
 def row_budget(data: DictConfig, context: int = 1) -> tuple[int, str]:
     """The tokens of one packed row and how messages name them: data.max_tokens_per_microbatch per rank, times
-    the `context` ranks that share a row under context parallelism (parallel.context)."""
+    the `context` ranks that share a row under context parallelism (parallel.context). A run passes its mesh's
+    degree (`ParallelDims.cp`, made from that setting); `chattune prepare`, `inspect` and `validate`, which make no
+    process group, the setting itself: a number, not a group, so the data side needs no mesh."""
     per_rank = data.max_tokens_per_microbatch
     if context == 1:
         return per_rank, f"data.max_tokens_per_microbatch={per_rank}"

@@ -25,7 +25,7 @@ from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_hidden_states
 from chattune.model.causal_lm import check_output_head
-from chattune.model.context_parallel import active_group, check_heads, whole_rows
+from chattune.model.context_parallel import check_heads, whole_rows
 from chattune.model.flops import attention_heads, text_config
 from chattune.model.mixers import check_context_parallel, choose_mixer_path, handled_mixers
 from chattune.model.packing_probe import (ALONE_TOLERANCE, PROBE_LENGTHS, check_context_split, check_fast_mixers,
@@ -171,24 +171,25 @@ def _builds_with_stock_attention(config: PretrainedConfig) -> bool:
     return True
 
 
-def check_architecture(config: PretrainedConfig, device: torch.device | None = None) -> None:
+def check_architecture(config: PretrainedConfig, device: torch.device | None = None,
+                       context_group: torch.distributed.ProcessGroup | None = None) -> None:
     """Refuse (UnsupportedModel) an architecture whose packed forward lets documents see each other or whose
     logits are not hidden @ output_embedding.T, measured on a random-init miniature. The global RNG is left
-    as it was, so random-init weights built after the check do not change. Under context parallelism the
-    miniature must also compute a row split across the context group as the whole row (`check_context_split`,
-    on `device`)."""
+    as it was, so random-init weights built after the check do not change. Under context parallelism
+    (`context_group`, the run's: `ParallelDims.cp_group`) the miniature must also compute a row split across the
+    context group as the whole row (`check_context_split`, on `device`)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MINIATURE_SEED)
         miniature = build_miniature(config)
     device = device or torch.device("cpu")
     choose_mixer_path(device, set(handled_mixers(miniature).values()))
-    with whole_rows():  # each rank probes the miniature on its own
+    with whole_rows(miniature):  # each rank probes the miniature on its own
         check_packing_isolation(miniature)  # first: it turns a failing packed forward into a clear refusal
         _check_output_head(miniature)
         check_stock_attention(miniature)
         if device.type == "cuda":
             check_fast_mixers(miniature, device)  # the varlen kernels, where chosen, against the exact path
-    group = active_group()
+    group = context_group
     if group is not None:  # collective over the context group: every rank built the same miniature
         context_size = torch.distributed.get_world_size(group)
         check_context_parallel(miniature, context_size)

@@ -36,7 +36,8 @@ gives the model transformers' SDPA attention for its duration (`chattune.model.g
 
 With context parallelism (`chattune.model.context_parallel`) each rank holds a slice of the row: an all-to-all
 gives every rank the whole row for a share of the heads before the same kernels run (with those heads'
-sinks), and another swaps back.
+sinks), and another swaps back. The group is the attention module's own (`context_group`, set on every module
+of the model by the builder), which transformers hands the attention function as its first argument.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model import attention_kernels as kernels
-from chattune.model.context_parallel import active_group, heads_to_sequence, sequence_to_heads
+from chattune.model.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 from chattune.model.mixers import isolate_documents
 
 ATTENTION_NAME = "chattune_packed"
@@ -217,7 +218,7 @@ def packed_attention(
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     max_seqlen = kwargs.get("max_length_q")
-    group = active_group()
+    group = context_group_of(module)  # the model's (`chattune.model.context_parallel.set_context_group`)
     if cu_seqlens is None:
         if group is not None:  # a slice's position ids do not say where the row's documents start
             raise ValueError(f"{ATTENTION_NAME} attention under context parallelism needs the row's cu_seq_lens_q")

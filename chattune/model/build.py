@@ -75,7 +75,8 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         hf_model, files = _empty_or_full(directory)
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)
-    check_architecture(hf_model.config, dist_info.device)  # on a random-init miniature: the real weights may not exist yet
+    # on a random-init miniature: the real weights may not exist yet
+    check_architecture(hf_model.config, dist_info.device, dist_info.cp_group)
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
     peft_model = add_adapters(hf_model, adapters) if adapters is not None else None
@@ -97,17 +98,18 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         compile = False
         logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
     router_loss = router_loss_for(hf_model, cfg.loss.router_aux_coef)
-    if router_loss is not None and dist_info.context_size > 1:
+    if router_loss is not None and dist_info.cp > 1:
         raise UserError(f"loss.router_aux_coef: {type(hf_model).__name__} trains with its router load-balancing loss, "
                         "computed per document, and parallel.context>1 splits documents across ranks; set "
                         "loss.router_aux_coef=0 to train without it, or parallel.context=1")
+    # The context group set on the model (its attention modules and its loss read it there), before compiling.
     model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype, tf32_head,
-                                       router_loss),
-                        device_type, dist_info.world_size, **cfg.model.fsdp, compile=compile, replicated=replicated)
+                                       router_loss, context_group=dist_info.cp_group),
+                        device_type, dist_info.shard_ranks, **cfg.model.fsdp, compile=compile, replicated=replicated)
     describe_compute(model, device_type)
-    if dist_info.context_size > 1:
+    if dist_info.cp > 1:
         logger.info("context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
-                    dist_info.context_size)
+                    dist_info.cp)
     if files is not None:
         load.materialise_and_load(model, hf_model, directory, files, dist_info.device, initial)
     if adapters is not None and adapters.use_dora:

@@ -20,7 +20,7 @@ from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_decoder_output, stock_attention
 from chattune.model.chunked_loss import chunked_token_losses
-from chattune.model.context_parallel import active_group, gather_row, row_slice
+from chattune.model.context_parallel import gather_row, row_slice, set_context_group
 from chattune.model.flops import model_flops
 from chattune.model.fused_loss import cce_token_losses
 from chattune.model.output_logits import LogitTransform
@@ -29,13 +29,16 @@ from chattune.model.router_loss import RouterLoss
 
 class PackedCausalLM(nn.Module):
     def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024, loss_implementation: str = "chunked",
-                 source_dtype: torch.dtype | None = None, tf32_head: bool = False, router_loss: RouterLoss | None = None):
+                 source_dtype: torch.dtype | None = None, tf32_head: bool = False, router_loss: RouterLoss | None = None,
+                 context_group: dist.ProcessGroup | None = None):
         """`loss_implementation`: `chunked` (exact fp32, `chattune.model.chunked_loss`) or
         `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA); `tf32_head`: the chunked head's matmuls
         in TF32 (CUDA with bf16/fp16 compute, where that is exact for its forward); `router_loss`: a MoE model's
-        load-balancing loss, computed by training forwards that ask for it. Its architecture is checked by
-        `chattune.model.architecture_check` (the builder runs it), not here: `hf_model` may be on the meta
-        device, its weights loaded after sharding."""
+        load-balancing loss, computed by training forwards that ask for it; `context_group`: the ranks its packed
+        rows are split across (`ParallelDims.cp_group`; None: whole rows), set on it and on every module of
+        `hf_model` (`chattune.model.context_parallel.set_context_group`), where its attention reads it. Its
+        architecture is checked by `chattune.model.architecture_check` (the builder runs it), not here: `hf_model`
+        may be on the meta device, its weights loaded after sharding."""
         super().__init__()
         self.hf_model = hf_model
         self.loss_chunk_size = loss_chunk_size
@@ -46,6 +49,7 @@ class PackedCausalLM(nn.Module):
         self.router_loss = router_loss
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
         self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
+        set_context_group(self, context_group)  # self.context_group, and the attention modules'
 
     def forward(self, batch: PackedBatch, router_losses: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +57,7 @@ class PackedCausalLM(nn.Module):
         `router_losses` (a model with a `router_loss`), also each segment's coefficient-weighted load-balancing
         loss (S,). Under context parallelism every rank of the group passes the whole row, computes its own
         slice and returns the whole row's losses (`chattune.model.context_parallel`)."""
-        group = active_group()
+        group = self.context_group
         if group is None:
             return self._token_losses(batch, router_losses)
         if router_losses:  # the builder refuses the combination; a document's router logits span the group

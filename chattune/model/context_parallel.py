@@ -28,8 +28,14 @@ whole row's (N,) for the objective, whose per-document sums (DPO's pairs, per-so
 documents. Every rank of the group computes the same objective on the same row, and the gather's backward
 hands each rank the gradient of its own slice only (it does not sum over the group), so each token's
 gradient is counted once over the group. The update step counts a row's loss units, and reports its losses
-and figures, on the group's first rank only (`DistInfo.counts_rows`), so the global unit count is the same
+and figures, on the group's first rank only (`ParallelDims.reports_rows`), so the global unit count is the same
 as on one rank per row.
+
+The group is the model's: the builder gives `PackedCausalLM` the run's context group (`ParallelDims.cp_group`), which
+sets it on itself and every module of the Hugging Face model (`set_context_group`, attribute `context_group`), where
+the loss (`PackedCausalLM.forward`) and the attention function (`packed_attention`, handed its module by
+transformers) read it. A model without it (None, or never set: a start-up probe's miniature) runs its rows whole;
+`split_across` and `whole_rows` set it for the duration of a block.
 
 Every collective here runs eagerly, outside compiled graphs (`torch.compiler.disable`): a compiled decoder
 layer breaks its graph around the exchange, and its matmuls stay compiled.
@@ -48,8 +54,9 @@ from torch.distributed import ProcessGroup
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
-from chattune.distributed import context_group
 from chattune.errors import UnsupportedModel
+
+CONTEXT_GROUP = "context_group"  # the attribute of a model's modules that holds its context group (None: whole rows)
 
 
 def check_heads(num_heads: int, context_size: int, model_name: str = "the model") -> None:
@@ -155,24 +162,35 @@ def row_slice(batch: PackedBatch, context_size: int, context_rank: int) -> Packe
         cu_seqlens=cu_seqlens, max_seqlen=max(batch.max_seqlen, padding))
 
 
-_whole_rows = False  # forwards on whole rows for now, as on one rank (`whole_rows`)
+def set_context_group(model: torch.nn.Module, group: ProcessGroup | None) -> None:
+    """Split `model`'s packed rows across `group` (None: run them whole): set on the model and on every module
+    in it, so whatever module reaches the attention function carries it. Set it before compiling: a compiled layer
+    reads it under a guard, and a later change would recompile it."""
+    for module in model.modules():
+        setattr(module, CONTEXT_GROUP, group)
 
 
-def active_group() -> ProcessGroup | None:
-    """The context group when context parallelism is on (more than one rank per row), else None."""
-    return None if _whole_rows else context_group()
+def context_group_of(module: torch.nn.Module) -> ProcessGroup | None:
+    """The context group `module`'s rows are split across; None: whole rows (also for a module never given one)."""
+    return getattr(module, CONTEXT_GROUP, None)
 
 
 @contextmanager
-def whole_rows() -> Iterator[None]:
-    """Forwards inside run every row whole on each rank, as without context parallelism: the start-up probes of
-    a model's miniature, which each rank runs on its own."""
-    global _whole_rows
-    before, _whole_rows = _whole_rows, True
+def split_across(model: torch.nn.Module, group: ProcessGroup | None) -> Iterator[None]:
+    """`model`'s forwards inside run split across `group` (None: whole), then as before: the start-up probes."""
+    before = {module: module.__dict__.get(CONTEXT_GROUP) for module in model.modules()}
+    set_context_group(model, group)
     try:
         yield
     finally:
-        _whole_rows = before
+        for module, group_before in before.items():
+            setattr(module, CONTEXT_GROUP, group_before)
+
+
+def whole_rows(model: torch.nn.Module):
+    """`model`'s forwards inside run every row whole on each rank, as without context parallelism: the start-up
+    probes of a model's miniature, which each rank runs on its own."""
+    return split_across(model, None)
 
 
 @torch.no_grad()

@@ -120,7 +120,9 @@ def shard_model(
     compile: bool = False,
     replicated: set[nn.Parameter] | None = None,
 ) -> PackedCausalLM:
-    """`replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). The
+    """`world_size`: the ranks each parameter is sharded over (`ParallelDims.shard_ranks`: dp_shard x cp, the whole
+    world; HSDP would pass the 2-D (dp_replicate, dp_shard_cp) mesh instead, `chattune.distributed.ParallelDims`).
+    `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). The
     model records what was applied (`compiled`, `compute_dtype`): the loop and the logs read it there."""
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)

@@ -52,7 +52,7 @@ from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model import mixers
 from chattune.model.attention import packed_hidden_states
-from chattune.model.context_parallel import split_hidden_states, whole_rows
+from chattune.model.context_parallel import split_across, split_hidden_states, whole_rows
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
 PROBE_LENGTHS = (11, 9, 11)
@@ -252,9 +252,10 @@ def check_context_split(hf_model: PreTrainedModel, group) -> None:
     was_training = hf_model.training
     hf_model.eval()
     try:
-        with torch.no_grad(), whole_rows():
+        with torch.no_grad(), whole_rows(hf_model):
             whole = packed_hidden_states(hf_model, batch)
-        split = split_hidden_states(lambda piece: packed_hidden_states(hf_model, piece), batch, group)
+        with split_across(hf_model, group):
+            split = split_hidden_states(lambda piece: packed_hidden_states(hf_model, piece), batch, group)
     finally:
         hf_model.train(was_training)
     difference = _difference(split, whole)

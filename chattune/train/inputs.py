@@ -24,7 +24,7 @@ from chattune.data.cached_sources import open_documents
 from chattune.data.sources import MixedDocuments, RecipeData, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import pad_token_id
-from chattune.distributed import DistInfo, counts_rows, reduce_sums
+from chattune.distributed import DistInfo, reduce_sums
 from chattune.errors import UserError
 from chattune.train.feed import StepFeed
 
@@ -100,7 +100,7 @@ def check_something_trains(cfg: DictConfig, dist_info: DistInfo, train: MixedDoc
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/") and n}
     hints = []
     if skipped.get("overlong"):
-        hints.append(f"{skipped['overlong']} are longer than {row_budget(cfg.data, cfg.parallel.context)[1]} "
+        hints.append(f"{skipped['overlong']} are longer than {row_budget(cfg.data, dist_info.cp)[1]} "
                      f"(data.overlong={cfg.data.overlong}): raise the budget"
                      + (", or keep them with data.overlong=truncate or split" if cfg.data.overlong == "drop" else ""))
     if skipped.get("no_trainable_tokens"):
@@ -114,7 +114,7 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
                         recipe_data: RecipeData) -> TrainingData:
     """Collective (the data report's counts are summed over ranks). `recipe_data`: what the recipe's kind reads
     (`chattune.launch.recipe_kinds.RecipeKind.data`)."""
-    pad_id, context = pad_token_id(tokenizer), cfg.parallel.context
+    pad_id, context = pad_token_id(tokenizer), dist_info.cp
     train_specs = source_specs(cfg.data.train)
     # Each source from its token cache (data.cache), built by every rank together on the first launch.
     train = open_documents(recipe_data.name, train_specs, tokenizer, cfg.data, context)
@@ -137,10 +137,10 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
     # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
     # stream, and only rank 0 logs its skipped records; context parallelism: a group's ranks read the same stream,
     # and only its first counts and logs); epochs end on the same step on every rank.
-    counts = counts_rows()
+    counts = dist_info.reports_rows
     stream = packed_stream(cfg, layout.share, layout.num_shares, pad_id, train, shuffle=True,
                            num_epochs=cfg.data.num_epochs, sampler=sampler,
-                           log_skips=counts and (layout.slots is None or dist_info.rank == 0))
+                           log_skips=counts and (layout.slots is None or dist_info.is_main))
     feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
                     num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed, counts=counts)
     own_eval = open_documents(recipe_data.name, source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None

@@ -28,11 +28,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from chattune.distributed import all_reduce_sum, counts_rows, host_values_on
+from chattune.distributed import all_reduce_sum, counts_rows, current_mesh, host_values_on
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
 
@@ -118,14 +117,15 @@ def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite:
     where every rank agrees to stop, its data already in hand."""
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
+    mesh = current_mesh()
     # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
-    if any(not isinstance(g, DTensor) for g in grads) and dist.is_initialized() and dist.get_world_size() > 1:
+    if any(not isinstance(g, DTensor) for g in grads) and mesh.world_size > 1:
         raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
     stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
     sums = all_reduce_sum(torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(),
-                                       stop_flag]))
+                                       stop_flag]), group=mesh.grad_norm_group)  # the shards' ranks: the world
     losses_finite = sums[1] == 0
     total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
     if loss_scale != 1.0:  # unscale the local shards in place
