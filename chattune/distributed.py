@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from chattune.config.layout_rules import context_ranks_problem
+
 # The mesh's axes, outermost first: a rank's place along each is its coordinate (row-major, as `init_device_mesh`
 # lays ranks out), so the ranks of one context group are consecutive (the same machine first: the attention's
 # all-to-all is the busiest traffic of a step).
@@ -69,8 +71,9 @@ class ParallelDims:
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)  # None: no groups (built by hand, one rank)
 
     def __post_init__(self) -> None:
-        if self.cp < 1 or self.world_size % self.cp:
-            raise ValueError(f"parallel.context={self.cp} must divide the number of ranks, {self.world_size}")
+        if self.cp < 1 or self.world_size % self.cp:  # the words of chattune.config.layout_rules, with the old ones
+            problem = context_ranks_problem(self.cp, self.world_size) or f"{self.cp} is not a context size"
+            raise ValueError(f"parallel.context={self.cp} must divide the number of ranks, {self.world_size}: {problem}")
 
     # --- the axes ---
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.data.held_out import held_out_line, hold_out, joined
 from chattune.data.mixing_policy import Mixer, mixture_sampling
+from chattune.config.layout_rules import microbatch_ranks_problem
 from chattune.data.packing import PackedBatch
 from chattune.data.records import source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
@@ -63,9 +64,9 @@ def step_layout(cfg: DictConfig, dist_info: DistInfo) -> StepLayout:
     total, rank, ranks = cfg.data.microbatches_per_step, dist_info.data_rank, dist_info.data_ranks
     if total is None:
         return StepLayout(rank, ranks, cfg.grad_accum_steps, None)
-    if total % ranks:
-        raise UserError(f"data.microbatches_per_step={total} cannot be dealt to {ranks} data-parallel ranks: "
-                        "the number of ranks (divided by parallel.context) must divide it")
+    problem = microbatch_ranks_problem(total, dist_info.world_size, dist_info.cp)
+    if problem:
+        raise UserError(f"data.microbatches_per_step={problem}")
     per_rank = total // ranks
     return StepLayout(0, 1, total, range(rank * per_rank, (rank + 1) * per_rank))
 
