@@ -46,3 +46,50 @@ def test_a_checkpoint_of_an_earlier_chattune_resumes_and_continues_as_an_uninter
         assert_same_weights(resumed, straight)
     else:  # another torch or CPU rounds differently: the same run, up to rounding
         assert [loss for _, loss in losses(resumed)] == pytest.approx([loss for _, loss in losses(straight)[3:]], rel=1e-4)
+
+
+class Stream:
+    """A packed stream's stand-in for StepFeed: only its saved position."""
+
+    position: dict | None = None
+
+    def state_dict(self) -> dict:
+        return self.position
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state
+
+
+def test_the_kept_checkpoint_holds_every_part_of_the_run_state_by_name():
+    """Each part of this code's run state finds its entry in the checkpoint by name and loads the values saved."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from chattune.train.checkpoint import rank_states, read_manifest
+    from chattune.train.feed import StepFeed
+    from chattune.train.run_state import SkippedSteps, rng_state, set_rng_state, training_state
+    from chattune.train.step import LossScale
+
+    checkpoint = FIXTURE / "step_3"
+    saved = rank_states(checkpoint)
+    assert len(saved) == 1 and saved[0]["step"] == 3 == read_manifest(checkpoint)["step"]
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    feed, skipped = StepFeed(Stream(), 2, 0), SkippedSteps()
+    state = training_state(model, optimizer, scheduler, feed, skipped, LossScale(enabled=False))
+    assert list(state) == ["model", "optimizer", "scheduler", "data", "rng", "counters"]
+    # the sharded parts: DCP's entries under their names; the others: this rank's file's
+    shards = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in shards} == set(state.sharded_state_dict())
+    assert set(state.state_dict()) <= set(saved[0])
+
+    generators = rng_state()  # this process's, given back after the test
+    try:
+        state.load_state_dict(saved[0])
+        assert torch.equal(torch.get_rng_state(), saved[0]["rng"]["torch"])
+    finally:
+        set_rng_state(generators)
+    assert scheduler.last_epoch == saved[0]["scheduler"]["last_epoch"] == 3
+    assert feed.stream.position == saved[0]["data"]["stream"] and feed.epoch == saved[0]["data"]["epoch"] == 0
+    assert skipped.counts == saved[0]["counters"] == {"nonfinite_skipped_steps": 0}
