@@ -31,7 +31,7 @@ from chattune.objectives import reference_cache
 from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.inputs import TrainingData, build_training_data, packed_stream
-from chattune.train.loop import train
+from chattune.train.loop import Learning, train
 from chattune.train.optimizer import build_optimizer
 from chattune.train.output_dir import claim_output_dir
 
@@ -75,7 +75,7 @@ def main(cfg: DictConfig) -> None:
         cfg.reference.path, cfg.model.path, quantized)) if data.eval is not None else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, start, built, data, objective, optimizer, scheduler, tokenizer, eval_objective)
+    train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)
     shutdown_distributed()
 
 

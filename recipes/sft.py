@@ -23,7 +23,7 @@ from chattune.model.adapters import trainable_parameters
 from chattune.model.build import build_trained_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.inputs import build_training_data
-from chattune.train.loop import train
+from chattune.train.loop import Learning, train
 from chattune.train.optimizer import build_optimizer
 from chattune.train.output_dir import claim_output_dir
 
@@ -57,7 +57,7 @@ def main(cfg: DictConfig) -> None:
     objective = TokenCrossEntropy(num_sources=data.num_sources)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, start, built, data, objective, optimizer, scheduler, tokenizer)
+    train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler), tokenizer)
     shutdown_distributed()
 
 

@@ -16,6 +16,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
 from chattune.train.feed import StepBatches
+from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import train_step
 
 
@@ -32,6 +33,25 @@ def sharded(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Op
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+class Saved:
+    """A part of the run state that holds a plain dict (what a rank saves beside the shards)."""
+
+    def __init__(self, value: dict):
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return dict(self.value)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = dict(state)
+
+
+def run_state(model, optimizer, saved: dict):
+    state = model_and_optimizer(model, optimizer)
+    state.add("saved", Saved(saved))
+    return state
+
+
 def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     from pathlib import Path
 
@@ -42,21 +62,22 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     batch = collate_packed(demo_documents(4, start=4 * rank))
     train_step(model, TokenCrossEntropy(), StepBatches([batch]), optimizer, scheduler, 1.0, torch.device("cpu"))
     root = tmp_path / "checkpoints"
-    save_checkpoint(root, 1, model, optimizer, {"step": 1, "rank": rank}, meta={"world_size": world_size})
+    save_checkpoint(root, 1, run_state(model, optimizer, {"rank": rank}), manifest={"world_size": world_size})
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=rank == 0)
     weights, moments = full_state(model), full_optimizer_state(model, optimizer)
 
     other, other_optimizer = sharded(seed=1, world_size=world_size)  # different weights, no optimizer state yet
     train_step(other, TokenCrossEntropy(), StepBatches([batch]), other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0, torch.device("cpu"))
     assert any(not torch.equal(weights[k], v) for k, v in full_state(other).items())
-    train_state = load_checkpoint(root / "step_1", other, other_optimizer)
-    assert train_state == {"step": 1, "rank": rank}
+    restored_state = run_state(other, other_optimizer, {})
+    step = load_checkpoint(root / "step_1", restored_state)
+    assert {"step": step, **restored_state["saved"].value} == {"step": 1, "rank": rank}
     restored = full_state(other)
     assert all(torch.equal(weights[k], restored[k]) for k in weights)
     assert all(torch.equal(a, b) for a, b in zip(moments, full_optimizer_state(other, other_optimizer)))
     # Pruning keeps the newest; an uncommitted (.partial) directory is never a checkpoint.
     for step in (2, 3, 4):
-        save_checkpoint(root, step, other, other_optimizer, {"step": step}, meta={}, keep_last_n=2)
+        save_checkpoint(root, step, run_state(other, other_optimizer, {}), manifest={}, keep_last_n=2)
     if rank == 0:
         (root / "step_9.partial").mkdir()
         assert [p.name for p in committed_checkpoints(root)] == ["step_3", "step_4"]

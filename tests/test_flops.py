@@ -13,7 +13,7 @@ from chattune.data.documents import Document
 from chattune.data.packing import collate_packed
 from chattune.model.flops import batch_flops, model_flops, peak_flops
 from chattune.objectives.cross_entropy import TokenCrossEntropy
-from chattune.train.metrics import step_metrics
+from chattune.train.metrics import StepFlops, step_metrics
 from chattune.train.step import StepResult
 
 
@@ -73,10 +73,10 @@ def test_hybrid_models_count_their_attention_layers_and_their_mixers(name):
 def test_mfu_is_model_flops_per_second_over_the_peak():
     result = StepResult(loss_sum=20.0, local_units=10, global_units=10, local_tokens=16)
     metrics = step_metrics(3, result, TokenCrossEntropy(), grad_norm=1.0, lr=1e-3, step_time_s=2.0,
-                           device=torch.device("cpu"), model_flops=5e12, peak_flops=10e12)
+                           device=torch.device("cpu"), flops=StepFlops(model_flops=5e12, peak_flops=10e12))
     assert metrics["mfu"] == pytest.approx(5e12 / 2.0 / 10e12)
     assert metrics["all_tokens_per_sec_per_device"] == pytest.approx(16 / 2.0)
-    assert "mfu" not in step_metrics(3, result, TokenCrossEntropy(), 1.0, 1e-3, 2.0, torch.device("cpu"), 5e12, None)
+    assert "mfu" not in step_metrics(3, result, TokenCrossEntropy(), 1.0, 1e-3, 2.0, torch.device("cpu"), StepFlops(5e12, None))
     assert peak_flops(torch.device("cpu")) is None
 
 

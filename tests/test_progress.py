@@ -9,7 +9,7 @@ import re
 import pytest
 
 from chattune.train.metrics import MetricLogger
-from chattune.train.progress import Progress, TaskProgress, wants_bar
+from chattune.train.progress import Pace, Progress, TaskProgress, wants_bar
 
 
 class FakeTerminal(io.StringIO):
@@ -166,14 +166,14 @@ def test_a_long_evaluation_says_where_it_is_every_ten_seconds_and_a_short_one_sa
     clock = FakeClock()
     progress = Progress(0, 10, "auto", stream=out)
     assert not progress.shows_bar
-    short = TaskProgress("eval", 3, "batches", stream=out, clock=clock)
+    short = TaskProgress("eval", 3, "batches", stream=out, pace=Pace(clock=clock))
     for done in range(1, 4):
         clock.now += 1.0
         short.update(done)
     short.close()
     assert out.getvalue() == ""  # 3 s: no line
 
-    long = TaskProgress("eval", 400, "batches", stream=out, clock=clock)
+    long = TaskProgress("eval", 400, "batches", stream=out, pace=Pace(clock=clock))
     for done in range(1, 401):
         clock.now += 0.125  # 50 s in all
         long.update(done)
@@ -190,7 +190,7 @@ def test_a_long_evaluation_says_where_it_is_every_ten_seconds_and_a_short_one_sa
 def test_on_a_terminal_a_long_evaluation_gets_a_bar_of_its_own(console):
     out = console(FakeTerminal())
     progress = Progress(0, 10, "auto", stream=out)
-    evaluation = TaskProgress("eval", 40, "batches", bar=progress.shows_bar, stream=out, delay_s=0)
+    evaluation = TaskProgress("eval", 40, "batches", bar=progress.shows_bar, stream=out, pace=Pace(delay_s=0))
     for done in range(1, 41):
         evaluation.update(done)
     evaluation.close()

@@ -30,6 +30,7 @@ from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import load_checkpoint, save_checkpoint
+from chattune.train.run_state import model_and_optimizer
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, train_step
 
@@ -92,7 +93,7 @@ def checkpoint_round_trip(model, root: Path) -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     optimizer.step()
     saved = {name: p.detach().full_tensor().clone() for name, p in model.named_parameters() if p.requires_grad}
-    directory = save_checkpoint(root, 1, model, optimizer, {"step": 1}, {"world_size": 2})
+    directory = save_checkpoint(root, 1, model_and_optimizer(model, optimizer), {"world_size": 2})
     keys = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all("lora_" in k for k in model_keys), sorted(model_keys)[:5]
@@ -100,7 +101,7 @@ def checkpoint_round_trip(model, root: Path) -> None:
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(1.0)
-    load_checkpoint(directory, model, optimizer)
+    load_checkpoint(directory, model_and_optimizer(model, optimizer))
     assert all(torch.equal(p.detach().full_tensor(), saved[name]) for name, p in model.named_parameters()
                if p.requires_grad)
     optimizer.zero_grad(set_to_none=False)

@@ -1,10 +1,13 @@
-"""Sharded training checkpoints (torch.distributed.checkpoint), written atomically.
+"""Sharded training checkpoints (torch.distributed.checkpoint), written atomically: the one module that
+knows a checkpoint's files.
 
-Layout of `{output_dir}/checkpoints/step_{N}/`:
-- DCP shards of {"model", "optimizer"} (each rank writes its own; loads reshard as DCP allows);
-- `train_state_rank{R}.pt`: that rank's step, scheduler, data feed (stream position, packer buffers,
-  loader worker states) and RNG states: what an exact resume needs per rank;
-- `chattune.json`, written last: step, world size, loader workers and the run's fingerprint.
+A checkpoint saves a `RunState` (`chattune.train.run_state`) by its parts' names. Layout of
+`{output_dir}/checkpoints/step_{N}/`:
+- DCP shards of the sharded parts, {"model", "optimizer"} (each rank writes its own; loads reshard as DCP allows);
+- `train_state_rank{R}.pt`: that rank's own parts by name (scheduler, data position, RNG states, skip
+  counters, fp16's loss scale) and the step: what an exact resume needs per rank;
+- `chattune.json`, written last: the manifest (step, world size, the run's fingerprint, the wandb run id);
+- more files of rank 0's by name (`record_hashes.npz`, `chattune.data.fingerprint`).
 
 A checkpoint is written under `step_{N}.partial` and renamed to `step_{N}` only once every rank's files
 are complete, so a crash during a save leaves a `.partial` directory that is never resumed from (and is
@@ -13,9 +16,13 @@ removed by the next save of that step). `find_latest` only considers committed d
 With `save_async` (`BackgroundSaves`), DCP copies the state to CPU memory (a few seconds' pause at most)
 and writes it from a thread while training goes on; on CUDA that copy goes into pinned buffers allocated at
 the first save and reused by every later one (DCP's `DefaultStager`; on torch 2.11 and 2.12, whose stager
-copies one state only, fresh pinned buffers per save), not into a fresh pageable copy of the whole state per save; the same rename commits it, from that thread, once
-every rank's shards and DCP's metadata are on disk. A crash before that leaves the `.partial` directory,
-as above; at most one save is in flight (the next one waits for it).
+copies one state only, fresh pinned buffers per save), not into a fresh pageable copy of the whole state per
+save; the same rename commits it, from that thread, once every rank's shards and DCP's metadata are on disk.
+A crash before that leaves the `.partial` directory, as above; at most one save is in flight (the next one
+waits for it).
+
+`Checkpointer` is the training loop's: it decides when a checkpoint is due (every `save_every` steps, and
+before a stop) and saves the run state with the run's manifest.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,37 +43,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
+from chattune.data.fingerprint import RECORD_HASHES, record_hashes_file
 from chattune.files import set_aside
-from chattune.model.quantize import has_quantized_weight
 from chattune.train.faults import maybe_crash
+from chattune.train.run_state import Horizon, RunState
 
 logger = logging.getLogger(__name__)
 
-META_FILE = "chattune.json"
+MANIFEST_FILE = "chattune.json"
 _COMMITTED = re.compile(r"step_(\d+)")
 
 
-# Frozen parameters (a LoRA run's base) are not saved: they are the model directory's, reloaded at resume.
-TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
-
-
-def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    # ignore_frozen_params still lists a frozen output layer tied to the embedding, and a 4-bit layer adds its
-    # quantization state to the state dict as entries of their own: only trained parameters and buffers stay.
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    quantization_state = tuple(f"{name}.weight." for name, module in model.named_modules()
-                               if has_quantized_weight(module))  # weight.absmax, weight.quant_map..
-    weights = {k: v for k, v in get_model_state_dict(model, options=TRAINED_ONLY).items()
-               if k not in frozen and not k.startswith(quantization_state)}
-    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer, options=TRAINED_ONLY)}
+def _rank_state_file(directory: Path, rank: int) -> Path:
+    """A rank's own parts of the run state in the checkpoint `directory`."""
+    return directory / f"train_state_rank{rank}.pt"
 
 
 def _rank() -> int:
@@ -179,12 +171,12 @@ class BackgroundSaves:
             self._stager = None
 
 
-def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict, meta: dict, keep_last_n: int | None = None,
+def save_checkpoint(root: Path, step: int, state: RunState, manifest: dict, keep_last_n: int | None = None,
                     extra_files: dict[str, bytes] | None = None, background: BackgroundSaves | None = None) -> Path:
-    """Collective: write `root/step_{step}` atomically; then keep only the newest `keep_last_n`.
-    `extra_files` (rank 0's): more files of the checkpoint, by name. With `background`, return once the state
-    is copied; the write and the commit finish in the background."""
+    """Collective: write `state` as `root/step_{step}` atomically, with `manifest` (and the step) as its
+    chattune.json; then keep only the newest `keep_last_n`. `extra_files` (rank 0's): more files of the
+    checkpoint, by name. With `background`, return once the state is copied; the write and the commit
+    finish in the background."""
     if background is not None:
         background.wait()  # one save in flight at a time
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
@@ -193,18 +185,18 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
         partial.mkdir(parents=True)
     _barrier()  # nobody writes into the directory before it is clean
     if background is None:
-        dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(partial))
-    _write_synced(partial / f"train_state_rank{_rank()}.pt", _serialize(train_state))
+        dcp.save(state.sharded_state_dict(), checkpoint_id=str(partial))
+    _write_synced(_rank_state_file(partial, _rank()), _serialize({"step": step, **state.state_dict()}))
 
     def rank0_files() -> None:
         for name, data in (extra_files or {}).items():
             _write_synced(partial / name, data)
-        _write_synced(partial / META_FILE, json.dumps({**meta, "step": step}, indent=1).encode())
+        _write_synced(partial / MANIFEST_FILE, json.dumps({**manifest, "step": step}, indent=1).encode())
 
     if background is not None:
         if _rank() == 0:
             rank0_files()  # the directory only counts once renamed, after every shard is written
-        background.start(_sharded_state(model, optimizer), partial,
+        background.start(state.sharded_state_dict(), partial,
                          lambda: _commit(partial, final, keep_last_n) if _rank() == 0 else None)
         maybe_crash("save", step)
         return final
@@ -248,7 +240,7 @@ def committed_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _COMMITTED.fullmatch(p.name))
-             and (p / META_FILE).is_file()]
+             and (p / MANIFEST_FILE).is_file()]
     return [p for _, p in sorted(found)]
 
 
@@ -259,7 +251,7 @@ def find_latest(root: Path) -> Path | None:
 
 def damage(directory: Path) -> list[str]:
     """What is missing or cut short in a committed checkpoint, against its own records: DCP's `.metadata`
-    (every shard file and the bytes it must hold) and chattune.json (every saving rank's train state).
+    (every shard file and the bytes it must hold) and the manifest (every saving rank's own state).
     Empty for an intact one. (A file lost or truncated after the commit: a failed copy, a full disk.)"""
     problems = []
     try:
@@ -276,27 +268,68 @@ def damage(directory: Path) -> list[str]:
             problems.append(f"{name} is missing")
         elif path.stat().st_size < size:
             problems.append(f"{name} is cut short ({path.stat().st_size} of {size} bytes)")
-    ranks = read_meta(directory).get("world_size") or 0
-    problems += [f"train_state_rank{rank}.pt is missing" for rank in range(ranks)
-                 if not (directory / f"train_state_rank{rank}.pt").is_file()]
+    ranks = read_manifest(directory).get("world_size") or 0
+    problems += [f"{_rank_state_file(directory, rank).name} is missing" for rank in range(ranks)
+                 if not _rank_state_file(directory, rank).is_file()]
     return problems
 
 
-def read_meta(directory: Path) -> dict:
-    path = directory / META_FILE
+def read_manifest(directory: Path) -> dict:
+    """A committed checkpoint's chattune.json: its step, world size, run fingerprint and wandb run id."""
+    path = directory / MANIFEST_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} is not a complete chattune checkpoint (no {META_FILE})")
+        raise FileNotFoundError(f"{directory} is not a complete chattune checkpoint (no {MANIFEST_FILE})")
     return json.loads(path.read_text())
 
 
-def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    own_state: bool = True) -> dict:
-    """Collective: restore model and optimizer shards in place (DCP reshards them for another number of ranks);
-    returns this rank's train_state (`own_state=False`: rank 0's)."""
-    state = _sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
-    # Not strict: the frozen keys are absent by design; every trained key is present (dcp.load fills exactly
-    # the keys `_sharded_state` lists, and raises when the checkpoint lacks one).
-    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED_ONLY)
-    return torch.load(directory / f"train_state_rank{_rank() if own_state else 0}.pt", weights_only=False)
+def load_sharded(directory: Path, state: RunState) -> None:
+    """Collective: restore the sharded parts of `state` (model, optimizer) in place; DCP reshards them for
+    another number of ranks."""
+    sharded = state.sharded_state_dict()
+    dcp.load(sharded, checkpoint_id=str(directory))
+    state.load_sharded_state_dict(sharded)
+
+
+def rank_states(directory: Path) -> list[dict]:
+    """Every saving rank's own parts of the run state (and the step), by rank."""
+    return [torch.load(_rank_state_file(directory, rank), weights_only=False)
+            for rank in range(read_manifest(directory)["world_size"])]
+
+
+def load_checkpoint(directory: Path, state: RunState) -> int:
+    """Collective: restore every part of `state` by name, the sharded ones resharded as needed, this rank's
+    own ones from its own file; returns the checkpoint's step."""
+    load_sharded(directory, state)
+    saved = torch.load(_rank_state_file(directory, _rank()), weights_only=False)
+    state.load_state_dict(saved)
+    return saved["step"]
+
+
+class Checkpointer:
+    """The run's checkpoints under `root`: due every `every` steps (0: never) and when the run stops after a
+    step to be continued (`horizon`); each saves `state` with the run's `manifest` (world size, fingerprint,
+    wandb run id) and the record hashes of its training files, in the background with `background`."""
+
+    def __init__(self, root: Path, state: RunState, manifest: dict, every: int, keep_last_n: int | None,
+                 horizon: Horizon, background: BackgroundSaves | None = None):
+        self.root, self.state, self.manifest, self.every = root, state, manifest, every
+        self.keep_last_n, self.horizon, self.background = keep_last_n, horizon, background
+        self.last_saved: Path | None = None
+        self.last_started = 0.0  # time.perf_counter() at the last save's start
+
+    def due(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or self.horizon.stops_after(step)
+
+    def save(self, step: int) -> Path:
+        """Collective: the checkpoint of `step` (copied and left to the background with save_async)."""
+        self.last_started = time.perf_counter()
+        hashes = record_hashes_file(self.manifest["fingerprint"]) if _rank() == 0 else None
+        self.last_saved = save_checkpoint(self.root, step, self.state, self.manifest, self.keep_last_n,
+                                          extra_files={RECORD_HASHES: hashes} if hashes else None,
+                                          background=self.background)
+        return self.last_saved
+
+    def close(self) -> None:
+        """Wait for the save in flight, if any, to be committed."""
+        if self.background is not None:
+            self.background.close()

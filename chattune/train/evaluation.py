@@ -1,6 +1,10 @@
-"""Held-out loss, computed the same way as the training loss (sum of unit losses / global units)."""
+"""Held-out evaluation: the loss and the objective's metrics, computed the same way as the training loss (sum of
+unit losses / global units), and the sample replies (`chattune.train.samples`), at the times `Evaluator` decides."""
 
 from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -10,6 +14,12 @@ from chattune.distributed import all_reduce_max, counts_rows, reduce_sums
 from chattune.model.fsdp import reshard
 from chattune.objectives.base import Objective
 from chattune.train.progress import Progress
+
+if TYPE_CHECKING:
+    from chattune.train.run_state import Every
+    from chattune.train.samples import EvalSamples
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -40,3 +50,46 @@ def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch],
     reshard(model)  # the root's gathered bf16 copies would otherwise stay (and be what an export reads)
     sums = reduce_sums(sums, device)
     return {f"eval_{name}": value for name, value in objective.metrics(sums, int(sums["units"])).items()}
+
+
+def start_metrics(model: nn.Module, objective: Objective, batches: list[PackedBatch], device: torch.device,
+                  pad_id: int, progress: Progress | None = None) -> dict[str, float]:
+    """Collective: the held-out metrics before the first step (`eval_*`): those the objective knows without a
+    forward (`known_start_metrics`: DPO whose reference is the initial policy), else an evaluation."""
+    known = getattr(objective, "known_start_metrics", None)
+    metrics = known(batches, device) if known is not None else None
+    if metrics is None:
+        return evaluate(model, objective, batches, device, pad_id, progress)
+    logger.info("step 0: held-out metrics known without evaluating (the reference is the initial policy: every "
+                "reward 0, loss %.6g)%s", metrics["loss"],
+                "" if "logps/chosen" in metrics else "; logps/* are left out: they need the model's forward")
+    return {f"eval_{name}": value for name, value in metrics.items()}
+
+
+class Evaluator:
+    """A run's evaluations: the held-out metrics of `batches` under `objective` (this rank's share; None: no
+    held-out data) and the replies to the sample prompts (`samples`; None: none), at step 0 of a fresh run,
+    every eval_every steps and at the end (`every`) — never after a stop signal, whose grace period belongs to
+    the checkpoint. Every rank decides alike (the config, the step's all-reduce): an evaluation is collective."""
+
+    def __init__(self, model: nn.Module, objective: Objective, batches: list[PackedBatch] | None, pad_id: int,
+                 device: torch.device, samples: EvalSamples | None, every: Every, progress: Progress | None = None):
+        self.model, self.objective, self.batches, self.pad_id = model, objective, batches, pad_id
+        self.device, self.samples, self.every, self.progress = device, samples, every, progress
+
+    def due(self, step: int) -> bool:
+        evaluates = self.batches is not None or self.samples is not None
+        return evaluates and self.every.due(step) and not self.every.horizon.signalled
+
+    def held_out(self, step: int) -> dict[str, float]:
+        """Collective: the held-out metrics of the model as it is after `step` (before the first: `start_metrics`),
+        `eval_*`; {} without held-out data."""
+        if self.batches is None:
+            return {}
+        score = start_metrics if step == 0 else evaluate
+        return score(self.model, self.objective, self.batches, self.device, self.pad_id, self.progress)
+
+    def sample(self, step: int) -> None:
+        """Collective: the sample prompts' replies, written to samples.jsonl (and wandb); nothing without prompts."""
+        if self.samples is not None:
+            self.samples(self.model, step)

@@ -1,4 +1,5 @@
-"""Step metrics: reduced over ranks once, written by rank 0 to stdout, metrics.jsonl and optionally wandb.
+"""Step metrics: reduced over ranks once, written by rank 0 to stdout, metrics.jsonl and optionally wandb,
+every log_every steps and at the end (`MetricLogger.due`).
 
 Every recipe reports through here, so the same name always means the same computation.
 """
@@ -9,7 +10,9 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +21,9 @@ from chattune.distributed import reduce_sums
 from chattune.files import write_atomically
 from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
+
+if TYPE_CHECKING:
+    from chattune.train.run_state import Every
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +59,25 @@ class StepTimer:
         return self._host[1] - self._host[0]
 
 
-def step_metrics(
-    step: int, result: StepResult, objective: Objective, grad_norm: float, lr: float, step_time_s: float,
-    device: torch.device, model_flops: float = 0.0, peak_flops: float | None = None,
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class StepFlops:
+    """What a step's MFU is computed from: this rank's model FLOPs of the step (`chattune.model.flops`) and the
+    device's peak FLOP/s (None: unknown, no MFU)."""
+
+    model_flops: float = 0.0
+    peak_flops: float | None = None
+
+
+def step_metrics(step: int, result: StepResult, objective: Objective, grad_norm: float, lr: float, step_time_s: float,
+                 device: torch.device, flops: StepFlops | None = None) -> dict[str, float]:
     """The metrics of one step, over all ranks (one stacked all-reduce). Collective: every rank must call it.
 
     The objective turns the summed figures into its metrics (loss, num_tokens, ...); tokens_per_sec is
     trainable tokens per second of step time (mean over ranks), all_tokens_per_sec every token's, and
-    all_tokens_per_sec_per_device the same per rank. `model_flops`: this rank's model FLOPs of the step
-    (`chattune.model.flops`); with the device's `peak_flops`, mfu is their rate per device over the peak.
-    On CUDA, peak memory (allocated and reserved since the start, GiB) is the largest of any rank's."""
+    all_tokens_per_sec_per_device the same per rank. With the device's peak FLOP/s (`flops`), mfu is the
+    step's model FLOPs' rate per device over the peak. On CUDA, peak memory (allocated and reserved since the
+    start, GiB) is the largest of any rank's."""
+    model_flops, peak_flops = (flops.model_flops, flops.peak_flops) if flops is not None else (0.0, None)
     sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens,
                         "model_flops": model_flops, **result.figures}, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -155,13 +169,15 @@ def start_step_log(path: Path, resume_step: int | None) -> None:
 class MetricLogger:
     """Rank 0 writes; other ranks' calls do nothing. `backend` is 'stdout' or 'wandb' (JSONL is always
     written). Each call prints a console line, unless `step_lines` is False (a progress bar shows the
-    steps): then only lines with held-out (`eval_*`) metrics are printed."""
+    steps): then only lines with held-out (`eval_*`) metrics are printed. A step's metrics are due
+    `every` log_every steps and at the end (None: every step)."""
 
     def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None,
-                 wandb_kwargs: dict | None = None, resume_step: int | None = None, wandb_id: str | None = None):
+                 wandb_kwargs: dict | None = None, resume_step: int | None = None, wandb_id: str | None = None,
+                 every: Every | None = None):
         if backend not in ("stdout", "wandb"):
             raise ValueError(f"logger must be 'stdout' or 'wandb', got {backend!r}")
-        self.is_main = is_main
+        self.is_main, self.every = is_main, every
         self.step_lines = True  # False while a progress bar shows the steps
         self.path = Path(output_dir) / "metrics.jsonl"
         self.wandb_run = None
@@ -177,6 +193,10 @@ class MetricLogger:
     def wandb_id(self) -> str | None:
         """The wandb run's id (rank 0 with logger=wandb), saved with checkpoints so a resume continues it."""
         return self.wandb_run.id if self.wandb_run is not None else None
+
+    def due(self, step: int) -> bool:
+        """Whether `step`'s metrics are logged (on every rank alike: computing them is collective)."""
+        return self.every is None or self.every.due(step)
 
     def _start_file(self, resume_step: int | None) -> None:
         start_step_log(self.path, resume_step)

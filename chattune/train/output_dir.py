@@ -39,8 +39,8 @@ from chattune.config.paths import save_resolved_config
 from chattune.distributed import DistInfo, broadcast_from_main
 from chattune.errors import UserError
 from chattune.files import ABANDONED, aside_name, set_aside
-from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_meta
-from chattune.train.resume import ResumeError, ResumePlan, check_resumable, run_fingerprint, run_meta
+from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_manifest
+from chattune.train.resume import AcceptedChanges, ResumeError, check_resumable, run_fingerprint, run_meta
 
 logger = logging.getLogger(__name__)
 
@@ -137,27 +137,37 @@ def previous_results(output_dir: Path) -> list[str]:
 
 
 @dataclass
-class RunStart:
+class StartingPoint:
     """What a launch continues: nothing (a fresh start) or a checkpoint, and what the resume accepted."""
 
     resume_from: Path | None = None
-    plan: ResumePlan = field(default_factory=ResumePlan)  # the accepted changes, to log and apply when loading
-    meta: dict = field(default_factory=dict)  # world size and run fingerprint, written with every checkpoint
-    checkpoint_meta: dict = field(default_factory=dict)  # the resumed checkpoint's (e.g. its wandb run id)
+    accepted: AcceptedChanges = field(default_factory=AcceptedChanges)  # logged and applied when the state is loaded
+    identity: dict = field(default_factory=dict)  # this run's world size and fingerprint (`run_meta`)
+    checkpoint_manifest: dict = field(default_factory=dict)  # the resumed checkpoint's (e.g. its wandb run id)
+
+    # The names chattune.launch.run_rules reads (`chattune validate`'s notes on a resume).
+    @property
+    def plan(self) -> AcceptedChanges:
+        return self.accepted
+
+    @property
+    def checkpoint_meta(self) -> dict:
+        return self.checkpoint_manifest
 
 
 @dataclass
-class StartPlan:
+class LaunchDecision:
     """What a launch will do with `output_dir`, decided before anything is touched."""
 
-    start: RunStart
+    start: StartingPoint
     move_aside: list[Path] = field(default_factory=list)  # renamed *.abandoned
     copy_aside: list[Path] = field(default_factory=list)  # copied *.abandoned (an abandoned trajectory's full curve)
 
 
-def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
-    """What this launch continues and what it moves aside, without touching anything; a UserError for a
-    launch that must not resume what it asks for, or would overwrite an earlier run without overwrite=true."""
+def plan_start(cfg: DictConfig, identity: dict) -> LaunchDecision:
+    """What this launch continues and what it moves aside (`identity`: this run's `run_meta`), without touching
+    anything; a UserError for a launch that must not resume what it asks for, or would overwrite an earlier run
+    without overwrite=true."""
     output_dir = Path(cfg.output_dir)
     checkpoints = output_dir / "checkpoints"
     if cfg.overwrite and cfg.resume not in (None, "auto"):
@@ -170,23 +180,23 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
     else:
         source = Path(cfg.resume)
         try:
-            read_meta(source)
+            read_manifest(source)
         except (OSError, ValueError) as error:
             raise ResumeError(f"resume={cfg.resume}: {error}") from error
-    saved = read_meta(source) if source is not None else {}
+    saved = read_manifest(source) if source is not None else {}
     if source is not None and (damaged := damage(source)):
         raise ResumeError(f"the checkpoint {source} is damaged: {'; '.join(damaged)}. {_intact_before(source, saved['step'])}")
-    plan = StartPlan(RunStart(source, check_resumable(source, meta, cfg) if source is not None else ResumePlan(),
-                              meta, saved))
+    accepted = check_resumable(source, identity, cfg) if source is not None else AcceptedChanges()
+    decision = LaunchDecision(StartingPoint(source, accepted, identity, saved))
     previous = previous_results(output_dir)
     if source is not None and source.resolve().parent == checkpoints.resolve():
         # Continuing from an older checkpoint of this directory abandons what came after it: its later
         # checkpoints (which resume=auto and keep_last_n would otherwise prefer) and its final export.
-        plan.move_aside = [c for c in committed_checkpoints(checkpoints) if read_meta(c)["step"] > saved["step"]]
-        if plan.move_aside:
-            plan.move_aside += [p for p in (output_dir / "hf", output_dir / "adapter") if p.exists()]
+        decision.move_aside = [c for c in committed_checkpoints(checkpoints) if read_manifest(c)["step"] > saved["step"]]
+        if decision.move_aside:
+            decision.move_aside += [p for p in (output_dir / "hf", output_dir / "adapter") if p.exists()]
         # kept up to `step`: the rest in a copy
-        plan.copy_aside = [output_dir / name for name in STEP_LOGS if logged_after(output_dir / name, saved["step"])]
+        decision.copy_aside = [output_dir / name for name in STEP_LOGS if logged_after(output_dir / name, saved["step"])]
     elif previous:  # a fresh start, or another directory's checkpoint continued, in a used directory
         if not cfg.overwrite:
             what = "nothing to continue from" if source is None else f"a checkpoint of another directory to continue ({source})"
@@ -195,15 +205,15 @@ def plan_start(cfg: DictConfig, meta: dict) -> StartPlan:
                 f"{what} (resume={cfg.resume}). Continue that run with resume=auto or resume=PATH to one of its "
                 f"checkpoints; start over here with overwrite=true (its files are moved aside as *{ABANDONED}, not "
                 "deleted); or choose another output_dir.")
-        plan.move_aside = [output_dir / name for name in previous]
-    return plan
+        decision.move_aside = [output_dir / name for name in previous]
+    return decision
 
 
 def _intact_before(source: Path, step: int) -> str:
     """The remedy for a damaged checkpoint: the newest intact one before it, or starting over."""
     for candidate in reversed(committed_checkpoints(source.parent)):
-        if read_meta(candidate)["step"] < step and not damage(candidate):
-            return (f"The newest intact checkpoint before it is {candidate} (step {read_meta(candidate)['step']}): "
+        if read_manifest(candidate)["step"] < step and not damage(candidate):
+            return (f"The newest intact checkpoint before it is {candidate} (step {read_manifest(candidate)['step']}): "
                     f"continue from there with resume={candidate}")
     return "No intact checkpoint comes before it: start over with overwrite=true (it is set aside), or choose another output_dir"
 
@@ -216,10 +226,10 @@ def logged_after(metrics: Path, step: int) -> bool:
         return any(line.strip() and json.loads(line).get("step", 0) > step for line in lines)
 
 
-def apply_plan(plan: StartPlan) -> list[str]:
-    """Move and copy aside what the plan says; the moves as "old -> new" lines."""
-    moved = [f"{path} -> {set_aside(path)}" for path in plan.move_aside]
-    for path in plan.copy_aside:
+def set_aside_abandoned(decision: LaunchDecision) -> list[str]:
+    """Move and copy aside what the decision abandons; the moves as "old -> new" lines."""
+    moved = [f"{path} -> {set_aside(path)}" for path in decision.move_aside]
+    for path in decision.copy_aside:
         copy = aside_name(path)
         shutil.copy2(path, copy)
         moved.append(f"{path} copied to {copy}")
@@ -229,12 +239,12 @@ def apply_plan(plan: StartPlan) -> list[str]:
 _lock: OutputDirLock | None = None  # this process's lock, held until it exits
 
 
-def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> RunStart:
+def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> StartingPoint:
     """Collective, before anything is loaded or written: rank 0 locks `output_dir`, decides what the
     launch continues (refusing what it must not), moves aside what another trajectory left and writes
     config.yaml. Every rank gets the same decision, or raises the same error."""
     global _lock
-    outcome: RunStart | UserError | None = None
+    outcome: StartingPoint | UserError | None = None
     if dist_info.is_main:
         output_dir = Path(cfg.output_dir)
         created = not output_dir.exists()
@@ -242,10 +252,10 @@ def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> RunStart:
             lock = OutputDirLock(output_dir)
             lock.acquire()
             _lock = lock
-            plan = plan_start(cfg, run_meta(dist_info.world_size, run_fingerprint(cfg)))
-            for line in apply_plan(plan):
+            decision = plan_start(cfg, run_meta(dist_info.world_size, run_fingerprint(cfg)))
+            for line in set_aside_abandoned(decision):
                 logger.warning("moved aside: %s", line)
-            outcome = plan.start
+            outcome = decision.start
             save_resolved_config(cfg, output_dir)
         except UserError as error:
             outcome = error

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TextIO
 
 from tqdm import tqdm
@@ -95,24 +96,33 @@ class Progress:
         self.bar = self._redirect = None
 
 
+@dataclass(frozen=True)
+class Pace:
+    """How often a pass that is no training step speaks: nothing for its first `delay_s` seconds, then a line
+    every `every_s` seconds, by `clock`."""
+
+    delay_s: float = 5.0
+    every_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+
+
 class TaskProgress:
     """Rank 0's progress through a pass of `total` units that is not a training step (an evaluation): nothing
-    for its first `delay_s` seconds (a short pass says nothing), then a bar under the training bar (`bar`) or a
-    log line every `every_s` seconds ("eval: 120/400 batches, 30 s"), and a last line at the end of a pass that
-    said anything. Other ranks show nothing."""
+    for its first `pace.delay_s` seconds (a short pass says nothing), then a bar under the training bar (`bar`)
+    or a log line every `pace.every_s` seconds ("eval: 120/400 batches, 30 s"), and a last line at the end of a
+    pass that said anything. Other ranks show nothing."""
 
     def __init__(self, label: str, total: int, unit: str, is_main: bool = True, bar: bool = False,
-                 stream: TextIO | None = None, delay_s: float = 5.0, every_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, every_s, clock
+                 stream: TextIO | None = None, pace: Pace = Pace()):
+        self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, pace.every_s, pace.clock
         self.enabled = is_main
-        self.started = clock()
-        self.next_line = self.started + delay_s
+        self.started = self.clock()
+        self.next_line = self.started + pace.delay_s
         self.done, self.lines = 0, 0
         self.bar: tqdm | None = None
         if is_main and bar:  # tqdm's own delay: the bar appears only once the pass has run delay_s
             self.bar = tqdm(total=total, desc=label, unit=f" {unit}", file=sys.stdout if stream is None else stream,
-                            delay=delay_s, leave=False, position=1, dynamic_ncols=True, mininterval=0.5)
+                            delay=pace.delay_s, leave=False, position=1, dynamic_ncols=True, mininterval=0.5)
 
     def update(self, done: int) -> None:
         """`done` units of the pass are done."""

@@ -1,5 +1,5 @@
-"""Exact resume: what a checkpoint holds beyond the weights, and whether it can continue the run that
-asks to (`check_resumable`).
+"""Exact resume: whether a checkpoint can continue the run that asks to (`check_resumable`), and restoring
+the run state from it (`resume_training`), with the changes the resume accepted taking effect.
 
 A run's fingerprint is its resolved config (the chat template it names with a hash of its text), and a
 fingerprint of each training data file and of the tokenizer files. A resumed run may change (README, "What
@@ -19,7 +19,6 @@ chattune promises"):
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,19 +27,13 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from chattune.config.schema import keys_resumed_as
-from chattune.data.fingerprint import (
-    RECORD_HASHES,
-    data_file_fingerprints,
-    record_files,
-    record_hashes,
-    record_hashes_file,
-    saved_record_hashes,
-)
+from chattune.data.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.template_choice import template_fingerprint
 from chattune.errors import UserError
-from chattune.train.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from chattune.train.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
 from chattune.train.feed import merge_states
+from chattune.train.run_state import RunState
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +145,7 @@ def _accept_hint(difference: Difference) -> str:
 
 
 @dataclass
-class ResumePlan:
+class AcceptedChanges:
     """What a resume accepted: lines to log at the start, the changed horizon and the other config keys."""
 
     notes: list[str] = field(default_factory=list)
@@ -169,11 +162,12 @@ class ResumePlan:
         return bool(self.horizon) or any(_under(key, ("scheduler", "optimizer.lr")) for key in self.changed_keys)
 
 
-def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
-    """Whether the checkpoint at `directory` can continue this run: a ResumePlan, or a ResumeError that
-    lists every refused difference and the exact `resume_allow_changes` that would accept them."""
-    saved = read_meta(directory)
-    world_size_changed = meta["world_size"] is not None and saved["world_size"] != meta["world_size"]
+def check_resumable(directory: Path, identity: dict, cfg: DictConfig) -> AcceptedChanges:
+    """Whether the checkpoint at `directory` can continue this run (`identity`: its `run_meta`): the changes
+    it accepts, or a ResumeError that lists every refused difference and the exact `resume_allow_changes` that
+    would accept them."""
+    saved = read_manifest(directory)
+    world_size_changed = identity["world_size"] is not None and saved["world_size"] != identity["world_size"]
     fingerprint = dict(saved["fingerprint"])
     if "data.num_workers" not in fingerprint.get("config", {}) and "num_workers" in saved:  # older checkpoints
         fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
@@ -186,8 +180,8 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
     invariant = cfg.data.microbatches_per_step is not None
     if world_size_changed and not invariant:
         raise ResumeError(
-            f"{directory} was written by {saved['world_size']} rank(s), this run has {meta['world_size']}: each rank's "
-            "data position is a place in its own share of the epoch, which another number of ranks would split "
+            f"{directory} was written by {saved['world_size']} rank(s), this run has {identity['world_size']}: each "
+            "rank's data position is a place in its own share of the epoch, which another number of ranks would split "
             f"differently. Relaunch with --nproc_per_node {saved['world_size']} (runs with "
             "data.microbatches_per_step resume on any number of ranks that divides it).")
     if context_changed and not invariant:
@@ -208,32 +202,32 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
             "with resume=PATH.")
     anything, entries = allowed_changes(cfg.resume_allow_changes)
     online_mixing = cfg.data.mixing.mode == "online"
-    plan, refused = ResumePlan(), []
+    accepted, refused = AcceptedChanges(), []
     if world_size_changed:
-        plan.notes.append(f"world size {saved['world_size']} -> {meta['world_size']} (world-size-invariant steps: the "
-                          "same documents per step; every rank continues the one data stream)")
-    plan.layout_changed = world_size_changed or context_changed
+        accepted.notes.append(f"world size {saved['world_size']} -> {identity['world_size']} (world-size-invariant "
+                              "steps: the same documents per step; every rank continues the one data stream)")
+    accepted.layout_changed = world_size_changed or context_changed
     saved_budget = fingerprint["config"].get("data.max_tokens_per_microbatch")
     same_rows = saved_budget is not None and saved_budget * saved_context == (
         cfg.data.max_tokens_per_microbatch * cfg.parallel.context)
-    for difference in differences(fingerprint, meta["fingerprint"], saved_record_hashes(directory)):
+    for difference in differences(fingerprint, identity["fingerprint"], saved_record_hashes(directory)):
         key = difference.key if difference.kind == "config" else None
         if key in ("parallel.context", "data.max_tokens_per_microbatch") and context_changed and same_rows:
             # (world-size-invariant steps, checked above) packing reads the row budget, which is unchanged
             if key == "parallel.context":
-                plan.notes.append(f"{difference.text}: the same row budget, the same packed rows split another way")
+                accepted.notes.append(f"{difference.text}: the same row budget, the same packed rows split another way")
             else:
-                plan.notes.append(f"{difference.text} with parallel.context {saved_context} -> {cfg.parallel.context}: "
-                                  "the same row budget")
+                accepted.notes.append(f"{difference.text} with parallel.context {saved_context} -> "
+                                      f"{cfg.parallel.context}: the same row budget")
             continue
         if key is not None:
-            plan.changed_keys.append(key)  # (a refused one raises below)
+            accepted.changed_keys.append(key)  # (a refused one raises below)
         if key in HORIZON_KEYS:
-            plan.horizon.append(difference.text.removeprefix("config "))
+            accepted.horizon.append(difference.text.removeprefix("config "))
         elif key in NUMERICS_KEYS and not (key == "data.num_workers" and online_mixing):
-            plan.notes.append(f"{difference.text} (the same documents and updates, computed differently)")
+            accepted.notes.append(f"{difference.text} (the same documents and updates, computed differently)")
         elif anything or _accepts(entries, difference):
-            plan.notes.append(f"{difference.text} (accepted by resume_allow_changes)")
+            accepted.notes.append(f"{difference.text} (accepted by resume_allow_changes)")
         else:
             refused.append(difference)
     if refused:
@@ -244,84 +238,45 @@ def check_resumable(directory: Path, meta: dict, cfg: DictConfig) -> ResumePlan:
             + "\n  ".join(d.text for d in refused) + why
             + f"\nIf that is what you want, resume with resume_allow_changes=[{','.join(map(_accept_hint, refused))}] "
             "(accepts only these changes; true accepts any). Or start over with overwrite=true, or choose another output_dir.")
-    return plan
-
-
-def rng_state() -> dict:
-    """The generators a resume restores. On CUDA only this rank's own device's (the current device, set at
-    start-up): a relaunch may see fewer devices (another CUDA_VISIBLE_DEVICES, one GPU a process), and
-    every visible device's state would not fit it."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_initialized() else None}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    cuda = state.get("cuda")
-    if cuda is None or not torch.cuda.is_initialized():
-        return
-    device = torch.cuda.current_device()
-    if isinstance(cuda, (list, tuple)):  # checkpoints written before: every visible device's generator
-        if device >= len(cuda):
-            logger.warning("the checkpoint holds no CUDA generator state for device %d; it is not restored", device)
-            return
-        cuda = cuda[device]
-    torch.cuda.set_rng_state(cuda, device)
+    return accepted
 
 
 def run_meta(world_size: int, fingerprint: dict) -> dict:
+    """The run's identity, what a checkpoint it continues must match (`check_resumable`), written into every
+    checkpoint's manifest: its number of ranks and its fingerprint."""
     return {"world_size": world_size, "fingerprint": fingerprint}
 
 
-def save_training(root: Path, step: int, model, optimizer, scheduler, feed, meta: dict, counters: dict,
-                  keep_last_n: int | None, loss_scale=None, background=None) -> Path:
-    """Collective: everything an exact resume needs, atomically."""
-    train_state = {"step": step, "scheduler": scheduler.state_dict(), "data": feed.state_dict(),
-                   "rng": rng_state(), "counters": dict(counters),
-                   "loss_scale": loss_scale.state_dict() if loss_scale is not None else None}
-    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    hashes = record_hashes_file(meta["fingerprint"]) if is_main else None
-    return save_checkpoint(root, step, model, optimizer, train_state, meta, keep_last_n,
-                           extra_files={RECORD_HASHES: hashes} if hashes else None, background=background)
-
-
-def resume_training(directory: Path, plan: ResumePlan, model, optimizer, scheduler, feed,
-                    loss_scale=None) -> tuple[int, dict]:
-    """Collective: restore a run from `directory` (checked by `check_resumable`); returns (its step, its counters)."""
+def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState) -> int:
+    """Collective: restore the run state (`chattune.train.run_state.training_state`) from the checkpoint at
+    `directory`, checked by `check_resumable`, and make the changes it accepted take effect; returns its step."""
+    optimizer, scheduler = state["optimizer"].optimizer, state["scheduler"]
     # The optimizer's hyperparameters as this run's config sets them (the checkpoint's state replaces them).
     configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-    saved_ranks = read_meta(directory)["world_size"]
-    # Another layout of ranks (world-size-invariant steps: another number of ranks or context size): the step,
-    # schedule and counters are every rank's alike, read from rank 0's state; the data position too, with the sums
-    # of all ranks (below).
-    same_layout = not plan.layout_changed
-    train_state = load_checkpoint(directory, model, optimizer, own_state=same_layout)
-    scheduler.load_state_dict(train_state["scheduler"])
-    if same_layout:
-        feed.load_state_dict(train_state["data"])
-        set_rng_state(train_state["rng"])
-    else:  # world-size-invariant steps on another number of ranks: the one stream's position, and the sums moved
+    if not accepted.layout_changed:
+        step = load_checkpoint(directory, state)
+    else:  # world-size-invariant steps on another number of ranks or context size
+        # The step, schedule and counters are every rank's alike, read from rank 0's state; the data position is
+        # the one stream's, with the sums of all ranks moved (`merge_states`). The RNG is not restored: each
+        # microbatch seeds its own (StepFeed's seeds), so the ranks' saved generators are not needed.
+        load_sharded(directory, state)
+        saved = rank_states(directory)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        states = [torch.load(directory / f"train_state_rank{r}.pt", weights_only=False)["data"] for r in range(saved_ranks)]
-        feed.load_state_dict(merge_states(states, rank))
-        # The RNG: each microbatch seeds its own (StepFeed's seeds), so the ranks' saved RNG states are not needed.
-    if loss_scale is not None and loss_scale.enabled and train_state.get("loss_scale"):
-        loss_scale.load_state_dict(train_state["loss_scale"])
-    for note in plan.notes:
+        state.load_state_dict({**saved[0], "data": merge_states([s["data"] for s in saved], rank)}, skip=("rng",))
+        step = saved[0]["step"]
+    for note in accepted.notes:
         logger.warning("resuming despite a change: %s", note)
-    if plan.optimizer_changed:  # an accepted change of the optimizer's settings takes effect
+    if accepted.optimizer_changed:  # an accepted change of the optimizer's settings takes effect
         for group, settings in zip(optimizer.param_groups, configured):
             group.update(settings)
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
-    if plan.schedule_changed:
+    if accepted.schedule_changed:
         old, new = follow_new_schedule(scheduler, optimizer)
         logger.warning("resuming with another learning-rate schedule (%s): the LR at step %d is %s (it was %s under "
-                       "the checkpoint's schedule)", "; ".join(plan.horizon + [k for k in plan.changed_keys if
-                                                                               _under(k, ("scheduler", "optimizer.lr"))]),
-                       train_state["step"], _rates(new), _rates(old))
-    return train_state["step"], train_state["counters"]
+                       "the checkpoint's schedule)", "; ".join(accepted.horizon + [k for k in accepted.changed_keys if
+                                                                                   _under(k, ("scheduler", "optimizer.lr"))]),
+                       step, _rates(new), _rates(old))
+    return step
 
 
 def follow_new_schedule(scheduler, optimizer) -> tuple[list[float], list[float]]:

@@ -1,6 +1,6 @@
-"""Sample replies at every evaluation: a few prompts answered greedily by the model being trained, written by
-rank 0 to `output_dir/samples.jsonl` (one line per prompt: step, prompt, reply) and, with logger=wandb, as a
-table.
+"""Sample replies at every evaluation (`chattune.train.evaluation.Evaluator` decides when one is due): a few
+prompts answered greedily by the model being trained, written by rank 0 to `output_dir/samples.jsonl` (one line
+per prompt: step, prompt, reply) and, with logger=wandb, as a table.
 
 `eval.samples` prompts come from `eval.sample_prompts` (a prompts file, `chattune.data.prompts`) or else from
 the held-out set (`data.eval`: the context before each of its first records' last reply). Under FSDP every

@@ -1,8 +1,9 @@
 """The update step: the one place that owns microbatching and loss normalisation, for every recipe.
 
-For one optimizer step every rank takes exactly `grad_accum_steps` microbatches, counts the units the
-loss averages over (trainable tokens for SFT, preference pairs for DPO), and all-reduces that count
-ONCE. Each microbatch's loss is then (sum of unit losses) / (global unit count), and FSDP reduces
+For one optimizer step every rank trains the same number of microbatches (`chattune.train.feed`):
+`grad_accum_steps` of its own share, or with world-size-invariant steps its M/W of the
+`data.microbatches_per_step` M that every step takes from the one stream. It counts the units the loss
+averages over (trainable tokens for SFT, preference pairs for DPO), and all-reduces that count ONCE. Each microbatch's loss is then (sum of unit losses) / (global unit count), and FSDP reduces
 gradients as a plain sum. The result is the gradient of the mean loss over every unit of the step,
 whatever the split into microbatches and ranks, and is never rescaled afterwards.
 

@@ -1,0 +1,95 @@
+"""A checkpoint written by an earlier chattune still resumes: tests/data/checkpoint_before_run_state (step 3 of 6,
+1 rank, a tiny Llama; how it was made: tests/data/README.md) continues as an uninterrupted run of this code does."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from test_resume import assert_same_weights, losses
+from test_sft_recipe import run
+
+from chattune.config.paths import DEMO_ASSETS
+
+FIXTURE = Path(__file__).parent / "data" / "checkpoint_before_run_state"
+# The settings the fixture was written with (but its output_dir, data path and stop_after_step).
+SETTINGS = ["max_steps=6", "save_every=3", "log_every=1", "eval_every=0", "data.eval=[]", "grad_accum_steps=2",
+            "data.max_tokens_per_microbatch=512", "data.buffer_records=16", "data.report_records=0", "data.cache=off",
+            "scheduler.num_warmup_steps=2", "model.config.hidden_size=16", "model.config.intermediate_size=32",
+            "model.config.num_hidden_layers=1", "model.config.num_attention_heads=2", "model.config.num_key_value_heads=1",
+            "model.config.max_position_embeddings=512", "progress=lines"]
+
+
+def saved_losses() -> list[tuple[int, float]]:
+    return losses(FIXTURE)  # its metrics.jsonl: steps 1-3 of the run that wrote it
+
+
+def test_a_checkpoint_of_an_earlier_chattune_resumes_and_continues_as_an_uninterrupted_run(tmp_path):
+    data = tmp_path / "chats.jsonl"  # the fixture's data: the first 60 demo chats
+    data.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:60]))
+    checkpoint = tmp_path / "old" / "step_3"
+    shutil.copytree(FIXTURE / "step_3", checkpoint)
+    recipe = [sys.executable, "recipes/sft.py", f"data.train=[{data}]", *SETTINGS]
+
+    straight = tmp_path / "straight"
+    run([*recipe, f"output_dir={straight}"])
+    resumed = tmp_path / "resumed"
+    # The fingerprint names the paths of the machine that wrote it (its data file, the demo tokenizer's).
+    output = run([*recipe, f"output_dir={resumed}", f"resume={checkpoint}", "resume_allow_changes=true"])
+    assert f"resumed from {checkpoint} at step 3" in output.stdout + output.stderr
+
+    assert [step for step, _ in losses(resumed)] == [4, 5, 6]
+    if losses(straight)[:3] == saved_losses():  # this machine computes steps 1-3 as the fixture's did: bit for bit
+        assert losses(resumed) == losses(straight)[3:]
+        assert_same_weights(resumed, straight)
+    else:  # another torch or CPU rounds differently: the same run, up to rounding
+        assert [loss for _, loss in losses(resumed)] == pytest.approx([loss for _, loss in losses(straight)[3:]], rel=1e-4)
+
+
+class Stream:
+    """A packed stream's stand-in for StepFeed: only its saved position."""
+
+    position: dict | None = None
+
+    def state_dict(self) -> dict:
+        return self.position
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state
+
+
+def test_the_kept_checkpoint_holds_every_part_of_the_run_state_by_name():
+    """Each part of this code's run state finds its entry in the checkpoint by name and loads the values saved."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from chattune.train.checkpoint import rank_states, read_manifest
+    from chattune.train.feed import StepFeed
+    from chattune.train.run_state import SkippedSteps, rng_state, set_rng_state, training_state
+    from chattune.train.step import LossScale
+
+    checkpoint = FIXTURE / "step_3"
+    saved = rank_states(checkpoint)
+    assert len(saved) == 1 and saved[0]["step"] == 3 == read_manifest(checkpoint)["step"]
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    feed, skipped = StepFeed(Stream(), 2, 0), SkippedSteps()
+    state = training_state(model, optimizer, scheduler, feed, skipped, LossScale(enabled=False))
+    assert list(state) == ["model", "optimizer", "scheduler", "data", "rng", "counters"]
+    # the sharded parts: DCP's entries under their names; the others: this rank's file's
+    shards = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in shards} == set(state.sharded_state_dict())
+    assert set(state.state_dict()) <= set(saved[0])
+
+    generators = rng_state()  # this process's, given back after the test
+    try:
+        state.load_state_dict(saved[0])
+        assert torch.equal(torch.get_rng_state(), saved[0]["rng"]["torch"])
+    finally:
+        set_rng_state(generators)
+    assert scheduler.last_epoch == saved[0]["scheduler"]["last_epoch"] == 3
+    assert feed.stream.position == saved[0]["data"]["stream"] and feed.epoch == saved[0]["data"]["epoch"] == 0
+    assert skipped.counts == saved[0]["counters"] == {"nonfinite_skipped_steps": 0}
