@@ -48,6 +48,7 @@ from chattune.data.fingerprint import RECORD_HASHES, record_hashes_file
 from chattune.files import set_aside
 from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
+from chattune.distributed import current_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _rank_state_file(directory: Path, rank: int) -> Path:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return current_mesh().rank
 
 
 def _barrier() -> None:

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 
-import torch.distributed as dist
+from chattune.distributed import current_mesh
 
 ENV = "CHATTUNE_CRASH_AT"
 SLOW_ENV = "CHATTUNE_SLOW_AT"
@@ -26,7 +26,7 @@ def maybe_crash(point: str, step: int) -> None:
     if not spec:
         return
     target_point, target_step, *target_rank = spec.split(":")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = current_mesh().rank
     if target_point == point and int(target_step) == step and (not target_rank or int(target_rank[0]) == rank):
         os.kill(os.getpid(), signal.SIGKILL)
 

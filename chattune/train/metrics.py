@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from chattune.distributed import reduce_sums
+from chattune.distributed import current_mesh, reduce_sums
 from chattune.files import write_atomically
 from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
@@ -80,7 +80,7 @@ def step_metrics(step: int, result: StepResult, objective: Objective, grad_norm:
     model_flops, peak_flops = (flops.model_flops, flops.peak_flops) if flops is not None else (0.0, None)
     sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens,
                         "model_flops": model_flops, **result.figures}, device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = current_mesh().world_size
     step_time = sums["step_time_s"] / world
     metrics = {"step": step, **objective.metrics(sums, result.global_units)}
     metrics.update(

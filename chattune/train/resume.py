@@ -34,6 +34,7 @@ from chattune.errors import UserError
 from chattune.train.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
 from chattune.train.feed import merge_states
 from chattune.train.run_state import RunState
+from chattune.distributed import current_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState)
         # microbatch seeds its own (StepFeed's seeds), so the ranks' saved generators are not needed.
         load_sharded(directory, state)
         saved = rank_states(directory)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = current_mesh().rank
         state.load_state_dict({**saved[0], "data": merge_states([s["data"] for s in saved], rank)}, skip=("rng",))
         step = saved[0]["step"]
     for note in accepted.notes:
