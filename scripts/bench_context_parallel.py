@@ -76,7 +76,7 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     row = collate_packed([Document(0, ids, labels)])
     times, losses = [], []
     before = resident_mib()  # imports, the model's shard and the row
-    for step in range(steps):
+    for _ in range(steps):
         start = time.perf_counter()
         result, _ = train_step(model, TokenCrossEntropy(), StepBatches([row]), optimizer, scheduler, 1.0,
                                dist_info.device)

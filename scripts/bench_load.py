@@ -95,10 +95,10 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     sampler = RssSampler()
     import inspect
 
-    import chattune
     import torch
     from omegaconf import OmegaConf
 
+    import chattune
     from chattune.distributed import init_distributed
     from chattune.model.build import build_sharded_model
     from chattune.model.export import export_hf

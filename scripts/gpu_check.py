@@ -80,10 +80,10 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 STARTED = time.monotonic()  # --budget counts from here: torch's import is part of it
 
@@ -94,13 +94,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_gpu  # noqa: E402
+from bench_gpu import (  # noqa: E402
+    BUDGET_MARGIN_S,
+    Budget,
+    OutOfBudget,
+    add_budget_arguments,
+    rerun_command,
+    run_bounded,
+    stop_process_group,
+)
+
 from chattune.config.paths import DEMO_ASSETS  # noqa: E402
 from chattune.data.chat_template import probe_template, tokenize_conversation  # noqa: E402
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
 from chattune.data.packing import collate_packed  # noqa: E402
-import bench_gpu  # noqa: E402
-from bench_gpu import (BUDGET_MARGIN_S, Budget, OutOfBudget, add_budget_arguments, rerun_command,  # noqa: E402
-                       run_bounded, stop_process_group)
 
 # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied embeddings)
 SHAPES = {"tiny": (64, 128, 2, 4, 2), "0.6b": (1024, 3072, 28, 16, 8), "1.7b": (2048, 6144, 28, 16, 8)}
@@ -451,11 +459,12 @@ def check_dpo_reference(ctx: Context) -> None:
 def check_host_syncs(ctx: Context) -> None:
     """The set-up and two warm steps run on every device (so the CPU smoke test covers them); the count of
     syncs needs CUDA's sync debug mode."""
-    from chattune.objectives.cross_entropy import TokenCrossEntropy
-    from chattune.train.optimizer import build_optimizer
-    from chattune.train.feed import StepBatches
-    from chattune.train.step import train_step
     from omegaconf import OmegaConf
+
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.feed import StepBatches
+    from chattune.train.optimizer import build_optimizer
+    from chattune.train.step import train_step
 
     model = recipe_model(ctx, ctx.shape, layers=4, loss="auto").model  # layers not compiled, as before
     loss = model.loss_implementation

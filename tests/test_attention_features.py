@@ -10,8 +10,8 @@ per-layer choice of path run through a whole model with the device type forced t
 
 from __future__ import annotations
 
-import inspect
 import copy
+import inspect
 
 import pytest
 import torch
@@ -22,8 +22,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, GptOssC
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.model import attention, attention_kernels
-from chattune.model.attention import (EXACT, SDPA, SINK_VARLEN, VARLEN, AttentionLayer, attention_backend,
-                                      attention_features, attention_path, packed_hidden_states)
+from chattune.model.attention import (
+    EXACT,
+    SDPA,
+    SINK_VARLEN,
+    VARLEN,
+    AttentionLayer,
+    attention_backend,
+    attention_features,
+    attention_path,
+    packed_hidden_states,
+)
 from chattune.model.attention_kernels import _per_document_exact, sink_varlen_attn
 
 WINDOW = 4

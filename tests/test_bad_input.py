@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.launch.validate import run_validate
+from conftest import PROJECT_ROOT
 
 CONFIGS = PROJECT_ROOT / "configs"
 
@@ -181,7 +181,7 @@ def test_what_validate_and_inspect_accept(overrides, tmp, capsys):
 def test_a_pair_with_identical_replies_is_a_counted_skip_not_an_error(tmp):
     report, ok = run_validate("dpo/tiny", ["model.path=null", f"data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]",
                                            f"output_dir={tmp / 'out' / 'pairs'}"], CONFIGS, read_data=True)
-    assert ok and f"note: data.train[0]: 1 of its first 1 records would be skipped, e.g. identical_replies" in report
+    assert ok and "note: data.train[0]: 1 of its first 1 records would be skipped, e.g. identical_replies" in report
 
 
 def test_on_bad_record_skip_turns_a_bad_record_into_a_counted_skip(tmp):
@@ -265,8 +265,9 @@ def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
 def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp):
     """A hybrid model whose mixer chattune does not keep per document (MiniMax's lightning attention runs
     across document boundaries): the start-up probe refuses it once, clearly, before any step."""
-    from conftest import demo_tokenizer, tiny_model
     from test_packing_probe import UNHANDLED
+
+    from conftest import demo_tokenizer, tiny_model
 
     model_dir = tmp / "minimax"
     tiny_model(**UNHANDLED["minimax"][0]).save_pretrained(model_dir)

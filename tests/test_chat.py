@@ -13,14 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
-from conftest import PROJECT_ROOT, demo_chat_prompts, demo_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chattune.cli.chat import Chat, converse, load_chat_model
 from chattune.cli.main import main
 from chattune.model.generate import Sampling, stop_token_ids
+from conftest import PROJECT_ROOT, demo_chat_prompts, demo_tokenizer
 
 END_OF_TURN = "<|im_end|>"  # the demo tokenizer's ChatML end of turn
 

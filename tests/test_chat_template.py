@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
@@ -27,6 +26,7 @@ from chattune.config.paths import DEMO_ASSETS
 from chattune.data.chat_template import ChatTemplateError, probe_template, render_conversation, tokenize_conversation
 from chattune.data.formats import SourceSpec, to_conversation
 from chattune.data.records import RecordSource
+from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 
 DEMO_CONVERSATIONS = 300
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, tiny_model
 from transformers import AutoModelForCausalLM
 
 from chattune.data.packing import collate_packed
@@ -18,6 +17,7 @@ from chattune.train.checkpoint import committed_checkpoints, find_latest, load_c
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import train_step
+from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, tiny_model
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

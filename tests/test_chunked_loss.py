@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import relative_error
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.model.chunked_loss import chunked_token_losses
+from conftest import relative_error
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])

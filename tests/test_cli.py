@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_sft_recipe import read_metrics, run
@@ -19,6 +18,7 @@ from test_sft_recipe import read_metrics, run
 from chattune.cli import catalog
 from chattune.cli.main import main
 from chattune.config.paths import CONFIG_DIR
+from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 
 RECIPES = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.py"))
 SHIPPED_CONFIGS = sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import demo_documents, relative_error, tiny_model
 
 from chattune.data.packing import collate_packed
 from chattune.distributed import free_port
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import compile_enabled, compiled_graphs, shard_model
+from conftest import demo_documents, relative_error, tiny_model
 
 
 def _losses_and_grads(model, batches):

@@ -24,16 +24,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
 from test_sft_recipe import read_metrics, run
 
 import chattune.model.causal_lm as causal_lm
-from chattune.model import context_parallel
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.distributed import current_mesh, exit_process, init_distributed, shutdown_distributed
 from chattune.errors import UnsupportedModel
+from chattune.model import context_parallel
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.model.packing_probe import check_context_split
@@ -42,6 +41,7 @@ from chattune.objectives.dpo import CachedReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
 
 # Qwen3-shaped (q/k norms, head_dim of its own), 8 query heads and 2 kv heads.
 QWEN3 = dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=16)

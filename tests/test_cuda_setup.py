@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import tiny_model
 
 from chattune.distributed import default_cuda_allocator
 from chattune.model import build
 from chattune.model.causal_lm import PackedCausalLM
+from conftest import tiny_model
 
 
 def test_expandable_segments_unless_the_user_configured_the_allocator():

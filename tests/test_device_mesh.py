@@ -11,18 +11,25 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port, init_worker_process_group, tiny_model
 from torch.distributed.tensor import DTensor
 
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
-from chattune.distributed import (DistInfo, ParallelDims, counts_rows, current_mesh, exit_process, init_distributed,
-                                  shutdown_distributed)
+from chattune.distributed import (
+    DistInfo,
+    ParallelDims,
+    counts_rows,
+    current_mesh,
+    exit_process,
+    init_distributed,
+    shutdown_distributed,
+)
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
+from conftest import free_port, init_worker_process_group, tiny_model
 
 # 8 query heads: every context size here divides them (4 repeats the 2 kv heads).
 HEADS = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}

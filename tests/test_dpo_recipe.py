@@ -6,9 +6,10 @@ import sys
 
 import pytest
 import torch
-from conftest import SHARED_ASSETS, free_port, tiny_config
 from test_sft_recipe import read_metrics, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import SHARED_ASSETS, free_port, tiny_config
 
 DPO_KEYS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
             "logps/rejected", "num_pairs", "num_tokens", "tokens_per_sec", "lr", "grad_norm"}

@@ -10,7 +10,6 @@ import math
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.chat_template import probe_template, tokenize_conversation
@@ -22,9 +21,10 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.evaluation import evaluate
-from chattune.train.metrics import step_metrics
 from chattune.train.feed import StepBatches
+from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
 
 NUM_PAIRS = 8
 # beta 0.1 (the usual DPO value): the loss depends on differences of sequence log-probs (~-70 here), so fp32

@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from conftest import demo_chat_prompts, free_port
 from test_sft_recipe import read_metrics, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.formats import SourceSpec
 from chattune.data.prompts import held_out_prompts
+from chattune.distributed import DistInfo
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import compiled_graphs, decoder_layers, shard_model
-from chattune.distributed import DistInfo
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
 from chattune.train.samples import run_samples
+from conftest import demo_chat_prompts, free_port
 
 STEPS = ["max_steps=4", "eval_every=2", "save_every=2", "log_every=1", "optimizer.lr=3e-3",
          "scheduler.num_warmup_steps=0", "data.max_tokens_per_microbatch=512", "data.report_records=0",

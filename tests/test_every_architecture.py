@@ -53,8 +53,8 @@ from chattune.errors import UnsupportedModel
 from chattune.model.architecture_check import MINIATURE_VOCAB, check_architecture, miniature_config
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.output_logits import LogitTransform
 from chattune.model.flops import attention_heads, model_flops, text_config
+from chattune.model.output_logits import LogitTransform
 
 # Sizes of the tiny configs, by the attribute names the configs use for them (only those a config has are set).
 WIDTH = 64

@@ -10,13 +10,13 @@ import re
 import sys
 
 import pytest
-from conftest import ListSource, free_port
 from test_sft_recipe import read_metrics, run
 
 from chattune.data.documents import Document
 from chattune.data.stream import PackedStream
 from chattune.errors import UserError
 from chattune.train.feed import StepFeed, merge_states
+from conftest import ListSource, free_port
 
 
 def uneven_documents(count: int = 61) -> list[Document]:

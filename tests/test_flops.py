@@ -5,9 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
-from transformers import (AutoModelForCausalLM, DbrxConfig, DeepseekV3Config, Gemma4TextConfig, GPT2Config,
-                          GptOssConfig, LlamaConfig, Qwen3MoeConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    DbrxConfig,
+    DeepseekV3Config,
+    Gemma4TextConfig,
+    GPT2Config,
+    GptOssConfig,
+    LlamaConfig,
+    Qwen3MoeConfig,
+)
 
 from chattune.data.documents import Document
 from chattune.data.packing import collate_packed
@@ -15,6 +22,7 @@ from chattune.model.flops import batch_flops, model_flops, peak_flops
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.metrics import StepFlops, step_metrics
 from chattune.train.step import StepResult
+from conftest import tiny_model
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SHARED_ASSETS
 from transformers import AutoTokenizer
 
 from chattune.data.chat_template import probe_template, tokenize_conversation
@@ -13,6 +12,7 @@ from chattune.data.documents import IGNORE_INDEX
 from chattune.data.formats import Conversation, DataError, SourceSpec, to_conversation
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
+from conftest import SHARED_ASSETS
 
 USER, ASSISTANT = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}
 
@@ -162,9 +162,10 @@ def test_parquet_source_matches_jsonl(tmp_path, tokenizer):
 
 def test_readme_source_overrides_compose():
     """The README's `data.train`/`data.eval` example parses into the sources it describes."""
-    from conftest import PROJECT_ROOT
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
+
+    from conftest import PROJECT_ROOT
 
     overrides = [
         "data.train=[/data/chats.jsonl,{path:/data/tools.json,format:sharegpt,roles:{bot:assistant}}]",

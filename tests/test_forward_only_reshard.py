@@ -9,7 +9,6 @@ updates), the export from its safetensors files: neither through `named_paramete
 from __future__ import annotations
 
 import torch
-from conftest import demo_documents, demo_tokenizer, exported_weights, tiny_model
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
@@ -24,6 +23,7 @@ from chattune.objectives.dpo import LiveReference
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.step import train_step
+from conftest import demo_documents, demo_tokenizer, exported_weights, tiny_model
 
 CPU = torch.device("cpu")
 LORA_WITH_EMBEDDINGS = OmegaConf.create({

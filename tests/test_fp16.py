@@ -8,7 +8,6 @@ import math
 
 import torch
 import torch.multiprocessing as mp
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
@@ -17,6 +16,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import LossScale, accumulate_gradients, clip_gradients, train_step
+from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 # A real step holds millions of trainable tokens (64 microbatches of 16k tokens on 8 ranks): each token's
 # gradient is divided by all of them. This objective counts each token as that many.

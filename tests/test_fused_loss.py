@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import relative_error
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UserError
 from chattune.model import fused_loss
 from chattune.model.chunked_loss import chunked_token_losses
+from conftest import relative_error
 
 pytest.importorskip("cut_cross_entropy")
 

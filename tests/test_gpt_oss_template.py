@@ -28,7 +28,6 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from conftest import decode_exactly, trained_runs
 from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils
 
@@ -38,6 +37,7 @@ from chattune.data.documents import Document
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
+from conftest import decode_exactly, trained_runs
 
 TEMPLATE = Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja"
 TEMPLATE_SHA256 = "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"

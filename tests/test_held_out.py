@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import demo_documents, free_port
 from test_sft_recipe import read_metrics
 from test_token_cache import CHATS, PAIRS, data_section
 from test_validate import CONFIGS
@@ -29,6 +28,7 @@ from chattune.data.held_out import held_out_counts, held_out_records, hold_out, 
 from chattune.data.mixing_policy import mixture_sampling
 from chattune.errors import UserError
 from chattune.launch.validate import run_validate
+from conftest import demo_documents, free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MASK = 2**64 - 1

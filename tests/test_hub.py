@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 from test_run_safety import launch
 
 from chattune.launch.validate import run_validate
+from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 
 REPO = "chattune-test/tiny-chat"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -14,14 +14,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import tiny_model
 
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.mixers import (GATED_DELTA_RULE, KDA, MAMBA, MAMBA2, SHORT_CONV, check_context_parallel,
-                                   handled_mixers, leaking_mixers, seq_idx_from_cu_seqlens)
+from chattune.model.mixers import (
+    GATED_DELTA_RULE,
+    KDA,
+    MAMBA,
+    MAMBA2,
+    SHORT_CONV,
+    check_context_parallel,
+    handled_mixers,
+    leaking_mixers,
+    seq_idx_from_cu_seqlens,
+)
+from conftest import tiny_model
 
 GATED_DELTA_NET = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
                    "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}

@@ -9,10 +9,11 @@ import math
 import sys
 
 import torch
-from conftest import free_port
 from test_resume import assert_same_weights, losses
 from test_sft_recipe import read_metrics, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import free_port
 
 QWEN3_5 = ["model.config._target_=transformers.Qwen3_5TextConfig", "model.config.hidden_size=64",
            "model.config.intermediate_size=128", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from conftest import demo_tokenizer
-
 from chattune.cli.main import main
+from conftest import demo_tokenizer
 
 QUESTIONS = [("What is 2 + 2?", "2 + 2 = 4."), ("Reverse 'abc'.", "cba"), ("Sort 3, 1, 2", "1, 2, 3")]
 
@@ -44,6 +43,7 @@ def test_inspect_counts_fill_and_highlighted_documents(tmp_path, capsys):
 def test_inspect_with_split_reads_every_record_of_the_long_chats(capsys):
     """The 5 shared deita conversations, 3 of them over a 4096 budget: split, none lost (3 of 5 were read)."""
     import pytest
+
     from conftest import SHARED_ASSETS
 
     if not SHARED_ASSETS.is_dir():
@@ -81,13 +81,13 @@ def test_inspect_runs_validates_checks_first_and_never_tries_a_hub(tmp_path, cap
 def test_the_highlighted_pieces_are_the_decoded_document(tokenizer_dir):
     """Decoded token by token, a SentencePiece tokenizer (Phi-3's) lost every space a token carries at its
     start ("Whoareyou?"): the pieces now join to exactly the decoded document, trained spans where they are."""
-    from conftest import SHARED_ASSETS
     from transformers import AutoTokenizer
 
     from chattune.cli.inspect_data import trained_pieces
     from chattune.config.paths import DEMO_ASSETS
     from chattune.data.chat_template import probe_template, tokenize_conversation
     from chattune.data.documents import Document, shifted_labels
+    from conftest import SHARED_ASSETS
 
     directory = DEMO_ASSETS / "tokenizer" if tokenizer_dir == "demo" else SHARED_ASSETS / "tokenizers" / tokenizer_dir
     if not directory.is_dir():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import collate_packed, empty_batch
@@ -15,9 +14,10 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.evaluation import evaluate
-from chattune.train.metrics import step_metrics
 from chattune.train.feed import StepBatches
+from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients, clip_gradients
+from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 NUM_DOCS = 12
 

@@ -11,19 +11,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import (
-    demo_documents,
-    demo_tokenizer,
-    exported_weights,
-    free_port,
-    init_worker_process_group,
-    plain_mean_token_loss,
-    relative_error,
-    tiny_model,
-)
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint import FileSystemReader
 from test_sft_recipe import read_metrics, run
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from chattune.config.paths import DEMO_ASSETS
@@ -37,6 +27,16 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
+from conftest import (
+    demo_documents,
+    demo_tokenizer,
+    exported_weights,
+    free_port,
+    init_worker_process_group,
+    plain_mean_token_loss,
+    relative_error,
+    tiny_model,
+)
 
 NUM_DOCS = 12
 LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",

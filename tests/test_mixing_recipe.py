@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 from test_resume import assert_same_weights
 from test_sft_recipe import read_metrics, run
 
 from chattune.config.paths import DEMO_ASSETS
+from conftest import free_port
 
 TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")
 

@@ -1,12 +1,11 @@
 """The architecture checks refuse models whose logits are not hidden @ output_embedding.T, on the model
 itself and on the miniature the builder checks instead of the (possibly unloaded) real model."""
 
-import pytest
 import torch
-from conftest import tiny_config, tiny_model
 
 from chattune.model.architecture_check import check_architecture
 from chattune.model.causal_lm import check_output_head
+from conftest import tiny_config, tiny_model
 
 
 def test_plain_heads_are_accepted():

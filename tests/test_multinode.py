@@ -7,8 +7,9 @@ import os
 import subprocess
 import sys
 
-from conftest import PROJECT_ROOT, free_port
 from test_sft_recipe import read_metrics, run
+
+from conftest import PROJECT_ROOT, free_port
 
 ARGS = ["recipes/sft.py", "max_steps=6", "log_every=1", "eval_every=0", "save_every=3", "grad_accum_steps=2",
         "data.max_tokens_per_microbatch=512", "data.report_records=0"]

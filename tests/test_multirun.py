@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import PROJECT_ROOT
 from test_run_safety import launch
+
+from conftest import PROJECT_ROOT
 
 SWEEP = ["max_steps=3", "optimizer.lr=1e-3,3e-3", "eval_every=0", "save_every=0", "data.report_records=0",
          "log_every=1"]

@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.multiprocessing as mp
-from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
 
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
@@ -15,6 +14,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import train_step
+from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
 
 
 class PoisonedOnRank(TokenCrossEntropy):

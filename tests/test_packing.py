@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from conftest import ListSource, demo_documents, tiny_model
 
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import best_fit_decreasing, collate_packed
 from chattune.data.stream import PackedStream, epoch_share
 from chattune.model.attention import ATTENTION_NAME
+from conftest import ListSource, demo_documents, tiny_model
 
 
 @pytest.mark.parametrize("architecture", ["llama", "mistral_sliding_window"])

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import demo_documents, tiny_config, tiny_model
 from torch import nn
 from transformers import CONFIG_MAPPING
 
@@ -16,6 +15,7 @@ from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import collate_packed
 from chattune.model.mixers import isolate_documents, leaking_mixers
 from chattune.model.packing_probe import ALONE_TOLERANCE, SWAP_TOLERANCE, check_packing_isolation, probe_packing
+from conftest import demo_documents, tiny_config, tiny_model
 
 # Softmax attention only. Windows shorter than the probe's documents, so the windowed path is probed too.
 ORDINARY = {

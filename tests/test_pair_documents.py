@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
@@ -29,6 +28,7 @@ from chattune.data.formats import (
 from chattune.data.packing import collate_packed
 from chattune.data.pair_documents import PairDocuments
 from chattune.data.records import RecordSource
+from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 
 DEMO_PAIRS = DEMO_ASSETS / "preference_train.jsonl"
 ULTRAFEEDBACK = "preference_ultrafeedback_200.jsonl"

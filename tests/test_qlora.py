@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import PROJECT_ROOT, demo_documents, demo_tokenizer, exported_weights, free_port, init_worker_process_group, \
-    plain_mean_token_loss, relative_error, tiny_model
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import distribute_tensor
@@ -22,17 +20,28 @@ from transformers import AutoModelForCausalLM
 
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
-from chattune.model.build import build_sharded_model
 from chattune.model.adapters import add_adapters
+from chattune.model.build import build_sharded_model
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_adapter, export_hf
 from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import load_checkpoint, save_checkpoint
-from chattune.train.run_state import model_and_optimizer
 from chattune.train.feed import StepBatches
+from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import accumulate_gradients, train_step
+from conftest import (
+    PROJECT_ROOT,
+    demo_documents,
+    demo_tokenizer,
+    exported_weights,
+    free_port,
+    init_worker_process_group,
+    plain_mean_token_loss,
+    relative_error,
+    tiny_model,
+)
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PROJECT_ROOT, free_port
 
 from chattune.cli.main import main
+from conftest import PROJECT_ROOT, free_port
 
 MAIN = "torchrun --nproc_per_node 2 recipes/sft.py"  # README's main job, run before the tour
 FEWER_STEPS = ["max_steps=6", "save_every=3", "eval_every=3", "data.report_records=0"]  # appended: the last word wins

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PROJECT_ROOT
 
 from chattune.config.schema import SFTConfig, key
 from chattune.launch.recipe_kinds import DPO, SFT, RecipeKindError, kind_of_recipe
+from conftest import PROJECT_ROOT
 
 # What a user adds to their copy of recipes/sft.py: the schema, the kind, the decorator's and check's kind,
 # and a line that uses the key (here: it writes the value where the test reads it).

@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PROJECT_ROOT
 from omegaconf import OmegaConf
 from test_validate import CONFIGS, compose_config, problems
 
@@ -28,6 +27,7 @@ from chattune.objectives import pair_losses
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import PreferenceObjective
 from chattune.objectives.pair_losses import PAIR_LOSSES, PairLossRow, PairRewards, PreferenceLoss, register_pair_loss
+from conftest import PROJECT_ROOT
 
 # --- the recipe kinds ---
 

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from conftest import ListSource, free_port, tiny_model
 from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
 from test_sft_recipe import read_metrics, run
 
@@ -15,6 +14,7 @@ from chattune.config.paths import DEMO_ASSETS
 from chattune.data.stream import PackedStream
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives import reference_cache
+from conftest import ListSource, free_port, tiny_model
 
 CPU = torch.device("cpu")
 TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")

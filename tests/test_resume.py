@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT_ROOT, exported_weights, free_port
 from test_sft_recipe import read_metrics, run
 
 from chattune.config.paths import DEMO_ASSETS
+from conftest import PROJECT_ROOT, exported_weights, free_port
 
 NUM_RECORDS = 60
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import collate_packed, empty_batch
@@ -25,6 +24,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
+from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 COEFFICIENT = 0.5  # large, so that a wrong router term shows in the gradients
 MOE = {

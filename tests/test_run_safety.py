@@ -14,10 +14,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT, free_port
 from test_sft_recipe import read_metrics, run
 
 from chattune.config.paths import DEMO_ASSETS
+from conftest import PROJECT_ROOT, free_port
 
 DEMO_CHATS = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)
 SMALL = ["max_steps=6", "save_every=2", "log_every=1", "eval_every=0", "data.eval=[]", "data.report_records=0",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SHARED_ASSETS
 from transformers import AutoTokenizer
 
 from chattune.data.documents import Document, Skipped
 from chattune.data.formats import DataError, SourceSpec, to_conversation
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
+from conftest import SHARED_ASSETS
 
 
 def write_jsonl(path, records) -> str:

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import torch
-from conftest import PROJECT_ROOT, free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import PROJECT_ROOT, free_port
 
 METRIC_KEYS = {"step", "loss", "num_tokens", "tokens_per_sec", "lr", "grad_norm", "step_time_s"}
 

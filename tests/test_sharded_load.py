@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import demo_tokenizer, exported_weights, free_port, init_worker_process_group, tiny_config
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -28,6 +27,7 @@ from chattune.errors import UserError
 from chattune.model.build import build_sharded_model
 from chattune.model.causal_lm import build_hf_model
 from chattune.model.export import export_dtype, export_hf
+from conftest import demo_tokenizer, exported_weights, free_port, init_worker_process_group, tiny_config
 
 # Odd first dimensions (vocabulary, heads * head_dim, MLP width): rank 1 holds one row fewer than rank 0.
 ODD_SHAPES = dict(vocab_size=1031, hidden_size=64, intermediate_size=129, num_attention_heads=4, num_key_value_heads=2,

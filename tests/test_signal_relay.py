@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from chattune.cli.run import SignalRelay, meant_status, recipe_path
+from conftest import PROJECT_ROOT
 
 WORKER = """
 import os, signal, sys, time

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT, SHARED_ASSETS, decode_exactly, demo_tokenizer, trained_runs
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
@@ -23,10 +22,16 @@ from chattune.data.chat_template import probe_template, render_conversation
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.template_choice import (SHIPPED_DIR, ChatTemplateSettingError, read_chat_template, shipped_names,
-                                           template_kind)
+from chattune.data.template_choice import (
+    SHIPPED_DIR,
+    ChatTemplateSettingError,
+    read_chat_template,
+    shipped_names,
+    template_kind,
+)
 from chattune.data.token_cache import tokenizer_digest
 from chattune.data.tokenizer import load_tokenizer
+from conftest import PROJECT_ROOT, SHARED_ASSETS, decode_exactly, demo_tokenizer, trained_runs
 
 DEMO_TOKENIZER = str(DEMO_ASSETS / "tokenizer")
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

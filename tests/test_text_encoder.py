@@ -8,7 +8,6 @@ import json
 import random
 
 import pytest
-from conftest import SHARED_ASSETS
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
@@ -18,6 +17,7 @@ from chattune.data.formats import SourceSpec, to_conversation
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
 from chattune.data.text_encoder import TextBatchEncoder
+from conftest import SHARED_ASSETS
 
 TOKENIZERS = {"demo": DEMO_ASSETS / "tokenizer", "qwen3": SHARED_ASSETS / "tokenizers" / "qwen3",
               "phi3": SHARED_ASSETS / "tokenizers" / "phi-3-mini"}

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT, demo_tokenizer
 from omegaconf import OmegaConf
 
 from chattune.config.paths import DEMO_ASSETS
@@ -23,8 +22,15 @@ from chattune.data.cached_sources import open_documents
 from chattune.data.documents import Document
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.sources import RECIPE_DATA, document_settings
-from chattune.data.token_cache import (MANIFEST, CachedDocuments, build_source_cache, cache_name, source_key,
-                                       tokenizer_digest)
+from chattune.data.token_cache import (
+    MANIFEST,
+    CachedDocuments,
+    build_source_cache,
+    cache_name,
+    source_key,
+    tokenizer_digest,
+)
+from conftest import PROJECT_ROOT, demo_tokenizer
 
 CHATS = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)
 PAIRS = (DEMO_ASSETS / "preference_train.jsonl").read_text().splitlines(keepends=True)

@@ -15,12 +15,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from conftest import PROJECT_ROOT
-
 from chattune.config.paths import DEMO_ASSETS
 from chattune.config.schema import schema_for
 from chattune.launch.recipe_kinds import SFT
 from chattune.launch.validate import ConfigError, check_config, run_validate
+from conftest import PROJECT_ROOT
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -338,7 +337,7 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
     fake_checkpoint(invariant, {"world_size": 2, "step": 3, "fingerprint": run_fingerprint(compose_config(
         "sft/tiny", [f"output_dir={invariant}", "data.microbatches_per_step=4"]))})
     report, ok = run_validate("sft/tiny", [f"output_dir={invariant}", "data.microbatches_per_step=4"], CONFIGS)
-    assert ok and f"written by 2 rank(s): launch with any --nproc_per_node that divides data.microbatches_per_step=4 " \
+    assert ok and "written by 2 rank(s): launch with any --nproc_per_node that divides data.microbatches_per_step=4 " \
                   "(1, 2, 4)" in report, report
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS, world_size=4)
     assert problems(report) == [f"resume: {checkpoint} was written by 2 rank(s), this run has 4: each rank's data "

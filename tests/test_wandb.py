@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT
 from test_sft_recipe import read_metrics, run
 
 from chattune.train.metrics import MetricLogger
+from conftest import PROJECT_ROOT
 
 _BLOCK = 32 * 1024  # the .wandb file is a LevelDB-style log: 32 KiB blocks of chunks
 _CHUNK_HEADER = 7  # CRC32C (4 bytes), length (2, little-endian), type (1: full, 2: first, 3: middle, 4: last)

@@ -16,11 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 from test_resume import ledger_steps
 from test_sft_recipe import read_metrics, run
 
 from chattune.config.paths import DEMO_ASSETS
+from conftest import free_port
 
 STEPS = 20
 TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order

@@ -19,19 +19,19 @@ from hydra import compose
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from chattune.launch.compose import hydra_search_path
-from chattune.launch.findings import ConfigError
-from chattune.launch.recipe_kinds import RecipeKind, kind_of_config
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
-from chattune.launch.validate import validate_command
+from chattune.data.cached_sources import open_documents
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
 from chattune.data.held_out import held_out_line, hold_out
 from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
-from chattune.data.cached_sources import open_documents
 from chattune.data.sources import row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import load_tokenizer
+from chattune.launch.compose import hydra_search_path
+from chattune.launch.findings import ConfigError
+from chattune.launch.recipe_kinds import RecipeKind, kind_of_config
+from chattune.launch.validate import validate_command
 
 TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 

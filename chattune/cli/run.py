@@ -34,7 +34,6 @@ from chattune.errors import UserError
 from chattune.interrupts import LAUNCHER_DIR_ENV, SIGNALS
 
 
-
 class SignalRelay:
     """The stop signals this launcher received, each passed on once, in order, to every registered worker. A
     signal that finds no worker registered (a rendezvous still waiting for its nodes, workers still importing, a

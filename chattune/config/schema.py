@@ -20,7 +20,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 # --- the choices of enum keys ---
@@ -350,7 +350,7 @@ def schema_for(recipe: str) -> type:
 # --- reading the schema: its keys, their types and metadata ---
 
 
-@lru_cache(maxsize=None)
+@cache
 def schema_fields(section: type) -> dict[str, tuple[Any, dict]]:
     """A schema section's keys: name -> (type hint, metadata)."""
     hints = typing.get_type_hints(section)

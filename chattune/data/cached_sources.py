@@ -20,8 +20,16 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.sources import RECIPE_DATA, MixedDocuments, document_settings
-from chattune.data.token_cache import (CachedDocuments, build_source_cache, cache_name, cache_root, is_complete,
-                                       source_key, staging_directory, tokenizer_digest)
+from chattune.data.token_cache import (
+    CachedDocuments,
+    build_source_cache,
+    cache_name,
+    cache_root,
+    is_complete,
+    source_key,
+    staging_directory,
+    tokenizer_digest,
+)
 from chattune.distributed import broadcast_from_main, current_mesh
 from chattune.errors import UserError
 

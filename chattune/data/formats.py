@@ -96,7 +96,7 @@ class SourceSpec:
             raise DataError(f"{self.path}: roles map to {sorted(bad)}; allowed: {sorted(ROLES | {'tool_call'})}")
 
     @classmethod
-    def from_config(cls, entry: str | Mapping) -> "SourceSpec":
+    def from_config(cls, entry: str | Mapping) -> SourceSpec:
         """A path (messages format) or a mapping {path, format, columns, roles, split}."""
         if isinstance(entry, str):
             return cls(path=entry)

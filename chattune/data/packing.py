@@ -48,7 +48,7 @@ class PackedBatch:
         """Tokens of real documents (padding excluded)."""
         return self.num_tokens - self.padding
 
-    def to(self, device: torch.device | str) -> "PackedBatch":
+    def to(self, device: torch.device | str) -> PackedBatch:
         device = torch.device(device)
         # To CUDA from pinned memory: from pageable memory the copy would wait for the kernels already queued
         # (the previous microbatch's backward), leaving the device idle while the host queues the next forward.

@@ -45,7 +45,7 @@ class PairDocuments(TemplateDocuments):
             raise DataError(f"{not_pairs}: DPO needs preference data (format one of {list(PREFERENCE_FORMATS)})")
         super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record, budget_name)
 
-    def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_RenderedPair | Skipped":
+    def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> _RenderedPair | Skipped:
         """Convert and check one pair, render its two sides and locate the reply each trains."""
         pair: PreferencePair = to_preference_pair(record, spec, where)
         if pair.chosen == pair.rejected:
@@ -62,7 +62,7 @@ class PairDocuments(TemplateDocuments):
             texts.append(text)
         return _RenderedPair(index, where, (texts[0], texts[1]), (spans[0], spans[1]))
 
-    def _tokenize(self, rendered: list["_RenderedPair"]) -> list[Document | Skipped]:
+    def _tokenize(self, rendered: list[_RenderedPair]) -> list[Document | Skipped]:
         """Tokenize the sides of all rendered pairs together; label and check each pair."""
         # A side over the budget makes its pair overlong: only its token count is needed.
         encoded = self._encode([text for r in rendered for text in r.texts], [side for r in rendered for side in r.spans],
@@ -75,7 +75,7 @@ class PairDocuments(TemplateDocuments):
                                [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)])
                 for k, r in enumerate(rendered)]
 
-    def _document(self, rendered: "_RenderedPair", counts: list[int], ids: list[np.ndarray],
+    def _document(self, rendered: _RenderedPair, counts: list[int], ids: list[np.ndarray],
                   labels: list[np.ndarray]) -> Document | Skipped:
         """The document of a pair whose sides have `counts` tokens (`ids`, `labels`: empty for a side over
         the budget), or why it is skipped."""

@@ -17,8 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from chattune.data.formats import PREFERENCE_FORMATS, DataError, SourceSpec, to_conversation, to_preference_pair, \
-    validate_messages
+from chattune.data.formats import (
+    PREFERENCE_FORMATS,
+    DataError,
+    SourceSpec,
+    to_conversation,
+    to_preference_pair,
+    validate_messages,
+)
 from chattune.data.records import RecordSource, json_problem
 
 logger = logging.getLogger(__name__)

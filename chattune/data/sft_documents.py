@@ -44,7 +44,7 @@ class SFTDocuments(TemplateDocuments):
         super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record, budget_name)
         self.train_on = train_on
 
-    def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> "_Rendered":
+    def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> _Rendered:
         """Convert, check and render one record, and locate the assistant replies it trains."""
         conversation = to_conversation(record, spec, where)
         self.check_tools_rendered(conversation.tools, conversation.messages, where)
@@ -56,7 +56,7 @@ class SFTDocuments(TemplateDocuments):
             raise DataError(f"{where}: {type(error).__name__}: {error}") from error
         return _Rendered(index, where, text, spans)
 
-    def _tokenize(self, rendered: list["_Rendered"]) -> list[Document | Skipped]:
+    def _tokenize(self, rendered: list[_Rendered]) -> list[Document | Skipped]:
         """Tokenize the rendered texts together; label and check each document."""
         # Dropped records need only their token count: converting their tokens would be wasted work. And when
         # they are dropped or truncated, a record's tokens past the budget are never used: a long one need
@@ -74,7 +74,7 @@ class SFTDocuments(TemplateDocuments):
             documents += self._documents(r, count, cut, encoded.ids[start:end], labels[start:end])
         return documents
 
-    def _documents(self, rendered: "_Rendered", count: int, cut: bool, ids: np.ndarray,
+    def _documents(self, rendered: _Rendered, count: int, cut: bool, ids: np.ndarray,
                    labels: np.ndarray) -> list[Document | Skipped]:
         """The document(s) of a record of `count` tokens (at least, if `cut`: only its beginning was
         tokenized; `ids`, `labels`: empty when it will be dropped), or why it is skipped."""

@@ -88,7 +88,7 @@ class MixtureSampler:
         self._uniforms: tuple[int, np.ndarray] | None = None
         self._orders: dict[int, tuple[int, np.ndarray]] = {}
 
-    def __iter__(self) -> "MixtureSampler":
+    def __iter__(self) -> MixtureSampler:
         return self
 
     def __next__(self) -> tuple[int, list[int], bool]:

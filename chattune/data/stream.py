@@ -92,7 +92,7 @@ class ShareSampler:
         self.epoch, self.position = 0, 0
         self._share: tuple[int, list[int]] | None = None
 
-    def __iter__(self) -> "ShareSampler":
+    def __iter__(self) -> ShareSampler:
         return self
 
     def __next__(self) -> tuple[int, list[int], bool]:
@@ -123,7 +123,7 @@ class _Positioned:
     def __init__(self, sampler):
         self.sampler = sampler
 
-    def __iter__(self) -> "_Positioned":
+    def __iter__(self) -> _Positioned:
         return self
 
     def __next__(self) -> tuple[int, list[int], bool, dict]:

@@ -17,7 +17,7 @@ import difflib
 import hashlib
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from chattune.errors import UserError
@@ -56,7 +56,7 @@ class ChosenTemplate:
         return f"{shown} (sha256 {digest})"
 
 
-@lru_cache(maxsize=None)
+@cache
 def shipped_names() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in SHIPPED_DIR.glob("*.jinja")))
 

@@ -32,15 +32,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from chattune.launch.run_rules import output_dir_problem
+from chattune import interrupts
+from chattune.config.paths import CONFIG_DIR, resolve_config_path
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.errors import report_errors, write_error_file
 from chattune.launch.compose import composed
 from chattune.launch.findings import ConfigError
 from chattune.launch.recipe_kinds import RECIPE_KIND_ATTRIBUTE, RecipeKind
-from chattune.config.paths import CONFIG_DIR, resolve_config_path
+from chattune.launch.run_rules import output_dir_problem
 from chattune.launch.validate import hydra_placement_problems, validate_command
-from chattune import interrupts
-from chattune.distributed import exit_process, shutdown_distributed
-from chattune.errors import report_errors, write_error_file
 
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
 _HYDRA_COMMANDS = ("help", "hydra_help", "cfg", "info", "shell_completion", "multirun")  # not a training run

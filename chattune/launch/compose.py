@@ -18,8 +18,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from chattune.launch.findings import Findings, did_you_mean, dotted_keys, first_line, get_value
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths also registers ${demo_asset:...}
+from chattune.launch.findings import Findings, did_you_mean, dotted_keys, first_line, get_value
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from chattune.config.layout_rules import context_ranks_problem, microbatch_ranks_problem, pad_multiple_problem
 from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.prompts import prompts_file_problem
@@ -24,7 +25,6 @@ from chattune.data.template_choice import template_problem
 from chattune.errors import UserError
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
 from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show
-from chattune.config.layout_rules import context_ranks_problem, microbatch_ranks_problem, pad_multiple_problem
 from chattune.launch.recipe_kinds import RecipeKind
 from chattune.launch.schema_checks import SchemaChecks, number
 from chattune.model.weights import weights_problem

@@ -12,9 +12,9 @@ import dataclasses
 import importlib.util
 import inspect
 import sys
+import typing
 from collections.abc import Mapping
 from pathlib import Path
-import typing
 from typing import Any
 
 from hydra.utils import get_object

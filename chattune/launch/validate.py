@@ -53,12 +53,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from chattune.errors import UserError
 from chattune.launch.compose import compose_reporting, required_keys
 from chattune.launch.findings import ConfigError, Findings, format_report
 from chattune.launch.recipe_kinds import RecipeKind, RecipeKindError, kind_of_config
 from chattune.launch.run_rules import RunRules
 from chattune.launch.schema_checks import SchemaChecks, plain_values
-from chattune.errors import UserError
 
 
 def check_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = None) -> list[str]:

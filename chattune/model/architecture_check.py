@@ -28,8 +28,14 @@ from chattune.model.causal_lm import check_output_head
 from chattune.model.context_parallel import check_heads, whole_rows
 from chattune.model.flops import attention_heads, text_config
 from chattune.model.mixers import check_context_parallel, choose_mixer_path, handled_mixers
-from chattune.model.packing_probe import (ALONE_TOLERANCE, PROBE_LENGTHS, check_context_split, check_fast_mixers,
-                                          check_packing_isolation, probe_documents)
+from chattune.model.packing_probe import (
+    ALONE_TOLERANCE,
+    PROBE_LENGTHS,
+    check_context_split,
+    check_fast_mixers,
+    check_packing_isolation,
+    probe_documents,
+)
 
 logger = logging.getLogger(__name__)
 

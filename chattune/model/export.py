@@ -36,8 +36,8 @@ from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import reshard
 from chattune.model.load import STORED_DTYPES, saved_tensors, stored_name
-from chattune.model.weights import SAFETENSORS_INDEX
 from chattune.model.quantize import dequantized, is_quantized, weight_shape
+from chattune.model.weights import SAFETENSORS_INDEX
 
 if TYPE_CHECKING:  # peft is imported where an adapter is exported: it costs seconds per process
     from peft.tuners.lora import LoraLayer
@@ -85,7 +85,7 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
     return planned
 
 
-def _lora_merge(layer: "LoraLayer") -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+def _lora_merge(layer: LoraLayer) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
     """Rows [a, b) of a LoRA layer's merged weight from the base's rows: W + scaling * B @ A, and with DoRA
     each row of that rescaled to its trained magnitude, m / ||W + scaling * B @ A|| (peft's merge; the norm
     of a row needs only that row). None when the layer has no adapter."""

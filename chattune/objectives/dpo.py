@@ -23,11 +23,11 @@ from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
 from chattune.distributed import counts_rows, reduce_sums
 from chattune.hub import hub_id
-from chattune.objectives.source_figures import source_figures
 from chattune.model.adapters import BaseModelView
 from chattune.model.fsdp import reshard
 from chattune.objectives.base import model_losses, objective_loss
 from chattune.objectives.pair_losses import PreferenceLoss
+from chattune.objectives.source_figures import source_figures
 
 
 def pair_logps(token_losses: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:

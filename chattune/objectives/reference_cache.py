@@ -147,7 +147,7 @@ def load_or_build(cache_dir: Path, fingerprints: dict[str, dict], num_records: d
         if is_main:
             cache_dir.mkdir(parents=True, exist_ok=True)
             content = {"fingerprint": fingerprints[split], "table": tables[split]}
-            _write_atomically(path, lambda f: torch.save(content, f))
+            _write_atomically(path, lambda f, content=content: torch.save(content, f))
     del reference  # the point of the cache: training holds no reference weights
     return tables
 

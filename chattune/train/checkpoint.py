@@ -45,10 +45,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from chattune.data.fingerprint import RECORD_HASHES, record_hashes_file
+from chattune.distributed import current_mesh
 from chattune.files import set_aside
 from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
-from chattune.distributed import current_mesh
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ class StepFeed:
     (rank r of W: r*M/W .. (r+1)*M/W - 1), seeded from `seed`, the step and the slot."""
 
     def __init__(self, stream: Iterable[PackedBatch], microbatches_per_step: int, pad_token_id: int,
-                 num_epochs: int | None = None, mixer: "Mixer | None" = None, num_ranks: int = 1,
+                 num_epochs: int | None = None, mixer: Mixer | None = None, num_ranks: int = 1,
                  slots: range | None = None, seed: int = 0, counts: bool = True):
         if microbatches_per_step < 1:
             raise ValueError(f"microbatches per step must be at least 1, got {microbatches_per_step}")

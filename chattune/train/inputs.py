@@ -11,17 +11,16 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from chattune.config.layout_rules import microbatch_ranks_problem
+from chattune.data.cached_sources import open_documents
 from chattune.data.held_out import held_out_line, hold_out, joined
 from chattune.data.mixing_policy import Mixer, mixture_sampling
-from chattune.config.layout_rules import microbatch_ranks_problem
 from chattune.data.packing import PackedBatch
 from chattune.data.records import source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
-from chattune.data.cached_sources import open_documents
 from chattune.data.sources import MixedDocuments, RecipeData, row_budget
 from chattune.data.stream import PackedStream
 from chattune.data.tokenizer import pad_token_id

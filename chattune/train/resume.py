@@ -30,11 +30,11 @@ from chattune.config.schema import keys_resumed_as
 from chattune.data.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.template_choice import template_fingerprint
+from chattune.distributed import current_mesh
 from chattune.errors import UserError
 from chattune.train.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
 from chattune.train.feed import merge_states
 from chattune.train.run_state import RunState
-from chattune.distributed import current_mesh
 
 logger = logging.getLogger(__name__)
 
