@@ -68,12 +68,16 @@ class ParallelDims:
     local_rank: int
     device: torch.device
     cp: int = 1  # context parallelism (parallel.context): ranks per context group
-    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)  # None: no groups (built by hand, one rank)
+    mesh: DeviceMesh | None = field(
+        default=None, repr=False, compare=False
+    )  # None: no groups (built by hand, one rank)
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.world_size % self.cp:  # the words of chattune.config.layout_rules, with the old ones
             problem = context_ranks_problem(self.cp, self.world_size) or f"{self.cp} is not a context size"
-            raise ValueError(f"parallel.context={self.cp} must divide the number of ranks, {self.world_size}: {problem}")
+            raise ValueError(
+                f"parallel.context={self.cp} must divide the number of ranks, {self.world_size}: {problem}"
+            )
 
     # --- the axes ---
 
@@ -233,12 +237,20 @@ def init_distributed(device: str = "auto", context_size: int = 1) -> ParallelDim
         if _groups_made and "TORCHELASTIC_RUN_ID" in os.environ:
             # torchrun's store outlives a group, with the keys of the last one (a multirun job's, in this same
             # process): a later group rendezvouses under keys of its own.
-            agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                        timeout=timeout)
-            store = {"store": dist.PrefixStore(f"chattune/group{_groups_made}", agent_store),
-                     "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
-                                device_id=torch_device if device == "cuda" else None, timeout=timeout, **store)
+            agent_store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+            )
+            store = {
+                "store": dist.PrefixStore(f"chattune/group{_groups_made}", agent_store),
+                "rank": int(os.environ["RANK"]),
+                "world_size": int(os.environ["WORLD_SIZE"]),
+            }
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            device_id=torch_device if device == "cuda" else None,
+            timeout=timeout,
+            **store,
+        )
         _groups_made += 1
     _mesh = None
     unmeshed = ParallelDims(dist.get_rank(), dist.get_world_size(), local_rank, torch_device, context_size)  # checks C

@@ -27,11 +27,11 @@ MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.j
 
 def hub_id(path: str) -> str | None:
     """The hub id of a path written `hf:org/name[@revision]`; None for a local path."""
-    return path[len(HUB_PREFIX):] if path.startswith(HUB_PREFIX) else None
+    return path[len(HUB_PREFIX) :] if path.startswith(HUB_PREFIX) else None
 
 
 def hub_hint(path: str, kind: str) -> str:
-    """" (a hub model is written hf:org/name)" for a missing path that looks like a hub id, else ""."""
+    """ " (a hub model is written hf:org/name)" for a missing path that looks like a hub id, else ""."""
     return f" (a hub {kind} is written {HUB_PREFIX}{path})" if HUB_LIKE.fullmatch(path) else ""
 
 
@@ -54,13 +54,16 @@ def local_directory(path: str, key: str) -> Path:
             failure = f"{type(error).__name__}: {error}"
     _barrier()
     try:  # every rank: the node's cached copy (downloaded above, or there before)
-        directory = snapshot_download(repo_id, revision=revision or None, allow_patterns=MODEL_FILES,
-                                      local_files_only=True)
+        directory = snapshot_download(
+            repo_id, revision=revision or None, allow_patterns=MODEL_FILES, local_files_only=True
+        )
     except Exception as error:  # noqa: BLE001
         reason = failure or f"{type(error).__name__}: {error}"
-        raise UserError(f"{key} {path!r}: neither downloaded nor in the Hugging Face cache ({reason.splitlines()[0]}). "
-                        "Check the id (and HF_TOKEN for a gated model); offline (HF_HUB_OFFLINE=1), download it once "
-                        "where there is a network into the same HF_HOME, or give a local directory") from None
+        raise UserError(
+            f"{key} {path!r}: neither downloaded nor in the Hugging Face cache ({reason.splitlines()[0]}). "
+            "Check the id (and HF_TOKEN for a gated model); offline (HF_HUB_OFFLINE=1), download it once "
+            "where there is a network into the same HF_HOME, or give a local directory"
+        ) from None
     return Path(directory)
 
 

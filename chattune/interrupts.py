@@ -64,8 +64,10 @@ def _handle(signum: int, frame) -> None:
         again = " (Ctrl-C again to exit at once, without saving)" if signum == signal.SIGINT else ""
         grace = ""
         if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHER_DIR_ENV not in os.environ:
-            grace = ("; torchrun kills its workers 30 s after passing a signal on (its --shutdown-timeout): launch with "
-                     "`chattune run` instead of torchrun to let a longer step and save finish")
+            grace = (
+                "; torchrun kills its workers 30 s after passing a signal on (its --shutdown-timeout): launch with "
+                "`chattune run` instead of torchrun to let a longer step and save finish"
+            )
         _write(f"chattune: {name}: stopping after the current step, with a checkpoint{again}{grace}\n")
         deadline = threading.Timer(STOP_DEADLINE_S, _give_up, args=(signum,))
         deadline.daemon = True
@@ -76,8 +78,10 @@ def _handle(signum: int, frame) -> None:
 
 
 def _give_up(signum: int) -> None:
-    _write(f"chattune: {signal.Signals(signum).name}: the stop did not finish within {STOP_DEADLINE_S:.0f} s; exiting "
-           "without saving\n")
+    _write(
+        f"chattune: {signal.Signals(signum).name}: the stop did not finish within {STOP_DEADLINE_S:.0f} s; exiting "
+        "without saving\n"
+    )
     os._exit(exit_code(128 + signum))
 
 

@@ -59,28 +59,39 @@ def main(cfg: DictConfig) -> None:
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
     built = build_trained_model(cfg, tokenizer, dist_info)
-    trainable = trainable_parameters(built.model)  # the adapters with peft=lora: optimizer and checkpoints hold only them
+    trainable = trainable_parameters(
+        built.model
+    )  # the adapters with peft=lora: optimizer and checkpoints hold only them
     optimizer = build_optimizer(cfg.optimizer, trainable, dist_info.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
 
     # --- the loss and its reference log-probs: none (reference-free), a live frozen model, or a cache ---
     preference_loss = PreferenceLoss.from_config(cfg.loss)  # loss.type's row of PAIR_LOSSES, with its settings
-    reference, eval_reference = (reference_log_probs(cfg, tokenizer, dist_info, built, data)
-                                 if preference_loss.needs_reference else (None, None))
+    reference, eval_reference = (
+        reference_log_probs(cfg, tokenizer, dist_info, built, data) if preference_loss.needs_reference else (None, None)
+    )
     objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)
     # A reference that is the initial policy makes the held-out figures before the first step known (every
     # reward 0): they are logged without running the model (PreferenceObjective.known_start_metrics).
     quantized = cfg.peft is not None and cfg.peft.quantize_base is not None
-    eval_objective = PreferenceObjective(preference_loss, eval_reference, reference_is_start=is_initial_policy(
-        cfg.reference.path, cfg.model.path, quantized)) if data.eval is not None else None
+    eval_objective = (
+        PreferenceObjective(
+            preference_loss,
+            eval_reference,
+            reference_is_start=is_initial_policy(cfg.reference.path, cfg.model.path, quantized),
+        )
+        if data.eval is not None
+        else None
+    )
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
     train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)
     shutdown_distributed()
 
 
-def reference_log_probs(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, built: BuiltModel,
-                        data: TrainingData):
+def reference_log_probs(
+    cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, built: BuiltModel, data: TrainingData
+):
     """The reference log-probs of the training and held-out pairs: a live frozen model, or (reference.cache)
     a table of them computed in one pass before training and stored under reference.cache_dir."""
 
@@ -88,8 +99,13 @@ def reference_log_probs(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         if built.peft_model is not None and cfg.reference.path is None:  # LoRA: the policy's own base; no second model
             logger.info("reference: the policy's base (adapters off)")
             return BaseModelView(built.model, built.peft_model)
-        return build_sharded_model(cfg, tokenizer, dist_info, cfg.reference.path or cfg.model.path,
-                                   key="reference.path" if cfg.reference.path else "model.path").model
+        return build_sharded_model(
+            cfg,
+            tokenizer,
+            dist_info,
+            cfg.reference.path or cfg.model.path,
+            key="reference.path" if cfg.reference.path else "model.path",
+        ).model
 
     if not cfg.reference.cache:
         live = LiveReference(reference_model())
@@ -97,11 +113,17 @@ def reference_log_probs(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     device = dist_info.device
     splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     tables = reference_cache.load_or_build(
-        Path(cfg.reference.cache_dir), {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
-        {split: len(documents) for split, documents in splits.items()}, reference_model,
-        lambda split: packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, data.pad_id, splits[split], shuffle=False,
-                                    num_epochs=1), device, data.pad_id,
-        dist_info.is_main)
+        Path(cfg.reference.cache_dir),
+        {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
+        {split: len(documents) for split, documents in splits.items()},
+        reference_model,
+        lambda split: packed_stream(
+            cfg, dist_info.data_rank, dist_info.data_ranks, data.pad_id, splits[split], shuffle=False, num_epochs=1
+        ),
+        device,
+        data.pad_id,
+        dist_info.is_main,
+    )
     return CachedReference(tables["train"]), CachedReference(tables["eval"]) if data.eval is not None else None
 
 

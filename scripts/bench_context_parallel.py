@@ -28,8 +28,16 @@ import torch.multiprocessing as mp
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 # Small enough that a 16k-token step takes a minute on 2 CPU cores: attention's work grows as N^2.
-MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=65536, tie_word_embeddings=True)
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=65536,
+    tie_word_embeddings=True,
+)
 
 
 def resident_mib() -> float:
@@ -46,8 +54,14 @@ def peak_resident_mib() -> float:
 
 
 def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str, threads: int | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(context),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(context))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(context),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(context),
+    )
     from transformers import AutoConfig, AutoTokenizer
 
     from chattune.config.paths import DEMO_ASSETS
@@ -78,8 +92,9 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     before = resident_mib()  # imports, the model's shard and the row
     for _ in range(steps):
         start = time.perf_counter()
-        result, _ = train_step(model, TokenCrossEntropy(), StepBatches([row]), optimizer, scheduler, 1.0,
-                               dist_info.device)
+        result, _ = train_step(
+            model, TokenCrossEntropy(), StepBatches([row]), optimizer, scheduler, 1.0, dist_info.device
+        )
         times.append(time.perf_counter() - start)
         losses.append(result.loss_sum / max(result.global_units, 1))
     peak = peak_resident_mib()
@@ -97,18 +112,28 @@ def main() -> None:
     from chattune.distributed import free_port
 
     print(f"one document of {args.tokens} tokens, Qwen3-shaped {MODEL}, {args.steps} steps, {os.cpu_count()} cores")
-    print("| parallel.context | ranks | resident before training (MiB/rank) | peak (MiB/rank) | peak - before | step time (s) | first loss |")
+    print(
+        "| parallel.context | ranks | resident before training (MiB/rank) | peak (MiB/rank) | peak - before | step time (s) | first loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for context in args.contexts:
             out = f"{tmp}/c{context}"
-            mp.spawn(worker, args=(context, free_port(), args.tokens, args.steps, out, args.threads), nprocs=context, join=True)
+            mp.spawn(
+                worker,
+                args=(context, free_port(), args.tokens, args.steps, out, args.threads),
+                nprocs=context,
+                join=True,
+            )
             ranks = [torch.load(f"{out}.rank{r}") for r in range(context)]
             before = max(r["before"] for r in ranks)
             peak = max(r["peak"] for r in ranks)
             step = float(np.mean([t for r in ranks for t in r["times"][1:]] or [r["times"][0] for r in ranks]))
-            print(f"| {context} | {context} | {before:.0f} | {peak:.0f} | {peak - before:.0f} | {step:.2f} | "
-                  f"{ranks[0]['losses'][0]:.6f} |", flush=True)
+            print(
+                f"| {context} | {context} | {before:.0f} | {peak:.0f} | {peak - before:.0f} | {step:.2f} | "
+                f"{ranks[0]['losses'][0]:.6f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

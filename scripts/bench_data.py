@@ -41,8 +41,10 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"
 
 
 def replicated_messages(count: int) -> list[dict]:
-    sources = [SourceSpec(str(SHARED / "data" / "sharegpt_fastchat_dummy.json"), format="sharegpt"),
-               SourceSpec(str(SHARED / "data" / "messages_deita_long.parquet"))]
+    sources = [
+        SourceSpec(str(SHARED / "data" / "sharegpt_fastchat_dummy.json"), format="sharegpt"),
+        SourceSpec(str(SHARED / "data" / "messages_deita_long.parquet")),
+    ]
     records = RecordSource(sources)
     conversations = []
     for index in range(len(records)):
@@ -54,8 +56,9 @@ def replicated_messages(count: int) -> list[dict]:
 def bench_chattune(path: str, tokenizer, max_tokens: int, num_workers: int, overlong: str) -> tuple[float, float, int]:
     start = time.perf_counter()
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens, overlong=overlong)
-    stream = PackedStream(documents, 0, 1, seed=0, max_tokens=max_tokens, pad_token_id=0, num_epochs=1,
-                          num_workers=num_workers)
+    stream = PackedStream(
+        documents, 0, 1, seed=0, max_tokens=max_tokens, pad_token_id=0, num_epochs=1, num_workers=num_workers
+    )
     sizes = [batch.num_tokens for batch in stream]
     seconds = time.perf_counter() - start
     over = sum(stream.skipped.values()) + sum(stream.overlong.values())
@@ -72,8 +75,16 @@ def bench_trl(path: str, tokenizer, max_tokens: int, num_proc: int | None) -> tu
         _tokenizer, chat_template, completion_only_loss = tokenizer, None, None
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = SFTConfig(output_dir=tmp, max_length=max_tokens, packing=True, packing_strategy="bfd",
-                         dataset_num_proc=num_proc, report_to=[], bf16=False, use_cpu=True)
+        args = SFTConfig(
+            output_dir=tmp,
+            max_length=max_tokens,
+            packing=True,
+            packing_strategy="bfd",
+            dataset_num_proc=num_proc,
+            report_to=[],
+            bf16=False,
+            use_cpu=True,
+        )
         start = time.perf_counter()
         packed = SFTTrainer._prepare_dataset(_Trainer(), dataset, tokenizer, args, True, None, "train")
         seconds = time.perf_counter() - start
@@ -104,10 +115,14 @@ def main() -> None:
         rows = {}
         for overlong, workers in (("truncate", 0), ("truncate", 2), ("drop", 0), ("drop", 2)):
             where = "in-process" if workers == 0 else f"{workers} workers"
-            rows[("chattune", overlong, where)] = functools.partial(bench_chattune, path, tokenizer, args.max_tokens, workers, overlong)
+            rows[("chattune", overlong, where)] = functools.partial(
+                bench_chattune, path, tokenizer, args.max_tokens, workers, overlong
+            )
         if trl is not None:
             for num_proc in (None, 2):
-                rows[("trl", "truncate", str(num_proc or 1))] = functools.partial(bench_trl, path, tokenizer, args.max_tokens, num_proc)
+                rows[("trl", "truncate", str(num_proc or 1))] = functools.partial(
+                    bench_trl, path, tokenizer, args.max_tokens, num_proc
+                )
         best: dict[tuple, tuple] = {}
         rounds: list[dict[tuple, float]] = []
         for _ in range(args.repeats):
@@ -117,7 +132,9 @@ def main() -> None:
                 rounds[-1][row] = result[0]
                 if row not in best or result[0] > best[row][0]:
                     best[row] = result
-        print(f"{args.conversations} conversations, Qwen3 tokenizer, budget {args.max_tokens} tokens, best of {args.repeats}")
+        print(
+            f"{args.conversations} conversations, Qwen3 tokenizer, budget {args.max_tokens} tokens, best of {args.repeats}"
+        )
         print("| pipeline | processes | tokens/s | fill |")
         print("|---|---|---|---|")
         for (name, overlong, where), (rate, fill, *over) in best.items():
@@ -130,14 +147,19 @@ def main() -> None:
         if trl is None:
             print("(trl not importable: no TRL reference)")
             return
+
         def ratio(rates: dict[tuple, float]) -> float:
-            ours = max(rate for (name, overlong, _), rate in rates.items() if name == "chattune" and overlong == "truncate")
+            ours = max(
+                rate for (name, overlong, _), rate in rates.items() if name == "chattune" and overlong == "truncate"
+            )
             return ours / max(rate for (name, *_), rate in rates.items() if name == "trl")
 
         print(f"chattune / TRL, best runs: {ratio({row: result[0] for row, result in best.items()}):.2f}x")
         per_round = sorted(ratio(rates) for rates in rounds)
-        print(f"chattune / TRL within each round: {', '.join(f'{r:.2f}x' for r in per_round)} "
-              f"(median {per_round[len(per_round) // 2]:.2f}x)")
+        print(
+            f"chattune / TRL within each round: {', '.join(f'{r:.2f}x' for r in per_round)} "
+            f"(median {per_round[len(per_round) // 2]:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -42,15 +42,32 @@ from chattune.data.packing import collate_packed  # noqa: E402
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model  # noqa: E402
 from chattune.model.mixers import isolate_documents  # noqa: E402
 
-COMMON = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, tie_word_embeddings=True)
+COMMON = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
 MODELS = {  # name -> (model_type, overrides); qwen3's wider MLP makes up for the other two's mixer weights
     "Qwen3 (attention only)": ("qwen3", dict(intermediate_size=832)),
-    "Qwen3.5 (3 gated delta rule + 1 attention)": ("qwen3_5_text", dict(
-        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4)),
-    "LFM2 (3 short conv + 1 attention)": ("lfm2", dict(
-        layer_types=["conv"] * 3 + ["full_attention"], block_ff_dim=768, block_auto_adjust_ff_dim=False)),
+    "Qwen3.5 (3 gated delta rule + 1 attention)": (
+        "qwen3_5_text",
+        dict(
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        ),
+    ),
+    "LFM2 (3 short conv + 1 attention)": (
+        "lfm2",
+        dict(layer_types=["conv"] * 3 + ["full_attention"], block_ff_dim=768, block_auto_adjust_ff_dim=False),
+    ),
 }
 ATTENTION_ONLY, HYBRID, LFM2 = MODELS
 
@@ -113,6 +130,7 @@ def train_step(model: PackedCausalLM, batch):
         model.zero_grad(set_to_none=True)
         losses = model(batch)
         (losses.sum() / batch.num_trainable_tokens).backward()
+
     return step
 
 
@@ -125,6 +143,7 @@ def mixer_step(mixer: torch.nn.Module, batch):
         output = mixer(hidden.requires_grad_(), cu_seq_lens_q=batch.cu_seqlens)
         # .sum(), not .mean(): with random-init weights, gradients 1/N times smaller went denormal (slow on x86).
         output[0].sum().backward()  # [0]: the hidden states of a tuple, or the batch's only row
+
     return step
 
 
@@ -139,16 +158,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
     lengths = document_lengths(args.tokens, args.documents)
-    rows = {f"{args.documents} documents": packed_row(lengths, len(tokenizer)),
-            "1 document": packed_row([args.tokens], len(tokenizer))}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; rows of {args.tokens} tokens; "
-          f"document lengths {lengths}; median of {args.steps} steps after {args.warmup}\n")
+    rows = {
+        f"{args.documents} documents": packed_row(lengths, len(tokenizer)),
+        "1 document": packed_row([args.tokens], len(tokenizer)),
+    }
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; rows of {args.tokens} tokens; "
+        f"document lengths {lengths}; median of {args.steps} steps after {args.warmup}\n"
+    )
 
     models = {name: build(name, tokenizer) for name in MODELS}
     steps = {(name, row): train_step(model, batch) for row, batch in rows.items() for name, model in models.items()}
     mixers = [models[HYBRID].hf_model.model.layers[0].linear_attn, models[LFM2].hf_model.model.layers[0].conv]
-    steps |= {(f"{type(mixer).__name__} alone", row): mixer_step(mixer, batch)
-              for row, batch in rows.items() for mixer in mixers}
+    steps |= {
+        (f"{type(mixer).__name__} alone", row): mixer_step(mixer, batch)
+        for row, batch in rows.items()
+        for mixer in mixers
+    }
     seconds, others = median_seconds(steps, args.steps, args.warmup)
     rate = {key: args.tokens / value for key, value in seconds.items()}
 
@@ -157,13 +183,17 @@ def main() -> None:
     for (name, row), value in rate.items():
         if name in models:
             params = sum(p.numel() for p in models[name].parameters())
-            print(f"| {name} | {params / 1e6:.2f}M | {COMMON['num_hidden_layers']} | {row} | {value:,.0f} | "
-                  f"{value / rate[ATTENTION_ONLY, row]:.2f} |")
+            print(
+                f"| {name} | {params / 1e6:.2f}M | {COMMON['num_hidden_layers']} | {row} | {value:,.0f} | "
+                f"{value / rate[ATTENTION_ONLY, row]:.2f} |"
+            )
     packed, alone = rows
     print(f"\nper-document overhead: tokens/s on the {packed} row / on the {alone} row (forward + backward)")
     for name in [*models, *(f"{type(mixer).__name__} alone" for mixer in mixers)]:
-        print(f"- {name}: {rate[name, packed]:,.0f} / {rate[name, alone]:,.0f} = "
-              f"{rate[name, packed] / rate[name, alone]:.2f}")
+        print(
+            f"- {name}: {rate[name, packed]:,.0f} / {rate[name, alone]:,.0f} = "
+            f"{rate[name, packed] / rate[name, alone]:.2f}"
+        )
     print(f"\nother processes used {others:.2f} cores on average while the steps were timed")
 
 

@@ -31,9 +31,17 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Qwen2.5-1.5B's shape in Qwen3's architecture (q/k norms): 1.54B parameters, embeddings tied.
-QWEN3_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=4096)
+QWEN3_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
 GIB = 2**30
 
 
@@ -103,10 +111,18 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     from chattune.model.build import build_sharded_model
     from chattune.model.export import export_hf
 
-    cfg = OmegaConf.create({"seed": 0, "model": {"path": model_dir, "config": None, "compile": False,
-                                                 "fsdp": {"param_dtype": "float32", "reduce_dtype": "float32",
-                                                          "activation_checkpointing": False}},
-                            "loss": {"chunk_size": 1024, "implementation": "chunked", "router_aux_coef": None}})
+    cfg = OmegaConf.create(
+        {
+            "seed": 0,
+            "model": {
+                "path": model_dir,
+                "config": None,
+                "compile": False,
+                "fsdp": {"param_dtype": "float32", "reduce_dtype": "float32", "activation_checkpointing": False},
+            },
+            "loss": {"chunk_size": 1024, "implementation": "chunked", "router_aux_coef": None},
+        }
+    )
     dist_info = init_distributed("cpu")
     torch.distributed.barrier()
     before_load = RssSampler.current()
@@ -130,11 +146,21 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     torch.distributed.barrier()
     export_s, export_peak = time.perf_counter() - start, sampler.peak()
     exported_bytes = sum(f.stat().st_size for f in (Path(out_dir) / "hf").glob("*.safetensors"))
-    record = {"rank": dist_info.rank, "world_size": dist_info.world_size, "parameters": parameters,
-              "chattune": str(Path(inspect.getfile(chattune)).parent), "rss_before_load": before_load,
-              "load_peak_rss": load_peak, "load_s": load_s, "rss_before_export": before_export,
-              "export_peak_rss": export_peak, "export_added": export_peak - before_export, "export_s": export_s,
-              "largest_fp32_tensor": largest, "exported_bytes": exported_bytes}
+    record = {
+        "rank": dist_info.rank,
+        "world_size": dist_info.world_size,
+        "parameters": parameters,
+        "chattune": str(Path(inspect.getfile(chattune)).parent),
+        "rss_before_load": before_load,
+        "load_peak_rss": load_peak,
+        "load_s": load_s,
+        "rss_before_export": before_export,
+        "export_peak_rss": export_peak,
+        "export_added": export_peak - before_export,
+        "export_s": export_s,
+        "largest_fp32_tensor": largest,
+        "exported_bytes": exported_bytes,
+    }
     with open(result_file, "a") as f:
         f.write(json.dumps(record) + "\n")
     torch.distributed.destroy_process_group()
@@ -146,9 +172,25 @@ def run(ranks: int, model_dir: Path, checkout: Path | None) -> list[dict]:
         env = dict(os.environ)
         if checkout is not None:
             env["PYTHONPATH"] = f"{checkout}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                        "--master_port", "29611", __file__, "--worker", str(model_dir), out, str(results)],
-                       env=env, check=True, cwd=PROJECT_ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(ranks),
+                "--master_port",
+                "29611",
+                __file__,
+                "--worker",
+                str(model_dir),
+                out,
+                str(results),
+            ],
+            env=env,
+            check=True,
+            cwd=PROJECT_ROOT,
+        )
         return sorted((json.loads(line) for line in results.read_text().splitlines()), key=lambda r: r["rank"])
 
 
@@ -166,12 +208,15 @@ def main() -> None:
     for ranks in args.ranks:
         for r in run(ranks, args.model_dir, args.checkout):
             model_gib = r["parameters"] * 4 / GIB
-            print(f"{r['chattune']}: {ranks} rank(s), rank {r['rank']}: {r['parameters'] / 1e9:.2f}B parameters "
-                  f"({model_gib:.2f} GiB fp32) | load: peak RSS {r['load_peak_rss'] / GIB:.2f} GiB "
-                  f"(target model/W + 1.5 = {model_gib / ranks + 1.5:.2f}), {r['load_s']:.1f} s "
-                  f"(RSS before {r['rss_before_load'] / GIB:.2f}) | export: +{r['export_added'] / GIB:.2f} GiB over "
-                  f"{r['rss_before_export'] / GIB:.2f} (largest fp32 tensor {r['largest_fp32_tensor'] / GIB:.2f}), "
-                  f"{r['export_s']:.1f} s, {r['exported_bytes'] / GIB:.2f} GiB written", flush=True)
+            print(
+                f"{r['chattune']}: {ranks} rank(s), rank {r['rank']}: {r['parameters'] / 1e9:.2f}B parameters "
+                f"({model_gib:.2f} GiB fp32) | load: peak RSS {r['load_peak_rss'] / GIB:.2f} GiB "
+                f"(target model/W + 1.5 = {model_gib / ranks + 1.5:.2f}), {r['load_s']:.1f} s "
+                f"(RSS before {r['rss_before_load'] / GIB:.2f}) | export: +{r['export_added'] / GIB:.2f} GiB over "
+                f"{r['rss_before_export'] / GIB:.2f} (largest fp32 tensor {r['largest_fp32_tensor'] / GIB:.2f}), "
+                f"{r['export_s']:.1f} s, {r['exported_bytes'] / GIB:.2f} GiB written",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,15 @@ import tempfile
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True)
+MODEL = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
 RUNS = {  # name -> (recipe, overrides)
     "sft full": ("sft", []),
     "sft lora r16": ("sft", ["peft=lora"]),
@@ -50,18 +57,41 @@ def one_run(recipe: str, overrides: list[str], nproc: int) -> None:
     """In its own process: run the recipe, print one JSON line of figures."""
     with tempfile.TemporaryDirectory() as out:
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "29633",
-             f"recipes/{recipe}.py", f"output_dir={out}", "eval_every=0", "save_every=0", "log_every=1",
-             "data.report_records=0", "progress=lines", *overrides],
-            cwd=PROJECT_ROOT, capture_output=True, text=True)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(nproc),
+                "--master_port",
+                "29633",
+                f"recipes/{recipe}.py",
+                f"output_dir={out}",
+                "eval_every=0",
+                "save_every=0",
+                "log_every=1",
+                "data.report_records=0",
+                "progress=lines",
+                *overrides,
+            ],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0:
             raise SystemExit(result.stdout[-2000:] + result.stderr[-4000:])
         metrics = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     trained = re.search(r"parameters \(([\d.]+)M trained\)", result.stdout + result.stderr)
     rates = [m["all_tokens_per_sec"] for m in metrics if m["step"] > 2]
-    print(json.dumps({"trained_millions": float(trained.group(1)) if trained else None,
-                      "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
-                      "all_tokens_per_sec": sum(rates) / len(rates)}))
+    print(
+        json.dumps(
+            {
+                "trained_millions": float(trained.group(1)) if trained else None,
+                "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+                "all_tokens_per_sec": sum(rates) / len(rates),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -79,11 +109,22 @@ def main() -> None:
     common = [f"model.path={base}", f"max_steps={args.steps}", "data.max_tokens_per_microbatch=1024", *args.set]
     print("| run | trained parameters | peak RSS per rank | all tokens/s |\n|---|---|---|---|")
     for name, (recipe, overrides) in RUNS.items():
-        line = subprocess.run([sys.executable, __file__, "--nproc", str(args.nproc), "--one", recipe, *common, *overrides],
-                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        line = (
+            subprocess.run(
+                [sys.executable, __file__, "--nproc", str(args.nproc), "--one", recipe, *common, *overrides],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         figures = json.loads(line)
-        print(f"| {name} | {figures['trained_millions']:.2f}M | {figures['peak_rss_gib']:.2f} GiB | "
-              f"{figures['all_tokens_per_sec']:,.0f} |", flush=True)
+        print(
+            f"| {name} | {figures['trained_millions']:.2f}M | {figures['peak_rss_gib']:.2f} GiB | "
+            f"{figures['all_tokens_per_sec']:,.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

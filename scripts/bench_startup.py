@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def timed_lines(command: list[str], env: dict | None = None) -> tuple[list[tuple[float, str]], float]:
     """Every line the command writes (stdout and stderr), with the seconds since its start; and its run time."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})})
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
     lines: list[tuple[float, str]] = []
     lock = threading.Lock()
 
@@ -74,13 +75,28 @@ def main() -> None:
             figures.setdefault("chattune inspect sft/tiny --limit 200: first line", []).append(first(lines))
             figures.setdefault("chattune inspect sft/tiny --limit 200: report", []).append(total)
             out = f"{scratch}/launch{repeat}"
-            lines, _ = timed_lines([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                    "recipes/sft.py", f"output_dir={out}", "max_steps=1", "log_every=1",
-                                    "eval_every=0", "save_every=0"], env={"OMP_NUM_THREADS": "1"})
+            lines, _ = timed_lines(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    "2",
+                    "recipes/sft.py",
+                    f"output_dir={out}",
+                    "max_steps=1",
+                    "log_every=1",
+                    "eval_every=0",
+                    "save_every=0",
+                ],
+                env={"OMP_NUM_THREADS": "1"},
+            )
             figures.setdefault("torchrun --nproc_per_node 2 recipes/sft.py: chattune's first line", []).append(
-                first_of_chattune(lines))
+                first_of_chattune(lines)
+            )
             figures.setdefault("torchrun --nproc_per_node 2 recipes/sft.py: step 1 logged", []).append(
-                first(lines, "step 1 |"))
+                first(lines, "step 1 |")
+            )
     width = max(map(len, figures))
     for name, values in figures.items():
         print(f"{name:<{width}}  {summary(values)}")

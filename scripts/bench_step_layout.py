@@ -64,25 +64,55 @@ def fills(counts: tuple[int, int, int, int], max_tokens: int) -> tuple[float, fl
     return tokens / (slots * max_tokens), (tokens - last_tokens) / ((slots - last_slots) * max_tokens)
 
 
-def per_rank(documents, max_tokens: int, ranks: int, microbatches: int, epochs: int) -> tuple[tuple[float, float], float]:
+def per_rank(
+    documents, max_tokens: int, ranks: int, microbatches: int, epochs: int
+) -> tuple[tuple[float, float], float]:
     """(fills, tokens/s per rank) of per-rank packing."""
-    feeds = [StepFeed(PackedStream(documents, rank, ranks, 0, max_tokens, 0, num_epochs=epochs), microbatches // ranks, 0,
-                      num_epochs=epochs, num_ranks=ranks) for rank in range(ranks)]
+    feeds = [
+        StepFeed(
+            PackedStream(documents, rank, ranks, 0, max_tokens, 0, num_epochs=epochs),
+            microbatches // ranks,
+            0,
+            num_epochs=epochs,
+            num_ranks=ranks,
+        )
+        for rank in range(ranks)
+    ]
     start = time.perf_counter()
     counts = drive(feeds)
     seconds_per_rank = (time.perf_counter() - start) / ranks  # the ranks' pipelines ran one after another here
     return fills(counts, max_tokens), counts[0] / ranks / seconds_per_rank
 
 
-def invariant(documents, max_tokens: int, ranks: int, microbatches: int, epochs: int) -> tuple[tuple[float, float], float]:
+def invariant(
+    documents, max_tokens: int, ranks: int, microbatches: int, epochs: int
+) -> tuple[tuple[float, float], float]:
     """(fills, tokens/s per rank) of world-size-invariant steps: the fill of all slots (one feed training all
     of them), the time of rank 0 of `ranks` (it packs everything and trains its slots)."""
-    counts = drive([StepFeed(PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs), microbatches, 0,
-                             num_epochs=epochs, slots=range(microbatches))])
+    counts = drive(
+        [
+            StepFeed(
+                PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs),
+                microbatches,
+                0,
+                num_epochs=epochs,
+                slots=range(microbatches),
+            )
+        ]
+    )
     per_rank_slots = range(microbatches // ranks)
     start = time.perf_counter()
-    mine = drive([StepFeed(PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs), microbatches, 0,
-                           num_epochs=epochs, slots=per_rank_slots)])[0]
+    mine = drive(
+        [
+            StepFeed(
+                PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs),
+                microbatches,
+                0,
+                num_epochs=epochs,
+                slots=per_rank_slots,
+            )
+        ]
+    )[0]
     return fills(counts, max_tokens), mine / (time.perf_counter() - start)
 
 
@@ -104,21 +134,38 @@ def main() -> None:
         path.write_text("".join(json.dumps(m) + "\n" for m in replicated_messages(args.conversations)))
         documents = SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, args.max_tokens, overlong="truncate")
         if args.cache:
-            data = OmegaConf.create({"cache": str(Path(tmp) / "cache"), "train_on": "assistant", "overlong": "truncate",
-                                     "on_bad_record": "error", "max_tokens_per_microbatch": args.max_tokens, "num_workers": 0})
+            data = OmegaConf.create(
+                {
+                    "cache": str(Path(tmp) / "cache"),
+                    "train_on": "assistant",
+                    "overlong": "truncate",
+                    "on_bad_record": "error",
+                    "max_tokens_per_microbatch": args.max_tokens,
+                    "num_workers": 0,
+                }
+            )
             documents = open_documents("sft", [SourceSpec(str(path))], tokenizer, data).sources[0]
             assert documents.cached
-        print("| layout | ranks | microbatches per step | epochs | fill | fill without the last step | tokens/s per rank |\n"
-              "|---|---|---|---|---|---|---|")
-        for name, measure in (("per rank (`data.microbatches_per_step=null`)", per_rank),
-                              (f"invariant (`data.microbatches_per_step={args.microbatches}`)", invariant)):
+        print(
+            "| layout | ranks | microbatches per step | epochs | fill | fill without the last step | tokens/s per rank |\n"
+            "|---|---|---|---|---|---|---|"
+        )
+        for name, measure in (
+            ("per rank (`data.microbatches_per_step=null`)", per_rank),
+            (f"invariant (`data.microbatches_per_step={args.microbatches}`)", invariant),
+        ):
             for ranks in sorted({1, args.ranks}):
-                runs = [measure(documents, args.max_tokens, ranks, args.microbatches, args.epochs)
-                        for _ in range(args.repeats)]
+                runs = [
+                    measure(documents, args.max_tokens, ranks, args.microbatches, args.epochs)
+                    for _ in range(args.repeats)
+                ]
                 fill, steady = runs[0][0]
                 assert all(r[0] == runs[0][0] for r in runs), "the same data packs the same way every time"
-                print(f"| {name} | {ranks} | {args.microbatches} | {args.epochs} | {fill:.4f} | {steady:.4f} | "
-                      f"{max(r[1] for r in runs):,.0f} |", flush=True)
+                print(
+                    f"| {name} | {ranks} | {args.microbatches} | {args.epochs} | {fill:.4f} | {steady:.4f} | "
+                    f"{max(r[1] for r in runs):,.0f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

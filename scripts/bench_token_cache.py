@@ -48,8 +48,16 @@ def write_chats(path: Path, records: int) -> None:
 def data_section(cache: Path, workers: int):
     from omegaconf import OmegaConf
 
-    return OmegaConf.create({"cache": str(cache), "train_on": "assistant", "overlong": "truncate", "on_bad_record": "error",
-                             "max_tokens_per_microbatch": BUDGET, "num_workers": workers})
+    return OmegaConf.create(
+        {
+            "cache": str(cache),
+            "train_on": "assistant",
+            "overlong": "truncate",
+            "on_bad_record": "error",
+            "max_tokens_per_microbatch": BUDGET,
+            "num_workers": workers,
+        }
+    )
 
 
 def _build_rank(rank: int, world: int, port: int, path: str, cache: str, workers: int, result: str) -> None:
@@ -102,8 +110,13 @@ print(json.dumps({"imports_and_tokenizer": imported - started, "open": opened - 
 
 
 def warm_start(path: Path, cache: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", WARM, str(path), str(cache), str(QWEN3)], cwd=PROJECT, check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", WARM, str(path), str(cache), str(QWEN3)],
+        cwd=PROJECT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -124,8 +137,9 @@ def read_speeds(cache: Path, count: int = 20_000) -> tuple[float, float]:
     mapped = count / (time.perf_counter() - start)
     first = list(range(min(len(cached), 200_000)))
     docs = cached.get_many(first)
-    table = datasets.Dataset.from_dict({"ids": [d.input_ids.tolist() for d in docs],
-                                        "labels": [d.labels.tolist() for d in docs]})
+    table = datasets.Dataset.from_dict(
+        {"ids": [d.input_ids.tolist() for d in docs], "labels": [d.labels.tolist() for d in docs]}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         table.save_to_disk(tmp)
         arrow = datasets.load_from_disk(tmp).with_format("numpy")
@@ -151,15 +165,22 @@ def main() -> None:
         for spec in args.builds.split(","):
             ranks, workers = map(int, spec.split("x"))
             got = build(path, cache, ranks, workers)
-            print(f"| {ranks} rank(s) x {workers} worker(s) | {got['seconds']:.1f} | {got['records'] / got['seconds']:,.0f} | "
-                  f"{got['tokens'] / got['seconds']:,.0f} |", flush=True)
+            print(
+                f"| {ranks} rank(s) x {workers} worker(s) | {got['seconds']:.1f} | {got['records'] / got['seconds']:,.0f} | "
+                f"{got['tokens'] / got['seconds']:,.0f} |",
+                flush=True,
+            )
         size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
-        print(f"\ncache: {got['documents']:,} documents, {got['tokens']:,} tokens, {size / 2**20:,.1f} MiB on disk = "
-              f"{size / 2**20 / (got['tokens'] / 1e6):.2f} MiB per million tokens")
+        print(
+            f"\ncache: {got['documents']:,} documents, {got['tokens']:,} tokens, {size / 2**20:,.1f} MiB on disk = "
+            f"{size / 2**20 / (got['tokens'] / 1e6):.2f} MiB per million tokens"
+        )
         warm = [warm_start(path, cache) for _ in range(3)]
         best = min(warm, key=lambda w: w["open"] + w["first_microbatch"])
-        print(f"warm start (best of 3): open {best['open']:.2f} s + first microbatch {best['first_microbatch']:.2f} s "
-              f"(imports and the tokenizer's loading before it: {best['imports_and_tokenizer']:.1f} s)")
+        print(
+            f"warm start (best of 3): open {best['open']:.2f} s + first microbatch {best['first_microbatch']:.2f} s "
+            f"(imports and the tokenizer's loading before it: {best['imports_and_tokenizer']:.1f} s)"
+        )
         mapped, arrowed = read_speeds(cache)
         print(f"random document reads: memory maps {mapped:,.0f}/s, Arrow (datasets, numpy format) {arrowed:,.0f}/s")
 

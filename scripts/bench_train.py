@@ -27,11 +27,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_once(ranks: int, steps: int, overrides: list[str], output_dir: Path) -> list[dict]:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-        str(ROOT / "recipes" / "sft.py"), f"output_dir={output_dir}", f"max_steps={steps}", "log_every=1",
-        "save_every=0", "eval_every=0", *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(ranks),
+        str(ROOT / "recipes" / "sft.py"),
+        f"output_dir={output_dir}",
+        f"max_steps={steps}",
+        "log_every=1",
+        "save_every=0",
+        "eval_every=0",
+        *overrides,
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     if result.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -45,8 +57,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, after --")
     args = parser.parse_args()
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-          + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+    )
     print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
     print("| ranks | trainable tokens/s | all tokens/s | step time (s) | steps measured |")
     print("|---|---|---|---|---|")
@@ -56,8 +70,10 @@ def main() -> None:
         trainable = sum(m["num_tokens"] for m in metrics)
         seconds = sum(m["step_time_s"] for m in metrics)
         all_tokens = sum(m["all_tokens_per_sec"] * m["step_time_s"] for m in metrics)
-        print(f"| {ranks} | {trainable / seconds:,.0f} | {all_tokens / seconds:,.0f} | "
-              f"{statistics.mean(m['step_time_s'] for m in metrics):.3f} | {len(metrics)} |")
+        print(
+            f"| {ranks} | {trainable / seconds:,.0f} | {all_tokens / seconds:,.0f} | "
+            f"{statistics.mean(m['step_time_s'] for m in metrics):.3f} | {len(metrics)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -67,14 +67,20 @@ def main() -> None:
                 continue
             prompt = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, return_tensors="pt")
             with torch.no_grad():
-                output = model.generate(**prompt, max_new_tokens=48, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+                output = model.generate(
+                    **prompt, max_new_tokens=48, do_sample=False, eos_token_id=tokenizer.eos_token_id
+                )
             reply = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
             task = task_of(messages[i - 1]["content"])
             total[task] += 1
             correct[task] += reply.strip() == message["content"].strip()
     print(f"{'task':12s} {'token accuracy':>16s} {'exact match':>20s}")
     for task in sorted(total) + ["all"]:
-        tc, tt = (sum(token_correct.values()), sum(token_total.values())) if task == "all" else (token_correct[task], token_total[task])
+        tc, tt = (
+            (sum(token_correct.values()), sum(token_total.values()))
+            if task == "all"
+            else (token_correct[task], token_total[task])
+        )
         ec, et = (sum(correct.values()), sum(total.values())) if task == "all" else (correct[task], total[task])
         print(f"{task:12s} {tc / tt:8.1%} ({tc:>5d}/{tt:<5d}) {ec / et:8.1%} ({ec:>4d}/{et:<4d})")
 

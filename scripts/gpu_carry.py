@@ -58,25 +58,46 @@ PACKAGES = [
     ("trl", "1.16.0", "the TRL comparison rows"),
     ("cut-cross-entropy", "25.1.1", "the fused output-layer loss"),
     ("pytest", "9.2.0", "gpu_check's cuda_tests row (the CUDA-only tests)"),
-    ("pluggy", "1.7.0", "pytest's"), ("iniconfig", "2.3.1", "pytest's"), ("pygments", "2.21.0", "pytest 9's"),
+    ("pluggy", "1.7.0", "pytest's"),
+    ("iniconfig", "2.3.1", "pytest's"),
+    ("pygments", "2.21.0", "pytest 9's"),
     ("fla-core", "0.6.0", "the hybrid models' kernels (pure Python, Triton)"),
     ("flash-linear-attention", "0.6.0", "the hybrid models' kernels (pure Python, Triton)"),
 ]
 SDIST_ONLY = {"antlr4-python3-runtime"}
 BITSANDBYTES = ("bitsandbytes", "0.50.2", "QLoRA's 4-bit base (43 MB: a folder and a call of its own)")
 # What gpu_check.py and bench_gpu.py read under --assets (make_corpora, make_model, gpu_check's tokenizer).
-ASSETS = ["tokenizers/qwen3/tokenizer.json", "tokenizers/qwen3/tokenizer_config.json",
-          "data/sharegpt_fastchat_dummy.json", "data/messages_deita_long.parquet"]
+ASSETS = [
+    "tokenizers/qwen3/tokenizer.json",
+    "tokenizers/qwen3/tokenizer_config.json",
+    "data/sharegpt_fastchat_dummy.json",
+    "data/messages_deita_long.parquet",
+]
 # run.sh imports these on the machine, after the install (module, required, what provides it).
 IMPORTS = [
-    ("torch", True, "the machine"), ("transformers", True, "the machine"), ("tokenizers", True, "the machine"),
-    ("safetensors", True, "the machine"), ("numpy", True, "the machine"), ("jinja2", True, "the machine"),
-    ("yaml", True, "the machine (pyyaml)"), ("tqdm", True, "the machine"), ("pyarrow", True, "the machine"),
-    ("pandas", True, "the machine"), ("hydra", True, "hydra-core"), ("omegaconf", True, "omegaconf"),
-    ("antlr4", True, "antlr4-python3-runtime"), ("torchdata.stateful_dataloader", True, "torchdata"),
-    ("datasets", True, "datasets"), ("peft", True, "peft"), ("chattune.cli.main", True, "the project"),
-    ("cut_cross_entropy", False, "cut-cross-entropy"), ("trl", False, "trl"), ("fla", False, "fla-core"),
-    ("pytest", False, "pytest"), ("bitsandbytes", False, "bitsandbytes (--with-bitsandbytes)"), ("flash_attn", False, "not carried"),
+    ("torch", True, "the machine"),
+    ("transformers", True, "the machine"),
+    ("tokenizers", True, "the machine"),
+    ("safetensors", True, "the machine"),
+    ("numpy", True, "the machine"),
+    ("jinja2", True, "the machine"),
+    ("yaml", True, "the machine (pyyaml)"),
+    ("tqdm", True, "the machine"),
+    ("pyarrow", True, "the machine"),
+    ("pandas", True, "the machine"),
+    ("hydra", True, "hydra-core"),
+    ("omegaconf", True, "omegaconf"),
+    ("antlr4", True, "antlr4-python3-runtime"),
+    ("torchdata.stateful_dataloader", True, "torchdata"),
+    ("datasets", True, "datasets"),
+    ("peft", True, "peft"),
+    ("chattune.cli.main", True, "the project"),
+    ("cut_cross_entropy", False, "cut-cross-entropy"),
+    ("trl", False, "trl"),
+    ("fla", False, "fla-core"),
+    ("pytest", False, "pytest"),
+    ("bitsandbytes", False, "bitsandbytes (--with-bitsandbytes)"),
+    ("flash_attn", False, "not carried"),
 ]
 MINIMUM = {"python": (3, 10), "torch": (2, 11), "transformers": (5, 17)}  # pyproject.toml's floors
 DEFAULT_BUDGET = 540  # seconds: the device tool's 10-minute command, less the machine's start-up slack
@@ -98,15 +119,29 @@ def run_pip(args: list[str], what: str) -> None:
     if done.returncode:
         output = done.stderr + done.stdout
         error = "\n".join(line for line in output.splitlines() if "WARNING" not in line)
-        unreachable = re.search(r"NewConnectionError|Max retries exceeded|Temporary failure in name resolution|"
-                                r"Connection refused|Network is unreachable|ProxyError|timed out", output)
+        unreachable = re.search(
+            r"NewConnectionError|Max retries exceeded|Temporary failure in name resolution|"
+            r"Connection refused|Network is unreachable|ProxyError|timed out",
+            output,
+        )
         raise (RegistryError if unreachable else BuildError)(f"{what} failed:\n{error[-2000:]}")
 
 
 def download_args(directory: Path) -> list[str]:
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    return ["download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_VERSION,
-            "--implementation", "cp", *platforms, "-d", str(directory)]
+    return [
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(directory),
+    ]
 
 
 def fetch_wheels(directory: Path, packages: list[tuple[str, str, str]]) -> None:
@@ -125,7 +160,7 @@ def normalize(name: str) -> str:
 
 def wheel_tags(filename: str) -> tuple[str, str, list[str], list[str], list[str]]:
     """name, version, python tags, abi tags, platform tags of a wheel's file name (PEP 427)."""
-    parts = filename[:-len(".whl")].split("-")
+    parts = filename[: -len(".whl")].split("-")
     if len(parts) not in (5, 6):
         raise BuildError(f"not a wheel file name: {filename}")
     return parts[0], parts[1], parts[-3].split("."), parts[-2].split("."), parts[-1].split(".")
@@ -159,8 +194,10 @@ def check_wheels(directory: Path, packages: list[tuple[str, str, str]]) -> list[
     wanted = {normalize(name): version for name, version, _ in packages}
     if found != wanted:
         raise BuildError(f"wheels {found} are not the pinned {wanted}")
-    return [{"file": w.name, "bytes": w.stat().st_size, "sha256": hashlib.sha256(w.read_bytes()).hexdigest()}
-            for w in wheels]
+    return [
+        {"file": w.name, "bytes": w.stat().st_size, "sha256": hashlib.sha256(w.read_bytes()).hexdigest()}
+        for w in wheels
+    ]
 
 
 def machine_requirements(directory: Path) -> list[str]:
@@ -176,20 +213,25 @@ def machine_requirements(directory: Path) -> list[str]:
     merged: dict[str, list[str]] = {}
     for need in sorted(needs):
         name = re.split(r"[<>=!~\[(]", need)[0]
-        merged.setdefault(normalize(name), []).extend(s for s in need[len(name):].split(",") if s)
+        merged.setdefault(normalize(name), []).extend(s for s in need[len(name) :].split(",") if s)
     return [name + ",".join(sorted(set(specs))) for name, specs in sorted(merged.items()) if name not in carried]
 
 
 def tracked_files(root: Path) -> list[str]:
     """What the device tool sends: tracked files and untracked ones git does not ignore."""
-    done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return sorted({p for p in done.stdout.split("\0") if p and (root / p).is_file()})
 
 
 def write_archive(root: Path, target: Path, kind: str) -> dict:
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     if kind == "head":
         subprocess.run(["git", "-C", str(root), "archive", "--format=tar.gz", "-o", str(target), "HEAD"], check=True)
         return {"archive": "git archive HEAD", "commit": commit}
@@ -198,15 +240,21 @@ def write_archive(root: Path, target: Path, kind: str) -> dict:
         for path in files:
             tar.add(root / path, arcname=path, recursive=False)
     dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True).stdout
-    return {"archive": "the working tree (tracked and untracked-not-ignored files)", "commit": commit,
-            "uncommitted_changes": bool(dirty.strip()), "files": len(files)}
+    return {
+        "archive": "the working tree (tracked and untracked-not-ignored files)",
+        "commit": commit,
+        "uncommitted_changes": bool(dirty.strip()),
+        "files": len(files),
+    }
 
 
 def write_assets(assets: Path, target: Path) -> list[str]:
     missing = [name for name in ASSETS if not (assets / name).is_file()]
     if missing:
-        raise BuildError(f"{assets} lacks {', '.join(missing)} (the shared assets: --assets DIR, or --no-assets "
-                         "for chattune's demo tokenizer and chats, which bench_gpu.py cannot use)")
+        raise BuildError(
+            f"{assets} lacks {', '.join(missing)} (the shared assets: --assets DIR, or --no-assets "
+            "for chattune's demo tokenizer and chats, which bench_gpu.py cannot use)"
+        )
     with tarfile.open(target, "w:gz") as tar:
         for name in ASSETS:
             tar.add(assets / name, arcname=name)
@@ -230,7 +278,9 @@ def carry_path(folder: Path, root: Path) -> str:
 
 def command_for(folder: str, budget: int, extra: str = "") -> str:
     command = f'bash {folder}/run.sh --results "$OUT" --budget {budget}{extra}'
-    assert len(command) <= COMMAND_LIMIT, f"the command is {len(command)} characters (the device tool takes {COMMAND_LIMIT})"
+    assert len(command) <= COMMAND_LIMIT, (
+        f"the command is {len(command)} characters (the device tool takes {COMMAND_LIMIT})"
+    )
     return command
 
 
@@ -242,14 +292,18 @@ def build(args: argparse.Namespace) -> dict:
     folder.mkdir(parents=True)
     packages = PACKAGES + [(*spec.split("=="), "--extra") for spec in args.extra]
     fetch_wheels(folder / "wheels", packages)
-    manifest = {"built": time.strftime("%Y-%m-%d %H:%M:%S"), "python": PYTHON_VERSION, "platforms": list(PLATFORMS),
-                "wheels": check_wheels(folder / "wheels", packages),
-                "machine_requirements": machine_requirements(folder / "wheels"),
-                "imports": [{"module": m, "required": r, "from": f} for m, r, f in IMPORTS],
-                "minimum": {k: ".".join(map(str, v)) for k, v in MINIMUM.items()},
-                "project": write_archive(args.root, folder / "project.tar.gz", args.archive),
-                "assets": [] if args.no_assets else write_assets(args.assets, folder / "assets.tar.gz"),
-                "budget": args.budget}
+    manifest = {
+        "built": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": PYTHON_VERSION,
+        "platforms": list(PLATFORMS),
+        "wheels": check_wheels(folder / "wheels", packages),
+        "machine_requirements": machine_requirements(folder / "wheels"),
+        "imports": [{"module": m, "required": r, "from": f} for m, r, f in IMPORTS],
+        "minimum": {k: ".".join(map(str, v)) for k, v in MINIMUM.items()},
+        "project": write_archive(args.root, folder / "project.tar.gz", args.archive),
+        "assets": [] if args.no_assets else write_assets(args.assets, folder / "assets.tar.gz"),
+        "budget": args.budget,
+    }
     shutil.copy(ROOT / "scripts" / "gpu_carry_run.sh", folder / "run.sh")
     (folder / "run.sh").chmod(0o755)
     shutil.copy(Path(__file__), folder / "gpu_carry.py")
@@ -269,29 +323,50 @@ def build(args: argparse.Namespace) -> dict:
             raise BuildError(f"{f} holds {size / MIB:.1f} MiB: the device tool carries at most 64 MiB")
     first = tree + sizes[folder]
     if first >= CARRY_LIMIT:
-        raise BuildError(f"the working tree ({tree / MIB:.1f} MiB) and {folder} ({sizes[folder] / MIB:.1f} MiB) "
-                         "together pass the device tool's 64 MiB")
+        raise BuildError(
+            f"the working tree ({tree / MIB:.1f} MiB) and {folder} ({sizes[folder] / MIB:.1f} MiB) "
+            "together pass the device tool's 64 MiB"
+        )
     if len(folders) > 1 and first + sizes[folders[1]] >= CARRY_LIMIT:
-        raise BuildError(f"the working tree, {folder} and {folders[1]} together hold "
-                         f"{(first + sizes[folders[1]]) / MIB:.1f} MiB: over the device tool's 64 MiB")
+        raise BuildError(
+            f"the working tree, {folder} and {folders[1]} together hold "
+            f"{(first + sizes[folders[1]]) / MIB:.1f} MiB: over the device tool's 64 MiB"
+        )
     name = carry_path(folder, args.root)
-    report = {"folder": str(folder), "bytes": sizes[folder], "tree_bytes": tree, "carry": [name],
-              "command": command_for(name, args.budget), "seconds": time.time() - started}
+    report = {
+        "folder": str(folder),
+        "bytes": sizes[folder],
+        "tree_bytes": tree,
+        "carry": [name],
+        "command": command_for(name, args.budget),
+        "seconds": time.time() - started,
+    }
     if len(folders) > 1:
         bnb_name = carry_path(folders[1], args.root)
-        report["bnb"] = {"folder": str(folders[1]), "bytes": sizes[folders[1]], "carry": [name, bnb_name],
-                         "command": command_for(name, args.budget, f" --extra-wheels {bnb_name}/wheels "
-                                                f"--no-bench --check-args '--only throughput_0.6b_qlora'")}
+        report["bnb"] = {
+            "folder": str(folders[1]),
+            "bytes": sizes[folders[1]],
+            "carry": [name, bnb_name],
+            "command": command_for(
+                name,
+                args.budget,
+                f" --extra-wheels {bnb_name}/wheels --no-bench --check-args '--only throughput_0.6b_qlora'",
+            ),
+        }
     return report
 
 
 def print_report(report: dict, args: argparse.Namespace) -> None:
     manifest = json.loads((Path(report["folder"]) / "MANIFEST.json").read_text())
-    print(f"folder: {report['folder']} ({report['bytes'] / MIB:.1f} MiB; the working tree beside it "
-          f"{report['tree_bytes'] / MIB:.1f} MiB; limit 64 MiB together)")
+    print(
+        f"folder: {report['folder']} ({report['bytes'] / MIB:.1f} MiB; the working tree beside it "
+        f"{report['tree_bytes'] / MIB:.1f} MiB; limit 64 MiB together)"
+    )
     print(f"  wheels: {', '.join(w['file'] for w in manifest['wheels'])}")
-    print(f"  project: {manifest['project']['archive']} at {manifest['project']['commit'][:12]}; assets: "
-          f"{', '.join(manifest['assets']) or 'none (--no-assets)'}")
+    print(
+        f"  project: {manifest['project']['archive']} at {manifest['project']['commit'][:12]}; assets: "
+        f"{', '.join(manifest['assets']) or 'none (--no-assets)'}"
+    )
     print(f"  the machine must have: {', '.join(manifest['machine_requirements'])}")
     print(f"carry: {json.dumps(report['carry'])}")
     print(f"command ({len(report['command'])} characters): {report['command']}")
@@ -301,8 +376,10 @@ def print_report(report: dict, args: argparse.Namespace) -> None:
         print(f"  carry: {json.dumps(bnb['carry'])}")
         print(f"  command: {bnb['command']}")
     else:
-        print("second call, the QLoRA rows: python scripts/gpu_carry.py --with-bitsandbytes (a folder of its own, "
-              "then the command it prints); run.sh's summary prints the second command for what did not fit")
+        print(
+            "second call, the QLoRA rows: python scripts/gpu_carry.py --with-bitsandbytes (a folder of its own, "
+            "then the command it prints); run.sh's summary prints the second command for what did not fit"
+        )
 
 
 # --- on the GPU machine (called by run.sh; the standard library only) ---
@@ -350,8 +427,13 @@ def check_env(folder: Path, target: Path, dry_run: bool, allow_cpu: bool = False
             continue
         for op, wanted in re.findall(r"(>=|<=|==|<|>)([0-9][0-9.]*)", spec):
             a, b = version_tuple(have), version_tuple(wanted)
-            if not {">=": a >= b, "<=": a <= b, "==": a == b or have.startswith(wanted.rstrip(".*")),
-                    "<": a < b, ">": a > b}[op]:
+            if not {
+                ">=": a >= b,
+                "<=": a <= b,
+                "==": a == b or have.startswith(wanted.rstrip(".*")),
+                "<": a < b,
+                ">": a > b,
+            }[op]:
                 notes.append(f"{name} {have} does not meet {need} (carry it: gpu_carry.py --extra {name}==VERSION)")
     try:
         import torch
@@ -378,8 +460,9 @@ def check_env(folder: Path, target: Path, dry_run: bool, allow_cpu: bool = False
     return 0
 
 
-def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str, budget: int,
-            extra_wheels: list[str] = ()) -> None:
+def summary(
+    folder: Path, results: Path, check_args: str, runs: str, carry: str, budget: int, extra_wheels: list[str] = ()
+) -> None:
     """What ran, what did not, and the second command for the rest. Reads the scripts' own reports:
     gpu_check.json's rows and `not_run` (the items its budget left out or stopped), bench_gpu's results.json
     rows and their `status` ("ran", "not run (budget ...)", "not finished (...)", "FAIL: ...")."""
@@ -391,15 +474,19 @@ def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str,
         facts = json.loads(report.read_text())
         rows = facts["rows"]
         counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "SKIP", "NOT RUN")}
-        lines.append(f"gpu_check: {len(rows)} rows, {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP, "
-                     f"{counts['NOT RUN']} NOT RUN")
+        lines.append(
+            f"gpu_check: {len(rows)} rows, {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP, "
+            f"{counts['NOT RUN']} NOT RUN"
+        )
         lines += [f"  FAIL {r['check']}: {r['figure']} {r['detail'][:150]}" for r in rows if r["status"] == "FAIL"]
         lines += [f"  {r['status']} {r['check']}: {r['figure']}" for r in rows if r["status"] in ("SKIP", "NOT RUN")]
         if facts.get("not_run"):
             again.append(f"--no-bench --check-args '--only {' '.join(dict.fromkeys(facts['not_run']))}'")
         if any("bitsandbytes" in r["figure"] for r in rows if r["status"] == "SKIP"):
-            lines.append("  QLoRA: bitsandbytes was not carried: python scripts/gpu_carry.py --with-bitsandbytes, "
-                         "then the second command it prints")
+            lines.append(
+                "  QLoRA: bitsandbytes was not carried: python scripts/gpu_carry.py --with-bitsandbytes, "
+                "then the second command it prints"
+            )
     else:
         lines.append("gpu_check: no report (see logs.tar.gz: gpu_check.log)")
     bench = results / "bench_gpu.json"
@@ -411,24 +498,34 @@ def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str,
         rows = json.loads(bench.read_text())
         for r in rows:
             if r.get("status", "ran") == "ran":
-                lines.append(f"bench {r['run']} {r['tool']}: {r['tokens_per_s']:,.0f} tokens/s"
-                             + (f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""))
+                lines.append(
+                    f"bench {r['run']} {r['tool']}: {r['tokens_per_s']:,.0f} tokens/s"
+                    + (f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else "")
+                )
             else:
                 lines.append(f"bench {r['run']} {r['tool']}: {r['status']}")
         left_out = {r["run"] for r in rows if r.get("status", "ran").startswith("not ")}  # not run / not finished
-        rest = [run for run in dict.fromkeys(wanted + sorted(left_out))
-                if run in left_out or run not in {r["run"] for r in rows}]
+        rest = [
+            run
+            for run in dict.fromkeys(wanted + sorted(left_out))
+            if run in left_out or run not in {r["run"] for r in rows}
+        ]
     else:
         lines.append("bench_gpu: no results (see logs.tar.gz: bench_gpu.log)")
         rest = wanted
     if rest:
         again.append(f"--no-check --runs '{' '.join(rest)}'")
     # A second call carries and installs what this one did (--extra-wheels: the bitsandbytes folder)
-    carried = [carry, *dict.fromkeys(Path(d).parent.as_posix() if Path(d).name == "wheels" else d for d in extra_wheels)]
+    carried = [
+        carry,
+        *dict.fromkeys(Path(d).parent.as_posix() if Path(d).name == "wheels" else d for d in extra_wheels),
+    ]
     wheels = "".join(f" --extra-wheels {d}" for d in extra_wheels)
     for extra in again:
-        lines.append(f"second call (carry {json.dumps(carried)}): bash {carry}/run.sh --results \"$OUT\" --budget {budget}"
-                     f"{wheels} {extra}")
+        lines.append(
+            f'second call (carry {json.dumps(carried)}): bash {carry}/run.sh --results "$OUT" --budget {budget}'
+            f"{wheels} {extra}"
+        )
     if not again:
         lines.append("nothing left for a second call")
     text = "\n".join(lines)
@@ -438,7 +535,9 @@ def summary(folder: Path, results: Path, check_args: str, runs: str, carry: str,
 
 def main() -> int:
     if sys.argv[1:2] == ["--check-env"]:
-        return check_env(Path(sys.argv[2]), Path(sys.argv[3]), "--dry-run" in sys.argv[4:], "--allow-cpu" in sys.argv[4:])
+        return check_env(
+            Path(sys.argv[2]), Path(sys.argv[3]), "--dry-run" in sys.argv[4:], "--allow-cpu" in sys.argv[4:]
+        )
     if sys.argv[1:2] == ["--summary"]:
         folder, results, check_args, runs, carry, budget = sys.argv[2:8]
         summary(Path(folder), Path(results), check_args, runs, carry, int(budget), sys.argv[8:])
@@ -447,13 +546,22 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / ".gpu-carry", help="the folder (default: .gpu-carry/)")
     parser.add_argument("--assets", type=Path, default=ROOT.parent / "shared" / "assets")
     parser.add_argument("--no-assets", action="store_true", help="carry no assets (gpu_check uses the demo ones)")
-    parser.add_argument("--archive", choices=["worktree", "head"], default="worktree",
-                        help="the project archive: the working tree as the device tool sends it, or git archive HEAD")
+    parser.add_argument(
+        "--archive",
+        choices=["worktree", "head"],
+        default="worktree",
+        help="the project archive: the working tree as the device tool sends it, or git archive HEAD",
+    )
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="seconds for install and both scripts")
     parser.add_argument("--with-bitsandbytes", action="store_true", help="also build --bnb-out for the QLoRA rows")
     parser.add_argument("--bnb-out", type=Path, default=ROOT / ".gpu-carry-bnb")
-    parser.add_argument("--extra", action="append", default=[], metavar="NAME==VERSION",
-                        help="one more wheel (e.g. one the machine has too old), repeatable")
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME==VERSION",
+        help="one more wheel (e.g. one the machine has too old), repeatable",
+    )
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the report as JSON too")
     args = parser.parse_args()
@@ -462,8 +570,10 @@ def main() -> int:
     try:
         report = build(args)
     except BuildError as error:
-        print(f"gpu_carry: {'the package registry is unreachable: ' if isinstance(error, RegistryError) else ''}"
-              f"{error}", file=sys.stderr)
+        print(
+            f"gpu_carry: {'the package registry is unreachable: ' if isinstance(error, RegistryError) else ''}{error}",
+            file=sys.stderr,
+        )
         return 4 if isinstance(error, RegistryError) else 2
     print_report(report, args)
     if args.json:

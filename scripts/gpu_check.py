@@ -176,9 +176,18 @@ def tokenizer(ctx: Context):
 def qwen3_config(shape: str, layers: int | None = None) -> dict:
     """transformers.Qwen3Config's keywords for a shape (the vocabulary is the tokenizer's: build_hf_model)."""
     hidden, intermediate, num_layers, heads, kv_heads = SHAPES[shape]
-    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers or num_layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128 if shape != "tiny" else 16,
-                tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers or num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=128 if shape != "tiny" else 16,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    )
 
 
 def hf_model(ctx: Context, shape: str, layers: int | None = None, seed: int = 0):
@@ -192,8 +201,9 @@ def hf_model(ctx: Context, shape: str, layers: int | None = None, seed: int = 0)
     return build_hf_model(tokenizer(ctx), Qwen3Config(**qwen3_config(shape, layers)))
 
 
-def recipe_model(ctx: Context, shape: str, layers: int | None = None, compile: bool = False, loss: str = "chunked",
-                 seed: int = 0):
+def recipe_model(
+    ctx: Context, shape: str, layers: int | None = None, compile: bool = False, loss: str = "chunked", seed: int = 0
+):
     """The model as recipes/sft.py builds it, through the same function (chattune.model.build.build_sharded_model,
     which build_trained_model calls): the architecture check, the loss head's choice and its TF32 scope,
     `probe_native_gqa` on CUDA (how torch's varlen_attn takes grouped-query attention: the path a recipe's
@@ -207,8 +217,15 @@ def recipe_model(ctx: Context, shape: str, layers: int | None = None, compile: b
     from chattune.model.build import build_sharded_model
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose("sft/tiny", overrides=[f"seed={seed}", f"device={ctx.device.type}",
-                                             f"model.compile={str(compile).lower()}", f"loss.implementation={loss}"])
+        cfg = compose(
+            "sft/tiny",
+            overrides=[
+                f"seed={seed}",
+                f"device={ctx.device.type}",
+                f"model.compile={str(compile).lower()}",
+                f"loss.implementation={loss}",
+            ],
+        )
     with open_dict(cfg):
         cfg.model.config = {"_target_": "transformers.Qwen3Config", **qwen3_config(shape, layers)}
     return build_sharded_model(cfg, tokenizer(ctx), ctx.dist_info, None)
@@ -229,12 +246,13 @@ def chat_documents(ctx: Context, count: int, start: int = 0) -> list[Document]:
     """Real chats tokenized with assistant-only labels, as training sees them."""
     tok = tokenizer(ctx)
     markers = probe_template(tok)
-    lines = ctx.chats.read_text().splitlines()[start:start + count]
+    lines = ctx.chats.read_text().splitlines()[start : start + count]
     documents = []
     for i, line in enumerate(lines):
         tokenized = tokenize_conversation(tok, json.loads(line)["messages"], markers)
-        documents.append(Document(start + i, tokenized.input_ids,
-                                  shifted_labels(tokenized.input_ids, tokenized.assistant_mask)))
+        documents.append(
+            Document(start + i, tokenized.input_ids, shifted_labels(tokenized.input_ids, tokenized.assistant_mask))
+        )
     return documents
 
 
@@ -258,9 +276,13 @@ def check_packed_vs_hf(ctx: Context) -> None:
     reference = hf_model(ctx, ctx.shape)  # the same seed: the same weights, checked here
     reference.set_attn_implementation("sdpa")
     reference = reference.to(ctx.device)
-    differing = [name for name, parameter in model.named_parameters()
-                 if not torch.equal(parameter.full_tensor() if isinstance(parameter, DTensor) else parameter,
-                                    reference.get_parameter(name))]
+    differing = [
+        name
+        for name, parameter in model.named_parameters()
+        if not torch.equal(
+            parameter.full_tensor() if isinstance(parameter, DTensor) else parameter, reference.get_parameter(name)
+        )
+    ]
     if differing:
         ctx.add("packed_vs_hf", False, f"the reference's weights differ from the recipe-built model's: {differing[:3]}")
         return
@@ -286,19 +308,32 @@ def check_packed_vs_hf(ctx: Context) -> None:
     want_grad = reference.model.layers[layer].self_attn.q_proj.weight.grad.float()
     with torch.no_grad():  # the control: one causal attention over the whole row, documents see each other
         # (an explicit all-ones mask: with none, transformers finds the documents from the position ids)
-        hidden = reference.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                                 attention_mask=torch.ones_like(batch.input_ids)).last_hidden_state[0]
+        hidden = reference.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            attention_mask=torch.ones_like(batch.input_ids),
+        ).last_hidden_state[0]
         leaked = head_losses(hidden, batch.labels[0])
     bounds = (0.05, 1e-3, 3e-2) if ctx.cuda else (1e-4, 1e-6, 1e-5)
     token = float((losses.detach() - want.detach()).abs().max())
     total = abs(float(losses.sum()) - float(want.sum())) / abs(float(want.sum()))
     grad_error = relative(grad, want_grad)
     ok = token <= bounds[0] and total <= bounds[1] and grad_error <= bounds[2]
-    ctx.add("packed_vs_hf", ok, f"token max|diff| {token:.3g}, sum rel {total:.2g}, q_proj grad rel {grad_error:.2g}",
-            f"≤ {bounds[0]:g} / {bounds[1]:g} / {bounds[2]:g}", f"{batch.num_tokens} tokens, {len(documents)} chats")
+    ctx.add(
+        "packed_vs_hf",
+        ok,
+        f"token max|diff| {token:.3g}, sum rel {total:.2g}, q_proj grad rel {grad_error:.2g}",
+        f"≤ {bounds[0]:g} / {bounds[1]:g} / {bounds[2]:g}",
+        f"{batch.num_tokens} tokens, {len(documents)} chats",
+    )
     control = float((leaked - want.detach()).abs().max())
-    ctx.add("leak_control", control > 10 * bounds[0], f"token max|diff| {control:.3g} with documents leaking",
-            f"> {10 * bounds[0]:g}: ten times the check's bound")
+    ctx.add(
+        "leak_control",
+        control > 10 * bounds[0],
+        f"token max|diff| {control:.3g} with documents leaking",
+        f"> {10 * bounds[0]:g}: ten times the check's bound",
+    )
 
 
 def check_cce(ctx: Context) -> None:
@@ -312,7 +347,7 @@ def check_cce(ctx: Context) -> None:
     generator = torch.Generator(device=ctx.device).manual_seed(0)
     hidden = torch.randn(tokens, width, generator=generator, device=ctx.device).bfloat16()
     # Peaked logits (std ~4), like a trained model's, not the near-uniform softmax of random weights.
-    weight = (torch.randn(vocab, width, generator=generator, device=ctx.device) * 4 / width ** 0.5).bfloat16()
+    weight = (torch.randn(vocab, width, generator=generator, device=ctx.device) * 4 / width**0.5).bfloat16()
     labels = torch.randint(0, vocab, (tokens,), generator=generator, device=ctx.device)
     labels[::7] = IGNORE_INDEX
     upstream = torch.linspace(0.5, 1.5, tokens, device=ctx.device)
@@ -333,9 +368,14 @@ def check_cce(ctx: Context) -> None:
     bounds = (1e-3, 1e-4, 3e-2) if ctx.cuda else (5e-3, 2.5e-4, 1e-2)
     ok = token <= bounds[0] and total <= bounds[1] and max(hidden_grad, head_grad) <= bounds[2]
     options = fused_loss.cce_options(ctx.cuda)
-    ctx.add("cce_vs_chunked", ok, f"token {token:.2g} of max, sum rel {total:.2g}, hidden grad rel {hidden_grad:.2g}, "
-            f"head grad rel {head_grad:.2g}", f"≤ {bounds[0]:g} / {bounds[1]:g} / {bounds[2]:g} / {bounds[2]:g}",
-            f"{tokens}x{width}, vocab {vocab}, options {options}")
+    ctx.add(
+        "cce_vs_chunked",
+        ok,
+        f"token {token:.2g} of max, sum rel {total:.2g}, hidden grad rel {hidden_grad:.2g}, "
+        f"head grad rel {head_grad:.2g}",
+        f"≤ {bounds[0]:g} / {bounds[1]:g} / {bounds[2]:g} / {bounds[2]:g}",
+        f"{tokens}x{width}, vocab {vocab}, options {options}",
+    )
 
 
 def check_tf32_scope(ctx: Context) -> None:
@@ -344,7 +384,9 @@ def check_tf32_scope(ctx: Context) -> None:
     tokens, width, vocab = (4096, 1024, 32768) if ctx.cuda else (256, 64, 1024)
     generator = torch.Generator(device=ctx.device).manual_seed(1)
     hidden = torch.randn(tokens, width, generator=generator, device=ctx.device).bfloat16()
-    weight = (torch.randn(vocab, width, generator=generator, device=ctx.device) / width ** 0.5).bfloat16().requires_grad_()
+    weight = (
+        (torch.randn(vocab, width, generator=generator, device=ctx.device) / width**0.5).bfloat16().requires_grad_()
+    )
     labels = torch.randint(0, vocab, (tokens,), generator=generator, device=ctx.device)
     before = torch.get_float32_matmul_precision()
     fast = chunked_token_losses(hidden, weight, labels, 1024, tf32=True)
@@ -352,8 +394,12 @@ def check_tf32_scope(ctx: Context) -> None:
     exact = chunked_token_losses(hidden, weight, labels, 1024, tf32=False).detach()
     error = relative(fast.detach(), exact)
     after = torch.get_float32_matmul_precision()
-    ctx.add("tf32_scope", error <= 1e-5 and before == after == "highest",
-            f"forward rel {error:.2g} against fp32; precision {before} -> {after}", "≤ 1e-5; highest")
+    ctx.add(
+        "tf32_scope",
+        error <= 1e-5 and before == after == "highest",
+        f"forward rel {error:.2g} against fp32; precision {before} -> {after}",
+        "≤ 1e-5; highest",
+    )
 
 
 def check_compile(ctx: Context) -> None:
@@ -363,7 +409,7 @@ def check_compile(ctx: Context) -> None:
     documents = chat_documents(ctx, 80, start=100)
     rows, start = [], 0
     for size in [3, 5, 2, 7, 4, 6, 3, 5, 8, 2, 4, 6, 5, 3, 7, 4, 2, 6, 5, 3]:  # 20 packed lengths
-        rows.append(collate_packed(documents[start % 60:start % 60 + size]))
+        rows.append(collate_packed(documents[start % 60 : start % 60 + size]))
         start += size
     layers = 4 if ctx.cuda else None
 
@@ -387,8 +433,12 @@ def check_compile(ctx: Context) -> None:
     bounds = (1e-2, 5e-2) if ctx.cuda else (1e-5, 1e-4)
     loss_error = max(relative(c[0], e[0]) for c, e in zip(compiled, eager))
     grad_error = max(relative(c[1][n], e[1][n]) for c, e in zip(compiled, eager) for n in e[1])
-    ctx.add("compile_vs_eager", loss_error <= bounds[0] and grad_error <= bounds[1],
-            f"losses rel {loss_error:.2g}, gradients rel {grad_error:.2g}", f"≤ {bounds[0]:g} / {bounds[1]:g}")
+    ctx.add(
+        "compile_vs_eager",
+        loss_error <= bounds[0] and grad_error <= bounds[1],
+        f"losses rel {loss_error:.2g}, gradients rel {grad_error:.2g}",
+        f"≤ {bounds[0]:g} / {bounds[1]:g}",
+    )
     later = graphs[-1] - graphs[3]
     ctx.add("recompiles", later == 0, f"graphs after each of 20 steps: {graphs[1:]}", "none after the third")
 
@@ -399,9 +449,15 @@ def _pair_batches(ctx: Context, count: int) -> list:
     pairs = []
     for k in range(count):
         chosen, rejected = documents[2 * k], documents[2 * k + 1]
-        pairs.append(Document(k, [*chosen.input_ids, *rejected.input_ids], [*chosen.labels, *rejected.labels],
-                              segments=(len(chosen), len(rejected))))
-    return [collate_packed(pairs[i:i + 4]) for i in range(0, count, 4)]
+        pairs.append(
+            Document(
+                k,
+                [*chosen.input_ids, *rejected.input_ids],
+                [*chosen.labels, *rejected.labels],
+                segments=(len(chosen), len(rejected)),
+            )
+        )
+    return [collate_packed(pairs[i : i + 4]) for i in range(0, count, 4)]
 
 
 def check_dpo_reference(ctx: Context) -> None:
@@ -438,7 +494,7 @@ def check_dpo_reference(ctx: Context) -> None:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         for step in range(2):
-            train_step(policy, objective, StepBatches(batches[step:step + 1]), optimizer, scheduler, 1.0, ctx.device)
+            train_step(policy, objective, StepBatches(batches[step : step + 1]), optimizer, scheduler, 1.0, ctx.device)
         gathered = sum(not isinstance(p, DTensor) for p in reference_model.parameters())
         peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**30 if ctx.cuda else float("nan")
         del policy, reference_model, objective, optimizer, scheduler
@@ -447,13 +503,21 @@ def check_dpo_reference(ctx: Context) -> None:
     befores: list[float] = []
     fixed, unfixed = run(LiveReference), run(WithoutReshard)
     if ctx.cuda:
-        ctx.add("dpo_reference_memory", fixed[0] < unfixed[0] and fixed[1] == 0,
-                f"peak {fixed[0]:.2f} GiB resharded vs {unfixed[0]:.2f} GiB gathered", "lower",
-                f"gathered reference parameters: {fixed[1]} vs {unfixed[1]}; allocated before each run "
-                f"{befores[0]:.2f} / {befores[1]:.2f} GiB")
+        ctx.add(
+            "dpo_reference_memory",
+            fixed[0] < unfixed[0] and fixed[1] == 0,
+            f"peak {fixed[0]:.2f} GiB resharded vs {unfixed[0]:.2f} GiB gathered",
+            "lower",
+            f"gathered reference parameters: {fixed[1]} vs {unfixed[1]}; allocated before each run "
+            f"{befores[0]:.2f} / {befores[1]:.2f} GiB",
+        )
     else:
-        ctx.add("dpo_reference_memory", fixed[1] == 0 < unfixed[1],
-                f"reference parameters left gathered: {fixed[1]} resharded vs {unfixed[1]} without", "0 and not 0")
+        ctx.add(
+            "dpo_reference_memory",
+            fixed[1] == 0 < unfixed[1],
+            f"reference parameters left gathered: {fixed[1]} resharded vs {unfixed[1]} without",
+            "0 and not 0",
+        )
 
 
 def check_host_syncs(ctx: Context) -> None:
@@ -468,8 +532,11 @@ def check_host_syncs(ctx: Context) -> None:
 
     model = recipe_model(ctx, ctx.shape, layers=4, loss="auto").model  # layers not compiled, as before
     loss = model.loss_implementation
-    optimizer = build_optimizer(OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-5}),
-                                [p for p in model.parameters() if p.requires_grad], ctx.device)
+    optimizer = build_optimizer(
+        OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-5}),
+        [p for p in model.parameters() if p.requires_grad],
+        ctx.device,
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     documents = chat_documents(ctx, 16, start=400)
     microbatches = [collate_packed(documents[:8]), collate_packed(documents[8:])]
@@ -488,8 +555,13 @@ def check_host_syncs(ctx: Context) -> None:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
     allowed = 1 + (len(microbatches) if loss == "cut_cross_entropy" else 0)
-    ctx.add("host_syncs", len(syncs) <= allowed, f"{len(syncs)} in a step of 2 microbatches ({loss})", f"≤ {allowed}",
-            "; ".join(sorted(set(syncs)))[:300])
+    ctx.add(
+        "host_syncs",
+        len(syncs) <= allowed,
+        f"{len(syncs)} in a step of 2 microbatches ({loss})",
+        f"≤ {allowed}",
+        "; ".join(sorted(set(syncs)))[:300],
+    )
 
 
 @contextmanager
@@ -516,18 +588,35 @@ def one_rank_group(ctx: Context):
 
 def recipe_environment() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def run_recipe(ctx: Context, name: str, overrides: list[str], recipe: str = "sft") -> tuple[Path, str]:
     """Launch a recipe into work/<name> (a fresh directory unless a launch continues it); (output dir, log).
     The launch is stopped when the budget runs out (OutOfBudget)."""
     output_dir = ctx.work / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-               str(ROOT / "recipes" / f"{recipe}.py"), "--config-name", f"{recipe}/local_model",
-               f"output_dir={output_dir}", f"device={ctx.device.type}", "progress=lines", "data.report_records=0",
-               *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(ROOT / "recipes" / f"{recipe}.py"),
+        "--config-name",
+        f"{recipe}/local_model",
+        f"output_dir={output_dir}",
+        f"device={ctx.device.type}",
+        "progress=lines",
+        "data.report_records=0",
+        *overrides,
+    ]
     done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
     log = done.stdout + done.stderr
     (ctx.out / f"{name}.log").write_text(log)
@@ -554,11 +643,25 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
     extra = {"sft": [], "lora": ["peft=lora"], "qlora": ["peft=qlora"]}[mode]
     directory = model_dir(ctx, shape)
     try:
-        output_dir, log = run_recipe(ctx, name, [
-            f"model.path={directory}", f"data.train=[{ctx.chats}]", "data.eval=[]", "overwrite=true",
-            f"max_steps={steps}", "log_every=1", "save_every=0", "eval_every=0",
-            f"data.max_tokens_per_microbatch={budget}", f"grad_accum_steps={accum}", "data.num_workers=2",
-            f"model.fsdp.activation_checkpointing={'true' if shape == '1.7b' else 'false'}", *extra])
+        output_dir, log = run_recipe(
+            ctx,
+            name,
+            [
+                f"model.path={directory}",
+                f"data.train=[{ctx.chats}]",
+                "data.eval=[]",
+                "overwrite=true",
+                f"max_steps={steps}",
+                "log_every=1",
+                "save_every=0",
+                "eval_every=0",
+                f"data.max_tokens_per_microbatch={budget}",
+                f"grad_accum_steps={accum}",
+                "data.num_workers=2",
+                f"model.fsdp.activation_checkpointing={'true' if shape == '1.7b' else 'false'}",
+                *extra,
+            ],
+        )
     except RuntimeError as error:
         ctx.add(name, False, str(error).splitlines()[0][:200])
         return
@@ -569,8 +672,15 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
     peak = max(m.get("peak_memory_allocated_gib", 0.0) for m in rows) or None
     compute = next((line.split("] ", 1)[-1] for line in log.splitlines() if "] compute:" in line), "")
     ctx.figures[shape, mode] = {"tokens_per_s": tokens, "mfu": mfu, "peak_gib": peak}
-    ctx.add(name, True, f"{tokens:,.0f} tokens/s per device, MFU {mfu:.1%}" if mfu is not None
-            else f"{tokens:,.0f} tokens/s per device", f"peak {peak:.1f} GiB" if peak else "", compute)
+    ctx.add(
+        name,
+        True,
+        f"{tokens:,.0f} tokens/s per device, MFU {mfu:.1%}"
+        if mfu is not None
+        else f"{tokens:,.0f} tokens/s per device",
+        f"peak {peak:.1f} GiB" if peak else "",
+        compute,
+    )
     if ctx.cuda and shape == "1.7b" and mode == "sft" and mfu is not None:
         ctx.add("target_mfu_1.7b", mfu >= 0.45, f"MFU {mfu:.1%}", "≥ 45%")
 
@@ -594,17 +704,26 @@ def compare_with_trl(ctx: Context, shape: str, steps: int, warmup: int) -> None:
         return
     ours = ctx.figures[shape, "sft"]
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-    ctx.add(f"target_vs_trl_{shape}", ratio >= 3.0, f"{ratio:.2f}× TRL's {theirs['tokens_per_s']:,.0f} tokens/s", "≥ 3×")
+    ctx.add(
+        f"target_vs_trl_{shape}", ratio >= 3.0, f"{ratio:.2f}× TRL's {theirs['tokens_per_s']:,.0f} tokens/s", "≥ 3×"
+    )
     if ours["peak_gib"] is not None:
-        ctx.add(f"target_memory_vs_trl_{shape}", ours["peak_gib"] <= theirs["peak_memory_gib"],
-                f"{ours['peak_gib']:.1f} GiB vs TRL's {theirs['peak_memory_gib']:.1f} GiB", "≤ TRL's")
+        ctx.add(
+            f"target_memory_vs_trl_{shape}",
+            ours["peak_gib"] <= theirs["peak_memory_gib"],
+            f"{ours['peak_gib']:.1f} GiB vs TRL's {theirs['peak_memory_gib']:.1f} GiB",
+            "≤ TRL's",
+        )
 
 
 def cuda_test_files() -> list[str]:
     """The test files with CUDA-only tests (a `torch.cuda.is_available()` skip), and tests/test_varlen_fallback.py
     (torch's varlen_attn as the GPU machine's torch has it)."""
-    files = {f"tests/{path.name}" for path in sorted((ROOT / "tests").glob("test_*.py"))
-             if "cuda.is_available()" in path.read_text()}
+    files = {
+        f"tests/{path.name}"
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        if "cuda.is_available()" in path.read_text()
+    }
     return sorted(files | {"tests/test_varlen_fallback.py"})
 
 
@@ -618,17 +737,33 @@ def cuda_tests(ctx: Context) -> None:
     if importable.returncode:  # absent, or a dependency of it missing (pygments for pytest 9)
         ctx.add("cuda_tests", None, "pytest does not import", detail=importable.stderr.strip()[-300:])
         return
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *cuda_test_files(), "-k",
-               "cuda or varlen_fallback"]  # -k matches module names too: every test of test_varlen_fallback.py
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        *cuda_test_files(),
+        "-k",
+        "cuda or varlen_fallback",
+    ]  # -k matches module names too: every test of test_varlen_fallback.py
     done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
     log = done.stdout + done.stderr
     (ctx.out / "cuda_tests.log").write_text(log)
     counts = re.compile(r"\d+ (passed|failed|error|deselected|skipped)")
-    summary = next((line.strip("= ") for line in reversed(log.splitlines()) if counts.search(line)),
-                   f"exit {done.returncode}")
+    summary = next(
+        (line.strip("= ") for line in reversed(log.splitlines()) if counts.search(line)), f"exit {done.returncode}"
+    )
     skipped = "; ".join(line.split("] ", 1)[-1] for line in log.splitlines() if line.startswith("SKIPPED"))
-    ctx.add("cuda_tests", done.returncode == 0 and "passed" in summary, summary, "all selected pass",
-            f"{shlex.join(command[3:])}; {skipped}"[:300])
+    ctx.add(
+        "cuda_tests",
+        done.returncode == 0 and "passed" in summary,
+        summary,
+        "all selected pass",
+        f"{shlex.join(command[3:])}; {skipped}"[:300],
+    )
 
 
 def resume_and_export(ctx: Context) -> None:
@@ -639,9 +774,19 @@ def resume_and_export(ctx: Context) -> None:
     eval_file = ctx.work / "eval.jsonl"
     eval_file.write_text("\n".join(ctx.chats.read_text().splitlines()[-48:]) + "\n")
     budget = 4096 if ctx.cuda else 1024
-    common = [f"model.path={model_dir(ctx, ctx.shape)}", f"data.train=[{ctx.chats}]", f"data.eval=[{eval_file}]",
-              "max_steps=8", "log_every=1", "eval_every=4", "save_async=true", "export.dtype=float32",
-              f"data.max_tokens_per_microbatch={budget}", "grad_accum_steps=2", "data.num_workers=2"]
+    common = [
+        f"model.path={model_dir(ctx, ctx.shape)}",
+        f"data.train=[{ctx.chats}]",
+        f"data.eval=[{eval_file}]",
+        "max_steps=8",
+        "log_every=1",
+        "eval_every=4",
+        "save_async=true",
+        "export.dtype=float32",
+        f"data.max_tokens_per_microbatch={budget}",
+        "grad_accum_steps=2",
+        "data.num_workers=2",
+    ]
     started = time.perf_counter()
     straight, _ = run_recipe(ctx, "resume_straight", [*common, "save_every=3", "overwrite=true"])  # saves 3, 6
     resumed, _ = run_recipe(ctx, "resume_resumed", [*common, "save_every=3", "overwrite=true", "stop_after_step=4"])
@@ -653,9 +798,13 @@ def resume_and_export(ctx: Context) -> None:
     losses = {m["step"]: m["loss"] for m in metrics(straight) if "loss" in m}
     again = {m["step"]: m["loss"] for m in metrics(resumed) if "loss" in m}
     differing = [step for step in losses if losses[step] != again.get(step)]
-    ctx.add("resume_exact", not differing and sorted(losses) == list(range(1, 9)),
-            "bitwise equal losses at steps 1-8" if not differing else f"losses differ at steps {differing}",
-            "bitwise", f"max rel diff {max(abs(losses[s] - again[s]) / abs(losses[s]) for s in losses):.2g}")
+    ctx.add(
+        "resume_exact",
+        not differing and sorted(losses) == list(range(1, 9)),
+        "bitwise equal losses at steps 1-8" if not differing else f"losses differ at steps {differing}",
+        "bitwise",
+        f"max rel diff {max(abs(losses[s] - again[s]) / abs(losses[s]) for s in losses):.2g}",
+    )
 
     def exported(run: Path) -> dict[str, torch.Tensor]:
         index = json.loads((run / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
@@ -670,17 +819,30 @@ def resume_and_export(ctx: Context) -> None:
     weights = exported(resumed)
     mismatched = [name for name, value in weights.items() if not torch.equal(value, masters.get(name, value + 1))]
     # A tied output layer is one parameter, written once (under the embedding's name).
-    unwritten = [name for name in masters if name not in weights
-                 and not any(torch.equal(masters[name], value) for value in weights.values())]
-    ctx.add("export_masters", not mismatched and not unwritten,
-            f"{len(weights) - len(mismatched)} of {len(weights)} exported tensors equal to the step-8 checkpoint's "
-            f"fp32 masters; {len(unwritten)} masters not written", "all, bitwise", ", ".join((mismatched + unwritten)[:3]))
+    unwritten = [
+        name
+        for name in masters
+        if name not in weights and not any(torch.equal(masters[name], value) for value in weights.values())
+    ]
+    ctx.add(
+        "export_masters",
+        not mismatched and not unwritten,
+        f"{len(weights) - len(mismatched)} of {len(weights)} exported tensors equal to the step-8 checkpoint's "
+        f"fp32 masters; {len(unwritten)} masters not written",
+        "all, bitwise",
+        ", ".join((mismatched + unwritten)[:3]),
+    )
     after_eval = exported(straight)
-    shares = {name: float((after_eval[name].bfloat16().float() != after_eval[name]).float().mean())
-              for name in ("model.embed_tokens.weight", "model.norm.weight")}
-    ctx.add("export_after_eval", min(shares.values()) > 0.5,
-            "share of values that are not bf16 values: " + ", ".join(f"{k} {v:.2f}" for k, v in shares.items()),
-            "> 0.5 (bf16 copies: 0)")
+    shares = {
+        name: float((after_eval[name].bfloat16().float() != after_eval[name]).float().mean())
+        for name in ("model.embed_tokens.weight", "model.norm.weight")
+    }
+    ctx.add(
+        "export_after_eval",
+        min(shares.values()) > 0.5,
+        "share of values that are not bf16 values: " + ", ".join(f"{k} {v:.2f}" for k, v in shares.items()),
+        "> 0.5 (bf16 copies: 0)",
+    )
 
 
 # --- the items, in priority order, within a budget ---
@@ -692,17 +854,34 @@ def resume_and_export(ctx: Context) -> None:
 # 71 s for 12 steps, 1.7B 98 s, 0.6B LoRA 83 s. QLoRA and TRL are not measured yet (guesses from the
 # ../shared/gpu/README.md baseline). --estimate-scale adjusts them all.
 ESTIMATES = {
-    "packed_vs_hf": (40, 6), "cce_vs_chunked": (15, 8), "tf32_scope": (5, 2), "compile_vs_eager": (45, 25),
-    "host_syncs": (30, 3), "dpo_reference_memory": (60, 3), "resume_and_export": (240, 75), "cuda_tests": (30, 0),
+    "packed_vs_hf": (40, 6),
+    "cce_vs_chunked": (15, 8),
+    "tf32_scope": (5, 2),
+    "compile_vs_eager": (45, 25),
+    "host_syncs": (30, 3),
+    "dpo_reference_memory": (60, 3),
+    "resume_and_export": (240, 75),
+    "cuda_tests": (30, 0),
 }
 # A throughput launch: (start-up, per step) on one H100 by shape and mode; tiny on the CPU: (15, 1.5).
 LAUNCH_ESTIMATES = {
-    ("0.6b", "sft"): (70, 1.5), ("0.6b", "lora"): (75, 1.5), ("0.6b", "qlora"): (110, 2.0), ("0.6b", "trl"): (150, 4.0),
-    ("1.7b", "sft"): (90, 2.5), ("1.7b", "lora"): (95, 2.5), ("1.7b", "qlora"): (140, 3.0), ("1.7b", "trl"): (180, 6.0),
+    ("0.6b", "sft"): (70, 1.5),
+    ("0.6b", "lora"): (75, 1.5),
+    ("0.6b", "qlora"): (110, 2.0),
+    ("0.6b", "trl"): (150, 4.0),
+    ("1.7b", "sft"): (90, 2.5),
+    ("1.7b", "lora"): (95, 2.5),
+    ("1.7b", "qlora"): (140, 3.0),
+    ("1.7b", "trl"): (180, 6.0),
 }
-IN_PROCESS = {"packed_vs_hf": check_packed_vs_hf, "cce_vs_chunked": check_cce, "tf32_scope": check_tf32_scope,
-              "compile_vs_eager": check_compile, "host_syncs": check_host_syncs,
-              "dpo_reference_memory": check_dpo_reference}
+IN_PROCESS = {
+    "packed_vs_hf": check_packed_vs_hf,
+    "cce_vs_chunked": check_cce,
+    "tf32_scope": check_tf32_scope,
+    "compile_vs_eager": check_compile,
+    "host_syncs": check_host_syncs,
+    "dpo_reference_memory": check_dpo_reference,
+}
 
 
 @dataclass
@@ -732,8 +911,11 @@ def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
     cost = 0 if ctx.cuda else 1  # the (CUDA, CPU) column of ESTIMATES
     items = [Item(name, ESTIMATES[name][cost], check, in_process=True) for name, check in IN_PROCESS.items()]
     first, *others = shapes
-    items += [launch(first, "sft"), Item("resume_and_export", ESTIMATES["resume_and_export"][cost], resume_and_export),
-              Item("cuda_tests", ESTIMATES["cuda_tests"][cost], cuda_tests)]
+    items += [
+        launch(first, "sft"),
+        Item("resume_and_export", ESTIMATES["resume_and_export"][cost], resume_and_export),
+        Item("cuda_tests", ESTIMATES["cuda_tests"][cost], cuda_tests),
+    ]
     modes = ["lora", "qlora"] if ctx.cuda else ["qlora"]  # the CPU smoke test: the SFT launch, no LoRA launch
     if ctx.cuda:
         items.append(launch(first, "trl"))
@@ -772,9 +954,13 @@ def run_items(ctx: Context, items: list[Item], report: Callable[[], None]) -> No
                 with alarm(ctx.budget.left() if item.in_process else None):
                     item.run(ctx)
             except OutOfBudget as stopped:
-                ctx.add_not_run(item.name, f"not finished ({stopped}; estimate ~{item.estimate * ctx.budget.scale:.0f} s)")
+                ctx.add_not_run(
+                    item.name, f"not finished ({stopped}; estimate ~{item.estimate * ctx.budget.scale:.0f} s)"
+                )
             except Exception as error:  # a broken check is a FAIL with its reason; the other checks still run
-                ctx.add(item.name, False, f"{type(error).__name__}: {error}"[:300], detail=traceback.format_exc()[-1500:])
+                ctx.add(
+                    item.name, False, f"{type(error).__name__}: {error}"[:300], detail=traceback.format_exc()[-1500:]
+                )
             ctx.seconds.setdefault(item.name, time.perf_counter() - started)
             ctx.current = None
             pending.pop(0)
@@ -816,7 +1002,9 @@ def watchdog(ctx: Context, report: Callable[[], None]) -> None:
     def expire() -> None:
         for item in list(ctx.pending):
             if item is ctx.current:
-                ctx.add_not_run(item.name, f"not finished (stopped by the watchdog at the budget + {BUDGET_MARGIN_S // 2} s)")
+                ctx.add_not_run(
+                    item.name, f"not finished (stopped by the watchdog at the budget + {BUDGET_MARGIN_S // 2} s)"
+                )
             else:
                 ctx.add_not_run(item.name, ctx.budget.not_run(item.estimate))
         ctx.pending.clear()
@@ -836,8 +1024,14 @@ def watchdog(ctx: Context, report: Callable[[], None]) -> None:
 def environment(ctx: Context) -> dict:
     import transformers
 
-    facts = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(ctx.device),
-             "assets": "shared (Qwen3 tokenizer, FastChat chats)" if ctx.real_assets else "chattune's demo tokenizer and chats"}
+    facts = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(ctx.device),
+        "assets": "shared (Qwen3 tokenizer, FastChat chats)"
+        if ctx.real_assets
+        else "chattune's demo tokenizer and chats",
+    }
     if ctx.cuda:
         facts["gpu"] = torch.cuda.get_device_name(ctx.device)
     for package in ("cut_cross_entropy", "bitsandbytes", "flash_attn", "trl", "peft"):
@@ -891,18 +1085,36 @@ def _version(package: str) -> str:
         return "present"
 
 
-def write_report(ctx: Context, facts: dict, rows: list[Row], not_run: list[str], rerun: str | None = None,
-                 final: bool = True) -> bool:
+def write_report(
+    ctx: Context, facts: dict, rows: list[Row], not_run: list[str], rerun: str | None = None, final: bool = True
+) -> bool:
     """gpu_check.json and gpu_check.md (rewritten after every item) of `rows`; printed when `final`. True: no
     FAIL. `not_run`: the items a second call runs (`rerun`)."""
     with ctx.lock:
         failed = [row for row in rows if row.status == "FAIL"]
-        budget = None if ctx.budget.seconds is None else {
-            "seconds": ctx.budget.seconds, "elapsed": round(time.monotonic() - ctx.budget.started, 1),
-            "margin": BUDGET_MARGIN_S, "estimate_scale": ctx.budget.scale}
-        (ctx.out / "gpu_check.json").write_text(json.dumps(
-            {"environment": facts, "rows": [asdict(row) for row in rows], "seconds": ctx.seconds, "budget": budget,
-             "not_run": not_run, "rerun": rerun}, indent=1))
+        budget = (
+            None
+            if ctx.budget.seconds is None
+            else {
+                "seconds": ctx.budget.seconds,
+                "elapsed": round(time.monotonic() - ctx.budget.started, 1),
+                "margin": BUDGET_MARGIN_S,
+                "estimate_scale": ctx.budget.scale,
+            }
+        )
+        (ctx.out / "gpu_check.json").write_text(
+            json.dumps(
+                {
+                    "environment": facts,
+                    "rows": [asdict(row) for row in rows],
+                    "seconds": ctx.seconds,
+                    "budget": budget,
+                    "not_run": not_run,
+                    "rerun": rerun,
+                },
+                indent=1,
+            )
+        )
         lines = _table(ctx, facts, rows, failed)
         if rerun:
             lines.append(f"Not run within the budget ({', '.join(not_run)}); the second call:\n\n    {rerun}")
@@ -913,22 +1125,33 @@ def write_report(ctx: Context, facts: dict, rows: list[Row], not_run: list[str],
 
 
 def _table(ctx: Context, facts: dict, rows: list[Row], failed: list[Row]) -> list[str]:
-    lines = [f"gpu_check on {facts.get('gpu', facts['device'])}, torch {facts['torch']}, transformers "
-             f"{facts['transformers']}, cut-cross-entropy {facts['cut_cross_entropy']}, bitsandbytes "
-             f"{facts['bitsandbytes']}, trl {facts['trl']}; {facts['assets']}; varlen gqa: {facts['varlen_gqa']}"
-             + (f"; {facts['compute']}" if facts.get("compute") else ""), "",
-             "| check | result | figure | bound | detail |", "|---|---|---|---|---|"]
+    lines = [
+        f"gpu_check on {facts.get('gpu', facts['device'])}, torch {facts['torch']}, transformers "
+        f"{facts['transformers']}, cut-cross-entropy {facts['cut_cross_entropy']}, bitsandbytes "
+        f"{facts['bitsandbytes']}, trl {facts['trl']}; {facts['assets']}; varlen gqa: {facts['varlen_gqa']}"
+        + (f"; {facts['compute']}" if facts.get("compute") else ""),
+        "",
+        "| check | result | figure | bound | detail |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
         detail = row.detail.replace("|", "/").replace("\n", " ")[:200]
         lines.append(f"| {row.check} | {row.status} | {row.figure} | {row.bound} | {detail} |")
-    lines.append(f"\n{len(rows)} rows, {len(failed)} FAIL, {sum(r.status == 'NOT RUN' for r in rows)} NOT RUN; "
-                 f"{sum(ctx.seconds.values()):.0f} s in the checks")
+    lines.append(
+        f"\n{len(rows)} rows, {len(failed)} FAIL, {sum(r.status == 'NOT RUN' for r in rows)} NOT RUN; "
+        f"{sum(ctx.seconds.values()):.0f} s in the checks"
+    )
     return lines
 
 
 def find_assets(given: Path | None) -> Path | None:
-    candidates = [given] if given else [Path(os.environ["ASSETS"])] if os.environ.get("ASSETS") else [
-        ROOT.parent / "shared" / "assets", ROOT / "shared" / "assets"]
+    candidates = (
+        [given]
+        if given
+        else [Path(os.environ["ASSETS"])]
+        if os.environ.get("ASSETS")
+        else [ROOT.parent / "shared" / "assets", ROOT / "shared" / "assets"]
+    )
     return next((c for c in candidates if c and (c / "tokenizers" / "qwen3").is_dir()), None)
 
 
@@ -938,14 +1161,27 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_check_results"))
     parser.add_argument("--work", type=Path, default=None, help="models, data and runs (default: OUT/work)")
     parser.add_argument("--assets", type=Path, default=None, help="../shared/assets (the Qwen3 tokenizer, real chats)")
-    parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
-                        help="throughput shapes (default: 0.6b 1.7b on CUDA, tiny on the CPU)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        choices=sorted(SHAPES),
+        help="throughput shapes (default: 0.6b 1.7b on CUDA, tiny on the CPU)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="throughput steps (default: 12 on CUDA, 4 on the CPU)")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these items (names as in the table's NOT RUN "
-                        "rows and the header; `throughput` for every throughput and TRL launch)")
-    add_budget_arguments(parser, "the items in priority order, each only where its estimate fits what is left, the "
-                                 "one running stopped when it runs out, every item in the table and the command for "
-                                 "the rest")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run only these items (names as in the table's NOT RUN "
+        "rows and the header; `throughput` for every throughput and TRL launch)",
+    )
+    add_budget_arguments(
+        parser,
+        "the items in priority order, each only where its estimate fits what is left, the "
+        "one running stopped when it runs out, every item in the table and the command for "
+        "the rest",
+    )
     args = parser.parse_args()
     torch.set_float32_matmul_precision("highest")  # what chattune must leave as it is (tf32_scope)
     out = args.out.resolve()
@@ -958,8 +1194,15 @@ def main() -> int:
         tokenizer_dir = assets / "tokenizers" / "qwen3"
     else:
         chats, tokenizer_dir = DEMO_ASSETS / "chat_train.jsonl", DEMO_ASSETS / "tokenizer"
-    ctx = Context(torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"), out, work,
-                  tokenizer_dir, chats, assets is not None, Budget(args.budget, started=STARTED, scale=args.estimate_scale))
+    ctx = Context(
+        torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"),
+        out,
+        work,
+        tokenizer_dir,
+        chats,
+        assets is not None,
+        Budget(args.budget, started=STARTED, scale=args.estimate_scale),
+    )
     shapes = args.shapes or (["0.6b", "1.7b"] if ctx.cuda else ["tiny"])
     items = plan(ctx, shapes, args.steps or (12 if ctx.cuda else 4))
     names = [item.name for item in items]
@@ -975,22 +1218,34 @@ def main() -> int:
     build_logger.addHandler(handler)
     build_logger.setLevel(logging.INFO)
     print(f"[gpu_check] {environment(ctx)}", flush=True)
-    print(f"[gpu_check] items in order: {', '.join(f'{i.name} (~{i.estimate * ctx.budget.scale:.0f} s)' for i in items)}"
-          + (f"; budget {args.budget:.0f} s" if args.budget is not None else ""), flush=True)
+    print(
+        f"[gpu_check] items in order: {', '.join(f'{i.name} (~{i.estimate * ctx.budget.scale:.0f} s)' for i in items)}"
+        + (f"; budget {args.budget:.0f} s" if args.budget is not None else ""),
+        flush=True,
+    )
 
     def rerun(not_run: list[str]) -> str | None:
         if not not_run:
             return None
-        return rerun_command(__file__, sys.argv[1:], {"--only": not_run, "--out": [f"{out}-rest"],
-                                                        "--work": [str(work)]})
+        return rerun_command(
+            __file__, sys.argv[1:], {"--only": not_run, "--out": [f"{out}-rest"], "--work": [str(work)]}
+        )
 
     def report(final: bool = False) -> bool:
         """The report so far; the items not done yet in it as NOT RUN rows (what the files say if the process
         is killed from outside), which the next report replaces."""
         with ctx.lock:
             rows, not_run = list(ctx.rows), list(ctx.not_run)
-        provisional = [Row(item.name, "NOT RUN", "not finished (gpu_check stopped while it ran)" if item is ctx.current
-                           else "not run (gpu_check stopped before it)") for item in list(ctx.pending)]
+        provisional = [
+            Row(
+                item.name,
+                "NOT RUN",
+                "not finished (gpu_check stopped while it ran)"
+                if item is ctx.current
+                else "not run (gpu_check stopped before it)",
+            )
+            for item in list(ctx.pending)
+        ]
         not_run += [row.check for row in provisional]
         return write_report(ctx, environment(ctx), rows + provisional, not_run, rerun(not_run), final)
 

@@ -137,8 +137,11 @@ def make_preference_pair(rng: random.Random) -> dict:
     """{prompt: the conversation up to its last user turn, chosen/rejected: one assistant message each}."""
     messages = make_conversation(rng)["messages"]
     answer = messages[-1]["content"]
-    return {"prompt": messages[:-1], "chosen": [{"role": "assistant", "content": answer}],
-            "rejected": [{"role": "assistant", "content": corrupt(answer, rng)}]}
+    return {
+        "prompt": messages[:-1],
+        "chosen": [{"role": "assistant", "content": answer}],
+        "rejected": [{"role": "assistant", "content": corrupt(answer, rng)}],
+    }
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -211,7 +214,9 @@ def main() -> None:
     texts = [f"{m['role']}\n{m['content']}" for c in train for m in c["messages"]]
     tokenizer = train_tokenizer(texts, args.vocab_size)
     tokenizer.save_pretrained(str(args.out / "tokenizer"))
-    print(f"wrote {len(train)} train / {len(held_out)} eval conversations and a {len(tokenizer)}-token tokenizer to {args.out}")
+    print(
+        f"wrote {len(train)} train / {len(held_out)} eval conversations and a {len(tokenizer)}-token tokenizer to {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -16,13 +16,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chattune"
 FIXED_ROWS = {  # what is not a package of chattune/, before and after the packages
-    "before": [("`recipes/sft.py`, `recipes/dpo.py`", "the SFT and DPO recipes: flat, copyable Hydra apps"),
-               ("`configs/sft/`, `configs/dpo/`", "`sft/tiny` (default), `sft/local_model` (a real local model), "
-                                                  "`dpo/tiny`, `dpo/local_model`")],
-    "after": [("`hydra_plugins/chattune_searchpath/`", "puts the shipped configs on Hydra's search path, for users' "
-                                                       "own config directories"),
-              ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, the GPU check (`gpu_check.py`), this table"),
-              ("`BENCHMARKS.md`", "measured throughput and the commands that produced it")],
+    "before": [
+        ("`recipes/sft.py`, `recipes/dpo.py`", "the SFT and DPO recipes: flat, copyable Hydra apps"),
+        (
+            "`configs/sft/`, `configs/dpo/`",
+            "`sft/tiny` (default), `sft/local_model` (a real local model), `dpo/tiny`, `dpo/local_model`",
+        ),
+    ],
+    "after": [
+        (
+            "`hydra_plugins/chattune_searchpath/`",
+            "puts the shipped configs on Hydra's search path, for users' own config directories",
+        ),
+        ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, the GPU check (`gpu_check.py`), this table"),
+        ("`BENCHMARKS.md`", "measured throughput and the commands that produced it"),
+    ],
 }
 BEGIN, END = "| path | what |\n|---|---|\n", "\n\n"
 
@@ -39,11 +47,20 @@ def modules(directory: Path) -> str:
 def layout_table() -> str:
     rows = list(FIXED_ROWS["before"])
     top = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
-    rows.append(("`chattune/`", "what every package uses: " + ", ".join(
-        f"`{p.stem}` ({first_docstring_line(p).split(':')[0].split('.')[0].lower()})" for p in top)))
+    rows.append(
+        (
+            "`chattune/`",
+            "what every package uses: "
+            + ", ".join(f"`{p.stem}` ({first_docstring_line(p).split(':')[0].split('.')[0].lower()})" for p in top),
+        )
+    )
     for package in sorted(p.parent for p in PACKAGE.glob("*/__init__.py")):
-        rows.append((f"`chattune/{package.name}/`", f"{first_docstring_line(package / '__init__.py')} "
-                                                    f"Modules: {modules(package)}"))
+        rows.append(
+            (
+                f"`chattune/{package.name}/`",
+                f"{first_docstring_line(package / '__init__.py')} Modules: {modules(package)}",
+            )
+        )
     rows += FIXED_ROWS["after"]
     return BEGIN + "\n".join(f"| {path} | {what} |" for path, what in rows)
 

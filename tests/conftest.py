@@ -26,8 +26,13 @@ def demo_tokenizer():
 
 def tiny_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
     settings = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
     )
     settings.update(overrides)
     return AutoConfig.for_model(model_type, **settings)
@@ -72,7 +77,9 @@ def demo_documents(count: int, start: int = 0) -> list[Document]:
     docs = []
     for i, line in enumerate(lines):
         tokenized = tokenize_conversation(tokenizer, json.loads(line)["messages"], markers)
-        docs.append(Document(start + i, tokenized.input_ids, shifted_labels(tokenized.input_ids, tokenized.assistant_mask)))
+        docs.append(
+            Document(start + i, tokenized.input_ids, shifted_labels(tokenized.input_ids, tokenized.assistant_mask))
+        )
     return docs
 
 
@@ -116,8 +123,14 @@ def relative_error(got: torch.Tensor | dict, want: torch.Tensor | dict) -> float
 
 def init_worker_process_group(rank: int, world_size: int, port: int) -> None:
     """For torch.multiprocessing workers: a gloo group on loopback, one thread per rank."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
 
@@ -127,8 +140,14 @@ def one_rank_group(monkeypatch):
     """A one-rank gloo group in the test's own process. Its environment variables are set with monkeypatch,
     which takes them away again: recipes that later tests launch must not inherit a finished group's
     RANK and MASTER_PORT."""
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+    }.items():
         monkeypatch.setenv(name, value)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     yield

@@ -37,8 +37,17 @@ from chattune.model.attention_kernels import _per_document_exact, sink_varlen_at
 
 WINDOW = 4
 LENGTHS = (13, 6, 11)  # longer than the window, of different lengths: windows and boundaries both matter
-TINY = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=128, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
 
 
 def gpt_oss_config() -> GptOssConfig:
@@ -51,8 +60,9 @@ def gemma2_config() -> Gemma2Config:
 
 
 def gemma4_config():
-    return AutoConfig.for_model("gemma4_text", **TINY, global_head_dim=512, hidden_size_per_layer_input=16,
-                                vocab_size_per_layer_input=128)
+    return AutoConfig.for_model(
+        "gemma4_text", **TINY, global_head_dim=512, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128
+    )
 
 
 CONFIGS = {"gpt_oss": gpt_oss_config, "gemma2": gemma2_config, "gemma4": gemma4_config}
@@ -93,8 +103,9 @@ def stock_losses(model, documents: list[Document]) -> torch.Tensor:
     losses = []
     for document in documents:
         logits = model(input_ids=torch.tensor(document.input_ids).unsqueeze(0), use_cache=False).logits[0]
-        losses.append(F.cross_entropy(logits, torch.tensor(document.labels), ignore_index=IGNORE_INDEX,
-                                      reduction="none"))
+        losses.append(
+            F.cross_entropy(logits, torch.tensor(document.labels), ignore_index=IGNORE_INDEX, reduction="none")
+        )
     return torch.cat(losses)
 
 
@@ -109,8 +120,10 @@ def compare(packed, stock, documents):
     mine.sum().backward()
     reference.sum().backward()
     stock_parameters = dict(stock.named_parameters())
-    worst = max(((relative(p.grad, stock_parameters[n].grad), n) for n, p in packed.named_parameters()
-                 if p.grad is not None), key=lambda pair: pair[0])
+    worst = max(
+        ((relative(p.grad, stock_parameters[n].grad), n) for n, p in packed.named_parameters() if p.grad is not None),
+        key=lambda pair: pair[0],
+    )
     return mine.detach(), reference.detach(), worst
 
 
@@ -131,8 +144,12 @@ def test_a_packed_row_equals_stock_eager_attention_on_each_document(name):
 
 def stock_hidden_states(model, documents: list[Document]) -> torch.Tensor:
     decoder = model.model
-    return torch.cat([decoder(input_ids=torch.tensor(d.input_ids).unsqueeze(0), use_cache=False).last_hidden_state[0]
-                      for d in documents])
+    return torch.cat(
+        [
+            decoder(input_ids=torch.tensor(d.input_ids).unsqueeze(0), use_cache=False).last_hidden_state[0]
+            for d in documents
+        ]
+    )
 
 
 def control(name: str, break_it) -> float:
@@ -159,8 +176,9 @@ def _no_window(module):
     module.sliding_window = None
 
 
-@pytest.mark.parametrize("name, break_it", [("gpt_oss", _no_sinks), ("gemma2", _no_softcap), ("gpt_oss", _no_window),
-                                            ("gemma2", _no_window)])
+@pytest.mark.parametrize(
+    "name, break_it", [("gpt_oss", _no_sinks), ("gemma2", _no_softcap), ("gpt_oss", _no_window), ("gemma2", _no_window)]
+)
 def test_the_controls_fail_without_the_feature(name, break_it):
     assert control(name, break_it) > 1e-2
 
@@ -171,6 +189,7 @@ def test_the_gemma4_control_fails_without_the_window():
 
 # The CUDA sink path on the CPU: torch's varlen flash ops replaced by a reference that keeps their contract.
 
+
 def _visible(length: int, window_size, device) -> torch.Tensor:
     positions = torch.arange(length, device=device)
     distance = positions[:, None] - positions[None, :]
@@ -178,8 +197,9 @@ def _visible(length: int, window_size, device) -> torch.Tensor:
     return (distance >= 0) & ((distance <= left) if left >= 0 else True)
 
 
-def reference_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
-                      window_size=None, enable_gqa=False):
+def reference_forward(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None, enable_gqa=False
+):
     """torch_attn::_varlen_attn's contract: (out (N, H, D), lse (H, N) fp32, rng state), causal within each
     sequence, (left, 0) windows."""
     assert enable_gqa == (key.shape[1] != query.shape[1]) and window_size[1] == 0
@@ -197,8 +217,22 @@ def reference_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_ca
     return out, lse, torch.zeros(2)
 
 
-def reference_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
-                       rng_state, scale=None, window_size=None):
+def reference_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    is_causal,
+    rng_state,
+    scale=None,
+    window_size=None,
+):
     """torch_attn::_varlen_attn_backward's contract, the flash backward: P = exp(scores - lse) from the lse it is
     handed, D = rowsum(dO * O) from the output it is handed, dS = P (dO V^T - D); grouped kv heads summed."""
     scale = scale if scale is not None else query.shape[-1] ** -0.5
@@ -258,8 +292,9 @@ def test_rescaling_by_an_lse_without_gradient_gets_queries_and_keys_wrong():
     return_attn_probs would train: the forward is right, the query and key gradients are not."""
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
     plain = _exact(q, k, v, None, cu_seqlens, None)
-    _, lse, _ = reference_forward(q.detach(), k.detach(), v.detach(), cu_seqlens, cu_seqlens, 8, 8, True, None,
-                                  (-1, 0), True)
+    _, lse, _ = reference_forward(
+        q.detach(), k.detach(), v.detach(), cu_seqlens, cu_seqlens, 8, 8, True, None, (-1, 0), True
+    )
     naive = plain * torch.sigmoid(lse - sinks[:, None]).transpose(0, 1).unsqueeze(-1)
     want = _exact(q, k, v, sinks, cu_seqlens, None)
     torch.testing.assert_close(naive, want, rtol=1e-5, atol=1e-6)
@@ -267,11 +302,23 @@ def test_rescaling_by_an_lse_without_gradient_gets_queries_and_keys_wrong():
     assert min(relative(a, b) for a, b in zip(naive_grads, exact_grads)) > 1e-2
 
 
-def reference_forward_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
-                           window_size=None):
+def reference_forward_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None
+):
     """torch 2.11's torch_attn::_varlen_attn: no enable_gqa; its kernel given the kv heads as they are."""
-    return reference_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size,
-                             enable_gqa=key.shape[1] != query.shape[1])
+    return reference_forward(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        is_causal,
+        scale,
+        window_size,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
 
 
 @pytest.mark.parametrize("settled", ["repeat", "native"])
@@ -281,7 +328,9 @@ def test_the_sink_path_on_torch_2_11s_ops_gives_the_kv_heads_as_the_probe_settle
 
     def recording(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None):
         heads_seen.append(key.shape[1])
-        return reference_forward_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size)
+        return reference_forward_2_11(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size
+        )
 
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
     got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(recording, reference_backward))
@@ -303,39 +352,91 @@ def test_the_sink_path_tells_the_kernel_what_varlen_attn_would():
     q, k, v, sinks, cu_seqlens, _ = _sink_case()
     sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(recording, reference_backward))
     sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (-1, 0), ops=(recording, reference_backward))
-    assert calls == [{"is_causal": False, "window_size": [2, 0], "enable_gqa": True, "max_q": 8},
-                     {"is_causal": True, "window_size": [-1, 0], "enable_gqa": True, "max_q": 8}]
+    assert calls == [
+        {"is_causal": False, "window_size": [2, 0], "enable_gqa": True, "max_q": 8},
+        {"is_causal": True, "window_size": [-1, 0], "enable_gqa": True, "max_q": 8},
+    ]
 
 
 @torch.library.custom_op("chattune_test::varlen_attn", mutates_args=())
-def _reference_forward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-                          cu_seq_k: torch.Tensor, max_q: int, max_k: int, is_causal: bool = False,
-                          scale: float | None = None, window_size: list[int] | None = None,
-                          enable_gqa: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return reference_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size,
-                             enable_gqa)
+def _reference_forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window_size: list[int] | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference_forward(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size, enable_gqa
+    )
 
 
 @_reference_forward_op.register_fake
-def _(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None,
-      enable_gqa=False):
+def _(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None, enable_gqa=False
+):
     return torch.empty_like(query), query.new_empty(query.shape[1], query.shape[0]), query.new_empty(2)
 
 
 @torch.library.custom_op("chattune_test::varlen_attn_backward", mutates_args=())
-def _reference_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           out: torch.Tensor, lse: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
-                           max_q: int, max_k: int, is_causal: bool, rng_state: torch.Tensor,
-                           scale: float | None = None,
-                           window_size: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = reference_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
-                               rng_state, scale, window_size)
+def _reference_backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    is_causal: bool,
+    rng_state: torch.Tensor,
+    scale: float | None = None,
+    window_size: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = reference_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        is_causal,
+        rng_state,
+        scale,
+        window_size,
+    )
     return tuple(g.contiguous() for g in grads)
 
 
 @_reference_backward_op.register_fake
-def _(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state, scale=None,
-      window_size=None):
+def _(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    is_causal,
+    rng_state,
+    scale=None,
+    window_size=None,
+):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -343,8 +444,11 @@ def test_the_sink_path_compiles_in_one_graph(monkeypatch):
     """With custom ops standing in for torch's (registered as torch registers its own), `_SinkVarlen` traces
     forward and backward without a graph break, and the compiled gradients are the eager ones."""
     monkeypatch.setattr(attention_kernels, "_TORCH_SINK_GQA_FLAG", True)  # the stand-in ops take enable_gqa
-    monkeypatch.setattr(attention_kernels, "_TORCH_SINK_OPS", (torch.ops.chattune_test.varlen_attn,
-                                                               torch.ops.chattune_test.varlen_attn_backward))
+    monkeypatch.setattr(
+        attention_kernels,
+        "_TORCH_SINK_OPS",
+        (torch.ops.chattune_test.varlen_attn, torch.ops.chattune_test.varlen_attn_backward),
+    )
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
 
     def loss(q, k, v, sinks):
@@ -367,6 +471,7 @@ def test_this_torch_has_the_ops_the_sink_path_calls():
 
 
 # The path of each layer.
+
 
 def test_each_layer_takes_the_path_its_device_dtype_head_size_and_features_allow(monkeypatch):
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", False)
@@ -440,6 +545,7 @@ def test_gpt_oss_on_the_cuda_sink_path_equals_stock(monkeypatch):
 
 # The start-up line.
 
+
 def test_the_start_up_line_names_each_group_of_layers(monkeypatch):
     plain = "per-document SDPA (a loop over documents, outside compiled graphs)"
     assert attention_backend("cpu", "float32") == plain  # the old call
@@ -456,19 +562,23 @@ def test_the_start_up_line_names_each_group_of_layers(monkeypatch):
     monkeypatch.setattr(attention_kernels, "_TORCH_SINK_GQA_FLAG", True)
     assert attention_backend("cuda", "bfloat16", gpt_oss).startswith(
         "all 4 layers with attention sinks: torch varlen flash kernel (grouped-query attention native (enable_gqa)), "
-        "output times sigmoid(lse - sink)")
+        "output times sigmoid(lse - sink)"
+    )
     monkeypatch.setattr(attention_kernels, "_TORCH_SINK_GQA_FLAG", False)  # torch 2.11's ops, as the probe settled
     monkeypatch.setattr(attention_kernels, "_varlen_gqa", "repeat")
     assert "torch varlen flash kernel (grouped-query attention by repeated kv heads)" in attention_backend(
-        "cuda", "bfloat16", gpt_oss)
+        "cuda", "bfloat16", gpt_oss
+    )
     assert attention_backend("cpu", "float32", gpt_oss).startswith(
-        "all 4 layers with attention sinks: per-document exact attention")
+        "all 4 layers with attention sinks: per-document exact attention"
+    )
     gemma2 = attention_features(AutoModelForCausalLM.from_config(gemma2_config()))
     assert gemma2 == (AttentionLayer(16, softcap=True),) * 4
     assert attention_backend("cuda", "bfloat16", gemma2) == "all 4 layers with soft-capping: flash-attn varlen"
     monkeypatch.setattr(attention_kernels, "_FLASH_ATTN_SOFTCAP", False)
     assert attention_backend("cuda", "bfloat16", gemma2).startswith(
-        "all 4 layers with soft-capping: per-document exact attention")
+        "all 4 layers with soft-capping: per-document exact attention"
+    )
     latent = (AttentionLayer(192, value_head_dim=128),)  # query/key and value heads of different sizes (MLA)
     assert attention_backend("cuda", "bfloat16", latent) == f"1 layer with value head size 128: {plain}"
     mixed = (AttentionLayer(64),) * 3 + (AttentionLayer(64, sinks=True),)
@@ -489,8 +599,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the
 def _cuda_case(hq: int = 8, hkv: int = 2, d: int = 64):
     generator = torch.Generator(device="cuda").manual_seed(0)
     n = 300
-    q, k, v = (torch.randn(n, h, d, generator=generator, device="cuda", dtype=torch.bfloat16).requires_grad_()
-               for h in (hq, hkv, hkv))
+    q, k, v = (
+        torch.randn(n, h, d, generator=generator, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        for h in (hq, hkv, hkv)
+    )
     sinks = (torch.randn(hq, generator=generator, device="cuda") + 1).requires_grad_()
     cu_seqlens = torch.tensor([0, 100, 130, 300], dtype=torch.int32, device="cuda")
     upstream = torch.randn(n, hq, d, generator=generator, device="cuda")
@@ -521,8 +633,10 @@ def test_on_cuda_flash_attn_soft_capping_equals_the_exact_path():
     fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
     want = _per_document_exact(*[t.transpose(0, 1).unsqueeze(0) for t in fp32], cu_seqlens, 0.125, 0.0, 64, 3.0)[0]
     assert relative(got.float(), want) <= 1e-2
-    worst = max(relative(a.float(), b) for a, b in zip(_grads(got.float(), upstream, (q, k, v)),
-                                                       _grads(want, upstream, tuple(fp32))))
+    worst = max(
+        relative(a.float(), b)
+        for a, b in zip(_grads(got.float(), upstream, (q, k, v)), _grads(want, upstream, tuple(fp32)))
+    )
     assert worst <= 3e-2, worst
 
 
@@ -531,7 +645,8 @@ def test_on_cuda_head_size_512_takes_per_document_sdpa():
     q, k, v, _, cu_seqlens, _ = _cuda_case(d=512)
     rows = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
     assert attention_path("cuda", q.dtype, 512) == SDPA
-    got = attention.packed_attention(torch.nn.Module(), *rows, None, scaling=None, cu_seq_lens_q=cu_seqlens,
-                                     max_length_q=170)[0][0]
+    got = attention.packed_attention(
+        torch.nn.Module(), *rows, None, scaling=None, cu_seq_lens_q=cu_seqlens, max_length_q=170
+    )[0][0]
     want = _per_document_exact(*[t.float() for t in rows], cu_seqlens, None, 0.0, None)[0]
     assert relative(got.float(), want) <= 1e-2

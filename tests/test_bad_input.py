@@ -57,84 +57,135 @@ def prepare(tmp: Path) -> None:
 
 CASES = {
     "typo'd key": Case(["optimizer.lrr=1e-3"], "optimizer.lrr: unknown key; did you mean optimizer.lr?", launch=True),
-    "typo'd nested key": Case(["data.max_token_per_microbatch=8"],
-                              "data.max_token_per_microbatch: unknown key; did you mean data.max_tokens_per_microbatch?"),
+    "typo'd nested key": Case(
+        ["data.max_token_per_microbatch=8"],
+        "data.max_token_per_microbatch: unknown key; did you mean data.max_tokens_per_microbatch?",
+    ),
     "wrong type": Case(["max_steps=ten"], "max_steps: expected an integer, got 'ten'"),
-    "quoted number": Case(["optimizer.lr='3e-3'"],
-                          "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)"),
+    "quoted number": Case(
+        ["optimizer.lr='3e-3'"],
+        "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)",
+    ),
     "bad enum": Case(["data.on_bad_record=ignore"], "data.on_bad_record: 'ignore' is not one of error, skip"),
     "bad resume_allow_changes": Case(["resume_allow_changes=3"], "resume_allow_changes: expected true or false, got 3"),
     "unparseable override": Case(["data.train=[a,"], "override 'data.train=[a,'"),
     "number that cannot work": Case(["grad_accum_steps=0"], "grad_accum_steps: must be at least 1, got 0"),
     "unknown config": Case([], "config: sft/tinny from", config="sft/tinny"),
-    "missing data file": Case(["data.train=[{tmp}/missing.jsonl]"],
-                              "data.train[0]: data file '{tmp}/missing.jsonl' does not exist", launch=True),
+    "missing data file": Case(
+        ["data.train=[{tmp}/missing.jsonl]"],
+        "data.train[0]: data file '{tmp}/missing.jsonl' does not exist",
+        launch=True,
+    ),
     "missing relative path, not a hub id": Case(
-        ["data.train=[my/chats]"], "data.train[0]: data file 'my/chats' does not exist (a hub dataset is written hf:my/chats)"),
-    "not a data file": Case(["data.train=[{tmp}/data.txt]"],
-                            "data.train[0]: data file '{tmp}/data.txt': expected .jsonl, .json or .parquet"),
-    "empty data file": Case(["data.train=[{tmp}/empty.jsonl]"], "data.train[0]: data source '{tmp}/empty.jsonl' holds no records"),
-    "json that is not a list": Case(["data.train=[{tmp}/list.json]"],
-                                    "data.train[0]: {tmp}/list.json: a .json data file must hold a list of records, got dict"),
-    "unparseable line": Case(["data.train=[{tmp}/broken.jsonl]"],
-                             "data.train[0]: {tmp}/broken.jsonl record 2 (line 2): unparseable JSON at column 2: "
-                             "Expecting property name enclosed in double quotes; with data.on_bad_record=skip such "
-                             "records are skipped (counted and logged)"),
+        ["data.train=[my/chats]"],
+        "data.train[0]: data file 'my/chats' does not exist (a hub dataset is written hf:my/chats)",
+    ),
+    "not a data file": Case(
+        ["data.train=[{tmp}/data.txt]"], "data.train[0]: data file '{tmp}/data.txt': expected .jsonl, .json or .parquet"
+    ),
+    "empty data file": Case(
+        ["data.train=[{tmp}/empty.jsonl]"], "data.train[0]: data source '{tmp}/empty.jsonl' holds no records"
+    ),
+    "json that is not a list": Case(
+        ["data.train=[{tmp}/list.json]"],
+        "data.train[0]: {tmp}/list.json: a .json data file must hold a list of records, got dict",
+    ),
+    "unparseable line": Case(
+        ["data.train=[{tmp}/broken.jsonl]"],
+        "data.train[0]: {tmp}/broken.jsonl record 2 (line 2): unparseable JSON at column 2: "
+        "Expecting property name enclosed in double quotes; with data.on_bad_record=skip such "
+        "records are skipped (counted and logged)",
+    ),
     "raw tab inside a JSONL string": Case(
         ["data.train=[{tmp}/control.jsonl]"],
         "data.train[0]: {tmp}/control.jsonl record 2 (line 2): unparseable JSON at column 45: Invalid control character "
         "'\\t' in a string (JSON writes a tab as \\t, a newline as \\n); with data.on_bad_record=skip such records are "
-        "skipped (counted and logged)", launch=True),
+        "skipped (counted and logged)",
+        launch=True,
+    ),
     "unparseable .json file": Case(
         ["data.train=[{tmp}/broken.json]"],
         "data.train[0]: {tmp}/broken.json: unparseable JSON at line 3, column 45: Invalid control character '\\t' in a "
         "string (JSON writes a tab as \\t, a newline as \\n); a .json file is parsed whole, so data.on_bad_record "
         "cannot skip a part of it (in a .jsonl file, one record a line, data.on_bad_record=skip skips the lines that "
-        "do not parse)"),
+        "do not parse)",
+    ),
     "no assistant reply (after a blank line)": Case(
         ["data.train=[{tmp}/no_reply.jsonl]"],
-        "data.train[0]: {tmp}/no_reply.jsonl record 2 (line 3): no assistant message, nothing to train"),
-    "wrong column": Case(["data.train=[{tmp}/wrong_column.jsonl]"],
-                         "data.train[0]: {tmp}/wrong_column.jsonl record 1 (line 1): no 'messages' field for the messages format"),
-    "unknown source key": Case(["data.train=[{{path: {tmp}/x.jsonl, fromat: sharegpt}}]"],
-                               "data.train[0].fromat: unknown key; did you mean data.train[0].format?"),
-    "missing tokenizer": Case(["tokenizer.path={tmp}/no_such_tokenizer"],
-                              "tokenizer.path: '{tmp}/no_such_tokenizer' does not exist"),
+        "data.train[0]: {tmp}/no_reply.jsonl record 2 (line 3): no assistant message, nothing to train",
+    ),
+    "wrong column": Case(
+        ["data.train=[{tmp}/wrong_column.jsonl]"],
+        "data.train[0]: {tmp}/wrong_column.jsonl record 1 (line 1): no 'messages' field for the messages format",
+    ),
+    "unknown source key": Case(
+        ["data.train=[{{path: {tmp}/x.jsonl, fromat: sharegpt}}]"],
+        "data.train[0].fromat: unknown key; did you mean data.train[0].format?",
+    ),
+    "missing tokenizer": Case(
+        ["tokenizer.path={tmp}/no_such_tokenizer"], "tokenizer.path: '{tmp}/no_such_tokenizer' does not exist"
+    ),
     "tokenizer without a chat template": Case(
         ["tokenizer.path={tmp}/no_template"],
         "tokenizer.path '{tmp}/no_template': the tokenizer has no chat template. chattune renders every record with a "
         "chat template. Use the tokenizer of a chat (instruct) model, or give one with tokenizer.chat_template: a "
-        "template chattune ships (chatml, llama3), a file, or inline Jinja", launch=True),
+        "template chattune ships (chatml, llama3), a file, or inline Jinja",
+        launch=True,
+    ),
     "unknown chat template name": Case(
-        ["tokenizer.chat_template=chatm"], "tokenizer.chat_template: 'chatm' is not a template chattune ships; did you "
-                                           "mean chatml? (shipped: chatml, llama3;", launch=True),
+        ["tokenizer.chat_template=chatm"],
+        "tokenizer.chat_template: 'chatm' is not a template chattune ships; did you "
+        "mean chatml? (shipped: chatml, llama3;",
+        launch=True,
+    ),
     "missing chat template file": Case(
         ["tokenizer.chat_template={tmp}/missing.jinja"],
-        "tokenizer.chat_template: template file '{tmp}/missing.jinja' does not exist (shipped: chatml, llama3;"),
+        "tokenizer.chat_template: template file '{tmp}/missing.jinja' does not exist (shipped: chatml, llama3;",
+    ),
     "a chat template whose special tokens the tokenizer lacks": Case(
         ["tokenizer.chat_template=llama3"],
         "tokenizer.chat_template: 'llama3' writes <|begin_of_text|>, <|start_header_id|>, <|end_header_id|>, "
-        "<|eot_id|>, which the tokenizer at tokenizer.path", launch=True),
-    "missing model directory": Case(["model.path={tmp}/no_model"],
-                                    "model.path: '{tmp}/no_model' is not a local directory"),
-    "output_dir under a file": Case(["output_dir={tmp}/file/run"], "output_dir: {tmp}/file is not a directory",
-                                    launch=True),
+        "<|eot_id|>, which the tokenizer at tokenizer.path",
+        launch=True,
+    ),
+    "missing model directory": Case(
+        ["model.path={tmp}/no_model"], "model.path: '{tmp}/no_model' is not a local directory"
+    ),
+    "output_dir under a file": Case(
+        ["output_dir={tmp}/file/run"], "output_dir: {tmp}/file is not a directory", launch=True
+    ),
     "resume from something that is not a checkpoint": Case(
-        ["resume={tmp}"], "resume: resume={tmp}: {tmp} is not a complete chattune checkpoint (no chattune.json)"),
-    "stop_after_step after max_steps": Case(["stop_after_step=300"], "stop_after_step: 300 is after max_steps 200: the run ends first"),
-    "preference data for SFT": Case(["data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]"],
-                                    "data.train[0].format: 'preference' is not one of messages, sharegpt"),
-    "DPO overlong split": Case(["data.overlong=split", "model.path=null"], "data.overlong: 'split' is not one of drop, error",
-                               config="dpo/tiny"),
+        ["resume={tmp}"], "resume: resume={tmp}: {tmp} is not a complete chattune checkpoint (no chattune.json)"
+    ),
+    "stop_after_step after max_steps": Case(
+        ["stop_after_step=300"], "stop_after_step: 300 is after max_steps 200: the run ends first"
+    ),
+    "preference data for SFT": Case(
+        ["data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]"],
+        "data.train[0].format: 'preference' is not one of messages, sharegpt",
+    ),
+    "DPO overlong split": Case(
+        ["data.overlong=split", "model.path=null"],
+        "data.overlong: 'split' is not one of drop, error",
+        config="dpo/tiny",
+    ),
     "device=cuda without CUDA": Case(["device=cuda"], "device: cuda, but torch finds no CUDA device on this machine"),
     "one beta": Case(["optimizer.betas=[0.9]"], "optimizer.betas: must be two numbers in [0, 1), got [0.9]"),
     "an adapter key without adapters": Case(
-        ["peft.rank=8"], "peft.rank: peft is null in this config: choose one first, peft=lora or peft=qlora "
-                         "(e.g. peft=lora peft.rank=8)", launch=True),
+        ["peft.rank=8"],
+        "peft.rank: peft is null in this config: choose one first, peft=lora or peft=qlora "
+        "(e.g. peft=lora peft.rank=8)",
+        launch=True,
+    ),
     "peft's own name for a key": Case(["peft=lora", "peft.r=8"], "peft.r: unknown key; did you mean peft.rank?"),
-    "Hydra's run directory": Case(["hydra.run.dir={tmp}/elsewhere"],
-                                  "hydra.run.dir: a run's directory is output_dir: set output_dir=DIR instead", launch=True),
-    "Hydra's change of directory": Case(["hydra.job.chdir=true"], "hydra.job.chdir: chattune writes into output_dir itself"),
+    "Hydra's run directory": Case(
+        ["hydra.run.dir={tmp}/elsewhere"],
+        "hydra.run.dir: a run's directory is output_dir: set output_dir=DIR instead",
+        launch=True,
+    ),
+    "Hydra's change of directory": Case(
+        ["hydra.job.chdir=true"], "hydra.job.chdir: chattune writes into output_dir itself"
+    ),
 }
 
 
@@ -158,36 +209,63 @@ def test_bad_input_gets_one_clear_error(name, tmp):
     if not case.launch:
         return
     recipe = "recipes/dpo.py" if case.config.startswith("dpo") else "recipes/sft.py"
-    result = subprocess.run([sys.executable, recipe, *overrides, "max_steps=2", "data.report_records=0"], cwd=PROJECT_ROOT,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, recipe, *overrides, "max_steps=2", "data.report_records=0"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 1
     assert result.stderr.count("chattune: error: ") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert expected.split(": ", 1)[1] in result.stderr
 
 
-@pytest.mark.parametrize("overrides", [["data.eval=[]"], ["data.eval=null"], ["peft=lora", "peft.rank=8"]],
-                         ids=["no eval list", "null eval", "the remedy for an adapter key without adapters"])
+@pytest.mark.parametrize(
+    "overrides",
+    [["data.eval=[]"], ["data.eval=null"], ["peft=lora", "peft.rank=8"]],
+    ids=["no eval list", "null eval", "the remedy for an adapter key without adapters"],
+)
 def test_what_validate_and_inspect_accept(overrides, tmp, capsys):
     """No held-out data (the README's real-model command passes data.eval=[]) is a valid config; and the remedy
     the adapter-key message gives works as written."""
     from chattune.cli.main import main
 
-    report, ok = run_validate("sft/tiny", [*overrides, f"output_dir={tmp / 'out' / 'accepted'}"], CONFIGS, read_data=True)
+    report, ok = run_validate(
+        "sft/tiny", [*overrides, f"output_dir={tmp / 'out' / 'accepted'}"], CONFIGS, read_data=True
+    )
     assert ok, report
     assert main(["inspect", "sft/tiny", *overrides, "--limit", "20", "--no-color"]) == 0
     assert "records read: 20" in capsys.readouterr().out
 
 
 def test_a_pair_with_identical_replies_is_a_counted_skip_not_an_error(tmp):
-    report, ok = run_validate("dpo/tiny", ["model.path=null", f"data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]",
-                                           f"output_dir={tmp / 'out' / 'pairs'}"], CONFIGS, read_data=True)
+    report, ok = run_validate(
+        "dpo/tiny",
+        [
+            "model.path=null",
+            f"data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]",
+            f"output_dir={tmp / 'out' / 'pairs'}",
+        ],
+        CONFIGS,
+        read_data=True,
+    )
     assert ok and "note: data.train[0]: 1 of its first 1 records would be skipped, e.g. identical_replies" in report
 
 
 def test_on_bad_record_skip_turns_a_bad_record_into_a_counted_skip(tmp):
-    report, ok = run_validate("sft/tiny", [f"data.train=[{tmp}/broken.jsonl]", "data.on_bad_record=skip",
-                                           f"output_dir={tmp / 'out' / 'skip'}"], CONFIGS, read_data=True)
-    assert ok and f"1 of its first 2 records would be skipped, e.g. bad_record: {tmp}/broken.jsonl record 2 (line 2)" in report
+    report, ok = run_validate(
+        "sft/tiny",
+        [f"data.train=[{tmp}/broken.jsonl]", "data.on_bad_record=skip", f"output_dir={tmp / 'out' / 'skip'}"],
+        CONFIGS,
+        read_data=True,
+    )
+    assert (
+        ok
+        and f"1 of its first 2 records would be skipped, e.g. bad_record: {tmp}/broken.jsonl record 2 (line 2)"
+        in report
+    )
 
 
 @pytest.mark.parametrize("data", ["broken.jsonl", "control.jsonl"])
@@ -207,8 +285,16 @@ def test_the_remedy_an_unparseable_line_names_works_as_written(data, tmp, capsys
 
 def test_the_remedy_for_a_tokenizer_without_a_chat_template_works_as_written(tmp):
     """A base model's tokenizer (no template) trains with a template chattune ships, named in the error."""
-    report, ok = run_validate("sft/tiny", [f"tokenizer.path={tmp}/no_template", "tokenizer.chat_template=chatml",
-                                           f"output_dir={tmp / 'out' / 'no_template'}"], CONFIGS, read_data=True)
+    report, ok = run_validate(
+        "sft/tiny",
+        [
+            f"tokenizer.path={tmp}/no_template",
+            "tokenizer.chat_template=chatml",
+            f"output_dir={tmp / 'out' / 'no_template'}",
+        ],
+        CONFIGS,
+        read_data=True,
+    )
     assert ok, report
 
 
@@ -224,42 +310,86 @@ def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(read_only)], capture_output=True).returncode:
         # Without the right to mount (root runs everywhere else unhindered), the check itself, on a denied access.
         monkeypatch.setattr(os, "access", lambda path, mode: False)
-        assert output_dir_problem(read_only / "run") == \
-            f"cannot write into {read_only} (permission denied, or a read-only file system)"
+        assert (
+            output_dir_problem(read_only / "run")
+            == f"cannot write into {read_only} (permission denied, or a read-only file system)"
+        )
         return
     try:
-        result = subprocess.run([sys.executable, "recipes/sft.py", f"output_dir={read_only / 'run'}", "max_steps=2"],
-                                cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        result = subprocess.run(
+            [sys.executable, "recipes/sft.py", f"output_dir={read_only / 'run'}", "max_steps=2"],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
     finally:
         subprocess.run(["umount", str(read_only)])
     assert result.returncode == 1 and "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
-    assert result.stderr.count(f"chattune: error: output_dir: cannot write into {read_only} (permission denied, or a "
-                               "read-only file system)") == 1
+    assert (
+        result.stderr.count(
+            f"chattune: error: output_dir: cannot write into {read_only} (permission denied, or a "
+            "read-only file system)"
+        )
+        == 1
+    )
 
 
 def test_data_that_trains_nothing_is_refused_before_the_model_loads(tmp):
     """Every record over the budget: the data report said 0 documents, then the model was built and the run
     died with a RuntimeError at its first step."""
-    result = subprocess.run([sys.executable, "recipes/sft.py", "data.max_tokens_per_microbatch=8",
-                             f"output_dir={tmp / 'out' / 'overlong'}", "max_steps=2"],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            "data.max_tokens_per_microbatch=8",
+            f"output_dir={tmp / 'out' / 'overlong'}",
+            "max_steps=2",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.count("chattune: error: data.train: none of its 4000 records gives a token to train (skipped: "
-                               "overlong 4000): 4000 are longer than data.max_tokens_per_microbatch=8 (data.overlong="
-                               "drop): raise the budget, or keep them with data.overlong=truncate or split") == 1
+    assert (
+        result.stderr.count(
+            "chattune: error: data.train: none of its 4000 records gives a token to train (skipped: "
+            "overlong 4000): 4000 are longer than data.max_tokens_per_microbatch=8 (data.overlong="
+            "drop): raise the budget, or keep them with data.overlong=truncate or split"
+        )
+        == 1
+    )
     assert "model: " not in result.stdout  # stopped before the model was built
 
 
 def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
-    result = subprocess.run([sys.executable, "recipes/sft.py", "peft=lora", "peft.modules_to_save=[embed_tokenz]",
-                             f"output_dir={tmp / 'out' / 'modules_to_save'}", "max_steps=2", "data.report_records=0"],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            "peft=lora",
+            "peft.modules_to_save=[embed_tokenz]",
+            f"output_dir={tmp / 'out' / 'modules_to_save'}",
+            "max_steps=2",
+            "data.report_records=0",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.count("chattune: error: peft.modules_to_save: 'embed_tokenz' names no module of "
-                               "LlamaForCausalLM; did you mean embed_tokens?") == 1
+    assert (
+        result.stderr.count(
+            "chattune: error: peft.modules_to_save: 'embed_tokenz' names no module of "
+            "LlamaForCausalLM; did you mean embed_tokens?"
+        )
+        == 1
+    )
 
 
 def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp):
@@ -272,11 +402,25 @@ def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp
     model_dir = tmp / "minimax"
     tiny_model(**UNHANDLED["minimax"][0]).save_pretrained(model_dir)
     demo_tokenizer().save_pretrained(model_dir)
-    result = subprocess.run([sys.executable, "recipes/sft.py", "--config-name", "sft/local_model", f"model.path={model_dir}",
-                             f"output_dir={tmp / 'out' / 'minimax'}", "max_steps=2", "data.report_records=0",
-                             "data.eval=[]", "model.fsdp.activation_checkpointing=false"],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            "--config-name",
+            "sft/local_model",
+            f"model.path={model_dir}",
+            f"output_dir={tmp / 'out' / 'minimax'}",
+            "max_steps=2",
+            "data.report_records=0",
+            "data.eval=[]",
+            "model.fsdp.activation_checkpointing=false",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.count("chattune: error: MiniMaxForCausalLM does not keep packed documents apart") == 1
     assert "MiniMaxLightningAttention x1" in result.stderr and not (tmp / "out" / "minimax" / "metrics.jsonl").exists()

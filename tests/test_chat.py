@@ -29,9 +29,14 @@ def plain_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 40
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=end, pad_token_id=end,
-                                **(sampling or {"do_sample": False}))
-    new = output[0, inputs["input_ids"].shape[1]:].tolist()
+        output = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=end,
+            pad_token_id=end,
+            **(sampling or {"do_sample": False}),
+        )
+    new = output[0, inputs["input_ids"].shape[1] :].tolist()
     finished = end in new
     return tokenizer.decode(new[: new.index(end)] if finished else new, skip_special_tokens=False), finished
 
@@ -46,14 +51,23 @@ def test_prompts_file_greedy_replies_are_plain_generate_cut_at_the_end_of_turn(c
     text_file = tmp_path / "prompts.txt"  # one user prompt a line (and a blank line, skipped)
     text_file.write_text("\n".join(p[0]["content"] for p in single) + "\n\n")
     jsonl_file = tmp_path / "prompts.jsonl"  # whole chats: the reply after the context is left out
-    chats = [json.loads(line) for line in (PROJECT_ROOT / "chattune/assets/demo/chat_train.jsonl").read_text().splitlines()[:6]]
-    jsonl_file.write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats)
-                          + json.dumps({"prompt": single[0][0]["content"]}) + "\n")
+    chats = [
+        json.loads(line)
+        for line in (PROJECT_ROOT / "chattune/assets/demo/chat_train.jsonl").read_text().splitlines()[:6]
+    ]
+    jsonl_file.write_text(
+        "".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats)
+        + json.dumps({"prompt": single[0][0]["content"]})
+        + "\n"
+    )
 
     model = AutoModelForCausalLM.from_pretrained(chat_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     out = tmp_path / "replies.jsonl"
-    assert main(["chat", str(chat_model_dir), "--prompts", str(jsonl_file), "--out", str(out), "--max-new-tokens", "40"]) == 0
+    assert (
+        main(["chat", str(chat_model_dir), "--prompts", str(jsonl_file), "--out", str(out), "--max-new-tokens", "40"])
+        == 0
+    )
     assert capsys.readouterr().out == f"wrote 7 replies to {out}\n"
     rows = read_jsonl(out)
     assert [r["prompt"] for r in rows] == [*prompts, single[0]]  # one answer per prompt, in order
@@ -64,8 +78,21 @@ def test_prompts_file_greedy_replies_are_plain_generate_cut_at_the_end_of_turn(c
     learned = sum(r["reply"] == c["messages"][-1]["content"] for r, c in zip(rows, chats))
     assert learned >= 3, [r["reply"] for r in rows]
 
-    assert main(["chat", str(chat_model_dir), "--prompts", str(text_file), "--max-new-tokens", "40",
-                 "--system", "Be brief."]) == 0
+    assert (
+        main(
+            [
+                "chat",
+                str(chat_model_dir),
+                "--prompts",
+                str(text_file),
+                "--max-new-tokens",
+                "40",
+                "--system",
+                "Be brief.",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     expected = [[{"role": "system", "content": "Be brief."}, *p] for p in single]
     assert [r["prompt"] for r in rows] == expected
@@ -82,8 +109,18 @@ def test_sampled_replies_follow_the_seed_as_transformers_samples(chat_model_dir,
     prompt_file = tmp_path / "prompts.txt"
     question = demo_chat_prompts()[0][-1]["content"]
     prompt_file.write_text(question + "\n")
-    args = ["chat", str(chat_model_dir), "--prompts", str(prompt_file), "--temperature", "1.5", "--top-p", "0.9",
-            "--max-new-tokens", "24"]
+    args = [
+        "chat",
+        str(chat_model_dir),
+        "--prompts",
+        str(prompt_file),
+        "--temperature",
+        "1.5",
+        "--top-p",
+        "0.9",
+        "--max-new-tokens",
+        "24",
+    ]
     replies = {}
     for seed in (1, 2):
         assert main([*args, "--seed", str(seed)]) == 0
@@ -92,8 +129,18 @@ def test_sampled_replies_follow_the_seed_as_transformers_samples(chat_model_dir,
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     for seed, reply in replies.items():
         torch.manual_seed(seed)
-        assert reply == plain_reply(model, tokenizer, [{"role": "user", "content": question}], 24, do_sample=True,
-                                    temperature=1.5, top_p=0.9)[0]
+        assert (
+            reply
+            == plain_reply(
+                model,
+                tokenizer,
+                [{"role": "user", "content": question}],
+                24,
+                do_sample=True,
+                temperature=1.5,
+                top_p=0.9,
+            )[0]
+        )
     assert replies[1] != replies[2]  # sampled, not greedy
 
 
@@ -121,8 +168,10 @@ def lora_adapter(base_dir: Path, adapter_dir: Path) -> None:
     tokenizer as a run's adapter/ export is."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     torch.manual_seed(5)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -134,8 +183,9 @@ def lora_adapter(base_dir: Path, adapter_dir: Path) -> None:
     assert config["base_model_name_or_path"] == str(base_dir)
 
 
-def test_an_adapter_directory_answers_as_its_base_with_the_adapter_merged(chat_model_dir, tmp_path, capsys,
-                                                                          monkeypatch):
+def test_an_adapter_directory_answers_as_its_base_with_the_adapter_merged(
+    chat_model_dir, tmp_path, capsys, monkeypatch
+):
     from peft import PeftModel
 
     adapter = tmp_path / "adapter"
@@ -163,8 +213,12 @@ def test_an_adapter_directory_answers_as_its_base_with_the_adapter_merged(chat_m
     error = capsys.readouterr().err
     assert error.count("chattune chat: error: ") == 1 and f"the base model {tmp_path / 'gone'}" in error
     assert "does not exist" in error and "--base DIR" in error
-    assert main(["chat", str(moved), "--base", str(chat_model_dir), "--prompts", str(prompt_file),
-                 "--max-new-tokens", "24"]) == 0
+    assert (
+        main(
+            ["chat", str(moved), "--base", str(chat_model_dir), "--prompts", str(prompt_file), "--max-new-tokens", "24"]
+        )
+        == 0
+    )
     assert [json.loads(line)["reply"] for line in capsys.readouterr().out.splitlines()] == want
     # A relative base (a run's model.path as written) is read from where the command runs.
     config["base_model_name_or_path"] = os.path.relpath(chat_model_dir, tmp_path)
@@ -203,12 +257,27 @@ def test_bad_input_is_one_clear_error(chat_model_dir, tmp_path, capsys):
     assert "names no base model" in error_of(str(random_base))
 
     # As a command: the message alone, status 1, and no torch imported to parse the command line.
-    result = subprocess.run([sys.executable, "-m", "chattune.cli.main", "chat", str(tmp_path / "nothing")],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "chattune.cli.main", "chat", str(tmp_path / "nothing")],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"chattune chat: error: {tmp_path / 'nothing'} does not exist: give an exported model directory "
-        "(output_dir/hf) or adapter directory (output_dir/adapter)"]
-    imported = subprocess.run([sys.executable, "-c", "import sys; from chattune.cli.main import build_parser; "
-                               "build_parser(); print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"],
-                              cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+        "(output_dir/hf) or adapter directory (output_dir/adapter)"
+    ]
+    imported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from chattune.cli.main import build_parser; "
+            "build_parser(); print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert imported.stdout.strip() == "[]"

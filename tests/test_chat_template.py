@@ -57,9 +57,7 @@ def _qwen3_rendered_replies(messages: list[dict]) -> list[str]:
     for index in range(n - 1, -1, -1):
         message = messages[index]
         text = message["content"]
-        if message["role"] == "user" and not (
-            text.startswith("<tool_response>") and text.endswith("</tool_response>")
-        ):
+        if message["role"] == "user" and not (text.startswith("<tool_response>") and text.endswith("</tool_response>")):
             last_query_index = index
             break
     replies = []
@@ -151,7 +149,13 @@ def check_conversation(tokenizer, markers, spec: TemplateSpec, messages: list[di
 # Data and tokenizers (loaded once per module)
 # --------------------------------------------------------------------------------------------------------------
 
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "user"}
+_SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "gpt": "assistant",
+    "function_call": "assistant",
+    "observation": "user",
+}
 
 
 def _from_sharegpt(turns: list[dict]) -> list[dict]:
@@ -458,8 +462,11 @@ def test_template_writing_an_assistant_header_for_another_role_raises(fresh_demo
         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
     )
     markers = probe_template(fresh_demo_tokenizer)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                {"role": "system", "content": "Be brief."}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "system", "content": "Be brief."},
+    ]
     with pytest.raises(ChatTemplateError, match="assistant header .* outside the 1 assistant replies"):
         tokenize_conversation(fresh_demo_tokenizer, messages, markers)
 
@@ -502,23 +509,32 @@ def test_real_assistant_content_with_end_of_turn_token_raises(real, where):
 def _real_conversations() -> list[tuple[str, list[dict], list[dict] | None]]:
     """(label, messages, tools) of every shared chat, read as chattune reads them (tools and tool calls
     included), plus edge cases: reasoning fields, None-valued fields, non-ASCII."""
-    records = RecordSource([SourceSpec(str(_shared("data", "sharegpt_fastchat_dummy.json")), format="sharegpt"),
-                            SourceSpec(str(_shared("data", "sharegpt_toolcall_300.json")), format="sharegpt"),
-                            SourceSpec(str(_shared("data", "messages_deita_long.parquet")))])
+    records = RecordSource(
+        [
+            SourceSpec(str(_shared("data", "sharegpt_fastchat_dummy.json")), format="sharegpt"),
+            SourceSpec(str(_shared("data", "sharegpt_toolcall_300.json")), format="sharegpt"),
+            SourceSpec(str(_shared("data", "messages_deita_long.parquet"))),
+        ]
+    )
     conversations = []
     for index in range(len(records)):
         spec, where, record = records.locate(index)
         conversation = to_conversation(record, spec, where)
         conversations.append((where, conversation.messages, conversation.tools))
-    assert any(tools for _, _, tools in conversations) and any("tool_calls" in m for _, ms, _ in conversations for m in ms)
+    assert any(tools for _, _, tools in conversations) and any(
+        "tool_calls" in m for _, ms, _ in conversations for m in ms
+    )
     extra = [
         {"role": "user", "content": "Ünïcödé «quotes» 🙂 <b>html</b> & {{ braces }}"},
         {"role": "assistant", "content": "Answer.", "reasoning_content": "thinking it over", "name": None},
         {"role": "user", "content": "Again"},
         {"role": "assistant", "content": "Done.", "thinking": "older reasoning name"},
     ]
-    return conversations + [(f"edge {name}", messages, None) for name, messages in EDGE_CONVERSATIONS.items()] + [
-        ("reasoning and None fields", extra, None)]
+    return (
+        conversations
+        + [(f"edge {name}", messages, None) for name, messages in EDGE_CONVERSATIONS.items()]
+        + [("reasoning and None fields", extra, None)]
+    )
 
 
 @pytest.mark.parametrize("name", ["demo", "qwen3", "phi3"])
@@ -559,11 +575,16 @@ def test_rendering_resolves_attributes_as_the_sandbox_does(fresh_demo_tokenizer)
     """The routed attribute lookups give apply_chat_template's text for every kind of lookup, and a template
     that calls a mutating list method still fails as in the sandbox."""
     fresh_demo_tokenizer.chat_template = ATTRIBUTE_TEMPLATE
-    messages = [{"role": "user", "content": " Why is the sky blue? "}, {"role": "assistant", "content": "Water."},
-                {"role": "user", "content": "What"}, {"role": "assistant", "content": "Rayleigh scattering."}]
+    messages = [
+        {"role": "user", "content": " Why is the sky blue? "},
+        {"role": "assistant", "content": "Water."},
+        {"role": "user", "content": "What"},
+        {"role": "assistant", "content": "Rayleigh scattering."},
+    ]
     for _ in range(2):  # the second time every route is already decided
         assert render_conversation(fresh_demo_tokenizer, messages) == fresh_demo_tokenizer.apply_chat_template(
-            messages, tokenize=False)
+            messages, tokenize=False
+        )
     fresh_demo_tokenizer.chat_template = "{% for m in messages %}{{ messages.append(m) }}{% endfor %}"
     with pytest.raises(Exception) as expected:
         fresh_demo_tokenizer.apply_chat_template(messages, tokenize=False)

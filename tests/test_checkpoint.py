@@ -25,7 +25,9 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [optimizer.state[p][key].full_tensor().clone() for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
+    return [
+        optimizer.state[p][key].full_tensor().clone() for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")
+    ]
 
 
 def sharded(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -67,7 +69,15 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     weights, moments = full_state(model), full_optimizer_state(model, optimizer)
 
     other, other_optimizer = sharded(seed=1, world_size=world_size)  # different weights, no optimizer state yet
-    train_step(other, TokenCrossEntropy(), StepBatches([batch]), other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0, torch.device("cpu"))
+    train_step(
+        other,
+        TokenCrossEntropy(),
+        StepBatches([batch]),
+        other_optimizer,
+        torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0),
+        1.0,
+        torch.device("cpu"),
+    )
     assert any(not torch.equal(weights[k], v) for k, v in full_state(other).items())
     restored_state = run_state(other, other_optimizer, {})
     step = load_checkpoint(root / "step_1", restored_state)
@@ -145,13 +155,22 @@ def test_three_async_saves_through_real_dcp_stagers_write_each_state(tmp_path):
     made = []
 
     def cpu_stager():
-        made.append(DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                 use_async_staging=False, use_non_blocking_copy=False)))
+        made.append(
+            DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=False,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+        )
         return made[-1]
 
     saves = checkpoint.BackgroundSaves(make_stager=cpu_stager)
-    states = [{"weights": {"w": torch.full((3, 4), float(k)), "b": torch.arange(5.0) * k}, "step": {"n": k}}
-              for k in range(3)]
+    states = [
+        {"weights": {"w": torch.full((3, 4), float(k)), "b": torch.arange(5.0) * k}, "step": {"n": k}} for k in range(3)
+    ]
     try:
         for k, state in enumerate(states):
             saves.start(state, tmp_path / f"step_{k}", lambda: None)

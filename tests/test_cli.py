@@ -22,8 +22,14 @@ from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
 
 RECIPES = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.py"))
 SHIPPED_CONFIGS = sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
-QUICK_RUN = ["max_steps=2", "log_every=1", "save_every=0", "eval_every=0", "data.report_records=0",
-             "data.max_tokens_per_microbatch=512"]
+QUICK_RUN = [
+    "max_steps=2",
+    "log_every=1",
+    "save_every=0",
+    "eval_every=0",
+    "data.report_records=0",
+    "data.max_tokens_per_microbatch=512",
+]
 
 
 def first_comment_words(path: Path, count: int = 5) -> str:
@@ -51,7 +57,8 @@ def test_ls_lists_every_recipe_and_config_with_its_own_description(capsys):
 def test_ls_discovers_new_configs_and_takes_the_first_sentence(tmp_path, monkeypatch, capsys):
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "mine.yaml").write_text(
-        "# @package _global_\n# My run: e.g. a larger budget\n# for long chats. More words here.\n#   python x.py\nx: 1\n")
+        "# @package _global_\n# My run: e.g. a larger budget\n# for long chats. More words here.\n#   python x.py\nx: 1\n"
+    )
     (tmp_path / "bare.yaml").write_text("x: 1\n")
     monkeypatch.setattr(catalog, "CONFIG_DIR", tmp_path)
     assert main(["ls"]) == 0
@@ -104,8 +111,14 @@ def test_a_copied_recipe_runs_from_another_directory(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, str(recipe), f"output_dir={out}", *QUICK_RUN], cwd=elsewhere,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, str(recipe), f"output_dir={out}", *QUICK_RUN],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
@@ -117,8 +130,20 @@ def test_a_copied_config_that_builds_on_a_shipped_one_runs_with_the_builtin_reci
     demo_tokenizer().save_pretrained(model_dir)
     assert main(["cp", "sft/local_model", str(tmp_path / "my_configs" / "my_model.yaml")]) == 0
     out = tmp_path / "run"
-    run([sys.executable, "recipes/sft.py", "--config-path", str(tmp_path / "my_configs"), "--config-name", "my_model",
-         f"model.path={model_dir}", f"output_dir={out}", "data.eval=[]", *QUICK_RUN])
+    run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            "--config-path",
+            str(tmp_path / "my_configs"),
+            "--config-name",
+            "my_model",
+            f"model.path={model_dir}",
+            f"output_dir={out}",
+            "data.eval=[]",
+            *QUICK_RUN,
+        ]
+    )
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["grad_norm"] > 0
 
@@ -128,8 +153,15 @@ def write_run(directory: Path, dpo: bool) -> Path:
     for step in range(1, 6):
         line = {"step": step, "loss": 3.0 - step * 0.1, "lr": 1e-3 * step, "grad_norm": 1.0, "tokens_per_sec": 100.0}
         if dpo:
-            line.update({"rewards/chosen": 0.1 * step, "rewards/rejected": -0.1 * step, "rewards/margins": 0.2 * step,
-                         "rewards/accuracies": 0.5, "eval_rewards/accuracies": 0.6})
+            line.update(
+                {
+                    "rewards/chosen": 0.1 * step,
+                    "rewards/rejected": -0.1 * step,
+                    "rewards/margins": 0.2 * step,
+                    "rewards/accuracies": 0.5,
+                    "eval_rewards/accuracies": 0.6,
+                }
+            )
         lines.append(line)
     lines[-1]["eval_loss"] = 2.0
     directory.mkdir(parents=True)
@@ -175,16 +207,23 @@ def test_plot_names_the_file_and_line_of_bad_input(tmp_path, capsys):
 def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_path, monkeypatch, capsys):
     calls = []
 
-    def run_validate(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None,
-                     read_data: bool = False, kind=None) -> tuple[str, bool]:
+    def run_validate(
+        config_name: str,
+        overrides: list[str],
+        config_path: Path,
+        config_dir: Path | None = None,
+        read_data: bool = False,
+        kind=None,
+    ) -> tuple[str, bool]:
         calls.append((config_name, overrides, config_path, config_dir, read_data))
         kinds.append(kind)
         return f"report for {config_name}", "bad=1" not in overrides
 
     kinds = []
     # --recipe's kind, as recipe_main marks it (the real validate module, which recipes import, is stood in for here)
-    (tmp_path / "my_sft.py").write_text("from chattune.launch.recipe_kinds import SFT\n\n\ndef main():\n    pass\n\n\n"
-                                        "main.recipe_kind = SFT\n")
+    (tmp_path / "my_sft.py").write_text(
+        "from chattune.launch.recipe_kinds import SFT\n\n\ndef main():\n    pass\n\n\nmain.recipe_kind = SFT\n"
+    )
 
     monkeypatch.setitem(sys.modules, "chattune.launch.validate", types.SimpleNamespace(run_validate=run_validate))
     assert main(["validate", "dpo/tiny", "max_steps=3"]) == 0
@@ -197,12 +236,14 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
     assert main(["validate", "sft/mine", "--config-path", "my_configs", "--recipe", str(tmp_path / "my_sft.py")]) == 0
     assert main(["validate", "sft/mine", "--config-dir", "my_configs"]) == 0
     recipes = CONFIG_DIR.parent / "recipes"
-    assert calls == [("dpo/tiny", ["max_steps=3"], CONFIG_DIR, None, True),
-                     ("sft/local_model", ["bad=1"], tmp_path.resolve(), None, True),
-                     ("sft/tiny", ["~wandb"], CONFIG_DIR, None, True),
-                     ("sft/mine", ["max_steps=2"], recipes / "my_configs", None, True),
-                     ("sft/mine", [], tmp_path / "my_configs", None, True),
-                     ("sft/mine", [], CONFIG_DIR, Path("my_configs"), True)]
+    assert calls == [
+        ("dpo/tiny", ["max_steps=3"], CONFIG_DIR, None, True),
+        ("sft/local_model", ["bad=1"], tmp_path.resolve(), None, True),
+        ("sft/tiny", ["~wandb"], CONFIG_DIR, None, True),
+        ("sft/mine", ["max_steps=2"], recipes / "my_configs", None, True),
+        ("sft/mine", [], tmp_path / "my_configs", None, True),
+        ("sft/mine", [], CONFIG_DIR, Path("my_configs"), True),
+    ]
     assert [kind and kind.name for kind in kinds] == [None, None, None, None, "sft", None]  # --recipe's kind
     with pytest.raises(SystemExit):
         main(["validate", "--config-name", "sft/tiny", "dpo/tiny"])
@@ -212,8 +253,10 @@ def test_commands_that_take_seconds_say_what_they_do_first(tmp_path, capsys):
     """Their imports and first records take seconds: the first line, on stderr, comes before any of it."""
     assert main(["validate", "sft/tiny", f"output_dir={tmp_path / 'run'}"]) == 0
     captured = capsys.readouterr()
-    assert captured.err.splitlines()[0] == ("chattune validate: checking sft/tiny: every key, the data's first records, "
-                                            "the output directory and its checkpoints ...")
+    assert captured.err.splitlines()[0] == (
+        "chattune validate: checking sft/tiny: every key, the data's first records, "
+        "the output directory and its checkpoints ..."
+    )
     assert captured.out.strip() == "config OK"
     assert main(["inspect", "--config-name", "dpo/tiny", "--limit", "5", "model.path=nowhere"]) == 1
     assert capsys.readouterr().err.startswith("chattune inspect: reading the data of dpo/tiny ...\n")

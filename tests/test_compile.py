@@ -29,16 +29,30 @@ def test_compiled_layers_match_eager(activation_checkpointing, monkeypatch):
     torch._dynamo.reset()  # graphs compiled by an earlier test would be reused
     # A one-rank group in this process; monkeypatch takes its variables away again, so that recipes other
     # tests launch later do not inherit them.
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}.items():
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
         monkeypatch.setenv(name, value)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         documents = demo_documents(20)
         batches = [collate_packed(documents[a:b]) for a, b in ((0, 5), (5, 12), (0, 3), (12, 20))]
-        eager = _losses_and_grads(shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", 1,
-                                              activation_checkpointing=activation_checkpointing), batches)
-        model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", 1, compile=True,
-                            activation_checkpointing=activation_checkpointing)
+        eager = _losses_and_grads(
+            shard_model(
+                PackedCausalLM(tiny_model(seed=0)), "cpu", 1, activation_checkpointing=activation_checkpointing
+            ),
+            batches,
+        )
+        model = shard_model(
+            PackedCausalLM(tiny_model(seed=0)),
+            "cpu",
+            1,
+            compile=True,
+            activation_checkpointing=activation_checkpointing,
+        )
         graphs = [compiled_graphs()]
         compiled = []
         for batch in batches:
@@ -53,8 +67,10 @@ def test_compiled_layers_match_eager(activation_checkpointing, monkeypatch):
         assert relative_error(grads, eager_grads) < 1e-4
 
 
-@pytest.mark.parametrize("setting, device, expected", [("auto", "cuda", True), ("auto", "cpu", False),
-                                                       (True, "cpu", True), (False, "cuda", False)])
+@pytest.mark.parametrize(
+    "setting, device, expected",
+    [("auto", "cuda", True), ("auto", "cpu", False), (True, "cpu", True), (False, "cuda", False)],
+)
 def test_auto_compiles_on_cuda_only(setting, device, expected):
     assert compile_enabled(setting, device) is expected
 
@@ -65,17 +81,28 @@ def test_a_hybrid_models_compiled_layers_match_eager(monkeypatch):
     from test_hybrid_models import FAMILIES
 
     torch._dynamo.reset()
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}.items():
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
         monkeypatch.setenv(name, value)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     overrides = FAMILIES["qwen3_5"][0]
     try:
         batches = [collate_packed(demo_documents(5))]
-        eager = _losses_and_grads(shard_model(PackedCausalLM(tiny_model(seed=0, **overrides)), "cpu", 1,
-                                              activation_checkpointing=True), batches)
+        eager = _losses_and_grads(
+            shard_model(PackedCausalLM(tiny_model(seed=0, **overrides)), "cpu", 1, activation_checkpointing=True),
+            batches,
+        )
         before = compiled_graphs()
-        compiled = _losses_and_grads(shard_model(PackedCausalLM(tiny_model(seed=0, **overrides)), "cpu", 1,
-                                                 compile=True, activation_checkpointing=True), batches)
+        compiled = _losses_and_grads(
+            shard_model(
+                PackedCausalLM(tiny_model(seed=0, **overrides)), "cpu", 1, compile=True, activation_checkpointing=True
+            ),
+            batches,
+        )
         assert compiled_graphs() > before
     finally:
         torch.distributed.destroy_process_group()

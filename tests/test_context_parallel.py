@@ -72,9 +72,16 @@ def sft_rows(vocab: int) -> list[list[Document]]:
 
 def pair_document(vocab: int) -> Document:
     """One preference pair: chosen (120 tokens) then rejected (110), each training its last 40-odd tokens."""
-    chosen, rejected = random_document(0, 120, 80, seed=7, vocab=vocab), random_document(0, 110, 66, seed=8, vocab=vocab)
-    return Document(0, np.concatenate([chosen.input_ids, rejected.input_ids]),
-                    np.concatenate([chosen.labels, rejected.labels]), segments=(120, 110))
+    chosen, rejected = (
+        random_document(0, 120, 80, seed=7, vocab=vocab),
+        random_document(0, 110, 66, seed=8, vocab=vocab),
+    )
+    return Document(
+        0,
+        np.concatenate([chosen.input_ids, rejected.input_ids]),
+        np.concatenate([chosen.labels, rejected.labels]),
+        segments=(120, 110),
+    )
 
 
 def plain_sft_gradients(rows: list[list[Document]]) -> dict[str, torch.Tensor]:
@@ -99,7 +106,9 @@ def plain_pair_gradients(pair: Document) -> dict[str, torch.Tensor]:
     logps = []
     for ids, labels in ((pair.input_ids[:n], pair.labels[:n]), (pair.input_ids[n:], pair.labels[n:])):
         logits = hf_model(input_ids=torch.tensor([ids.tolist()]), use_cache=False).logits[0]
-        logps.append(-F.cross_entropy(logits, torch.tensor(labels.tolist()), ignore_index=IGNORE_INDEX, reduction="sum"))
+        logps.append(
+            -F.cross_entropy(logits, torch.tensor(labels.tolist()), ignore_index=IGNORE_INDEX, reduction="sum")
+        )
     margin = LOSS.beta * ((logps[0] - REFERENCE[0, 0].float()) - (logps[1] - REFERENCE[0, 1].float()))
     (-F.logsigmoid(margin)).backward()
     return {name: p.grad for name, p in hf_model.named_parameters()}
@@ -116,8 +125,9 @@ row_slice = causal_lm.row_slice
 
 
 def _gradients(objective, rows, world_size) -> dict[str, torch.Tensor]:
-    policy = shard_model(PackedCausalLM(model(), loss_chunk_size=64, context_group=current_mesh().cp_group), "cpu",
-                         world_size)
+    policy = shard_model(
+        PackedCausalLM(model(), loss_chunk_size=64, context_group=current_mesh().cp_group), "cpu", world_size
+    )
     policy.train()
     accumulate_gradients(policy, objective, StepBatches([collate_packed(row) for row in rows]), torch.device("cpu"))
     return {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
@@ -131,7 +141,8 @@ def _probe_refusals(world_size: int) -> list[str | None]:
         original = context_parallel.row_slice
         if positions_restart:
             context_parallel.row_slice = lambda *args: dataclasses.replace(
-                original(*args), position_ids=torch.arange(original(*args).num_tokens).unsqueeze(0))
+                original(*args), position_ids=torch.arange(original(*args).num_tokens).unsqueeze(0)
+            )
         try:
             check_context_split(model(), current_mesh().cp_group)
             refusals.append(None)
@@ -146,8 +157,10 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, leak: bool) ->
     init_worker_process_group(rank, world_size, port)
     init_distributed("cpu", context_size=world_size)  # one context group of every rank
     vocab = len(demo_tokenizer())
-    got = {"sft": _gradients(TokenCrossEntropy(), sft_rows(vocab), world_size),
-           "dpo": _gradients(PreferenceObjective(LOSS, CachedReference(REFERENCE)), [[pair_document(vocab)]], world_size)}
+    got = {
+        "sft": _gradients(TokenCrossEntropy(), sft_rows(vocab), world_size),
+        "dpo": _gradients(PreferenceObjective(LOSS, CachedReference(REFERENCE)), [[pair_document(vocab)]], world_size),
+    }
     if leak:
         causal_lm.row_slice = leaking_row_slice
         got["sft_leaking"] = _gradients(TokenCrossEntropy(), sft_rows(vocab), world_size)
@@ -186,20 +199,49 @@ def test_long_documents_split_across_ranks_train_as_on_one(tmp_path, one_rank_gr
 # --- the recipes ---
 
 STEPS = 20
-SMALL_MODEL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
-               "model.config.num_attention_heads=4"]
+SMALL_MODEL = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+]
 ROW = 512  # tokens of a row: data.max_tokens_per_microbatch x parallel.context
 
 
-def launch(out: Path, nproc: int, context: int, *overrides: str, recipe: str = "sft", steps: int = STEPS,
-           evaluate: bool = False) -> list[float]:
+def launch(
+    out: Path,
+    nproc: int,
+    context: int,
+    *overrides: str,
+    recipe: str = "sft",
+    steps: int = STEPS,
+    evaluate: bool = False,
+) -> list[float]:
     """The run's training losses. `evaluate`: the held-out loss at steps 0, 10 and 20 (else none)."""
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-         str(free_port()), f"recipes/{recipe}.py", f"output_dir={out}", f"max_steps={steps}", "log_every=1",
-         *(["eval_every=10"] if evaluate else ["eval_every=0", "data.eval=[]"]), "save_every=0",
-         "data.microbatches_per_step=2", "data.buffer_records=8",
-         "data.report_records=0", f"parallel.context={context}", f"data.max_tokens_per_microbatch={ROW // context}",
-         *SMALL_MODEL, *overrides])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            f"recipes/{recipe}.py",
+            f"output_dir={out}",
+            f"max_steps={steps}",
+            "log_every=1",
+            *(["eval_every=10"] if evaluate else ["eval_every=0", "data.eval=[]"]),
+            "save_every=0",
+            "data.microbatches_per_step=2",
+            "data.buffer_records=8",
+            "data.report_records=0",
+            f"parallel.context={context}",
+            f"data.max_tokens_per_microbatch={ROW // context}",
+            *SMALL_MODEL,
+            *overrides,
+        ]
+    )
     return [m["loss"] for m in read_metrics(out)]
 
 
@@ -215,12 +257,15 @@ def test_a_context_group_follows_the_data_parallel_loss_curve_and_resumes_on_one
     data = f"data.train=[{chats}]"
     data_parallel = launch(tmp_path / "dp2", 2, 1, data, evaluate=True)
     # (with activation checkpointing: the recomputed forward runs the exchange again)
-    context_parallel = launch(tmp_path / "cp2", 2, 2, data, "save_every=10", "model.fsdp.activation_checkpointing=true",
-                              evaluate=True)
+    context_parallel = launch(
+        tmp_path / "cp2", 2, 2, data, "save_every=10", "model.fsdp.activation_checkpointing=true", evaluate=True
+    )
     assert len(set(data_parallel)) > 5, "the loss should move"
     assert_same_curve(context_parallel, data_parallel, "1 group x C=2 against 2 ranks x C=1")
-    held_out = [[m["eval_loss"] for m in read_metrics(tmp_path / run, include_start=True) if "eval_loss" in m]
-                for run in ("cp2", "dp2")]
+    held_out = [
+        [m["eval_loss"] for m in read_metrics(tmp_path / run, include_start=True) if "eval_loss" in m]
+        for run in ("cp2", "dp2")
+    ]
     assert len(held_out[1]) == 3
     assert_same_curve(*held_out, "the held-out loss at steps 0, 10 and 20")
 
@@ -252,8 +297,11 @@ def test_a_context_size_must_divide_the_ranks_and_the_heads():
     assert "parallel.context: 4 does not divide the 2 ranks" in message
     assert "does not divide the model's 6 attention heads" in message
     cfg = compose_config("sft/tiny", ["parallel.context=2", "data.microbatches_per_step=3", "grad_accum_steps=1"])
-    with pytest.raises(ConfigError, match=r"3 cannot be dealt to 2 data-parallel ranks: the number of ranks divided by "
-                                          r"parallel.context=2 \(2\) must divide it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"3 cannot be dealt to 2 data-parallel ranks: the number of ranks divided by "
+        r"parallel.context=2 \(2\) must divide it",
+    ):
         check_config(cfg, SFT, world_size=4)
     check_config(compose_config("sft/tiny", ["parallel.context=2"]), SFT, world_size=2)  # fine
 
@@ -265,33 +313,55 @@ def test_a_resume_accepts_another_context_size_only_with_world_size_invariant_st
     from chattune.train.resume import run_fingerprint
 
     per_rank = [f"output_dir={tmp_path}"]
-    checkpoint = fake_checkpoint(tmp_path, {"world_size": 2, "step": 5,
-                                            "fingerprint": run_fingerprint(compose_config("sft/tiny", per_rank))})
+    checkpoint = fake_checkpoint(
+        tmp_path, {"world_size": 2, "step": 5, "fingerprint": run_fingerprint(compose_config("sft/tiny", per_rank))}
+    )
     report, ok = run_validate("sft/tiny", [*per_rank, "parallel.context=2"], CONFIGS, world_size=2)
     assert problems(report) == [
         f"resume: {checkpoint} was written with parallel.context=1, this run has 2: the data-parallel ranks (ranks / "
         "parallel.context) each hold a place in their own share of the epoch, and another context size would share "
         "it differently. Relaunch with parallel.context=1 (runs with data.microbatches_per_step resume with any "
-        "layout of ranks)."], report
+        "layout of ranks)."
+    ], report
     report, ok = run_validate("sft/tiny", [*per_rank, "parallel.context=1"], CONFIGS, world_size=2)  # the remedy
     assert ok, report
 
     invariant = tmp_path / "invariant"
     written = [f"output_dir={invariant}", "data.microbatches_per_step=2"]
-    fake_checkpoint(invariant, {"world_size": 2, "step": 5, "fingerprint": run_fingerprint(compose_config(
-        "sft/tiny", [*written, "parallel.context=2", "data.max_tokens_per_microbatch=1024"]))})
+    fake_checkpoint(
+        invariant,
+        {
+            "world_size": 2,
+            "step": 5,
+            "fingerprint": run_fingerprint(
+                compose_config("sft/tiny", [*written, "parallel.context=2", "data.max_tokens_per_microbatch=1024"])
+            ),
+        },
+    )
     report, ok = run_validate("sft/tiny", [*written, "data.max_tokens_per_microbatch=2048"], CONFIGS, world_size=1)
     assert ok, report
-    assert ("note: resume: config data.max_tokens_per_microbatch: 1024 -> 2048 with parallel.context 2 -> 1: the same "
-            "row budget") in report
+    assert (
+        "note: resume: config data.max_tokens_per_microbatch: 1024 -> 2048 with parallel.context 2 -> 1: the same "
+        "row budget"
+    ) in report
     # Another row budget packs other rows: refused like any change of what is trained
     report, ok = run_validate("sft/tiny", [*written, "data.max_tokens_per_microbatch=1024"], CONFIGS, world_size=1)
-    assert not ok and "config parallel.context: 2 -> 1" in report and "resume_allow_changes=[parallel.context]" in report
+    assert (
+        not ok and "config parallel.context: 2 -> 1" in report and "resume_allow_changes=[parallel.context]" in report
+    )
 
 
 # gpt-oss: attention sinks (one per query head) and sliding windows; 8 query heads so each rank holds 4 of them.
-GPT_OSS = dict(model_type="gpt_oss", num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-               num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+GPT_OSS = dict(
+    model_type="gpt_oss",
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
+)
 
 
 def _gpt_oss_model():
@@ -306,12 +376,14 @@ def _gpt_oss_model():
 def _sink_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     mesh = init_distributed("cpu", context_size=world_size)
-    policy = shard_model(PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64, context_group=mesh.cp_group), "cpu",
-                         world_size)
+    policy = shard_model(
+        PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64, context_group=mesh.cp_group), "cpu", world_size
+    )
     policy.train()
     rows = sft_rows(len(demo_tokenizer()))
-    accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([collate_packed(row) for row in rows]),
-                         torch.device("cpu"))
+    accumulate_gradients(
+        policy, TokenCrossEntropy(), StepBatches([collate_packed(row) for row in rows]), torch.device("cpu")
+    )
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
     check_context_split(_gpt_oss_model(), mesh.cp_group)  # the start-up probe passes it too
     if rank == 0:

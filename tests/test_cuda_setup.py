@@ -25,7 +25,9 @@ def test_expandable_segments_unless_the_user_configured_the_allocator():
 
 
 def _model(compute_dtype: str, loss: str = "cut_cross_entropy", compiled: bool = True) -> PackedCausalLM:
-    model = PackedCausalLM(tiny_model(), loss_implementation=loss, tf32_head=loss == "chunked" and compute_dtype != "float32")
+    model = PackedCausalLM(
+        tiny_model(), loss_implementation=loss, tf32_head=loss == "chunked" and compute_dtype != "float32"
+    )
     model.compute_dtype, model.compiled = compute_dtype, compiled
     return model
 

@@ -55,11 +55,13 @@ def grad_norms(mesh: ParallelDims) -> tuple[float, float, float]:
     """One step of a tiny model whose rows are split across the mesh's context group: (the norm `clip_gradients`
     reduces over the mesh's group, the norm reduced as before over the whole world, the full gradient's norm)."""
     hf_model = tiny_model(seed=0, **HEADS)
-    policy = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64, context_group=mesh.cp_group), "cpu",
-                         mesh.shard_ranks)
+    policy = shard_model(
+        PackedCausalLM(hf_model, loss_chunk_size=64, context_group=mesh.cp_group), "cpu", mesh.shard_ranks
+    )
     policy.train()
-    accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row(mesh.data_rank, hf_model.config.vocab_size)]),
-                         torch.device("cpu"))
+    accumulate_gradients(
+        policy, TokenCrossEntropy(), StepBatches([row(mesh.data_rank, hf_model.config.vocab_size)]), torch.device("cpu")
+    )
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
     assert all(isinstance(g, DTensor) for g in grads)
     # before: the squared local norm summed over the default group (what step.py all-reduced)
@@ -79,14 +81,23 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
         mesh = init_distributed("cpu", context_size=cp)
         torch_mesh = mesh.mesh
         found[cp] = {
-            "cp_group": members(mesh.cp_group), "dp_group": members(mesh.dp_group),
-            "world_group": members(mesh.world_group), "grad_norm_group": members(mesh.grad_norm_group),
-            "data_rank": mesh.data_rank, "data_ranks": mesh.data_ranks, "cp_rank": mesh.cp_rank,
-            "reports_rows": mesh.reports_rows, "counts_rows": counts_rows(), "is_main": mesh.is_main,
-            "degrees": mesh.degrees, "shard_ranks": mesh.shard_ranks, "current": current_mesh() is mesh,
+            "cp_group": members(mesh.cp_group),
+            "dp_group": members(mesh.dp_group),
+            "world_group": members(mesh.world_group),
+            "grad_norm_group": members(mesh.grad_norm_group),
+            "data_rank": mesh.data_rank,
+            "data_ranks": mesh.data_ranks,
+            "cp_rank": mesh.cp_rank,
+            "reports_rows": mesh.reports_rows,
+            "counts_rows": counts_rows(),
+            "is_main": mesh.is_main,
+            "degrees": mesh.degrees,
+            "shard_ranks": mesh.shard_ranks,
+            "current": current_mesh() is mesh,
             "mesh_axes": tuple(torch_mesh.mesh_dim_names),
             "mesh_coordinates": {axis: torch_mesh.get_local_rank(axis) for axis in torch_mesh.mesh_dim_names},
-            "coordinates": mesh.coordinates, "norms": grad_norms(mesh),
+            "coordinates": mesh.coordinates,
+            "norms": grad_norms(mesh),
         }
     torch.save(found, f"{out_path}.rank{rank}")
     shutdown_distributed()

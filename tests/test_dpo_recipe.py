@@ -11,18 +11,61 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import SHARED_ASSETS, free_port, tiny_config
 
-DPO_KEYS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-            "logps/rejected", "num_pairs", "num_tokens", "tokens_per_sec", "lr", "grad_norm"}
+DPO_KEYS = {
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "num_pairs",
+    "num_tokens",
+    "tokens_per_sec",
+    "lr",
+    "grad_norm",
+}
 
 
 def test_sft_then_dpo_raises_held_out_preference_accuracy(tmp_path):
     sft = tmp_path / "sft"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "recipes/sft.py", f"output_dir={sft}", "max_steps=60", "save_every=0", "eval_every=0", "data.report_records=0"])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "recipes/sft.py",
+            f"output_dir={sft}",
+            "max_steps=60",
+            "save_every=0",
+            "eval_every=0",
+            "data.report_records=0",
+        ]
+    )
     dpo = tmp_path / "dpo"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "recipes/dpo.py", f"output_dir={dpo}", f"model.path={sft / 'hf'}", "max_steps=30", "eval_every=30",
-         "save_every=15", "log_every=5", "data.report_records=0"])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "recipes/dpo.py",
+            f"output_dir={dpo}",
+            f"model.path={sft / 'hf'}",
+            "max_steps=30",
+            "eval_every=30",
+            "save_every=15",
+            "log_every=5",
+            "data.report_records=0",
+        ]
+    )
     lines = read_metrics(dpo, include_start=True)
     start, metrics = lines[0], lines[1:]
     assert start["step"] == 0 and start["eval_num_pairs"] == 200
@@ -34,7 +77,9 @@ def test_sft_then_dpo_raises_held_out_preference_accuracy(tmp_path):
     # code unchanged: the previous commit's SFT and DPO losses are bit-identical to this one's there.)
     assert metrics[-1]["eval_rewards/accuracies"] >= 0.57 and metrics[-1]["eval_rewards/margins"] > 0.1
     assert metrics[-1]["eval_loss"] < start["eval_loss"] - 0.05
-    assert (dpo / "hf" / "model.safetensors.index.json").is_file() and (dpo / "checkpoints" / "step_30" / "chattune.json").is_file()
+    assert (dpo / "hf" / "model.safetensors.index.json").is_file() and (
+        dpo / "checkpoints" / "step_30" / "chattune.json"
+    ).is_file()
 
 
 @pytest.mark.skipif(not (SHARED_ASSETS / "tokenizers" / "qwen3").is_dir(), reason="../shared/assets is absent")
@@ -51,11 +96,25 @@ def test_dpo_local_model_config_on_a_qwen3_directory_and_real_preference_pairs(t
     pairs = tmp_path / "pairs.jsonl"  # the first 12 real pairs: a 151k-token vocabulary is slow on CPU
     lines = (SHARED_ASSETS / "data" / "preference_ultrafeedback_200.jsonl").read_text().splitlines(keepends=True)
     pairs.write_text("".join(lines[:12]))
-    log = run([sys.executable, "recipes/dpo.py", "--config-name", "dpo/local_model", f"model.path={model_dir}",
-               f"data.train=[{{path: {pairs}, format: preference}}]", f"output_dir={out}", "max_steps=3",
-               "log_every=1", "save_every=0", "optimizer.lr=1e-3", "model.fsdp.param_dtype=float32",
-               f"reference.cache_dir={tmp_path / 'cache'}", "data.max_tokens_per_microbatch=4096",
-               "data.report_records=0"])
+    log = run(
+        [
+            sys.executable,
+            "recipes/dpo.py",
+            "--config-name",
+            "dpo/local_model",
+            f"model.path={model_dir}",
+            f"data.train=[{{path: {pairs}, format: preference}}]",
+            f"output_dir={out}",
+            "max_steps=3",
+            "log_every=1",
+            "save_every=0",
+            "optimizer.lr=1e-3",
+            "model.fsdp.param_dtype=float32",
+            f"reference.cache_dir={tmp_path / 'cache'}",
+            "data.max_tokens_per_microbatch=4096",
+            "data.report_records=0",
+        ]
+    )
     assert "reference log-probs of train: computing" in log.stdout + log.stderr
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["num_pairs"] > 0 for m in metrics)

@@ -63,12 +63,18 @@ def sequence_logps(model, documents) -> list[tuple[torch.Tensor, torch.Tensor, i
     for doc in documents:
         n_chosen = doc.segments[0]
         per_side = []
-        for ids, labels in ((doc.input_ids[:n_chosen].tolist(), doc.labels[:n_chosen].tolist()),
-                             (doc.input_ids[n_chosen:].tolist(), doc.labels[n_chosen:].tolist())):
+        for ids, labels in (
+            (doc.input_ids[:n_chosen].tolist(), doc.labels[:n_chosen].tolist()),
+            (doc.input_ids[n_chosen:].tolist(), doc.labels[n_chosen:].tolist()),
+        ):
             logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
             target = torch.tensor(labels)
-            per_side.append((-F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum"),
-                             int((target != IGNORE_INDEX).sum())))
+            per_side.append(
+                (
+                    -F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum"),
+                    int((target != IGNORE_INDEX).sum()),
+                )
+            )
         out.append((per_side[0][0], per_side[1][0], per_side[0][1], per_side[1][1]))
     return out
 
@@ -159,8 +165,14 @@ def test_a_per_microbatch_mean_would_be_caught():
     with torch.no_grad():
         ref = sequence_logps(reference, documents)
     pol = sequence_logps(policy, documents)
-    losses = [LOSS(*[torch.stack([x]) for x in (p[0], p[1], r[0], r[1])], torch.tensor([float(p[2])]),
-                   torch.tensor([float(p[3])]))[0][0] for p, r in zip(pol, ref)]
+    losses = [
+        LOSS(
+            *[torch.stack([x]) for x in (p[0], p[1], r[0], r[1])],
+            torch.tensor([float(p[2])]),
+            torch.tensor([float(p[3])]),
+        )[0][0]
+        for p, r in zip(pol, ref)
+    ]
     (torch.stack(losses[:5]).mean() + torch.stack(losses[5:]).mean()).div(2).backward()
     wrong = {name: p.grad for name, p in policy.named_parameters()}
     assert relative_error(wrong, want) > 1e-3
@@ -178,26 +190,36 @@ def test_dpo_metrics_before_the_first_step_are_known_where_the_reference_is_the_
     for batch in batches:  # the reference cache's table, as reference_cache computes it: the live reference's values
         chosen, rejected = live(batch)
         table[batch.doc_ids] = torch.stack([chosen, rejected], dim=1).double()
-    losses = [PreferenceLoss(loss_type="sigmoid", beta=0.1, label_smoothing=0.1),
-              PreferenceLoss(loss_type="robust", beta=0.2, label_smoothing=0.2),
-              PreferenceLoss(loss_type="hinge", beta=0.5), PreferenceLoss(loss_type="ipo", beta=0.3),
-              PreferenceLoss(loss_type="sigmoid_norm", beta=0.1)]
+    losses = [
+        PreferenceLoss(loss_type="sigmoid", beta=0.1, label_smoothing=0.1),
+        PreferenceLoss(loss_type="robust", beta=0.2, label_smoothing=0.2),
+        PreferenceLoss(loss_type="hinge", beta=0.5),
+        PreferenceLoss(loss_type="ipo", beta=0.3),
+        PreferenceLoss(loss_type="sigmoid_norm", beta=0.1),
+    ]
     for loss in losses:
         for reference in (live, CachedReference(table)):
             objective = PreferenceObjective(loss, reference, reference_is_start=True)
             known = objective.known_start_metrics(batches, cpu)
             real = evaluate(policy, objective, batches, cpu, pad_token_id=0)
             assert {f"eval_{name}" for name in known} == set(real) - (
-                set() if reference is not live else {"eval_logps/chosen", "eval_logps/rejected"})
+                set() if reference is not live else {"eval_logps/chosen", "eval_logps/rejected"}
+            )
             for name, value in known.items():
                 assert math.isclose(real[f"eval_{name}"], value, rel_tol=1e-6, abs_tol=1e-6), (loss, name)
             assert real["eval_rewards/margins"] == 0.0  # the comparison is of a real evaluation with exact zeros
     assert math.isclose(PreferenceLoss(loss_type="sigmoid").loss_without_preference(), math.log(2))
     assert math.isclose(PreferenceLoss(loss_type="ipo", beta=0.25).loss_without_preference(), 4.0)
     # Not known in advance: a reference-free loss, an SFT term (the chosen reply's NLL), another reference.
-    assert PreferenceObjective(PreferenceLoss(loss_type="simpo"), None,
-                               reference_is_start=True).known_start_metrics(batches, cpu) is None
-    assert PreferenceObjective(LOSS, live, reference_is_start=True).known_start_metrics(batches, cpu) is None  # sft_weight
+    assert (
+        PreferenceObjective(PreferenceLoss(loss_type="simpo"), None, reference_is_start=True).known_start_metrics(
+            batches, cpu
+        )
+        is None
+    )
+    assert (
+        PreferenceObjective(LOSS, live, reference_is_start=True).known_start_metrics(batches, cpu) is None
+    )  # sft_weight
     assert PreferenceObjective(PreferenceLoss(loss_type="sigmoid"), live).known_start_metrics(batches, cpu) is None
 
 

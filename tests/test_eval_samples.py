@@ -26,9 +26,17 @@ from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharde
 from chattune.train.samples import run_samples
 from conftest import demo_chat_prompts, free_port
 
-STEPS = ["max_steps=4", "eval_every=2", "save_every=2", "log_every=1", "optimizer.lr=3e-3",
-         "scheduler.num_warmup_steps=0", "data.max_tokens_per_microbatch=512", "data.report_records=0",
-         "eval.max_new_tokens=24"]
+STEPS = [
+    "max_steps=4",
+    "eval_every=2",
+    "save_every=2",
+    "log_every=1",
+    "optimizer.lr=3e-3",
+    "scheduler.num_warmup_steps=0",
+    "data.max_tokens_per_microbatch=512",
+    "data.report_records=0",
+    "eval.max_new_tokens=24",
+]
 
 
 def plain_replies(model_dir: Path, prompts: list[list[dict]], max_new_tokens: int = 24) -> list[str]:
@@ -38,11 +46,14 @@ def plain_replies(model_dir: Path, prompts: list[list[dict]], max_new_tokens: in
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     replies = []
     for messages in prompts:
-        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end,
-                                    pad_token_id=end)
-        new = output[0, inputs["input_ids"].shape[1]:].tolist()
+            output = model.generate(
+                **inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end, pad_token_id=end
+            )
+        new = output[0, inputs["input_ids"].shape[1] :].tolist()
         replies.append(tokenizer.decode(new[: new.index(end)] if end in new else new, skip_special_tokens=False))
     return replies
 
@@ -71,13 +82,23 @@ def others(tmp_path_factory) -> Path:
     return path
 
 
-def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_resume_once(chat_model_dir, chats,
-                                                                                          others, tmp_path):
+def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_resume_once(
+    chat_model_dir, chats, others, tmp_path
+):
     prompts = tmp_path / "prompts.jsonl"  # eval.sample_prompts: 4 prompts, of which eval.samples takes 3
     prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in demo_chat_prompts(4)))
     out, without = tmp_path / "run", tmp_path / "without"
-    command = [sys.executable, "recipes/sft.py", f"model.path={chat_model_dir}", f"tokenizer.path={chat_model_dir}",
-               f"data.train=[{others}]", "data.eval=[]", *STEPS, f"eval.sample_prompts={prompts}", "eval.samples=3"]
+    command = [
+        sys.executable,
+        "recipes/sft.py",
+        f"model.path={chat_model_dir}",
+        f"tokenizer.path={chat_model_dir}",
+        f"data.train=[{others}]",
+        "data.eval=[]",
+        *STEPS,
+        f"eval.sample_prompts={prompts}",
+        "eval.samples=3",
+    ]
     run([*command, f"output_dir={out}"])
     steps = samples_by_step(out)
     assert sorted(steps) == [0, 2, 4] and all(len(lines) == 3 for lines in steps.values())  # no held-out set needed
@@ -85,8 +106,13 @@ def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_res
     assert [s["reply"] for s in steps[0]] == plain_replies(chat_model_dir, demo_chat_prompts(3))
     assert [s["reply"] for s in steps[4]] == plain_replies(out / "hf", demo_chat_prompts(3))
     assert [s["reply"] for s in steps[4]] != [s["reply"] for s in steps[0]]  # the trained model, not the start
-    assert sum(s["reply"] == c[-1]["content"] for s, c in zip(steps[0], [json.loads(line)["messages"] for line in
-               chats.read_text().splitlines()])) >= 2  # replies worth reading: the model answers these chats
+    assert (
+        sum(
+            s["reply"] == c[-1]["content"]
+            for s, c in zip(steps[0], [json.loads(line)["messages"] for line in chats.read_text().splitlines()])
+        )
+        >= 2
+    )  # replies worth reading: the model answers these chats
 
     # Sampling draws nothing and changes nothing: the same run without it trains the same steps, bit for bit.
     run([*command, f"output_dir={without}", "eval.samples=0"])
@@ -107,11 +133,29 @@ def test_samples_on_two_ranks_are_plain_generate_of_the_held_out_prompts(chat_mo
     """3 held-out prompts on 2 ranks: rank 0 answers two, rank 1 one and then one more whose reply nobody keeps
     (every forward is a collective); transformers' synced_gpus keeps the rank done first stepping."""
     out = tmp_path / "run"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "recipes/sft.py", f"output_dir={out}", f"model.path={chat_model_dir}", f"tokenizer.path={chat_model_dir}",
-         f"data.train=[{others}]", f"data.eval=[{chats}]", *STEPS, "eval.samples=3"])
-    held_out = [m[:max(i for i, t in enumerate(m) if t["role"] == "assistant")] for m in
-                (json.loads(line)["messages"] for line in chats.read_text().splitlines()[:3])]
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "recipes/sft.py",
+            f"output_dir={out}",
+            f"model.path={chat_model_dir}",
+            f"tokenizer.path={chat_model_dir}",
+            f"data.train=[{others}]",
+            f"data.eval=[{chats}]",
+            *STEPS,
+            "eval.samples=3",
+        ]
+    )
+    held_out = [
+        m[: max(i for i, t in enumerate(m) if t["role"] == "assistant")]
+        for m in (json.loads(line)["messages"] for line in chats.read_text().splitlines()[:3])
+    ]
     steps = samples_by_step(out)
     assert sorted(steps) == [0, 2, 4] and [s["prompt"] for s in steps[0]] == held_out
     assert [s["reply"] for s in steps[0]] == plain_replies(chat_model_dir, held_out)
@@ -131,14 +175,17 @@ def test_held_out_prompts_are_the_context_before_each_records_last_reply(tmp_pat
 
     pairs = [json.loads(line) for line in (DEMO_ASSETS / "preference_eval.jsonl").read_text().splitlines()[:3]]
     got = held_out_prompts([SourceSpec(str(DEMO_ASSETS / "preference_eval.jsonl"), format="preference")], 3)
-    expected = [p["prompt"] if isinstance(p["prompt"], list) else [{"role": "user", "content": p["prompt"]}]
-                for p in pairs]
+    expected = [
+        p["prompt"] if isinstance(p["prompt"], list) else [{"role": "user", "content": p["prompt"]}] for p in pairs
+    ]
     assert [p.messages for p in got] == expected
 
     # Across sources in order, an unreadable record passed over for the next, a count beyond them all: all.
     second = tmp_path / "second.jsonl"
-    second.write_text('{"messages": [{"role": "user", "content": "no reply"}]}\n'
-                      '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n')
+    second.write_text(
+        '{"messages": [{"role": "user", "content": "no reply"}]}\n'
+        '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n'
+    )
     first = tmp_path / "first.jsonl"
     first.write_text("".join((DEMO_ASSETS / "chat_eval.jsonl").read_text().splitlines(keepends=True)[:2]))
     got = held_out_prompts([SourceSpec(str(first)), SourceSpec(str(second))], 10)
@@ -146,8 +193,9 @@ def test_held_out_prompts_are_the_context_before_each_records_last_reply(tmp_pat
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_the_sharded_model_generates_as_the_plain_one_and_compiles_nothing_for_it(chat_model_dir, one_rank_group,
-                                                                                  compile):
+def test_the_sharded_model_generates_as_the_plain_one_and_compiles_nothing_for_it(
+    chat_model_dir, one_rank_group, compile
+):
     """One rank in this process: the packed attention and compiled layers are set aside for generation and
     restored after it (a training forward still runs the packed attention)."""
     torch._dynamo.reset()
@@ -157,8 +205,12 @@ def test_the_sharded_model_generates_as_the_plain_one_and_compiles_nothing_for_i
     prompts = demo_chat_prompts(3)
     graphs = compiled_graphs()
     with sharded_generation(model):
-        replies = [generate_reply(model, tokenizer, prompt_ids(tokenizer, m), Sampling(max_new_tokens=24),
-                                  stop_token_ids(tokenizer)).text for m in prompts]
+        replies = [
+            generate_reply(
+                model, tokenizer, prompt_ids(tokenizer, m), Sampling(max_new_tokens=24), stop_token_ids(tokenizer)
+            ).text
+            for m in prompts
+        ]
     assert replies == plain_replies(chat_model_dir, prompts)
     assert compiled_graphs() == graphs and model.training
     assert hf_model.config._attn_implementation == ATTENTION_NAME
@@ -186,8 +238,14 @@ def test_without_data_eval_the_samples_come_from_the_records_eval_split_holds_ou
     data = tmp_path / "chats.jsonl"
     lines = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:50]
     data.write_text("".join(lines))
-    cfg = OmegaConf.create({"eval_every": 10, "seed": 7, "eval": {"samples": 3, "sample_prompts": None},
-                            "data": {"eval": None, "eval_split": 0.1, "train": [str(data)]}})
+    cfg = OmegaConf.create(
+        {
+            "eval_every": 10,
+            "seed": 7,
+            "eval": {"samples": 3, "sample_prompts": None},
+            "data": {"eval": None, "eval_split": 0.1, "train": [str(data)]},
+        }
+    )
 
     def mix(z: int) -> int:
         z = (z + 0x9E3779B97F4A7C15) % 2**64

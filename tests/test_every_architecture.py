@@ -61,22 +61,100 @@ WIDTH = 64
 MIN_LAYERS = 2
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 SIZES = {
-    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "dim", "model_dim", "embed_dim", "embedding_size",
-                     "emb_dim", "word_embed_proj_dim", "lru_width", "hidden_dim", "embedding_dim", "hidden_size_global",
-                     "adapter_in_dim", "adapter_input_size", "adapter_out_dim"), WIDTH),
-    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
-                     "attention_heads", "swa_num_attention_heads"), HEADS),
-    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_query_groups",
-                     "multi_query_group_num", "swa_num_key_value_heads", "num_global_key_value_heads"), KV_HEADS),
-    **dict.fromkeys(("head_dim", "attention_head_dim", "d_head", "dim_head", "kv_channels", "attention_head_size",
-                     "swa_head_dim", "global_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_head_dim", "mamba_d_head", "mamba_head_dim", "mamba_headdim", "index_head_dim",
-                     "indexer_head_dim"), HEAD_DIM),
-    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "ffn_hidden_size", "dim_ff",
-                     "dff", "intermediate_size_mlp", "dense_intermediate_size", "prefix_dense_intermediate_size",
-                     "feed_forward_size"), 128),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
-                     "shared_experts_intermediate_size", "shared_intermediate_size", "expert_ffn_hidden_size"), 32),
+    **dict.fromkeys(
+        (
+            "hidden_size",
+            "n_embd",
+            "d_model",
+            "dim",
+            "model_dim",
+            "embed_dim",
+            "embedding_size",
+            "emb_dim",
+            "word_embed_proj_dim",
+            "lru_width",
+            "hidden_dim",
+            "embedding_dim",
+            "hidden_size_global",
+            "adapter_in_dim",
+            "adapter_input_size",
+            "adapter_out_dim",
+        ),
+        WIDTH,
+    ),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "decoder_attention_heads",
+            "attention_heads",
+            "swa_num_attention_heads",
+        ),
+        HEADS,
+    ),
+    **dict.fromkeys(
+        (
+            "num_key_value_heads",
+            "num_kv_heads",
+            "n_kv_heads",
+            "num_query_groups",
+            "multi_query_group_num",
+            "swa_num_key_value_heads",
+            "num_global_key_value_heads",
+        ),
+        KV_HEADS,
+    ),
+    **dict.fromkeys(
+        (
+            "head_dim",
+            "attention_head_dim",
+            "d_head",
+            "dim_head",
+            "kv_channels",
+            "attention_head_size",
+            "swa_head_dim",
+            "global_head_dim",
+            "v_head_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_head_dim",
+            "mamba_d_head",
+            "mamba_head_dim",
+            "mamba_headdim",
+            "index_head_dim",
+            "indexer_head_dim",
+        ),
+        HEAD_DIM,
+    ),
+    **dict.fromkeys(
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "n_inner",
+            "decoder_ffn_dim",
+            "ffn_hidden_size",
+            "dim_ff",
+            "dff",
+            "intermediate_size_mlp",
+            "dense_intermediate_size",
+            "prefix_dense_intermediate_size",
+            "feed_forward_size",
+        ),
+        128,
+    ),
+    **dict.fromkeys(
+        (
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "moe_shared_expert_intermediate_size",
+            "shared_experts_intermediate_size",
+            "shared_intermediate_size",
+            "expert_ffn_hidden_size",
+        ),
+        32,
+    ),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts"), 2),
     **dict.fromkeys(("n_group", "num_expert_group", "topk_group", "n_shared_experts", "num_shared_experts"), 1),
@@ -86,13 +164,15 @@ SIZES = {
     **dict.fromkeys(("mamba_d_state", "ssm_state_size", "state_size"), 16),
     **dict.fromkeys(("chunk_size", "mamba_chunk_size"), 16),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank", "o_lora_rank"), 32),
-    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
     **dict.fromkeys(("mamba_dt_rank", "time_step_rank"), 4),
     "encoder_layers": MIN_LAYERS,  # unused by the decoder-only causal LM of an encoder-decoder family
     "zero_expert_num": 2,
     "mamba_d_ssm": 128,
     **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab"), 512),
-    "first_k_dense_replace": 1, "num_dense_layers": 1,
+    "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
     "max_position_embeddings": 512,
     **dict.fromkeys(("attn_layer_period", "expert_layer_period"), 2),
     **dict.fromkeys(("attn_layer_offset", "expert_layer_offset"), 1),
@@ -110,19 +190,34 @@ DEPTHS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_blocks"
 # text config of a composite config where that has the attribute; dicts merged).
 EXTRA = {
     # mrope_section sized to HEAD_DIM / 2: transformers 5.17's default [22, 22, 20] needs heads of 128 at least
-    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
-                                                                   "mrope_section": [3, 3, 2]}}},
+    "cohere_compass_text": {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}
+        }
+    },
     # DbrxAttention reads rope_theta, which the default config lacks, and clamps by clip_qkv (default None: fails)
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     # to_dict lists (attention, mlp) blocks and doubles the counts: 4 layers, 1 input, 2 recurrent, 1 output
-    "dory": {"num_hidden_layers": 8, "n_input_layers": 2, "n_recurrent_layers": 4, "n_output_layers": 2,
-             "layer_types": ["sliding_attention", "mlp"] * 3 + ["full_attention", "mlp"]},
+    "dory": {
+        "num_hidden_layers": 8,
+        "n_input_layers": 2,
+        "n_recurrent_layers": 4,
+        "n_output_layers": 2,
+        "layer_types": ["sliding_attention", "mlp"] * 3 + ["full_attention", "mlp"],
+    },
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # the default None builds nothing
     "mamba2": {"num_heads": 8},  # hidden size × expand = heads × head dim
     # the default config lists indexed-attention layers without the indexer's sizes
-    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), {"indexer_n_heads": HEADS, "indexer_kv_heads": 1,
-                                                      "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
-                                                      "indexer_compress_ratio": 4}),
+    **dict.fromkeys(
+        ("qwen4_exp", "qwen4_exp_text"),
+        {
+            "indexer_n_heads": HEADS,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": HEAD_DIM,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 4,
+        },
+    ),
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},  # a decoder; axial dims summing to the width
     "zaya": {"num_experts_per_tok": 1},  # supports only 1
     "xmod": {"default_language": "en_XX"},  # its forward needs a language
@@ -141,33 +236,43 @@ ARCHITECTURES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 # Not walked, with the reason. Everything else is built small, checked, and refused or trained.
 SKIPPED = {
     "gemma4_assistant": "a draft model for speculative decoding: its forward takes the target model's embeddings and "
-                        "shared key/value states, not token ids",
+    "shared key/value states, not token ids",
     "gemma4_unified_assistant": "a draft model for speculative decoding: its forward takes the target model's "
-                                "embeddings and shared key/value states, not token ids",
+    "embeddings and shared key/value states, not token ids",
     "musicgen": "AutoModelForCausalLM cannot build MusicgenForCausalLM from the registered MusicgenConfig "
-                "(transformers reads decoder attributes from the composite config: AttributeError); its decoder reads "
-                "codebooks",
+    "(transformers reads decoder attributes from the composite config: AttributeError); its decoder reads "
+    "codebooks",
     "musicgen_melody": "as musicgen: AutoModelForCausalLM cannot build its causal LM from MusicgenMelodyConfig",
 }
 if "dbrx" in CONFIG_MAPPING:
     try:
         CONFIG_MAPPING["dbrx"].from_dict(CONFIG_MAPPING["dbrx"]().to_dict())
     except ValueError as error:  # transformers 5.17: its sub-configs reject the keys their own to_dict writes
-        SKIPPED["dbrx"] = (f"transformers {transformers.__version__} cannot rebuild a DbrxConfig from its own "
-                           f"to_dict ({error}), which the tiny config is made from")
+        SKIPPED["dbrx"] = (
+            f"transformers {transformers.__version__} cannot rebuild a DbrxConfig from its own "
+            f"to_dict ({error}), which the tiny config is made from"
+        )
 if importlib.util.find_spec("timm") is None:
     SKIPPED["gemma3n"] = "its vision tower (TimmWrapperModel) needs timm, not installed (gemma3n_text is walked)"
 
 
 def _is_random(name: str, value) -> bool:
-    return isinstance(value, float) and value > 0 and ("dropout" in name or "pdrop" in name or "jitter" in name
-                                                       or name in ("layerdrop", "dropout_p"))
+    return (
+        isinstance(value, float)
+        and value > 0
+        and ("dropout" in name or "pdrop" in name or "jitter" in name or name in ("layerdrop", "dropout_p"))
+    )
 
 
 def _size(name: str, value):
     """The tiny value of one config attribute (`value` unchanged where SIZES does not cover it)."""
-    if name in SIZES and (value is None and name in FILLED_WHEN_NONE
-                          or isinstance(value, int) and not isinstance(value, bool) and value > 0):
+    if name in SIZES and (
+        value is None
+        and name in FILLED_WHEN_NONE
+        or isinstance(value, int)
+        and not isinstance(value, bool)
+        and value > 0
+    ):
         return min(value or 1, SIZES[name]) if name in ("n_group", "num_expert_group", "topk_group") else SIZES[name]
     if name in WINDOWS and isinstance(value, int) and not isinstance(value, bool) and value > SLIDING_WINDOW:
         return SLIDING_WINDOW
@@ -205,8 +310,9 @@ def _shrink(values: dict) -> dict:
     elif isinstance(small.get("rotary_dim"), int):
         small["rotary_dim"] = HEAD_DIM // 2
     if isinstance(values.get("per_layer_config"), dict):
-        small["per_layer_config"] = {index: _shrink_layer(overrides, values, small)
-                                     for index, overrides in values["per_layer_config"].items()}
+        small["per_layer_config"] = {
+            index: _shrink_layer(overrides, values, small) for index, overrides in values["per_layer_config"].items()
+        }
     return small
 
 
@@ -226,11 +332,16 @@ def _shrink_layer(overrides: dict, full: dict, small: dict) -> dict:
 
 def _per_layer_lists(values: dict, layers: int) -> list[str]:
     """The attributes listing a kind per layer (not a list of layer indices, such as Llama 4's moe_layers)."""
+
     def indices(value: list) -> bool:
         return all(isinstance(v, int) for v in value) and value == sorted(set(value)) and len(value) > 2
-    return [name for name, value in values.items()
-            if (isinstance(value, list) and not indices(value) or isinstance(value, str) and "pattern" in name)
-            and len(value) == layers]
+
+    return [
+        name
+        for name, value in values.items()
+        if (isinstance(value, list) and not indices(value) or isinstance(value, str) and "pattern" in name)
+        and len(value) == layers
+    ]
 
 
 def _cut_layers(values: dict) -> dict:
@@ -254,8 +365,9 @@ def _cut_layers(values: dict) -> dict:
     for name in lists:
         small[name] = values[name][:keep]
     if isinstance(values.get("per_layer_config"), dict):
-        small["per_layer_config"] = {index: overrides for index, overrides in values["per_layer_config"].items()
-                                     if int(index) < keep}
+        small["per_layer_config"] = {
+            index: overrides for index, overrides in values["per_layer_config"].items() if int(index) < keep
+        }
     return small
 
 
@@ -304,8 +416,9 @@ def stock_losses(model, documents: list[Document]) -> torch.Tensor:
     losses = []
     for document in documents:
         logits = model(input_ids=torch.tensor(document.input_ids).unsqueeze(0), use_cache=False).logits[0]
-        losses.append(F.cross_entropy(logits.float(), torch.tensor(document.labels), ignore_index=IGNORE_INDEX,
-                                      reduction="none"))
+        losses.append(
+            F.cross_entropy(logits.float(), torch.tensor(document.labels), ignore_index=IGNORE_INDEX, reduction="none")
+        )
     return torch.cat(losses)
 
 
@@ -353,10 +466,16 @@ class Trained:
 def _raised_in_chattune(error: BaseException) -> bool:
     """Whether `error` comes from chattune's own code by accident: the innermost frame of chattune or transformers
     (below them: torch, Python) is chattune's, and not a `raise` of its own (a deliberate refusal)."""
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
-              if Path(frame.filename).resolve().is_relative_to(CHATTUNE) or TRANSFORMERS in Path(frame.filename).parts]
-    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(CHATTUNE) and not (
-        frames[-1].line or "").startswith("raise")
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if Path(frame.filename).resolve().is_relative_to(CHATTUNE) or TRANSFORMERS in Path(frame.filename).parts
+    ]
+    return (
+        bool(frames)
+        and Path(frames[-1].filename).resolve().is_relative_to(CHATTUNE)
+        and not (frames[-1].line or "").startswith("raise")
+    )
 
 
 def check_refusal(refusal: UnsupportedModel) -> None:
@@ -364,7 +483,8 @@ def check_refusal(refusal: UnsupportedModel) -> None:
     cause = refusal.__cause__
     assert cause is None or isinstance(cause, UnsupportedModel) or not _raised_in_chattune(cause), (
         f"a refusal hiding an exception of chattune's own code: {type(cause).__name__}: {cause}\n"
-        + "".join(traceback.format_tb(cause.__traceback__)[-3:]))
+        + "".join(traceback.format_tb(cause.__traceback__)[-3:])
+    )
 
 
 def check_exact(trained: Trained) -> None:
@@ -373,17 +493,22 @@ def check_exact(trained: Trained) -> None:
     one) is rounding noise in both: it is held to GRAD_NOISE of the model's whole gradient, not to its own norm."""
     losses, reference = trained.losses, trained.reference
     assert torch.allclose(losses, reference, rtol=LOSS_TOLERANCE, atol=LOSS_TOLERANCE), (
-        f"packed losses differ from the stock ones by up to {float((losses - reference).abs().max()):.2e}")
+        f"packed losses differ from the stock ones by up to {float((losses - reference).abs().max()):.2e}"
+    )
     missing = [name for name, (packed, stock) in trained.grads.items() if (packed is None) != (stock is None)]
     assert not missing, f"gradients in one run only: {missing}"
     grads = {name: pair for name, pair in trained.grads.items() if pair[0] is not None}
     scale = float(torch.stack([stock.norm() for _, stock in grads.values()]).norm())
-    worst = {name: float((packed - stock).norm()) / (GRAD_TOLERANCE * float(stock.norm()) + GRAD_NOISE * scale)
-             for name, (packed, stock) in grads.items()}
+    worst = {
+        name: float((packed - stock).norm()) / (GRAD_TOLERANCE * float(stock.norm()) + GRAD_NOISE * scale)
+        for name, (packed, stock) in grads.items()
+    }
     name = max(worst, key=worst.get)
     packed, stock = grads[name]
-    assert worst[name] <= 1, (f"gradient of {name} differs from the stock one by {float((packed - stock).norm()):.2e} "
-                              f"(its norm {float(stock.norm()):.2e}, the whole gradient's {scale:.2e})")
+    assert worst[name] <= 1, (
+        f"gradient of {name} differs from the stock one by {float((packed - stock).norm()):.2e} "
+        f"(its norm {float(stock.norm()):.2e}, the whole gradient's {scale:.2e})"
+    )
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
@@ -403,9 +528,19 @@ def test_gemma4_miniature_keeps_its_per_layer_heads_and_shared_key_values():
     last layers reuse the keys and values of earlier ones (`num_kv_shared_layers`). The miniature keeps a layer of
     each kind, the per-layer overrides of the layers it keeps, and reusing layers with layers to reuse from (all
     reusing: transformers' KeyError at the first forward, a refusal of a model chattune trains)."""
-    config = Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=16, global_head_dim=32, vocab_size=5000,
-                              hidden_size_per_layer_input=16, vocab_size_per_layer_input=5000, num_kv_shared_layers=4)
+    config = Gemma4TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        vocab_size=5000,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=5000,
+        num_kv_shared_layers=4,
+    )
     assert config.layer_types[5] == config.layer_types[11] == "full_attention"  # one in six
     small = miniature_config(config)
     # six layers of their own (the sixth the first full-attention one), then four reusing theirs
@@ -446,9 +581,18 @@ def test_a_model_whose_attention_is_picked_by_name_is_refused_not_crashed():
 
 def test_the_miniature_of_a_config_with_int_typed_token_ids():
     """CWM types its special token ids as int: ids past the miniature's vocabulary become its last id, not None."""
-    config = CONFIG_MAPPING["cwm"](hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, vocab_size=5000, bos_token_id=4000,
-                                   eos_token_id=4001, pad_token_id=4002)
+    config = CONFIG_MAPPING["cwm"](
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=5000,
+        bos_token_id=4000,
+        eos_token_id=4001,
+        pad_token_id=4002,
+    )
     small = miniature_config(config)
     assert (small.bos_token_id, small.eos_token_id, small.pad_token_id) == (MINIATURE_VOCAB - 1,) * 3
     check_architecture(config)
@@ -456,9 +600,19 @@ def test_the_miniature_of_a_config_with_int_typed_token_ids():
 
 def test_per_layer_head_counts_are_read_from_the_layers():
     """Laguna sets its query heads per layer: what context parallelism must divide, layer by layer."""
-    config = CONFIG_MAPPING["laguna"](hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_attention_heads_per_layer=[4, 6], num_key_value_heads=2, head_dim=16,
-                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=512)
+    config = CONFIG_MAPPING["laguna"](
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_attention_heads_per_layer=[4, 6],
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=512,
+    )
     model = AutoModelForCausalLM.from_config(config)
     assert attention_heads(model) == [4, 6]
     assert model_flops(model).attention_width == (4 + 6) * 16

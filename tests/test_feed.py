@@ -25,10 +25,25 @@ def uneven_documents(count: int = 61) -> list[Document]:
 
 
 def make_feeds(docs, world_size, num_epochs, grad_accum_steps=2):
-    return [StepFeed(PackedStream(ListSource(docs), rank, world_size, seed=5, max_tokens=48, pad_token_id=0,
-                                  buffer_records=8, num_epochs=num_epochs), grad_accum_steps, 0, num_epochs,
-                     num_ranks=world_size)
-            for rank in range(world_size)]
+    return [
+        StepFeed(
+            PackedStream(
+                ListSource(docs),
+                rank,
+                world_size,
+                seed=5,
+                max_tokens=48,
+                pad_token_id=0,
+                buffer_records=8,
+                num_epochs=num_epochs,
+            ),
+            grad_accum_steps,
+            0,
+            num_epochs,
+            num_ranks=world_size,
+        )
+        for rank in range(world_size)
+    ]
 
 
 def run_steps(feeds, max_steps=10_000):
@@ -39,8 +54,12 @@ def run_steps(feeds, max_steps=10_000):
         if feeds[0].finished:
             break
         taken = [feed.next_step() for feed in feeds]
-        steps.append([(t.epoch, [b.doc_ids for b in t.microbatches], [b.epoch for b in t.microbatches if b.doc_ids])
-                      for t in taken])
+        steps.append(
+            [
+                (t.epoch, [b.doc_ids for b in t.microbatches], [b.epoch for b in t.microbatches if b.doc_ids])
+                for t in taken
+            ]
+        )
         ranks_at_epoch_end = sum(t.epoch_end_reached for t in taken)
         per_rank = [feed.close_step(ranks_at_epoch_end) for feed in feeds]
         assert all([e for e, _ in c] == [e for e, _ in per_rank[0]] for c in per_rank), "ranks closed other epochs"
@@ -92,15 +111,36 @@ def test_two_rank_run_stops_after_num_epochs_and_reports_each_epoch(tmp_path):
     with data.open("w") as f:
         for i in range(37):
             reply = " ".join(["word"] * (1 + (i * 13) % 40))
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say {i}."},
-                                             {"role": "assistant", "content": reply}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": reply}]}
+                )
+                + "\n"
+            )
     out = tmp_path / "run"
-    result = run([
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        "recipes/sft.py", f"output_dir={out}", "max_steps=1000", "data.num_epochs=2", f"data.train=[{data}]",
-        "data.eval=[]", "data.max_tokens_per_microbatch=256", "data.buffer_records=8", "grad_accum_steps=2",
-        "log_every=1", "save_every=0", "data.report_records=null",
-    ])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "recipes/sft.py",
+            f"output_dir={out}",
+            "max_steps=1000",
+            "data.num_epochs=2",
+            f"data.train=[{data}]",
+            "data.eval=[]",
+            "data.max_tokens_per_microbatch=256",
+            "data.buffer_records=8",
+            "grad_accum_steps=2",
+            "log_every=1",
+            "save_every=0",
+            "data.report_records=null",
+        ]
+    )
     log = result.stdout + result.stderr
     assert "training data (37 of 37 records sampled): records read: 37; skipped: 0" in log
     done = re.findall(r"epoch (\d) done at step (\d+): (\d+) documents", log)
@@ -116,17 +156,31 @@ def test_two_rank_run_stops_after_num_epochs_and_reports_each_epoch(tmp_path):
 def invariant_feeds(docs, world_size, num_epochs, microbatches_per_step=4):
     """World-size-invariant steps: every rank packs all of `docs` and trains its slots of each step."""
     per_rank = microbatches_per_step // world_size
-    return [StepFeed(PackedStream(ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0, buffer_records=8,
-                                  num_epochs=num_epochs), microbatches_per_step, 0, num_epochs, num_ranks=world_size,
-                     slots=range(rank * per_rank, (rank + 1) * per_rank), seed=3)
-            for rank in range(world_size)]
+    return [
+        StepFeed(
+            PackedStream(
+                ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0, buffer_records=8, num_epochs=num_epochs
+            ),
+            microbatches_per_step,
+            0,
+            num_epochs,
+            num_ranks=world_size,
+            slots=range(rank * per_rank, (rank + 1) * per_rank),
+            seed=3,
+        )
+        for rank in range(world_size)
+    ]
 
 
 def test_invariant_steps_train_the_same_documents_on_any_number_of_ranks():
     docs = uneven_documents(59)  # epochs of 23 microbatches: not a whole number of 4-microbatch steps
     # Independent of the feed: two epochs' packing, as a one-rank stream of all the data gives it.
-    packed = [b.doc_ids for b in PackedStream(ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0,
-                                              buffer_records=8, num_epochs=2)]
+    packed = [
+        b.doc_ids
+        for b in PackedStream(
+            ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0, buffer_records=8, num_epochs=2
+        )
+    ]
     by_step = None
     for world_size in (1, 2, 4):
         feeds = invariant_feeds(docs, world_size, num_epochs=2)
@@ -171,9 +225,11 @@ def test_a_position_of_another_step_layout_is_refused():
     docs = uneven_documents(59)
     per_rank = make_feeds(docs, 1, num_epochs=1)[0].state_dict()
     invariant = invariant_feeds(docs, 2, num_epochs=1)[0].state_dict()
-    for feed, state, says in ((invariant_feeds(docs, 2, 1)[0], per_rank, "data.microbatches_per_step=None"),
-                              (make_feeds(docs, 1, 1)[0], invariant, "data.microbatches_per_step=4"),
-                              (invariant_feeds(docs, 1, 1, microbatches_per_step=2)[0], invariant, "has 2"),
-                              (invariant_feeds(docs, 2, 1)[0], {"streams": {}}, "one stream per microbatch")):
+    for feed, state, says in (
+        (invariant_feeds(docs, 2, 1)[0], per_rank, "data.microbatches_per_step=None"),
+        (make_feeds(docs, 1, 1)[0], invariant, "data.microbatches_per_step=4"),
+        (invariant_feeds(docs, 1, 1, microbatches_per_step=2)[0], invariant, "has 2"),
+        (invariant_feeds(docs, 2, 1)[0], {"streams": {}}, "one stream per microbatch"),
+    ):
         with pytest.raises(UserError, match=re.escape(says)):
             feed.load_state_dict(state)

@@ -27,8 +27,15 @@ from conftest import tiny_model
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_flops_are_the_hand_count(tied):
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        tie_word_embeddings=tied,
+    )
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     # per layer: q 64x64, k and v 64x32 (2 kv heads of 16), o 64x64, gate and up 64x96, down 96x64
     per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96
@@ -46,22 +53,58 @@ def test_model_flops_are_the_hand_count(tied):
 HYBRID = {
     # gated DeltaNet: keys 2 heads × 16, values 4 heads × 16: conv channels 2 × 32 + 64; a 16 × 16 state
     # per value head
-    "qwen3_5": ({"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"], "head_dim": 16,
-                 "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-                 "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4},
-                1 * 4 * 16, 2 * 4 * (2 * 2 * 16 + 4 * 16) + 6 * 4 * 16 * 16),
+    "qwen3_5": (
+        {
+            "model_type": "qwen3_5_text",
+            "layer_types": ["linear_attention", "full_attention"],
+            "head_dim": 16,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_conv_kernel_dim": 4,
+        },
+        1 * 4 * 16,
+        2 * 4 * (2 * 2 * 16 + 4 * 16) + 6 * 4 * 16 * 16,
+    ),
     # a short convolution of kernel 3 over the 64 hidden channels; head dim 64 / 4
-    "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"], "conv_L_cache": 3},
-             1 * 4 * 16, 2 * 3 * 64),
+    "lfm2": (
+        {"model_type": "lfm2", "layer_types": ["conv", "full_attention"], "conv_L_cache": 3},
+        1 * 4 * 16,
+        2 * 3 * 64,
+    ),
     # Mamba-2: 8 heads × 16 = d_inner 128, conv over d_inner + 2 × (1 group × state 16); an MLP-only layer
-    "nemotron_h": ({"model_type": "nemotron_h", "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"],
-                    "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16,
-                    "conv_kernel": 4, "chunk_size": 16},
-                   1 * 4 * 16, 2 * 4 * (8 * 16 + 2 * 1 * 16) + 6 * 8 * 16 * 16),
+    "nemotron_h": (
+        {
+            "model_type": "nemotron_h",
+            "num_hidden_layers": 3,
+            "layers_block_type": ["mamba", "attention", "mlp"],
+            "head_dim": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "n_groups": 1,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "chunk_size": 16,
+        },
+        1 * 4 * 16,
+        2 * 4 * (8 * 16 + 2 * 1 * 16) + 6 * 8 * 16 * 16,
+    ),
     # no attention at all: two Mamba-2 layers, d_inner = expand 2 × 64 = 8 heads × 16
-    "mamba2": ({"model_type": "mamba2", "num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 1, "state_size": 16,
-                "conv_kernel": 4, "chunk_size": 16},
-               0, 2 * (2 * 4 * (128 + 2 * 1 * 16) + 6 * 128 * 16)),
+    "mamba2": (
+        {
+            "model_type": "mamba2",
+            "num_heads": 8,
+            "head_dim": 16,
+            "expand": 2,
+            "n_groups": 1,
+            "state_size": 16,
+            "conv_kernel": 4,
+            "chunk_size": 16,
+        },
+        0,
+        2 * (2 * 4 * (128 + 2 * 1 * 16) + 6 * 128 * 16),
+    ),
 }
 
 
@@ -80,18 +123,39 @@ def test_hybrid_models_count_their_attention_layers_and_their_mixers(name):
 
 def test_mfu_is_model_flops_per_second_over_the_peak():
     result = StepResult(loss_sum=20.0, local_units=10, global_units=10, local_tokens=16)
-    metrics = step_metrics(3, result, TokenCrossEntropy(), grad_norm=1.0, lr=1e-3, step_time_s=2.0,
-                           device=torch.device("cpu"), flops=StepFlops(model_flops=5e12, peak_flops=10e12))
+    metrics = step_metrics(
+        3,
+        result,
+        TokenCrossEntropy(),
+        grad_norm=1.0,
+        lr=1e-3,
+        step_time_s=2.0,
+        device=torch.device("cpu"),
+        flops=StepFlops(model_flops=5e12, peak_flops=10e12),
+    )
     assert metrics["mfu"] == pytest.approx(5e12 / 2.0 / 10e12)
     assert metrics["all_tokens_per_sec_per_device"] == pytest.approx(16 / 2.0)
-    assert "mfu" not in step_metrics(3, result, TokenCrossEntropy(), 1.0, 1e-3, 2.0, torch.device("cpu"), StepFlops(5e12, None))
+    assert "mfu" not in step_metrics(
+        3, result, TokenCrossEntropy(), 1.0, 1e-3, 2.0, torch.device("cpu"), StepFlops(5e12, None)
+    )
     assert peak_flops(torch.device("cpu")) is None
 
 
 def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
-    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                            num_experts_per_tok=2, vocab_size=50, decoder_sparse_step=1, mlp_only_layers=[])
+    config = Qwen3MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=50,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # q, k, v (2 kv heads of 8), o
     router = 4 * 32  # a TopKRouter's own weight (F.linear, no nn.Linear): 32 -> 4 experts' scores
@@ -112,11 +176,27 @@ def packed_documents():
 def test_deepseek_v3_counts_latent_attention_the_router_the_active_experts_and_the_shared_one():
     """Multi-head latent attention, a dense first layer (first_k_dense_replace), then routed experts (2 of 4 per
     token) beside a shared expert that every token uses."""
-    config = DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-                              n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24,
-                              kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, vocab_size=50,
-                              tie_word_embeddings=False)
+    config = DeepseekV3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        vocab_size=50,
+        tie_word_embeddings=False,
+    )
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     # per layer, 4 heads: q_a 32 -> 24 (q_lora_rank), q_b 24 -> 4 × (8 + 4) (query/key head: nope + rope),
     # kv_a 32 -> 16 + 4 (kv_lora_rank + the shared rotary key), kv_b 16 -> 4 × (8 + 6) (key nope + value),
@@ -137,10 +217,22 @@ def test_gemma4_counts_each_layers_own_head_size_and_its_active_experts():
     """Gemma 4 keeps the head size per layer (`per_layer_config`: its global layers' `global_head_dim`); its config
     refuses a global `head_dim` read. Its MoE layers add routed experts (`top_k_experts` of `num_experts`) to the
     dense MLP."""
-    config = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=8, global_head_dim=16, vocab_size=50,
-                              layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
-                              enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+    config = Gemma4TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        vocab_size=50,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=16,
+    )
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     sliding = 32 * 4 * 8 + 2 * 32 * 2 * 8 + 4 * 8 * 32  # q, k and v (2 kv heads), o; heads of 8
     full = 32 * 4 * 16 + 2 * 32 * 2 * 16 + 4 * 16 * 32  # the same with heads of 16
@@ -154,9 +246,19 @@ def test_gemma4_counts_each_layers_own_head_size_and_its_active_experts():
 
 
 def test_gpt_oss_counts_its_experts_without_their_biases():
-    config = GptOssConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, vocab_size=50,
-                          layer_types=["full_attention"], tie_word_embeddings=False)
+    config = GptOssConfig(
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=50,
+        layer_types=["full_attention"],
+        tie_word_embeddings=False,
+    )
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # its sinks are one scalar per head: no matmul
     router = 32 * 4
@@ -166,9 +268,15 @@ def test_gpt_oss_counts_its_experts_without_their_biases():
 
 def test_dbrx_counts_its_flat_expert_stacks_at_the_active_share():
     """DBRX stores each expert weight as one 2-D stack (experts × rows, hidden), its expert numbers in ffn_config."""
-    config = DbrxConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=50, max_seq_len=64,
-                        attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
-                        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2})
+    config = DbrxConfig(
+        d_model=32,
+        n_heads=4,
+        n_layers=1,
+        vocab_size=50,
+        max_seq_len=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+    )
     flops = model_flops(AutoModelForCausalLM.from_config(config))
     attention = 32 * (32 + 2 * 2 * 8) + 32 * 32  # Wqkv: q and 2 kv heads of 8 for k and v; out_proj
     router = 32 * 4
@@ -192,11 +300,29 @@ def test_frozen_weights_count_four_times_their_size_per_token():
 
     from chattune.model.adapters import add_adapters
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(config)
-    add_adapters(model, OmegaConf.create({"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
-                                          "use_dora": False, "modules_to_save": None}))
+    add_adapters(
+        model,
+        OmegaConf.create(
+            {
+                "rank": 4,
+                "alpha": 8,
+                "dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+                "use_dora": False,
+                "modules_to_save": None,
+            }
+        ),
+    )
     flops = model_flops(model)
     base = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96) + 100 * 64  # every base linear and the output layer
     adapters = 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4)  # per layer: q's A (4x64) and B (64x4), v's A and B (32x4)

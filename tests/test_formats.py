@@ -23,22 +23,37 @@ def convert(record: dict, **spec) -> Conversation:
 
 def test_each_format_by_hand():
     assert convert({"messages": [USER, ASSISTANT]}) == Conversation([USER, ASSISTANT])
-    assert convert({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}],
-                    "system": "Be kind."}, format="sharegpt") == Conversation(
-        [{"role": "system", "content": "Be kind."}, USER, ASSISTANT])
-    assert convert({"prompt": "Hi", "completion": "Hello!"}, format="prompt_completion") == Conversation([USER, ASSISTANT])
-    assert convert({"prompt": [USER], "completion": [ASSISTANT]}, format="prompt_completion") == Conversation([USER, ASSISTANT])
+    assert convert(
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}], "system": "Be kind."},
+        format="sharegpt",
+    ) == Conversation([{"role": "system", "content": "Be kind."}, USER, ASSISTANT])
+    assert convert({"prompt": "Hi", "completion": "Hello!"}, format="prompt_completion") == Conversation(
+        [USER, ASSISTANT]
+    )
+    assert convert({"prompt": [USER], "completion": [ASSISTANT]}, format="prompt_completion") == Conversation(
+        [USER, ASSISTANT]
+    )
     assert convert({"instruction": "Add.", "input": "2 and 3", "output": "5"}, format="alpaca") == Conversation(
-        [{"role": "user", "content": "Add.\n\n2 and 3"}, {"role": "assistant", "content": "5"}])
-    assert convert({"instruction": "Say hi.", "input": "", "output": "Hi"}, format="alpaca").messages[0]["content"] == "Say hi."
+        [{"role": "user", "content": "Add.\n\n2 and 3"}, {"role": "assistant", "content": "5"}]
+    )
+    assert (
+        convert({"instruction": "Say hi.", "input": "", "output": "Hi"}, format="alpaca").messages[0]["content"]
+        == "Say hi."
+    )
 
 
 def test_renamed_columns_and_roles():
     record = {"chat": [{"speaker": "me", "text": "Hi"}, {"speaker": "bot", "text": "Hello!"}]}
-    got = convert(record, format="sharegpt", columns={"conversations": "chat", "role": "speaker", "content": "text"},
-                  roles={"me": "user", "bot": "assistant"})
+    got = convert(
+        record,
+        format="sharegpt",
+        columns={"conversations": "chat", "role": "speaker", "content": "text"},
+        roles={"me": "user", "bot": "assistant"},
+    )
     assert got == Conversation([USER, ASSISTANT])
-    assert convert({"q": "Hi", "a": "Hello!"}, format="prompt_completion", columns={"prompt": "q", "completion": "a"}).messages == [USER, ASSISTANT]
+    assert convert(
+        {"q": "Hi", "a": "Hello!"}, format="prompt_completion", columns={"prompt": "q", "completion": "a"}
+    ).messages == [USER, ASSISTANT]
 
 
 @pytest.mark.parametrize(
@@ -46,9 +61,17 @@ def test_renamed_columns_and_roles():
     [
         ({"msgs": [USER, ASSISTANT]}, {}, r"no 'messages' field for the messages format \(fields: \['msgs'\]\)"),
         ({"conversations": [{"from": "robot", "value": "x"}]}, {"format": "sharegpt"}, "turn 0 has role 'robot'"),
-        ({"conversations": [{"from": "function_call", "value": "{not json"}]}, {"format": "sharegpt"}, "not valid JSON"),
+        (
+            {"conversations": [{"from": "function_call", "value": "{not json"}]},
+            {"format": "sharegpt"},
+            "not valid JSON",
+        ),
         ({"prompt": "Hi"}, {"format": "prompt_completion"}, "no 'completion' field"),
-        ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": []}]}, {}, "tool_calls must be a non-empty list"),
+        (
+            {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": []}]},
+            {},
+            "tool_calls must be a non-empty list",
+        ),
         ({"messages": [USER, ASSISTANT], "tools": "[oops"}, {}, "tools is not valid JSON"),
     ],
 )
@@ -84,7 +107,7 @@ def qwen3_expected_turns(messages: list[dict]) -> list[str]:
             function = call["function"]
             arguments = function["arguments"]
             arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            text += ("\n" if (k == 0 and message["content"]) or k > 0 else "")
+            text += "\n" if (k == 0 and message["content"]) or k > 0 else ""
             text += '<tool_call>\n{"name": "' + function["name"] + '", "arguments": ' + arguments + "}\n</tool_call>"
         prefix = "<think>\n\n</think>\n\n" if i == len(messages) - 1 and i > last_user else ""
         turns.append(prefix + text + "<|im_end|>")
@@ -129,8 +152,13 @@ def trained_text(tokenizer, document) -> str:
 
 
 def test_train_on_modes(tmp_path, tokenizer):
-    messages = [{"role": "system", "content": "Sys."}, USER, ASSISTANT,
-                {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Hello again!"}]
+    messages = [
+        {"role": "system", "content": "Sys."},
+        USER,
+        ASSISTANT,
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "Hello again!"},
+    ]
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}])
 
     def document(train_on):
@@ -139,7 +167,9 @@ def test_train_on_modes(tmp_path, tokenizer):
     assert trained_text(tokenizer, document("assistant")) == "Hello!<|im_end|>Hello again!<|im_end|>"
     assert trained_text(tokenizer, document("last_assistant")) == "Hello again!<|im_end|>"
     everything = document("all")
-    assert everything.labels[:-1].tolist() == everything.input_ids[1:].tolist()  # every next token, the first has no context
+    assert (
+        everything.labels[:-1].tolist() == everything.input_ids[1:].tolist()
+    )  # every next token, the first has no context
     with pytest.raises(ValueError, match="train_on"):
         document("prompts")
 
@@ -148,7 +178,10 @@ def test_parquet_source_matches_jsonl(tmp_path, tokenizer):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    records = [{"messages": [USER, ASSISTANT]}, {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    records = [
+        {"messages": [USER, ASSISTANT]},
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+    ]
     jsonl = write_jsonl(tmp_path / "c.jsonl", records)
     parquet = tmp_path / "c.parquet"
     pq.write_table(pa.Table.from_pylist(records), parquet)
@@ -175,11 +208,16 @@ def test_readme_source_overrides_compose():
     assert all(f"'{override}'" in readme for override in overrides)
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "configs"), version_base=None):
         cfg = compose("sft/tiny", overrides=overrides)
-    specs = [SourceSpec.from_config(e) for e in OmegaConf.to_container(cfg.data.train) + OmegaConf.to_container(cfg.data.eval)]
+    specs = [
+        SourceSpec.from_config(e)
+        for e in OmegaConf.to_container(cfg.data.train) + OmegaConf.to_container(cfg.data.eval)
+    ]
     assert specs == [
         SourceSpec("/data/chats.jsonl"),
         SourceSpec("/data/tools.json", format="sharegpt", roles={"bot": "assistant"}),
-        SourceSpec("/data/held_out.parquet", format="prompt_completion", columns={"prompt": "question", "completion": "answer"}),
+        SourceSpec(
+            "/data/held_out.parquet", format="prompt_completion", columns={"prompt": "question", "completion": "answer"}
+        ),
     ]
 
 
@@ -189,11 +227,22 @@ def test_readme_source_overrides_compose():
         ({"messages": [{"role": ["user"], "content": "hi"}, ASSISTANT]}, {}, r"message 0 has role \['user'\]"),
         ({"conversations": [{"from": {}, "value": "x"}]}, {"format": "sharegpt"}, "turn 0 has role {}"),
         ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": ["x"]}]}, {}, "a tool call must be"),
-        ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]}, {},
-         "a tool call must be"),
-        ({"instruction": "Add.", "input": 42, "output": "5"}, {"format": "alpaca"}, "'input' must be a string, got int"),
+        (
+            {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]},
+            {},
+            "a tool call must be",
+        ),
+        (
+            {"instruction": "Add.", "input": 42, "output": "5"},
+            {"format": "alpaca"},
+            "'input' must be a string, got int",
+        ),
         ({"instruction": ["a"], "output": "5"}, {"format": "alpaca"}, "'instruction' must be a string, got list"),
-        ({"conversations": [{"from": "human", "value": "x"}], "system": 3}, {"format": "sharegpt"}, "'system' must be a string"),
+        (
+            {"conversations": [{"from": "human", "value": "x"}], "system": 3},
+            {"format": "sharegpt"},
+            "'system' must be a string",
+        ),
     ],
 )
 def test_odd_types_are_data_errors(record, spec, problem):
@@ -202,8 +251,11 @@ def test_odd_types_are_data_errors(record, spec, problem):
 
 
 def test_bad_source_config_types():
-    for entry, problem in ((5, "a path or a mapping"), ({"path": "a", "columns": ["x"]}, "`columns` must map"),
-                           ({"path": "a", "format": "sharegpt", "roles": {"bot": ["assistant"]}}, "`roles` must map")):
+    for entry, problem in (
+        (5, "a path or a mapping"),
+        ({"path": "a", "columns": ["x"]}, "`columns` must map"),
+        ({"path": "a", "format": "sharegpt", "roles": {"bot": ["assistant"]}}, "`roles` must map"),
+    ):
         with pytest.raises(DataError, match=problem):
             SourceSpec.from_config(entry)
 
@@ -218,12 +270,20 @@ def test_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
 
 def test_tools_on_a_template_that_cannot_render_them_are_refused(tmp_path, tokenizer):
     """The demo template has no tool support: training would silently drop the schemas and calls."""
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
-    records = [{"messages": [USER, ASSISTANT], "tools": [{"name": "f", "parameters": {}}]},
-               {"messages": [USER, call, {"role": "tool", "content": "1"}, ASSISTANT]}]
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+    }
+    records = [
+        {"messages": [USER, ASSISTANT], "tools": [{"name": "f", "parameters": {}}]},
+        {"messages": [USER, call, {"role": "tool", "content": "1"}, ASSISTANT]},
+    ]
     documents = SFTDocuments(RecordSource([SourceSpec(write_jsonl(tmp_path / "t.jsonl", records))]), tokenizer, 512)
     for index in (0, 1):
-        with pytest.raises(DataError, match=rf"t\.jsonl record {index + 1} \(line {index + 1}\): .*does not render them"):
+        with pytest.raises(
+            DataError, match=rf"t\.jsonl record {index + 1} \(line {index + 1}\): .*does not render them"
+        ):
             documents.get(index)
 
 

@@ -26,9 +26,18 @@ from chattune.train.step import train_step
 from conftest import demo_documents, demo_tokenizer, exported_weights, tiny_model
 
 CPU = torch.device("cpu")
-LORA_WITH_EMBEDDINGS = OmegaConf.create({
-    "type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "use_dora": False,
-    "modules_to_save": ["embed_tokens"], "quantize_base": None})
+LORA_WITH_EMBEDDINGS = OmegaConf.create(
+    {
+        "type": "lora",
+        "rank": 4,
+        "alpha": 8,
+        "dropout": 0.0,
+        "target_modules": "all-linear",
+        "use_dora": False,
+        "modules_to_save": ["embed_tokens"],
+        "quantize_base": None,
+    }
+)
 
 
 def _bf16_model(hf_model) -> PackedCausalLM:
@@ -45,8 +54,15 @@ def _train_then_evaluate(model: PackedCausalLM, steps: int = 2) -> dict[str, tor
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     model.train()
     for step in range(steps):
-        train_step(model, TokenCrossEntropy(), StepBatches([collate_packed(documents[4 * (step % 2):4 * (step % 2) + 4])]),
-                   optimizer, scheduler, 1.0, CPU)
+        train_step(
+            model,
+            TokenCrossEntropy(),
+            StepBatches([collate_packed(documents[4 * (step % 2) : 4 * (step % 2) + 4])]),
+            optimizer,
+            scheduler,
+            1.0,
+            CPU,
+        )
     evaluate(model, TokenCrossEntropy(), [collate_packed(demo_documents(3, start=20))], CPU, pad_token_id=0)
     return {names[id(p)]: p.detach().full_tensor() for group in optimizer.param_groups for p in group["params"]}
 
@@ -74,7 +90,9 @@ def test_an_adapter_export_after_an_evaluation_writes_the_fp32_embeddings(tmp_pa
     masters = _train_then_evaluate(model)
     export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    embedding = next(value for name, value in masters.items() if name.endswith("embed_tokens.modules_to_save.default.weight"))
+    embedding = next(
+        value for name, value in masters.items() if name.endswith("embed_tokens.modules_to_save.default.weight")
+    )
     stored = next(value for name, value in saved.items() if name.endswith("embed_tokens.weight"))
     assert _not_bf16_values(embedding) > 0.5
     assert torch.equal(stored, embedding)

@@ -49,15 +49,28 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.full_tensor().clone() for p in model.parameters()]
     loss_scale = LossScale(enabled=True, init_scale=2.0**100)
-    overflowed, norm = train_step(model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale)
+    overflowed, norm = train_step(
+        model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale
+    )
     unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     after_overflow = loss_scale.scale
     loss_scale.scale = 2.0**16
-    stepped, _ = train_step(model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale)
+    stepped, _ = train_step(
+        model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale
+    )
     changed = not all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     if rank == 0:
-        torch.save({"results": results, "overflow": overflowed.overflow, "overflow_norm": norm, "unchanged": unchanged,
-                    "after_overflow": after_overflow, "stepped": not stepped.overflow and changed}, out)
+        torch.save(
+            {
+                "results": results,
+                "overflow": overflowed.overflow,
+                "overflow_norm": norm,
+                "unchanged": unchanged,
+                "after_overflow": after_overflow,
+                "stepped": not stepped.overflow and changed,
+            },
+            out,
+        )
     shutdown_distributed()
     exit_process()
 

@@ -76,8 +76,19 @@ def test_the_gradients_accumulate_in_fp32_where_the_release_allows_it(monkeypatc
     """25.1.1 (the registry's newest) has no fp32 accumulation; later releases take accum_e_fp32/accum_c_fp32."""
     assert fused_loss.cce_options(on_cuda=False) == {"impl": "torch_compile"}
 
-    def later_release(e, c, targets, ignore_index=-100, softcap=None, reduction="mean", shift=0, filter_eps="auto",
-                      accum_e_fp32=False, accum_c_fp32=False, impl="cce"):
+    def later_release(
+        e,
+        c,
+        targets,
+        ignore_index=-100,
+        softcap=None,
+        reduction="mean",
+        shift=0,
+        filter_eps="auto",
+        accum_e_fp32=False,
+        accum_c_fp32=False,
+        impl="cce",
+    ):
         raise AssertionError("not called")
 
     monkeypatch.setattr(fused_loss, "_import_cce", lambda: (later_release, None))

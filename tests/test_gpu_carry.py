@@ -30,8 +30,12 @@ def built(tmp_path_factory):
     """The folder, built into a temporary directory: (folder, the build's JSON report, its printed output)."""
     folder = tmp_path_factory.mktemp("carry") / "gpu-carry"
     assets = ["--assets", str(SHARED_ASSETS)] if (SHARED_ASSETS / "tokenizers" / "qwen3").is_dir() else ["--no-assets"]
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_carry.py"), "--out", str(folder), *assets,
-                           "--json"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_carry.py"), "--out", str(folder), *assets, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode == 4:
         pytest.skip(f"the package registry is unreachable: {done.stderr.strip().splitlines()[-1][:200]}")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -49,10 +53,22 @@ def test_the_folder_fits_and_holds_what_the_checks_need(built):
     assert os.access(folder / "run.sh", os.X_OK)
 
     wheels = sorted(p.name for p in (folder / "wheels").iterdir())
-    assert {gpu_carry.normalize(gpu_carry.wheel_tags(w)[0]) for w in wheels} == {
-        gpu_carry.normalize(name) for name, _, _ in gpu_carry.PACKAGES} >= {
-        "hydra-core", "omegaconf", "antlr4-python3-runtime", "torchdata", "datasets", "dill", "multiprocess", "peft",
-        "trl", "cut-cross-entropy"}
+    assert (
+        {gpu_carry.normalize(gpu_carry.wheel_tags(w)[0]) for w in wheels}
+        == {gpu_carry.normalize(name) for name, _, _ in gpu_carry.PACKAGES}
+        >= {
+            "hydra-core",
+            "omegaconf",
+            "antlr4-python3-runtime",
+            "torchdata",
+            "datasets",
+            "dill",
+            "multiprocess",
+            "peft",
+            "trl",
+            "cut-cross-entropy",
+        }
+    )
     assert len(wheels) == len(gpu_carry.PACKAGES)  # one version of each
     for wheel in wheels:
         assert gpu_carry.fits_machine(wheel), wheel
@@ -66,8 +82,14 @@ def test_the_folder_fits_and_holds_what_the_checks_need(built):
     assert not any(need.startswith(("dill", "multiprocess", "omegaconf")) for need in manifest["machine_requirements"])
     with tarfile.open(folder / "project.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"scripts/gpu_check.py", "scripts/bench_gpu.py", "scripts/gpu_carry_run.sh", "chattune/__init__.py",
-            "recipes/sft.py", "pyproject.toml"} <= names
+    assert {
+        "scripts/gpu_check.py",
+        "scripts/bench_gpu.py",
+        "scripts/gpu_carry_run.sh",
+        "chattune/__init__.py",
+        "recipes/sft.py",
+        "pyproject.toml",
+    } <= names
     assert not any(name.startswith((".gpu-carry", ".git/")) for name in names)
     if manifest["assets"]:
         with tarfile.open(folder / "assets.tar.gz") as tar:
@@ -80,10 +102,30 @@ def test_the_wheels_install_offline_into_a_fresh_target_and_import_from_there(bu
     folder, _, _ = built
     target = tmp_path / "site"
     platforms = [arg for platform in gpu_carry.PLATFORMS for arg in ("--platform", platform)]
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--target", str(target), "--python-version", "3.12", "--implementation", "cp",
-                           "--only-binary=:all:", *platforms, *sorted(map(str, (folder / "wheels").glob("*.whl")))],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(target),
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            "--only-binary=:all:",
+            *platforms,
+            *sorted(map(str, (folder / "wheels").glob("*.whl"))),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # run.sh's environment check, dry: its imports come from the target first (PYTHONPATH=TARGET:PROJECT)
     done = run_sh(folder, tmp_path, "--dry-run", "--target", str(target))
@@ -94,15 +136,33 @@ def test_the_wheels_install_offline_into_a_fresh_target_and_import_from_there(bu
 
 
 def run_sh(folder: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(folder / "run.sh"), "--python", sys.executable, "--results",
-                           str(tmp_path / "results"), "--work", str(tmp_path / "work"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [
+            "bash",
+            str(folder / "run.sh"),
+            "--python",
+            sys.executable,
+            "--results",
+            str(tmp_path / "results"),
+            "--work",
+            str(tmp_path / "work"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     folder, _, _ = built
-    for bad, message in ((["--bogus"], "unknown argument --bogus"), (["--budget", "soon"], "not a number"),
-                         (["--results"], "--results needs a value"), (["--extra-wheels", str(tmp_path)], "no wheels")):
+    for bad, message in (
+        (["--bogus"], "unknown argument --bogus"),
+        (["--budget", "soon"], "not a number"),
+        (["--results"], "--results needs a value"),
+        (["--extra-wheels", str(tmp_path)], "no wheels"),
+    ):
         done = run_sh(folder, tmp_path, *bad)
         assert done.returncode == 2 and message in done.stderr, (bad, done.stderr)
 
@@ -112,14 +172,32 @@ def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     manifest = json.loads((broken / "MANIFEST.json").read_text())
     manifest["imports"].append({"module": "no_such_module_xyz", "required": True, "from": "a wheel not carried"})
     (broken / "MANIFEST.json").write_text(json.dumps(manifest))
-    done = run_sh(broken, tmp_path, "--dry-run", "--budget", "300", "--runs", "short06 long06",
-                  "--check-args", "--only packed_vs_hf")
+    done = run_sh(
+        broken,
+        tmp_path,
+        "--dry-run",
+        "--budget",
+        "300",
+        "--runs",
+        "short06 long06",
+        "--check-args",
+        "--only packed_vs_hf",
+    )
     assert done.returncode == 3, done.stdout[-3000:]
     assert "MISSING: no_such_module_xyz (a wheel not carried): ModuleNotFoundError" in done.stdout
     assert "scripts/gpu_check.py" not in done.stdout and "scripts/bench_gpu.py" not in done.stdout
 
-    done = run_sh(folder, tmp_path, "--dry-run", "--budget", "300", "--runs", "short06 long06",
-                  "--check-args", "--only packed_vs_hf")
+    done = run_sh(
+        folder,
+        tmp_path,
+        "--dry-run",
+        "--budget",
+        "300",
+        "--runs",
+        "short06 long06",
+        "--check-args",
+        "--only packed_vs_hf",
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     out = done.stdout
     assert "pip install -q --no-index --no-deps --no-compile" in out and "--target /tmp/chattune-site" in out
@@ -132,7 +210,6 @@ def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     assert check[-2:] == ["--only", "packed_vs_hf"] and bench[-3:] == ["--runs", "short06", "long06"]
     assert ("--assets" in check) == (folder / "assets.tar.gz").exists()
     assert [p.name for p in (tmp_path / "results").iterdir()] == ["logs.tar.gz"]
-
 
 
 STAND_IN_CHECK = """import argparse, json, pathlib, sys
@@ -170,8 +247,19 @@ def test_run_sh_runs_both_scripts_and_leaves_a_summary(built, tmp_path):
     (project / "scripts" / "gpu_check.py").write_text(STAND_IN_CHECK)
     (project / "scripts" / "bench_gpu.py").write_text(STAND_IN_BENCH)
     target = tmp_path / "site"
-    done = run_sh(small, tmp_path, "--project", str(project), "--allow-cpu", "--target", str(target), "--budget", "200",
-                  "--runs", "short06 short17")
+    done = run_sh(
+        small,
+        tmp_path,
+        "--project",
+        str(project),
+        "--allow-cpu",
+        "--target",
+        str(target),
+        "--budget",
+        "200",
+        "--runs",
+        "short06 short17",
+    )
     out = done.stdout
     assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]  # the bench stand-in failed
     assert (target / "omegaconf" / "__init__.py").is_file() and f"imported from {target}: omegaconf, antlr4" in out
@@ -180,13 +268,26 @@ def test_run_sh_runs_both_scripts_and_leaves_a_summary(built, tmp_path):
     assert len(budgets) == 2 and budgets[0] <= 0.6 * (200 - 20) < budgets[1] <= 200 - 20
     results = tmp_path / "results"
     assert sorted(str(p.relative_to(results)) for p in results.rglob("*") if p.is_file()) == [
-        "bench_gpu.json", "gpu_check/gpu_check.json", "gpu_check/gpu_check.md", "logs.tar.gz", "summary.txt"]
+        "bench_gpu.json",
+        "gpu_check/gpu_check.json",
+        "gpu_check/gpu_check.md",
+        "logs.tar.gz",
+        "summary.txt",
+    ]
     with tarfile.open(results / "logs.tar.gz") as tar:
-        assert sorted(tar.getnames()) == ["./bench_gpu.log", "./env.log", "./gpu_check.log",
-                                          "./gpu_check/throughput_0.6b_sft.log", "./install.log"]
+        assert sorted(tar.getnames()) == [
+            "./bench_gpu.log",
+            "./env.log",
+            "./gpu_check.log",
+            "./gpu_check/throughput_0.6b_sft.log",
+            "./install.log",
+        ]
     summary = (results / "summary.txt").read_text()
     assert summary in out and "gpu_check: 2 rows, 1 PASS, 0 FAIL, 0 SKIP, 1 NOT RUN" in summary
-    assert f"bash {small}/run.sh --results \"$OUT\" --budget 200 --no-bench --check-args '--only resume_and_export'" in summary
+    assert (
+        f"bash {small}/run.sh --results \"$OUT\" --budget 200 --no-bench --check-args '--only resume_and_export'"
+        in summary
+    )
     assert "--no-check --runs 'short17'" in summary
 
 
@@ -194,23 +295,50 @@ def test_summary_names_the_second_call(tmp_path):
     """The summary reads the reports in the formats gpu_check.py and bench_gpu.py write (their own tests
     check those): gpu_check.json's rows and `not_run`, results.json's rows with a `status`."""
     (tmp_path / "gpu_check").mkdir()
-    rows = [{"check": "packed_vs_hf", "status": "PASS", "figure": "0.03", "bound": "", "detail": ""},
-            {"check": "throughput_0.6b_qlora", "status": "SKIP", "figure": "bitsandbytes is not importable",
-             "bound": "", "detail": ""},
-            {"check": "throughput_1.7b_sft", "status": "NOT RUN", "figure": "not run (budget: needs ~200 s, 40 s left)",
-             "bound": "", "detail": ""},
-            {"check": "resume_and_export", "status": "NOT RUN", "figure": "not finished (stopped by the budget)",
-             "bound": "", "detail": ""},
-            {"check": "host_syncs", "status": "FAIL", "figure": "3 syncs", "bound": "", "detail": "at step 2"}]
-    (tmp_path / "gpu_check" / "gpu_check.json").write_text(json.dumps(
-        {"rows": rows, "not_run": ["throughput_1.7b_sft", "resume_and_export"]}))
-    (tmp_path / "bench_gpu.json").write_text(json.dumps([
-        {"run": "short06", "tool": "chattune", "tokens_per_s": 20000.0, "mfu": 0.07, "status": "ran"},
-        {"run": "short06", "tool": "trl", "status": "FAIL: trl crashed"},
-        {"run": "long06", "tool": "chattune", "status": "not run (budget: needs ~150 s, 20 s left)"}]))
+    rows = [
+        {"check": "packed_vs_hf", "status": "PASS", "figure": "0.03", "bound": "", "detail": ""},
+        {
+            "check": "throughput_0.6b_qlora",
+            "status": "SKIP",
+            "figure": "bitsandbytes is not importable",
+            "bound": "",
+            "detail": "",
+        },
+        {
+            "check": "throughput_1.7b_sft",
+            "status": "NOT RUN",
+            "figure": "not run (budget: needs ~200 s, 40 s left)",
+            "bound": "",
+            "detail": "",
+        },
+        {
+            "check": "resume_and_export",
+            "status": "NOT RUN",
+            "figure": "not finished (stopped by the budget)",
+            "bound": "",
+            "detail": "",
+        },
+        {"check": "host_syncs", "status": "FAIL", "figure": "3 syncs", "bound": "", "detail": "at step 2"},
+    ]
+    (tmp_path / "gpu_check" / "gpu_check.json").write_text(
+        json.dumps({"rows": rows, "not_run": ["throughput_1.7b_sft", "resume_and_export"]})
+    )
+    (tmp_path / "bench_gpu.json").write_text(
+        json.dumps(
+            [
+                {"run": "short06", "tool": "chattune", "tokens_per_s": 20000.0, "mfu": 0.07, "status": "ran"},
+                {"run": "short06", "tool": "trl", "status": "FAIL: trl crashed"},
+                {"run": "long06", "tool": "chattune", "status": "not run (budget: needs ~150 s, 20 s left)"},
+            ]
+        )
+    )
     gpu_carry.summary(tmp_path, tmp_path, "", "short06 short17 long06", ".gpu-carry", 540)
     text = (tmp_path / "summary.txt").read_text()
-    assert "5 rows, 1 PASS, 1 FAIL, 1 SKIP, 2 NOT RUN" in text and "FAIL host_syncs" in text and "--with-bitsandbytes" in text
+    assert (
+        "5 rows, 1 PASS, 1 FAIL, 1 SKIP, 2 NOT RUN" in text
+        and "FAIL host_syncs" in text
+        and "--with-bitsandbytes" in text
+    )
     assert "--no-bench --check-args '--only throughput_1.7b_sft resume_and_export'" in text
     assert "--no-check --runs 'short17 long06'" in text and "short06 chattune: 20,000 tokens/s, MFU 7.0%" in text
     assert "short06 trl: FAIL: trl crashed" in text
@@ -218,8 +346,10 @@ def test_summary_names_the_second_call(tmp_path):
     # a call that installed the bitsandbytes folder: its second call carries and installs it again
     gpu_carry.summary(tmp_path, tmp_path, "", "short06", ".gpu-carry", 540, [".gpu-carry-bnb/wheels"])
     text = (tmp_path / "summary.txt").read_text()
-    assert ('second call (carry [".gpu-carry", ".gpu-carry-bnb"]): bash .gpu-carry/run.sh --results "$OUT" --budget 540 '
-            "--extra-wheels .gpu-carry-bnb/wheels --no-bench --check-args '--only throughput_1.7b_sft resume_and_export'") in text
+    assert (
+        'second call (carry [".gpu-carry", ".gpu-carry-bnb"]): bash .gpu-carry/run.sh --results "$OUT" --budget 540 '
+        "--extra-wheels .gpu-carry-bnb/wheels --no-bench --check-args '--only throughput_1.7b_sft resume_and_export'"
+    ) in text
 
     gpu_carry.summary(tmp_path, tmp_path, "none", "none", ".gpu-carry", 540)
     assert "nothing left for a second call" in (tmp_path / "summary.txt").read_text()

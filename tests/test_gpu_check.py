@@ -19,15 +19,30 @@ from conftest import PROJECT_ROOT
 
 MARGIN = 20  # scripts/bench_gpu.py's BUDGET_MARGIN_S
 
-CPU_CHECKS = {"packed_vs_hf", "leak_control", "cce_vs_chunked", "tf32_scope", "compile_vs_eager", "recompiles",
-              "dpo_reference_memory", "throughput_tiny_sft", "resume_exact", "export_masters",
-              "export_after_eval"}
+CPU_CHECKS = {
+    "packed_vs_hf",
+    "leak_control",
+    "cce_vs_chunked",
+    "tf32_scope",
+    "compile_vs_eager",
+    "recompiles",
+    "dpo_reference_memory",
+    "throughput_tiny_sft",
+    "resume_exact",
+    "export_masters",
+    "export_after_eval",
+}
 CUDA_ONLY = {"host_syncs", "throughput_tiny_qlora", "cuda_tests"}
 
 
 def test_the_gpu_check_runs_its_cpu_parts(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     status = {row["check"]: row["status"] for row in report["rows"]}
@@ -49,7 +64,9 @@ def _run(arguments: list[str], cwd: Path = PROJECT_ROOT) -> tuple[subprocess.Com
 def _second_call(stdout: str) -> list[str]:
     """The command printed for what did not run."""
     lines = stdout.splitlines()
-    return shlex.split(lines[lines.index(next(line for line in lines if "the second call" in line and "[gpu_check]" in line)) + 1])
+    return shlex.split(
+        lines[lines.index(next(line for line in lines if "the second call" in line and "[gpu_check]" in line)) + 1]
+    )
 
 
 def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_printed(tmp_path):
@@ -61,20 +78,30 @@ def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_
     assert items.index("throughput_tiny_sft") < items.index("resume_and_export")
     # The CUDA-only items cost nothing (estimate 0): they say SKIP where a moment is left, else NOT RUN.
     not_run = [row["check"] for row in report["rows"] if row["check"] not in CUDA_ONLY or row["status"] != "SKIP"]
-    assert set(not_run) >= CPU_CHECKS - {"leak_control", "recompiles", "resume_exact", "export_masters",
-                                         "export_after_eval"} | {"resume_and_export"}, report["rows"]
-    assert all(row["status"] == "NOT RUN" and row["figure"].startswith("not run (budget: needs ~")
-               for row in report["rows"] if row["check"] in not_run), report["rows"]
+    assert set(not_run) >= CPU_CHECKS - {
+        "leak_control",
+        "recompiles",
+        "resume_exact",
+        "export_masters",
+        "export_after_eval",
+    } | {"resume_and_export"}, report["rows"]
+    assert all(
+        row["status"] == "NOT RUN" and row["figure"].startswith("not run (budget: needs ~")
+        for row in report["rows"]
+        if row["check"] in not_run
+    ), report["rows"]
     assert report["not_run"] == not_run
     table = (tmp_path / "first" / "gpu_check.md").read_text()
     assert all(f"| {item} | NOT RUN | not run (budget: needs ~" in table for item in not_run)
     second = _second_call(done.stdout)
-    assert second[second.index("--only") + 1:][:len(not_run)] == not_run and second[0] == sys.executable
+    assert second[second.index("--only") + 1 :][: len(not_run)] == not_run and second[0] == sys.executable
     assert report["rerun"] == shlex.join(second)
     # The printed command runs as it is (the same budget: nothing again), into a folder of its own.
     again, _ = _run(second[1:])
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert set(json.loads((tmp_path / "first-rest" / "gpu_check.json").read_text())["not_run"]) >= set(not_run) - CUDA_ONLY
+    assert (
+        set(json.loads((tmp_path / "first-rest" / "gpu_check.json").read_text())["not_run"]) >= set(not_run) - CUDA_ONLY
+    )
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -92,18 +119,39 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_a_launch_running_when_the_budget_ends_is_stopped_with_its_workers(tmp_path):
     """Every estimate 0 (--estimate-scale 0): the recipe launches start and the budget stops the one running."""
     budget = 15
-    done, seconds = _run(["scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path), "--budget", str(budget),
-                          "--estimate-scale", "0", "--only", "throughput_tiny_sft", "resume_and_export"])
+    done, seconds = _run(
+        [
+            "scripts/gpu_check.py",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--budget",
+            str(budget),
+            "--estimate-scale",
+            "0",
+            "--only",
+            "throughput_tiny_sft",
+            "resume_and_export",
+        ]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert seconds < budget + MARGIN, seconds
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     status = {row["check"]: (row["status"], row["figure"]) for row in report["rows"]}
-    stopped = [name for name, (result, figure) in status.items()
-               if result == "NOT RUN" and figure.startswith("not finished (stopped by the budget after")]
+    stopped = [
+        name
+        for name, (result, figure) in status.items()
+        if result == "NOT RUN" and figure.startswith("not finished (stopped by the budget after")
+    ]
     assert stopped, status
     assert set(report["not_run"]) == {name for name, (result, _) in status.items() if result == "NOT RUN"}
-    assert set(report["not_run"]) | {"resume_exact", "export_masters", "export_after_eval", "throughput_tiny_sft"} >= \
-        set(status), status
+    assert set(report["not_run"]) | {
+        "resume_exact",
+        "export_masters",
+        "export_after_eval",
+        "throughput_tiny_sft",
+    } >= set(status), status
     assert report["budget"]["elapsed"] <= budget + MARGIN
     assert _processes_mentioning(str(tmp_path)) == []  # torchrun and its worker stopped, not orphaned
     assert "--only " + " ".join(report["not_run"]) in done.stdout
@@ -112,8 +160,22 @@ def test_a_launch_running_when_the_budget_ends_is_stopped_with_its_workers(tmp_p
 def test_bench_gpu_budget(tmp_path):
     """bench_gpu.py --budget on the CPU: the runs in priority order, none fitting 2 s; every one a row in the
     table and results.json, and the command of the second call."""
-    done, seconds = _run(["scripts/bench_gpu.py", "--device", "cpu", "--runs", "tiny_gemma4", "tiny", "--budget", "2",
-                          "--work", str(tmp_path), "--assets", str(tmp_path / "absent")])
+    done, seconds = _run(
+        [
+            "scripts/bench_gpu.py",
+            "--device",
+            "cpu",
+            "--runs",
+            "tiny_gemma4",
+            "tiny",
+            "--budget",
+            "2",
+            "--work",
+            str(tmp_path),
+            "--assets",
+            str(tmp_path / "absent"),
+        ]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert seconds < 2 + MARGIN
     rows = json.loads((tmp_path / "results.json").read_text())
@@ -121,4 +183,4 @@ def test_bench_gpu_budget(tmp_path):
     assert all(row["status"].startswith("not run (budget: needs ~") for row in rows), rows
     assert "| tiny | chattune | not run (budget: needs ~" in done.stdout
     second = shlex.split(done.stdout.strip().splitlines()[-1])
-    assert second[second.index("--runs") + 1:] == ["tiny", "tiny_gemma4"] and "--budget" in second
+    assert second[second.index("--runs") + 1 :] == ["tiny", "tiny_gemma4"] and "--budget" in second

@@ -63,8 +63,9 @@ def test_how_many_records_are_held_out():
 def test_the_held_out_records_follow_the_documented_rule():
     assert splitmix(0) == 0xE220A8397B1DCDAF  # SplitMix64's first output from state 0: the rule is the published one
     for num_records, count, seed, source in [(1000, 20, 42, 0), (37, 5, 7, 2), (300, 299, 0, 1), (50, 3, -1, 0)]:
-        assert held_out_records(num_records, count, seed, source).tolist() == \
-            expected_held_out(num_records, count, seed, source)
+        assert held_out_records(num_records, count, seed, source).tolist() == expected_held_out(
+            num_records, count, seed, source
+        )
     # a larger split holds out a superset; another seed or source another set
     assert set(held_out_records(500, 10, 42, 0).tolist()) < set(held_out_records(500, 25, 42, 0).tolist())
     assert held_out_records(500, 10, 42, 0).tolist() != held_out_records(500, 10, 43, 0).tolist()
@@ -73,7 +74,7 @@ def test_the_held_out_records_follow_the_documented_rule():
 
 def chats_file(tmp_path: Path, name: str, start: int, count: int) -> Path:
     path = tmp_path / name
-    path.write_text("".join(CHATS[start:start + count]))
+    path.write_text("".join(CHATS[start : start + count]))
     return path
 
 
@@ -82,8 +83,10 @@ def test_training_reads_the_kept_records_and_eval_the_held_out_ones(tmp_path, to
     """Two sources split 0.2 each: the split's documents are the sources' own documents of the expected records,
     in record order, addressed from 0 (what packing, a data position and the ledger index), each naming its
     record in its file; with or without the token cache alike."""
-    specs = [SourceSpec(path=str(chats_file(tmp_path, "a.jsonl", 0, 30))),
-             SourceSpec(path=str(chats_file(tmp_path, "b.jsonl", 30, 25)))]
+    specs = [
+        SourceSpec(path=str(chats_file(tmp_path, "a.jsonl", 0, 30))),
+        SourceSpec(path=str(chats_file(tmp_path, "b.jsonl", 30, 25))),
+    ]
     data = data_section(tmp_path / "cache" if cache == "on" else "off")
     full = open_documents("sft", specs, tokenizer, data)
     assert full.cached == (cache == "on")
@@ -128,13 +131,29 @@ def test_preference_pairs_are_split_alike(tmp_path, tokenizer):
 
 
 def test_a_mixture_draws_only_kept_records(tmp_path, tokenizer):
-    specs = [SourceSpec(path=str(chats_file(tmp_path, "a.jsonl", 0, 30)), weight=2.0),
-             SourceSpec(path=str(chats_file(tmp_path, "b.jsonl", 30, 12)), weight=1.0)]
+    specs = [
+        SourceSpec(path=str(chats_file(tmp_path, "a.jsonl", 0, 30)), weight=2.0),
+        SourceSpec(path=str(chats_file(tmp_path, "b.jsonl", 30, 12)), weight=1.0),
+    ]
     split = hold_out(open_documents("sft", specs, tokenizer, data_section("off")), 0.25, seed=3)
     held = {(0, r) for r in expected_held_out(30, 8, 3, 0)} | {(1, r) for r in expected_held_out(12, 3, 3, 1)}
-    _, sampler = mixture_sampling({"mode": "static", "gamma": 0.1, "eta": 0.1, "update_every": 10, "reward": "mean_loss",
-                                   "stopping": "all_exhausted"}, specs, split.train.sizes, 0, 1, seed=3, num_epochs=3,
-                                  chunk_records=16)
+    _, sampler = mixture_sampling(
+        {
+            "mode": "static",
+            "gamma": 0.1,
+            "eta": 0.1,
+            "update_every": 10,
+            "reward": "mean_loss",
+            "stopping": "all_exhausted",
+        },
+        specs,
+        split.train.sizes,
+        0,
+        1,
+        seed=3,
+        num_epochs=3,
+        chunk_records=16,
+    )
     drawn = [split.train.origin(i) for _, indices, _ in sampler for i in indices]
     assert len(drawn) > 60 and not set(drawn) & held
     assert set(drawn) == ({(0, r) for r in range(30)} | {(1, r) for r in range(12)}) - held
@@ -142,24 +161,35 @@ def test_a_mixture_draws_only_kept_records(tmp_path, tokenizer):
 
 def test_a_split_that_leaves_nothing_to_train_is_one_error_naming_the_key(tmp_path, tokenizer):
     assert split_problem(["a", "b"], [30, 10], 0.2) is None
-    assert split_problem(["a"], [40], 40) == ("data.eval_split: 40 records held out, but data.train holds 40: nothing "
-                                              "would be left to train; hold out fewer (or a fraction, e.g. 0.02)")
+    assert split_problem(["a"], [40], 40) == (
+        "data.eval_split: 40 records held out, but data.train holds 40: nothing "
+        "would be left to train; hold out fewer (or a fraction, e.g. 0.02)"
+    )
     assert split_problem(["a", "tiny"], [100, 1], 0.1) == (
         "data.eval_split: 0.1 holds out all 1 record(s) of training source tiny: nothing of it would be left to train; "
-        "hold out a smaller fraction")
+        "hold out a smaller fraction"
+    )
     assert split_problem(["a"], [10], 1.0).startswith("data.eval_split: must be a fraction in (0, 1)")
-    documents = open_documents("sft", [SourceSpec(path=str(chats_file(tmp_path, "chats.jsonl", 0, 40)))], tokenizer,
-                               data_section("off"))
-    with pytest.raises(UserError, match=r"^data\.eval_split: 0\.99 holds out all 40 record\(s\) of training source chats"):
+    documents = open_documents(
+        "sft", [SourceSpec(path=str(chats_file(tmp_path, "chats.jsonl", 0, 40)))], tokenizer, data_section("off")
+    )
+    with pytest.raises(
+        UserError, match=r"^data\.eval_split: 0\.99 holds out all 40 record\(s\) of training source chats"
+    ):
         hold_out(documents, 0.99, seed=42)
 
     data = tmp_path / "chats.jsonl"
     base = [f"data.train=[{data}]", f"output_dir={tmp_path / 'out'}"]
-    for value, problem in [("40", "data.eval_split: 40 records held out, but data.train holds 40"),
-                           ("0.99", "data.eval_split: 0.99 holds out all 40 record(s) of training source chats"),
-                           ("1.5", "data.eval_split: must be a fraction in (0, 1) or a whole number of records of at "
-                                   "least 1 (null: none), got 1.5"),
-                           ("0", "data.eval_split: must be a fraction in (0, 1)")]:
+    for value, problem in [
+        ("40", "data.eval_split: 40 records held out, but data.train holds 40"),
+        ("0.99", "data.eval_split: 0.99 holds out all 40 record(s) of training source chats"),
+        (
+            "1.5",
+            "data.eval_split: must be a fraction in (0, 1) or a whole number of records of at "
+            "least 1 (null: none), got 1.5",
+        ),
+        ("0", "data.eval_split: must be a fraction in (0, 1)"),
+    ]:
         report, ok = run_validate("sft/tiny", [*base, f"data.eval_split={value}"], CONFIGS, read_data=True)
         assert not ok and report.splitlines()[0].startswith(problem) and report.endswith("1 problem(s)"), report
     assert run_validate("sft/tiny", [*base, "data.eval_split=39"], CONFIGS, read_data=True) == ("config OK", True)
@@ -185,14 +215,44 @@ def plain_eval_loss(model_dir: Path, records: list[int]) -> float:
 
 
 def launch(out: Path, data: Path, model: Path, nproc: int | None, *extra: str) -> subprocess.CompletedProcess:
-    head = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                   str(nproc), "--master_port", str(free_port())]
-    return subprocess.run([*head, "recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", "data.eval=[]",
-                           f"data.eval_split={SPLIT}", f"model.path={model}", "max_steps=10", "save_every=5",
-                           "eval_every=5", "log_every=1", "ledger=true", "data.microbatches_per_step=2",
-                           "data.max_tokens_per_microbatch=512", "data.buffer_records=8", *extra],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    head = (
+        [sys.executable]
+        if nproc is None
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+        ]
+    )
+    return subprocess.run(
+        [
+            *head,
+            "recipes/sft.py",
+            f"output_dir={out}",
+            f"data.train=[{data}]",
+            "data.eval=[]",
+            f"data.eval_split={SPLIT}",
+            f"model.path={model}",
+            "max_steps=10",
+            "save_every=5",
+            "eval_every=5",
+            "log_every=1",
+            "ledger=true",
+            "data.microbatches_per_step=2",
+            "data.max_tokens_per_microbatch=512",
+            "data.buffer_records=8",
+            *extra,
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def ledger_records(out: Path) -> list[tuple[int, int]]:

@@ -36,10 +36,23 @@ def test_a_cached_hub_model_trains_offline_on_two_ranks_and_its_adapter_names_th
     fill_cache(cache)
     out = tmp_path / "run"
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
-    result = launch("recipes/sft.py", "--config-name", "sft/local_model", f"model.path=hf:{REPO}", f"output_dir={out}",
-                    "data.eval=[]", "max_steps=2", "save_every=0", "log_every=1", "data.report_records=0",
-                    "data.max_tokens_per_microbatch=1024", "peft=lora", "model.fsdp.activation_checkpointing=false",
-                    nproc=2, env=env)
+    result = launch(
+        "recipes/sft.py",
+        "--config-name",
+        "sft/local_model",
+        f"model.path=hf:{REPO}",
+        f"output_dir={out}",
+        "data.eval=[]",
+        "max_steps=2",
+        "save_every=0",
+        "log_every=1",
+        "data.report_records=0",
+        "data.max_tokens_per_microbatch=1024",
+        "peft=lora",
+        "model.fsdp.activation_checkpointing=false",
+        nproc=2,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
@@ -51,16 +64,33 @@ def test_hub_paths_validate_and_fail_clearly(tmp_path, monkeypatch):
     configs = PROJECT_ROOT / "configs"
     report, ok = run_validate("sft/local_model", [f"model.path=hf:{REPO}", f"output_dir={tmp_path / 'out'}"], configs)
     assert ok and f"note: model.path: 'hf:{REPO}': a hub model (downloaded once per node" in report
-    report, ok = run_validate("sft/local_model", ["model.path=Qwen/Qwen3-0.6B", f"output_dir={tmp_path / 'out'}"], configs)
-    assert not ok and "model.path: 'Qwen/Qwen3-0.6B' is not a local directory (a hub model is written " \
-                      "hf:Qwen/Qwen3-0.6B)" in report
+    report, ok = run_validate(
+        "sft/local_model", ["model.path=Qwen/Qwen3-0.6B", f"output_dir={tmp_path / 'out'}"], configs
+    )
+    assert (
+        not ok
+        and "model.path: 'Qwen/Qwen3-0.6B' is not a local directory (a hub model is written hf:Qwen/Qwen3-0.6B)"
+        in report
+    )
     # Not in the cache, offline: one clear error, before anything is trained.
-    result = launch("recipes/sft.py", "--config-name", "sft/local_model", "model.path=hf:chattune-test/absent",
-                    f"output_dir={tmp_path / 'absent'}", "data.eval=[]", "max_steps=2",
-                    env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty_cache")})
+    result = launch(
+        "recipes/sft.py",
+        "--config-name",
+        "sft/local_model",
+        "model.path=hf:chattune-test/absent",
+        f"output_dir={tmp_path / 'absent'}",
+        "data.eval=[]",
+        "max_steps=2",
+        env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty_cache")},
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.count("chattune: error: tokenizer.path 'hf:chattune-test/absent': neither downloaded nor in the "
-                               "Hugging Face cache") == 1
+    assert (
+        result.stderr.count(
+            "chattune: error: tokenizer.path 'hf:chattune-test/absent': neither downloaded nor in the "
+            "Hugging Face cache"
+        )
+        == 1
+    )
 
 
 def test_only_a_nodes_local_rank_0_downloads(monkeypatch, tmp_path):
@@ -77,7 +107,10 @@ def test_only_a_nodes_local_rank_0_downloads(monkeypatch, tmp_path):
         return str(tmp_path)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    for local_rank, expected in (("0", [("org/m", "v1", False), ("org/m", "v1", True)]), ("1", [("org/m", "v1", True)])):
+    for local_rank, expected in (
+        ("0", [("org/m", "v1", False), ("org/m", "v1", True)]),
+        ("1", [("org/m", "v1", True)]),
+    ):
         calls.clear()
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         assert local_directory("hf:org/m@v1", "model.path") == tmp_path

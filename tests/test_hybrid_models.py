@@ -32,41 +32,127 @@ from chattune.model.mixers import (
 )
 from conftest import tiny_model
 
-GATED_DELTA_NET = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
-                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+GATED_DELTA_NET = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
 SMALL_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 # name: (tiny config overrides, the mixer kind it must hold). Chunked recurrences: the delta rules' torch
 # path chunks by 64 tokens, the Mamba-2 configs below by 16; the convolutions' kernels are 3 or 4 taps.
 FAMILIES = {
     "qwen3_5": ({"model_type": "qwen3_5_text", "head_dim": 16, **GATED_DELTA_NET}, GATED_DELTA_RULE),
-    "qwen3_5_moe": ({"model_type": "qwen3_5_moe_text", "head_dim": 16, **GATED_DELTA_NET, **MOE,
-                     "shared_expert_intermediate_size": 32}, GATED_DELTA_RULE),
-    "qwen3_next": ({"model_type": "qwen3_next", "head_dim": 16, **GATED_DELTA_NET, **MOE,
-                    "shared_expert_intermediate_size": 32}, GATED_DELTA_RULE),
+    "qwen3_5_moe": (
+        {
+            "model_type": "qwen3_5_moe_text",
+            "head_dim": 16,
+            **GATED_DELTA_NET,
+            **MOE,
+            "shared_expert_intermediate_size": 32,
+        },
+        GATED_DELTA_RULE,
+    ),
+    "qwen3_next": (
+        {"model_type": "qwen3_next", "head_dim": 16, **GATED_DELTA_NET, **MOE, "shared_expert_intermediate_size": 32},
+        GATED_DELTA_RULE,
+    ),
     "olmo_hybrid": ({"model_type": "olmo_hybrid", **GATED_DELTA_NET}, GATED_DELTA_RULE),
-    "kimi_linear": ({"model_type": "kimi_linear", "layer_types": ["linear_attention", "full_attention"],
-                     "linear_head_dim": 16, "linear_num_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
-                     "qk_nope_head_dim": 8, "v_head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
-                     "moe_intermediate_size": 32}, KDA),
-    "nemotron_h": ({"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention"], "head_dim": 16,
-                    "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
-                    "n_routed_experts": 4, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32},
-                   MAMBA2),
-    "granitemoehybrid": ({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"], **SMALL_MAMBA2,
-                          "num_local_experts": 4, "shared_intermediate_size": 64}, MAMBA2),
-    "falcon_h1": ({"model_type": "falcon_h1", "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16,
-                   "mamba_d_state": 16, "mamba_chunk_size": 16, "head_dim": 16}, MAMBA2),
+    "kimi_linear": (
+        {
+            "model_type": "kimi_linear",
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_head_dim": 16,
+            "linear_num_heads": 4,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+        KDA,
+    ),
+    "nemotron_h": (
+        {
+            "model_type": "nemotron_h",
+            "layers_block_type": ["mamba", "attention"],
+            "head_dim": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "n_groups": 1,
+            "ssm_state_size": 16,
+            "chunk_size": 16,
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+        },
+        MAMBA2,
+    ),
+    "granitemoehybrid": (
+        {
+            "model_type": "granitemoehybrid",
+            "layer_types": ["mamba", "attention"],
+            **SMALL_MAMBA2,
+            "num_local_experts": 4,
+            "shared_intermediate_size": 64,
+        },
+        MAMBA2,
+    ),
+    "falcon_h1": (
+        {
+            "model_type": "falcon_h1",
+            "mamba_d_ssm": 128,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 16,
+            "head_dim": 16,
+        },
+        MAMBA2,
+    ),
     "bamba": ({"model_type": "bamba", "attn_layer_indices": [1], **SMALL_MAMBA2}, MAMBA2),
-    "zamba2": ({"model_type": "zamba2", "layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 4,
-                "mamba_d_state": 16, "chunk_size": 16, "adapter_rank": 8}, MAMBA2),
-    "jamba": ({"model_type": "jamba", "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-               "expert_layer_offset": 1, "num_experts": 4}, MAMBA),
-    "zamba": ({"model_type": "zamba", "num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1,
-               "n_mamba_heads": 2, "mamba_d_state": 16}, MAMBA),
+    "zamba2": (
+        {
+            "model_type": "zamba2",
+            "layers_block_type": ["mamba", "hybrid"],
+            "n_mamba_heads": 4,
+            "mamba_d_state": 16,
+            "chunk_size": 16,
+            "adapter_rank": 8,
+        },
+        MAMBA2,
+    ),
+    "jamba": (
+        {
+            "model_type": "jamba",
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+        },
+        MAMBA,
+    ),
+    "zamba": (
+        {
+            "model_type": "zamba",
+            "num_hidden_layers": 5,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "n_mamba_heads": 2,
+            "mamba_d_state": 16,
+        },
+        MAMBA,
+    ),
     "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, SHORT_CONV),
-    "lfm2_moe": ({"model_type": "lfm2_moe", "layer_types": ["conv", "full_attention"], "num_dense_layers": 1,
-                  **MOE}, SHORT_CONV),
+    "lfm2_moe": (
+        {"model_type": "lfm2_moe", "layer_types": ["conv", "full_attention"], "num_dense_layers": 1, **MOE},
+        SHORT_CONV,
+    ),
 }
 # Longer than the chunk (64) and the kernels, of different lengths: chunk boundaries fall inside documents.
 LENGTHS = (83, 17, 70)
@@ -103,7 +189,9 @@ def stock_losses(model, documents: list[Document]) -> torch.Tensor:
     losses = []
     for ids, labels in sequences(documents):
         logits = model(input_ids=torch.tensor(ids).unsqueeze(0), use_cache=False).logits[0]
-        losses.append(F.cross_entropy(logits.float(), torch.tensor(labels), ignore_index=IGNORE_INDEX, reduction="none"))
+        losses.append(
+            F.cross_entropy(logits.float(), torch.tensor(labels), ignore_index=IGNORE_INDEX, reduction="none")
+        )
     return torch.cat(losses)
 
 
@@ -125,8 +213,11 @@ def compare_with_stock(packed: PackedCausalLM, stock, documents: list[Document])
     reference = stock_losses(stock, documents)
     reference.sum().backward()
     stock_parameters = dict(stock.named_parameters())
-    grads = [(name, p.grad, stock_parameters[name].grad) for name, p in packed.hf_model.named_parameters()
-             if p.grad is not None]
+    grads = [
+        (name, p.grad, stock_parameters[name].grad)
+        for name, p in packed.hf_model.named_parameters()
+        if p.grad is not None
+    ]
     return packed_losses.detach(), reference.detach(), grads
 
 
@@ -151,11 +242,12 @@ def test_packed_row_equals_each_document_alone(name):
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])
 def test_a_dpo_pair_chosen_and_rejected_are_separate_sequences(name):
     """A DPO pair is one document of two segments (chosen, rejected) sharing a prompt: each goes alone."""
+
     def pairs(vocab_size):
         documents = random_documents(vocab_size, lengths=(90, 40), segments=True)
         for document in documents:  # the rejected reply repeats the chosen one's prompt, as a pair does
             half = document.segments[0]
-            document.input_ids[half:half + 10] = document.input_ids[:10]
+            document.input_ids[half : half + 10] = document.input_ids[:10]
         return documents
 
     losses, reference, grads = packed_and_stock(FAMILIES[name][0], pairs)
@@ -166,8 +258,9 @@ def test_a_dpo_pair_chosen_and_rejected_are_separate_sequences(name):
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2", "jamba"])
 def test_the_leak_control_fails_with_mixers_over_the_whole_row(name):
     lengths = MAMBA_LENGTHS if FAMILIES[name][1] == MAMBA else LENGTHS
-    losses, reference, grads = packed_and_stock(FAMILIES[name][0], lambda vocab: random_documents(vocab, lengths),
-                                                leak=True)
+    losses, reference, grads = packed_and_stock(
+        FAMILIES[name][0], lambda vocab: random_documents(vocab, lengths), leak=True
+    )
     first = lengths[0]
     assert torch.allclose(losses[:first], reference[:first], rtol=1e-5, atol=1e-6)  # nothing before document 1
     # Documents 2 and 3 see the ones before: the exactness test's limits are broken, the gradients' by far.
@@ -200,7 +293,11 @@ def test_cuda_without_the_kernels_runs_per_document_and_says_how_to_install_them
     monkeypatch.setattr(mixers, "kernels_available", lambda kind: True)
     try:
         assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE, MAMBA2, SHORT_CONV, KDA, MAMBA}) == {
-            GATED_DELTA_RULE, MAMBA2, SHORT_CONV, KDA}  # no varlen path for Mamba-1 (module docstring)
+            GATED_DELTA_RULE,
+            MAMBA2,
+            SHORT_CONV,
+            KDA,
+        }  # no varlen path for Mamba-1 (module docstring)
         assert mixers.choose_mixer_path(torch.device("cpu"), {GATED_DELTA_RULE}) == set()
         mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE})
         assert "varlen" in mixers.mixer_path_name({GATED_DELTA_RULE}, "cuda")
@@ -233,21 +330,34 @@ def _per_segment(function, sliced: dict[str, int], bounds):
             pieces.append(out[0] if isinstance(out, tuple) else out)
         joined = torch.cat(pieces, sliced[names[0]])
         return (joined, None) if "beta" in sliced else joined
+
     return run
 
 
 CONV = {"hidden_states": 2}  # (B, C, N)
 VARLEN_STAND_INS = {  # family: (transformers module, {kernel: (its boundary argument, {argument: sequence dim})})
-    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5",
-                {"causal_conv1d_fn": ("seq_idx", CONV),
-                 "torch_chunk_gated_delta_rule": ("cu_seqlens", dict.fromkeys(("query", "key", "value", "g", "beta"), 1))}),
-    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear",
-                    {"causal_conv1d_fn": ("seq_idx", CONV),
-                     "chunk_kimi_delta_attention": ("cu_seqlens", dict.fromkeys(("query", "key", "value", "g", "beta"), 1))}),
+    "qwen3_5": (
+        "transformers.models.qwen3_5.modeling_qwen3_5",
+        {
+            "causal_conv1d_fn": ("seq_idx", CONV),
+            "torch_chunk_gated_delta_rule": ("cu_seqlens", dict.fromkeys(("query", "key", "value", "g", "beta"), 1)),
+        },
+    ),
+    "kimi_linear": (
+        "transformers.models.kimi_linear.modeling_kimi_linear",
+        {
+            "causal_conv1d_fn": ("seq_idx", CONV),
+            "chunk_kimi_delta_attention": ("cu_seqlens", dict.fromkeys(("query", "key", "value", "g", "beta"), 1)),
+        },
+    ),
     "lfm2": ("transformers.models.lfm2.modeling_lfm2", {"causal_conv1d_fn": ("seq_idx", CONV)}),
-    "bamba": ("transformers.models.bamba.modeling_bamba",
-              {"causal_conv1d_fn": ("seq_idx", CONV),
-               "mamba2_chunk_scan": ("seq_idx", dict.fromkeys(("hidden_states", "dt", "B", "C"), 1))}),
+    "bamba": (
+        "transformers.models.bamba.modeling_bamba",
+        {
+            "causal_conv1d_fn": ("seq_idx", CONV),
+            "mamba2_chunk_scan": ("seq_idx", dict.fromkeys(("hidden_states", "dt", "B", "C"), 1)),
+        },
+    ),
 }
 
 
@@ -304,7 +414,9 @@ def _torch_short_conv_refuses_seq_idx() -> bool:
     from transformers.models.lfm2 import modeling_lfm2
 
     try:
-        modeling_lfm2.causal_conv1d_fn(torch.zeros(1, 2, 4), torch.zeros(2, 3), seq_idx=torch.zeros(1, 4, dtype=torch.int32))
+        modeling_lfm2.causal_conv1d_fn(
+            torch.zeros(1, 2, 4), torch.zeros(2, 3), seq_idx=torch.zeros(1, 4, dtype=torch.int32)
+        )
     except Exception:  # refused: transformers' own TypeError/ValueError, or a real kernel's RuntimeError on CPU tensors
         return True
     return False
@@ -312,8 +424,11 @@ def _torch_short_conv_refuses_seq_idx() -> bool:
 
 # transformers 5.17's torch fallback takes seq_idx and ignores it: the varlen path then leaks into the first two
 # tokens of each document, 0.7% of the hidden states in bf16, under FAST_MIXER_TOLERANCE: there is nothing to refuse.
-@pytest.mark.skipif(not _torch_short_conv_refuses_seq_idx(), reason=f"transformers {transformers.__version__}'s "
-                    "torch fallback of the short convolution ignores seq_idx instead of refusing it")
+@pytest.mark.skipif(
+    not _torch_short_conv_refuses_seq_idx(),
+    reason=f"transformers {transformers.__version__}'s "
+    "torch fallback of the short convolution ignores seq_idx instead of refusing it",
+)
 def test_a_varlen_path_that_fails_on_the_device_falls_back_to_per_document(caplog, monkeypatch):
     """The start-up check of the varlen path (`check_fast_mixers`), on CPU: transformers' torch fallbacks refuse
     `seq_idx` (as kernels that are missing or refuse the row would), so the run is put on the per-document path

@@ -15,22 +15,55 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import free_port
 
-QWEN3_5 = ["model.config._target_=transformers.Qwen3_5TextConfig", "model.config.hidden_size=64",
-           "model.config.intermediate_size=128", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
-           "+model.config.head_dim=16", "+model.config.layer_types=[linear_attention,full_attention]",
-           "+model.config.linear_key_head_dim=16", "+model.config.linear_value_head_dim=16",
-           "+model.config.linear_num_key_heads=2", "+model.config.linear_num_value_heads=4"]
+QWEN3_5 = [
+    "model.config._target_=transformers.Qwen3_5TextConfig",
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "+model.config.head_dim=16",
+    "+model.config.layer_types=[linear_attention,full_attention]",
+    "+model.config.linear_key_head_dim=16",
+    "+model.config.linear_value_head_dim=16",
+    "+model.config.linear_num_key_heads=2",
+    "+model.config.linear_num_value_heads=4",
+]
 
 
 def torchrun(recipe: str, out, *overrides: str):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port()), recipe, f"output_dir={out}", "log_every=1", "eval.samples=0", *overrides])
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            recipe,
+            f"output_dir={out}",
+            "log_every=1",
+            "eval.samples=0",
+            *overrides,
+        ]
+    )
 
 
 def sft(out, *overrides: str):
-    return torchrun("recipes/sft.py", out, "max_steps=6", "save_every=3", "eval_every=0", "optimizer.lr=3e-3",
-                    "scheduler.num_warmup_steps=0", "data.max_tokens_per_microbatch=512", "data.buffer_records=16",
-                    "model.fsdp.activation_checkpointing=true", *QWEN3_5, *overrides)
+    return torchrun(
+        "recipes/sft.py",
+        out,
+        "max_steps=6",
+        "save_every=3",
+        "eval_every=0",
+        "optimizer.lr=3e-3",
+        "scheduler.num_warmup_steps=0",
+        "data.max_tokens_per_microbatch=512",
+        "data.buffer_records=16",
+        "model.fsdp.activation_checkpointing=true",
+        *QWEN3_5,
+        *overrides,
+    )
 
 
 def test_a_qwen3_5_model_trains_resumes_exactly_exports_and_takes_dpo_with_lora(tmp_path):
@@ -49,16 +82,25 @@ def test_a_qwen3_5_model_trains_resumes_exactly_exports_and_takes_dpo_with_lora(
     model = AutoModelForCausalLM.from_pretrained(straight / "hf")  # stock transformers
     assert type(model).__name__ == "Qwen3_5ForCausalLM"
     tokenizer = AutoTokenizer.from_pretrained(straight / "hf")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
-                                           return_tensors="pt")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     with torch.no_grad():
         generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
 
     dpo = tmp_path / "dpo"
-    torchrun("recipes/dpo.py", dpo, f"model.path={straight / 'hf'}", "peft=lora", "max_steps=3", "save_every=0",
-             "eval_every=0", "data.max_tokens_per_microbatch=1024",
-             "peft.target_modules=[in_proj_qkv,in_proj_z,out_proj,q_proj,v_proj]")
+    torchrun(
+        "recipes/dpo.py",
+        dpo,
+        f"model.path={straight / 'hf'}",
+        "peft=lora",
+        "max_steps=3",
+        "save_every=0",
+        "eval_every=0",
+        "data.max_tokens_per_microbatch=1024",
+        "peft.target_modules=[in_proj_qkv,in_proj_z,out_proj,q_proj,v_proj]",
+    )
     steps = read_metrics(dpo)
     assert [m["step"] for m in steps] == [1, 2, 3] and all(math.isfinite(m["loss"]) for m in steps)
     adapter = json.loads((dpo / "adapter" / "adapter_config.json").read_text())
@@ -71,10 +113,30 @@ def test_a_qwen3_5_models_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
     curves = []
     for nproc in (1, 2):
         out = tmp_path / f"ranks{nproc}"
-        run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-             str(free_port()), "recipes/sft.py", f"output_dir={out}", "max_steps=5", "log_every=1", "eval_every=0",
-             "save_every=0", "eval.samples=0", "data.eval=[]", "data.microbatches_per_step=4",
-             "data.max_tokens_per_microbatch=512", "data.buffer_records=8", "data.report_records=0", *QWEN3_5])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(nproc),
+                "--master_port",
+                str(free_port()),
+                "recipes/sft.py",
+                f"output_dir={out}",
+                "max_steps=5",
+                "log_every=1",
+                "eval_every=0",
+                "save_every=0",
+                "eval.samples=0",
+                "data.eval=[]",
+                "data.microbatches_per_step=4",
+                "data.max_tokens_per_microbatch=512",
+                "data.buffer_records=8",
+                "data.report_records=0",
+                *QWEN3_5,
+            ]
+        )
         curves.append([m["loss"] for m in read_metrics(out)])
     assert len(curves[0]) == 5
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(*curves)), curves

@@ -13,14 +13,31 @@ QUESTIONS = [("What is 2 + 2?", "2 + 2 = 4."), ("Reverse 'abc'.", "cba"), ("Sort
 
 
 def test_inspect_counts_fill_and_highlighted_documents(tmp_path, capsys):
-    records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QUESTIONS]
-    records.append({"messages": [{"role": "user", "content": "Talk."}, {"role": "assistant", "content": "word " * 200}]})
+    records = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QUESTIONS
+    ]
+    records.append(
+        {"messages": [{"role": "user", "content": "Talk."}, {"role": "assistant", "content": "word " * 200}]}
+    )
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     page = tmp_path / "report.html"
 
-    assert main(["inspect", "--num-docs", "2", "--no-color", "--html", str(page),
-                 f"data.train=[{data}]", "data.max_tokens_per_microbatch=128"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "--num-docs",
+                "2",
+                "--no-color",
+                "--html",
+                str(page),
+                f"data.train=[{data}]",
+                "data.max_tokens_per_microbatch=128",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
 
     tokenizer = demo_tokenizer()
@@ -48,20 +65,46 @@ def test_inspect_with_split_reads_every_record_of_the_long_chats(capsys):
 
     if not SHARED_ASSETS.is_dir():
         pytest.skip("../shared/assets is absent")
-    assert main(["inspect", "--num-docs", "0", "--no-color", "data.overlong=split", "data.max_tokens_per_microbatch=4096",
-                 f"data.train=[{SHARED_ASSETS}/data/messages_deita_long.parquet]",
-                 f"tokenizer.path={SHARED_ASSETS}/tokenizers/qwen3"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "--num-docs",
+                "0",
+                "--no-color",
+                "data.overlong=split",
+                "data.max_tokens_per_microbatch=4096",
+                f"data.train=[{SHARED_ASSETS}/data/messages_deita_long.parquet]",
+                f"tokenizer.path={SHARED_ASSETS}/tokenizers/qwen3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "records read: 5" in out and "split 3" in out
 
 
 def test_inspect_reads_preference_pairs_for_a_dpo_config(tmp_path, capsys):
-    pairs = [{"prompt": "What is 2 + 2?", "chosen": "4.", "rejected": "5."},
-             {"prompt": "Reverse 'ab'.", "chosen": "ba", "rejected": "ba"}]  # identical replies: a counted skip
+    pairs = [
+        {"prompt": "What is 2 + 2?", "chosen": "4.", "rejected": "5."},
+        {"prompt": "Reverse 'ab'.", "chosen": "ba", "rejected": "ba"},
+    ]  # identical replies: a counted skip
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    assert main(["inspect", "dpo/tiny", "--num-docs", "1", "--no-color", "model.path=null",
-                 f"data.train=[{{path: {data}, format: preference}}]"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "dpo/tiny",
+                "--num-docs",
+                "1",
+                "--no-color",
+                "model.path=null",
+                f"data.train=[{{path: {data}, format: preference}}]",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "records read: 2" in out and "skipped: 1 (identical_replies 1)" in out and "documents: 1" in out
     assert "--- document 0 chosen (" in out and "--- document 0 rejected (" in out
@@ -69,8 +112,18 @@ def test_inspect_reads_preference_pairs_for_a_dpo_config(tmp_path, capsys):
 
 
 def test_inspect_runs_validates_checks_first_and_never_tries_a_hub(tmp_path, capsys):
-    assert main(["inspect", "sft/tiny", "optimizer.lrr=1", "data.train=[data/chats.jsonl]",
-                 "tokenizer.path=tokenizers/qwen3"]) == 1
+    assert (
+        main(
+            [
+                "inspect",
+                "sft/tiny",
+                "optimizer.lrr=1",
+                "data.train=[data/chats.jsonl]",
+                "tokenizer.path=tokenizers/qwen3",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "optimizer.lrr: unknown key; did you mean optimizer.lr?" in err
     assert "data.train[0]: data file 'data/chats.jsonl' does not exist" in err
@@ -93,12 +146,16 @@ def test_the_highlighted_pieces_are_the_decoded_document(tokenizer_dir):
     if not directory.is_dir():
         pytest.skip(f"{directory} is absent")
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    messages = [{"role": "user", "content": "Who are you? Tell me in two short sentences."},
-                {"role": "assistant", "content": "I am a helpful assistant. Ask me anything, café included."}]
+    messages = [
+        {"role": "user", "content": "Who are you? Tell me in two short sentences."},
+        {"role": "assistant", "content": "I am a helpful assistant. Ask me anything, café included."},
+    ]
     tokenized = tokenize_conversation(tokenizer, messages, probe_template(tokenizer))
     document = Document(0, tokenized.input_ids, shifted_labels(tokenized.input_ids, tokenized.assistant_mask))
     pieces = trained_pieces(tokenizer, document)
-    assert "".join(text for text, _ in pieces) == tokenizer.decode(tokenized.input_ids, clean_up_tokenization_spaces=False)
+    assert "".join(text for text, _ in pieces) == tokenizer.decode(
+        tokenized.input_ids, clean_up_tokenization_spaces=False
+    )
     trained = "".join(text for text, is_trained in pieces if is_trained)
     assert "I am a helpful assistant. Ask me anything, café included." in trained
     assert "Who are you?" not in trained

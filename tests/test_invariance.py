@@ -22,11 +22,17 @@ from conftest import demo_documents, free_port, init_worker_process_group, relat
 NUM_DOCS = 12
 
 
-def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]], out_path: str, checkpointing: bool) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, splits: list[list[list[int]]], out_path: str, checkpointing: bool
+) -> None:
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
-    model = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", world_size,
-                        activation_checkpointing=checkpointing)
+    model = shard_model(
+        PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16),
+        "cpu",
+        world_size,
+        activation_checkpointing=checkpointing,
+    )
     model.train()
     assert all(layer.gradient_checkpointing == checkpointing for layer in decoder_layers(model))
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
@@ -39,8 +45,18 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
     clipped_norm, _ = clip_gradients(model, max_norm=grad_norm / 4)  # clips, returns the norm before
     clipped = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"grads": grads, "global_units": result.global_units, "loss": metrics["loss"], "eval_loss": eval_loss,
-                    "grad_norm": grad_norm, "clipped_norm": clipped_norm, "clipped": clipped}, out_path)
+        torch.save(
+            {
+                "grads": grads,
+                "global_units": result.global_units,
+                "loss": metrics["loss"],
+                "eval_loss": eval_loss,
+                "grad_norm": grad_norm,
+                "clipped_norm": clipped_norm,
+                "clipped": clipped,
+            },
+            out_path,
+        )
     shutdown_distributed()
     exit_process()
 
@@ -83,10 +99,14 @@ def test_gradients_invariant_to_microbatches_and_ranks(tmp_path):
     for name, split in splits.items():
         result = run_split(split, tmp_path, name, checkpointing=name.endswith("checkpointing"))
         assert result["global_units"] == want_tokens, name
-        assert abs(result["loss"] - want_loss) <= 1e-5 * want_loss, f"{name}: logged loss {result['loss']} vs {want_loss}"
+        assert abs(result["loss"] - want_loss) <= 1e-5 * want_loss, (
+            f"{name}: logged loss {result['loss']} vs {want_loss}"
+        )
         assert abs(result["eval_loss"] - want_loss) <= 1e-5 * want_loss, f"{name}: eval loss {result['eval_loss']}"
         want_norm = float(torch.sqrt(sum(g.double().square().sum() for g in want.values())))
-        assert abs(result["grad_norm"] - want_norm) <= 1e-5 * want_norm, f"{name}: grad norm {result['grad_norm']} vs {want_norm}"
+        assert abs(result["grad_norm"] - want_norm) <= 1e-5 * want_norm, (
+            f"{name}: grad norm {result['grad_norm']} vs {want_norm}"
+        )
         assert result["clipped_norm"] == result["grad_norm"]
         assert relative_error(result["clipped"], {k: g / 4 for k, g in want.items()}) <= 1e-5, f"{name}: clipping"
         error = relative_error(result["grads"], want)

@@ -11,8 +11,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "chattune"
 # Lowest first. The base: what every layer may use (errors, logging, files, the hub, signals, collectives, and
 # the config's schema and paths). A recipe sits above them all and is no module of the package.
 LAYERS = [
-    ("chattune", "chattune.errors", "chattune.log", "chattune.files", "chattune.hub", "chattune.interrupts",
-     "chattune.distributed", "chattune.config"),
+    (
+        "chattune",
+        "chattune.errors",
+        "chattune.log",
+        "chattune.files",
+        "chattune.hub",
+        "chattune.interrupts",
+        "chattune.distributed",
+        "chattune.config",
+    ),
     ("chattune.data",),
     ("chattune.model",),
     ("chattune.objectives",),
@@ -29,8 +37,15 @@ def module_name(path: Path) -> str:
 
 def layer_of(module: str) -> int:
     """The layer of a module: that of the longest prefix listed."""
-    best = max(((len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
-                if module == prefix or module.startswith(prefix + ".")), default=None)
+    best = max(
+        (
+            (len(prefix), index)
+            for index, prefixes in enumerate(LAYERS)
+            for prefix in prefixes
+            if module == prefix or module.startswith(prefix + ".")
+        ),
+        default=None,
+    )
     assert best is not None, f"{module} is in no layer: add it to LAYERS"
     return best[1]
 
@@ -41,7 +56,12 @@ def chattune_imports(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             imported += [alias.name for alias in node.names if alias.name.split(".")[0] == "chattune"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "chattune":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "chattune"
+        ):
             if node.module == "chattune":
                 imported += [f"chattune.{alias.name}" for alias in node.names]
             else:
@@ -77,6 +97,10 @@ def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
 
 def test_the_command_line_tools_do_not_import_the_training_loop():
     """`chattune validate` and `inspect` read the recipes' documents from the data layer, not from train/."""
-    cli = [(module_name(path), imported) for path in sorted((PACKAGE / "cli").rglob("*.py"))
-           for imported in chattune_imports(path) if imported.startswith("chattune.train")]
+    cli = [
+        (module_name(path), imported)
+        for path in sorted((PACKAGE / "cli").rglob("*.py"))
+        for imported in chattune_imports(path)
+        if imported.startswith("chattune.train")
+    ]
     assert cli == []

@@ -39,14 +39,27 @@ from conftest import (
 )
 
 NUM_DOCS = 12
-LORA = OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
-                        "use_dora": False, "modules_to_save": None, "quantize_base": None})
+LORA = OmegaConf.create(
+    {
+        "type": "lora",
+        "rank": 4,
+        "alpha": 8,
+        "dropout": 0.0,
+        "target_modules": "all-linear",
+        "use_dora": False,
+        "modules_to_save": None,
+        "quantize_base": None,
+    }
+)
 
 
 # The adapter kinds the invariance test covers: plain LoRA, DoRA (a trained magnitude per row) and LoRA with
 # the tied embedding trained in full (one matrix at the input and the output).
-VARIANTS = {"lora": LORA, "dora": OmegaConf.merge(LORA, {"use_dora": True}),
-            "embeddings": OmegaConf.merge(LORA, {"modules_to_save": ["embed_tokens"]})}
+VARIANTS = {
+    "lora": LORA,
+    "dora": OmegaConf.merge(LORA, {"use_dora": True}),
+    "embeddings": OmegaConf.merge(LORA, {"modules_to_save": ["embed_tokens"]}),
+}
 TRAINED = {"lora": 2 * 7 * 2, "dora": 2 * 7 * 3, "embeddings": 2 * 7 * 2 + 1}  # 2 layers x 7 linears x (A, B[, m])
 
 
@@ -66,14 +79,18 @@ def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkp
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
     hf_model, _ = lora_model(VARIANTS[variant])
-    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size,
-                        activation_checkpointing=checkpointing)
+    model = shard_model(
+        PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size, activation_checkpointing=checkpointing
+    )
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) for mb in splits[rank]]
     accumulate_gradients(model, TokenCrossEntropy(), StepBatches(microbatches), torch.device("cpu"))
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "the base must stay frozen"
-    grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()
-             if p.requires_grad}
+    grads = {
+        name.removeprefix("hf_model."): p.grad.full_tensor().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
     grad_norm, _ = clip_gradients(model, max_norm=None)
     if rank == 0:
         torch.save({"grads": grads, "grad_norm": grad_norm}, out_path)
@@ -93,15 +110,22 @@ def reference_gradients(variant: str) -> dict[str, torch.Tensor]:
 def test_adapter_gradients_do_not_depend_on_the_split(tmp_path, variant):
     want = reference_gradients(variant)
     want_norm = float(torch.sqrt(sum(g.float().pow(2).sum() for g in want.values())))
-    splits = {"1x1": [[list(range(NUM_DOCS))]], "1x4": [[[0, 1, 2], [3, 4, 5, 6, 7], [8, 9], [10, 11]]],
-              "2x2": [[[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[9], [10, 11]]]}
+    splits = {
+        "1x1": [[list(range(NUM_DOCS))]],
+        "1x4": [[[0, 1, 2], [3, 4, 5, 6, 7], [8, 9], [10, 11]]],
+        "2x2": [[[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[9], [10, 11]]],
+    }
     if variant != "lora":  # the split machinery is the same: one sharded split against the plain model
         splits = {"2x2": splits["2x2"]}
     for name, split in splits.items():
-        for checkpointing in ((False, True) if name == "2x2" and variant == "lora" else (False,)):
+        for checkpointing in (False, True) if name == "2x2" and variant == "lora" else (False,):
             out = str(tmp_path / f"{name}_{checkpointing}.pt")
-            mp.spawn(_worker, args=(len(split), free_port(), split, out, checkpointing, variant), nprocs=len(split),
-                     join=True)
+            mp.spawn(
+                _worker,
+                args=(len(split), free_port(), split, out, checkpointing, variant),
+                nprocs=len(split),
+                join=True,
+            )
             got = torch.load(out)
             assert sorted(got["grads"]) == sorted(want) and len(want) == TRAINED[variant]
             assert relative_error(got["grads"], want) < 1e-5, name
@@ -128,10 +152,30 @@ def test_the_base_view_switches_off_everything_the_adapters_train():
 
 
 def sft(out, base, *overrides: str, nproc: int = 2):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                str(free_port()), "recipes/sft.py", f"output_dir={out}", f"model.path={base}", f"tokenizer.path={base}",
-                "peft=lora", "peft.rank=4", "max_steps=6", "save_every=3", "eval_every=6", "log_every=1",
-                "data.report_records=0", "optimizer.lr=1e-2", *overrides])
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            "recipes/sft.py",
+            f"output_dir={out}",
+            f"model.path={base}",
+            f"tokenizer.path={base}",
+            "peft=lora",
+            "peft.rank=4",
+            "max_steps=6",
+            "save_every=3",
+            "eval_every=6",
+            "log_every=1",
+            "data.report_records=0",
+            "optimizer.lr=1e-2",
+            *overrides,
+        ]
+    )
 
 
 def eval_documents():
@@ -169,7 +213,10 @@ def test_sft_lora_resumes_exactly_and_exports_what_it_trained(tmp_path, base_dir
     adapter = tmp_path / "straight" / "adapter"
     from safetensors.torch import load_file
 
-    a, b = load_file(adapter / "adapter_model.safetensors"), load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors")
+    a, b = (
+        load_file(adapter / "adapter_model.safetensors"),
+        load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in a) and len(a) == 2 * 7 * 2
 
@@ -202,7 +249,10 @@ def test_dora_and_trained_embeddings_resume_exactly_and_export_what_they_trained
     assert [(m["step"], m["loss"]) for m in resumed] == [(m["step"], m["loss"]) for m in straight]
 
     adapter = tmp_path / "straight" / "adapter"
-    a, b = load_file(adapter / "adapter_model.safetensors"), load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors")
+    a, b = (
+        load_file(adapter / "adapter_model.safetensors"),
+        load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sum("lora_magnitude_vector" in k for k in a) == 2 * 7
     # One matrix under both of its names, as peft writes a tied module it trained in full.
@@ -226,11 +276,31 @@ def test_dpo_lora_uses_the_base_as_its_reference(tmp_path, base_dir, cache):
     """At the first step the policy is its base exactly (B = 0), so a reference that is the base gives
     rewards of exactly 0; later they move. No second model is built (the log says which reference), live
     or for the one pass of reference.cache."""
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                  str(free_port()), "recipes/dpo.py", f"output_dir={tmp_path / 'dpo'}", f"model.path={base_dir}",
-                  f"tokenizer.path={base_dir}", "peft=lora", "peft.rank=4", "max_steps=4", "eval_every=0",
-                  "log_every=1", "save_every=0", "data.report_records=0", "optimizer.lr=1e-2",
-                  f"reference.cache={cache}", f"reference.cache_dir={tmp_path / 'cache'}"])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "recipes/dpo.py",
+            f"output_dir={tmp_path / 'dpo'}",
+            f"model.path={base_dir}",
+            f"tokenizer.path={base_dir}",
+            "peft=lora",
+            "peft.rank=4",
+            "max_steps=4",
+            "eval_every=0",
+            "log_every=1",
+            "save_every=0",
+            "data.report_records=0",
+            "optimizer.lr=1e-2",
+            f"reference.cache={cache}",
+            f"reference.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
     metrics = read_metrics(tmp_path / "dpo")
     # Live: the same forward, bit for bit. Cached: the table's pass packed the pairs otherwise (float rounding).
     tolerance = 1e-4 if cache else 0.0
@@ -245,8 +315,11 @@ def test_adapter_module_names_must_name_modules_of_the_model():
     string target_modules is one module name (peft would read it as a regular expression over full paths)."""
     from chattune.errors import UserError
 
-    with pytest.raises(UserError, match=r"peft.modules_to_save: 'embed_tokenz' names no module of LlamaForCausalLM; "
-                                        r"did you mean embed_tokens\?"):
+    with pytest.raises(
+        UserError,
+        match=r"peft.modules_to_save: 'embed_tokenz' names no module of LlamaForCausalLM; "
+        r"did you mean embed_tokens\?",
+    ):
         add_adapters(tiny_model(), OmegaConf.merge(LORA, {"modules_to_save": ["embed_tokenz"]}))
     with pytest.raises(UserError, match=r"peft.target_modules: 'q_projj' names no module .*did you mean q_proj"):
         add_adapters(tiny_model(), OmegaConf.merge(LORA, {"target_modules": ["q_projj", "v_proj"]}))

@@ -27,15 +27,33 @@ def sources(tmp_path_factory) -> str:
     (folder / "easy.jsonl").write_text((json.dumps(easy) + "\n") * 40)
     held_out = (DEMO_ASSETS / "chat_eval.jsonl").read_text().splitlines(keepends=True)
     (folder / "other.jsonl").write_text("".join(held_out[:30]))
-    return (f"data.train=[{{path: {folder / 'hard.jsonl'}, name: hard, weight: 2}}, "
-            f"{{path: {folder / 'easy.jsonl'}, name: easy, weight: 1}}, {{path: {folder / 'other.jsonl'}, name: other, weight: 1}}]")
+    return (
+        f"data.train=[{{path: {folder / 'hard.jsonl'}, name: hard, weight: 2}}, "
+        f"{{path: {folder / 'easy.jsonl'}, name: easy, weight: 1}}, {{path: {folder / 'other.jsonl'}, name: other, weight: 1}}]"
+    )
 
 
 def launch(out: Path, nproc: int, *overrides: str):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(free_port()), "recipes/sft.py", f"output_dir={out}", "log_every=1",
-                "save_every=0", "data.eval=[]", "data.max_tokens_per_microbatch=512", "data.buffer_records=16",
-                "data.report_records=0", *overrides])
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            "recipes/sft.py",
+            f"output_dir={out}",
+            "log_every=1",
+            "save_every=0",
+            "data.eval=[]",
+            "data.max_tokens_per_microbatch=512",
+            "data.buffer_records=16",
+            "data.report_records=0",
+            *overrides,
+        ]
+    )
 
 
 def untimed(out: Path) -> list[dict]:
@@ -45,8 +63,15 @@ def untimed(out: Path) -> list[dict]:
 # (static on 1 rank is not run on its own: CI time; 2 ranks cover what one does, and the online runs cover 1 rank)
 @pytest.mark.parametrize("mode,nproc,num_workers", [("static", 2, 0), ("online", 1, 2), ("online", 2, 0)])
 def test_mixture_resumes_exactly(tmp_path, sources, mode, nproc, num_workers):
-    settings = (sources, f"data.mixing.mode={mode}", "data.mixing.update_every=2", "data.mixing.eta=0.2",
-                f"data.num_workers={num_workers}", "max_steps=8", "grad_accum_steps=2")
+    settings = (
+        sources,
+        f"data.mixing.mode={mode}",
+        "data.mixing.update_every=2",
+        "data.mixing.eta=0.2",
+        f"data.num_workers={num_workers}",
+        "max_steps=8",
+        "grad_accum_steps=2",
+    )
     launch(tmp_path / "straight", nproc, *settings)
     launch(tmp_path / "resumed", nproc, *settings, "stop_after_step=3")  # between two online updates
     launch(tmp_path / "resumed", nproc, *settings)
@@ -63,8 +88,17 @@ def test_mixture_resumes_exactly(tmp_path, sources, mode, nproc, num_workers):
 
 def test_online_mixing_moves_toward_the_hard_source(tmp_path, sources):
     out = tmp_path / "online"
-    launch(out, 1, sources, "data.mixing.mode=online", "data.mixing.update_every=3", "data.mixing.eta=0.1",
-           "max_steps=30", "log_every=3", "optimizer.lr=3e-3")
+    launch(
+        out,
+        1,
+        sources,
+        "data.mixing.mode=online",
+        "data.mixing.update_every=3",
+        "data.mixing.eta=0.1",
+        "max_steps=30",
+        "log_every=3",
+        "optimizer.lr=3e-3",
+    )
     updates = [m for m in read_metrics(out) if "mix/hard/probability" in m]
     first, last = updates[0], updates[-1]
     # The easy source's constant reply is learned within a few steps: its loss, and so its reward, collapses.

@@ -11,24 +11,66 @@ from test_sft_recipe import read_metrics, run
 
 from conftest import PROJECT_ROOT, free_port
 
-ARGS = ["recipes/sft.py", "max_steps=6", "log_every=1", "eval_every=0", "save_every=3", "grad_accum_steps=2",
-        "data.max_tokens_per_microbatch=512", "data.report_records=0"]
+ARGS = [
+    "recipes/sft.py",
+    "max_steps=6",
+    "log_every=1",
+    "eval_every=0",
+    "save_every=3",
+    "grad_accum_steps=2",
+    "data.max_tokens_per_microbatch=512",
+    "data.report_records=0",
+]
 
 
 def test_two_nodes_train_as_one_node_with_two_processes(tmp_path):
     single = tmp_path / "single"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         *ARGS, f"output_dir={single}"])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            *ARGS,
+            f"output_dir={single}",
+        ]
+    )
 
     nodes = tmp_path / "nodes"
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    launches = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node",
-         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "chattune-test",
-         *ARGS, f"output_dir={nodes}"],
-        cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)]
+    launches = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "chattune-test",
+                *ARGS,
+                f"output_dir={nodes}",
+            ],
+            cwd=PROJECT_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [launch.communicate(timeout=600)[0] for launch in launches]
     assert [launch.returncode for launch in launches] == [0, 0], "\n".join(o[-3000:] for o in outputs)
 
@@ -37,5 +79,7 @@ def test_two_nodes_train_as_one_node_with_two_processes(tmp_path):
 
     assert losses(nodes) == losses(single) and len(losses(single)) == 6
     # Both nodes' ranks wrote their shards of every checkpoint into the shared output directory.
-    assert {p.name for p in (nodes / "checkpoints" / "step_6").glob("train_state_rank*.pt")} == \
-        {"train_state_rank0.pt", "train_state_rank1.pt"}
+    assert {p.name for p in (nodes / "checkpoints" / "step_6").glob("train_state_rank*.pt")} == {
+        "train_state_rank0.pt",
+        "train_state_rank1.pt",
+    }

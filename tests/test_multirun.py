@@ -11,8 +11,14 @@ from test_run_safety import launch
 
 from conftest import PROJECT_ROOT
 
-SWEEP = ["max_steps=3", "optimizer.lr=1e-3,3e-3", "eval_every=0", "save_every=0", "data.report_records=0",
-         "log_every=1"]
+SWEEP = [
+    "max_steps=3",
+    "optimizer.lr=1e-3,3e-3",
+    "eval_every=0",
+    "save_every=0",
+    "data.report_records=0",
+    "log_every=1",
+]
 
 
 @pytest.mark.parametrize("nproc", [None, 2], ids=["one process", "torchrun, 2 ranks"])
@@ -24,7 +30,11 @@ def test_each_multirun_job_trains_into_its_own_directory(tmp_path, nproc):
         directory = out / str(job)
         config = (directory / "config.yaml").read_text()
         assert f"lr: {lr}" in config and (directory / "hf" / "model.safetensors.index.json").is_file()
-        assert [json.loads(line)["step"] for line in (directory / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+        assert [json.loads(line)["step"] for line in (directory / "metrics.jsonl").read_text().splitlines()] == [
+            1,
+            2,
+            3,
+        ]
         assert not (directory / ".chattune.lock").exists()
         assert result.stderr.count(f"chattune: multirun job {job} (") == 1
     assert sorted(p.name for p in out.iterdir()) == ["0", "1", "multirun.yaml"]

@@ -41,16 +41,34 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     batch = collate_packed(demo_documents(3, start=3 * rank))
     before = full_weights(model)
 
-    _, poisoned_norm = train_step(model, PoisonedOnRank(rank, poisoned_rank=1), StepBatches([batch]), optimizer, scheduler, 1.0,
-                                  torch.device("cpu"))
+    _, poisoned_norm = train_step(
+        model,
+        PoisonedOnRank(rank, poisoned_rank=1),
+        StepBatches([batch]),
+        optimizer,
+        scheduler,
+        1.0,
+        torch.device("cpu"),
+    )
     unchanged = all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
     no_optimizer_state = len(optimizer.state) == 0
     grads_cleared = all(p.grad is None for p in model.parameters())
 
-    _, clean_norm = train_step(model, TokenCrossEntropy(), StepBatches([batch]), optimizer, scheduler, 1.0, torch.device("cpu"))
+    _, clean_norm = train_step(
+        model, TokenCrossEntropy(), StepBatches([batch]), optimizer, scheduler, 1.0, torch.device("cpu")
+    )
     updated = not all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
-    torch.save({"poisoned_norm": poisoned_norm, "unchanged": unchanged, "no_optimizer_state": no_optimizer_state,
-                "grads_cleared": grads_cleared, "clean_norm": clean_norm, "updated": updated}, f"{out}.rank{rank}")
+    torch.save(
+        {
+            "poisoned_norm": poisoned_norm,
+            "unchanged": unchanged,
+            "no_optimizer_state": no_optimizer_state,
+            "grads_cleared": grads_cleared,
+            "clean_norm": clean_norm,
+            "updated": updated,
+        },
+        f"{out}.rank{rank}",
+    )
     shutdown_distributed()
     exit_process()
 
@@ -62,7 +80,9 @@ def test_nan_on_one_rank_skips_the_update_on_all_ranks(tmp_path):
         result = torch.load(f"{out}.rank{rank}")
         assert math.isnan(result["poisoned_norm"]), f"rank {rank} did not see the other rank's NaN"
         assert result["unchanged"] and result["no_optimizer_state"] and result["grads_cleared"], f"rank {rank} stepped"
-        assert math.isfinite(result["clean_norm"]) and result["updated"], f"rank {rank}: the next clean step must update"
+        assert math.isfinite(result["clean_norm"]) and result["updated"], (
+            f"rank {rank}: the next clean step must update"
+        )
 
 
 def test_recipe_skips_or_stops_on_a_diverged_run_without_hanging(tmp_path):
@@ -86,6 +106,9 @@ def test_recipe_skips_or_stops_on_a_diverged_run_without_hanging(tmp_path):
     log = stopped.stdout + stopped.stderr
     assert "non-finite loss or gradients; the optimizer did not step" in log
     last_good = max(m["step"] for m in read_metrics(tmp_path / "stop"))
-    committed = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "stop" / "checkpoints").glob("step_*")
-                       if not p.name.endswith(".partial"))
+    committed = sorted(
+        int(p.name.split("_")[1])
+        for p in (tmp_path / "stop" / "checkpoints").glob("step_*")
+        if not p.name.endswith(".partial")
+    )
     assert committed and committed[-1] == last_good  # every completed step saved; the failed one not

@@ -22,7 +22,12 @@ from conftest import tiny_config, tiny_model
 FAMILIES = {
     "gemma2": {"model_type": "gemma2", "head_dim": 16, "final_logit_softcapping": 0.1, "attn_logit_softcapping": None},
     # both of Gemma 2's soft-caps: the attention's (tests/test_attention_features.py) and the output's
-    "gemma2_both": {"model_type": "gemma2", "head_dim": 16, "final_logit_softcapping": 0.1, "attn_logit_softcapping": 0.5},
+    "gemma2_both": {
+        "model_type": "gemma2",
+        "head_dim": 16,
+        "final_logit_softcapping": 0.1,
+        "attn_logit_softcapping": 0.5,
+    },
     "granite": {"model_type": "granite", "logits_scaling": 4.0},
     "cohere": {"model_type": "cohere", "logit_scale": 3.0},
     "cohere2": {"model_type": "cohere2", "logit_scale": 0.5, "head_dim": 16},

@@ -24,12 +24,18 @@ def test_packed_logits_equal_each_document_alone(architecture):
     batch = collate_packed(docs)
     with torch.no_grad():
         packed = packed_model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-            cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
-            max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=batch.cu_seqlens,
+            cu_seq_lens_k=batch.cu_seqlens,
+            max_length_q=batch.max_seqlen,
+            max_length_k=batch.max_seqlen,
         ).logits[0]
         # Fallback: boundaries derived from position ids alone.
-        from_positions = packed_model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0]
+        from_positions = packed_model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
+        ).logits[0]
         offset = 0
         for doc in docs:
             alone = plain_model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
@@ -41,8 +47,13 @@ def test_packed_logits_equal_each_document_alone(architecture):
     whole_row = torch.tensor([0, batch.num_tokens], dtype=torch.int32)
     with torch.no_grad():
         leaky = packed_model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-            cu_seq_lens_q=whole_row, cu_seq_lens_k=whole_row, max_length_q=batch.num_tokens, max_length_k=batch.num_tokens,
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=whole_row,
+            cu_seq_lens_k=whole_row,
+            max_length_q=batch.num_tokens,
+            max_length_k=batch.num_tokens,
         ).logits[0]
     second = slice(len(docs[0]), len(docs[0]) + len(docs[1]))
     assert (leaky[second] - packed[second]).abs().max() > 1e-3
@@ -111,8 +122,9 @@ def test_every_document_once_per_epoch_across_ranks(world_size):
     docs = [Document(i, [1] * (5 + i % 17), [2] * (5 + i % 17)) for i in range(101)]
     seen = {0: [], 1: []}
     for rank in range(world_size):
-        stream = PackedStream(ListSource(docs), rank, world_size, seed=7, max_tokens=64, pad_token_id=0,
-                              buffer_records=10, num_epochs=2)
+        stream = PackedStream(
+            ListSource(docs), rank, world_size, seed=7, max_tokens=64, pad_token_id=0, buffer_records=10, num_epochs=2
+        )
         for batch in stream:  # a microbatch never mixes epochs
             seen[stream.epoch] += batch.doc_ids
     for epoch in (0, 1):
@@ -127,8 +139,9 @@ def test_stream_state_dict_resumes_the_same_microbatches(num_workers):
     docs = [Document(i, [1] * (3 + i % 11), [2] * (3 + i % 11)) for i in range(80)]
 
     def stream():
-        return PackedStream(ListSource(docs), 0, 1, seed=3, max_tokens=40, pad_token_id=0, buffer_records=16,
-                            num_workers=num_workers)
+        return PackedStream(
+            ListSource(docs), 0, 1, seed=3, max_tokens=40, pad_token_id=0, buffer_records=16, num_workers=num_workers
+        )
 
     uninterrupted = iter(stream())
     expected = [next(uninterrupted).doc_ids for _ in range(60)]  # about three epochs
@@ -157,8 +170,9 @@ def test_workers_yield_identical_microbatches(tokenizer):
     documents = SFTDocuments(RecordSource([SourceSpec(str(DEMO_ASSETS / "chat_train.jsonl"))]), tokenizer, 1024)
 
     def first_batches(num_workers):
-        stream = PackedStream(documents, 1, 2, seed=5, max_tokens=1024, pad_token_id=0, buffer_records=64,
-                              num_workers=num_workers)
+        stream = PackedStream(
+            documents, 1, 2, seed=5, max_tokens=1024, pad_token_id=0, buffer_records=64, num_workers=num_workers
+        )
         batches = iter(stream)
         return [next(batches) for _ in range(30)]
 
@@ -179,7 +193,9 @@ def test_a_rank_without_records_gets_empty_microbatches_in_a_finite_stream():
 
 def test_a_buffer_must_hold_at_least_one_record():
     with pytest.raises(ValueError, match="buffer_records must be at least 1"):
-        PackedStream(ListSource([Document(0, [1], [IGNORE_INDEX])]), 0, 1, seed=0, max_tokens=8, pad_token_id=0, buffer_records=0)
+        PackedStream(
+            ListSource([Document(0, [1], [IGNORE_INDEX])]), 0, 1, seed=0, max_tokens=8, pad_token_id=0, buffer_records=0
+        )
 
 
 def test_padding_to_a_multiple_is_never_attended_nor_trained():
@@ -192,14 +208,21 @@ def test_padding_to_a_multiple_is_never_attended_nor_trained():
     model = tiny_model().eval()
 
     def logits(batch):
-        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                     cu_seq_lens_q=batch.cu_seqlens, max_length_q=batch.max_seqlen).logits[0]
+        return model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=batch.cu_seqlens,
+            max_length_q=batch.max_seqlen,
+        ).logits[0]
 
     with torch.no_grad():
         assert (logits(padded)[: plain.num_tokens] - logits(plain)).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="must be a multiple"):
         PackedStream(ListSource(docs), 0, 1, seed=0, max_tokens=100, pad_token_id=0, pad_to_multiple_of=64)
-    stream = PackedStream(ListSource(docs), 0, 1, seed=0, max_tokens=512, pad_token_id=0, pad_to_multiple_of=64, num_epochs=1)
+    stream = PackedStream(
+        ListSource(docs), 0, 1, seed=0, max_tokens=512, pad_token_id=0, pad_to_multiple_of=64, num_epochs=1
+    )
     batches = list(stream)
     assert all(b.num_tokens % 64 == 0 for b in batches)
     assert sorted(d for b in batches for d in b.doc_ids) == list(range(5))
@@ -209,10 +232,21 @@ def test_share_sampler_chunks_close_each_epoch():
     from chattune.data.stream import ShareSampler
 
     items = list(ShareSampler(8, 0, 1, seed=0, shuffle=False, num_epochs=2, chunk_records=4))
-    assert items == [(0, [0, 1, 2, 3], False), (0, [4, 5, 6, 7], True), (1, [0, 1, 2, 3], False), (1, [4, 5, 6, 7], True)]
-    assert list(ShareSampler(5, 0, 1, seed=0, shuffle=False, num_epochs=1, chunk_records=3)) == [(0, [0, 1, 2], False), (0, [3, 4], True)]
+    assert items == [
+        (0, [0, 1, 2, 3], False),
+        (0, [4, 5, 6, 7], True),
+        (1, [0, 1, 2, 3], False),
+        (1, [4, 5, 6, 7], True),
+    ]
+    assert list(ShareSampler(5, 0, 1, seed=0, shuffle=False, num_epochs=1, chunk_records=3)) == [
+        (0, [0, 1, 2], False),
+        (0, [3, 4], True),
+    ]
     # rank 1 of 2 has no record of a one-record data set: one empty chunk closes each of its epochs
-    assert list(ShareSampler(1, 1, 2, seed=0, shuffle=False, num_epochs=2, chunk_records=3)) == [(0, [], True), (1, [], True)]
+    assert list(ShareSampler(1, 1, 2, seed=0, shuffle=False, num_epochs=2, chunk_records=3)) == [
+        (0, [], True),
+        (1, [], True),
+    ]
 
 
 def test_a_microbatch_and_host_values_reach_the_device_unchanged():
@@ -229,7 +263,9 @@ def test_a_microbatch_and_host_values_reach_the_device_unchanged():
     assert values.device.type == device.type and values.tolist() == [3, 1, 4]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: whether a host-to-device copy waits for the device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only: whether a host-to-device copy waits for the device"
+)
 def test_on_cuda_a_microbatch_and_host_values_go_to_the_device_without_a_host_sync():
     from chattune.distributed import host_values_on
 

@@ -25,7 +25,11 @@ ORDINARY = {
     "mistral_window": {"model_type": "mistral", "sliding_window": 4},
     "phi3_window": {"model_type": "phi3", "sliding_window": 4},
     "gemma": {"model_type": "gemma"},
-    "gemma3_window": {"model_type": "gemma3_text", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3_window": {
+        "model_type": "gemma3_text",
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
     "smollm3": {"model_type": "smollm3"},
     "olmo2": {"model_type": "olmo2"},
     "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
@@ -40,51 +44,162 @@ HYBRID = {
     "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
     # The smallest leak: a conv after the last attention reaches only the first 2 tokens after a boundary.
     "lfm2_conv_last": ({"model_type": "lfm2", "layer_types": ["full_attention", "conv"]}, "Lfm2ShortConv"),
-    "lfm2_moe": ({"model_type": "lfm2_moe", "layer_types": ["conv", "full_attention"], "num_dense_layers": 1,
-                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "Lfm2MoeShortConv"),
-    "falcon_h1": ({"model_type": "falcon_h1", "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16,
-                   "mamba_d_state": 16, "head_dim": 16}, "FalconH1Mixer"),
+    "lfm2_moe": (
+        {
+            "model_type": "lfm2_moe",
+            "layer_types": ["conv", "full_attention"],
+            "num_dense_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+        "Lfm2MoeShortConv",
+    ),
+    "falcon_h1": (
+        {
+            "model_type": "falcon_h1",
+            "mamba_d_ssm": 128,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "head_dim": 16,
+        },
+        "FalconH1Mixer",
+    ),
     "bamba": ({"model_type": "bamba", "attn_layer_indices": [1], **SMALL_MAMBA2}, "BambaMixer"),
-    "granitemoehybrid": ({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"], **SMALL_MAMBA2,
-                          "num_local_experts": 4, "shared_intermediate_size": 64}, "GraniteMoeHybridMambaLayer"),
-    "jamba": ({"model_type": "jamba", "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-               "expert_layer_offset": 1, "num_experts": 4}, "JambaMambaMixer"),
+    "granitemoehybrid": (
+        {
+            "model_type": "granitemoehybrid",
+            "layer_types": ["mamba", "attention"],
+            **SMALL_MAMBA2,
+            "num_local_experts": 4,
+            "shared_intermediate_size": 64,
+        },
+        "GraniteMoeHybridMambaLayer",
+    ),
+    "jamba": (
+        {
+            "model_type": "jamba",
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+        },
+        "JambaMambaMixer",
+    ),
     "lfm3": ({"model_type": "lfm3", "layer_types": ["conv", "full_attention"], "head_dim": 16}, "Lfm3ShortConv"),
-    "mamba2": ({"model_type": "mamba2", "num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16,
-                "chunk_size": 16}, "Mamba2Mixer"),
-    "nemotron_h": ({"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention"], "head_dim": 16,
-                    "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
-                    "n_routed_experts": 4, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32},
-                   "NemotronHMamba2Mixer"),
-    "zamba": ({"model_type": "zamba", "num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1,
-               "n_mamba_heads": 2, "mamba_d_state": 16}, "ZambaMambaMixer"),
-    "zamba2": ({"model_type": "zamba2", "layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 4,
-                "mamba_d_state": 16, "chunk_size": 16, "adapter_rank": 8}, "Zamba2MambaMixer"),
-    "kimi_linear": ({"model_type": "kimi_linear", "layer_types": ["linear_attention", "full_attention"],
-                     "linear_head_dim": 16, "linear_num_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
-                     "qk_nope_head_dim": 8, "v_head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
-                     "moe_intermediate_size": 32}, "KimiLinearDeltaAttention"),
+    "mamba2": (
+        {"model_type": "mamba2", "num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16, "chunk_size": 16},
+        "Mamba2Mixer",
+    ),
+    "nemotron_h": (
+        {
+            "model_type": "nemotron_h",
+            "layers_block_type": ["mamba", "attention"],
+            "head_dim": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "n_groups": 1,
+            "ssm_state_size": 16,
+            "chunk_size": 16,
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+        },
+        "NemotronHMamba2Mixer",
+    ),
+    "zamba": (
+        {
+            "model_type": "zamba",
+            "num_hidden_layers": 5,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "n_mamba_heads": 2,
+            "mamba_d_state": 16,
+        },
+        "ZambaMambaMixer",
+    ),
+    "zamba2": (
+        {
+            "model_type": "zamba2",
+            "layers_block_type": ["mamba", "hybrid"],
+            "n_mamba_heads": 4,
+            "mamba_d_state": 16,
+            "chunk_size": 16,
+            "adapter_rank": 8,
+        },
+        "Zamba2MambaMixer",
+    ),
+    "kimi_linear": (
+        {
+            "model_type": "kimi_linear",
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_head_dim": 16,
+            "linear_num_heads": 4,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+        "KimiLinearDeltaAttention",
+    ),
 }
 # Gated delta rule (whose torch path in transformers refuses cu_seqlens without flash-linear-attention).
-GATED_DELTA_NET = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
-                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
-HYBRID.update({
-    "qwen3_next": ({"model_type": "qwen3_next", "head_dim": 16, **GATED_DELTA_NET, "num_experts": 4,
-                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
-                   "Qwen3NextGatedDeltaNet"),
-    "qwen3_5": ({"model_type": "qwen3_5_text", "head_dim": 16, **GATED_DELTA_NET}, "Qwen3_5GatedDeltaNet"),
-    "olmo_hybrid": ({"model_type": "olmo_hybrid", **GATED_DELTA_NET}, "OlmoHybridGatedDeltaNet"),
-})
+GATED_DELTA_NET = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+HYBRID.update(
+    {
+        "qwen3_next": (
+            {
+                "model_type": "qwen3_next",
+                "head_dim": 16,
+                **GATED_DELTA_NET,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32,
+            },
+            "Qwen3NextGatedDeltaNet",
+        ),
+        "qwen3_5": ({"model_type": "qwen3_5_text", "head_dim": 16, **GATED_DELTA_NET}, "Qwen3_5GatedDeltaNet"),
+        "olmo_hybrid": ({"model_type": "olmo_hybrid", **GATED_DELTA_NET}, "OlmoHybridGatedDeltaNet"),
+    }
+)
 # Mixers chattune does not handle: the layers pass them no document boundaries (pure Mamba-1), or their forwards
 # take more than hidden states (MiniMax's lightning attention, RecurrentGemma, RWKV). Still refused.
 UNHANDLED = {
-    "minimax": ({"model_type": "minimax", "layer_types": ["linear_attention", "full_attention"], "head_dim": 16,
-                 "num_local_experts": 4, "block_size": 16}, "MiniMaxLightningAttention"),
+    "minimax": (
+        {
+            "model_type": "minimax",
+            "layer_types": ["linear_attention", "full_attention"],
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "block_size": 16,
+        },
+        "MiniMaxLightningAttention",
+    ),
     "mamba": ({"model_type": "mamba", "state_size": 16}, "MambaMixer"),
     "falcon_mamba": ({"model_type": "falcon_mamba", "state_size": 16}, "FalconMambaMixer"),
-    "recurrent_gemma": ({"model_type": "recurrent_gemma", "lru_width": 64, "attention_window_size": 16,
-                         "block_types": ["recurrent", "attention"], "head_dim": 16, "num_key_value_heads": 1},
-                        "RecurrentGemmaRglru"),
+    "recurrent_gemma": (
+        {
+            "model_type": "recurrent_gemma",
+            "lru_width": 64,
+            "attention_window_size": 16,
+            "block_types": ["recurrent", "attention"],
+            "head_dim": 16,
+            "num_key_value_heads": 1,
+        },
+        "RecurrentGemmaRglru",
+    ),
     "rwkv": ({"model_type": "rwkv", "attention_hidden_size": 64, "context_length": 128}, "RwkvSelfAttention"),
 }
 
@@ -145,9 +260,15 @@ def test_the_lfm2_message_says_what_and_why():
     with leaking_mixers(), pytest.raises(NotImplementedError) as refusal:
         check_packing_isolation(model)
     message = str(refusal.value)
-    for part in ("Lfm2ForCausalLM does not keep packed documents apart", "Lfm2ShortConv x1",
-                 "config.layer_types: conv x1, full_attention x1", "ignore the document boundaries (cu_seqlens)",
-                 "let every document see the ones before it", "packing cannot be turned off", "not supported"):
+    for part in (
+        "Lfm2ForCausalLM does not keep packed documents apart",
+        "Lfm2ShortConv x1",
+        "config.layer_types: conv x1, full_attention x1",
+        "ignore the document boundaries (cu_seqlens)",
+        "let every document see the ones before it",
+        "packing cannot be turned off",
+        "not supported",
+    ):
         assert part in message, message
 
 
@@ -156,10 +277,22 @@ def packed_token_losses(model, docs) -> list[torch.Tensor]:
     batch = collate_packed(docs)
     isolate_documents(model)  # as chattune's packed forward does (`packed_hidden_states`)
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                       cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
-                       max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen).logits[0].float()
-    return list(F.cross_entropy(logits, batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none").split(batch.doc_lengths))
+        logits = (
+            model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                cu_seq_lens_q=batch.cu_seqlens,
+                cu_seq_lens_k=batch.cu_seqlens,
+                max_length_q=batch.max_seqlen,
+                max_length_k=batch.max_seqlen,
+            )
+            .logits[0]
+            .float()
+        )
+    return list(
+        F.cross_entropy(logits, batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none").split(batch.doc_lengths)
+    )
 
 
 def plain_token_losses(model, docs) -> list[torch.Tensor]:
@@ -168,7 +301,9 @@ def plain_token_losses(model, docs) -> list[torch.Tensor]:
     with torch.no_grad():
         for doc in docs:
             logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0].float()
-            losses.append(F.cross_entropy(logits, torch.tensor(doc.labels), ignore_index=IGNORE_INDEX, reduction="none"))
+            losses.append(
+                F.cross_entropy(logits, torch.tensor(doc.labels), ignore_index=IGNORE_INDEX, reduction="none")
+            )
     return losses
 
 
@@ -182,8 +317,13 @@ def test_verdict_matches_real_token_losses(name):
     plain = tiny_model(**overrides).eval()  # same seed, same weights
     plain.set_attn_implementation("sdpa")
     # Every next token trained: assistant-only labels can miss the tokens right after a boundary.
-    docs = [Document(d.doc_id, d.input_ids, shifted_labels(d.input_ids.tolist(), [True] * len(d))) for d in demo_documents(3)]
-    differences = [float((p - a).abs().max()) for p, a in zip(packed_token_losses(model, docs), plain_token_losses(plain, docs))]
+    docs = [
+        Document(d.doc_id, d.input_ids, shifted_labels(d.input_ids.tolist(), [True] * len(d)))
+        for d in demo_documents(3)
+    ]
+    differences = [
+        float((p - a).abs().max()) for p, a in zip(packed_token_losses(model, docs), plain_token_losses(plain, docs))
+    ]
     assert differences[0] <= 1e-5  # nothing before the first document: the same either way
     if name not in UNHANDLED:
         check_packing_isolation(model)
@@ -249,7 +389,9 @@ def test_a_failing_packed_forward_is_refused():
     """A model whose packed forward raises is refused with that reason at start-up, not a crash at the first step."""
     model = tiny_model()
     model.model.layers[1].mlp = RefusesRows(model.model.layers[1].mlp)
-    with pytest.raises(NotImplementedError, match="cannot run chattune's packed forward.*apart.*not supported") as refusal:
+    with pytest.raises(
+        NotImplementedError, match="cannot run chattune's packed forward.*apart.*not supported"
+    ) as refusal:
         check_packing_isolation(model)
     assert isinstance(refusal.value.__cause__, ValueError)
 
@@ -265,9 +407,11 @@ def test_training_mode_is_restored(training):
         assert all(module.training == training for module in model.modules())
 
 
-ALL_ARCHITECTURES = {**{name: (overrides, True) for name, overrides in ORDINARY.items()},
-                     **{name: (overrides, True) for name, (overrides, _) in HYBRID.items()},
-                     **{name: (overrides, False) for name, (overrides, _) in UNHANDLED.items()}}
+ALL_ARCHITECTURES = {
+    **{name: (overrides, True) for name, overrides in ORDINARY.items()},
+    **{name: (overrides, True) for name, (overrides, _) in HYBRID.items()},
+    **{name: (overrides, False) for name, (overrides, _) in UNHANDLED.items()},
+}
 
 
 @pytest.mark.parametrize("name", ALL_ARCHITECTURES)

@@ -55,15 +55,23 @@ class FinalTurn:
 CHATML = FinalTurn("demo", "<|im_start|>assistant\n", lambda c: c + "<|im_end|>", lambda r: r, "\n", "<|im_end|>", "\n")
 # Qwen3: the final assistant turn after the last user query gets an (empty) think block, which the model must
 # generate, so it is trained; leading newlines of the content are dropped by the template (`content.lstrip('\n')`).
-QWEN3 = FinalTurn("qwen3", "<|im_start|>assistant\n",
-                  lambda c: "<think>\n\n</think>\n\n" + c.lstrip("\n") + "<|im_end|>", lambda r: r, "\n", "<|im_end|>", "\n")
+QWEN3 = FinalTurn(
+    "qwen3",
+    "<|im_start|>assistant\n",
+    lambda c: "<think>\n\n</think>\n\n" + c.lstrip("\n") + "<|im_end|>",
+    lambda r: r,
+    "\n",
+    "<|im_end|>",
+    "\n",
+)
 # Phi-3: content verbatim, `<|end|>\n`, then `<|endoftext|>` closes the conversation (not trained). The header
 # token `<|assistant|>` strips whitespace on its right: the newline and any leading whitespace of the reply go
 # into that untrained token, so the trained tokens decode to the rendered reply without its leading whitespace.
 # `<|end|>` strips on its right too: the newline after it is part of that (trained) token, and only
 # `<|endoftext|>` follows the trained run.
-PHI3 = FinalTurn("phi-3-mini", "<|assistant|>\n", lambda c: c + "<|end|>", str.lstrip, "\n<|endoftext|>", "<|end|>",
-                 "<|endoftext|>")
+PHI3 = FinalTurn(
+    "phi-3-mini", "<|assistant|>\n", lambda c: c + "<|end|>", str.lstrip, "\n<|endoftext|>", "<|end|>", "<|endoftext|>"
+)
 
 
 def check_pair(tokenizer, turn: FinalTurn, document: Document, pair: PreferencePair, index: int, label: str) -> None:
@@ -115,8 +123,9 @@ def pair_record(prompt="What is 1 + 1?", chosen="2", rejected="3", **extra) -> d
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **extra}
 
 
-def documents_of(tmp_path, tokenizer, records, max_tokens=2048, overlong="drop", format="preference", name="pairs.jsonl",
-                 **spec) -> PairDocuments:
+def documents_of(
+    tmp_path, tokenizer, records, max_tokens=2048, overlong="drop", format="preference", name="pairs.jsonl", **spec
+) -> PairDocuments:
     path = write_jsonl(tmp_path / name, records)
     return PairDocuments(RecordSource([SourceSpec(path, format=format, **spec)]), tokenizer, max_tokens, overlong)
 
@@ -145,10 +154,16 @@ def test_demo_pairs_match_apply_chat_template_and_train_only_the_final_reply(tok
 
 
 def test_demo_pair_exact_layout(tmp_path, tokenizer):
-    record = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Colour?"}],
-              "chosen": [{"role": "assistant", "content": "Blue."}],
-              "rejected": [{"role": "assistant", "content": "Red, I think."}]}
+    record = {
+        "prompt": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Colour?"},
+        ],
+        "chosen": [{"role": "assistant", "content": "Blue."}],
+        "rejected": [{"role": "assistant", "content": "Red, I think."}],
+    }
     spec = SourceSpec("x.jsonl", format="preference")
     pair = to_preference_pair(record, spec, "x.jsonl record 0")
     assert pair.context == record["prompt"] and pair.chosen == record["chosen"][0] and pair.tools is None
@@ -201,9 +216,16 @@ def test_shared_preference_data_on_real_tokenizers(real, file):
     identical = [i for i, p in enumerate(pairs) if p is None]
     assert [i for i, o in enumerate(outcomes) if isinstance(o, Skipped)] == identical
     line = " (line {})" if spec.path.endswith(".jsonl") else ""  # records are named 1-based, JSONL ones with their line
-    assert all(outcomes[i] == Skipped("identical_replies", f"{spec.path} record {i + 1}" + line.format(i + 1)
-                                      + ": the chosen and the rejected reply are the same, nothing to prefer")
-               for i in identical)
+    assert all(
+        outcomes[i]
+        == Skipped(
+            "identical_replies",
+            f"{spec.path} record {i + 1}"
+            + line.format(i + 1)
+            + ": the chosen and the rejected reply are the same, nothing to prefer",
+        )
+        for i in identical
+    )
     for index, (pair, document) in enumerate(zip(pairs, outcomes)):
         if pair is not None:
             check_pair(tokenizer, turn, document, pair, index, f"{turn.name} {file} record {index}")
@@ -216,12 +238,23 @@ def test_shared_preference_data_on_real_tokenizers(real, file):
 
 def test_qwen3_trains_the_empty_think_block_of_each_side(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(_shared("tokenizers", "qwen3"))
-    record = {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                         {"role": "user", "content": "Colour?"}], "chosen": "Blue.", "rejected": "Red."}
+    record = {
+        "prompt": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Colour?"},
+        ],
+        "chosen": "Blue.",
+        "rejected": "Red.",
+    }
     document = documents_of(tmp_path, tokenizer, [record]).get(0)
     cut = document.segments[0]
-    trained = [decode_exactly(tokenizer, [document.input_ids[i + 1] for i in range(lo, hi - 1) if document.labels[i] != IGNORE_INDEX])
-               for lo, hi in ((0, cut), (cut, len(document)))]
+    trained = [
+        decode_exactly(
+            tokenizer, [document.input_ids[i + 1] for i in range(lo, hi - 1) if document.labels[i] != IGNORE_INDEX]
+        )
+        for lo, hi in ((0, cut), (cut, len(document)))
+    ]
     assert trained == ["<think>\n\n</think>\n\nBlue.<|im_end|>", "<think>\n\n</think>\n\nRed.<|im_end|>"]
 
 
@@ -231,10 +264,22 @@ def test_qwen3_trains_the_empty_think_block_of_each_side(tmp_path):
 
 
 def test_preference_formats_and_their_columns():
-    assert DEFAULT_COLUMNS["preference"] == {"prompt": "prompt", "messages": "messages", "chosen": "chosen",
-                                             "rejected": "rejected", "tools": "tools"}
-    assert set(DEFAULT_COLUMNS["sharegpt_preference"]) == {"conversations", "chosen", "rejected", "system", "tools",
-                                                           "role", "content"}
+    assert DEFAULT_COLUMNS["preference"] == {
+        "prompt": "prompt",
+        "messages": "messages",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "tools": "tools",
+    }
+    assert set(DEFAULT_COLUMNS["sharegpt_preference"]) == {
+        "conversations",
+        "chosen",
+        "rejected",
+        "system",
+        "tools",
+        "role",
+        "content",
+    }
     with pytest.raises(DataError, match="preference pairs"):
         to_conversation(pair_record(), SourceSpec("x", format="preference"), "x record 0")
     with pytest.raises(DataError, match="not preference pairs"):
@@ -244,8 +289,11 @@ def test_preference_formats_and_their_columns():
 def test_string_messages_column_and_renamed_columns():
     where = "x record 0"
     pair = to_preference_pair(pair_record(), SourceSpec("x", format="preference"), where)
-    assert pair == PreferencePair([{"role": "user", "content": "What is 1 + 1?"}],
-                                  {"role": "assistant", "content": "2"}, {"role": "assistant", "content": "3"})
+    assert pair == PreferencePair(
+        [{"role": "user", "content": "What is 1 + 1?"}],
+        {"role": "assistant", "content": "2"},
+        {"role": "assistant", "content": "3"},
+    )
     context = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
     record = {"messages": context, "chosen": [{"role": "assistant", "content": "A"}], "rejected": "B"}
     assert to_preference_pair(record, SourceSpec("x", format="preference"), where).context == context
@@ -253,10 +301,14 @@ def test_string_messages_column_and_renamed_columns():
     pair = to_preference_pair({"question": "Q", "good": "A", "bad": "B"}, renamed, where)
     assert (pair.chosen["content"], pair.rejected["content"]) == ("A", "B")
     # earlier messages of a side extend the context (identical on both sides)
-    side = lambda reply: [{"role": "assistant", "content": "first"}, {"role": "user", "content": "again"},
-                          {"role": "assistant", "content": reply}]
-    pair = to_preference_pair({"prompt": "Q", "chosen": side("A"), "rejected": side("B")},
-                              SourceSpec("x", format="preference"), where)
+    side = lambda reply: [
+        {"role": "assistant", "content": "first"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": reply},
+    ]
+    pair = to_preference_pair(
+        {"prompt": "Q", "chosen": side("A"), "rejected": side("B")}, SourceSpec("x", format="preference"), where
+    )
     assert [m["content"] for m in pair.context] == ["Q", "first", "again"]
     # tools, as for the other formats
     tool = {"name": "f", "parameters": {"type": "object", "properties": {}}}
@@ -266,9 +318,16 @@ def test_string_messages_column_and_renamed_columns():
 
 def test_sharegpt_preference_with_system_and_roles():
     spec = SourceSpec("x", format="sharegpt_preference", roles={"bot": "assistant"})
-    record = {"system": "Be kind.", "conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hey"},
-                                                      {"from": "human", "value": "Colour?"}],
-              "chosen": {"from": "gpt", "value": "Blue."}, "rejected": {"from": "bot", "value": "Red."}}
+    record = {
+        "system": "Be kind.",
+        "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"from": "bot", "value": "Hey"},
+            {"from": "human", "value": "Colour?"},
+        ],
+        "chosen": {"from": "gpt", "value": "Blue."},
+        "rejected": {"from": "bot", "value": "Red."},
+    }
     pair = to_preference_pair(record, spec, "x record 0")
     assert [m["role"] for m in pair.context] == ["system", "user", "assistant", "user"]
     assert pair.chosen == {"role": "assistant", "content": "Blue."} and pair.rejected["content"] == "Red."
@@ -290,22 +349,47 @@ MESSAGE_CONTEXT = [{"role": "user", "content": "Q"}]
         (pair_record(chosen=""), r"chosen: message 1 is an empty assistant reply"),
         (pair_record(rejected="   "), r"rejected: message 1 is an empty assistant reply"),
         (pair_record(chosen=[{"role": "assistant", "content": ""}]), r"chosen: message 1 is an empty assistant reply"),
-        ({"prompt": "Q", "chosen": "A"}, r"no 'rejected' field for the preference format \(fields: \['chosen', 'prompt'\]\)"),
+        (
+            {"prompt": "Q", "chosen": "A"},
+            r"no 'rejected' field for the preference format \(fields: \['chosen', 'prompt'\]\)",
+        ),
         ({"chosen": "A", "rejected": "B"}, r"no 'prompt' \(or 'messages'\) field"),
         ({"prompt": "Q", "messages": MESSAGE_CONTEXT, "chosen": "A", "rejected": "B"}, "both 'prompt' and 'messages'"),
-        ({"prompt": MESSAGE_CONTEXT,
-          "chosen": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more"},
-                     {"role": "assistant", "content": "A"}],
-          "rejected": [{"role": "assistant", "content": "y"}, {"role": "user", "content": "more"},
-                       {"role": "assistant", "content": "B"}]}, "different contexts"),
-        ({"prompt": MESSAGE_CONTEXT, "chosen": [{"role": "user", "content": "more"}, {"role": "assistant", "content": "A"}],
-          "rejected": [{"role": "assistant", "content": "B"}]}, "different contexts"),
-        (pair_record(chosen=[{"role": "user", "content": "A"}]), r"last message of 'chosen' must be the assistant reply"),
+        (
+            {
+                "prompt": MESSAGE_CONTEXT,
+                "chosen": [
+                    {"role": "assistant", "content": "x"},
+                    {"role": "user", "content": "more"},
+                    {"role": "assistant", "content": "A"},
+                ],
+                "rejected": [
+                    {"role": "assistant", "content": "y"},
+                    {"role": "user", "content": "more"},
+                    {"role": "assistant", "content": "B"},
+                ],
+            },
+            "different contexts",
+        ),
+        (
+            {
+                "prompt": MESSAGE_CONTEXT,
+                "chosen": [{"role": "user", "content": "more"}, {"role": "assistant", "content": "A"}],
+                "rejected": [{"role": "assistant", "content": "B"}],
+            },
+            "different contexts",
+        ),
+        (
+            pair_record(chosen=[{"role": "user", "content": "A"}]),
+            r"last message of 'chosen' must be the assistant reply",
+        ),
         (pair_record(rejected=[]), r"'rejected' holds no message"),
         (pair_record(chosen=7), r"'chosen' must be a string, a message or a list of messages, got int"),
         (pair_record(rejected=[{"role": "assistant", "content": 7}]), r"rejected: message 1 content must be a string"),
-        (pair_record(prompt=[{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]),
-         "context of the chosen reply must end with a user or tool turn, got a last turn of role 'assistant'"),
+        (
+            pair_record(prompt=[{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]),
+            "context of the chosen reply must end with a user or tool turn, got a last turn of role 'assistant'",
+        ),
         (pair_record(prompt=[]), "context of the chosen reply must end with a user or tool turn, got no context"),
         (pair_record(prompt=[{"role": "robot", "content": "Q"}]), "chosen: message 0 has role 'robot'"),
         (pair_record(prompt=["user"]), "chosen: message 0 must be an object, got str"),
@@ -322,24 +406,39 @@ def test_bad_pairs_raise_naming_the_record(tmp_path, tokenizer, bad_record, prob
 
 
 def test_sharegpt_preference_missing_column(tmp_path, tokenizer):
-    records = [{"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "gpt", "value": "A"},
-                "rejected": {"from": "gpt", "value": "B"}},
-               {"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "gpt", "value": "A"}}]
+    records = [
+        {
+            "conversations": [{"from": "human", "value": "Q"}],
+            "chosen": {"from": "gpt", "value": "A"},
+            "rejected": {"from": "gpt", "value": "B"},
+        },
+        {"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "gpt", "value": "A"}},
+    ]
     documents = documents_of(tmp_path, tokenizer, records, format="sharegpt_preference")
     assert isinstance(documents.get(0), Document)
-    with pytest.raises(DataError, match=r"pairs\.jsonl record 2 \(line 2\): no 'rejected' field for the sharegpt_preference format"):
+    with pytest.raises(
+        DataError, match=r"pairs\.jsonl record 2 \(line 2\): no 'rejected' field for the sharegpt_preference format"
+    ):
         documents.get(1)
 
 
 def test_identical_replies_are_a_counted_skip(tmp_path, tokenizer):
     same = [{"role": "assistant", "content": "2"}]
-    documents = documents_of(tmp_path, tokenizer, [pair_record(), pair_record(rejected="2"),
-                                                   {"prompt": MESSAGE_CONTEXT, "chosen": same, "rejected": same}])
+    documents = documents_of(
+        tmp_path,
+        tokenizer,
+        [pair_record(), pair_record(rejected="2"), {"prompt": MESSAGE_CONTEXT, "chosen": same, "rejected": same}],
+    )
     outcomes = documents.get_many([0, 1, 2])
     assert isinstance(outcomes[0], Document)
-    assert outcomes[1:] == [Skipped("identical_replies", f"{tmp_path / 'pairs.jsonl'} record {i} (line {i}): the chosen "
-                                                         "and the rejected reply are the same, nothing to prefer")
-                            for i in (2, 3)]
+    assert outcomes[1:] == [
+        Skipped(
+            "identical_replies",
+            f"{tmp_path / 'pairs.jsonl'} record {i} (line {i}): the chosen "
+            "and the rejected reply are the same, nothing to prefer",
+        )
+        for i in (2, 3)
+    ]
     # a batch of skips only still works
     assert documents.get_many([1, 2]) == outcomes[1:]
 
@@ -364,8 +463,11 @@ def test_overlong_pairs_are_dropped_or_raise(tmp_path, tokenizer):
     assert documents_of(tmp_path, tokenizer, [long], max_tokens=10).get(0).reason == "overlong"
     strict = documents_of(tmp_path, tokenizer, [short, long], max_tokens=limit, overlong="error")
     assert isinstance(strict.get(0), Document)
-    with pytest.raises(DataError, match=rf"pairs\.jsonl record 2 \(line 2\): {chosen_len + rejected_len} tokens .* exceed "
-                                        rf"data.max_tokens_per_microbatch={limit}"):
+    with pytest.raises(
+        DataError,
+        match=rf"pairs\.jsonl record 2 \(line 2\): {chosen_len + rejected_len} tokens .* exceed "
+        rf"data.max_tokens_per_microbatch={limit}",
+    ):
         strict.get(1)
     with pytest.raises(DataError, match="pairs\\.jsonl record 2 \\(line 2\\)"):
         strict.get_many([0, 1])
@@ -374,8 +476,10 @@ def test_overlong_pairs_are_dropped_or_raise(tmp_path, tokenizer):
 
 
 def test_non_preference_sources_are_refused(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "Q"},
-                                                                {"role": "assistant", "content": "A"}]}])
+    path = write_jsonl(
+        tmp_path / "chats.jsonl",
+        [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}],
+    )
     with pytest.raises(DataError, match="DPO needs preference data"):
         PairDocuments(RecordSource([SourceSpec(path)]), tokenizer, 2048)
 
@@ -389,8 +493,16 @@ def test_get_many_equals_get_one_by_one(tmp_path, tokenizer):
     demo = [json.loads(line) for line in DEMO_PAIRS.read_text().splitlines()[:40]]
     records = demo[:10] + [pair_record(rejected="2", chosen="2"), pair_record(chosen="word " * 400)] + demo[10:]
     other = write_jsonl(tmp_path / "more.jsonl", demo[20:30])
-    documents = PairDocuments(RecordSource([SourceSpec(write_jsonl(tmp_path / "pairs.jsonl", records), format="preference"),
-                                            SourceSpec(other, format="preference")]), tokenizer, max_tokens=400)
+    documents = PairDocuments(
+        RecordSource(
+            [
+                SourceSpec(write_jsonl(tmp_path / "pairs.jsonl", records), format="preference"),
+                SourceSpec(other, format="preference"),
+            ]
+        ),
+        tokenizer,
+        max_tokens=400,
+    )
     indices = [3, 0, 11, 10, 45, 2, 41, 3, 20, 49]
     batched = documents.get_many(indices)
     assert batched == [documents.get(i) for i in indices]

@@ -17,7 +17,9 @@ def log_sigmoid(x: float) -> float:
     return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
-def by_hand(loss_type: str, beta: float, eps: float, gamma: float, sft: float, pc, pr, rc, rr, nc, nr) -> tuple[float, float, float]:
+def by_hand(
+    loss_type: str, beta: float, eps: float, gamma: float, sft: float, pc, pr, rc, rr, nc, nr
+) -> tuple[float, float, float]:
     if loss_type == "simpo":
         chosen, rejected = beta * pc / nc, beta * pr / nr
     elif loss_type == "sigmoid_norm":

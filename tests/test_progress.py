@@ -124,7 +124,7 @@ def _screen(written: str) -> list[str]:
         elif token == "\x1b[K":
             del line[cursor:]
         else:
-            line[cursor:cursor + 1] = [token]
+            line[cursor : cursor + 1] = [token]
             cursor += 1
     return lines + ["".join(line)]
 
@@ -145,14 +145,19 @@ def test_another_ranks_line_prints_above_the_bar_not_into_it(monkeypatch):
     bar.close()
     screen = [line for line in _screen(terminal.getvalue()) if line]
     warning = [line for line in screen if "skipped record 7" in line]
-    assert len(warning) == 1 and re.fullmatch(r"\d\d:\d\d:\d\d \[rank1\] skipped record 7 of /data/chats.jsonl: "
-                                              r"no assistant turn", warning[0]), screen
+    assert len(warning) == 1 and re.fullmatch(
+        r"\d\d:\d\d:\d\d \[rank1\] skipped record 7 of /data/chats.jsonl: "
+        r"no assistant turn",
+        warning[0],
+    ), screen
     assert screen[-1].startswith("step 4/10"), screen  # the bar is drawn again, below the line
 
     logs = io.StringIO()  # off a terminal (a log file, CI) lines are written as they are
     setup_logging(1, stream=logs)
     logging.getLogger("chattune.test").warning("plain")
     assert logs.getvalue().endswith("[rank1] plain\n") and "\x1b" not in logs.getvalue()
+
+
 class FakeClock:
     def __init__(self):
         self.now = 100.0
@@ -178,9 +183,14 @@ def test_a_long_evaluation_says_where_it_is_every_ten_seconds_and_a_short_one_sa
         clock.now += 0.125  # 50 s in all
         long.update(done)
     long.close()
-    assert out.getvalue().splitlines() == ["LOG eval: 40/400 batches, 5 s", "LOG eval: 120/400 batches, 15 s",
-                                           "LOG eval: 200/400 batches, 25 s", "LOG eval: 280/400 batches, 35 s",
-                                           "LOG eval: 360/400 batches, 45 s", "LOG eval: 400/400 batches done in 50 s"]
+    assert out.getvalue().splitlines() == [
+        "LOG eval: 40/400 batches, 5 s",
+        "LOG eval: 120/400 batches, 15 s",
+        "LOG eval: 200/400 batches, 25 s",
+        "LOG eval: 280/400 batches, 35 s",
+        "LOG eval: 360/400 batches, 45 s",
+        "LOG eval: 400/400 batches done in 50 s",
+    ]
     other_rank = Progress(0, 10, "lines", is_main=False, stream=out).task("eval", 400, "batches")
     other_rank.update(400)
     other_rank.close()

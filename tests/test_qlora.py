@@ -50,15 +50,32 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def settings(use_dora: bool):
-    return OmegaConf.create({"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear",
-                             "use_dora": use_dora, "modules_to_save": None, "quantize_base": "nf4"})
+    return OmegaConf.create(
+        {
+            "type": "lora",
+            "rank": 4,
+            "alpha": 8,
+            "dropout": 0.0,
+            "target_modules": "all-linear",
+            "use_dora": use_dora,
+            "modules_to_save": None,
+            "quantize_base": "nf4",
+        }
+    )
 
 
 def run_config(path: str):
-    return OmegaConf.create({
-        "seed": 0, "model": {"path": path, "compile": False,
-                             "fsdp": {"param_dtype": "auto", "reduce_dtype": "float32", "activation_checkpointing": False}},
-        "loss": {"chunk_size": 64, "implementation": "chunked", "router_aux_coef": None}})
+    return OmegaConf.create(
+        {
+            "seed": 0,
+            "model": {
+                "path": path,
+                "compile": False,
+                "fsdp": {"param_dtype": "auto", "reduce_dtype": "float32", "activation_checkpointing": False},
+            },
+            "loss": {"chunk_size": 64, "implementation": "chunked", "router_aux_coef": None},
+        }
+    )
 
 
 def random_b(name: str, shape) -> torch.Tensor:
@@ -70,8 +87,9 @@ def random_b(name: str, shape) -> torch.Tensor:
 def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora: bool) -> None:
     init_worker_process_group(rank, world_size, port)
     dist_info = init_distributed("cpu")
-    hf_model, model, peft_model = build_sharded_model(run_config(base), demo_tokenizer(), dist_info, base,
-                                                      adapters=settings(use_dora))
+    hf_model, model, peft_model = build_sharded_model(
+        run_config(base), demo_tokenizer(), dist_info, base, adapters=settings(use_dora)
+    )
     quantized = [m for m in hf_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 2 * len(LINEARS)
     assert all(m.weight.bnb_quantized and m.weight.dtype == torch.uint8 for m in quantized), "4 bits, replicated"
@@ -79,14 +97,23 @@ def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.copy_(distribute_tensor(random_b(name.removeprefix("hf_model."), p.shape), p.device_mesh, p.placements))
+                p.copy_(
+                    distribute_tensor(random_b(name.removeprefix("hf_model."), p.shape), p.device_mesh, p.placements)
+                )
     model.train()
     docs = demo_documents(NUM_DOCS)
     mine = docs[rank::world_size]
-    accumulate_gradients(model, TokenCrossEntropy(), StepBatches([collate_packed(mine[:2]), collate_packed(mine[2:])]),
-                         torch.device("cpu"))
-    trained = {name.removeprefix("hf_model."): (p.full_tensor().detach().clone(), p.grad.full_tensor().clone())
-               for name, p in model.named_parameters() if p.requires_grad}
+    accumulate_gradients(
+        model,
+        TokenCrossEntropy(),
+        StepBatches([collate_packed(mine[:2]), collate_packed(mine[2:])]),
+        torch.device("cpu"),
+    )
+    trained = {
+        name.removeprefix("hf_model."): (p.full_tensor().detach().clone(), p.grad.full_tensor().clone())
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
     export_hf(model, demo_tokenizer(), Path(out) / "hf", dist_info.is_main)
     export_adapter(model, peft_model, demo_tokenizer(), Path(out) / "adapter", dist_info.is_main, base)
     checkpoint_round_trip(model, Path(out) / "checkpoints")  # last: its optimizer step moves the adapters
@@ -111,8 +138,9 @@ def checkpoint_round_trip(model, root: Path) -> None:
             if p.requires_grad:
                 p.add_(1.0)
     load_checkpoint(directory, model_and_optimizer(model, optimizer))
-    assert all(torch.equal(p.detach().full_tensor(), saved[name]) for name, p in model.named_parameters()
-               if p.requires_grad)
+    assert all(
+        torch.equal(p.detach().full_tensor(), saved[name]) for name, p in model.named_parameters() if p.requires_grad
+    )
     optimizer.zero_grad(set_to_none=False)
 
 
@@ -123,8 +151,9 @@ def dequantized_base(base) -> AutoModelForCausalLM:
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in LINEARS:
-                packed, state = bnb.functional.quantize_4bit(module.weight.data, blocksize=64, compress_statistics=True,
-                                                             quant_type="nf4")
+                packed, state = bnb.functional.quantize_4bit(
+                    module.weight.data, blocksize=64, compress_statistics=True, quant_type="nf4"
+                )
                 module.weight.copy_(bnb.functional.dequantize_4bit(packed, state))
     return model
 
@@ -139,8 +168,9 @@ def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir,
     # The plain model: dequantized base, peft's own adapters (DoRA's magnitudes computed by peft from it), the
     # sharded run's A and B, one chat at a time.
     reference = dequantized_base(base_dir)
-    peft_model = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                      use_dora=use_dora, task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        reference, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=use_dora, task_type="CAUSAL_LM")
+    )
     params = dict(reference.named_parameters())
     with torch.no_grad():
         for name, (value, _) in trained.items():
@@ -166,9 +196,21 @@ def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir,
 
 
 def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
-    result = subprocess.run([sys.executable, "recipes/sft.py", f"output_dir={tmp_path / 'out'}", f"model.path={base_dir}",
-                             f"tokenizer.path={base_dir}", "peft=qlora", "device=cpu"], cwd=PROJECT_ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            f"output_dir={tmp_path / 'out'}",
+            f"model.path={base_dir}",
+            f"tokenizer.path={base_dir}",
+            "peft=qlora",
+            "device=cpu",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "peft.quantize_base" in output and "CUDA only" in output
     assert "Traceback" not in output
@@ -186,11 +228,23 @@ def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_pat
     modules = quantized_modules(hf_model)
     assert modules and all(m.weight.quant_state.dtype == torch.bfloat16 for m in modules)
 
-    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), "cpu", 1, param_dtype="bfloat16",
-                        replicated=replicated_parameters(hf_model))
+    model = shard_model(
+        PackedCausalLM(hf_model, loss_chunk_size=64),
+        "cpu",
+        1,
+        param_dtype="bfloat16",
+        replicated=replicated_parameters(hf_model),
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    train_step(model, TokenCrossEntropy(), StepBatches([collate_packed(demo_documents(4))]), optimizer,
-               torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0, torch.device("cpu"))
+    train_step(
+        model,
+        TokenCrossEntropy(),
+        StepBatches([collate_packed(demo_documents(4))]),
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        1.0,
+        torch.device("cpu"),
+    )
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
     export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
     exported = exported_weights(tmp_path / "hf")

@@ -21,11 +21,9 @@ IN_ORDER = "test_readme_tour::test_the_main_command_and_the_tour_run_in_order_in
 # The tour's real-model launches (paths of the user's) and the tests that run them with small ones.
 REAL_MODELS = {
     "torchrun --nproc_per_node 8 recipes/sft.py --config-name sft/local_model model.path=/models/Qwen3-0.6B "
-    "'data.train=[/data/chats.jsonl]' data.eval=[]":
-        "test_sft_recipe::test_local_model_directory_with_activation_checkpointing",
+    "'data.train=[/data/chats.jsonl]' data.eval=[]": "test_sft_recipe::test_local_model_directory_with_activation_checkpointing",
     "torchrun --nproc_per_node 8 recipes/dpo.py --config-name dpo/local_model model.path=outputs/sft-local/hf "
-    "'data.train=[{path: /data/prefs.jsonl, format: preference}]'":
-        "test_dpo_recipe::test_dpo_local_model_config_on_a_qwen3_directory_and_real_preference_pairs",
+    "'data.train=[{path: /data/prefs.jsonl, format: preference}]'": "test_dpo_recipe::test_dpo_local_model_config_on_a_qwen3_directory_and_real_preference_pairs",
 }
 
 
@@ -61,8 +59,12 @@ def test_the_main_command_and_the_tour_run_in_order_in_one_directory(tmp_path, m
             continue
         assert words[0] == "torchrun", line
         fewer = FEWER_STEPS + (["stop_after_step=3"] if "stop_after_step=" in line else [])
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()),
-                                 *words[1:], *fewer], capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *words[1:], *fewer],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, f"{line}\n{result.stderr[-3000:]}"
         last = 3 if "stop_after_step=" in line else 6  # it trained, to the end or to its stop (a relaunch: again)
         assert f"step {last} |" in result.stdout, f"{line}\n{result.stdout[-3000:]}"

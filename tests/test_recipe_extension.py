@@ -17,7 +17,7 @@ from conftest import PROJECT_ROOT
 
 # What a user adds to their copy of recipes/sft.py: the schema, the kind, the decorator's and check's kind,
 # and a line that uses the key (here: it writes the value where the test reads it).
-ADDED_SCHEMA = '''
+ADDED_SCHEMA = """
 from dataclasses import dataclass
 
 from chattune.config.schema import SFTConfig, key
@@ -29,9 +29,9 @@ class MySFTConfig(SFTConfig):
 
 
 MY_SFT = SFT.extended(MySFTConfig)
-'''
-USES_KEY = '''    (Path(cfg.output_dir) / "greet_every.txt").write_text(str(cfg.greet_every))
-'''
+"""
+USES_KEY = """    (Path(cfg.output_dir) / "greet_every.txt").write_text(str(cfg.greet_every))
+"""
 
 
 def copied_recipe(tmp_path):
@@ -54,8 +54,14 @@ def copied_recipe(tmp_path):
 
 def cli(*words: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "chattune.cli.main", *words], cwd=PROJECT_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "chattune.cli.main", *words],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_extended_kind_takes_only_a_subclass_of_its_schema():
@@ -95,9 +101,24 @@ def test_a_copied_recipe_with_its_own_key_validates_refuses_bad_values_and_train
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     launched = subprocess.run(
-        [sys.executable, str(recipe), "--config-dir", str(config_dir), f"output_dir={out}", "greet_every=5",
-         "max_steps=2", "log_every=1", "save_every=0", "eval_every=0"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(recipe),
+            "--config-dir",
+            str(config_dir),
+            f"output_dir={out}",
+            "greet_every=5",
+            "max_steps=2",
+            "log_every=1",
+            "save_every=0",
+            "eval_every=0",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-5000:]
     assert (out / "greet_every.txt").read_text() == "5"
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -105,7 +126,20 @@ def test_a_copied_recipe_with_its_own_key_validates_refuses_bad_values_and_train
 
     # The launch's own check (check_config with the recipe's kind) refuses a bad value of the new key.
     refused = subprocess.run(
-        [sys.executable, str(recipe), "--config-dir", str(config_dir), f"output_dir={tmp_path / 'bad'}",
-         "greet_every=-1", "max_steps=1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(recipe),
+            "--config-dir",
+            str(config_dir),
+            f"output_dir={tmp_path / 'bad'}",
+            "greet_every=-1",
+            "max_steps=1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refused.returncode != 0 and "greet_every" in refused.stderr, refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr

@@ -46,16 +46,31 @@ def test_each_kind_declares_its_schema_documents_formats_objective_and_reference
 @pytest.mark.parametrize("name", list(RECIPE_KINDS))
 def test_each_shipped_recipe_passes_its_own_kind_and_runs_configs_of_its_group(name):
     tree = ast.parse((PROJECT_ROOT / "recipes" / RECIPE_KINDS[name].recipe_file).read_text())
-    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                and node.module == "chattune.launch.recipe_kinds" for alias in node.names]
+    imported = [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "chattune.launch.recipe_kinds"
+        for alias in node.names
+    ]
     assert [getattr(recipe_kinds, n) for n in imported] == [RECIPE_KINDS[name]]
-    default = next(k.value.value for node in ast.walk(tree) if isinstance(node, ast.Call)
-                   and getattr(node.func, "id", None) == "recipe_main" for k in node.keywords if k.arg == "config_name")
+    default = next(
+        k.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "recipe_main"
+        for k in node.keywords
+        if k.arg == "config_name"
+    )
     assert kind_of_config(default).kind is RECIPE_KINDS[name]
 
 
-@pytest.mark.parametrize("config", sorted(p.relative_to(CONFIGS).with_suffix("").as_posix()
-                                          for group in RECIPE_KINDS for p in (CONFIGS / group).glob("*.yaml")))
+@pytest.mark.parametrize(
+    "config",
+    sorted(
+        p.relative_to(CONFIGS).with_suffix("").as_posix()
+        for group in RECIPE_KINDS
+        for p in (CONFIGS / group).glob("*.yaml")
+    ),
+)
 def test_each_shipped_config_has_the_kind_of_its_group(config):
     assert kind_of_config(config) == recipe_kinds.ConfigKind(RECIPE_KINDS[config.split("/")[0]], config)
 
@@ -74,8 +89,11 @@ def test_a_config_of_no_kind_group_has_the_kind_of_the_nearest_config_it_builds_
 def test_an_unknown_group_is_one_clear_error_naming_the_config(tmp_path):
     (tmp_path / "nope").mkdir()
     (tmp_path / "nope" / "run.yaml").write_text("# @package _global_\nmax_steps: 3\n")  # builds on nothing
-    with pytest.raises(RecipeKindError, match=r"^nope/run: no recipe kind: .* group \(sft/ or dpo/\).* nope/run is in "
-                                              r"group nope/ and builds on none"):
+    with pytest.raises(
+        RecipeKindError,
+        match=r"^nope/run: no recipe kind: .* group \(sft/ or dpo/\).* nope/run is in "
+        r"group nope/ and builds on none",
+    ):
         kind_of_config("nope/run", tmp_path)
     report, ok = run_validate("nope/run", [], tmp_path)
     assert not ok and len(problems(report)) == 1 and problems(report)[0].startswith("config: nope/run: no recipe kind")
@@ -103,10 +121,13 @@ def test_the_kind_is_never_inferred_from_the_keys(tmp_path):
 
 def test_reading_the_table_imports_neither_torch_nor_hydra_for_a_kind_group():
     """`chattune cp` asks it which recipe runs a config: no torch, transformers or Hydra for that."""
-    code = ("import sys; from chattune.launch.recipe_kinds import kind_of_config; kind_of_config('dpo/tiny'); "
-            "print(sorted(m for m in ('torch', 'transformers', 'hydra') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                            timeout=120, check=False)
+    code = (
+        "import sys; from chattune.launch.recipe_kinds import kind_of_config; kind_of_config('dpo/tiny'); "
+        "print(sorted(m for m in ('torch', 'transformers', 'hydra') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.stdout.strip() == "[]", result.stderr
 
 
@@ -162,14 +183,18 @@ def test_a_new_loss_is_one_function_and_one_row(monkeypatch):
     PreferenceObjective(loss, reference=None)  # reference-free: no reference model asked for
 
     columns = ([-6.0, -30.0], [-9.0, -11.0], [4.0, 10.0], [3.0, 11.0])  # policy chosen, rejected; their tokens
-    policy_chosen, policy_rejected, chosen_tokens, rejected_tokens = (torch.tensor(c, dtype=torch.float64) for c in columns)
-    losses, chosen_reward, rejected_reward = loss(policy_chosen, policy_rejected, None, None, chosen_tokens,
-                                                  rejected_tokens)
+    policy_chosen, policy_rejected, chosen_tokens, rejected_tokens = (
+        torch.tensor(c, dtype=torch.float64) for c in columns
+    )
+    losses, chosen_reward, rejected_reward = loss(
+        policy_chosen, policy_rejected, None, None, chosen_tokens, rejected_tokens
+    )
     for i in range(2):
         mean_chosen = float(policy_chosen[i] / chosen_tokens[i])
         mean_rejected = float(policy_rejected[i] / rejected_tokens[i])
-        log_odds = ((mean_chosen - math.log1p(-math.exp(mean_chosen)))
-                    - (mean_rejected - math.log1p(-math.exp(mean_rejected))))
+        log_odds = (mean_chosen - math.log1p(-math.exp(mean_chosen))) - (
+            mean_rejected - math.log1p(-math.exp(mean_rejected))
+        )
         want = 0.25 * math.log1p(math.exp(-log_odds)) - mean_chosen  # the odds-ratio term and the chosen reply's NLL
         assert math.isclose(float(losses[i]), want, rel_tol=1e-12)
         assert math.isclose(float(chosen_reward[i]), 0.25 * mean_chosen, rel_tol=1e-12)  # per_token, reference-free

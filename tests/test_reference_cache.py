@@ -23,9 +23,15 @@ TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_pe
 def build_tables(cache_dir, fingerprint: dict, make_reference) -> dict[str, torch.Tensor]:
     documents = ListSource(pair_documents())
     return reference_cache.load_or_build(
-        cache_dir, {"train": fingerprint}, {"train": len(documents)}, make_reference,
+        cache_dir,
+        {"train": fingerprint},
+        {"train": len(documents)},
+        make_reference,
         lambda split: PackedStream(documents, 0, 1, 0, 400, 0, buffer_records=3, shuffle=False, num_epochs=1),
-        CPU, 0, is_main=True)
+        CPU,
+        0,
+        is_main=True,
+    )
 
 
 def test_table_matches_plain_forwards_and_is_reused_until_its_fingerprint_changes(tmp_path):
@@ -36,8 +42,10 @@ def test_table_matches_plain_forwards_and_is_reused_until_its_fingerprint_change
         return PackedCausalLM(tiny_model(seed=1), loss_chunk_size=16)
 
     table = build_tables(tmp_path, {"data": "a"}, make_reference)["train"]
-    want = torch.tensor([[float(c), float(r)] for c, r, _, _ in sequence_logps(tiny_model(seed=1), pair_documents())],
-                        dtype=torch.float64)
+    want = torch.tensor(
+        [[float(c), float(r)] for c, r, _, _ in sequence_logps(tiny_model(seed=1), pair_documents())],
+        dtype=torch.float64,
+    )
     assert table.shape == (NUM_PAIRS, 2) and len(built) == 1
     assert torch.allclose(table, want, rtol=1e-5, atol=1e-4), (table, want)
 
@@ -67,14 +75,20 @@ def test_the_reference_fingerprint_follows_the_chat_template_text(tmp_path):
     from test_validate import compose_config
 
     template = tmp_path / "mine.jinja"
-    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
 
     def fingerprint(*overrides: str) -> dict:
-        return reference_cache.cache_fingerprint(compose_config("dpo/tiny", ["model.path=null", *overrides]), "train", "cpu")
+        return reference_cache.cache_fingerprint(
+            compose_config("dpo/tiny", ["model.path=null", *overrides]), "train", "cpu"
+        )
 
     own, mine = fingerprint(), fingerprint(f"tokenizer.chat_template={template}")
-    assert "chat_template" not in own  # null: the tokenizer's own template, among its files (earlier tables still match)
+    assert (
+        "chat_template" not in own
+    )  # null: the tokenizer's own template, among its files (earlier tables still match)
     assert mine != own and mine != fingerprint("tokenizer.chat_template=chatml")
     assert fingerprint(f"tokenizer.chat_template={template}") == mine
     template.write_text(template.read_text() + "{# edited #}")
@@ -82,10 +96,28 @@ def test_the_reference_fingerprint_follows_the_chat_template_text(tmp_path):
 
 
 def dpo(out, cache_dir, *overrides: str) -> str:
-    result = run([
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        "recipes/dpo.py", f"output_dir={out}", "model.path=null", "max_steps=4", "log_every=1", "eval_every=4",
-        "save_every=0", "data.report_records=0", "optimizer.lr=3e-3", f"reference.cache_dir={cache_dir}", *overrides])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "recipes/dpo.py",
+            f"output_dir={out}",
+            "model.path=null",
+            "max_steps=4",
+            "log_every=1",
+            "eval_every=4",
+            "save_every=0",
+            "data.report_records=0",
+            "optimizer.lr=3e-3",
+            f"reference.cache_dir={cache_dir}",
+            *overrides,
+        ]
+    )
     return result.stdout + result.stderr
 
 
@@ -126,10 +158,18 @@ def test_dpo_on_a_two_source_mixture_with_the_reference_cached(tmp_path):
     lines = (DEMO_ASSETS / "preference_train.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "a.jsonl").write_text("".join(lines[:60]))
     (tmp_path / "b.jsonl").write_text("".join(lines[60:100]))
-    sources = (f"data.train=[{{path: {tmp_path / 'a.jsonl'}, format: preference, weight: 3}}, "
-               f"{{path: {tmp_path / 'b.jsonl'}, format: preference, weight: 1}}]")
-    dpo(tmp_path / "mixed", tmp_path / "cache", sources, "data.mixing.mode=static", "reference.cache=true",
-        "optimizer.lr=0")  # lr 0: the policy stays its own reference, so every step must give log 2
+    sources = (
+        f"data.train=[{{path: {tmp_path / 'a.jsonl'}, format: preference, weight: 3}}, "
+        f"{{path: {tmp_path / 'b.jsonl'}, format: preference, weight: 1}}]"
+    )
+    dpo(
+        tmp_path / "mixed",
+        tmp_path / "cache",
+        sources,
+        "data.mixing.mode=static",
+        "reference.cache=true",
+        "optimizer.lr=0",
+    )  # lr 0: the policy stays its own reference, so every step must give log 2
     metrics = read_metrics(tmp_path / "mixed")
     assert all(m["loss"] == pytest.approx(0.693147, abs=1e-5) and abs(m["rewards/margins"]) < 1e-5 for m in metrics)
     assert metrics[-1]["mix/a/target"] == 0.75 and metrics[-1]["mix/a/documents"] + metrics[-1]["mix/b/documents"] > 0

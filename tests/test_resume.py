@@ -33,23 +33,48 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 CHATTUNE_RUN = (sys.executable, "-m", "chattune.cli.main", "run")  # `chattune run`
 
 
-def launch_command(out: Path, data: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = TORCHRUN) -> list[str]:
+def launch_command(
+    out: Path, data: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = TORCHRUN
+) -> list[str]:
     """8 steps over ~3 epochs of the small data (epochs end mid-run, with ranks waiting for each other)."""
-    return [*launcher, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "recipes/sft.py",
-            f"output_dir={out}", "max_steps=8", "save_every=3", "log_every=1", f"data.train=[{data}]", "data.eval=[]",
-            "grad_accum_steps=2", "data.max_tokens_per_microbatch=512", "data.buffer_records=16",
-            "data.report_records=0", *overrides]
+    return [
+        *launcher,
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "recipes/sft.py",
+        f"output_dir={out}",
+        "max_steps=8",
+        "save_every=3",
+        "log_every=1",
+        f"data.train=[{data}]",
+        "data.eval=[]",
+        "grad_accum_steps=2",
+        "data.max_tokens_per_microbatch=512",
+        "data.buffer_records=16",
+        "data.report_records=0",
+        *overrides,
+    ]
 
 
-def launch(out: Path, data: Path, nproc: int, *overrides: str, env: dict | None = None, check: bool = True,
-           launcher: tuple[str, ...] = TORCHRUN):
+def launch(
+    out: Path,
+    data: Path,
+    nproc: int,
+    *overrides: str,
+    env: dict | None = None,
+    check: bool = True,
+    launcher: tuple[str, ...] = TORCHRUN,
+):
     command = launch_command(out, data, nproc, *overrides, launcher=launcher)
     if check:
         return run(command, env_extra=env)
     import os
 
-    return subprocess.run(command, cwd=PROJECT_ROOT, env={**os.environ, **(env or {})}, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        command, cwd=PROJECT_ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600
+    )
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -77,10 +102,12 @@ def uninterrupted(tmp_path_factory, small_data):
     return run_on
 
 
-@pytest.mark.parametrize("nproc,num_workers,save_async", [(1, 0, False), (2, 0, False), (1, 2, False), (2, 2, False),
-                                                         (2, 0, True)])
-def test_stop_and_resume_reproduces_the_uninterrupted_run(tmp_path, small_data, uninterrupted, nproc, num_workers,
-                                                          save_async):
+@pytest.mark.parametrize(
+    "nproc,num_workers,save_async", [(1, 0, False), (2, 0, False), (1, 2, False), (2, 2, False), (2, 0, True)]
+)
+def test_stop_and_resume_reproduces_the_uninterrupted_run(
+    tmp_path, small_data, uninterrupted, nproc, num_workers, save_async
+):
     """With save_async the checkpoints are written from a thread while the next steps train: what they hold
     must still be the state of their step (DCP copies it before training goes on)."""
     workers = f"data.num_workers={num_workers}"
@@ -108,9 +135,16 @@ def ledger_steps(out: Path) -> dict[str, dict[int, tuple[int, dict[str, list[int
     return launches
 
 
-@pytest.mark.parametrize("crash,save_async,lora", [("step:7:1", False, False), ("save:6:1", False, False),
-                                                   ("step:7:1", True, False), ("save:6:1", True, False),
-                                                   ("save:6:1", False, True)])
+@pytest.mark.parametrize(
+    "crash,save_async,lora",
+    [
+        ("step:7:1", False, False),
+        ("save:6:1", False, False),
+        ("step:7:1", True, False),
+        ("save:6:1", True, False),
+        ("save:6:1", False, True),
+    ],
+)
 def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, small_data, crash, save_async, lora):
     out = tmp_path / "run"
     extra = ["ledger=true", f"save_async={save_async}", *(["peft=lora", "peft.rank=4"] if lora else [])]
@@ -124,8 +158,9 @@ def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, smal
         resume_step = 6 if (checkpoints / "step_6").is_dir() else 3
     else:
         resume_step = 6
-    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".partial")) == \
-        [f"step_{s}" for s in (3, 6) if s <= resume_step]
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".partial")) == [
+        f"step_{s}" for s in (3, 6) if s <= resume_step
+    ]
 
     launch(out, small_data, 2, *extra)
     launches = ledger_steps(out)
@@ -197,7 +232,9 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([self._index(device)]))
         monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([i]) for i in range(self.visible)])
         monkeypatch.setattr(torch.cuda, "set_rng_state", self._set)
-        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: [self._set(s, i) for i, s in enumerate(states)])
+        monkeypatch.setattr(
+            torch.cuda, "set_rng_state_all", lambda states: [self._set(s, i) for i, s in enumerate(states)]
+        )
 
     def _index(self, device) -> int:
         index = device if isinstance(device, int) else torch.device(device).index
@@ -229,8 +266,12 @@ def test_a_checkpoint_with_every_devices_generator_still_resumes(monkeypatch):
     """Checkpoints written before saved `get_rng_state_all()`: the rank's own device's entry is restored."""
     from chattune.train.run_state import set_rng_state
 
-    old = {"torch": torch.get_rng_state(), "python": __import__("random").getstate(),
-           "numpy": __import__("numpy").random.get_state(), "cuda": [torch.tensor([0]), torch.tensor([1])]}
+    old = {
+        "torch": torch.get_rng_state(),
+        "python": __import__("random").getstate(),
+        "numpy": __import__("numpy").random.get_state(),
+        "cuda": [torch.tensor([0]), torch.tensor([1])],
+    }
     resumed_on = FakeCuda(visible=2, current=1)
     resumed_on.install(monkeypatch)
     set_rng_state(old)
@@ -256,10 +297,28 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
 
     straight = uninterrupted(2)
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               "recipes/sft.py", f"output_dir={out}", "max_steps=8", "save_every=0", "log_every=1", f"data.train=[{small_data}]",
-               "data.eval=[]", "grad_accum_steps=2", "data.max_tokens_per_microbatch=512", "data.buffer_records=16",
-               "data.report_records=0", "data.num_workers=2", "ledger=true"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "recipes/sft.py",
+        f"output_dir={out}",
+        "max_steps=8",
+        "save_every=0",
+        "log_every=1",
+        f"data.train=[{small_data}]",
+        "data.eval=[]",
+        "grad_accum_steps=2",
+        "data.max_tokens_per_microbatch=512",
+        "data.buffer_records=16",
+        "data.report_records=0",
+        "data.num_workers=2",
+        "ledger=true",
+    ]
     with open(tmp_path / "stopped.log", "w") as log:
         process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
         _until_logged(process, out, 2)
@@ -270,7 +329,10 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
     assert len(saved) == 1, saved
     step = int(saved[0].removeprefix("step_"))
     assert 2 <= step < 8 and [s for s, _ in losses(out)] == list(range(1, step + 1))
-    assert output.count(f"chattune: stopped by SIGTERM after step {step}: checkpoint {out}/checkpoints/step_{step} saved") == 1
+    assert (
+        output.count(f"chattune: stopped by SIGTERM after step {step}: checkpoint {out}/checkpoints/step_{step} saved")
+        == 1
+    )
     assert output.count("chattune: SIGTERM: stopping after the current step") == 1  # rank 0's line only
     assert _processes_left(out) == [], "the stopped run's data-loader workers outlived it"
 
@@ -282,7 +344,9 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
         for epoch, ids in steps.values():
             per_epoch.setdefault(epoch, Counter()).update(i for rank_ids in ids.values() for i in rank_ids)
     assert all(max(counts.values()) == 1 for counts in per_epoch.values()), "a document trained twice in an epoch"
-    assert all(sorted(counts) == list(range(NUM_RECORDS)) for epoch, counts in per_epoch.items() if epoch < max(per_epoch))
+    assert all(
+        sorted(counts) == list(range(NUM_RECORDS)) for epoch, counts in per_epoch.items() if epoch < max(per_epoch)
+    )
 
 
 def _processes_left(out: Path, wait_s: float = 10.0) -> list[str]:
@@ -310,11 +374,23 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     import sys
     import time
 
-    command = [sys.executable, "recipes/sft.py", "max_steps=200", "save_every=0", "log_every=1", "eval_every=0",
-               f"data.train=[{small_data}]", "data.eval=[]", "data.max_tokens_per_microbatch=512", "data.report_records=0"]
+    command = [
+        sys.executable,
+        "recipes/sft.py",
+        "max_steps=200",
+        "save_every=0",
+        "log_every=1",
+        "eval_every=0",
+        f"data.train=[{small_data}]",
+        "data.eval=[]",
+        "data.max_tokens_per_microbatch=512",
+        "data.report_records=0",
+    ]
     out = tmp_path / "once"
     with open(tmp_path / "once.log", "w") as log:
-        process = subprocess.Popen([*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=120) == 75
@@ -329,8 +405,9 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     # (a tiny step and save could otherwise finish between the two signals and exit 75).
     slow = {**os.environ, "CHATTUNE_SLOW_AT": "step:3:20"}
     with open(tmp_path / "twice.log", "w") as log:
-        process = subprocess.Popen([*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env=slow)
+        process = subprocess.Popen(
+            [*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=slow
+        )
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGINT)
         time.sleep(0.05)
@@ -368,8 +445,9 @@ def _run_processes(out: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("signum,everyone", [("SIGTERM", True), ("SIGINT", False)])
-def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(tmp_path, small_data, uninterrupted,
-                                                                               signum, everyone):
+def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
+    tmp_path, small_data, uninterrupted, signum, everyone
+):
     """A preemption in a step that takes longer than torchrun's 30 s grace: SIGTERM to every process of the job
     (as SLURM signals a job step) or Ctrl-C to the launcher alone (as a terminal does). Under `chattune run` the
     step finishes and its checkpoint is saved, the launcher exits 75 without a traceback, nothing of the run is
@@ -404,9 +482,22 @@ def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(tm
 
 
 def test_chattune_run_reports_a_failed_worker_once_without_a_traceback(tmp_path):
-    result = subprocess.run([*CHATTUNE_RUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "sft",
-                             f"output_dir={tmp_path / 'run'}", f"data.train=[{tmp_path / 'missing.jsonl'}]"],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            *CHATTUNE_RUN,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "sft",
+            f"output_dir={tmp_path / 'run'}",
+            f"data.train=[{tmp_path / 'missing.jsonl'}]",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert output.count(f"chattune: error: data.train[0]: data file '{tmp_path / 'missing.jsonl'}' does not exist") == 1

@@ -15,11 +15,26 @@ from chattune.config.paths import DEMO_ASSETS
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint_before_run_state"
 # The settings the fixture was written with (but its output_dir, data path and stop_after_step).
-SETTINGS = ["max_steps=6", "save_every=3", "log_every=1", "eval_every=0", "data.eval=[]", "grad_accum_steps=2",
-            "data.max_tokens_per_microbatch=512", "data.buffer_records=16", "data.report_records=0", "data.cache=off",
-            "scheduler.num_warmup_steps=2", "model.config.hidden_size=16", "model.config.intermediate_size=32",
-            "model.config.num_hidden_layers=1", "model.config.num_attention_heads=2", "model.config.num_key_value_heads=1",
-            "model.config.max_position_embeddings=512", "progress=lines"]
+SETTINGS = [
+    "max_steps=6",
+    "save_every=3",
+    "log_every=1",
+    "eval_every=0",
+    "data.eval=[]",
+    "grad_accum_steps=2",
+    "data.max_tokens_per_microbatch=512",
+    "data.buffer_records=16",
+    "data.report_records=0",
+    "data.cache=off",
+    "scheduler.num_warmup_steps=2",
+    "model.config.hidden_size=16",
+    "model.config.intermediate_size=32",
+    "model.config.num_hidden_layers=1",
+    "model.config.num_attention_heads=2",
+    "model.config.num_key_value_heads=1",
+    "model.config.max_position_embeddings=512",
+    "progress=lines",
+]
 
 
 def saved_losses() -> list[tuple[int, float]]:
@@ -45,7 +60,9 @@ def test_a_checkpoint_of_an_earlier_chattune_resumes_and_continues_as_an_uninter
         assert losses(resumed) == losses(straight)[3:]
         assert_same_weights(resumed, straight)
     else:  # another torch or CPU rounds differently: the same run, up to rounding
-        assert [loss for _, loss in losses(resumed)] == pytest.approx([loss for _, loss in losses(straight)[3:]], rel=1e-4)
+        assert [loss for _, loss in losses(resumed)] == pytest.approx(
+            [loss for _, loss in losses(straight)[3:]], rel=1e-4
+        )
 
 
 class Stream:

@@ -28,14 +28,33 @@ from conftest import demo_documents, free_port, init_worker_process_group, relat
 
 COEFFICIENT = 0.5  # large, so that a wrong router term shows in the gradients
 MOE = {
-    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      head_dim=16, output_router_logits=True, router_aux_loss_coef=COEFFICIENT),
-    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                    router_aux_loss_coef=COEFFICIENT),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=16,
+        output_router_logits=True,
+        router_aux_loss_coef=COEFFICIENT,
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=COEFFICIENT,
+    ),
     # attention sinks, sliding windows and experts with biases
-    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
-                    layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
-                    router_aux_loss_coef=COEFFICIENT),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        output_router_logits=True,
+        router_aux_loss_coef=COEFFICIENT,
+    ),
 }
 NUM_DOCS = 8
 
@@ -74,8 +93,9 @@ def test_each_documents_router_loss_is_transformers_aux_loss_of_the_document_alo
     stock.set_attn_implementation("eager")
     docs = demo_documents(4)
     _, router = model(collate_packed(docs), router_losses=True)
-    alone = torch.stack([stock(input_ids=torch.tensor([d.input_ids.tolist()]), output_router_logits=True).aux_loss
-                         for d in docs])
+    alone = torch.stack(
+        [stock(input_ids=torch.tensor([d.input_ids.tolist()]), output_router_logits=True).aux_loss for d in docs]
+    )
     assert torch.allclose(router / COEFFICIENT, alone, rtol=1e-6, atol=0), (router / COEFFICIENT, alone)
     # Packed into one row, the stock function over the whole row differs: the per-document definition matters.
     row = torch.cat([torch.tensor(d.input_ids.tolist()) for d in docs]).unsqueeze(0)
@@ -123,8 +143,10 @@ def test_dpo_adds_each_pairs_mean_router_loss():
     objective = PreferenceObjective(PreferenceLoss(loss_type="simpo"), reference=None)
     model.train()
     loss, figures = objective.loss_sum(model, collate_packed(pairs))
-    alone = [stock(input_ids=torch.tensor(ids).unsqueeze(0), output_router_logits=True).aux_loss
-             for ids, _ in sequences(pairs)]
+    alone = [
+        stock(input_ids=torch.tensor(ids).unsqueeze(0), output_router_logits=True).aux_loss
+        for ids, _ in sequences(pairs)
+    ]
     want = COEFFICIENT * sum(0.5 * (alone[2 * k] + alone[2 * k + 1]) for k in range(len(pairs)))
     assert figures["router_loss"].item() == pytest.approx(want.item(), rel=1e-6)
     model.eval()
@@ -152,8 +174,11 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
 @pytest.mark.parametrize("split", ["1rank_1mb", "1rank_3mb", "2rank_2mb_one_empty"])
 def test_a_steps_gradient_with_the_router_loss_does_not_depend_on_the_split(split, tmp_path):
     everything = list(range(NUM_DOCS))
-    splits = {"1rank_1mb": [[everything]], "1rank_3mb": [[[0, 1, 2], [3, 4, 5, 6], [7]]],
-              "2rank_2mb_one_empty": [[[0, 1, 2, 3], [4, 5, 6]], [[7], []]]}[split]
+    splits = {
+        "1rank_1mb": [[everything]],
+        "1rank_3mb": [[[0, 1, 2], [3, 4, 5, 6], [7]]],
+        "2rank_2mb_one_empty": [[[0, 1, 2, 3], [4, 5, 6]], [[7], []]],
+    }[split]
     out_path = str(tmp_path / "out.pt")
     mp.spawn(_worker, args=(len(splits), free_port(), splits, out_path), nprocs=len(splits), join=True)
     got = torch.load(out_path)
@@ -167,19 +192,31 @@ def test_a_steps_gradient_with_the_router_loss_does_not_depend_on_the_split(spli
     # Control: the router term is a real part of the gradient (the routers' gradients are mostly its own).
     model = moe_model()
     model.set_attn_implementation("eager")
-    plain = sum(F.cross_entropy(model(input_ids=torch.tensor([d.input_ids.tolist()])).logits[0],
-                                torch.tensor(d.labels.tolist()), ignore_index=IGNORE_INDEX, reduction="sum")
-                for d in demo_documents(NUM_DOCS)) / tokens
+    plain = (
+        sum(
+            F.cross_entropy(
+                model(input_ids=torch.tensor([d.input_ids.tolist()])).logits[0],
+                torch.tensor(d.labels.tolist()),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            for d in demo_documents(NUM_DOCS)
+        )
+        / tokens
+    )
     plain.backward()
     router_weights = [n for n in want_grads if n.endswith("gate.weight")]
-    assert router_weights and all(relative_error(dict(model.named_parameters())[n].grad, want_grads[n]) > 1e-2
-                                  for n in router_weights)
+    assert router_weights and all(
+        relative_error(dict(model.named_parameters())[n].grad, want_grads[n]) > 1e-2 for n in router_weights
+    )
 
 
-@pytest.mark.parametrize("compile, param_dtype, grouped_gemm", [(False, "float32", True), (True, "bfloat16", True),
-                                                                (True, "float32", False)])
-def test_experts_run_transformers_grouped_gemm_under_fsdp_checkpointing_and_compile(compile, param_dtype, grouped_gemm,
-                                                                                    monkeypatch):
+@pytest.mark.parametrize(
+    "compile, param_dtype, grouped_gemm", [(False, "float32", True), (True, "bfloat16", True), (True, "float32", False)]
+)
+def test_experts_run_transformers_grouped_gemm_under_fsdp_checkpointing_and_compile(
+    compile, param_dtype, grouped_gemm, monkeypatch
+):
     """transformers' `experts_implementation` defaults to grouped_mm where it can dispatch; sharded, with
     activation checkpointing and compiled layers, the experts must still run torch's grouped GEMM, not fall
     back to the per-expert loop (which shows as transformers::grouped_mm_fallback, no aten::_grouped_mm).
@@ -190,9 +227,17 @@ def test_experts_run_transformers_grouped_gemm_under_fsdp_checkpointing_and_comp
     from chattune.model.build import experts_implementation
 
     packed = packed_moe()
-    assert experts_implementation(packed.hf_model, compiled=False, compute_dtype="float32") == "grouped GEMM (torch._grouped_mm)"
+    assert (
+        experts_implementation(packed.hf_model, compiled=False, compute_dtype="float32")
+        == "grouped GEMM (torch._grouped_mm)"
+    )
     torch._dynamo.reset()
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}.items():
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
         monkeypatch.setenv(name, value)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -210,14 +255,24 @@ def test_experts_run_transformers_grouped_gemm_under_fsdp_checkpointing_and_comp
         assert grouped >= 2 * packed.hf_model.config.num_hidden_layers and looped == 0, (grouped, looped)
     else:
         assert looped > 0 and grouped == 0, (grouped, looped)
-    assert ("loop" in experts_implementation(packed.hf_model, compiled=compile, compute_dtype=param_dtype)) != grouped_gemm
+    assert (
+        "loop" in experts_implementation(packed.hf_model, compiled=compile, compute_dtype=param_dtype)
+    ) != grouped_gemm
 
 
-QWEN3_MOE = ["model.config._target_=transformers.Qwen3MoeConfig", "model.config.hidden_size=64",
-             "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
-             "model.config.num_attention_heads=4", "+model.config.head_dim=16", "+model.config.num_experts=4",
-             "+model.config.num_experts_per_tok=2", "+model.config.moe_intermediate_size=32",
-             "+model.config.output_router_logits=true", "+model.config.router_aux_loss_coef=0.01"]
+QWEN3_MOE = [
+    "model.config._target_=transformers.Qwen3MoeConfig",
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "+model.config.head_dim=16",
+    "+model.config.num_experts=4",
+    "+model.config.num_experts_per_tok=2",
+    "+model.config.moe_intermediate_size=32",
+    "+model.config.output_router_logits=true",
+    "+model.config.router_aux_loss_coef=0.01",
+]
 
 
 def test_the_recipe_trains_a_moe_model_with_its_router_loss_and_says_so(tmp_path):
@@ -227,9 +282,20 @@ def test_the_recipe_trains_a_moe_model_with_its_router_loss_and_says_so(tmp_path
 
     from test_sft_recipe import read_metrics, run
 
-    common = [sys.executable, "recipes/sft.py", "max_steps=2", "log_every=1", "eval_every=0", "save_every=0",
-              "eval.samples=0", "data.eval=[]", "data.max_tokens_per_microbatch=512", "data.buffer_records=8",
-              "data.report_records=0", *QWEN3_MOE]
+    common = [
+        sys.executable,
+        "recipes/sft.py",
+        "max_steps=2",
+        "log_every=1",
+        "eval_every=0",
+        "save_every=0",
+        "eval.samples=0",
+        "data.eval=[]",
+        "data.max_tokens_per_microbatch=512",
+        "data.buffer_records=8",
+        "data.report_records=0",
+        *QWEN3_MOE,
+    ]
     result = run([*common, f"output_dir={tmp_path / 'on'}"])
     log = result.stdout + result.stderr
     assert "experts: grouped GEMM (torch._grouped_mm)" in log

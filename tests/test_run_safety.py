@@ -20,21 +20,58 @@ from chattune.config.paths import DEMO_ASSETS
 from conftest import PROJECT_ROOT, free_port
 
 DEMO_CHATS = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)
-SMALL = ["max_steps=6", "save_every=2", "log_every=1", "eval_every=0", "data.eval=[]", "data.report_records=0",
-         "data.max_tokens_per_microbatch=512", "data.buffer_records=16"]
+SMALL = [
+    "max_steps=6",
+    "save_every=2",
+    "log_every=1",
+    "eval_every=0",
+    "data.eval=[]",
+    "data.report_records=0",
+    "data.max_tokens_per_microbatch=512",
+    "data.buffer_records=16",
+]
 
 
 def torchrun(nproc: int, recipe: str, *overrides: str, **kwargs):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(free_port()), recipe, *overrides], **kwargs)
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            recipe,
+            *overrides,
+        ],
+        **kwargs,
+    )
 
 
 def launch(*args: str, nproc: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """A recipe launch that may fail (python, or torchrun with `nproc` ranks)."""
-    head = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                   str(nproc), "--master_port", str(free_port())]
-    return subprocess.run([*head, *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    head = (
+        [sys.executable]
+        if nproc is None
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+        ]
+    )
+    return subprocess.run(
+        [*head, *args],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
 
 
 def chats(tmp_path: Path, count: int = 40, name: str = "chats.jsonl") -> Path:
@@ -50,8 +87,11 @@ def steps(out: Path) -> list[int]:
 def our_traceback_lines(stderr: str) -> list[str]:
     """Traceback lines from chattune's or a recipe's code (torchrun's own report of a failed worker is a
     traceback of torch/distributed/run.py, which is not ours to remove)."""
-    return [line for line in stderr.splitlines()
-            if line.strip().startswith("File ") and ("chattune" in line or "recipes/" in line)]
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.strip().startswith("File ") and ("chattune" in line or "recipes/" in line)
+    ]
 
 
 def test_dpo_on_two_ranks_counts_a_pair_with_identical_replies_on_one_rank(tmp_path):
@@ -62,13 +102,28 @@ def test_dpo_on_two_ranks_counts_a_pair_with_identical_replies_on_one_rank(tmp_p
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     out = tmp_path / "dpo"
-    result = torchrun(2, "recipes/dpo.py", f"output_dir={out}", "model.path=null", "max_steps=3", "save_every=0",
-                      "eval_every=0", f"data.train=[{{path: {data}, format: preference}}]", "data.eval=[]",
-                      "data.report_records=null", "data.max_tokens_per_microbatch=1024")
+    result = torchrun(
+        2,
+        "recipes/dpo.py",
+        f"output_dir={out}",
+        "model.path=null",
+        "max_steps=3",
+        "save_every=0",
+        "eval_every=0",
+        f"data.train=[{{path: {data}, format: preference}}]",
+        "data.eval=[]",
+        "data.report_records=null",
+        "data.max_tokens_per_microbatch=1024",
+    )
     log = result.stdout + result.stderr
     assert "training data (30 of 30 records sampled): records read: 30; skipped: 1 (identical_replies 1)" in log
-    assert log.count(f"] skipped (identical_replies): {data} record 8 (line 8): the chosen and the rejected reply are "
-                     "the same, nothing to prefer\n") == 1  # a reason, as every skip's line gives
+    assert (
+        log.count(
+            f"] skipped (identical_replies): {data} record 8 (line 8): the chosen and the rejected reply are "
+            "the same, nothing to prefer\n"
+        )
+        == 1
+    )  # a reason, as every skip's line gives
     assert "skipped {'overlong': 0, 'no_trainable_tokens': 0, 'identical_replies': 1, 'bad_record': 0}" in log
 
 
@@ -77,13 +132,30 @@ def test_split_records_are_all_trained_on_two_ranks(tmp_path):
     trained while the report said all were read). The ledger shows every record trained, in one epoch."""
     data = chats(tmp_path, 30)
     out = tmp_path / "run"
-    result = torchrun(2, "recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", "data.overlong=split",
-                      "data.max_tokens_per_microbatch=64", "data.num_epochs=1", "max_steps=100", "ledger=true",
-                      "save_every=0", "eval_every=0", "data.eval=[]", "data.report_records=null", "data.buffer_records=8")
+    result = torchrun(
+        2,
+        "recipes/sft.py",
+        f"output_dir={out}",
+        f"data.train=[{data}]",
+        "data.overlong=split",
+        "data.max_tokens_per_microbatch=64",
+        "data.num_epochs=1",
+        "max_steps=100",
+        "ledger=true",
+        "save_every=0",
+        "eval_every=0",
+        "data.eval=[]",
+        "data.report_records=null",
+        "data.buffer_records=8",
+    )
     log = result.stdout + result.stderr
     assert "training data (30 of 30 records sampled): records read: 30;" in log
-    trained = Counter(i for path in (out / "ledger").glob("rank*.jsonl") for line in path.read_text().splitlines()
-                      for i in json.loads(line)["doc_ids"])
+    trained = Counter(
+        i
+        for path in (out / "ledger").glob("rank*.jsonl")
+        for line in path.read_text().splitlines()
+        for i in json.loads(line)["doc_ids"]
+    )
     assert sorted(trained) == list(range(30)), "records never trained"
     assert sum(trained.values()) > 30, "the 64-token budget should have split some records into several pieces"
 
@@ -93,9 +165,22 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
     data = chats(tmp_path)
     out = tmp_path / "run"
     args = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "max_steps=400", "save_every=1"]
-    first = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                              str(free_port()), *args], cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            *args,
+        ],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     try:
         deadline = time.time() + 300
         while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
@@ -104,8 +189,13 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
         holder = json.loads((out / ".chattune.lock").read_text())
         second = launch(*args, nproc=2)
         assert second.returncode != 0
-        assert second.stderr.count(f"chattune: error: output_dir {out} is in use by another run: pid {holder['pid']} on "
-                                   f"host {holder['host']}") == 1, second.stderr[-3000:]
+        assert (
+            second.stderr.count(
+                f"chattune: error: output_dir {out} is in use by another run: pid {holder['pid']} on "
+                f"host {holder['host']}"
+            )
+            == 1
+        ), second.stderr[-3000:]
         assert not our_traceback_lines(second.stderr)
 
         # kill -9 of torchrun alone (its workers run in sessions of their own): the workers stop with it.
@@ -154,15 +244,26 @@ def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
     # resume=PATH to an older checkpoint: the newer ones (another trajectory now) are set aside, so neither
     # keep_last_n nor a later resume=auto prefers them.
     longer = launch(*base, "max_steps=8", "keep_last_n=null")
-    assert longer.returncode == 0 and sorted(p.name for p in (out / "checkpoints").iterdir()) == \
-        ["step_4", "step_6", "step_8"]
-    older = launch(*base, f"resume={out}/checkpoints/step_4", "max_steps=8", "keep_last_n=2", "optimizer.lr=1e-3",
-                   "resume_allow_changes=[optimizer.lr]")
+    assert longer.returncode == 0 and sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_4",
+        "step_6",
+        "step_8",
+    ]
+    older = launch(
+        *base,
+        f"resume={out}/checkpoints/step_4",
+        "max_steps=8",
+        "keep_last_n=2",
+        "optimizer.lr=1e-3",
+        "resume_allow_changes=[optimizer.lr]",
+    )
     assert older.returncode == 0, older.stderr[-3000:]
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step_6", "step_6.abandoned", "step_8", "step_8.abandoned"], names
     assert steps(out) == list(range(1, 9)) and (out / "hf.abandoned.2").is_dir()
-    abandoned_curve = [json.loads(line)["step"] for line in (out / "metrics.jsonl.abandoned.2").read_text().splitlines()]
+    abandoned_curve = [
+        json.loads(line)["step"] for line in (out / "metrics.jsonl.abandoned.2").read_text().splitlines()
+    ]
     assert abandoned_curve == list(range(1, 9))
     again = launch(*base, "max_steps=8", "optimizer.lr=1e-3", "resume_allow_changes=[optimizer.lr]")
     assert f"resumed from {out}/checkpoints/step_8 at step 8" in again.stdout + again.stderr
@@ -180,8 +281,10 @@ def test_a_typo_at_launch_is_reported_as_validate_reports_it():
     ]
     relative = launch("recipes/sft.py", "--config-path", "no_such_configs", "--config-name", "mine")
     assert relative.returncode != 0 and relative.stderr.count("chattune: error: ") == 1
-    assert f"--config-path: {PROJECT_ROOT / 'recipes' / 'no_such_configs'} is not a directory (a relative --config-path " \
-           "is resolved from the recipe's directory" in relative.stderr
+    assert (
+        f"--config-path: {PROJECT_ROOT / 'recipes' / 'no_such_configs'} is not a directory (a relative --config-path "
+        "is resolved from the recipe's directory" in relative.stderr
+    )
 
 
 def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
@@ -190,8 +293,17 @@ def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
     lines[17] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}) + "\n"
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(lines))
-    result = launch("recipes/sft.py", f"output_dir={tmp_path / 'run'}", f"data.train=[{data}]", "max_steps=50",
-                    "data.eval=[]", "save_every=0", "data.max_tokens_per_microbatch=512", "data.report_records=0", nproc=2)
+    result = launch(
+        "recipes/sft.py",
+        f"output_dir={tmp_path / 'run'}",
+        f"data.train=[{data}]",
+        "max_steps=50",
+        "data.eval=[]",
+        "save_every=0",
+        "data.max_tokens_per_microbatch=512",
+        "data.report_records=0",
+        nproc=2,
+    )
     assert result.returncode != 0
     message = f"chattune: error: {data} record 18 (line 18): message 1 has role 'wizard'"
     assert (result.stdout + result.stderr).count(message) == 1
@@ -205,8 +317,11 @@ def base_run(tmp_path: Path, data: Path, *extra: str) -> list[str]:
 
 def test_resume_policy_horizon_numerics_and_refusals(tmp_path):
     data = chats(tmp_path)
-    straight = launch(*base_run(tmp_path, data)[:1], *[a.replace("/run", "/straight") for a in base_run(tmp_path, data)[1:]],
-                      "data.num_workers=2")
+    straight = launch(
+        *base_run(tmp_path, data)[:1],
+        *[a.replace("/run", "/straight") for a in base_run(tmp_path, data)[1:]],
+        "data.num_workers=2",
+    )
     assert straight.returncode == 0
     args = base_run(tmp_path, data)
     out = tmp_path / "run"
@@ -231,8 +346,10 @@ def test_resume_policy_horizon_numerics_and_refusals(tmp_path):
     # The horizon: accepted with a warning that gives the learning rate at the resume step, old and new.
     longer = launch(*args, "max_steps=40", "data.num_workers=2", "loss.chunk_size=100")
     assert longer.returncode == 0, longer.stderr[-3000:]
-    assert "resuming with another learning-rate schedule (max_steps: 6 -> 40): the LR at step 6 is 0.0018 (it was " \
-           "0.0018 under the checkpoint's schedule)" in longer.stdout
+    assert (
+        "resuming with another learning-rate schedule (max_steps: 6 -> 40): the LR at step 6 is 0.0018 (it was "
+        "0.0018 under the checkpoint's schedule)" in longer.stdout
+    )
     assert steps(out)[-1] == 40
 
 
@@ -273,10 +390,21 @@ def test_bad_records_are_skipped_counted_and_logged_alike_by_whichever_rank_read
     reasons |= {10: "unparseable JSON at column 2: ", 13: "unparseable JSON at column 45: "}  # and json's words
     logged = {}
     for invariant in (False, True):
-        result = torchrun(2, "recipes/sft.py", f"output_dir={tmp_path / str(invariant)}", f"data.train=[{data}]",
-                          "data.on_bad_record=skip", "data.num_epochs=1", "max_steps=50", "save_every=0", "eval_every=0",
-                          "data.eval=[]", "data.report_records=0", "data.max_tokens_per_microbatch=512",
-                          *(["data.microbatches_per_step=2"] if invariant else []))
+        result = torchrun(
+            2,
+            "recipes/sft.py",
+            f"output_dir={tmp_path / str(invariant)}",
+            f"data.train=[{data}]",
+            "data.on_bad_record=skip",
+            "data.num_epochs=1",
+            "max_steps=50",
+            "save_every=0",
+            "eval_every=0",
+            "data.eval=[]",
+            "data.report_records=0",
+            "data.max_tokens_per_microbatch=512",
+            *(["data.microbatches_per_step=2"] if invariant else []),
+        )
         log = result.stdout + result.stderr
         assert "'bad_record': 6" in log
         assert "34 documents" in log  # the epoch's figures: every other record trained
@@ -315,21 +443,36 @@ def test_overwrite_starts_over_and_every_remedy_of_a_resume_refusal_works_as_wri
     earlier = launch(*base, "max_steps=3", f"resume={out}/checkpoints/step_2")
     assert earlier.returncode == 0, earlier.stderr[-3000:]
     assert steps(out) == [1, 2, 3] and (out / "checkpoints" / "step_4.abandoned").is_dir()
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl.abandoned").read_text().splitlines()] == \
-        [1, 2, 3, 4, 5]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl.abandoned").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     # ... a horizon raised past the checkpoint (here with a stop after step 4: a job's time slice) ...
     raised = launch(*base, "max_steps=6", "stop_after_step=4")
-    assert raised.returncode == 0 and f"resumed from {out}/checkpoints/step_2 at step 2" in raised.stdout + raised.stderr
+    assert (
+        raised.returncode == 0 and f"resumed from {out}/checkpoints/step_2 at step 2" in raised.stdout + raised.stderr
+    )
 
     # stop_after_step with no step left: raised, or an earlier checkpoint, or dropped.
     no_step_left = launch(*base, "max_steps=6", "stop_after_step=4")
-    assert no_step_left.returncode == 1 and no_step_left.stderr.count(
-        f"chattune: error: stop_after_step=4, but this run continues from {out}/checkpoints/step_4 at step 4: there is "
-        "no step left to stop after. Raise stop_after_step or drop it, or resume an earlier checkpoint with "
-        "resume=PATH.") == 1
+    assert (
+        no_step_left.returncode == 1
+        and no_step_left.stderr.count(
+            f"chattune: error: stop_after_step=4, but this run continues from {out}/checkpoints/step_4 at step 4: there is "
+            "no step left to stop after. Raise stop_after_step or drop it, or resume an earlier checkpoint with "
+            "resume=PATH."
+        )
+        == 1
+    )
     assert launch(*base, "max_steps=6", "stop_after_step=5").returncode == 0 and steps(out) == [1, 2, 3, 4, 5]
     earlier = launch(*base, "max_steps=6", "stop_after_step=5", f"resume={out}/checkpoints/step_4")
-    assert earlier.returncode == 0 and f"resumed from {out}/checkpoints/step_4 at step 4" in earlier.stdout + earlier.stderr
+    assert (
+        earlier.returncode == 0
+        and f"resumed from {out}/checkpoints/step_4 at step 4" in earlier.stdout + earlier.stderr
+    )
     assert launch(*base, "max_steps=6").returncode == 0 and steps(out) == [1, 2, 3, 4, 5, 6]
 
     # ... and overwrite=true, which now starts over: everything set aside, nothing resumed.
@@ -351,8 +494,15 @@ def test_a_resumed_run_sets_aside_the_export_and_metrics_it_replaces(tmp_path):
 
     data = chats(tmp_path)
     out = tmp_path / "run"
-    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "save_every=5", "peft=lora",
-            "export.merge=true"]
+    base = [
+        "recipes/sft.py",
+        f"output_dir={out}",
+        f"data.train=[{data}]",
+        *SMALL,
+        "save_every=5",
+        "peft=lora",
+        "export.merge=true",
+    ]
     assert launch(*base, "max_steps=7").returncode == 0
     adapter_at_7 = load_file(out / "adapter" / "adapter_model.safetensors")
     metrics_at_7 = (out / "metrics.jsonl").read_text()
@@ -376,10 +526,14 @@ def test_a_damaged_checkpoint_is_named_with_the_intact_one_to_resume_from(tmp_pa
     base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
     assert launch(*base, nproc=2).returncode == 0  # checkpoints step_2, 4, 6
     (out / "checkpoints" / "step_6" / "__1_0.distcp").unlink()
-    expected = (f"the checkpoint {out}/checkpoints/step_6 is damaged: __1_0.distcp is missing. The newest intact "
-                f"checkpoint before it is {out}/checkpoints/step_4 (step 4): continue from there with "
-                f"resume={out}/checkpoints/step_4")
-    report, ok = run_validate("sft/tiny", [a for a in base[1:]] + ["max_steps=8"], PROJECT_ROOT / "configs", world_size=2)
+    expected = (
+        f"the checkpoint {out}/checkpoints/step_6 is damaged: __1_0.distcp is missing. The newest intact "
+        f"checkpoint before it is {out}/checkpoints/step_4 (step 4): continue from there with "
+        f"resume={out}/checkpoints/step_4"
+    )
+    report, ok = run_validate(
+        "sft/tiny", [a for a in base[1:]] + ["max_steps=8"], PROJECT_ROOT / "configs", world_size=2
+    )
     assert not ok and f"resume: {expected}" in report.splitlines()
     refused = launch(*base, "max_steps=8", nproc=2)
     assert refused.returncode != 0 and refused.stderr.count("chattune: error: ") == 1

@@ -82,7 +82,9 @@ def test_the_components_decide_their_timing_from_the_horizon(tmp_path):
     assert [s for s in range(11) if metrics.due(s)] == [0, 4, 8, 10]
     assert [s for s in range(11) if evaluator.due(s)] == [0, 3, 6, 9, 10]
     assert [s for s in range(1, 11) if checkpointer.due(s)] == [5, 10]
-    assert not Evaluator(None, None, None, 0, torch.device("cpu"), None, Every(3, horizon)).due(3)  # nothing to evaluate
+    assert not Evaluator(None, None, None, 0, torch.device("cpu"), None, Every(3, horizon)).due(
+        3
+    )  # nothing to evaluate
     assert not Evaluator(None, None, [], 0, torch.device("cpu"), None, Every(0, horizon)).due(10)  # eval_every=0
 
     feed.finished = True  # the data's last epoch ended at step 7

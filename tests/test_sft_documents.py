@@ -30,9 +30,15 @@ def good(question: str = "What is 1 + 1?", answer: str = "2") -> dict:
         ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'"),
         ({"messages": ["user", "hi"]}, "message 0 must be an object with a role and content, got 'user'"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 7}]}, "must be a string"),
-        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}, "empty assistant reply"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
+            "empty assistant reply",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
-        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a<|im_end|>b"}]}, "end of its content is not inside"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a<|im_end|>b"}]},
+            "end of its content is not inside",
+        ),
     ],
 )
 def test_bad_records_raise_with_file_and_index(tmp_path, tokenizer, bad_record, problem):
@@ -58,7 +64,10 @@ def test_missing_file_wrong_field_and_unparseable_line(tmp_path, tokenizer):
         RecordSource([SourceSpec(str(tmp_path / "missing.jsonl"))])
     path = write_jsonl(tmp_path / "wrong.jsonl", [good(), {"conversation": []}])
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
-    with pytest.raises(DataError, match=r"wrong\.jsonl record 2 \(line 2\): no 'messages' field for the messages format \(fields: \['conversation'\]\)"):
+    with pytest.raises(
+        DataError,
+        match=r"wrong\.jsonl record 2 \(line 2\): no 'messages' field for the messages format \(fields: \['conversation'\]\)",
+    ):
         documents.get(1)
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(good()) + "\n{not json\n")
@@ -83,9 +92,15 @@ def test_overlong_records_are_dropped_and_counted_or_raise(tmp_path, tokenizer):
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="drop")
     assert isinstance(documents.get(0), Document)
     skipped = documents.get(1)
-    assert isinstance(skipped, Skipped) and skipped.reason == "overlong" and "long.jsonl record 2 (line 2)" in skipped.detail
+    assert (
+        isinstance(skipped, Skipped)
+        and skipped.reason == "overlong"
+        and "long.jsonl record 2 (line 2)" in skipped.detail
+    )
     strict = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=128, overlong="error")
-    with pytest.raises(DataError, match=r"long\.jsonl record 2 \(line 2\): \d+ tokens exceed data.max_tokens_per_microbatch=128"):
+    with pytest.raises(
+        DataError, match=r"long\.jsonl record 2 \(line 2\): \d+ tokens exceed data.max_tokens_per_microbatch=128"
+    ):
         strict.get(1)
 
 
@@ -98,7 +113,13 @@ def test_errors_raised_by_the_template_name_the_record(tmp_path, tokenizer):
         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
-    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}
+    bad = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "c"},
+        ]
+    }
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), bad])
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=512)
     assert documents.get(0) is not None
@@ -132,8 +153,10 @@ def _shared_sources():
     }
 
 
-@pytest.mark.parametrize(("tokenizer_name", "source_names"), [
-    ("qwen3", ("fastchat", "toolcall", "deita")), ("phi-3-mini", ("fastchat", "deita"))])
+@pytest.mark.parametrize(
+    ("tokenizer_name", "source_names"),
+    [("qwen3", ("fastchat", "toolcall", "deita")), ("phi-3-mini", ("fastchat", "deita"))],
+)
 @pytest.mark.parametrize("train_on", ["assistant", "last_assistant"])
 def test_batches_equal_one_by_one_on_real_chats(tokenizer_name, source_names, train_on):
     """Batched tokenization and masking never mixes documents: each document of a batch is the document
@@ -142,7 +165,11 @@ def test_batches_equal_one_by_one_on_real_chats(tokenizer_name, source_names, tr
     tokenizer = AutoTokenizer.from_pretrained(SHARED_ASSETS / "tokenizers" / tokenizer_name)
     records = RecordSource([sources[name] for name in source_names])
     documents = SFTDocuments(records, tokenizer, max_tokens=2048, train_on=train_on)
-    batched = [d for start in range(0, len(documents), 97) for d in documents.get_many(range(start, min(start + 97, len(documents))))]
+    batched = [
+        d
+        for start in range(0, len(documents), 97)
+        for d in documents.get_many(range(start, min(start + 97, len(documents))))
+    ]
     assert sum(isinstance(d, Skipped) for d in batched) > 0  # some long conversations are over the budget
     for index, document in enumerate(batched):
         assert document == documents.get(index), index
@@ -156,8 +183,10 @@ def test_batches_equal_one_by_one_on_real_chats(tokenizer_name, source_names, tr
 def long_chat(turns: int = 6) -> dict:
     messages = [{"role": "system", "content": "You are a tutor."}]
     for i in range(turns):
-        messages += [{"role": "user", "content": f"Question {i}: " + "why " * 10},
-                     {"role": "assistant", "content": f"Answer {i}: " + "because " * 12}]
+        messages += [
+            {"role": "user", "content": f"Question {i}: " + "why " * 10},
+            {"role": "assistant", "content": f"Answer {i}: " + "because " * 12},
+        ]
     return {"messages": messages}
 
 
@@ -180,8 +209,13 @@ def test_overlong_records_truncated_or_split_keep_the_labels_of_the_whole(tmp_pa
     # Every piece is a slice of the whole conversation at a multiple of the budget, labelled as the whole is,
     # except that its last position predicts nothing (the next token is in the next piece).
     cuts = range(0, len(whole), budget)
-    by_start = {start: (whole.input_ids[start : start + budget].tolist(),
-                        whole.labels[start : min(start + budget, len(whole)) - 1].tolist() + [-100]) for start in cuts}
+    by_start = {
+        start: (
+            whole.input_ids[start : start + budget].tolist(),
+            whole.labels[start : min(start + budget, len(whole)) - 1].tolist() + [-100],
+        )
+        for start in cuts
+    }
     kept = [start for start in cuts if any(label >= 0 for label in by_start[start][1])]
     if policy == "truncate":
         kept = kept[:1]
@@ -194,7 +228,11 @@ def test_truncation_that_keeps_nothing_to_train_is_a_counted_skip(tmp_path, toke
     record = {"messages": [{"role": "user", "content": "tell me " * 60}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "chats.jsonl", [record])
     outcome = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, 32, overlong="truncate").get(0)
-    assert isinstance(outcome, Skipped) and outcome.reason == "no_trainable_tokens" and "record 1 (line 1)" in outcome.detail
+    assert (
+        isinstance(outcome, Skipped)
+        and outcome.reason == "no_trainable_tokens"
+        and "record 1 (line 1)" in outcome.detail
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -206,14 +244,23 @@ def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_wo
 
     def stream():
         documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, 96, overlong="split")
-        return PackedStream(documents, 0, 1, seed=1, max_tokens=96, pad_token_id=0, buffer_records=8,
-                            num_workers=num_workers, num_epochs=2)
+        return PackedStream(
+            documents,
+            0,
+            1,
+            seed=1,
+            max_tokens=96,
+            pad_token_id=0,
+            buffer_records=8,
+            num_workers=num_workers,
+            num_epochs=2,
+        )
 
     full = stream()
     expected = [(b.doc_ids, b.input_ids.tolist()) for b in full]
     split_records = sum(1 for r in records if len(tokenizer.apply_chat_template(r["messages"])["input_ids"]) > 96)
     assert split_records > 3 and full.overlong == {"truncated": 0, "split": 2 * split_records}
-    for stop in ([3, 7, len(expected) - 2] if num_workers else range(1, len(expected))):
+    for stop in [3, 7, len(expected) - 2] if num_workers else range(1, len(expected)):
         first = stream()
         batches = iter(first)
         got = [(b.doc_ids, b.input_ids.tolist()) for b in (next(batches) for _ in range(stop))]
@@ -245,7 +292,10 @@ def test_dataset_directories_and_hub_ids_go_through_datasets(tmp_path, tokenizer
     with pytest.raises(DataError, match=r"hub dataset 'someone/no-such-chats' \(split 'train'\) could not be loaded"):
         RecordSource([SourceSpec("hf:someone/no-such-chats")])
     # A missing relative path is never taken for a hub id (it used to try the network).
-    with pytest.raises(DataError, match=r"data file 'someone/no-such-chats' does not exist \(a hub dataset is written hf:someone/no-such-chats\)"):
+    with pytest.raises(
+        DataError,
+        match=r"data file 'someone/no-such-chats' does not exist \(a hub dataset is written hf:someone/no-such-chats\)",
+    ):
         RecordSource([SourceSpec("someone/no-such-chats")])
     with pytest.raises(DataError, match=r"data file 'data/chats.jsonl' does not exist$"):
         RecordSource([SourceSpec("data/chats.jsonl")])

@@ -30,11 +30,27 @@ def read_metrics(output_dir, include_start: bool = False) -> list[dict]:
 
 def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
     out = tmp_path / "run"
-    run([
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        "recipes/sft.py", f"output_dir={out}", "max_steps=40", "seed=3", "grad_accum_steps=2",
-        "data.max_tokens_per_microbatch=1024", "optimizer.lr=3e-3", "log_every=5", "save_every=20", "eval_every=40",
-    ])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "recipes/sft.py",
+            f"output_dir={out}",
+            "max_steps=40",
+            "seed=3",
+            "grad_accum_steps=2",
+            "data.max_tokens_per_microbatch=1024",
+            "optimizer.lr=3e-3",
+            "log_every=5",
+            "save_every=20",
+            "eval_every=40",
+        ]
+    )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(5, 41, 5))
     assert all(METRIC_KEYS <= m.keys() for m in metrics)
@@ -48,7 +64,10 @@ def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
     for step in (20, 40):
         checkpoint = out / "checkpoints" / f"step_{step}"
         assert (checkpoint / ".metadata").is_file()
-        assert {p.name for p in checkpoint.glob("train_state_rank*.pt")} == {"train_state_rank0.pt", "train_state_rank1.pt"}
+        assert {p.name for p in checkpoint.glob("train_state_rank*.pt")} == {
+            "train_state_rank0.pt",
+            "train_state_rank1.pt",
+        }
     assert (out / "config.yaml").is_file()
 
     hf_dir = out / "hf"
@@ -74,12 +93,24 @@ def test_local_model_directory_with_activation_checkpointing(tmp_path):
     base.save_pretrained(model_dir)
     demo_tokenizer().save_pretrained(model_dir)
     out = tmp_path / "finetuned"
-    run([
-        sys.executable, "recipes/sft.py", "--config-name", "sft/local_model", f"model.path={model_dir}",
-        f"output_dir={out}", "max_steps=4", "log_every=1", "save_every=0", "optimizer.lr=1e-3",
-        "model.fsdp.param_dtype=float32", "model.fsdp.activation_checkpointing=true",
-        "data.max_tokens_per_microbatch=1024", "data.eval=[]",
-    ])
+    run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            "--config-name",
+            "sft/local_model",
+            f"model.path={model_dir}",
+            f"output_dir={out}",
+            "max_steps=4",
+            "log_every=1",
+            "save_every=0",
+            "optimizer.lr=1e-3",
+            "model.fsdp.param_dtype=float32",
+            "model.fsdp.activation_checkpointing=true",
+            "data.max_tokens_per_microbatch=1024",
+            "data.eval=[]",
+        ]
+    )
     metrics = read_metrics(out)
     assert len(metrics) == 4 and all(m["grad_norm"] > 0 for m in metrics)
     before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
@@ -95,8 +126,21 @@ def test_copied_recipe_runs_with_config_path(tmp_path):
     copied = tmp_path / "my_sft.py"
     shutil.copy(PROJECT_ROOT / "recipes" / "sft.py", copied)
     out = tmp_path / "copied_run"
-    run([sys.executable, str(copied), "--config-path", str(PROJECT_ROOT / "configs"), "--config-name", "sft/tiny",
-         f"output_dir={out}", "max_steps=2", "log_every=1", "save_every=0", "eval_every=0"])
+    run(
+        [
+            sys.executable,
+            str(copied),
+            "--config-path",
+            str(PROJECT_ROOT / "configs"),
+            "--config-name",
+            "sft/tiny",
+            f"output_dir={out}",
+            "max_steps=2",
+            "log_every=1",
+            "save_every=0",
+            "eval_every=0",
+        ]
+    )
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
 
@@ -107,12 +151,29 @@ def test_a_bad_record_on_one_rank_stops_the_whole_job_with_its_name(tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(lines) + "\n")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        "recipes/sft.py", f"output_dir={tmp_path / 'run'}", "max_steps=50", f"data.train=[{data}]",
-        "data.eval=[]", "save_every=0", "data.max_tokens_per_microbatch=512",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "recipes/sft.py",
+        f"output_dir={tmp_path / 'run'}",
+        "max_steps=50",
+        f"data.train=[{data}]",
+        "data.eval=[]",
+        "save_every=0",
+        "data.max_tokens_per_microbatch=512",
     ]
-    result = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=180,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        command,
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode != 0
     assert "chats.jsonl record 18 (line 18): message 1 has role 'wizard'" in result.stdout + result.stderr
 
@@ -123,7 +184,18 @@ def test_losses_do_not_depend_on_loader_workers_or_eval_data(tmp_path):
     losses = []
     for name, extra in (("plain", ["data.num_workers=0"]), ("workers", ["data.num_workers=2", "data.eval=[]"])):
         out = tmp_path / name
-        run([sys.executable, "recipes/sft.py", f"output_dir={out}", "max_steps=3", "log_every=1", "save_every=0",
-             "eval_every=0", "data.max_tokens_per_microbatch=512", *extra])
+        run(
+            [
+                sys.executable,
+                "recipes/sft.py",
+                f"output_dir={out}",
+                "max_steps=3",
+                "log_every=1",
+                "save_every=0",
+                "eval_every=0",
+                "data.max_tokens_per_microbatch=512",
+                *extra,
+            ]
+        )
         losses.append([m["loss"] for m in read_metrics(out)])
     assert losses[0] == losses[1]

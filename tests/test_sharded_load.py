@@ -30,8 +30,9 @@ from chattune.model.export import export_dtype, export_hf
 from conftest import demo_tokenizer, exported_weights, free_port, init_worker_process_group, tiny_config
 
 # Odd first dimensions (vocabulary, heads * head_dim, MLP width): rank 1 holds one row fewer than rank 0.
-ODD_SHAPES = dict(vocab_size=1031, hidden_size=64, intermediate_size=129, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16)
+ODD_SHAPES = dict(
+    vocab_size=1031, hidden_size=64, intermediate_size=129, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+)
 SOURCES = {  # name -> (config, dtype it is saved in)
     "qwen3_tied_bf16": (dict(model_type="qwen3", tie_word_embeddings=True, **ODD_SHAPES), torch.bfloat16),
     "llama_untied_fp32": (dict(tie_word_embeddings=False, **ODD_SHAPES), torch.float32),
@@ -40,11 +41,21 @@ SOURCES = {  # name -> (config, dtype it is saved in)
 
 
 def run_config(path: str | None, seed: int = 0):
-    return OmegaConf.create({
-        "seed": seed, "model": {"path": path, "compile": False, "config": {"_target_": "transformers.LlamaConfig",
-                                **{k: v for k, v in ODD_SHAPES.items() if k not in ("vocab_size", "head_dim")}},
-                                "fsdp": {"param_dtype": "auto", "reduce_dtype": "float32", "activation_checkpointing": False}},
-        "loss": {"chunk_size": 64, "implementation": "chunked", "router_aux_coef": None}})
+    return OmegaConf.create(
+        {
+            "seed": seed,
+            "model": {
+                "path": path,
+                "compile": False,
+                "config": {
+                    "_target_": "transformers.LlamaConfig",
+                    **{k: v for k, v in ODD_SHAPES.items() if k not in ("vocab_size", "head_dim")},
+                },
+                "fsdp": {"param_dtype": "auto", "reduce_dtype": "float32", "activation_checkpointing": False},
+            },
+            "loss": {"chunk_size": 64, "implementation": "chunked", "router_aux_coef": None},
+        }
+    )
 
 
 def gathered(model, hf_model) -> dict[str, torch.Tensor]:
@@ -82,10 +93,13 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
         # The export: the source's dtype by default, several shards, one gathered tensor at a time.
         out = tmp_path / f"export_{name}"
         export_hf(model, tokenizer, out, rank == 0, export_dtype("auto", model.source_dtype), max_shard_bytes=40_000)
-        export_hf(model, tokenizer, tmp_path / f"export32_{name}", rank == 0, export_dtype("float32", model.source_dtype))
+        export_hf(
+            model, tokenizer, tmp_path / f"export32_{name}", rank == 0, export_dtype("float32", model.source_dtype)
+        )
     # Stored under other names (no "model." prefix): every rank falls back to from_pretrained, same weights.
-    hf_model, model, _ = build_sharded_model(run_config(str(tmp_path / "legacy")), tokenizer, dist_info,
-                                          str(tmp_path / "legacy"))
+    hf_model, model, _ = build_sharded_model(
+        run_config(str(tmp_path / "legacy")), tokenizer, dist_info, str(tmp_path / "legacy")
+    )
     got = gathered(model, hf_model)
     if rank == 0:
         assert_bit_equal(got, reference(tmp_path / "legacy"), "legacy")
@@ -113,8 +127,11 @@ def loaded(tmp_path_factory):
     model = AutoModelForCausalLM.from_config(tiny_config(**ODD_SHAPES))
     model.save_pretrained(legacy)
     (legacy / "model.safetensors").unlink()
-    save_file({k.removeprefix("model."): v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              legacy / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k.removeprefix("model."): v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+        legacy / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     return tmp_path
 
@@ -137,8 +154,10 @@ def test_the_export_is_a_sharded_hf_directory_in_the_source_dtype(loaded, name):
     for file in files:
         with safe_open(export / file, framework="pt") as f:
             assert f.metadata() == {"format": "pt"}
-            assert all(f.get_slice(k).get_dtype() in ("BF16", "F32") and written[f.get_slice(k).get_dtype()] == dtype
-                       for k in f.keys())
+            assert all(
+                f.get_slice(k).get_dtype() in ("BF16", "F32") and written[f.get_slice(k).get_dtype()] == dtype
+                for k in f.keys()
+            )
     weights = exported_weights(export)
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in weights.values())
     tied = "tied" in name.split("_")
@@ -163,7 +182,10 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path):
     model = load.build_empty(tmp_path)
     files = load.checkpoint_files(tmp_path)
     assert not load.missing_tensors(model, files)
-    with pytest.raises(UserError, match=r"tensor model.layers.0.mlp.gate_proj.weight has shape \[129, 64\] in the checkpoint.*expects \[130, 64\]"):
+    with pytest.raises(
+        UserError,
+        match=r"tensor model.layers.0.mlp.gate_proj.weight has shape \[129, 64\] in the checkpoint.*expects \[130, 64\]",
+    ):
         load.materialise_and_load(model, model, tmp_path, files, torch.device("cpu"))
     assert not dist.is_initialized()
 

@@ -70,9 +70,23 @@ def test_a_signal_before_any_worker_registered_stops_the_launch(tmp_path):
     stops the launch at once (nothing has trained) instead of being held for workers that never take it."""
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(120)\n")
-    process = subprocess.Popen([sys.executable, "-m", "chattune.cli.main", "run", "--nproc_per_node", "1",
-                                "--monitor-interval", "0.1", str(script)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "chattune.cli.main",
+            "run",
+            "--nproc_per_node",
+            "1",
+            "--monitor-interval",
+            "0.1",
+            str(script),
+        ],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     time.sleep(8)  # the agent has started its worker
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)

@@ -90,14 +90,22 @@ def test_mixed_documents_address_each_source_by_one_index():
     mixed = MixedDocuments([("a", ListSource(docs_a)), ("b", ListSource(docs_b))])
     got = mixed.get_many([4, 0, 3])
     assert [(d.doc_id, d.source) for d in got] == [(4, 1), (0, 0), (3, 1)]
-    assert got[0].input_ids.tolist() == docs_b[1].input_ids.tolist() and docs_b[1].doc_id == 1  # the source's own copy untouched
+    assert (
+        got[0].input_ids.tolist() == docs_b[1].input_ids.tolist() and docs_b[1].doc_id == 1
+    )  # the source's own copy untouched
 
 
 def figures(losses, units, docs=(1, 1, 1), tokens=(1, 1, 1)) -> dict[str, float]:
     out = {}
     for k in range(3):
-        out.update({f"source_loss/{k}": losses[k], f"source_units/{k}": units[k],
-                    f"source_documents/{k}": docs[k], f"source_tokens/{k}": tokens[k]})
+        out.update(
+            {
+                f"source_loss/{k}": losses[k],
+                f"source_units/{k}": units[k],
+                f"source_documents/{k}": docs[k],
+                f"source_tokens/{k}": tokens[k],
+            }
+        )
     return out
 
 
@@ -161,8 +169,7 @@ def test_split_records_keep_every_piece_and_every_record_after_them(tmp_path):
     indices = [13, 2, 0, 20, 5, 11, 3]  # both sources, out of order
     got = mixed.get_many(indices)
     # Independently: each record read on its own, re-addressed by its source's offset.
-    want = [(i, d.piece, d.input_ids.tolist()) for i in indices
-            for d in documents_of(source(), [i % 12])]
+    want = [(i, d.piece, d.input_ids.tolist()) for i in indices for d in documents_of(source(), [i % 12])]
     assert len(want) > len(indices), "the budget should split some records"
     assert [(d.doc_id, d.piece, d.input_ids.tolist()) for d in got] == want
     assert [d.source for d in got if d.piece == 0] == [int(i >= 12) for i in indices]

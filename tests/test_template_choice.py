@@ -37,9 +37,14 @@ DEMO_TOKENIZER = str(DEMO_ASSETS / "tokenizer")
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 TOOLCALL_DATA = SHARED_ASSETS / "data" / "sharegpt_toolcall_300.json"
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def call(city: str, arguments_as_text: bool = False) -> dict:
@@ -52,7 +57,12 @@ def call(city: str, arguments_as_text: bool = False) -> dict:
 CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "Weather in Paris and Rome?"},
-    {"role": "assistant", "content": "", "reasoning_content": "Two cities: one call each.", "tool_calls": [call("Paris")]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Two cities: one call each.",
+        "tool_calls": [call("Paris")],
+    },
     {"role": "tool", "content": '{"celsius": 20}'},
     {"role": "assistant", "content": "Now Rome.", "tool_calls": [call("Rome", arguments_as_text=True)]},
     {"role": "tool", "content": '{"celsius": 25}'},
@@ -62,7 +72,7 @@ CONVERSATION = [
 # What each template must train of CONVERSATION, written out by hand from the formats the templates document.
 CHATML_REPLIES = [
     '<think>\nTwo cities: one call each.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    '\n</tool_call><|im_end|>',
+    "\n</tool_call><|im_end|>",
     'Now Rome.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>',
     "Paris: 20 C. Rome: 25 C.<|im_end|>",
 ]
@@ -102,9 +112,19 @@ def trained_texts(tokenizer, document) -> list[str]:
 # --- reading the value ---
 
 
-@pytest.mark.parametrize("value, kind", [("chatml", "shipped"), ("llama3", "shipped"), ("my_template-2", "shipped"),
-                                         ("./chatml", "file"), ("templates/chat.jinja", "file"), ("t.jinja", "file"),
-                                         ("{{ messages }}", "inline"), ("{% for m in messages %}x{% endfor %}", "inline")])
+@pytest.mark.parametrize(
+    "value, kind",
+    [
+        ("chatml", "shipped"),
+        ("llama3", "shipped"),
+        ("my_template-2", "shipped"),
+        ("./chatml", "file"),
+        ("templates/chat.jinja", "file"),
+        ("t.jinja", "file"),
+        ("{{ messages }}", "inline"),
+        ("{% for m in messages %}x{% endfor %}", "inline"),
+    ],
+)
 def test_a_value_is_inline_jinja_a_shipped_name_or_a_path_by_its_text_alone(value, kind):
     assert template_kind(value) == kind
 
@@ -119,17 +139,25 @@ def test_shipped_names_files_inline_and_the_errors_that_name_the_key_the_value_a
     shipped = ", ".join(shipped_names())
     with pytest.raises(ChatTemplateSettingError) as error:
         read_chat_template("chatm")
-    assert str(error.value) == (f"tokenizer.chat_template: 'chatm' is not a template chattune ships; did you mean chatml? "
-                                f"(shipped: {shipped}; otherwise the path of a template file (./NAME for one in the "
-                                "working directory) or inline Jinja, holding {{ or {%)")
-    with pytest.raises(ChatTemplateSettingError, match=r"^tokenizer.chat_template: template file 'no/such\.jinja' does "
-                                                       rf"not exist \(shipped: {shipped};"):
+    assert str(error.value) == (
+        f"tokenizer.chat_template: 'chatm' is not a template chattune ships; did you mean chatml? "
+        f"(shipped: {shipped}; otherwise the path of a template file (./NAME for one in the "
+        "working directory) or inline Jinja, holding {{ or {%)"
+    )
+    with pytest.raises(
+        ChatTemplateSettingError,
+        match=r"^tokenizer.chat_template: template file 'no/such\.jinja' does "
+        rf"not exist \(shipped: {shipped};",
+    ):
         read_chat_template("no/such.jinja")
     Path("empty.jinja").write_text("\n")
     with pytest.raises(ChatTemplateSettingError, match=r"template file 'empty\.jinja' is empty"):
         read_chat_template("empty.jinja")
-    with pytest.raises(ChatTemplateSettingError, match=r"^tokenizer.chat_template: the inline template is not valid "
-                                                       r"Jinja \(line 1\)"):
+    with pytest.raises(
+        ChatTemplateSettingError,
+        match=r"^tokenizer.chat_template: the inline template is not valid "
+        r"Jinja \(line 1\)",
+    ):
         load_tokenizer(settings("{% for m in messages %}"))
 
 
@@ -159,8 +187,10 @@ def test_chatml_trains_replies_tool_calls_and_think_blocks_verbatim(tmp_path, to
 def test_llama3_trains_replies_and_tool_calls_verbatim(tmp_path, llama3_tokenizer_dir):
     tokenizer = load_tokenizer(settings("llama3", llama3_tokenizer_dir))
     markers = probe_template(tokenizer)
-    assert (markers.generation_prompt, markers.end_of_turn) == ("<|start_header_id|>assistant<|end_header_id|>\n\n",
-                                                                "<|eot_id|>")
+    assert (markers.generation_prompt, markers.end_of_turn) == (
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "<|eot_id|>",
+    )
     assert markers.renders_tools and markers.renders_tool_calls
     text = render_conversation(tokenizer, CONVERSATION, [WEATHER])
     assert text == tokenizer.apply_chat_template(CONVERSATION, tools=[WEATHER], tokenize=False)
@@ -172,11 +202,14 @@ def test_llama3_trains_replies_and_tool_calls_verbatim(tmp_path, llama3_tokenize
     assert document.input_ids.tolist()[0] == tokenizer.convert_tokens_to_ids("<|begin_of_text|>")  # one token
 
 
-@pytest.mark.parametrize("template, tokenizer_dir, missing", [
-    ("llama3", "demo", "<|begin_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>"),
-    ("chatml", "phi-3-mini", "<|im_start|>, <|im_end|>"),
-    ("{{ '<|turn|>' }}{% for m in messages %}{{ m.content + '<|im_end|>' }}{% endfor %}", "demo", "<|turn|>"),
-])
+@pytest.mark.parametrize(
+    "template, tokenizer_dir, missing",
+    [
+        ("llama3", "demo", "<|begin_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>"),
+        ("chatml", "phi-3-mini", "<|im_start|>, <|im_end|>"),
+        ("{{ '<|turn|>' }}{% for m in messages %}{{ m.content + '<|im_end|>' }}{% endfor %}", "demo", "<|turn|>"),
+    ],
+)
 def test_a_template_whose_special_tokens_the_tokenizer_lacks_is_refused(template, tokenizer_dir, missing):
     """Its markers would be split into ordinary text pieces: the model would learn its turns as text."""
     directory = DEMO_TOKENIZER if tokenizer_dir == "demo" else SHARED_ASSETS / "tokenizers" / tokenizer_dir
@@ -185,11 +218,14 @@ def test_a_template_whose_special_tokens_the_tokenizer_lacks_is_refused(template
     with pytest.raises(ChatTemplateSettingError) as error:
         load_tokenizer(settings(template, directory))
     named = "the inline template" if "{{" in template else repr(template)
-    assert str(error.value).startswith(f"tokenizer.chat_template: {named} writes {missing}, which the tokenizer at "
-                                       f"tokenizer.path {str(directory)!r} does not have as tokens")
+    assert str(error.value).startswith(
+        f"tokenizer.chat_template: {named} writes {missing}, which the tokenizer at "
+        f"tokenizer.path {str(directory)!r} does not have as tokens"
+    )
     fits = "tokenizer.chat_template=chatml, or " if tokenizer_dir == "demo" and template != "chatml" else ""
-    assert str(error.value).endswith(f"special tokens this tokenizer has: {fits}the tokenizer's own "
-                                     "(tokenizer.chat_template=null)")
+    assert str(error.value).endswith(
+        f"special tokens this tokenizer has: {fits}the tokenizer's own (tokenizer.chat_template=null)"
+    )
 
 
 # --- the remedy of the tool error, as written ---
@@ -206,7 +242,8 @@ def test_the_tool_error_names_the_template_that_renders_them_and_it_works_as_wri
         f"{data} record 1 (line 1): the record has tools or tool calls, but the tokenizer's chat template does not "
         "render them (training would silently leave them out): set tokenizer.chat_template=chatml (a template "
         "chattune ships that renders them, with special tokens this tokenizer has); with data.on_bad_record=skip such "
-        "records are skipped (counted and logged)")
+        "records are skipped (counted and logged)"
+    )
     remedy = str(error.value).split("leave them out): set ", 1)[1].split(" ", 1)[0]
     key, value = remedy.split("=")
     assert key == "tokenizer.chat_template"
@@ -223,21 +260,27 @@ def test_without_a_shipped_template_that_fits_the_tool_error_asks_for_a_file_and
         pytest.skip(f"{directory} is absent")
     data = write_jsonl(tmp_path / "tools.jsonl", [{"messages": CONVERSATION[1:], "tools": [WEATHER]}])
     documents = SFTDocuments(RecordSource([SourceSpec(str(data))]), load_tokenizer(settings(None, directory)), 4096)
-    with pytest.raises(DataError, match=r"leave them out\): set tokenizer\.chat_template=PATH, a template file that "
-                                        r"renders them \(chattune's own, chatml, llama3, write special tokens this "
-                                        r"tokenizer does not have\); with data\.on_bad_record=skip"):
+    with pytest.raises(
+        DataError,
+        match=r"leave them out\): set tokenizer\.chat_template=PATH, a template file that "
+        r"renders them \(chattune's own, chatml, llama3, write special tokens this "
+        r"tokenizer does not have\); with data\.on_bad_record=skip",
+    ):
         documents.get(0)
     template = tmp_path / "phi3_tools.jinja"
-    template.write_text("{% if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>\n{% endif %}"
-                        "{% for m in messages %}<|{{ 'user' if m.role == 'tool' else m.role }}|>\n{{ m.content }}"
-                        "{% for c in m.tool_calls or [] %}{{ c.function | tojson }}{% endfor %}<|end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    template.write_text(
+        "{% if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>\n{% endif %}"
+        "{% for m in messages %}<|{{ 'user' if m.role == 'tool' else m.role }}|>\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function | tojson }}{% endfor %}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     tokenizer = load_tokenizer(settings(str(template), directory))
     document = SFTDocuments(RecordSource([SourceSpec(str(data))]), tokenizer, 4096).get(0)
     assert [text.strip() for text in trained_texts(tokenizer, document)] == [
         '{"name": "get_weather", "arguments": {"city": "Paris"}}<|end|>',
         'Now Rome.{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}<|end|>',
-        "Paris: 20 C. Rome: 25 C.<|end|>"]
+        "Paris: 20 C. Rome: 25 C.<|end|>",
+    ]
 
 
 def test_the_remedy_trains_the_shared_tool_call_data_through_chattune_inspect(capsys):
@@ -252,8 +295,21 @@ def test_the_remedy_trains_the_shared_tool_call_data_through_chattune_inspect(ca
     assert "the record has tools or tool calls, but the tokenizer's chat template does not render them" in err
     remedy = err.split("leave them out): set ", 1)[1].split(" ", 1)[0]
     assert remedy == "tokenizer.chat_template=chatml"
-    assert main(["inspect", "sft/tiny", source, remedy, "--num-docs", "1", "--no-color",
-                 "data.max_tokens_per_microbatch=16384"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "sft/tiny",
+                source,
+                remedy,
+                "--num-docs",
+                "1",
+                "--no-color",
+                "data.max_tokens_per_microbatch=16384",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "records read: 300" in out and "skipped: 0" in out, out
     assert '<tool_call>\n{"name": ' in out and "<|im_start|>tool\n" in out
@@ -278,18 +334,38 @@ def test_the_export_writes_the_template_training_used(tmp_path):
     transformers, renders and tokenizes the training conversation exactly as training did."""
     data = write_jsonl(tmp_path / "tools.jsonl", [{"messages": CONVERSATION, "tools": [WEATHER]}] * 8)
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", "data.eval=[]",
-                             "tokenizer.chat_template=chatml", "peft=lora", "export.merge=true", "max_steps=2",
-                             "save_every=0", "data.report_records=0", "data.cache=off", "device=cpu"],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            f"output_dir={out}",
+            f"data.train=[{data}]",
+            "data.eval=[]",
+            "tokenizer.chat_template=chatml",
+            "peft=lora",
+            "export.merge=true",
+            "max_steps=2",
+            "save_every=0",
+            "data.report_records=0",
+            "data.cache=off",
+            "device=cpu",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     training = load_tokenizer(settings("chatml"))
-    trained_ids = SFTDocuments(RecordSource([SourceSpec(str(data))]), training, max_tokens=4096).get(0).input_ids.tolist()
+    trained_ids = (
+        SFTDocuments(RecordSource([SourceSpec(str(data))]), training, max_tokens=4096).get(0).input_ids.tolist()
+    )
     for directory in (out / "hf", out / "adapter"):
         exported = AutoTokenizer.from_pretrained(directory)
         assert exported.chat_template == (SHIPPED_DIR / "chatml.jinja").read_text()
-        assert exported.apply_chat_template(CONVERSATION, tools=[WEATHER], tokenize=False) == \
-            render_conversation(training, CONVERSATION, [WEATHER])
+        assert exported.apply_chat_template(CONVERSATION, tools=[WEATHER], tokenize=False) == render_conversation(
+            training, CONVERSATION, [WEATHER]
+        )
         ids = exported.apply_chat_template(CONVERSATION, tools=[WEATHER], tokenize=True)
         assert list(ids["input_ids"] if hasattr(ids, "keys") else ids) == trained_ids

@@ -19,11 +19,16 @@ from chattune.data.sft_documents import SFTDocuments
 from chattune.data.text_encoder import TextBatchEncoder
 from conftest import SHARED_ASSETS
 
-TOKENIZERS = {"demo": DEMO_ASSETS / "tokenizer", "qwen3": SHARED_ASSETS / "tokenizers" / "qwen3",
-              "phi3": SHARED_ASSETS / "tokenizers" / "phi-3-mini"}
-SHARED_CHATS = [SourceSpec(str(SHARED_ASSETS / "data" / "sharegpt_fastchat_dummy.json"), format="sharegpt"),
-                SourceSpec(str(SHARED_ASSETS / "data" / "sharegpt_toolcall_300.json"), format="sharegpt"),
-                SourceSpec(str(SHARED_ASSETS / "data" / "messages_deita_long.parquet"))]
+TOKENIZERS = {
+    "demo": DEMO_ASSETS / "tokenizer",
+    "qwen3": SHARED_ASSETS / "tokenizers" / "qwen3",
+    "phi3": SHARED_ASSETS / "tokenizers" / "phi-3-mini",
+}
+SHARED_CHATS = [
+    SourceSpec(str(SHARED_ASSETS / "data" / "sharegpt_fastchat_dummy.json"), format="sharegpt"),
+    SourceSpec(str(SHARED_ASSETS / "data" / "sharegpt_toolcall_300.json"), format="sharegpt"),
+    SourceSpec(str(SHARED_ASSETS / "data" / "messages_deita_long.parquet")),
+]
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZERS))
@@ -64,8 +69,24 @@ def test_masks_follow_the_first_character_rule(tokenizer):
     over text with multi-byte and multi-token characters, bounds inside a token, at the end of the text and
     empty spans, its masks equal the first-character rule on transformers' offsets, and so do those of the
     generic path (any tokenizer's own `__call__`)."""
-    pieces = ["Hello", " world", "\n\n", "  ", "Ünïcödé", " «quotes»", " 🙂🙂", " 👩‍👩‍👧", " 漢字かな", " e\u0301",
-              "<|im_end|>", "\t", "abc123", " ...", "\u200b", "ﬁ"]
+    pieces = [
+        "Hello",
+        " world",
+        "\n\n",
+        "  ",
+        "Ünïcödé",
+        " «quotes»",
+        " 🙂🙂",
+        " 👩‍👩‍👧",
+        " 漢字かな",
+        " e\u0301",
+        "<|im_end|>",
+        "\t",
+        "abc123",
+        " ...",
+        "\u200b",
+        "ﬁ",
+    ]
     rng = random.Random(0)
     texts, spans = [], []
     for _ in range(200):
@@ -127,7 +148,9 @@ def test_cut_texts_keep_their_first_tokens_and_masks(tokenizer, rendered, monkey
     whole = TextBatchEncoder(tokenizer)(rendered, spans)
     calls = []
     encode = TextBatchEncoder._encode_with_backend
-    monkeypatch.setattr(TextBatchEncoder, "_encode_with_backend", lambda self, texts: calls.append(len(texts)) or encode(self, texts))
+    monkeypatch.setattr(
+        TextBatchEncoder, "_encode_with_backend", lambda self, texts: calls.append(len(texts)) or encode(self, texts)
+    )
     cut = TextBatchEncoder(tokenizer, cut_after=end_of_turn)(rendered, spans, needed=needed)
     assert cut.cut.any()
     assert len(calls) == (2 if chars_per_token == 1 else 1)  # the second call: cuts that fell short, whole
@@ -149,24 +172,32 @@ def test_truncated_and_dropped_records_are_those_of_whole_tokenization(tmp_path,
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZERS["demo"])
     rows = [json.loads(line) for line in (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines()[:200]]
     # long multi-turn chats: several demo chats one after the other
-    chats = [{"messages": [m for row in rows[i : i + 12] for m in row["messages"] if m["role"] != "system"]}
-             for i in range(0, 200, 12)] + rows[:20]
+    chats = [
+        {"messages": [m for row in rows[i : i + 12] for m in row["messages"] if m["role"] != "system"]}
+        for i in range(0, 200, 12)
+    ] + rows[:20]
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in chats))
     cuts = []
     encode = TextBatchEncoder._encode_with_backend
-    monkeypatch.setattr(TextBatchEncoder, "_encode_with_backend",
-                        lambda self, texts: cuts.extend(len(t) for t in texts) or encode(self, texts))
+    monkeypatch.setattr(
+        TextBatchEncoder,
+        "_encode_with_backend",
+        lambda self, texts: cuts.extend(len(t) for t in texts) or encode(self, texts),
+    )
     budget = 96
-    documents = {policy: SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, budget, overlong=policy)
-                 for policy in ("truncate", "drop", "split")}
+    documents = {
+        policy: SFTDocuments(RecordSource([SourceSpec(str(path))]), tokenizer, budget, overlong=policy)
+        for policy in ("truncate", "drop", "split")
+    }
     indices = list(range(len(chats)))
     truncated = documents["truncate"].get_many(indices)
     assert sum(cuts) < sum(len(render_conversation(tokenizer, c["messages"])) for c in chats)  # some were cut
     dropped = documents["drop"].get_many(indices)
     first_pieces = [d for d in documents["split"].get_many(indices) if d.piece == 0]
     assert [(d.doc_id, d.input_ids.tolist(), d.labels.tolist()) for d in truncated] == [
-        (d.doc_id, d.input_ids.tolist(), d.labels.tolist()) for d in first_pieces]
+        (d.doc_id, d.input_ids.tolist(), d.labels.tolist()) for d in first_pieces
+    ]
     for d in truncated:
         assert d.input_ids.tolist() == tokenizer.apply_chat_template(chats[d.doc_id]["messages"])["input_ids"][:budget]
     long_ones = {d.doc_id for d in first_pieces if d.overlong}

@@ -37,8 +37,17 @@ PAIRS = (DEMO_ASSETS / "preference_train.jsonl").read_text().splitlines(keepends
 
 
 def data_section(cache: Path | str, **settings) -> OmegaConf:
-    return OmegaConf.create({"cache": str(cache), "train_on": "assistant", "overlong": "drop", "on_bad_record": "error",
-                             "max_tokens_per_microbatch": 256, "num_workers": 0, **settings})
+    return OmegaConf.create(
+        {
+            "cache": str(cache),
+            "train_on": "assistant",
+            "overlong": "drop",
+            "on_bad_record": "error",
+            "max_tokens_per_microbatch": 256,
+            "num_workers": 0,
+            **settings,
+        }
+    )
 
 
 def assert_same_outcomes(got: list, want: list) -> None:
@@ -60,8 +69,15 @@ def staging(root: Path) -> list[Path]:
     return sorted(root.glob(".building-*")) if root.is_dir() else []
 
 
-@pytest.mark.parametrize("kind, overlong, train_on", [("sft", "split", "assistant"), ("sft", "truncate", "last_assistant"),
-                                                      ("sft", "drop", "assistant"), ("dpo", "drop", "assistant")])
+@pytest.mark.parametrize(
+    "kind, overlong, train_on",
+    [
+        ("sft", "split", "assistant"),
+        ("sft", "truncate", "last_assistant"),
+        ("sft", "drop", "assistant"),
+        ("dpo", "drop", "assistant"),
+    ],
+)
 def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train_on):
     """Against the source tokenized as read: every record's outcomes, in one batch and one by one, built in 3 shards
     (one with 2 loader workers). The data has records over the budget, a pair with identical replies, and bad records
@@ -74,8 +90,13 @@ def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train
     path = tmp_path / "data.jsonl"
     path.write_text("".join(lines[:100] + bad + lines[100:]))
     spec = SourceSpec(path=str(path), format="messages" if kind == "sft" else "preference")
-    data = data_section(tmp_path / "cache", overlong=overlong, train_on=train_on, on_bad_record="skip",
-                        max_tokens_per_microbatch=96 if kind == "sft" else 200)
+    data = data_section(
+        tmp_path / "cache",
+        overlong=overlong,
+        train_on=train_on,
+        on_bad_record="skip",
+        max_tokens_per_microbatch=96 if kind == "sft" else 200,
+    )
     tokenizer = demo_tokenizer()
     plain = RECIPE_DATA[kind].source(spec, tokenizer, data)
     key = source_key(kind, spec, document_settings(spec, data), tokenizer_digest(tokenizer))
@@ -84,8 +105,18 @@ def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train
     staged = tmp_path / "cache" / ".building-test"
     staged.mkdir()
     for shard in (1, 2, 0):  # the first shard commits, after the others are written
-        build_source_cache(plain, final, kind, spec, key, num_workers=2 if shard == 1 else 0, shard=shard,
-                           num_shards=3, staging=staged, agree=lambda error: None)
+        build_source_cache(
+            plain,
+            final,
+            kind,
+            spec,
+            key,
+            num_workers=2 if shard == 1 else 0,
+            shard=shard,
+            num_shards=3,
+            staging=staged,
+            agree=lambda error: None,
+        )
     cached = open_documents(kind, [spec], tokenizer, data).sources[0]
     assert isinstance(cached, CachedDocuments) and cached.directory == final
     assert cached.manifest["shards"] == 3 and not staging(tmp_path / "cache")
@@ -149,8 +180,22 @@ def test_a_bad_record_fails_the_build_with_its_own_message_and_leaves_no_cache(t
 
 def prepare(cache: Path, data: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "chattune.cli.main", "prepare", "sft/tiny", f"data.train=[{data}]", "data.eval=[]",
-         f"data.cache={cache}", *extra], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "chattune.cli.main",
+            "prepare",
+            "sft/tiny",
+            f"data.train=[{data}]",
+            "data.eval=[]",
+            f"data.cache={cache}",
+            *extra,
+        ],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def big_data(tmp_path: Path, records: int) -> Path:
@@ -181,8 +226,13 @@ def test_a_build_killed_midway_leaves_no_cache_and_the_next_launch_rebuilds(tmp_
     build.send_signal(signal.SIGKILL)
     build.wait()
     assert not committed(cache) and len(staging(cache)) == 1, "a killed build leaves only its staging directory"
-    found = open_documents("sft", [SourceSpec(path=str(data))], demo_tokenizer(),
-                           data_section(cache, max_tokens_per_microbatch=2048), build=False)
+    found = open_documents(
+        "sft",
+        [SourceSpec(path=str(data))],
+        demo_tokenizer(),
+        data_section(cache, max_tokens_per_microbatch=2048),
+        build=False,
+    )
     assert not found.cached, "a half-built cache must not be read"
     rebuild = prepare(cache, data)
     out = rebuild.communicate()[0]
@@ -218,5 +268,9 @@ def test_a_cache_directory_that_cannot_be_made_is_one_clear_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(UserError, match=r"data.cache: cannot make the token cache directory .*a_file.*data.cache=off"):
-        open_documents("sft", [SourceSpec(path=str(DEMO_ASSETS / "chat_eval.jsonl"))], demo_tokenizer(),
-                       data_section(blocker / "cache"))
+        open_documents(
+            "sft",
+            [SourceSpec(path=str(DEMO_ASSETS / "chat_eval.jsonl"))],
+            demo_tokenizer(),
+            data_section(blocker / "cache"),
+        )

@@ -53,17 +53,23 @@ def test_local_model_needs_a_model_directory(tmp_path, model_dir):
     # model.path: ??? does not replace sft/tiny's null when merged: the composed config holds null.
     report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}"], CONFIGS)
     assert not ok
-    assert problems(report) == ["model.path: required by sft/local_model (???), not set",
-                                "tokenizer.path: null is not allowed; expected a string",
-                                "model: neither model.path nor model.config is set"]
+    assert problems(report) == [
+        "model.path: required by sft/local_model (???), not set",
+        "tokenizer.path: null is not allowed; expected a string",
+        "model: neither model.path nor model.config is set",
+    ]
 
     report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
     assert (report, ok) == ("config OK", True)
-    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}",
-                                                  "data.max_tokens_per_microbatch=65536"], CONFIGS)
+    report, ok = run_validate(
+        "sft/local_model",
+        [f"output_dir={tmp_path}", f"model.path={model_dir}", "data.max_tokens_per_microbatch=65536"],
+        CONFIGS,
+    )
     assert ok and report.splitlines()[0] == (
         "note: data.max_tokens_per_microbatch: 65536 is more than model.path's max_position_embeddings 32768: "
-        "a document longer than 32768 tokens gets positions the model was not trained on")
+        "a document longer than 32768 tokens gets positions the model was not trained on"
+    )
 
     (model_dir / "config.json").unlink()
     report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
@@ -79,14 +85,18 @@ def test_a_model_directory_without_all_its_weights_is_a_problem_before_a_launch(
     assert not ok and problems(report) == [
         f"model.path: '{model_dir}': it holds no model weights (model.safetensors, model.safetensors.index.json, "
         "pytorch_model.bin, pytorch_model.bin.index.json): a directory that save_pretrained wrote, or a complete "
-        "download, has them"]
+        "download, has them"
+    ]
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {f"w{i}": s for i, s in enumerate(shards)}})
+    )
     (model_dir / shards[0]).touch()
     report, ok = run_validate("sft/local_model", run, CONFIGS)
     assert not ok and problems(report) == [
         f"model.path: '{model_dir}': 2 of the 3 weight files its model.safetensors.index.json names are missing "
-        f"({shards[1]}, {shards[2]})"]
+        f"({shards[1]}, {shards[2]})"
+    ]
     for shard in shards[1:]:
         (model_dir / shard).touch()
     assert run_validate("sft/local_model", run, CONFIGS) == ("config OK", True)
@@ -97,10 +107,21 @@ def test_a_model_directory_without_all_its_weights_is_a_problem_before_a_launch(
 
 def test_a_launch_on_a_model_directory_without_weights_says_so_in_one_block(tmp_path, model_dir):
     (model_dir / "model.safetensors").unlink()
-    result = subprocess.run([sys.executable, "recipes/sft.py", "--config-name", "sft/local_model",
-                             f"model.path={model_dir}", f"tokenizer.path={DEMO_ASSETS / 'tokenizer'}",
-                             f"output_dir={tmp_path / 'run'}"], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            "--config-name",
+            "sft/local_model",
+            f"model.path={model_dir}",
+            f"tokenizer.path={DEMO_ASSETS / 'tokenizer'}",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1 and "Traceback" not in output and "OSError" not in output
     assert output.count("chattune: error:") == 1 and f"'{model_dir}': it holds no model weights" in output
@@ -114,13 +135,13 @@ def test_dpo_tiny_is_clean_given_its_sft_model(tmp_path, model_dir):
     report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
     assert ok and report.splitlines()[0] == (
         "note: data.max_tokens_per_microbatch: 2048 is more than model.path's max_position_embeddings 1024: a pair's "
-        "side (the prompt and one reply) longer than 1024 tokens gets positions the model was not trained on")
+        "side (the prompt and one reply) longer than 1024 tokens gets positions the model was not trained on"
+    )
     (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 32768}))
 
     missing = tmp_path / "no-sft-run" / "hf"
     report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={missing}"], CONFIGS)
-    assert report.splitlines() == [
-        f"model.path: '{missing}' is not a local directory", "1 problem(s)"]
+    assert report.splitlines() == [f"model.path: '{missing}' is not a local directory", "1 problem(s)"]
 
 
 # How a user runs each shipped config (`chattune ls`), with what it needs besides: "{model}" is a local model
@@ -130,8 +151,12 @@ SHIPPED_USES = {
     "sft/tiny": [("sft/tiny", [])],
     "dpo/tiny": [("dpo/tiny", [])],
     "sft/local_model": [("sft/local_model", ["model.path={model}"])],
-    "dpo/local_model": [("dpo/local_model", ["model.path={model}",
-                                             "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"])],
+    "dpo/local_model": [
+        (
+            "dpo/local_model",
+            ["model.path={model}", "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"],
+        )
+    ],
     "peft/lora": [("sft/tiny", ["peft=lora"]), ("dpo/tiny", ["peft=lora"])],
     "peft/qlora": [("sft/local_model", ["model.path={model}", "peft=qlora"])],  # CUDA with bitsandbytes only
 }
@@ -170,44 +195,71 @@ def test_every_shipped_config_validates_without_a_note(tmp_path, monkeypatch, co
 def test_a_users_config_dir_building_on_dpo_tiny_and_its_required_keys(tmp_path, model_dir):
     # Merged over dpo/tiny, a ??? keeps dpo/tiny's value: only the config file itself shows the key required.
     (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "run.yaml").write_text("# @package _global_\ndefaults:\n  - /dpo/tiny\n  - _self_\n\nmodel:\n  path: ???\n")
+    (tmp_path / "mine" / "run.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /dpo/tiny\n  - _self_\n\nmodel:\n  path: ???\n"
+    )
     report, ok = run_validate("mine/run", [f"output_dir={tmp_path}"], tmp_path)
     assert problems(report) == ["model.path: required by mine/run (???), not set"]
 
-    report, ok = run_validate("mine/run", [f"output_dir={tmp_path}", f"model.path={model_dir}", "data.train=[]",
-                                           "data.overlong=split"], tmp_path)
-    assert problems(report) == ["data.overlong: 'split' is not one of drop, error",  # a DPO config: DPO's choices
-                                "data.train: no data sources: training needs at least one"]
+    report, ok = run_validate(
+        "mine/run",
+        [f"output_dir={tmp_path}", f"model.path={model_dir}", "data.train=[]", "data.overlong=split"],
+        tmp_path,
+    )
+    assert problems(report) == [
+        "data.overlong: 'split' is not one of drop, error",  # a DPO config: DPO's choices
+        "data.train: no data sources: training needs at least one",
+    ]
 
 
 def test_every_problem_is_reported_in_one_run(tmp_path):
     missing = tmp_path / "missing.jsonl"
-    report, ok = run_validate("sft/tiny", [
-        f"output_dir={tmp_path}", "optimizer.lrr=0.1", "max_steps=ten", "data.overlong=trim",
-        f"data.train=[{missing},org/chats,hf:org/chats]", "grad_accum_steps=0", "ledger=1", "optimizer.lr='3e-3'",
-        "+data.max_token_per_microbatch=8", "data.train_on=assistants", "progress=bars",
-    ], CONFIGS)
+    report, ok = run_validate(
+        "sft/tiny",
+        [
+            f"output_dir={tmp_path}",
+            "optimizer.lrr=0.1",
+            "max_steps=ten",
+            "data.overlong=trim",
+            f"data.train=[{missing},org/chats,hf:org/chats]",
+            "grad_accum_steps=0",
+            "ledger=1",
+            "optimizer.lr='3e-3'",
+            "+data.max_token_per_microbatch=8",
+            "data.train_on=assistants",
+            "progress=bars",
+        ],
+        CONFIGS,
+    )
     assert not ok
-    assert sorted(problems(report)) == sorted([
-        "optimizer.lrr: unknown key; did you mean optimizer.lr?",
-        "max_steps: expected an integer, got 'ten'",
-        "data.overlong: 'trim' is not one of drop, truncate, split, error",
-        f"data.train[0]: data file '{missing}' does not exist",
-        "data.train[1]: data file 'org/chats' does not exist (a hub dataset is written hf:org/chats)",
-        "grad_accum_steps: must be at least 1, got 0",
-        "ledger: expected true or false, got 1",
-        "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)",
-        "data.max_token_per_microbatch: unknown key; did you mean data.max_tokens_per_microbatch?",
-        "data.train_on: 'assistants' is not one of assistant, last_assistant, all; did you mean assistant?",
-        "progress: 'bars' is not one of auto, bar, lines; did you mean bar?",
-    ])
+    assert sorted(problems(report)) == sorted(
+        [
+            "optimizer.lrr: unknown key; did you mean optimizer.lr?",
+            "max_steps: expected an integer, got 'ten'",
+            "data.overlong: 'trim' is not one of drop, truncate, split, error",
+            f"data.train[0]: data file '{missing}' does not exist",
+            "data.train[1]: data file 'org/chats' does not exist (a hub dataset is written hf:org/chats)",
+            "grad_accum_steps: must be at least 1, got 0",
+            "ledger: expected true or false, got 1",
+            "optimizer.lr: expected a number, got '3e-3' (a quoted number: write it without quotes)",
+            "data.max_token_per_microbatch: unknown key; did you mean data.max_tokens_per_microbatch?",
+            "data.train_on: 'assistants' is not one of assistant, last_assistant, all; did you mean assistant?",
+            "progress: 'bars' is not one of auto, bar, lines; did you mean bar?",
+        ]
+    )
     assert "note: data.train[2]: 'hf:org/chats': a hub dataset (needs the machine online)" in report
     assert report.splitlines()[-1] == "11 problem(s)"
 
 
 def test_check_config_raises_the_same_lines(tmp_path):
-    overrides = [f"output_dir={tmp_path}", "max_steps=ten", "data.overlong=trim", "grad_accum_steps=0",
-                 "data.num_workers=-1", "+optimizer.lrr=0.1"]
+    overrides = [
+        f"output_dir={tmp_path}",
+        "max_steps=ten",
+        "data.overlong=trim",
+        "grad_accum_steps=0",
+        "data.num_workers=-1",
+        "+optimizer.lrr=0.1",
+    ]
     report, _ = run_validate("sft/tiny", overrides, CONFIGS)
     with pytest.raises(ConfigError) as raised:
         check_config(compose_config("sft/tiny", overrides), SFT, world_size=2)
@@ -223,8 +275,18 @@ def test_composition_errors_are_problems_not_tracebacks(tmp_path):
     assert not ok and report.startswith(f"config: sft/tinny from {CONFIGS}: Cannot find primary config")
     assert report.splitlines()[0].endswith("; did you mean sft/tiny?") and report.splitlines()[1] == "1 problem(s)"
 
-    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "data.train=[a,", "max_steps=0", "optimizer.eps=1e-6",
-                                           "wandb.entity=me", "nosuch.key=1"], CONFIGS)
+    report, ok = run_validate(
+        "sft/tiny",
+        [
+            f"output_dir={tmp_path}",
+            "data.train=[a,",
+            "max_steps=0",
+            "optimizer.eps=1e-6",
+            "wandb.entity=me",
+            "nosuch.key=1",
+        ],
+        CONFIGS,
+    )
     assert problems(report) == [
         "override 'data.train=[a,': no viable alternative at input '[a,'",
         "nosuch: unknown key",
@@ -236,35 +298,56 @@ def test_composition_errors_are_problems_not_tracebacks(tmp_path):
 
 
 def test_targets_are_checked_against_their_signatures(tmp_path):
-    report, _ = run_validate("sft/tiny", [
-        f"output_dir={tmp_path}", "optimizer._target_=torch.optim.SGD", "optimizer._partial_=false",
-        "scheduler._target_=torch.optim.lr_scheduler.StepLR", "+scheduler.num_training_steps=5",
-        "+model.config.hidden_sizee=64", "model.config._target_=transformers.NoSuchConfig",
-    ], CONFIGS)
-    assert sorted(problems(report)) == sorted([
-        "optimizer._partial_: must be true: the recipe calls the result with its own arguments",
-        "optimizer.betas: unknown key: not a parameter of torch.optim.SGD",
-        "scheduler.num_warmup_steps: unknown key: not a parameter of torch.optim.lr_scheduler.StepLR",
-        "scheduler.num_training_steps: passed by the recipe; remove it from the config",
-        "scheduler.step_size: required by torch.optim.lr_scheduler.StepLR, not set",
-        "model.config._target_: cannot import 'transformers.NoSuchConfig': ImportError: "
-        "Error loading 'transformers.NoSuchConfig':",
-    ])
+    report, _ = run_validate(
+        "sft/tiny",
+        [
+            f"output_dir={tmp_path}",
+            "optimizer._target_=torch.optim.SGD",
+            "optimizer._partial_=false",
+            "scheduler._target_=torch.optim.lr_scheduler.StepLR",
+            "+scheduler.num_training_steps=5",
+            "+model.config.hidden_sizee=64",
+            "model.config._target_=transformers.NoSuchConfig",
+        ],
+        CONFIGS,
+    )
+    assert sorted(problems(report)) == sorted(
+        [
+            "optimizer._partial_: must be true: the recipe calls the result with its own arguments",
+            "optimizer.betas: unknown key: not a parameter of torch.optim.SGD",
+            "scheduler.num_warmup_steps: unknown key: not a parameter of torch.optim.lr_scheduler.StepLR",
+            "scheduler.num_training_steps: passed by the recipe; remove it from the config",
+            "scheduler.step_size: required by torch.optim.lr_scheduler.StepLR, not set",
+            "model.config._target_: cannot import 'transformers.NoSuchConfig': ImportError: "
+            "Error loading 'transformers.NoSuchConfig':",
+        ]
+    )
 
     # Hugging Face configs keep any extra keyword (and read old names such as rope_theta): a note, with the close name.
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "+model.config.hidden_sizee=64"], CONFIGS)
-    assert ok and ("note: model.config.hidden_sizee: not a named parameter of transformers.LlamaConfig "
-                   "(passed on as an extra keyword); did you mean model.config.hidden_size?") in report
+    assert (
+        ok
+        and (
+            "note: model.config.hidden_sizee: not a named parameter of transformers.LlamaConfig "
+            "(passed on as an extra keyword); did you mean model.config.hidden_size?"
+        )
+        in report
+    )
 
 
 def test_sources_formats_and_paths(tmp_path):
     text = tmp_path / "chats.txt"
     text.write_text("")
-    report, _ = run_validate("sft/tiny", [
-        f"output_dir={tmp_path}", f"data.train=[{{path:{text}}},{{path:{tmp_path},formt:sharegpt}},{{path:{tmp_path},format:sharegtp}}]",
-        f"data.eval=[{{path:{tmp_path},format:alpaca,columns:{{prompt:q}}}},{{path:{tmp_path},format:preference}}]",
-        "tokenizer.path=/no/such/tokenizer",
-    ], CONFIGS)
+    report, _ = run_validate(
+        "sft/tiny",
+        [
+            f"output_dir={tmp_path}",
+            f"data.train=[{{path:{text}}},{{path:{tmp_path},formt:sharegpt}},{{path:{tmp_path},format:sharegtp}}]",
+            f"data.eval=[{{path:{tmp_path},format:alpaca,columns:{{prompt:q}}}},{{path:{tmp_path},format:preference}}]",
+            "tokenizer.path=/no/such/tokenizer",
+        ],
+        CONFIGS,
+    )
     assert problems(report) == [
         f"data.train[0]: data file '{text}': expected .jsonl, .json or .parquet",
         "data.train[1].formt: unknown key; did you mean data.train[1].format?",
@@ -275,8 +358,18 @@ def test_sources_formats_and_paths(tmp_path):
         "tokenizer.path: '/no/such/tokenizer' does not exist",
     ]
 
-    report, _ = run_validate("dpo/tiny", [f"output_dir={tmp_path}", f"model.path={tmp_path}", f"data.train=[{text}]",
-                                          "data.overlong=truncate", "loss.type=dpo", "loss.beta=0"], CONFIGS)
+    report, _ = run_validate(
+        "dpo/tiny",
+        [
+            f"output_dir={tmp_path}",
+            f"model.path={tmp_path}",
+            f"data.train=[{text}]",
+            "data.overlong=truncate",
+            "loss.type=dpo",
+            "loss.beta=0",
+        ],
+        CONFIGS,
+    )
     assert problems(report) == [
         "data.overlong: 'truncate' is not one of drop, error",
         "loss.type: 'dpo' is not one of sigmoid, robust, hinge, ipo, sigmoid_norm, simpo; did you mean ipo?",
@@ -288,11 +381,22 @@ def test_sources_formats_and_paths(tmp_path):
 
 
 def test_numbers_that_cannot_work(tmp_path):
-    report, _ = run_validate("sft/tiny", [
-        f"output_dir={tmp_path}", "stop_after_step=300", "data.pad_to_multiple_of=100", "keep_last_n=0",
-        "log_every=0", "save_every=-1", "max_grad_norm=0", "max_steps=null", "data.num_epochs=1.5",
-        "grad_accum_steps=true",
-    ], CONFIGS)
+    report, _ = run_validate(
+        "sft/tiny",
+        [
+            f"output_dir={tmp_path}",
+            "stop_after_step=300",
+            "data.pad_to_multiple_of=100",
+            "keep_last_n=0",
+            "log_every=0",
+            "save_every=-1",
+            "max_grad_norm=0",
+            "max_steps=null",
+            "data.num_epochs=1.5",
+            "grad_accum_steps=true",
+        ],
+        CONFIGS,
+    )
     assert problems(report) == [
         "max_steps: null is not allowed; expected an integer",
         "grad_accum_steps: expected an integer, got true",  # a bool is no int here
@@ -325,33 +429,68 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
     from chattune.train.output_dir import OutputDirLock
     from chattune.train.resume import run_fingerprint
 
-    checkpoint = fake_checkpoint(tmp_path, {"world_size": 2, "step": 5,
-                                            "fingerprint": run_fingerprint(compose_config("sft/tiny", [f"output_dir={tmp_path}"]))})
+    checkpoint = fake_checkpoint(
+        tmp_path,
+        {
+            "world_size": 2,
+            "step": 5,
+            "fingerprint": run_fingerprint(compose_config("sft/tiny", [f"output_dir={tmp_path}"])),
+        },
+    )
     # The recipes' own check leaves output_dir to the launch, which decides it holding the directory's lock.
-    assert check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1"]), SFT, world_size=4) == []
+    assert (
+        check_config(compose_config("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1"]), SFT, world_size=4) == []
+    )
 
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
-    assert ok and f"note: resume: continues from {checkpoint} at step 5, written by 2 rank(s): launch with " \
-                  "--nproc_per_node 2" in report
+    assert (
+        ok
+        and f"note: resume: continues from {checkpoint} at step 5, written by 2 rank(s): launch with --nproc_per_node 2"
+        in report
+    )
     invariant = tmp_path / "invariant"  # world-size-invariant steps: any divisor of M resumes the checkpoint
-    fake_checkpoint(invariant, {"world_size": 2, "step": 3, "fingerprint": run_fingerprint(compose_config(
-        "sft/tiny", [f"output_dir={invariant}", "data.microbatches_per_step=4"]))})
+    fake_checkpoint(
+        invariant,
+        {
+            "world_size": 2,
+            "step": 3,
+            "fingerprint": run_fingerprint(
+                compose_config("sft/tiny", [f"output_dir={invariant}", "data.microbatches_per_step=4"])
+            ),
+        },
+    )
     report, ok = run_validate("sft/tiny", [f"output_dir={invariant}", "data.microbatches_per_step=4"], CONFIGS)
-    assert ok and "written by 2 rank(s): launch with any --nproc_per_node that divides data.microbatches_per_step=4 " \
-                  "(1, 2, 4)" in report, report
+    assert (
+        ok
+        and "written by 2 rank(s): launch with any --nproc_per_node that divides data.microbatches_per_step=4 (1, 2, 4)"
+        in report
+    ), report
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS, world_size=4)
-    assert problems(report) == [f"resume: {checkpoint} was written by 2 rank(s), this run has 4: each rank's data "
-                                "position is a place in its own share of the epoch, which another number of ranks "
-                                "would split differently. Relaunch with --nproc_per_node 2 (runs with data.microbatches_per_step "
-                                "resume on any number of ranks that divides it)."]
+    assert problems(report) == [
+        f"resume: {checkpoint} was written by 2 rank(s), this run has 4: each rank's data "
+        "position is a place in its own share of the epoch, which another number of ranks "
+        "would split differently. Relaunch with --nproc_per_node 2 (runs with data.microbatches_per_step "
+        "resume on any number of ranks that divides it)."
+    ]
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1e-3", "seed=1"], CONFIGS)
     assert not ok and "config optimizer.lr: 0.003 -> 0.001\n  config seed: 42 -> 1" in report
     assert "resume with resume_allow_changes=[optimizer.lr,seed] (accepts only these changes" in report
-    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "optimizer.lr=1e-3",
-                                           "resume_allow_changes=[optimizer]", "data.num_workers=2", "max_steps=300"], CONFIGS)
+    report, ok = run_validate(
+        "sft/tiny",
+        [
+            f"output_dir={tmp_path}",
+            "optimizer.lr=1e-3",
+            "resume_allow_changes=[optimizer]",
+            "data.num_workers=2",
+            "max_steps=300",
+        ],
+        CONFIGS,
+    )
     assert ok, report
     assert "note: resume: config optimizer.lr: 0.003 -> 0.001 (accepted by resume_allow_changes)" in report
-    assert "note: resume: config data.num_workers: 0 -> 2 (the same documents and updates, computed differently)" in report
+    assert (
+        "note: resume: config data.num_workers: 0 -> 2 (the same documents and updates, computed differently)" in report
+    )
     assert "note: resume: max_steps: 200 -> 300 (the schedule is recomputed for the new horizon)" in report
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "stop_after_step=5"], CONFIGS)
     assert not ok and "stop_after_step=5, but this run continues from" in report
@@ -360,12 +499,22 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "resume=null", "overwrite=true"], CONFIGS)
     assert ok and f"note: output_dir: {tmp_path / 'checkpoints'} would be set aside as checkpoints.abandoned" in report
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", f"resume={tmp_path}"], CONFIGS)
-    assert problems(report) == [f"resume: resume={tmp_path}: {tmp_path} is not a complete chattune checkpoint "
-                                "(no chattune.json)"]
+    assert problems(report) == [
+        f"resume: resume={tmp_path}: {tmp_path} is not a complete chattune checkpoint (no chattune.json)"
+    ]
     # A live run's lock (held here by a child process, as another launch would hold it).
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from chattune.train.output_dir import OutputDirLock; OutputDirLock(Path(sys.argv[1])).acquire(); "
-                               "print('locked', flush=True); time.sleep(60)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from chattune.train.output_dir import OutputDirLock; OutputDirLock(Path(sys.argv[1])).acquire(); "
+            "print('locked', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
@@ -410,7 +559,9 @@ def test_every_key_of_the_schema_has_a_meaning():
     def keys_without_help(section: type, prefix: str = ""):
         hints = typing.get_type_hints(section)
         for item in dataclasses.fields(section):
-            nested = [a for a in (typing.get_args(hints[item.name]) or (hints[item.name],)) if dataclasses.is_dataclass(a)]
+            nested = [
+                a for a in (typing.get_args(hints[item.name]) or (hints[item.name],)) if dataclasses.is_dataclass(a)
+            ]
             if nested:
                 yield from keys_without_help(nested[0], f"{prefix}{item.name}.")
             elif not item.metadata.get("help"):
@@ -423,40 +574,63 @@ def test_the_peft_group_and_its_keys(tmp_path):
     """peft=lora selects configs/peft/lora.yaml; its keys are checked like every other section's."""
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rank=8"], CONFIGS)
     assert (report, ok) == ("config OK", True)
-    assert OmegaConf.to_container(compose_config("sft/tiny", ["peft=lora"]).peft) == \
-        dataclasses.asdict(typing.get_type_hints(schema_for("sft"))["peft"].__args__[0]())
-    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rnk=8", "peft.rank=0",
-                                           "peft.dropout=1.5"], CONFIGS)
+    assert OmegaConf.to_container(compose_config("sft/tiny", ["peft=lora"]).peft) == dataclasses.asdict(
+        typing.get_type_hints(schema_for("sft"))["peft"].__args__[0]()
+    )
+    report, ok = run_validate(
+        "sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rnk=8", "peft.rank=0", "peft.dropout=1.5"], CONFIGS
+    )
     assert not ok and problems(report) == [
-        "peft.rnk: unknown key; did you mean peft.rank?", "peft.rank: must be at least 1, got 0",
-        "peft.dropout: must be in [0, 1), got 1.5"], report
-    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.use_dora=true",
-                                           "peft.modules_to_save=[embed_tokens]"], CONFIGS)
+        "peft.rnk: unknown key; did you mean peft.rank?",
+        "peft.rank: must be at least 1, got 0",
+        "peft.dropout: must be in [0, 1), got 1.5",
+    ], report
+    report, ok = run_validate(
+        "sft/tiny",
+        [f"output_dir={tmp_path}", "peft=lora", "peft.use_dora=true", "peft.modules_to_save=[embed_tokens]"],
+        CONFIGS,
+    )
     assert (report, ok) == ("config OK", True)
-    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.quantize_base=nf8",
-                                           "peft.use_dora=maybe"], CONFIGS)
+    report, ok = run_validate(
+        "sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.quantize_base=nf8", "peft.use_dora=maybe"], CONFIGS
+    )
     assert not ok and problems(report) == [
         "peft.use_dora: expected true or false, got 'maybe'",
-        "peft.quantize_base: 'nf8' is not one of nf4, fp4; did you mean nf4?"], report
+        "peft.quantize_base: 'nf8' is not one of nf4, fp4; did you mean nf4?",
+    ], report
 
 
 def test_qlora_is_refused_on_the_cpu(tmp_path):
     """peft=qlora composes lora.yaml with a 4-bit base; on a CPU it is one clear problem, not a crash later."""
     assert compose_config("sft/tiny", ["peft=qlora"]).peft.quantize_base == "nf4"
-    report, ok = run_validate("dpo/tiny", [f"output_dir={tmp_path}", "peft=qlora", "device=cpu", "model.path=null",
-                                           "model.config._target_=transformers.Qwen3Config"], CONFIGS)
+    report, ok = run_validate(
+        "dpo/tiny",
+        [
+            f"output_dir={tmp_path}",
+            "peft=qlora",
+            "device=cpu",
+            "model.path=null",
+            "model.config._target_=transformers.Qwen3Config",
+        ],
+        CONFIGS,
+    )
     assert not ok and problems(report) == [
         "peft.quantize_base: a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory with bitsandbytes' GPU "
-        "kernels. On the CPU, set peft.quantize_base=null (LoRA on the full-precision base)"], report
+        "kernels. On the CPU, set peft.quantize_base=null (LoRA on the full-precision base)"
+    ], report
 
 
 def test_notes_for_a_warmup_or_a_save_interval_longer_than_the_run(tmp_path):
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "max_steps=5"], CONFIGS)
     assert ok
-    assert "note: scheduler.num_warmup_steps: 10 is more than max_steps 5: the learning rate never reaches optimizer.lr" \
+    assert (
+        "note: scheduler.num_warmup_steps: 10 is more than max_steps 5: the learning rate never reaches optimizer.lr"
         in report.splitlines()
-    assert "note: save_every: 100 is more than max_steps 5: no checkpoint is written, so the run can be neither resumed " \
-           "nor extended (its export is still written)" in report.splitlines()
+    )
+    assert (
+        "note: save_every: 100 is more than max_steps 5: no checkpoint is written, so the run can be neither resumed "
+        "nor extended (its export is still written)" in report.splitlines()
+    )
     report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path}"], CONFIGS)
     assert "num_warmup_steps" not in report and "save_every" not in report
 
@@ -467,17 +641,22 @@ def test_a_resume_is_refused_when_the_chat_template_changes_even_in_a_file_of_th
     from chattune.train.resume import run_fingerprint
 
     template = tmp_path / "mine.jinja"
-    template.write_text((Path(__file__).resolve().parents[1] / "chattune/assets/chat_templates/chatml.jinja").read_text())
+    template.write_text(
+        (Path(__file__).resolve().parents[1] / "chattune/assets/chat_templates/chatml.jinja").read_text()
+    )
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"tokenizer.chat_template={template}"]
-    fake_checkpoint(out, {"world_size": 1, "step": 5, "fingerprint": run_fingerprint(compose_config("sft/tiny", overrides))})
+    fake_checkpoint(
+        out, {"world_size": 1, "step": 5, "fingerprint": run_fingerprint(compose_config("sft/tiny", overrides))}
+    )
     assert run_validate("sft/tiny", overrides, CONFIGS, world_size=1)[1]
     template.write_text(template.read_text().replace("# Tools", "# Functions"))
     report, ok = run_validate("sft/tiny", overrides, CONFIGS, world_size=1)
     assert not ok and f"\n  config tokenizer.chat_template: '{template} (sha256 " in report, report
     assert "resume with resume_allow_changes=[tokenizer.chat_template] (accepts only these changes" in report
-    report, ok = run_validate("sft/tiny", [*overrides, "resume_allow_changes=[tokenizer.chat_template]"], CONFIGS,
-                              world_size=1)
+    report, ok = run_validate(
+        "sft/tiny", [*overrides, "resume_allow_changes=[tokenizer.chat_template]"], CONFIGS, world_size=1
+    )
     assert ok and f"note: resume: config tokenizer.chat_template: '{template} (sha256 " in report, report
     report, ok = run_validate("sft/tiny", [f"output_dir={out}"], CONFIGS, world_size=1)  # back to the tokenizer's own
     assert not ok and f"config tokenizer.chat_template: '{template} (sha256 " in report and "' -> None" in report
@@ -487,19 +666,30 @@ def test_a_resume_is_refused_when_the_chat_template_changes_even_in_a_file_of_th
     del fingerprint["config"]["tokenizer.chat_template"]
     fake_checkpoint(older, {"world_size": 1, "step": 5, "fingerprint": fingerprint})
     assert run_validate("sft/tiny", [f"output_dir={older}"], CONFIGS, world_size=1)[1]
-    report, ok = run_validate("sft/tiny", [f"output_dir={older}", "tokenizer.chat_template=chatml"], CONFIGS, world_size=1)
+    report, ok = run_validate(
+        "sft/tiny", [f"output_dir={older}", "tokenizer.chat_template=chatml"], CONFIGS, world_size=1
+    )
     assert not ok and "config tokenizer.chat_template: None -> 'chatml (sha256 " in report, report
 
 
 def test_a_bad_chat_template_is_reported_with_the_other_problems(tmp_path):
-    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "tokenizer.chat_template=chatm", "max_steps=ten",
-                                           f"data.train=[{tmp_path}/missing.jsonl]"], CONFIGS)
+    report, ok = run_validate(
+        "sft/tiny",
+        [
+            f"output_dir={tmp_path}",
+            "tokenizer.chat_template=chatm",
+            "max_steps=ten",
+            f"data.train=[{tmp_path}/missing.jsonl]",
+        ],
+        CONFIGS,
+    )
     assert problems(report) == [
         "max_steps: expected an integer, got 'ten'",
         f"data.train[0]: data file '{tmp_path}/missing.jsonl' does not exist",
         "tokenizer.chat_template: 'chatm' is not a template chattune ships; did you mean chatml? (shipped: chatml, "
         "llama3; otherwise the path of a template file (./NAME for one in the working directory) or inline Jinja, "
-        "holding {{ or {%)"]
+        "holding {{ or {%)",
+    ]
 
 
 def test_a_schedule_target_is_checked_from_its_source_without_importing_its_module():
@@ -522,14 +712,18 @@ print("same")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "same", result.stderr[-3000:]
     report, ok = run_validate("sft/tiny", ["scheduler.num_cycle=0.5", "~scheduler.num_warmup_steps"], CONFIGS)
-    assert problems(report) == ["scheduler.num_cycle: unknown key; did you mean scheduler.num_cycles?",
-                                "scheduler.num_warmup_steps: required by transformers.get_cosine_schedule_with_warmup, "
-                                "not set"]
+    assert problems(report) == [
+        "scheduler.num_cycle: unknown key; did you mean scheduler.num_cycles?",
+        "scheduler.num_warmup_steps: required by transformers.get_cosine_schedule_with_warmup, not set",
+    ]
+
+
 def test_a_sample_prompts_file_that_is_not_there_is_a_problem(tmp_path):
     missing = tmp_path / "prompts.jsonl"
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}"], CONFIGS)
     assert not ok and problems(report) == [f"eval.sample_prompts: prompts file {str(missing)!r} does not exist"]
     missing.write_text('{"prompt": "Hi"}\n')
-    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}",
-                                           "eval.samples=0"], CONFIGS)
+    report, ok = run_validate(
+        "sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}", "eval.samples=0"], CONFIGS
+    )
     assert ok, report

@@ -20,30 +20,48 @@ def _attention(q, k, v, cu_seqlens, scale):  # (N, H, D) in, (N, Hq, D) out, lik
     return _per_document_sdpa(*as_rows, cu_seqlens, scale, 0.0, None)[0]
 
 
-def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1)):
+def varlen_attn_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     """torch 2.11's signature, over a kernel that refuses unequal head counts."""
     assert key.shape[1] == query.shape[1], "no GQA flag: the kv heads must come repeated"
     assert tuple(window_size) == (-1, 0)
     return _attention(query, key, value, cu_seq_q, scale)
 
 
-def varlen_attn_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def varlen_attn_2_12(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     """torch 2.12's and 2.13's signature (the same)."""
     assert enable_gqa == (key.shape[1] != query.shape[1]) and tuple(window_size) == (-1, 0)
     return _attention(query, key, value, cu_seq_q, scale)
 
 
-def varlen_attn_native_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                           window_size=(-1, -1)):
+def varlen_attn_native_gqa(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     """torch 2.11's wrapper over a kernel that takes fewer kv heads as they are (the flash kernel)."""
     assert tuple(window_size) == (-1, 0)
     return _attention(query, key, value, cu_seq_q, scale)
 
 
-def varlen_attn_first_kv_head(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                              window_size=(-1, -1)):
+def varlen_attn_first_kv_head(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     """A wrapper that takes unequal head counts without complaint and computes the wrong thing with them."""
     if key.shape[1] != query.shape[1]:
         key, value = key[:, :1].expand(-1, query.shape[1], -1), value[:, :1].expand(-1, query.shape[1], -1)
@@ -54,7 +72,10 @@ def test_the_stand_ins_have_the_signature_of_this_torch():
     from torch.nn.attention.varlen import varlen_attn
 
     names = list(inspect.signature(varlen_attn).parameters)
-    assert names in ([*inspect.signature(varlen_attn_2_11).parameters], [*inspect.signature(varlen_attn_2_12).parameters])
+    assert names in (
+        [*inspect.signature(varlen_attn_2_11).parameters],
+        [*inspect.signature(varlen_attn_2_12).parameters],
+    )
 
 
 @pytest.mark.parametrize("varlen_attn", [varlen_attn_2_11, varlen_attn_2_12])
@@ -82,8 +103,15 @@ def test_every_supported_torch_is_given_the_sliding_window(varlen_attn):
     assert seen == [(2, 0)]
 
 
-@pytest.mark.parametrize("varlen_attn, settled", [(varlen_attn_2_12, "flag"), (varlen_attn_native_gqa, "native"),
-                                                  (varlen_attn_2_11, "repeat"), (varlen_attn_first_kv_head, "repeat")])
+@pytest.mark.parametrize(
+    "varlen_attn, settled",
+    [
+        (varlen_attn_2_12, "flag"),
+        (varlen_attn_native_gqa, "native"),
+        (varlen_attn_2_11, "repeat"),
+        (varlen_attn_first_kv_head, "repeat"),
+    ],
+)
 def test_the_probe_uses_unequal_head_counts_only_where_they_agree_with_repeated_kv_heads(varlen_attn, settled):
     assert probe_native_gqa(torch.device("cpu"), varlen_attn=varlen_attn) == settled
 
@@ -91,11 +119,13 @@ def test_the_probe_uses_unequal_head_counts_only_where_they_agree_with_repeated_
 def test_native_grouped_query_attention_hands_the_kernel_the_kv_heads_as_they_are():
     calls = []
 
-    def recording(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                  window_size=(-1, -1)):
+    def recording(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+    ):
         calls.append(key.shape[1])
-        return varlen_attn_native_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                                      window_size=window_size)
+        return varlen_attn_native_gqa(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
+        )
 
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(9, 4, 8, generator=generator)

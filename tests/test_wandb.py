@@ -64,9 +64,16 @@ def read_offline_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch) -> Iterator[dict]:
     """Offline wandb with every directory it writes to in tmp_path, no API key, no service of another test."""
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "wandb_dir"),
-           "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
-           "WANDB_DATA_DIR": str(tmp_path / "wandb_data"), "WANDB_SERVICE": "", "NETRC": str(tmp_path / "no_netrc")}
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DIR": str(tmp_path / "wandb_dir"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
+        "WANDB_SERVICE": "",
+        "NETRC": str(tmp_path / "no_netrc"),
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -78,13 +85,16 @@ def wandb_env(tmp_path, monkeypatch) -> Iterator[dict]:
 
 def killed_wandb_run(wandb_dir: Path, env: dict) -> str:
     """Start a wandb run in a process that is then SIGKILLed; return the WANDB_SERVICE token it left."""
-    script = ("import os, signal, wandb\n"
-              f"run = wandb.init(project='chattune', dir={str(wandb_dir)!r})\n"
-              "run.log({'loss': 1.0}, step=1)\n"
-              "print(os.environ['WANDB_SERVICE'], flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGKILL)\n")
-    killed = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True,
-                            timeout=60)
+    script = (
+        "import os, signal, wandb\n"
+        f"run = wandb.init(project='chattune', dir={str(wandb_dir)!r})\n"
+        "run.log({'loss': 1.0}, step=1)\n"
+        "print(os.environ['WANDB_SERVICE'], flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     return killed.stdout.strip()
 
@@ -96,10 +106,23 @@ def test_sft_run_records_config_every_metric_and_the_hf_directory(tmp_path, wand
     # A run killed with its wandb run open, and its service token still in the environment (as a
     # launcher that ran it would pass on): the next run neither hangs nor fails on it.
     stale_token = killed_wandb_run(out, wandb_env)
-    result = run([sys.executable, "recipes/sft.py", f"output_dir={out}", "max_steps=3", "log_every=1", "save_every=0",
-                  "eval_every=3", f"data.eval=[{tmp_path / 'eval.jsonl'}]", "logger=wandb",
-                  "data.max_tokens_per_microbatch=512", "data.report_records=0"],
-                 env_extra={**wandb_env, "WANDB_SERVICE": stale_token}, timeout=180)
+    result = run(
+        [
+            sys.executable,
+            "recipes/sft.py",
+            f"output_dir={out}",
+            "max_steps=3",
+            "log_every=1",
+            "save_every=0",
+            "eval_every=3",
+            f"data.eval=[{tmp_path / 'eval.jsonl'}]",
+            "logger=wandb",
+            "data.max_tokens_per_microbatch=512",
+            "data.report_records=0",
+        ],
+        env_extra={**wandb_env, "WANDB_SERVICE": stale_token},
+        timeout=180,
+    )
     assert "ignoring WANDB_SERVICE" in result.stdout
 
     run_dirs = sorted((out / "wandb").glob("offline-run-*"), key=lambda d: d.stat().st_mtime)
@@ -114,23 +137,36 @@ def test_sft_run_records_config_every_metric_and_the_hf_directory(tmp_path, wand
     assert [row["_step"] for row in history] == [0, 1, 2, 3]
     tables = {}
     for logged, row in zip(metrics, history):  # every metric, with the value of metrics.jsonl
-        assert {k: v for k, v in row.items() if not k.startswith(("_", "samples."))} == \
-            {k: v for k, v in logged.items() if k != "step"}
+        assert {k: v for k, v in row.items() if not k.startswith(("_", "samples."))} == {
+            k: v for k, v in logged.items() if k != "step"
+        }
         if "samples.path" in row:  # the evaluation's sample replies, a table file of the run
             tables[row["_step"]] = json.loads((run_dirs[-1] / "files" / row["samples.path"]).read_text())
     assert summary["loss"] == metrics[-1]["loss"] and summary["eval_loss"] == metrics[-1]["eval_loss"]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted(tables) == [0, 3] and [s["step"] for s in samples] == [0] * 4 + [3] * 4  # eval.samples=4
     for step, table in tables.items():  # the lines of samples.jsonl, each prompt as "role: content" lines
-        assert table == {"columns": ["step", "prompt", "reply"], "data": [
-            [step, "\n".join(f"{m['role']}: {m['content']}" for m in s["prompt"]), s["reply"]] for s in samples
-            if s["step"] == step]}
+        assert table == {
+            "columns": ["step", "prompt", "reply"],
+            "data": [
+                [step, "\n".join(f"{m['role']}: {m['content']}" for m in s["prompt"]), s["reply"]]
+                for s in samples
+                if s["step"] == step
+            ],
+        }
 
 
 def test_metric_names_with_slashes_reach_wandb_as_they_are(tmp_path, wandb_env):
     """DPO's names (rewards/chosen, eval_rewards/accuracies, ...) are wandb keys unchanged."""
-    dpo_step = {"step": 1, "loss": 0.69, "rewards/chosen": 0.25, "rewards/margins": -0.5, "logps/rejected": -40.0,
-                "eval_loss": 0.7, "eval_rewards/accuracies": 0.5}
+    dpo_step = {
+        "step": 1,
+        "loss": 0.69,
+        "rewards/chosen": 0.25,
+        "rewards/margins": -0.5,
+        "logps/rejected": -40.0,
+        "eval_loss": 0.7,
+        "eval_rewards/accuracies": 0.5,
+    }
     metric_logger = MetricLogger(str(tmp_path), True, "wandb", run_config={"max_steps": 1, "loss": {"beta": 0.1}})
     metric_logger.log(dpo_step)
     metric_logger.log_summary({"hf_dir": "/somewhere/hf"})
@@ -139,7 +175,9 @@ def test_metric_names_with_slashes_reach_wandb_as_they_are(tmp_path, wandb_env):
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     config, history, summary = read_offline_run(run_dir)
     assert config["loss"] == {"beta": 0.1}
-    assert {k: v for k, v in history[0].items() if not k.startswith("_")} == {k: v for k, v in dpo_step.items() if k != "step"}
+    assert {k: v for k, v in history[0].items() if not k.startswith("_")} == {
+        k: v for k, v in dpo_step.items() if k != "step"
+    }
     assert history[0]["_step"] == 1 and summary["hf_dir"] == "/somewhere/hf"
 
 
@@ -151,9 +189,19 @@ def test_a_failing_wandb_init_says_what_to_do(tmp_path, wandb_env):
 
 def test_a_resumed_run_logs_into_the_wandb_run_it_started(tmp_path, wandb_env):
     out = tmp_path / "run"
-    command = [sys.executable, "recipes/sft.py", f"output_dir={out}", "max_steps=4", "log_every=1", "save_every=2",
-               "eval_every=0", "data.eval=[]", "logger=wandb", "data.max_tokens_per_microbatch=512",
-               "data.report_records=0"]
+    command = [
+        sys.executable,
+        "recipes/sft.py",
+        f"output_dir={out}",
+        "max_steps=4",
+        "log_every=1",
+        "save_every=2",
+        "eval_every=0",
+        "data.eval=[]",
+        "logger=wandb",
+        "data.max_tokens_per_microbatch=512",
+        "data.report_records=0",
+    ]
     run([*command, "stop_after_step=2"], env_extra=wandb_env, timeout=180)
     run_id = json.loads((out / "checkpoints" / "step_2" / "chattune.json").read_text())["wandb_id"]
     assert run_id

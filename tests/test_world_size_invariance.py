@@ -26,12 +26,16 @@ STEPS = 20
 TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
 CHATS, PAIRS = 40, 24
 # Launches dominate the time: a smaller model than sft/tiny's keeps 20 steps at a few seconds.
-SMALL_MODEL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
-               "model.config.num_attention_heads=4"]
+SMALL_MODEL = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+]
 
 
 def write_lines(path: Path, source: str, start: int, count: int) -> Path:
-    path.write_text("".join((DEMO_ASSETS / source).read_text().splitlines(keepends=True)[start:start + count]))
+    path.write_text("".join((DEMO_ASSETS / source).read_text().splitlines(keepends=True)[start : start + count]))
     return path
 
 
@@ -49,20 +53,46 @@ def data(tmp_path_factory) -> dict[str, list[str]]:
         "sft-mixed": [f"data.train=[{{path:{chats},weight:2}},{{path:{more_chats},weight:1}}]", mixed],
         # Online: every rank samples the one stream alike, so the bandit's updates do not depend on the ranks
         # either (for a given number of loader workers: the update takes effect from the furthest draw read).
-        "sft-online": [f"data.train=[{{path:{chats},weight:2}},{{path:{more_chats},weight:1}}]",
-                       "data.mixing.mode=online", "data.mixing.update_every=3", "data.mixing.eta=1.0"],
+        "sft-online": [
+            f"data.train=[{{path:{chats},weight:2}},{{path:{more_chats},weight:1}}]",
+            "data.mixing.mode=online",
+            "data.mixing.update_every=3",
+            "data.mixing.eta=1.0",
+        ],
         "dpo": [f"data.train=[{{path:{pairs},format:preference}}]"],
-        "dpo-mixed": [f"data.train=[{{path:{pairs},format:preference,weight:2}},"
-                      f"{{path:{more_pairs},format:preference,weight:1}}]", mixed],
+        "dpo-mixed": [
+            f"data.train=[{{path:{pairs},format:preference,weight:2}},"
+            f"{{path:{more_pairs},format:preference,weight:1}}]",
+            mixed,
+        ],
     }
 
 
 def launch(out: Path, nproc: int, recipe: str, *overrides: str) -> None:
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-         str(free_port()), f"recipes/{recipe}.py", f"output_dir={out}", f"max_steps={STEPS}", "log_every=1",
-         "eval_every=0", "save_every=0", "data.eval=[]", "data.microbatches_per_step=4",
-         "data.max_tokens_per_microbatch=512", "data.buffer_records=8", "data.report_records=0", *SMALL_MODEL,
-         *overrides])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            f"recipes/{recipe}.py",
+            f"output_dir={out}",
+            f"max_steps={STEPS}",
+            "log_every=1",
+            "eval_every=0",
+            "save_every=0",
+            "data.eval=[]",
+            "data.microbatches_per_step=4",
+            "data.max_tokens_per_microbatch=512",
+            "data.buffer_records=8",
+            "data.report_records=0",
+            *SMALL_MODEL,
+            *overrides,
+        ]
+    )
 
 
 def losses(out: Path) -> list[float]:
@@ -80,8 +110,13 @@ def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
 # (ranks, loader workers) of each setting's runs (SFT's 2 × 2 is the `two_ranks` run, with 2 workers):
 # Four ranks on CI's 2 cores cost the most: SFT and online mixing run on 4 (and the resume below), DPO and the
 # static mixtures on 1 and 2.
-SPLITS = {"sft": [(1, 0), (4, 0)], "sft-mixed": [(1, 2), (2, 0)], "sft-online": [(1, 2), (4, 2)],
-          "dpo": [(1, 0), (2, 2)], "dpo-mixed": [(1, 2), (2, 0)]}
+SPLITS = {
+    "sft": [(1, 0), (4, 0)],
+    "sft-mixed": [(1, 2), (2, 0)],
+    "sft-online": [(1, 2), (4, 2)],
+    "dpo": [(1, 0), (2, 2)],
+    "dpo-mixed": [(1, 2), (2, 0)],
+}
 RANDOM_INIT = ["model.path=null"]  # DPO from the tiny random-init model (policy and reference alike)
 
 
@@ -99,8 +134,9 @@ def test_the_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path, data, t
     curves = {}
     for nproc, workers in SPLITS[setting]:
         out = tmp_path / f"w{nproc}"
-        launch(out, nproc, recipe, *data[setting], *(RANDOM_INIT if recipe == "dpo" else []),
-               f"data.num_workers={workers}")
+        launch(
+            out, nproc, recipe, *data[setting], *(RANDOM_INIT if recipe == "dpo" else []), f"data.num_workers={workers}"
+        )
         curves[nproc] = losses(out)
         assert max(m["epoch"] for m in read_metrics(out)) >= 2, "the run should span several epochs"
         if setting == "sft-online":
@@ -130,8 +166,10 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, data, two_ran
         # in its own epoch: a step may cross from one epoch into the next).
         after = ledger_steps(out)["from_step10.jsonl"]
         per_epoch: dict[int, Counter] = {}
-        for path in [*sorted((two_ranks / "ledger").glob("rank*.from_step0.jsonl")),
-                     *sorted((out / "ledger").glob("rank*.from_step10.jsonl"))]:
+        for path in [
+            *sorted((two_ranks / "ledger").glob("rank*.from_step0.jsonl")),
+            *sorted((out / "ledger").glob("rank*.from_step10.jsonl")),
+        ]:
             for line in path.read_text().splitlines():
                 entry = json.loads(line)
                 if path.parent == out / "ledger" or entry["step"] <= 10:
@@ -143,8 +181,9 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, data, two_ran
                 assert sorted(counts) == list(range(CHATS)), f"epoch {epoch}: documents missing"
         # The same documents in the same steps as the uninterrupted run, whoever trains them.
         for step in range(11, STEPS + 1):
-            assert sorted(i for ids in after[step][1].values() for i in ids) == \
-                sorted(i for ids in before[step][1].values() for i in ids), f"step {step}"
+            assert sorted(i for ids in after[step][1].values() for i in ids) == sorted(
+                i for ids in before[step][1].values() for i in ids
+            ), f"step {step}"
 
 
 def test_the_token_cache_changes_no_document_and_no_loss(tmp_path, data, two_ranks):

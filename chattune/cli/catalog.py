@@ -39,8 +39,10 @@ def recipes() -> list[Entry]:
 
 
 def configs() -> list[Entry]:
-    return [Entry("config", path.relative_to(CONFIG_DIR).with_suffix("").as_posix(), path, config_description(path))
-            for path in sorted(CONFIG_DIR.rglob("*.yaml"))]
+    return [
+        Entry("config", path.relative_to(CONFIG_DIR).with_suffix("").as_posix(), path, config_description(path))
+        for path in sorted(CONFIG_DIR.rglob("*.yaml"))
+    ]
 
 
 def recipe_description(path: Path) -> str:
@@ -102,13 +104,17 @@ def copy(name: str, dest: str | Path, force: bool = False) -> tuple[Path, list[s
     target.parent.mkdir(parents=True, exist_ok=True)
     if entry.kind == "recipe":
         shutil.copyfile(entry.path, target)
-        return target, [f"run it: torchrun --nproc_per_node N {target} [key=value ...]  (or python {target})",
-                        "  with your own configs: --config-path DIR --config-name NAME"]
+        return target, [
+            f"run it: torchrun --nproc_per_node N {target} [key=value ...]  (or python {target})",
+            "  with your own configs: --config-path DIR --config-name NAME",
+        ]
     text, notes = absolute_defaults(entry.path.read_text(encoding="utf-8"), entry.name.rpartition("/")[0])
     target.write_text(text, encoding="utf-8")
     recipe = recipe_of(entry.name)
-    notes.append(f"use it: python {recipe if recipe is not None and recipe.exists() else 'RECIPE.py'} --config-path "
-                 f"{target.parent.resolve()} --config-name {target.stem} [key=value ...]")
+    notes.append(
+        f"use it: python {recipe if recipe is not None and recipe.exists() else 'RECIPE.py'} --config-path "
+        f"{target.parent.resolve()} --config-name {target.stem} [key=value ...]"
+    )
     return target, notes
 
 
@@ -141,13 +147,17 @@ def absolute_defaults(text: str, group: str) -> tuple[str, list[str]]:
             break  # the next top-level key: the defaults list is over
         entry = re.match(r"(\s*-\s+)([\w.\-]+(?:/[\w.\-]+)*)(\s*(?:#.*)?)$", line.rstrip("\n"))
         if entry and entry.group(2) != "_self_":
-            lines[index] = f"{entry.group(1)}/{group}/{entry.group(2)}{entry.group(3)}" + line[len(line.rstrip("\n")):]
-            notes.append(f"defaults entry {entry.group(2)!r} (relative to {group}/) written as '/{group}/{entry.group(2)}'")
+            lines[index] = f"{entry.group(1)}/{group}/{entry.group(2)}{entry.group(3)}" + line[len(line.rstrip("\n")) :]
+            notes.append(
+                f"defaults entry {entry.group(2)!r} (relative to {group}/) written as '/{group}/{entry.group(2)}'"
+            )
     result = "".join(lines)
     defaults = OmegaConf.create(result).get("defaults") or []
     for item in OmegaConf.to_container(defaults) if OmegaConf.is_list(defaults) else []:
         key = item if isinstance(item, str) else next(iter(item), "")
         if key != "_self_" and not key.startswith(("/", "override /", "optional /", "override optional /")):
-            notes.append(f"warning: defaults entry {item!r} is relative to {group}/; make it absolute "
-                         f"(/{group}/...) for the copy to compose the same")
+            notes.append(
+                f"warning: defaults entry {item!r} is relative to {group}/; make it absolute "
+                f"(/{group}/...) for the copy to compose the same"
+            )
     return result, notes

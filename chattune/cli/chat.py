@@ -36,20 +36,34 @@ RESET, QUIT = "/reset", ("/quit", "/exit")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", metavar="DIR", type=Path,
-                        help="an exported model directory (output_dir/hf) or adapter directory (output_dir/adapter)")
-    parser.add_argument("--base", default=None,
-                        help="the base model of an adapter directory (default: the one its adapter_config.json names)")
-    parser.add_argument("--prompts", type=Path, default=None,
-                        help="answer the prompts of this file (JSONL of {messages} or {prompt}, else one a line) and exit")
-    parser.add_argument("--out", type=Path, default=None, help="with --prompts: write the JSONL replies here (default: stdout)")
+    parser.add_argument(
+        "directory",
+        metavar="DIR",
+        type=Path,
+        help="an exported model directory (output_dir/hf) or adapter directory (output_dir/adapter)",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="the base model of an adapter directory (default: the one its adapter_config.json names)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="answer the prompts of this file (JSONL of {messages} or {prompt}, else one a line) and exit",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="with --prompts: write the JSONL replies here (default: stdout)"
+    )
     parser.add_argument("--system", default=None, help="a system message to open every conversation that has none")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply, in tokens (default: 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default: 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="seeds sampling (default: 0)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="auto (default): CUDA where there is one")
+    parser.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto (default): CUDA where there is one"
+    )
 
 
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
@@ -62,7 +76,9 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
         raise UserError("--out writes the replies to --prompts: give the prompts file too")
     from chattune.data.prompts import read_prompts_file
 
-    prompts = read_prompts_file(args.prompts) if args.prompts is not None else None  # a bad file fails before the model loads
+    prompts = (
+        read_prompts_file(args.prompts) if args.prompts is not None else None
+    )  # a bad file fails before the model loads
     import torch
 
     from chattune.model.generate import Sampling, stop_token_ids
@@ -89,8 +105,9 @@ class Chat:
         from chattune.model.generate import generate_reply, prompt_ids
 
         with torch.no_grad():
-            return generate_reply(self.model, self.tokenizer, prompt_ids(self.tokenizer, messages, tools), self.sampling,
-                                  self.stop_ids)
+            return generate_reply(
+                self.model, self.tokenizer, prompt_ids(self.tokenizer, messages, tools), self.sampling, self.stop_ids
+            )
 
 
 def answer_prompts(chat: Chat, prompts: list[Prompt], system: str | None, out: Path | None, stdout: TextIO) -> int:
@@ -155,12 +172,17 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
     """(the model in eval mode on `device`, its tokenizer) from an exported model directory, or an adapter
     directory over its base; a UserError that names the directory and the problem otherwise."""
     if not directory.is_dir():
-        raise UserError(f"{directory} " + ("is not a directory" if directory.exists() else "does not exist")
-                        + ": give an exported model directory (output_dir/hf) or adapter directory (output_dir/adapter)")
+        raise UserError(
+            f"{directory} "
+            + ("is not a directory" if directory.exists() else "does not exist")
+            + ": give an exported model directory (output_dir/hf) or adapter directory (output_dir/adapter)"
+        )
     adapter = (directory / ADAPTER_CONFIG).is_file()
     if not adapter and not (directory / "config.json").is_file():
-        raise UserError(f"{directory} holds neither config.json (a Hugging Face model directory, such as output_dir/hf) "
-                        f"nor {ADAPTER_CONFIG} (a peft adapter directory, such as output_dir/adapter)")
+        raise UserError(
+            f"{directory} holds neither config.json (a Hugging Face model directory, such as output_dir/hf) "
+            f"nor {ADAPTER_CONFIG} (a peft adapter directory, such as output_dir/adapter)"
+        )
     import torch
 
     tokenizer = _load_tokenizer(directory)
@@ -175,8 +197,10 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     except (OSError, ValueError) as error:
-        raise UserError(f"{model_dir} could not be loaded as a causal language model: {type(error).__name__}: "
-                        f"{str(error).splitlines()[0]}") from error
+        raise UserError(
+            f"{model_dir} could not be loaded as a causal language model: {type(error).__name__}: "
+            f"{str(error).splitlines()[0]}"
+        ) from error
     if adapter:
         import warnings
 
@@ -184,11 +208,15 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
 
         try:
             with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
-                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+                warnings.filterwarnings(
+                    "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+                )
                 model = PeftModel.from_pretrained(model, directory)
         except (OSError, ValueError, RuntimeError, KeyError) as error:
-            raise UserError(f"the adapter {directory} does not fit the base model {model_dir}: {type(error).__name__}: "
-                            f"{str(error).splitlines()[0]}") from error
+            raise UserError(
+                f"the adapter {directory} does not fit the base model {model_dir}: {type(error).__name__}: "
+                f"{str(error).splitlines()[0]}"
+            ) from error
     return model.to(resolved).eval(), tokenizer
 
 
@@ -198,12 +226,16 @@ def _load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as error:
-        raise UserError(f"{directory}: its tokenizer could not be loaded ({type(error).__name__}: "
-                        f"{str(error).splitlines()[0]}); a run's export holds the tokenizer it trained with") from error
+        raise UserError(
+            f"{directory}: its tokenizer could not be loaded ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}); a run's export holds the tokenizer it trained with"
+        ) from error
     if not tokenizer.chat_template:
-        raise UserError(f"{directory}: the tokenizer has no chat template, which chattune chat renders each "
-                        "conversation with. Add one (tokenizer.chat_template = open('template.jinja').read(); "
-                        "tokenizer.save_pretrained(DIR)), or chat with a chat (instruct) model")
+        raise UserError(
+            f"{directory}: the tokenizer has no chat template, which chattune chat renders each "
+            "conversation with. Add one (tokenizer.chat_template = open('template.jinja').read(); "
+            "tokenizer.save_pretrained(DIR)), or chat with a chat (instruct) model"
+        )
     return tokenizer
 
 
@@ -215,26 +247,38 @@ def _adapter_base(directory: Path, base: str | None) -> Path:
     if base is not None:
         path = local_directory(base, "--base")
         if not (path / "config.json").is_file():
-            raise UserError(f"--base {base} " + ("has no config.json: not a Hugging Face model directory"
-                                                 if path.is_dir() else "is not a local directory"))
+            raise UserError(
+                f"--base {base} "
+                + (
+                    "has no config.json: not a Hugging Face model directory"
+                    if path.is_dir()
+                    else "is not a local directory"
+                )
+            )
         return path
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
     named, revision = config.get("base_model_name_or_path"), config.get("revision")
     key = f"{directory / ADAPTER_CONFIG}'s base_model_name_or_path"
     remedy = "give the base with --base DIR"
     if not named:
-        raise UserError(f"the adapter {directory} names no base model: its run built the base from model.config "
-                        "(random weights, saved nowhere). Chat with the run's merged export (export.merge=true "
-                        f"writes output_dir/hf), or {remedy}")
+        raise UserError(
+            f"the adapter {directory} names no base model: its run built the base from model.config "
+            "(random weights, saved nowhere). Chat with the run's merged export (export.merge=true "
+            f"writes output_dir/hf), or {remedy}"
+        )
     path = Path(named)
     if not path.exists() and HUB_LIKE.fullmatch(named):  # chattune writes a hub base as org/name (and a revision)
         try:
             path = local_directory(f"{HUB_PREFIX}{named}" + (f"@{revision}" if revision else ""), key)
         except UserError as error:
-            raise UserError(f"the base model {named} ({key}) is not a directory here (a relative path is read from "
-                            f"where you run chattune chat), nor a hub repository found: {error}. Or {remedy}") from None
+            raise UserError(
+                f"the base model {named} ({key}) is not a directory here (a relative path is read from "
+                f"where you run chattune chat), nor a hub repository found: {error}. Or {remedy}"
+            ) from None
     if not (path / "config.json").is_file():
         what = "has no config.json" if path.is_dir() else "does not exist"
-        raise UserError(f"the base model {named} ({key}) {what} (a relative path is read from where you run chattune "
-                        f"chat): {remedy}")
+        raise UserError(
+            f"the base model {named} ({key}) {what} (a relative path is read from where you run chattune "
+            f"chat): {remedy}"
+        )
     return path

@@ -36,12 +36,14 @@ from chattune.launch.validate import validate_command
 TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
 
-def load_config(config_name: str, overrides: list[str], config_path: Path = CONFIG_DIR,
-                config_dir: Path | None = None) -> tuple[DictConfig, RecipeKind]:
+def load_config(
+    config_name: str, overrides: list[str], config_path: Path = CONFIG_DIR, config_dir: Path | None = None
+) -> tuple[DictConfig, RecipeKind]:
     """The config a recipe would compose and its recipe kind (its name's), after `chattune validate`'s checks
     (ConfigError: every problem)."""
-    findings = validate_command(config_name, overrides, config_path, None, config_dir, read_data=True,
-                                output_dir_checks=False)
+    findings = validate_command(
+        config_name, overrides, config_path, None, config_dir, read_data=True, output_dir_checks=False
+    )
     if findings.problems:
         raise ConfigError(findings.problems)
     kind = kind_of_config(config_name, config_path, config_dir).kind
@@ -49,8 +51,9 @@ def load_config(config_name: str, overrides: list[str], config_path: Path = CONF
         return compose(config_name, overrides=overrides), kind
 
 
-def inspect_sources(cfg: DictConfig, kind: RecipeKind, tokenizer: PreTrainedTokenizerBase, num_examples: int,
-                    limit: int | None) -> DataReport:
+def inspect_sources(
+    cfg: DictConfig, kind: RecipeKind, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None
+) -> DataReport:
     budget = row_budget(cfg.data, cfg.parallel.context)[0]  # a row's tokens (context parallelism: the group's)
     specs = source_specs(cfg.data.train)  # read as the recipe reads them
     # From the sources' token caches where they are built (data.cache), else tokenized here as read.
@@ -58,12 +61,25 @@ def inspect_sources(cfg: DictConfig, kind: RecipeKind, tokenizer: PreTrainedToke
     # data.eval_split: the records training reads, without those held out for eval (said in the report)
     split = hold_out(documents, cfg.data.eval_split, cfg.seed)
     documents = split.train
-    report = scan_documents(documents, range(min(len(documents), limit or len(documents))), num_examples,
-                            batch_records=cfg.data.buffer_records)
+    report = scan_documents(
+        documents,
+        range(min(len(documents), limit or len(documents))),
+        num_examples,
+        batch_records=cfg.data.buffer_records,
+    )
     if split.held_out is not None:
         report.held_out = held_out_line(split, cfg.data.eval_split)
-    stream = PackedStream(_KnownLengths(report.outcomes), 0, 1, cfg.seed, budget, 0,
-                          cfg.data.buffer_records, num_epochs=1, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+    stream = PackedStream(
+        _KnownLengths(report.outcomes),
+        0,
+        1,
+        cfg.seed,
+        budget,
+        0,
+        cfg.data.buffer_records,
+        num_epochs=1,
+        pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+    )
     for batch in stream:
         report.microbatches += 1
         report.packed_tokens += batch.num_tokens
@@ -92,8 +108,10 @@ def sides(document: Document) -> list[tuple[str, Document]]:
     if len(document.segments) != 2:
         return [("", document)]
     chosen = document.segments[0]
-    return [(" chosen", Document(document.doc_id, document.input_ids[:chosen], document.labels[:chosen])),
-            (" rejected", Document(document.doc_id, document.input_ids[chosen:], document.labels[chosen:]))]
+    return [
+        (" chosen", Document(document.doc_id, document.input_ids[:chosen], document.labels[:chosen])),
+        (" rejected", Document(document.doc_id, document.input_ids[chosen:], document.labels[chosen:])),
+    ]
 
 
 def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:
@@ -113,8 +131,11 @@ def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> li
         text = tokenizer.decode(ids[:end], clean_up_tokenization_spaces=False)
         # The prefix's text is that of the document so far, unless a character spans the boundary (bytes of
         # one UTF-8 character in two tokens): then the run alone.
-        piece = text[len(decoded):] if text.startswith(decoded) else \
-            tokenizer.decode(ids[start:end], clean_up_tokenization_spaces=False)
+        piece = (
+            text[len(decoded) :]
+            if text.startswith(decoded)
+            else tokenizer.decode(ids[start:end], clean_up_tokenization_spaces=False)
+        )
         pieces.append((piece, is_trained))
         decoded = text
     return pieces
@@ -129,22 +150,31 @@ def histogram(lengths: list[int], width: int = 40) -> list[str]:
         upper = 1 << max(length - 1, 0).bit_length()
         buckets[upper] = buckets.get(upper, 0) + 1
     most = max(buckets.values())
-    return [f"{upper // 2 + 1:>6}-{upper:<6} {'#' * max(1, round(width * count / most)):<{width}} {count}"
-            for upper, count in sorted(buckets.items())]
+    return [
+        f"{upper // 2 + 1:>6}-{upper:<6} {'#' * max(1, round(width * count / most)):<{width}} {count}"
+        for upper, count in sorted(buckets.items())
+    ]
 
 
 def summary_lines(report: DataReport, budget: int) -> list[str]:
     fill = report.packed_tokens / (report.microbatches * budget) if report.microbatches else 0.0
-    return ([report.held_out] if report.held_out else []) + count_lines(report.counts()) + [
-        f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}"]
+    return (
+        ([report.held_out] if report.held_out else [])
+        + count_lines(report.counts())
+        + [f"microbatches at {budget} tokens: {report.microbatches}, fill {fill:.2%}"]
+    )
 
 
 def render_terminal(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: int, colour: bool) -> str:
     lines = summary_lines(report, budget) + ["", "document lengths (tokens):", *histogram(report.lengths)]
     for document in report.examples:
         for title, part in sides(document):
-            lines += ["", f"--- document {document.doc_id}{title} ({len(part)} tokens; trained tokens "
-                          + ("in green" if colour else "between [[ ]]") + ") ---"]
+            lines += [
+                "",
+                f"--- document {document.doc_id}{title} ({len(part)} tokens; trained tokens "
+                + ("in green" if colour else "between [[ ]]")
+                + ") ---",
+            ]
             parts = []
             for text, trained in trained_pieces(tokenizer, part):
                 if colour:
@@ -159,8 +189,10 @@ def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: 
     documents = []
     for document in report.examples:
         for title, part in sides(document):
-            body = "".join(f'<span class="trained">{html.escape(text)}</span>' if trained else html.escape(text)
-                           for text, trained in trained_pieces(tokenizer, part))
+            body = "".join(
+                f'<span class="trained">{html.escape(text)}</span>' if trained else html.escape(text)
+                for text, trained in trained_pieces(tokenizer, part)
+            )
             documents.append(f"<h2>document {document.doc_id}{title} ({len(part)} tokens)</h2><pre>{body}</pre>")
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report, budget))
     bars = html.escape("\n".join(histogram(report.lengths)))
@@ -173,12 +205,21 @@ def render_html(report: DataReport, tokenizer: PreTrainedTokenizerBase, budget: 
     )
 
 
-def run_inspect(config_name: str, overrides: list[str], config_path: Path, num_docs: int, limit: int | None,
-                html_path: Path | None, colour: bool, config_dir: Path | None = None) -> str:
+def run_inspect(
+    config_name: str,
+    overrides: list[str],
+    config_path: Path,
+    num_docs: int,
+    limit: int | None,
+    html_path: Path | None,
+    colour: bool,
+    config_dir: Path | None = None,
+) -> str:
     cfg, kind = load_config(config_name, overrides, config_path, config_dir)
     tokenizer = load_tokenizer(cfg.tokenizer)
     report = inspect_sources(cfg, kind, tokenizer, num_docs, limit)
     if html_path is not None:
-        html_path.write_text(render_html(report, tokenizer, row_budget(cfg.data, cfg.parallel.context)[0]),
-                             encoding="utf-8")
+        html_path.write_text(
+            render_html(report, tokenizer, row_budget(cfg.data, cfg.parallel.context)[0]), encoding="utf-8"
+        )
     return render_terminal(report, tokenizer, row_budget(cfg.data, cfg.parallel.context)[0], colour)

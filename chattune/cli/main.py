@@ -49,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The first line of a command that takes seconds (imports, the data's first records): said at once, on stderr.
-_FIRST_LINES = {"validate": "checking {config}: every key, the data's first records, the output directory and its "
-                            "checkpoints",
-                "inspect": "reading the data of {config}",
-                "prepare": "tokenizing the data of {config} into token caches, where not done before"}
+_FIRST_LINES = {
+    "validate": "checking {config}: every key, the data's first records, the output directory and its checkpoints",
+    "inspect": "reading the data of {config}",
+    "prepare": "tokenizing the data of {config} into token caches, where not done before",
+}
 
 
 def announce(args: argparse.Namespace) -> None:
@@ -64,7 +65,9 @@ def announce(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chattune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="chattune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     ls = commands.add_parser("ls", help="list the shipped recipes and configs")
@@ -73,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp = commands.add_parser("cp", help="copy a shipped recipe or config to edit it")
     cp.add_argument("name", metavar="RECIPE|CONFIG", help="e.g. sft, dpo, sft/tiny (see chattune ls)")
     # A str, not a Path: Path drops the trailing "/" that marks a directory still to be made.
-    cp.add_argument("dest", metavar="DEST", help="a file path, or a directory (existing, or ending in /) to keep the file name")
+    cp.add_argument(
+        "dest", metavar="DEST", help="a file path, or a directory (existing, or ending in /) to keep the file name"
+    )
     cp.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
     cp.set_defaults(handler=_cp)
 
@@ -82,8 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--num-docs", type=int, default=3, help="documents to show with their trained tokens")
     inspect.add_argument("--limit", type=int, default=None, help="read only the first N training records")
     inspect.add_argument("--html", type=Path, default=None, help="also write the report as an HTML page")
-    inspect.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
-                         help="colour trained tokens (default: when writing to a terminal)")
+    inspect.add_argument(
+        "--color",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="colour trained tokens (default: when writing to a terminal)",
+    )
     inspect.set_defaults(handler=_inspect)
 
     validate = commands.add_parser("validate", help="check a config and its data before launching a run")
@@ -95,9 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(handler=_prepare)
 
     plot = commands.add_parser("plot", help="draw training curves of one or more runs as a PNG")
-    plot.add_argument("run_dirs", metavar="OUTPUT_DIR", nargs="+", type=Path, help="run output directories (metrics.jsonl)")
-    plot.add_argument("--out", type=Path, default=None,
-                      help="PNG to write (default: OUTPUT_DIR/metrics.png for one run, ./metrics.png for several)")
+    plot.add_argument(
+        "run_dirs", metavar="OUTPUT_DIR", nargs="+", type=Path, help="run output directories (metrics.jsonl)"
+    )
+    plot.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG to write (default: OUTPUT_DIR/metrics.png for one run, ./metrics.png for several)",
+    )
     plot.set_defaults(handler=_plot)
 
     chat = commands.add_parser("chat", help="talk to an exported model (hf/ or adapter/), or answer a file of prompts")
@@ -107,23 +122,36 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(handler=_chat)
 
     # (listed for --help; `main` hands its arguments to torchrun's parser unread)
-    commands.add_parser("run", help="launch a recipe as torchrun does, letting a stopped run finish its save",
-                        add_help=False)
+    commands.add_parser(
+        "run", help="launch a recipe as torchrun does, letting a stopped run finish its save", add_help=False
+    )
     return parser
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-name", default=None, help=f"config to compose (default: {DEFAULT_CONFIG})")
-    parser.add_argument("--config-path", default=None,
-                        help="directory of configs, as the recipe's --config-path: absolute, or relative to the recipe's "
-                             "directory as Hydra resolves it (default: the shipped configs, which stay reachable from yours)")
-    parser.add_argument("--config-dir", type=Path, default=None,
-                        help="a further directory of configs, searched first (relative to here), as the recipe's --config-dir")
-    parser.add_argument("--recipe", type=Path, default=None,
-                        help="the recipe file: a relative --config-path is resolved from it, and `validate` checks the keys "
-                             "its kind declares (a copied recipe's own; default: the shipped recipe)")
-    parser.add_argument("words", nargs="*", metavar="[CONFIG] key=value",
-                        help="a config name, as --config-name, then config overrides")
+    parser.add_argument(
+        "--config-path",
+        default=None,
+        help="directory of configs, as the recipe's --config-path: absolute, or relative to the recipe's "
+        "directory as Hydra resolves it (default: the shipped configs, which stay reachable from yours)",
+    )
+    parser.add_argument(
+        "--config-dir",
+        type=Path,
+        default=None,
+        help="a further directory of configs, searched first (relative to here), as the recipe's --config-dir",
+    )
+    parser.add_argument(
+        "--recipe",
+        type=Path,
+        default=None,
+        help="the recipe file: a relative --config-path is resolved from it, and `validate` checks the keys "
+        "its kind declares (a copied recipe's own; default: the shipped recipe)",
+    )
+    parser.add_argument(
+        "words", nargs="*", metavar="[CONFIG] key=value", help="a config name, as --config-name, then config overrides"
+    )
 
 
 def config_location(args: argparse.Namespace, config_name: str) -> tuple[Path, Path | None]:

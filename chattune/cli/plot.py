@@ -70,7 +70,11 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 def metrics_figure(runs: dict[str, list[dict]]) -> Figure:
     """One panel per metric family present in any run; each run one colour, each metric one line style."""
     figure_class, canvas_class = _matplotlib()
-    panels = [(title, keys) for title, keys in PANELS if any(k in r for records in runs.values() for r in records for k in keys)]
+    panels = [
+        (title, keys)
+        for title, keys in PANELS
+        if any(k in r for records in runs.values() for r in records for k in keys)
+    ]
     columns = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / columns)
     figure = figure_class(figsize=(6.5 * columns, 3.4 * rows), layout="constrained")
@@ -84,8 +88,15 @@ def metrics_figure(runs: dict[str, list[dict]]) -> Figure:
                 steps, values = series(records, key)
                 if steps:
                     label = name if len(drawn) == 1 else f"{name} {key}"
-                    axes.plot(steps, values, linestyle=style, color=colour, label=label,
-                              marker="o" if key.startswith("eval_") else None, markersize=3)
+                    axes.plot(
+                        steps,
+                        values,
+                        linestyle=style,
+                        color=colour,
+                        label=label,
+                        marker="o" if key.startswith("eval_") else None,
+                        markersize=3,
+                    )
         axes.set_title(title)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
@@ -109,5 +120,7 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise PlotError('chattune plot needs matplotlib: pip install "chattune[plot]" (or pip install matplotlib)') from error
+        raise PlotError(
+            'chattune plot needs matplotlib: pip install "chattune[plot]" (or pip install matplotlib)'
+        ) from error
     return Figure, FigureCanvasAgg

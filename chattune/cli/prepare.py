@@ -19,8 +19,10 @@ def run_prepare(config_name: str, overrides: list[str], config_path: Path, confi
     """Build (or find) the token cache of every training and held-out source; one line per source."""
     cfg, kind = load_config(config_name, overrides, config_path, config_dir)
     if cache_root(cfg.data.cache) is None:
-        raise UserError("data.cache=off: the sources are tokenized as they are read, there is nothing to prepare "
-                        "(data.cache=auto, or a directory, keeps a token cache)")
+        raise UserError(
+            "data.cache=off: the sources are tokenized as they are read, there is nothing to prepare "
+            "(data.cache=auto, or a directory, keeps a token cache)"
+        )
     tokenizer = load_tokenizer(cfg.tokenizer)
     lines = []
     for section in ("train", "eval"):
@@ -31,9 +33,11 @@ def run_prepare(config_name: str, overrides: list[str], config_path: Path, confi
         for spec, source in zip(specs, documents.sources):
             manifest = source.manifest
             size = sum(f.stat().st_size for f in source.directory.rglob("*") if f.is_file())
-            lines.append(f"data.{section} {spec.path}: {manifest['records']} records -> {manifest['documents']} documents, "
-                         f"{manifest['tokens']} tokens, {manifest['skipped']} skipped; {size / 2**20:.1f} MiB in "
-                         f"{source.directory}")
+            lines.append(
+                f"data.{section} {spec.path}: {manifest['records']} records -> {manifest['documents']} documents, "
+                f"{manifest['tokens']} tokens, {manifest['skipped']} skipped; {size / 2**20:.1f} MiB in "
+                f"{source.directory}"
+            )
         if specs:
             lines.append(f"  ({elapsed:.1f} s)")
     return "\n".join(lines)

@@ -54,8 +54,9 @@ class SignalRelay:
 
         self.received.append(signum)
         if not self.relay():  # the agent stops its workers with SIGTERM: a Ctrl-C would give each a traceback
-            raise SignalException(f"chattune run got {signal.Signals(signum).name} before any worker could take it",
-                                  sigval=signal.SIGTERM)
+            raise SignalException(
+                f"chattune run got {signal.Signals(signum).name} before any worker could take it", sigval=signal.SIGTERM
+            )
 
     def relay(self) -> list[int]:
         """Send every registered worker the signals it has not had yet; the workers it found. Runs in the main
@@ -111,8 +112,11 @@ def recipe_path(word: str) -> str:
 
 def main(argv: list[str]) -> int:
     """`chattune run ARGS`: ARGS as torchrun takes them. Returns the exit status."""
-    print("chattune run: starting torchrun's agent (stop signals are passed on to the workers, who save and exit 75)",
-          file=sys.stderr, flush=True)
+    print(
+        "chattune run: starting torchrun's agent (stop signals are passed on to the workers, who save and exit 75)",
+        file=sys.stderr,
+        flush=True,
+    )
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -120,13 +124,16 @@ def main(argv: list[str]) -> int:
     sys.argv[0] = "chattune run"  # torchrun's parser names its program from it (usage, --help)
     args = parse_args(argv)
     if not hasattr(args, "signals_to_handle"):
-        raise UserError("chattune run needs a torchrun that leaves signals to it (--signals-to-handle, torch 2.9 and "
-                        "later); with this torch, launch with torchrun")
+        raise UserError(
+            "chattune run needs a torchrun that leaves signals to it (--signals-to-handle, torch 2.9 and "
+            "later); with this torch, launch with torchrun"
+        )
     args.training_script = recipe_path(args.training_script)
     relayed = {signal.Signals(s).name for s in SIGNALS}
     # The agent keeps the other signals it handles (SIGHUP, SIGQUIT): a closed terminal still ends the run.
-    args.signals_to_handle = ",".join(name for name in args.signals_to_handle.split(",")
-                                      if name.strip() not in relayed) or "SIGHUP"
+    args.signals_to_handle = (
+        ",".join(name for name in args.signals_to_handle.split(",") if name.strip() not in relayed) or "SIGHUP"
+    )
     with tempfile.TemporaryDirectory(prefix="chattune-run-") as directory:
         os.environ[LAUNCHER_DIR_ENV] = directory
         relay = SignalRelay(Path(directory))
@@ -138,7 +145,10 @@ def main(argv: list[str]) -> int:
             return 1
         except SignalException:  # before any worker could take it: the agent has stopped them
             first = signal.Signals(relay.received[0])
-            print(f"chattune run: stopped by {first.name} before training began; nothing to save", file=sys.stderr,
-                  flush=True)
+            print(
+                f"chattune run: stopped by {first.name} before training began; nothing to save",
+                file=sys.stderr,
+                flush=True,
+            )
             return 128 + first
         return meant_status(Path(directory))

@@ -18,9 +18,11 @@ def pad_multiple_problem(budget: int | None, multiple: int | None) -> str | None
 def context_ranks_problem(context: int, world_size: int) -> str | None:
     """parallel.context against the number of ranks: each group of `context` consecutive ranks shares a row."""
     if context > 1 and world_size >= 1 and world_size % context:
-        return (f"{context} does not divide the {world_size} ranks of this launch: each group of {context} ranks "
-                f"shares a row; launch a multiple of {context} ranks (--nproc_per_node) or choose a divisor of the "
-                "number of ranks")
+        return (
+            f"{context} does not divide the {world_size} ranks of this launch: each group of {context} ranks "
+            f"shares a row; launch a multiple of {context} ranks (--nproc_per_node) or choose a divisor of the "
+            "number of ranks"
+        )
     return None
 
 
@@ -31,6 +33,9 @@ def microbatch_ranks_problem(microbatches: int, world_size: int, context: int) -
         return None  # the context rule's problem
     ranks = world_size // context
     if microbatches % ranks:
-        return (f"{microbatches} cannot be dealt to {ranks} data-parallel ranks: the number of ranks"
-                + (f" divided by parallel.context={context} ({ranks})" if context > 1 else "") + " must divide it")
+        return (
+            f"{microbatches} cannot be dealt to {ranks} data-parallel ranks: the number of ranks"
+            + (f" divided by parallel.context={context} ({ranks})" if context > 1 else "")
+            + " must divide it"
+        )
     return None

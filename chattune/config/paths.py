@@ -39,5 +39,3 @@ def save_resolved_config(cfg: DictConfig, directory: Path) -> None:
 
 
 register_resolvers()
-
-

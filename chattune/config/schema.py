@@ -48,11 +48,20 @@ QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)
 RESUME_CHANGES = ("free", "horizon", "numerics")
 
 
-def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
-        choices: tuple[str, ...] | None = None, at_least: int | None = None, hint: str = "",
-        bound: tuple[Callable[[Any], bool], str] | None = None, open_section: bool = False,
-        recipe_passes: tuple[int, tuple[str, ...]] | None = None, aliases: tuple[str, ...] = (),
-        resume: str | None = None) -> Any:
+def key(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+    at_least: int | None = None,
+    hint: str = "",
+    bound: tuple[Callable[[Any], bool], str] | None = None,
+    open_section: bool = False,
+    recipe_passes: tuple[int, tuple[str, ...]] | None = None,
+    aliases: tuple[str, ...] = (),
+    resume: str | None = None,
+) -> Any:
     """A config key: its default (or `factory` for a mutable one) and one-line meaning (`help`), with
     what the checks need: `choices`, `at_least` (with a `hint` on failure), `bound` (predicate on a number or
     a list, message), `open_section` (a mapping passed on as it is: any key), `recipe_passes` (for a
@@ -62,8 +71,17 @@ def key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable
     resume_allow_changes names it)."""
     if resume is not None and resume not in RESUME_CHANGES:
         raise ValueError(f"resume={resume!r} is not one of {RESUME_CHANGES}")
-    metadata = {"help": help, "choices": choices, "at_least": at_least, "hint": hint, "bound": bound,
-                "open_section": open_section, "recipe_passes": recipe_passes, "aliases": aliases, "resume": resume}
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "at_least": at_least,
+        "hint": hint,
+        "bound": bound,
+        "open_section": open_section,
+        "recipe_passes": recipe_passes,
+        "aliases": aliases,
+        "resume": resume,
+    }
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -92,9 +110,12 @@ class WandbConfig:
 @dataclass
 class TokenizerConfig:
     path: str = key("${demo_asset:tokenizer}", "a local tokenizer directory with a chat template, or hf:org/name")
-    chat_template: str | None = key(None, "the template records are rendered with and the export writes: null (the "
-                                          "tokenizer's own) | a name chattune ships (chatml, llama3) | a file | "
-                                          "inline Jinja")
+    chat_template: str | None = key(
+        None,
+        "the template records are rendered with and the export writes: null (the "
+        "tokenizer's own) | a name chattune ships (chatml, llama3) | a file | "
+        "inline Jinja",
+    )
 
 
 @dataclass
@@ -107,25 +128,34 @@ class TinyLlamaConfig:
     num_hidden_layers: int = key(4, "decoder layers")
     num_attention_heads: int = key(6, "query heads")
     num_key_value_heads: int = key(2, "key/value heads (grouped-query attention)")
-    max_position_embeddings: int = key(2048, "longest sequence the model is built for (written into its export, "
-                                             "where a run from it checks its budget against it)")
+    max_position_embeddings: int = key(
+        2048,
+        "longest sequence the model is built for (written into its export, "
+        "where a run from it checks its budget against it)",
+    )
     tie_word_embeddings: bool = key(True, "the output layer shares the embedding matrix")
 
 
 @dataclass
 class FSDPConfig:
-    param_dtype: str = key("auto", "compute dtype; auto: bfloat16 on CUDA, float32 on CPU (shards stay fp32)",
-                           choices=("auto", *DTYPES))
+    param_dtype: str = key(
+        "auto", "compute dtype; auto: bfloat16 on CUDA, float32 on CPU (shards stay fp32)", choices=("auto", *DTYPES)
+    )
     reduce_dtype: str = key("float32", "dtype of the gradient reduction", choices=DTYPES)
-    activation_checkpointing: bool = key(False, "recompute each decoder layer's activations in the backward",
-                                         resume="numerics")
+    activation_checkpointing: bool = key(
+        False, "recompute each decoder layer's activations in the backward", resume="numerics"
+    )
 
 
 @dataclass
 class ParallelConfig:
-    context: int = key(1, "context parallelism: ranks that share each packed row (of parallel.context x "
-                          "data.max_tokens_per_microbatch tokens), each computing a slice; divides the number of ranks "
-                          "and the model's attention heads", at_least=1)
+    context: int = key(
+        1,
+        "context parallelism: ranks that share each packed row (of parallel.context x "
+        "data.max_tokens_per_microbatch tokens), each computing a slice; divides the number of ranks "
+        "and the model's attention heads",
+        at_least=1,
+    )
 
 
 @dataclass
@@ -133,16 +163,26 @@ class ModelConfig:
     path: str | None = key(None, "a local Hugging Face model directory; null builds `config` with random weights")
     config: TinyLlamaConfig | None = section(TinyLlamaConfig, "an HF config (_target_ and its keys) for random init")
     fsdp: FSDPConfig = section(FSDPConfig, "FSDP2 sharding and mixed precision")
-    compile: bool | str = key("auto", "torch.compile each decoder layer: auto (on CUDA, not on CPU) | true | false",
-                              choices=("auto",), resume="numerics")
+    compile: bool | str = key(
+        "auto",
+        "torch.compile each decoder layer: auto (on CUDA, not on CPU) | true | false",
+        choices=("auto",),
+        resume="numerics",
+    )
 
 
 @dataclass
 class MixingConfig:
-    mode: str = key("none", "none: sources concatenated, every record once per epoch | static: by weight | "
-                            "online: bandit", choices=MIXING_MODES)
-    stopping: str = key("all_exhausted", "a mixture's epoch ends when the first source or every source has "
-                                         "finished a pass", choices=MIXING_STOPPING)
+    mode: str = key(
+        "none",
+        "none: sources concatenated, every record once per epoch | static: by weight | online: bandit",
+        choices=MIXING_MODES,
+    )
+    stopping: str = key(
+        "all_exhausted",
+        "a mixture's epoch ends when the first source or every source has finished a pass",
+        choices=MIXING_STOPPING,
+    )
     gamma: float = key(0.1, "online: share of the probability spread evenly over the sources (exploration)")
     eta: float = key(0.1, "online: step size of the log-weights")
     update_every: int = key(10, "online: steps between updates")
@@ -151,47 +191,75 @@ class MixingConfig:
 
 @dataclass
 class DataConfig:
-    train: list[Any] = key(factory=lambda: ["${demo_asset:chat_train.jsonl}"],
-                           help="training sources: paths or {path, format, columns, roles, ...}")
-    eval: list[Any] | None = key(factory=lambda: ["${demo_asset:chat_eval.jsonl}"], help="held-out sources",
-                                 resume="free")
-    eval_split: float | None = key(None, "records of the training sources held out and evaluated, never trained: a "
-                                         "fraction in (0, 1) of each source, or a count over all of them (in "
-                                         "proportion to their sizes); the same records on any ranks and resumes. "
-                                         "null: none", bound=(is_eval_split, "must be a fraction in (0, 1) or a "
-                                                              "whole number of records of at least 1 (null: none)"))
+    train: list[Any] = key(
+        factory=lambda: ["${demo_asset:chat_train.jsonl}"],
+        help="training sources: paths or {path, format, columns, roles, ...}",
+    )
+    eval: list[Any] | None = key(
+        factory=lambda: ["${demo_asset:chat_eval.jsonl}"], help="held-out sources", resume="free"
+    )
+    eval_split: float | None = key(
+        None,
+        "records of the training sources held out and evaluated, never trained: a "
+        "fraction in (0, 1) of each source, or a count over all of them (in "
+        "proportion to their sizes); the same records on any ranks and resumes. "
+        "null: none",
+        bound=(is_eval_split, "must be a fraction in (0, 1) or a whole number of records of at least 1 (null: none)"),
+    )
     train_on: str = key("assistant", "the tokens trained on", choices=TRAIN_ON)
     max_tokens_per_microbatch: int = key(2048, "the token budget of one packed microbatch", at_least=1)
     buffer_records: int = key(256, "records tokenized and packed together (best-fit decreasing)", at_least=1)
-    microbatches_per_step: int | None = key(None, "world-size-invariant steps: the step's microbatches over all "
-                                                  "ranks, the next ones of one packing of all the data that every "
-                                                  "rank makes alike; the number of ranks must divide it "
-                                                  "(grad_accum_steps follows). null: each rank packs its own share", at_least=1)
-    num_workers: int = key(0, "tokenizing processes per rank (0: in the training process); with a token cache, "
-                              "those that build it", at_least=0, resume="numerics")
-    cache: str = key("auto", "the token cache: auto (in $CHATTUNE_CACHE_DIR, else ~/.cache/chattune) | off (tokenize "
-                             "as read, every launch) | a directory", resume="free")
-    pad_to_multiple_of: int | None = key(None, "round each microbatch up (padding is never trained or attended)",
-                                         at_least=1)
+    microbatches_per_step: int | None = key(
+        None,
+        "world-size-invariant steps: the step's microbatches over all "
+        "ranks, the next ones of one packing of all the data that every "
+        "rank makes alike; the number of ranks must divide it "
+        "(grad_accum_steps follows). null: each rank packs its own share",
+        at_least=1,
+    )
+    num_workers: int = key(
+        0,
+        "tokenizing processes per rank (0: in the training process); with a token cache, those that build it",
+        at_least=0,
+        resume="numerics",
+    )
+    cache: str = key(
+        "auto",
+        "the token cache: auto (in $CHATTUNE_CACHE_DIR, else ~/.cache/chattune) | off (tokenize "
+        "as read, every launch) | a directory",
+        resume="free",
+    )
+    pad_to_multiple_of: int | None = key(
+        None, "round each microbatch up (padding is never trained or attended)", at_least=1
+    )
     overlong: str = key("drop", "a record over the budget: drop | truncate | split | error", choices=OVERLONG)
-    on_bad_record: str = key("error", "a record that cannot be read or trained on: error | skip",
-                             choices=ON_BAD_RECORD)
-    num_epochs: int | None = key(None, "stop after this many epochs (null: max_steps decides)", at_least=1,
-                                 resume="horizon")
-    report_records: int | None = key(1000, "records counted for the data report (null: all, 0: none)", at_least=0,
-                                     resume="free")
+    on_bad_record: str = key("error", "a record that cannot be read or trained on: error | skip", choices=ON_BAD_RECORD)
+    num_epochs: int | None = key(
+        None, "stop after this many epochs (null: max_steps decides)", at_least=1, resume="horizon"
+    )
+    report_records: int | None = key(
+        1000, "records counted for the data report (null: all, 0: none)", at_least=0, resume="free"
+    )
     mixing: MixingConfig = section(MixingConfig, "how training sources are sampled")
 
 
 @dataclass
 class LossConfig:
     chunk_size: int = key(1024, "tokens per chunk of the output-layer cross-entropy", at_least=1, resume="numerics")
-    implementation: str = key("auto", "the output-layer loss: auto (cut_cross_entropy on CUDA when installed) | "
-                                      "chunked (exact fp32) | cut_cross_entropy", choices=LOSS_IMPLEMENTATIONS,
-                                      resume="numerics")
-    router_aux_coef: float | None = key(None, "MoE models: the router load-balancing loss's coefficient (null: the "
-                                              "model's router_aux_loss_coef where its config sets output_router_logits; "
-                                              "0: off)", bound=(lambda v: v is None or v >= 0, "must be >= 0"))
+    implementation: str = key(
+        "auto",
+        "the output-layer loss: auto (cut_cross_entropy on CUDA when installed) | "
+        "chunked (exact fp32) | cut_cross_entropy",
+        choices=LOSS_IMPLEMENTATIONS,
+        resume="numerics",
+    )
+    router_aux_coef: float | None = key(
+        None,
+        "MoE models: the router load-balancing loss's coefficient (null: the "
+        "model's router_aux_loss_coef where its config sets output_router_logits; "
+        "0: off)",
+        bound=(lambda v: v is None or v >= 0, "must be >= 0"),
+    )
 
 
 @dataclass
@@ -199,8 +267,11 @@ class OptimizerConfig:
     _target_: str = key("torch.optim.AdamW", "the optimizer class")
     _partial_: bool = key(True, "the recipe passes the parameters")
     lr: float = key(3e-3, "learning rate", bound=(lambda v: v >= 0, "must not be negative"))
-    betas: list[float] = key(factory=lambda: [0.9, 0.95], help="AdamW's moment decay rates",
-                             bound=(lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"))
+    betas: list[float] = key(
+        factory=lambda: [0.9, 0.95],
+        help="AdamW's moment decay rates",
+        bound=(lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
+    )
     weight_decay: float = key(0.01, "decoupled weight decay")
 
 
@@ -213,17 +284,27 @@ class SchedulerConfig:
 
 @dataclass
 class ExportConfig:
-    dtype: str = key("auto", "dtype of the exported weights; auto: the source checkpoint's (float32 for random init)",
-                     choices=("auto", *DTYPES))
+    dtype: str = key(
+        "auto",
+        "dtype of the exported weights; auto: the source checkpoint's (float32 for random init)",
+        choices=("auto", *DTYPES),
+    )
     merge: bool = key(False, "with peft: also write the base with the adapters merged into it (output_dir/hf)")
 
 
 @dataclass
 class EvalConfig:
-    samples: int = key(4, "prompts answered greedily by the model at every evaluation, written to samples.jsonl "
-                          "(and wandb); 0: none", at_least=0, hint=" (0: none)")
-    sample_prompts: str | None = key(None, "a prompts file (.jsonl of {messages} or {prompt}, else one prompt a "
-                                           "line) to sample from; null: the held-out set's first records (data.eval)")
+    samples: int = key(
+        4,
+        "prompts answered greedily by the model at every evaluation, written to samples.jsonl (and wandb); 0: none",
+        at_least=0,
+        hint=" (0: none)",
+    )
+    sample_prompts: str | None = key(
+        None,
+        "a prompts file (.jsonl of {messages} or {prompt}, else one prompt a "
+        "line) to sample from; null: the held-out set's first records (data.eval)",
+    )
     max_new_tokens: int = key(64, "the longest sample reply, in tokens", at_least=1)
 
 
@@ -231,17 +312,30 @@ class EvalConfig:
 class PeftConfig:
     type: str = key("lora", "the adapter kind", choices=PEFT_TYPES)
     rank: int = key(16, "the adapters' inner dimension (r)", at_least=1, aliases=("r",))
-    alpha: float = key(32, "the update is scaled by alpha / rank", bound=(lambda v: v > 0, "must be positive"),
-                       aliases=("lora_alpha",))
-    dropout: float = key(0.0, "dropout on the adapters' input (0 keeps gradients independent of the split)",
-                         bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"), aliases=("lora_dropout",))
-    target_modules: str | list[str] = key("all-linear", "all-linear (every linear layer but the output layer) or "
-                                                        "module names (a list, or one name)")
+    alpha: float = key(
+        32, "the update is scaled by alpha / rank", bound=(lambda v: v > 0, "must be positive"), aliases=("lora_alpha",)
+    )
+    dropout: float = key(
+        0.0,
+        "dropout on the adapters' input (0 keeps gradients independent of the split)",
+        bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+        aliases=("lora_dropout",),
+    )
+    target_modules: str | list[str] = key(
+        "all-linear", "all-linear (every linear layer but the output layer) or module names (a list, or one name)"
+    )
     use_dora: bool = key(False, "DoRA: a trained magnitude per output row on top of the LoRA direction")
-    modules_to_save: list[str] | None = key(None, "modules trained in full next to the adapters, e.g. [embed_tokens, "
-                                                  "lm_head] (tied embeddings stay tied: one matrix)")
-    quantize_base: str | None = key(None, "QLoRA: the frozen base's linear layers in 4 bits with bitsandbytes, "
-                                          "CUDA only (null: the base in full precision)", choices=QUANTIZE_BASE)
+    modules_to_save: list[str] | None = key(
+        None,
+        "modules trained in full next to the adapters, e.g. [embed_tokens, "
+        "lm_head] (tied embeddings stay tied: one matrix)",
+    )
+    quantize_base: str | None = key(
+        None,
+        "QLoRA: the frozen base's linear layers in 4 bits with bitsandbytes, "
+        "CUDA only (null: the base in full precision)",
+        choices=QUANTIZE_BASE,
+    )
 
 
 @dataclass
@@ -253,60 +347,79 @@ class SFTConfig:
     device: str = key("auto", "auto | cpu | cuda", choices=DEVICES)
     max_steps: int = key(200, "optimizer steps", at_least=1, resume="horizon")
     grad_accum_steps: int = key(1, "microbatches per optimizer step, per rank", at_least=1)
-    max_grad_norm: float | None = key(1.0, "gradient clipping (null: none; the norm is still logged)",
-                                      bound=(lambda v: v > 0, "must be positive (null: no clipping)"))
+    max_grad_norm: float | None = key(
+        1.0,
+        "gradient clipping (null: none; the norm is still logged)",
+        bound=(lambda v: v > 0, "must be positive (null: no clipping)"),
+    )
     log_every: int = key(5, "steps between metric lines", at_least=1, resume="free")
-    save_every: int = key(100, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)",
-                          resume="free")
-    keep_last_n: int | None = key(3, "checkpoints kept (null: all)", at_least=1,
-                                  hint=" (null keeps every checkpoint)", resume="free")
-    save_async: bool = key(False, "write checkpoints in the background while training goes on (committed "
-                                  "when complete)", resume="free")
+    save_every: int = key(
+        100, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
+    keep_last_n: int | None = key(
+        3, "checkpoints kept (null: all)", at_least=1, hint=" (null keeps every checkpoint)", resume="free"
+    )
+    save_async: bool = key(
+        False, "write checkpoints in the background while training goes on (committed when complete)", resume="free"
+    )
     resume: str | None = key("auto", "auto: the newest checkpoint in output_dir | PATH | null: never", resume="free")
     overwrite: bool = key(False, "start over in an output_dir that holds an earlier run (moved aside)", resume="free")
-    resume_allow_changes: bool | list[str] = key(False, "keys, data files or FILE:N records a resume accepts "
-                                                        "changed (true: any)", resume="free")
+    resume_allow_changes: bool | list[str] = key(
+        False, "keys, data files or FILE:N records a resume accepts changed (true: any)", resume="free"
+    )
     stop_after_step: int | None = key(None, "save a checkpoint and exit after this step", at_least=1, resume="free")
-    nonfinite_loss: str = key("skip", "skip: drop that step's update | stop: raise", choices=NONFINITE_LOSS,
-                              resume="free")
+    nonfinite_loss: str = key(
+        "skip", "skip: drop that step's update | stop: raise", choices=NONFINITE_LOSS, resume="free"
+    )
     ledger: bool = key(False, "log each step's document ids per rank under output_dir/ledger/", resume="free")
-    eval_every: int = key(50, "held-out loss every N steps and at the end (0: never)", at_least=0,
-                          hint=" (0: never)", resume="free")
+    eval_every: int = key(
+        50, "held-out loss every N steps and at the end (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
     eval: EvalConfig = section(EvalConfig, "sample replies at every evaluation", resume="free")
     logger: str = key("stdout", "stdout | wandb (metrics.jsonl is always written)", choices=LOGGERS, resume="free")
-    progress: str = key("auto", "auto: a bar on a terminal, metric lines otherwise | bar | lines",
-                        choices=PROGRESS_MODES, resume="free")
+    progress: str = key(
+        "auto", "auto: a bar on a terminal, metric lines otherwise | bar | lines", choices=PROGRESS_MODES, resume="free"
+    )
     wandb: WandbConfig = section(WandbConfig, "passed to wandb.init", open_section=True, resume="free")
     tokenizer: TokenizerConfig = section(TokenizerConfig)
     model: ModelConfig = section(ModelConfig)
     parallel: ParallelConfig = section(ParallelConfig, "how ranks share the work beyond FSDP's sharding")
     data: DataConfig = section(DataConfig)
     loss: LossConfig = section(LossConfig)
-    optimizer: OptimizerConfig = section(OptimizerConfig, "instantiated with the trainable parameters",
-                                         recipe_passes=(1, ()))
-    scheduler: SchedulerConfig = section(SchedulerConfig, "instantiated with the optimizer",
-                                         recipe_passes=(1, ("num_training_steps",)))
-    peft: PeftConfig | None = key(None, "null: full fine-tuning | peft=lora: adapters on a frozen base "
-                                        "(configs/peft/lora.yaml)")
-    export: ExportConfig = section(ExportConfig, "the Hugging Face directory written at the end (output_dir/hf)",
-                                   resume="free")
+    optimizer: OptimizerConfig = section(
+        OptimizerConfig, "instantiated with the trainable parameters", recipe_passes=(1, ())
+    )
+    scheduler: SchedulerConfig = section(
+        SchedulerConfig, "instantiated with the optimizer", recipe_passes=(1, ("num_training_steps",))
+    )
+    peft: PeftConfig | None = key(
+        None, "null: full fine-tuning | peft=lora: adapters on a frozen base (configs/peft/lora.yaml)"
+    )
+    export: ExportConfig = section(
+        ExportConfig, "the Hugging Face directory written at the end (output_dir/hf)", resume="free"
+    )
 
 
 @dataclass
 class ReferenceConfig:
     path: str | None = key(None, "the frozen reference model directory (null: the initial policy, model.path)")
     cache: bool = key(False, "reference log-probs computed once before training, stored and reused")
-    cache_dir: str = key("outputs/reference_cache", "shared by runs: a table is reused wherever data and "
-                                                    "reference match")
+    cache_dir: str = key(
+        "outputs/reference_cache", "shared by runs: a table is reused wherever data and reference match"
+    )
 
 
 @dataclass
 class DPODataConfig(DataConfig):
-    train: list[Any] = key(factory=lambda: [{"path": "${demo_asset:preference_train.jsonl}", "format": "preference"}],
-                           help="preference sources")
-    eval: list[Any] | None = key(factory=lambda: [{"path": "${demo_asset:preference_eval.jsonl}",
-                                                   "format": "preference"}], help="held-out preference sources",
-                                                   resume="free")
+    train: list[Any] = key(
+        factory=lambda: [{"path": "${demo_asset:preference_train.jsonl}", "format": "preference"}],
+        help="preference sources",
+    )
+    eval: list[Any] | None = key(
+        factory=lambda: [{"path": "${demo_asset:preference_eval.jsonl}", "format": "preference"}],
+        help="held-out preference sources",
+        resume="free",
+    )
     overlong: str = key("drop", "a pair over the budget: drop | error", choices=OVERLONG_DPO)
 
 
@@ -314,8 +427,9 @@ class DPODataConfig(DataConfig):
 class DPOLossConfig(LossConfig):
     type: str = key("sigmoid", "the preference loss (simpo: reference-free)", choices=LOSS_TYPES)
     beta: float = key(0.1, "the preference loss's inverse temperature", bound=(lambda v: v > 0, "must be positive"))
-    label_smoothing: float = key(0.0, "sigmoid, sigmoid_norm, robust, simpo",
-                                 bound=(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"))
+    label_smoothing: float = key(
+        0.0, "sigmoid, sigmoid_norm, robust, simpo", bound=(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)")
+    )
     simpo_gamma: float = key(0.5, "simpo's target reward margin")
     sft_weight: float = key(0.0, "adds this times the chosen reply's mean token NLL")
 
@@ -326,17 +440,23 @@ class DPOConfig(SFTConfig):
 
     output_dir: str = key("outputs/dpo-tiny", "where checkpoints, metrics and the HF export go", resume="free")
     max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
-    save_every: int = key(30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)",
-                          resume="free")
-    eval_every: int = key(20, "held-out metrics every N steps and at the end (0: never)", at_least=0,
-                          hint=" (0: never)", resume="free")
+    save_every: int = key(
+        30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
+    eval_every: int = key(
+        20, "held-out metrics every N steps and at the end (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
     model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
     data: DPODataConfig = section(DPODataConfig)
     loss: DPOLossConfig = section(DPOLossConfig)
-    optimizer: OptimizerConfig = section(lambda: OptimizerConfig(lr=5e-4),
-                                         "instantiated with the trainable parameters", recipe_passes=(1, ()))
-    scheduler: SchedulerConfig = section(lambda: SchedulerConfig(num_warmup_steps=5),
-                                         "instantiated with the optimizer", recipe_passes=(1, ("num_training_steps",)))
+    optimizer: OptimizerConfig = section(
+        lambda: OptimizerConfig(lr=5e-4), "instantiated with the trainable parameters", recipe_passes=(1, ())
+    )
+    scheduler: SchedulerConfig = section(
+        lambda: SchedulerConfig(num_warmup_steps=5),
+        "instantiated with the optimizer",
+        recipe_passes=(1, ("num_training_steps",)),
+    )
     reference: ReferenceConfig = section(ReferenceConfig, "the frozen reference of the preference loss")
 
 
@@ -388,6 +508,10 @@ def keys_with(section: type, metadata_key: str):
 
 def keys_resumed_as(change: str) -> tuple[str, ...]:
     """The keys (a section: everything under it) of every recipe whose `resume` metadata is `change`, in schema order."""
-    keys = [key for schema in SCHEMAS.values() for key, metadata in keys_with(schema, "resume")
-            if metadata["resume"] == change]
+    keys = [
+        key
+        for schema in SCHEMAS.values()
+        for key, metadata in keys_with(schema, "resume")
+        if metadata["resume"] == change
+    ]
     return tuple(dict.fromkeys(keys))

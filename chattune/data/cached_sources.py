@@ -51,8 +51,14 @@ def _every_rank(value) -> list:
     return values
 
 
-def open_documents(recipe: str, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
-                   context: int = 1, build: bool = True) -> MixedDocuments:
+def open_documents(
+    recipe: str,
+    specs: list[SourceSpec],
+    tokenizer: PreTrainedTokenizerBase,
+    data: DictConfig,
+    context: int = 1,
+    build: bool = True,
+) -> MixedDocuments:
     """The documents of `specs` for recipe kind `recipe` (`chattune.data.sources.RECIPE_DATA`), each source from
     its token cache: found by its key, else built here (`build`; collective) or else tokenized as read. With
     data.cache=off every source is tokenized as read."""
@@ -64,14 +70,17 @@ def open_documents(recipe: str, specs: list[SourceSpec], tokenizer: PreTrainedTo
     tokenizer_hash = broadcast_from_main(tokenizer_digest(tokenizer) if rank == 0 else None)
     sources = []
     for spec in specs:
-        key = broadcast_from_main(source_key(recipe, spec, document_settings(spec, data, context), tokenizer_hash)
-                                  if rank == 0 else None)
+        key = broadcast_from_main(
+            source_key(recipe, spec, document_settings(spec, data, context), tokenizer_hash) if rank == 0 else None
+        )
         final = root / cache_name(recipe, spec, key)
         found = _every_rank(is_complete(final))
         if any(found) and not all(found):
-            raise UserError(f"data.cache: the token cache {final} is found by ranks {[r for r, f in enumerate(found) if f]} "
-                            f"only: set data.cache to a directory every machine of the job sees (or build it on each "
-                            "with chattune prepare), or data.cache=off")
+            raise UserError(
+                f"data.cache: the token cache {final} is found by ranks {[r for r, f in enumerate(found) if f]} "
+                f"only: set data.cache to a directory every machine of the job sees (or build it on each "
+                "with chattune prepare), or data.cache=off"
+            )
         if not found[0] and build:
             _build(recipe, spec, tokenizer, data, context, final, key)  # every rank sees the cache after it
         if not found[0] and not build:
@@ -79,19 +88,36 @@ def open_documents(recipe: str, specs: list[SourceSpec], tokenizer: PreTrainedTo
         else:
             documents = CachedDocuments(final)
             if found[0] and rank == 0:
-                logger.info("data source %s: token cache %s (%d records, %d tokens)", spec.path, final,
-                            len(documents), documents.num_tokens)
+                logger.info(
+                    "data source %s: token cache %s (%d records, %d tokens)",
+                    spec.path,
+                    final,
+                    len(documents),
+                    documents.num_tokens,
+                )
         sources.append((spec.display_name, documents))
     return MixedDocuments(sources)
 
 
-def _build(recipe: str, spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int,
-           final: Path, key: str) -> None:
+def _build(
+    recipe: str,
+    spec: SourceSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    data: DictConfig,
+    context: int,
+    final: Path,
+    key: str,
+) -> None:
     """Every rank tokenizes its share of `spec`'s records into one staging directory; rank 0 commits it."""
     rank, world = _rank_world()
     if rank == 0:
-        logger.info("data source %s: building its token cache %s (%d rank(s), %d worker(s) each)", spec.path, final,
-                    world, data.num_workers)
+        logger.info(
+            "data source %s: building its token cache %s (%d rank(s), %d worker(s) each)",
+            spec.path,
+            final,
+            world,
+            data.num_workers,
+        )
     staging = Path(broadcast_from_main(str(staging_directory(final.parent, final.name)) if rank == 0 else None))
     documents = RECIPE_DATA[recipe].source(spec, tokenizer, data, context)
 
@@ -109,5 +135,7 @@ def _build(recipe: str, spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, da
     if dist.is_initialized():
         dist.barrier()  # rank 0 has committed (or found another launch's commit)
     if not all(_every_rank(is_complete(final))):
-        raise UserError(f"data.cache: the token cache {final} that rank 0 committed is not seen by every rank: set "
-                        "data.cache to a directory every machine of the job sees, or data.cache=off")
+        raise UserError(
+            f"data.cache: the token cache {final} that rank 0 committed is not seen by every rank: set "
+            "data.cache to a directory every machine of the job sees, or data.cache=off"
+        )

@@ -109,10 +109,19 @@ def probe_template(tokenizer: PreTrainedTokenizerBase) -> TemplateMarkers:
             "cannot tell which end-of-turn token to train"
         )
     end_of_turn = min(found)[2]  # the earliest, longest at a tie
-    tool = {"type": "function", "function": {"name": "chattune_probe_tool", "description": "probe",
-                                             "parameters": {"type": "object", "properties": {}}}}
-    call = {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "chattune_probe_call", "arguments": {}}}]}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "chattune_probe_tool",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "chattune_probe_call", "arguments": {}}}],
+    }
     return TemplateMarkers(
         generation_prompt=generation_prompt,
         end_of_turn=end_of_turn,
@@ -131,7 +140,8 @@ def _end_of_earlier_turn(tokenizer: PreTrainedTokenizerBase, user: list[dict], s
     try:
         followed = tokenizer.apply_chat_template(
             user + [{"role": "assistant", "content": _PROBE_REPLY}, {"role": "user", "content": _PROBE_FOLLOW_UP}],
-            tokenize=False)
+            tokenize=False,
+        )
     except (jinja2.TemplateError, TypeError, ValueError):
         return None
     reply_at, follow_up_at = followed.find(_PROBE_REPLY), followed.rfind(_PROBE_FOLLOW_UP)
@@ -142,8 +152,9 @@ def _end_of_earlier_turn(tokenizer: PreTrainedTokenizerBase, user: list[dict], s
     return min(found)[2] if found else None
 
 
-def _end_of_tool_call(tokenizer: PreTrainedTokenizerBase, user: list[dict], special: list[str],
-                      end_of_turn: str) -> str | None:
+def _end_of_tool_call(
+    tokenizer: PreTrainedTokenizerBase, user: list[dict], special: list[str], end_of_turn: str
+) -> str | None:
     """The first special token after the arguments of a tool call that ends a conversation, where the
     end-of-turn token is not written after them (harmony closes a call with `<|call|>`, not `<|return|>`).
     None where the end-of-turn token closes calls too, or the template does not render the call."""
@@ -194,30 +205,38 @@ def assistant_spans(text: str, messages: list[dict], markers: TemplateMarkers) -
     for index, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if role != "assistant" and isinstance(content, str) and prompt in content:
-            raise ChatTemplateError(f"message {index} ({role}) contains the assistant header {prompt!r}: its text "
-                                    "would be taken for an assistant turn")
+            raise ChatTemplateError(
+                f"message {index} ({role}) contains the assistant header {prompt!r}: its text "
+                "would be taken for an assistant turn"
+            )
     replies = [(index, m) for index, m in enumerate(messages) if m.get("role") == "assistant"]
     spans, cursor = [], 0
     for turn, (index, message) in enumerate(replies):
         header = text.find(prompt, cursor)
         if header < 0:
-            raise ChatTemplateError(f"assistant turn {turn}: the template rendered no assistant header {prompt!r} "
-                                    "for it (after the previous turn)")
+            raise ChatTemplateError(
+                f"assistant turn {turn}: the template rendered no assistant header {prompt!r} "
+                "for it (after the previous turn)"
+            )
         start = header + len(prompt)
         content = message.get("content")
         # Templates may rewrite the start of a reply (Qwen3 drops the reasoning of earlier turns), but a
         # reply cut short by an end-of-turn token inside it loses its end: check that its last line is there.
         # Not for a tool call: its content may be reasoning that the template leaves out (gpt-oss does once
         # an answer follows).
-        ending = (content.strip().splitlines()[-1][-32:]
-                  if isinstance(content, str) and content.strip() and not message.get("tool_calls") else "")
+        ending = (
+            content.strip().splitlines()[-1][-32:]
+            if isinstance(content, str) and content.strip() and not message.get("tool_calls")
+            else ""
+        )
         then_assistant = index + 1 < len(messages) and messages[index + 1].get("role") == "assistant"
         position = start
         while True:
             end_at, token = _next_end(text, position, ends)
             if end_at < 0:
-                raise ChatTemplateError(f"assistant turn {turn} has no end-of-turn token "
-                                        f"{' or '.join(map(repr, ends))}")
+                raise ChatTemplateError(
+                    f"assistant turn {turn} has no end-of-turn token {' or '.join(map(repr, ends))}"
+                )
             closed = end_at + len(token)
             # The model ends a message and opens another assistant message itself: the reply goes on, unless
             # that message is the next assistant message of the conversation (then this reply holds its content).
@@ -233,8 +252,9 @@ def assistant_spans(text: str, messages: list[dict], markers: TemplateMarkers) -
         for field in _TEXT_FIELDS:
             inside = next((t for t in ends if isinstance(message.get(field), str) and t in message[field]), None)
             if inside is not None:
-                raise ChatTemplateError(f"assistant turn {turn}: its {field} contains {inside!r}, which closes "
-                                        "a turn in this chat template")
+                raise ChatTemplateError(
+                    f"assistant turn {turn}: its {field} contains {inside!r}, which closes a turn in this chat template"
+                )
         spans.append((start, closed if token in trained_ends else end_at))
         cursor = closed
     _check_headers_in_replies(text, prompt, spans)
@@ -287,7 +307,9 @@ def tokenize_conversation(
     return TokenizedConversation(input_ids=encoded.ids.tolist(), assistant_mask=encoded.trainable.tolist())
 
 
-def render_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> str:
+def render_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None
+) -> str:
     """The text `apply_chat_template(messages, tools=tools, tokenize=False)` renders, byte for byte.
 
     Rendered the way transformers renders it (the same compiled template and sandbox, the same plain copies
@@ -298,8 +320,13 @@ def render_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     template = _memoized_template(tokenizer.get_chat_template(None, tools))
     chat = _plain_template_data([{k: v for k, v in m.items() if v is not None} for m in messages])
-    return template.render(messages=_alias_reasoning_fields(chat), tools=_plain_template_data(tools), documents=None,
-                           add_generation_prompt=False, **_plain_template_data(tokenizer.special_tokens_map))
+    return template.render(
+        messages=_alias_reasoning_fields(chat),
+        tools=_plain_template_data(tools),
+        documents=None,
+        add_generation_prompt=False,
+        **_plain_template_data(tokenizer.special_tokens_map),
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -312,8 +339,10 @@ def _memoized_template(source: str) -> jinja2.Template:
     environment = _compile_jinja_template(source).environment
     overlay = environment.overlay()
     stock = type(environment)
-    if (stock.is_safe_attribute is ImmutableSandboxedEnvironment.is_safe_attribute
-            and stock.getattr is ImmutableSandboxedEnvironment.getattr):
+    if (
+        stock.is_safe_attribute is ImmutableSandboxedEnvironment.is_safe_attribute
+        and stock.getattr is ImmutableSandboxedEnvironment.getattr
+    ):
         overlay.is_safe_attribute = _memoized_verdicts(overlay.is_safe_attribute)
         overlay.getattr = _routed_getattr(overlay)
     return overlay.from_string(source)
@@ -365,7 +394,9 @@ def _route(environment: ImmutableSandboxedEnvironment, obj: object, attribute: s
     return _SANDBOX
 
 
-def _memoized_verdicts(is_safe_attribute: Callable[[object, str, object], bool]) -> Callable[[object, str, object], bool]:
+def _memoized_verdicts(
+    is_safe_attribute: Callable[[object, str, object], bool],
+) -> Callable[[object, str, object], bool]:
     verdicts: dict[tuple[type, str], bool] = {}
 
     def memoized(obj: object, attr: str, value: object) -> bool:
@@ -380,8 +411,9 @@ def _memoized_verdicts(is_safe_attribute: Callable[[object, str, object], bool])
     return memoized
 
 
-def trained_spans(text: str, messages: list[dict], markers: TemplateMarkers, last_turn_only: bool = False,
-                  skip_turns: int = 0) -> list[tuple[int, int]]:
+def trained_spans(
+    text: str, messages: list[dict], markers: TemplateMarkers, last_turn_only: bool = False, skip_turns: int = 0
+) -> list[tuple[int, int]]:
     """The assistant spans to train: those after the first `skip_turns` replies, or the last one only."""
     spans = assistant_spans(text, messages, markers)[skip_turns:]
     return spans[-1:] if last_turn_only else spans

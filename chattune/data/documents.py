@@ -75,9 +75,12 @@ class Document:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Document):
             return NotImplemented
-        return ((self.doc_id, self.piece, self.overlong, self.segments, self.source)
-                == (other.doc_id, other.piece, other.overlong, other.segments, other.source)
-                and np.array_equal(self.input_ids, other.input_ids) and np.array_equal(self.labels, other.labels))
+        return (
+            (self.doc_id, self.piece, self.overlong, self.segments, self.source)
+            == (other.doc_id, other.piece, other.overlong, other.segments, other.source)
+            and np.array_equal(self.input_ids, other.input_ids)
+            and np.array_equal(self.labels, other.labels)
+        )
 
     __hash__ = None  # mutable, compared by value
 

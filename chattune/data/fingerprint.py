@@ -114,4 +114,8 @@ def saved_record_hashes(directory: Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         return {}
     with np.load(path) as saved:
-        return {str(saved[name]): saved[name.replace("path_", "hashes_")] for name in saved.files if name.startswith("path_")}
+        return {
+            str(saved[name]): saved[name.replace("path_", "hashes_")]
+            for name in saved.files
+            if name.startswith("path_")
+        }

@@ -33,12 +33,31 @@ ROLES = {"system", "user", "assistant", "tool"}
 
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "messages": {"messages": "messages", "tools": "tools"},
-    "sharegpt": {"conversations": "conversations", "system": "system", "tools": "tools", "role": "from", "content": "value"},
+    "sharegpt": {
+        "conversations": "conversations",
+        "system": "system",
+        "tools": "tools",
+        "role": "from",
+        "content": "value",
+    },
     "prompt_completion": {"prompt": "prompt", "completion": "completion"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
-    "preference": {"prompt": "prompt", "messages": "messages", "chosen": "chosen", "rejected": "rejected", "tools": "tools"},
-    "sharegpt_preference": {"conversations": "conversations", "chosen": "chosen", "rejected": "rejected",
-                            "system": "system", "tools": "tools", "role": "from", "content": "value"},
+    "preference": {
+        "prompt": "prompt",
+        "messages": "messages",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "tools": "tools",
+    },
+    "sharegpt_preference": {
+        "conversations": "conversations",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "system": "system",
+        "tools": "tools",
+        "role": "from",
+        "content": "value",
+    },
 }
 
 # Formats of preference pairs (DPO), read with `to_preference_pair` rather than `to_conversation`.
@@ -47,8 +66,14 @@ PREFERENCE_FORMATS = ("preference", "sharegpt_preference")
 # ShareGPT role names -> chat roles. `tool_call` marks a turn whose value is a JSON call {name, arguments},
 # which becomes an assistant message with `tool_calls`.
 SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-    "function_call": "tool_call", "observation": "tool", "tool": "tool",
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "tool_call",
+    "observation": "tool",
+    "tool": "tool",
 }
 
 
@@ -86,11 +111,15 @@ class SourceSpec:
             raise DataError(f"{self.path}: unknown format {self.format!r}; expected one of {sorted(DEFAULT_COLUMNS)}")
         unknown = set(self.columns) - set(DEFAULT_COLUMNS[self.format])
         if unknown:
-            raise DataError(f"{self.path}: format {self.format!r} has no column(s) {sorted(unknown)}; "
-                            f"its columns are {sorted(DEFAULT_COLUMNS[self.format])}")
+            raise DataError(
+                f"{self.path}: format {self.format!r} has no column(s) {sorted(unknown)}; "
+                f"its columns are {sorted(DEFAULT_COLUMNS[self.format])}"
+            )
         if self.roles and self.format not in ("sharegpt", "sharegpt_preference"):
-            raise DataError(f"{self.path}: `roles` applies to the sharegpt format only "
-                            "(and to its preference form, sharegpt_preference)")
+            raise DataError(
+                f"{self.path}: `roles` applies to the sharegpt format only "
+                "(and to its preference form, sharegpt_preference)"
+            )
         bad = {r for r in self.roles.values() if r not in ROLES | {"tool_call"}}
         if bad:
             raise DataError(f"{self.path}: roles map to {sorted(bad)}; allowed: {sorted(ROLES | {'tool_call'})}")
@@ -105,17 +134,24 @@ class SourceSpec:
         entry = dict(entry)
         for key in ("columns", "roles"):
             value = entry.get(key)
-            if value is not None and (not isinstance(value, Mapping)
-                                      or not all(isinstance(v, str) for v in value.values())):
+            if value is not None and (
+                not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values())
+            ):
                 raise DataError(f"{entry.get('path')}: `{key}` must map names to names, got {value!r}")
         optional = ("format", "columns", "roles", "split", "name", "weight", "train_on")
         unknown = set(entry) - {"path", *optional}
         if unknown or "path" not in entry:
             raise DataError(f"a data source needs `path` and may have {'/'.join(optional)}; got keys {sorted(entry)}")
-        return cls(path=str(entry["path"]), format=str(entry.get("format", "messages")),
-                   columns=dict(entry.get("columns") or {}), roles=dict(entry.get("roles") or {}),
-                   split=str(entry.get("split", "train")), name=entry.get("name"), weight=entry.get("weight", 1.0),
-                   train_on=entry.get("train_on"))
+        return cls(
+            path=str(entry["path"]),
+            format=str(entry.get("format", "messages")),
+            columns=dict(entry.get("columns") or {}),
+            roles=dict(entry.get("roles") or {}),
+            split=str(entry.get("split", "train")),
+            name=entry.get("name"),
+            weight=entry.get("weight", 1.0),
+            train_on=entry.get("train_on"),
+        )
 
     def column(self, name: str) -> str:
         return self.columns.get(name, DEFAULT_COLUMNS[self.format][name])
@@ -125,17 +161,25 @@ def to_conversation(record: dict, spec: SourceSpec, where: str) -> Conversation:
     """Convert and validate one record."""
     if spec.format in PREFERENCE_FORMATS:
         raise DataError(f"{where}: the {spec.format} format holds preference pairs (for DPO), not conversations")
-    converter = {"messages": _from_messages, "sharegpt": _from_sharegpt,
-                 "prompt_completion": _from_prompt_completion, "alpaca": _from_alpaca}[spec.format]
+    converter = {
+        "messages": _from_messages,
+        "sharegpt": _from_sharegpt,
+        "prompt_completion": _from_prompt_completion,
+        "alpaca": _from_alpaca,
+    }[spec.format]
     conversation = converter(record, spec, where)
-    return Conversation(validate_messages(conversation.messages, where), conversation.tools, conversation.prompt_replies)
+    return Conversation(
+        validate_messages(conversation.messages, where), conversation.tools, conversation.prompt_replies
+    )
 
 
 def _required(record: dict, spec: SourceSpec, name: str, where: str):
     column = spec.column(name)
     if record.get(column) is None:
-        raise DataError(f"{where}: no {column!r} field for the {spec.format} format (fields: {sorted(record)}); "
-                        f"rename columns with `columns: {{{name}: ...}}`")
+        raise DataError(
+            f"{where}: no {column!r} field for the {spec.format} format (fields: {sorted(record)}); "
+            f"rename columns with `columns: {{{name}: ...}}`"
+        )
     return record[column]
 
 
@@ -180,12 +224,15 @@ def _sharegpt_messages(turns: list, spec: SourceSpec, where: str, label: str = "
     for turn_index, turn in enumerate(turns):
         name = turn.get(role_key) if isinstance(turn, dict) else None
         if not isinstance(name, str) or name not in role_map:
-            raise DataError(f"{where}: {label} {turn_index} has role {name!r}; known: {sorted(role_map)} "
-                            "(map more with `roles: {name: user|assistant|system|tool|tool_call}`)")
+            raise DataError(
+                f"{where}: {label} {turn_index} has role {name!r}; known: {sorted(role_map)} "
+                "(map more with `roles: {name: user|assistant|system|tool|tool_call}`)"
+            )
         value = turn.get(content_key)
         if role_map[name] == "tool_call":
-            messages.append({"role": "assistant", "content": "",
-                             "tool_calls": [_parse_call(value, where, turn_index, label)]})
+            messages.append(
+                {"role": "assistant", "content": "", "tool_calls": [_parse_call(value, where, turn_index, label)]}
+            )
         else:
             messages.append({"role": role_map[name], "content": value})
     return messages
@@ -238,7 +285,9 @@ def validate_messages(messages: object, where: str, require_reply: bool = True) 
     """Check roles and contents; returns clean copies (None-valued fields from columnar files dropped).
     `require_reply`: an assistant message must be among them (a prompt, `chattune.data.prompts`, needs none)."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: the conversation must be a non-empty list of messages, got {type(messages).__name__}")
+        raise DataError(
+            f"{where}: the conversation must be a non-empty list of messages, got {type(messages).__name__}"
+        )
     clean = []
     for turn, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -255,10 +304,15 @@ def validate_messages(messages: object, where: str, require_reply: bool = True) 
             raise DataError(f"{where}: message {turn}: tool_calls must be a non-empty list on an assistant message")
         for call in calls or []:
             function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                    or not isinstance(function.get("arguments", {}), (str, dict)):
-                raise DataError(f"{where}: message {turn}: a tool call must be "
-                                f"{{'function': {{'name': str, 'arguments': str or object}}}}, got {call!r}")
+            if (
+                not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", {}), (str, dict))
+            ):
+                raise DataError(
+                    f"{where}: message {turn}: a tool call must be "
+                    f"{{'function': {{'name': str, 'arguments': str or object}}}}, got {call!r}"
+                )
         if message["role"] == "assistant" and not content.strip() and not calls:
             raise DataError(f"{where}: message {turn} is an empty assistant reply")
         clean.append({**message, "content": content})
@@ -301,8 +355,10 @@ def to_preference_pair(record: dict, spec: SourceSpec, where: str) -> Preference
     elif spec.format == "sharegpt_preference":
         context, chosen, rejected = _sharegpt_preference_sides(record, spec, where)
     else:
-        raise DataError(f"{where}: the {spec.format} format holds conversations, not preference pairs "
-                        f"(preference formats: {list(PREFERENCE_FORMATS)})")
+        raise DataError(
+            f"{where}: the {spec.format} format holds conversations, not preference pairs "
+            f"(preference formats: {list(PREFERENCE_FORMATS)})"
+        )
     sides = {}
     for name, side in (("chosen", chosen), ("rejected", rejected)):
         if not side:
@@ -310,20 +366,25 @@ def to_preference_pair(record: dict, spec: SourceSpec, where: str) -> Preference
         reply = side[-1]
         role = reply.get("role") if isinstance(reply, dict) else None
         if role != "assistant":
-            raise DataError(f"{where}: the last message of {spec.column(name)!r} must be the assistant reply, "
-                            f"got role {role!r}")
+            raise DataError(
+                f"{where}: the last message of {spec.column(name)!r} must be the assistant reply, got role {role!r}"
+            )
         for turn, message in enumerate(context + side):
             if not isinstance(message, dict):
                 raise DataError(f"{where}: {name}: message {turn} must be an object, got {type(message).__name__}")
         messages = validate_messages(context + side, f"{where}: {name}")
         if not messages[:-1] or messages[-2]["role"] not in ("user", "tool"):
             last = messages[-2]["role"] if len(messages) > 1 else None
-            raise DataError(f"{where}: the context of the {name} reply must end with a user or tool turn, "
-                            f"got {'no context' if last is None else f'a last turn of role {last!r}'}")
+            raise DataError(
+                f"{where}: the context of the {name} reply must end with a user or tool turn, "
+                f"got {'no context' if last is None else f'a last turn of role {last!r}'}"
+            )
         sides[name] = messages
     if sides["chosen"][:-1] != sides["rejected"][:-1]:
-        raise DataError(f"{where}: the chosen and rejected replies have different contexts (prompt + all but "
-                        "the last message of each side must be the same)")
+        raise DataError(
+            f"{where}: the chosen and rejected replies have different contexts (prompt + all but "
+            "the last message of each side must be the same)"
+        )
     return PreferencePair(sides["chosen"][:-1], sides["chosen"][-1], sides["rejected"][-1], _tools(record, spec, where))
 
 
@@ -333,12 +394,16 @@ def _preference_sides(record: dict, spec: SourceSpec, where: str) -> tuple[list,
     if has_prompt and has_messages:
         raise DataError(f"{where}: both {prompt_column!r} and {messages_column!r} given for the context; keep one")
     if not has_prompt and not has_messages:
-        raise DataError(f"{where}: no {prompt_column!r} (or {messages_column!r}) field for the preference format "
-                        f"(fields: {sorted(record)}); rename columns with `columns: {{prompt: ...}}`")
+        raise DataError(
+            f"{where}: no {prompt_column!r} (or {messages_column!r}) field for the preference format "
+            f"(fields: {sorted(record)}); rename columns with `columns: {{prompt: ...}}`"
+        )
     context_column = prompt_column if has_prompt else messages_column
     context = _message_list(record[context_column], "user", context_column, where)
-    chosen, rejected = (_message_list(_required(record, spec, name, where), "assistant", spec.column(name), where)
-                        for name in ("chosen", "rejected"))
+    chosen, rejected = (
+        _message_list(_required(record, spec, name, where), "assistant", spec.column(name), where)
+        for name in ("chosen", "rejected")
+    )
     return context, chosen, rejected
 
 
@@ -349,8 +414,9 @@ def _message_list(value: object, role: str, column: str, where: str) -> list:
     if isinstance(value, dict):
         return [value]
     if not isinstance(value, list):
-        raise DataError(f"{where}: {column!r} must be a string, a message or a list of messages, "
-                        f"got {type(value).__name__}")
+        raise DataError(
+            f"{where}: {column!r} must be a string, a message or a list of messages, got {type(value).__name__}"
+        )
     return list(value)
 
 
@@ -362,7 +428,8 @@ def _sharegpt_preference_sides(record: dict, spec: SourceSpec, where: str) -> tu
         if isinstance(side, dict):
             side = [side]
         if not isinstance(side, list):
-            raise DataError(f"{where}: {spec.column(name)!r} must be a turn or a list of turns, got {type(side).__name__}")
+            raise DataError(
+                f"{where}: {spec.column(name)!r} must be a turn or a list of turns, got {type(side).__name__}"
+            )
         sides.append(_sharegpt_messages(side, spec, where, label=f"{spec.column(name)} turn"))
     return context, sides[0], sides[1]
-

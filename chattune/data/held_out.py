@@ -77,16 +77,22 @@ def split_problem(names: Sequence[str], sizes: Sequence[int], eval_split) -> str
     if eval_split is None:
         return None
     if isinstance(eval_split, bool) or not is_eval_split(eval_split):
-        return (f"data.eval_split: must be a fraction in (0, 1) or a whole number of records of at least 1 "
-                f"(null: none held out), got {eval_split!r}")
+        return (
+            f"data.eval_split: must be a fraction in (0, 1) or a whole number of records of at least 1 "
+            f"(null: none held out), got {eval_split!r}"
+        )
     total = sum(sizes)
     if isinstance(eval_split, int) and eval_split >= total:
-        return (f"data.eval_split: {eval_split} records held out, but data.train holds {total}: nothing would be left "
-                f"to train; hold out fewer (or a fraction, e.g. 0.02)")
+        return (
+            f"data.eval_split: {eval_split} records held out, but data.train holds {total}: nothing would be left "
+            f"to train; hold out fewer (or a fraction, e.g. 0.02)"
+        )
     for name, size, count in zip(names, sizes, held_out_counts(sizes, eval_split)):
         if count >= size:
-            return (f"data.eval_split: {eval_split} holds out all {size} record(s) of training source {name}: nothing "
-                    f"of it would be left to train; hold out a smaller fraction")
+            return (
+                f"data.eval_split: {eval_split} holds out all {size} record(s) of training source {name}: nothing "
+                f"of it would be left to train; hold out a smaller fraction"
+            )
     return None
 
 
@@ -113,8 +119,11 @@ class RecordSubset:
 
     def get_many(self, indices: Sequence[int]) -> list[Document | Skipped]:
         got = documents_of(self.documents, [int(self.records[i]) for i in indices])
-        return [replace(item, doc_id=index) if isinstance(item, Document) else item
-                for index, outcomes in zip(indices, outcomes_by_record(got, len(indices))) for item in outcomes]
+        return [
+            replace(item, doc_id=index) if isinstance(item, Document) else item
+            for index, outcomes in zip(indices, outcomes_by_record(got, len(indices)))
+            for item in outcomes
+        ]
 
 
 @dataclass
@@ -148,11 +157,13 @@ def hold_out(train: MixedDocuments, eval_split, seed: int) -> HeldOutSplit:
 def held_out_line(split: HeldOutSplit, eval_split) -> str:
     """What the split holds out, for the data report and `chattune inspect`."""
     return f"held out for eval (data.eval_split={eval_split}): " + "; ".join(
-        f"{name} {count} of {size} records" for name, count, size in zip(split.train.names, split.counts, split.sizes))
+        f"{name} {count} of {size} records" for name, count, size in zip(split.train.names, split.counts, split.sizes)
+    )
 
 
 def joined(*parts: MixedDocuments | None) -> MixedDocuments | None:
     """The sources of several MixedDocuments behind one record index (None where there are none)."""
-    sources = [(name, documents) for part in parts if part is not None
-               for name, documents in zip(part.names, part.sources)]
+    sources = [
+        (name, documents) for part in parts if part is not None for name, documents in zip(part.names, part.sources)
+    ]
     return MixedDocuments(sources) if sources else None

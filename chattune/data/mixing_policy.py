@@ -28,17 +28,29 @@ from chattune.distributed import all_reduce_sum, current_mesh
 
 
 class Mixer:
-    def __init__(self, names: Sequence[str], weights: Sequence[float], mode: str, gamma: float = 0.1,
-                 eta: float = 0.1, update_every: int = 10, reward: str = "mean_loss"):
+    def __init__(
+        self,
+        names: Sequence[str],
+        weights: Sequence[float],
+        mode: str,
+        gamma: float = 0.1,
+        eta: float = 0.1,
+        update_every: int = 10,
+        reward: str = "mean_loss",
+    ):
         if mode not in ("static", "online"):
             raise ValueError(f"data.mixing.mode must be static or online for a mixer, got {mode!r}")
         if reward not in MIXING_REWARDS:
             raise ValueError(f"data.mixing.reward must be one of {MIXING_REWARDS}, got {reward!r}")
         if not 0.0 <= gamma <= 1.0 or eta < 0 or update_every < 1:
-            raise ValueError(f"data.mixing needs 0 <= gamma <= 1, eta >= 0, update_every >= 1; got {gamma}, {eta}, {update_every}")
+            raise ValueError(
+                f"data.mixing needs 0 <= gamma <= 1, eta >= 0, update_every >= 1; got {gamma}, {eta}, {update_every}"
+            )
         weights = np.asarray(weights, dtype=np.float64)
         if len(weights) < 2 or (weights < 0).any() or weights.sum() <= 0:
-            raise ValueError(f"a mixture needs at least two sources and non-negative weights with a positive sum, got {weights.tolist()}")
+            raise ValueError(
+                f"a mixture needs at least two sources and non-negative weights with a positive sum, got {weights.tolist()}"
+            )
         if len(set(names)) != len(names):
             raise ValueError(f"the sources of a mixture need distinct names (set `name:` on each), got {list(names)}")
         self.names, self.mode, self.gamma, self.eta = list(names), mode, gamma, eta
@@ -79,8 +91,13 @@ class Mixer:
         world, rank = mesh.world_size, mesh.rank
         positions = np.zeros(world)
         positions[rank] = self.sampler.draw
-        sums = all_reduce_sum(torch.tensor(np.concatenate([self.interval.ravel(), positions]), dtype=torch.float64,
-                                           device=device)).cpu().numpy()
+        sums = (
+            all_reduce_sum(
+                torch.tensor(np.concatenate([self.interval.ravel(), positions]), dtype=torch.float64, device=device)
+            )
+            .cpu()
+            .numpy()
+        )
         loss, units = sums[: 2 * self.num_sources].reshape(2, self.num_sources)
         seen = units > 0
         mean = np.where(seen, loss / np.maximum(units, 1e-12), np.nan)
@@ -117,9 +134,13 @@ class Mixer:
         return out
 
     def state_dict(self) -> dict:
-        return {"log_weights": self.log_weights.tolist(), "schedule": self.schedule.state_dict(),
-                "interval": self.interval.tolist(), "totals": self.totals.tolist(),
-                "previous_mean": self.previous_mean.tolist()}
+        return {
+            "log_weights": self.log_weights.tolist(),
+            "schedule": self.schedule.state_dict(),
+            "interval": self.interval.tolist(),
+            "totals": self.totals.tolist(),
+            "previous_mean": self.previous_mean.tolist(),
+        }
 
     @staticmethod
     def merge_states(states: list[dict], rank: int) -> dict:
@@ -140,8 +161,16 @@ class Mixer:
         self.previous_mean = np.asarray(state["previous_mean"])
 
 
-def mixture_sampling(mixing: Mapping, specs: Sequence[SourceSpec], sizes: Sequence[int], share: int, num_shares: int,
-                     seed: int, num_epochs: int | None, chunk_records: int) -> tuple[Mixer | None, MixtureSampler | None]:
+def mixture_sampling(
+    mixing: Mapping,
+    specs: Sequence[SourceSpec],
+    sizes: Sequence[int],
+    share: int,
+    num_shares: int,
+    seed: int,
+    num_epochs: int | None,
+    chunk_records: int,
+) -> tuple[Mixer | None, MixtureSampler | None]:
     """The mixer and the sampler of share `share` of `num_shares` (this rank's, or the whole mixture for
     world-size-invariant steps) for `data.mixing`; both None for mode `none` (the sources are simply
     concatenated and every record is seen once per epoch)."""
@@ -149,8 +178,16 @@ def mixture_sampling(mixing: Mapping, specs: Sequence[SourceSpec], sizes: Sequen
         raise ValueError(f"data.mixing.mode must be one of {MIXING_MODES}, got {mixing['mode']!r}")
     if mixing["mode"] == "none":
         return None, None
-    mixer = Mixer([spec.display_name for spec in specs], [spec.weight for spec in specs], mixing["mode"],
-                  mixing["gamma"], mixing["eta"], mixing["update_every"], mixing["reward"])
-    mixer.sampler = MixtureSampler(sizes, mixer.schedule, share, num_shares, seed, mixing["stopping"], num_epochs,
-                                   chunk_records)
+    mixer = Mixer(
+        [spec.display_name for spec in specs],
+        [spec.weight for spec in specs],
+        mixing["mode"],
+        mixing["gamma"],
+        mixing["eta"],
+        mixing["update_every"],
+        mixing["reward"],
+    )
+    mixer.sampler = MixtureSampler(
+        sizes, mixer.schedule, share, num_shares, seed, mixing["stopping"], num_epochs, chunk_records
+    )
     return mixer, mixer.sampler

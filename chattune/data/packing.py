@@ -76,7 +76,9 @@ class PackedBatch:
         )
 
 
-def collate_packed(documents: list[Document], pad_to_multiple_of: int | None = None, pad_token_id: int = 0) -> PackedBatch:
+def collate_packed(
+    documents: list[Document], pad_to_multiple_of: int | None = None, pad_token_id: int = 0
+) -> PackedBatch:
     """One (1, N) row. With `pad_to_multiple_of`, N is rounded up by a padding segment of its own: its
     own entry in cu_seqlens (so no real token attends to it) and IGNORE_INDEX labels (never trained)."""
     if not documents:

@@ -36,8 +36,15 @@ class PairDocuments(TemplateDocuments):
     overlong, for a pair of more tokens (chosen + rejected) than `max_tokens`: `drop` (a counted skip) or
     `error`. Pairs are never cut: a truncated reply would be compared on text the model never finishes."""
 
-    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
-                 overlong: str = "drop", on_bad_record: str = "error", budget_name: str | None = None):
+    def __init__(
+        self,
+        source: RecordSource,
+        tokenizer: PreTrainedTokenizerBase,
+        max_tokens: int,
+        overlong: str = "drop",
+        on_bad_record: str = "error",
+        budget_name: str | None = None,
+    ):
         if overlong not in OVERLONG_DPO:
             raise ValueError(f"data.overlong must be one of {OVERLONG_DPO} for preference data, got {overlong!r}")
         not_pairs = [s.path for s in source.specs if s.format not in PREFERENCE_FORMATS]
@@ -49,7 +56,9 @@ class PairDocuments(TemplateDocuments):
         """Convert and check one pair, render its two sides and locate the reply each trains."""
         pair: PreferencePair = to_preference_pair(record, spec, where)
         if pair.chosen == pair.rejected:
-            return Skipped("identical_replies", f"{where}: the chosen and the rejected reply are the same, nothing to prefer")
+            return Skipped(
+                "identical_replies", f"{where}: the chosen and the rejected reply are the same, nothing to prefer"
+            )
         self.check_tools_rendered(pair.tools, [*pair.context, pair.chosen, pair.rejected], where)
         texts, spans = [], []
         for side in (pair.chosen, pair.rejected):
@@ -65,32 +74,47 @@ class PairDocuments(TemplateDocuments):
     def _tokenize(self, rendered: list[_RenderedPair]) -> list[Document | Skipped]:
         """Tokenize the sides of all rendered pairs together; label and check each pair."""
         # A side over the budget makes its pair overlong: only its token count is needed.
-        encoded = self._encode([text for r in rendered for text in r.texts], [side for r in rendered for side in r.spans],
-                               keep_at_most=self.max_tokens)
+        encoded = self._encode(
+            [text for r in rendered for text in r.texts],
+            [side for r in rendered for side in r.spans],
+            keep_at_most=self.max_tokens,
+        )
         labels = shifted_label_array(encoded.ids, encoded.trainable, encoded.ends)
         ends = encoded.ends.tolist()
         starts, counts = [0, *ends[:-1]], encoded.counts.tolist()
-        return [self._document(r, counts[2 * k : 2 * k + 2],
-                               [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
-                               [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)])
-                for k, r in enumerate(rendered)]
+        return [
+            self._document(
+                r,
+                counts[2 * k : 2 * k + 2],
+                [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
+                [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
+            )
+            for k, r in enumerate(rendered)
+        ]
 
-    def _document(self, rendered: _RenderedPair, counts: list[int], ids: list[np.ndarray],
-                  labels: list[np.ndarray]) -> Document | Skipped:
+    def _document(
+        self, rendered: _RenderedPair, counts: list[int], ids: list[np.ndarray], labels: list[np.ndarray]
+    ) -> Document | Skipped:
         """The document of a pair whose sides have `counts` tokens (`ids`, `labels`: empty for a side over
         the budget), or why it is skipped."""
         total = sum(counts)
         if total > self.max_tokens:
-            message = (f"{rendered.where}: {total} tokens (chosen {counts[0]} + rejected {counts[1]}) exceed "
-                       f"{self.budget_name}")
+            message = (
+                f"{rendered.where}: {total} tokens (chosen {counts[0]} + rejected {counts[1]}) exceed "
+                f"{self.budget_name}"
+            )
             if self.overlong == "error":
                 raise DataError(message)
             return Skipped("overlong", message)
         for name, side_labels in zip(("chosen", "rejected"), labels):
             if not (side_labels >= 0).any():
                 return self._bad_record(DataError(f"{rendered.where}: the {name} reply has no token to train"))
-        return Document(doc_id=rendered.index, input_ids=np.concatenate(ids),
-                        labels=np.concatenate(labels), segments=(counts[0], counts[1]))
+        return Document(
+            doc_id=rendered.index,
+            input_ids=np.concatenate(ids),
+            labels=np.concatenate(labels),
+            segments=(counts[0], counts[1]),
+        )
 
 
 @dataclass(frozen=True)

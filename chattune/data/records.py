@@ -18,7 +18,9 @@ from omegaconf import OmegaConf
 from chattune.data.formats import DataError, SourceSpec
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_id
 
-if TYPE_CHECKING:  # datasets (with pandas) is imported only to read Parquet and dataset directories: a second per process
+if (
+    TYPE_CHECKING
+):  # datasets (with pandas) is imported only to read Parquet and dataset directories: a second per process
     import datasets
 
 
@@ -46,8 +48,14 @@ class RecordSource:
                 self._sources.append(_load_dataset(spec))
                 continue
             if not Path(path).is_file():
-                raise DataError(f"data file {path!r} does not exist" + (
-                    f" (a hub dataset is written {HUB_PREFIX}{path})" if HUB_LIKE.fullmatch(path) and "." not in Path(path).name else ""))
+                raise DataError(
+                    f"data file {path!r} does not exist"
+                    + (
+                        f" (a hub dataset is written {HUB_PREFIX}{path})"
+                        if HUB_LIKE.fullmatch(path) and "." not in Path(path).name
+                        else ""
+                    )
+                )
             if path.endswith(".jsonl"):
                 self._sources.append(_JsonlIndex(path))
             elif path.endswith(".json"):
@@ -85,8 +93,13 @@ class RecordSource:
                 else:
                     where = f"{spec.path} record {local + 1}"
                     entry = source[local]
-                    yield spec, where, entry if isinstance(entry, dict) else DataError(
-                        f"{where}: a record must be a JSON object, got {type(entry).__name__}")
+                    yield (
+                        spec,
+                        where,
+                        entry
+                        if isinstance(entry, dict)
+                        else DataError(f"{where}: a record must be a JSON object, got {type(entry).__name__}"),
+                    )
 
     def _position(self, index: int) -> tuple[int, int]:
         """(file number, index within that file) of a global record index."""
@@ -106,8 +119,9 @@ def _load_dataset(spec: SourceSpec) -> datasets.Dataset:
         return datasets.load_dataset(name, split=spec.split)
     except Exception as error:  # datasets raises many types: missing repo, offline mode, bad split
         where = "hub dataset" if hub_id(spec.path) else "dataset directory"
-        raise DataError(f"{where} {name!r} (split {spec.split!r}) could not be loaded: "
-                        f"{type(error).__name__}: {error}") from error
+        raise DataError(
+            f"{where} {name!r} (split {spec.split!r}) could not be loaded: {type(error).__name__}: {error}"
+        ) from error
 
 
 class _JsonlIndex:
@@ -131,9 +145,11 @@ def _json_records(path: str) -> list:
     try:
         records = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:  # the file is one JSON value: no record can be skipped on its own
-        raise DataError(f"{path}: unparseable JSON at line {error.lineno}, column {error.colno}: {json_problem(error)}; "
-                        "a .json file is parsed whole, so data.on_bad_record cannot skip a part of it (in a .jsonl "
-                        "file, one record a line, data.on_bad_record=skip skips the lines that do not parse)") from error
+        raise DataError(
+            f"{path}: unparseable JSON at line {error.lineno}, column {error.colno}: {json_problem(error)}; "
+            "a .json file is parsed whole, so data.on_bad_record cannot skip a part of it (in a .jsonl "
+            "file, one record a line, data.on_bad_record=skip skips the lines that do not parse)"
+        ) from error
     except UnicodeDecodeError as error:
         raise DataError(f"{path}: not UTF-8 text (byte {error.start + 1}: {error.reason})") from error
     if not isinstance(records, list):

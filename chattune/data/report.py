@@ -34,17 +34,25 @@ class DataReport:
 
     def counts(self) -> dict[str, int]:
         """Flat figures, summable over ranks."""
-        return {"records": self.records, "documents": len(self.lengths), "tokens": self.tokens,
-                "trainable_tokens": self.trainable_tokens, **{f"skipped/{r}": n for r, n in self.skipped.items()},
-                **{f"overlong/{r}": n for r, n in self.overlong.items()}}
+        return {
+            "records": self.records,
+            "documents": len(self.lengths),
+            "tokens": self.tokens,
+            "trainable_tokens": self.trainable_tokens,
+            **{f"skipped/{r}": n for r, n in self.skipped.items()},
+            **{f"overlong/{r}": n for r, n in self.overlong.items()},
+        }
 
 
 def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, batch_records: int = 256) -> DataReport:
     """Tokenize the records at `indices` (a `SFTDocuments`-like source), `batch_records` at a time as the
     training stream does, and count what they give."""
     report = DataReport()
-    for document in (d for start in range(0, len(indices), batch_records)
-                     for d in documents_of(documents, list(indices[start : start + batch_records]))):
+    for document in (
+        d
+        for start in range(0, len(indices), batch_records)
+        for d in documents_of(documents, list(indices[start : start + batch_records]))
+    ):
         report.records += isinstance(document, Skipped) or document.piece == 0
         if isinstance(document, Skipped):
             report.skipped[document.reason] += 1
@@ -84,5 +92,7 @@ def report_sample(num_records: int, size: int | None, seed: int) -> list[int]:
 def epoch_line(counts: dict[str, float], budget: int) -> str:
     """An epoch's figures over all ranks (`StepFeed` counts summed), as one log line."""
     fill = counts["tokens"] / max(counts["microbatches"] * budget, 1)
-    return (f"{int(counts['documents'])} documents, {int(counts['tokens'])} tokens, {int(counts['trainable_tokens'])} "
-            f"trainable, {int(counts['microbatches'])} microbatches (fill {fill:.1%})")
+    return (
+        f"{int(counts['documents'])} documents, {int(counts['tokens'])} tokens, {int(counts['trainable_tokens'])} "
+        f"trainable, {int(counts['microbatches'])} microbatches (fill {fill:.1%})"
+    )

@@ -34,9 +34,16 @@ class SFTDocuments(TemplateDocuments):
     nothing to train are left out (counted with the split). `get` gives the first piece of a split record,
     `get_many` all its pieces in order."""
 
-    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int,
-                 overlong: str = "drop", train_on: str = "assistant", on_bad_record: str = "error",
-                 budget_name: str | None = None):
+    def __init__(
+        self,
+        source: RecordSource,
+        tokenizer: PreTrainedTokenizerBase,
+        max_tokens: int,
+        overlong: str = "drop",
+        train_on: str = "assistant",
+        on_bad_record: str = "error",
+        budget_name: str | None = None,
+    ):
         if overlong not in OVERLONG:
             raise ValueError(f"data.overlong must be one of {OVERLONG}, got {overlong!r}")
         if train_on not in TRAIN_ON:
@@ -50,8 +57,13 @@ class SFTDocuments(TemplateDocuments):
         self.check_tools_rendered(conversation.tools, conversation.messages, where)
         try:
             text = render_conversation(self.tokenizer, conversation.messages, conversation.tools)
-            spans = trained_spans(text, conversation.messages, self.markers,
-                                  last_turn_only=self.train_on == "last_assistant", skip_turns=conversation.prompt_replies)
+            spans = trained_spans(
+                text,
+                conversation.messages,
+                self.markers,
+                last_turn_only=self.train_on == "last_assistant",
+                skip_turns=conversation.prompt_replies,
+            )
         except Exception as error:  # the template's own checks (raise_exception) and its failures on odd data
             raise DataError(f"{where}: {type(error).__name__}: {error}") from error
         return _Rendered(index, where, text, spans)
@@ -64,28 +76,36 @@ class SFTDocuments(TemplateDocuments):
         keep_at_most = self.max_tokens if self.overlong in ("drop", "error") else None
         needed = self.max_tokens if self.overlong in ("drop", "truncate") else None
         everything = self.train_on == "all"
-        encoded = self._encode([r.text for r in rendered], None if everything else [r.spans for r in rendered],
-                               keep_at_most=keep_at_most, needed=needed)
+        encoded = self._encode(
+            [r.text for r in rendered],
+            None if everything else [r.spans for r in rendered],
+            keep_at_most=keep_at_most,
+            needed=needed,
+        )
         trainable = np.ones(len(encoded.ids), dtype=bool) if everything else encoded.trainable
         labels = shifted_label_array(encoded.ids, trainable, encoded.ends)
         ends = encoded.ends.tolist()
         documents: list[Document | Skipped] = []
-        for r, count, cut, start, end in zip(rendered, encoded.counts.tolist(), encoded.cut.tolist(), [0, *ends[:-1]], ends):
+        for r, count, cut, start, end in zip(
+            rendered, encoded.counts.tolist(), encoded.cut.tolist(), [0, *ends[:-1]], ends
+        ):
             documents += self._documents(r, count, cut, encoded.ids[start:end], labels[start:end])
         return documents
 
-    def _documents(self, rendered: _Rendered, count: int, cut: bool, ids: np.ndarray,
-                   labels: np.ndarray) -> list[Document | Skipped]:
+    def _documents(
+        self, rendered: _Rendered, count: int, cut: bool, ids: np.ndarray, labels: np.ndarray
+    ) -> list[Document | Skipped]:
         """The document(s) of a record of `count` tokens (at least, if `cut`: only its beginning was
         tokenized; `ids`, `labels`: empty when it will be dropped), or why it is skipped."""
-        message = (f"{rendered.where}: {'at least ' if cut else ''}{count} tokens exceed "
-                   f"{self.budget_name}")
+        message = f"{rendered.where}: {'at least ' if cut else ''}{count} tokens exceed {self.budget_name}"
         if count > self.max_tokens and self.overlong == "error":
             raise DataError(message)
         if count > self.max_tokens and self.overlong == "drop":
             return [Skipped("overlong", message)]
         if not (labels >= 0).any():
-            return [Skipped("no_trainable_tokens", f"{rendered.where}: no token to train with train_on={self.train_on}")]
+            return [
+                Skipped("no_trainable_tokens", f"{rendered.where}: no token to train with train_on={self.train_on}")
+            ]
         if count <= self.max_tokens:
             return [Document(doc_id=rendered.index, input_ids=ids, labels=labels)]
         cuts = range(0, count if self.overlong == "split" else 1, self.max_tokens)
@@ -94,8 +114,14 @@ class SFTDocuments(TemplateDocuments):
             piece_labels = labels[start : start + self.max_tokens].copy()
             piece_labels[-1] = IGNORE_INDEX  # its target is the first token of the next piece, not in this one
             if (piece_labels >= 0).any():
-                pieces.append(Document(doc_id=rendered.index, input_ids=ids[start : start + self.max_tokens],
-                                       labels=piece_labels, piece=len(pieces)))
+                pieces.append(
+                    Document(
+                        doc_id=rendered.index,
+                        input_ids=ids[start : start + self.max_tokens],
+                        labels=piece_labels,
+                        piece=len(pieces),
+                    )
+                )
         if not pieces:
             return [Skipped("no_trainable_tokens", f"{message}, and its first {self.max_tokens} tokens train nothing")]
         pieces[0].overlong = "truncated" if self.overlong == "truncate" else "split"

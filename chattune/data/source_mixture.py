@@ -52,7 +52,10 @@ class ProbabilitySchedule:
         return np.diff(self.cumulative[-1], prepend=0.0)
 
     def state_dict(self) -> dict:
-        return {"starts": list(self.starts), "probabilities": [np.diff(c, prepend=0.0).tolist() for c in self.cumulative]}
+        return {
+            "starts": list(self.starts),
+            "probabilities": [np.diff(c, prepend=0.0).tolist() for c in self.cumulative],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # In place: the sampler inside the data loader holds this very object.
@@ -73,8 +76,17 @@ class MixtureSampler:
     the shared `schedule` (checkpointed by the mixer: the loader snapshots this sampler's state when it
     prefetches, possibly before the latest schedule change)."""
 
-    def __init__(self, sizes: Sequence[int], schedule: ProbabilitySchedule, rank: int, world_size: int, seed: int,
-                 stopping: str, num_epochs: int | None, chunk_records: int):
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        schedule: ProbabilitySchedule,
+        rank: int,
+        world_size: int,
+        seed: int,
+        stopping: str,
+        num_epochs: int | None,
+        chunk_records: int,
+    ):
         if stopping not in MIXING_STOPPING:
             raise ValueError(f"data.mixing.stopping must be one of {MIXING_STOPPING}, got {stopping!r}")
         if min(sizes) < 1:

@@ -69,8 +69,10 @@ class MixedDocuments:
             offset = self.offsets[source]
             got = documents_of(self.sources[source], [indices[p] - offset for p in positions])
             for position, outcomes in zip(positions, outcomes_by_record(got, len(positions))):
-                out[position] = [replace(item, doc_id=item.doc_id + offset, source=source) if isinstance(item, Document)
-                                 else item for item in outcomes]
+                out[position] = [
+                    replace(item, doc_id=item.doc_id + offset, source=source) if isinstance(item, Document) else item
+                    for item in outcomes
+                ]
         return [item for outcomes in out for item in outcomes]
 
 
@@ -82,23 +84,41 @@ def row_budget(data: DictConfig, context: int = 1) -> tuple[int, str]:
     per_rank = data.max_tokens_per_microbatch
     if context == 1:
         return per_rank, f"data.max_tokens_per_microbatch={per_rank}"
-    return per_rank * context, (f"the row budget {per_rank * context} (data.max_tokens_per_microbatch={per_rank} "
-                                f"x parallel.context={context})")
+    return per_rank * context, (
+        f"the row budget {per_rank * context} (data.max_tokens_per_microbatch={per_rank} x parallel.context={context})"
+    )
 
 
-def sft_source(spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1) -> SFTDocuments:
+def sft_source(
+    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1
+) -> SFTDocuments:
     """A source's conversations with assistant-only labels (its `train_on`, else `data.train_on`), each at most
     a row (`row_budget`)."""
     settings = document_settings(spec, data, context)
-    return SFTDocuments(RecordSource([spec]), tokenizer, settings["budget"], settings["overlong"], settings["train_on"],
-                        settings["on_bad_record"], settings["budget_name"])
+    return SFTDocuments(
+        RecordSource([spec]),
+        tokenizer,
+        settings["budget"],
+        settings["overlong"],
+        settings["train_on"],
+        settings["on_bad_record"],
+        settings["budget_name"],
+    )
 
 
-def pair_source(spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1) -> PairDocuments:
+def pair_source(
+    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1
+) -> PairDocuments:
     """A source's preference pairs: one document of two segments (chosen, rejected) per pair, at most a row."""
     settings = document_settings(spec, data, context)
-    return PairDocuments(RecordSource([spec]), tokenizer, settings["budget"], settings["overlong"],
-                         settings["on_bad_record"], settings["budget_name"])
+    return PairDocuments(
+        RecordSource([spec]),
+        tokenizer,
+        settings["budget"],
+        settings["overlong"],
+        settings["on_bad_record"],
+        settings["budget_name"],
+    )
 
 
 def document_settings(spec: SourceSpec, data: DictConfig, context: int = 1) -> dict:
@@ -106,8 +126,13 @@ def document_settings(spec: SourceSpec, data: DictConfig, context: int = 1) -> d
     cache, `chattune.data.token_cache`): the masking, the overlong policy, the budget and its name in messages,
     and what a bad record does. The sources above are made from these very settings, so the key cannot miss one."""
     budget, budget_name = row_budget(data, context)
-    return {"train_on": spec.train_on or data.train_on, "overlong": data.overlong, "budget": budget,
-            "budget_name": budget_name, "on_bad_record": data.on_bad_record}
+    return {
+        "train_on": spec.train_on or data.train_on,
+        "overlong": data.overlong,
+        "budget": budget,
+        "budget_name": budget_name,
+        "on_bad_record": data.on_bad_record,
+    }
 
 
 SourceOf = Callable[[SourceSpec, PreTrainedTokenizerBase, DictConfig, int], DocumentSource]
@@ -123,15 +148,22 @@ class RecipeData:
     reads: str  # said when a source's format is not one of `formats`
     pairs: bool  # each document is a preference pair (two segments: chosen, rejected), not one conversation
 
-    def read(self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig,
-             context: int = 1) -> MixedDocuments:
+    def read(
+        self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1
+    ) -> MixedDocuments:
         """Every source's documents behind one record index, tokenized as they are read (no token cache)."""
         return MixedDocuments([(spec.display_name, self.source(spec, tokenizer, data, context)) for spec in specs])
 
 
-SFT_DATA = RecipeData("sft", sft_source, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), "",
-                      pairs=False)
-PAIR_DATA = RecipeData("dpo", pair_source, tuple(f for f in DEFAULT_COLUMNS if f in PREFERENCE_FORMATS),
-                       " (DPO reads preference pairs)", pairs=True)
+SFT_DATA = RecipeData(
+    "sft", sft_source, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), "", pairs=False
+)
+PAIR_DATA = RecipeData(
+    "dpo",
+    pair_source,
+    tuple(f for f in DEFAULT_COLUMNS if f in PREFERENCE_FORMATS),
+    " (DPO reads preference pairs)",
+    pairs=True,
+)
 # By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.cached_sources`).
 RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA)}

@@ -85,8 +85,16 @@ class ShareSampler:
     loader's bookkeeping, a worker's queue) are paid per chunk, not per record.
     Its own iterator and stateful, so StatefulDataLoader restores its position without replaying it."""
 
-    def __init__(self, num_records: int, rank: int, world_size: int, seed: int, shuffle: bool, num_epochs: int | None,
-                 chunk_records: int):
+    def __init__(
+        self,
+        num_records: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool,
+        num_epochs: int | None,
+        chunk_records: int,
+    ):
         self.num_records, self.rank, self.world_size = num_records, rank, world_size
         self.seed, self.shuffle, self.num_epochs, self.chunk_records = seed, shuffle, num_epochs, chunk_records
         self.epoch, self.position = 0, 0
@@ -99,7 +107,10 @@ class ShareSampler:
         if self.num_epochs is not None and self.epoch >= self.num_epochs:
             raise StopIteration
         if self._share is None or self._share[0] != self.epoch:
-            self._share = (self.epoch, epoch_share(self.num_records, self.epoch, self.seed, self.rank, self.world_size, self.shuffle))
+            self._share = (
+                self.epoch,
+                epoch_share(self.num_records, self.epoch, self.seed, self.rank, self.world_size, self.shuffle),
+            )
         share = self._share[1]
         chunk = share[self.position : self.position + self.chunk_records]
         item = (self.epoch, chunk, self.position + len(chunk) >= len(share))
@@ -186,21 +197,34 @@ class PackedStream:
         `log_skips`: log skipped records and empty epochs (they are counted either way)."""
         padding = pad_multiple_problem(max_tokens, pad_to_multiple_of)
         if padding:
-            raise ValueError(f"data.max_tokens_per_microbatch: {padding} (it must be a multiple of data.pad_to_multiple_of)")
+            raise ValueError(
+                f"data.max_tokens_per_microbatch: {padding} (it must be a multiple of data.pad_to_multiple_of)"
+            )
         if buffer_records < 1:
             raise ValueError(f"data.buffer_records must be at least 1, got {buffer_records}")
         if num_epochs is None and len(documents) < world_size:
             raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
         self.documents = documents
-        self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = rank, max_tokens, pad_token_id, buffer_records
+        self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = (
+            rank,
+            max_tokens,
+            pad_token_id,
+            buffer_records,
+        )
         self.pad_to_multiple_of, self.log_skips = pad_to_multiple_of, log_skips
-        self.sampler = sampler or ShareSampler(len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records)
+        self.sampler = sampler or ShareSampler(
+            len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records
+        )
         self.position: dict | None = None  # the sampler's state after the last chunk taken (None: none yet)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch API on construction
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
-                _TokenizedChunks(documents), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
-                worker_init_fn=_tokenize_on_one_thread, sampler=_Positioned(self.sampler),
+                _TokenizedChunks(documents),
+                batch_size=None,
+                collate_fn=_as_is,
+                num_workers=num_workers,
+                worker_init_fn=_tokenize_on_one_thread,
+                sampler=_Positioned(self.sampler),
                 # Its own generator: a loader otherwise draws its worker seed from the global torch RNG,
                 # and the model's random init would depend on the data pipeline.
                 generator=torch.Generator().manual_seed(seed),
@@ -230,8 +254,11 @@ class PackedStream:
                 if self.log_skips and self.skipped[document.reason] <= LOGGED_SKIPS:
                     logger.warning("skipped (%s): %s", document.reason, document.detail)
                 if self.log_skips and self.skipped[document.reason] == LOGGED_SKIPS:
-                    logger.warning("rank %d: further %s skips are counted (in the epoch and end figures), not logged",
-                                   self.rank, document.reason)
+                    logger.warning(
+                        "rank %d: further %s skips are counted (in the epoch and end figures), not logged",
+                        self.rank,
+                        document.reason,
+                    )
             else:
                 if document.overlong:
                     self.overlong[document.overlong] += 1
@@ -275,8 +302,11 @@ class PackedStream:
                 yield PackedBin(bin_, self.epoch, self.pending_ends_epoch and not self.pending)
 
     def collate(self, packed: PackedBin) -> PackedBatch:
-        batch = (collate_packed(packed.documents, self.pad_to_multiple_of, self.pad_token_id) if packed.documents
-                 else empty_batch(self.pad_token_id))
+        batch = (
+            collate_packed(packed.documents, self.pad_to_multiple_of, self.pad_token_id)
+            if packed.documents
+            else empty_batch(self.pad_token_id)
+        )
         batch.epoch, batch.ends_epoch = packed.epoch, packed.ends_epoch
         return batch
 
@@ -294,15 +324,19 @@ class PackedStream:
 
     def load_state_dict(self, state: dict) -> None:
         if "sampler" not in state:
-            raise UserError("this checkpoint was written by an earlier chattune, whose data position was the data "
-                            "loader's own state: resume it with the chattune that wrote it, or start over")
+            raise UserError(
+                "this checkpoint was written by an earlier chattune, whose data position was the data "
+                "loader's own state: resume it with the chattune that wrote it, or start over"
+            )
         self.position = state["sampler"]  # sampling continues after the last chunk taken; the loader starts afresh
         if self.position is not None:
             self.sampler.load_state_dict(self.position)
         self._items = None
         self.epoch, self.docs_in_epoch = state["epoch"], state["docs_in_epoch"]
         # Each document is (a piece of) a record that was not skipped: reading the record again gives it again.
-        keys = [tuple(k) for bin_ in state["pending_doc_keys"] for k in bin_] + [tuple(k) for k in state["carried_doc_keys"]]
+        keys = [tuple(k) for bin_ in state["pending_doc_keys"] for k in bin_] + [
+            tuple(k) for k in state["carried_doc_keys"]
+        ]
         records = sorted({record for record, _ in keys})
         by_key = {d.key: d for d in documents_of(self.documents, records) if isinstance(d, Document)}
         self.pending = [[by_key[tuple(k)] for k in bin_] for bin_ in state["pending_doc_keys"]]

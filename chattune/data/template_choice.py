@@ -62,15 +62,17 @@ def shipped_names() -> tuple[str, ...]:
 
 
 def template_kind(value: str) -> str:
-    """"inline", "shipped" or "file", decided as the module docstring says."""
+    """ "inline", "shipped" or "file", decided as the module docstring says."""
     if "{{" in value or "{%" in value:
         return "inline"
     return "shipped" if _BARE_WORD.fullmatch(value) else "file"
 
 
 def _forms() -> str:
-    return (f"shipped: {', '.join(shipped_names())}; otherwise the path of a template file (./NAME for one in the "
-            "working directory) or inline Jinja, holding {{ or {%")
+    return (
+        f"shipped: {', '.join(shipped_names())}; otherwise the path of a template file (./NAME for one in the "
+        "working directory) or inline Jinja, holding {{ or {%"
+    )
 
 
 def read_chat_template(value: str) -> ChosenTemplate:
@@ -84,8 +86,10 @@ def read_chat_template(value: str) -> ChosenTemplate:
     if kind == "shipped":
         if value not in shipped_names():
             close = difflib.get_close_matches(value, shipped_names(), n=1)
-            raise ChatTemplateSettingError(f"{KEY}: {value!r} is not a template chattune ships"
-                                           f"{f'; did you mean {close[0]}?' if close else ''} ({_forms()})")
+            raise ChatTemplateSettingError(
+                f"{KEY}: {value!r} is not a template chattune ships"
+                f"{f'; did you mean {close[0]}?' if close else ''} ({_forms()})"
+            )
         return ChosenTemplate(value, kind, (SHIPPED_DIR / f"{value}.jinja").read_text(encoding="utf-8"))
     path = Path(value).expanduser()
     if not path.is_file():

@@ -29,8 +29,15 @@ class TemplateDocuments:
     one reading one by one would report (a record before it may itself be refused when tokenized, e.g. an
     overlong one under `overlong="error"`, which `on_bad_record` does not turn into a skip)."""
 
-    def __init__(self, source: RecordSource, tokenizer: PreTrainedTokenizerBase, max_tokens: int, overlong: str,
-                 on_bad_record: str = "error", budget_name: str | None = None):
+    def __init__(
+        self,
+        source: RecordSource,
+        tokenizer: PreTrainedTokenizerBase,
+        max_tokens: int,
+        overlong: str,
+        on_bad_record: str = "error",
+        budget_name: str | None = None,
+    ):
         if on_bad_record not in ON_BAD_RECORD:
             raise ValueError(f"data.on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
         self.source = source
@@ -86,18 +93,24 @@ class TemplateDocuments:
         """Refuse tools or tool calls that the chat template would silently leave out of the text."""
         uses_calls = any("tool_calls" in m for m in messages)
         if (tools and not self.markers.renders_tools) or (uses_calls and not self.markers.renders_tool_calls):
-            raise DataError(f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
-                            f"render them (training would silently leave them out): {self._tools_remedy}")
+            raise DataError(
+                f"{where}: the record has tools or tool calls, but the tokenizer's chat template does not "
+                f"render them (training would silently leave them out): {self._tools_remedy}"
+            )
 
     @functools.cached_property
     def _tools_remedy(self) -> str:
         """A template that renders tools: a shipped one whose special tokens this tokenizer has, else a file."""
         fitting = fitting_shipped_templates(self.tokenizer)
         if fitting:
-            return (f"set {' or '.join(f'{KEY}={name}' for name in fitting)} (a template chattune ships that renders "
-                    "them, with special tokens this tokenizer has)")
-        return (f"set {KEY}=PATH, a template file that renders them (chattune's own, {', '.join(shipped_names())}, "
-                "write special tokens this tokenizer does not have)")
+            return (
+                f"set {' or '.join(f'{KEY}={name}' for name in fitting)} (a template chattune ships that renders "
+                "them, with special tokens this tokenizer has)"
+            )
+        return (
+            f"set {KEY}=PATH, a template file that renders them (chattune's own, {', '.join(shipped_names())}, "
+            "write special tokens this tokenizer does not have)"
+        )
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict):
         raise NotImplementedError

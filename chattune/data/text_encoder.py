@@ -51,12 +51,19 @@ class TextBatchEncoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, cut_after: str | None = None):
         self.tokenizer = tokenizer
-        stock = isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
+        stock = (
+            isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
+        )
         self._backend = tokenizer.backend_tokenizer if stock else None
         self.cut_after = cut_after if self._backend is not None and _cuts_exactly(tokenizer, cut_after) else None
 
-    def __call__(self, texts: list[str], spans: list[list[tuple[int, int]]] | None = None,
-                 keep_at_most: int | None = None, needed: int | None = None) -> EncodedTexts:
+    def __call__(
+        self,
+        texts: list[str],
+        spans: list[list[tuple[int, int]]] | None = None,
+        keep_at_most: int | None = None,
+        needed: int | None = None,
+    ) -> EncodedTexts:
         """Tokenize `texts`, marking the tokens in `spans[k]` of text k (none without `spans`).
 
         keep_at_most: texts of more tokens are only counted (they will be dropped: converting their tokens
@@ -67,16 +74,23 @@ class TextBatchEncoder:
             return self._encode_generic(texts, spans, keep_at_most)
         prefixes = [self._prefix(text, needed) for text in texts]
         encodings = self._encode_with_backend(prefixes)
-        short = [k for k, (prefix, text) in enumerate(zip(prefixes, texts))
-                 if len(prefix) < len(text) and len(encodings[k]) <= needed]
+        short = [
+            k
+            for k, (prefix, text) in enumerate(zip(prefixes, texts))
+            if len(prefix) < len(text) and len(encodings[k]) <= needed
+        ]
         if short:  # a cut text without enough tokens before its cut: tokenized whole after all
             for k, encoding in zip(short, self._encode_with_backend([texts[k] for k in short])):
                 prefixes[k], encodings[k] = texts[k], encoding
         counts = [len(e) for e in encodings]
         kept = [keep_at_most is None or n <= keep_at_most for n in counts]
         ids = [e.ids if keep else [] for e, keep in zip(encodings, kept)]
-        ranges = [[(_first_token_at_or_after(e, start), _first_token_at_or_after(e, end)) for start, end in text_spans]
-                  if keep else [] for e, keep, text_spans in zip(encodings, kept, spans)]
+        ranges = [
+            [(_first_token_at_or_after(e, start), _first_token_at_or_after(e, end)) for start, end in text_spans]
+            if keep
+            else []
+            for e, keep, text_spans in zip(encodings, kept, spans)
+        ]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         return EncodedTexts(
             ids=np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())),
@@ -105,7 +119,9 @@ class TextBatchEncoder:
             backend.encode_special_tokens = self.tokenizer.split_special_tokens
         return backend.encode_batch(texts, add_special_tokens=False)
 
-    def _encode_generic(self, texts: list[str], spans: list[list[tuple[int, int]]], keep_at_most: int | None) -> EncodedTexts:
+    def _encode_generic(
+        self, texts: list[str], spans: list[list[tuple[int, int]]], keep_at_most: int | None
+    ) -> EncodedTexts:
         """Any tokenizer, through its own `__call__` and a search over all its offsets (never cut)."""
         out = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
         counts = [len(i) for i in out["input_ids"]]
@@ -141,8 +157,9 @@ def _cuts_exactly(tokenizer: PreTrainedTokenizerBase, token: str | None) -> bool
     for other in added:
         if other == token:
             continue
-        if token in other or any(other.endswith(token[:k]) or other.startswith(token[-k:])
-                                 for k in range(1, min(len(other), len(token)))):
+        if token in other or any(
+            other.endswith(token[:k]) or other.startswith(token[-k:]) for k in range(1, min(len(other), len(token)))
+        ):
             return False
     return True
 
@@ -174,8 +191,15 @@ def _first_token_at_or_after(encoding, position: int) -> int:
 def _mask_of_ranges(ranges: list[list[tuple[int, int]]], lengths: np.ndarray) -> np.ndarray:
     """A flat mask over all texts' tokens (text k has lengths[k]), True inside each text's token ranges."""
     offsets = (np.cumsum(lengths) - lengths).tolist()  # where each text's tokens begin
-    flat = np.array([(offset + first, offset + end) for offset, text_ranges in zip(offsets, ranges)
-                     for first, end in text_ranges if end > first], dtype=np.int64).reshape(-1, 2)
+    flat = np.array(
+        [
+            (offset + first, offset + end)
+            for offset, text_ranges in zip(offsets, ranges)
+            for first, end in text_ranges
+            if end > first
+        ],
+        dtype=np.int64,
+    ).reshape(-1, 2)
     # +1 where a range opens, -1 where it closes: the running sum is positive inside a range.
     change = np.zeros(int(lengths.sum()) + 1, dtype=np.int64)
     np.add.at(change, flat[:, 0], 1)
@@ -191,8 +215,14 @@ def _mask_of_starts(starts: np.ndarray, lengths: np.ndarray, spans: list[list[tu
     so one sorted array of span starts serves every text and no span reaches into another text."""
     text_of_token = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     positions = starts + text_of_token * _TEXT_STRIDE
-    bounds = np.array([(start + k * _TEXT_STRIDE, end + k * _TEXT_STRIDE)
-                       for k, text_spans in enumerate(spans) for start, end in text_spans], dtype=np.int64).reshape(-1, 2)
+    bounds = np.array(
+        [
+            (start + k * _TEXT_STRIDE, end + k * _TEXT_STRIDE)
+            for k, text_spans in enumerate(spans)
+            for start, end in text_spans
+        ],
+        dtype=np.int64,
+    ).reshape(-1, 2)
     # The span that starts at or before each token's first character, if the token starts inside it.
     span = np.searchsorted(bounds[:, 0], positions, side="right") - 1
     inside = positions < bounds[np.maximum(span, 0), 1] if len(bounds) else np.zeros(len(positions), dtype=bool)

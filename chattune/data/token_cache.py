@@ -71,7 +71,10 @@ def cache_root(setting: str) -> Path | None:
     if setting == "off":
         return None
     if setting == "auto":
-        base = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chattune"
+        base = (
+            os.environ.get(CACHE_DIR_ENV)
+            or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chattune"
+        )
         return Path(base) / "tokens"
     return Path(setting)
 
@@ -104,7 +107,9 @@ def tokenizer_digest(tokenizer) -> str:
     copied tokenizer finds the same caches)."""
     digest = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update((backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)).encode())
+    digest.update(
+        (backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)).encode()
+    )
     settings = {k: v for k, v in tokenizer.init_kwargs.items() if not k.endswith("_file") and k != "name_or_path"}
     digest.update(json.dumps([tokenizer.chat_template, settings], sort_keys=True, default=str).encode())
     return digest.hexdigest()
@@ -123,9 +128,19 @@ def source_key(kind: str, spec: SourceSpec, settings: dict, tokenizer_hash: str)
     """The fingerprint of one source's documents: `kind` ("sft", "dpo"), the spec (less its name and weight,
     which change no document), the settings that shape documents, the tokenizer's hash and the content."""
     described = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name not in ("name", "weight")}
-    text = json.dumps({"layout": LAYOUT_VERSION, "chattune": _chattune_version(), "kind": kind, "spec": described,
-                       "settings": settings, "tokenizer": tokenizer_hash, "content": content_digest(spec)},
-                      sort_keys=True, default=str)
+    text = json.dumps(
+        {
+            "layout": LAYOUT_VERSION,
+            "chattune": _chattune_version(),
+            "kind": kind,
+            "spec": described,
+            "settings": settings,
+            "tokenizer": tokenizer_hash,
+            "content": content_digest(spec),
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -165,10 +180,12 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
         doc_lengths=np.array([len(d) for d in kept], dtype=np.int64),
         doc_chosen=np.array([d.segments[0] if d.segments else 0 for d in kept], dtype=np.int32),
         record_docs=np.array([sum(isinstance(d, Document) for d in o) for o in outcomes], dtype=np.int64),
-        record_skip=np.array([1 + SKIP_REASONS.index(o[0].reason) if isinstance(o[0], Skipped) else 0 for o in outcomes],
-                             dtype=np.int8),
-        record_overlong=np.array([0 if isinstance(o[0], Skipped) else OVERLONG_MARKS.index(o[0].overlong) for o in outcomes],
-                                 dtype=np.int8),
+        record_skip=np.array(
+            [1 + SKIP_REASONS.index(o[0].reason) if isinstance(o[0], Skipped) else 0 for o in outcomes], dtype=np.int8
+        ),
+        record_overlong=np.array(
+            [0 if isinstance(o[0], Skipped) else OVERLONG_MARKS.index(o[0].overlong) for o in outcomes], dtype=np.int8
+        ),
         skip_details=[s.detail for s in skipped],
     )
 
@@ -192,7 +209,10 @@ class _Chunks:
 
 def _tokenized(documents, records: range, num_workers: int) -> Iterator[TokenizedChunk]:
     """The chunks of `records` in order: tokenized here, or by `num_workers` loader processes."""
-    chunks = [range(start, min(start + CHUNK_RECORDS, records.stop)) for start in range(records.start, records.stop, CHUNK_RECORDS)]
+    chunks = [
+        range(start, min(start + CHUNK_RECORDS, records.stop))
+        for start in range(records.start, records.stop, CHUNK_RECORDS)
+    ]
     if num_workers == 0:
         yield from (tokenize_chunk(documents, chunk) for chunk in chunks)
         return
@@ -200,8 +220,13 @@ def _tokenized(documents, records: range, num_workers: int) -> Iterator[Tokenize
 
     from chattune.data.stream import _as_is, _tokenize_on_one_thread
 
-    loader = torch.utils.data.DataLoader(_Chunks(documents, chunks), batch_size=None, collate_fn=_as_is,
-                                         num_workers=num_workers, worker_init_fn=_tokenize_on_one_thread)
+    loader = torch.utils.data.DataLoader(
+        _Chunks(documents, chunks),
+        batch_size=None,
+        collate_fn=_as_is,
+        num_workers=num_workers,
+        worker_init_fn=_tokenize_on_one_thread,
+    )
     for item in loader:
         if isinstance(item, UserError):
             raise item
@@ -230,15 +255,23 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
     doc_lengths = np.concatenate([np.zeros(0, np.int64), *lengths])
     per_record = np.concatenate([np.zeros(0, np.int64), *record_docs])
     skip_codes = np.concatenate([np.zeros(0, np.int8), *skip])
-    np.savez(directory / "index.npz",
-             doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
-             doc_chosen=np.concatenate([np.zeros(0, np.int32), *chosen]),
-             record_first_doc=np.concatenate([[0], np.cumsum(per_record)]).astype(np.int64),
-             record_skip=skip_codes, record_overlong=np.concatenate([np.zeros(0, np.int8), *overlong]))
+    np.savez(
+        directory / "index.npz",
+        doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
+        doc_chosen=np.concatenate([np.zeros(0, np.int32), *chosen]),
+        record_first_doc=np.concatenate([[0], np.cumsum(per_record)]).astype(np.int64),
+        record_skip=skip_codes,
+        record_overlong=np.concatenate([np.zeros(0, np.int8), *overlong]),
+    )
     skipped_records = (np.flatnonzero(skip_codes) + records.start).tolist()
     (directory / "skips.json").write_text(json.dumps(dict(zip(map(str, skipped_records), details))))
-    counts = {"start": records.start, "stop": records.stop, "documents": len(doc_lengths),
-              "tokens": int(doc_lengths.sum()), "skipped": len(skipped_records)}
+    counts = {
+        "start": records.start,
+        "stop": records.stop,
+        "documents": len(doc_lengths),
+        "tokens": int(doc_lengths.sum()),
+        "skipped": len(skipped_records),
+    }
     (directory / "done.json").write_text(json.dumps(counts))  # the shard's last file: it is whole
     return counts
 
@@ -249,8 +282,10 @@ def staging_directory(root: Path, name: str) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise UserError(f"data.cache: cannot make the token cache directory {root}: {error.strerror} (set data.cache "
-                        "to a writable directory, or data.cache=off)") from error
+        raise UserError(
+            f"data.cache: cannot make the token cache directory {root}: {error.strerror} (set data.cache "
+            "to a writable directory, or data.cache=off)"
+        ) from error
     host = socket.gethostname().replace("-", "_")
     for stale in root.glob(f".building-{name}-{host}-*"):
         pid = int(stale.name.rsplit("-", 2)[1])
@@ -277,10 +312,12 @@ def commit(staging: Path, final: Path, manifest: dict) -> bool:
     another build committed `final` first."""
     shards = sorted(staging.glob("shard-*"))
     if len(shards) != manifest["shards"] or not all((s / "done.json").is_file() for s in shards):
-        raise UserError(f"data.cache: the token cache {final.name} was built by {manifest['shards']} ranks, but "
-                        f"{staging} holds {sum((s / 'done.json').is_file() for s in shards)} finished shard(s): the "
-                        "ranks do not share this directory (on several machines, set data.cache to a directory every "
-                        "machine sees, or data.cache=off)")
+        raise UserError(
+            f"data.cache: the token cache {final.name} was built by {manifest['shards']} ranks, but "
+            f"{staging} holds {sum((s / 'done.json').is_file() for s in shards)} finished shard(s): the "
+            "ranks do not share this directory (on several machines, set data.cache to a directory every "
+            "machine sees, or data.cache=off)"
+        )
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
     try:
         os.rename(staging, final)
@@ -296,9 +333,18 @@ def is_complete(directory: Path) -> bool:
     return (directory / MANIFEST).is_file()
 
 
-def build_source_cache(documents, final: Path, kind: str, spec: SourceSpec, key: str, num_workers: int = 0,
-                       shard: int = 0, num_shards: int = 1, staging: Path | None = None,
-                       agree: Callable[[Exception | None], None] | None = None) -> None:
+def build_source_cache(
+    documents,
+    final: Path,
+    kind: str,
+    spec: SourceSpec,
+    key: str,
+    num_workers: int = 0,
+    shard: int = 0,
+    num_shards: int = 1,
+    staging: Path | None = None,
+    agree: Callable[[Exception | None], None] | None = None,
+) -> None:
     """Build `final` from `documents` (every record): shard `shard` of `num_shards` here, in `staging` (made
     here for one shard). `agree` (collective builds): told this shard's error or None; it raises the build's
     first error on every rank, and returns when every shard is written. The first shard commits."""
@@ -318,17 +364,37 @@ def build_source_cache(documents, final: Path, kind: str, spec: SourceSpec, key:
         raise error
     if shard != 0:
         return
-    counts = [json.loads((s / "done.json").read_text()) for s in sorted(staging.glob("shard-*/"))
-              if (s / "done.json").is_file()]
-    manifest = {"layout": LAYOUT_VERSION, "key": key, "kind": kind, "source": spec.path, "records": n,
-                "documents": sum(c["documents"] for c in counts), "tokens": sum(c["tokens"] for c in counts),
-                "skipped": sum(c["skipped"] for c in counts), "shards": num_shards,
-                "built_seconds": round(time.perf_counter() - started, 2), "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    counts = [
+        json.loads((s / "done.json").read_text())
+        for s in sorted(staging.glob("shard-*/"))
+        if (s / "done.json").is_file()
+    ]
+    manifest = {
+        "layout": LAYOUT_VERSION,
+        "key": key,
+        "kind": kind,
+        "source": spec.path,
+        "records": n,
+        "documents": sum(c["documents"] for c in counts),
+        "tokens": sum(c["tokens"] for c in counts),
+        "skipped": sum(c["skipped"] for c in counts),
+        "shards": num_shards,
+        "built_seconds": round(time.perf_counter() - started, 2),
+        "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if commit(staging, final, manifest):
-        logger.info("token cache %s: %d records -> %d documents, %d tokens, built in %.1f s", final, n,
-                    manifest["documents"], manifest["tokens"], manifest["built_seconds"])
+        logger.info(
+            "token cache %s: %d records -> %d documents, %d tokens, built in %.1f s",
+            final,
+            n,
+            manifest["documents"],
+            manifest["tokens"],
+            manifest["built_seconds"],
+        )
     else:
-        logger.info("token cache %s: built at the same time by another launch, which committed first: using its copy", final)
+        logger.info(
+            "token cache %s: built at the same time by another launch, which committed first: using its copy", final
+        )
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -345,9 +411,21 @@ class CachedDocuments:
         self.directory = Path(directory)
         self.manifest = json.loads((self.directory / MANIFEST).read_text())
         if self.manifest.get("layout") != LAYOUT_VERSION:
-            raise UserError(f"token cache {self.directory}: layout {self.manifest.get('layout')}, this chattune reads "
-                            f"{LAYOUT_VERSION}")
-        self._ids, self._labels, shard_of, starts, stops, chosen, first, skip, overlong = [], [], [], [], [], [], [], [], []
+            raise UserError(
+                f"token cache {self.directory}: layout {self.manifest.get('layout')}, this chattune reads "
+                f"{LAYOUT_VERSION}"
+            )
+        self._ids, self._labels, shard_of, starts, stops, chosen, first, skip, overlong = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         self._details: dict[int, str] = {}
         documents = 0
         for number, shard in enumerate(sorted(self.directory.glob("shard-*/"))):
@@ -369,8 +447,10 @@ class CachedDocuments:
         self._first = np.concatenate([*first, [documents]])
         self._skip, self._overlong = np.concatenate(skip), np.concatenate(overlong)
         if len(self._skip) != self.manifest["records"]:
-            raise UserError(f"token cache {self.directory}: {len(self._skip)} records in its shards, its manifest says "
-                            f"{self.manifest['records']}: delete the directory to rebuild it")
+            raise UserError(
+                f"token cache {self.directory}: {len(self._skip)} records in its shards, its manifest says "
+                f"{self.manifest['records']}: delete the directory to rebuild it"
+            )
 
     def __len__(self) -> int:
         return len(self._skip)
@@ -391,11 +471,22 @@ class CachedDocuments:
                 continue
             first, stop = int(self._first[index]), int(self._first[index + 1])
             for d in range(first, stop):
-                shard, start, end, chosen = int(self._shard[d]), int(self._starts[d]), int(self._stops[d]), int(self._chosen[d])
-                out.append(Document(doc_id=int(index), input_ids=self._ids[shard][start:end],
-                                    labels=self._labels[shard][start:end], piece=d - first,
-                                    overlong=OVERLONG_MARKS[self._overlong[index]] if d == first else "",
-                                    segments=(chosen, end - start - chosen) if chosen else ()))
+                shard, start, end, chosen = (
+                    int(self._shard[d]),
+                    int(self._starts[d]),
+                    int(self._stops[d]),
+                    int(self._chosen[d]),
+                )
+                out.append(
+                    Document(
+                        doc_id=int(index),
+                        input_ids=self._ids[shard][start:end],
+                        labels=self._labels[shard][start:end],
+                        piece=d - first,
+                        overlong=OVERLONG_MARKS[self._overlong[index]] if d == first else "",
+                        segments=(chosen, end - start - chosen) if chosen else (),
+                    )
+                )
         return out
 
 

@@ -31,9 +31,11 @@ class TokenizerError(UserError):
     """A tokenizer that cannot be loaded, or has no chat template."""
 
 
-NO_TEMPLATE_HELP = ("chattune renders every record with a chat template. Use the tokenizer of a chat (instruct) "
-                    f"model, or give one with {KEY}: a template chattune ships (chatml, llama3), a file, or "
-                    "inline Jinja")
+NO_TEMPLATE_HELP = (
+    "chattune renders every record with a chat template. Use the tokenizer of a chat (instruct) "
+    f"model, or give one with {KEY}: a template chattune ships (chatml, llama3), a file, or "
+    "inline Jinja"
+)
 
 
 def load_tokenizer(settings: DictConfig | TokenizerConfig) -> PreTrainedTokenizerBase:
@@ -43,8 +45,11 @@ def load_tokenizer(settings: DictConfig | TokenizerConfig) -> PreTrainedTokenize
     path, chat_template = settings.path, getattr(settings, "chat_template", None)
     directory = local_directory(path, "tokenizer.path")
     if not directory.is_dir():
-        raise TokenizerError(f"tokenizer.path {path!r} " + ("is not a directory" if Path(path).exists() else "does not exist")
-                             + hub_hint(path, "tokenizer"))
+        raise TokenizerError(
+            f"tokenizer.path {path!r} "
+            + ("is not a directory" if Path(path).exists() else "does not exist")
+            + hub_hint(path, "tokenizer")
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as error:  # a directory without tokenizer files, or a hub id that fails offline
@@ -82,7 +87,8 @@ def usable_template(tokenizer: PreTrainedTokenizerBase, setting: str, path: str)
             "as tokens: each would be split into pieces of ordinary text, and the model would learn its turn "
             "boundaries as text. Choose a template whose special tokens this tokenizer has: "
             + (f"{' or '.join(f'{KEY}={name}' for name in fitting)}, or " if fitting else "")
-            + f"the tokenizer's own ({KEY}=null)")
+            + f"the tokenizer's own ({KEY}=null)"
+        )
     return chosen.text
 
 

@@ -72,8 +72,12 @@ def check_command_line(argv: list[str], default_config: str, kind: RecipeKind | 
         return  # Hydra's own commands (--help, --cfg job, ...): Hydra answers them
     config_name = args.config_name or default_config
     if os.environ.get("RANK", "0") == "0":  # the first line of a launch, before the seconds of checks and loading
-        print(f"chattune: {Path(argv[0]).stem} with {config_name} on {os.environ.get('WORLD_SIZE', '1')} rank(s): "
-              "checking the config, then reading the data and loading the model", file=sys.stderr, flush=True)
+        print(
+            f"chattune: {Path(argv[0]).stem} with {config_name} on {os.environ.get('WORLD_SIZE', '1')} rank(s): "
+            "checking the config, then reading the data and loading the model",
+            file=sys.stderr,
+            flush=True,
+        )
     config_path = Path(args.config_path) if args.config_path else CONFIG_DIR
     config_dir = Path(args.config_dir) if args.config_dir else None
     if config_dir is None or config_dir.is_dir():
@@ -85,8 +89,9 @@ def check_command_line(argv: list[str], default_config: str, kind: RecipeKind | 
             if problem is not None:
                 raise ConfigError([f"output_dir: {problem}"])
             return  # the recipe checks the composed config itself (check_config), with every other problem
-    findings = validate_command(config_name, args.overrides, config_path, int(os.environ.get("WORLD_SIZE", "1")),
-                                config_dir, kind=kind)
+    findings = validate_command(
+        config_name, args.overrides, config_path, int(os.environ.get("WORLD_SIZE", "1")), config_dir, kind=kind
+    )
     if findings.problems:
         raise ConfigError(findings.problems)
 
@@ -99,12 +104,18 @@ def job_config(cfg: DictConfig) -> DictConfig:
         return cfg
     cfg.output_dir = str(Path(cfg.output_dir) / str(hydra_config.job.num))
     if os.environ.get("RANK", "0") == "0":
-        print(f"chattune: multirun job {hydra_config.job.num} ({' '.join(hydra_config.overrides.task)}) -> "
-              f"output_dir={cfg.output_dir}", file=sys.stderr, flush=True)
+        print(
+            f"chattune: multirun job {hydra_config.job.num} ({' '.join(hydra_config.overrides.task)}) -> "
+            f"output_dir={cfg.output_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
     return cfg
 
 
-def recipe_main(config_name: str, kind: RecipeKind | None = None) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
+def recipe_main(
+    config_name: str, kind: RecipeKind | None = None
+) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
     """Decorate a recipe's `main(cfg)`: the result is called without arguments and reads the command line.
     `kind`: the recipe's kind (`chattune.launch.recipe_kinds`: SFT, DPO, or one `extended` with a schema of
     the recipe's own), which a command line Hydra cannot compose is checked against and `chattune validate

@@ -29,8 +29,11 @@ def hydra_search_path(config_path: Path, config_dir: Path | None = None) -> Iter
     after it (the search-path plugin)."""
     search_path = create_config_search_path(str(Path(config_path).resolve()))
     if config_dir is not None:
-        search_path.prepend(provider="command-line", path=f"file://{Path(config_dir).resolve()}",
-                            anchor=SearchPathQuery(provider="schema"))
+        search_path.prepend(
+            provider="command-line",
+            path=f"file://{Path(config_dir).resolve()}",
+            anchor=SearchPathQuery(provider="schema"),
+        )
     Hydra.create_main_hydra2(task_name="chattune", config_search_path=search_path)
     try:
         yield
@@ -38,23 +41,29 @@ def hydra_search_path(config_path: Path, config_dir: Path | None = None) -> Iter
         GlobalHydra.instance().clear()
 
 
-def composed(config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None) -> DictConfig | None:
+def composed(
+    config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None
+) -> DictConfig | None:
     """The config as Hydra composes it from this command line (a recipe's launch does exactly this first), or
     None where Hydra cannot."""
     with hydra_search_path(config_path, config_dir):
         return _try_compose(config_name, overrides)[0]
 
 
-def compose_reporting(config_name: str, overrides: list[str], config_path: Path, findings: Findings,
-             config_dir: Path | None = None) -> tuple[DictConfig | None, dict[str, str]]:
+def compose_reporting(
+    config_name: str, overrides: list[str], config_path: Path, findings: Findings, config_dir: Path | None = None
+) -> tuple[DictConfig | None, dict[str, str]]:
     """The composed config (None if even the bare config fails) and the keys that were only added by
     retrying an override as `+key=value` (key -> override). Failing overrides are reported and left out."""
     added: dict[str, str] = {}
     for flag, directory in (("--config-path", config_path), ("--config-dir", config_dir)):
         if directory is not None and not Path(directory).is_dir():
-            hint = (" (a relative --config-path is resolved from the recipe's directory, as Hydra does: give an "
-                    "absolute path, or --config-dir DIR for a directory relative to where you are)"
-                    if flag == "--config-path" else "")
+            hint = (
+                " (a relative --config-path is resolved from the recipe's directory, as Hydra does: give an "
+                "absolute path, or --config-dir DIR for a directory relative to where you are)"
+                if flag == "--config-path"
+                else ""
+            )
             findings.problem(flag, f"{directory} is not a directory{hint}")
             return None, added
     with hydra_search_path(config_path, config_dir):
@@ -65,8 +74,11 @@ def compose_reporting(config_name: str, overrides: list[str], config_path: Path,
         if cfg is None:
             searched = [d for d in (config_dir, config_path, CONFIG_DIR) if d is not None]
             names = set().union(*map(_config_names, searched)) - {config_name}
-            findings.problem("config", f"{config_name} from {' or '.join(map(str, dict.fromkeys(searched)))}: "
-                                       f"{first_line(error)}{did_you_mean(config_name, names)}")
+            findings.problem(
+                "config",
+                f"{config_name} from {' or '.join(map(str, dict.fromkeys(searched)))}: "
+                f"{first_line(error)}{did_you_mean(config_name, names)}",
+            )
             return None, added
         accepted: list[str] = []  # one override at a time, to find those at fault
         searched = [d for d in (config_dir, config_path, CONFIG_DIR) if d is not None]
@@ -110,8 +122,10 @@ def _unselected_group(config_name: str, accepted: list[str], override: str, sear
     cfg, _ = _try_compose(config_name, accepted)
     if cfg is None or group not in cfg or cfg[group] is not None:
         return None
-    return (f"{group} is null in this config: choose one first, {' or '.join(f'{group}={o}' for o in options)} "
-            f"(e.g. {group}={options[0]} {override})")
+    return (
+        f"{group} is null in this config: choose one first, {' or '.join(f'{group}={o}' for o in options)} "
+        f"(e.g. {group}={options[0]} {override})"
+    )
 
 
 def _try_compose(config_name: str, overrides: list[str]) -> tuple[DictConfig | None, Exception | None]:
@@ -123,4 +137,3 @@ def _try_compose(config_name: str, overrides: list[str]) -> tuple[DictConfig | N
 
 def _config_names(directory: Path) -> set[str]:
     return {str(p.relative_to(directory).with_suffix("")) for p in directory.rglob("*.yaml")}
-

@@ -81,8 +81,10 @@ class RecipeKind:
         (`chattune.config.schema.key`) are then checked like the built-in ones, by the recipe's launch and by
         `chattune validate --recipe FILE`."""
         if not (isinstance(schema, type) and dataclasses.is_dataclass(schema) and issubclass(schema, self.schema)):
-            raise TypeError(f"the schema of a {self.name} recipe must be a dataclass subclassing "
-                            f"{self.schema.__name__} (chattune.config.schema), got {schema!r}")
+            raise TypeError(
+                f"the schema of a {self.name} recipe must be a dataclass subclassing "
+                f"{self.schema.__name__} (chattune.config.schema), got {schema!r}"
+            )
         return dataclasses.replace(self, schema=schema)
 
 
@@ -106,8 +108,11 @@ def kind_of_recipe(recipe_file: Path) -> RecipeKind | None:
         spec.loader.exec_module(module)
     finally:
         sys.modules.pop(name, None)
-    kinds = {id(kind): kind for value in vars(module).values()
-             if isinstance(kind := getattr(value, RECIPE_KIND_ATTRIBUTE, None), RecipeKind)}
+    kinds = {
+        id(kind): kind
+        for value in vars(module).values()
+        if isinstance(kind := getattr(value, RECIPE_KIND_ATTRIBUTE, None), RecipeKind)
+    }
     if len(kinds) > 1:
         raise RecipeKindError(f"{recipe_file}: more than one recipe_main with a kind; a recipe file launches one")
     return next(iter(kinds.values()), None)
@@ -118,10 +123,20 @@ def _named(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-SFT = RecipeKind("sft", SFTConfig, "chattune.data.sources:SFT_DATA",
-                 "chattune.objectives.cross_entropy:TokenCrossEntropy", needs_reference=False)
-DPO = RecipeKind("dpo", DPOConfig, "chattune.data.sources:PAIR_DATA", "chattune.objectives.dpo:PreferenceObjective",
-                 needs_reference=True)
+SFT = RecipeKind(
+    "sft",
+    SFTConfig,
+    "chattune.data.sources:SFT_DATA",
+    "chattune.objectives.cross_entropy:TokenCrossEntropy",
+    needs_reference=False,
+)
+DPO = RecipeKind(
+    "dpo",
+    DPOConfig,
+    "chattune.data.sources:PAIR_DATA",
+    "chattune.objectives.dpo:PreferenceObjective",
+    needs_reference=True,
+)
 
 RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO)}
 
@@ -153,7 +168,8 @@ def kind_of_config(config_name: str, config_path: Path = CONFIG_DIR, config_dir:
         f"({' or '.join(f'{name}/' for name in names)}), or of the nearest config it builds on that is in one; "
         f"{config_name} is in {f'group {group}/' if group else 'no group'} and builds on none. Put it in a directory "
         f"named after its recipe (--config-name {' or '.join(f'{name}/NAME' for name in names)}), or build on a "
-        f"shipped config (defaults: [/{names[0]}/tiny, _self_])")
+        f"shipped config (defaults: [/{names[0]}/tiny, _self_])"
+    )
 
 
 def _group_kind(config_name: str) -> RecipeKind | None:

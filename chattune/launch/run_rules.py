@@ -55,8 +55,9 @@ class RunRules:
     """The run's own rules, for a config of recipe kind `kind`. `cfg`: the composed config, to check output_dir and
     the resume as a launch would (None: not checked)."""
 
-    def __init__(self, values: dict, kind: RecipeKind, findings: Findings, schema: SchemaChecks,
-                 cfg: DictConfig | None = None):
+    def __init__(
+        self, values: dict, kind: RecipeKind, findings: Findings, schema: SchemaChecks, cfg: DictConfig | None = None
+    ):
         self.values, self.kind, self.findings, self.schema, self.cfg = values, kind, findings, schema, cfg
 
     def sources(self, key: str, required: bool) -> None:
@@ -77,7 +78,9 @@ class RunRules:
                 entry = {"path": entry}
             if not isinstance(entry, dict):
                 if entry is not UNSET:
-                    self.findings.problem(where, "a data source is a path or a mapping {path, format, columns, roles, split}")
+                    self.findings.problem(
+                        where, "a data source is a path or a mapping {path, format, columns, roles, split}"
+                    )
                 continue
             if UNSET in entry.values():
                 continue
@@ -86,8 +89,10 @@ class RunRules:
                 self.schema.unknown(f"{where}.{name}", [f"{where}.{k}" for k in SOURCE_KEYS])
             fmt = entry.get("format", SourceSpec.format)
             if fmt not in formats:
-                self.findings.problem(f"{where}.format", f"{fmt!r} is not one of {', '.join(formats)}{accepted.reads}"
-                                                         f"{did_you_mean(str(fmt), formats)}")
+                self.findings.problem(
+                    f"{where}.format",
+                    f"{fmt!r} is not one of {', '.join(formats)}{accepted.reads}{did_you_mean(str(fmt), formats)}",
+                )
             elif not unknown:
                 try:
                     SourceSpec.from_config(entry)
@@ -107,8 +112,11 @@ class RunRules:
         elif path.startswith(HUB_PREFIX):
             self.findings.note(key, f"{path!r}: a hub dataset (needs the machine online)")
         else:
-            hint = f" (a hub dataset is written {HUB_PREFIX}{path})" if HUB_LIKE.fullmatch(path) and not \
-                path.endswith(DATA_SUFFIXES) else ""
+            hint = (
+                f" (a hub dataset is written {HUB_PREFIX}{path})"
+                if HUB_LIKE.fullmatch(path) and not path.endswith(DATA_SUFFIXES)
+                else ""
+            )
             self.findings.problem(key, f"data file {path!r} does not exist{hint}")
 
     def paths(self) -> None:
@@ -119,7 +127,9 @@ class RunRules:
             elif Path(tokenizer).exists():
                 self.findings.problem("tokenizer.path", f"{tokenizer!r} is not a directory")
             else:
-                self.findings.problem("tokenizer.path", f"{tokenizer!r} does not exist{hub_hint(tokenizer, 'tokenizer')}")
+                self.findings.problem(
+                    "tokenizer.path", f"{tokenizer!r} does not exist{hub_hint(tokenizer, 'tokenizer')}"
+                )
         template = get_value(self.values, TEMPLATE_KEY)
         problem = template_problem(template) if template is None or isinstance(template, str) else None
         if problem is not None:  # (a value of another type is reported by the schema checks)
@@ -141,8 +151,13 @@ class RunRules:
             self.findings.problem("eval.sample_prompts", problem)
         if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:
             self.findings.problem("model", "neither model.path nor model.config is set")
-        if isinstance(get_value(self.values, "reference.path"), str) and get_value(self.values, "loss.type") in REFERENCE_FREE:
-            self.findings.note("reference.path", f"unused: loss.type={get_value(self.values, 'loss.type')} needs no reference")
+        if (
+            isinstance(get_value(self.values, "reference.path"), str)
+            and get_value(self.values, "loss.type") in REFERENCE_FREE
+        ):
+            self.findings.note(
+                "reference.path", f"unused: loss.type={get_value(self.values, 'loss.type')} needs no reference"
+            )
 
     def steps_and_budget(self) -> None:
         """stop_after_step within the run, a warm-up or save interval longer than it (notes), a budget that padding
@@ -152,12 +167,20 @@ class RunRules:
             self.findings.problem("stop_after_step", f"{stop} is after max_steps {max_steps}: the run ends first")
         warmup, save_every = number(self.values, "scheduler.num_warmup_steps"), number(self.values, "save_every")
         if max_steps is not None and warmup is not None and warmup > max_steps:
-            self.findings.note("scheduler.num_warmup_steps", f"{warmup} is more than max_steps {max_steps}: the learning "
-                                                             "rate never reaches optimizer.lr")
+            self.findings.note(
+                "scheduler.num_warmup_steps",
+                f"{warmup} is more than max_steps {max_steps}: the learning rate never reaches optimizer.lr",
+            )
         if max_steps is not None and save_every is not None and save_every > max_steps:
-            self.findings.note("save_every", f"{save_every} is more than max_steps {max_steps}: no checkpoint is written, so "
-                                             "the run can be neither resumed nor extended (its export is still written)")
-        budget, multiple = number(self.values, "data.max_tokens_per_microbatch"), number(self.values, "data.pad_to_multiple_of")
+            self.findings.note(
+                "save_every",
+                f"{save_every} is more than max_steps {max_steps}: no checkpoint is written, so "
+                "the run can be neither resumed nor extended (its export is still written)",
+            )
+        budget, multiple = (
+            number(self.values, "data.max_tokens_per_microbatch"),
+            number(self.values, "data.pad_to_multiple_of"),
+        )
         problem = pad_multiple_problem(budget, multiple)
         if problem:
             self.findings.problem("data.max_tokens_per_microbatch", problem)
@@ -166,10 +189,12 @@ class RunRules:
         positions, context = self.max_positions(), self.context_size()
         sequence = "a pair's side (the prompt and one reply)" if self.kind.pairs else "a document"
         if budget and positions and budget * context > positions:
-            self.findings.note("data.max_tokens_per_microbatch",
-                               f"{budget}{f' x parallel.context={context}' if context > 1 else ''} is more than "
-                               f"model.path's max_position_embeddings {positions}: {sequence} longer than {positions} "
-                               "tokens gets positions the model was not trained on")
+            self.findings.note(
+                "data.max_tokens_per_microbatch",
+                f"{budget}{f' x parallel.context={context}' if context > 1 else ''} is more than "
+                f"model.path's max_position_embeddings {positions}: {sequence} longer than {positions} "
+                "tokens gets positions the model was not trained on",
+            )
 
     def quantized_base(self) -> None:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
@@ -177,16 +202,22 @@ class RunRules:
             return  # null (full precision), or not a format (reported by enums)
         device = get_value(self.values, "device")
         if device == "cpu" or (device == "auto" and not _cuda_available()):
-            self.findings.problem("peft.quantize_base", "a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory "
-                                                        "with bitsandbytes' GPU kernels. On the CPU, set "
-                                                        "peft.quantize_base=null (LoRA on the full-precision base)")
+            self.findings.problem(
+                "peft.quantize_base",
+                "a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory "
+                "with bitsandbytes' GPU kernels. On the CPU, set "
+                "peft.quantize_base=null (LoRA on the full-precision base)",
+            )
         elif importlib.util.find_spec("bitsandbytes") is None:
             self.findings.problem("peft.quantize_base", 'needs bitsandbytes: pip install "chattune[qlora]"')
 
     def device(self) -> None:
         if get_value(self.values, "device") == "cuda" and not _cuda_available():
-            self.findings.problem("device", "cuda, but torch finds no CUDA device on this machine (torch.cuda.is_available() "
-                                            "is False): use device=auto (CUDA where there is one) or device=cpu")
+            self.findings.problem(
+                "device",
+                "cuda, but torch finds no CUDA device on this machine (torch.cuda.is_available() "
+                "is False): use device=auto (CUDA where there is one) or device=cpu",
+            )
 
     def step_layout(self, world_size: int | None) -> None:
         """World-size-invariant steps (data.microbatches_per_step) are dealt to the ranks, which must divide
@@ -196,9 +227,12 @@ class RunRules:
             return
         accum = number(self.values, "grad_accum_steps")
         if accum not in (None, 1):
-            self.findings.problem("grad_accum_steps", f"{accum} with data.microbatches_per_step={total}: the microbatches "
-                                                      "per rank follow from it (data.microbatches_per_step / ranks); "
-                                                      "leave grad_accum_steps at 1")
+            self.findings.problem(
+                "grad_accum_steps",
+                f"{accum} with data.microbatches_per_step={total}: the microbatches "
+                "per rank follow from it (data.microbatches_per_step / ranks); "
+                "leave grad_accum_steps at 1",
+            )
         problem = microbatch_ranks_problem(total, world_size, self.context_size()) if world_size is not None else None
         if problem:
             self.findings.problem("data.microbatches_per_step", problem)
@@ -219,9 +253,12 @@ class RunRules:
             self.findings.problem("parallel.context", problem)
         heads = self.attention_heads()
         if heads and heads % context:
-            self.findings.problem("parallel.context", f"{context} does not divide the model's {heads} attention heads: "
-                                  f"each rank of a context group attends with heads/context of them; choose a divisor "
-                                  f"of {heads}")
+            self.findings.problem(
+                "parallel.context",
+                f"{context} does not divide the model's {heads} attention heads: "
+                f"each rank of a context group attends with heads/context of them; choose a divisor "
+                f"of {heads}",
+            )
 
     def attention_heads(self) -> int | None:
         """The model's query heads: model.path's config.json, or model.config for a model built from a config."""
@@ -288,12 +325,18 @@ class RunRules:
                 ranks = ""
             elif isinstance(invariant, int):  # world-size-invariant steps: any divisor of M resumes it
                 divisors = ", ".join(str(n) for n in range(1, invariant + 1) if invariant % n == 0)
-                ranks = (f", written by {saved['world_size']} rank(s): launch with any --nproc_per_node that divides "
-                         f"data.microbatches_per_step={invariant} ({divisors})")
+                ranks = (
+                    f", written by {saved['world_size']} rank(s): launch with any --nproc_per_node that divides "
+                    f"data.microbatches_per_step={invariant} ({divisors})"
+                )
             else:
-                ranks = f", written by {saved['world_size']} rank(s): launch with --nproc_per_node {saved['world_size']}"
+                ranks = (
+                    f", written by {saved['world_size']} rank(s): launch with --nproc_per_node {saved['world_size']}"
+                )
             self.findings.note("resume", f"continues from {start.resume_from} at step {saved['step']}{ranks}")
-        for line in start.plan.notes + [f"{h} (the schedule is recomputed for the new horizon)" for h in start.plan.horizon]:
+        for line in start.plan.notes + [
+            f"{h} (the schedule is recomputed for the new horizon)" for h in start.plan.horizon
+        ]:
             self.findings.note("resume", line)
         for path in plan.move_aside + plan.copy_aside:
             self.findings.note("output_dir", f"{path} would be set aside as {path.name}.abandoned")

@@ -55,8 +55,14 @@ def plain_values(node: Any, key: str, findings: Findings) -> Any:
 
 # --- the schema's types ---
 
-TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
-              list: "a list"}
+TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    dict: "a mapping",
+    list: "a list",
+}
 
 
 def base_type(hint: Any) -> type:
@@ -121,7 +127,9 @@ class SchemaChecks:
         options, nullable = type_options(hint)
         if value is None:
             if not nullable:
-                self.findings.problem(key, f"null is not allowed; expected {TYPE_NAMES.get(base_type(options[0]), 'a value')}")
+                self.findings.problem(
+                    key, f"null is not allowed; expected {TYPE_NAMES.get(base_type(options[0]), 'a value')}"
+                )
             return
         if isinstance(value, dict) and "_target_" in value:
             self.target(value, section_type(hint), metadata, key)
@@ -156,8 +164,13 @@ class SchemaChecks:
         leaf = key.rsplit(".", 1)[-1]
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in siblings}
         nearest = closest(leaf, by_leaf)
-        match = [alias_of] if alias_of else [by_leaf[nearest]] if nearest else \
-            [k for k in self.schema_keys if k.rsplit(".", 1)[-1] == leaf][:1]
+        match = (
+            [alias_of]
+            if alias_of
+            else [by_leaf[nearest]]
+            if nearest
+            else [k for k in self.schema_keys if k.rsplit(".", 1)[-1] == leaf][:1]
+        )
         self.findings.problem(key, f"unknown key; did you mean {match[0]}?" if match else "unknown key")
 
     def target(self, values: dict, section: type | None, metadata: dict, key: str) -> None:
@@ -167,7 +180,9 @@ class SchemaChecks:
         try:
             target, parameters = target_parameters(name)
         except Exception as error:  # an import of user code can raise anything
-            self.findings.problem(f"{key}._target_", f"cannot import {name!r}: {type(error).__name__}: {first_line(error)}")
+            self.findings.problem(
+                f"{key}._target_", f"cannot import {name!r}: {type(error).__name__}: {first_line(error)}"
+            )
             return
         is_hf_config = isinstance(target, type) and issubclass(target, PretrainedConfig)
         accepts_any = is_hf_config or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
@@ -176,7 +191,9 @@ class SchemaChecks:
         positional, keywords = recipe_passes or (0, ())
         given_by_recipe = {*list(parameters)[:positional], *keywords}
         if recipe_passes and values.get("_partial_") is not True:
-            self.findings.problem(f"{key}._partial_", "must be true: the recipe calls the result with its own arguments")
+            self.findings.problem(
+                f"{key}._partial_", "must be true: the recipe calls the result with its own arguments"
+            )
         known = schema_fields(section) if section is not None else {}
         same_target = "_target_" in known and section.__dataclass_fields__["_target_"].default == name
         for arg, value in values.items():
@@ -191,12 +208,18 @@ class SchemaChecks:
                 if accepts_any:
                     self.findings.note(child, f"not a named parameter of {name} (passed on as an extra keyword){hint}")
                 else:
-                    self.findings.problem(child, f"unknown key{hint}" if hint else f"unknown key: not a parameter of {name}")
+                    self.findings.problem(
+                        child, f"unknown key{hint}" if hint else f"unknown key: not a parameter of {name}"
+                    )
             elif same_target and arg in known:
                 self.value(value, *known[arg], child)
         for arg, parameter in list(parameters.items())[positional:]:
-            if (parameter.default is parameter.empty and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
-                    and arg not in values and arg not in keywords):
+            if (
+                parameter.default is parameter.empty
+                and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+                and arg not in values
+                and arg not in keywords
+            ):
                 self.findings.problem(f"{key}.{arg}", f"required by {name}, not set")
 
     def choices(self) -> None:
@@ -260,12 +283,20 @@ def _parameters_of(function: ast.FunctionDef) -> Mapping[str, inspect.Parameter]
     args, P = function.args, inspect.Parameter
     positional = [*args.posonlyargs, *args.args]
     defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-    parameters = [P(arg.arg, P.POSITIONAL_ONLY if arg in args.posonlyargs else P.POSITIONAL_OR_KEYWORD,
-                    default=P.empty if default is None else _GIVEN) for arg, default in zip(positional, defaults)]
+    parameters = [
+        P(
+            arg.arg,
+            P.POSITIONAL_ONLY if arg in args.posonlyargs else P.POSITIONAL_OR_KEYWORD,
+            default=P.empty if default is None else _GIVEN,
+        )
+        for arg, default in zip(positional, defaults)
+    ]
     if args.vararg:
         parameters.append(P(args.vararg.arg, P.VAR_POSITIONAL))
-    parameters += [P(arg.arg, P.KEYWORD_ONLY, default=P.empty if default is None else _GIVEN)
-                   for arg, default in zip(args.kwonlyargs, args.kw_defaults)]
+    parameters += [
+        P(arg.arg, P.KEYWORD_ONLY, default=P.empty if default is None else _GIVEN)
+        for arg, default in zip(args.kwonlyargs, args.kw_defaults)
+    ]
     if args.kwarg:
         parameters.append(P(args.kwarg.arg, P.VAR_KEYWORD))
     return inspect.Signature(parameters).parameters

@@ -72,9 +72,15 @@ def check_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = Non
     return findings.notes
 
 
-def run_validate(config_name: str, overrides: list[str], config_path: Path,
-                 world_size: int | None = None, config_dir: Path | None = None,
-                 read_data: bool = False, kind: RecipeKind | None = None) -> tuple[str, bool]:
+def run_validate(
+    config_name: str,
+    overrides: list[str],
+    config_path: Path,
+    world_size: int | None = None,
+    config_dir: Path | None = None,
+    read_data: bool = False,
+    kind: RecipeKind | None = None,
+) -> tuple[str, bool]:
     """Compose `config_name` from `config_path` (and `config_dir`, Hydra's --config-dir, searched first)
     with `overrides` as a recipe would and check it: (the report, whether the config has no problem).
     `read_data`: also load the tokenizer and read the first records of every source. `kind`: the recipe's
@@ -88,7 +94,7 @@ def run_validate(config_name: str, overrides: list[str], config_path: Path,
 HYDRA_PLACEMENT = {
     "hydra.run.dir": "a run's directory is output_dir: set output_dir=DIR instead",
     "hydra.job.chdir": "chattune writes into output_dir itself, from the directory you launch in (a relative "
-                       "output_dir would land inside itself after the change of directory): leave hydra.job.chdir out",
+    "output_dir would land inside itself after the change of directory): leave hydra.job.chdir out",
 }
 
 
@@ -98,9 +104,16 @@ def hydra_placement_problems(overrides: list[str]) -> list[str]:
     return [f"{key}: {HYDRA_PLACEMENT[key]}" for key in keys if key in HYDRA_PLACEMENT]
 
 
-def validate_command(config_name: str, overrides: list[str], config_path: Path, world_size: int | None = None,
-                     config_dir: Path | None = None, read_data: bool = False, output_dir_checks: bool = True,
-                     kind: RecipeKind | None = None) -> Findings:
+def validate_command(
+    config_name: str,
+    overrides: list[str],
+    config_path: Path,
+    world_size: int | None = None,
+    config_dir: Path | None = None,
+    read_data: bool = False,
+    output_dir_checks: bool = True,
+    kind: RecipeKind | None = None,
+) -> Findings:
     """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir). `kind`:
     the recipe's, where one is launched; None: the config name's (`kind_of_config`)."""
     findings = Findings()
@@ -124,8 +137,9 @@ def validate_command(config_name: str, overrides: list[str], config_path: Path, 
             findings.problem(key, f"required by {config_name} (???), not set")
         find_problems(cfg, kind, world_size, findings, output_dir_checks)
         # An unset required key still holds the value it inherited: its other problems are about that value.
-        findings.problems = [line for line in findings.problems
-                             if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")]
+        findings.problems = [
+            line for line in findings.problems if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")
+        ]
         for key, override in added.items():  # valid keys, but Hydra adds a key only with "+"
             if not findings.has_problem(key):
                 findings.problem(key, f"not in the config; add it with +{override}")
@@ -167,16 +181,24 @@ def read_first_records(cfg: DictConfig, kind: RecipeKind, findings: Findings, co
                 train_sizes.append((spec.display_name, len(documents)))
             skipped = [o for o in outcomes if isinstance(o, Skipped)]
             if skipped:
-                findings.note(key, f"{len(skipped)} of its first {min(count, len(documents))} records would be skipped, "
-                                   f"e.g. {skipped[0].reason}: {skipped[0].detail}")
+                findings.note(
+                    key,
+                    f"{len(skipped)} of its first {min(count, len(documents))} records would be skipped, "
+                    f"e.g. {skipped[0].reason}: {skipped[0].detail}",
+                )
     if train_sizes and len(train_sizes) == len(source_specs(data.train)):  # all read: what eval_split leaves
         problem = split_problem(*zip(*train_sizes), data.eval_split)
         if problem is not None:
             findings.problems.append(problem)
 
 
-def find_problems(cfg: DictConfig, kind: RecipeKind, world_size: int | None = None, findings: Findings | None = None,
-                  output_dir_checks: bool = True) -> Findings:
+def find_problems(
+    cfg: DictConfig,
+    kind: RecipeKind,
+    world_size: int | None = None,
+    findings: Findings | None = None,
+    output_dir_checks: bool = True,
+) -> Findings:
     """Every problem (and note) of a composed config for recipe kind `kind`, added to `findings`.
     `output_dir_checks`: also what a launch would do with output_dir (a recipe decides that itself, holding the
     directory's lock)."""

@@ -56,8 +56,10 @@ def check_module_names(hf_model: PreTrainedModel, settings: DictConfig) -> None:
     paths = [name for name, _ in hf_model.named_modules() if name]
     leaves = sorted({path.rsplit(".", 1)[-1] for path in paths})
     targets = target_names(settings)
-    for key, names in (("peft.target_modules", [] if targets == ALL_LINEAR else targets),
-                       ("peft.modules_to_save", list(settings.modules_to_save or []))):
+    for key, names in (
+        ("peft.target_modules", [] if targets == ALL_LINEAR else targets),
+        ("peft.modules_to_save", list(settings.modules_to_save or [])),
+    ):
         for name in names:
             if not any(path == name or path.endswith("." + name) for path in paths):
                 near = difflib.get_close_matches(name, leaves, n=3, cutoff=0.6)
@@ -70,7 +72,9 @@ def lora_config(settings: DictConfig) -> LoraConfig:
     from peft import LoraConfig
 
     return LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
         target_modules=target_names(settings),
         use_dora=settings.use_dora,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
@@ -126,7 +130,7 @@ def set_dora_magnitudes(hf_model: PreTrainedModel) -> None:
             local_weight = weight.to_local()
         else:  # a 4-bit base: replicated whole, take this rank's rows
             first = _first_row(magnitude)
-            local_weight = quantize.dequantized(weight)[first:first + local_magnitude.shape[0]]
+            local_weight = quantize.dequantized(weight)[first : first + local_magnitude.shape[0]]
         rows = local_weight.float() + module.scaling[ADAPTER] * (local_b.float() @ a.float())
         local_magnitude.copy_(torch.linalg.norm(rows, dim=1))
 
@@ -140,8 +144,11 @@ def _first_row(tensor: torch.Tensor) -> int:
 
 def initial_values(hf_model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """Parameters that already hold values on a meta-built model (the adapters), by name."""
-    return {name: p.detach().clone() for name, p in hf_model.named_parameters()
-            if not p.is_meta and not quantize.is_quantized(p)}
+    return {
+        name: p.detach().clone()
+        for name, p in hf_model.named_parameters()
+        if not p.is_meta and not quantize.is_quantized(p)
+    }
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -42,8 +42,15 @@ logger = logging.getLogger(__name__)
 MINIATURE_LAYERS = 2
 MINIATURE_VOCAB = 1024
 # Per-layer lists of layer kinds, as configs name them; the miniature keeps a prefix holding every kind.
-PER_LAYER_KINDS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern", "mlp_layer_types",
-                   "no_rope_layers", "num_attention_heads_per_layer")
+PER_LAYER_KINDS = (
+    "layer_types",
+    "layers_block_type",
+    "block_types",
+    "hybrid_override_pattern",
+    "mlp_layer_types",
+    "no_rope_layers",
+    "num_attention_heads_per_layer",
+)
 # Lists of the layer indices that differ from the rest (attention in a Mamba stack, dense in an MoE stack).
 LAYER_INDEX_LISTS = ("attn_layer_indices", "mlp_only_layers", "full_attn_idxs")
 # The first k layers differ from the rest (dense layers before the MoE ones).
@@ -163,8 +170,9 @@ def build_miniature(config: PretrainedConfig) -> PreTrainedModel:
                     "transformers' attention interface, so chattune cannot keep packed documents apart in them"
                 ) from error
     else:
-        raise UnsupportedModel(f"{name}: no causal LM can be built from its config ({type(failure).__name__}: "
-                               f"{failure})") from failure
+        raise UnsupportedModel(
+            f"{name}: no causal LM can be built from its config ({type(failure).__name__}: {failure})"
+        ) from failure
     model.config.use_cache = False
     return model
 
@@ -177,8 +185,11 @@ def _builds_with_stock_attention(config: PretrainedConfig) -> bool:
     return True
 
 
-def check_architecture(config: PretrainedConfig, device: torch.device | None = None,
-                       context_group: torch.distributed.ProcessGroup | None = None) -> None:
+def check_architecture(
+    config: PretrainedConfig,
+    device: torch.device | None = None,
+    context_group: torch.distributed.ProcessGroup | None = None,
+) -> None:
     """Refuse (UnsupportedModel) an architecture whose packed forward lets documents see each other or whose
     logits are not hidden @ output_embedding.T, measured on a random-init miniature. The global RNG is left
     as it was, so random-init weights built after the check do not change. Under context parallelism
@@ -253,8 +264,13 @@ def check_stock_attention(miniature: PreTrainedModel) -> None:
             stock.set_attn_implementation("eager")
             theirs = decoder_of(stock)(input_ids=batch.input_ids, use_cache=False)
         except Exception as error:  # transformers' own forward: whatever it raises, there is nothing to compare with
-            logger.warning("%s: transformers' own forward fails on the miniature (%s: %s), so its attention masks are "
-                           "not compared with chattune's", type(miniature).__name__, type(error).__name__, error)
+            logger.warning(
+                "%s: transformers' own forward fails on the miniature (%s: %s), so its attention masks are "
+                "not compared with chattune's",
+                type(miniature).__name__,
+                type(error).__name__,
+                error,
+            )
             return
     finally:
         miniature.train(was_training)

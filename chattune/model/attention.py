@@ -78,8 +78,15 @@ def _half(dtype: torch.dtype | str) -> bool:
     return dtype in (torch.bfloat16, torch.float16, "bfloat16", "float16")
 
 
-def attention_path(device_type: str, dtype: torch.dtype | str, head_dim: int, *, sinks: bool = False,
-                   softcap: bool = False, value_head_dim: int | None = None) -> str:
+def attention_path(
+    device_type: str,
+    dtype: torch.dtype | str,
+    head_dim: int,
+    *,
+    sinks: bool = False,
+    softcap: bool = False,
+    value_head_dim: int | None = None,
+) -> str:
     """The path one layer's attention takes (VARLEN, SINK_VARLEN, SDPA or EXACT; module docstring): the varlen
     kernels only on CUDA in bf16/fp16 and for head sizes they take; sinks and soft-capping where a kernel
     computes them, else the exact per-document loop."""
@@ -104,12 +111,16 @@ def _path_name(path: str) -> str:
         return f"torch varlen_attn (grouped-query attention {gqa_names[kernels._varlen_gqa]})"
     if path == SINK_VARLEN:
         gqa = gqa_names["flag" if kernels._TORCH_SINK_GQA_FLAG else kernels._varlen_gqa]
-        return (f"torch varlen flash kernel (grouped-query attention {gqa}), output times sigmoid(lse - sink), "
-                "backward through the sink-inclusive lse")
+        return (
+            f"torch varlen flash kernel (grouped-query attention {gqa}), output times sigmoid(lse - sink), "
+            "backward through the sink-inclusive lse"
+        )
     if path == SDPA:
         return "per-document SDPA (a loop over documents, outside compiled graphs)"
-    return ("per-document exact attention (scores written out, fp32 softmax; a loop over documents, "
-            "outside compiled graphs)")
+    return (
+        "per-document exact attention (scores written out, fp32 softmax; a loop over documents, "
+        "outside compiled graphs)"
+    )
 
 
 @dataclass(frozen=True)
@@ -155,9 +166,14 @@ def attention_features(hf_model: torch.nn.Module) -> tuple[AttentionLayer, ...]:
         if not isinstance(head_dim, int):
             continue
         value_head_dim = getattr(module, "v_head_dim", None)
-        layers.append(AttentionLayer(head_dim=head_dim, sinks=isinstance(getattr(module, "sinks", None), torch.Tensor),
-                                     softcap=bool(getattr(module, "attn_logit_softcapping", None)),
-                                     value_head_dim=value_head_dim if isinstance(value_head_dim, int) else None))
+        layers.append(
+            AttentionLayer(
+                head_dim=head_dim,
+                sinks=isinstance(getattr(module, "sinks", None), torch.Tensor),
+                softcap=bool(getattr(module, "attn_logit_softcapping", None)),
+                value_head_dim=value_head_dim if isinstance(value_head_dim, int) else None,
+            )
+        )
     return tuple(layers)
 
 
@@ -172,8 +188,14 @@ def attention_backend(device_type: str, compute_dtype: str, layers: Sequence[Att
         return _path_name(attention_path(device_type, compute_dtype, 0))
     groups: dict[str, list[AttentionLayer]] = {}
     for layer in layers:
-        path = attention_path(device_type, compute_dtype, layer.head_dim, sinks=layer.sinks, softcap=layer.softcap,
-                              value_head_dim=layer.value_head_dim)
+        path = attention_path(
+            device_type,
+            compute_dtype,
+            layer.head_dim,
+            sinks=layer.sinks,
+            softcap=layer.softcap,
+            value_head_dim=layer.value_head_dim,
+        )
         groups.setdefault(path, []).append(layer)
     parts = []
     for rank, (path, members) in enumerate(sorted(groups.items(), key=lambda item: -len(item[1]))):
@@ -187,7 +209,6 @@ def attention_backend(device_type: str, compute_dtype: str, layers: Sequence[Att
         else:
             parts.append(f"{count} {noun}: {_path_name(path)}")
     return "; ".join(parts)
-
 
 
 @torch.compiler.disable  # a collective's rank: outside compiled graphs, as the all-to-all around it
@@ -208,8 +229,10 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each document of a packed (1, N) row. Returns (1, N, H, D)."""
     if attention_mask is not None:  # a model that builds its own mask (Doge, MPT) cannot be kept to documents here
-        raise UnsupportedModel(f"{type(module).__name__} passes its own attention mask to the attention function; "
-                               f"{ATTENTION_NAME} attention takes none (packed rows pass cu_seqlens)")
+        raise UnsupportedModel(
+            f"{type(module).__name__} passes its own attention mask to the attention function; "
+            f"{ATTENTION_NAME} attention takes none (packed rows pass cu_seqlens)"
+        )
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME} attention expects packed rows of batch size 1, got {query.shape[0]}")
     sinks = kwargs.get("s_aux")  # gpt-oss: (Hq,) logits, one per query head
@@ -223,16 +246,24 @@ def packed_attention(
         if group is not None:  # a slice's position ids do not say where the row's documents start
             raise ValueError(f"{ATTENTION_NAME} attention under context parallelism needs the row's cu_seq_lens_q")
         if kwargs.get("position_ids") is None:  # BLT, Inkling2: nothing says where the documents are
-            raise UnsupportedModel(f"{type(module).__name__} passes neither cu_seq_lens_q nor position_ids to its "
-                                   "attention, so the packed attention cannot tell where a row's documents start")
+            raise UnsupportedModel(
+                f"{type(module).__name__} passes neither cu_seq_lens_q nor position_ids to its "
+                "attention, so the packed attention cannot tell where a row's documents start"
+            )
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
     if group is not None:  # this rank's slice of every head -> the whole row for its share of the heads
         query, key, value = heads_to_sequence(query, key, value, group)
         if sinks is not None:
             sinks = _rank_heads(sinks, group)
-    path = attention_path(query.device.type, query.dtype, query.shape[-1], sinks=sinks is not None,
-                          softcap=softcap is not None, value_head_dim=value.shape[-1])
+    path = attention_path(
+        query.device.type,
+        query.dtype,
+        query.shape[-1],
+        sinks=sinks is not None,
+        softcap=softcap is not None,
+        value_head_dim=value.shape[-1],
+    )
     if path == VARLEN:
         output = kernels._varlen(query, key, value, cu_seqlens, int(max_seqlen), scaling, dropout, window, softcap)
     elif path == SINK_VARLEN:

@@ -78,10 +78,34 @@ VARLEN_MAX_HEAD_DIM = 256  # the largest head size flash-attn's and torch's varl
 # The arguments `_SinkVarlen` passes torch's varlen flash ops by name (torch >= 2.11's schemas; `enable_gqa`
 # too where the forward op has it, from 2.12).
 _SINK_OP_ARGUMENTS = {
-    "_varlen_attn": {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "scale",
-                     "window_size"},
-    "_varlen_attn_backward": {"grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "cu_seq_k", "max_q",
-                              "max_k", "is_causal", "rng_state", "scale", "window_size"},
+    "_varlen_attn": {
+        "query",
+        "key",
+        "value",
+        "cu_seq_q",
+        "cu_seq_k",
+        "max_q",
+        "max_k",
+        "is_causal",
+        "scale",
+        "window_size",
+    },
+    "_varlen_attn_backward": {
+        "grad_out",
+        "query",
+        "key",
+        "value",
+        "out",
+        "lse",
+        "cu_seq_q",
+        "cu_seq_k",
+        "max_q",
+        "max_k",
+        "is_causal",
+        "rng_state",
+        "scale",
+        "window_size",
+    },
 }
 
 
@@ -120,9 +144,18 @@ def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
         mask = None  # causal, and only the last `window` keys where the window is shorter than the document
         if window is not None and end - start > window:
             mask = _document_mask(end - start, window, query.device)
-        outputs.append(F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=enable_gqa,
-        ))
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=mask is None,
+                scale=scaling,
+                enable_gqa=enable_gqa,
+            )
+        )
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (1, N, Hq, D): some models .view() it
 
 
@@ -183,8 +216,9 @@ def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, var
     takes_gqa_flag = "enable_gqa" in parameters
     extra = {"enable_gqa": True} if takes_gqa_flag and q.shape[1] != k.shape[1] else {}
     k, v = _kv_heads_for_kernel(q, k, v, takes_gqa_flag, gqa or _varlen_gqa)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling,
-                       window_size=window_size, **extra)
+    return varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, window_size=window_size, **extra
+    )
 
 
 def probe_native_gqa(device: torch.device, varlen_attn=None) -> str:
@@ -233,11 +267,23 @@ class _SinkVarlen(torch.autograd.Function):
         is_causal = tuple(window_size) == (-1, 0)  # as varlen_attn tells the op
         extra = {"enable_gqa": q.shape[1] != k.shape[1]} if gqa_flag else {}
         out, lse, rng_state = forward_op(
-            query=q, key=k, value=v, cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=max_seqlen, max_k=max_seqlen,
-            is_causal=is_causal, scale=scale, window_size=list(window_size), **extra)
+            query=q,
+            key=k,
+            value=v,
+            cu_seq_q=cu_seqlens,
+            cu_seq_k=cu_seqlens,
+            max_q=max_seqlen,
+            max_k=max_seqlen,
+            is_causal=is_causal,
+            scale=scale,
+            window_size=list(window_size),
+            **extra,
+        )
         if tuple(lse.shape) != (q.shape[1], q.shape[0]):  # the layout the rescaling below is written for
-            raise RuntimeError(f"torch's varlen flash kernel returned an lse of shape {tuple(lse.shape)}, not "
-                               f"(heads, tokens) = {(q.shape[1], q.shape[0])}: attention sinks cannot use it")
+            raise RuntimeError(
+                f"torch's varlen flash kernel returned an lse of shape {tuple(lse.shape)}, not "
+                f"(heads, tokens) = {(q.shape[1], q.shape[0])}: attention sinks cannot use it"
+            )
         sink = sinks.float()[:, None]
         lse_with_sink = torch.logaddexp(lse, sink)  # (H, N), the kernel's lse layout
         rescaled = out * torch.sigmoid(lse - sink).transpose(0, 1).unsqueeze(-1)
@@ -256,9 +302,21 @@ class _SinkVarlen(torch.autograd.Function):
         # The kernel recomputes the probabilities as exp(score - lse) and subtracts rowsum(dO * O): with the
         # sink-inclusive lse and the rescaled output that is the backward of the softmax with the sink in it.
         dq, dk, dv = backward_op(
-            grad_out=grad_out, query=q, key=k, value=v, out=out, lse=lse_with_sink, cu_seq_q=cu_seqlens,
-            cu_seq_k=cu_seqlens, max_q=max_seqlen, max_k=max_seqlen, is_causal=is_causal, rng_state=rng_state,
-            scale=scale, window_size=window_size)
+            grad_out=grad_out,
+            query=q,
+            key=k,
+            value=v,
+            out=out,
+            lse=lse_with_sink,
+            cu_seq_q=cu_seqlens,
+            cu_seq_k=cu_seqlens,
+            max_q=max_seqlen,
+            max_k=max_seqlen,
+            is_causal=is_causal,
+            rng_state=rng_state,
+            scale=scale,
+            window_size=window_size,
+        )
         dsinks = None
         if ctx.needs_input_grad[3]:  # d sink = -sum_i P(sink)_i (dO_i . O_i), P(sink)_i = exp(sink - lse_i)
             delta = (grad_out.float() * out.float()).sum(-1).transpose(0, 1)  # (H, N)
@@ -283,8 +341,18 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window,
     if _FLASH_ATTN_VARLEN is not None:
         extra = {"softcap": softcap} if softcap is not None else {}  # attention_path: only where it takes softcap
         out = _FLASH_ATTN_VARLEN(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window_size, **extra,
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            dropout_p=dropout,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window_size,
+            **extra,
         )
     else:
         if dropout:

@@ -50,15 +50,29 @@ def build_trained_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     training mode, its size logged."""
     built = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft)
     built.model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
-    num_params = sum(quantize.weight_shape(p).numel() for p in built.hf_model.parameters())  # a 4-bit weight: its matrix
+    num_params = sum(
+        quantize.weight_shape(p).numel() for p in built.hf_model.parameters()
+    )  # a 4-bit weight: its matrix
     trained = sum(p.numel() for p in trainable_parameters(built.model))  # the adapters with peft=lora
-    logger.info("model: %s, %.2fM parameters (%.2fM trained), %d rank(s) on %s", type(built.hf_model).__name__,
-                num_params / 1e6, trained / 1e6, dist_info.world_size, dist_info.device)
+    logger.info(
+        "model: %s, %.2fM parameters (%.2fM trained), %d rank(s) on %s",
+        type(built.hf_model).__name__,
+        num_params / 1e6,
+        trained / 1e6,
+        dist_info.world_size,
+        dist_info.device,
+    )
     return built
 
 
-def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo,
-                        path: str | None, adapters: DictConfig | None = None, key: str = "model.path") -> BuiltModel:
+def build_sharded_model(
+    cfg: DictConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    dist_info: DistInfo,
+    path: str | None,
+    adapters: DictConfig | None = None,
+    key: str = "model.path",
+) -> BuiltModel:
     """The model loaded from `path` (a local directory or a hub id, `chattune.hub`; `key` is its config key), or
     built from `cfg.model.config` when `path` is None, with LoRA `adapters` (the `peft` section) on its frozen
     base when given, sharded."""
@@ -81,8 +95,9 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
     peft_model = add_adapters(hf_model, adapters) if adapters is not None else None
     if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
-        quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype],
-                                  dist_info.device)
+        quantize.quantize_linears(
+            decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dist_info.device
+        )
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
     # The chunked head's matmuls (and only those: `chattune.model.chunked_loss`) in TF32 on CUDA, where bf16/fp16
     # inputs make its forward exact in TF32.
@@ -99,17 +114,34 @@ def build_sharded_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
         logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
     router_loss = router_loss_for(hf_model, cfg.loss.router_aux_coef)
     if router_loss is not None and dist_info.cp > 1:
-        raise UserError(f"loss.router_aux_coef: {type(hf_model).__name__} trains with its router load-balancing loss, "
-                        "computed per document, and parallel.context>1 splits documents across ranks; set "
-                        "loss.router_aux_coef=0 to train without it, or parallel.context=1")
+        raise UserError(
+            f"loss.router_aux_coef: {type(hf_model).__name__} trains with its router load-balancing loss, "
+            "computed per document, and parallel.context>1 splits documents across ranks; set "
+            "loss.router_aux_coef=0 to train without it, or parallel.context=1"
+        )
     # The context group set on the model (its attention modules and its loss read it there), before compiling.
-    model = shard_model(PackedCausalLM(hf_model, cfg.loss.chunk_size, implementation, stored_dtype, tf32_head,
-                                       router_loss, context_group=dist_info.cp_group),
-                        device_type, dist_info.shard_ranks, **cfg.model.fsdp, compile=compile, replicated=replicated)
+    model = shard_model(
+        PackedCausalLM(
+            hf_model,
+            cfg.loss.chunk_size,
+            implementation,
+            stored_dtype,
+            tf32_head,
+            router_loss,
+            context_group=dist_info.cp_group,
+        ),
+        device_type,
+        dist_info.shard_ranks,
+        **cfg.model.fsdp,
+        compile=compile,
+        replicated=replicated,
+    )
     describe_compute(model, device_type)
     if dist_info.cp > 1:
-        logger.info("context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
-                    dist_info.cp)
+        logger.info(
+            "context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
+            dist_info.cp,
+        )
     if files is not None:
         load.materialise_and_load(model, hf_model, directory, files, dist_info.device, initial)
     if adapters is not None and adapters.use_dora:
@@ -123,12 +155,16 @@ _described: set[str] = set()
 def describe_compute(model: PackedCausalLM, device_type: str) -> None:
     """Log once what a step runs: the attention path, the output layer's loss and whether the decoder layers
     are compiled; warn where a setting makes the CUDA path slow (nothing falls back silently)."""
-    head = {"cut_cross_entropy": "cut-cross-entropy (fused)",
-            "chunked": "chunked fp32 head" + (" (its matmuls in TF32)" if model.tf32_head else "")}
-    line = (f"compute: {model.compute_dtype} on {device_type}; attention: "
-            f"{attention_backend(device_type, model.compute_dtype, attention_features(model.hf_model))}; "
-            f"loss: {head[model.loss_implementation]}; "
-            f"decoder layers {'compiled' if model.compiled else 'not compiled'}")
+    head = {
+        "cut_cross_entropy": "cut-cross-entropy (fused)",
+        "chunked": "chunked fp32 head" + (" (its matmuls in TF32)" if model.tf32_head else ""),
+    }
+    line = (
+        f"compute: {model.compute_dtype} on {device_type}; attention: "
+        f"{attention_backend(device_type, model.compute_dtype, attention_features(model.hf_model))}; "
+        f"loss: {head[model.loss_implementation]}; "
+        f"decoder layers {'compiled' if model.compiled else 'not compiled'}"
+    )
     mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
     if mixer_paths:
         line += f"; sequence mixers: {mixer_paths}"
@@ -144,9 +180,11 @@ def describe_compute(model: PackedCausalLM, device_type: str) -> None:
     _described.add(line)
     logger.info(line)
     if device_type == "cuda" and model.compute_dtype == "float32":
-        logger.warning("model.fsdp.param_dtype=float32 on CUDA: attention runs per document through SDPA (a loop "
-                       "over documents, a graph break in every compiled layer) and every matmul in fp32, several "
-                       "times slower than bf16; model.fsdp.param_dtype=auto computes in bf16 (fp32 masters either way)")
+        logger.warning(
+            "model.fsdp.param_dtype=float32 on CUDA: attention runs per document through SDPA (a loop "
+            "over documents, a graph break in every compiled layer) and every matmul in fp32, several "
+            "times slower than bf16; model.fsdp.param_dtype=auto computes in bf16 (fp32 masters either way)"
+        )
 
 
 def experts_implementation(hf_model: PreTrainedModel, compiled: bool, compute_dtype: str) -> str | None:
@@ -159,7 +197,9 @@ def experts_implementation(hf_model: PreTrainedModel, compiled: bool, compute_dt
     name = hf_model.config.get_text_config()._experts_implementation
     if name == "grouped_mm" and compiled and compute_dtype != "bfloat16":
         return f"a loop over the experts (compiled {compute_dtype} layers: transformers' grouped GEMM takes bf16 only)"
-    return {"grouped_mm": "grouped GEMM (torch._grouped_mm)", "eager": "a loop over the experts (eager)"}.get(name, name)
+    return {"grouped_mm": "grouped GEMM (torch._grouped_mm)", "eager": "a loop over the experts (eager)"}.get(
+        name, name
+    )
 
 
 def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:
@@ -174,10 +214,16 @@ def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:
         if not missing:
             hf_model.config.use_cache = False
             return hf_model, files
-        reason = (f"{len(missing)} of the model's tensors are stored under other names (e.g. {missing[0]}), which "
-                  "transformers converts while loading")
-    logger.warning("model.path %s: %s, so every rank loads the whole model with from_pretrained (host memory: "
-                   "the full model per rank)", directory, reason)
+        reason = (
+            f"{len(missing)} of the model's tensors are stored under other names (e.g. {missing[0]}), which "
+            "transformers converts while loading"
+        )
+    logger.warning(
+        "model.path %s: %s, so every rank loads the whole model with from_pretrained (host memory: "
+        "the full model per rank)",
+        directory,
+        reason,
+    )
     hf_model = load.load_full(directory)
     hf_model.config.use_cache = False
     return hf_model, None

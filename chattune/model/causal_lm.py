@@ -28,9 +28,16 @@ from chattune.model.router_loss import RouterLoss
 
 
 class PackedCausalLM(nn.Module):
-    def __init__(self, hf_model: PreTrainedModel, loss_chunk_size: int = 1024, loss_implementation: str = "chunked",
-                 source_dtype: torch.dtype | None = None, tf32_head: bool = False, router_loss: RouterLoss | None = None,
-                 context_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        hf_model: PreTrainedModel,
+        loss_chunk_size: int = 1024,
+        loss_implementation: str = "chunked",
+        source_dtype: torch.dtype | None = None,
+        tf32_head: bool = False,
+        router_loss: RouterLoss | None = None,
+        context_group: dist.ProcessGroup | None = None,
+    ):
         """`loss_implementation`: `chunked` (exact fp32, `chattune.model.chunked_loss`) or
         `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA); `tf32_head`: the chunked head's matmuls
         in TF32 (CUDA with bf16/fp16 compute, where that is exact for its forward); `router_loss`: a MoE model's
@@ -51,8 +58,9 @@ class PackedCausalLM(nn.Module):
         self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
         set_context_group(self, context_group)  # self.context_group, and the attention modules'
 
-    def forward(self, batch: PackedBatch, router_losses: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: PackedBatch, router_losses: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored. With
         `router_losses` (a model with a `router_loss`), also each segment's coefficient-weighted load-balancing
         loss (S,). Under context parallelism every rank of the group passes the whole row, computes its own
@@ -74,8 +82,9 @@ class PackedCausalLM(nn.Module):
         with stock_attention(self.hf_model):
             return self.hf_model.generate(**kwargs)
 
-    def _token_losses(self, batch: PackedBatch, router_losses: bool = False
-                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _token_losses(
+        self, batch: PackedBatch, router_losses: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if router_losses and self.router_loss is None:
             raise ValueError("router losses asked of a model trained without a router loss")
         output = packed_decoder_output(self.hf_model, batch, output_router_logits=router_losses)
@@ -84,8 +93,9 @@ class PackedCausalLM(nn.Module):
         if self.loss_implementation == "cut_cross_entropy":
             losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform)
         else:
-            losses = chunked_token_losses(hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head,
-                                          self.logit_transform)
+            losses = chunked_token_losses(
+                hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head, self.logit_transform
+            )
         if not router_losses:
             return losses
         # The segment bounds on the host: one sync per microbatch of a run with a router loss (CUDA).
@@ -103,20 +113,33 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
     layer is made; the tolerance is a few units of that dtype's precision."""
     head = hf_model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
-        raise UnsupportedModel(f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss")
+        raise UnsupportedModel(
+            f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss"
+        )
     learned = [name for name, _ in head.named_parameters() if name not in ("weight", "bias")]
     if learned:  # Dory's per-token logit_scale: at its initial value the logits match, but it would never train
-        raise UnsupportedModel(f"{type(hf_model).__name__}: its output layer has parameters besides its weight "
-                               f"({', '.join(learned)}), which chattune's losses do not train")
+        raise UnsupportedModel(
+            f"{type(hf_model).__name__}: its output layer has parameters besides its weight "
+            f"({', '.join(learned)}), which chattune's losses do not train"
+        )
     was_training = hf_model.training
     hf_model.eval()
     device = head.weight.device
-    input_ids = torch.arange(8, device=device).unsqueeze(0) % head.weight.shape[0]  # a composite config: vocab in its text config
+    input_ids = (
+        torch.arange(8, device=device).unsqueeze(0) % head.weight.shape[0]
+    )  # a composite config: vocab in its text config
     position_ids = torch.arange(8, device=device).unsqueeze(0)
     # One document, its boundaries passed as a packed row's are (some attention layers get no position ids).
     cu_seqlens = torch.tensor([0, 8], dtype=torch.int32, device=device)
-    row = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seqlens,
-               cu_seq_lens_k=cu_seqlens, max_length_q=8, max_length_k=8)
+    row = dict(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        use_cache=False,
+        cu_seq_lens_q=cu_seqlens,
+        cu_seq_lens_k=cu_seqlens,
+        max_length_q=8,
+        max_length_k=8,
+    )
     hidden = decoder_of(hf_model)(**row).last_hidden_state[0]
     logits = hf_model(**row).logits[0].float()
     hf_model.train(was_training)
@@ -131,8 +154,9 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
         )
 
 
-def build_hf_model(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig,
-                   dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def build_hf_model(
+    tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
     """A model with random weights built from a config, its vocabulary sized to the tokenizer. Seed torch
     before calling for reproducible weights. (Model directories are loaded by `chattune.model.load`.)"""
     config.vocab_size = len(tokenizer)

@@ -61,8 +61,13 @@ class _TF32Logits(torch.autograd.Function):
         return grad_hidden, grad_weight
 
 
-def _chunk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        tf32: bool = False, transform: LogitTransform | None = None) -> torch.Tensor:
+def _chunk_token_losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    tf32: bool = False,
+    transform: LogitTransform | None = None,
+) -> torch.Tensor:
     # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
     # before the loss sees it. bf16 -> fp32 is exact.
     logits = _TF32Logits.apply(hidden, weight) if tf32 else hidden.float() @ weight.float().t()
@@ -72,7 +77,11 @@ def _chunk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
 
 def chunked_token_losses(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, tf32: bool = False,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    tf32: bool = False,
     transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where label is IGNORE_INDEX).

@@ -64,7 +64,8 @@ def check_heads(num_heads: int, context_size: int, model_name: str = "the model"
     if context_size > 1 and num_heads % context_size:
         raise UnsupportedModel(
             f"parallel.context={context_size} does not divide the {num_heads} attention heads of {model_name}: "
-            f"each rank of a context group attends with heads/context of them; choose a divisor of {num_heads}")
+            f"each rank of a context group attends with heads/context of them; choose a divisor of {num_heads}"
+        )
 
 
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -89,8 +90,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def heads_to_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def heads_to_sequence(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(1, H, N/C, D) slices of every head → (1, H/C, N, D): the whole row for this rank's heads. Kv heads that
     C does not divide are repeated first, each as often as the split needs (grouped-query attention keeps
     pairing query head h with kv head h // (Hq / Hkv) within each rank's contiguous group of heads)."""
@@ -147,8 +149,13 @@ def row_slice(batch: PackedBatch, context_size: int, context_rank: int) -> Packe
     padding = padded_length(length, context_size) - length
     input_ids, labels, position_ids, cu_seqlens = batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens
     if padding:
+
         def extend(t: torch.Tensor, fill) -> torch.Tensor:
-            tail = fill if isinstance(fill, torch.Tensor) else torch.full((1, padding), fill, dtype=t.dtype, device=t.device)
+            tail = (
+                fill
+                if isinstance(fill, torch.Tensor)
+                else torch.full((1, padding), fill, dtype=t.dtype, device=t.device)
+            )
             return torch.cat([t, tail.view(1, padding).to(t.device, t.dtype)], dim=1)
 
         input_ids = extend(input_ids, 0)
@@ -158,8 +165,13 @@ def row_slice(batch: PackedBatch, context_size: int, context_rank: int) -> Packe
     per_rank = (length + padding) // context_size
     piece = slice(context_rank * per_rank, (context_rank + 1) * per_rank)
     return dataclasses.replace(
-        batch, input_ids=input_ids[:, piece], labels=labels[:, piece], position_ids=position_ids[:, piece],
-        cu_seqlens=cu_seqlens, max_seqlen=max(batch.max_seqlen, padding))
+        batch,
+        input_ids=input_ids[:, piece],
+        labels=labels[:, piece],
+        position_ids=position_ids[:, piece],
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(batch.max_seqlen, padding),
+    )
 
 
 def set_context_group(model: torch.nn.Module, group: ProcessGroup | None) -> None:

@@ -77,11 +77,17 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
     for name, tensor in saved_tensors(hf_model):
         if LORA_PARAMETER.search(name) or ".original_module." in name:
             continue  # adapters are merged below; a module in modules_to_save is written as trained
-        merge = _lora_merge(hf_model.get_submodule(name.removesuffix(".base_layer.weight"))) \
-            if name.endswith(".base_layer.weight") else None
+        merge = (
+            _lora_merge(hf_model.get_submodule(name.removesuffix(".base_layer.weight")))
+            if name.endswith(".base_layer.weight")
+            else None
+        )
         floating = tensor.is_floating_point() or is_quantized(tensor)
-        planned.append(PlannedTensor(stored_name(name), tensor, dtype if floating else tensor.dtype,
-                                     tuple(weight_shape(tensor)), merge))
+        planned.append(
+            PlannedTensor(
+                stored_name(name), tensor, dtype if floating else tensor.dtype, tuple(weight_shape(tensor)), merge
+            )
+        )
     return planned
 
 
@@ -127,8 +133,11 @@ def safetensors_header(tensors: list[PlannedTensor]) -> bytes:
     with spaces so the data starts 8-byte aligned, as the safetensors library writes it."""
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
     for tensor in tensors:
-        entries[tensor.name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                                "data_offsets": [offset, offset + tensor.num_bytes]}
+        entries[tensor.name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.num_bytes],
+        }
         offset += tensor.num_bytes
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
@@ -184,8 +193,14 @@ def send_and_wait(rows: torch.Tensor, group: dist.ProcessGroup) -> None:
         torch.cuda.current_stream(rows.device).synchronize()  # `send` made this stream wait for the transfer
 
 
-def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path, is_main: bool,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def export_hf(
+    model: PackedCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    is_main: bool,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
     """Collective: write a sharded Hugging Face directory (weights in `dtype`, config, tokenizer with its
     chat template) that loads without chattune. Every rank takes part in each tensor's gather; rank 0
     writes."""
@@ -208,8 +223,9 @@ def export_hf(model: PackedCausalLM, tokenizer: PreTrainedTokenizerBase, directo
                 os.fsync(f.fileno())
     if not is_main:
         return
-    (staging / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                        indent=2))
+    (staging / SAFETENSORS_INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     _save_config(model, staging, dtype)
     tokenizer.save_pretrained(staging)
     _publish(staging, directory)
@@ -227,7 +243,9 @@ def _publish(staging: Path, directory: Path) -> None:
     """Rank 0: the complete `staging` becomes `directory`; an earlier export there is set aside as
     `*.abandoned` (a resumed run's export replaces an earlier launch's: never in place)."""
     if directory.exists():
-        logger.warning("moved aside: %s -> %s (an earlier export, replaced by this run's)", directory, set_aside(directory))
+        logger.warning(
+            "moved aside: %s -> %s (an earlier export, replaced by this run's)", directory, set_aside(directory)
+        )
     os.rename(staging, directory)
 
 
@@ -242,8 +260,14 @@ def _save_config(model: PackedCausalLM, directory: Path, dtype: torch.dtype) -> 
         hf_model.generation_config.save_pretrained(directory)
 
 
-def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedTokenizerBase, directory: Path,
-                   is_main: bool, base_path: str | None) -> None:
+def export_adapter(
+    model: PackedCausalLM,
+    peft_model,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    is_main: bool,
+    base_path: str | None,
+) -> None:
     """Collective: a peft adapter directory (adapter_config.json, adapter_model.safetensors, the tokenizer)
     that `peft.PeftModel.from_pretrained(base, directory)` loads. The trained tensors are small: gathered
     whole."""
@@ -264,8 +288,11 @@ def export_adapter(model: PackedCausalLM, peft_model, tokenizer: PreTrainedToken
 
     weights = get_peft_model_state_dict(peft_model, state_dict=trained)
     # safetensors refuses tensors that share memory: the tied one is written twice, as peft writes it.
-    save_file({k: v.clone().contiguous() for k, v in weights.items()}, staging / "adapter_model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.clone().contiguous() for k, v in weights.items()},
+        staging / "adapter_model.safetensors",
+        metadata={"format": "pt"},
+    )
     config = copy.deepcopy(peft_model.peft_config[ADAPTER])
     repo = hub_id(base_path) if base_path else None
     if repo is not None:  # what peft loads the base from: the hub repository and revision, not chattune's hf: path

@@ -98,8 +98,9 @@ class ModelFlops:
     def step_flops(self, tokens: int, causal_pairs: int) -> float:
         """Model FLOPs (forward + backward) of `tokens` tokens whose documents hold `causal_pairs`
         (query, key) pairs in all (Σ n (n + 1) / 2)."""
-        return ((6.0 * self.matmul_weights + 4.0 * self.frozen_matmul_weights + 3.0 * self.mixer_flops_per_token)
-                * tokens + 12.0 * self.attention_width * causal_pairs)
+        return (
+            6.0 * self.matmul_weights + 4.0 * self.frozen_matmul_weights + 3.0 * self.mixer_flops_per_token
+        ) * tokens + 12.0 * self.attention_width * causal_pairs
 
 
 def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
@@ -115,9 +116,12 @@ def model_flops(hf_model: PreTrainedModel) -> ModelFlops:
             weights[p.requires_grad] += int(weight_shape(p).numel() * share)  # 4-bit: unpacked
     decoder = hf_model.get_decoder()  # the text decoder: a vision tower's modules are not counted here
     mixers = [m for m in decoder.modules() if type(m).__name__ in HANDLED]
-    return ModelFlops(matmul_weights=weights[True], attention_width=sum(attention_widths(hf_model)),
-                      frozen_matmul_weights=weights[False],
-                      mixer_flops_per_token=sum(mixer_forward_flops(m) for m in mixers))
+    return ModelFlops(
+        matmul_weights=weights[True],
+        attention_width=sum(attention_widths(hf_model)),
+        frozen_matmul_weights=weights[False],
+        mixer_flops_per_token=sum(mixer_forward_flops(m) for m in mixers),
+    )
 
 
 def _matmul_weights(module: nn.Module, routed: int | None, active: int | None) -> list[tuple[nn.Parameter, float]]:
@@ -137,8 +141,11 @@ def _matmul_weights(module: nn.Module, routed: int | None, active: int | None) -
             continue
         stacked = p.dim() == 3 or p.dim() == 2 and "Expert" in name
         if stacked:
-            share = active / routed if routed and active and p.shape[0] % routed == 0 and (
-                p.dim() == 2 or p.shape[0] == routed) else 1.0
+            share = (
+                active / routed
+                if routed and active and p.shape[0] % routed == 0 and (p.dim() == 2 or p.shape[0] == routed)
+                else 1.0
+            )
             found.append((p, share))
         elif p.dim() == 2 and parameter_name == "weight" and name.lower().endswith("topkrouter"):
             found.append((p, 1.0))
@@ -152,6 +159,7 @@ def attention_modules(hf_model: PreTrainedModel) -> list[nn.Module]:
     (Gemma 4's global layers), while their attention classes are all `...Attention`. A mixer of `HANDLED` is not
     softmax attention (KDA's `KimiLinearDeltaAttention`); a wrapper holding the attention proper (BERT's
     `BertAttention` around `BertSelfAttention`) is not counted apart from it."""
+
     def attention(module: nn.Module) -> bool:
         name = type(module).__name__
         return name.endswith("Attention") and name not in HANDLED
@@ -169,12 +177,19 @@ def attention_shapes(hf_model: PreTrainedModel) -> list[tuple[int, int, int]]:
     shapes = []
     for module in attention_modules(hf_model):
         sources = (module, getattr(module, "config", None), config)
-        heads = next((n for s in sources if (n := _config_int(s, ("num_heads", "num_attention_heads", "n_heads")))),
-                     None)
+        heads = next(
+            (n for s in sources if (n := _config_int(s, ("num_heads", "num_attention_heads", "n_heads")))), None
+        )
         if heads is None:
             continue
-        qk_dim = next((n for s in sources if (n := _config_int(s, ("qk_head_dim", "head_dim", "head_size",
-                                                                   "attention_head_size")))), None)
+        qk_dim = next(
+            (
+                n
+                for s in sources
+                if (n := _config_int(s, ("qk_head_dim", "head_dim", "head_size", "attention_head_size")))
+            ),
+            None,
+        )
         qk_dim = qk_dim or config.hidden_size // heads
         shapes.append((heads, qk_dim, _config_int(module, ("v_head_dim",)) or qk_dim))
     return shapes

@@ -84,24 +84,32 @@ def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: s
     """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype."""
     if setting == "cut_cross_entropy":
         if device_type == "cuda" and compute_dtype == "float32":
-            raise UserError("loss.implementation=cut_cross_entropy: its CUDA kernels take bf16 or fp16 inputs; with "
-                            "model.fsdp.param_dtype=float32 use loss.implementation=chunked (or auto)")
+            raise UserError(
+                "loss.implementation=cut_cross_entropy: its CUDA kernels take bf16 or fp16 inputs; with "
+                "model.fsdp.param_dtype=float32 use loss.implementation=chunked (or auto)"
+            )
         if not cce_available():
-            raise UserError("loss.implementation=cut_cross_entropy: the cut_cross_entropy package cannot be imported "
-                            f"({_import_cce()[1]}); pip install -e \".[gpu]\", or pip install cut-cross-entropy")
+            raise UserError(
+                "loss.implementation=cut_cross_entropy: the cut_cross_entropy package cannot be imported "
+                f'({_import_cce()[1]}); pip install -e ".[gpu]", or pip install cut-cross-entropy'
+            )
         return setting
     if setting == "auto":
         fast = device_type == "cuda" and compute_dtype in ("bfloat16", "float16")
         if fast and not cce_available():
-            logger.warning("loss.implementation=auto: cut-cross-entropy cannot be imported (%s), so the output layer's "
-                           "loss is the chunked fp32 head, about twice as slow on CUDA (pip install -e \".[gpu]\"; "
-                           "loss.implementation=chunked says it is meant)", _import_cce()[1])
+            logger.warning(
+                "loss.implementation=auto: cut-cross-entropy cannot be imported (%s), so the output layer's "
+                'loss is the chunked fp32 head, about twice as slow on CUDA (pip install -e ".[gpu]"; '
+                "loss.implementation=chunked says it is meant)",
+                _import_cce()[1],
+            )
         return "cut_cross_entropy" if fast and cce_available() else "chunked"
     return setting
 
 
-def cce_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                     transform: LogitTransform | None = None) -> torch.Tensor:
+def cce_token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, transform: LogitTransform | None = None
+) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where the label is IGNORE_INDEX) of hidden (N, H) against the
     output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision).
 
@@ -115,5 +123,12 @@ def cce_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         if transform.multiplier != 1.0 or transform.divisor != 1.0:
             hidden = (hidden.float() * transform.multiplier / transform.divisor).to(weight.dtype)
         softcap = transform.softcap
-    return _linear_cross_entropy()(hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="none",
-                                   softcap=softcap, **cce_options(hidden.is_cuda)).float()
+    return _linear_cross_entropy()(
+        hidden,
+        weight,
+        labels,
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+        softcap=softcap,
+        **cce_options(hidden.is_cuda),
+    ).float()

@@ -34,8 +34,12 @@ class Sampling:
     def generate_kwargs(self) -> dict:
         if self.temperature <= 0:
             return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
-                "max_new_tokens": self.max_new_tokens}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+        }
 
 
 @dataclass(frozen=True)
@@ -60,27 +64,42 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The token ids the model continues: `apply_chat_template(messages, tools=tools, add_generation_prompt=True)`."""
-    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)
+    encoded = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(encoded["input_ids"])
 
 
-def generate_reply(model: nn.Module, tokenizer: PreTrainedTokenizerBase, ids: list[int], sampling: Sampling,
-                   stop_ids: list[int], synced: bool = False) -> Reply:
+def generate_reply(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    sampling: Sampling,
+    stop_ids: list[int],
+    synced: bool = False,
+) -> Reply:
     """The model's reply to the prompt `ids` (`prompt_ids`). `model`: a Hugging Face causal LM (or a peft model
     over one), or chattune's sharded `PackedCausalLM` inside `sharded_generation`, where every rank must call
     this alike with `synced=True`. Sampling draws from torch's global RNG (seed it for a repeatable reply)."""
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), eos_token_id=stop_ids,
-                            pad_token_id=pad, use_cache=True, synced_gpus=synced, **sampling.generate_kwargs())
-    new = output[0, len(ids):].tolist()
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        eos_token_id=stop_ids,
+        pad_token_id=pad,
+        use_cache=True,
+        synced_gpus=synced,
+        **sampling.generate_kwargs(),
+    )
+    new = output[0, len(ids) :].tolist()
     end = next((i for i, token in enumerate(new) if token in stop_ids), None)
     # (a rank that finished first under synced_gpus pads its row until every rank has: cut at the stop token)
     token_ids = new if end is None else new[: end + 1]
-    text = tokenizer.decode(token_ids if end is None else token_ids[:-1], skip_special_tokens=False,
-                            clean_up_tokenization_spaces=False)
+    text = tokenizer.decode(
+        token_ids if end is None else token_ids[:-1], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     return Reply(text, token_ids, end is not None)
 
 

@@ -41,7 +41,6 @@ from chattune.model.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 logger = logging.getLogger(__name__)
 
 
-
 def checkpoint_files(directory: Path) -> dict[str, Path] | None:
     """Tensor name -> the safetensors file holding it (from the index, or the one file), or None when the
     directory has no safetensors weights."""
@@ -95,9 +94,12 @@ def missing_tensors(model: PreTrainedModel, files: dict[str, Path]) -> list[str]
 def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of what an HF checkpoint holds, in order: parameters (tied ones once, by their first
     name) and persistent buffers."""
-    persistent = [(f"{prefix}{'.' if prefix else ''}{name}", buffer) for prefix, module in model.named_modules()
-                  for name, buffer in module._buffers.items()
-                  if buffer is not None and name not in module._non_persistent_buffers_set]
+    persistent = [
+        (f"{prefix}{'.' if prefix else ''}{name}", buffer)
+        for prefix, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
     return list(model.named_parameters()) + persistent
 
 
@@ -115,8 +117,14 @@ def stored_name(name: str) -> str:
     return _PEFT_WRAPPERS.sub("", name)
 
 
-def materialise_and_load(model: nn.Module, hf_model: PreTrainedModel, directory: Path, files: dict[str, Path],
-                         device: torch.device, initial: dict[str, torch.Tensor] | None = None) -> None:
+def materialise_and_load(
+    model: nn.Module,
+    hf_model: PreTrainedModel,
+    directory: Path,
+    files: dict[str, Path],
+    device: torch.device,
+    initial: dict[str, torch.Tensor] | None = None,
+) -> None:
     """After `fully_shard` of a meta-built model: allocate each rank's shards on `device` and fill them from
     the checkpoint, reading only this rank's rows; parameters in `initial` (adapters created after the
     build) from those full values instead. Buffers keep the values they were built with, unless the
@@ -141,13 +149,16 @@ def materialise_and_load(model: nn.Module, hf_model: PreTrainedModel, directory:
                 _load_local(readers[files[stored]], stored, target, directory)
         for module_name, module in hf_model.named_modules():
             if quantize.has_quantized_weight(module):
-                weight, bias = (_read_whole(readers, files, stored_name(f"{module_name}.{kind}"), directory, module)
-                                for kind in ("weight", "bias"))
+                weight, bias = (
+                    _read_whole(readers, files, stored_name(f"{module_name}.{kind}"), directory, module)
+                    for kind in ("weight", "bias")
+                )
                 quantize.load_quantized(module, weight, bias, device)
 
 
-def _read_whole(readers: dict, files: dict[str, Path], name: str, directory: Path, module: nn.Module
-                ) -> torch.Tensor | None:
+def _read_whole(
+    readers: dict, files: dict[str, Path], name: str, directory: Path, module: nn.Module
+) -> torch.Tensor | None:
     """Tensor `name` whole, for a 4-bit layer (None for the bias of a layer that has none)."""
     target = getattr(module, name.rsplit(".", 1)[1])
     if target is None:
@@ -155,8 +166,10 @@ def _read_whole(readers: dict, files: dict[str, Path], name: str, directory: Pat
     stored = readers[files[name]]
     shape = list(quantize.weight_shape(target))
     if list(stored.shape(name)) != shape:
-        raise UserError(f"model.path {directory}: tensor {name} has shape {stored.shape(name)} in the checkpoint, "
-                        f"but the model built from its config.json expects {shape}")
+        raise UserError(
+            f"model.path {directory}: tensor {name} has shape {stored.shape(name)} in the checkpoint, "
+            f"but the model built from its config.json expects {shape}"
+        )
     return stored.read_rows(name, 0, shape[0])
 
 
@@ -202,17 +215,30 @@ class SafetensorsFile:
         return rows
 
 
-STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-                 "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+STORED_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _load_local(stored: SafetensorsFile, name: str, target: torch.Tensor, directory: Path) -> None:
     """Copy this rank's part of tensor `name` into `target` (a DTensor sharded along dim 0, as FSDP2 shards,
     or a replicated tensor)."""
     if list(stored.shape(name)) != list(target.shape):
-        raise UserError(f"model.path {directory}: tensor {name} has shape {stored.shape(name)} in the checkpoint, "
-                        f"but the model built from its config.json expects {list(target.shape)}")
+        raise UserError(
+            f"model.path {directory}: tensor {name} has shape {stored.shape(name)} in the checkpoint, "
+            f"but the model built from its config.json expects {list(target.shape)}"
+        )
     if isinstance(target, DTensor):
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         if any(offset[1:]) or tuple(shape[1:]) != tuple(target.shape[1:]):

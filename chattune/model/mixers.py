@@ -52,7 +52,12 @@ from chattune.errors import UnsupportedModel
 logger = logging.getLogger(__name__)
 
 GATED_DELTA_RULE, KDA, MAMBA2, MAMBA, SHORT_CONV = (
-    "gated delta rule", "KDA (Kimi delta attention)", "Mamba-2 SSM", "Mamba SSM", "short convolution")
+    "gated delta rule",
+    "KDA (Kimi delta attention)",
+    "Mamba-2 SSM",
+    "Mamba SSM",
+    "short convolution",
+)
 # The mixer classes of transformers this module keeps per document, by class name, with their kind.
 HANDLED = {
     "Qwen3_5GatedDeltaNet": GATED_DELTA_RULE,
@@ -75,12 +80,18 @@ HANDLED = {
     "Lfm3ShortConv": SHORT_CONV,
 }
 # The kinds with a varlen path on CUDA, and the packages (import names) it needs.
-VARLEN_KERNELS = {GATED_DELTA_RULE: ("fla", "causal_conv1d"), KDA: ("fla", "causal_conv1d"),
-                  MAMBA2: ("mamba_ssm", "causal_conv1d"), SHORT_CONV: ("causal_conv1d",)}
-_VARLEN_NAMES = {GATED_DELTA_RULE: "varlen (fla chunk_gated_delta_rule with cu_seqlens, causal-conv1d with seq_idx)",
-                 KDA: "varlen (fla chunk_kda with cu_seqlens, causal-conv1d with seq_idx)",
-                 MAMBA2: "varlen (mamba-ssm and causal-conv1d with seq_idx)",
-                 SHORT_CONV: "varlen (causal-conv1d with seq_idx)"}
+VARLEN_KERNELS = {
+    GATED_DELTA_RULE: ("fla", "causal_conv1d"),
+    KDA: ("fla", "causal_conv1d"),
+    MAMBA2: ("mamba_ssm", "causal_conv1d"),
+    SHORT_CONV: ("causal_conv1d",),
+}
+_VARLEN_NAMES = {
+    GATED_DELTA_RULE: "varlen (fla chunk_gated_delta_rule with cu_seqlens, causal-conv1d with seq_idx)",
+    KDA: "varlen (fla chunk_kda with cu_seqlens, causal-conv1d with seq_idx)",
+    MAMBA2: "varlen (mamba-ssm and causal-conv1d with seq_idx)",
+    SHORT_CONV: "varlen (causal-conv1d with seq_idx)",
+}
 INSTALL_HINT = 'pip install -e ".[hybrid]"'
 # The packed-row kwargs transformers forwards to the mixers: the per-document path takes them out (each call
 # is one document; transformers' torch fallbacks refuse `cu_seqlens`).
@@ -138,6 +149,7 @@ def isolate_documents(hf_model: nn.Module) -> None:
 def _remember_row(mixer: nn.Module) -> Callable:
     def hook(layer, args, kwargs):
         mixer.__dict__[_ROW_ATTRIBUTE] = kwargs.get("cu_seq_lens_q")
+
     return hook
 
 
@@ -172,8 +184,11 @@ def _per_document(forward: Callable, cu_seqlens: torch.Tensor, args: tuple, kwar
         raise ValueError(f"packed rows have batch size 1, got hidden states of shape {tuple(hidden.shape)}")
     length = hidden.shape[1]
     # Per-token tensors passed along (Mamba2Mixer gets position_ids) are cut like the hidden states.
-    per_token = {key for key, value in kwargs.items()
-                 if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (1, length)}
+    per_token = {
+        key
+        for key, value in kwargs.items()
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (1, length)
+    }
     bounds = cu_seqlens.tolist()
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -201,9 +216,13 @@ def choose_mixer_path(device: torch.device, kinds: set[str]) -> set[str]:
         if kernels_available(kind):
             _varlen.add(kind)
         else:
-            logger.warning("the model's %s layers run per document of each packed row (exact, a loop over documents) "
-                           "because %s do not all import; for the varlen kernels: %s",
-                           kind, " and ".join(VARLEN_KERNELS[kind]), INSTALL_HINT)
+            logger.warning(
+                "the model's %s layers run per document of each packed row (exact, a loop over documents) "
+                "because %s do not all import; for the varlen kernels: %s",
+                kind,
+                " and ".join(VARLEN_KERNELS[kind]),
+                INSTALL_HINT,
+            )
     return set(_varlen)
 
 
@@ -215,16 +234,19 @@ def fall_back_to_per_document(reason: str) -> None:
     """The varlen path failed its check on the device (`check_fast_mixers`): per document, with a warning."""
     kinds = " and ".join(sorted(_varlen))
     _varlen.clear()
-    logger.warning("the varlen kernels of the %s layers are not used: %s; those layers run per document (exact)",
-                   kinds, reason)
+    logger.warning(
+        "the varlen kernels of the %s layers are not used: %s; those layers run per document (exact)", kinds, reason
+    )
 
 
 def mixer_path_name(kinds: set[str], device_type: str) -> str | None:
     """The mixers' path for the `compute:` line, or None for a model without handled mixers."""
     if not kinds:
         return None
-    return "; ".join(f"{kind}: {_VARLEN_NAMES[kind] if kind in _varlen and device_type in _VARLEN_DEVICES else 'per document'}"
-                     for kind in sorted(kinds))
+    return "; ".join(
+        f"{kind}: {_VARLEN_NAMES[kind] if kind in _varlen and device_type in _VARLEN_DEVICES else 'per document'}"
+        for kind in sorted(kinds)
+    )
 
 
 @contextmanager

@@ -28,9 +28,11 @@ class LogitTransform:
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> LogitTransform:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return cls(multiplier=float(getattr(text, "logit_scale", None) or 1.0),
-                   divisor=float(getattr(text, "logits_scaling", None) or 1.0),
-                   softcap=getattr(text, "final_logit_softcapping", None) or None)
+        return cls(
+            multiplier=float(getattr(text, "logit_scale", None) or 1.0),
+            divisor=float(getattr(text, "logits_scaling", None) or 1.0),
+            softcap=getattr(text, "final_logit_softcapping", None) or None,
+        )
 
     @property
     def is_identity(self) -> bool:

@@ -96,8 +96,11 @@ class ProbeResult:
 
     @property
     def isolated(self) -> bool:
-        return (self.noise.max_relative <= ALONE_TOLERANCE and self.swapped.max_relative <= self.swap_limit
-                and self.alone.max_relative <= self.alone_limit)  # NaN fails
+        return (
+            self.noise.max_relative <= ALONE_TOLERANCE
+            and self.swapped.max_relative <= self.swap_limit
+            and self.alone.max_relative <= self.alone_limit
+        )  # NaN fails
 
 
 def probe_documents(vocab_size: int, lengths: tuple[int, ...] = PROBE_LENGTHS) -> list[Document]:
@@ -124,8 +127,10 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> Difference:
 def _vocab_size(hf_model: PreTrainedModel) -> int:
     """The token ids the probe may draw: the embedding rows the config's vocabulary really uses."""
     embeddings = hf_model.get_input_embeddings()
-    return min(embeddings.num_embeddings,
-               getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings)
+    return min(
+        embeddings.num_embeddings,
+        getattr(hf_model.config.get_text_config(), "vocab_size", None) or embeddings.num_embeddings,
+    )
 
 
 @torch.no_grad()
@@ -298,4 +303,5 @@ def check_fast_mixers(hf_model: PreTrainedModel, device: torch.device) -> None:
     if not difference.max_relative <= FAST_MIXER_TOLERANCE:
         mixers.fall_back_to_per_document(
             f"on the probe's packed row they differ from the per-document path by up to {difference.max_relative:.2e} "
-            f"(limit {FAST_MIXER_TOLERANCE:.0e}, bf16 on {device})")
+            f"(limit {FAST_MIXER_TOLERANCE:.0e}, bf16 on {device})"
+        )

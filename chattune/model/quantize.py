@@ -52,8 +52,9 @@ def linear4bit_class() -> type[nn.Module]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             fix_4bit_weight_quant_state_from_module(self)  # bitsandbytes' own repair of a state lost in a move
             bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-            return bnb.matmul_4bit(x.to(self.compute_dtype), self.weight, bias=bias,
-                                   quant_state=self.weight.quant_state).to(x.dtype)
+            return bnb.matmul_4bit(
+                x.to(self.compute_dtype), self.weight, bias=bias, quant_state=self.weight.quant_state
+            ).to(x.dtype)
 
     return ExactBiasLinear4bit
 
@@ -71,8 +72,9 @@ def weight_shape(weight: torch.Tensor) -> torch.Size:
     return weight.shape
 
 
-def quantize_linears(layers: list[nn.Module], quant_type: str, compute_dtype: torch.dtype,
-                     device: torch.device) -> list[nn.Module]:
+def quantize_linears(
+    layers: list[nn.Module], quant_type: str, compute_dtype: torch.dtype, device: torch.device
+) -> list[nn.Module]:
     """Replace every nn.Linear of the frozen base inside `layers` (the decoder layers; the LoRA adapters' own
     linears excepted) with a bitsandbytes 4-bit linear; returns the new modules. peft's LoRA layer keeps
     running its base layer and adds the adapters' output, so the adapters are injected first, on the
@@ -85,8 +87,14 @@ def quantize_linears(layers: list[nn.Module], quant_type: str, compute_dtype: to
         for name, linear in list(layer.named_modules()):
             if type(linear) is not nn.Linear or any(part.startswith("lora_") for part in name.split(".")):
                 continue
-            quantized = linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                   compute_dtype=compute_dtype, quant_type=quant_type, device="meta")
+            quantized = linear4bit(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                compute_dtype=compute_dtype,
+                quant_type=quant_type,
+                device="meta",
+            )
             # bitsandbytes' CPU inference path repacks the weight in place in eval mode; we keep one layout.
             quantized.support_avx512bf16_for_cpu = False
             if linear.bias is not None:
@@ -104,8 +112,15 @@ def quantize_linears(layers: list[nn.Module], quant_type: str, compute_dtype: to
 
 def _params4bit(data: torch.Tensor, quant_type: str, module: nn.Module) -> nn.Parameter:
     bnb = bitsandbytes()
-    return bnb.nn.Params4bit(data, requires_grad=False, blocksize=BLOCKSIZE, compress_statistics=True,
-                             quant_type=quant_type, quant_storage=torch.uint8, module=module)
+    return bnb.nn.Params4bit(
+        data,
+        requires_grad=False,
+        blocksize=BLOCKSIZE,
+        compress_statistics=True,
+        quant_type=quant_type,
+        quant_storage=torch.uint8,
+        module=module,
+    )
 
 
 def has_quantized_weight(module: nn.Module) -> bool:

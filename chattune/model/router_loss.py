@@ -50,8 +50,13 @@ class RouterLoss:
         losses = []
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
             gate_logits = tuple(layer[start:end] for layer in router_logits)
-            losses.append(torch.as_tensor(self.balance(gate_logits, self.num_experts, self.top_k),
-                                          dtype=torch.float32, device=router_logits[0].device))
+            losses.append(
+                torch.as_tensor(
+                    self.balance(gate_logits, self.num_experts, self.top_k),
+                    dtype=torch.float32,
+                    device=router_logits[0].device,
+                )
+            )
         return self.coefficient * torch.stack(losses)
 
     def describe(self) -> str:
@@ -64,7 +69,9 @@ def router_loss_for(hf_model: PreTrainedModel, setting: float | None) -> RouterL
     config = hf_model.config.get_text_config()
     coefficient = setting
     if coefficient is None:
-        coefficient = float(getattr(hf_model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0)) or 0.0)
+        coefficient = float(
+            getattr(hf_model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0)) or 0.0
+        )
         if not getattr(config, "output_router_logits", False):
             coefficient = 0.0
     if coefficient == 0.0:
@@ -73,18 +80,24 @@ def router_loss_for(hf_model: PreTrainedModel, setting: float | None) -> RouterL
     num_experts = getattr(hf_model, "num_experts", None)
     top_k = getattr(hf_model, "num_experts_per_tok", None)
     if balance is None or not num_experts or not top_k:
-        message = (f"{type(hf_model).__name__} has no router load-balancing loss in transformers (no "
-                   "load_balancing_loss_func with num_experts and num_experts_per_tok)")
+        message = (
+            f"{type(hf_model).__name__} has no router load-balancing loss in transformers (no "
+            "load_balancing_loss_func with num_experts and num_experts_per_tok)"
+        )
         if setting is not None:
-            raise UserError(f"loss.router_aux_coef={setting}: {message}; set loss.router_aux_coef=0 (or leave it unset)")
+            raise UserError(
+                f"loss.router_aux_coef={setting}: {message}; set loss.router_aux_coef=0 (or leave it unset)"
+            )
         logger.warning("%s, although its config sets output_router_logits: trained without one", message)
         return None
     return RouterLoss(float(coefficient), int(num_experts), int(top_k), balance)
 
 
-def segment_units(batch_labels: torch.Tensor, segment_ids: torch.Tensor, num_segments: int,
-                  ignore_index: int) -> torch.Tensor:
+def segment_units(
+    batch_labels: torch.Tensor, segment_ids: torch.Tensor, num_segments: int, ignore_index: int
+) -> torch.Tensor:
     """Trainable tokens per segment of a packed row, (S,) fp32: SFT's loss units."""
     trained = (batch_labels.reshape(-1) != ignore_index).to(torch.float32)
     return torch.zeros(num_segments, dtype=torch.float32, device=trained.device).index_add(
-        0, segment_ids.to(trained.device), trained)
+        0, segment_ids.to(trained.device), trained
+    )

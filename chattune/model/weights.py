@@ -24,10 +24,14 @@ def weights_problem(directory: Path) -> str | None:
                 return f"its {index} cannot be read ({type(error).__name__}: {error})"
             missing = sorted(shard for shard in shards if not (directory / shard).is_file())
             if missing:
-                return (f"{len(missing)} of the {len(shards)} weight files its {index} names are missing "
-                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+                return (
+                    f"{len(missing)} of the {len(shards)} weight files its {index} names are missing "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+                )
             return None
         if (directory / single).is_file():
             return None
-    return (f"it holds no model weights ({', '.join(name for pair in WEIGHT_FILES for name in pair)}): a "
-            "directory that save_pretrained wrote, or a complete download, has them")
+    return (
+        f"it holds no model weights ({', '.join(name for pair in WEIGHT_FILES for name in pair)}): a "
+        "directory that save_pretrained wrote, or a complete download, has them"
+    )

@@ -18,7 +18,9 @@ class TokenCrossEntropy:
     unit_name = "trainable token"
 
     def __init__(self, num_sources: int = 1):
-        self.num_sources = num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
+        self.num_sources = (
+            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
+        )
 
     def count_units(self, batch: PackedBatch) -> int:
         return batch.num_trainable_tokens

@@ -37,7 +37,9 @@ def pair_logps(token_losses: torch.Tensor, batch: PackedBatch) -> tuple[torch.Te
     logps = torch.zeros(num_segments, dtype=token_losses.dtype, device=token_losses.device)
     logps = logps.index_add(0, segment, -token_losses)
     trained = (batch.labels[0] != IGNORE_INDEX).to(token_losses.dtype)
-    tokens = torch.zeros(num_segments, dtype=token_losses.dtype, device=token_losses.device).index_add(0, segment, trained)
+    tokens = torch.zeros(num_segments, dtype=token_losses.dtype, device=token_losses.device).index_add(
+        0, segment, trained
+    )
     pairs = len(batch.doc_ids)
     return logps[0 : 2 * pairs : 2], logps[1 : 2 * pairs : 2], tokens[0 : 2 * pairs : 2], tokens[1 : 2 * pairs : 2]
 
@@ -96,14 +98,17 @@ def is_initial_policy(reference_path: str | None, model_path: str | None, quanti
 class PreferenceObjective:
     unit_name = "preference pair"
 
-    def __init__(self, loss: PreferenceLoss, reference: Reference | None, num_sources: int = 1,
-                 reference_is_start: bool = False):
+    def __init__(
+        self, loss: PreferenceLoss, reference: Reference | None, num_sources: int = 1, reference_is_start: bool = False
+    ):
         """`reference_is_start`: the reference is the policy as training starts (`is_initial_policy`), so the
         held-out metrics before the first step are known without a forward (`known_start_metrics`)."""
         if loss.needs_reference and reference is None:
             raise ValueError(f"loss.type={loss.loss_type!r} needs reference log-probs (a reference model or cache)")
         self.loss, self.reference = loss, reference
-        self.num_sources = num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
+        self.num_sources = (
+            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
+        )
         self.reference_is_start = reference_is_start
 
     def count_units(self, batch: PackedBatch) -> int:
@@ -113,15 +118,18 @@ class PreferenceObjective:
         token_losses, router_losses = model_losses(model, batch)
         chosen, rejected, chosen_tokens, rejected_tokens = pair_logps(token_losses, batch)
         ref_chosen, ref_rejected = self.reference(batch) if self.loss.needs_reference else (None, None)
-        losses, chosen_reward, rejected_reward = self.loss(chosen, rejected, ref_chosen, ref_rejected,
-                                                           chosen_tokens, rejected_tokens)
+        losses, chosen_reward, rejected_reward = self.loss(
+            chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens
+        )
         # 0 * (all token losses) keeps a microbatch without pairs (an empty one) in the autograd graph: every
         # rank must run backward through every forward, since FSDP reduces gradients in those hooks.
         loss = losses.sum() + 0.0 * token_losses.sum()
         figures = {
-            "rewards_chosen": chosen_reward.sum(), "rewards_rejected": rejected_reward.sum(),
+            "rewards_chosen": chosen_reward.sum(),
+            "rewards_rejected": rejected_reward.sum(),
             "accuracies": (chosen_reward > rejected_reward).sum(),
-            "logps_chosen": chosen.detach().sum(), "logps_rejected": rejected.detach().sum(),
+            "logps_chosen": chosen.detach().sum(),
+            "logps_rejected": rejected.detach().sum(),
             "tokens": chosen_tokens.sum() + rejected_tokens.sum(),
         }
         if router_losses is not None:  # a pair: the mean of its two sequences' router losses
@@ -154,9 +162,15 @@ class PreferenceObjective:
                 sums["logps_rejected"] += float(rejected.double().sum()) * weight
         sums = reduce_sums(sums, device)
         pairs = int(sums["pairs"])
-        figures = {"loss_sum": loss * pairs, "rewards_chosen": 0.0, "rewards_rejected": 0.0, "accuracies": 0.0,
-                   "logps_chosen": sums["logps_chosen"], "logps_rejected": sums["logps_rejected"],
-                   "tokens": sums["tokens"]}
+        figures = {
+            "loss_sum": loss * pairs,
+            "rewards_chosen": 0.0,
+            "rewards_rejected": 0.0,
+            "accuracies": 0.0,
+            "logps_chosen": sums["logps_chosen"],
+            "logps_rejected": sums["logps_rejected"],
+            "tokens": sums["tokens"],
+        }
         metrics = self.metrics(figures, pairs)
         if not isinstance(self.reference, CachedReference):
             del metrics["logps/chosen"], metrics["logps/rejected"]
@@ -168,7 +182,8 @@ class PreferenceObjective:
         pairs = max(global_units, 1)
         router = {"router_loss": sums["router_loss"] / pairs} if "router_loss" in sums else {}
         return {
-            "loss": objective_loss(sums) / pairs, **router,
+            "loss": objective_loss(sums) / pairs,
+            **router,
             "rewards/chosen": sums["rewards_chosen"] / pairs,
             "rewards/rejected": sums["rewards_rejected"] / pairs,
             "rewards/margins": (sums["rewards_chosen"] - sums["rewards_rejected"]) / pairs,

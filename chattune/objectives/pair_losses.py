@@ -81,8 +81,9 @@ def register_pair_loss(row: PairLossRow) -> PairLossRow:
     parameters = list(inspect.signature(row.function).parameters.values())[1:]
     taken = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     if taken != set(row.reads):
-        raise ValueError(f"preference loss {row.name!r} declares reads={row.reads} but its function takes "
-                         f"{sorted(taken)}")
+        raise ValueError(
+            f"preference loss {row.name!r} declares reads={row.reads} but its function takes {sorted(taken)}"
+        )
     PAIR_LOSSES[row.name] = row
     return row
 
@@ -169,9 +170,15 @@ class PreferenceLoss:
         losses, _, _ = self(zero, zero, zero, zero, one, one)
         return float(losses[0])
 
-    def rewards(self, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
-                ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rewards(
+        self,
+        policy_chosen: torch.Tensor,
+        policy_rejected: torch.Tensor,
+        ref_chosen: torch.Tensor | None,
+        ref_rejected: torch.Tensor | None,
+        chosen_tokens: torch.Tensor,
+        rejected_tokens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Implicit rewards of each side, normalised as this loss compares them (its row's `needs_reference` and
         `per_token`)."""
         row = self.row
@@ -184,14 +191,28 @@ class PreferenceLoss:
             chosen, rejected = chosen / chosen_tokens, rejected / rejected_tokens
         return self.beta * chosen, self.beta * rejected
 
-    def __call__(self, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
-                 ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        policy_chosen: torch.Tensor,
+        policy_rejected: torch.Tensor,
+        ref_chosen: torch.Tensor | None,
+        ref_rejected: torch.Tensor | None,
+        chosen_tokens: torch.Tensor,
+        rejected_tokens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(per-pair losses, chosen rewards, rejected rewards); rewards are detached."""
-        chosen_reward, rejected_reward = self.rewards(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-                                                      chosen_tokens, rejected_tokens)
-        pairs = PairRewards(chosen_reward - rejected_reward, chosen_reward, rejected_reward, policy_chosen,
-                            policy_rejected, chosen_tokens, rejected_tokens)
+        chosen_reward, rejected_reward = self.rewards(
+            policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens
+        )
+        pairs = PairRewards(
+            chosen_reward - rejected_reward,
+            chosen_reward,
+            rejected_reward,
+            policy_chosen,
+            policy_rejected,
+            chosen_tokens,
+            rejected_tokens,
+        )
         losses = self.row.function(pairs, **{name: getattr(self, name) for name in self.row.reads})
         if self.sft_weight:
             losses = losses + self.sft_weight * (-policy_chosen / chosen_tokens)

@@ -83,9 +83,12 @@ def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
     if template is not None:  # in place of the tokenizer's own (which is among its files): by its text
         fingerprint["chat_template"] = template_fingerprint(template)
     if cfg.data.eval_split is not None:  # which records of data.train each table holds (the eval one: its held-out)
-        fingerprint["eval_split"] = {"eval_split": cfg.data.eval_split, "seed": cfg.seed,
-                                     "train": OmegaConf.to_container(cfg.data.train, resolve=True),
-                                     "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path)}
+        fingerprint["eval_split"] = {
+            "eval_split": cfg.data.eval_split,
+            "seed": cfg.seed,
+            "train": OmegaConf.to_container(cfg.data.train, resolve=True),
+            "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path),
+        }
     return fingerprint
 
 
@@ -94,8 +97,9 @@ def cache_key(fingerprint: dict) -> str:
 
 
 @torch.no_grad()
-def compute_reference_table(reference: nn.Module, batches: Iterable[PackedBatch], num_records: int,
-                            device: torch.device, pad_token_id: int) -> torch.Tensor:
+def compute_reference_table(
+    reference: nn.Module, batches: Iterable[PackedBatch], num_records: int, device: torch.device, pad_token_id: int
+) -> torch.Tensor:
     """Collective: (num_records, 2) float64 table of (chosen, rejected) reference log-probs, each rank
     computing its own share's rows from `batches`. Ranks with fewer batches run empty ones (every FSDP
     forward is a collective). Rows of records that never reach training (skipped) stay NaN."""
@@ -122,9 +126,16 @@ def compute_reference_table(reference: nn.Module, batches: Iterable[PackedBatch]
     return table
 
 
-def load_or_build(cache_dir: Path, fingerprints: dict[str, dict], num_records: dict[str, int],
-                  make_reference: Callable[[], nn.Module], make_batches: Callable[[str], Iterable[PackedBatch]],
-                  device: torch.device, pad_token_id: int, is_main: bool) -> dict[str, torch.Tensor]:
+def load_or_build(
+    cache_dir: Path,
+    fingerprints: dict[str, dict],
+    num_records: dict[str, int],
+    make_reference: Callable[[], nn.Module],
+    make_batches: Callable[[str], Iterable[PackedBatch]],
+    device: torch.device,
+    pad_token_id: int,
+    is_main: bool,
+) -> dict[str, torch.Tensor]:
     """Collective: the reference table of each named split (e.g. "train", "eval"), loaded from
     `cache_dir` where a valid one is stored, else computed with one reference model (built only if some
     table is missing) and stored by rank 0."""
@@ -142,8 +153,12 @@ def load_or_build(cache_dir: Path, fingerprints: dict[str, dict], num_records: d
     reference = make_reference()
     for split in missing:
         path = cache_dir / f"{split}-{cache_key(fingerprints[split])}.pt"
-        logger.info("reference log-probs of %s: computing %d records (one pass) into %s", split, num_records[split], path)
-        tables[split] = compute_reference_table(reference, make_batches(split), num_records[split], device, pad_token_id)
+        logger.info(
+            "reference log-probs of %s: computing %d records (one pass) into %s", split, num_records[split], path
+        )
+        tables[split] = compute_reference_table(
+            reference, make_batches(split), num_records[split], device, pad_token_id
+        )
         if is_main:
             cache_dir.mkdir(parents=True, exist_ok=True)
             content = {"fingerprint": fingerprints[split], "table": tables[split]}

@@ -17,8 +17,9 @@ def document_sums(batch: PackedBatch, per_token: torch.Tensor) -> torch.Tensor:
     return sums.index_add(0, batch.document_ids.to(per_token.device), per_token.double())[:num_docs]
 
 
-def source_figures(batch: PackedBatch, doc_losses: torch.Tensor, num_sources: int,
-                   doc_units: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def source_figures(
+    batch: PackedBatch, doc_losses: torch.Tensor, num_sources: int, doc_units: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Per-source sums of one microbatch (documents, trainable tokens, loss units, summed loss), from
     per-document losses the objective has already computed: no extra forward. `doc_units`: each
     document's loss units (None: its trainable tokens). The same keys for every microbatch (zeros where a
@@ -31,6 +32,10 @@ def source_figures(batch: PackedBatch, doc_losses: torch.Tensor, num_sources: in
     def per_source(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(num_sources, dtype=torch.float64, device=device).index_add(0, sources, values.double())
 
-    sums = {"documents": per_source(torch.ones(len(sources), device=device)), "tokens": per_source(doc_tokens),
-            "units": per_source(doc_units.detach()), "loss": per_source(doc_losses.detach())}
+    sums = {
+        "documents": per_source(torch.ones(len(sources), device=device)),
+        "tokens": per_source(doc_tokens),
+        "units": per_source(doc_units.detach()),
+        "loss": per_source(doc_losses.detach()),
+    }
     return {f"source_{name}/{k}": values[k] for name, values in sums.items() for k in range(num_sources)}

@@ -85,12 +85,16 @@ def pinned_stager():
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError as error:
-        logger.warning("save_async: this torch's DCP has no DefaultStager (%s): every save copies the state afresh",
-                       error)
+        logger.warning(
+            "save_async: this torch's DCP has no DefaultStager (%s): every save copies the state afresh", error
+        )
         return None
 
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=True))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+        )
+    )
 
 
 @functools.cache
@@ -103,8 +107,11 @@ def stager_is_reusable() -> bool:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return False
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=False))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
     try:
         for _ in range(2):
             stager.stage({"probe": torch.zeros(1), "nested": {"step": 0}})
@@ -122,8 +129,7 @@ class BackgroundSaves:
     its buffers for every save where this torch's stager can be reused (`stager_is_reusable`), else a fresh
     one per save. `make_stager` replaces `pinned_stager` (the tests stage through a CPU stager)."""
 
-    def __init__(self, device: torch.device | None = None,
-                 make_stager: Callable[[], object] | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, make_stager: Callable[[], object] | None = None) -> None:
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chattune-checkpoint")
         self._pending: Future | None = None
@@ -149,8 +155,9 @@ class BackgroundSaves:
 
     def start(self, state: dict, directory: Path, commit: Callable[[], None]) -> None:
         """Copy `state` to CPU memory now; write it to `directory` and then call `commit` in the background."""
-        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group,
-                                 async_stager=self._stager_for_next_save())
+        written = dcp.async_save(
+            state, checkpoint_id=str(directory), process_group=self._group, async_stager=self._stager_for_next_save()
+        )
 
         def write_then_commit() -> None:
             written.result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
@@ -172,8 +179,15 @@ class BackgroundSaves:
             self._stager = None
 
 
-def save_checkpoint(root: Path, step: int, state: RunState, manifest: dict, keep_last_n: int | None = None,
-                    extra_files: dict[str, bytes] | None = None, background: BackgroundSaves | None = None) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    state: RunState,
+    manifest: dict,
+    keep_last_n: int | None = None,
+    extra_files: dict[str, bytes] | None = None,
+    background: BackgroundSaves | None = None,
+) -> Path:
     """Collective: write `state` as `root/step_{step}` atomically, with `manifest` (and the step) as its
     chattune.json; then keep only the newest `keep_last_n`. `extra_files` (rank 0's): more files of the
     checkpoint, by name. With `background`, return once the state is copied; the write and the commit
@@ -197,8 +211,9 @@ def save_checkpoint(root: Path, step: int, state: RunState, manifest: dict, keep
     if background is not None:
         if _rank() == 0:
             rank0_files()  # the directory only counts once renamed, after every shard is written
-        background.start(state.sharded_state_dict(), partial,
-                         lambda: _commit(partial, final, keep_last_n) if _rank() == 0 else None)
+        background.start(
+            state.sharded_state_dict(), partial, lambda: _commit(partial, final, keep_last_n) if _rank() == 0 else None
+        )
         maybe_crash("save", step)
         return final
     maybe_crash("save", step)
@@ -240,8 +255,11 @@ def committed_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _COMMITTED.fullmatch(p.name))
-             and (p / MANIFEST_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _COMMITTED.fullmatch(p.name)) and (p / MANIFEST_FILE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -270,8 +288,11 @@ def damage(directory: Path) -> list[str]:
         elif path.stat().st_size < size:
             problems.append(f"{name} is cut short ({path.stat().st_size} of {size} bytes)")
     ranks = read_manifest(directory).get("world_size") or 0
-    problems += [f"{_rank_state_file(directory, rank).name} is missing" for rank in range(ranks)
-                 if not _rank_state_file(directory, rank).is_file()]
+    problems += [
+        f"{_rank_state_file(directory, rank).name} is missing"
+        for rank in range(ranks)
+        if not _rank_state_file(directory, rank).is_file()
+    ]
     return problems
 
 
@@ -293,8 +314,10 @@ def load_sharded(directory: Path, state: RunState) -> None:
 
 def rank_states(directory: Path) -> list[dict]:
     """Every saving rank's own parts of the run state (and the step), by rank."""
-    return [torch.load(_rank_state_file(directory, rank), weights_only=False)
-            for rank in range(read_manifest(directory)["world_size"])]
+    return [
+        torch.load(_rank_state_file(directory, rank), weights_only=False)
+        for rank in range(read_manifest(directory)["world_size"])
+    ]
 
 
 def load_checkpoint(directory: Path, state: RunState) -> int:
@@ -311,8 +334,16 @@ class Checkpointer:
     step to be continued (`horizon`); each saves `state` with the run's `manifest` (world size, fingerprint,
     wandb run id) and the record hashes of its training files, in the background with `background`."""
 
-    def __init__(self, root: Path, state: RunState, manifest: dict, every: int, keep_last_n: int | None,
-                 horizon: Horizon, background: BackgroundSaves | None = None):
+    def __init__(
+        self,
+        root: Path,
+        state: RunState,
+        manifest: dict,
+        every: int,
+        keep_last_n: int | None,
+        horizon: Horizon,
+        background: BackgroundSaves | None = None,
+    ):
         self.root, self.state, self.manifest, self.every = root, state, manifest, every
         self.keep_last_n, self.horizon, self.background = keep_last_n, horizon, background
         self.last_saved: Path | None = None
@@ -325,9 +356,15 @@ class Checkpointer:
         """Collective: the checkpoint of `step` (copied and left to the background with save_async)."""
         self.last_started = time.perf_counter()
         hashes = record_hashes_file(self.manifest["fingerprint"]) if _rank() == 0 else None
-        self.last_saved = save_checkpoint(self.root, step, self.state, self.manifest, self.keep_last_n,
-                                          extra_files={RECORD_HASHES: hashes} if hashes else None,
-                                          background=self.background)
+        self.last_saved = save_checkpoint(
+            self.root,
+            step,
+            self.state,
+            self.manifest,
+            self.keep_last_n,
+            extra_files={RECORD_HASHES: hashes} if hashes else None,
+            background=self.background,
+        )
         return self.last_saved
 
     def close(self) -> None:

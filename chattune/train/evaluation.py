@@ -23,8 +23,14 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch], device: torch.device,
-             pad_token_id: int, progress: Progress | None = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    objective: Objective,
+    batches: list[PackedBatch],
+    device: torch.device,
+    pad_token_id: int,
+    progress: Progress | None = None,
+) -> dict[str, float]:
     """The objective's metrics over all ranks' held-out batches, named `eval_*` (eval_loss, ...). A rank with
     fewer batches runs empty ones: every FSDP forward is a collective, so all ranks make the same number.
     The model is resharded after the last forward (`chattune.model.fsdp.reshard`). `progress`: the run's, which
@@ -52,17 +58,26 @@ def evaluate(model: nn.Module, objective: Objective, batches: list[PackedBatch],
     return {f"eval_{name}": value for name, value in objective.metrics(sums, int(sums["units"])).items()}
 
 
-def start_metrics(model: nn.Module, objective: Objective, batches: list[PackedBatch], device: torch.device,
-                  pad_id: int, progress: Progress | None = None) -> dict[str, float]:
+def start_metrics(
+    model: nn.Module,
+    objective: Objective,
+    batches: list[PackedBatch],
+    device: torch.device,
+    pad_id: int,
+    progress: Progress | None = None,
+) -> dict[str, float]:
     """Collective: the held-out metrics before the first step (`eval_*`): those the objective knows without a
     forward (`known_start_metrics`: DPO whose reference is the initial policy), else an evaluation."""
     known = getattr(objective, "known_start_metrics", None)
     metrics = known(batches, device) if known is not None else None
     if metrics is None:
         return evaluate(model, objective, batches, device, pad_id, progress)
-    logger.info("step 0: held-out metrics known without evaluating (the reference is the initial policy: every "
-                "reward 0, loss %.6g)%s", metrics["loss"],
-                "" if "logps/chosen" in metrics else "; logps/* are left out: they need the model's forward")
+    logger.info(
+        "step 0: held-out metrics known without evaluating (the reference is the initial policy: every "
+        "reward 0, loss %.6g)%s",
+        metrics["loss"],
+        "" if "logps/chosen" in metrics else "; logps/* are left out: they need the model's forward",
+    )
     return {f"eval_{name}": value for name, value in metrics.items()}
 
 
@@ -72,8 +87,17 @@ class Evaluator:
     every eval_every steps and at the end (`every`) — never after a stop signal, whose grace period belongs to
     the checkpoint. Every rank decides alike (the config, the step's all-reduce): an evaluation is collective."""
 
-    def __init__(self, model: nn.Module, objective: Objective, batches: list[PackedBatch] | None, pad_id: int,
-                 device: torch.device, samples: EvalSamples | None, every: Every, progress: Progress | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: Objective,
+        batches: list[PackedBatch] | None,
+        pad_id: int,
+        device: torch.device,
+        samples: EvalSamples | None,
+        every: Every,
+        progress: Progress | None = None,
+    ):
         self.model, self.objective, self.batches, self.pad_id = model, objective, batches, pad_id
         self.device, self.samples, self.every, self.progress = device, samples, every, progress
 

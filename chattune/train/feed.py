@@ -58,9 +58,18 @@ class StepFeed:
     on every rank, steps run on across epoch ends, and this rank trains the step's microbatches `slots`
     (rank r of W: r*M/W .. (r+1)*M/W - 1), seeded from `seed`, the step and the slot."""
 
-    def __init__(self, stream: Iterable[PackedBatch], microbatches_per_step: int, pad_token_id: int,
-                 num_epochs: int | None = None, mixer: Mixer | None = None, num_ranks: int = 1,
-                 slots: range | None = None, seed: int = 0, counts: bool = True):
+    def __init__(
+        self,
+        stream: Iterable[PackedBatch],
+        microbatches_per_step: int,
+        pad_token_id: int,
+        num_epochs: int | None = None,
+        mixer: Mixer | None = None,
+        num_ranks: int = 1,
+        slots: range | None = None,
+        seed: int = 0,
+        counts: bool = True,
+    ):
         if microbatches_per_step < 1:
             raise ValueError(f"microbatches per step must be at least 1, got {microbatches_per_step}")
         if slots is not None and (slots.start < 0 or slots.stop > microbatches_per_step):
@@ -71,7 +80,9 @@ class StepFeed:
         # Whether this rank's figures (epoch counts, skips) go into the sums over ranks: not on the other ranks of a
         # context group, which read the same microbatches as its first (chattune.model.context_parallel).
         self.counts = counts
-        self.mixer = mixer  # a mixture's sampling state (chattune.data.mixing_policy), checkpointed with the data position
+        self.mixer = (
+            mixer  # a mixture's sampling state (chattune.data.mixing_policy), checkpointed with the data position
+        )
         self.epoch = 0  # the epoch of the next microbatch
         self.epoch_end_reached = False  # per rank: the stream finished the epoch, empty steps until every rank has
         self.epoch_counts = _zero_counts()  # this rank's figures of the epoch so far
@@ -111,8 +122,10 @@ class StepFeed:
                     self._close_epoch()
                 break
             if batch.epoch != self.epoch:
-                raise RuntimeError(f"the stream gave a microbatch of epoch {batch.epoch} during epoch {self.epoch} "
-                                   "without marking the end of the epoch")
+                raise RuntimeError(
+                    f"the stream gave a microbatch of epoch {batch.epoch} during epoch {self.epoch} "
+                    "without marking the end of the epoch"
+                )
             trained_here = not self.invariant or len(taken) in self.slots
             if trained_here and not isinstance(batch, PackedBatch):
                 batch = self.stream.collate(batch)
@@ -147,21 +160,30 @@ class StepFeed:
 
     def state_dict(self) -> dict:
         # "rank_done": the key checkpoints have always had for epoch_end_reached.
-        state = {"stream": self.stream.state_dict(), "epoch": self.epoch, "rank_done": self.epoch_end_reached,
-                 "epoch_counts": dict(self.epoch_counts), "mixer": self.mixer.state_dict() if self.mixer else None}
+        state = {
+            "stream": self.stream.state_dict(),
+            "epoch": self.epoch,
+            "rank_done": self.epoch_end_reached,
+            "epoch_counts": dict(self.epoch_counts),
+            "mixer": self.mixer.state_dict() if self.mixer else None,
+        }
         if self.invariant:
             state["microbatches_per_step"] = self.microbatches_per_step
         return state
 
     def load_state_dict(self, state: dict) -> None:
         if "streams" in state:
-            raise UserError("this checkpoint was written by an earlier chattune's world-size-invariant steps (one "
-                            "stream per microbatch): resume it with the chattune that wrote it, or start over")
+            raise UserError(
+                "this checkpoint was written by an earlier chattune's world-size-invariant steps (one "
+                "stream per microbatch): resume it with the chattune that wrote it, or start over"
+            )
         saved = state.get("microbatches_per_step")
         if saved != (self.microbatches_per_step if self.invariant else None):
-            raise UserError(f"this checkpoint was written with data.microbatches_per_step={saved}, this run has "
-                            f"{self.microbatches_per_step if self.invariant else None}: a run's steps cannot change "
-                            "their microbatches on resume")
+            raise UserError(
+                f"this checkpoint was written with data.microbatches_per_step={saved}, this run has "
+                f"{self.microbatches_per_step if self.invariant else None}: a run's steps cannot change "
+                "their microbatches on resume"
+            )
         self.stream.load_state_dict(state["stream"])
         if self.mixer is not None:
             self.mixer.load_state_dict(state["mixer"])
@@ -176,8 +198,10 @@ def merge_states(states: list[dict], rank: int) -> dict:
     reduced over ranks (the epoch's counts, a mixer's loss and document sums) are put whole on rank 0,
     zeros elsewhere, so that their all-reduced totals are unchanged."""
     first = states[0]
-    if any((s["stream"], s["epoch"], s["rank_done"]) != (first["stream"], first["epoch"], first["rank_done"])
-           for s in states):
+    if any(
+        (s["stream"], s["epoch"], s["rank_done"]) != (first["stream"], first["epoch"], first["rank_done"])
+        for s in states
+    ):
         raise RuntimeError("the checkpoint's ranks disagree on the data position of a world-size-invariant run")
     counts = {name: sum(s["epoch_counts"][name] for s in states) if rank == 0 else 0 for name in first["epoch_counts"]}
     merged = {**first, "epoch_counts": counts}
@@ -212,8 +236,9 @@ class DocumentLedger:
     (`MixedDocuments.origin`), each one's [source, record number in that source]. The crash tests audit
     exactly-once training with it."""
 
-    def __init__(self, output_dir: Path, rank: int, start_step: int,
-                 origin: Callable[[int], tuple[int, int]] | None = None):
+    def __init__(
+        self, output_dir: Path, rank: int, start_step: int, origin: Callable[[int], tuple[int, int]] | None = None
+    ):
         self.path = Path(output_dir) / "ledger" / f"rank{rank}.from_step{start_step}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")

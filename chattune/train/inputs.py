@@ -31,17 +31,36 @@ from chattune.train.feed import StepFeed
 logger = logging.getLogger(__name__)
 
 
-def packed_stream(cfg: DictConfig, share: int, num_shares: int, pad_id: int, documents: MixedDocuments, shuffle: bool,
-                  num_epochs: int | None, sampler=None, log_skips: bool = True) -> PackedStream:
+def packed_stream(
+    cfg: DictConfig,
+    share: int,
+    num_shares: int,
+    pad_id: int,
+    documents: MixedDocuments,
+    shuffle: bool,
+    num_epochs: int | None,
+    sampler=None,
+    log_skips: bool = True,
+) -> PackedStream:
     """The packed microbatches of share `share` of `num_shares` of `documents` (a rank's, or all of it for
     world-size-invariant steps): that share of every epoch, or of a mixture's draws. `log_skips`: whether
     this rank logs the records it skips (not when every rank reads the same ones)."""
     # From a token cache there is nothing to tokenize: loader workers would only copy the documents across.
     num_workers = 0 if documents.cached else cfg.data.num_workers
     return PackedStream(
-        documents, share, num_shares, cfg.seed, row_budget(cfg.data, cfg.parallel.context)[0], pad_id,
-        cfg.data.buffer_records, shuffle=shuffle, num_epochs=num_epochs, num_workers=num_workers,
-        pad_to_multiple_of=cfg.data.pad_to_multiple_of, sampler=sampler, log_skips=log_skips,
+        documents,
+        share,
+        num_shares,
+        cfg.seed,
+        row_budget(cfg.data, cfg.parallel.context)[0],
+        pad_id,
+        cfg.data.buffer_records,
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        num_workers=num_workers,
+        pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+        sampler=sampler,
+        log_skips=log_skips,
     )
 
 
@@ -86,32 +105,39 @@ class TrainingData:
         return self.mixer.num_sources if self.mixer else 1
 
 
-def check_something_trains(cfg: DictConfig, dist_info: DistInfo, train: MixedDocuments,
-                           counts: dict[str, float] | None = None) -> None:
+def check_something_trains(
+    cfg: DictConfig, dist_info: DistInfo, train: MixedDocuments, counts: dict[str, float] | None = None
+) -> None:
     """Collective: a UserError, with what the records gave, when not one record of the training data gives a
     token to train (every one over the budget with data.overlong=drop, say). `counts`: the whole data's, if
     already counted (otherwise the ranks count it in parts here)."""
     if counts is None:
         every = range(len(train))
-        counts = reduce_sums(scan_documents(train, every[dist_info.rank :: dist_info.world_size]).counts(),
-                             dist_info.device)
+        counts = reduce_sums(
+            scan_documents(train, every[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device
+        )
     if counts["trainable_tokens"] > 0:
         return
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/") and n}
     hints = []
     if skipped.get("overlong"):
-        hints.append(f"{skipped['overlong']} are longer than {row_budget(cfg.data, dist_info.cp)[1]} "
-                     f"(data.overlong={cfg.data.overlong}): raise the budget"
-                     + (", or keep them with data.overlong=truncate or split" if cfg.data.overlong == "drop" else ""))
+        hints.append(
+            f"{skipped['overlong']} are longer than {row_budget(cfg.data, dist_info.cp)[1]} "
+            f"(data.overlong={cfg.data.overlong}): raise the budget"
+            + (", or keep them with data.overlong=truncate or split" if cfg.data.overlong == "drop" else "")
+        )
     if skipped.get("no_trainable_tokens"):
         hints.append(f"{skipped['no_trainable_tokens']} have no token to train under data.train_on={cfg.data.train_on}")
     reasons = ", ".join(f"{reason} {n}" for reason, n in skipped.items())
-    raise UserError(f"data.train: none of its {int(counts['records'])} records gives a token to train (skipped: "
-                    f"{reasons or 'none'})" + (": " + "; ".join(hints) if hints else ""))
+    raise UserError(
+        f"data.train: none of its {int(counts['records'])} records gives a token to train (skipped: "
+        f"{reasons or 'none'})" + (": " + "; ".join(hints) if hints else "")
+    )
 
 
-def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase,
-                        recipe_data: RecipeData) -> TrainingData:
+def build_training_data(
+    cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase, recipe_data: RecipeData
+) -> TrainingData:
     """Collective (the data report's counts are summed over ranks). `recipe_data`: what the recipe's kind reads
     (`chattune.launch.recipe_kinds.RecipeKind.data`)."""
     pad_id, context = pad_token_id(tokenizer), dist_info.cp
@@ -126,25 +152,72 @@ def build_training_data(cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrai
         logger.info(held_out_line(split, cfg.data.eval_split))
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
     layout = step_layout(cfg, dist_info)
-    mixer, sampler = mixture_sampling(cfg.data.mixing, train_specs, train.sizes, layout.share, layout.num_shares,
-                                       cfg.seed, cfg.data.num_epochs, cfg.data.buffer_records)
+    mixer, sampler = mixture_sampling(
+        cfg.data.mixing,
+        train_specs,
+        train.sizes,
+        layout.share,
+        layout.num_shares,
+        cfg.seed,
+        cfg.data.num_epochs,
+        cfg.data.buffer_records,
+    )
     if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
         sample = report_sample(len(train), cfg.data.report_records, cfg.seed)
-        counts = reduce_sums(scan_documents(train, sample[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device)
-        logger.info("training data (%d of %d records sampled): %s", len(sample), len(train), "; ".join(count_lines(counts)))
+        counts = reduce_sums(
+            scan_documents(train, sample[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device
+        )
+        logger.info(
+            "training data (%d of %d records sampled): %s", len(sample), len(train), "; ".join(count_lines(counts))
+        )
         if counts["trainable_tokens"] == 0:  # before the model is loaded: nothing of this data would train
             check_something_trains(cfg, dist_info, train, counts if len(sample) == len(train) else None)
     # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
     # stream, and only rank 0 logs its skipped records; context parallelism: a group's ranks read the same stream,
     # and only its first counts and logs); epochs end on the same step on every rank.
     counts = dist_info.reports_rows
-    stream = packed_stream(cfg, layout.share, layout.num_shares, pad_id, train, shuffle=True,
-                           num_epochs=cfg.data.num_epochs, sampler=sampler,
-                           log_skips=counts and (layout.slots is None or dist_info.is_main))
-    feed = StepFeed(stream, layout.microbatches_per_step, pad_id, num_epochs=cfg.data.num_epochs, mixer=mixer,
-                    num_ranks=dist_info.world_size, slots=layout.slots, seed=cfg.seed, counts=counts)
-    own_eval = open_documents(recipe_data.name, source_specs(cfg.data.eval), tokenizer, cfg.data, context) if cfg.data.eval else None
+    stream = packed_stream(
+        cfg,
+        layout.share,
+        layout.num_shares,
+        pad_id,
+        train,
+        shuffle=True,
+        num_epochs=cfg.data.num_epochs,
+        sampler=sampler,
+        log_skips=counts and (layout.slots is None or dist_info.is_main),
+    )
+    feed = StepFeed(
+        stream,
+        layout.microbatches_per_step,
+        pad_id,
+        num_epochs=cfg.data.num_epochs,
+        mixer=mixer,
+        num_ranks=dist_info.world_size,
+        slots=layout.slots,
+        seed=cfg.seed,
+        counts=counts,
+    )
+    own_eval = (
+        open_documents(recipe_data.name, source_specs(cfg.data.eval), tokenizer, cfg.data, context)
+        if cfg.data.eval
+        else None
+    )
     held_out = joined(split.held_out, own_eval)  # data.eval_split's records, then data.eval's
-    eval_batches = list(packed_stream(cfg, dist_info.data_rank, dist_info.data_ranks, pad_id, held_out, shuffle=False,
-                                      num_epochs=1, log_skips=counts)) if held_out is not None else []
+    eval_batches = (
+        list(
+            packed_stream(
+                cfg,
+                dist_info.data_rank,
+                dist_info.data_ranks,
+                pad_id,
+                held_out,
+                shuffle=False,
+                num_epochs=1,
+                log_skips=counts,
+            )
+        )
+        if held_out is not None
+        else []
+    )
     return TrainingData(train, held_out, feed, eval_batches, mixer, pad_id, split.records)

@@ -67,8 +67,15 @@ class Learning:
     eval_objective: Objective | None = None
 
 
-def train(cfg: DictConfig, dist_info: DistInfo, start: StartingPoint, built: BuiltModel, data: TrainingData,
-          learning: Learning, tokenizer: PreTrainedTokenizerBase) -> None:
+def train(
+    cfg: DictConfig,
+    dist_info: DistInfo,
+    start: StartingPoint,
+    built: BuiltModel,
+    data: TrainingData,
+    learning: Learning,
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
     """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
     `output_dir/hf`; or stop after `stop_after_step` or a stop signal, its checkpoint saved. `start` is what the
     launch continues (`chattune.train.output_dir.claim_output_dir`); `built` and `data` are the builder's and
@@ -122,9 +129,17 @@ class UpdateSteps:
     nonfinite_loss=stop), a mixture's figures and online update, the epochs the step closed; and a logged
     step's metrics (`metrics`)."""
 
-    def __init__(self, cfg: DictConfig, model: torch.nn.Module, learning: Learning, feed: StepFeed,
-                 skipped: SkippedSteps, loss_scale: LossScale, device: torch.device,
-                 ledger: DocumentLedger | None = None):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        model: torch.nn.Module,
+        learning: Learning,
+        feed: StepFeed,
+        skipped: SkippedSteps,
+        loss_scale: LossScale,
+        device: torch.device,
+        ledger: DocumentLedger | None = None,
+    ):
         self.cfg, self.model, self.learning, self.feed, self.device = cfg, model, learning, feed, device
         self.skipped, self.loss_scale, self.ledger = skipped, loss_scale, ledger
         self.timer = StepTimer(device)
@@ -141,33 +156,52 @@ class UpdateSteps:
             self.ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
         maybe_slow("step", step)  # and for the preemption tests (CHATTUNE_SLOW_AT)
-        result, grad_norm = train_step(self.model, learning.objective, batches, learning.optimizer, learning.scheduler,
-                                       self.cfg.max_grad_norm, self.device, loss_scale=self.loss_scale,
-                                       stop=interrupts.requested() is not None)
+        result, grad_norm = train_step(
+            self.model,
+            learning.objective,
+            batches,
+            learning.optimizer,
+            learning.scheduler,
+            self.cfg.max_grad_norm,
+            self.device,
+            loss_scale=self.loss_scale,
+            stop=interrupts.requested() is not None,
+        )
         self.timer.stop()
         closed_epochs = feed.close_step(result.ranks_at_epoch_end)
         if result.global_units == 0 and step == 1:  # (with the data report on, caught before the model loads)
-            raise UserError(f"the first step has no {learning.objective.unit_name} on any rank: its records were all "
-                            "skipped or train nothing; `chattune inspect` with this config shows what each record gives")
+            raise UserError(
+                f"the first step has no {learning.objective.unit_name} on any rank: its records were all "
+                "skipped or train nothing; `chattune inspect` with this config shows what each record gives"
+            )
         self._count_skipped(step, result, grad_norm)
         update = Update(step, result, grad_norm, lr, batches)
         if feed.mixer is not None:  # a mixture: per-source sums, and online mixing's update (collective)
             feed.mixer.observe(result.figures, math.isfinite(grad_norm))
             update.mixing = feed.mixer.maybe_update(step, self.device)
         for epoch, epoch_counts in closed_epochs:  # the step closed an epoch on every rank: its exact figures
-            logger.info("epoch %d done at step %d: %s", epoch, step, epoch_line(
-                reduce_sums(epoch_counts, self.device), row_budget(self.cfg.data, self.cfg.parallel.context)[0]))
+            logger.info(
+                "epoch %d done at step %d: %s",
+                epoch,
+                step,
+                epoch_line(
+                    reduce_sums(epoch_counts, self.device), row_budget(self.cfg.data, self.cfg.parallel.context)[0]
+                ),
+            )
         return update
 
     def _count_skipped(self, step: int, result: StepResult, grad_norm: float) -> None:
         if result.overflow:  # fp16: the loss scale was too high for this step; LossScale has lowered it
             self.skipped.count("overflow_skipped_steps")
-            logger.info("step %d: fp16 gradients overflowed, update skipped; loss scale now %g", step,
-                        self.loss_scale.scale)
+            logger.info(
+                "step %d: fp16 gradients overflowed, update skipped; loss scale now %g", step, self.loss_scale.scale
+            )
         elif not math.isfinite(grad_norm):  # every rank sees the same NaN norm, so all decide alike
             if self.cfg.nonfinite_loss == "stop":
-                raise FloatingPointError(f"step {step}: non-finite loss or gradients; the optimizer did not step. "
-                                         "The last checkpoint is intact (resume=auto continues from it).")
+                raise FloatingPointError(
+                    f"step {step}: non-finite loss or gradients; the optimizer did not step. "
+                    "The last checkpoint is intact (resume=auto continues from it)."
+                )
             skipped = self.skipped.count("nonfinite_skipped_steps")
             logger.warning("step %d: non-finite loss or gradients, update skipped (%d so far)", step, skipped)
 
@@ -179,10 +213,21 @@ class UpdateSteps:
         flops = getattr(model, "flops", None)  # PackedCausalLM's FLOP counts
         # Model FLOPs only where MFU is reported (a known peak), and only on the steps that log it. A row's FLOPs
         # count once over all ranks (context parallelism: on the group's first rank; the group shares them).
-        step_flops = (sum(batch_flops(flops, b) for b in update.batches.microbatches)
-                      if flops and self.peak and counts_rows() else 0.0)
-        metrics = step_metrics(update.step, update.result, self.learning.objective, update.grad_norm, update.lr,
-                               self.timer.seconds(), device, StepFlops(step_flops, self.peak))
+        step_flops = (
+            sum(batch_flops(flops, b) for b in update.batches.microbatches)
+            if flops and self.peak and counts_rows()
+            else 0.0
+        )
+        metrics = step_metrics(
+            update.step,
+            update.result,
+            self.learning.objective,
+            update.grad_norm,
+            update.lr,
+            self.timer.seconds(),
+            device,
+            StepFlops(step_flops, self.peak),
+        )
         metrics.update({"epoch": update.batches.epoch, **self.skipped.counts, **(update.mixing or {})})
         if self.loss_scale.enabled:
             metrics["loss_scale"] = self.loss_scale.scale
@@ -207,8 +252,15 @@ class Run:
     progress: Progress
 
 
-def set_up(cfg: DictConfig, dist_info: DistInfo, start: StartingPoint, built: BuiltModel, data: TrainingData,
-           learning: Learning, tokenizer: PreTrainedTokenizerBase) -> Run:
+def set_up(
+    cfg: DictConfig,
+    dist_info: DistInfo,
+    start: StartingPoint,
+    built: BuiltModel,
+    data: TrainingData,
+    learning: Learning,
+    tokenizer: PreTrainedTokenizerBase,
+) -> Run:
     """Collective: the run state, restored from the checkpoint `start` continues (if any), and the loop's
     components, each told its timing."""
     device, output_dir, model, feed = dist_info.device, Path(cfg.output_dir), built.model, data.feed
@@ -222,27 +274,45 @@ def set_up(cfg: DictConfig, dist_info: DistInfo, start: StartingPoint, built: Bu
         logger.info("resumed from %s at step %d (epoch %d)", start.resume_from, start_step, feed.epoch)
     horizon = Horizon(cfg.max_steps, cfg.stop_after_step, feed)
     metric_logger = MetricLogger(
-        str(output_dir), dist_info.is_main, cfg.logger, resume_step=start_step if resumed else None,
-        run_config=OmegaConf.to_container(cfg, resolve=True), wandb_kwargs=OmegaConf.to_container(cfg.wandb),
-        wandb_id=start.checkpoint_manifest.get("wandb_id"), every=Every(cfg.log_every, horizon),
+        str(output_dir),
+        dist_info.is_main,
+        cfg.logger,
+        resume_step=start_step if resumed else None,
+        run_config=OmegaConf.to_container(cfg, resolve=True),
+        wandb_kwargs=OmegaConf.to_container(cfg.wandb),
+        wandb_id=start.checkpoint_manifest.get("wandb_id"),
+        every=Every(cfg.log_every, horizon),
     )
     # (one ledger per row: a context group's other ranks train the same documents)
-    ledger = (DocumentLedger(output_dir, dist_info.rank, start_step, data.train.origin) if cfg.ledger and counts_rows()
-              else None)
+    ledger = (
+        DocumentLedger(output_dir, dist_info.rank, start_step, data.train.origin)
+        if cfg.ledger and counts_rows()
+        else None
+    )
     # Every checkpoint's manifest: what a resume checks, and the wandb run it continues.
     manifest = {**start.identity, "wandb_id": metric_logger.wandb_id}
     background = BackgroundSaves(device) if cfg.save_async else None  # checkpoints written while training goes on
-    checkpointer = Checkpointer(output_dir / "checkpoints", state, manifest, cfg.save_every, cfg.keep_last_n, horizon,
-                                background)
+    checkpointer = Checkpointer(
+        output_dir / "checkpoints", state, manifest, cfg.save_every, cfg.keep_last_n, horizon, background
+    )
     # eval.samples: a few prompts answered at every evaluation, into samples.jsonl (and wandb)
-    samples = run_samples(cfg, tokenizer, dist_info, start_step if resumed else None, data.held_out_records,
-                          metric_logger.wandb_run)
+    samples = run_samples(
+        cfg, tokenizer, dist_info, start_step if resumed else None, data.held_out_records, metric_logger.wandb_run
+    )
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
     # data.eval's sources, data.eval_split's held-out records, or both (None: no held-out data)
     held_out = data.eval_batches if data.eval is not None else None
-    evaluator = Evaluator(model, learning.eval_objective or learning.objective, held_out, data.pad_id, device, samples,
-                          Every(cfg.eval_every, horizon), progress)
+    evaluator = Evaluator(
+        model,
+        learning.eval_objective or learning.objective,
+        held_out,
+        data.pad_id,
+        device,
+        samples,
+        Every(cfg.eval_every, horizon),
+        progress,
+    )
     updates = UpdateSteps(cfg, model, learning, feed, skipped, loss_scale, device, ledger)
     return Run(start_step, updates, horizon, metric_logger, evaluator, checkpointer, progress)
 
@@ -258,17 +328,23 @@ def stop(run: Run, step: int) -> None:
         raise interrupts.Preempted(
             f"stopped by {interrupts.signal_name(interrupts.requested())} after step {step}: checkpoint "
             f"{run.checkpointer.last_saved} saved in {time.perf_counter() - run.checkpointer.last_started:.1f} s; run "
-            "the same command again to continue")
+            "the same command again to continue"
+        )
     logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
 
 
-def finish(cfg: DictConfig, dist_info: DistInfo, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase) -> None:
+def finish(
+    cfg: DictConfig, dist_info: DistInfo, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase
+) -> None:
     """Collective: the end of a run that reached its last step: the records skipped over the run, the last
     checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory)."""
     device, output_dir, peft_model = dist_info.device, Path(cfg.output_dir), built.peft_model
     skipped = reduce_sums(run.updates.feed.skipped, device)
-    logger.info("training records over all ranks and epochs: skipped %s; over the budget and kept %s",
-                {k: int(skipped[k]) for k in SKIP_REASONS}, {k: int(skipped[k]) for k in skipped if k not in SKIP_REASONS})
+    logger.info(
+        "training records over all ranks and epochs: skipped %s; over the budget and kept %s",
+        {k: int(skipped[k]) for k in SKIP_REASONS},
+        {k: int(skipped[k]) for k in skipped if k not in SKIP_REASONS},
+    )
 
     run.checkpointer.close()
     metric_logger = run.metric_logger

@@ -68,8 +68,16 @@ class StepFlops:
     peak_flops: float | None = None
 
 
-def step_metrics(step: int, result: StepResult, objective: Objective, grad_norm: float, lr: float, step_time_s: float,
-                 device: torch.device, flops: StepFlops | None = None) -> dict[str, float]:
+def step_metrics(
+    step: int,
+    result: StepResult,
+    objective: Objective,
+    grad_norm: float,
+    lr: float,
+    step_time_s: float,
+    device: torch.device,
+    flops: StepFlops | None = None,
+) -> dict[str, float]:
     """The metrics of one step, over all ranks (one stacked all-reduce). Collective: every rank must call it.
 
     The objective turns the summed figures into its metrics (loss, num_tokens, ...); tokens_per_sec is
@@ -78,8 +86,16 @@ def step_metrics(step: int, result: StepResult, objective: Objective, grad_norm:
     step's model FLOPs' rate per device over the peak. On CUDA, peak memory (allocated and reserved since the
     start, GiB) is the largest of any rank's."""
     model_flops, peak_flops = (flops.model_flops, flops.peak_flops) if flops is not None else (0.0, None)
-    sums = reduce_sums({"loss_sum": result.loss_sum, "step_time_s": step_time_s, "all_tokens": result.local_tokens,
-                        "model_flops": model_flops, **result.figures}, device)
+    sums = reduce_sums(
+        {
+            "loss_sum": result.loss_sum,
+            "step_time_s": step_time_s,
+            "all_tokens": result.local_tokens,
+            "model_flops": model_flops,
+            **result.figures,
+        },
+        device,
+    )
     world = current_mesh().world_size
     step_time = sums["step_time_s"] / world
     metrics = {"step": step, **objective.metrics(sums, result.global_units)}
@@ -100,8 +116,11 @@ def step_metrics(step: int, result: StepResult, objective: Objective, grad_norm:
 
 def peak_memory(device: torch.device) -> dict[str, float]:
     """The largest peak allocated and reserved CUDA memory of any rank, GiB. Collective."""
-    peaks = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                         dtype=torch.float64, device=device)
+    peaks = torch.tensor(
+        [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+        dtype=torch.float64,
+        device=device,
+    )
     if dist.is_initialized():
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     allocated, reserved = (peaks / 2**30).tolist()
@@ -172,9 +191,17 @@ class MetricLogger:
     steps): then only lines with held-out (`eval_*`) metrics are printed. A step's metrics are due
     `every` log_every steps and at the end (None: every step)."""
 
-    def __init__(self, output_dir: str, is_main: bool, backend: str = "stdout", run_config: dict | None = None,
-                 wandb_kwargs: dict | None = None, resume_step: int | None = None, wandb_id: str | None = None,
-                 every: Every | None = None):
+    def __init__(
+        self,
+        output_dir: str,
+        is_main: bool,
+        backend: str = "stdout",
+        run_config: dict | None = None,
+        wandb_kwargs: dict | None = None,
+        resume_step: int | None = None,
+        wandb_id: str | None = None,
+        every: Every | None = None,
+    ):
         if backend not in ("stdout", "wandb"):
             raise ValueError(f"logger must be 'stdout' or 'wandb', got {backend!r}")
         self.is_main, self.every = is_main, every

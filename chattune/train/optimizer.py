@@ -17,8 +17,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 
-def build_optimizer(optimizer_cfg: DictConfig, parameters: Iterable[torch.nn.Parameter],
-                    device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    optimizer_cfg: DictConfig, parameters: Iterable[torch.nn.Parameter], device: torch.device
+) -> torch.optim.Optimizer:
     make = instantiate(optimizer_cfg)  # a functools.partial of the optimizer class
     accepts_fused = "fused" in inspect.signature(make.func).parameters
     if device.type == "cuda" and accepts_fused and not {"fused", "foreach"} & set(make.keywords):

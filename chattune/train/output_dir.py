@@ -46,7 +46,13 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".chattune.lock"
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # one line per logged step (`chattune.train.metrics.start_step_log`)
-RESULTS = ("checkpoints", *STEP_LOGS, "hf", "adapter", "ledger")  # what a run leaves; config.yaml is rewritten at every start
+RESULTS = (
+    "checkpoints",
+    *STEP_LOGS,
+    "hf",
+    "adapter",
+    "ledger",
+)  # what a run leaves; config.yaml is rewritten at every start
 
 
 class OutputDirInUse(UserError):
@@ -68,22 +74,30 @@ class OutputDirLock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as error:  # read-only, no permission, a file in the way: the user's to fix
-                raise OutputDirInUse(f"output_dir {self.path.parent}: cannot create its lock file ({error.strerror}): "
-                                     "choose a directory this run can write") from None
+                raise OutputDirInUse(
+                    f"output_dir {self.path.parent}: cannot create its lock file ({error.strerror}): "
+                    "choose a directory this run can write"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise OutputDirInUse(f"output_dir {self.path.parent} is in use by another run: "
-                                     f"{describe_holder(self.holder())}. Wait for it to finish or stop it, or choose "
-                                     "another output_dir.") from None
+                raise OutputDirInUse(
+                    f"output_dir {self.path.parent} is in use by another run: "
+                    f"{describe_holder(self.holder())}. Wait for it to finish or stop it, or choose "
+                    "another output_dir."
+                ) from None
             # A run that ended cleanly removes the file while it holds the lock: if it did so between our open
             # and our flock, we hold a file no one else will open. Only the file at the path counts.
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
                 break
             os.close(fd)
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "command": " ".join(sys.argv)}
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv),
+        }
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(holder).encode())
         os.fsync(fd)
@@ -122,8 +136,10 @@ class OutputDirLock:
 def describe_holder(holder: dict) -> str:
     if not holder:
         return "a process whose lock file is unreadable"
-    return (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}: "
-            f"{holder.get('command', '?')}")
+    return (
+        f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}: "
+        f"{holder.get('command', '?')}"
+    )
 
 
 def previous_results(output_dir: Path) -> list[str]:
@@ -171,8 +187,9 @@ def plan_start(cfg: DictConfig, identity: dict) -> LaunchDecision:
     output_dir = Path(cfg.output_dir)
     checkpoints = output_dir / "checkpoints"
     if cfg.overwrite and cfg.resume not in (None, "auto"):
-        raise OutputDirInUse(f"overwrite=true starts over, and resume={cfg.resume} continues that checkpoint: give one "
-                             "of the two")
+        raise OutputDirInUse(
+            f"overwrite=true starts over, and resume={cfg.resume} continues that checkpoint: give one of the two"
+        )
     if cfg.resume is None or cfg.overwrite:  # overwrite=true: a fresh start, whatever resume=auto would find
         source = None
     elif cfg.resume == "auto":
@@ -185,26 +202,37 @@ def plan_start(cfg: DictConfig, identity: dict) -> LaunchDecision:
             raise ResumeError(f"resume={cfg.resume}: {error}") from error
     saved = read_manifest(source) if source is not None else {}
     if source is not None and (damaged := damage(source)):
-        raise ResumeError(f"the checkpoint {source} is damaged: {'; '.join(damaged)}. {_intact_before(source, saved['step'])}")
+        raise ResumeError(
+            f"the checkpoint {source} is damaged: {'; '.join(damaged)}. {_intact_before(source, saved['step'])}"
+        )
     accepted = check_resumable(source, identity, cfg) if source is not None else AcceptedChanges()
     decision = LaunchDecision(StartingPoint(source, accepted, identity, saved))
     previous = previous_results(output_dir)
     if source is not None and source.resolve().parent == checkpoints.resolve():
         # Continuing from an older checkpoint of this directory abandons what came after it: its later
         # checkpoints (which resume=auto and keep_last_n would otherwise prefer) and its final export.
-        decision.move_aside = [c for c in committed_checkpoints(checkpoints) if read_manifest(c)["step"] > saved["step"]]
+        decision.move_aside = [
+            c for c in committed_checkpoints(checkpoints) if read_manifest(c)["step"] > saved["step"]
+        ]
         if decision.move_aside:
             decision.move_aside += [p for p in (output_dir / "hf", output_dir / "adapter") if p.exists()]
         # kept up to `step`: the rest in a copy
-        decision.copy_aside = [output_dir / name for name in STEP_LOGS if logged_after(output_dir / name, saved["step"])]
+        decision.copy_aside = [
+            output_dir / name for name in STEP_LOGS if logged_after(output_dir / name, saved["step"])
+        ]
     elif previous:  # a fresh start, or another directory's checkpoint continued, in a used directory
         if not cfg.overwrite:
-            what = "nothing to continue from" if source is None else f"a checkpoint of another directory to continue ({source})"
+            what = (
+                "nothing to continue from"
+                if source is None
+                else f"a checkpoint of another directory to continue ({source})"
+            )
             raise OutputDirInUse(
                 f"output_dir {output_dir} holds an earlier run's results ({', '.join(previous)}), and this launch has "
                 f"{what} (resume={cfg.resume}). Continue that run with resume=auto or resume=PATH to one of its "
                 f"checkpoints; start over here with overwrite=true (its files are moved aside as *{ABANDONED}, not "
-                "deleted); or choose another output_dir.")
+                "deleted); or choose another output_dir."
+            )
         decision.move_aside = [output_dir / name for name in previous]
     return decision
 
@@ -213,8 +241,10 @@ def _intact_before(source: Path, step: int) -> str:
     """The remedy for a damaged checkpoint: the newest intact one before it, or starting over."""
     for candidate in reversed(committed_checkpoints(source.parent)):
         if read_manifest(candidate)["step"] < step and not damage(candidate):
-            return (f"The newest intact checkpoint before it is {candidate} (step {read_manifest(candidate)['step']}): "
-                    f"continue from there with resume={candidate}")
+            return (
+                f"The newest intact checkpoint before it is {candidate} (step {read_manifest(candidate)['step']}): "
+                f"continue from there with resume={candidate}"
+            )
     return "No intact checkpoint comes before it: start over with overwrite=true (it is set aside), or choose another output_dir"
 
 

@@ -56,8 +56,9 @@ class Progress:
     is open, console log lines go through `tqdm.write`, so they print above the bar instead of through it.
     """
 
-    def __init__(self, start_step: int, max_steps: int, mode: str = "auto", is_main: bool = True,
-                 stream: TextIO | None = None):
+    def __init__(
+        self, start_step: int, max_steps: int, mode: str = "auto", is_main: bool = True, stream: TextIO | None = None
+    ):
         stream = sys.stdout if stream is None else stream
         show = wants_bar(mode, stream)  # checked on every rank: a bad value fails everywhere alike
         self.is_main, self.stream = is_main, stream
@@ -65,8 +66,14 @@ class Progress:
         self._redirect: AbstractContextManager | None = None
         if is_main and show:
             # ETA from the steps this launch ran (tqdm leaves `initial` out of the rate): right after a resume too.
-            self.bar = tqdm(total=max_steps, initial=start_step, file=stream, bar_format=BAR_FORMAT,
-                            dynamic_ncols=True, mininterval=0.5)
+            self.bar = tqdm(
+                total=max_steps,
+                initial=start_step,
+                file=stream,
+                bar_format=BAR_FORMAT,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
             self._redirect = logging_redirect_tqdm()
             self._redirect.__enter__()
 
@@ -112,8 +119,16 @@ class TaskProgress:
     or a log line every `pace.every_s` seconds ("eval: 120/400 batches, 30 s"), and a last line at the end of a
     pass that said anything. Other ranks show nothing."""
 
-    def __init__(self, label: str, total: int, unit: str, is_main: bool = True, bar: bool = False,
-                 stream: TextIO | None = None, pace: Pace = Pace()):
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        unit: str,
+        is_main: bool = True,
+        bar: bool = False,
+        stream: TextIO | None = None,
+        pace: Pace = Pace(),
+    ):
         self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, pace.every_s, pace.clock
         self.enabled = is_main
         self.started = self.clock()
@@ -121,8 +136,17 @@ class TaskProgress:
         self.done, self.lines = 0, 0
         self.bar: tqdm | None = None
         if is_main and bar:  # tqdm's own delay: the bar appears only once the pass has run delay_s
-            self.bar = tqdm(total=total, desc=label, unit=f" {unit}", file=sys.stdout if stream is None else stream,
-                            delay=pace.delay_s, leave=False, position=1, dynamic_ncols=True, mininterval=0.5)
+            self.bar = tqdm(
+                total=total,
+                desc=label,
+                unit=f" {unit}",
+                file=sys.stdout if stream is None else stream,
+                delay=pace.delay_s,
+                leave=False,
+                position=1,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
 
     def update(self, done: int) -> None:
         """`done` units of the pass are done."""
@@ -144,6 +168,7 @@ class TaskProgress:
         if self.bar is not None:
             self.bar.close()
         elif self.lines:
-            logger.info("%s: %d/%d %s done in %.0f s", self.label, self.done, self.total, self.unit,
-                        self.clock() - self.started)
+            logger.info(
+                "%s: %d/%d %s done in %.0f s", self.label, self.done, self.total, self.unit, self.clock() - self.started
+            )
         self.enabled = False

@@ -64,8 +64,11 @@ def run_fingerprint(cfg: DictConfig) -> dict:
     # The chat template as its text: a template file (or a shipped one) edited under the same name renders other
     # documents. (null: the tokenizer's own, among the tokenizer files below.)
     config[TEMPLATE_KEY] = template_fingerprint(cfg.tokenizer.get("chat_template"))
-    return {"config": config, "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path),
-            "record_files": record_files(cfg.data.train)}
+    return {
+        "config": config,
+        "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path),
+        "record_files": record_files(cfg.data.train),
+    }
 
 
 def _under(key: str, sections) -> bool:
@@ -90,7 +93,11 @@ def differences(saved: dict, current: dict, saved_hashes: dict[str, np.ndarray] 
     before, now = saved.get("config", {}), current.get("config", {})
     for key in sorted(set(before) | set(now)):
         if before.get(key, "<absent>") != now.get(key, "<absent>"):
-            found.append(Difference("config", key, f"config {key}: {before.get(key, '<absent>')!r} -> {now.get(key, '<absent>')!r}"))
+            found.append(
+                Difference(
+                    "config", key, f"config {key}: {before.get(key, '<absent>')!r} -> {now.get(key, '<absent>')!r}"
+                )
+            )
     before, now = saved.get("files", {}), current.get("files", {})
     for key in sorted(set(before) | set(now)):
         if before.get(key, "<absent>") == now.get(key, "<absent>"):
@@ -100,15 +107,29 @@ def differences(saved: dict, current: dict, saved_hashes: dict[str, np.ndarray] 
         if hashed is not None and len(hashed[0]) == len(old_hashes):
             changed = np.flatnonzero(hashed[0] != old_hashes)
             lines = hashed[1]
-            named = [f"record {i + 1}" + (f" (line {lines[i]})" if lines is not None else "") for i in changed[:_MAX_LISTED]]
+            named = [
+                f"record {i + 1}" + (f" (line {lines[i]})" if lines is not None else "") for i in changed[:_MAX_LISTED]
+            ]
             more = f" and {len(changed) - _MAX_LISTED} more" if len(changed) > _MAX_LISTED else ""
-            text = f"data file {key}: {', '.join(named)}{more} changed" if len(changed) else f"data file {key}: edited (same records)"
+            text = (
+                f"data file {key}: {', '.join(named)}{more} changed"
+                if len(changed)
+                else f"data file {key}: edited (same records)"
+            )
             found.append(Difference("file", key, text, tuple(int(i) + 1 for i in changed)))
         elif old_hashes is not None and hashed is not None:
-            found.append(Difference("file", key, f"data file {key}: {len(old_hashes)} -> {len(hashed[0])} records (records "
-                                                 "added or removed change every epoch's order)"))
+            found.append(
+                Difference(
+                    "file",
+                    key,
+                    f"data file {key}: {len(old_hashes)} -> {len(hashed[0])} records (records "
+                    "added or removed change every epoch's order)",
+                )
+            )
         else:
-            found.append(Difference("file", key, f"files {key}: {before.get(key, '<absent>')!r} -> {now.get(key, '<absent>')!r}"))
+            found.append(
+                Difference("file", key, f"files {key}: {before.get(key, '<absent>')!r} -> {now.get(key, '<absent>')!r}")
+            )
     return found
 
 
@@ -120,8 +141,10 @@ def allowed_changes(value) -> tuple[bool, list[str]]:
         return False, []
     if isinstance(value, (list, tuple, ListConfig)) and all(isinstance(v, str) for v in value):
         return False, list(value)
-    raise ResumeError(f"resume_allow_changes must be true, false or a list of config keys, data files or FILE:N "
-                      f"records, got {value!r}")
+    raise ResumeError(
+        f"resume_allow_changes must be true, false or a list of config keys, data files or FILE:N "
+        f"records, got {value!r}"
+    )
 
 
 def _accepts(entries: list[str], difference: Difference) -> bool:
@@ -174,8 +197,12 @@ def check_resumable(directory: Path, identity: dict, cfg: DictConfig) -> Accepte
         fingerprint["config"] = {**fingerprint.get("config", {}), "data.num_workers": saved["num_workers"]}
     # Keys added since: what a checkpoint written before them ran with (one context rank, the tokenizer's own
     # template, no held-out split).
-    fingerprint["config"] = {"parallel.context": 1, TEMPLATE_KEY: None, "data.eval_split": None,
-                             **fingerprint.get("config", {})}
+    fingerprint["config"] = {
+        "parallel.context": 1,
+        TEMPLATE_KEY: None,
+        "data.eval_split": None,
+        **fingerprint.get("config", {}),
+    }
     saved_context = fingerprint["config"]["parallel.context"]
     context_changed = saved_context != cfg.parallel.context
     invariant = cfg.data.microbatches_per_step is not None
@@ -184,33 +211,40 @@ def check_resumable(directory: Path, identity: dict, cfg: DictConfig) -> Accepte
             f"{directory} was written by {saved['world_size']} rank(s), this run has {identity['world_size']}: each "
             "rank's data position is a place in its own share of the epoch, which another number of ranks would split "
             f"differently. Relaunch with --nproc_per_node {saved['world_size']} (runs with "
-            "data.microbatches_per_step resume on any number of ranks that divides it).")
+            "data.microbatches_per_step resume on any number of ranks that divides it)."
+        )
     if context_changed and not invariant:
         raise ResumeError(
             f"{directory} was written with parallel.context={saved_context}, this run has {cfg.parallel.context}: the "
             "data-parallel ranks (ranks / parallel.context) each hold a place in their own share of the epoch, and "
             f"another context size would share it differently. Relaunch with parallel.context={saved_context} (runs "
-            "with data.microbatches_per_step resume with any layout of ranks).")
+            "with data.microbatches_per_step resume with any layout of ranks)."
+        )
     if cfg.max_steps < saved["step"]:
         raise ResumeError(
             f"max_steps={cfg.max_steps}, but this run continues from {directory} at step {saved['step']}: the horizon is "
             "behind the checkpoint. Raise max_steps, resume an earlier checkpoint with resume=PATH, or start over with "
-            "overwrite=true.")
+            "overwrite=true."
+        )
     if cfg.stop_after_step is not None and cfg.stop_after_step <= saved["step"]:
         raise ResumeError(
             f"stop_after_step={cfg.stop_after_step}, but this run continues from {directory} at step {saved['step']}: "
             "there is no step left to stop after. Raise stop_after_step or drop it, or resume an earlier checkpoint "
-            "with resume=PATH.")
+            "with resume=PATH."
+        )
     anything, entries = allowed_changes(cfg.resume_allow_changes)
     online_mixing = cfg.data.mixing.mode == "online"
     accepted, refused = AcceptedChanges(), []
     if world_size_changed:
-        accepted.notes.append(f"world size {saved['world_size']} -> {identity['world_size']} (world-size-invariant "
-                              "steps: the same documents per step; every rank continues the one data stream)")
+        accepted.notes.append(
+            f"world size {saved['world_size']} -> {identity['world_size']} (world-size-invariant "
+            "steps: the same documents per step; every rank continues the one data stream)"
+        )
     accepted.layout_changed = world_size_changed or context_changed
     saved_budget = fingerprint["config"].get("data.max_tokens_per_microbatch")
     same_rows = saved_budget is not None and saved_budget * saved_context == (
-        cfg.data.max_tokens_per_microbatch * cfg.parallel.context)
+        cfg.data.max_tokens_per_microbatch * cfg.parallel.context
+    )
     for difference in differences(fingerprint, identity["fingerprint"], saved_record_hashes(directory)):
         key = difference.key if difference.kind == "config" else None
         if key in ("parallel.context", "data.max_tokens_per_microbatch") and context_changed and same_rows:
@@ -218,8 +252,10 @@ def check_resumable(directory: Path, identity: dict, cfg: DictConfig) -> Accepte
             if key == "parallel.context":
                 accepted.notes.append(f"{difference.text}: the same row budget, the same packed rows split another way")
             else:
-                accepted.notes.append(f"{difference.text} with parallel.context {saved_context} -> "
-                                      f"{cfg.parallel.context}: the same row budget")
+                accepted.notes.append(
+                    f"{difference.text} with parallel.context {saved_context} -> "
+                    f"{cfg.parallel.context}: the same row budget"
+                )
             continue
         if key is not None:
             accepted.changed_keys.append(key)  # (a refused one raises below)
@@ -232,13 +268,19 @@ def check_resumable(directory: Path, identity: dict, cfg: DictConfig) -> Accepte
         else:
             refused.append(difference)
     if refused:
-        why = ("\n  (online mixing applies a new probability from the furthest draw the loaders have prefetched, "
-               "which depends on data.num_workers)" if any(d.key == "data.num_workers" for d in refused) else "")
+        why = (
+            "\n  (online mixing applies a new probability from the furthest draw the loaders have prefetched, "
+            "which depends on data.num_workers)"
+            if any(d.key == "data.num_workers" for d in refused)
+            else ""
+        )
         raise ResumeError(
             f"{directory} cannot continue this run: what it trains changed since the checkpoint was written:\n  "
-            + "\n  ".join(d.text for d in refused) + why
+            + "\n  ".join(d.text for d in refused)
+            + why
             + f"\nIf that is what you want, resume with resume_allow_changes=[{','.join(map(_accept_hint, refused))}] "
-            "(accepts only these changes; true accepts any). Or start over with overwrite=true, or choose another output_dir.")
+            "(accepts only these changes; true accepts any). Or start over with overwrite=true, or choose another output_dir."
+        )
     return accepted
 
 
@@ -273,10 +315,16 @@ def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState)
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
     if accepted.schedule_changed:
         old, new = follow_new_schedule(scheduler, optimizer)
-        logger.warning("resuming with another learning-rate schedule (%s): the LR at step %d is %s (it was %s under "
-                       "the checkpoint's schedule)", "; ".join(accepted.horizon + [k for k in accepted.changed_keys if
-                                                                                   _under(k, ("scheduler", "optimizer.lr"))]),
-                       step, _rates(new), _rates(old))
+        logger.warning(
+            "resuming with another learning-rate schedule (%s): the LR at step %d is %s (it was %s under "
+            "the checkpoint's schedule)",
+            "; ".join(
+                accepted.horizon + [k for k in accepted.changed_keys if _under(k, ("scheduler", "optimizer.lr"))]
+            ),
+            step,
+            _rates(new),
+            _rates(old),
+        )
     return step
 
 

@@ -115,10 +115,14 @@ class ModelWeights:
         # quantization state to the state dict as entries of their own: only trained parameters and buffers stay.
         model = self.model
         frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        quantization_state = tuple(f"{name}.weight." for name, module in model.named_modules()
-                                   if has_quantized_weight(module))  # weight.absmax, weight.quant_map..
-        return {k: v for k, v in get_model_state_dict(model, options=TRAINED_ONLY).items()
-                if k not in frozen and not k.startswith(quantization_state)}
+        quantization_state = tuple(
+            f"{name}.weight." for name, module in model.named_modules() if has_quantized_weight(module)
+        )  # weight.absmax, weight.quant_map..
+        return {
+            k: v
+            for k, v in get_model_state_dict(model, options=TRAINED_ONLY).items()
+            if k not in frozen and not k.startswith(quantization_state)
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # Not strict: the frozen keys are absent by design; every trained key is present (DCP fills exactly the
@@ -143,8 +147,12 @@ def rng_state() -> dict:
     """The generators a resume restores. On CUDA only this rank's own device's (the current device, set at
     start-up): a relaunch may see fewer devices (another CUDA_VISIBLE_DEVICES, one GPU a process), and
     every visible device's state would not fit it."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_initialized() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_initialized() else None,
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -192,9 +200,14 @@ class SkippedSteps:
         self.counts.update(state)
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, feed: StepFeed, skipped: SkippedSteps,
-                   loss_scale: LossScale) -> RunState:
+def training_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    feed: StepFeed,
+    skipped: SkippedSteps,
+    loss_scale: LossScale,
+) -> RunState:
     """What a training run's checkpoints hold, by the names they are saved under."""
     state = model_and_optimizer(model, optimizer)
     state.add("scheduler", scheduler)

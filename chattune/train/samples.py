@@ -35,8 +35,14 @@ logger = logging.getLogger(__name__)
 SAMPLES_FILE = "samples.jsonl"
 
 
-def run_samples(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, resume_step: int | None,
-                held_out_records: Sequence[Sequence[int]] = (), wandb_run=None) -> EvalSamples | None:
+def run_samples(
+    cfg: DictConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    dist_info: DistInfo,
+    resume_step: int | None,
+    held_out_records: Sequence[Sequence[int]] = (),
+    wandb_run=None,
+) -> EvalSamples | None:
     """The run's sample prompts, ready to answer (None: eval.samples=0, evaluation off, or no prompts). Rank 0
     starts samples.jsonl: afresh, or for a resumed run (`resume_step`) with its lines up to that step (the later
     ones were copied aside by `chattune.train.output_dir`), also when sampling is now off."""
@@ -69,8 +75,15 @@ class EvalSamples:
     """The sample prompts of a run, tokenized once, answered by the model at each evaluation (`answer`) and
     written by rank 0 (`write`)."""
 
-    def __init__(self, prompts: list[Prompt], tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
-                 dist_info: DistInfo, path: Path, wandb_run=None):
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens: int,
+        dist_info: DistInfo,
+        path: Path,
+        wandb_run=None,
+    ):
         """`path`: the samples.jsonl rank 0 appends to; `wandb_run`: rank 0's, with logger=wandb."""
         self.prompts, self.tokenizer, self.dist_info = prompts, tokenizer, dist_info
         self.path, self.wandb_run = path, wandb_run
@@ -87,8 +100,9 @@ class EvalSamples:
         with sharded_generation(model):
             for turn in range(turns):
                 index = mine[min(turn, len(mine) - 1)] if mine else 0  # out of prompts: one again, answer dropped
-                reply = generate_reply(model, self.tokenizer, self.ids[index], self.sampling, self.stop_ids,
-                                       synced=world > 1)
+                reply = generate_reply(
+                    model, self.tokenizer, self.ids[index], self.sampling, self.stop_ids, synced=world > 1
+                )
                 if turn < len(mine):
                     replies[index] = reply.text
         if world > 1:
@@ -103,14 +117,18 @@ class EvalSamples:
         """Rank 0: one line per prompt in samples.jsonl, and the step's table to wandb."""
         if not self.dist_info.is_main:
             return
-        rows = [{"step": step, "prompt": prompt.messages, "reply": reply} for prompt, reply in zip(self.prompts, replies)]
+        rows = [
+            {"step": step, "prompt": prompt.messages, "reply": reply} for prompt, reply in zip(self.prompts, replies)
+        ]
         with self.path.open("a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         if self.wandb_run is not None:
             import wandb
 
-            table = wandb.Table(columns=["step", "prompt", "reply"],
-                                data=[[step, prompt.as_text(), reply] for prompt, reply in zip(self.prompts, replies)])
+            table = wandb.Table(
+                columns=["step", "prompt", "reply"],
+                data=[[step, prompt.as_text(), reply] for prompt, reply in zip(self.prompts, replies)],
+            )
             self.wandb_run.log({"samples": table}, step=step)
 
     def __call__(self, model: PackedCausalLM, step: int) -> None:
@@ -119,5 +137,10 @@ class EvalSamples:
         replies = self.answer(model)
         self.write(step, replies)
         if self.dist_info.is_main:
-            logger.info("step %d: %d sample replies in %.1f s (%s)", step, len(replies), time.perf_counter() - started,
-                        self.path)
+            logger.info(
+                "step %d: %d sample replies in %.1f s (%s)",
+                step,
+                len(replies),
+                time.perf_counter() - started,
+                self.path,
+            )

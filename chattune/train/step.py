@@ -65,14 +65,20 @@ class _DeviceSums:
     def result(self, values: list[float]) -> StepResult:
         """The StepResult from `tensors()`'s values, read to the host."""
         loss_sum, rest = values[0], values[1:]
-        figures, (global_units, ranks_at_epoch_end) = rest[:len(self.figures)], rest[len(self.figures):]
-        return StepResult(loss_sum=loss_sum, local_units=self.local_units, global_units=int(global_units),
-                          local_tokens=self.local_tokens, ranks_at_epoch_end=int(ranks_at_epoch_end),
-                          figures=dict(zip(self.figures, figures)))
+        figures, (global_units, ranks_at_epoch_end) = rest[: len(self.figures)], rest[len(self.figures) :]
+        return StepResult(
+            loss_sum=loss_sum,
+            local_units=self.local_units,
+            global_units=int(global_units),
+            local_tokens=self.local_tokens,
+            ranks_at_epoch_end=int(ranks_at_epoch_end),
+            figures=dict(zip(self.figures, figures)),
+        )
 
 
-def _forward_backward(model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device,
-                      loss_scale: float) -> _DeviceSums:
+def _forward_backward(
+    model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device, loss_scale: float
+) -> _DeviceSums:
     microbatches, seeds = batches.microbatches, batches.seeds
     # Context parallelism: every rank of a group trains the same rows, and only the first counts and reports them.
     counted = counts_rows()
@@ -98,8 +104,9 @@ def _forward_backward(model: nn.Module, objective: Objective, batches: StepBatch
     return _DeviceSums(counts, loss_sum, figures, local_units, local_tokens)
 
 
-def accumulate_gradients(model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device,
-                         loss_scale: float = 1.0) -> StepResult:
+def accumulate_gradients(
+    model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device, loss_scale: float = 1.0
+) -> StepResult:
     """Forward/backward every microbatch of one step with the global normaliser. The gradients come out
     multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out). Whether this rank's data
     stream finished the epoch (`batches.epoch_end_reached`) is counted over ranks in the same all-reduce;
@@ -109,8 +116,9 @@ def accumulate_gradients(model: nn.Module, objective: Objective, batches: StepBa
     return sums.result(torch.stack(sums.tensors()).tolist())
 
 
-def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite: torch.Tensor,
-                    loss_scale: float, stop: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _clip_on_device(
+    model: nn.Module, max_norm: float | None, local_loss_finite: torch.Tensor, loss_scale: float, stop: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`clip_gradients` with its results left on the device: (total norm, NaN where any rank's loss is not
     finite; whether every rank's loss was finite; how many ranks asked to stop). Nothing here waits for the
     device: the gradients are unscaled and clipped whatever the norm (with a non-finite norm they become NaN,
@@ -125,8 +133,10 @@ def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite:
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
     stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
-    sums = all_reduce_sum(torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(),
-                                       stop_flag]), group=mesh.grad_norm_group)  # the shards' ranks: the world
+    sums = all_reduce_sum(
+        torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(), stop_flag]),
+        group=mesh.grad_norm_group,
+    )  # the shards' ranks: the world
     losses_finite = sums[1] == 0
     total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
     if loss_scale != 1.0:  # unscale the local shards in place
@@ -136,8 +146,9 @@ def _clip_on_device(model: nn.Module, max_norm: float | None, local_loss_finite:
     return total_norm, losses_finite, sums[2]
 
 
-def clip_gradients(model: nn.Module, max_norm: float | None, local_loss_finite: bool = True,
-                   loss_scale: float = 1.0) -> tuple[float, bool]:
+def clip_gradients(
+    model: nn.Module, max_norm: float | None, local_loss_finite: bool = True, loss_scale: float = 1.0
+) -> tuple[float, bool]:
     """(Total gradient norm over all ranks, whether every rank's loss was finite); the gradients are
     divided by `loss_scale` and clipped to max_norm when set. The norm is NaN on every rank when any rank's
     loss or gradients are non-finite: one all-reduce carries both, so all ranks decide alike (and tell
@@ -202,8 +213,9 @@ def train_step(
     on or stop. `stop`: this rank received a stop signal; `result.stop_ranks` counts the ranks that did."""
     loss_scale = loss_scale or LossScale(enabled=False)
     sums = _forward_backward(model, objective, batches, device, loss_scale.scale)
-    total_norm, losses_finite, stop_ranks = _clip_on_device(model, max_grad_norm, torch.isfinite(sums.loss_sum),
-                                                            loss_scale.scale, stop)
+    total_norm, losses_finite, stop_ranks = _clip_on_device(
+        model, max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale, stop
+    )
     # The step's one device-to-host transfer: its sums, counts, gradient norm and finiteness together. The
     # optimizer's step below is the one decision that needs them on the host.
     values = torch.stack([total_norm, losses_finite.double(), stop_ranks, *sums.tensors()]).tolist()
