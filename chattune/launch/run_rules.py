@@ -312,14 +312,14 @@ class RunRules:
         if lock.is_held():
             self.findings.problem("output_dir", f"in use by another run: {describe_holder(lock.holder())}")
         try:
-            plan = plan_start(cfg, run_meta(world_size, run_fingerprint(cfg)))
+            decision = plan_start(cfg, run_meta(world_size, run_fingerprint(cfg)))
         except UserError as error:
             key = "resume" if isinstance(error, ResumeError) else "output_dir"
             self.findings.problem(key, str(error))
             return
-        start = plan.start
+        start = decision.start
         if start.resume_from is not None:
-            saved = start.checkpoint_meta
+            saved = start.checkpoint_manifest
             invariant = get_value(self.values, "data.microbatches_per_step")
             if world_size is not None:
                 ranks = ""
@@ -334,9 +334,9 @@ class RunRules:
                     f", written by {saved['world_size']} rank(s): launch with --nproc_per_node {saved['world_size']}"
                 )
             self.findings.note("resume", f"continues from {start.resume_from} at step {saved['step']}{ranks}")
-        for line in start.plan.notes + [
-            f"{h} (the schedule is recomputed for the new horizon)" for h in start.plan.horizon
+        for line in start.accepted.notes + [
+            f"{h} (the schedule is recomputed for the new horizon)" for h in start.accepted.horizon
         ]:
             self.findings.note("resume", line)
-        for path in plan.move_aside + plan.copy_aside:
+        for path in decision.move_aside + decision.copy_aside:
             self.findings.note("output_dir", f"{path} would be set aside as {path.name}.abandoned")

@@ -161,15 +161,6 @@ class StartingPoint:
     identity: dict = field(default_factory=dict)  # this run's world size and fingerprint (`run_meta`)
     checkpoint_manifest: dict = field(default_factory=dict)  # the resumed checkpoint's (e.g. its wandb run id)
 
-    # The names chattune.launch.run_rules reads (`chattune validate`'s notes on a resume).
-    @property
-    def plan(self) -> AcceptedChanges:
-        return self.accepted
-
-    @property
-    def checkpoint_meta(self) -> dict:
-        return self.checkpoint_manifest
-
 
 @dataclass
 class LaunchDecision:
