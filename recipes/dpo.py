@@ -19,11 +19,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from chattune.config.schema import DPOConfig
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import DistInfo, init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
 from chattune.launch.recipe_kinds import DPO
-from chattune.launch.validate import check_config
+from chattune.launch.validate import checked_config
 from chattune.log import setup_logging
 from chattune.model.adapters import BaseModelView, trainable_parameters
 from chattune.model.build import BuiltModel, build_sharded_model, build_trained_model
@@ -39,10 +40,12 @@ logger = logging.getLogger("chattune.dpo")
 
 
 @recipe_main(config_name="dpo/tiny", kind=DPO)
-def main(cfg: DictConfig) -> None:
+def main(composed: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---
-    config_notes = check_config(cfg, DPO)  # checked as a DPO config: its schema, formats and rules
+    # Checked as a DPO config (its schema, formats and rules); from here on `cfg` is typed: the
+    # schema's dataclasses (DPOConfig), every interpolation resolved.
+    cfg, config_notes = checked_config(composed, DPO)
     dist_info = init_distributed(cfg.device, cfg.parallel.context)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:
@@ -90,7 +93,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def reference_log_probs(
-    cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, built: BuiltModel, data: TrainingData
+    cfg: DPOConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, built: BuiltModel, data: TrainingData
 ):
     """The reference log-probs of the training and held-out pairs: a live frozen model, or (reference.cache)
     a table of them computed in one pass before training and stored under reference.cache_dir."""

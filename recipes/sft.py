@@ -17,7 +17,7 @@ from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
 from chattune.launch.recipe_kinds import SFT
-from chattune.launch.validate import check_config
+from chattune.launch.validate import checked_config
 from chattune.log import setup_logging
 from chattune.model.adapters import trainable_parameters
 from chattune.model.build import build_trained_model
@@ -31,10 +31,12 @@ logger = logging.getLogger("chattune.sft")
 
 
 @recipe_main(config_name="sft/tiny", kind=SFT)
-def main(cfg: DictConfig) -> None:
+def main(composed: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`) ---
-    config_notes = check_config(cfg, SFT)  # checked as an SFT config: its schema, formats and rules
+    # Checked as an SFT config (its schema, formats and rules); from here on `cfg` is typed: the
+    # schema's dataclasses (SFTConfig), every interpolation resolved.
+    cfg, config_notes = checked_config(composed, SFT)
     dist_info = init_distributed(cfg.device, cfg.parallel.context)
     setup_logging(dist_info.rank)
     for note in config_notes if dist_info.is_main else []:

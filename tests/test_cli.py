@@ -85,6 +85,26 @@ def test_cp_copies_refuses_to_overwrite_and_overwrites_with_force(tmp_path, caps
     assert "no recipe or config named 'nope'" in capsys.readouterr().err
 
 
+def test_a_dpo_config_copied_out_of_its_group_is_checked_by_the_command_cp_prints(tmp_path, capsys):
+    # dpo/tiny builds on sft/tiny: a copy outside a dpo/ directory takes the SFT kind from its base, so its DPO
+    # keys are refused; the validate line `cp` prints (and the note validate adds) names the DPO recipe instead.
+    assert main(["cp", "dpo/tiny", str(tmp_path / "my_configs" / "my_dpo.yaml")]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check it: chattune validate")]
+    assert len(printed) == 1 and "recipes/dpo.py" in printed[0]
+
+    def validate(words: list[str]) -> tuple[int, str]:
+        code = main(words)
+        return code, capsys.readouterr().out
+
+    code, as_sft = validate(["validate", "--config-dir", str(tmp_path / "my_configs"), "my_dpo"])
+    assert code == 1 and "reference: unknown key" in as_sft
+    assert "check it with that recipe: chattune validate --recipe " in as_sft and "recipes/dpo.py" in as_sft
+    code, as_dpo = validate(printed[0].removeprefix("check it: chattune ").split())
+    problems = [line for line in as_dpo.splitlines() if ": " in line and not line.startswith(("note", "chattune"))]
+    # Only the model it builds on (the SFT run's export) is missing here; every DPO key and format is accepted.
+    assert problems == ["model.path: 'outputs/sft-tiny/hf' is not a local directory"], as_dpo
+
+
 @pytest.mark.parametrize("name", SHIPPED_CONFIGS)
 def test_a_copied_config_composes_like_the_shipped_one_from_its_own_directory(name, tmp_path):
     target, _ = catalog.copy(name, tmp_path / "mine" / "my_config.yaml")

@@ -21,6 +21,7 @@ from test_token_cache import CHATS, PAIRS, data_section
 from test_validate import CONFIGS
 from transformers import AutoModelForCausalLM
 
+from chattune.config.schema import MixingConfig
 from chattune.data.cached_sources import open_documents
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.formats import SourceSpec
@@ -138,14 +139,7 @@ def test_a_mixture_draws_only_kept_records(tmp_path, tokenizer):
     split = hold_out(open_documents("sft", specs, tokenizer, data_section("off")), 0.25, seed=3)
     held = {(0, r) for r in expected_held_out(30, 8, 3, 0)} | {(1, r) for r in expected_held_out(12, 3, 3, 1)}
     _, sampler = mixture_sampling(
-        {
-            "mode": "static",
-            "gamma": 0.1,
-            "eta": 0.1,
-            "update_every": 10,
-            "reward": "mean_loss",
-            "stopping": "all_exhausted",
-        },
+        MixingConfig(mode="static", stopping="all_exhausted"),
         specs,
         split.train.sizes,
         0,

@@ -30,7 +30,7 @@ class MySFTConfig(SFTConfig):
 
 MY_SFT = SFT.extended(MySFTConfig)
 """
-USES_KEY = """    (Path(cfg.output_dir) / "greet_every.txt").write_text(str(cfg.greet_every))
+USES_KEY = """    (Path(cfg.output_dir) / "greet_every.txt").write_text(f"{type(cfg).__name__} {cfg.greet_every!r}")
 """
 
 
@@ -38,9 +38,9 @@ def copied_recipe(tmp_path):
     """recipes/sft.py copied and edited as README shows; a config of its own with the new key's value."""
     text = (PROJECT_ROOT / "recipes" / "sft.py").read_text()
     decorator = '@recipe_main(config_name="sft/tiny", kind=SFT)'
-    assert decorator in text and "check_config(cfg, SFT)" in text and "    train(" in text
+    assert decorator in text and "checked_config(composed, SFT)" in text and "    train(" in text
     text = text.replace(decorator, ADDED_SCHEMA + "\n\n" + '@recipe_main(config_name="sft/mine", kind=MY_SFT)')
-    text = text.replace("check_config(cfg, SFT)", "check_config(cfg, MY_SFT)")
+    text = text.replace("checked_config(composed, SFT)", "checked_config(composed, MY_SFT)")
     text = text.replace("    train(", USES_KEY + "    train(", 1)
     text = "from pathlib import Path\n" + text.replace("from __future__ import annotations\n", "", 1)
     text = "from __future__ import annotations\n" + text
@@ -120,11 +120,11 @@ def test_a_copied_recipe_with_its_own_key_validates_refuses_bad_values_and_train
         timeout=600,
     )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-5000:]
-    assert (out / "greet_every.txt").read_text() == "5"
+    assert (out / "greet_every.txt").read_text() == "MySFTConfig 5"  # the recipe reads its typed config
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s > 0] == [1, 2]
 
-    # The launch's own check (check_config with the recipe's kind) refuses a bad value of the new key.
+    # The launch's own check (checked_config with the recipe's kind) refuses a bad value of the new key.
     refused = subprocess.run(
         [
             sys.executable,

@@ -133,7 +133,8 @@ def test_reading_the_table_imports_neither_torch_nor_hydra_for_a_kind_group():
 
 def test_a_copied_config_names_the_recipe_of_its_kind(tmp_path):
     _, notes = catalog.copy("dpo/local_model", tmp_path / "my_dpo.yaml")
-    assert f"use it: python {PROJECT_ROOT / 'recipes' / 'dpo.py'} --config-path" in notes[-1]
+    use_it = next(note for note in notes if note.startswith("use it:"))
+    assert f"use it: python {PROJECT_ROOT / 'recipes' / 'dpo.py'} --config-path" in use_it
     _, notes = catalog.copy("peft/lora", tmp_path / "my_lora.yaml")  # a choice for a recipe, no recipe's own
     assert notes[-1].startswith("use it: python RECIPE.py --config-path")
 

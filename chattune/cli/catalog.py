@@ -15,10 +15,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from chattune.config.paths import CONFIG_DIR
+from chattune.config.paths import CONFIG_DIR, RECIPES_DIR
 from chattune.errors import UserError
 
-RECIPES_DIR = CONFIG_DIR.parent / "recipes"
 NO_DESCRIPTION = "(no description)"
 
 
@@ -115,6 +114,13 @@ def copy(name: str, dest: str | Path, force: bool = False) -> tuple[Path, list[s
         f"use it: python {recipe if recipe is not None and recipe.exists() else 'RECIPE.py'} --config-path "
         f"{target.parent.resolve()} --config-name {target.stem} [key=value ...]"
     )
+    group = entry.name.rpartition("/")[0]
+    if recipe is not None and group and target.parent.name != group:
+        # Out of its group's directory, `chattune validate` would take the kind of the config it builds on
+        # (dpo/tiny builds on sft/tiny): the recipe says it instead.
+        notes.append(
+            f"check it: chattune validate --recipe {recipe} --config-dir {target.parent.resolve()} {target.stem}"
+        )
     return target, notes
 
 

@@ -16,10 +16,11 @@ import html
 from pathlib import Path
 
 from hydra import compose
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
+from chattune.config.schema import SFTConfig
+from chattune.config.typed import typed_config
 from chattune.data.cached_sources import open_documents
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
 from chattune.data.held_out import held_out_line, hold_out
@@ -38,8 +39,9 @@ TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
 def load_config(
     config_name: str, overrides: list[str], config_path: Path = CONFIG_DIR, config_dir: Path | None = None
-) -> tuple[DictConfig, RecipeKind]:
-    """The config a recipe would compose and its recipe kind (its name's), after `chattune validate`'s checks
+) -> tuple[SFTConfig, RecipeKind]:
+    """The config a recipe would compose (typed, `chattune.config.typed`) and its recipe kind (its name's), after
+    `chattune validate`'s checks
     (ConfigError: every problem)."""
     findings = validate_command(
         config_name, overrides, config_path, None, config_dir, read_data=True, output_dir_checks=False
@@ -48,11 +50,11 @@ def load_config(
         raise ConfigError(findings.problems)
     kind = kind_of_config(config_name, config_path, config_dir).kind
     with hydra_search_path(config_path, config_dir):
-        return compose(config_name, overrides=overrides), kind
+        return typed_config(compose(config_name, overrides=overrides), kind.schema), kind
 
 
 def inspect_sources(
-    cfg: DictConfig, kind: RecipeKind, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None
+    cfg: SFTConfig, kind: RecipeKind, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None
 ) -> DataReport:
     budget = row_budget(cfg.data, cfg.parallel.context)[0]  # a row's tokens (context parallelism: the group's)
     specs = source_specs(cfg.data.train)  # read as the recipe reads them

@@ -26,7 +26,7 @@ def run_prepare(config_name: str, overrides: list[str], config_path: Path, confi
     tokenizer = load_tokenizer(cfg.tokenizer)
     lines = []
     for section in ("train", "eval"):
-        specs = source_specs(cfg.data[section])
+        specs = source_specs(getattr(cfg.data, section))
         started = time.perf_counter()
         documents = open_documents(kind.name, specs, tokenizer, cfg.data, cfg.parallel.context)
         elapsed = time.perf_counter() - started

@@ -15,9 +15,9 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from chattune.config.schema import DataConfig
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.sources import RECIPE_DATA, MixedDocuments, document_settings
 from chattune.data.token_cache import (
@@ -55,7 +55,7 @@ def open_documents(
     recipe: str,
     specs: list[SourceSpec],
     tokenizer: PreTrainedTokenizerBase,
-    data: DictConfig,
+    data: DataConfig,
     context: int = 1,
     build: bool = True,
 ) -> MixedDocuments:
@@ -103,7 +103,7 @@ def _build(
     recipe: str,
     spec: SourceSpec,
     tokenizer: PreTrainedTokenizerBase,
-    data: DictConfig,
+    data: DataConfig,
     context: int,
     final: Path,
     key: str,

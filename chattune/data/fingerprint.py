@@ -11,8 +11,8 @@ import logging
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 
+from chattune.config.typed import config_dict
 from chattune.data.formats import SourceSpec
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def file_fingerprint(path: Path) -> str:
 def data_file_fingerprints(sources, tokenizer_path: str) -> dict[str, str]:
     """Fingerprints of the files behind data sources (config entries) and of the tokenizer's files."""
     files: dict[str, str] = {}
-    for entry in OmegaConf.to_container(sources, resolve=True):
+    for entry in config_dict(sources):
         path = Path(SourceSpec.from_config(entry).path)
         if path.is_file():
             files[str(path)] = file_fingerprint(path)
@@ -53,7 +53,7 @@ def data_file_fingerprints(sources, tokenizer_path: str) -> dict[str, str]:
 
 def record_files(sources) -> list[str]:
     """The training files compared record by record on resume: local JSON and JSONL files."""
-    paths = (Path(SourceSpec.from_config(entry).path) for entry in OmegaConf.to_container(sources, resolve=True))
+    paths = (Path(SourceSpec.from_config(entry).path) for entry in config_dict(sources))
     return [str(path) for path in paths if path.suffix in (".jsonl", ".json") and path.is_file()]
 
 

@@ -16,12 +16,12 @@ were drawn). The weights, the schedule of probabilities and the reward accumulat
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from chattune.config.schema import MIXING_MODES, MIXING_REWARDS
+from chattune.config.schema import MIXING_MODES, MIXING_REWARDS, MixingConfig
 from chattune.data.formats import SourceSpec
 from chattune.data.source_mixture import MixtureSampler, ProbabilitySchedule
 from chattune.distributed import all_reduce_sum, current_mesh
@@ -162,7 +162,7 @@ class Mixer:
 
 
 def mixture_sampling(
-    mixing: Mapping,
+    mixing: MixingConfig,
     specs: Sequence[SourceSpec],
     sizes: Sequence[int],
     share: int,
@@ -174,20 +174,20 @@ def mixture_sampling(
     """The mixer and the sampler of share `share` of `num_shares` (this rank's, or the whole mixture for
     world-size-invariant steps) for `data.mixing`; both None for mode `none` (the sources are simply
     concatenated and every record is seen once per epoch)."""
-    if mixing["mode"] not in MIXING_MODES:
-        raise ValueError(f"data.mixing.mode must be one of {MIXING_MODES}, got {mixing['mode']!r}")
-    if mixing["mode"] == "none":
+    if mixing.mode not in MIXING_MODES:
+        raise ValueError(f"data.mixing.mode must be one of {MIXING_MODES}, got {mixing.mode!r}")
+    if mixing.mode == "none":
         return None, None
     mixer = Mixer(
         [spec.display_name for spec in specs],
         [spec.weight for spec in specs],
-        mixing["mode"],
-        mixing["gamma"],
-        mixing["eta"],
-        mixing["update_every"],
-        mixing["reward"],
+        mixing.mode,
+        mixing.gamma,
+        mixing.eta,
+        mixing.update_every,
+        mixing.reward,
     )
     mixer.sampler = MixtureSampler(
-        sizes, mixer.schedule, share, num_shares, seed, mixing["stopping"], num_epochs, chunk_records
+        sizes, mixer.schedule, share, num_shares, seed, mixing.stopping, num_epochs, chunk_records
     )
     return mixer, mixer.sampler

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
-from omegaconf import OmegaConf
 
+from chattune.config.typed import config_dict
 from chattune.data.formats import DataError, SourceSpec
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_id
 
@@ -185,5 +185,5 @@ def source_specs(sources) -> list[SourceSpec]:
     none for null or an empty list."""
     if sources is None:
         return []
-    entries = OmegaConf.to_container(sources, resolve=True) if OmegaConf.is_config(sources) else list(sources)
+    entries = config_dict(sources)
     return [SourceSpec.from_config(entry) for entry in entries]

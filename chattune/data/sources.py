@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from chattune.config.schema import DataConfig
 from chattune.data.documents import Document, Skipped, outcomes_by_record
 from chattune.data.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, SourceSpec
 from chattune.data.pair_documents import PairDocuments
@@ -76,7 +76,7 @@ class MixedDocuments:
         return [item for outcomes in out for item in outcomes]
 
 
-def row_budget(data: DictConfig, context: int = 1) -> tuple[int, str]:
+def row_budget(data: DataConfig, context: int = 1) -> tuple[int, str]:
     """The tokens of one packed row and how messages name them: data.max_tokens_per_microbatch per rank, times
     the `context` ranks that share a row under context parallelism (parallel.context). A run passes its mesh's
     degree (`ParallelDims.cp`, made from that setting); `chattune prepare`, `inspect` and `validate`, which make no
@@ -90,7 +90,7 @@ def row_budget(data: DictConfig, context: int = 1) -> tuple[int, str]:
 
 
 def sft_source(
-    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1
+    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
 ) -> SFTDocuments:
     """A source's conversations with assistant-only labels (its `train_on`, else `data.train_on`), each at most
     a row (`row_budget`)."""
@@ -107,7 +107,7 @@ def sft_source(
 
 
 def pair_source(
-    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1
+    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
 ) -> PairDocuments:
     """A source's preference pairs: one document of two segments (chosen, rejected) per pair, at most a row."""
     settings = document_settings(spec, data, context)
@@ -121,7 +121,7 @@ def pair_source(
     )
 
 
-def document_settings(spec: SourceSpec, data: DictConfig, context: int = 1) -> dict:
+def document_settings(spec: SourceSpec, data: DataConfig, context: int = 1) -> dict:
     """The settings, besides the spec and the tokenizer, that shape a source's documents (and so key its token
     cache, `chattune.data.token_cache`): the masking, the overlong policy, the budget and its name in messages,
     and what a bad record does. The sources above are made from these very settings, so the key cannot miss one."""
@@ -135,7 +135,7 @@ def document_settings(spec: SourceSpec, data: DictConfig, context: int = 1) -> d
     }
 
 
-SourceOf = Callable[[SourceSpec, PreTrainedTokenizerBase, DictConfig, int], DocumentSource]
+SourceOf = Callable[[SourceSpec, PreTrainedTokenizerBase, DataConfig, int], DocumentSource]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class RecipeData:
     pairs: bool  # each document is a preference pair (two segments: chosen, rejected), not one conversation
 
     def read(
-        self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DictConfig, context: int = 1
+        self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
     ) -> MixedDocuments:
         """Every source's documents behind one record index, tokenized as they are read (no token cache)."""
         return MixedDocuments([(spec.display_name, self.source(spec, tokenizer, data, context)) for spec in specs])

@@ -3,7 +3,7 @@ schema, the documents its sources become and the record formats those accept, it
 may need a reference model, so code asks that of the kind's entry (`RECIPE_KINDS`) instead of guessing it
 where it is needed. A third kind is one more entry (and its recipe, configs and schema).
 
-A recipe names its kind itself (`check_config(cfg, SFT)`, `build_training_data(..., SFT.data)`). The
+A recipe names its kind itself (`checked_config(composed, SFT)`, `build_training_data(..., SFT.data)`). The
 command-line tools run no recipe: they take the kind from the config's name, here and nowhere else
 (`kind_of_config`): its group (`sft/...`, `dpo/...`), or, for a config of your own in no such group, the
 group of the nearest config it builds on (`defaults: [/dpo/tiny, _self_]`). Never from the keys a config

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from chattune.config.layout_rules import context_ranks_problem, microbatch_ranks_problem, pad_multiple_problem
 from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE
+from chattune.config.typed import typed_config
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.prompts import prompts_file_problem
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
@@ -305,14 +306,15 @@ class RunRules:
         if not directory.is_dir() and not (isinstance(resume, str) and resume != "auto"):
             return  # nothing there to resume, lock or overwrite (and no need to import torch to say so)
         # torch.distributed.checkpoint and the data fingerprints take seconds to import: only where needed.
-        from chattune.train.output_dir import OutputDirLock, describe_holder, plan_start
-        from chattune.train.resume import ResumeError, run_fingerprint, run_meta
+        from chattune.train.output_dir import OutputDirLock, decide_launch, describe_holder
+        from chattune.train.resume import ResumeError, run_fingerprint, run_identity
 
         lock = OutputDirLock(directory)
         if lock.is_held():
             self.findings.problem("output_dir", f"in use by another run: {describe_holder(lock.holder())}")
         try:
-            decision = plan_start(cfg, run_meta(world_size, run_fingerprint(cfg)))
+            typed = typed_config(cfg, self.kind.schema)  # as the launch decides: on the config it runs with
+            decision = decide_launch(typed, run_identity(world_size, run_fingerprint(typed)))
         except UserError as error:
             key = "resume" if isinstance(error, ResumeError) else "output_dir"
             self.findings.problem(key, str(error))

@@ -33,7 +33,7 @@ The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against t
   model.path nor model.config;
 - `chattune validate` only (a recipe decides these itself, holding the output directory's lock):
   output_dir must be writable and not locked by a live run, and what a launch would continue is
-  decided as the launch decides it (`chattune.train.output_dir.plan_start`: the resume's checks against the
+  decided as the launch decides it (`chattune.train.output_dir.decide_launch`: the resume's checks against the
   checkpoint, an earlier run that only overwrite=true may replace);
 - `chattune validate` only: the tokenizer is loaded (it must have a chat template) and the first
   `FIRST_RECORDS` records of every source are read as the recipe reads them (an empty or malformed
@@ -50,13 +50,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
+from chattune.config.paths import RECIPES_DIR
+from chattune.config.typed import typed_config
 from chattune.errors import UserError
 from chattune.launch.compose import compose_reporting, required_keys
 from chattune.launch.findings import ConfigError, Findings, format_report
-from chattune.launch.recipe_kinds import RecipeKind, RecipeKindError, kind_of_config
+from chattune.launch.recipe_kinds import RECIPE_KINDS, RecipeKind, RecipeKindError, kind_of_config
 from chattune.launch.run_rules import RunRules
 from chattune.launch.schema_checks import SchemaChecks, plain_values
 
@@ -70,6 +73,13 @@ def check_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = Non
     if findings.problems:
         raise ConfigError(findings.problems)
     return findings.notes
+
+
+def checked_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = None) -> tuple[Any, list[str]]:
+    """`check_config`, then the config a run reads: an instance of the kind's schema (`chattune.config.typed`), with
+    the notes."""
+    notes = check_config(cfg, kind, world_size)
+    return typed_config(cfg, kind.schema), notes
 
 
 def run_validate(
@@ -120,6 +130,7 @@ def validate_command(
     findings.problems += hydra_placement_problems(list(overrides))
     overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in HYDRA_PLACEMENT]
     cfg, added = compose_reporting(config_name, list(overrides), Path(config_path), findings, config_dir)
+    named = None
     if cfg is not None and kind is None:
         try:
             named = kind_of_config(config_name, config_path, config_dir)
@@ -145,7 +156,18 @@ def validate_command(
                 findings.problem(key, f"not in the config; add it with +{override}")
         if read_data and not findings.problems:
             read_first_records(cfg, kind, findings)
+        if named is not None and named.named_by != config_name and findings.problems:
+            findings.note("config", other_kind_hint(config_name, named.kind))
     return findings
+
+
+def other_kind_hint(config_name: str, checked_as: RecipeKind) -> str:
+    """How to check a config whose kind came from the config it builds on as another kind's: a copy of dpo/tiny
+    (which builds on sft/tiny) saved outside a dpo/ directory is checked as SFT."""
+    others = [kind for kind in RECIPE_KINDS.values() if kind.name != checked_as.name]
+    return f"if {config_name} is a config of another recipe, check it with that recipe: " + "; ".join(
+        f"chattune validate --recipe {RECIPES_DIR / kind.recipe_file} ... (a {kind.name} config)" for kind in others
+    )
 
 
 FIRST_RECORDS = 8  # records `chattune validate` reads of each source

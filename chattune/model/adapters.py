@@ -20,12 +20,12 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PreTrainedModel
 
+from chattune.config.schema import PeftConfig
 from chattune.data.packing import PackedBatch
 
 if TYPE_CHECKING:  # peft (and the bitsandbytes it imports) is imported where adapters are made: seconds per process
@@ -40,7 +40,7 @@ LORA_PARAMETER = re.compile(r"\.lora_(A|B|magnitude_vector|embedding_A|embedding
 ALL_LINEAR = "all-linear"
 
 
-def target_names(settings: DictConfig) -> str | list[str]:
+def target_names(settings: PeftConfig) -> str | list[str]:
     """peft.target_modules as chattune reads it: `all-linear`, or module names (a single string is one name;
     peft itself would take it as a regular expression over full module paths)."""
     target = settings.target_modules
@@ -49,7 +49,7 @@ def target_names(settings: DictConfig) -> str | list[str]:
     return list(target)
 
 
-def check_module_names(hf_model: PreTrainedModel, settings: DictConfig) -> None:
+def check_module_names(hf_model: PreTrainedModel, settings: PeftConfig) -> None:
     """Every name in peft.target_modules and peft.modules_to_save must name modules of the model (peft matches
     a name against the end of a module's path, and silently trains nothing for a name that matches none),
     with the nearest names the model has suggested."""
@@ -67,7 +67,7 @@ def check_module_names(hf_model: PreTrainedModel, settings: DictConfig) -> None:
                 raise UserError(f"{key}: {name!r} names no module of {type(hf_model).__name__}{hint}")
 
 
-def lora_config(settings: DictConfig) -> LoraConfig:
+def lora_config(settings: PeftConfig) -> LoraConfig:
     """The `peft` config section as peft's LoraConfig."""
     from peft import LoraConfig
 
@@ -85,7 +85,7 @@ def lora_config(settings: DictConfig) -> LoraConfig:
     )
 
 
-def add_adapters(hf_model: PreTrainedModel, settings: DictConfig) -> PeftModel:
+def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig) -> PeftModel:
     """Inject LoRA adapters into `hf_model` in place and freeze the rest; returns peft's wrapper. A meta-built
     model's adapters are initialised here, its DoRA magnitudes (which need the base weights) by
     `set_dora_magnitudes` once the base is loaded. A 4-bit base (QLoRA) is quantized after this, under the

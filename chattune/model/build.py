@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from chattune.config.schema import PeftConfig, SFTConfig
+from chattune.config.typed import config_dict
 from chattune.distributed import DistInfo
 from chattune.errors import UserError
 from chattune.hub import hub_hint, local_directory
@@ -45,7 +46,7 @@ class BuiltModel(NamedTuple):
     peft_model: PeftModel | None  # peft's handle on the adapters (None: full fine-tuning)
 
 
-def build_trained_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo) -> BuiltModel:
+def build_trained_model(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo) -> BuiltModel:
     """The model a recipe trains: model.path (or model.config) with the `peft` section's adapters, sharded, in
     training mode, its size logged."""
     built = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft)
@@ -66,11 +67,11 @@ def build_trained_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, dis
 
 
 def build_sharded_model(
-    cfg: DictConfig,
+    cfg: SFTConfig,
     tokenizer: PreTrainedTokenizerBase,
     dist_info: DistInfo,
     path: str | None,
-    adapters: DictConfig | None = None,
+    adapters: PeftConfig | None = None,
     key: str = "model.path",
 ) -> BuiltModel:
     """The model loaded from `path` (a local directory or a hub id, `chattune.hub`; `key` is its config key), or
@@ -132,7 +133,7 @@ def build_sharded_model(
         ),
         device_type,
         dist_info.shard_ranks,
-        **cfg.model.fsdp,
+        **config_dict(cfg.model.fsdp),
         compile=compile,
         replicated=replicated,
     )

@@ -34,6 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chattune.config.schema import DPOLossConfig
+from chattune.config.typed import config_dict
+
 # The `loss.*` settings of every preference loss besides its type: `beta` scales every loss's rewards and
 # `sft_weight` weighs every loss's SFT term; a loss's function takes those it reads by keyword (`PairLossRow.reads`).
 SETTINGS = ("beta", "label_smoothing", "simpo_gamma", "sft_weight")
@@ -146,10 +149,12 @@ class PreferenceLoss:
             raise ValueError(f"loss.beta must be positive, got {self.beta}")
 
     @classmethod
-    def from_config(cls, loss: Mapping[str, Any]) -> PreferenceLoss:
-        """The loss of a config's `loss` section: its `type` and the settings it holds (the others at their
-        defaults); the section's other keys (chunk_size, implementation, ...) are the output layer's."""
-        return cls(loss_type=loss["type"], **{name: loss[name] for name in SETTINGS if name in loss})
+    def from_config(cls, loss: DPOLossConfig | Mapping[str, Any]) -> PreferenceLoss:
+        """The loss of a config's `loss` section (typed, or a mapping): its `type` and the settings it holds (the
+        others at their defaults); the section's other keys (chunk_size, implementation, ...) are the output
+        layer's."""
+        values = config_dict(loss)
+        return cls(loss_type=values["type"], **{name: values[name] for name in SETTINGS if name in values})
 
     @property
     def row(self) -> PairLossRow:

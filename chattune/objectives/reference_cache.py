@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from chattune.config.schema import DPOConfig
+from chattune.config.typed import config_dict
 from chattune.data.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.data.template_choice import template_fingerprint
@@ -60,33 +61,33 @@ def weights_fingerprint(model_dir: Path, memo_path: Path) -> dict[str, str]:
     return digests
 
 
-def cache_fingerprint(cfg: DictConfig, split: str, device_type: str) -> dict:
+def cache_fingerprint(cfg: DPOConfig, split: str, device_type: str) -> dict:
     """What the reference log-probs of `cfg.data.<split>` depend on."""
     reference_dir = cfg.reference.path or cfg.model.path
     if reference_dir is not None:  # a hub id: its cached snapshot (collective: every rank asks, in the same order)
         directory = local_directory(reference_dir, "reference.path" if cfg.reference.path else "model.path")
         weights = weights_fingerprint(directory, Path(cfg.reference.cache_dir) / "weight_hashes.json")
     else:  # built from config: the seed fixes the initial weights
-        weights = {"config": OmegaConf.to_container(cfg.model.config, resolve=True), "seed": cfg.seed}
-    sources = cfg.data[split] if cfg.data[split] is not None else OmegaConf.create([])
+        weights = {"config": config_dict(cfg.model.config), "seed": cfg.seed}
+    sources = getattr(cfg.data, split) or []
     fingerprint = {
-        "sources": OmegaConf.to_container(sources, resolve=True),
+        "sources": config_dict(sources),
         "files": data_file_fingerprints(sources, cfg.tokenizer.path),
         "max_tokens_per_microbatch": cfg.data.max_tokens_per_microbatch,
         "context": cfg.parallel.context,  # the row budget, and how rows are split
         "overlong": cfg.data.overlong,
         "reference_weights": weights,
-        "fsdp": OmegaConf.to_container(cfg.model.fsdp, resolve=True),  # precision changes the numbers
+        "fsdp": config_dict(cfg.model.fsdp),  # precision changes the numbers
         "device": device_type,
     }
-    template = cfg.tokenizer.get("chat_template")
+    template = cfg.tokenizer.chat_template
     if template is not None:  # in place of the tokenizer's own (which is among its files): by its text
         fingerprint["chat_template"] = template_fingerprint(template)
     if cfg.data.eval_split is not None:  # which records of data.train each table holds (the eval one: its held-out)
         fingerprint["eval_split"] = {
             "eval_split": cfg.data.eval_split,
             "seed": cfg.seed,
-            "train": OmegaConf.to_container(cfg.data.train, resolve=True),
+            "train": config_dict(cfg.data.train),
             "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path),
         }
     return fingerprint

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from chattune import interrupts
+from chattune.config.typed import config_dict
 from chattune.data.documents import SKIP_REASONS
 from chattune.data.report import epoch_line
 from chattune.data.sources import row_budget
@@ -278,8 +279,8 @@ def set_up(
         dist_info.is_main,
         cfg.logger,
         resume_step=start_step if resumed else None,
-        run_config=OmegaConf.to_container(cfg, resolve=True),
-        wandb_kwargs=OmegaConf.to_container(cfg.wandb),
+        run_config=config_dict(cfg),
+        wandb_kwargs=config_dict(cfg.wandb),
         wandb_id=start.checkpoint_manifest.get("wandb_id"),
         every=Every(cfg.log_every, horizon),
     )

@@ -33,14 +33,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from chattune.config.paths import save_resolved_config
+from chattune.config.schema import SFTConfig
 from chattune.distributed import DistInfo, broadcast_from_main
 from chattune.errors import UserError
 from chattune.files import ABANDONED, aside_name, set_aside
 from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_manifest
-from chattune.train.resume import AcceptedChanges, ResumeError, check_resumable, run_fingerprint, run_meta
+from chattune.train.resume import AcceptedChanges, ResumeError, check_resumable, run_fingerprint, run_identity
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class StartingPoint:
 
     resume_from: Path | None = None
     accepted: AcceptedChanges = field(default_factory=AcceptedChanges)  # logged and applied when the state is loaded
-    identity: dict = field(default_factory=dict)  # this run's world size and fingerprint (`run_meta`)
+    identity: dict = field(default_factory=dict)  # this run's world size and fingerprint (`run_identity`)
     checkpoint_manifest: dict = field(default_factory=dict)  # the resumed checkpoint's (e.g. its wandb run id)
 
 
@@ -171,8 +170,8 @@ class LaunchDecision:
     copy_aside: list[Path] = field(default_factory=list)  # copied *.abandoned (an abandoned trajectory's full curve)
 
 
-def plan_start(cfg: DictConfig, identity: dict) -> LaunchDecision:
-    """What this launch continues and what it moves aside (`identity`: this run's `run_meta`), without touching
+def decide_launch(cfg: SFTConfig, identity: dict) -> LaunchDecision:
+    """What this launch continues and what it moves aside (`identity`: this run's `run_identity`), without touching
     anything; a UserError for a launch that must not resume what it asks for, or would overwrite an earlier run
     without overwrite=true."""
     output_dir = Path(cfg.output_dir)
@@ -260,7 +259,7 @@ def set_aside_abandoned(decision: LaunchDecision) -> list[str]:
 _lock: OutputDirLock | None = None  # this process's lock, held until it exits
 
 
-def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> StartingPoint:
+def claim_output_dir(cfg: SFTConfig, dist_info: DistInfo) -> StartingPoint:
     """Collective, before anything is loaded or written: rank 0 locks `output_dir`, decides what the
     launch continues (refusing what it must not), moves aside what another trajectory left and writes
     config.yaml. Every rank gets the same decision, or raises the same error."""
@@ -273,7 +272,7 @@ def claim_output_dir(cfg: DictConfig, dist_info: DistInfo) -> StartingPoint:
             lock = OutputDirLock(output_dir)
             lock.acquire()
             _lock = lock
-            decision = plan_start(cfg, run_meta(dist_info.world_size, run_fingerprint(cfg)))
+            decision = decide_launch(cfg, run_identity(dist_info.world_size, run_fingerprint(cfg)))
             for line in set_aside_abandoned(decision):
                 logger.warning("moved aside: %s", line)
             outcome = decision.start

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import ListConfig
 
-from chattune.config.schema import keys_resumed_as
+from chattune.config.schema import SFTConfig, keys_resumed_as
+from chattune.config.typed import config_dict
 from chattune.data.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.template_choice import template_fingerprint
@@ -58,12 +59,12 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
-def run_fingerprint(cfg: DictConfig) -> dict:
-    config = _flatten(OmegaConf.to_container(cfg, resolve=True))
+def run_fingerprint(cfg: SFTConfig) -> dict:
+    config = _flatten(config_dict(cfg))
     config = {k: v for k, v in config.items() if not _under(k, RUNTIME_KEYS)}
     # The chat template as its text: a template file (or a shipped one) edited under the same name renders other
     # documents. (null: the tokenizer's own, among the tokenizer files below.)
-    config[TEMPLATE_KEY] = template_fingerprint(cfg.tokenizer.get("chat_template"))
+    config[TEMPLATE_KEY] = template_fingerprint(cfg.tokenizer.chat_template)
     return {
         "config": config,
         "files": data_file_fingerprints(cfg.data.train, cfg.tokenizer.path),
@@ -186,8 +187,8 @@ class AcceptedChanges:
         return bool(self.horizon) or any(_under(key, ("scheduler", "optimizer.lr")) for key in self.changed_keys)
 
 
-def check_resumable(directory: Path, identity: dict, cfg: DictConfig) -> AcceptedChanges:
-    """Whether the checkpoint at `directory` can continue this run (`identity`: its `run_meta`): the changes
+def check_resumable(directory: Path, identity: dict, cfg: SFTConfig) -> AcceptedChanges:
+    """Whether the checkpoint at `directory` can continue this run (`identity`: its `run_identity`): the changes
     it accepts, or a ResumeError that lists every refused difference and the exact `resume_allow_changes` that
     would accept them."""
     saved = read_manifest(directory)
@@ -284,7 +285,7 @@ def check_resumable(directory: Path, identity: dict, cfg: DictConfig) -> Accepte
     return accepted
 
 
-def run_meta(world_size: int, fingerprint: dict) -> dict:
+def run_identity(world_size: int, fingerprint: dict) -> dict:
     """The run's identity, what a checkpoint it continues must match (`check_resumable`), written into every
     checkpoint's manifest: its number of ranks and its fingerprint."""
     return {"world_size": world_size, "fingerprint": fingerprint}

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from chattune.config.schema import SFTConfig
 from chattune.data.prompts import Prompt, held_out_prompts, read_prompts_file
 from chattune.data.records import source_specs
 from chattune.distributed import DistInfo
@@ -36,7 +36,7 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 def run_samples(
-    cfg: DictConfig,
+    cfg: SFTConfig,
     tokenizer: PreTrainedTokenizerBase,
     dist_info: DistInfo,
     resume_step: int | None,
@@ -55,7 +55,7 @@ def run_samples(
     return EvalSamples(prompts, tokenizer, cfg.eval.max_new_tokens, dist_info, path, wandb_run)
 
 
-def sample_prompts(cfg: DictConfig, held_out_records: Sequence[Sequence[int]] = ()) -> list[Prompt]:
+def sample_prompts(cfg: SFTConfig, held_out_records: Sequence[Sequence[int]] = ()) -> list[Prompt]:
     """The prompts a run samples: the first eval.samples of eval.sample_prompts, or else of data.eval, then of
     the records data.eval_split holds out (`held_out_records`: their numbers in each training source); none with
     eval.samples=0, or evaluation off."""
