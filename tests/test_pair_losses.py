@@ -22,7 +22,7 @@ def by_hand(
 ) -> tuple[float, float, float]:
     if loss_type == "simpo":
         chosen, rejected = beta * pc / nc, beta * pr / nr
-    elif loss_type == "sigmoid_norm":
+    elif loss_type in ("sigmoid_norm", "ipo"):
         chosen, rejected = beta * (pc - rc) / nc, beta * (pr - rr) / nr
     else:
         chosen, rejected = beta * (pc - rc), beta * (pr - rr)
@@ -34,7 +34,7 @@ def by_hand(
     elif loss_type == "hinge":
         loss = max(0.0, 1 - d)
     elif loss_type == "ipo":
-        h = (pc - rc) - (pr - rr)
+        h = (pc - rc) / nc - (pr - rr) / nr  # per-token averaged log-ratios (the IPO paper, TRL)
         loss = (h - 1 / (2 * beta)) ** 2
     else:
         loss = -(1 - eps) * log_sigmoid(d - gamma) - eps * log_sigmoid(gamma - d)

@@ -148,7 +148,7 @@ def test_the_needs_of_each_builtin_loss():
         "sigmoid": (True, False, ("label_smoothing",)),
         "robust": (True, False, ("label_smoothing",)),
         "hinge": (True, False, ()),
-        "ipo": (True, False, ("beta",)),
+        "ipo": (True, True, ("beta",)),
         "sigmoid_norm": (True, True, ("label_smoothing",)),
         "simpo": (False, True, ("label_smoothing", "simpo_gamma")),
     }

@@ -9,7 +9,9 @@ reference) log-ratios, normalised the way that loss is defined:
   -(1 - eps) log s(d) - eps log s(-d),  d = beta * (log-ratio chosen - log-ratio rejected)
 - `robust` (Chowdhury et al. 2024): ((1 - eps) * -log s(d) + eps * log s(-d)) / (1 - 2 eps)
 - `hinge` (SLiC): max(0, 1 - d)
-- `ipo` (Azar et al. 2023): (h - 1 / (2 beta))^2,  h = log-ratio chosen - log-ratio rejected (summed log-probs)
+- `ipo` (Azar et al. 2023): (h - 1 / (2 beta))^2,  h = the difference of the per-token averaged log-ratios (each
+  divided by its reply's token count), as the paper's experiments and TRL define it: on summed log-ratios the
+  squared term grows with the square of the replies' length
 - `sigmoid_norm`: `sigmoid` with each log-ratio divided by its reply's token count
 - `simpo` (Meng et al. 2024, reference-free): -log s(beta * (mean logp chosen - mean logp rejected) - gamma)
 
@@ -121,7 +123,7 @@ for _row in (
     PairLossRow("sigmoid", smoothed_sigmoid, needs_reference=True, per_token=False, reads=("label_smoothing",)),
     PairLossRow("robust", robust, needs_reference=True, per_token=False, reads=("label_smoothing",)),
     PairLossRow("hinge", hinge, needs_reference=True, per_token=False),
-    PairLossRow("ipo", ipo, needs_reference=True, per_token=False, reads=("beta",)),
+    PairLossRow("ipo", ipo, needs_reference=True, per_token=True, reads=("beta",)),
     PairLossRow("sigmoid_norm", smoothed_sigmoid, needs_reference=True, per_token=True, reads=("label_smoothing",)),
     PairLossRow("simpo", simpo, needs_reference=False, per_token=True, reads=("label_smoothing", "simpo_gamma")),
 ):
