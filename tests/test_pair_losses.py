@@ -60,3 +60,19 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="label_smoothing"):
         PreferenceLoss(label_smoothing=0.5)
     assert not PreferenceLoss(loss_type="simpo").needs_reference and PreferenceLoss(loss_type="ipo").needs_reference
+
+
+def test_orpo_odds_ratio_term_matches_the_paper_and_stays_finite_near_certainty():
+    loss = PreferenceLoss(loss_type="orpo", orpo_lambda=0.25)
+    policy_chosen = torch.tensor([-6.0, -3e-7], dtype=torch.float64)  # the second: a reply the model is sure of
+    policy_rejected = torch.tensor([-9.0, -20.0], dtype=torch.float64)
+    chosen_tokens = torch.tensor([4.0, 3.0], dtype=torch.float64)
+    rejected_tokens = torch.tensor([3.0, 5.0], dtype=torch.float64)
+    losses, chosen, rejected = loss(policy_chosen, policy_rejected, None, None, chosen_tokens, rejected_tokens)
+    for i in range(2):
+        pc, pr = float(policy_chosen[i] / chosen_tokens[i]), float(policy_rejected[i] / rejected_tokens[i])
+        # log odds = log P - log(1 - P), with 1 - P = -expm1(log P) computed without cancellation
+        ratio = (pc - math.log(-math.expm1(pc))) - (pr - math.log(-math.expm1(pr)))
+        want = -0.25 * log_sigmoid(ratio)
+        assert math.isfinite(float(losses[i])) and abs(float(losses[i]) - want) <= 1e-12 * max(1.0, abs(want)), i
+        assert abs(float(chosen[i]) - 0.1 * pc) <= 1e-15 and abs(float(rejected[i]) - 0.1 * pr) <= 1e-15

@@ -151,7 +151,9 @@ def test_the_needs_of_each_builtin_loss():
         "ipo": (True, True, ("beta",)),
         "sigmoid_norm": (True, True, ("label_smoothing",)),
         "simpo": (False, True, ("label_smoothing", "simpo_gamma")),
+        "orpo": (False, True, ("orpo_lambda",)),
     }
+    assert [name for name, row in PAIR_LOSSES.items() if row.chosen_nll] == ["orpo"]
     # The config's choices are the table's, and its reference-free losses those whose row needs no reference.
     assert tuple(PAIR_LOSSES) == LOSS_TYPES
     assert {name for name, row in PAIR_LOSSES.items() if not row.needs_reference} == set(REFERENCE_FREE)
@@ -163,12 +165,13 @@ def test_a_loss_is_built_from_keywords_or_a_config_section_never_positionally():
     assert PreferenceLoss.from_config(OmegaConf.create({"type": "ipo"})) == PreferenceLoss(loss_type="ipo")
     with pytest.raises(TypeError):
         PreferenceLoss("sigmoid", 0.1)  # type: ignore[misc]
-    with pytest.raises(ValueError, match=r"loss.type must be one of \('sigmoid', .*'simpo'\), got 'orpo'"):
-        PreferenceLoss(loss_type="orpo")
+    with pytest.raises(ValueError, match=r"loss.type must be one of \('sigmoid', .*'orpo'\), got 'kto'"):
+        PreferenceLoss(loss_type="kto")
 
 
 def odds_ratio(pairs: PairRewards, *, beta: float) -> torch.Tensor:
-    """ORPO's odds-ratio term (Hong et al. 2024) on each reply's mean token log-prob; its NLL is loss.sft_weight's."""
+    """An example new loss (ORPO's odds-ratio term, with its NLL as loss.sft_weight's per-pair term); the built-in
+    `orpo` row normalises its NLL per chosen token instead."""
     chosen, rejected = pairs.policy_chosen / pairs.chosen_tokens, pairs.policy_rejected / pairs.rejected_tokens
     log_odds = (chosen - torch.log1p(-torch.exp(chosen))) - (rejected - torch.log1p(-torch.exp(rejected)))
     return -beta * F.logsigmoid(log_odds)
@@ -176,10 +179,12 @@ def odds_ratio(pairs: PairRewards, *, beta: float) -> torch.Tensor:
 
 def test_a_new_loss_is_one_function_and_one_row(monkeypatch):
     monkeypatch.setattr(pair_losses, "PAIR_LOSSES", dict(PAIR_LOSSES))  # the row is gone after the test
-    row = register_pair_loss(PairLossRow("orpo", odds_ratio, needs_reference=False, per_token=True, reads=("beta",)))
-    assert pair_losses.PAIR_LOSSES["orpo"] is row and "orpo" not in PAIR_LOSSES
-    loss = PreferenceLoss.from_config({"type": "orpo", "beta": 0.25, "sft_weight": 1.0})
-    assert loss == PreferenceLoss(loss_type="orpo", beta=0.25, sft_weight=1.0) and loss.row is row
+    row = register_pair_loss(
+        PairLossRow("odds_ratio_demo", odds_ratio, needs_reference=False, per_token=True, reads=("beta",))
+    )
+    assert pair_losses.PAIR_LOSSES["odds_ratio_demo"] is row and "odds_ratio_demo" not in PAIR_LOSSES
+    loss = PreferenceLoss.from_config({"type": "odds_ratio_demo", "beta": 0.25, "sft_weight": 1.0})
+    assert loss == PreferenceLoss(loss_type="odds_ratio_demo", beta=0.25, sft_weight=1.0) and loss.row is row
     assert not loss.needs_reference and loss.loss_without_preference() is None
     PreferenceObjective(loss, reference=None)  # reference-free: no reference model asked for
 
@@ -207,7 +212,9 @@ def test_a_row_must_be_new_and_declare_what_its_function_reads(monkeypatch):
     with pytest.raises(ValueError, match="'sigmoid' is registered already"):
         register_pair_loss(PairLossRow("sigmoid", odds_ratio, needs_reference=True, per_token=False, reads=("beta",)))
     with pytest.raises(ValueError, match=r"declares reads=\(\) but its function takes \['beta'\]"):
-        register_pair_loss(PairLossRow("orpo", odds_ratio, needs_reference=False, per_token=True))
+        register_pair_loss(PairLossRow("odds_ratio_demo", odds_ratio, needs_reference=False, per_token=True))
     with pytest.raises(ValueError, match=r"reads \['lambda'\], which are not loss settings"):
-        register_pair_loss(PairLossRow("orpo", odds_ratio, needs_reference=False, per_token=True, reads=("lambda",)))
-    assert "orpo" not in pair_losses.PAIR_LOSSES
+        register_pair_loss(
+            PairLossRow("odds_ratio_demo", odds_ratio, needs_reference=False, per_token=True, reads=("lambda",))
+        )
+    assert "odds_ratio_demo" not in pair_losses.PAIR_LOSSES

@@ -372,7 +372,7 @@ def test_sources_formats_and_paths(tmp_path):
     )
     assert problems(report) == [
         "data.overlong: 'truncate' is not one of drop, error",
-        "loss.type: 'dpo' is not one of sigmoid, robust, hinge, ipo, sigmoid_norm, simpo; did you mean ipo?",
+        "loss.type: 'dpo' is not one of sigmoid, robust, hinge, ipo, sigmoid_norm, simpo, orpo; did you mean ipo?",
         "data.train[0].format: 'messages' is not one of preference, sharegpt_preference (DPO reads preference pairs)",
         f"data.train[0]: data file '{text}': expected .jsonl, .json or .parquet",
         f"model.path: '{tmp_path}' has no config.json: not a Hugging Face model directory",

@@ -37,8 +37,8 @@ MIXING_MODES = ("none", "static", "online")
 MIXING_STOPPING = ("first_exhausted", "all_exhausted")
 MIXING_REWARDS = ("mean_loss", "loss_decrease")
 DTYPES = ("float32", "bfloat16", "float16")
-LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
-REFERENCE_FREE = ("simpo",)  # preference losses that need no reference model
+LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # preference losses that need no reference model
 LOSS_IMPLEMENTATIONS = ("auto", "chunked", "cut_cross_entropy")
 PEFT_TYPES = ("lora",)
 QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)
@@ -425,13 +425,18 @@ class DPODataConfig(DataConfig):
 
 @dataclass
 class DPOLossConfig(LossConfig):
-    type: str = key("sigmoid", "the preference loss (simpo: reference-free)", choices=LOSS_TYPES)
+    type: str = key("sigmoid", "the preference loss (simpo, orpo: reference-free)", choices=LOSS_TYPES)
     beta: float = key(0.1, "the preference loss's inverse temperature", bound=(lambda v: v > 0, "must be positive"))
     label_smoothing: float = key(
         0.0, "sigmoid, sigmoid_norm, robust, simpo", bound=(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)")
     )
     simpo_gamma: float = key(0.5, "simpo's target reward margin")
     sft_weight: float = key(0.0, "adds this times the chosen reply's mean token NLL")
+    orpo_lambda: float = key(
+        0.1,
+        "orpo: the weight of the odds-ratio term, beside the chosen replies' NLL per token (TRL's ORPOConfig.beta)",
+        bound=(lambda v: v >= 0, "must not be negative"),
+    )
 
 
 @dataclass

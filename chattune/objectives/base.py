@@ -13,7 +13,12 @@ from chattune.data.packing import PackedBatch
 
 class Objective(Protocol):
     """What a recipe trains: how many loss units a microbatch holds, their summed loss (with any other
-    per-unit figures it reports, summed), and how the step's sums over all ranks become metrics."""
+    per-unit figures it reports, summed), and how the step's sums over all ranks become metrics.
+
+    An objective whose loss has a part over a second unit (ORPO: the chosen replies' NLL per chosen token) also
+    has `count_step_extras(batch) -> list[int]` (those counts, the same width for every batch) and
+    `begin_step(global_units, global_extras)`: the update step all-reduces them with the units, in its one
+    all-reduce, and hands them over (device tensors) before the step's first forward."""
 
     unit_name: str  # what one loss unit is, for messages
 

@@ -110,9 +110,26 @@ class PreferenceObjective:
             num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
         )
         self.reference_is_start = reference_is_start
+        # ORPO's NLL term is averaged over the step's chosen tokens, not its pairs: the step's loss is divided by
+        # its pairs, so that term is weighed by pairs / chosen tokens of the whole step (`begin_step`). None:
+        # outside a training step (evaluation reports the loss from its sums, `metrics`).
+        self.pairs_per_chosen_token: torch.Tensor | None = None
 
     def count_units(self, batch: PackedBatch) -> int:
         return len(batch.doc_ids)
+
+    def count_step_extras(self, batch: PackedBatch) -> list[int]:
+        """What the loss is normalised by besides the pairs, counted over the step with them: the chosen replies'
+        trained tokens for a loss with a chosen-NLL term (ORPO). Counted on the host, where the batch was built."""
+        if not self.loss.row.chosen_nll:
+            return []
+        chosen = (batch.segment_ids % 2 == 0) & (batch.segment_ids < 2 * len(batch.doc_ids))
+        return [int(((batch.labels[0] != IGNORE_INDEX) & chosen).sum())]
+
+    def begin_step(self, global_units: torch.Tensor, global_extras: torch.Tensor) -> None:
+        """The step's counts over all ranks (on the device, not read back: no host sync)."""
+        if self.loss.row.chosen_nll:
+            self.pairs_per_chosen_token = global_units.double() / global_extras[0].clamp(min=1).double()
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         token_losses, router_losses = model_losses(model, batch)
@@ -124,7 +141,17 @@ class PreferenceObjective:
         # 0 * (all token losses) keeps a microbatch without pairs (an empty one) in the autograd graph: every
         # rank must run backward through every forward, since FSDP reduces gradients in those hooks.
         loss = losses.sum() + 0.0 * token_losses.sum()
-        figures = {
+        figures: dict[str, torch.Tensor] = {}
+        if self.loss.row.chosen_nll:  # ORPO: the chosen replies' NLL, per chosen token of the step
+            nll = -chosen.sum()
+            weight = self.pairs_per_chosen_token
+            loss = loss + (nll * weight.to(nll.dtype) if weight is not None else nll)
+            figures = {
+                "pair_loss": losses.detach().sum(),
+                "nll_chosen": nll.detach(),
+                "tokens_chosen": chosen_tokens.sum(),
+            }
+        figures |= {
             "rewards_chosen": chosen_reward.sum(),
             "rewards_rejected": rejected_reward.sum(),
             "accuracies": (chosen_reward > rejected_reward).sum(),
@@ -181,9 +208,16 @@ class PreferenceObjective:
         pairs whose chosen reward beats the rejected one (not a comparison of mean rewards)."""
         pairs = max(global_units, 1)
         router = {"router_loss": sums["router_loss"] / pairs} if "router_loss" in sums else {}
+        chosen_nll = {}
+        loss = objective_loss(sums) / pairs
+        if "nll_chosen" in sums:  # ORPO: its two parts, each over its own unit (the loss above holds them weighed)
+            nll = sums["nll_chosen"] / max(sums["tokens_chosen"], 1.0)
+            chosen_nll = {"nll_loss": nll, "odds_ratio_loss": sums["pair_loss"] / pairs}
+            loss = chosen_nll["odds_ratio_loss"] + nll  # as trained; also where no step weighed it (evaluation)
         return {
-            "loss": objective_loss(sums) / pairs,
+            "loss": loss,
             **router,
+            **chosen_nll,
             "rewards/chosen": sums["rewards_chosen"] / pairs,
             "rewards/rejected": sums["rewards_rejected"] / pairs,
             "rewards/margins": (sums["rewards_chosen"] - sums["rewards_rejected"]) / pairs,

@@ -14,6 +14,9 @@ reference) log-ratios, normalised the way that loss is defined:
   squared term grows with the square of the replies' length
 - `sigmoid_norm`: `sigmoid` with each log-ratio divided by its reply's token count
 - `simpo` (Meng et al. 2024, reference-free): -log s(beta * (mean logp chosen - mean logp rejected) - gamma)
+- `orpo` (Hong et al. 2024, reference-free): -lambda log s(log odds chosen - log odds rejected), odds = P / (1 - P)
+  with log P a reply's mean token log-prob, per pair; plus the chosen replies' NLL averaged over the step's chosen
+  tokens (the row's `chosen_nll`: that part's unit is the token, as the paper and TRL define it)
 
 An optional SFT term adds `sft_weight` * the mean token NLL of the chosen reply (per pair).
 
@@ -41,7 +44,7 @@ from chattune.config.typed import config_dict
 
 # The `loss.*` settings of every preference loss besides its type: `beta` scales every loss's rewards and
 # `sft_weight` weighs every loss's SFT term; a loss's function takes those it reads by keyword (`PairLossRow.reads`).
-SETTINGS = ("beta", "label_smoothing", "simpo_gamma", "sft_weight")
+SETTINGS = ("beta", "label_smoothing", "simpo_gamma", "sft_weight", "orpo_lambda")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class PairLossRow:
     needs_reference: bool  # rewards are log-ratios against a reference; False: the policy's own log-probs
     per_token: bool  # each side's reward is divided by its reply's token count (length-normalised)
     reads: tuple[str, ...] = ()  # the settings (of SETTINGS) `function` takes by keyword
+    # The objective adds the chosen reply's NLL averaged over all chosen tokens of the step (ORPO's SFT term: the
+    # unit of that part is the token, not the pair; `PreferenceObjective` normalises it by the step's count).
+    chosen_nll: bool = False
 
 
 PAIR_LOSSES: dict[str, PairLossRow] = {}
@@ -119,6 +125,22 @@ def simpo(pairs: PairRewards, *, label_smoothing: float, simpo_gamma: float) -> 
     return -(1 - eps) * F.logsigmoid(margin - simpo_gamma) - eps * F.logsigmoid(-(margin - simpo_gamma))
 
 
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012): log(-expm1(x)) near 0, log1p(-exp(x))
+    below -ln 2. ORPO's odds of a reply whose mean log-prob is near 0 need the first."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo(pairs: PairRewards, *, orpo_lambda: float) -> torch.Tensor:
+    """ORPO's odds-ratio term (Hong et al. 2024; TRL's ORPOTrainer): -lambda log s(log odds(chosen) - log
+    odds(rejected)), odds(y) = P / (1 - P) with log P the reply's mean token log-prob; its NLL term is the row's
+    `chosen_nll`."""
+    chosen = pairs.policy_chosen / pairs.chosen_tokens
+    rejected = pairs.policy_rejected / pairs.rejected_tokens
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    return -orpo_lambda * F.logsigmoid(log_odds)
+
+
 for _row in (
     PairLossRow("sigmoid", smoothed_sigmoid, needs_reference=True, per_token=False, reads=("label_smoothing",)),
     PairLossRow("robust", robust, needs_reference=True, per_token=False, reads=("label_smoothing",)),
@@ -126,6 +148,7 @@ for _row in (
     PairLossRow("ipo", ipo, needs_reference=True, per_token=True, reads=("beta",)),
     PairLossRow("sigmoid_norm", smoothed_sigmoid, needs_reference=True, per_token=True, reads=("label_smoothing",)),
     PairLossRow("simpo", simpo, needs_reference=False, per_token=True, reads=("label_smoothing", "simpo_gamma")),
+    PairLossRow("orpo", orpo, needs_reference=False, per_token=True, reads=("orpo_lambda",), chosen_nll=True),
 ):
     register_pair_loss(_row)
 del _row
@@ -141,6 +164,7 @@ class PreferenceLoss:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     sft_weight: float = 0.0
+    orpo_lambda: float = 0.1
 
     def __post_init__(self):
         if self.loss_type not in PAIR_LOSSES:
@@ -149,6 +173,8 @@ class PreferenceLoss:
             raise ValueError(f"loss.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.beta <= 0:
             raise ValueError(f"loss.beta must be positive, got {self.beta}")
+        if self.orpo_lambda < 0:
+            raise ValueError(f"loss.orpo_lambda must not be negative, got {self.orpo_lambda}")
 
     @classmethod
     def from_config(cls, loss: DPOLossConfig | Mapping[str, Any]) -> PreferenceLoss:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_sum, counts_rows, current_mesh, host_values_on
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
@@ -53,7 +54,7 @@ class StepResult:
 class _DeviceSums:
     """A step's figures while they are still on the device (read later, in the step's one transfer)."""
 
-    counts: torch.Tensor  # int64 (2,): all ranks' loss units, ranks whose stream is done
+    counts: torch.Tensor  # int64 (2 + extras,): all ranks' loss units, ranks whose stream is done, `step_extras`
     loss_sum: torch.Tensor  # this rank's summed unit losses (fp32)
     figures: dict[str, torch.Tensor]  # the objective's other sums (fp64)
     local_units: int
@@ -65,7 +66,8 @@ class _DeviceSums:
     def result(self, values: list[float]) -> StepResult:
         """The StepResult from `tensors()`'s values, read to the host."""
         loss_sum, rest = values[0], values[1:]
-        figures, (global_units, ranks_at_epoch_end) = rest[: len(self.figures)], rest[len(self.figures) :]
+        figures, counts = rest[: len(self.figures)], rest[len(self.figures) :]
+        global_units, ranks_at_epoch_end = counts[0], counts[1]
         return StepResult(
             loss_sum=loss_sum,
             local_units=self.local_units,
@@ -76,6 +78,18 @@ class _DeviceSums:
         )
 
 
+def step_extras(objective: Objective, microbatches: list[PackedBatch]) -> list[int]:
+    """An objective's counts besides its units, summed over `microbatches` (`count_step_extras`; none for most):
+    all-reduced with the units, in the step's one all-reduce."""
+    count = getattr(objective, "count_step_extras", None)
+    if count is None:
+        return []
+    totals = count(empty_batch(0))  # zeros, as wide as every rank's (one that trains nothing included)
+    for batch in microbatches:
+        totals = [total + value for total, value in zip(totals, count(batch), strict=True)]
+    return totals
+
+
 def _forward_backward(
     model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device, loss_scale: float
 ) -> _DeviceSums:
@@ -84,10 +98,13 @@ def _forward_backward(
     counted = counts_rows()
     weight = 1.0 if counted else 0.0
     local_units = sum(objective.count_units(b) for b in microbatches) if counted else 0
-    counts = all_reduce_sum(host_values_on(device, [local_units, int(batches.epoch_end_reached)], torch.int64))
+    extras = step_extras(objective, microbatches if counted else [])
+    counts = all_reduce_sum(host_values_on(device, [local_units, int(batches.epoch_end_reached), *extras], torch.int64))
     # The normaliser stays on the device: reading it here would wait for every kernel queued before it (the
     # previous step's optimizer). A step with nothing to train gives zero gradients, not NaN.
     global_units = counts[0].clamp(min=1)
+    if extras:  # an objective with a second unit (ORPO's chosen tokens) weighs that part by the step's counts
+        objective.begin_step(global_units, counts[2:])
     normaliser = global_units.to(torch.float32)  # as `loss / int` would convert it
     scale = (loss_scale / global_units.double()).to(torch.float32) if loss_scale != 1.0 else None
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
