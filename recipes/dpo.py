@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import DPOConfig
+from chattune.data.stream import StreamLayout
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import DistInfo, init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
@@ -121,7 +122,10 @@ def reference_log_probs(
         {split: len(documents) for split, documents in splits.items()},
         reference_model,
         lambda split: packed_stream(
-            cfg, dist_info.data_rank, dist_info.data_ranks, data.pad_id, splits[split], shuffle=False, num_epochs=1
+            cfg,
+            splits[split],
+            StreamLayout(dist_info.data_rank, dist_info.data_ranks, shuffle=False, num_epochs=1),
+            data.pad_id,
         ),
         device,
         data.pad_id,

@@ -72,7 +72,7 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     from chattune.model.fsdp import shard_model
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.train.feed import StepBatches
-    from chattune.train.step import train_step
+    from chattune.train.step import UpdateRule, train_step
 
     dist_info = init_distributed("cpu", context_size=context)  # (threads: the cores over the ranks)
     if threads:
@@ -93,7 +93,7 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     for _ in range(steps):
         start = time.perf_counter()
         result, _ = train_step(
-            model, TokenCrossEntropy(), StepBatches([row]), optimizer, scheduler, 1.0, dist_info.device
+            model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), dist_info.device
         )
         times.append(time.perf_counter() - start)
         losses.append(result.loss_sum / max(result.global_units, 1))

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from chattune.data.formats import SourceSpec, to_conversation
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.stream import PackedStream
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"
 
@@ -57,7 +57,7 @@ def bench_chattune(path: str, tokenizer, max_tokens: int, num_workers: int, over
     start = time.perf_counter()
     documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens, overlong=overlong)
     stream = PackedStream(
-        documents, 0, 1, seed=0, max_tokens=max_tokens, pad_token_id=0, num_epochs=1, num_workers=num_workers
+        documents, StreamLayout(num_epochs=1), 0, PackingBudget(max_tokens, 0), num_workers=num_workers
     )
     sizes = [batch.num_tokens for batch in stream]
     seconds = time.perf_counter() - start

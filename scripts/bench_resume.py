@@ -27,7 +27,7 @@ from chattune.data.documents import Document
 from chattune.data.formats import SourceSpec
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.stream import PackedStream
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.train.feed import StepFeed
 
 BUDGET, ACCUM, SEED = 2048, 2, 0
@@ -55,7 +55,7 @@ def write_records(path: Path, count: int) -> None:
 
 
 def feed(documents, workers: int) -> StepFeed:
-    stream = PackedStream(documents, 0, 1, SEED, BUDGET, 0, 256, num_workers=workers)
+    stream = PackedStream(documents, StreamLayout(), SEED, PackingBudget(BUDGET, 0, None, 256), num_workers=workers)
     return StepFeed(stream, ACCUM, 0)
 
 

@@ -38,8 +38,8 @@ from chattune.data.cached_sources import open_documents
 from chattune.data.formats import SourceSpec
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
-from chattune.data.stream import PackedStream
-from chattune.train.feed import StepFeed
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
+from chattune.train.feed import InvariantSlots, StepFeed
 
 
 def drive(feeds: list[StepFeed]) -> tuple[int, int, int, int]:
@@ -70,7 +70,7 @@ def per_rank(
     """(fills, tokens/s per rank) of per-rank packing."""
     feeds = [
         StepFeed(
-            PackedStream(documents, rank, ranks, 0, max_tokens, 0, num_epochs=epochs),
+            PackedStream(documents, StreamLayout(rank, ranks, num_epochs=epochs), 0, PackingBudget(max_tokens, 0)),
             microbatches // ranks,
             0,
             num_epochs=epochs,
@@ -92,11 +92,11 @@ def invariant(
     counts = drive(
         [
             StepFeed(
-                PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs),
+                PackedStream(documents, StreamLayout(num_epochs=epochs), 0, PackingBudget(max_tokens, 0)),
                 microbatches,
                 0,
                 num_epochs=epochs,
-                slots=range(microbatches),
+                invariant=InvariantSlots(range(microbatches)),
             )
         ]
     )
@@ -105,11 +105,11 @@ def invariant(
     mine = drive(
         [
             StepFeed(
-                PackedStream(documents, 0, 1, 0, max_tokens, 0, num_epochs=epochs),
+                PackedStream(documents, StreamLayout(num_epochs=epochs), 0, PackingBudget(max_tokens, 0)),
                 microbatches,
                 0,
                 num_epochs=epochs,
-                slots=per_rank_slots,
+                invariant=InvariantSlots(per_rank_slots),
             )
         ]
     )[0]

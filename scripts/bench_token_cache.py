@@ -95,7 +95,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from chattune.data.cached_sources import open_documents
 from chattune.data.formats import SourceSpec
-from chattune.data.stream import PackedStream
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 sys.path.insert(0, "scripts")
 from bench_token_cache import data_section
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[3])
@@ -103,7 +103,7 @@ imported = time.perf_counter()
 documents = open_documents("sft", [SourceSpec(sys.argv[1])], tokenizer, data_section(Path(sys.argv[2]), 0), build=False)
 assert documents.cached
 opened = time.perf_counter()
-first = next(iter(PackedStream(documents, 0, 1, 0, 4096, 0, 256)))
+first = next(iter(PackedStream(documents, StreamLayout(), 0, PackingBudget(4096, 0, None, 256))))
 ready = time.perf_counter()
 print(json.dumps({"imports_and_tokenizer": imported - started, "open": opened - imported, "first_microbatch": ready - opened}))
 """

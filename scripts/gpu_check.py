@@ -466,7 +466,7 @@ def check_dpo_reference(ctx: Context) -> None:
     from chattune.objectives.dpo import LiveReference, PreferenceObjective, pair_logps
     from chattune.objectives.pair_losses import PreferenceLoss
     from chattune.train.feed import StepBatches
-    from chattune.train.step import train_step
+    from chattune.train.step import UpdateRule, train_step
 
     class WithoutReshard(LiveReference):  # the reference as it was: its root left gathered after a forward
         @torch.no_grad()
@@ -494,7 +494,13 @@ def check_dpo_reference(ctx: Context) -> None:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         for step in range(2):
-            train_step(policy, objective, StepBatches(batches[step : step + 1]), optimizer, scheduler, 1.0, ctx.device)
+            train_step(
+                policy,
+                objective,
+                StepBatches(batches[step : step + 1]),
+                UpdateRule(optimizer, scheduler, 1.0),
+                ctx.device,
+            )
         gathered = sum(not isinstance(p, DTensor) for p in reference_model.parameters())
         peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**30 if ctx.cuda else float("nan")
         del policy, reference_model, objective, optimizer, scheduler
@@ -528,7 +534,7 @@ def check_host_syncs(ctx: Context) -> None:
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.train.feed import StepBatches
     from chattune.train.optimizer import build_optimizer
-    from chattune.train.step import train_step
+    from chattune.train.step import UpdateRule, train_step
 
     model = recipe_model(ctx, ctx.shape, layers=4, loss="auto").model  # layers not compiled, as before
     loss = model.loss_implementation
@@ -541,7 +547,9 @@ def check_host_syncs(ctx: Context) -> None:
     documents = chat_documents(ctx, 16, start=400)
     microbatches = [collate_packed(documents[:8]), collate_packed(documents[8:])]
     for _ in range(2):  # warm: the first steps allocate, autotune and initialise the optimizer's state
-        train_step(model, TokenCrossEntropy(), StepBatches(microbatches), optimizer, scheduler, 1.0, ctx.device)
+        train_step(
+            model, TokenCrossEntropy(), StepBatches(microbatches), UpdateRule(optimizer, scheduler, 1.0), ctx.device
+        )
     if not ctx.cuda:
         ctx.add("host_syncs", None, "CUDA only (its set-up and two warm steps ran)")
         return
@@ -550,7 +558,9 @@ def check_host_syncs(ctx: Context) -> None:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            train_step(model, TokenCrossEntropy(), StepBatches(microbatches), optimizer, scheduler, 1.0, ctx.device)
+            train_step(
+                model, TokenCrossEntropy(), StepBatches(microbatches), UpdateRule(optimizer, scheduler, 1.0), ctx.device
+            )
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]

@@ -33,7 +33,7 @@ from chattune.model.attention import (
     attention_path,
     packed_hidden_states,
 )
-from chattune.model.attention_kernels import _per_document_exact, sink_varlen_attn
+from chattune.model.attention_kernels import VarlenOptions, _per_document_exact, sink_varlen_attn
 
 WINDOW = 4
 LENGTHS = (13, 6, 11)  # longer than the window, of different lengths: windows and boundaries both matter
@@ -269,7 +269,7 @@ def _sink_case(seed: int = 0):
 
 def _exact(q, k, v, sinks, cu_seqlens, window):
     rows = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    return _per_document_exact(*rows, cu_seqlens, None, 0.0, window, None, sinks)[0]
+    return _per_document_exact(*rows, cu_seqlens, VarlenOptions(window=window), sinks)[0]
 
 
 def _grads(output, upstream, inputs):
@@ -279,8 +279,7 @@ def _grads(output, upstream, inputs):
 @pytest.mark.parametrize("window", [None, 3])
 def test_the_cuda_sink_path_equals_the_exact_one_forward_and_backward(window):
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
-    window_size = (window - 1, 0) if window else (-1, 0)
-    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, window_size, ops=STAND_IN_OPS)
+    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, VarlenOptions(8, window=window), ops=STAND_IN_OPS)
     want = _exact(q, k, v, sinks, cu_seqlens, window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for mine, reference in zip(_grads(got, upstream, (q, k, v, sinks)), _grads(want, upstream, (q, k, v, sinks))):
@@ -333,7 +332,7 @@ def test_the_sink_path_on_torch_2_11s_ops_gives_the_kv_heads_as_the_probe_settle
         )
 
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
-    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(recording, reference_backward))
+    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, VarlenOptions(8, window=3), ops=(recording, reference_backward))
     assert heads_seen == [q.shape[1] if settled == "repeat" else k.shape[1]]
     want = _exact(q, k, v, sinks, cu_seqlens, 3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -350,8 +349,8 @@ def test_the_sink_path_tells_the_kernel_what_varlen_attn_would():
 
     recording.__signature__ = inspect.signature(reference_forward)  # torch >= 2.12's op: it takes enable_gqa
     q, k, v, sinks, cu_seqlens, _ = _sink_case()
-    sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (2, 0), ops=(recording, reference_backward))
-    sink_varlen_attn(q, k, v, sinks, cu_seqlens, 8, None, (-1, 0), ops=(recording, reference_backward))
+    sink_varlen_attn(q, k, v, sinks, cu_seqlens, VarlenOptions(8, window=3), ops=(recording, reference_backward))
+    sink_varlen_attn(q, k, v, sinks, cu_seqlens, VarlenOptions(8), ops=(recording, reference_backward))
     assert calls == [
         {"is_causal": False, "window_size": [2, 0], "enable_gqa": True, "max_q": 8},
         {"is_causal": True, "window_size": [-1, 0], "enable_gqa": True, "max_q": 8},
@@ -452,7 +451,7 @@ def test_the_sink_path_compiles_in_one_graph(monkeypatch):
     q, k, v, sinks, cu_seqlens, upstream = _sink_case()
 
     def loss(q, k, v, sinks):
-        return (sink_varlen_attn(q * 1.0, k, v, sinks, cu_seqlens, 8, None, (2, 0)) * upstream).sum()
+        return (sink_varlen_attn(q * 1.0, k, v, sinks, cu_seqlens, VarlenOptions(8, window=3)) * upstream).sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
@@ -507,8 +506,8 @@ def _force_cuda(monkeypatch) -> list[tuple[str, int]]:
         taken.append((path, head_dim))
         return path
 
-    def varlen_stand_in(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window, softcap=None):
-        return _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window, softcap)
+    def varlen_stand_in(query, key, value, cu_seqlens, options):
+        return _per_document_exact(query, key, value, cu_seqlens, options)
 
     monkeypatch.setattr(attention, "attention_path", as_on_cuda)
     monkeypatch.setattr(attention_kernels, "_varlen", varlen_stand_in)
@@ -613,8 +612,7 @@ def _cuda_case(hq: int = 8, hkv: int = 2, d: int = 64):
 @pytest.mark.parametrize("window", [None, 64])
 def test_on_cuda_the_sink_kernel_path_equals_the_exact_one(window):
     q, k, v, sinks, cu_seqlens, upstream = _cuda_case()
-    window_size = (window - 1, 0) if window else (-1, 0)
-    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, 170, None, window_size)
+    got = sink_varlen_attn(q, k, v, sinks, cu_seqlens, VarlenOptions(170, window=window))
     fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
     want = _exact(*fp32, sinks, cu_seqlens, window)
     assert relative(got.float(), want) <= 1e-2
@@ -629,9 +627,11 @@ def test_on_cuda_the_sink_kernel_path_equals_the_exact_one(window):
 def test_on_cuda_flash_attn_soft_capping_equals_the_exact_path():
     q, k, v, _, cu_seqlens, upstream = _cuda_case()
     rows = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    got = attention_kernels._varlen(*rows, cu_seqlens, 170, 0.125, 0.0, 64, 3.0)[0]
+    got = attention_kernels._varlen(*rows, cu_seqlens, VarlenOptions(170, scale=0.125, window=64, softcap=3.0))[0]
     fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    want = _per_document_exact(*[t.transpose(0, 1).unsqueeze(0) for t in fp32], cu_seqlens, 0.125, 0.0, 64, 3.0)[0]
+    want = _per_document_exact(
+        *[t.transpose(0, 1).unsqueeze(0) for t in fp32], cu_seqlens, VarlenOptions(scale=0.125, window=64, softcap=3.0)
+    )[0]
     assert relative(got.float(), want) <= 1e-2
     worst = max(
         relative(a.float(), b)
@@ -648,5 +648,5 @@ def test_on_cuda_head_size_512_takes_per_document_sdpa():
     got = attention.packed_attention(
         torch.nn.Module(), *rows, None, scaling=None, cu_seq_lens_q=cu_seqlens, max_length_q=170
     )[0][0]
-    want = _per_document_exact(*[t.float() for t in rows], cu_seqlens, None, 0.0, None)[0]
+    want = _per_document_exact(*[t.float() for t in rows], cu_seqlens, VarlenOptions())[0]
     assert relative(got.float(), want) <= 1e-2

@@ -16,7 +16,7 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer
-from chattune.train.step import train_step
+from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, tiny_model
 
 
@@ -62,7 +62,9 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     model, optimizer = sharded(seed=0, world_size=world_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batch = collate_packed(demo_documents(4, start=4 * rank))
-    train_step(model, TokenCrossEntropy(), StepBatches([batch]), optimizer, scheduler, 1.0, torch.device("cpu"))
+    train_step(
+        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), torch.device("cpu")
+    )
     root = tmp_path / "checkpoints"
     save_checkpoint(root, 1, run_state(model, optimizer, {"rank": rank}), manifest={"world_size": world_size})
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=rank == 0)
@@ -73,9 +75,7 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
         other,
         TokenCrossEntropy(),
         StepBatches([batch]),
-        other_optimizer,
-        torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0),
-        1.0,
+        UpdateRule(other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0),
         torch.device("cpu"),
     )
     assert any(not torch.equal(weights[k], v) for k, v in full_state(other).items())

@@ -13,9 +13,9 @@ import pytest
 from test_sft_recipe import read_metrics, run
 
 from chattune.data.documents import Document
-from chattune.data.stream import PackedStream
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.errors import UserError
-from chattune.train.feed import StepFeed, merge_states
+from chattune.train.feed import InvariantSlots, StepFeed, merge_states
 from conftest import ListSource, free_port
 
 
@@ -29,13 +29,9 @@ def make_feeds(docs, world_size, num_epochs, grad_accum_steps=2):
         StepFeed(
             PackedStream(
                 ListSource(docs),
-                rank,
-                world_size,
-                seed=5,
-                max_tokens=48,
-                pad_token_id=0,
-                buffer_records=8,
-                num_epochs=num_epochs,
+                StreamLayout(rank, world_size, num_epochs=num_epochs),
+                5,
+                PackingBudget(48, 0, buffer_records=8),
             ),
             grad_accum_steps,
             0,
@@ -159,14 +155,13 @@ def invariant_feeds(docs, world_size, num_epochs, microbatches_per_step=4):
     return [
         StepFeed(
             PackedStream(
-                ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0, buffer_records=8, num_epochs=num_epochs
+                ListSource(docs), StreamLayout(num_epochs=num_epochs), 5, PackingBudget(48, 0, buffer_records=8)
             ),
             microbatches_per_step,
             0,
             num_epochs,
             num_ranks=world_size,
-            slots=range(rank * per_rank, (rank + 1) * per_rank),
-            seed=3,
+            invariant=InvariantSlots(range(rank * per_rank, (rank + 1) * per_rank), seed=3),
         )
         for rank in range(world_size)
     ]
@@ -177,9 +172,7 @@ def test_invariant_steps_train_the_same_documents_on_any_number_of_ranks():
     # Independent of the feed: two epochs' packing, as a one-rank stream of all the data gives it.
     packed = [
         b.doc_ids
-        for b in PackedStream(
-            ListSource(docs), 0, 1, seed=5, max_tokens=48, pad_token_id=0, buffer_records=8, num_epochs=2
-        )
+        for b in PackedStream(ListSource(docs), StreamLayout(num_epochs=2), 5, PackingBudget(48, 0, buffer_records=8))
     ]
     by_step = None
     for world_size in (1, 2, 4):

@@ -22,7 +22,7 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import LiveReference
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
-from chattune.train.step import train_step
+from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, demo_tokenizer, exported_weights, tiny_model
 
 CPU = torch.device("cpu")
@@ -58,9 +58,7 @@ def _train_then_evaluate(model: PackedCausalLM, steps: int = 2) -> dict[str, tor
             model,
             TokenCrossEntropy(),
             StepBatches([collate_packed(documents[4 * (step % 2) : 4 * (step % 2) + 4])]),
-            optimizer,
-            scheduler,
-            1.0,
+            UpdateRule(optimizer, scheduler, 1.0),
             CPU,
         )
     evaluate(model, TokenCrossEntropy(), [collate_packed(demo_documents(3, start=20))], CPU, pad_token_id=0)

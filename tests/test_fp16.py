@@ -15,7 +15,7 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
-from chattune.train.step import LossScale, accumulate_gradients, clip_gradients, train_step
+from chattune.train.step import LossScale, UpdateRule, accumulate_gradients, clip_gradients, train_step
 from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
 
 # A real step holds millions of trainable tokens (64 microbatches of 16k tokens on 8 ranks): each token's
@@ -50,13 +50,13 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     before = [p.full_tensor().clone() for p in model.parameters()]
     loss_scale = LossScale(enabled=True, init_scale=2.0**100)
     overflowed, norm = train_step(
-        model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale
+        model, LargeStep(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0, loss_scale=loss_scale), cpu
     )
     unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     after_overflow = loss_scale.scale
     loss_scale.scale = 2.0**16
     stepped, _ = train_step(
-        model, LargeStep(), StepBatches([batch]), optimizer, scheduler, 1.0, cpu, loss_scale=loss_scale
+        model, LargeStep(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0, loss_scale=loss_scale), cpu
     )
     changed = not all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     if rank == 0:

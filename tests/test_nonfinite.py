@@ -13,7 +13,7 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
-from chattune.train.step import train_step
+from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
 
 
@@ -45,9 +45,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
         model,
         PoisonedOnRank(rank, poisoned_rank=1),
         StepBatches([batch]),
-        optimizer,
-        scheduler,
-        1.0,
+        UpdateRule(optimizer, scheduler, 1.0),
         torch.device("cpu"),
     )
     unchanged = all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
@@ -55,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     grads_cleared = all(p.grad is None for p in model.parameters())
 
     _, clean_norm = train_step(
-        model, TokenCrossEntropy(), StepBatches([batch]), optimizer, scheduler, 1.0, torch.device("cpu")
+        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), torch.device("cpu")
     )
     updated = not all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
     torch.save(

@@ -5,7 +5,7 @@ import torch
 
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import best_fit_decreasing, collate_packed
-from chattune.data.stream import PackedStream, epoch_share
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout, epoch_share
 from chattune.model.attention import ATTENTION_NAME
 from conftest import ListSource, demo_documents, tiny_model
 
@@ -123,7 +123,7 @@ def test_every_document_once_per_epoch_across_ranks(world_size):
     seen = {0: [], 1: []}
     for rank in range(world_size):
         stream = PackedStream(
-            ListSource(docs), rank, world_size, seed=7, max_tokens=64, pad_token_id=0, buffer_records=10, num_epochs=2
+            ListSource(docs), StreamLayout(rank, world_size, num_epochs=2), 7, PackingBudget(64, 0, buffer_records=10)
         )
         for batch in stream:  # a microbatch never mixes epochs
             seen[stream.epoch] += batch.doc_ids
@@ -140,7 +140,7 @@ def test_stream_state_dict_resumes_the_same_microbatches(num_workers):
 
     def stream():
         return PackedStream(
-            ListSource(docs), 0, 1, seed=3, max_tokens=40, pad_token_id=0, buffer_records=16, num_workers=num_workers
+            ListSource(docs), StreamLayout(), 3, PackingBudget(40, 0, buffer_records=16), num_workers=num_workers
         )
 
     uninterrupted = iter(stream())
@@ -171,7 +171,7 @@ def test_workers_yield_identical_microbatches(tokenizer):
 
     def first_batches(num_workers):
         stream = PackedStream(
-            documents, 1, 2, seed=5, max_tokens=1024, pad_token_id=0, buffer_records=64, num_workers=num_workers
+            documents, StreamLayout(1, 2), 5, PackingBudget(1024, 0, buffer_records=64), num_workers=num_workers
         )
         batches = iter(stream)
         return [next(batches) for _ in range(30)]
@@ -185,16 +185,16 @@ def test_workers_yield_identical_microbatches(tokenizer):
 
 def test_a_rank_without_records_gets_empty_microbatches_in_a_finite_stream():
     docs = [Document(0, [1, 2, 3], [2, 3, IGNORE_INDEX])]
-    batches = list(PackedStream(ListSource(docs), 1, 2, seed=0, max_tokens=8, pad_token_id=0, num_epochs=2))
+    batches = list(PackedStream(ListSource(docs), StreamLayout(1, 2, num_epochs=2), 0, PackingBudget(8, 0)))
     assert len(batches) == 2 and all(b.num_trainable_tokens == 0 and b.doc_ids == [] for b in batches)
     with pytest.raises(ValueError, match="cannot be shared"):
-        PackedStream(ListSource(docs), 1, 2, seed=0, max_tokens=8, pad_token_id=0)
+        PackedStream(ListSource(docs), StreamLayout(1, 2), 0, PackingBudget(8, 0))
 
 
 def test_a_buffer_must_hold_at_least_one_record():
     with pytest.raises(ValueError, match="buffer_records must be at least 1"):
         PackedStream(
-            ListSource([Document(0, [1], [IGNORE_INDEX])]), 0, 1, seed=0, max_tokens=8, pad_token_id=0, buffer_records=0
+            ListSource([Document(0, [1], [IGNORE_INDEX])]), StreamLayout(), 0, PackingBudget(8, 0, buffer_records=0)
         )
 
 
@@ -219,10 +219,8 @@ def test_padding_to_a_multiple_is_never_attended_nor_trained():
     with torch.no_grad():
         assert (logits(padded)[: plain.num_tokens] - logits(plain)).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="must be a multiple"):
-        PackedStream(ListSource(docs), 0, 1, seed=0, max_tokens=100, pad_token_id=0, pad_to_multiple_of=64)
-    stream = PackedStream(
-        ListSource(docs), 0, 1, seed=0, max_tokens=512, pad_token_id=0, pad_to_multiple_of=64, num_epochs=1
-    )
+        PackedStream(ListSource(docs), StreamLayout(), 0, PackingBudget(100, 0, pad_to_multiple_of=64))
+    stream = PackedStream(ListSource(docs), StreamLayout(num_epochs=1), 0, PackingBudget(512, 0, pad_to_multiple_of=64))
     batches = list(stream)
     assert all(b.num_tokens % 64 == 0 for b in batches)
     assert sorted(d for b in batches for d in b.doc_ids) == list(range(5))

@@ -30,7 +30,7 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import load_checkpoint, save_checkpoint
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer
-from chattune.train.step import accumulate_gradients, train_step
+from chattune.train.step import UpdateRule, accumulate_gradients, train_step
 from conftest import (
     PROJECT_ROOT,
     demo_documents,
@@ -240,9 +240,7 @@ def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_pat
         model,
         TokenCrossEntropy(),
         StepBatches([collate_packed(demo_documents(4))]),
-        optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
-        1.0,
+        UpdateRule(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0),
         torch.device("cpu"),
     )
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)

@@ -11,7 +11,7 @@ from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
 from test_sft_recipe import read_metrics, run
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.stream import PackedStream
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives import reference_cache
 from conftest import ListSource, free_port, tiny_model
@@ -27,7 +27,9 @@ def build_tables(cache_dir, fingerprint: dict, make_reference) -> dict[str, torc
         {"train": fingerprint},
         {"train": len(documents)},
         make_reference,
-        lambda split: PackedStream(documents, 0, 1, 0, 400, 0, buffer_records=3, shuffle=False, num_epochs=1),
+        lambda split: PackedStream(
+            documents, StreamLayout(shuffle=False, num_epochs=1), 0, PackingBudget(400, 0, buffer_records=3)
+        ),
         CPU,
         0,
         is_main=True,

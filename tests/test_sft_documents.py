@@ -237,7 +237,7 @@ def test_truncation_that_keeps_nothing_to_train_is_a_counted_skip(tmp_path, toke
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_workers):
-    from chattune.data.stream import PackedStream
+    from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 
     records = [long_chat(turns=1 + i % 5) if i % 3 == 0 else good(f"What is {i} + {i}?", str(2 * i)) for i in range(30)]
     path = write_jsonl(tmp_path / "chats.jsonl", records)
@@ -246,14 +246,10 @@ def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_wo
         documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, 96, overlong="split")
         return PackedStream(
             documents,
-            0,
+            StreamLayout(num_epochs=2),
             1,
-            seed=1,
-            max_tokens=96,
-            pad_token_id=0,
-            buffer_records=8,
+            PackingBudget(96, 0, buffer_records=8),
             num_workers=num_workers,
-            num_epochs=2,
         )
 
     full = stream()

@@ -24,6 +24,7 @@ from chattune.data.formats import DataError, SourceSpec
 from chattune.data.sources import RECIPE_DATA, document_settings
 from chattune.data.token_cache import (
     MANIFEST,
+    BuildShard,
     CachedDocuments,
     build_source_cache,
     cache_name,
@@ -112,10 +113,7 @@ def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train
             spec,
             key,
             num_workers=2 if shard == 1 else 0,
-            shard=shard,
-            num_shards=3,
-            staging=staged,
-            agree=lambda error: None,
+            part=BuildShard(shard, num_shards=3, staging=staged, agree=lambda error: None),
         )
     cached = open_documents(kind, [spec], tokenizer, data).sources[0]
     assert isinstance(cached, CachedDocuments) and cached.directory == final

@@ -12,12 +12,12 @@ import inspect
 import pytest
 import torch
 
-from chattune.model.attention_kernels import _per_document_sdpa, probe_native_gqa, torch_varlen_attn
+from chattune.model.attention_kernels import VarlenOptions, _per_document_sdpa, probe_native_gqa, torch_varlen_attn
 
 
 def _attention(q, k, v, cu_seqlens, scale):  # (N, H, D) in, (N, Hq, D) out, like the kernels
     as_rows = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    return _per_document_sdpa(*as_rows, cu_seqlens, scale, 0.0, None)[0]
+    return _per_document_sdpa(*as_rows, cu_seqlens, VarlenOptions(scale=scale))[0]
 
 
 def varlen_attn_2_11(
@@ -84,7 +84,7 @@ def test_grouped_query_attention_on_either_torch(varlen_attn):
     q = torch.randn(12, 4, 8, generator=generator)  # 4 query heads sharing 2 kv heads
     k, v = torch.randn(12, 2, 8, generator=generator), torch.randn(12, 2, 8, generator=generator)
     cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
-    got = torch_varlen_attn(q, k, v, cu_seqlens, 7, 0.3, (-1, 0), varlen_attn=varlen_attn)
+    got = torch_varlen_attn(q, k, v, cu_seqlens, VarlenOptions(7, 0.3), varlen_attn=varlen_attn)
     want = _attention(q, k, v, cu_seqlens, 0.3)  # SDPA's own enable_gqa
     torch.testing.assert_close(got, want)
 
@@ -99,7 +99,9 @@ def test_every_supported_torch_is_given_the_sliding_window(varlen_attn):
 
     recording.__signature__ = inspect.signature(varlen_attn)  # what torch_varlen_attn reads
     q = k = v = torch.randn(4, 2, 8)
-    torch_varlen_attn(q, k, v, torch.tensor([0, 4], dtype=torch.int32), 4, None, (2, 0), varlen_attn=recording)
+    torch_varlen_attn(
+        q, k, v, torch.tensor([0, 4], dtype=torch.int32), VarlenOptions(4, window=3), varlen_attn=recording
+    )
     assert seen == [(2, 0)]
 
 
@@ -131,6 +133,6 @@ def test_native_grouped_query_attention_hands_the_kernel_the_kv_heads_as_they_ar
     q = torch.randn(9, 4, 8, generator=generator)
     k, v = torch.randn(9, 2, 8, generator=generator), torch.randn(9, 2, 8, generator=generator)
     cu_seqlens = torch.tensor([0, 4, 9], dtype=torch.int32)
-    got = torch_varlen_attn(q, k, v, cu_seqlens, 5, None, (-1, 0), varlen_attn=recording, gqa="native")
+    got = torch_varlen_attn(q, k, v, cu_seqlens, VarlenOptions(5), varlen_attn=recording, gqa="native")
     torch.testing.assert_close(got, _attention(q, k, v, cu_seqlens, None))
     assert calls == [2], "the kv heads must not be repeated"

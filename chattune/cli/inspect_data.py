@@ -27,7 +27,7 @@ from chattune.data.held_out import held_out_line, hold_out
 from chattune.data.records import source_specs
 from chattune.data.report import DataReport, count_lines, scan_documents
 from chattune.data.sources import row_budget
-from chattune.data.stream import PackedStream
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.tokenizer import load_tokenizer
 from chattune.launch.compose import hydra_search_path
 from chattune.launch.findings import ConfigError
@@ -73,14 +73,9 @@ def inspect_sources(
         report.held_out = held_out_line(split, cfg.data.eval_split)
     stream = PackedStream(
         _KnownLengths(report.outcomes),
-        0,
-        1,
+        StreamLayout(num_epochs=1),
         cfg.seed,
-        budget,
-        0,
-        cfg.data.buffer_records,
-        num_epochs=1,
-        pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+        PackingBudget(budget, 0, cfg.data.pad_to_multiple_of, cfg.data.buffer_records),
     )
     for batch in stream:
         report.microbatches += 1

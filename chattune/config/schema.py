@@ -21,7 +21,9 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import Any, TypedDict
+
+from typing_extensions import Unpack
 
 # --- the choices of enum keys ---
 
@@ -48,48 +50,57 @@ QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)
 RESUME_CHANGES = ("free", "horizon", "numerics")
 
 
+class KeyRules(TypedDict, total=False):
+    """What the checks (`chattune.launch.schema_checks`) hold a key to, each rule optional (`key`'s `**rules`)."""
+
+    choices: tuple[str, ...] | None  # the values it may take
+    at_least: int | None  # its minimum ...
+    hint: str  # ... and what to add to the message when it is below
+    bound: tuple[Callable[[Any], bool], str] | None  # (predicate on a number or a list, message when it fails)
+    open_section: bool  # a mapping passed on as it is: any key
+    # A `_target_` section called with `_partial_`: how many positional arguments and which keywords the recipe adds.
+    recipe_passes: tuple[int, tuple[str, ...]] | None
+    aliases: tuple[str, ...]  # what users write for this key elsewhere (e.g. peft's own names): suggested as it
+
+
+# Every rule's value when a key does not set it (each is in every key's metadata).
+_NO_RULES: KeyRules = {
+    "choices": None,
+    "at_least": None,
+    "hint": "",
+    "bound": None,
+    "open_section": False,
+    "recipe_passes": None,
+    "aliases": (),
+}
+
+
 def key(
     default: Any = dataclasses.MISSING,
     help: str = "",
     *,
     factory: Callable[[], Any] | None = None,
-    choices: tuple[str, ...] | None = None,
-    at_least: int | None = None,
-    hint: str = "",
-    bound: tuple[Callable[[Any], bool], str] | None = None,
-    open_section: bool = False,
-    recipe_passes: tuple[int, tuple[str, ...]] | None = None,
-    aliases: tuple[str, ...] = (),
     resume: str | None = None,
+    **rules: Unpack[KeyRules],
 ) -> Any:
-    """A config key: its default (or `factory` for a mutable one) and one-line meaning (`help`), with
-    what the checks need: `choices`, `at_least` (with a `hint` on failure), `bound` (predicate on a number or
-    a list, message), `open_section` (a mapping passed on as it is: any key), `recipe_passes` (for a
-    `_target_` section called with `_partial_`: how many positional arguments and which keywords the recipe
-    adds), `aliases` (what users write for this key elsewhere, e.g. peft's own names: suggested as it), and what a
+    """A config key: its default (or `factory` for a mutable one) and one-line meaning (`help`), what a
     resumed run may do with it (`resume`, one of `RESUME_CHANGES`; None: a change is refused unless
-    resume_allow_changes names it)."""
+    resume_allow_changes names it), and the `rules` the checks hold it to (`KeyRules`: `choices`, `at_least`
+    with a `hint` on failure, `bound`, `open_section`, `recipe_passes`, `aliases`)."""
+    unknown = sorted(set(rules) - set(_NO_RULES))
+    if unknown:
+        raise TypeError(f"key() got unexpected keyword argument(s) {unknown}: the rules are {sorted(_NO_RULES)}")
     if resume is not None and resume not in RESUME_CHANGES:
         raise ValueError(f"resume={resume!r} is not one of {RESUME_CHANGES}")
-    metadata = {
-        "help": help,
-        "choices": choices,
-        "at_least": at_least,
-        "hint": hint,
-        "bound": bound,
-        "open_section": open_section,
-        "recipe_passes": recipe_passes,
-        "aliases": aliases,
-        "resume": resume,
-    }
+    metadata = {"help": help, **_NO_RULES, **rules, "resume": resume}  # every rule, in `_NO_RULES`' order
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
-def section(cls: type, help: str = "", **kwargs: Any) -> Any:
+def section(cls: type, help: str = "", *, resume: str | None = None, **rules: Unpack[KeyRules]) -> Any:
     """A nested section, defaulting to `cls()`."""
-    return key(help=help, factory=cls, **kwargs)
+    return key(help=help, factory=cls, resume=resume, **rules)
 
 
 def is_eval_split(value: float) -> bool:

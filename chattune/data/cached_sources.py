@@ -21,6 +21,7 @@ from chattune.config.schema import DataConfig
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.sources import RECIPE_DATA, MixedDocuments, document_settings
 from chattune.data.token_cache import (
+    BuildShard,
     CachedDocuments,
     build_source_cache,
     cache_name,
@@ -131,7 +132,9 @@ def _build(
             shutil.rmtree(staging, ignore_errors=True)
         raise error if error is not None and str(error) == first else DataError(first)
 
-    build_source_cache(documents, final, recipe, spec, key, data.num_workers, rank, world, Path(staging), agree)
+    build_source_cache(
+        documents, final, recipe, spec, key, data.num_workers, BuildShard(rank, world, Path(staging), agree)
+    )
     if dist.is_initialized():
         dist.barrier()  # rank 0 has committed (or found another launch's commit)
     if not all(_every_rank(is_complete(final))):

@@ -1,11 +1,11 @@
 """Each rank's stream of packed microbatches, epoch after epoch.
 
-Every epoch draws one seeded permutation of all record indices (the same on every rank) and rank r
-takes positions r, r + world, r + 2*world, ...: the ranks' shares are disjoint, cover every record and
-need no communication.
+Every epoch draws one seeded permutation of all record indices (the same on every rank) and share s of
+S (a rank's, or all of it for world-size-invariant steps: `StreamLayout`) takes positions s, s + S,
+s + 2*S, ...: the shares are disjoint, cover every record and need no communication.
 
 Three stages:
-- `ShareSampler` walks the rank's share in chunks of `buffer_records` records, the last chunk of an
+- `ShareSampler` walks the stream's share in chunks of `buffer_records` records, the last chunk of an
   epoch marked as closing it;
 - a torchdata `StatefulDataLoader` tokenizes each chunk (in one batch), in `num_workers` worker
   processes or in this one, always in sampler order (so 0 and N workers give the same stream);
@@ -69,17 +69,44 @@ def documents_of(source: DocumentSource, indices: list[int]) -> list[Document | 
     return get_many(indices) if get_many is not None else [source.get(i) for i in indices]
 
 
-def epoch_share(num_records: int, epoch: int, seed: int, rank: int, world_size: int, shuffle: bool = True) -> list[int]:
-    """The record indices rank `rank` trains on in `epoch`."""
+def epoch_share(
+    num_records: int, epoch: int, seed: int, share: int, num_shares: int, shuffle: bool = True
+) -> list[int]:
+    """The record indices of share `share` of `num_shares` in `epoch`."""
     if shuffle:
         order = torch.randperm(num_records, generator=torch.Generator().manual_seed(seed + epoch))
     else:
         order = torch.arange(num_records)
-    return order[rank::world_size].tolist()
+    return order[share::num_shares].tolist()
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Which records a stream reads, epoch after epoch: share `share` of `num_shares` of every epoch's
+    permutation of the records (this rank's share, or the whole data for world-size-invariant steps;
+    `chattune.train.inputs.StepLayout` decides), shuffled or in record order, for `num_epochs` epochs (None:
+    unbounded). The permutation is seeded by the stream's seed and the epoch (`epoch_share`)."""
+
+    share: int = 0
+    num_shares: int = 1
+    shuffle: bool = True
+    num_epochs: int | None = None
+
+
+@dataclass(frozen=True)
+class PackingBudget:
+    """How a stream packs documents into microbatches: at most `max_tokens` tokens each, padded with
+    `pad_token_id` (an empty microbatch too) up to a multiple of `pad_to_multiple_of` (None: not padded), one
+    buffer of `buffer_records` records at a time (best-fit decreasing within the buffer)."""
+
+    max_tokens: int
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+    buffer_records: int = 256
 
 
 class ShareSampler:
-    """One rank's share, as (epoch, record indices, closes_epoch) chunks of up to `chunk_records` records
+    """One share of the records (`epoch_share`), as (epoch, record indices, closes_epoch) chunks of up to `chunk_records` records
     of one epoch; the last chunk of an epoch closes it (an empty share gives one empty closing chunk).
     A chunk is one loader item, tokenized in one batch and packed as one buffer: per-item costs (the
     loader's bookkeeping, a worker's queue) are paid per chunk, not per record.
@@ -88,14 +115,14 @@ class ShareSampler:
     def __init__(
         self,
         num_records: int,
-        rank: int,
-        world_size: int,
+        share: int,
+        num_shares: int,
         seed: int,
         shuffle: bool,
         num_epochs: int | None,
         chunk_records: int,
     ):
-        self.num_records, self.rank, self.world_size = num_records, rank, world_size
+        self.num_records, self.share, self.num_shares = num_records, share, num_shares
         self.seed, self.shuffle, self.num_epochs, self.chunk_records = seed, shuffle, num_epochs, chunk_records
         self.epoch, self.position = 0, 0
         self._share: tuple[int, list[int]] | None = None
@@ -109,7 +136,7 @@ class ShareSampler:
         if self._share is None or self._share[0] != self.epoch:
             self._share = (
                 self.epoch,
-                epoch_share(self.num_records, self.epoch, self.seed, self.rank, self.world_size, self.shuffle),
+                epoch_share(self.num_records, self.epoch, self.seed, self.share, self.num_shares, self.shuffle),
             )
         share = self._share[1]
         chunk = share[self.position : self.position + self.chunk_records]
@@ -179,41 +206,37 @@ class PackedStream:
     def __init__(
         self,
         documents: DocumentSource,
-        rank: int,
-        world_size: int,
+        layout: StreamLayout,
         seed: int,
-        max_tokens: int,
-        pad_token_id: int,
-        buffer_records: int = 256,
-        shuffle: bool = True,
-        num_epochs: int | None = None,
+        budget: PackingBudget,
         num_workers: int = 0,
-        pad_to_multiple_of: int | None = None,
         sampler: Iterator[tuple[int, list[int], bool]] | None = None,
         log_skips: bool = True,
     ):
-        """`sampler`: another source of (epoch, record indices, closes_epoch) chunks than this rank's share
+        """`layout`: which records it reads (share `layout.share` of `layout.num_shares` of each epoch);
+        `seed`: each epoch's permutation and the loader's; `budget`: how it packs them (`PackingBudget`);
+        `num_workers`: loader processes that tokenize (0: this one).
+        `sampler`: another source of (epoch, record indices, closes_epoch) chunks than the layout's share
         of each epoch (`chattune.data.source_mixture.MixtureSampler`); it must be stateful like `ShareSampler`.
         `log_skips`: log skipped records and empty epochs (they are counted either way)."""
-        padding = pad_multiple_problem(max_tokens, pad_to_multiple_of)
+        padding = pad_multiple_problem(budget.max_tokens, budget.pad_to_multiple_of)
         if padding:
             raise ValueError(
                 f"data.max_tokens_per_microbatch: {padding} (it must be a multiple of data.pad_to_multiple_of)"
             )
-        if buffer_records < 1:
-            raise ValueError(f"data.buffer_records must be at least 1, got {buffer_records}")
-        if num_epochs is None and len(documents) < world_size:
-            raise ValueError(f"{len(documents)} records cannot be shared by {world_size} ranks")
-        self.documents = documents
-        self.rank, self.max_tokens, self.pad_token_id, self.buffer_records = (
-            rank,
-            max_tokens,
-            pad_token_id,
-            buffer_records,
-        )
-        self.pad_to_multiple_of, self.log_skips = pad_to_multiple_of, log_skips
+        if budget.buffer_records < 1:
+            raise ValueError(f"data.buffer_records must be at least 1, got {budget.buffer_records}")
+        if layout.num_epochs is None and len(documents) < layout.num_shares:
+            raise ValueError(f"{len(documents)} records cannot be shared by {layout.num_shares} ranks")
+        self.documents, self.share, self.budget, self.log_skips = documents, layout.share, budget, log_skips
         self.sampler = sampler or ShareSampler(
-            len(documents), rank, world_size, seed, shuffle, num_epochs, buffer_records
+            len(documents),
+            layout.share,
+            layout.num_shares,
+            seed,
+            layout.shuffle,
+            layout.num_epochs,
+            budget.buffer_records,
         )
         self.position: dict | None = None  # the sampler's state after the last chunk taken (None: none yet)
         with warnings.catch_warnings():  # torchdata calls a deprecated torch API on construction
@@ -256,7 +279,7 @@ class PackedStream:
                 if self.log_skips and self.skipped[document.reason] == LOGGED_SKIPS:
                     logger.warning(
                         "rank %d: further %s skips are counted (in the epoch and end figures), not logged",
-                        self.rank,
+                        self.share,
                         document.reason,
                     )
             else:
@@ -269,7 +292,7 @@ class PackedStream:
         """Pack the next buffer into `pending`; False once a finite stream is exhausted."""
         documents, stopped = self._take()
         self.docs_in_epoch += len(documents)
-        bins = best_fit_decreasing(self.carried + documents, self.max_tokens)
+        bins = best_fit_decreasing(self.carried + documents, self.budget.max_tokens)
         self.carried = []
         if stopped == "full" and len(bins) > 1:
             least_filled = min(range(len(bins)), key=lambda i: sum(map(len, bins[i])))
@@ -278,10 +301,10 @@ class PackedStream:
         self.pending_ends_epoch = stopped == "epoch_end"
         if stopped == "epoch_end":
             if self.docs_in_epoch == 0:
-                # Every record of this rank's share was skipped (or it had none): an empty microbatch
+                # Every record of this stream's share was skipped (or it had none): an empty microbatch
                 # keeps the rank in step with the others (and the loop from spinning) instead of hanging.
                 if self.log_skips:
-                    logger.warning("rank %d: no trainable documents in epoch %d", self.rank, self.epoch)
+                    logger.warning("rank %d: no trainable documents in epoch %d", self.share, self.epoch)
                 self.pending = [[]]
             self.docs_in_epoch = 0
         return bool(self.pending) or stopped != "exhausted"
@@ -303,9 +326,9 @@ class PackedStream:
 
     def collate(self, packed: PackedBin) -> PackedBatch:
         batch = (
-            collate_packed(packed.documents, self.pad_to_multiple_of, self.pad_token_id)
+            collate_packed(packed.documents, self.budget.pad_to_multiple_of, self.budget.pad_token_id)
             if packed.documents
-            else empty_batch(self.pad_token_id)
+            else empty_batch(self.budget.pad_token_id)
         )
         batch.epoch, batch.ends_epoch = packed.epoch, packed.ends_epoch
         return batch

@@ -333,6 +333,19 @@ def is_complete(directory: Path) -> bool:
     return (directory / MANIFEST).is_file()
 
 
+@dataclass(frozen=True)
+class BuildShard:
+    """This rank's part of a collective build: shard `shard` of `num_shards` (records in order), written in the
+    `staging` directory every building rank shares (None: one made here, for a build of one shard). `agree`
+    (collective builds): told this shard's error or None; it raises the build's first error on every rank, and
+    returns when every shard is written."""
+
+    shard: int = 0
+    num_shards: int = 1
+    staging: Path | None = None
+    agree: Callable[[Exception | None], None] | None = None
+
+
 def build_source_cache(
     documents,
     final: Path,
@@ -340,15 +353,12 @@ def build_source_cache(
     spec: SourceSpec,
     key: str,
     num_workers: int = 0,
-    shard: int = 0,
-    num_shards: int = 1,
-    staging: Path | None = None,
-    agree: Callable[[Exception | None], None] | None = None,
+    part: BuildShard = BuildShard(),
 ) -> None:
-    """Build `final` from `documents` (every record): shard `shard` of `num_shards` here, in `staging` (made
-    here for one shard). `agree` (collective builds): told this shard's error or None; it raises the build's
-    first error on every rank, and returns when every shard is written. The first shard commits."""
-    staging = staging or staging_directory(final.parent, final.name)
+    """Build `final` from `documents` (every record): this rank's `part` of it (`BuildShard`; the default: the
+    whole build, here). The first shard commits."""
+    shard, num_shards, agree = part.shard, part.num_shards, part.agree
+    staging = part.staging or staging_directory(final.parent, final.name)
     started = time.perf_counter()
     n = len(documents)
     records = range(n * shard // num_shards, n * (shard + 1) // num_shards)

@@ -264,14 +264,17 @@ def packed_attention(
         softcap=softcap is not None,
         value_head_dim=value.shape[-1],
     )
+    # The row's longest document only where a varlen kernel reads it.
+    max_seqlen = int(max_seqlen) if path in (VARLEN, SINK_VARLEN) else None
+    options = kernels.VarlenOptions(max_seqlen, scale=scaling, window=window, dropout=dropout, softcap=softcap)
     if path == VARLEN:
-        output = kernels._varlen(query, key, value, cu_seqlens, int(max_seqlen), scaling, dropout, window, softcap)
+        output = kernels._varlen(query, key, value, cu_seqlens, options)
     elif path == SINK_VARLEN:
-        output = kernels._sink_varlen(query, key, value, sinks, cu_seqlens, int(max_seqlen), scaling, dropout, window)
+        output = kernels._sink_varlen(query, key, value, sinks, cu_seqlens, options)
     elif path == SDPA:
-        output = kernels._per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window)
+        output = kernels._per_document_sdpa(query, key, value, cu_seqlens, options)
     else:
-        output = kernels._per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window, softcap, sinks)
+        output = kernels._per_document_exact(query, key, value, cu_seqlens, options, sinks)
     return (output if group is None else sequence_to_heads(output, group)), None
 
 

@@ -3,7 +3,9 @@ back to back, given their boundaries (`cu_seqlens`).
 
 `chattune.model.attention` chooses one per layer (`attention_path`) and calls it; this module says how each one
 computes. The per-document loops take (1, H, N, D), as transformers hands its attention functions; the varlen
-kernels take (N, H, D) (`_varlen` and `_sink_varlen` turn the one into the other). All return (1, N, Hq, D).
+kernels take (N, H, D) (`_varlen` and `_sink_varlen` turn the one into the other). All return (1, N, Hq, D). Each
+takes the tensors as arguments and the call's other settings (longest document, scale, window, dropout,
+soft-capping) in one `VarlenOptions`.
 
 - `_per_document_sdpa`: causal SDPA per document (exact, simple).
 - `_per_document_exact`: the same loop with the scores written out (fp32 softmax), as transformers' eager
@@ -49,6 +51,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -133,9 +138,41 @@ _TORCH_SINK_OPS = _torch_sink_ops()
 _TORCH_SINK_GQA_FLAG = _TORCH_SINK_OPS is not None and _takes_gqa_flag(_TORCH_SINK_OPS[0])
 
 
+# The kernels mirror torch's `varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale,
+# window_size, ...)`: the tensors are arguments of their own, and the settings of one call, which always travel
+# together from `chattune.model.attention.packed_attention` to the kernel it picks, are one value. Frozen (hashable,
+# Python scalars only): torch.compile specializes on it like on the scalars it holds, and `_SinkVarlen` takes it as
+# one non-tensor input (whose gradient is None).
+@dataclass(frozen=True)
+class VarlenOptions:
+    """One attention call's settings besides its tensors."""
+
+    # The row's longest document: the varlen kernels' max_q and max_k (the per-document loops need none).
+    max_seqlen: int | None = None
+    scale: float | None = None  # of the scores; None: head_dim ** -0.5
+    window: int | None = None  # sliding window: a query sees itself and the `window - 1` keys before it; None: all
+    dropout: float = 0.0  # of the attention probabilities (flash-attn's kernel and the per-document loops)
+    softcap: float | None = None  # Gemma 2's soft-capping of the scores (flash-attn's kernel and the exact loop)
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """The window as the varlen kernels take it: (W-1, 0) causal over the last W keys, (-1, 0) causal."""
+        return (self.window - 1, 0) if self.window is not None else (-1, 0)
+
+
+class _SinkOps(NamedTuple):
+    """What `_SinkVarlen` runs: torch's varlen flash forward and backward ops (or a test's stand-ins), and whether the
+    forward takes `enable_gqa`."""
+
+    forward: Callable
+    backward: Callable
+    takes_gqa_flag: bool
+
+
 @torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
-def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
+def _per_document_sdpa(query, key, value, cu_seqlens, options: VarlenOptions):
     # query: (1, Hq, N, D), key/value: (1, Hkv, N, D)
+    window = options.window
     enable_gqa = query.shape[1] != key.shape[1]
     bounds = cu_seqlens.tolist()
     outputs = []
@@ -150,9 +187,9 @@ def _per_document_sdpa(query, key, value, cu_seqlens, scaling, dropout, window):
                 k,
                 v,
                 attn_mask=mask,
-                dropout_p=dropout,
+                dropout_p=options.dropout,
                 is_causal=mask is None,
-                scale=scaling,
+                scale=options.scale,
                 enable_gqa=enable_gqa,
             )
         )
@@ -167,7 +204,7 @@ def _document_mask(length: int, window: int | None, device: torch.device) -> tor
 
 
 @torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
-def _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window, softcap=None, sinks=None):
+def _per_document_exact(query, key, value, cu_seqlens, options: VarlenOptions, sinks=None):
     """Attention per document with the scores written out, as transformers' eager attention computes them:
     soft-capping (Gemma 2) is tanh(scores / cap) * cap before the mask; sinks (gpt-oss) are one more logit per
     head in every query's softmax, whose probability is dropped. Scores and softmax in fp32 (exact on fp32)."""
@@ -175,7 +212,8 @@ def _per_document_exact(query, key, value, cu_seqlens, scaling, dropout, window,
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # transformers' repeat_kv: query head h reads kv head h // groups
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = options.scale if options.scale is not None else query.shape[-1] ** -0.5
+    softcap, window, dropout = options.softcap, options.window, options.dropout
     bounds = cu_seqlens.tolist()
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -204,11 +242,12 @@ def _kv_heads_for_kernel(q, k, v, takes_gqa_flag: bool, gqa: str):
     return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
-def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, varlen_attn=None, gqa: str | None = None):
+def torch_varlen_attn(q, k, v, cu_seqlens, options: VarlenOptions, varlen_attn=None, gqa: str | None = None):
     """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: torch 2.11's has no `enable_gqa`
     (grouped-query attention then passes unequal head counts as they are where `gqa` is "native", else repeats
     the kv heads). `gqa`: "native" or "repeat" for a wrapper without the flag (default: what `probe_native_gqa`
-    settled). Every supported torch (>= 2.11) takes `scale` and `window_size`."""
+    settled). Every supported torch (>= 2.11) takes `scale` and `window_size`, and none takes dropout or
+    soft-capping (`_varlen` and `attention_path` send no such call here)."""
     if varlen_attn is None:
         varlen_attn, parameters = _torch_varlen_attn, _TORCH_VARLEN_PARAMETERS
     else:  # a stand-in (tests, the probe)
@@ -216,8 +255,18 @@ def torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size, var
     takes_gqa_flag = "enable_gqa" in parameters
     extra = {"enable_gqa": True} if takes_gqa_flag and q.shape[1] != k.shape[1] else {}
     k, v = _kv_heads_for_kernel(q, k, v, takes_gqa_flag, gqa or _varlen_gqa)
+    max_seqlen = options.max_seqlen
     return varlen_attn(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, window_size=window_size, **extra
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        scale=options.scale,
+        window_size=options.window_size,
+        **extra,
     )
 
 
@@ -239,7 +288,7 @@ def probe_native_gqa(device: torch.device, varlen_attn=None) -> str:
 
     def run(gqa: str) -> list[torch.Tensor]:
         q, k, v = (t.clone().requires_grad_() for t in inputs)
-        out = torch_varlen_attn(q, k, v, cu_seqlens, 31, None, (-1, 0), varlen_attn=varlen_attn, gqa=gqa)
+        out = torch_varlen_attn(q, k, v, cu_seqlens, VarlenOptions(max_seqlen=31), varlen_attn=varlen_attn, gqa=gqa)
         out.float().square().sum().backward()
         return [out.detach().float(), *(t.grad.float() for t in (q, k, v))]
 
@@ -262,11 +311,11 @@ class _SinkVarlen(torch.autograd.Function):
     sigmoid(lse - sink), and the kernel's backward handed the sink-inclusive lse and the rescaled output."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, scale, window_size, ops, gqa_flag):
-        forward_op, backward_op = ops
-        is_causal = tuple(window_size) == (-1, 0)  # as varlen_attn tells the op
-        extra = {"enable_gqa": q.shape[1] != k.shape[1]} if gqa_flag else {}
-        out, lse, rng_state = forward_op(
+    def forward(ctx, q, k, v, sinks, cu_seqlens, options: VarlenOptions, ops: _SinkOps):
+        max_seqlen, window_size = options.max_seqlen, options.window_size
+        is_causal = window_size == (-1, 0)  # as varlen_attn tells the op
+        extra = {"enable_gqa": q.shape[1] != k.shape[1]} if ops.takes_gqa_flag else {}
+        out, lse, rng_state = ops.forward(
             query=q,
             key=k,
             value=v,
@@ -275,7 +324,7 @@ class _SinkVarlen(torch.autograd.Function):
             max_q=max_seqlen,
             max_k=max_seqlen,
             is_causal=is_causal,
-            scale=scale,
+            scale=options.scale,
             window_size=list(window_size),
             **extra,
         )
@@ -291,7 +340,7 @@ class _SinkVarlen(torch.autograd.Function):
         # output, traced zero gradients for every input (tests/test_attention_features.py, compiled in one graph).
         out = rescaled if rescaled.dtype == out.dtype else rescaled.to(out.dtype)
         ctx.save_for_backward(q, k, v, out, lse_with_sink, sinks, cu_seqlens, rng_state)
-        ctx.arguments = (max_seqlen, is_causal, scale, list(window_size), backward_op)
+        ctx.arguments = (max_seqlen, is_causal, options.scale, list(window_size), ops.backward)
         return out
 
     @staticmethod
@@ -322,22 +371,23 @@ class _SinkVarlen(torch.autograd.Function):
             delta = (grad_out.float() * out.float()).sum(-1).transpose(0, 1)  # (H, N)
             sink_probs = torch.exp(sinks.float()[:, None] - lse_with_sink)
             dsinks = -(sink_probs * delta).sum(1).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None  # nothing for cu_seqlens, options and ops
 
 
-def sink_varlen_attn(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, window_size, ops=None) -> torch.Tensor:
+def sink_varlen_attn(q, k, v, sinks, cu_seqlens, options: VarlenOptions, ops=None) -> torch.Tensor:
     """Attention with sinks on (N, H, D) tensors through torch's varlen flash kernel (`_SinkVarlen`); `sinks`: (Hq,).
-    `ops`: stand-ins for torch's (forward, backward) ops (tests)."""
+    No dropout or soft-capping (`_sink_varlen` and `attention_path` send no such call here). `ops`: stand-ins for
+    torch's (forward, backward) ops (tests)."""
     # torch's ops' flag is read at import (no signature inspection under torch.compile); stand-ins run eagerly
     ops, gqa_flag = (_TORCH_SINK_OPS, _TORCH_SINK_GQA_FLAG) if ops is None else (ops, _takes_gqa_flag(ops[0]))
     k, v = _kv_heads_for_kernel(q, k, v, gqa_flag, _varlen_gqa)  # torch 2.11's ops have no enable_gqa
-    return _SinkVarlen.apply(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, tuple(window_size), ops, gqa_flag)
+    return _SinkVarlen.apply(q, k, v, sinks, cu_seqlens, options, _SinkOps(ops[0], ops[1], gqa_flag))
 
 
-def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window, softcap=None):
+def _varlen(query, key, value, cu_seqlens, options: VarlenOptions):
     # varlen kernels take (N, H, D); window (W-1, 0) = causal over the last W keys, as transformers does
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    window_size = (window - 1, 0) if window is not None else (-1, 0)
+    max_seqlen, softcap = options.max_seqlen, options.softcap
     if _FLASH_ATTN_VARLEN is not None:
         extra = {"softcap": softcap} if softcap is not None else {}  # attention_path: only where it takes softcap
         out = _FLASH_ATTN_VARLEN(
@@ -348,22 +398,21 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout, window,
             cu_seqlens,
             max_seqlen,
             max_seqlen,
-            dropout_p=dropout,
-            softmax_scale=scaling,
+            dropout_p=options.dropout,
+            softmax_scale=options.scale,
             causal=True,
-            window_size=window_size,
+            window_size=options.window_size,
             **extra,
         )
     else:
-        if dropout:
+        if options.dropout:
             raise ValueError("torch varlen_attn has no dropout; set attention_dropout=0 or install flash-attn")
-        out = torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scaling, window_size)
+        out = torch_varlen_attn(q, k, v, cu_seqlens, options)
     return out.unsqueeze(0)  # (1, N, Hq, D)
 
 
-def _sink_varlen(query, key, value, sinks, cu_seqlens, max_seqlen, scaling, dropout, window):
-    if dropout:
+def _sink_varlen(query, key, value, sinks, cu_seqlens, options: VarlenOptions):
+    if options.dropout:
         raise ValueError("torch's varlen flash kernel (attention sinks) has no dropout; set attention_dropout=0")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    window_size = (window - 1, 0) if window is not None else (-1, 0)
-    return sink_varlen_attn(q, k, v, sinks, cu_seqlens, max_seqlen, scaling, window_size).unsqueeze(0)
+    return sink_varlen_attn(q, k, v, sinks, cu_seqlens, options).unsqueeze(0)

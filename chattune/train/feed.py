@@ -48,15 +48,28 @@ class StepBatches:
     seeds: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class InvariantSlots:
+    """World-size-invariant steps, on one rank: the microbatches of each step it trains (`slots`: rank r of W
+    trains r*M/W .. (r+1)*M/W - 1 of the step's M), each seeded from the run's `seed`, the step and the slot
+    (`microbatch_seed`: dropout draws the same masks on any number of ranks)."""
+
+    slots: range
+    seed: int = 0
+
+
 class StepFeed:
     """`next_step()` gives a step's microbatches; `close_step(ranks_at_epoch_end)` is told after the step's all-reduce
     how many ranks have finished an epoch and returns the epochs the step closed. `num_epochs` (None:
     unbounded) ends the feed on the same step on every rank (`finished`).
 
-    Each step takes `microbatches_per_step` microbatches of `stream`. Per rank (`slots` None) they are all
-    this rank's, and a step never runs past the end of an epoch. World-size-invariant, `stream` is the same
-    on every rank, steps run on across epoch ends, and this rank trains the step's microbatches `slots`
-    (rank r of W: r*M/W .. (r+1)*M/W - 1), seeded from `seed`, the step and the slot."""
+    Each step takes `microbatches_per_step` microbatches of `stream`. Per rank (`invariant` None) they are all
+    this rank's, and a step never runs past the end of an epoch; `num_ranks` ranks agree on the epoch's end.
+    World-size-invariant (`invariant`, `InvariantSlots`), `stream` is the same on every rank, steps run on across
+    epoch ends, and this rank trains the step's microbatches `invariant.slots`, seeded from `invariant.seed`, the
+    step and the slot. `reports_figures`: whether this rank's figures (epoch counts, skips) go into the sums over
+    ranks: not on the other ranks of a context group, which read the same microbatches as its first
+    (chattune.model.context_parallel)."""
 
     def __init__(
         self,
@@ -66,20 +79,19 @@ class StepFeed:
         num_epochs: int | None = None,
         mixer: Mixer | None = None,
         num_ranks: int = 1,
-        slots: range | None = None,
-        seed: int = 0,
-        counts: bool = True,
+        invariant: InvariantSlots | None = None,
+        reports_figures: bool = True,
     ):
+        slots, seed = (invariant.slots, invariant.seed) if invariant is not None else (None, 0)
         if microbatches_per_step < 1:
             raise ValueError(f"microbatches per step must be at least 1, got {microbatches_per_step}")
         if slots is not None and (slots.start < 0 or slots.stop > microbatches_per_step):
             raise ValueError(f"slots {slots} are not microbatches of a step of {microbatches_per_step}")
         self.stream, self.microbatches_per_step, self.pad_token_id = stream, microbatches_per_step, pad_token_id
         self.num_epochs, self.num_ranks = num_epochs, num_ranks
-        self.slots, self.seed = slots, seed
-        # Whether this rank's figures (epoch counts, skips) go into the sums over ranks: not on the other ranks of a
-        # context group, which read the same microbatches as its first (chattune.model.context_parallel).
-        self.counts = counts
+        self.slots, self.seed = slots, seed  # None, 0: per rank
+        # Whether this rank's figures go into the sums over ranks (the class docstring).
+        self.reports_figures = reports_figures
         self.mixer = (
             mixer  # a mixture's sampling state (chattune.data.mixing_policy), checkpointed with the data position
         )
@@ -102,7 +114,7 @@ class StepFeed:
         """Skipped and over-budget-but-kept records that this rank counts (summed over ranks, they are the
         run's): its share's; world-size-invariant, every rank reads every record, so rank 0 counts them."""
         counts = {**self.stream.skipped, **self.stream.overlong}
-        mine = self.counts and (not self.invariant or self.slots.start == 0)
+        mine = self.reports_figures and (not self.invariant or self.slots.start == 0)
         return counts if mine else dict.fromkeys(counts, 0)
 
     def next_step(self, step: int = 0) -> StepBatches:
@@ -130,7 +142,7 @@ class StepFeed:
             if trained_here and not isinstance(batch, PackedBatch):
                 batch = self.stream.collate(batch)
             taken.append(batch)
-            if self.counts and trained_here:
+            if self.reports_figures and trained_here:
                 _count(self.epoch_counts, batch)
             if not self.invariant:  # the step stops at the epoch's end; the ranks agree on it in the all-reduce
                 self.epoch_end_reached = batch.ends_epoch

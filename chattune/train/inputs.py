@@ -22,45 +22,33 @@ from chattune.data.packing import PackedBatch
 from chattune.data.records import source_specs
 from chattune.data.report import count_lines, report_sample, scan_documents
 from chattune.data.sources import MixedDocuments, RecipeData, row_budget
-from chattune.data.stream import PackedStream
+from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.tokenizer import pad_token_id
 from chattune.distributed import DistInfo, reduce_sums
 from chattune.errors import UserError
-from chattune.train.feed import StepFeed
+from chattune.train.feed import InvariantSlots, StepFeed
 
 logger = logging.getLogger(__name__)
 
 
 def packed_stream(
     cfg: DictConfig,
-    share: int,
-    num_shares: int,
-    pad_id: int,
     documents: MixedDocuments,
-    shuffle: bool,
-    num_epochs: int | None,
+    layout: StreamLayout,
+    pad_id: int,
     sampler=None,
     log_skips: bool = True,
 ) -> PackedStream:
-    """The packed microbatches of share `share` of `num_shares` of `documents` (a rank's, or all of it for
-    world-size-invariant steps): that share of every epoch, or of a mixture's draws. `log_skips`: whether
-    this rank logs the records it skips (not when every rank reads the same ones)."""
+    """The packed microbatches of `documents` that `layout` reads: its share (a rank's, or all of it for
+    world-size-invariant steps) of every epoch, or of a mixture's draws (`sampler`), packed to the config's
+    budget. `log_skips`: whether this rank logs the records it skips (not when every rank reads the same ones)."""
     # From a token cache there is nothing to tokenize: loader workers would only copy the documents across.
     num_workers = 0 if documents.cached else cfg.data.num_workers
+    budget = PackingBudget(
+        row_budget(cfg.data, cfg.parallel.context)[0], pad_id, cfg.data.pad_to_multiple_of, cfg.data.buffer_records
+    )
     return PackedStream(
-        documents,
-        share,
-        num_shares,
-        cfg.seed,
-        row_budget(cfg.data, cfg.parallel.context)[0],
-        pad_id,
-        cfg.data.buffer_records,
-        shuffle=shuffle,
-        num_epochs=num_epochs,
-        num_workers=num_workers,
-        pad_to_multiple_of=cfg.data.pad_to_multiple_of,
-        sampler=sampler,
-        log_skips=log_skips,
+        documents, layout, cfg.seed, budget, num_workers=num_workers, sampler=sampler, log_skips=log_skips
     )
 
 
@@ -79,14 +67,14 @@ def step_layout(cfg: DictConfig, dist_info: DistInfo) -> StepLayout:
     (data.microbatches_per_step = M): all the data, M microbatches a step, rank r training M/W consecutive ones.
     Under context parallelism a "rank" here is a data-parallel rank: the C ranks of a context group read and
     train the same microbatches (`DistInfo.data_rank`)."""
-    total, rank, ranks = cfg.data.microbatches_per_step, dist_info.data_rank, dist_info.data_ranks
+    total, data_rank, data_ranks = cfg.data.microbatches_per_step, dist_info.data_rank, dist_info.data_ranks
     if total is None:
-        return StepLayout(rank, ranks, cfg.grad_accum_steps, None)
+        return StepLayout(data_rank, data_ranks, cfg.grad_accum_steps, None)
     problem = microbatch_ranks_problem(total, dist_info.world_size, dist_info.cp)
     if problem:
         raise UserError(f"data.microbatches_per_step={problem}")
-    per_rank = total // ranks
-    return StepLayout(0, 1, total, range(rank * per_rank, (rank + 1) * per_rank))
+    per_rank = total // data_ranks
+    return StepLayout(0, 1, total, range(data_rank * per_rank, (data_rank + 1) * per_rank))
 
 
 @dataclass
@@ -175,17 +163,14 @@ def build_training_data(
     # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
     # stream, and only rank 0 logs its skipped records; context parallelism: a group's ranks read the same stream,
     # and only its first counts and logs); epochs end on the same step on every rank.
-    counts = dist_info.reports_rows
+    reports = dist_info.reports_rows
     stream = packed_stream(
         cfg,
-        layout.share,
-        layout.num_shares,
-        pad_id,
         train,
-        shuffle=True,
-        num_epochs=cfg.data.num_epochs,
+        StreamLayout(layout.share, layout.num_shares, shuffle=True, num_epochs=cfg.data.num_epochs),
+        pad_id,
         sampler=sampler,
-        log_skips=counts and (layout.slots is None or dist_info.is_main),
+        log_skips=reports and (layout.slots is None or dist_info.is_main),
     )
     feed = StepFeed(
         stream,
@@ -194,9 +179,8 @@ def build_training_data(
         num_epochs=cfg.data.num_epochs,
         mixer=mixer,
         num_ranks=dist_info.world_size,
-        slots=layout.slots,
-        seed=cfg.seed,
-        counts=counts,
+        invariant=InvariantSlots(layout.slots, cfg.seed) if layout.slots is not None else None,
+        reports_figures=reports,
     )
     own_eval = (
         open_documents(recipe_data.name, source_specs(cfg.data.eval), tokenizer, cfg.data, context)
@@ -208,13 +192,10 @@ def build_training_data(
         list(
             packed_stream(
                 cfg,
-                dist_info.data_rank,
-                dist_info.data_ranks,
-                pad_id,
                 held_out,
-                shuffle=False,
-                num_epochs=1,
-                log_skips=counts,
+                StreamLayout(dist_info.data_rank, dist_info.data_ranks, shuffle=False, num_epochs=1),
+                pad_id,
+                log_skips=reports,
             )
         )
         if held_out is not None

@@ -51,7 +51,7 @@ from chattune.train.progress import Progress
 from chattune.train.resume import resume_training
 from chattune.train.run_state import Every, Horizon, SkippedSteps, training_state
 from chattune.train.samples import run_samples
-from chattune.train.step import LossScale, StepResult, train_step
+from chattune.train.step import LossScale, StepResult, UpdateRule, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +161,8 @@ class UpdateSteps:
             self.model,
             learning.objective,
             batches,
-            learning.optimizer,
-            learning.scheduler,
-            self.cfg.max_grad_norm,
+            UpdateRule(learning.optimizer, learning.scheduler, self.cfg.max_grad_norm, self.loss_scale),
             self.device,
-            loss_scale=self.loss_scale,
             stop=interrupts.requested() is not None,
         )
         self.timer.stop()

@@ -210,28 +210,38 @@ class LossScale:
         self.scale, self.good_steps = state["scale"], state["good_steps"]
 
 
+@dataclass
+class UpdateRule:
+    """How a step's gradients update the weights (`train_step`): divided by the fp16 `loss_scale` (None: no
+    loss scaling) and clipped to `max_grad_norm` (None: not clipped), then the `optimizer` steps and the
+    learning-rate `scheduler` advances."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    max_grad_norm: float | None
+    loss_scale: LossScale | None = None
+
+
 def train_step(
     model: nn.Module,
     objective: Objective,
     batches: StepBatches,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    max_grad_norm: float | None,
+    update: UpdateRule,
     device: torch.device,
-    loss_scale: LossScale | None = None,
     stop: bool = False,
 ) -> tuple[StepResult, float]:
-    """One optimizer step: gradients, clipping, optimizer and scheduler. Returns the step and grad norm.
+    """One optimizer step: gradients, clipping, optimizer and scheduler (`update`). Returns the step and grad norm.
 
     A non-finite grad norm (any rank's loss or gradients) means the optimizer did not step, on every rank:
     the parameters and optimizer state stay as they were (the schedule still advances with the step
-    number). `result.overflow` tells an fp16 overflow (handled by `loss_scale`: the step is retried at
+    number). `result.overflow` tells an fp16 overflow (handled by `update.loss_scale`: the step is retried at
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
     on or stop. `stop`: this rank received a stop signal; `result.stop_ranks` counts the ranks that did."""
-    loss_scale = loss_scale or LossScale(enabled=False)
+    optimizer, scheduler = update.optimizer, update.scheduler
+    loss_scale = update.loss_scale or LossScale(enabled=False)
     sums = _forward_backward(model, objective, batches, device, loss_scale.scale)
     total_norm, losses_finite, stop_ranks = _clip_on_device(
-        model, max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale, stop
+        model, update.max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale, stop
     )
     # The step's one device-to-host transfer: its sums, counts, gradient norm and finiteness together. The
     # optimizer's step below is the one decision that needs them on the host.
