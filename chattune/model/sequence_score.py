@@ -54,7 +54,9 @@ class PackedSequenceScorer(nn.Module):
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """The score head's value (N,) in fp32 at every position of a packed (1, N) microbatch."""
         hidden = packed_decoder_output(self.hf_model, batch).last_hidden_state[0]
-        return getattr(self.hf_model, SCORE_MODULE)(hidden).squeeze(-1).float()
+        # A tensor of its own, not a view of the head's (N, 1) output: FSDP2's hook on the root's output would be
+        # lost to an in-place op on a view.
+        return getattr(self.hf_model, SCORE_MODULE)(hidden).float().flatten().clone()
 
     def describe_head(self) -> str:
         """For the start-up `compute:` line."""
