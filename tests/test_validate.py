@@ -157,7 +157,14 @@ SHIPPED_USES = {
             ["model.path={model}", "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"],
         )
     ],
-    "peft/lora": [("sft/tiny", ["peft=lora"]), ("dpo/tiny", ["peft=lora"])],
+    "reward/tiny": [("reward/tiny", [])],
+    "reward/local_model": [
+        (
+            "reward/local_model",
+            ["model.path={model}", "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"],
+        )
+    ],
+    "peft/lora": [("sft/tiny", ["peft=lora"]), ("dpo/tiny", ["peft=lora"]), ("reward/tiny", ["peft=lora"])],
     "peft/qlora": [("sft/local_model", ["model.path={model}", "peft=qlora"])],  # CUDA with bitsandbytes only
 }
 
@@ -184,7 +191,7 @@ def test_every_shipped_config_validates_without_a_note(tmp_path, monkeypatch, co
     tiny_config(max_position_embeddings=32768).save_pretrained(model)
     demo_tokenizer().save_pretrained(model)
     (model / "model.safetensors").touch()  # its weights are only looked for
-    if config == "dpo/tiny":  # sft/tiny's export: its model.config, as the run writes it into hf/config.json
+    if config in ("dpo/tiny", "reward/tiny"):  # sft/tiny's export: its model.config, as the run writes it into hf/
         sft_export = tmp_path / "outputs" / "sft-tiny" / "hf"
         instantiate(compose_config("sft/tiny", []).model.config).save_pretrained(sft_export)
         (sft_export / "model.safetensors").touch()
@@ -531,7 +538,7 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
 
 def test_the_schema_defaults_are_the_shipped_base_configs_and_its_nulls_have_types():
     # The schema in code and the YAML a recipe composes must not drift apart: same keys, same defaults.
-    for recipe, name in (("sft", "sft/tiny"), ("dpo", "dpo/tiny")):
+    for recipe, name in (("sft", "sft/tiny"), ("dpo", "dpo/tiny"), ("reward", "reward/tiny")):
         schema = schema_for(recipe)
         assert dataclasses.asdict(schema()) == OmegaConf.to_container(compose_config(name, []), resolve=False)
         null_by_default = [key for key, value in _leaves(dataclasses.asdict(schema())) if value is None]
@@ -567,7 +574,7 @@ def test_every_key_of_the_schema_has_a_meaning():
             elif not item.metadata.get("help"):
                 yield prefix + item.name
 
-    assert [key for recipe in ("sft", "dpo") for key in keys_without_help(schema_for(recipe))] == []
+    assert [key for recipe in ("sft", "dpo", "reward") for key in keys_without_help(schema_for(recipe))] == []
 
 
 def test_the_peft_group_and_its_keys(tmp_path):

@@ -476,7 +476,62 @@ class DPOConfig(SFTConfig):
     reference: ReferenceConfig = section(ReferenceConfig, "the frozen reference of the preference loss")
 
 
-SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig}
+@dataclass
+class RewardLossConfig(LossConfig):
+    center_rewards_coefficient: float = key(
+        0.0,
+        "adds this times (r_chosen + r_rejected)^2 per pair, keeping rewards centred on 0 (TRL's "
+        "center_rewards_coefficient; 0: off)",
+        bound=(lambda v: v >= 0, "must be >= 0"),
+    )
+
+
+@dataclass
+class RewardEvalConfig(EvalConfig):
+    samples: int = key(
+        0,
+        "a reward model writes no replies: must be 0",
+        bound=(lambda v: v == 0, "must be 0: a reward model scores replies and writes none"),
+    )
+
+
+@dataclass
+class RewardParallelConfig(ParallelConfig):
+    context: int = key(
+        1,
+        "must be 1: the reward recipe runs every packed row whole on each rank",
+        bound=(lambda v: v == 1, "must be 1: the reward recipe does not split packed rows across ranks"),
+    )
+
+
+@dataclass
+class RewardConfig(SFTConfig):
+    """The keys of `recipes/reward.py` (defaults: configs/reward/tiny.yaml, which builds on sft/tiny)."""
+
+    output_dir: str = key("outputs/reward-tiny", "where checkpoints, metrics and the HF export go", resume="free")
+    max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
+    save_every: int = key(
+        30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
+    eval_every: int = key(
+        20, "held-out metrics every N steps and at the end (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
+    eval: RewardEvalConfig = section(RewardEvalConfig, "no sample replies: a reward model scores", resume="free")
+    model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
+    parallel: RewardParallelConfig = section(RewardParallelConfig, "how ranks share the work beyond FSDP's sharding")
+    data: DPODataConfig = section(DPODataConfig)
+    loss: RewardLossConfig = section(RewardLossConfig)
+    optimizer: OptimizerConfig = section(
+        lambda: OptimizerConfig(lr=1e-3), "instantiated with the trainable parameters", recipe_passes=(1, ())
+    )
+    scheduler: SchedulerConfig = section(
+        lambda: SchedulerConfig(num_warmup_steps=5),
+        "instantiated with the optimizer",
+        recipe_passes=(1, ("num_training_steps",)),
+    )
+
+
+SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig, "reward": RewardConfig}
 
 
 def schema_for(recipe: str) -> type:

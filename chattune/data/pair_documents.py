@@ -117,6 +117,23 @@ class PairDocuments(TemplateDocuments):
         )
 
 
+class RewardPairDocuments(PairDocuments):
+    """Preference pairs for a reward model: DPO's documents, and a record that gives a `margin` refused. The
+    reward recipe trains every pair at margin 0 (a per-pair margin would have to travel with the document through
+    the token cache and the packed batch, which carry none), so a margin in the data is an error, not ignored."""
+
+    def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> _RenderedPair | Skipped:
+        if MARGIN_FIELD in record:
+            raise DataError(
+                f"{where}: a {MARGIN_FIELD!r} field: the reward recipe does not read per-pair margins (every pair is "
+                f"trained at margin 0); drop the field from the data to train without it"
+            )
+        return super()._render(index, where, spec, record)
+
+
+MARGIN_FIELD = "margin"  # TRL's RewardTrainer reads a pair's margin from this column
+
+
 @dataclass(frozen=True)
 class _RenderedPair:
     """A pair's two sides rendered by the chat template, waiting to be tokenized with the others of its batch."""

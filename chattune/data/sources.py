@@ -1,6 +1,6 @@
 """The documents a recipe reads, defined once for the recipes, `chattune validate` and `chattune inspect`.
 
-What a recipe kind reads (`RecipeData`, one per kind in `RECIPE_DATA`: "sft", "dpo"): the record formats it
+What a recipe kind reads (`RecipeData`, one per kind in `RECIPE_DATA`: "sft", "dpo", "reward"): the record formats it
 accepts and how a source's records become documents, conversations with assistant-only labels or preference
 pairs. The recipe kinds themselves (their schema, objective, reference model) are the table of
 `chattune.launch.recipe_kinds`, whose entries hold these; the data layer keeps them by kind name because a
@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from chattune.config.schema import DataConfig
 from chattune.data.documents import Document, Skipped, outcomes_by_record
 from chattune.data.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, SourceSpec
-from chattune.data.pair_documents import PairDocuments
+from chattune.data.pair_documents import PairDocuments, RewardPairDocuments
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
 from chattune.data.stream import DocumentSource, documents_of
@@ -121,6 +121,21 @@ def pair_source(
     )
 
 
+def reward_pair_source(
+    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
+) -> RewardPairDocuments:
+    """A source's preference pairs for a reward model: `pair_source`'s documents, a record with a margin refused."""
+    settings = document_settings(spec, data, context)
+    return RewardPairDocuments(
+        RecordSource([spec]),
+        tokenizer,
+        settings["budget"],
+        settings["overlong"],
+        settings["on_bad_record"],
+        settings["budget_name"],
+    )
+
+
 def document_settings(spec: SourceSpec, data: DataConfig, context: int = 1) -> dict:
     """The settings, besides the spec and the tokenizer, that shape a source's documents (and so key its token
     cache, `chattune.data.token_cache`): the masking, the overlong policy, the budget and its name in messages,
@@ -165,5 +180,13 @@ PAIR_DATA = RecipeData(
     " (DPO reads preference pairs)",
     pairs=True,
 )
+# DPO's pairs under a name of their own (a token cache is keyed by it): the reward recipe's documents.
+REWARD_PAIR_DATA = RecipeData(
+    "reward",
+    reward_pair_source,
+    PAIR_DATA.formats,
+    " (a reward model reads preference pairs)",
+    pairs=True,
+)
 # By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.cached_sources`).
-RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA)}
+RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA)}

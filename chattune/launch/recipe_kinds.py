@@ -1,4 +1,4 @@
-"""The recipe kinds chattune trains ("sft", "dpo"), in one table: the kind of run a config is for decides its
+"""The recipe kinds chattune trains ("sft", "dpo", "reward"), in one table: the kind of run a config is for decides its
 schema, the documents its sources become and the record formats those accept, its objective and whether it
 may need a reference model, so code asks that of the kind's entry (`RECIPE_KINDS`) instead of guessing it
 where it is needed. A third kind is one more entry (and its recipe, configs and schema).
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chattune.config.paths import CONFIG_DIR
-from chattune.config.schema import DPOConfig, SFTConfig
+from chattune.config.schema import DPOConfig, RewardConfig, SFTConfig
 from chattune.errors import UserError
 
 if TYPE_CHECKING:
@@ -138,7 +138,15 @@ DPO = RecipeKind(
     needs_reference=True,
 )
 
-RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO)}
+REWARD = RecipeKind(
+    "reward",
+    RewardConfig,
+    "chattune.data.sources:REWARD_PAIR_DATA",
+    "chattune.objectives.reward:RewardObjective",
+    needs_reference=False,
+)
+
+RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO, REWARD)}
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,9 @@ def check_module_names(hf_model: PreTrainedModel, settings: PeftConfig) -> None:
                 raise UserError(f"{key}: {name!r} names no module of {type(hf_model).__name__}{hint}")
 
 
-def lora_config(settings: PeftConfig) -> LoraConfig:
-    """The `peft` config section as peft's LoraConfig."""
+def lora_config(settings: PeftConfig, task_type: str = "CAUSAL_LM") -> LoraConfig:
+    """The `peft` config section as peft's LoraConfig, for peft's `task_type` (`chattune.model.heads`: SEQ_CLS
+    makes peft train a sequence-classification model's score head in full, next to the adapters)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -81,11 +82,11 @@ def lora_config(settings: PeftConfig) -> LoraConfig:
         # A tied model has one embedding matrix: training embed_tokens or lm_head trains it, as one tensor
         # read at the input and the output (as full fine-tuning would), not two copies that drift apart.
         ensure_weight_tying=bool(settings.modules_to_save),
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
 
 
-def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig) -> PeftModel:
+def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig, task_type: str = "CAUSAL_LM") -> PeftModel:
     """Inject LoRA adapters into `hf_model` in place and freeze the rest; returns peft's wrapper. A meta-built
     model's adapters are initialised here, its DoRA magnitudes (which need the base weights) by
     `set_dora_magnitudes` once the base is loaded. A 4-bit base (QLoRA) is quantized after this, under the
@@ -96,7 +97,7 @@ def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig) -> PeftModel:
     check_module_names(hf_model, settings)
     with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: once per rank
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        peft_model = get_peft_model(hf_model, lora_config(settings))
+        peft_model = get_peft_model(hf_model, lora_config(settings, task_type))
     with torch.no_grad():
         for module in hf_model.modules():
             if isinstance(module, LoraLayer) and any(p.is_meta for p in module.lora_A.parameters()):

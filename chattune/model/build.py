@@ -1,5 +1,6 @@
 """The model a recipe trains, and DPO's frozen reference: an HF causal LM from a local directory or from
-`model.config` (random weights), with the chunked loss head, sharded with FSDP2 per decoder layer and
+`model.config` (random weights), with the chunked loss head (or, for a reward model, the same decoder under a
+score head: `chattune.model.heads`, `chattune.model.sequence_score`), sharded with FSDP2 per decoder layer and
 at the root. One builder, so the policy and a reference built from the config get the same weights.
 
 From a directory the model is built on the meta device, sharded, then each rank loads only its own shard
@@ -31,8 +32,10 @@ from chattune.model.attention_kernels import probe_native_gqa
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
+from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
+from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +49,12 @@ class BuiltModel(NamedTuple):
     peft_model: PeftModel | None  # peft's handle on the adapters (None: full fine-tuning)
 
 
-def build_trained_model(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo) -> BuiltModel:
-    """The model a recipe trains: model.path (or model.config) with the `peft` section's adapters, sharded, in
-    training mode, its size logged."""
-    built = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft)
+def build_trained_model(
+    cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, head: ModelHead = CAUSAL_LM_HEAD
+) -> BuiltModel:
+    """The model a recipe trains: model.path (or model.config) ending in `head`, with the `peft` section's
+    adapters, sharded, in training mode, its size logged."""
+    built = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft, head=head)
     built.model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     num_params = sum(
         quantize.weight_shape(p).numel() for p in built.hf_model.parameters()
@@ -73,28 +78,35 @@ def build_sharded_model(
     path: str | None,
     adapters: PeftConfig | None = None,
     key: str = "model.path",
+    head: ModelHead = CAUSAL_LM_HEAD,
 ) -> BuiltModel:
     """The model loaded from `path` (a local directory or a hub id, `chattune.hub`; `key` is its config key), or
-    built from `cfg.model.config` when `path` is None, with LoRA `adapters` (the `peft` section) on its frozen
-    base when given, sharded."""
+    built from `cfg.model.config` when `path` is None, ending in `head` (`chattune.model.heads`: a causal LM's
+    output layer, or a reward model's score head), with LoRA `adapters` (the `peft` section) on its frozen base
+    when given, sharded."""
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
     torch.manual_seed(cfg.seed)
     files, stored_dtype = None, None
     if path is None:
         # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
-        hf_model = build_hf_model(tokenizer, config=instantiate(cfg.model.config, _convert_="all"))  # whole, on CPU
+        config = instantiate(cfg.model.config, _convert_="all")
+        hf_model = build_hf_model(tokenizer, config=config, head=head)  # whole, on CPU
     else:
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
             raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
-        hf_model, files = _empty_or_full(directory)
+        hf_model, files = _empty_or_full(directory, head)
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)
+    if head is SCORE_HEAD:
+        if dist_info.cp > 1:  # the schema of the reward recipe refuses it first
+            raise UserError("parallel.context: a reward model runs every packed row whole; set parallel.context=1")
+        set_padding(hf_model, tokenizer)
     # on a random-init miniature: the real weights may not exist yet
     check_architecture(hf_model.config, dist_info.device, dist_info.cp_group)
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
-    peft_model = add_adapters(hf_model, adapters) if adapters is not None else None
+    peft_model = add_adapters(hf_model, adapters, head.peft_task_type) if adapters is not None else None
     if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
         quantize.quantize_linears(
             decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dist_info.device
@@ -114,6 +126,11 @@ def build_sharded_model(
         compile = False
         logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
     router_loss = router_loss_for(hf_model, cfg.loss.router_aux_coef)
+    if router_loss is not None and head is SCORE_HEAD:
+        raise UserError(
+            f"loss.router_aux_coef: {type(hf_model).__name__} would train with its router load-balancing loss, "
+            "which the reward recipe does not add to its loss; set loss.router_aux_coef=0"
+        )
     if router_loss is not None and dist_info.cp > 1:
         raise UserError(
             f"loss.router_aux_coef: {type(hf_model).__name__} trains with its router load-balancing loss, "
@@ -121,8 +138,10 @@ def build_sharded_model(
             "loss.router_aux_coef=0 to train without it, or parallel.context=1"
         )
     # The context group set on the model (its attention modules and its loss read it there), before compiling.
-    model = shard_model(
-        PackedCausalLM(
+    packed = (
+        PackedSequenceScorer(hf_model, stored_dtype)
+        if head is SCORE_HEAD
+        else PackedCausalLM(
             hf_model,
             cfg.loss.chunk_size,
             implementation,
@@ -130,7 +149,10 @@ def build_sharded_model(
             tf32_head,
             router_loss,
             context_group=dist_info.cp_group,
-        ),
+        )
+    )
+    model = shard_model(
+        packed,
         device_type,
         dist_info.shard_ranks,
         **config_dict(cfg.model.fsdp),
@@ -153,24 +175,21 @@ def build_sharded_model(
 _described: set[str] = set()
 
 
-def describe_compute(model: PackedCausalLM, device_type: str) -> None:
-    """Log once what a step runs: the attention path, the output layer's loss and whether the decoder layers
-    are compiled; warn where a setting makes the CUDA path slow (nothing falls back silently)."""
-    head = {
-        "cut_cross_entropy": "cut-cross-entropy (fused)",
-        "chunked": "chunked fp32 head" + (" (its matmuls in TF32)" if model.tf32_head else ""),
-    }
+def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: str) -> None:
+    """Log once what a step runs: the attention path, the output layer's loss (or the score head) and whether
+    the decoder layers are compiled; warn where a setting makes the CUDA path slow (nothing falls back silently)."""
     line = (
         f"compute: {model.compute_dtype} on {device_type}; attention: "
         f"{attention_backend(device_type, model.compute_dtype, attention_features(model.hf_model))}; "
-        f"loss: {head[model.loss_implementation]}; "
+        f"{model.describe_head()}; "
         f"decoder layers {'compiled' if model.compiled else 'not compiled'}"
     )
     mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
     if mixer_paths:
         line += f"; sequence mixers: {mixer_paths}"
-    if model.logit_transform.describe():
-        line += f"; output logits: {model.logit_transform.describe()}"
+    transform = getattr(model, "logit_transform", None)  # a causal LM's (a score head has none)
+    if transform is not None and transform.describe():
+        line += f"; output logits: {transform.describe()}"
     experts = experts_implementation(model.hf_model, model.compiled, model.compute_dtype)
     if experts:
         line += f"; experts: {experts}"
@@ -203,15 +222,17 @@ def experts_implementation(hf_model: PreTrainedModel, compiled: bool, compute_dt
     )
 
 
-def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:
-    """(a meta-built model, its checkpoint's files) when the checkpoint can be read shard by shard, else
-    (the whole model from `from_pretrained`, None), with a warning that says why."""
+def _empty_or_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> tuple[PreTrainedModel, dict | None]:
+    """(a meta-built model ending in `head`, its checkpoint's files) when the checkpoint can be read shard by
+    shard, else (the whole model from `from_pretrained`, None), with a warning that says why. A score head the
+    checkpoint lacks (a causal LM's directory) is initialised here, as `from_pretrained` would."""
     files = load.checkpoint_files(directory)
     if files is None:
         reason = "it holds no safetensors weights"
     else:
-        hf_model = load.build_empty(directory)
-        missing = load.missing_tensors(hf_model, files)
+        hf_model = load.build_empty(directory, head)
+        started = initialise_missing_head(hf_model, set(files), directory) if head is SCORE_HEAD else set()
+        missing = [name for name in load.missing_tensors(hf_model, files) if name not in started]
         if not missing:
             hf_model.config.use_cache = False
             return hf_model, files
@@ -225,7 +246,7 @@ def _empty_or_full(directory: Path) -> tuple[PreTrainedModel, dict | None]:
         directory,
         reason,
     )
-    hf_model = load.load_full(directory)
+    hf_model = load.load_full(directory, head)
     hf_model.config.use_cache = False
     return hf_model, None
 

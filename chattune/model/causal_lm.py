@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
@@ -23,6 +23,7 @@ from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.context_parallel import gather_row, row_slice, set_context_group
 from chattune.model.flops import model_flops
 from chattune.model.fused_loss import cce_token_losses
+from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
 from chattune.model.output_logits import LogitTransform
 from chattune.model.router_loss import RouterLoss
 
@@ -72,6 +73,12 @@ class PackedCausalLM(nn.Module):
             raise ValueError("the router loss is computed per document, which context parallelism splits")
         local = row_slice(batch, dist.get_world_size(group), dist.get_rank(group))
         return gather_row(self._token_losses(local), group, batch.num_tokens)
+
+    def describe_head(self) -> str:
+        """What computes the loss from the final hidden states, for the start-up `compute:` line."""
+        if self.loss_implementation == "cut_cross_entropy":
+            return "loss: cut-cross-entropy (fused)"
+        return "loss: chunked fp32 head" + (" (its matmuls in TF32)" if self.tf32_head else "")
 
     def generate(self, **kwargs) -> torch.Tensor:
         """The wrapped model's `generate` (transformers'), with its attention as transformers' SDPA for the
@@ -155,15 +162,21 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
 
 
 def build_hf_model(
-    tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, dtype: torch.dtype = torch.float32
+    tokenizer: PreTrainedTokenizerBase,
+    config: PretrainedConfig,
+    dtype: torch.dtype = torch.float32,
+    head: ModelHead = CAUSAL_LM_HEAD,
 ) -> PreTrainedModel:
-    """A model with random weights built from a config, its vocabulary sized to the tokenizer. Seed torch
-    before calling for reproducible weights. (Model directories are loaded by `chattune.model.load`.)"""
+    """A model ending in `head` (a causal LM unless told) with random weights built from a config, its vocabulary
+    sized to the tokenizer. Seed torch before calling for reproducible weights. (Model directories are loaded by
+    `chattune.model.load`.)"""
     config.vocab_size = len(tokenizer)
     config.get_text_config().vocab_size = len(tokenizer)  # a composite config keeps it in its text config
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    for name, value in head.config_overrides.items():
+        setattr(config, name, value)
+    model = head.auto_class.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
     model.config.use_cache = False
     return model

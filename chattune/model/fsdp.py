@@ -21,13 +21,14 @@ from transformers import PreTrainedModel
 
 from chattune.config.schema import DTYPES
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.sequence_score import PackedSequenceScorer
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
-def decoder_layers(model: PackedCausalLM | PreTrainedModel) -> list[nn.Module]:
+def decoder_layers(model: PackedCausalLM | PackedSequenceScorer | PreTrainedModel) -> list[nn.Module]:
     """The repeated blocks, found through the class names HF lists in `_no_split_modules`."""
-    hf_model = model.hf_model if isinstance(model, PackedCausalLM) else model
+    hf_model = model.hf_model if isinstance(model, (PackedCausalLM, PackedSequenceScorer)) else model
     names = set(hf_model._no_split_modules or [])
     # Match along the MRO: once sharded, a layer's class is FSDP2's dynamic subclass (FSDPLlamaDecoderLayer).
     layers = [m for m in hf_model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
@@ -142,7 +143,8 @@ def shard_model(
         fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=replicated)
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=replicated)
     # generate() runs the HF model directly: FSDP2 must gather the root's parameters around it as around forward.
-    register_fsdp_forward_method(model, "generate")
+    if hasattr(model, "generate"):  # a causal LM's (a reward model's score head generates nothing)
+        register_fsdp_forward_method(model, "generate")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Each rank's loss is already divided by the GLOBAL token count, so the cross-rank

@@ -30,12 +30,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from chattune.errors import UserError
 from chattune.model import quantize
 from chattune.model.adapters import is_dora_magnitude
 from chattune.model.attention import ATTENTION_NAME
+from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
 from chattune.model.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,12 @@ def source_dtype(config: PretrainedConfig) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def build_empty(directory: Path) -> PreTrainedModel:
-    """The model of `directory`'s config with fp32 parameters on the meta device (no memory) and real
-    buffers, computed as `from_pretrained` computes them."""
-    config = AutoConfig.from_pretrained(directory)
+def build_empty(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> PreTrainedModel:
+    """The model of `directory`'s config, ending in `head`, with fp32 parameters on the meta device (no memory)
+    and real buffers, computed as `from_pretrained` computes them."""
+    config = AutoConfig.from_pretrained(directory, **head.config_overrides)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
+        model = head.auto_class.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
     _materialise_buffers(model)
     return model
 
@@ -254,6 +255,8 @@ def _load_local(stored: SafetensorsFile, name: str, target: torch.Tensor, direct
     local.copy_(stored.read_rows(name, offset[0], offset[0] + shape[0]))
 
 
-def load_full(directory: Path) -> PreTrainedModel:
+def load_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> PreTrainedModel:
     """`from_pretrained` in fp32 on the CPU: the whole model on every rank (the fallback)."""
-    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
+    return head.auto_class.from_pretrained(
+        directory, attn_implementation=ATTENTION_NAME, dtype=torch.float32, **head.config_overrides
+    )

@@ -1,0 +1,104 @@
+"""The reward-model objective for the shared update step: Bradley–Terry on packed preference pairs; the unit is
+the pair.
+
+A pair is one packed document of two segments, chosen then rejected (`chattune.data.pair_documents`), so a
+microbatch holds whole pairs: segment 2k is pair k's chosen side, 2k+1 its rejected one, and a padding segment,
+if any, comes last. A side's reward is the score head's value (`chattune.model.sequence_score`) at its reply's
+end-of-turn token. Labels are shifted, so a side's last trained position is the one that predicts that token,
+and the token itself sits one position further, still inside the side (a side's last position predicts
+nothing): there, at the end of the sequence `prompt + reply + end-of-turn`, Hugging Face's sequence
+classification reads it too.
+
+Per pair, with r the rewards: -log σ(r_chosen - r_rejected), plus c (r_chosen + r_rejected)² with c =
+loss.center_rewards_coefficient (TRL's `center_rewards_coefficient`: it keeps rewards near 0, which the
+difference alone leaves free). The sum over a microbatch's pairs is divided by the step's pair count over all
+ranks by the update step (`chattune.train.step`), so the gradient is that of the mean over every pair of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chattune.data.documents import IGNORE_INDEX
+from chattune.data.packing import PackedBatch
+from chattune.objectives.base import objective_loss
+from chattune.objectives.source_figures import source_figures
+
+
+def reply_end_positions(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions in the packed row of each pair's chosen and rejected end-of-turn tokens (one entry per pair):
+    one past each side's last trained position. Every side trains at least one token (a pair whose side trains
+    none is a bad record, `chattune.data.pair_documents`)."""
+    labels = batch.labels[0]
+    segments = batch.segment_ids.to(labels.device)
+    positions = torch.arange(labels.shape[0], device=labels.device)
+    trained_positions = torch.where(labels != IGNORE_INDEX, positions, torch.full_like(positions, -1))
+    num_segments = batch.cu_seqlens.shape[0] - 1
+    last_trained = torch.full((num_segments,), -1, dtype=torch.long, device=labels.device)
+    last_trained = last_trained.scatter_reduce(0, segments, trained_positions, reduce="amax")
+    pairs = len(batch.doc_ids)
+    ends = last_trained[: 2 * pairs] + 1
+    return ends[0::2], ends[1::2]
+
+
+def bradley_terry_losses(
+    chosen: torch.Tensor, rejected: torch.Tensor, center_rewards_coefficient: float = 0.0
+) -> torch.Tensor:
+    """Each pair's loss: -log σ(r_chosen - r_rejected) + c (r_chosen + r_rejected)²."""
+    losses = -F.logsigmoid(chosen - rejected)
+    if center_rewards_coefficient:
+        losses = losses + center_rewards_coefficient * (chosen + rejected).square()
+    return losses
+
+
+class RewardObjective:
+    unit_name = "preference pair"
+
+    def __init__(self, center_rewards_coefficient: float = 0.0, num_sources: int = 1):
+        """`num_sources`: a mixture's sources, for the per-source sums the mixer reads
+        (`chattune.data.mixing_policy`)."""
+        self.center_rewards_coefficient = center_rewards_coefficient
+        self.num_sources = num_sources
+
+    def count_units(self, batch: PackedBatch) -> int:
+        return len(batch.doc_ids)
+
+    def rewards(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen rewards, rejected rewards) of the microbatch's pairs, and the scores of every position."""
+        scores = model(batch)
+        chosen_ends, rejected_ends = reply_end_positions(batch)
+        return scores[chosen_ends], scores[rejected_ends], scores
+
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        chosen, rejected, scores = self.rewards(model, batch)
+        losses = bradley_terry_losses(chosen, rejected, self.center_rewards_coefficient)
+        # 0 * (every score) keeps a microbatch without pairs (an empty one) in the autograd graph: every rank must
+        # run backward through every forward, since FSDP reduces gradients in those hooks.
+        loss = losses.sum() + 0.0 * scores.sum()
+        chosen, rejected = chosen.detach(), rejected.detach()
+        figures = {
+            "rewards_chosen": chosen.sum(),
+            "rewards_rejected": rejected.sum(),
+            "accuracies": (chosen > rejected).sum(),
+            "tokens": (batch.labels != IGNORE_INDEX).sum(),
+        }
+        if self.num_sources > 1:
+            figures.update(source_figures(batch, losses, self.num_sources, doc_units=torch.ones_like(losses)))
+        return loss, figures
+
+    def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
+        """Means over every pair of the step (all ranks and microbatches), under DPO's names (`chattune plot`
+        draws them alike): the rewards, their margin, and the accuracy, the fraction of pairs whose chosen reward
+        beats the rejected one (a tie counts as wrong)."""
+        pairs = max(global_units, 1)
+        return {
+            "loss": objective_loss(sums) / pairs,
+            "rewards/chosen": sums["rewards_chosen"] / pairs,
+            "rewards/rejected": sums["rewards_rejected"] / pairs,
+            "rewards/margins": (sums["rewards_chosen"] - sums["rewards_rejected"]) / pairs,
+            "rewards/accuracies": sums["accuracies"] / pairs,
+            "num_pairs": global_units,
+            "num_tokens": int(sums["tokens"]),
+        }
