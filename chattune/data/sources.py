@@ -110,23 +110,19 @@ def pair_source(
     spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
 ) -> PairDocuments:
     """A source's preference pairs: one document of two segments (chosen, rejected) per pair, at most a row."""
-    settings = document_settings(spec, data, context)
-    return PairDocuments(
-        RecordSource([spec]),
-        tokenizer,
-        settings["budget"],
-        settings["overlong"],
-        settings["on_bad_record"],
-        settings["budget_name"],
-    )
+    return _pairs_of(PairDocuments, spec, tokenizer, data, context)
 
 
 def reward_pair_source(
     spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
 ) -> RewardPairDocuments:
     """A source's preference pairs for a reward model: `pair_source`'s documents, a record with a margin refused."""
+    return _pairs_of(RewardPairDocuments, spec, tokenizer, data, context)
+
+
+def _pairs_of(documents: type, spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int):
     settings = document_settings(spec, data, context)
-    return RewardPairDocuments(
+    return documents(
         RecordSource([spec]),
         tokenizer,
         settings["budget"],
