@@ -12,30 +12,25 @@ file to change the story.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from transformers import PreTrainedTokenizerBase
 
-from chattune.config.schema import DPOConfig
-from chattune.data.stream import StreamLayout
 from chattune.data.tokenizer import load_tokenizer
-from chattune.distributed import DistInfo, init_distributed, shutdown_distributed
+from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
 from chattune.launch.recipe_kinds import DPO
 from chattune.launch.validate import checked_config
 from chattune.log import setup_logging
-from chattune.model.adapters import BaseModelView, trainable_parameters
-from chattune.model.build import BuiltModel, build_sharded_model, build_trained_model
-from chattune.objectives import reference_cache
-from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective, is_initial_policy
+from chattune.model.adapters import trainable_parameters
+from chattune.model.build import build_trained_model
+from chattune.objectives.dpo import PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
-from chattune.train.inputs import TrainingData, build_training_data, packed_stream
+from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train
 from chattune.train.optimizer import build_optimizer
 from chattune.train.output_dir import claim_output_dir
+from chattune.train.reference import reference_log_probs
 
 logger = logging.getLogger("chattune.dpo")
 
@@ -72,7 +67,9 @@ def main(composed: DictConfig) -> None:
     # --- the loss and its reference log-probs: none (reference-free), a live frozen model, or a cache ---
     preference_loss = PreferenceLoss.from_config(cfg.loss)  # loss.type's row of PAIR_LOSSES, with its settings
     reference, eval_reference = (
-        reference_log_probs(cfg, tokenizer, dist_info, built, data) if preference_loss.needs_reference else (None, None)
+        reference_log_probs(cfg, tokenizer, dist_info, built, data, DPO.name)
+        if preference_loss.needs_reference
+        else (None, None)
     )
     objective = PreferenceObjective(preference_loss, reference, num_sources=data.num_sources)
     # A reference that is the initial policy makes the held-out figures before the first step known (every
@@ -91,47 +88,6 @@ def main(composed: DictConfig) -> None:
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
     train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)
     shutdown_distributed()
-
-
-def reference_log_probs(
-    cfg: DPOConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, built: BuiltModel, data: TrainingData
-):
-    """The reference log-probs of the training and held-out pairs: a live frozen model, or (reference.cache)
-    a table of them computed in one pass before training and stored under reference.cache_dir."""
-
-    def reference_model() -> torch.nn.Module:  # frozen: reference.path, else the initial policy; sharded alike
-        if built.peft_model is not None and cfg.reference.path is None:  # LoRA: the policy's own base; no second model
-            logger.info("reference: the policy's base (adapters off)")
-            return BaseModelView(built.model, built.peft_model)
-        return build_sharded_model(
-            cfg,
-            tokenizer,
-            dist_info,
-            cfg.reference.path or cfg.model.path,
-            key="reference.path" if cfg.reference.path else "model.path",
-        ).model
-
-    if not cfg.reference.cache:
-        live = LiveReference(reference_model())
-        return live, live
-    device = dist_info.device
-    splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
-    tables = reference_cache.load_or_build(
-        Path(cfg.reference.cache_dir),
-        {split: reference_cache.cache_fingerprint(cfg, split, device.type) for split in splits},
-        {split: len(documents) for split, documents in splits.items()},
-        reference_model,
-        lambda split: packed_stream(
-            cfg,
-            splits[split],
-            StreamLayout(dist_info.data_rank, dist_info.data_ranks, shuffle=False, num_epochs=1),
-            data.pad_id,
-        ),
-        device,
-        data.pad_id,
-        dist_info.is_main,
-    )
-    return CachedReference(tables["train"]), CachedReference(tables["eval"]) if data.eval is not None else None
 
 
 if __name__ == "__main__":

@@ -496,11 +496,13 @@ class RewardEvalConfig(EvalConfig):
 
 
 @dataclass
-class RewardParallelConfig(ParallelConfig):
+class WholeRowParallelConfig(ParallelConfig):
+    """For a recipe that runs every packed row whole on each rank (reward, KTO): no context parallelism."""
+
     context: int = key(
         1,
-        "must be 1: the reward recipe runs every packed row whole on each rank",
-        bound=(lambda v: v == 1, "must be 1: the reward recipe does not split packed rows across ranks"),
+        "must be 1: this recipe runs every packed row whole on each rank",
+        bound=(lambda v: v == 1, "must be 1: this recipe does not split packed rows across ranks"),
     )
 
 
@@ -518,7 +520,9 @@ class RewardConfig(SFTConfig):
     )
     eval: RewardEvalConfig = section(RewardEvalConfig, "no sample replies: a reward model scores", resume="free")
     model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
-    parallel: RewardParallelConfig = section(RewardParallelConfig, "how ranks share the work beyond FSDP's sharding")
+    parallel: WholeRowParallelConfig = section(
+        WholeRowParallelConfig, "how ranks share the work beyond FSDP's sharding"
+    )
     data: DPODataConfig = section(DPODataConfig)
     loss: RewardLossConfig = section(RewardLossConfig)
     optimizer: OptimizerConfig = section(
@@ -531,7 +535,63 @@ class RewardConfig(SFTConfig):
     )
 
 
-SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig, "reward": RewardConfig}
+@dataclass
+class KTODataConfig(DPODataConfig):
+    train: list[Any] = key(
+        factory=lambda: [{"path": "${demo_asset:preference_train.jsonl}", "format": "preference"}],
+        help="unpaired examples ({prompt, completion, label}) or preference pairs (two examples each)",
+    )
+    eval: list[Any] | None = key(
+        factory=lambda: [{"path": "${demo_asset:preference_eval.jsonl}", "format": "preference"}],
+        help="held-out examples or pairs",
+        resume="free",
+    )
+    overlong: str = key(
+        "drop", "an example (with its mismatched sequence) over the budget: drop | error", choices=OVERLONG_DPO
+    )
+
+
+@dataclass
+class KTOLossConfig(LossConfig):
+    beta: float = key(0.1, "KTO's inverse temperature", bound=(lambda v: v > 0, "must be positive"))
+    desirable_weight: float = key(
+        1.0, "the weight of desirable examples' losses (TRL's)", bound=(lambda v: v > 0, "must be positive")
+    )
+    undesirable_weight: float = key(
+        1.0, "the weight of undesirable examples' losses (TRL's)", bound=(lambda v: v > 0, "must be positive")
+    )
+
+
+@dataclass
+class KTOConfig(SFTConfig):
+    """The keys of `recipes/kto.py` (defaults: configs/kto/tiny.yaml, which builds on sft/tiny)."""
+
+    output_dir: str = key("outputs/kto-tiny", "where checkpoints, metrics and the HF export go", resume="free")
+    max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
+    save_every: int = key(
+        30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
+    eval_every: int = key(
+        20, "held-out metrics every N steps and at the end (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
+    model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
+    parallel: WholeRowParallelConfig = section(
+        WholeRowParallelConfig, "how ranks share the work beyond FSDP's sharding"
+    )
+    data: KTODataConfig = section(KTODataConfig)
+    loss: KTOLossConfig = section(KTOLossConfig)
+    optimizer: OptimizerConfig = section(
+        lambda: OptimizerConfig(lr=5e-4), "instantiated with the trainable parameters", recipe_passes=(1, ())
+    )
+    scheduler: SchedulerConfig = section(
+        lambda: SchedulerConfig(num_warmup_steps=5),
+        "instantiated with the optimizer",
+        recipe_passes=(1, ("num_training_steps",)),
+    )
+    reference: ReferenceConfig = section(ReferenceConfig, "the frozen reference of KTO's log-ratios")
+
+
+SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig, "reward": RewardConfig, "kto": KTOConfig}
 
 
 def schema_for(recipe: str) -> type:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chattune.config.paths import CONFIG_DIR
-from chattune.config.schema import DPOConfig, RewardConfig, SFTConfig
+from chattune.config.schema import DPOConfig, KTOConfig, RewardConfig, SFTConfig
 from chattune.errors import UserError
 
 if TYPE_CHECKING:
@@ -146,7 +146,15 @@ REWARD = RecipeKind(
     needs_reference=False,
 )
 
-RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO, REWARD)}
+KTO = RecipeKind(
+    "kto",
+    KTOConfig,
+    "chattune.data.sources:KTO_DATA",
+    "chattune.objectives.kto:KTOObjective",
+    needs_reference=True,
+)
+
+RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO, REWARD, KTO)}
 
 
 @dataclass(frozen=True)

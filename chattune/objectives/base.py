@@ -18,7 +18,12 @@ class Objective(Protocol):
     An objective whose loss has a part over a second unit (ORPO: the chosen replies' NLL per chosen token) also
     has `count_step_extras(batch) -> list[int]` (those counts, the same width for every batch) and
     `begin_step(global_units, global_extras)`: the update step all-reduces them with the units, in its one
-    all-reduce, and hands them over (device tensors) before the step's first forward."""
+    all-reduce, and hands them over (device tensors) before the step's first forward.
+
+    An objective whose loss needs a figure of the whole step before any of its losses (KTO's reference point) also
+    has `step_statistics(model, microbatches) -> (k,) float64 tensor`: a no-grad pass over this rank's microbatches
+    of the step, whose sums the step all-reduces in the same all-reduce and hands to
+    `begin_step(global_units, global_extras, global_statistics)`; an evaluation does the same over its batches."""
 
     unit_name: str  # what one loss unit is, for messages
 

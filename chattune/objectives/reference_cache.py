@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from chattune.config.schema import DPOConfig
+from chattune.config.schema import DPOConfig, KTOConfig
 from chattune.config.typed import config_dict
 from chattune.data.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
@@ -61,8 +61,9 @@ def weights_fingerprint(model_dir: Path, memo_path: Path) -> dict[str, str]:
     return digests
 
 
-def cache_fingerprint(cfg: DPOConfig, split: str, device_type: str) -> dict:
-    """What the reference log-probs of `cfg.data.<split>` depend on."""
+def cache_fingerprint(cfg: DPOConfig | KTOConfig, split: str, device_type: str, documents: str = "dpo") -> dict:
+    """What the reference log-probs of `cfg.data.<split>` depend on. `documents`: the recipe kind whose documents
+    the table holds (KTO's examples of a pair file are not DPO's pairs of it); DPO's keys stay what they were."""
     reference_dir = cfg.reference.path or cfg.model.path
     if reference_dir is not None:  # a hub id: its cached snapshot (collective: every rank asks, in the same order)
         directory = local_directory(reference_dir, "reference.path" if cfg.reference.path else "model.path")
@@ -80,6 +81,8 @@ def cache_fingerprint(cfg: DPOConfig, split: str, device_type: str) -> dict:
         "fsdp": config_dict(cfg.model.fsdp),  # precision changes the numbers
         "device": device_type,
     }
+    if documents != "dpo":
+        fingerprint["documents"] = documents
     template = cfg.tokenizer.chat_template
     if template is not None:  # in place of the tokenizer's own (which is among its files): by its text
         fingerprint["chat_template"] = template_fingerprint(template)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max, counts_rows, reduce_sums
+from chattune.distributed import all_reduce_max, all_reduce_sum, counts_rows, reduce_sums
 from chattune.model.fsdp import reshard
 from chattune.objectives.base import Objective
 from chattune.train.progress import Progress
@@ -40,9 +40,11 @@ def evaluate(
     model.eval()
     weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
     total = all_reduce_max(len(batches), device)
+    held_out = [batches[i] if i < len(batches) else empty_batch(pad_token_id) for i in range(total)]
+    if getattr(objective, "step_statistics", None) is not None:  # KTO: its reference point over the whole set first
+        _begin_held_out(objective, model, held_out, device, weight)
     shown = progress.task("eval", total, "batches") if progress is not None else None
-    for i in range(total):
-        batch = batches[i] if i < len(batches) else empty_batch(pad_token_id)
+    for i, batch in enumerate(held_out):
         loss, figures = objective.loss_sum(model, batch.to(device))
         sums["loss_sum"] += float(loss) * weight
         sums["units"] += objective.count_units(batch) * weight
@@ -56,6 +58,17 @@ def evaluate(
     reshard(model)  # the root's gathered bf16 copies would otherwise stay (and be what an export reads)
     sums = reduce_sums(sums, device)
     return {f"eval_{name}": value for name, value in objective.metrics(sums, int(sums["units"])).items()}
+
+
+def _begin_held_out(
+    objective: Objective, model: nn.Module, batches: list[PackedBatch], device: torch.device, weight: float
+) -> None:
+    """Collective: an objective's figures of the whole held-out set (all ranks) that its losses need first
+    (`step_statistics`, `begin_step`), as a training step's are of the step."""
+    local = objective.step_statistics(model, (batch.to(device) for batch in batches)) * weight
+    units = sum(objective.count_units(batch) for batch in batches) * weight
+    reduced = all_reduce_sum(torch.cat([torch.tensor([units], dtype=torch.float64, device=device), local]))
+    objective.begin_step(reduced[0], reduced[1:1], reduced[1:])
 
 
 def start_metrics(

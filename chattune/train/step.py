@@ -26,6 +26,7 @@ only on the steps that log, the step timer's event and the metrics' reductions (
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,14 @@ def step_extras(objective: Objective, microbatches: list[PackedBatch]) -> list[i
     return totals
 
 
+def _seeded(microbatches: list[PackedBatch], seeds: list[int] | None) -> Iterator[PackedBatch]:
+    """`microbatches` in turn, each after seeding the RNG with its seed (None: unseeded), as its training forward is."""
+    for index, batch in enumerate(microbatches):
+        if seeds is not None:
+            torch.manual_seed(seeds[index])
+        yield batch
+
+
 def _forward_backward(
     model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device, loss_scale: float
 ) -> _DeviceSums:
@@ -99,11 +108,21 @@ def _forward_backward(
     weight = 1.0 if counted else 0.0
     local_units = sum(objective.count_units(b) for b in microbatches) if counted else 0
     extras = step_extras(objective, microbatches if counted else [])
-    counts = all_reduce_sum(host_values_on(device, [local_units, int(batches.epoch_end_reached), *extras], torch.int64))
+    local_counts = host_values_on(device, [local_units, int(batches.epoch_end_reached), *extras], torch.int64)
+    statistics = getattr(objective, "step_statistics", None)
+    if statistics is not None:  # KTO's reference point: a no-grad pass over the whole step before its first backward
+        microbatches = [b.to(device) for b in microbatches]
+        local = statistics(model, _seeded(microbatches, seeds)) * weight
+        reduced = all_reduce_sum(torch.cat([local_counts.double(), local]))  # still the step's one all-reduce
+        counts, global_statistics = reduced[: len(local_counts)].round().long(), reduced[len(local_counts) :]
+    else:
+        counts, global_statistics = all_reduce_sum(local_counts), None
     # The normaliser stays on the device: reading it here would wait for every kernel queued before it (the
     # previous step's optimizer). A step with nothing to train gives zero gradients, not NaN.
     global_units = counts[0].clamp(min=1)
-    if extras:  # an objective with a second unit (ORPO's chosen tokens) weighs that part by the step's counts
+    if global_statistics is not None:
+        objective.begin_step(global_units, counts[2:], global_statistics)
+    elif extras:  # an objective with a second unit (ORPO's chosen tokens) weighs that part by the step's counts
         objective.begin_step(global_units, counts[2:])
     normaliser = global_units.to(torch.float32)  # as `loss / int` would convert it
     scale = (loss_scale / global_units.double()).to(torch.float32) if loss_scale != 1.0 else None

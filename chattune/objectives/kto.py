@@ -1,0 +1,146 @@
+"""KTO (Ethayarajh et al. 2024; TRL's `KTOTrainer`) for the shared update step: the unit is the example, one prompt
+with one completion labelled desirable or undesirable.
+
+An example is one packed document of two segments (`chattune.data.kto_documents`): the example itself, then a
+*mismatched* sequence, its prompt followed by another example's completion (its partner: the same side of the next
+record). Segment 2k is example k, 2k+1 its mismatched sequence. With r = log π(y|x) - log π_ref(y|x) (summed over
+the completion's tokens) and z the reference point:
+
+    desirable:   w_d (1 - σ(β (r - z)))        undesirable:   w_u (1 - σ(β (z - r)))
+
+z is KTO's estimate of KL(π || π_ref): the mean over the step's mismatched sequences of their log-ratio, clamped at
+0 and detached (no gradient flows through it), as TRL computes it. TRL averages it over one device batch (then over
+processes); here it is a **step-level** quantity: before the step's first backward, a no-grad pass over all its
+microbatches (`step_statistics`) sums the mismatched log-ratios, the update step all-reduces that sum with the
+step's example count in its one all-reduce (`begin_step`), and every microbatch's loss then uses the same z. So
+the gradient does not depend on how a step is split into microbatches and ranks. An evaluation does the same over
+the whole held-out set (`chattune.train.evaluation`).
+
+The pass over the mismatched sequences also gives each microbatch's reference log-probs (live or cached), kept
+until that microbatch's loss: the reference runs once per step, not twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from chattune.data.packing import PackedBatch
+from chattune.objectives.base import model_losses, objective_loss
+from chattune.objectives.dpo import Reference, pair_logps
+from chattune.objectives.source_figures import source_figures
+
+
+def kto_losses(
+    logratios: torch.Tensor, desirable: torch.Tensor, reference_point: torch.Tensor, weights: KTOWeights
+) -> torch.Tensor:
+    """Each example's loss: w_d (1 - σ(β (r - z))) where desirable, w_u (1 - σ(β (z - r))) where not."""
+    beta = weights.beta
+    desired = weights.desirable * (1 - torch.sigmoid(beta * (logratios - reference_point)))
+    undesired = weights.undesirable * (1 - torch.sigmoid(beta * (reference_point - logratios)))
+    return torch.where(desirable, desired, undesired)
+
+
+class KTOWeights:
+    """KTO's settings: β, and the weights of desirable and undesirable examples (TRL's `desirable_weight`,
+    `undesirable_weight`: the paper advises w_d n_d / (w_u n_u) in [1, 4/3] where the classes are unbalanced)."""
+
+    def __init__(self, beta: float = 0.1, desirable: float = 1.0, undesirable: float = 1.0):
+        self.beta, self.desirable, self.undesirable = beta, desirable, undesirable
+
+
+class KTOObjective:
+    unit_name = "example"
+
+    def __init__(self, weights: KTOWeights, reference: Reference, num_sources: int = 1):
+        self.weights, self.reference, self.num_sources = weights, reference, num_sources
+        self.reference_point: torch.Tensor | None = None  # z of the current step (or evaluation), on the device
+        # Each microbatch's reference log-probs (examples, mismatched) from the step's first pass, by its records.
+        self._reference_logps: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def count_units(self, batch: PackedBatch) -> int:
+        return len(batch.doc_ids)
+
+    def count_step_extras(self, batch: PackedBatch) -> list[int]:
+        return []
+
+    @torch.no_grad()
+    def step_statistics(self, model: nn.Module, microbatches: Iterable[PackedBatch]) -> torch.Tensor:
+        """The sum of the mismatched sequences' log-ratios (policy - reference) over `microbatches` (this rank's
+        share of the step, on the device), as a (1,) float64 tensor. Runs the policy without gradients and the
+        reference once per microbatch; the reference's log-probs are kept for `loss_sum`."""
+        self._reference_logps = {}
+        total = None
+        for batch in microbatches:
+            _, policy_mismatched, _, _ = pair_logps(model(batch), batch)
+            reference = self.reference(batch)
+            self._reference_logps[tuple(batch.doc_ids)] = reference
+            part = (policy_mismatched.double() - reference[1].double()).sum()
+            total = part if total is None else total + part
+        if total is None:
+            device = next(model.parameters()).device
+            total = torch.zeros((), dtype=torch.float64, device=device)
+        return total.reshape(1)
+
+    def begin_step(
+        self, global_units: torch.Tensor, global_extras: torch.Tensor, global_statistics: torch.Tensor
+    ) -> None:
+        """z = max(0, the mean mismatched log-ratio over every example of the step, all ranks), detached."""
+        self.reference_point = (global_statistics[0] / global_units.double().clamp(min=1)).clamp(min=0).detach()
+
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.reference_point is None:
+            raise RuntimeError("KTO's loss needs its step's reference point: run step_statistics and begin_step first")
+        token_losses, router_losses = model_losses(model, batch)
+        policy, _, tokens, _ = pair_logps(token_losses, batch)
+        reference = self._reference_logps.pop(tuple(batch.doc_ids), None)
+        reference_logps = (reference if reference is not None else self.reference(batch))[0]
+        logratios = policy - reference_logps.to(policy.dtype)
+        desirable = torch.tensor([bool(label) for label in batch.doc_desirable], dtype=torch.bool, device=policy.device)
+        z = self.reference_point.to(policy.dtype)
+        losses = kto_losses(logratios, desirable, z, self.weights)
+        # 0 * (all token losses): a microbatch without examples (an empty one) still runs backward, as FSDP needs.
+        loss = losses.sum() + 0.0 * token_losses.sum()
+        rewards = self.weights.beta * logratios.detach()
+        zero = torch.zeros_like(rewards)
+        figures = {
+            "desirable": desirable.sum(),
+            "rewards_chosen": torch.where(desirable, rewards, zero).sum(),
+            "rewards_rejected": torch.where(desirable, zero, rewards).sum(),
+            "logps_chosen": torch.where(desirable, policy.detach(), zero).sum(),
+            "logps_rejected": torch.where(desirable, zero, policy.detach()).sum(),
+            "tokens": tokens.sum(),
+            "kl": z.detach() * len(batch.doc_ids),  # z is the step's: summed per example, its mean is z again
+        }
+        if router_losses is not None:  # an example: its own sequence's router loss
+            router = router_losses[0 : 2 * len(batch.doc_ids) : 2].sum()
+            loss, figures["router_loss"] = loss + router, router.detach()
+        if self.num_sources > 1:
+            figures.update(source_figures(batch, losses, self.num_sources, doc_units=torch.ones_like(losses)))
+        return loss, figures
+
+    def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
+        """Means over the step's examples (all ranks and microbatches): the loss and the reference point z (`kl`);
+        the rewards β r and log-probs of the desirable examples (`*/chosen`) over those, of the undesirable ones
+        (`*/rejected`) over those; their margin is the difference of the two means (no example has both)."""
+        examples = max(global_units, 1)
+        desirable = sums["desirable"]
+        undesirable = global_units - desirable
+        router = {"router_loss": sums["router_loss"] / examples} if "router_loss" in sums else {}
+        chosen = sums["rewards_chosen"] / max(desirable, 1)
+        rejected = sums["rewards_rejected"] / max(undesirable, 1)
+        return {
+            "loss": objective_loss(sums) / examples,
+            **router,
+            "kl": sums["kl"] / examples,
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/margins": chosen - rejected,
+            "logps/chosen": sums["logps_chosen"] / max(desirable, 1),
+            "logps/rejected": sums["logps_rejected"] / max(undesirable, 1),
+            "num_examples": global_units,
+            "num_desirable": int(desirable),
+            "num_tokens": int(sums["tokens"]),
+        }

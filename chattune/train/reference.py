@@ -1,0 +1,69 @@
+"""The frozen reference of a recipe whose loss compares the policy with one (DPO, KTO): a live model sharded like
+the policy, or (reference.cache) a table of its log-probs computed once before training. Both recipes read their
+documents as two segments, so the same reference serves them: it gives each document's two segments' log-probs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from chattune.config.schema import DPOConfig, KTOConfig
+from chattune.data.stream import StreamLayout
+from chattune.distributed import DistInfo
+from chattune.model.adapters import BaseModelView
+from chattune.model.build import BuiltModel, build_sharded_model
+from chattune.objectives import reference_cache
+from chattune.objectives.dpo import CachedReference, LiveReference, Reference
+from chattune.train.inputs import TrainingData, packed_stream
+
+logger = logging.getLogger(__name__)
+
+
+def reference_log_probs(
+    cfg: DPOConfig | KTOConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    dist_info: DistInfo,
+    built: BuiltModel,
+    data: TrainingData,
+    documents: str,
+) -> tuple[Reference, Reference | None]:
+    """The reference log-probs of the training and held-out documents (of the recipe kind named `documents`): a live
+    frozen model, or (reference.cache) a table of them computed in one pass before training and stored under
+    reference.cache_dir."""
+
+    def reference_model() -> torch.nn.Module:  # frozen: reference.path, else the initial policy; sharded alike
+        if built.peft_model is not None and cfg.reference.path is None:  # LoRA: the policy's own base; no second model
+            logger.info("reference: the policy's base (adapters off)")
+            return BaseModelView(built.model, built.peft_model)
+        return build_sharded_model(
+            cfg,
+            tokenizer,
+            dist_info,
+            cfg.reference.path or cfg.model.path,
+            key="reference.path" if cfg.reference.path else "model.path",
+        ).model
+
+    if not cfg.reference.cache:
+        live = LiveReference(reference_model())
+        return live, live
+    device = dist_info.device
+    splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
+    tables = reference_cache.load_or_build(
+        Path(cfg.reference.cache_dir),
+        {split: reference_cache.cache_fingerprint(cfg, split, device.type, documents) for split in splits},
+        {split: len(split_documents) for split, split_documents in splits.items()},
+        reference_model,
+        lambda split: packed_stream(
+            cfg,
+            splits[split],
+            StreamLayout(dist_info.data_rank, dist_info.data_ranks, shuffle=False, num_epochs=1),
+            data.pad_id,
+        ),
+        device,
+        data.pad_id,
+        dist_info.is_main,
+    )
+    return CachedReference(tables["train"]), CachedReference(tables["eval"]) if data.eval is not None else None
