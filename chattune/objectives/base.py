@@ -21,9 +21,10 @@ class Objective(Protocol):
     all-reduce, and hands them over (device tensors) before the step's first forward.
 
     An objective whose loss needs a figure of the whole step before any of its losses (KTO's reference point) also
-    has `step_statistics(model, microbatches) -> (k,) float64 tensor`: a no-grad pass over this rank's microbatches
-    of the step, whose sums the step all-reduces in the same all-reduce and hands to
-    `begin_step(global_units, global_extras, global_statistics)`; an evaluation does the same over its batches."""
+    has `step_statistics(model, microbatches, device) -> (k,) float64 tensor`: a no-grad pass over this rank's
+    microbatches of the step (on the host), whose sums the step all-reduces in the same all-reduce and hands to
+    `begin_step(global_units, global_extras, global_statistics)`, and `trained_part(batch)`: what of a microbatch
+    its forward/backward then runs (on the host); an evaluation does the same over its batches."""
 
     unit_name: str  # what one loss unit is, for messages
 

@@ -16,20 +16,25 @@ step's example count in its one all-reduce (`begin_step`), and every microbatch'
 the gradient does not depend on how a step is split into microbatches and ranks. An evaluation does the same over
 the whole held-out set (`chattune.train.evaluation`).
 
-The pass over the mismatched sequences also gives each microbatch's reference log-probs (live or cached), kept
-until that microbatch's loss: the reference runs once per step, not twice.
+Each pass runs only the segments it needs (`segment_batch`, built on the host): the no-grad pass the mismatched
+sequences, the training forward/backward the examples (`trained_part`). The reference runs once, on whole documents,
+in the first pass, and its log-probs of the examples are kept until their microbatch's loss. Per step that is the
+work of TRL's KTO step: a policy forward of the mismatched sequences, a forward and backward of the examples, a
+reference forward of both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from chattune.data.packing import PackedBatch
+from chattune.data.documents import IGNORE_INDEX, Document
+from chattune.data.packing import PackedBatch, collate_packed
 from chattune.objectives.base import model_losses, objective_loss
-from chattune.objectives.dpo import Reference, pair_logps
+from chattune.objectives.dpo import Reference
 from chattune.objectives.source_figures import source_figures
 
 
@@ -51,14 +56,52 @@ class KTOWeights:
         self.beta, self.desirable, self.undesirable = beta, desirable, undesirable
 
 
+def segment_batch(batch: PackedBatch, segment: int) -> PackedBatch:
+    """A microbatch of documents of two segments reduced to one of them (0: each example, 1: its mismatched
+    sequence), on the host: one segment per document, in order, with the documents' records, sources and labels. A
+    microbatch without documents (an empty one: padding only) is kept as it is. The padding segment is not kept: a
+    run that pads rows for static shapes (data.pad_to_multiple_of) gets rows of the segments' own length."""
+    if not batch.doc_ids:
+        return batch
+    bounds = batch.cu_seqlens.tolist()
+    ids, labels = batch.input_ids[0].numpy(), batch.labels[0].numpy()
+    pieces = [(bounds[2 * k + segment], bounds[2 * k + segment + 1]) for k in range(len(batch.doc_ids))]
+    documents = [
+        Document(doc_id, ids[start:end], labels[start:end], source=source)
+        for doc_id, source, (start, end) in zip(batch.doc_ids, batch.doc_sources, pieces)
+    ]
+    return replace(
+        collate_packed(documents),
+        doc_desirable=list(batch.doc_desirable),
+        epoch=batch.epoch,
+        ends_epoch=batch.ends_epoch,
+    )
+
+
+def segment_logps(token_losses: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob, trained tokens) of each document of a one-segment-per-document microbatch (`segment_batch`)."""
+    segment = batch.segment_ids.to(token_losses.device)
+    num_segments = batch.cu_seqlens.shape[0] - 1
+    zeros = torch.zeros(num_segments, dtype=token_losses.dtype, device=token_losses.device)
+    logps = zeros.index_add(0, segment, -token_losses)
+    tokens = zeros.index_add(0, segment, (batch.labels[0] != IGNORE_INDEX).to(token_losses.dtype))
+    documents = len(batch.doc_ids)
+    return logps[:documents], tokens[:documents]
+
+
+def _records(batch: PackedBatch) -> tuple[int, tuple[int, ...]]:
+    """What identifies a microbatch within a step: its epoch and records (a record is once in an epoch)."""
+    return batch.epoch, tuple(batch.doc_ids)
+
+
 class KTOObjective:
     unit_name = "example"
 
     def __init__(self, weights: KTOWeights, reference: Reference, num_sources: int = 1):
         self.weights, self.reference, self.num_sources = weights, reference, num_sources
         self.reference_point: torch.Tensor | None = None  # z of the current step (or evaluation), on the device
-        # Each microbatch's reference log-probs (examples, mismatched) from the step's first pass, by its records.
-        self._reference_logps: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each microbatch's reference log-probs of its examples from the step's first pass, by its records.
+        self._reference_logps: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
 
     def count_units(self, batch: PackedBatch) -> int:
         return len(batch.doc_ids)
@@ -66,22 +109,28 @@ class KTOObjective:
     def count_step_extras(self, batch: PackedBatch) -> list[int]:
         return []
 
+    def trained_part(self, batch: PackedBatch) -> PackedBatch:
+        """What the training forward runs of a microbatch (on the host): its examples, not their mismatched
+        sequences, whose only use is the reference point (`step_statistics`)."""
+        return segment_batch(batch, 0)
+
     @torch.no_grad()
-    def step_statistics(self, model: nn.Module, microbatches: Iterable[PackedBatch]) -> torch.Tensor:
+    def step_statistics(
+        self, model: nn.Module, microbatches: Iterable[PackedBatch], device: torch.device
+    ) -> torch.Tensor:
         """The sum of the mismatched sequences' log-ratios (policy - reference) over `microbatches` (this rank's
-        share of the step, on the device), as a (1,) float64 tensor. Runs the policy without gradients and the
-        reference once per microbatch; the reference's log-probs are kept for `loss_sum`."""
+        share of the step, on the host), as a (1,) float64 tensor on `device`. Runs the policy without gradients on
+        the mismatched sequences, and the reference on whole documents, once per microbatch: its log-probs of the
+        examples are kept for `loss_sum`."""
         self._reference_logps = {}
-        total = None
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for batch in microbatches:
-            _, policy_mismatched, _, _ = pair_logps(model(batch), batch)
-            reference = self.reference(batch)
-            self._reference_logps[tuple(batch.doc_ids)] = reference
-            part = (policy_mismatched.double() - reference[1].double()).sum()
-            total = part if total is None else total + part
-        if total is None:
-            device = next(model.parameters()).device
-            total = torch.zeros((), dtype=torch.float64, device=device)
+            mismatched_batch = segment_batch(batch, 1).to(device)
+            policy, _ = segment_logps(model(mismatched_batch), mismatched_batch)
+            examples, mismatched = self.reference(batch.to(device))
+            if batch.doc_ids:
+                self._reference_logps[_records(batch)] = examples
+            total = total + (policy.double() - mismatched.double()).sum()
         return total.reshape(1)
 
     def begin_step(
@@ -93,11 +142,12 @@ class KTOObjective:
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.reference_point is None:
             raise RuntimeError("KTO's loss needs its step's reference point: run step_statistics and begin_step first")
-        token_losses, router_losses = model_losses(model, batch)
-        policy, _, tokens, _ = pair_logps(token_losses, batch)
-        reference = self._reference_logps.pop(tuple(batch.doc_ids), None)
-        reference_logps = (reference if reference is not None else self.reference(batch))[0]
-        logratios = policy - reference_logps.to(policy.dtype)
+        token_losses, router_losses = model_losses(model, batch)  # `batch`: the examples alone (`trained_part`)
+        policy, tokens = segment_logps(token_losses, batch)
+        if batch.doc_ids and _records(batch) not in self._reference_logps:
+            raise RuntimeError(f"no reference log-probs for records {batch.doc_ids}: step_statistics runs first")
+        reference = self._reference_logps.pop(_records(batch)) if batch.doc_ids else torch.zeros_like(policy)
+        logratios = policy - reference.to(policy.dtype)
         desirable = torch.tensor([bool(label) for label in batch.doc_desirable], dtype=torch.bool, device=policy.device)
         z = self.reference_point.to(policy.dtype)
         losses = kto_losses(logratios, desirable, z, self.weights)
@@ -115,7 +165,7 @@ class KTOObjective:
             "kl": z.detach() * len(batch.doc_ids),  # z is the step's: summed per example, its mean is z again
         }
         if router_losses is not None:  # an example: its own sequence's router loss
-            router = router_losses[0 : 2 * len(batch.doc_ids) : 2].sum()
+            router = router_losses[: len(batch.doc_ids)].sum()
             loss, figures["router_loss"] = loss + router, router.detach()
         if self.num_sources > 1:
             figures.update(source_figures(batch, losses, self.num_sources, doc_units=torch.ones_like(losses)))

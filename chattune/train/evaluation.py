@@ -43,6 +43,7 @@ def evaluate(
     held_out = [batches[i] if i < len(batches) else empty_batch(pad_token_id) for i in range(total)]
     if getattr(objective, "step_statistics", None) is not None:  # KTO: its reference point over the whole set first
         _begin_held_out(objective, model, held_out, device, weight)
+        held_out = [objective.trained_part(batch) for batch in held_out]
     shown = progress.task("eval", total, "batches") if progress is not None else None
     for i, batch in enumerate(held_out):
         loss, figures = objective.loss_sum(model, batch.to(device))
@@ -65,7 +66,7 @@ def _begin_held_out(
 ) -> None:
     """Collective: an objective's figures of the whole held-out set (all ranks) that its losses need first
     (`step_statistics`, `begin_step`), as a training step's are of the step."""
-    local = objective.step_statistics(model, (batch.to(device) for batch in batches)) * weight
+    local = objective.step_statistics(model, batches, device) * weight
     units = sum(objective.count_units(batch) for batch in batches) * weight
     reduced = all_reduce_sum(torch.cat([torch.tensor([units], dtype=torch.float64, device=device), local]))
     objective.begin_step(reduced[0], reduced[1:1], reduced[1:])

@@ -110,9 +110,10 @@ def _forward_backward(
     extras = step_extras(objective, microbatches if counted else [])
     local_counts = host_values_on(device, [local_units, int(batches.epoch_end_reached), *extras], torch.int64)
     statistics = getattr(objective, "step_statistics", None)
+    local_tokens = sum(b.num_tokens for b in microbatches) if counted else 0
     if statistics is not None:  # KTO's reference point: a no-grad pass over the whole step before its first backward
-        microbatches = [b.to(device) for b in microbatches]
-        local = statistics(model, _seeded(microbatches, seeds)) * weight
+        local = statistics(model, _seeded(microbatches, seeds), device) * weight
+        microbatches = [objective.trained_part(b) for b in microbatches]  # what the forward/backward runs of each
         reduced = all_reduce_sum(torch.cat([local_counts.double(), local]))  # still the step's one all-reduce
         counts, global_statistics = reduced[: len(local_counts)].round().long(), reduced[len(local_counts) :]
     else:
@@ -136,7 +137,6 @@ def _forward_backward(
         loss_sum += batch_loss.detach().float() * weight
         for name, value in batch_figures.items():
             figures[name] = figures.get(name, 0.0) + value.detach().double() * weight
-    local_tokens = sum(b.num_tokens for b in microbatches) if counted else 0
     return _DeviceSums(counts, loss_sum, figures, local_units, local_tokens)
 
 
