@@ -101,13 +101,19 @@ class _KnownLengths:
 
 
 def sides(document: Document) -> list[tuple[str, Document]]:
-    """(title, part) of a document to show: a preference pair's chosen and rejected sides, else itself."""
+    """(title, part) of a document to show: a preference pair's chosen and rejected sides, a KTO example and its
+    mismatched sequence (the prompt with its partner's completion, for the reference point), else itself."""
     if len(document.segments) != 2:
         return [("", document)]
-    chosen = document.segments[0]
+    first = document.segments[0]
+    if document.desirable is None:
+        titles = (" chosen", " rejected")
+    else:
+        label = "desirable" if document.desirable else "undesirable"
+        titles = (f" {label} example", " mismatched (its prompt, the next record's completion: KTO's reference point)")
     return [
-        (" chosen", Document(document.doc_id, document.input_ids[:chosen], document.labels[:chosen])),
-        (" rejected", Document(document.doc_id, document.input_ids[chosen:], document.labels[chosen:])),
+        (titles[0], Document(document.doc_id, document.input_ids[:first], document.labels[:first])),
+        (titles[1], Document(document.doc_id, document.input_ids[first:], document.labels[first:])),
     ]
 
 
