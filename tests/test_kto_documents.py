@@ -391,7 +391,7 @@ def test_the_token_cache_keeps_the_label(tmp_path, tokenizer, format):
     cached = CachedDocuments(final)
     every = list(range(len(plain)))
     want, got = plain.get_many(every), cached.get_many(every)
-    assert len(cached) == len(plain) == (20 if format == "unpaired" else 20)
+    assert len(cached) == len(plain) == 20  # 20 unpaired records, or 10 pairs of two examples
     assert {o.reason for o in want if isinstance(o, Skipped)} == (
         {"overlong", "bad_record"} if format == "unpaired" else {"identical_replies"}
     )
