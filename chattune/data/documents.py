@@ -65,6 +65,8 @@ class Document:
     # unit (DPO: chosen then rejected, so a pair always shares a microbatch). Empty: one sequence.
     segments: tuple[int, ...] = ()
     source: int = 0  # which data source (of a mixture) the record belongs to
+    # KTO's label of the example: its reply is desirable (True) or undesirable (False); None for every other document.
+    desirable: bool | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.input_ids, np.ndarray) and self.input_ids.dtype in (np.int32, np.int64)):
@@ -76,8 +78,8 @@ class Document:
         if not isinstance(other, Document):
             return NotImplemented
         return (
-            (self.doc_id, self.piece, self.overlong, self.segments, self.source)
-            == (other.doc_id, other.piece, other.overlong, other.segments, other.source)
+            (self.doc_id, self.piece, self.overlong, self.segments, self.source, self.desirable)
+            == (other.doc_id, other.piece, other.overlong, other.segments, other.source, other.desirable)
             and np.array_equal(self.input_ids, other.input_ids)
             and np.array_equal(self.labels, other.labels)
         )

@@ -8,8 +8,10 @@
 | `alpaca` | `instruction`, `input`, `output`, `system` | user turn = instruction, blank line, input |
 | `preference` | `prompt` (or `messages`), `chosen`, `rejected`, `tools` | DPO pairs; each a string or a list of messages |
 | `sharegpt_preference` | `conversations`, `chosen`, `rejected` (turns of `from`/`value`), `system`, `tools` | DPO pairs |
+| `unpaired` | `prompt` (or `messages`), `completion`, `label`, `tools` | KTO examples; label true/false |
 
-The two preference formats give a `PreferencePair` (`to_preference_pair`), not a `Conversation`.
+The two preference formats give a `PreferencePair` (`to_preference_pair`), the unpaired format an
+`UnpairedExample` (`to_unpaired_example`), not a `Conversation`.
 
 A source may rename any column (`columns: {messages: chat}`) and, for ShareGPT, map more role names
 (`roles: {bot: assistant}`). Problems are `DataError`s that name the record and what is wrong.
@@ -58,10 +60,19 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "role": "from",
         "content": "value",
     },
+    "unpaired": {
+        "prompt": "prompt",
+        "messages": "messages",
+        "completion": "completion",
+        "label": "label",
+        "tools": "tools",
+    },
 }
 
 # Formats of preference pairs (DPO), read with `to_preference_pair` rather than `to_conversation`.
 PREFERENCE_FORMATS = ("preference", "sharegpt_preference")
+# Formats of labelled single replies (KTO), read with `to_unpaired_example`.
+UNPAIRED_FORMATS = ("unpaired",)
 
 # ShareGPT role names -> chat roles. `tool_call` marks a turn whose value is a JSON call {name, arguments},
 # which becomes an assistant message with `tool_calls`.
@@ -161,6 +172,8 @@ def to_conversation(record: dict, spec: SourceSpec, where: str) -> Conversation:
     """Convert and validate one record."""
     if spec.format in PREFERENCE_FORMATS:
         raise DataError(f"{where}: the {spec.format} format holds preference pairs (for DPO), not conversations")
+    if spec.format in UNPAIRED_FORMATS:
+        raise DataError(f"{where}: the {spec.format} format holds labelled replies (for KTO), not conversations")
     converter = {
         "messages": _from_messages,
         "sharegpt": _from_sharegpt,
@@ -355,31 +368,15 @@ def to_preference_pair(record: dict, spec: SourceSpec, where: str) -> Preference
     elif spec.format == "sharegpt_preference":
         context, chosen, rejected = _sharegpt_preference_sides(record, spec, where)
     else:
+        held = "labelled replies (for KTO)" if spec.format in UNPAIRED_FORMATS else "conversations"
         raise DataError(
-            f"{where}: the {spec.format} format holds conversations, not preference pairs "
+            f"{where}: the {spec.format} format holds {held}, not preference pairs "
             f"(preference formats: {list(PREFERENCE_FORMATS)})"
         )
-    sides = {}
-    for name, side in (("chosen", chosen), ("rejected", rejected)):
-        if not side:
-            raise DataError(f"{where}: {spec.column(name)!r} holds no message")
-        reply = side[-1]
-        role = reply.get("role") if isinstance(reply, dict) else None
-        if role != "assistant":
-            raise DataError(
-                f"{where}: the last message of {spec.column(name)!r} must be the assistant reply, got role {role!r}"
-            )
-        for turn, message in enumerate(context + side):
-            if not isinstance(message, dict):
-                raise DataError(f"{where}: {name}: message {turn} must be an object, got {type(message).__name__}")
-        messages = validate_messages(context + side, f"{where}: {name}")
-        if not messages[:-1] or messages[-2]["role"] not in ("user", "tool"):
-            last = messages[-2]["role"] if len(messages) > 1 else None
-            raise DataError(
-                f"{where}: the context of the {name} reply must end with a user or tool turn, "
-                f"got {'no context' if last is None else f'a last turn of role {last!r}'}"
-            )
-        sides[name] = messages
+    sides = {
+        name: _checked_side(context, side, spec, name, where)
+        for name, side in (("chosen", chosen), ("rejected", rejected))
+    }
     if sides["chosen"][:-1] != sides["rejected"][:-1]:
         raise DataError(
             f"{where}: the chosen and rejected replies have different contexts (prompt + all but "
@@ -388,18 +385,47 @@ def to_preference_pair(record: dict, spec: SourceSpec, where: str) -> Preference
     return PreferencePair(sides["chosen"][:-1], sides["chosen"][-1], sides["rejected"][-1], _tools(record, spec, where))
 
 
-def _preference_sides(record: dict, spec: SourceSpec, where: str) -> tuple[list, list, list]:
+def _checked_side(context: list, side: list, spec: SourceSpec, name: str, where: str) -> list[dict]:
+    """One side, context + reply messages, validated: the reply is an assistant message with content (or tool
+    calls) and the context ends with a user or tool turn. `name`: the side's field ("chosen", "completion")."""
+    if not side:
+        raise DataError(f"{where}: {spec.column(name)!r} holds no message")
+    reply = side[-1]
+    role = reply.get("role") if isinstance(reply, dict) else None
+    if role != "assistant":
+        raise DataError(
+            f"{where}: the last message of {spec.column(name)!r} must be the assistant reply, got role {role!r}"
+        )
+    for turn, message in enumerate(context + side):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: {name}: message {turn} must be an object, got {type(message).__name__}")
+    messages = validate_messages(context + side, f"{where}: {name}")
+    if not messages[:-1] or messages[-2]["role"] not in ("user", "tool"):
+        last = messages[-2]["role"] if len(messages) > 1 else None
+        raise DataError(
+            f"{where}: the context of the {name} reply must end with a user or tool turn, "
+            f"got {'no context' if last is None else f'a last turn of role {last!r}'}"
+        )
+    return messages
+
+
+def _prompt_context(record: dict, spec: SourceSpec, where: str) -> list:
+    """The context of a `preference` or `unpaired` record: `prompt` or, in its place, `messages`."""
     prompt_column, messages_column = spec.column("prompt"), spec.column("messages")
     has_prompt, has_messages = record.get(prompt_column) is not None, record.get(messages_column) is not None
     if has_prompt and has_messages:
         raise DataError(f"{where}: both {prompt_column!r} and {messages_column!r} given for the context; keep one")
     if not has_prompt and not has_messages:
         raise DataError(
-            f"{where}: no {prompt_column!r} (or {messages_column!r}) field for the preference format "
+            f"{where}: no {prompt_column!r} (or {messages_column!r}) field for the {spec.format} format "
             f"(fields: {sorted(record)}); rename columns with `columns: {{prompt: ...}}`"
         )
     context_column = prompt_column if has_prompt else messages_column
-    context = _message_list(record[context_column], "user", context_column, where)
+    return _message_list(record[context_column], "user", context_column, where)
+
+
+def _preference_sides(record: dict, spec: SourceSpec, where: str) -> tuple[list, list, list]:
+    context = _prompt_context(record, spec, where)
     chosen, rejected = (
         _message_list(_required(record, spec, name, where), "assistant", spec.column(name), where)
         for name in ("chosen", "rejected")
@@ -433,3 +459,51 @@ def _sharegpt_preference_sides(record: dict, spec: SourceSpec, where: str) -> tu
             )
         sides.append(_sharegpt_messages(side, spec, where, label=f"{spec.column(name)} turn"))
     return context, sides[0], sides[1]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Unpaired examples (KTO)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnpairedExample:
+    """One labelled reply: the context (ending with a user or tool turn), the assistant reply to it, and
+    whether that reply is desirable (KTO's label)."""
+
+    context: list[dict]
+    completion: dict
+    desirable: bool
+    tools: list[dict] | None = None
+
+
+def to_unpaired_example(record: dict, spec: SourceSpec, where: str) -> UnpairedExample:
+    """Convert and validate one record of the `unpaired` format: {prompt, completion, label}.
+
+    `prompt` (or, in its place, `messages`) and `completion` are read as the `preference` format reads the
+    context and one side: a string (one user turn / one assistant reply), one message, or a list of messages,
+    the completion's last one being the reply and its earlier ones extending the context. `label` must be a
+    JSON boolean: true for a desirable reply, false for an undesirable one (no 1, "true" or null, whose
+    meaning would be a guess)."""
+    if spec.format not in UNPAIRED_FORMATS:
+        raise DataError(
+            f"{where}: the {spec.format} format holds no labelled replies (unpaired formats: {list(UNPAIRED_FORMATS)})"
+        )
+    label_column = spec.column("label")
+    if label_column not in record:
+        raise DataError(
+            f"{where}: no {label_column!r} field (fields: {sorted(record)}): KTO reads {{prompt, completion, label}} "
+            "records, label true (desirable) or false (undesirable); rename columns with `columns: {label: ...}`"
+        )
+    label = record[label_column]
+    if not isinstance(label, bool):
+        got = "null" if label is None else f"{type(label).__name__} {label!r}"
+        raise DataError(
+            f"{where}: {label_column!r} must be a JSON boolean, true (desirable) or false (undesirable), got {got}"
+        )
+    context = _prompt_context(record, spec, where)
+    completion = _message_list(
+        _required(record, spec, "completion", where), "assistant", spec.column("completion"), where
+    )
+    messages = _checked_side(context, completion, spec, "completion", where)
+    return UnpairedExample(messages[:-1], messages[-1], label, _tools(record, spec, where))

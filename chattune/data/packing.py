@@ -31,6 +31,8 @@ class PackedBatch:
     doc_ids: list[int] = field(default_factory=list)
     doc_lengths: list[int] = field(default_factory=list)  # tokens of each document, in order
     doc_sources: list[int] = field(default_factory=list)  # data source of each document
+    # KTO's label of each document (`Document.desirable`): True, False, or None for a document that has none.
+    doc_desirable: list[bool | None] = field(default_factory=list)
     padding: int = 0  # tokens of the padding segment (always last), if any
     epoch: int = 0  # the epoch its documents belong to
     ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
@@ -70,6 +72,7 @@ class PackedBatch:
             doc_ids=self.doc_ids,
             doc_lengths=self.doc_lengths,
             doc_sources=self.doc_sources,
+            doc_desirable=self.doc_desirable,
             padding=self.padding,
             epoch=self.epoch,
             ends_epoch=self.ends_epoch,
@@ -103,6 +106,7 @@ def collate_packed(
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
         doc_lengths=[len(d) for d in documents if d.doc_id >= 0],
         doc_sources=[d.source for d in documents if d.doc_id >= 0],
+        doc_desirable=[d.desirable for d in documents if d.doc_id >= 0],
         padding=sum(len(d) for d in documents if d.doc_id < 0),
     )
 

@@ -1,8 +1,8 @@
 """The documents a recipe reads, defined once for the recipes, `chattune validate` and `chattune inspect`.
 
-What a recipe kind reads (`RecipeData`, one per kind in `RECIPE_DATA`: "sft", "dpo", "reward"): the record formats it
-accepts and how a source's records become documents, conversations with assistant-only labels or preference
-pairs. The recipe kinds themselves (their schema, objective, reference model) are the table of
+What a recipe kind reads (`RecipeData`, one per kind in `RECIPE_DATA`: "sft", "dpo", "reward", "kto"): the record
+formats it accepts and how a source's records become documents, conversations with assistant-only labels,
+preference pairs or KTO's labelled examples. The recipe kinds themselves (their schema, objective, reference model) are the table of
 `chattune.launch.recipe_kinds`, whose entries hold these; the data layer keeps them by kind name because a
 token cache is keyed by it (`chattune.data.token_cache`). Every source of `data.train` / `data.eval` becomes
 its own document source (with its own format, columns and `train_on`), all behind one record index
@@ -20,7 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import DataConfig
 from chattune.data.documents import Document, Skipped, outcomes_by_record
-from chattune.data.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, SourceSpec
+from chattune.data.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, UNPAIRED_FORMATS, SourceSpec
+from chattune.data.kto_documents import KTO_FORMATS, KTODocuments
 from chattune.data.pair_documents import PairDocuments, RewardPairDocuments
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
@@ -120,6 +121,14 @@ def reward_pair_source(
     return _pairs_of(RewardPairDocuments, spec, tokenizer, data, context)
 
 
+def kto_source(
+    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
+) -> KTODocuments:
+    """A source's KTO examples (of unpaired records, or two per preference pair): one document of two segments
+    (the example, its KL sequence) per example, at most a row."""
+    return _pairs_of(KTODocuments, spec, tokenizer, data, context)
+
+
 def _pairs_of(documents: type, spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int):
     settings = document_settings(spec, data, context)
     return documents(
@@ -157,7 +166,9 @@ class RecipeData:
     source: SourceOf  # (a source's spec, the tokenizer, the data section, parallel.context) -> its documents
     formats: tuple[str, ...]
     reads: str  # said when a source's format is not one of `formats`
-    pairs: bool  # each document is a preference pair (two segments: chosen, rejected), not one conversation
+    # each document is two segments (a preference pair: chosen, rejected; a KTO example: it, its KL sequence),
+    # not one conversation
+    pairs: bool
 
     def read(
         self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
@@ -167,7 +178,11 @@ class RecipeData:
 
 
 SFT_DATA = RecipeData(
-    "sft", sft_source, tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS), "", pairs=False
+    "sft",
+    sft_source,
+    tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS + UNPAIRED_FORMATS),
+    "",
+    pairs=False,
 )
 PAIR_DATA = RecipeData(
     "dpo",
@@ -184,5 +199,7 @@ REWARD_PAIR_DATA = RecipeData(
     " (a reward model reads preference pairs)",
     pairs=True,
 )
+# KTO's examples: unpaired records, or preference pairs unpaired (each pair two examples).
+KTO_DATA = RecipeData("kto", kto_source, KTO_FORMATS, " (KTO reads unpaired examples or preference pairs)", pairs=True)
 # By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.cached_sources`).
-RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA)}
+RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA, KTO_DATA)}
