@@ -73,10 +73,12 @@ def test_kto_recipe_trains_and_resumes_on_any_ranks(tmp_path, base_dir, eval_fil
     resumed, whole = read_metrics(two, include_start=True), read_metrics(one, include_start=True)
     assert [m["step"] for m in resumed] == [m["step"] for m in whole] == list(range(7))
     assert whole[0]["eval_num_examples"] == 2 * EVAL_PAIRS and whole[0]["eval_num_desirable"] == EVAL_PAIRS
+    # 1 and 2 ranks sum gradients in another order, so the weights part in their last bits; z and the rewards are
+    # small differences of log-prob sums of ~70 nats, where that shows as ~1e-5 absolute.
     for a, b in zip(resumed, whole):
         for key in a:
             if key.startswith(("loss", "kl", "rewards/", "logps/", "eval_", "grad_norm", "num_")):
-                assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (a["step"], key, a[key], b[key])
+                assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=2e-5), (a["step"], key, a[key], b[key])
     assert all(KTO_KEYS <= m.keys() for m in whole[1:])
     assert whole[0]["eval_kl"] == 0.0 and whole[0]["eval_rewards/margins"] == 0.0  # the policy is its reference
     assert whole[-1]["eval_rewards/margins"] > 0  # desirable replies gain on undesirable ones

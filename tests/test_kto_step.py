@@ -76,15 +76,16 @@ def hand_losses(policy, reference, documents, groups: list[list[int]]) -> tuple[
     loss = torch.stack(losses).mean()
     good = [i for i, d in enumerate(documents) if d.desirable]
     bad = [i for i, d in enumerate(documents) if not d.desirable]
-    chosen, rejected = sum(rewards[i] for i in good) / len(good), sum(rewards[i] for i in bad) / len(bad)
+    chosen = sum(rewards[i] for i in good) / max(len(good), 1)
+    rejected = sum(rewards[i] for i in bad) / max(len(bad), 1)
     metrics = {
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "kl": float(z_of[0]),
         "rewards/chosen": chosen,
         "rewards/rejected": rejected,
         "rewards/margins": chosen - rejected,
-        "logps/chosen": sum(float(pol[i][0]) for i in good) / len(good),
-        "logps/rejected": sum(float(pol[i][0]) for i in bad) / len(bad),
+        "logps/chosen": sum(float(pol[i][0]) for i in good) / max(len(good), 1),
+        "logps/rejected": sum(float(pol[i][0]) for i in bad) / max(len(bad), 1),
         "num_examples": len(documents),
         "num_desirable": len(good),
         "num_tokens": sum(p[2] for p in pol),
@@ -154,9 +155,11 @@ def test_kto_gradients_and_metrics_are_invariant_and_match_a_hand_computation(tm
         got = torch.load(out_path)
         error = relative_error(got["grads"], want["grads"])
         assert error <= 1e-5, f"{reference} {name}: relative gradient error {error:.3g}"
+        # abs 5e-6: the rewards are beta x differences of fp32 log-prob sums of ~70 nats (each ~1e-5 off), and
+        # their margin is a difference of two such means.
         for key, value in want["metrics"].items():
-            assert math.isclose(got["metrics"][key], value, rel_tol=1e-5, abs_tol=1e-6), (reference, name, key)
-            assert math.isclose(got["eval"][f"eval_{key}"], value, rel_tol=1e-5, abs_tol=1e-6), (name, "eval", key)
+            assert math.isclose(got["metrics"][key], value, rel_tol=1e-5, abs_tol=5e-6), (reference, name, key)
+            assert math.isclose(got["eval"][f"eval_{key}"], value, rel_tol=1e-5, abs_tol=5e-6), (name, "eval", key)
 
 
 def test_a_per_microbatch_reference_point_would_be_caught():

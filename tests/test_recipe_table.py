@@ -21,11 +21,12 @@ from chattune.data.formats import PREFERENCE_FORMATS
 from chattune.data.sources import RECIPE_DATA
 from chattune.launch import recipe_kinds
 from chattune.launch.findings import ConfigError
-from chattune.launch.recipe_kinds import DPO, RECIPE_KINDS, REWARD, SFT, RecipeKindError, kind_of_config
+from chattune.launch.recipe_kinds import DPO, KTO, RECIPE_KINDS, REWARD, SFT, RecipeKindError, kind_of_config
 from chattune.launch.validate import check_config, run_validate
 from chattune.objectives import pair_losses
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import PreferenceObjective
+from chattune.objectives.kto import KTOObjective
 from chattune.objectives.pair_losses import PAIR_LOSSES, PairLossRow, PairRewards, PreferenceLoss, register_pair_loss
 from chattune.objectives.reward import RewardObjective
 from conftest import PROJECT_ROOT
@@ -34,9 +35,13 @@ from conftest import PROJECT_ROOT
 
 
 def test_each_kind_declares_its_schema_documents_formats_objective_and_reference():
-    assert list(RECIPE_KINDS) == ["sft", "dpo", "reward"] and RECIPE_KINDS["sft"] is SFT and RECIPE_KINDS["dpo"] is DPO
+    assert list(RECIPE_KINDS) == ["sft", "dpo", "reward", "kto"]
+    assert RECIPE_KINDS["sft"] is SFT and RECIPE_KINDS["dpo"] is DPO
     assert RECIPE_KINDS["reward"] is REWARD and REWARD.schema is schema_for("reward") and REWARD.pairs
     assert REWARD.objective_class() is RewardObjective and not REWARD.needs_reference
+    assert RECIPE_KINDS["kto"] is KTO and KTO.schema is schema_for("kto") and KTO.pairs  # an example: two segments
+    assert KTO.objective_class() is KTOObjective and KTO.needs_reference
+    assert set(KTO.formats) == {"unpaired", *PREFERENCE_FORMATS} and "unpaired" not in SFT.formats + DPO.formats
     assert (SFT.schema, DPO.schema) == (schema_for("sft"), schema_for("dpo"))  # the schema checks' own table agrees
     assert (SFT.objective_class(), DPO.objective_class()) == (TokenCrossEntropy, PreferenceObjective)
     assert (SFT.pairs, DPO.pairs) == (False, True) and (SFT.needs_reference, DPO.needs_reference) == (False, True)
@@ -94,7 +99,7 @@ def test_an_unknown_group_is_one_clear_error_naming_the_config(tmp_path):
     (tmp_path / "nope" / "run.yaml").write_text("# @package _global_\nmax_steps: 3\n")  # builds on nothing
     with pytest.raises(
         RecipeKindError,
-        match=r"^nope/run: no recipe kind: .* group \(sft/ or dpo/ or reward/\).* nope/run is in "
+        match=r"^nope/run: no recipe kind: .* group \(sft/ or dpo/ or reward/ or kto/\).* nope/run is in "
         r"group nope/ and builds on none",
     ):
         kind_of_config("nope/run", tmp_path)

@@ -57,7 +57,7 @@ def test_validate_reward_tiny_is_clean_and_refuses_what_a_reward_model_cannot_do
     assert not ok and problems(report) == [
         "loss.beta: unknown key",  # DPO's: a reward model has no reference to scale against
         "eval.samples: must be 0: a reward model scores replies and writes none, got 2",
-        "parallel.context: must be 1: the reward recipe does not split packed rows across ranks, got 2",
+        "parallel.context: must be 1: this recipe does not split packed rows across ranks, got 2",
         "loss.center_rewards_coefficient: must be >= 0, got -1",
     ], report
     report, ok = run_validate("reward/tiny", ["data.train=[data/chats.jsonl]"], CONFIGS)

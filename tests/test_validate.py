@@ -164,7 +164,19 @@ SHIPPED_USES = {
             ["model.path={model}", "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"],
         )
     ],
-    "peft/lora": [("sft/tiny", ["peft=lora"]), ("dpo/tiny", ["peft=lora"]), ("reward/tiny", ["peft=lora"])],
+    "kto/tiny": [("kto/tiny", [])],
+    "kto/local_model": [
+        (
+            "kto/local_model",
+            ["model.path={model}", "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"],
+        )
+    ],
+    "peft/lora": [
+        ("sft/tiny", ["peft=lora"]),
+        ("dpo/tiny", ["peft=lora"]),
+        ("reward/tiny", ["peft=lora"]),
+        ("kto/tiny", ["peft=lora"]),
+    ],
     "peft/qlora": [("sft/local_model", ["model.path={model}", "peft=qlora"])],  # CUDA with bitsandbytes only
 }
 
@@ -191,7 +203,11 @@ def test_every_shipped_config_validates_without_a_note(tmp_path, monkeypatch, co
     tiny_config(max_position_embeddings=32768).save_pretrained(model)
     demo_tokenizer().save_pretrained(model)
     (model / "model.safetensors").touch()  # its weights are only looked for
-    if config in ("dpo/tiny", "reward/tiny"):  # sft/tiny's export: its model.config, as the run writes it into hf/
+    if config in (
+        "dpo/tiny",
+        "reward/tiny",
+        "kto/tiny",
+    ):  # sft/tiny's export: its model.config, as the run writes it into hf/
         sft_export = tmp_path / "outputs" / "sft-tiny" / "hf"
         instantiate(compose_config("sft/tiny", []).model.config).save_pretrained(sft_export)
         (sft_export / "model.safetensors").touch()

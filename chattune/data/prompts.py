@@ -19,10 +19,12 @@ from pathlib import Path
 
 from chattune.data.formats import (
     PREFERENCE_FORMATS,
+    UNPAIRED_FORMATS,
     DataError,
     SourceSpec,
     to_conversation,
     to_preference_pair,
+    to_unpaired_example,
     validate_messages,
 )
 from chattune.data.records import RecordSource, json_problem
@@ -55,7 +57,7 @@ def before_last_reply(messages: list[dict]) -> list[dict]:
 def held_out_prompts(specs: list[SourceSpec], count: int, records: Sequence[int] | None = None) -> list[Prompt]:
     """The prompts of the first `count` records of `specs` (in order, across sources; only `records`, numbered
     across them, where given): a conversation's messages before its last assistant reply, a preference pair's
-    prompt. A record that cannot be read is passed over (logged; the held-out set's own reading reports it)
+    prompt, an unpaired example's prompt. A record that cannot be read is passed over (logged; the held-out set's own reading reports it)
     for the next one."""
     if count <= 0 or not specs:
         return []
@@ -69,6 +71,9 @@ def held_out_prompts(specs: list[SourceSpec], count: int, records: Sequence[int]
             if spec.format in PREFERENCE_FORMATS:
                 pair = to_preference_pair(record, spec, where)
                 prompt = Prompt(pair.context, pair.tools)
+            elif spec.format in UNPAIRED_FORMATS:  # KTO's examples: the prompt its completion answers
+                example = to_unpaired_example(record, spec, where)
+                prompt = Prompt(example.context, example.tools)
             else:
                 conversation = to_conversation(record, spec, where)
                 prompt = Prompt(before_last_reply(conversation.messages), conversation.tools)

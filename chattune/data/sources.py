@@ -169,6 +169,8 @@ class RecipeData:
     # each document is two segments (a preference pair: chosen, rejected; a KTO example: it, its KL sequence),
     # not one conversation
     pairs: bool
+    # One sequence of a document, for messages about its length (positions restart with each segment).
+    sequence: str = "a pair's side (the prompt and one reply)"
 
     def read(
         self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
@@ -183,6 +185,7 @@ SFT_DATA = RecipeData(
     tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS + UNPAIRED_FORMATS),
     "",
     pairs=False,
+    sequence="a document",
 )
 PAIR_DATA = RecipeData(
     "dpo",
@@ -200,6 +203,13 @@ REWARD_PAIR_DATA = RecipeData(
     pairs=True,
 )
 # KTO's examples: unpaired records, or preference pairs unpaired (each pair two examples).
-KTO_DATA = RecipeData("kto", kto_source, KTO_FORMATS, " (KTO reads unpaired examples or preference pairs)", pairs=True)
+KTO_DATA = RecipeData(
+    "kto",
+    kto_source,
+    KTO_FORMATS,
+    " (KTO reads unpaired examples or preference pairs)",
+    pairs=True,
+    sequence="an example or its mismatched sequence (a prompt and one completion)",
+)
 # By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.cached_sources`).
 RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA, KTO_DATA)}

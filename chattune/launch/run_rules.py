@@ -188,7 +188,7 @@ class RunRules:
         # Positions restart with every document (and every side of a preference pair), so the longest sequence is a
         # row's: a document of the whole budget, or a pair's side beside a short other side.
         positions, context = self.max_positions(), self.context_size()
-        sequence = "a pair's side (the prompt and one reply)" if self.kind.pairs else "a document"
+        sequence = self.kind.data.sequence
         if budget and positions and budget * context > positions:
             self.findings.note(
                 "data.max_tokens_per_microbatch",
