@@ -131,6 +131,27 @@ def test_preference_pairs_are_split_alike(tmp_path, tokenizer):
     assert sorted(split.train.origin(i)[1] for i in range(len(split.train))) == sorted(set(range(40)) - set(held))
 
 
+@pytest.mark.parametrize("cache", ["off", "on"])
+def test_kto_holds_out_whole_pairs_not_single_examples(tmp_path, tokenizer, cache):
+    """KTO reads a preference pair as two examples: the split holds out records (pairs), both examples of each, so no
+    prompt is trained on and held out at once; the count and the sample prompts' record numbers are the pairs'."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(PAIRS[:40]))
+    spec = SourceSpec(path=str(path), format="preference")
+    data = data_section("off" if cache == "off" else str(tmp_path / "cache"), max_tokens_per_microbatch=800)
+    full = open_documents("kto", [spec], tokenizer, data)
+    assert len(full) == 80 and full.examples_per_record == [2]
+    split = hold_out(full, 7, seed=42)
+    held = expected_held_out(40, 7, 42, 0)  # the rule over the 40 pairs
+    assert split.records[0].tolist() == held and split.counts == [7] and split.sizes == [40]
+    assert [split.held_out.origin(i) for i in range(14)] == [(0, 2 * r + side) for r in held for side in (0, 1)]
+    for index in range(14):
+        document, want = split.held_out.get(index), full.get(split.held_out.origin(index)[1])
+        assert document.desirable == want.desirable and document.input_ids.tolist() == want.input_ids.tolist()
+    trained = {split.train.origin(i)[1] // 2 for i in range(len(split.train))}
+    assert len(split.train) == 66 and trained == set(range(40)) - set(held)
+
+
 def test_a_mixture_draws_only_kept_records(tmp_path, tokenizer):
     specs = [
         SourceSpec(path=str(chats_file(tmp_path, "a.jsonl", 0, 30)), weight=2.0),

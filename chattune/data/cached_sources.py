@@ -97,7 +97,7 @@ def open_documents(
                     documents.num_tokens,
                 )
         sources.append((spec.display_name, documents))
-    return MixedDocuments(sources)
+    return MixedDocuments(sources, [recipe_data.examples_per_record(spec) for spec in specs])
 
 
 def _build(

@@ -140,18 +140,24 @@ def hold_out(train: MixedDocuments, eval_split, seed: int) -> HeldOutSplit:
     if eval_split is None:
         none = np.zeros(0, dtype=np.int64)
         return HeldOutSplit(train, None, [0] * len(train.sizes), list(train.sizes), [none] * len(train.sizes))
-    problem = split_problem(train.names, train.sizes, eval_split)
+    # Records, not documents, are held out: a record that gives several documents (KTO's two examples of a preference
+    # pair) goes whole to one side, so no prompt is both trained on and held out.
+    groups = train.examples_per_record
+    sizes = [len(documents) // group for documents, group in zip(train.sources, groups)]
+    problem = split_problem(train.names, sizes, eval_split)
     if problem is not None:
         raise UserError(problem)
     kept, held, records = [], [], []
-    counts = held_out_counts(train.sizes, eval_split)
+    counts = held_out_counts(sizes, eval_split)
     for source, (name, documents, count) in enumerate(zip(train.names, train.sources, counts)):
-        out = held_out_records(len(documents), count, seed, source)
-        kept.append((name, RecordSubset(documents, np.setdiff1d(np.arange(len(documents)), out))))
+        group = groups[source]
+        out = held_out_records(sizes[source], count, seed, source)
+        held_documents = (group * out[:, None] + np.arange(group)).reshape(-1)
+        kept.append((name, RecordSubset(documents, np.setdiff1d(np.arange(len(documents)), held_documents))))
         records.append(out)
         if count:
-            held.append((f"{name} (held out)", RecordSubset(documents, out)))
-    return HeldOutSplit(MixedDocuments(kept), MixedDocuments(held), counts, list(train.sizes), records)
+            held.append((f"{name} (held out)", RecordSubset(documents, held_documents)))
+    return HeldOutSplit(MixedDocuments(kept), MixedDocuments(held), counts, sizes, records)
 
 
 def held_out_line(split: HeldOutSplit, eval_split) -> str:

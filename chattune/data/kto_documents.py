@@ -36,6 +36,7 @@ from chattune.data.formats import (
     PREFERENCE_FORMATS,
     UNPAIRED_FORMATS,
     DataError,
+    SourceSpec,
     UnpairedExample,
     to_preference_pair,
     to_unpaired_example,
@@ -45,6 +46,11 @@ from chattune.data.template_documents import TemplateDocuments, with_skip_remedy
 
 KTO_FORMATS = (*UNPAIRED_FORMATS, *PREFERENCE_FORMATS)
 SIDES = ("chosen", "rejected")  # a preference pair's examples, in example order (2r, 2r + 1)
+
+
+def examples_per_record(spec: SourceSpec) -> int:
+    """A preference pair is two examples (chosen, rejected), an unpaired record one."""
+    return 2 if spec.format in PREFERENCE_FORMATS else 1
 
 
 class KTODocuments(TemplateDocuments):
@@ -78,7 +84,7 @@ class KTODocuments(TemplateDocuments):
         self.num_records = len(source)
 
     def __len__(self) -> int:
-        return self.num_records * (2 if self.paired else 1)
+        return self.num_records * examples_per_record(self.spec)
 
     def example_of(self, index: int) -> tuple[int, int]:
         """(record, side) of an example index: side 0 chosen / 1 rejected of a pair, 0 for an unpaired record."""

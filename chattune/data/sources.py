@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from chattune.config.schema import DataConfig
 from chattune.data.documents import Document, Skipped, outcomes_by_record
 from chattune.data.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, UNPAIRED_FORMATS, SourceSpec
-from chattune.data.kto_documents import KTO_FORMATS, KTODocuments
+from chattune.data.kto_documents import KTO_FORMATS, KTODocuments, examples_per_record
 from chattune.data.pair_documents import PairDocuments, RewardPairDocuments
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
@@ -32,9 +32,12 @@ class MixedDocuments:
     """Several document sources behind one record index (source k's records follow source k-1's).
     Each document is re-addressed by that global index and tagged with its source."""
 
-    def __init__(self, sources: Sequence[tuple[str, DocumentSource]]):
+    def __init__(self, sources: Sequence[tuple[str, DocumentSource]], examples_per_record: Sequence[int] | None = None):
+        """`examples_per_record`: how many consecutive documents each record of a source gives (KTO: a preference
+        pair's two examples), kept together where records are split (`chattune.data.held_out`); 1 by default."""
         self.names = [name for name, _ in sources]
         self.sources = [documents for _, documents in sources]
+        self.examples_per_record = list(examples_per_record or [1] * len(self.sources))
         self.sizes = [len(documents) for documents in self.sources]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
 
@@ -171,12 +174,17 @@ class RecipeData:
     pairs: bool
     # One sequence of a document, for messages about its length (positions restart with each segment).
     sequence: str = "a pair's side (the prompt and one reply)"
+    # How many consecutive documents a record of a source gives (KTO reads a preference pair as two examples).
+    examples_per_record: Callable[[SourceSpec], int] = lambda spec: 1
 
     def read(
         self, specs: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
     ) -> MixedDocuments:
         """Every source's documents behind one record index, tokenized as they are read (no token cache)."""
-        return MixedDocuments([(spec.display_name, self.source(spec, tokenizer, data, context)) for spec in specs])
+        return MixedDocuments(
+            [(spec.display_name, self.source(spec, tokenizer, data, context)) for spec in specs],
+            [self.examples_per_record(spec) for spec in specs],
+        )
 
 
 SFT_DATA = RecipeData(
@@ -210,6 +218,7 @@ KTO_DATA = RecipeData(
     " (KTO reads unpaired examples or preference pairs)",
     pairs=True,
     sequence="an example or its mismatched sequence (a prompt and one completion)",
+    examples_per_record=examples_per_record,
 )
 # By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.cached_sources`).
 RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA, KTO_DATA)}
