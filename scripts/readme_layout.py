@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chattune"
 FIXED_ROWS = {  # what is not a package of chattune/, before and after the packages
     "before": [
-        ("`recipes/sft.py`, `recipes/dpo.py`", "the SFT and DPO recipes: flat, copyable Hydra apps"),
+        (
+            "`recipes/sft.py`, `recipes/dpo.py`, `recipes/reward.py`, `recipes/kto.py`",
+            "the SFT, DPO, reward-model and KTO recipes: flat, copyable Hydra apps",
+        ),
         (
             "`configs/sft/`, `configs/dpo/`",
             "`sft/tiny` (default), `sft/local_model` (a real local model), `dpo/tiny`, `dpo/local_model`",
