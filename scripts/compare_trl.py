@@ -656,11 +656,12 @@ def compare_kto(setup: Setup) -> Comparison:
         result.add(f"{name}, TRL's own rows", kto_figures(ours, theirs_own), checked=False)
         order = "".join("d" if row["label"] else "u" for row in own_rows)
         ours_order = "".join("d" if d.desirable else "u" for d in documents)
+        partners = [data.partner_of(d.doc_id) for d in documents]
         result.notes.append(
             f"{name}, pairing: TRL's own rows {order} (d desirable, u undesirable) take as KL completion the "
             f"completion of rows {kl_sources(own_rows)} (the previous row, cyclic within its batch of {batch_size}); "
-            f"chattune's examples {ours_order} take the reply of examples {[data.partner_of(d.doc_id) for d in documents]} of the "
-            "source (the same side of the next record, cyclic over the whole source)"
+            f"chattune's examples {ours_order} take the reply of examples {partners} of the source (the same side "
+            "of the next record, cyclic over the whole source)"
         )
         first = own_rows[0]
         ours_examples = [prompt_and_reply(*first_segment(doc)) for doc in documents]
