@@ -699,16 +699,17 @@ def compare_kto(setup: Setup) -> Comparison:
         "every microbatch and rank of the step (of the whole held-out set in evaluation) over their example count"
     )
     result.notes.append(
-        "TRL's own tokenisation: prompt_ids = the prompt rendered with the generation prompt, completion_ids = the rest "
-        "of prompt + completion rendered as one conversation (split where they diverge), so the template's '\\n' "
+        "TRL's own tokenisation: prompt_ids = the prompt rendered with the generation prompt, completion_ids = the "
+        "rest of prompt + completion rendered as one conversation (split where they diverge), so the template's '\\n' "
         "after <|im_end|> is scored; no eos is appended to a conversational completion. Its KL sequence is "
         "prompt_ids + the KL completion_ids: the same prompt tokens, as chattune's mismatched sequence has"
     )
     result.notes.append(
-        "metrics: both log kl (z), rewards/chosen, rewards/rejected (beta r over the desirable / undesirable examples), "
-        "rewards/margins, logps/chosen, logps/rejected (summed over the completion); TRL's margins only when both kinds "
-        "are in the batch (chattune's mean of a kind absent is 0). TRL adds logits/*, entropy and num_tokens (every "
-        "non-padding token, cumulative); chattune num_examples, num_desirable, num_tokens (the examples' trained tokens)"
+        "metrics: both log kl (z), rewards/chosen, rewards/rejected (beta r over the desirable / undesirable "
+        "examples), rewards/margins, logps/chosen, logps/rejected (summed over the completion); TRL's margins only "
+        "when both kinds are in the batch (chattune's mean of a kind absent is 0). TRL adds logits/*, entropy and "
+        "num_tokens (every non-padding token, cumulative); chattune num_examples, num_desirable, num_tokens (the "
+        "examples' trained tokens)"
     )
     result.notes.append(
         f"models: tiny Llama fp32, policy seed {KTO_POLICY_SEED}, reference seed {KTO_REFERENCE_SEED} with its "
@@ -769,7 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"TRL {version} (from {args.trl_path}), transformers {transformers.__version__}, torch {torch.__version__}; "
         f"{args.records} pairs of {PAIRS_FILE.name}; tiny Llama fp32 seed 0 (ORPO: embeddings x{LOGIT_SCALE:g}; "
-        f"reward: head x{HEAD_SCALE:g}; KTO: reference seed {KTO_REFERENCE_SEED}, embeddings x{KTO_REFERENCE_SCALE:g}); tolerance {TOLERANCE:g} relative"
+        f"reward: head x{HEAD_SCALE:g}; KTO: reference seed {KTO_REFERENCE_SEED}, embeddings "
+        f"x{KTO_REFERENCE_SCALE:g}); tolerance {TOLERANCE:g} relative"
     )
     ok = True
     with tempfile.TemporaryDirectory() as output_dir:
