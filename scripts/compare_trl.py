@@ -1,4 +1,4 @@
-"""Compare chattune's ORPO and reward-model objectives with TRL's, numerically, on the same tiny model and records.
+"""Compare chattune's ORPO, reward-model and KTO objectives with TRL's, numerically, on the same tiny model and records.
 
     python scripts/compare_trl.py [--trl-path DIR] [--records N]
 
@@ -12,7 +12,9 @@ environment):
 A tiny random-init Llama (fp32, seed 0) and the first N demo preference pairs (chattune/assets/demo) go through
 chattune's own path (PairDocuments, collate_packed, PackedCausalLM / PackedSequenceScorer, the objective, evaluate)
 and through TRL's trainer code (ORPOTrainer.get_batch_loss_metrics, RewardTrainer.compute_loss) on a batch TRL's
-collator built. Each figure is printed from both sides with its relative difference.
+collator built. KTO reads the first N/2 pairs as N examples and N unpaired records made of the first N pairs
+(KTODocuments, evaluate and a training step against KTOTrainer.compute_loss, z over the same N examples on both
+sides, gradients compared too). Each figure is printed from both sides with its relative difference.
 
 "aligned" rows feed TRL token ids and labels made from chattune's documents, so both score the same tokens; they
 must agree to 1e-4 relative. "TRL tokenisation" rows let TRL render and tokenise the records itself: informational,
@@ -21,7 +23,7 @@ they show how much its conventions move the figures. Every alignment made is pri
 Exit status: 0 when every aligned figure agrees to 1e-4 relative, 1 when one does not, 77 when TRL cannot be
 imported from the folder (tests/test_trl_parity.py skips then).
 
-A comparison is one function `compare_<name>(setup) -> Comparison` listed in COMPARISONS (KTO can be one more).
+A comparison is one function `compare_<name>(setup) -> Comparison` listed in COMPARISONS.
 """
 
 from __future__ import annotations
@@ -43,16 +45,21 @@ from transformers import AutoConfig, AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.formats import SourceSpec
+from chattune.data.kto_documents import KTODocuments
 from chattune.data.packing import collate_packed
 from chattune.data.pair_documents import PairDocuments, RewardPairDocuments
 from chattune.data.records import RecordSource
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.heads import SCORE_HEAD
 from chattune.model.sequence_score import PackedSequenceScorer
-from chattune.objectives.dpo import PreferenceObjective
+from chattune.objectives.dpo import LiveReference, PreferenceObjective
+from chattune.objectives.kto import KTOObjective, KTOWeights
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.objectives.reward import RewardObjective
 from chattune.train.evaluation import evaluate
+from chattune.train.feed import StepBatches
+from chattune.train.metrics import step_metrics
+from chattune.train.step import accumulate_gradients
 
 DEFAULT_TRL_PATH = "/work/trl-pkgs"
 TOLERANCE = 1e-4  # relative, on every aligned figure
@@ -73,9 +80,12 @@ class Row:
     chattune: float
     trl: float
     checked: bool  # aligned: must agree to TOLERANCE; else informational
+    difference: float | None = None  # the relative difference where it is not that of the two figures (vectors)
 
     @property
     def relative(self) -> float:
+        if self.difference is not None:
+            return self.difference
         scale = max(abs(self.chattune), abs(self.trl))
         return 0.0 if scale == 0 else abs(self.chattune - self.trl) / scale
 
@@ -417,7 +427,299 @@ def compare_reward(setup: Setup) -> Comparison:
     return result
 
 
-COMPARISONS: list[Callable[[Setup], Comparison]] = [compare_orpo, compare_reward]
+# --- KTO -----------------------------------------------------------------------------------------------------------
+
+KTO_WEIGHTS = KTOWeights(beta=0.1, desirable=1.0, undesirable=1.5)  # unequal: a swapped weight would show
+KTO_POLICY_SEED, KTO_REFERENCE_SEED = 0, 1  # two random inits: every log-ratio, z included, is away from 0
+# The reference's tied embeddings scaled: its logits are peakier, its log-probs of these tokens lower, so the log-ratios
+# (and z) are positive and large enough (rewards ~0.3-0.5, z ~4) for fp32 rounding to stay well below the tolerance.
+KTO_REFERENCE_SCALE = 3.0
+KTO_STEP_MICROBATCHES = 2  # the training step's split: z must still be the step's, as TRL's one batch's
+KTO_FIGURES = (
+    "loss",
+    "kl",
+    "rewards/chosen",
+    "rewards/rejected",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def kto_unpaired_desirable(index: int) -> bool:
+    return index % 3 != 2  # as tests/test_kto_step.py: unbalanced, as real KTO data often is
+
+
+def kto_unpaired_records(setup: Setup) -> list[dict]:
+    """N unpaired records made of the first N demo pairs: pair i's prompt with its chosen reply (desirable) or, every
+    third record, its rejected one (undesirable)."""
+    records = []
+    for i, pair in enumerate(setup.records_as_dicts()):
+        label = kto_unpaired_desirable(i)
+        records.append(
+            {"prompt": pair["prompt"], "completion": pair["chosen" if label else "rejected"], "label": label}
+        )
+    return records
+
+
+def chattune_kto(policy, reference, documents: list[Document]) -> dict[str, float]:
+    """chattune's held-out KTO metrics of `documents`, one microbatch: z is the set's (the same as a step's)."""
+    objective = KTOObjective(KTO_WEIGHTS, LiveReference(PackedCausalLM(copy.deepcopy(reference))))
+    packed = PackedCausalLM(copy.deepcopy(policy), loss_chunk_size=16)
+    metrics = evaluate(packed, objective, [collate_packed(documents)], CPU, pad_token_id=0)
+    return {name.removeprefix("eval_"): value for name, value in metrics.items()}
+
+
+def prompt_and_reply(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """A KTO segment's (prompt ids, scored reply ids): the tokens before its first trained token, and its trained
+    tokens (the reply and its end-of-turn token), which must be contiguous; what follows them (the template's '\\n'
+    after the end-of-turn token) is dropped: no scored position reads it."""
+    scored = [j for j, label in enumerate(unshifted(ids, labels)) if label != IGNORE_INDEX]
+    first, last = scored[0], scored[-1]
+    assert scored == list(range(first, last + 1)), "a segment's trained tokens are one span"
+    return ids[:first], ids[first : last + 1]
+
+
+def first_segment(doc: Document) -> tuple[list[int], list[int]]:
+    """A KTO document's example: (input ids, shifted labels) of its first segment."""
+    n = doc.segments[0]
+    return doc.input_ids.tolist()[:n], doc.labels.tolist()[:n]
+
+
+def trl_kto_row(doc: Document) -> dict:
+    """TRL's tokenised KTO row (prompt_ids, completion_ids, KL_completion_ids, label) holding chattune's tokens: the
+    example's prompt and scored reply, and the scored reply of its mismatched sequence as the KL completion."""
+    n = doc.segments[0]
+    ids, labels = doc.input_ids.tolist(), doc.labels.tolist()
+    prompt, reply = prompt_and_reply(ids[:n], labels[:n])
+    kl_prompt, kl_reply = prompt_and_reply(ids[n:], labels[n:])
+    assert kl_prompt == prompt, "chattune's mismatched sequence starts with its example's prompt tokens"
+    return {"prompt_ids": prompt, "completion_ids": reply, "KL_completion_ids": kl_reply, "label": bool(doc.desirable)}
+
+
+def trl_kto(trainer, model, rows: list[dict]) -> dict[str, float]:
+    """TRL's loss and metrics of `rows` as one batch (its z is the batch's: the whole set's here)."""
+    keys = ("prompt_ids", "completion_ids", "KL_completion_ids", "label")
+    batch = trainer.data_collator([{k: row[k] for k in keys} for row in rows])
+    model.eval()  # compute_loss files its metrics under "eval"
+    trainer._metrics["eval"].clear()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+    metrics = {name: values[-1] for name, values in trainer._metrics["eval"].items() if values}
+    metrics["loss"] = float(loss)
+    metrics["num_desirable"] = sum(bool(row["label"]) for row in rows)
+    return metrics
+
+
+def kto_figures(ours: dict, theirs: dict) -> dict:
+    figures = {name: (ours[name], theirs[name]) for name in KTO_FIGURES}
+    figures["desirable examples"] = (ours["num_desirable"], theirs["num_desirable"])
+    return figures
+
+
+def chattune_kto_step(policy, reference, documents: list[Document]) -> tuple[dict[str, float], dict]:
+    """One training step of `documents` in KTO_STEP_MICROBATCHES microbatches (accumulate_gradients, one rank): its
+    metrics and the policy's gradients."""
+    model = PackedCausalLM(copy.deepcopy(policy), loss_chunk_size=16)
+    model.train()
+    objective = KTOObjective(KTO_WEIGHTS, LiveReference(PackedCausalLM(copy.deepcopy(reference))))
+    size = -(-len(documents) // KTO_STEP_MICROBATCHES)
+    microbatches = [collate_packed(documents[i : i + size]) for i in range(0, len(documents), size)]
+    result = accumulate_gradients(model, objective, StepBatches(microbatches), CPU)
+    metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=CPU)
+    grads = {name.removeprefix("hf_model."): p.grad.clone() for name, p in model.named_parameters()}
+    return metrics, grads
+
+
+def trl_kto_step(trainer, model, rows: list[dict]) -> tuple[dict[str, float], dict]:
+    """TRL's compute_loss of `rows` as one training batch, backward: its loss, kl and the policy's gradients."""
+    keys = ("prompt_ids", "completion_ids", "KL_completion_ids", "label")
+    batch = trainer.data_collator([{k: row[k] for k in keys} for row in rows])
+    model.train()
+    model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+    metrics["loss"] = float(loss.detach())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return metrics, grads
+
+
+def gradient_difference(ours: dict, theirs: dict) -> float:
+    """|g_chattune - g_TRL| / max(|g_chattune|, |g_TRL|) over all the policy's gradients (one flat vector each): the
+    gradient rows' relative difference."""
+    assert sorted(ours) == sorted(theirs), (sorted(ours), sorted(theirs))
+    a = torch.cat([ours[name].flatten() for name in sorted(ours)])
+    b = torch.cat([theirs[name].flatten() for name in sorted(ours)])
+    return float((a - b).norm() / max(a.norm(), b.norm()))
+
+
+def rotated_kl(rows: list[dict]) -> list[dict]:
+    """TRL's pairing on the same rows: example i's KL completion is example i-1's completion (cyclic in the batch)."""
+    return [{**row, "KL_completion_ids": rows[i - 1]["completion_ids"]} for i, row in enumerate(rows)]
+
+
+def kl_sources(rows: list[dict]) -> list[int | None]:
+    """Which row's completion each row's KL completion is (None: none of the batch's)."""
+    completions = [row["completion_ids"] for row in rows]
+    return [
+        completions.index(row["KL_completion_ids"]) if row["KL_completion_ids"] in completions else None for row in rows
+    ]
+
+
+def compare_kto(setup: Setup) -> Comparison:
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    result = Comparison("KTO (KTOObjective vs trl.KTOTrainer)")
+    tokenizer = setup.tokenizer()
+    pairs = max(setup.records // 2, 1)  # read as 2 examples each: as many examples as the unpaired variant's records
+    paired_data = KTODocuments(setup.source(), tokenizer, max_tokens=1 << 16)
+    paired_docs = paired_data.get_many(range(2 * pairs))
+    unpaired = kto_unpaired_records(setup)
+    unpaired_file = Path(setup.output_dir) / "kto_unpaired.jsonl"
+    unpaired_file.write_text("".join(json.dumps(record) + "\n" for record in unpaired))
+    unpaired_source = RecordSource([SourceSpec(str(unpaired_file), format="unpaired")])
+    unpaired_data = KTODocuments(unpaired_source, tokenizer, max_tokens=1 << 16)
+    unpaired_docs = unpaired_data.get_many(range(len(unpaired)))
+
+    policy = tiny_model(tokenizer, seed=KTO_POLICY_SEED)
+    reference = tiny_model(tokenizer, seed=KTO_REFERENCE_SEED)
+    with torch.no_grad():
+        reference.get_input_embeddings().weight.mul_(KTO_REFERENCE_SCALE)
+    trl_policy, trl_reference = copy.deepcopy(policy), copy.deepcopy(reference)
+    for model in (trl_policy, trl_reference):
+        model.set_attn_implementation("sdpa")
+    batch_size = max(len(paired_docs), len(unpaired_docs))
+    args = KTOConfig(
+        output_dir=setup.output_dir,
+        beta=KTO_WEIGHTS.beta,
+        desirable_weight=KTO_WEIGHTS.desirable,
+        undesirable_weight=KTO_WEIGHTS.undesirable,
+        max_length=4096,
+        per_device_train_batch_size=batch_size,  # TRL rotates KL completions within chunks of this size
+        per_device_eval_batch_size=batch_size,
+        remove_unused_columns=False,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+    )
+    trl_tokenizer = setup.tokenizer()
+    # Built on the unpaired records (conversational): TRL tokenises them and adds their KL completions itself (the
+    # "TRL's own" variant); the aligned variants hand its collator rows made of chattune's tokens.
+    trainer = KTOTrainer(
+        model=trl_policy,
+        ref_model=trl_reference,
+        args=args,
+        processing_class=trl_tokenizer,
+        train_dataset=Dataset.from_list(unpaired),
+    )
+    trl_pairs = trainer._prepare_dataset(
+        Dataset.from_list(setup.records_as_dicts()[:pairs]), trl_tokenizer, args, "pairs"
+    )
+
+    zs = {}
+    for name, data, documents, own in (
+        (f"{pairs} pairs as {2 * pairs} examples", paired_data, paired_docs, trl_pairs),
+        (f"{len(unpaired)} unpaired records", unpaired_data, unpaired_docs, trainer.train_dataset),
+    ):
+        ours = chattune_kto(policy, reference, documents)
+        rows = [trl_kto_row(doc) for doc in documents]
+        theirs = trl_kto(trainer, trl_policy, rows)
+        result.add(f"{name}, aligned", kto_figures(ours, theirs), checked=True)
+        result.add(f"{name}, aligned", {"rewards/margins": (ours["rewards/margins"], theirs["rewards/margins"])}, False)
+        zs[name] = ours["kl"]
+
+        # A training step: chattune's in microbatches (the step's z), TRL's on one batch, gradients compared
+        step, grads = chattune_kto_step(policy, reference, documents)
+        trl_step, trl_grads = trl_kto_step(trainer, trl_policy, rows)
+        gradient = gradient_difference(grads, trl_grads)
+        step_figures = {"loss": (step["loss"], trl_step["loss"]), "kl": (step["kl"], trl_step["kl"])}
+        result.add(f"{name}, aligned, training step", step_figures, checked=True)
+        norms = (
+            float(torch.cat([g.flatten() for g in grads.values()]).norm()),
+            float(torch.cat([g.flatten() for g in trl_grads.values()]).norm()),
+        )
+        result.rows.append(Row(f"{name}, aligned, training step: gradient norm", *norms, True, difference=gradient))
+
+        # TRL's pairing on chattune's tokens (informational): each KL completion is the previous example's
+        rotated = trl_kto(trainer, trl_policy, rotated_kl(rows))
+        result.add(f"{name}, TRL pairing", {n: (ours[n], rotated[n]) for n in ("loss", "kl")}, checked=False)
+
+        # TRL's own tokenisation, example order and pairing (informational)
+        own_rows = [own[i] for i in range(len(own))]
+        theirs_own = trl_kto(trainer, trl_policy, own_rows)
+        result.add(f"{name}, TRL's own rows", kto_figures(ours, theirs_own), checked=False)
+        order = "".join("d" if row["label"] else "u" for row in own_rows)
+        ours_order = "".join("d" if d.desirable else "u" for d in documents)
+        partners = [data.partner_of(d.doc_id) for d in documents]
+        result.notes.append(
+            f"{name}, pairing: TRL's own rows {order} (d desirable, u undesirable) take as KL completion the "
+            f"completion of rows {kl_sources(own_rows)} (the previous row, cyclic within its batch of {batch_size}); "
+            f"chattune's examples {ours_order} take the reply of examples {partners} of the source (the same side "
+            "of the next record, cyclic over the whole source)"
+        )
+        first = own_rows[0]
+        ours_examples = [prompt_and_reply(*first_segment(doc)) for doc in documents]
+        ours_prompt, ours_reply = ours_examples[0]
+        # TRL's rows, in their order, against chattune's examples (any order): the prompt, the reply less its last
+        # token ('\n'), which must be TRL's one extra scored token
+        same = all(
+            (row["prompt_ids"], row["completion_ids"][:-1]) in ours_examples
+            and trl_tokenizer.decode(row["completion_ids"][-1:]) == "\n"
+            for row in own_rows
+        )
+        result.notes.append(
+            f"{name}, TRL's own rows: row 0 scores {trailing(trl_tokenizer, first['completion_ids'])} "
+            f"({len(first['completion_ids'])} tokens after a {len(first['prompt_ids'])}-token prompt), chattune's "
+            f"example {trailing(tokenizer, ours_reply)} ({len(ours_reply)} tokens after a {len(ours_prompt)}-token "
+            f"prompt); every row's prompt tokens are chattune's and its scored tokens chattune's plus the template's "
+            f"'\\n' after <|im_end|>: {same}"
+        )
+    result.notes.append(
+        "aligned: TRL's rows get chattune's tokens: prompt_ids = the example's tokens before its reply, "
+        "completion_ids = its scored tokens (the reply and <|im_end|>), KL_completion_ids = the scored tokens of "
+        "chattune's mismatched sequence (whose prompt tokens equal the example's, asserted); TRL's collator "
+        "concatenates prompt_ids with each and scores the completion tokens; one batch of all the examples, so TRL's "
+        "per-batch z is chattune's per-step (here per-set) z: " + ", ".join(f"{k}: z = {v:.5g}" for k, v in zs.items())
+    )
+    result.notes.append(
+        f"aligned, training step: chattune's accumulate_gradients on {KTO_STEP_MICROBATCHES} microbatches (its z the "
+        "step's, from the no-grad pass over both) against TRL's compute_loss + backward on one batch of all the "
+        "examples; the gradient row compares the policy's whole gradient vectors: |g_chattune - g_TRL| / max norm"
+    )
+    result.notes.append(
+        "z: TRL's is the mean of (policy - reference) KL log-probs over one device batch, averaged over processes "
+        "(each process's mean, unweighted), clamped at 0, detached: per compute_loss call, so per micro-batch under "
+        "gradient accumulation and per batch in evaluation (TRL logs the batches' mean); chattune's is the sum over "
+        "every microbatch and rank of the step (of the whole held-out set in evaluation) over their example count"
+    )
+    result.notes.append(
+        "TRL's own tokenisation: prompt_ids = the prompt rendered with the generation prompt, completion_ids = the "
+        "rest of prompt + completion rendered as one conversation (split where they diverge), so the template's '\\n' "
+        "after <|im_end|> is scored; no eos is appended to a conversational completion. Its KL sequence is "
+        "prompt_ids + the KL completion_ids: the same prompt tokens, as chattune's mismatched sequence has"
+    )
+    result.notes.append(
+        "metrics: both log kl (z), rewards/chosen, rewards/rejected (beta r over the desirable / undesirable "
+        "examples), rewards/margins, logps/chosen, logps/rejected (summed over the completion); TRL's margins only "
+        "when both kinds are in the batch (chattune's mean of a kind absent is 0). TRL adds logits/*, entropy and "
+        "num_tokens (every non-padding token, cumulative); chattune num_examples, num_desirable, num_tokens (the "
+        "examples' trained tokens)"
+    )
+    result.notes.append(
+        f"models: tiny Llama fp32, policy seed {KTO_POLICY_SEED}, reference seed {KTO_REFERENCE_SEED} with its "
+        f"embeddings x{KTO_REFERENCE_SCALE:g} (z > 0, not clamped); beta {KTO_WEIGHTS.beta}, desirable_weight "
+        f"{KTO_WEIGHTS.desirable}, undesirable_weight {KTO_WEIGHTS.undesirable}"
+    )
+    return result
+
+
+COMPARISONS: list[Callable[[Setup], Comparison]] = [compare_orpo, compare_reward, compare_kto]
 
 
 def report(comparison: Comparison) -> bool:
@@ -443,7 +745,7 @@ def import_trl(path: str) -> str | None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     try:
         import trl
-        from trl import RewardTrainer  # noqa: F401
+        from trl import KTOTrainer, RewardTrainer  # noqa: F401
         from trl.experimental.orpo import ORPOTrainer  # noqa: F401
     except Exception as error:  # absent, or broken against this environment
         print(f"TRL cannot be imported from {path}: {type(error).__name__}: {error}")
@@ -468,7 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"TRL {version} (from {args.trl_path}), transformers {transformers.__version__}, torch {torch.__version__}; "
         f"{args.records} pairs of {PAIRS_FILE.name}; tiny Llama fp32 seed 0 (ORPO: embeddings x{LOGIT_SCALE:g}; "
-        f"reward: head x{HEAD_SCALE:g}); tolerance {TOLERANCE:g} relative"
+        f"reward: head x{HEAD_SCALE:g}; KTO: reference seed {KTO_REFERENCE_SEED}, embeddings "
+        f"x{KTO_REFERENCE_SCALE:g}); tolerance {TOLERANCE:g} relative"
     )
     ok = True
     with tempfile.TemporaryDirectory() as output_dir:
