@@ -9,8 +9,8 @@ the completion's tokens) and z the reference point:
     desirable:   w_d (1 - σ(β (r - z)))        undesirable:   w_u (1 - σ(β (z - r)))
 
 z is KTO's estimate of KL(π || π_ref): the mean over the step's mismatched sequences of their log-ratio, clamped at
-0 and detached (no gradient flows through it), as TRL computes it. TRL averages it over one device batch (then over
-processes); here it is a **step-level** quantity: before the step's first backward, a no-grad pass over all its
+0 and detached (no gradient flows through it). TRL averages it over one device batch (each process's mean, then
+those means unweighted); here it is a **step-level** quantity: before the step's first backward, a no-grad pass over all its
 microbatches (`step_statistics`) sums the mismatched log-ratios, the update step all-reduces that sum with the
 step's example count in its one all-reduce (`begin_step`), and every microbatch's loss then uses the same z. So
 the gradient does not depend on how a step is split into microbatches and ranks. An evaluation does the same over
@@ -174,7 +174,8 @@ class KTOObjective:
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
         """Means over the step's examples (all ranks and microbatches): the loss and the reference point z (`kl`);
         the rewards β r and log-probs of the desirable examples (`*/chosen`) over those, of the undesirable ones
-        (`*/rejected`) over those; their margin is the difference of the two means (no example has both)."""
+        (`*/rejected`) over those; their margin is the difference of the two means (no example has both). The mean
+        of a kind the step has no example of is 0."""
         examples = max(global_units, 1)
         desirable = sums["desirable"]
         undesirable = global_units - desirable
