@@ -1,9 +1,11 @@
-"""The reward recipe in the command-line tools (ls, cp, validate, inspect), and its bad input: identical replies a
-counted skip, a pair with a margin one clear error (margins are not read)."""
+"""The reward recipe in the command-line tools (ls, cp, validate, inspect), and its input: identical replies a counted
+skip, a pair's margin read, a margin that is not a number one clear error (tests/test_reward_margins.py has the
+rest of margins: the token cache, the loss)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hydra.utils import instantiate
@@ -93,22 +95,28 @@ def reward_documents(path: str, on_bad_record: str = "error"):
     return REWARD_PAIR_DATA.read([SourceSpec(path=path, format="preference")], demo_tokenizer(), data)
 
 
-def test_reward_pairs_skip_identical_replies_and_refuse_a_margin(tmp_path):
+def test_reward_pairs_skip_identical_replies_read_a_margin_and_refuse_a_bad_one(tmp_path):
     documents = reward_documents(write_pairs(tmp_path / "pairs.jsonl", PAIRS))
     first, second = documents.get_many([0, 1])
     assert len(first.segments) == 2 and isinstance(second, Skipped) and second.reason == "identical_replies"
+    assert first.margin is None  # no margin field: trained at margin 0
 
     with_margin = write_pairs(tmp_path / "margins.jsonl", [{**PAIRS[0], "margin": 2.0}])
+    read = reward_documents(with_margin).get(0)
+    assert read.margin == 2.0 and read == replace(first, margin=2.0)  # the same document, with its margin
+
+    bad_margin = write_pairs(tmp_path / "bad.jsonl", [{**PAIRS[0], "margin": "2.0"}])
     with pytest.raises(DataError) as error:
-        reward_documents(with_margin).get(0)
+        reward_documents(bad_margin).get(0)
     assert str(error.value).startswith(
-        f"{with_margin} record 1 (line 1): a 'margin' field: the reward recipe does not read"
+        f"{bad_margin} record 1 (line 1): 'margin' must be a finite number (the pair's reward margin), got '2.0' (str)"
     )
-    skipped = reward_documents(with_margin, on_bad_record="skip").get(0)
+    skipped = reward_documents(bad_margin, on_bad_record="skip").get(0)
     assert isinstance(skipped, Skipped) and skipped.reason == "bad_record" and "'margin'" in skipped.detail
 
 
 def test_the_demo_preference_pairs_have_no_margin():
-    """reward/tiny's data trains: its records carry no margin field."""
+    """reward/tiny trains every pair at margin 0, as the README's measured run of it reads: its records carry no
+    margin field."""
     for name in ("preference_train.jsonl", "preference_eval.jsonl"):
         assert not any("margin" in json.loads(line) for line in (DEMO_ASSETS / name).read_text().splitlines())

@@ -67,6 +67,9 @@ class Document:
     source: int = 0  # which data source (of a mixture) the record belongs to
     # KTO's label of the example: its reply is desirable (True) or undesirable (False); None for every other document.
     desirable: bool | None = None
+    # A reward-model pair's margin (the record's `margin`, TRL's column): its loss is -log σ(r_chosen - r_rejected -
+    # margin). None for a pair without one (trained at margin 0) and for every other document.
+    margin: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.input_ids, np.ndarray) and self.input_ids.dtype in (np.int32, np.int64)):
@@ -78,8 +81,8 @@ class Document:
         if not isinstance(other, Document):
             return NotImplemented
         return (
-            (self.doc_id, self.piece, self.overlong, self.segments, self.source, self.desirable)
-            == (other.doc_id, other.piece, other.overlong, other.segments, other.source, other.desirable)
+            (self.doc_id, self.piece, self.overlong, self.segments, self.source, self.desirable, self.margin)
+            == (other.doc_id, other.piece, other.overlong, other.segments, other.source, other.desirable, other.margin)
             and np.array_equal(self.input_ids, other.input_ids)
             and np.array_equal(self.labels, other.labels)
         )

@@ -33,6 +33,8 @@ class PackedBatch:
     doc_sources: list[int] = field(default_factory=list)  # data source of each document
     # KTO's label of each document (`Document.desirable`): True, False, or None for a document that has none.
     doc_desirable: list[bool | None] = field(default_factory=list)
+    # A reward-model pair's margin of each document (`Document.margin`), or None for a document that has none.
+    doc_margins: list[float | None] = field(default_factory=list)
     padding: int = 0  # tokens of the padding segment (always last), if any
     epoch: int = 0  # the epoch its documents belong to
     ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
@@ -73,6 +75,7 @@ class PackedBatch:
             doc_lengths=self.doc_lengths,
             doc_sources=self.doc_sources,
             doc_desirable=self.doc_desirable,
+            doc_margins=self.doc_margins,
             padding=self.padding,
             epoch=self.epoch,
             ends_epoch=self.ends_epoch,
@@ -107,6 +110,7 @@ def collate_packed(
         doc_lengths=[len(d) for d in documents if d.doc_id >= 0],
         doc_sources=[d.source for d in documents if d.doc_id >= 0],
         doc_desirable=[d.desirable for d in documents if d.doc_id >= 0],
+        doc_margins=[d.margin for d in documents if d.doc_id >= 0],
         padding=sum(len(d) for d in documents if d.doc_id < 0),
     )
 

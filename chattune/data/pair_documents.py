@@ -12,11 +12,17 @@ Errors name the file, the record index and the problem, as in `chattune.data.sft
 than fatal is counted by whoever consumes the documents: a pair whose two replies are identical (nothing
 to prefer) and a pair longer than the microbatch budget (chosen + rejected tokens: both sides must go into
 the same microbatch).
+
+A reward model's pairs (`RewardPairDocuments`) also read a pair's margin, as TRL's RewardTrainer does: the record's
+`margin` field, a finite JSON number (`Document.margin`; the reward loss is -log σ(r_chosen - r_rejected - margin)).
+A record without the field, or with `"margin": null`, has none and trains at margin 0. DPO's pairs ignore the field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from numbers import Real
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -114,24 +120,40 @@ class PairDocuments(TemplateDocuments):
             input_ids=np.concatenate(ids),
             labels=np.concatenate(labels),
             segments=(counts[0], counts[1]),
+            margin=rendered.margin,
         )
 
 
 class RewardPairDocuments(PairDocuments):
-    """Preference pairs for a reward model: DPO's documents, and a record that gives a `margin` refused. The
-    reward recipe trains every pair at margin 0 (a per-pair margin would have to travel with the document through
-    the token cache and the packed batch, which carry none), so a margin in the data is an error, not ignored."""
+    """Preference pairs for a reward model: DPO's documents, each with its pair's margin (`Document.margin`), read
+    from the record's `margin` field as TRL's RewardTrainer reads its `margin` column. A record without the field,
+    or whose field is null (a table column where only some records give one), has no margin: the pair trains at
+    margin 0. A margin that is not a finite number (a string, a boolean, NaN, an infinity) is a bad record: a
+    DataError naming the file, the record, the field and the value, or a counted skip under
+    data.on_bad_record=skip."""
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> _RenderedPair | Skipped:
-        if MARGIN_FIELD in record:
-            raise DataError(
-                f"{where}: a {MARGIN_FIELD!r} field: the reward recipe does not read per-pair margins (every pair is "
-                f"trained at margin 0); drop the field from the data to train without it"
-            )
-        return super()._render(index, where, spec, record)
+        margin = pair_margin(record, where)
+        rendered = super()._render(index, where, spec, record)
+        return rendered if isinstance(rendered, Skipped) else replace(rendered, margin=margin)
 
 
 MARGIN_FIELD = "margin"  # TRL's RewardTrainer reads a pair's margin from this column
+
+
+def pair_margin(record: dict, where: str) -> float | None:
+    """The record's margin: its `margin` field as a float, None where the record has no such field or it is null.
+    A JSON boolean is refused (Python counts it a number: `true` would train at margin 1), and so is a number that
+    is not finite (Python's JSON reader accepts NaN and Infinity)."""
+    value = record.get(MARGIN_FIELD)
+    if value is None:
+        return None
+    if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise DataError(
+        f"{where}: {MARGIN_FIELD!r} must be a finite number (the pair's reward margin), got {value!r} "
+        f"({type(value).__name__})"
+    )
 
 
 @dataclass(frozen=True)
@@ -142,3 +164,4 @@ class _RenderedPair:
     where: str  # "file record i", for messages
     texts: tuple[str, str]  # chosen, rejected
     spans: tuple[list[tuple[int, int]], list[tuple[int, int]]]  # character span of each side's trained reply
+    margin: float | None = None  # a reward pair's margin (`RewardPairDocuments`); None for DPO's and a pair without

@@ -13,7 +13,8 @@ One source's cache, `<root>/<kind>-<file stem>-<key>/`:
         ids.bin      every kept document's tokens back to back (int32)
         labels.bin   their shifted labels (int32; IGNORE_INDEX trains nothing)
         index.npz    per document: its start in the shard, its first segment's length (a preference pair's
-                     chosen side, a KTO example's own sequence) and its KTO label (-1 none, 0 false, 1 true);
+                     chosen side, a KTO example's own sequence), its KTO label (-1 none, 0 false, 1 true) and
+                     its reward-model margin (float64, NaN none);
                      per record: its first document, its skip reason and its overlong mark
         skips.json   the message of each skipped record (logged as streaming logs it)
 
@@ -58,7 +59,9 @@ from chattune.hub import hub_id
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 2  # bump when the arrays, or the documents chattune makes from records, change
+# Bump when the arrays, or the documents chattune makes from records, change. 3: a reward pair's margin is read
+# (a reward cache of layout 2 holds a record with a margin as a skipped bad record).
+LAYOUT_VERSION = 3
 CACHE_DIR_ENV = "CHATTUNE_CACHE_DIR"  # where data.cache=auto keeps caches (default ~/.cache/chattune)
 MANIFEST = "manifest.json"
 CHUNK_RECORDS = 1024  # records tokenized in one batch (one loader item) while building
@@ -66,6 +69,9 @@ OVERLONG_MARKS = ("", "truncated", "split")
 # `Document.desirable` as stored: a shard written before KTO has no such array, and reads as None throughout.
 DESIRABLE_CODES: dict[bool | None, int] = {None: -1, False: 0, True: 1}
 _DESIRABLE = {code: value for value, code in DESIRABLE_CODES.items()}
+# `Document.margin` as stored: NaN for none (a margin is finite, `chattune.data.pair_documents`); a shard without
+# the array reads as None throughout.
+NO_MARGIN = np.nan
 _HASH_BLOCK = 8 << 20
 
 
@@ -166,6 +172,7 @@ class TokenizedChunk:
     doc_lengths: np.ndarray  # int64
     doc_chosen: np.ndarray  # int32: a pair's chosen side's tokens; 0 for a one-sequence document
     doc_desirable: np.ndarray  # int8: a KTO example's label, 1 desirable, 0 undesirable, -1 none (`DESIRABLE_CODES`)
+    doc_margin: np.ndarray  # float64: a reward pair's margin, NaN none
     record_docs: np.ndarray  # int64: documents of each record (0: skipped)
     record_skip: np.ndarray  # int8: 1 + the index in SKIP_REASONS of a skipped record, 0 kept
     record_overlong: np.ndarray  # int8: index in OVERLONG_MARKS of the record's first document's mark
@@ -185,6 +192,7 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
         doc_lengths=np.array([len(d) for d in kept], dtype=np.int64),
         doc_chosen=np.array([d.segments[0] if d.segments else 0 for d in kept], dtype=np.int32),
         doc_desirable=np.array([DESIRABLE_CODES[d.desirable] for d in kept], dtype=np.int8),
+        doc_margin=np.array([NO_MARGIN if d.margin is None else d.margin for d in kept], dtype=np.float64),
         record_docs=np.array([sum(isinstance(d, Document) for d in o) for o in outcomes], dtype=np.int64),
         record_skip=np.array(
             [1 + SKIP_REASONS.index(o[0].reason) if isinstance(o[0], Skipped) else 0 for o in outcomes], dtype=np.int8
@@ -244,7 +252,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
     as it comes, so memory does not grow with the data). Returns the shard's counts; a UserError (a bad record
     under on_bad_record=error, an overlong one under overlong=error) propagates, leaving the shard incomplete."""
     directory.mkdir(parents=True)
-    lengths, chosen, desirable, record_docs, skip, overlong, details = [], [], [], [], [], [], []
+    lengths, chosen, desirable, margins, record_docs, skip, overlong, details = [], [], [], [], [], [], [], []
     with open(directory / "ids.bin", "wb") as ids, open(directory / "labels.bin", "wb") as labels:
         for chunk in _tokenized(documents, records, num_workers):
             ids.write(chunk.ids.tobytes())
@@ -252,6 +260,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
             lengths.append(chunk.doc_lengths)
             chosen.append(chunk.doc_chosen)
             desirable.append(chunk.doc_desirable)
+            margins.append(chunk.doc_margin)
             record_docs.append(chunk.record_docs)
             skip.append(chunk.record_skip)
             overlong.append(chunk.record_overlong)
@@ -267,6 +276,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
         doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
         doc_chosen=np.concatenate([np.zeros(0, np.int32), *chosen]),
         doc_desirable=np.concatenate([np.zeros(0, np.int8), *desirable]),
+        doc_margin=np.concatenate([np.zeros(0, np.float64), *margins]),
         record_first_doc=np.concatenate([[0], np.cumsum(per_record)]).astype(np.int64),
         record_skip=skip_codes,
         record_overlong=np.concatenate([np.zeros(0, np.int8), *overlong]),
@@ -433,7 +443,8 @@ class CachedDocuments:
                 f"token cache {self.directory}: layout {self.manifest.get('layout')}, this chattune reads "
                 f"{LAYOUT_VERSION}"
             )
-        self._ids, self._labels, shard_of, starts, stops, chosen, desirable, first, skip, overlong = (
+        self._ids, self._labels, shard_of, starts, stops, chosen, desirable, margins, first, skip, overlong = (
+            [],
             [],
             [],
             [],
@@ -461,6 +472,11 @@ class CachedDocuments:
                     if "doc_desirable" in index.files
                     else np.full(len(doc_starts) - 1, DESIRABLE_CODES[None], dtype=np.int8)
                 )
+                margins.append(
+                    index["doc_margin"]
+                    if "doc_margin" in index.files
+                    else np.full(len(doc_starts) - 1, NO_MARGIN, dtype=np.float64)
+                )
                 first.append(index["record_first_doc"][:-1] + documents)
                 skip.append(index["record_skip"])
                 overlong.append(index["record_overlong"])
@@ -468,6 +484,7 @@ class CachedDocuments:
             self._details.update({int(k): v for k, v in json.loads((shard / "skips.json").read_text()).items()})
         self._shard, self._starts, self._stops = np.concatenate(shard_of), np.concatenate(starts), np.concatenate(stops)
         self._chosen, self._desirable = np.concatenate(chosen), np.concatenate(desirable)
+        self._margin = np.concatenate(margins)
         self._first = np.concatenate([*first, [documents]])
         self._skip, self._overlong = np.concatenate(skip), np.concatenate(overlong)
         if len(self._skip) != self.manifest["records"]:
@@ -510,6 +527,7 @@ class CachedDocuments:
                         overlong=OVERLONG_MARKS[self._overlong[index]] if d == first else "",
                         segments=(chosen, end - start - chosen) if chosen else (),
                         desirable=_DESIRABLE[int(self._desirable[d])],
+                        margin=None if np.isnan(self._margin[d]) else float(self._margin[d]),
                     )
                 )
         return out

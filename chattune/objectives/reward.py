@@ -9,10 +9,14 @@ and the token itself sits one position further, still inside the side (a side's 
 nothing): there, at the end of the sequence `prompt + reply + end-of-turn`, Hugging Face's sequence
 classification reads it too.
 
-Per pair, with r the rewards: -log σ(r_chosen - r_rejected), plus c (r_chosen + r_rejected)² with c =
-loss.center_rewards_coefficient (TRL's `center_rewards_coefficient`: it keeps rewards near 0, which the
-difference alone leaves free). The sum over a microbatch's pairs is divided by the step's pair count over all
-ranks by the update step (`chattune.train.step`), so the gradient is that of the mean over every pair of the step.
+Per pair, with r the rewards and m the pair's margin: -log σ(r_chosen - r_rejected - m), plus
+c (r_chosen + r_rejected)² with c = loss.center_rewards_coefficient (TRL's `center_rewards_coefficient`: it keeps
+rewards near 0, which the difference alone leaves free). The margin is read from the data, as TRL's RewardTrainer
+reads its `margin` column: the record's `margin` field (`chattune.data.pair_documents.RewardPairDocuments`,
+carried by `Document.margin` and `PackedBatch.doc_margins`); a pair without one has m = 0. The metrics do not see
+it: the accuracy is still the fraction of pairs with r_chosen > r_rejected. The sum over a microbatch's pairs is
+divided by the step's pair count over all ranks by the update step (`chattune.train.step`), so the gradient is that
+of the mean over every pair of the step.
 """
 
 from __future__ import annotations
@@ -23,8 +27,17 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
+from chattune.distributed import host_values_on
 from chattune.objectives.base import objective_loss
 from chattune.objectives.source_figures import source_figures
+
+
+def pair_margins(batch: PackedBatch, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The margin of each pair of the microbatch (0 for a pair without one) on `device`, copied without waiting for
+    the device; None where no pair has one."""
+    if all(margin is None for margin in batch.doc_margins):
+        return None
+    return host_values_on(device, [0.0 if m is None else m for m in batch.doc_margins], dtype)
 
 
 def reply_end_positions(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +57,17 @@ def reply_end_positions(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def bradley_terry_losses(
-    chosen: torch.Tensor, rejected: torch.Tensor, center_rewards_coefficient: float = 0.0
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    center_rewards_coefficient: float = 0.0,
+    margins: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each pair's loss: -log σ(r_chosen - r_rejected) + c (r_chosen + r_rejected)²."""
-    losses = -F.logsigmoid(chosen - rejected)
+    """Each pair's loss: -log σ(r_chosen - r_rejected - m) + c (r_chosen + r_rejected)², m the pair's margin (None:
+    0 for every pair)."""
+    difference = chosen - rejected
+    if margins is not None:
+        difference = difference - margins
+    losses = -F.logsigmoid(difference)
     if center_rewards_coefficient:
         losses = losses + center_rewards_coefficient * (chosen + rejected).square()
     return losses
@@ -73,7 +93,8 @@ class RewardObjective:
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         chosen, rejected, scores = self.rewards(model, batch)
-        losses = bradley_terry_losses(chosen, rejected, self.center_rewards_coefficient)
+        margins = pair_margins(batch, chosen.device, chosen.dtype)
+        losses = bradley_terry_losses(chosen, rejected, self.center_rewards_coefficient, margins)
         # 0 * (every score) keeps a microbatch without pairs (an empty one) in the autograd graph: every rank must
         # run backward through every forward, since FSDP reduces gradients in those hooks.
         loss = losses.sum() + 0.0 * scores.sum()
