@@ -4,10 +4,10 @@
 
 The same story as recipes/dpo.py without a reference: each pair is one packed document of two segments
 (chosen, rejected), the model is the decoder under a scalar score head (Hugging Face sequence
-classification, num_labels=1), a side's reward is that head at its reply's end-of-turn token, and the unit
-of the loss is the pair: -log σ(r_chosen - r_rejected), plus loss.center_rewards_coefficient ×
-(r_chosen + r_rejected)². The export (output_dir/hf) loads with `AutoModelForSequenceClassification`. Read top
-to bottom; copy this file to change the story.
+classification, num_labels=1), a side's reward is that head at the side's last token (where transformers reads
+a rendered conversation), and the unit of the loss is the pair: -log σ(r_chosen - r_rejected - margin), plus
+loss.center_rewards_coefficient × (r_chosen + r_rejected)². The export (output_dir/hf) loads with
+`AutoModelForSequenceClassification`. Read top to bottom; copy this file to change the story.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(composed: DictConfig) -> None:
     data = build_training_data(cfg, dist_info, tokenizer, REWARD.data)
 
     # --- model: the HF sequence-classification model (num_labels=1) of model.path or model.config, its decoder
-    # run packed as a causal LM's is, its score head read at each reply's end-of-turn token; LoRA adapters on
+    # run packed as a causal LM's is, its score head read at each side's last token; LoRA adapters on
     # its frozen base with peft=lora (the score head trains in full next to them); FSDP2 ---
     built = build_trained_model(cfg, tokenizer, dist_info, head=SCORE_HEAD)
     trainable = trainable_parameters(built.model)

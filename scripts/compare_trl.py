@@ -326,13 +326,6 @@ def chattune_reward(model, documents: list[Document]) -> dict[str, float]:
     return {name.removeprefix("eval_"): value for name, value in metrics.items()}
 
 
-def up_to_reply_end(ids: list[int], labels: list[int]) -> list[int]:
-    """A side's tokens up to its reply's end-of-turn token (one past its last trained position), where chattune
-    reads the reward; the template's '\\n' after it is dropped, so transformers reads its score there too."""
-    last_trained = max(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
-    return ids[: last_trained + 2]
-
-
 def trl_reward(trainer, model, rows: list[dict]) -> dict[str, float]:
     batch = trainer.data_collator([{"chosen_ids": r["chosen_ids"], "rejected_ids": r["rejected_ids"]} for r in rows])
     model.eval()  # compute_loss files its metrics under "eval"
@@ -391,30 +384,17 @@ def compare_reward(setup: Setup) -> Comparison:
     )
     ours = chattune_reward(model, documents)
 
-    rows = []
-    for doc in documents:
-        (chosen, chosen_labels), (rejected, rejected_labels) = sides(doc)
-        rows.append(
-            {
-                "chosen_ids": up_to_reply_end(chosen, chosen_labels),
-                "rejected_ids": up_to_reply_end(rejected, rejected_labels),
-            }
-        )
-    theirs = trl_reward(trainer, trl_model, rows)
-    result.add("aligned (score at <|im_end|>)", reward_figures(ours, theirs), checked=True)
-    result.notes.append(
-        "aligned: TRL gets chattune's tokens of each side cut after the reply's <|im_end|> (the template's '\\n' "
-        "after it dropped), so transformers' sequence classification reads the score at the token chattune reads"
-    )
-
     own = [trainer.train_dataset[i] for i in range(setup.records)]
+    same = all(
+        own[i]["chosen_ids"] == sides(doc)[0][0] and own[i]["rejected_ids"] == sides(doc)[1][0]
+        for i, doc in enumerate(documents)
+    )
     theirs = trl_reward(trainer, trl_model, own)
-    result.add("TRL tokenisation", reward_figures(ours, theirs), checked=False)
+    result.add("TRL's own tokenisation", reward_figures(ours, theirs), checked=True)
     result.notes.append(
-        "TRL tokenisation: RewardTrainer renders prompt + reply with apply_chat_template as one conversation (the "
-        f"same tokens as chattune's, trailing '\\n' included: {own[0]['chosen_ids'] == sides(documents[0])[0][0]} for "
-        "record 0) and reads the score at the last non-padding token, the '\\n' after <|im_end|>; chattune reads it "
-        "at <|im_end|>"
+        "TRL's own tokenisation: RewardTrainer renders prompt + reply with apply_chat_template as one conversation and "
+        f"reads the score at its last non-padding token (ChatML's '\\n' after <|im_end|>); chattune's sides are the "
+        f"same tokens ({same} for every record) and it reads each side at its last token too"
     )
     result.notes.append(
         "TRL logs accuracy, margin and min/mean/max_reward; chattune rewards/accuracies, rewards/margins, "

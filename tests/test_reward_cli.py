@@ -86,7 +86,7 @@ def test_inspect_reads_a_reward_config_as_pairs_and_counts_identical_replies(tmp
     assert main([*args, f"data.train=[{{path: {data}, format: preference}}]"]) == 0
     out = capsys.readouterr().out
     assert "records read: 2" in out and "skipped: 1 (identical_replies 1)" in out and "documents: 1" in out
-    # the reward is read at the last highlighted token of each side, its end-of-turn token
+    # each side trains its reply and end-of-turn token; its reward is read at its last token (the newline after it)
     assert "[[4.<|im_end|>]]" in out and "[[5.<|im_end|>]]" in out
 
 

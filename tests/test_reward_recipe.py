@@ -48,20 +48,19 @@ def launch(output_dir: Path, ranks: int, overrides: list[str]) -> None:
 
 
 def stock_scores(hf_dir: Path, pairs: list[dict]) -> list[tuple[float, float]]:
-    """(chosen, rejected) scores of each pair by transformers alone: the export's tokenizer renders each side with its
-    chat template, the sequence is cut after the reply's end-of-turn token, and the model's own forward scores it."""
+    """(chosen, rejected) scores of each pair by transformers alone, as a stock pipeline scores a conversation: the
+    export's tokenizer renders each side with its chat template (`apply_chat_template`, tokenized) and the model's
+    own forward reads it at its last token."""
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
-    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     scores = []
     with torch.no_grad():
         for pair in pairs:
             sides = []
             for reply in (pair["chosen"], pair["rejected"]):
-                text = tokenizer.apply_chat_template(pair["prompt"] + reply, tokenize=False)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-                last = len(ids) - 1 - ids[::-1].index(end_of_turn)
-                sides.append(float(model(input_ids=torch.tensor([ids[: last + 1]])).logits[0, 0]))
+                ids = tokenizer.apply_chat_template(pair["prompt"] + reply, tokenize=True, return_dict=False)
+                ids = ids["input_ids"] if isinstance(ids, dict) else ids
+                sides.append(float(model(input_ids=torch.tensor([list(ids)])).logits[0, 0]))
             scores.append((sides[0], sides[1]))
     return scores
 

@@ -38,24 +38,14 @@ def tiny_reward_model(seed: int = 0):
     return model
 
 
-def end_of_turn_id() -> int:
-    return demo_tokenizer().convert_tokens_to_ids("<|im_end|>")
-
-
-def side_up_to_its_reply_end(ids: list[int]) -> list[int]:
-    """A side's tokens up to and including its reply's end-of-turn token (the template's last `<|im_end|>`; it
-    writes a newline after it): what a user hands transformers' sequence classification to score the reply."""
-    last = len(ids) - 1 - ids[::-1].index(end_of_turn_id())
-    return ids[: last + 1]
-
-
 def plain_rewards(model, documents) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Plain HF: every side alone, stock SDPA, the model's own forward (its score read at the last token)."""
+    """Plain HF: every side alone (the conversation as `apply_chat_template` renders it, ChatML's newline after the
+    last `<|im_end|>` included), stock SDPA, the model's own forward (its score read at the last token)."""
     out = []
     for doc in documents:
         n_chosen = doc.segments[0]
         sides = (doc.input_ids[:n_chosen].tolist(), doc.input_ids[n_chosen:].tolist())
-        rewards = [model(input_ids=torch.tensor([side_up_to_its_reply_end(ids)])).logits[0, 0] for ids in sides]
+        rewards = [model(input_ids=torch.tensor([ids])).logits[0, 0] for ids in sides]
         out.append((rewards[0], rewards[1]))
     return out
 
@@ -118,14 +108,15 @@ def test_reward_loss_gradients_and_metrics_match_plain_sequence_classification_f
         got = torch.load(out_path)
         error = relative_error(got["grads"], want["grads"])
         assert error <= 1e-5, f"{name}: relative gradient error {error:.3g}"
+        # abs 5e-6: the rewards are ~2 (the head x50) in fp32, and the margin a difference of their two means.
         for key, value in want["metrics"].items():
-            assert math.isclose(got["metrics"][key], value, rel_tol=1e-5, abs_tol=1e-6), (name, key)
-            assert math.isclose(got["held_out"][f"eval_{key}"], value, rel_tol=1e-5, abs_tol=1e-6), (name, key)
+            assert math.isclose(got["metrics"][key], value, rel_tol=1e-5, abs_tol=5e-6), (name, key)
+            assert math.isclose(got["held_out"][f"eval_{key}"], value, rel_tol=1e-5, abs_tol=5e-6), (name, key)
 
 
 def test_the_comparison_would_catch_a_reward_read_one_token_early():
-    """The packed model's reward at each side's end-of-turn token is transformers' score of the side up to it; read
-    at the position before it (the last trained position, which predicts that token) it is not."""
+    """The packed model's reward at each side's last token is transformers' score of the whole rendered side; read
+    at the position before it (the reply's end-of-turn token, where ChatML writes a newline after it) it is not."""
     model = tiny_reward_model()
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("sdpa")
@@ -142,9 +133,9 @@ def test_the_comparison_would_catch_a_reward_read_one_token_early():
 
 
 def _ends(batch, side: int) -> torch.Tensor:
-    from chattune.objectives.reward import reply_end_positions
+    from chattune.objectives.reward import side_end_positions
 
-    return reply_end_positions(batch)[side]
+    return side_end_positions(batch)[side]
 
 
 def test_a_per_microbatch_mean_would_be_caught():

@@ -4,12 +4,12 @@
 decoder under a linear `score` head) and returns the head's scalar at every position of a packed (1, N) row,
 from the decoder's final hidden states computed exactly as `PackedCausalLM` computes a causal LM's
 (`packed_decoder_output`: documents kept apart, the same sharding and compilation). Which positions count is the
-objective's to say (`chattune.objectives.reward`: each reply's end-of-turn token); the head at every position
+objective's to say (`chattune.objectives.reward`: each side's last token); the head at every position
 costs N x hidden multiply-adds, nothing next to the decoder, and keeps this module a plain per-token map like
 the causal LM's per-token losses.
 
 Transformers' own forward of such a model scores each row at its last token that is not the config's
-`pad_token_id`: a sequence that ends with its reply's end-of-turn token is scored there, as training scores it.
+`pad_token_id`: a conversation as `apply_chat_template` renders it is scored at its last token, as training scores it.
 The export (`chattune.model.export`) is such a model's directory; its config names the class
 (`architectures`), `num_labels=1` and a `pad_token_id`.
 """
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from chattune.data.chat_template import probe_template
+from chattune.data.chat_template import render_conversation
 from chattune.data.packing import PackedBatch
 from chattune.data.tokenizer import pad_token_id
 from chattune.errors import UnsupportedModel
@@ -101,17 +101,27 @@ def initialise_missing_head(hf_model: PreTrainedModel, stored: set[str], directo
 
 def set_padding(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Give the config the `pad_token_id` that transformers' sequence classification needs to find a padded row's
-    last token (the tokenizer's, where the checkpoint names none), and warn where that id is the template's
-    end-of-turn token: stock scoring would then take the token before it, not the token training scores."""
+    last token (the tokenizer's, where the checkpoint names none), and warn where that id is the last token the chat
+    template writes after a reply, which the reward model is trained to score at: stock scoring would then read an
+    earlier token."""
     config = hf_model.config
     if config.pad_token_id is None:
         config.pad_token_id = pad_token_id(tokenizer)
-    marker = probe_template(tokenizer).end_of_turn
-    end_of_turn = tokenizer.convert_tokens_to_ids(marker) if marker else None
-    if end_of_turn is not None and config.pad_token_id == end_of_turn:
+    last = last_rendered_token(tokenizer)
+    if last is not None and config.pad_token_id == last:
         logger.warning(
-            "the pad token id %d is the chat template's end-of-turn token, which the reward model is trained to score "
-            "at: transformers' sequence classification of the export would read each sequence at the token before "
-            "it. Give the tokenizer a pad token of its own (or set pad_token_id in the export's config.json)",
-            end_of_turn,
+            "the pad token id %d is the last token the chat template writes after a reply (%r), where the reward "
+            "model is trained to score: transformers' sequence classification of the export would read each "
+            "sequence at an earlier token. Give the tokenizer a pad token of its own (or set pad_token_id in the "
+            "export's config.json)",
+            last,
+            tokenizer.convert_ids_to_tokens(last),
         )
+
+
+def last_rendered_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The last token of a conversation as the chat template renders it (a side's last token, where its reward is
+    read); None where the template renders nothing."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids = tokenizer(render_conversation(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    return ids[-1] if ids else None

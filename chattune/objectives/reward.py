@@ -3,11 +3,11 @@ the pair.
 
 A pair is one packed document of two segments, chosen then rejected (`chattune.data.pair_documents`), so a
 microbatch holds whole pairs: segment 2k is pair k's chosen side, 2k+1 its rejected one, and a padding segment,
-if any, comes last. A side's reward is the score head's value (`chattune.model.sequence_score`) at its reply's
-end-of-turn token. Labels are shifted, so a side's last trained position is the one that predicts that token,
-and the token itself sits one position further, still inside the side (a side's last position predicts
-nothing): there, at the end of the sequence `prompt + reply + end-of-turn`, Hugging Face's sequence
-classification reads it too.
+if any, comes last. A side's reward is the score head's value (`chattune.model.sequence_score`) at the side's last
+token: the last token of the conversation as `apply_chat_template` renders it, after the reply's end-of-turn token
+and whatever the template writes after it (ChatML's newline). That is where Hugging Face's sequence classification
+reads a rendered conversation (its last token that is not padding), and where TRL's RewardTrainer trains it: a
+chattune reward model scores `apply_chat_template(conversation)` as it was trained to, in any stock pipeline.
 
 Per pair, with r the rewards and m the pair's margin: -log σ(r_chosen - r_rejected - m), plus
 c (r_chosen + r_rejected)² with c = loss.center_rewards_coefficient (TRL's `center_rewards_coefficient`: it keeps
@@ -40,19 +40,10 @@ def pair_margins(batch: PackedBatch, device: torch.device, dtype: torch.dtype) -
     return host_values_on(device, [0.0 if m is None else m for m in batch.doc_margins], dtype)
 
 
-def reply_end_positions(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions in the packed row of each pair's chosen and rejected end-of-turn tokens (one entry per pair):
-    one past each side's last trained position. Every side trains at least one token (a pair whose side trains
-    none is a bad record, `chattune.data.pair_documents`)."""
-    labels = batch.labels[0]
-    segments = batch.segment_ids.to(labels.device)
-    positions = torch.arange(labels.shape[0], device=labels.device)
-    trained_positions = torch.where(labels != IGNORE_INDEX, positions, torch.full_like(positions, -1))
-    num_segments = batch.cu_seqlens.shape[0] - 1
-    last_trained = torch.full((num_segments,), -1, dtype=torch.long, device=labels.device)
-    last_trained = last_trained.scatter_reduce(0, segments, trained_positions, reduce="amax")
+def side_end_positions(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions in the packed row of each pair's chosen and rejected sides' last tokens (one entry per pair)."""
     pairs = len(batch.doc_ids)
-    ends = last_trained[: 2 * pairs] + 1
+    ends = batch.cu_seqlens[1 : 2 * pairs + 1].long() - 1
     return ends[0::2], ends[1::2]
 
 
@@ -88,7 +79,7 @@ class RewardObjective:
     def rewards(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen rewards, rejected rewards) of the microbatch's pairs, and the scores of every position."""
         scores = model(batch)
-        chosen_ends, rejected_ends = reply_end_positions(batch)
+        chosen_ends, rejected_ends = side_end_positions(batch)
         return scores[chosen_ends], scores[rejected_ends], scores
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
