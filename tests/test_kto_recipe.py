@@ -121,3 +121,42 @@ def test_kto_recipe_on_unpaired_examples_with_lora_and_a_cached_reference(tmp_pa
     assert abs(metrics[0]["kl"]) < 1e-4 and abs(metrics[0]["rewards/chosen"]) < 1e-4
     assert metrics[-1]["loss"] != metrics[0]["loss"]
     assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+def test_kto_recipe_mixes_unpaired_and_paired_sources_online_and_holds_out_whole_pairs(tmp_path, base_dir):
+    pairs = [json.loads(line) for line in (DEMO_ASSETS / "preference_train.jsonl").read_text().splitlines()[:30]]
+    unpaired = tmp_path / "unpaired.jsonl"
+    with unpaired.open("w") as f:
+        for i, pair in enumerate(pairs):
+            f.write(json.dumps({"prompt": pair["prompt"], "completion": pair["chosen"], "label": i % 3 != 0}) + "\n")
+    paired = tmp_path / "pairs.jsonl"
+    paired.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    out = tmp_path / "mixed"
+    launch(
+        out,
+        1,
+        [
+            f"model.path={base_dir}",
+            f"tokenizer.path={DEMO_ASSETS / 'tokenizer'}",
+            f"data.train=[{{path: {unpaired}, format: unpaired, name: feedback}}, "
+            f"{{path: {paired}, format: preference, name: pairs}}]",
+            "data.eval=null",
+            "data.eval_split=4",
+            "data.mixing.mode=online",
+            "data.mixing.update_every=2",
+            "data.report_records=0",
+            "eval.samples=0",
+            "max_steps=4",
+            "eval_every=4",
+            "save_every=0",
+            "log_every=1",
+        ],
+    )
+    metrics = read_metrics(out, include_start=True)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    # eval_split=4 holds out 4 records: those of the pairs source are whole pairs (two examples each)
+    held_out = metrics[0]["eval_num_examples"]
+    assert 4 < held_out <= 8 and metrics[-1]["eval_num_examples"] == held_out
+    assert any(key.startswith("mix/pairs/") for key in metrics[-1]) and any(
+        k.startswith("mix/feedback/") for k in metrics[-1]
+    )
