@@ -30,8 +30,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG_DPO
-from chattune.data.chat_template import render_conversation, trained_spans
-from chattune.data.documents import Document, Skipped, shifted_label_array
+from chattune.data.documents import Document, Skipped
 from chattune.data.formats import (
     PREFERENCE_FORMATS,
     UNPAIRED_FORMATS,
@@ -42,7 +41,7 @@ from chattune.data.formats import (
     to_unpaired_example,
 )
 from chattune.data.records import RecordSource
-from chattune.data.template_documents import TemplateDocuments, with_skip_remedy
+from chattune.data.template_documents import TwoSequenceDocuments, with_skip_remedy
 
 KTO_FORMATS = (*UNPAIRED_FORMATS, *PREFERENCE_FORMATS)
 SIDES = ("chosen", "rejected")  # a preference pair's examples, in example order (2r, 2r + 1)
@@ -53,7 +52,7 @@ def examples_per_record(spec: SourceSpec) -> int:
     return 2 if spec.format in PREFERENCE_FORMATS else 1
 
 
-class KTODocuments(TemplateDocuments):
+class KTODocuments(TwoSequenceDocuments):
     """KTO examples of one source by example index: one `Document` of two segments (the example, its KL
     sequence) per example, or why it is `Skipped`.
 
@@ -173,42 +172,17 @@ class KTODocuments(TemplateDocuments):
             raise DataError(f"{where}: its KL partner, {partner}")
         example, partner_reply = own[side], partner[side].completion
         self.check_tools_rendered(example.tools, [*example.context, example.completion, partner_reply], where)
-        texts, spans = [], []
-        for reply, what in (
-            (example.completion, where),
-            (partner_reply, f"{where}: its KL sequence ({partner_where})"),
-        ):
-            messages = [*example.context, reply]
-            try:
-                text = render_conversation(self.tokenizer, messages, example.tools)
-                spans.append(trained_spans(text, messages, self.markers, last_turn_only=True))
-            except Exception as error:  # the template's own checks (raise_exception) and its failures on odd data
-                raise DataError(f"{what}: {type(error).__name__}: {error}") from error
-            texts.append(text)
+        sequences = [
+            self._render_sequence([*example.context, reply], example.tools, what)
+            for reply, what in (
+                (example.completion, where),
+                (partner_reply, f"{where}: its KL sequence ({partner_where})"),
+            )
+        ]
+        texts, spans = [text for text, _ in sequences], [located for _, located in sequences]
         return _RenderedExample(
             index, where, partner_where, (texts[0], texts[1]), (spans[0], spans[1]), example.desirable
         )
-
-    def _tokenize(self, rendered: list[_RenderedExample]) -> list[Document | Skipped]:
-        """Tokenize both sequences of all rendered examples together; label and check each example."""
-        # A sequence over the budget makes its example overlong: only its token count is needed.
-        encoded = self._encode(
-            [text for r in rendered for text in r.texts],
-            [spans for r in rendered for spans in r.spans],
-            keep_at_most=self.max_tokens,
-        )
-        labels = shifted_label_array(encoded.ids, encoded.trainable, encoded.ends)
-        ends = encoded.ends.tolist()
-        starts, counts = [0, *ends[:-1]], encoded.counts.tolist()
-        return [
-            self._document(
-                r,
-                counts[2 * k : 2 * k + 2],
-                [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
-                [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
-            )
-            for k, r in enumerate(rendered)
-        ]
 
     def _document(
         self, rendered: _RenderedExample, counts: list[int], ids: list[np.ndarray], labels: list[np.ndarray]

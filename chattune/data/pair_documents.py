@@ -28,14 +28,13 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG_DPO
-from chattune.data.chat_template import render_conversation, trained_spans
-from chattune.data.documents import Document, Skipped, shifted_label_array
+from chattune.data.documents import Document, Skipped
 from chattune.data.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
 from chattune.data.records import RecordSource
-from chattune.data.template_documents import TemplateDocuments
+from chattune.data.template_documents import TwoSequenceDocuments
 
 
-class PairDocuments(TemplateDocuments):
+class PairDocuments(TwoSequenceDocuments):
     """Tokenized, label-masked preference pairs by global record index: one `Document` per pair, or why
     the pair is `Skipped`.
 
@@ -66,37 +65,10 @@ class PairDocuments(TemplateDocuments):
                 "identical_replies", f"{where}: the chosen and the rejected reply are the same, nothing to prefer"
             )
         self.check_tools_rendered(pair.tools, [*pair.context, pair.chosen, pair.rejected], where)
-        texts, spans = [], []
-        for side in (pair.chosen, pair.rejected):
-            messages = [*pair.context, side]
-            try:
-                text = render_conversation(self.tokenizer, messages, pair.tools)
-                spans.append(trained_spans(text, messages, self.markers, last_turn_only=True))
-            except Exception as error:  # the template's own checks (raise_exception) and its failures on odd data
-                raise DataError(f"{where}: {type(error).__name__}: {error}") from error
-            texts.append(text)
-        return _RenderedPair(index, where, (texts[0], texts[1]), (spans[0], spans[1]))
-
-    def _tokenize(self, rendered: list[_RenderedPair]) -> list[Document | Skipped]:
-        """Tokenize the sides of all rendered pairs together; label and check each pair."""
-        # A side over the budget makes its pair overlong: only its token count is needed.
-        encoded = self._encode(
-            [text for r in rendered for text in r.texts],
-            [side for r in rendered for side in r.spans],
-            keep_at_most=self.max_tokens,
+        chosen, rejected = (
+            self._render_sequence([*pair.context, side], pair.tools, where) for side in (pair.chosen, pair.rejected)
         )
-        labels = shifted_label_array(encoded.ids, encoded.trainable, encoded.ends)
-        ends = encoded.ends.tolist()
-        starts, counts = [0, *ends[:-1]], encoded.counts.tolist()
-        return [
-            self._document(
-                r,
-                counts[2 * k : 2 * k + 2],
-                [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
-                [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
-            )
-            for k, r in enumerate(rendered)
-        ]
+        return _RenderedPair(index, where, (chosen[0], rejected[0]), (chosen[1], rejected[1]))
 
     def _document(
         self, rendered: _RenderedPair, counts: list[int], ids: list[np.ndarray], labels: list[np.ndarray]

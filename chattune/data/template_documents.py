@@ -11,8 +11,14 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import ON_BAD_RECORD
-from chattune.data.chat_template import ChatTemplateError, TemplateMarkers, probe_template
-from chattune.data.documents import Document, Skipped, outcomes_by_record
+from chattune.data.chat_template import (
+    ChatTemplateError,
+    TemplateMarkers,
+    probe_template,
+    render_conversation,
+    trained_spans,
+)
+from chattune.data.documents import Document, Skipped, outcomes_by_record, shifted_label_array
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.records import RecordSource
 from chattune.data.template_choice import KEY, fitting_shipped_templates, shipped_names
@@ -116,6 +122,45 @@ class TemplateDocuments:
         raise NotImplementedError
 
     def _tokenize(self, rendered: list) -> list[Document | Skipped]:
+        raise NotImplementedError
+
+
+class TwoSequenceDocuments(TemplateDocuments):
+    """Documents of two sequences each, both a context and one reply rendered by the chat template and trained on
+    that reply alone (DPO's pairs: chosen, rejected; KTO's examples: the example, its mismatched sequence): how a
+    sequence is rendered and located (`_render_sequence`), and how a batch of them is tokenized together
+    (`_tokenize`); each subclass makes its own document of a rendered item's two sequences (`_document`)."""
+
+    def _render_sequence(self, messages: list[dict], tools: list | None, where: str) -> tuple[str, list]:
+        """The text of `messages` as the chat template renders it and the character spans of its last reply."""
+        try:
+            text = render_conversation(self.tokenizer, messages, tools)
+            return text, trained_spans(text, messages, self.markers, last_turn_only=True)
+        except Exception as error:  # the template's own checks (raise_exception) and its failures on odd data
+            raise DataError(f"{where}: {type(error).__name__}: {error}") from error
+
+    def _tokenize(self, rendered: list) -> list[Document | Skipped]:
+        """Tokenize both sequences of every rendered item (`texts`, `spans`) together; label and check each item."""
+        # A sequence over the budget makes its item overlong: only its token count is needed.
+        encoded = self._encode(
+            [text for r in rendered for text in r.texts],
+            [spans for r in rendered for spans in r.spans],
+            keep_at_most=self.max_tokens,
+        )
+        labels = shifted_label_array(encoded.ids, encoded.trainable, encoded.ends)
+        ends = encoded.ends.tolist()
+        starts, counts = [0, *ends[:-1]], encoded.counts.tolist()
+        return [
+            self._document(
+                r,
+                counts[2 * k : 2 * k + 2],
+                [encoded.ids[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
+                [labels[starts[t] : ends[t]] for t in (2 * k, 2 * k + 1)],
+            )
+            for k, r in enumerate(rendered)
+        ]
+
+    def _document(self, rendered, counts: list[int], ids: list, labels: list) -> Document | Skipped:
         raise NotImplementedError
 
 
