@@ -78,7 +78,10 @@ class CachedReference:
         if torch.isnan(rows).any():
             raise RuntimeError(f"the reference cache has no entry for some of records {batch.doc_ids}")
         device = batch.input_ids.device
-        return rows[:, 0].float().to(device), rows[:, 1].float().to(device)
+        rows = rows.float()
+        if device.type == "cuda":  # from pinned memory: a pageable copy would wait for every kernel queued before it
+            rows = rows.pin_memory().to(device, non_blocking=True)
+        return rows[:, 0].to(device), rows[:, 1].to(device)
 
 
 def is_initial_policy(reference_path: str | None, model_path: str | None, quantized_base: bool = False) -> bool:

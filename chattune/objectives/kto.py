@@ -33,6 +33,7 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import PackedBatch, collate_packed
+from chattune.distributed import host_values_on
 from chattune.objectives.base import model_losses, objective_loss
 from chattune.objectives.dpo import Reference
 from chattune.objectives.source_figures import source_figures
@@ -148,7 +149,7 @@ class KTOObjective:
             raise RuntimeError(f"no reference log-probs for records {batch.doc_ids}: step_statistics runs first")
         reference = self._reference_logps.pop(_records(batch)) if batch.doc_ids else torch.zeros_like(policy)
         logratios = policy - reference.to(policy.dtype)
-        desirable = torch.tensor([bool(label) for label in batch.doc_desirable], dtype=torch.bool, device=policy.device)
+        desirable = host_values_on(policy.device, [bool(label) for label in batch.doc_desirable], torch.bool)
         z = self.reference_point.to(policy.dtype)
         losses = kto_losses(logratios, desirable, z, self.weights)
         # 0 * (all token losses): a microbatch without examples (an empty one) still runs backward, as FSDP needs.

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max, all_reduce_sum, counts_rows, reduce_sums
+from chattune.distributed import all_reduce_max, all_reduce_sum, counts_rows, host_values_on, reduce_sums
 from chattune.model.fsdp import reshard
 from chattune.objectives.base import Objective
 from chattune.train.progress import Progress
@@ -68,7 +68,7 @@ def _begin_held_out(
     (`step_statistics`, `begin_step`), as a training step's are of the step."""
     local = objective.step_statistics(model, batches, device) * weight
     units = sum(objective.count_units(batch) for batch in batches) * weight
-    reduced = all_reduce_sum(torch.cat([torch.tensor([units], dtype=torch.float64, device=device), local]))
+    reduced = all_reduce_sum(torch.cat([host_values_on(device, [units], torch.float64), local]))
     objective.begin_step(reduced[0], reduced[1:1], reduced[1:])
 
 
