@@ -61,8 +61,9 @@ def main(composed: DictConfig) -> None:
     # --- the loss and its reference log-probs: a live frozen model (or the LoRA base), or a cache ---
     weights = KTOWeights(cfg.loss.beta, cfg.loss.desirable_weight, cfg.loss.undesirable_weight)
     reference, eval_reference = reference_log_probs(cfg, tokenizer, dist_info, built, data, KTO.name)
-    objective = KTOObjective(weights, reference, num_sources=data.num_sources)
-    eval_objective = KTOObjective(weights, eval_reference) if data.eval is not None else None
+    padding = (cfg.data.pad_to_multiple_of, data.pad_id)  # each pass's rows padded as the stream pads them
+    objective = KTOObjective(weights, reference, data.num_sources, padding)
+    eval_objective = KTOObjective(weights, eval_reference, padding=padding) if data.eval is not None else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
     train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)

@@ -181,3 +181,24 @@ def test_swapped_labels_would_be_caught():
     loss.backward()
     wrong = {name: p.grad for name, p in policy.named_parameters()}
     assert relative_error(wrong, want) > 1e-3
+
+
+def test_each_pass_runs_one_segment_of_each_example_padded_as_the_stream_pads():
+    """segment_batch: the examples (0) or their mismatched sequences (1) alone, in order, with their records, sources
+    and labels, each its own segment, the row padded to the stream's multiple with a padding segment of its own."""
+    from chattune.objectives.kto import segment_batch
+
+    documents = [replace(d, source=d.doc_id % 2) for d in kto_documents()[:3]]
+    batch = collate_packed(documents, pad_to_multiple_of=64)
+    for segment in (0, 1):
+        part = segment_batch(batch, segment, 64, pad_token_id=0)
+        want = [d.segments[0] if segment == 0 else d.segments[1] for d in documents]
+        pieces = [(d.input_ids[: d.segments[0]], d.labels[: d.segments[0]]) for d in documents]
+        if segment == 1:
+            pieces = [(d.input_ids[d.segments[0] :], d.labels[d.segments[0] :]) for d in documents]
+        assert part.cu_seqlens.diff().tolist()[:3] == want and part.num_tokens % 64 == 0 and part.padding > 0
+        assert part.input_ids[0, : sum(want)].tolist() == [t for ids, _ in pieces for t in ids.tolist()]
+        assert part.labels[0, : sum(want)].tolist() == [t for _, labels in pieces for t in labels.tolist()]
+        assert (part.doc_ids, part.doc_sources, part.doc_desirable) == ([0, 1, 2], [0, 1, 0], [True, True, False])
+    empty = empty_batch(0)
+    assert segment_batch(empty, 1, 64) is empty

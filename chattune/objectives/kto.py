@@ -57,11 +57,13 @@ class KTOWeights:
         self.beta, self.desirable, self.undesirable = beta, desirable, undesirable
 
 
-def segment_batch(batch: PackedBatch, segment: int) -> PackedBatch:
+def segment_batch(
+    batch: PackedBatch, segment: int, pad_to_multiple_of: int | None = None, pad_token_id: int = 0
+) -> PackedBatch:
     """A microbatch of documents of two segments reduced to one of them (0: each example, 1: its mismatched
-    sequence), on the host: one segment per document, in order, with the documents' records, sources and labels. A
-    microbatch without documents (an empty one: padding only) is kept as it is. The padding segment is not kept: a
-    run that pads rows for static shapes (data.pad_to_multiple_of) gets rows of the segments' own length."""
+    sequence), on the host: one segment per document, in order, with the documents' records, sources and labels, its
+    row padded again to `pad_to_multiple_of` (data.pad_to_multiple_of: static shapes for compiled layers). A
+    microbatch without documents (an empty one: padding only) is kept as it is."""
     if not batch.doc_ids:
         return batch
     bounds = batch.cu_seqlens.tolist()
@@ -72,7 +74,7 @@ def segment_batch(batch: PackedBatch, segment: int) -> PackedBatch:
         for doc_id, source, (start, end) in zip(batch.doc_ids, batch.doc_sources, pieces)
     ]
     return replace(
-        collate_packed(documents),
+        collate_packed(documents, pad_to_multiple_of, pad_token_id),
         doc_desirable=list(batch.doc_desirable),
         epoch=batch.epoch,
         ends_epoch=batch.ends_epoch,
@@ -98,8 +100,16 @@ def _records(batch: PackedBatch) -> tuple[int, tuple[int, ...]]:
 class KTOObjective:
     unit_name = "example"
 
-    def __init__(self, weights: KTOWeights, reference: Reference, num_sources: int = 1):
-        self.weights, self.reference, self.num_sources = weights, reference, num_sources
+    def __init__(
+        self,
+        weights: KTOWeights,
+        reference: Reference,
+        num_sources: int = 1,
+        padding: tuple[int | None, int] = (None, 0),
+    ):
+        """`num_sources`: a mixture's sources (per-source sums for the mixer); `padding`: (data.pad_to_multiple_of,
+        the pad token id), with which the rows of each pass (`segment_batch`) are padded as the stream pads rows."""
+        self.weights, self.reference, self.num_sources, self.padding = weights, reference, num_sources, padding
         self.reference_point: torch.Tensor | None = None  # z of the current step (or evaluation), on the device
         # Each microbatch's reference log-probs of its examples from the step's first pass, by its records.
         self._reference_logps: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -113,7 +123,7 @@ class KTOObjective:
     def trained_part(self, batch: PackedBatch) -> PackedBatch:
         """What the training forward runs of a microbatch (on the host): its examples, not their mismatched
         sequences, whose only use is the reference point (`step_statistics`)."""
-        return segment_batch(batch, 0)
+        return segment_batch(batch, 0, *self.padding)
 
     @torch.no_grad()
     def step_statistics(
@@ -126,7 +136,7 @@ class KTOObjective:
         self._reference_logps = {}
         total = torch.zeros((), dtype=torch.float64, device=device)
         for batch in microbatches:
-            mismatched_batch = segment_batch(batch, 1).to(device)
+            mismatched_batch = segment_batch(batch, 1, *self.padding).to(device)
             policy, _ = segment_logps(model(mismatched_batch), mismatched_batch)
             examples, mismatched = self.reference(batch.to(device))
             if batch.doc_ids:
