@@ -7,6 +7,10 @@ averages over (trainable tokens for SFT, preference pairs for DPO), and all-redu
 gradients as a plain sum. The result is the gradient of the mean loss over every unit of the step,
 whatever the split into microbatches and ranks, and is never rescaled afterwards.
 
+An objective whose loss needs a figure of the whole step before any of its losses (KTO's reference point, the
+mean log-ratio of the step's mismatched sequences) first runs a no-grad pass over the step's microbatches
+(`step_statistics`); its sums ride in the same all-reduce, as float64 beside the counts.
+
 Every rank runs the same number of forward/backward calls (ranks short of data get empty microbatches),
 so the end of the data can never leave one rank waiting in a collective. The same all-reduce carries
 how many data streams have finished their share of the epoch (see `chattune.train.feed`).
