@@ -60,7 +60,7 @@ class PackedSequenceScorer(nn.Module):
 
     def describe_head(self) -> str:
         """For the start-up `compute:` line."""
-        return "head: a scalar score of each reply's last token (sequence classification, num_labels=1)"
+        return "head: a scalar score of each side's last token (sequence classification, num_labels=1)"
 
 
 def score_head(hf_model: PreTrainedModel) -> nn.Module:
