@@ -45,12 +45,12 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   it (the reference's root left gathered). On the CPU: the reference's gathered parameters, 0 and not 0.
 - `objectives_bf16` (rows `objectives_bf16_dpo_sigmoid`, `_orpo`, `_kto`, `_reward`): DPO (sigmoid, live
   reference), ORPO, KTO (live reference, alternating desirable labels) and the reward model (a sequence-score
-  head), one update step (`accumulate_gradients`, 2 microbatches of 4 real-chat pairs) with the recipe's numerics
-  (bf16 compute, loss.implementation auto, eager layers) against the exact fp32 reference (fp32 parameters, the
-  chunked head, no TF32) on the same documents and weights: the step's loss (relative ≤ 2e-2) and its gradient
-  over all parameters (relative ≤ 1e-1). Bounds chosen from what bf16 can give, not yet measured: the first GPU
-  run should tighten them (`OBJECTIVES_BF16_BOUNDS`). On the CPU both runs are fp32 (2 pairs a microbatch):
-  ≤ 1e-5 / 1e-5, the path run end to end.
+  head), one update step (`accumulate_gradients`, 2 microbatches of 4 real-chat pairs, sides cut to 512 tokens)
+  with the recipe's numerics (bf16 compute, loss.implementation auto, eager layers) against the exact fp32
+  reference (fp32 parameters, the chunked head, no TF32) on the same documents and weights: the step's loss
+  (relative ≤ 2e-2) and its gradient over all parameters (relative ≤ 1e-1). Bounds chosen from what bf16 can
+  give, not yet measured: the first GPU run should tighten them (`OBJECTIVES_BF16_BOUNDS`). On the CPU both runs
+  are fp32 (2 pairs a microbatch, sides cut to 64 tokens): ≤ 1e-5 / 1e-5, the path run end to end.
 - `throughput`: full SFT, LoRA and QLoRA steps of `recipes/sft.py` on the 0.6B and 1.7B Qwen3 shapes (random
   weights, 20k short real chats, 2 × 16,384-token microbatches a step; the 1.7B with activation
   checkpointing): tokens/s per device, MFU and peak memory; TRL's SFTTrainer beside full SFT when `trl` is
@@ -468,7 +468,8 @@ def check_compile(ctx: Context) -> None:
 
 def _pair_documents(ctx: Context, count: int, max_side: int | None = None) -> list[Document]:
     """Preference pairs made of real chats: chosen = a chat, rejected = another, one document of two segments each;
-    `max_side`: each side cut to its first tokens (its last position then predicts nothing), None: whole."""
+    `max_side`: each side cut to its first tokens (its last position then predicts nothing; a chat with no trained
+    token left is passed over: a side without one makes per-token losses such as ORPO's 0 / 0), None: whole."""
 
     def side(document: Document) -> tuple[list[int], list[int]]:
         ids, labels = list(document.input_ids), list(document.labels)
@@ -476,13 +477,16 @@ def _pair_documents(ctx: Context, count: int, max_side: int | None = None) -> li
             ids, labels = ids[:max_side], [*labels[: max_side - 1], IGNORE_INDEX]
         return ids, labels
 
-    documents = chat_documents(ctx, 2 * count, start=300)
+    if max_side is None:
+        sides = [side(document) for document in chat_documents(ctx, 2 * count, start=300)]
+    else:
+        sides = [side(document) for document in chat_documents(ctx, 8 * count, start=300)]
+        sides = [(ids, labels) for ids, labels in sides if any(label != IGNORE_INDEX for label in labels)]
+        if len(sides) < 2 * count:
+            raise RuntimeError(f"{len(sides)} chats keep a trained token in their first {max_side}: {2 * count} needed")
     pairs = []
     for k in range(count):
-        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = (
-            side(documents[2 * k]),
-            side(documents[2 * k + 1]),
-        )
+        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = sides[2 * k], sides[2 * k + 1]
         pairs.append(
             Document(
                 k,
@@ -618,9 +622,10 @@ def check_objectives_bf16(ctx: Context) -> None:
     from chattune.train.step import accumulate_gradients
 
     # 2 microbatches: of 4 pairs on CUDA, each side cut to 512 tokens (the fp32 reference of the 0.6B shape keeps
-    # every layer's activations of a microbatch, ≤ 4096 tokens, for its backward); of 2 pairs on the CPU.
+    # every layer's activations of a microbatch, ≤ 4096 tokens, for its backward); of 2 pairs on the CPU, each side
+    # cut to 64 tokens (the demo chats' sides are about 55: some are cut, as on CUDA).
     count = 8 if ctx.cuda else 4
-    pairs = _pair_documents(ctx, count, max_side=512 if ctx.cuda else None)
+    pairs = _pair_documents(ctx, count, max_side=512 if ctx.cuda else 64)
     examples = [replace(pair, desirable=k % 2 == 0) for k, pair in enumerate(pairs)]  # KTO: alternating labels
     pair_batches = [collate_packed(pairs[: count // 2]), collate_packed(pairs[count // 2 :])]
     kto_batches = [collate_packed(examples[: count // 2]), collate_packed(examples[count // 2 :])]
@@ -652,11 +657,14 @@ def check_objectives_bf16(ctx: Context) -> None:
             return {"reward": step(models[0], RewardObjective(), pair_batches)}
         policy, reference = models
         dpo = PreferenceObjective(PreferenceLoss(loss_type="sigmoid", beta=0.1), reference)
-        return {
+        kto = KTOObjective(KTOWeights(beta=0.1), reference)
+        out = {
             "dpo_sigmoid": step(policy, dpo, pair_batches),
             "orpo": step(policy, PreferenceObjective(PreferenceLoss(loss_type="orpo"), None), pair_batches),
-            "kto": step(policy, KTOObjective(KTOWeights(beta=0.1), reference), kto_batches),
+            "kto": step(policy, kto, kto_batches),
         }
+        reference_points.append(float(kto.reference_point))  # KTO's z (0: clamped, its numerics not in play)
+        return out
 
     def free() -> None:
         gc.collect()
@@ -669,6 +677,7 @@ def check_objectives_bf16(ctx: Context) -> None:
     same = (dtype, resolve_loss_implementation("auto", ctx.device.type, dtype)) == ("float32", "chunked")
     fast: dict = {}
     exact: dict = {}
+    reference_points: list[float] = []  # KTO's z: the recipe's numerics', the exact one's
     for group in ("policy", "reward"):
         models = build(group, exact=False)
         fast |= run(group, models)
@@ -698,7 +707,8 @@ def check_objectives_bf16(ctx: Context) -> None:
             f"loss rel {loss_error:.2g}, gradient rel {grad_error:.2g}",
             f"≤ {bounds[0]:g} / {bounds[1]:g}",
             f"loss {got_loss:.6g} vs fp32 {want_loss:.6g}; worst parameter {worst} "
-            f"{relative(got_grads[worst], want_grads[worst]):.2g}; {tokens} tokens in 2 microbatches",
+            f"{relative(got_grads[worst], want_grads[worst]):.2g}; {tokens} tokens in 2 microbatches"
+            + (f"; z {reference_points[0]:.4g} vs fp32 {reference_points[1]:.4g}" if name == "kto" else ""),
         )
 
 
