@@ -6,9 +6,10 @@ check, PASS / FAIL / SKIP with its figure.
     python scripts/gpu_check.py --device cpu                                      # the CPU smoke test (CI runs it)
 
 Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`packed_vs_hf`,
-`cce_vs_chunked`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`), `throughput_0.6b_sft`,
-`resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and QLoRA launches, then
-`trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten minutes in all). With
+`cce_vs_chunked`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`),
+`throughput_0.6b_sft`, `resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and
+QLoRA launches, then `trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten
+minutes in all). With
 `--budget SECONDS` (counted from the start) an item starts only where its estimate (`ESTIMATES`,
 `LAUNCH_ESTIMATES`: rough H100 seconds; `--estimate-scale` multiplies them) fits the time left; an in-process
 check still running when the budget ends is stopped (SIGALRM), a launch is stopped with everything it started
@@ -42,6 +43,14 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   most the step's one transfer, plus cut-cross-entropy's `nonzero()` per microbatch. CUDA only.
 - `dpo_reference_memory`: DPO with a live reference, peak memory with the forward-only reshard and without
   it (the reference's root left gathered). On the CPU: the reference's gathered parameters, 0 and not 0.
+- `objectives_bf16` (rows `objectives_bf16_dpo_sigmoid`, `_orpo`, `_kto`, `_reward`): DPO (sigmoid, live
+  reference), ORPO, KTO (live reference, alternating desirable labels) and the reward model (a sequence-score
+  head), one update step (`accumulate_gradients`, 2 microbatches of 4 real-chat pairs, sides cut to 512 tokens)
+  with the recipe's numerics (bf16 compute, loss.implementation auto, eager layers) against the exact fp32
+  reference (fp32 parameters, the chunked head, no TF32) on the same documents and weights: the step's loss
+  (relative ≤ 2e-2) and its gradient over all parameters (relative ≤ 1e-1). Bounds chosen from what bf16 can
+  give, not yet measured: the first GPU run should tighten them (`OBJECTIVES_BF16_BOUNDS`). On the CPU both runs
+  are fp32 (2 pairs a microbatch, sides cut to 64 tokens): ≤ 1e-5 / 1e-5, the path run end to end.
 - `throughput`: full SFT, LoRA and QLoRA steps of `recipes/sft.py` on the 0.6B and 1.7B Qwen3 shapes (random
   weights, 20k short real chats, 2 × 16,384-token microbatches a step; the 1.7B with activation
   checkpointing): tokens/s per device, MFU and peak memory; TRL's SFTTrainer beside full SFT when `trl` is
@@ -70,6 +79,7 @@ import gc
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -202,14 +212,24 @@ def hf_model(ctx: Context, shape: str, layers: int | None = None, seed: int = 0)
 
 
 def recipe_model(
-    ctx: Context, shape: str, layers: int | None = None, compile: bool = False, loss: str = "chunked", seed: int = 0
+    ctx: Context,
+    shape: str,
+    layers: int | None = None,
+    compile: bool = False,
+    loss: str = "chunked",
+    seed: int = 0,
+    param_dtype: str = "auto",
+    head=None,
 ):
     """The model as recipes/sft.py builds it, through the same function (chattune.model.build.build_sharded_model,
     which build_trained_model calls): the architecture check, the loss head's choice and its TF32 scope,
     `probe_native_gqa` on CUDA (how torch's varlen_attn takes grouped-query attention: the path a recipe's
     attention then takes), FSDP2 with the recipe's `model.fsdp` settings and the start-up "compute:" line. The
     config is the recipe's own (configs/sft/tiny.yaml's defaults) with `model.config` the Qwen3 shape: random
-    weights from `seed`, equal to hf_model(ctx, shape, layers, seed)'s. A BuiltModel (hf_model, model, ...)."""
+    weights from `seed`, equal to hf_model(ctx, shape, layers, seed)'s. `param_dtype`: model.fsdp.param_dtype (auto:
+    bf16 compute on CUDA, fp32 on the CPU; float32 for an exact reference); `head`: the model's head
+    (chattune.model.heads; None: the causal LM's, SCORE_HEAD: a reward model's, as recipes/reward.py builds it).
+    A BuiltModel (hf_model, model, ...)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
@@ -224,11 +244,14 @@ def recipe_model(
                 f"device={ctx.device.type}",
                 f"model.compile={str(compile).lower()}",
                 f"loss.implementation={loss}",
+                f"model.fsdp.param_dtype={param_dtype}",
             ],
         )
     with open_dict(cfg):
         cfg.model.config = {"_target_": "transformers.Qwen3Config", **qwen3_config(shape, layers)}
-    return build_sharded_model(cfg, tokenizer(ctx), ctx.dist_info, None)
+    if head is None:
+        return build_sharded_model(cfg, tokenizer(ctx), ctx.dist_info, None)
+    return build_sharded_model(cfg, tokenizer(ctx), ctx.dist_info, None, head=head)
 
 
 def model_dir(ctx: Context, shape: str) -> Path:
@@ -443,20 +466,41 @@ def check_compile(ctx: Context) -> None:
     ctx.add("recompiles", later == 0, f"graphs after each of 20 steps: {graphs[1:]}", "none after the third")
 
 
-def _pair_batches(ctx: Context, count: int) -> list:
-    """Preference pairs made of real chats: chosen = a chat, rejected = another, one packed document each."""
-    documents = chat_documents(ctx, 2 * count, start=300)
+def _pair_documents(ctx: Context, count: int, max_side: int | None = None) -> list[Document]:
+    """Preference pairs made of real chats: chosen = a chat, rejected = another, one document of two segments each;
+    `max_side`: each side cut to its first tokens (its last position then predicts nothing; a chat with no trained
+    token left is passed over: a side without one makes per-token losses such as ORPO's 0 / 0), None: whole."""
+
+    def side(document: Document) -> tuple[list[int], list[int]]:
+        ids, labels = list(document.input_ids), list(document.labels)
+        if max_side is not None and len(ids) > max_side:
+            ids, labels = ids[:max_side], [*labels[: max_side - 1], IGNORE_INDEX]
+        return ids, labels
+
+    if max_side is None:
+        sides = [side(document) for document in chat_documents(ctx, 2 * count, start=300)]
+    else:
+        sides = [side(document) for document in chat_documents(ctx, 8 * count, start=300)]
+        sides = [(ids, labels) for ids, labels in sides if any(label != IGNORE_INDEX for label in labels)]
+        if len(sides) < 2 * count:
+            raise RuntimeError(f"{len(sides)} chats keep a trained token in their first {max_side}: {2 * count} needed")
     pairs = []
     for k in range(count):
-        chosen, rejected = documents[2 * k], documents[2 * k + 1]
+        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = sides[2 * k], sides[2 * k + 1]
         pairs.append(
             Document(
                 k,
-                [*chosen.input_ids, *rejected.input_ids],
-                [*chosen.labels, *rejected.labels],
-                segments=(len(chosen), len(rejected)),
+                [*chosen_ids, *rejected_ids],
+                [*chosen_labels, *rejected_labels],
+                segments=(len(chosen_ids), len(rejected_ids)),
             )
         )
+    return pairs
+
+
+def _pair_batches(ctx: Context, count: int) -> list:
+    """Preference pairs made of real chats (`_pair_documents`), packed four to a microbatch."""
+    pairs = _pair_documents(ctx, count)
     return [collate_packed(pairs[i : i + 4]) for i in range(0, count, 4)]
 
 
@@ -523,6 +567,148 @@ def check_dpo_reference(ctx: Context) -> None:
             fixed[1] == 0 < unfixed[1],
             f"reference parameters left gathered: {fixed[1]} resharded vs {unfixed[1]} without",
             "0 and not 0",
+        )
+
+
+@contextmanager
+def exact_matmuls():
+    """fp32 matmuls in full precision (no TF32: torch.set_float32_matmul_precision("highest"), which sets
+    torch.backends.cuda.matmul.allow_tf32=False, and cuDNN's TF32 off), restored after."""
+    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+# objectives_bf16's bounds, (the step's loss, its gradient over all parameters), relative. CUDA: the recipe's bf16
+# compute against fp32. bf16 keeps 8 bits of mantissa (a rounding of 2^-9 ≈ 2e-3 relative per value); the heads
+# and the loss reductions run in fp32, so a step's loss (a mean of log-sigmoids of differences of sequence log-prob
+# sums) drifts by the per-token errors' sum: packed_vs_hf bounds one token's loss by 0.05, a sum by 1e-3 relative;
+# differences of two such sums (policy vs reference, chosen vs rejected) lose relative precision, hence 2e-2. The
+# gradient goes back through 28 bf16 layers (packed_vs_hf's q_proj gradient: ≤ 3e-2 relative) and through the
+# objectives' sigmoid weights, which inherit the loss's error: 1e-1 over all parameters. Guesses from what bf16
+# can give, never yet measured on a GPU: the first GPU run should tighten them from its figures (to about twice
+# those). CPU: both runs are fp32 (param_dtype auto is fp32 there), so the figures are rounding (about 0).
+OBJECTIVES_BF16_BOUNDS = {"cuda": (2e-2, 1e-1), "cpu": (1e-5, 1e-5)}
+
+
+def check_objectives_bf16(ctx: Context) -> None:
+    """DPO (sigmoid, live reference), ORPO, KTO (live reference) and the reward model: one update step's
+    forward/backward (chattune.train.step.accumulate_gradients on 2 microbatches, so the step-level parts run: ORPO's
+    chosen-token count, KTO's no-grad reference-point pass) twice on the same documents: with the recipe's numerics
+    (recipe_model: model.fsdp.param_dtype auto, bf16 compute on CUDA, loss.implementation auto: cut-cross-entropy
+    where installed; eager layers, compile being compile_vs_eager's) and as the exact reference (param_dtype float32,
+    the chunked fp32 head, no TF32 anywhere: `exact_matmuls`). The same seeds give both the same fp32 weights; the
+    policy is seed 0, the reference seed 1 (a reference equal to the policy would make every log-ratio 0 and DPO's
+    and KTO's losses constants). A row per objective: the step's loss and its gradient over all parameters (full
+    tensors), relative, against OBJECTIVES_BF16_BOUNDS. On the CPU both numerics resolve to fp32 and the chunked
+    head: the same models serve both runs, and the check shows that the whole path runs (figures about 0)."""
+    from dataclasses import replace
+
+    from torch.distributed.tensor import DTensor
+
+    from chattune.model.fsdp import compute_dtype
+    from chattune.model.fused_loss import resolve_loss_implementation
+    from chattune.model.heads import SCORE_HEAD
+    from chattune.objectives.dpo import LiveReference, PreferenceObjective
+    from chattune.objectives.kto import KTOObjective, KTOWeights
+    from chattune.objectives.pair_losses import PreferenceLoss
+    from chattune.objectives.reward import RewardObjective
+    from chattune.train.feed import StepBatches
+    from chattune.train.step import accumulate_gradients
+
+    # 2 microbatches: of 4 pairs on CUDA, each side cut to 512 tokens (the fp32 reference of the 0.6B shape keeps
+    # every layer's activations of a microbatch, ≤ 4096 tokens, for its backward); of 2 pairs on the CPU, each side
+    # cut to 64 tokens (the demo chats' sides are about 55: some are cut, as on CUDA).
+    count = 8 if ctx.cuda else 4
+    pairs = _pair_documents(ctx, count, max_side=512 if ctx.cuda else 64)
+    examples = [replace(pair, desirable=k % 2 == 0) for k, pair in enumerate(pairs)]  # KTO: alternating labels
+    pair_batches = [collate_packed(pairs[: count // 2]), collate_packed(pairs[count // 2 :])]
+    kto_batches = [collate_packed(examples[: count // 2]), collate_packed(examples[count // 2 :])]
+
+    def step(model, objective, batches) -> tuple[float, dict[str, torch.Tensor]]:
+        """(the step's mean loss, every parameter's whole gradient, an fp32 copy on the device: four objectives'
+        of the 0.6B shape are 10 GiB a run, compared there faster than on the host)."""
+        model.zero_grad(set_to_none=True)
+        result = accumulate_gradients(model, objective, StepBatches(batches), ctx.device)
+        grads = {
+            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().clone()
+            for name, p in model.named_parameters()
+            if p.grad is not None
+        }
+        model.zero_grad(set_to_none=True)
+        return result.loss_sum / max(result.global_units, 1), grads
+
+    def build(group: str, exact: bool) -> tuple:
+        """The models of a group of objectives: the policy (seed 0) and its live reference (seed 1), or the
+        reward model (seed 0), with the exact or the recipe's numerics."""
+        numerics = dict(loss="chunked", param_dtype="float32") if exact else dict(loss="auto")
+        if group == "reward":
+            return (recipe_model(ctx, ctx.shape, seed=0, head=SCORE_HEAD, **numerics).model.train(),)
+        policy = recipe_model(ctx, ctx.shape, seed=0, **numerics).model.train()
+        return policy, LiveReference(recipe_model(ctx, ctx.shape, seed=1, **numerics).model)
+
+    def run(group: str, models: tuple) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
+        if group == "reward":
+            return {"reward": step(models[0], RewardObjective(), pair_batches)}
+        policy, reference = models
+        dpo = PreferenceObjective(PreferenceLoss(loss_type="sigmoid", beta=0.1), reference)
+        kto = KTOObjective(KTOWeights(beta=0.1), reference)
+        out = {
+            "dpo_sigmoid": step(policy, dpo, pair_batches),
+            "orpo": step(policy, PreferenceObjective(PreferenceLoss(loss_type="orpo"), None), pair_batches),
+            "kto": step(policy, kto, kto_batches),
+        }
+        reference_points.append(float(kto.reference_point))  # KTO's z (0: clamped, its numerics not in play)
+        return out
+
+    def free() -> None:
+        gc.collect()
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+
+    # Where the recipe's numerics resolve to the exact ones (the CPU: fp32, the chunked head), the models are built
+    # once and both runs use them.
+    dtype = compute_dtype("auto", ctx.device.type)
+    same = (dtype, resolve_loss_implementation("auto", ctx.device.type, dtype)) == ("float32", "chunked")
+    fast: dict = {}
+    exact: dict = {}
+    reference_points: list[float] = []  # KTO's z: the recipe's numerics', the exact one's
+    for group in ("policy", "reward"):
+        models = build(group, exact=False)
+        fast |= run(group, models)
+        if not same:
+            del models
+            free()
+            models = build(group, exact=True)
+        with exact_matmuls():
+            exact |= run(group, models)
+        del models
+        free()
+    bounds = OBJECTIVES_BF16_BOUNDS["cuda" if ctx.cuda else "cpu"]
+    tokens = sum(batch.num_tokens for batch in pair_batches)
+    for name, (want_loss, want_grads) in exact.items():
+        got_loss, got_grads = fast[name]
+        if set(got_grads) != set(want_grads):
+            ctx.add(f"objectives_bf16_{name}", False, "the two runs have gradients of different parameters")
+            continue
+        loss_error = abs(got_loss - want_loss) / max(abs(want_loss), 1e-30)
+        difference = sum(float((got_grads[n] - want_grads[n]).double().square().sum()) for n in want_grads)
+        norm = sum(float(want_grads[n].double().square().sum()) for n in want_grads)
+        grad_error = (difference / max(norm, 1e-300)) ** 0.5
+        worst = max(want_grads, key=lambda n: relative(got_grads[n], want_grads[n]))
+        ctx.add(
+            f"objectives_bf16_{name}",
+            math.isfinite(loss_error) and loss_error <= bounds[0] and grad_error <= bounds[1],
+            f"loss rel {loss_error:.2g}, gradient rel {grad_error:.2g}",
+            f"≤ {bounds[0]:g} / {bounds[1]:g}",
+            f"loss {got_loss:.6g} vs fp32 {want_loss:.6g}; worst parameter {worst} "
+            f"{relative(got_grads[worst], want_grads[worst]):.2g}; {tokens} tokens in 2 microbatches"
+            + (f"; z {reference_points[0]:.4g} vs fp32 {reference_points[1]:.4g}" if name == "kto" else ""),
         )
 
 
@@ -862,7 +1048,9 @@ def resume_and_export(ctx: Context) -> None:
 # H100 and noise: packed_vs_hf 26 s, cce 9, compile 28, dpo 38, cuda_tests 15, one resume launch 84. A launch
 # is start-up (torchrun, tokenizing, building, compiling, the two slow first steps) plus its steps: 0.6B SFT
 # 71 s for 12 steps, 1.7B 98 s, 0.6B LoRA 83 s. QLoRA and TRL are not measured yet (guesses from the
-# ../shared/gpu/README.md baseline). --estimate-scale adjusts them all.
+# ../shared/gpu/README.md baseline). objectives_bf16's GPU figure is a guess (six 0.6B builds, eight small steps;
+# never run on a GPU yet); its CPU figure was measured at 16-40 s on two cores shared at a load of about 7, where
+# dpo_reference_memory (3) took 9 s. --estimate-scale adjusts them all.
 ESTIMATES = {
     "packed_vs_hf": (40, 6),
     "cce_vs_chunked": (15, 8),
@@ -870,6 +1058,7 @@ ESTIMATES = {
     "compile_vs_eager": (45, 25),
     "host_syncs": (30, 3),
     "dpo_reference_memory": (60, 3),
+    "objectives_bf16": (90, 6),
     "resume_and_export": (240, 75),
     "cuda_tests": (30, 0),
 }
@@ -891,6 +1080,7 @@ IN_PROCESS = {
     "compile_vs_eager": check_compile,
     "host_syncs": check_host_syncs,
     "dpo_reference_memory": check_dpo_reference,
+    "objectives_bf16": check_objectives_bf16,
 }
 
 

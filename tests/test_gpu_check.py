@@ -19,6 +19,8 @@ from conftest import PROJECT_ROOT
 
 MARGIN = 20  # scripts/bench_gpu.py's BUDGET_MARGIN_S
 
+OBJECTIVE_ROWS = [f"objectives_bf16_{name}" for name in ("dpo_sigmoid", "orpo", "kto", "reward")]  # one item's rows
+
 CPU_CHECKS = {
     "packed_vs_hf",
     "leak_control",
@@ -27,6 +29,7 @@ CPU_CHECKS = {
     "compile_vs_eager",
     "recompiles",
     "dpo_reference_memory",
+    *OBJECTIVE_ROWS,
     "throughput_tiny_sft",
     "resume_exact",
     "export_masters",
@@ -84,7 +87,9 @@ def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_
         "resume_exact",
         "export_masters",
         "export_after_eval",
-    } | {"resume_and_export"}, report["rows"]
+        *OBJECTIVE_ROWS,
+    } | {"resume_and_export", "objectives_bf16"}, report["rows"]
+    assert items.index("dpo_reference_memory") + 1 == items.index("objectives_bf16")
     assert all(
         row["status"] == "NOT RUN" and row["figure"].startswith("not run (budget: needs ~")
         for row in report["rows"]
