@@ -59,6 +59,15 @@ MINIATURE_SEED = 1234
 # Windows and attention chunks of the miniature, shorter than the checks' documents, so that they are checked too.
 MINIATURE_WINDOW = 4
 WINDOWS = ("sliding_window", "attention_chunk_size")
+# Lengths past which a model computes differently, cut in the miniature so that the probe's documents (11, 9 and
+# 11 tokens: `PROBE_LENGTHS`) lie on both sides of them: a row mixing documents below and above such a switch is
+# where a model that reads the whole row (rather than each document) shows it. The rotary switches sit at
+# ROTARY_SWITCH, between document B (9 tokens) and A and C (11), so B alone is below the switch and its row above:
+# LongRoPE's short and long factors (`original_max_position_embeddings`), dynamic NTK's rescaling
+# (`max_position_embeddings`, only where the rotary is dynamic: absolute position tables are sized by it).
+# Llama 4's attention temperature grows every `floor_scale` tokens: cut below the documents too.
+ROTARY_SWITCH = 10
+SCALES = {"floor_scale": MINIATURE_WINDOW}
 
 
 def _layer_kinds(config: PretrainedConfig, num_layers: int) -> set[tuple[str, object]]:
@@ -86,7 +95,8 @@ def miniature_config(config: PretrainedConfig, min_layers: int = MINIATURE_LAYER
     config (Gemma 4's `per_layer_config`), and layers that reuse the keys and values of earlier ones (Gemma 3n and
     Gemma 4's `num_kv_shared_layers`) keep layers of their own to reuse them from. A config without a depth of
     its own (`num_hidden_layers`: BLT's, set per stack: ProphetNet's) keeps its depth. Sliding windows and
-    attention chunks are cut to MINIATURE_WINDOW tokens, shorter than the checks' documents."""
+    attention chunks are cut to MINIATURE_WINDOW tokens, shorter than the checks' documents, and the lengths where a
+    model switches its computation (`ROTARY_SWITCH`, `SCALES`) between the probe's documents."""
     small = copy.deepcopy(config)
     small_text = text_config(small)
     total = getattr(small_text, "num_hidden_layers", None)
@@ -95,11 +105,34 @@ def miniature_config(config: PretrainedConfig, min_layers: int = MINIATURE_LAYER
         if keep < total:
             _cut_layers(small_text, total, keep, shared)
     _cut_vocabulary(small_text)
-    for attribute in WINDOWS:
+    for attribute, cut in {**dict.fromkeys(WINDOWS, MINIATURE_WINDOW), **SCALES}.items():
         value = getattr(small_text, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MINIATURE_WINDOW:
-            setattr(small_text, attribute, MINIATURE_WINDOW)
+        if isinstance(value, int) and not isinstance(value, bool) and value > cut:
+            setattr(small_text, attribute, cut)
+    _cut_rotary_switches(small_text)
     return small
+
+
+def _rope_parameter_sets(text: PretrainedConfig) -> list[dict]:
+    """The config's rotary parameters: one dict, or one per layer type (Gemma 3's and kin's)."""
+    parameters = getattr(text, "rope_parameters", None)
+    if not isinstance(parameters, dict):
+        return []
+    if isinstance(parameters.get("rope_type"), str):
+        return [parameters]
+    return [value for value in parameters.values() if isinstance(value, dict) and "rope_type" in value]
+
+
+def _cut_rotary_switches(text: PretrainedConfig) -> None:
+    """Move the lengths where a rotary embedding changes its frequencies to ROTARY_SWITCH (see there)."""
+    for parameters in _rope_parameter_sets(text):
+        rope_type = parameters["rope_type"]
+        if rope_type == "longrope":
+            parameters["original_max_position_embeddings"] = ROTARY_SWITCH
+            if isinstance(getattr(text, "original_max_position_embeddings", None), int):
+                text.original_max_position_embeddings = ROTARY_SWITCH
+        elif "dynamic" in rope_type:
+            text.max_position_embeddings = ROTARY_SWITCH
 
 
 def _kept_layers(text: PretrainedConfig, total: int, min_layers: int) -> tuple[int, int]:

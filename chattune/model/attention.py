@@ -55,8 +55,15 @@ from transformers import AttentionInterface, PreTrainedModel
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model import attention_kernels as kernels
+from chattune.model.chunked_attention import (
+    attention_chunk,
+    chunk_boundaries,
+    per_document_temperature,
+    temperature_tuned,
+)
 from chattune.model.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 from chattune.model.mixers import isolate_documents
+from chattune.model.rotary import isolate_rotaries
 
 ATTENTION_NAME = "chattune_packed"
 
@@ -212,6 +219,11 @@ def attention_backend(device_type: str, compute_dtype: str, layers: Sequence[Att
 
 
 @torch.compiler.disable  # a collective's rank: outside compiled graphs, as the all-to-all around it
+def _rank_of(group) -> int:
+    return dist.get_rank(group)
+
+
+@torch.compiler.disable  # a collective's rank: outside compiled graphs, as the all-to-all around it
 def _rank_heads(sinks: torch.Tensor, group) -> torch.Tensor:
     """This rank's share of the per-head sinks under context parallelism: rank r attends with chunk r of the heads."""
     return sinks.chunk(dist.get_world_size(group))[dist.get_rank(group)]
@@ -252,10 +264,16 @@ def packed_attention(
             )
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    if temperature_tuned(module):  # Llama 4's NoPE layers scaled their queries by the row's places
+        offset = _rank_of(group) * query.shape[2] if group is not None else 0
+        query = per_document_temperature(module, query, cu_seqlens, offset)
     if group is not None:  # this rank's slice of every head -> the whole row for its share of the heads
         query, key, value = heads_to_sequence(query, key, value, group)
         if sinks is not None:
             sinks = _rank_heads(sinks, group)
+    chunk = attention_chunk(module)
+    if chunk is not None:  # Llama 4's chunked layers: each chunk of a document attends as a document of its own
+        cu_seqlens, max_seqlen = chunk_boundaries(cu_seqlens, chunk)
     path = attention_path(
         query.device.type,
         query.dtype,
@@ -310,9 +328,11 @@ def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch
 def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outputs: bool):
     """The decoder's output for a packed (1, N) row: no attention mask and no cache; the document boundaries
     reach `packed_attention` as transformers' flash-attention kwargs, which the models pass on untouched; token
-    mixers other than attention take them too (`chattune.model.mixers`). `outputs`: transformers' output_*
+    mixers other than attention take them too (`chattune.model.mixers`), and so do rotary embeddings whose tables
+    depend on the input's length (`chattune.model.rotary`). `outputs`: transformers' output_*
     flags (`output_router_logits=True` for a MoE model's router logits)."""
     isolate_documents(hf_model)
+    isolate_rotaries(hf_model)
     return decoder_of(hf_model)(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,

@@ -1,0 +1,177 @@
+"""Rotary embeddings whose tables depend on the whole input, computed per document of a packed row.
+
+Most rotary embeddings are a fixed function of each token's position id, and position ids restart at 0 per
+document, so a packed row gets each document's tables for free. Two kinds of rotary embedding in transformers
+read more than that: they pick their frequencies once per forward from the largest position id of the input
+(`dynamic_rope_update` in `transformers.modeling_rope_utils`):
+
+- **LongRoPE** (`rope_type: longrope`: Phi-3.5-mini, Phi-4-mini, PhiMoE, MiniCPM3, Phi-4-multimodal) takes its
+  long factors when the input is longer than `original_max_position_embeddings`, its short ones otherwise
+  (PhiMoE's own forward also switches its `mscale` there);
+- **dynamic NTK** (`rope_type: dynamic`) recomputes its frequencies for an input longer than
+  `max_position_embeddings`.
+
+Over a packed row "the input" is the row: a 23-token document packed beside a 57-token one would take the long
+factors that it never takes alone (a Phi-3 miniature with `original_max_position_embeddings=32`: gradients 1e-2
+off). So each such rotary module computes its tables **per document**: its own forward runs once per distinct
+document length L on positions 0..L-1, from the state it had before the row (dynamic NTK caches the longest input
+it has seen; run on one document from a fresh model, which is what chattune reproduces, it scales exactly when
+L > max_position_embeddings), and each token takes the row of its document's table at its position id. The
+alternative, rows that never mix the two regimes, would have to be built into the packer for one model family and
+would still be wrong for dynamic NTK, whose frequencies change with every length.
+
+The module needs the row's document boundaries, which transformers does not pass to it: a forward pre-hook on the
+module that calls it (the decoder) records the row's `cu_seq_lens_q` each call (`None` in generation, where the
+stock forward runs untouched: a prompt is one document). Under context parallelism each rank holds a slice of the
+row with the row's position ids and boundaries (`chattune.model.context_parallel`): a token's document and its
+length come from the whole row's boundaries and the slice's offset.
+
+Cost: one call of the rotary forward per distinct document length (cheap: a table of L × head size), a host sync
+to read the boundaries, once per forward (not per layer), only for models with such rotary embeddings. Rotary
+modules whose type or position ids this module cannot handle (multimodal 3-D position ids) keep their stock forward;
+the start-up packing probe, run with a miniature whose thresholds lie between its documents' lengths
+(`chattune.model.architecture_check.THRESHOLDS`), then sees the difference and refuses the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chattune.model.context_parallel import context_group_of
+
+_ROW_ATTRIBUTE = "_chattune_row_cu_seqlens"  # the row's boundaries, recorded by the calling module's pre-hook
+_ISOLATED = "_chattune_rotaries_isolated"
+_isolating = True  # tests turn it off (`whole_row_rotaries`) to show the difference it removes
+
+
+def _rope_types(module: nn.Module) -> list[str]:
+    rope_type = getattr(module, "rope_type", None)
+    if isinstance(rope_type, str):
+        return [rope_type]
+    if isinstance(rope_type, dict):  # one per layer type (Gemma 3, ...)
+        return [value for value in rope_type.values() if isinstance(value, str)]
+    return []
+
+
+@functools.cache
+def _forward_reads_row_length(cls: type) -> bool:
+    """Whether a rotary class's own forward reads the input's largest position id (PhiMoE's mscale switch)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "max(position_ids)" in source or "position_ids.max()" in source
+
+
+def reads_row_length(module: nn.Module) -> bool:
+    """Whether `module` is a rotary embedding whose tables depend on the input's length (module docstring)."""
+    types = _rope_types(module)
+    if not types:
+        return False
+    dynamic = any("dynamic" in rope_type or rope_type == "longrope" for rope_type in types)
+    return dynamic or (any(rope_type != "default" for rope_type in types) and _forward_reads_row_length(type(module)))
+
+
+def row_length_rotaries(hf_model: nn.Module) -> list[str]:
+    """Names of the rotary modules of `hf_model` whose tables depend on the input's length."""
+    return [name for name, module in hf_model.named_modules() if reads_row_length(module)]
+
+
+def isolate_rotaries(hf_model: nn.Module) -> None:
+    """Give every rotary module of `hf_model` that reads the input's length the per-document forward of the module
+    docstring (an instance attribute: parameter names and state dicts are unchanged), and its caller a pre-hook
+    recording the row's boundaries. Idempotent; cheap when done."""
+    if hf_model.__dict__.get(_ISOLATED):
+        return
+    for parent in hf_model.modules():
+        for child in parent.children():
+            if reads_row_length(child) and "forward" not in child.__dict__:
+                child.forward = _per_document_forward(child, child.forward)
+                parent.register_forward_pre_hook(_remember_row(child), with_kwargs=True)
+    hf_model.__dict__[_ISOLATED] = True
+
+
+def _remember_row(rotary: nn.Module) -> Callable:
+    def hook(caller, args, kwargs):
+        rotary.__dict__[_ROW_ATTRIBUTE] = kwargs.get("cu_seq_lens_q")
+
+    return hook
+
+
+def _state(module: nn.Module) -> tuple[dict, dict]:
+    """What a rotary forward may change: its buffers and its scalar and tensor attributes (dynamic NTK's cached
+    length, frequencies and attention scaling)."""
+    attributes = {key: value for key, value in module.__dict__.items() if isinstance(value, (int, float, torch.Tensor))}
+    return dict(module._buffers), attributes
+
+
+def _restore(module: nn.Module, state: tuple[dict, dict]) -> None:
+    buffers, attributes = state
+    module._buffers.clear()
+    module._buffers.update(buffers)
+    module.__dict__.update(attributes)
+
+
+def _document_spans(cu_seqlens: torch.Tensor, offset: int, length: int) -> list[tuple[int, int, int]]:
+    """(document length, first, end) of each document overlapping tokens [offset, offset + length) of the row, the
+    bounds relative to the offset."""
+    bounds = cu_seqlens.tolist()
+    spans = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        first, last = max(start, offset), min(end, offset + length)
+        if first < last:
+            spans.append((end - start, first - offset, last - offset))
+    return spans
+
+
+def _per_document_forward(module: nn.Module, forward: Callable) -> Callable:
+    @torch.compiler.disable  # a loop whose bounds come from the data: outside compiled graphs
+    def per_document_forward(x: torch.Tensor, position_ids: torch.Tensor | None = None, *args, **kwargs):
+        cu_seqlens = module.__dict__.get(_ROW_ATTRIBUTE)
+        if (
+            not _isolating
+            or cu_seqlens is None
+            or position_ids is None
+            or position_ids.dim() != 2
+            or position_ids.shape[0] != 1
+        ):
+            return forward(x, position_ids, *args, **kwargs)  # generation, or position ids it cannot split
+        length = position_ids.shape[1]
+        group = context_group_of(module)
+        offset = dist.get_rank(group) * length if group is not None else 0  # this rank's slice of the row
+        before = _state(module)
+        tables: dict[int, tuple] = {}
+        pieces = []
+        try:
+            for document_length, first, end in _document_spans(cu_seqlens, offset, length):
+                if document_length not in tables:  # the document alone, from the state before the row
+                    _restore(module, before)
+                    alone = torch.arange(document_length, device=position_ids.device).unsqueeze(0)
+                    output = forward(x, alone, *args, **kwargs)
+                    tables[document_length] = output if isinstance(output, tuple) else (output,)
+                positions = position_ids[0, first:end]
+                pieces.append(tuple(table.index_select(1, positions) for table in tables[document_length]))
+        finally:
+            _restore(module, before)
+        joined = tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
+        return joined if len(joined) > 1 else joined[0]
+
+    return per_document_forward
+
+
+@contextmanager
+def whole_row_rotaries() -> Iterator[None]:
+    """The rotary modules read the whole row while the block runs, as transformers' own: tests only."""
+    global _isolating
+    _isolating = False
+    try:
+        yield
+    finally:
+        _isolating = True
