@@ -50,6 +50,7 @@ import chattune
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
+from chattune.model import rotary
 from chattune.model.architecture_check import MINIATURE_VOCAB, check_architecture, miniature_config
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
@@ -226,6 +227,10 @@ EXTRA = {
 }
 # Three documents of one packed row; the longest longer than SLIDING_WINDOW.
 LENGTHS = (13, 6, 10)
+# The second document set, run on every accepted model too: documents past the lengths where models switch their
+# computation (recurrent chunk sizes of 16, and the thresholds `THRESHOLDS` sets: LongRoPE's switch, chunked
+# attention, Llama 4's temperature steps, the indexers' top-k), with a short document beside long ones.
+LONG_LENGTHS = (40, 23, 57)
 LOSS_TOLERANCE = 1e-5  # absolute and relative, on each token's loss
 GRAD_TOLERANCE = 1e-4  # relative, on each weight's gradient
 GRAD_NOISE = 1e-6  # relative to the whole gradient's norm: the rounding of a gradient that is zero (`check_exact`)
@@ -234,6 +239,17 @@ TRANSFORMERS = "transformers"  # a directory of its installed package's path
 
 ARCHITECTURES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 # Not walked, with the reason. Everything else is built small, checked, and refused or trained.
+# Walked in float64, packed and stock alike, with the reason. Gemma 3n's MLPs keep only the activations above a
+# cutoff of their own statistics (`activation_sparsity_pattern` 0.95: mean + 1.645 std per token, then a ReLU below
+# it): an activation within rounding of the cutoff is kept in one run and dropped in the other, and a whole
+# gradient row with it. chattune's packed attention and the stock eager attention round differently (1e-7 in
+# fp32), which flips some of them: the worst weight's gradient 2.4e-2 (LENGTHS) and 7.7e-3 (LONG_LENGTHS) relative
+# off in fp32. In float64 the decoder's rounding (1e-16) is far below any gap between an activation and its cutoff:
+# 1.8e-5 and 3.7e-5 (what is left is the fp32 of chattune's loss head), within GRAD_TOLERANCE.
+FLOAT64 = {
+    "gemma3n_text": "activation sparsity cutoffs (see above)",
+    "gemma3n": "activation sparsity cutoffs (see above)",
+}
 SKIPPED = {
     "gemma4_assistant": "a draft model for speculative decoding: its forward takes the target model's embeddings and "
     "shared key/value states, not token ids",
@@ -401,10 +417,10 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     return config
 
 
-def random_documents(vocab_size: int, seed: int = 0) -> list[Document]:
+def random_documents(vocab_size: int, seed: int = 0, lengths: tuple[int, ...] | None = None) -> list[Document]:
     rng = np.random.default_rng(seed)
     documents = []
-    for index, length in enumerate(LENGTHS):
+    for index, length in enumerate(lengths or LENGTHS):
         ids = rng.integers(0, vocab_size, size=length)
         labels = np.append(ids[1:], IGNORE_INDEX)
         documents.append(Document(doc_id=index, input_ids=ids, labels=labels))
@@ -430,30 +446,55 @@ def stock_runs(config: PretrainedConfig) -> None:
         stock_losses(model, random_documents(text_config(config).vocab_size)[:1])
 
 
-def walk(model_type: str) -> UnsupportedModel | Trained:
-    """chattune's start-up path on the tiny config, as a recipe runs it (the checks, the model built with chattune's
-    attention, `PackedCausalLM`), then one packed row of LENGTHS documents forward and backward in training mode,
-    against a copy of the same weights with transformers' eager attention run on each document alone."""
-    config = tiny_config(model_type)
+@dataclass
+class Built:
+    """A tiny model as chattune trains it, and a copy of its weights that transformers runs alone (eager)."""
+
+    model: torch.nn.Module  # with chattune's attention
+    packed: PackedCausalLM
+    stock: torch.nn.Module  # the same weights, eager attention
+    vocab_size: int
+
+
+def build(model_type: str, config: PretrainedConfig | None = None) -> UnsupportedModel | Built:
+    """chattune's start-up path on the tiny config (or `config`), as a recipe runs it: the checks, the model built
+    with chattune's attention, `PackedCausalLM`; and the stock copy. A refusal at the checks is returned."""
+    config = config if config is not None else tiny_config(model_type)
     try:
         check_architecture(copy.deepcopy(config))
     except UnsupportedModel as refusal:
         return refusal
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
+    dtype = torch.float64 if model_type in FLOAT64 else torch.float32
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
     model.config.use_cache = False
     stock = copy.deepcopy(model)
     stock.set_attn_implementation("eager")
     packed = PackedCausalLM(model)
     packed.train(), stock.train()
-    documents = random_documents(text_config(config).vocab_size)
-    losses = packed(collate_packed(documents))
+    return Built(model, packed, stock, text_config(config).vocab_size)
+
+
+def train(built: Built, lengths: tuple[int, ...] | None = None) -> Trained:
+    """One packed row of documents of `lengths` (LENGTHS) forward and backward in training mode, against the stock
+    copy run on each document alone; the gradients of an earlier call are cleared first."""
+    built.model.zero_grad(set_to_none=True), built.stock.zero_grad(set_to_none=True)
+    documents = random_documents(built.vocab_size, lengths=lengths)
+    losses = built.packed(collate_packed(documents))
     losses.sum().backward()
-    reference = stock_losses(stock, documents)
+    reference = stock_losses(built.stock, documents)
     reference.sum().backward()
-    stock_grads = {name: p.grad for name, p in stock.named_parameters()}
-    grads = {name: (p.grad, stock_grads[name]) for name, p in model.named_parameters()}
+    stock_grads = {name: p.grad for name, p in built.stock.named_parameters()}
+    grads = {name: (p.grad, stock_grads[name]) for name, p in built.model.named_parameters()}
     return Trained(losses.detach(), reference.detach(), grads)
+
+
+def walk(
+    model_type: str, config: PretrainedConfig | None = None, lengths: tuple[int, ...] | None = None
+) -> UnsupportedModel | Trained:
+    """`build`, then `train` on one packed row of documents of `lengths` (LENGTHS)."""
+    built = build(model_type, config)
+    return built if isinstance(built, UnsupportedModel) else train(built, lengths)
 
 
 @dataclass
@@ -515,12 +556,13 @@ def check_exact(trained: Trained) -> None:
 def test_every_architecture_is_refused_or_trains_exactly(model_type):
     if model_type in SKIPPED:
         pytest.skip(SKIPPED[model_type])
-    outcome = walk(model_type)
-    if isinstance(outcome, UnsupportedModel):
-        check_refusal(outcome)
+    built = build(model_type)
+    if isinstance(built, UnsupportedModel):
+        check_refusal(built)
         stock_runs(tiny_config(model_type))  # refused for its architecture, not for a broken tiny config
-    else:
-        check_exact(outcome)
+        return
+    check_exact(train(built))
+    check_exact(train(built, LONG_LENGTHS))
 
 
 def test_gemma4_miniature_keeps_its_per_layer_heads_and_shared_key_values():
@@ -616,3 +658,108 @@ def test_per_layer_head_counts_are_read_from_the_layers():
     model = AutoModelForCausalLM.from_config(config)
     assert attention_heads(model) == [4, 6]
     assert model_flops(model).attention_width == (4 + 6) * 16
+
+
+# Thresholds of the longer documents: configs that switch between LONG_LENGTHS' documents (23 tokens and 40 or 57),
+# which the default tiny configs do not reach (LongRoPE's switch at 4096, Llama 4's temperature step of 8192).
+SWITCH = 32
+
+
+def _rotary_frequencies(config: PretrainedConfig) -> int:
+    """How many frequencies the model's rotary embedding has (LongRoPE's factor lists are that long)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return next(m for m in model.modules() if hasattr(m, "rope_type")).inv_freq.numel()
+
+
+def _longrope(config: PretrainedConfig) -> PretrainedConfig:
+    """LongRoPE as Phi-3.5 / Phi-4-mini / PhiMoE / MiniCPM3 checkpoints set it, its switch at SWITCH tokens."""
+    text = text_config(config)
+    count = _rotary_frequencies(config)
+    text.rope_parameters = {
+        **text.rope_parameters,
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(count)],
+        "long_factor": [1.0 + 2.0 * i for i in range(count)],
+        "original_max_position_embeddings": SWITCH,
+        "short_mscale": 1.1,  # PhiMoE's: its attention scaling on either side of the switch
+        "long_mscale": 1.3,
+    }
+    text.original_max_position_embeddings = SWITCH
+    text.max_position_embeddings = 4 * SWITCH
+    return config
+
+
+def _dynamic_ntk(config: PretrainedConfig) -> PretrainedConfig:
+    text = text_config(config)
+    text.rope_parameters = {**text.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    text.max_position_embeddings = SWITCH
+    return config
+
+
+def _llama4_steps(config: PretrainedConfig) -> PretrainedConfig:
+    """Chunks of 16 and a temperature step every 16 tokens (defaults: 8192 and 8192)."""
+    text = text_config(config)
+    text.attention_chunk_size, text.floor_scale = 16, 16
+    return config
+
+
+def _llama4_scaling(config: PretrainedConfig) -> PretrainedConfig:
+    """Ministral 3's query scaling by position (`llama_4_scaling_beta`), a step every SWITCH tokens."""
+    text = text_config(config)
+    text.rope_parameters = {
+        **text.rope_parameters,
+        "llama_4_scaling_beta": 0.5,
+        "original_max_position_embeddings": SWITCH,
+    }
+    return config
+
+
+# name: (model type, the config change, what turns chattune's handling of it off)
+THRESHOLDS = {
+    "phi3-longrope": ("phi3", _longrope, "rotary"),
+    "phimoe-longrope": ("phimoe", _longrope, "rotary"),
+    "minicpm3-longrope": ("minicpm3", _longrope, "rotary"),
+    "phi4_multimodal-longrope": ("phi4_multimodal", _longrope, "rotary"),
+    "llama-dynamic": ("llama", _dynamic_ntk, "rotary"),
+    "qwen2-dynamic": ("qwen2", _dynamic_ntk, "rotary"),
+    "llama4_text-chunks": ("llama4_text", _llama4_steps, "chunks"),
+    "llama4_text-temperature": ("llama4_text", _llama4_steps, "temperature"),
+    "ministral3-scaling": ("ministral3", _llama4_scaling, None),
+}
+
+
+def _turned_off(fix: str):
+    """chattune's handling of one threshold turned off: the whole row's rotary, the row's chunks, the row's
+    temperature, as transformers computes them on a packed row."""
+    from chattune.model import attention
+
+    patch = pytest.MonkeyPatch()
+    if fix == "rotary":
+        patch.setattr(rotary, "_isolating", False)
+    elif fix == "chunks":
+        patch.setattr(attention, "attention_chunk", lambda module: None)
+    else:
+        patch.setattr(attention, "temperature_tuned", lambda module: False)
+    return patch
+
+
+@pytest.mark.parametrize("name", sorted(THRESHOLDS))
+def test_thresholds_within_documents_train_exactly(name):
+    """Each family trains exactly on LONG_LENGTHS with its switch between the documents' lengths: a short
+    document packed beside long ones computes as alone. With chattune's handling of the switch turned off, the
+    start-up checks refuse the model (their miniature moves the switch between the probe's documents): the
+    control that shows the handling is needed and that the checks see a model that reads the whole row."""
+    model_type, change, fix = THRESHOLDS[name]
+    config = change(tiny_config(model_type))
+    trained = walk(model_type, copy.deepcopy(config), LONG_LENGTHS)
+    assert isinstance(trained, Trained), f"refused: {trained}"
+    check_exact(trained)
+    if fix is None:  # positions read from position ids: nothing of chattune's to turn off
+        return
+    patch = _turned_off(fix)
+    try:
+        with pytest.raises(UnsupportedModel):
+            check_architecture(copy.deepcopy(config))
+    finally:
+        patch.undo()

@@ -36,6 +36,7 @@ from chattune.model.packing_probe import (
     check_packing_isolation,
     probe_documents,
 )
+from chattune.model.rotary import check_rotary_tables
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,16 @@ WINDOWS = ("sliding_window", "attention_chunk_size")
 # 11 tokens: `PROBE_LENGTHS`) lie on both sides of them: a row mixing documents below and above such a switch is
 # where a model that reads the whole row (rather than each document) shows it. The rotary switches sit at
 # ROTARY_SWITCH, between document B (9 tokens) and A and C (11), so B alone is below the switch and its row above:
-# LongRoPE's short and long factors (`original_max_position_embeddings`), dynamic NTK's rescaling
-# (`max_position_embeddings`, only where the rotary is dynamic: absolute position tables are sized by it).
-# Llama 4's attention temperature grows every `floor_scale` tokens: cut below the documents too.
+# LongRoPE's short and long factors (`original_max_position_embeddings`; the same length is cut for YaRN and Llama 3
+# rotaries, static in transformers, and read by Ministral 3's position-dependent query scaling), dynamic NTK's
+# rescaling (`max_position_embeddings`, only where the rotary is dynamic: absolute position tables are sized by it).
+# Llama 4's attention temperature grows every `floor_scale` tokens: cut below the documents too, and its growth
+# (`attn_scale`, 0.1) raised to 1, so that a temperature read from the row's places rather than the document's moves
+# a document by more than the probe's tolerance (2.6e-4 at 0.1, 7.7e-3 at 1: a random-init miniature's attention is
+# nearly uniform, which the temperature barely sharpens).
 ROTARY_SWITCH = 10
 SCALES = {"floor_scale": MINIATURE_WINDOW}
+RAISED = {"attn_scale": 1.0}
 
 
 def _layer_kinds(config: PretrainedConfig, num_layers: int) -> set[tuple[str, object]]:
@@ -109,6 +115,10 @@ def miniature_config(config: PretrainedConfig, min_layers: int = MINIATURE_LAYER
         value = getattr(small_text, attribute, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > cut:
             setattr(small_text, attribute, cut)
+    for attribute, floor in RAISED.items():
+        value = getattr(small_text, attribute, None)
+        if isinstance(value, float) and 0 < value < floor:
+            setattr(small_text, attribute, floor)
     _cut_rotary_switches(small_text)
     return small
 
@@ -126,12 +136,11 @@ def _rope_parameter_sets(text: PretrainedConfig) -> list[dict]:
 def _cut_rotary_switches(text: PretrainedConfig) -> None:
     """Move the lengths where a rotary embedding changes its frequencies to ROTARY_SWITCH (see there)."""
     for parameters in _rope_parameter_sets(text):
-        rope_type = parameters["rope_type"]
-        if rope_type == "longrope":
+        if isinstance(parameters.get("original_max_position_embeddings"), int):  # LongRoPE, YaRN, Llama 3, ...
             parameters["original_max_position_embeddings"] = ROTARY_SWITCH
             if isinstance(getattr(text, "original_max_position_embeddings", None), int):
                 text.original_max_position_embeddings = ROTARY_SWITCH
-        elif "dynamic" in rope_type:
+        if "dynamic" in parameters["rope_type"]:
             text.max_position_embeddings = ROTARY_SWITCH
 
 
@@ -235,6 +244,7 @@ def check_architecture(
     choose_mixer_path(device, set(handled_mixers(miniature).values()))
     with whole_rows(miniature):  # each rank probes the miniature on its own
         check_packing_isolation(miniature)  # first: it turns a failing packed forward into a clear refusal
+        check_rotary_tables(miniature, PROBE_LENGTHS)  # switches too small for the probe's tolerance
         _check_output_head(miniature)
         check_stock_attention(miniature)
         if device.type == "cuda":

@@ -35,8 +35,10 @@ the start-up packing probe, run with a miniature whose thresholds lie between it
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -44,7 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chattune.errors import UnsupportedModel
 from chattune.model.context_parallel import context_group_of
+
+logger = logging.getLogger(__name__)
 
 _ROW_ATTRIBUTE = "_chattune_row_cu_seqlens"  # the row's boundaries, recorded by the calling module's pre-hook
 _ISOLATED = "_chattune_rotaries_isolated"
@@ -175,3 +180,66 @@ def whole_row_rotaries() -> Iterator[None]:
         yield
     finally:
         _isolating = True
+
+
+# Rotary tables of a packed row against each document's alone: the same arithmetic on the same positions, so equal
+# up to rounding of the table's dtype (fp32 on the miniature).
+TABLE_TOLERANCE = 1e-5
+
+
+def _calls(module: nn.Module) -> list[dict]:
+    """The keyword arguments of each table the module makes: one, or one per layer type it holds."""
+    if "layer_type" in inspect.signature(type(module).forward).parameters and isinstance(module.rope_type, dict):
+        return [{"layer_type": layer_type} for layer_type in module.rope_type]
+    return [{}]
+
+
+@torch.no_grad()
+def check_rotary_tables(hf_model: nn.Module, lengths: tuple[int, ...]) -> None:
+    """Refuse (UnsupportedModel) a model whose rotary tables for a packed row of documents of `lengths` differ from
+    each document's tables alone, computed by a fresh copy of the module: what a switch on the input's length (the
+    miniature moves such switches between the documents' lengths) does to a rotary this module does not handle.
+    Every module with a `rope_type` is checked; one whose stock forward does not take 2-D position ids (multimodal
+    rotaries) cannot be run alone here and is left to the packing probe."""
+    isolate_rotaries(hf_model)
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    row = torch.cat([torch.arange(length) for length in lengths]).unsqueeze(0)
+    for name, module in hf_model.named_modules():
+        if not _rope_types(module):
+            continue
+        device = next((buffer.device for buffer in module.buffers()), torch.device("cpu"))
+        x = torch.zeros(1, dtype=torch.float32, device=device)
+        for kwargs in _calls(module):
+            try:  # each document alone, from a fresh copy as a model run on it alone
+                alone = [
+                    _as_tuple(type(module).forward(_fresh(module), x, torch.arange(n, device=device)[None], **kwargs))
+                    for n in lengths
+                ]
+            except (TypeError, ValueError, RuntimeError, IndexError) as error:
+                logger.info("rotary module %s not checked alone (%s: %s)", name, type(error).__name__, error)
+                continue
+            module.__dict__[_ROW_ATTRIBUTE] = bounds.to(device)
+            try:
+                packed = _as_tuple(module(x, row.to(device), **kwargs))
+            finally:
+                module.__dict__.pop(_ROW_ATTRIBUTE, None)
+            for got, want in zip(packed, (torch.cat(parts, dim=1) for parts in zip(*alone))):
+                difference = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                if not difference <= TABLE_TOLERANCE:
+                    raise UnsupportedModel(
+                        f"{type(hf_model).__name__}: its rotary embedding {type(module).__name__} ({name or 'the model'}, "
+                        f"rope type {module.rope_type}) computes the tables of a packed row of documents of "
+                        f"{'+'.join(map(str, lengths))} tokens differently from each document's alone (up to "
+                        f"{difference:.1e} relative): it reads the whole input, not each token's position, and chattune "
+                        "cannot give it each document's tables, so packed training would train another model"
+                    )
+
+
+def _fresh(module: nn.Module) -> nn.Module:
+    fresh = copy.deepcopy(module)
+    fresh.__dict__.pop("forward", None)  # the class's own forward
+    return fresh
+
+
+def _as_tuple(output) -> tuple:
+    return output if isinstance(output, tuple) else (output,)
