@@ -55,6 +55,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model import attention_kernels as kernels
+from chattune.model import indexed_attention
 from chattune.model.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 from chattune.model.mixers import isolate_documents
 
@@ -228,6 +229,11 @@ def packed_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each document of a packed (1, N) row. Returns (1, N, H, D)."""
+    if indexed_attention.in_document_call(module):  # a layer selecting its keys, run per document: its mask holds
+        return indexed_attention.document_attention(
+            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
+    indexed_attention.refuse_selection(module, kwargs)
     if attention_mask is not None:  # a model that builds its own mask (Doge, MPT) cannot be kept to documents here
         raise UnsupportedModel(
             f"{type(module).__name__} passes its own attention mask to the attention function; "
@@ -313,6 +319,7 @@ def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outpu
     mixers other than attention take them too (`chattune.model.mixers`). `outputs`: transformers' output_*
     flags (`output_router_logits=True` for a MoE model's router logits)."""
     isolate_documents(hf_model)
+    indexed_attention.isolate_indexed_attention(hf_model)
     return decoder_of(hf_model)(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
