@@ -18,7 +18,10 @@ Each of these computes its selection from a causal mask the decoder builds, and 
 fold the selection into that mask; chattune's packed rows have no mask (documents are kept apart by `cu_seqlens`),
 so these models crashed on the indexer's `attention_mask[:, 0]` or, where the layer hands its selection to the
 attention function as `block_indices` (MiniMax-M3), trained dense attention. A selection made over the whole row
-would also be wrong: the top-k would be chosen among earlier documents' tokens too.
+would also be wrong: the top-k would be chosen among earlier documents' tokens too. Even with a block-diagonal mask
+it would not be exact: `topk` breaks ties by where they lie in the scores it is given (a row's N columns or a
+document's L), and ties are common (the ReLU makes many scores exactly 0), so only scores of the document's own
+shape choose the keys stock chooses.
 
 So such a layer runs **per document**, as `chattune.model.mixers` runs convolutions and SSMs: the attention module's
 own forward is called once per document (each segment of `cu_seqlens`: a DPO pair's chosen and rejected replies are
@@ -29,7 +32,10 @@ entries' bias). The indexer, the compressor and everything else in the layer the
 when the document runs alone: `topk(min(index_topk, L))` over the same (L, L) scores, so the same keys, ties broken
 alike; the indexer's O(L^2 * heads) scores stay per document instead of O(N^2 * heads) for the row. A layer's
 selection handed to the next layer (GLM-5, HY-V4) goes back into the row as each document's local indices, padded
-with -1 to the widest, and is cut per document again for the next layer.
+with -1 to the widest, and is cut per document again for the next layer. The layer's projections run per document
+too (a loop over documents per layer, outside compiled graphs, as the mixers' per-document path): one mechanism for
+all of these, where calling only the indexer per document would leave Qwen4-Exp (whose indexer returns a mask) and
+DeepSeek-V4 (whose keys include compressed entries) to other code.
 
 Inside such a call transformers hands chattune's attention function the document's mask and, for the DeepSeek
 Sparse Attention family (whose forward passes its selection only to attention functions other than eager and SDPA),
@@ -38,6 +44,7 @@ eager attention computes with the mask it would have built: the mask with the se
 own eager branches fold it: `indices` scattered, `block_indices` through the indexer's `build_block_mask`), then
 SDPA with that mask, or, for layers with attention sinks (HY-V4, DeepSeek-V4) or soft-capping, the scores written
 out with an fp32 softmax. Keys may outnumber queries (DeepSeek-V4's compressed entries after the document's own).
+The mask carries the window; the `sliding_window` argument is ignored, as eager ignores it.
 On CUDA this is the same masked SDPA per document: no sparse kernel (flash-mla's) is used, so a layer costs dense
 attention over its document plus an (L, L) mask, which SDPA keeps for the backward.
 
@@ -45,9 +52,11 @@ Qwen4-Exp's per-layer n-gram embeddings (PLE, off in its default config, on in i
 the tokens before it and run a dilated convolution over the row: `Qwen4ExpTextPLELayer` runs per document too, so a
 document's n-grams start from the end-of-sequence context, as alone, instead of the previous document's tokens.
 
-DeepSeek-V4 is supported rather than refused because the same per-document call needs nothing of its own: its
-compressor and indexer run on the document as stock runs them on a document alone, and the mask it builds (sliding
-window, then each compressed entry's causal and selected bias) is honoured as eager honours it, with its sinks.
+DeepSeek-V4 is supported exactly rather than refused (it was refused because chattune's per-document kernels cut
+the keys to the document and dropped its compressed entries): the same per-document call needs nothing of its own.
+Its compressors and indexer run on the document as stock runs them on a document alone, and the mask its forward
+builds (the sliding window over the document's keys, then each compressed entry's causal and selected bias) is
+honoured as eager honours it, with its sinks; its hash routing and hyper-connections work token by token.
 
 Context parallelism is refused for these layers (`check_context_parallel`): a rank holds a slice of a document, and
 the selection needs all of its earlier tokens. An attention layer with an indexer of a kind not in `HANDLED` is refused
@@ -178,6 +187,22 @@ def check_context_parallel(hf_model: nn.Module, context_size: int) -> None:
             f"({', '.join(names)}), which need the whole document on one rank, and parallel.context splits packed "
             "rows across ranks: set parallel.context=1"
         )
+
+
+def indexed_path_name(hf_model: nn.Module) -> str | None:
+    """What the layers run per document here compute, for the start-up `compute:` line (None for a model without
+    them): the attention line's path does not hold for them."""
+    counts: dict[str, int] = {}
+    for _, module in _per_document_modules(hf_model):
+        name = type(module).__name__
+        counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return None
+    layers = ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
+    return (
+        f"layers selecting their keys, run per document ({layers}): their selection folded into each document's "
+        "mask, attention by masked SDPA per document (scores written out where they have sinks); no sparse kernel"
+    )
 
 
 def _remember_row(name: str) -> Callable:
