@@ -24,7 +24,7 @@ from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model import indexed_attention
 from chattune.model.architecture_check import check_architecture
-from chattune.model.attention import ATTENTION_NAME, packed_attention
+from chattune.model.attention import ATTENTION_NAME, packed_attention, stock_attention
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.flops import text_config
 from chattune.objectives.dpo import LiveReference
@@ -253,3 +253,23 @@ def test_context_parallelism_is_refused_and_a_deep_copy_runs_its_own_weights():
         assert attention.forward.__self__ is attention
         attention.o_proj.weight.zero_()
         assert not torch.allclose(twin(batch), losses) and torch.equal(packed(batch), losses)
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "hy_v4", "deepseek_v4"])
+def test_generation_after_packed_training_is_stock_generation(family, sparse):
+    """Generation (eval samples) runs transformers' own attention and masks with a KV cache: the per-document layers
+    step aside, and a model without an SDPA path (HY-V4's and DeepSeek-V4's sinks) generates with eager attention.
+    Greedy tokens equal those of the stock model."""
+    config = tiny_config(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32).eval()
+    stock = copy.deepcopy(model)
+    stock.set_attn_implementation("eager")
+    prompt = torch.tensor([[5, 17, 9, 33, 2, 41, 7, 12, 60, 3, 8]])
+    settings = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        PackedCausalLM(model)(collate_packed(walk_module.random_documents(text_config(config).vocab_size)))
+        with stock_attention(model):
+            tokens = model.generate(input_ids=prompt, **settings)
+        assert torch.equal(tokens, stock.generate(input_ids=prompt, **settings))
+    assert model.config._attn_implementation == ATTENTION_NAME

@@ -289,13 +289,14 @@ AttentionInterface.register(ATTENTION_NAME, packed_attention)
 
 @contextlib.contextmanager
 def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
-    """transformers' SDPA attention instead of the packed one while the block runs, then the packed one again.
-    For generation: its queries after the prompt are one token against a KV cache of the tokens before it,
-    which the packed attention (whole rows, documents from position ids) does not take."""
+    """transformers' SDPA attention (eager where the model has no SDPA path: HY-V4's and DeepSeek-V4's sinks) instead
+    of the packed one while the block runs, then the packed one again. For generation: its queries after the prompt
+    are one token against a KV cache of the tokens before it, which the packed attention (whole rows, documents from
+    position ids) does not take."""
     if hf_model.config._attn_implementation != ATTENTION_NAME:
         yield
         return
-    hf_model.set_attn_implementation("sdpa")
+    hf_model.set_attn_implementation("sdpa" if hf_model._supports_sdpa else "eager")
     try:
         yield
     finally:
