@@ -239,7 +239,9 @@ def test_a_selection_outside_a_per_document_call_is_refused():
 def test_context_parallelism_is_refused_and_a_deep_copy_runs_its_own_weights():
     config = tiny_config("glm_moe_dsa")
     model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
-    assert "(GlmMoeDsaAttention x4)" in indexed_attention.indexed_path_name(model)  # the start-up compute line
+    assert "(GlmMoeDsaAttention x4: DeepSeek Sparse Attention" in indexed_attention.indexed_path_name(
+        model
+    )  # the start-up compute line
     assert indexed_attention.indexed_path_name(AutoModelForCausalLM.from_config(tiny_config("llama"))) is None
     indexed_attention.check_context_parallel(model, 1)
     with pytest.raises(UnsupportedModel, match="set parallel.context=1"):

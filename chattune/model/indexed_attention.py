@@ -126,13 +126,17 @@ def selects_keys(module: nn.Module) -> bool:
     )
 
 
-def _per_document_modules(hf_model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
-    """(parent, module) for every module of `hf_model` run per document."""
+def _per_document_modules(hf_model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    """(parent, its name for the module, module) for every module of `hf_model` run per document."""
     for parent in hf_model.modules():
-        for child in parent.children():
-            name = type(child).__name__
-            if name in PER_DOCUMENT_MODULES or name in HANDLED and selects_keys(child):
-                yield parent, child
+        for name, child in parent.named_children():
+            kind = type(child).__name__
+            if kind in PER_DOCUMENT_MODULES or kind in HANDLED and selects_keys(child):
+                yield parent, name, child
+
+
+def _described(kind: str) -> str:
+    return HANDLED[kind].selection if kind in HANDLED else PER_DOCUMENT_MODULES[kind]
 
 
 def check_indexed_attention(hf_model: nn.Module) -> None:
@@ -166,25 +170,22 @@ def isolate_indexed_attention(hf_model: nn.Module) -> None:
     if hf_model.__dict__.get("_chattune_indexed_isolated"):
         return
     check_indexed_attention(hf_model)
-    for parent in hf_model.modules():
-        for name, module in parent.named_children():
-            kind = type(module).__name__
-            if (kind in PER_DOCUMENT_MODULES or kind in HANDLED and selects_keys(module)) and (
-                "forward" not in module.__dict__
-            ):
-                module.forward = types.MethodType(_packed_forward, module)
-                # Qwen4-Exp's layer does not pass the row's kwargs on to its n-gram embeddings: the layer's call has them.
-                parent.register_forward_pre_hook(_remember_row(name), with_kwargs=True)
+    for parent, name, module in list(_per_document_modules(hf_model)):
+        if "forward" not in module.__dict__:
+            module.forward = types.MethodType(_packed_forward, module)
+            # Qwen4-Exp's layer does not pass the row's kwargs on to its n-gram embeddings: the layer's call has them.
+            parent.register_forward_pre_hook(_remember_row(name), with_kwargs=True)
     hf_model.__dict__["_chattune_indexed_isolated"] = True
 
 
 def check_context_parallel(hf_model: nn.Module, context_size: int) -> None:
     """Refuse context parallelism for a model with layers run per document here (module docstring: why)."""
-    names = sorted({type(module).__name__ for _, module in _per_document_modules(hf_model)})
-    if context_size > 1 and names:
+    kinds = sorted({type(module).__name__ for _, _, module in _per_document_modules(hf_model)})
+    if context_size > 1 and kinds:
+        layers = ", ".join(f"{kind}: {_described(kind)}" for kind in kinds)
         raise UnsupportedModel(
-            f"{type(hf_model).__name__} has layers that select their keys among each document's earlier tokens "
-            f"({', '.join(names)}), which need the whole document on one rank, and parallel.context splits packed "
+            f"{type(hf_model).__name__} has layers that read each document's earlier tokens outside the attention "
+            f"kernel ({layers}), which need the whole document on one rank, and parallel.context splits packed "
             "rows across ranks: set parallel.context=1"
         )
 
@@ -193,15 +194,15 @@ def indexed_path_name(hf_model: nn.Module) -> str | None:
     """What the layers run per document here compute, for the start-up `compute:` line (None for a model without
     them): the attention line's path does not hold for them."""
     counts: dict[str, int] = {}
-    for _, module in _per_document_modules(hf_model):
-        name = type(module).__name__
-        counts[name] = counts.get(name, 0) + 1
+    for _, _, module in _per_document_modules(hf_model):
+        kind = type(module).__name__
+        counts[kind] = counts.get(kind, 0) + 1
     if not counts:
         return None
-    layers = ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
+    layers = "; ".join(f"{kind} x{count}: {_described(kind)}" for kind, count in sorted(counts.items()))
     return (
-        f"layers selecting their keys, run per document ({layers}): their selection folded into each document's "
-        "mask, attention by masked SDPA per document (scores written out where they have sinks); no sparse kernel"
+        f"layers run per document ({layers}): a selection folded into each document's mask, attention by "
+        "masked SDPA per document (scores written out where there are sinks); no sparse kernel"
     )
 
 
