@@ -229,7 +229,7 @@ def packed_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each document of a packed (1, N) row. Returns (1, N, H, D)."""
-    if indexed_attention.in_document_call(module):  # a layer selecting its keys, run per document: its mask holds
+    if indexed_attention.in_document_call(module):  # a layer selecting its keys, called per document with its mask
         return indexed_attention.document_attention(
             module, query, key, value, attention_mask, dropout, scaling, **kwargs
         )
