@@ -55,6 +55,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.model import attention_kernels as kernels
+from chattune.model import indexed_attention
 from chattune.model.chunked_attention import (
     attention_chunk,
     chunk_boundaries,
@@ -240,6 +241,11 @@ def packed_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each document of a packed (1, N) row. Returns (1, N, H, D)."""
+    if indexed_attention.in_document_call(module):  # a layer selecting its keys, called per document with its mask
+        return indexed_attention.document_attention(
+            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
+    indexed_attention.refuse_selection(module, kwargs)
     if attention_mask is not None:  # a model that builds its own mask (Doge, MPT) cannot be kept to documents here
         raise UnsupportedModel(
             f"{type(module).__name__} passes its own attention mask to the attention function; "
@@ -301,13 +307,14 @@ AttentionInterface.register(ATTENTION_NAME, packed_attention)
 
 @contextlib.contextmanager
 def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
-    """transformers' SDPA attention instead of the packed one while the block runs, then the packed one again.
-    For generation: its queries after the prompt are one token against a KV cache of the tokens before it,
-    which the packed attention (whole rows, documents from position ids) does not take."""
+    """transformers' SDPA attention (eager where the model has no SDPA path: HY-V4's and DeepSeek-V4's sinks) instead
+    of the packed one while the block runs, then the packed one again. For generation: its queries after the prompt
+    are one token against a KV cache of the tokens before it, which the packed attention (whole rows, documents from
+    position ids) does not take."""
     if hf_model.config._attn_implementation != ATTENTION_NAME:
         yield
         return
-    hf_model.set_attn_implementation("sdpa")
+    hf_model.set_attn_implementation("sdpa" if hf_model._supports_sdpa else "eager")
     try:
         yield
     finally:
@@ -333,6 +340,7 @@ def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outpu
     flags (`output_router_logits=True` for a MoE model's router logits)."""
     isolate_documents(hf_model)
     isolate_rotaries(hf_model)
+    indexed_attention.isolate_indexed_attention(hf_model)
     return decoder_of(hf_model)(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,

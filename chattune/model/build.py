@@ -33,6 +33,7 @@ from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
+from chattune.model.indexed_attention import indexed_path_name
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
@@ -187,6 +188,9 @@ def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: 
     mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
     if mixer_paths:
         line += f"; sequence mixers: {mixer_paths}"
+    indexed = indexed_path_name(model.hf_model)
+    if indexed:
+        line += f"; {indexed}"
     transform = getattr(model, "logit_transform", None)  # a causal LM's (a score head has none)
     if transform is not None and transform.describe():
         line += f"; output logits: {transform.describe()}"
