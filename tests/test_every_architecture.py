@@ -208,17 +208,39 @@ EXTRA = {
     },
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # the default None builds nothing
     "mamba2": {"num_heads": 8},  # hidden size × expand = heads × head dim
-    # the default config lists indexed-attention layers without the indexer's sizes
-    **dict.fromkeys(
-        ("qwen4_exp", "qwen4_exp_text"),
-        {
-            "indexer_n_heads": HEADS,
-            "indexer_kv_heads": 1,
-            "indexer_head_dim": HEAD_DIM,
-            "indexer_budget": 8,
-            "indexer_compress_ratio": 4,
-        },
-    ),
+    # the default config lists indexed-attention layers without the indexer's sizes; budgets below the documents, so
+    # that the selection is exercised (a block budget of 4 tokens in blocks of 2)
+    "qwen4_exp": {
+        "indexer_n_heads": HEADS,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": HEAD_DIM,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+    },
+    # as qwen4_exp, with its per-layer n-gram embeddings (PLE) on, as in its checkpoints
+    "qwen4_exp_text": {
+        "indexer_n_heads": HEADS,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": HEAD_DIM,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+        "ple_layer_ids": [1, 3],
+        "eos_token_id": 3,
+        "ple_embed_dim": 64,
+        "ngram_vocab_size_base": 1000,
+    },
+    # top-k selections smaller than the documents (defaults: 2048 keys), so that the indexers select
+    **dict.fromkeys(("deepseek_v32", "dots3_note", "dots3_note_text", "hy_v4", "axk2"), {"index_topk": 4}),
+    "glm_moe_dsa": {"index_topk": 4, "indexer_types": ["full", "shared", "full", "shared"]},  # layers sharing one
+    "deepseek_v4": {
+        "index_topk": 2,
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    },
+    "minimax_m3_vl_text": {
+        "layer_types": ["minimax_m3_sparse", "full_attention"],
+        "index_block_size": 2,
+        "index_topk_blocks": 2,
+    },
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},  # a decoder; axial dims summing to the width
     "zaya": {"num_experts_per_tok": 1},  # supports only 1
     "xmod": {"default_language": "en_XX"},  # its forward needs a language

@@ -27,6 +27,8 @@ from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_hidden_s
 from chattune.model.causal_lm import check_output_head
 from chattune.model.context_parallel import check_heads, whole_rows
 from chattune.model.flops import attention_heads, text_config
+from chattune.model.indexed_attention import check_context_parallel as check_indexed_context_parallel
+from chattune.model.indexed_attention import check_indexed_attention
 from chattune.model.mixers import check_context_parallel, choose_mixer_path, handled_mixers
 from chattune.model.packing_probe import (
     ALONE_TOLERANCE,
@@ -73,6 +75,18 @@ WINDOWS = ("sliding_window", "attention_chunk_size")
 # nearly uniform, which the temperature barely sharpens).
 ROTARY_SWITCH = 10
 SCALES = {"floor_scale": MINIATURE_WINDOW}
+# Attention that selects its keys (`chattune.model.indexed_attention`) selects only once a document has more keys
+# than its budget: the budgets cut below the probe's documents (at their defaults, 2048 keys or 128-token blocks, a
+# selection dropped or made over the whole row would pass the probe unseen).
+SCALES |= {
+    "index_topk": 4,  # DeepSeek Sparse Attention and kin
+    "indexer_budget": 4,  # Qwen4-Exp's QSA: a multiple of its compress ratio
+    "indexer_compress_ratio": 2,
+    "index_block_size": 2,  # MiniMax-M3's block selection
+    "index_topk_blocks": 2,
+}
+# DeepSeek-V4's compression rates, per kind of compressed attention.
+COMPRESS_RATES = {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}
 RAISED = {"attn_scale": 1.0}
 
 
@@ -119,6 +133,9 @@ def miniature_config(config: PretrainedConfig, min_layers: int = MINIATURE_LAYER
         value = getattr(small_text, attribute, None)
         if isinstance(value, float) and 0 < value < floor:
             setattr(small_text, attribute, floor)
+    rates = getattr(small_text, "compress_rates", None)
+    if isinstance(rates, dict):
+        small_text.compress_rates = {kind: min(rate, COMPRESS_RATES.get(kind, rate)) for kind, rate in rates.items()}
     _cut_rotary_switches(small_text)
     return small
 
@@ -242,6 +259,7 @@ def check_architecture(
         miniature = build_miniature(config)
     device = device or torch.device("cpu")
     choose_mixer_path(device, set(handled_mixers(miniature).values()))
+    check_indexed_attention(miniature)  # an indexer chattune does not run per document: refused by name
     with whole_rows(miniature):  # each rank probes the miniature on its own
         check_packing_isolation(miniature)  # first: it turns a failing packed forward into a clear refusal
         check_rotary_tables(miniature, PROBE_LENGTHS)  # switches too small for the probe's tolerance
@@ -253,6 +271,7 @@ def check_architecture(
     if group is not None:  # collective over the context group: every rank built the same miniature
         context_size = torch.distributed.get_world_size(group)
         check_context_parallel(miniature, context_size)
+        check_indexed_context_parallel(miniature, context_size)
         for heads in sorted(set(attention_heads(miniature))):  # per layer: they may differ
             check_heads(heads, context_size, type(miniature).__name__)
         # on the run's device: the group's collectives (nccl on CUDA) take its tensors
