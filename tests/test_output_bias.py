@@ -14,6 +14,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from test_every_architecture import Trained, check_exact, tiny_config
 from test_hybrid_models import compare_with_stock, random_documents, relative, stock_losses
 from torch.distributed.tensor import DTensor
@@ -162,6 +163,23 @@ def test_a_release_that_takes_the_bias_is_given_it(monkeypatch):
     for got, want in zip(fused[1:4], reference[1:4]):
         assert relative(got, want) < 1e-5
     assert "bias passed to it" in fused_loss.describe_bias()
+
+
+def test_lora_with_the_output_layer_trained_in_full_trains_its_bias():
+    """peft.modules_to_save=[lm_head]: the losses read the trained copy's weight and bias (the adapters start at
+    zero: the stock model's gradient)."""
+    from chattune.model.adapters import add_adapters
+
+    model = biased_model("phi")
+    stock = copy.deepcopy(model)
+    stock.set_attn_implementation("eager")
+    lora = {"type": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "use_dora": False}
+    add_adapters(model, OmegaConf.create({**lora, "modules_to_save": ["lm_head"], "quantize_base": None}))
+    documents = random_documents(model.config.vocab_size, LENGTHS)
+    PackedCausalLM(model, loss_chunk_size=16)(collate_packed(documents)).sum().backward()
+    stock_losses(stock, documents).sum().backward()
+    trained = dict(model.named_parameters())["lm_head.modules_to_save.default.bias"]
+    assert trained.requires_grad and relative(trained.grad, stock.lm_head.bias.grad) <= 1e-4
 
 
 class _BiasTwice(torch.nn.Linear):
