@@ -71,9 +71,7 @@ def _chunk_token_losses(
     # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
     # before the loss sees it. bf16 -> fp32 is exact.
     logits = _TF32Logits.apply(hidden, weight) if tf32 else hidden.float() @ weight.float().t()
-    if (
-        bias is not None
-    ):  # the output layer's own bias (Phi, GPT-J, CodeGen), added before any scaling, as its forward does
+    if bias is not None:  # the output layer's own (Phi, GPT-J, CodeGen): before any scaling, as its forward adds it
         logits = logits + bias.float()
     if transform is not None:
         logits = transform(logits)  # in fp32, inside the checkpoint: recomputed with the chunk's logits
