@@ -327,3 +327,6 @@ def test_adapter_module_names_must_name_modules_of_the_model():
     add_adapters(model, OmegaConf.merge(LORA, {"target_modules": "q_proj"}))
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     assert len(trained) == 2 * 2 and all(".self_attn.q_proj.lora_" in name for name in trained), trained
+    # an adapter on the output layer got no gradient (the losses read its weight directly), silently
+    with pytest.raises(UserError, match=r"peft.target_modules: names the output layer"):
+        add_adapters(tiny_model(tie_word_embeddings=False), OmegaConf.merge(LORA, {"target_modules": ["lm_head"]}))

@@ -83,8 +83,21 @@ def test_a_head_the_config_does_not_describe_is_refused():
             check_output_head(model)
 
 
-def test_a_head_bias_is_refused():
-    model = tiny_model(tie_word_embeddings=False)
+class _BiasLeftOut(torch.nn.Linear):
+    """An output layer that has a bias and leaves it out of its logits."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight)
+
+
+def test_a_head_bias_is_added_not_refused():
+    """An output layer with a bias is trained with it (tests/test_output_bias.py); one whose forward leaves its
+    bias out is refused (the check sets the bias to random values: at zero, the two would agree)."""
+    model = tiny_model(tie_word_embeddings=False, model_type="granite", logits_scaling=4.0)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
-    with pytest.raises(UnsupportedModel, match="bias"):
+    check_output_head(model)
+    unbiased = _BiasLeftOut(model.lm_head.in_features, model.lm_head.out_features)
+    unbiased.weight, unbiased.bias = model.lm_head.weight, model.lm_head.bias
+    model.lm_head = unbiased
+    with pytest.raises(UnsupportedModel, match=r"output_embedding.T \+ its bias followed by"):
         check_output_head(model)

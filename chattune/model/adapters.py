@@ -98,6 +98,13 @@ def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig, task_type: str
     with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: once per rank
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(hf_model, lora_config(settings, task_type))
+    head = hf_model.get_output_embeddings() if task_type == "CAUSAL_LM" else None
+    if isinstance(head, LoraLayer):  # the losses read the output layer's weight and bias, never its forward
+        raise UserError(
+            "peft.target_modules: names the output layer, whose LoRA adapter chattune's losses would never train "
+            "(they compute the logits from its weight and bias, not through its forward); train it in full with "
+            "peft.modules_to_save instead"
+        )
     with torch.no_grad():
         for module in hf_model.modules():
             if isinstance(module, LoraLayer) and any(p.is_meta for p in module.lora_A.parameters()):

@@ -2,11 +2,11 @@
 
 `PackedCausalLM` wraps any `AutoModelForCausalLM` and returns per-token losses computed from the final
 hidden states in chunks (see `chattune.model.chunked_loss`), or by cut-cross-entropy on CUDA
-(`chattune.model.fused_loss`), instead of full logits, with the model's own logit scaling or soft-capping
-(`chattune.model.output_logits`); for a MoE model trained with its router loss, also each document's
-load-balancing loss (`chattune.model.router_loss`). It is also the FSDP root module,
-so the embedding, final norm and output head (tied or not) are gathered by the root's hooks when its
-forward runs.
+(`chattune.model.fused_loss`), instead of full logits, with the output layer's bias where it has one (Phi,
+GPT-J, CodeGen, CTRL) and the model's own logit scaling or soft-capping (`chattune.model.output_logits`); for
+a MoE model trained with its router loss, also each document's load-balancing loss
+(`chattune.model.router_loss`). It is also the FSDP root module, so the embedding, final norm and output head
+(tied or not, its bias with it) are gathered by the root's hooks when its forward runs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_decoder_
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.context_parallel import gather_row, row_slice, set_context_group
 from chattune.model.flops import model_flops
-from chattune.model.fused_loss import cce_token_losses
+from chattune.model.fused_loss import cce_token_losses, describe_bias
 from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
 from chattune.model.output_logits import LogitTransform
 from chattune.model.router_loss import RouterLoss
@@ -76,9 +76,13 @@ class PackedCausalLM(nn.Module):
 
     def describe_head(self) -> str:
         """What computes the loss from the final hidden states, for the start-up `compute:` line."""
+        biased = output_bias(self.hf_model) is not None
         if self.loss_implementation == "cut_cross_entropy":
-            return "loss: cut-cross-entropy (fused)"
-        return "loss: chunked fp32 head" + (" (its matmuls in TF32)" if self.tf32_head else "")
+            return "loss: cut-cross-entropy (fused" + (f", {describe_bias()})" if biased else ")")
+        notes = [
+            note for note, applies in (("its matmuls in TF32", self.tf32_head), ("with its bias", biased)) if applies
+        ]
+        return "loss: chunked fp32 head" + (f" ({', '.join(notes)})" if notes else "")
 
     def generate(self, **kwargs) -> torch.Tensor:
         """The wrapped model's `generate` (transformers'), with its attention as transformers' SDPA for the
@@ -96,12 +100,12 @@ class PackedCausalLM(nn.Module):
             raise ValueError("router losses asked of a model trained without a router loss")
         output = packed_decoder_output(self.hf_model, batch, output_router_logits=router_losses)
         hidden = output.last_hidden_state[0]
-        weight = self.hf_model.get_output_embeddings().weight
+        weight, bias = self.hf_model.get_output_embeddings().weight, output_bias(self.hf_model)
         if self.loss_implementation == "cut_cross_entropy":
-            losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform)
+            losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform, bias)
         else:
             losses = chunked_token_losses(
-                hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head, self.logit_transform
+                hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head, self.logit_transform, bias
             )
         if not router_losses:
             return losses
@@ -109,24 +113,28 @@ class PackedCausalLM(nn.Module):
         return losses, self.router_loss.per_document(output.router_logits, batch.cu_seqlens.tolist())
 
 
+def output_bias(hf_model: PreTrainedModel) -> torch.Tensor | None:
+    """The output layer's bias (V,), where it has one (Phi, GPT-J, CodeGen, CTRL, the BERT family's decoders):
+    the losses add it to hidden @ output_embedding.T. Under peft's modules_to_save, the trained copy's."""
+    return getattr(hf_model.get_output_embeddings(), "bias", None)
+
+
 @torch.no_grad()
 def check_output_head(hf_model: PreTrainedModel) -> None:
-    """The losses compute logits as hidden @ output_embedding.T, then scale or soft-cap them as the config says
-    (`LogitTransform`). Refuse a model whose own forward does something else (a bias, a scaling the config does
-    not name), instead of training a different model.
+    """The losses compute logits as hidden @ output_embedding.T (+ the output layer's bias, where it has one), then
+    scale or soft-cap them as the config says (`LogitTransform`). Refuse a model whose own forward does something
+    else (a scaling the config does not name, a transform between the decoder and the output layer), instead of
+    training a different model. A bias is compared at random values for the duration (initialised, it is zero,
+    and a forward that left it out or added it elsewhere would pass), then restored.
 
     Both sides are computed in the model's own dtype, as its forward computes them (a bf16 model's logits
     are a bf16 GEMM), so a bf16 model is not refused for bf16 rounding and no fp32 copy of the output
     layer is made; the tolerance is a few units of that dtype's precision."""
     head = hf_model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise UnsupportedModel(
-            f"{type(hf_model).__name__}: output heads with a bias are not supported by the chunked loss"
-        )
     learned = [name for name, _ in head.named_parameters() if name not in ("weight", "bias")]
     if learned:  # Dory's per-token logit_scale: at its initial value the logits match, but it would never train
         raise UnsupportedModel(
-            f"{type(hf_model).__name__}: its output layer has parameters besides its weight "
+            f"{type(hf_model).__name__}: its output layer has parameters besides its weight and bias "
             f"({', '.join(learned)}), which chattune's losses do not train"
         )
     was_training = hf_model.training
@@ -148,16 +156,42 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
         max_length_k=8,
     )
     hidden = decoder_of(hf_model)(**row).last_hidden_state[0]
-    logits = hf_model(**row).logits[0].float()
-    hf_model.train(was_training)
+    product = hidden @ head.weight.t()
+    bias = output_bias(hf_model)
+    original = None if bias is None else bias.detach().clone()
+    head_inputs = []  # what the model's forward hands its output layer, for the refusal's reason
+    hook = head.register_forward_pre_hook(lambda module, args: head_inputs.append(args[0].detach()))
+    try:
+        if bias is not None:  # as large as the logits, so that a bias left out (or added twice) shows
+            generator = torch.Generator().manual_seed(0)
+            spread = float(product.float().std()) or 1.0
+            bias.copy_(torch.randn(bias.shape, generator=generator).mul_(spread).to(bias))
+            product = product + bias
+        logits = hf_model(**row).logits[0].float()
+    finally:
+        hook.remove()
+        hf_model.train(was_training)
+        if bias is not None:
+            bias.copy_(original)
     transform = LogitTransform.from_config(hf_model.config)
-    ours = transform(hidden @ head.weight.t()).float()
+    ours = transform(product).float()
     tolerance = max(1e-3, 4 * torch.finfo(head.weight.dtype).eps)
     if not torch.allclose(ours, logits, rtol=tolerance, atol=tolerance * float(logits.abs().max())):
+        read = head_inputs[0][0] if head_inputs and head_inputs[0].dim() == 3 else None
+        if read is not None and not (
+            read.shape == hidden.shape
+            and torch.allclose(read, hidden, rtol=tolerance, atol=tolerance * float(hidden.abs().max()))
+        ):
+            raise UnsupportedModel(
+                f"{type(hf_model).__name__}: its output layer does not read the decoder's final hidden states (its "
+                "causal LM runs modules of its own between them, such as the BERT family's prediction-head transform), "
+                "which chattune's losses do not run"
+            )
         applied = transform.describe() or "nothing else"
+        plus = " + its bias" if bias is not None else ""
         raise UnsupportedModel(
-            f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T followed by "
-            f"what its config names ({applied}); chattune's losses do not support that head"
+            f"{type(hf_model).__name__} computes its logits differently from hidden @ output_embedding.T{plus} "
+            f"followed by what its config names ({applied}); chattune's losses do not support that head"
         )
 
 

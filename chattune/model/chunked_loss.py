@@ -66,10 +66,13 @@ def _chunk_token_losses(
     labels: torch.Tensor,
     tf32: bool = False,
     transform: LogitTransform | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
     # before the loss sees it. bf16 -> fp32 is exact.
     logits = _TF32Logits.apply(hidden, weight) if tf32 else hidden.float() @ weight.float().t()
+    if bias is not None:  # the output layer's own (Phi, GPT-J, CodeGen): before any scaling, as its forward adds it
+        logits = logits + bias.float()
     if transform is not None:
         logits = transform(logits)  # in fp32, inside the checkpoint: recomputed with the chunk's logits
     # logsumexp minus the target logit, not F.cross_entropy: the same value and gradient, but cross_entropy's
@@ -88,22 +91,25 @@ def chunked_token_losses(
     chunk_size: int,
     tf32: bool = False,
     transform: LogitTransform | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where label is IGNORE_INDEX).
 
     hidden: (N, H) final hidden states; weight: (V, H) output embedding; labels: (N,) already shifted
     (labels[i] is the token that position i must predict). `tf32`: the head's matmuls in TF32 (see above).
     `transform`: the model's scaling / soft-capping of hidden @ W.T (`chattune.model.output_logits`).
+    `bias`: (V,) the output layer's bias, where it has one: logits are hidden @ W.T + bias (added in fp32), then
+    transformed; it gets its gradient like the weight (the sum over tokens of softmax - one-hot).
     """
     transform = None if transform is None or transform.is_identity else transform
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     losses = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         if needs_grad:
-            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, use_reentrant=False))
+            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, bias, use_reentrant=False))
         else:
-            losses.append(_chunk_token_losses(h, weight, y, tf32, transform))
+            losses.append(_chunk_token_losses(h, weight, y, tf32, transform, bias))
     return torch.cat(losses)

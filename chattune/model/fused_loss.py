@@ -21,6 +21,10 @@ What its kernels do (read from the release the registry has, 25.1.1, and the rep
   accumulate both in fp32 (`accum_e_fp32`, `accum_c_fp32`): `cce_token_losses` asks for that wherever the
   installed release has those options (`cce_options`).
 - It finds the trained positions with `nonzero()`: one host sync per microbatch that our own code avoids.
+- 25.1.1 takes no bias; the repository's later `linear_cross_entropy` takes `bias=` (forward and gradient).
+  An output layer with a bias (Phi, GPT-J, CodeGen) passes it where the installed release takes it, and
+  otherwise as extra columns of the hidden states and the weight (`_bias_as_columns`), which CCE's dot products
+  add like any other term: the same logits, one weight copy of V × (H + BIAS_COLUMNS) per forward.
 
 The tolerance against the exact fp32 chunked path, on the same bf16 inputs: `scripts/gpu_check.py` measures
 it on CUDA (per-token losses, summed loss, output-layer gradient; BENCHMARKS.md), the tests on the CPU
@@ -107,22 +111,67 @@ def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: s
     return setting
 
 
+def cce_takes_bias() -> bool:
+    """Whether the installed release's `linear_cross_entropy` takes the output layer's bias (`bias=`: the
+    repository after 25.1.1 does; 25.1.1, the registry's newest, does not)."""
+    return "bias" in inspect.signature(_linear_cross_entropy()).parameters
+
+
+def describe_bias() -> str:
+    """How CCE adds an output layer's bias, for the start-up `compute:` line."""
+    if cce_takes_bias():
+        return "the output layer's bias passed to it"
+    return f"the output layer's bias as {BIAS_COLUMNS} more columns of its weight and hidden states"
+
+
+# An output layer's bias is added as extra columns where the installed CCE takes no bias: hidden states get a
+# column of ones (s, the logit scale) and the weight a column holding the bias, then zeros up to BIAS_COLUMNS so
+# that the width stays a multiple of CCE's widest block (128) where the hidden size is one (its kernels' unmasked
+# loads). Unmeasured on CUDA: the head's matmuls widen by BIAS_COLUMNS / hidden size (5% at Phi-2's 2560).
+BIAS_COLUMNS = 128
+
+
+def _bias_as_columns(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[h, s, 0...] and [W, b, 0...] (in the inputs' dtype), whose product is h @ W.T + s·b: the bias enters CCE's
+    logits as one more product of its fp32-accumulated dot products, and its gradient is what the extra column of
+    the weight's gradient receives (the sum over tokens of softmax - one-hot, in CCE's own accumulation)."""
+    ones = hidden.new_zeros(hidden.shape[0], BIAS_COLUMNS)
+    ones[:, 0] = scale
+    column = torch.cat([bias.to(weight.dtype).unsqueeze(1), weight.new_zeros(weight.shape[0], BIAS_COLUMNS - 1)], 1)
+    return torch.cat([hidden, ones], 1), torch.cat([weight, column], 1)
+
+
 def cce_token_losses(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, transform: LogitTransform | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    transform: LogitTransform | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where the label is IGNORE_INDEX) of hidden (N, H) against the
     output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision).
 
     `transform` (`chattune.model.output_logits`): CCE soft-caps natively (`softcap`); a logit scale s has no
     option of its own, so the hidden states are scaled instead ((s·h) @ W.T = s·(h @ W.T)), in fp32 and rounded
-    once to the inputs' dtype: one more bf16 rounding of each hidden state than the model's own forward."""
+    once to the inputs' dtype: one more bf16 rounding of each hidden state than the model's own forward.
+    `bias` (V,): the output layer's bias, added before the scaling and the cap as the model's forward adds it:
+    passed to CCE where the installed release takes one (scaled by s), otherwise as extra columns
+    (`_bias_as_columns`); either way it gets CCE's gradient."""
     if weight.dtype != hidden.dtype:  # CCE wants one dtype; FSDP hands both over in param_dtype
         weight = weight.to(hidden.dtype)
-    softcap = None
+    softcap, scale = None, 1.0
     if transform is not None:
+        scale = transform.multiplier / transform.divisor
         if transform.multiplier != 1.0 or transform.divisor != 1.0:
             hidden = (hidden.float() * transform.multiplier / transform.divisor).to(weight.dtype)
         softcap = transform.softcap
+    options = cce_options(hidden.is_cuda)
+    if bias is not None and cce_takes_bias():
+        options["bias"] = (bias.float() * scale).to(weight.dtype) if scale != 1.0 else bias.to(weight.dtype)
+    elif bias is not None:
+        hidden, weight = _bias_as_columns(hidden, weight, bias, scale)
     return _linear_cross_entropy()(
         hidden,
         weight,
@@ -130,5 +179,5 @@ def cce_token_losses(
         ignore_index=IGNORE_INDEX,
         reduction="none",
         softcap=softcap,
-        **cce_options(hidden.is_cuda),
+        **options,
     ).float()
