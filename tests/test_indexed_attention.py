@@ -52,16 +52,6 @@ SPARSE = {
     },
 }
 LENGTHS = (40, 23, 57)
-# The miniature start-up check's documents (11, 9, 11 tokens, and 31 alone) against selections cut below them, as
-# `chattune.model.architecture_check` cuts windows: the attributes and values the indexer families need.
-MINIATURE_SELECTION = {
-    "index_topk": 4,
-    "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
-    "indexer_budget": 4,
-    "indexer_compress_ratio": 2,
-    "index_block_size": 2,
-    "index_topk_blocks": 2,
-}
 
 
 @pytest.fixture
@@ -181,13 +171,11 @@ def test_the_dpo_reference_pass_gives_each_side_its_stock_log_probs(family, spar
 @pytest.mark.parametrize("family", ["deepseek_v32", "qwen4_exp_text", "deepseek_v4", "minimax_m3_vl_text"])
 def test_the_start_up_check_sees_the_selection_when_it_is_cut_below_its_documents(family, monkeypatch):
     """The miniature's checks (`check_architecture`) pass with the selection cut below the probe's documents
-    (`MINIATURE_SELECTION`, the values `architecture_check` is to cut them to) and refuse the layers run over the
-    whole row; with the selection left out of the attention, only a selection cut below the documents shows."""
-    config = tiny_config(family)
+    (`architecture_check.SCALES`, `COMPRESS_RATES`) and refuse the layers run over the
+    whole row; with the selection left out of the attention, they refuse the model at any budget (the miniature cuts
+    the budget below the probe's documents)."""
+    config = tiny_config(family)  # the miniature cuts its selection below the probe's documents itself
     text = text_config(config)
-    for name, value in MINIATURE_SELECTION.items():
-        if hasattr(text, name):
-            setattr(text, name, value)
     if family == "minimax_m3_vl_text":
         text.layer_types = ["minimax_m3_sparse"] * text.num_hidden_layers
     check_architecture(copy.deepcopy(config))
@@ -197,7 +185,13 @@ def test_the_start_up_check_sees_the_selection_when_it_is_cut_below_its_document
         monkeypatch.setattr(indexed_attention, "_selection_mask", lambda module, mask, *args: mask)
         with pytest.raises(UnsupportedModel, match="computes a single document differently"):
             check_architecture(copy.deepcopy(config))
-        check_architecture(tiny_config(family) if family == "deepseek_v32" else _wide_blocks(config))
+        # at budgets above the probe's documents too (DeepSeek's 2048 keys, 128-token blocks): the miniature cuts
+        # them below (`architecture_check.SCALES`), so a dropped selection is seen whatever the config says
+        wide = _wide_blocks(config) if family == "minimax_m3_vl_text" else copy.deepcopy(config)
+        if family == "deepseek_v32":
+            text_config(wide).index_topk = 2048
+        with pytest.raises(UnsupportedModel, match="computes a single document differently"):
+            check_architecture(wide)
 
 
 def _wide_blocks(config):

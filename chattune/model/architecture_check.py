@@ -25,6 +25,7 @@ from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_hidden_states
 from chattune.model.causal_lm import check_output_head
+from chattune.model.code_failures import model_code_failure
 from chattune.model.context_parallel import check_heads, whole_rows
 from chattune.model.flops import attention_heads, text_config
 from chattune.model.indexed_attention import check_context_parallel as check_indexed_context_parallel
@@ -225,12 +226,12 @@ def build_miniature(config: PretrainedConfig) -> PreTrainedModel:
             if _builds_with_stock_attention(small):
                 raise UnsupportedModel(
                     f"{name}: its model builds with transformers' own attention but not with chattune's packed "
-                    f"attention ({type(error).__name__}: {error}); its attention layers do not go through "
+                    f"attention ({model_code_failure(error, ATTENTION_NAME)}); its attention layers do not go through "
                     "transformers' attention interface, so chattune cannot keep packed documents apart in them"
                 ) from error
     else:
         raise UnsupportedModel(
-            f"{name}: no causal LM can be built from its config ({type(failure).__name__}: {failure})"
+            f"{name}: no causal LM can be built from its config ({model_code_failure(failure, ATTENTION_NAME)})"
         ) from failure
     model.config.use_cache = False
     return model
@@ -298,7 +299,7 @@ def _check_output_head(miniature: PreTrainedModel) -> None:
     except Exception as error:  # the model's own forward: any exception it raises is the refusal's cause
         raise UnsupportedModel(
             f"{type(miniature).__name__}: its forward with chattune's attention fails on the output-layer check's "
-            f"document (8 tokens): {type(error).__name__}: {str(error).rstrip('.')}. chattune cannot check its output "
+            f"document (8 tokens): {model_code_failure(error, ATTENTION_NAME)}. chattune cannot check its output "
             "layer, so the model is not supported for training yet"
         ) from error
     finally:

@@ -51,7 +51,8 @@ from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model import mixers
-from chattune.model.attention import packed_hidden_states
+from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
+from chattune.model.code_failures import model_code_failure
 from chattune.model.context_parallel import split_across, split_hidden_states, whole_rows
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
@@ -202,7 +203,7 @@ def check_packing_isolation(hf_model: PreTrainedModel) -> None:
     except Exception as error:
         raise UnsupportedModel(
             f"{name} cannot run chattune's packed forward (one row of several documents: position ids "
-            f"restarting per document, cu_seq_lens_q/k, max_length_q/k): {type(error).__name__}: {str(error).rstrip('.')}. "
+            f"restarting per document, cu_seq_lens_q/k, max_length_q/k): {model_code_failure(error, ATTENTION_NAME)}. "
             "chattune trains only on packed rows, so this model is not supported for training yet."
         ) from error
     if result.isolated:
