@@ -136,6 +136,12 @@ def _document_spans(cu_seqlens: torch.Tensor, offset: int, length: int) -> list[
     return spans
 
 
+def _slice_offset(module: nn.Module, length: int) -> int:
+    """Where this rank's `length` tokens start in the row: 0, or its slice's under context parallelism."""
+    group = context_group_of(module)
+    return dist.get_rank(group) * length if group is not None else 0
+
+
 def _per_document_forward(module: nn.Module, forward: Callable) -> Callable:
     @torch.compiler.disable  # a loop whose bounds come from the data: outside compiled graphs
     def per_document_forward(x: torch.Tensor, position_ids: torch.Tensor | None = None, *args, **kwargs):
@@ -149,8 +155,7 @@ def _per_document_forward(module: nn.Module, forward: Callable) -> Callable:
         ):
             return forward(x, position_ids, *args, **kwargs)  # generation, or position ids it cannot split
         length = position_ids.shape[1]
-        group = context_group_of(module)
-        offset = dist.get_rank(group) * length if group is not None else 0  # this rank's slice of the row
+        offset = _slice_offset(module, length)
         before = _state(module)
         tables: dict[int, tuple] = {}
         pieces = []
