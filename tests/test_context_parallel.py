@@ -414,12 +414,11 @@ def test_attention_sinks_split_across_a_context_group_train_as_on_one(tmp_path):
 
 def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     """Each family's start-up checks under a context group of `world_size` (their `check_context_split` included);
-    then with the rotary reading each slice as the row's start: not accepted (refused, or the slice's positions run
-    past the tables of the documents it thinks it holds)."""
+    then the split check of a LongRoPE miniature whose rotary reads its input whole, as transformers' does."""
     from test_every_architecture import THRESHOLDS, tiny_config
 
     from chattune.model import rotary
-    from chattune.model.architecture_check import check_architecture
+    from chattune.model.architecture_check import build_miniature, check_architecture
 
     init_worker_process_group(rank, world_size, port)
     mesh = init_distributed("cpu", context_size=world_size)
@@ -429,16 +428,14 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
         config = change(tiny_config(model_type))
         check_architecture(config, context_group=mesh.cp_group)
         outcomes[name] = "accepted"
-    patch = pytest.MonkeyPatch()
-    patch.setattr(rotary, "_slice_offset", lambda module, length: 0)  # every slice read as the row's first
+    model_type, change, _ = THRESHOLDS["phi3-longrope"]
+    miniature = build_miniature(change(tiny_config(model_type)))
     try:
-        model_type, change, _ = THRESHOLDS["phi3-longrope"]
-        check_architecture(change(tiny_config(model_type)), context_group=mesh.cp_group)
-        outcomes["offset ignored"] = "accepted"
-    except (UnsupportedModel, RuntimeError) as error:  # another row, or positions past the tables it made
-        outcomes["offset ignored"] = type(error).__name__
-    finally:
-        patch.undo()
+        with rotary.whole_row_rotaries():  # each rank's slice picks its own factors, from its own largest position
+            check_context_split(miniature, mesh.cp_group)
+        outcomes["whole-row rotary"] = "accepted"
+    except UnsupportedModel as refusal:
+        outcomes["whole-row rotary"] = str(refusal)
     if rank == 0:
         torch.save(outcomes, out_path)
     shutdown_distributed()
@@ -450,11 +447,11 @@ def test_positions_that_depend_on_the_document_split_across_a_context_group(tmp_
     dynamic NTK's per-document tables and Llama 4's chunks and temperature must come from each document's length and
     start in the whole row. The start-up check of the split row (`check_context_split`, on the probe's row whose
     middle document straddles the two slices, the switches between its documents' lengths) accepts all three; a
-    rotary that reads its slice as the row's start is not accepted."""
+    rotary that reads its input whole picks its factors from each rank's slice, which the split check refuses."""
     out_path = str(tmp_path / "outcomes.pt")
     mp.spawn(_positions_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
     outcomes = torch.load(out_path)
     assert {name: outcomes[name] for name in ("phi3-longrope", "llama-dynamic", "llama4_text-chunks")} == dict.fromkeys(
         ("phi3-longrope", "llama-dynamic", "llama4_text-chunks"), "accepted"
     )
-    assert outcomes["offset ignored"] != "accepted"
+    assert "split across the 2 ranks of parallel.context differently" in outcomes["whole-row rotary"]
