@@ -797,3 +797,29 @@ def test_a_model_that_needs_an_attention_mask_is_told_so():
     assert isinstance(refusal, UnsupportedModel)
     assert "NoneType" not in str(refusal)
     assert "modeling_mpt.py" in str(refusal) and "attention mask" in str(refusal)
+
+
+def test_a_longrope_pair_gives_each_side_its_own_factors():
+    """A DPO pair as one document of two segments (chosen 40 tokens, rejected 23 on a 12-token prompt: the switch at
+    SWITCH = 32 between them): the reference pass (`LiveReference`, a no-grad forward of the packed pairs) gives each
+    side the log-probs stock transformers gives it alone, the rejected side with its short factors; with the rotary
+    reading the whole row, the rejected side takes the chosen side's long factors and differs."""
+    from test_indexed_attention import pairs, side_logps
+
+    from chattune.objectives.dpo import LiveReference
+
+    config = _longrope(tiny_config("phi3"))
+    check_architecture(copy.deepcopy(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
+    stock = copy.deepcopy(model)
+    stock.set_attn_implementation("eager")
+    documents = pairs(text_config(config).vocab_size, lengths=((40, 23), (57, 23)))
+    batch = collate_packed(documents)
+    with torch.no_grad():
+        want = torch.tensor([side_logps(stock.eval(), document) for document in documents], dtype=torch.float64)
+    got = torch.stack(LiveReference(PackedCausalLM(model))(batch), dim=1).double()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+    with rotary.whole_row_rotaries():
+        leaked = torch.stack(LiveReference(PackedCausalLM(model))(batch), dim=1).double()
+    assert float((leaked[:, 1] - want[:, 1]).abs().min()) > 1e-3  # every rejected side took the long factors
