@@ -289,7 +289,8 @@ def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
     if hf_model.config._attn_implementation != ATTENTION_NAME:
         yield
         return
-    hf_model.set_attn_implementation("sdpa")
+    # Models without softmax attention (Mamba, xLSTM) refuse SDPA but take eager, which they do not use.
+    hf_model.set_attn_implementation("sdpa" if hf_model._supports_sdpa else "eager")
     try:
         yield
     finally:
