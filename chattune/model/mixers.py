@@ -288,8 +288,7 @@ def _packed_forward(mixer: nn.Module, *args, **kwargs):
         )
     if not _isolating:  # the whole row in one call, without its boundaries: the leak, for tests
         return forward(*args, **{key: value for key, value in kwargs.items() if key not in _ROW_KWARGS})
-    if _argument(mixer, "attention_mask", args, kwargs) is not None and kind != RG_LRU:
-        # (RecurrentGemma's recurrent block is passed the decoder's mask for its attention layers and reads none)
+    if _argument(mixer, "attention_mask", args, kwargs) is not None:
         raise ValueError(f"{type(mixer).__name__}: a packed row takes no attention_mask")
     hidden = args[0] if args else kwargs[_parameters(type(mixer))[0]]
     if hidden.shape[1] != int(cu_seqlens[-1]):  # boundaries of another row (the decoder's hook not run for this one)
