@@ -2,12 +2,13 @@
 time and channel mixing, xLSTM's mLSTM, Bailing's delta attention) train packed and exact: one packed row gives the
 per-token losses and gradients of stock transformers run on each document alone (its eager attention, no chattune
 code), fp32 on CPU, training mode, forward and backward, on the walk's documents and on documents longer than the
-recurrences' chunks (lightning attention's blocks and xLSTM's chunks set to 16 tokens). The leak control runs the
-same row with the mixers over the whole row: the start-up probe refuses it and the losses and gradients differ.
+recurrences' chunks (lightning attention's blocks and xLSTM's chunks set to 16 tokens; Bailing's delta rule chunks
+by 64, which they do not reach). The leak control runs the same row with the mixers over the whole row: the start-up
+probe refuses it and the losses and gradients differ.
 
-Their decoders pass the row's boundaries to no layer (Mamba's, RWKV's, xLSTM's), so the decoder's hook hands them to
-the mixers (`chattune.model.mixers`): also when activation checkpointing recomputes a layer in the backward. Generation
-(a cache or recurrent state, no boundaries) runs the mixers' own forwards."""
+Their decoders pass the row's boundaries to no layer (Mamba's, RWKV's, xLSTM's), so hooks on the model and its
+decoder hand them to the mixers (`chattune.model.mixers`): also when activation checkpointing recomputes a layer in
+the backward. Generation (a cache or recurrent state, no boundaries) runs the mixers' own forwards."""
 
 from __future__ import annotations
 
