@@ -243,7 +243,7 @@ def _leave(entry: nn.Module, args: tuple, output) -> None:
 
 def _remember_layer_row(layer: nn.Module, args: tuple, kwargs: dict) -> None:
     """A layer passed the row's kwargs (Jamba's, also when recomputed by activation checkpointing) tells its mixers;
-    one that is not (Mamba's blocks) leaves what the decoder's hook told them."""
+    one that is not (Mamba's blocks) leaves what the model's hooks told them (`_enter`)."""
     if "cu_seq_lens_q" in kwargs:
         for child in layer.children():
             if type(child).__name__ in HANDLED:
