@@ -105,6 +105,37 @@ HYBRID = {
         0,
         2 * (2 * 4 * (128 + 2 * 1 * 16) + 6 * 128 * 16),
     ),
+    # Mamba (1): d_inner = expand 2 × 64, its convolution of kernel 4 over d_inner, two layers
+    "mamba": ({"model_type": "mamba", "state_size": 16, "conv_kernel": 4}, 0, 2 * (2 * 4 * 128 + 6 * 128 * 16)),
+    # lightning attention is no softmax attention: 4 heads × 16 in the one full-attention layer, 4 × 4 × 16² for it
+    "minimax": (
+        {
+            "model_type": "minimax",
+            "layer_types": ["linear_attention", "full_attention"],
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "block_size": 16,
+        },
+        1 * 4 * 16,
+        4 * 4 * 16 * 16,
+    ),
+    # the RG-LRU's recurrence is elementwise: its convolution of width 4 over lru_width 64 only
+    "recurrent_gemma": (
+        {
+            "model_type": "recurrent_gemma",
+            "lru_width": 64,
+            "conv1d_width": 4,
+            "block_types": ["recurrent", "attention"],
+            "head_dim": 16,
+            "num_key_value_heads": 1,
+        },
+        1 * 4 * 16,
+        2 * 4 * 64,
+    ),
+    # RWKV: elementwise recurrences and token shifts, nothing beyond its projections
+    "rwkv": ({"model_type": "rwkv", "attention_hidden_size": 64, "context_length": 128}, 0, 0),
+    # mLSTM: 4 heads of (32 / 4 key dims × 64 / 4 value dims) memory, two layers
+    "xlstm": ({"model_type": "xlstm", "num_heads": 4, "qk_dim_factor": 0.5}, 0, 2 * 4 * 4 * 8 * 16),
 }
 
 

@@ -174,34 +174,39 @@ HYBRID.update(
         "olmo_hybrid": ({"model_type": "olmo_hybrid", **GATED_DELTA_NET}, "OlmoHybridGatedDeltaNet"),
     }
 )
-# Mixers chattune does not handle: the layers pass them no document boundaries (pure Mamba-1), or their forwards
-# take more than hidden states (MiniMax's lightning attention, RecurrentGemma, RWKV). Still refused.
-UNHANDLED = {
-    "minimax": (
-        {
-            "model_type": "minimax",
-            "layer_types": ["linear_attention", "full_attention"],
-            "head_dim": 16,
-            "num_local_experts": 4,
-            "block_size": 16,
-        },
-        "MiniMaxLightningAttention",
-    ),
-    "mamba": ({"model_type": "mamba", "state_size": 16}, "MambaMixer"),
-    "falcon_mamba": ({"model_type": "falcon_mamba", "state_size": 16}, "FalconMambaMixer"),
-    "recurrent_gemma": (
-        {
-            "model_type": "recurrent_gemma",
-            "lru_width": 64,
-            "attention_window_size": 16,
-            "block_types": ["recurrent", "attention"],
-            "head_dim": 16,
-            "num_key_value_heads": 1,
-        },
-        "RecurrentGemmaRglru",
-    ),
-    "rwkv": ({"model_type": "rwkv", "attention_hidden_size": 64, "context_length": 128}, "RwkvSelfAttention"),
-}
+# The recurrent families: their layers pass the mixers no document boundaries (pure Mamba-1, RWKV), or their forwards
+# take more than hidden states or return their state (MiniMax's lightning attention, RecurrentGemma): the decoder's
+# hook hands the mixers the boundaries (`chattune.model.mixers`).
+HYBRID.update(
+    {
+        "minimax": (
+            {
+                "model_type": "minimax",
+                "layer_types": ["linear_attention", "full_attention"],
+                "head_dim": 16,
+                "num_local_experts": 4,
+                "block_size": 16,
+            },
+            "MiniMaxLightningAttention",
+        ),
+        "mamba": ({"model_type": "mamba", "state_size": 16}, "MambaMixer"),
+        "falcon_mamba": ({"model_type": "falcon_mamba", "state_size": 16}, "FalconMambaMixer"),
+        "recurrent_gemma": (
+            {
+                "model_type": "recurrent_gemma",
+                "lru_width": 64,
+                "attention_window_size": 16,
+                "block_types": ["recurrent", "attention"],
+                "head_dim": 16,
+                "num_key_value_heads": 1,
+            },
+            "RecurrentGemmaRglru",
+        ),
+        "rwkv": ({"model_type": "rwkv", "attention_hidden_size": 64, "context_length": 128}, "RwkvSelfAttention"),
+    }
+)
+# Mixers chattune does not handle: Zaya's (its CCA projection holds a convolution over the whole row). Still refused.
+UNHANDLED = {"zaya": ({"model_type": "zaya", "num_experts": 4, "num_experts_per_tok": 1}, "ZayaCCAProjection")}
 
 
 @pytest.mark.parametrize("name", ORDINARY)
@@ -307,7 +312,7 @@ def plain_token_losses(model, docs) -> list[torch.Tensor]:
     return losses
 
 
-@pytest.mark.parametrize("name", ["llama", "lfm2", "falcon_h1", "minimax"])
+@pytest.mark.parametrize("name", ["llama", "lfm2", "falcon_h1", "minimax", "rwkv", "zaya"])
 def test_verdict_matches_real_token_losses(name):
     """Independent of the probe's documents and measure: the training loss of real demo conversations,
     packed as chattune trains them vs each document alone in the same model with stock SDPA attention.
@@ -398,7 +403,7 @@ def test_a_failing_packed_forward_is_refused():
 
 @pytest.mark.parametrize("training", [True, False])
 def test_training_mode_is_restored(training):
-    accepted, refused = tiny_model(), tiny_model(**UNHANDLED["minimax"][0])
+    accepted, refused = tiny_model(), tiny_model(**UNHANDLED["zaya"][0])
     accepted.train(training), refused.train(training)
     check_packing_isolation(accepted)
     with pytest.raises(NotImplementedError):

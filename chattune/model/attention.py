@@ -314,6 +314,7 @@ def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
     if hf_model.config._attn_implementation != ATTENTION_NAME:
         yield
         return
+    # Models without an SDPA path (HY-V4's and DeepSeek-V4's sinks; Mamba and xLSTM, which use neither) take eager.
     hf_model.set_attn_implementation("sdpa" if hf_model._supports_sdpa else "eager")
     try:
         yield

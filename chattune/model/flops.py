@@ -15,7 +15,7 @@ A step's model FLOPs are those of its matmuls, forward and backward (backward = 
   sizes are read per layer from the attention modules (`attention_shapes`): Gemma 4's global layers have wider
   heads than its sliding ones. Sliding windows are not subtracted.
 - hybrid models (the token mixers of `chattune.model.mixers.HANDLED`: short convolutions, Mamba SSMs, the
-  gated delta rule, KDA): the attention term counts only their softmax-attention layers, and each mixer adds
+  gated delta rule, KDA, the recurrent families): the attention term counts only their softmax-attention layers, and each mixer adds
   its sequence work beyond its `nn.Linear` projections (which the dense term counts), per token, forward
   (backward = 2 × forward; a frozen convolution's weight gradient, a negligible share, is counted too):
   - its causal convolution(s): 2 × kernel × channels (2 per weight element of the depthwise `nn.Conv1d`);
@@ -24,6 +24,12 @@ A step's model FLOPs are those of its matmuls, forward and backward (backward = 
   - Mamba-2: per head, the decay, the input's outer product and the readout of the (head dim × state size)
     state: ≈ 6 × head dim × state size, 6 × d_inner × state size over the heads; Mamba (1) likewise
     ≈ 6 × d_inner × state size (its per-element exp of Δ·A not counted);
+  - MiniMax's lightning attention: per head, adding the key-value outer product to the (head dim × head dim)
+    state and reading it out: 4 × head dim²; xLSTM's mLSTM likewise on its (key dim × value dim) memory per head,
+    4 × key dim × value dim (its normaliser, a vector, not counted);
+  - the recurrences of RWKV and RecurrentGemma's RG-LRU are elementwise (not counted; RG-LRU's block-diagonal
+    gates are 3-D weights, counted in the dense term), their convolutions and token shifts as above (a token shift
+    is no convolution module: not counted);
   - elementwise gates, norms and activations are not counted, nor the extra intra-chunk work of the chunked
     kernels (like recomputation, it is the algorithm's cost, not the model's).
 Modules run more than once per token (looped or shared layers) are counted once.
@@ -43,7 +49,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from chattune.data.packing import PackedBatch
-from chattune.model.mixers import GATED_DELTA_RULE, HANDLED, KDA, MAMBA, MAMBA2
+from chattune.model.mixers import BAILING_KDA, GATED_DELTA_RULE, HANDLED, KDA, LIGHTNING, MAMBA, MAMBA2, MLSTM
 from chattune.model.quantize import weight_shape
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts unless named), FLOP/s.
@@ -213,11 +219,15 @@ def mixer_forward_flops(mixer: nn.Module) -> int:
     kind = HANDLED[type(mixer).__name__]
     if kind == GATED_DELTA_RULE:
         state = mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim
-    elif kind == KDA:
+    elif kind in (KDA, BAILING_KDA):
         state = mixer.num_heads * mixer.head_dim * mixer.head_dim
     elif kind in (MAMBA2, MAMBA):  # d_inner = Mamba-2's heads × head dim
         state = mixer.intermediate_size * mixer.ssm_state_size
-    else:  # a short convolution: its convolution only
+    elif kind == LIGHTNING:  # no delta: the state is updated and read out, 4 FLOPs per element
+        return convolution + 4 * mixer.num_attention_heads * mixer.head_dim * mixer.head_dim
+    elif kind == MLSTM:
+        return convolution + 4 * mixer.qk_dim * mixer.v_dim // mixer.config.num_heads
+    else:  # a short convolution, RWKV's and RG-LRU's elementwise recurrences: the convolution only
         state = 0
     return convolution + 6 * state
 

@@ -27,11 +27,15 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def decoder_layers(model: PackedCausalLM | PackedSequenceScorer | PreTrainedModel) -> list[nn.Module]:
-    """The repeated blocks, found through the class names HF lists in `_no_split_modules`."""
+    """The repeated blocks, found through the class names HF lists in `_no_split_modules`; the outermost only where
+    the list names a block and a module inside it (Mamba's MambaBlock and MambaMixer: sharding the block and then
+    its mixer would shard the mixer's parameters twice)."""
     hf_model = model.hf_model if isinstance(model, (PackedCausalLM, PackedSequenceScorer)) else model
     names = set(hf_model._no_split_modules or [])
     # Match along the MRO: once sharded, a layer's class is FSDP2's dynamic subclass (FSDPLlamaDecoderLayer).
-    layers = [m for m in hf_model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    matched = [m for m in hf_model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    inside = {id(inner) for m in matched for inner in m.modules() if inner is not m}
+    layers = [m for m in matched if id(m) not in inside]
     if not layers:
         raise ValueError(f"found no decoder layers in {type(hf_model).__name__} (looked for {sorted(names)})")
     return layers

@@ -4,7 +4,9 @@ The losses never build a model's full logits (`chattune.model.chunked_loss`, `ch
 they must apply what the model's own forward applies after its output layer:
 - Granite (and its MoE and hybrid variants) divides the logits by `config.logits_scaling`;
 - Cohere / Command-R multiplies them by `config.logit_scale`;
-- Gemma 2, 3 and 4 soft-cap them where `config.final_logit_softcapping` is set: cap × tanh(logits / cap).
+- Gemma 2, 3 and 4 soft-cap them where `config.final_logit_softcapping` is set: cap × tanh(logits / cap);
+  RecurrentGemma always, at `config.logits_soft_cap` (30 by default), and xLSTM where its
+  `config.output_logit_soft_cap` is set (30 by default), the same way.
 
 `LogitTransform.from_config` reads these from the (text) config; `check_output_head` then verifies on a
 miniature that hidden @ W.T transformed this way is what the model's forward returns, so a model that does
@@ -18,12 +20,15 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+# The config attributes that soft-cap the logits, by family: Gemma 2/3/4, RecurrentGemma, xLSTM.
+SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+
 
 @dataclass(frozen=True)
 class LogitTransform:
     multiplier: float = 1.0  # Cohere's logit_scale
     divisor: float = 1.0  # Granite's logits_scaling (divided, as Granite's forward does: bit for bit)
-    softcap: float | None = None  # Gemma's final_logit_softcapping
+    softcap: float | None = None  # Gemma's final_logit_softcapping, RecurrentGemma's and xLSTM's caps
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> LogitTransform:
@@ -31,7 +36,7 @@ class LogitTransform:
         return cls(
             multiplier=float(getattr(text, "logit_scale", None) or 1.0),
             divisor=float(getattr(text, "logits_scaling", None) or 1.0),
-            softcap=getattr(text, "final_logit_softcapping", None) or None,
+            softcap=next((cap for name in SOFTCAPS if (cap := getattr(text, name, None))), None),
         )
 
     @property
