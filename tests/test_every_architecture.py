@@ -241,6 +241,9 @@ EXTRA = {
         "index_block_size": 2,
         "index_topk_blocks": 2,
     },
+    "xlstm": {"num_blocks": 2},  # its depth (num_hidden_layers only mirrors it at init)
+    "recurrent_gemma": {"num_hidden_layers": 3},  # two recurrent blocks, then its local attention
+    "minimax": {"block_size": 8},  # lightning attention's blocks, crossed by the walk's documents
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},  # a decoder; axial dims summing to the width
     "zaya": {"num_experts_per_tok": 1},  # supports only 1
     "xmod": {"default_language": "en_XX"},  # its forward needs a language

@@ -86,6 +86,10 @@ SCALES |= {
     "index_block_size": 2,  # MiniMax-M3's block selection
     "index_topk_blocks": 2,
 }
+# Chunked recurrences and scans cross a chunk within the probe's row (31 tokens): Mamba-2's and xLSTM's chunks at
+# 16 (what their kernels take on CUDA, whose varlen paths `check_fast_mixers` compares on that row), MiniMax's
+# lightning attention blocks at MINIATURE_WINDOW (its torch code takes any size) so that each document crosses them.
+SCALES |= {"chunk_size": 16, "mamba_chunk_size": 16, "block_size": MINIATURE_WINDOW}
 # DeepSeek-V4's compression rates, per kind of compressed attention.
 COMPRESS_RATES = {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}
 RAISED = {"attn_scale": 1.0}
@@ -182,6 +186,8 @@ def _cut_layers(text: PretrainedConfig, total: int, keep: int, shared: int) -> N
         text.num_hidden_layers = keep
     except NotImplementedError:  # a depth set per stack (ProphetNet's num_decoder_layers): the whole depth is kept
         return
+    if getattr(text, "num_blocks", None) == total:  # xLSTM's own name for its depth (mirrored only at init)
+        text.num_blocks = keep
     for attribute in PER_LAYER_KINDS:
         value = getattr(text, attribute, None)
         if isinstance(value, (list, tuple, str)) and len(value) == total and attribute in text.__dict__:
