@@ -16,6 +16,12 @@ from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.distributed import free_port  # noqa: F401  (re-exported for the tests)
 from chattune.model.causal_lm import build_hf_model
 
+# One torch thread per pytest-xdist worker: the workers already fill the cores, and each worker's default threads
+# (one per core) would only wait for each other's (the tiny models' small matmuls: a subset of the architecture
+# walk took 205 s on 2 cores with 2 threads per worker, 28 s with 1). Launched ranks set their own threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"
 
