@@ -557,11 +557,9 @@ def check_refusal(refusal: UnsupportedModel) -> None:
 
 
 def _deliberate(error: BaseException) -> bool:
-    """Whether transformers raised `error` on purpose (its innermost frame of transformers is a `raise`): a message
+    """Whether the model's code raised `error` on purpose (its innermost frame outside torch is a `raise`): a message
     written for its users, which a refusal may quote."""
-    frames = [
-        frame for frame in traceback.extract_tb(error.__traceback__) if TRANSFORMERS in Path(frame.filename).parts
-    ]
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "torch" not in Path(frame.filename).parts]
     return bool(frames) and (frames[-1].line or "").startswith("raise")
 
 

@@ -6,25 +6,42 @@ their own. The exception's text (`'NoneType' object is not subscriptable`) tells
 refusal names instead where the model's code failed (its function, file and line, and the line itself) and, where
 the line says it, what the model needs that chattune does not give it. A refusal raised by chattune itself (an
 `UnsupportedModel` from its attention function) already says so, and is passed on as it is; so is the first line of
-one that transformers raises on purpose (a `raise` in its code: a message written for its users).
+one that the model's code raises on purpose (a `raise` statement, in transformers or in a module of the model's
+own: a message written for its users).
 """
 
 from __future__ import annotations
 
 import linecache
+import sysconfig
 import traceback
 from pathlib import Path
 
 from chattune.errors import UnsupportedModel
 
-_CHATTUNE = Path(__file__).resolve().parents[1]
 _TRANSFORMERS = "transformers"
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _in_stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB) and "site-packages" not in Path(filename).parts
 
 
 def _model_frame(error: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of transformers' code (the model's) in `error`'s traceback."""
     frames = [
         frame for frame in traceback.extract_tb(error.__traceback__) if _TRANSFORMERS in Path(frame.filename).parts
+    ]
+    return frames[-1] if frames else None
+
+
+def _raising_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of `error`'s traceback outside torch and Python's own library: the model's code (its
+    modules, transformers' or its own) or chattune's."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if "torch" not in Path(frame.filename).parts and not _in_stdlib(frame.filename)
     ]
     return frames[-1] if frames else None
 
@@ -58,12 +75,14 @@ def model_code_failure(error: BaseException, attention_name: str) -> str:
     """Where and why the model's own code failed, for a refusal (module docstring)."""
     if isinstance(error, UnsupportedModel):
         return str(error).rstrip(".")
+    raised = _raising_frame(error)
+    if raised is not None and (raised.line or "").strip().startswith("raise"):  # a refusal written for users
+        where = "/".join(Path(raised.filename).parts[-2:])
+        return f"refused in {raised.name} ({where}): {str(error).strip().splitlines()[0].rstrip('.')}"
     frame = _model_frame(error)
     if frame is None:  # nothing of the model's in the traceback: torch or Python, named by the exception's type
         return f"its forward fails ({type(error).__name__})"
     file = "/".join(Path(frame.filename).parts[-2:])
-    if (frame.line or "").strip().startswith("raise"):  # transformers' own refusal, written for its users
-        return f"transformers refuses it in {frame.name} ({file}): {str(error).strip().splitlines()[0].rstrip('.')}"
     line = _statement(frame)
     return (
         f"its code fails in {frame.name} ({file}, line {frame.lineno}: `{line}`): {_needs(line, error, attention_name)}"
