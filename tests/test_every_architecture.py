@@ -11,23 +11,29 @@ Each config is the architecture's default config made tiny by the attribute name
 first layers (two, or as many as its per-layer kinds need), with a few per-architecture additions where the default
 config does not build (`EXTRA`).
 
-2026-11-26, transformers 5.24.0, torch 2.13 (CPU, fp32), 196 architectures:
-- 122 train exactly, among them those with attention sinks (gpt-oss, GraniteSWA, Granite-MoE-SWA, MiMo-V2-Flash,
-  Flint), attention soft-capping (Gemma 2, VaultGemma), scaled or soft-capped logits (the Cohere family, MiniCPM3,
-  NanoChat, Beam, Gemma 3n), Gemma 4's per-layer head sizes and Lara-Mini's gated delta rule;
-- 69 are refused: 32 let packed documents see each other (9 with sequence mixers chattune does not keep per
-  document: Mamba-1, RWKV, xLSTM, MiniMax's lightning attention, RecurrentGemma, Bailing's and Zaya's mixers,
-  Inkling's convolutions; 23 older models whose positions or attention ignore the packed boundaries: BART family,
-  BLOOM, XGLM, XLM, BigBird, ...); 17 have an output layer with a bias (BERT family, Phi, CodeGen, GPT-J, ...) and
-  Dory one with a learned per-token logit scale; 6 index attention with a mask chattune does not build
-  (DeepSeek-V3.2's sparse attention and its kin); 2 need an attention mask in their forward (Qwen4-Exp);
-  3 pass their attention neither boundaries nor position ids (BLT, Inkling2); 3 pick their attention
-  from a table of their own (Falcon, GPT-Neo, GIT); Doge and MPT pass attention masks of their own; 3 attend
-  differently from causal attention in a window (Llama 4's chunked attention, DeepSeek-V4), which the check
-  against transformers' own attention on one document sees;
+Every accepted architecture trains on two document sets: LENGTHS and LONG_LENGTHS (40, 23 and 57 tokens, past the
+recurrent chunks and the thresholds of `THRESHOLDS`, a short document beside long ones). `THRESHOLDS` adds the
+configs whose switches the default configs never reach (LongRoPE, dynamic NTK, Llama 4's chunks and temperature
+steps), each with a control: chattune's handling turned off, the start-up checks refuse the model.
+
+2026-11-28, transformers 5.24.0, torch 2.13 (CPU, fp32; Gemma 3n in float64, `FLOAT64`), 196 architectures:
+- 144 train exactly on both sets, among them those with attention sinks (gpt-oss, GraniteSWA, Granite-MoE-SWA,
+  MiMo-V2-Flash, Flint), attention soft-capping (Gemma 2, VaultGemma), scaled or soft-capped logits (the Cohere
+  family, MiniCPM3, NanoChat, Beam, Gemma 3n, RecurrentGemma, xLSTM), Gemma 4's per-layer head sizes, the hybrid and
+  recurrent mixers (Mamba-1, FalconMamba, MiniMax's lightning attention, RecurrentGemma, RWKV, xLSTM, Bailing), the
+  indexed attention of DeepSeek-V3.2, GLM-5, Dots3, HY-V4, AXK2, Qwen4-Exp, MiniMax-M3 and DeepSeek-V4, Llama 4's
+  chunked attention, and output layers with a bias (Phi, GPT-J, CodeGen, CTRL);
+- 47 are refused: 25 let packed documents see each other (2 through sequence mixers chattune does not keep per
+  document: Zaya's, Inkling's convolutions; 23 older models whose positions or attention ignore the packed
+  boundaries: BART family, BLOOM, XGLM, XLM, BigBird, ...); 12 BERT-family decoders run a prediction-head transform
+  between the decoder and the output layer, and Dory has a learned logit scale; 3 pass their attention neither
+  boundaries nor position ids (BLT, Inkling2); 3 pick their attention from a table of their own (Falcon, GPT-Neo,
+  GIT); Doge and MPT build attention masks of their own; BERT-generation's default config is not a decoder (it
+  attends both ways, which the check against transformers' own attention sees);
 - 5 are skipped (`SKIPPED`): two draft models for speculative decoding, two MusicGen configs transformers cannot
   build a causal LM from, Gemma 3n's multimodal model without timm.
-The walk takes about 15 s on 2 CPU cores.
+A refusal never carries the model's raw exception text (`check_refusal`). The walk takes about a minute on 2 CPU
+cores (one torch thread per xdist worker).
 """
 
 from __future__ import annotations
