@@ -393,14 +393,14 @@ def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
 
 
 def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp):
-    """A hybrid model whose mixer chattune does not keep per document (MiniMax's lightning attention runs
-    across document boundaries): the start-up probe refuses it once, clearly, before any step."""
+    """A hybrid model whose mixer chattune does not keep per document (Zaya's CCA projection reads across document
+    boundaries): the start-up probe refuses it once, clearly, before any step."""
     from test_packing_probe import UNHANDLED
 
     from conftest import demo_tokenizer, tiny_model
 
-    model_dir = tmp / "minimax"
-    tiny_model(**UNHANDLED["minimax"][0]).save_pretrained(model_dir)
+    model_dir = tmp / "zaya"
+    tiny_model(**UNHANDLED["zaya"][0]).save_pretrained(model_dir)
     demo_tokenizer().save_pretrained(model_dir)
     result = subprocess.run(
         [
@@ -409,7 +409,7 @@ def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp
             "--config-name",
             "sft/local_model",
             f"model.path={model_dir}",
-            f"output_dir={tmp / 'out' / 'minimax'}",
+            f"output_dir={tmp / 'out' / 'zaya'}",
             "max_steps=2",
             "data.report_records=0",
             "data.eval=[]",
@@ -422,5 +422,5 @@ def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.count("chattune: error: MiniMaxForCausalLM does not keep packed documents apart") == 1
-    assert "MiniMaxLightningAttention x1" in result.stderr and not (tmp / "out" / "minimax" / "metrics.jsonl").exists()
+    assert result.stderr.count("chattune: error: ZayaForCausalLM does not keep packed documents apart") == 1
+    assert "ZayaCCAProjection" in result.stderr and not (tmp / "out" / "zaya" / "metrics.jsonl").exists()
