@@ -255,12 +255,14 @@ def check_architecture(
     config: PretrainedConfig,
     device: torch.device | None = None,
     context_group: torch.distributed.ProcessGroup | None = None,
+    compute_dtype: str = "float32",
 ) -> None:
     """Refuse (UnsupportedModel) an architecture whose packed forward lets documents see each other or whose
     logits are not hidden @ output_embedding.T, measured on a random-init miniature. The global RNG is left
     as it was, so random-init weights built after the check do not change. Under context parallelism
     (`context_group`, the run's: `ParallelDims.cp_group`) the miniature must also compute a row split across the
-    context group as the whole row (`check_context_split`, on `device`)."""
+    context group as the whole row (`check_context_split`, on `device`). In a `compute_dtype` other than fp32 the
+    miniature must also train a packed row in it (`check_compute_dtype`)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MINIATURE_SEED)
         miniature = build_miniature(config)
@@ -272,6 +274,7 @@ def check_architecture(
         check_rotary_tables(miniature, PROBE_LENGTHS)  # switches too small for the probe's tolerance
         _check_output_head(miniature)
         check_stock_attention(miniature)
+        check_compute_dtype(miniature, compute_dtype)
         if device.type == "cuda":
             check_fast_mixers(miniature, device)  # the varlen kernels, where chosen, against the exact path
     group = context_group
@@ -283,6 +286,34 @@ def check_architecture(
             check_heads(heads, context_size, type(miniature).__name__)
         # on the run's device: the group's collectives (nccl on CUDA) take its tensors
         check_context_split(miniature.to(device), group)
+
+
+# Longer than the miniature's chunks (`SCALES`: 16): xLSTM's chunkwise kernel, where it fails in bf16, runs only past one
+# chunk; the probe's documents (PROBE_LENGTHS) never reach it.
+DTYPE_CHECK_LENGTHS = (40, 23)
+
+
+def check_compute_dtype(miniature: PreTrainedModel, compute_dtype: str) -> None:
+    """Refuse a model whose own code cannot train in `compute_dtype` (the run's `model.fsdp.param_dtype`, resolved):
+    the other checks run in fp32, and some models' kernels mix their own fp32 states with bf16 inputs (xLSTM's
+    chunkwise mLSTM: a matmul of a float state and a bf16 key) and would crash at the first step. One packed forward
+    and backward of DTYPE_CHECK_LENGTHS, on the CPU in that dtype (a dtype error is the same on CUDA); the numbers
+    are not compared here (bf16 against fp32 is the GPU check's)."""
+    if compute_dtype == "float32":
+        return
+    model = copy.deepcopy(miniature).to(getattr(torch, compute_dtype))
+    batch = collate_packed(probe_documents(_vocabulary(miniature), lengths=DTYPE_CHECK_LENGTHS))
+    try:
+        packed_hidden_states(model, batch).float().square().mean().backward()
+    except Exception as error:  # the model's own code: any exception it raises is the refusal's cause
+        raise UnsupportedModel(
+            f"{type(miniature).__name__} cannot train in {compute_dtype} (model.fsdp.param_dtype): "
+            f"{model_code_failure(error, ATTENTION_NAME)}. Set model.fsdp.param_dtype=float32 to train it in fp32"
+        ) from error
+
+
+def _vocabulary(miniature: PreTrainedModel) -> int:
+    return min(miniature.get_input_embeddings().num_embeddings, text_config(miniature.config).vocab_size)
 
 
 # The miniature's output layer is scaled by this in the output-layer check: random-init logits are far below any
@@ -322,8 +353,7 @@ def check_stock_attention(miniature: PreTrainedModel) -> None:
     model. Final hidden states of one document of the probe, fp32, limit
     ALONE_TOLERANCE (the two attentions differ by rounding, ~1e-6)."""
     stock = copy.deepcopy(miniature)
-    vocabulary = min(miniature.get_input_embeddings().num_embeddings, text_config(miniature.config).vocab_size)
-    document = probe_documents(vocabulary, lengths=(sum(PROBE_LENGTHS),))
+    document = probe_documents(_vocabulary(miniature), lengths=(sum(PROBE_LENGTHS),))
     batch = collate_packed(document)
     was_training = miniature.training
     miniature.eval(), stock.eval()

@@ -104,9 +104,9 @@ def build_sharded_model(
             raise UserError("parallel.context: a reward model runs every packed row whole; set parallel.context=1")
         set_padding(hf_model, tokenizer)
     # on a random-init miniature: the real weights may not exist yet
-    check_architecture(hf_model.config, dist_info.device, dist_info.cp_group)
     device_type = dist_info.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
+    check_architecture(hf_model.config, dist_info.device, dist_info.cp_group, dtype)
     peft_model = add_adapters(hf_model, adapters, head.peft_task_type) if adapters is not None else None
     if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
         quantize.quantize_linears(

@@ -68,6 +68,8 @@ def _needs(line: str, error: BaseException, attention_name: str) -> str:
             "it picks its attention from a table of its own implementations, which does not hold chattune's packed "
             "attention, so its layers cannot be kept to each document"
         )
+    if isinstance(error, RuntimeError) and "dtype" in str(error):
+        return f"it combines tensors of different dtypes there ({type(error).__name__})"
     return f"its code does not run on a packed row there ({type(error).__name__})"
 
 
