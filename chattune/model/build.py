@@ -22,7 +22,7 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from chattune.config.schema import PeftConfig, SFTConfig
 from chattune.config.typed import config_dict
 from chattune.distributed import DistInfo
-from chattune.errors import UserError
+from chattune.errors import UnsupportedModel, UserError
 from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
 from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
@@ -30,6 +30,14 @@ from chattune.model.architecture_check import check_architecture
 from chattune.model.attention import attention_backend, attention_features
 from chattune.model.attention_kernels import probe_native_gqa
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
+from chattune.model.composite import (
+    CompositeCheckpoint,
+    describe,
+    is_composite,
+    load_whole,
+    read_composite,
+    text_config_of,
+)
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
@@ -87,7 +95,7 @@ def build_sharded_model(
     when given, sharded."""
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
     torch.manual_seed(cfg.seed)
-    files, stored_dtype = None, None
+    files, stored_dtype, composite = None, None, None
     if path is None:
         # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
         config = instantiate(cfg.model.config, _convert_="all")
@@ -96,7 +104,7 @@ def build_sharded_model(
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
             raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
-        hf_model, files = _empty_or_full(directory, head)
+        hf_model, files, composite = _empty_or_full(directory, head)
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)
     if head is SCORE_HEAD:
@@ -166,8 +174,12 @@ def build_sharded_model(
             "context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
             dist_info.cp,
         )
+    # What the export writes back: the composite's layout (None: the model's own). A reward model is a text
+    # sequence classifier, which no composite class holds: it is exported as one.
+    model.composite = composite if head is CAUSAL_LM_HEAD else None
     if files is not None:
-        load.materialise_and_load(model, hf_model, directory, files, dist_info.device, initial)
+        keys = composite.stored_names if composite is not None else None
+        load.materialise_and_load(model, hf_model, directory, files, dist_info.device, initial, keys)
     if adapters is not None and adapters.use_dora:
         set_dora_magnitudes(hf_model)  # from the loaded (or quantized) base: the norms of the weights it runs with
     return BuiltModel(hf_model, model, peft_model)
@@ -226,11 +238,55 @@ def experts_implementation(hf_model: PreTrainedModel, compiled: bool, compute_dt
     )
 
 
-def _empty_or_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> tuple[PreTrainedModel, dict | None]:
-    """(a meta-built model ending in `head`, its checkpoint's files) when the checkpoint can be read shard by
-    shard, else (the whole model from `from_pretrained`, None), with a warning that says why. A score head the
-    checkpoint lacks (a causal LM's directory) is initialised here, as `from_pretrained` would."""
+class Checkpoint(NamedTuple):
+    """A model directory's model, built: meta-built with its checkpoint's `files` to load per shard, or whole
+    (`files` None); `composite` where it is the language model of a vision-language checkpoint."""
+
+    hf_model: PreTrainedModel
+    files: dict[str, Path] | None
+    composite: CompositeCheckpoint | None = None
+
+
+def _empty_or_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> Checkpoint:
+    """The model of `directory` ending in `head`: meta-built with its checkpoint's files when the checkpoint can be
+    read shard by shard, else whole from `from_pretrained`, with a warning that says why. A score head the
+    checkpoint lacks (a causal LM's directory) is initialised here, as `from_pretrained` would. A vision-language
+    checkpoint: its language model (`chattune.model.composite`)."""
     files = load.checkpoint_files(directory)
+    config = AutoConfig.from_pretrained(directory)
+    if is_composite(config):
+        text_config = text_config_of(config)
+        if type(text_config) not in head.auto_class._model_mapping:
+            raise UnsupportedModel(
+                f"model.path {directory}: {config.model_type} is a vision-language model whose language model "
+                f"({text_config.model_type}) transformers has no {head.name} class for"
+            )
+        if files is None:
+            raise UserError(
+                f"model.path {directory}: a vision-language checkpoint ({config.model_type}) without safetensors "
+                "weights; chattune reads its language model from safetensors files only"
+            )
+        hf_model = load.build_empty(directory, head, config=text_config)
+        if head is SCORE_HEAD:  # a composite holds no score head
+            initialise_missing_head(hf_model, set(), directory)
+        composite = read_composite(directory, config, files, hf_model)
+        hf_model.config.use_cache = False
+        logger.info("model.path: %s", describe(hf_model, composite))
+        if composite.per_shard:
+            return Checkpoint(hf_model, files, composite)
+        logger.warning(
+            "model.path %s: transformers converts some of its language model's tensors while loading (e.g. experts "
+            "stored one by one), so every rank loads the whole model with from_pretrained (host memory: the full "
+            "model per rank)",
+            directory,
+        )
+        load_whole(composite, hf_model)
+        return Checkpoint(hf_model, None, composite)
+    if type(config) not in head.auto_class._model_mapping:
+        raise UserError(
+            f"model.path {directory}: its config.json is a {config.model_type} model, which is neither a "
+            f"{head.name} of transformers nor a vision-language model whose language model chattune trains"
+        )
     if files is None:
         reason = "it holds no safetensors weights"
     else:
@@ -239,7 +295,7 @@ def _empty_or_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> tuple[P
         missing = [name for name in load.missing_tensors(hf_model, files) if name not in started]
         if not missing:
             hf_model.config.use_cache = False
-            return hf_model, files
+            return Checkpoint(hf_model, files)
         reason = (
             f"{len(missing)} of the model's tensors are stored under other names (e.g. {missing[0]}), which "
             "transformers converts while loading"
@@ -252,7 +308,7 @@ def _empty_or_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> tuple[P
     )
     hf_model = load.load_full(directory, head)
     hf_model.config.use_cache = False
-    return hf_model, None
+    return Checkpoint(hf_model, None)
 
 
 def check_vocabulary(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -53,6 +53,9 @@ class PackedCausalLM(nn.Module):
         self.loss_implementation = loss_implementation
         self.tf32_head = tf32_head
         self.source_dtype = source_dtype  # the dtype the weights were stored in (export.dtype=auto writes it back)
+        # The vision-language checkpoint whose language model this is, set by the builder: the export writes its
+        # layout back (`chattune.model.composite`).
+        self.composite = None
         self.logit_transform = LogitTransform.from_config(hf_model.config)  # verified by check_output_head
         self.router_loss = router_loss
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -34,8 +35,9 @@ from chattune.files import set_aside
 from chattune.hub import hub_id
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.composite import adapter_targets, copy_source_files
 from chattune.model.fsdp import reshard
-from chattune.model.load import STORED_DTYPES, saved_tensors, stored_name
+from chattune.model.load import STORED_DTYPES, SafetensorsFile, checkpoint_files, saved_tensors, stored_name
 from chattune.model.quantize import dequantized, is_quantized, weight_shape
 from chattune.model.weights import SAFETENSORS_INDEX
 
@@ -48,9 +50,17 @@ SAFETENSORS_DTYPES = {dtype: name for name, dtype in STORED_DTYPES.items()}
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of the source checkpoint written back byte for byte (a vision-language model's vision tower)."""
+
+    file: SafetensorsFile
+    key: str
+
+
+@dataclass(frozen=True)
 class PlannedTensor:
     name: str  # its name in the HF model (and the file)
-    source: torch.Tensor  # the parameter (a DTensor shard) or buffer to gather
+    source: torch.Tensor | StoredTensor  # the parameter (a DTensor shard) or buffer to gather, or a source's bytes
     dtype: torch.dtype  # as written
     shape: tuple[int, ...]
     merge: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # (rows in fp32, first row) -> merged rows
@@ -87,6 +97,19 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
             PlannedTensor(
                 stored_name(name), tensor, dtype if floating else tensor.dtype, tuple(weight_shape(tensor)), merge
             )
+        )
+    composite = model.composite
+    if composite is None:
+        return planned
+    # The checkpoint's own layout: the language model under its keys there, every other tensor as stored.
+    planned = [dataclasses.replace(t, name=composite.stored_names[t.name]) for t in planned]
+    files = checkpoint_files(composite.directory)
+    readers = {path: SafetensorsFile(path) for path in set(files.values())}
+    for key in composite.other_keys:
+        reader = readers[files[key]]
+        entry = reader.header[key]
+        planned.append(
+            PlannedTensor(key, StoredTensor(reader, key), STORED_DTYPES[entry["dtype"]], tuple(entry["shape"]))
         )
     return planned
 
@@ -149,6 +172,10 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
     first dimension, in rank order, which is also the order of the rows in the file: rank 0 writes its own
     rows, then receives each other rank's rows and writes them. No rank ever holds the full tensor (a
     gather would: gloo also copies the gathered tensor once more into a flat buffer)."""
+    if isinstance(tensor.source, StoredTensor):  # the source's bytes: rank 0 reads them, no collective
+        if is_main:
+            tensor.source.file.copy_bytes(tensor.source.key, f)
+        return
     source = dequantized(tensor.source).detach()  # a 4-bit weight: its full-precision matrix (replicated)
 
     def write(part: torch.Tensor, first_row: int = 0) -> None:
@@ -226,7 +253,10 @@ def export_hf(
     (staging / SAFETENSORS_INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    _save_config(model, staging, dtype)
+    if model.composite is not None:  # its config, processor and template files, as the source has them
+        copy_source_files(model.composite, staging)
+    else:
+        _save_config(model, staging, dtype)
     tokenizer.save_pretrained(staging)
     _publish(staging, directory)
 
@@ -287,13 +317,19 @@ def export_adapter(
     from peft import get_peft_model_state_dict
 
     weights = get_peft_model_state_dict(peft_model, state_dict=trained)
+    config = copy.deepcopy(peft_model.peft_config[ADAPTER])
+    composite = model.composite
+    if composite is not None:  # over the vision-language checkpoint: the composite's names for the same modules
+        prefix = "base_model.model."
+        weights = {prefix + composite.composite_name(key.removeprefix(prefix)): value for key, value in weights.items()}
+        adapted = [name for name, module in model.hf_model.named_modules() if ADAPTER in getattr(module, "lora_A", {})]
+        config.target_modules = adapter_targets(composite, adapted)
     # safetensors refuses tensors that share memory: the tied one is written twice, as peft writes it.
     save_file(
         {k: v.clone().contiguous() for k, v in weights.items()},
         staging / "adapter_model.safetensors",
         metadata={"format": "pt"},
     )
-    config = copy.deepcopy(peft_model.peft_config[ADAPTER])
     repo = hub_id(base_path) if base_path else None
     if repo is not None:  # what peft loads the base from: the hub repository and revision, not chattune's hf: path
         config.base_model_name_or_path, _, revision = repo.partition("@")

@@ -19,6 +19,7 @@ fused MoE experts, legacy prefixes) is loaded by `from_pretrained` on every rank
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -63,10 +64,18 @@ def source_dtype(config: PretrainedConfig) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def build_empty(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> PreTrainedModel:
-    """The model of `directory`'s config, ending in `head`, with fp32 parameters on the meta device (no memory)
-    and real buffers, computed as `from_pretrained` computes them."""
-    config = AutoConfig.from_pretrained(directory, **head.config_overrides)
+def build_empty(
+    directory: Path, head: ModelHead = CAUSAL_LM_HEAD, config: PretrainedConfig | None = None
+) -> PreTrainedModel:
+    """The model of `directory`'s config (or `config`: a vision-language checkpoint's text config), ending in
+    `head`, with fp32 parameters on the meta device (no memory) and real buffers, computed as `from_pretrained`
+    computes them."""
+    if config is None:
+        config = AutoConfig.from_pretrained(directory, **head.config_overrides)
+    else:
+        config = copy.deepcopy(config)
+        for key, value in head.config_overrides.items():
+            setattr(config, key, value)
     with torch.device("meta"):
         model = head.auto_class.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
     _materialise_buffers(model)
@@ -90,6 +99,13 @@ def _materialise_buffers(model: PreTrainedModel) -> None:
 def missing_tensors(model: PreTrainedModel, files: dict[str, Path]) -> list[str]:
     """The model's parameters and persistent buffers that the checkpoint does not hold under their own name."""
     return [name for name in _loadable_names(model) if name not in files]
+
+
+def checkpoint_key(name: str, keys: dict[str, str] | None) -> str:
+    """Where a model's tensor lies in its checkpoint: its stored name, or, for the language model of a
+    vision-language checkpoint, the key `keys` gives it (`chattune.model.composite`)."""
+    stored = stored_name(name)
+    return keys.get(stored, stored) if keys else stored
 
 
 def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -125,11 +141,12 @@ def materialise_and_load(
     files: dict[str, Path],
     device: torch.device,
     initial: dict[str, torch.Tensor] | None = None,
+    keys: dict[str, str] | None = None,
 ) -> None:
     """After `fully_shard` of a meta-built model: allocate each rank's shards on `device` and fill them from
     the checkpoint, reading only this rank's rows; parameters in `initial` (adapters created after the
     build) from those full values instead. Buffers keep the values they were built with, unless the
-    checkpoint holds them (persistent buffers)."""
+    checkpoint holds them (persistent buffers). `keys`: checkpoint keys by the model's names (`checkpoint_key`)."""
     initial = initial or {}
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     # FSDP2 allocates only the local shards; the placeholders of a 4-bit base are left alone (allocating them
@@ -146,12 +163,12 @@ def materialise_and_load(
             if name in initial:
                 _load_local(InMemory(initial[name]), "", target, directory)
             else:
-                stored = stored_name(name)
+                stored = checkpoint_key(name, keys)
                 _load_local(readers[files[stored]], stored, target, directory)
         for module_name, module in hf_model.named_modules():
             if quantize.has_quantized_weight(module):
                 weight, bias = (
-                    _read_whole(readers, files, stored_name(f"{module_name}.{kind}"), directory, module)
+                    _read_whole(readers, files, checkpoint_key(f"{module_name}.{kind}", keys), directory, module)
                     for kind in ("weight", "bias")
                 )
                 quantize.load_quantized(module, weight, bias, device)
@@ -214,6 +231,19 @@ class SafetensorsFile:
             if f.readinto(view) != len(view):
                 raise UserError(f"{self.path}: tensor {name} is cut short (the file is truncated)")
         return rows
+
+    def copy_bytes(self, name: str, out, block: int = 64 * 2**20) -> None:
+        """Tensor `name`'s stored bytes, unchanged, written to the open file `out` (in blocks)."""
+        first, last = self.header[name]["data_offsets"]
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.data_offset + first)
+            left = last - first
+            while left:
+                data = f.read(min(block, left))
+                if not data:
+                    raise UserError(f"{self.path}: tensor {name} is cut short (the file is truncated)")
+                out.write(data)
+                left -= len(data)
 
 
 STORED_DTYPES = {

@@ -45,6 +45,9 @@ class PackedSequenceScorer(nn.Module):
         score_head(hf_model)  # refuses a model without one
         self.hf_model = hf_model
         self.source_dtype = source_dtype  # the dtype the weights were stored in (export.dtype=auto writes it back)
+        # The vision-language checkpoint whose language model this is, set by the builder: the export writes its
+        # layout back (`chattune.model.composite`).
+        self.composite = None
         self.router_loss = None  # a MoE model's router loss is not trained next to a reward (the builder refuses it)
         self.flops = model_flops(hf_model)
         self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
