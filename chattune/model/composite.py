@@ -86,18 +86,70 @@ WRAPPED_TEXT_MODELS = {
 }
 
 
+# The composite types whose language model, built as its text config's causal LM, gives the stock composite's
+# per-token losses and gradients on text, packed (tests/test_composite_models.py checks every one). Found by trying
+# every composite of transformers 5.24 whose text model has a causal LM (2026-11-28): the rest differ (Aya Vision and
+# Command-A Vision: Cohere's logit scale, which their composite does not apply; PaliGemma: 7e-2 in the loss) or are
+# not laid out as their text model's causal LM (BLIP-2, InstructBLIP, Florence-2: encoder-decoder text models).
+VERIFIED_COMPOSITES = (
+    "aria",
+    "cosmos3_omni",
+    "deepseek_vl",
+    "deepseek_vl_hybrid",
+    "exaone4_5",
+    "glm46v",
+    "glm4v",
+    "glm4v_moe",
+    "hyperclovax_vision_v2",
+    "idefics2",
+    "idefics3",
+    "internvl",
+    "janus",
+    "kimi_k25",
+    "lfm2_vl",
+    "lfm3_vl",
+    "lighton_ocr",
+    "llava",
+    "llava_next",
+    "llava_next_video",
+    "llava_onevision",
+    "minicpm_ocr",
+    "minicpmv4_6",
+    "minicpmv4_7",
+    "minimax_m3_vl",
+    "mistral3",
+    "ovis2",
+    "pp_chart2table",
+    "qianfan_ocr",
+    "qwen2_5_vl",
+    "qwen2_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "smolvlm",
+    "video_llama_3",
+    "video_llava",
+    "vipllava",
+)
+
+
 def text_config_of(config: PretrainedConfig) -> PretrainedConfig:
-    """The composite's text config, set to tie its output layer as the composite does; a text model without a
-    causal LM (of transformers', or `text_causal_lm_class`'s) is refused (UnsupportedModel) with the reason."""
+    """The composite's text config, set to tie its output layer as the composite does. A composite not in
+    VERIFIED_COMPOSITES is refused (UnsupportedModel) with the reason."""
     text = copy.deepcopy(config.get_text_config())
+    if config.model_type not in VERIFIED_COMPOSITES:
+        lacks = text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and text.model_type not in WRAPPED_TEXT_MODELS
+        reason = (
+            f"its language model ({text.model_type}) has no causal LM class, in transformers or in chattune"
+            if lacks
+            else f"its language model as {text.model_type}'s causal LM is not verified to compute what the composite "
+            "computes on text (some differ: a logit scale, a prefix attention, another output layer)"
+        )
+        raise UnsupportedModel(
+            f"{config.model_type}: a vision-language model that chattune cannot train on text yet: {reason}. "
+            f"Vision-language types it trains: {', '.join(VERIFIED_COMPOSITES)}"
+        )
     if text.model_type in WRAPPED_TEXT_MODELS:
         register_text_causal_lm(config)
-    elif text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UnsupportedModel(
-            f"{config.model_type}: a vision-language model whose language model ({text.model_type}) has no causal "
-            "LM class in transformers, nor one in chattune tested against the composite, so chattune cannot train "
-            f"it on text yet (vision-language types it trains: {', '.join(supported_composites())})"
-        )
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
     return text
 
@@ -185,23 +237,6 @@ def text_causal_lm_class(text_model_class: type[PreTrainedModel]) -> type[PreTra
     return TextCausalLM
 
 
-def supported_composites() -> list[str]:
-    """The vision-language model types whose language model is a causal LM of transformers (what chattune trains)."""
-    from transformers import CONFIG_MAPPING
-
-    kinds = []
-    for model_type in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
-        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
-            continue
-        try:
-            text = CONFIG_MAPPING[model_type]().get_text_config()
-        except Exception:  # noqa: BLE001  (a config that needs arguments to build: not listed)
-            continue
-        if text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or text.model_type in WRAPPED_TEXT_MODELS:
-            kinds.append(model_type)
-    return kinds
-
-
 def read_composite(
     directory: Path, config: PretrainedConfig, files: dict[str, Path], text_model
 ) -> CompositeCheckpoint:
@@ -236,6 +271,11 @@ def read_composite(
         if isinstance(tensor, torch.nn.Parameter) and not tensor.is_meta:
             continue  # initialised by chattune, not loaded (a reward model's score head)
         wanted = layout.composite_name(name)
+        if wanted not in composite_state:
+            raise UnsupportedModel(
+                f"{type(composite).__name__}: its language model is not laid out as {type(text_model).__name__} "
+                f"(it has no {wanted}), so chattune cannot train it on text"
+            )
         if wanted in key_of:
             stored[name] = key_of[wanted]
         elif wanted in converted:  # e.g. experts stored one by one, fused by transformers: written back fused
