@@ -29,7 +29,8 @@ Image-and-text training comes next and starts from here.
 from __future__ import annotations
 
 import copy
-import json
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,15 +315,13 @@ def load_whole(composite: CompositeCheckpoint, text_model: PreTrainedModel) -> N
                 buffer.copy_(buffers[name])
 
 
-# Files of a source directory that the export writes itself (weights, their index, the config it copies last).
+# Files of a source directory that the export writes itself (weights and their index).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 
 
 def copy_source_files(composite: CompositeCheckpoint, directory: Path) -> None:
     """The source's config, processor and template files into the export `directory` (its weights are written by
     the export). The tokenizer, saved after this, is the run's."""
-    import shutil
-
     for path in sorted(composite.directory.iterdir()):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and not path.name.endswith(".index.json"):
             shutil.copy2(path, directory / path.name)
@@ -331,14 +330,8 @@ def copy_source_files(composite: CompositeCheckpoint, directory: Path) -> None:
 def adapter_targets(composite: CompositeCheckpoint, module_names: list[str]) -> str:
     """peft's `target_modules` for the adapter over the composite: exactly the trained modules, as the composite
     names them (peft full-matches a string), so it does not wrap the vision tower's layers of the same name."""
-    import re
-
     names = sorted({composite.composite_name(name) for name in module_names})
     return "^(" + "|".join(re.escape(name) for name in names) + ")$"
-
-
-def source_config(directory: Path) -> dict:
-    return json.loads((directory / "config.json").read_text())
 
 
 def describe(model: PreTrainedModel, composite: CompositeCheckpoint) -> str:
