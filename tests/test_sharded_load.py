@@ -199,6 +199,11 @@ def test_the_fallback_is_announced(tmp_path, caplog):
     (tmp_path / "model.safetensors").unlink()
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # an old-style checkpoint
     with caplog.at_level(logging.WARNING):
-        loaded, files = _empty_or_full(tmp_path)
-    assert files is None and "holds no safetensors weights" in caplog.text and "whole model" in caplog.text
+        loaded, files, composite = _empty_or_full(tmp_path)
+    assert (
+        files is None
+        and composite is None
+        and "holds no safetensors weights" in caplog.text
+        and "whole model" in caplog.text
+    )
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())

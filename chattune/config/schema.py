@@ -333,7 +333,12 @@ class PeftConfig:
         aliases=("lora_dropout",),
     )
     target_modules: str | list[str] = key(
-        "all-linear", "all-linear (every linear layer but the output layer) or module names (a list, or one name)"
+        "all-linear",
+        "all-linear (every linear layer but the output layer, and an MoE model's stacked experts) or module "
+        "names (a list, or one name; an MoE model's expert stacks by name, e.g. down_proj, or experts)",
+    )
+    train_router: bool = key(
+        False, "an MoE model's router weight gets an adapter too (false: it routes as the base model does)"
     )
     use_dora: bool = key(False, "DoRA: a trained magnitude per output row on top of the LoRA direction")
     modules_to_save: list[str] | None = key(

@@ -15,6 +15,7 @@ computed after the base is loaded (`set_dora_magnitudes`).
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import warnings
 from typing import TYPE_CHECKING
@@ -27,11 +28,14 @@ from transformers import PreTrainedModel
 
 from chattune.config.schema import PeftConfig
 from chattune.data.packing import PackedBatch
+from chattune.model.adapter_targets import AdapterTargets, describe_adapters, expert_stacks, resolve_targets
 
 if TYPE_CHECKING:  # peft (and the bitsandbytes it imports) is imported where adapters are made: seconds per process
     from peft import LoraConfig, PeftModel
 from chattune.errors import UserError
 from chattune.model import quantize
+
+logger = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's name for the one adapter
 LORA_PARAMETER = re.compile(r"\.lora_(A|B|magnitude_vector|embedding_A|embedding_B)\.")
@@ -53,7 +57,8 @@ def check_module_names(hf_model: PreTrainedModel, settings: PeftConfig) -> None:
     """Every name in peft.target_modules and peft.modules_to_save must name modules of the model (peft matches
     a name against the end of a module's path, and silently trains nothing for a name that matches none),
     with the nearest names the model has suggested."""
-    paths = [name for name, _ in hf_model.named_modules() if name]
+    # An MoE model's stacked expert weights are parameters, named like modules (`down_proj`, `gate_up_proj`).
+    paths = [name for name, _ in hf_model.named_modules() if name] + expert_stacks(hf_model)
     leaves = sorted({path.rsplit(".", 1)[-1] for path in paths})
     targets = target_names(settings)
     for key, names in (
@@ -67,16 +72,20 @@ def check_module_names(hf_model: PreTrainedModel, settings: PeftConfig) -> None:
                 raise UserError(f"{key}: {name!r} names no module of {type(hf_model).__name__}{hint}")
 
 
-def lora_config(settings: PeftConfig, task_type: str = "CAUSAL_LM") -> LoraConfig:
+def lora_config(
+    settings: PeftConfig, task_type: str = "CAUSAL_LM", targets: AdapterTargets | None = None
+) -> LoraConfig:
     """The `peft` config section as peft's LoraConfig, for peft's `task_type` (`chattune.model.heads`: SEQ_CLS
-    makes peft train a sequence-classification model's score head in full, next to the adapters)."""
+    makes peft train a sequence-classification model's score head in full, next to the adapters), over the
+    resolved `targets` (`chattune.model.adapter_targets`; default: the names as written)."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=target_names(settings),
+        target_modules=targets.modules if targets is not None else target_names(settings),
+        target_parameters=(targets.parameters or None) if targets is not None else None,
         use_dora=settings.use_dora,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         # A tied model has one embedding matrix: training embed_tokens or lm_head trains it, as one tensor
@@ -95,9 +104,10 @@ def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig, task_type: str
     from peft.tuners.lora import LoraLayer
 
     check_module_names(hf_model, settings)
+    targets = resolve_targets(hf_model, settings, task_type)
     with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: once per rank
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        peft_model = get_peft_model(hf_model, lora_config(settings, task_type))
+        peft_model = get_peft_model(hf_model, lora_config(settings, task_type, targets))
     head = hf_model.get_output_embeddings() if task_type == "CAUSAL_LM" else None
     if isinstance(head, LoraLayer):  # the losses read the output layer's weight and bias, never its forward
         raise UserError(
@@ -111,6 +121,7 @@ def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig, task_type: str
                 module.lora_A.to_empty(device="cpu")
                 module.lora_B.to_empty(device="cpu")
                 module.reset_lora_parameters(ADAPTER, True)  # peft's default init: kaiming A, zero B
+    logger.info(describe_adapters(hf_model, targets))
     return peft_model
 
 

@@ -25,6 +25,7 @@ from chattune.distributed import DistInfo
 from chattune.errors import UnsupportedModel, UserError
 from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
+from chattune.model.adapter_targets import quantized_experts_note
 from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
 from chattune.model.architecture_check import check_architecture
 from chattune.model.attention import attention_backend, attention_features
@@ -120,6 +121,8 @@ def build_sharded_model(
         quantize.quantize_linears(
             decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dist_info.device
         )
+        if note := quantized_experts_note(hf_model, dtype):
+            logger.info(note)
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
     # The chunked head's matmuls (and only those: `chattune.model.chunked_loss`) in TF32 on CUDA, where bf16/fp16
     # inputs make its forward exact in TF32.

@@ -84,14 +84,17 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
     dequantized). Collective when there are adapters (their small A, B and DoRA magnitudes are gathered whole)."""
     hf_model = model.hf_model
     planned = []
+    wrapped = _wrapped_parameters(hf_model)
     for name, tensor in saved_tensors(hf_model):
         if LORA_PARAMETER.search(name) or ".original_module." in name:
             continue  # adapters are merged below; a module in modules_to_save is written as trained
-        merge = (
-            _lora_merge(hf_model.get_submodule(name.removesuffix(".base_layer.weight")))
-            if name.endswith(".base_layer.weight")
-            else None
-        )
+        owner, _, leaf = name.rpartition(".")
+        if (id(hf_model.get_submodule(owner)), leaf) in wrapped:  # an adapted parameter: an MoE expert stack
+            merge = _parameter_merge(wrapped[id(hf_model.get_submodule(owner)), leaf], tensor.ndim)
+        elif name.endswith(".base_layer.weight"):
+            merge = _lora_merge(hf_model.get_submodule(name.removesuffix(".base_layer.weight")))
+        else:
+            merge = None
         floating = tensor.is_floating_point() or is_quantized(tensor)
         planned.append(
             PlannedTensor(
@@ -134,6 +137,46 @@ def _lora_merge(layer: LoraLayer) -> Callable[[torch.Tensor, int], torch.Tensor]
         if magnitude is not None:
             rows = rows * (magnitude[first:last].to(rows.device) / torch.linalg.norm(rows, dim=1)).unsqueeze(1)
         return rows
+
+    return merged
+
+
+def _wrapped_parameters(hf_model) -> dict[tuple[int, str], LoraLayer]:
+    """peft's adapters on parameters (`lora.ParamWrapper`: an MoE model's stacked experts, a router's weight),
+    by (id of the module holding the parameter, its name)."""
+    if not any(".lora_" in name for name, _ in hf_model.named_parameters()):
+        return {}
+    from peft.tuners.lora import ParamWrapper
+
+    return {
+        (id(module.get_base_layer()), module.parameter_name): module
+        for module in hf_model.modules()
+        if isinstance(module, ParamWrapper)
+    }
+
+
+def _parameter_merge(wrapper: LoraLayer, ndim: int) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    """Rows [a, b) (experts, for a 3-D stack) of an adapted parameter with its adapter merged, as peft's
+    `ParamWrapper.get_delta_weight` computes it: expert e's delta is scaling * B_e @ A_e, with A's rows and
+    B's columns holding the experts' rank-r factors (A: experts x rank rows; B: rank x experts columns)."""
+    if ADAPTER not in wrapper.lora_A:
+        return None
+
+    def full(weight: torch.Tensor) -> torch.Tensor:
+        weight = weight.detach()
+        return (weight.full_tensor() if isinstance(weight, DTensor) else weight).float()
+
+    a, b, scaling = full(wrapper.lora_A[ADAPTER].weight), full(wrapper.lora_B[ADAPTER].weight), wrapper.scaling[ADAPTER]
+    if ndim == 2:
+        delta = scaling * (b @ a)  # (out, in), as the parameter
+    else:
+        experts = wrapper.num_experts
+        a, b = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)  # e r i, o r e
+        layout = "e o i" if wrapper._did_swap_in_out_features else "e i o"  # the stack's own (experts, ., .)
+        delta = scaling * torch.einsum(f"o r e, e r i -> {layout}", b, a)
+
+    def merged(rows: torch.Tensor, first: int) -> torch.Tensor:
+        return rows + delta[first : first + rows.shape[0]].to(rows.device)
 
     return merged
 
