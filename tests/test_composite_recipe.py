@@ -2,8 +2,10 @@
 directory (legacy names, a processor file) trains with SFT, resumes bit for bit after stop_after_step, and comes back
 in its own class: the vision tower byte for byte, the language model moved, bf16, the processor file kept. DPO with
 LoRA from the same directory writes an adapter that peft loads over the original checkpoint, touching no vision
-layer, and that equals the merged export. A Qwen3-VL directory (its text model given a causal LM by chattune) trains
-with the default sample replies and exports as Qwen3VLForConditionalGeneration."""
+layer, and that equals the merged export. A Qwen3-VL directory (its text model given a causal LM by chattune) takes
+DPO with the sample replies, resumes bit for bit and exports as Qwen3VLForConditionalGeneration. The reward recipe
+trains Mistral 3's language model under a new score head and exports a stock sequence classifier; KTO trains it
+and exports it in its own class."""
 
 from __future__ import annotations
 
@@ -115,24 +117,73 @@ def test_a_lora_adapter_on_mistral3_loads_over_the_original_checkpoint(mistral3_
     assert float((got - want).abs().max()) <= 3e-2  # the merged export equals base + adapter (bf16 weights)
 
 
-def test_qwen3_vl_trains_with_the_sample_replies_and_exports_in_its_own_class(tmp_path):
-    source = tmp_path / "qwen3_vl"
-    save_composite("qwen3_vl", source, torch.bfloat16, vocab_size=len(demo_tokenizer()))
-    demo_tokenizer().save_pretrained(source)
-    out = tmp_path / "run"
-    result = torchrun(
-        "recipes/sft.py",
+def dpo_on(source, out, *overrides: str):
+    return torchrun(
+        "recipes/dpo.py",
         out,
         f"model.path={source}",
         "max_steps=2",
-        "save_every=0",
+        "save_every=1",
         "eval_every=2",
         "eval.samples=2",
-        "data.max_tokens_per_microbatch=512",
+        "data.max_tokens_per_microbatch=1024",
+        *overrides,
     )
+
+
+def test_qwen3_vl_takes_dpo_with_the_sample_replies_resumes_exactly_and_exports_in_its_own_class(tmp_path):
+    source = tmp_path / "qwen3_vl"
+    save_composite("qwen3_vl", source, torch.bfloat16, vocab_size=len(demo_tokenizer()))
+    demo_tokenizer().save_pretrained(source)
+    straight = tmp_path / "straight"
+    result = dpo_on(source, straight)
     assert "training its language model as Qwen3VLTextForCausalLM" in result.stdout + result.stderr
-    replies = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    replies = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
     assert {line["step"] for line in replies} == {0, 2} and len(replies) == 4
-    model = AutoModelForImageTextToText.from_pretrained(out / "hf")
+    resumed = tmp_path / "resumed"
+    dpo_on(source, resumed, "stop_after_step=1")
+    dpo_on(source, resumed)
+    assert losses(resumed) == losses(straight)
+    assert_same_weights(resumed, straight)
+    model = AutoModelForImageTextToText.from_pretrained(straight / "hf")
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
-    assert stored(out / "hf").keys() == stored(source).keys()
+    assert stored(straight / "hf").keys() == stored(source).keys()
+
+
+def test_a_reward_model_trained_from_mistral3_exports_as_a_stock_sequence_classifier(mistral3_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "reward"
+    torchrun(
+        "recipes/reward.py",
+        out,
+        f"model.path={mistral3_dir}",
+        "max_steps=2",
+        "save_every=0",
+        "eval_every=0",
+        "data.max_tokens_per_microbatch=1024",
+    )
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    model = AutoModelForSequenceClassification.from_pretrained(out / "hf")  # stock transformers
+    assert type(model).__name__ == "MistralForSequenceClassification" and model.config.num_labels == 1
+    # Its decoder is the checkpoint's language model, trained (close to where it started, not a random init).
+    source = stored(mistral3_dir)["language_model.model.layers.0.self_attn.q_proj.weight"].float()
+    trained = model.model.layers[0].self_attn.q_proj.weight.detach().float()
+    assert not torch.equal(trained, source) and float((trained - source).norm() / source.norm()) < 0.05
+
+
+def test_kto_from_mistral3_trains_its_language_model_and_exports_in_its_own_class(mistral3_dir, tmp_path):
+    out = tmp_path / "kto"
+    torchrun(
+        "recipes/kto.py",
+        out,
+        f"model.path={mistral3_dir}",
+        "max_steps=2",
+        "save_every=0",
+        "eval_every=0",
+        "eval.samples=0",
+        "data.max_tokens_per_microbatch=1024",
+    )
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    assert stored(out / "hf").keys() == stored(mistral3_dir).keys()
+    assert type(AutoModelForImageTextToText.from_pretrained(out / "hf")).__name__ == "Mistral3ForConditionalGeneration"
