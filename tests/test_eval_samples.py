@@ -266,3 +266,32 @@ def test_without_data_eval_the_samples_come_from_the_records_eval_split_holds_ou
     assert list(split_records) == held
     assert [p.messages for p in sample_prompts(cfg, [split_records])] == want
     assert sample_prompts(cfg, [split_records[:0]]) == []  # no held-out set, no prompts file: nothing to sample
+
+
+def test_a_model_stock_transformers_cannot_generate_with_trains_with_its_sample_replies_off(tmp_path, caplog):
+    """Bamba without an attention layer: transformers' own generate fails on its cache (so would every rank's at
+    step 0). The run says so once and samples nothing; Gemma 2 (no SDPA path: eager for the replies) samples."""
+    import logging
+
+    from conftest import tiny_model
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    cfg = OmegaConf.create(
+        {
+            "output_dir": str(tmp_path),
+            "eval_every": 2,
+            "eval": {"samples": 1, "sample_prompts": str(prompts), "max_new_tokens": 4},
+            "data": {"eval": None, "train": []},
+        }
+    )
+    one_rank = DistInfo(0, 1, 0, torch.device("cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
+    bamba = tiny_model(model_type="bamba", attn_layer_indices=[], mamba_d_head=16, mamba_n_heads=8)
+    with caplog.at_level(logging.WARNING, logger="chattune.train.samples"):
+        assert run_samples(cfg, tokenizer, one_rank, None, (), None, bamba) is None
+    assert "eval.samples: BambaForCausalLM.generate fails in stock transformers in get_seq_length" in caplog.text
+    assert "sample replies are off for this run" in caplog.text
+    gemma2 = tiny_model(model_type="gemma2", head_dim=16)
+    samples = run_samples(cfg, tokenizer, one_rank, None, (), None, gemma2)
+    assert samples is not None and len(samples.answer(PackedCausalLM(gemma2))) == 1

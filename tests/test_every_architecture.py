@@ -62,6 +62,7 @@ from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.flops import attention_heads, model_flops, text_config
 from chattune.model.fsdp import compute_dtype
+from chattune.model.generate import generation_failure
 from chattune.model.output_logits import LogitTransform
 
 # Sizes of the tiny configs, by the attribute names the configs use for them (only those a config has are set).
@@ -605,6 +606,35 @@ def test_every_architecture_is_refused_or_trains_exactly(model_type):
         return
     check_exact(train(built))
     check_exact(train(built, LONG_LENGTHS))
+    check_sample_replies(built)
+
+
+def check_sample_replies(built: Built) -> None:
+    """What a default launch runs next (eval.samples: replies at step 0 and each evaluation): the trained model's
+    `generate` as `chattune.model.generate.generate_reply` calls it, a KV cache and transformers' attention for the
+    duration. A model the walk calls exact must not crash there (Gemma 2 and gpt-oss once did: no SDPA path). Where
+    stock transformers itself cannot generate with the model (`generation_failure`), a run turns its replies off."""
+    failure = generation_failure(built.model)
+    if failure is not None:
+        assert "fails in stock transformers" in failure and type(built.model).__name__ in failure, failure
+        return
+    prompt = random_documents(built.vocab_size, seed=1, lengths=(9,))[0].input_ids
+    input_ids = torch.tensor([prompt.tolist()])
+    built.packed.eval()
+    try:
+        with torch.no_grad():
+            output = built.packed.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                pad_token_id=0,
+                use_cache=True,
+                do_sample=False,
+                max_new_tokens=3,
+            )
+    finally:
+        built.packed.train()
+    assert output.shape[1] > input_ids.shape[1] and torch.equal(output[0, :9], input_ids[0])
+    assert int(output.max()) < built.vocab_size
 
 
 def test_gemma4_miniature_keeps_its_per_layer_heads_and_shared_key_values():

@@ -27,7 +27,7 @@ def _in_stdlib(filename: str) -> bool:
     return filename.startswith(_STDLIB) and "site-packages" not in Path(filename).parts
 
 
-def _model_frame(error: BaseException) -> traceback.FrameSummary | None:
+def model_frame(error: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of transformers' code (the model's) in `error`'s traceback."""
     frames = [
         frame for frame in traceback.extract_tb(error.__traceback__) if _TRANSFORMERS in Path(frame.filename).parts
@@ -81,7 +81,7 @@ def model_code_failure(error: BaseException, attention_name: str) -> str:
     if raised is not None and (raised.line or "").strip().startswith("raise"):  # a refusal written for users
         where = "/".join(Path(raised.filename).parts[-2:])
         return f"refused in {raised.name} ({where}): {str(error).strip().splitlines()[0].rstrip('.')}"
-    frame = _model_frame(error)
+    frame = model_frame(error)
     if frame is None:  # nothing of the model's in the traceback: torch or Python, named by the exception's type
         return f"its forward fails ({type(error).__name__})"
     file = "/".join(Path(frame.filename).parts[-2:])

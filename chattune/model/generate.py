@@ -13,13 +13,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.data.chat_template import probe_template
+from chattune.model.architecture_check import MINIATURE_LAYERS, miniature_config
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.code_failures import model_frame
+from chattune.model.flops import text_config
 from chattune.model.fsdp import eager_layers, reshard
 
 
@@ -116,3 +120,50 @@ def sharded_generation(model: PackedCausalLM) -> Iterator[None]:
     finally:
         model.train(was_training)
         reshard(model)
+
+
+def generation_failure(model: PreTrainedModel) -> str | None:
+    """Why stock transformers cannot generate with a model like `model` (None: it can), seen on a random-init
+    miniature of its class and config (every kind of layer kept, `chattune.model.architecture_check`) generating
+    3 tokens with a KV cache, as the sample replies do. Some hybrid and recurrent models' caches fail there in
+    transformers itself (Bamba and Granite-4-H without an attention layer, HRM, Qwen4-Exp, xLSTM at some
+    sizes); training them is unaffected. The global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        miniature = _stock_miniature(model).eval()
+        miniature.set_attn_implementation("sdpa" if miniature._supports_sdpa else "eager")  # as `stock_attention`
+        ids = torch.arange(9).unsqueeze(0) % text_config(miniature.config).vocab_size
+        try:
+            with torch.no_grad():
+                miniature.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    pad_token_id=0,
+                    use_cache=True,
+                    do_sample=False,
+                    max_new_tokens=3,
+                )
+        except Exception as error:  # the model's code, reported: the caller turns the sample replies off
+            frame = model_frame(error)
+            where = (
+                f" in {frame.name} ({'/'.join(Path(frame.filename).parts[-2:])}, line {frame.lineno})" if frame else ""
+            )
+            message = (str(error).strip().splitlines() or [""])[0][:160]
+            return (
+                f"{type(model).__name__}.generate fails in stock transformers{where}: {type(error).__name__}: {message}"
+            )
+    return None
+
+
+def _stock_miniature(model: PreTrainedModel) -> PreTrainedModel:
+    """A random-init fp32 miniature of `model`'s own class (a text model's config need not be one that
+    AutoModelForCausalLM maps: Mllama's, Emu3's), one layer deeper at a time where the shallowest does not build."""
+    config = model.config
+    total = getattr(text_config(config), "num_hidden_layers", None)
+    depths = range(MINIATURE_LAYERS, total + 1) if isinstance(total, int) and total > MINIATURE_LAYERS else [None]
+    for depth in depths:
+        try:
+            return type(model)._from_config(miniature_config(config, depth or MINIATURE_LAYERS), dtype=torch.float32)
+        except Exception as error:  # as `build_miniature`: deeper, or the last error below
+            failure = error
+    raise failure

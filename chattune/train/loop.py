@@ -295,7 +295,13 @@ def set_up(
     )
     # eval.samples: a few prompts answered at every evaluation, into samples.jsonl (and wandb)
     samples = run_samples(
-        cfg, tokenizer, dist_info, start_step if resumed else None, data.held_out_records, metric_logger.wandb_run
+        cfg,
+        tokenizer,
+        dist_info,
+        start_step if resumed else None,
+        data.held_out_records,
+        metric_logger.wandb_run,
+        model.hf_model,
     )
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print

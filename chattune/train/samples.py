@@ -20,14 +20,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.config.schema import SFTConfig
 from chattune.data.prompts import Prompt, held_out_prompts, read_prompts_file
 from chattune.data.records import source_specs
 from chattune.distributed import DistInfo
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
+from chattune.model.generate import (
+    Sampling,
+    generate_reply,
+    generation_failure,
+    prompt_ids,
+    sharded_generation,
+    stop_token_ids,
+)
 from chattune.train.metrics import start_step_log
 
 logger = logging.getLogger(__name__)
@@ -42,12 +49,21 @@ def run_samples(
     resume_step: int | None,
     held_out_records: Sequence[Sequence[int]] = (),
     wandb_run=None,
+    model: PreTrainedModel | None = None,
 ) -> EvalSamples | None:
-    """The run's sample prompts, ready to answer (None: eval.samples=0, evaluation off, or no prompts). Rank 0
-    starts samples.jsonl: afresh, or for a resumed run (`resume_step`) with its lines up to that step (the later
-    ones were copied aside by `chattune.train.output_dir`), also when sampling is now off."""
+    """The run's sample prompts, ready to answer (None: eval.samples=0, evaluation off, no prompts, or a model
+    that stock transformers cannot generate with: `model`'s class, said once). Rank 0 starts samples.jsonl: afresh,
+    or for a resumed run (`resume_step`) with its lines up to that step (the later ones were copied aside by
+    `chattune.train.output_dir`), also when sampling is now off."""
     path = Path(cfg.output_dir) / SAMPLES_FILE
     prompts = sample_prompts(cfg, held_out_records)
+    if prompts and model is not None and (failure := generation_failure(model)):
+        if dist_info.is_main:
+            logger.warning(
+                "eval.samples: %s; sample replies are off for this run (eval.samples=0 turns them off without this check)",
+                failure,
+            )
+        prompts = []
     if dist_info.is_main and (prompts or (resume_step is not None and path.exists())):
         start_step_log(path, resume_step)
     if not prompts:
