@@ -281,3 +281,24 @@ def test_bad_input_is_one_clear_error(chat_model_dir, tmp_path, capsys):
         timeout=120,
     )
     assert imported.stdout.strip() == "[]"
+
+
+def test_a_runs_output_dir_answers_as_its_hf_export_and_the_version_is_printed(chat_model_dir, tmp_path, capsys):
+    import shutil
+
+    import pytest
+
+    from chattune import __version__
+
+    run = tmp_path / "run"
+    shutil.copytree(chat_model_dir, run / "hf")
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("What is 2 + 3?\n")
+    assert main(["chat", str(chat_model_dir), "--prompts", str(prompt_file), "--max-new-tokens", "8"]) == 0
+    want = capsys.readouterr().out
+    assert main(["chat", str(run), "--prompts", str(prompt_file), "--max-new-tokens", "8"]) == 0
+    got = capsys.readouterr()
+    assert got.out == want and f"{run} is a run's output directory: its hf/" in got.err
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"chattune {__version__}"

@@ -174,7 +174,7 @@ def test_a_reward_model_trained_from_mistral3_exports_as_a_stock_sequence_classi
 
 def test_kto_from_mistral3_trains_its_language_model_and_exports_in_its_own_class(mistral3_dir, tmp_path):
     out = tmp_path / "kto"
-    torchrun(
+    result = torchrun(
         "recipes/kto.py",
         out,
         f"model.path={mistral3_dir}",
@@ -187,3 +187,7 @@ def test_kto_from_mistral3_trains_its_language_model_and_exports_in_its_own_clas
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     assert stored(out / "hf").keys() == stored(mistral3_dir).keys()
     assert type(AutoModelForImageTextToText.from_pretrained(out / "hf")).__name__ == "Mistral3ForConditionalGeneration"
+    # The run's last line says what it made and what to do with it.
+    assert f"done: {out / 'hf'} (talk to it: chattune chat {out}; its curves: chattune plot {out})" in (
+        result.stdout + result.stderr
+    )

@@ -168,6 +168,18 @@ def converse(chat: Chat, system: str | None, stdin: TextIO, stdout: TextIO, inte
         print(("model> " if interactive else "") + reply.text.strip() + cut, file=stdout, flush=True)
 
 
+def run_export(directory: Path) -> Path:
+    """A run's output_dir stands for what it exported: its `hf/` (the merged model), else its `adapter/`; any
+    other directory is taken as it is."""
+    if (directory / ADAPTER_CONFIG).is_file() or (directory / "config.json").is_file():
+        return directory
+    for export in ("hf", "adapter"):
+        if (directory / export / "config.json").is_file() or (directory / export / ADAPTER_CONFIG).is_file():
+            print(f"chattune chat: {directory} is a run's output directory: its {export}/", file=sys.stderr)
+            return directory / export
+    return directory
+
+
 def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     """(the model in eval mode on `device`, its tokenizer) from an exported model directory, or an adapter
     directory over its base; a UserError that names the directory and the problem otherwise."""
@@ -177,6 +189,7 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
             + ("is not a directory" if directory.exists() else "does not exist")
             + ": give an exported model directory (output_dir/hf) or adapter directory (output_dir/adapter)"
         )
+    directory = run_export(directory)
     adapter = (directory / ADAPTER_CONFIG).is_file()
     if not adapter and not (directory / "config.json").is_file():
         raise UserError(

@@ -6,9 +6,10 @@
     chattune validate [CONFIG] [key=value ...]    check a config and its data before launching a run
     chattune prepare [CONFIG] [key=value ...]     tokenize its data once into token caches, before a big job
     chattune plot OUTPUT_DIR [...] [--out FILE]   training curves of one or more runs, overlaid, as a PNG
-    chattune chat DIR [--prompts FILE] [...]      talk to an exported model (hf/ or adapter/), or answer prompts
+    chattune chat DIR [--prompts FILE] [...]      talk to an exported model (hf/, adapter/ or a run's output_dir)
     chattune run [TORCHRUN OPTIONS] RECIPE [...]  torchrun that lets a stopping run finish its save (SIGTERM,
                                                   Ctrl-C) however long it takes, and exits 75 without a traceback
+    chattune --version                            the installed version
 
 CONFIG is a config name such as sft/tiny (or --config-name NAME); --config-path DIR takes configs from
 your own directory, where they can build on the shipped ones (`defaults: [/sft/tiny, _self_]`). The
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chattune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    from chattune import __version__
+
+    parser.add_argument("--version", action="version", version=f"chattune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     ls = commands.add_parser("ls", help="list the shipped recipes and configs")

@@ -362,4 +362,7 @@ def finish(
         metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
     metric_logger.close()
     release_output_dir()
-    logger.info("done: %s", output_dir / ("hf" if peft_model is None or cfg.export.merge else "adapter"))
+    exported = output_dir / ("hf" if peft_model is None or cfg.export.merge else "adapter")
+    logger.info(
+        "done: %s (talk to it: chattune chat %s; its curves: chattune plot %s)", exported, output_dir, output_dir
+    )
