@@ -341,8 +341,8 @@ def test_targets_are_checked_against_their_signatures(tmp_path):
             "scheduler.num_warmup_steps: unknown key: not a parameter of torch.optim.lr_scheduler.StepLR",
             "scheduler.num_training_steps: passed by the recipe; remove it from the config",
             "scheduler.step_size: required by torch.optim.lr_scheduler.StepLR, not set",
-            "model.config._target_: cannot import 'transformers.NoSuchConfig': ImportError: "
-            "Error loading 'transformers.NoSuchConfig':",
+            "model.config._target_: cannot import 'transformers.NoSuchConfig': transformers has no NoSuchConfig; did you "
+            "mean transformers.NougatConfig or transformers.TorchAoConfig or transformers.YoutuConfig?",
         ]
     )
 
@@ -750,3 +750,46 @@ def test_a_sample_prompts_file_that_is_not_there_is_a_problem(tmp_path):
         "sft/tiny", [f"output_dir={tmp_path / 'out'}", f"eval.sample_prompts={missing}", "eval.samples=0"], CONFIGS
     )
     assert ok, report
+
+
+def test_a_model_config_is_built_by_validate_and_a_misspelled_class_names_the_close_ones(tmp_path, capsys):
+    """Values transformers rejects and a class that does not exist are one problem each, before any rank starts;
+    nothing else is printed (Hydra logs its own import error otherwise)."""
+    report, ok = run_validate(
+        "sft/tiny",
+        [f"output_dir={tmp_path}", "model.config.hidden_size=64", "model.config.num_attention_heads=6"],
+        CONFIGS,
+    )
+    assert not ok and problems(report) == [
+        "model.config: transformers.LlamaConfig rejects it: "
+        "The hidden size (64) is not a multiple of the number of attention heads (6)."
+    ]
+    report, ok = run_validate(
+        "sft/tiny", [f"output_dir={tmp_path}", "model.config._target_=transformers.Qwen35Config"], CONFIGS
+    )
+    assert not ok and problems(report) == [
+        "model.config._target_: cannot import 'transformers.Qwen35Config': transformers has no Qwen35Config; did you "
+        "mean transformers.Qwen3_5Config or transformers.Qwen3Config or transformers.Qwen3VLConfig?"
+    ]
+    captured = capsys.readouterr()
+    assert "Are you sure" not in captured.out + captured.err
+    # The launch checks the composed config with the same rules (check_config): the same line.
+    cfg = compose_config(
+        "sft/tiny", [f"output_dir={tmp_path}", "model.config.hidden_size=64", "model.config.num_attention_heads=6"]
+    )
+    with pytest.raises(ConfigError, match=r"model.config: transformers.LlamaConfig rejects it: The hidden size"):
+        check_config(cfg, SFT)
+
+
+def test_a_held_out_split_that_is_never_evaluated_is_a_note(tmp_path):
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "data.eval_split=0.1", "eval_every=0"], CONFIGS)
+    assert (
+        ok
+        and (
+            "note: data.eval_split: 0.1 holds records out of training, and eval_every=0 never evaluates them: set "
+            "eval_every, or data.eval_split=0 to train on every record"
+        )
+        in report.splitlines()
+    )
+    report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path}", "data.eval_split=0.1"], CONFIGS)
+    assert "eval_split" not in report

@@ -160,6 +160,29 @@ class RunRules:
                 "reference.path", f"unused: loss.type={get_value(self.values, 'loss.type')} needs no reference"
             )
 
+    def model_config(self) -> None:
+        """A model built from model.config: its config object builds (cheap: no weights), so that a class that does
+        not exist or values transformers rejects (a hidden size that is no multiple of the heads) are one problem
+        here, not a traceback on every rank."""
+        config = get_value(self.values, "model.config")
+        if get_value(self.values, "model.path") is not None or not isinstance(config, dict):
+            return
+        target = config.get("_target_")
+        if any(line.startswith(("model.config", "model:")) for line in self.findings.problems):
+            return  # its keys or its class are reported already
+        from hydra.utils import instantiate
+
+        try:
+            instantiate(config, _convert_="all")
+        except Exception as error:  # the config class's own validation (or Hydra's): reported as one problem
+            cause = error
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+            self.findings.problem(
+                "model.config", f"{target} rejects it: {lines[-1] if lines else type(cause).__name__}"
+            )
+
     def steps_and_budget(self) -> None:
         """stop_after_step within the run, a warm-up or save interval longer than it (notes), a budget that padding
         could exceed, and a budget beyond the positions model.path was trained on (a note)."""
@@ -171,6 +194,13 @@ class RunRules:
             self.findings.note(
                 "scheduler.num_warmup_steps",
                 f"{warmup} is more than max_steps {max_steps}: the learning rate never reaches optimizer.lr",
+            )
+        split, eval_every = get_value(self.values, "data.eval_split"), number(self.values, "eval_every")
+        if isinstance(split, (int, float)) and not isinstance(split, bool) and split > 0 and eval_every == 0:
+            self.findings.note(
+                "data.eval_split",
+                f"{split} holds records out of training, and eval_every=0 never evaluates them: set eval_every, "
+                "or data.eval_split=0 to train on every record",
             )
         if max_steps is not None and save_every is not None and save_every > max_steps:
             self.findings.note(

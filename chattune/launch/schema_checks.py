@@ -177,11 +177,14 @@ class SchemaChecks:
         """A section instantiated with `_target_`: its keys against the callable's signature (and, for the
         schema's own target, against the schema's types)."""
         name = values["_target_"]
+        if isinstance(name, str) and (missing := missing_attribute(name)) is not None:  # before Hydra logs its error
+            self.findings.problem(f"{key}._target_", f"cannot import {name!r}: {missing}")
+            return
         try:
             target, parameters = target_parameters(name)
         except Exception as error:  # an import of user code can raise anything
             self.findings.problem(
-                f"{key}._target_", f"cannot import {name!r}: {type(error).__name__}: {first_line(error)}"
+                f"{key}._target_", f"cannot import {name!r}: {missing_attribute(name) or error_line(error)}"
             )
             return
         is_hf_config = isinstance(target, type) and issubclass(target, PretrainedConfig)
@@ -300,3 +303,26 @@ def _parameters_of(function: ast.FunctionDef) -> Mapping[str, inspect.Parameter]
     if args.kwarg:
         parameters.append(P(args.kwarg.arg, P.VAR_KEYWORD))
     return inspect.Signature(parameters).parameters
+
+
+def error_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {first_line(error)}"
+
+
+def missing_attribute(name: str) -> str | None:
+    """For a dotted name whose module imports but holds no such attribute (a misspelled class): which, and the
+    module's closest names (`transformers.Qwen35Config`: Qwen3_5Config, ...). None otherwise."""
+    import difflib
+    import importlib
+
+    module_name, _, attribute = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # the module itself does not import: the caller reports that error
+        return None
+    names = dir(module)  # a lazy package (transformers) lists its names without importing them
+    if attribute in names:
+        return None
+    near = difflib.get_close_matches(attribute, [n for n in names if not n.startswith("_")], n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(f'{module_name}.{n}' for n in near)}?" if near else ""
+    return f"{module_name} has no {attribute}{hint}"

@@ -234,6 +234,7 @@ def find_problems(
     rules.sources("data.train", required=True)
     rules.sources("data.eval", required=False)
     rules.paths()
+    rules.model_config()
     schema.bounds()
     rules.steps_and_budget()
     rules.quantized_base()
