@@ -387,7 +387,9 @@ class RefusesRows(nn.Module):
         self.mlp = mlp
 
     def forward(self, x):
-        raise ValueError("can't keep packed sequences apart")
+        if x.shape[1] > 16:  # a packed row of the probe (one document alone, as stock transformers runs it: fine)
+            raise ValueError("can't keep packed sequences apart")
+        return self.mlp(x)
 
 
 def test_a_failing_packed_forward_is_refused():
@@ -448,3 +450,24 @@ def test_the_miniature_keeps_a_late_kind_of_layer():
     plain = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 6)
     assert miniature_config(plain).num_hidden_layers == 2
     check_architecture(plain)
+
+
+def test_a_config_that_stock_transformers_cannot_run_is_the_users_to_fix():
+    """More experts per token than experts: transformers' own forward fails on one document, so the message says the
+    config is wrong, not that chattune cannot pack the model."""
+    from transformers import AutoConfig
+
+    from chattune.errors import UserError
+    from chattune.model.architecture_check import check_architecture
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=8, head_dim=16,
+    )  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"Qwen3MoeForCausalLM fails in stock transformers on a single document with this config, in forward \(qwen3_moe/modeling_qwen3_moe.py, line \d+: `.*torch.topk.*`\): RuntimeError: .*: the config is wrong",
+    ):
+        check_architecture(config)
+    config.num_experts_per_tok = 2  # the control: accepted
+    check_architecture(config)

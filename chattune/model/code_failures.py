@@ -89,3 +89,14 @@ def model_code_failure(error: BaseException, attention_name: str) -> str:
     return (
         f"its code fails in {frame.name} ({file}, line {frame.lineno}: `{line}`): {_needs(line, error, attention_name)}"
     )
+
+
+def where_it_fails(error: BaseException) -> str:
+    """Where the model's code raised `error` and what it said, in one line: for a failure of the model's own path
+    (stock transformers), where the message is the model's to show."""
+    frame = model_frame(error)
+    message = (str(error).strip().splitlines() or [""])[0][:160]
+    if frame is None:
+        return f"{type(error).__name__}: {message}"
+    file = "/".join(Path(frame.filename).parts[-2:])
+    return f"in {frame.name} ({file}, line {frame.lineno}: `{_statement(frame)}`): {type(error).__name__}: {message}"

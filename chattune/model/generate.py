@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from chattune.data.chat_template import probe_template
 from chattune.model.architecture_check import MINIATURE_LAYERS, miniature_config
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.code_failures import model_frame
+from chattune.model.code_failures import where_it_fails
 from chattune.model.flops import text_config
 from chattune.model.fsdp import eager_layers, reshard
 
@@ -144,14 +143,7 @@ def generation_failure(model: PreTrainedModel) -> str | None:
                     max_new_tokens=3,
                 )
         except Exception as error:  # the model's code, reported: the caller turns the sample replies off
-            frame = model_frame(error)
-            where = (
-                f" in {frame.name} ({'/'.join(Path(frame.filename).parts[-2:])}, line {frame.lineno})" if frame else ""
-            )
-            message = (str(error).strip().splitlines() or [""])[0][:160]
-            return (
-                f"{type(model).__name__}.generate fails in stock transformers{where}: {type(error).__name__}: {message}"
-            )
+            return f"{type(model).__name__}.generate fails in stock transformers {where_it_fails(error)}"
     return None
 
 

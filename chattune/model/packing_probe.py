@@ -49,10 +49,10 @@ from transformers.pytorch_utils import Conv1D
 
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
-from chattune.errors import UnsupportedModel
+from chattune.errors import UnsupportedModel, UserError
 from chattune.model import mixers
 from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
-from chattune.model.code_failures import model_code_failure
+from chattune.model.code_failures import model_code_failure, where_it_fails
 from chattune.model.context_parallel import split_across, split_hidden_states, whole_rows
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
@@ -135,6 +135,21 @@ def _vocab_size(hf_model: PreTrainedModel) -> int:
 
 
 @torch.no_grad()
+def _stock_failure(hf_model: PreTrainedModel) -> Exception | None:
+    """What stock transformers raises on one short document, or None: a fresh model of the same class and config
+    built with eager attention (the path every model's own code supports, and the architecture walk's reference),
+    no packing."""
+    a, _, _ = probe_documents(_vocab_size(hf_model))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            stock = type(hf_model)._from_config(copy.deepcopy(hf_model.config), attn_implementation="eager").eval()
+        stock(input_ids=torch.tensor([a.input_ids.tolist()]), use_cache=False)
+    except Exception as error:  # the model's own code on its own path: returned for the caller's message
+        return error
+    return None
+
+
+@torch.no_grad()
 def probe_packing(hf_model: PreTrainedModel) -> ProbeResult:
     """The three measurements of the module docstring (four forwards of 9 to 31 tokens). Eval mode
     during the probe, the training mode restored after. Exceptions of the model's forward propagate."""
@@ -201,6 +216,13 @@ def check_packing_isolation(hf_model: PreTrainedModel) -> None:
     try:
         result = probe_packing(hf_model)
     except Exception as error:
+        stock = _stock_failure(hf_model)
+        if stock is not None:  # not chattune's packing: the model does not run with this config at all
+            raise UserError(
+                f"{name} fails in stock transformers on a single document with this config, "
+                f"{where_it_fails(stock)}: the config is wrong (model.config, or model.path's config.json), not the "
+                "packing"
+            ) from stock
         raise UnsupportedModel(
             f"{name} cannot run chattune's packed forward (one row of several documents: position ids "
             f"restarting per document, cu_seq_lens_q/k, max_length_q/k): {model_code_failure(error, ATTENTION_NAME)}. "
