@@ -53,7 +53,8 @@ def test_validate_kto_tiny_is_clean_and_refuses_what_kto_cannot_do(sft_export, t
     )
     assert not ok and sorted(problems(report)) == sorted(
         [
-            "loss.type: unknown key; did you mean peft.type?",  # DPO's: KTO has one loss
+            "loss.type: unknown key: this recipe's loss has no type (its keys: beta, chunk_size, desirable_weight, "
+            "implementation, router_aux_coef, undesirable_weight)",  # DPO's: KTO has one loss
             "parallel.context: must be 1: this recipe does not split packed rows across ranks, got 2",
             "loss.desirable_weight: must be positive, got 0",
             "data.overlong: 'split' is not one of drop, error",

@@ -164,14 +164,18 @@ class SchemaChecks:
         leaf = key.rsplit(".", 1)[-1]
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in siblings}
         nearest = closest(leaf, by_leaf)
-        match = (
-            [alias_of]
-            if alias_of
-            else [by_leaf[nearest]]
-            if nearest
-            else [k for k in self.schema_keys if k.rsplit(".", 1)[-1] == leaf][:1]
-        )
-        self.findings.problem(key, f"unknown key; did you mean {match[0]}?" if match else "unknown key")
+        match = [alias_of] if alias_of else [by_leaf[nearest]] if nearest else []
+        if match:
+            self.findings.problem(key, f"unknown key; did you mean {match[0]}?")
+        elif "." in key and siblings:  # a section of the recipe's own without it (KTO's loss has no type): its keys
+            self.findings.problem(
+                key,
+                f"unknown key: this recipe's {key.rsplit('.', 1)[0]} has no {leaf} "
+                f"(its keys: {', '.join(sorted(by_leaf))})",
+            )
+        else:  # at the top level: a key of that name in a section
+            elsewhere = [k for k in self.schema_keys if k.rsplit(".", 1)[-1] == leaf][:1]
+            self.findings.problem(key, f"unknown key; did you mean {elsewhere[0]}?" if elsewhere else "unknown key")
 
     def target(self, values: dict, section: type | None, metadata: dict, key: str) -> None:
         """A section instantiated with `_target_`: its keys against the callable's signature (and, for the
