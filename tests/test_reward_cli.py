@@ -57,7 +57,8 @@ def test_validate_reward_tiny_is_clean_and_refuses_what_a_reward_model_cannot_do
         CONFIGS,
     )
     assert not ok and problems(report) == [
-        "loss.beta: unknown key",  # DPO's: a reward model has no reference to scale against
+        "loss.beta: unknown key: this recipe's loss has no beta (its keys: center_rewards_coefficient, chunk_size, "
+        "implementation, router_aux_coef)",  # DPO's: a reward model has no reference to scale against
         "eval.samples: must be 0: a reward model scores replies and writes none, got 2",
         "parallel.context: must be 1: this recipe does not split packed rows across ranks, got 2",
         "loss.center_rewards_coefficient: must be >= 0, got -1",

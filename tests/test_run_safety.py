@@ -332,7 +332,7 @@ def test_resume_policy_horizon_numerics_and_refusals(tmp_path):
     assert stop.returncode != 0 and "stop_after_step=2, but this run continues from" in stop.stderr
 
     # Refused: data, tokenizer, seed and model changes; the message names the exact override that accepts them.
-    seed = launch(*args, "seed=7", "model.config.hidden_size=128")
+    seed = launch(*args, "seed=7", "model.config.hidden_size=96")  # a valid model (6 heads of 16), another one
     assert seed.returncode != 0 and "config seed: 42 -> 7" in seed.stderr
     assert "resume_allow_changes=[model.config.hidden_size,seed]" in seed.stderr
 
