@@ -89,8 +89,9 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
         if LORA_PARAMETER.search(name) or ".original_module." in name:
             continue  # adapters are merged below; a module in modules_to_save is written as trained
         owner, _, leaf = name.rpartition(".")
-        if (id(hf_model.get_submodule(owner)), leaf) in wrapped:  # an adapted parameter: an MoE expert stack
-            merge = _parameter_merge(wrapped[id(hf_model.get_submodule(owner)), leaf], tensor.ndim)
+        wrapper = wrapped.get((id(hf_model.get_submodule(owner)), leaf)) if wrapped else None
+        if wrapper is not None:  # an adapted parameter: an MoE expert stack, a router's weight
+            merge = _parameter_merge(wrapper, tensor.ndim)
         elif name.endswith(".base_layer.weight"):
             merge = _lora_merge(hf_model.get_submodule(name.removesuffix(".base_layer.weight")))
         else:
@@ -117,17 +118,19 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
     return planned
 
 
+def _whole_fp32(weight: torch.Tensor) -> torch.Tensor:
+    """An adapter's small tensor whole (gathered where sharded), in fp32, for a merge."""
+    weight = weight.detach()
+    return (weight.full_tensor() if isinstance(weight, DTensor) else weight).float()
+
+
 def _lora_merge(layer: LoraLayer) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
     """Rows [a, b) of a LoRA layer's merged weight from the base's rows: W + scaling * B @ A, and with DoRA
     each row of that rescaled to its trained magnitude, m / ||W + scaling * B @ A|| (peft's merge; the norm
     of a row needs only that row). None when the layer has no adapter."""
     if ADAPTER not in layer.lora_A:
         return None
-
-    def full(weight: torch.Tensor) -> torch.Tensor:
-        weight = weight.detach()
-        return (weight.full_tensor() if isinstance(weight, DTensor) else weight).float()
-
+    full = _whole_fp32
     a, b, scaling = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight), layer.scaling[ADAPTER]
     magnitude = full(layer.lora_magnitude_vector[ADAPTER].weight) if ADAPTER in layer.lora_magnitude_vector else None
 
@@ -161,11 +164,7 @@ def _parameter_merge(wrapper: LoraLayer, ndim: int) -> Callable[[torch.Tensor, i
     B's columns holding the experts' rank-r factors (A: experts x rank rows; B: rank x experts columns)."""
     if ADAPTER not in wrapper.lora_A:
         return None
-
-    def full(weight: torch.Tensor) -> torch.Tensor:
-        weight = weight.detach()
-        return (weight.full_tensor() if isinstance(weight, DTensor) else weight).float()
-
+    full = _whole_fp32
     a, b, scaling = full(wrapper.lora_A[ADAPTER].weight), full(wrapper.lora_B[ADAPTER].weight), wrapper.scaling[ADAPTER]
     if ndim == 2:
         delta = scaling * (b @ a)  # (out, in), as the parameter
