@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,64 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+
+
+# --- launches: the tests that start processes carry the `launch` marker (`pytest -m "not launch"` is the quick
+# loop); a test without it that starts one fails, so the quick loop never pays for one by accident. ---
+
+
+def _refuse_processes(*args, **kwargs):
+    raise AssertionError("this test starts a process: mark it (or its module) with @pytest.mark.launch")
+
+
+@pytest.fixture(autouse=True)
+def _launches_are_marked(request, monkeypatch):
+    if request.node.get_closest_marker("launch") is None:
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse_processes)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse_processes)
+    yield
+
+
+def torchrun(recipe: str, *overrides: str, nproc: int = 2) -> list[str]:
+    """The command line `torchrun --nproc_per_node NPROC RECIPE OVERRIDES...` (recipe: `sft` or a path)."""
+    path = recipe if recipe.endswith(".py") else f"recipes/{recipe}.py"
+    return [*TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), path, *overrides]
+
+
+def _warm_launch(command: list[str]) -> tuple[str, list[str], int] | None:
+    """(recipe, its arguments, ranks) of a plain torchrun command (`torchrun(...)`'s form), else None."""
+    if tuple(command[:3]) != TORCHRUN or command[3] != "--nproc_per_node" or command[5] != "--master_port":
+        return None
+    recipe, arguments = command[7], command[8:]
+    return (recipe, arguments, int(command[4])) if recipe.endswith(".py") else None
+
+
+def launch(
+    command: list[str],
+    env_extra: dict | None = None,
+    timeout: int = 600,
+    check: bool = True,
+    real_torchrun: bool = False,
+) -> subprocess.CompletedProcess:
+    """Run `command` from the project root with the hub offline; with `check`, fail the test (its output
+    shown) unless it succeeds. A `torchrun(...)` command runs its ranks forked from a process with the
+    imports done (`warm_ranks`: seconds per launch instead of about 10) unless `real_torchrun` (what a test of
+    the launcher itself, signals or error reports needs) or `env_extra` changes what is read at import."""
+    import warm_ranks
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}
+    warm = None if real_torchrun or not warm_ranks.can_launch(env_extra or {}) else _warm_launch(command)
+    if warm is None:
+        result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        recipe, arguments, nproc = warm
+        logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"chattune-warm-{os.getpid()}"
+        code, stdout, stderr = warm_ranks.launch(recipe, arguments, nproc, env, PROJECT_ROOT, logs, timeout)
+        result = subprocess.CompletedProcess(command, code, stdout, stderr)
+    if check:
+        assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
 
 
 def demo_tokenizer():

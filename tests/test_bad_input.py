@@ -197,6 +197,7 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.launch
 def test_bad_input_gets_one_clear_error(name, tmp):
     case = CASES[name]
     overrides = [o.format(tmp=tmp) for o in case.overrides]
@@ -298,6 +299,7 @@ def test_the_remedy_for_a_tokenizer_without_a_chat_template_works_as_written(tmp
     assert ok, report
 
 
+@pytest.mark.launch
 def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
     """Hydra creates output_dir before the recipe runs, and its OSError (or the lock's) was what a launch gave."""
     from chattune.launch.run_rules import output_dir_problem
@@ -336,6 +338,7 @@ def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
     )
 
 
+@pytest.mark.launch
 def test_data_that_trains_nothing_is_refused_before_the_model_loads(tmp):
     """Every record over the budget: the data report said 0 documents, then the model was built and the run
     died with a RuntimeError at its first step."""
@@ -365,6 +368,7 @@ def test_data_that_trains_nothing_is_refused_before_the_model_loads(tmp):
     assert "model: " not in result.stdout  # stopped before the model was built
 
 
+@pytest.mark.launch
 def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
     result = subprocess.run(
         [
@@ -392,6 +396,7 @@ def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
     )
 
 
+@pytest.mark.launch
 def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp):
     """A hybrid model whose mixer chattune does not keep per document (Zaya's CCA projection reads across document
     boundaries): the start-up probe refuses it once, clearly, before any step."""

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -228,6 +229,7 @@ def test_an_adapter_directory_answers_as_its_base_with_the_adapter_merged(
     assert [json.loads(line)["reply"] for line in capsys.readouterr().out.splitlines()] == want
 
 
+@pytest.mark.launch
 def test_bad_input_is_one_clear_error(chat_model_dir, tmp_path, capsys):
     def error_of(*args: str) -> str:
         assert main(["chat", *args]) == 1

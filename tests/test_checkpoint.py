@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
@@ -97,6 +98,7 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     exit_process()
 
 
+@pytest.mark.launch
 def test_checkpoint_round_trip_and_hf_export(tmp_path):
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     weights = torch.load(tmp_path / "weights.pt")

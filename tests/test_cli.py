@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
 from chattune.cli import catalog
 from chattune.cli.main import main
 from chattune.config.paths import CONFIG_DIR
-from conftest import PROJECT_ROOT, demo_tokenizer, tiny_model
+from conftest import PROJECT_ROOT, demo_tokenizer, launch, tiny_model
 
 RECIPES = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.py"))
 SHIPPED_CONFIGS = sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
@@ -125,6 +125,7 @@ def test_copied_relative_defaults_become_absolute():
     assert notes and notes[0].startswith("warning: defaults entry 'tiny'")
 
 
+@pytest.mark.launch
 def test_a_copied_recipe_runs_from_another_directory(tmp_path):
     recipe = tmp_path / "mine" / "my_sft.py"
     assert main(["cp", "sft", str(recipe)]) == 0
@@ -143,6 +144,7 @@ def test_a_copied_recipe_runs_from_another_directory(tmp_path):
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
 
+@pytest.mark.launch
 def test_a_copied_config_that_builds_on_a_shipped_one_runs_with_the_builtin_recipe(tmp_path):
     """sft/local_model starts from sft/tiny: the copy in the user's directory still finds it."""
     model_dir = tmp_path / "base_model"
@@ -150,7 +152,7 @@ def test_a_copied_config_that_builds_on_a_shipped_one_runs_with_the_builtin_reci
     demo_tokenizer().save_pretrained(model_dir)
     assert main(["cp", "sft/local_model", str(tmp_path / "my_configs" / "my_model.yaml")]) == 0
     out = tmp_path / "run"
-    run(
+    launch(
         [
             sys.executable,
             "recipes/sft.py",

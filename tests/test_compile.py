@@ -25,6 +25,7 @@ def _losses_and_grads(model, batches):
 
 
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
+@pytest.mark.launch
 def test_compiled_layers_match_eager(activation_checkpointing, monkeypatch):
     torch._dynamo.reset()  # graphs compiled by an earlier test would be reused
     # A one-rank group in this process; monkeypatch takes its variables away again, so that recipes other
@@ -75,6 +76,7 @@ def test_auto_compiles_on_cuda_only(setting, device, expected):
     assert compile_enabled(setting, device) is expected
 
 
+@pytest.mark.launch
 def test_a_hybrid_models_compiled_layers_match_eager(monkeypatch):
     """A Qwen3.5-shaped model (gated delta rule + attention), its layers compiled and checkpointed: the mixers run
     per document outside the graphs (a graph break around each), and the step computes what eager computes."""

@@ -17,17 +17,19 @@ import torch
 from safetensors import safe_open
 from test_composite_models import save_composite
 from test_resume import assert_same_weights, losses
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 from transformers import AutoModelForImageTextToText
 
-from conftest import demo_tokenizer, free_port
+from conftest import demo_tokenizer, free_port, launch
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 PROCESSOR = {"image_processor_type": "PixtralImageProcessor", "patch_size": 8}  # kept by the export as it is
 
 
 def torchrun(recipe: str, out, *overrides: str):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
-    return run([*command, str(free_port()), recipe, f"output_dir={out}", "log_every=1", *overrides])
+    return launch([*command, str(free_port()), recipe, f"output_dir={out}", "log_every=1", *overrides])
 
 
 def stored(directory) -> dict[str, torch.Tensor]:

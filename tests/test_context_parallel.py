@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +23,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
 import chattune.model.causal_lm as causal_lm
+import conftest
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
@@ -41,7 +41,7 @@ from chattune.objectives.dpo import CachedReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model, torchrun
 
 # Qwen3-shaped (q/k norms, head_dim of its own), 8 query heads and 2 kv heads.
 QWEN3 = dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
@@ -171,6 +171,7 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, leak: bool) ->
     exit_process()
 
 
+@pytest.mark.launch
 def test_long_documents_split_across_ranks_train_as_on_one(tmp_path, one_rank_group):
     vocab = len(demo_tokenizer())
     want = {"sft": plain_sft_gradients(sft_rows(vocab)), "dpo": plain_pair_gradients(pair_document(vocab))}
@@ -218,15 +219,8 @@ def launch(
     evaluate: bool = False,
 ) -> list[float]:
     """The run's training losses. `evaluate`: the held-out loss at steps 0, 10 and 20 (else none)."""
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
+    conftest.launch(
+        torchrun(
             f"recipes/{recipe}.py",
             f"output_dir={out}",
             f"max_steps={steps}",
@@ -240,7 +234,8 @@ def launch(
             f"data.max_tokens_per_microbatch={ROW // context}",
             *SMALL_MODEL,
             *overrides,
-        ]
+            nproc=nproc,
+        )
     )
     return [m["loss"] for m in read_metrics(out)]
 
@@ -251,6 +246,7 @@ def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
     assert worst <= TOLERANCE, f"{what}: relative difference {worst:.2e}"
 
 
+@pytest.mark.launch
 def test_a_context_group_follows_the_data_parallel_loss_curve_and_resumes_on_one_rank(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:40]))
@@ -276,6 +272,7 @@ def test_a_context_group_follows_the_data_parallel_loss_curve_and_resumes_on_one
     assert_same_curve(got, context_parallel[10:], "a C=2 checkpoint resumed on 1 rank (C=1)")
 
 
+@pytest.mark.launch
 def test_dpo_with_lora_trains_the_same_pairs_split_across_a_context_group(tmp_path):
     # LoRA: the reference is the policy's base with the adapters off, a second forward through the same exchange
     overrides = ["model.path=null", "reference.cache=false", "peft=lora", "optimizer.lr=1e-2"]
@@ -392,6 +389,7 @@ def _sink_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     exit_process()
 
 
+@pytest.mark.launch
 def test_attention_sinks_split_across_a_context_group_train_as_on_one(tmp_path):
     """Each rank of the group attends with its share of the heads, and must take those heads' sinks."""
     rows = sft_rows(len(demo_tokenizer()))
@@ -442,6 +440,7 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
     exit_process()
 
 
+@pytest.mark.launch
 def test_positions_that_depend_on_the_document_split_across_a_context_group(tmp_path):
     """Under context parallelism each rank holds a slice of the row with the row's position ids: LongRoPE's and
     dynamic NTK's per-document tables and Llama 4's chunks and temperature must come from each document's length and

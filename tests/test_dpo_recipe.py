@@ -6,10 +6,12 @@ import sys
 
 import pytest
 import torch
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import SHARED_ASSETS, free_port, tiny_config
+from conftest import SHARED_ASSETS, launch, tiny_config, torchrun
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 DPO_KEYS = {
     "loss",
@@ -29,33 +31,20 @@ DPO_KEYS = {
 
 def test_sft_then_dpo_raises_held_out_preference_accuracy(tmp_path):
     sft = tmp_path / "sft"
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    launch(
+        torchrun(
             "recipes/sft.py",
             f"output_dir={sft}",
             "max_steps=60",
             "save_every=0",
             "eval_every=0",
             "data.report_records=0",
-        ]
+            nproc=2,
+        )
     )
     dpo = tmp_path / "dpo"
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    launch(
+        torchrun(
             "recipes/dpo.py",
             f"output_dir={dpo}",
             f"model.path={sft / 'hf'}",
@@ -64,7 +53,8 @@ def test_sft_then_dpo_raises_held_out_preference_accuracy(tmp_path):
             "save_every=15",
             "log_every=5",
             "data.report_records=0",
-        ]
+            nproc=2,
+        )
     )
     lines = read_metrics(dpo, include_start=True)
     start, metrics = lines[0], lines[1:]
@@ -96,7 +86,7 @@ def test_dpo_local_model_config_on_a_qwen3_directory_and_real_preference_pairs(t
     pairs = tmp_path / "pairs.jsonl"  # the first 12 real pairs: a 151k-token vocabulary is slow on CPU
     lines = (SHARED_ASSETS / "data" / "preference_ultrafeedback_200.jsonl").read_text().splitlines(keepends=True)
     pairs.write_text("".join(lines[:12]))
-    log = run(
+    log = launch(
         [
             sys.executable,
             "recipes/dpo.py",

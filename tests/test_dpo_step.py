@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -136,6 +137,7 @@ def _worker(rank, world_size, port, splits, out_path, ref_table):
     exit_process()
 
 
+@pytest.mark.launch
 def test_dpo_gradients_and_metrics_are_invariant_and_match_a_per_pair_computation(tmp_path):
     want = reference_step()
     everything = list(range(NUM_PAIRS))

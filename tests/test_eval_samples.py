@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
@@ -24,7 +24,7 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import compiled_graphs, decoder_layers, shard_model
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
 from chattune.train.samples import run_samples
-from conftest import demo_chat_prompts, free_port
+from conftest import demo_chat_prompts, launch, torchrun
 
 STEPS = [
     "max_steps=4",
@@ -82,6 +82,7 @@ def others(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.launch
 def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_resume_once(
     chat_model_dir, chats, others, tmp_path
 ):
@@ -99,7 +100,7 @@ def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_res
         f"eval.sample_prompts={prompts}",
         "eval.samples=3",
     ]
-    run([*command, f"output_dir={out}"])
+    launch([*command, f"output_dir={out}"])
     steps = samples_by_step(out)
     assert sorted(steps) == [0, 2, 4] and all(len(lines) == 3 for lines in steps.values())  # no held-out set needed
     assert all(line["prompt"] == m for lines in steps.values() for line, m in zip(lines, demo_chat_prompts(3)))
@@ -115,33 +116,27 @@ def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_res
     )  # replies worth reading: the model answers these chats
 
     # Sampling draws nothing and changes nothing: the same run without it trains the same steps, bit for bit.
-    run([*command, f"output_dir={without}", "eval.samples=0"])
+    launch([*command, f"output_dir={without}", "eval.samples=0"])
     assert not (without / "samples.jsonl").exists()
     assert [m["loss"] for m in read_metrics(without)] == [m["loss"] for m in read_metrics(out)]
     assert [m["grad_norm"] for m in read_metrics(without)] == [m["grad_norm"] for m in read_metrics(out)]
 
     # Continued from step 2: the lines of step 4 are set aside, then written again, once.
     first = (out / "samples.jsonl").read_text()
-    run([*command, f"output_dir={out}", f"resume={out}/checkpoints/step_2"])
+    launch([*command, f"output_dir={out}", f"resume={out}/checkpoints/step_2"])
     assert (out / "samples.jsonl.abandoned").read_text() == first
     again = samples_by_step(out)
     assert sorted(again) == [0, 2, 4] and all(len(lines) == 3 for lines in again.values())
     assert again == steps  # the resumed run is the uninterrupted one
 
 
+@pytest.mark.launch
 def test_samples_on_two_ranks_are_plain_generate_of_the_held_out_prompts(chat_model_dir, chats, others, tmp_path):
     """3 held-out prompts on 2 ranks: rank 0 answers two, rank 1 one and then one more whose reply nobody keeps
     (every forward is a collective); transformers' synced_gpus keeps the rank done first stepping."""
     out = tmp_path / "run"
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    launch(
+        torchrun(
             "recipes/sft.py",
             f"output_dir={out}",
             f"model.path={chat_model_dir}",
@@ -150,7 +145,8 @@ def test_samples_on_two_ranks_are_plain_generate_of_the_held_out_prompts(chat_mo
             f"data.eval=[{chats}]",
             *STEPS,
             "eval.samples=3",
-        ]
+            nproc=2,
+        )
     )
     held_out = [
         m[: max(i for i, t in enumerate(m) if t["role"] == "assistant")]

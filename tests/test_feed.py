@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
 from chattune.data.documents import Document
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.errors import UserError
 from chattune.train.feed import InvariantSlots, StepFeed, merge_states
-from conftest import ListSource, free_port
+from conftest import ListSource, launch, torchrun
 
 
 def uneven_documents(count: int = 61) -> list[Document]:
@@ -102,6 +101,7 @@ def test_feed_state_resumes_the_same_steps_while_a_rank_waits():
         assert got + rest == expected, f"resuming after step {stop} diverged"
 
 
+@pytest.mark.launch
 def test_two_rank_run_stops_after_num_epochs_and_reports_each_epoch(tmp_path):
     data = tmp_path / "chats.jsonl"
     with data.open("w") as f:
@@ -114,15 +114,8 @@ def test_two_rank_run_stops_after_num_epochs_and_reports_each_epoch(tmp_path):
                 + "\n"
             )
     out = tmp_path / "run"
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    result = launch(
+        torchrun(
             "recipes/sft.py",
             f"output_dir={out}",
             "max_steps=1000",
@@ -135,7 +128,8 @@ def test_two_rank_run_stops_after_num_epochs_and_reports_each_epoch(tmp_path):
             "log_every=1",
             "save_every=0",
             "data.report_records=null",
-        ]
+            nproc=2,
+        )
     )
     log = result.stdout + result.stderr
     assert "training data (37 of 37 records sampled): records read: 37; skipped: 0" in log

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -75,6 +76,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     exit_process()
 
 
+@pytest.mark.launch
 def test_fp16_gradients_underflow_without_loss_scaling_and_match_fp32_with_it(tmp_path):
     out = str(tmp_path / "fp16.pt")
     mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)

@@ -37,6 +37,7 @@ def _losses_and_grads(loss_fn, dtype):
 
 
 @pytest.mark.parametrize("dtype, per_token, grads", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 5e-3, 1e-2)])
+@pytest.mark.launch
 def test_cce_matches_the_fp32_reference(dtype, per_token, grads):
     reference = _losses_and_grads(lambda h, w, y: chunked_token_losses(h, w, y, chunk_size=64), dtype)
     fused = _losses_and_grads(fused_loss.cce_token_losses, dtype)

@@ -98,6 +98,7 @@ def test_the_folder_fits_and_holds_what_the_checks_need(built):
         assert not (folder / "assets.tar.gz").exists()
 
 
+@pytest.mark.launch
 def test_the_wheels_install_offline_into_a_fresh_target_and_import_from_there(built, tmp_path):
     folder, _, _ = built
     target = tmp_path / "site"
@@ -155,6 +156,7 @@ def run_sh(folder: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.launch
 def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     folder, _, _ = built
     for bad, message in (
@@ -233,6 +235,7 @@ sys.exit(1)
 """
 
 
+@pytest.mark.launch
 def test_run_sh_runs_both_scripts_and_leaves_a_summary(built, tmp_path):
     """The whole run (no --dry-run) on the CPU, with stand-ins for the two GPU scripts and two of the wheels."""
     folder, _, _ = built

@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import PROJECT_ROOT
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 MARGIN = 20  # scripts/bench_gpu.py's BUDGET_MARGIN_S
 

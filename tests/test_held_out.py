@@ -280,6 +280,7 @@ def ledger_records(out: Path) -> list[tuple[int, int]]:
     return trained
 
 
+@pytest.mark.launch
 def test_held_out_records_are_never_trained_on_one_or_two_ranks_nor_across_a_resume(tmp_path, base_dir):
     data = chats_file(tmp_path, "chats.jsonl", 0, RECORDS)
     out = tmp_path / "run"

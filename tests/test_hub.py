@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from test_run_safety import launch
 
 from chattune.launch.validate import run_validate
@@ -31,6 +32,7 @@ def fill_cache(cache: Path) -> Path:
     return snapshot
 
 
+@pytest.mark.launch
 def test_a_cached_hub_model_trains_offline_on_two_ranks_and_its_adapter_names_the_repository(tmp_path):
     cache = tmp_path / "hf_cache"
     fill_cache(cache)
@@ -60,6 +62,7 @@ def test_a_cached_hub_model_trains_offline_on_two_ranks_and_its_adapter_names_th
     assert sorted(p.name for p in cache.iterdir()) == [f"models--{REPO.replace('/', '--')}"]  # nothing else written
 
 
+@pytest.mark.launch
 def test_hub_paths_validate_and_fail_clearly(tmp_path, monkeypatch):
     configs = PROJECT_ROOT / "configs"
     report, ok = run_validate("sft/local_model", [f"model.path=hf:{REPO}", f"output_dir={tmp_path / 'out'}"], configs)

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
+import pytest
 import torch
 from test_resume import assert_same_weights, losses
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import free_port
+import conftest
+from conftest import launch
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 QWEN3_5 = [
     "model.config._target_=transformers.Qwen3_5TextConfig",
@@ -31,21 +34,15 @@ QWEN3_5 = [
 
 
 def torchrun(recipe: str, out, *overrides: str):
-    return run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    return launch(
+        conftest.torchrun(
             recipe,
             f"output_dir={out}",
             "log_every=1",
             "eval.samples=0",
             *overrides,
-        ]
+            nproc=2,
+        )
     )
 
 
@@ -113,15 +110,8 @@ def test_a_qwen3_5_models_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
     curves = []
     for nproc in (1, 2):
         out = tmp_path / f"ranks{nproc}"
-        run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(nproc),
-                "--master_port",
-                str(free_port()),
+        launch(
+            conftest.torchrun(
                 "recipes/sft.py",
                 f"output_dir={out}",
                 "max_steps=5",
@@ -135,7 +125,8 @@ def test_a_qwen3_5_models_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
                 "data.buffer_records=8",
                 "data.report_records=0",
                 *QWEN3_5,
-            ]
+                nproc=nproc,
+            )
         )
         curves.append([m["loss"] for m in read_metrics(out)])
     assert len(curves[0]) == 5

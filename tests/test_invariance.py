@@ -3,6 +3,7 @@ microbatches and ranks, and equal the gradient of the mean token loss computed t
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -83,6 +84,7 @@ def reference_gradients() -> tuple[dict[str, torch.Tensor], int, float]:
     return {name: p.grad for name, p in model.named_parameters()}, total_tokens, float(mean_loss.detach())
 
 
+@pytest.mark.launch
 def test_gradients_invariant_to_microbatches_and_ranks(tmp_path):
     everything = list(range(NUM_DOCS))
     splits = {

@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
+import conftest
 from chattune.config.paths import DEMO_ASSETS
 from conftest import free_port
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 KTO_KEYS = {
     "loss",
@@ -43,7 +46,9 @@ def eval_file(tmp_path_factory) -> Path:
 
 def launch(output_dir: Path, ranks: int, overrides: list[str]) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-    run([*torchrun, "--master_port", str(free_port()), "recipes/kto.py", f"output_dir={output_dir}", *overrides])
+    conftest.launch(
+        [*torchrun, "--master_port", str(free_port()), "recipes/kto.py", f"output_dir={output_dir}", *overrides]
+    )
 
 
 def test_kto_recipe_trains_and_resumes_on_any_ranks(tmp_path, base_dir, eval_file):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from test_dpo_step import demo_pairs, sequence_logps
@@ -136,6 +137,7 @@ def _worker(rank, world_size, port, splits, out_path, ref_table):
     exit_process()
 
 
+@pytest.mark.launch
 def test_kto_gradients_and_metrics_are_invariant_and_match_a_hand_computation(tmp_path):
     want = reference_step()
     assert want["metrics"]["kl"] > 0.05  # the reference point is in play (not clamped to 0)

@@ -5,14 +5,13 @@ the trained model's held-out loss, computed the plain way; the DPO reference is 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
@@ -33,9 +32,11 @@ from conftest import (
     exported_weights,
     free_port,
     init_worker_process_group,
+    launch,
     plain_mean_token_loss,
     relative_error,
     tiny_model,
+    torchrun,
 )
 
 NUM_DOCS = 12
@@ -107,6 +108,7 @@ def reference_gradients(variant: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.launch
 def test_adapter_gradients_do_not_depend_on_the_split(tmp_path, variant):
     want = reference_gradients(variant)
     want_norm = float(torch.sqrt(sum(g.float().pow(2).sum() for g in want.values())))
@@ -152,15 +154,8 @@ def test_the_base_view_switches_off_everything_the_adapters_train():
 
 
 def sft(out, base, *overrides: str, nproc: int = 2):
-    return run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
+    return launch(
+        torchrun(
             "recipes/sft.py",
             f"output_dir={out}",
             f"model.path={base}",
@@ -174,7 +169,8 @@ def sft(out, base, *overrides: str, nproc: int = 2):
             "data.report_records=0",
             "optimizer.lr=1e-2",
             *overrides,
-        ]
+            nproc=nproc,
+        )
     )
 
 
@@ -198,6 +194,7 @@ def plain_eval_loss(model) -> float:
     return total / tokens
 
 
+@pytest.mark.launch
 def test_sft_lora_resumes_exactly_and_exports_what_it_trained(tmp_path, base_dir):
     from peft import PeftModel
 
@@ -233,6 +230,7 @@ def test_sft_lora_resumes_exactly_and_exports_what_it_trained(tmp_path, base_dir
     assert abs(loss_adapter - plain_eval_loss(AutoModelForCausalLM.from_pretrained(base_dir))) > 1e-3  # it trained
 
 
+@pytest.mark.launch
 def test_dora_and_trained_embeddings_resume_exactly_and_export_what_they_trained(tmp_path, base_dir):
     """DoRA with the tied embedding trained in full, from a model directory (DoRA's magnitudes computed from
     the base loaded shard by shard). At the first step the model is its base exactly, as with plain LoRA."""
@@ -272,19 +270,13 @@ def test_dora_and_trained_embeddings_resume_exactly_and_export_what_they_trained
 
 
 @pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.launch
 def test_dpo_lora_uses_the_base_as_its_reference(tmp_path, base_dir, cache):
     """At the first step the policy is its base exactly (B = 0), so a reference that is the base gives
     rewards of exactly 0; later they move. No second model is built (the log says which reference), live
     or for the one pass of reference.cache."""
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    result = launch(
+        torchrun(
             "recipes/dpo.py",
             f"output_dir={tmp_path / 'dpo'}",
             f"model.path={base_dir}",
@@ -299,7 +291,8 @@ def test_dpo_lora_uses_the_base_as_its_reference(tmp_path, base_dir, cache):
             "optimizer.lr=1e-2",
             f"reference.cache={cache}",
             f"reference.cache_dir={tmp_path / 'cache'}",
-        ]
+            nproc=2,
+        )
     )
     metrics = read_metrics(tmp_path / "dpo")
     # Live: the same forward, bit for bit. Cached: the table's pass packed the pairs otherwise (float rounding).

@@ -4,15 +4,17 @@ logged per-source figures, and online mixing moving toward the source the model 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from test_resume import assert_same_weights
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
+import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import free_port
+from conftest import torchrun
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")
 
@@ -34,15 +36,8 @@ def sources(tmp_path_factory) -> str:
 
 
 def launch(out: Path, nproc: int, *overrides: str):
-    return run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
+    return conftest.launch(
+        torchrun(
             "recipes/sft.py",
             f"output_dir={out}",
             "log_every=1",
@@ -52,7 +47,8 @@ def launch(out: Path, nproc: int, *overrides: str):
             "data.buffer_records=16",
             "data.report_records=0",
             *overrides,
-        ]
+            nproc=nproc,
+        )
     )
 
 

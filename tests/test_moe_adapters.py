@@ -194,6 +194,7 @@ def _worker(rank: int, world_size: int, port: int, name: str, splits, out_path: 
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.launch
 def test_expert_adapter_gradients_equal_a_plain_peft_model_on_each_document(tmp_path, name):
     model, _ = moe_lora_model(name)
     model.set_attn_implementation("eager")

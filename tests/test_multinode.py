@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
-from test_sft_recipe import read_metrics, run
+import pytest
+from test_sft_recipe import read_metrics
 
-from conftest import PROJECT_ROOT, free_port
+from conftest import PROJECT_ROOT, free_port, launch, torchrun
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 ARGS = [
     "recipes/sft.py",
@@ -25,18 +28,12 @@ ARGS = [
 
 def test_two_nodes_train_as_one_node_with_two_processes(tmp_path):
     single = tmp_path / "single"
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    launch(
+        torchrun(
             *ARGS,
             f"output_dir={single}",
-        ]
+            nproc=2,
+        )
     )
 
     nodes = tmp_path / "nodes"

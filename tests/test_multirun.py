@@ -11,6 +11,8 @@ from test_run_safety import launch
 
 from conftest import PROJECT_ROOT
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 SWEEP = [
     "max_steps=3",
     "optimizer.lr=1e-3,3e-3",

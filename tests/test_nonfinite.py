@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -15,6 +16,8 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 
 class PoisonedOnRank(TokenCrossEntropy):

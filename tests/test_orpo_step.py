@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -78,6 +79,7 @@ def _worker(rank, world_size, port, splits, out_path):
     exit_process()
 
 
+@pytest.mark.launch
 def test_orpo_gradients_and_metrics_are_invariant_and_match_a_hand_computation(tmp_path):
     want = reference_step()
     everything = list(range(NUM_PAIRS))

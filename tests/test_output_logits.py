@@ -47,6 +47,7 @@ def packed_and_stock(overrides: dict, implementation: str = "chunked", transform
 
 @pytest.mark.parametrize("implementation", ["chunked", "cut_cross_entropy"])
 @pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.launch
 def test_scaled_or_capped_logits_train_exactly(name, implementation):
     overrides = FAMILIES[name]
     assert not LogitTransform.from_config(tiny_model(**overrides).config).is_identity

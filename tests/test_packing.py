@@ -135,6 +135,7 @@ def test_every_document_once_per_epoch_across_ranks(world_size):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.launch
 def test_stream_state_dict_resumes_the_same_microbatches(num_workers):
     docs = [Document(i, [1] * (3 + i % 11), [2] * (3 + i % 11)) for i in range(80)]
 
@@ -160,6 +161,7 @@ def test_stream_state_dict_resumes_the_same_microbatches(num_workers):
     assert boundaries
 
 
+@pytest.mark.launch
 def test_workers_yield_identical_microbatches(tokenizer):
     """Tokenizing in 2 worker processes gives the same microbatches, in the same order, as in-process."""
     from chattune.config.paths import DEMO_ASSETS

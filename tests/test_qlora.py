@@ -159,6 +159,7 @@ def dequantized_base(base) -> AutoModelForCausalLM:
 
 
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.launch
 def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir, use_dora):
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -195,6 +196,7 @@ def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir,
         assert abs(float(plain_mean_token_loss(with_adapter, NUM_DOCS)) - float(loss)) / float(loss) < 1e-5
 
 
+@pytest.mark.launch
 def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
     result = subprocess.run(
         [

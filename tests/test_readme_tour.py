@@ -42,6 +42,7 @@ def test_the_real_model_launches_name_tests_that_exist():
         assert callable(getattr(importlib.import_module(module), name, None)), f"{node} does not exist"
 
 
+@pytest.mark.launch
 def test_the_main_command_and_the_tour_run_in_order_in_one_directory(tmp_path, monkeypatch, capsys):
     """It used to fail in its own order after the main command: validate refused the resume of the main run's
     checkpoint, stop_after_step=50 found no step left, and the copied recipe resumed the main run's last step

@@ -83,6 +83,7 @@ def test_the_shipped_recipes_declare_their_kinds():
         kind_of_recipe(PROJECT_ROOT / "recipes" / "missing.py")
 
 
+@pytest.mark.launch
 def test_a_copied_recipe_with_its_own_key_validates_refuses_bad_values_and_trains(tmp_path):
     recipe, config_dir = copied_recipe(tmp_path)
     assert kind_of_recipe(recipe).schema.__name__ == "MySFTConfig"

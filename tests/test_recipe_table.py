@@ -127,6 +127,7 @@ def test_the_kind_is_never_inferred_from_the_keys(tmp_path):
     assert raised.value.problems == ["reference: unknown key"]
 
 
+@pytest.mark.launch
 def test_reading_the_table_imports_neither_torch_nor_hydra_for_a_kind_group():
     """`chattune cp` asks it which recipe runs a config: no torch, transformers or Hydra for that."""
     code = (

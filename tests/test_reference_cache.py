@@ -3,18 +3,16 @@ recipe with it (against a live reference, and resumed exactly)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives import reference_cache
-from conftest import ListSource, free_port, tiny_model
+from conftest import ListSource, launch, tiny_model, torchrun
 
 CPU = torch.device("cpu")
 TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")
@@ -98,15 +96,8 @@ def test_the_reference_fingerprint_follows_the_chat_template_text(tmp_path):
 
 
 def dpo(out, cache_dir, *overrides: str) -> str:
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    result = launch(
+        torchrun(
             "recipes/dpo.py",
             f"output_dir={out}",
             "model.path=null",
@@ -118,11 +109,13 @@ def dpo(out, cache_dir, *overrides: str) -> str:
             "optimizer.lr=3e-3",
             f"reference.cache_dir={cache_dir}",
             *overrides,
-        ]
+            nproc=2,
+        )
     )
     return result.stdout + result.stderr
 
 
+@pytest.mark.launch
 def test_cached_reference_run_matches_the_live_one_and_resumes_exactly(tmp_path):
     cache = tmp_path / "cache"
     dpo(tmp_path / "live", cache)
@@ -146,6 +139,7 @@ def untimed(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k not in TIMINGS} for m in metrics]
 
 
+@pytest.mark.launch
 def test_reference_free_simpo_builds_no_reference(tmp_path):
     log = dpo(tmp_path / "simpo", tmp_path / "cache", "loss.type=simpo", "loss.beta=2.0", "reference.cache=true")
     assert "reference log-probs" not in log and not (tmp_path / "cache").exists()
@@ -154,6 +148,7 @@ def test_reference_free_simpo_builds_no_reference(tmp_path):
     assert all(torch.isfinite(torch.tensor(m["loss"])) and m["num_pairs"] > 0 for m in metrics)
 
 
+@pytest.mark.launch
 def test_dpo_on_a_two_source_mixture_with_the_reference_cached(tmp_path):
     """Pairs of two sources behind one record index: the cache rows are found by that index (at step 1 the
     policy is its own reference: loss log 2, margins 0) and the mixer reports each source."""

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
+import conftest
 from chattune.config.paths import DEMO_ASSETS
 from conftest import PROJECT_ROOT, exported_weights, free_port
 
@@ -69,7 +70,7 @@ def launch(
 ):
     command = launch_command(out, data, nproc, *overrides, launcher=launcher)
     if check:
-        return run(command, env_extra=env)
+        return conftest.launch(command, env_extra=env)
     import os
 
     return subprocess.run(
@@ -105,6 +106,7 @@ def uninterrupted(tmp_path_factory, small_data):
 @pytest.mark.parametrize(
     "nproc,num_workers,save_async", [(1, 0, False), (2, 0, False), (1, 2, False), (2, 2, False), (2, 0, True)]
 )
+@pytest.mark.launch
 def test_stop_and_resume_reproduces_the_uninterrupted_run(
     tmp_path, small_data, uninterrupted, nproc, num_workers, save_async
 ):
@@ -145,6 +147,7 @@ def ledger_steps(out: Path) -> dict[str, dict[int, tuple[int, dict[str, list[int
         ("save:6:1", False, True),
     ],
 )
+@pytest.mark.launch
 def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, small_data, crash, save_async, lora):
     out = tmp_path / "run"
     extra = ["ledger=true", f"save_async={save_async}", *(["peft=lora", "peft.rank=4"] if lora else [])]
@@ -183,6 +186,7 @@ def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, smal
     assert (checkpoints / "step_6" / "chattune.json").is_file() and not (checkpoints / "step_6.partial").exists()
 
 
+@pytest.mark.launch
 def test_changed_config_data_or_world_size_is_refused_with_what_differs(tmp_path, small_data):
     out = tmp_path / "run"
     launch(out, small_data, 2, "stop_after_step=3")
@@ -288,6 +292,7 @@ def _until_logged(process: subprocess.Popen, out: Path, step: int) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.launch
 def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, small_data, uninterrupted):
     """What a scheduler's preemption does: SIGTERM to the launcher mid-run. Every rank finishes its step, all agree
     in the step's all-reduce, the checkpoint of the step reached is saved, and the relaunch trains on exactly as
@@ -368,6 +373,7 @@ def _processes_left(out: Path, wait_s: float = 10.0) -> list[str]:
         time.sleep(0.5)
 
 
+@pytest.mark.launch
 def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, small_data):
     import os
     import signal
@@ -445,6 +451,7 @@ def _run_processes(out: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("signum,everyone", [("SIGTERM", True), ("SIGINT", False)])
+@pytest.mark.launch
 def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
     tmp_path, small_data, uninterrupted, signum, everyone
 ):
@@ -481,6 +488,7 @@ def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
     assert_same_weights(out, straight)
 
 
+@pytest.mark.launch
 def test_chattune_run_reports_a_failed_worker_once_without_a_traceback(tmp_path):
     result = subprocess.run(
         [

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from test_resume import assert_same_weights, losses
-from test_sft_recipe import run
 
 from chattune.config.paths import DEMO_ASSETS
+from conftest import launch
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint_before_run_state"
 # The settings the fixture was written with (but its output_dir, data path and stop_after_step).
@@ -42,6 +42,7 @@ def saved_losses() -> list[tuple[int, float]]:
     return losses(FIXTURE)  # its metrics.jsonl: steps 1-3 of the run that wrote it
 
 
+@pytest.mark.launch
 def test_a_checkpoint_of_an_earlier_chattune_resumes_and_continues_as_an_uninterrupted_run(tmp_path):
     data = tmp_path / "chats.jsonl"  # the fixture's data: the first 60 demo chats
     data.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:60]))
@@ -50,10 +51,10 @@ def test_a_checkpoint_of_an_earlier_chattune_resumes_and_continues_as_an_uninter
     recipe = [sys.executable, "recipes/sft.py", f"data.train=[{data}]", *SETTINGS]
 
     straight = tmp_path / "straight"
-    run([*recipe, f"output_dir={straight}"])
+    launch([*recipe, f"output_dir={straight}"])
     resumed = tmp_path / "resumed"
     # The fingerprint names the paths of the machine that wrote it (its data file, the demo tokenizer's).
-    output = run([*recipe, f"output_dir={resumed}", f"resume={checkpoint}", "resume_allow_changes=true"])
+    output = launch([*recipe, f"output_dir={resumed}", f"resume={checkpoint}", "resume_allow_changes=true"])
     assert f"resumed from {checkpoint} at step 3" in output.stdout + output.stderr
 
     assert [step for step, _ in losses(resumed)] == [4, 5, 6]

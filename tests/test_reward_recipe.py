@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+import conftest
 from chattune.config.paths import DEMO_ASSETS
 from conftest import free_port
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 REWARD_KEYS = {
     "loss",
@@ -44,7 +47,9 @@ def eval_file(tmp_path_factory) -> Path:
 
 def launch(output_dir: Path, ranks: int, overrides: list[str]) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-    run([*torchrun, "--master_port", str(free_port()), "recipes/reward.py", f"output_dir={output_dir}", *overrides])
+    conftest.launch(
+        [*torchrun, "--master_port", str(free_port()), "recipes/reward.py", f"output_dir={output_dir}", *overrides]
+    )
 
 
 def stock_scores(hf_dir: Path, pairs: list[dict]) -> list[tuple[float, float]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -92,6 +93,7 @@ def _worker(rank, world_size, port, splits, out_path):
     exit_process()
 
 
+@pytest.mark.launch
 def test_reward_loss_gradients_and_metrics_match_plain_sequence_classification_forwards(tmp_path):
     want = reference_step()
     assert 0 < want["metrics"]["rewards/accuracies"] < 1  # the accuracy is not trivially 0 or 1 here

@@ -24,7 +24,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, launch, relative_error, tiny_model
 
 COEFFICIENT = 0.5  # large, so that a wrong router term shows in the gradients
 MOE = {
@@ -172,6 +172,7 @@ def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]]
 
 
 @pytest.mark.parametrize("split", ["1rank_1mb", "1rank_3mb", "2rank_2mb_one_empty"])
+@pytest.mark.launch
 def test_a_steps_gradient_with_the_router_loss_does_not_depend_on_the_split(split, tmp_path):
     everything = list(range(NUM_DOCS))
     splits = {
@@ -214,6 +215,7 @@ def test_a_steps_gradient_with_the_router_loss_does_not_depend_on_the_split(spli
 @pytest.mark.parametrize(
     "compile, param_dtype, grouped_gemm", [(False, "float32", True), (True, "bfloat16", True), (True, "float32", False)]
 )
+@pytest.mark.launch
 def test_experts_run_transformers_grouped_gemm_under_fsdp_checkpointing_and_compile(
     compile, param_dtype, grouped_gemm, monkeypatch
 ):
@@ -275,12 +277,13 @@ QWEN3_MOE = [
 ]
 
 
+@pytest.mark.launch
 def test_the_recipe_trains_a_moe_model_with_its_router_loss_and_says_so(tmp_path):
     """SFT of a tiny Qwen3-MoE: the compute line names the experts' implementation and the router loss, and
     every step logs router_loss; loss.router_aux_coef=0 (the remedy the builder's refusal names) turns it off."""
     import sys
 
-    from test_sft_recipe import read_metrics, run
+    from test_sft_recipe import read_metrics
 
     common = [
         sys.executable,
@@ -296,12 +299,12 @@ def test_the_recipe_trains_a_moe_model_with_its_router_loss_and_says_so(tmp_path
         "data.report_records=0",
         *QWEN3_MOE,
     ]
-    result = run([*common, f"output_dir={tmp_path / 'on'}"])
+    result = launch([*common, f"output_dir={tmp_path / 'on'}"])
     log = result.stdout + result.stderr
     assert "experts: grouped GEMM (torch._grouped_mm)" in log
     assert "router load-balancing loss × 0.01 (per document, 2 of 4 experts)" in log
     steps = read_metrics(tmp_path / "on")
     assert len(steps) == 2 and all(0 < m["router_loss"] < 0.1 for m in steps), steps
-    result = run([*common, f"output_dir={tmp_path / 'off'}", "loss.router_aux_coef=0"])
+    result = launch([*common, f"output_dir={tmp_path / 'off'}", "loss.router_aux_coef=0"])
     assert "router load-balancing loss" not in result.stdout + result.stderr
     assert all("router_loss" not in m for m in read_metrics(tmp_path / "off"))

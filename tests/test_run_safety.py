@@ -14,10 +14,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
+import conftest
 from chattune.config.paths import DEMO_ASSETS
 from conftest import PROJECT_ROOT, free_port
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 DEMO_CHATS = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)
 SMALL = [
@@ -33,18 +36,12 @@ SMALL = [
 
 
 def torchrun(nproc: int, recipe: str, *overrides: str, **kwargs):
-    return run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
+    return conftest.launch(
+        conftest.torchrun(
             recipe,
             *overrides,
-        ],
+            nproc=nproc,
+        ),
         **kwargs,
     )
 
@@ -166,16 +163,10 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
     out = tmp_path / "run"
     args = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "max_steps=400", "save_every=1"]
     first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+        conftest.torchrun(
             *args,
-        ],
+            nproc=2,
+        ),
         cwd=PROJECT_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

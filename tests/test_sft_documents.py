@@ -236,6 +236,7 @@ def test_truncation_that_keeps_nothing_to_train_is_a_counted_skip(tmp_path, toke
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.launch
 def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_workers):
     from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 

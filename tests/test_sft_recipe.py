@@ -7,19 +7,15 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import PROJECT_ROOT, free_port
+from conftest import PROJECT_ROOT, free_port, launch, torchrun
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 METRIC_KEYS = {"step", "loss", "num_tokens", "tokens_per_sec", "lr", "grad_norm", "step_time_s"}
-
-
-def run(command: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
 
 
 def read_metrics(output_dir, include_start: bool = False) -> list[dict]:
@@ -30,15 +26,8 @@ def read_metrics(output_dir, include_start: bool = False) -> list[dict]:
 
 def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
     out = tmp_path / "run"
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
+    launch(
+        torchrun(
             "recipes/sft.py",
             f"output_dir={out}",
             "max_steps=40",
@@ -49,7 +38,9 @@ def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
             "log_every=5",
             "save_every=20",
             "eval_every=40",
-        ]
+            nproc=2,
+        ),
+        real_torchrun=True,  # this test is the README's own torchrun launch
     )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(5, 41, 5))
@@ -93,7 +84,7 @@ def test_local_model_directory_with_activation_checkpointing(tmp_path):
     base.save_pretrained(model_dir)
     demo_tokenizer().save_pretrained(model_dir)
     out = tmp_path / "finetuned"
-    run(
+    launch(
         [
             sys.executable,
             "recipes/sft.py",
@@ -126,7 +117,7 @@ def test_copied_recipe_runs_with_config_path(tmp_path):
     copied = tmp_path / "my_sft.py"
     shutil.copy(PROJECT_ROOT / "recipes" / "sft.py", copied)
     out = tmp_path / "copied_run"
-    run(
+    launch(
         [
             sys.executable,
             str(copied),
@@ -184,7 +175,7 @@ def test_losses_do_not_depend_on_loader_workers_or_eval_data(tmp_path):
     losses = []
     for name, extra in (("plain", ["data.num_workers=0"]), ("workers", ["data.num_workers=2", "data.eval=[]"])):
         out = tmp_path / name
-        run(
+        launch(
             [
                 sys.executable,
                 "recipes/sft.py",

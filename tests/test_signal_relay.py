@@ -45,6 +45,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # killed, its parent gone: a zombie until something reaps it
 
 
+@pytest.mark.launch
 def test_each_signal_reaches_each_registered_child_once(tmp_path):
     stranger = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE, text=True)
     stranger_pid = int(stranger.stdout.readline())  # a grandchild: registered below, but not the launcher's child
@@ -65,6 +66,7 @@ def test_each_signal_reaches_each_registered_child_once(tmp_path):
     stranger.wait()
 
 
+@pytest.mark.launch
 def test_a_signal_before_any_worker_registered_stops_the_launch(tmp_path):
     """A rendezvous waiting for its nodes, workers still importing, a script that is no chattune recipe: Ctrl-C
     stops the launch at once (nothing has trained) instead of being held for workers that never take it."""

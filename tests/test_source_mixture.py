@@ -130,6 +130,7 @@ def torch_cpu():
     return torch.device("cpu")
 
 
+@pytest.mark.launch
 def test_online_update_matches_a_hand_computation_and_is_identical_on_every_rank():
     results = mp.Manager().dict()
     mp.spawn(_update_on_rank, args=(2, free_port(), results), nprocs=2)

@@ -329,6 +329,7 @@ def test_a_template_file_edited_in_place_is_another_token_cache(tmp_path):
     assert tokenizer_digest(load_tokenizer(settings(str(template)))) != first
 
 
+@pytest.mark.launch
 def test_the_export_writes_the_template_training_used(tmp_path):
     """One LoRA run with a merged export writes both adapter/ and hf/: each tokenizer, loaded with plain
     transformers, renders and tokenizes the training conversation exactly as training did."""

@@ -79,6 +79,7 @@ def staging(root: Path) -> list[Path]:
         ("dpo", "drop", "assistant"),
     ],
 )
+@pytest.mark.launch
 def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train_on):
     """Against the source tokenized as read: every record's outcomes, in one batch and one by one, built in 3 shards
     (one with 2 loader workers). The data has records over the budget, a pair with identical replies, and bad records
@@ -214,6 +215,7 @@ def check_cache(cache: Path, data: Path) -> None:
     assert_same_outcomes(cached.get_many(sample), plain.get_many(sample))
 
 
+@pytest.mark.launch
 def test_a_build_killed_midway_leaves_no_cache_and_the_next_launch_rebuilds(tmp_path):
     data, cache = big_data(tmp_path, 20_000), tmp_path / "cache"
     build = prepare(cache, data)
@@ -239,6 +241,7 @@ def test_a_build_killed_midway_leaves_no_cache_and_the_next_launch_rebuilds(tmp_
     check_cache(cache, data)  # and the killed build's leftovers are gone
 
 
+@pytest.mark.launch
 def test_two_launches_building_one_cache_at_once_leave_one_good_cache(tmp_path):
     """Two `chattune prepare` at once: both finish and say what the cache holds; one cache is committed, whole."""
     data, cache = big_data(tmp_path, 4_000), tmp_path / "cache"

@@ -105,6 +105,7 @@ def test_a_model_directory_without_all_its_weights_is_a_problem_before_a_launch(
     assert run_validate("sft/local_model", run, CONFIGS) == ("config OK", True)
 
 
+@pytest.mark.launch
 def test_a_launch_on_a_model_directory_without_weights_says_so_in_one_block(tmp_path, model_dir):
     (model_dir / "model.safetensors").unlink()
     result = subprocess.run(
@@ -451,6 +452,7 @@ def fake_checkpoint(output_dir, meta: dict):
     return checkpoint
 
 
+@pytest.mark.launch
 def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_path):
     from chattune.train.output_dir import OutputDirLock
     from chattune.train.resume import run_fingerprint
@@ -718,6 +720,7 @@ def test_a_bad_chat_template_is_reported_with_the_other_problems(tmp_path):
     ]
 
 
+@pytest.mark.launch
 def test_a_schedule_target_is_checked_from_its_source_without_importing_its_module():
     """transformers' scheduler module imports peft and bitsandbytes (seconds): validate reads the function's
     parameters from its source instead, and they must be exactly what importing it gives."""

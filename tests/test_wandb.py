@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
 from chattune.train.metrics import MetricLogger
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, launch
 
 _BLOCK = 32 * 1024  # the .wandb file is a LevelDB-style log: 32 KiB blocks of chunks
 _CHUNK_HEADER = 7  # CRC32C (4 bytes), length (2, little-endian), type (1: full, 2: first, 3: middle, 4: last)
@@ -99,6 +99,7 @@ def killed_wandb_run(wandb_dir: Path, env: dict) -> str:
     return killed.stdout.strip()
 
 
+@pytest.mark.launch
 def test_sft_run_records_config_every_metric_and_the_hf_directory(tmp_path, wandb_env):
     out = tmp_path / "run"
     eval_records = (PROJECT_ROOT / "chattune" / "assets" / "demo" / "chat_eval.jsonl").read_text().splitlines()[:4]
@@ -106,7 +107,7 @@ def test_sft_run_records_config_every_metric_and_the_hf_directory(tmp_path, wand
     # A run killed with its wandb run open, and its service token still in the environment (as a
     # launcher that ran it would pass on): the next run neither hangs nor fails on it.
     stale_token = killed_wandb_run(out, wandb_env)
-    result = run(
+    result = launch(
         [
             sys.executable,
             "recipes/sft.py",
@@ -156,6 +157,7 @@ def test_sft_run_records_config_every_metric_and_the_hf_directory(tmp_path, wand
         }
 
 
+@pytest.mark.launch
 def test_metric_names_with_slashes_reach_wandb_as_they_are(tmp_path, wandb_env):
     """DPO's names (rewards/chosen, eval_rewards/accuracies, ...) are wandb keys unchanged."""
     dpo_step = {
@@ -187,6 +189,7 @@ def test_a_failing_wandb_init_says_what_to_do(tmp_path, wandb_env):
     assert not MetricLogger(str(tmp_path), False, "wandb").wandb_run  # other ranks never start wandb
 
 
+@pytest.mark.launch
 def test_a_resumed_run_logs_into_the_wandb_run_it_started(tmp_path, wandb_env):
     out = tmp_path / "run"
     command = [
@@ -202,10 +205,10 @@ def test_a_resumed_run_logs_into_the_wandb_run_it_started(tmp_path, wandb_env):
         "data.max_tokens_per_microbatch=512",
         "data.report_records=0",
     ]
-    run([*command, "stop_after_step=2"], env_extra=wandb_env, timeout=180)
+    launch([*command, "stop_after_step=2"], env_extra=wandb_env, timeout=180)
     run_id = json.loads((out / "checkpoints" / "step_2" / "chattune.json").read_text())["wandb_id"]
     assert run_id
-    run(command, env_extra=wandb_env, timeout=180)
+    launch(command, env_extra=wandb_env, timeout=180)
     run_dirs = sorted((out / "wandb").glob("offline-run-*"), key=lambda d: d.stat().st_mtime)
     assert len(run_dirs) == 2 and all(d.name.endswith(f"-{run_id}") for d in run_dirs), run_dirs
     assert [row["_step"] for row in read_offline_run(run_dirs[-1])[1]] == [3, 4]

@@ -11,16 +11,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from test_resume import ledger_steps
-from test_sft_recipe import read_metrics, run
+from test_sft_recipe import read_metrics
 
+import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import free_port
+from conftest import torchrun
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 STEPS = 20
 TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
@@ -69,15 +71,8 @@ def data(tmp_path_factory) -> dict[str, list[str]]:
 
 
 def launch(out: Path, nproc: int, recipe: str, *overrides: str) -> None:
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
+    conftest.launch(
+        torchrun(
             f"recipes/{recipe}.py",
             f"output_dir={out}",
             f"max_steps={STEPS}",
@@ -91,7 +86,8 @@ def launch(out: Path, nproc: int, recipe: str, *overrides: str) -> None:
             "data.report_records=0",
             *SMALL_MODEL,
             *overrides,
-        ]
+            nproc=nproc,
+        )
     )
 
 

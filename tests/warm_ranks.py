@@ -1,0 +1,164 @@
+"""Recipe ranks forked from a process that has already imported torch, transformers and chattune.
+
+A tiny recipe launch on CI's 2 cores spent most of its time importing: torchrun's agent (about 3.5 s) and
+then each rank (about 7 s: torch, transformers' modeling code, torch.distributed.tensor, Hydra) before the
+first step, for runs whose training takes a few seconds. Here a multiprocessing *forkserver* imports all of
+that once per pytest worker, runs no torch computation (so no thread pool exists to be lost in a fork), and
+forks one process per rank; each rank sets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), its own stdout and stderr, and runs the recipe file as `__main__`, as
+`python recipes/sft.py` would. The ranks are real processes joined by a real gloo group.
+
+What it is not: torchrun. No elastic agent, no TORCHELASTIC_* variables, no signal forwarding, no restarts; a
+rank that fails ends the others as torchrun's agent does (SIGTERM, then SIGKILL 30 s later). `conftest.launch`
+uses it for `torchrun(...)` commands whose test reads what the run wrote or said; the README's own torchrun
+launch, and tests of signals, stops, launchers and their reports, run real torchrun (`real_torchrun=True`, or
+their own subprocess)."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ("sft", "dpo", "kto", "reward")
+# Environment variables read when a module is imported (huggingface_hub's and transformers' constants, the
+# cache directories): a rank forked from the preloaded server would not see a change. A launch that changes
+# one goes through torchrun.
+IMPORT_TIME_ENV_PREFIXES = (
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TORCH",
+    "PYTORCH",
+    "XDG_",
+    "OMP_",
+    "MKL_",
+    "PYTHON",
+)
+# What the forkserver's environment holds before it imports anything (tests launch with the hub offline).
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+_context: multiprocessing.context.BaseContext | None = None
+
+
+def preload() -> None:
+    """Import what every recipe imports (the recipe files themselves, as modules that do not run `main`), and
+    the modeling code of the tests' tiny models. Runs in the forkserver, once."""
+    for recipe in RECIPES:
+        spec = importlib.util.spec_from_file_location(f"_preloaded_{recipe}", PROJECT_ROOT / "recipes" / f"{recipe}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+
+
+if os.environ.get("CHATTUNE_WARM_RANKS_SERVER") == "1":  # imported as the forkserver's preload
+    preload()
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server started (once per process) with this module preloaded."""
+    global _context
+    if _context is None:
+        saved = {name: os.environ.get(name) for name in [*SERVER_ENV, "CHATTUNE_WARM_RANKS_SERVER"]}
+        os.environ.update(SERVER_ENV, CHATTUNE_WARM_RANKS_SERVER="1")
+        try:
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload([__name__])
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    return _context
+
+
+def can_launch(env_extra: dict[str, str]) -> bool:
+    """Whether a launch with these extra environment variables can run on the preloaded server."""
+    return not any(
+        name.startswith(IMPORT_TIME_ENV_PREFIXES) and SERVER_ENV.get(name) != value for name, value in env_extra.items()
+    )
+
+
+def _rank(recipe: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """One rank, in a process forked from the server: torchrun's environment, its own output files, the
+    recipe run as `python RECIPE ARGV...` would run it."""
+    for fd, path in ((1, out), (2, err)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    # A forkserver's child has the forkserver start method as its default; a process torchrun starts has the
+    # platform's (fork on Linux), which the recipe's loader workers use.
+    multiprocessing.set_start_method(None, force=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [recipe, *argv]
+    sys.path[0] = str(Path(recipe).resolve().parent)
+    runpy.run_path(recipe, run_name="__main__")
+
+
+def launch(
+    recipe: str, argv: list[str], nproc: int, env: dict[str, str], cwd: Path, logs: Path, timeout: float
+) -> tuple[int, str, str]:
+    """Run `recipe` on `nproc` ranks from `cwd`; (exit status, stdout, stderr), each rank's output in rank order
+    (each rank's files under `logs`). A rank that fails ends the others, as torchrun's agent does."""
+    from chattune.distributed import free_port
+
+    ctx = context()
+    port = str(free_port())
+    logs.mkdir(parents=True, exist_ok=True)
+    processes, files = [], []
+    for rank in range(nproc):
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
+        files.append((out, err))
+        process = ctx.Process(target=_rank, args=(recipe, argv, str(cwd), rank_env, str(out), str(err)))
+        process.start()
+        processes.append(process)
+    deadline = time.monotonic() + timeout
+    status, killed_at = 0, None
+    while any(p.is_alive() for p in processes):
+        failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+        if failed and not status:
+            status = failed[0]
+            for p in processes:
+                if p.is_alive():
+                    p.terminate()
+            killed_at = time.monotonic()
+        if killed_at is not None and time.monotonic() - killed_at > 30 or time.monotonic() > deadline:
+            for p in processes:
+                if p.is_alive():
+                    p.kill()
+            if time.monotonic() > deadline:
+                status = status or -9
+        time.sleep(0.05)
+    for p in processes:
+        p.join()
+    if not status:
+        status = next((p.exitcode for p in processes if p.exitcode), 0)
+    stdout = "".join(out.read_text(errors="replace") for out, _ in files if out.exists())
+    stderr = "".join(err.read_text(errors="replace") for _, err in files if err.exists())
+    timed_out = time.monotonic() > deadline
+    if timed_out:
+        stderr += f"\nwarm_ranks: killed after {timeout:.0f} s\n"
+    return status, stdout, stderr
