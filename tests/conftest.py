@@ -7,6 +7,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def launch(
         result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         recipe, arguments, nproc = warm
-        logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"chattune-warm-{os.getpid()}"
+        logs = Path(tempfile.mkdtemp(prefix="chattune-ranks-"))
         code, stdout, stderr = warm_ranks.launch(recipe, arguments, nproc, env, PROJECT_ROOT, logs, timeout)
         result = subprocess.CompletedProcess(command, code, stdout, stderr)
     if check:

@@ -112,12 +112,11 @@ def launch(
     recipe: str, argv: list[str], nproc: int, env: dict[str, str], cwd: Path, logs: Path, timeout: float
 ) -> tuple[int, str, str]:
     """Run `recipe` on `nproc` ranks from `cwd`; (exit status, stdout, stderr), each rank's output in rank order
-    (each rank's files under `logs`). A rank that fails ends the others, as torchrun's agent does."""
+    (each rank's files under `logs`, an existing directory). A rank that fails ends the others, as torchrun's agent does."""
     from chattune.distributed import free_port
 
     ctx = context()
     port = str(free_port())
-    logs.mkdir(parents=True, exist_ok=True)
     processes, files = [], []
     for rank in range(nproc):
         rank_env = {
@@ -136,29 +135,23 @@ def launch(
         process.start()
         processes.append(process)
     deadline = time.monotonic() + timeout
-    status, killed_at = 0, None
+    status, killed_at, timed_out = 0, None, False
     while any(p.is_alive() for p in processes):
         failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-        if failed and not status:
-            status = failed[0]
+        if failed and killed_at is None:
+            status, killed_at = failed[0], time.monotonic()
             for p in processes:
-                if p.is_alive():
-                    p.terminate()
-            killed_at = time.monotonic()
-        if killed_at is not None and time.monotonic() - killed_at > 30 or time.monotonic() > deadline:
+                p.terminate()  # a no-op on a finished process
+        timed_out = time.monotonic() > deadline
+        if timed_out or killed_at is not None and time.monotonic() - killed_at > 30:
             for p in processes:
-                if p.is_alive():
-                    p.kill()
-            if time.monotonic() > deadline:
-                status = status or -9
+                p.kill()
         time.sleep(0.05)
     for p in processes:
         p.join()
-    if not status:
-        status = next((p.exitcode for p in processes if p.exitcode), 0)
+    status = status or next((p.exitcode for p in processes if p.exitcode), 0) or (-9 if timed_out else 0)
     stdout = "".join(out.read_text(errors="replace") for out, _ in files if out.exists())
     stderr = "".join(err.read_text(errors="replace") for _, err in files if err.exists())
-    timed_out = time.monotonic() > deadline
     if timed_out:
         stderr += f"\nwarm_ranks: killed after {timeout:.0f} s\n"
     return status, stdout, stderr
