@@ -11,20 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from test_sft_recipe import read_metrics
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.formats import SourceSpec
-from chattune.data.prompts import held_out_prompts
-from chattune.distributed import DistInfo
+from chattune.data.prompts import Prompt, held_out_prompts
+from chattune.distributed import DistInfo, exit_process, init_distributed, shutdown_distributed
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import compiled_graphs, decoder_layers, shard_model
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
-from chattune.train.samples import run_samples
-from conftest import demo_chat_prompts, launch, torchrun
+from chattune.train.samples import EvalSamples, run_samples
+from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, torchrun
 
 STEPS = [
     "max_steps=4",
@@ -132,8 +134,7 @@ def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_res
 
 @pytest.mark.launch
 def test_samples_on_two_ranks_are_plain_generate_of_the_held_out_prompts(chat_model_dir, chats, others, tmp_path):
-    """3 held-out prompts on 2 ranks: rank 0 answers two, rank 1 one and then one more whose reply nobody keeps
-    (every forward is a collective); transformers' synced_gpus keeps the rank done first stepping."""
+    """3 held-out prompts on 2 ranks (rank 0 answers two, rank 1 one), at steps 0, 2 and 4 of a run."""
     out = tmp_path / "run"
     launch(
         torchrun(
@@ -158,6 +159,38 @@ def test_samples_on_two_ranks_are_plain_generate_of_the_held_out_prompts(chat_mo
     assert [s["reply"] for s in steps[4]] == plain_replies(out / "hf", held_out)
     assert [s["reply"] for s in steps[4]] != [s["reply"] for s in steps[0]]
     assert all("eval_loss" in m for m in read_metrics(out, include_start=True) if m["step"] in (0, 2, 4))
+
+
+def _answer_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    dims = init_distributed("cpu")
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ATTENTION_NAME)
+    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [Prompt(m) for m in demo_chat_prompts(3)]
+    samples = EvalSamples(prompts, tokenizer, 24, dims, Path(f"{out_path}.jsonl"))
+    found = {}
+    for gather in (True, False):
+        replies = samples.answer(model, gather)
+        sharded = all(isinstance(p, DTensor) for p in model.parameters())  # every unit resharded after
+        found[gather] = (replies, sharded, model.training)
+    torch.save(found, f"{out_path}.rank{rank}")
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_sample_replies_on_two_ranks_gathered_once_or_in_step_are_plain_generate(chat_model_dir, tmp_path):
+    """3 prompts on 2 ranks, both ways `sharded_generation` answers: the model gathered once and each rank on its
+    own (where it fits), and every forward a collective with the ranks in step (rank 1 answers one prompt, then
+    one whose reply nobody keeps). Rank 0 gets every reply, each plain transformers generate."""
+    out_path = str(tmp_path / "answers")
+    mp.spawn(_answer_worker, args=(2, free_port(), str(chat_model_dir), out_path), nprocs=2, join=True)
+    expected = plain_replies(chat_model_dir, demo_chat_prompts(3))
+    first, second = (torch.load(f"{out_path}.rank{rank}") for rank in (0, 1))
+    for gather in (True, False):
+        assert first[gather] == (expected, True, True), gather
+        assert second[gather] == ([], True, True), gather
 
 
 def test_held_out_prompts_are_the_context_before_each_records_last_reply(tmp_path):

@@ -115,6 +115,49 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+def gathered_size(model: nn.Module) -> int:
+    """Bytes of `model`'s parameters gathered whole in the dtype they compute in (FSDP2's param_dtype)."""
+    dtype = TORCH_DTYPES[getattr(model, "compute_dtype", None) or "float32"]
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        p.numel() * element if p.is_floating_point() else p.numel() * p.element_size() for p in model.parameters()
+    )
+
+
+def can_stay_gathered(model: nn.Module, device: torch.device) -> bool:
+    """Collective: whether every rank has room for the whole model gathered (`stay_gathered`) with half its free
+    device memory to spare. The CPU always has: the models trained there are small. Every rank gets the same
+    answer (an all-reduce), since a rank that gathered alone would skip its peers' all-gathers."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    room = torch.tensor([float(free) - 2.0 * gathered_size(model)], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
+    return bool(room.item() > 0)
+
+
+@contextlib.contextmanager
+def stay_gathered(model: nn.Module) -> Iterator[None]:
+    """Collective: every FSDP2 unit of `model` gathered on entry and kept gathered until the block ends (then
+    all are resharded). Generation runs one forward per new token; resharding after each would gather
+    every layer again for every token: the sample replies of the tiny CPU run spent most of their time in those
+    gathers. The price is the whole model gathered on every rank for the block (`can_stay_gathered`), and
+    forwards in the block that run no collective, so ranks need not step together. Restores `shard_model`'s
+    setting on the way out: decoder layers reshard after forward, the root does not."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:  # every rank gathers here, in the same order: none inside the block
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            if unit is not model:
+                unit.set_reshard_after_forward(True, recurse=False)
+        reshard(model)
+
+
 def shard_model(
     model: PackedCausalLM,
     device_type: str,

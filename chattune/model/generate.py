@@ -2,8 +2,9 @@
 prompt, transformers' `generate`, the reply read up to the template's end-of-turn token.
 
 One path for `chattune chat` (a plain Hugging Face model, or a peft adapter over its base) and for the
-samples of an evaluation (the sharded model being trained, `chattune.train.samples`). The sharded model runs
-collectively: every rank calls `generate_reply` the same number of times with `synced=True`, and
+samples of an evaluation (the sharded model being trained, `chattune.train.samples`). The sharded model is
+gathered whole for the replies where every rank has room, and each rank then generates on its own; otherwise
+it runs collectively: every rank calls `generate_reply` the same number of times with `synced=True`, and
 transformers' `synced_gpus` keeps a rank whose reply has ended running forwards (each one all-gathers the
 layers' parameters) until every rank's has.
 """
@@ -23,7 +24,7 @@ from chattune.model.architecture_check import MINIATURE_LAYERS, miniature_config
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.code_failures import where_it_fails
 from chattune.model.flops import text_config
-from chattune.model.fsdp import eager_layers, reshard
+from chattune.model.fsdp import can_stay_gathered, eager_layers, reshard, stay_gathered
 
 
 @dataclass(frozen=True)
@@ -107,15 +108,22 @@ def generate_reply(
 
 
 @contextlib.contextmanager
-def sharded_generation(model: PackedCausalLM) -> Iterator[None]:
-    """The sharded model being trained, ready for `generate_reply`: eval mode (no dropout), no gradients, its
-    decoder layers uncompiled (`chattune.model.fsdp.eager_layers`); afterwards its mode as it was and every
-    FSDP unit resharded (the root stays gathered after a forward method). Collective, like every forward."""
+def sharded_generation(model: PackedCausalLM, gather: bool | None = None) -> Iterator[bool]:
+    """Collective: the sharded model being trained, ready for `generate_reply`: eval mode (no dropout), no
+    gradients, its decoder layers uncompiled (`chattune.model.fsdp.eager_layers`); afterwards its mode as it was
+    and every FSDP unit resharded (the root stays gathered after a forward method).
+
+    Yields whether each rank may generate on its own: with `gather` (None: where every rank has room,
+    `chattune.model.fsdp.can_stay_gathered`) the whole model is gathered once for the block and a forward runs
+    no collective; without it each forward gathers each layer, so every rank must call `generate_reply` alike,
+    with `synced=True`."""
     was_training = model.training
     model.eval()
+    if gather is None:
+        gather = can_stay_gathered(model, next(model.parameters()).device)
     try:
-        with torch.no_grad(), eager_layers(model):
-            yield
+        with torch.no_grad(), eager_layers(model), stay_gathered(model) if gather else contextlib.nullcontext():
+            yield gather
     finally:
         model.train(was_training)
         reshard(model)

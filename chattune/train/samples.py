@@ -3,12 +3,13 @@ prompts answered greedily by the model being trained, written by rank 0 to `outp
 per prompt: step, prompt, reply) and, with logger=wandb, as a table.
 
 `eval.samples` prompts come from `eval.sample_prompts` (a prompts file, `chattune.data.prompts`) or else from
-the held-out set (`data.eval`: the context before each of its first records' last reply). Under FSDP every
-forward is a collective, so the ranks answer the prompts in turns of one prompt each (rank r: prompts r, r +
-W, ...; a rank out of prompts repeats its last one, whose answer nobody keeps), every reply greedy with the same
-token limit, and transformers' `synced_gpus` keeps a rank whose reply has ended stepping until every rank's
-has (`chattune.model.generate`). Greedy replies draw no random numbers: the training that follows is the one
-without samples.
+the held-out set (`data.eval`: the context before each of its first records' last reply). Rank r answers prompts
+r, r + W, ... greedily with the same token limit. Where every rank has room for the whole model, it is gathered
+once for all the replies and each rank generates on its own (`chattune.model.fsdp.stay_gathered`: a reply no
+longer gathers every layer for every token). Otherwise every forward is a collective: the ranks answer in turns
+of one prompt each (a rank out of prompts repeats its last one, whose answer nobody keeps) and transformers'
+`synced_gpus` keeps a rank whose reply has ended stepping until every rank's has (`chattune.model.generate`).
+Greedy replies draw no random numbers: the training that follows is the one without samples.
 """
 
 from __future__ import annotations
@@ -107,20 +108,22 @@ class EvalSamples:
         self.stop_ids = stop_token_ids(tokenizer)
         self.ids = [prompt_ids(tokenizer, p.messages, p.tools) for p in prompts]
 
-    def answer(self, model: PackedCausalLM) -> list[str]:
-        """Collective: every prompt's greedy reply (rank 0 gets them all, in prompt order; the others [])."""
+    def answer(self, model: PackedCausalLM, gather: bool | None = None) -> list[str]:
+        """Collective: every prompt's greedy reply (rank 0 gets them all, in prompt order; the others []).
+        `gather`: as `sharded_generation` (None: where it fits)."""
         rank, world = self.dist_info.rank, self.dist_info.world_size
-        turns = -(-len(self.ids) // world)
         mine = list(range(rank, len(self.ids), world))
         replies: dict[int, str] = {}
-        with sharded_generation(model):
-            for turn in range(turns):
-                index = mine[min(turn, len(mine) - 1)] if mine else 0  # out of prompts: one again, answer dropped
-                reply = generate_reply(
-                    model, self.tokenizer, self.ids[index], self.sampling, self.stop_ids, synced=world > 1
-                )
-                if turn < len(mine):
-                    replies[index] = reply.text
+        with sharded_generation(model, gather) as on_its_own:
+            if on_its_own:  # the model whole on every rank: no collective until the replies are gathered
+                for index in mine:
+                    replies[index] = self._reply(model, index, synced=False)
+            else:  # every forward gathers: the ranks take turns of one prompt each, in step
+                for turn in range(-(-len(self.ids) // world)):
+                    index = mine[min(turn, len(mine) - 1)] if mine else 0  # out of prompts: one again, dropped
+                    reply = self._reply(model, index, synced=world > 1)
+                    if turn < len(mine):
+                        replies[index] = reply
         if world > 1:
             gathered: list[dict[int, str] | None] = [None] * world if rank == 0 else None
             dist.gather_object(replies, gathered, dst=0)
@@ -128,6 +131,9 @@ class EvalSamples:
                 return []
             replies = {index: text for part in gathered for index, text in part.items()}
         return [replies[i] for i in range(len(self.ids))]
+
+    def _reply(self, model: PackedCausalLM, index: int, synced: bool) -> str:
+        return generate_reply(model, self.tokenizer, self.ids[index], self.sampling, self.stop_ids, synced).text
 
     def write(self, step: int, replies: list[str]) -> None:
         """Rank 0: one line per prompt in samples.jsonl, and the step's table to wandb."""
