@@ -53,8 +53,11 @@ def torchrun(recipe: str, *overrides: str, nproc: int = 2) -> list[str]:
     return [*TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), path, *overrides]
 
 
-def _warm_launch(command: list[str]) -> tuple[str, list[str], int] | None:
-    """(recipe, its arguments, ranks) of a plain torchrun command (`torchrun(...)`'s form), else None."""
+def _warm_launch(command: list[str]) -> tuple[str, list[str], int | None] | None:
+    """(recipe, its arguments, ranks) of a plain torchrun command (`torchrun(...)`'s form), or (recipe, its
+    arguments, None) of `python RECIPE ...`; else None."""
+    if len(command) > 1 and command[0] == sys.executable and command[1].endswith(".py"):
+        return command[1], command[2:], None
     if tuple(command[:3]) != TORCHRUN or command[3] != "--nproc_per_node" or command[5] != "--master_port":
         return None
     recipe, arguments = command[7], command[8:]
@@ -67,21 +70,23 @@ def launch(
     timeout: int = 600,
     check: bool = True,
     real_torchrun: bool = False,
+    cwd: Path = PROJECT_ROOT,
 ) -> subprocess.CompletedProcess:
-    """Run `command` from the project root with the hub offline; with `check`, fail the test (its output
-    shown) unless it succeeds. A `torchrun(...)` command runs its ranks forked from a process with the
-    imports done (`warm_ranks`: seconds per launch instead of about 10) unless `real_torchrun` (what a test of
-    the launcher itself, signals or error reports needs) or `env_extra` changes what is read at import."""
+    """Run `command` from `cwd` (the project root) with the hub offline; with `check`, fail the test (its output
+    shown) unless it succeeds. A `torchrun(...)` command, or `python RECIPE ...`, runs its ranks (its process)
+    forked from a process with the imports done (`warm_ranks`: seconds per launch instead of about 10) unless
+    `real_torchrun` (what a test of the launcher itself, signals or torchrun's reports needs) or `env_extra`
+    changes what is read at import."""
     import warm_ranks
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}
     warm = None if real_torchrun or not warm_ranks.can_launch(env_extra or {}) else _warm_launch(command)
     if warm is None:
-        result = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         recipe, arguments, nproc = warm
         logs = Path(tempfile.mkdtemp(prefix="chattune-ranks-"))
-        code, stdout, stderr = warm_ranks.launch(recipe, arguments, nproc, env, PROJECT_ROOT, logs, timeout)
+        code, stdout, stderr = warm_ranks.launch(recipe, arguments, nproc, env, cwd, logs, timeout)
         result = subprocess.CompletedProcess(command, code, stdout, stderr)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

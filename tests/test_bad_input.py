@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.launch.validate import run_validate
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, launch
 
 CONFIGS = PROJECT_ROOT / "configs"
 
@@ -189,6 +189,11 @@ CASES = {
 }
 
 
+def recipe_launch(command: list[str]) -> subprocess.CompletedProcess:
+    """`python RECIPE ...`, expected to fail, through the tests' one launch helper."""
+    return launch(command, check=False)
+
+
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("bad_input")
@@ -210,14 +215,7 @@ def test_bad_input_gets_one_clear_error(name, tmp):
     if not case.launch:
         return
     recipe = "recipes/dpo.py" if case.config.startswith("dpo") else "recipes/sft.py"
-    result = subprocess.run(
-        [sys.executable, recipe, *overrides, "max_steps=2", "data.report_records=0"],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    result = recipe_launch([sys.executable, recipe, *overrides, "max_steps=2", "data.report_records=0"])
     assert result.returncode == 1
     assert result.stderr.count("chattune: error: ") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert expected.split(": ", 1)[1] in result.stderr
@@ -318,14 +316,7 @@ def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
         )
         return
     try:
-        result = subprocess.run(
-            [sys.executable, "recipes/sft.py", f"output_dir={read_only / 'run'}", "max_steps=2"],
-            cwd=PROJECT_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
+        result = recipe_launch([sys.executable, "recipes/sft.py", f"output_dir={read_only / 'run'}", "max_steps=2"])
     finally:
         subprocess.run(["umount", str(read_only)])
     assert result.returncode == 1 and "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
@@ -342,19 +333,14 @@ def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
 def test_data_that_trains_nothing_is_refused_before_the_model_loads(tmp):
     """Every record over the budget: the data report said 0 documents, then the model was built and the run
     died with a RuntimeError at its first step."""
-    result = subprocess.run(
+    result = recipe_launch(
         [
             sys.executable,
             "recipes/sft.py",
             "data.max_tokens_per_microbatch=8",
             f"output_dir={tmp / 'out' / 'overlong'}",
             "max_steps=2",
-        ],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        ]
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert (
@@ -370,7 +356,7 @@ def test_data_that_trains_nothing_is_refused_before_the_model_loads(tmp):
 
 @pytest.mark.launch
 def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
-    result = subprocess.run(
+    result = recipe_launch(
         [
             sys.executable,
             "recipes/sft.py",
@@ -379,12 +365,7 @@ def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
             f"output_dir={tmp / 'out' / 'modules_to_save'}",
             "max_steps=2",
             "data.report_records=0",
-        ],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        ]
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert (
@@ -407,7 +388,7 @@ def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp
     model_dir = tmp / "zaya"
     tiny_model(**UNHANDLED["zaya"][0]).save_pretrained(model_dir)
     demo_tokenizer().save_pretrained(model_dir)
-    result = subprocess.run(
+    result = recipe_launch(
         [
             sys.executable,
             "recipes/sft.py",
@@ -419,12 +400,7 @@ def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp
             "data.report_records=0",
             "data.eval=[]",
             "model.fsdp.activation_checkpointing=false",
-        ],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        ]
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.count("chattune: error: ZayaForCausalLM does not keep packed documents apart") == 1

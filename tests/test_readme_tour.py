@@ -7,16 +7,20 @@ import importlib
 import io
 import runpy
 import shlex
-import subprocess
-import sys
 
 import pytest
 
 from chattune.cli.main import main
-from conftest import PROJECT_ROOT, free_port
+from conftest import PROJECT_ROOT, launch, torchrun
 
 MAIN = "torchrun --nproc_per_node 2 recipes/sft.py"  # README's main job, run before the tour
-FEWER_STEPS = ["max_steps=6", "save_every=3", "eval_every=3", "data.report_records=0"]  # appended: the last word wins
+FEWER_STEPS = [
+    "max_steps=4",
+    "save_every=2",
+    "eval_every=4",
+    "log_every=1",
+    "data.report_records=0",
+]  # appended: the last word wins
 IN_ORDER = "test_readme_tour::test_the_main_command_and_the_tour_run_in_order_in_one_directory"
 # The tour's real-model launches (paths of the user's) and the tests that run them with small ones.
 REAL_MODELS = {
@@ -58,16 +62,12 @@ def test_the_main_command_and_the_tour_run_in_order_in_one_directory(tmp_path, m
         if words[0] == "chattune":
             assert main(words[1:]) == 0, line
             continue
-        assert words[0] == "torchrun", line
-        fewer = FEWER_STEPS + (["stop_after_step=3"] if "stop_after_step=" in line else [])
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *words[1:], *fewer],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        assert words[:2] == ["torchrun", "--nproc_per_node"], line
+        fewer = FEWER_STEPS + (["stop_after_step=2"] if "stop_after_step=" in line else [])
+        # Ranks forked with the imports done (conftest.launch); test_sft_recipe runs README's launch under torchrun.
+        result = launch(torchrun(words[3], *words[4:], *fewer, nproc=int(words[2])), check=False, cwd=tmp_path)
         assert result.returncode == 0, f"{line}\n{result.stderr[-3000:]}"
-        last = 3 if "stop_after_step=" in line else 6  # it trained, to the end or to its stop (a relaunch: again)
+        last = 2 if "stop_after_step=" in line else 4  # it trained, to the end or to its stop (a relaunch: again)
         assert f"step {last} |" in result.stdout, f"{line}\n{result.stdout[-3000:]}"
     out = capsys.readouterr().out
     assert "config OK" in out and "documents:" in out and "sft/tiny" in out

@@ -18,7 +18,7 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import PROJECT_ROOT, free_port
+from conftest import PROJECT_ROOT
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -47,28 +47,9 @@ def torchrun(nproc: int, recipe: str, *overrides: str, **kwargs):
 
 
 def launch(*args: str, nproc: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A recipe launch that may fail (python, or torchrun with `nproc` ranks)."""
-    head = (
-        [sys.executable]
-        if nproc is None
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-        ]
-    )
-    return subprocess.run(
-        [*head, *args],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-    )
+    """A recipe launch that may fail: `python RECIPE ARGS...`, or torchrun with `nproc` ranks (`conftest.launch`)."""
+    command = [sys.executable, *args] if nproc is None else conftest.torchrun(args[0], *args[1:], nproc=nproc)
+    return conftest.launch(command, env_extra=env, check=False)
 
 
 def chats(tmp_path: Path, count: int = 40, name: str = "chats.jsonl") -> Path:

@@ -10,7 +10,8 @@ LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), its own stdout and stderr, and runs the rec
 
 What it is not: torchrun. No elastic agent, no TORCHELASTIC_* variables, no signal forwarding, no restarts; a
 rank that fails ends the others as torchrun's agent does (SIGTERM, then SIGKILL 30 s later). `conftest.launch`
-uses it for `torchrun(...)` commands whose test reads what the run wrote or said; the README's own torchrun
+uses it for `torchrun(...)` and `python RECIPE` commands (the latter: one process, no torchrun environment)
+whose test reads what the run wrote or said; the README's own torchrun
 launch, and tests of signals, stops, launchers and their reports, run real torchrun (`real_torchrun=True`, or
 their own subprocess)."""
 
@@ -44,18 +45,24 @@ IMPORT_TIME_ENV_PREFIXES = (
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 _context: multiprocessing.context.BaseContext | None = None
+_preloaded_in: int | None = None  # the pid of the process that ran `preload` (the forkserver)
 
 
 def preload() -> None:
     """Import what every recipe imports (the recipe files themselves, as modules that do not run `main`), and
     the modeling code of the tests' tiny models. Runs in the forkserver, once."""
+    global _preloaded_in
+    _preloaded_in = os.getpid()
     for recipe in RECIPES:
         spec = importlib.util.spec_from_file_location(f"_preloaded_{recipe}", PROJECT_ROOT / "recipes" / f"{recipe}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+    import peft  # noqa: F401  (transformers.optimization, the schedulers' module, imports it through trainer_utils)
+    import torch._dynamo  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    import transformers.optimization  # noqa: F401
 
 
 if os.environ.get("CHATTUNE_WARM_RANKS_SERVER") == "1":  # imported as the forkserver's preload
@@ -66,8 +73,11 @@ def context() -> multiprocessing.context.BaseContext:
     """The forkserver context, its server started (once per process) with this module preloaded."""
     global _context
     if _context is None:
-        saved = {name: os.environ.get(name) for name in [*SERVER_ENV, "CHATTUNE_WARM_RANKS_SERVER"]}
-        os.environ.update(SERVER_ENV, CHATTUNE_WARM_RANKS_SERVER="1")
+        saved = {name: os.environ.get(name) for name in [*SERVER_ENV, "CHATTUNE_WARM_RANKS_SERVER", "PYTHONPATH"]}
+        # Python 3.11's forkserver does not apply the sys.path it is given before importing what it preloads, and
+        # it passes over a module that does not import: this directory goes on its path through PYTHONPATH.
+        path = os.pathsep.join(p for p in (str(Path(__file__).parent), saved["PYTHONPATH"]) if p)
+        os.environ.update(SERVER_ENV, CHATTUNE_WARM_RANKS_SERVER="1", PYTHONPATH=path)
         try:
             _context = multiprocessing.get_context("forkserver")
             _context.set_forkserver_preload([__name__])
@@ -93,6 +103,8 @@ def can_launch(env_extra: dict[str, str]) -> bool:
 def _rank(recipe: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """One rank, in a process forked from the server: torchrun's environment, its own output files, the
     recipe run as `python RECIPE ARGV...` would run it."""
+    if _preloaded_in in (None, os.getpid()):  # this rank imported everything itself: the server preloaded nothing
+        raise RuntimeError("warm_ranks: the forkserver did not preload this module (see `context`)")
     for fd, path in ((1, out), (2, err)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
@@ -109,26 +121,31 @@ def _rank(recipe: str, argv: list[str], cwd: str, env: dict[str, str], out: str,
 
 
 def launch(
-    recipe: str, argv: list[str], nproc: int, env: dict[str, str], cwd: Path, logs: Path, timeout: float
+    recipe: str, argv: list[str], nproc: int | None, env: dict[str, str], cwd: Path, logs: Path, timeout: float
 ) -> tuple[int, str, str]:
-    """Run `recipe` on `nproc` ranks from `cwd`; (exit status, stdout, stderr), each rank's output in rank order
-    (each rank's files under `logs`, an existing directory). A rank that fails ends the others, as torchrun's agent does."""
+    """Run `recipe` on `nproc` ranks from `cwd` (None: one process without torchrun's environment, as `python
+    RECIPE` runs); (exit status, stdout, stderr), each rank's output in rank order (each rank's files under
+    `logs`, an existing directory). A rank that fails ends the others, as torchrun's agent does."""
     from chattune.distributed import free_port
 
     ctx = context()
     port = str(free_port())
     processes, files = [], []
-    for rank in range(nproc):
-        rank_env = {
-            **env,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
+    for rank in range(nproc or 1):
+        rank_env = (
+            dict(env)
+            if nproc is None
+            else {
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+        )
         out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
         files.append((out, err))
         process = ctx.Process(target=_rank, args=(recipe, argv, str(cwd), rank_env, str(out), str(err)))
