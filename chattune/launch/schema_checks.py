@@ -324,9 +324,12 @@ def missing_attribute(name: str) -> str | None:
         module = importlib.import_module(module_name)
     except Exception:  # the module itself does not import: the caller reports that error
         return None
-    names = dir(module)  # a lazy package (transformers) lists its names without importing them
-    if attribute in names:
+    try:
+        if hasattr(module, attribute):  # a lazy package (transformers) imports that name's module alone
+            return None
+    except Exception:  # that module does not import: the caller reports its error
         return None
+    names = dir(module)  # slow for transformers (half a second): only for a name it does not have
     near = difflib.get_close_matches(attribute, [n for n in names if not n.startswith("_")], n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(f'{module_name}.{n}' for n in near)}?" if near else ""
     return f"{module_name} has no {attribute}{hint}"
