@@ -68,9 +68,7 @@ def launch(
     check: bool = True,
     launcher: tuple[str, ...] = TORCHRUN,
 ):
-    command = launch_command(out, data, nproc, *overrides, launcher=launcher)
-    # A launch that may fail runs under real torchrun: what its agent does with a failed rank is part of the test.
-    return conftest.launch(command, env_extra=env, check=check, real_torchrun=not check)
+    return conftest.launch(launch_command(out, data, nproc, *overrides, launcher=launcher), env_extra=env, check=check)
 
 
 def losses(out: Path) -> list[tuple[int, float]]:

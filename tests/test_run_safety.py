@@ -46,10 +46,13 @@ def torchrun(nproc: int, recipe: str, *overrides: str, **kwargs):
     )
 
 
-def launch(*args: str, nproc: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A recipe launch that may fail: `python RECIPE ARGS...`, or torchrun with `nproc` ranks (`conftest.launch`)."""
+def launch(
+    *args: str, nproc: int | None = None, env: dict | None = None, real_torchrun: bool = False
+) -> subprocess.CompletedProcess:
+    """A recipe launch that may fail: `python RECIPE ARGS...`, or torchrun with `nproc` ranks (`conftest.launch`;
+    `real_torchrun` where the test reads torchrun's own report)."""
     command = [sys.executable, *args] if nproc is None else conftest.torchrun(args[0], *args[1:], nproc=nproc)
-    return conftest.launch(command, env_extra=env, check=False)
+    return conftest.launch(command, env_extra=env, check=False, real_torchrun=real_torchrun)
 
 
 def chats(tmp_path: Path, count: int = 40, name: str = "chats.jsonl") -> Path:
@@ -275,6 +278,7 @@ def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
         "data.max_tokens_per_microbatch=512",
         "data.report_records=0",
         nproc=2,
+        real_torchrun=True,  # its report of the failed rank is part of what the user reads
     )
     assert result.returncode != 0
     message = f"chattune: error: {data} record 18 (line 18): message 1 has role 'wizard'"
