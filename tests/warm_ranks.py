@@ -11,9 +11,8 @@ LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), its own stdout and stderr, and runs the rec
 What it is not: torchrun. No elastic agent, no TORCHELASTIC_* variables, no signal forwarding, no restarts; a
 rank that fails ends the others as torchrun's agent does (SIGTERM, then SIGKILL 30 s later). `conftest.launch`
 uses it for `torchrun(...)` and `python RECIPE` commands (the latter: one process, no torchrun environment)
-whose test reads what the run wrote or said; the README's own torchrun
-launch, and tests of signals, stops, launchers and their reports, run real torchrun (`real_torchrun=True`, or
-their own subprocess)."""
+whose test reads what the run wrote or said; the README's own torchrun launch, Hydra's multirun, and tests of
+signals, stops, launchers and their reports run real torchrun (`real_torchrun=True`, or their own subprocess)."""
 
 from __future__ import annotations
 
@@ -103,12 +102,12 @@ def can_launch(env_extra: dict[str, str]) -> bool:
 def _rank(recipe: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """One rank, in a process forked from the server: torchrun's environment, its own output files, the
     recipe run as `python RECIPE ARGV...` would run it."""
-    if _preloaded_in in (None, os.getpid()):  # this rank imported everything itself: the server preloaded nothing
-        raise RuntimeError("warm_ranks: the forkserver did not preload this module (see `context`)")
     for fd, path in ((1, out), (2, err)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
         os.close(file)
+    if _preloaded_in in (None, os.getpid()):  # this rank imported everything itself: the server preloaded nothing
+        raise RuntimeError("warm_ranks: the forkserver did not preload this module (see `context`)")
     # A forkserver's child has the forkserver start method as its default; a process torchrun starts has the
     # platform's (fork on Linux), which the recipe's loader workers use.
     multiprocessing.set_start_method(None, force=True)
@@ -132,11 +131,10 @@ def launch(
     port = str(free_port())
     processes, files = [], []
     for rank in range(nproc or 1):
-        rank_env = (
-            dict(env)
+        launcher_env = (
+            {}
             if nproc is None
             else {
-                **env,
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(nproc),
@@ -148,7 +146,7 @@ def launch(
         )
         out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
         files.append((out, err))
-        process = ctx.Process(target=_rank, args=(recipe, argv, str(cwd), rank_env, str(out), str(err)))
+        process = ctx.Process(target=_rank, args=(recipe, argv, str(cwd), {**env, **launcher_env}, str(out), str(err)))
         process.start()
         processes.append(process)
     deadline = time.monotonic() + timeout
