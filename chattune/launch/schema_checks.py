@@ -324,12 +324,11 @@ def missing_attribute(name: str) -> str | None:
         module = importlib.import_module(module_name)
     except Exception:  # the module itself does not import: the caller reports that error
         return None
-    try:
-        if hasattr(module, attribute):  # a lazy package (transformers) imports that name's module alone
-            return None
-    except Exception:  # that module does not import: the caller reports its error
+    # Found without importing anything: an attribute already set, or a name transformers' lazy module indexes
+    # (hasattr would import its module: for the scheduler, peft and bitsandbytes, seconds that validate avoids).
+    if attribute in vars(module) or attribute in getattr(module, "_class_to_module", {}):
         return None
-    names = dir(module)  # slow for transformers (half a second): only for a name it does not have
+    names = dir(module)  # half a second for transformers: only for a name it does not have
     near = difflib.get_close_matches(attribute, [n for n in names if not n.startswith("_")], n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(f'{module_name}.{n}' for n in near)}?" if near else ""
     return f"{module_name} has no {attribute}{hint}"
