@@ -8,11 +8,13 @@ forks one process per rank; each rank sets torchrun's environment (RANK, WORLD_S
 LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), its own stdout and stderr, and runs the recipe file as `__main__`, as
 `python recipes/sft.py` would. The ranks are real processes joined by a real gloo group.
 
-What it is not: torchrun. No elastic agent, no TORCHELASTIC_* variables, no signal forwarding, no restarts; a
-rank that fails ends the others as torchrun's agent does (SIGTERM, then SIGKILL 30 s later). `conftest.launch`
-uses it for `torchrun(...)` and `python RECIPE` commands (the latter: one process, no torchrun environment)
-whose test reads what the run wrote or said; the README's own torchrun launch, Hydra's multirun, and tests of
-signals, stops, launchers and their reports run real torchrun (`real_torchrun=True`, or their own subprocess)."""
+What it is not: torchrun. The launcher holds the group's key-value store, as torchrun's agent does (so a
+rank's error note outlives the rank), but there is no elastic agent, no TORCHELASTIC_* variables beyond the
+one that says so, no signal forwarding, no restarts; a rank that fails ends the others as torchrun's agent
+does (SIGTERM, then SIGKILL 30 s later). `conftest.launch` uses it for `torchrun(...)` and `python RECIPE`
+commands (the latter: one process, no torchrun environment) whose test reads what the run wrote or said;
+the README's own torchrun launch, Hydra's multirun, and tests of signals, stops, launchers and their reports
+run real torchrun (`real_torchrun=True`, or their own subprocess)."""
 
 from __future__ import annotations
 
@@ -125,10 +127,12 @@ def launch(
     """Run `recipe` on `nproc` ranks from `cwd` (None: one process without torchrun's environment, as `python
     RECIPE` runs); (exit status, stdout, stderr), each rank's output in rank order (each rank's files under
     `logs`, an existing directory). A rank that fails ends the others, as torchrun's agent does."""
-    from chattune.distributed import free_port
+    import torch.distributed as dist
 
     ctx = context()
-    port = str(free_port())
+    # The group's key-value store lives here, in the launcher, as torchrun's agent holds it: it outlives any rank,
+    # so a rank that reports an error and exits leaves its note for the others (chattune.errors).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nproc else None
     processes, files = [], []
     for rank in range(nproc or 1):
         launcher_env = (
@@ -141,7 +145,8 @@ def launch(
                 "LOCAL_WORLD_SIZE": str(nproc),
                 "GROUP_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
+                "MASTER_PORT": str(store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
             }
         )
         out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
@@ -164,6 +169,7 @@ def launch(
         time.sleep(0.05)
     for p in processes:
         p.join()
+    del store  # its server stops with the last rank
     status = status or next((p.exitcode for p in processes if p.exitcode), 0) or (-9 if timed_out else 0)
     stdout = "".join(out.read_text(errors="replace") for out, _ in files if out.exists())
     stderr = "".join(err.read_text(errors="replace") for _, err in files if err.exists())
