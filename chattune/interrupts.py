@@ -3,9 +3,13 @@ in, saves a checkpoint and exits (status `EXIT_CODE`), and its relaunch continue
 
 Schedulers stop a job with a signal and a grace period: SLURM and Kubernetes send SIGTERM (SLURM's
 `--signal=USR1@SECONDS` sends SIGUSR1 ahead of the time limit), a terminal sends SIGINT. The handlers here
-only take note (`requested`): the training loop carries the note in the step's existing all-reduce, so
-every rank stops after the same step even when the signal reached them at different steps
-(`chattune.train.step`), then saves and raises `Preempted`, which ends the process with `EXIT_CODE`.
+only take note (`requested`). Every rank must stop after the same step, even when the signal reached them
+at different times, and a stop must never start a step: the step's existing all-reduce carries the note of a
+signal that came while the step computed (read after its backward, `chattune.train.step`), and a CPU
+all-reduce before each step (`StopVote`) the note of one that came after (in the optimizer's step, an
+evaluation, a save). The loop then saves the last step's checkpoint and raises `Preempted`, which ends the
+process with `EXIT_CODE`. A signal during the run's last step lets it finish: the export follows, and the
+run ends complete (status 0).
 
 - A second SIGTERM is ignored: under torchrun a worker can get two (torchrun passes its own on, and a dying
   launcher sends another through PR_SET_PDEATHSIG), and the save must not be cut short.
@@ -31,6 +35,8 @@ import signal
 import sys
 import threading
 
+from chattune.streams import discard
+
 EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
 STOP_DEADLINE_S = 600.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -53,7 +59,10 @@ def _write(text: str) -> None:
     """One line on stderr from the first rank only (every rank gets the signal). os.write: async-signal-safe,
     unlike logging or print, whose locks the signal may have interrupted."""
     if os.environ.get("RANK", "0") == "0":
-        os.write(2, text.encode())
+        try:
+            os.write(2, text.encode())
+        except OSError:  # nobody reads stderr any more (a `| tee` killed by the same Ctrl-C): the stop goes on
+            discard(2)
 
 
 def _handle(signum: int, frame) -> None:
@@ -119,6 +128,32 @@ def exit_code(code: int) -> int:
 def requested() -> int | None:
     """The first stop signal this process received, or None."""
     return _requested
+
+
+class StopVote:
+    """Collective: whether any rank has received a stop signal, agreed before a step starts. The step's own
+    all-reduce carries a signal that arrives while it computes (`chattune.train.step`); one that arrives after
+    it (in the optimizer's step, an evaluation, a save) is found here, so the run stops with the last step's
+    checkpoint instead of training one more. Over a CPU (gloo) group: one scalar, and on CUDA no wait for the
+    device, whose queue still holds the last step's optimizer. Collective to create."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def __call__(self) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        local = _requested is not None
+        if self._group is None:
+            return local
+        votes = torch.tensor([float(local)])
+        dist.all_reduce(votes, group=self._group)
+        return votes.item() > 0
 
 
 def signal_name(signum: int | None) -> str:

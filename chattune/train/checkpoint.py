@@ -352,6 +352,10 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or self.horizon.stops_after(step)
 
+    def holds(self, step: int) -> bool:
+        """Whether this run saved the checkpoint of `step`."""
+        return self.last_saved is not None and self.last_saved.name == f"step_{step}"
+
     def save(self, step: int) -> Path:
         """Collective: the checkpoint of `step` (copied and left to the background with save_async)."""
         self.last_started = time.perf_counter()

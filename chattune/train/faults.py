@@ -6,7 +6,8 @@
   after, which is exactly what preemption and OOM-killers do.
 - `CHATTUNE_SLOW_AT=step:N:SECONDS` makes every rank sleep that long in the middle of step N: a step longer
   than a launcher's grace period (torchrun kills its workers 30 s after passing a signal on), without a
-  model that slow.
+  model that slow. `after_step:N:SECONDS` sleeps after step N instead (its metrics logged, before a save),
+  where a long save or evaluation would take the time.
 """
 
 from __future__ import annotations

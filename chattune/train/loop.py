@@ -92,18 +92,32 @@ def train(
     for step in range(run.start_step + 1, cfg.max_steps + 1):
         if feed.finished:  # resumed after the last epoch
             break
+        # A stop signal that came after the last step's all-reduce stops the run here, with that step's
+        # checkpoint: a stop never starts a step. (A fresh run's first step starts regardless: nothing is
+        # trained yet to save, and a stop during the set-up is cheaper to finish than to relaunch.)
+        if step > 1 and run.horizon.stops_before(step):
+            return stop(run, step - 1)
         update = run.updates.run(step)
         run.horizon.hear(update.result.stop_ranks)  # a stop signal on any rank (agreed in the step's all-reduce)
-        evaluating = evaluator.due(step)  # (collective: every rank decides alike)
+        stopping = run.horizon.signalled
+        evaluating = evaluator.due(step) and not stopping  # (collective: every rank decides alike)
+        if stopping and evaluator.due(step):  # the grace period is for the checkpoint
+            logger.info("step %d: held-out evaluation skipped, stopping on a signal", step)
         if metric_logger.due(step) or evaluating or update.mixing:
             metric_logger.log({**run.updates.metrics(update), **(evaluator.held_out(step) if evaluating else {})})
         if evaluating:
             evaluator.sample(step)
         run.progress.update(step, metric_logger.last)
+        maybe_slow("after_step", step)  # fault injection: work after the step's all-reduce, as a long save takes
         if checkpointer.due(step):
             checkpointer.save(step)
-        if run.horizon.stops_after(step):
+        if run.horizon.stops_after(step) and not run.horizon.is_last(step):
             return stop(run, step)
+        if stopping:  # the last step: the run is complete, and its export is what a relaunch would have done
+            logger.info(
+                "%s during the last step: the run is complete, exporting",
+                interrupts.signal_name(interrupts.requested()),
+            )
         if feed.finished:
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
             break
@@ -163,7 +177,7 @@ class UpdateSteps:
             batches,
             UpdateRule(learning.optimizer, learning.scheduler, self.cfg.max_grad_norm, self.loss_scale),
             self.device,
-            stop=interrupts.requested() is not None,
+            stop_requested=lambda: interrupts.requested() is not None,
         )
         self.timer.stop()
         closed_epochs = feed.close_step(result.ranks_at_epoch_end)
@@ -270,7 +284,7 @@ def set_up(
     start_step = resume_training(start.resume_from, start.accepted, state) if resumed else 0
     if resumed:
         logger.info("resumed from %s at step %d (epoch %d)", start.resume_from, start_step, feed.epoch)
-    horizon = Horizon(cfg.max_steps, cfg.stop_after_step, feed)
+    horizon = Horizon(cfg.max_steps, cfg.stop_after_step, feed, interrupts.StopVote())
     metric_logger = MetricLogger(
         str(output_dir),
         dist_info.is_main,
@@ -324,15 +338,22 @@ def set_up(
 def stop(run: Run, step: int) -> None:
     """Collective: the end of a run that stops after `step` to be continued (stop_after_step, a stop signal),
     its checkpoint saved: committed, and the run's files closed. A stop signal raises `interrupts.Preempted`."""
-    run.checkpointer.close()  # the checkpoint is committed before the job's slice ends
+    checkpointer = run.checkpointer
+    if step > run.start_step and not checkpointer.holds(step):  # stopped before a step: the last one's checkpoint
+        checkpointer.save(step)
+    checkpointer.close()  # the checkpoint is committed before the job's slice ends
     run.progress.close()
     run.metric_logger.close()
     release_output_dir()
     if run.horizon.signalled:  # every rank stops here, after the same step
+        saved = (
+            f"checkpoint {checkpointer.last_saved} saved in {time.perf_counter() - checkpointer.last_started:.1f} s"
+            if step > run.start_step
+            else "nothing trained since the checkpoint it resumed from"
+        )
         raise interrupts.Preempted(
-            f"stopped by {interrupts.signal_name(interrupts.requested())} after step {step}: checkpoint "
-            f"{run.checkpointer.last_saved} saved in {time.perf_counter() - run.checkpointer.last_started:.1f} s; run "
-            "the same command again to continue"
+            f"stopped by {interrupts.signal_name(interrupts.requested())} after step {step}: {saved}; run the same "
+            "command again to continue"
         )
     logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
 

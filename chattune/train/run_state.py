@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -232,13 +232,26 @@ class Horizon:
     or a stop after this step: `stop_after_step`, or a stop signal that any rank received (`hear`, from the
     step's all-reduce)."""
 
-    def __init__(self, max_steps: int, stop_after_step: int | None, feed: StepFeed):
-        self.max_steps, self.stop_after_step, self.feed = max_steps, stop_after_step, feed
+    def __init__(
+        self,
+        max_steps: int,
+        stop_after_step: int | None,
+        feed: StepFeed,
+        stop_vote: Callable[[], bool] | None = None,
+    ):
+        self.max_steps, self.stop_after_step, self.feed, self.stop_vote = max_steps, stop_after_step, feed, stop_vote
         self.signalled = False
 
     def hear(self, stop_ranks: int) -> None:
         """After a step: `stop_ranks` ranks received a stop signal (agreed in the step's all-reduce)."""
         self.signalled = stop_ranks > 0
+
+    def stops_before(self, step: int) -> bool:
+        """Collective: whether the run stops before starting `step`, after the one before: a stop signal that
+        reached any rank since that step's all-reduce (`stop_vote`, `chattune.interrupts.StopVote`)."""
+        if not self.signalled and self.stop_vote is not None:
+            self.signalled = self.stop_vote()
+        return self.signalled
 
     def is_last(self, step: int) -> bool:
         """Whether `step` is the run's last (max_steps, or the last epoch's end)."""

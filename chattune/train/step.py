@@ -30,7 +30,7 @@ only on the steps that log, the step timer's event and the metrics' reductions (
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -157,13 +157,18 @@ def accumulate_gradients(
 
 
 def _clip_on_device(
-    model: nn.Module, max_norm: float | None, local_loss_finite: torch.Tensor, loss_scale: float, stop: bool = False
+    model: nn.Module,
+    max_norm: float | None,
+    local_loss_finite: torch.Tensor,
+    loss_scale: float,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`clip_gradients` with its results left on the device: (total norm, NaN where any rank's loss is not
     finite; whether every rank's loss was finite; how many ranks asked to stop). Nothing here waits for the
     device: the gradients are unscaled and clipped whatever the norm (with a non-finite norm they become NaN,
-    and the step is skipped). The same all-reduce carries `stop`, this rank's stop request: the step's end is
-    where every rank agrees to stop, its data already in hand."""
+    and the step is skipped). The same all-reduce carries this rank's stop request, asked of `stop_requested`
+    now, after the backward: a signal that arrived while the step computed stops the run after this step, not
+    the next one (read at the step's start, it made a stop run one more whole step)."""
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     mesh = current_mesh()
@@ -172,6 +177,7 @@ def _clip_on_device(
         raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
+    stop = stop_requested is not None and stop_requested()
     stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
     sums = all_reduce_sum(
         torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(), stop_flag]),
@@ -251,7 +257,7 @@ def train_step(
     batches: StepBatches,
     update: UpdateRule,
     device: torch.device,
-    stop: bool = False,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> tuple[StepResult, float]:
     """One optimizer step: gradients, clipping, optimizer and scheduler (`update`). Returns the step and grad norm.
 
@@ -259,12 +265,13 @@ def train_step(
     the parameters and optimizer state stay as they were (the schedule still advances with the step
     number). `result.overflow` tells an fp16 overflow (handled by `update.loss_scale`: the step is retried at
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
-    on or stop. `stop`: this rank received a stop signal; `result.stop_ranks` counts the ranks that did."""
+    on or stop. `stop_requested`: whether this rank has received a stop signal, asked after the backward;
+    `result.stop_ranks` counts the ranks that had."""
     optimizer, scheduler = update.optimizer, update.scheduler
     loss_scale = update.loss_scale or LossScale(enabled=False)
     sums = _forward_backward(model, objective, batches, device, loss_scale.scale)
     total_norm, losses_finite, stop_ranks = _clip_on_device(
-        model, update.max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale, stop
+        model, update.max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale, stop_requested
     )
     # The step's one device-to-host transfer: its sums, counts, gradient norm and finiteness together. The
     # optimizer's step below is the one decision that needs them on the host.
