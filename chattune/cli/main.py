@@ -25,12 +25,14 @@ from pathlib import Path
 
 from chattune.config.paths import CONFIG_DIR
 from chattune.errors import UserError
+from chattune.streams import keep_writing
 
 DEFAULT_CONFIG = "sft/tiny"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    keep_writing()  # `chattune run ... | tee log`: a launcher whose reader died must still wait for its workers
     if argv[:1] == ["run"]:  # torchrun's own options and the recipe's overrides, passed on as they are
         return _run(argv[1:])
     parser = build_parser()

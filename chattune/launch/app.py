@@ -32,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from chattune import interrupts
+from chattune import interrupts, streams
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import report_errors, write_error_file
@@ -132,6 +132,7 @@ def recipe_main(
 
         @functools.wraps(task)
         def launch() -> None:
+            streams.keep_writing()  # a log reader that dies (`| tee` on Ctrl-C) must not take the run with it
             interrupts.install()  # a signal from here on stops the run after a step, with a checkpoint
             with report_errors():
                 sys.argv = with_absolute_config_path(sys.argv, recipe_file)

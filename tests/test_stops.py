@@ -1,0 +1,168 @@
+"""A stop never starts a step, ends a run whose last step it interrupts with the export, and survives a log
+reader that died with the same Ctrl-C (`chattune.interrupts`, `chattune.streams`). Steps of known length come
+from fault injection (`CHATTUNE_SLOW_AT`); the signals reach real processes as a scheduler's or a terminal's
+would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_run_safety import SMALL, chats, steps
+
+from chattune.streams import ReaderGoneTolerant
+from conftest import PROJECT_ROOT, free_port
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+LONG = [*SMALL, "max_steps=40", "save_every=0"]
+
+
+def _start(command: list[str], tmp_path: Path, slow: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTUNE_SLOW_AT": slow}
+    popen.setdefault("stdout", open(tmp_path / "run.log", "w"))  # noqa: SIM115 (closed with the test's tmp_path)
+    popen.setdefault("stderr", subprocess.STDOUT)
+    return subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, **popen)
+
+
+def _until_step_logged(process: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((out / "metrics.jsonl").is_file() and step in steps(out)):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the signal"
+        time.sleep(0.1)
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").is_dir() else []
+
+
+def _workers(launcher: int) -> list[int]:
+    """The launcher's child processes (torchrun's workers)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.launch
+def test_a_signal_during_a_step_stops_after_that_step_not_the_next(tmp_path):
+    """Step 3 takes 10 s; SIGTERM 4 s into it. The stop used to read the signal only at the next step's start,
+    and trained step 4 before saving."""
+    out = tmp_path / "run"
+    command = [sys.executable, "recipes/sft.py", f"output_dir={out}", f"data.train=[{chats(tmp_path)}]", *LONG]
+    process = _start(command, tmp_path, "step:3:10")
+    _until_step_logged(process, out, 2)
+    time.sleep(4)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 75, (tmp_path / "run.log").read_text()[-3000:]
+    assert steps(out) == [1, 2, 3] and _checkpoints(out) == ["step_3"]
+
+
+@pytest.mark.launch
+def test_a_signal_to_one_rank_after_a_step_stops_every_rank_before_the_next(tmp_path):
+    """After step 2's all-reduce (and its metrics line) the ranks spend 10 s, as a long evaluation or save
+    would; one rank alone gets SIGTERM then. Both stop before step 3, with step 2's checkpoint: the vote
+    before each step, not the step's own all-reduce (which would have trained step 3 first)."""
+    out = tmp_path / "run"
+    command = [
+        *TORCHRUN,
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "recipes/sft.py",
+        f"output_dir={out}",
+        f"data.train=[{chats(tmp_path)}]",
+        *LONG,
+    ]
+    process = _start(command, tmp_path, "after_step:2:10")
+    _until_step_logged(process, out, 2)
+    time.sleep(3)
+    workers = _workers(process.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGTERM)
+    process.wait(timeout=120)  # torchrun reports its workers' status 75 as a failure: the files are the verdict
+    log = (tmp_path / "run.log").read_text()
+    assert steps(out) == [1, 2] and _checkpoints(out) == ["step_2"], log[-3000:]
+    assert f"chattune: stopped by a signal (on another rank) after step 2: checkpoint {out}/checkpoints/step_2" in log
+
+
+@pytest.mark.launch
+def test_a_signal_during_the_last_step_finishes_the_run_with_its_export(tmp_path):
+    """Ctrl-C in the last step used to save, exit 75 and skip the export: a relaunch only to export."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "recipes/sft.py",
+        f"output_dir={out}",
+        f"data.train=[{chats(tmp_path)}]",
+        *SMALL,
+        "max_steps=3",
+        "save_every=0",
+    ]
+    process = _start(command, tmp_path, "step:3:10")
+    _until_step_logged(process, out, 2)
+    time.sleep(4)
+    process.send_signal(signal.SIGINT)
+    log_path = tmp_path / "run.log"
+    assert process.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    log = log_path.read_text()
+    assert "SIGINT during the last step: the run is complete, exporting" in log
+    assert (out / "hf" / "config.json").is_file() and _checkpoints(out) == ["step_3"]
+    assert steps(out) == [1, 2, 3]
+
+
+@pytest.mark.launch
+def test_ctrl_c_with_the_log_piped_to_tee_saves_and_exits_75(tmp_path):
+    """`chattune run ... 2>&1 | tee log`, Ctrl-C: the terminal's SIGINT kills tee as well, and every later write
+    to the pipe failed. The signal note raised in the workers' handler and they died: no checkpoint, the lock
+    left behind. Here tee dies first, then the launcher gets its SIGINT."""
+    out = tmp_path / "run"
+    tee = subprocess.Popen(["tee", str(tmp_path / "tee.log")], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "chattune.cli.main",
+        "run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "recipes/sft.py",
+        f"output_dir={out}",
+        f"data.train=[{chats(tmp_path)}]",
+        *LONG,
+    ]
+    process = _start(command, tmp_path, "step:3:10", stdout=tee.stdin, stderr=subprocess.STDOUT)
+    tee.stdin.close()  # the pipe's writers are the launcher and its workers alone
+    _until_step_logged(process, out, 2)
+    tee.send_signal(signal.SIGINT)
+    tee.wait(timeout=10)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 75
+    saved = _checkpoints(out)
+    assert len(saved) == 1 and saved[0] in ("step_2", "step_3"), saved
+    assert not (out / ".chattune.lock").exists(), "the stopped run left its lock behind"
+    assert "Traceback" not in (tmp_path / "tee.log").read_text()
+
+
+def test_a_write_to_a_pipe_nobody_reads_is_dropped_and_later_writes_go_to_dev_null():
+    read_end, write_end = os.pipe()
+    stream = ReaderGoneTolerant(os.fdopen(write_end, "w", buffering=1))
+    stream.write("read\n")
+    assert os.read(read_end, 100) == b"read\n"
+    os.close(read_end)  # the reader is gone
+    stream.write("lost\n")  # would raise BrokenPipeError
+    stream.flush()
+    assert os.readlink(f"/proc/self/fd/{write_end}") == "/dev/null"
+    print("still written", file=stream, flush=True)
+    stream.close()
