@@ -800,3 +800,47 @@ def test_a_held_out_split_that_is_never_evaluated_is_a_note(tmp_path):
     )
     report, _ = run_validate("sft/tiny", [f"output_dir={tmp_path}", "data.eval_split=0.1"], CONFIGS)
     assert "eval_split" not in report
+
+
+QWEN3_MOE = (
+    "{_target_: transformers.Qwen3MoeConfig, hidden_size: 64, intermediate_size: 128, moe_intermediate_size: 32, "
+    "num_experts: 4, num_experts_per_tok: 2, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2}"
+)
+# (override, the key it sets, what that key must then hold: the section given whole replaces the section;
+# a dict without _target_ and single keys merge into it, as Hydra does)
+SECTION_FORMS = [
+    (f"model.config={QWEN3_MOE}", "model.config", OmegaConf.to_container(OmegaConf.create(QWEN3_MOE))),
+    (f"+model.config={QWEN3_MOE}", "model.config", OmegaConf.to_container(OmegaConf.create(QWEN3_MOE))),
+    (
+        "optimizer={_target_: torch.optim.SGD, _partial_: true, lr: 0.1}",
+        "optimizer",
+        {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+    ),
+    ("model.config.hidden_size=96", "model.config.hidden_size", 96),
+    ("model.config={hidden_size: 96}", "model.config.num_hidden_layers", 4),  # merged: sft/tiny's other keys stay
+]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "override,key,expected", SECTION_FORMS, ids=[f[0].split("=")[0] + str(i) for i, f in enumerate(SECTION_FORMS)]
+)
+def test_a_section_given_whole_replaces_it_in_validate_and_the_launch_alike(tmp_path, override, key, expected):
+    """`model.config={_target_: transformers.Qwen3MoeConfig, ...}` used to be refused ("not in the config"), and
+    the suggested `+model.config=` merged into sft/tiny's Llama keys (its num_experts_per_tok stayed 8)."""
+    from chattune.launch.compose import compose_reporting
+    from chattune.launch.findings import Findings
+
+    findings = Findings()
+    validated, _ = compose_reporting("sft/tiny", [override], CONFIGS, findings)
+    assert not findings.problems, findings.problems
+    value = OmegaConf.select(validated, key)
+    assert (OmegaConf.to_container(value) if isinstance(value, DictConfig) else value) == expected
+    # What the recipe's launch composes (Hydra's own --cfg job prints it), from the same command line.
+    import conftest
+
+    shown = conftest.launch([sys.executable, "recipes/sft.py", "--cfg", "job", override])
+    launched = OmegaConf.create(shown.stdout)
+    assert OmegaConf.to_container(launched, resolve=False) == OmegaConf.to_container(validated, resolve=False)
+    report, ok = run_validate("sft/tiny", [override, f"output_dir={tmp_path}"], CONFIGS)
+    assert ok, report

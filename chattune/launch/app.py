@@ -36,7 +36,7 @@ from chattune import interrupts, streams
 from chattune.config.paths import CONFIG_DIR, resolve_config_path
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import report_errors, write_error_file
-from chattune.launch.compose import composed
+from chattune.launch.compose import composed, whole_section_key, whole_sections
 from chattune.launch.findings import ConfigError
 from chattune.launch.recipe_kinds import RECIPE_KIND_ATTRIBUTE, RecipeKind
 from chattune.launch.run_rules import output_dir_problem
@@ -56,6 +56,28 @@ def with_absolute_config_path(argv: list[str], recipe_file: Path) -> list[str]:
         if flag in CONFIG_PATH_FLAGS and (equals or argv):
             value = value if equals else argv.pop(0)
             out += [flag, str(resolve_config_path(value, recipe_file))]
+        else:
+            out.append(word)
+    return out
+
+
+def with_whole_sections(argv: list[str], default_config: str) -> list[str]:
+    """`argv` with each `_target_` section given whole (`model.config={_target_: ..., ...}`) replacing the
+    section, as `chattune validate` composes it (`chattune.launch.compose.whole_sections`): `~KEY +KEY=VALUE`
+    for Hydra, which would merge it. argv[1:]'s --config-path already absolute."""
+    if not any("_target_" in word for word in argv[1:]):
+        return argv
+    args = get_args_parser().parse_args(argv[1:])  # (with --cfg job too: it shows what would run)
+    config_path = Path(args.config_path) if args.config_path else CONFIG_DIR
+    config_dir = Path(args.config_dir) if args.config_dir else None
+    if not config_path.is_dir() or (config_dir is not None and not config_dir.is_dir()):
+        return argv  # check_command_line reports it
+    expanded = whole_sections(args.config_name or default_config, args.overrides, config_path, config_dir)
+    out = [argv[0]]
+    for word in argv[1:]:
+        key = whole_section_key(word) if word in args.overrides else None
+        if key is not None and f"~{key}" in expanded and f"~{key}" not in args.overrides:
+            out += [f"~{key}", f"+{key}={word.split('=', 1)[1]}"]
         else:
             out.append(word)
     return out
@@ -136,6 +158,7 @@ def recipe_main(
             interrupts.install()  # a signal from here on stops the run after a step, with a checkpoint
             with report_errors():
                 sys.argv = with_absolute_config_path(sys.argv, recipe_file)
+                sys.argv = with_whole_sections(sys.argv, config_name)
                 check_command_line(sys.argv, config_name, kind)
             try:
                 app()

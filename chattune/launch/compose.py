@@ -46,8 +46,52 @@ def composed(
 ) -> DictConfig | None:
     """The config as Hydra composes it from this command line (a recipe's launch does exactly this first), or
     None where Hydra cannot."""
+    overrides = whole_sections(config_name, overrides, config_path, config_dir)
     with hydra_search_path(config_path, config_dir):
         return _try_compose(config_name, overrides)[0]
+
+
+def whole_sections(
+    config_name: str, overrides: list[str], config_path: Path, config_dir: Path | None = None
+) -> list[str]:
+    """`overrides` with each `_target_` section given whole (`model.config={_target_: transformers.Qwen3MoeConfig,
+    hidden_size: 64, ...}`, with or without `+`) made to replace the section it names, as the user means it:
+    Hydra merges a dict into a section, so the old class's other arguments stayed (a Llama config's
+    `num_experts_per_tok` under a Qwen3-MoE class) and a key the old section lacked was refused. Such an
+    override becomes `~KEY +KEY=VALUE`; every other override stays as it is. The recipe's launch and
+    `chattune validate` both compose through this, so they agree."""
+    given = {i: key for i, override in enumerate(overrides) if (key := whole_section_key(override)) is not None}
+    if not given:
+        return list(overrides)
+    with hydra_search_path(config_path, config_dir):
+        base, _ = _try_compose(config_name, [o for i, o in enumerate(overrides) if i not in given])
+    if base is None:  # the other overrides fail: they are reported as they are
+        return list(overrides)
+    out: list[str] = []
+    for i, override in enumerate(overrides):
+        key = given.get(i)
+        if key is not None and isinstance(OmegaConf.select(base, key, throw_on_missing=False), DictConfig):
+            out += [f"~{key}", f"+{key}={override.split('=', 1)[1]}"]
+        else:
+            out.append(override)
+    return out
+
+
+def whole_section_key(override: str) -> str | None:
+    """The key of `KEY={_target_: ..., ...}` or `+KEY={...}` (an object given whole), else None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    if "=" not in override or "_target_" not in override:
+        return None
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except HydraException:  # reported where it is composed
+        return None
+    if parsed.type not in (OverrideType.CHANGE, OverrideType.ADD) or parsed.is_sweep_override():
+        return None
+    value = parsed.value()
+    return parsed.key_or_group if isinstance(value, dict) and "_target_" in value else None
 
 
 def compose_reporting(
@@ -66,6 +110,7 @@ def compose_reporting(
             )
             findings.problem(flag, f"{directory} is not a directory{hint}")
             return None, added
+    overrides = whole_sections(config_name, overrides, config_path, config_dir)
     with hydra_search_path(config_path, config_dir):
         cfg, _ = _try_compose(config_name, overrides)
         if cfg is not None:
