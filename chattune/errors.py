@@ -90,6 +90,18 @@ def _peer_reported(store, error: BaseException) -> bool:
         return True
 
 
+def peer_reported() -> bool:
+    """Whether another rank has left the note that it reported why the run stops (an error, a bug): a SIGTERM
+    that follows is torchrun's agent ending this rank because that one failed, not a stop to save for."""
+    store = _note_store()
+    if store is None:
+        return False
+    try:
+        return store.check([NOTE])
+    except RuntimeError:  # the store is gone with its host
+        return False
+
+
 def write_error_file(message: str) -> None:
     """torchrun's failure report shows this rank's TORCHELASTIC_ERROR_FILE as its "traceback" (instead of
     a link to its docs). Written whole, atomically: torchrun fails on a partial file."""

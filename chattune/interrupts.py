@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 
+from chattune import errors
 from chattune.streams import discard
 
 EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
@@ -68,6 +69,10 @@ def _write(text: str) -> None:
 def _handle(signum: int, frame) -> None:
     global _requested
     name = signal.Signals(signum).name
+    if _requested is None and signum == signal.SIGTERM and errors.peer_reported():
+        # torchrun's agent ends the ranks that are left after one failed: that rank's report is the one to read
+        errors.write_error_file("stopped: another rank reported the error")
+        os._exit(errors.EXIT_CODE)
     if _requested is None:
         _requested = signum
         again = " (Ctrl-C again to exit at once, without saving)" if signum == signal.SIGINT else ""
