@@ -5,6 +5,7 @@ the trained model's held-out loss, computed the plain way; the DPO reference is 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -199,6 +200,14 @@ def test_sft_lora_resumes_exactly_and_exports_what_it_trained(tmp_path, base_dir
     from peft import PeftModel
 
     sft(tmp_path / "straight", base_dir, "export.merge=true")
+    # `chattune export` of the last checkpoint writes what the run's end wrote: the adapter and the merged model
+    exported = launch(
+        [sys.executable, "-m", "chattune.cli.main", "export", str(tmp_path / "straight"), "--to", str(tmp_path / "x")]
+    )
+    for name in ("adapter", "hf"):
+        written, ended = tmp_path / "x" / name, tmp_path / "straight" / name
+        assert sorted(p.name for p in written.iterdir()) == sorted(p.name for p in ended.iterdir()), exported.stderr
+        assert all((written / p.name).read_bytes() == p.read_bytes() for p in ended.iterdir()), name
     sft(tmp_path / "resumed", base_dir, "stop_after_step=4")
     saved = FileSystemReader(str(tmp_path / "resumed" / "checkpoints" / "step_4")).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]

@@ -7,6 +7,7 @@
     chattune prepare [CONFIG] [key=value ...]     tokenize its data once into token caches, before a big job
     chattune plot OUTPUT_DIR [...] [--out FILE]   training curves of one or more runs, overlaid, as a PNG
     chattune chat DIR [--prompts FILE] [...]      talk to an exported model (hf/, adapter/ or a run's output_dir)
+    chattune export CHECKPOINT [--to DIR]         a checkpoint's model as the end of its run exports it (hf/, adapter/)
     chattune run [TORCHRUN OPTIONS] RECIPE [...]  torchrun that lets a stopping run finish its save (SIGTERM,
                                                   Ctrl-C) however long it takes, and exits 75 without a traceback
     chattune --version                            the installed version
@@ -126,6 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(chat)
     chat.set_defaults(handler=_chat)
+
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model as the end of its run would (hf/, adapter/), e.g. of a stopped run"
+    )
+    export.add_argument(
+        "checkpoint", metavar="CHECKPOINT", type=Path, help="OUTPUT_DIR/checkpoints/step_N, or OUTPUT_DIR: its newest"
+    )
+    export.add_argument(
+        "--to",
+        type=Path,
+        default=None,
+        help="directory to write hf/ (and adapter/) into (default: OUTPUT_DIR/exports/step_N)",
+    )
+    export.set_defaults(handler=_export)
 
     # (listed for --help; `main` hands its arguments to torchrun's parser unread)
     commands.add_parser(
@@ -247,6 +262,18 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     return run_chat(args)
+
+
+def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.cli.export import export_checkpoint
+    from chattune.log import setup_logging
+
+    setup_logging(0)
+    written = export_checkpoint(args.checkpoint, args.to)
+    for name, path in written.items():
+        print(f"chattune export: {name}: {path}", file=sys.stderr)
+    print(f"talk to it: chattune chat {written.get('hf', written.get('adapter'))}", file=sys.stderr)
+    return 0
 
 
 def _run(argv: list[str]) -> int:

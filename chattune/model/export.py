@@ -262,6 +262,22 @@ def send_and_wait(rows: torch.Tensor, group: dist.ProcessGroup) -> None:
         torch.cuda.current_stream(rows.device).synchronize()  # `send` made this stream wait for the transfer
 
 
+def export_run(cfg, built, tokenizer: PreTrainedTokenizerBase, directory: Path, is_main: bool) -> dict[str, Path]:
+    """Collective: what the end of a run writes into `directory` (its output_dir), as `cfg.export` says: with
+    LoRA the adapter directory `adapter/`, and without LoRA or with export.merge the Hugging Face directory
+    `hf/` in export.dtype (auto: the source's). `built`: the run's `BuiltModel`. Returns what was written,
+    by name ("adapter", "hf"). The end of a run and `chattune export CHECKPOINT` both write through this."""
+    written: dict[str, Path] = {}
+    if built.peft_model is not None:
+        written["adapter"] = directory / "adapter"
+        export_adapter(built.model, built.peft_model, tokenizer, written["adapter"], is_main, cfg.model.path)
+    if built.peft_model is None or cfg.export.merge:
+        written["hf"] = directory / "hf"
+        dtype = export_dtype(cfg.export.dtype, built.model.source_dtype)
+        export_hf(built.model, tokenizer, written["hf"], is_main, dtype)  # adapters merged, if any
+    return written
+
+
 def export_hf(
     model: PackedCausalLM,
     tokenizer: PreTrainedTokenizerBase,
@@ -378,6 +394,8 @@ def export_adapter(
         config.revision = revision or None
     else:
         config.base_model_name_or_path = base_path
+    if isinstance(config.target_modules, set):  # in hash order, which differs from process to process
+        config.target_modules = sorted(config.target_modules)
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     _publish(staging, directory)

@@ -36,7 +36,7 @@ from chattune.data.sources import row_budget
 from chattune.distributed import DistInfo, counts_rows, reduce_sums
 from chattune.errors import UserError
 from chattune.model.build import BuiltModel
-from chattune.model.export import export_adapter, export_dtype, export_hf
+from chattune.model.export import export_run
 from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.fsdp import compiled_graphs
 from chattune.objectives.base import Objective
@@ -363,7 +363,7 @@ def finish(
 ) -> None:
     """Collective: the end of a run that reached its last step: the records skipped over the run, the last
     checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory)."""
-    device, output_dir, peft_model = dist_info.device, Path(cfg.output_dir), built.peft_model
+    device, output_dir = dist_info.device, Path(cfg.output_dir)
     skipped = reduce_sums(run.updates.feed.skipped, device)
     logger.info(
         "training records over all ranks and epochs: skipped %s; over the budget and kept %s",
@@ -373,17 +373,12 @@ def finish(
 
     run.checkpointer.close()
     metric_logger = run.metric_logger
-    # --- save: a Hugging Face directory that loads without chattune ---
-    dtype = export_dtype(cfg.export.dtype, built.model.source_dtype)
-    if peft_model is not None:
-        export_adapter(built.model, peft_model, tokenizer, output_dir / "adapter", dist_info.is_main, cfg.model.path)
-        metric_logger.log_summary({"adapter_dir": str((output_dir / "adapter").resolve())})
-    if peft_model is None or cfg.export.merge:
-        export_hf(built.model, tokenizer, output_dir / "hf", dist_info.is_main, dtype)  # adapters merged, if any
-        metric_logger.log_summary({"hf_dir": str((output_dir / "hf").resolve())})
+    # --- save: a Hugging Face directory that loads without chattune (and with LoRA, the adapter directory) ---
+    written = export_run(cfg, built, tokenizer, output_dir, dist_info.is_main)
+    metric_logger.log_summary({f"{name}_dir": str(path.resolve()) for name, path in written.items()})
     metric_logger.close()
     release_output_dir()
-    exported = output_dir / ("hf" if peft_model is None or cfg.export.merge else "adapter")
+    exported = written.get("hf", written.get("adapter"))
     logger.info(
         "done: %s (talk to it: chattune chat %s; its curves: chattune plot %s)", exported, output_dir, output_dir
     )

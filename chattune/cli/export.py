@@ -1,0 +1,101 @@
+"""`chattune export CHECKPOINT [--to DIR]`: a checkpoint's model as the end of its run would have exported it.
+
+A run that stopped (preempted, `stop_after_step`, a crash) has checkpoints but no `hf/`; a run that finished
+has the last step's export only. This writes any committed checkpoint's weights the way the run's end does
+(`chattune.model.export.export_run`): the Hugging Face directory `hf/` in export.dtype (auto: the source's),
+and with LoRA the adapter directory `adapter/` (plus the merged `hf/` with export.merge), into DIR
+(default: OUTPUT_DIR/exports/step_N). Bit for bit what the run's own end would write at that step.
+
+The model is rebuilt from the run's own `config.yaml` (in its output_dir, beside `checkpoints/`) as its
+recipe built it, in one process, and only the model's weights are read from the checkpoint (DCP reshards
+them from any number of ranks). CHECKPOINT may also be a run's output_dir: its newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from chattune.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG = "config.yaml"  # what a run writes into its output_dir: its resolved config
+
+
+def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Path]:
+    """Export `checkpoint` (a `step_N` directory, or a run's output_dir: its newest) into `to`; what was
+    written, by name ("hf", "adapter")."""
+    from chattune.distributed import init_distributed, shutdown_distributed
+    from chattune.launch.recipe_kinds import REWARD
+    from chattune.launch.validate import checked_config
+    from chattune.model.build import build_trained_model
+    from chattune.model.export import export_run
+    from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD
+    from chattune.train.checkpoint import damage, find_latest, load_sharded, read_manifest
+    from chattune.train.run_state import ModelWeights, RunState
+
+    checkpoint = _checkpoint_of(Path(checkpoint), find_latest)
+    problems = damage(checkpoint)
+    if problems:
+        raise UserError(f"the checkpoint {checkpoint} is damaged: {'; '.join(problems)}")
+    step = int(read_manifest(checkpoint)["step"])
+    output_dir = checkpoint.parent.parent
+    config_file = output_dir / RUN_CONFIG
+    if not config_file.is_file():
+        raise UserError(
+            f"{config_file} is missing: chattune export rebuilds the model from the config its run wrote beside "
+            f"checkpoints/ (a checkpoint copied without its output_dir's {RUN_CONFIG} cannot be exported)"
+        )
+    saved = OmegaConf.load(config_file)
+    kind = recipe_kind_of(saved, config_file)
+    saved.parallel.context = 1  # one process: the weights do not depend on how a row was split
+    cfg, _ = checked_config(saved, kind)
+    to = Path(to) if to is not None else output_dir / "exports" / checkpoint.name
+    dist_info = init_distributed(cfg.device, 1)
+    try:
+        from chattune.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        built = build_trained_model(cfg, tokenizer, dist_info, head=SCORE_HEAD if kind is REWARD else CAUSAL_LM_HEAD)
+        weights = RunState()
+        weights.add("model", ModelWeights(built.model), sharded=True)
+        load_sharded(checkpoint, weights)  # the model's part alone; DCP reshards it to this one process
+        logger.info("read the weights of step %d from %s", step, checkpoint)
+        return export_run(cfg, built, tokenizer, to, dist_info.is_main)
+    finally:
+        shutdown_distributed()
+
+
+def _checkpoint_of(path: Path, find_latest) -> Path:
+    if (path / "chattune.json").is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        latest = find_latest(path / "checkpoints")
+        if latest is None:
+            raise UserError(f"{path}/checkpoints holds no committed checkpoint to export")
+        return latest
+    raise UserError(
+        f"{path} is neither a checkpoint (a checkpoints/step_N directory with its chattune.json) nor a run's "
+        "output_dir with checkpoints/"
+    )
+
+
+def recipe_kind_of(saved: DictConfig, config_file: Path):
+    """The recipe that wrote `saved` (a run's config.yaml): the kind whose schema has exactly its loss keys
+    (each recipe's loss section is its own) and every one of its sections."""
+    from chattune.launch.recipe_kinds import RECIPE_KINDS
+
+    loss_keys = set(saved.get("loss") or {})
+    for kind in RECIPE_KINDS.values():
+        sections = typing.get_type_hints(kind.schema)
+        if set(saved) <= set(sections) and {f.name for f in dataclasses.fields(sections["loss"])} == loss_keys:
+            return kind
+    raise UserError(
+        f"{config_file} is not the config of a shipped recipe (sft, dpo, kto, reward): a recipe of your own exports "
+        "its model at the end of its run"
+    )
