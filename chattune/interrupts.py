@@ -79,8 +79,9 @@ def _handle(signum: int, frame) -> None:
         grace = ""
         if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHER_DIR_ENV not in os.environ:
             grace = (
-                "; torchrun kills its workers 30 s after passing a signal on (its --shutdown-timeout): launch with "
-                "`chattune run` instead of torchrun to let a longer step and save finish"
+                f"; torchrun kills its workers {torchrun_grace_s()} s after passing a signal on (its "
+                "--shutdown-timeout): launch with `chattune run` instead of torchrun to let a longer step and save "
+                "finish"
             )
         _write(f"chattune: {name}: stopping after the current step, with a checkpoint{again}{grace}\n")
         deadline = threading.Timer(STOP_DEADLINE_S, _give_up, args=(signum,))
@@ -89,6 +90,29 @@ def _handle(signum: int, frame) -> None:
     elif signum == signal.SIGINT:
         _write("chattune: SIGINT again: exiting now, without saving\n")
         os._exit(exit_code(128 + signal.SIGINT))
+
+
+def torchrun_grace_s(agent_argv: list[str] | None = None, env: dict | None = None) -> int:
+    """How long torchrun's agent waits after passing a signal on before it kills its workers: its
+    `--shutdown-timeout` (read from the agent's command line, this process's parent's, unless `agent_argv`),
+    else `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 s (torch's default)."""
+    env = os.environ if env is None else env
+    if agent_argv is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as cmdline:
+                agent_argv = [word.decode(errors="replace") for word in cmdline.read().split(b"\0")]
+        except OSError:  # no /proc: the environment decides
+            agent_argv = []
+    for i, word in enumerate(agent_argv):
+        flag, equals, value = word.partition("=")
+        if flag in ("--shutdown-timeout", "--shutdown_timeout"):
+            value = value if equals else (agent_argv[i + 1] if i + 1 < len(agent_argv) else "")
+            if value.isdigit():
+                return int(value)
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 30
 
 
 def _give_up(signum: int) -> None:

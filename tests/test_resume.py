@@ -435,7 +435,10 @@ def test_a_stop_that_cannot_finish_gives_up_after_its_deadline(monkeypatch):
     assert exits == [128 + signal.SIGTERM]
 
 
-SLOW_STEP_S = 35  # longer than torchrun's 30 s between passing a signal on and killing its workers
+# torchrun's agent kills its workers 30 s after passing a signal on; these launches set that grace to 5 s
+# (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and make a step last 10 s: a step longer than the grace, in 25 s less.
+AGENT_GRACE_S = 5
+SLOW_STEP_S = 10
 
 
 def _run_processes(out: Path) -> list[int]:
@@ -448,7 +451,7 @@ def _run_processes(out: Path) -> list[int]:
 def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
     tmp_path, small_data, uninterrupted, signum, everyone
 ):
-    """A preemption in a step that takes longer than torchrun's 30 s grace: SIGTERM to every process of the job
+    """A preemption in a step that takes longer than torchrun's grace: SIGTERM to every process of the job
     (as SLURM signals a job step) or Ctrl-C to the launcher alone (as a terminal does). Under `chattune run` the
     step finishes and its checkpoint is saved, the launcher exits 75 without a traceback, nothing of the run is
     left (processes, lock), and the relaunch trains on exactly as the uninterrupted run did."""
@@ -459,7 +462,11 @@ def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
     straight = uninterrupted(2)
     out = tmp_path / "run"
     command = launch_command(out, small_data, 2, "save_every=0", "data.num_workers=2", launcher=CHATTUNE_RUN)
-    env = {**os.environ, "CHATTUNE_SLOW_AT": f"step:3:{SLOW_STEP_S}"}
+    env = {
+        **os.environ,
+        "CHATTUNE_SLOW_AT": f"step:3:{SLOW_STEP_S}",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(AGENT_GRACE_S),
+    }
     with open(tmp_path / "stopped.log", "w") as log:
         process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         _until_logged(process, out, 2)  # the workers are in step 3, asleep
@@ -467,7 +474,7 @@ def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
         for pid in _run_processes(out) if everyone else [process.pid]:
             os.kill(pid, getattr(signal, signum))
         assert process.wait(timeout=SLOW_STEP_S + 120) == 75
-    assert time.monotonic() - signalled > 30, "the step should have outlived torchrun's grace period"
+    assert time.monotonic() - signalled > AGENT_GRACE_S, "the step should have outlived torchrun's grace period"
     output = (tmp_path / "stopped.log").read_text()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_3"]
     assert (out / "checkpoints" / "step_3" / "chattune.json").is_file()

@@ -166,3 +166,14 @@ def test_a_write_to_a_pipe_nobody_reads_is_dropped_and_later_writes_go_to_dev_nu
     assert os.readlink(f"/proc/self/fd/{write_end}") == "/dev/null"
     print("still written", file=stream, flush=True)
     stream.close()
+
+
+def test_the_stop_line_names_torchruns_own_grace():
+    """What the first-signal line under plain torchrun says the workers have: the agent's --shutdown-timeout,
+    else its environment's, else torch's 30 s."""
+    from chattune.interrupts import torchrun_grace_s
+
+    assert torchrun_grace_s(["torchrun", "--shutdown-timeout", "120", "recipes/sft.py"], {}) == 120
+    assert torchrun_grace_s(["torchrun", "--shutdown_timeout=45", "recipes/sft.py"], {}) == 45
+    assert torchrun_grace_s(["torchrun", "recipes/sft.py"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) == 7
+    assert torchrun_grace_s(["torchrun", "recipes/sft.py"], {}) == 30
