@@ -290,35 +290,36 @@ def test_bad_records_raise_naming_file_record_and_field_or_are_skipped(tmp_path,
     outcomes = skipping.get_many(range(4))
     assert isinstance(outcomes[2], Skipped) and outcomes[2].reason == "bad_record"
     assert outcomes[2].detail.startswith(f"{tmp_path / 'data.jsonl'} record 3 (line 3): ")
-    # its neighbour before it takes its reply as KL partner, so it is a bad record too, naming the partner
-    assert outcomes[1] == Skipped(
-        "bad_record", f"{tmp_path / 'data.jsonl'} record 2 (line 2): its KL partner, {outcomes[2].detail}"
-    )
-    assert [isinstance(o, Document) for o in outcomes] == [True, False, False, True]
+    # its neighbour before it still trains (its KL partner is the next readable record)
+    assert [isinstance(o, Document) for o in outcomes] == [True, True, False, True]
 
 
-def test_a_bad_partner_record_makes_its_neighbour_a_bad_record(tmp_path, tokenizer):
-    records = [GOOD, GOOD, "not json"]
+def test_a_bad_record_is_named_as_itself_and_its_neighbour_takes_the_next_readable_partner(tmp_path, tokenizer):
+    """A bad label in record 5 used to be reported as record 4's ("its KL partner, record 5 ..."), and skipped,
+    it took the good record 4 with it."""
+    records = [
+        {"prompt": "Q", "completion": "first", "label": True},
+        {"prompt": "Q", "completion": "second", "label": False},
+        "not json",
+    ]
     documents = kto_documents(tmp_path, tokenizer, records)
     path = tmp_path / "data.jsonl"
-    with pytest.raises(
-        DataError, match=rf"{path} record 2 \(line 2\): its KL partner, {path} record 3 \(line 3\): unparseable JSON"
-    ):
+    with pytest.raises(DataError, match=rf"^{path} record 3 \(line 3\): unparseable JSON"):
         documents.get(1)
     assert isinstance(documents.get(0), Document)
     # a batch stops at the first error, raised after the examples before it
-    with pytest.raises(DataError, match=r"record 2 \(line 2\): its KL partner"):
+    with pytest.raises(DataError, match=rf"^{path} record 3 \(line 3\)"):
         documents.get_many([0, 1, 2])
     skipping = kto_documents(tmp_path, tokenizer, records, on_bad_record="skip").get_many(range(3))
-    assert [o.reason if isinstance(o, Skipped) else "kept" for o in skipping] == ["kept", "bad_record", "bad_record"]
-    # a pair's partner: the same side of the next pair, so a bad pair spoils both examples before it
+    assert [o.reason if isinstance(o, Skipped) else "kept" for o in skipping] == ["kept", "kept", "bad_record"]
+    assert trained_text(tokenizer, segments_of(skipping[1])[1][1]) == "first<|im_end|>"  # record 1: next readable
+    assert trained_text(tokenizer, segments_of(skipping[0])[1][1]) == "second<|im_end|>"  # its own partner, as ever
+    # a pair's partner: the same side of the next pair; past a bad pair, the next readable one (here itself)
     pairs = [{"prompt": "A?", "chosen": "yes", "rejected": "no"}, {"prompt": "B?", "chosen": "ok"}]
     outcomes = kto_documents(tmp_path, tokenizer, pairs, format="preference", on_bad_record="skip").get_many(range(4))
-    assert [o.reason for o in outcomes] == ["bad_record"] * 4
-    assert outcomes[1].detail.startswith(
-        f"{path} record 1 (line 1), rejected: its KL partner, {path} record 2 (line 2)"
-    )
-    assert "no 'rejected' field" in outcomes[1].detail
+    assert [o.reason if isinstance(o, Skipped) else "kept" for o in outcomes] == ["kept", "kept"] + ["bad_record"] * 2
+    assert trained_text(tokenizer, segments_of(outcomes[1])[1][1]) == "no<|im_end|>"
+    assert "no 'rejected' field" in outcomes[3].detail
 
 
 def test_overlong_examples_are_dropped_or_an_error(tmp_path, tokenizer):

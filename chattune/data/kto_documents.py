@@ -10,7 +10,9 @@ both desirable and undesirable says nothing).
 The KL sequence is KTO's reference point: the example's own context followed by the reply of its *partner*,
 a mismatched completion whose log-ratio estimates the KL term. The partner is the same side of the next record
 of the source, cyclically (example r of an unpaired source pairs with record (r + 1) mod n; example (r, side)
-of a paired one with ((r + 1) mod n, side); a source of one record is its own partner). TRL rotates completions
+of a paired one with ((r + 1) mod n, side); a source of one record is its own partner). A bad record is named
+as itself, never through the record before it; with on_bad_record=skip it is skipped and the next readable
+record is that record's partner instead (it still trains). TRL rotates completions
 by one within each `per_device_train_batch_size` chunk; a partner fixed by the record makes the KL sequence
 independent of batching, ranks, shuffling and resumes.
 
@@ -111,6 +113,8 @@ class KTODocuments(TwoSequenceDocuments):
         def examples(record: int) -> tuple[str, tuple[UnpairedExample, ...] | DataError]:
             """A record's name and its examples (or why it has none), converted once per batch."""
             if record not in read:
+                if record not in located:  # a partner found past a bad record (on_bad_record=skip)
+                    located[record] = self.source.locate_many([record])[0]
                 _, where, value = located[record]
                 read[record] = (where, self._convert(where, value))
             return read[record]
@@ -167,9 +171,14 @@ class KTODocuments(TwoSequenceDocuments):
             )
         partner_record, _ = self.example_of(self.partner_of(index))
         partner_where, partner = examples(partner_record)
-        partner_where = self._name(partner_where, side)
         if isinstance(partner, DataError):
-            raise DataError(f"{where}: its KL partner, {partner}")
+            if self.on_bad_record != "skip":
+                raise partner  # the bad record is the one to name, not the good one it would have served
+            # skipped, it serves no one: the next readable record is the partner (this one itself at worst)
+            while isinstance(partner, DataError):
+                partner_record = (partner_record + 1) % self.num_records
+                partner_where, partner = examples(partner_record)
+        partner_where = self._name(partner_where, side)
         example, partner_reply = own[side], partner[side].completion
         self.check_tools_rendered(example.tools, [*example.context, example.completion, partner_reply], where)
         sequences = [
