@@ -136,7 +136,7 @@ def test_samples_on_one_rank_are_plain_generate_leave_training_as_it_was_and_res
 def test_samples_on_two_ranks_are_plain_generate_of_the_held_out_prompts(chat_model_dir, chats, others, tmp_path):
     """3 held-out prompts on 2 ranks (rank 0 answers two, rank 1 one), at steps 0, 2 and 4 of a run."""
     out = tmp_path / "run"
-    launch(
+    run = launch(
         torchrun(
             "recipes/sft.py",
             f"output_dir={out}",
@@ -149,6 +149,9 @@ def test_samples_on_two_ranks_are_plain_generate_of_the_held_out_prompts(chat_mo
             nproc=2,
         )
     )
+    # what step 0 will cost is said before it runs (minutes on a CPU with a real model), and timed after
+    assert "step 0: the held-out metrics over " in run.stdout and " and 3 sample replies of up to " in run.stdout
+    assert "step 0: evaluated in " in run.stdout
     held_out = [
         m[: max(i for i, t in enumerate(m) if t["role"] == "assistant")]
         for m in (json.loads(line)["messages"] for line in chats.read_text().splitlines()[:3])

@@ -119,6 +119,18 @@ class Evaluator:
         evaluates = self.batches is not None or self.samples is not None
         return evaluates and self.every.due(step) and not self.every.horizon.signalled
 
+    def describe(self) -> str:
+        """What one evaluation runs (this rank's share of the held-out set), for the line before step 0's."""
+        parts = []
+        if self.batches is not None:
+            tokens = sum(batch.input_ids.shape[-1] for batch in self.batches)
+            parts.append(f"the held-out metrics over {len(self.batches)} batches ({tokens} tokens on this rank)")
+        if self.samples is not None:
+            parts.append(
+                f"{len(self.samples.prompts)} sample replies of up to {self.samples.sampling.max_new_tokens} new tokens"
+            )
+        return " and ".join(parts)
+
     def held_out(self, step: int) -> dict[str, float]:
         """Collective: the held-out metrics of the model as it is after `step` (before the first: `start_metrics`),
         `eval_*`; {} without held-out data."""

@@ -85,9 +85,14 @@ def train(
     run = set_up(cfg, dist_info, start, built, data, learning, tokenizer)
     feed, metric_logger, evaluator, checkpointer = data.feed, run.metric_logger, run.evaluator, run.checkpointer
     if run.start_step == 0 and evaluator.due(0):  # the starting point of the held-out curve
+        started = time.perf_counter()  # (on a CPU this can take minutes: said before, timed after)
+        logger.info(
+            "step 0: %s, before the first step (eval_every=0 and eval.samples=0 leave them out)", evaluator.describe()
+        )
         if held_out := evaluator.held_out(0):
             metric_logger.log({"step": 0, **held_out})
         evaluator.sample(0)
+        logger.info("step 0: evaluated in %.1f s", time.perf_counter() - started)
 
     for step in range(run.start_step + 1, cfg.max_steps + 1):
         if feed.finished:  # resumed after the last epoch
@@ -99,10 +104,8 @@ def train(
             return stop(run, step - 1)
         update = run.updates.run(step)
         run.horizon.hear(update.result.stop_ranks)  # a stop signal on any rank (agreed in the step's all-reduce)
-        stopping = run.horizon.signalled
-        evaluating = evaluator.due(step) and not stopping  # (collective: every rank decides alike)
-        if stopping and evaluator.due(step):  # the grace period is for the checkpoint
-            logger.info("step %d: held-out evaluation skipped, stopping on a signal", step)
+        # (collective: every rank decides alike; never after a stop signal, whose grace belongs to the checkpoint)
+        evaluating = evaluator.due(step)
         if metric_logger.due(step) or evaluating or update.mixing:
             metric_logger.log({**run.updates.metrics(update), **(evaluator.held_out(step) if evaluating else {})})
         if evaluating:
@@ -113,7 +116,7 @@ def train(
             checkpointer.save(step)
         if run.horizon.stops_after(step) and not run.horizon.is_last(step):
             return stop(run, step)
-        if stopping:  # the last step: the run is complete, and its export is what a relaunch would have done
+        if run.horizon.signalled:  # the last step: the run is complete, and its export is what a relaunch would do
             logger.info(
                 "%s during the last step: the run is complete, exporting",
                 interrupts.signal_name(interrupts.requested()),
