@@ -42,6 +42,7 @@ def test_a_checkpoint_exports_as_its_run_ended_and_loads_in_stock_transformers(t
     same_files(out / "exports" / "step_6" / "hf", out / "hf")
     assert f"chattune export: hf: {out}/exports/step_6/hf" in newest.stderr
 
+    (tmp_path / "chats.jsonl").unlink()  # the data, which an export does not read, may be gone
     earlier = export(out / "checkpoints" / "step_2", "--to", tmp_path / "two")
     assert earlier.returncode == 0, earlier.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf")

@@ -30,9 +30,9 @@ RUN_CONFIG = "config.yaml"  # what a run writes into its output_dir: its resolve
 def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Path]:
     """Export `checkpoint` (a `step_N` directory, or a run's output_dir: its newest) into `to`; what was
     written, by name ("hf", "adapter")."""
+    from chattune.config.typed import typed_config
     from chattune.distributed import init_distributed, shutdown_distributed
     from chattune.launch.recipe_kinds import REWARD
-    from chattune.launch.validate import checked_config
     from chattune.model.build import build_trained_model
     from chattune.model.export import export_run
     from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD
@@ -54,7 +54,8 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Pat
     saved = OmegaConf.load(config_file)
     kind = recipe_kind_of(saved, config_file)
     saved.parallel.context = 1  # one process: the weights do not depend on how a row was split
-    cfg, _ = checked_config(saved, kind)
+    # Checked when its run launched; read as it is: the data, which an export does not read, may be gone.
+    cfg = typed_config(saved, kind.schema)
     to = Path(to) if to is not None else output_dir / "exports" / checkpoint.name
     dist_info = init_distributed(cfg.device, 1)
     try:
