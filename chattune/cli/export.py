@@ -36,10 +36,10 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Pat
     from chattune.model.build import build_trained_model
     from chattune.model.export import export_run
     from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD
-    from chattune.train.checkpoint import damage, find_latest, load_sharded, read_manifest
+    from chattune.train.checkpoint import damage, load_sharded, read_manifest
     from chattune.train.run_state import ModelWeights, RunState
 
-    checkpoint = _checkpoint_of(Path(checkpoint), find_latest)
+    checkpoint = _checkpoint_of(Path(checkpoint))
     problems = damage(checkpoint)
     if problems:
         raise UserError(f"the checkpoint {checkpoint} is damaged: {'; '.join(problems)}")
@@ -72,8 +72,11 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Pat
         shutdown_distributed()
 
 
-def _checkpoint_of(path: Path, find_latest) -> Path:
-    if (path / "chattune.json").is_file():
+def _checkpoint_of(path: Path) -> Path:
+    """`path` itself where it is a committed checkpoint, else the newest committed one of the run at `path`."""
+    from chattune.train.checkpoint import MANIFEST_FILE, find_latest
+
+    if (path / MANIFEST_FILE).is_file():
         return path
     if (path / "checkpoints").is_dir():
         latest = find_latest(path / "checkpoints")
