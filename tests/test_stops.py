@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from test_run_safety import SMALL, chats, steps
 
+import conftest
 from chattune.streams import ReaderGoneTolerant
 from conftest import PROJECT_ROOT, free_port
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 LONG = [*SMALL, "max_steps=40", "save_every=0"]
 
 
@@ -73,18 +73,8 @@ def test_a_signal_to_one_rank_after_a_step_stops_every_rank_before_the_next(tmp_
     would; one rank alone gets SIGTERM then. Both stop before step 3, with step 2's checkpoint: the vote
     before each step, not the step's own all-reduce (which would have trained step 3 first)."""
     out = tmp_path / "run"
-    command = [
-        *TORCHRUN,
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "recipes/sft.py",
-        f"output_dir={out}",
-        f"data.train=[{chats(tmp_path)}]",
-        *LONG,
-    ]
-    process = _start(command, tmp_path, "after_step:2:10")
+    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", f"data.train=[{chats(tmp_path)}]", *LONG)
+    process = _start(command, tmp_path, "after_step:2:10")  # (real torchrun: the test signals one worker's pid)
     _until_step_logged(process, out, 2)
     time.sleep(3)
     workers = _workers(process.pid)
