@@ -45,6 +45,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 LAUNCHER_DIR_ENV = "CHATTUNE_LAUNCHER_DIR"  # set by `chattune run`: where its workers register and leave their status
 
 _requested: int | None = None  # the first signal received
+_kept_when_killed: str | None = None  # what survives torchrun's kill (`keep_when_killed`), for the first-signal line
 
 
 class Preempted(BaseException):
@@ -56,10 +57,10 @@ class Preempted(BaseException):
         self.code = EXIT_CODE
 
 
-def _write(text: str) -> None:
-    """One line on stderr from the first rank only (every rank gets the signal). os.write: async-signal-safe,
-    unlike logging or print, whose locks the signal may have interrupted."""
-    if os.environ.get("RANK", "0") == "0":
+def say(text: str, any_rank: bool = False) -> None:
+    """One line on stderr from the first rank only (every rank gets the signal), or from this one with
+    `any_rank`. os.write: async-signal-safe, unlike logging or print, whose locks the signal may have interrupted."""
+    if any_rank or os.environ.get("RANK", "0") == "0":
         try:
             os.write(2, text.encode())
         except OSError:  # nobody reads stderr any more (a `| tee` killed by the same Ctrl-C): the stop goes on
@@ -77,19 +78,31 @@ def _handle(signum: int, frame) -> None:
         _requested = signum
         again = " (Ctrl-C again to exit at once, without saving)" if signum == signal.SIGINT else ""
         grace = ""
-        if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHER_DIR_ENV not in os.environ:
-            grace = (
-                f"; torchrun kills its workers {torchrun_grace_s()} s after passing a signal on (its "
-                "--shutdown-timeout): launch with `chattune run` instead of torchrun to let a longer step and save "
-                "finish"
+        if under_plain_torchrun():
+            grace = f"; torchrun kills its workers {torchrun_grace_s()} s after passing a signal on (its --shutdown-timeout)"
+            grace += (
+                f": if the step in flight has not finished by then, {_kept_when_killed}"
+                if _kept_when_killed
+                else ": launch with `chattune run` instead of torchrun to let a longer step and save finish"
             )
-        _write(f"chattune: {name}: stopping after the current step, with a checkpoint{again}{grace}\n")
+        say(f"chattune: {name}: stopping after the current step, with a checkpoint{again}{grace}\n")
         deadline = threading.Timer(STOP_DEADLINE_S, _give_up, args=(signum,))
         deadline.daemon = True
         deadline.start()
     elif signum == signal.SIGINT:
-        _write("chattune: SIGINT again: exiting now, without saving\n")
+        say("chattune: SIGINT again: exiting now, without saving\n")
         os._exit(exit_code(128 + signal.SIGINT))
+
+
+def under_plain_torchrun() -> bool:
+    """Whether torchrun's own agent launched this process (not `chattune run`'s): a stop then has its grace."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHER_DIR_ENV not in os.environ
+
+
+def keep_when_killed(what: str) -> None:
+    """Say in the first-signal line under plain torchrun what a kill at the end of its grace leaves."""
+    global _kept_when_killed
+    _kept_when_killed = what
 
 
 def torchrun_grace_s(agent_argv: list[str] | None = None, env: dict | None = None) -> int:
@@ -116,7 +129,7 @@ def torchrun_grace_s(agent_argv: list[str] | None = None, env: dict | None = Non
 
 
 def _give_up(signum: int) -> None:
-    _write(
+    say(
         f"chattune: {signal.Signals(signum).name}: the stop did not finish within {STOP_DEADLINE_S:.0f} s; exiting "
         "without saving\n"
     )

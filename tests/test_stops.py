@@ -14,16 +14,18 @@ from pathlib import Path
 
 import pytest
 from test_run_safety import SMALL, chats, steps
+from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.streams import ReaderGoneTolerant
+from chattune.train.checkpoint import read_manifest
 from conftest import PROJECT_ROOT, free_port
 
 LONG = [*SMALL, "max_steps=40", "save_every=0"]
 
 
-def _start(command: list[str], tmp_path: Path, slow: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTUNE_SLOW_AT": slow}
+def _start(command: list[str], tmp_path: Path, slow: str, env_extra: dict | None = None, **popen) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTUNE_SLOW_AT": slow, **(env_extra or {})}
     popen.setdefault("stdout", open(tmp_path / "run.log", "w"))  # noqa: SIM115 (closed with the test's tmp_path)
     popen.setdefault("stderr", subprocess.STDOUT)
     return subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, **popen)
@@ -84,6 +86,32 @@ def test_a_signal_to_one_rank_after_a_step_stops_every_rank_before_the_next(tmp_
     log = (tmp_path / "run.log").read_text()
     assert steps(out) == [1, 2] and _checkpoints(out) == ["step_2"], log[-3000:]
     assert f"chattune: stopped by a signal (on another rank) after step 2: checkpoint {out}/checkpoints/step_2" in log
+
+
+@pytest.mark.launch
+def test_under_plain_torchrun_a_step_longer_than_its_grace_keeps_the_step_before(tmp_path):
+    """Plain torchrun SIGKILLs its workers 3 s (here) after passing SIGTERM on, in the middle of a 60 s step 3.
+    With snapshot_steps each rank writes step 2's state, kept in host memory, without collectives: step 2 is
+    committed as an ordinary checkpoint, and the relaunch continues the losses of an uninterrupted run. Without
+    it the same stop keeps nothing (checked: no checkpoint)."""
+    data, run = f"data.train=[{chats(tmp_path)}]", [*SMALL, "max_steps=4", "save_every=0"]
+    out = tmp_path / "run"
+    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run, "snapshot_steps=true")
+    process = _start(command, tmp_path, "step:3:60", env_extra={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
+    _until_step_logged(process, out, 2)
+    time.sleep(2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) != 0  # killed by its own launcher: the step never finished
+    log = (tmp_path / "run.log").read_text()
+    assert _checkpoints(out) == ["step_2"], log[-3000:]
+    assert read_manifest(out / "checkpoints" / "step_2")["written_by"] == "snapshot"
+    assert f"the snapshot of step 2 (the last completed step) is saved as {out}/checkpoints/step_2" in log
+
+    conftest.launch(conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run), real_torchrun=True)
+    reference = tmp_path / "reference"
+    conftest.launch(conftest.torchrun("recipes/sft.py", f"output_dir={reference}", data, *run))
+    resumed = {m["step"]: m["loss"] for m in read_metrics(out)}
+    assert [resumed[step] for step in (3, 4)] == [m["loss"] for m in read_metrics(reference)][2:]
 
 
 @pytest.mark.launch

@@ -378,6 +378,12 @@ class SFTConfig:
     save_async: bool = key(
         False, "write checkpoints in the background while training goes on (committed when complete)", resume="free"
     )
+    snapshot_steps: bool = key(
+        False,
+        "keep each step's state in host memory, so that a stop that cannot finish its step (plain torchrun kills "
+        "its workers 30 s after a signal) writes the step before it, without collectives",
+        resume="free",
+    )
     resume: str | None = key("auto", "auto: the newest checkpoint in output_dir | PATH | null: never", resume="free")
     overwrite: bool = key(False, "start over in an output_dir that holds an earlier run (moved aside)", resume="free")
     resume_allow_changes: bool | list[str] = key(

@@ -56,7 +56,7 @@ MANIFEST_FILE = "chattune.json"
 _COMMITTED = re.compile(r"step_(\d+)")
 
 
-def _rank_state_file(directory: Path, rank: int) -> Path:
+def rank_state_file(directory: Path, rank: int) -> Path:
     """A rank's own parts of the run state in the checkpoint `directory`."""
     return directory / f"train_state_rank{rank}.pt"
 
@@ -70,7 +70,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -201,12 +201,12 @@ def save_checkpoint(
     _barrier()  # nobody writes into the directory before it is clean
     if background is None:
         dcp.save(state.sharded_state_dict(), checkpoint_id=str(partial))
-    _write_synced(_rank_state_file(partial, _rank()), _serialize({"step": step, **state.state_dict()}))
+    write_synced(rank_state_file(partial, _rank()), _serialize({"step": step, **state.state_dict()}))
 
     def rank0_files() -> None:
         for name, data in (extra_files or {}).items():
-            _write_synced(partial / name, data)
-        _write_synced(partial / MANIFEST_FILE, json.dumps({**manifest, "step": step}, indent=1).encode())
+            write_synced(partial / name, data)
+        write_synced(partial / MANIFEST_FILE, json.dumps({**manifest, "step": step}, indent=1).encode())
 
     if background is not None:
         if _rank() == 0:
@@ -230,7 +230,7 @@ def _commit(partial: Path, final: Path, keep_last_n: int | None) -> None:
     if final.exists():  # a step saved again (a run resumed from an older checkpoint): never replaced in place
         logger.warning("moved aside: %s -> %s (saved again by this run)", final, set_aside(final))
     os.rename(partial, final)
-    _sync_directory(final.parent)
+    sync_directory(final.parent)
     if keep_last_n:
         for old in committed_checkpoints(final.parent)[:-keep_last_n]:
             shutil.rmtree(old)
@@ -242,7 +242,7 @@ def _serialize(obj: dict) -> bytes:
     return buffer.getvalue()
 
 
-def _sync_directory(path: Path) -> None:
+def sync_directory(path: Path) -> None:
     """Make a rename durable (on POSIX the directory entry needs its own fsync)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -289,9 +289,9 @@ def damage(directory: Path) -> list[str]:
             problems.append(f"{name} is cut short ({path.stat().st_size} of {size} bytes)")
     ranks = read_manifest(directory).get("world_size") or 0
     problems += [
-        f"{_rank_state_file(directory, rank).name} is missing"
+        f"{rank_state_file(directory, rank).name} is missing"
         for rank in range(ranks)
-        if not _rank_state_file(directory, rank).is_file()
+        if not rank_state_file(directory, rank).is_file()
     ]
     return problems
 
@@ -315,7 +315,7 @@ def load_sharded(directory: Path, state: RunState) -> None:
 def rank_states(directory: Path) -> list[dict]:
     """Every saving rank's own parts of the run state (and the step), by rank."""
     return [
-        torch.load(_rank_state_file(directory, rank), weights_only=False)
+        torch.load(rank_state_file(directory, rank), weights_only=False)
         for rank in range(read_manifest(directory)["world_size"])
     ]
 
@@ -324,7 +324,7 @@ def load_checkpoint(directory: Path, state: RunState) -> int:
     """Collective: restore every part of `state` by name, the sharded ones resharded as needed, this rank's
     own ones from its own file; returns the checkpoint's step."""
     load_sharded(directory, state)
-    saved = torch.load(_rank_state_file(directory, _rank()), weights_only=False)
+    saved = torch.load(rank_state_file(directory, _rank()), weights_only=False)
     state.load_state_dict(saved)
     return saved["step"]
 
@@ -346,6 +346,7 @@ class Checkpointer:
     ):
         self.root, self.state, self.manifest, self.every = root, state, manifest, every
         self.keep_last_n, self.horizon, self.background = keep_last_n, horizon, background
+        self.snapshots = None  # a chattune.train.snapshot.Snapshots with snapshot_steps: every other step staged
         self.last_saved: Path | None = None
         self.last_started = 0.0  # time.perf_counter() at the last save's start
 
@@ -355,6 +356,24 @@ class Checkpointer:
     def holds(self, step: int) -> bool:
         """Whether this run saved the checkpoint of `step`."""
         return self.last_saved is not None and self.last_saved.name == f"step_{step}"
+
+    def after_step(self, step: int) -> None:
+        """Collective: the checkpoint of `step` where one is due, else (with snapshots) its copy in host memory."""
+        if self.due(step):
+            self.save(step)
+        elif self.snapshots is not None:
+            self.snapshots.stage(step)
+
+    def extra_files(self) -> dict[str, bytes]:
+        """Rank 0's more files of a checkpoint, by name (the record hashes of the training files)."""
+        hashes = record_hashes_file(self.manifest["fingerprint"]) if _rank() == 0 else None
+        return {RECORD_HASHES: hashes} if hashes else {}
+
+    def settle_snapshots(self, step: int | None) -> None:
+        """Collective, at a stop: no snapshot written from now on; the one of `step`, if every rank wrote it,
+        counts as this run's checkpoint of `step` (no second save of the same state)."""
+        if self.snapshots is not None and self.snapshots.settle() == step is not None:
+            self.last_saved, self.last_started = self.root / f"step_{step}", time.perf_counter()
 
     def save(self, step: int) -> Path:
         """Collective: the checkpoint of `step` (copied and left to the background with save_async)."""

@@ -51,6 +51,7 @@ from chattune.train.progress import Progress
 from chattune.train.resume import resume_training
 from chattune.train.run_state import Every, Horizon, SkippedSteps, training_state
 from chattune.train.samples import run_samples
+from chattune.train.snapshot import Snapshots, advise
 from chattune.train.step import LossScale, StepResult, UpdateRule, train_step
 
 logger = logging.getLogger(__name__)
@@ -112,8 +113,7 @@ def train(
             evaluator.sample(step)
         run.progress.update(step, metric_logger.last)
         maybe_slow("after_step", step)  # fault injection: work after the step's all-reduce, as a long save takes
-        if checkpointer.due(step):
-            checkpointer.save(step)
+        checkpointer.after_step(step)  # a checkpoint where due, else with snapshot_steps a copy in host memory
         if run.horizon.stops_after(step) and not run.horizon.is_last(step):
             return stop(run, step)
         if run.horizon.signalled:  # the last step: the run is complete, and its export is what a relaunch would do
@@ -161,6 +161,7 @@ class UpdateSteps:
         self.cfg, self.model, self.learning, self.feed, self.device = cfg, model, learning, feed, device
         self.skipped, self.loss_scale, self.ledger = skipped, loss_scale, ledger
         self.timer = StepTimer(device)
+        self.advised = False  # said that steps outlast plain torchrun's grace (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
 
     def run(self, step: int) -> Update:
@@ -183,6 +184,7 @@ class UpdateSteps:
             stop_requested=lambda: interrupts.requested() is not None,
         )
         self.timer.stop()
+        self.advised = self.advised or advise(self.timer.host_seconds(), self.cfg.snapshot_steps)  # torchrun's grace
         closed_epochs = feed.close_step(result.ranks_at_epoch_end)
         if result.global_units == 0 and step == 1:  # (with the data report on, caught before the model loads)
             raise UserError(
@@ -310,6 +312,9 @@ def set_up(
     checkpointer = Checkpointer(
         output_dir / "checkpoints", state, manifest, cfg.save_every, cfg.keep_last_n, horizon, background
     )
+    if cfg.snapshot_steps:  # every step's state in host memory, written without collectives on a stop signal
+        checkpointer.snapshots = Snapshots(checkpointer.root, state, manifest, checkpointer.extra_files(), device)
+        checkpointer.snapshots.watch()
     # eval.samples: a few prompts answered at every evaluation, into samples.jsonl (and wandb)
     samples = run_samples(
         cfg,
@@ -342,6 +347,7 @@ def stop(run: Run, step: int) -> None:
     """Collective: the end of a run that stops after `step` to be continued (stop_after_step, a stop signal),
     its checkpoint saved: committed, and the run's files closed. A stop signal raises `interrupts.Preempted`."""
     checkpointer = run.checkpointer
+    checkpointer.settle_snapshots(step)  # a step its snapshot already wrote is not saved again
     if step > run.start_step and not checkpointer.holds(step):  # stopped before a step: the last one's checkpoint
         checkpointer.save(step)
     checkpointer.close()  # the checkpoint is committed before the job's slice ends
@@ -374,6 +380,7 @@ def finish(
         {k: int(skipped[k]) for k in skipped if k not in SKIP_REASONS},
     )
 
+    run.checkpointer.settle_snapshots(None)  # no snapshot written during the export
     run.checkpointer.close()
     metric_logger = run.metric_logger
     # --- save: a Hugging Face directory that loads without chattune (and with LoRA, the adapter directory) ---

@@ -51,6 +51,10 @@ class StepTimer:
             self._end.record()
         self._host.append(time.perf_counter())
 
+    def host_seconds(self) -> float:
+        """The last step's time on the host's clock (no wait for the device)."""
+        return self._host[1] - self._host[0]
+
     def seconds(self) -> float:
         """The last step's time (waits for its last kernel on CUDA)."""
         if self.cuda:

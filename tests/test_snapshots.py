@@ -1,0 +1,117 @@
+"""A step's snapshot in host memory, written by each rank without collectives, is an ordinary checkpoint of that
+step: it loads exactly on the ranks that wrote it and reshards to another number (`chattune.train.snapshot`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_checkpoint import full_optimizer_state, full_state, run_state, sharded
+
+from chattune import interrupts
+from chattune.data.packing import collate_packed
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.checkpoint import MANIFEST_FILE, committed_checkpoints, damage, load_checkpoint, read_manifest
+from chattune.train.feed import StepBatches
+from chattune.train.run_state import RunState
+from chattune.train.snapshot import Snapshots, advise
+from chattune.train.step import UpdateRule, train_step
+from conftest import demo_documents, free_port, init_worker_process_group
+
+
+def _step(model, optimizer, rank: int, seed: int) -> None:
+    batch = collate_packed(demo_documents(4, start=4 * rank + seed))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    train_step(
+        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), torch.device("cpu")
+    )
+
+
+def _write_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
+    """Train a step, stage it, train another (the state moves on), then write the staged step as a signal
+    would: each rank alone, no collective."""
+    init_worker_process_group(rank, world_size, port)
+    tmp_path = Path(tmp)
+    model, optimizer = sharded(seed=0, world_size=world_size)
+    _step(model, optimizer, rank, seed=0)
+    snapshots = Snapshots(
+        tmp_path / "checkpoints",
+        run_state(model, optimizer, {"rank": rank}),
+        {"world_size": world_size, "fingerprint": "f"},
+        {"extra.bin": b"rank 0's"} if rank == 0 else {},
+        torch.device("cpu"),
+    )
+    snapshots.stage(1)
+    weights, moments = full_state(model), full_optimizer_state(model, optimizer)
+    _step(model, optimizer, rank, seed=1)
+    assert any(not torch.equal(weights[k], v) for k, v in full_state(model).items())
+    if rank == 0:
+        torch.save({"weights": weights, "moments": moments}, tmp_path / "expected.pt")
+    torch.distributed.barrier()  # (the test's, so both ranks' expected states are taken before the writes)
+    snapshots._write(snapshots._staged)
+    shutdown_distributed()
+    exit_process()
+
+
+def _load_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    tmp_path = Path(tmp)
+    expected = torch.load(tmp_path / "expected.pt")
+    model, optimizer = sharded(seed=1, world_size=world_size)
+    _step(model, optimizer, rank, seed=2)  # other weights and moments, to be replaced
+    state = run_state(model, optimizer, {})
+    assert load_checkpoint(tmp_path / "checkpoints" / "step_1", state) == 1
+    assert state["saved"].value == {"rank": rank}
+    restored = full_state(model)
+    for name, value in expected["weights"].items():
+        assert torch.equal(restored[name], value), name
+    for a, b in zip(expected["moments"], full_optimizer_state(model, optimizer), strict=True):
+        assert torch.equal(a, b)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_a_snapshot_written_per_rank_is_a_checkpoint_that_loads_and_reshards(tmp_path):
+    mp.spawn(_write_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    root = tmp_path / "checkpoints"
+    assert committed_checkpoints(root) == [root / "step_1"]  # committed by whichever rank finished last
+    checkpoint = root / "step_1"
+    assert damage(checkpoint) == []
+    assert read_manifest(checkpoint) == {"world_size": 2, "fingerprint": "f", "step": 1, "written_by": "snapshot"}
+    assert (checkpoint / "extra.bin").read_bytes() == b"rank 0's"
+    mp.spawn(_load_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_load_snapshot, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
+
+
+def test_a_snapshot_missing_a_rank_is_never_committed(tmp_path):
+    """One rank's write alone (its peer killed first) leaves a .snapshot directory that nothing resumes from,
+    removed when the next run starts."""
+    root = tmp_path / "checkpoints"
+    partial = root / "step_3.snapshot"
+    (partial / "rank_0").mkdir(parents=True)
+    (partial / "done_rank_0").write_bytes(b"")
+    assert committed_checkpoints(root) == []
+    Snapshots(root, RunState(), {}, {}, torch.device("cpu"))
+    assert not partial.exists() and not (root / "step_3" / MANIFEST_FILE).exists()
+
+
+def test_steps_longer_than_half_of_plain_torchruns_grace_are_told_of_the_remedies(monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not advise(40.0, snapshots_on=False)  # one process: nothing kills it
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv(interrupts.LAUNCHER_DIR_ENV, "/tmp/x")
+    assert not advise(40.0, snapshots_on=False)  # chattune run: waits however long the stop takes
+    monkeypatch.delenv(interrupts.LAUNCHER_DIR_ENV)
+    assert not advise(14.0, snapshots_on=False)
+    assert not advise(40.0, snapshots_on=True)
+    with caplog.at_level(logging.WARNING, logger="chattune.train.snapshot"):
+        assert advise(16.0, snapshots_on=False)
+    (message,) = caplog.messages
+    assert "a step takes 16 s and torchrun kills its workers 30 s after" in message
+    assert "`chattune run`" in message and "snapshot_steps=true" in message
