@@ -140,10 +140,12 @@ def test_a_signal_during_the_last_step_finishes_the_run_with_its_export(tmp_path
 
 
 @pytest.mark.launch
-def test_ctrl_c_with_the_log_piped_to_tee_saves_and_exits_75(tmp_path):
+@pytest.mark.parametrize("stderr", ["2>&1", "2>file"])
+def test_ctrl_c_with_the_log_piped_to_tee_saves_and_exits_75(tmp_path, stderr):
     """`chattune run ... 2>&1 | tee log`, Ctrl-C: the terminal's SIGINT kills tee as well, and every later write
     to the pipe failed. The signal note raised in the workers' handler and they died: no checkpoint, the lock
-    left behind. Here tee dies first, then the launcher gets its SIGINT."""
+    left behind. With `2>file | tee log` the run saved, but each metric line's write to the dead pipe put a
+    `--- Logging error ---` stack into the file. Here tee dies first, then the launcher gets its SIGINT."""
     out = tmp_path / "run"
     tee = subprocess.Popen(["tee", str(tmp_path / "tee.log")], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     command = [
@@ -160,7 +162,8 @@ def test_ctrl_c_with_the_log_piped_to_tee_saves_and_exits_75(tmp_path):
         f"data.train=[{chats(tmp_path)}]",
         *LONG,
     ]
-    process = _start(command, tmp_path, "step:3:10", stdout=tee.stdin, stderr=subprocess.STDOUT)
+    errors = subprocess.STDOUT if stderr == "2>&1" else open(tmp_path / "stderr.log", "w")  # noqa: SIM115
+    process = _start(command, tmp_path, "step:3:10", stdout=tee.stdin, stderr=errors)
     tee.stdin.close()  # the pipe's writers are the launcher and its workers alone
     _until_step_logged(process, out, 2)
     tee.kill()  # (how it dies does not matter; under xdist a child may inherit SIGINT ignored)
@@ -171,6 +174,10 @@ def test_ctrl_c_with_the_log_piped_to_tee_saves_and_exits_75(tmp_path):
     assert len(saved) == 1 and saved[0] in ("step_2", "step_3"), saved
     assert not (out / ".chattune.lock").exists(), "the stopped run left its lock behind"
     assert "Traceback" not in (tmp_path / "tee.log").read_text()
+    if stderr == "2>file":
+        written = (tmp_path / "stderr.log").read_text()
+        assert "Logging error" not in written and "Traceback" not in written, written[-3000:]
+        assert "SIGINT: stopping after the current step" in written
 
 
 def test_a_write_to_a_pipe_nobody_reads_is_dropped_and_later_writes_go_to_dev_null():
