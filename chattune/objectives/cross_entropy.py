@@ -8,11 +8,11 @@ from torch import nn
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
 from chattune.model.router_loss import segment_units
-from chattune.objectives.base import model_losses, objective_loss
+from chattune.objectives.base import Objective, model_losses, objective_loss
 from chattune.objectives.source_figures import document_sums, source_figures
 
 
-class TokenCrossEntropy:
+class TokenCrossEntropy(Objective):
     """SFT: the unit is a trainable token (label != IGNORE_INDEX)."""
 
     unit_name = "trainable token"

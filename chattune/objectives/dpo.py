@@ -25,7 +25,7 @@ from chattune.distributed import counts_rows, reduce_sums
 from chattune.hub import hub_id
 from chattune.model.adapters import BaseModelView
 from chattune.model.fsdp import reshard
-from chattune.objectives.base import model_losses, objective_loss
+from chattune.objectives.base import Objective, model_losses, objective_loss
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.objectives.source_figures import source_figures
 
@@ -98,7 +98,7 @@ def is_initial_policy(reference_path: str | None, model_path: str | None, quanti
     return Path(reference_path).resolve() == Path(model_path).resolve()
 
 
-class PreferenceObjective:
+class PreferenceObjective(Objective):
     unit_name = "preference pair"
 
     def __init__(
@@ -129,7 +129,9 @@ class PreferenceObjective:
         chosen = (batch.segment_ids % 2 == 0) & (batch.segment_ids < 2 * len(batch.doc_ids))
         return [int(((batch.labels[0] != IGNORE_INDEX) & chosen).sum())]
 
-    def begin_step(self, global_units: torch.Tensor, global_extras: torch.Tensor) -> None:
+    def begin_step(
+        self, global_units: torch.Tensor, global_extras: torch.Tensor, global_statistics: torch.Tensor | None = None
+    ) -> None:
         """The step's counts over all ranks (on the device, not read back: no host sync)."""
         if self.loss.row.chosen_nll:
             self.pairs_per_chosen_token = global_units.double() / global_extras[0].clamp(min=1).double()

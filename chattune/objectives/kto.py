@@ -34,7 +34,7 @@ from torch import nn
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import PackedBatch, collate_packed
 from chattune.distributed import host_values_on
-from chattune.objectives.base import model_losses, objective_loss
+from chattune.objectives.base import Objective, model_losses, objective_loss
 from chattune.objectives.dpo import Reference
 from chattune.objectives.source_figures import source_figures
 
@@ -97,7 +97,7 @@ def _records(batch: PackedBatch) -> tuple[int, tuple[int, ...]]:
     return batch.epoch, tuple(batch.doc_ids)
 
 
-class KTOObjective:
+class KTOObjective(Objective):
     unit_name = "example"
 
     def __init__(
@@ -116,9 +116,6 @@ class KTOObjective:
 
     def count_units(self, batch: PackedBatch) -> int:
         return len(batch.doc_ids)
-
-    def count_step_extras(self, batch: PackedBatch) -> list[int]:
-        return []
 
     def trained_part(self, batch: PackedBatch) -> PackedBatch:
         """What the training forward runs of a microbatch (on the host): its examples, not their mismatched
@@ -145,7 +142,7 @@ class KTOObjective:
         return total.reshape(1)
 
     def begin_step(
-        self, global_units: torch.Tensor, global_extras: torch.Tensor, global_statistics: torch.Tensor
+        self, global_units: torch.Tensor, global_extras: torch.Tensor, global_statistics: torch.Tensor | None = None
     ) -> None:
         """z = max(0, the mean mismatched log-ratio over every example of the step, all ranks), detached."""
         self.reference_point = (global_statistics[0] / global_units.double().clamp(min=1)).clamp(min=0).detach()

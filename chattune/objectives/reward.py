@@ -28,7 +28,7 @@ from torch import nn
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
 from chattune.distributed import host_values_on
-from chattune.objectives.base import objective_loss
+from chattune.objectives.base import Objective, objective_loss
 from chattune.objectives.source_figures import source_figures
 
 
@@ -64,7 +64,7 @@ def bradley_terry_losses(
     return losses
 
 
-class RewardObjective:
+class RewardObjective(Objective):
     unit_name = "preference pair"
 
     def __init__(self, center_rewards_coefficient: float = 0.0, num_sources: int = 1):

@@ -41,8 +41,9 @@ def evaluate(
     weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
     total = all_reduce_max(len(batches), device)
     held_out = [batches[i] if i < len(batches) else empty_batch(pad_token_id) for i in range(total)]
-    if getattr(objective, "step_statistics", None) is not None:  # KTO: its reference point over the whole set first
-        _begin_held_out(objective, model, held_out, device, weight)
+    local = objective.step_statistics(model, held_out, device)  # KTO: its reference point over the whole set first
+    if local is not None:
+        _begin_held_out(objective, held_out, local * weight, device, weight)
         held_out = [objective.trained_part(batch) for batch in held_out]
     shown = progress.task("eval", total, "batches") if progress is not None else None
     for i, batch in enumerate(held_out):
@@ -62,11 +63,10 @@ def evaluate(
 
 
 def _begin_held_out(
-    objective: Objective, model: nn.Module, batches: list[PackedBatch], device: torch.device, weight: float
+    objective: Objective, batches: list[PackedBatch], local: torch.Tensor, device: torch.device, weight: float
 ) -> None:
-    """Collective: an objective's figures of the whole held-out set (all ranks) that its losses need first
-    (`step_statistics`, `begin_step`), as a training step's are of the step."""
-    local = objective.step_statistics(model, batches, device) * weight
+    """Collective: an objective's figures of the whole held-out set (all ranks: `local`, this rank's
+    `step_statistics`) that its losses need first (`begin_step`), as a training step's are of the step."""
     units = sum(objective.count_units(batch) for batch in batches) * weight
     reduced = all_reduce_sum(torch.cat([host_values_on(device, [units], torch.float64), local]))
     objective.begin_step(reduced[0], reduced[1:1], reduced[1:])
@@ -82,8 +82,7 @@ def start_metrics(
 ) -> dict[str, float]:
     """Collective: the held-out metrics before the first step (`eval_*`): those the objective knows without a
     forward (`known_start_metrics`: DPO whose reference is the initial policy), else an evaluation."""
-    known = getattr(objective, "known_start_metrics", None)
-    metrics = known(batches, device) if known is not None else None
+    metrics = objective.known_start_metrics(batches, device)
     if metrics is None:
         return evaluate(model, objective, batches, device, pad_id, progress)
     logger.info(

@@ -86,12 +86,9 @@ class _DeviceSums:
 def step_extras(objective: Objective, microbatches: list[PackedBatch]) -> list[int]:
     """An objective's counts besides its units, summed over `microbatches` (`count_step_extras`; none for most):
     all-reduced with the units, in the step's one all-reduce."""
-    count = getattr(objective, "count_step_extras", None)
-    if count is None:
-        return []
-    totals = count(empty_batch(0))  # zeros, as wide as every rank's (one that trains nothing included)
+    totals = objective.count_step_extras(empty_batch(0))  # zeros, as wide as every rank's (an empty one's too)
     for batch in microbatches:
-        totals = [total + value for total, value in zip(totals, count(batch), strict=True)]
+        totals = [total + value for total, value in zip(totals, objective.count_step_extras(batch), strict=True)]
     return totals
 
 
@@ -113,22 +110,20 @@ def _forward_backward(
     local_units = sum(objective.count_units(b) for b in microbatches) if counted else 0
     extras = step_extras(objective, microbatches if counted else [])
     local_counts = host_values_on(device, [local_units, int(batches.epoch_end_reached), *extras], torch.int64)
-    statistics = getattr(objective, "step_statistics", None)
     local_tokens = sum(b.num_tokens for b in microbatches) if counted else 0
-    if statistics is not None:  # KTO's reference point: a no-grad pass over the whole step before its first backward
-        local = statistics(model, _seeded(microbatches, seeds), device) * weight
+    # KTO's reference point: a no-grad pass over the whole step before its first backward (None for most)
+    local = objective.step_statistics(model, _seeded(microbatches, seeds), device)
+    if local is not None:
         microbatches = [objective.trained_part(b) for b in microbatches]  # what the forward/backward runs of each
-        reduced = all_reduce_sum(torch.cat([local_counts.double(), local]))  # still the step's one all-reduce
+        reduced = all_reduce_sum(torch.cat([local_counts.double(), local * weight]))  # still the one all-reduce
         counts, global_statistics = reduced[: len(local_counts)].round().long(), reduced[len(local_counts) :]
     else:
         counts, global_statistics = all_reduce_sum(local_counts), None
     # The normaliser stays on the device: reading it here would wait for every kernel queued before it (the
     # previous step's optimizer). A step with nothing to train gives zero gradients, not NaN.
     global_units = counts[0].clamp(min=1)
-    if global_statistics is not None:
-        objective.begin_step(global_units, counts[2:], global_statistics)
-    elif extras:  # an objective with a second unit (ORPO's chosen tokens) weighs that part by the step's counts
-        objective.begin_step(global_units, counts[2:])
+    # the step's counts (ORPO's chosen tokens weigh its NLL term) and statistics, before the first forward
+    objective.begin_step(global_units, counts[2:], global_statistics)
     normaliser = global_units.to(torch.float32)  # as `loss / int` would convert it
     scale = (loss_scale / global_units.double()).to(torch.float32) if loss_scale != 1.0 else None
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
