@@ -33,6 +33,7 @@ FIXED_ROWS = {  # what is not a package of chattune/, before and after the packa
         ),
         ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, the GPU check (`gpu_check.py`), this table"),
         ("`BENCHMARKS.md`", "measured throughput and the commands that produced it"),
+        ("`docs/`", "the configuration reference (`configuration.md`, generated from the schema)"),
     ],
 }
 BEGIN, END = "| path | what |\n|---|---|\n", "\n\n"
