@@ -99,7 +99,7 @@ def under_plain_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHER_DIR_ENV not in os.environ
 
 
-def keep_when_killed(what: str) -> None:
+def keep_when_killed(what: str | None) -> None:
     """Say in the first-signal line under plain torchrun what a kill at the end of its grace leaves."""
     global _kept_when_killed
     _kept_when_killed = what

@@ -4,6 +4,9 @@ step: it loads exactly on the ranks that wrote it and reshards to another number
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.checkpoint import MANIFEST_FILE, committed_checkpoints, damage, load_checkpoint, read_manifest
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import RunState
-from chattune.train.snapshot import Snapshots, advise
+from chattune.train.snapshot import Snapshots, advise, killing_grace_s
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, free_port, init_worker_process_group
 
@@ -41,7 +44,7 @@ def _write_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
     snapshots = Snapshots(
         tmp_path / "checkpoints",
         run_state(model, optimizer, {"rank": rank}),
-        {"world_size": world_size, "fingerprint": "f"},
+        {"world_size": world_size, "fingerprint": "f", "wandb_id": "w" if rank == 0 else None},  # (rank 0's alone)
         {"extra.bin": b"rank 0's"} if rank == 0 else {},
         torch.device("cpu"),
     )
@@ -52,7 +55,16 @@ def _write_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
     if rank == 0:
         torch.save({"weights": weights, "moments": moments}, tmp_path / "expected.pt")
     torch.distributed.barrier()  # (the test's, so both ranks' expected states are taken before the writes)
-    snapshots._write(snapshots._staged)
+    interrupts.install()
+    snapshots.watch()
+    os.kill(os.getpid(), signal.SIGUSR1)  # the watcher writes step 1, this rank alone, no collective
+    deadline = time.monotonic() + 60
+    while snapshots._written != 1:
+        assert time.monotonic() < deadline, "the snapshot was not written"
+        time.sleep(0.05)
+    assert snapshots.settle() == 1  # every rank wrote it and one committed it
+    snapshots.close()
+    assert signal.set_wakeup_fd(-1) == -1  # the wake-up descriptor as it was before watch()
     shutdown_distributed()
     exit_process()
 
@@ -77,12 +89,24 @@ def _load_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
 
 @pytest.mark.launch
 def test_a_snapshot_written_per_rank_is_a_checkpoint_that_loads_and_reshards(tmp_path):
-    mp.spawn(_write_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     root = tmp_path / "checkpoints"
+    earlier = root / "step_1"  # an earlier run's step 1 (this run resumed from an older checkpoint)
+    earlier.mkdir(parents=True)
+    (earlier / MANIFEST_FILE).write_text('{"step": 1, "note": "earlier run"}')
+    mp.spawn(_write_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     assert committed_checkpoints(root) == [root / "step_1"]  # committed by whichever rank finished last
+    assert [p.name for p in root.glob("step_1.abandoned*")] and "earlier run" in next(
+        root.glob("step_1.abandoned*")
+    ).joinpath(MANIFEST_FILE).read_text()
     checkpoint = root / "step_1"
     assert damage(checkpoint) == []
-    assert read_manifest(checkpoint) == {"world_size": 2, "fingerprint": "f", "step": 1, "written_by": "snapshot"}
+    assert read_manifest(checkpoint) == {
+        "world_size": 2,
+        "fingerprint": "f",
+        "wandb_id": "w",
+        "step": 1,
+        "written_by": "snapshot",
+    }
     assert (checkpoint / "extra.bin").read_bytes() == b"rank 0's"
     mp.spawn(_load_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     mp.spawn(_load_snapshot, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
@@ -103,15 +127,16 @@ def test_a_snapshot_missing_a_rank_is_never_committed(tmp_path):
 def test_steps_longer_than_half_of_plain_torchruns_grace_are_told_of_the_remedies(monkeypatch, caplog):
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert not advise(40.0, snapshots_on=False)  # one process: nothing kills it
+    assert killing_grace_s(snapshots_on=False) is None  # one process: nothing kills it
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv(interrupts.LAUNCHER_DIR_ENV, "/tmp/x")
-    assert not advise(40.0, snapshots_on=False)  # chattune run: waits however long the stop takes
+    assert killing_grace_s(snapshots_on=False) is None  # chattune run: waits however long the stop takes
     monkeypatch.delenv(interrupts.LAUNCHER_DIR_ENV)
-    assert not advise(14.0, snapshots_on=False)
-    assert not advise(40.0, snapshots_on=True)
+    assert killing_grace_s(snapshots_on=True) is None  # the snapshot is written within the grace
+    grace = killing_grace_s(snapshots_on=False)
+    assert grace == 30 and not advise(14.0, grace) and not advise(40.0, None)
     with caplog.at_level(logging.WARNING, logger="chattune.train.snapshot"):
-        assert advise(16.0, snapshots_on=False)
+        assert advise(16.0, grace)
     (message,) = caplog.messages
     assert "a step takes 16 s and torchrun kills its workers 30 s after" in message
     assert "`chattune run`" in message and "snapshot_steps=true" in message

@@ -361,6 +361,8 @@ class Checkpointer:
         """Collective: the checkpoint of `step` where one is due, else (with snapshots) its copy in host memory."""
         if self.due(step):
             self.save(step)
+            if self.snapshots is not None:
+                self.snapshots.forget()  # a signal in the next step has nothing newer than this checkpoint to write
         elif self.snapshots is not None:
             self.snapshots.stage(step)
 
@@ -372,8 +374,12 @@ class Checkpointer:
     def settle_snapshots(self, step: int | None) -> None:
         """Collective, at a stop: no snapshot written from now on; the one of `step`, if every rank wrote it,
         counts as this run's checkpoint of `step` (no second save of the same state)."""
-        if self.snapshots is not None and self.snapshots.settle() == step is not None:
+        if self.snapshots is None:
+            return
+        if self.snapshots.settle() == step is not None:
             self.last_saved, self.last_started = self.root / f"step_{step}", time.perf_counter()
+        self.snapshots.close()
+        self.snapshots = None
 
     def save(self, step: int) -> Path:
         """Collective: the checkpoint of `step` (copied and left to the background with save_async)."""

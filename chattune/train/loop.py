@@ -51,7 +51,7 @@ from chattune.train.progress import Progress
 from chattune.train.resume import resume_training
 from chattune.train.run_state import Every, Horizon, SkippedSteps, training_state
 from chattune.train.samples import run_samples
-from chattune.train.snapshot import Snapshots, advise
+from chattune.train.snapshot import Snapshots, advise, killing_grace_s
 from chattune.train.step import LossScale, StepResult, UpdateRule, train_step
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,8 @@ class UpdateSteps:
         self.cfg, self.model, self.learning, self.feed, self.device = cfg, model, learning, feed, device
         self.skipped, self.loss_scale, self.ledger = skipped, loss_scale, ledger
         self.timer = StepTimer(device)
-        self.advised = False  # said that steps outlast plain torchrun's grace (`advise`)
+        self.grace = killing_grace_s(cfg.snapshot_steps)  # plain torchrun's, where nothing else saves a stop
+        self.advised = False  # said that steps outlast it (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
 
     def run(self, step: int) -> Update:
@@ -184,7 +185,7 @@ class UpdateSteps:
             stop_requested=lambda: interrupts.requested() is not None,
         )
         self.timer.stop()
-        self.advised = self.advised or advise(self.timer.host_seconds(), self.cfg.snapshot_steps)  # torchrun's grace
+        self.advised = self.advised or advise(self.timer.host_seconds(), self.grace)
         closed_epochs = feed.close_step(result.ranks_at_epoch_end)
         if result.global_units == 0 and step == 1:  # (with the data report on, caught before the model loads)
             raise UserError(

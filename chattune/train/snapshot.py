@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 
 from chattune import errors, interrupts
+from chattune.files import set_aside
 from chattune.train.checkpoint import MANIFEST_FILE, rank_state_file, sync_directory, write_synced
 from chattune.train.run_state import RunState
 
@@ -66,6 +67,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 
 SUFFIX = ".snapshot"
 _LAYOUT_FILE = "shards.pt"  # a rank's {flattened key: (global size, offsets)} of the shards it wrote
+_RANK0_MANIFEST = "manifest_rank0.json"  # rank 0's manifest, renamed to the checkpoint's at the commit
 _METADATA_NAMES = (".metadata", "__0.metadata")  # a single-process DCP save's metadata, by torch version
 
 
@@ -77,27 +79,75 @@ def _flatten(state: dict) -> dict:
 
 
 class _HostCopy:
-    """Host buffers, one per tensor of a state dict, allocated at the first copy and reused by every later one."""
+    """Host buffers for the tensors of a state dict: one flat buffer per dtype, cut into a view per tensor,
+    allocated at the first copy and reused while the tensors keep their shapes. On CUDA the flat buffers are
+    page-locked with cudaHostRegister (as DCP's stager does), not allocated pinned: torch's pinned allocator
+    rounds each allocation up to a power of two, up to twice the state's size."""
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._flat: list[torch.Tensor] = []
+        self._layout: tuple = ()
 
-    def __call__(self, obj, path: tuple = ()):
-        if isinstance(obj, DTensor):
-            obj = obj.to_local()
+    def __call__(self, state: dict) -> dict:
+        tensors: dict[tuple, torch.Tensor] = {}
+        _leaves(state, (), tensors)
+        layout = tuple((path, tuple(t.shape), t.dtype) for path, t in tensors.items())
+        if layout != self._layout:
+            self._allocate(tensors)
+            self._layout = layout
+        for path, tensor in tensors.items():
+            self._views[path].copy_(tensor.detach(), non_blocking=self.pinned and tensor.is_cuda)
+        return self._rebuilt(state, ())
+
+    def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
+        self.release()
+        sizes: dict[torch.dtype, int] = {}
+        for tensor in tensors.values():
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
+        flat = {dtype: torch.empty(numel, dtype=dtype) for dtype, numel in sizes.items()}
+        if self.pinned and torch.cuda.is_available():
+            for buffer in flat.values():
+                if buffer.numel() and int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 1)):
+                    raise RuntimeError("snapshot_steps: page-locking the host copy failed (cudaHostRegister)")
+        offsets = dict.fromkeys(sizes, 0)
+        for path, tensor in tensors.items():
+            start = offsets[tensor.dtype]
+            self._views[path] = flat[tensor.dtype][start : start + tensor.numel()].view(tensor.shape)
+            offsets[tensor.dtype] = start + tensor.numel()
+        self._flat = list(flat.values())
+
+    def release(self) -> None:
+        """Unregister and drop the buffers."""
+        if self.pinned and torch.cuda.is_available():
+            for buffer in self._flat:
+                if buffer.numel():
+                    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        self._views, self._flat, self._layout = {}, [], ()
+
+    def _rebuilt(self, obj, path: tuple):
         if isinstance(obj, torch.Tensor):
-            buffer = self._buffers.get(path)
-            if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
-                buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pinned and obj.is_cuda)
-                self._buffers[path] = buffer
-            buffer.copy_(obj.detach(), non_blocking=buffer.is_pinned())
-            return buffer
+            return self._views[path]
         if isinstance(obj, dict):
-            return {key: self(value, (*path, key)) for key, value in obj.items()}
+            return {key: self._rebuilt(value, (*path, key)) for key, value in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self(value, (*path, i)) for i, value in enumerate(obj))
+            return type(obj)(self._rebuilt(value, (*path, i)) for i, value in enumerate(obj))
         return copy.deepcopy(obj)
+
+
+def _leaves(obj, path: tuple, found: dict) -> None:
+    """Every tensor of a nested state (a DTensor's local shard) by its path, into `found`."""
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        found[path] = obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _leaves(value, (*path, key), found)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _leaves(value, (*path, i), found)
 
 
 @dataclasses.dataclass
@@ -120,7 +170,12 @@ class Snapshots:
         self.root, self.state, self.manifest, self.extra_files = root, state, manifest, extra_files
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.device = device
         self._copy = _HostCopy(pinned=device.type == "cuda")
+        # settle()'s all-reduce is on the host (an nccl group takes no CPU tensors); collective to create
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() and self.world_size > 1 else None
+        self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self._previous_wakeup_fd = -1
         self._staged: _Staged | None = None
         self._written: int | None = None  # the step this rank last wrote
         self._committed: int | None = None  # the step this rank committed (it completed the count)
@@ -153,6 +208,13 @@ class Snapshots:
             self._staged = _Staged(step, copied, layout, buffer.getvalue(), ready)
             self._lock.notify_all()  # a signalled watcher writes this newer step too
 
+    def forget(self) -> None:
+        """Drop the staged step (its checkpoint was just saved): a signal now has nothing older to write."""
+        with self._lock:
+            while self._writing:
+                self._lock.wait()
+            self._staged = None
+
     @property
     def staged_step(self) -> int | None:
         return self._staged.step if self._staged is not None else None
@@ -164,8 +226,8 @@ class Snapshots:
             raise RuntimeError("Snapshots.watch() sets the signal wake-up descriptor: call it from the main thread")
         reader, writer = socket.socketpair()
         writer.setblocking(False)
-        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        self._sockets = (reader, writer)  # kept open as long as the process
+        self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._sockets = (reader, writer)  # open until close()
         interrupts.keep_when_killed("each rank writes the last completed step's snapshot (snapshot_steps)")
         threading.Thread(target=self._wake_on_signal, args=(reader,), name="chattune-snapshot", daemon=True).start()
         threading.Thread(target=self._write_when_signalled, name="chattune-snapshot-writer", daemon=True).start()
@@ -182,6 +244,8 @@ class Snapshots:
                     self._lock.notify_all()
 
     def _write_when_signalled(self) -> None:
+        if self.device.type == "cuda":  # a new thread's CUDA calls go to device 0 unless told otherwise
+            torch.cuda.set_device(self.device)
         while True:
             with self._lock:
                 while not (self._signalled and not self._closed and self._newer_than_written()):
@@ -211,9 +275,11 @@ class Snapshots:
         dcp.save(staged.sharded, checkpoint_id=str(own), no_dist=True)
         write_synced(own / _LAYOUT_FILE, _pickled(staged.layout))
         write_synced(rank_state_file(directory, self.rank), staged.own)
-        if self.rank == 0:
+        if self.rank == 0:  # (rank 0's manifest: the others have no wandb run id)
             for name, data in self.extra_files.items():
                 write_synced(directory / name, data)
+            manifest = {**self.manifest, "step": staged.step, "written_by": "snapshot"}
+            write_synced(directory / _RANK0_MANIFEST, json.dumps(manifest, indent=1).encode())
         write_synced(directory / f"done_rank_{self.rank}", b"")
         logger.info("stop signal: this rank's snapshot of step %d written to %s", staged.step, directory)
         if all((directory / f"done_rank_{rank}").is_file() for rank in range(self.world_size)):
@@ -227,12 +293,10 @@ class Snapshots:
             return
         ranks = [directory / f"rank_{rank}" for rank in range(self.world_size)]
         write_synced(directory / ".metadata", _pickled(merged_metadata(ranks, directory)))
-        manifest = {**self.manifest, "step": step, "written_by": "snapshot"}
-        write_synced(directory / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+        os.rename(directory / _RANK0_MANIFEST, directory / MANIFEST_FILE)  # written last: the checkpoint counts
         final = self.root / f"step_{step}"
-        if final.exists():  # the ordinary save of the same step got there first: that one stays
-            shutil.rmtree(directory, ignore_errors=True)
-            return
+        if final.exists():  # an earlier run's (a resume from an older checkpoint): never replaced in place
+            logger.warning("moved aside: %s -> %s (saved again by this run's snapshot)", final, set_aside(final))
         os.rename(directory, final)
         sync_directory(self.root)
         self._committed = step
@@ -248,23 +312,41 @@ class Snapshots:
             self._lock.notify_all()
             while self._writing:
                 self._lock.wait()
-        written = torch.tensor([float(self._written if self._written is not None else -1)])
-        if dist.is_initialized() and self.world_size > 1:
-            low, high = written.clone(), written.clone()
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
-            if low.item() != high.item():
-                return None
-        step = int(written.item())
-        return step if step >= 0 and (self.root / f"step_{step}" / MANIFEST_FILE).is_file() else None
+        written = -1.0 if self._written is None else float(self._written)
+        committed = -1.0 if self._committed is None else float(self._committed)
+        # the highest and lowest step written, and the step committed (by the one rank that did): every rank decides alike
+        agreed = torch.tensor([written, -written, committed], dtype=torch.float64)
+        if self._group is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._group)
+        highest, lowest, committed = agreed[0].item(), -agreed[1].item(), agreed[2].item()
+        return int(committed) if highest == lowest == committed >= 0 else None
+
+    def close(self) -> None:
+        """From the main thread, after `settle`: the signal wake-up descriptor as it was, the watcher threads
+        ended, the host copies released (a sweep's next job in this process starts clean)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._sockets is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            for end in self._sockets:  # the reader's recv returns b"": its thread ends
+                end.close()
+            self._sockets = None
+        interrupts.keep_when_killed(None)
+        self._copy.release()
+        self._staged, self.state = None, None
 
 
-def advise(step_seconds: float, snapshots_on: bool) -> bool:
-    """Once, under plain torchrun without snapshots, where a step takes more than half torchrun's grace: say
-    that a stop signal would then lose the steps since the last checkpoint, and the two remedies. Whether it
-    said so."""
-    grace = interrupts.torchrun_grace_s() if interrupts.under_plain_torchrun() else None
-    if snapshots_on or grace is None or step_seconds <= grace / 2:
+def killing_grace_s(snapshots_on: bool) -> int | None:
+    """The grace after which a launcher kills a stopping run that has no snapshot to write: plain torchrun's;
+    None under `chattune run`, one process, or with snapshots."""
+    return interrupts.torchrun_grace_s() if interrupts.under_plain_torchrun() and not snapshots_on else None
+
+
+def advise(step_seconds: float, grace: int | None) -> bool:
+    """Where a step takes more than half of `grace` (`killing_grace_s`): say that a stop signal would then lose
+    the steps since the last checkpoint, and the two remedies. Whether it said so."""
+    if grace is None or step_seconds <= grace / 2:
         return False
     logger.warning(
         "a step takes %.0f s and torchrun kills its workers %d s after passing a stop signal on: a preemption "
