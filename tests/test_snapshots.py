@@ -18,10 +18,10 @@ from chattune import interrupts
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train import snapshot
 from chattune.train.checkpoint import MANIFEST_FILE, committed_checkpoints, damage, load_checkpoint, read_manifest
 from chattune.train.feed import StepBatches
-from chattune.train.run_state import RunState
-from chattune.train.snapshot import Snapshots, advise, killing_grace_s
+from chattune.train.snapshot import Snapshots, advise, complete_snapshots, killing_grace_s
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, free_port, init_worker_process_group
 
@@ -34,10 +34,16 @@ def _step(model, optimizer, rank: int, seed: int) -> None:
     )
 
 
-def _write_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
+def _write_snapshot(rank: int, world_size: int, port: int, tmp: str, committer_killed: bool) -> None:
     """Train a step, stage it, train another (the state moves on), then write the staged step as a signal
-    would: each rank alone, no collective."""
+    would: each rank alone, no collective. `committer_killed`: the last rank dies before its commit."""
     init_worker_process_group(rank, world_size, port)
+    if committer_killed:
+
+        def killed(directory, world_size):
+            raise RuntimeError("killed before the commit (the test's)")
+
+        snapshot._commit_directory = killed
     tmp_path = Path(tmp)
     model, optimizer = sharded(seed=0, world_size=world_size)
     _step(model, optimizer, rank, seed=0)
@@ -62,7 +68,7 @@ def _write_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
     while snapshots._written != 1:
         assert time.monotonic() < deadline, "the snapshot was not written"
         time.sleep(0.05)
-    assert snapshots.settle() == 1  # every rank wrote it and one committed it
+    assert snapshots.settle() == (None if committer_killed else 1)  # every rank wrote it and one committed it
     snapshots.close()
     assert signal.set_wakeup_fd(-1) == -1  # the wake-up descriptor as it was before watch()
     shutdown_distributed()
@@ -88,12 +94,19 @@ def _load_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
 
 
 @pytest.mark.launch
-def test_a_snapshot_written_per_rank_is_a_checkpoint_that_loads_and_reshards(tmp_path):
+@pytest.mark.parametrize("committer_killed", [False, True])
+def test_a_snapshot_written_per_rank_is_a_checkpoint_that_loads_and_reshards(tmp_path, committer_killed):
+    """Committed by the last rank to finish; or, where that rank was killed before its commit, by the next
+    launch (`complete_snapshots`, before it decides what to resume)."""
     root = tmp_path / "checkpoints"
     earlier = root / "step_1"  # an earlier run's step 1 (this run resumed from an older checkpoint)
     earlier.mkdir(parents=True)
     (earlier / MANIFEST_FILE).write_text('{"step": 1, "note": "earlier run"}')
-    mp.spawn(_write_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_write_snapshot, args=(2, free_port(), str(tmp_path), committer_killed), nprocs=2, join=True)
+    if committer_killed:
+        assert committed_checkpoints(root) == [earlier]
+        (line,) = complete_snapshots(root)
+        assert line.endswith("committed as " + str(earlier) + " (its ranks all wrote it)")
     assert committed_checkpoints(root) == [root / "step_1"]  # committed by whichever rank finished last
     assert [p.name for p in root.glob("step_1.abandoned*")] and "earlier run" in next(
         root.glob("step_1.abandoned*")
@@ -118,9 +131,9 @@ def test_a_snapshot_missing_a_rank_is_never_committed(tmp_path):
     root = tmp_path / "checkpoints"
     partial = root / "step_3.snapshot"
     (partial / "rank_0").mkdir(parents=True)
-    (partial / "done_rank_0").write_bytes(b"")
+    (partial / "done_rank_0").write_bytes(b"2")  # of 2 ranks: rank 1 never finished
     assert committed_checkpoints(root) == []
-    Snapshots(root, RunState(), {}, {}, torch.device("cpu"))
+    assert complete_snapshots(root) == [f"{partial} removed: a rank never finished writing it"]
     assert not partial.exists() and not (root / "step_3" / MANIFEST_FILE).exists()
 
 

@@ -40,6 +40,7 @@ from chattune.errors import UserError
 from chattune.files import ABANDONED, aside_name, set_aside
 from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_manifest
 from chattune.train.resume import AcceptedChanges, ResumeError, check_resumable, run_fingerprint, run_identity
+from chattune.train.snapshot import complete_snapshots
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +273,8 @@ def claim_output_dir(cfg: SFTConfig, dist_info: DistInfo) -> StartingPoint:
             lock = OutputDirLock(output_dir)
             lock.acquire()
             _lock = lock
+            for line in complete_snapshots(output_dir / "checkpoints"):  # a stop's snapshot, cut short by a kill
+                logger.warning("snapshot: %s", line)
             decision = decide_launch(cfg, run_identity(dist_info.world_size, run_fingerprint(cfg)))
             for line in set_aside_abandoned(decision):
                 logger.warning("moved aside: %s", line)

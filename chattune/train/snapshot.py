@@ -17,8 +17,10 @@ The design, and why:
   `train_state_rank{R}.pt`, and a `done_rank_R` marker. The rank that sees every marker after writing its own
   (an `O_EXCL` file elects exactly one when two finish together) merges the ranks' DCP metadata into one,
   each shard at its global offset, writes the manifest and renames the directory to `step_N`: an ordinary
-  checkpoint that resumes, reshards to another number of ranks and exports as any other. A rank killed before
-  its marker leaves a `.snapshot` directory that is never resumed from (removed when the next run starts).
+  checkpoint that resumes, reshards to another number of ranks and exports as any other. If the committing rank
+  is killed before the rename, the next launch commits the snapshot before it decides what to resume
+  (`complete_snapshots`); a rank killed before its marker leaves a `.snapshot` directory that is never resumed
+  from (the next launch removes it).
 - A step in flight that finishes within the grace is saved by the ordinary stop (`loop.stop`), which first
   waits for this rank's snapshot write: the snapshot is what is left when the SIGKILL comes first.
 
@@ -183,9 +185,6 @@ class Snapshots:
         self._signalled = False
         self._writing = False
         self._closed = False
-        if self.rank == 0:  # a snapshot never completed by an earlier launch (a rank killed before writing it)
-            for stale in root.glob(f"step_*{SUFFIX}") if root.is_dir() else ():
-                shutil.rmtree(stale, ignore_errors=True)
 
     def stage(self, step: int) -> None:
         """Copy the state after `step` to the host (a checkpoint's content, without the write)."""
@@ -280,7 +279,7 @@ class Snapshots:
                 write_synced(directory / name, data)
             manifest = {**self.manifest, "step": staged.step, "written_by": "snapshot"}
             write_synced(directory / _RANK0_MANIFEST, json.dumps(manifest, indent=1).encode())
-        write_synced(directory / f"done_rank_{self.rank}", b"")
+        write_synced(directory / f"done_rank_{self.rank}", str(self.world_size).encode())  # (the ranks to wait for)
         logger.info("stop signal: this rank's snapshot of step %d written to %s", staged.step, directory)
         if all((directory / f"done_rank_{rank}").is_file() for rank in range(self.world_size)):
             self._commit(directory, staged.step)
@@ -291,14 +290,7 @@ class Snapshots:
             os.close(os.open(directory / "commit", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:  # another rank finished at the same moment and commits
             return
-        ranks = [directory / f"rank_{rank}" for rank in range(self.world_size)]
-        write_synced(directory / ".metadata", _pickled(merged_metadata(ranks, directory)))
-        os.rename(directory / _RANK0_MANIFEST, directory / MANIFEST_FILE)  # written last: the checkpoint counts
-        final = self.root / f"step_{step}"
-        if final.exists():  # an earlier run's (a resume from an older checkpoint): never replaced in place
-            logger.warning("moved aside: %s -> %s (saved again by this run's snapshot)", final, set_aside(final))
-        os.rename(directory, final)
-        sync_directory(self.root)
+        final = _commit_directory(directory, self.world_size)
         self._committed = step
         interrupts.say(
             f"chattune: the snapshot of step {step} (the last completed step) is saved as {final}\n", any_rank=True
@@ -357,6 +349,38 @@ def advise(step_seconds: float, grace: int | None) -> bool:
         grace,
     )
     return True
+
+
+def _commit_directory(directory: Path, world_size: int) -> Path:
+    """One DCP metadata over every rank's shards, rank 0's manifest as the checkpoint's, the rename to
+    `step_N`; an earlier run's `step_N` (a resume from an older checkpoint) is moved aside, never replaced."""
+    ranks = [directory / f"rank_{rank}" for rank in range(world_size)]
+    write_synced(directory / ".metadata", _pickled(merged_metadata(ranks, directory)))
+    if (directory / _RANK0_MANIFEST).exists():  # (renamed already by a commit cut short)
+        os.rename(directory / _RANK0_MANIFEST, directory / MANIFEST_FILE)  # the checkpoint counts once renamed
+    final = directory.with_name(directory.name.removesuffix(SUFFIX))
+    if final.exists():
+        logger.warning("moved aside: %s -> %s (saved again by this run's snapshot)", final, set_aside(final))
+    os.rename(directory, final)
+    sync_directory(final.parent)
+    return final
+
+
+def complete_snapshots(root: Path) -> list[str]:
+    """Before a launch decides what it resumes (rank 0, holding the output directory): commit each snapshot
+    that every rank wrote but whose committing rank was killed before the rename, and remove each one a rank
+    never finished (it can never be resumed). What was done, a line each."""
+    done = []
+    for directory in sorted(root.glob(f"step_*{SUFFIX}")) if root.is_dir() else []:
+        markers = {p.name: p.read_text() for p in directory.glob("done_rank_*")}
+        world_size = int(markers.get("done_rank_0") or 0)
+        complete = world_size > 0 and all(f"done_rank_{rank}" in markers for rank in range(world_size))
+        if complete and ((directory / _RANK0_MANIFEST).exists() or (directory / MANIFEST_FILE).exists()):
+            done.append(f"{directory} committed as {_commit_directory(directory, world_size)} (its ranks all wrote it)")
+        else:
+            shutil.rmtree(directory)
+            done.append(f"{directory} removed: a rank never finished writing it")
+    return done
 
 
 def _pickled(obj) -> bytes:
