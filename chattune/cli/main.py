@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser("validate", help="check a config and its data before launching a run")
     _add_config_arguments(validate)
+    validate.add_argument("--ranks", type=int, default=None, help="plan for this many ranks (default: 1)")
+    validate.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="plan the memory estimate for a GPU of this size, e.g. 24GiB or 80GB (default: this machine's GPU)",
+    )
     validate.set_defaults(handler=_validate)
 
     prepare = commands.add_parser("prepare", help="tokenize a config's data once into token caches (data.cache)")
@@ -233,7 +240,22 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config_name, overrides = config_and_overrides(args, parser)
     config_path, config_dir = config_location(args, config_name)
     kind = kind_of_recipe(args.recipe) if args.recipe is not None else None  # a copied recipe's own keys
-    report, ok = run_validate(config_name, overrides, config_path, config_dir=config_dir, read_data=True, kind=kind)
+    from chattune.model.memory import parse_size
+
+    try:
+        device_memory = parse_size(args.device_memory) if args.device_memory is not None else None
+    except ValueError as error:
+        parser.error(f"--device-memory: {error}")
+    report, ok = run_validate(
+        config_name,
+        overrides,
+        config_path,
+        world_size=args.ranks,
+        config_dir=config_dir,
+        read_data=True,
+        kind=kind,
+        device_memory=device_memory,
+    )
     print(report)
     return 0 if ok else 1
 

@@ -25,6 +25,7 @@ class ConfigError(UserError, ValueError):
 class Findings:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    memory: str | None = None  # the memory estimate's table (`chattune.model.memory`), for a config without problems
 
     def problem(self, key: str, message: str) -> None:
         self.problems.append(f"{key}: {message}")
@@ -44,7 +45,10 @@ def summary_line(problems: list[str]) -> str:
 
 
 def format_report(findings: Findings) -> str:
-    return "\n".join([*findings.problems, *(f"note: {n}" for n in findings.notes), summary_line(findings.problems)])
+    memory = [findings.memory] if findings.memory else []
+    return "\n".join(
+        [*findings.problems, *(f"note: {n}" for n in findings.notes), *memory, summary_line(findings.problems)]
+    )
 
 
 # --- keys and values ---

@@ -90,12 +90,15 @@ def run_validate(
     config_dir: Path | None = None,
     read_data: bool = False,
     kind: RecipeKind | None = None,
+    device_memory: int | None = None,
 ) -> tuple[str, bool]:
     """Compose `config_name` from `config_path` (and `config_dir`, Hydra's --config-dir, searched first)
     with `overrides` as a recipe would and check it: (the report, whether the config has no problem).
     `read_data`: also load the tokenizer and read the first records of every source. `kind`: the recipe's
     (`kind_of_recipe`), else the config name's."""
-    findings = validate_command(config_name, overrides, config_path, world_size, config_dir, read_data, kind=kind)
+    findings = validate_command(
+        config_name, overrides, config_path, world_size, config_dir, read_data, kind=kind, device_memory=device_memory
+    )
     return format_report(findings), not findings.problems
 
 
@@ -123,6 +126,7 @@ def validate_command(
     read_data: bool = False,
     output_dir_checks: bool = True,
     kind: RecipeKind | None = None,
+    device_memory: int | None = None,
 ) -> Findings:
     """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir). `kind`:
     the recipe's, where one is launched; None: the config name's (`kind_of_config`)."""
@@ -156,6 +160,8 @@ def validate_command(
                 findings.problem(key, f"not in the config; add it with +{override}")
         if read_data and not findings.problems:
             read_first_records(cfg, kind, findings)
+        if read_data and not findings.problems:
+            findings.memory = memory_table(cfg, world_size or 1, device_memory)
         if named is not None and named.named_by != config_name and findings.problems:
             findings.note("config", other_kind_hint(config_name, named.kind))
     return findings
@@ -168,6 +174,27 @@ def other_kind_hint(config_name: str, checked_as: RecipeKind) -> str:
     return f"if {config_name} is a config of another recipe, check it with that recipe: " + "; ".join(
         f"chattune validate --recipe {RECIPES_DIR / kind.recipe_file} ... (a {kind.name} config)" for kind in others
     )
+
+
+def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
+    """The memory estimate of a run of `cfg` on `ranks` ranks (`chattune.model.memory`), planned for a GPU of
+    `device_memory` bytes, else this machine's first GPU, else the CPU (no verdict)."""
+    import torch
+
+    from chattune.data.tokenizer import load_tokenizer
+    from chattune.model.memory import estimate, hf_config_of, inputs_of
+
+    on_cuda = device_memory is not None or (cfg.device != "cpu" and torch.cuda.is_available())
+    if device_memory is None and on_cuda:
+        device_memory = torch.cuda.get_device_properties(0).total_memory
+    vocab = None if cfg.model.path is not None else len(load_tokenizer(cfg.tokenizer))
+    inputs = inputs_of(cfg, hf_config_of(cfg, vocab), ranks, on_cuda)
+    where = "on a GPU" if on_cuda else "on the CPU"
+    header = (
+        f"memory per rank, estimated {where} ({ranks} rank(s), {inputs.tokens} tokens a microbatch, "
+        f"{str(inputs.compute_dtype).removeprefix('torch.')} compute; --ranks N, --device-memory SIZE):"
+    )
+    return header + "\n" + estimate(inputs).table(device_memory)
 
 
 FIRST_RECORDS = 8  # records `chattune validate` reads of each source

@@ -43,6 +43,7 @@ from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, de
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.indexed_attention import indexed_path_name
+from chattune.model.memory import estimate, inputs_of
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
@@ -81,6 +82,20 @@ def build_trained_model(
     return built
 
 
+def log_memory_estimate(cfg: SFTConfig, hf_config, dist_info: DistInfo) -> None:
+    """Rank 0's start-up table of the run's memory per rank (`chattune.model.memory`), a warning if it will not
+    fit the device."""
+    on_cuda = dist_info.device.type == "cuda"
+    estimated = estimate(inputs_of(cfg, hf_config, dist_info.world_size, on_cuda))
+    device_memory = torch.cuda.get_device_properties(dist_info.device).total_memory if on_cuda else None
+    table = estimated.table(device_memory)
+    total = estimated.total
+    if device_memory is not None and total is not None and total > device_memory:
+        logger.warning("memory per rank, estimated: this run will not fit the device\n%s", table)
+    else:
+        logger.info("memory per rank, estimated:\n%s", table)
+
+
 def build_sharded_model(
     cfg: SFTConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -101,10 +116,14 @@ def build_sharded_model(
         # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
         config = instantiate(cfg.model.config, _convert_="all")
         hf_model = build_hf_model(tokenizer, config=config, head=head)  # whole, on CPU
+        if key == "model.path" and dist_info.is_main:  # what the run will take per rank
+            log_memory_estimate(cfg, hf_model.config, dist_info)
     else:
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
             raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
+        if key == "model.path" and dist_info.is_main:  # what the run will take per rank, before loading a weight
+            log_memory_estimate(cfg, AutoConfig.from_pretrained(directory), dist_info)
         hf_model, files, composite = _empty_or_full(directory, head)
         stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
         check_vocabulary(hf_model, tokenizer)

@@ -105,7 +105,7 @@ def meta_model(hf_config, dtype: torch.dtype = torch.float32, attention: str | N
 
     kwargs = {"attn_implementation": attention} if attention else {}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, **kwargs)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kwargs)
 
 
 def _shard_numel(parameter: torch.Tensor, ranks: int) -> int:
@@ -116,13 +116,18 @@ def _shard_numel(parameter: torch.Tensor, ranks: int) -> int:
     return rows * (parameter.numel() // max(parameter.shape[0], 1))
 
 
-def _lora_elements(model: nn.Module, rank: int, targets: tuple[str, ...]) -> int:
-    """LoRA's adapter elements: rank x (in + out) for every linear layer whose name ends with a target."""
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets):
-            total += rank * (module.in_features + module.out_features)
-    return total
+def _adapted(name: str, module: nn.Module, model: nn.Module, targets: tuple[str, ...]) -> bool:
+    """Whether LoRA adapts this module: a linear layer whose name is, or ends with, a target; `all-linear`:
+    every linear layer but the output layer (peft's meaning)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if "all-linear" in targets:
+        return module is not model.get_output_embeddings()
+    return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def _lora_targets(model: nn.Module, targets: tuple[str, ...]) -> list[nn.Linear]:
+    return [module for name, module in model.named_modules() if _adapted(name, module, model, targets)]
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -131,14 +136,15 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return max(lists, key=len) if lists else []
 
 
-def _optimizer_states(inputs: MemoryInputs, notes: list[str]) -> int:
+def _optimizer_state_bytes(inputs: MemoryInputs, elements: int, tensors: int, notes: list[str]) -> int:
+    """A rank's optimizer states for `elements` trained elements in `tensors` trained parameters (fp32)."""
     name = inputs.optimizer.rsplit(".", 1)[-1]
     if name in ("Adam", "AdamW"):
-        return 2
+        return 4 * (2 * elements + tensors)  # both moments, and each parameter's step count (a scalar tensor)
     if name == "SGD":
-        return 1 if inputs.momentum else 0
-    notes.append(f"{inputs.optimizer}: counted as two fp32 states per trained element, as AdamW")
-    return 2
+        return 4 * elements if inputs.momentum else 0
+    notes.append(f"{inputs.optimizer}: counted as AdamW (two fp32 states per trained element)")
+    return 4 * (2 * elements + tensors)
 
 
 def estimate(inputs: MemoryInputs) -> MemoryEstimate:
@@ -147,11 +153,19 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     model = meta_model(inputs.hf_config)
     parameters = dict(model.named_parameters())  # (tied weights once)
     sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values())
-    lora = _lora_elements(model, inputs.lora_rank, inputs.lora_targets) if inputs.lora_rank else 0
-    trained = math.ceil(lora / inputs.ranks) if inputs.lora_rank else sharded
+    if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
+        adapted = _lora_targets(model, inputs.lora_targets)
+        trained = sum(
+            math.ceil(inputs.lora_rank / inputs.ranks) * layer.in_features
+            + math.ceil(layer.out_features / inputs.ranks) * inputs.lora_rank
+            for layer in adapted
+        )
+        trained_tensors = 2 * len(adapted)
+    else:
+        trained, trained_tensors = sharded, len(parameters)
     result.rows["parameters (fp32 shards)"] = 4 * (sharded + (trained if inputs.lora_rank else 0))
     result.rows["gradients (fp32 shards)"] = 4 * trained
-    result.rows["optimizer states"] = 4 * _optimizer_states(inputs, result.notes) * trained
+    result.rows["optimizer states"] = _optimizer_state_bytes(inputs, trained, trained_tensors, result.notes)
     compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
     layers = _decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -266,6 +280,57 @@ def _add_meta_adapters(model: nn.Module, rank: int, targets: tuple[str, ...], dt
 
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and any(full == t or full.endswith(f".{t}") for t in targets):
+            if _adapted(f"{name}.{child_name}" if name else child_name, child, model, targets):
                 setattr(module, child_name, _Adapted(child))
+
+
+def hf_config_of(cfg, vocab_size: int | None = None):
+    """The HF config a run of `cfg` builds or loads (no weights): `model.path`'s config.json, else `model.config`
+    instantiated with the tokenizer's vocabulary (`vocab_size`), as the builder sizes it."""
+    if cfg.model.path is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(cfg.model.path)
+    from hydra.utils import instantiate
+
+    config = instantiate(cfg.model.config, _convert_="all")
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+        config.get_text_config().vocab_size = vocab_size
+    return config
+
+
+def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
+    """The memory inputs of a run of `cfg` (a composed recipe config) on `ranks` ranks, on CUDA or not."""
+    fsdp, peft = cfg.model.fsdp, _get(cfg, "peft")
+    dtype_name = fsdp.param_dtype if fsdp.param_dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    reference = _get(cfg, "reference")
+    live_reference = reference is not None and not reference.cache and _needs_reference(cfg)
+    targets = peft.target_modules if peft is not None else ()
+    return MemoryInputs(
+        hf_config=hf_config,
+        ranks=ranks,
+        tokens=int(cfg.data.max_tokens_per_microbatch),
+        compute_dtype=getattr(torch, dtype_name),
+        activation_checkpointing=bool(fsdp.activation_checkpointing),
+        loss_chunk=int(cfg.loss.chunk_size),
+        optimizer=str(_get(cfg.optimizer, "_target_")),
+        momentum=float(_get(cfg.optimizer, "momentum") or 0.0),
+        lora_rank=int(peft.rank) if peft is not None else None,
+        lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        live_reference=live_reference,
+    )
+
+
+def _needs_reference(cfg) -> bool:
+    """DPO and KTO compare with a reference; DPO's reference-free losses (simpo, orpo) do not."""
+    from chattune.config.schema import REFERENCE_FREE
+
+    return _get(cfg.loss, "type") not in REFERENCE_FREE
+
+
+def _get(section, name: str):
+    """A key of a config section, composed (DictConfig, dict) or typed (a schema instance); None if absent."""
+    if isinstance(section, dict) or hasattr(section, "get") and not hasattr(section, "__dataclass_fields__"):
+        return section.get(name)
+    return getattr(section, name, None)
