@@ -104,12 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser("validate", help="check a config and its data before launching a run")
     _add_config_arguments(validate)
-    validate.add_argument("--ranks", type=int, default=None, help="plan for this many ranks (default: 1)")
+    validate.add_argument(
+        "--ranks", type=int, default=None, help="plan for this many ranks: checks and the memory estimate's table"
+    )
     validate.add_argument(
         "--device-memory",
         default=None,
         metavar="SIZE",
-        help="plan the memory estimate for a GPU of this size, e.g. 24GiB or 80GB (default: this machine's GPU)",
+        help="end with the memory estimate's table, planned for a GPU of this size, e.g. 24GiB or 80GB",
     )
     validate.set_defaults(handler=_validate)
 
@@ -246,15 +248,11 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         device_memory = parse_size(args.device_memory) if args.device_memory is not None else None
     except ValueError as error:
         parser.error(f"--device-memory: {error}")
+    # The memory estimate's table where a plan asks for it (--ranks, --device-memory)
+    planned = args.ranks is not None or device_memory is not None
+    plan = {"world_size": args.ranks, "memory": True, "device_memory": device_memory} if planned else {}
     report, ok = run_validate(
-        config_name,
-        overrides,
-        config_path,
-        world_size=args.ranks,
-        config_dir=config_dir,
-        read_data=True,
-        kind=kind,
-        device_memory=device_memory,
+        config_name, overrides, config_path, config_dir=config_dir, read_data=True, kind=kind, **plan
     )
     print(report)
     return 0 if ok else 1

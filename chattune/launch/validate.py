@@ -90,14 +90,24 @@ def run_validate(
     config_dir: Path | None = None,
     read_data: bool = False,
     kind: RecipeKind | None = None,
+    memory: bool = False,
     device_memory: int | None = None,
 ) -> tuple[str, bool]:
     """Compose `config_name` from `config_path` (and `config_dir`, Hydra's --config-dir, searched first)
     with `overrides` as a recipe would and check it: (the report, whether the config has no problem).
     `read_data`: also load the tokenizer and read the first records of every source. `kind`: the recipe's
-    (`kind_of_recipe`), else the config name's."""
+    (`kind_of_recipe`), else the config name's. `memory`: end with the memory estimate's table, planned for a
+    GPU of `device_memory` bytes where given."""
     findings = validate_command(
-        config_name, overrides, config_path, world_size, config_dir, read_data, kind=kind, device_memory=device_memory
+        config_name,
+        overrides,
+        config_path,
+        world_size,
+        config_dir,
+        read_data,
+        kind=kind,
+        memory=memory,
+        device_memory=device_memory,
     )
     return format_report(findings), not findings.problems
 
@@ -126,6 +136,7 @@ def validate_command(
     read_data: bool = False,
     output_dir_checks: bool = True,
     kind: RecipeKind | None = None,
+    memory: bool = False,
     device_memory: int | None = None,
 ) -> Findings:
     """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir). `kind`:
@@ -160,7 +171,7 @@ def validate_command(
                 findings.problem(key, f"not in the config; add it with +{override}")
         if read_data and not findings.problems:
             read_first_records(cfg, kind, findings)
-        if read_data and not findings.problems:
+        if memory and not findings.problems:
             findings.memory = memory_table(cfg, world_size or 1, device_memory)
         if named is not None and named.named_by != config_name and findings.problems:
             findings.note("config", other_kind_hint(config_name, named.kind))

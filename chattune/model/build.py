@@ -86,7 +86,12 @@ def log_memory_estimate(cfg: SFTConfig, hf_config, dist_info: DistInfo) -> None:
     """Rank 0's start-up table of the run's memory per rank (`chattune.model.memory`), a warning if it will not
     fit the device."""
     on_cuda = dist_info.device.type == "cuda"
-    estimated = estimate(inputs_of(cfg, hf_config, dist_info.world_size, on_cuda))
+    try:
+        inputs = inputs_of(cfg, hf_config, dist_info.world_size, on_cuda)
+    except (AttributeError, KeyError) as error:  # a config without the keys a run has (a library caller's)
+        logger.warning("memory per rank: not estimated (the config lacks %s)", error)
+        return
+    estimated = estimate(inputs)
     device_memory = torch.cuda.get_device_properties(dist_info.device).total_memory if on_cuda else None
     table = estimated.table(device_memory)
     total = estimated.total

@@ -30,6 +30,7 @@ shards, the activations within 10% of a saved-tensors hook on the real packed fo
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 from collections.abc import Iterator
@@ -104,8 +105,9 @@ def meta_model(hf_config, dtype: torch.dtype = torch.float32, attention: str | N
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attention} if attention else {}
+    # A copy: from_config records the attention implementation in the config, which a live model may share.
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kwargs)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype, **kwargs)
 
 
 def _shard_numel(parameter: torch.Tensor, ranks: int) -> int:
@@ -150,7 +152,15 @@ def _optimizer_state_bytes(inputs: MemoryInputs, elements: int, tensors: int, no
 def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     """The per-rank memory of a run of `inputs`, by row."""
     result = MemoryEstimate()
-    model = meta_model(inputs.hf_config)
+    try:
+        model = meta_model(inputs.hf_config)
+    except Exception as error:  # noqa: BLE001  (a config AutoModelForCausalLM does not build: said, never guessed)
+        result.rows["model"] = None
+        result.notes.append(
+            f"not estimated: {type(inputs.hf_config).__name__} does not build as a causal LM on the "
+            f"meta device ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+        )
+        return result
     parameters = dict(model.named_parameters())  # (tied weights once)
     sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values())
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
