@@ -177,3 +177,12 @@ def test_validate_prints_the_table_and_whether_it_fits():
         [*command, "--ranks", "2", "--device-memory", "80GB"], cwd=PROJECT_ROOT, capture_output=True, text=True
     )
     assert "(2 rank(s)" in small.stdout and "(fits)" in small.stdout, small.stdout + small.stderr
+
+
+def test_the_estimate_leaves_the_live_models_config_as_it_was():
+    """The meta model is built from a copy: from_config records its attention stand-in in the config it is given,
+    which a live model shares (its attention was the stand-in's, and its losses garbage)."""
+    hf_model = _model("llama", lora=False)
+    before = (hf_model.config.to_dict(), hf_model.config._attn_implementation)
+    estimate(_inputs(hf_model, 1, 128, lora=False))
+    assert (hf_model.config.to_dict(), hf_model.config._attn_implementation) == before
