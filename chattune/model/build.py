@@ -127,10 +127,11 @@ def build_sharded_model(
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
             raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
+        stored_config = AutoConfig.from_pretrained(directory)
         if key == "model.path" and dist_info.is_main:  # what the run will take per rank, before loading a weight
-            log_memory_estimate(cfg, AutoConfig.from_pretrained(directory), dist_info)
+            log_memory_estimate(cfg, stored_config, dist_info)
         hf_model, files, composite = _empty_or_full(directory, head)
-        stored_dtype = load.source_dtype(AutoConfig.from_pretrained(directory))
+        stored_dtype = load.source_dtype(stored_config)
         check_vocabulary(hf_model, tokenizer)
     if head is SCORE_HEAD:
         if dist_info.cp > 1:  # the schema of the reward recipe refuses it first

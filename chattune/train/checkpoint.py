@@ -201,7 +201,7 @@ def save_checkpoint(
     _barrier()  # nobody writes into the directory before it is clean
     if background is None:
         dcp.save(state.sharded_state_dict(), checkpoint_id=str(partial))
-    write_synced(rank_state_file(partial, _rank()), _serialize({"step": step, **state.state_dict()}))
+    write_synced(rank_state_file(partial, _rank()), serialize({"step": step, **state.state_dict()}))
 
     def rank0_files() -> None:
         for name, data in (extra_files or {}).items():
@@ -212,7 +212,7 @@ def save_checkpoint(
         if _rank() == 0:
             rank0_files()  # the directory only counts once renamed, after every shard is written
         background.start(
-            state.sharded_state_dict(), partial, lambda: _commit(partial, final, keep_last_n) if _rank() == 0 else None
+            state.sharded_state_dict(), partial, lambda: commit(partial, final, keep_last_n) if _rank() == 0 else None
         )
         maybe_crash("save", step)
         return final
@@ -220,29 +220,30 @@ def save_checkpoint(
     _barrier()  # every rank's files are complete
     if _rank() == 0:
         rank0_files()
-        _commit(partial, final, keep_last_n)
+        commit(partial, final, keep_last_n)
     _barrier()
     return final
 
 
-def _commit(partial: Path, final: Path, keep_last_n: int | None) -> None:
-    """Rank 0: the rename that makes a complete checkpoint count, then pruning."""
+def commit(partial: Path, final: Path, keep_last_n: int | None) -> None:
+    """The rename that makes a complete checkpoint count (rank 0's, or a snapshot's committing rank's), then
+    pruning."""
     if final.exists():  # a step saved again (a run resumed from an older checkpoint): never replaced in place
         logger.warning("moved aside: %s -> %s (saved again by this run)", final, set_aside(final))
     os.rename(partial, final)
-    sync_directory(final.parent)
+    _sync_directory(final.parent)
     if keep_last_n:
         for old in committed_checkpoints(final.parent)[:-keep_last_n]:
             shutil.rmtree(old)
 
 
-def _serialize(obj: dict) -> bytes:
+def serialize(obj: dict) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
 
 
-def sync_directory(path: Path) -> None:
+def _sync_directory(path: Path) -> None:
     """Make a rename durable (on POSIX the directory entry needs its own fsync)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -384,14 +385,13 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Collective: the checkpoint of `step` (copied and left to the background with save_async)."""
         self.last_started = time.perf_counter()
-        hashes = record_hashes_file(self.manifest["fingerprint"]) if _rank() == 0 else None
         self.last_saved = save_checkpoint(
             self.root,
             step,
             self.state,
             self.manifest,
             self.keep_last_n,
-            extra_files={RECORD_HASHES: hashes} if hashes else None,
+            extra_files=self.extra_files(),
             background=self.background,
         )
         return self.last_saved

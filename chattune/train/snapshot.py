@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import json
 import logging
 import os
@@ -59,8 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 
 from chattune import errors, interrupts
-from chattune.files import set_aside
-from chattune.train.checkpoint import MANIFEST_FILE, rank_state_file, sync_directory, write_synced
+from chattune.train.checkpoint import MANIFEST_FILE, commit, rank_state_file, serialize, write_synced
 from chattune.train.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -199,12 +197,11 @@ class Snapshots:
             }
             copied = self._copy(sharded)
             ready = None
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if self.device.type == "cuda":  # the device-to-host copies are queued: the writer waits for them
                 ready = torch.cuda.Event()
                 ready.record()
-            buffer = io.BytesIO()
-            torch.save({"step": step, **self.state.state_dict()}, buffer)
-            self._staged = _Staged(step, copied, layout, buffer.getvalue(), ready)
+            own = serialize({"step": step, **self.state.state_dict()})
+            self._staged = _Staged(step, copied, layout, own, ready)
             self._lock.notify_all()  # a signalled watcher writes this newer step too
 
     def forget(self) -> None:
@@ -213,10 +210,6 @@ class Snapshots:
             while self._writing:
                 self._lock.wait()
             self._staged = None
-
-    @property
-    def staged_step(self) -> int | None:
-        return self._staged.step if self._staged is not None else None
 
     def watch(self) -> None:
         """From the main thread: write the staged step as soon as a stop signal arrives (`set_wakeup_fd`: the
@@ -272,7 +265,7 @@ class Snapshots:
         shutil.rmtree(own, ignore_errors=True)
         own.mkdir(parents=True, exist_ok=True)
         dcp.save(staged.sharded, checkpoint_id=str(own), no_dist=True)
-        write_synced(own / _LAYOUT_FILE, _pickled(staged.layout))
+        write_synced(own / _LAYOUT_FILE, pickle.dumps(staged.layout))
         write_synced(rank_state_file(directory, self.rank), staged.own)
         if self.rank == 0:  # (rank 0's manifest: the others have no wandb run id)
             for name, data in self.extra_files.items():
@@ -355,14 +348,11 @@ def _commit_directory(directory: Path, world_size: int) -> Path:
     """One DCP metadata over every rank's shards, rank 0's manifest as the checkpoint's, the rename to
     `step_N`; an earlier run's `step_N` (a resume from an older checkpoint) is moved aside, never replaced."""
     ranks = [directory / f"rank_{rank}" for rank in range(world_size)]
-    write_synced(directory / ".metadata", _pickled(merged_metadata(ranks, directory)))
+    write_synced(directory / ".metadata", pickle.dumps(merged_metadata(ranks, directory)))
     if (directory / _RANK0_MANIFEST).exists():  # (renamed already by a commit cut short)
         os.rename(directory / _RANK0_MANIFEST, directory / MANIFEST_FILE)  # the checkpoint counts once renamed
     final = directory.with_name(directory.name.removesuffix(SUFFIX))
-    if final.exists():
-        logger.warning("moved aside: %s -> %s (saved again by this run's snapshot)", final, set_aside(final))
-    os.rename(directory, final)
-    sync_directory(final.parent)
+    commit(directory, final, keep_last_n=None)
     return final
 
 
@@ -381,10 +371,6 @@ def complete_snapshots(root: Path) -> list[str]:
             shutil.rmtree(directory)
             done.append(f"{directory} removed: a rank never finished writing it")
     return done
-
-
-def _pickled(obj) -> bytes:
-    return pickle.dumps(obj)
 
 
 def _rank_metadata(directory: Path) -> Metadata:
