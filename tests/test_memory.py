@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -58,26 +59,63 @@ def _model(shape: str, lora: bool):
     return hf_model
 
 
-def _inputs(hf_model, ranks: int, tokens: int, lora: bool) -> MemoryInputs:
+def _inputs(hf_model, ranks: int, tokens: int, lora: bool, optimizer: str = "torch.optim.AdamW") -> MemoryInputs:
     return MemoryInputs(
-        hf_model.config, ranks=ranks, tokens=tokens, lora_rank=LORA.rank if lora else None, lora_targets=("all-linear",)
+        hf_model.config,
+        ranks=ranks,
+        tokens=tokens,
+        lora_rank=LORA.rank if lora else None,
+        lora_targets=("all-linear",),
+        optimizer=optimizer,
     )
+
+
+def _low_bit_optimizers() -> dict:
+    try:
+        import torchao.optim
+    except ImportError:  # an optional extra (chattune[lowbit]); the dev install has it
+        return {}
+    return {name: getattr(torchao.optim, name) for name in LOW_BIT}
+
+
+LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8")  # torchao.optim's, where installed
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    """A tensor's bytes on this rank: a DTensor's local shard; a tensor subclass's inner tensors (torchao's
+    quantized states: codes, scales, code book), whose apparent dtype is not what they store."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
 def _local_bytes(tensors) -> int:
-    return sum(
-        t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
-        for t in tensors
-    )
+    return sum(_tensor_bytes(t) for t in tensors)
+
+
+def _state_bytes(optimizer) -> int:
+    return _local_bytes(v for s in optimizer.state.values() for v in s.values())
 
 
 def _counts_worker(rank: int, world_size: int, port: int, out: str) -> None:
     init_worker_process_group(rank, world_size, port)
+    low_bit = _low_bit_optimizers()
     found = {}
     for shape in SHAPES:
         for lora in (False, True):
             hf_model = _model(shape, lora)
             estimated = estimate(_inputs(hf_model, world_size, 512, lora)).rows
+            estimated.update(
+                {
+                    name: estimate(_inputs(hf_model, world_size, 512, lora, f"torchao.optim.{name}")).rows[
+                        "optimizer states"
+                    ]
+                    for name in low_bit
+                }
+            )
             model = shard_model(PackedCausalLM(hf_model), "cpu", world_size)
             trained = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(trained, lr=1e-3)
@@ -88,7 +126,12 @@ def _counts_worker(rank: int, world_size: int, port: int, out: str) -> None:
                 "gradients (fp32 shards)": _local_bytes(p.grad for p in trained),
             }
             optimizer.step()
-            measured["optimizer states"] = _local_bytes(v for s in optimizer.state.values() for v in s.values())
+            measured["optimizer states"] = _state_bytes(optimizer)
+            for name, make in low_bit.items():
+                quantized = make(trained, lr=1e-3)
+                with mock.patch("torch.compile", lambda fn, **_: fn):  # its step eager: the same states, no compiles
+                    quantized.step()
+                measured[name] = _state_bytes(quantized)
             found[(shape, lora)] = (measured, {k: estimated[k] for k in measured})
     if rank == 0:  # (the first rank holds the largest shards: FSDP2 gives the last ones what is left)
         torch.save(found, out)
@@ -158,25 +201,68 @@ def test_sizes_are_read_as_written():
         parse_size("lots")
 
 
+EIGHT_B = (  # Llama 3's widths, random init from a config: nothing is loaded
+    "model.config={_target_: transformers.LlamaConfig, hidden_size: 4096, intermediate_size: 14336, "
+    "num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, max_position_embeddings: 8192, "
+    "tie_word_embeddings: false}"
+)
+VALIDATE = [sys.executable, "-m", "chattune.cli.main", "validate", "sft/tiny"]
+
+
+def _validate(*arguments: str) -> str:
+    result = subprocess.run([*VALIDATE, *arguments], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def _advised_settings(output: str) -> list[str]:
+    """The settings the table advises, one per line after its 'changes'/'together' line, as written."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if "changes that make it fit" in line or "together" in line)
+    return [line.split("  (")[0].strip() for line in lines[start + 1 :] if line.startswith("    ")]
+
+
 @pytest.mark.launch
-def test_validate_prints_the_table_and_whether_it_fits():
-    """An 8B-shaped config (Llama 3's widths, random init from a config: nothing is loaded) on a planned 24 GiB."""
-    eight_b = (
-        "model.config={_target_: transformers.LlamaConfig, hidden_size: 4096, intermediate_size: 14336, "
-        "num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, max_position_embeddings: 8192, "
-        "tie_word_embeddings: false}"
-    )
-    command = [sys.executable, "-m", "chattune.cli.main", "validate", "sft/tiny"]
-    big = subprocess.run(
-        [*command, "--device-memory", "24GiB", eight_b], cwd=PROJECT_ROOT, capture_output=True, text=True
-    )
-    assert big.returncode == 0, big.stdout + big.stderr
-    assert "memory per rank, estimated on a GPU (1 rank(s), 2048 tokens a microbatch, bfloat16 compute" in big.stdout
-    assert "device memory                       24.00 GiB  (does NOT fit)" in big.stdout
-    small = subprocess.run(
-        [*command, "--ranks", "2", "--device-memory", "80GB"], cwd=PROJECT_ROOT, capture_output=True, text=True
-    )
-    assert "(2 rank(s)" in small.stdout and "(fits)" in small.stdout, small.stdout + small.stderr
+def test_validate_prints_the_table_whether_it_fits_and_advice_that_works_as_written():
+    """An 8B-shaped config on a planned 24 GiB: it does not fit, no one change is enough, and the changes the table
+    names, passed to validate as written, give a run that fits."""
+    big = _validate("--device-memory", "24GiB", EIGHT_B)
+    assert "memory per rank, estimated on a GPU (1 rank(s), 2048 tokens a microbatch, bfloat16 compute" in big
+    assert "device memory                       24.00 GiB  (does NOT fit)" in big
+    assert "no single change makes it fit; these together" in big
+    advised = _advised_settings(big)
+    assert advised and all(s.startswith("--ranks ") or "=" in s for s in advised), advised
+    flags = [part for s in advised for part in s.split()]  # `--ranks 2` is two arguments
+    fixed = _validate("--device-memory", "24GiB", EIGHT_B, *flags)
+    assert "(fits)" in fixed and "does NOT fit" not in fixed, fixed
+    small = _validate("--ranks", "2", "--device-memory", "80GB")
+    assert "(2 rank(s)" in small and "(fits)" in small and "changes that make it fit" not in small, small
+
+
+def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
+    """An 8B-shaped model on 80 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, LoRA and a second rank;
+    activation checkpointing alone does not (the states dominate), so it is not listed."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from chattune.model.memory import ways_to_fit
+
+    spec = OmegaConf.create(EIGHT_B.split("=", 1)[1])
+    inputs = MemoryInputs(instantiate(spec, vocab_size=1024), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)
+    estimated = estimate(inputs)
+    device = 80 * 2**30
+    lines = ways_to_fit(inputs, device, estimated)
+    assert lines[0] == "changes that make it fit, each alone, cheapest first:"
+    settings = [line.split()[0] for line in lines[1:]]
+    assert settings == [
+        "optimizer._target_=torchao.optim.AdamW8bit",
+        "optimizer._target_=torchao.optim.AdamW4bit",
+        "peft=lora",
+        "--ranks",
+    ]
+    for line, change in zip(lines[1:], ("AdamW8bit", "AdamW4bit")):  # each peak is that change's own estimate
+        peak = estimate(MemoryInputs(**{**inputs.__dict__, "optimizer": f"torchao.optim.{change}"})).total
+        assert f"{peak / 2**30:.2f} GiB" in line and peak <= device < estimated.total
 
 
 def test_the_estimate_leaves_the_live_models_config_as_it_was():

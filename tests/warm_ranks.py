@@ -64,6 +64,7 @@ def preload() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
     import transformers.optimization  # noqa: F401
+    import transformers.quantizers.auto  # noqa: F401  (imports torchao, where installed: 2 s, at every model build)
 
 
 if os.environ.get("CHATTUNE_WARM_RANKS_SERVER") == "1":  # imported as the forkserver's preload

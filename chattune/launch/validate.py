@@ -193,7 +193,7 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
     import torch
 
     from chattune.data.tokenizer import load_tokenizer
-    from chattune.model.memory import estimate, hf_config_of, inputs_of
+    from chattune.model.memory import hf_config_of, inputs_of, report
 
     on_cuda = device_memory is not None or (cfg.device != "cpu" and torch.cuda.is_available())
     if device_memory is None and on_cuda:
@@ -205,7 +205,7 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
         f"memory per rank, estimated {where} ({ranks} rank(s), {inputs.tokens} tokens a microbatch, "
         f"{str(inputs.compute_dtype).removeprefix('torch.')} compute; --ranks N, --device-memory SIZE):"
     )
-    return header + "\n" + estimate(inputs).table(device_memory)
+    return header + "\n" + report(inputs, device_memory)[1]
 
 
 FIRST_RECORDS = 8  # records `chattune validate` reads of each source

@@ -43,7 +43,7 @@ from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, de
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.indexed_attention import indexed_path_name
-from chattune.model.memory import estimate, inputs_of
+from chattune.model.memory import inputs_of, report
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
@@ -91,9 +91,8 @@ def log_memory_estimate(cfg: SFTConfig, hf_config, dist_info: DistInfo) -> None:
     except (AttributeError, KeyError) as error:  # a config without the keys a run has (a library caller's)
         logger.warning("memory per rank: not estimated (the config lacks %s)", error)
         return
-    estimated = estimate(inputs)
     device_memory = torch.cuda.get_device_properties(dist_info.device).total_memory if on_cuda else None
-    table = estimated.table(device_memory)
+    estimated, table = report(inputs, device_memory)
     total = estimated.total
     if device_memory is not None and total is not None and total > device_memory:
         logger.warning("memory per rank, estimated: this run will not fit the device\n%s", table)

@@ -7,7 +7,8 @@ What each row counts, and how:
   base is frozen). FSDP2 shards each parameter along its first dimension over the ranks, padded to a multiple
   of them; the shards stay fp32 whatever the compute dtype. Gradients: the trained shards, fp32. Optimizer
   states: two fp32 tensors per trained element for Adam and AdamW, one for SGD with momentum, none for plain
-  SGD; another optimizer is counted as two (said so in the table).
+  SGD, torchao's low-bit AdamW as it quantizes each shard (`LOW_BIT_STATES`); another optimizer is counted as
+  two fp32 states (said so in the table).
 - **gathered for compute**: FSDP2 all-gathers one decoder layer at a time in the compute dtype and prefetches
   the next, so two of the largest layer, and the root's parameters (embeddings, final norm, output layer),
   gathered for the whole forward and backward.
@@ -34,7 +35,7 @@ import copy
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -138,9 +139,31 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return max(lists, key=len) if lists else []
 
 
-def _optimizer_state_bytes(inputs: MemoryInputs, elements: int, tensors: int, notes: list[str]) -> int:
-    """A rank's optimizer states for `elements` trained elements in `tensors` trained parameters (fp32)."""
+# torchao's low-bit Adam and AdamW (torchao.optim): each moment quantized in blocks where a rank's shard of the
+# parameter has at least 4096 elements and a whole number of blocks (else that state stays fp32, as in
+# bitsandbytes): the codes, one fp32 scale per block and a code book of fp32 entries. Class: (bits, block, book).
+LOW_BIT_STATES = {
+    "AdamW8bit": (8, 256, 256),
+    "Adam8bit": (8, 256, 256),
+    "AdamW4bit": (4, 128, 16),
+    "Adam4bit": (4, 128, 16),
+    "AdamWFp8": (8, 256, 0),
+    "AdamFp8": (8, 256, 0),
+}
+
+
+def _low_bit_state_bytes(elements: int, bits: int, block: int, book: int) -> int:
+    if elements >= 4096 and elements % block == 0:
+        return elements * bits // 8 + 4 * (elements // block) + 4 * book
+    return 4 * elements
+
+
+def _optimizer_state_bytes(inputs: MemoryInputs, shards: list[int], notes: list[str]) -> int:
+    """A rank's optimizer states for trained parameters whose shards on this rank have `shards` elements (fp32)."""
     name = inputs.optimizer.rsplit(".", 1)[-1]
+    elements, tensors = sum(shards), len(shards)
+    if name in LOW_BIT_STATES:  # two moments, and each parameter's step count (a scalar tensor)
+        return sum(2 * _low_bit_state_bytes(n, *LOW_BIT_STATES[name]) for n in shards) + 4 * tensors
     if name in ("Adam", "AdamW"):
         return 4 * (2 * elements + tensors)  # both moments, and each parameter's step count (a scalar tensor)
     if name == "SGD":
@@ -165,17 +188,20 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values())
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
         adapted = _lora_targets(model, inputs.lora_targets)
-        trained = sum(
-            math.ceil(inputs.lora_rank / inputs.ranks) * layer.in_features
-            + math.ceil(layer.out_features / inputs.ranks) * inputs.lora_rank
+        trained_shards = [
+            shard
             for layer in adapted
-        )
-        trained_tensors = 2 * len(adapted)
+            for shard in (
+                math.ceil(inputs.lora_rank / inputs.ranks) * layer.in_features,
+                math.ceil(layer.out_features / inputs.ranks) * inputs.lora_rank,
+            )
+        ]
     else:
-        trained, trained_tensors = sharded, len(parameters)
+        trained_shards = [_shard_numel(p, inputs.ranks) for p in parameters.values()]
+    trained = sum(trained_shards)
     result.rows["parameters (fp32 shards)"] = 4 * (sharded + (trained if inputs.lora_rank else 0))
     result.rows["gradients (fp32 shards)"] = 4 * trained
-    result.rows["optimizer states"] = _optimizer_state_bytes(inputs, trained, trained_tensors, result.notes)
+    result.rows["optimizer states"] = _optimizer_state_bytes(inputs, trained_shards, result.notes)
     compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
     layers = _decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -188,6 +214,128 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     vocab = getattr(inputs.hf_config, "vocab_size", 0)
     result.rows["loss head (one chunk)"] = 2 * 4 * min(inputs.loss_chunk, inputs.tokens) * vocab
     return result
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change to a run that lowers its memory: what to set, what it costs, and the run it gives."""
+
+    setting: str  # an override (key=value), or a launch flag
+    cost: str
+    inputs: MemoryInputs
+
+
+def candidate_changes(inputs: MemoryInputs) -> list[Change]:
+    """The changes chattune offers that `inputs` does not use yet, cheapest first (the order a user would try
+    them: no cost to the result or the speed, then compute, then precision, then what is trained, then GPUs)."""
+    changes = []
+    adam = inputs.optimizer.rsplit(".", 1)[-1] in ("Adam", "AdamW") and inputs.optimizer.startswith("torch.")
+    if adam:
+        changes.append(
+            Change(
+                "optimizer._target_=torchao.optim.AdamW8bit",
+                "8-bit moments (pip install torchao): the loss within a few % of fp32 AdamW's",
+                replace(inputs, optimizer="torchao.optim.AdamW8bit"),
+            )
+        )
+    if not inputs.activation_checkpointing:
+        changes.append(
+            Change(
+                "model.fsdp.activation_checkpointing=true",
+                "each layer's forward runs twice: about a third more compute",
+                replace(inputs, activation_checkpointing=True),
+            )
+        )
+    if adam:
+        changes.append(
+            Change(
+                "optimizer._target_=torchao.optim.AdamW4bit",
+                "4-bit moments: more quantization error than 8-bit",
+                replace(inputs, optimizer="torchao.optim.AdamW4bit"),
+            )
+        )
+    if inputs.tokens >= 1024:
+        half = inputs.tokens // 2
+        changes.append(
+            Change(
+                f"data.max_tokens_per_microbatch={half}",
+                f"chats over {half} tokens no longer fit a row; twice the grad_accum_steps keeps a step's tokens",
+                replace(inputs, tokens=half),
+            )
+        )
+    if inputs.lora_rank is None:
+        changes.append(
+            Change(
+                "peft=lora",
+                "trains rank-16 adapters, not the whole model",
+                replace(inputs, lora_rank=16, lora_targets=("all-linear",)),
+            )
+        )
+    ranks = 2 * inputs.ranks
+    changes.append(
+        Change(f"--ranks {ranks}", f"twice the GPUs: --nproc_per_node {ranks}", replace(inputs, ranks=ranks))
+    )
+    return changes
+
+
+def ways_to_fit(inputs: MemoryInputs, device_memory: int, estimated: MemoryEstimate) -> list[str]:
+    """Where `estimated` (the estimate of `inputs`) does not fit `device_memory`: the single changes that make it
+    fit, cheapest first, each with the peak it gives; where none does alone, the cheapest ones together."""
+    if estimated.total is None or estimated.total <= device_memory:
+        return []
+    changes = candidate_changes(inputs)
+    alone = [(change, estimate(change.inputs).total) for change in changes]
+    fitting = [(change, total) for change, total in alone if total is not None and total <= device_memory]
+    if fitting:
+        lines = ["changes that make it fit, each alone, cheapest first:"]
+        lines += [f"  {change.setting:<58} {_gib(total):>10}  ({change.cost})" for change, total in fitting]
+        return lines
+    chosen: dict[str, Change] = {}  # by the setting's key: AdamW4bit replaces AdamW8bit in place
+    for change in changes:  # the cheapest first, until they fit together
+        chosen[_setting_key(change)] = change
+        if _fits(inputs, chosen.values(), device_memory):
+            break
+    else:
+        return [
+            "no change chattune offers makes it fit, even all together: a larger GPU, more of them, or a smaller model"
+        ]
+    for key in reversed(list(chosen)[:-1]):  # then leave out each one the others do not need, dearest first
+        rest = [change for other, change in chosen.items() if other != key]
+        if _fits(inputs, rest, device_memory):
+            del chosen[key]
+    total = estimate(_combined(inputs, chosen.values())).total
+    return [f"no single change makes it fit; these together ({_gib(total)}):"] + [
+        f"  {change.setting:<58} ({change.cost})" for change in chosen.values()
+    ]
+
+
+def _setting_key(change: Change) -> str:
+    return change.setting.split("=")[0].split()[0]
+
+
+def _combined(inputs: MemoryInputs, changes) -> MemoryInputs:
+    """`inputs` with the fields each of `changes` sets."""
+    combined = inputs
+    for change in changes:
+        changed = {
+            name: getattr(change.inputs, name)
+            for name in inputs.__dataclass_fields__
+            if getattr(change.inputs, name) != getattr(inputs, name)
+        }
+        combined = replace(combined, **changed)
+    return combined
+
+
+def _fits(inputs: MemoryInputs, changes, device_memory: int) -> bool:
+    total = estimate(_combined(inputs, changes)).total
+    return total is not None and total <= device_memory
+
+
+def report(inputs: MemoryInputs, device_memory: int | None) -> tuple[MemoryEstimate, str]:
+    """The estimate of `inputs` and its table, with the ways to fit `device_memory` where it does not."""
+    estimated = estimate(inputs)
+    advice = ways_to_fit(inputs, device_memory, estimated) if device_memory is not None else []
+    return estimated, "\n".join([estimated.table(device_memory), *(f"  {line}" for line in advice)])
 
 
 class _KeptByPackedAttention(torch.autograd.Function):

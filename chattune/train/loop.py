@@ -170,7 +170,7 @@ class UpdateSteps:
         steps this rank's share of data.microbatches_per_step)."""
         learning, feed = self.learning, self.feed
         self.timer.start()
-        lr = learning.scheduler.get_last_lr()[0]
+        lr = float(learning.scheduler.get_last_lr()[0])  # a tensor under torchao's optimizers (lr kept on device)
         batches = feed.next_step(step)
         if self.ledger:
             self.ledger.write(step, batches)

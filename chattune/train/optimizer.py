@@ -21,7 +21,18 @@ def build_optimizer(
     optimizer_cfg: DictConfig, parameters: Iterable[torch.nn.Parameter], device: torch.device
 ) -> torch.optim.Optimizer:
     make = instantiate(optimizer_cfg)  # a functools.partial of the optimizer class
+    if make.func.__module__.startswith("torchao.optim"):
+        _compile_low_bit_steps_afresh()
     accepts_fused = "fused" in inspect.signature(make.func).parameters
     if device.type == "cuda" and accepts_fused and not {"fused", "foreach"} & set(make.keywords):
         return make(parameters, fused=True)
     return make(parameters)
+
+
+def _compile_low_bit_steps_afresh() -> None:
+    """torchao's low-bit optimizers compile one step per parameter shape, over their quantized state subclasses.
+    torch's AOTAutograd cache (on disk, shared by every process on the machine) keys such a subclass by its
+    inner tensors, not its class (torch 2.13): a run with AdamWFp8 after one with AdamW8bit of the same shapes
+    reused the 8-bit step and crashed (`OptimStateFp8 has no attribute qmap`). Those steps compile in seconds,
+    so the cache is turned off in this process (the decoder layers' compile still finds inductor's own cache)."""
+    torch._functorch.config.enable_autograd_cache = False
