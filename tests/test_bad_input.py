@@ -160,6 +160,18 @@ CASES = {
     "stop_after_step after max_steps": Case(
         ["stop_after_step=300"], "stop_after_step: 300 is after max_steps 200: the run ends first"
     ),
+    "the update in the backward with clipping": Case(
+        ["optimizer.in_backward=true"],
+        "max_grad_norm: 1.0: clipping scales every gradient by the whole model's norm, and optimizer.in_backward "
+        "updates each parameter before the whole model's gradient exists: set max_grad_norm=null (the norm is still "
+        "logged), or optimizer.in_backward=false",
+    ),
+    "the update in the backward with accumulation": Case(
+        ["optimizer.in_backward=true", "max_grad_norm=null", "grad_accum_steps=2"],
+        "grad_accum_steps: 2 microbatches per rank per step sum their gradients before the update, and "
+        "optimizer.in_backward updates each parameter before the whole model's gradient exists: one microbatch per "
+        "rank per step (a larger data.max_tokens_per_microbatch, or more ranks), or optimizer.in_backward=false",
+    ),
     "preference data for SFT": Case(
         ["data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]"],
         "data.train[0].format: 'preference' is not one of messages, sharegpt",

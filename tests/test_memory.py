@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -18,7 +19,7 @@ from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.fsdp import shard_model
+from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.model.memory import MemoryInputs, estimate, parse_size
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
@@ -100,6 +101,13 @@ def _state_bytes(optimizer) -> int:
     return _local_bytes(v for s in optimizer.state.values() for v in s.values())
 
 
+def _units(model) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each FSDP2 unit of the sharded `model`: each decoder layer's, and the root's rest."""
+    layers = [list(layer.parameters()) for layer in decoder_layers(model)]
+    inside = {id(p) for layer in layers for p in layer}
+    return [*layers, [p for p in model.parameters() if id(p) not in inside]]
+
+
 def _counts_worker(rank: int, world_size: int, port: int, out: str) -> None:
     init_worker_process_group(rank, world_size, port)
     low_bit = _low_bit_optimizers()
@@ -124,7 +132,14 @@ def _counts_worker(rank: int, world_size: int, port: int, out: str) -> None:
             measured = {
                 "parameters (fp32 shards)": _local_bytes(model.parameters()),
                 "gradients (fp32 shards)": _local_bytes(p.grad for p in trained),
+                # optimizer.in_backward: the largest FSDP2 unit's (a decoder layer's, or the root's rest) gradients
+                "gradients (one unit's shards)": max(
+                    _local_bytes(p.grad for p in unit if p.grad is not None) for unit in _units(model)
+                ),
             }
+            estimated["gradients (one unit's shards)"] = estimate(
+                replace(_inputs(hf_model, world_size, 512, lora), update_in_backward=True)
+            ).rows["gradients (one unit's shards)"]
             optimizer.step()
             measured["optimizer states"] = _state_bytes(optimizer)
             for name, make in low_bit.items():

@@ -60,6 +60,8 @@ class KeyRules(TypedDict, total=False):
     open_section: bool  # a mapping passed on as it is: any key
     # A `_target_` section called with `_partial_`: how many positional arguments and which keywords the recipe adds.
     recipe_passes: tuple[int, tuple[str, ...]] | None
+    # A key of a `_target_` section that chattune reads itself and does not pass to the target.
+    not_passed: bool
     aliases: tuple[str, ...]  # what users write for this key elsewhere (e.g. peft's own names): suggested as it
 
 
@@ -71,6 +73,7 @@ _NO_RULES: KeyRules = {
     "bound": None,
     "open_section": False,
     "recipe_passes": None,
+    "not_passed": False,
     "aliases": (),
 }
 
@@ -284,6 +287,13 @@ class OptimizerConfig:
         bound=(lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
     )
     weight_decay: float = key(0.01, "decoupled weight decay")
+    in_backward: bool = key(
+        False,
+        "step each parameter as soon as its gradient is reduced, so the whole model's gradients never exist at "
+        "once (needs max_grad_norm=null and one microbatch per rank per step)",
+        resume="free",
+        not_passed=True,
+    )
 
 
 @dataclass

@@ -268,6 +268,36 @@ class RunRules:
         if problem:
             self.findings.problem("data.microbatches_per_step", problem)
 
+    def update_in_backward(self, world_size: int | None) -> None:
+        """optimizer.in_backward updates each parameter before the whole gradient exists, so nothing may need the
+        whole gradient first (chattune.train.in_backward): no clipping, one microbatch per rank, no fp16 scaling."""
+        if get_value(self.values, "optimizer.in_backward") is not True:
+            return
+        needs = "optimizer.in_backward updates each parameter before the whole model's gradient exists"
+        clip = get_value(self.values, "max_grad_norm")
+        if clip is not None:
+            self.findings.problem(
+                "max_grad_norm",
+                f"{clip}: clipping scales every gradient by the whole model's norm, and {needs}: set "
+                "max_grad_norm=null (the norm is still logged), or optimizer.in_backward=false",
+            )
+        accum, total = number(self.values, "grad_accum_steps"), number(self.values, "data.microbatches_per_step")
+        per_rank = accum if total is None else (total // world_size if world_size else None)
+        if per_rank is not None and per_rank > 1:
+            key = "grad_accum_steps" if total is None else "data.microbatches_per_step"
+            self.findings.problem(
+                key,
+                f"{per_rank} microbatches per rank per step sum their gradients before the update, and {needs}: "
+                "one microbatch per rank per step (a larger data.max_tokens_per_microbatch, or more ranks), "
+                "or optimizer.in_backward=false",
+            )
+        if get_value(self.values, "model.fsdp.param_dtype") == "float16":
+            self.findings.problem(
+                "model.fsdp.param_dtype",
+                f"float16 scales the loss and checks the whole gradient for overflow before the update, and "
+                f"{needs}: use bfloat16, or optimizer.in_backward=false",
+            )
+
     def context_size(self) -> int:
         """parallel.context where it is a valid size, else 1 (an invalid one is reported by the schema checks)."""
         context = number(self.values, "parallel.context")

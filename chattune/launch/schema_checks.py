@@ -207,7 +207,9 @@ class SchemaChecks:
             child = f"{key}.{arg}"
             if arg.startswith("_"):  # Hydra's own: _target_, _partial_, _convert_, _recursive_, _args_
                 continue
-            if arg in given_by_recipe:
+            if arg in known and known[arg][1].get("not_passed"):  # chattune's own key, whatever the target
+                self.value(value, *known[arg], child)
+            elif arg in given_by_recipe:
                 self.findings.problem(child, "passed by the recipe; remove it from the config")
             elif arg not in accepted:
                 match = closest(arg, accepted)

@@ -43,7 +43,7 @@ from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, de
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.indexed_attention import indexed_path_name
-from chattune.model.memory import inputs_of, report
+from chattune.model.memory import inputs_of, memory_levers, report
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
@@ -195,7 +195,7 @@ def build_sharded_model(
         compile=compile,
         replicated=replicated,
     )
-    describe_compute(model, device_type)
+    describe_compute(model, device_type, memory_levers(cfg))
     if dist_info.cp > 1:
         logger.info(
             "context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
@@ -215,9 +215,10 @@ def build_sharded_model(
 _described: set[str] = set()
 
 
-def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: str) -> None:
-    """Log once what a step runs: the attention path, the output layer's loss (or the score head) and whether
-    the decoder layers are compiled; warn where a setting makes the CUDA path slow (nothing falls back silently)."""
+def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: str, levers: str = "") -> None:
+    """Log once what a step runs: the attention path, the output layer's loss (or the score head), whether
+    the decoder layers are compiled and the memory `levers` in use; warn where a setting makes the CUDA path slow
+    (nothing falls back silently)."""
     line = (
         f"compute: {model.compute_dtype} on {device_type}; attention: "
         f"{attention_backend(device_type, model.compute_dtype, attention_features(model.hf_model))}; "
@@ -238,6 +239,8 @@ def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: 
         line += f"; experts: {experts}"
     if model.router_loss is not None:
         line += f"; {model.router_loss.describe()}"
+    if levers:
+        line += f"; memory: {levers}"
     if line in _described:  # a DPO reference built like the policy: said once
         return
     _described.add(line)

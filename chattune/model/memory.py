@@ -8,7 +8,8 @@ What each row counts, and how:
   of them; the shards stay fp32 whatever the compute dtype. Gradients: the trained shards, fp32. Optimizer
   states: two fp32 tensors per trained element for Adam and AdamW, one for SGD with momentum, none for plain
   SGD, torchao's low-bit AdamW as it quantizes each shard (`LOW_BIT_STATES`); another optimizer is counted as
-  two fp32 states (said so in the table).
+  two fp32 states (said so in the table). With the optimizer step in the backward (`optimizer.in_backward`), the
+  gradients of one FSDP2 unit at a time: the largest (a decoder layer's, or the root's).
 - **gathered for compute**: FSDP2 all-gathers one decoder layer at a time in the compute dtype and prefetches
   the next, so two of the largest layer, and the root's parameters (embeddings, final norm, output layer),
   gathered for the whole forward and backward.
@@ -23,6 +24,9 @@ What each row counts, and how:
 - **the loss head**: one chunk of `loss_chunk` tokens' fp32 logits and their gradient (the chunked loss
   computes the output layer chunk by chunk).
 - **a live reference** (DPO, KTO): its parameters sharded like the policy's, no gradients or states.
+
+Where the run does not fit, `ways_to_fit` lists the changes chattune offers that fit alone, cheapest first, or the
+fewest that fit together, each an override to pass as written.
 
 Checked against measured byte counts (tests/test_memory.py): the counts exactly against the built model's
 shards, the activations within 10% of a saved-tensors hook on the real packed forward on CPU.
@@ -59,6 +63,8 @@ class MemoryInputs:
     lora_rank: int | None = None  # LoRA: the adapters' rank (targets: `lora_targets`)
     lora_targets: tuple[str, ...] = ()
     live_reference: bool = False
+    update_in_backward: bool = False  # optimizer.in_backward
+    microbatches_per_rank: int = 1  # a step's, on each rank
 
 
 @dataclass
@@ -186,24 +192,29 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         return result
     parameters = dict(model.named_parameters())  # (tied weights once)
     sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values())
+    layers = _decoder_layers(model)
+    unit_of = {id(m): index for index, layer in enumerate(layers) for m in [*layer.modules(), *layer.parameters()]}
+    trained_by_unit: dict[int | None, list[int]] = {}  # FSDP2 unit (a decoder layer; None: the root): shards
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
-        adapted = _lora_targets(model, inputs.lora_targets)
-        trained_shards = [
-            shard
-            for layer in adapted
-            for shard in (
-                math.ceil(inputs.lora_rank / inputs.ranks) * layer.in_features,
-                math.ceil(layer.out_features / inputs.ranks) * inputs.lora_rank,
+        for layer in _lora_targets(model, inputs.lora_targets):
+            trained_by_unit.setdefault(unit_of.get(id(layer)), []).extend(
+                (
+                    math.ceil(inputs.lora_rank / inputs.ranks) * layer.in_features,
+                    math.ceil(layer.out_features / inputs.ranks) * inputs.lora_rank,
+                )
             )
-        ]
     else:
-        trained_shards = [_shard_numel(p, inputs.ranks) for p in parameters.values()]
+        for parameter in parameters.values():
+            trained_by_unit.setdefault(unit_of.get(id(parameter)), []).append(_shard_numel(parameter, inputs.ranks))
+    trained_shards = [shard for shards in trained_by_unit.values() for shard in shards]
     trained = sum(trained_shards)
     result.rows["parameters (fp32 shards)"] = 4 * (sharded + (trained if inputs.lora_rank else 0))
-    result.rows["gradients (fp32 shards)"] = 4 * trained
+    if inputs.update_in_backward:  # one unit's reduced gradient at a time, freed as its parameters step
+        result.rows["gradients (one unit's shards)"] = 4 * max(map(sum, trained_by_unit.values()), default=0)
+    else:
+        result.rows["gradients (fp32 shards)"] = 4 * trained
     result.rows["optimizer states"] = _optimizer_state_bytes(inputs, trained_shards, result.notes)
     compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
-    layers = _decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     largest_layer = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
     root = sum(p.numel() for p in parameters.values() if id(p) not in in_layers)
@@ -244,6 +255,14 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 "model.fsdp.activation_checkpointing=true",
                 "each layer's forward runs twice: about a third more compute",
                 replace(inputs, activation_checkpointing=True),
+            )
+        )
+    if not inputs.update_in_backward and inputs.microbatches_per_rank == 1 and inputs.compute_dtype != torch.float16:
+        changes.append(
+            Change(
+                "optimizer.in_backward=true max_grad_norm=null",
+                "the optimizer steps in the backward: no gradient clipping",
+                replace(inputs, update_in_backward=True),
             )
         )
     if adam:
@@ -477,7 +496,25 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
         lora_rank=int(peft.rank) if peft is not None else None,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         live_reference=live_reference,
+        update_in_backward=bool(_get(cfg.optimizer, "in_backward")),
+        microbatches_per_rank=_microbatches_per_rank(cfg, ranks),
     )
+
+
+def memory_levers(cfg) -> str:
+    """The memory levers a run of `cfg` uses, for its `compute:` line ('' where none)."""
+    optimizer = str(_get(cfg.optimizer, "_target_")).rsplit(".", 1)[-1]
+    levers = [
+        "activation checkpointing" if cfg.model.fsdp.activation_checkpointing else "",
+        f"low-bit optimizer states ({optimizer})" if optimizer in LOW_BIT_STATES else "",
+        "optimizer step in the backward" if _get(cfg.optimizer, "in_backward") else "",
+    ]
+    return ", ".join(lever for lever in levers if lever)
+
+
+def _microbatches_per_rank(cfg, ranks: int) -> int:
+    total = _get(cfg.data, "microbatches_per_step")
+    return max(1, int(total) // ranks) if total else int(_get(cfg, "grad_accum_steps") or 1)
 
 
 def _needs_reference(cfg) -> bool:

@@ -44,6 +44,7 @@ from chattune.train.checkpoint import BackgroundSaves, Checkpointer
 from chattune.train.evaluation import Evaluator
 from chattune.train.faults import maybe_crash, maybe_slow
 from chattune.train.feed import DocumentLedger, StepBatches, StepFeed
+from chattune.train.in_backward import UpdateInBackward
 from chattune.train.inputs import TrainingData
 from chattune.train.metrics import MetricLogger, StepFlops, StepTimer, step_metrics
 from chattune.train.output_dir import StartingPoint, release_output_dir
@@ -164,6 +165,8 @@ class UpdateSteps:
         self.grace = killing_grace_s(cfg.snapshot_steps)  # plain torchrun's, where nothing else saves a stop
         self.advised = False  # said that steps outlast it (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
+        in_backward = cfg.optimizer.get("in_backward", False)  # (a config of its own may leave it out)
+        self.in_backward = UpdateInBackward(model, learning.optimizer, device) if in_backward else None
 
     def run(self, step: int) -> Update:
         """Collective: update step `step` (its microbatches: grad_accum_steps per rank, or with world-size-invariant
@@ -180,7 +183,9 @@ class UpdateSteps:
             self.model,
             learning.objective,
             batches,
-            UpdateRule(learning.optimizer, learning.scheduler, self.cfg.max_grad_norm, self.loss_scale),
+            UpdateRule(
+                learning.optimizer, learning.scheduler, self.cfg.max_grad_norm, self.loss_scale, self.in_backward
+            ),
             self.device,
             stop_requested=lambda: interrupts.requested() is not None,
         )

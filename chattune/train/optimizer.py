@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 def build_optimizer(
     optimizer_cfg: DictConfig, parameters: Iterable[torch.nn.Parameter], device: torch.device
 ) -> torch.optim.Optimizer:
-    make = instantiate(optimizer_cfg)  # a functools.partial of the optimizer class
+    # a functools.partial of the optimizer class; `in_backward` is chattune's (chattune.train.in_backward)
+    make = instantiate({k: v for k, v in optimizer_cfg.items() if k != "in_backward"})
     if make.func.__module__.startswith("torchao.optim"):
         _compile_low_bit_steps_afresh()
     accepts_fused = "fused" in inspect.signature(make.func).parameters

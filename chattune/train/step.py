@@ -41,6 +41,7 @@ from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_sum, counts_rows, current_mesh, host_values_on
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
+from chattune.train.in_backward import UpdateInBackward
 
 
 @dataclass
@@ -101,8 +102,15 @@ def _seeded(microbatches: list[PackedBatch], seeds: list[int] | None) -> Iterato
 
 
 def _forward_backward(
-    model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device, loss_scale: float
+    model: nn.Module,
+    objective: Objective,
+    batches: StepBatches,
+    device: torch.device,
+    loss_scale: float,
+    agree_before_backward: bool = False,
 ) -> _DeviceSums:
+    """`agree_before_backward` (the update in the backward): the ranks agree that their losses are finite before
+    the backward, and none runs it otherwise (the backward is the update there, and a non-finite loss skips it)."""
     microbatches, seeds = batches.microbatches, batches.seeds
     # Context parallelism: every rank of a group trains the same rows, and only the first counts and reports them.
     counted = counts_rows()
@@ -132,11 +140,17 @@ def _forward_backward(
         if seeds is not None:
             torch.manual_seed(seeds[index])
         batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
-        (batch_loss * scale if scale is not None else batch_loss / normaliser).backward()
+        if not agree_before_backward or _finite_on_every_rank(batch_loss):
+            (batch_loss * scale if scale is not None else batch_loss / normaliser).backward()
         loss_sum += batch_loss.detach().float() * weight
         for name, value in batch_figures.items():
             figures[name] = figures.get(name, 0.0) + value.detach().double() * weight
     return _DeviceSums(counts, loss_sum, figures, local_units, local_tokens)
+
+
+def _finite_on_every_rank(loss: torch.Tensor) -> bool:
+    """Collective: whether every rank's `loss` is finite (waits for the forward)."""
+    return all_reduce_sum((~torch.isfinite(loss.detach())).double().reshape(1)).item() == 0
 
 
 def accumulate_gradients(
@@ -157,13 +171,15 @@ def _clip_on_device(
     local_loss_finite: torch.Tensor,
     loss_scale: float,
     stop_requested: Callable[[], bool] | None = None,
+    local_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`clip_gradients` with its results left on the device: (total norm, NaN where any rank's loss is not
     finite; whether every rank's loss was finite; how many ranks asked to stop). Nothing here waits for the
     device: the gradients are unscaled and clipped whatever the norm (with a non-finite norm they become NaN,
     and the step is skipped). The same all-reduce carries this rank's stop request, asked of `stop_requested`
     now, after the backward: a signal that arrived while the step computed stops the run after this step, not
-    the next one (read at the step's start, it made a stop run one more whole step)."""
+    the next one (read at the step's start, it made a stop run one more whole step). `local_norm`: this rank's
+    shards' norm, measured already (the update in the backward freed the gradients)."""
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     mesh = current_mesh()
@@ -171,7 +187,8 @@ def _clip_on_device(
     if any(not isinstance(g, DTensor) for g in grads) and mesh.world_size > 1:
         raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
+    if local_norm is None:
+        local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
     stop = stop_requested is not None and stop_requested()
     stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
     sums = all_reduce_sum(
@@ -244,6 +261,7 @@ class UpdateRule:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     max_grad_norm: float | None
     loss_scale: LossScale | None = None
+    in_backward: UpdateInBackward | None = None  # optimizer.in_backward: the optimizer steps in the backward
 
 
 def train_step(
@@ -262,18 +280,25 @@ def train_step(
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
     on or stop. `stop_requested`: whether this rank has received a stop signal, asked after the backward;
     `result.stop_ranks` counts the ranks that had."""
-    optimizer, scheduler = update.optimizer, update.scheduler
+    optimizer, scheduler, in_backward = update.optimizer, update.scheduler, update.in_backward
     loss_scale = update.loss_scale or LossScale(enabled=False)
-    sums = _forward_backward(model, objective, batches, device, loss_scale.scale)
+    if in_backward is not None:
+        in_backward.begin_step()
+    sums = _forward_backward(model, objective, batches, device, loss_scale.scale, in_backward is not None)
     total_norm, losses_finite, stop_ranks = _clip_on_device(
-        model, update.max_grad_norm, torch.isfinite(sums.loss_sum), loss_scale.scale, stop_requested
+        model,
+        update.max_grad_norm,
+        torch.isfinite(sums.loss_sum),
+        loss_scale.scale,
+        stop_requested,
+        local_norm=in_backward.local_squared_norm.sqrt() if in_backward is not None else None,
     )
     # The step's one device-to-host transfer: its sums, counts, gradient norm and finiteness together. The
     # optimizer's step below is the one decision that needs them on the host.
     values = torch.stack([total_norm, losses_finite.double(), stop_ranks, *sums.tensors()]).tolist()
     grad_norm, all_finite, result = values[0], bool(values[1]), sums.result(values[3:])
     result.stop_ranks = int(values[2])
-    if math.isfinite(grad_norm):
+    if math.isfinite(grad_norm) and in_backward is None:
         optimizer.step()
     result.overflow = loss_scale.enabled and all_finite and not math.isfinite(grad_norm)
     loss_scale.update(result.overflow)

@@ -1,0 +1,52 @@
+"""The optimizer step in the backward (`optimizer.in_backward: true`): each parameter is updated as soon as its
+gradient shard exists, and the gradient is freed at once, so the whole model's gradients never exist together
+(the gradients row of the memory estimate becomes one FSDP2 unit's).
+
+FSDP2 calls a sharded parameter's post-accumulate-grad hooks right after it reduce-scatters the parameter's
+gradient. The hook here steps the run's one optimizer, for which that parameter is the only one holding a
+gradient (every earlier one was freed by its own hook), so the optimizer, its state dict, its checkpoint and the
+scheduler are the ordinary ones: a checkpoint resumes with the setting on or off. torchtune builds one optimizer
+per parameter instead; one optimizer keeps checkpoints and schedules unchanged.
+
+What the whole gradient decided before the update cannot be decided here:
+- clipping scales every gradient by the whole model's norm: refused (max_grad_norm must be null);
+- accumulating over microbatches sums gradients before the update: one microbatch per rank per step;
+- fp16 loss scaling unscales and checks for overflow over the whole gradient: refused;
+- a non-finite loss must skip the update on every rank: the ranks agree on their losses' finiteness before the
+  backward (one small all-reduce) and all skip it, so nothing is updated, as in the ordinary step.
+The gradient norm is still logged: each hook adds its shard's squared norm before the update.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class UpdateInBackward:
+    """Hooks on the trained parameters of `model` that step `optimizer` with each one's gradient as it arrives."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.optimizer = optimizer
+        self.local_squared_norm = torch.zeros((), dtype=torch.float64, device=device)
+        self.handles = [
+            parameter.register_post_accumulate_grad_hook(self._update)
+            for parameter in model.parameters()
+            if parameter.requires_grad
+        ]
+
+    def _update(self, parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        norm = torch.linalg.vector_norm(local, dtype=torch.float32)
+        self.local_squared_norm += norm.to(self.local_squared_norm.device, torch.float64).square()
+        self.optimizer.step()  # only this parameter holds a gradient: the others' hooks freed theirs
+        parameter.grad = None
+
+    def begin_step(self) -> None:
+        self.local_squared_norm.zero_()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

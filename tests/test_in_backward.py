@@ -1,0 +1,69 @@
+"""The optimizer step in the backward (`optimizer.in_backward=true`, chattune.train.in_backward) on 2 real ranks: the
+losses, gradient norms and exported weights of the ordinary step without clipping; a checkpoint of the ordinary
+step resumes with it (one optimizer, one state dict); and, in the process, whole-model gradients never exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_resume import read_metrics
+
+from conftest import exported_weights, launch, relative_error, torchrun
+
+RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_every=0", "max_grad_norm=null")
+
+
+def _train(out: Path, *overrides: str) -> list[dict]:
+    result = launch(torchrun("sft", f"output_dir={out}", *RUN, *overrides))
+    in_backward = "optimizer.in_backward=true" in overrides
+    assert ("; memory: optimizer step in the backward" in result.stdout) == in_backward  # the compute: line
+    return read_metrics(out)
+
+
+@pytest.mark.launch
+def test_the_update_in_the_backward_equals_the_ordinary_step_and_resumes_across_the_setting(tmp_path):
+    ordinary = _train(tmp_path / "ordinary")
+    in_backward = _train(tmp_path / "in_backward", "optimizer.in_backward=true")
+    assert [m["step"] for m in in_backward] == [m["step"] for m in ordinary] == [1, 2, 3, 4]
+    for got, want in zip(in_backward, ordinary):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    got, want = exported_weights(tmp_path / "in_backward" / "hf"), exported_weights(tmp_path / "ordinary" / "hf")
+    assert relative_error(got, want) <= 1e-6
+    # The ordinary step's checkpoint of step 2, resumed with the update in the backward: the same steps 3 and 4.
+    _train(tmp_path / "switched", "stop_after_step=2")
+    switched = _train(tmp_path / "switched", "optimizer.in_backward=true")
+    assert [m["step"] for m in switched] == [1, 2, 3, 4]
+    for got, want in zip(switched[2:], ordinary[2:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+def test_no_whole_model_gradient_exists_and_the_step_is_the_optimizers_own():
+    """In the backward, each trained parameter's gradient is gone once it has stepped (the next one's hook sees only
+    its own), and the weights equal the ordinary step's (one rank, a plain model)."""
+    from chattune.train.in_backward import UpdateInBackward
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference.load_state_dict(model.state_dict())
+    inputs = torch.randn(5, 8)
+    ordinary = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    reference(inputs).square().sum().backward()
+    ordinary.step()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    updater = UpdateInBackward(model, optimizer, torch.device("cpu"))
+    holding: list[int] = []
+    for parameter in model.parameters():  # record, at each hook, how many parameters hold a gradient
+        parameter.register_post_accumulate_grad_hook(
+            lambda p: holding.append(sum(q.grad is not None for q in model.parameters()))
+        )
+    model(inputs).square().sum().backward()
+    assert holding == [0] * 4  # each hook ran after UpdateInBackward's own, which stepped and freed the gradient
+    assert all(p.grad is None for p in model.parameters())
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    updater.remove()
