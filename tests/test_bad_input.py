@@ -172,6 +172,15 @@ CASES = {
         "optimizer.in_backward updates each parameter before the whole model's gradient exists: one microbatch per "
         "rank per step (a larger data.max_tokens_per_microbatch, or more ranks), or optimizer.in_backward=false",
     ),
+    "float8 on the CPU": Case(
+        ["model.fp8=tensorwise", "device=cpu"],
+        "model.fp8: tensorwise needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics",
+    ),
+    "float8 with LoRA": Case(
+        ["model.fp8=emulate", "peft=lora"],
+        "model.fp8: emulate with peft: LoRA wraps the decoder's linear layers that float8 would replace (not "
+        "supported yet); set model.fp8=null, or train without peft",
+    ),
     "preference data for SFT": Case(
         ["data.train=[{{path: {tmp}/pairs.jsonl, format: preference}}]"],
         "data.train[0].format: 'preference' is not one of messages, sharegpt",

@@ -18,7 +18,7 @@ RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_eve
 def _train(out: Path, *overrides: str) -> list[dict]:
     result = launch(torchrun("sft", f"output_dir={out}", *RUN, *overrides))
     in_backward = "optimizer.in_backward=true" in overrides
-    assert ("; memory: optimizer step in the backward" in result.stdout) == in_backward  # the compute: line
+    assert ("; levers: optimizer step in the backward" in result.stdout) == in_backward  # the compute: line
     return read_metrics(out)
 
 

@@ -37,7 +37,7 @@ def _train(out: Path, optimizer: str, *overrides: str, nproc: int = 2) -> dict[i
         torchrun("sft", f"output_dir={out}", f"optimizer._target_={optimizer}", *RUN, *overrides, nproc=nproc)
     )
     name = optimizer.rsplit(".", 1)[-1]
-    assert (f"memory: low-bit optimizer states ({name})" in result.stdout) == optimizer.startswith("torchao")
+    assert (f"; levers: low-bit optimizer states ({name})" in result.stdout) == optimizer.startswith("torchao")
     return {m["step"]: m["loss"] for m in read_metrics(out)}
 
 

@@ -37,6 +37,7 @@ OVERLONG_DPO = ("drop", "error")  # a pair is never cut: both replies share the 
 ON_BAD_RECORD = ("error", "skip")
 MIXING_MODES = ("none", "static", "online")
 MIXING_STOPPING = ("first_exhausted", "all_exhausted")
+FP8_MODES = ("tensorwise", "rowwise", "emulate")  # model.fp8 (chattune.model.float8)
 MIXING_REWARDS = ("mean_loss", "loss_decrease")
 DTYPES = ("float32", "bfloat16", "float16")
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo", "orpo")
@@ -181,6 +182,13 @@ class ModelConfig:
         "auto",
         "torch.compile each decoder layer: auto (on CUDA, not on CPU) | true | false",
         choices=("auto",),
+        resume="numerics",
+    )
+    fp8: str | None = key(
+        None,
+        "float8 matmuls in the decoder's linear layers (torchao): tensorwise | rowwise (GPUs with compute "
+        "capability 8.9+) | emulate (float8 rounding emulated: the CPU check) | null: off",
+        choices=FP8_MODES,
         resume="numerics",
     )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from chattune.config.layout_rules import context_ranks_problem, microbatch_ranks_problem, pad_multiple_problem
-from chattune.config.schema import QUANTIZE_BASE, REFERENCE_FREE
+from chattune.config.schema import FP8_MODES, QUANTIZE_BASE, REFERENCE_FREE
 from chattune.config.typed import typed_config
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.prompts import prompts_file_problem
@@ -241,6 +241,26 @@ class RunRules:
             )
         elif importlib.util.find_spec("bitsandbytes") is None:
             self.findings.problem("peft.quantize_base", 'needs bitsandbytes: pip install "chattune[qlora]"')
+
+    def float8(self) -> None:
+        """model.fp8 needs torchao, and float8 matmuls (a GPU) unless emulated; LoRA's layers are not converted."""
+        mode = get_value(self.values, "model.fp8")
+        if mode not in FP8_MODES:
+            return  # null (off), or not a mode (reported by the choices)
+        if importlib.util.find_spec("torchao") is None:
+            self.findings.problem("model.fp8", 'needs torchao: pip install "chattune[lowbit]"')
+        if isinstance(get_value(self.values, "peft"), dict):
+            self.findings.problem(
+                "model.fp8",
+                f"{mode} with peft: LoRA wraps the decoder's linear layers that float8 would replace (not "
+                "supported yet); set model.fp8=null, or train without peft",
+            )
+        device = get_value(self.values, "device")
+        if mode != "emulate" and (device == "cpu" or (device == "auto" and not _cuda_available())):
+            self.findings.problem(
+                "model.fp8",
+                f"{mode} needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics",
+            )
 
     def device(self) -> None:
         if get_value(self.values, "device") == "cuda" and not _cuda_available():

@@ -276,6 +276,7 @@ def find_problems(
     schema.bounds()
     rules.steps_and_budget()
     rules.quantized_base()
+    rules.float8()
     rules.device()
     rules.step_layout(world_size)
     rules.update_in_backward(world_size)

@@ -39,6 +39,7 @@ from chattune.model.composite import (
     read_composite,
     text_config_of,
 )
+from chattune.model.float8 import convert_linear_layers, fp8_problem
 from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
@@ -173,6 +174,11 @@ def build_sharded_model(
             "computed per document, and parallel.context>1 splits documents across ranks; set "
             "loss.router_aux_coef=0 to train without it, or parallel.context=1"
         )
+    fp8 = cfg.model.fp8
+    if fp8:
+        problem = fp8_problem(fp8, dist_info.device, adapted=adapters is not None)
+        if problem:
+            raise UserError(f"model.fp8: {problem}")
     # The context group set on the model (its attention modules and its loss read it there), before compiling.
     packed = (
         PackedSequenceScorer(hf_model, stored_dtype)
@@ -187,6 +193,9 @@ def build_sharded_model(
             context_group=dist_info.cp_group,
         )
     )
+    if fp8:  # the decoder layers' linear layers, before compiling and sharding them
+        converted = convert_linear_layers(decoder_layers(packed), fp8)
+        logger.info("model.fp8=%s: %d linear layers of the decoder in float8 (torchao)", fp8, converted)
     model = shard_model(
         packed,
         device_type,
@@ -240,7 +249,7 @@ def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: 
     if model.router_loss is not None:
         line += f"; {model.router_loss.describe()}"
     if levers:
-        line += f"; memory: {levers}"
+        line += f"; levers: {levers}"
     if line in _described:  # a DPO reference built like the policy: said once
         return
     _described.add(line)

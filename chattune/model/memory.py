@@ -502,12 +502,13 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
 
 
 def memory_levers(cfg) -> str:
-    """The memory levers a run of `cfg` uses, for its `compute:` line ('' where none)."""
+    """The memory and speed levers of issue 53 a run of `cfg` uses, for its `compute:` line ('' where none)."""
     optimizer = str(_get(cfg.optimizer, "_target_")).rsplit(".", 1)[-1]
     levers = [
         "activation checkpointing" if cfg.model.fsdp.activation_checkpointing else "",
         f"low-bit optimizer states ({optimizer})" if optimizer in LOW_BIT_STATES else "",
         "optimizer step in the backward" if _get(cfg.optimizer, "in_backward") else "",
+        f"float8 linear layers ({_get(cfg.model, 'fp8')})" if _get(cfg.model, "fp8") else "",
     ]
     return ", ".join(lever for lever in levers if lever)
 

@@ -165,7 +165,7 @@ class UpdateSteps:
         self.grace = killing_grace_s(cfg.snapshot_steps)  # plain torchrun's, where nothing else saves a stop
         self.advised = False  # said that steps outlast it (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
-        in_backward = cfg.optimizer.get("in_backward", False)  # (a config of its own may leave it out)
+        in_backward = cfg.optimizer.in_backward
         self.in_backward = UpdateInBackward(model, learning.optimizer, device) if in_backward else None
 
     def run(self, step: int) -> Update:

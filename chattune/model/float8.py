@@ -1,0 +1,57 @@
+"""Float8 training of the decoder's linear layers (`model.fp8`), with torchao's `Float8Linear`.
+
+The decoder layers' `nn.Linear` modules are swapped for torchao's, which cast their input, weight and output
+gradient to float8 for the three matmuls (`tensorwise`: one scale per tensor; `rowwise`: one per row, closer to
+bf16 and a little slower); the weights stay the same fp32 parameters (same names: checkpoints and the export do not
+change). The embeddings, norms, output layer and loss stay in the compute dtype: the logits and the loss are where
+float8's 3-bit mantissa would cost the most. `emulate` runs tensorwise scaling with the float8 rounding emulated in
+ordinary matmuls: the CPU path that tests the numerics (it is slower than bf16, never faster).
+
+Left out for now: FSDP2's float8 all-gather (`enable_fsdp_float8_all_gather`: the gathers stay in the compute dtype)
+and float8 inside LoRA's adapted layers (refused).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
+
+
+def fp8_problem(mode: str, device: torch.device, adapted: bool) -> str | None:
+    """Why `model.fp8=mode` cannot run on `device` (with LoRA adapters: `adapted`), or None."""
+    if adapted:
+        return (
+            f"{mode} with peft: LoRA wraps the decoder's linear layers that float8 would replace (not supported "
+            "yet); set model.fp8=null, or train without peft"
+        )
+    if mode == "emulate":
+        return None
+    if device.type != "cuda":
+        return f"{mode} needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        return (
+            f"{mode} needs float8 matmuls (compute capability 8.9 or newer: Ada, Hopper); this GPU has "
+            f"{capability[0]}.{capability[1]}: set model.fp8=null"
+        )
+    return None
+
+
+def convert_linear_layers(decoder_layers: list[nn.Module], mode: str) -> int:
+    """Swap the linear layers inside `decoder_layers` for torchao's Float8Linear; how many were swapped. Only
+    layers whose both dimensions are multiples of 16 (float8 matmuls need them)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig(emulate=True) if mode == "emulate" else Float8LinearConfig.from_recipe_name(mode)
+    for layer in decoder_layers:
+        convert_to_float8_training(
+            layer,
+            config=config,
+            module_filter_fn=lambda module, name: (
+                isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            ),
+        )
+    return sum(isinstance(module, Float8Linear) for layer in decoder_layers for module in layer.modules())
