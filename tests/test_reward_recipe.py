@@ -125,7 +125,11 @@ def test_reward_recipe_trains_resumes_on_any_ranks_and_exports_a_stock_sequence_
     for a, b in zip(resumed, whole):
         for key in a:
             if key.startswith(("loss", "rewards/", "eval_", "grad_norm", "num_")):
-                assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (a["step"], key, a[key], b[key])
+                # 1e-4: one rank runs 2 CPU threads, each of 2 ranks 1 (chattune.distributed), and on an AVX-512
+                # CPU the matmuls round with the thread count: 1.7e-5 apart after 6 steps (rewards, grad_norm). A
+                # batch's mean reward is a difference of scores near 1 (0.0085 at step 8): 2.4e-6 apart absolutely.
+                abs_tol = 1e-5 if key.startswith("rewards/") else 1e-6
+                assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=abs_tol), (a["step"], key, a[key], b[key])
     assert all(REWARD_KEYS <= m.keys() for m in whole[1:])
     assert whole[-1]["eval_loss"] < whole[0]["eval_loss"]  # it learns something on the held-out pairs
     assert_export_scores_as_logged(two, whole[-1], CENTER)
