@@ -287,3 +287,15 @@ def test_the_estimate_leaves_the_live_models_config_as_it_was():
     before = (hf_model.config.to_dict(), hf_model.config._attn_implementation)
     estimate(_inputs(hf_model, 1, 128, lora=False))
     assert (hf_model.config.to_dict(), hf_model.config._attn_implementation) == before
+
+
+def test_what_fits_reports_the_estimate_and_the_advice_per_cell():
+    """scripts/what_fits.py's cells: the peak where it fits, else the advised change (the 0.6B shape, fp32 AdamW)."""
+    sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+    from what_fits import SHAPES, advice
+
+    inputs = MemoryInputs(SHAPES["0.6B (Qwen3-0.6B)"](), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)
+    peak = estimate(inputs).total
+    assert advice(inputs, 24 * 2**30) == f"fits ({peak / 2**30:.1f})"
+    tight = advice(inputs, int(peak * 0.9))  # 10% short: the cheapest single change, 8-bit states, fits
+    assert tight == f"{peak / 2**30:.0f}: optimizer._target_=torchao.optim.AdamW8bit", tight
