@@ -9,6 +9,7 @@ states' bytes per trained parameter for each optimizer. Shapes only: nothing is 
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import replace
 
 import torch
@@ -52,11 +53,14 @@ OPTIMIZERS = ("torch.optim.AdamW", "torchao.optim.AdamW8bit", "torchao.optim.Ada
 
 def advice(inputs: MemoryInputs, device: int) -> str:
     estimated = estimate(inputs)
+    if estimated.total is None:
+        return "not estimated"
     if estimated.total <= device:
         return f"fits ({estimated.total / GiB:.1f})"
     lines = ways_to_fit(inputs, device, estimated)
     if lines[0].startswith("changes that make it fit"):
-        return f"{estimated.total / GiB:.0f}: {lines[1].split()[0]}"  # the cheapest change that fits alone
+        cheapest = re.split(r"\s{2,}", lines[1].strip())[0]  # the setting, before its padding and peak
+        return f"{estimated.total / GiB:.0f}: {cheapest}"
     if lines[0].startswith("no single change"):
         return f"{estimated.total / GiB:.0f}: " + " + ".join(line.split("  (")[0].strip() for line in lines[1:])
     return f"{estimated.total / GiB:.0f}: does not fit"

@@ -169,8 +169,9 @@ CASES = {
     "the update in the backward with accumulation": Case(
         ["optimizer.in_backward=true", "max_grad_norm=null", "grad_accum_steps=2"],
         "grad_accum_steps: 2 microbatches per rank per step sum their gradients before the update, and "
-        "optimizer.in_backward updates each parameter before the whole model's gradient exists: one microbatch per "
-        "rank per step (a larger data.max_tokens_per_microbatch, or more ranks), or optimizer.in_backward=false",
+        "optimizer.in_backward updates each parameter before the whole model's gradient exists: set "
+        "grad_accum_steps=1 (a larger data.max_tokens_per_microbatch keeps a step's tokens), or "
+        "optimizer.in_backward=false",
     ),
     "float8 on the CPU": Case(
         ["model.fp8=tensorwise", "device=cpu"],

@@ -67,3 +67,40 @@ def test_no_whole_model_gradient_exists_and_the_step_is_the_optimizers_own():
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     updater.remove()
+
+
+def _one_rank_step(max_grad_norm, poison_gradients: bool = False):
+    from chattune.data.packing import collate_packed
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.fsdp import shard_model
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.feed import StepBatches
+    from chattune.train.in_backward import UpdateInBackward
+    from chattune.train.step import UpdateRule, train_step
+    from conftest import demo_documents, tiny_model
+
+    model = shard_model(PackedCausalLM(tiny_model()), "cpu", 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    updater = UpdateInBackward(model, optimizer, torch.device("cpu"))
+    if poison_gradients:  # a finite loss whose gradients are not (registered first: runs before the update)
+        for parameter in model.parameters():
+            parameter._post_accumulate_grad_hooks = None
+        embed = next(iter(model.parameters()))
+        embed.register_post_accumulate_grad_hook(lambda p: p.grad.to_local().fill_(float("nan")))
+        embed.register_post_accumulate_grad_hook(updater._update)
+        for parameter in list(model.parameters())[1:]:
+            parameter.register_post_accumulate_grad_hook(updater._update)
+    rule = UpdateRule(optimizer, scheduler, max_grad_norm, in_backward=updater)
+    batch = StepBatches([collate_packed(demo_documents(2))])
+    return train_step(model, TokenCrossEntropy(), batch, rule, torch.device("cpu")), model
+
+
+def test_a_library_caller_that_clips_is_refused_at_the_step(one_rank_group):
+    with pytest.raises(ValueError, match="optimizer.in_backward needs no clipping"):
+        _one_rank_step(max_grad_norm=1.0)
+
+
+def test_non_finite_gradients_from_a_finite_loss_stop_the_run_whatever_nonfinite_loss_says(one_rank_group):
+    with pytest.raises(FloatingPointError, match="optimizer.in_backward applied them"):
+        _one_rank_step(max_grad_norm=None, poison_gradients=True)

@@ -249,18 +249,17 @@ class RunRules:
             return  # null (off), or not a mode (reported by the choices)
         if importlib.util.find_spec("torchao") is None:
             self.findings.problem("model.fp8", 'needs torchao: pip install "chattune[lowbit]"')
-        if isinstance(get_value(self.values, "peft"), dict):
-            self.findings.problem(
-                "model.fp8",
-                f"{mode} with peft: LoRA wraps the decoder's linear layers that float8 would replace (not "
-                "supported yet); set model.fp8=null, or train without peft",
-            )
+            return
+        import torch  # only for a config that asks for float8
+
+        from chattune.model.float8 import fp8_problem
+
         device = get_value(self.values, "device")
-        if mode != "emulate" and (device == "cpu" or (device == "auto" and not _cuda_available())):
-            self.findings.problem(
-                "model.fp8",
-                f"{mode} needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics",
-            )
+        on_cuda = device == "cuda" or (device == "auto" and _cuda_available())
+        adapted = isinstance(get_value(self.values, "peft"), dict)
+        problem = fp8_problem(mode, torch.device("cuda" if on_cuda else "cpu"), adapted)
+        if problem:
+            self.findings.problem("model.fp8", problem)
 
     def device(self) -> None:
         if get_value(self.values, "device") == "cuda" and not _cuda_available():
@@ -302,14 +301,21 @@ class RunRules:
                 "max_grad_norm=null (the norm is still logged), or optimizer.in_backward=false",
             )
         accum, total = number(self.values, "grad_accum_steps"), number(self.values, "data.microbatches_per_step")
-        per_rank = accum if total is None else (total // world_size if world_size else None)
-        if per_rank is not None and per_rank > 1:
-            key = "grad_accum_steps" if total is None else "data.microbatches_per_step"
+        data_ranks = world_size // self.context_size() if world_size else None  # a context group shares its rows
+        if total is None and accum is not None and accum > 1:
             self.findings.problem(
-                key,
-                f"{per_rank} microbatches per rank per step sum their gradients before the update, and {needs}: "
-                "one microbatch per rank per step (a larger data.max_tokens_per_microbatch, or more ranks), "
-                "or optimizer.in_backward=false",
+                "grad_accum_steps",
+                f"{accum} microbatches per rank per step sum their gradients before the update, and {needs}: set "
+                "grad_accum_steps=1 (a larger data.max_tokens_per_microbatch keeps a step's tokens), or "
+                "optimizer.in_backward=false",
+            )
+        elif total is not None and data_ranks and total > data_ranks:
+            self.findings.problem(
+                "data.microbatches_per_step",
+                f"{total} over {data_ranks} data-parallel rank(s) is {total // data_ranks} microbatches per rank per "
+                f"step, which sum their gradients before the update, and {needs}: set "
+                f"data.microbatches_per_step={data_ranks} (or launch {total} data-parallel ranks), or "
+                "optimizer.in_backward=false",
             )
         if get_value(self.values, "model.fsdp.param_dtype") == "float16":
             self.findings.problem(

@@ -174,7 +174,7 @@ def build_sharded_model(
             "computed per document, and parallel.context>1 splits documents across ranks; set "
             "loss.router_aux_coef=0 to train without it, or parallel.context=1"
         )
-    fp8 = cfg.model.fp8
+    fp8 = getattr(cfg.model, "fp8", None)  # (a library caller's config may leave it out)
     if fp8:
         problem = fp8_problem(fp8, dist_info.device, adapted=adapters is not None)
         if problem:

@@ -2,7 +2,7 @@
 
 The decoder layers' `nn.Linear` modules are swapped for torchao's, which cast their input, weight and output
 gradient to float8 for the three matmuls (`tensorwise`: one scale per tensor; `rowwise`: one per row, closer to
-bf16 and a little slower); the weights stay the same fp32 parameters (same names: checkpoints and the export do not
+bf16 and a little slower; a mixture of experts' router stays out); the weights stay the same fp32 parameters (same names: checkpoints and the export do not
 change). The embeddings, norms, output layer and loss stay in the compute dtype: the logits and the loss are where
 float8's 3-bit mantissa would cost the most. `emulate` runs tensorwise scaling with the float8 rounding emulated in
 ordinary matmuls: the CPU path that tests the numerics (it is slower than bf16, never faster).
@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
+# A mixture of experts' router (Qwen3-MoE's `mlp.gate`, others' `router`): its logits pick the experts, and a
+# float8 rounding would move tokens between them; torchtitan leaves it out too.
+ROUTERS = ("gate", "router")
 
 
 def fp8_problem(mode: str, device: torch.device, adapted: bool) -> str | None:
@@ -51,7 +54,10 @@ def convert_linear_layers(decoder_layers: list[nn.Module], mode: str) -> int:
             layer,
             config=config,
             module_filter_fn=lambda module, name: (
-                isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+                isinstance(module, nn.Linear)
+                and module.in_features % 16 == 0
+                and module.out_features % 16 == 0
+                and name.rsplit(".", 1)[-1] not in ROUTERS
             ),
         )
     return sum(isinstance(module, Float8Linear) for layer in decoder_layers for module in layer.modules())

@@ -25,8 +25,8 @@ What each row counts, and how:
   computes the output layer chunk by chunk).
 - **a live reference** (DPO, KTO): its parameters sharded like the policy's, no gradients or states.
 
-Where the run does not fit, `ways_to_fit` lists the changes chattune offers that fit alone, cheapest first, or the
-fewest that fit together, each an override to pass as written.
+Where the run does not fit, `ways_to_fit` lists the changes chattune offers that fit alone, cheapest first, or
+changes that fit together (none of which can be left out), each an override to pass as written.
 
 Checked against measured byte counts (tests/test_memory.py): the counts exactly against the built model's
 shards, the activations within 10% of a saved-tensors hook on the real packed forward on CPU.
@@ -237,8 +237,9 @@ class Change:
 
 
 def candidate_changes(inputs: MemoryInputs) -> list[Change]:
-    """The changes chattune offers that `inputs` does not use yet, cheapest first (the order a user would try
-    them: no cost to the result or the speed, then compute, then precision, then what is trained, then GPUs)."""
+    """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: 8-bit
+    optimizer states (a small cost in precision, none in speed), recomputed activations (compute), the update in the
+    backward (no clipping), 4-bit states (more precision), shorter rows, training adapters only, more GPUs."""
     changes = []
     adam = inputs.optimizer.rsplit(".", 1)[-1] in ("Adam", "AdamW") and inputs.optimizer.startswith("torch.")
     if adam:
@@ -278,7 +279,7 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
         changes.append(
             Change(
                 f"data.max_tokens_per_microbatch={half}",
-                f"chats over {half} tokens no longer fit a row; twice the grad_accum_steps keeps a step's tokens",
+                f"chats over {half} tokens no longer fit a row, and a step has half the tokens",
                 replace(inputs, tokens=half),
             )
         )
@@ -299,7 +300,9 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
 
 def ways_to_fit(inputs: MemoryInputs, device_memory: int, estimated: MemoryEstimate) -> list[str]:
     """Where `estimated` (the estimate of `inputs`) does not fit `device_memory`: the single changes that make it
-    fit, cheapest first, each with the peak it gives; where none does alone, the cheapest ones together."""
+    fit, cheapest first, each with the peak it gives; where none does alone, the changes taken in that order until
+    they fit together, less each one the others do not need (a set none can be left out of, not always the
+    smallest)."""
     if estimated.total is None or estimated.total <= device_memory:
         return []
     changes = candidate_changes(inputs)
@@ -502,20 +505,24 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
 
 
 def memory_levers(cfg) -> str:
-    """The memory and speed levers of issue 53 a run of `cfg` uses, for its `compute:` line ('' where none)."""
-    optimizer = str(_get(cfg.optimizer, "_target_")).rsplit(".", 1)[-1]
+    """The memory and speed levers of issue 53 a run of `cfg` uses, for its `compute:` line ('' where none; a
+    library caller's config may lack the sections)."""
+    optimizer, model = _get(cfg, "optimizer") or {}, _get(cfg, "model") or {}
+    fsdp, fp8 = _get(model, "fsdp") or {}, _get(model, "fp8")
+    name = str(_get(optimizer, "_target_")).rsplit(".", 1)[-1]
     levers = [
-        "activation checkpointing" if cfg.model.fsdp.activation_checkpointing else "",
-        f"low-bit optimizer states ({optimizer})" if optimizer in LOW_BIT_STATES else "",
-        "optimizer step in the backward" if _get(cfg.optimizer, "in_backward") else "",
-        f"float8 linear layers ({_get(cfg.model, 'fp8')})" if _get(cfg.model, "fp8") else "",
+        "activation checkpointing" if _get(fsdp, "activation_checkpointing") else "",
+        f"low-bit optimizer states ({name})" if name in LOW_BIT_STATES else "",
+        "optimizer step in the backward" if _get(optimizer, "in_backward") else "",
+        f"float8 linear layers ({fp8})" if fp8 else "",
     ]
     return ", ".join(lever for lever in levers if lever)
 
 
 def _microbatches_per_rank(cfg, ranks: int) -> int:
     total = _get(cfg.data, "microbatches_per_step")
-    return max(1, int(total) // ranks) if total else int(_get(cfg, "grad_accum_steps") or 1)
+    data_ranks = max(1, ranks // int(_get(cfg.parallel, "context") or 1))  # a context group shares its rows
+    return max(1, int(total) // data_ranks) if total else int(_get(cfg, "grad_accum_steps") or 1)
 
 
 def _needs_reference(cfg) -> bool:

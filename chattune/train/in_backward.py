@@ -13,7 +13,9 @@ What the whole gradient decided before the update cannot be decided here:
 - accumulating over microbatches sums gradients before the update: one microbatch per rank per step;
 - fp16 loss scaling unscales and checks for overflow over the whole gradient: refused;
 - a non-finite loss must skip the update on every rank: the ranks agree on their losses' finiteness before the
-  backward (one small all-reduce) and all skip it, so nothing is updated, as in the ordinary step.
+  backward (one small all-reduce) and all skip it, so nothing is updated, as in the ordinary step;
+- non-finite gradients from finite losses are applied as they arrive (checking each would wait on the device per
+  parameter): the step then stops the run, whatever nonfinite_loss says, the last checkpoint intact.
 The gradient norm is still logged: each hook adds its shard's squared norm before the update.
 """
 

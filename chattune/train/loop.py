@@ -165,7 +165,7 @@ class UpdateSteps:
         self.grace = killing_grace_s(cfg.snapshot_steps)  # plain torchrun's, where nothing else saves a stop
         self.advised = False  # said that steps outlast it (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
-        in_backward = cfg.optimizer.in_backward
+        in_backward = getattr(cfg.optimizer, "in_backward", False)  # (a library caller's config may leave it out)
         self.in_backward = UpdateInBackward(model, learning.optimizer, device) if in_backward else None
 
     def run(self, step: int) -> Update:
@@ -173,7 +173,7 @@ class UpdateSteps:
         steps this rank's share of data.microbatches_per_step)."""
         learning, feed = self.learning, self.feed
         self.timer.start()
-        lr = float(learning.scheduler.get_last_lr()[0])  # a tensor under torchao's optimizers (lr kept on device)
+        lr = float(learning.scheduler.get_last_lr()[0])  # a (CPU) tensor under torchao's optimizers
         batches = feed.next_step(step)
         if self.ledger:
             self.ledger.write(step, batches)

@@ -283,6 +283,11 @@ def train_step(
     optimizer, scheduler, in_backward = update.optimizer, update.scheduler, update.in_backward
     loss_scale = update.loss_scale or LossScale(enabled=False)
     if in_backward is not None:
+        if update.max_grad_norm is not None or loss_scale.enabled or len(batches.microbatches) != 1:
+            raise ValueError(
+                "optimizer.in_backward needs no clipping, no fp16 loss scaling and one microbatch per rank per step "
+                f"(max_grad_norm={update.max_grad_norm}, {len(batches.microbatches)} microbatches)"
+            )
         in_backward.begin_step()
     sums = _forward_backward(model, objective, batches, device, loss_scale.scale, in_backward is not None)
     total_norm, losses_finite, stop_ranks = _clip_on_device(
@@ -298,6 +303,12 @@ def train_step(
     values = torch.stack([total_norm, losses_finite.double(), stop_ranks, *sums.tensors()]).tolist()
     grad_norm, all_finite, result = values[0], bool(values[1]), sums.result(values[3:])
     result.stop_ranks = int(values[2])
+    if in_backward is not None and all_finite and not math.isfinite(grad_norm):
+        raise FloatingPointError(
+            "non-finite gradients from finite losses, and optimizer.in_backward applied them as they were reduced: "
+            "the weights are no longer finite. The last checkpoint is intact (resume=auto continues from it; "
+            "optimizer.in_backward=false skips such a step instead)."
+        )
     if math.isfinite(grad_norm) and in_backward is None:
         optimizer.step()
     result.overflow = loss_scale.enabled and all_finite and not math.isfinite(grad_norm)
