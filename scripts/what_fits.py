@@ -15,7 +15,8 @@ from dataclasses import replace
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from chattune.model.memory import GiB, MemoryInputs, estimate, ways_to_fit
+from chattune.model.memory import GiB, MemoryInputs, estimate
+from chattune.model.memory_advice import ways_to_fit
 
 SHAPES = {
     "0.6B (Qwen3-0.6B)": lambda: Qwen3Config(

@@ -260,7 +260,7 @@ def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from chattune.model.memory import ways_to_fit
+    from chattune.model.memory_advice import ways_to_fit
 
     spec = OmegaConf.create(EIGHT_B.split("=", 1)[1])
     inputs = MemoryInputs(instantiate(spec, vocab_size=1024), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)

@@ -193,7 +193,8 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
     import torch
 
     from chattune.data.tokenizer import load_tokenizer
-    from chattune.model.memory import hf_config_of, inputs_of, report
+    from chattune.model.memory import hf_config_of, inputs_of
+    from chattune.model.memory_advice import report
 
     on_cuda = device_memory is not None or (cfg.device != "cpu" and torch.cuda.is_available())
     if device_memory is None and on_cuda:

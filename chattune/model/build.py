@@ -44,7 +44,8 @@ from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, de
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.indexed_attention import indexed_path_name
-from chattune.model.memory import inputs_of, memory_levers, report
+from chattune.model.memory import inputs_of, memory_levers
+from chattune.model.memory_advice import report
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding

@@ -1,0 +1,144 @@
+"""What would make a run fit its device, from the memory estimate (`chattune.model.memory`): the changes chattune
+offers that fit alone, cheapest first, each with the peak it gives, or changes that fit together (none of which can
+be left out), each an override (or `--ranks N`) to pass as written; and the table with that advice (`report`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from chattune.model.memory import MemoryEstimate, MemoryInputs, estimate, format_gib
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change to a run that lowers its memory: what to set, what it costs, and the run it gives."""
+
+    setting: str  # an override (key=value), or a launch flag
+    cost: str
+    inputs: MemoryInputs
+
+
+def candidate_changes(inputs: MemoryInputs) -> list[Change]:
+    """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: 8-bit
+    optimizer states (a small cost in precision, none in speed), recomputed activations (compute), the update in the
+    backward (no clipping), 4-bit states (more precision), shorter rows, training adapters only, more GPUs."""
+    changes = []
+    adam = inputs.optimizer.rsplit(".", 1)[-1] in ("Adam", "AdamW") and inputs.optimizer.startswith("torch.")
+    if adam:
+        changes.append(
+            Change(
+                "optimizer._target_=torchao.optim.AdamW8bit",
+                "8-bit moments (pip install torchao): the loss within a few % of fp32 AdamW's",
+                replace(inputs, optimizer="torchao.optim.AdamW8bit"),
+            )
+        )
+    if not inputs.activation_checkpointing:
+        changes.append(
+            Change(
+                "model.fsdp.activation_checkpointing=true",
+                "each layer's forward runs twice: about a third more compute",
+                replace(inputs, activation_checkpointing=True),
+            )
+        )
+    if not inputs.update_in_backward and inputs.microbatches_per_rank == 1 and inputs.compute_dtype != torch.float16:
+        changes.append(
+            Change(
+                "optimizer.in_backward=true max_grad_norm=null",
+                "the optimizer steps in the backward: no gradient clipping",
+                replace(inputs, update_in_backward=True),
+            )
+        )
+    if adam:
+        changes.append(
+            Change(
+                "optimizer._target_=torchao.optim.AdamW4bit",
+                "4-bit moments: more quantization error than 8-bit",
+                replace(inputs, optimizer="torchao.optim.AdamW4bit"),
+            )
+        )
+    if inputs.tokens >= 1024:
+        half = inputs.tokens // 2
+        changes.append(
+            Change(
+                f"data.max_tokens_per_microbatch={half}",
+                f"chats over {half} tokens no longer fit a row, and a step has half the tokens",
+                replace(inputs, tokens=half),
+            )
+        )
+    if inputs.lora_rank is None:
+        changes.append(
+            Change(
+                "peft=lora",
+                "trains rank-16 adapters, not the whole model",
+                replace(inputs, lora_rank=16, lora_targets=("all-linear",)),
+            )
+        )
+    ranks = 2 * inputs.ranks
+    changes.append(
+        Change(f"--ranks {ranks}", f"twice the GPUs: --nproc_per_node {ranks}", replace(inputs, ranks=ranks))
+    )
+    return changes
+
+
+def ways_to_fit(inputs: MemoryInputs, device_memory: int, estimated: MemoryEstimate) -> list[str]:
+    """Where `estimated` (the estimate of `inputs`) does not fit `device_memory`: the single changes that make it
+    fit, cheapest first, each with the peak it gives; where none does alone, the changes taken in that order until
+    they fit together, less each one the others do not need (a set none can be left out of, not always the
+    smallest)."""
+    if estimated.total is None or estimated.total <= device_memory:
+        return []
+    changes = candidate_changes(inputs)
+    alone = [(change, estimate(change.inputs).total) for change in changes]
+    fitting = [(change, total) for change, total in alone if total is not None and total <= device_memory]
+    if fitting:
+        lines = ["changes that make it fit, each alone, cheapest first:"]
+        lines += [f"  {change.setting:<58} {format_gib(total):>10}  ({change.cost})" for change, total in fitting]
+        return lines
+    chosen: dict[str, Change] = {}  # by the setting's key: AdamW4bit replaces AdamW8bit in place
+    for change in changes:  # the cheapest first, until they fit together
+        chosen[_setting_key(change)] = change
+        if _fits(inputs, chosen.values(), device_memory):
+            break
+    else:
+        return [
+            "no change chattune offers makes it fit, even all together: a larger GPU, more of them, or a smaller model"
+        ]
+    for key in reversed(list(chosen)[:-1]):  # then leave out each one the others do not need, dearest first
+        rest = [change for other, change in chosen.items() if other != key]
+        if _fits(inputs, rest, device_memory):
+            del chosen[key]
+    total = estimate(_combined(inputs, chosen.values())).total
+    return [f"no single change makes it fit; these together ({format_gib(total)}):"] + [
+        f"  {change.setting:<58} ({change.cost})" for change in chosen.values()
+    ]
+
+
+def _setting_key(change: Change) -> str:
+    return change.setting.split("=")[0].split()[0]
+
+
+def _combined(inputs: MemoryInputs, changes) -> MemoryInputs:
+    """`inputs` with the fields each of `changes` sets."""
+    combined = inputs
+    for change in changes:
+        changed = {
+            name: getattr(change.inputs, name)
+            for name in inputs.__dataclass_fields__
+            if getattr(change.inputs, name) != getattr(inputs, name)
+        }
+        combined = replace(combined, **changed)
+    return combined
+
+
+def _fits(inputs: MemoryInputs, changes, device_memory: int) -> bool:
+    total = estimate(_combined(inputs, changes)).total
+    return total is not None and total <= device_memory
+
+
+def report(inputs: MemoryInputs, device_memory: int | None) -> tuple[MemoryEstimate, str]:
+    """The estimate of `inputs` and its table, with the ways to fit `device_memory` where it does not."""
+    estimated = estimate(inputs)
+    advice = ways_to_fit(inputs, device_memory, estimated) if device_memory is not None else []
+    return estimated, "\n".join([estimated.table(device_memory), *(f"  {line}" for line in advice)])
