@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from chattune.config.layout_rules import context_ranks_problem
 
@@ -348,3 +349,11 @@ def exit_process(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def on_mesh_device(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or where FSDP2's CPU offload keeps it on the host, a copy on its mesh's device: a collective over
+    the shards (a gather, a send) runs there, and NCCL takes no host tensors."""
+    if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
+        return tensor.to(tensor.device_mesh.device_type)
+    return tensor

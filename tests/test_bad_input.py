@@ -173,6 +173,13 @@ CASES = {
         "grad_accum_steps=1 (a larger data.max_tokens_per_microbatch keeps a step's tokens), or "
         "optimizer.in_backward=false",
     ),
+    "the update in the backward under CPU offload": Case(
+        ["optimizer.in_backward=true", "max_grad_norm=null", "model.fsdp.cpu_offload=true"],
+        "model.fsdp.cpu_offload: the host's copy of each gradient is complete only when the whole backward is, and "
+        "optimizer.in_backward updates each parameter before the whole model's gradient exists: choose one, "
+        "model.fsdp.cpu_offload=false or optimizer.in_backward=false (the gradients already live on the host under "
+        "CPU offload)",
+    ),
     "float8 on the CPU": Case(
         ["model.fp8=tensorwise", "device=cpu"],
         "model.fp8: tensorwise needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics",
@@ -245,8 +252,20 @@ def test_bad_input_gets_one_clear_error(name, tmp):
 
 @pytest.mark.parametrize(
     "overrides",
-    [["data.eval=[]"], ["data.eval=null"], ["peft=lora", "peft.rank=8"]],
-    ids=["no eval list", "null eval", "the remedy for an adapter key without adapters"],
+    [
+        ["data.eval=[]"],
+        ["data.eval=null"],
+        ["peft=lora", "peft.rank=8"],
+        ["optimizer.in_backward=true", "max_grad_norm=null", "model.fsdp.cpu_offload=false"],
+        ["optimizer.in_backward=false", "max_grad_norm=null", "model.fsdp.cpu_offload=true"],
+    ],
+    ids=[
+        "no eval list",
+        "null eval",
+        "the remedy for an adapter key without adapters",
+        "the first remedy for the update in the backward under CPU offload",
+        "the second remedy for the update in the backward under CPU offload",
+    ],
 )
 def test_what_validate_and_inspect_accept(overrides, tmp, capsys):
     """No held-out data (the README's real-model command passes data.eval=[]) is a valid config; and the remedy

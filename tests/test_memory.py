@@ -234,29 +234,35 @@ def _advised_settings(output: str) -> list[str]:
     """The settings the table advises, one per line after its 'changes'/'together' line, as written."""
     lines = output.splitlines()
     start = next(i for i, line in enumerate(lines) if "changes that make it fit" in line or "together" in line)
-    return [line.split("  (")[0].strip() for line in lines[start + 1 :] if line.startswith("    ")]
+    return [line.split("  ")[2] for line in lines[start + 1 :] if line.startswith("    ")]
 
 
 @pytest.mark.launch
 def test_validate_prints_the_table_whether_it_fits_and_advice_that_works_as_written():
-    """An 8B-shaped config on a planned 24 GiB: it does not fit, no one change is enough, and the changes the table
-    names, passed to validate as written, give a run that fits."""
+    """An 8B-shaped config on a planned 24 GiB: it does not fit, CPU offload alone makes it fit (its fp32 shards alone
+    are 26 GiB); on 12 GiB no one change is enough. The change, or the changes together, that the table names,
+    passed to validate as written, give a run that fits."""
     big = _validate("--device-memory", "24GiB", EIGHT_B)
     assert "memory per rank, estimated on a GPU (1 rank(s), 2048 tokens a microbatch, bfloat16 compute" in big
     assert "device memory                       24.00 GiB  (does NOT fit)" in big
-    assert "no single change makes it fit; these together" in big
-    advised = _advised_settings(big)
+    assert "changes that make it fit, each alone, cheapest first:" in big
+    assert _advised_settings(big) == ["model.fsdp.cpu_offload=true"]
+    fixed = _validate("--device-memory", "24GiB", EIGHT_B, "model.fsdp.cpu_offload=true")
+    assert "(fits)" in fixed and "in host memory instead (offloaded):\n    parameters (fp32 shards)          26.03 GiB" in fixed, fixed
+    smaller = _validate("--device-memory", "12GiB", EIGHT_B)
+    assert "no single change makes it fit; these together" in smaller
+    advised = _advised_settings(smaller)
     assert advised and all(s.startswith("--ranks ") or "=" in s for s in advised), advised
     flags = [part for s in advised for part in s.split()]  # `--ranks 2` is two arguments
-    fixed = _validate("--device-memory", "24GiB", EIGHT_B, *flags)
+    fixed = _validate("--device-memory", "12GiB", EIGHT_B, *flags)
     assert "(fits)" in fixed and "does NOT fit" not in fixed, fixed
     small = _validate("--ranks", "2", "--device-memory", "80GB")
     assert "(2 rank(s)" in small and "(fits)" in small and "changes that make it fit" not in small, small
 
 
 def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
-    """An 8B-shaped model on 80 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, LoRA and a second rank;
-    activation checkpointing alone does not (the states dominate), so it is not listed."""
+    """An 8B-shaped model on 80 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, CPU offload, LoRA and a
+    second rank; activation checkpointing or offloading alone does not (the states dominate), so it is not listed."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -272,6 +278,7 @@ def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
     assert settings == [
         "optimizer._target_=torchao.optim.AdamW8bit",
         "optimizer._target_=torchao.optim.AdamW4bit",
+        "model.fsdp.cpu_offload=true",
         "peft=lora",
         "--ranks",
     ]

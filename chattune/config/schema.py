@@ -160,6 +160,19 @@ class FSDPConfig:
     activation_checkpointing: bool = key(
         False, "recompute each decoder layer's activations in the backward", resume="numerics"
     )
+    offload_activations: bool = key(
+        False,
+        "move what the forward saves for the backward to host memory and back (on CUDA on a side stream, "
+        "overlapped with compute); with activation_checkpointing: each decoder layer's input",
+        resume="free",
+    )
+    cpu_offload: bool = key(
+        False,
+        "keep the parameter shards, gradients and optimizer states in host memory and step the optimizer "
+        "there (FSDP2's CPUOffloadPolicy): a model of several times the device's memory trains, each step "
+        "slower by its copies and the host's optimizer step",
+        resume="free",
+    )
 
 
 @dataclass

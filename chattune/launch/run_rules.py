@@ -323,6 +323,22 @@ class RunRules:
                 f"float16 scales the loss and checks the whole gradient for overflow before the update, and "
                 f"{needs}: use bfloat16, or optimizer.in_backward=false",
             )
+        if get_value(self.values, "model.fsdp.cpu_offload") is True:
+            self.findings.problem(
+                "model.fsdp.cpu_offload",
+                f"the host's copy of each gradient is complete only when the whole backward is, and {needs}: "
+                "choose one, model.fsdp.cpu_offload=false or optimizer.in_backward=false (the gradients already "
+                "live on the host under CPU offload)",
+            )
+
+    def offload(self) -> None:
+        """model.fsdp's offloading on the CPU: exact, but the memory it would free is the host's already."""
+        if get_value(self.values, "device") == "cpu":  # (auto on a laptop may be planning a GPU run: --device-memory)
+            for name in ("offload_activations", "cpu_offload"):
+                if get_value(self.values, f"model.fsdp.{name}") is True:
+                    self.findings.note(
+                        f"model.fsdp.{name}", "on the CPU the device's memory is the host's: it saves nothing"
+                    )
 
     def context_size(self) -> int:
         """parallel.context where it is a valid size, else 1 (an invalid one is reported by the schema checks)."""

@@ -281,6 +281,7 @@ def find_problems(
     rules.device()
     rules.step_layout(world_size)
     rules.update_in_backward(world_size)
+    rules.offload()
     rules.context_parallel(world_size)
     if rules.cfg is not None:
         rules.output_dir(rules.cfg, world_size)

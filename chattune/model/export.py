@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedTokenizerBase
 
+from chattune.distributed import on_mesh_device
 from chattune.files import set_aside
 from chattune.hub import hub_id
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
@@ -121,7 +122,7 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
 def _whole_fp32(weight: torch.Tensor) -> torch.Tensor:
     """An adapter's small tensor whole (gathered where sharded), in fp32, for a merge."""
     weight = weight.detach()
-    return (weight.full_tensor() if isinstance(weight, DTensor) else weight).float()
+    return (on_mesh_device(weight).full_tensor() if isinstance(weight, DTensor) else weight).float()
 
 
 def _lora_merge(layer: LoraLayer) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
@@ -218,7 +219,8 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
         if is_main:
             tensor.source.file.copy_bytes(tensor.source.key, f)
         return
-    source = dequantized(tensor.source).detach()  # a 4-bit weight: its full-precision matrix (replicated)
+    # A 4-bit weight: its full-precision matrix (replicated); a shard CPU offload keeps on the host: on the device.
+    source = on_mesh_device(dequantized(tensor.source).detach())
 
     def write(part: torch.Tensor, first_row: int = 0) -> None:
         if tensor.merge is not None:  # a merged adapter
@@ -366,7 +368,8 @@ def export_adapter(
     for name, parameter in model.hf_model.named_parameters(remove_duplicate=False):
         if parameter.requires_grad:
             if id(parameter) not in gathered:
-                full = parameter.detach().full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
+                full = on_mesh_device(parameter.detach())
+                full = full.full_tensor() if isinstance(full, DTensor) else full
                 gathered[id(parameter)] = full.cpu()
             trained[f"base_model.model.{name}"] = gathered[id(parameter)]
     if not is_main:

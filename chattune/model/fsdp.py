@@ -15,12 +15,20 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from chattune.config.schema import DTYPES
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.offload import ActivationOffload
 from chattune.model.sequence_score import PackedSequenceScorer
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
@@ -167,11 +175,16 @@ def shard_model(
     activation_checkpointing: bool = False,
     compile: bool = False,
     replicated: set[nn.Parameter] | None = None,
+    offload_activations: bool = False,
+    cpu_offload: bool = False,
 ) -> PackedCausalLM:
     """`world_size`: the ranks each parameter is sharded over (`ParallelDims.shard_ranks`: dp_shard x cp, the whole
     world; HSDP would pass the 2-D (dp_replicate, dp_shard_cp) mesh instead, `chattune.distributed.ParallelDims`).
-    `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). The
-    model records what was applied (`compiled`, `compute_dtype`): the loop and the logs read it there."""
+    `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize).
+    `offload_activations`: a training forward's saved tensors go to host memory (`chattune.model.offload`);
+    `cpu_offload`: the shards, their gradients and the optimizer step stay on the host (FSDP2's CPUOffloadPolicy).
+    The model records what was applied (`compiled`, `compute_dtype`, `compute_device`, `cpu_offload`,
+    `activation_offload`): the loop, the loader and the logs read it there."""
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:
@@ -181,14 +194,19 @@ def shard_model(
         else:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = compute_dtype(param_dtype, device_type)
-    model.compiled, model.compute_dtype = compile, param_dtype
     mesh = init_device_mesh(device_type, (world_size,))
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    model.compiled, model.compute_dtype, model.compute_device = compile, param_dtype, device
+    model.cpu_offload = cpu_offload
+    model.activation_offload = ActivationOffload(device) if offload_activations else None
     # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
     # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.
     policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype])
+    # Page-locked host shards copy to and from the GPU without a staging copy, overlapped with compute.
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=replicated)
-    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=replicated)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload, ignored_params=replicated)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, ignored_params=replicated)
     # generate() runs the HF model directly: FSDP2 must gather the root's parameters around it as around forward.
     if hasattr(model, "generate"):  # a causal LM's (a reward model's score head generates nothing)
         register_fsdp_forward_method(model, "generate")
@@ -199,3 +217,9 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where `model` computes: the device `shard_model` recorded (its shards may live on the host, `cpu_offload`),
+    else its parameters' (a plain HF model)."""
+    return getattr(model, "compute_device", None) or next(model.parameters()).device

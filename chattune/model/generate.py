@@ -24,7 +24,7 @@ from chattune.model.architecture_check import MINIATURE_LAYERS, miniature_config
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.code_failures import where_it_fails
 from chattune.model.flops import text_config
-from chattune.model.fsdp import can_stay_gathered, eager_layers, reshard, stay_gathered
+from chattune.model.fsdp import can_stay_gathered, eager_layers, model_device, reshard, stay_gathered
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def generate_reply(
     """The model's reply to the prompt `ids` (`prompt_ids`). `model`: a Hugging Face causal LM (or a peft model
     over one), or chattune's sharded `PackedCausalLM` inside `sharded_generation`, where every rank must call
     this alike with `synced=True`. Sampling draws from torch's global RNG (seed it for a repeatable reply)."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     output = model.generate(
@@ -120,7 +120,7 @@ def sharded_generation(model: PackedCausalLM, gather: bool | None = None) -> Ite
     was_training = model.training
     model.eval()
     if gather is None:
-        gather = can_stay_gathered(model, next(model.parameters()).device)
+        gather = can_stay_gathered(model, model_device(model))
     try:
         with torch.no_grad(), eager_layers(model), stay_gathered(model) if gather else contextlib.nullcontext():
             yield gather

@@ -152,7 +152,11 @@ def materialise_and_load(
     # FSDP2 allocates only the local shards; the placeholders of a 4-bit base are left alone (allocating them
     # would hold the whole base in fp32) and filled, quantized, one layer at a time below.
     placeholders = {id(p) for p in quantize.replicated_parameters(hf_model)}
-    model._apply(lambda t: t if id(t) in placeholders else torch.empty_like(t, device=device))
+    # Under CPU offload (`shard_model(cpu_offload=True)`) the shards live on the host; buffers compute on `device`.
+    shards = {id(p) for p in model.parameters()} if getattr(model, "cpu_offload", False) else set()
+    model._apply(
+        lambda t: t if id(t) in placeholders else torch.empty_like(t, device="cpu" if id(t) in shards else device)
+    )
     readers = {file: SafetensorsFile(file) for file in set(files.values())}
     with torch.no_grad():
         for name, buffer in model.named_buffers():

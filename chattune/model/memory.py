@@ -63,6 +63,8 @@ class MemoryInputs:
     lora_targets: tuple[str, ...] = ()
     live_reference: bool = False
     update_in_backward: bool = False  # optimizer.in_backward
+    offload_activations: bool = False  # model.fsdp.offload_activations
+    cpu_offload: bool = False  # model.fsdp.cpu_offload
     microbatches_per_rank: int = 1  # a step's, on each rank
 
 
@@ -72,6 +74,7 @@ class MemoryEstimate:
 
     rows: dict[str, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    host_rows: dict[str, int | None] = field(default_factory=dict)  # what offloading keeps in host memory instead
 
     @property
     def total(self) -> int | None:
@@ -86,6 +89,9 @@ class MemoryEstimate:
         if device_memory is not None:
             verdict = "unknown" if total is None else ("fits" if total <= device_memory else "does NOT fit")
             lines.append(f"  {'device memory':<34} {format_gib(device_memory):>10}  ({verdict})")
+        if self.host_rows:
+            lines.append("  in host memory instead (offloaded):")
+            lines += [f"    {name:<32} {format_gib(value):>10}" for name, value in self.host_rows.items()]
         return "\n".join(lines + [f"  ({note})" for note in self.notes])
 
 
@@ -207,20 +213,29 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
             trained_by_unit.setdefault(unit_of.get(id(parameter)), []).append(_shard_numel(parameter, inputs.ranks))
     trained_shards = [shard for shards in trained_by_unit.values() for shard in shards]
     trained = sum(trained_shards)
-    result.rows["parameters (fp32 shards)"] = 4 * (sharded + (trained if inputs.lora_rank else 0))
+    # CPU offload: the shards, their gradients and the optimizer's states live on the host (rows moved there).
+    kept = result.host_rows if inputs.cpu_offload else result.rows
+    kept["parameters (fp32 shards)"] = 4 * (sharded + (trained if inputs.lora_rank else 0))
     if inputs.update_in_backward:  # one unit's reduced gradient at a time, freed as its parameters step
-        result.rows["gradients (one unit's shards)"] = 4 * max(map(sum, trained_by_unit.values()), default=0)
+        kept["gradients (one unit's shards)"] = 4 * max(map(sum, trained_by_unit.values()), default=0)
     else:
-        result.rows["gradients (fp32 shards)"] = 4 * trained
-    result.rows["optimizer states"] = _optimizer_state_bytes(inputs, trained_shards, result.notes)
-    compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
+        kept["gradients (fp32 shards)"] = 4 * trained
+    kept["optimizer states"] = _optimizer_state_bytes(inputs, trained_shards, result.notes)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    if inputs.cpu_offload:  # a unit's shards copied in for its all-gather, and its gradients' shards out
+        unit_shards = [sum(_shard_numel(p, inputs.ranks) for p in layer.parameters()) for layer in layers]
+        root_shards = sum(_shard_numel(p, inputs.ranks) for p in parameters.values() if id(p) not in in_layers)
+        result.rows["offload copies (one unit's shards)"] = 2 * 4 * max([*unit_shards, root_shards])
+    compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
     largest_layer = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
     root = sum(p.numel() for p in parameters.values() if id(p) not in in_layers)
     result.rows["gathered for compute"] = compute_bytes * (2 * largest_layer + root)
     if inputs.live_reference:
         result.rows["live reference (fp32 shards)"] = 4 * sharded
-    result.rows["activations"] = activation_bytes(inputs, result.notes)
+    device_activations, host_activations = activation_bytes(inputs, result.notes)
+    result.rows["activations"] = device_activations
+    if inputs.offload_activations:
+        result.host_rows["activations (offloaded)"] = host_activations
     vocab = getattr(inputs.hf_config, "vocab_size", 0)
     result.rows["loss head (one chunk)"] = 2 * 4 * min(inputs.loss_chunk, inputs.tokens) * vocab
     return result
@@ -253,12 +268,16 @@ def _register_trace_attention() -> None:
 
 
 @contextlib.contextmanager
-def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator[dict]:
+def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator[tuple[dict, dict]]:
     """Count the bytes of every storage autograd saves in the block, once, parameters excluded, attributed to the
-    decoder layer running (key its index; None: outside the layers)."""
+    decoder layer running (key its index; None: outside the layers); and the bytes activation offloading copies to
+    the host (`chattune.model.offload`: each saved tensor of at least MIN_OFFLOAD_BYTES, views each on their own)."""
+    from chattune.model.offload import MIN_OFFLOAD_BYTES
+
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: set[int] = set()
     counts: dict[int | None, int] = {}
+    moved: dict[int | None, int] = {}
     current: list[int | None] = [None]
     handles = []
     for index, layer in enumerate(layers):
@@ -267,22 +286,27 @@ def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage._cdata not in parameters and storage._cdata not in seen:
+        if storage._cdata in parameters:
+            return tensor
+        if storage._cdata not in seen:
             seen.add(storage._cdata)
             counts[current[0]] = counts.get(current[0], 0) + storage.nbytes()
+        size = tensor.numel() * tensor.element_size()
+        if size >= MIN_OFFLOAD_BYTES:
+            moved[current[0]] = moved.get(current[0], 0) + size
         return tensor
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield counts
+            yield counts, moved
     finally:
         for handle in handles:
             handle.remove()
 
 
-def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> int | None:
-    """The activations one microbatch keeps for its backward (see the module docstring); None where the
-    forward cannot run on the meta device, with a note why."""
+def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None, int | None]:
+    """The activations one microbatch keeps for its backward (see the module docstring), on the device and, with
+    `offload_activations`, on the host; None where the forward cannot run on the meta device, with a note why."""
     _register_trace_attention()
     model = meta_model(inputs.hf_config, inputs.compute_dtype, attention=TRACE_ATTENTION)
     model.train()
@@ -294,21 +318,30 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> int | None:
     tokens = torch.zeros(1, inputs.tokens, dtype=torch.long, device="meta")
     positions = torch.arange(inputs.tokens, device="meta").unsqueeze(0)
     try:
-        with _saved_bytes_by_layer(model, layers) as counts:
+        with _saved_bytes_by_layer(model, layers) as (counts, moved):
             hidden = decoder(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
     except Exception as error:  # noqa: BLE001  (a forward the meta device cannot run: said, never guessed)
         notes.append(
             f"activations not estimated: {type(model).__name__}'s forward does not run on the meta device "
             f"({type(error).__name__}: {str(error).splitlines()[0][:120]})"
         )
-        return None
+        return None, None
     final = hidden.numel() * hidden.element_size()  # the final norm's output, which the loss keeps
     per_layer = [counts.get(index, 0) for index in range(len(layers))]
     outside = counts.get(None, 0) + final
-    if not inputs.activation_checkpointing:
-        return outside + sum(per_layer)
     layer_input = inputs.tokens * inputs.hf_config.hidden_size * hidden.element_size()
-    return outside + len(layers) * layer_input + max(per_layer, default=0)
+    largest = max(per_layer, default=0)
+    saved = len(layers) * layer_input if inputs.activation_checkpointing else sum(per_layer)  # the layers keep
+    if not inputs.offload_activations:
+        return outside + saved + (largest if inputs.activation_checkpointing else 0), None
+    # Offloaded (chattune.model.offload): the device holds one layer's activations at a time (recomputed, or brought
+    # back for its backward) and the copies in flight (a layer's input, or a tensor of at most a layer's); the host
+    # a copy of each tensor the forward saved (views of one storage each their own).
+    in_flight = layer_input if inputs.activation_checkpointing else largest
+    moved_layers = (
+        len(layers) * layer_input if inputs.activation_checkpointing else sum(moved.values()) - moved.get(None, 0)
+    )
+    return largest + in_flight, moved.get(None, 0) + final + moved_layers
 
 
 def _add_meta_adapters(model: nn.Module, rank: int, targets: tuple[str, ...], dtype: torch.dtype) -> None:
@@ -366,6 +399,8 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         live_reference=live_reference,
         update_in_backward=bool(_get(cfg.optimizer, "in_backward")),
+        offload_activations=bool(_get(fsdp, "offload_activations")),
+        cpu_offload=bool(_get(fsdp, "cpu_offload")),
         microbatches_per_rank=_microbatches_per_rank(cfg, ranks),
     )
 
@@ -378,6 +413,8 @@ def memory_levers(cfg) -> str:
     name = str(_get(optimizer, "_target_")).rsplit(".", 1)[-1]
     levers = [
         "activation checkpointing" if _get(fsdp, "activation_checkpointing") else "",
+        "activation offloading" if _get(fsdp, "offload_activations") else "",
+        "CPU offload" if _get(fsdp, "cpu_offload") else "",
         f"low-bit optimizer states ({name})" if name in LOW_BIT_STATES else "",
         "optimizer step in the backward" if _get(optimizer, "in_backward") else "",
         f"float8 linear layers ({fp8})" if fp8 else "",

@@ -18,12 +18,14 @@ class Change:
     setting: str  # an override (key=value), or a launch flag
     cost: str
     inputs: MemoryInputs
+    excludes: str = ""  # the key of a change this one does not combine with
 
 
 def candidate_changes(inputs: MemoryInputs) -> list[Change]:
     """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: 8-bit
-    optimizer states (a small cost in precision, none in speed), recomputed activations (compute), the update in the
-    backward (no clipping), 4-bit states (more precision), shorter rows, training adapters only, more GPUs."""
+    optimizer states (a small cost in precision, none in speed), recomputed activations (compute), offloaded
+    activations (copies, overlapped on CUDA), the update in the backward (no clipping), 4-bit states (more
+    precision), CPU offload (a slower step), shorter rows, training adapters only, more GPUs."""
     changes = []
     adam = inputs.optimizer.rsplit(".", 1)[-1] in ("Adam", "AdamW") and inputs.optimizer.startswith("torch.")
     if adam:
@@ -42,12 +44,26 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 replace(inputs, activation_checkpointing=True),
             )
         )
-    if not inputs.update_in_backward and inputs.microbatches_per_rank == 1 and inputs.compute_dtype != torch.float16:
+    if not inputs.offload_activations:
+        changes.append(
+            Change(
+                "model.fsdp.offload_activations=true",
+                "saved activations copied to host memory and back, overlapped with compute on CUDA",
+                replace(inputs, offload_activations=True),
+            )
+        )
+    if (
+        not inputs.update_in_backward
+        and not inputs.cpu_offload
+        and inputs.microbatches_per_rank == 1
+        and inputs.compute_dtype != torch.float16
+    ):
         changes.append(
             Change(
                 "optimizer.in_backward=true max_grad_norm=null",
                 "the optimizer steps in the backward: no gradient clipping",
                 replace(inputs, update_in_backward=True),
+                excludes="model.fsdp.cpu_offload",
             )
         )
     if adam:
@@ -56,6 +72,15 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 "optimizer._target_=torchao.optim.AdamW4bit",
                 "4-bit moments: more quantization error than 8-bit",
                 replace(inputs, optimizer="torchao.optim.AdamW4bit"),
+            )
+        )
+    if not inputs.cpu_offload and not inputs.update_in_backward:
+        changes.append(
+            Change(
+                "model.fsdp.cpu_offload=true",
+                "parameters, gradients and optimizer states on the host, stepped there: a slower step",
+                replace(inputs, cpu_offload=True),
+                excludes="optimizer.in_backward",
             )
         )
     if inputs.tokens >= 1024:
@@ -96,23 +121,38 @@ def ways_to_fit(inputs: MemoryInputs, device_memory: int, estimated: MemoryEstim
         lines = ["changes that make it fit, each alone, cheapest first:"]
         lines += [f"  {change.setting:<58} {format_gib(total):>10}  ({change.cost})" for change, total in fitting]
         return lines
-    chosen: dict[str, Change] = {}  # by the setting's key: AdamW4bit replaces AdamW8bit in place
-    for change in changes:  # the cheapest first, until they fit together
-        chosen[_setting_key(change)] = change
-        if _fits(inputs, chosen.values(), device_memory):
-            break
-    else:
+    chosen = _together(inputs, changes, device_memory)
+    if chosen is None:
         return [
             "no change chattune offers makes it fit, even all together: a larger GPU, more of them, or a smaller model"
         ]
-    for key in reversed(list(chosen)[:-1]):  # then leave out each one the others do not need, dearest first
-        rest = [change for other, change in chosen.items() if other != key]
-        if _fits(inputs, rest, device_memory):
-            del chosen[key]
-    total = estimate(_combined(inputs, chosen.values())).total
+    total = estimate(_combined(inputs, chosen)).total
     return [f"no single change makes it fit; these together ({format_gib(total)}):"] + [
-        f"  {change.setting:<58} ({change.cost})" for change in chosen.values()
+        f"  {change.setting:<58} ({change.cost})" for change in chosen
     ]
+
+
+def _together(inputs: MemoryInputs, changes: list[Change], device_memory: int) -> list[Change] | None:
+    """Changes taken cheapest first until they fit together, then less each one the others do not need, dearest
+    first; of two changes that exclude each other, each is tried without the other (the fewer changes win)."""
+    best = None
+    for left_out in {change.excludes for change in changes if change.excludes} or {""}:
+        chosen: dict[str, Change] = {}  # by the setting's key: AdamW4bit replaces AdamW8bit in place
+        for change in changes:
+            if _setting_key(change) == left_out:
+                continue
+            chosen[_setting_key(change)] = change
+            if _fits(inputs, chosen.values(), device_memory):
+                break
+        else:
+            continue
+        for key in reversed(list(chosen)[:-1]):
+            rest = [change for other, change in chosen.items() if other != key]
+            if _fits(inputs, rest, device_memory):
+                del chosen[key]
+        if best is None or len(chosen) < len(best):
+            best = list(chosen.values())
+    return best
 
 
 def _setting_key(change: Change) -> str:

@@ -30,6 +30,8 @@ class UpdateInBackward:
     """Hooks on the trained parameters of `model` that step `optimizer` with each one's gradient as it arrives."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        if getattr(model, "cpu_offload", False):  # FSDP2's copy of a gradient to the host completes with the backward
+            raise ValueError("optimizer.in_backward cannot step a model under model.fsdp.cpu_offload")
         self.optimizer = optimizer
         self.local_squared_norm = torch.zeros((), dtype=torch.float64, device=device)
         self.handles = [

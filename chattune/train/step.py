@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_sum, counts_rows, current_mesh, host_values_on
+from chattune.model.fsdp import model_device
+from chattune.model.offload import activation_offload
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
 from chattune.train.in_backward import UpdateInBackward
@@ -139,7 +141,8 @@ def _forward_backward(
     for index, batch in enumerate(microbatches):
         if seeds is not None:
             torch.manual_seed(seeds[index])
-        batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
+        with activation_offload(model):  # the forward's saved tensors on the host, where model.fsdp asks
+            batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
         if not agree_before_backward or _finite_on_every_rank(batch_loss):
             (batch_loss * scale if scale is not None else batch_loss / normaliser).backward()
         loss_sum += batch_loss.detach().float() * weight
@@ -189,6 +192,7 @@ def _clip_on_device(
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     if local_norm is None:
         local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
+    local_norm = local_norm.to(local_loss_finite.device)  # the loss's device: CPU offload keeps the shards on the host
     stop = stop_requested is not None and stop_requested()
     stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
     sums = all_reduce_sum(
@@ -211,7 +215,7 @@ def clip_gradients(
     divided by `loss_scale` and clipped to max_norm when set. The norm is NaN on every rank when any rank's
     loss or gradients are non-finite: one all-reduce carries both, so all ranks decide alike (and tell
     an fp16 overflow, finite losses with non-finite gradients, from a non-finite loss)."""
-    finite = torch.tensor(local_loss_finite)
+    finite = torch.tensor(local_loss_finite, device=model_device(model))
     total_norm, losses_finite, _ = _clip_on_device(model, max_norm, finite, loss_scale)
     norm, all_finite = torch.stack([total_norm, losses_finite.double()]).tolist()
     return norm, bool(all_finite)

@@ -1,0 +1,177 @@
+"""Activation offloading (`model.fsdp.offload_activations`, chattune.model.offload) and CPU offload
+(`model.fsdp.cpu_offload`, FSDP2's CPUOffloadPolicy): what the hooks move and leave, gradients equal to the plain
+forward's (eager and compiled, with and without activation checkpointing), the estimate's offloaded bytes against
+the hooks' count, and on 2 real ranks the losses, gradient norms and export of the plain run, resumed across the
+settings. On the CPU the host is the device: these check the mechanics and the numbers, not a saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_sft_recipe import read_metrics
+
+from conftest import demo_documents, exported_weights, launch, relative_error, tiny_model, torchrun
+
+RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_every=0")
+
+
+def test_the_hooks_move_activations_and_leave_weights_and_small_tensors():
+    """A linear layer saves its input and its weight: only the input moves (a copy, the same values), and a
+    tensor under the threshold stays."""
+    from chattune.model.offload import ActivationOffload
+
+    layer = torch.nn.Linear(64, 32)
+    inputs = torch.randn(16, 64, requires_grad=True)
+    offload = ActivationOffload(torch.device("cpu"))
+    with offload.hooks():
+        output = layer(inputs).tanh()  # tanh saves its output: 16 x 32 fp32, 2048 bytes
+    assert offload.offloaded_bytes == inputs.numel() * 4 + output.numel() * 4
+    output.sum().backward()
+    want_input, want_weight = inputs.grad.clone(), layer.weight.grad.clone()
+    inputs.grad, layer.weight.grad = None, None
+    layer(inputs).tanh().sum().backward()
+    assert torch.equal(inputs.grad, want_input) and torch.equal(layer.weight.grad, want_weight)
+
+    small = ActivationOffload(torch.device("cpu"), min_bytes=4096)  # the input (4096 bytes) moves, tanh's stays
+    with small.hooks():
+        layer(inputs).tanh()
+    assert small.offloaded_bytes == inputs.numel() * 4
+
+
+@pytest.mark.parametrize(
+    "compile", [False, pytest.param(True, marks=pytest.mark.launch)], ids=["eager", "compiled"]
+)  # (inductor compiles in worker processes)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "recomputed"])
+def test_offloaded_gradients_equal_the_plain_forwards(one_rank_group, compile, checkpointing):
+    """The packed model on one rank, bit for bit; with checkpointing, what moves is at least every layer's input."""
+    from chattune.data.packing import collate_packed
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.fsdp import shard_model
+    from chattune.model.offload import activation_offload
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+
+    batch = collate_packed(demo_documents(4))
+
+    def gradients(offload: bool):
+        model = shard_model(
+            PackedCausalLM(tiny_model()),
+            "cpu",
+            1,
+            activation_checkpointing=checkpointing,
+            compile=compile,
+            offload_activations=offload,
+        )
+        with activation_offload(model):
+            loss, _ = TokenCrossEntropy().loss_sum(model, batch)
+        loss.backward()
+        moved = model.activation_offload.offloaded_bytes if offload else 0
+        return loss.detach(), [p.grad.to_local().clone() for p in model.parameters()], moved, model
+
+    plain_loss, plain_grads, _, _ = gradients(False)
+    loss, grads, moved, model = gradients(True)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(got, want) for got, want in zip(grads, plain_grads))
+    layer_input = batch.num_tokens * model.hf_model.config.hidden_size * 4
+    assert moved >= model.hf_model.config.num_hidden_layers * layer_input
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "recomputed"])
+def test_the_estimates_offloaded_bytes_are_what_the_hooks_move(one_rank_group, checkpointing):
+    """The estimate's host row against the bytes the hooks moved in a real packed forward, within 10%."""
+    from chattune.data.packing import collate_packed
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.fsdp import shard_model
+    from chattune.model.memory import MemoryInputs, estimate
+    from chattune.model.offload import activation_offload
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+
+    batch = collate_packed(demo_documents(6))
+    hf_model = tiny_model(num_hidden_layers=3)
+    inputs = MemoryInputs(
+        hf_model.config,
+        ranks=1,
+        tokens=batch.num_tokens,
+        activation_checkpointing=checkpointing,
+        offload_activations=True,
+        loss_chunk=16,
+    )
+    estimated = estimate(inputs).host_rows["activations (offloaded)"]
+    model = shard_model(
+        PackedCausalLM(hf_model, loss_chunk_size=16),
+        "cpu",
+        1,
+        activation_checkpointing=checkpointing,
+        offload_activations=True,
+    )
+    with activation_offload(model):
+        TokenCrossEntropy().loss_sum(model, batch)
+    moved = model.activation_offload.offloaded_bytes
+    assert abs(estimated - moved) <= 0.1 * moved, (estimated, moved)
+
+
+def _train(out: Path, *overrides: str) -> list[dict]:
+    result = launch(torchrun("sft", f"output_dir={out}", *RUN, *overrides))
+    compute = next(line for line in result.stdout.splitlines() if "] compute: " in line)
+    for name, key in (("activation offloading", "offload_activations"), ("CPU offload", "cpu_offload")):
+        assert (name in compute) == (f"model.fsdp.{key}=true" in overrides), compute  # the line names each lever
+    return read_metrics(out)
+
+
+@pytest.mark.launch
+def test_offloaded_runs_equal_the_plain_run_and_resume_across_the_settings(tmp_path):
+    """2 ranks, 4 steps: both offloads at once give the plain run's losses, gradient norms (clipped at the default
+    max_grad_norm) and export; a run with offloaded, recomputed activations stopped after step 2 and resumed under CPU
+    offload continues the plain run's losses."""
+    plain = _train(tmp_path / "plain")
+    both = _train(tmp_path / "both", "model.fsdp.offload_activations=true", "model.fsdp.cpu_offload=true")
+    assert [m["step"] for m in both] == [m["step"] for m in plain] == [1, 2, 3, 4]
+    for got, want in zip(both, plain):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    assert (
+        relative_error(exported_weights(tmp_path / "both" / "hf"), exported_weights(tmp_path / "plain" / "hf")) <= 1e-6
+    )
+    recomputed = ("model.fsdp.offload_activations=true", "model.fsdp.activation_checkpointing=true")
+    _train(tmp_path / "switched", *recomputed, "stop_after_step=2")
+    switched = _train(tmp_path / "switched", "model.fsdp.cpu_offload=true")
+    assert [m["step"] for m in switched] == [1, 2, 3, 4]
+    for got, want in zip(switched, plain):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+@pytest.mark.launch
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only: the side stream, page-locked host memory, NCCL with host shards"
+)
+def test_on_cuda_offloaded_runs_equal_the_plain_run_and_use_less_device_memory(tmp_path):
+    """One GPU, fp32 compute: both offloads give the plain run's losses, gradient norms and export, at a lower peak of
+    allocated device memory."""
+    common = ("device=cuda", "model.fsdp.param_dtype=float32", "model.compile=false", "output_dir={}", *RUN)
+
+    def train(name: str, *overrides: str) -> list[dict]:
+        arguments = [part.format(tmp_path / name) for part in common]
+        launch(torchrun("sft", *arguments, *overrides, nproc=1), real_torchrun=True)
+        return read_metrics(tmp_path / name)
+
+    plain = train("plain")
+    both = train("both", "model.fsdp.offload_activations=true", "model.fsdp.cpu_offload=true")
+    for got, want in zip(both, plain):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert (
+        relative_error(exported_weights(tmp_path / "both" / "hf"), exported_weights(tmp_path / "plain" / "hf")) <= 1e-5
+    )
+    assert both[-1]["peak_memory_allocated_gib"] < plain[-1]["peak_memory_allocated_gib"]
+
+
+def test_cpu_offload_puts_every_unit_under_fsdp2s_offload_policy(one_rank_group):
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.fsdp import shard_model
+
+    model = shard_model(PackedCausalLM(tiny_model()), "cpu", 1, cpu_offload=True)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    params = [p for group in groups if group is not None for p in group.fsdp_params]
+    assert len(params) == len(list(model.parameters())) and all(p.offload_to_cpu for p in params)
+    assert model.cpu_offload and model.compute_device == torch.device("cpu")
