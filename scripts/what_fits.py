@@ -1,5 +1,5 @@
 """What fits where, from the memory estimate (`chattune.model.memory`): three model shapes (Qwen3-0.6B, Llama-3.1-8B,
-Qwen2.5-32B widths) x full fine-tuning and LoRA x 24/48/80 GiB GPUs, each with its peak per rank and, where it does
+Qwen2.5-32B widths) x full fine-tuning, LoRA and QLoRA x 24/48/80 GiB GPUs, each with its peak per rank and, where it does
 not fit, the changes the estimate advises. bf16 compute, fp32 AdamW, 2048 tokens a microbatch. Also the optimizer
 states' bytes per trained parameter for each optimizer. Shapes only: nothing is downloaded or loaded.
 
@@ -75,7 +75,7 @@ def main() -> None:
     print("| model | training | " + " | ".join(DEVICES) + " |")
     print("|---|---|" + "---|" * len(DEVICES))
     for name, make in SHAPES.items():
-        for training, lora in (("full", None), ("LoRA r16", 16)):
+        for training, lora, four_bit in (("full", None, False), ("LoRA r16", 16, False), ("QLoRA r16", 16, True)):
             inputs = MemoryInputs(
                 make(),
                 ranks=ranks,
@@ -83,6 +83,7 @@ def main() -> None:
                 compute_dtype=torch.bfloat16,
                 lora_rank=lora,
                 lora_targets=("all-linear",),
+                quantized_base=four_bit,
             )
             cells = [advice(inputs, device) for device in DEVICES.values()]
             print(f"| {name} | {training} | " + " | ".join(cells) + " |")

@@ -239,16 +239,19 @@ def _advised_settings(output: str) -> list[str]:
 
 @pytest.mark.launch
 def test_validate_prints_the_table_whether_it_fits_and_advice_that_works_as_written():
-    """An 8B-shaped config on a planned 24 GiB: it does not fit, CPU offload alone makes it fit (its fp32 shards alone
-    are 26 GiB); on 12 GiB no one change is enough. The change, or the changes together, that the table names,
+    """An 8B-shaped config on a planned 24 GiB: it does not fit, CPU offload or QLoRA alone make it fit (its fp32
+    shards alone are 26 GiB); on 12 GiB no one change is enough. The change, or the changes together, that the table names,
     passed to validate as written, give a run that fits."""
     big = _validate("--device-memory", "24GiB", EIGHT_B)
     assert "memory per rank, estimated on a GPU (1 rank(s), 2048 tokens a microbatch, bfloat16 compute" in big
     assert "device memory                       24.00 GiB  (does NOT fit)" in big
     assert "changes that make it fit, each alone, cheapest first:" in big
-    assert _advised_settings(big) == ["model.fsdp.cpu_offload=true"]
+    assert _advised_settings(big) == ["model.fsdp.cpu_offload=true", "peft=qlora"]
     fixed = _validate("--device-memory", "24GiB", EIGHT_B, "model.fsdp.cpu_offload=true")
-    assert "(fits)" in fixed and "in host memory instead (offloaded):\n    parameters (fp32 shards)          26.03 GiB" in fixed, fixed
+    assert (
+        "(fits)" in fixed
+        and "in host memory instead (offloaded):\n    parameters (fp32 shards)          26.03 GiB" in fixed
+    ), fixed
     smaller = _validate("--device-memory", "12GiB", EIGHT_B)
     assert "no single change makes it fit; these together" in smaller
     advised = _advised_settings(smaller)
@@ -261,8 +264,8 @@ def test_validate_prints_the_table_whether_it_fits_and_advice_that_works_as_writ
 
 
 def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
-    """An 8B-shaped model on 80 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, CPU offload, LoRA and a
-    second rank; activation checkpointing or offloading alone does not (the states dominate), so it is not listed."""
+    """An 8B-shaped model on 80 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, CPU offload, LoRA, QLoRA and
+    a second rank; activation checkpointing or offloading alone does not (the states dominate), so it is not listed."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -280,6 +283,7 @@ def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
         "optimizer._target_=torchao.optim.AdamW4bit",
         "model.fsdp.cpu_offload=true",
         "peft=lora",
+        "peft=qlora",
         "--ranks",
     ]
     for line, change in zip(lines[1:], ("AdamW8bit", "AdamW4bit")):  # each peak is that change's own estimate
@@ -306,3 +310,26 @@ def test_what_fits_reports_the_estimate_and_the_advice_per_cell():
     assert advice(inputs, 24 * 2**30) == f"fits ({peak / 2**30:.1f})"
     tight = advice(inputs, int(peak * 0.9))  # 10% short: the cheapest single change, 8-bit states, fits
     assert tight == f"{peak / 2**30:.0f}: optimizer._target_=torchao.optim.AdamW8bit", tight
+
+
+@pytest.mark.parametrize("shape", ["llama", "granite"])
+def test_a_4_bit_base_is_counted_as_bitsandbytes_stores_it(one_rank_group, shape):
+    """QLoRA: the decoder's linear weights replicated in 4 bits (codes, scales, code books) and their biases, exactly
+    as measured on the quantized model; the fp32 shards are the rest, the adapters included."""
+    pytest.importorskip("bitsandbytes")
+    from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
+
+    hf_model = _model(shape, lora=True)
+    quantize_linears(decoder_layers(hf_model), "nf4", torch.float32, torch.device("cpu"))
+    replicated = replicated_parameters(hf_model)
+    four_bit = 0
+    for module in quantized_modules(hf_model):
+        state = module.weight.quant_state
+        tensors = [module.weight.data, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
+        four_bit += sum(t.numel() * t.element_size() for t in tensors)
+        four_bit += 0 if module.bias is None else module.bias.numel() * 4
+    model = shard_model(PackedCausalLM(hf_model), "cpu", 1, replicated=replicated)
+    shards = sum(p.to_local().numel() * 4 for p in model.parameters() if id(p) not in {id(q) for q in replicated})
+    rows = estimate(replace(_inputs(hf_model, 1, 128, lora=True), quantized_base=True)).rows
+    assert rows["4-bit base (replicated)"] == four_bit
+    assert rows["parameters (fp32 shards)"] == shards

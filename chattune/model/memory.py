@@ -24,6 +24,13 @@ What each row counts, and how:
 - **the loss head**: one chunk of `loss_chunk` tokens' fp32 logits and their gradient (the chunked loss
   computes the output layer chunk by chunk).
 - **a live reference** (DPO, KTO): its parameters sharded like the policy's, no gradients or states.
+- **QLoRA's 4-bit base** (`quantized_base`): every linear weight of the decoder layers replicated on each rank as
+  bitsandbytes stores it (`_four_bit_bytes`), its bias in fp32; the rest sharded as with LoRA. Each 4-bit matmul
+  dequantizes its weight to the compute dtype first: the largest such weight is added to what is gathered.
+- **offloading**: with `cpu_offload` the parameter, gradient and optimizer rows move to `host_rows` (FSDP2 keeps them
+  on the host) and the device keeps one unit's shards copied in and its gradients out; with `offload_activations`
+  the device keeps one layer's activations and the copies in flight, the host a copy of each saved tensor
+  (`chattune.model.offload`).
 
 Where the run does not fit, `chattune.model.memory_advice` says which changes would make it fit.
 
@@ -61,6 +68,7 @@ class MemoryInputs:
     momentum: float = 0.0  # SGD's
     lora_rank: int | None = None  # LoRA: the adapters' rank (targets: `lora_targets`)
     lora_targets: tuple[str, ...] = ()
+    quantized_base: bool = False  # QLoRA (peft.quantize_base): the decoder's linear weights in 4 bits, replicated
     live_reference: bool = False
     update_in_backward: bool = False  # optimizer.in_backward
     offload_activations: bool = False  # model.fsdp.offload_activations
@@ -169,6 +177,19 @@ def _low_bit_state_bytes(elements: int, bits: int, block: int, book: int) -> int
     return 4 * elements
 
 
+def _quantized_linears(layers: list[nn.Module]) -> list[nn.Linear]:
+    """The linear layers QLoRA stores in 4 bits: every nn.Linear of the decoder layers (chattune.model.quantize)."""
+    return [module for layer in layers for module in layer.modules() if type(module) is nn.Linear]
+
+
+def _four_bit_bytes(elements: int) -> int:
+    """A bitsandbytes 4-bit weight with double-quantized statistics (chattune.model.quantize): two codes a byte, an
+    8-bit scale per block of 64, an fp32 scale per 256 of those, the 16-entry and 256-entry fp32 code books and an
+    fp32 offset."""
+    blocks = math.ceil(elements / 64)
+    return math.ceil(elements / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 * 16 + 4 * 256 + 4
+
+
 def _optimizer_state_bytes(inputs: MemoryInputs, shards: list[int], notes: list[str]) -> int:
     """A rank's optimizer states for trained parameters whose shards on this rank have `shards` elements (fp32)."""
     name = inputs.optimizer.rsplit(".", 1)[-1]
@@ -196,8 +217,10 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         )
         return result
     parameters = dict(model.named_parameters())  # (tied weights once)
-    sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values())
     layers = _decoder_layers(model)
+    quantized = _quantized_linears(layers) if inputs.quantized_base else []
+    replicated = {id(p) for linear in quantized for p in linear.parameters()}  # not FSDP2's: whole on every rank
+    sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values() if id(p) not in replicated)
     unit_of = {id(m): index for index, layer in enumerate(layers) for m in [*layer.modules(), *layer.parameters()]}
     trained_by_unit: dict[int | None, list[int]] = {}  # FSDP2 unit (a decoder layer; None: the root): shards
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
@@ -221,15 +244,24 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     else:
         kept["gradients (fp32 shards)"] = 4 * trained
     kept["optimizer states"] = _optimizer_state_bytes(inputs, trained_shards, result.notes)
+    if quantized:  # in device memory whatever the offload: FSDP2 does not manage them
+        result.rows["4-bit base (replicated)"] = sum(
+            _four_bit_bytes(linear.weight.numel()) + (4 * linear.bias.numel() if linear.bias is not None else 0)
+            for linear in quantized
+        )
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     if inputs.cpu_offload:  # a unit's shards copied in for its all-gather, and its gradients' shards out
         unit_shards = [sum(_shard_numel(p, inputs.ranks) for p in layer.parameters()) for layer in layers]
         root_shards = sum(_shard_numel(p, inputs.ranks) for p in parameters.values() if id(p) not in in_layers)
         result.rows["offload copies (one unit's shards)"] = 2 * 4 * max([*unit_shards, root_shards])
     compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
-    largest_layer = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+    largest_layer = max(
+        (sum(p.numel() for p in layer.parameters() if id(p) not in replicated) for layer in layers), default=0
+    )
     root = sum(p.numel() for p in parameters.values() if id(p) not in in_layers)
-    result.rows["gathered for compute"] = compute_bytes * (2 * largest_layer + root)
+    # A 4-bit layer's matmul dequantizes its whole weight to the compute dtype first (bitsandbytes): one at a time.
+    dequantized = max((linear.weight.numel() for linear in quantized), default=0)
+    result.rows["gathered for compute"] = compute_bytes * (2 * largest_layer + root + dequantized)
     if inputs.live_reference:
         result.rows["live reference (fp32 shards)"] = 4 * sharded
     device_activations, host_activations = activation_bytes(inputs, result.notes)
@@ -397,6 +429,7 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
         momentum=float(_get(cfg.optimizer, "momentum") or 0.0),
         lora_rank=int(peft.rank) if peft is not None else None,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        quantized_base=peft is not None and _get(peft, "quantize_base") is not None,
         live_reference=live_reference,
         update_in_backward=bool(_get(cfg.optimizer, "in_backward")),
         offload_activations=bool(_get(fsdp, "offload_activations")),

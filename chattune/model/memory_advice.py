@@ -25,7 +25,7 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
     """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: 8-bit
     optimizer states (a small cost in precision, none in speed), recomputed activations (compute), offloaded
     activations (copies, overlapped on CUDA), the update in the backward (no clipping), 4-bit states (more
-    precision), CPU offload (a slower step), shorter rows, training adapters only, more GPUs."""
+    precision), CPU offload (a slower step), shorter rows, training adapters only (over a 4-bit base), more GPUs."""
     changes = []
     adam = inputs.optimizer.rsplit(".", 1)[-1] in ("Adam", "AdamW") and inputs.optimizer.startswith("torch.")
     if adam:
@@ -98,6 +98,14 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 "peft=lora",
                 "trains rank-16 adapters, not the whole model",
                 replace(inputs, lora_rank=16, lora_targets=("all-linear",)),
+            )
+        )
+    if not inputs.quantized_base:
+        changes.append(
+            Change(
+                "peft=qlora",
+                "rank-16 adapters over a 4-bit base (bitsandbytes, CUDA): the base's rounding in every forward",
+                replace(inputs, lora_rank=16, lora_targets=("all-linear",), quantized_base=True),
             )
         )
     ranks = 2 * inputs.ranks
