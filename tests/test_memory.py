@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import GraniteConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import DeepseekV3Config, GraniteConfig, LlamaConfig, LongcatFlashConfig, Qwen3Config, Qwen3MoeConfig
 
 from chattune.config.schema import PeftConfig
 from chattune.data.packing import collate_packed
@@ -37,6 +37,35 @@ SHAPES = {
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=24,
+    ),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    "deepseek_v3": lambda: DeepseekV3Config(  # MLA (the value's head size differs from the query's) and a dense layer
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
     ),
     "granite": lambda: GraniteConfig(
         hidden_size=80,
@@ -178,8 +207,10 @@ def _saved_bytes(model: torch.nn.Module, run) -> int:
     return sum(seen.values())
 
 
+# DeepSeek-V3's attention (a value head smaller than the query's) runs per document with its score matrices on the
+# CPU, which the estimate leaves out (it counts what the packed kernels keep): its counts are checked, not these.
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", [shape for shape in SHAPES if shape != "deepseek_v3"])
 def test_activations_are_within_ten_percent_of_what_the_packed_forward_keeps(shape, lora):
     batch = collate_packed(demo_documents(8))
     model = PackedCausalLM(_model(shape, lora))
@@ -189,22 +220,13 @@ def test_activations_are_within_ten_percent_of_what_the_packed_forward_keeps(sha
 
 
 def test_a_forward_the_meta_device_cannot_run_is_not_estimated_and_says_why():
-    moe = Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    estimated = estimate(MemoryInputs(moe, ranks=1, tokens=256))
+    """LongCat-Flash's zero-computation experts select tokens with nonzero(), whose shape the meta device cannot know."""
+    longcat = LongcatFlashConfig(num_layers=2, vocab_size=512)
+    estimated = estimate(MemoryInputs(longcat, ranks=1, tokens=256))
     assert estimated.rows["activations"] is None and estimated.total is None
     assert (
-        "activations not estimated: Qwen3MoeForCausalLM's forward does not run on the meta device" in estimated.notes[0]
+        "activations not estimated: LongcatFlashForCausalLM's forward does not run on the meta device"
+        in estimated.notes[0]
     )
     table = estimated.table(parse_size("24GiB"))
     assert "not estimated" in table and "(unknown)" in table

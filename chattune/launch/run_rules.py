@@ -57,9 +57,23 @@ class RunRules:
     the resume as a launch would (None: not checked)."""
 
     def __init__(
-        self, values: dict, kind: RecipeKind, findings: Findings, schema: SchemaChecks, cfg: DictConfig | None = None
+        self,
+        values: dict,
+        kind: RecipeKind,
+        findings: Findings,
+        schema: SchemaChecks,
+        cfg: DictConfig | None = None,
+        planned_gpu: bool = False,
     ):
+        """`planned_gpu`: the run is planned for a GPU from another machine (`chattune validate --device-memory`):
+        settings that need CUDA are checked as if it were there."""
         self.values, self.kind, self.findings, self.schema, self.cfg = values, kind, findings, schema, cfg
+        self.planned_gpu = planned_gpu
+
+    def on_cuda(self) -> bool:
+        """Whether the run computes on CUDA: device=cuda, or auto where there is (or is planned to be) a GPU."""
+        device = get_value(self.values, "device")
+        return device == "cuda" or (device == "auto" and (self.planned_gpu or _cuda_available()))
 
     def sources(self, key: str, required: bool) -> None:
         sources = get_value(self.values, key)
@@ -231,8 +245,7 @@ class RunRules:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
         if get_value(self.values, "peft.quantize_base") not in QUANTIZE_BASE:
             return  # null (full precision), or not a format (reported by enums)
-        device = get_value(self.values, "device")
-        if device == "cpu" or (device == "auto" and not _cuda_available()):
+        if not self.on_cuda():
             self.findings.problem(
                 "peft.quantize_base",
                 "a 4-bit base (QLoRA) trains on CUDA only: it saves GPU memory "
@@ -254,15 +267,13 @@ class RunRules:
 
         from chattune.model.float8 import fp8_problem
 
-        device = get_value(self.values, "device")
-        on_cuda = device == "cuda" or (device == "auto" and _cuda_available())
         adapted = isinstance(get_value(self.values, "peft"), dict)
-        problem = fp8_problem(mode, torch.device("cuda" if on_cuda else "cpu"), adapted)
+        problem = fp8_problem(mode, torch.device("cuda" if self.on_cuda() else "cpu"), adapted)
         if problem:
             self.findings.problem("model.fp8", problem)
 
     def device(self) -> None:
-        if get_value(self.values, "device") == "cuda" and not _cuda_available():
+        if get_value(self.values, "device") == "cuda" and not self.planned_gpu and not _cuda_available():
             self.findings.problem(
                 "device",
                 "cuda, but torch finds no CUDA device on this machine (torch.cuda.is_available() "
@@ -333,7 +344,7 @@ class RunRules:
 
     def offload(self) -> None:
         """model.fsdp's offloading on the CPU: exact, but the memory it would free is the host's already."""
-        if get_value(self.values, "device") == "cpu":  # (auto on a laptop may be planning a GPU run: --device-memory)
+        if not self.on_cuda():
             for name in ("offload_activations", "cpu_offload"):
                 if get_value(self.values, f"model.fsdp.{name}") is True:
                     self.findings.note(

@@ -161,7 +161,8 @@ def validate_command(
         unset = [key for key in required_keys(config_name, searched) if key not in overridden]
         for key in unset:
             findings.problem(key, f"required by {config_name} (???), not set")
-        find_problems(cfg, kind, world_size, findings, output_dir_checks)
+        # --device-memory plans for a GPU (from a laptop): CUDA-only settings are checked as on that GPU.
+        find_problems(cfg, kind, world_size, findings, output_dir_checks, planned_gpu=device_memory is not None)
         # An unset required key still holds the value it inherited: its other problems are about that value.
         findings.problems = [
             line for line in findings.problems if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")
@@ -259,14 +260,15 @@ def find_problems(
     world_size: int | None = None,
     findings: Findings | None = None,
     output_dir_checks: bool = True,
+    planned_gpu: bool = False,
 ) -> Findings:
     """Every problem (and note) of a composed config for recipe kind `kind`, added to `findings`.
     `output_dir_checks`: also what a launch would do with output_dir (a recipe decides that itself, holding the
-    directory's lock)."""
+    directory's lock). `planned_gpu`: checked for a GPU this machine may lack (`RunRules`)."""
     findings = findings if findings is not None else Findings()
     values = plain_values(cfg, "", findings)
     schema = SchemaChecks(values, kind.schema, findings)
-    rules = RunRules(values, kind, findings, schema, cfg if output_dir_checks else None)
+    rules = RunRules(values, kind, findings, schema, cfg if output_dir_checks else None, planned_gpu)
     # In this order, which is the report's: keys and values first, then what they point to, then the launch.
     schema.keys_and_types(values, schema.schema, "")
     schema.choices()

@@ -7,11 +7,17 @@ change). The embeddings, norms, output layer and loss stay in the compute dtype:
 float8's 3-bit mantissa would cost the most. `emulate` runs tensorwise scaling with the float8 rounding emulated in
 ordinary matmuls: the CPU path that tests the numerics (it is slower than bf16, never faster).
 
-Left out for now: FSDP2's float8 all-gather (`enable_fsdp_float8_all_gather`: the gathers stay in the compute dtype)
-and float8 inside LoRA's adapted layers (refused).
+With one scale per weight (tensorwise, emulate) FSDP2 gathers each weight's shard already cast to float8
+(`enable_fsdp_float8_all_gather`): half the bytes of a bf16 gather, and the fp32 master is rounded to float8 once
+(without it, to bf16 for the gather and then to float8). Its scale comes from the whole weight's largest value, an
+all-reduce per weight in the gather (torchao's `precompute_float8_dynamic_scale_for_fsdp`, one all-reduce for all
+after the optimizer step, is not wired in: a latency cost on GPUs, not a numerical one). Rowwise scaling gathers in
+the compute dtype. Left out: float8 inside LoRA's adapted layers (refused).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -49,6 +55,8 @@ def convert_linear_layers(decoder_layers: list[nn.Module], mode: str) -> int:
     from torchao.float8.float8_linear import Float8Linear
 
     config = Float8LinearConfig(emulate=True) if mode == "emulate" else Float8LinearConfig.from_recipe_name(mode)
+    if mode in ("tensorwise", "emulate"):  # one scale per weight: FSDP2 gathers the shards already in float8
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     for layer in decoder_layers:
         convert_to_float8_training(
             layer,

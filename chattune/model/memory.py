@@ -17,10 +17,13 @@ What each row counts, and how:
   of a row under context parallelism), found by running the decoder's forward on the meta device (shapes
   only) under a saved-tensors hook: each storage once, parameters excluded. Attention goes through a stand-in
   that keeps what the packed kernels keep (query, key, value, output and a log-sum-exp per head and token),
-  never a score matrix. With activation checkpointing each layer keeps only its input, and one layer's
-  activations exist again during its recompute. The final norm's output, which the loss keeps, is added.
-  A model whose forward cannot run on the meta device (data-dependent shapes: mixture-of-experts routing)
-  gets no activation figure; the table says so instead of guessing.
+  never a score matrix. A mixture of experts' experts go through a stand-in of transformers' grouped-GEMM forward
+  (`_traced_experts`: what it keeps depends on the number of token-expert pairs, not on the routing); with LoRA
+  on the stacked experts, the merged weight peft computes in each forward too. With activation checkpointing each
+  layer keeps only its input, and one layer's activations exist again during its recompute. The final norm's
+  output, which the loss keeps, is added. A model whose forward still cannot run on the meta device (tokens chosen
+  by data-dependent shapes outside the experts: LongCat-Flash) gets no activation figure; the table says so
+  instead of guessing.
 - **the loss head**: one chunk of `loss_chunk` tokens' fp32 logits and their gradient (the chunked loss
   computes the output layer chunk by chunk).
 - **a live reference** (DPO, KTO): its parameters sharded like the policy's, no gradients or states.
@@ -121,10 +124,11 @@ def parse_size(text: str) -> int:
 
 
 def meta_model(hf_config, dtype: torch.dtype = torch.float32, attention: str | None = None) -> nn.Module:
-    """The model of `hf_config` on the meta device: shapes without memory or initialisation."""
+    """The model of `hf_config` on the meta device: shapes without memory or initialisation; `attention`: the
+    attention (and a mixture of experts' experts) implementation's name."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"attn_implementation": attention} if attention else {}
+    kwargs = {"attn_implementation": attention, "experts_implementation": attention} if attention else {}
     # A copy: from_config records the attention implementation in the config, which a live model may share.
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype, **kwargs)
@@ -138,18 +142,36 @@ def _shard_numel(parameter: torch.Tensor, ranks: int) -> int:
     return rows * (parameter.numel() // max(parameter.shape[0], 1))
 
 
-def _adapted(name: str, module: nn.Module, model: nn.Module, targets: tuple[str, ...]) -> bool:
-    """Whether LoRA adapts this module: a linear layer whose name is, or ends with, a target; `all-linear`:
-    every linear layer but the output layer (peft's meaning)."""
-    if not isinstance(module, nn.Linear):
-        return False
-    if "all-linear" in targets:
-        return module is not model.get_output_embeddings()
-    return any(name == t or name.endswith(f".{t}") for t in targets)
+def _lora_targets(
+    model: nn.Module, targets: tuple[str, ...]
+) -> tuple[dict[str, nn.Linear], list[tuple[nn.Module, str]]]:
+    """What LoRA adapts, as chattune resolves `peft.target_modules` (`chattune.model.adapter_targets`): the linear
+    layers by name (`all-linear`: every one but the output layer; on a mixture of experts also but its routers and
+    the layers peft's conversion would move), and the stacked expert weights as (experts module, parameter name)."""
+    from types import SimpleNamespace
+
+    from chattune.model.adapter_targets import resolve_targets
+
+    named = "all-linear" if "all-linear" in targets else list(targets)
+    settings = SimpleNamespace(target_modules=named, rank=8, alpha=16, train_router=False)
+    resolved = resolve_targets(model, settings, "CAUSAL_LM")
+    linears = {path: m for path, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if resolved.modules == "all-linear":  # peft's meaning: every linear layer but the output layer
+        chosen = {path for path, m in linears.items() if m is not model.get_output_embeddings()}
+    else:
+        names = [resolved.modules] if isinstance(resolved.modules, str) else resolved.modules
+        chosen = {path for path in linears if any(path == n or path.endswith(f".{n}") for n in names)}
+    stacks = [(model.get_submodule(p.rsplit(".", 1)[0]), p.rsplit(".", 1)[1]) for p in resolved.parameters]
+    return {path: m for path, m in linears.items() if path in chosen}, stacks
 
 
-def _lora_targets(model: nn.Module, targets: tuple[str, ...]) -> list[nn.Linear]:
-    return [module for name, module in model.named_modules() if _adapted(name, module, model, targets)]
+def _stack_adapter_shards(experts: nn.Module, name: str, rank: int, ranks: int) -> tuple[int, int]:
+    """A and B's shards of peft's LoRA on a stacked expert weight (E, d1, d2): A is (rank x E, in), B (out, rank x E),
+    in and out d2 and d1 (d1 and d2 where the experts keep their weights transposed)."""
+    experts_count, first, second = getattr(experts, name).shape
+    in_features, out_features = (first, second) if getattr(experts, "is_transposed", False) else (second, first)
+    inner = rank * experts_count
+    return math.ceil(inner / ranks) * in_features, math.ceil(out_features / ranks) * inner
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -224,12 +246,17 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     unit_of = {id(m): index for index, layer in enumerate(layers) for m in [*layer.modules(), *layer.parameters()]}
     trained_by_unit: dict[int | None, list[int]] = {}  # FSDP2 unit (a decoder layer; None: the root): shards
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
-        for layer in _lora_targets(model, inputs.lora_targets):
+        linears, stacks = _lora_targets(model, inputs.lora_targets)
+        for layer in linears.values():
             trained_by_unit.setdefault(unit_of.get(id(layer)), []).extend(
                 (
                     math.ceil(inputs.lora_rank / inputs.ranks) * layer.in_features,
                     math.ceil(layer.out_features / inputs.ranks) * inputs.lora_rank,
                 )
+            )
+        for experts, name in stacks:
+            trained_by_unit.setdefault(unit_of.get(id(experts)), []).extend(
+                _stack_adapter_shards(experts, name, inputs.lora_rank, inputs.ranks)
             )
     else:
         for parameter in parameters.values():
@@ -278,7 +305,7 @@ class _KeptByPackedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value):
-        output = torch.empty_like(query)
+        output = query.new_empty(*query.shape[:-1], value.shape[-1])  # (MLA: the value's head size, not the query's)
         log_sum_exp = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         ctx.save_for_backward(query, key, value, output, log_sum_exp)
         return output
@@ -293,10 +320,66 @@ def _traced_attention(module, query, key, value, attention_mask, **kwargs):
     return _KeptByPackedAttention.apply(query, key, value).transpose(1, 2), None
 
 
+class _KeptByGroupedLinear(torch.autograd.Function):
+    """A mixture of experts' grouped matmul's stand-in for the trace: keeps its input (and the experts' weights,
+    parameters, not counted), as torch's grouped_mm does; the output's shape only (meta grouped_mm takes bf16 alone)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, offsets, out_features: int):
+        ctx.save_for_backward(hidden, weight, offsets)
+        return hidden.new_empty(hidden.shape[0], out_features)
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the trace only counts
+        hidden, weight, _ = ctx.saved_tensors
+        return torch.zeros_like(hidden), torch.zeros_like(weight), None, None
+
+
+def _grouped_linear(experts, hidden, weight, offsets, bias):
+    out_features = weight.shape[-1] if experts.is_transposed else weight.shape[-2]
+    out = _KeptByGroupedLinear.apply(hidden, weight, offsets, out_features)
+    return out if bias is None else out + bias
+
+
+def _traced_experts(experts, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped_mm experts forward (integrations/moe.py, without expert parallelism's sentinels) with
+    the stand-in matmul: each token's hidden state copied to each of its top-k experts, the up (and gate)
+    projection, the activation, the down projection and the routing weights over those copies. What autograd keeps
+    depends on the number of copies, not on the routing, so the meta device can trace it."""
+    top_k = top_k_index.size(-1)
+    weights, expert_ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    hidden_g, weights_g = hidden_states[perm // top_k], weights[perm]
+    offsets = torch.cumsum(torch.histc(expert_ids_g.float(), bins=experts.num_experts), dim=0).int()
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    up_bias = getattr(experts, f"{up_name}_bias", None)
+    up = _expert_weight(experts, up_name)
+    out = _grouped_linear(experts, hidden_g, up, offsets, up_bias[expert_ids_g] if experts.has_bias else None)
+    out = experts._apply_gate(out) if experts.has_gate else experts.act_fn(out)
+    down_bias = experts.down_proj_bias[expert_ids_g] if experts.has_bias else None
+    out = _grouped_linear(experts, out, _expert_weight(experts, "down_proj"), offsets, down_bias)
+    if getattr(experts, "has_post_expert_norm", False):
+        out = experts.post_expert_norm(out)
+    out = out * weights_g.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    return out[inverse].view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _expert_weight(experts: nn.Module, name: str) -> torch.Tensor:
+    """A stacked expert weight as the forward uses it: with LoRA on it, a new tensor (peft's W + B @ A, which the
+    matmul keeps for the backward), else the parameter."""
+    weight = getattr(experts, name)
+    return weight.clone() if name in getattr(experts, "_chattune_merged_stacks", ()) else weight
+
+
 def _register_trace_attention() -> None:
+    """The attention and experts stand-ins, under TRACE_ATTENTION in transformers' interfaces."""
     from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
 
     AttentionInterface.register(TRACE_ATTENTION, _traced_attention)
+    ExpertsInterface.register(TRACE_ATTENTION, _traced_experts)
 
 
 @contextlib.contextmanager
@@ -347,6 +430,8 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
         _add_meta_adapters(model, inputs.lora_rank, inputs.lora_targets, inputs.compute_dtype)
     layers = _decoder_layers(model)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if decoder is model:  # (Llama 4's causal LM names itself its decoder)
+        decoder = getattr(model, "model", model)
     tokens = torch.zeros(1, inputs.tokens, dtype=torch.long, device="meta")
     positions = torch.arange(inputs.tokens, device="meta").unsqueeze(0)
     try:
@@ -377,7 +462,8 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
 
 
 def _add_meta_adapters(model: nn.Module, rank: int, targets: tuple[str, ...], dtype: torch.dtype) -> None:
-    """LoRA's adapters on the meta model's target layers: x -> base(x) + B(A(x)), A and B trained."""
+    """LoRA's adapters on the meta model's target layers: x -> base(x) + B(A(x)), A and B trained; on its adapted
+    expert stacks, the merged weight peft computes in each forward (and the grouped matmul keeps)."""
 
     class _Adapted(nn.Module):
         def __init__(self, base: nn.Linear):
@@ -389,10 +475,12 @@ def _add_meta_adapters(model: nn.Module, rank: int, targets: tuple[str, ...], dt
         def forward(self, x):
             return self.base(x) + self.lora_b(self.lora_a(x))
 
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if _adapted(f"{name}.{child_name}" if name else child_name, child, model, targets):
-                setattr(module, child_name, _Adapted(child))
+    linears, stacks = _lora_targets(model, targets)
+    for name, linear in linears.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, _Adapted(linear))
+    for experts, stack in stacks:  # peft merges B @ A into the weight each forward
+        experts._chattune_merged_stacks = {*getattr(experts, "_chattune_merged_stacks", ()), stack}
 
 
 def hf_config_of(cfg, vocab_size: int | None = None):
