@@ -355,3 +355,28 @@ def test_a_4_bit_base_is_counted_as_bitsandbytes_stores_it(one_rank_group, shape
     rows = estimate(replace(_inputs(hf_model, 1, 128, lora=True), quantized_base=True)).rows
     assert rows["4-bit base (replicated)"] == four_bit
     assert rows["parameters (fp32 shards)"] == shards
+
+
+@pytest.mark.parametrize(
+    ("overrides", "second_model"),
+    [
+        ([], True),
+        (["reference.cache=true"], False),
+        (["peft=lora"], False),  # the policy's base with its adapters off: no second model
+        (["peft=lora", "reference.path=/models/reference"], True),
+        (["loss.type=simpo"], False),
+    ],
+    ids=["live", "cached", "lora's own base", "lora and a reference path", "reference-free loss"],
+)
+def test_a_live_reference_is_counted_where_the_recipe_builds_a_second_model(overrides, second_model):
+    """DPO's live reference: a second model sharded like the policy, where chattune.train.reference builds one."""
+    from chattune.launch.compose import composed
+    from chattune.model.memory import inputs_of
+
+    cfg = composed("dpo/tiny", ["model.path=null", *overrides], PROJECT_ROOT / "configs")
+    hf_model = _model("llama", lora=False)
+    estimated = estimate(inputs_of(cfg, hf_model.config, ranks=2, on_cuda=True))
+    assert ("live reference (fp32 shards)" in estimated.rows) == second_model
+    if second_model:  # the reference's shards: the policy's full model's, whatever trains
+        full = estimate(_inputs(hf_model, 2, 512, lora=False)).rows["parameters (fp32 shards)"]
+        assert estimated.rows["live reference (fp32 shards)"] == full

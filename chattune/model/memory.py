@@ -504,7 +504,14 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
     fsdp, peft = cfg.model.fsdp, _get(cfg, "peft")
     dtype_name = fsdp.param_dtype if fsdp.param_dtype != "auto" else ("bfloat16" if on_cuda else "float32")
     reference = _get(cfg, "reference")
-    live_reference = reference is not None and not reference.cache and _needs_reference(cfg)
+    # A live reference is a second sharded model, except with LoRA and no reference.path: the policy's own base,
+    # adapters off (chattune.train.reference).
+    live_reference = (
+        reference is not None
+        and not reference.cache
+        and _needs_reference(cfg)
+        and (peft is None or reference.path is not None)
+    )
     targets = peft.target_modules if peft is not None else ()
     return MemoryInputs(
         hf_config=hf_config,
