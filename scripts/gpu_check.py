@@ -58,6 +58,8 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   float8 linear layers (`model.fp8=tensorwise`, needs torchao) and offloaded, recomputed activations, against the
   full SFT row's tokens/s and peak. Targets: MFU ≥ 45% on the 1.7B full step; ≥ 3× TRL's tokens/s; peak memory ≤
   TRL's. (The CPU smoke test runs the full SFT launch alone, on the tiny shape.)
+- `longest_row`: the longest packed row (32k, 64k, 128k tokens, one step, activation checkpointing) the first shape
+  trains on one GPU, without and with offloaded activations, each with its peak memory. CUDA only, last.
 - `cuda_tests`: the project's CUDA-only tests, `pytest -k cuda` over the test files with a
   `torch.cuda.is_available()` skip and tests/test_varlen_fallback.py, in a subprocess (needs pytest). CUDA only.
 - `resume_exact`: 8 steps straight against 4, stop, resume, 4 with `save_async=true` and evaluation on:
@@ -895,6 +897,50 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
         ctx.add("target_mfu_1.7b", mfu >= 0.45, f"MFU {mfu:.1%}", "≥ 45%")
 
 
+LONG_ROWS = (32768, 65536, 131072)  # tokens a microbatch, tried in turn until one does not run
+
+
+def longest_row(ctx: Context, shape: str) -> None:
+    """The longest packed row one GPU trains (one step, activation checkpointing), without and with activations
+    offloaded to host memory (`model.fsdp.offload_activations`): each setting tries LONG_ROWS in turn until a launch
+    fails (out of memory) and reports the longest that ran with its peak. CUDA only."""
+    name = f"longest_row_{shape}"
+    if not ctx.cuda:
+        ctx.add(name, None, "CUDA only")
+        return
+    longest = {}
+    for offload in (False, True):
+        for tokens in LONG_ROWS:
+            try:
+                output_dir, _ = run_recipe(
+                    ctx,
+                    f"{name}_{tokens}{'_offload' if offload else ''}",
+                    [
+                        f"model.path={model_dir(ctx, shape)}",
+                        f"data.train=[{ctx.chats}]",
+                        "data.eval=[]",
+                        "overwrite=true",
+                        "max_steps=1",
+                        "save_every=0",
+                        "eval_every=0",
+                        f"data.max_tokens_per_microbatch={tokens}",
+                        "model.fsdp.activation_checkpointing=true",
+                        f"model.fsdp.offload_activations={'true' if offload else 'false'}",
+                    ],
+                )
+            except RuntimeError:  # out of memory, most likely: the log is in the output folder
+                break
+            peak = max(m.get("peak_memory_allocated_gib", 0.0) for m in metrics(output_dir))
+            longest[offload] = (tokens, peak)
+    described = "; ".join(
+        f"{'offloaded' if offload else 'plain'}: "
+        + (f"{longest[offload][0]:,} tokens ({longest[offload][1]:.1f} GiB)" if offload in longest else "none ran")
+        for offload in (False, True)
+    )
+    plain, offloaded = longest.get(False, (0, 0.0))[0], longest.get(True, (0, 0.0))[0]
+    ctx.add(name, offloaded >= plain and offloaded > 0, described, "offloaded ≥ plain", f"tried {LONG_ROWS}")
+
+
 def compare_with_trl(ctx: Context, shape: str, steps: int, warmup: int) -> None:
     """TRL's SFTTrainer on the throughput run's model, chats and token budget (bench_gpu.run_trl): the targets
     ≥ 3× its tokens/s and peak memory ≤ its."""
@@ -1141,6 +1187,8 @@ def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
     for shape in others:
         items += [launch(shape, "trl")] if ctx.cuda else []
         items += [launch(shape, mode) for mode in modes]
+    if ctx.cuda:  # six one-step launches at most: last
+        items.append(Item(f"longest_row_{first}", 6 * estimate(first, "sft"), lambda c: longest_row(c, first)))
     return items
 
 
