@@ -44,7 +44,7 @@ def load_config(
     `chattune validate`'s checks
     (ConfigError: every problem)."""
     findings = validate_command(
-        config_name, overrides, config_path, None, config_dir, read_data=True, output_dir_checks=False
+        config_name, overrides, (config_path, config_dir), read_data=True, output_dir_checks=False
     )
     if findings.problems:
         raise ConfigError(findings.problems)

@@ -237,7 +237,7 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from chattune.launch.recipe_kinds import kind_of_recipe
-    from chattune.launch.validate import run_validate
+    from chattune.launch.validate import MemoryPlan, run_validate
 
     config_name, overrides = config_and_overrides(args, parser)
     config_path, config_dir = config_location(args, config_name)
@@ -250,7 +250,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--device-memory: {error}")
     # The memory estimate's table where a plan asks for it (--ranks, --device-memory)
     planned = args.ranks is not None or device_memory is not None
-    plan = {"world_size": args.ranks, "memory": True, "device_memory": device_memory} if planned else {}
+    plan = {"world_size": args.ranks, "memory": MemoryPlan(device_memory)} if planned else {}
     report, ok = run_validate(
         config_name, overrides, config_path, config_dir=config_dir, read_data=True, kind=kind, **plan
     )

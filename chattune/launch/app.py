@@ -112,7 +112,7 @@ def check_command_line(argv: list[str], default_config: str, kind: RecipeKind | 
                 raise ConfigError([f"output_dir: {problem}"])
             return  # the recipe checks the composed config itself (check_config), with every other problem
     findings = validate_command(
-        config_name, args.overrides, config_path, int(os.environ.get("WORLD_SIZE", "1")), config_dir, kind=kind
+        config_name, args.overrides, (config_path, config_dir), int(os.environ.get("WORLD_SIZE", "1")), kind=kind
     )
     if findings.problems:
         raise ConfigError(findings.problems)

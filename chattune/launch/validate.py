@@ -49,6 +49,7 @@ resume would accept and what would be moved aside, records of the first ones tha
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,14 @@ def checked_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = N
     return typed_config(cfg, kind.schema), notes
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """End the report with the memory estimate's table (`chattune.model.memory`), planned for a GPU of
+    `device_memory` bytes (its CUDA-only settings checked as on that GPU); None: this machine's GPU, else the CPU."""
+
+    device_memory: int | None = None
+
+
 def run_validate(
     config_name: str,
     overrides: list[str],
@@ -90,24 +99,20 @@ def run_validate(
     config_dir: Path | None = None,
     read_data: bool = False,
     kind: RecipeKind | None = None,
-    memory: bool = False,
-    device_memory: int | None = None,
+    memory: MemoryPlan | None = None,
 ) -> tuple[str, bool]:
     """Compose `config_name` from `config_path` (and `config_dir`, Hydra's --config-dir, searched first)
     with `overrides` as a recipe would and check it: (the report, whether the config has no problem).
     `read_data`: also load the tokenizer and read the first records of every source. `kind`: the recipe's
-    (`kind_of_recipe`), else the config name's. `memory`: end with the memory estimate's table, planned for a
-    GPU of `device_memory` bytes where given."""
+    (`kind_of_recipe`), else the config name's. `memory`: end with the memory estimate's table."""
     findings = validate_command(
         config_name,
         overrides,
-        config_path,
+        (config_path, config_dir),
         world_size,
-        config_dir,
         read_data,
         kind=kind,
         memory=memory,
-        device_memory=device_memory,
     )
     return format_report(findings), not findings.problems
 
@@ -130,17 +135,17 @@ def hydra_placement_problems(overrides: list[str]) -> list[str]:
 def validate_command(
     config_name: str,
     overrides: list[str],
-    config_path: Path,
+    configs: tuple[Path, Path | None],
     world_size: int | None = None,
-    config_dir: Path | None = None,
     read_data: bool = False,
     output_dir_checks: bool = True,
     kind: RecipeKind | None = None,
-    memory: bool = False,
-    device_memory: int | None = None,
+    memory: MemoryPlan | None = None,
 ) -> Findings:
-    """The findings of `run_validate` (`output_dir_checks`: also what a launch would do with output_dir). `kind`:
-    the recipe's, where one is launched; None: the config name's (`kind_of_config`)."""
+    """The findings of `run_validate`. `configs`: where the configs are (the config path, and Hydra's
+    --config-dir searched first, or None). `output_dir_checks`: also what a launch would do with output_dir.
+    `kind`: the recipe's, where one is launched; None: the config name's (`kind_of_config`)."""
+    config_path, config_dir = configs
     findings = Findings()
     findings.problems += hydra_placement_problems(list(overrides))
     overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in HYDRA_PLACEMENT]
@@ -162,7 +167,8 @@ def validate_command(
         for key in unset:
             findings.problem(key, f"required by {config_name} (???), not set")
         # --device-memory plans for a GPU (from a laptop): CUDA-only settings are checked as on that GPU.
-        find_problems(cfg, kind, world_size, findings, output_dir_checks, planned_gpu=device_memory is not None)
+        planned_gpu = memory is not None and memory.device_memory is not None
+        find_problems(cfg, kind, world_size, findings, output_dir_checks, planned_gpu=planned_gpu)
         # An unset required key still holds the value it inherited: its other problems are about that value.
         findings.problems = [
             line for line in findings.problems if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")
@@ -172,8 +178,8 @@ def validate_command(
                 findings.problem(key, f"not in the config; add it with +{override}")
         if read_data and not findings.problems:
             read_first_records(cfg, kind, findings)
-        if memory and not findings.problems:
-            findings.memory = memory_table(cfg, world_size or 1, device_memory)
+        if memory is not None and not findings.problems:
+            findings.memory = memory_table(cfg, world_size or 1, memory.device_memory)
         if named is not None and named.named_by != config_name and findings.problems:
             findings.note("config", other_kind_hint(config_name, named.kind))
     return findings

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from torch.distributed.fsdp import (
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from chattune.config.schema import DTYPES
+from chattune.config.schema import DTYPES, FSDPConfig
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.offload import ActivationOffload
 from chattune.model.sequence_score import PackedSequenceScorer
@@ -170,21 +171,20 @@ def shard_model(
     model: PackedCausalLM,
     device_type: str,
     world_size: int,
-    param_dtype: str = "auto",
-    reduce_dtype: str = "float32",
-    activation_checkpointing: bool = False,
     compile: bool = False,
     replicated: set[nn.Parameter] | None = None,
-    offload_activations: bool = False,
-    cpu_offload: bool = False,
+    **fsdp: Any,
 ) -> PackedCausalLM:
     """`world_size`: the ranks each parameter is sharded over (`ParallelDims.shard_ranks`: dp_shard x cp, the whole
     world; HSDP would pass the 2-D (dp_replicate, dp_shard_cp) mesh instead, `chattune.distributed.ParallelDims`).
-    `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize).
-    `offload_activations`: a training forward's saved tensors go to host memory (`chattune.model.offload`);
-    `cpu_offload`: the shards, their gradients and the optimizer step stay on the host (FSDP2's CPUOffloadPolicy).
-    The model records what was applied (`compiled`, `compute_dtype`, `compute_device`, `cpu_offload`,
-    `activation_offload`): the loop, the loader and the logs read it there."""
+    `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). `fsdp`: the
+    keys of `model.fsdp` (`FSDPConfig`; those not given keep its defaults): the compute and reduction dtypes,
+    activation checkpointing, offloaded activations (a training forward's saved tensors in host memory,
+    `chattune.model.offload`) and CPU offload (the shards, their gradients and the optimizer step on the host,
+    FSDP2's CPUOffloadPolicy). The model records what was applied (`compiled`, `compute_dtype`, `compute_device`,
+    `cpu_offload`, `activation_offload`): the loop, the loader and the logs read it there."""
+    settings = FSDPConfig(**fsdp)
+    activation_checkpointing, cpu_offload = settings.activation_checkpointing, settings.cpu_offload
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:
@@ -193,15 +193,17 @@ def shard_model(
             hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    param_dtype = compute_dtype(param_dtype, device_type)
+    param_dtype = compute_dtype(settings.param_dtype, device_type)
     mesh = init_device_mesh(device_type, (world_size,))
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     model.compiled, model.compute_dtype, model.compute_device = compile, param_dtype, device
     model.cpu_offload = cpu_offload
-    model.activation_offload = ActivationOffload(device) if offload_activations else None
+    model.activation_offload = ActivationOffload(device) if settings.offload_activations else None
     # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
     # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.
-    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype])
+    policy = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[settings.reduce_dtype]
+    )
     # Page-locked host shards copy to and from the GPU without a staging copy, overlapped with compute.
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
