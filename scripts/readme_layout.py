@@ -1,10 +1,10 @@
-"""README's "Layout" table, generated from the real tree: one line per package of chattune/, with the
-first line of its `__init__` docstring and its modules.
+"""The package tree's table (docs/layout.md), generated from the real tree: one line per package of chattune/,
+with the first line of its `__init__` docstring and its modules.
 
     python scripts/readme_layout.py           # print the table
-    python scripts/readme_layout.py --write   # replace the table in README.md
+    python scripts/readme_layout.py --write   # replace the table in docs/layout.md
 
-tests/test_readme_tour.py checks that README's table is this script's output.
+tests/test_docs.py checks that docs/layout.md's table is this script's output.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ FIXED_ROWS = {  # what is not a package of chattune/, before and after the packa
             "the SFT, DPO, reward-model and KTO recipes: flat, copyable Hydra apps",
         ),
         (
-            "`configs/sft/`, `configs/dpo/`",
-            "`sft/tiny` (default), `sft/local_model` (a real local model), `dpo/tiny`, `dpo/local_model`",
+            "`configs/sft/`, `configs/dpo/`, `configs/kto/`, `configs/reward/`, `configs/peft/`",
+            "each recipe's `tiny` (`sft/tiny`: the default) and `local_model` (a real local model) configs; "
+            "`peft/lora`, `peft/qlora`",
         ),
     ],
     "after": [
@@ -33,7 +34,10 @@ FIXED_ROWS = {  # what is not a package of chattune/, before and after the packa
         ),
         ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, the GPU check (`gpu_check.py`), this table"),
         ("`BENCHMARKS.md`", "measured throughput and the commands that produced it"),
-        ("`docs/`", "the configuration reference (`configuration.md`, generated from the schema)"),
+        (
+            "`docs/`",
+            "the manual, a page per subject; the configuration reference (`configuration.md`) and this table are generated",
+        ),
     ],
 }
 BEGIN, END = "| path | what |\n|---|---|\n", "\n\n"
@@ -69,8 +73,12 @@ def layout_table() -> str:
     return BEGIN + "\n".join(f"| {path} | {what} |" for path, what in rows)
 
 
-def replace_in_readme(text: str, table: str) -> str:
-    start = text.index(BEGIN, text.index("## Layout"))
+LAYOUT = ROOT / "docs" / "layout.md"
+
+
+def replace_table(text: str, table: str) -> str:
+    """docs/layout.md's `text` with its (first) table replaced by `table`."""
+    start = text.index(BEGIN)
     end = text.find(END, start)
     return text[:start] + table + (text[end:] if end != -1 else "\n")
 
@@ -78,7 +86,6 @@ def replace_in_readme(text: str, table: str) -> str:
 if __name__ == "__main__":
     table = layout_table()
     if "--write" in sys.argv[1:]:
-        readme = ROOT / "README.md"
-        readme.write_text(replace_in_readme(readme.read_text(), table))
+        LAYOUT.write_text(replace_table(LAYOUT.read_text(), table))
     else:
         print(table)

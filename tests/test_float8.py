@@ -19,7 +19,7 @@ RUN = (
     "save_every=0",
     "model.fsdp.param_dtype=bfloat16",
 )
-# The documented tolerance (README "Float8 linear layers"): each step's loss within 0.5% of the bf16 step's, its
+# The documented tolerance (docs/memory.md, "Float8 linear layers"): each step's loss within 0.5% of the bf16 step's, its
 # gradient norm within 5%. Measured (tiny model, 2 ranks, weights gathered in float8): 0.05% and 1.4% at most.
 LOSS_TOLERANCE, NORM_TOLERANCE = 0.005, 0.05
 

@@ -194,7 +194,7 @@ def test_parquet_source_matches_jsonl(tmp_path, tokenizer):
 
 
 def test_readme_source_overrides_compose():
-    """The README's `data.train`/`data.eval` example parses into the sources it describes."""
+    """The manual's `data.train`/`data.eval` example (docs/data.md) parses into the sources it describes."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -204,8 +204,8 @@ def test_readme_source_overrides_compose():
         "data.train=[/data/chats.jsonl,{path:/data/tools.json,format:sharegpt,roles:{bot:assistant}}]",
         "data.eval=[{path:/data/held_out.parquet,format:prompt_completion,columns:{prompt:question,completion:answer}}]",
     ]
-    readme = (PROJECT_ROOT / "README.md").read_text()
-    assert all(f"'{override}'" in readme for override in overrides)
+    page = (PROJECT_ROOT / "docs" / "data.md").read_text()
+    assert all(f"'{override}'" in page for override in overrides)
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "configs"), version_base=None):
         cfg = compose("sft/tiny", overrides=overrides)
     specs = [

@@ -15,7 +15,7 @@ from conftest import launch, torchrun
 pytest.importorskip("torchao.optim")
 
 STEPS = 50
-# The documented tolerance (README "Low-bit optimizer states"), against fp32 AdamW over these 50 steps: every step's
+# The documented tolerance (docs/memory.md, "Low-bit optimizer states"), against fp32 AdamW over these 50 steps: every step's
 # loss within 0.02 nats (8-bit), 0.4 (4-bit); the mean of the last 10 within 0.5% (8-bit), 12% (4-bit). Measured
 # (2 ranks, CPU): 8-bit 0.0037 nats at worst, last-10 mean 2.5162 vs 2.5182; 4-bit 0.22 nats, 2.6954 (7.0% above).
 MEAN_TOLERANCE = {"AdamW8bit": 0.005, "AdamW4bit": 0.12}

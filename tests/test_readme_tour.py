@@ -1,11 +1,10 @@
-"""README's main command and short tour, run in order in one directory as a new user runs them (each launch
-with fewer steps); the real-model launches name the tests that run them."""
+"""README's main command and the short tour (docs/tour.md), run in order in one directory as a new user runs them
+(each launch with fewer steps); the real-model launches name the tests that run them."""
 
 from __future__ import annotations
 
 import importlib
 import io
-import runpy
 import shlex
 
 import pytest
@@ -32,9 +31,9 @@ REAL_MODELS = {
 
 
 def tour_commands() -> list[str]:
-    readme = (PROJECT_ROOT / "README.md").read_text()
-    section = readme.split("## A short tour", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    """The commands of docs/tour.md's first block, in order."""
+    tour = (PROJECT_ROOT / "docs" / "tour.md").read_text()
+    block = tour.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
@@ -74,11 +73,3 @@ def test_the_main_command_and_the_tour_run_in_order_in_one_directory(tmp_path, m
     assert (tmp_path / "outputs" / "sft-lr1e-3" / "metrics.png").is_file() or (tmp_path / "metrics.png").is_file()
     for run in ("sft-tiny", "sft-lr1e-3", "my-sft", "sft-slices"):
         assert (tmp_path / "outputs" / run / "hf" / "model.safetensors.index.json").is_file(), run
-
-
-def test_the_layout_table_is_the_real_tree():
-    # Regenerate with `python scripts/readme_layout.py --write` after adding, moving or renaming a module.
-    layout = runpy.run_path(str(PROJECT_ROOT / "scripts" / "readme_layout.py"))
-    readme = (PROJECT_ROOT / "README.md").read_text()
-    assert layout["layout_table"]() in readme
-    assert layout["replace_in_readme"](readme, layout["layout_table"]()) == readme

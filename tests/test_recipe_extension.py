@@ -1,4 +1,4 @@
-"""A copied recipe declares keys of its own (README, "Keys of your own"): a dataclass subclassing the kind's
+"""A copied recipe declares keys of its own (docs/recipes.md): a dataclass subclassing the kind's
 schema, passed to `recipe_main` through `SFT.extended(...)`. `chattune validate --recipe FILE` and the launch
 check them like the built-in ones, and the recipe reads them."""
 
