@@ -15,11 +15,9 @@ What each row counts, and how:
   gathered for the whole forward and backward.
 - **activations**: what autograd keeps for the backward over one microbatch of `tokens` (each rank's slice
   of a row under context parallelism), found by running the decoder's forward on the meta device (shapes
-  only) under a saved-tensors hook: each storage once, parameters excluded. Attention goes through a stand-in
-  that keeps what the packed kernels keep (query, key, value, output and a log-sum-exp per head and token),
-  never a score matrix. A mixture of experts' experts go through a stand-in of transformers' grouped-GEMM forward
-  (`_traced_experts`: what it keeps depends on the number of token-expert pairs, not on the routing); with LoRA
-  on the stacked experts, the merged weight peft computes in each forward too. With activation checkpointing each
+  only) under a saved-tensors hook: each storage once, parameters excluded (`chattune.model.activation_trace`:
+  attention and a mixture of experts' experts through stand-ins that keep what the packed and grouped kernels
+  keep, never a score matrix, whatever the routing). With activation checkpointing each
   layer keeps only its input, and one layer's activations exist again during its recompute. The final norm's
   output, which the loss keeps, is added. A model whose forward still cannot run on the meta device (tokens chosen
   by data-dependent shapes outside the experts: LongCat-Flash) gets no activation figure; the table says so
@@ -43,18 +41,16 @@ shards, the activations within 10% of a saved-tensors hook on the real packed fo
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from chattune.model.activation_trace import activation_bytes, lora_targets, meta_model, repeated_layers
+
 GiB = 2**30
-TRACE_ATTENTION = "chattune_memory_trace"  # the attention stand-in's name in transformers' AttentionInterface
 
 
 @dataclass(frozen=True)
@@ -123,46 +119,12 @@ def parse_size(text: str) -> int:
     return int(number * base ** powers[unit[0]])
 
 
-def meta_model(hf_config, dtype: torch.dtype = torch.float32, attention: str | None = None) -> nn.Module:
-    """The model of `hf_config` on the meta device: shapes without memory or initialisation; `attention`: the
-    attention (and a mixture of experts' experts) implementation's name."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"attn_implementation": attention, "experts_implementation": attention} if attention else {}
-    # A copy: from_config records the attention implementation in the config, which a live model may share.
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype, **kwargs)
-
-
 def _shard_numel(parameter: torch.Tensor, ranks: int) -> int:
     """One rank's elements of FSDP2's shard: the first dimension padded to a multiple of the ranks."""
     if parameter.dim() == 0:
         return 1
     rows = math.ceil(parameter.shape[0] / ranks)
     return rows * (parameter.numel() // max(parameter.shape[0], 1))
-
-
-def _lora_targets(
-    model: nn.Module, targets: tuple[str, ...]
-) -> tuple[dict[str, nn.Linear], list[tuple[nn.Module, str]]]:
-    """What LoRA adapts, as chattune resolves `peft.target_modules` (`chattune.model.adapter_targets`): the linear
-    layers by name (`all-linear`: every one but the output layer; on a mixture of experts also but its routers and
-    the layers peft's conversion would move), and the stacked expert weights as (experts module, parameter name)."""
-    from types import SimpleNamespace
-
-    from chattune.model.adapter_targets import resolve_targets
-
-    named = "all-linear" if "all-linear" in targets else list(targets)
-    settings = SimpleNamespace(target_modules=named, rank=8, alpha=16, train_router=False)
-    resolved = resolve_targets(model, settings, "CAUSAL_LM")
-    linears = {path: m for path, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if resolved.modules == "all-linear":  # peft's meaning: every linear layer but the output layer
-        chosen = {path for path, m in linears.items() if m is not model.get_output_embeddings()}
-    else:
-        names = [resolved.modules] if isinstance(resolved.modules, str) else resolved.modules
-        chosen = {path for path in linears if any(path == n or path.endswith(f".{n}") for n in names)}
-    stacks = [(model.get_submodule(p.rsplit(".", 1)[0]), p.rsplit(".", 1)[1]) for p in resolved.parameters]
-    return {path: m for path, m in linears.items() if path in chosen}, stacks
 
 
 def _stack_adapter_shards(experts: nn.Module, name: str, rank: int, ranks: int) -> tuple[int, int]:
@@ -172,12 +134,6 @@ def _stack_adapter_shards(experts: nn.Module, name: str, rank: int, ranks: int) 
     in_features, out_features = (first, second) if getattr(experts, "is_transposed", False) else (second, first)
     inner = rank * experts_count
     return math.ceil(inner / ranks) * in_features, math.ceil(out_features / ranks) * inner
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder's repeated layers (the largest ModuleList of the model)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=len) if lists else []
 
 
 # torchao's low-bit Adam and AdamW (torchao.optim): each moment quantized in blocks where a rank's shard of the
@@ -239,14 +195,14 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         )
         return result
     parameters = dict(model.named_parameters())  # (tied weights once)
-    layers = _decoder_layers(model)
+    layers = repeated_layers(model)
     quantized = _quantized_linears(layers) if inputs.quantized_base else []
     replicated = {id(p) for linear in quantized for p in linear.parameters()}  # not FSDP2's: whole on every rank
     sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values() if id(p) not in replicated)
     unit_of = {id(m): index for index, layer in enumerate(layers) for m in [*layer.modules(), *layer.parameters()]}
     trained_by_unit: dict[int | None, list[int]] = {}  # FSDP2 unit (a decoder layer; None: the root): shards
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
-        linears, stacks = _lora_targets(model, inputs.lora_targets)
+        linears, stacks = lora_targets(model, inputs.lora_targets)
         for layer in linears.values():
             trained_by_unit.setdefault(unit_of.get(id(layer)), []).extend(
                 (
@@ -298,189 +254,6 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     vocab = getattr(inputs.hf_config, "vocab_size", 0)
     result.rows["loss head (one chunk)"] = 2 * 4 * min(inputs.loss_chunk, inputs.tokens) * vocab
     return result
-
-
-class _KeptByPackedAttention(torch.autograd.Function):
-    """Attention's stand-in for the trace: keeps what a packed kernel keeps for its backward."""
-
-    @staticmethod
-    def forward(ctx, query, key, value):
-        output = query.new_empty(*query.shape[:-1], value.shape[-1])  # (MLA: the value's head size, not the query's)
-        log_sum_exp = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
-        ctx.save_for_backward(query, key, value, output, log_sum_exp)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the trace only counts
-        query, key, value, _, _ = ctx.saved_tensors
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-
-
-def _traced_attention(module, query, key, value, attention_mask, **kwargs):
-    return _KeptByPackedAttention.apply(query, key, value).transpose(1, 2), None
-
-
-class _KeptByGroupedLinear(torch.autograd.Function):
-    """A mixture of experts' grouped matmul's stand-in for the trace: keeps its input (and the experts' weights,
-    parameters, not counted), as torch's grouped_mm does; the output's shape only (meta grouped_mm takes bf16 alone)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, offsets, out_features: int):
-        ctx.save_for_backward(hidden, weight, offsets)
-        return hidden.new_empty(hidden.shape[0], out_features)
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the trace only counts
-        hidden, weight, _ = ctx.saved_tensors
-        return torch.zeros_like(hidden), torch.zeros_like(weight), None, None
-
-
-def _grouped_linear(experts, hidden, weight, offsets, bias):
-    out_features = weight.shape[-1] if experts.is_transposed else weight.shape[-2]
-    out = _KeptByGroupedLinear.apply(hidden, weight, offsets, out_features)
-    return out if bias is None else out + bias
-
-
-def _traced_experts(experts, hidden_states, top_k_index, top_k_weights):
-    """transformers' grouped_mm experts forward (integrations/moe.py, without expert parallelism's sentinels) with
-    the stand-in matmul: each token's hidden state copied to each of its top-k experts, the up (and gate)
-    projection, the activation, the down projection and the routing weights over those copies. What autograd keeps
-    depends on the number of copies, not on the routing, so the meta device can trace it."""
-    top_k = top_k_index.size(-1)
-    weights, expert_ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)
-    expert_ids_g, perm = torch.sort(expert_ids)
-    hidden_g, weights_g = hidden_states[perm // top_k], weights[perm]
-    offsets = torch.cumsum(torch.histc(expert_ids_g.float(), bins=experts.num_experts), dim=0).int()
-    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
-    up_bias = getattr(experts, f"{up_name}_bias", None)
-    up = _expert_weight(experts, up_name)
-    out = _grouped_linear(experts, hidden_g, up, offsets, up_bias[expert_ids_g] if experts.has_bias else None)
-    out = experts._apply_gate(out) if experts.has_gate else experts.act_fn(out)
-    down_bias = experts.down_proj_bias[expert_ids_g] if experts.has_bias else None
-    out = _grouped_linear(experts, out, _expert_weight(experts, "down_proj"), offsets, down_bias)
-    if getattr(experts, "has_post_expert_norm", False):
-        out = experts.post_expert_norm(out)
-    out = out * weights_g.unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
-    return out[inverse].view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
-
-
-def _expert_weight(experts: nn.Module, name: str) -> torch.Tensor:
-    """A stacked expert weight as the forward uses it: with LoRA on it, a new tensor (peft's W + B @ A, which the
-    matmul keeps for the backward), else the parameter."""
-    weight = getattr(experts, name)
-    return weight.clone() if name in getattr(experts, "_chattune_merged_stacks", ()) else weight
-
-
-def _register_trace_attention() -> None:
-    """The attention and experts stand-ins, under TRACE_ATTENTION in transformers' interfaces."""
-    from transformers import AttentionInterface
-    from transformers.integrations.moe import ExpertsInterface
-
-    AttentionInterface.register(TRACE_ATTENTION, _traced_attention)
-    ExpertsInterface.register(TRACE_ATTENTION, _traced_experts)
-
-
-@contextlib.contextmanager
-def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator[tuple[dict, dict]]:
-    """Count the bytes of every storage autograd saves in the block, once, parameters excluded, attributed to the
-    decoder layer running (key its index; None: outside the layers); and the bytes activation offloading copies to
-    the host (`chattune.model.offload`: each saved tensor of at least MIN_OFFLOAD_BYTES, views each on their own)."""
-    from chattune.model.offload import MIN_OFFLOAD_BYTES
-
-    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen: set[int] = set()
-    counts: dict[int | None, int] = {}
-    moved: dict[int | None, int] = {}
-    current: list[int | None] = [None]
-    handles = []
-    for index, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage._cdata in parameters:
-            return tensor
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            counts[current[0]] = counts.get(current[0], 0) + storage.nbytes()
-        size = tensor.numel() * tensor.element_size()
-        if size >= MIN_OFFLOAD_BYTES:
-            moved[current[0]] = moved.get(current[0], 0) + size
-        return tensor
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield counts, moved
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None, int | None]:
-    """The activations one microbatch keeps for its backward (see the module docstring), on the device and, with
-    `offload_activations`, on the host; None where the forward cannot run on the meta device, with a note why."""
-    _register_trace_attention()
-    model = meta_model(inputs.hf_config, inputs.compute_dtype, attention=TRACE_ATTENTION)
-    model.train()
-    if inputs.lora_rank:  # the frozen base keeps no inputs for its own weights' gradients
-        model.requires_grad_(False)
-        _add_meta_adapters(model, inputs.lora_rank, inputs.lora_targets, inputs.compute_dtype)
-    layers = _decoder_layers(model)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    if decoder is model:  # (Llama 4's causal LM names itself its decoder)
-        decoder = getattr(model, "model", model)
-    tokens = torch.zeros(1, inputs.tokens, dtype=torch.long, device="meta")
-    positions = torch.arange(inputs.tokens, device="meta").unsqueeze(0)
-    try:
-        with _saved_bytes_by_layer(model, layers) as (counts, moved):
-            hidden = decoder(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
-    except Exception as error:  # noqa: BLE001  (a forward the meta device cannot run: said, never guessed)
-        notes.append(
-            f"activations not estimated: {type(model).__name__}'s forward does not run on the meta device "
-            f"({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-        )
-        return None, None
-    final = hidden.numel() * hidden.element_size()  # the final norm's output, which the loss keeps
-    per_layer = [counts.get(index, 0) for index in range(len(layers))]
-    outside = counts.get(None, 0) + final
-    layer_input = inputs.tokens * inputs.hf_config.hidden_size * hidden.element_size()
-    largest = max(per_layer, default=0)
-    saved = len(layers) * layer_input if inputs.activation_checkpointing else sum(per_layer)  # the layers keep
-    if not inputs.offload_activations:
-        return outside + saved + (largest if inputs.activation_checkpointing else 0), None
-    # Offloaded (chattune.model.offload): the device holds one layer's activations at a time (recomputed, or brought
-    # back for its backward) and the copies in flight (a layer's input, or a tensor of at most a layer's); the host
-    # a copy of each tensor the forward saved (views of one storage each their own).
-    in_flight = layer_input if inputs.activation_checkpointing else largest
-    moved_layers = (
-        len(layers) * layer_input if inputs.activation_checkpointing else sum(moved.values()) - moved.get(None, 0)
-    )
-    return largest + in_flight, moved.get(None, 0) + final + moved_layers
-
-
-def _add_meta_adapters(model: nn.Module, rank: int, targets: tuple[str, ...], dtype: torch.dtype) -> None:
-    """LoRA's adapters on the meta model's target layers: x -> base(x) + B(A(x)), A and B trained; on its adapted
-    expert stacks, the merged weight peft computes in each forward (and the grouped matmul keeps)."""
-
-    class _Adapted(nn.Module):
-        def __init__(self, base: nn.Linear):
-            super().__init__()
-            self.base = base
-            self.lora_a = nn.Linear(base.in_features, rank, bias=False, device="meta", dtype=dtype)
-            self.lora_b = nn.Linear(rank, base.out_features, bias=False, device="meta", dtype=dtype)
-
-        def forward(self, x):
-            return self.base(x) + self.lora_b(self.lora_a(x))
-
-    linears, stacks = _lora_targets(model, targets)
-    for name, linear in linears.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, _Adapted(linear))
-    for experts, stack in stacks:  # peft merges B @ A into the weight each forward
-        experts._chattune_merged_stacks = {*getattr(experts, "_chattune_merged_stacks", ()), stack}
 
 
 def hf_config_of(cfg, vocab_size: int | None = None):

@@ -50,9 +50,11 @@ class ActivationOffload:
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         self.offloaded_bytes = 0
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
-        self._wait_for_copies(keep=0)  # the backward may free what the forward kept alive
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._wait_for_copies(keep=0)  # the backward may free what the forward kept alive
 
     def _pack(self, tensor: torch.Tensor) -> tuple[bool, torch.Tensor]:
         size = tensor.numel() * tensor.element_size()
