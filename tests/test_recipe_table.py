@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from test_validate import CONFIGS, compose_config, problems
 
 from chattune.cli import catalog
-from chattune.config.schema import LOSS_TYPES, REFERENCE_FREE, schema_for
+from chattune.config import losses as catalogue
+from chattune.config.schema import LOSS_TYPES, schema_for
 from chattune.data.formats import PREFERENCE_FORMATS
 from chattune.data.sources import RECIPE_DATA
 from chattune.launch import recipe_kinds
@@ -163,9 +164,10 @@ def test_the_needs_of_each_builtin_loss():
         "orpo": (False, True, ("orpo_lambda",)),
     }
     assert [name for name, row in PAIR_LOSSES.items() if row.chosen_nll] == ["orpo"]
-    # The config's choices are the table's, and its reference-free losses those whose row needs no reference.
-    assert tuple(PAIR_LOSSES) == LOSS_TYPES
-    assert {name for name, row in PAIR_LOSSES.items() if not row.needs_reference} == set(REFERENCE_FREE)
+    # One catalogue: the config's choices are its rows, and each function's row is the catalogue's own.
+    assert tuple(PAIR_LOSSES) == tuple(LOSS_TYPES) == tuple(catalogue.PREFERENCE_LOSSES)
+    assert all(row.spec == catalogue.PREFERENCE_LOSSES[name] for name, row in PAIR_LOSSES.items())
+    assert [name for name in LOSS_TYPES if not catalogue.needs_reference(name)] == ["simpo", "orpo"]
 
 
 def test_a_loss_is_built_from_keywords_or_a_config_section_never_positionally():
@@ -186,12 +188,15 @@ def odds_ratio(pairs: PairRewards, *, beta: float) -> torch.Tensor:
     return -beta * F.logsigmoid(log_odds)
 
 
-def test_a_new_loss_is_one_function_and_one_row(monkeypatch):
+def test_a_new_loss_is_one_function_and_one_row(monkeypatch, request):
     monkeypatch.setattr(pair_losses, "PAIR_LOSSES", dict(PAIR_LOSSES))  # the row is gone after the test
+    request.addfinalizer(lambda: catalogue.PREFERENCE_LOSSES.pop("odds_ratio_demo", None))  # and its catalogue row
     row = register_pair_loss(
         PairLossRow("odds_ratio_demo", odds_ratio, needs_reference=False, per_token=True, reads=("beta",))
     )
     assert pair_losses.PAIR_LOSSES["odds_ratio_demo"] is row and "odds_ratio_demo" not in PAIR_LOSSES
+    # the catalogue has its needs: a choice of the config's loss.type from now on, and reference-free
+    assert "odds_ratio_demo" in LOSS_TYPES and not catalogue.needs_reference("odds_ratio_demo")
     loss = PreferenceLoss.from_config({"type": "odds_ratio_demo", "beta": 0.25, "sft_weight": 1.0})
     assert loss == PreferenceLoss(loss_type="odds_ratio_demo", beta=0.25, sft_weight=1.0) and loss.row is row
     assert not loss.needs_reference and loss.loss_without_preference() is None
@@ -218,6 +223,7 @@ def test_a_new_loss_is_one_function_and_one_row(monkeypatch):
 
 def test_a_row_must_be_new_and_declare_what_its_function_reads(monkeypatch):
     monkeypatch.setattr(pair_losses, "PAIR_LOSSES", dict(PAIR_LOSSES))
+    monkeypatch.setattr(catalogue, "PREFERENCE_LOSSES", dict(catalogue.PREFERENCE_LOSSES))
     with pytest.raises(ValueError, match="'sigmoid' is registered already"):
         register_pair_loss(PairLossRow("sigmoid", odds_ratio, needs_reference=True, per_token=False, reads=("beta",)))
     with pytest.raises(ValueError, match=r"declares reads=\(\) but its function takes \['beta'\]"):

@@ -25,6 +25,8 @@ from typing import Any, TypedDict
 
 from typing_extensions import Unpack
 
+from chattune.config.losses import PREFERENCE_LOSSES
+
 # --- the choices of enum keys ---
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -40,8 +42,7 @@ MIXING_STOPPING = ("first_exhausted", "all_exhausted")
 FP8_MODES = ("tensorwise", "rowwise", "emulate")  # model.fp8 (chattune.model.float8)
 MIXING_REWARDS = ("mean_loss", "loss_decrease")
 DTYPES = ("float32", "bfloat16", "float16")
-LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")  # preference losses that need no reference model
+LOSS_TYPES = PREFERENCE_LOSSES.keys()  # the catalogue's (a view: a loss registered later is a choice too)
 LOSS_IMPLEMENTATIONS = ("auto", "chunked", "cut_cross_entropy")
 PEFT_TYPES = ("lora",)
 QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)

@@ -17,7 +17,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from chattune.config.layout_rules import context_ranks_problem, microbatch_ranks_problem, pad_multiple_problem
-from chattune.config.schema import FP8_MODES, QUANTIZE_BASE, REFERENCE_FREE
+from chattune.config.losses import needs_reference
+from chattune.config.schema import FP8_MODES, QUANTIZE_BASE
 from chattune.config.typed import typed_config
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.prompts import prompts_file_problem
@@ -166,9 +167,8 @@ class RunRules:
             self.findings.problem("eval.sample_prompts", problem)
         if get_value(self.values, "model.path") is None and get_value(self.values, "model.config") is None:
             self.findings.problem("model", "neither model.path nor model.config is set")
-        if (
-            isinstance(get_value(self.values, "reference.path"), str)
-            and get_value(self.values, "loss.type") in REFERENCE_FREE
+        if isinstance(get_value(self.values, "reference.path"), str) and not needs_reference(
+            get_value(self.values, "loss.type")
         ):
             self.findings.note(
                 "reference.path", f"unused: loss.type={get_value(self.values, 'loss.type')} needs no reference"

@@ -331,9 +331,9 @@ def _microbatches_per_rank(cfg, ranks: int) -> int:
 
 def _needs_reference(cfg) -> bool:
     """DPO and KTO compare with a reference; DPO's reference-free losses (simpo, orpo) do not."""
-    from chattune.config.schema import REFERENCE_FREE
+    from chattune.config.losses import needs_reference
 
-    return _get(cfg.loss, "type") not in REFERENCE_FREE
+    return needs_reference(_get(cfg.loss, "type"))
 
 
 def _get(section, name: str):

@@ -22,10 +22,11 @@ An optional SFT term adds `sft_weight` * the mean token NLL of the chosen reply 
 
 Why a table: the losses differ in one formula each and in what they need, and the rest of chattune asks
 about the needs, never about a loss's name: whether a reference model is built (`needs_reference`), whether
-the rewards are length-normalised (`per_token`), which `loss.*` settings the formula reads (`reads`). Each
-loss is one function and one `PairLossRow` in `PAIR_LOSSES` that declares those needs, so a new loss (ORPO,
-...) is one function and one row (`register_pair_loss`), plus its name among the config's choices
-(`chattune.config.schema.LOSS_TYPES`, which tests/test_recipe_table.py keeps equal to this table).
+the rewards are length-normalised (`per_token`), which `loss.*` settings the formula reads (`reads`). The needs
+are the torch-free catalogue's (`chattune.config.losses.PREFERENCE_LOSSES`, which the config's choices and
+`chattune validate` read too); `PAIR_LOSSES` pairs each of its rows with its function (`FORMULAS`). A loss defined
+outside chattune is one function and one `PairLossRow` (`register_pair_loss`, which adds its needs to the
+catalogue: a `loss.type` choice from then on).
 `PreferenceLoss` is built from keyword arguments or from a config's `loss` section (`from_config`).
 """
 
@@ -39,12 +40,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chattune.config import losses
+from chattune.config.losses import LOSS_SETTINGS, LossSpec
 from chattune.config.schema import DPOLossConfig
 from chattune.config.typed import config_dict
 
-# The `loss.*` settings of every preference loss besides its type: `beta` scales every loss's rewards and
-# `sft_weight` weighs every loss's SFT term; a loss's function takes those it reads by keyword (`PairLossRow.reads`).
-SETTINGS = ("beta", "label_smoothing", "simpo_gamma", "sft_weight", "orpo_lambda")
+SETTINGS = LOSS_SETTINGS  # a loss's function takes those it reads by keyword (`PairLossRow.reads`)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,16 @@ class PairLossRow:
     # unit of that part is the token, not the pair; `PreferenceObjective` normalises it by the step's count).
     chosen_nll: bool = False
 
+    @classmethod
+    def of(cls, spec: LossSpec, function: PairLossFunction) -> PairLossRow:
+        """The row of the catalogue's `spec`, computed by `function`."""
+        return cls(spec.name, function, spec.needs_reference, spec.per_token, spec.reads, spec.chosen_nll)
+
+    @property
+    def spec(self) -> LossSpec:
+        """What the catalogue (`chattune.config.losses`) knows of this loss."""
+        return LossSpec(self.name, self.needs_reference, self.per_token, self.reads, self.chosen_nll)
+
 
 PAIR_LOSSES: dict[str, PairLossRow] = {}
 
@@ -84,7 +95,8 @@ PAIR_LOSSES: dict[str, PairLossRow] = {}
 def register_pair_loss(row: PairLossRow) -> PairLossRow:
     """Add `row` to `PAIR_LOSSES`, after checking that its name is new and that its function takes exactly the
     settings it declares it reads (by keyword, besides the rewards)."""
-    if row.name in PAIR_LOSSES:
+    catalogued = losses.PREFERENCE_LOSSES.get(row.name)
+    if row.name in PAIR_LOSSES or (catalogued is not None and catalogued != row.spec):
         raise ValueError(f"a preference loss named {row.name!r} is registered already")
     unknown = [name for name in row.reads if name not in SETTINGS]
     if unknown:
@@ -95,6 +107,7 @@ def register_pair_loss(row: PairLossRow) -> PairLossRow:
         raise ValueError(
             f"preference loss {row.name!r} declares reads={row.reads} but its function takes {sorted(taken)}"
         )
+    losses.PREFERENCE_LOSSES[row.name] = row.spec
     PAIR_LOSSES[row.name] = row
     return row
 
@@ -141,17 +154,19 @@ def orpo(pairs: PairRewards, *, orpo_lambda: float) -> torch.Tensor:
     return -orpo_lambda * F.logsigmoid(log_odds)
 
 
-for _row in (
-    PairLossRow("sigmoid", smoothed_sigmoid, needs_reference=True, per_token=False, reads=("label_smoothing",)),
-    PairLossRow("robust", robust, needs_reference=True, per_token=False, reads=("label_smoothing",)),
-    PairLossRow("hinge", hinge, needs_reference=True, per_token=False),
-    PairLossRow("ipo", ipo, needs_reference=True, per_token=True, reads=("beta",)),
-    PairLossRow("sigmoid_norm", smoothed_sigmoid, needs_reference=True, per_token=True, reads=("label_smoothing",)),
-    PairLossRow("simpo", simpo, needs_reference=False, per_token=True, reads=("label_smoothing", "simpo_gamma")),
-    PairLossRow("orpo", orpo, needs_reference=False, per_token=True, reads=("orpo_lambda",), chosen_nll=True),
-):
-    register_pair_loss(_row)
-del _row
+# The catalogue's losses, each computed by (a function may serve several):
+FORMULAS: dict[str, PairLossFunction] = {
+    "sigmoid": smoothed_sigmoid,
+    "robust": robust,
+    "hinge": hinge,
+    "ipo": ipo,
+    "sigmoid_norm": smoothed_sigmoid,
+    "simpo": simpo,
+    "orpo": orpo,
+}
+for _spec in list(losses.PREFERENCE_LOSSES.values()):
+    register_pair_loss(PairLossRow.of(_spec, FORMULAS[_spec.name]))
+del _spec
 
 
 @dataclass(frozen=True, kw_only=True)

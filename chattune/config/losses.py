@@ -1,0 +1,52 @@
+"""The preference losses' catalogue: what each `loss.type` needs, without its formula (torch-free), the one table
+the config's choices (`chattune.config.schema`), `chattune validate`'s rules, the memory estimate and the
+objectives (`chattune.objectives.pair_losses`, which pairs each row with its function) all read.
+
+A row says whether the loss compares the policy with a reference model (`needs_reference`: one is built or cached),
+whether each reply's reward is divided by its token count (`per_token`), which `loss.*` settings its formula reads
+(`reads`) and whether the objective adds the chosen replies' NLL per chosen token of the step (`chosen_nll`: ORPO).
+A new loss is one row here and one function there (`chattune.objectives.pair_losses.register_pair_loss`, which
+adds the row for a loss defined outside chattune).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The `loss.*` settings of every preference loss besides its type: `beta` scales every loss's rewards and
+# `sft_weight` weighs every loss's SFT term; a loss's function takes those it reads by keyword (`LossSpec.reads`).
+LOSS_SETTINGS = ("beta", "label_smoothing", "simpo_gamma", "sft_weight", "orpo_lambda")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One preference loss: its `loss.type` and what it needs."""
+
+    name: str
+    needs_reference: bool  # rewards are log-ratios against a reference; False: the policy's own log-probs
+    per_token: bool  # each side's reward is divided by its reply's token count (length-normalised)
+    reads: tuple[str, ...] = ()  # the settings (of LOSS_SETTINGS) its function takes by keyword
+    # The objective adds the chosen reply's NLL averaged over all chosen tokens of the step (ORPO's SFT term: the
+    # unit of that part is the token, not the pair).
+    chosen_nll: bool = False
+
+
+PREFERENCE_LOSSES: dict[str, LossSpec] = {
+    spec.name: spec
+    for spec in (
+        LossSpec("sigmoid", needs_reference=True, per_token=False, reads=("label_smoothing",)),
+        LossSpec("robust", needs_reference=True, per_token=False, reads=("label_smoothing",)),
+        LossSpec("hinge", needs_reference=True, per_token=False),
+        LossSpec("ipo", needs_reference=True, per_token=True, reads=("beta",)),
+        LossSpec("sigmoid_norm", needs_reference=True, per_token=True, reads=("label_smoothing",)),
+        LossSpec("simpo", needs_reference=False, per_token=True, reads=("label_smoothing", "simpo_gamma")),
+        LossSpec("orpo", needs_reference=False, per_token=True, reads=("orpo_lambda",), chosen_nll=True),
+    )
+}
+
+
+def needs_reference(loss_type: object) -> bool:
+    """Whether a run of `loss.type` compares with a reference model (an unknown type: as the default does; its
+    name is reported by the config's choices)."""
+    spec = PREFERENCE_LOSSES.get(loss_type) if isinstance(loss_type, str) else None
+    return spec.needs_reference if spec is not None else True
