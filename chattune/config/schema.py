@@ -494,10 +494,10 @@ class DPOLossConfig(LossConfig):
 
 
 @dataclass
-class DPOConfig(SFTConfig):
-    """The keys of `recipes/dpo.py` (defaults: configs/dpo/tiny.yaml, which builds on sft/tiny)."""
+class PreferenceConfig(SFTConfig):
+    """The defaults the preference recipes share (DPO, the reward model, KTO): a short run that starts from the SFT
+    demo's export."""
 
-    output_dir: str = key("outputs/dpo-tiny", "where checkpoints, metrics and the HF export go", resume="free")
     max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
     save_every: int = key(
         30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
@@ -506,15 +506,22 @@ class DPOConfig(SFTConfig):
         20, "held-out metrics every N steps and at the end (0: never)", at_least=0, hint=" (0: never)", resume="free"
     )
     model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
-    data: DPODataConfig = section(DPODataConfig)
-    loss: DPOLossConfig = section(DPOLossConfig)
-    optimizer: OptimizerConfig = section(
-        lambda: OptimizerConfig(lr=5e-4), "instantiated with the trainable parameters", recipe_passes=(1, ())
-    )
     scheduler: SchedulerConfig = section(
         lambda: SchedulerConfig(num_warmup_steps=5),
         "instantiated with the optimizer",
         recipe_passes=(1, ("num_training_steps",)),
+    )
+
+
+@dataclass
+class DPOConfig(PreferenceConfig):
+    """The keys of `recipes/dpo.py` (defaults: configs/dpo/tiny.yaml, which builds on sft/tiny)."""
+
+    output_dir: str = key("outputs/dpo-tiny", "where checkpoints, metrics and the HF export go", resume="free")
+    data: DPODataConfig = section(DPODataConfig)
+    loss: DPOLossConfig = section(DPOLossConfig)
+    optimizer: OptimizerConfig = section(
+        lambda: OptimizerConfig(lr=5e-4), "instantiated with the trainable parameters", recipe_passes=(1, ())
     )
     reference: ReferenceConfig = section(ReferenceConfig, "the frozen reference of the preference loss")
 
@@ -550,19 +557,11 @@ class WholeRowParallelConfig(ParallelConfig):
 
 
 @dataclass
-class RewardConfig(SFTConfig):
+class RewardConfig(PreferenceConfig):
     """The keys of `recipes/reward.py` (defaults: configs/reward/tiny.yaml, which builds on sft/tiny)."""
 
     output_dir: str = key("outputs/reward-tiny", "where checkpoints, metrics and the HF export go", resume="free")
-    max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
-    save_every: int = key(
-        30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
-    )
-    eval_every: int = key(
-        20, "held-out metrics every N steps and at the end (0: never)", at_least=0, hint=" (0: never)", resume="free"
-    )
     eval: RewardEvalConfig = section(RewardEvalConfig, "no sample replies: a reward model scores", resume="free")
-    model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
     parallel: WholeRowParallelConfig = section(
         WholeRowParallelConfig, "how ranks share the work beyond FSDP's sharding"
     )
@@ -570,11 +569,6 @@ class RewardConfig(SFTConfig):
     loss: RewardLossConfig = section(RewardLossConfig)
     optimizer: OptimizerConfig = section(
         lambda: OptimizerConfig(lr=1e-3), "instantiated with the trainable parameters", recipe_passes=(1, ())
-    )
-    scheduler: SchedulerConfig = section(
-        lambda: SchedulerConfig(num_warmup_steps=5),
-        "instantiated with the optimizer",
-        recipe_passes=(1, ("num_training_steps",)),
     )
 
 
@@ -606,18 +600,10 @@ class KTOLossConfig(LossConfig):
 
 
 @dataclass
-class KTOConfig(SFTConfig):
+class KTOConfig(PreferenceConfig):
     """The keys of `recipes/kto.py` (defaults: configs/kto/tiny.yaml, which builds on sft/tiny)."""
 
     output_dir: str = key("outputs/kto-tiny", "where checkpoints, metrics and the HF export go", resume="free")
-    max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
-    save_every: int = key(
-        30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
-    )
-    eval_every: int = key(
-        20, "held-out metrics every N steps and at the end (0: never)", at_least=0, hint=" (0: never)", resume="free"
-    )
-    model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
     parallel: WholeRowParallelConfig = section(
         WholeRowParallelConfig, "how ranks share the work beyond FSDP's sharding"
     )
@@ -625,11 +611,6 @@ class KTOConfig(SFTConfig):
     loss: KTOLossConfig = section(KTOLossConfig)
     optimizer: OptimizerConfig = section(
         lambda: OptimizerConfig(lr=5e-4), "instantiated with the trainable parameters", recipe_passes=(1, ())
-    )
-    scheduler: SchedulerConfig = section(
-        lambda: SchedulerConfig(num_warmup_steps=5),
-        "instantiated with the optimizer",
-        recipe_passes=(1, ("num_training_steps",)),
     )
     reference: ReferenceConfig = section(ReferenceConfig, "the frozen reference of KTO's log-ratios")
 

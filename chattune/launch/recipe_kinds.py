@@ -1,7 +1,7 @@
-"""The recipe kinds chattune trains ("sft", "dpo", "reward"), in one table: the kind of run a config is for decides its
+"""The recipe kinds chattune trains ("sft", "dpo", "reward", "kto"), in one table: the kind of run a config is for decides its
 schema, the documents its sources become and the record formats those accept, its objective and whether it
 may need a reference model, so code asks that of the kind's entry (`RECIPE_KINDS`) instead of guessing it
-where it is needed. A third kind is one more entry (and its recipe, configs and schema).
+where it is needed. Another kind is one more entry (and its recipe, configs and schema).
 
 A recipe names its kind itself (`checked_config(composed, SFT)`, `build_training_data(..., SFT.data)`). The
 command-line tools run no recipe: they take the kind from the config's name, here and nowhere else

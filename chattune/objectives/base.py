@@ -1,5 +1,5 @@
-"""What every objective provides to the update step, evaluation and metrics (SFT's cross-entropy and
-DPO's preference objective implement it side by side)."""
+"""What every objective provides to the update step, evaluation and metrics (SFT's cross-entropy, the preference
+objectives of DPO and KTO and the reward model's implement it side by side)."""
 
 from __future__ import annotations
 

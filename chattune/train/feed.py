@@ -7,7 +7,7 @@ of microbatches. Left alone, a rank would run into epoch e+1 while another still
 collective. So a rank that reaches the end of its share stops there, fills the rest of the step with empty
 microbatches and keeps taking empty steps until every rank has reached the end; the step in which the last
 rank does closes the epoch for all. Whether a rank has reached the end travels in the step's one all-reduce
-(`accumulate_gradients`), so agreeing costs no extra communication. The price is the empty microbatches of
+(`chattune.train.step`'s counts), so agreeing costs no extra communication. The price is the empty microbatches of
 the ranks whose share packed tighter.
 
 World-size-invariant (`data.microbatches_per_step` = M): every rank reads, tokenizes and packs the whole

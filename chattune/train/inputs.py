@@ -11,10 +11,10 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.layout_rules import microbatch_ranks_problem
+from chattune.config.schema import SFTConfig
 from chattune.data.cached_sources import open_documents
 from chattune.data.held_out import held_out_line, hold_out, joined
 from chattune.data.mixing_policy import Mixer, mixture_sampling
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 def packed_stream(
-    cfg: DictConfig,
+    cfg: SFTConfig,
     documents: MixedDocuments,
     layout: StreamLayout,
     pad_id: int,
@@ -62,7 +62,7 @@ class StepLayout:
     slots: range | None  # world-size-invariant: this rank's microbatches of each step; None: all it takes
 
 
-def step_layout(cfg: DictConfig, dist_info: DistInfo) -> StepLayout:
+def step_layout(cfg: SFTConfig, dist_info: DistInfo) -> StepLayout:
     """Per rank: the rank's share, grad_accum_steps microbatches of it a step. World-size-invariant
     (data.microbatches_per_step = M): all the data, M microbatches a step, rank r training M/W consecutive ones.
     Under context parallelism a "rank" here is a data-parallel rank: the C ranks of a context group read and
@@ -94,7 +94,7 @@ class TrainingData:
 
 
 def check_something_trains(
-    cfg: DictConfig, dist_info: DistInfo, train: MixedDocuments, counts: dict[str, float] | None = None
+    cfg: SFTConfig, dist_info: DistInfo, train: MixedDocuments, counts: dict[str, float] | None = None
 ) -> None:
     """Collective: a UserError, with what the records gave, when not one record of the training data gives a
     token to train (every one over the budget with data.overlong=drop, say). `counts`: the whole data's, if
@@ -124,7 +124,7 @@ def check_something_trains(
 
 
 def build_training_data(
-    cfg: DictConfig, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase, recipe_data: RecipeData
+    cfg: SFTConfig, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase, recipe_data: RecipeData
 ) -> TrainingData:
     """Collective (the data report's counts are summed over ranks). `recipe_data`: what the recipe's kind reads
     (`chattune.launch.recipe_kinds.RecipeKind.data`)."""

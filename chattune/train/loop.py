@@ -1,7 +1,7 @@
 """The training loop every recipe runs: resume, update steps, metrics, evaluation, checkpoints.
 
 Recipes differ in their data and their objective (`chattune.objectives.base.Objective`); everything from the
-first step to the last is the same story, so it is told once here (`train`) and SFT and DPO cannot drift apart:
+first step to the last is the same story, so it is told once here (`train`) and the recipes cannot drift apart:
 
 - the run state (`chattune.train.run_state.training_state`): model, optimizer, scheduler, data position, RNG,
   skip counters and fp16's loss scale, by name; restored from a checkpoint on resume (`resume=auto|PATH|null`);
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from chattune import interrupts
+from chattune.config.schema import SFTConfig
 from chattune.config.typed import config_dict
 from chattune.data.documents import SKIP_REASONS
 from chattune.data.report import epoch_line
@@ -71,7 +71,7 @@ class Learning:
 
 
 def train(
-    cfg: DictConfig,
+    cfg: SFTConfig,
     dist_info: DistInfo,
     start: StartingPoint,
     built: BuiltModel,
@@ -150,7 +150,7 @@ class UpdateSteps:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: SFTConfig,
         model: torch.nn.Module,
         learning: Learning,
         feed: StepFeed,
@@ -276,7 +276,7 @@ class Run:
 
 
 def set_up(
-    cfg: DictConfig,
+    cfg: SFTConfig,
     dist_info: DistInfo,
     start: StartingPoint,
     built: BuiltModel,
@@ -374,7 +374,7 @@ def stop(run: Run, step: int) -> None:
 
 
 def finish(
-    cfg: DictConfig, dist_info: DistInfo, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase
+    cfg: SFTConfig, dist_info: DistInfo, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """Collective: the end of a run that reached its last step: the records skipped over the run, the last
     checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory)."""
