@@ -53,9 +53,8 @@ def main(composed: DictConfig) -> None:
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
     built = build_trained_model(cfg, tokenizer, dist_info)
-    trainable = trainable_parameters(
-        built.model
-    )  # the adapters with peft=lora: optimizer and checkpoints hold only them
+    # With peft=lora the adapters alone: the optimizer and the checkpoints hold only them.
+    trainable = trainable_parameters(built.model)
     optimizer = build_optimizer(cfg.optimizer, trainable, dist_info.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
     objective = TokenCrossEntropy(num_sources=data.num_sources)

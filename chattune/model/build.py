@@ -69,9 +69,8 @@ def build_trained_model(
     adapters, sharded, in training mode, its size logged."""
     built = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft, head=head)
     built.model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
-    num_params = sum(
-        quantize.weight_shape(p).numel() for p in built.hf_model.parameters()
-    )  # a 4-bit weight: its matrix
+    # (a 4-bit weight counts its matrix's elements)
+    num_params = sum(quantize.weight_shape(p).numel() for p in built.hf_model.parameters())
     trained = sum(p.numel() for p in trainable_parameters(built.model))  # the adapters with peft=lora
     logger.info(
         "model: %s, %.2fM parameters (%.2fM trained), %d rank(s) on %s",
