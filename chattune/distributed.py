@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -305,7 +306,7 @@ def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None)
     return values
 
 
-def reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
+def reduce_sums(values: Mapping[str, float], device: torch.device) -> dict[str, float]:
     """Sum named per-rank figures over all ranks with ONE stacked all-reduce."""
     names = sorted(values)
     stacked = host_values_on(device, [float(values[n]) for n in names], torch.float64)

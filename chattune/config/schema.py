@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, TypedDict
@@ -55,7 +55,7 @@ RESUME_CHANGES = ("free", "horizon", "numerics")
 class KeyRules(TypedDict, total=False):
     """What the checks (`chattune.launch.schema_checks`) hold a key to, each rule optional (`key`'s `**rules`)."""
 
-    choices: tuple[str, ...] | None  # the values it may take
+    choices: Collection[str] | None  # the values it may take
     at_least: int | None  # its minimum ...
     hint: str  # ... and what to add to the message when it is below
     bound: tuple[Callable[[Any], bool], str] | None  # (predicate on a number or a list, message when it fails)
@@ -103,7 +103,7 @@ def key(
     return field(default=default, metadata=metadata)
 
 
-def section(cls: type, help: str = "", *, resume: str | None = None, **rules: Unpack[KeyRules]) -> Any:
+def section(cls: Callable[[], Any], help: str = "", *, resume: str | None = None, **rules: Unpack[KeyRules]) -> Any:
     """A nested section, defaulting to `cls()`."""
     return key(help=help, factory=cls, resume=resume, **rules)
 
@@ -626,7 +626,7 @@ def schema_for(recipe: str) -> type:
 
 
 @cache
-def schema_fields(section: type) -> dict[str, tuple[Any, dict]]:
+def schema_fields(section: type) -> dict[str, tuple[Any, Mapping[str, Any]]]:
     """A schema section's keys: name -> (type hint, metadata)."""
     hints = typing.get_type_hints(section)
     return {f.name: (hints[f.name], f.metadata) for f in dataclasses.fields(section)}
@@ -642,7 +642,7 @@ def type_options(hint: Any) -> tuple[list[Any], bool]:
 
 def section_type(hint: Any) -> type | None:
     """The schema section a hint holds (`Section` or `Section | None`), None for a plain value."""
-    return next((o for o in type_options(hint)[0] if dataclasses.is_dataclass(o)), None)
+    return next((o for o in type_options(hint)[0] if isinstance(o, type) and dataclasses.is_dataclass(o)), None)
 
 
 def schema_items(section: type, prefix: str = ""):

@@ -27,10 +27,12 @@ Config = TypeVar("Config")
 
 def typed_config(cfg: DictConfig, schema: type[Config]) -> Config:
     """`cfg` (composed and checked against `schema`) as an instance of `schema`, interpolations resolved."""
-    return _build(schema, OmegaConf.to_container(cfg, resolve=True), "")
+    values = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(values, dict)  # a config's top level is a mapping
+    return _build(schema, values, "")
 
 
-def _build(section: type, values: dict[str, Any], prefix: str) -> Any:
+def _build(section: type, values: dict[Any, Any], prefix: str) -> Any:
     fields = schema_fields(section)
     unknown = sorted(set(values) - set(fields))
     if unknown:  # the checks report unknown keys before this: reaching it is a bug, not a user error

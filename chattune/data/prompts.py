@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from chattune.data.formats import (
     PREFERENCE_FORMATS,
     UNPAIRED_FORMATS,
@@ -54,7 +56,9 @@ def before_last_reply(messages: list[dict]) -> list[dict]:
     return messages[:last]
 
 
-def held_out_prompts(specs: list[SourceSpec], count: int, records: Sequence[int] | None = None) -> list[Prompt]:
+def held_out_prompts(
+    specs: list[SourceSpec], count: int, records: Sequence[int] | np.ndarray | None = None
+) -> list[Prompt]:
     """The prompts of the first `count` records of `specs` (in order, across sources; only `records`, numbered
     across them, where given): a conversation's messages before its last assistant reply, a preference pair's
     prompt, an unpaired example's prompt. A record that cannot be read is passed over (logged; the held-out set's own reading reports it)

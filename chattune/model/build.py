@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from hydra.utils import instantiate
-from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.config.schema import PeftConfig, SFTConfig
@@ -58,7 +57,7 @@ if TYPE_CHECKING:  # peft is imported only by runs with adapters (chattune.model
 
 class BuiltModel(NamedTuple):
     hf_model: PreTrainedModel  # the Hugging Face model (with the adapters injected, if any)
-    model: FSDPModule  # the sharded loss-head model around it: what trains
+    model: PackedCausalLM | PackedSequenceScorer  # the sharded loss-head model around it (FSDP2): what trains
     peft_model: PeftModel | None  # peft's handle on the adapters (None: full fine-tuning)
 
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ from chattune.distributed import current_mesh
 from chattune.files import set_aside
 from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
+
+if TYPE_CHECKING:
+    from chattune.train.snapshot import Snapshots
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +164,9 @@ class BackgroundSaves:
         )
 
         def write_then_commit() -> None:
-            written.result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
+            cast(
+                Future, written
+            ).result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
             commit()
 
         self._pending = self._executor.submit(write_then_commit)
@@ -347,7 +353,9 @@ class Checkpointer:
     ):
         self.root, self.state, self.manifest, self.every = root, state, manifest, every
         self.keep_last_n, self.horizon, self.background = keep_last_n, horizon, background
-        self.snapshots = None  # a chattune.train.snapshot.Snapshots with snapshot_steps: every other step staged
+        self.snapshots: Snapshots | None = (
+            None  # a chattune.train.snapshot.Snapshots with snapshot_steps: every other step staged
+        )
         self.last_saved: Path | None = None
         self.last_started = 0.0  # time.perf_counter() at the last save's start
 

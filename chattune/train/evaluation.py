@@ -4,7 +4,7 @@ unit losses / global units), and the sample replies (`chattune.train.samples`), 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from chattune.objectives.base import Objective
 from chattune.train.progress import Progress
 
 if TYPE_CHECKING:
+    from chattune.model.causal_lm import PackedCausalLM
     from chattune.train.run_state import Every
     from chattune.train.samples import EvalSamples
 
@@ -141,4 +142,4 @@ class Evaluator:
     def sample(self, step: int) -> None:
         """Collective: the sample prompts' replies, written to samples.jsonl (and wandb); nothing without prompts."""
         if self.samples is not None:
-            self.samples(self.model, step)
+            self.samples(cast("PackedCausalLM", self.model), step)  # (sample replies: a causal LM's alone)

@@ -24,7 +24,7 @@ only the microbatches it trains; with data.cache=off it also tokenizes all of it
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +34,7 @@ from chattune.errors import UserError
 
 if TYPE_CHECKING:
     from chattune.data.mixing_policy import Mixer
+    from chattune.data.stream import PackedStream
 
 
 @dataclass
@@ -73,7 +74,7 @@ class StepFeed:
 
     def __init__(
         self,
-        stream: Iterable[PackedBatch],
+        stream: PackedStream,
         microbatches_per_step: int,
         pad_token_id: int,
         num_epochs: int | None = None,
@@ -114,7 +115,7 @@ class StepFeed:
         """Skipped and over-budget-but-kept records that this rank counts (summed over ranks, they are the
         run's): its share's; world-size-invariant, every rank reads every record, so rank 0 counts them."""
         counts = {**self.stream.skipped, **self.stream.overlong}
-        mine = self.reports_figures and (not self.invariant or self.slots.start == 0)
+        mine = self.reports_figures and (self.slots is None or self.slots.start == 0)
         return counts if mine else dict.fromkeys(counts, 0)
 
     def next_step(self, step: int = 0) -> StepBatches:
@@ -138,7 +139,7 @@ class StepFeed:
                     f"the stream gave a microbatch of epoch {batch.epoch} during epoch {self.epoch} "
                     "without marking the end of the epoch"
                 )
-            trained_here = not self.invariant or len(taken) in self.slots
+            trained_here = self.slots is None or len(taken) in self.slots
             if trained_here and not isinstance(batch, PackedBatch):
                 batch = self.stream.collate(batch)
             taken.append(batch)
@@ -149,7 +150,7 @@ class StepFeed:
             elif batch.ends_epoch:  # every rank sees this end: the step runs on into the next epoch
                 self._close_epoch()
                 self.epoch_end_reached = self.finished
-        slots = self.slots if self.invariant else range(self.microbatches_per_step)
+        slots = self.slots if self.slots is not None else range(self.microbatches_per_step)
         mine = [taken[i] if i < len(taken) else empty_batch(self.pad_token_id) for i in slots]
         seeds = [microbatch_seed(self.seed, step, slot) for slot in slots] if self.invariant else None
         return StepBatches(mine, step_epoch, self.epoch_end_reached, seeds)

@@ -292,7 +292,7 @@ def set_up(
     skipped = SkippedSteps(overflow=loss_scale.enabled)
     state = training_state(model, learning.optimizer, learning.scheduler, feed, skipped, loss_scale)
     resumed = start.resume_from is not None
-    start_step = resume_training(start.resume_from, start.accepted, state) if resumed else 0
+    start_step = resume_training(start.resume_from, start.accepted, state) if start.resume_from is not None else 0
     if resumed:
         logger.info("resumed from %s at step %d (epoch %d)", start.resume_from, start_step, feed.epoch)
     horizon = Horizon(cfg.max_steps, cfg.stop_after_step, feed, interrupts.StopVote())
@@ -319,8 +319,9 @@ def set_up(
         output_dir / "checkpoints", state, manifest, cfg.save_every, cfg.keep_last_n, horizon, background
     )
     if cfg.snapshot_steps:  # every step's state in host memory, written without collectives on a stop signal
-        checkpointer.snapshots = Snapshots(checkpointer.root, state, manifest, checkpointer.extra_files(), device)
-        checkpointer.snapshots.watch()
+        snapshots = Snapshots(checkpointer.root, state, manifest, checkpointer.extra_files(), device)
+        snapshots.watch()
+        checkpointer.snapshots = snapshots
     # eval.samples: a few prompts answered at every evaluation, into samples.jsonl (and wandb)
     samples = run_samples(
         cfg,

@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,8 @@ class StepTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._start = self._end = None
+        self._start: torch.cuda.Event | None = None
+        self._end: torch.cuda.Event | None = None
         self._host: list[float] = []
 
     def start(self) -> None:
@@ -57,7 +58,7 @@ class StepTimer:
 
     def seconds(self) -> float:
         """The last step's time (waits for its last kernel on CUDA)."""
-        if self.cuda:
+        if self._start is not None and self._end is not None:  # CUDA
             self._end.synchronize()
             return self._start.elapsed_time(self._end) / 1000.0
         return self._host[1] - self._host[0]
@@ -167,7 +168,7 @@ def init_wandb(output_dir: str, run_config: dict | None, wandb_kwargs: dict | No
     import wandb  # imported lazily: only runs that ask for it need it configured
 
     _drop_dead_wandb_service()
-    continued = {"id": run_id, "resume": "allow"} if run_id else {}
+    continued: dict[str, Any] = {"id": run_id, "resume": "allow"} if run_id else {}
     try:
         return wandb.init(config=run_config, dir=output_dir, **(wandb_kwargs or {}), **continued)
     except Exception as e:  # wandb raises many types (UsageError, CommError, connection errors, timeouts)

@@ -98,7 +98,8 @@ class Progress:
         """Leave the bar as it ended and give console logging back. Safe to call twice."""
         if self.bar is None:
             return
-        self._redirect.__exit__(None, None, None)
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
         self.bar.close()
         self.bar = self._redirect = None
 

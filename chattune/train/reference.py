@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -37,7 +38,7 @@ def reference_log_probs(
     def reference_model() -> torch.nn.Module:  # frozen: reference.path, else the initial policy; sharded alike
         if built.peft_model is not None and cfg.reference.path is None:  # LoRA: the policy's own base; no second model
             logger.info("reference: the policy's base (adapters off)")
-            return BaseModelView(built.model, built.peft_model)
+            return cast(torch.nn.Module, BaseModelView(built.model, built.peft_model))  # (a module's stand-in)
         return build_sharded_model(
             cfg,
             tokenizer,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from chattune.distributed import current_mesh
 from chattune.errors import UserError
 from chattune.train.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
 from chattune.train.feed import merge_states
-from chattune.train.run_state import RunState
+from chattune.train.run_state import OptimizerState, RunState
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def differences(saved: dict, current: dict, saved_hashes: dict[str, np.ndarray] 
             continue
         old_hashes = (saved_hashes or {}).get(key)
         hashed = record_hashes(Path(key)) if old_hashes is not None else None
-        if hashed is not None and len(hashed[0]) == len(old_hashes):
+        if hashed is not None and old_hashes is not None and len(hashed[0]) == len(old_hashes):
             changed = np.flatnonzero(hashed[0] != old_hashes)
             lines = hashed[1]
             named = [
@@ -294,7 +295,8 @@ def run_identity(world_size: int, fingerprint: dict) -> dict:
 def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState) -> int:
     """Collective: restore the run state (`chattune.train.run_state.training_state`) from the checkpoint at
     `directory`, checked by `check_resumable`, and make the changes it accepted take effect; returns its step."""
-    optimizer, scheduler = state["optimizer"].optimizer, state["scheduler"]
+    optimizer = cast(OptimizerState, state["optimizer"]).optimizer
+    scheduler = cast(torch.optim.lr_scheduler.LRScheduler, state["scheduler"])
     # The optimizer's hyperparameters as this run's config sets them (the checkpoint's state replaces them).
     configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
     if not accepted.layout_changed:
@@ -329,7 +331,7 @@ def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState)
     return step
 
 
-def follow_new_schedule(scheduler, optimizer) -> tuple[list[float], list[float]]:
+def follow_new_schedule(scheduler, optimizer) -> tuple[list, list]:  # (rates: floats, or tensors for torchao)
     """After loading a checkpoint's scheduler state into a scheduler built for another horizon, schedule
     or base rate: the rates at the resume step under the old and the new schedule, the optimizer set to
     the new ones (which a LambdaLR, e.g. transformers' warmup + cosine, computes in closed form from the

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -40,6 +41,8 @@ from chattune.train.metrics import start_step_log
 
 logger = logging.getLogger(__name__)
 
+HeldOutRecords = Sequence[int] | np.ndarray  # one training source's held-out record numbers
+
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -48,7 +51,7 @@ def run_samples(
     tokenizer: PreTrainedTokenizerBase,
     dist_info: DistInfo,
     resume_step: int | None,
-    held_out_records: Sequence[Sequence[int]] = (),
+    held_out_records: Sequence[HeldOutRecords] = (),
     wandb_run=None,
     model: PreTrainedModel | None = None,
 ) -> EvalSamples | None:
@@ -72,7 +75,7 @@ def run_samples(
     return EvalSamples(prompts, tokenizer, cfg.eval.max_new_tokens, dist_info, path, wandb_run)
 
 
-def sample_prompts(cfg: SFTConfig, held_out_records: Sequence[Sequence[int]] = ()) -> list[Prompt]:
+def sample_prompts(cfg: SFTConfig, held_out_records: Sequence[HeldOutRecords] = ()) -> list[Prompt]:
     """The prompts a run samples: the first eval.samples of eval.sample_prompts, or else of data.eval, then of
     the records data.eval_split holds out (`held_out_records`: their numbers in each training source); none with
     eval.samples=0, or evaluation off."""
@@ -125,11 +128,11 @@ class EvalSamples:
                     if turn < len(mine):
                         replies[index] = reply
         if world > 1:
-            gathered: list[dict[int, str] | None] = [None] * world if rank == 0 else None
+            gathered: list[dict[int, str] | None] | None = [None] * world if rank == 0 else None
             dist.gather_object(replies, gathered, dst=0)
             if rank != 0:
                 return []
-            replies = {index: text for part in gathered for index, text in part.items()}
+            replies = {index: text for part in gathered or [] if part is not None for index, text in part.items()}
         return [replies[i] for i in range(len(self.ids))]
 
     def _reply(self, model: PackedCausalLM, index: int, synced: bool) -> str:

@@ -167,7 +167,8 @@ class Snapshots:
     def __init__(
         self, root: Path, state: RunState, manifest: dict, extra_files: dict[str, bytes], device: torch.device
     ) -> None:
-        self.root, self.state, self.manifest, self.extra_files = root, state, manifest, extra_files
+        self.root, self.manifest, self.extra_files = root, manifest, extra_files
+        self.state: RunState | None = state  # (None once closed)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.device = device
@@ -189,7 +190,10 @@ class Snapshots:
         with self._lock:
             while self._writing:  # the watcher is writing the buffers this copy would overwrite
                 self._lock.wait()
-            sharded = self.state.sharded_state_dict()
+            state = self.state
+            if state is None:
+                raise RuntimeError("snapshot_steps: stage() after close()")
+            sharded = state.sharded_state_dict()
             layout = {
                 key: (tuple(value.shape), tuple(value.__create_chunk_list__()[0].offsets))
                 for key, value in _flatten(sharded).items()
@@ -200,7 +204,7 @@ class Snapshots:
             if self.device.type == "cuda":  # the device-to-host copies are queued: the writer waits for them
                 ready = torch.cuda.Event()
                 ready.record()
-            own = serialize({"step": step, **self.state.state_dict()})
+            own = serialize({"step": step, **state.state_dict()})
             self._staged = _Staged(step, copied, layout, own, ready)
             self._lock.notify_all()  # a signalled watcher writes this newer step too
 
@@ -245,6 +249,7 @@ class Snapshots:
                         return
                     self._lock.wait()
                 staged, self._writing = self._staged, True
+            assert staged is not None  # (a step newer than the written one is staged)
             try:
                 self._write(staged)
             except Exception:  # logged: the ordinary stop's checkpoint may still come; the process is ending anyway

@@ -184,7 +184,7 @@ def _clip_on_device(
     the next one (read at the step's start, it made a stop run one more whole step). `local_norm`: this rank's
     shards' norm, measured already (the update in the backward freed the gradients)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [g for p in params if (g := p.grad) is not None]
     mesh = current_mesh()
     # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
     if any(not isinstance(g, DTensor) for g in grads) and mesh.world_size > 1:
