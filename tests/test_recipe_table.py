@@ -17,7 +17,7 @@ from test_validate import CONFIGS, compose_config, problems
 
 from chattune.cli import catalog
 from chattune.config import losses as catalogue
-from chattune.config.schema import LOSS_TYPES, schema_for
+from chattune.config.schema import LOSS_TYPES, SCHEMAS
 from chattune.data.formats import PREFERENCE_FORMATS
 from chattune.data.sources import RECIPE_DATA
 from chattune.launch import recipe_kinds
@@ -38,12 +38,12 @@ from conftest import PROJECT_ROOT
 def test_each_kind_declares_its_schema_documents_formats_objective_and_reference():
     assert list(RECIPE_KINDS) == ["sft", "dpo", "reward", "kto"]
     assert RECIPE_KINDS["sft"] is SFT and RECIPE_KINDS["dpo"] is DPO
-    assert RECIPE_KINDS["reward"] is REWARD and REWARD.schema is schema_for("reward") and REWARD.pairs
+    assert RECIPE_KINDS["reward"] is REWARD and REWARD.schema is SCHEMAS["reward"] and REWARD.pairs
     assert REWARD.objective_class() is RewardObjective and not REWARD.needs_reference
-    assert RECIPE_KINDS["kto"] is KTO and KTO.schema is schema_for("kto") and KTO.pairs  # an example: two segments
+    assert RECIPE_KINDS["kto"] is KTO and KTO.schema is SCHEMAS["kto"] and KTO.pairs  # an example: two segments
     assert KTO.objective_class() is KTOObjective and KTO.needs_reference
     assert set(KTO.formats) == {"unpaired", *PREFERENCE_FORMATS} and "unpaired" not in SFT.formats + DPO.formats
-    assert (SFT.schema, DPO.schema) == (schema_for("sft"), schema_for("dpo"))  # the schema checks' own table agrees
+    assert (SFT.schema, DPO.schema) == (SCHEMAS["sft"], SCHEMAS["dpo"])  # the schema checks' own table agrees
     assert (SFT.objective_class(), DPO.objective_class()) == (TokenCrossEntropy, PreferenceObjective)
     assert (SFT.pairs, DPO.pairs) == (False, True) and (SFT.needs_reference, DPO.needs_reference) == (False, True)
     assert set(DPO.formats) == set(PREFERENCE_FORMATS) and not set(SFT.formats) & set(PREFERENCE_FORMATS)

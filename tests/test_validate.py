@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.config.schema import schema_for
+from chattune.config.schema import SCHEMAS
 from chattune.launch.recipe_kinds import SFT
 from chattune.launch.validate import ConfigError, check_config, run_validate
 from conftest import PROJECT_ROOT
@@ -560,7 +560,7 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
 def test_the_schema_defaults_are_the_shipped_base_configs_and_its_nulls_have_types():
     # The schema in code and the YAML a recipe composes must not drift apart: same keys, same defaults.
     for recipe, name in (("sft", "sft/tiny"), ("dpo", "dpo/tiny"), ("reward", "reward/tiny")):
-        schema = schema_for(recipe)
+        schema = SCHEMAS[recipe]
         assert dataclasses.asdict(schema()) == OmegaConf.to_container(compose_config(name, []), resolve=False)
         null_by_default = [key for key, value in _leaves(dataclasses.asdict(schema())) if value is None]
         untyped = [key for key in null_by_default if not _nullable(schema, key)]
@@ -595,7 +595,7 @@ def test_every_key_of_the_schema_has_a_meaning():
             elif not item.metadata.get("help"):
                 yield prefix + item.name
 
-    assert [key for recipe in ("sft", "dpo", "reward") for key in keys_without_help(schema_for(recipe))] == []
+    assert [key for schema in SCHEMAS.values() for key in keys_without_help(schema)] == []
 
 
 def test_the_peft_group_and_its_keys(tmp_path):
@@ -603,7 +603,7 @@ def test_the_peft_group_and_its_keys(tmp_path):
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rank=8"], CONFIGS)
     assert (report, ok) == ("config OK", True)
     assert OmegaConf.to_container(compose_config("sft/tiny", ["peft=lora"]).peft) == dataclasses.asdict(
-        typing.get_type_hints(schema_for("sft"))["peft"].__args__[0]()
+        typing.get_type_hints(SCHEMAS["sft"])["peft"].__args__[0]()
     )
     report, ok = run_validate(
         "sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rnk=8", "peft.rank=0", "peft.dropout=1.5"], CONFIGS

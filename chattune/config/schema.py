@@ -618,10 +618,6 @@ class KTOConfig(PreferenceConfig):
 SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig, "reward": RewardConfig, "kto": KTOConfig}
 
 
-def schema_for(recipe: str) -> type:
-    return SCHEMAS[recipe]
-
-
 # --- reading the schema: its keys, their types and metadata ---
 
 

@@ -84,11 +84,6 @@ def reads_row_length(module: nn.Module) -> bool:
     return dynamic or (any(rope_type != "default" for rope_type in types) and _forward_reads_row_length(type(module)))
 
 
-def row_length_rotaries(hf_model: nn.Module) -> list[str]:
-    """Names of the rotary modules of `hf_model` whose tables depend on the input's length."""
-    return [name for name, module in hf_model.named_modules() if reads_row_length(module)]
-
-
 def isolate_rotaries(hf_model: nn.Module) -> None:
     """Give every rotary module of `hf_model` that reads the input's length the per-document forward of the module
     docstring (an instance attribute: parameter names and state dicts are unchanged), and its caller a pre-hook
