@@ -247,7 +247,10 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
         "from chattune.launch.recipe_kinds import SFT\n\n\ndef main():\n    pass\n\n\nmain.recipe_kind = SFT\n"
     )
 
-    monkeypatch.setitem(sys.modules, "chattune.launch.validate", types.SimpleNamespace(run_validate=run_validate))
+    from chattune.launch.validate import MemoryPlan
+
+    stand_in = types.SimpleNamespace(run_validate=run_validate, MemoryPlan=MemoryPlan)
+    monkeypatch.setitem(sys.modules, "chattune.launch.validate", stand_in)
     assert main(["validate", "dpo/tiny", "max_steps=3"]) == 0
     assert capsys.readouterr().out == "report for dpo/tiny\n"
     assert main(["validate", "--config-name", "sft/local_model", "--config-path", str(tmp_path), "bad=1"]) == 1
