@@ -86,7 +86,8 @@ class ActivationOffload:
             return tensor
         if not self._streams:
             return tensor  # the host buffer itself, as `.to("cpu")` of it would return
-        self._copy.wait_stream(self._compute)
+        # No wait for the compute stream: the host copy was written on the copy stream, so the copy back can start
+        # while the compute stream still runs the backward's earlier nodes.
         with torch.cuda.stream(self._copy):
             on_device = tensor.to(self.device, non_blocking=True)
         self._compute.wait_stream(self._copy)
