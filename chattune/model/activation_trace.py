@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -185,9 +187,60 @@ def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator
             handle.remove()
 
 
+@dataclass(frozen=True)
+class _Trace:
+    """What one traced forward keeps, in bytes: per decoder layer (each storage once) and outside them (the final
+    norm's output, which the loss keeps, included); what offloading copies in and outside the layers; a layer's
+    input."""
+
+    per_layer: tuple[int, ...]
+    outside: int
+    moved_layers: int
+    moved_outside: int
+    layer_input: int
+
+
+# The last traces, by what decides them (the config object, held so its id stays its own, then dtype, tokens and
+# LoRA; a config is not changed once estimated): the memory advice estimates a run under a dozen changes, and most
+# change none of these.
+_TRACES: OrderedDict[tuple, tuple[object, _Trace | str]] = OrderedDict()
+_TRACES_KEPT = 8
+
+
 def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None, int | None]:
     """The activations one microbatch keeps for its backward (see the module docstring), on the device and, with
-    `offload_activations`, on the host; None where the forward cannot run on the meta device, with a note why."""
+    `offload_activations`, on the host; None where the forward cannot run on the meta device, with a note why.
+    With activation checkpointing each layer keeps its input, and one layer's activations exist again in its
+    recompute; offloaded (chattune.model.offload), the device holds one layer's activations at a time (recomputed,
+    or brought back for its backward) and the copies in flight (a layer's input, or a tensor of at most a layer's),
+    the host a copy of each tensor the forward saved (views of one storage each their own)."""
+    trace = _cached_trace(inputs)
+    if isinstance(trace, str):
+        notes.append(trace)
+        return None, None
+    largest = max(trace.per_layer, default=0)
+    layers = len(trace.per_layer)
+    checkpointed = inputs.activation_checkpointing
+    saved = layers * trace.layer_input if checkpointed else sum(trace.per_layer)  # what the layers keep
+    if not inputs.offload_activations:
+        return trace.outside + saved + (largest if checkpointed else 0), None
+    in_flight = trace.layer_input if checkpointed else largest
+    moved_layers = layers * trace.layer_input if checkpointed else trace.moved_layers
+    return largest + in_flight, trace.moved_outside + moved_layers
+
+
+def _cached_trace(inputs: MemoryInputs) -> _Trace | str:
+    key = (id(inputs.hf_config), inputs.compute_dtype, inputs.tokens, inputs.lora_rank, inputs.lora_targets)
+    if key not in _TRACES:
+        _TRACES[key] = (inputs.hf_config, _trace(inputs))
+        if len(_TRACES) > _TRACES_KEPT:
+            _TRACES.popitem(last=False)
+    _TRACES.move_to_end(key)
+    return _TRACES[key][1]
+
+
+def _trace(inputs: MemoryInputs) -> _Trace | str:
+    """The decoder's forward of `inputs.tokens` tokens on the meta device, counted; or why it cannot run."""
     _register_trace_attention()
     model = meta_model(inputs.hf_config, inputs.compute_dtype, attention=TRACE_ATTENTION)
     model.train()
@@ -204,27 +257,18 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
         with _saved_bytes_by_layer(model, layers) as (counts, moved):
             hidden = decoder(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
     except Exception as error:  # noqa: BLE001  (a forward the meta device cannot run: said, never guessed)
-        notes.append(
+        return (
             f"activations not estimated: {type(model).__name__}'s forward does not run on the meta device "
             f"({type(error).__name__}: {str(error).splitlines()[0][:120]})"
         )
-        return None, None
     final = hidden.numel() * hidden.element_size()  # the final norm's output, which the loss keeps
-    per_layer = [counts.get(index, 0) for index in range(len(layers))]
-    outside = counts.get(None, 0) + final
-    layer_input = inputs.tokens * inputs.hf_config.hidden_size * hidden.element_size()
-    largest = max(per_layer, default=0)
-    saved = len(layers) * layer_input if inputs.activation_checkpointing else sum(per_layer)  # the layers keep
-    if not inputs.offload_activations:
-        return outside + saved + (largest if inputs.activation_checkpointing else 0), None
-    # Offloaded (chattune.model.offload): the device holds one layer's activations at a time (recomputed, or brought
-    # back for its backward) and the copies in flight (a layer's input, or a tensor of at most a layer's); the host
-    # a copy of each tensor the forward saved (views of one storage each their own).
-    in_flight = layer_input if inputs.activation_checkpointing else largest
-    moved_layers = (
-        len(layers) * layer_input if inputs.activation_checkpointing else sum(moved.values()) - moved.get(None, 0)
+    return _Trace(
+        per_layer=tuple(counts.get(index, 0) for index in range(len(layers))),
+        outside=counts.get(None, 0) + final,
+        moved_layers=sum(moved.values()) - moved.get(None, 0),
+        moved_outside=moved.get(None, 0) + final,
+        layer_input=inputs.tokens * inputs.hf_config.hidden_size * hidden.element_size(),
     )
-    return largest + in_flight, moved.get(None, 0) + final + moved_layers
 
 
 def _add_meta_adapters(model: nn.Module, rank: int, targets: tuple[str, ...], dtype: torch.dtype) -> None:
