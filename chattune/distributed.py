@@ -358,3 +358,9 @@ def on_mesh_device(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor) and tensor.device.type != tensor.device_mesh.device_type:
         return tensor.to(tensor.device_mesh.device_type)
     return tensor
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor: `tensor` whole, gathered from its shards on its mesh's device (`on_mesh_device`);
+    a plain tensor as it is."""
+    return on_mesh_device(tensor).full_tensor() if isinstance(tensor, DTensor) else tensor

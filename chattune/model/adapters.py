@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 
 from chattune.config.schema import PeftConfig
 from chattune.data.packing import PackedBatch
-from chattune.distributed import on_mesh_device
+from chattune.distributed import whole_tensor
 from chattune.model.adapter_targets import AdapterTargets, describe_adapters, expert_stacks, resolve_targets
 
 if TYPE_CHECKING:  # peft (and the bitsandbytes it imports) is imported where adapters are made: seconds per process
@@ -143,7 +143,7 @@ def set_dora_magnitudes(hf_model: PreTrainedModel) -> None:
             continue
         magnitude = module.lora_magnitude_vector[ADAPTER].weight
         weight, a, b = module.get_base_layer().weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
-        a = on_mesh_device(a).full_tensor().to(a.device) if isinstance(a, DTensor) else a  # (host: CPU offload)
+        a = whole_tensor(a).to(a.device)  # (back to the host under CPU offload)
         local_b = b.to_local() if isinstance(b, DTensor) else b
         local_magnitude = magnitude.to_local() if isinstance(magnitude, DTensor) else magnitude
         if isinstance(weight, DTensor):

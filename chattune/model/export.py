@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedTokenizerBase
 
-from chattune.distributed import on_mesh_device
+from chattune.distributed import on_mesh_device, whole_tensor
 from chattune.files import set_aside
 from chattune.hub import hub_id
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
@@ -122,7 +122,7 @@ def plan_tensors(model: PackedCausalLM, dtype: torch.dtype) -> list[PlannedTenso
 def _whole_fp32(weight: torch.Tensor) -> torch.Tensor:
     """An adapter's small tensor whole (gathered where sharded), in fp32, for a merge."""
     weight = weight.detach()
-    return (on_mesh_device(weight).full_tensor() if isinstance(weight, DTensor) else weight).float()
+    return whole_tensor(weight).float()
 
 
 def _lora_merge(layer: LoraLayer) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
@@ -368,9 +368,7 @@ def export_adapter(
     for name, parameter in model.hf_model.named_parameters(remove_duplicate=False):
         if parameter.requires_grad:
             if id(parameter) not in gathered:
-                full = on_mesh_device(parameter.detach())
-                full = full.full_tensor() if isinstance(full, DTensor) else full
-                gathered[id(parameter)] = full.cpu()
+                gathered[id(parameter)] = whole_tensor(parameter.detach()).cpu()
             trained[f"base_model.model.{name}"] = gathered[id(parameter)]
     if not is_main:
         return
