@@ -45,8 +45,6 @@ from chattune.config.losses import LOSS_SETTINGS, LossSpec
 from chattune.config.schema import DPOLossConfig
 from chattune.config.typed import config_dict
 
-SETTINGS = LOSS_SETTINGS  # a loss's function takes those it reads by keyword (`PairLossRow.reads`)
-
 
 @dataclass(frozen=True)
 class PairRewards:
@@ -73,7 +71,7 @@ class PairLossRow:
     function: PairLossFunction
     needs_reference: bool  # rewards are log-ratios against a reference; False: the policy's own log-probs
     per_token: bool  # each side's reward is divided by its reply's token count (length-normalised)
-    reads: tuple[str, ...] = ()  # the settings (of SETTINGS) `function` takes by keyword
+    reads: tuple[str, ...] = ()  # the settings (of LOSS_SETTINGS) `function` takes by keyword
     # The objective adds the chosen reply's NLL averaged over all chosen tokens of the step (ORPO's SFT term: the
     # unit of that part is the token, not the pair; `PreferenceObjective` normalises it by the step's count).
     chosen_nll: bool = False
@@ -98,9 +96,9 @@ def register_pair_loss(row: PairLossRow) -> PairLossRow:
     catalogued = losses.PREFERENCE_LOSSES.get(row.name)
     if row.name in PAIR_LOSSES or (catalogued is not None and catalogued != row.spec):
         raise ValueError(f"a preference loss named {row.name!r} is registered already")
-    unknown = [name for name in row.reads if name not in SETTINGS]
+    unknown = [name for name in row.reads if name not in LOSS_SETTINGS]
     if unknown:
-        raise ValueError(f"preference loss {row.name!r} reads {unknown}, which are not loss settings {SETTINGS}")
+        raise ValueError(f"preference loss {row.name!r} reads {unknown}, which are not loss settings {LOSS_SETTINGS}")
     parameters = list(inspect.signature(row.function).parameters.values())[1:]
     taken = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     if taken != set(row.reads):
@@ -197,7 +195,7 @@ class PreferenceLoss:
         others at their defaults); the section's other keys (chunk_size, implementation, ...) are the output
         layer's."""
         values = config_dict(loss)
-        return cls(loss_type=values["type"], **{name: values[name] for name in SETTINGS if name in values})
+        return cls(loss_type=values["type"], **{name: values[name] for name in LOSS_SETTINGS if name in values})
 
     @property
     def row(self) -> PairLossRow:
