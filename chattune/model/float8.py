@@ -22,10 +22,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from chattune.model.adapter_targets import ROUTER_NAMES
+
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
-# A mixture of experts' router (Qwen3-MoE's `mlp.gate`, others' `router`): its logits pick the experts, and a
-# float8 rounding would move tokens between them; torchtitan leaves it out too.
-ROUTERS = ("gate", "router")
 
 
 def fp8_problem(mode: str, device: torch.device, adapted: bool) -> str | None:
@@ -65,7 +64,9 @@ def convert_linear_layers(decoder_layers: list[nn.Module], mode: str) -> int:
                 isinstance(module, nn.Linear)
                 and module.in_features % 16 == 0
                 and module.out_features % 16 == 0
-                and name.rsplit(".", 1)[-1] not in ROUTERS
+                # a mixture of experts' router: its logits pick the experts, and a float8 rounding would move
+                # tokens between them (torchtitan leaves it out too)
+                and name.rsplit(".", 1)[-1] not in ROUTER_NAMES
             ),
         )
     return sum(isinstance(module, Float8Linear) for layer in decoder_layers for module in layer.modules())
