@@ -64,6 +64,28 @@ def _warm_launch(command: list[str]) -> tuple[str, list[str], int | None] | None
     return (recipe, arguments, int(command[4])) if recipe.endswith(".py") else None
 
 
+# The model a test launch trains unless the test names its own (a `model.config.` key or another config): the
+# recipes' tiny default (192 wide, 4 layers) steps 4x slower on CI's 2 cores, and a launch test checks what a
+# run does (resumes, invariance, stops, files), which this one shows as well. Launches in a test that compares
+# them with a run it starts otherwise (its own subprocess) pass `small_model=False`.
+SMALL_MODEL = (
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+)
+RECIPE_FILES = {"sft.py", "dpo.py", "kto.py", "reward.py"}
+
+
+def with_small_model(command: list[str]) -> list[str]:
+    """`command` with SMALL_MODEL's keys right after its recipe file (so the test's own keys still win), where
+    it runs one of the four recipes from its default config and names no model configuration itself."""
+    recipe = next((i for i, a in enumerate(command) if Path(a).name in RECIPE_FILES), None)
+    if recipe is None or any(a.startswith(("model.config", "--config-name", "-cn")) for a in command):
+        return command
+    return [*command[: recipe + 1], *SMALL_MODEL, *command[recipe + 1 :]]
+
+
 def launch(
     command: list[str],
     env_extra: dict | None = None,
@@ -71,22 +93,25 @@ def launch(
     check: bool = True,
     real_torchrun: bool = False,
     cwd: Path = PROJECT_ROOT,
+    small_model: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run `command` from `cwd` (the project root) with the hub offline; with `check`, fail the test (its output
     shown) unless it succeeds. A `torchrun(...)` command, or `python RECIPE ...`, runs its ranks (its process)
     forked from a process with the imports done (`warm_ranks`: seconds per launch instead of about 10) unless
     `real_torchrun` (what a test of the launcher itself, signals or torchrun's reports needs) or `env_extra`
-    changes what is read at import."""
+    changes what is read at import. A recipe from its default config trains SMALL_MODEL (`small_model`)."""
     import warm_ranks
 
+    if small_model:
+        command = with_small_model(command)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}
     warm = None if real_torchrun or not warm_ranks.can_launch(env_extra or {}) else _warm_launch(command)
     if warm is None:
         result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         recipe, arguments, nproc = warm
-        logs = Path(tempfile.mkdtemp(prefix="chattune-ranks-"))
-        code, stdout, stderr = warm_ranks.launch(recipe, arguments, nproc, env, cwd, logs, timeout)
+        with tempfile.TemporaryDirectory(prefix="chattune-ranks-") as logs:
+            code, stdout, stderr = warm_ranks.launch(recipe, arguments, nproc, env, cwd, Path(logs), timeout)
         result = subprocess.CompletedProcess(command, code, stdout, stderr)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

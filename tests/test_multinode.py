@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_sft_recipe import read_metrics
 
-from conftest import PROJECT_ROOT, exported_weights, free_port, launch, relative_error, torchrun
+from conftest import PROJECT_ROOT, exported_weights, free_port, launch, relative_error, torchrun, with_small_model
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -41,25 +41,27 @@ def test_two_nodes_train_as_one_node_with_two_processes(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     launches = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(rank),
-                "--nproc_per_node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                endpoint,
-                "--rdzv-id",
-                "chattune-test",
-                *ARGS,
-                f"output_dir={nodes}",
-            ],
+            with_small_model(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--node_rank",
+                    str(rank),
+                    "--nproc_per_node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    "chattune-test",
+                    *ARGS,
+                    f"output_dir={nodes}",
+                ]
+            ),
             cwd=PROJECT_ROOT,
             env=env,
             stdout=subprocess.PIPE,

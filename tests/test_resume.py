@@ -318,7 +318,9 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
         "ledger=true",
     ]
     with open(tmp_path / "stopped.log", "w") as log:
-        process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            conftest.with_small_model(command), cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
@@ -388,7 +390,10 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     out = tmp_path / "once"
     with open(tmp_path / "once.log", "w") as log:
         process = subprocess.Popen(
-            [*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT
+            conftest.with_small_model([*command, f"output_dir={out}"]),
+            cwd=PROJECT_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGINT)
@@ -405,7 +410,11 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     slow = {**os.environ, "CHATTUNE_SLOW_AT": "step:3:20"}
     with open(tmp_path / "twice.log", "w") as log:
         process = subprocess.Popen(
-            [*command, f"output_dir={out}"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=slow
+            conftest.with_small_model([*command, f"output_dir={out}"]),
+            cwd=PROJECT_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=slow,
         )
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGINT)
@@ -468,7 +477,9 @@ def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(AGENT_GRACE_S),
     }
     with open(tmp_path / "stopped.log", "w") as log:
-        process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            conftest.with_small_model(command), cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
         _until_logged(process, out, 2)  # the workers are in step 3, asleep
         signalled = time.monotonic()
         for pid in _run_processes(out) if everyone else [process.pid]:

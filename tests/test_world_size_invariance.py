@@ -27,13 +27,6 @@ pytestmark = pytest.mark.launch  # every test here starts processes
 STEPS = 20
 TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
 CHATS, PAIRS = 40, 24
-# Launches dominate the time: a smaller model than sft/tiny's keeps 20 steps at a few seconds.
-SMALL_MODEL = [
-    "model.config.hidden_size=64",
-    "model.config.intermediate_size=128",
-    "model.config.num_hidden_layers=2",
-    "model.config.num_attention_heads=4",
-]
 
 
 def write_lines(path: Path, source: str, start: int, count: int) -> Path:
@@ -84,7 +77,6 @@ def launch(out: Path, nproc: int, recipe: str, *overrides: str) -> None:
             "data.max_tokens_per_microbatch=512",
             "data.buffer_records=8",
             "data.report_records=0",
-            *SMALL_MODEL,
             *overrides,
             nproc=nproc,
         )
