@@ -64,10 +64,11 @@ def _warm_launch(command: list[str]) -> tuple[str, list[str], int | None] | None
     return (recipe, arguments, int(command[4])) if recipe.endswith(".py") else None
 
 
-# The model a test launch trains unless the test names its own (a `model.config.` key or another config): the
-# recipes' tiny default (192 wide, 4 layers) steps 4x slower on CI's 2 cores, and a launch test checks what a
-# run does (resumes, invariance, stops, files), which this one shows as well. Launches in a test that compares
-# them with a run it starts otherwise (its own subprocess) pass `small_model=False`.
+# The model a test launch trains unless the test names its own (another model class, a whole `model.config`, or
+# another config): the recipes' tiny default (192 wide, 4 layers) steps 4x slower on CI's 2 cores, and a launch
+# test checks what a run does (resumes, invariance, stops, files), which this one shows as well. Its keys come
+# before the test's own, which still win. Tests whose figures were measured on the default, and launches compared
+# with a run started otherwise, pass `small_model=False`.
 SMALL_MODEL = (
     "model.config.hidden_size=64",
     "model.config.intermediate_size=128",
@@ -75,15 +76,20 @@ SMALL_MODEL = (
     "model.config.num_attention_heads=4",
 )
 RECIPE_FILES = {"sft.py", "dpo.py", "kto.py", "reward.py"}
+OWN_MODEL = ("model.config._target_=", "model.config={", "--config-name", "-cn")  # (after any leading + or ~)
+HYDRA_FLAGS_WITH_VALUES = {"--cfg", "-c", "--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"}
 
 
 def with_small_model(command: list[str]) -> list[str]:
-    """`command` with SMALL_MODEL's keys right after its recipe file (so the test's own keys still win), where
-    it runs one of the four recipes from its default config and names no model configuration itself."""
+    """`command` with SMALL_MODEL's keys where its overrides start (after its recipe file and Hydra's flags), when
+    it runs one of the four recipes and names no model of its own."""
     recipe = next((i for i, a in enumerate(command) if Path(a).name in RECIPE_FILES), None)
-    if recipe is None or any(a.startswith(("model.config", "--config-name", "-cn")) for a in command):
+    if recipe is None or any(a.lstrip("+~").startswith(OWN_MODEL) for a in command):
         return command
-    return [*command[: recipe + 1], *SMALL_MODEL, *command[recipe + 1 :]]
+    at = recipe + 1
+    while at < len(command) and command[at].startswith("-"):
+        at += 2 if command[at] in HYDRA_FLAGS_WITH_VALUES else 1
+    return [*command[:at], *SMALL_MODEL, *command[at:]]
 
 
 def launch(

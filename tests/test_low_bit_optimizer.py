@@ -33,8 +33,9 @@ RUN = (
 
 
 def _train(out: Path, optimizer: str, *overrides: str, nproc: int = 2) -> dict[int, float]:
-    result = launch(
-        torchrun("sft", f"output_dir={out}", f"optimizer._target_={optimizer}", *RUN, *overrides, nproc=nproc)
+    result = launch(  # sft/tiny's own model: the documented tolerance was measured on it
+        torchrun("sft", f"output_dir={out}", f"optimizer._target_={optimizer}", *RUN, *overrides, nproc=nproc),
+        small_model=False,
     )
     name = optimizer.rsplit(".", 1)[-1]
     assert (f"; levers: low-bit optimizer states ({name})" in result.stdout) == optimizer.startswith("torchao")
