@@ -124,6 +124,20 @@ def launch(
     return result
 
 
+def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)`: `fn(rank, *args)` in `nprocs` processes, a worker's
+    exception raised here with its traceback; the processes forked from `warm_ranks`' server, which has
+    imported torch, transformers and chattune (a spawned process imports them again: about 5 s each on CI's 2
+    cores, and the suite starts about a hundred). `fn` is a module-level function of a test module."""
+    import warm_ranks
+    from torch.multiprocessing import start_processes
+
+    warm_ranks.context()  # the server, started once per test process
+    start_processes(
+        warm_ranks.with_environment, (dict(os.environ), fn, *args), nprocs=nprocs, join=True, start_method="forkserver"
+    )
+
+
 def demo_tokenizer():
     return AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
 

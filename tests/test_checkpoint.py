@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from chattune.data.packing import collate_packed
@@ -18,7 +17,7 @@ from chattune.train.checkpoint import committed_checkpoints, find_latest, load_c
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import UpdateRule, train_step
-from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, tiny_model
+from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, spawn, tiny_model
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -100,7 +99,7 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
 
 @pytest.mark.launch
 def test_checkpoint_round_trip_and_hf_export(tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     weights = torch.load(tmp_path / "weights.pt")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert set(weights) <= set(exported)  # tied lm_head.weight may appear only in the loaded model

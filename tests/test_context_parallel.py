@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from test_sft_recipe import read_metrics
 
@@ -41,7 +40,7 @@ from chattune.objectives.dpo import CachedReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model, torchrun
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_model, torchrun
 
 # Qwen3-shaped (q/k norms, head_dim of its own), 8 query heads and 2 kv heads.
 QWEN3 = dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
@@ -182,7 +181,7 @@ def test_long_documents_split_across_ranks_train_as_on_one(tmp_path, one_rank_gr
     assert relative_error(one_rank, want["dpo"]) <= 2e-5
     for context in (2, 4):
         out_path = str(tmp_path / f"c{context}.pt")
-        mp.spawn(_worker, args=(context, free_port(), out_path, context == 2), nprocs=context, join=True)
+        spawn(_worker, args=(context, free_port(), out_path, context == 2), nprocs=context)
         got = torch.load(out_path)
         for objective, reference in (("sft", want["sft"]), ("dpo", one_rank)):
             error = relative_error(got[objective], reference)
@@ -404,7 +403,7 @@ def test_attention_sinks_split_across_a_context_group_train_as_on_one(tmp_path):
     (total / tokens).backward()
     want = {name: p.grad for name, p in stock.named_parameters()}
     out_path = str(tmp_path / "sinks.pt")
-    mp.spawn(_sink_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
+    spawn(_sink_worker, args=(2, free_port(), out_path), nprocs=2)
     got = torch.load(out_path)
     assert relative_error(got["model.layers.0.self_attn.sinks"], want["model.layers.0.self_attn.sinks"]) <= TOLERANCE
     assert relative_error(got, want) <= TOLERANCE
@@ -448,7 +447,7 @@ def test_positions_that_depend_on_the_document_split_across_a_context_group(tmp_
     middle document straddles the two slices, the switches between its documents' lengths) accepts all three; a
     rotary that reads its input whole picks its factors from each rank's slice, which the split check refuses."""
     out_path = str(tmp_path / "outcomes.pt")
-    mp.spawn(_positions_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
+    spawn(_positions_worker, args=(2, free_port(), out_path), nprocs=2)
     outcomes = torch.load(out_path)
     assert {name: outcomes[name] for name in ("phi3-longrope", "llama-dynamic", "llama4_text-chunks")} == dict.fromkeys(
         ("phi3-longrope", "llama-dynamic", "llama4_text-chunks"), "accepted"

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -30,7 +29,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
-from conftest import free_port, init_worker_process_group, tiny_model
+from conftest import free_port, init_worker_process_group, spawn, tiny_model
 
 # 8 query heads: every context size here divides them (4 repeats the 2 kv heads).
 HEADS = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
@@ -119,7 +118,7 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
 @pytest.mark.launch
 def test_the_mesh_derives_groups_ranks_and_the_gradient_norm_for_every_layout(tmp_path, world_size):
     out_path = str(tmp_path / "mesh")
-    mp.spawn(_worker, args=(world_size, free_port(), out_path), nprocs=world_size, join=True)
+    spawn(_worker, args=(world_size, free_port(), out_path), nprocs=world_size)
     for rank in range(world_size):
         found = torch.load(f"{out_path}.rank{rank}")
         assert sorted(found) == [c for c in (1, 2, 4) if world_size % c == 0]

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from chattune.config.paths import DEMO_ASSETS
@@ -25,7 +24,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_model
 
 NUM_PAIRS = 8
 # beta 0.1 (the usual DPO value): the loss depends on differences of sequence log-probs (~-70 here), so fp32
@@ -151,7 +150,7 @@ def test_dpo_gradients_and_metrics_are_invariant_and_match_a_per_pair_computatio
         for name, split in splits.items():
             out_path = str(tmp_path / f"{reference}_{name}.pt")
             table = want["ref_table"] if reference == "cached" else None
-            mp.spawn(_worker, args=(len(split), free_port(), split, out_path, table), nprocs=len(split), join=True)
+            spawn(_worker, args=(len(split), free_port(), split, out_path, table), nprocs=len(split))
             got = torch.load(out_path)
             error = relative_error(got["grads"], want["grads"])
             assert error <= 1e-6, f"{reference} {name}: relative gradient error {error:.3g}"

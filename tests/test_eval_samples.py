@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from test_sft_recipe import read_metrics
 from torch.distributed.tensor import DTensor
@@ -26,7 +25,7 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import compiled_graphs, decoder_layers, shard_model
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
 from chattune.train.samples import EvalSamples, run_samples
-from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, torchrun
+from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, spawn, torchrun
 
 STEPS = [
     "max_steps=4",
@@ -188,7 +187,7 @@ def test_sample_replies_on_two_ranks_gathered_once_or_in_step_are_plain_generate
     own (where it fits), and every forward a collective with the ranks in step (rank 1 answers one prompt, then
     one whose reply nobody keeps). Rank 0 gets every reply, each plain transformers generate."""
     out_path = str(tmp_path / "answers")
-    mp.spawn(_answer_worker, args=(2, free_port(), str(chat_model_dir), out_path), nprocs=2, join=True)
+    spawn(_answer_worker, args=(2, free_port(), str(chat_model_dir), out_path), nprocs=2)
     expected = plain_replies(chat_model_dir, demo_chat_prompts(3))
     first, second = (torch.load(f"{out_path}.rank{rank}") for rank in (0, 1))
     for gather in (True, False):

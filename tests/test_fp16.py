@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
@@ -17,7 +16,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import LossScale, UpdateRule, accumulate_gradients, clip_gradients, train_step
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, relative_error, spawn, tiny_model
 
 # A real step holds millions of trainable tokens (64 microbatches of 16k tokens on 8 ranks): each token's
 # gradient is divided by all of them. This objective counts each token as that many.
@@ -79,7 +78,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 @pytest.mark.launch
 def test_fp16_gradients_underflow_without_loss_scaling_and_match_fp32_with_it(tmp_path):
     out = str(tmp_path / "fp16.pt")
-    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), out), nprocs=2)
     saved = torch.load(out)
     reference, reference_norm = saved["results"]["fp32"]
     unscaled, _ = saved["results"]["fp16"]

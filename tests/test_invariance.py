@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
@@ -18,7 +17,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients, clip_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, relative_error, spawn, tiny_model
 
 NUM_DOCS = 12
 
@@ -64,7 +63,7 @@ def _worker(
 
 def run_split(splits: list[list[list[int]]], tmp_path, name: str, checkpointing: bool = False) -> dict:
     out_path = str(tmp_path / f"{name}.pt")
-    mp.spawn(_worker, args=(len(splits), free_port(), splits, out_path, checkpointing), nprocs=len(splits), join=True)
+    spawn(_worker, args=(len(splits), free_port(), splits, out_path, checkpointing), nprocs=len(splits))
     return torch.load(out_path)
 
 

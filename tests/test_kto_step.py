@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_dpo_step import demo_pairs, sequence_logps
 
 from chattune.data.chat_template import probe_template, tokenize_conversation
@@ -24,7 +23,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_model
 
 NUM_EXAMPLES = 8
 WEIGHTS = KTOWeights(beta=0.1, desirable=1.0, undesirable=1.5)  # unequal: a swapped weight would be caught
@@ -153,7 +152,7 @@ def test_kto_gradients_and_metrics_are_invariant_and_match_a_hand_computation(tm
         split = splits[name]
         out_path = str(tmp_path / f"{reference}_{name}.pt")
         table = want["ref_table"] if reference == "cached" else None
-        mp.spawn(_worker, args=(len(split), free_port(), split, out_path, table), nprocs=len(split), join=True)
+        spawn(_worker, args=(len(split), free_port(), split, out_path, table), nprocs=len(split))
         got = torch.load(out_path)
         error = relative_error(got["grads"], want["grads"])
         assert error <= 1e-5, f"{reference} {name}: relative gradient error {error:.3g}"

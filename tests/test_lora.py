@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from test_sft_recipe import read_metrics
@@ -36,6 +35,7 @@ from conftest import (
     launch,
     plain_mean_token_loss,
     relative_error,
+    spawn,
     tiny_model,
     torchrun,
 )
@@ -123,11 +123,10 @@ def test_adapter_gradients_do_not_depend_on_the_split(tmp_path, variant):
     for name, split in splits.items():
         for checkpointing in (False, True) if name == "2x2" and variant == "lora" else (False,):
             out = str(tmp_path / f"{name}_{checkpointing}.pt")
-            mp.spawn(
+            spawn(
                 _worker,
                 args=(len(split), free_port(), split, out, checkpointing, variant),
                 nprocs=len(split),
-                join=True,
             )
             got = torch.load(out)
             assert sorted(got["grads"]) == sorted(want) and len(want) == TRAINED[variant]

@@ -11,7 +11,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import DeepseekV3Config, GraniteConfig, LlamaConfig, LongcatFlashConfig, Qwen3Config, Qwen3MoeConfig
 
 from chattune.config.schema import PeftConfig
@@ -24,7 +23,7 @@ from chattune.model.memory import MemoryInputs, estimate, parse_size
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
-from conftest import PROJECT_ROOT, demo_documents, demo_tokenizer, free_port, init_worker_process_group
+from conftest import PROJECT_ROOT, demo_documents, demo_tokenizer, free_port, init_worker_process_group, spawn
 
 SHAPES = {
     "llama": lambda: LlamaConfig(
@@ -186,7 +185,7 @@ def _counts_worker(rank: int, world_size: int, port: int, out: str) -> None:
 @pytest.mark.launch
 def test_parameters_gradients_and_optimizer_states_are_the_sharded_models_own(tmp_path):
     out = str(tmp_path / "counts.pt")
-    mp.spawn(_counts_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn(_counts_worker, args=(2, free_port(), out), nprocs=2)
     for case, (measured, estimated) in torch.load(out).items():
         assert measured == estimated, case
 

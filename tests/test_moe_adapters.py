@@ -12,7 +12,6 @@ import logging
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from chattune.data.packing import collate_packed
@@ -33,6 +32,7 @@ from conftest import (
     init_worker_process_group,
     plain_mean_token_loss,
     relative_error,
+    spawn,
     tiny_model,
 )
 
@@ -203,7 +203,7 @@ def test_expert_adapter_gradients_equal_a_plain_peft_model_on_each_document(tmp_
     split = [[[0, 1], [2]], [[3], [4, 5]]]
     out = tmp_path / "grads.pt"
     checkpointing = name == "qwen3_moe"
-    mp.spawn(_worker, args=(2, free_port(), name, split, str(out), checkpointing), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), name, split, str(out), checkpointing), nprocs=2)
     got = torch.load(out)
     assert sorted(got) == sorted(want)
     experts = [n for n in want if ".experts." in n and ".lora_" in n]

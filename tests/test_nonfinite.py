@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
@@ -15,7 +14,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import UpdateRule, train_step
-from conftest import demo_documents, free_port, init_worker_process_group, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, spawn, tiny_model
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -76,7 +75,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 def test_nan_on_one_rank_skips_the_update_on_all_ranks(tmp_path):
     out = str(tmp_path / "result")
-    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), out), nprocs=2)
     for rank in (0, 1):
         result = torch.load(f"{out}.rank{rank}")
         assert math.isnan(result["poisoned_norm"]), f"rank {rank} did not see the other rank's NaN"

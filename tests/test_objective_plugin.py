@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
@@ -17,7 +16,7 @@ from chattune.objectives.base import Objective, model_losses
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, relative_error, spawn, tiny_model
 
 
 class DocumentMeanCrossEntropy(Objective):
@@ -84,4 +83,4 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.mark.launch
 def test_a_new_objective_trains_and_evaluates_exactly_without_touching_the_loop():
-    mp.spawn(_worker, args=(f"port:{free_port()}",), nprocs=1, join=True)
+    spawn(_worker, args=(f"port:{free_port()}",), nprocs=1)

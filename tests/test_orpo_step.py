@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
 
@@ -22,7 +21,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import free_port, init_worker_process_group, relative_error, tiny_model
+from conftest import free_port, init_worker_process_group, relative_error, spawn, tiny_model
 
 LOSS = PreferenceLoss(loss_type="orpo", beta=0.1, orpo_lambda=0.5)
 
@@ -91,7 +90,7 @@ def test_orpo_gradients_and_metrics_are_invariant_and_match_a_hand_computation(t
     }
     for name, split in splits.items():
         out_path = str(tmp_path / f"{name}.pt")
-        mp.spawn(_worker, args=(len(split), free_port(), split, out_path), nprocs=len(split), join=True)
+        spawn(_worker, args=(len(split), free_port(), split, out_path), nprocs=len(split))
         got = torch.load(out_path)
         error = relative_error(got["grads"], want["grads"])
         assert error <= 1e-5, f"{name}: relative gradient error {error:.3g}"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import distribute_tensor
@@ -40,6 +39,7 @@ from conftest import (
     init_worker_process_group,
     plain_mean_token_loss,
     relative_error,
+    spawn,
     tiny_model,
 )
 
@@ -163,7 +163,7 @@ def dequantized_base(base) -> AutoModelForCausalLM:
 def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir, use_dora):
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    mp.spawn(_worker, args=(2, free_port(), str(base_dir), str(tmp_path), use_dora), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), str(base_dir), str(tmp_path), use_dora), nprocs=2)
     trained = torch.load(tmp_path / "trained.pt")
 
     # The plain model: dequantized base, peft's own adapters (DoRA's magnitudes computed by peft from it), the

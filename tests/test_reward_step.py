@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from test_dpo_step import NUM_PAIRS, pair_documents
 
@@ -24,7 +23,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, tiny_config
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_config
 
 CENTER = 0.05  # loss.center_rewards_coefficient: its term in the loss and the gradient is checked too
 HEAD_SCALE = 50.0  # random-init scores are ~1e-2: scaled, the rewards differ enough for the accuracy to say something
@@ -106,7 +105,7 @@ def test_reward_loss_gradients_and_metrics_match_plain_sequence_classification_f
     }
     for name, split in splits.items():
         out_path = str(tmp_path / f"{name}.pt")
-        mp.spawn(_worker, args=(len(split), free_port(), split, out_path), nprocs=len(split), join=True)
+        spawn(_worker, args=(len(split), free_port(), split, out_path), nprocs=len(split))
         got = torch.load(out_path)
         error = relative_error(got["grads"], want["grads"])
         assert error <= 1e-5, f"{name}: relative gradient error {error:.3g}"

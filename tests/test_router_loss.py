@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
@@ -24,7 +23,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, launch, relative_error, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, launch, relative_error, spawn, tiny_model
 
 COEFFICIENT = 0.5  # large, so that a wrong router term shows in the gradients
 MOE = {
@@ -181,7 +180,7 @@ def test_a_steps_gradient_with_the_router_loss_does_not_depend_on_the_split(spli
         "2rank_2mb_one_empty": [[[0, 1, 2, 3], [4, 5, 6]], [[7], []]],
     }[split]
     out_path = str(tmp_path / "out.pt")
-    mp.spawn(_worker, args=(len(splits), free_port(), splits, out_path), nprocs=len(splits), join=True)
+    spawn(_worker, args=(len(splits), free_port(), splits, out_path), nprocs=len(splits))
     got = torch.load(out_path)
     token_sum, router_sum, want_grads, tokens = stock_step()
     assert got["units"] == tokens

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -27,7 +26,7 @@ from chattune.errors import UserError
 from chattune.model.build import build_sharded_model
 from chattune.model.causal_lm import build_hf_model
 from chattune.model.export import export_dtype, export_hf
-from conftest import demo_tokenizer, exported_weights, free_port, init_worker_process_group, tiny_config
+from conftest import demo_tokenizer, exported_weights, free_port, init_worker_process_group, spawn, tiny_config
 
 # Odd first dimensions (vocabulary, heads * head_dim, MLP width): rank 1 holds one row fewer than rank 0.
 ODD_SHAPES = dict(
@@ -132,7 +131,7 @@ def loaded(tmp_path_factory):
         legacy / "model.safetensors",
         metadata={"format": "pt"},
     )
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     return tmp_path
 
 

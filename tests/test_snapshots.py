@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_checkpoint import full_optimizer_state, full_state, run_state, sharded
 
 from chattune import interrupts
@@ -23,7 +22,7 @@ from chattune.train.checkpoint import MANIFEST_FILE, committed_checkpoints, dama
 from chattune.train.feed import StepBatches
 from chattune.train.snapshot import Snapshots, advise, complete_snapshots, killing_grace_s
 from chattune.train.step import UpdateRule, train_step
-from conftest import demo_documents, free_port, init_worker_process_group
+from conftest import demo_documents, free_port, init_worker_process_group, spawn
 
 
 def _step(model, optimizer, rank: int, seed: int) -> None:
@@ -102,7 +101,7 @@ def test_a_snapshot_written_per_rank_is_a_checkpoint_that_loads_and_reshards(tmp
     earlier = root / "step_1"  # an earlier run's step 1 (this run resumed from an older checkpoint)
     earlier.mkdir(parents=True)
     (earlier / MANIFEST_FILE).write_text('{"step": 1, "note": "earlier run"}')
-    mp.spawn(_write_snapshot, args=(2, free_port(), str(tmp_path), committer_killed), nprocs=2, join=True)
+    spawn(_write_snapshot, args=(2, free_port(), str(tmp_path), committer_killed), nprocs=2)
     if committer_killed:
         assert committed_checkpoints(root) == [earlier]
         (line,) = complete_snapshots(root)
@@ -121,8 +120,8 @@ def test_a_snapshot_written_per_rank_is_a_checkpoint_that_loads_and_reshards(tmp
         "written_by": "snapshot",
     }
     assert (checkpoint / "extra.bin").read_bytes() == b"rank 0's"
-    mp.spawn(_load_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    mp.spawn(_load_snapshot, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
+    spawn(_load_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn(_load_snapshot, args=(1, free_port(), str(tmp_path)), nprocs=1)
 
 
 def test_a_snapshot_missing_a_rank_is_never_committed(tmp_path):

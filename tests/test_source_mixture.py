@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from chattune.data.mixing_policy import Mixer
 from chattune.data.source_mixture import MixtureSampler, ProbabilitySchedule
 from chattune.data.sources import MixedDocuments
-from conftest import ListSource, demo_documents, free_port, init_worker_process_group
+from conftest import ListSource, demo_documents, free_port, init_worker_process_group, spawn
 
 SIZES = [50, 200, 10]
 OFFSETS = [0, 50, 250, 260]
@@ -133,7 +133,7 @@ def torch_cpu():
 @pytest.mark.launch
 def test_online_update_matches_a_hand_computation_and_is_identical_on_every_rank():
     results = mp.Manager().dict()
-    mp.spawn(_update_on_rank, args=(2, free_port(), results), nprocs=2)
+    spawn(_update_on_rank, args=(2, free_port(), results), nprocs=2)
     (state0, logged0, draw0), (state1, logged1, draw1) = results[0], results[1]
     assert state0["log_weights"] == state1["log_weights"] and state0["schedule"] == state1["schedule"]
     assert logged0 == logged1

@@ -122,6 +122,16 @@ def _rank(recipe: str, argv: list[str], cwd: str, env: dict[str, str], out: str,
     runpy.run_path(recipe, run_name="__main__")
 
 
+def with_environment(rank: int, env: dict[str, str], fn, *args) -> None:
+    """`fn(rank, *args)` in a worker forked from the server, with the environment of the test that started it
+    (as a spawned worker inherits it; the server's own is that of the first launch) and fork as the default
+    start method (as in a spawned worker)."""
+    multiprocessing.set_start_method(None, force=True)
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
+
+
 def launch(
     recipe: str, argv: list[str], nproc: int | None, env: dict[str, str], cwd: Path, logs: Path, timeout: float
 ) -> tuple[int, str, str]:
