@@ -447,7 +447,9 @@ def test_positions_that_depend_on_the_document_split_across_a_context_group(tmp_
     middle document straddles the two slices, the switches between its documents' lengths) accepts all three; a
     rotary that reads its input whole picks its factors from each rank's slice, which the split check refuses."""
     out_path = str(tmp_path / "outcomes.pt")
-    spawn(_positions_worker, args=(2, free_port(), out_path), nprocs=2)
+    # Spawned, not forked from the preloaded server (conftest.spawn): forked workers accept the whole-row control
+    # below, which spawned ones (and torchrun's ranks) refuse; not yet understood (see the 2026-11-29 note).
+    torch.multiprocessing.spawn(_positions_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
     outcomes = torch.load(out_path)
     assert {name: outcomes[name] for name in ("phi3-longrope", "llama-dynamic", "llama4_text-chunks")} == dict.fromkeys(
         ("phi3-longrope", "llama-dynamic", "llama4_text-chunks"), "accepted"
