@@ -60,7 +60,8 @@ def test_each_signal_reaches_each_registered_child_once(tmp_path):
     relay._on_signal(signal.SIGTERM, None)
     relay.relay()  # nothing new: nothing sent again
     output, _ = worker.communicate(timeout=60)
-    assert output.split() == [str(int(signal.SIGUSR1)), str(int(signal.SIGTERM))]
+    # each once; the order two signals close together are handled in is not the order they were sent (seen under load)
+    assert sorted(output.split()) == sorted([str(int(signal.SIGUSR1)), str(int(signal.SIGTERM))])
     assert _alive(stranger_pid), "a process that is not a worker was signalled"
     subprocess.run(["kill", str(stranger_pid)])
     stranger.wait()
