@@ -890,11 +890,7 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
         f"{tokens:,.0f} tokens/s per device, MFU {mfu:.1%}"
         if mfu is not None
         else f"{tokens:,.0f} tokens/s per device",
-        " ".join(
-            part
-            for part in (f"peak {peak:.1f} GiB" if peak else "", f"estimated {estimate:.2f} GiB" if estimate else "")
-            if part
-        ),
+        ", ".join(([f"peak {peak:.1f} GiB"] if peak else []) + ([f"estimated {estimate:.2f} GiB"] if estimate else [])),
         compute,
     )
     if ctx.cuda and shape == "1.7b" and mode == "sft" and mfu is not None:

@@ -199,12 +199,6 @@ def test_long_documents_split_across_ranks_train_as_on_one(tmp_path, one_rank_gr
 # --- the recipes ---
 
 STEPS = 20
-SMALL_MODEL = [
-    "model.config.hidden_size=64",
-    "model.config.intermediate_size=128",
-    "model.config.num_hidden_layers=2",
-    "model.config.num_attention_heads=4",
-]
 ROW = 512  # tokens of a row: data.max_tokens_per_microbatch x parallel.context
 
 
@@ -231,7 +225,6 @@ def launch(
             "data.report_records=0",
             f"parallel.context={context}",
             f"data.max_tokens_per_microbatch={ROW // context}",
-            *SMALL_MODEL,
             *overrides,
             nproc=nproc,
         )

@@ -38,9 +38,6 @@ def test_forked_ranks_train_as_torchruns_workers(tmp_path):
             "data.eval=[]",
             "data.num_workers=2",
             "data.report_records=0",
-            "model.config.hidden_size=64",
-            "model.config.intermediate_size=128",
-            "model.config.num_attention_heads=4",
             nproc=2,
         )
         result = launch(command, real_torchrun=real)
