@@ -419,6 +419,7 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
         check_architecture(config, context_group=mesh.cp_group)
         outcomes[name] = "accepted"
     model_type, change, _ = THRESHOLDS["phi3-longrope"]
+    torch.manual_seed(0)  # the same miniature on every rank, as check_architecture builds it
     miniature = build_miniature(change(tiny_config(model_type)))
     try:
         with rotary.whole_row_rotaries():  # each rank's slice picks its own factors, from its own largest position
@@ -436,15 +437,16 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
 def test_positions_that_depend_on_the_document_split_across_a_context_group(tmp_path):
     """Under context parallelism each rank holds a slice of the row with the row's position ids: LongRoPE's and
     dynamic NTK's per-document tables and Llama 4's chunks and temperature must come from each document's length and
-    start in the whole row. The start-up check of the split row (`check_context_split`, on the probe's row whose
-    middle document straddles the two slices, the switches between its documents' lengths) accepts all three; a
-    rotary that reads its input whole picks its factors from each rank's slice, which the split check refuses."""
+    start in the whole row. The start-up check of the split row (`check_context_split`, on the probe's row of
+    documents of 11, 9 and 11 tokens, the switches between their lengths) accepts all three on 4 ranks; a rotary
+    that reads its input whole picks its factors from each rank's slice (the first quarter reaches position 7, the
+    row 10), which the split check refuses. On 2 ranks both halves reach position 10, as the row does, and that
+    rotary would pick the row's factors: so 4 ranks. The miniature is seeded: ranks with different weights would
+    be refused for that alone."""
     out_path = str(tmp_path / "outcomes.pt")
-    # Spawned, not forked from the preloaded server (conftest.spawn): forked workers accept the whole-row control
-    # below, which spawned ones (and torchrun's ranks) refuse; not yet understood (see the 2026-11-29 note).
-    torch.multiprocessing.spawn(_positions_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
+    spawn(_positions_worker, args=(4, free_port(), out_path), nprocs=4)
     outcomes = torch.load(out_path)
     assert {name: outcomes[name] for name in ("phi3-longrope", "llama-dynamic", "llama4_text-chunks")} == dict.fromkeys(
         ("phi3-longrope", "llama-dynamic", "llama4_text-chunks"), "accepted"
     )
-    assert "split across the 2 ranks of parallel.context differently" in outcomes["whole-row rotary"]
+    assert "split across the 4 ranks of parallel.context differently" in outcomes["whole-row rotary"]
