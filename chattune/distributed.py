@@ -22,13 +22,16 @@ from chattune.config.layout_rules import context_ranks_problem
 # lays ranks out), so the ranks of one context group are consecutive (the same machine first: the attention's
 # all-to-all is the busiest traffic of a step).
 MESH_AXES = ("dp_shard", "cp")
+HOST = torch.device("cpu")
+# Each axis's key under `parallel.` (the schema's ParallelConfig): the axes a config sets; dp_shard is the rest.
+CONFIG_AXES = {"context": "cp"}
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """This rank's place in the run's one named device mesh (torchtitan's `ParallelDims`): every degree of
-    parallelism is an axis named here once, and everything that depends on the layout derives from it: the
-    process groups, which rank reports the figures of the rows it trains, the data rank and the counts.
+    """This rank's place in the run's one device mesh (torchtitan's `ParallelDims`): every degree of parallelism is
+    an axis named here once, and everything that depends on the layout derives from it: the process groups, which
+    rank reports the figures of the rows it trains, the data rank and the counts.
 
     Axes today (`MESH_AXES`, outermost first; world = dp_shard x cp):
     - `dp_shard`: data parallelism with FSDP2 sharding. Each coordinate reads its own stream of microbatches
@@ -36,33 +39,26 @@ class ParallelDims:
     - `cp`: context parallelism (parallel.context): the `cp` consecutive ranks of a context group share each packed
       row, each holding a contiguous slice (`chattune.model.context_parallel`). They read the same microbatches,
       and only the group's first rank reports them (`reports_rows`).
-    FSDP2 shards the parameters over dp_shard x cp, the whole world (torchtitan's flattened `dp_shard_cp`):
-    `shard_ranks`; the gradient norm's squares sum over the same ranks (`grad_norm_group`).
 
-    The mesh (`mesh`, a torch `DeviceMesh` made by `init_distributed`) holds only the axes of degree above 1 (one
-    `dp_shard` axis of 1 on one rank), so a run without context parallelism makes no process group besides
-    the world, and an axis over every rank reuses the world's. A degree-1 axis has no group (`group` returns
-    None): a collective over it would be the identity. Never hand such a None to torch.distributed, which
-    reads None as the whole world.
+    Code asks for a mesh or group by its purpose, never by an axis (torchtitan's names):
+    - `dp`: the data-loading ranks (`data_rank` is this rank's place on it);
+    - `cp`: the context group;
+    - `dp_shard_cp`: the ranks FSDP2 shards each parameter over (`fsdp_mesh`, `shard_ranks`), today the world;
+    - `dp_cp`: the ranks whose rows make a step: the counts, the loss's figures and the gradient norm's squares
+      are summed over it (`loss_group`), today the world.
+    A purpose of degree 1 has no group (`group` returns None): a collective over it is the identity. Never hand
+    such a None to torch.distributed, which reads None as the whole world.
 
-    How the next axes plug in, each as one more entry of MESH_AXES and its degree, not a rewrite:
-    - HSDP: a `dp_replicate` axis outermost, (dp_replicate, dp_shard, cp). The data rank becomes
-      replicate x dp_shard + shard coordinate (`data_ranks` = dp_replicate x dp_shard); `shard_ranks` stays
-      dp_shard x cp, and `chattune.model.fsdp.shard_model` passes `fully_shard` the 2-D mesh
-      (dp_replicate, dp_shard_cp) (torchtitan's `_flatten` of dp_shard and cp), so FSDP2 all-reduces each
-      shard's gradient over the replicas. The gradient norm then sums its squares over the shard group
-      (dp_shard x cp) only: every replica holds the same reduced shards, and a sum over the whole world would
-      count each of them dp_replicate times. `grad_norm_group` becomes that group, and the finiteness and
-      stop flags that `chattune.train.step` sends in the same all-reduce need the world's sum (a second
-      all-reduce, or the world's sum with the squares divided by dp_replicate).
-    - Tensor parallelism: a `tp` axis innermost, (..., cp, tp). The model is parallelised with torch's
-      row-/column-wise plans (`parallelize_module` on `mesh["tp"]`) before `fully_shard` shards over
-      dp_shard_cp; the output layer is sharded over the vocabulary, so the chunked loss reduces its
-      log-sum-exp and target logit over `group("tp")`. The ranks of a tp group read the same microbatches and
-      compute the same row (the data rank ignores tp, `reports_rows` also asks tp coordinate 0). In the gradient
-      norm a parameter sharded over tp sums its squares over dp_shard x cp x tp, one replicated over tp (the
-      norms' weights) over dp_shard x cp only: the norm is then taken of the DTensors by their placements
-      (`get_total_norm` on them) rather than of the local shards.
+    The meshes are views of one 1-D world mesh (`_unflatten`), so each purpose's ranks come from one layout and
+    a purpose over every rank reuses the world's group: a run without context parallelism makes no process group
+    besides the world's. How the next axes plug in, each an entry of MESH_AXES and CONFIG_AXES and its place in
+    the views of `build`, not a rewrite:
+    - HSDP: a `dp_replicate` axis outermost; `fsdp_mesh` becomes the 2-D (dp_replicate, dp_shard_cp), so FSDP2
+      all-reduces each shard's gradient over the replicas; every replica then holds the same reduced shards, and
+      the gradient norm divides its squares by `grad_norm_replicas` before the sum over `dp_cp`.
+    - Tensor parallelism: a `tp` axis innermost, outside `dp_cp`: the ranks of a tp group read the same
+      microbatches and compute the same row (the data rank ignores tp, `reports_rows` also asks tp coordinate
+      0); the model is parallelised with DTensor plans on `mesh("tp")` before `fully_shard`.
     """
 
     rank: int
@@ -70,9 +66,8 @@ class ParallelDims:
     local_rank: int
     device: torch.device
     cp: int = 1  # context parallelism (parallel.context): ranks per context group
-    mesh: DeviceMesh | None = field(
-        default=None, repr=False, compare=False
-    )  # None: no groups (built by hand, one rank)
+    # The purposes' meshes (`build`); empty for a layout made by hand (arithmetic only, no groups).
+    meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.world_size % self.cp:  # the words of chattune.config.layout_rules, with the old ones
@@ -80,6 +75,38 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.context={self.cp} must divide the number of ranks, {self.world_size}: {problem}"
             )
+
+    # --- construction ---
+
+    @classmethod
+    def from_config(
+        cls, parallel: object | None, world_size: int, rank: int = 0, local_rank: int = 0, device: torch.device = HOST
+    ) -> ParallelDims:
+        """The layout `parallel` (the config's `parallel` section; None: every degree 1) gives `world_size` ranks,
+        without meshes: arithmetic only (what a launch would do, `chattune validate`'s estimate)."""
+        degrees = {axis: int(getattr(parallel, key, 1)) for key, axis in CONFIG_AXES.items()}
+        return cls(rank, world_size, local_rank, device, **degrees)
+
+    @classmethod
+    def one_rank(cls, device: torch.device = HOST) -> ParallelDims:
+        """One process without a process group (a plain model, an export)."""
+        return cls(0, 1, 0, device)
+
+    @classmethod
+    def build(cls, device: torch.device, parallel: object | None = None) -> ParallelDims:
+        """This rank's layout on the live default process group, with its meshes. Collective: every rank
+        builds the same views in the same order (a view's new process groups are made by all ranks)."""
+        layout = cls.from_config(
+            parallel, dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), device
+        )
+        world = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
+        meshes = {"dp_shard_cp": world, "dp_cp": world}
+        if layout.cp > 1:
+            data = _views(world, {"dp": layout.dp_shard, "cp": layout.cp})
+            meshes.update(data)
+        elif layout.dp_shard > 1:
+            meshes["dp"] = world
+        return replace(layout, meshes=meshes)
 
     # --- the axes ---
 
@@ -97,11 +124,6 @@ class ParallelDims:
     def coordinates(self) -> dict[str, int]:
         """This rank's coordinate along each axis (row-major over MESH_AXES)."""
         return {"dp_shard": self.rank // self.cp, "cp": self.rank % self.cp}
-
-    @property
-    def context_size(self) -> int:
-        """`cp`, under its older name."""
-        return self.cp
 
     # --- derived ---
 
@@ -122,30 +144,57 @@ class ParallelDims:
 
     @property
     def data_ranks(self) -> int:
-        """Data-parallel ranks: the streams of microbatches a step trains on."""
+        """Data-parallel ranks (the `dp` purpose): the streams of microbatches a step trains on."""
         return self.dp_shard
 
     @property
     def reports_rows(self) -> bool:
         """Whether this rank reports the figures of the rows it trains (loss units, losses, data counts, the
         ledger). Every rank of a context group computes the same row, and only its first one reports it, so
-        that sums over all ranks count every row once."""
+        that sums over `loss_group` count every row once."""
         return self.cp_rank == 0
 
     @property
     def shard_ranks(self) -> int:
-        """The ranks FSDP2 shards each parameter over: dp_shard x cp."""
+        """The ranks FSDP2 shards each parameter over (the `dp_shard_cp` purpose): dp_shard x cp."""
         return self.dp_shard * self.cp
 
-    # --- process groups ---
+    @property
+    def loss_ranks(self) -> int:
+        """The ranks whose rows make a step (the `dp_cp` purpose): dp_shard x cp."""
+        return self.dp_shard * self.cp
 
-    def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The process group of this rank's line along `axis` (one of MESH_AXES); None where its degree is 1."""
-        if self.degrees[axis] == 1:
+    @property
+    def grad_norm_replicas(self) -> int:
+        """How many ranks hold each gradient shard: a sum of squares over every rank counts each shard that
+        often (1 while every parameter is sharded over all of them)."""
+        return self.world_size // self.shard_ranks
+
+    # --- meshes and process groups ---
+
+    def mesh(self, purpose: str) -> DeviceMesh | None:
+        """The mesh of `purpose` (dp, cp, dp_shard_cp, dp_cp; see the class docstring); None where its degree
+        is 1."""
+        degree = {"dp": self.data_ranks, "cp": self.cp, "dp_shard_cp": self.shard_ranks, "dp_cp": self.loss_ranks}
+        if purpose not in degree:
+            raise ValueError(f"no mesh for {purpose!r}: one of {', '.join(degree)}")
+        if degree[purpose] == 1:
             return None
-        if self.mesh is None:
-            raise ValueError(f"{self} has no device mesh (made without init_distributed): no {axis} group")
-        return self.mesh.get_group(axis)
+        if purpose not in self.meshes:
+            raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): no {purpose} group")
+        return self.meshes[purpose]
+
+    def group(self, purpose: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's ranks for `purpose`; None where its degree is 1."""
+        mesh = self.mesh(purpose)
+        return None if mesh is None else mesh.get_group()
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh `fully_shard` takes: every rank of `dp_shard_cp` (one rank's own on one rank)."""
+        if "dp_shard_cp" not in self.meshes:
+            raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): nothing to shard over")
+        return self.meshes["dp_shard_cp"]
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
@@ -154,23 +203,32 @@ class ParallelDims:
         return self.group("cp")
 
     @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel ranks with this rank's cp coordinate (one per context group); None on one group."""
-        return self.group("dp_shard")
-
-    @property
-    def world_group(self) -> dist.ProcessGroup | None:
-        """Every rank (torch's default group); None without a process group."""
-        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-    @property
-    def grad_norm_group(self) -> dist.ProcessGroup | None:
-        """The ranks over which the squares of the gradient norm are summed: those whose shards together hold
-        every parameter once (`shard_ranks`, dp_shard x cp), today the whole world."""
-        return self.world_group
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose rows make a step (`dp_cp`): the counts, the loss's figures and the gradient norm's
+        squares are summed over it; None on one rank."""
+        return self.group("dp_cp")
 
 
-DistInfo = ParallelDims  # the name the recipes and the training loop knew it by
+def _views(world: DeviceMesh, degrees: dict[str, int]) -> dict[str, DeviceMesh]:
+    """The 1-D world mesh unflattened into `degrees` (outermost first, their product the world's size): each axis's
+    1-D mesh by name. Degree-1 axes are left out (each would make one one-rank group per rank); an axis over
+    every rank is the world itself. Collective."""
+    axes = {name: degree for name, degree in degrees.items() if degree > 1}
+    if len(axes) == 1:
+        return dict.fromkeys(axes, world)
+    views = world._unflatten(0, tuple(axes.values()), tuple(axes))
+    return {name: views[name] for name in axes}
+
+
+def world_rank() -> int:
+    """This process's rank among all processes (0 without a process group): for per-process files and work
+    (checkpoint state files, token-cache shards, fault injection), not for a parallel degree."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of processes (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def free_port() -> int:
@@ -194,8 +252,6 @@ def stop_with_launcher() -> None:
 
 
 _one_rank_group = False  # this process made its own one-rank group (launched without torchrun)
-_mesh: ParallelDims | None = None  # init_distributed's (`current_mesh`) ...
-_mesh_world: dist.ProcessGroup | None = None  # ... made on this default group (a later group is another run's)
 _groups_made = 0  # process groups this process has made (one per multirun job)
 ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's name, and its older one
 
@@ -208,12 +264,12 @@ def default_cuda_allocator(environ: dict[str, str] = os.environ) -> None:
         environ[ALLOCATOR_SETTINGS[0]] = "expandable_segments:True"
 
 
-def init_distributed(device: str = "auto", context_size: int = 1) -> ParallelDims:
+def init_distributed(device: str = "auto", parallel: object | None = None) -> ParallelDims:
     """Initialise torch.distributed (nccl on CUDA, gloo on CPU) from torchrun's environment, or as a
-    one-rank group when launched without torchrun, and this run's device mesh (`ParallelDims`).
-    `context_size` (parallel.context): ranks r*C .. r*C+C-1 form a context group; it must divide the number
-    of ranks."""
-    global _one_rank_group, _groups_made, _mesh, _mesh_world
+    one-rank group when launched without torchrun, and this run's device mesh (`ParallelDims.build`).
+    `parallel`: the config's `parallel` section (None: every degree 1); its degrees must divide the number of
+    ranks."""
+    global _one_rank_group, _groups_made
     stop_with_launcher()
     if "RANK" not in os.environ or _one_rank_group:
         # A group of its own: a fresh port for each (a multirun sweep makes one group per job, in one process).
@@ -254,37 +310,7 @@ def init_distributed(device: str = "auto", context_size: int = 1) -> ParallelDim
             **store,
         )
         _groups_made += 1
-    _mesh = None
-    unmeshed = ParallelDims(dist.get_rank(), dist.get_world_size(), local_rank, torch_device, context_size)  # checks C
-    _mesh = replace(unmeshed, mesh=device_mesh(torch_device.type, unmeshed.degrees))
-    _mesh_world = dist.group.WORLD
-    return _mesh
-
-
-def device_mesh(device_type: str, degrees: dict[str, int]) -> DeviceMesh:
-    """The named device mesh of the axes of `degrees` (MESH_AXES order) whose degree is above 1, or a one-axis
-    mesh of one rank. Collective: every rank creates every group, in the same order (an axis over every rank
-    reuses the world's group)."""
-    axes = {axis: degree for axis, degree in degrees.items() if degree > 1} or {MESH_AXES[0]: 1}
-    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
-
-
-def current_mesh() -> ParallelDims:
-    """This process's mesh: the one `init_distributed` made, while its process group lives; for a group made
-    without it (tests' own gloo groups) its ranks with no context parallelism, on the CPU unless the group is
-    nccl's; without any group, one rank. For code that has no mesh in hand (a step, an objective's figures)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return ParallelDims(0, 1, 0, torch.device("cpu"))
-    if _mesh is not None and _mesh_world is dist.group.WORLD:
-        return _mesh
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return ParallelDims(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), device)
-
-
-def counts_rows() -> bool:
-    """Whether this rank reports the figures of the rows it trains (`ParallelDims.reports_rows` of
-    `current_mesh()`), for code that has no mesh in hand."""
-    return current_mesh().reports_rows
+    return ParallelDims.build(torch_device, parallel)
 
 
 def host_values_on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -333,8 +359,6 @@ def broadcast_from_main(obj):
 def shutdown_distributed() -> None:
     """Wait for every rank, then tear the group down. Without the barrier a rank that finishes first can
     destroy its gloo context while a peer still talks to it, which aborts the process."""
-    global _mesh, _mesh_world
-    _mesh = _mesh_world = None
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -63,7 +63,7 @@ def _note_store():
 
 
 def _rank() -> int:
-    # torch's own rank, not the mesh's (`chattune.distributed.current_mesh`): errors are reported from before any
+    # torch's own rank, not the mesh's (`chattune.distributed.ParallelDims`): errors are reported from before any
     # mesh exists (the launcher, init_distributed itself) and from groups made without one.
     dist = _process_group()
     return dist.get_rank() if dist is not None else int(os.environ.get("RANK", "0"))

@@ -70,7 +70,7 @@ def local_directory(path: str, key: str) -> Path:
 def _barrier() -> None:
     import torch.distributed as dist
 
-    from chattune.distributed import current_mesh  # torch: only where a hub id is read
+    from chattune.distributed import world_size  # torch: only where a hub id is read
 
-    if current_mesh().world_size > 1:
+    if world_size() > 1:
         dist.barrier()

@@ -41,32 +41,32 @@ def main(composed: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`); from here on `cfg` is a KTOConfig ---
     cfg, config_notes = checked_config(composed, KTO)
-    dist_info = init_distributed(cfg.device, cfg.parallel.context)
-    setup_logging(dist_info.rank)
-    for note in config_notes if dist_info.is_main else []:
+    dims = init_distributed(cfg.device, cfg.parallel)
+    setup_logging(dims.rank)
+    for note in config_notes if dims.is_main else []:
         logger.info("config note: %s", note)
     # The output directory is this run's alone (a lock), and what the launch continues is settled.
-    start = claim_output_dir(cfg, dist_info)
+    start = claim_output_dir(cfg, dims)
 
     # --- data: examples (each with its mismatched sequence), every source behind one record index ---
     tokenizer = load_tokenizer(cfg.tokenizer)
-    data = build_training_data(cfg, dist_info, tokenizer, KTO.data)
+    data = build_training_data(cfg, dims, tokenizer, KTO.data)
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
-    built = build_trained_model(cfg, tokenizer, dist_info)
+    built = build_trained_model(cfg, tokenizer, dims)
     trainable = trainable_parameters(built.model)  # the adapters with peft=lora
-    optimizer = build_optimizer(cfg.optimizer, trainable, dist_info.device)  # fused on CUDA
+    optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
 
     # --- the loss and its reference log-probs: a live frozen model (or the LoRA base), or a cache ---
     weights = KTOWeights(cfg.loss.beta, cfg.loss.desirable_weight, cfg.loss.undesirable_weight)
-    reference, eval_reference = reference_log_probs(cfg, tokenizer, dist_info, built, data, KTO.name)
+    reference, eval_reference = reference_log_probs(cfg, tokenizer, dims, built, data, KTO.name)
     padding = (cfg.data.pad_to_multiple_of, data.pad_id)  # each pass's rows padded as the stream pads them
     objective = KTOObjective(weights, reference, data.num_sources, padding)
     eval_objective = KTOObjective(weights, eval_reference, padding=padding) if data.eval is not None else None
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)
+    train(cfg, dims, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)
     shutdown_distributed()
 
 

@@ -40,23 +40,23 @@ def main(composed: DictConfig) -> None:
     # --- set-up: every rank composes the same config and checks all of it (every problem at once, nothing
     # loaded yet, the same checks as `chattune validate`); from here on `cfg` is a typed RewardConfig ---
     cfg, config_notes = checked_config(composed, REWARD)
-    dist_info = init_distributed(cfg.device, cfg.parallel.context)
-    setup_logging(dist_info.rank)
-    for note in config_notes if dist_info.is_main else []:
+    dims = init_distributed(cfg.device, cfg.parallel)
+    setup_logging(dims.rank)
+    for note in config_notes if dims.is_main else []:
         logger.info("config note: %s", note)
     # The output directory is this run's alone (a lock), and what the launch continues is settled.
-    start = claim_output_dir(cfg, dist_info)
+    start = claim_output_dir(cfg, dims)
 
     # --- data: preference pairs (one document of two segments each), as DPO reads them ---
     tokenizer = load_tokenizer(cfg.tokenizer)
-    data = build_training_data(cfg, dist_info, tokenizer, REWARD.data)
+    data = build_training_data(cfg, dims, tokenizer, REWARD.data)
 
     # --- model: the HF sequence-classification model (num_labels=1) of model.path or model.config, its decoder
     # run packed as a causal LM's is, its score head read at each side's last token; LoRA adapters on
     # its frozen base with peft=lora (the score head trains in full next to them); FSDP2 ---
-    built = build_trained_model(cfg, tokenizer, dist_info, head=SCORE_HEAD)
+    built = build_trained_model(cfg, tokenizer, dims, head=SCORE_HEAD)
     trainable = trainable_parameters(built.model)
-    optimizer = build_optimizer(cfg.optimizer, trainable, dist_info.device)  # fused on CUDA
+    optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
 
     # --- the loss: Bradley–Terry per pair, normalised by the step's pairs over all ranks ---
@@ -64,7 +64,7 @@ def main(composed: DictConfig) -> None:
     eval_objective = RewardObjective(cfg.loss.center_rewards_coefficient)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)
+    train(cfg, dims, start, built, data, Learning(objective, optimizer, scheduler, eval_objective), tokenizer)
     shutdown_distributed()
 
 

@@ -37,30 +37,30 @@ def main(composed: DictConfig) -> None:
     # Checked as an SFT config (its schema, formats and rules); from here on `cfg` is typed: the
     # schema's dataclasses (SFTConfig), every interpolation resolved.
     cfg, config_notes = checked_config(composed, SFT)
-    dist_info = init_distributed(cfg.device, cfg.parallel.context)
-    setup_logging(dist_info.rank)
-    for note in config_notes if dist_info.is_main else []:
+    dims = init_distributed(cfg.device, cfg.parallel)
+    setup_logging(dims.rank)
+    for note in config_notes if dims.is_main else []:
         logger.info("config note: %s", note)
     # The output directory is this run's alone (a lock), and what the launch continues is settled (a
     # resume is checked against the checkpoint, an earlier run is never overwritten by accident).
-    start = claim_output_dir(cfg, dist_info)
+    start = claim_output_dir(cfg, dims)
 
     # --- data: each rank tokenizes (in loader workers) and packs only its own share of every epoch ---
     tokenizer = load_tokenizer(cfg.tokenizer)
     # Conversations with assistant-only labels, every source behind one record index, drawn as data.mixing
     # says; a data report; each rank's step feed.
-    data = build_training_data(cfg, dist_info, tokenizer, SFT.data)
+    data = build_training_data(cfg, dims, tokenizer, SFT.data)
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
-    built = build_trained_model(cfg, tokenizer, dist_info)
+    built = build_trained_model(cfg, tokenizer, dims)
     # With peft=lora the adapters alone: the optimizer and the checkpoints hold only them.
     trainable = trainable_parameters(built.model)
-    optimizer = build_optimizer(cfg.optimizer, trainable, dist_info.device)  # fused on CUDA
+    optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
     scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
     objective = TokenCrossEntropy(num_sources=data.num_sources)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dist_info, start, built, data, Learning(objective, optimizer, scheduler), tokenizer)
+    train(cfg, dims, start, built, data, Learning(objective, optimizer, scheduler), tokenizer)
     shutdown_distributed()
 
 

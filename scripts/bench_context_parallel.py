@@ -65,6 +65,7 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     from transformers import AutoConfig, AutoTokenizer
 
     from chattune.config.paths import DEMO_ASSETS
+    from chattune.config.schema import ParallelConfig
     from chattune.data.documents import IGNORE_INDEX, Document
     from chattune.data.packing import collate_packed
     from chattune.distributed import init_distributed, shutdown_distributed
@@ -74,13 +75,13 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     from chattune.train.feed import StepBatches
     from chattune.train.step import UpdateRule, train_step
 
-    dist_info = init_distributed("cpu", context_size=context)  # (threads: the cores over the ranks)
+    dims = init_distributed("cpu", ParallelConfig(context=context))  # (threads: the cores over the ranks)
     if threads:
         torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
     torch.manual_seed(0)
     hf_model = build_hf_model(tokenizer, AutoConfig.for_model("qwen3", **MODEL))
-    model = shard_model(PackedCausalLM(hf_model, context_group=dist_info.cp_group), "cpu", context)
+    model = shard_model(PackedCausalLM(hf_model, context_group=dims.cp_group), dims)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -93,7 +94,7 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     for _ in range(steps):
         start = time.perf_counter()
         result, _ = train_step(
-            model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), dist_info.device
+            model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), dims.device
         )
         times.append(time.perf_counter() - start)
         losses.append(result.loss_sum / max(result.global_units, 1))

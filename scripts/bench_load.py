@@ -123,12 +123,12 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
             "loss": {"chunk_size": 1024, "implementation": "chunked", "router_aux_coef": None},
         }
     )
-    dist_info = init_distributed("cpu")
+    dims = init_distributed("cpu")
     torch.distributed.barrier()
     before_load = RssSampler.current()
     sampler.reset()
     start = time.perf_counter()
-    built = build_sharded_model(cfg, VocabularyOnly(QWEN3_1_5B["vocab_size"]), dist_info, model_dir)
+    built = build_sharded_model(cfg, VocabularyOnly(QWEN3_1_5B["vocab_size"]), dims, model_dir)
     hf_model, model = built[0], built[1]  # (hf_model, model[, peft_model]) depending on the checkout
     torch.distributed.barrier()
     load_s, load_peak = time.perf_counter() - start, sampler.peak()
@@ -142,13 +142,13 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
         from chattune.model.export import export_dtype
 
         export_args["dtype"] = export_dtype("auto", model.source_dtype)
-    export_hf(model, VocabularyOnly(0), Path(out_dir) / "hf", dist_info.is_main, **export_args)
+    export_hf(model, VocabularyOnly(0), Path(out_dir) / "hf", dims.is_main, **export_args)
     torch.distributed.barrier()
     export_s, export_peak = time.perf_counter() - start, sampler.peak()
     exported_bytes = sum(f.stat().st_size for f in (Path(out_dir) / "hf").glob("*.safetensors"))
     record = {
-        "rank": dist_info.rank,
-        "world_size": dist_info.world_size,
+        "rank": dims.rank,
+        "world_size": dims.world_size,
         "parameters": parameters,
         "chattune": str(Path(inspect.getfile(chattune)).parent),
         "rss_before_load": before_load,

@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from chattune.distributed import free_port
+    from chattune.distributed import ParallelDims, free_port
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.model.fsdp import shard_model
     from chattune.train.checkpoint import save_checkpoint
@@ -48,7 +48,7 @@ def main() -> None:
         num_attention_heads=max(1, args.hidden // 64),
         num_key_value_heads=max(1, args.hidden // 64),
     )
-    model = shard_model(PackedCausalLM(LlamaForCausalLM(config)), args.device, 1)
+    model = shard_model(PackedCausalLM(LlamaForCausalLM(config)), ParallelDims.build(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)

@@ -149,7 +149,7 @@ class Context:
     rows: list[Row] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     not_run: list[str] = field(default_factory=list)  # the items a second call runs (--only)
-    dist_info: object = None  # chattune.distributed.DistInfo of the in-process checks' one-rank group
+    dims: object = None  # chattune.distributed.ParallelDims of the in-process checks' one-rank group
     figures: dict = field(default_factory=dict)  # (shape, mode): the throughput runs' figures
     compute: list[str] = field(default_factory=list)  # the start-up "compute:" lines of the models built here
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -254,8 +254,8 @@ def recipe_model(
     with open_dict(cfg):
         cfg.model.config = {"_target_": "transformers.Qwen3Config", **qwen3_config(shape, layers)}
     if head is None:
-        return build_sharded_model(cfg, tokenizer(ctx), ctx.dist_info, None)
-    return build_sharded_model(cfg, tokenizer(ctx), ctx.dist_info, None, head=head)
+        return build_sharded_model(cfg, tokenizer(ctx), ctx.dims, None)
+    return build_sharded_model(cfg, tokenizer(ctx), ctx.dims, None, head=head)
 
 
 def model_dir(ctx: Context, shape: str) -> Path:
@@ -774,7 +774,7 @@ def one_rank_group(ctx: Context):
     saved_environment = dict(os.environ)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)  # a group of its own, whatever the shell or a caller left set
-    ctx.dist_info = init_distributed(ctx.device.type)
+    ctx.dims = init_distributed(ctx.device.type)
     try:
         yield
     finally:
@@ -1322,7 +1322,7 @@ def varlen_gqa(ctx: Context) -> str:
         how = "torch's signature, no probe off CUDA"
     elif attention_kernels._FLASH_ATTN_VARLEN is not None:  # probe_native_gqa returns without probing
         how = "not probed: flash-attn is installed and takes the varlen path (attention sinks repeat the kv heads)"
-    elif ctx.dist_info is None:
+    elif ctx.dims is None:
         how = "not probed yet: no model was built in this process"
     else:
         how = "settled by probe_native_gqa in chattune.model.build.build_sharded_model"

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
-from chattune.distributed import free_port  # noqa: F401  (re-exported for the tests)
+from chattune.distributed import ParallelDims, free_port  # noqa: F401  (free_port: re-exported for the tests)
 from chattune.model.causal_lm import build_hf_model
 
 # One torch thread per pytest-xdist worker: the workers already fill the cores, and each worker's default threads
@@ -136,6 +136,14 @@ def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
     start_processes(
         warm_ranks.with_environment, (dict(os.environ), fn, *args), nprocs=nprocs, join=True, start_method="forkserver"
     )
+
+
+def mesh_dims(context: int = 1, device: str = "cpu") -> ParallelDims:
+    """The layout and meshes of this test process's live group (made by `init_worker_process_group` or
+    `one_rank_group`): what `shard_model` takes. Collective: every rank calls it, in the same order."""
+    from chattune.config.schema import ParallelConfig
+
+    return ParallelDims.build(torch.device(device), ParallelConfig(context=context))
 
 
 def demo_tokenizer():

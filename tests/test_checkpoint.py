@@ -17,7 +17,7 @@ from chattune.train.checkpoint import committed_checkpoints, find_latest, load_c
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import UpdateRule, train_step
-from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, spawn, tiny_model
+from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, mesh_dims, spawn, tiny_model
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def sharded(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = shard_model(PackedCausalLM(tiny_model(seed=seed)), "cpu", world_size)
+    model = shard_model(PackedCausalLM(tiny_model(seed=seed)), mesh_dims())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

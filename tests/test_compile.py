@@ -10,7 +10,7 @@ from chattune.data.packing import collate_packed
 from chattune.distributed import free_port
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import compile_enabled, compiled_graphs, shard_model
-from conftest import demo_documents, relative_error, tiny_model
+from conftest import demo_documents, mesh_dims, relative_error, tiny_model
 
 
 def _losses_and_grads(model, batches):
@@ -43,14 +43,13 @@ def test_compiled_layers_match_eager(activation_checkpointing, monkeypatch):
         batches = [collate_packed(documents[a:b]) for a, b in ((0, 5), (5, 12), (0, 3), (12, 20))]
         eager = _losses_and_grads(
             shard_model(
-                PackedCausalLM(tiny_model(seed=0)), "cpu", 1, activation_checkpointing=activation_checkpointing
+                PackedCausalLM(tiny_model(seed=0)), mesh_dims(), activation_checkpointing=activation_checkpointing
             ),
             batches,
         )
         model = shard_model(
             PackedCausalLM(tiny_model(seed=0)),
-            "cpu",
-            1,
+            mesh_dims(),
             compile=True,
             activation_checkpointing=activation_checkpointing,
         )
@@ -95,13 +94,16 @@ def test_a_hybrid_models_compiled_layers_match_eager(monkeypatch):
     try:
         batches = [collate_packed(demo_documents(5))]
         eager = _losses_and_grads(
-            shard_model(PackedCausalLM(tiny_model(seed=0, **overrides)), "cpu", 1, activation_checkpointing=True),
+            shard_model(PackedCausalLM(tiny_model(seed=0, **overrides)), mesh_dims(), activation_checkpointing=True),
             batches,
         )
         before = compiled_graphs()
         compiled = _losses_and_grads(
             shard_model(
-                PackedCausalLM(tiny_model(seed=0, **overrides)), "cpu", 1, compile=True, activation_checkpointing=True
+                PackedCausalLM(tiny_model(seed=0, **overrides)),
+                mesh_dims(),
+                compile=True,
+                activation_checkpointing=True,
             ),
             batches,
         )

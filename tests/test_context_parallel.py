@@ -27,9 +27,10 @@ from test_sft_recipe import read_metrics
 import chattune.model.causal_lm as causal_lm
 import conftest
 from chattune.config.paths import DEMO_ASSETS
+from chattune.config.schema import ParallelConfig
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
-from chattune.distributed import current_mesh, exit_process, init_distributed, shutdown_distributed
+from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.errors import UnsupportedModel
 from chattune.model import context_parallel
 from chattune.model.causal_lm import PackedCausalLM
@@ -40,7 +41,16 @@ from chattune.objectives.dpo import CachedReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_model, torchrun
+from conftest import (
+    demo_tokenizer,
+    free_port,
+    init_worker_process_group,
+    mesh_dims,
+    relative_error,
+    spawn,
+    tiny_model,
+    torchrun,
+)
 
 # Qwen3-shaped (q/k norms, head_dim of its own), 8 query heads and 2 kv heads.
 QWEN3 = dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
@@ -123,16 +133,14 @@ def leaking_row_slice(batch, context_size, context_rank):
 row_slice = causal_lm.row_slice
 
 
-def _gradients(objective, rows, world_size) -> dict[str, torch.Tensor]:
-    policy = shard_model(
-        PackedCausalLM(model(), loss_chunk_size=64, context_group=current_mesh().cp_group), "cpu", world_size
-    )
+def _gradients(objective, rows, dims: ParallelDims) -> dict[str, torch.Tensor]:
+    policy = shard_model(PackedCausalLM(model(), loss_chunk_size=64, context_group=dims.cp_group), dims)
     policy.train()
     accumulate_gradients(policy, objective, StepBatches([collate_packed(row) for row in rows]), torch.device("cpu"))
     return {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
 
 
-def _probe_refusals(world_size: int) -> list[str | None]:
+def _probe_refusals(dims: ParallelDims) -> list[str | None]:
     """The start-up split probe on the model as it is, and on slices whose positions restart at 0 (what a model
     that reads positions from its input's length, not its position ids, would compute): its refusals."""
     refusals = []
@@ -143,7 +151,7 @@ def _probe_refusals(world_size: int) -> list[str | None]:
                 original(*args), position_ids=torch.arange(original(*args).num_tokens).unsqueeze(0)
             )
         try:
-            check_context_split(model(), current_mesh().cp_group)
+            check_context_split(model(), dims.cp_group)
             refusals.append(None)
         except UnsupportedModel as error:
             refusals.append(str(error))
@@ -154,16 +162,16 @@ def _probe_refusals(world_size: int) -> list[str | None]:
 
 def _worker(rank: int, world_size: int, port: int, out_path: str, leak: bool) -> None:
     init_worker_process_group(rank, world_size, port)
-    init_distributed("cpu", context_size=world_size)  # one context group of every rank
+    dims = init_distributed("cpu", ParallelConfig(context=world_size))  # one context group of every rank
     vocab = len(demo_tokenizer())
     got = {
-        "sft": _gradients(TokenCrossEntropy(), sft_rows(vocab), world_size),
-        "dpo": _gradients(PreferenceObjective(LOSS, CachedReference(REFERENCE)), [[pair_document(vocab)]], world_size),
+        "sft": _gradients(TokenCrossEntropy(), sft_rows(vocab), dims),
+        "dpo": _gradients(PreferenceObjective(LOSS, CachedReference(REFERENCE)), [[pair_document(vocab)]], dims),
     }
     if leak:
         causal_lm.row_slice = leaking_row_slice
-        got["sft_leaking"] = _gradients(TokenCrossEntropy(), sft_rows(vocab), world_size)
-        got["probe"] = _probe_refusals(world_size)
+        got["sft_leaking"] = _gradients(TokenCrossEntropy(), sft_rows(vocab), dims)
+        got["probe"] = _probe_refusals(dims)
     if rank == 0:
         torch.save(got, out_path)
     shutdown_distributed()
@@ -177,7 +185,7 @@ def test_long_documents_split_across_ranks_train_as_on_one(tmp_path, one_rank_gr
     # DPO's gradient is a difference of the two sides' log-prob gradients, which largely cancel: fp32 rounding of
     # the packed path against the unpacked one is 9e-6 of it here on one rank already. So the split runs are held
     # to the one-rank gradient of the same path, which is held to the unpacked computation.
-    one_rank = _gradients(PreferenceObjective(LOSS, CachedReference(REFERENCE)), [[pair_document(vocab)]], 1)
+    one_rank = _gradients(PreferenceObjective(LOSS, CachedReference(REFERENCE)), [[pair_document(vocab)]], mesh_dims())
     assert relative_error(one_rank, want["dpo"]) <= 2e-5
     for context in (2, 4):
         out_path = str(tmp_path / f"c{context}.pt")
@@ -364,17 +372,15 @@ def _gpt_oss_model():
 
 def _sink_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
-    mesh = init_distributed("cpu", context_size=world_size)
-    policy = shard_model(
-        PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64, context_group=mesh.cp_group), "cpu", world_size
-    )
+    dims = init_distributed("cpu", ParallelConfig(context=world_size))
+    policy = shard_model(PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64, context_group=dims.cp_group), dims)
     policy.train()
     rows = sft_rows(len(demo_tokenizer()))
     accumulate_gradients(
         policy, TokenCrossEntropy(), StepBatches([collate_packed(row) for row in rows]), torch.device("cpu")
     )
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
-    check_context_split(_gpt_oss_model(), mesh.cp_group)  # the start-up probe passes it too
+    check_context_split(_gpt_oss_model(), dims.cp_group)  # the start-up probe passes it too
     if rank == 0:
         torch.save(grads, out_path)
     shutdown_distributed()
@@ -411,19 +417,19 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
     from chattune.model.architecture_check import build_miniature, check_architecture
 
     init_worker_process_group(rank, world_size, port)
-    mesh = init_distributed("cpu", context_size=world_size)
+    dims = init_distributed("cpu", ParallelConfig(context=world_size))
     outcomes = {}
     for name in ("phi3-longrope", "llama-dynamic", "llama4_text-chunks"):
         model_type, change, _ = THRESHOLDS[name]
         config = change(tiny_config(model_type))
-        check_architecture(config, context_group=mesh.cp_group)
+        check_architecture(config, context_group=dims.cp_group)
         outcomes[name] = "accepted"
     model_type, change, _ = THRESHOLDS["phi3-longrope"]
     torch.manual_seed(0)  # the same miniature on every rank, as check_architecture builds it
     miniature = build_miniature(change(tiny_config(model_type)))
     try:
         with rotary.whole_row_rotaries():  # each rank's slice picks its own factors, from its own largest position
-            check_context_split(miniature, mesh.cp_group)
+            check_context_split(miniature, dims.cp_group)
         outcomes["whole-row rotary"] = "accepted"
     except UnsupportedModel as refusal:
         outcomes["whole-row rotary"] = str(refusal)

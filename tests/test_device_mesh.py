@@ -1,6 +1,6 @@
 """The run's one named device mesh (`chattune.distributed.ParallelDims`), on real gloo process groups: for worlds of
-1, 2 and 4 ranks and every context size that divides them, each rank's derived values (its context group's and
-data-parallel group's members, its data rank and the number of data ranks, whether it reports its rows, its
+1, 2 and 4 ranks and every context size that divides them, each rank's derived values (the members of each purpose's
+group, the process groups made, its data rank and the number of data ranks, whether it reports its rows, its
 coordinates as torch's DeviceMesh has them), and the gradient norm of a step of a context-parallel model, reduced
 over the mesh's group, equal to the full gradient's and to stock transformers' on the same documents unpacked."""
 
@@ -13,19 +13,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from chattune.config.schema import ParallelConfig
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
-from chattune.distributed import (
-    DistInfo,
-    ParallelDims,
-    counts_rows,
-    current_mesh,
-    exit_process,
-    init_distributed,
-    shutdown_distributed,
-)
+from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import shard_model
+from chattune.model.fsdp import parallel_dims_of, shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
@@ -33,6 +26,7 @@ from conftest import free_port, init_worker_process_group, spawn, tiny_model
 
 # 8 query heads: every context size here divides them (4 repeats the 2 kv heads).
 HEADS = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
+PURPOSES = ("dp", "cp", "dp_shard_cp", "dp_cp")
 
 
 def members(group) -> list[int] | None:
@@ -70,9 +64,7 @@ def grad_norms(mesh: ParallelDims) -> tuple[float, float, float]:
     """One step of a tiny model whose rows are split across the mesh's context group: (the norm `clip_gradients`
     reduces over the mesh's group, the full gradient's norm gathered from the shards, the plain reference's)."""
     hf_model = tiny_model(seed=0, **HEADS)
-    policy = shard_model(
-        PackedCausalLM(hf_model, loss_chunk_size=64, context_group=mesh.cp_group), "cpu", mesh.shard_ranks
-    )
+    policy = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64, context_group=mesh.cp_group), mesh)
     policy.train()
     row = collate_packed(documents(mesh.data_rank, hf_model.config.vocab_size))
     accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
@@ -80,32 +72,37 @@ def grad_norms(mesh: ParallelDims) -> tuple[float, float, float]:
     assert all(isinstance(g, DTensor) for g in grads)
     full = torch.nn.utils.get_total_norm([g.full_tensor() for g in grads], foreach=True)
     norm, finite = clip_gradients(policy, None)
-    assert finite
+    assert finite and parallel_dims_of(policy) is mesh
     return norm, float(full), plain_gradient_norm(mesh.data_ranks)
+
+
+def process_groups() -> int:
+    """The process groups this rank is a member of (torch's registry; the default group included)."""
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     found = {}
     for cp in (c for c in (1, 2, 4) if world_size % c == 0):
-        mesh = init_distributed("cpu", context_size=cp)
-        torch_mesh = mesh.mesh
+        before = process_groups()
+        mesh = init_distributed("cpu", ParallelConfig(context=cp))
+        local_ranks = {purpose: m.get_local_rank() for purpose in PURPOSES if (m := mesh.mesh(purpose)) is not None}
         found[cp] = {
+            "new_groups": process_groups() - before,
+            "groups": {purpose: members(mesh.group(purpose)) for purpose in PURPOSES},
             "cp_group": members(mesh.cp_group),
-            "dp_group": members(mesh.dp_group),
-            "world_group": members(mesh.world_group),
-            "grad_norm_group": members(mesh.grad_norm_group),
+            "loss_group": members(mesh.loss_group),
+            "fsdp_mesh": mesh.fsdp_mesh.mesh.flatten().tolist(),
+            "local_ranks": local_ranks,
             "data_rank": mesh.data_rank,
             "data_ranks": mesh.data_ranks,
             "cp_rank": mesh.cp_rank,
             "reports_rows": mesh.reports_rows,
-            "counts_rows": counts_rows(),
             "is_main": mesh.is_main,
             "degrees": mesh.degrees,
             "shard_ranks": mesh.shard_ranks,
-            "current": current_mesh() is mesh,
-            "mesh_axes": tuple(torch_mesh.mesh_dim_names),
-            "mesh_coordinates": {axis: torch_mesh.get_local_rank(axis) for axis in torch_mesh.mesh_dim_names},
+            "replicas": mesh.grad_norm_replicas,
             "coordinates": mesh.coordinates,
             "norms": grad_norms(mesh),
         }
@@ -119,39 +116,49 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
 def test_the_mesh_derives_groups_ranks_and_the_gradient_norm_for_every_layout(tmp_path, world_size):
     out_path = str(tmp_path / "mesh")
     spawn(_worker, args=(world_size, free_port(), out_path), nprocs=world_size)
+    world = list(range(world_size))
     for rank in range(world_size):
         found = torch.load(f"{out_path}.rank{rank}")
         assert sorted(found) == [c for c in (1, 2, 4) if world_size % c == 0]
         for cp, got in found.items():
             dp_shard = world_size // cp
             first = rank - rank % cp
-            assert got["cp_group"] == (list(range(first, first + cp)) if cp > 1 else None), (rank, cp)
-            assert got["dp_group"] == (list(range(rank % cp, world_size, cp)) if dp_shard > 1 else None), (rank, cp)
-            assert got["world_group"] == got["grad_norm_group"] == list(range(world_size))
+            context = list(range(first, first + cp)) if cp > 1 else None
+            data = list(range(rank % cp, world_size, cp)) if dp_shard > 1 else None
+            everyone = world if world_size > 1 else None
+            want = {"dp": data, "cp": context, "dp_shard_cp": everyone, "dp_cp": everyone}
+            assert got["groups"] == want, (rank, cp)
+            assert got["cp_group"] == context and got["loss_group"] == everyone, (rank, cp)
+            assert got["fsdp_mesh"] == world and got["shard_ranks"] == world_size and got["replicas"] == 1
+            # each purpose's mesh places this rank where the derived values say
+            want_local = {"dp": rank // cp, "cp": rank % cp, "dp_shard_cp": rank, "dp_cp": rank}
+            assert got["local_ranks"] == {p: want_local[p] for p, ranks in want.items() if ranks is not None}
+            # groups beyond the world's only where they are not the world: the data and context groups
+            assert got["new_groups"] == (2 if 1 < cp < world_size else 0), (rank, cp, got["new_groups"])
             assert (got["data_rank"], got["data_ranks"], got["cp_rank"]) == (rank // cp, dp_shard, rank % cp)
-            assert got["reports_rows"] == got["counts_rows"] == (rank % cp == 0)
-            assert got["is_main"] == (rank == 0) and got["current"]
-            assert got["degrees"] == {"dp_shard": dp_shard, "cp": cp} and got["shard_ranks"] == world_size
-            # torch's mesh holds the axes of degree above 1 (one of 1 on one rank), at the coordinates derived
-            want_axes = tuple(a for a, d in (("dp_shard", dp_shard), ("cp", cp)) if d > 1) or ("dp_shard",)
-            assert got["mesh_axes"] == want_axes
-            assert got["mesh_coordinates"] == {axis: got["coordinates"][axis] for axis in want_axes}
+            assert got["reports_rows"] == (rank % cp == 0)
+            assert got["is_main"] == (rank == 0)
+            assert got["degrees"] == {"dp_shard": dp_shard, "cp": cp}
             assert got["coordinates"] == {"dp_shard": rank // cp, "cp": rank % cp}
             norm, full, plain = got["norms"]
             assert abs(norm - full) <= 1e-5 * full, (rank, cp, norm, full)  # the shards' norm is the whole's
             assert abs(norm - plain) <= 1e-5 * plain, (rank, cp, norm, plain)  # ... and the plain model's
 
 
-def test_a_mesh_made_by_hand_or_without_a_group():
-    """DistInfo (the older name) made by hand: its counts, no groups; without a process group, one rank."""
-    one = DistInfo(0, 1, 0, torch.device("cpu"))
-    assert one == ParallelDims(0, 1, 0, torch.device("cpu"), cp=1)
-    assert (one.data_rank, one.data_ranks, one.reports_rows, one.cp_group, one.dp_group) == (0, 1, True, None, None)
-    hand = ParallelDims(5, 8, 1, torch.device("cpu"), cp=2)
-    assert (hand.data_rank, hand.data_ranks, hand.cp_rank, hand.reports_rows, hand.context_size) == (2, 4, 1, False, 2)
+def test_a_layout_made_by_hand_or_without_a_group():
+    """ParallelDims made by hand or from a config: its counts, no groups; a model never sharded: one rank."""
+    one = ParallelDims.one_rank()
+    assert one == ParallelDims(0, 1, 0, torch.device("cpu"), cp=1) == ParallelDims.from_config(None, 1)
+    assert (one.data_rank, one.data_ranks, one.reports_rows, one.cp_group, one.loss_group) == (0, 1, True, None, None)
+    hand = ParallelDims.from_config(ParallelConfig(context=2), 8, rank=5, local_rank=1)
+    assert (hand.data_rank, hand.data_ranks, hand.cp_rank, hand.reports_rows, hand.shard_ranks) == (2, 4, 1, False, 8)
     with pytest.raises(ValueError, match="no device mesh"):
         _ = hand.cp_group
+    with pytest.raises(ValueError, match="no device mesh"):
+        _ = hand.fsdp_mesh
+    with pytest.raises(ValueError, match="no mesh for 'tp'"):
+        hand.mesh("tp")
     with pytest.raises(ValueError, match=r"parallel.context=3 must divide the number of ranks, 8"):
         ParallelDims(0, 8, 0, torch.device("cpu"), cp=3)
     assert not dist.is_initialized()
-    assert current_mesh() == one and counts_rows()
+    assert parallel_dims_of(tiny_model()) == one

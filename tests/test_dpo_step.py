@@ -24,7 +24,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_model
+from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 
 NUM_PAIRS = 8
 # beta 0.1 (the usual DPO value): the loss depends on differences of sequence log-probs (~-70 here), so fp32
@@ -119,10 +119,10 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path, ref_table):
     init_worker_process_group(rank, world_size, port)
     documents = pair_documents()
-    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", world_size)
+    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), mesh_dims())
     policy.train()
     if ref_table is None:
-        reference = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=1)), "cpu", world_size))
+        reference = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=1)), mesh_dims()))
     else:
         reference = CachedReference(ref_table)
     objective = PreferenceObjective(LOSS, reference)
@@ -185,8 +185,8 @@ def test_dpo_metrics_before_the_first_step_are_known_where_the_reference_is_the_
     cpu = torch.device("cpu")
     documents = pair_documents()
     batches = [collate_packed(documents[:5]), collate_packed(documents[5:])]
-    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", 1)
-    live = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", 1))  # the initial policy, again
+    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), mesh_dims())
+    live = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims()))  # the initial policy, again
     table = torch.full((NUM_PAIRS, 2), float("nan"), dtype=torch.float64)
     for batch in batches:  # the reference cache's table, as reference_cache computes it: the live reference's values
         chosen, rejected = live(batch)

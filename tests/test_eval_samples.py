@@ -19,13 +19,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.formats import SourceSpec
 from chattune.data.prompts import Prompt, held_out_prompts
-from chattune.distributed import DistInfo, exit_process, init_distributed, shutdown_distributed
+from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import compiled_graphs, decoder_layers, shard_model
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
 from chattune.train.samples import EvalSamples, run_samples
-from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, spawn, torchrun
+from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, mesh_dims, spawn, torchrun
 
 STEPS = [
     "max_steps=4",
@@ -167,7 +167,7 @@ def _answer_worker(rank: int, world_size: int, port: int, model_dir: str, out_pa
     init_worker_process_group(rank, world_size, port)
     dims = init_distributed("cpu")
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ATTENTION_NAME)
-    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size)
+    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), dims)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [Prompt(m) for m in demo_chat_prompts(3)]
     samples = EvalSamples(prompts, tokenizer, 24, dims, Path(f"{out_path}.jsonl"))
@@ -231,7 +231,7 @@ def test_the_sharded_model_generates_as_the_plain_one_and_compiles_nothing_for_i
     restored after it (a training forward still runs the packed attention)."""
     torch._dynamo.reset()
     hf_model = AutoModelForCausalLM.from_pretrained(chat_model_dir, attn_implementation=ATTENTION_NAME)
-    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", 1, compile=compile)
+    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), mesh_dims(), compile=compile)
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     prompts = demo_chat_prompts(3)
     graphs = compiled_graphs()
@@ -252,7 +252,7 @@ def test_a_resumed_run_keeps_the_sample_lines_up_to_its_step_also_with_sampling_
     lines = [json.dumps({"step": step, "prompt": [], "reply": str(step)}) + "\n" for step in (0, 2, 4, 6)]
     (tmp_path / "samples.jsonl").write_text("".join(lines))
     cfg = OmegaConf.create({"output_dir": str(tmp_path), "eval_every": 2, "eval": {"samples": 0}})
-    one_rank = DistInfo(0, 1, 0, torch.device("cpu"))
+    one_rank = ParallelDims.one_rank()
     assert run_samples(cfg, None, one_rank, resume_step=2) is None
     assert (tmp_path / "samples.jsonl").read_text() == "".join(lines[:2])
     assert run_samples(cfg, None, one_rank, resume_step=None) is None  # a fresh run without samples: nothing written
@@ -316,7 +316,7 @@ def test_a_model_stock_transformers_cannot_generate_with_trains_with_its_sample_
             "data": {"eval": None, "train": []},
         }
     )
-    one_rank = DistInfo(0, 1, 0, torch.device("cpu"))
+    one_rank = ParallelDims.one_rank()
     tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
     bamba = tiny_model(model_type="bamba", attn_layer_indices=[], mamba_d_head=16, mamba_n_heads=8)
     with caplog.at_level(logging.WARNING, logger="chattune.train.samples"):

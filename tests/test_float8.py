@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_resume import read_metrics
 
-from conftest import exported_weights, launch, torchrun
+from conftest import exported_weights, launch, mesh_dims, torchrun
 
 pytest.importorskip("torchao.float8")
 
@@ -61,7 +61,7 @@ def test_tensorwise_weights_are_gathered_in_float8(one_rank_group):
 
     model = PackedCausalLM(tiny_model(hidden_size=64, intermediate_size=128))
     converted = convert_linear_layers(decoder_layers(model), "emulate")
-    model = shard_model(model, "cpu", 1, param_dtype="bfloat16")
+    model = shard_model(model, mesh_dims(), param_dtype="bfloat16")
     gathered = []
     original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
 

@@ -23,7 +23,7 @@ from chattune.objectives.dpo import LiveReference
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.step import UpdateRule, train_step
-from conftest import demo_documents, demo_tokenizer, exported_weights, tiny_model
+from conftest import demo_documents, demo_tokenizer, exported_weights, mesh_dims, tiny_model
 
 CPU = torch.device("cpu")
 LORA_WITH_EMBEDDINGS = OmegaConf.create(
@@ -41,7 +41,7 @@ LORA_WITH_EMBEDDINGS = OmegaConf.create(
 
 
 def _bf16_model(hf_model) -> PackedCausalLM:
-    return shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), "cpu", 1, param_dtype="bfloat16")
+    return shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), mesh_dims(), param_dtype="bfloat16")
 
 
 def _train_then_evaluate(model: PackedCausalLM, steps: int = 2) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import LossScale, UpdateRule, accumulate_gradients, clip_gradients, train_step
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, spawn, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 
 # A real step holds millions of trainable tokens (64 microbatches of 16k tokens on 8 ranks): each token's
 # gradient is divided by all of them. This objective counts each token as that many.
@@ -38,13 +38,13 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     cpu = torch.device("cpu")
     results = {}
     for name, dtype, scale in (("fp32", "float32", 1.0), ("fp16", "float16", 1.0), ("fp16_scaled", "float16", 2.0**16)):
-        model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", world_size, param_dtype=dtype)
+        model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims(), param_dtype=dtype)
         accumulate_gradients(model, LargeStep(), StepBatches([batch]), cpu, loss_scale=scale)
         norm, _ = clip_gradients(model, None, loss_scale=scale)
         results[name] = (gradients(model), norm)
 
     # An overflow: finite losses, infinite gradients. Every rank skips the update and halves the scale.
-    model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", world_size, param_dtype="float16")
+    model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims(), param_dtype="float16")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.full_tensor().clone() for p in model.parameters()]

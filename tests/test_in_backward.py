@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_resume import read_metrics
 
-from conftest import exported_weights, launch, relative_error, torchrun
+from conftest import exported_weights, launch, mesh_dims, relative_error, torchrun
 
 RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_every=0", "max_grad_norm=null")
 
@@ -79,7 +79,7 @@ def _one_rank_step(max_grad_norm, poison_gradients: bool = False):
     from chattune.train.step import UpdateRule, train_step
     from conftest import demo_documents, tiny_model
 
-    model = shard_model(PackedCausalLM(tiny_model()), "cpu", 1)
+    model = shard_model(PackedCausalLM(tiny_model()), mesh_dims())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     updater = UpdateInBackward(model, optimizer, torch.device("cpu"))

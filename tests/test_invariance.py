@@ -17,7 +17,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients, clip_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, spawn, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 
 NUM_DOCS = 12
 
@@ -29,8 +29,7 @@ def _worker(
     docs = demo_documents(NUM_DOCS)
     model = shard_model(
         PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16),
-        "cpu",
-        world_size,
+        mesh_dims(),
         activation_checkpointing=checkpointing,
     )
     model.train()

@@ -23,7 +23,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_model
+from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 
 NUM_EXAMPLES = 8
 WEIGHTS = KTOWeights(beta=0.1, desirable=1.0, undesirable=1.5)  # unequal: a swapped weight would be caught
@@ -117,10 +117,10 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path, ref_table):
     init_worker_process_group(rank, world_size, port)
     documents = kto_documents()
-    policy = shard_model(PackedCausalLM(tiny_model(seed=POLICY_SEED), loss_chunk_size=16), "cpu", world_size)
+    policy = shard_model(PackedCausalLM(tiny_model(seed=POLICY_SEED), loss_chunk_size=16), mesh_dims())
     policy.train()
     if ref_table is None:
-        reference = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=REFERENCE_SEED)), "cpu", world_size))
+        reference = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=REFERENCE_SEED)), mesh_dims()))
     else:
         reference = CachedReference(ref_table)
     objective = KTOObjective(WEIGHTS, reference)

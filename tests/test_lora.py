@@ -33,6 +33,7 @@ from conftest import (
     free_port,
     init_worker_process_group,
     launch,
+    mesh_dims,
     plain_mean_token_loss,
     relative_error,
     spawn,
@@ -82,7 +83,7 @@ def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkp
     docs = demo_documents(NUM_DOCS)
     hf_model, _ = lora_model(VARIANTS[variant])
     model = shard_model(
-        PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size, activation_checkpointing=checkpointing
+        PackedCausalLM(hf_model, loss_chunk_size=16), mesh_dims(), activation_checkpointing=checkpointing
     )
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) for mb in splits[rank]]

@@ -15,7 +15,7 @@ from transformers import DeepseekV3Config, GraniteConfig, LlamaConfig, LongcatFl
 
 from chattune.config.schema import PeftConfig
 from chattune.data.packing import collate_packed
-from chattune.distributed import exit_process, shutdown_distributed
+from chattune.distributed import ParallelDims, exit_process, shutdown_distributed
 from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import decoder_layers, shard_model
@@ -23,7 +23,15 @@ from chattune.model.memory import MemoryInputs, estimate, parse_size
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
-from conftest import PROJECT_ROOT, demo_documents, demo_tokenizer, free_port, init_worker_process_group, spawn
+from conftest import (
+    PROJECT_ROOT,
+    demo_documents,
+    demo_tokenizer,
+    free_port,
+    init_worker_process_group,
+    mesh_dims,
+    spawn,
+)
 
 SHAPES = {
     "llama": lambda: LlamaConfig(
@@ -152,7 +160,7 @@ def _counts_worker(rank: int, world_size: int, port: int, out: str) -> None:
                     for name in low_bit
                 }
             )
-            model = shard_model(PackedCausalLM(hf_model), "cpu", world_size)
+            model = shard_model(PackedCausalLM(hf_model), mesh_dims())
             trained = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(trained, lr=1e-3)
             batch = collate_packed(demo_documents(4, start=4 * rank))
@@ -349,7 +357,7 @@ def test_a_4_bit_base_is_counted_as_bitsandbytes_stores_it(one_rank_group, shape
         tensors = [module.weight.data, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
         four_bit += sum(t.numel() * t.element_size() for t in tensors)
         four_bit += 0 if module.bias is None else module.bias.numel() * 4
-    model = shard_model(PackedCausalLM(hf_model), "cpu", 1, replicated=replicated)
+    model = shard_model(PackedCausalLM(hf_model), mesh_dims(), replicated=replicated)
     shards = sum(p.to_local().numel() * 4 for p in model.parameters() if id(p) not in {id(q) for q in replicated})
     rows = estimate(replace(_inputs(hf_model, 1, 128, lora=True), quantized_base=True)).rows
     assert rows["4-bit base (replicated)"] == four_bit
@@ -374,7 +382,7 @@ def test_a_live_reference_is_counted_where_the_recipe_builds_a_second_model(over
 
     cfg = composed("dpo/tiny", ["model.path=null", *overrides], PROJECT_ROOT / "configs")
     hf_model = _model("llama", lora=False)
-    estimated = estimate(inputs_of(cfg, hf_model.config, ranks=2, on_cuda=True))
+    estimated = estimate(inputs_of(cfg, hf_model.config, ParallelDims.from_config(cfg.parallel, 2), on_cuda=True))
     assert ("live reference (fp32 shards)" in estimated.rows) == second_model
     if second_model:  # the reference's shards: the policy's full model's, whatever trains
         full = estimate(_inputs(hf_model, 2, 512, lora=False)).rows["parameters (fp32 shards)"]

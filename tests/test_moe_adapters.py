@@ -30,6 +30,7 @@ from conftest import (
     demo_tokenizer,
     free_port,
     init_worker_process_group,
+    mesh_dims,
     plain_mean_token_loss,
     relative_error,
     spawn,
@@ -176,7 +177,7 @@ def _worker(rank: int, world_size: int, port: int, name: str, splits, out_path: 
     docs = demo_documents(NUM_DOCS)
     hf_model, _ = moe_lora_model(name)
     model = shard_model(
-        PackedCausalLM(hf_model, loss_chunk_size=16), "cpu", world_size, activation_checkpointing=checkpointing
+        PackedCausalLM(hf_model, loss_chunk_size=16), mesh_dims(), activation_checkpointing=checkpointing
     )
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) for mb in splits[rank]]

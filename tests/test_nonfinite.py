@@ -14,7 +14,7 @@ from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import UpdateRule, train_step
-from conftest import demo_documents, free_port, init_worker_process_group, spawn, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, spawn, tiny_model
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -37,7 +37,7 @@ def full_weights(model) -> list[torch.Tensor]:
 
 def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     init_worker_process_group(rank, world_size, port)
-    model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", world_size)
+    model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batch = collate_packed(demo_documents(3, start=3 * rank))

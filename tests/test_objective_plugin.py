@@ -16,7 +16,7 @@ from chattune.objectives.base import Objective, model_losses
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, relative_error, spawn, tiny_model
+from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 
 
 class DocumentMeanCrossEntropy(Objective):
@@ -58,7 +58,7 @@ def test_an_objective_must_write_the_three_abstract_methods():
 def _worker(rank: int, out: str) -> None:
     init_worker_process_group(rank, 1, int(out.rsplit(":", 1)[1]))
     documents = demo_documents(3)
-    model = shard_model(PackedCausalLM(tiny_model(seed=0)), "cpu", 1)
+    model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims())
     objective = DocumentMeanCrossEntropy()
     accumulate_gradients(model, objective, StepBatches([collate_packed(documents)]), torch.device("cpu"))
     packed = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_sft_recipe import read_metrics
 
-from conftest import demo_documents, exported_weights, launch, relative_error, tiny_model, torchrun
+from conftest import demo_documents, exported_weights, launch, mesh_dims, relative_error, tiny_model, torchrun
 
 RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_every=0")
 
@@ -57,8 +57,7 @@ def test_offloaded_gradients_equal_the_plain_forwards(one_rank_group, compile, c
     def gradients(offload: bool):
         model = shard_model(
             PackedCausalLM(tiny_model()),
-            "cpu",
-            1,
+            mesh_dims(),
             activation_checkpointing=checkpointing,
             compile=compile,
             offload_activations=offload,
@@ -100,8 +99,7 @@ def test_the_estimates_offloaded_bytes_are_what_the_hooks_move(one_rank_group, c
     estimated = estimate(inputs).host_rows["activations (offloaded)"]
     model = shard_model(
         PackedCausalLM(hf_model, loss_chunk_size=16),
-        "cpu",
-        1,
+        mesh_dims(),
         activation_checkpointing=checkpointing,
         offload_activations=True,
     )
@@ -170,7 +168,7 @@ def test_cpu_offload_puts_every_unit_under_fsdp2s_offload_policy(one_rank_group)
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.model.fsdp import shard_model
 
-    model = shard_model(PackedCausalLM(tiny_model()), "cpu", 1, cpu_offload=True)
+    model = shard_model(PackedCausalLM(tiny_model()), mesh_dims(), cpu_offload=True)
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     params = [p for group in groups if group is not None for p in group.fsdp_params]
     assert len(params) == len(list(model.parameters())) and all(p.offload_to_cpu for p in params)

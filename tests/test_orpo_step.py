@@ -21,7 +21,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import free_port, init_worker_process_group, relative_error, spawn, tiny_model
+from conftest import free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 
 LOSS = PreferenceLoss(loss_type="orpo", beta=0.1, orpo_lambda=0.5)
 
@@ -63,7 +63,7 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path):
     init_worker_process_group(rank, world_size, port)
     documents = pair_documents()
-    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), "cpu", world_size)
+    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), mesh_dims())
     policy.train()
     objective = PreferenceObjective(LOSS, None)
     microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]

@@ -31,7 +31,7 @@ from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.export import export_hf
 from chattune.model.fsdp import shard_model
 from chattune.model.output_logits import LogitTransform
-from conftest import demo_tokenizer, exported_weights
+from conftest import demo_tokenizer, exported_weights, mesh_dims
 
 LENGTHS = (21, 9, 14)
 # (model type, tied): tied, the one matrix gets the gradients of the embedding and of the output layer
@@ -219,7 +219,7 @@ def test_sharded_the_bias_is_the_roots_trains_and_is_exported(one_rank_group, tm
     stock = copy.deepcopy(model)
     stock.set_attn_implementation("eager")
     documents = random_documents(model.config.vocab_size, LENGTHS)
-    packed = shard_model(PackedCausalLM(model, loss_chunk_size=16), "cpu", 1, param_dtype="float32")
+    packed = shard_model(PackedCausalLM(model, loss_chunk_size=16), mesh_dims(), param_dtype="float32")
     assert isinstance(model.lm_head.bias, DTensor)
     assert model.lm_head.bias not in set(p for layer in model.model.layers for p in layer.parameters())
     packed(collate_packed(documents)).sum().backward()

@@ -37,6 +37,7 @@ from conftest import (
     exported_weights,
     free_port,
     init_worker_process_group,
+    mesh_dims,
     plain_mean_token_loss,
     relative_error,
     spawn,
@@ -232,8 +233,7 @@ def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_pat
 
     model = shard_model(
         PackedCausalLM(hf_model, loss_chunk_size=64),
-        "cpu",
-        1,
+        mesh_dims(),
         param_dtype="bfloat16",
         replicated=replicated_parameters(hf_model),
     )

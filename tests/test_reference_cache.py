@@ -82,7 +82,7 @@ def test_the_reference_fingerprint_follows_the_chat_template_text(tmp_path):
 
     def fingerprint(*overrides: str) -> dict:
         return reference_cache.cache_fingerprint(
-            compose_config("dpo/tiny", ["model.path=null", *overrides]), "train", "cpu"
+            compose_config("dpo/tiny", ["model.path=null", *overrides]), "train", "cpu", 1
         )
 
     own, mine = fingerprint(), fingerprint(f"tokenizer.chat_template={template}")

@@ -23,7 +23,7 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_config
+from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_config
 
 CENTER = 0.05  # loss.center_rewards_coefficient: its term in the loss and the gradient is checked too
 HEAD_SCALE = 50.0  # random-init scores are ~1e-2: scaled, the rewards differ enough for the accuracy to say something
@@ -78,7 +78,7 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path):
     init_worker_process_group(rank, world_size, port)
     documents = pair_documents()
-    model = shard_model(PackedSequenceScorer(tiny_reward_model()), "cpu", world_size)
+    model = shard_model(PackedSequenceScorer(tiny_reward_model()), mesh_dims())
     model.train()
     objective = RewardObjective(CENTER)
     microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]

@@ -23,7 +23,16 @@ from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_documents, free_port, init_worker_process_group, launch, relative_error, spawn, tiny_model
+from conftest import (
+    demo_documents,
+    free_port,
+    init_worker_process_group,
+    launch,
+    mesh_dims,
+    relative_error,
+    spawn,
+    tiny_model,
+)
 
 COEFFICIENT = 0.5  # large, so that a wrong router term shows in the gradients
 MOE = {
@@ -156,7 +165,7 @@ def test_dpo_adds_each_pairs_mean_router_loss():
 def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]], out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
-    model = shard_model(packed_moe(), "cpu", world_size)
+    model = shard_model(packed_moe(), mesh_dims())
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
     objective = TokenCrossEntropy()
@@ -242,7 +251,9 @@ def test_experts_run_transformers_grouped_gemm_under_fsdp_checkpointing_and_comp
         monkeypatch.setenv(name, value)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
-        model = shard_model(packed, "cpu", 1, activation_checkpointing=True, compile=compile, param_dtype=param_dtype)
+        model = shard_model(
+            packed, mesh_dims(), activation_checkpointing=True, compile=compile, param_dtype=param_dtype
+        )
         model.train()
         batch = collate_packed(demo_documents(3))
         with profile(activities=[ProfilerActivity.CPU]) as trace:

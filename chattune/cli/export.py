@@ -57,17 +57,17 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Pat
     # Checked when its run launched; read as it is: the data, which an export does not read, may be gone.
     cfg = typed_config(saved, kind.schema)
     to = Path(to) if to is not None else output_dir / "exports" / checkpoint.name
-    dist_info = init_distributed(cfg.device, 1)
+    dims = init_distributed(cfg.device)  # every degree 1: one process
     try:
         from chattune.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
-        built = build_trained_model(cfg, tokenizer, dist_info, head=SCORE_HEAD if kind is REWARD else CAUSAL_LM_HEAD)
+        built = build_trained_model(cfg, tokenizer, dims, head=SCORE_HEAD if kind is REWARD else CAUSAL_LM_HEAD)
         weights = RunState()
         weights.add("model", ModelWeights(built.model), sharded=True)
         load_sharded(checkpoint, weights)  # the model's part alone; DCP reshards it to this one process
         logger.info("read the weights of step %d from %s", step, checkpoint)
-        return export_run(cfg, built, tokenizer, to, dist_info.is_main)
+        return export_run(cfg, built, tokenizer, to, dims.is_main)
     finally:
         shutdown_distributed()
 

@@ -31,23 +31,22 @@ from chattune.data.token_cache import (
     staging_directory,
     tokenizer_digest,
 )
-from chattune.distributed import broadcast_from_main, current_mesh
+from chattune.distributed import broadcast_from_main, world_rank, world_size
 from chattune.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
 def _rank_world() -> tuple[int, int]:
-    mesh = current_mesh()  # one rank for `chattune prepare` and `chattune inspect`
-    return mesh.rank, mesh.world_size
+    return world_rank(), world_size()  # one rank for `chattune prepare` and `chattune inspect`
 
 
 def _every_rank(value) -> list:
     """`value` of every rank, in rank order (one all-gather; no communication on one rank)."""
-    world_size = current_mesh().world_size
-    if world_size == 1:
+    ranks = world_size()
+    if ranks == 1:
         return [value]
-    values = [None] * world_size
+    values = [None] * ranks
     dist.all_gather_object(values, value)
     return values
 

@@ -24,7 +24,7 @@ import torch
 from chattune.config.schema import MIXING_MODES, MIXING_REWARDS, MixingConfig
 from chattune.data.formats import SourceSpec
 from chattune.data.source_mixture import MixtureSampler, ProbabilitySchedule
-from chattune.distributed import all_reduce_sum, current_mesh
+from chattune.distributed import all_reduce_sum, world_rank, world_size
 
 
 class Mixer:
@@ -87,8 +87,7 @@ class Mixer:
         identical on every rank, and their log figures; None on other steps."""
         if self.mode != "online" or step % self.update_every:
             return None
-        mesh = current_mesh()
-        world, rank = mesh.world_size, mesh.rank
+        world, rank = world_size(), world_rank()
         positions = np.zeros(world)
         positions[rank] = self.sampler.draw
         sums = (

@@ -200,6 +200,7 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
     import torch
 
     from chattune.data.tokenizer import load_tokenizer
+    from chattune.distributed import ParallelDims
     from chattune.model.memory import hf_config_of, inputs_of
     from chattune.model.memory_advice import report
 
@@ -207,7 +208,8 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
     if device_memory is None and on_cuda:
         device_memory = torch.cuda.get_device_properties(0).total_memory
     vocab = None if cfg.model.path is not None else len(load_tokenizer(cfg.tokenizer))
-    inputs = inputs_of(cfg, hf_config_of(cfg, vocab), ranks, on_cuda)
+    layout = ParallelDims.from_config(cfg.parallel, ranks)
+    inputs = inputs_of(cfg, hf_config_of(cfg, vocab), layout, on_cuda)
     where = "on a GPU" if on_cuda else "on the CPU"
     header = (
         f"memory per rank, estimated {where} ({ranks} rank(s), {inputs.tokens} tokens a microbatch, "

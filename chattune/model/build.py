@@ -20,7 +20,7 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.config.schema import PeftConfig, SFTConfig
 from chattune.config.typed import config_dict
-from chattune.distributed import DistInfo
+from chattune.distributed import ParallelDims
 from chattune.errors import UnsupportedModel, UserError
 from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
@@ -62,11 +62,11 @@ class BuiltModel(NamedTuple):
 
 
 def build_trained_model(
-    cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, dist_info: DistInfo, head: ModelHead = CAUSAL_LM_HEAD
+    cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, dims: ParallelDims, head: ModelHead = CAUSAL_LM_HEAD
 ) -> BuiltModel:
     """The model a recipe trains: model.path (or model.config) ending in `head`, with the `peft` section's
     adapters, sharded, in training mode, its size logged."""
-    built = build_sharded_model(cfg, tokenizer, dist_info, cfg.model.path, adapters=cfg.peft, head=head)
+    built = build_sharded_model(cfg, tokenizer, dims, cfg.model.path, adapters=cfg.peft, head=head)
     built.model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     # (a 4-bit weight counts its matrix's elements)
     num_params = sum(quantize.weight_shape(p).numel() for p in built.hf_model.parameters())
@@ -76,22 +76,22 @@ def build_trained_model(
         type(built.hf_model).__name__,
         num_params / 1e6,
         trained / 1e6,
-        dist_info.world_size,
-        dist_info.device,
+        dims.world_size,
+        dims.device,
     )
     return built
 
 
-def log_memory_estimate(cfg: SFTConfig, hf_config, dist_info: DistInfo) -> None:
+def log_memory_estimate(cfg: SFTConfig, hf_config, dims: ParallelDims) -> None:
     """Rank 0's start-up table of the run's memory per rank (`chattune.model.memory`), a warning if it will not
     fit the device."""
-    on_cuda = dist_info.device.type == "cuda"
+    on_cuda = dims.device.type == "cuda"
     try:
-        inputs = inputs_of(cfg, hf_config, dist_info.world_size, on_cuda)
+        inputs = inputs_of(cfg, hf_config, dims, on_cuda)
     except (AttributeError, KeyError) as error:  # a config without the keys a run has (a library caller's)
         logger.warning("memory per rank: not estimated (the config lacks %s)", error)
         return
-    device_memory = torch.cuda.get_device_properties(dist_info.device).total_memory if on_cuda else None
+    device_memory = torch.cuda.get_device_properties(dims.device).total_memory if on_cuda else None
     estimated, table = report(inputs, device_memory)
     total = estimated.total
     if device_memory is not None and total is not None and total > device_memory:
@@ -103,7 +103,7 @@ def log_memory_estimate(cfg: SFTConfig, hf_config, dist_info: DistInfo) -> None:
 def build_sharded_model(
     cfg: SFTConfig,
     tokenizer: PreTrainedTokenizerBase,
-    dist_info: DistInfo,
+    dims: ParallelDims,
     path: str | None,
     adapters: PeftConfig | None = None,
     key: str = "model.path",
@@ -120,31 +120,29 @@ def build_sharded_model(
         # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
         config = instantiate(cfg.model.config, _convert_="all")
         hf_model = build_hf_model(tokenizer, config=config, head=head)  # whole, on CPU
-        if key == "model.path" and dist_info.is_main:  # what the run will take per rank
-            log_memory_estimate(cfg, hf_model.config, dist_info)
+        if key == "model.path" and dims.is_main:  # what the run will take per rank
+            log_memory_estimate(cfg, hf_model.config, dims)
     else:
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
             raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
         stored_config = AutoConfig.from_pretrained(directory)
-        if key == "model.path" and dist_info.is_main:  # what the run will take per rank, before loading a weight
-            log_memory_estimate(cfg, stored_config, dist_info)
+        if key == "model.path" and dims.is_main:  # what the run will take per rank, before loading a weight
+            log_memory_estimate(cfg, stored_config, dims)
         hf_model, files, composite = _empty_or_full(directory, head)
         stored_dtype = load.source_dtype(stored_config)
         check_vocabulary(hf_model, tokenizer)
     if head is SCORE_HEAD:
-        if dist_info.cp > 1:  # the schema of the reward recipe refuses it first
+        if dims.cp > 1:  # the schema of the reward recipe refuses it first
             raise UserError("parallel.context: a reward model runs every packed row whole; set parallel.context=1")
         set_padding(hf_model, tokenizer)
     # on a random-init miniature: the real weights may not exist yet
-    device_type = dist_info.device.type
+    device_type = dims.device.type
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
-    check_architecture(hf_model.config, dist_info.device, dist_info.cp_group, dtype)
+    check_architecture(hf_model.config, dims.device, dims.cp_group, dtype)
     peft_model = add_adapters(hf_model, adapters, head.peft_task_type) if adapters is not None else None
     if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
-        quantize.quantize_linears(
-            decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dist_info.device
-        )
+        quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dims.device)
         if note := quantized_experts_note(hf_model, dtype):
             logger.info(note)
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
@@ -152,7 +150,7 @@ def build_sharded_model(
     # inputs make its forward exact in TF32.
     tf32_head = device_type == "cuda" and dtype != "float32" and implementation == "chunked"
     if device_type == "cuda":
-        probe_native_gqa(dist_info.device)  # before any layer is compiled: the attention reads what it settles
+        probe_native_gqa(dims.device)  # before any layer is compiled: the attention reads what it settles
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     replicated = quantize.replicated_parameters(hf_model)
     compile = compile_enabled(cfg.model.compile, device_type)
@@ -167,7 +165,7 @@ def build_sharded_model(
             f"loss.router_aux_coef: {type(hf_model).__name__} would train with its router load-balancing loss, "
             "which the reward recipe does not add to its loss; set loss.router_aux_coef=0"
         )
-    if router_loss is not None and dist_info.cp > 1:
+    if router_loss is not None and dims.cp > 1:
         raise UserError(
             f"loss.router_aux_coef: {type(hf_model).__name__} trains with its router load-balancing loss, "
             "computed per document, and parallel.context>1 splits documents across ranks; set "
@@ -175,7 +173,7 @@ def build_sharded_model(
         )
     fp8 = getattr(cfg.model, "fp8", None)  # (a library caller's config may leave it out)
     if fp8:
-        problem = fp8_problem(fp8, dist_info.device, adapted=adapters is not None)
+        problem = fp8_problem(fp8, dims.device, adapted=adapters is not None)
         if problem:
             raise UserError(f"model.fp8: {problem}")
     # The context group set on the model (its attention modules and its loss read it there), before compiling.
@@ -189,7 +187,7 @@ def build_sharded_model(
             stored_dtype,
             tf32_head,
             router_loss,
-            context_group=dist_info.cp_group,
+            context_group=dims.cp_group,
         )
     )
     if fp8:  # the decoder layers' linear layers, before compiling and sharding them
@@ -197,24 +195,23 @@ def build_sharded_model(
         logger.info("model.fp8=%s: %d linear layers of the decoder in float8 (torchao)", fp8, converted)
     model = shard_model(
         packed,
-        device_type,
-        dist_info.shard_ranks,
+        dims,
         **config_dict(cfg.model.fsdp),
         compile=compile,
         replicated=replicated,
     )
     describe_compute(model, device_type, memory_levers(cfg))
-    if dist_info.cp > 1:
+    if dims.cp > 1:
         logger.info(
             "context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
-            dist_info.cp,
+            dims.cp,
         )
     # What the export writes back: the composite's layout (None: the model's own). A reward model is a text
     # sequence classifier, which no composite class holds: it is exported as one.
     model.composite = composite if head is CAUSAL_LM_HEAD else None
     if files is not None:
         keys = composite.stored_names if composite is not None else None
-        load.materialise_and_load(model, hf_model, directory, files, dist_info.device, initial, keys)
+        load.materialise_and_load(model, hf_model, directory, files, dims.device, initial, keys)
     if adapters is not None and adapters.use_dora:
         set_dora_magnitudes(hf_model)  # from the loaded (or quantized) base: the norms of the weights it runs with
     return BuiltModel(hf_model, model, peft_model)

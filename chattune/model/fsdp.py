@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -28,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from chattune.config.schema import DTYPES, FSDPConfig
+from chattune.distributed import ParallelDims, world_size
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.offload import ActivationOffload
 from chattune.model.sequence_score import PackedSequenceScorer
@@ -169,20 +169,19 @@ def stay_gathered(model: nn.Module) -> Iterator[None]:
 
 def shard_model(
     model: PackedCausalLM,
-    device_type: str,
-    world_size: int,
+    dims: ParallelDims,
     compile: bool = False,
     replicated: set[nn.Parameter] | None = None,
     **fsdp: Any,
 ) -> PackedCausalLM:
-    """`world_size`: the ranks each parameter is sharded over (`ParallelDims.shard_ranks`: dp_shard x cp, the whole
-    world; HSDP would pass the 2-D (dp_replicate, dp_shard_cp) mesh instead, `chattune.distributed.ParallelDims`).
+    """`dims`: the run's layout (`chattune.distributed.ParallelDims`, built on its process group): each parameter is
+    sharded over its `fsdp_mesh`, and the model keeps it (`parallel_dims_of`) for the step and the figures.
     `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). `fsdp`: the
     keys of `model.fsdp` (`FSDPConfig`; those not given keep its defaults): the compute and reduction dtypes,
     activation checkpointing, offloaded activations (a training forward's saved tensors in host memory,
     `chattune.model.offload`) and CPU offload (the shards, their gradients and the optimizer step on the host,
     FSDP2's CPUOffloadPolicy). The model records what was applied (`compiled`, `compute_dtype`, `compute_device`,
-    `cpu_offload`, `activation_offload`): the loop, the loader and the logs read it there."""
+    `cpu_offload`, `activation_offload`, `parallel_dims`): the loop, the loader and the logs read it there."""
     settings = FSDPConfig(**fsdp)
     activation_checkpointing, cpu_offload = settings.activation_checkpointing, settings.cpu_offload
     if compile:
@@ -193,10 +192,12 @@ def shard_model(
             hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    device = dims.device
+    device_type = device.type
     param_dtype = compute_dtype(settings.param_dtype, device_type)
-    mesh = init_device_mesh(device_type, (world_size,))
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    mesh = dims.fsdp_mesh
     model.compiled, model.compute_dtype, model.compute_device = compile, param_dtype, device
+    model.parallel_dims = dims
     model.cpu_offload = cpu_offload
     model.activation_offload = ActivationOffload(device) if settings.offload_activations else None
     # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
@@ -219,6 +220,19 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def parallel_dims_of(model: nn.Module) -> ParallelDims:
+    """The layout `model` was sharded with (`shard_model`); a model never sharded runs on one process."""
+    dims = getattr(model, "parallel_dims", None)
+    if dims is not None:
+        return dims
+    if world_size() > 1:
+        raise ValueError(
+            f"{type(model).__name__} was not sharded by shard_model(model, dims): its layout over the "
+            f"{world_size()} ranks is unknown"
+        )
+    return ParallelDims.one_rank(model_device(model))
 
 
 def model_device(model: nn.Module) -> torch.device:

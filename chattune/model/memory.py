@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from chattune.distributed import ParallelDims
 from chattune.model.activation_trace import activation_bytes, lora_targets, meta_model, repeated_layers
 
 GiB = 2**30
@@ -58,7 +59,7 @@ class MemoryInputs:
     """What decides a rank's memory: the model's HF config and the run's settings."""
 
     hf_config: object
-    ranks: int  # the ranks FSDP shards over (all of them)
+    ranks: int  # the ranks FSDP shards each parameter over (`ParallelDims.shard_ranks`)
     tokens: int  # tokens of one microbatch on one rank
     compute_dtype: torch.dtype = torch.float32
     activation_checkpointing: bool = False
@@ -272,8 +273,9 @@ def hf_config_of(cfg, vocab_size: int | None = None):
     return config
 
 
-def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
-    """The memory inputs of a run of `cfg` (a composed recipe config) on `ranks` ranks, on CUDA or not."""
+def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInputs:
+    """The memory inputs of a run of `cfg` (a composed recipe config) laid out as `layout` (its meshes not
+    needed: `ParallelDims.from_config`), on CUDA or not."""
     fsdp, peft = cfg.model.fsdp, _get(cfg, "peft")
     dtype_name = fsdp.param_dtype if fsdp.param_dtype != "auto" else ("bfloat16" if on_cuda else "float32")
     reference = _get(cfg, "reference")
@@ -288,7 +290,7 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
     targets = peft.target_modules if peft is not None else ()
     return MemoryInputs(
         hf_config=hf_config,
-        ranks=ranks,
+        ranks=layout.shard_ranks,
         tokens=int(cfg.data.max_tokens_per_microbatch),
         compute_dtype=getattr(torch, dtype_name),
         activation_checkpointing=bool(fsdp.activation_checkpointing),
@@ -302,7 +304,7 @@ def inputs_of(cfg, hf_config, ranks: int, on_cuda: bool) -> MemoryInputs:
         update_in_backward=bool(_get(cfg.optimizer, "in_backward")),
         offload_activations=bool(_get(fsdp, "offload_activations")),
         cpu_offload=bool(_get(fsdp, "cpu_offload")),
-        microbatches_per_rank=_microbatches_per_rank(cfg, ranks),
+        microbatches_per_rank=_microbatches_per_rank(cfg, layout.data_ranks),
     )
 
 
@@ -323,9 +325,8 @@ def memory_levers(cfg) -> str:
     return ", ".join(lever for lever in levers if lever)
 
 
-def _microbatches_per_rank(cfg, ranks: int) -> int:
+def _microbatches_per_rank(cfg, data_ranks: int) -> int:
     total = _get(cfg.data, "microbatches_per_step")
-    data_ranks = max(1, ranks // int(_get(cfg.parallel, "context") or 1))  # a context group shares its rows
     return max(1, int(total) // data_ranks) if total else int(_get(cfg, "grad_accum_steps") or 1)
 
 

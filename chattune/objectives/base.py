@@ -65,8 +65,9 @@ class Objective(ABC):
         return
 
     def known_start_metrics(self, batches: list[PackedBatch], device: torch.device) -> dict[str, float] | None:
-        """Collective: the held-out metrics of `batches` before the first step without a forward; None: not
-        known in advance (an evaluation computes them)."""
+        """Collective: the held-out metrics of `batches` (this rank's to report: none on a rank whose context
+        group's first rank reports them) before the first step without a forward; None: not known in advance (an
+        evaluation computes them)."""
         return None
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
-from chattune.distributed import counts_rows, reduce_sums
+from chattune.distributed import reduce_sums
 from chattune.hub import hub_id
 from chattune.model.adapters import BaseModelView
 from chattune.model.fsdp import reshard
@@ -183,15 +183,14 @@ class PreferenceObjective(Objective):
         loss = self.loss.loss_without_preference()
         if not self.reference_is_start or loss is None:
             return None
-        weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
         sums = {"pairs": 0.0, "tokens": 0.0, "logps_chosen": 0.0, "logps_rejected": 0.0}
         for batch in batches:
-            sums["pairs"] += self.count_units(batch) * weight
-            sums["tokens"] += int((batch.labels != IGNORE_INDEX).sum()) * weight
+            sums["pairs"] += self.count_units(batch)
+            sums["tokens"] += int((batch.labels != IGNORE_INDEX).sum())
             if isinstance(self.reference, CachedReference) and batch.doc_ids:
                 chosen, rejected = self.reference(batch)
-                sums["logps_chosen"] += float(chosen.double().sum()) * weight
-                sums["logps_rejected"] += float(rejected.double().sum()) * weight
+                sums["logps_chosen"] += float(chosen.double().sum())
+                sums["logps_rejected"] += float(rejected.double().sum())
         sums = reduce_sums(sums, device)
         pairs = int(sums["pairs"])
         figures = {

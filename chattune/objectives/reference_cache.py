@@ -27,9 +27,9 @@ from chattune.config.typed import config_dict
 from chattune.data.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.data.template_choice import template_fingerprint
-from chattune.distributed import all_reduce_max, all_reduce_sum, counts_rows
+from chattune.distributed import all_reduce_max, all_reduce_sum
 from chattune.hub import local_directory
-from chattune.model.fsdp import reshard
+from chattune.model.fsdp import parallel_dims_of, reshard
 from chattune.objectives.dpo import pair_logps
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,11 @@ def weights_fingerprint(model_dir: Path, memo_path: Path) -> dict[str, str]:
     return digests
 
 
-def cache_fingerprint(cfg: DPOConfig | KTOConfig, split: str, device_type: str, documents: str = "dpo") -> dict:
-    """What the reference log-probs of `cfg.data.<split>` depend on. `documents`: the recipe kind whose documents
+def cache_fingerprint(
+    cfg: DPOConfig | KTOConfig, split: str, device_type: str, context: int, documents: str = "dpo"
+) -> dict:
+    """What the reference log-probs of `cfg.data.<split>` depend on, under context parallelism over `context`
+    ranks (the run's `ParallelDims.cp`). `documents`: the recipe kind whose documents
     the table holds (KTO's examples of a pair file are not DPO's pairs of it); DPO's keys stay what they were."""
     reference_dir = cfg.reference.path or cfg.model.path
     if reference_dir is not None:  # a hub id: its cached snapshot (collective: every rank asks, in the same order)
@@ -75,7 +78,7 @@ def cache_fingerprint(cfg: DPOConfig | KTOConfig, split: str, device_type: str, 
         "sources": config_dict(sources),
         "files": data_file_fingerprints(sources, cfg.tokenizer.path),
         "max_tokens_per_microbatch": cfg.data.max_tokens_per_microbatch,
-        "context": cfg.parallel.context,  # the row budget, and how rows are split
+        "context": context,  # the row budget, and how rows are split
         "overlong": cfg.data.overlong,
         "reference_weights": weights,
         "fsdp": config_dict(cfg.model.fsdp),  # precision changes the numbers
@@ -112,13 +115,15 @@ def compute_reference_table(
     table = torch.zeros(num_records, 2, dtype=torch.float64)
     filled = torch.zeros(num_records, dtype=torch.float64)
     batches = iter(batches)
+    # context parallelism: the group's ranks compute the same rows, and its first one fills them
+    fills = parallel_dims_of(reference).reports_rows
     while True:
         batch = next(batches, None)
         if all_reduce_max(int(batch is not None), device) == 0:
             break
         batch = (batch or empty_batch(pad_token_id)).to(device)
         chosen, rejected, _, _ = pair_logps(reference(batch), batch)
-        if counts_rows():  # context parallelism: the group's ranks computed the same rows, its first one fills them
+        if fills:
             rows = torch.tensor(batch.doc_ids, dtype=torch.long)
             table[rows] = torch.stack([chosen, rejected], dim=1).double().cpu()
             filled[rows] = 1.0

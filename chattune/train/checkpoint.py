@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from chattune.data.fingerprint import RECORD_HASHES, record_hashes_file
-from chattune.distributed import current_mesh
+from chattune.distributed import world_rank
 from chattune.files import set_aside
 from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
@@ -66,7 +66,7 @@ def rank_state_file(directory: Path, rank: int) -> Path:
 
 
 def _rank() -> int:
-    return current_mesh().rank
+    return world_rank()
 
 
 def _barrier() -> None:

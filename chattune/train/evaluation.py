@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max, all_reduce_sum, counts_rows, host_values_on, reduce_sums
-from chattune.model.fsdp import reshard
+from chattune.distributed import all_reduce_max, all_reduce_sum, host_values_on, reduce_sums
+from chattune.model.fsdp import parallel_dims_of, reshard
 from chattune.objectives.base import Objective
 from chattune.train.progress import Progress
 
@@ -39,7 +39,9 @@ def evaluate(
     sums: dict[str, float] = {"loss_sum": 0.0, "units": 0.0}
     was_training = model.training
     model.eval()
-    weight = 1.0 if counts_rows() else 0.0  # context parallelism: a row's figures count on one rank of its group
+    weight = (
+        1.0 if parallel_dims_of(model).reports_rows else 0.0
+    )  # context parallelism: a row's figures count on one rank of its group
     total = all_reduce_max(len(batches), device)
     held_out = [batches[i] if i < len(batches) else empty_batch(pad_token_id) for i in range(total)]
     local = objective.step_statistics(model, held_out, device)  # KTO: its reference point over the whole set first
@@ -83,7 +85,8 @@ def start_metrics(
 ) -> dict[str, float]:
     """Collective: the held-out metrics before the first step (`eval_*`): those the objective knows without a
     forward (`known_start_metrics`: DPO whose reference is the initial policy), else an evaluation."""
-    metrics = objective.known_start_metrics(batches, device)
+    # context parallelism: a row's figures count on one rank of its group (the others sum none)
+    metrics = objective.known_start_metrics(batches if parallel_dims_of(model).reports_rows else [], device)
     if metrics is None:
         return evaluate(model, objective, batches, device, pad_id, progress)
     logger.info(

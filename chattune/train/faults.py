@@ -16,7 +16,7 @@ import os
 import signal
 import time
 
-from chattune.distributed import current_mesh
+from chattune.distributed import world_rank
 
 ENV = "CHATTUNE_CRASH_AT"
 SLOW_ENV = "CHATTUNE_SLOW_AT"
@@ -27,7 +27,7 @@ def maybe_crash(point: str, step: int) -> None:
     if not spec:
         return
     target_point, target_step, *target_rank = spec.split(":")
-    rank = current_mesh().rank
+    rank = world_rank()
     if target_point == point and int(target_step) == step and (not target_rank or int(target_rank[0]) == rank):
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -24,7 +24,7 @@ from chattune.data.report import count_lines, report_sample, scan_documents
 from chattune.data.sources import MixedDocuments, RecipeData, row_budget
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.tokenizer import pad_token_id
-from chattune.distributed import DistInfo, reduce_sums
+from chattune.distributed import ParallelDims, reduce_sums
 from chattune.errors import UserError
 from chattune.train.feed import InvariantSlots, StepFeed
 
@@ -36,16 +36,17 @@ def packed_stream(
     documents: MixedDocuments,
     layout: StreamLayout,
     pad_id: int,
+    context: int,
     sampler=None,
     log_skips: bool = True,
 ) -> PackedStream:
     """The packed microbatches of `documents` that `layout` reads: its share (a rank's, or all of it for
     world-size-invariant steps) of every epoch, or of a mixture's draws (`sampler`), packed to the config's
-    budget. `log_skips`: whether this rank logs the records it skips (not when every rank reads the same ones)."""
+    budget for rows split across `context` ranks (`ParallelDims.cp`). `log_skips`: whether this rank logs the records it skips (not when every rank reads the same ones)."""
     # From a token cache there is nothing to tokenize: loader workers would only copy the documents across.
     num_workers = 0 if documents.cached else cfg.data.num_workers
     budget = PackingBudget(
-        row_budget(cfg.data, cfg.parallel.context)[0], pad_id, cfg.data.pad_to_multiple_of, cfg.data.buffer_records
+        row_budget(cfg.data, context)[0], pad_id, cfg.data.pad_to_multiple_of, cfg.data.buffer_records
     )
     return PackedStream(
         documents, layout, cfg.seed, budget, num_workers=num_workers, sampler=sampler, log_skips=log_skips
@@ -62,15 +63,15 @@ class StepLayout:
     slots: range | None  # world-size-invariant: this rank's microbatches of each step; None: all it takes
 
 
-def step_layout(cfg: SFTConfig, dist_info: DistInfo) -> StepLayout:
+def step_layout(cfg: SFTConfig, dims: ParallelDims) -> StepLayout:
     """Per rank: the rank's share, grad_accum_steps microbatches of it a step. World-size-invariant
     (data.microbatches_per_step = M): all the data, M microbatches a step, rank r training M/W consecutive ones.
     Under context parallelism a "rank" here is a data-parallel rank: the C ranks of a context group read and
-    train the same microbatches (`DistInfo.data_rank`)."""
-    total, data_rank, data_ranks = cfg.data.microbatches_per_step, dist_info.data_rank, dist_info.data_ranks
+    train the same microbatches (`ParallelDims.data_rank`)."""
+    total, data_rank, data_ranks = cfg.data.microbatches_per_step, dims.data_rank, dims.data_ranks
     if total is None:
         return StepLayout(data_rank, data_ranks, cfg.grad_accum_steps, None)
-    problem = microbatch_ranks_problem(total, dist_info.world_size, dist_info.cp)
+    problem = microbatch_ranks_problem(total, dims.world_size, dims.cp)
     if problem:
         raise UserError(f"data.microbatches_per_step={problem}")
     per_rank = total // data_ranks
@@ -94,23 +95,21 @@ class TrainingData:
 
 
 def check_something_trains(
-    cfg: SFTConfig, dist_info: DistInfo, train: MixedDocuments, counts: dict[str, float] | None = None
+    cfg: SFTConfig, dims: ParallelDims, train: MixedDocuments, counts: dict[str, float] | None = None
 ) -> None:
     """Collective: a UserError, with what the records gave, when not one record of the training data gives a
     token to train (every one over the budget with data.overlong=drop, say). `counts`: the whole data's, if
     already counted (otherwise the ranks count it in parts here)."""
     if counts is None:
         every = range(len(train))
-        counts = reduce_sums(
-            scan_documents(train, every[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device
-        )
+        counts = reduce_sums(scan_documents(train, every[dims.rank :: dims.world_size]).counts(), dims.device)
     if counts["trainable_tokens"] > 0:
         return
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/") and n}
     hints = []
     if skipped.get("overlong"):
         hints.append(
-            f"{skipped['overlong']} are longer than {row_budget(cfg.data, dist_info.cp)[1]} "
+            f"{skipped['overlong']} are longer than {row_budget(cfg.data, dims.cp)[1]} "
             f"(data.overlong={cfg.data.overlong}): raise the budget"
             + (", or keep them with data.overlong=truncate or split" if cfg.data.overlong == "drop" else "")
         )
@@ -124,11 +123,11 @@ def check_something_trains(
 
 
 def build_training_data(
-    cfg: SFTConfig, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase, recipe_data: RecipeData
+    cfg: SFTConfig, dims: ParallelDims, tokenizer: PreTrainedTokenizerBase, recipe_data: RecipeData
 ) -> TrainingData:
     """Collective (the data report's counts are summed over ranks). `recipe_data`: what the recipe's kind reads
     (`chattune.launch.recipe_kinds.RecipeKind.data`)."""
-    pad_id, context = pad_token_id(tokenizer), dist_info.cp
+    pad_id, context = pad_token_id(tokenizer), dims.cp
     train_specs = source_specs(cfg.data.train)
     # Each source from its token cache (data.cache), built by every rank together on the first launch.
     train = open_documents(recipe_data.name, train_specs, tokenizer, cfg.data, context)
@@ -139,7 +138,7 @@ def build_training_data(
     if split.held_out is not None:
         logger.info(held_out_line(split, cfg.data.eval_split))
     # data.mixing: the sources concatenated (mode none), or sampled by weight (static) or by a bandit (online)
-    layout = step_layout(cfg, dist_info)
+    layout = step_layout(cfg, dims)
     mixer, sampler = mixture_sampling(
         cfg.data.mixing,
         train_specs,
@@ -152,25 +151,24 @@ def build_training_data(
     )
     if cfg.data.report_records != 0:  # what the data holds, from a sample that the ranks count in parts
         sample = report_sample(len(train), cfg.data.report_records, cfg.seed)
-        counts = reduce_sums(
-            scan_documents(train, sample[dist_info.rank :: dist_info.world_size]).counts(), dist_info.device
-        )
+        counts = reduce_sums(scan_documents(train, sample[dims.rank :: dims.world_size]).counts(), dims.device)
         logger.info(
             "training data (%d of %d records sampled): %s", len(sample), len(train), "; ".join(count_lines(counts))
         )
         if counts["trainable_tokens"] == 0:  # before the model is loaded: nothing of this data would train
-            check_something_trains(cfg, dist_info, train, counts if len(sample) == len(train) else None)
+            check_something_trains(cfg, dims, train, counts if len(sample) == len(train) else None)
     # Every step takes its microbatches from this rank's stream (world-size-invariant: every rank's is the same
     # stream, and only rank 0 logs its skipped records; context parallelism: a group's ranks read the same stream,
     # and only its first counts and logs); epochs end on the same step on every rank.
-    reports = dist_info.reports_rows
+    reports = dims.reports_rows
     stream = packed_stream(
         cfg,
         train,
         StreamLayout(layout.share, layout.num_shares, shuffle=True, num_epochs=cfg.data.num_epochs),
         pad_id,
+        context,
         sampler=sampler,
-        log_skips=reports and (layout.slots is None or dist_info.is_main),
+        log_skips=reports and (layout.slots is None or dims.is_main),
     )
     feed = StepFeed(
         stream,
@@ -178,7 +176,7 @@ def build_training_data(
         pad_id,
         num_epochs=cfg.data.num_epochs,
         mixer=mixer,
-        num_ranks=dist_info.world_size,
+        num_ranks=dims.world_size,
         invariant=InvariantSlots(layout.slots, cfg.seed) if layout.slots is not None else None,
         reports_figures=reports,
     )
@@ -193,8 +191,9 @@ def build_training_data(
             packed_stream(
                 cfg,
                 held_out,
-                StreamLayout(dist_info.data_rank, dist_info.data_ranks, shuffle=False, num_epochs=1),
+                StreamLayout(dims.data_rank, dims.data_ranks, shuffle=False, num_epochs=1),
                 pad_id,
+                context,
                 log_skips=reports,
             )
         )

@@ -33,12 +33,12 @@ from chattune.config.typed import config_dict
 from chattune.data.documents import SKIP_REASONS
 from chattune.data.report import epoch_line
 from chattune.data.sources import row_budget
-from chattune.distributed import DistInfo, counts_rows, reduce_sums
+from chattune.distributed import ParallelDims, reduce_sums
 from chattune.errors import UserError
 from chattune.model.build import BuiltModel
 from chattune.model.export import export_run
 from chattune.model.flops import batch_flops, peak_flops
-from chattune.model.fsdp import compiled_graphs
+from chattune.model.fsdp import compiled_graphs, parallel_dims_of
 from chattune.objectives.base import Objective
 from chattune.train.checkpoint import BackgroundSaves, Checkpointer
 from chattune.train.evaluation import Evaluator
@@ -72,7 +72,7 @@ class Learning:
 
 def train(
     cfg: SFTConfig,
-    dist_info: DistInfo,
+    dims: ParallelDims,
     start: StartingPoint,
     built: BuiltModel,
     data: TrainingData,
@@ -84,7 +84,7 @@ def train(
     launch continues (`chattune.train.output_dir.claim_output_dir`); `built` and `data` are the builder's and
     the data set-up's results. With LoRA (`built.peft_model`), the export is a peft adapter directory,
     `output_dir/adapter`, and with export.merge the merged model in `hf`."""
-    run = set_up(cfg, dist_info, start, built, data, learning, tokenizer)
+    run = set_up(cfg, dims, start, built, data, learning, tokenizer)
     feed, metric_logger, evaluator, checkpointer = data.feed, run.metric_logger, run.evaluator, run.checkpointer
     if run.start_step == 0 and evaluator.due(0):  # the starting point of the held-out curve
         started = time.perf_counter()  # (on a CPU this can take minutes: said before, timed after)
@@ -126,7 +126,7 @@ def train(
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
             break
     run.progress.close()
-    finish(cfg, dist_info, built, run, tokenizer)
+    finish(cfg, dims, built, run, tokenizer)
 
 
 @dataclass
@@ -162,6 +162,7 @@ class UpdateSteps:
         self.cfg, self.model, self.learning, self.feed, self.device = cfg, model, learning, feed, device
         self.skipped, self.loss_scale, self.ledger = skipped, loss_scale, ledger
         self.timer = StepTimer(device)
+        self.dims = parallel_dims_of(model)
         self.grace = killing_grace_s(cfg.snapshot_steps)  # plain torchrun's, where nothing else saves a stop
         self.advised = False  # said that steps outlast it (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
@@ -207,9 +208,7 @@ class UpdateSteps:
                 "epoch %d done at step %d: %s",
                 epoch,
                 step,
-                epoch_line(
-                    reduce_sums(epoch_counts, self.device), row_budget(self.cfg.data, self.cfg.parallel.context)[0]
-                ),
+                epoch_line(reduce_sums(epoch_counts, self.device), row_budget(self.cfg.data, self.dims.cp)[0]),
             )
         return update
 
@@ -238,7 +237,7 @@ class UpdateSteps:
         # count once over all ranks (context parallelism: on the group's first rank; the group shares them).
         step_flops = (
             sum(batch_flops(flops, b) for b in update.batches.microbatches)
-            if flops and self.peak and counts_rows()
+            if flops and self.peak and self.dims.reports_rows
             else 0.0
         )
         metrics = step_metrics(
@@ -277,7 +276,7 @@ class Run:
 
 def set_up(
     cfg: SFTConfig,
-    dist_info: DistInfo,
+    dims: ParallelDims,
     start: StartingPoint,
     built: BuiltModel,
     data: TrainingData,
@@ -286,7 +285,7 @@ def set_up(
 ) -> Run:
     """Collective: the run state, restored from the checkpoint `start` continues (if any), and the loop's
     components, each told its timing."""
-    device, output_dir, model, feed = dist_info.device, Path(cfg.output_dir), built.model, data.feed
+    device, output_dir, model, feed = dims.device, Path(cfg.output_dir), built.model, data.feed
     # fp16 compute needs loss scaling (its gradients underflow otherwise); bf16 and fp32 run unscaled.
     loss_scale = LossScale(enabled=model.compute_dtype == "float16")
     skipped = SkippedSteps(overflow=loss_scale.enabled)
@@ -298,7 +297,7 @@ def set_up(
     horizon = Horizon(cfg.max_steps, cfg.stop_after_step, feed, interrupts.StopVote())
     metric_logger = MetricLogger(
         str(output_dir),
-        dist_info.is_main,
+        dims.is_main,
         cfg.logger,
         resume_step=start_step if resumed else None,
         run_config=config_dict(cfg),
@@ -308,8 +307,8 @@ def set_up(
     )
     # (one ledger per row: a context group's other ranks train the same documents)
     ledger = (
-        DocumentLedger(output_dir, dist_info.rank, start_step, data.train.origin)
-        if cfg.ledger and counts_rows()
+        DocumentLedger(output_dir, dims.rank, start_step, data.train.origin)
+        if cfg.ledger and dims.reports_rows
         else None
     )
     # Every checkpoint's manifest: what a resume checks, and the wandb run it continues.
@@ -326,13 +325,13 @@ def set_up(
     samples = run_samples(
         cfg,
         tokenizer,
-        dist_info,
+        dims,
         start_step if resumed else None,
         data.held_out_records,
         metric_logger.wandb_run,
         model.hf_model,
     )
-    progress = Progress(start_step, cfg.max_steps, cfg.progress, dist_info.is_main)  # a bar on a terminal, else lines
+    progress = Progress(start_step, cfg.max_steps, cfg.progress, dims.is_main)  # a bar on a terminal, else lines
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
     # data.eval's sources, data.eval_split's held-out records, or both (None: no held-out data)
     held_out = data.eval_batches if data.eval is not None else None
@@ -374,12 +373,10 @@ def stop(run: Run, step: int) -> None:
     logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
 
 
-def finish(
-    cfg: SFTConfig, dist_info: DistInfo, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase
-) -> None:
+def finish(cfg: SFTConfig, dims: ParallelDims, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase) -> None:
     """Collective: the end of a run that reached its last step: the records skipped over the run, the last
     checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory)."""
-    device, output_dir = dist_info.device, Path(cfg.output_dir)
+    device, output_dir = dims.device, Path(cfg.output_dir)
     skipped = reduce_sums(run.updates.feed.skipped, device)
     logger.info(
         "training records over all ranks and epochs: skipped %s; over the budget and kept %s",
@@ -391,7 +388,7 @@ def finish(
     run.checkpointer.close()
     metric_logger = run.metric_logger
     # --- save: a Hugging Face directory that loads without chattune (and with LoRA, the adapter directory) ---
-    written = export_run(cfg, built, tokenizer, output_dir, dist_info.is_main)
+    written = export_run(cfg, built, tokenizer, output_dir, dims.is_main)
     metric_logger.log_summary({f"{name}_dir": str(path.resolve()) for name, path in written.items()})
     metric_logger.close()
     release_output_dir()

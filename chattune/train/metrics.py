@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from chattune.distributed import current_mesh, reduce_sums
+from chattune.distributed import reduce_sums, world_size
 from chattune.files import write_atomically
 from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
@@ -101,7 +101,7 @@ def step_metrics(
         },
         device,
     )
-    world = current_mesh().world_size
+    world = world_size()  # reduce_sums sums over every process
     step_time = sums["step_time_s"] / world
     metrics = {"step": step, **objective.metrics(sums, result.global_units)}
     metrics.update(

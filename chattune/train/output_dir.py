@@ -35,7 +35,7 @@ from pathlib import Path
 
 from chattune.config.paths import save_resolved_config
 from chattune.config.schema import SFTConfig
-from chattune.distributed import DistInfo, broadcast_from_main
+from chattune.distributed import ParallelDims, broadcast_from_main
 from chattune.errors import UserError
 from chattune.files import ABANDONED, aside_name, set_aside
 from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_manifest
@@ -260,13 +260,13 @@ def set_aside_abandoned(decision: LaunchDecision) -> list[str]:
 _lock: OutputDirLock | None = None  # this process's lock, held until it exits
 
 
-def claim_output_dir(cfg: SFTConfig, dist_info: DistInfo) -> StartingPoint:
+def claim_output_dir(cfg: SFTConfig, dims: ParallelDims) -> StartingPoint:
     """Collective, before anything is loaded or written: rank 0 locks `output_dir`, decides what the
     launch continues (refusing what it must not), moves aside what another trajectory left and writes
     config.yaml. Every rank gets the same decision, or raises the same error."""
     global _lock
     outcome: StartingPoint | UserError | None = None
-    if dist_info.is_main:
+    if dims.is_main:
         output_dir = Path(cfg.output_dir)
         created = not output_dir.exists()
         try:
@@ -275,7 +275,7 @@ def claim_output_dir(cfg: SFTConfig, dist_info: DistInfo) -> StartingPoint:
             _lock = lock
             for line in complete_snapshots(output_dir / "checkpoints"):  # a stop's snapshot, cut short by a kill
                 logger.warning("snapshot: %s", line)
-            decision = decide_launch(cfg, run_identity(dist_info.world_size, run_fingerprint(cfg)))
+            decision = decide_launch(cfg, run_identity(dims.world_size, run_fingerprint(cfg)))
             for line in set_aside_abandoned(decision):
                 logger.warning("moved aside: %s", line)
             outcome = decision.start

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import DPOConfig, KTOConfig
 from chattune.data.stream import StreamLayout
-from chattune.distributed import DistInfo
+from chattune.distributed import ParallelDims
 from chattune.model.adapters import BaseModelView
 from chattune.model.build import BuiltModel, build_sharded_model
 from chattune.objectives import reference_cache
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 def reference_log_probs(
     cfg: DPOConfig | KTOConfig,
     tokenizer: PreTrainedTokenizerBase,
-    dist_info: DistInfo,
+    dims: ParallelDims,
     built: BuiltModel,
     data: TrainingData,
     documents: str,
@@ -42,7 +42,7 @@ def reference_log_probs(
         return build_sharded_model(
             cfg,
             tokenizer,
-            dist_info,
+            dims,
             cfg.reference.path or cfg.model.path,
             key="reference.path" if cfg.reference.path else "model.path",
         ).model
@@ -50,21 +50,22 @@ def reference_log_probs(
     if not cfg.reference.cache:
         live = LiveReference(reference_model())
         return live, live
-    device = dist_info.device
+    device = dims.device
     splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     tables = reference_cache.load_or_build(
         Path(cfg.reference.cache_dir),
-        {split: reference_cache.cache_fingerprint(cfg, split, device.type, documents) for split in splits},
+        {split: reference_cache.cache_fingerprint(cfg, split, device.type, dims.cp, documents) for split in splits},
         {split: len(split_documents) for split, split_documents in splits.items()},
         reference_model,
         lambda split: packed_stream(
             cfg,
             splits[split],
-            StreamLayout(dist_info.data_rank, dist_info.data_ranks, shuffle=False, num_epochs=1),
+            StreamLayout(dims.data_rank, dims.data_ranks, shuffle=False, num_epochs=1),
             data.pad_id,
+            dims.cp,
         ),
         device,
         data.pad_id,
-        dist_info.is_main,
+        dims.is_main,
     )
     return CachedReference(tables["train"]), CachedReference(tables["eval"]) if data.eval is not None else None

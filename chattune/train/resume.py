@@ -32,7 +32,7 @@ from chattune.config.typed import config_dict
 from chattune.data.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.template_choice import template_fingerprint
-from chattune.distributed import current_mesh
+from chattune.distributed import world_rank
 from chattune.errors import UserError
 from chattune.train.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
 from chattune.train.feed import merge_states
@@ -307,7 +307,7 @@ def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState)
         # microbatch seeds its own (StepFeed's seeds), so the ranks' saved generators are not needed.
         load_sharded(directory, state)
         saved = rank_states(directory)
-        rank = current_mesh().rank
+        rank = world_rank()
         state.load_state_dict({**saved[0], "data": merge_states([s["data"] for s in saved], rank)}, skip=("rng",))
         step = saved[0]["step"]
     for note in accepted.notes:

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from chattune.config.schema import SFTConfig
 from chattune.data.prompts import Prompt, held_out_prompts, read_prompts_file
 from chattune.data.records import source_specs
-from chattune.distributed import DistInfo
+from chattune.distributed import ParallelDims
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.generate import (
     Sampling,
@@ -49,7 +49,7 @@ SAMPLES_FILE = "samples.jsonl"
 def run_samples(
     cfg: SFTConfig,
     tokenizer: PreTrainedTokenizerBase,
-    dist_info: DistInfo,
+    dims: ParallelDims,
     resume_step: int | None,
     held_out_records: Sequence[HeldOutRecords] = (),
     wandb_run=None,
@@ -62,17 +62,17 @@ def run_samples(
     path = Path(cfg.output_dir) / SAMPLES_FILE
     prompts = sample_prompts(cfg, held_out_records)
     if prompts and model is not None and (failure := generation_failure(model)):
-        if dist_info.is_main:
+        if dims.is_main:
             logger.warning(
                 "eval.samples: %s; sample replies are off for this run (eval.samples=0 turns them off without this check)",
                 failure,
             )
         prompts = []
-    if dist_info.is_main and (prompts or (resume_step is not None and path.exists())):
+    if dims.is_main and (prompts or (resume_step is not None and path.exists())):
         start_step_log(path, resume_step)
     if not prompts:
         return None
-    return EvalSamples(prompts, tokenizer, cfg.eval.max_new_tokens, dist_info, path, wandb_run)
+    return EvalSamples(prompts, tokenizer, cfg.eval.max_new_tokens, dims, path, wandb_run)
 
 
 def sample_prompts(cfg: SFTConfig, held_out_records: Sequence[HeldOutRecords] = ()) -> list[Prompt]:
@@ -100,12 +100,12 @@ class EvalSamples:
         prompts: list[Prompt],
         tokenizer: PreTrainedTokenizerBase,
         max_new_tokens: int,
-        dist_info: DistInfo,
+        dims: ParallelDims,
         path: Path,
         wandb_run=None,
     ):
         """`path`: the samples.jsonl rank 0 appends to; `wandb_run`: rank 0's, with logger=wandb."""
-        self.prompts, self.tokenizer, self.dist_info = prompts, tokenizer, dist_info
+        self.prompts, self.tokenizer, self.dims = prompts, tokenizer, dims
         self.path, self.wandb_run = path, wandb_run
         self.sampling = Sampling(max_new_tokens=max_new_tokens)  # greedy
         self.stop_ids = stop_token_ids(tokenizer)
@@ -114,7 +114,7 @@ class EvalSamples:
     def answer(self, model: PackedCausalLM, gather: bool | None = None) -> list[str]:
         """Collective: every prompt's greedy reply (rank 0 gets them all, in prompt order; the others []).
         `gather`: as `sharded_generation` (None: where it fits)."""
-        rank, world = self.dist_info.rank, self.dist_info.world_size
+        rank, world = self.dims.rank, self.dims.world_size
         mine = list(range(rank, len(self.ids), world))
         replies: dict[int, str] = {}
         with sharded_generation(model, gather) as on_its_own:
@@ -140,7 +140,7 @@ class EvalSamples:
 
     def write(self, step: int, replies: list[str]) -> None:
         """Rank 0: one line per prompt in samples.jsonl, and the step's table to wandb."""
-        if not self.dist_info.is_main:
+        if not self.dims.is_main:
             return
         rows = [
             {"step": step, "prompt": prompt.messages, "reply": reply} for prompt, reply in zip(self.prompts, replies)
@@ -161,7 +161,7 @@ class EvalSamples:
         started = time.perf_counter()
         replies = self.answer(model)
         self.write(step, replies)
-        if self.dist_info.is_main:
+        if self.dims.is_main:
             logger.info(
                 "step %d: %d sample replies in %.1f s (%s)",
                 step,

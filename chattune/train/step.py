@@ -38,8 +38,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_sum, counts_rows, current_mesh, host_values_on
-from chattune.model.fsdp import model_device
+from chattune.distributed import all_reduce_sum, host_values_on
+from chattune.model.fsdp import model_device, parallel_dims_of
 from chattune.model.offload import activation_offload
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
@@ -115,7 +115,7 @@ def _forward_backward(
     the backward, and none runs it otherwise (the backward is the update there, and a non-finite loss skips it)."""
     microbatches, seeds = batches.microbatches, batches.seeds
     # Context parallelism: every rank of a group trains the same rows, and only the first counts and reports them.
-    counted = counts_rows()
+    counted = parallel_dims_of(model).reports_rows
     weight = 1.0 if counted else 0.0
     local_units = sum(objective.count_units(b) for b in microbatches) if counted else 0
     extras = step_extras(objective, microbatches if counted else [])
@@ -185,9 +185,10 @@ def _clip_on_device(
     shards' norm, measured already (the update in the backward freed the gradients)."""
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [g for p in params if (g := p.grad) is not None]
-    mesh = current_mesh()
-    # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum.
-    if any(not isinstance(g, DTensor) for g in grads) and mesh.world_size > 1:
+    dims = parallel_dims_of(model)
+    # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum (each shard
+    # counted once: divided by how many ranks hold it).
+    if any(not isinstance(g, DTensor) for g in grads) and dims.world_size > 1:
         raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     if local_norm is None:
@@ -195,10 +196,9 @@ def _clip_on_device(
     local_norm = local_norm.to(local_loss_finite.device)  # the loss's device: CPU offload keeps the shards on the host
     stop = stop_requested is not None and stop_requested()
     stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
-    sums = all_reduce_sum(
-        torch.stack([local_norm.double().square(), (~local_loss_finite).to(local_norm.device).double(), stop_flag]),
-        group=mesh.grad_norm_group,
-    )  # the shards' ranks: the world
+    squares = local_norm.double().square() / dims.grad_norm_replicas
+    # every rank: the flags and the stop requests are the whole run's
+    sums = all_reduce_sum(torch.stack([squares, (~local_loss_finite).to(local_norm.device).double(), stop_flag]))
     losses_finite = sums[1] == 0
     total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
     if loss_scale != 1.0:  # unscale the local shards in place
