@@ -16,15 +16,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from chattune.config.layout_rules import context_ranks_problem
+from chattune.config.layout_rules import context_ranks_problem, replicate_ranks_problem
 
 # The mesh's axes, outermost first: a rank's place along each is its coordinate (row-major, as `init_device_mesh`
 # lays ranks out), so the ranks of one context group are consecutive (the same machine first: the attention's
 # all-to-all is the busiest traffic of a step).
-MESH_AXES = ("dp_shard", "cp")
+MESH_AXES = ("dp_replicate", "dp_shard", "cp")
 HOST = torch.device("cpu")
 # Each axis's key under `parallel.` (the schema's ParallelConfig): the axes a config sets; dp_shard is the rest.
-CONFIG_AXES = {"context": "cp"}
+CONFIG_AXES = {"replicate": "dp_replicate", "context": "cp"}
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,12 @@ class ParallelDims:
     an axis named here once, and everything that depends on the layout derives from it: the process groups, which
     rank reports the figures of the rows it trains, the data rank and the counts.
 
-    Axes today (`MESH_AXES`, outermost first; world = dp_shard x cp):
-    - `dp_shard`: data parallelism with FSDP2 sharding. Each coordinate reads its own stream of microbatches
-      (`data_rank`, `data_ranks`).
+    Axes today (`MESH_AXES`, outermost first; world = dp_replicate x dp_shard x cp):
+    - `dp_replicate`: HSDP (parallel.replicate): groups of ranks that each hold a whole sharded copy of the
+      parameters; FSDP2 all-reduces each shard's gradient across the groups. Outermost, so a group is a block of
+      consecutive ranks (a node, where it is the node's ranks).
+    - `dp_shard`: data parallelism with FSDP2 sharding within a group. Each (dp_replicate, dp_shard) coordinate
+      reads its own stream of microbatches (`data_rank`, `data_ranks`).
     - `cp`: context parallelism (parallel.context): the `cp` consecutive ranks of a context group share each packed
       row, each holding a contiguous slice (`chattune.model.context_parallel`). They read the same microbatches,
       and only the group's first rank reports them (`reports_rows`).
@@ -43,19 +46,19 @@ class ParallelDims:
     Code asks for a mesh or group by its purpose, never by an axis (torchtitan's names):
     - `dp`: the data-loading ranks (`data_rank` is this rank's place on it);
     - `cp`: the context group;
-    - `dp_shard_cp`: the ranks FSDP2 shards each parameter over (`fsdp_mesh`, `shard_ranks`), today the world;
+    - `dp_replicate`: the replicas of this rank's shards;
+    - `dp_shard_cp`: the ranks FSDP2 shards each parameter over (`shard_ranks`); `fsdp_mesh`, what `fully_shard`
+      takes, is (dp_replicate, dp_shard_cp) under HSDP;
     - `dp_cp`: the ranks whose rows make a step: the counts, the loss's figures and the gradient norm's squares
-      are summed over it (`loss_group`), today the world.
+      are summed over it (`loss_group`), today the world. Every replica holds the same reduced shards, so the
+      squares are divided by `grad_norm_replicas` first.
     A purpose of degree 1 has no group (`group` returns None): a collective over it is the identity. Never hand
     such a None to torch.distributed, which reads None as the whole world.
 
     The meshes are views of one 1-D world mesh (`_unflatten`), so each purpose's ranks come from one layout and
     a purpose over every rank reuses the world's group: a run without context parallelism makes no process group
-    besides the world's. How the next axes plug in, each an entry of MESH_AXES and CONFIG_AXES and its place in
+    besides the world's. How the next axis plugs in, an entry of MESH_AXES and CONFIG_AXES and its place in
     the views of `build`, not a rewrite:
-    - HSDP: a `dp_replicate` axis outermost; `fsdp_mesh` becomes the 2-D (dp_replicate, dp_shard_cp), so FSDP2
-      all-reduces each shard's gradient over the replicas; every replica then holds the same reduced shards, and
-      the gradient norm divides its squares by `grad_norm_replicas` before the sum over `dp_cp`.
     - Tensor parallelism: a `tp` axis innermost, outside `dp_cp`: the ranks of a tp group read the same
       microbatches and compute the same row (the data rank ignores tp, `reports_rows` also asks tp coordinate
       0); the model is parallelised with DTensor plans on `mesh("tp")` before `fully_shard`.
@@ -66,6 +69,7 @@ class ParallelDims:
     local_rank: int
     device: torch.device
     cp: int = 1  # context parallelism (parallel.context): ranks per context group
+    dp_replicate: int = 1  # HSDP (parallel.replicate): groups holding a sharded copy of the parameters each
     # The purposes' meshes (`build`); empty for a layout made by hand (arithmetic only, no groups).
     meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
 
@@ -75,6 +79,9 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.context={self.cp} must divide the number of ranks, {self.world_size}: {problem}"
             )
+        if self.dp_replicate < 1 or self.world_size % (self.dp_replicate * self.cp):
+            problem = replicate_ranks_problem(self.dp_replicate, self.cp, self.world_size) or "not a group count"
+            raise ValueError(f"parallel.replicate={self.dp_replicate}: {problem}")
 
     # --- construction ---
 
@@ -100,30 +107,34 @@ class ParallelDims:
             parallel, dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), device
         )
         world = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
-        meshes = {"dp_shard_cp": world, "dp_cp": world}
-        if layout.cp > 1:
-            data = _views(world, {"dp": layout.dp_shard, "cp": layout.cp})
-            meshes.update(data)
-        elif layout.dp_shard > 1:
-            meshes["dp"] = world
+        meshes = {"dp_cp": world, **_views(world, {"dp": layout.data_ranks, "cp": layout.cp})}
+        if layout.dp_replicate > 1:  # HSDP: fully_shard takes the 2-D mesh
+            fsdp = world._unflatten(0, (layout.dp_replicate, layout.shard_ranks), ("dp_replicate", "dp_shard_cp"))
+            meshes.update(fsdp=fsdp, dp_replicate=fsdp["dp_replicate"], dp_shard_cp=fsdp["dp_shard_cp"])
+        else:
+            meshes.update(fsdp=world, dp_shard_cp=world)
         return replace(layout, meshes=meshes)
 
     # --- the axes ---
 
     @property
     def dp_shard(self) -> int:
-        """Data-parallel (FSDP-sharded) degree: the number of context groups."""
-        return self.world_size // self.cp
+        """Data-parallel (FSDP-sharded) degree within a replica group: its number of context groups."""
+        return self.world_size // (self.dp_replicate * self.cp)
 
     @property
     def degrees(self) -> dict[str, int]:
         """Each axis of MESH_AXES with its degree."""
-        return {"dp_shard": self.dp_shard, "cp": self.cp}
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp}
 
     @property
     def coordinates(self) -> dict[str, int]:
         """This rank's coordinate along each axis (row-major over MESH_AXES)."""
-        return {"dp_shard": self.rank // self.cp, "cp": self.rank % self.cp}
+        return {
+            "dp_replicate": self.rank // (self.dp_shard * self.cp),
+            "dp_shard": self.rank // self.cp % self.dp_shard,
+            "cp": self.rank % self.cp,
+        }
 
     # --- derived ---
 
@@ -140,12 +151,12 @@ class ParallelDims:
     @property
     def data_rank(self) -> int:
         """Which data-parallel rank this is: the ranks of one context group read the same microbatches."""
-        return self.coordinates["dp_shard"]
+        return self.coordinates["dp_replicate"] * self.dp_shard + self.coordinates["dp_shard"]
 
     @property
     def data_ranks(self) -> int:
         """Data-parallel ranks (the `dp` purpose): the streams of microbatches a step trains on."""
-        return self.dp_shard
+        return self.dp_replicate * self.dp_shard
 
     @property
     def reports_rows(self) -> bool:
@@ -161,21 +172,35 @@ class ParallelDims:
 
     @property
     def loss_ranks(self) -> int:
-        """The ranks whose rows make a step (the `dp_cp` purpose): dp_shard x cp."""
-        return self.dp_shard * self.cp
+        """The ranks whose rows make a step (the `dp_cp` purpose): dp_replicate x dp_shard x cp."""
+        return self.dp_replicate * self.dp_shard * self.cp
 
     @property
     def grad_norm_replicas(self) -> int:
-        """How many ranks hold each gradient shard: a sum of squares over every rank counts each shard that
-        often (1 while every parameter is sharded over all of them)."""
-        return self.world_size // self.shard_ranks
+        """How many ranks hold each gradient shard (`dp_replicate`): a sum of squares over every rank counts each
+        shard that often."""
+        return self.dp_replicate
+
+    def describe(self) -> str:
+        """The layout for the logs: its axes of degree above 1 and what FSDP2 shards over, e.g. "4 ranks:
+        dp_replicate 2 x dp_shard 2, parameters sharded over 2"."""
+        axes = " x ".join(f"{axis} {degree}" for axis, degree in self.degrees.items() if degree > 1)
+        if not axes:
+            return "1 rank"
+        return f"{self.world_size} ranks: {axes}, parameters sharded over {self.shard_ranks}"
 
     # --- meshes and process groups ---
 
     def mesh(self, purpose: str) -> DeviceMesh | None:
-        """The mesh of `purpose` (dp, cp, dp_shard_cp, dp_cp; see the class docstring); None where its degree
-        is 1."""
-        degree = {"dp": self.data_ranks, "cp": self.cp, "dp_shard_cp": self.shard_ranks, "dp_cp": self.loss_ranks}
+        """The mesh of `purpose` (dp, cp, dp_replicate, dp_shard_cp, dp_cp; see the class docstring); None where
+        its degree is 1."""
+        degree = {
+            "dp": self.data_ranks,
+            "cp": self.cp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard_cp": self.shard_ranks,
+            "dp_cp": self.loss_ranks,
+        }
         if purpose not in degree:
             raise ValueError(f"no mesh for {purpose!r}: one of {', '.join(degree)}")
         if degree[purpose] == 1:
@@ -191,10 +216,11 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh `fully_shard` takes: every rank of `dp_shard_cp` (one rank's own on one rank)."""
-        if "dp_shard_cp" not in self.meshes:
+        """The mesh `fully_shard` takes: `dp_shard_cp` (one rank's own on one rank); under HSDP the 2-D
+        (dp_replicate, dp_shard_cp)."""
+        if "fsdp" not in self.meshes:
             raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): nothing to shard over")
-        return self.meshes["dp_shard_cp"]
+        return self.meshes["fsdp"]
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
@@ -214,7 +240,7 @@ def _views(world: DeviceMesh, degrees: dict[str, int]) -> dict[str, DeviceMesh]:
     1-D mesh by name. Degree-1 axes are left out (each would make one one-rank group per rank); an axis over
     every rank is the world itself. Collective."""
     axes = {name: degree for name, degree in degrees.items() if degree > 1}
-    if len(axes) == 1:
+    if len(axes) <= 1:
         return dict.fromkeys(axes, world)
     views = world._unflatten(0, tuple(axes.values()), tuple(axes))
     return {name: views[name] for name in axes}

@@ -844,3 +844,25 @@ def test_a_section_given_whole_replaces_it_in_validate_and_the_launch_alike(tmp_
     assert OmegaConf.to_container(launched, resolve=False) == OmegaConf.to_container(validated, resolve=False)
     report, ok = run_validate("sft/tiny", [override, f"output_dir={tmp_path}"], CONFIGS)
     assert ok, report
+
+
+def test_the_replica_groups_must_split_the_ranks_evenly():
+    """parallel.replicate (HSDP): equal groups of whole context groups, else one problem naming the key."""
+
+    def layout_problems(world_size: int, *overrides: str) -> list[str]:
+        try:
+            return check_config(compose_config("sft/tiny", list(overrides)), SFT, world_size=world_size)
+        except ConfigError as error:
+            return error.problems
+
+    assert layout_problems(4, "parallel.replicate=2") == []
+    assert layout_problems(8, "parallel.replicate=2", "parallel.context=2") == []
+    assert layout_problems(4, "parallel.replicate=3") == [
+        "parallel.replicate: 3 does not divide the 4 ranks of this launch into equal groups: each group holds a "
+        "sharded copy of the parameters; launch a multiple of 3 ranks or choose a divisor"
+    ]
+    assert layout_problems(6, "parallel.replicate=2", "parallel.context=2") == [
+        "parallel.replicate: 2 does not divide the 6 ranks of this launch into equal groups of whole context groups "
+        "of 2: each group holds a sharded copy of the parameters; launch a multiple of 4 ranks or choose a divisor"
+    ]
+    assert layout_problems(4, "parallel.replicate=0")[0].startswith("parallel.replicate: ")

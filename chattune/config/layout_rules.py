@@ -26,6 +26,19 @@ def context_ranks_problem(context: int, world_size: int) -> str | None:
     return None
 
 
+def replicate_ranks_problem(replicate: int, context: int, world_size: int) -> str | None:
+    """parallel.replicate against the number of ranks: the ranks form `replicate` groups of equal size, each a
+    whole number of context groups."""
+    if replicate > 1 and context >= 1 and world_size >= 1 and world_size % (replicate * context):
+        groups = f" of whole context groups of {context}" if context > 1 else ""
+        return (
+            f"{replicate} does not divide the {world_size} ranks of this launch into equal groups{groups}: each "
+            f"group holds a sharded copy of the parameters; launch a multiple of {replicate * context} ranks or "
+            "choose a divisor"
+        )
+    return None
+
+
 def microbatch_ranks_problem(microbatches: int, world_size: int, context: int) -> str | None:
     """data.microbatches_per_step against the data-parallel ranks (ranks / parallel.context): each takes an
     equal share of a step's microbatches."""

@@ -178,6 +178,14 @@ class FSDPConfig:
 
 @dataclass
 class ParallelConfig:
+    replicate: int = key(
+        1,
+        "HSDP: groups of ranks that each hold a whole sharded copy of the parameters; each parameter is sharded "
+        "over the ranks / parallel.replicate of a group and its gradients are summed across the groups (shard "
+        "within a node, replicate across nodes); with parallel.context, divides the number of ranks",
+        at_least=1,
+        resume="numerics",
+    )
     context: int = key(
         1,
         "context parallelism: ranks that share each packed row (of parallel.context x "

@@ -16,7 +16,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from chattune.config.layout_rules import context_ranks_problem, microbatch_ranks_problem, pad_multiple_problem
+from chattune.config.layout_rules import (
+    context_ranks_problem,
+    microbatch_ranks_problem,
+    pad_multiple_problem,
+    replicate_ranks_problem,
+)
 from chattune.config.losses import needs_reference
 from chattune.config.schema import FP8_MODES, QUANTIZE_BASE
 from chattune.config.typed import typed_config
@@ -373,6 +378,15 @@ class RunRules:
                 f"each rank of a context group attends with heads/context of them; choose a divisor "
                 f"of {heads}",
             )
+
+    def replicated_shards(self, world_size: int | None) -> None:
+        """parallel.replicate (HSDP): the ranks split into that many equal groups of whole context groups."""
+        replicate = number(self.values, "parallel.replicate")
+        if not isinstance(replicate, int) or replicate <= 1 or world_size is None:
+            return  # below 1: the schema checks' problem
+        problem = replicate_ranks_problem(replicate, self.context_size(), world_size)
+        if problem:
+            self.findings.problem("parallel.replicate", problem)
 
     def attention_heads(self) -> int | None:
         """The model's query heads: model.path's config.json, or model.config for a model built from a config."""

@@ -39,7 +39,14 @@ from chattune.model.composite import (
     text_config_of,
 )
 from chattune.model.float8 import convert_linear_layers, fp8_problem
-from chattune.model.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, decoder_layers, shard_model
+from chattune.model.fsdp import (
+    TORCH_DTYPES,
+    compile_enabled,
+    compute_dtype,
+    decoder_layers,
+    parallel_dims_of,
+    shard_model,
+)
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.indexed_attention import indexed_path_name
@@ -228,7 +235,8 @@ def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: 
         f"compute: {model.compute_dtype} on {device_type}; attention: "
         f"{attention_backend(device_type, model.compute_dtype, attention_features(model.hf_model))}; "
         f"{model.describe_head()}; "
-        f"decoder layers {'compiled' if model.compiled else 'not compiled'}"
+        f"decoder layers {'compiled' if model.compiled else 'not compiled'}; "
+        f"mesh: {parallel_dims_of(model).describe()}"
     )
     mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
     if mixer_paths:

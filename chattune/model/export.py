@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PreTrainedTokenizerBase
 
 from chattune.distributed import on_mesh_device, whole_tensor
@@ -231,12 +231,18 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
         if is_main:
             write(source)
         return
-    if tuple(source.placements) != (Shard(0),):
+    placements, mesh = tuple(source.placements), source.device_mesh
+    if placements == (Replicate(), Shard(0)):  # HSDP: the first replica group's shards, rank 0 among them
+        if mesh.get_local_rank(0) != 0:
+            return
+        group, world = mesh.get_group(1), mesh.size(1)
+    elif placements == (Shard(0),):
+        group, world = mesh.get_group(), mesh.size()
+    else:
         full = source.full_tensor()
         if is_main:
             write(full)
         return
-    group, world = source.device_mesh.get_group(), source.device_mesh.size()
     rows = source.shape[0]
     chunk = -(-rows // world)  # FSDP2 shards like torch.chunk: ceil(rows / W) rows per rank, fewer at the end
     local = source.to_local()

@@ -1,0 +1,178 @@
+"""Bytes each rank sends in one training step, per layout of 4 ranks, counted against the formula.
+
+    python scripts/bench_comm_bytes.py [--ranks 4] [--layouts 1x1 2x1 1x2 2x2]
+
+A layout RxC is parallel.replicate=R, parallel.context=C. Each run spawns the ranks on gloo, builds a random-init
+Qwen3-shaped model (hidden 256, 4 layers, the demo tokenizer's vocabulary) sharded by chattune's `shard_model`,
+trains one step (its first, not counted) and then counts a second step's collectives: every call of
+torch.distributed's all-gather, reduce-scatter, all-reduce and all-to-all is wrapped, and its payload and group
+size are recorded. What a rank sends is taken as a ring algorithm sends it, which gloo and NCCL's rings do:
+
+    all-gather of an output of B bytes over g ranks       B (g-1)/g
+    reduce-scatter of an input of B bytes over g ranks    B (g-1)/g
+    all-reduce of B bytes over g ranks                    2 B (g-1)/g
+    all-to-all of B bytes over g ranks                    B (g-1)/g
+
+The formula for the parameters' traffic, P the model's parameter bytes (fp32 here: the CPU computes in fp32), L
+those of its decoder layers, S = ranks / R the ranks a parameter is sharded over: the forward's and the
+backward's all-gathers (P + L) (S-1)/S (each layer is resharded after its forward and gathered again for its
+backward; the root's parameters, the embeddings and the final norm, stay gathered), the gradients'
+reduce-scatter P (S-1)/S, and under HSDP their all-reduce across the R replicas 2 (P/S) (R-1)/R. FSDP2 pads each parameter's rows to a multiple of S, so the counted
+figures may exceed the formula by that padding. The step's own small all-reduces (its counts, the gradient norm)
+and context parallelism's all-to-alls are listed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT_ROOT))
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
+# torch.distributed's collectives (the names of several torch versions), how a ring sends each: (kind, which
+# argument holds the B of the docstring's table, the factor of B (g-1)/g)
+COLLECTIVES = {
+    "all_gather_single": ("all-gather", 0, 1),
+    "all_gather_into_tensor": ("all-gather", 0, 1),
+    "reduce_scatter_single": ("reduce-scatter", 1, 1),
+    "reduce_scatter_tensor": ("reduce-scatter", 1, 1),
+    "all_reduce": ("all-reduce", 0, 2),
+    "all_to_all_single": ("all-to-all", 1, 1),
+}
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Counter:
+    """Wraps torch.distributed's collectives; while `counting`, adds each call's ring bytes to its kind."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.sent: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        for name, (kind, index, factor) in COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(original, kind, index, factor))
+
+    def _wrap(self, original, kind: str, index: int, factor: int):
+        signature = inspect.signature(original)
+        tensor_name = list(signature.parameters)[index]
+
+        def counted(*args, **kwargs):
+            if self.counting:
+                arguments = signature.bind(*args, **kwargs).arguments
+                tensor = arguments[tensor_name]
+                ranks = dist.get_world_size(arguments.get("group"))
+                if ranks > 1:
+                    self.sent[kind] += factor * _nbytes(tensor) * (ranks - 1) / ranks
+                    self.calls[kind] += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+
+def worker(rank: int, world_size: int, replicate: int, context: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    counter = Counter()  # before chattune and FSDP2 look the collectives up
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chattune.config.paths import DEMO_ASSETS
+    from chattune.config.schema import ParallelConfig
+    from chattune.data.documents import IGNORE_INDEX, Document
+    from chattune.data.packing import collate_packed
+    from chattune.distributed import init_distributed, shutdown_distributed
+    from chattune.model.causal_lm import PackedCausalLM, build_hf_model
+    from chattune.model.fsdp import shard_model
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.feed import StepBatches
+    from chattune.train.step import UpdateRule, train_step
+
+    dims = init_distributed("cpu", ParallelConfig(replicate=replicate, context=context))
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
+    torch.manual_seed(0)
+    hf_model = build_hf_model(tokenizer, AutoConfig.for_model("qwen3", **MODEL))
+    parameter_bytes = sum(_nbytes(p) for p in hf_model.parameters())
+    layer_bytes = sum(_nbytes(p) for layer in hf_model.model.layers for p in layer.parameters())
+    model = shard_model(PackedCausalLM(hf_model, context_group=dims.cp_group), dims)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    generator = torch.Generator().manual_seed(dims.data_rank)
+    ids = torch.randint(16, len(tokenizer), (512,), generator=generator)
+    labels = ids.roll(-1).clone()
+    labels[-1] = IGNORE_INDEX
+    row = collate_packed([Document(0, ids.numpy(), labels.numpy())])
+    for step in range(2):
+        counter.counting = step == 1
+        train_step(model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), dims.device)
+    counter.counting = False
+    if rank == 0:
+        Path(out).write_text(
+            json.dumps({"sent": counter.sent, "calls": counter.calls, "P": parameter_bytes, "L": layer_bytes})
+        )
+    shutdown_distributed()
+
+
+def formula(parameter_bytes: int, layer_bytes: int, world_size: int, replicate: int) -> dict[str, float]:
+    shards = world_size // replicate
+    gathered = (parameter_bytes + layer_bytes) * (shards - 1) / shards  # the root's parameters: once
+    scattered = parameter_bytes * (shards - 1) / shards
+    across = 2 * (parameter_bytes / shards) * (replicate - 1) / replicate
+    return {"all-gather": gathered, "reduce-scatter": scattered, "all-reduce (replicas)": across}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2", "2x2"])
+    args = parser.parse_args()
+    from chattune.distributed import free_port
+
+    mib = 2**20
+    print(f"| layout (R x C) on {args.ranks} ranks | collective | counted MiB/rank | formula MiB/rank | calls |")
+    print("|---|---|---:|---:|---:|")
+    for layout in args.layouts:
+        replicate, context = map(int, layout.split("x"))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "sent.json")
+            mp.spawn(worker, args=(args.ranks, replicate, context, free_port(), out), nprocs=args.ranks, join=True)
+            found = json.loads(Path(out).read_text())
+        want = formula(found["P"], found["L"], args.ranks, replicate)
+        replica_reduce = want["all-reduce (replicas)"]
+        for kind in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all"):
+            counted = found["sent"].get(kind, 0.0)
+            expected = want.get(kind, replica_reduce if kind == "all-reduce" else None)
+            shown = f"{expected / mib:.3f}" if expected is not None else "(context parallelism)"
+            if kind == "all-reduce":
+                shown += " + the step's counts and norm"
+            print(f"| {replicate}x{context} | {kind} | {counted / mib:.3f} | {shown} | {found['calls'].get(kind, 0)} |")
+    print(
+        f"\nP = {found['P'] / mib:.3f} MiB of fp32 parameters, {found['L'] / mib:.3f} MiB of them in the decoder layers"
+    )
+
+
+if __name__ == "__main__":
+    main()
