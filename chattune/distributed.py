@@ -16,15 +16,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from chattune.config.layout_rules import context_ranks_problem, replicate_ranks_problem
+from chattune.config.layout_rules import context_ranks_problem, replicate_ranks_problem, tensor_ranks_problem
 
 # The mesh's axes, outermost first: a rank's place along each is its coordinate (row-major, as `init_device_mesh`
 # lays ranks out), so the ranks of one context group are consecutive (the same machine first: the attention's
 # all-to-all is the busiest traffic of a step).
-MESH_AXES = ("dp_replicate", "dp_shard", "cp")
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 HOST = torch.device("cpu")
 # Each axis's key under `parallel.` (the schema's ParallelConfig): the axes a config sets; dp_shard is the rest.
-CONFIG_AXES = {"replicate": "dp_replicate", "context": "cp"}
+CONFIG_AXES = {"replicate": "dp_replicate", "context": "cp", "tensor": "tp"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ParallelDims:
     an axis named here once, and everything that depends on the layout derives from it: the process groups, which
     rank reports the figures of the rows it trains, the data rank and the counts.
 
-    Axes today (`MESH_AXES`, outermost first; world = dp_replicate x dp_shard x cp):
+    Axes (`MESH_AXES`, outermost first; world = dp_replicate x dp_shard x cp x tp):
     - `dp_replicate`: HSDP (parallel.replicate): groups of ranks that each hold a whole sharded copy of the
       parameters; FSDP2 all-reduces each shard's gradient across the groups. Outermost, so a group is a block of
       consecutive ranks (a node, where it is the node's ranks).
@@ -42,6 +42,9 @@ class ParallelDims:
     - `cp`: context parallelism (parallel.context): the `cp` consecutive ranks of a context group share each packed
       row, each holding a contiguous slice (`chattune.model.context_parallel`). They read the same microbatches,
       and only the group's first rank reports them (`reports_rows`).
+    - `tp`: tensor parallelism (parallel.tensor): the `tp` consecutive ranks of a tp group hold a split of each
+      decoder layer's linear layers (`chattune.model.tensor_parallel`) and compute the same rows; only the
+      group's first rank reports them. Innermost: the busiest links (an all-reduce per layer) within a machine.
 
     Code asks for a mesh or group by its purpose, never by an axis (torchtitan's names):
     - `dp`: the data-loading ranks (`data_rank` is this rank's place on it);
@@ -49,19 +52,18 @@ class ParallelDims:
     - `dp_replicate`: the replicas of this rank's shards;
     - `dp_shard_cp`: the ranks FSDP2 shards each parameter over (`shard_ranks`); `fsdp_mesh`, what `fully_shard`
       takes, is (dp_replicate, dp_shard_cp) under HSDP;
-    - `dp_cp`: the ranks whose rows make a step: the counts, the loss's figures and the gradient norm's squares
-      are summed over it (`loss_group`), today the world. Every replica holds the same reduced shards, so the
-      squares are divided by `grad_norm_replicas` first.
+    - `tp`: the tensor-parallel group;
+    - `dp_cp`: the ranks whose rows make a step (`loss_group`), the world without tensor parallelism. The counts,
+      the loss's figures and the gradient norm's squares are summed over every rank, those that do not report a
+      row adding zeros; every replica holds the same reduced shards, so the squares are divided by
+      `grad_norm_replicas` first (and a parameter whole on every rank of a tp group by tp, `chattune.train.step`).
     A purpose of degree 1 has no group (`group` returns None): a collective over it is the identity. Never hand
     such a None to torch.distributed, which reads None as the whole world.
 
     The meshes are views of one 1-D world mesh (`_unflatten`), so each purpose's ranks come from one layout and
     a purpose over every rank reuses the world's group: a run without context parallelism makes no process group
-    besides the world's. How the next axis plugs in, an entry of MESH_AXES and CONFIG_AXES and its place in
-    the views of `build`, not a rewrite:
-    - Tensor parallelism: a `tp` axis innermost, outside `dp_cp`: the ranks of a tp group read the same
-      microbatches and compute the same row (the data rank ignores tp, `reports_rows` also asks tp coordinate
-      0); the model is parallelised with DTensor plans on `mesh("tp")` before `fully_shard`.
+    besides the world's. A new axis is an entry of MESH_AXES and CONFIG_AXES and its place in the views of
+    `build`, not a rewrite.
     """
 
     rank: int
@@ -70,6 +72,7 @@ class ParallelDims:
     device: torch.device
     cp: int = 1  # context parallelism (parallel.context): ranks per context group
     dp_replicate: int = 1  # HSDP (parallel.replicate): groups holding a sharded copy of the parameters each
+    tp: int = 1  # tensor parallelism (parallel.tensor): ranks that split each decoder layer
     # The purposes' meshes (`build`); empty for a layout made by hand (arithmetic only, no groups).
     meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
 
@@ -79,9 +82,12 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.context={self.cp} must divide the number of ranks, {self.world_size}: {problem}"
             )
-        if self.dp_replicate < 1 or self.world_size % (self.dp_replicate * self.cp):
-            problem = replicate_ranks_problem(self.dp_replicate, self.cp, self.world_size) or "not a group count"
-            raise ValueError(f"parallel.replicate={self.dp_replicate}: {problem}")
+        if self.tp < 1 or self.world_size % (self.cp * self.tp):
+            problem = tensor_ranks_problem(self.tp, self.cp, self.world_size) or "not a tensor-parallel degree"
+            raise ValueError(f"parallel.tensor={self.tp}: {problem}")
+        if self.dp_replicate < 1 or self.world_size % (self.dp_replicate * self.cp * self.tp):
+            problem = replicate_ranks_problem(self.dp_replicate, self.cp * self.tp, self.world_size)
+            raise ValueError(f"parallel.replicate={self.dp_replicate}: {problem or 'not a group count'}")
 
     # --- construction ---
 
@@ -107,12 +113,20 @@ class ParallelDims:
             parallel, dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), device
         )
         world = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
-        meshes = {"dp_cp": world, **_views(world, {"dp": layout.data_ranks, "cp": layout.cp})}
-        if layout.dp_replicate > 1:  # HSDP: fully_shard takes the 2-D mesh
-            fsdp = world._unflatten(0, (layout.dp_replicate, layout.shard_ranks), ("dp_replicate", "dp_shard_cp"))
-            meshes.update(fsdp=fsdp, dp_replicate=fsdp["dp_replicate"], dp_shard_cp=fsdp["dp_shard_cp"])
-        else:
+        R, T = layout.dp_replicate, layout.tp
+        meshes = _views(world, {"dp": layout.data_ranks, "cp": layout.cp, "tp": T})
+        if T == 1:
+            meshes["dp_cp"] = world
+        if R == 1 and T == 1:
             meshes.update(fsdp=world, dp_shard_cp=world)
+        else:
+            # FSDP2's mesh and the tp mesh it composes with come from one view (the shard axis kept at degree 1:
+            # fully_shard needs a mesh even where nothing is left to shard)
+            axes = {"dp_replicate": R, "dp_shard_cp": layout.shard_ranks, "tp": T}
+            axes = {name: degree for name, degree in axes.items() if degree > 1 or name == "dp_shard_cp"}
+            view = world._unflatten(0, tuple(axes.values()), tuple(axes))
+            meshes.update({name: view[name] for name in axes})
+            meshes["fsdp"] = view[("dp_replicate", "dp_shard_cp")] if R > 1 else view["dp_shard_cp"]
         return replace(layout, meshes=meshes)
 
     # --- the axes ---
@@ -120,20 +134,21 @@ class ParallelDims:
     @property
     def dp_shard(self) -> int:
         """Data-parallel (FSDP-sharded) degree within a replica group: its number of context groups."""
-        return self.world_size // (self.dp_replicate * self.cp)
+        return self.world_size // (self.dp_replicate * self.cp * self.tp)
 
     @property
     def degrees(self) -> dict[str, int]:
         """Each axis of MESH_AXES with its degree."""
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp}
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
 
     @property
     def coordinates(self) -> dict[str, int]:
         """This rank's coordinate along each axis (row-major over MESH_AXES)."""
         return {
-            "dp_replicate": self.rank // (self.dp_shard * self.cp),
-            "dp_shard": self.rank // self.cp % self.dp_shard,
-            "cp": self.rank % self.cp,
+            "dp_replicate": self.rank // (self.dp_shard * self.cp * self.tp),
+            "dp_shard": self.rank // (self.cp * self.tp) % self.dp_shard,
+            "cp": self.rank // self.tp % self.cp,
+            "tp": self.rank % self.tp,
         }
 
     # --- derived ---
@@ -161,9 +176,9 @@ class ParallelDims:
     @property
     def reports_rows(self) -> bool:
         """Whether this rank reports the figures of the rows it trains (loss units, losses, data counts, the
-        ledger). Every rank of a context group computes the same row, and only its first one reports it, so
-        that sums over `loss_group` count every row once."""
-        return self.cp_rank == 0
+        ledger). Every rank of a context group (and of a tp group) computes the same row, and only its first one
+        reports it, so that sums over every rank count every row once."""
+        return self.cp_rank == 0 and self.coordinates["tp"] == 0
 
     @property
     def shard_ranks(self) -> int:
@@ -200,11 +215,14 @@ class ParallelDims:
             "dp_replicate": self.dp_replicate,
             "dp_shard_cp": self.shard_ranks,
             "dp_cp": self.loss_ranks,
+            "tp": self.tp,
         }
         if purpose not in degree:
             raise ValueError(f"no mesh for {purpose!r}: one of {', '.join(degree)}")
         if degree[purpose] == 1:
             return None
+        if purpose == "dp_cp" and self.tp > 1:
+            raise ValueError("no dp_cp mesh under tensor parallelism: the loss's sums run over every rank")
         if purpose not in self.meshes:
             raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): no {purpose} group")
         return self.meshes[purpose]

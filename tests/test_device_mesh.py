@@ -6,6 +6,8 @@ over the mesh's group, equal to the full gradient's and to stock transformers' o
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from chattune.config.schema import ParallelConfig
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
+from chattune.model import tensor_parallel
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import parallel_dims_of, shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
@@ -26,9 +29,10 @@ from conftest import free_port, init_worker_process_group, spawn, tiny_model
 
 # 8 query heads: every context size here divides them (4 repeats the 2 kv heads).
 HEADS = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
-PURPOSES = ("dp", "cp", "dp_replicate", "dp_shard_cp", "dp_cp")
-# (parallel.replicate, parallel.context) of every layout of a world of 1, 2 or 4 ranks
-LAYOUTS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1))
+PURPOSES = ("dp", "cp", "dp_replicate", "dp_shard_cp", "dp_cp", "tp")
+# (parallel.replicate, parallel.context, parallel.tensor) of the layouts of a world of 1, 2 or 4 ranks (tensor 4
+# would split the 2 kv heads 4 ways)
+LAYOUTS = ((1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1), (4, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2))
 
 
 def members(group) -> list[int] | None:
@@ -88,20 +92,25 @@ def process_groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
+def _group(purpose: str, mesh: ParallelDims):
+    try:
+        return members(mesh.group(purpose))
+    except ValueError:
+        return "none"  # dp_cp under tensor parallelism: the loss's sums run over every rank
+
+
 def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     found = {}
-    for replicate, cp in (layout for layout in LAYOUTS if world_size % (layout[0] * layout[1]) == 0):
+    for replicate, cp, tp in (layout for layout in LAYOUTS if world_size % math.prod(layout) == 0):
         before = process_groups()
-        mesh = init_distributed("cpu", ParallelConfig(replicate=replicate, context=cp))
-        local_ranks = {purpose: m.get_local_rank() for purpose in PURPOSES if (m := mesh.mesh(purpose)) is not None}
-        found[replicate, cp] = {
+        mesh = init_distributed("cpu", ParallelConfig(replicate=replicate, context=cp, tensor=tp))
+        meshes = {purpose: mesh.mesh(purpose) for purpose in PURPOSES if _group(purpose, mesh) not in (None, "none")}
+        found[replicate, cp, tp] = {
             "new_groups": process_groups() - before,
-            "groups": {purpose: members(mesh.group(purpose)) for purpose in PURPOSES},
-            "cp_group": members(mesh.cp_group),
-            "loss_group": members(mesh.loss_group),
+            "groups": {purpose: _group(purpose, mesh) for purpose in PURPOSES},
             "fsdp_mesh": mesh.fsdp_mesh.mesh.tolist(),
-            "local_ranks": local_ranks,
+            "local_ranks": {purpose: m.get_local_rank() for purpose, m in meshes.items()},
             "data_rank": mesh.data_rank,
             "data_ranks": mesh.data_ranks,
             "cp_rank": mesh.cp_rank,
@@ -118,80 +127,131 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     exit_process()
 
 
+def expected(rank: int, world_size: int, replicate: int, cp: int, tp: int) -> dict:
+    """What rank `rank` of a world laid out as (replicate, dp_shard, cp, tp), row-major, must find, derived from
+    its coordinates alone."""
+    shards = world_size // (replicate * tp)  # dp_shard x cp
+    dp_shard = shards // cp
+    coordinates = {
+        "dp_replicate": rank // (shards * tp),
+        "dp_shard": rank // (cp * tp) % dp_shard,
+        "cp": rank // tp % cp,
+        "tp": rank % tp,
+    }
+    r, c, t = coordinates["dp_replicate"], coordinates["cp"], coordinates["tp"]
+    block = r * shards * tp  # the first rank of this replica group
+
+    def line(ranks: list[int]) -> list[int] | None:  # a group of one rank has none
+        return ranks if len(ranks) > 1 else None
+
+    groups = {
+        "dp": line([(d * cp + c) * tp + t for d in range(replicate * dp_shard)]),
+        "cp": line([rank + (j - c) * tp for j in range(cp)]),
+        "dp_replicate": line([g * shards * tp + rank % (shards * tp) for g in range(replicate)]),
+        "dp_shard_cp": line([block + k * tp + t for k in range(shards)]),
+        "dp_cp": line(list(range(world_size))) if tp == 1 else (None if world_size == tp else "none"),
+        "tp": line([rank - t + j for j in range(tp)]),
+    }
+    local = {
+        "dp": rank // (cp * tp),
+        "cp": c,
+        "dp_replicate": r,
+        "dp_shard_cp": (rank - block) // tp,
+        "dp_cp": rank,
+        "tp": t,
+    }
+    if replicate > 1:
+        fsdp = [[g * shards * tp + k * tp + t for k in range(shards)] for g in range(replicate)]
+    else:
+        fsdp = [block + k * tp + t for k in range(shards)]
+    # Process groups beyond the world's: the data view's axes (dp, cp, tp) where two or more are above 1, and the
+    # FSDP view (dp_replicate, dp_shard_cp even at 1, tp) under HSDP or tp; an axis over every rank reuses the world's.
+    data_axes = [d for d in (replicate * dp_shard, cp, tp) if d > 1]
+    made = len(data_axes) if len(data_axes) > 1 else 0
+    if replicate > 1 or tp > 1:
+        view = [d for d in (replicate, tp) if d > 1] + [shards]
+        made += sum(1 for d in view if d < world_size)
+    return {
+        "coordinates": coordinates,
+        "groups": groups,
+        "local_ranks": {p: local[p] for p, ranks in groups.items() if ranks not in (None, "none")},
+        "fsdp_mesh": fsdp,
+        "new_groups": made,
+        "data": (rank // (cp * tp), replicate * dp_shard, c),
+        "reports_rows": c == 0 and t == 0,
+        "degrees": {"dp_replicate": replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp},
+        "shards": shards,
+    }
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.launch
 def test_the_mesh_derives_groups_ranks_and_the_gradient_norm_for_every_layout(tmp_path, world_size):
     out_path = str(tmp_path / "mesh")
     spawn(_worker, args=(world_size, free_port(), out_path), nprocs=world_size)
-    world = list(range(world_size))
-    layouts = [layout for layout in LAYOUTS if world_size % (layout[0] * layout[1]) == 0]
+    layouts = [layout for layout in LAYOUTS if world_size % math.prod(layout) == 0]
     for rank in range(world_size):
         found = torch.load(f"{out_path}.rank{rank}")
         assert sorted(found) == sorted(layouts)
-        for (replicate, cp), got in found.items():
-            shards = world_size // replicate  # the ranks of a replica group: dp_shard x cp
-            dp_shard = shards // cp
-            first = rank - rank % cp
-            context = list(range(first, first + cp)) if cp > 1 else None
-            data = list(range(rank % cp, world_size, cp)) if world_size > cp else None
-            replicas = list(range(rank % shards, world_size, shards)) if replicate > 1 else None
-            shard_first = rank - rank % shards
-            shard_group = list(range(shard_first, shard_first + shards)) if shards > 1 else None
-            everyone = world if world_size > 1 else None
-            want = {"dp": data, "cp": context, "dp_replicate": replicas, "dp_shard_cp": shard_group, "dp_cp": everyone}
-            assert got["groups"] == want, (rank, replicate, cp)
-            assert got["cp_group"] == context and got["loss_group"] == everyone, (rank, replicate, cp)
-            fsdp = [list(range(r * shards, (r + 1) * shards)) for r in range(replicate)] if replicate > 1 else world
-            assert got["fsdp_mesh"] == fsdp and got["shard_ranks"] == shards and got["replicas"] == replicate
-            # each purpose's mesh places this rank where the derived values say
-            want_local = {
-                "dp": rank // cp,
-                "cp": rank % cp,
-                "dp_replicate": rank // shards,
-                "dp_shard_cp": rank % shards,
-                "dp_cp": rank,
-            }
-            assert got["local_ranks"] == {p: want_local[p] for p, ranks in want.items() if ranks is not None}
-            # groups beyond the world's only where they are not the world: the data and context groups, and
-            # HSDP's shard group and its replica group (the world's on 2 replicas of 1 rank)
-            made = (2 if 1 < cp < world_size else 0) + ((replicate < world_size) + 1 if replicate > 1 else 0)
-            assert got["new_groups"] == made, (rank, replicate, cp, got["new_groups"])
-            data_ranks = replicate * dp_shard
-            assert (got["data_rank"], got["data_ranks"], got["cp_rank"]) == (rank // cp, data_ranks, rank % cp)
-            assert got["reports_rows"] == (rank % cp == 0)
-            assert got["is_main"] == (rank == 0)
-            assert got["degrees"] == {"dp_replicate": replicate, "dp_shard": dp_shard, "cp": cp}
-            assert got["coordinates"] == {
-                "dp_replicate": rank // shards,
-                "dp_shard": rank // cp % dp_shard,
-                "cp": rank % cp,
-            }
+        for (replicate, cp, tp), got in found.items():
+            where = (rank, replicate, cp, tp)
+            want = expected(rank, world_size, replicate, cp, tp)
+            assert got["groups"] == want["groups"], where
+            assert got["fsdp_mesh"] == want["fsdp_mesh"], where
+            assert got["local_ranks"] == want["local_ranks"], where  # each purpose's mesh places the rank as derived
+            assert got["new_groups"] == want["new_groups"], (*where, got["new_groups"])
+            assert (got["shard_ranks"], got["replicas"]) == (want["shards"], replicate), where
+            assert (got["data_rank"], got["data_ranks"], got["cp_rank"]) == want["data"], where
+            assert got["reports_rows"] == want["reports_rows"] and got["is_main"] == (rank == 0), where
+            assert got["degrees"] == want["degrees"] and got["coordinates"] == want["coordinates"], where
             norm, full, plain, worst = got["norms"]
-            assert abs(norm - full) <= 1e-5 * full, (rank, replicate, cp, norm, full)  # the shards' norm is the whole's
-            assert abs(norm - plain) <= 1e-5 * plain, (rank, replicate, cp, norm, plain)  # ... and the plain model's
-            assert worst <= 1e-5, (rank, replicate, cp, worst)  # every gradient the plain model's
+            assert abs(norm - full) <= 1e-5 * full, (*where, norm, full)  # the shards' norm is the whole's
+            assert abs(norm - plain) <= 1e-5 * plain, (*where, norm, plain)  # ... and the plain model's
+            assert worst <= 1e-5, (*where, worst)  # every gradient the plain model's
 
 
-def _counted_replicas_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
-    """The control: HSDP's gradient norm with each replica's squares counted (the sum over the world, undivided)."""
+def _controls_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    """Deliberately wrong reductions, each on its own layout of 4 ranks: (HSDP's norm summing every replica's
+    squares, a tp norm summing the squares of the parameters whole on every tp rank T times, tp without summing
+    the per-head norms' gradients over the group), each after the right one."""
     init_worker_process_group(rank, world_size, port)
-    mesh = init_distributed("cpu", ParallelConfig(replicate=2))
-    once = grad_norms(mesh)
-    object.__setattr__(mesh, "dp_replicate", 1)  # grad_norm_replicas reads it; the meshes stay HSDP's
-    torch.save((once, grad_norms(mesh)), f"{out_path}.rank{rank}")
+    found = {}
+    hsdp = init_distributed("cpu", ParallelConfig(replicate=2))
+    found["hsdp"] = grad_norms(hsdp)
+    object.__setattr__(hsdp, "dp_replicate", 1)  # grad_norm_replicas reads it; the meshes stay HSDP's
+    found["hsdp, replicas counted"] = grad_norms(hsdp)
+    split = init_distributed("cpu", ParallelConfig(tensor=2))
+    found["tp"] = grad_norms(split)
+    object.__setattr__(split, "tp", 1)  # the norm reads it; the meshes stay tp's
+    found["tp, whole parameters counted"] = grad_norms(split)
+    object.__setattr__(split, "tp", 2)
+    tensor_parallel._sum_gradients_over = lambda norm, group: None
+    found["tp, head norms' gradients not summed"] = grad_norms(split)
+    torch.save(found, f"{out_path}.rank{rank}")
     shutdown_distributed()
     exit_process()
 
 
 @pytest.mark.launch
-def test_a_norm_that_counts_every_replica_is_caught(tmp_path):
-    """Under HSDP every replica group holds the same reduced shards: a norm summed over the world without dividing
-    by the replicas is sqrt(2) times the plain model's on 2 replicas, and the comparison above fails it."""
-    out_path = str(tmp_path / "replicas")
-    spawn(_counted_replicas_worker, args=(4, free_port(), out_path), nprocs=4)
-    once, counted = torch.load(f"{out_path}.rank0")
-    assert abs(once[0] - once[2]) <= 1e-5 * once[2]
-    assert abs(counted[0] - 2**0.5 * counted[2]) <= 1e-5 * counted[2]
+def test_wrong_reductions_are_caught(tmp_path):
+    """The checks above fail each control: under HSDP every replica group holds the same reduced shards, so a norm
+    summed over the world without dividing by the replicas is sqrt(2) times the plain model's on 2 groups; under
+    tp the norms and embeddings are whole on both ranks of a group; and without summing Qwen3's q/k norm
+    gradients over the group each rank keeps only its heads' part."""
+    out_path = str(tmp_path / "controls")
+    spawn(_controls_worker, args=(4, free_port(), out_path), nprocs=4)
+    found = torch.load(f"{out_path}.rank0")
+    for right in ("hsdp", "tp"):
+        norm, _, plain, worst = found[right]
+        assert abs(norm - plain) <= 1e-5 * plain and worst <= 1e-5, right
+    norm, _, plain, _ = found["hsdp, replicas counted"]
+    assert abs(norm - 2**0.5 * plain) <= 1e-5 * plain
+    norm, _, plain, _ = found["tp, whole parameters counted"]
+    assert (
+        norm - plain > 1e-4 * plain
+    )  # the norms' and the (tied) embeddings' squares twice: ten times the check's limit
+    _, _, _, worst = found["tp, head norms' gradients not summed"]
+    assert worst > 0.1
 
 
 def test_a_layout_made_by_hand_or_without_a_group():
@@ -205,8 +265,8 @@ def test_a_layout_made_by_hand_or_without_a_group():
         _ = hand.cp_group
     with pytest.raises(ValueError, match="no device mesh"):
         _ = hand.fsdp_mesh
-    with pytest.raises(ValueError, match="no mesh for 'tp'"):
-        hand.mesh("tp")
+    with pytest.raises(ValueError, match="no mesh for 'pp'"):
+        hand.mesh("pp")
     with pytest.raises(ValueError, match=r"parallel.context=3 must divide the number of ranks, 8"):
         ParallelDims(0, 8, 0, torch.device("cpu"), cp=3)
     assert not dist.is_initialized()

@@ -26,6 +26,18 @@ def context_ranks_problem(context: int, world_size: int) -> str | None:
     return None
 
 
+def tensor_ranks_problem(tensor: int, context: int, world_size: int) -> str | None:
+    """parallel.tensor against the number of ranks: each group of `tensor` consecutive ranks splits the layers,
+    inside each context group's ranks."""
+    if tensor > 1 and context >= 1 and world_size >= 1 and world_size % (tensor * context):
+        within = f" x parallel.context={context}" if context > 1 else ""
+        return (
+            f"{tensor}{within} does not divide the {world_size} ranks of this launch: each group of {tensor} ranks "
+            f"splits every layer; launch a multiple of {tensor * context} ranks or choose a divisor"
+        )
+    return None
+
+
 def replicate_ranks_problem(replicate: int, context: int, world_size: int) -> str | None:
     """parallel.replicate against the number of ranks: the ranks form `replicate` groups of equal size, each a
     whole number of context groups."""

@@ -186,6 +186,14 @@ class ParallelConfig:
         at_least=1,
         resume="numerics",
     )
+    tensor: int = key(
+        1,
+        "tensor parallelism: consecutive ranks that split each decoder layer's linear layers (attention heads and "
+        "MLP width; llama, mistral, qwen2, qwen3, gemma3_text), within a machine; with parallel.context and "
+        "parallel.replicate, divides the number of ranks",
+        at_least=1,
+        resume="numerics",
+    )
     context: int = key(
         1,
         "context parallelism: ranks that share each packed row (of parallel.context x "

@@ -21,6 +21,7 @@ from chattune.config.layout_rules import (
     microbatch_ranks_problem,
     pad_multiple_problem,
     replicate_ranks_problem,
+    tensor_ranks_problem,
 )
 from chattune.config.losses import needs_reference
 from chattune.config.schema import FP8_MODES, QUANTIZE_BASE
@@ -356,6 +357,11 @@ class RunRules:
                         f"model.fsdp.{name}", "on the CPU the device's memory is the host's: it saves nothing"
                     )
 
+    def tensor_size(self) -> int:
+        """parallel.tensor where it is a valid size, else 1."""
+        tensor = number(self.values, "parallel.tensor")
+        return tensor if isinstance(tensor, int) and tensor >= 1 else 1
+
     def context_size(self) -> int:
         """parallel.context where it is a valid size, else 1 (an invalid one is reported by the schema checks)."""
         context = number(self.values, "parallel.context")
@@ -379,12 +385,41 @@ class RunRules:
                 f"of {heads}",
             )
 
+    def tensor_parallel(self, world_size: int | None) -> None:
+        """parallel.tensor: the ranks split into groups of tensor x context consecutive ranks, the heads split
+        over both, and what is not built for a split model yet is refused with the reason."""
+        tensor = number(self.values, "parallel.tensor")
+        if not isinstance(tensor, int) or tensor <= 1:
+            return  # below 1: the schema checks' problem
+        context = self.context_size()
+        problem = tensor_ranks_problem(tensor, context, world_size) if world_size is not None else None
+        if problem:
+            self.findings.problem("parallel.tensor", problem)
+        heads = self.attention_heads()
+        if heads and heads % (tensor * context):
+            self.findings.problem(
+                "parallel.tensor",
+                f"{tensor}{f' x parallel.context={context}' if context > 1 else ''} does not divide the model's "
+                f"{heads} attention heads: each rank attends with heads/(tensor x context) of them",
+            )
+        refused = {
+            "peft": "LoRA on a tensor-parallel model is not built (the adapters would need their own split)",
+            "model.fp8": "float8 layers are not split over tp ranks yet",
+            "optimizer.in_backward": "the update in the backward measures the norm without the tp split",
+        }
+        for key, reason in refused.items():
+            value = get_value(self.values, key)
+            if isinstance(value, dict) or value not in (None, False):
+                self.findings.problem(key, f"{reason}: set parallel.tensor=1 or drop {key}")
+        if self.kind.name == "reward":
+            self.findings.problem("parallel.tensor", "the reward model's score head is not split yet: set 1")
+
     def replicated_shards(self, world_size: int | None) -> None:
         """parallel.replicate (HSDP): the ranks split into that many equal groups of whole context groups."""
         replicate = number(self.values, "parallel.replicate")
         if not isinstance(replicate, int) or replicate <= 1 or world_size is None:
             return  # below 1: the schema checks' problem
-        problem = replicate_ranks_problem(replicate, self.context_size(), world_size)
+        problem = replicate_ranks_problem(replicate, self.context_size() * self.tensor_size(), world_size)
         if problem:
             self.findings.problem("parallel.replicate", problem)
 

@@ -293,6 +293,7 @@ def find_problems(
     rules.update_in_backward(world_size)
     rules.offload()
     rules.context_parallel(world_size)
+    rules.tensor_parallel(world_size)
     rules.replicated_shards(world_size)
     if rules.cfg is not None:
         rules.output_dir(rules.cfg, world_size)

@@ -160,12 +160,7 @@ def build_sharded_model(
         probe_native_gqa(dims.device)  # before any layer is compiled: the attention reads what it settles
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     replicated = quantize.replicated_parameters(hf_model)
-    compile = compile_enabled(cfg.model.compile, device_type)
-    if replicated and compile and cfg.model.compile == "auto":
-        # bitsandbytes' 4-bit layers inside compiled decoder layers are not verified here: `auto` leaves a 4-bit
-        # base uncompiled (model.compile=true still asks for it).
-        compile = False
-        logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
+    compile = _compiles(cfg.model.compile, device_type, quantized=bool(replicated), tensor_parallel=dims.tp > 1)
     router_loss = router_loss_for(hf_model, cfg.loss.router_aux_coef)
     if router_loss is not None and head is SCORE_HEAD:
         raise UserError(
@@ -225,6 +220,24 @@ def build_sharded_model(
 
 
 _described: set[str] = set()
+
+
+def _compiles(setting: bool | str, device_type: str, quantized: bool, tensor_parallel: bool) -> bool:
+    """model.compile for this model: `auto` leaves uncompiled what is not verified compiled here (bitsandbytes'
+    4-bit layers, a tensor-parallel model's DTensor plans), saying so; `true` still asks for a 4-bit base and is
+    refused for a tensor-parallel model."""
+    compile = compile_enabled(setting, device_type)
+    if compile and tensor_parallel:
+        if setting != "auto":
+            raise UserError(
+                "model.compile=true: compiling a tensor-parallel model is not built; set model.compile=auto"
+            )
+        logger.info("model.compile=auto: not compiling the decoder layers of a tensor-parallel model")
+        return False
+    if compile and quantized and setting == "auto":
+        logger.info("model.compile=auto: not compiling the decoder layers of a 4-bit base")
+        return False
+    return compile
 
 
 def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: str, levers: str = "") -> None:

@@ -232,17 +232,18 @@ def _write_gathered(f, tensor: PlannedTensor, is_main: bool) -> None:
             write(source)
         return
     placements, mesh = tuple(source.placements), source.device_mesh
-    if placements == (Replicate(), Shard(0)):  # HSDP: the first replica group's shards, rank 0 among them
-        if mesh.get_local_rank(0) != 0:
-            return
-        group, world = mesh.get_group(1), mesh.size(1)
-    elif placements == (Shard(0),):
-        group, world = mesh.get_group(), mesh.size()
-    else:
+    if placements == (Shard(0),):
+        shard_ranks, shard_dim = mesh.mesh.flatten().tolist(), 0
+    elif placements == (Replicate(), Shard(0)):  # HSDP: this rank's replica group's shards
+        shard_ranks, shard_dim = mesh.mesh[mesh.get_local_rank(0)].tolist(), 1
+    else:  # split over tp as well: gathered whole on every rank
         full = source.full_tensor()
         if is_main:
             write(full)
         return
+    if 0 not in shard_ranks:  # a copy of the shards rank 0's group holds (another replica group, another tp rank)
+        return
+    group, world = mesh.get_group(shard_dim), len(shard_ranks)
     rows = source.shape[0]
     chunk = -(-rows // world)  # FSDP2 shards like torch.chunk: ceil(rows / W) rows per rank, fewer at the end
     local = source.to_local()

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from chattune.config.schema import DTYPES, FSDPConfig
 from chattune.distributed import ParallelDims, world_size
+from chattune.model import tensor_parallel
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.offload import ActivationOffload
 from chattune.model.sequence_score import PackedSequenceScorer
@@ -174,8 +175,9 @@ def shard_model(
     replicated: set[nn.Parameter] | None = None,
     **fsdp: Any,
 ) -> PackedCausalLM:
-    """`dims`: the run's layout (`chattune.distributed.ParallelDims`, built on its process group): each parameter is
-    sharded over its `fsdp_mesh`, and the model keeps it (`parallel_dims_of`) for the step and the figures.
+    """`dims`: the run's layout (`chattune.distributed.ParallelDims`, built on its process group): the decoder
+    layers split over its tp group (`chattune.model.tensor_parallel`), then each parameter sharded over its
+    `fsdp_mesh`; the model keeps it (`parallel_dims_of`) for the step and the figures.
     `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). `fsdp`: the
     keys of `model.fsdp` (`FSDPConfig`; those not given keep its defaults): the compute and reduction dtypes,
     activation checkpointing, offloaded activations (a training forward's saved tensors in host memory,
@@ -184,6 +186,9 @@ def shard_model(
     `cpu_offload`, `activation_offload`, `parallel_dims`): the loop, the loader and the logs read it there."""
     settings = FSDPConfig(**fsdp)
     activation_checkpointing, cpu_offload = settings.activation_checkpointing, settings.cpu_offload
+    tp_mesh = dims.mesh("tp")
+    if tp_mesh is not None:  # the layers split over tp first: FSDP2 then shards what each rank holds
+        tensor_parallel.parallelize(decoder_layers(model), tp_mesh, model.hf_model.config)
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:

@@ -267,8 +267,8 @@ STORED_DTYPES = {
 
 
 def _load_local(stored: SafetensorsFile, name: str, target: torch.Tensor, directory: Path) -> None:
-    """Copy this rank's part of tensor `name` into `target` (a DTensor sharded along dim 0, as FSDP2 shards,
-    or a replicated tensor)."""
+    """Copy this rank's part of tensor `name` into `target` (a DTensor: a block of rows, as FSDP2 shards, and of
+    columns where tensor parallelism splits them too; or a replicated tensor)."""
     if list(stored.shape(name)) != list(target.shape):
         raise UserError(
             f"model.path {directory}: tensor {name} has shape {stored.shape(name)} in the checkpoint, "
@@ -276,8 +276,6 @@ def _load_local(stored: SafetensorsFile, name: str, target: torch.Tensor, direct
         )
     if isinstance(target, DTensor):
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        if any(offset[1:]) or tuple(shape[1:]) != tuple(target.shape[1:]):
-            raise NotImplementedError(f"{name}: only shards along the first dimension are read (FSDP2's)")
         local = target.to_local()
     else:
         shape, offset, local = tuple(target.shape), (0,) * target.dim(), target
@@ -286,7 +284,10 @@ def _load_local(stored: SafetensorsFile, name: str, target: torch.Tensor, direct
     if target.dim() == 0:
         local.copy_(stored.read_rows(name, 0, 1).reshape(()))
         return
-    local.copy_(stored.read_rows(name, offset[0], offset[0] + shape[0]))
+    rows = stored.read_rows(name, offset[0], offset[0] + shape[0])
+    # split along a later dimension too (tensor parallelism's row-wise layers): this rank's columns of its rows
+    columns = tuple(slice(start, start + size) for start, size in zip(offset[1:], shape[1:]))
+    local.copy_(rows[(slice(None), *columns)])
 
 
 def load_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> PreTrainedModel:

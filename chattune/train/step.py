@@ -41,6 +41,7 @@ from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_sum, host_values_on
 from chattune.model.fsdp import model_device, parallel_dims_of
 from chattune.model.offload import activation_offload
+from chattune.model.tensor_parallel import split_over
 from chattune.objectives.base import Objective
 from chattune.train.feed import StepBatches
 from chattune.train.in_backward import UpdateInBackward
@@ -191,20 +192,33 @@ def _clip_on_device(
     if any(not isinstance(g, DTensor) for g in grads) and dims.world_size > 1:
         raise ValueError("clip_gradients expects every gradient sharded (FSDP2 DTensors) when running on several ranks")
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    if local_norm is None:
-        local_norm = torch.nn.utils.get_total_norm(local_grads, foreach=True)
-    local_norm = local_norm.to(local_loss_finite.device)  # the loss's device: CPU offload keeps the shards on the host
+    device = local_loss_finite.device  # the loss's device: CPU offload keeps the shards on the host
+    if local_norm is not None:
+        squares = local_norm.to(device).double().square() / dims.grad_norm_replicas
+    else:
+        # a parameter split over tp: distinct shards on the tp group's ranks; one whole on each: the same T times
+        split = [local for grad, local in zip(grads, local_grads) if split_over(grad)]
+        whole = [local for grad, local in zip(grads, local_grads) if not split_over(grad)]
+        squares = sum(
+            (
+                torch.nn.utils.get_total_norm(part, foreach=True).to(device).double().square() / replicas
+                for part, replicas in ((split, dims.grad_norm_replicas), (whole, dims.grad_norm_replicas * dims.tp))
+                if part
+            ),
+            torch.zeros((), dtype=torch.float64, device=device),
+        )
     stop = stop_requested is not None and stop_requested()
-    stop_flag = host_values_on(local_norm.device, [float(stop)], torch.float64)[0]
-    squares = local_norm.double().square() / dims.grad_norm_replicas
+    stop_flag = host_values_on(device, [float(stop)], torch.float64)[0]
     # every rank: the flags and the stop requests are the whole run's
-    sums = all_reduce_sum(torch.stack([squares, (~local_loss_finite).to(local_norm.device).double(), stop_flag]))
+    sums = all_reduce_sum(torch.stack([squares, (~local_loss_finite).to(device).double(), stop_flag]))
     losses_finite = sums[1] == 0
     total_norm = torch.where(losses_finite, sums[0].sqrt() / loss_scale, torch.full_like(sums[0], float("nan")))
     if loss_scale != 1.0:  # unscale the local shards in place
         torch._foreach_mul_(local_grads, 1.0 / loss_scale)
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
+    if max_norm is not None:  # torch's clip_grads_with_norm_ on the local shards (a foreach over DTensors of
+        # several meshes, tensor parallelism's and FSDP2's alone, is refused): the same coefficient
+        coefficient = (max_norm / (total_norm.float() + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local_grads, coefficient.to(local_grads[0].device) if local_grads else coefficient)
     return total_norm, losses_finite, sums[2]
 
 

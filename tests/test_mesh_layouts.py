@@ -1,0 +1,142 @@
+"""The layouts of the mesh, each against plain FSDP over the same 4 ranks with world-size-invariant steps (the
+same documents in every step), SFT for 6 steps: HSDP (parallel.replicate=2: each parameter sharded within 2 groups
+of 2 and its gradients summed across them), tensor parallelism (parallel.tensor=2, under FSDP over the other 2),
+and tensor x context parallelism (2 x 2). Each follows plain FSDP's losses to float summation order; a checkpoint
+written under one layout resumes under another (and on another number of ranks) with the uninterrupted run's
+remaining losses; a run's HF export equals, byte for byte, its last checkpoint exported by one process (DCP
+gathering the shards); a model loaded from an HF directory trains split as it trains whole. The gradients of one
+step against stock transformers, and the controls (wrong reductions caught), are in test_device_mesh."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from test_export_command import same_files
+from test_sft_recipe import read_metrics
+
+import conftest
+from conftest import torchrun
+
+pytestmark = pytest.mark.launch  # every test here starts processes
+
+STEPS = 6
+TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
+
+
+def launch(out: Path, nproc: int, *overrides: str) -> str:
+    """SFT for STEPS steps of 4 microbatches on `nproc` ranks, checkpointed at step 3 and 6: its log."""
+    result = conftest.launch(
+        torchrun(
+            "recipes/sft.py",
+            f"output_dir={out}",
+            f"max_steps={STEPS}",
+            "log_every=1",
+            "eval_every=0",
+            "save_every=3",
+            "data.eval=[]",
+            "data.microbatches_per_step=4",
+            "data.max_tokens_per_microbatch=512",
+            "data.num_workers=0",
+            *overrides,
+            nproc=nproc,
+        )
+    )
+    return result.stdout + result.stderr
+
+
+def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), what
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    assert worst <= TOLERANCE, f"{what}: relative difference {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp")
+    assert "mesh: 4 ranks: dp_shard 4, parameters sharded over 4" in launch(out, 4)
+    return out
+
+
+LAYOUTS = {
+    "hsdp": ["parallel.replicate=2"],
+    "tp": ["parallel.tensor=2"],
+    "tp x cp": ["parallel.tensor=2", "parallel.context=2", "data.max_tokens_per_microbatch=256"],  # the same rows
+}
+MESHES = {
+    "hsdp": "mesh: 4 ranks: dp_replicate 2 x dp_shard 2, parameters sharded over 2",
+    "tp": "mesh: 4 ranks: dp_shard 2 x tp 2, parameters sharded over 2",
+    "tp x cp": "mesh: 4 ranks: cp 2 x tp 2, parameters sharded over 2",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Each layout's run on 4 ranks (its log names the mesh it ran on)."""
+    outputs = {}
+    for name, overrides in LAYOUTS.items():
+        out = outputs[name] = tmp_path_factory.mktemp(name.replace(" ", ""))
+        assert MESHES[name] in launch(out, 4, *overrides), name
+    return outputs
+
+
+def losses(out: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(out)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_follows_plain_fsdp(plain, runs, layout):
+    want = losses(plain)
+    assert len(set(want)) == STEPS, "the loss should move"
+    assert_same_curve(losses(runs[layout]), want, f"{layout} against FSDP over 4 ranks")
+
+
+@pytest.mark.parametrize(
+    ("source", "nproc", "overrides"),
+    [
+        ("plain", 4, ["parallel.replicate=2"]),
+        ("hsdp", 2, []),
+        ("tp", 2, []),
+        ("plain", 4, LAYOUTS["tp x cp"]),
+    ],
+    ids=["fsdp to hsdp", "hsdp to fsdp on 2 ranks", "tp to fsdp on 2 ranks", "fsdp to tp x cp"],
+)
+def test_a_checkpoint_resumes_under_another_layout(tmp_path, plain, runs, source, nproc, overrides):
+    written = plain if source == "plain" else runs[source]
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(written / "checkpoints" / "step_3", out / "checkpoints" / "step_3")
+    launch(out, nproc, *overrides)
+    assert [m["step"] for m in read_metrics(out)] == list(range(4, STEPS + 1))
+    assert_same_curve(losses(out), losses(plain)[3:], f"{source}'s step 3 resumed with {overrides} on {nproc} ranks")
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "tp"])
+def test_the_export_equals_the_checkpoint_gathered_on_one_process(tmp_path, runs, layout):
+    """HSDP: rank 0 writes each tensor from the first replica group's shards (the other groups send nothing); tp:
+    each split tensor gathered whole."""
+    exported = conftest.launch(
+        [
+            sys.executable,
+            "-m",
+            "chattune.cli.main",
+            "export",
+            str(runs[layout] / "checkpoints" / "step_6"),
+            "--to",
+            str(tmp_path),
+        ],
+        check=False,
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    same_files(tmp_path / "hf", runs[layout] / "hf")
+
+
+def test_a_loaded_model_trains_split_as_whole(tmp_path, plain):
+    """model.path: the weights of an HF directory loaded into the tp split (each rank reads its slices)."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    loaded = [f"model.path={plain / 'hf'}", "max_steps=2", "save_every=0"]
+    launch(whole, 4, *loaded)
+    assert MESHES["tp"] in launch(split, 4, *loaded, "parallel.tensor=2")
+    assert_same_curve(losses(split), losses(whole), "tp from model.path against FSDP")
