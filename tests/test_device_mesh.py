@@ -22,6 +22,7 @@ from chattune.distributed import ParallelDims, exit_process, init_distributed, s
 from chattune.model import tensor_parallel
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.fsdp import parallel_dims_of, shard_model
+from chattune.model.memory import MemoryInputs, estimate
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
@@ -66,10 +67,11 @@ def plain_gradients(data_ranks: int) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def grad_norms(mesh: ParallelDims) -> tuple[float, float, float, float]:
+def grad_norms(mesh: ParallelDims) -> tuple[float, float, float, float, int]:
     """One step of a tiny model sharded, replicated and its rows split as the mesh says: (the norm
     `clip_gradients` reduces over the mesh's group, the full gradient's norm gathered from the shards, the plain
-    reference's, the full gradient's largest relative difference from the plain reference's)."""
+    reference's, the full gradient's largest relative difference from the plain reference's, the bytes of this
+    rank's parameter shards)."""
     hf_model = tiny_model(seed=0, **HEADS)
     policy = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64, context_group=mesh.cp_group), mesh)
     policy.train()
@@ -84,7 +86,8 @@ def grad_norms(mesh: ParallelDims) -> tuple[float, float, float, float]:
     plain = plain_gradients(mesh.data_ranks)
     plain_norm = float(torch.nn.utils.get_total_norm(list(plain.values())))
     worst = max(float((whole[name] - g).norm() / g.norm()) for name, g in plain.items())
-    return norm, float(full), plain_norm, worst
+    held = sum(p.to_local().numel() * p.element_size() for p in policy.parameters())
+    return norm, float(full), plain_norm, worst, held
 
 
 def process_groups() -> int:
@@ -204,10 +207,14 @@ def test_the_mesh_derives_groups_ranks_and_the_gradient_norm_for_every_layout(tm
             assert (got["data_rank"], got["data_ranks"], got["cp_rank"]) == want["data"], where
             assert got["reports_rows"] == want["reports_rows"] and got["is_main"] == (rank == 0), where
             assert got["degrees"] == want["degrees"] and got["coordinates"] == want["coordinates"], where
-            norm, full, plain, worst = got["norms"]
+            norm, full, plain, worst, held = got["norms"]
             assert abs(norm - full) <= 1e-5 * full, (*where, norm, full)  # the shards' norm is the whole's
             assert abs(norm - plain) <= 1e-5 * plain, (*where, norm, plain)  # ... and the plain model's
             assert worst <= 1e-5, (*where, worst)  # every gradient the plain model's
+            # the memory estimate's parameter shards (`chattune.model.memory`): this rank's, FSDP2's padding aside
+            config = tiny_model(seed=0, **HEADS).config
+            estimated = estimate(MemoryInputs(config, ranks=want["shards"], tokens=75, tensor=tp))
+            assert abs(estimated.rows["parameters (fp32 shards)"] - held) <= 0.02 * held, (*where, held)
 
 
 def _controls_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
@@ -242,15 +249,15 @@ def test_wrong_reductions_are_caught(tmp_path):
     spawn(_controls_worker, args=(4, free_port(), out_path), nprocs=4)
     found = torch.load(f"{out_path}.rank0")
     for right in ("hsdp", "tp"):
-        norm, _, plain, worst = found[right]
+        norm, _, plain, worst, _ = found[right]
         assert abs(norm - plain) <= 1e-5 * plain and worst <= 1e-5, right
-    norm, _, plain, _ = found["hsdp, replicas counted"]
+    norm, _, plain, _, _ = found["hsdp, replicas counted"]
     assert abs(norm - 2**0.5 * plain) <= 1e-5 * plain
-    norm, _, plain, _ = found["tp, whole parameters counted"]
+    norm, _, plain, _, _ = found["tp, whole parameters counted"]
     assert (
         norm - plain > 1e-4 * plain
     )  # the norms' and the (tied) embeddings' squares twice: ten times the check's limit
-    _, _, _, worst = found["tp, head norms' gradients not summed"]
+    _, _, _, worst, _ = found["tp, head norms' gradients not summed"]
     assert worst > 0.1
 
 

@@ -866,3 +866,34 @@ def test_the_replica_groups_must_split_the_ranks_evenly():
         "of 2: each group holds a sharded copy of the parameters; launch a multiple of 4 ranks or choose a divisor"
     ]
     assert layout_problems(4, "parallel.replicate=0")[0].startswith("parallel.replicate: ")
+
+
+def test_tensor_parallelism_is_checked_before_a_launch():
+    """parallel.tensor: groups of tensor x context ranks, heads divisible by both, and what is not built for a split
+    model refused with the key named."""
+
+    def layout_problems(world_size: int, *overrides: str, config: str = "sft/tiny") -> list[str]:
+        try:
+            return check_config(compose_config(config, list(overrides)), SFT, world_size=world_size)
+        except ConfigError as error:
+            return error.problems
+
+    assert layout_problems(4, "parallel.tensor=2") == []
+    four = ["model.config.hidden_size=64", "model.config.num_attention_heads=4"]  # sft/tiny's 6 heads split 2 ways
+    assert layout_problems(8, "parallel.tensor=2", "parallel.context=2", "parallel.replicate=2", *four) == []
+    assert layout_problems(6, "parallel.tensor=4", *four) == [
+        "parallel.tensor: 4 does not divide the 6 ranks of this launch: each group of 4 ranks splits every layer; "
+        "launch a multiple of 4 ranks or choose a divisor"
+    ]
+    assert layout_problems(8, "parallel.tensor=4", "parallel.context=2", "model.config.num_attention_heads=4") == [
+        "parallel.tensor: 4 x parallel.context=2 does not divide the model's 4 attention heads: each rank attends "
+        "with heads/(tensor x context) of them"
+    ]
+    assert layout_problems(4, "parallel.tensor=2", "peft=lora") == [
+        "peft: LoRA on a tensor-parallel model is not built (the adapters would need their own split): set "
+        "parallel.tensor=1 or drop peft"
+    ]
+    assert layout_problems(4, "parallel.tensor=2", "optimizer.in_backward=true", "max_grad_norm=null") == [
+        "optimizer.in_backward: the update in the backward measures the norm without the tp split: set "
+        "parallel.tensor=1 or drop optimizer.in_backward"
+    ]

@@ -74,6 +74,7 @@ class MemoryInputs:
     offload_activations: bool = False  # model.fsdp.offload_activations
     cpu_offload: bool = False  # model.fsdp.cpu_offload
     microbatches_per_rank: int = 1  # a step's, on each rank
+    tensor: int = 1  # parallel.tensor: the decoder layers' linear weights split over this many ranks first
 
 
 @dataclass
@@ -118,6 +119,20 @@ def parse_size(text: str) -> int:
         return int(number)
     base = 1024 if "I" in unit else 1000
     return int(number * base ** powers[unit[0]])
+
+
+def _split_over_tensor(layers: list[nn.Module]) -> set[int]:
+    """The ids of the parameters tensor parallelism splits (`chattune.model.tensor_parallel.PLAN`'s linears)."""
+    from chattune.model.tensor_parallel import PLAN
+
+    split = set()
+    for layer in layers:
+        for name in PLAN:
+            try:
+                split.update(id(p) for p in layer.get_submodule(name).parameters())
+            except AttributeError:
+                continue  # a family without the plan: refused at start-up, estimated whole here
+    return split
 
 
 def _shard_numel(parameter: torch.Tensor, ranks: int) -> int:
@@ -199,7 +214,18 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     layers = repeated_layers(model)
     quantized = _quantized_linears(layers) if inputs.quantized_base else []
     replicated = {id(p) for linear in quantized for p in linear.parameters()}  # not FSDP2's: whole on every rank
-    sharded = sum(_shard_numel(p, inputs.ranks) for p in parameters.values() if id(p) not in replicated)
+    split = _split_over_tensor(layers) if inputs.tensor > 1 else set()
+
+    def shard(parameter: torch.Tensor) -> int:  # one rank's elements: split over tp first, then FSDP2's shard
+        whole = _shard_numel(parameter, inputs.ranks)
+        return math.ceil(whole / inputs.tensor) if id(parameter) in split else whole
+
+    if split:
+        result.notes.append(
+            f"parallel.tensor={inputs.tensor}: the decoder layers' linear weights split {inputs.tensor} ways; "
+            "activations counted as without the split (an overestimate)"
+        )
+    sharded = sum(shard(p) for p in parameters.values() if id(p) not in replicated)
     unit_of = {id(m): index for index, layer in enumerate(layers) for m in [*layer.modules(), *layer.parameters()]}
     trained_by_unit: dict[int | None, list[int]] = {}  # FSDP2 unit (a decoder layer; None: the root): shards
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
@@ -217,7 +243,7 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
             )
     else:
         for parameter in parameters.values():
-            trained_by_unit.setdefault(unit_of.get(id(parameter)), []).append(_shard_numel(parameter, inputs.ranks))
+            trained_by_unit.setdefault(unit_of.get(id(parameter)), []).append(shard(parameter))
     trained_shards = [shard for shards in trained_by_unit.values() for shard in shards]
     trained = sum(trained_shards)
     # CPU offload: the shards, their gradients and the optimizer's states live on the host (rows moved there).
@@ -235,12 +261,20 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         )
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     if inputs.cpu_offload:  # a unit's shards copied in for its all-gather, and its gradients' shards out
-        unit_shards = [sum(_shard_numel(p, inputs.ranks) for p in layer.parameters()) for layer in layers]
+        unit_shards = [sum(shard(p) for p in layer.parameters()) for layer in layers]
         root_shards = sum(_shard_numel(p, inputs.ranks) for p in parameters.values() if id(p) not in in_layers)
         result.rows["offload copies (one unit's shards)"] = 2 * 4 * max([*unit_shards, root_shards])
     compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
     largest_layer = max(
-        (sum(p.numel() for p in layer.parameters() if id(p) not in replicated) for layer in layers), default=0
+        (
+            sum(
+                p.numel() // (inputs.tensor if id(p) in split else 1)
+                for p in layer.parameters()
+                if id(p) not in replicated
+            )
+            for layer in layers
+        ),
+        default=0,
     )
     root = sum(p.numel() for p in parameters.values() if id(p) not in in_layers)
     # A 4-bit layer's matmul dequantizes its whole weight to the compute dtype first (bitsandbytes): one at a time.
@@ -305,6 +339,7 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
         offload_activations=bool(_get(fsdp, "offload_activations")),
         cpu_offload=bool(_get(fsdp, "cpu_offload")),
         microbatches_per_rank=_microbatches_per_rank(cfg, layout.data_ranks),
+        tensor=layout.tp,
     )
 
 
