@@ -4,16 +4,30 @@ real processes in test_device_mesh (gradients against stock transformers) and te
 
 from __future__ import annotations
 
-from chattune.model.tensor_parallel import tensor_parallel_problem
-from conftest import tiny_config
+import pytest
+import torch
+import torch.nn.functional as F
+from test_device_mesh import documents
+
+from chattune.config.schema import ParallelConfig
+from chattune.data.documents import IGNORE_INDEX
+from chattune.data.packing import collate_packed
+from chattune.distributed import exit_process, init_distributed, shutdown_distributed
+from chattune.model.causal_lm import PackedCausalLM, build_hf_model
+from chattune.model.fsdp import shard_model
+from chattune.model.tensor_parallel import split_over, tensor_parallel_problem
+from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.train.feed import StepBatches
+from chattune.train.step import accumulate_gradients, clip_gradients
+from conftest import demo_tokenizer, free_port, init_worker_process_group, spawn, tiny_config
 
 
 def test_the_families_of_the_plan_split_and_others_are_refused_with_the_reason():
     assert tensor_parallel_problem(tiny_config("llama"), 2) is None
     assert tensor_parallel_problem(tiny_config("qwen3"), 1) is None
     assert tensor_parallel_problem(tiny_config("gpt2"), 2) == (
-        "gpt2 has no tensor-parallel plan in chattune (families: llama, mistral, qwen2, qwen3, gemma3_text); train "
-        "it with parallel.tensor=1"
+        "gpt2 has no tensor-parallel plan in chattune (families: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe); "
+        "train it with parallel.tensor=1"
     )
     # tiny_config: 4 query heads, 2 key-value heads, MLP width 128
     assert tensor_parallel_problem(tiny_config("qwen2"), 4) == (
@@ -22,3 +36,65 @@ def test_the_families_of_the_plan_split_and_others_are_refused_with_the_reason()
     assert tensor_parallel_problem(tiny_config("mistral", intermediate_size=129), 2) == (
         "2 does not divide the model's 129 MLP width: each rank holds 1/2 of them"
     )
+
+
+# Each family of the plan on 2 ranks split over tp (Qwen2's q/k/v biases, Gemma 3's and Qwen3's per-head norms,
+# Qwen3-MoE's experts left whole), against stock transformers unsharded on the same documents.
+FAMILY_CONFIGS = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "gemma3_text": ("gemma3_text", {"head_dim": 16}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+    ),
+}
+
+
+def _family_model(name: str):
+    model_type, overrides = FAMILY_CONFIGS[name]
+    torch.manual_seed(0)
+    return build_hf_model(demo_tokenizer(), config=tiny_config(model_type, **overrides))
+
+
+def _family_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    dims = init_distributed("cpu", ParallelConfig(tensor=world_size))
+    found = {}
+    for name in FAMILY_CONFIGS:
+        hf_model = _family_model(name)
+        policy = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), dims)
+        policy.train()
+        row = collate_packed(documents(0, hf_model.config.vocab_size))
+        accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
+        split = sum(split_over(p) for p in policy.parameters())
+        grads = {n.removeprefix("hf_model."): p.grad.full_tensor() for n, p in policy.named_parameters()}
+        found[name] = (grads, clip_gradients(policy, None)[0], split)
+    if rank == 0:
+        torch.save(found, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_each_family_of_the_plan_trains_split_as_stock_transformers_whole(tmp_path):
+    out_path = str(tmp_path / "families.pt")
+    spawn(_family_worker, args=(2, free_port(), out_path), nprocs=2)
+    found = torch.load(out_path)
+    for name in FAMILY_CONFIGS:
+        grads, norm, split = found[name]
+        model = _family_model(name)
+        total, tokens = 0.0, 0
+        for doc in documents(0, model.config.vocab_size):
+            logits = model(input_ids=torch.tensor([doc.input_ids.tolist()]), use_cache=False).logits[0]
+            labels = torch.tensor(doc.labels.tolist())
+            total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            tokens += int((labels != IGNORE_INDEX).sum())
+        (total / tokens).backward()
+        want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert split >= 8, name  # q, k, v and o of each of the 2 layers at least
+        worst = max(float((grads[n] - g).norm() / g.norm()) for n, g in want.items() if g.norm() > 0)
+        assert worst <= 1e-5, (name, worst)
+        plain = float(torch.nn.utils.get_total_norm(list(want.values())))
+        assert abs(norm - plain) <= 1e-5 * plain, (name, norm, plain)

@@ -15,9 +15,9 @@ group (Megatron's layout, with torch's DTensor plans), before FSDP2 shards what 
 - The gradient norm: a parameter split over tp holds distinct shards on the group's ranks, one whole on each
   holds the same gradient T times; `chattune.train.step` divides the latter's squares by T (`split_over`).
 
-Which families: those whose decoder layers are `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` with
-no other layer acting on the heads than per-head norms (`FAMILIES`); others are refused (UnsupportedModel), as
-are MoE layers (the experts would need their own plan).
+Which families: those whose decoder layers are `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` (or a
+mixture of experts, left whole: Qwen3-MoE) with no other layer acting on the heads than per-head norms
+(`FAMILIES`); others are refused (UnsupportedModel).
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ from transformers import PretrainedConfig
 from chattune.errors import UnsupportedModel
 
 # transformers' model types whose layers follow the plan below (checked against their modules by `parallelize`).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-PLAN = {
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe")
+ATTENTION_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
     "self_attn.k_proj": ColwiseParallel,
     "self_attn.v_proj": ColwiseParallel,
     "self_attn.o_proj": RowwiseParallel,
-    "mlp.gate_proj": ColwiseParallel,
-    "mlp.up_proj": ColwiseParallel,
-    "mlp.down_proj": RowwiseParallel,
 }
+# A dense MLP's; a mixture of experts (Qwen3-MoE's sparse layers) stays whole on every rank of the group: each
+# rank runs every expert on the same tokens (experts replicated over tp, sharded by FSDP2 as the rest).
+MLP_PLAN = {"mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel}
+PLAN = {**ATTENTION_PLAN, **MLP_PLAN}
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # whole on every rank, applied to the rank's own heads
 
 
@@ -61,7 +62,7 @@ def tensor_parallel_problem(config: PretrainedConfig, tensor: int) -> str | None
     sizes = {
         "attention heads": text.num_attention_heads,
         "key-value heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        "MLP width": text.intermediate_size,
+        "MLP width": text.intermediate_size,  # (Qwen3-MoE's dense layers')
     }
     for what, size in sizes.items():
         if size % tensor:
@@ -104,12 +105,14 @@ def parallelize(layers: list[nn.Module], tp_mesh: DeviceMesh, config: Pretrained
         raise UnsupportedModel(f"parallel.tensor={tp_mesh.size()}: {problem}")
     group = tp_mesh.get_group()
     for layer in layers:
-        if not all(isinstance(_submodule(layer, name), nn.Linear) for name in PLAN):
+        if not all(isinstance(_submodule(layer, name), nn.Linear) for name in ATTENTION_PLAN):
             raise UnsupportedModel(
                 f"parallel.tensor: {type(layer).__name__} is not laid out as chattune's plan expects "
-                f"({', '.join(PLAN)} linear layers)"
+                f"({', '.join(ATTENTION_PLAN)} linear layers)"
             )
-        parallelize_module(layer, tp_mesh, {name: style() for name, style in PLAN.items()})
+        dense = all(isinstance(_submodule(layer, name), nn.Linear) for name in MLP_PLAN)
+        plan = PLAN if dense else ATTENTION_PLAN
+        parallelize_module(layer, tp_mesh, {name: style() for name, style in plan.items()})
         for name in HEAD_NORMS:
             parent_name, _, child = name.rpartition(".")
             norm = getattr(_submodule(layer, parent_name), child, None)
