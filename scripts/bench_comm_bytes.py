@@ -1,8 +1,8 @@
 """Bytes each rank sends in one training step, per layout of 4 ranks, counted against the formula.
 
-    python scripts/bench_comm_bytes.py [--ranks 4] [--layouts 1x1 2x1 1x2 2x2]
+    python scripts/bench_comm_bytes.py [--ranks 4] [--layouts 1x1x1 2x1x1 1x2x1 2x2x1 1x1x2 1x2x2]
 
-A layout RxC is parallel.replicate=R, parallel.context=C. Each run spawns the ranks on gloo, builds a random-init
+A layout RxCxT is parallel.replicate=R, parallel.context=C, parallel.tensor=T. Each run spawns the ranks on gloo, builds a random-init
 Qwen3-shaped model (hidden 256, 4 layers, the demo tokenizer's vocabulary) sharded by chattune's `shard_model`,
 trains one step (its first, not counted) and then counts a second step's collectives: every call of
 torch.distributed's all-gather, reduce-scatter, all-reduce and all-to-all is wrapped, and its payload and group
@@ -14,10 +14,13 @@ size are recorded. What a rank sends is taken as a ring algorithm sends it, whic
     all-to-all of B bytes over g ranks                    B (g-1)/g
 
 The formula for the parameters' traffic, P the model's parameter bytes (fp32 here: the CPU computes in fp32), L
-those of its decoder layers, S = ranks / R the ranks a parameter is sharded over: the forward's and the
+those of its decoder layers, S = ranks / (R T) the ranks a parameter is sharded over: the forward's and the
 backward's all-gathers (P + L) (S-1)/S (each layer is resharded after its forward and gathered again for its
 backward; the root's parameters, the embeddings and the final norm, stay gathered), the gradients'
-reduce-scatter P (S-1)/S, and under HSDP their all-reduce across the R replicas 2 (P/S) (R-1)/R. FSDP2 pads each parameter's rows to a multiple of S, so the counted
+reduce-scatter P (S-1)/S, and under HSDP their all-reduce across the R replicas 2 (P/S) (R-1)/R. Under tensor
+parallelism P and L count a rank's part: the split linear layers' bytes / T. Tensor parallelism's own all-reduces
+of activations (each row-wise layer's output in the forward, each column-wise layer's input gradient in the
+backward: 2 + 5 per layer) each move a rank's hidden states of the row, B = (N / C) x H x 4 bytes, as 2 B (T-1)/T. FSDP2 pads each parameter's rows to a multiple of S, so the counted
 figures may exceed the formula by that padding. The step's own small all-reduces (its counts, the gradient norm)
 and context parallelism's all-to-alls are listed apart.
 """
@@ -93,7 +96,7 @@ class Counter:
         return counted
 
 
-def worker(rank: int, world_size: int, replicate: int, context: int, port: int, out: str) -> None:
+def worker(rank: int, world_size: int, replicate: int, context: int, tensor: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     counter = Counter()  # before chattune and FSDP2 look the collectives up
@@ -106,16 +109,22 @@ def worker(rank: int, world_size: int, replicate: int, context: int, port: int, 
     from chattune.distributed import init_distributed, shutdown_distributed
     from chattune.model.causal_lm import PackedCausalLM, build_hf_model
     from chattune.model.fsdp import shard_model
+    from chattune.model.tensor_parallel import PLAN
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.train.feed import StepBatches
     from chattune.train.step import UpdateRule, train_step
 
-    dims = init_distributed("cpu", ParallelConfig(replicate=replicate, context=context))
+    dims = init_distributed("cpu", ParallelConfig(replicate=replicate, context=context, tensor=tensor))
     tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
     torch.manual_seed(0)
     hf_model = build_hf_model(tokenizer, AutoConfig.for_model("qwen3", **MODEL))
-    parameter_bytes = sum(_nbytes(p) for p in hf_model.parameters())
-    layer_bytes = sum(_nbytes(p) for layer in hf_model.model.layers for p in layer.parameters())
+    split = {id(p) for layer in hf_model.model.layers for name in PLAN for p in layer.get_submodule(name).parameters()}
+
+    def part(p: torch.Tensor) -> float:  # what one rank of a tp group holds of `p`
+        return _nbytes(p) / tensor if id(p) in split else _nbytes(p)
+
+    parameter_bytes = sum(part(p) for p in hf_model.parameters())
+    layer_bytes = sum(part(p) for layer in hf_model.model.layers for p in layer.parameters())
     model = shard_model(PackedCausalLM(hf_model, context_group=dims.cp_group), dims)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -131,47 +140,55 @@ def worker(rank: int, world_size: int, replicate: int, context: int, port: int, 
     counter.counting = False
     if rank == 0:
         Path(out).write_text(
-            json.dumps({"sent": counter.sent, "calls": counter.calls, "P": parameter_bytes, "L": layer_bytes})
+            json.dumps(
+                {
+                    "sent": counter.sent,
+                    "calls": counter.calls,
+                    "P": parameter_bytes,
+                    "L": layer_bytes,
+                    "row": 512 // context * MODEL["hidden_size"] * 4,  # a rank's hidden states of the row
+                }
+            )
         )
     shutdown_distributed()
 
 
-def formula(parameter_bytes: int, layer_bytes: int, world_size: int, replicate: int) -> dict[str, float]:
-    shards = world_size // replicate
+def formula(found: dict, world_size: int, replicate: int, tensor: int) -> dict[str, float]:
+    parameter_bytes, layer_bytes = found["P"], found["L"]
+    shards = world_size // (replicate * tensor)
     gathered = (parameter_bytes + layer_bytes) * (shards - 1) / shards  # the root's parameters: once
     scattered = parameter_bytes * (shards - 1) / shards
     across = 2 * (parameter_bytes / shards) * (replicate - 1) / replicate
-    return {"all-gather": gathered, "reduce-scatter": scattered, "all-reduce (replicas)": across}
+    activations = 7 * MODEL["num_hidden_layers"] * 2 * found["row"] * (tensor - 1) / tensor
+    return {"all-gather": gathered, "reduce-scatter": scattered, "all-reduce": across + activations}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2", "2x2"])
+    parser.add_argument("--layouts", nargs="+", default=["1x1x1", "2x1x1", "1x2x1", "2x2x1", "1x1x2", "1x2x2"])
     args = parser.parse_args()
     from chattune.distributed import free_port
 
     mib = 2**20
-    print(f"| layout (R x C) on {args.ranks} ranks | collective | counted MiB/rank | formula MiB/rank | calls |")
+    print(f"| layout (R x C x T) on {args.ranks} ranks | collective | counted MiB/rank | formula MiB/rank | calls |")
     print("|---|---|---:|---:|---:|")
     for layout in args.layouts:
-        replicate, context = map(int, layout.split("x"))
+        replicate, context, tensor = map(int, layout.split("x"))
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "sent.json")
-            mp.spawn(worker, args=(args.ranks, replicate, context, free_port(), out), nprocs=args.ranks, join=True)
+            spawned = (args.ranks, replicate, context, tensor, free_port(), out)
+            mp.spawn(worker, args=spawned, nprocs=args.ranks, join=True)
             found = json.loads(Path(out).read_text())
-        want = formula(found["P"], found["L"], args.ranks, replicate)
-        replica_reduce = want["all-reduce (replicas)"]
+        want = formula(found, args.ranks, replicate, tensor)
         for kind in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all"):
             counted = found["sent"].get(kind, 0.0)
-            expected = want.get(kind, replica_reduce if kind == "all-reduce" else None)
-            shown = f"{expected / mib:.3f}" if expected is not None else "(context parallelism)"
+            expected = want.get(kind)
+            shown = f"{expected / mib:.3f}" if expected is not None else "(measured only)"
             if kind == "all-reduce":
                 shown += " + the step's counts and norm"
-            print(f"| {replicate}x{context} | {kind} | {counted / mib:.3f} | {shown} | {found['calls'].get(kind, 0)} |")
-    print(
-        f"\nP = {found['P'] / mib:.3f} MiB of fp32 parameters, {found['L'] / mib:.3f} MiB of them in the decoder layers"
-    )
+            print(f"| {layout} | {kind} | {counted / mib:.3f} | {shown} | {found['calls'].get(kind, 0)} |")
+        print(f"| {layout} | (P, L of a rank's part) | {found['P'] / mib:.3f}, {found['L'] / mib:.3f} | | |")
 
 
 if __name__ == "__main__":

@@ -879,7 +879,8 @@ def test_tensor_parallelism_is_checked_before_a_launch():
             return error.problems
 
     assert layout_problems(4, "parallel.tensor=2") == []
-    four = ["model.config.hidden_size=64", "model.config.num_attention_heads=4"]  # sft/tiny's 6 heads split 2 ways
+    # sft/tiny's 6 heads do not split 4 ways
+    four = ["model.config.hidden_size=64", "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4"]
     assert layout_problems(8, "parallel.tensor=2", "parallel.context=2", "parallel.replicate=2", *four) == []
     assert layout_problems(6, "parallel.tensor=4", *four) == [
         "parallel.tensor: 4 does not divide the 6 ranks of this launch: each group of 4 ranks splits every layer; "
@@ -887,7 +888,8 @@ def test_tensor_parallelism_is_checked_before_a_launch():
     ]
     assert layout_problems(8, "parallel.tensor=4", "parallel.context=2", "model.config.num_attention_heads=4") == [
         "parallel.tensor: 4 x parallel.context=2 does not divide the model's 4 attention heads: each rank attends "
-        "with heads/(tensor x context) of them"
+        "with heads/(tensor x context) of them",
+        "parallel.tensor: 4 does not divide the model's 2 key-value heads: each rank holds 1/4 of them",
     ]
     assert layout_problems(4, "parallel.tensor=2", "peft=lora") == [
         "peft: LoRA on a tensor-parallel model is not built (the adapters would need their own split): set "
@@ -897,3 +899,15 @@ def test_tensor_parallelism_is_checked_before_a_launch():
         "optimizer.in_backward: the update in the backward measures the norm without the tp split: set "
         "parallel.tensor=1 or drop optimizer.in_backward"
     ]
+
+
+def test_a_tensor_group_wider_than_a_machine_is_advised_against(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's ranks per machine
+    four = ["model.config.hidden_size=64", "model.config.num_attention_heads=4"]
+    four += ["model.config.num_key_value_heads=4"]
+    notes = check_config(compose_config("sft/tiny", ["parallel.tensor=4", *four]), SFT, world_size=8)
+    assert (
+        "parallel.tensor: 4 is more than the 2 ranks per machine of this launch: each layer's all-reduces would "
+        "cross machines; keep it within one (at most 2)"
+    ) in notes
+    assert check_config(compose_config("sft/tiny", ["parallel.tensor=2", *four]), SFT, world_size=8) == []

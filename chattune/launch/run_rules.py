@@ -402,6 +402,12 @@ class RunRules:
                 f"{tensor}{f' x parallel.context={context}' if context > 1 else ''} does not divide the model's "
                 f"{heads} attention heads: each rank attends with heads/(tensor x context) of them",
             )
+        kv_heads = self.attention_heads("num_key_value_heads")
+        if kv_heads and kv_heads % tensor:
+            self.findings.problem(
+                "parallel.tensor",
+                f"{tensor} does not divide the model's {kv_heads} key-value heads: each rank holds 1/{tensor} of them",
+            )
         refused = {
             "peft": "LoRA on a tensor-parallel model is not built (the adapters would need their own split)",
             "model.fp8": "float8 layers are not split over tp ranks yet",
@@ -413,6 +419,13 @@ class RunRules:
                 self.findings.problem(key, f"{reason}: set parallel.tensor=1 or drop {key}")
         if self.kind.name == "reward":
             self.findings.problem("parallel.tensor", "the reward model's score head is not split yet: set 1")
+        per_machine = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks of this machine
+        if per_machine.isdigit() and tensor > int(per_machine):
+            self.findings.note(
+                "parallel.tensor",
+                f"{tensor} is more than the {per_machine} ranks per machine of this launch: each layer's all-reduces "
+                f"would cross machines; keep it within one (at most {per_machine})",
+            )
 
     def replicated_shards(self, world_size: int | None) -> None:
         """parallel.replicate (HSDP): the ranks split into that many equal groups of whole context groups."""
@@ -423,14 +436,15 @@ class RunRules:
         if problem:
             self.findings.problem("parallel.replicate", problem)
 
-    def attention_heads(self) -> int | None:
-        """The model's query heads: model.path's config.json, or model.config for a model built from a config."""
+    def attention_heads(self, name: str = "num_attention_heads") -> int | None:
+        """The model's query heads (`name`: another head count of its config): model.path's config.json, or
+        model.config for a model built from a config."""
         if isinstance(get_value(self.values, "model.path"), str):
             config = self.pretrained_config
             config = config.get("text_config", config)
-            heads = config.get("num_attention_heads") if isinstance(config, dict) else None
+            heads = config.get(name) if isinstance(config, dict) else None
         else:
-            heads = get_value(self.values, "model.config.num_attention_heads")
+            heads = get_value(self.values, f"model.config.{name}")
         return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
 
     @functools.cached_property
