@@ -97,7 +97,7 @@ class ParallelDims:
     ) -> ParallelDims:
         """The layout `parallel` (the config's `parallel` section; None: every degree 1) gives `world_size` ranks,
         without meshes: arithmetic only (what a launch would do, `chattune validate`'s estimate)."""
-        degrees = {axis: int(getattr(parallel, key, 1)) for key, axis in CONFIG_AXES.items()}
+        degrees = {axis: int(getattr(parallel, key, None) or 1) for key, axis in CONFIG_AXES.items()}
         return cls(rank, world_size, local_rank, device, **degrees)
 
     @classmethod

@@ -118,7 +118,6 @@ def parallelize(layers: list[nn.Module], tp_mesh: DeviceMesh, config: Pretrained
             norm = getattr(_submodule(layer, parent_name), child, None)
             if norm is not None:
                 _sum_gradients_over(norm, group)
-    _local_head_counts(layers, tp_mesh.size())
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module | None:
@@ -126,15 +125,6 @@ def _submodule(module: nn.Module, name: str) -> nn.Module | None:
         return module.get_submodule(name)
     except AttributeError:
         return None
-
-
-def _local_head_counts(layers: list[nn.Module], tensor: int) -> None:
-    """Attention modules that keep head counts as attributes (used to reshape) hold their rank's share."""
-    for layer in layers:
-        attention = layer.get_submodule("self_attn")
-        for name in ("num_heads", "num_key_value_heads"):
-            if isinstance(getattr(attention, name, None), int):
-                setattr(attention, name, getattr(attention, name) // tensor)
 
 
 def split_over(tensor: torch.Tensor, axis: str = "tp") -> bool:
