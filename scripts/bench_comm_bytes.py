@@ -67,10 +67,33 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+# DTensor's own (tensor parallelism's activations, its redistributions) go through the functional collectives:
+# (kind, the factor of the input's bytes B (g-1)/g; an all-gather's output is g inputs)
+FUNCTIONAL = {
+    "all_reduce": ("all-reduce", 2),
+    "all_gather_tensor": ("all-gather", "g"),
+    "all_gather_single": ("all-gather", "g"),
+    "reduce_scatter_tensor": ("reduce-scatter", 1),
+    "reduce_scatter_single": ("reduce-scatter", 1),
+}
+
+
+def _group_size(group) -> int:
+    if isinstance(group, tuple):  # (mesh, its dimension)
+        mesh, dim = group
+        return mesh.size(dim)
+    if isinstance(group, (list, range)):
+        return len(group)
+    return group.size()  # a process group or a 1-D mesh
+
+
 class Counter:
-    """Wraps torch.distributed's collectives; while `counting`, adds each call's ring bytes to its kind."""
+    """Wraps torch.distributed's collectives and the functional ones DTensor uses; while `counting`, adds each
+    call's ring bytes to its kind."""
 
     def __init__(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
         self.counting = False
         self.sent: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -78,6 +101,25 @@ class Counter:
             original = getattr(dist, name, None)
             if original is not None:
                 setattr(dist, name, self._wrap(original, kind, index, factor))
+        for name, (kind, factor) in FUNCTIONAL.items():
+            original = getattr(funcol, name, None)
+            if original is not None:
+                setattr(funcol, name, self._wrap_functional(original, kind, factor))
+
+    def _wrap_functional(self, original, kind: str, factor):
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            if self.counting:
+                arguments = signature.bind(*args, **kwargs).arguments
+                ranks = _group_size(arguments["group"])
+                if ranks > 1:
+                    scale = ranks if factor == "g" else factor
+                    self.sent[kind] += scale * _nbytes(arguments["self"]) * (ranks - 1) / ranks
+                    self.calls[kind] += 1
+            return original(*args, **kwargs)
+
+        return counted
 
     def _wrap(self, original, kind: str, index: int, factor: int):
         signature = inspect.signature(original)
