@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.config.schema import SCHEMAS
-from chattune.launch.recipe_kinds import SFT
+from chattune.launch.recipe_kinds import RECIPE_KINDS, SFT
 from chattune.launch.validate import ConfigError, check_config, run_validate
 from conftest import PROJECT_ROOT
 
@@ -894,6 +894,12 @@ def test_tensor_parallelism_is_checked_before_a_launch():
     assert layout_problems(4, "parallel.tensor=2", "peft=lora") == [
         "peft: LoRA on a tensor-parallel model is not built (the adapters would need their own split): set "
         "parallel.tensor=1 or drop peft"
+    ]
+    reward = compose_config("reward/tiny", ["model.path=null", "parallel.tensor=2", *four])
+    with pytest.raises(ConfigError) as refused:
+        check_config(reward, RECIPE_KINDS["reward"], world_size=4)
+    assert refused.value.problems == [
+        "parallel.tensor: the reward model's score head is not split over tp ranks yet: set parallel.tensor=1"
     ]
     assert layout_problems(4, "parallel.tensor=2", "optimizer.in_backward=true", "max_grad_norm=null") == [
         "optimizer.in_backward: the update in the backward measures the norm without the tp split: set "

@@ -418,7 +418,9 @@ class RunRules:
             if isinstance(value, dict) or value not in (None, False):
                 self.findings.problem(key, f"{reason}: set parallel.tensor=1 or drop {key}")
         if self.kind.name == "reward":
-            self.findings.problem("parallel.tensor", "the reward model's score head is not split yet: set 1")
+            self.findings.problem(
+                "parallel.tensor", "the reward model's score head is not split over tp ranks yet: set parallel.tensor=1"
+            )
         per_machine = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks of this machine
         if per_machine.isdigit() and tensor > int(per_machine):
             self.findings.note(
