@@ -19,8 +19,9 @@ backward's all-gathers (P + L) (S-1)/S (each layer is resharded after its forwar
 backward; the root's parameters, the embeddings and the final norm, stay gathered), the gradients'
 reduce-scatter P (S-1)/S, and under HSDP their all-reduce across the R replicas 2 (P/S) (R-1)/R. Under tensor
 parallelism P and L count a rank's part: the split linear layers' bytes / T. Tensor parallelism's own all-reduces
-of activations (each row-wise layer's output in the forward, each column-wise layer's input gradient in the
-backward: 2 + 5 per layer) each move a rank's hidden states of the row, B = (N / C) x H x 4 bytes, as 2 B (T-1)/T. FSDP2 pads each parameter's rows to a multiple of S, so the counted
+of activations (the output projection's and the down projection's partial sums in the forward, the attention's
+and the MLP's input gradients in the backward: 2 + 2 per layer) each move a rank's hidden states of the row,
+B = (N / C) x H x 4 bytes, as 2 B (T-1)/T. FSDP2 pads each parameter's rows to a multiple of S, so the counted
 figures may exceed the formula by that padding. The step's own small all-reduces (its counts, the gradient norm)
 and context parallelism's all-to-alls are listed apart.
 """
@@ -201,7 +202,7 @@ def formula(found: dict, world_size: int, replicate: int, tensor: int) -> dict[s
     gathered = (parameter_bytes + layer_bytes) * (shards - 1) / shards  # the root's parameters: once
     scattered = parameter_bytes * (shards - 1) / shards
     across = 2 * (parameter_bytes / shards) * (replicate - 1) / replicate
-    activations = 7 * MODEL["num_hidden_layers"] * 2 * found["row"] * (tensor - 1) / tensor
+    activations = 4 * MODEL["num_hidden_layers"] * 2 * found["row"] * (tensor - 1) / tensor
     return {"all-gather": gathered, "reduce-scatter": scattered, "all-reduce": across + activations}
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 from torch.nn.utils.stateless import _reparametrize_module
 from transformers import PretrainedConfig
 
@@ -111,8 +111,17 @@ def parallelize(layers: list[nn.Module], tp_mesh: DeviceMesh, config: Pretrained
                 f"({', '.join(ATTENTION_PLAN)} linear layers)"
             )
         dense = all(isinstance(_submodule(layer, name), nn.Linear) for name in MLP_PLAN)
-        plan = PLAN if dense else ATTENTION_PLAN
-        parallelize_module(layer, tp_mesh, {name: style() for name, style in plan.items()})
+        plan = {name: style() for name, style in (PLAN if dense else ATTENTION_PLAN).items()}
+        # The attention's and the MLP's input as one replicated DTensor: the column-wise layers that read it (q,
+        # k, v; gate, up) add their input gradients into it, and the backward all-reduces their sum once per
+        # block (Megatron's "f"), not once per layer.
+        plan["self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        )
+        if dense:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        parallelize_module(layer, tp_mesh, plan)
         for name in HEAD_NORMS:
             parent_name, _, child = name.rpartition(".")
             norm = getattr(_submodule(layer, parent_name), child, None)
