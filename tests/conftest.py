@@ -82,9 +82,12 @@ HYDRA_FLAGS_WITH_VALUES = {"--cfg", "-c", "--config-name", "-cn", "--config-path
 
 def with_small_model(command: list[str]) -> list[str]:
     """`command` with SMALL_MODEL's keys where its overrides start (after its recipe file and Hydra's flags), when
-    it runs one of the four recipes and names no model of its own."""
+    it runs one of the four recipes and names no model of its own (no model.config class, no model.path)."""
     recipe = next((i for i, a in enumerate(command) if Path(a).name in RECIPE_FILES), None)
     if recipe is None or any(a.lstrip("+~").startswith(OWN_MODEL) for a in command):
+        return command
+    paths = [a.split("=", 1)[1] for a in command if a.startswith("model.path=")]
+    if paths and paths[-1] != "null":  # a model directory: model.config is not read (a note says so)
         return command
     at = recipe + 1
     while at < len(command) and command[at].startswith("-"):

@@ -7,6 +7,7 @@ Each check adds lines to a `Findings`; nothing stops at the first problem.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -24,7 +25,7 @@ from chattune.config.layout_rules import (
     tensor_ranks_problem,
 )
 from chattune.config.losses import needs_reference
-from chattune.config.schema import FP8_MODES, QUANTIZE_BASE
+from chattune.config.schema import FP8_MODES, QUANTIZE_BASE, TinyLlamaConfig
 from chattune.config.typed import typed_config
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.prompts import prompts_file_problem
@@ -57,6 +58,9 @@ def output_dir_problem(directory: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"cannot write into {existing} (permission denied, or a read-only file system)"
     return None
+
+
+DEFAULT_MODEL_CONFIG = dataclasses.asdict(TinyLlamaConfig())  # sft/tiny's model, which every recipe builds on
 
 
 class RunRules:
@@ -185,7 +189,16 @@ class RunRules:
         not exist or values transformers rejects (a hidden size that is no multiple of the heads) are one problem
         here, not a traceback on every rank."""
         config = get_value(self.values, "model.config")
-        if get_value(self.values, "model.path") is not None or not isinstance(config, dict):
+        path = get_value(self.values, "model.path")
+        if path is not None and isinstance(config, dict):
+            changed = sorted(key for key, value in config.items() if DEFAULT_MODEL_CONFIG.get(key) != value)
+            if changed:  # set, but the directory's config.json is the model's: said, not ignored in silence
+                self.findings.note(
+                    "model.config",
+                    f"{', '.join(f'model.config.{key}' for key in changed)} ignored: model.path {path} is loaded with "
+                    "its own config.json (model.config builds a random-init model only with model.path=null)",
+                )
+        if path is not None or not isinstance(config, dict):
             return
         target = config.get("_target_")
         if any(line.startswith(("model.config", "model:")) for line in self.findings.problems):

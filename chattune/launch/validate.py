@@ -169,13 +169,6 @@ def validate_command(
         # --device-memory plans for a GPU (from a laptop): CUDA-only settings are checked as on that GPU.
         planned_gpu = memory is not None and memory.device_memory is not None
         find_problems(cfg, kind, world_size, findings, output_dir_checks, planned_gpu=planned_gpu)
-        model_keys = sorted(key for key in overridden if key == "model.config" or key.startswith("model.config."))
-        if model_keys and cfg.model.path is not None:
-            findings.note(
-                "model.config",
-                f"{', '.join(model_keys)} ignored: model.path {cfg.model.path} is loaded with its own config.json "
-                "(model.config builds a random-init model only with model.path=null)",
-            )
         # An unset required key still holds the value it inherited: its other problems are about that value.
         findings.problems = [
             line for line in findings.problems if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")
