@@ -52,11 +52,12 @@ class ParallelDims:
     - `dp_replicate`: the replicas of this rank's shards;
     - `dp_shard_cp`: the ranks FSDP2 shards each parameter over (`shard_ranks`); `fsdp_mesh`, what `fully_shard`
       takes, is (dp_replicate, dp_shard_cp) under HSDP;
-    - `tp`: the tensor-parallel group;
-    - `dp_cp`: the ranks whose rows make a step (`loss_group`), the world without tensor parallelism. The counts,
-      the loss's figures and the gradient norm's squares are summed over every rank, those that do not report a
-      row adding zeros; every replica holds the same reduced shards, so the squares are divided by
-      `grad_norm_replicas` first (and a parameter whole on every rank of a tp group by tp, `chattune.train.step`).
+    - `tp`: the tensor-parallel group.
+    A step's counts, the loss's figures and the gradient norm's squares are summed over every rank in one
+    all-reduce (torchtitan's `dp_cp` are the ranks that matter): a rank that does not report its rows
+    (`reports_rows`) adds zeros, and the squares of a gradient several ranks hold are divided by how many hold it
+    (`grad_norm_replicas`; a parameter whole on every rank of a tp group by tp, `chattune.train.step`). So no
+    group beyond the world is made for them, and the stop and finiteness flags, which every rank needs, ride along.
     A purpose of degree 1 has no group (`group` returns None): a collective over it is the identity. Never hand
     such a None to torch.distributed, which reads None as the whole world.
 
@@ -115,8 +116,6 @@ class ParallelDims:
         world = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
         R, T = layout.dp_replicate, layout.tp
         meshes = _views(world, {"dp": layout.data_ranks, "cp": layout.cp, "tp": T})
-        if T == 1:
-            meshes["dp_cp"] = world
         if R == 1 and T == 1:
             meshes.update(fsdp=world, dp_shard_cp=world)
         else:
@@ -186,11 +185,6 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
-    def loss_ranks(self) -> int:
-        """The ranks whose rows make a step (the `dp_cp` purpose): dp_replicate x dp_shard x cp."""
-        return self.dp_replicate * self.dp_shard * self.cp
-
-    @property
     def grad_norm_replicas(self) -> int:
         """How many ranks hold each gradient shard (`dp_replicate`): a sum of squares over every rank counts each
         shard that often."""
@@ -207,22 +201,19 @@ class ParallelDims:
     # --- meshes and process groups ---
 
     def mesh(self, purpose: str) -> DeviceMesh | None:
-        """The mesh of `purpose` (dp, cp, dp_replicate, dp_shard_cp, dp_cp; see the class docstring); None where
-        its degree is 1."""
+        """The mesh of `purpose` (dp, cp, dp_replicate, dp_shard_cp, tp; see the class docstring); None where its
+        degree is 1."""
         degree = {
             "dp": self.data_ranks,
             "cp": self.cp,
             "dp_replicate": self.dp_replicate,
             "dp_shard_cp": self.shard_ranks,
-            "dp_cp": self.loss_ranks,
             "tp": self.tp,
         }
         if purpose not in degree:
             raise ValueError(f"no mesh for {purpose!r}: one of {', '.join(degree)}")
         if degree[purpose] == 1:
             return None
-        if purpose == "dp_cp" and self.tp > 1:
-            raise ValueError("no dp_cp mesh under tensor parallelism: the loss's sums run over every rank")
         if purpose not in self.meshes:
             raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): no {purpose} group")
         return self.meshes[purpose]
@@ -245,12 +236,6 @@ class ParallelDims:
         """This rank's context group (the ranks that share each packed row); None without context parallelism.
         The builder sets it on the model (`chattune.model.context_parallel.set_context_group`)."""
         return self.group("cp")
-
-    @property
-    def loss_group(self) -> dist.ProcessGroup | None:
-        """The ranks whose rows make a step (`dp_cp`): the counts, the loss's figures and the gradient norm's
-        squares are summed over it; None on one rank."""
-        return self.group("dp_cp")
 
 
 def _views(world: DeviceMesh, degrees: dict[str, int]) -> dict[str, DeviceMesh]:

@@ -30,7 +30,7 @@ from conftest import free_port, init_worker_process_group, spawn, tiny_model
 
 # 8 query heads: every context size here divides them (4 repeats the 2 kv heads).
 HEADS = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
-PURPOSES = ("dp", "cp", "dp_replicate", "dp_shard_cp", "dp_cp", "tp")
+PURPOSES = ("dp", "cp", "dp_replicate", "dp_shard_cp", "tp")
 # (parallel.replicate, parallel.context, parallel.tensor) of the layouts of a world of 1, 2 or 4 ranks (tensor 4
 # would split the 2 kv heads 4 ways)
 LAYOUTS = ((1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1), (4, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2))
@@ -95,23 +95,16 @@ def process_groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
-def _group(purpose: str, mesh: ParallelDims):
-    try:
-        return members(mesh.group(purpose))
-    except ValueError:
-        return "none"  # dp_cp under tensor parallelism: the loss's sums run over every rank
-
-
 def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     found = {}
     for replicate, cp, tp in (layout for layout in LAYOUTS if world_size % math.prod(layout) == 0):
         before = process_groups()
         mesh = init_distributed("cpu", ParallelConfig(replicate=replicate, context=cp, tensor=tp))
-        meshes = {purpose: mesh.mesh(purpose) for purpose in PURPOSES if _group(purpose, mesh) not in (None, "none")}
+        meshes = {purpose: m for purpose in PURPOSES if (m := mesh.mesh(purpose)) is not None}
         found[replicate, cp, tp] = {
             "new_groups": process_groups() - before,
-            "groups": {purpose: _group(purpose, mesh) for purpose in PURPOSES},
+            "groups": {purpose: members(mesh.group(purpose)) for purpose in PURPOSES},
             "fsdp_mesh": mesh.fsdp_mesh.mesh.tolist(),
             "local_ranks": {purpose: m.get_local_rank() for purpose, m in meshes.items()},
             "data_rank": mesh.data_rank,
@@ -152,7 +145,6 @@ def expected(rank: int, world_size: int, replicate: int, cp: int, tp: int) -> di
         "cp": line([rank + (j - c) * tp for j in range(cp)]),
         "dp_replicate": line([g * shards * tp + rank % (shards * tp) for g in range(replicate)]),
         "dp_shard_cp": line([block + k * tp + t for k in range(shards)]),
-        "dp_cp": line(list(range(world_size))) if tp == 1 else (None if world_size == tp else "none"),
         "tp": line([rank - t + j for j in range(tp)]),
     }
     local = {
@@ -160,7 +152,6 @@ def expected(rank: int, world_size: int, replicate: int, cp: int, tp: int) -> di
         "cp": c,
         "dp_replicate": r,
         "dp_shard_cp": (rank - block) // tp,
-        "dp_cp": rank,
         "tp": t,
     }
     if replicate > 1:
@@ -177,7 +168,7 @@ def expected(rank: int, world_size: int, replicate: int, cp: int, tp: int) -> di
     return {
         "coordinates": coordinates,
         "groups": groups,
-        "local_ranks": {p: local[p] for p, ranks in groups.items() if ranks not in (None, "none")},
+        "local_ranks": {p: local[p] for p, ranks in groups.items() if ranks is not None},
         "fsdp_mesh": fsdp,
         "new_groups": made,
         "data": (rank // (cp * tp), replicate * dp_shard, c),
@@ -265,7 +256,7 @@ def test_a_layout_made_by_hand_or_without_a_group():
     """ParallelDims made by hand or from a config: its counts, no groups; a model never sharded: one rank."""
     one = ParallelDims.one_rank()
     assert one == ParallelDims(0, 1, 0, torch.device("cpu"), cp=1) == ParallelDims.from_config(None, 1)
-    assert (one.data_rank, one.data_ranks, one.reports_rows, one.cp_group, one.loss_group) == (0, 1, True, None, None)
+    assert (one.data_rank, one.data_ranks, one.reports_rows, one.cp_group, one.group("tp")) == (0, 1, True, None, None)
     hand = ParallelDims.from_config(ParallelConfig(context=2), 8, rank=5, local_rank=1)
     assert (hand.data_rank, hand.data_ranks, hand.cp_rank, hand.reports_rows, hand.shard_ranks) == (2, 4, 1, False, 8)
     with pytest.raises(ValueError, match="no device mesh"):
