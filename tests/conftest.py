@@ -141,12 +141,10 @@ def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
     )
 
 
-def mesh_dims(context: int = 1, device: str = "cpu") -> ParallelDims:
-    """The layout and meshes of this test process's live group (made by `init_worker_process_group` or
-    `one_rank_group`): what `shard_model` takes. Collective: every rank calls it, in the same order."""
-    from chattune.config.schema import ParallelConfig
-
-    return ParallelDims.build(torch.device(device), ParallelConfig(context=context))
+def mesh_dims() -> ParallelDims:
+    """Plain FSDP2 over this test process's live group (made by `init_worker_process_group` or `one_rank_group`) on
+    the CPU: what `shard_model` takes. Collective: every rank calls it, in the same order."""
+    return ParallelDims.build(torch.device("cpu"))
 
 
 def demo_tokenizer():
