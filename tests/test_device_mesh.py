@@ -52,10 +52,11 @@ def documents(data_rank: int, vocab: int) -> list[Document]:
     return docs
 
 
-def plain_gradients(data_ranks: int) -> dict[str, torch.Tensor]:
-    """The independent reference: stock transformers, unsharded and unpacked, run on every data rank's documents
-    one by one; loss = their summed cross-entropy / their trained tokens; its gradient by parameter name."""
-    model = tiny_model(seed=0, **HEADS)
+def plain_gradients(data_ranks: int, model=None) -> dict[str, torch.Tensor]:
+    """The independent reference: stock transformers (`model`; None: the tiny Qwen3 of HEADS), unsharded and
+    unpacked, run on every data rank's documents one by one; loss = their summed cross-entropy / their trained
+    tokens; its gradient by parameter name."""
+    model = model if model is not None else tiny_model(seed=0, **HEADS)
     total, tokens = 0.0, 0
     for data_rank in range(data_ranks):
         for doc in documents(data_rank, model.config.vocab_size):

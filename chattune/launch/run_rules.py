@@ -370,15 +370,17 @@ class RunRules:
                         f"model.fsdp.{name}", "on the CPU the device's memory is the host's: it saves nothing"
                     )
 
+    def _degree(self, key: str) -> int:
+        """A parallel degree (parallel.<key>) where it is a valid size, else 1 (an invalid one is reported by the
+        schema checks)."""
+        degree = number(self.values, f"parallel.{key}")
+        return degree if isinstance(degree, int) and degree >= 1 else 1
+
     def tensor_size(self) -> int:
-        """parallel.tensor where it is a valid size, else 1."""
-        tensor = number(self.values, "parallel.tensor")
-        return tensor if isinstance(tensor, int) and tensor >= 1 else 1
+        return self._degree("tensor")
 
     def context_size(self) -> int:
-        """parallel.context where it is a valid size, else 1 (an invalid one is reported by the schema checks)."""
-        context = number(self.values, "parallel.context")
-        return context if isinstance(context, int) and context >= 1 else 1
+        return self._degree("context")
 
     def context_parallel(self, world_size: int | None) -> None:
         """parallel.context: it divides the number of ranks (each group of that many ranks shares a row) and the

@@ -197,16 +197,12 @@ def _clip_on_device(
         squares = local_norm.to(device).double().square() / dims.grad_norm_replicas
     else:
         # a parameter split over tp: distinct shards on the tp group's ranks; one whole on each: the same T times
-        split = [local for grad, local in zip(grads, local_grads) if split_over(grad)]
-        whole = [local for grad, local in zip(grads, local_grads) if not split_over(grad)]
-        squares = sum(
-            (
-                torch.nn.utils.get_total_norm(part, foreach=True).to(device).double().square() / replicas
-                for part, replicas in ((split, dims.grad_norm_replicas), (whole, dims.grad_norm_replicas * dims.tp))
-                if part
-            ),
-            torch.zeros((), dtype=torch.float64, device=device),
-        )
+        split = [local for grad, local in zip(grads, local_grads) if split_over(grad)] if dims.tp > 1 else []
+        whole = [local for grad, local in zip(grads, local_grads) if not split_over(grad)] if split else local_grads
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for part, holders in ((split, dims.grad_norm_replicas), (whole, dims.grad_norm_replicas * dims.tp)):
+            if part:
+                squares += torch.nn.utils.get_total_norm(part, foreach=True).to(device).double().square() / holders
     stop = stop_requested is not None and stop_requested()
     stop_flag = host_values_on(device, [float(stop)], torch.float64)[0]
     # every rank: the flags and the stop requests are the whole run's
