@@ -18,10 +18,13 @@ those of its decoder layers, S = ranks / (R T) the ranks a parameter is sharded 
 backward's all-gathers (P + L) (S-1)/S (each layer is resharded after its forward and gathered again for its
 backward; the root's parameters, the embeddings and the final norm, stay gathered), the gradients'
 reduce-scatter P (S-1)/S, and under HSDP their all-reduce across the R replicas 2 (P/S) (R-1)/R. Under tensor
-parallelism P and L count a rank's part: the split linear layers' bytes / T. Tensor parallelism's own all-reduces
-of activations (the output projection's and the down projection's partial sums in the forward, the attention's
-and the MLP's input gradients in the backward: 2 + 2 per layer) each move a rank's hidden states of the row,
-B = (N / C) x H x 4 bytes, as 2 B (T-1)/T. FSDP2 pads each parameter's rows to a multiple of S, so the counted
+parallelism P and L count a rank's part: the split linear layers' bytes and the vocabulary's (the tied
+embedding and output layer) / T. Tensor parallelism's own all-reduces of activations (the output projection's and
+the down projection's partial sums in the forward, the attention's and the MLP's input gradients in the
+backward: 2 + 2 per layer; the split embedding's lookups in the forward and the final hidden states' gradient in
+the backward: 2 more) each move a rank's hidden states of the row, B = (N / C) x H x 4 bytes, as 2 B (T-1)/T.
+The split vocabulary's loss gathers 2 fp32 a token from each rank of the group, in the forward and again in the
+backward's recompute (one loss chunk here): 2 x 2 x T x (N / C) x 4 (T-1)/T. FSDP2 pads each parameter's rows to a multiple of S, so the counted
 figures may exceed the formula by that padding. The step's own small all-reduces (its counts, the gradient norm)
 and context parallelism's all-to-alls are listed apart.
 """
@@ -162,6 +165,7 @@ def worker(rank: int, world_size: int, replicate: int, context: int, tensor: int
     torch.manual_seed(0)
     hf_model = build_hf_model(tokenizer, AutoConfig.for_model("qwen3", **MODEL))
     split = {id(p) for layer in hf_model.model.layers for name in PLAN for p in layer.get_submodule(name).parameters()}
+    split.add(id(hf_model.get_input_embeddings().weight))  # the vocabulary (tied: the output layer's too)
 
     def part(p: torch.Tensor) -> float:  # what one rank of a tp group holds of `p`
         return _nbytes(p) / tensor if id(p) in split else _nbytes(p)
@@ -190,6 +194,7 @@ def worker(rank: int, world_size: int, replicate: int, context: int, tensor: int
                     "P": parameter_bytes,
                     "L": layer_bytes,
                     "row": 512 // context * MODEL["hidden_size"] * 4,  # a rank's hidden states of the row
+                    "tokens": 512 // context,
                 }
             )
         )
@@ -202,8 +207,9 @@ def formula(found: dict, world_size: int, replicate: int, tensor: int) -> dict[s
     gathered = (parameter_bytes + layer_bytes) * (shards - 1) / shards  # the root's parameters: once
     scattered = parameter_bytes * (shards - 1) / shards
     across = 2 * (parameter_bytes / shards) * (replicate - 1) / replicate
-    activations = 4 * MODEL["num_hidden_layers"] * 2 * found["row"] * (tensor - 1) / tensor
-    return {"all-gather": gathered, "reduce-scatter": scattered, "all-reduce": across + activations}
+    activations = (4 * MODEL["num_hidden_layers"] + 2) * 2 * found["row"] * (tensor - 1) / tensor
+    loss = 2 * 2 * tensor * found["tokens"] * 4 * (tensor - 1) / tensor
+    return {"all-gather": gathered + loss, "reduce-scatter": scattered, "all-reduce": across + activations}
 
 
 def main() -> None:

@@ -56,6 +56,10 @@ def test_the_implementation_is_chosen_by_device_dtype_and_setting(monkeypatch):
     with pytest.raises(UserError, match="bf16 or fp16"):  # CCE's CUDA kernels refuse fp32 inputs in backward
         fused_loss.resolve_loss_implementation("cut_cross_entropy", "cuda", "float32")
     assert fused_loss.resolve_loss_implementation("cut_cross_entropy", "cpu", "float32") == "cut_cross_entropy"
+    # Under tensor parallelism the output layer is split over the vocabulary, which only the chunked loss reduces.
+    assert fused_loss.resolve_loss_implementation("auto", "cuda", "bfloat16", tensor=2) == "chunked"
+    with pytest.raises(UserError, match="parallel.tensor=2 splits the output layer over the vocabulary"):
+        fused_loss.resolve_loss_implementation("cut_cross_entropy", "cuda", "bfloat16", tensor=2)
     monkeypatch.setattr(fused_loss, "cce_available", lambda: False)
     assert fused_loss.resolve_loss_implementation("auto", "cuda", "bfloat16") == "chunked"
     with pytest.raises(UserError, match="cut_cross_entropy package cannot be imported"):

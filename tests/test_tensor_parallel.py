@@ -36,9 +36,12 @@ def test_the_families_of_the_plan_split_and_others_are_refused_with_the_reason()
     )
 
 
-# Each family of the plan on 2 ranks split over tp (Qwen2's q/k/v biases, Gemma 3's and Qwen3's per-head norms,
-# Qwen3-MoE's experts left whole), against stock transformers unsharded on the same documents.
+# Each family of the plan on 2 ranks split over tp (Qwen2's q/k/v biases, Gemma 3's and Qwen3's per-head norms and
+# scaled embedding, Qwen3-MoE's experts left whole; every one's vocabulary split, tied), against stock transformers
+# unsharded on the same documents. "llama_untied": its own output layer, a vocabulary of 1023 (the first rank holds
+# one more row), and the embedding's padding row (no gradient) among the second rank's rows, in the documents.
 FAMILY_CONFIGS = {
+    "llama_untied": ("llama", {"tie_word_embeddings": False}),
     "llama": ("llama", {}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
@@ -53,7 +56,13 @@ FAMILY_CONFIGS = {
 def _family_model(name: str):
     model_type, overrides = FAMILY_CONFIGS[name]
     torch.manual_seed(0)
-    return build_hf_model(demo_tokenizer(), config=tiny_config(model_type, **overrides))
+    model = build_hf_model(demo_tokenizer(), config=tiny_config(model_type, **overrides))
+    if name == "llama_untied":
+        model.resize_token_embeddings(1023)
+        embedding = model.get_input_embeddings()
+        embedding.padding_idx = next(int(i) for i in documents(0, 1023)[0].input_ids if i >= 512)
+        assert embedding.weight.shape[0] == model.get_output_embeddings().weight.shape[0] == 1023
+    return model
 
 
 def _family_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
@@ -67,8 +76,15 @@ def _family_worker(rank: int, world_size: int, port: int, out_path: str) -> None
         row = collate_packed(documents(0, hf_model.config.vocab_size))
         accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
         split = sum(split_over(p) for p in policy.parameters())
+        vocabulary = [split_over(m.weight) for m in (hf_model.get_input_embeddings(), hf_model.get_output_embeddings())]
+        assert all(vocabulary), name
         grads = {n.removeprefix("hf_model."): p.grad.full_tensor() for n, p in policy.named_parameters()}
-        found[name] = (grads, clip_gradients(policy, None)[0], split)
+        norm = clip_gradients(policy, None)[0]
+        # Generation reads the split embedding and gathers the split output layer's logits.
+        policy.eval()
+        prompt = torch.tensor([documents(1, hf_model.config.vocab_size)[0].input_ids[:6].tolist()])
+        generated = policy.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+        found[name] = (grads, norm, split, generated)
     if rank == 0:
         torch.save(found, out_path)
     shutdown_distributed()
@@ -81,7 +97,10 @@ def test_each_family_of_the_plan_trains_split_as_stock_transformers_whole(tmp_pa
     spawn(_family_worker, args=(2, free_port(), out_path), nprocs=2)
     found = torch.load(out_path)
     for name in FAMILY_CONFIGS:
-        grads, norm, split = found[name]
+        grads, norm, split, generated = found[name]
+        stock = _family_model(name)
+        prompt = torch.tensor([documents(1, stock.config.vocab_size)[0].input_ids[:6].tolist()])
+        assert torch.equal(generated, stock.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False))
         want = plain_gradients(1, _family_model(name))  # one data rank: both ranks of the group read its documents
         assert split >= 8, name  # q, k, v and o of each of the 2 layers at least
         worst = max(float((grads[n] - g).norm() / g.norm()) for n, g in want.items() if g.norm() > 0)

@@ -26,6 +26,7 @@ from chattune.model.fused_loss import cce_token_losses, describe_bias
 from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
 from chattune.model.output_logits import LogitTransform
 from chattune.model.router_loss import RouterLoss
+from chattune.model.vocab_parallel import local_head
 
 
 class PackedCausalLM(nn.Module):
@@ -104,11 +105,19 @@ class PackedCausalLM(nn.Module):
         output = packed_decoder_output(self.hf_model, batch, output_router_logits=router_losses)
         hidden = output.last_hidden_state[0]
         weight, bias = self.hf_model.get_output_embeddings().weight, output_bias(self.hf_model)
-        if self.loss_implementation == "cut_cross_entropy":
+        hidden, weight, bias, rows = local_head(hidden, weight, bias)  # this rank's rows under loss-parallel
+        if self.loss_implementation == "cut_cross_entropy":  # (never split: `resolve_loss_implementation`)
             losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform, bias)
         else:
             losses = chunked_token_losses(
-                hidden, weight, batch.labels[0], self.loss_chunk_size, self.tf32_head, self.logit_transform, bias
+                hidden,
+                weight,
+                batch.labels[0],
+                self.loss_chunk_size,
+                self.tf32_head,
+                self.logit_transform,
+                bias,
+                rows,
             )
         if not router_losses:
             return losses

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.model.output_logits import LogitTransform
+from chattune.model.vocab_parallel import VocabShard, vocab_parallel_token_losses
 
 
 @contextmanager
@@ -67,6 +68,7 @@ def _chunk_token_losses(
     tf32: bool = False,
     transform: LogitTransform | None = None,
     bias: torch.Tensor | None = None,
+    rows: VocabShard | None = None,
 ) -> torch.Tensor:
     # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
     # before the loss sees it. bf16 -> fp32 is exact.
@@ -75,6 +77,8 @@ def _chunk_token_losses(
         logits = logits + bias.float()
     if transform is not None:
         logits = transform(logits)  # in fp32, inside the checkpoint: recomputed with the chunk's logits
+    if rows is not None:  # this rank's rows of a vocabulary split over tp: reduced over the group
+        return vocab_parallel_token_losses(logits, labels, rows)
     # logsumexp minus the target logit, not F.cross_entropy: the same value and gradient, but cross_entropy's
     # fused log-softmax under-estimates the log-normaliser of a wide vocabulary by ~1e-5 nats a token on average
     # (a bias, which sums over a reply) where logsumexp stays within float rounding of a float64 computation
@@ -92,6 +96,7 @@ def chunked_token_losses(
     tf32: bool = False,
     transform: LogitTransform | None = None,
     bias: torch.Tensor | None = None,
+    rows: VocabShard | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where label is IGNORE_INDEX).
 
@@ -100,6 +105,8 @@ def chunked_token_losses(
     `transform`: the model's scaling / soft-capping of hidden @ W.T (`chattune.model.output_logits`).
     `bias`: (V,) the output layer's bias, where it has one: logits are hidden @ W.T + bias (added in fp32), then
     transformed; it gets its gradient like the weight (the sum over tokens of softmax - one-hot).
+    `rows`: under loss-parallel, `weight` and `bias` are this rank's rows of the vocabulary
+    (`chattune.model.vocab_parallel`), and each chunk's log-sum-exp and target logit are reduced over the group.
     """
     transform = None if transform is None or transform.is_identity else transform
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
@@ -109,7 +116,7 @@ def chunked_token_losses(
     for start in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         if needs_grad:
-            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, bias, use_reentrant=False))
+            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, bias, rows, use_reentrant=False))
         else:
-            losses.append(_chunk_token_losses(h, weight, y, tf32, transform, bias))
+            losses.append(_chunk_token_losses(h, weight, y, tf32, transform, bias, rows))
     return torch.cat(losses)

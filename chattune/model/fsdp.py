@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 from chattune.config.schema import DTYPES, FSDPConfig
 from chattune.distributed import ParallelDims, world_size
 from chattune.model import tensor_parallel
+from chattune.model.vocab_parallel import parallelize_vocabulary
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.offload import ActivationOffload
 from chattune.model.sequence_score import PackedSequenceScorer
@@ -176,7 +177,8 @@ def shard_model(
     **fsdp: Any,
 ) -> PackedCausalLM:
     """`dims`: the run's layout (`chattune.distributed.ParallelDims`, built on its process group): the decoder
-    layers split over its tp group (`chattune.model.tensor_parallel`), then each parameter sharded over its
+    layers split over its tp group (`chattune.model.tensor_parallel`) with the vocabulary
+    (`chattune.model.vocab_parallel`), then each parameter sharded over its
     `fsdp_mesh`; the model keeps it (`parallel_dims_of`) for the step and the figures.
     `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). `fsdp`: the
     keys of `model.fsdp` (`FSDPConfig`; those not given keep its defaults): the compute and reduction dtypes,
@@ -189,6 +191,7 @@ def shard_model(
     tp_mesh = dims.mesh("tp")
     if tp_mesh is not None:  # the layers split over tp first: FSDP2 then shards what each rank holds
         tensor_parallel.parallelize(decoder_layers(model), tp_mesh, model.hf_model.config)
+        parallelize_vocabulary(model.hf_model, tp_mesh)  # loss-parallel: the output layer's rows and the embedding's
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:

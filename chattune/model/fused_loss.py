@@ -84,8 +84,24 @@ def cce_options(on_cuda: bool) -> dict:
     return {"impl": "cce", **{name: True for name in FP32_ACCUMULATION_OPTIONS if name in parameters}}
 
 
-def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str) -> str:
-    """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype."""
+def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str, tensor: int = 1) -> str:
+    """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype. Under tensor
+    parallelism (`tensor` > 1) the output layer is split over the vocabulary, which only the chunked loss reduces
+    over the group (`chattune.model.vocab_parallel`): CCE's releases compute a loss over the whole vocabulary."""
+    if tensor > 1:
+        if setting == "cut_cross_entropy":
+            raise UserError(
+                f"loss.implementation=cut_cross_entropy: parallel.tensor={tensor} splits the output layer over the "
+                "vocabulary, and cut-cross-entropy's released kernels compute the loss over a whole vocabulary only; "
+                "set loss.implementation=chunked (or auto)"
+            )
+        if setting == "auto" and device_type == "cuda" and compute_dtype in ("bfloat16", "float16"):
+            logger.info(
+                "loss.implementation=auto: parallel.tensor=%d splits the output layer over the vocabulary: the "
+                "chunked loss (its matmuls in TF32) reduces it over the group",
+                tensor,
+            )
+        return "chunked"
     if setting == "cut_cross_entropy":
         if device_type == "cuda" and compute_dtype == "float32":
             raise UserError(

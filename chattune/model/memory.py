@@ -121,11 +121,13 @@ def parse_size(text: str) -> int:
     return int(number * base ** powers[unit[0]])
 
 
-def _split_over_tensor(layers: list[nn.Module]) -> set[int]:
-    """The ids of the parameters tensor parallelism splits (`chattune.model.tensor_parallel.PLAN`'s linears)."""
+def _split_over_tensor(model: nn.Module, layers: list[nn.Module]) -> set[int]:
+    """The ids of the parameters tensor parallelism splits (`chattune.model.tensor_parallel.PLAN`'s linears, and
+    the vocabulary's: the input embedding and the output layer, `chattune.model.vocab_parallel`)."""
     from chattune.model.tensor_parallel import PLAN
 
-    split = set()
+    vocabulary = (model.get_input_embeddings(), model.get_output_embeddings())
+    split = {id(p) for module in vocabulary if module is not None for p in module.parameters()}
     for layer in layers:
         for name in PLAN:
             try:
@@ -214,7 +216,7 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     layers = repeated_layers(model)
     quantized = _quantized_linears(layers) if inputs.quantized_base else []
     replicated = {id(p) for linear in quantized for p in linear.parameters()}  # not FSDP2's: whole on every rank
-    split = _split_over_tensor(layers) if inputs.tensor > 1 else set()
+    split = _split_over_tensor(model, layers) if inputs.tensor > 1 else set()
 
     def shard(parameter: torch.Tensor) -> int:  # one rank's elements: split over tp first, then FSDP2's shard
         whole = _shard_numel(parameter, inputs.ranks)
@@ -222,7 +224,8 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
 
     if split:
         result.notes.append(
-            f"parallel.tensor={inputs.tensor}: the decoder layers' linear weights split {inputs.tensor} ways; "
+            f"parallel.tensor={inputs.tensor}: the decoder layers' linear weights and the vocabulary split "
+            f"{inputs.tensor} ways; "
             "activations counted as without the split (an overestimate)"
         )
     sharded = sum(shard(p) for p in parameters.values() if id(p) not in replicated)
@@ -262,7 +265,7 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     if inputs.cpu_offload:  # a unit's shards copied in for its all-gather, and its gradients' shards out
         unit_shards = [sum(shard(p) for p in layer.parameters()) for layer in layers]
-        root_shards = sum(_shard_numel(p, inputs.ranks) for p in parameters.values() if id(p) not in in_layers)
+        root_shards = sum(shard(p) for p in parameters.values() if id(p) not in in_layers)
         result.rows["offload copies (one unit's shards)"] = 2 * 4 * max([*unit_shards, root_shards])
     compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
     largest_layer = max(
@@ -276,7 +279,7 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         ),
         default=0,
     )
-    root = sum(p.numel() for p in parameters.values() if id(p) not in in_layers)
+    root = sum(p.numel() // (inputs.tensor if id(p) in split else 1) for p in parameters.values() if id(p) not in in_layers)
     # A 4-bit layer's matmul dequantizes its whole weight to the compute dtype first (bitsandbytes): one at a time.
     dequantized = max((linear.weight.numel() for linear in quantized), default=0)
     result.rows["gathered for compute"] = compute_bytes * (2 * largest_layer + root + dequantized)
@@ -287,7 +290,8 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     if inputs.offload_activations:
         result.host_rows["activations (offloaded)"] = host_activations
     vocab = getattr(inputs.hf_config, "vocab_size", 0)
-    result.rows["loss head (one chunk)"] = 2 * 4 * min(inputs.loss_chunk, inputs.tokens) * vocab
+    # (a vocabulary split over tp: each rank's chunk holds its rows' logits)
+    result.rows["loss head (one chunk)"] = 2 * 4 * min(inputs.loss_chunk, inputs.tokens) * math.ceil(vocab / inputs.tensor)
     return result
 
 

@@ -70,7 +70,7 @@ def tensor_parallel_problem(config: PretrainedConfig, tensor: int) -> str | None
     return None
 
 
-class _SumGradientOverGroup(torch.autograd.Function):
+class SumGradientOverGroup(torch.autograd.Function):
     """The identity forward; the backward sums the gradient over `group` (Megatron's "f" operator)."""
 
     @staticmethod
@@ -91,7 +91,7 @@ def _sum_gradients_over(norm: nn.Module, group: dist.ProcessGroup) -> None:
     forward = type(norm).forward
 
     def summed_forward(*args, **kwargs):
-        weights = {name: _SumGradientOverGroup.apply(p, group) for name, p in norm.named_parameters(recurse=False)}
+        weights = {name: SumGradientOverGroup.apply(p, group) for name, p in norm.named_parameters(recurse=False)}
         with _reparametrize_module(norm, weights):
             return forward(norm, *args, **kwargs)
 

@@ -1,0 +1,156 @@
+"""The vocabulary split over a tensor-parallel group (loss-parallel): the output layer's rows and the input
+embedding's rows, 1/T of the vocabulary on each rank of the group, as Megatron does.
+
+Why: left whole, the output layer is the one weight tensor parallelism does not divide (Qwen3-0.6B's 151936 x
+1024 is a quarter of the model), and every rank of the group would compute the same full-vocabulary logits,
+T times the head's matmuls. Split, each rank computes the logits of its own rows only:
+- the loss (`vocab_parallel_token_losses`): each rank's log-sum-exp over its rows and the target's logit where
+  the target is among them, gathered over the group (2 floats a token and rank), give every rank the whole
+  loss; the backward needs no exchange (each rank's logits get softmax - one-hot over its own rows);
+- the hidden states' gradient is a sum over the group's rows, all-reduced once in the backward
+  (`chattune.model.tensor_parallel.sum_gradients_over`), before the final norm and the layers see it;
+- the input embedding (`split_embedding`): each rank looks up the tokens among its rows, zeros for the others,
+  and the group sums the rows (an all-reduce of the hidden states in the forward). A tied model's one matrix is
+  split once and serves both. The embedding's `padding_idx` (whose row gets no gradient) is kept, on the rank
+  holding that row.
+The output layer's own forward (generation) gathers the full logits (torch's ColwiseParallel, output
+Replicate). Split rows follow DTensor's Shard(0) (the first ranks hold one more where T does not divide the
+vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.nn.utils.stateless import _reparametrize_module
+from transformers import PreTrainedModel
+
+from chattune.data.documents import IGNORE_INDEX
+from chattune.errors import UnsupportedModel
+from chattune.model.tensor_parallel import SumGradientOverGroup, split_over
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows [start, stop) of the vocabulary, and the group holding the others."""
+
+    start: int
+    stop: int
+    group: dist.ProcessGroup
+
+
+def vocab_shard(weight: DTensor) -> VocabShard:
+    """The rows of `weight` (a (V, H) DTensor split over the mesh axis "tp") this rank holds."""
+    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    mesh = weight.device_mesh
+    group = mesh.get_group((mesh.mesh_dim_names or ("tp",)).index("tp"))
+    return VocabShard(offset[0], offset[0] + shape[0], group)
+
+
+def local_head(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, VocabShard | None]:
+    """What a loss computes this rank's logits from: (hidden states, output weight, bias, rows). Whole (rows None)
+    unless the output layer is split over tp; split, this rank's rows, and the hidden states' gradient summed
+    over the group in the backward (each rank's logits contribute their rows' part)."""
+    if not split_over(weight):
+        return hidden, weight, bias, None
+    assert isinstance(weight, DTensor)
+    rows = vocab_shard(weight)
+    if isinstance(bias, DTensor):
+        bias = bias.to_local()
+    return SumGradientOverGroup.apply(hidden, rows.group), weight.to_local(), bias, rows
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from one rank's logits (n, its rows) of a vocabulary split over `rows.group`."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: VocabShard) -> torch.Tensor:
+        ignored = labels == IGNORE_INDEX
+        local = labels - rows.start
+        here = (local >= 0) & (local < logits.shape[1]) & ~ignored  # the target is among this rank's rows
+        index = local.masked_fill(~here, 0).unsqueeze(1)
+        target = logits.gather(1, index).squeeze(1).masked_fill(~here, 0.0)
+        mine = torch.stack([torch.logsumexp(logits, dim=-1), target])  # (2, n)
+        gathered = mine.new_empty(dist.get_world_size(rows.group) * 2, mine.shape[1])
+        dist.all_gather_into_tensor(gathered, mine, group=rows.group)
+        gathered = gathered.view(-1, 2, mine.shape[1])  # (T, 2, n)
+        lse = torch.logsumexp(gathered[:, 0], dim=0)
+        ctx.save_for_backward(logits, lse, index, here, ignored)
+        return (lse - gathered[:, 1].sum(0)).masked_fill(ignored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # Every rank of the group holds the same losses and the same gradient for them: each differentiates its
+        # own rows' logits only, with no exchange.
+        logits, lse, index, here, ignored = ctx.saved_tensors
+        grad_logits = torch.exp(logits - lse.unsqueeze(1))
+        grad_logits.scatter_add_(1, index, -here.to(grad_logits.dtype).unsqueeze(1))
+        return grad_logits.mul_(grad.masked_fill(ignored, 0.0).unsqueeze(1)), None, None
+
+
+def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, rows: VocabShard) -> torch.Tensor:
+    """log-sum-exp over the whole vocabulary minus the target's logit, per token (0 where ignored), from this
+    rank's logits (n, rows.stop - rows.start) in fp32; labels are vocabulary ids."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, rows)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The forward sums over `group`; the backward is the identity (Megatron's "g" operator): every rank of the
+    group uses the sum, and each gets its own part's gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def split_embedding(embedding: nn.Embedding, tp_mesh: DeviceMesh) -> None:
+    """`embedding`'s rows split over `tp_mesh` (in place): its forward looks up the tokens among this rank's rows
+    with its own class's forward (Gemma's scaling included) and sums the group's lookups."""
+    embedding.weight = nn.Parameter(distribute_tensor(embedding.weight, tp_mesh, [Shard(0)]))
+    forward, padding = type(embedding).forward, embedding.padding_idx
+
+    def split_forward(input_ids: torch.Tensor) -> torch.Tensor:
+        weight = embedding.weight
+        rows = vocab_shard(weight)
+        here = (input_ids >= rows.start) & (input_ids < rows.stop)
+        # The padding row (no gradient) is this rank's only where it holds it.
+        embedding.padding_idx = padding - rows.start if padding is not None and rows.start <= padding < rows.stop else None
+        try:
+            with _reparametrize_module(embedding, {"weight": weight.to_local()}):
+                looked_up = forward(embedding, (input_ids - rows.start).masked_fill(~here, 0))
+        finally:
+            embedding.padding_idx = padding
+        return _SumOverGroup.apply(looked_up.masked_fill(~here.unsqueeze(-1), 0.0), rows.group)
+
+    embedding.forward = split_forward
+
+
+def parallelize_vocabulary(hf_model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
+    """The input embedding's and the output layer's rows split over `tp_mesh` (in place; tied, one matrix)."""
+    embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise UnsupportedModel(
+            f"parallel.tensor: {type(hf_model).__name__}'s input embedding or output layer is not the "
+            "nn.Embedding and nn.Linear chattune splits over the vocabulary"
+        )
+    tied = head.weight is embedding.weight
+    split_embedding(embedding, tp_mesh)
+    # The output layer's own forward (generation) returns the whole vocabulary's logits.
+    parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    if tied:  # ColwiseParallel wraps the (already split) matrix in a new parameter: the one matrix again
+        head.weight = embedding.weight
