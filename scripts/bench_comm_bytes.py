@@ -19,14 +19,17 @@ backward's all-gathers (P + L) (S-1)/S (each layer is resharded after its forwar
 backward; the root's parameters, the embeddings and the final norm, stay gathered), the gradients'
 reduce-scatter P (S-1)/S, and under HSDP their all-reduce across the R replicas 2 (P/S) (R-1)/R. Under tensor
 parallelism P and L count a rank's part: the split linear layers' bytes and the vocabulary's (the tied
-embedding and output layer) / T. Tensor parallelism's own all-reduces of activations (the output projection's and
-the down projection's partial sums in the forward, the attention's and the MLP's input gradients in the
-backward: 2 + 2 per layer; the split embedding's lookups in the forward and the final hidden states' gradient in
-the backward: 2 more) each move a rank's hidden states of the row, B = (N / C) x H x 4 bytes, as 2 B (T-1)/T.
-The split vocabulary's loss gathers 2 fp32 a token from each rank of the group, in the forward and again in the
-backward's recompute (one loss chunk here): 2 x 2 x T x (N / C) x 4 (T-1)/T. FSDP2 pads each parameter's rows to a multiple of S, so the counted
-figures may exceed the formula by that padding. The step's own small all-reduces (its counts, the gradient norm)
-and context parallelism's all-to-alls are listed apart.
+embedding and output layer) / T. Tensor parallelism's own exchanges of activations, with the stream between the
+blocks split by tokens (sequence parallelism), move a rank's hidden states of the row, B = (N / C) x H x 4
+bytes, as B (T-1)/T each: per block (attention, MLP) an all-gather of its input and a reduce-scatter of its
+partial sums in the forward, and the same two in the backward (4 per block, 8 per layer, as many bytes as the 2
+all-reduces a block sends with the stream whole); the split embedding's reduce-scatter and the final hidden
+states' all-gather in the forward, and their transposes in the backward (4 more). Half are all-gathers, half
+reduce-scatters. The split vocabulary's loss gathers 2 fp32 a token from each rank of the group, in the forward
+and again in the backward's recompute (one loss chunk here): 2 x 2 x T x (N / C) x 4 (T-1)/T. FSDP2 pads each
+parameter's rows to a multiple of S, so the counted figures may exceed the formula by that padding. The step's own small all-reduces (its counts, the gradient norm;
+under tp, each norm's weight gradient summed over the group) and context parallelism's all-to-alls are listed
+apart.
 """
 
 from __future__ import annotations
@@ -207,9 +210,14 @@ def formula(found: dict, world_size: int, replicate: int, tensor: int) -> dict[s
     gathered = (parameter_bytes + layer_bytes) * (shards - 1) / shards  # the root's parameters: once
     scattered = parameter_bytes * (shards - 1) / shards
     across = 2 * (parameter_bytes / shards) * (replicate - 1) / replicate
-    activations = (4 * MODEL["num_hidden_layers"] + 2) * 2 * found["row"] * (tensor - 1) / tensor
+    # (each kind: half of the 8 per layer and 4 for the vocabulary)
+    activations = (4 * MODEL["num_hidden_layers"] + 2) * found["row"] * (tensor - 1) / tensor
     loss = 2 * 2 * tensor * found["tokens"] * 4 * (tensor - 1) / tensor
-    return {"all-gather": gathered + loss, "reduce-scatter": scattered, "all-reduce": across + activations}
+    return {
+        "all-gather": gathered + activations + loss,
+        "reduce-scatter": scattered + activations,
+        "all-reduce": across,
+    }
 
 
 def main() -> None:
@@ -235,7 +243,7 @@ def main() -> None:
             expected = want.get(kind)
             shown = f"{expected / mib:.3f}" if expected is not None else "(measured only)"
             if kind == "all-reduce":
-                shown += " + the step's counts and norm"
+                shown += " + the step's counts and norm" + (", the norms' gradients" if tensor > 1 else "")
             print(f"| {layout} | {kind} | {counted / mib:.3f} | {shown} | {found['calls'].get(kind, 0)} |")
         print(f"| {layout} | (P, L of a rank's part) | {found['P'] / mib:.3f}, {found['L'] / mib:.3f} | | |")
 

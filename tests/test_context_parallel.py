@@ -123,9 +123,9 @@ def plain_pair_gradients(pair: Document) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in hf_model.named_parameters()}
 
 
-def leaking_row_slice(batch, context_size, context_rank):
+def leaking_row_slice(batch, context_size, context_rank, slice_multiple=1):
     """The control: each slice's attention sees the whole row as one document."""
-    piece = row_slice(batch, context_size, context_rank)
+    piece = row_slice(batch, context_size, context_rank, slice_multiple)
     length = int(piece.cu_seqlens[-1])
     return dataclasses.replace(piece, cu_seqlens=torch.tensor([0, length], dtype=torch.int32), max_seqlen=length)
 

@@ -78,7 +78,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     outputs = {}
     for name, overrides in LAYOUTS.items():
         out = outputs[name] = tmp_path_factory.mktemp(name.replace(" ", ""))
-        assert MESHES[name] in launch(out, 4, *overrides), name
+        log = launch(out, 4, *overrides)
+        assert MESHES[name] in log, name
+        # the compute: line names the split vocabulary (loss-parallel) under tensor parallelism
+        assert ("loss: chunked fp32 head (its vocabulary split over 2 ranks)" in log) == ("tp" in name), name
     return outputs
 
 

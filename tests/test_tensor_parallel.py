@@ -100,7 +100,9 @@ def test_each_family_of_the_plan_trains_split_as_stock_transformers_whole(tmp_pa
         grads, norm, split, generated = found[name]
         stock = _family_model(name)
         prompt = torch.tensor([documents(1, stock.config.vocab_size)[0].input_ids[:6].tolist()])
-        assert torch.equal(generated, stock.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False))
+        assert torch.equal(
+            generated, stock.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+        )
         want = plain_gradients(1, _family_model(name))  # one data rank: both ranks of the group read its documents
         assert split >= 8, name  # q, k, v and o of each of the 2 layers at least
         worst = max(float((grads[n] - g).norm() / g.norm()) for n, g in want.items() if g.norm() > 0)

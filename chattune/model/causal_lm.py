@@ -11,6 +11,8 @@ a MoE model trained with its router loss, also each document's load-balancing lo
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,6 +28,7 @@ from chattune.model.fused_loss import cce_token_losses, describe_bias
 from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
 from chattune.model.output_logits import LogitTransform
 from chattune.model.router_loss import RouterLoss
+from chattune.model.sequence_parallel import Stream
 from chattune.model.vocab_parallel import local_head
 
 
@@ -61,6 +64,7 @@ class PackedCausalLM(nn.Module):
         self.router_loss = router_loss
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
         self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
+        self.stream: Stream | None = None  # tensor parallelism's (`chattune.model.tensor_parallel`), set by shard_model
         set_context_group(self, context_group)  # self.context_group, and the attention modules'
 
     def forward(
@@ -71,11 +75,19 @@ class PackedCausalLM(nn.Module):
         loss (S,). Under context parallelism every rank of the group passes the whole row, computes its own
         slice and returns the whole row's losses (`chattune.model.context_parallel`)."""
         group = self.context_group
+        # A stream split by tokens over a tp group (`chattune.model.sequence_parallel`) splits each rank's row
+        # evenly: a row T (or C x T) does not divide is padded by a segment of its own.
+        tokens_over = self.stream.size if self.stream is not None else 1
         if group is None:
-            return self._token_losses(batch, router_losses)
+            if batch.num_tokens % tokens_over == 0:
+                return self._token_losses(batch, router_losses)
+            padded = self._token_losses(row_slice(batch, 1, 0, tokens_over), router_losses)
+            if router_losses:  # the padding's own segment dropped
+                return padded[0][: batch.num_tokens], padded[1][:-1]
+            return padded[: batch.num_tokens]
         if router_losses:  # the builder refuses the combination; a document's router logits span the group
             raise ValueError("the router loss is computed per document, which context parallelism splits")
-        local = row_slice(batch, dist.get_world_size(group), dist.get_rank(group))
+        local = row_slice(batch, dist.get_world_size(group), dist.get_rank(group), tokens_over)
         return gather_row(self._token_losses(local), group, batch.num_tokens)
 
     def describe_head(self) -> str:
@@ -86,6 +98,8 @@ class PackedCausalLM(nn.Module):
         notes = [
             note for note, applies in (("its matmuls in TF32", self.tf32_head), ("with its bias", biased)) if applies
         ]
+        if self.stream is not None:  # loss-parallel (`chattune.model.vocab_parallel`)
+            notes.append(f"its vocabulary split over {self.stream.size} ranks")
         return "loss: chunked fp32 head" + (f" ({', '.join(notes)})" if notes else "")
 
     def generate(self, **kwargs) -> torch.Tensor:
@@ -94,7 +108,7 @@ class PackedCausalLM(nn.Module):
         (`chattune.model.fsdp.shard_model` registers it): the root's parameters (embeddings, final norm,
         output layer) are gathered around it, each decoder layer's around each of its forwards, so every
         rank must make the same calls (`chattune.model.generate`)."""
-        with stock_attention(self.hf_model):
+        with stock_attention(self.hf_model), self.stream.whole() if self.stream is not None else nullcontext():
             return self.hf_model.generate(**kwargs)
 
     def _token_losses(
@@ -103,9 +117,9 @@ class PackedCausalLM(nn.Module):
         if router_losses and self.router_loss is None:
             raise ValueError("router losses asked of a model trained without a router loss")
         output = packed_decoder_output(self.hf_model, batch, output_router_logits=router_losses)
-        hidden = output.last_hidden_state[0]
         weight, bias = self.hf_model.get_output_embeddings().weight, output_bias(self.hf_model)
-        hidden, weight, bias, rows = local_head(hidden, weight, bias)  # this rank's rows under loss-parallel
+        # (N, H), and this rank's rows of the vocabulary under loss-parallel
+        hidden, weight, bias, rows = local_head(output.last_hidden_state, weight, bias, self.stream)
         if self.loss_implementation == "cut_cross_entropy":  # (never split: `resolve_loss_implementation`)
             losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform, bias)
         else:

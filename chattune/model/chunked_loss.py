@@ -116,7 +116,9 @@ def chunked_token_losses(
     for start in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         if needs_grad:
-            losses.append(checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, bias, rows, use_reentrant=False))
+            losses.append(
+                checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, bias, rows, use_reentrant=False)
+            )
         else:
             losses.append(_chunk_token_losses(h, weight, y, tf32, transform, bias, rows))
     return torch.cat(losses)

@@ -113,7 +113,7 @@ def sequence_to_heads(output: torch.Tensor, group: ProcessGroup) -> torch.Tensor
 class _GatherRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: ProcessGroup, length: int) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.per_rank = group, local.shape[0]
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, local.contiguous(), group=group)
         return torch.cat(parts)[:length].clone()  # the row without its padding, a tensor of its own
@@ -122,8 +122,7 @@ class _GatherRow(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # Every rank of the group computes the same objective from the gathered row: each keeps the gradient of
         # its own slice (summing over the group would count every token's gradient C times).
-        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        per_rank = padded_length(grad.shape[0], size) // size
+        rank, per_rank = dist.get_rank(ctx.group), ctx.per_rank  # (the row's padding: its last slices' tails)
         mine = grad[rank * per_rank : (rank + 1) * per_rank]
         return torch.cat([mine, mine.new_zeros(per_rank - mine.shape[0])]), None, None
 
@@ -139,14 +138,15 @@ def padded_length(num_tokens: int, context_size: int) -> int:
     return -(-num_tokens // context_size) * context_size
 
 
-def row_slice(batch: PackedBatch, context_size: int, context_rank: int) -> PackedBatch:
+def row_slice(batch: PackedBatch, context_size: int, context_rank: int, slice_multiple: int = 1) -> PackedBatch:
     """This rank's contiguous slice of a packed row, for the decoder and the output layer: its tokens, labels
     and position ids, with the whole row's `cu_seqlens` (attention, after the swap, sees the whole row). A row
-    whose length C does not divide is first padded by a segment of its own (pad id 0, nothing trained); its
-    losses are dropped by the caller (`PackedCausalLM`). Per-document bookkeeping (segment and document ids)
-    stays with the whole row, which is what the objectives read."""
+    whose length C (times `slice_multiple`: each slice split further by tokens, `chattune.model.sequence_parallel`)
+    does not divide is first padded by a segment of its own (pad id 0, nothing trained); its losses are dropped by
+    the caller (`PackedCausalLM`). Per-document bookkeeping (segment and document ids) stays with the whole row,
+    which is what the objectives read."""
     length = batch.num_tokens
-    padding = padded_length(length, context_size) - length
+    padding = padded_length(length, context_size * slice_multiple) - length
     input_ids, labels, position_ids, cu_seqlens = batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens
     if padding:
 

@@ -29,10 +29,10 @@ from transformers import PreTrainedModel
 from chattune.config.schema import DTYPES, FSDPConfig
 from chattune.distributed import ParallelDims, world_size
 from chattune.model import tensor_parallel
-from chattune.model.vocab_parallel import parallelize_vocabulary
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.offload import ActivationOffload
 from chattune.model.sequence_score import PackedSequenceScorer
+from chattune.model.vocab_parallel import parallelize_vocabulary
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
@@ -190,8 +190,8 @@ def shard_model(
     activation_checkpointing, cpu_offload = settings.activation_checkpointing, settings.cpu_offload
     tp_mesh = dims.mesh("tp")
     if tp_mesh is not None:  # the layers split over tp first: FSDP2 then shards what each rank holds
-        tensor_parallel.parallelize(decoder_layers(model), tp_mesh, model.hf_model.config)
-        parallelize_vocabulary(model.hf_model, tp_mesh)  # loss-parallel: the output layer's rows and the embedding's
+        model.stream = tensor_parallel.parallelize(model.hf_model, decoder_layers(model), tp_mesh)
+        parallelize_vocabulary(model.hf_model, tp_mesh, model.stream)  # loss-parallel: the vocabulary's rows
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:

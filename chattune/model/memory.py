@@ -226,7 +226,8 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         result.notes.append(
             f"parallel.tensor={inputs.tensor}: the decoder layers' linear weights and the vocabulary split "
             f"{inputs.tensor} ways; "
-            "activations counted as without the split (an overestimate)"
+            "activations counted as without the split (an overestimate: the split heads and MLP width, and the "
+            "stream split by tokens between the blocks, divide most of them)"
         )
     sharded = sum(shard(p) for p in parameters.values() if id(p) not in replicated)
     unit_of = {id(m): index for index, layer in enumerate(layers) for m in [*layer.modules(), *layer.parameters()]}
@@ -279,7 +280,9 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         ),
         default=0,
     )
-    root = sum(p.numel() // (inputs.tensor if id(p) in split else 1) for p in parameters.values() if id(p) not in in_layers)
+    root = sum(
+        p.numel() // (inputs.tensor if id(p) in split else 1) for p in parameters.values() if id(p) not in in_layers
+    )
     # A 4-bit layer's matmul dequantizes its whole weight to the compute dtype first (bitsandbytes): one at a time.
     dequantized = max((linear.weight.numel() for linear in quantized), default=0)
     result.rows["gathered for compute"] = compute_bytes * (2 * largest_layer + root + dequantized)
@@ -291,7 +294,9 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         result.host_rows["activations (offloaded)"] = host_activations
     vocab = getattr(inputs.hf_config, "vocab_size", 0)
     # (a vocabulary split over tp: each rank's chunk holds its rows' logits)
-    result.rows["loss head (one chunk)"] = 2 * 4 * min(inputs.loss_chunk, inputs.tokens) * math.ceil(vocab / inputs.tensor)
+    result.rows["loss head (one chunk)"] = (
+        2 * 4 * min(inputs.loss_chunk, inputs.tokens) * math.ceil(vocab / inputs.tensor)
+    )
     return result
 
 

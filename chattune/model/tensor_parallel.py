@@ -2,22 +2,26 @@
 group (Megatron's layout, with torch's DTensor plans), before FSDP2 shards what each rank holds over dp_shard_cp.
 
 - Attention: q, k and v column-wise (each rank computes H/T query heads and their K/T kv heads), the output
-  projection row-wise (its partial sums all-reduced): the packed attention sees only its own heads, which it
-  reads from the tensors' shapes. The MLP: gate and up column-wise, down row-wise.
-- Everything else stays whole on every rank of the group: the embeddings, the norms, the output layer. The
-  hidden states between the layers are the same on every rank of the group, so the loss is computed whole on
-  each (no loss-parallel vocabulary split yet: the output layer's weight is the biggest one left whole), and
-  only the group's first rank reports a row's figures (`ParallelDims.reports_rows`).
+  projection row-wise (its partial sums reduced over the group): the packed attention sees only its own heads,
+  which it reads from the tensors' shapes. The MLP: gate and up column-wise, down row-wise.
+- Between the blocks the residual stream is split by tokens (sequence parallelism,
+  `chattune.model.sequence_parallel`): a block's input is all-gathered as one replicated DTensor, so its
+  column-wise layers add their input gradients into it and the backward reduces their sum once per block, and its
+  partial sums are reduce-scattered back to the ranks' tokens. The norms between the blocks run on each rank's
+  tokens; their gradients are summed over the group (`_sum_gradients_over`).
+- The vocabulary is split too (loss-parallel, `chattune.model.vocab_parallel`): the embedding's and the output
+  layer's rows, the loss reduced over the group.
 - A parameter that acts on one rank's heads while being whole on every rank (Qwen3's and Gemma 3's per-head q
   and k norms) gets only its heads' part of the gradient on each rank: its gradient is summed over the group in
-  the backward (`_sum_gradients_over`), so every rank of the group holds the whole one, as for the norms
-  outside attention.
+  the backward, so every rank of the group holds the whole one, as for the norms between the blocks.
+- The ranks of the group compute the same losses; only the group's first rank reports a row's figures
+  (`ParallelDims.reports_rows`).
 - The gradient norm: a parameter split over tp holds distinct shards on the group's ranks, one whole on each
   holds the same gradient T times; `chattune.train.step` divides the latter's squares by T (`split_over`).
 
 Which families: those whose decoder layers are `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` (or a
-mixture of experts, left whole: Qwen3-MoE) with no other layer acting on the heads than per-head norms
-(`FAMILIES`); others are refused (UnsupportedModel).
+mixture of experts, left whole: Qwen3-MoE, which takes the row's tokens gathered and hands back its rank's part)
+with no other layer acting on the heads than per-head norms (`FAMILIES`); others are refused (UnsupportedModel).
 """
 
 from __future__ import annotations
@@ -26,12 +30,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.utils.stateless import _reparametrize_module
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from chattune.errors import UnsupportedModel
+from chattune.model.attention import decoder_of
+from chattune.model.sequence_parallel import (
+    Stream,
+    finish_block_output,
+    finish_whole_block_output,
+    gather_block_input,
+    gather_whole_block_input,
+)
 
 # transformers' model types whose layers follow the plan below (checked against their modules by `parallelize`).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe")
@@ -98,12 +110,15 @@ def _sum_gradients_over(norm: nn.Module, group: dist.ProcessGroup) -> None:
     norm.forward = summed_forward
 
 
-def parallelize(layers: list[nn.Module], tp_mesh: DeviceMesh, config: PretrainedConfig) -> None:
-    """Split each decoder layer of `layers` over `tp_mesh` (in place), before compiling and FSDP2."""
-    problem = tensor_parallel_problem(config, tp_mesh.size())
+def parallelize(hf_model: PreTrainedModel, layers: list[nn.Module], tp_mesh: DeviceMesh) -> Stream:
+    """Split each decoder layer of `layers` over `tp_mesh` (in place), before compiling and FSDP2, with the
+    residual stream split by tokens between the blocks (`chattune.model.sequence_parallel`): the returned
+    `Stream`, which the embedding and the loss read too."""
+    problem = tensor_parallel_problem(hf_model.config, tp_mesh.size())
     if problem:
         raise UnsupportedModel(f"parallel.tensor={tp_mesh.size()}: {problem}")
     group = tp_mesh.get_group()
+    stream = Stream(group, tp_mesh)
     for layer in layers:
         if not all(isinstance(_submodule(layer, name), nn.Linear) for name in ATTENTION_PLAN):
             raise UnsupportedModel(
@@ -112,21 +127,68 @@ def parallelize(layers: list[nn.Module], tp_mesh: DeviceMesh, config: Pretrained
             )
         dense = all(isinstance(_submodule(layer, name), nn.Linear) for name in MLP_PLAN)
         plan = {name: style() for name, style in (PLAN if dense else ATTENTION_PLAN).items()}
-        # The attention's and the MLP's input as one replicated DTensor: the column-wise layers that read it (q,
-        # k, v; gate, up) add their input gradients into it, and the backward all-reduces their sum once per
-        # block (Megatron's "f"), not once per layer.
-        plan["self_attn"] = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Replicate()},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        )
-        if dense:
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        # The row-wise layers hand their partial sums on as they are: the block's hook reduces them, scattered to
+        # the ranks' tokens or whole (`finish_block_output`).
+        for name, style in plan.items():
+            if isinstance(style, RowwiseParallel):
+                plan[name] = RowwiseParallel(output_layouts=Partial(), use_local_output=False)
         parallelize_module(layer, tp_mesh, plan)
+        _split_block(layer.self_attn, stream, "hidden_states")
+        if dense:
+            _split_block(layer.mlp, stream)
+        else:  # a mixture of experts, whole on every rank: the row's tokens in, this rank's out
+            _whole_block(layer.mlp, stream)
         for name in HEAD_NORMS:
             parent_name, _, child = name.rpartition(".")
             norm = getattr(_submodule(layer, parent_name), child, None)
             if norm is not None:
                 _sum_gradients_over(norm, group)
+        # What runs on the rank's tokens between the blocks (the norms): its gradient summed over the group.
+        for name, child in layer.named_children():
+            if name not in ("self_attn", "mlp") and any(True for _ in child.parameters()):
+                _sum_gradients_over(child, group)
+    decoder = decoder_of(hf_model)
+    embedding = hf_model.get_input_embeddings()
+    for name, child in decoder.named_children():  # the final norm
+        if child is not embedding and name != "layers" and any(True for _ in child.parameters()):
+            _sum_gradients_over(child, group)
+    return stream
+
+
+def _split_block(block: nn.Module, stream: Stream, keyword: str | None = None) -> None:
+    """A split block (attention, MLP): its input gathered as one replicated DTensor, its output reduced."""
+
+    def take_input(module, args, kwargs):
+        if keyword is not None and keyword in kwargs:
+            kwargs = {**kwargs, keyword: gather_block_input(stream, kwargs[keyword])}
+        else:
+            args = (gather_block_input(stream, args[0]), *args[1:])
+        return args, kwargs
+
+    def give_output(module, args, kwargs, output):
+        if isinstance(output, tuple):
+            return (finish_block_output(stream, output[0]), *output[1:])
+        return finish_block_output(stream, output)
+
+    block.register_forward_pre_hook(take_input, with_kwargs=True)
+    block.register_forward_hook(give_output, with_kwargs=True)
+
+
+def _whole_block(block: nn.Module, stream: Stream) -> None:
+    """A block whole on every rank (a mixture of experts): the row's tokens in, this rank's tokens out."""
+
+    def take_input(module, args, kwargs):
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": gather_whole_block_input(stream, kwargs["hidden_states"])}
+        return (gather_whole_block_input(stream, args[0]), *args[1:]), kwargs
+
+    def give_output(module, args, kwargs, output):
+        if isinstance(output, tuple):
+            return (finish_whole_block_output(stream, output[0]), *output[1:])
+        return finish_whole_block_output(stream, output)
+
+    block.register_forward_pre_hook(take_input, with_kwargs=True)
+    block.register_forward_hook(give_output, with_kwargs=True)
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module | None:

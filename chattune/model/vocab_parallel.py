@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UnsupportedModel
+from chattune.model.sequence_parallel import Stream, gather_for_loss, reduce_scatter_tokens
 from chattune.model.tensor_parallel import SumGradientOverGroup, split_over
 
 
@@ -55,18 +56,23 @@ def vocab_shard(weight: DTensor) -> VocabShard:
 
 
 def local_head(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stream: Stream | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, VocabShard | None]:
-    """What a loss computes this rank's logits from: (hidden states, output weight, bias, rows). Whole (rows None)
-    unless the output layer is split over tp; split, this rank's rows, and the hidden states' gradient summed
-    over the group in the backward (each rank's logits contribute their rows' part)."""
+    """What a loss computes this rank's logits from: (hidden states (N, H), output weight, bias, rows), from the
+    decoder's (1, n, H). Whole (rows None) unless the output layer is split over tp; split, this rank's rows, and
+    the row's hidden states gathered from the ranks' tokens (`stream`, split by tokens) or whole; either way their
+    gradient is summed over the group in the backward (each rank's logits contribute their rows' part)."""
     if not split_over(weight):
-        return hidden, weight, bias, None
+        return hidden[0], weight, bias, None
     assert isinstance(weight, DTensor)
     rows = vocab_shard(weight)
     if isinstance(bias, DTensor):
         bias = bias.to_local()
-    return SumGradientOverGroup.apply(hidden, rows.group), weight.to_local(), bias, rows
+    if stream is not None and stream.split:
+        hidden = gather_for_loss(hidden, rows.group)
+    else:
+        hidden = SumGradientOverGroup.apply(hidden, rows.group)
+    return hidden[0], weight.to_local(), bias, rows
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -118,9 +124,10 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def split_embedding(embedding: nn.Embedding, tp_mesh: DeviceMesh) -> None:
+def split_embedding(embedding: nn.Embedding, tp_mesh: DeviceMesh, stream: Stream) -> None:
     """`embedding`'s rows split over `tp_mesh` (in place): its forward looks up the tokens among this rank's rows
-    with its own class's forward (Gemma's scaling included) and sums the group's lookups."""
+    with its own class's forward (Gemma's scaling included) and sums the group's lookups: each rank's tokens of
+    the sum, where the `stream` is split by tokens, else the whole row."""
     embedding.weight = nn.Parameter(distribute_tensor(embedding.weight, tp_mesh, [Shard(0)]))
     forward, padding = type(embedding).forward, embedding.padding_idx
 
@@ -129,19 +136,25 @@ def split_embedding(embedding: nn.Embedding, tp_mesh: DeviceMesh) -> None:
         rows = vocab_shard(weight)
         here = (input_ids >= rows.start) & (input_ids < rows.stop)
         # The padding row (no gradient) is this rank's only where it holds it.
-        embedding.padding_idx = padding - rows.start if padding is not None and rows.start <= padding < rows.stop else None
+        embedding.padding_idx = (
+            padding - rows.start if padding is not None and rows.start <= padding < rows.stop else None
+        )
         try:
             with _reparametrize_module(embedding, {"weight": weight.to_local()}):
                 looked_up = forward(embedding, (input_ids - rows.start).masked_fill(~here, 0))
         finally:
             embedding.padding_idx = padding
-        return _SumOverGroup.apply(looked_up.masked_fill(~here.unsqueeze(-1), 0.0), rows.group)
+        looked_up = looked_up.masked_fill(~here.unsqueeze(-1), 0.0)
+        if stream.split:
+            return reduce_scatter_tokens(looked_up, rows.group)
+        return _SumOverGroup.apply(looked_up, rows.group)
 
     embedding.forward = split_forward
 
 
-def parallelize_vocabulary(hf_model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
-    """The input embedding's and the output layer's rows split over `tp_mesh` (in place; tied, one matrix)."""
+def parallelize_vocabulary(hf_model: PreTrainedModel, tp_mesh: DeviceMesh, stream: Stream) -> None:
+    """The input embedding's and the output layer's rows split over `tp_mesh` (in place; tied, one matrix); the
+    embedding hands on the `stream` (`chattune.model.sequence_parallel`)."""
     embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
         raise UnsupportedModel(
@@ -149,7 +162,7 @@ def parallelize_vocabulary(hf_model: PreTrainedModel, tp_mesh: DeviceMesh) -> No
             "nn.Embedding and nn.Linear chattune splits over the vocabulary"
         )
     tied = head.weight is embedding.weight
-    split_embedding(embedding, tp_mesh)
+    split_embedding(embedding, tp_mesh, stream)
     # The output layer's own forward (generation) returns the whole vocabulary's logits.
     parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
     if tied:  # ColwiseParallel wraps the (already split) matrix in a new parameter: the one matrix again
