@@ -4,6 +4,8 @@ real processes in test_device_mesh (gradients against stock transformers) and te
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from test_device_mesh import documents, plain_gradients
@@ -53,6 +55,11 @@ FAMILY_CONFIGS = {
 }
 
 
+RECOMPUTED = ("llama_untied", "gemma3_text", "qwen3_moe")  # trained with activation checkpointing
+# trained with cut-cross-entropy (its torch implementation), where installed, instead of the chunked loss
+FUSED = "qwen2" if importlib.util.find_spec("cut_cross_entropy") else None
+
+
 def _family_model(name: str):
     model_type, overrides = FAMILY_CONFIGS[name]
     torch.manual_seed(0)
@@ -71,8 +78,18 @@ def _family_worker(rank: int, world_size: int, port: int, out_path: str) -> None
     found = {}
     for name in FAMILY_CONFIGS:
         hf_model = _family_model(name)
-        policy = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), dims)
+        # activation checkpointing recomputes a layer's forward, its exchanges included, in the backward
+        recompute = name in RECOMPUTED
+        loss = "cut_cross_entropy" if name == FUSED else "chunked"
+        policy = shard_model(
+            PackedCausalLM(hf_model, loss_chunk_size=64, loss_implementation=loss),
+            dims,
+            activation_checkpointing=recompute,
+        )
         policy.train()
+        assert hf_model.is_gradient_checkpointing == recompute, name
+        head = "loss: cut-cross-entropy (fused, " if name == FUSED else "loss: chunked fp32 head ("
+        assert policy.describe_head() == head + "its vocabulary split over 2 ranks)", name
         row = collate_packed(documents(0, hf_model.config.vocab_size))
         accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
         split = sum(split_over(p) for p in policy.parameters())
@@ -83,7 +100,7 @@ def _family_worker(rank: int, world_size: int, port: int, out_path: str) -> None
         # Generation reads the split embedding and gathers the split output layer's logits.
         policy.eval()
         prompt = torch.tensor([documents(1, hf_model.config.vocab_size)[0].input_ids[:6].tolist()])
-        generated = policy.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+        generated = policy.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
         found[name] = (grads, norm, split, generated)
     if rank == 0:
         torch.save(found, out_path)

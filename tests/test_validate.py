@@ -911,12 +911,6 @@ def test_tensor_parallelism_is_checked_before_a_launch():
     assert refused.value.problems == [
         "parallel.tensor: the reward model's score head is not split over tp ranks yet: set parallel.tensor=1"
     ]
-    assert layout_problems(4, "parallel.tensor=2", "loss.implementation=cut_cross_entropy") == [
-        "loss.implementation: cut-cross-entropy computes the loss over a whole vocabulary, and parallel.tensor splits "
-        "the output layer over it: set loss.implementation=chunked (or auto)"
-    ]
-    for remedy in ("chunked", "auto"):
-        assert layout_problems(4, "parallel.tensor=2", f"loss.implementation={remedy}") == []
     assert layout_problems(4, "parallel.tensor=2", "optimizer.in_backward=true", "max_grad_norm=null") == [
         "optimizer.in_backward: the update in the backward measures the norm without the tp split: set "
         "parallel.tensor=1 or drop optimizer.in_backward"

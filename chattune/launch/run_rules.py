@@ -432,12 +432,6 @@ class RunRules:
             value = get_value(self.values, key)
             if isinstance(value, dict) or value not in (None, False):
                 self.findings.problem(key, f"{reason}: set parallel.tensor=1 or drop {key}")
-        if get_value(self.values, "loss.implementation") == "cut_cross_entropy":
-            self.findings.problem(
-                "loss.implementation",
-                "cut-cross-entropy computes the loss over a whole vocabulary, and parallel.tensor splits the output "
-                "layer over it: set loss.implementation=chunked (or auto)",
-            )
         if self.kind.name == "reward":
             self.findings.problem(
                 "parallel.tensor", "the reward model's score head is not split over tp ranks yet: set parallel.tensor=1"

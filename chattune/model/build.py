@@ -152,7 +152,7 @@ def build_sharded_model(
         quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dims.device)
         if note := quantized_experts_note(hf_model, dtype):
             logger.info(note)
-    implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype, dims.tp)
+    implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
     # The chunked head's matmuls (and only those: `chattune.model.chunked_loss`) in TF32 on CUDA, where bf16/fp16
     # inputs make its forward exact in TF32.
     tf32_head = device_type == "cuda" and dtype != "float32" and implementation == "chunked"

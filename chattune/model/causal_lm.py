@@ -93,13 +93,15 @@ class PackedCausalLM(nn.Module):
     def describe_head(self) -> str:
         """What computes the loss from the final hidden states, for the start-up `compute:` line."""
         biased = output_bias(self.hf_model) is not None
+        split = f"its vocabulary split over {self.stream.size} ranks" if self.stream is not None else None
         if self.loss_implementation == "cut_cross_entropy":
-            return "loss: cut-cross-entropy (fused" + (f", {describe_bias()})" if biased else ")")
+            notes = [note for note in (describe_bias() if biased else None, split) if note]
+            return "loss: cut-cross-entropy (fused" + "".join(f", {note}" for note in notes) + ")"
         notes = [
             note for note, applies in (("its matmuls in TF32", self.tf32_head), ("with its bias", biased)) if applies
         ]
-        if self.stream is not None:  # loss-parallel (`chattune.model.vocab_parallel`)
-            notes.append(f"its vocabulary split over {self.stream.size} ranks")
+        if split:  # loss-parallel (`chattune.model.vocab_parallel`)
+            notes.append(split)
         return "loss: chunked fp32 head" + (f" ({', '.join(notes)})" if notes else "")
 
     def generate(self, **kwargs) -> torch.Tensor:
@@ -120,8 +122,8 @@ class PackedCausalLM(nn.Module):
         weight, bias = self.hf_model.get_output_embeddings().weight, output_bias(self.hf_model)
         # (N, H), and this rank's rows of the vocabulary under loss-parallel
         hidden, weight, bias, rows = local_head(output.last_hidden_state, weight, bias, self.stream)
-        if self.loss_implementation == "cut_cross_entropy":  # (never split: `resolve_loss_implementation`)
-            losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform, bias)
+        if self.loss_implementation == "cut_cross_entropy":
+            losses = cce_token_losses(hidden, weight, batch.labels[0], self.logit_transform, bias, rows)
         else:
             losses = chunked_token_losses(
                 hidden,

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.model.output_logits import LogitTransform
-from chattune.model.vocab_parallel import VocabShard, vocab_parallel_token_losses
+from chattune.model.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
 
 
 @contextmanager
@@ -78,7 +78,9 @@ def _chunk_token_losses(
     if transform is not None:
         logits = transform(logits)  # in fp32, inside the checkpoint: recomputed with the chunk's logits
     if rows is not None:  # this rank's rows of a vocabulary split over tp: reduced over the group
-        return vocab_parallel_token_losses(logits, labels, rows)
+        index, here = local_targets(labels, rows)
+        target = logits.gather(1, index.unsqueeze(1)).squeeze(1).masked_fill(~here, 0.0)
+        return vocab_parallel_token_losses(torch.logsumexp(logits, dim=-1), target, labels, rows)
     # logsumexp minus the target logit, not F.cross_entropy: the same value and gradient, but cross_entropy's
     # fused log-softmax under-estimates the log-normaliser of a wide vocabulary by ~1e-5 nats a token on average
     # (a bias, which sums over a reply) where logsumexp stays within float rounding of a float64 computation

@@ -49,6 +49,7 @@ import torch
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UserError
 from chattune.model.output_logits import LogitTransform
+from chattune.model.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
 
 logger = logging.getLogger(__name__)
 # Options of later releases that accumulate the hidden-state and output-layer gradients in fp32.
@@ -84,24 +85,8 @@ def cce_options(on_cuda: bool) -> dict:
     return {"impl": "cce", **{name: True for name in FP32_ACCUMULATION_OPTIONS if name in parameters}}
 
 
-def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str, tensor: int = 1) -> str:
-    """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype. Under tensor
-    parallelism (`tensor` > 1) the output layer is split over the vocabulary, which only the chunked loss reduces
-    over the group (`chattune.model.vocab_parallel`): CCE's releases compute a loss over the whole vocabulary."""
-    if tensor > 1:
-        if setting == "cut_cross_entropy":
-            raise UserError(
-                f"loss.implementation=cut_cross_entropy: parallel.tensor={tensor} splits the output layer over the "
-                "vocabulary, and cut-cross-entropy's released kernels compute the loss over a whole vocabulary only; "
-                "set loss.implementation=chunked (or auto)"
-            )
-        if setting == "auto" and device_type == "cuda" and compute_dtype in ("bfloat16", "float16"):
-            logger.info(
-                "loss.implementation=auto: parallel.tensor=%d splits the output layer over the vocabulary: the "
-                "chunked loss (its matmuls in TF32) reduces it over the group",
-                tensor,
-            )
-        return "chunked"
+def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str) -> str:
+    """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype."""
     if setting == "cut_cross_entropy":
         if device_type == "cuda" and compute_dtype == "float32":
             raise UserError(
@@ -165,9 +150,12 @@ def cce_token_losses(
     labels: torch.Tensor,
     transform: LogitTransform | None = None,
     bias: torch.Tensor | None = None,
+    rows: VocabShard | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where the label is IGNORE_INDEX) of hidden (N, H) against the
-    output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision).
+    output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision). `rows`: under
+    loss-parallel, `weight` and `bias` are this rank's rows of the vocabulary (`chattune.model.vocab_parallel`),
+    each token's log-sum-exp over them and its target logit reduced over the group.
 
     `transform` (`chattune.model.output_logits`): CCE soft-caps natively (`softcap`); a logit scale s has no
     option of its own, so the hidden states are scaled instead ((s·h) @ W.T = s·(h @ W.T)), in fp32 and rounded
@@ -188,12 +176,21 @@ def cce_token_losses(
         options["bias"] = (bias.float() * scale).to(weight.dtype) if scale != 1.0 else bias.to(weight.dtype)
     elif bias is not None:
         hidden, weight = _bias_as_columns(hidden, weight, bias, scale)
-    return _linear_cross_entropy()(
-        hidden,
-        weight,
-        labels,
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-        softcap=softcap,
-        **options,
+    if rows is None:
+        return _linear_cross_entropy()(
+            hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="none", softcap=softcap, **options
+        ).float()
+    # This rank's rows of a vocabulary split over tp: CCE gives log-sum-exp over them minus the logit of a row
+    # of them (the target where it is here, else the first); that logit, computed here as CCE's logits are (the
+    # inputs' dtype, accumulated in fp32, then capped), is added back: their gradients cancel at that row.
+    index, here = local_targets(labels, rows)
+    anchors = index.masked_fill(labels == IGNORE_INDEX, IGNORE_INDEX)
+    relative = _linear_cross_entropy()(
+        hidden, weight, anchors, ignore_index=IGNORE_INDEX, reduction="none", softcap=softcap, **options
     ).float()
+    logit = (hidden.float() * weight[index].float()).sum(-1)
+    if "bias" in options:
+        logit = logit + options["bias"][index].float()
+    if softcap is not None:
+        logit = torch.tanh(logit / softcap) * softcap
+    return vocab_parallel_token_losses(relative + logit, logit.masked_fill(~here, 0.0), labels, rows)

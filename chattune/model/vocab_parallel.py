@@ -6,7 +6,9 @@ Why: left whole, the output layer is the one weight tensor parallelism does not 
 T times the head's matmuls. Split, each rank computes the logits of its own rows only:
 - the loss (`vocab_parallel_token_losses`): each rank's log-sum-exp over its rows and the target's logit where
   the target is among them, gathered over the group (2 floats a token and rank), give every rank the whole
-  loss; the backward needs no exchange (each rank's logits get softmax - one-hot over its own rows);
+  loss; the backward needs no exchange (each rank's log-sum-exp gets the share of the whole softmax its rows
+  hold). The chunked loss computes both from its chunk's logits (`chattune.model.chunked_loss`), cut-cross-entropy
+  from its loss over the rank's rows (`chattune.model.fused_loss`);
 - the hidden states' gradient is a sum over the group's rows, all-reduced once in the backward
   (`chattune.model.tensor_parallel.sum_gradients_over`), before the final norm and the layers see it;
 - the input embedding (`split_embedding`): each rank looks up the tokens among its rows, zeros for the others,
@@ -75,38 +77,46 @@ def local_head(
     return hidden[0], weight.to_local(), bias, rows
 
 
+def local_targets(labels: torch.Tensor, rows: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's target as an index into this rank's rows, 0 where it is not among them; whether it is)."""
+    local = labels - rows.start
+    here = (local >= 0) & (local < rows.stop - rows.start) & (labels != IGNORE_INDEX)
+    return local.masked_fill(~here, 0), here
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from one rank's logits (n, its rows) of a vocabulary split over `rows.group`."""
+    """Per-token cross-entropy from each rank's log-sum-exp over its rows and its target logit (0 where the target
+    is another rank's), over a vocabulary split across `rows.group`."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: VocabShard) -> torch.Tensor:
-        ignored = labels == IGNORE_INDEX
-        local = labels - rows.start
-        here = (local >= 0) & (local < logits.shape[1]) & ~ignored  # the target is among this rank's rows
-        index = local.masked_fill(~here, 0).unsqueeze(1)
-        target = logits.gather(1, index).squeeze(1).masked_fill(~here, 0.0)
-        mine = torch.stack([torch.logsumexp(logits, dim=-1), target])  # (2, n)
+    def forward(
+        ctx, local_lse: torch.Tensor, target: torch.Tensor, ignored: torch.Tensor, rows: VocabShard
+    ) -> torch.Tensor:
+        mine = torch.stack([local_lse.float(), target.float()])  # (2, n)
         gathered = mine.new_empty(dist.get_world_size(rows.group) * 2, mine.shape[1])
         dist.all_gather_into_tensor(gathered, mine, group=rows.group)
         gathered = gathered.view(-1, 2, mine.shape[1])  # (T, 2, n)
         lse = torch.logsumexp(gathered[:, 0], dim=0)
-        ctx.save_for_backward(logits, lse, index, here, ignored)
+        ctx.save_for_backward(local_lse, lse, ignored)
         return (lse - gathered[:, 1].sum(0)).masked_fill(ignored, 0.0)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        # Every rank of the group holds the same losses and the same gradient for them: each differentiates its
-        # own rows' logits only, with no exchange.
-        logits, lse, index, here, ignored = ctx.saved_tensors
-        grad_logits = torch.exp(logits - lse.unsqueeze(1))
-        grad_logits.scatter_add_(1, index, -here.to(grad_logits.dtype).unsqueeze(1))
-        return grad_logits.mul_(grad.masked_fill(ignored, 0.0).unsqueeze(1)), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        # Every rank of the group holds the same losses and the same gradient for them: each differentiates its own
+        # rows' part with no exchange. d loss / d local_lse = exp(local_lse - lse): chained through local_lse's
+        # softmax, each logit gets the whole vocabulary's softmax.
+        local_lse, lse, ignored = ctx.saved_tensors
+        grad = grad.masked_fill(ignored, 0.0)
+        return (grad * torch.exp(local_lse.float() - lse)).to(local_lse.dtype), -grad, None, None
 
 
-def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, rows: VocabShard) -> torch.Tensor:
-    """log-sum-exp over the whole vocabulary minus the target's logit, per token (0 where ignored), from this
-    rank's logits (n, rows.stop - rows.start) in fp32; labels are vocabulary ids."""
-    return _VocabParallelCrossEntropy.apply(logits, labels, rows)
+def vocab_parallel_token_losses(
+    local_lse: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, rows: VocabShard
+) -> torch.Tensor:
+    """log-sum-exp over the whole vocabulary minus the target's logit, per token (fp32, 0 where ignored), from
+    this rank's log-sum-exp over its rows and its target logits (0 where the target is not among its rows:
+    `local_targets`); labels are vocabulary ids."""
+    return _VocabParallelCrossEntropy.apply(local_lse, target, labels == IGNORE_INDEX, rows)
 
 
 class _SumOverGroup(torch.autograd.Function):
