@@ -4,7 +4,8 @@ of 2 and its gradients summed across them), tensor parallelism (parallel.tensor=
 and tensor x context parallelism (2 x 2). Each follows plain FSDP's losses to float summation order; a checkpoint
 written under one layout resumes under another (and on another number of ranks) with the uninterrupted run's
 remaining losses; a run's HF export equals, byte for byte, its last checkpoint exported by one process (DCP
-gathering the shards); a model loaded from an HF directory trains split as it trains whole. The gradients of one
+gathering the shards); a model loaded from an HF directory trains split as it trains whole; DPO split over tp
+follows DPO over data ranks, its held-out figures and sample replies included. The gradients of one
 step against stock transformers, and the controls (wrong reductions caught), are in test_device_mesh."""
 
 from __future__ import annotations
@@ -143,3 +144,37 @@ def test_a_loaded_model_trains_split_as_whole(tmp_path, plain):
     launch(whole, 4, *loaded)
     assert MESHES["tp"] in launch(split, 4, *loaded, "parallel.tensor=2")
     assert_same_curve(losses(split), losses(whole), "tp from model.path against FSDP")
+
+
+def test_dpo_trains_split_over_tp_as_over_data_ranks(tmp_path):
+    """DPO on 2 ranks as one tp group (the policy and its live reference split, the held-out metrics, and the
+    sample replies, which the ranks of a tp group generate together: they split every layer) against DPO on 2
+    data ranks: the same losses, held-out figures and replies."""
+    runs = {}
+    for tensor in (1, 2):
+        runs[tensor] = out = tmp_path / f"tensor{tensor}"
+        command = torchrun(
+            "recipes/dpo.py",
+            f"output_dir={out}",
+            "model.path=null",
+            "max_steps=4",
+            "log_every=1",
+            "eval_every=2",
+            "data.num_workers=0",
+            "data.microbatches_per_step=4",
+            f"parallel.tensor={tensor}",
+            nproc=2,
+        )
+        conftest.launch(command)
+    assert_same_curve(losses(runs[2]), losses(runs[1]), "DPO split over tp against 2 data ranks")
+    held_out = [
+        [{k: v for k, v in row.items() if k.startswith("eval")} for row in read_metrics(out, include_start=True)]
+        for out in runs.values()
+    ]
+    assert sum(1 for row in held_out[1] if row) == 3  # at steps 0, 2 and 4
+    for split, whole in zip(*held_out):
+        assert split.keys() == whole.keys(), (split, whole)
+        for key, value in whole.items():
+            assert abs(split[key] - value) <= TOLERANCE * max(abs(value), 1.0), (key, split[key], value)
+    samples = [(out / "samples.jsonl").read_text() for out in runs.values()]
+    assert samples[0] == samples[1] and samples[0].count("\n") == 12  # 4 replies at steps 0, 2 and 4

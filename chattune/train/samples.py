@@ -4,7 +4,8 @@ per prompt: step, prompt, reply) and, with logger=wandb, as a table.
 
 `eval.samples` prompts come from `eval.sample_prompts` (a prompts file, `chattune.data.prompts`) or else from
 the held-out set (`data.eval`: the context before each of its first records' last reply). Rank r answers prompts
-r, r + W, ... greedily with the same token limit. Where every rank has room for the whole model, it is gathered
+r, r + W, ... greedily with the same token limit (under tensor parallelism, the ranks of tp group g answer
+prompts g, g + W/T, ... together). Where every rank has room for the whole model, it is gathered
 once for all the replies and each rank generates on its own (`chattune.model.fsdp.stay_gathered`: a reply no
 longer gathers every layer for every token). Otherwise every forward is a collective: the ranks answer in turns
 of one prompt each (a rank out of prompts repeats its last one, whose answer nobody keeps) and transformers'
@@ -115,21 +116,24 @@ class EvalSamples:
         """Collective: every prompt's greedy reply (rank 0 gets them all, in prompt order; the others []).
         `gather`: as `sharded_generation` (None: where it fits)."""
         rank, world = self.dims.rank, self.dims.world_size
-        mine = list(range(rank, len(self.ids), world))
+        # The ranks of a tp group split every layer of the model: they answer the same prompts, in step, and the
+        # group's first one hands the replies on.
+        group, groups = rank // self.dims.tp, world // self.dims.tp
+        mine = list(range(group, len(self.ids), groups))
         replies: dict[int, str] = {}
         with sharded_generation(model, gather) as on_its_own:
             if on_its_own:  # the model whole on every rank: no collective until the replies are gathered
                 for index in mine:
                     replies[index] = self._reply(model, index, synced=False)
             else:  # every forward gathers: the ranks take turns of one prompt each, in step
-                for turn in range(-(-len(self.ids) // world)):
+                for turn in range(-(-len(self.ids) // groups)):
                     index = mine[min(turn, len(mine) - 1)] if mine else 0  # out of prompts: one again, dropped
                     reply = self._reply(model, index, synced=world > 1)
                     if turn < len(mine):
                         replies[index] = reply
         if world > 1:
             gathered: list[dict[int, str] | None] | None = [None] * world if rank == 0 else None
-            dist.gather_object(replies, gathered, dst=0)
+            dist.gather_object(replies if rank % self.dims.tp == 0 else {}, gathered, dst=0)
             if rank != 0:
                 return []
             replies = {index: text for part in gathered or [] if part is not None for index, text in part.items()}
