@@ -9,24 +9,27 @@ import importlib.util
 import pytest
 import torch
 from test_device_mesh import documents, plain_gradients
+from torch.distributed.tensor import DTensor
 
 from chattune.config.schema import ParallelConfig
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import shard_model
+from chattune.model.router_loss import router_loss_for
 from chattune.model.tensor_parallel import split_over, tensor_parallel_problem
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, spawn, tiny_config
+from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_config
 
 
 def test_the_families_of_the_plan_split_and_others_are_refused_with_the_reason():
     assert tensor_parallel_problem(tiny_config("llama"), 2) is None
     assert tensor_parallel_problem(tiny_config("qwen3"), 1) is None
     assert tensor_parallel_problem(tiny_config("gpt2"), 2) == (
-        "gpt2 has no tensor-parallel plan in chattune (families: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe); "
+        "gpt2 has no tensor-parallel plan in chattune (families: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, "
+        "gemma, gemma2, smollm3, granite, mixtral, qwen2_moe, exaone4); "
         "train it with parallel.tensor=1"
     )
     # tiny_config: 4 query heads, 2 key-value heads, MLP width 128
@@ -39,7 +42,7 @@ def test_the_families_of_the_plan_split_and_others_are_refused_with_the_reason()
 
 
 # Each family of the plan on 2 ranks split over tp (Qwen2's q/k/v biases, Gemma 3's and Qwen3's per-head norms and
-# scaled embedding, Qwen3-MoE's experts left whole; every one's vocabulary split, tied), against stock transformers
+# scaled embedding, the mixtures of experts left whole; every one's vocabulary split, tied), against stock transformers
 # unsharded on the same documents. "llama_untied": its own output layer, a vocabulary of 1023 (the first rank holds
 # one more row), and the embedding's padding row (no gradient) among the second rank's rows, in the documents.
 FAMILY_CONFIGS = {
@@ -51,6 +54,21 @@ FAMILY_CONFIGS = {
     "qwen3_moe": (
         "qwen3_moe",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+    ),
+    "gemma": ("gemma", {"head_dim": 16}),
+    "gemma2": ("gemma2", {"head_dim": 16}),  # soft-capped attention scores and logits
+    "smollm3": ("smollm3", {}),
+    "granite": ("granite", {}),  # its embedding, residual, attention and logit multipliers
+    "exaone4": ("exaone4", {}),  # per-head q/k norms
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
     ),
 }
 
@@ -126,3 +144,42 @@ def test_each_family_of_the_plan_trains_split_as_stock_transformers_whole(tmp_pa
         assert worst <= 1e-5, (name, worst)
         plain = float(torch.nn.utils.get_total_norm(list(want.values())))
         assert abs(norm - plain) <= 1e-5 * plain, (name, norm, plain)
+
+
+def _moe_with_router_loss() -> PackedCausalLM:
+    hf_model = _family_model("qwen3_moe")
+    return PackedCausalLM(hf_model, loss_chunk_size=64, router_loss=router_loss_for(hf_model, 0.01))
+
+
+def _router_losses(policy: PackedCausalLM) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward of the token losses plus each document's router loss, on a 75-token row."""
+    policy.train()
+    row = collate_packed(documents(0, policy.hf_model.config.vocab_size))
+    losses, router = policy(row, router_losses=True)
+    (losses.sum() + router.sum()).backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in policy.named_parameters()}
+    return losses.detach(), router.detach(), grads
+
+
+def _router_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    dims = init_distributed("cpu", ParallelConfig(tensor=world_size))
+    found = _router_losses(shard_model(_moe_with_router_loss(), dims))
+    if rank == 0:
+        torch.save(found, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_a_mixture_of_experts_router_loss_is_the_same_split(tmp_path):
+    """Qwen3-MoE's per-document router loss with its row split by tokens over 2 ranks (75 tokens: padded by a
+    segment of its own, whose router loss is dropped) equals the model's run whole on one process."""
+    out_path = str(tmp_path / "router.pt")
+    spawn(_router_worker, args=(2, free_port(), out_path), nprocs=2)
+    losses, router, grads = torch.load(out_path)
+    want_losses, want_router, want_grads = _router_losses(_moe_with_router_loss())
+    assert router.shape == want_router.shape == (2,)
+    assert relative_error(router, want_router) <= 1e-5 and relative_error(losses, want_losses) <= 1e-5
+    worst = max(relative_error(grads[n], g) for n, g in want_grads.items() if g.norm() > 0)
+    assert worst <= 1e-5, worst

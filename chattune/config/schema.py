@@ -189,7 +189,8 @@ class ParallelConfig:
     tensor: int = key(
         1,
         "tensor parallelism: consecutive ranks that split each decoder layer's linear layers (attention heads and "
-        "MLP width; llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe), within a machine; with parallel.context and "
+        "MLP width; llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, smollm3, granite, exaone4, and "
+        "the mixtures of experts qwen3_moe, qwen2_moe, mixtral), within a machine; with parallel.context and "
         "parallel.replicate, divides the number of ranks",
         at_least=1,
         resume="numerics",

@@ -20,8 +20,11 @@ group (Megatron's layout, with torch's DTensor plans), before FSDP2 shards what 
   holds the same gradient T times; `chattune.train.step` divides the latter's squares by T (`split_over`).
 
 Which families: those whose decoder layers are `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` (or a
-mixture of experts, left whole: Qwen3-MoE, which takes the row's tokens gathered and hands back its rank's part)
-with no other layer acting on the heads than per-head norms (`FAMILIES`); others are refused (UnsupportedModel).
+mixture of experts, left whole: Qwen3-MoE, Qwen2-MoE, Mixtral, which take the row's tokens gathered and hand back
+their rank's part) with no other layer acting on the heads than per-head norms (`FAMILIES`, each checked against
+stock transformers in tests/test_tensor_parallel.py); others are refused (UnsupportedModel): OLMo 2's q/k norms
+over all heads at once, StableLM's partial per-head norms, OLMo's q/k/v clipped in place, Phi-3's fused
+projections among them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from chattune.model.sequence_parallel import (
 )
 
 # transformers' model types whose layers follow the plan below (checked against their modules by `parallelize`).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma", "gemma2", "smollm3", "granite", "mixtral", "qwen2_moe", "exaone4")
 ATTENTION_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
     "self_attn.k_proj": ColwiseParallel,
