@@ -49,7 +49,21 @@ from chattune.model.sequence_parallel import (
 )
 
 # transformers' model types whose layers follow the plan below (checked against their modules by `parallelize`).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma", "gemma2", "smollm3", "granite", "mixtral", "qwen2_moe", "exaone4")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "smollm3",
+    "granite",
+    "mixtral",
+    "qwen2_moe",
+    "exaone4",
+)
 ATTENTION_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
     "self_attn.k_proj": ColwiseParallel,
