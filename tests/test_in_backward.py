@@ -104,3 +104,16 @@ def test_a_library_caller_that_clips_is_refused_at_the_step(one_rank_group):
 def test_non_finite_gradients_from_a_finite_loss_stop_the_run_whatever_nonfinite_loss_says(one_rank_group):
     with pytest.raises(FloatingPointError, match="optimizer.in_backward applied them"):
         _one_rank_step(max_grad_norm=None, poison_gradients=True)
+
+
+@pytest.mark.launch
+def test_the_update_in_the_backward_under_tensor_parallelism_equals_the_ordinary_step(tmp_path):
+    """2 ranks as one tp group: the gradient norm counts a parameter whole on both ranks once, as the ordinary
+    step does, and the updates are the same."""
+    ordinary = _train(tmp_path / "ordinary", "parallel.tensor=2")
+    in_backward = _train(tmp_path / "in_backward", "parallel.tensor=2", "optimizer.in_backward=true")
+    for got, want in zip(in_backward, ordinary, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    got, want = exported_weights(tmp_path / "in_backward" / "hf"), exported_weights(tmp_path / "ordinary" / "hf")
+    assert relative_error(got, want) <= 1e-6

@@ -426,7 +426,6 @@ class RunRules:
         refused = {
             "peft": "LoRA on a tensor-parallel model is not built (the adapters would need their own split)",
             "model.fp8": "float8 layers are not split over tp ranks yet",
-            "optimizer.in_backward": "the update in the backward measures the norm without the tp split",
         }
         for key, reason in refused.items():
             value = get_value(self.values, key)

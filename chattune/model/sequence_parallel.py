@@ -31,15 +31,17 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
 class Stream:
-    """Whether the residual stream is split by tokens over `group` (on, except inside `whole`)."""
+    """Whether the residual stream is split by tokens over the tp group (on, except inside `whole`)."""
 
-    def __init__(self, group: dist.ProcessGroup, mesh) -> None:
-        self.group, self.mesh, self.split = group, mesh, True
-        self.size = dist.get_world_size(group)
+    def __init__(self, mesh: DeviceMesh) -> None:
+        """`mesh`: the tp group's 1-D mesh."""
+        self.mesh, self.group, self.split = mesh, mesh.get_group(), True
+        self.size = mesh.size()
 
     @contextmanager
     def whole(self) -> Iterator[None]:

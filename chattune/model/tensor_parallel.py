@@ -135,7 +135,7 @@ def parallelize(hf_model: PreTrainedModel, layers: list[nn.Module], tp_mesh: Dev
     if problem:
         raise UnsupportedModel(f"parallel.tensor={tp_mesh.size()}: {problem}")
     group = tp_mesh.get_group()
-    stream = Stream(group, tp_mesh)
+    stream = Stream(tp_mesh)
     for layer in layers:
         if not all(isinstance(_submodule(layer, name), nn.Linear) for name in ATTENTION_PLAN):
             raise UnsupportedModel(

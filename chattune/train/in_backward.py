@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from chattune.model.tensor_parallel import split_over
+
 
 class UpdateInBackward:
     """Hooks on the trained parameters of `model` that step `optimizer` with each one's gradient as it arrives."""
@@ -33,6 +35,9 @@ class UpdateInBackward:
         if getattr(model, "cpu_offload", False):  # FSDP2's copy of a gradient to the host completes with the backward
             raise ValueError("optimizer.in_backward cannot step a model under model.fsdp.cpu_offload")
         self.optimizer = optimizer
+        # Under tensor parallelism a parameter whole on every rank of a tp group holds the same gradient T times:
+        # its squares count 1/T on each (as `chattune.train.step` counts them).
+        self.tensor = getattr(getattr(model, "parallel_dims", None), "tp", 1)
         self.local_squared_norm = torch.zeros((), dtype=torch.float64, device=device)
         self.handles = [
             parameter.register_post_accumulate_grad_hook(self._update)
@@ -44,7 +49,8 @@ class UpdateInBackward:
         grad = parameter.grad
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         norm = torch.linalg.vector_norm(local, dtype=torch.float32)
-        self.local_squared_norm += norm.to(self.local_squared_norm.device, torch.float64).square()
+        square = norm.to(self.local_squared_norm.device, torch.float64).square()
+        self.local_squared_norm += square if self.tensor == 1 or split_over(grad) else square / self.tensor
         self.optimizer.step()  # only this parameter holds a gradient: the others' hooks freed theirs
         parameter.grad = None
 
