@@ -5,17 +5,20 @@ real processes in test_device_mesh (gradients against stock transformers) and te
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
 from test_device_mesh import documents, plain_gradients
 from torch.distributed.tensor import DTensor
 
-from chattune.config.schema import ParallelConfig
+from chattune.config.schema import ParallelConfig, PeftConfig
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
+from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import shard_model
+from chattune.model.memory import MemoryInputs, estimate
 from chattune.model.router_loss import router_loss_for
 from chattune.model.tensor_parallel import split_over, tensor_parallel_problem
 from chattune.objectives.cross_entropy import TokenCrossEntropy
@@ -183,3 +186,57 @@ def test_a_mixture_of_experts_router_loss_is_the_same_split(tmp_path):
     assert relative_error(router, want_router) <= 1e-5 and relative_error(losses, want_losses) <= 1e-5
     worst = max(relative_error(grads[n], g) for n, g in want_grads.items() if g.norm() > 0)
     assert worst <= 1e-5, worst
+
+
+# LoRA on every linear layer of the decoder, split with the base (a column-wise layer's B, a row-wise layer's A);
+# B drawn at random so that every adapter has a gradient.
+LORA = PeftConfig(rank=4, alpha=8)
+LORA_FAMILIES = ("llama_untied", "qwen3_moe")
+
+
+def _lora_model(name: str):
+    hf_model = _family_model(name)
+    add_adapters(hf_model, LORA)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module_name, parameter in hf_model.named_parameters():
+            if ".lora_B." in module_name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) / 8)
+    return hf_model
+
+
+def _lora_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    dims = init_distributed("cpu", ParallelConfig(tensor=world_size))
+    found = {}
+    for name in LORA_FAMILIES:
+        policy = shard_model(PackedCausalLM(_lora_model(name), loss_chunk_size=64), dims)
+        policy.train()
+        row = collate_packed(documents(0, policy.hf_model.config.vocab_size))
+        accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
+        trained = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        split = sum(split_over(p) for _, p in trained)
+        held = sum(4 * p.grad.to_local().numel() for _, p in trained)  # this rank's gradient shards, fp32
+        found[name] = ({n.removeprefix("hf_model."): p.grad.full_tensor() for n, p in trained}, split, held)
+    if rank == 0:
+        torch.save(found, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_lora_adapters_train_split_as_on_stock_peft_whole(tmp_path):
+    out_path = str(tmp_path / "lora.pt")
+    spawn(_lora_worker, args=(2, free_port(), out_path), nprocs=2)
+    found = torch.load(out_path)
+    for name in LORA_FAMILIES:
+        grads, split, held = found[name]
+        want = plain_gradients(1, _lora_model(name))  # the adapters' gradients only: the base is frozen
+        # the memory estimate's adapters: split with their base layers (1 data rank, its 2 tp ranks)
+        model_type, overrides = FAMILY_CONFIGS[name]
+        inputs = MemoryInputs(tiny_config(model_type, **overrides), ranks=1, tokens=75, tensor=2, lora_rank=4)
+        estimated = estimate(replace(inputs, lora_targets=("all-linear",))).rows["gradients (fp32 shards)"]
+        assert abs(estimated - held) <= 0.02 * held, (name, estimated, held)
+        assert sorted(grads) == sorted(want) and split >= 8, (name, split)
+        worst = max(relative_error(grads[n], g) for n, g in want.items())
+        assert worst <= 1e-5, (name, worst)

@@ -901,10 +901,18 @@ def test_tensor_parallelism_is_checked_before_a_launch():
         "with heads/(tensor x context) of them",
         "parallel.tensor: 4 does not divide the model's 2 key-value heads: each rank holds 1/4 of them",
     ]
-    assert layout_problems(4, "parallel.tensor=2", "peft=lora") == [
-        "peft: LoRA on a tensor-parallel model is not built (the adapters would need their own split): set "
-        "parallel.tensor=1 or drop peft"
+    assert layout_problems(4, "parallel.tensor=2", "peft=lora") == []  # LoRA splits with its base layers
+    assert layout_problems(4, "parallel.tensor=2", "peft=lora", "peft.use_dora=true") == [
+        "peft.use_dora: DoRA's magnitudes need each output row's whole norm, which a row-wise split divides: set "
+        "parallel.tensor=1 or drop peft.use_dora"
     ]
+    assert layout_problems(4, "parallel.tensor=2", "peft=lora", "peft.modules_to_save=[embed_tokens]") == [
+        "peft.modules_to_save: modules trained in full beside the adapters are not split over tp ranks: set "
+        "parallel.tensor=1 or drop peft.modules_to_save"
+    ]
+    # the remedies as written: the key dropped, or no split
+    assert layout_problems(4, "parallel.tensor=2", "peft=lora", "peft.use_dora=false") == []
+    assert layout_problems(4, "parallel.tensor=1", "peft=lora", "peft.use_dora=true") == []
     reward = compose_config("reward/tiny", ["model.path=null", "parallel.tensor=2", *four])
     with pytest.raises(ConfigError) as refused:
         check_config(reward, RECIPE_KINDS["reward"], world_size=4)

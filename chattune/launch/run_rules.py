@@ -424,12 +424,14 @@ class RunRules:
                 f"{tensor} does not divide the model's {kv_heads} key-value heads: each rank holds 1/{tensor} of them",
             )
         refused = {
-            "peft": "LoRA on a tensor-parallel model is not built (the adapters would need their own split)",
+            "peft.use_dora": "DoRA's magnitudes need each output row's whole norm, which a row-wise split divides",
+            "peft.quantize_base": "a 4-bit base's linear layers are not split over tp ranks",
+            "peft.modules_to_save": "modules trained in full beside the adapters are not split over tp ranks",
             "model.fp8": "float8 layers are not split over tp ranks yet",
         }
         for key, reason in refused.items():
             value = get_value(self.values, key)
-            if isinstance(value, dict) or value not in (None, False):
+            if value is not UNSET and value:  # (set: true, a name, a non-empty list)
                 self.findings.problem(key, f"{reason}: set parallel.tensor=1 or drop {key}")
         if self.kind.name == "reward":
             self.findings.problem(

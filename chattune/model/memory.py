@@ -137,6 +137,18 @@ def _split_over_tensor(model: nn.Module, layers: list[nn.Module]) -> set[int]:
     return split
 
 
+def _row_wise(model: nn.Module, linear: nn.Module) -> bool:
+    """Whether tensor parallelism splits `linear` row-wise (its input features), not column-wise."""
+    from chattune.model.tensor_parallel import PLAN, RowwiseParallel
+
+    return any(
+        path.endswith(name) and style is RowwiseParallel
+        for path, module in model.named_modules()
+        if module is linear
+        for name, style in PLAN.items()
+    )
+
+
 def _shard_numel(parameter: torch.Tensor, ranks: int) -> int:
     """One rank's elements of FSDP2's shard: the first dimension padded to a multiple of the ranks."""
     if parameter.dim() == 0:
@@ -235,10 +247,15 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
         linears, stacks = lora_targets(model, inputs.lora_targets)
         for layer in linears.values():
+            # split with its base layer over tp (`chattune.model.tensor_parallel`): a column-wise layer's B, a
+            # row-wise layer's A
+            split_by = inputs.tensor if id(layer.weight) in split else 1
+            rows = split_by if split_by > 1 and _row_wise(model, layer) else 1  # a row-wise layer's A
+            columns = split_by // rows  # a column-wise layer's B
             trained_by_unit.setdefault(unit_of.get(id(layer)), []).extend(
                 (
-                    math.ceil(inputs.lora_rank / inputs.ranks) * layer.in_features,
-                    math.ceil(layer.out_features / inputs.ranks) * inputs.lora_rank,
+                    math.ceil(inputs.lora_rank / inputs.ranks) * math.ceil(layer.in_features / rows),
+                    math.ceil(math.ceil(layer.out_features / columns) / inputs.ranks) * inputs.lora_rank,
                 )
             )
         for experts, name in stacks:

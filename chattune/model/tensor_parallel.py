@@ -11,6 +11,7 @@ group (Megatron's layout, with torch's DTensor plans), before FSDP2 shards what 
   tokens; their gradients are summed over the group (`_sum_gradients_over`).
 - The vocabulary is split too (loss-parallel, `chattune.model.vocab_parallel`): the embedding's and the output
   layer's rows, the loss reduced over the group.
+- LoRA's adapters split with their base layers (`_layer_plan`).
 - A parameter that acts on one rank's heads while being whole on every rank (Qwen3's and Gemma 3's per-head q
   and k norms) gets only its heads' part of the gradient on each rank: its gradient is summed over the group in
   the backward, so every rank of the group holds the whole one, as for the norms between the blocks.
@@ -33,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.nn.utils.stateless import _reparametrize_module
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -137,19 +138,22 @@ def parallelize(hf_model: PreTrainedModel, layers: list[nn.Module], tp_mesh: Dev
     group = tp_mesh.get_group()
     stream = Stream(tp_mesh)
     for layer in layers:
-        if not all(isinstance(_submodule(layer, name), nn.Linear) for name in ATTENTION_PLAN):
+        if not all(_linear(_submodule(layer, name)) for name in ATTENTION_PLAN):
             raise UnsupportedModel(
                 f"parallel.tensor: {type(layer).__name__} is not laid out as chattune's plan expects "
-                f"({', '.join(ATTENTION_PLAN)} linear layers)"
+                f"({', '.join(ATTENTION_PLAN)} linear layers; a 4-bit base's are not split)"
             )
-        dense = all(isinstance(_submodule(layer, name), nn.Linear) for name in MLP_PLAN)
-        plan = {name: style() for name, style in (PLAN if dense else ATTENTION_PLAN).items()}
-        # The row-wise layers hand their partial sums on as they are: the block's hook reduces them, scattered to
-        # the ranks' tokens or whole (`finish_block_output`).
-        for name, style in plan.items():
-            if isinstance(style, RowwiseParallel):
-                plan[name] = RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+        dense = all(_linear(_submodule(layer, name)) for name in MLP_PLAN)
+        plan: dict[str, ParallelStyle] = {}
+        for name, style in (PLAN if dense else ATTENTION_PLAN).items():
+            plan.update(_layer_plan(layer, name, style))
         parallelize_module(layer, tp_mesh, plan)
+        for name in PLAN if dense else ATTENTION_PLAN:  # LoRA's whole halves (`_layer_plan`)
+            adapter = _submodule(layer, name)
+            if _is_lora(adapter):
+                whole = adapter.lora_A if PLAN[name] is ColwiseParallel else adapter.lora_B
+                for module in whole.values():
+                    distribute_module(module, tp_mesh)
         _split_block(layer.self_attn, stream, "hidden_states")
         if dense:
             _split_block(layer.mlp, stream)
@@ -170,6 +174,38 @@ def parallelize(hf_model: PreTrainedModel, layers: list[nn.Module], tp_mesh: Dev
         if child is not embedding and name != "layers" and any(True for _ in child.parameters()):
             _sum_gradients_over(child, group)
     return stream
+
+
+def _is_lora(module: nn.Module | None) -> bool:
+    """peft's LoRA layer (peft imported only where a model has adapters: it is slow to import)."""
+    return any(cls.__name__ == "LoraLayer" and cls.__module__.startswith("peft.") for cls in type(module).__mro__)
+
+
+def _linear(module: nn.Module | None) -> bool:
+    """A linear layer, or peft's LoRA layer around one."""
+    return isinstance(module, nn.Linear) or (_is_lora(module) and isinstance(module.base_layer, nn.Linear))
+
+
+def _layer_plan(layer: nn.Module, name: str, style: type[ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The styles for the linear layer `name` of `layer`. A row-wise layer hands its partial sums on as they are:
+    the block's hook reduces them, scattered to the ranks' tokens or whole (`finish_block_output`).
+
+    Under LoRA (peft's layer around the linear one) the base layer takes the style, and the adapter splits as
+    Megatron's LoRA does: a column-wise layer's A (rank x in) stays whole on every rank (`distribute_module`,
+    applied by `parallelize`) and its B (out x rank) is split column-wise like the base; a row-wise layer's A is
+    split row-wise (its partial sums, rank wide, added into the base's) and its B stays whole."""
+    rowwise = {"output_layouts": Partial(), "use_local_output": False} if style is RowwiseParallel else {}
+    module = _submodule(layer, name)
+    if not _is_lora(module):
+        return {name: style(**rowwise)}
+    if any(module.use_dora.values()):  # (validate refuses peft.use_dora first)
+        raise UnsupportedModel(
+            "parallel.tensor: DoRA's magnitudes need each output row's whole norm, which a row-wise split divides"
+        )
+    halves = module.lora_B if style is ColwiseParallel else module.lora_A
+    return {f"{name}.base_layer": style(**rowwise)} | {
+        f"{name}.{'lora_B' if style is ColwiseParallel else 'lora_A'}.{adapter}": style(**rowwise) for adapter in halves
+    }
 
 
 def _split_block(block: nn.Module, stream: Stream, keyword: str | None = None) -> None:

@@ -138,7 +138,8 @@ def split_embedding(embedding: nn.Embedding, tp_mesh: DeviceMesh, stream: Stream
     """`embedding`'s rows split over `tp_mesh` (in place): its forward looks up the tokens among this rank's rows
     with its own class's forward (Gemma's scaling included) and sums the group's lookups: each rank's tokens of
     the sum, where the `stream` is split by tokens, else the whole row."""
-    embedding.weight = nn.Parameter(distribute_tensor(embedding.weight, tp_mesh, [Shard(0)]))
+    weight = embedding.weight
+    embedding.weight = nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(0)]), requires_grad=weight.requires_grad)
     forward, padding = type(embedding).forward, embedding.padding_idx
 
     def split_forward(input_ids: torch.Tensor) -> torch.Tensor:

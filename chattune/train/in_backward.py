@@ -47,6 +47,7 @@ class UpdateInBackward:
 
     def _update(self, parameter: torch.Tensor) -> None:
         grad = parameter.grad
+        assert grad is not None  # (a post-accumulate-grad hook: the gradient was just accumulated)
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         norm = torch.linalg.vector_norm(local, dtype=torch.float32)
         square = norm.to(self.local_squared_norm.device, torch.float64).square()
