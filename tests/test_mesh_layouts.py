@@ -5,7 +5,8 @@ and tensor x context parallelism (2 x 2). Each follows plain FSDP's losses to fl
 written under one layout resumes under another (and on another number of ranks) with the uninterrupted run's
 remaining losses; a run's HF export equals, byte for byte, its last checkpoint exported by one process (DCP
 gathering the shards); a model loaded from an HF directory trains split as it trains whole; DPO split over tp
-follows DPO over data ranks, its held-out figures and sample replies included. The gradients of one
+follows DPO over data ranks, its held-out figures and sample replies included, and so does the reward model; LoRA
+split over tp follows LoRA over data ranks. The gradients of one
 step against stock transformers, and the controls (wrong reductions caught), are in test_device_mesh."""
 
 from __future__ import annotations
@@ -147,15 +148,17 @@ def test_a_loaded_model_trains_split_as_whole(tmp_path, plain):
     assert_same_curve(losses(split), losses(whole), "tp from model.path against FSDP")
 
 
-def test_dpo_trains_split_over_tp_as_over_data_ranks(tmp_path):
-    """DPO on 2 ranks as one tp group (the policy and its live reference split, the held-out metrics, and the
-    sample replies, which the ranks of a tp group generate together: they split every layer) against DPO on 2
-    data ranks: the same losses, held-out figures and replies."""
+@pytest.mark.parametrize("recipe", ["dpo", "reward"])
+def test_preference_recipes_train_split_over_tp_as_over_data_ranks(tmp_path, recipe):
+    """DPO and the reward model on 2 ranks as one tp group against the same recipe on 2 data ranks: the same
+    losses, held-out figures and (DPO) sample replies. DPO's policy and live reference are split, and the ranks of
+    a tp group generate the replies together (they split every layer); the reward model's score head is whole on
+    every rank, reading the row's gathered tokens."""
     runs = {}
     for tensor in (1, 2):
         runs[tensor] = out = tmp_path / f"tensor{tensor}"
         command = torchrun(
-            "recipes/dpo.py",
+            f"recipes/{recipe}.py",
             f"output_dir={out}",
             "model.path=null",
             "max_steps=4",
@@ -167,7 +170,7 @@ def test_dpo_trains_split_over_tp_as_over_data_ranks(tmp_path):
             nproc=2,
         )
         conftest.launch(command)
-    assert_same_curve(losses(runs[2]), losses(runs[1]), "DPO split over tp against 2 data ranks")
+    assert_same_curve(losses(runs[2]), losses(runs[1]), f"{recipe} split over tp against 2 data ranks")
     held_out = [
         [{k: v for k, v in row.items() if k.startswith("eval")} for row in read_metrics(out, include_start=True)]
         for out in runs.values()
@@ -177,8 +180,9 @@ def test_dpo_trains_split_over_tp_as_over_data_ranks(tmp_path):
         assert split.keys() == whole.keys(), (split, whole)
         for key, value in whole.items():
             assert abs(split[key] - value) <= TOLERANCE * max(abs(value), 1.0), (key, split[key], value)
-    samples = [(out / "samples.jsonl").read_text() for out in runs.values()]
-    assert samples[0] == samples[1] and samples[0].count("\n") == 12  # 4 replies at steps 0, 2 and 4
+    if recipe == "dpo":  # (a reward model generates nothing)
+        samples = [(out / "samples.jsonl").read_text() for out in runs.values()]
+        assert samples[0] == samples[1] and samples[0].count("\n") == 12  # 4 replies at steps 0, 2 and 4
 
 
 def test_lora_trains_split_over_tp_as_over_data_ranks(tmp_path):

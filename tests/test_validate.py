@@ -914,11 +914,7 @@ def test_tensor_parallelism_is_checked_before_a_launch():
     assert layout_problems(4, "parallel.tensor=2", "peft=lora", "peft.use_dora=false") == []
     assert layout_problems(4, "parallel.tensor=1", "peft=lora", "peft.use_dora=true") == []
     reward = compose_config("reward/tiny", ["model.path=null", "parallel.tensor=2", *four])
-    with pytest.raises(ConfigError) as refused:
-        check_config(reward, RECIPE_KINDS["reward"], world_size=4)
-    assert refused.value.problems == [
-        "parallel.tensor: the reward model's score head is not split over tp ranks yet: set parallel.tensor=1"
-    ]
+    assert check_config(reward, RECIPE_KINDS["reward"], world_size=4) == []  # its score head whole on every rank
     assert layout_problems(4, "parallel.tensor=2", "optimizer.in_backward=true", "max_grad_norm=null") == []
 
 

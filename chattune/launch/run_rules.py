@@ -433,10 +433,6 @@ class RunRules:
             value = get_value(self.values, key)
             if value is not UNSET and value:  # (set: true, a name, a non-empty list)
                 self.findings.problem(key, f"{reason}: set parallel.tensor=1 or drop {key}")
-        if self.kind.name == "reward":
-            self.findings.problem(
-                "parallel.tensor", "the reward model's score head is not split over tp ranks yet: set parallel.tensor=1"
-            )
         per_machine = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks of this machine
         if per_machine.isdigit() and tensor > int(per_machine):
             self.findings.note(

@@ -28,7 +28,9 @@ from chattune.data.packing import PackedBatch
 from chattune.data.tokenizer import pad_token_id
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import packed_decoder_output
+from chattune.model.context_parallel import row_slice
 from chattune.model.flops import model_flops
+from chattune.model.sequence_parallel import Stream, gather_whole_block_input
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +53,21 @@ class PackedSequenceScorer(nn.Module):
         self.router_loss = None  # a MoE model's router loss is not trained next to a reward (the builder refuses it)
         self.flops = model_flops(hf_model)
         self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
+        self.stream: Stream | None = None  # tensor parallelism's (`chattune.model.tensor_parallel`), set by shard_model
         # The export is a sequence-classification directory whatever the checkpoint it started from said it was.
         hf_model.config.architectures = [type(hf_model).__name__]
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """The score head's value (N,) in fp32 at every position of a packed (1, N) microbatch."""
-        hidden = packed_decoder_output(self.hf_model, batch).last_hidden_state[0]
+        length, stream = batch.num_tokens, self.stream
+        if stream is not None and length % stream.size:  # split by tokens over tp: padded by a segment of its own
+            batch = row_slice(batch, 1, 0, stream.size)
+        hidden = packed_decoder_output(self.hf_model, batch).last_hidden_state
+        if stream is not None:  # the row's tokens gathered for the head, whole on every rank of the tp group
+            hidden = gather_whole_block_input(stream, hidden)
         # A tensor of its own, not a view of the head's (N, 1) output: FSDP2's hook on the root's output would be
         # lost to an in-place op on a view.
-        return getattr(self.hf_model, SCORE_MODULE)(hidden).float().flatten().clone()
+        return getattr(self.hf_model, SCORE_MODULE)(hidden[0, :length]).float().flatten().clone()
 
     def describe_head(self) -> str:
         """For the start-up `compute:` line."""

@@ -164,14 +164,18 @@ def split_embedding(embedding: nn.Embedding, tp_mesh: DeviceMesh, stream: Stream
 
 
 def parallelize_vocabulary(hf_model: PreTrainedModel, tp_mesh: DeviceMesh, stream: Stream) -> None:
-    """The input embedding's and the output layer's rows split over `tp_mesh` (in place; tied, one matrix); the
-    embedding hands on the `stream` (`chattune.model.sequence_parallel`)."""
+    """The input embedding's and the output layer's rows split over `tp_mesh` (in place; tied, one matrix; a model
+    without an output layer, only its embedding); the embedding hands on the `stream`
+    (`chattune.model.sequence_parallel`)."""
     embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
-    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear | None):
         raise UnsupportedModel(
             f"parallel.tensor: {type(hf_model).__name__}'s input embedding or output layer is not the "
             "nn.Embedding and nn.Linear chattune splits over the vocabulary"
         )
+    if head is None:  # a sequence classifier (a reward model): its score head stays whole
+        split_embedding(embedding, tp_mesh, stream)
+        return
     tied = head.weight is embedding.weight
     split_embedding(embedding, tp_mesh, stream)
     # The output layer's own forward (generation) returns the whole vocabulary's logits.
