@@ -30,6 +30,8 @@ projections among them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -154,11 +156,11 @@ def parallelize(hf_model: PreTrainedModel, layers: list[nn.Module], tp_mesh: Dev
                 whole = adapter.lora_A if PLAN[name] is ColwiseParallel else adapter.lora_B
                 for module in whole.values():
                     distribute_module(module, tp_mesh)
-        _split_block(layer.self_attn, stream, "hidden_states")
+        _hook_block(layer.self_attn, stream, gather_block_input, finish_block_output)
         if dense:
-            _split_block(layer.mlp, stream)
+            _hook_block(layer.mlp, stream, gather_block_input, finish_block_output)
         else:  # a mixture of experts, whole on every rank: the row's tokens in, this rank's out
-            _whole_block(layer.mlp, stream)
+            _hook_block(layer.mlp, stream, gather_whole_block_input, finish_whole_block_output)
         for name in HEAD_NORMS:
             parent_name, _, child = name.rpartition(".")
             norm = getattr(_submodule(layer, parent_name), child, None)
@@ -208,37 +210,19 @@ def _layer_plan(layer: nn.Module, name: str, style: type[ParallelStyle]) -> dict
     }
 
 
-def _split_block(block: nn.Module, stream: Stream, keyword: str | None = None) -> None:
-    """A split block (attention, MLP): its input gathered as one replicated DTensor, its output reduced."""
-
-    def take_input(module, args, kwargs):
-        if keyword is not None and keyword in kwargs:
-            kwargs = {**kwargs, keyword: gather_block_input(stream, kwargs[keyword])}
-        else:
-            args = (gather_block_input(stream, args[0]), *args[1:])
-        return args, kwargs
-
-    def give_output(module, args, kwargs, output):
-        if isinstance(output, tuple):
-            return (finish_block_output(stream, output[0]), *output[1:])
-        return finish_block_output(stream, output)
-
-    block.register_forward_pre_hook(take_input, with_kwargs=True)
-    block.register_forward_hook(give_output, with_kwargs=True)
-
-
-def _whole_block(block: nn.Module, stream: Stream) -> None:
-    """A block whole on every rank (a mixture of experts): the row's tokens in, this rank's tokens out."""
+def _hook_block(block: nn.Module, stream: Stream, take: Callable, give: Callable) -> None:
+    """`block`'s input hidden states through `take(stream, .)` and its output (the first of several) through
+    `give(stream, .)`: a split block's (`gather_block_input`, `finish_block_output`) or a whole one's."""
 
     def take_input(module, args, kwargs):
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": gather_whole_block_input(stream, kwargs["hidden_states"])}
-        return (gather_whole_block_input(stream, args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": take(stream, kwargs["hidden_states"])}
+        return (take(stream, args[0]), *args[1:]), kwargs
 
     def give_output(module, args, kwargs, output):
         if isinstance(output, tuple):
-            return (finish_whole_block_output(stream, output[0]), *output[1:])
-        return finish_whole_block_output(stream, output)
+            return (give(stream, output[0]), *output[1:])
+        return give(stream, output)
 
     block.register_forward_pre_hook(take_input, with_kwargs=True)
     block.register_forward_hook(give_output, with_kwargs=True)
