@@ -26,7 +26,7 @@ returned, so the stream is on unless a block turns it off, not only inside a for
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -69,70 +69,33 @@ def _reduce_scatter_tokens(whole: torch.Tensor, group: dist.ProcessGroup) -> tor
 
 
 def _own_tokens(whole: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return whole.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
+    """This rank's part (1, n, ...) of the tokens of (1, T n, ...)."""
+    return whole.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
 
 
-class _GatherSummingBack(torch.autograd.Function):
-    """All-gather the tokens; the backward reduce-scatters (each rank's gradient is a partial sum)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_tokens(local, group)
+class _Exchange(torch.autograd.Function):
+    """`forward(tensor, group)` in the forward and `backward(grad, group)` in the backward: one of the pairs below."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_tokens(grad, ctx.group), None
-
-
-class _GatherSlicingBack(torch.autograd.Function):
-    """All-gather the tokens; the backward keeps this rank's part (every rank's gradient is the whole one)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_tokens(local, group)
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, forward: Callable, backward: Callable):
+        ctx.group, ctx.exchange_back = group, backward
+        return forward(tensor, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _own_tokens(grad, ctx.group).contiguous(), None
-
-
-class _SliceGatheringBack(torch.autograd.Function):
-    """This rank's tokens of a tensor whole on every rank; the backward all-gathers the ranks' gradients."""
-
-    @staticmethod
-    def forward(ctx, whole: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _own_tokens(whole, group).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather_tokens(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Sum over the ranks, keeping this rank's tokens; the backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, whole: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_tokens(whole, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather_tokens(grad, ctx.group), None
+        return ctx.exchange_back(grad, ctx.group), None, None, None
 
 
 def reduce_scatter_tokens(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Partial sums of the whole row (1, N, H) on each rank -> the sum over the group of this rank's tokens."""
-    return _ReduceScatter.apply(partial, group)
+    """Partial sums of the whole row (1, N, H) on each rank -> the sum over the group of this rank's tokens (the
+    backward all-gathers)."""
+    return _Exchange.apply(partial, group, _reduce_scatter_tokens, _all_gather_tokens)
 
 
 def gather_for_loss(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole row's hidden states from each rank's tokens; each rank's gradient of them (its vocabulary rows')
-    summed back to the ranks' tokens."""
-    return _GatherSummingBack.apply(local, group)
+    summed back to the ranks' tokens (reduce-scattered)."""
+    return _Exchange.apply(local, group, _all_gather_tokens, _reduce_scatter_tokens)
 
 
 def gather_block_input(stream: Stream, hidden: torch.Tensor) -> DTensor:
@@ -154,9 +117,10 @@ def finish_block_output(stream: Stream, output: DTensor) -> torch.Tensor:
 def gather_whole_block_input(stream: Stream, hidden: torch.Tensor) -> torch.Tensor:
     """A block whole on every rank (a mixture of experts): the row's tokens gathered, each rank's gradient of them
     the whole one (kept: this rank's part)."""
-    return _GatherSlicingBack.apply(hidden, stream.group) if stream.split else hidden
+    # (every rank's gradient of the whole row is the same: the backward keeps this rank's part)
+    return _Exchange.apply(hidden, stream.group, _all_gather_tokens, _own_tokens) if stream.split else hidden
 
 
 def finish_whole_block_output(stream: Stream, output: torch.Tensor) -> torch.Tensor:
     """A block whole on every rank: this rank's tokens of its output, the ranks' gradients gathered back."""
-    return _SliceGatheringBack.apply(output, stream.group) if stream.split else output
+    return _Exchange.apply(output, stream.group, _own_tokens, _all_gather_tokens) if stream.split else output
