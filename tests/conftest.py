@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import json
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+# The user's caches are not the tests': Hugging Face's (read when huggingface_hub is imported, below) and those that
+# follow XDG or matplotlib's variable go to a directory of this test process, removed at its end.
+_CACHES = tempfile.mkdtemp(prefix="chattune-test-caches-")
+atexit.register(shutil.rmtree, _CACHES, ignore_errors=True)
+os.environ.update(
+    HF_HOME=os.path.join(_CACHES, "huggingface"),
+    XDG_CACHE_HOME=os.path.join(_CACHES, "xdg"),
+    MPLCONFIGDIR=os.path.join(_CACHES, "matplotlib"),
+)
 
-from chattune.config.paths import DEMO_ASSETS
-from chattune.data.chat_template import probe_template, tokenize_conversation
-from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
-from chattune.distributed import ParallelDims, free_port  # noqa: F401  (free_port: re-exported for the tests)
-from chattune.model.causal_lm import build_hf_model
+import pytest  # noqa: E402  (after the caches are set)
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig  # noqa: E402
+
+from chattune.config.paths import DEMO_ASSETS  # noqa: E402
+from chattune.data.chat_template import probe_template, tokenize_conversation  # noqa: E402
+from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
+from chattune.distributed import ParallelDims, free_port  # noqa: E402, F401  (free_port: re-exported for the tests)
+from chattune.model.causal_lm import build_hf_model  # noqa: E402
 
 # One torch thread per pytest-xdist worker: the workers already fill the cores, and each worker's default threads
 # (one per core) would only wait for each other's (the tiny models' small matmuls: a subset of the architecture
@@ -29,6 +42,69 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+
+
+# --- the user's state: a test never sees what a user's own runs leave in the checkout (outputs/, Hydra's multirun/,
+# wandb/), nor the user's caches. Each test runs from its own working directory, a copy of the checkout made of
+# links to its files without that state, so that relative paths (recipes/sft.py, sft/tiny's outputs/sft-tiny,
+# dpo/tiny's outputs/sft-tiny/hf) mean there what they mean in a fresh clone; a test that writes into the
+# checkout's state anyway, or starts a process in the checkout itself, fails. ---
+
+USER_STATE = ("outputs", "multirun", "wandb")  # what runs launched from the checkout write there (README's job)
+
+
+def checkout_copy(directory: Path, root: Path = PROJECT_ROOT) -> Path:
+    """`directory` made a copy of the checkout at `root`: a link to each of its entries but the user's state."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.name not in USER_STATE:
+            (directory / entry.name).symlink_to(entry)
+    return directory
+
+
+def state_fingerprint(root: Path = PROJECT_ROOT) -> list[tuple[str, int, int]]:
+    """Every file and folder of the user's state under `root` with its size and modification time."""
+    found = []
+    for name in USER_STATE:
+        top = root / name
+        paths = [top, *top.rglob("*")] if top.exists() else []
+        for path in paths:
+            stat = path.lstat()
+            found.append((str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns))
+    return sorted(found)
+
+
+def touched_state(before: list, after: list) -> list[str]:
+    """The paths of the user's state that appeared, changed or went between two fingerprints."""
+    return sorted({entry[0] for entry in set(before) ^ set(after)})
+
+
+def _refuse_the_checkout(cwd) -> None:
+    where = Path(cwd if cwd is not None else os.getcwd()).resolve()
+    if where == PROJECT_ROOT or PROJECT_ROOT / "outputs" in (where, *where.parents):
+        raise AssertionError(
+            f"this test starts a process in {where}, where a user's runs leave their state: run it from the test's "
+            "working directory (the default; conftest.checkout_copy)"
+        )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _font_cache():
+    """matplotlib's font list, built in this process's fresh cache before any test (building it runs fc-list)."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib.font_manager  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def work_dir(tmp_path_factory, monkeypatch) -> Path:
+    """The test's working directory (its current directory): a copy of the checkout without the user's state."""
+    directory = checkout_copy(tmp_path_factory.mktemp("checkout"))
+    monkeypatch.chdir(directory)
+    before = state_fingerprint()
+    yield directory
+    touched = touched_state(before, state_fingerprint())
+    if touched:
+        pytest.fail(f"this test wrote into the checkout's own state (tests never do): {', '.join(touched[:5])}")
 
 
 # --- launches: the tests that start processes carry the `launch` marker (`pytest -m "not launch"` is the quick
@@ -44,6 +120,14 @@ def _launches_are_marked(request, monkeypatch):
     if request.node.get_closest_marker("launch") is None:
         monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse_processes)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse_processes)
+    else:
+        popen = subprocess.Popen.__init__
+
+        def popen_elsewhere(self, *args, **kwargs):
+            _refuse_the_checkout(kwargs.get("cwd"))
+            popen(self, *args, **kwargs)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", popen_elsewhere)
     yield
 
 
@@ -101,16 +185,18 @@ def launch(
     timeout: int = 600,
     check: bool = True,
     real_torchrun: bool = False,
-    cwd: Path = PROJECT_ROOT,
+    cwd: Path | None = None,
     small_model: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run `command` from `cwd` (the project root) with the hub offline; with `check`, fail the test (its output
+    """Run `command` from `cwd` (the test's working directory, `work_dir`) with the hub offline; with `check`, fail the test (its output
     shown) unless it succeeds. A `torchrun(...)` command, or `python RECIPE ...`, runs its ranks (its process)
     forked from a process with the imports done (`warm_ranks`: seconds per launch instead of about 10) unless
     `real_torchrun` (what a test of the launcher itself, signals or torchrun's reports needs) or `env_extra`
     changes what is read at import. A recipe from its default config trains SMALL_MODEL (`small_model`)."""
     import warm_ranks
 
+    cwd = Path(cwd if cwd is not None else os.getcwd())
+    _refuse_the_checkout(cwd)
     if small_model:
         command = with_small_model(command)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}

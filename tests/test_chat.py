@@ -261,7 +261,6 @@ def test_bad_input_is_one_clear_error(chat_model_dir, tmp_path, capsys):
     # As a command: the message alone, status 1, and no torch imported to parse the command line.
     result = subprocess.run(
         [sys.executable, "-m", "chattune.cli.main", "chat", str(tmp_path / "nothing")],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -277,7 +276,6 @@ def test_bad_input_is_one_clear_error(chat_model_dir, tmp_path, capsys):
             "import sys; from chattune.cli.main import build_parser; "
             "build_parser(); print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))",
         ],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=120,

@@ -152,7 +152,6 @@ def run_sh(folder: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=ROOT,
     )
 
 

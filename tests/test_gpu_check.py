@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT
-
 pytestmark = pytest.mark.launch  # every test here starts processes
 
 MARGIN = 20  # scripts/bench_gpu.py's BUDGET_MARGIN_S
@@ -45,7 +43,6 @@ CUDA_ONLY = {"host_syncs", "throughput_tiny_qlora", "cuda_tests"}
 def test_the_gpu_check_runs_its_cpu_parts(tmp_path):
     done = subprocess.run(
         [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=1200,
@@ -62,7 +59,7 @@ def test_the_gpu_check_runs_its_cpu_parts(tmp_path):
     assert report["not_run"] == [] and report["rerun"] is None
 
 
-def _run(arguments: list[str], cwd: Path = PROJECT_ROOT) -> tuple[subprocess.CompletedProcess, float]:
+def _run(arguments: list[str], cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     done = subprocess.run([sys.executable, *arguments], cwd=cwd, capture_output=True, text=True, timeout=300)
     return done, time.monotonic() - started

@@ -262,7 +262,6 @@ def launch(out: Path, data: Path, model: Path, nproc: int | None, *extra: str) -
             "data.buffer_records=8",
             *extra,
         ],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -254,7 +254,7 @@ VALIDATE = [sys.executable, "-m", "chattune.cli.main", "validate", "sft/tiny"]
 
 
 def _validate(*arguments: str) -> str:
-    result = subprocess.run([*VALIDATE, *arguments], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    result = subprocess.run([*VALIDATE, *arguments], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_sft_recipe import read_metrics
 
-from conftest import PROJECT_ROOT, exported_weights, free_port, launch, relative_error, torchrun, with_small_model
+from conftest import exported_weights, free_port, launch, relative_error, torchrun, with_small_model
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -62,7 +62,6 @@ def test_two_nodes_train_as_one_node_with_two_processes(tmp_path):
                     f"output_dir={nodes}",
                 ]
             ),
-            cwd=PROJECT_ROOT,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -31,7 +31,6 @@ from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import UpdateRule, accumulate_gradients, train_step
 from conftest import (
-    PROJECT_ROOT,
     demo_documents,
     demo_tokenizer,
     exported_weights,
@@ -209,7 +208,6 @@ def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
             "peft=qlora",
             "device=cpu",
         ],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=300,

@@ -56,7 +56,6 @@ def cli(*words: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "chattune.cli.main", *words],
-        cwd=PROJECT_ROOT,
         env=env,
         capture_output=True,
         text=True,

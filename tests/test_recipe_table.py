@@ -135,9 +135,7 @@ def test_reading_the_table_imports_neither_torch_nor_hydra_for_a_kind_group():
         "import sys; from chattune.launch.recipe_kinds import kind_of_config; kind_of_config('dpo/tiny'); "
         "print(sorted(m for m in ('torch', 'transformers', 'hydra') if m in sys.modules))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120, check=False
-    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.stdout.strip() == "[]", result.stderr
 
 

@@ -18,7 +18,7 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import PROJECT_ROOT, exported_weights, free_port
+from conftest import exported_weights, free_port
 
 NUM_RECORDS = 60
 
@@ -318,9 +318,7 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
         "ledger=true",
     ]
     with open(tmp_path / "stopped.log", "w") as log:
-        process = subprocess.Popen(
-            conftest.with_small_model(command), cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True
-        )
+        process = subprocess.Popen(conftest.with_small_model(command), stdout=log, stderr=subprocess.STDOUT, text=True)
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
@@ -391,7 +389,6 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     with open(tmp_path / "once.log", "w") as log:
         process = subprocess.Popen(
             conftest.with_small_model([*command, f"output_dir={out}"]),
-            cwd=PROJECT_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -411,7 +408,6 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     with open(tmp_path / "twice.log", "w") as log:
         process = subprocess.Popen(
             conftest.with_small_model([*command, f"output_dir={out}"]),
-            cwd=PROJECT_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=slow,
@@ -477,9 +473,7 @@ def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(AGENT_GRACE_S),
     }
     with open(tmp_path / "stopped.log", "w") as log:
-        process = subprocess.Popen(
-            conftest.with_small_model(command), cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
-        )
+        process = subprocess.Popen(conftest.with_small_model(command), stdout=log, stderr=subprocess.STDOUT, env=env)
         _until_logged(process, out, 2)  # the workers are in step 3, asleep
         signalled = time.monotonic()
         for pid in _run_processes(out) if everyone else [process.pid]:
@@ -512,7 +506,6 @@ def test_chattune_run_reports_a_failed_worker_once_without_a_traceback(tmp_path)
             f"output_dir={tmp_path / 'run'}",
             f"data.train=[{tmp_path / 'missing.jsonl'}]",
         ],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=300,

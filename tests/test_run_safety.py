@@ -148,7 +148,6 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
     args = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "max_steps=400", "save_every=1"]
     first = subprocess.Popen(
         conftest.with_small_model(conftest.torchrun(*args, nproc=2)),
-        cwd=PROJECT_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},

@@ -159,7 +159,6 @@ def test_a_bad_record_on_one_rank_stops_the_whole_job_with_its_name(tmp_path):
     ]
     result = subprocess.run(
         command,
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=180,

@@ -14,7 +14,6 @@ import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from chattune.cli.run import SignalRelay, meant_status, recipe_path
-from conftest import PROJECT_ROOT
 
 WORKER = """
 import os, signal, sys, time
@@ -85,7 +84,6 @@ def test_a_signal_before_any_worker_registered_stops_the_launch(tmp_path):
             "0.1",
             str(script),
         ],
-        cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

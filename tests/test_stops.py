@@ -19,7 +19,7 @@ from test_sft_recipe import read_metrics
 import conftest
 from chattune.streams import ReaderGoneTolerant
 from chattune.train.checkpoint import read_manifest
-from conftest import PROJECT_ROOT, free_port
+from conftest import free_port
 
 LONG = [*SMALL, "max_steps=40", "save_every=0"]
 
@@ -28,7 +28,7 @@ def _start(command: list[str], tmp_path: Path, slow: str, env_extra: dict | None
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTUNE_SLOW_AT": slow, **(env_extra or {})}
     popen.setdefault("stdout", open(tmp_path / "run.log", "w"))  # noqa: SIM115 (closed with the test's tmp_path)
     popen.setdefault("stderr", subprocess.STDOUT)
-    return subprocess.Popen(conftest.with_small_model(command), cwd=PROJECT_ROOT, env=env, **popen)
+    return subprocess.Popen(conftest.with_small_model(command), env=env, **popen)
 
 
 def _until_step_logged(process: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:

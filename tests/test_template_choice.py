@@ -31,7 +31,7 @@ from chattune.data.template_choice import (
 )
 from chattune.data.token_cache import tokenizer_digest
 from chattune.data.tokenizer import load_tokenizer
-from conftest import PROJECT_ROOT, SHARED_ASSETS, decode_exactly, demo_tokenizer, trained_runs
+from conftest import SHARED_ASSETS, decode_exactly, demo_tokenizer, trained_runs
 
 DEMO_TOKENIZER = str(DEMO_ASSETS / "tokenizer")
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -351,7 +351,6 @@ def test_the_export_writes_the_template_training_used(tmp_path):
             "data.cache=off",
             "device=cpu",
         ],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=300,

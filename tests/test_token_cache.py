@@ -31,7 +31,7 @@ from chattune.data.token_cache import (
     source_key,
     tokenizer_digest,
 )
-from conftest import PROJECT_ROOT, demo_tokenizer
+from conftest import demo_tokenizer
 
 CHATS = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)
 PAIRS = (DEMO_ASSETS / "preference_train.jsonl").read_text().splitlines(keepends=True)
@@ -190,7 +190,6 @@ def prepare(cache: Path, data: Path, *extra: str) -> subprocess.Popen:
             f"data.cache={cache}",
             *extra,
         ],
-        cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

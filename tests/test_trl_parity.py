@@ -27,7 +27,6 @@ def test_orpo_reward_and_kto_figures_equal_trls():
     path = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     done = subprocess.run(
         [sys.executable, "scripts/compare_trl.py", "--trl-path", str(TRL_PATH)],
-        cwd=PROJECT_ROOT,
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,

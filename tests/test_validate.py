@@ -19,7 +19,6 @@ from chattune.config.paths import DEMO_ASSETS
 from chattune.config.schema import SCHEMAS
 from chattune.launch.recipe_kinds import RECIPE_KINDS, SFT
 from chattune.launch.validate import ConfigError, check_config, run_validate
-from conftest import PROJECT_ROOT
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -128,7 +127,6 @@ def test_a_launch_on_a_model_directory_without_weights_says_so_in_one_block(tmp_
             f"tokenizer.path={DEMO_ASSETS / 'tokenizer'}",
             f"output_dir={tmp_path / 'run'}",
         ],
-        cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
