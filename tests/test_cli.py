@@ -247,7 +247,7 @@ def test_validate_passes_config_overrides_and_path_and_exits_by_the_verdict(tmp_
         "from chattune.launch.recipe_kinds import SFT\n\n\ndef main():\n    pass\n\n\nmain.recipe_kind = SFT\n"
     )
 
-    from chattune.launch.validate import MemoryPlan
+    from chattune.launch.memory_plan import MemoryPlan
 
     stand_in = types.SimpleNamespace(run_validate=run_validate, MemoryPlan=MemoryPlan)
     monkeypatch.setitem(sys.modules, "chattune.launch.validate", stand_in)

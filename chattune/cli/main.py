@@ -236,8 +236,9 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from chattune.launch.memory_plan import MemoryPlan
     from chattune.launch.recipe_kinds import kind_of_recipe
-    from chattune.launch.validate import MemoryPlan, run_validate
+    from chattune.launch.validate import run_validate
 
     config_name, overrides = config_and_overrides(args, parser)
     config_path, config_dir = config_location(args, config_name)

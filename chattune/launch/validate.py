@@ -49,7 +49,6 @@ resume would accept and what would be moved aside, records of the first ones tha
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from chattune.config.typed import typed_config
 from chattune.errors import UserError
 from chattune.launch.compose import compose_reporting, required_keys
 from chattune.launch.findings import ConfigError, Findings, format_report
+from chattune.launch.memory_plan import MemoryPlan, memory_table
 from chattune.launch.recipe_kinds import RECIPE_KINDS, RecipeKind, RecipeKindError, kind_of_config
 from chattune.launch.run_rules import RunRules
 from chattune.launch.schema_checks import SchemaChecks, plain_values
@@ -81,14 +81,6 @@ def checked_config(cfg: DictConfig, kind: RecipeKind, world_size: int | None = N
     the notes."""
     notes = check_config(cfg, kind, world_size)
     return typed_config(cfg, kind.schema), notes
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """End the report with the memory estimate's table (`chattune.model.memory`), planned for a GPU of
-    `device_memory` bytes (its CUDA-only settings checked as on that GPU); None: this machine's GPU, else the CPU."""
-
-    device_memory: int | None = None
 
 
 def run_validate(
@@ -192,30 +184,6 @@ def other_kind_hint(config_name: str, checked_as: RecipeKind) -> str:
     return f"if {config_name} is a config of another recipe, check it with that recipe: " + "; ".join(
         f"chattune validate --recipe {RECIPES_DIR / kind.recipe_file} ... (a {kind.name} config)" for kind in others
     )
-
-
-def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
-    """The memory estimate of a run of `cfg` on `ranks` ranks (`chattune.model.memory`), planned for a GPU of
-    `device_memory` bytes, else this machine's first GPU, else the CPU (no verdict)."""
-    import torch
-
-    from chattune.data.tokenizer import load_tokenizer
-    from chattune.distributed import ParallelDims
-    from chattune.model.memory import hf_config_of, inputs_of
-    from chattune.model.memory_advice import report
-
-    on_cuda = device_memory is not None or (cfg.device != "cpu" and torch.cuda.is_available())
-    if device_memory is None and on_cuda:
-        device_memory = torch.cuda.get_device_properties(0).total_memory
-    vocab = None if cfg.model.path is not None else len(load_tokenizer(cfg.tokenizer))
-    layout = ParallelDims.from_config(cfg.parallel, ranks)
-    inputs = inputs_of(cfg, hf_config_of(cfg, vocab), layout, on_cuda)
-    where = "on a GPU" if on_cuda else "on the CPU"
-    header = (
-        f"memory per rank, estimated {where} ({ranks} rank(s), {inputs.tokens} tokens a microbatch, "
-        f"{str(inputs.compute_dtype).removeprefix('torch.')} compute; --ranks N, --device-memory SIZE):"
-    )
-    return header + "\n" + report(inputs, device_memory)[1]
 
 
 FIRST_RECORDS = 8  # records `chattune validate` reads of each source
