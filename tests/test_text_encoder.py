@@ -44,6 +44,14 @@ def rendered(tokenizer) -> list[str]:
     """The demo chats, and the shared real chats (tool calls, long conversations) where they are present."""
     with open(DEMO_ASSETS / "chat_train.jsonl") as f:
         conversations = [json.loads(line)["messages"] for _, line in zip(range(100), f)]
+    # Characters of several tokens each (a byte-level tokenizer splits them), as real chats hold: the only texts
+    # whose first characters give more tokens than characters, with or without the shared chats.
+    conversations.append(
+        [
+            {"role": "user", "content": "二加二等于几？" * 12},
+            {"role": "assistant", "content": "答案是四。🙂 Ünïcödé " * 12},
+        ]
+    )
     texts = [render_conversation(tokenizer, messages) for messages in conversations]
     if SHARED_ASSETS.exists():
         records = RecordSource(SHARED_CHATS)
