@@ -64,6 +64,7 @@ from chattune.model.flops import attention_heads, model_flops, text_config
 from chattune.model.fsdp import compute_dtype
 from chattune.model.generate import generation_failure
 from chattune.model.output_logits import LogitTransform
+from conftest import PROJECT_ROOT
 
 # Sizes of the tiny configs, by the attribute names the configs use for them (only those a config has are set).
 WIDTH = 64
@@ -303,6 +304,21 @@ if "dbrx" in CONFIG_MAPPING:
         )
 if importlib.util.find_spec("timm") is None:
     SKIPPED["gemma3n"] = "its vision tower (TimmWrapperModel) needs timm, not installed (gemma3n_text is walked)"
+
+
+# The walk's outcome with transformers WALKED_WITH (the version of the docstring's counts): the architectures
+# refused at the checks. The walk holds each architecture to it there, so that the counts README and docs/models.md
+# quote (`test_the_quoted_counts_are_the_walks`) are the walk's own; with another version only the refusal's
+# reason is checked.
+WALKED_WITH = "5.24"
+REFUSED = frozenset(
+    """bart bert bert-generation big_bird bigbird_pegasus blenderbot blenderbot-small bloom blt camembert cpmant
+    data2vec-text doge dory electra ernie falcon git gpt_neo gpt_neox_japanese inkling2_loop_text inkling2_text
+    inkling_text marian mbart megatron-bert modernbert-decoder mpt mvp openai-gpt pegasus plbart prophetnet reformer
+    rembert roberta roberta-prelayernorm roc_bert roformer trocr xglm xlm xlm-roberta xlm-roberta-xl xlnet xmod
+    zaya""".split()
+)
+WALKED_VERSION = transformers.__version__.startswith(WALKED_WITH + ".")
 
 
 def _is_random(name: str, value) -> bool:
@@ -600,6 +616,11 @@ def test_every_architecture_is_refused_or_trains_exactly(model_type):
     if model_type in SKIPPED:
         pytest.skip(SKIPPED[model_type])
     built = build(model_type)
+    if WALKED_VERSION:
+        assert isinstance(built, UnsupportedModel) == (model_type in REFUSED), (
+            f"{model_type} is {'refused' if isinstance(built, UnsupportedModel) else 'accepted'} now: update REFUSED "
+            "and the counts README.md and docs/models.md quote"
+        )
     if isinstance(built, UnsupportedModel):
         check_refusal(built)
         stock_runs(tiny_config(model_type))  # refused for its architecture, not for a broken tiny config
@@ -607,6 +628,24 @@ def test_every_architecture_is_refused_or_trains_exactly(model_type):
     check_exact(train(built))
     check_exact(train(built, LONG_LENGTHS))
     check_sample_replies(built)
+
+
+def test_the_quoted_counts_are_the_walks():
+    """README's and docs/models.md's counts of the architectures that train, are refused and are skipped are those of
+    the walk with transformers WALKED_WITH and the dev install (no timm: Gemma 3n's multimodal model is skipped)."""
+    if not WALKED_VERSION or "gemma3n" not in SKIPPED:
+        pytest.skip(f"the quoted counts are the walk's with transformers {WALKED_WITH} and without timm")
+    total, skipped, refused = len(ARCHITECTURES), len(SKIPPED), len(REFUSED & set(ARCHITECTURES))
+    trained = total - skipped - refused
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    assert f"{trained} of the {total} causal-LM types of transformers {WALKED_WITH} train packed and exact" in readme
+    models = (PROJECT_ROOT / "docs" / "models.md").read_text()
+    assert (
+        f"with transformers {WALKED_WITH}:\n{trained} train exactly on both document sets, {refused} are refused with "
+        f"the reason, {skipped} cannot be built small" in models
+    )
+    assert f"{total} architectures:\n- {trained} train exactly" in __doc__ and f"- {refused} are refused" in __doc__
+    assert f"- {skipped} are skipped" in __doc__
 
 
 def check_sample_replies(built: Built) -> None:
