@@ -70,6 +70,11 @@ def test_mistral3_trains_resumes_exactly_and_comes_back_in_its_own_class(mistral
     straight = tmp_path / "straight"
     result = sft(straight, mistral3_dir)
     assert "training its language model as MistralForCausalLM" in result.stdout + result.stderr
+    # the start-up memory table: the language model the run builds, estimated (not "not estimated: Mistral3Config ...")
+    assert "Mistral3ForConditionalGeneration: its language model, as the run trains it (MistralForCausalLM)" in (
+        result.stdout + result.stderr
+    )
+    assert "not estimated" not in result.stdout + result.stderr
     resumed = tmp_path / "resumed"
     sft(resumed, mistral3_dir, "stop_after_step=2")
     sft(resumed, mistral3_dir)

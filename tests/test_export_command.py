@@ -1,5 +1,6 @@
 """`chattune export CHECKPOINT [--to DIR]` (chattune.cli.export): a checkpoint's model written as the end of its run
-writes it. Checked against the run's own end-of-run export, byte for byte, from a 2-rank checkpoint."""
+writes it. Checked against the run's own end-of-run export, byte for byte, from a 2-rank checkpoint; it prints no
+training memory table."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_a_checkpoint_exports_as_its_run_ended_and_loads_in_stock_transformers(t
     last = export(out / "checkpoints" / "step_6", "--to", tmp_path / "six")  # written by 2 ranks, read by one
     assert last.returncode == 0, last.stderr[-3000:]
     same_files(tmp_path / "six" / "hf", out / "hf")
+    assert "memory per rank" not in last.stdout + last.stderr  # an export is no training run: no training table
 
     newest = export(out)  # a run's output_dir: its newest checkpoint, into OUTPUT_DIR/exports/step_N
     assert newest.returncode == 0, newest.stderr[-3000:]

@@ -5,6 +5,7 @@ loss left in bf16/fp32; the refusals that name their remedy."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_resume import read_metrics
 
 from conftest import exported_weights, launch, mesh_dims, torchrun
@@ -73,3 +74,24 @@ def test_tensorwise_weights_are_gathered_in_float8(one_rank_group):
     with mock.patch.object(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", recording):
         model(collate_packed(demo_documents(2)))
     assert len(gathered) == converted and set(gathered) == {torch.float8_e4m3fn}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA plans the GPU")
+def test_float8_is_checked_as_on_a_planned_gpu_and_refused_on_the_cpu():
+    """`chattune validate sft/tiny model.fp8=rowwise --device-memory 24GiB` on a machine without CUDA plans a GPU: the
+    setting is accepted (the GPU's compute capability is checked at launch, on it) and the plan printed, where torch
+    without CUDA raised "Torch not compiled with CUDA enabled"; a CPU run (device=cpu) is refused with the remedy."""
+    from chattune.launch.memory_plan import MemoryPlan
+    from chattune.launch.validate import run_validate
+    from chattune.model.memory import parse_size
+    from conftest import PROJECT_ROOT
+
+    configs, planned = PROJECT_ROOT / "configs", MemoryPlan(parse_size("24GiB"))
+    report, ok = run_validate("sft/tiny", ["model.fp8=rowwise"], configs, memory=planned)
+    assert ok and "memory per rank, estimated on a GPU" in report, report
+    report, ok = run_validate("sft/tiny", ["model.fp8=rowwise", "device=cpu"], configs, memory=planned)
+    assert not ok
+    assert (
+        "model.fp8: rowwise needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics"
+        in report
+    )

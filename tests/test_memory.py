@@ -16,6 +16,7 @@ from transformers import DeepseekV3Config, GraniteConfig, LlamaConfig, LongcatFl
 from chattune.config.schema import PeftConfig
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, shutdown_distributed
+from chattune.errors import UserError
 from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.fsdp import decoder_layers, shard_model
@@ -25,6 +26,7 @@ from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import (
     PROJECT_ROOT,
+    SMALL_MODEL,
     demo_documents,
     demo_tokenizer,
     free_port,
@@ -245,10 +247,10 @@ def test_sizes_are_read_as_written():
         parse_size("lots")
 
 
-EIGHT_B = (  # Llama 3's widths, random init from a config: nothing is loaded
+EIGHT_B = (  # Llama-3.1-8B's shape and vocabulary, random init from a config: nothing is loaded
     "model.config={_target_: transformers.LlamaConfig, hidden_size: 4096, intermediate_size: 14336, "
     "num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, max_position_embeddings: 8192, "
-    "tie_word_embeddings: false}"
+    "tie_word_embeddings: false, vocab_size: 128256}"
 )
 VALIDATE = [sys.executable, "-m", "chattune.cli.main", "validate", "sft/tiny"]
 
@@ -266,34 +268,56 @@ def _advised_settings(output: str) -> list[str]:
     return [line.split("  ")[2] for line in lines[start + 1 :] if line.startswith("    ")]
 
 
+def _plan_with(device_memory: str, *settings: str) -> str:
+    """`chattune validate sft/tiny --device-memory SIZE EIGHT_B SETTINGS` in process (`--ranks N` among them)."""
+    flags = [part for setting in settings for part in setting.split()]
+    ranks = int(flags[flags.index("--ranks") + 1]) if "--ranks" in flags else 1
+    overrides = [flag for flag in flags if not flag.startswith("--") and not flag.isdigit()]
+    return _plan("sft/tiny", [EIGHT_B, *overrides], ranks, device_memory)
+
+
+def _documented_blocks(command: str) -> list[str]:
+    """The first two output blocks docs/memory.md shows after `command` (its bash block)."""
+    text = (PROJECT_ROOT / "docs" / "memory.md").read_text()
+    after = text.split(f"```bash\n{command}\n```\n", 1)[1]
+    return [block.rstrip("\n") for block in after.split("```\n")[1:4:2]]
+
+
 @pytest.mark.launch
 def test_validate_prints_the_table_whether_it_fits_and_advice_that_works_as_written():
-    """An 8B-shaped config on a planned 24 GiB: it does not fit, CPU offload or QLoRA alone make it fit (its fp32
-    shards alone are 26 GiB); on 12 GiB no one change is enough. The change, or the changes together, that the table names,
-    passed to validate as written, give a run that fits."""
+    """Llama-3.1-8B's shape on a planned 24 GiB: it does not fit, QLoRA alone does (its fp32 shards alone are
+    29.9 GiB), CPU offload alone falls short (24.4 GiB: the copies of its 128,256-row embeddings and output layer)
+    and with activation checkpointing fits; on 12 GiB no one change is enough. The change, or the changes together,
+    that the table names, passed to validate as written, give a run that fits. docs/memory.md shows these lines
+    (the command line itself run once; the rest in process)."""
     big = _validate("--device-memory", "24GiB", EIGHT_B)
     assert "memory per rank, estimated on a GPU (1 rank(s), 2048 tokens a microbatch, bfloat16 compute" in big
     assert "device memory                       24.00 GiB  (does NOT fit)" in big
     assert "changes that make it fit, each alone, cheapest first:" in big
-    assert _advised_settings(big) == ["model.fsdp.cpu_offload=true", "peft=qlora"]
-    fixed = _validate("--device-memory", "24GiB", EIGHT_B, "model.fsdp.cpu_offload=true")
+    assert _advised_settings(big) == ["peft=qlora"]
+    assert "(fits)" in _plan_with("24GiB", "peft=qlora")
+    offloaded = _plan_with("24GiB", "model.fsdp.cpu_offload=true")
+    assert "in host memory instead (offloaded):\n    parameters (fp32 shards)          29.92 GiB" in offloaded
     assert (
-        "(fits)" in fixed
-        and "in host memory instead (offloaded):\n    parameters (fp32 shards)          26.03 GiB" in fixed
-    ), fixed
-    smaller = _validate("--device-memory", "12GiB", EIGHT_B)
+        "(does NOT fit)" in offloaded and _advised_settings(offloaded)[0] == "model.fsdp.activation_checkpointing=true"
+    )
+    fixed = _plan_with("24GiB", "model.fsdp.cpu_offload=true", "model.fsdp.activation_checkpointing=true")
+    assert "(fits)" in fixed, fixed
+    documented = _documented_blocks(f'chattune validate sft/tiny --device-memory 24GiB "{EIGHT_B}"')
+    assert documented[0] + "\n" in big and documented[1] + "\n" in offloaded, documented
+
+    smaller = _plan_with("12GiB")
     assert "no single change makes it fit; these together" in smaller
     advised = _advised_settings(smaller)
     assert advised and all(s.startswith("--ranks ") or "=" in s for s in advised), advised
-    flags = [part for s in advised for part in s.split()]  # `--ranks 2` is two arguments
-    fixed = _validate("--device-memory", "12GiB", EIGHT_B, *flags)
+    fixed = _plan_with("12GiB", *advised)
     assert "(fits)" in fixed and "does NOT fit" not in fixed, fixed
-    small = _validate("--ranks", "2", "--device-memory", "80GB")
+    small = _plan("sft/tiny", [], ranks=2, device_memory="80GB")
     assert "(2 rank(s)" in small and "(fits)" in small and "changes that make it fit" not in small, small
 
 
 def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
-    """An 8B-shaped model on 80 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, CPU offload, LoRA, QLoRA and
+    """Llama-3.1-8B's shape on 96 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, CPU offload, LoRA, QLoRA and
     a second rank; activation checkpointing or offloading alone does not (the states dominate), so it is not listed."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -301,9 +325,9 @@ def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
     from chattune.model.memory_advice import ways_to_fit
 
     spec = OmegaConf.create(EIGHT_B.split("=", 1)[1])
-    inputs = MemoryInputs(instantiate(spec, vocab_size=1024), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)
+    inputs = MemoryInputs(instantiate(spec), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)
     estimated = estimate(inputs)
-    device = 80 * 2**30
+    device = 96 * 2**30
     lines = ways_to_fit(inputs, device, estimated)
     assert lines[0] == "changes that make it fit, each alone, cheapest first:"
     settings = [line.split()[0] for line in lines[1:]]
@@ -387,3 +411,156 @@ def test_a_live_reference_is_counted_where_the_recipe_builds_a_second_model(over
     if second_model:  # the reference's shards: the policy's full model's, whatever trains
         full = estimate(_inputs(hf_model, 2, 512, lora=False)).rows["parameters (fp32 shards)"]
         assert estimated.rows["live reference (fp32 shards)"] == full
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "kto"])
+def test_a_live_reference_run_logs_its_memory_table_once(one_rank_group, caplog, recipe):
+    """DPO and KTO build their live reference with the policy's builder: the start-up table is the run's, logged once
+    (with the reference's row), not again for the reference."""
+    import logging
+
+    from chattune.config.typed import typed_config
+    from chattune.data.tokenizer import load_tokenizer
+    from chattune.launch.compose import composed
+    from chattune.launch.recipe_kinds import DPO, KTO
+    from chattune.model.build import build_trained_model
+    from chattune.train.reference import reference_log_probs
+
+    small = list(SMALL_MODEL)
+    cfg = composed(f"{recipe}/tiny", ["model.path=null", "reference.cache=false", *small], PROJECT_ROOT / "configs")
+    cfg = typed_config(cfg, {"dpo": DPO, "kto": KTO}[recipe].schema)
+    tokenizer, dims = load_tokenizer(cfg.tokenizer), mesh_dims()
+    with caplog.at_level(logging.INFO, logger="chattune.model.build"):
+        built = build_trained_model(cfg, tokenizer, dims)
+        reference_log_probs(cfg, tokenizer, dims, built, data=None, documents=recipe)  # live: built, not run
+    tables = [record.getMessage() for record in caplog.records if "memory per rank" in record.getMessage()]
+    assert len(tables) == 1 and "live reference (fp32 shards)" in tables[0], tables
+
+
+CONFIGS = PROJECT_ROOT / "configs"
+
+
+def _plan(config: str, overrides: list[str], ranks: int = 1, device_memory: str | None = None) -> str:
+    """`chattune validate CONFIG OVERRIDES --ranks RANKS [--device-memory SIZE]`'s report, in process (it is OK)."""
+    from chattune.launch.memory_plan import MemoryPlan
+    from chattune.launch.validate import run_validate
+
+    size = parse_size(device_memory) if device_memory is not None else None
+    report, ok = run_validate(config, overrides, CONFIGS, world_size=ranks, memory=MemoryPlan(size))
+    assert ok, report
+    return report
+
+
+def test_a_vision_language_checkpoint_is_estimated_as_the_language_model_the_run_builds(tmp_path):
+    """A Mistral 3 checkpoint directory (`model.path` to the composite class): the estimate counts the language model
+    the run builds and trains (its vision tower and projector are never loaded on a rank), no raw exception."""
+    from test_composite_models import save_composite
+
+    from chattune.config.paths import DEMO_ASSETS
+    from chattune.launch.compose import composed
+    from chattune.model.build import _empty_or_full
+    from chattune.model.memory import hf_config_of, inputs_of
+
+    stock = save_composite("mistral3", tmp_path, vocab_size=len(demo_tokenizer()))
+    demo_tokenizer().save_pretrained(tmp_path)
+    language = ("model.language_model.", "lm_head.")  # the stock composite's names for its language model
+    trained = sum(p.numel() for name, p in stock.named_parameters() if name.startswith(language))
+    vision = sum(p.numel() for name, p in stock.named_parameters() if not name.startswith(language))
+    hf_model, _, _ = _empty_or_full(tmp_path)  # what the run builds (on the meta device)
+    assert sum(p.numel() for p in hf_model.parameters()) == trained
+
+    overrides = [f"model.path={tmp_path}", f"data.train=[{DEMO_ASSETS / 'chat_train.jsonl'}]", "output_dir=out"]
+    report = _plan("sft/local_model", overrides)
+    assert "not estimated" not in report and "Unrecognized" not in report and "Error" not in report, report
+    assert (
+        "(Mistral3ForConditionalGeneration: its language model, as the run trains it (MistralForCausalLM); its other "
+        f"parts (vision tower, projector: {vision / 1e6:.2f}M parameters) are not loaded on a training rank and not "
+        "counted)"
+    ) in report
+    cfg = composed("sft/local_model", overrides, CONFIGS)
+    rows = estimate(inputs_of(cfg, hf_config_of(cfg), ParallelDims.from_config(cfg.parallel, 1), on_cuda=False)).rows
+    assert rows["parameters (fp32 shards)"] == rows["gradients (fp32 shards)"] == 4 * trained
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="planned from a machine without CUDA")
+def test_a_cpu_run_is_planned_on_the_cpu_in_float32_and_a_planned_gpu_says_so():
+    """`device=cpu` is planned as the run it is (fp32 on the CPU: twice the bf16 activations), --device-memory then
+    its memory per rank; the advice offers only what helps there (no offloading to the host it is on, no CUDA-only
+    4-bit base, no more ranks on the host), and passed as written it fits. device=auto with --device-memory on a
+    machine without CUDA is a GPU's plan, which the header says, and its remedy (device=cpu) plans the CPU run."""
+    gpu = _plan("sft/tiny", [], device_memory="24GiB")
+    assert "memory per rank, estimated on a GPU (1 rank(s), 2048 tokens a microbatch, bfloat16 compute;" in gpu
+    assert (
+        "  (a GPU planned with --device-memory: this machine has none, and a launch here would compute on the CPU in "
+        "float32, which device=cpu plans)"
+    ) in gpu
+    cpu = _plan("sft/tiny", ["device=cpu"], device_memory="24GiB")
+    assert "memory per rank, estimated on the CPU (1 rank(s), 2048 tokens a microbatch, float32 compute;" in cpu
+    assert "  (device=cpu: the run computes on the CPU, and its ranks on one host share its memory)" in cpu
+    assert "  memory (--device-memory)            24.00 GiB  (fits)" in cpu
+    auto = _plan("sft/tiny", [], ranks=2)
+    assert "estimated on the CPU (2 rank(s), 2048 tokens a microbatch, float32 compute;" in auto
+    assert "(device=auto on a machine without a GPU: the run computes on the CPU" in auto
+
+    on_gpu, on_cpu = _tiny_inputs(on_cuda=True), _tiny_inputs(on_cuda=False)
+    assert (on_gpu.compute_dtype, on_cpu.compute_dtype, on_cpu.on_cpu) == (torch.bfloat16, torch.float32, True)
+    gpu_rows, cpu_rows = estimate(on_gpu).rows, estimate(on_cpu).rows
+    # fp32 keeps up to twice bf16's bytes (less: the norms' fp32 intermediates and attention's log-sum-exp are fp32 in both)
+    assert 1.5 * gpu_rows["activations"] < cpu_rows["activations"] <= 2 * gpu_rows["activations"]
+
+    tight = f"{int(estimate(on_cpu).total * 0.7)}"  # 30% short: the advice must be for the CPU
+    short = _plan("sft/tiny", ["device=cpu"], device_memory=tight)
+    assert "(does NOT fit)" in short, short
+    advised = _advised_settings(short)
+    assert advised and not any(
+        s.startswith(("--ranks", "model.fsdp.cpu_offload", "model.fsdp.offload_activations", "peft=qlora"))
+        for s in advised
+    ), advised
+    fixed = _plan("sft/tiny", ["device=cpu", *advised[0].split()], device_memory=tight)
+    assert "(fits)" in fixed, fixed
+
+
+def _tiny_inputs(on_cuda: bool) -> MemoryInputs:
+    """The memory inputs of sft/tiny on 1 rank, on CUDA or on the CPU."""
+    from chattune.launch.compose import composed
+    from chattune.model.memory import hf_config_of, inputs_of
+
+    cfg = composed("sft/tiny", [], CONFIGS)
+    return inputs_of(cfg, hf_config_of(cfg, len(demo_tokenizer())), ParallelDims.from_config(cfg.parallel, 1), on_cuda)
+
+
+def _tiny_run(vocab_size: int | None):
+    """sft/tiny's config (SMALL_MODEL's widths), typed, with `model.config.vocab_size` written where given."""
+    from chattune.config.typed import typed_config
+    from chattune.launch.compose import composed
+    from chattune.launch.recipe_kinds import SFT
+
+    written = [] if vocab_size is None else [f"+model.config.vocab_size={vocab_size}"]
+    return typed_config(composed("sft/tiny", [*SMALL_MODEL, *written], CONFIGS), SFT.schema)
+
+
+def test_a_vocab_size_written_in_model_config_is_kept_by_the_run_and_the_estimate(one_rank_group):
+    """A random-init model keeps the vocab_size the user wrote (the demo tokenizer's 1,024 ids fit in it); one that
+    writes none takes the tokenizer's size, not the config class's default (LlamaConfig's 32,000). The run's model and
+    the estimate's parameters agree; a vocab_size the tokenizer's ids do not fit is refused by both, naming the key,
+    and each remedy the message gives builds."""
+    from chattune.model.build import build_trained_model
+    from chattune.model.memory import hf_config_of, inputs_of
+
+    tokenizer = demo_tokenizer()
+    for written, embeddings in ((2048, 2048), (None, len(tokenizer)), (len(tokenizer), len(tokenizer))):
+        cfg = _tiny_run(written)
+        built = build_trained_model(cfg, tokenizer, mesh_dims())
+        assert built.hf_model.get_input_embeddings().num_embeddings == embeddings
+        parameters = sum(p.numel() for p in built.hf_model.parameters())  # (1 rank: each shard is the whole tensor)
+        inputs = inputs_of(cfg, hf_config_of(cfg, len(tokenizer)), ParallelDims.from_config(cfg.parallel, 1), False)
+        assert estimate(inputs).rows["parameters (fp32 shards)"] == 4 * parameters, written
+    refusal = (
+        "model.config.vocab_size: 512, but the tokenizer has 1024 tokens, whose ids must fit the model's embeddings: "
+        "set it to at least 1024, or leave vocab_size out (the model then takes the tokenizer's size)"
+    )
+    with pytest.raises(UserError) as run:
+        build_trained_model(_tiny_run(512), tokenizer, mesh_dims())
+    with pytest.raises(UserError) as plan:
+        _plan("sft/tiny", [*SMALL_MODEL, "+model.config.vocab_size=512"], device_memory="24GiB")
+    assert str(run.value) == str(plan.value) == refusal

@@ -62,7 +62,9 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Pat
         from chattune.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
-        built = build_trained_model(cfg, tokenizer, dims, head=SCORE_HEAD if kind is REWARD else CAUSAL_LM_HEAD)
+        head = SCORE_HEAD if kind is REWARD else CAUSAL_LM_HEAD
+        # no training memory table: an export holds the model alone, without gradients, states or activations
+        built = build_trained_model(cfg, tokenizer, dims, head=head, log_memory=False)
         weights = RunState()
         weights.add("model", ModelWeights(built.model), sharded=True)
         load_sharded(checkpoint, weights)  # the model's part alone; DCP reshards it to this one process

@@ -256,10 +256,13 @@ def _trace(inputs: MemoryInputs) -> _Trace | str:
     try:
         with _saved_bytes_by_layer(model, layers) as (counts, moved):
             hidden = decoder(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
-    except Exception as error:  # noqa: BLE001  (a forward the meta device cannot run: said, never guessed)
+    except (NotImplementedError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "meta" not in str(error):
+            raise  # a bug, not the meta device's limit
+        # (torch.nonzero's or .item()'s: said, never guessed)
         return (
-            f"activations not estimated: {type(model).__name__}'s forward does not run on the meta device "
-            f"({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+            f"activations not estimated: {type(model).__name__}'s forward does not run on the meta device, which "
+            "has shapes but no values (the forward computes a shape from values, as torch.nonzero does)"
         )
     final = hidden.numel() * hidden.element_size()  # the final norm's output, which the loss keeps
     return _Trace(

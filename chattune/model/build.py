@@ -29,7 +29,7 @@ from chattune.model.adapters import add_adapters, initial_values, set_dora_magni
 from chattune.model.architecture_check import check_architecture
 from chattune.model.attention import attention_backend, attention_features
 from chattune.model.attention_kernels import probe_native_gqa
-from chattune.model.causal_lm import PackedCausalLM, build_hf_model
+from chattune.model.causal_lm import PackedCausalLM, build_hf_model, written_vocab_size
 from chattune.model.composite import (
     CompositeCheckpoint,
     describe,
@@ -69,11 +69,18 @@ class BuiltModel(NamedTuple):
 
 
 def build_trained_model(
-    cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase, dims: ParallelDims, head: ModelHead = CAUSAL_LM_HEAD
+    cfg: SFTConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    dims: ParallelDims,
+    head: ModelHead = CAUSAL_LM_HEAD,
+    log_memory: bool = True,
 ) -> BuiltModel:
     """The model a recipe trains: model.path (or model.config) ending in `head`, with the `peft` section's
-    adapters, sharded, in training mode, its size logged."""
-    built = build_sharded_model(cfg, tokenizer, dims, cfg.model.path, adapters=cfg.peft, head=head)
+    adapters, sharded, in training mode, its size logged; with `log_memory`, rank 0 logs the run's memory table
+    first (a training run's: an export, which builds the same model, does not)."""
+    built = build_sharded_model(
+        cfg, tokenizer, dims, cfg.model.path, adapters=cfg.peft, head=head, log_memory=log_memory
+    )
     built.model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     # (a 4-bit weight counts its matrix's elements)
     num_params = sum(quantize.weight_shape(p).numel() for p in built.hf_model.parameters())
@@ -115,26 +122,29 @@ def build_sharded_model(
     adapters: PeftConfig | None = None,
     key: str = "model.path",
     head: ModelHead = CAUSAL_LM_HEAD,
+    log_memory: bool = False,
 ) -> BuiltModel:
     """The model loaded from `path` (a local directory or a hub id, `chattune.hub`; `key` is its config key), or
     built from `cfg.model.config` when `path` is None, ending in `head` (`chattune.model.heads`: a causal LM's
     output layer, or a reward model's score head), with LoRA `adapters` (the `peft` section) on its frozen base
-    when given, sharded."""
+    when given, sharded. `log_memory`: rank 0 logs the run's memory table (`log_memory_estimate`) before loading
+    a weight: the trained model's builder asks for it, a DPO or KTO reference built the same way does not."""
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
     torch.manual_seed(cfg.seed)
     files, stored_dtype, composite = None, None, None
     if path is None:
         # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
         config = instantiate(cfg.model.config, _convert_="all")
-        hf_model = build_hf_model(tokenizer, config=config, head=head)  # whole, on CPU
-        if key == "model.path" and dims.is_main:  # what the run will take per rank
+        vocab_size = written_vocab_size(cfg.model.config, len(tokenizer))  # the user's, else the tokenizer's
+        hf_model = build_hf_model(tokenizer, config=config, head=head, vocab_size=vocab_size)  # whole, on CPU
+        if log_memory and dims.is_main:  # what the run will take per rank
             log_memory_estimate(cfg, hf_model.config, dims)
     else:
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
             raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
         stored_config = AutoConfig.from_pretrained(directory)
-        if key == "model.path" and dims.is_main:  # what the run will take per rank, before loading a weight
+        if log_memory and dims.is_main:  # what the run will take per rank, before loading a weight
             log_memory_estimate(cfg, stored_config, dims)
         hf_model, files, composite = _empty_or_full(directory, head)
         stored_dtype = load.source_dtype(stored_config)

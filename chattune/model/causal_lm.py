@@ -11,6 +11,7 @@ a MoE model trained with its router loss, also each document's load-balancing lo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.data.packing import PackedBatch
-from chattune.errors import UnsupportedModel
+from chattune.errors import UnsupportedModel, UserError
 from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_decoder_output, stock_attention
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.context_parallel import gather_row, row_slice, set_context_group
@@ -223,17 +224,40 @@ def check_output_head(hf_model: PreTrainedModel) -> None:
         )
 
 
+def written_vocab_size(spec: Mapping, tokenizer_size: int) -> int:
+    """The vocabulary of a random-init model built from `model.config` as the user wrote it (`spec`): its
+    `vocab_size` (or its `text_config`'s), where one is written, which the tokenizer's ids must fit; else the
+    tokenizer's size (a config class's default, such as LlamaConfig's 32000, is no choice of the user's)."""
+    key, written = "model.config.vocab_size", spec.get("vocab_size")
+    text = spec.get("text_config")
+    if written is None and isinstance(text, Mapping):
+        key, written = "model.config.text_config.vocab_size", text.get("vocab_size")
+    if written is None:
+        return tokenizer_size
+    if not isinstance(written, int) or written < tokenizer_size:
+        raise UserError(
+            f"{key}: {written!r}, but the tokenizer has {tokenizer_size} tokens, whose ids must fit the model's "
+            f"embeddings: set it to at least {tokenizer_size}, or leave vocab_size out (the model then takes the "
+            "tokenizer's size)"
+        )
+    return written
+
+
 def build_hf_model(
     tokenizer: PreTrainedTokenizerBase,
     config: PretrainedConfig,
     dtype: torch.dtype = torch.float32,
     head: ModelHead = CAUSAL_LM_HEAD,
+    vocab_size: int | None = None,
 ) -> PreTrainedModel:
     """A model ending in `head` (a causal LM unless told) with random weights built from a config, its vocabulary
-    sized to the tokenizer. Seed torch before calling for reproducible weights. (Model directories are loaded by
-    `chattune.model.load`.)"""
-    config.vocab_size = len(tokenizer)
-    config.get_text_config().vocab_size = len(tokenizer)  # a composite config keeps it in its text config
+    `vocab_size` (`written_vocab_size`: the one the user wrote), else the tokenizer's size. Seed torch before calling
+    for reproducible weights. (Model directories are loaded by `chattune.model.load`.)"""
+    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    config.vocab_size = vocab_size
+    config.get_text_config().vocab_size = vocab_size  # a composite config keeps it in its text config
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id

@@ -28,7 +28,9 @@ FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
 
 
 def fp8_problem(mode: str, device: torch.device, adapted: bool) -> str | None:
-    """Why `model.fp8=mode` cannot run on `device` (with LoRA adapters: `adapted`), or None."""
+    """Why `model.fp8=mode` cannot run on `device` (with LoRA adapters: `adapted`), or None. A CUDA device on a
+    machine without one is a GPU planned from elsewhere (`chattune validate --device-memory`): its compute capability
+    is unknown here, so it is checked at launch, on the GPU itself."""
     if adapted:
         return (
             f"{mode} with peft: LoRA wraps the decoder's linear layers that float8 would replace (not supported "
@@ -38,6 +40,8 @@ def fp8_problem(mode: str, device: torch.device, adapted: bool) -> str | None:
         return None
     if device.type != "cuda":
         return f"{mode} needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics"
+    if not torch.cuda.is_available():  # planned for a GPU this machine lacks
+        return None
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
         return (

@@ -2,8 +2,9 @@
 `chattune validate` prints and rank 0 logs before it loads the model, and whether it fits the device.
 
 What each row counts, and how:
-- **parameters, gradients, optimizer states**: from the model built on the meta device (every architecture
-  transformers builds; exact counts, no memory), split into trained and frozen (LoRA: the adapters train, the
+- **parameters, gradients, optimizer states**: from the model the run builds, built on the meta device (every
+  architecture transformers builds; exact counts, no memory; a vision-language checkpoint's language model alone,
+  as the run trains it: `trained_config`), split into trained and frozen (LoRA: the adapters train, the
   base is frozen). FSDP2 shards each parameter along its first dimension over the ranks, padded to a multiple
   of them; the shards stay fp32 whatever the compute dtype. Gradients: the trained shards, fp32. Optimizer
   states: two fp32 tensors per trained element for Adam and AdamW, one for SGD with momentum, none for plain
@@ -41,9 +42,10 @@ shards, the activations within 10% of a saved-tensors hook on the real packed fo
 
 from __future__ import annotations
 
+import copy
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -75,6 +77,7 @@ class MemoryInputs:
     cpu_offload: bool = False  # model.fsdp.cpu_offload
     microbatches_per_rank: int = 1  # a step's, on each rank
     tensor: int = 1  # parallel.tensor: the decoder layers' linear weights split over this many ranks first
+    on_cpu: bool = False  # the run computes on the CPU: the host is the device (offloading moves nothing)
 
 
 @dataclass
@@ -91,13 +94,14 @@ class MemoryEstimate:
         values = list(self.rows.values())
         return None if any(v is None for v in values) else sum(values)
 
-    def table(self, device_memory: int | None = None) -> str:
+    def table(self, device_memory: int | None = None, memory_name: str = "device memory") -> str:
+        """The rows, the peak and, against `device_memory` bytes (named `memory_name`), whether it fits."""
         lines = [f"  {name:<34} {format_gib(value):>10}" for name, value in self.rows.items()]
         total = self.total
         lines.append(f"  {'peak per rank (the rows at once)':<34} {format_gib(total):>10}")
         if device_memory is not None:
             verdict = "unknown" if total is None else ("fits" if total <= device_memory else "does NOT fit")
-            lines.append(f"  {'device memory':<34} {format_gib(device_memory):>10}  ({verdict})")
+            lines.append(f"  {memory_name:<34} {format_gib(device_memory):>10}  ({verdict})")
         if self.host_rows:
             lines.append("  in host memory instead (offloaded):")
             lines += [f"    {name:<32} {format_gib(value):>10}" for name, value in self.host_rows.items()]
@@ -212,18 +216,60 @@ def _optimizer_state_bytes(inputs: MemoryInputs, shards: list[int], notes: list[
     return 4 * (2 * elements + tensors)
 
 
+def trained_config(hf_config, notes: list[str]):
+    """The config of the model a run trains from `hf_config`, as the builder builds it (`chattune.model.build`): a
+    causal LM's own, or a vision-language checkpoint's text config (`chattune.model.composite`: its vision tower and
+    projector are never loaded on a training rank, so they take no memory; said in `notes`). None, the reason in
+    `notes`, for a config the run refuses."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from chattune.errors import UnsupportedModel
+    from chattune.model.composite import is_composite, text_config_of
+
+    name = type(hf_config).__name__
+    if not is_composite(hf_config):
+        if type(hf_config) in AutoModelForCausalLM._model_mapping:
+            return hf_config
+        notes.append(
+            f"not estimated: {name} ({hf_config.model_type}) is neither a causal LM of transformers nor a "
+            "vision-language model whose language model chattune trains"
+        )
+        return None
+    try:
+        text_config = text_config_of(hf_config)
+    except UnsupportedModel as refusal:  # the launch's own refusal, with its reason
+        notes.append(f"not estimated: {refusal}")
+        return None
+    with torch.device("meta"):
+        composite = AutoModelForImageTextToText.from_config(copy.deepcopy(hf_config))
+    language = {
+        id(p) for module in (composite.get_decoder(), composite.get_output_embeddings()) for p in module.parameters()
+    }
+    others = sum(p.numel() for p in composite.parameters() if id(p) not in language)
+    trained_class = AutoModelForCausalLM._model_mapping[type(text_config)].__name__
+    notes.append(
+        f"{type(composite).__name__}: its language model, as the run trains it ({trained_class}); its other parts "
+        f"(vision tower, projector: {others / 1e6:.2f}M parameters) are not loaded on a training rank and not counted"
+    )
+    return text_config
+
+
 def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     """The per-rank memory of a run of `inputs`, by row."""
     result = MemoryEstimate()
-    try:
-        model = meta_model(inputs.hf_config)
-    except Exception as error:  # noqa: BLE001  (a config AutoModelForCausalLM does not build: said, never guessed)
+    hf_config = trained_config(inputs.hf_config, result.notes)
+    if hf_config is None:
         result.rows["model"] = None
-        result.notes.append(
-            f"not estimated: {type(inputs.hf_config).__name__} does not build as a causal LM on the "
-            f"meta device ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-        )
         return result
+    if inputs.on_cpu and (inputs.cpu_offload or inputs.offload_activations):
+        result.notes.append("on the CPU the host is the device: offloading saves nothing, counted as without it")
+    inputs = replace(
+        inputs,
+        hf_config=hf_config,
+        cpu_offload=inputs.cpu_offload and not inputs.on_cpu,
+        offload_activations=inputs.offload_activations and not inputs.on_cpu,
+    )
+    model = meta_model(hf_config)
     parameters = dict(model.named_parameters())  # (tied weights once)
     layers = repeated_layers(model)
     quantized = _quantized_linears(layers) if inputs.quantized_base else []
@@ -317,17 +363,21 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     return result
 
 
-def hf_config_of(cfg, vocab_size: int | None = None):
+def hf_config_of(cfg, tokenizer_size: int | None = None):
     """The HF config a run of `cfg` builds or loads (no weights): `model.path`'s config.json, else `model.config`
-    instantiated with the tokenizer's vocabulary (`vocab_size`), as the builder sizes it."""
+    instantiated with the vocabulary the builder gives it: the `vocab_size` written there, else the tokenizer's
+    (`tokenizer_size`; `chattune.model.causal_lm.written_vocab_size`)."""
     if cfg.model.path is not None:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(cfg.model.path)
     from hydra.utils import instantiate
 
+    from chattune.model.causal_lm import written_vocab_size
+
     config = instantiate(cfg.model.config, _convert_="all")
-    if vocab_size is not None:
+    if tokenizer_size is not None:
+        vocab_size = written_vocab_size(cfg.model.config, tokenizer_size)
         config.vocab_size = vocab_size
         config.get_text_config().vocab_size = vocab_size
     return config
@@ -335,9 +385,11 @@ def hf_config_of(cfg, vocab_size: int | None = None):
 
 def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInputs:
     """The memory inputs of a run of `cfg` (a composed recipe config) laid out as `layout` (its meshes not
-    needed: `ParallelDims.from_config`), on CUDA or not."""
+    needed: `ParallelDims.from_config`), on CUDA or on the CPU, in the compute dtype it takes there."""
+    from chattune.model.fsdp import compute_dtype
+
     fsdp, peft = cfg.model.fsdp, _get(cfg, "peft")
-    dtype_name = fsdp.param_dtype if fsdp.param_dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    dtype_name = compute_dtype(fsdp.param_dtype, "cuda" if on_cuda else "cpu")
     reference = _get(cfg, "reference")
     # A live reference is a second sharded model, except with LoRA and no reference.path: the policy's own base,
     # adapters off (chattune.train.reference).
@@ -366,6 +418,7 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
         cpu_offload=bool(_get(fsdp, "cpu_offload")),
         microbatches_per_rank=_microbatches_per_rank(cfg, layout.data_ranks),
         tensor=layout.tp,
+        on_cpu=not on_cuda,
     )
 
 

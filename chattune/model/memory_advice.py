@@ -25,7 +25,8 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
     """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: 8-bit
     optimizer states (a small cost in precision, none in speed), recomputed activations (compute), offloaded
     activations (copies, overlapped on CUDA), the update in the backward (no clipping), 4-bit states (more
-    precision), CPU offload (a slower step), shorter rows, training adapters only (over a 4-bit base), more GPUs."""
+    precision), CPU offload (a slower step), shorter rows, training adapters only (over a 4-bit base), more GPUs. On
+    the CPU (`MemoryInputs.on_cpu`) neither offloading, a 4-bit base nor more ranks on the host is offered."""
     changes = []
     adam = inputs.optimizer.rsplit(".", 1)[-1] in ("Adam", "AdamW") and inputs.optimizer.startswith("torch.")
     if adam:
@@ -44,7 +45,7 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 replace(inputs, activation_checkpointing=True),
             )
         )
-    if not inputs.offload_activations:
+    if not inputs.offload_activations and not inputs.on_cpu:  # (on the CPU the host is the device)
         changes.append(
             Change(
                 "model.fsdp.offload_activations=true",
@@ -74,7 +75,7 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 replace(inputs, optimizer="torchao.optim.AdamW4bit"),
             )
         )
-    if not inputs.cpu_offload and not inputs.update_in_backward:
+    if not inputs.cpu_offload and not inputs.update_in_backward and not inputs.on_cpu:
         changes.append(
             Change(
                 "model.fsdp.cpu_offload=true",
@@ -100,7 +101,7 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 replace(inputs, lora_rank=16, lora_targets=("all-linear",)),
             )
         )
-    if not inputs.quantized_base:
+    if not inputs.quantized_base and not inputs.on_cpu:  # bitsandbytes' 4-bit kernels: CUDA only
         changes.append(
             Change(
                 "peft=qlora",
@@ -108,10 +109,11 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
                 replace(inputs, lora_rank=16, lora_targets=("all-linear",), quantized_base=True),
             )
         )
-    ranks = 2 * inputs.ranks
-    changes.append(
-        Change(f"--ranks {ranks}", f"twice the GPUs: --nproc_per_node {ranks}", replace(inputs, ranks=ranks))
-    )
+    if not inputs.on_cpu:  # (more CPU ranks on one host add to what it holds)
+        ranks = 2 * inputs.ranks
+        changes.append(
+            Change(f"--ranks {ranks}", f"twice the GPUs: --nproc_per_node {ranks}", replace(inputs, ranks=ranks))
+        )
     return changes
 
 
@@ -189,4 +191,5 @@ def report(inputs: MemoryInputs, device_memory: int | None) -> tuple[MemoryEstim
     """The estimate of `inputs` and its table, with the ways to fit `device_memory` where it does not."""
     estimated = estimate(inputs)
     advice = ways_to_fit(inputs, device_memory, estimated) if device_memory is not None else []
-    return estimated, "\n".join([estimated.table(device_memory), *(f"  {line}" for line in advice)])
+    table = estimated.table(device_memory, "memory (--device-memory)" if inputs.on_cpu else "device memory")
+    return estimated, "\n".join([table, *(f"  {line}" for line in advice)])
