@@ -11,6 +11,9 @@ a note in the process group's key-value store (torchrun's agent holds it, so it 
 the first rank to claim the note prints, and a rank whose collective fails because a peer stopped
 after leaving a note exits silently. A bug leaves a note too, so its one traceback stands alone.
 Before the process group exists (config errors, found alike by every rank) only rank 0 prints.
+
+A launch with nothing to do (`NothingToDo`: a complete run relaunched with the same config) is no error: rank 0
+says so in one line and the recipe ends there, with status 0 (a sweep goes on to its next job).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ _GRACE_S = 3.0  # a rank that leaves the reporting to another waits this long, s
 class UserError(Exception):
     """A problem in what the user gave (config, data, command line, output directory), stated so that
     the message alone says what to fix."""
+
+
+class NothingToDo(Exception):  # not an error: what `report_errors` ends a task with, status 0
+    """Every rank's: the launch has nothing to do (the message says why, and what would do something)."""
 
 
 class UnsupportedModel(UserError, NotImplementedError):
@@ -129,9 +136,16 @@ def format_user_error(error: UserError) -> str:
 @contextlib.contextmanager
 def report_errors() -> Iterator[None]:
     """Around a recipe: a UserError printed once without a traceback; a rank whose collective failed
-    because a peer reported stays silent; a bug keeps its traceback. Each ends the process (status 1)."""
+    because a peer reported stays silent; a bug keeps its traceback. Each ends the process (status 1). A
+    `NothingToDo` is said once (rank 0) and ends the task alone: the code after this block runs on."""
     try:
         yield
+    except NothingToDo as done:  # raised alike by every rank
+        if _rank() == 0:
+            print(f"chattune: {done}", file=sys.stderr, flush=True)
+        from chattune.distributed import shutdown_distributed
+
+        shutdown_distributed()  # (a sweep's next job makes its own group)
     except UserError as error:
         store = _note_store()
         if _claim_report(store):

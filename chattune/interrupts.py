@@ -14,6 +14,10 @@ run ends complete (status 0).
 - A second SIGTERM is ignored: under torchrun a worker can get two (torchrun passes its own on, and a dying
   launcher sends another through PR_SET_PDEATHSIG), and the save must not be cut short.
 - A second SIGINT (Ctrl-C twice) exits at once, with status 130 and nothing saved.
+- Every line about a stop that cannot save says what is kept (`note_checkpoint`: the run's newest committed
+  checkpoint, or none) and what is not: the first signal's under plain torchrun (which kills its workers when its
+  grace is over: a SIGKILL, which nothing can catch, so the line comes just before it, too), a second Ctrl-C's,
+  and the deadline's.
 - A stop that has not ended the process `STOP_DEADLINE_S` after the signal (a peer gone in the middle of a
   collective, which only the process group's own timeout would end) exits with 128 + the signal: a
   scheduler would have killed it by then, and a worker orphaned by a killed launcher must not linger.
@@ -46,6 +50,8 @@ LAUNCHER_DIR_ENV = "CHATTUNE_LAUNCHER_DIR"  # set by `chattune run`: where its w
 
 _requested: int | None = None  # the first signal received
 _kept_when_killed: str | None = None  # what survives torchrun's kill (`keep_when_killed`), for the first-signal line
+_last_checkpoint: str | None = None  # the run's newest committed checkpoint (`note_checkpoint`)
+_stop_over = threading.Event()  # the stop has saved (or the run ended): torchrun's kill would find nothing left
 
 
 class Preempted(BaseException):
@@ -79,19 +85,55 @@ def _handle(signum: int, frame) -> None:
         again = " (Ctrl-C again to exit at once, without saving)" if signum == signal.SIGINT else ""
         grace = ""
         if under_plain_torchrun():
-            grace = f"; torchrun kills its workers {torchrun_grace_s()} s after passing a signal on (its --shutdown-timeout)"
-            grace += (
-                f": if the step in flight has not finished by then, {_kept_when_killed}"
-                if _kept_when_killed
-                else ": launch with `chattune run` instead of torchrun to let a longer step and save finish"
-            )
+            seconds = torchrun_grace_s()
+            grace = f"; torchrun kills its workers {seconds} s after passing a signal on (its --shutdown-timeout)"
+            if _kept_when_killed:
+                grace += f": if the step in flight has not finished by then, {_kept_when_killed}"
+            else:
+                grace += (
+                    f": if the step in flight and its save are not done by then, {kept()}. Launch with `chattune "
+                    "run` instead of torchrun to let a longer step and save finish"
+                )
+                _start_timer(max(seconds - 1.0, seconds * 0.8), _before_kill, signum, seconds)
         say(f"chattune: {name}: stopping after the current step, with a checkpoint{again}{grace}\n")
-        deadline = threading.Timer(STOP_DEADLINE_S, _give_up, args=(signum,))
-        deadline.daemon = True
-        deadline.start()
+        _start_timer(STOP_DEADLINE_S, _give_up, signum)
     elif signum == signal.SIGINT:
-        say("chattune: SIGINT again: exiting now, without saving\n")
+        say(f"chattune: SIGINT again: exiting now, without saving: {kept()}\n")
         os._exit(exit_code(128 + signal.SIGINT))
+
+
+def _start_timer(seconds: float, then, *args) -> None:
+    timer = threading.Timer(seconds, then, args=args)
+    timer.daemon = True
+    timer.start()
+
+
+def note_checkpoint(path: object | None) -> None:
+    """The run's newest committed checkpoint from now on (None: it has none): what a stop that cannot save keeps."""
+    global _last_checkpoint
+    _last_checkpoint = None if path is None else str(path)
+
+
+def stop_over() -> None:
+    """The stop has saved its checkpoint, or the run has ended: nothing is left for torchrun's kill to cut short."""
+    _stop_over.set()
+
+
+def kept() -> str:
+    """What a run ended now, without saving, keeps and what it does not."""
+    if _last_checkpoint is None:
+        return "no checkpoint was committed, so nothing is kept (the same command starts the run again)"
+    return f"the checkpoint {_last_checkpoint} is kept (the same command continues from it), the steps after it are not"
+
+
+def _before_kill(signum: int, grace: int) -> None:
+    """Just before plain torchrun's SIGKILL (its grace after the signal): what the run keeps, since a killed process
+    says nothing."""
+    if not _stop_over.is_set():
+        say(
+            f"chattune: {signal.Signals(signum).name} {grace} s ago: torchrun kills the workers now, before the stop "
+            f"has saved: {kept()}\n"
+        )
 
 
 def under_plain_torchrun() -> bool:
@@ -131,7 +173,7 @@ def torchrun_grace_s(agent_argv: list[str] | None = None, env: dict | None = Non
 def _give_up(signum: int) -> None:
     say(
         f"chattune: {signal.Signals(signum).name}: the stop did not finish within {STOP_DEADLINE_S:.0f} s; exiting "
-        "without saving\n"
+        f"without saving: {kept()}\n"
     )
     os._exit(exit_code(128 + signum))
 

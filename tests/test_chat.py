@@ -302,3 +302,40 @@ def test_a_runs_output_dir_answers_as_its_hf_export_and_the_version_is_printed(c
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"chattune {__version__}"
+
+
+def test_a_reward_model_is_refused_with_what_scores_with_it_and_its_run_suggests_no_chat(tmp_path, capsys):
+    """A reward run's last line suggested `chattune chat`, which then loaded the classifier as a causal LM (its
+    decoder under a fresh output layer) and answered."""
+    from transformers import LlamaForSequenceClassification
+
+    from chattune.train.loop import done_line
+    from conftest import tiny_config
+
+    run = tmp_path / "reward-run"
+    LlamaForSequenceClassification(tiny_config(num_labels=1, pad_token_id=0)).save_pretrained(run / "hf")
+    demo_tokenizer().save_pretrained(run / "hf")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 + 3?\n")
+    for directory in (run / "hf", run):  # the export, or the run's output_dir that stands for it
+        assert main(["chat", str(directory), "--prompts", str(prompts)]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"chattune chat: error: {run / 'hf'} is a reward model (LlamaForSequenceClassification: a score head): it "
+            "scores a conversation and writes no reply, so there is nothing to chat with. Score conversations with "
+            "AutoModelForSequenceClassification.from_pretrained(DIR) (docs/reward.md); chat with an SFT, DPO or KTO "
+            "run's export"
+        )
+    adapter = tmp_path / "reward-run-lora" / "adapter"  # peft=lora: task type SEQ_CLS
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "SEQ_CLS", "base_model_name_or_path": None}))
+    assert main(["chat", str(adapter)]) == 1
+    assert f"{adapter} is a reward model's adapter (adapter_config.json: task_type SEQ_CLS)" in capsys.readouterr().err
+
+    assert done_line(run, {"hf": run / "hf"}, scores=True) == (
+        f"done: {run / 'hf'} (a reward model: it scores conversations, with "
+        f"AutoModelForSequenceClassification.from_pretrained('{run / 'hf'}'), docs/reward.md; its curves: chattune "
+        f"plot {run})"
+    )
+    assert done_line(run, {"hf": run / "hf"}, scores=False) == (
+        f"done: {run / 'hf'} (talk to it: chattune chat {run}; its curves: chattune plot {run})"
+    )

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from chattune.log import EACH_RANK
 from chattune.train.metrics import MetricLogger
 from chattune.train.progress import Pace, Progress, TaskProgress, wants_bar
 
@@ -140,7 +141,9 @@ def test_another_ranks_line_prints_above_the_bar_not_into_it(monkeypatch):
     bar = Progress(0, 10, "bar", is_main=True, stream=terminal)  # rank 0's bar (same terminal)
     bar.update(3, {"loss": 2.0})
     setup_logging(1, stream=terminal)  # rank 1's console: what another process writes to the same terminal
-    logging.getLogger("chattune.test").warning("skipped record 7 of /data/chats.jsonl: no assistant turn")
+    logging.getLogger("chattune.test").warning(
+        "skipped record 7 of /data/chats.jsonl: no assistant turn", extra=EACH_RANK
+    )  # (a rank's own finding: another rank prints only those, `test_a_note_of_the_run_is_printed_once_by_rank_0`)
     bar.update(4, {"loss": 1.9})
     bar.close()
     screen = [line for line in _screen(terminal.getvalue()) if line]
@@ -154,8 +157,45 @@ def test_another_ranks_line_prints_above_the_bar_not_into_it(monkeypatch):
 
     logs = io.StringIO()  # off a terminal (a log file, CI) lines are written as they are
     setup_logging(1, stream=logs)
-    logging.getLogger("chattune.test").warning("plain")
+    logging.getLogger("chattune.test").warning("plain", extra=EACH_RANK)
     assert logs.getvalue().endswith("[rank1] plain\n") and "\x1b" not in logs.getvalue()
+
+
+def test_a_note_of_the_run_is_printed_once_by_rank_0_and_a_ranks_own_by_that_rank(monkeypatch):
+    """Every rank finds a resume's accepted changes, the schedule it follows, a step slower than torchrun's grace:
+    they were printed once per rank (x4 on 4 ranks). Another rank prints its errors and what it marks as its own."""
+    import transformers
+
+    from chattune.log import setup_logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # put back afterwards, with the level, for the tests that follow
+    monkeypatch.setattr(root, "level", root.level)
+    library = transformers.utils.logging._get_library_root_logger()
+    monkeypatch.setattr(library, "handlers", [logging.StreamHandler(io.StringIO())])
+    printed = {}
+    for rank in (0, 1):
+        printed[rank] = io.StringIO()
+        setup_logging(rank, stream=printed[rank])
+        logger = logging.getLogger("chattune.train.resume")
+        logger.info("resumed from outputs/run/checkpoints/step_4 at step 4 (epoch 0)")
+        logger.warning("resuming despite a change: config data.num_workers: 0 -> 2")
+        logger.warning("skipped (bad_record): chats.jsonl record 9 (line 9): unparseable JSON", extra=EACH_RANK)
+        logger.error("writing the snapshot of step 2 failed")
+        transformers.logging.get_logger("transformers.modeling_utils").warning("Some weights were not initialized")
+    lines = {rank: [line.split("] ", 1)[1] for line in printed[rank].getvalue().splitlines()] for rank in printed}
+    assert lines[1] == [
+        "skipped (bad_record): chats.jsonl record 9 (line 9): unparseable JSON",
+        "writing the snapshot of step 2 failed",
+    ]
+    assert lines[0] == [
+        "resumed from outputs/run/checkpoints/step_4 at step 4 (epoch 0)",
+        "resuming despite a change: config data.num_workers: 0 -> 2",
+        "skipped (bad_record): chats.jsonl record 9 (line 9): unparseable JSON",
+        "writing the snapshot of step 2 failed",
+    ]
+    library_handler = library.handlers[0]
+    assert library_handler.stream.getvalue() == "Some weights were not initialized\n"  # rank 0's alone
 
 
 class FakeClock:

@@ -75,6 +75,11 @@ def our_traceback_lines(stderr: str) -> list[str]:
     ]
 
 
+def worker_logs(log_dir: Path) -> str:
+    """Every worker's stdout and stderr that torchrun's `--log-dir DIR --tee 3` kept apart from its agent's words."""
+    return "".join(path.read_text() for path in sorted(log_dir.rglob("*.log")))
+
+
 def test_dpo_on_two_ranks_counts_a_pair_with_identical_replies_on_one_rank(tmp_path):
     """The skip counters of both ranks are all-reduced: a reason seen on one rank only used to give the
     ranks different keys, and gloo aborted the whole run (SIGABRT) at the data report."""
@@ -196,7 +201,7 @@ def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
     out = tmp_path / "run"
     base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
     assert launch(*base).returncode == 0  # steps 1..6, checkpoints step_2, 4, 6, hf/
-    first_metrics = (out / "metrics.jsonl").read_text()
+    first_metrics, first_config = (out / "metrics.jsonl").read_text(), (out / "config.yaml").read_text()
 
     # resume=null into a used directory (the remedy the resume error used to suggest) is refused, untouched.
     refused = launch(*base, "resume=null")
@@ -208,6 +213,9 @@ def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
     fresh = launch(*base, "resume=null", "overwrite=true", "max_steps=4", "keep_last_n=1")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert (out / "metrics.jsonl.abandoned").read_text() == first_metrics
+    # its config too (it used to be replaced in place)
+    assert (out / "config.yaml.abandoned").read_text() == first_config
+    assert "max_steps: 4" in (out / "config.yaml").read_text()
     assert sorted(p.name for p in (out / "checkpoints.abandoned").iterdir()) == ["step_2", "step_4", "step_6"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"]  # keep_last_n prunes its own only
     assert (out / "hf.abandoned" / "model.safetensors.index.json").is_file() and steps(out) == [1, 2, 3, 4]
@@ -236,8 +244,27 @@ def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
         json.loads(line)["step"] for line in (out / "metrics.jsonl.abandoned.2").read_text().splitlines()
     ]
     assert abandoned_curve == list(range(1, 9))
-    again = launch(*base, "max_steps=8", "optimizer.lr=1e-3", "resume_allow_changes=[optimizer.lr]")
-    assert f"resumed from {out}/checkpoints/step_8 at step 8" in again.stdout + again.stderr
+    # That run relaunched is complete (on any number of ranks): nothing to do, nothing touched, said once (it used to
+    # resume at step 8, export again and set the identical hf/ aside, a full copy per relaunch).
+    before = files_of(out)
+    again = launch(*base, "max_steps=8", "optimizer.lr=1e-3", "resume_allow_changes=[optimizer.lr]", nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    complete = (
+        f"chattune: output_dir {out} holds this run, complete: trained to step 8 and exported to {out}/hf. Nothing to "
+        f"do. To train further raise max_steps (the run continues from {out}/checkpoints/step_8); to train it again, "
+        "start over with overwrite=true (its files are moved aside as *.abandoned, not deleted)."
+    )
+    assert again.stderr.splitlines()[-1] == complete and again.stderr.count(complete) == 1
+    assert files_of(out) == before and "resumed from" not in again.stdout  # (its remedies: tests/test_relaunch.py)
+
+
+def files_of(directory: Path) -> list[tuple[str, int, int]]:
+    """Every file under `directory`: its path, size and modification time."""
+    return sorted(
+        (str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+        if p.is_file()
+    )
 
 
 def test_a_typo_at_launch_is_reported_as_validate_reports_it():
@@ -259,12 +286,15 @@ def test_a_typo_at_launch_is_reported_as_validate_reports_it():
 
 
 def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
-    """It used to drown in 66-124 lines: a traceback per rank and another rank's "Connection closed by peer"."""
+    """It used to drown in 66-124 lines: a traceback per rank and another rank's "Connection closed by peer". What
+    chattune prints is checked: the workers' own output (torchrun's --log-dir keeps it apart) and chattune's code in
+    any traceback. torchrun's agent may add its own words under load (a peer's closed connection, after the failing
+    rank exits, with the agent's traceback): those are torchrun's, not the run's."""
     lines = DEMO_CHATS[:40]
     lines[17] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}) + "\n"
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(lines))
-    result = launch(
+    command = conftest.torchrun(
         "recipes/sft.py",
         f"output_dir={tmp_path / 'run'}",
         f"data.train=[{data}]",
@@ -273,16 +303,21 @@ def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
         "save_every=0",
         "data.max_tokens_per_microbatch=512",
         "data.report_records=0",
-        nproc=2,
-        real_torchrun=True,  # its report of the failed rank is part of what the user reads
     )
+    recipe = command.index("recipes/sft.py")
+    command[recipe:recipe] = ["--log-dir", str(tmp_path / "logs"), "--tee", "3"]  # each worker's output in a file too
+    # real torchrun: its report of the failed rank is part of what the user reads
+    result = conftest.launch(command, check=False, real_torchrun=True)
     assert result.returncode != 0
     message = f"chattune: error: {data} record 18 (line 18): message 1 has role 'wizard'"
     assert (result.stdout + result.stderr).count(message) == 1
-    assert "Connection closed by peer" not in result.stderr and not our_traceback_lines(result.stderr)
+    workers = worker_logs(tmp_path / "logs")
+    assert workers.count(message) == 1, workers[-3000:]  # one rank reports; the other stays silent
+    assert "Traceback" not in workers and "Connection closed by peer" not in workers, workers[-3000:]
+    assert not our_traceback_lines(result.stdout + result.stderr)
     assert "the chattune error printed above (a user error, not a bug: no traceback)" in result.stderr
     # torchrun's agent ends the other rank with SIGTERM: not a stop to announce, nothing had trained
-    assert "stopping after the current step" not in result.stdout + result.stderr, result.stderr[-3000:]
+    assert "stopping after the current step" not in workers, workers[-3000:]
 
 
 def base_run(tmp_path: Path, data: Path, *extra: str) -> list[str]:

@@ -70,8 +70,8 @@ def test_each_signal_reaches_each_registered_child_once(tmp_path):
 def test_a_signal_before_any_worker_registered_stops_the_launch(tmp_path):
     """A rendezvous waiting for its nodes, workers still importing, a script that is no chattune recipe: Ctrl-C
     stops the launch at once (nothing has trained) instead of being held for workers that never take it."""
-    script = tmp_path / "sleeper.py"
-    script.write_text("import time\ntime.sleep(120)\n")
+    script, started = tmp_path / "sleeper.py", tmp_path / "started"
+    script.write_text(f"import time\nopen({str(started)!r}, 'w').close()\ntime.sleep(120)\n")  # no chattune recipe
     process = subprocess.Popen(
         [
             sys.executable,
@@ -88,7 +88,10 @@ def test_a_signal_before_any_worker_registered_stops_the_launch(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    time.sleep(8)  # the agent has started its worker
+    deadline = time.monotonic() + 120
+    while not started.exists():  # the agent has started its worker, which registers no handler
+        assert process.poll() is None and time.monotonic() < deadline, "the worker did not start"
+        time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGINT, output

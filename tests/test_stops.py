@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +39,15 @@ def _until_step_logged(process: subprocess.Popen, out: Path, step: int, timeout:
         time.sleep(0.1)
 
 
+def _until_step_started(process: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
+    """Until a rank has begun `step` (its microbatches taken: the ledger's line, written before the step trains and
+    before CHATTUNE_SLOW_AT's sleep in it). The run must have ledger=true."""
+    deadline = time.monotonic() + timeout
+    while not any(f'{{"step": {step},' in path.read_text() for path in (out / "ledger").glob("rank*.jsonl")):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the step"
+        time.sleep(0.1)
+
+
 def _checkpoints(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").is_dir() else []
 
@@ -57,13 +67,19 @@ def _workers(launcher: int) -> list[int]:
 
 @pytest.mark.launch
 def test_a_signal_during_a_step_stops_after_that_step_not_the_next(tmp_path):
-    """Step 3 takes 10 s; SIGTERM 4 s into it. The stop used to read the signal only at the next step's start,
+    """Step 3 takes 10 s; SIGTERM once it has begun. The stop used to read the signal only at the next step's start,
     and trained step 4 before saving."""
     out = tmp_path / "run"
-    command = [sys.executable, "recipes/sft.py", f"output_dir={out}", f"data.train=[{chats(tmp_path)}]", *LONG]
+    command = [
+        sys.executable,
+        "recipes/sft.py",
+        f"output_dir={out}",
+        f"data.train=[{chats(tmp_path)}]",
+        *LONG,
+        "ledger=true",
+    ]
     process = _start(command, tmp_path, "step:3:10")
-    _until_step_logged(process, out, 2)
-    time.sleep(4)
+    _until_step_started(process, out, 3)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 75, (tmp_path / "run.log").read_text()[-3000:]
     assert steps(out) == [1, 2, 3] and _checkpoints(out) == ["step_3"]
@@ -77,8 +93,7 @@ def test_a_signal_to_one_rank_after_a_step_stops_every_rank_before_the_next(tmp_
     out = tmp_path / "run"
     command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", f"data.train=[{chats(tmp_path)}]", *LONG)
     process = _start(command, tmp_path, "after_step:2:10")  # (real torchrun: the test signals one worker's pid)
-    _until_step_logged(process, out, 2)
-    time.sleep(3)
+    _until_step_logged(process, out, 2)  # (logged after the step's all-reduces: the ranks are past them)
     workers = _workers(process.pid)
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGTERM)
@@ -93,13 +108,13 @@ def test_under_plain_torchrun_a_step_longer_than_its_grace_keeps_the_step_before
     """Plain torchrun SIGKILLs its workers 3 s (here) after passing SIGTERM on, in the middle of a 60 s step 3.
     With snapshot_steps each rank writes step 2's state, kept in host memory, without collectives: step 2 is
     committed as an ordinary checkpoint, and the relaunch continues the losses of an uninterrupted run. Without
-    it the same stop keeps nothing (checked: no checkpoint)."""
+    it the same stop keeps nothing since the last checkpoint, as its lines say
+    (`test_a_stop_that_cannot_save_says_what_is_kept_at_the_signal_and_before_it_ends`)."""
     data, run = f"data.train=[{chats(tmp_path)}]", [*SMALL, "max_steps=4", "save_every=0"]
     out = tmp_path / "run"
-    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run, "snapshot_steps=true")
+    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run, "snapshot_steps=true", "ledger=true")
     process = _start(command, tmp_path, "step:3:60", env_extra={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
-    _until_step_logged(process, out, 2)
-    time.sleep(2)
+    _until_step_started(process, out, 3)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) != 0  # killed by its own launcher: the step never finished
     log = (tmp_path / "run.log").read_text()
@@ -126,10 +141,10 @@ def test_a_signal_during_the_last_step_finishes_the_run_with_its_export(tmp_path
         *SMALL,
         "max_steps=3",
         "save_every=0",
+        "ledger=true",
     ]
     process = _start(command, tmp_path, "step:3:10")
-    _until_step_logged(process, out, 2)
-    time.sleep(4)
+    _until_step_started(process, out, 3)
     process.send_signal(signal.SIGINT)
     log_path = tmp_path / "run.log"
     assert process.wait(timeout=120) == 0, log_path.read_text()[-3000:]
@@ -202,3 +217,41 @@ def test_the_stop_line_names_torchruns_own_grace():
     assert torchrun_grace_s(["torchrun", "--shutdown_timeout=45", "recipes/sft.py"], {}) == 45
     assert torchrun_grace_s(["torchrun", "recipes/sft.py"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) == 7
     assert torchrun_grace_s(["torchrun", "recipes/sft.py"], {}) == 30
+
+
+def test_a_stop_that_cannot_save_says_what_is_kept_at_the_signal_and_before_it_ends(monkeypatch, capfd, tmp_path):
+    """Plain torchrun, SIGTERM in a step longer than its grace: the workers used to be killed without a word of what
+    was saved. The first line says what a kill would keep; just before torchrun's kill (its grace, here 2 s), and
+    when the stop gives up, a line says what is kept and what is not."""
+    from chattune import interrupts
+
+    exits = []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # plain torchrun's worker
+    monkeypatch.delenv(interrupts.LAUNCHER_DIR_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(interrupts, "_requested", None)
+    monkeypatch.setattr(interrupts, "_stop_over", threading.Event())
+    monkeypatch.setattr(interrupts, "STOP_DEADLINE_S", 3.0)
+    monkeypatch.setattr(interrupts.os, "_exit", exits.append)
+    monkeypatch.setattr(interrupts, "torchrun_grace_s", lambda: 2)  # (this test process has no torchrun parent)
+    interrupts.note_checkpoint(None)  # a fresh run, nothing committed yet
+    interrupts._handle(signal.SIGTERM, None)
+    deadline = time.monotonic() + 30
+    while not exits and time.monotonic() < deadline:  # the deadline's exit, a second after the kill's line
+        time.sleep(0.05)
+    nothing = "no checkpoint was committed, so nothing is kept (the same command starts the run again)"
+    assert capfd.readouterr().err.splitlines() == [
+        "chattune: SIGTERM: stopping after the current step, with a checkpoint; torchrun kills its workers 2 s after "
+        f"passing a signal on (its --shutdown-timeout): if the step in flight and its save are not done by then, "
+        f"{nothing}. Launch with `chattune run` instead of torchrun to let a longer step and save finish",
+        f"chattune: SIGTERM 2 s ago: torchrun kills the workers now, before the stop has saved: {nothing}",
+        f"chattune: SIGTERM: the stop did not finish within 3 s; exiting without saving: {nothing}",
+    ]
+    assert exits == [128 + signal.SIGTERM]
+
+    checkpoint = tmp_path / "checkpoints" / "step_4"
+    interrupts.note_checkpoint(checkpoint)  # committed (`chattune.train.checkpoint.commit`)
+    assert interrupts.kept() == (
+        f"the checkpoint {checkpoint} is kept (the same command continues from it), the steps after it are not"
+    )
+    interrupts.note_checkpoint(None)

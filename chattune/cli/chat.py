@@ -196,6 +196,7 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
             f"{directory} holds neither config.json (a Hugging Face model directory, such as output_dir/hf) "
             f"nor {ADAPTER_CONFIG} (a peft adapter directory, such as output_dir/adapter)"
         )
+    _refuse_a_scorer(directory, adapter)
     import torch
 
     tokenizer = _load_tokenizer(directory)
@@ -231,6 +232,30 @@ def load_chat_model(directory: Path, base: str | None, device: str) -> tuple[nn.
                 f"{str(error).splitlines()[0]}"
             ) from error
     return model.to(resolved).eval(), tokenizer
+
+
+def _refuse_a_scorer(directory: Path, adapter: bool) -> None:
+    """A reward model (a sequence-classification export, or a peft adapter of task type SEQ_CLS) scores and writes
+    no reply; transformers would load its decoder under a fresh output layer and answer noise."""
+    try:
+        if adapter:
+            scorer = json.loads((directory / ADAPTER_CONFIG).read_text()).get("task_type") == "SEQ_CLS"
+            what = f"a reward model's adapter ({ADAPTER_CONFIG}: task_type SEQ_CLS)"
+            loads = (
+                "PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(BASE, num_labels=1), DIR)"
+            )
+        else:
+            classes = json.loads((directory / "config.json").read_text()).get("architectures") or []
+            scorer = any(name.endswith("ForSequenceClassification") for name in classes)
+            what = f"a reward model ({', '.join(classes)}: a score head)"
+            loads = "AutoModelForSequenceClassification.from_pretrained(DIR)"
+    except (OSError, ValueError, AttributeError):
+        return  # not readable as chattune writes it: loading says what is wrong
+    if scorer:
+        raise UserError(
+            f"{directory} is {what}: it scores a conversation and writes no reply, so there is nothing to chat "
+            f"with. Score conversations with {loads} (docs/reward.md); chat with an SFT, DPO or KTO run's export"
+        )
 
 
 def _load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:

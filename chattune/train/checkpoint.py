@@ -45,9 +45,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from chattune import interrupts
 from chattune.data.fingerprint import RECORD_HASHES, record_hashes_file
 from chattune.distributed import world_rank
 from chattune.files import set_aside
+from chattune.log import EACH_RANK
 from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
 
@@ -235,9 +237,11 @@ def commit(partial: Path, final: Path, keep_last_n: int | None) -> None:
     """The rename that makes a complete checkpoint count (rank 0's, or a snapshot's committing rank's), then
     pruning."""
     if final.exists():  # a step saved again (a run resumed from an older checkpoint): never replaced in place
-        logger.warning("moved aside: %s -> %s (saved again by this run)", final, set_aside(final))
+        # (the committing rank's alone: a snapshot's may be any rank)
+        logger.warning("moved aside: %s -> %s (saved again by this run)", final, set_aside(final), extra=EACH_RANK)
     os.rename(partial, final)
     _sync_directory(final.parent)
+    interrupts.note_checkpoint(final)  # what a stop that cannot save keeps from now on
     if keep_last_n:
         for old in committed_checkpoints(final.parent)[:-keep_last_n]:
             shutil.rmtree(old)

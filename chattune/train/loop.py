@@ -39,6 +39,7 @@ from chattune.model.build import BuiltModel
 from chattune.model.export import export_run
 from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.fsdp import compiled_graphs, parallel_dims_of
+from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.base import Objective
 from chattune.train.checkpoint import BackgroundSaves, Checkpointer
 from chattune.train.evaluation import Evaluator
@@ -47,7 +48,7 @@ from chattune.train.feed import DocumentLedger, StepBatches, StepFeed
 from chattune.train.in_backward import UpdateInBackward
 from chattune.train.inputs import TrainingData
 from chattune.train.metrics import MetricLogger, StepFlops, StepTimer, step_metrics
-from chattune.train.output_dir import StartingPoint, release_output_dir
+from chattune.train.output_dir import StartingPoint, release_output_dir, write_completion
 from chattune.train.progress import Progress
 from chattune.train.resume import resume_training
 from chattune.train.run_state import Every, Horizon, SkippedSteps, training_state
@@ -96,6 +97,7 @@ def train(
         evaluator.sample(0)
         logger.info("step 0: evaluated in %.1f s", time.perf_counter() - started)
 
+    last_step = run.start_step
     for step in range(run.start_step + 1, cfg.max_steps + 1):
         if feed.finished:  # resumed after the last epoch
             break
@@ -105,6 +107,7 @@ def train(
         if step > 1 and run.horizon.stops_before(step):
             return stop(run, step - 1)
         update = run.updates.run(step)
+        last_step = step
         run.horizon.hear(update.result.stop_ranks)  # a stop signal on any rank (agreed in the step's all-reduce)
         # (collective: every rank decides alike; never after a stop signal, whose grace belongs to the checkpoint)
         evaluating = evaluator.due(step)
@@ -126,7 +129,7 @@ def train(
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
             break
     run.progress.close()
-    finish(cfg, dims, built, run, tokenizer)
+    finish(cfg, dims, built, run, tokenizer, last_step)
 
 
 @dataclass
@@ -292,6 +295,7 @@ def set_up(
     state = training_state(model, learning.optimizer, learning.scheduler, feed, skipped, loss_scale)
     resumed = start.resume_from is not None
     start_step = resume_training(start.resume_from, start.accepted, state) if start.resume_from is not None else 0
+    interrupts.note_checkpoint(start.resume_from)  # what a stop cut short keeps, until this run commits its own
     if resumed:
         logger.info("resumed from %s at step %d (epoch %d)", start.resume_from, start_step, feed.epoch)
     horizon = Horizon(cfg.max_steps, cfg.stop_after_step, feed, interrupts.StopVote())
@@ -357,6 +361,7 @@ def stop(run: Run, step: int) -> None:
     if step > run.start_step and not checkpointer.holds(step):  # stopped before a step: the last one's checkpoint
         checkpointer.save(step)
     checkpointer.close()  # the checkpoint is committed before the job's slice ends
+    interrupts.stop_over()
     run.progress.close()
     run.metric_logger.close()
     release_output_dir()
@@ -373,9 +378,12 @@ def stop(run: Run, step: int) -> None:
     logger.info("stop_after_step=%d: checkpoint saved; resume=auto continues this run", step)
 
 
-def finish(cfg: SFTConfig, dims: ParallelDims, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Collective: the end of a run that reached its last step: the records skipped over the run, the last
-    checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory)."""
+def finish(
+    cfg: SFTConfig, dims: ParallelDims, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase, step: int
+) -> None:
+    """Collective: the end of a run that reached its last step, `step`: the records skipped over the run, the last
+    checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory), and
+    the record that the run is complete (`chattune.train.output_dir.write_completion`)."""
     device, output_dir = dims.device, Path(cfg.output_dir)
     skipped = reduce_sums(run.updates.feed.skipped, device)
     logger.info(
@@ -391,8 +399,26 @@ def finish(cfg: SFTConfig, dims: ParallelDims, built: BuiltModel, run: Run, toke
     written = export_run(cfg, built, tokenizer, output_dir, dims.is_main)
     metric_logger.log_summary({f"{name}_dir": str(path.resolve()) for name, path in written.items()})
     metric_logger.close()
+    if dims.is_main:
+        write_completion(cfg, run.checkpointer.manifest, step, sorted(written))
+    interrupts.stop_over()  # (a signal in the last step: its export is written)
     release_output_dir()
+    logger.info("%s", done_line(output_dir, written, scores=isinstance(built.model, PackedSequenceScorer)))
+
+
+def done_line(output_dir: Path, written: dict[str, Path], scores: bool) -> str:
+    """The last line of a complete run: its export, and what to do with it (`scores`: a reward model, which
+    scores conversations and writes no reply: `chattune chat` is for the models that reply)."""
     exported = written.get("hf", written.get("adapter"))
-    logger.info(
-        "done: %s (talk to it: chattune chat %s; its curves: chattune plot %s)", exported, output_dir, output_dir
+    if not scores:
+        return f"done: {exported} (talk to it: chattune chat {output_dir}; its curves: chattune plot {output_dir})"
+    loads = (
+        f"AutoModelForSequenceClassification.from_pretrained('{exported}')"
+        if "hf" in written
+        else "PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(BASE, num_labels=1), "
+        f"'{exported}')"
+    )
+    return (
+        f"done: {exported} (a reward model: it scores conversations, with {loads}, docs/reward.md; its curves: "
+        f"chattune plot {output_dir})"
     )

@@ -8,9 +8,15 @@
 - **What a launch continues** (`resume`): `auto`, the newest complete checkpoint; a path, that one;
   `null`, nothing. `overwrite=true` starts over whatever `resume` says (and refuses a `resume=PATH` next
   to it: the two ask for opposite things). A directory that holds an earlier run's results
-  (checkpoints, metrics.jsonl, samples.jsonl, hf/, adapter/) is started over only with `overwrite=true`.
+  (checkpoints, metrics.jsonl, samples.jsonl, hf/, adapter/) is started over only with `overwrite=true`,
+  or with resume=auto by the same run relaunched before it committed any checkpoint (a stop that saved
+  nothing, a requeued job: its config.yaml is this launch's config, and it exported nothing), said so.
+- **A complete run relaunched changes nothing**: a run that reached its end writes `complete.json` (its step,
+  fingerprint, export settings and exports); the same run launched again with resume=auto says it is
+  complete and ends with status 0 (`NothingToDo`), touching nothing. Another horizon continues it as a resume.
 - **Nothing of another trajectory is deleted or resumed by accident**: the checkpoints newer than the
-  one a run continues from, and everything an overwritten run left, are moved aside as `*.abandoned`
+  one a run continues from, and everything an overwritten run left (its config.yaml and complete.json too),
+  are moved aside as `*.abandoned`
   (never picked up by resume=auto, never pruned by keep_last_n; delete them when you no longer need them).
   The metrics and sample lines after the step a run continues from are kept in a copy, `metrics.jsonl.abandoned`
   (`samples.jsonl.abandoned`);
@@ -33,26 +39,37 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+from omegaconf import OmegaConf
+
 from chattune.config.paths import save_resolved_config
 from chattune.config.schema import SFTConfig
+from chattune.config.typed import config_dict
 from chattune.distributed import ParallelDims, broadcast_from_main
-from chattune.errors import UserError
-from chattune.files import ABANDONED, aside_name, set_aside
+from chattune.errors import NothingToDo, UserError
+from chattune.files import ABANDONED, aside_name, set_aside, write_atomically
 from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_manifest
-from chattune.train.resume import AcceptedChanges, ResumeError, check_resumable, run_fingerprint, run_identity
+from chattune.train.resume import (
+    AcceptedChanges,
+    ResumeError,
+    check_resumable,
+    differences,
+    run_fingerprint,
+    run_identity,
+    trajectory_keys,
+)
 from chattune.train.snapshot import complete_snapshots
 
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".chattune.lock"
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # one line per logged step (`chattune.train.metrics.start_step_log`)
-RESULTS = (
-    "checkpoints",
-    *STEP_LOGS,
-    "hf",
-    "adapter",
-    "ledger",
-)  # what a run leaves; config.yaml is rewritten at every start
+EXPORTS = ("hf", "adapter")  # what the end of a run writes (`chattune.model.export.export_run`)
+RESULTS = ("checkpoints", *STEP_LOGS, *EXPORTS, "ledger")  # what a run leaves
+CONFIG_FILE = "config.yaml"  # the resolved config, written at every start
+COMPLETE_FILE = "complete.json"  # written at the end of a run that reached it (`write_completion`)
+RECORDS = (CONFIG_FILE, COMPLETE_FILE)  # what says which run left the results: set aside with them
+_LISTED_DIFFERENCES = 5  # config differences named in a refusal
 
 
 class OutputDirInUse(UserError):
@@ -169,6 +186,8 @@ class LaunchDecision:
     start: StartingPoint
     move_aside: list[Path] = field(default_factory=list)  # renamed *.abandoned
     copy_aside: list[Path] = field(default_factory=list)  # copied *.abandoned (an abandoned trajectory's full curve)
+    notes: list[str] = field(default_factory=list)  # what the launch tells (a run started again)
+    complete: str | None = None  # the run is complete and the launch has nothing to do: what to say
 
 
 def decide_launch(cfg: SFTConfig, identity: dict) -> LaunchDecision:
@@ -185,8 +204,15 @@ def decide_launch(cfg: SFTConfig, identity: dict) -> LaunchDecision:
         source = None
     elif cfg.resume == "auto":
         source = find_latest(checkpoints)
+        if (complete := completion(cfg, identity, source)) is not None:
+            return LaunchDecision(StartingPoint(identity=identity), complete=complete)
     else:
         source = Path(cfg.resume)
+        if not source.exists():
+            raise ResumeError(
+                f"resume={cfg.resume}: {source} does not exist. Give a checkpoint directory (OUTPUT_DIR/checkpoints/"
+                "step_N), or resume=auto for the newest checkpoint of output_dir"
+            )
         try:
             read_manifest(source)
         except (OSError, ValueError) as error:
@@ -199,6 +225,7 @@ def decide_launch(cfg: SFTConfig, identity: dict) -> LaunchDecision:
     accepted = check_resumable(source, identity, cfg) if source is not None else AcceptedChanges()
     decision = LaunchDecision(StartingPoint(source, accepted, identity, saved))
     previous = previous_results(output_dir)
+    records = [output_dir / name for name in RECORDS if (output_dir / name).is_file()]
     if source is not None and source.resolve().parent == checkpoints.resolve():
         # Continuing from an older checkpoint of this directory abandons what came after it: its later
         # checkpoints (which resume=auto and keep_last_n would otherwise prefer) and its final export.
@@ -206,26 +233,116 @@ def decide_launch(cfg: SFTConfig, identity: dict) -> LaunchDecision:
             c for c in committed_checkpoints(checkpoints) if read_manifest(c)["step"] > saved["step"]
         ]
         if decision.move_aside:
-            decision.move_aside += [p for p in (output_dir / "hf", output_dir / "adapter") if p.exists()]
+            decision.move_aside += [
+                output_dir / name for name in (*EXPORTS, COMPLETE_FILE) if (output_dir / name).exists()
+            ]
         # kept up to `step`: the rest in a copy
         decision.copy_aside = [
             output_dir / name for name in STEP_LOGS if logged_after(output_dir / name, saved["step"])
         ]
-    elif previous:  # a fresh start, or another directory's checkpoint continued, in a used directory
-        if not cfg.overwrite:
+    elif previous or cfg.overwrite and records:  # a fresh start, or another directory's checkpoint, in a used directory
+        if cfg.resume == "auto" and source is None and not cfg.overwrite:
+            refusal = _restart_refusal(cfg, previous)
+            if refusal is not None:
+                raise OutputDirInUse(
+                    f"output_dir {output_dir} holds an earlier run's results ({', '.join(previous)}) and no checkpoint "
+                    f"to continue from (resume=auto), and {refusal}: start over here with overwrite=true (its files "
+                    f"are moved aside as *{ABANDONED}, not deleted), or choose another output_dir."
+                )
+            decision.notes.append(
+                f"output_dir {output_dir}: this run's earlier launch (the same config) committed no checkpoint: "
+                f"starting it again from step 0, its files ({', '.join(previous)}) moved aside as *{ABANDONED}"
+            )
+        elif not cfg.overwrite:
             what = (
                 "nothing to continue from"
                 if source is None
                 else f"a checkpoint of another directory to continue ({source})"
             )
+            latest = find_latest(checkpoints)
+            resume = (
+                f"Continue that run with resume=auto (its newest checkpoint, {latest}) or resume=PATH to one of its "
+                "checkpoints; "
+                if latest is not None
+                else ""
+            )
             raise OutputDirInUse(
                 f"output_dir {output_dir} holds an earlier run's results ({', '.join(previous)}), and this launch has "
-                f"{what} (resume={cfg.resume}). Continue that run with resume=auto or resume=PATH to one of its "
-                f"checkpoints; start over here with overwrite=true (its files are moved aside as *{ABANDONED}, not "
-                "deleted); or choose another output_dir."
+                f"{what} (resume={cfg.resume}). {resume}start over here with overwrite=true (its files are moved aside "
+                f"as *{ABANDONED}, not deleted); or choose another output_dir."
             )
-        decision.move_aside = [output_dir / name for name in previous]
+        decision.move_aside = [output_dir / name for name in previous] + records
     return decision
+
+
+def _restart_refusal(cfg: SFTConfig, previous: list[str]) -> str | None:
+    """Why a launch with resume=auto must not start again the earlier run whose `previous` results, and no
+    checkpoint, are in output_dir (None: it may). Only the same run may be started again: its config.yaml is this
+    launch's config (its free keys aside: logging, saving, evaluating), and it had not ended (no export)."""
+    saved = Path(cfg.output_dir) / CONFIG_FILE
+    if not saved.is_file():
+        return f"no {CONFIG_FILE} says which run left them"
+    try:
+        earlier = trajectory_keys(yaml.safe_load(saved.read_text()) or {})
+    except (OSError, yaml.YAMLError) as error:
+        return f"its {CONFIG_FILE} cannot be read to tell whether it is this run ({type(error).__name__})"
+    now = trajectory_keys(yaml.safe_load(OmegaConf.to_yaml(config_dict(cfg))))  # as config.yaml writes it
+    changed = [d.text for d in differences({"config": earlier}, {"config": now})]
+    if changed:
+        more = f"; and {len(changed) - _LISTED_DIFFERENCES} more" if len(changed) > _LISTED_DIFFERENCES else ""
+        return f"that run's {CONFIG_FILE} is another config ({'; '.join(changed[:_LISTED_DIFFERENCES])}{more})"
+    if exported := [name for name in EXPORTS if name in previous]:
+        return f"that run ended: its export ({', '.join(exported)}) is there"
+    return None
+
+
+def completion(cfg: SFTConfig, identity: dict, latest: Path | None) -> str | None:
+    """What to say when output_dir holds this very run, complete (its `complete.json` has this launch's fingerprint
+    and export settings, its exports are there, no checkpoint is newer than its end): a relaunch has nothing to
+    do. None otherwise. `latest`: the newest committed checkpoint of output_dir."""
+    output_dir = Path(cfg.output_dir)
+    try:
+        record = json.loads((output_dir / COMPLETE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    exports = [output_dir / name for name in record.get("exports", [])]
+    if (
+        differences(record.get("fingerprint", {}), identity["fingerprint"])
+        or record.get("export") != config_dict(getattr(cfg, "export", None))
+        or not exports
+        or not all(path.is_dir() for path in exports)
+        or latest is not None
+        and read_manifest(latest)["step"] > record["step"]
+    ):
+        return None
+    horizon = "data.num_epochs" if cfg.data.num_epochs is not None and record["step"] < cfg.max_steps else "max_steps"
+    further = (
+        f"To train further raise {horizon} (the run continues from {latest}); to train it again, start over with "
+        if latest is not None
+        else "To train it again, start over with "
+    )
+    return (
+        f"output_dir {output_dir} holds this run, complete: trained to step {record['step']} and exported to "
+        f"{', '.join(map(str, exports))}. Nothing to do. {further}overwrite=true (its files are moved aside as "
+        f"*{ABANDONED}, not deleted)."
+    )
+
+
+def write_completion(cfg: SFTConfig, manifest: dict, step: int, exports: list[str]) -> None:
+    """Rank 0, at the end of a run: `complete.json`, what says that the run in output_dir reached its end
+    (`completion`): its last step, its identity (`manifest`: world size and fingerprint), its export settings
+    and the exports written. One an earlier trajectory left is set aside first."""
+    path = Path(cfg.output_dir) / COMPLETE_FILE
+    if path.exists():
+        set_aside(path)
+    record = {
+        "step": step,
+        "exports": exports,
+        "export": config_dict(getattr(cfg, "export", None)),
+        "world_size": manifest.get("world_size"),
+        "fingerprint": manifest.get("fingerprint", {}),
+    }
+    write_atomically(path, json.dumps(record, indent=1).encode())
 
 
 def _intact_before(source: Path, step: int) -> str:
@@ -263,9 +380,10 @@ _lock: OutputDirLock | None = None  # this process's lock, held until it exits
 def claim_output_dir(cfg: SFTConfig, dims: ParallelDims) -> StartingPoint:
     """Collective, before anything is loaded or written: rank 0 locks `output_dir`, decides what the
     launch continues (refusing what it must not), moves aside what another trajectory left and writes
-    config.yaml. Every rank gets the same decision, or raises the same error."""
+    config.yaml. Every rank gets the same decision, or raises the same error (`NothingToDo` for a complete
+    run relaunched: nothing touched)."""
     global _lock
-    outcome: StartingPoint | UserError | None = None
+    outcome: StartingPoint | UserError | NothingToDo | None = None
     if dims.is_main:
         output_dir = Path(cfg.output_dir)
         created = not output_dir.exists()
@@ -276,17 +394,23 @@ def claim_output_dir(cfg: SFTConfig, dims: ParallelDims) -> StartingPoint:
             for line in complete_snapshots(output_dir / "checkpoints"):  # a stop's snapshot, cut short by a kill
                 logger.warning("snapshot: %s", line)
             decision = decide_launch(cfg, run_identity(dims.world_size, run_fingerprint(cfg)))
-            for line in set_aside_abandoned(decision):
-                logger.warning("moved aside: %s", line)
-            outcome = decision.start
-            save_resolved_config(cfg, output_dir)
+            if decision.complete is not None:  # touched nothing, and will not
+                outcome = NothingToDo(decision.complete)
+                release_output_dir()
+            else:
+                for line in decision.notes:
+                    logger.warning("%s", line)
+                for line in set_aside_abandoned(decision):
+                    logger.warning("moved aside: %s", line)
+                outcome = decision.start
+                save_resolved_config(cfg, output_dir)
         except UserError as error:
             outcome = error
             release_output_dir()
             if created and output_dir.is_dir() and not any(output_dir.iterdir()):
                 output_dir.rmdir()  # a refused launch leaves no empty directory behind
     outcome = broadcast_from_main(outcome)
-    if isinstance(outcome, UserError):
+    if isinstance(outcome, (UserError, NothingToDo)):
         raise outcome
     return outcome
 

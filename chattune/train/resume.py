@@ -60,9 +60,13 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
+def trajectory_keys(config: dict) -> dict:
+    """A config's keys (flattened, dotted) that decide what its run trains: all but the free ones (`RUNTIME_KEYS`)."""
+    return {k: v for k, v in _flatten(config).items() if not _under(k, RUNTIME_KEYS)}
+
+
 def run_fingerprint(cfg: SFTConfig) -> dict:
-    config = _flatten(config_dict(cfg))
-    config = {k: v for k, v in config.items() if not _under(k, RUNTIME_KEYS)}
+    config = trajectory_keys(config_dict(cfg))
     # The chat template as its text: a template file (or a shipped one) edited under the same name renders other
     # documents. (null: the tokenizer's own, among the tokenizer files below.)
     config[TEMPLATE_KEY] = template_fingerprint(cfg.tokenizer.chat_template)

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from chattune.log import EACH_RANK
 from chattune.model.quantize import has_quantized_weight
 
 if TYPE_CHECKING:
@@ -165,7 +166,11 @@ def set_rng_state(state: dict) -> None:
     device = torch.cuda.current_device()
     if isinstance(cuda, (list, tuple)):  # checkpoints written before: every visible device's generator
         if device >= len(cuda):
-            logger.warning("the checkpoint holds no CUDA generator state for device %d; it is not restored", device)
+            logger.warning(
+                "the checkpoint holds no CUDA generator state for device %d; it is not restored",
+                device,
+                extra=EACH_RANK,
+            )
             return
         cuda = cuda[device]
     torch.cuda.set_rng_state(cuda, device)
