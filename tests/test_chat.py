@@ -339,3 +339,22 @@ def test_a_reward_model_is_refused_with_what_scores_with_it_and_its_run_suggests
     assert done_line(run, {"hf": run / "hf"}, scores=False) == (
         f"done: {run / 'hf'} (talk to it: chattune chat {run}; its curves: chattune plot {run})"
     )
+
+
+def test_the_last_line_says_the_plot_needs_matplotlib_where_it_is_not_installed(tmp_path, monkeypatch):
+    """README's first command installs chattune without matplotlib: the plot the last line suggests says how."""
+    import importlib.util
+
+    from chattune.train import loop
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name))
+    assert loop.done_line(tmp_path, {"hf": tmp_path / "hf"}, scores=False).endswith(
+        f"its curves: chattune plot {tmp_path}, after pip install matplotlib)"
+    )
+    from chattune.cli.plot import PlotError, plot_runs
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure raises ImportError
+    with pytest.raises(PlotError, match="chattune plot needs matplotlib, which chattune does not install itself: pip"):
+        plot_runs([tmp_path], tmp_path / "curves.png")

@@ -121,6 +121,6 @@ def _matplotlib():
         from matplotlib.figure import Figure
     except ImportError as error:
         raise PlotError(
-            'chattune plot needs matplotlib: pip install "chattune[plot]" (or pip install matplotlib)'
+            "chattune plot needs matplotlib, which chattune does not install itself: pip install matplotlib"
         ) from error
     return Figure, FigureCanvasAgg

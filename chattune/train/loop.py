@@ -18,6 +18,7 @@ first step to the last is the same story, so it is told once here (`train`) and 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import time
@@ -410,15 +411,15 @@ def done_line(output_dir: Path, written: dict[str, Path], scores: bool) -> str:
     """The last line of a complete run: its export, and what to do with it (`scores`: a reward model, which
     scores conversations and writes no reply: `chattune chat` is for the models that reply)."""
     exported = written.get("hf", written.get("adapter"))
+    curves = f"its curves: chattune plot {output_dir}"
+    if importlib.util.find_spec("matplotlib") is None:  # not in chattune's own requirements (the plot extra)
+        curves += ", after pip install matplotlib"
     if not scores:
-        return f"done: {exported} (talk to it: chattune chat {output_dir}; its curves: chattune plot {output_dir})"
+        return f"done: {exported} (talk to it: chattune chat {output_dir}; {curves})"
     loads = (
         f"AutoModelForSequenceClassification.from_pretrained('{exported}')"
         if "hf" in written
         else "PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(BASE, num_labels=1), "
         f"'{exported}')"
     )
-    return (
-        f"done: {exported} (a reward model: it scores conversations, with {loads}, docs/reward.md; its curves: "
-        f"chattune plot {output_dir})"
-    )
+    return f"done: {exported} (a reward model: it scores conversations, with {loads}, docs/reward.md; {curves})"
