@@ -207,6 +207,11 @@ CASES = {
         launch=True,
     ),
     "peft's own name for a key": Case(["peft=lora", "peft.r=8"], "peft.r: unknown key; did you mean peft.rank?"),
+    "a config the group does not have": Case(
+        ["peft=lorra"],
+        "peft: no config peft/lorra; did you mean peft=lora? (the configs of peft: lora, qlora)",
+        launch=True,
+    ),
     "Hydra's run directory": Case(
         ["hydra.run.dir={tmp}/elsewhere"],
         "hydra.run.dir: a run's directory is output_dir: set output_dir=DIR instead",
@@ -416,6 +421,9 @@ def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
         )
         == 1
     )
+    # the start says what the adapters of a random-init base (sft/tiny's) cannot be: loaded again
+    output = result.stdout + result.stderr
+    assert output.count("config note: peft: the adapters train on a random-init base built from model.config") == 1
 
 
 @pytest.mark.launch
@@ -433,13 +441,13 @@ def test_a_model_that_cannot_keep_packed_documents_apart_is_refused_at_start(tmp
         [
             sys.executable,
             "recipes/sft.py",
+            "max_steps=2",  # before Hydra's flag, as users write it: Hydra's usage message on every rank used to stop it
             "--config-name",
             "sft/local_model",
             f"model.path={model_dir}",
+            f"data.train=[{DEMO_ASSETS / 'chat_train.jsonl'}]",
             f"output_dir={tmp / 'out' / 'zaya'}",
-            "max_steps=2",
             "data.report_records=0",
-            "data.eval=[]",
             "model.fsdp.activation_checkpointing=false",
         ]
     )

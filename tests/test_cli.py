@@ -17,7 +17,7 @@ from test_sft_recipe import read_metrics
 
 from chattune.cli import catalog
 from chattune.cli.main import main
-from chattune.config.paths import CONFIG_DIR
+from chattune.config.paths import CONFIG_DIR, DEMO_ASSETS
 from conftest import PROJECT_ROOT, demo_tokenizer, launch, tiny_model
 
 RECIPES = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.py"))
@@ -162,7 +162,7 @@ def test_a_copied_config_that_builds_on_a_shipped_one_runs_with_the_builtin_reci
             "my_model",
             f"model.path={model_dir}",
             f"output_dir={out}",
-            "data.eval=[]",
+            f"data.train=[{DEMO_ASSETS / 'chat_train.jsonl'}]",  # (sft/local_model has no data of its own)
             *QUICK_RUN,
         ]
     )

@@ -294,3 +294,29 @@ def test_undecodable_bytes_name_the_record(tmp_path, tokenizer):
     assert documents.get(0).doc_id == 0
     with pytest.raises(DataError, match=r"latin1\.jsonl record 2 \(line 2\): not UTF-8 text \(byte 18 of the line"):
         documents.get(1)
+
+
+def test_a_record_broken_over_lines_is_placed_where_its_line_ends(tmp_path):
+    """A JSONL record broken after a comma used to be reported at column 1 (json placed the error on a line 2 of the
+    one line it parsed, its newline included); a .json file cut short, on the blank line after it."""
+    whole = json.dumps({"messages": [USER, ASSISTANT]})
+    cut = whole.index("}, ") + 2  # the first line stops after the user turn's comma
+    path = tmp_path / "broken.jsonl"
+    path.write_text(f"{whole}\n{whole[:cut]}\n{whole[cut:].lstrip()}\n")
+    _, where, error = RecordSource([SourceSpec(str(path))]).locate(1)
+    assert str(error) == (
+        f"{path} record 2 (line 2): unparseable JSON at column {cut + 1} (the end of the line: a record of a .jsonl "
+        "file is one whole line): Expecting value"
+    )
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(f"{whole[:cut]}\r\n".encode())
+    assert f"unparseable JSON at column {cut + 1} (the end" in str(RecordSource([SourceSpec(str(crlf))]).locate(0)[2])
+
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(f"[\n{whole},\n{whole[:cut]}\n\n")  # line 3 stops after its comma, two blank lines follow
+    with pytest.raises(DataError) as raised:
+        RecordSource([SourceSpec(str(truncated))])
+    assert str(raised.value).startswith(
+        f"{truncated}: unparseable JSON at line 3, column {cut + 1} (the end of the file: it ends before its JSON "
+        "does): Expecting value; "
+    )

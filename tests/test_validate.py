@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import shlex
 import subprocess
 import sys
 import typing
@@ -48,9 +49,12 @@ def test_sft_tiny_is_clean(tmp_path):
     assert (report, ok) == ("config OK", True)
 
 
+CHATS = f"data.train=[{DEMO_ASSETS / 'chat_train.jsonl'}]"  # the user's own chats, for sft/local_model
+
+
 def test_local_model_needs_a_model_directory(tmp_path, model_dir):
     # model.path: ??? does not replace sft/tiny's null when merged: the composed config holds null.
-    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}"], CONFIGS)
+    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", CHATS], CONFIGS)
     assert not ok
     assert problems(report) == [
         "model.path: required by sft/local_model (???), not set",
@@ -58,11 +62,11 @@ def test_local_model_needs_a_model_directory(tmp_path, model_dir):
         "model: neither model.path nor model.config is set",
     ]
 
-    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
+    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}", CHATS], CONFIGS)
     assert (report, ok) == ("config OK", True)
     report, ok = run_validate(
         "sft/local_model",
-        [f"output_dir={tmp_path}", f"model.path={model_dir}", "data.max_tokens_per_microbatch=65536"],
+        [f"output_dir={tmp_path}", f"model.path={model_dir}", CHATS, "data.max_tokens_per_microbatch=65536"],
         CONFIGS,
     )
     assert ok and report.splitlines()[0] == (
@@ -81,14 +85,14 @@ def test_local_model_needs_a_model_directory(tmp_path, model_dir):
     ]
 
     (model_dir / "config.json").unlink()
-    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}"], CONFIGS)
+    report, ok = run_validate("sft/local_model", [f"output_dir={tmp_path}", f"model.path={model_dir}", CHATS], CONFIGS)
     assert problems(report) == [f"model.path: '{model_dir}' has no config.json: not a Hugging Face model directory"]
 
 
 def test_a_model_directory_without_all_its_weights_is_a_problem_before_a_launch(tmp_path, model_dir):
     """A config.json is not a model: a directory whose weights never arrived, or whose index names shards that
     are missing (a download cut short), is named by validate, not by an OSError from deep in the loading."""
-    run = [f"output_dir={tmp_path / 'run'}", f"model.path={model_dir}"]
+    run = [f"output_dir={tmp_path / 'run'}", f"model.path={model_dir}", CHATS]
     (model_dir / "model.safetensors").unlink()
     report, ok = run_validate("sft/local_model", run, CONFIGS)
     assert not ok and problems(report) == [
@@ -124,6 +128,7 @@ def test_a_launch_on_a_model_directory_without_weights_says_so_in_one_block(tmp_
             "--config-name",
             "sft/local_model",
             f"model.path={model_dir}",
+            CHATS,
             f"tokenizer.path={DEMO_ASSETS / 'tokenizer'}",
             f"output_dir={tmp_path / 'run'}",
         ],
@@ -134,6 +139,150 @@ def test_a_launch_on_a_model_directory_without_weights_says_so_in_one_block(tmp_
     output = result.stdout + result.stderr
     assert result.returncode == 1 and "Traceback" not in output and "OSError" not in output
     assert output.count("chattune: error:") == 1 and f"'{model_dir}': it holds no model weights" in output
+
+
+@pytest.mark.parametrize("config", ["sft/local_model", "dpo/local_model", "kto/local_model", "reward/local_model"])
+def test_a_local_model_config_has_no_data_of_its_own_and_says_how_to_give_it(tmp_path, config):
+    """sft/local_model used to train a real model on sft/tiny's demo chats when data.train was left out ("config
+    OK"); like the other local_model configs it holds none, and the override its problem gives, with the example
+    path replaced by the user's file, is the config a run takes."""
+    from conftest import demo_tokenizer, tiny_config
+
+    model = tmp_path / "model"
+    tiny_config(max_position_embeddings=32768).save_pretrained(model)
+    demo_tokenizer().save_pretrained(model)
+    (model / "model.safetensors").touch()
+    run = [f"model.path={model}", f"output_dir={tmp_path / 'out'}"]
+    report, ok = run_validate(config, run, CONFIGS)
+    (line,) = problems(report)
+    given = "data.train: no data sources: training needs at least one; give your files, e.g. "
+    assert not ok and line.startswith(given)
+    (remedy,) = shlex.split(line.removeprefix(given))  # as a shell passes it
+    if config.startswith("sft/"):
+        assert remedy == "data.train=[/data/train.jsonl]"
+        data = DEMO_ASSETS / "chat_train.jsonl"
+    elif config.startswith("kto/"):
+        assert remedy == "data.train=[{path: /data/train.jsonl, format: unpaired}]"
+        data = tmp_path / "feedback.jsonl"
+        data.write_text(
+            "".join(
+                json.dumps({"prompt": "What is 2 + 2?", "completion": reply, "label": label}) + "\n"
+                for reply, label in (("4", True), ("5", False))
+            )
+        )
+    else:
+        assert remedy == "data.train=[{path: /data/train.jsonl, format: preference}]"
+        data = DEMO_ASSETS / "preference_train.jsonl"
+    report, ok = run_validate(config, [*run, remedy.replace("/data/train.jsonl", str(data))], CONFIGS, read_data=True)
+    assert (report, ok) == ("config OK", True)
+
+
+def test_an_architecture_the_launch_refuses_is_a_problem_before_it(tmp_path):
+    """BLOOM (ALiBi: each token's attention depends on its place in the row) passed validate and was refused by the
+    launch's start-up check; validate runs the same check, on the config alone."""
+    from hydra.utils import instantiate
+
+    from chattune.errors import UnsupportedModel
+    from chattune.model.architecture_check import check_architecture
+
+    bloom = "{_target_: transformers.BloomConfig, hidden_size: 64, n_layer: 2, n_head: 4}"
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", f"model.config={bloom}"], CONFIGS)
+    with pytest.raises(UnsupportedModel) as refused:  # what the launch says (chattune.model.build)
+        check_architecture(instantiate(OmegaConf.create(bloom)))
+    assert not ok and report.splitlines() == [f"model.config: {refused.value}", "1 problem(s)"]
+    assert str(refused.value).startswith("BloomForCausalLM does not keep packed documents apart.")
+
+    # An 8B-shaped config's miniature (two of its layers, a 1024-token vocabulary) is left to the launch: said.
+    width, inner, kv = 4096, 14336, 1024
+    layer = 2 * width * width + 2 * width * kv + 3 * width * inner + 2 * width
+    parameters = 2 * layer + 2 * 1024 * width + width  # untied input and output embeddings, the final norm
+    eight_b = (
+        "{_target_: transformers.LlamaConfig, hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, "
+        "num_attention_heads: 32, num_key_value_heads: 8, tie_word_embeddings: false}"
+    )
+    report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", f"model.config={eight_b}"], CONFIGS)
+    assert ok and report.splitlines() == [
+        f"note: model.config: its architecture is checked when the run starts: its miniature "
+        f"({parameters / 1e6:.0f}M parameters) takes too long to build here",
+        "config OK",
+    ]
+
+
+def test_a_typo_inside_model_config_gets_the_name_it_is_close_to(tmp_path):
+    """`model.config.hiden_size=64` got "add it with +model.config.hiden_size=64" (a Hugging Face config takes any
+    keyword: the typo would train in silence) and the right name only in a note. The override each problem
+    gives, as written, is the config a run takes."""
+    run = [f"output_dir={tmp_path}"]
+    for typo, problem in (
+        ("model.config.hiden_size=96", "did you mean model.config.hidden_size? (model.config.hidden_size=96)"),
+        # a named parameter of LlamaConfig that sft/tiny's section does not hold: added with "+"
+        (
+            "model.config.rms_norm_epss=1e-5",
+            "did you mean model.config.rms_norm_eps? (+model.config.rms_norm_eps=1e-5)",
+        ),
+    ):
+        key = typo.split("=")[0]
+        report, ok = run_validate("sft/tiny", [*run, typo], CONFIGS)
+        assert not ok and report.splitlines() == [f"{key}: unknown key; {problem}", "1 problem(s)"]
+        remedy = problem.rsplit("(", 1)[1].removesuffix(")")
+        assert run_validate("sft/tiny", [*run, remedy], CONFIGS) == ("config OK", True)
+    # A key close to no parameter is new: "+" adds it (passed on as an extra keyword, noted).
+    report, ok = run_validate("sft/tiny", [*run, "model.config.my_flag=1"], CONFIGS)
+    assert problems(report) == ["model.config.my_flag: not in the config; add it with +model.config.my_flag=1"]
+
+
+def test_a_config_group_choice_that_does_not_exist_gets_the_nearest(tmp_path):
+    """`peft=lorra` got Hydra's bare "Could not find 'peft/lorra'"; `peft=null`, a traceback (Hydra's ValueError)."""
+    run = [f"output_dir={tmp_path}"]
+    report, ok = run_validate("sft/tiny", [*run, "peft=lorra"], CONFIGS)
+    assert not ok and report.splitlines() == [
+        "peft: no config peft/lorra; did you mean peft=lora? (the configs of peft: lora, qlora)",
+        "1 problem(s)",
+    ]
+    assert run_validate("sft/tiny", [*run, "peft=lora", "export.merge=true"], CONFIGS) == ("config OK", True)
+    report, ok = run_validate("sft/tiny", [*run, "peft=null"], CONFIGS)
+    assert not ok and problems(report) == [
+        "peft: a config group is left out with ~peft, not peft=null (the configs of peft: lora, qlora)"
+    ]
+    assert run_validate("sft/tiny", [*run, "~peft"], CONFIGS) == ("config OK", True)
+
+
+def test_adapters_on_a_random_init_base_are_said_to_load_nowhere(tmp_path, model_dir):
+    """peft=lora with model.path null: the adapter names no base (saved nowhere) and the run's chat suggestion
+    failed on it; a note in validate and at the launch's start says so, and its two ways out take it away."""
+    note = (
+        "peft: the adapters train on a random-init base built from model.config, saved nowhere: output_dir/adapter "
+        "names no base, so neither chattune chat nor PeftModel.from_pretrained can load it. Start from a model "
+        "directory (model.path=DIR), or set export.merge=true to also write the base with the adapters merged "
+        "(output_dir/hf)"
+    )
+    run = [f"output_dir={tmp_path / 'out'}", "peft=lora"]
+    assert run_validate("sft/tiny", run, CONFIGS) == (f"note: {note}\nconfig OK", True)
+    assert check_config(compose_config("sft/tiny", run), SFT) == [note]  # what the recipe logs at its start
+    assert run_validate("sft/tiny", [*run, "export.merge=true"], CONFIGS) == ("config OK", True)
+    assert run_validate("sft/tiny", [*run, f"model.path={model_dir}"], CONFIGS) == ("config OK", True)
+
+
+def test_hydra_flags_after_overrides_are_put_first():
+    """`recipes/sft.py max_steps=3 --config-name sft/local_model data.eval=[]` stopped every rank with Hydra's usage
+    message; the recipe's launch puts Hydra's flags first, which Hydra's own parser then reads as the user meant."""
+    from hydra._internal.utils import get_args_parser
+
+    from chattune.launch.app import hydra_flags_first
+
+    words = ["max_steps=3", "--config-name", "sft/local_model", "data.eval=[]", "-m", "seed=1,2", "--cfg", "job"]
+    with pytest.raises(SystemExit):
+        get_args_parser().parse_args(words)
+    args = get_args_parser().parse_args(hydra_flags_first(words))
+    assert (args.config_name, args.multirun, args.cfg) == ("sft/local_model", True, "job")
+    assert args.overrides == ["max_steps=3", "data.eval=[]", "seed=1,2"]
+    assert hydra_flags_first(["--config-name=sft/tiny", "a=1", "-cp", "/configs", "b=2"]) == [
+        "--config-name=sft/tiny",
+        "-cp",
+        "/configs",
+        "a=1",
+        "b=2",
+    ]
 
 
 def test_dpo_tiny_is_clean_given_its_sft_model(tmp_path, model_dir):
@@ -159,7 +308,7 @@ def test_dpo_tiny_is_clean_given_its_sft_model(tmp_path, model_dir):
 SHIPPED_USES = {
     "sft/tiny": [("sft/tiny", [])],
     "dpo/tiny": [("dpo/tiny", [])],
-    "sft/local_model": [("sft/local_model", ["model.path={model}"])],
+    "sft/local_model": [("sft/local_model", ["model.path={model}", "data.train=[${{demo_asset:chat_train.jsonl}}]"])],
     "dpo/local_model": [
         (
             "dpo/local_model",
@@ -181,12 +330,14 @@ SHIPPED_USES = {
         )
     ],
     "peft/lora": [
-        ("sft/tiny", ["peft=lora"]),
+        ("sft/tiny", ["peft=lora", "export.merge=true"]),  # (a random-init base: its merged export is what loads)
         ("dpo/tiny", ["peft=lora"]),
         ("reward/tiny", ["peft=lora"]),
         ("kto/tiny", ["peft=lora"]),
     ],
-    "peft/qlora": [("sft/local_model", ["model.path={model}", "peft=qlora"])],  # CUDA with bitsandbytes only
+    "peft/qlora": [  # CUDA with bitsandbytes only
+        ("sft/local_model", ["model.path={model}", "data.train=[${{demo_asset:chat_train.jsonl}}]", "peft=qlora"])
+    ],
 }
 
 
@@ -240,7 +391,8 @@ def test_a_users_config_dir_building_on_dpo_tiny_and_its_required_keys(tmp_path,
     )
     assert problems(report) == [
         "data.overlong: 'split' is not one of drop, error",  # a DPO config: DPO's choices
-        "data.train: no data sources: training needs at least one",
+        "data.train: no data sources: training needs at least one; give your files, e.g. "
+        "'data.train=[{path: /data/train.jsonl, format: preference}]'",
     ]
 
 
@@ -609,7 +761,7 @@ def test_every_key_of_the_schema_has_a_meaning():
 def test_the_peft_group_and_its_keys(tmp_path):
     """peft=lora selects configs/peft/lora.yaml; its keys are checked like every other section's."""
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.rank=8"], CONFIGS)
-    assert (report, ok) == ("config OK", True)
+    assert ok and problems(report) == []
     assert OmegaConf.to_container(compose_config("sft/tiny", ["peft=lora"]).peft) == dataclasses.asdict(
         typing.get_type_hints(SCHEMAS["sft"])["peft"].__args__[0]()
     )
@@ -626,7 +778,7 @@ def test_the_peft_group_and_its_keys(tmp_path):
         [f"output_dir={tmp_path}", "peft=lora", "peft.use_dora=true", "peft.modules_to_save=[embed_tokens]"],
         CONFIGS,
     )
-    assert (report, ok) == ("config OK", True)
+    assert ok and problems(report) == []
     report, ok = run_validate(
         "sft/tiny", [f"output_dir={tmp_path}", "peft=lora", "peft.quantize_base=nf8", "peft.use_dora=maybe"], CONFIGS
     )
@@ -899,7 +1051,9 @@ def test_tensor_parallelism_is_checked_before_a_launch():
         "with heads/(tensor x context) of them",
         "parallel.tensor: 4 does not divide the model's 2 key-value heads: each rank holds 1/4 of them",
     ]
-    assert layout_problems(4, "parallel.tensor=2", "peft=lora") == []  # LoRA splits with its base layers
+    assert (
+        layout_problems(4, "parallel.tensor=2", "peft=lora", "export.merge=true") == []
+    )  # LoRA splits with its base layers
     assert layout_problems(4, "parallel.tensor=2", "peft=lora", "peft.use_dora=true") == [
         "peft.use_dora: DoRA's magnitudes need each output row's whole norm, which a row-wise split divides: set "
         "parallel.tensor=1 or drop peft.use_dora"
@@ -909,8 +1063,8 @@ def test_tensor_parallelism_is_checked_before_a_launch():
         "parallel.tensor=1 or drop peft.modules_to_save"
     ]
     # the remedies as written: the key dropped, or no split
-    assert layout_problems(4, "parallel.tensor=2", "peft=lora", "peft.use_dora=false") == []
-    assert layout_problems(4, "parallel.tensor=1", "peft=lora", "peft.use_dora=true") == []
+    assert layout_problems(4, "parallel.tensor=2", "peft=lora", "export.merge=true", "peft.use_dora=false") == []
+    assert layout_problems(4, "parallel.tensor=1", "peft=lora", "export.merge=true", "peft.use_dora=true") == []
     reward = compose_config("reward/tiny", ["model.path=null", "parallel.tensor=2", *four])
     assert check_config(reward, RECIPE_KINDS["reward"], world_size=4) == []  # its score head whole on every rank
     assert layout_problems(4, "parallel.tensor=2", "optimizer.in_backward=true", "max_grad_norm=null") == []

@@ -145,8 +145,10 @@ def _json_records(path: str) -> list:
     try:
         records = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:  # the file is one JSON value: no record can be skipped on its own
+        line, column, cut_short = json_error_position(error)
+        where = f"line {line}, column {column}" + (" (the end of the file: it ends before its JSON does)" * cut_short)
         raise DataError(
-            f"{path}: unparseable JSON at line {error.lineno}, column {error.colno}: {json_problem(error)}; "
+            f"{path}: unparseable JSON at {where}: {json_problem(error)}; "
             "a .json file is parsed whole, so data.on_bad_record cannot skip a part of it (in a .jsonl "
             "file, one record a line, data.on_bad_record=skip skips the lines that do not parse)"
         ) from error
@@ -159,16 +161,31 @@ def _json_records(path: str) -> list:
 
 def _parse_jsonl_record(where: str, file: BinaryIO, offset: int) -> dict | DataError:
     file.seek(offset)
-    line = file.readline()
+    line = file.readline().rstrip(b"\r\n")  # without its end: json would place an error there on a line 2, column 1
     try:
         entry = json.loads(line.decode("utf-8"))
     except json.JSONDecodeError as error:  # its own "line 1 column N" counts within this one line: say the column
-        return DataError(f"{where}: unparseable JSON at column {error.colno}: {json_problem(error)}")
+        _, column, cut_short = json_error_position(error)
+        end = " (the end of the line: a record of a .jsonl file is one whole line)" if cut_short else ""
+        return DataError(f"{where}: unparseable JSON at column {column}{end}: {json_problem(error)}")
     except UnicodeDecodeError as error:
         return DataError(f"{where}: not UTF-8 text (byte {error.start + 1} of the line: {error.reason})")
     if not isinstance(entry, dict):
         return DataError(f"{where}: a record must be a JSON object, got {type(entry).__name__}")
     return entry
+
+
+def json_error_position(error: json.JSONDecodeError) -> tuple[int, int, bool]:
+    """(line, column, whether the text ended first) of a JSON error, 1-based. Where the text ends before its value
+    does (a record broken over lines, a file cut short), json places the error past the last character, after any
+    trailing blank lines; the position given is then just after the last character that is not blank, where the
+    text stopped."""
+    text = error.doc
+    content = len(text.rstrip())
+    if error.pos < content:
+        return error.lineno, error.colno, False
+    line = text.count("\n", 0, content) + 1
+    return line, content - (text.rfind("\n", 0, content) + 1) + 1, True
 
 
 def json_problem(error: json.JSONDecodeError) -> str:

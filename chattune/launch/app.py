@@ -8,6 +8,8 @@ are printed once.
         main()
 
 On top of `hydra.main`:
+- Hydra's flags may come after overrides (`recipes/sft.py max_steps=3 --config-name sft/local_model`): they are
+  put first, as Hydra's parser needs them (`hydra_flags_first`);
 - a command line Hydra cannot compose (a typo'd key, a value it cannot parse, a config that does not
   exist) is reported as `chattune validate` reports it: every problem at once, an unknown key with the
   nearest valid one, instead of Hydra's first error and its advice to add the key with `+`;
@@ -59,6 +61,30 @@ def with_absolute_config_path(argv: list[str], recipe_file: Path) -> list[str]:
         else:
             out.append(word)
     return out
+
+
+def hydra_flags_first(words: list[str]) -> list[str]:
+    """A recipe's command-line `words` with Hydra's flags (and their values) before the overrides, each in its own
+    order: Hydra's parser takes the overrides as one run of words, so `max_steps=3 --config-name sft/local_model
+    data.eval=[]` stopped every rank with its usage message ("unrecognized arguments: data.eval=[]"), where the
+    user means the config and the overrides whatever their order. A word that is no flag Hydra knows stays where it
+    is, for Hydra to refuse."""
+    actions = {option: action for action in get_args_parser()._actions for option in action.option_strings}
+    flags: list[str] = []
+    overrides: list[str] = []
+    words = list(words)
+    while words:
+        word = words.pop(0)
+        if not word.startswith("-"):
+            overrides.append(word)
+            continue
+        flags.append(word)
+        action = actions.get(word)  # (a `--flag=value` word, or a word Hydra does not know, takes no other)
+        if action is None or not words:
+            continue
+        if action.nargs is None or (action.nargs == "?" and words[0] in (action.choices or ())):
+            flags.append(words.pop(0))
+    return [*flags, *overrides]
 
 
 def with_whole_sections(argv: list[str], default_config: str) -> list[str]:
@@ -157,6 +183,7 @@ def recipe_main(
             streams.keep_writing()  # a log reader that dies (`| tee` on Ctrl-C) must not take the run with it
             interrupts.install()  # a signal from here on stops the run after a step, with a checkpoint
             with report_errors():
+                sys.argv = [sys.argv[0], *hydra_flags_first(sys.argv[1:])]
                 sys.argv = with_absolute_config_path(sys.argv, recipe_file)
                 sys.argv = with_whole_sections(sys.argv, config_name)
                 check_command_line(sys.argv, config_name, kind)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths also registers ${demo_asset:...}
-from chattune.launch.findings import Findings, did_you_mean, dotted_keys, first_line, get_value
+from chattune.launch.findings import Findings, closest, did_you_mean, dotted_keys, first_line, get_value
 
 
 @contextmanager
@@ -133,6 +133,8 @@ def compose_reporting(
                 accepted.append(override)
             elif (unselected := _unselected_group(config_name, accepted, override, searched)) is not None:
                 findings.problem(override.lstrip("+~").split("=", 1)[0], unselected)
+            elif (unknown := _unknown_group_choice(override, searched)) is not None:
+                findings.problem(override.lstrip("+~").split("=", 1)[0], unknown)
             elif override[:1] not in "+~" and _try_compose(config_name, [*accepted, "+" + override])[0] is not None:
                 accepted.append("+" + override)
                 added[override.split("=", 1)[0]] = override
@@ -161,7 +163,7 @@ def _unselected_group(config_name: str, accepted: list[str], override: str, sear
     that one key.) None when the override is not of that kind."""
     key = override.lstrip("+~").split("=", 1)[0]
     group = key.split(".", 1)[0]
-    options = sorted({p.stem for d in searched if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
+    options = _group_configs(group, searched)
     if "." not in key or not options:
         return None
     cfg, _ = _try_compose(config_name, accepted)
@@ -173,10 +175,31 @@ def _unselected_group(config_name: str, accepted: list[str], override: str, sear
     )
 
 
+def _group_configs(group: str, searched: list[Path]) -> list[str]:
+    """The names of the configs of group `group` (configs/peft/*.yaml: lora, qlora) on the search path."""
+    return sorted({p.stem for d in searched if (d / group).is_dir() for p in (d / group).glob("*.yaml")})
+
+
+def _unknown_group_choice(override: str, searched: list[Path]) -> str | None:
+    """The problem of `GROUP=NAME` naming a config its group does not have (`peft=lorra`): the nearest of its
+    configs, and all of them. (Hydra says only "Could not find 'peft/lorra'".) None for any other override."""
+    group, equals, name = override.lstrip("+~").partition("=")
+    options = _group_configs(group, searched) if equals and "." not in group else []
+    if not options or name in options:
+        return None
+    if name == "null":  # (Hydra raises a ValueError for it)
+        return (
+            f"a config group is left out with ~{group}, not {group}=null (the configs of {group}: {', '.join(options)})"
+        )
+    nearest = closest(name, options)
+    hint = f"; did you mean {group}={nearest}?" if nearest else ""
+    return f"no config {group}/{name}{hint} (the configs of {group}: {', '.join(options)})"
+
+
 def _try_compose(config_name: str, overrides: list[str]) -> tuple[DictConfig | None, Exception | None]:
     try:
         return compose(config_name, overrides=overrides), None
-    except (HydraException, OmegaConfBaseException) as error:
+    except (HydraException, OmegaConfBaseException, ValueError) as error:  # ValueError: Hydra's, for `peft=null`
         return None, error
 
 

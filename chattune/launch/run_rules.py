@@ -42,12 +42,19 @@ HUB_NOTE = "downloaded once per node into the Hugging Face cache, or read from i
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files data.records.RecordSource reads itself
 SOURCE_KEYS = tuple(f.name for f in fields(SourceSpec))
+EXAMPLE_DATA_FILE = "/data/train.jsonl"  # the path of the data sources a message gives as an example
 
 
 def _cuda_available() -> bool:
     import torch  # only for a config that asks for a 4-bit base
 
     return torch.cuda.is_available()
+
+
+def runs_on_cuda(device: object, planned_gpu: bool = False) -> bool:
+    """Whether a run of `device` (the config's) computes on CUDA: cuda, or auto where there is (or, `planned_gpu`, is
+    planned to be) a GPU."""
+    return device == "cuda" or (device == "auto" and (planned_gpu or _cuda_available()))
 
 
 def output_dir_problem(directory: Path) -> str | None:
@@ -83,18 +90,19 @@ class RunRules:
 
     def on_cuda(self) -> bool:
         """Whether the run computes on CUDA: device=cuda, or auto where there is (or is planned to be) a GPU."""
-        device = get_value(self.values, "device")
-        return device == "cuda" or (device == "auto" and (self.planned_gpu or _cuda_available()))
+        return runs_on_cuda(get_value(self.values, "device"), self.planned_gpu)
 
     def sources(self, key: str, required: bool) -> None:
         sources = get_value(self.values, key)
         if sources is UNSET or (sources is None and not required):
             return
+        if required and not sources:  # null or [] (the local_model configs' own: the user's data, never the demo's)
+            self.findings.problem(
+                key, f"no data sources: training needs at least one; give your files, e.g. {self.example_sources(key)}"
+            )
+            return
         if not isinstance(sources, list):
             self.findings.problem(key, f"expected a list of data sources, got {show(sources)}")
-            return
-        if required and not sources:
-            self.findings.problem(key, "no data sources: training needs at least one")
             return
         accepted = self.kind.data
         formats = list(accepted.formats)
@@ -128,6 +136,13 @@ class RunRules:
                 self.findings.problem(f"{where}.path", f"a source needs a path, got {show(entry.get('path'))}")
             else:
                 self.data_path(where, entry["path"])
+
+    def example_sources(self, key: str) -> str:
+        """An override that sets `key` to one source of this recipe kind's first format, quoted for a shell (a bare
+        path is a messages file; another format is named)."""
+        fmt = self.kind.data.formats[0]
+        source = EXAMPLE_DATA_FILE if fmt == SourceSpec.format else f"{{path: {EXAMPLE_DATA_FILE}, format: {fmt}}}"
+        return f"'{key}=[{source}]'"
 
     def data_path(self, key: str, path: str) -> None:
         if Path(path).is_dir():
@@ -215,6 +230,21 @@ class RunRules:
             self.findings.problem(
                 "model.config", f"{target} rejects it: {lines[-1] if lines else type(cause).__name__}"
             )
+
+    def adapters_base(self) -> None:
+        """LoRA over a random-init base (model.path null): the base is saved nowhere, so the adapter alone can never be
+        loaded again (it names no base); said at the start, with the two ways to a model that loads."""
+        if not isinstance(get_value(self.values, "peft"), dict) or get_value(self.values, "model.path") is not None:
+            return
+        if get_value(self.values, "export.merge") is True:
+            return  # output_dir/hf holds the base with the adapters merged: that loads
+        self.findings.note(
+            "peft",
+            "the adapters train on a random-init base built from model.config, saved nowhere: output_dir/adapter "
+            "names no base, so neither chattune chat nor PeftModel.from_pretrained can load it. Start from a model "
+            "directory (model.path=DIR), or set export.merge=true to also write the base with the adapters merged "
+            "(output_dir/hf)",
+        )
 
     def steps_and_budget(self) -> None:
         """stop_after_step within the run, a warm-up or save interval longer than it (notes), a budget that padding

@@ -216,6 +216,8 @@ class SchemaChecks:
                 hint = f"; did you mean {key}.{match}?" if match else ""
                 if accepts_any:
                     self.findings.note(child, f"not a named parameter of {name} (passed on as an extra keyword){hint}")
+                    if match:
+                        self.findings.near_misses[child] = f"{key}.{match}"
                 else:
                     self.findings.problem(
                         child, f"unknown key{hint}" if hint else f"unknown key: not a parameter of {name}"

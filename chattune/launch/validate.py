@@ -5,8 +5,10 @@ reported at once, one line each ("key: problem"), without loading a model.
 The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against the schema), `run_rules`
 (the run's own rules), `findings` (the lines). What is checked:
 
-- composition: a config name that does not exist, an override Hydra cannot parse or apply (an override
-  of a key that is not in the config is retried as `+key=value`, so it is reported as below), a key the
+- composition: a config name that does not exist, a config group's choice that does not exist (`peft=lorra`: the
+  nearest of its configs), an override Hydra cannot parse or apply (an override
+  of a key that is not in the config is retried as `+key=value`, so it is reported as below: the key a typo is
+  close to, or how to add a new one), a key the
   config file marks ??? and no override sets (`chattune validate` only: the composed config cannot
   tell, as merging keeps the value of the config it builds on);
 - keys: the valid keys of a recipe are those of its kind's schema (`chattune.launch.recipe_kinds`:
@@ -35,6 +37,9 @@ The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against t
   output_dir must be writable and not locked by a live run, and what a launch would continue is
   decided as the launch decides it (`chattune.train.output_dir.decide_launch`: the resume's checks against the
   checkpoint, an earlier run that only overwrite=true may replace);
+- `chattune validate` only: a model built from model.config gets the launch's start-up architecture check
+  (`check_architecture_of`: a miniature of it, no data, no weights), so that what a launch would refuse is
+  refused here;
 - `chattune validate` only: the tokenizer is loaded (it must have a chat template) and the first
   `FIRST_RECORDS` records of every source are read as the recipe reads them (an empty or malformed
   file, a bad record), and data.eval_split is checked against the training sources' numbers of records
@@ -42,17 +47,20 @@ The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against t
 
 Notes (not problems): hub ids, a microbatch budget above the max_position_embeddings of model.path
 (documents that long get positions the model was not trained on), unknown HF config keys, an unused
-reference.path, the checkpoint `chattune validate` would resume from and the ranks it needs, what a
+reference.path, LoRA adapters over a random-init base (which nothing can load again), the checkpoint `chattune
+validate` would resume from and the ranks it needs, what a
 resume would accept and what would be moved aside, records of the first ones that would be skipped.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from chattune.config.paths import RECIPES_DIR
 from chattune.config.typed import typed_config
@@ -61,7 +69,7 @@ from chattune.launch.compose import compose_reporting, required_keys
 from chattune.launch.findings import ConfigError, Findings, format_report
 from chattune.launch.memory_plan import MemoryPlan, memory_table
 from chattune.launch.recipe_kinds import RECIPE_KINDS, RecipeKind, RecipeKindError, kind_of_config
-from chattune.launch.run_rules import RunRules
+from chattune.launch.run_rules import RunRules, runs_on_cuda
 from chattune.launch.schema_checks import SchemaChecks, plain_values
 
 
@@ -165,9 +173,11 @@ def validate_command(
         findings.problems = [
             line for line in findings.problems if line.split(":", 1)[0] not in unset or line.endswith("(???), not set")
         ]
-        for key, override in added.items():  # valid keys, but Hydra adds a key only with "+"
+        for key, override in added.items():  # keys Hydra adds only with "+": new ones, or typos of a known one
             if not findings.has_problem(key):
-                findings.problem(key, f"not in the config; add it with +{override}")
+                findings.problem(key, added_key_problem(key, override, cfg, findings))
+        if not findings.problems:
+            check_architecture_of(cfg, findings, runs_on_cuda(cfg.device, planned_gpu))
         if read_data and not findings.problems:
             read_first_records(cfg, kind, findings)
         if memory is not None and not findings.problems:
@@ -177,6 +187,20 @@ def validate_command(
     return findings
 
 
+def added_key_problem(key: str, override: str, cfg: DictConfig, findings: Findings) -> str:
+    """The problem of an override whose `key` is not in the config (Hydra takes it only as `+key=value`): the key it
+    is close to where there is one (a typo inside model.config is passed on to the config class as an extra keyword,
+    which "+" would only make silent), its note then dropped; else how to add it."""
+    meant = findings.near_misses.get(key)
+    if meant is None:
+        return f"not in the config; add it with +{override}"
+    findings.notes = [note for note in findings.notes if not note.startswith(f"{key}:")]
+    section, _, name = meant.rpartition(".")
+    present = name in (OmegaConf.select(cfg, section, default=None) or {})
+    corrected = ("" if present else "+") + meant + override[len(key) :]
+    return f"unknown key; did you mean {meant}? ({corrected})"
+
+
 def other_kind_hint(config_name: str, checked_as: RecipeKind) -> str:
     """How to check a config whose kind came from the config it builds on as another kind's: a copy of dpo/tiny
     (which builds on sft/tiny) saved outside a dpo/ directory is checked as SFT."""
@@ -184,6 +208,58 @@ def other_kind_hint(config_name: str, checked_as: RecipeKind) -> str:
     return f"if {config_name} is a config of another recipe, check it with that recipe: " + "; ".join(
         f"chattune validate --recipe {RECIPES_DIR / kind.recipe_file} ... (a {kind.name} config)" for kind in others
     )
+
+
+# A miniature larger than this is left to the launch's own check: building and probing it takes seconds per hundred
+# million parameters on a CPU (an 8B-shaped config's miniature holds 436M: half a minute on 2 busy cores).
+ARCHITECTURE_CHECK_PARAMETERS = 50_000_000
+
+
+def check_architecture_of(cfg: DictConfig, findings: Findings, on_cuda: bool) -> None:
+    """The architecture check a launch runs at start-up (`chattune.model.architecture_check`: a random-init
+    miniature of the model's class and config, probed for what would train wrong), for a model built from
+    model.config: what the launch would refuse (BLOOM's ALiBi lets packed documents see each other) is a problem
+    here, found from the config alone (no data, no weights). A model directory's architecture is checked when the
+    launch builds it, as is a miniature over ARCHITECTURE_CHECK_PARAMETERS (said in a note)."""
+    if cfg.model.path is not None or not isinstance(cfg.model.config, DictConfig):
+        return
+    from chattune.model.fsdp import compute_dtype
+
+    config = json.dumps(OmegaConf.to_container(cfg.model.config, resolve=True), sort_keys=True)
+    dtype = compute_dtype(cfg.model.fsdp.param_dtype, "cuda" if on_cuda else "cpu")
+    outcome = _architecture_outcome(config, dtype)
+    if isinstance(outcome, int):
+        findings.note(
+            "model.config",
+            f"its architecture is checked when the run starts: its miniature ({outcome / 1e6:.0f}M parameters) "
+            "takes too long to build here",
+        )
+    elif outcome is not None:
+        findings.problem("model.config", outcome)
+
+
+@functools.lru_cache(maxsize=32)
+def _architecture_outcome(config: str, dtype: str) -> str | int | None:
+    """What the launch's architecture check says of the model.config `config` (JSON) in `dtype`: None where it
+    passes, the refusal, or the miniature's number of parameters where it is too large to check here."""
+    from hydra.utils import instantiate
+
+    from chattune.errors import UnsupportedModel
+    from chattune.model.activation_trace import meta_model
+    from chattune.model.architecture_check import check_architecture, miniature_config
+
+    hf_config = instantiate(json.loads(config), _convert_="all")  # as the launch builds it
+    try:
+        size = sum(p.numel() for p in meta_model(miniature_config(hf_config)).parameters())
+    except Exception:  # a model that does not build: the check below says why, as the launch would
+        size = 0
+    if size > ARCHITECTURE_CHECK_PARAMETERS:
+        return size
+    try:
+        check_architecture(hf_config, compute_dtype=dtype)
+    except UnsupportedModel as refusal:
+        return str(refusal)
+    return None
 
 
 FIRST_RECORDS = 8  # records `chattune validate` reads of each source
@@ -252,6 +328,7 @@ def find_problems(
     rules.sources("data.eval", required=False)
     rules.paths()
     rules.model_config()
+    rules.adapters_base()
     schema.bounds()
     rules.steps_and_budget()
     rules.quantized_base()
