@@ -352,6 +352,21 @@ def test_the_last_line_says_the_plot_needs_matplotlib_where_it_is_not_installed(
     assert loop.done_line(tmp_path, {"hf": tmp_path / "hf"}, scores=False).endswith(
         f"its curves: chattune plot {tmp_path}, after pip install matplotlib)"
     )
+    # adapters on a random-init base (peft=lora, model.path null): nothing can load them, so no chat is suggested
+    unloadable = loop.done_line(tmp_path, {"adapter": tmp_path / "adapter"}, scores=False, base_saved=False)
+    assert "chattune chat" not in unloadable and "so nothing can load this adapter: train with export.merge=true" in (
+        unloadable
+    )
+    merged = loop.done_line(tmp_path, {"adapter": tmp_path / "adapter", "hf": tmp_path / "hf"}, False, base_saved=False)
+    assert merged.startswith(f"done: {tmp_path / 'hf'} (talk to it: chattune chat {tmp_path};")
+    # chattune export says the same of what it wrote
+    from chattune.cli.export import Exported
+
+    assert Exported({"hf": tmp_path / "hf"}, scores=False, base_saved=True).next_step() == (
+        f"talk to it: chattune chat {tmp_path / 'hf'}"
+    )
+    assert "chattune chat" not in Exported({"hf": tmp_path / "hf"}, scores=True, base_saved=True).next_step()
+    assert "nothing can load this adapter" in Exported({"adapter": tmp_path}, False, base_saved=False).next_step()
     from chattune.cli.plot import PlotError, plot_runs
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')

@@ -43,6 +43,7 @@ def test_a_checkpoint_exports_as_its_run_ended_and_loads_in_stock_transformers(t
     assert newest.returncode == 0, newest.stderr[-3000:]
     same_files(out / "exports" / "step_6" / "hf", out / "hf")
     assert f"chattune export: hf: {out}/exports/step_6/hf" in newest.stderr
+    assert newest.stderr.splitlines()[-1] == f"talk to it: chattune chat {out}/exports/step_6/hf"
 
     (tmp_path / "chats.jsonl").unlink()  # the data, which an export does not read, may be gone
     earlier = export(out / "checkpoints" / "step_2", "--to", tmp_path / "two")

@@ -44,6 +44,7 @@ def test_a_cached_hub_model_trains_offline_on_two_ranks_and_its_adapter_names_th
         "sft/local_model",
         f"model.path=hf:{REPO}",
         f"output_dir={out}",
+        "data.train=[${demo_asset:chat_train.jsonl}]",
         "data.eval=[]",
         "max_steps=2",
         "save_every=0",
@@ -65,10 +66,13 @@ def test_a_cached_hub_model_trains_offline_on_two_ranks_and_its_adapter_names_th
 @pytest.mark.launch
 def test_hub_paths_validate_and_fail_clearly(tmp_path, monkeypatch):
     configs = PROJECT_ROOT / "configs"
-    report, ok = run_validate("sft/local_model", [f"model.path=hf:{REPO}", f"output_dir={tmp_path / 'out'}"], configs)
+    data = "data.train=[${demo_asset:chat_train.jsonl}]"
+    report, ok = run_validate(
+        "sft/local_model", [f"model.path=hf:{REPO}", data, f"output_dir={tmp_path / 'out'}"], configs
+    )
     assert ok and f"note: model.path: 'hf:{REPO}': a hub model (downloaded once per node" in report
     report, ok = run_validate(
-        "sft/local_model", ["model.path=Qwen/Qwen3-0.6B", f"output_dir={tmp_path / 'out'}"], configs
+        "sft/local_model", ["model.path=Qwen/Qwen3-0.6B", data, f"output_dir={tmp_path / 'out'}"], configs
     )
     assert (
         not ok
@@ -82,6 +86,7 @@ def test_hub_paths_validate_and_fail_clearly(tmp_path, monkeypatch):
         "sft/local_model",
         "model.path=hf:chattune-test/absent",
         f"output_dir={tmp_path / 'absent'}",
+        data,
         "data.eval=[]",
         "max_steps=2",
         env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty_cache")},

@@ -564,3 +564,9 @@ def test_a_vocab_size_written_in_model_config_is_kept_by_the_run_and_the_estimat
     with pytest.raises(UserError) as plan:
         _plan("sft/tiny", [*SMALL_MODEL, "+model.config.vocab_size=512"], device_memory="24GiB")
     assert str(run.value) == str(plan.value) == refusal
+    # plain validate (no plan) says it too, where it loads the tokenizer: before a launch, not at it
+    from chattune.config.paths import CONFIG_DIR
+    from chattune.launch.validate import run_validate
+
+    report, ok = run_validate("sft/tiny", [*SMALL_MODEL, "+model.config.vocab_size=512"], CONFIG_DIR, read_data=True)
+    assert not ok and refusal in report, report

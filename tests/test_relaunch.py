@@ -60,6 +60,8 @@ def test_the_same_run_relaunched_after_a_stop_that_saved_nothing_starts_again_an
         f"output_dir {out}: this run's earlier launch (the same config) committed no checkpoint: starting it again "
         "from step 0, its files (checkpoints, metrics.jsonl) moved aside as *.abandoned"
     ]
+    report, ok = run_validate("sft/tiny", [f"output_dir={out}"], CONFIGS)  # validate tells what the launch does
+    assert ok and f"note: output_dir: {decision.notes[0]}" in report, report
     # Where and how often it logs, saves and evaluates are not the run: a requeue that changes them starts again too.
     relaunched = sft_config(out, "log_every=1", "save_every=7")
     assert decide_launch(relaunched, identity(relaunched)).notes
@@ -125,6 +127,8 @@ def test_a_complete_run_relaunched_has_nothing_to_do_and_another_horizon_continu
         "overwrite=true (its files are moved aside as *.abandoned, not deleted)."
     )
     assert decision.move_aside == decision.copy_aside == [] and decision.start.resume_from is None
+    report, ok = run_validate("sft/tiny", [f"output_dir={out}", "max_steps=6", "save_every=3"], CONFIGS)
+    assert ok and f"note: output_dir: output_dir {out} holds this run, complete" in report, report
 
     # The remedies as written: a raised max_steps continues from that checkpoint, overwrite=true starts over.
     longer = sft_config(out, "max_steps=8", "save_every=3")

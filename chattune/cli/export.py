@@ -27,9 +27,29 @@ logger = logging.getLogger(__name__)
 RUN_CONFIG = "config.yaml"  # what a run writes into its output_dir: its resolved config
 
 
-def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Path]:
-    """Export `checkpoint` (a `step_N` directory, or a run's output_dir: its newest) into `to`; what was
-    written, by name ("hf", "adapter")."""
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What an export wrote, by name ("hf", "adapter"), and what can be done with it."""
+
+    written: dict[str, Path]
+    scores: bool  # a reward model: it scores conversations and writes no reply
+    base_saved: bool  # False: adapters on a random-init base, which nothing can load again (unless merged)
+
+    def next_step(self) -> str:
+        """What to do with the export, as the end of its run says it (`chattune.train.loop.done_line`)."""
+        exported = self.written.get("hf", self.written.get("adapter"))
+        if not self.base_saved and "hf" not in self.written:
+            return (
+                "its base is a random-init model saved nowhere, so nothing can load this adapter (a run with "
+                "export.merge=true writes the merged model)"
+            )
+        if self.scores:
+            return "a reward model: it scores conversations, with AutoModelForSequenceClassification (docs/reward.md)"
+        return f"talk to it: chattune chat {exported}"
+
+
+def export_checkpoint(checkpoint: Path, to: Path | None = None) -> Exported:
+    """Export `checkpoint` (a `step_N` directory, or a run's output_dir: its newest) into `to`."""
     from chattune.config.typed import typed_config
     from chattune.distributed import init_distributed, shutdown_distributed
     from chattune.launch.recipe_kinds import REWARD
@@ -69,7 +89,8 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> dict[str, Pat
         weights.add("model", ModelWeights(built.model), sharded=True)
         load_sharded(checkpoint, weights)  # the model's part alone; DCP reshards it to this one process
         logger.info("read the weights of step %d from %s", step, checkpoint)
-        return export_run(cfg, built, tokenizer, to, dims.is_main)
+        written = export_run(cfg, built, tokenizer, to, dims.is_main)
+        return Exported(written, scores=kind is REWARD, base_saved=cfg.peft is None or cfg.model.path is not None)
     finally:
         shutdown_distributed()
 

@@ -290,10 +290,10 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from chattune.log import setup_logging
 
     setup_logging(0)
-    written = export_checkpoint(args.checkpoint, args.to)
-    for name, path in written.items():
+    exported = export_checkpoint(args.checkpoint, args.to)
+    for name, path in exported.written.items():
         print(f"chattune export: {name}: {path}", file=sys.stderr)
-    print(f"talk to it: chattune chat {written.get('hf', written.get('adapter'))}", file=sys.stderr)
+    print(exported.next_step(), file=sys.stderr)
     return 0
 
 

@@ -539,6 +539,11 @@ class RunRules:
             key = "resume" if isinstance(error, ResumeError) else "output_dir"
             self.findings.problem(key, str(error))
             return
+        if decision.complete is not None:  # the launch would change nothing
+            self.findings.note("output_dir", decision.complete)
+            return
+        for line in decision.notes:  # e.g. a run that committed no checkpoint, started again
+            self.findings.note("output_dir", line)
         start = decision.start
         if start.resume_from is not None:
             saved = start.checkpoint_manifest

@@ -279,6 +279,13 @@ def read_first_records(cfg: DictConfig, kind: RecipeKind, findings: Findings, co
     except UserError as error:
         findings.problems.append(str(error))  # it names tokenizer.path or tokenizer.chat_template
         return
+    if cfg.model.path is None:  # a random-init model: the vocabulary its config writes must hold the tokenizer's ids
+        from chattune.model.causal_lm import written_vocab_size
+
+        try:
+            written_vocab_size(cfg.model.config, len(tokenizer))
+        except UserError as error:
+            findings.problems.append(str(error))  # "model.config.vocab_size: ..."
     data, context = cfg.data, cfg.parallel.context
     context = context if isinstance(context, int) and context >= 1 else 1  # (an invalid one is reported already)
     train_sizes: list[tuple[str, int]] = []  # (name, records) of each readable training source, for data.eval_split

@@ -404,16 +404,23 @@ def finish(
         write_completion(cfg, run.checkpointer.manifest, step, sorted(written))
     interrupts.stop_over()  # (a signal in the last step: its export is written)
     release_output_dir()
-    logger.info("%s", done_line(output_dir, written, scores=isinstance(built.model, PackedSequenceScorer)))
+    scores, base_saved = isinstance(built.model, PackedSequenceScorer), cfg.peft is None or cfg.model.path is not None
+    logger.info("%s", done_line(output_dir, written, scores=scores, base_saved=base_saved))
 
 
-def done_line(output_dir: Path, written: dict[str, Path], scores: bool) -> str:
+def done_line(output_dir: Path, written: dict[str, Path], scores: bool, base_saved: bool = True) -> str:
     """The last line of a complete run: its export, and what to do with it (`scores`: a reward model, which
-    scores conversations and writes no reply: `chattune chat` is for the models that reply)."""
+    scores conversations and writes no reply: `chattune chat` is for the models that reply; not `base_saved`:
+    adapters on a random-init base, which no one can load again unless merged into it)."""
     exported = written.get("hf", written.get("adapter"))
     curves = f"its curves: chattune plot {output_dir}"
     if importlib.util.find_spec("matplotlib") is None:  # not in chattune's own requirements (the plot extra)
         curves += ", after pip install matplotlib"
+    if not base_saved and "hf" not in written:
+        return (
+            f"done: {exported} (its base is a random-init model saved nowhere, so nothing can load this adapter: "
+            f"train with export.merge=true for the merged model in output_dir/hf; {curves})"
+        )
     if not scores:
         return f"done: {exported} (talk to it: chattune chat {output_dir}; {curves})"
     loads = (
