@@ -5,15 +5,14 @@ check them like the built-in ones, and the recipe reads them."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
+from chattune.cli.main import main
 from chattune.config.schema import SFTConfig, key
 from chattune.launch.recipe_kinds import DPO, SFT, RecipeKindError, kind_of_recipe
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, SMALL_MODEL, launch
 
 # What a user adds to their copy of recipes/sft.py: the schema, the kind, the decorator's and check's kind,
 # and a line that uses the key (here: it writes the value where the test reads it).
@@ -52,17 +51,6 @@ def copied_recipe(tmp_path):
     return recipe, tmp_path / "configs"
 
 
-def cli(*words: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "chattune.cli.main", *words],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_extended_kind_takes_only_a_subclass_of_its_schema():
     from dataclasses import dataclass
 
@@ -83,63 +71,33 @@ def test_the_shipped_recipes_declare_their_kinds():
 
 
 @pytest.mark.launch
-def test_a_copied_recipe_with_its_own_key_validates_refuses_bad_values_and_trains(tmp_path):
+def test_a_copied_recipe_with_its_own_key_validates_refuses_bad_values_and_trains(tmp_path, capsys):
     recipe, config_dir = copied_recipe(tmp_path)
     assert kind_of_recipe(recipe).schema.__name__ == "MySFTConfig"
 
-    ok = cli("validate", "--recipe", str(recipe), "--config-dir", str(config_dir), "sft/mine")
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    def validate(*words: str) -> tuple[int, str]:  # `chattune validate ...`, in this process
+        code = main(["validate", *words])
+        return code, capsys.readouterr().out
+
+    code, report = validate("--recipe", str(recipe), "--config-dir", str(config_dir), "sft/mine")
+    assert code == 0, report
     # The shipped recipe's schema does not know the key: without --recipe it is refused, with the nearest key.
-    shipped = cli("validate", "--config-dir", str(config_dir), "sft/mine")
-    assert shipped.returncode == 1 and "greet_every" in shipped.stdout and "unknown key" in shipped.stdout
+    code, report = validate("--config-dir", str(config_dir), "sft/mine")
+    assert code == 1 and "greet_every" in report and "unknown key" in report
     # The new key's type and bound are checked like a built-in key's.
-    bad = cli("validate", "--recipe", str(recipe), "--config-dir", str(config_dir), "sft/mine", "greet_every=0")
-    assert bad.returncode == 1 and "greet_every" in bad.stdout, bad.stdout
-    typo = cli("validate", "--recipe", str(recipe), "--config-dir", str(config_dir), "sft/mine", "+greet_evry=2")
-    assert typo.returncode == 1 and "greet_every" in typo.stdout, typo.stdout  # the nearest valid key
+    code, report = validate("--recipe", str(recipe), "--config-dir", str(config_dir), "sft/mine", "greet_every=0")
+    assert code == 1 and "greet_every" in report, report
+    code, report = validate("--recipe", str(recipe), "--config-dir", str(config_dir), "sft/mine", "+greet_evry=2")
+    assert code == 1 and "greet_every" in report, report  # the nearest valid key
 
     out = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    launched = subprocess.run(
-        [
-            sys.executable,
-            str(recipe),
-            "--config-dir",
-            str(config_dir),
-            f"output_dir={out}",
-            "greet_every=5",
-            "max_steps=2",
-            "log_every=1",
-            "save_every=0",
-            "eval_every=0",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-5000:]
+    python = [sys.executable, str(recipe), "--config-dir", str(config_dir), *SMALL_MODEL]
+    launched = launch([*python, f"output_dir={out}", "greet_every=5", "max_steps=2", "log_every=1", "save_every=0"])
     assert (out / "greet_every.txt").read_text() == "MySFTConfig 5"  # the recipe reads its typed config
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [s for s in steps if s > 0] == [1, 2]
+    assert [s for s in steps if s > 0] == [1, 2], launched.stdout
 
     # The launch's own check (checked_config with the recipe's kind) refuses a bad value of the new key.
-    refused = subprocess.run(
-        [
-            sys.executable,
-            str(recipe),
-            "--config-dir",
-            str(config_dir),
-            f"output_dir={tmp_path / 'bad'}",
-            "greet_every=-1",
-            "max_steps=1",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    refused = launch([*python, f"output_dir={tmp_path / 'bad'}", "greet_every=-1", "max_steps=1"], check=False)
     assert refused.returncode != 0 and "greet_every" in refused.stderr, refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
