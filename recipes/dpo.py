@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from chattune.data.tokenizer import load_tokenizer
@@ -28,7 +27,7 @@ from chattune.objectives.dpo import PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train
-from chattune.train.optimizer import build_optimizer
+from chattune.train.optimizer import build_optimizer, build_scheduler
 from chattune.train.output_dir import claim_output_dir
 from chattune.train.reference import reference_log_probs
 
@@ -61,7 +60,7 @@ def main(composed: DictConfig) -> None:
     # With peft=lora the adapters alone: the optimizer and the checkpoints hold only them.
     trainable = trainable_parameters(built.model)
     optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
-    scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)  # step k at the schedule's value at k
 
     # --- the loss and its reference log-probs: none (reference-free), a live frozen model, or a cache ---
     preference_loss = PreferenceLoss.from_config(cfg.loss)  # loss.type's row of PAIR_LOSSES, with its settings

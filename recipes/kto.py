@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from chattune.data.tokenizer import load_tokenizer
@@ -29,7 +28,7 @@ from chattune.model.build import build_trained_model
 from chattune.objectives.kto import KTOObjective, KTOWeights
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train
-from chattune.train.optimizer import build_optimizer
+from chattune.train.optimizer import build_optimizer, build_scheduler
 from chattune.train.output_dir import claim_output_dir
 from chattune.train.reference import reference_log_probs
 
@@ -56,7 +55,7 @@ def main(composed: DictConfig) -> None:
     built = build_trained_model(cfg, tokenizer, dims)
     trainable = trainable_parameters(built.model)  # the adapters with peft=lora
     optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
-    scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)  # step k at the schedule's value at k
 
     # --- the loss and its reference log-probs: a live frozen model (or the LoRA base), or a cache ---
     weights = KTOWeights(cfg.loss.beta, cfg.loss.desirable_weight, cfg.loss.undesirable_weight)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from chattune.data.tokenizer import load_tokenizer
@@ -29,7 +28,7 @@ from chattune.model.heads import SCORE_HEAD
 from chattune.objectives.reward import RewardObjective
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train
-from chattune.train.optimizer import build_optimizer
+from chattune.train.optimizer import build_optimizer, build_scheduler
 from chattune.train.output_dir import claim_output_dir
 
 logger = logging.getLogger("chattune.reward")
@@ -57,7 +56,7 @@ def main(composed: DictConfig) -> None:
     built = build_trained_model(cfg, tokenizer, dims, head=SCORE_HEAD)
     trainable = trainable_parameters(built.model)
     optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
-    scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)  # step k at the schedule's value at k
 
     # --- the loss: Bradley–Terry per pair, normalised by the step's pairs over all ranks ---
     objective = RewardObjective(cfg.loss.center_rewards_coefficient, num_sources=data.num_sources)

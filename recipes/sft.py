@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from chattune.data.tokenizer import load_tokenizer
@@ -24,7 +23,7 @@ from chattune.model.build import build_trained_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train
-from chattune.train.optimizer import build_optimizer
+from chattune.train.optimizer import build_optimizer, build_scheduler
 from chattune.train.output_dir import claim_output_dir
 
 logger = logging.getLogger("chattune.sft")
@@ -56,7 +55,7 @@ def main(composed: DictConfig) -> None:
     # With peft=lora the adapters alone: the optimizer and the checkpoints hold only them.
     trainable = trainable_parameters(built.model)
     optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
-    scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=cfg.max_steps)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)  # step k at the schedule's value at k
     objective = TokenCrossEntropy(num_sources=data.num_sources)
 
     # --- training: resume, update steps, metrics, eval, checkpoints, the HF export (shared by every recipe) ---

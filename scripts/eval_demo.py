@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
+from collections import defaultdict
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -34,17 +35,23 @@ def task_of(question: str) -> str:
     return "counting"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--limit", type=int, default=100, help="held-out conversations to use")
-    args = parser.parse_args()
+@dataclass
+class TaskAccuracy:
+    """One task's figures: trained tokens predicted right (teacher-forced) and replies generated right, of how many."""
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
-    conversations = [json.loads(line)["messages"] for line in EVAL_FILE.read_text().splitlines()[: args.limit]]
+    tokens_right: int = 0
+    tokens: int = 0
+    replies_right: int = 0
+    replies: int = 0
+
+
+def demo_accuracy(model_dir: Path, limit: int = 100) -> dict[str, TaskAccuracy]:
+    """Per task, and "all": the accuracy of the model in `model_dir` on the first `limit` held-out demo chats."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    conversations = [json.loads(line)["messages"] for line in EVAL_FILE.read_text().splitlines()[:limit]]
     markers = probe_template(tokenizer)
-    token_correct, token_total = Counter(), Counter()
+    tasks: defaultdict[str, TaskAccuracy] = defaultdict(TaskAccuracy)
     for messages in conversations:
         tokenized = tokenize_conversation(tokenizer, messages, markers)
         labels = torch.tensor(shifted_labels(tokenized.input_ids, tokenized.assistant_mask))
@@ -56,11 +63,10 @@ def main() -> None:
         questions = [messages[i - 1]["content"] for i, m in enumerate(messages) if m["role"] == "assistant"]
         for position, is_trained in enumerate(trained):
             if is_trained:
-                task = task_of(questions[sum(start <= position for start in turn_starts) - 1])
-                token_total[task] += 1
-                token_correct[task] += int(predictions[position] == labels[position])
+                task = tasks[task_of(questions[sum(start <= position for start in turn_starts) - 1])]
+                task.tokens += 1
+                task.tokens_right += int(predictions[position] == labels[position])
 
-    correct, total = Counter(), Counter()
     for messages in conversations:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -71,18 +77,22 @@ def main() -> None:
                     **prompt, max_new_tokens=48, do_sample=False, eos_token_id=tokenizer.eos_token_id
                 )
             reply = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-            task = task_of(messages[i - 1]["content"])
-            total[task] += 1
-            correct[task] += reply.strip() == message["content"].strip()
+            task = tasks[task_of(messages[i - 1]["content"])]
+            task.replies += 1
+            task.replies_right += reply.strip() == message["content"].strip()
+    every = TaskAccuracy(*(sum(getattr(t, f.name) for t in tasks.values()) for f in fields(TaskAccuracy)))
+    return {**dict(sorted(tasks.items())), "all": every}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--limit", type=int, default=100, help="held-out conversations to use")
+    args = parser.parse_args()
     print(f"{'task':12s} {'token accuracy':>16s} {'exact match':>20s}")
-    for task in sorted(total) + ["all"]:
-        tc, tt = (
-            (sum(token_correct.values()), sum(token_total.values()))
-            if task == "all"
-            else (token_correct[task], token_total[task])
-        )
-        ec, et = (sum(correct.values()), sum(total.values())) if task == "all" else (correct[task], total[task])
-        print(f"{task:12s} {tc / tt:8.1%} ({tc:>5d}/{tt:<5d}) {ec / et:8.1%} ({ec:>4d}/{et:<4d})")
+    for name, task in demo_accuracy(args.model_dir, args.limit).items():
+        tc, tt, ec, et = task.tokens_right, task.tokens, task.replies_right, task.replies
+        print(f"{name:12s} {tc / tt:8.1%} ({tc:>5d}/{tt:<5d}) {ec / et:8.1%} ({ec:>4d}/{et:<4d})")
 
 
 if __name__ == "__main__":

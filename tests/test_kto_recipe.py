@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_optimizer import warmup_cosine_rates
 from test_sft_recipe import read_metrics
 
 import conftest
@@ -85,8 +86,14 @@ def test_kto_recipe_trains_and_resumes_on_any_ranks(tmp_path, base_dir, eval_fil
             if key.startswith(("loss", "kl", "rewards/", "logps/", "eval_", "grad_norm", "num_")):
                 assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=2e-5), (a["step"], key, a[key], b[key])
     assert all(KTO_KEYS <= m.keys() for m in whole[1:])
+    # Step k at the schedule's value at k (kto/tiny's 5 warm-up steps): the first step updates, the resumed ones
+    # continue the same rates.
+    for run in (resumed, whole):
+        assert [m["lr"] for m in run[1:]] == pytest.approx(warmup_cosine_rates(3e-3, 5, 6), abs=1e-12)
     assert whole[0]["eval_kl"] == 0.0 and whole[0]["eval_rewards/margins"] == 0.0  # the policy is its reference
-    assert whole[-1]["eval_rewards/margins"] > 0  # desirable replies gain on undesirable ones
+    # It learns on the held-out examples: their KTO loss falls (0.625 to 0.607 here). (Their reward margin, within
+    # 0.004 of 0 after 6 steps of this random tiny base, changes sign with the schedule's rates: not a claim.)
+    assert whole[-1]["eval_loss"] < whole[0]["eval_loss"] - 0.01
     assert (one / "hf" / "config.json").is_file()
 
 

@@ -3,9 +3,12 @@ recipe with it (against a live reference, and resumed exactly)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
+from test_optimizer import warmup_cosine_rates
 from test_sft_recipe import read_metrics
 
 from chattune.config.paths import DEMO_ASSETS
@@ -95,7 +98,31 @@ def test_the_reference_fingerprint_follows_the_chat_template_text(tmp_path):
     assert fingerprint(f"tokenizer.chat_template={template}") != mine
 
 
+@pytest.mark.parametrize("recipe", ["dpo", "kto"])
+def test_the_reference_table_is_kept_in_the_runs_output_dir_unless_a_shared_directory_is_named(tmp_path, recipe):
+    """A run writes only into its output_dir: the table goes to output_dir/reference_cache, sharing is asked for by
+    naming a directory, and a resume into another output_dir accepts the table's place moving with it (as
+    output_dir itself: where a table is kept is not what it holds)."""
+    from test_validate import compose_config
+
+    from chattune.launch.recipe_kinds import DPO, KTO
+    from chattune.launch.validate import checked_config
+    from chattune.train.resume import differences, run_fingerprint
+
+    def config(*overrides: str):
+        kind = DPO if recipe == "dpo" else KTO
+        return checked_config(compose_config(f"{recipe}/tiny", ["model.path=null", *overrides]), kind)[0]
+
+    run = config(f"output_dir={tmp_path / 'run'}")
+    assert run.reference.cache_dir == str(tmp_path / "run" / "reference_cache")
+    shared = config(f"output_dir={tmp_path / 'run'}", f"reference.cache_dir={tmp_path / 'shared'}")
+    assert shared.reference.cache_dir == str(tmp_path / "shared")
+    moved = config(f"output_dir={tmp_path / 'moved'}")
+    assert differences(run_fingerprint(run), run_fingerprint(moved)) == []
+
+
 def dpo(out, cache_dir, *overrides: str) -> str:
+    """A short DPO run into `out`; its reference table in `cache_dir` (None: the default, out/reference_cache)."""
     result = launch(
         torchrun(
             "recipes/dpo.py",
@@ -107,7 +134,7 @@ def dpo(out, cache_dir, *overrides: str) -> str:
             "save_every=0",
             "data.report_records=0",
             "optimizer.lr=3e-3",
-            f"reference.cache_dir={cache_dir}",
+            *([f"reference.cache_dir={cache_dir}"] if cache_dir is not None else []),
             *overrides,
             nproc=2,
         )
@@ -115,24 +142,52 @@ def dpo(out, cache_dir, *overrides: str) -> str:
     return result.stdout + result.stderr
 
 
+def logged_skips(log: str) -> list[tuple[str, int]]:
+    """The (file, record) of every "skipped (overlong): FILE record N ..." line of a run's log, in order."""
+    return [(file, int(record)) for file, record in re.findall(r"skipped \(overlong\): (\S+) record (\d+) ", log)]
+
+
+def skipped_over_the_run(log: str) -> int:
+    """The end-of-run figure: the overlong records skipped over all ranks and epochs."""
+    return int(re.search(r"over all ranks and epochs: skipped \{'overlong': (\d+)", log)[1])
+
+
+# Pairs of up to 300 tokens: 82 of the 2,000 demo training pairs are longer (41 a rank, more than the 20 each rank
+# logs), and 11 of the 200 held-out ones (every one logged, when the held-out batches are packed).
+BUDGET = "data.max_tokens_per_microbatch=300"
+
+
 @pytest.mark.launch
 def test_cached_reference_run_matches_the_live_one_and_resumes_exactly(tmp_path):
     cache = tmp_path / "cache"
-    dpo(tmp_path / "live", cache)
+    live_log = dpo(tmp_path / "live", cache, BUDGET)
     live = read_metrics(tmp_path / "live")
-    log = dpo(tmp_path / "cached", cache, "reference.cache=true")
+    # dpo/tiny's 5 warm-up steps, step k at k: the first step updates (at 3e-3 / 5)
+    assert [m["lr"] for m in live] == pytest.approx(warmup_cosine_rates(3e-3, 5, 4), abs=1e-12)
+    log = dpo(tmp_path / "cached", cache, BUDGET, "reference.cache=true")
     assert "computing" in log and sorted(p.name.split("-")[0] for p in cache.glob("*.pt")) == ["eval", "train"]
+    # The reference pass reads the records that training and the held-out batches read: each skipped one is logged
+    # once (by those), as without the pass, and counted once in the end-of-run figures.
+    skips = logged_skips(log)
+    assert len(set(skips)) == len(skips) and sorted(skips) == sorted(logged_skips(live_log))
+    assert any("eval" in file for file, _ in skips) and any("train" in file for file, _ in skips)
+    assert skipped_over_the_run(log) == skipped_over_the_run(live_log) > 0
     cached = read_metrics(tmp_path / "cached")
     for a, b in zip(live, cached, strict=True):  # the same numbers, from other packings of the reference pass
         for key in ("loss", "rewards/margins", "eval_loss", "eval_rewards/accuracies"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a, b)
 
-    log = dpo(tmp_path / "resumed", cache, "reference.cache=true", "stop_after_step=2")
-    assert "loaded from" in log and "computing" not in log
-    log = dpo(tmp_path / "resumed", cache, "reference.cache=true")
-    assert "resumed from" in log and "computing" not in log
-    assert untimed(read_metrics(tmp_path / "resumed")) == untimed(cached)  # exactly
+    # Resumed, with the table in the run's own output_dir (the default): computed there by the first launch, loaded
+    # by the one that resumes.
+    resumed = tmp_path / "resumed"
+    log = dpo(resumed, None, BUDGET, "reference.cache=true", "stop_after_step=2")
+    assert f"into {resumed / 'reference_cache'}" in log and sorted(
+        p.name.split("-")[0] for p in (resumed / "reference_cache").glob("*.pt")
+    ) == ["eval", "train"]
+    log = dpo(resumed, None, BUDGET, "reference.cache=true")
+    assert "resumed from" in log and f"loaded from {resumed / 'reference_cache'}" in log and "computing" not in log
+    assert untimed(read_metrics(resumed)) == untimed(cached)  # exactly
 
 
 def untimed(metrics: list[dict]) -> list[dict]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_optimizer import warmup_cosine_rates
 from test_sft_recipe import read_metrics
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -131,6 +132,8 @@ def test_reward_recipe_trains_resumes_on_any_ranks_and_exports_a_stock_sequence_
                 abs_tol = 1e-5 if key.startswith("rewards/") else 1e-6
                 assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=abs_tol), (a["step"], key, a[key], b[key])
     assert all(REWARD_KEYS <= m.keys() for m in whole[1:])
+    for run in (resumed, whole):  # step k at the schedule's value at k (reward/tiny: 5 warm-up steps)
+        assert [m["lr"] for m in run[1:]] == pytest.approx(warmup_cosine_rates(3e-3, 5, 8), abs=1e-12)
     assert whole[-1]["eval_loss"] < whole[0]["eval_loss"]  # it learns something on the held-out pairs
     assert_export_scores_as_logged(two, whole[-1], CENTER)
     assert_export_scores_as_logged(one, whole[-1], CENTER)

@@ -224,6 +224,60 @@ def test_overlong_records_truncated_or_split_keep_the_labels_of_the_whole(tmp_pa
         assert len(kept) < len(cuts) or len(pieces) == len(cuts)  # untrained pieces left out
 
 
+def chat_with_a_long_question() -> dict:
+    """A chat whose second question is longer than two 64-token pieces: split, a piece of it alone trains nothing."""
+    return {
+        "messages": [
+            {"role": "user", "content": "Question 0: why?"},
+            {"role": "assistant", "content": "Answer 0: " + "because " * 12},
+            {"role": "user", "content": "Question 1: " + "why " * 60},
+            {"role": "assistant", "content": "Answer 1: " + "because " * 12},
+        ]
+    }
+
+
+def untrained_cuts(path: str, tokenizer, index: int, budget: int) -> list[int]:
+    """By hand, from record `index`'s whole conversation: the numbers (from 1) of its cuts at multiples of `budget`
+    whose labels, but the last (it predicts the next piece's first token), are all untrained."""
+    whole = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, max_tokens=10_000).get(index)
+    return [
+        number
+        for number, start in enumerate(range(0, len(whole), budget), 1)
+        if not any(label >= 0 for label in whole.labels[start : min(start + budget, len(whole)) - 1])
+    ]
+
+
+def test_split_pieces_that_train_nothing_are_counted_and_logged_as_truncate_counts_its_drops(
+    tmp_path, tokenizer, caplog
+):
+    """data.overlong=split leaves out the pieces with no token to train (a piece of a long question alone): each one
+    is counted where the split records are (the data report, the stream's figures that end a run) and the record
+    that lost them is logged with its file, record and pieces, as a skip is."""
+    from chattune.data.report import count_lines, scan_documents
+    from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
+
+    path = write_jsonl(tmp_path / "chats.jsonl", [good(), chat_with_a_long_question(), long_chat()])
+    budget = 64
+    expected = {index: untrained_cuts(path, tokenizer, index, budget) for index in (1, 2)}
+    assert len(expected[1]) >= 1
+    documents = SFTDocuments(RecordSource([SourceSpec(path)]), tokenizer, budget, overlong="split")
+    first_pieces = [d for d in documents.get_many([0, 1, 2]) if d.piece == 0]
+    assert [d.pieces_left_out for d in first_pieces] == [0, len(expected[1]), len(expected[2])]
+    detail = first_pieces[1].left_out_detail
+    assert detail.startswith(f"{path} record 2 (line 2): ") and all(f"{n} (tokens " in detail for n in expected[1])
+
+    left_out = len(expected[1]) + len(expected[2])
+    lines = count_lines(scan_documents(documents, [0, 1, 2]).counts())
+    assert (
+        f"over the budget and kept: truncated 0, split 2 ({left_out} of their pieces train nothing: left out)" in lines
+    )
+    stream = PackedStream(documents, StreamLayout(num_epochs=1), 0, PackingBudget(budget, 0))
+    with caplog.at_level("WARNING", logger="chattune.data.stream"):
+        assert sum(len(batch.doc_ids) for batch in stream) == len(documents.get_many([0, 1, 2]))
+    assert stream.overlong == {"truncated": 0, "split": 2, "split_pieces_left_out": left_out}
+    assert f"split pieces left out: {detail}" in caplog.messages
+
+
 def test_truncation_that_keeps_nothing_to_train_is_a_counted_skip(tmp_path, tokenizer):
     record = {"messages": [{"role": "user", "content": "tell me " * 60}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "chats.jsonl", [record])
@@ -256,7 +310,12 @@ def test_split_pieces_resume_exactly_and_are_counted(tmp_path, tokenizer, num_wo
     full = stream()
     expected = [(b.doc_ids, b.input_ids.tolist()) for b in full]
     split_records = sum(1 for r in records if len(tokenizer.apply_chat_template(r["messages"])["input_ids"]) > 96)
-    assert split_records > 3 and full.overlong == {"truncated": 0, "split": 2 * split_records}
+    left_out = sum(len(untrained_cuts(path, tokenizer, index, 96)) for index in range(len(records)))
+    assert split_records > 3 and full.overlong == {
+        "truncated": 0,
+        "split": 2 * split_records,
+        "split_pieces_left_out": 2 * left_out,  # (two epochs)
+    }
     for stop in [3, 7, len(expected) - 2] if num_workers else range(1, len(expected)):
         first = stream()
         batches = iter(first)

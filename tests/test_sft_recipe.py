@@ -9,8 +9,10 @@ import sys
 
 import pytest
 import torch
+from test_optimizer import warmup_cosine_rates
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from chattune.config.paths import DEMO_ASSETS
 from conftest import PROJECT_ROOT, free_port, launch, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
@@ -46,6 +48,8 @@ def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
     assert [m["step"] for m in metrics] == list(range(5, 41, 5))
     assert all(METRIC_KEYS <= m.keys() for m in metrics)
     assert all(m["num_tokens"] > 0 and m["tokens_per_sec"] > 0 for m in metrics)
+    # sft/tiny's schedule, step k at k: step 5 of 10 warm-up steps at half the rate, the last at the cosine's end
+    assert [m["lr"] for m in metrics] == pytest.approx(warmup_cosine_rates(3e-3, 10, 40)[4::5], abs=1e-12)
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     assert last < 0.6 * first, f"loss did not fall clearly: {first:.3f} -> {last:.3f}"
     assert metrics[-1]["eval_loss"] < first
@@ -91,6 +95,7 @@ def test_local_model_directory_with_activation_checkpointing(tmp_path):
             "--config-name",
             "sft/local_model",
             f"model.path={model_dir}",
+            f"data.train=[{DEMO_ASSETS / 'chat_train.jsonl'}]",  # (sft/local_model trains only the data it is given)
             f"output_dir={out}",
             "max_steps=4",
             "log_every=1",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from test_sft_documents import chat_with_a_long_question
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.cached_sources import open_documents
@@ -82,13 +83,15 @@ def staging(root: Path) -> list[Path]:
 @pytest.mark.launch
 def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train_on):
     """Against the source tokenized as read: every record's outcomes, in one batch and one by one, built in 3 shards
-    (one with 2 loader workers). The data has records over the budget, a pair with identical replies, and bad records
-    (skipped under on_bad_record=skip, with their messages)."""
+    (one with 2 loader workers). The data has records over the budget (split, one leaves pieces out), a pair with
+    identical replies, and bad records (skipped under on_bad_record=skip, with their messages)."""
     lines = (CHATS if kind == "sft" else PAIRS)[:300]
     bad = ['{"messages": [{"role": "user", "content": "hi"}]}\n', "not json\n"]
     if kind == "dpo":
         record = json.loads(lines[0])
         bad.append(json.dumps({**record, "rejected": record["chosen"]}) + "\n")  # identical replies: skipped
+    else:  # a chat with a long question: split, a piece of the question alone trains nothing (left out, counted)
+        bad.append(json.dumps(chat_with_a_long_question()) + "\n")
     path = tmp_path / "data.jsonl"
     path.write_text("".join(lines[:100] + bad + lines[100:]))
     spec = SourceSpec(path=str(path), format="messages" if kind == "sft" else "preference")
@@ -125,6 +128,9 @@ def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train
     assert len(skipped) >= 2 and {w.reason for w in skipped} >= {"bad_record"}
     if overlong == "split":
         assert any(w.piece > 0 for w in want if isinstance(w, Document)), "the data should have split records"
+        left_out = [w for w in want if isinstance(w, Document) and w.pieces_left_out]
+        assert left_out, "the data should have a split record with pieces that train nothing"
+        assert all(cached.get(w.doc_id).left_out_detail == w.left_out_detail for w in left_out)
     if overlong == "drop":
         assert "overlong" in {w.reason for w in skipped}
     assert_same_outcomes(cached.get_many(every), want)

@@ -18,6 +18,10 @@ IGNORE_INDEX = -100  # a label that trains nothing (torch's cross_entropy defaul
 # `dict.fromkeys(SKIP_REASONS, 0)` on every rank, so ranks all-reduce the same keys whatever their
 # share of the data skipped (a counter that grew a key on one rank only aborted the collective).
 SKIP_REASONS = ("overlong", "no_trainable_tokens", "identical_replies", "bad_record")
+# What is counted of the records over the budget that are kept (`data.overlong` truncate or split): the records
+# truncated, the records split, and the pieces of split records left out because they train nothing. The same keys
+# on every rank, as the skip counters.
+OVERLONG_COUNTS = ("truncated", "split", "split_pieces_left_out")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class Document:
     labels: np.ndarray  # shifted: labels[i] is the target of position i, IGNORE_INDEX when untrained
     piece: int = 0  # which piece of its record (data.overlong=split cuts a long record into several)
     overlong: str = ""  # "truncated" or "split" on the first piece of a record over the budget
+    # On the first piece of a split record: how many of its pieces train nothing and were left out (a piece of
+    # prompt alone), and which, in the record's words (counted and logged as skips are).
+    pieces_left_out: int = 0
+    left_out_detail: str = ""
     # Sequences laid back to back inside the document that must not attend to each other, packed as one
     # unit (DPO: chosen then rejected, so a pair always shares a microbatch). Empty: one sequence.
     segments: tuple[int, ...] = ()
@@ -81,13 +89,26 @@ class Document:
         if not isinstance(other, Document):
             return NotImplemented
         return (
-            (self.doc_id, self.piece, self.overlong, self.segments, self.source, self.desirable, self.margin)
-            == (other.doc_id, other.piece, other.overlong, other.segments, other.source, other.desirable, other.margin)
+            self._identity() == other._identity()
             and np.array_equal(self.input_ids, other.input_ids)
             and np.array_equal(self.labels, other.labels)
         )
 
     __hash__ = None  # mutable, compared by value
+
+    def _identity(self) -> tuple:
+        """Everything compared but the token arrays."""
+        return (
+            self.doc_id,
+            self.piece,
+            self.overlong,
+            self.pieces_left_out,
+            self.left_out_detail,
+            self.segments,
+            self.source,
+            self.desirable,
+            self.margin,
+        )
 
     @property
     def segment_lengths(self) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chattune.data.documents import IGNORE_INDEX, SKIP_REASONS, Document, Skipped
+from chattune.data.documents import IGNORE_INDEX, OVERLONG_COUNTS, SKIP_REASONS, Document, Skipped
 from chattune.data.stream import documents_of
 
 
@@ -22,7 +22,7 @@ class DataReport:
     lengths: list[int] = field(default_factory=list)  # tokens per document
     trainable_tokens: int = 0
     examples: list[Document] = field(default_factory=list)
-    overlong: dict[str, int] = field(default_factory=lambda: {"truncated": 0, "split": 0})
+    overlong: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OVERLONG_COUNTS, 0))
     outcomes: list[int | Skipped] = field(default_factory=list)  # per document: its length, or why skipped
     microbatches: int = 0  # when packed (inspect): microbatches and the tokens in them
     packed_tokens: int = 0
@@ -61,6 +61,7 @@ def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, bat
         report.outcomes.append(len(document))
         if document.overlong:
             report.overlong[document.overlong] += 1
+        report.overlong["split_pieces_left_out"] += document.pieces_left_out
         report.lengths.append(len(document))
         report.trainable_tokens += int(np.count_nonzero(document.labels != IGNORE_INDEX))
         if len(report.examples) < num_examples:
@@ -72,11 +73,12 @@ def count_lines(counts: dict[str, float]) -> list[str]:
     """The figures of `DataReport.counts()` (or their sum over ranks) as report lines."""
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/")}
     reasons = ", ".join(f"{reason} {n}" for reason, n in skipped.items() if n)
-    tokens = int(counts["tokens"])
+    tokens, left_out = int(counts["tokens"]), int(counts["overlong/split_pieces_left_out"])
     return [
         f"records read: {int(counts['records'])}",
         f"skipped: {sum(skipped.values())}" + (f" ({reasons})" if reasons else ""),
-        f"over the budget and kept: truncated {int(counts['overlong/truncated'])}, split {int(counts['overlong/split'])}",
+        f"over the budget and kept: truncated {int(counts['overlong/truncated'])}, split {int(counts['overlong/split'])}"
+        + (f" ({left_out} of their pieces train nothing: left out)" if left_out else ""),
         f"documents: {int(counts['documents'])}",
         f"tokens: {tokens}",
         f"trainable tokens: {int(counts['trainable_tokens'])} ({counts['trainable_tokens'] / max(tokens, 1):.1%})",

@@ -31,8 +31,9 @@ class SFTDocuments(TemplateDocuments):
     document: a piece does not attend to the pieces before it, and the first token of each later piece is
     not trained, as nothing before it in the piece predicts it), or `error`. Truncated and split records are
     marked on their first document (`Document.overlong`) so the stream can count them; pieces with
-    nothing to train are left out (counted with the split). `get` gives the first piece of a split record,
-    `get_many` all its pieces in order."""
+    nothing to train are left out, and their number and which they are noted on the first piece
+    (`Document.pieces_left_out`, `left_out_detail`) for the stream and the data report to count and log.
+    `get` gives the first piece of a split record, `get_many` all its pieces in order."""
 
     def __init__(
         self,
@@ -109,22 +110,31 @@ class SFTDocuments(TemplateDocuments):
         if count <= self.max_tokens:
             return [Document(doc_id=rendered.index, input_ids=ids, labels=labels)]
         cuts = range(0, count if self.overlong == "split" else 1, self.max_tokens)
-        pieces = []
-        for start in cuts:
+        pieces, left_out = [], []
+        for number, start in enumerate(cuts, 1):
             piece_labels = labels[start : start + self.max_tokens].copy()
             piece_labels[-1] = IGNORE_INDEX  # its target is the first token of the next piece, not in this one
-            if (piece_labels >= 0).any():
-                pieces.append(
-                    Document(
-                        doc_id=rendered.index,
-                        input_ids=ids[start : start + self.max_tokens],
-                        labels=piece_labels,
-                        piece=len(pieces),
-                    )
+            if not (piece_labels >= 0).any():
+                left_out.append(f"{number} (tokens {start}-{min(start + self.max_tokens, count) - 1})")
+                continue
+            pieces.append(
+                Document(
+                    doc_id=rendered.index,
+                    input_ids=ids[start : start + self.max_tokens],
+                    labels=piece_labels,
+                    piece=len(pieces),
                 )
+            )
         if not pieces:
             return [Skipped("no_trainable_tokens", f"{message}, and its first {self.max_tokens} tokens train nothing")]
         pieces[0].overlong = "truncated" if self.overlong == "truncate" else "split"
+        if self.overlong == "split" and left_out:
+            pieces[0].pieces_left_out = len(left_out)
+            pieces[0].left_out_detail = (
+                f"{message}: split into {len(cuts)} pieces; piece{'s' if len(left_out) > 1 else ''} "
+                f"{', '.join(left_out)} train{'' if len(left_out) > 1 else 's'} nothing and "
+                f"{'are' if len(left_out) > 1 else 'is'} left out"
+            )
         return pieces
 
 

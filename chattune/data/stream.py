@@ -33,7 +33,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from chattune.config.layout_rules import pad_multiple_problem
-from chattune.data.documents import SKIP_REASONS, Document, Skipped
+from chattune.data.documents import OVERLONG_COUNTS, SKIP_REASONS, Document, Skipped
 from chattune.data.packing import PackedBatch, best_fit_decreasing, collate_packed, empty_batch
 from chattune.errors import UserError
 from chattune.interrupts import ignore_in_worker
@@ -259,7 +259,9 @@ class PackedStream:
         self.pending_ends_epoch = False  # `pending` holds the last bins of the epoch
         self.carried: list[Document] = []  # documents of the last buffer's least-filled bin
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)
-        self.overlong = {"truncated": 0, "split": 0}  # records over the budget that were kept, cut
+        self.overlong = dict.fromkeys(
+            OVERLONG_COUNTS, 0
+        )  # records over the budget that were kept, cut; pieces left out
 
     def _take(self) -> tuple[list[Document], str]:
         """The next chunk of up to buffer_records records from the loader (skipped ones counted and left
@@ -274,19 +276,30 @@ class PackedStream:
         for document in chunk:
             if isinstance(document, Skipped):
                 self.skipped[document.reason] += 1
-                if self.log_skips and self.skipped[document.reason] <= LOGGED_SKIPS:
-                    logger.warning("skipped (%s): %s", document.reason, document.detail)
-                if self.log_skips and self.skipped[document.reason] == LOGGED_SKIPS:
-                    logger.warning(
-                        "rank %d: further %s skips are counted (in the epoch and end figures), not logged",
-                        self.share,
-                        document.reason,
-                    )
+                reason = document.reason
+                self._log_counted(f"skipped ({reason}): {document.detail}", f"{reason} skips", self.skipped[reason], 1)
             else:
                 if document.overlong:
                     self.overlong[document.overlong] += 1
+                if document.pieces_left_out:
+                    self.overlong["split_pieces_left_out"] += document.pieces_left_out
+                    self._log_counted(
+                        f"split pieces left out: {document.left_out_detail}",
+                        "split pieces left out",
+                        self.overlong["split_pieces_left_out"],
+                        document.pieces_left_out,
+                    )
                 documents.append(document)
         return documents, "epoch_end" if closes_epoch else "full"
+
+    def _log_counted(self, line: str, kind: str, count: int, added: int) -> None:
+        """Log `line`, about `added` things of `kind` just counted (`count` so far): the first LOGGED_SKIPS of each
+        kind one by one, then once that the rest are only counted."""
+        if not self.log_skips or count - added >= LOGGED_SKIPS:
+            return
+        logger.warning("%s", line)
+        if count >= LOGGED_SKIPS:
+            logger.warning("rank %d: further %s are counted (in the end-of-run figures), not logged", self.share, kind)
 
     def _refill(self) -> bool:
         """Pack the next buffer into `pending`; False once a finite stream is exhausted."""
@@ -366,4 +379,4 @@ class PackedStream:
         self.pending_ends_epoch = state["pending_ends_epoch"]
         self.carried = [by_key[tuple(k)] for k in state["carried_doc_keys"]]
         self.skipped = {**dict.fromkeys(SKIP_REASONS, 0), **state["skipped"]}  # a reason added since the save: 0
-        self.overlong = dict(state["overlong"])
+        self.overlong = {**dict.fromkeys(OVERLONG_COUNTS, 0), **state["overlong"]}  # (a count added since: 0)

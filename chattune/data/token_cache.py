@@ -15,8 +15,10 @@ One source's cache, `<root>/<kind>-<file stem>-<key>/`:
         index.npz    per document: its start in the shard, its first segment's length (a preference pair's
                      chosen side, a KTO example's own sequence), its KTO label (-1 none, 0 false, 1 true) and
                      its reward-model margin (float64, NaN none);
-                     per record: its first document, its skip reason and its overlong mark
+                     per record: its first document, its skip reason, its overlong mark and its pieces left
+                     out (a split record's pieces that train nothing)
         skips.json   the message of each skipped record (logged as streaming logs it)
+        left_out.json  the message of each split record that left pieces out (logged alike)
 
 The key hashes the source file's whole content (a dataset directory's every file; a hub dataset's `datasets`
 fingerprint), the tokenizer's full serialisation and chat template, the settings that change documents
@@ -60,8 +62,9 @@ from chattune.hub import hub_id
 logger = logging.getLogger(__name__)
 
 # Bump when the arrays, or the documents chattune makes from records, change. 3: a reward pair's margin is read
-# (a reward cache of layout 2 holds a record with a margin as a skipped bad record).
-LAYOUT_VERSION = 3
+# (a reward cache of layout 2 holds a record with a margin as a skipped bad record). 4: a split record's pieces
+# left out are counted (`Document.pieces_left_out`).
+LAYOUT_VERSION = 4
 CACHE_DIR_ENV = "CHATTUNE_CACHE_DIR"  # where data.cache=auto keeps caches (default ~/.cache/chattune)
 MANIFEST = "manifest.json"
 CHUNK_RECORDS = 1024  # records tokenized in one batch (one loader item) while building
@@ -176,7 +179,9 @@ class TokenizedChunk:
     record_docs: np.ndarray  # int64: documents of each record (0: skipped)
     record_skip: np.ndarray  # int8: 1 + the index in SKIP_REASONS of a skipped record, 0 kept
     record_overlong: np.ndarray  # int8: index in OVERLONG_MARKS of the record's first document's mark
+    record_left_out: np.ndarray  # int32: the record's pieces left out (`Document.pieces_left_out`)
     skip_details: list[str]  # one per skipped record, in order
+    left_out_details: list[str]  # one per record with pieces left out, in order
 
 
 def tokenize_chunk(documents, records: range) -> TokenizedChunk:
@@ -186,6 +191,7 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
     if any(len(d.segment_lengths) > 2 for d in kept):
         raise ValueError("the token cache stores documents of one or two segments")
     skipped = [outcome[0] for outcome in outcomes if isinstance(outcome[0], Skipped)]
+    firsts = [None if isinstance(o[0], Skipped) else o[0] for o in outcomes]  # per record: its first document
     return TokenizedChunk(
         ids=np.concatenate([d.input_ids for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
         labels=np.concatenate([d.labels for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
@@ -200,7 +206,9 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
         record_overlong=np.array(
             [0 if isinstance(o[0], Skipped) else OVERLONG_MARKS.index(o[0].overlong) for o in outcomes], dtype=np.int8
         ),
+        record_left_out=np.array([d.pieces_left_out if d else 0 for d in firsts], dtype=np.int32),
         skip_details=[s.detail for s in skipped],
+        left_out_details=[d.left_out_detail for d in firsts if d and d.pieces_left_out],
     )
 
 
@@ -253,6 +261,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
     under on_bad_record=error, an overlong one under overlong=error) propagates, leaving the shard incomplete."""
     directory.mkdir(parents=True)
     lengths, chosen, desirable, margins, record_docs, skip, overlong, details = [], [], [], [], [], [], [], []
+    left_out, left_out_details = [], []
     with open(directory / "ids.bin", "wb") as ids, open(directory / "labels.bin", "wb") as labels:
         for chunk in _tokenized(documents, records, num_workers):
             ids.write(chunk.ids.tobytes())
@@ -264,13 +273,16 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
             record_docs.append(chunk.record_docs)
             skip.append(chunk.record_skip)
             overlong.append(chunk.record_overlong)
+            left_out.append(chunk.record_left_out)
             details += chunk.skip_details
+            left_out_details += chunk.left_out_details
         for f in (ids, labels):
             f.flush()
             os.fsync(f.fileno())
     doc_lengths = np.concatenate([np.zeros(0, np.int64), *lengths])
     per_record = np.concatenate([np.zeros(0, np.int64), *record_docs])
     skip_codes = np.concatenate([np.zeros(0, np.int8), *skip])
+    left_out_counts = np.concatenate([np.zeros(0, np.int32), *left_out])
     np.savez(
         directory / "index.npz",
         doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
@@ -280,9 +292,12 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
         record_first_doc=np.concatenate([[0], np.cumsum(per_record)]).astype(np.int64),
         record_skip=skip_codes,
         record_overlong=np.concatenate([np.zeros(0, np.int8), *overlong]),
+        record_left_out=left_out_counts,
     )
     skipped_records = (np.flatnonzero(skip_codes) + records.start).tolist()
     (directory / "skips.json").write_text(json.dumps(dict(zip(map(str, skipped_records), details))))
+    cut_records = (np.flatnonzero(left_out_counts) + records.start).tolist()
+    (directory / "left_out.json").write_text(json.dumps(dict(zip(map(str, cut_records), left_out_details))))
     counts = {
         "start": records.start,
         "stop": records.stop,
@@ -456,7 +471,9 @@ class CachedDocuments:
             [],
             [],
         )
+        left_out: list[np.ndarray] = []
         self._details: dict[int, str] = {}
+        self._left_out_details: dict[int, str] = {}
         documents = 0
         for number, shard in enumerate(sorted(self.directory.glob("shard-*/"))):
             self._ids.append(_memmap(shard / "ids.bin"))
@@ -480,13 +497,18 @@ class CachedDocuments:
                 first.append(index["record_first_doc"][:-1] + documents)
                 skip.append(index["record_skip"])
                 overlong.append(index["record_overlong"])
+                left_out.append(index["record_left_out"])
                 documents += len(doc_starts) - 1
             self._details.update({int(k): v for k, v in json.loads((shard / "skips.json").read_text()).items()})
+            self._left_out_details.update(
+                {int(k): v for k, v in json.loads((shard / "left_out.json").read_text()).items()}
+            )
         self._shard, self._starts, self._stops = np.concatenate(shard_of), np.concatenate(starts), np.concatenate(stops)
         self._chosen, self._desirable = np.concatenate(chosen), np.concatenate(desirable)
         self._margin = np.concatenate(margins)
         self._first = np.concatenate([*first, [documents]])
         self._skip, self._overlong = np.concatenate(skip), np.concatenate(overlong)
+        self._left_out = np.concatenate(left_out)
         if len(self._skip) != self.manifest["records"]:
             raise UserError(
                 f"token cache {self.directory}: {len(self._skip)} records in its shards, its manifest says "
@@ -525,6 +547,8 @@ class CachedDocuments:
                         labels=self._labels[shard][start:end],
                         piece=d - first,
                         overlong=OVERLONG_MARKS[self._overlong[index]] if d == first else "",
+                        pieces_left_out=int(self._left_out[index]) if d == first else 0,
+                        left_out_detail=self._left_out_details.get(int(index), "") if d == first else "",
                         segments=(chosen, end - start - chosen) if chosen else (),
                         desirable=_DESIRABLE[int(self._desirable[d])],
                         margin=None if np.isnan(self._margin[d]) else float(self._margin[d]),

@@ -5,11 +5,18 @@ config sets `fused` (or `foreach`) itself: one kernel per step over all paramete
 On the CPU the default stays (`foreach`), which is the reference the exactness tests compare against.
 A resume restores the optimizer's settings with its state, `fused` included: a run started on the CPU
 stays unfused when resumed on CUDA (same numbers, slower).
+
+The learning-rate schedule a recipe instantiates from `scheduler` (`build_scheduler`) gives step k (1, 2, ...,
+max_steps) the schedule's value at k: warm-up step k of W trains at lr * k / W, so the first step updates (a
+schedule read from 0, as transformers' are by default, trains the first step at lr 0), and the last step is
+the schedule's end.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -28,6 +35,20 @@ def build_optimizer(
     if device.type == "cuda" and accepts_fused and not {"fused", "foreach"} & set(make.keywords):
         return make(parameters, fused=True)
     return make(parameters)
+
+
+def build_scheduler(
+    scheduler_cfg: DictConfig, optimizer: torch.optim.Optimizer, max_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The `scheduler` of the config (a `_partial_` schedule taking the optimizer and `num_training_steps`) over
+    `max_steps`, advanced once before the first step: step k trains at the schedule's value at k. The scheduler's
+    `last_epoch` is then the next step's number, in the checkpoints too, so a resume continues the same rates (a
+    checkpoint written before this shift holds its step instead, and continues its own rates)."""
+    scheduler = instantiate(scheduler_cfg)(optimizer, num_training_steps=max_steps)
+    with warnings.catch_warnings():  # torch warns of a scheduler step before any optimizer step: that is the point
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+        scheduler.step()
+    return scheduler
 
 
 def _compile_low_bit_steps_afresh() -> None:

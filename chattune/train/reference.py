@@ -57,12 +57,15 @@ def reference_log_probs(
         {split: reference_cache.cache_fingerprint(cfg, split, device.type, dims.cp, documents) for split in splits},
         {split: len(split_documents) for split, split_documents in splits.items()},
         reference_model,
+        # The records this pass skips are the ones training and the held-out batches skip, and those log them
+        # (once per run): logged here too, each would be listed twice.
         lambda split: packed_stream(
             cfg,
             splits[split],
             StreamLayout(dims.data_rank, dims.data_ranks, shuffle=False, num_epochs=1),
             data.pad_id,
             dims.cp,
+            log_skips=False,
         ),
         device,
         data.pad_id,
