@@ -476,7 +476,10 @@ class ReferenceConfig:
     path: str | None = key(None, "the frozen reference model directory (null: the initial policy, model.path)")
     cache: bool = key(False, "reference log-probs computed once before training, stored and reused")
     cache_dir: str = key(
-        "outputs/reference_cache", "shared by runs: a table is reused wherever data and reference match"
+        "${output_dir}/reference_cache",
+        "where the table is kept: the run's own (name one directory for runs to share tables: a table is "
+        "reused wherever data and reference match)",
+        resume="free",
     )
 
 

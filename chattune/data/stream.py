@@ -37,6 +37,7 @@ from chattune.data.documents import OVERLONG_COUNTS, SKIP_REASONS, Document, Ski
 from chattune.data.packing import PackedBatch, best_fit_decreasing, collate_packed, empty_batch
 from chattune.errors import UserError
 from chattune.interrupts import ignore_in_worker
+from chattune.log import EACH_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -297,9 +298,14 @@ class PackedStream:
         kind one by one, then once that the rest are only counted."""
         if not self.log_skips or count - added >= LOGGED_SKIPS:
             return
-        logger.warning("%s", line)
+        logger.warning("%s", line, extra=EACH_RANK)  # this rank's share of the data: its own finding
         if count >= LOGGED_SKIPS:
-            logger.warning("rank %d: further %s are counted (in the end-of-run figures), not logged", self.share, kind)
+            logger.warning(
+                "rank %d: further %s are counted (in the end-of-run figures), not logged",
+                self.share,
+                kind,
+                extra=EACH_RANK,
+            )
 
     def _refill(self) -> bool:
         """Pack the next buffer into `pending`; False once a finite stream is exhausted."""
@@ -317,7 +323,9 @@ class PackedStream:
                 # Every record of this stream's share was skipped (or it had none): an empty microbatch
                 # keeps the rank in step with the others (and the loop from spinning) instead of hanging.
                 if self.log_skips:
-                    logger.warning("rank %d: no trainable documents in epoch %d", self.share, self.epoch)
+                    logger.warning(
+                        "rank %d: no trainable documents in epoch %d", self.share, self.epoch, extra=EACH_RANK
+                    )
                 self.pending = [[]]
             self.docs_in_epoch = 0
         return bool(self.pending) or stopped != "exhausted"
