@@ -95,6 +95,15 @@ def _font_cache():
         import matplotlib.font_manager  # noqa: F401
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_work_dir(tmp_path_factory):
+    """The working directory of what runs outside a test (module and session fixtures that launch): a copy of the
+    checkout of its own, as each test has (`work_dir`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(checkout_copy(tmp_path_factory.mktemp("session_checkout")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def work_dir(tmp_path_factory, monkeypatch) -> Path:
     """The test's working directory (its current directory): a copy of the checkout without the user's state."""

@@ -328,7 +328,7 @@ def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState)
             "; ".join(
                 accepted.horizon + [k for k in accepted.changed_keys if _under(k, ("scheduler", "optimizer.lr"))]
             ),
-            step,
+            step + 1,  # the first step the resumed run trains (the scheduler holds its rate: build_scheduler)
             _rates(new),
             _rates(old),
         )
