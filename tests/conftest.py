@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # The user's caches are not the tests': Hugging Face's (read when huggingface_hub is imported, below) and those that
@@ -234,6 +235,25 @@ def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
     start_processes(
         warm_ranks.with_environment, (dict(os.environ), fn, *args), nprocs=nprocs, join=True, start_method="forkserver"
     )
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """A directory `make` fills once for the whole session, whichever xdist worker asks first; a worker that asks
+    while another is making it waits, and every one gets the same directory. (A module fixture is made once per
+    worker: the suite's 4-rank reference runs were launched twice when a module's tests ran on both workers.) A
+    `make` that fails leaves nothing behind, so the next to ask makes it again (and fails the same way)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # (the workers' basetemps' common parent)
+    directory = root / f"made-once-{name}"
+    with FileLock(f"{directory}.lock"):
+        if not (directory / ".made").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            make(directory)
+            (directory / ".made").touch()
+    return directory
 
 
 def mesh_dims() -> ParallelDims:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import conftest
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("gpu_carry", ROOT / "scripts" / "gpu_carry.py")
 gpu_carry = importlib.util.module_from_spec(SPEC)
@@ -28,18 +30,30 @@ SHARED_ASSETS = ROOT.parent / "shared" / "assets"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The folder, built into a temporary directory: (folder, the build's JSON report, its printed output)."""
-    folder = tmp_path_factory.mktemp("carry") / "gpu-carry"
     assets = ["--assets", str(SHARED_ASSETS)] if (SHARED_ASSETS / "tokenizers" / "qwen3").is_dir() else ["--no-assets"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_carry.py"), "--out", str(folder), *assets, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if done.returncode == 4:
-        pytest.skip(f"the package registry is unreachable: {done.stderr.strip().splitlines()[-1][:200]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return folder, json.loads(done.stdout.strip().splitlines()[-1]), done.stdout
+
+    def make(root: Path) -> None:  # once for the session, whichever xdist worker asks first
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "gpu_carry.py"),
+                "--out",
+                str(root / "gpu-carry"),
+                *assets,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode == 4:
+            pytest.skip(f"the package registry is unreachable: {done.stderr.strip().splitlines()[-1][:200]}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        (root / "stdout.txt").write_text(done.stdout)
+
+    root = conftest.made_once(tmp_path_factory, "gpu-carry", make)
+    stdout = (root / "stdout.txt").read_text()
+    return root / "gpu-carry", json.loads(stdout.strip().splitlines()[-1]), stdout
 
 
 def test_the_folder_fits_and_holds_what_the_checks_need(built):

@@ -56,11 +56,13 @@ def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
     assert worst <= TOLERANCE, f"{what}: relative difference {worst:.2e}"
 
 
+def _plain(out: Path) -> None:
+    assert "mesh: 4 ranks: dp_shard 4, parameters sharded over 4" in launch(out, 4)
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp")
-    assert "mesh: 4 ranks: dp_shard 4, parameters sharded over 4" in launch(out, 4)
-    return out
+    return conftest.made_once(tmp_path_factory, "mesh-fsdp", _plain)
 
 
 LAYOUTS = {
@@ -75,17 +77,19 @@ MESHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """Each layout's run on 4 ranks (its log names the mesh it ran on)."""
-    outputs = {}
+def _layout_runs(root: Path) -> None:
     for name, overrides in LAYOUTS.items():
-        out = outputs[name] = tmp_path_factory.mktemp(name.replace(" ", ""))
-        log = launch(out, 4, *overrides)
+        log = launch(root / name.replace(" ", ""), 4, *overrides)
         assert MESHES[name] in log, name
         # the compute: line names the split vocabulary (loss-parallel) under tensor parallelism
         assert ("loss: chunked fp32 head (its vocabulary split over 2 ranks)" in log) == ("tp" in name), name
-    return outputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Each layout's run on 4 ranks (its log names the mesh it ran on)."""
+    root = conftest.made_once(tmp_path_factory, "mesh-layouts", _layout_runs)
+    return {name: root / name.replace(" ", "") for name in LAYOUTS}
 
 
 def losses(out: Path) -> list[float]:

@@ -25,9 +25,11 @@ NUM_RECORDS = 60
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:NUM_RECORDS]))
-    return path
+    def make(root: Path) -> None:  # one path on every xdist worker: the uninterrupted runs' fingerprints name it
+        lines = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:NUM_RECORDS]
+        (root / "chats.jsonl").write_text("".join(lines))
+
+    return conftest.made_once(tmp_path_factory, "resume-data", make) / "chats.jsonl"
 
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -85,13 +87,12 @@ def assert_same_weights(a: Path, b: Path) -> None:
 def uninterrupted(tmp_path_factory, small_data):
     """The uninterrupted 8-step run on 1 and on 2 ranks (made once, when first asked for): the reference of every
     interrupted one. Loader workers change nothing of it (tests/test_sft_recipe.py), so one run serves them all."""
-    runs: dict[int, Path] = {}
 
     def run_on(nproc: int) -> Path:
-        if nproc not in runs:
-            runs[nproc] = tmp_path_factory.mktemp(f"uninterrupted{nproc}")
-            launch(runs[nproc], small_data, nproc, "data.num_workers=2")
-        return runs[nproc]
+        def make(out: Path) -> None:
+            launch(out, small_data, nproc, "data.num_workers=2")
+
+        return conftest.made_once(tmp_path_factory, f"resume-uninterrupted{nproc}", make)
 
     return run_on
 

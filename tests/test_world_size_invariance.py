@@ -37,11 +37,17 @@ def write_lines(path: Path, source: str, start: int, count: int) -> Path:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, list[str]]:
     """Small sources, so that 20 steps span several epochs: `data.train` overrides per recipe and mixing."""
-    root = tmp_path_factory.mktemp("data")
-    chats = write_lines(root / "chats.jsonl", "chat_train.jsonl", 0, CHATS)
-    more_chats = write_lines(root / "more_chats.jsonl", "chat_train.jsonl", CHATS, 16)
-    pairs = write_lines(root / "pairs.jsonl", "preference_train.jsonl", 0, PAIRS)
-    more_pairs = write_lines(root / "more_pairs.jsonl", "preference_train.jsonl", PAIRS, 12)
+
+    def make(root: Path) -> None:  # once, on one path for every xdist worker (the shared runs' fingerprints name it)
+        write_lines(root / "chats.jsonl", "chat_train.jsonl", 0, CHATS)
+        write_lines(root / "more_chats.jsonl", "chat_train.jsonl", CHATS, 16)
+        write_lines(root / "pairs.jsonl", "preference_train.jsonl", 0, PAIRS)
+        write_lines(root / "more_pairs.jsonl", "preference_train.jsonl", PAIRS, 12)
+
+    root = conftest.made_once(tmp_path_factory, "invariance-data", make)
+    chats, more_chats, pairs, more_pairs = (
+        root / f"{name}.jsonl" for name in ("chats", "more_chats", "pairs", "more_pairs")
+    )
     mixed = "data.mixing.mode=static"
     return {
         "sft": [f"data.train=[{chats}]"],
@@ -111,9 +117,11 @@ RANDOM_INIT = ["model.path=null"]  # DPO from the tiny random-init model (policy
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, data) -> Path:
     """SFT on 2 ranks × 2, checkpointed at step 10, with the document ledger."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    launch(out, 2, "sft", *data["sft"], "data.num_workers=2", "save_every=10", "ledger=true")
-    return out
+
+    def make(out: Path) -> None:
+        launch(out, 2, "sft", *data["sft"], "data.num_workers=2", "save_every=10", "ledger=true")
+
+    return conftest.made_once(tmp_path_factory, "invariance-two-ranks", make)
 
 
 @pytest.mark.parametrize("setting", list(SPLITS))
