@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import logging
 import multiprocessing.process
 import os
 import shutil
@@ -123,6 +124,23 @@ def work_dir(tmp_path_factory, monkeypatch) -> Path:
 
 def _refuse_processes(*args, **kwargs):
     raise AssertionError("this test starts a process: mark it (or its module) with @pytest.mark.launch")
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """Each test leaves logging as it found it: a test of chattune.log's set-up (its basicConfig, the rank filter
+    it adds to the handlers of the moment, which under pytest are pytest's own capture handlers, tqdm's redirect)
+    made every later `caplog` of its xdist worker empty."""
+    loggers = [logging.getLogger(), logging.getLogger("transformers")]
+    saved = [(lg, lg.handlers, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    filters = {handler: list(handler.filters) for lg in loggers for handler in lg.handlers}
+    yield
+    for lg, listed, handlers, level, propagate in saved:
+        lg.handlers = listed  # the list object pytest's own capture adds to and removes from
+        listed[:] = handlers
+        lg.level, lg.propagate = level, propagate
+    for handler, kept in filters.items():
+        handler.filters[:] = kept
 
 
 @pytest.fixture(autouse=True)

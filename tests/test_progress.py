@@ -173,6 +173,7 @@ def test_a_note_of_the_run_is_printed_once_by_rank_0_and_a_ranks_own_by_that_ran
     monkeypatch.setattr(root, "level", root.level)
     library = transformers.utils.logging._get_library_root_logger()
     monkeypatch.setattr(library, "handlers", [logging.StreamHandler(io.StringIO())])
+    monkeypatch.setattr(library, "propagate", False)  # as in a fresh process (an earlier test may have turned it on)
     printed = {}
     for rank in (0, 1):
         printed[rank] = io.StringIO()

@@ -423,12 +423,13 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     assert output.count(f"chattune: stopped by SIGINT after step {step}") == 1
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
 
-    # Ctrl-C twice in the first steps: nothing saved, and the line says so. Step 3 takes 20 s (fault injection), so
-    # the second Ctrl-C always finds the first one's save still ahead (a tiny step and save could otherwise finish
-    # between the two signals and exit 75).
+    # Ctrl-C twice in the first steps: nothing saved, and the line says so. The run sleeps 20 s after step 2 is
+    # logged (fault injection), before anything saves: both Ctrl-Cs land there, the first one's save still ahead
+    # (a slow step 3 left a race: a first Ctrl-C after step 2's all-reduce stops before step 3, and saves at once,
+    # so the second found a save half-written in checkpoints/).
     out = tmp_path / "twice"
     twice = [*command, "max_steps=4", f"output_dir={out}"]
-    slow = {**os.environ, "CHATTUNE_SLOW_AT": "step:3:20"}
+    slow = {**os.environ, "CHATTUNE_SLOW_AT": "after_step:2:20"}
     with open(tmp_path / "twice.log", "w") as log:
         process = subprocess.Popen(conftest.with_small_model(twice), stdout=log, stderr=subprocess.STDOUT, env=slow)
         _until_logged(process, out, 2)
