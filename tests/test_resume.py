@@ -182,7 +182,9 @@ def test_sigkill_then_resume_trains_every_document_once_per_epoch(tmp_path, smal
 
 @pytest.mark.launch
 def test_changed_config_data_or_world_size_is_refused_with_what_differs(tmp_path, small_data):
-    out = tmp_path / "run"
+    out, shared = tmp_path / "run", small_data
+    small_data = tmp_path / "chats.jsonl"  # a copy of its own: the shared file is other tests' data
+    small_data.write_text(shared.read_text())
     launch(out, small_data, 2, "stop_after_step=3")
 
     changed_lr = launch(out, small_data, 2, "optimizer.lr=1e-3", check=False)
@@ -193,27 +195,22 @@ def test_changed_config_data_or_world_size_is_refused_with_what_differs(tmp_path
     assert fewer_ranks.returncode != 0
     assert "was written by 2 rank(s), this run has 1" in fewer_ranks.stdout + fewer_ranks.stderr
 
-    edited = tmp_path / "edited.jsonl"
-    edited.write_text(small_data.read_text())
     with small_data.open("a") as f:  # the same path, one more record
         f.write(small_data.read_text().splitlines(keepends=True)[0])
-    try:
-        changed_data = launch(out, small_data, 2, check=False)
-        assert changed_data.returncode != 0
-        assert f"data file {small_data}: 60 -> 61 records" in changed_data.stdout + changed_data.stderr
-        allowed = launch(out, small_data, 2, "resume_allow_changes=true")
-        # a note of the run, which every rank finds: printed once, by rank 0 (it used to be once per rank)
-        assert (allowed.stdout + allowed.stderr).count("resuming despite a change") == 1
-        assert f"[rank0] resuming despite a change: data file {small_data}: 60 -> 61 records" in allowed.stdout
-        assert read_metrics(out)[-1]["step"] == 8
-        # An explicit checkpoint: its metrics lines are kept, later ones retrained and logged again.
-        explicit = launch(out, small_data, 2, f"resume={out}/checkpoints/step_3", "resume_allow_changes=true")
-        assert f"resumed from {out}/checkpoints/step_3 at step 3" in explicit.stdout + explicit.stderr
-        assert [m["step"] for m in read_metrics(out)] == list(range(1, 9))
-        assert (out / "checkpoints" / "step_6.abandoned").is_dir()  # the trajectory it abandoned, set aside
-        # (resume=null and overwrite=true in a used directory: tests/test_run_safety.py)
-    finally:
-        small_data.write_text(edited.read_text())
+    changed_data = launch(out, small_data, 2, check=False)
+    assert changed_data.returncode != 0
+    assert f"data file {small_data}: 60 -> 61 records" in changed_data.stdout + changed_data.stderr
+    allowed = launch(out, small_data, 2, "resume_allow_changes=true")
+    # a note of the run, which every rank finds: printed once, by rank 0 (it used to be once per rank)
+    assert (allowed.stdout + allowed.stderr).count("resuming despite a change") == 1
+    assert f"[rank0] resuming despite a change: data file {small_data}: 60 -> 61 records" in allowed.stdout
+    assert read_metrics(out)[-1]["step"] == 8
+    # An explicit checkpoint: its metrics lines are kept, later ones retrained and logged again.
+    explicit = launch(out, small_data, 2, f"resume={out}/checkpoints/step_3", "resume_allow_changes=true")
+    assert f"resumed from {out}/checkpoints/step_3 at step 3" in explicit.stdout + explicit.stderr
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, 9))
+    assert (out / "checkpoints" / "step_6.abandoned").is_dir()  # the trajectory it abandoned, set aside
+    # (resume=null and overwrite=true in a used directory: tests/test_run_safety.py)
 
 
 class FakeCuda:
