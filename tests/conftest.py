@@ -24,6 +24,13 @@ os.environ.update(
     XDG_CACHE_HOME=os.path.join(_CACHES, "xdg"),
     MPLCONFIGDIR=os.path.join(_CACHES, "matplotlib"),
 )
+# torch.compile's cache (inductor's default is /tmp/torchinductor_$USER, which the user's runs fill and read): one
+# per test session, made by the process that starts xdist's workers (they inherit the variable), so that the
+# session's launches share their compiled kernels as a user's runs do, and no test finds a user's.
+if "CHATTUNE_TEST_SESSION_CACHES" not in os.environ:
+    os.environ["CHATTUNE_TEST_SESSION_CACHES"] = tempfile.mkdtemp(prefix="chattune-test-session-")
+    atexit.register(shutil.rmtree, os.environ["CHATTUNE_TEST_SESSION_CACHES"], ignore_errors=True)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["CHATTUNE_TEST_SESSION_CACHES"], "inductor")
 
 import pytest  # noqa: E402  (after the caches are set)
 import torch  # noqa: E402
