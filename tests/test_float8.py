@@ -95,3 +95,49 @@ def test_float8_is_checked_as_on_a_planned_gpu_and_refused_on_the_cpu():
         "model.fp8: rowwise needs a GPU with float8 matmuls; on the CPU, model.fp8=emulate checks the numerics"
         in report
     )
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("tokens", [1001, 1008, 1])  # a packed row, a multiple of 16, the 1-token empty microbatch
+def test_float8_matmuls_meet_cudas_shape_rule_on_unpadded_rows_and_padding_changes_nothing(monkeypatch, mode, tokens):
+    """CUDA's `_scaled_mm` refuses an inner dimension that is not a multiple of 16 ("Expected trailing dimension of
+    mat1 to be divisible by 16"); CPU's checks nothing, so the rule is checked here by a stand-in around it. The
+    weight gradient's inner dimension is the row's token count: padded (with zeros), the gradients are those of
+    the same float8 matmuls unpadded (CPU's `_scaled_mm` takes both)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from chattune.model.float8 import convert_linear_layers
+
+    scaled_mm, shapes = torch._scaled_mm, []
+
+    def as_on_cuda(mat1, mat2, *args, **kwargs):
+        shapes.append((tuple(mat1.shape), tuple(mat2.shape)))
+        if mat1.shape[1] % 16 or mat2.shape[0] % 16 or mat2.shape[1] % 16:
+            raise RuntimeError(
+                f"Expected trailing dimension of mat1 to be divisible by 16: {mat1.shape} @ {mat2.shape}"
+            )
+        return scaled_mm(mat1, mat2, *args, **kwargs)
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    reference = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    reference.load_state_dict(layer.state_dict())
+    hidden = torch.randn(tokens, 64)
+
+    def gradients(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = hidden.clone().requires_grad_()
+        module(inputs).pow(2).sum().backward()
+        return inputs.grad, module[0].weight.grad
+
+    assert convert_linear_layers([layer], mode) == 1
+    monkeypatch.setattr(torch, "_scaled_mm", as_on_cuda)
+    padded = gradients(layer)
+    assert len(shapes) == 3 and shapes[-1][0][1] % 16 == 0  # forward, input gradient, weight gradient
+    # The same float8 layer unpadded, on CPU's unchecked _scaled_mm: what padding must not change.
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(reference, config=Float8LinearConfig.from_recipe_name(mode))
+    assert isinstance(reference[0], Float8Linear)
+    for ours, unpadded in zip(padded, gradients(reference), strict=True):
+        torch.testing.assert_close(ours, unpadded, rtol=1e-6, atol=1e-6)

@@ -57,7 +57,13 @@ def convert_linear_layers(decoder_layers: list[nn.Module], mode: str) -> int:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
-    config = Float8LinearConfig(emulate=True) if mode == "emulate" else Float8LinearConfig.from_recipe_name(mode)
+    if mode == "emulate":  # ordinary matmuls on the dequantized data: no inner dimension to pad
+        config = Float8LinearConfig(emulate=True)
+    else:
+        # CUDA's _scaled_mm wants the inner dimension of every matmul a multiple of 16; the weight gradient's is the
+        # row's token count (grad_output.t() @ input), which packed rows (and the 1-token empty microbatch) are not:
+        # torchao pads it with zeros, an exact copy of the fp8 operands (CPU's _scaled_mm checks nothing).
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(mode), pad_inner_dim=True)
     if mode in ("tensorwise", "emulate"):  # one scale per weight: FSDP2 gathers the shards already in float8
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     for layer in decoder_layers:
