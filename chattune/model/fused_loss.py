@@ -181,9 +181,14 @@ def cce_token_losses(
             hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="none", softcap=softcap, **options
         ).float()
     # This rank's rows of a vocabulary split over tp: CCE gives log-sum-exp over them minus the logit of a row
-    # of them (the target where it is here, else the first); that logit, computed here as CCE's logits are (the
-    # inputs' dtype, accumulated in fp32, then capped), is added back: their gradients cancel at that row.
+    # of them (the target where it is here, else an anchor row); that logit, computed here as CCE's logits are
+    # (the inputs' dtype, accumulated in fp32, then capped), is added back: their gradients cancel at that row.
+    # The anchors are spread over the rows by position: (T-1)/T of the tokens have their target elsewhere, and
+    # on one anchor row their opposite gradients (-h in CCE's bf16 accumulation, +h from the logit) would each
+    # be summed over thousands of tokens in bf16 and keep that rounding (measured: 500x a row's error).
     index, here = local_targets(labels, rows)
+    spread = torch.arange(labels.numel(), device=labels.device) % (rows.stop - rows.start)
+    index = torch.where(here, index, spread)
     anchors = index.masked_fill(labels == IGNORE_INDEX, IGNORE_INDEX)
     relative = _linear_cross_entropy()(
         hidden, weight, anchors, ignore_index=IGNORE_INDEX, reduction="none", softcap=softcap, **options
