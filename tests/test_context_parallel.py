@@ -456,3 +456,29 @@ def test_positions_that_depend_on_the_document_split_across_a_context_group(tmp_
         ("phi3-longrope", "llama-dynamic", "llama4_text-chunks"), "accepted"
     )
     assert "split across the 4 ranks of parallel.context differently" in outcomes["whole-row rotary"]
+
+
+def test_a_padded_row_slice_copies_nothing_from_the_host():
+    """A row that C does not divide is padded on its own device: a tensor built on the host and copied over (from
+    pageable memory) waits for the device, two syncs a microbatch. Shown on the meta device, where any such copy is
+    an operation that takes a CPU tensor and returns a meta one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copies = []
+
+    class HostCopies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if any(t.device.type == "cpu" and t.dim() > 0 for t in inputs) and any(
+                t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+            ):
+                copies.append(str(func))
+            return out
+
+    documents = [Document(0, np.arange(1, 8), np.arange(2, 9)), Document(1, np.arange(5, 8), np.full(3, IGNORE_INDEX))]
+    batch = collate_packed(documents).to("meta")
+    assert batch.num_tokens % 4
+    with HostCopies():
+        piece = context_parallel.row_slice(batch, 4, 3)
+    assert copies == [] and piece.input_ids.shape == (1, 3) and piece.cu_seqlens.shape == (4,)

@@ -160,8 +160,10 @@ def row_slice(batch: PackedBatch, context_size: int, context_rank: int, slice_mu
 
         input_ids = extend(input_ids, 0)
         labels = extend(labels, IGNORE_INDEX)
-        position_ids = extend(position_ids, torch.arange(padding))
-        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length + padding])])
+        # Made on the row's device: a tensor built on the host and copied over (arange, new_tensor) is a copy from
+        # pageable memory, which waits for the device (two syncs a microbatch).
+        position_ids = extend(position_ids, torch.arange(padding, device=position_ids.device))
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), length + padding)])
     per_rank = (length + padding) // context_size
     piece = slice(context_rank * per_rank, (context_rank + 1) * per_rank)
     return dataclasses.replace(
