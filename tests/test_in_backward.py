@@ -69,6 +69,47 @@ def test_no_whole_model_gradient_exists_and_the_step_is_the_optimizers_own():
     updater.remove()
 
 
+def test_each_hook_steps_its_own_parameter_alone_with_its_groups_live_settings(monkeypatch):
+    """A hook's step looks at its own parameter only (the whole step's work linear in the parameters: a plain
+    `optimizer.step()` per hook scans every parameter of every group, P² a step), with its group's settings as the
+    scheduler left them: two groups at different rates give the ordinary step's weights exactly."""
+    from chattune.train.in_backward import UpdateInBackward
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(20)]
+    model, reference = torch.nn.Sequential(*layers), torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+    reference.load_state_dict(model.state_dict())
+
+    def groups(module: torch.nn.Module) -> list[dict]:
+        return [{"params": list(module[:10].parameters()), "lr": 0.1}, {"params": list(module[10:].parameters())}]
+
+    inputs = torch.randn(3, 4)
+    ordinary = torch.optim.AdamW(groups(reference), lr=0.01)
+    optimizer = torch.optim.AdamW(groups(model), lr=0.01)
+    for step_optimizer in (ordinary, optimizer):
+        for group, rate in zip(step_optimizer.param_groups, (0.2, 0.03)):  # as a scheduler sets them
+            group["lr"] = rate
+    reference(inputs).square().sum().backward()
+    ordinary.step()
+
+    scanned: list[int] = []
+    init_group = torch.optim.AdamW._init_group
+    monkeypatch.setattr(
+        torch.optim.AdamW,
+        "_init_group",
+        lambda self, group, *args: scanned.append(len(group["params"])) or init_group(self, group, *args),
+    )
+    updater = UpdateInBackward(model, optimizer, torch.device("cpu"))
+    model(inputs).square().sum().backward()
+    assert scanned == [1] * 40  # each of the 40 parameters' steps saw one parameter
+    assert [len(group["params"]) for group in optimizer.param_groups] == [20, 20]
+    assert [group["lr"] for group in optimizer.param_groups] == [0.2, 0.03]
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert set(optimizer.state) == set(model.parameters())
+    updater.remove()
+
+
 def _one_rank_step(max_grad_norm, poison_gradients: bool = False):
     from chattune.data.packing import collate_packed
     from chattune.model.causal_lm import PackedCausalLM

@@ -39,6 +39,8 @@ class UpdateInBackward:
         # its squares count 1/T on each (as `chattune.train.step` counts them).
         self.tensor = getattr(getattr(model, "parallel_dims", None), "tp", 1)
         self.local_squared_norm = torch.zeros((), dtype=torch.float64, device=device)
+        # Each parameter's group: its step sees that group holding that parameter alone (`_update`).
+        self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self.handles = [
             parameter.register_post_accumulate_grad_hook(self._update)
             for parameter in model.parameters()
@@ -52,8 +54,22 @@ class UpdateInBackward:
         norm = torch.linalg.vector_norm(local, dtype=torch.float32)
         square = norm.to(self.local_squared_norm.device, torch.float64).square()
         self.local_squared_norm += square if self.tensor == 1 or split_over(grad) else square / self.tensor
-        self.optimizer.step()  # only this parameter holds a gradient: the others' hooks freed theirs
+        self._step_alone(parameter)
         parameter.grad = None
+
+    def _step_alone(self, parameter: torch.Tensor) -> None:
+        """The optimizer's step over `parameter` only: its group shown holding it alone. A plain step scans every
+        parameter of every group for a gradient (`_init_group`): P hooks a step would make that P² checks, inside
+        FSDP2's reduce-scatter stream. The group's settings are the live ones (the scheduler's rate); whatever the
+        step sets in them is kept."""
+        groups, group = self.optimizer.param_groups, self.group_of[id(parameter)]
+        alone = {**group, "params": [parameter]}
+        self.optimizer.param_groups = [alone]
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = groups
+        group.update((key, value) for key, value in alone.items() if key != "params")
 
     def begin_step(self) -> None:
         self.local_squared_norm.zero_()
