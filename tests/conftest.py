@@ -15,21 +15,23 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-# The user's caches are not the tests': Hugging Face's (read when huggingface_hub is imported, below) and those that
-# follow XDG or matplotlib's variable go to a directory of this test process, removed at its end.
-_CACHES = tempfile.mkdtemp(prefix="chattune-test-caches-")
-atexit.register(shutil.rmtree, _CACHES, ignore_errors=True)
-os.environ.update(
-    HF_HOME=os.path.join(_CACHES, "huggingface"),
-    XDG_CACHE_HOME=os.path.join(_CACHES, "xdg"),
-    MPLCONFIGDIR=os.path.join(_CACHES, "matplotlib"),
-)
 # torch.compile's cache (inductor's default is /tmp/torchinductor_$USER, which the user's runs fill and read): one
 # per test session, made by the process that starts xdist's workers (they inherit the variable), so that the
 # session's launches share their compiled kernels as a user's runs do, and no test finds a user's.
 if "CHATTUNE_TEST_SESSION_CACHES" not in os.environ:
     os.environ["CHATTUNE_TEST_SESSION_CACHES"] = tempfile.mkdtemp(prefix="chattune-test-session-")
     atexit.register(shutil.rmtree, os.environ["CHATTUNE_TEST_SESSION_CACHES"], ignore_errors=True)
+# The user's caches are not the tests': Hugging Face's (read when huggingface_hub is imported, below) and those that
+# follow XDG or matplotlib's variable go to a directory of this test process, removed at its end. It lies in the
+# session's directory: a process a test spawns (multiprocessing imports conftest there) ends by os._exit, past
+# atexit, and would leave its own in /tmp otherwise.
+_CACHES = tempfile.mkdtemp(prefix="caches-", dir=os.environ["CHATTUNE_TEST_SESSION_CACHES"])
+atexit.register(shutil.rmtree, _CACHES, ignore_errors=True)
+os.environ.update(
+    HF_HOME=os.path.join(_CACHES, "huggingface"),
+    XDG_CACHE_HOME=os.path.join(_CACHES, "xdg"),
+    MPLCONFIGDIR=os.path.join(_CACHES, "matplotlib"),
+)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["CHATTUNE_TEST_SESSION_CACHES"], "inductor")
 
 import pytest  # noqa: E402  (after the caches are set)
