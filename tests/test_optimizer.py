@@ -84,3 +84,55 @@ def test_every_schedule_is_read_at_the_step_it_trains():
         warnings.simplefilter("error")
         scheduler = build_scheduler(linear, optimizer, 4)
     assert _rates_taken(optimizer, scheduler, 4) == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+@pytest.mark.parametrize(
+    "warmup, steps, cycles", [(0, 8, 0.5), (3, 8, 0.5), (10, 100, 0.5), (4, 50, 2.0), (20, 10, 0.5)]
+)
+def test_the_default_schedule_equals_transformers_cosine_with_warmup_at_every_step(warmup, steps, cycles):
+    from transformers import get_cosine_schedule_with_warmup
+
+    from chattune.train.schedule import cosine_with_warmup
+
+    rates = []
+    for make in (cosine_with_warmup, get_cosine_schedule_with_warmup):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.3)
+        scheduler = make(optimizer, num_warmup_steps=warmup, num_training_steps=steps, num_cycles=cycles)
+        rates.append(
+            [scheduler.get_last_lr()[0]] + [(scheduler.step(), scheduler.get_last_lr()[0])[1] for _ in range(steps + 2)]
+        )
+    assert rates[0] == rates[1]  # exact: the same arithmetic
+
+
+@pytest.mark.launch
+def test_the_default_schedule_imports_neither_peft_nor_bitsandbytes_and_resumes_transformers_name():
+    """transformers' schedules module imports peft and bitsandbytes (1.4 s of each rank's start-up): a run without
+    adapters builds the default schedule without them. A checkpoint whose config names transformers' function is
+    the same schedule to a resume; another schedule is a change."""
+    script = """
+import sys, torch
+from omegaconf import OmegaConf
+from chattune.config.schema import SchedulerConfig
+from chattune.train.optimizer import build_scheduler
+optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+build_scheduler(OmegaConf.structured(SchedulerConfig), optimizer, 20)
+print(sorted(name for name in ("peft", "bitsandbytes", "transformers.optimization") if name in sys.modules))
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr[-3000:]
+
+    from chattune.train.resume import differences
+
+    def fingerprint(target: str) -> dict:
+        return {"config": {"scheduler._target_": target, "scheduler.num_warmup_steps": 10}}
+
+    ours, theirs = (
+        fingerprint("chattune.train.schedule.cosine_with_warmup"),
+        fingerprint("transformers.get_cosine_schedule_with_warmup"),
+    )
+    assert differences(theirs, ours) == [] and differences(ours, theirs) == []
+    changed = differences(theirs, fingerprint("transformers.get_linear_schedule_with_warmup"))
+    assert [difference.key for difference in changed] == ["scheduler._target_"]

@@ -903,7 +903,7 @@ print("same")
     report, ok = run_validate("sft/tiny", ["scheduler.num_cycle=0.5", "~scheduler.num_warmup_steps"], CONFIGS)
     assert problems(report) == [
         "scheduler.num_cycle: unknown key; did you mean scheduler.num_cycles?",
-        "scheduler.num_warmup_steps: required by transformers.get_cosine_schedule_with_warmup, not set",
+        "scheduler.num_warmup_steps: required by chattune.train.schedule.cosine_with_warmup, not set",
     ]
 
 

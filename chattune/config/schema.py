@@ -337,7 +337,10 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    _target_: str = key("transformers.get_cosine_schedule_with_warmup", "the schedule function")
+    _target_: str = key(
+        "chattune.train.schedule.cosine_with_warmup",
+        "the schedule function (the default equals transformers.get_cosine_schedule_with_warmup)",
+    )
     _partial_: bool = key(True, "the recipe passes the optimizer and num_training_steps")
     num_warmup_steps: int = key(10, "linear warm-up steps", at_least=0)
 

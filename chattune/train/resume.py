@@ -37,6 +37,7 @@ from chattune.errors import UserError
 from chattune.train.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
 from chattune.train.feed import merge_states
 from chattune.train.run_state import OptimizerState, RunState
+from chattune.train.schedule import schedule_name
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ def differences(saved: dict, current: dict, saved_hashes: dict[str, np.ndarray] 
     found = []
     before, now = saved.get("config", {}), current.get("config", {})
     for key in sorted(set(before) | set(now)):
+        if key == "scheduler._target_" and schedule_name(before.get(key)) == schedule_name(now.get(key)):
+            continue  # one schedule under two names (chattune.train.schedule)
         if before.get(key, "<absent>") != now.get(key, "<absent>"):
             found.append(
                 Difference(
