@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max, all_reduce_sum, host_values_on, reduce_sums
+from chattune.distributed import all_reduce_max, all_reduce_sum, host_values_on
 from chattune.model.fsdp import parallel_dims_of, reshard
 from chattune.objectives.base import Objective
 from chattune.train.progress import Progress
@@ -36,7 +36,10 @@ def evaluate(
     fewer batches runs empty ones: every FSDP forward is a collective, so all ranks make the same number.
     The model is resharded after the last forward (`chattune.model.fsdp.reshard`). `progress`: the run's, which
     shows where a long evaluation is (rank 0)."""
-    sums: dict[str, float] = {"loss_sum": 0.0, "units": 0.0}
+    # The losses and figures summed on the device (no transfer per batch: `float(loss)` waited for each batch's
+    # kernels); the units on the host. One transfer at the end, with the all-reduce.
+    on_device: dict[str, torch.Tensor] = {"loss_sum": torch.zeros((), dtype=torch.float64, device=device)}
+    units = 0.0
     was_training = model.training
     model.eval()
     weight = (
@@ -51,17 +54,21 @@ def evaluate(
     shown = progress.task("eval", total, "batches") if progress is not None else None
     for i, batch in enumerate(held_out):
         loss, figures = objective.loss_sum(model, batch.to(device))
-        sums["loss_sum"] += float(loss) * weight
-        sums["units"] += objective.count_units(batch) * weight
-        for name, value in figures.items():
-            sums[name] = sums.get(name, 0.0) + float(value) * weight
+        for name, value in {"loss_sum": loss, **figures}.items():
+            value = torch.as_tensor(value, device=device).detach().to(torch.float64).reshape(()) * weight
+            on_device[name] = on_device[name] + value if name in on_device else value
+        units += objective.count_units(batch) * weight
         if shown is not None:
             shown.update(i + 1)
     if shown is not None:
         shown.close()
     model.train(was_training)
     reshard(model)  # the root's gathered bf16 copies would otherwise stay (and be what an export reads)
-    sums = reduce_sums(sums, device)
+    names = sorted(on_device)  # (every rank reports the same names: the same objective on as many batches)
+    local = torch.cat(
+        [torch.stack([on_device[name] for name in names]), host_values_on(device, [units], torch.float64)]
+    )
+    sums = dict(zip([*names, "units"], all_reduce_sum(local).tolist()))
     return {f"eval_{name}": value for name, value in objective.metrics(sums, int(sums["units"])).items()}
 
 
