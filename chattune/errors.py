@@ -29,6 +29,7 @@ EXIT_CODE = 1
 NOTE = "chattune/stopped"  # store key: the rank that reported why the run stops
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words
 _GRACE_S = 3.0  # a rank that leaves the reporting to another waits this long, so the reporter speaks first
+_REPORTER_WAIT_S = 120.0  # ... or, where it can see rank 0's progress, until rank 0 has reported (at most this)
 
 
 class UserError(Exception):
@@ -123,6 +124,24 @@ def write_error_file(message: str) -> None:
         os.replace(partial, path)
 
 
+def _wait_for_the_reporter(store) -> None:
+    """Before a rank that left the report to another exits (its exit makes torchrun end the others): until the
+    reporter has spoken. Before the process group (no store: config and data errors) the reporter is rank 0,
+    which on this node writes its torchrun error file, a sibling of this rank's, after printing: wait for that
+    file (a rank 0 slower to start, under load, was killed before it printed anything), at most
+    `_REPORTER_WAIT_S`. Elsewhere (rank 0 on another node, no torchrun, a store's claimant, which prints at once
+    after its claim) a fixed grace."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    on_rank0_node = os.environ.get("GROUP_RANK", "0") == "0" and os.environ.get("LOCAL_RANK") not in (None, "0")
+    if store is not None or not path or not on_rank0_node:
+        time.sleep(_GRACE_S)
+        return
+    rank0_file = os.path.join(os.path.dirname(os.path.dirname(path)), "0", os.path.basename(path))
+    deadline = time.monotonic() + _REPORTER_WAIT_S
+    while not os.path.exists(rank0_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _exit() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -153,7 +172,7 @@ def report_errors() -> Iterator[None]:
             write_error_file("the chattune error printed above (a user error, not a bug: no traceback)")
         else:
             write_error_file("stopped: another rank reported the error")
-            time.sleep(_GRACE_S)
+            _wait_for_the_reporter(store)
         _exit()
     except Exception as error:  # not BaseException: Ctrl-C and sys.exit pass through
         store = _note_store()
