@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 from dataclasses import replace
 from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import DeepseekV3Config, GraniteConfig, LlamaConfig, LongcatFlashConfig, Qwen3Config, Qwen3MoeConfig
 
 from chattune.config.schema import PeftConfig
@@ -317,7 +320,7 @@ def test_validate_prints_the_table_whether_it_fits_and_advice_that_works_as_writ
 
 
 def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
-    """Llama-3.1-8B's shape on 96 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, CPU offload, LoRA, QLoRA and
+    """Llama-3.1-8B's shape on 100 GiB with fp32 AdamW: 8-bit states alone fit, as do 4-bit, CPU offload, LoRA, QLoRA and
     a second rank; activation checkpointing or offloading alone does not (the states dominate), so it is not listed."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -327,7 +330,7 @@ def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
     spec = OmegaConf.create(EIGHT_B.split("=", 1)[1])
     inputs = MemoryInputs(instantiate(spec), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)
     estimated = estimate(inputs)
-    device = 96 * 2**30
+    device = 100 * 2**30
     lines = ways_to_fit(inputs, device, estimated)
     assert lines[0] == "changes that make it fit, each alone, cheapest first:"
     settings = [line.split()[0] for line in lines[1:]]
@@ -570,3 +573,84 @@ def test_a_vocab_size_written_in_model_config_is_kept_by_the_run_and_the_estimat
 
     report, ok = run_validate("sft/tiny", [*SMALL_MODEL, "+model.config.vocab_size=512"], CONFIG_DIR, read_data=True)
     assert not ok and refusal in report, report
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of the storages that ops create while it is active (each storage once, freed with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+        self._before: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for tensor in tree_leaves((args, kwargs)):  # storages made before: never counted (their views, in place)
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self._seen:
+                self._before.add(tensor.untyped_storage().data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in self._seen | self._before:
+                    self._seen.add(storage.data_ptr())
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
+        return out
+
+    def _freed(self, pointer: int, size: int) -> None:
+        self._seen.discard(pointer)
+        self.live -= size
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_loss_head_rows_are_what_the_chunked_head_allocates(dtype):
+    """The chunked head's forward and backward on one microbatch, measured op by op: in bf16 the output layer
+    upcast to fp32, its fp32 gradient and its bf16 gradient come on top of a chunk's logits (about 10 bytes per
+    weight element, 1.5 GiB at 0.6B), which the estimate counted as the chunk alone; in fp32 a chunk's gradient
+    and autograd's sum of it beside the weight's own gradient (the gradients row)."""
+    from chattune.model.chunked_loss import chunked_token_losses
+
+    vocab, hidden, tokens, chunk = 4096, 256, 256, 64
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_hidden_layers=1)
+    rows = estimate(MemoryInputs(config, ranks=1, tokens=tokens, loss_chunk=chunk, compute_dtype=dtype)).rows
+    counted = sum(value for name, value in rows.items() if name.startswith("loss head"))
+    torch.manual_seed(0)
+    states = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(vocab, hidden) * 0.02).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,))
+    with _LiveBytes() as measured:
+        chunked_token_losses(states, weight, labels, chunk).sum().backward()
+    gradient = 4 * vocab * hidden if dtype == torch.float32 else 0  # the fp32 weight's own gradient: its row's
+    assert abs(counted - (measured.peak - gradient)) <= 0.1 * (measured.peak - gradient), (rows, measured.peak)
+
+
+def test_the_verdict_and_the_gathered_replies_count_what_the_gpu_really_has_free():
+    """A GPU's total is not what a run can allocate: the CUDA context, NCCL's buffers and other processes take their
+    share before the run starts. The plan on this machine's GPU compares with its free memory and what torch's
+    allocator holds (here 1 GiB short of the estimate, on a device whose total would fit it); and the sample
+    replies' decision to gather the whole model counts the allocator's cached blocks, which `mem_get_info` leaves
+    out (a trained model's device is mostly cached, not free)."""
+    from chattune.model.fsdp import can_stay_gathered
+
+    needed = estimate(_tiny_inputs(on_cuda=True)).total
+    free, cached, allocated = needed - 2**30, 2**29, 2**28
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.mem_get_info", return_value=(free - cached, needed + 2**30)),
+        mock.patch("torch.cuda.memory_reserved", return_value=cached),
+        mock.patch("torch.cuda.memory_allocated", return_value=allocated),
+        mock.patch("torch.cuda.get_device_properties", return_value=mock.Mock(total_memory=needed + 2**30)),
+    ):
+        planned = _plan("sft/tiny", [])
+        assert "estimated on a GPU" in planned and f"{free / 2**30:.2f} GiB  (does NOT fit)" in planned, planned
+        model = PackedCausalLM(build_hf_model(demo_tokenizer(), SHAPES["llama"]()))
+        size = sum(4 * p.numel() for p in model.parameters())  # gathered in fp32 (no compute dtype set)
+        # free: the model once; cached: three times, of which one is in use: room for it twice more
+        with (
+            mock.patch("torch.cuda.mem_get_info", return_value=(size, 80 * 2**30)),
+            mock.patch("torch.cuda.memory_reserved", return_value=3 * size),
+            mock.patch("torch.cuda.memory_allocated", return_value=size),
+        ):
+            assert can_stay_gathered(model, torch.device("cuda"))

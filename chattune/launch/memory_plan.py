@@ -44,12 +44,13 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
 
     from chattune.data.tokenizer import load_tokenizer
     from chattune.distributed import ParallelDims
-    from chattune.model.memory import hf_config_of, inputs_of
+    from chattune.model.memory import hf_config_of, inputs_of, usable_device_memory
     from chattune.model.memory_advice import report
 
     on_cuda, why = planned_device(str(cfg.device), device_memory, torch.cuda.is_available())
-    if device_memory is None and on_cuda:
-        device_memory = torch.cuda.get_device_properties(0).total_memory
+    given = device_memory is not None
+    if device_memory is None and on_cuda:  # this machine's GPU: what a run could allocate there now
+        device_memory = usable_device_memory(torch.device("cuda", 0))
     tokenizer_size = None if cfg.model.path is not None else len(load_tokenizer(cfg.tokenizer))
     layout = ParallelDims.from_config(cfg.parallel, ranks)
     inputs = inputs_of(cfg, hf_config_of(cfg, tokenizer_size), layout, on_cuda)
@@ -58,4 +59,9 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
         f"memory per rank, estimated {where} ({ranks} rank(s), {inputs.tokens} tokens a microbatch, "
         f"{str(inputs.compute_dtype).removeprefix('torch.')} compute; --ranks N, --device-memory SIZE):\n  ({why})"
     )
+    if on_cuda and given:
+        header += (
+            "\n  (a launch compares with what its GPU has free, less than the total by the CUDA context, NCCL's "
+            "buffers and other processes)"
+        )
     return header + "\n" + report(inputs, device_memory)[1]

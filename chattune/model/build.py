@@ -50,7 +50,7 @@ from chattune.model.fsdp import (
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.indexed_attention import indexed_path_name
-from chattune.model.memory import inputs_of, memory_levers
+from chattune.model.memory import inputs_of, memory_levers, usable_device_memory
 from chattune.model.memory_advice import report
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
@@ -105,8 +105,8 @@ def log_memory_estimate(cfg: SFTConfig, hf_config, dims: ParallelDims) -> None:
     except (AttributeError, KeyError) as error:  # a config without the keys a run has (a library caller's)
         logger.warning("memory per rank: not estimated (the config lacks %s)", error)
         return
-    device_memory = torch.cuda.get_device_properties(dims.device).total_memory if on_cuda else None
-    estimated, table = report(inputs, device_memory)
+    device_memory = usable_device_memory(dims.device) if on_cuda else None
+    estimated, table = report(inputs, device_memory, "device memory free for the run")
     total = estimated.total
     if device_memory is not None and total is not None and total > device_memory:
         logger.warning("memory per rank, estimated: this run will not fit the device\n%s", table)

@@ -30,6 +30,7 @@ from chattune.config.schema import DTYPES, FSDPConfig
 from chattune.distributed import ParallelDims, world_size
 from chattune.model import tensor_parallel
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.memory import spare_device_memory
 from chattune.model.offload import ActivationOffload
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.model.vocab_parallel import parallelize_vocabulary
@@ -138,14 +139,16 @@ def gathered_size(model: nn.Module) -> int:
 def can_stay_gathered(model: nn.Module, device: torch.device) -> bool:
     """Collective: whether every rank has room for the whole model gathered (`stay_gathered`) with half its free
     device memory to spare. The CPU always has: the models trained there are small. Every rank gets the same
-    answer (an all-reduce), since a rank that gathered alone would skip its peers' all-gathers."""
+    answer (an all-reduce), since a rank that gathered alone would skip its peers' all-gathers. Free memory counts
+    the allocator's cached blocks: a large model's training leaves most of the device cached, not free."""
     if device.type != "cuda":
         return True
-    free, _ = torch.cuda.mem_get_info(device)
-    room = torch.tensor([float(free) - 2.0 * gathered_size(model)], device=device)
+    room = float(spare_device_memory(device)) - 2.0 * gathered_size(model)
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
-    return bool(room.item() > 0)
+        least = torch.tensor([room], device=device)
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+        room = least.item()
+    return room > 0
 
 
 @contextlib.contextmanager

@@ -24,7 +24,8 @@ What each row counts, and how:
   by data-dependent shapes outside the experts: LongCat-Flash) gets no activation figure; the table says so
   instead of guessing.
 - **the loss head**: one chunk of `loss_chunk` tokens' fp32 logits and their gradient (the chunked loss
-  computes the output layer chunk by chunk).
+  computes the output layer chunk by chunk); in bf16/fp16 also the output layer's fp32 upcast and its
+  gradients; with cut-cross-entropy (no logits held) its output-layer gradient buffer (`_loss_head_rows`).
 - **a live reference** (DPO, KTO): its parameters sharded like the policy's, no gradients or states.
 - **QLoRA's 4-bit base** (`quantized_base`): every linear weight of the decoder layers replicated on each rank as
   bitsandbytes stores it (`_four_bit_bytes`), its bias in fp32; the rest sharded as with LoRA. Each 4-bit matmul
@@ -78,6 +79,8 @@ class MemoryInputs:
     microbatches_per_rank: int = 1  # a step's, on each rank
     tensor: int = 1  # parallel.tensor: the decoder layers' linear weights split over this many ranks first
     on_cpu: bool = False  # the run computes on the CPU: the host is the device (offloading moves nothing)
+    loss_implementation: str = "chunked"  # as the run resolves loss.implementation: chunked | cut_cross_entropy
+    cce_fp32_gradients: bool = False  # the CCE release accumulates the output layer's gradient in fp32
 
 
 @dataclass
@@ -106,6 +109,21 @@ class MemoryEstimate:
             lines.append("  in host memory instead (offloaded):")
             lines += [f"    {name:<32} {format_gib(value):>10}" for name, value in self.host_rows.items()]
         return "\n".join(lines + [f"  ({note})" for note in self.notes])
+
+
+def usable_device_memory(device: torch.device) -> int:
+    """What a run can allocate on `device`, measured: its free memory and what torch's allocator already holds.
+    The GPU's total less what torch does not count (the CUDA context, NCCL's buffers, other processes): the
+    verdict compared with `total_memory` left nothing for them."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def spare_device_memory(device: torch.device) -> int:
+    """What more a run can allocate on `device` now: the free memory and the allocator's cached, unused blocks
+    (`mem_get_info` alone leaves those out, though torch reuses them first)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def format_gib(value: int | None) -> str:
@@ -355,12 +373,32 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     result.rows["activations"] = device_activations
     if inputs.offload_activations:
         result.host_rows["activations (offloaded)"] = host_activations
-    vocab = getattr(inputs.hf_config, "vocab_size", 0)
-    # (a vocabulary split over tp: each rank's chunk holds its rows' logits)
-    result.rows["loss head (one chunk)"] = (
-        2 * 4 * min(inputs.loss_chunk, inputs.tokens) * math.ceil(vocab / inputs.tensor)
-    )
+    _loss_head_rows(inputs, model, result, compute_bytes)
     return result
+
+
+def _loss_head_rows(inputs: MemoryInputs, model: nn.Module, result: MemoryEstimate, compute_bytes: int) -> None:
+    """What the loss head holds besides the gathered output layer (a vocabulary split over tp: each rank's rows),
+    as tests/test_memory.py measures it op by op. Chunked: one chunk's fp32 logits and their gradient, and the
+    output layer's gradients: with bf16/fp16 compute the layer upcast to fp32, its fp32 gradient and that gradient
+    in the compute dtype (10 bytes an element in bf16); in fp32 (no upcast) a chunk's fresh gradient and the sum
+    autograd makes of it beside the gradients row's (8 bytes an element, once the chunk's logits are freed: the
+    larger of the two moments). Cut-cross-entropy never holds logits; its backward writes the output layer's
+    gradient into one buffer of the inputs' dtype (fp32 where the release accumulates in fp32)."""
+    vocab = getattr(inputs.hf_config, "vocab_size", 0)
+    head = model.get_output_embeddings()
+    hidden = head.weight.shape[1] if head is not None else getattr(inputs.hf_config, "hidden_size", 0)
+    head_elements = math.ceil(vocab / inputs.tensor) * hidden
+    if inputs.loss_implementation == "cut_cross_entropy":
+        gradient_bytes = 4 if inputs.cce_fp32_gradients else compute_bytes
+        result.rows["loss head (CCE gradient)"] = gradient_bytes * head_elements
+        return
+    chunk = 2 * 4 * min(inputs.loss_chunk, inputs.tokens) * math.ceil(vocab / inputs.tensor)
+    result.rows["loss head (one chunk)"] = chunk
+    if compute_bytes < 4:
+        result.rows["loss head (output-layer gradients)"] = (4 + 4 + compute_bytes) * head_elements
+    else:
+        result.rows["loss head (output-layer gradients)"] = max(0, 8 * head_elements - chunk)
 
 
 def hf_config_of(cfg, tokenizer_size: int | None = None):
@@ -419,7 +457,20 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
         microbatches_per_rank=_microbatches_per_rank(cfg, layout.data_ranks),
         tensor=layout.tp,
         on_cpu=not on_cuda,
+        **_loss_head_of(str(_get(cfg.loss, "implementation") or "auto"), on_cuda, dtype_name),
     )
+
+
+def _loss_head_of(setting: str, on_cuda: bool, dtype_name: str) -> dict:
+    """The loss head a run takes (`chattune.model.fused_loss.resolve_loss_implementation`, without its warnings:
+    the run gives them) and whether its CCE release accumulates the output layer's gradient in fp32."""
+    from chattune.model import fused_loss
+
+    fast = on_cuda and dtype_name in ("bfloat16", "float16")
+    if not fast or setting == "chunked" or not fused_loss.cce_available():
+        return {"loss_implementation": "chunked"}
+    fp32 = "accum_c_fp32" in fused_loss.cce_options(on_cuda=True)
+    return {"loss_implementation": "cut_cross_entropy", "cce_fp32_gradients": fp32}
 
 
 def memory_levers(cfg) -> str:

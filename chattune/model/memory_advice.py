@@ -187,9 +187,13 @@ def _fits(inputs: MemoryInputs, changes, device_memory: int) -> bool:
     return total is not None and total <= device_memory
 
 
-def report(inputs: MemoryInputs, device_memory: int | None) -> tuple[MemoryEstimate, str]:
-    """The estimate of `inputs` and its table, with the ways to fit `device_memory` where it does not."""
+def report(
+    inputs: MemoryInputs, device_memory: int | None, memory_name: str | None = None
+) -> tuple[MemoryEstimate, str]:
+    """The estimate of `inputs` and its table, with the ways to fit `device_memory` where it does not (named
+    `memory_name` in the table)."""
     estimated = estimate(inputs)
     advice = ways_to_fit(inputs, device_memory, estimated) if device_memory is not None else []
-    table = estimated.table(device_memory, "memory (--device-memory)" if inputs.on_cpu else "device memory")
+    memory_name = memory_name or ("memory (--device-memory)" if inputs.on_cpu else "device memory")
+    table = estimated.table(device_memory, memory_name)
     return estimated, "\n".join([table, *(f"  {line}" for line in advice)])
