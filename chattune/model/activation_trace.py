@@ -154,11 +154,14 @@ def _register_trace_attention() -> None:
 def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator[tuple[dict, dict]]:
     """Count the bytes of every storage autograd saves in the block, once, parameters excluded, attributed to the
     decoder layer running (key its index; None: outside the layers); and the bytes activation offloading copies to
-    the host (`chattune.model.offload`: each saved tensor of at least MIN_OFFLOAD_BYTES, views each on their own)."""
+    the host (`chattune.model.offload`: each saved tensor of at least MIN_OFFLOAD_BYTES once, however often it is
+    saved, views each on their own)."""
     from chattune.model.offload import MIN_OFFLOAD_BYTES
 
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: set[int] = set()
+    copied: set[tuple] = set()  # (storage, view, version): what the offloading hooks copy once
+    alive: list[torch.UntypedStorage] = []  # (held: a freed storage's id could come back for another)
     counts: dict[int | None, int] = {}
     moved: dict[int | None, int] = {}
     current: list[int | None] = [None]
@@ -173,9 +176,12 @@ def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator
             return tensor
         if storage._cdata not in seen:
             seen.add(storage._cdata)
+            alive.append(storage)
             counts[current[0]] = counts.get(current[0], 0) + storage.nbytes()
         size = tensor.numel() * tensor.element_size()
-        if size >= MIN_OFFLOAD_BYTES:
+        view = (storage._cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if size >= MIN_OFFLOAD_BYTES and (*view, tensor._version) not in copied:
+            copied.add((*view, tensor._version))
             moved[current[0]] = moved.get(current[0], 0) + size
         return tensor
 
@@ -213,7 +219,7 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
     With activation checkpointing each layer keeps its input, and one layer's activations exist again in its
     recompute; offloaded (chattune.model.offload), the device holds one layer's activations at a time (recomputed,
     or brought back for its backward) and the copies in flight (a layer's input, or a tensor of at most a layer's),
-    the host a copy of each tensor the forward saved (views of one storage each their own)."""
+    the host a copy of each tensor the forward saved, once (views of one storage each their own)."""
     trace = _cached_trace(inputs)
     if isinstance(trace, str):
         notes.append(trace)
