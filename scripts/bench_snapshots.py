@@ -57,7 +57,7 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "checkpoints"
-        snapshots = Snapshots(root, state, {"world_size": 1}, {}, device)
+        snapshots = Snapshots(root, state, {"world_size": 1}, {}, device, optimizer)
         copies = []
         for step in range(1, args.steps + 1):
             started = time.perf_counter()

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -152,3 +153,128 @@ def test_steps_longer_than_half_of_plain_torchruns_grace_are_told_of_the_remedie
     (message,) = caplog.messages
     assert "a step takes 16 s and torchrun kills its workers 30 s after" in message
     assert "`chattune run`" in message and "snapshot_steps=true" in message
+
+
+def test_on_cuda_the_copies_run_on_a_side_stream_and_only_the_next_optimizer_step_waits_for_them(tmp_path):
+    """The staged copies were queued on the compute stream, so the next step's kernels waited behind them (about
+    doubling a 0.6B step on a GPU). Now (CUDA's stream calls stood in for, in the order they are made): the side
+    stream waits for the step's kernels, the copies are made on it and its event recorded there; the next optimizer
+    step's stream waits for that event, once, before the update overwrites what the copies read; a step with
+    nothing staged since waits for nothing; after close() no step waits, and the copies are finished first."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    calls: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            calls.append(f"{self.name} waits for {other.name}")
+
+        def wait_event(self, event) -> None:
+            calls.append(f"{self.name} waits for {event.name}")
+
+        def synchronize(self) -> None:
+            calls.append(f"{self.name} synchronized")
+
+    class Event:
+        count = 0
+
+        def __init__(self) -> None:
+            Event.count += 1
+            self.name = f"copies {Event.count}"
+
+        def record(self, stream) -> None:
+            calls.append(f"{self.name} recorded on {stream.name}")
+
+    compute, current = Stream("compute"), {"stream": None}
+    current["stream"] = compute
+
+    class On:  # torch.cuda.stream(s)
+        def __init__(self, stream) -> None:
+            self.stream = stream
+
+        def __enter__(self):
+            current["stream"] = self.stream
+
+        def __exit__(self, *_):
+            current["stream"] = compute
+
+    copy = snapshot._HostCopy.__call__
+
+    def logged_copy(self, state, stream=None):
+        calls.append(f"copies on {current['stream'].name} (given {stream.name if stream else None})")
+        return copy(self, state, stream)
+
+    class Weights(Stateful):
+        def __init__(self, model) -> None:
+            self.model = model
+
+        def state_dict(self):
+            return self.model.state_dict()
+
+        def load_state_dict(self, state) -> None:
+            self.model.load_state_dict(state)
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = snapshot.RunState()
+    state.add("model", Weights(model), sharded=True)
+    with (
+        mock.patch("torch.cuda.Stream", lambda device: Stream("side")),
+        mock.patch("torch.cuda.Event", Event),
+        mock.patch("torch.cuda.current_stream", lambda device=None: current["stream"]),
+        mock.patch("torch.cuda.stream", On),
+        mock.patch.object(snapshot._HostCopy, "__call__", logged_copy),
+    ):
+        snapshots = Snapshots(tmp_path, state, {}, {}, torch.device("cuda"), optimizer)
+        snapshots.stage(1)
+        model.weight.grad = torch.ones_like(model.weight)
+        optimizer.step()
+        optimizer.step()  # nothing staged since: no wait
+        snapshots.stage(2)
+        optimizer.step()
+        snapshots.close()
+        optimizer.step()
+    assert calls == [
+        "side waits for compute",
+        "copies on side (given side)",
+        "copies 1 recorded on side",
+        "compute waits for copies 1",
+        "side waits for compute",
+        "copies on side (given side)",
+        "copies 2 recorded on side",
+        "compute waits for copies 2",
+        "side synchronized",
+    ], calls
+
+
+def _when_slow_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    started = []
+    when_slow = snapshot.SnapshotsWhenSlow(grace=4, start=lambda: started.append(True) or "snapshots")
+    # step 1: both ranks short; step 2: rank 1 alone takes 3 s (> 4 / 2): both start them, at the same step
+    early = [when_slow.after_step(step, 3.0 if (step, rank) == (2, 1) else 0.5) for step in (1, 2)]
+    # past the first 10 steps the ranks agree every 10th step, on the longest step since: 15's, at 20
+    later = snapshot.SnapshotsWhenSlow(grace=4, start=lambda: started.append(True) or "snapshots")
+    late = [later.after_step(step, 3.0 if (step, rank) == (15, 1) else 0.5) for step in range(11, 21)]
+    torch.save({"early": early, "late": late, "started": len(started)}, f"{out}.{rank}")
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_auto_snapshots_start_on_every_rank_after_the_first_step_that_was_long_on_any(tmp_path):
+    """snapshot_steps=auto: every rank must stage the same steps (a snapshot is committed when all ranks wrote the
+    same one), so the ranks agree: a step that took more than half of torchrun's grace on one rank starts them
+    on all, after that step (past the first 10 steps, at the next 10th: the check costs an all-reduce); shorter
+    steps start nothing."""
+    out = str(tmp_path / "decisions")
+    spawn(_when_slow_worker, args=(2, free_port(), out), nprocs=2)
+    for rank in (0, 1):
+        assert torch.load(f"{out}.{rank}") == {
+            "early": [None, "snapshots"],
+            "late": [None] * 9 + ["snapshots"],
+            "started": 2,
+        }

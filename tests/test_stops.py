@@ -106,14 +106,15 @@ def test_a_signal_to_one_rank_after_a_step_stops_every_rank_before_the_next(tmp_
 @pytest.mark.launch
 def test_under_plain_torchrun_a_step_longer_than_its_grace_keeps_the_step_before(tmp_path):
     """Plain torchrun SIGKILLs its workers 3 s (here) after passing SIGTERM on, in the middle of a 60 s step 3.
-    With snapshot_steps each rank writes step 2's state, kept in host memory, without collectives: step 2 is
-    committed as an ordinary checkpoint, and the relaunch continues the losses of an uninterrupted run. Without
-    it the same stop keeps nothing since the last checkpoint, as its lines say
+    snapshot_steps=auto (the default) has turned snapshots on after step 2 took 2 s, more than half that grace:
+    each rank writes step 2's state, kept in host memory, without collectives; step 2 is committed as an ordinary
+    checkpoint, and the relaunch continues the losses of an uninterrupted run. Without snapshots the same stop
+    keeps nothing since the last checkpoint, as its lines say
     (`test_a_stop_that_cannot_save_says_what_is_kept_at_the_signal_and_before_it_ends`)."""
     data, run = f"data.train=[{chats(tmp_path)}]", [*SMALL, "max_steps=4", "save_every=0"]
     out = tmp_path / "run"
-    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run, "snapshot_steps=true", "ledger=true")
-    process = _start(command, tmp_path, "step:3:60", env_extra={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
+    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run, "ledger=true")
+    process = _start(command, tmp_path, "step:2:2,step:3:60", env_extra={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
     _until_step_started(process, out, 3)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) != 0  # killed by its own launcher: the step never finished
@@ -121,6 +122,7 @@ def test_under_plain_torchrun_a_step_longer_than_its_grace_keeps_the_step_before
     assert _checkpoints(out) == ["step_2"], log[-3000:]
     assert read_manifest(out / "checkpoints" / "step_2")["written_by"] == "snapshot"
     assert f"the snapshot of step 2 (the last completed step) is saved as {out}/checkpoints/step_2" in log
+    assert "snapshot_steps=auto: a step took " in log and "from now on each step's state is kept in host memory" in log
 
     conftest.launch(conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run), real_torchrun=True)
     reference = tmp_path / "reference"

@@ -430,10 +430,12 @@ class SFTConfig:
     save_async: bool = key(
         False, "write checkpoints in the background while training goes on (committed when complete)", resume="free"
     )
-    snapshot_steps: bool = key(
-        False,
+    snapshot_steps: bool | str = key(
+        "auto",
         "keep each step's state in host memory, so that a stop that cannot finish its step (plain torchrun kills "
-        "its workers 30 s after a signal) writes the step before it, without collectives",
+        "its workers 30 s after a signal) writes the step before it, without collectives; auto: under plain "
+        "torchrun, from the first step longer than half of that grace",
+        choices=("auto",),
         resume="free",
     )
     resume: str | None = key("auto", "auto: the newest checkpoint in output_dir | PATH | null: never", resume="free")

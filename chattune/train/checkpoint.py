@@ -54,7 +54,7 @@ from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
 
 if TYPE_CHECKING:
-    from chattune.train.snapshot import Snapshots
+    from chattune.train.snapshot import Snapshots, SnapshotsWhenSlow
 
 logger = logging.getLogger(__name__)
 
@@ -360,6 +360,7 @@ class Checkpointer:
         self.snapshots: Snapshots | None = (
             None  # a chattune.train.snapshot.Snapshots with snapshot_steps: every other step staged
         )
+        self.when_slow: SnapshotsWhenSlow | None = None  # snapshot_steps=auto: starts them after a long step
         self.last_saved: Path | None = None
         self.last_started = 0.0  # time.perf_counter() at the last save's start
 
@@ -370,8 +371,11 @@ class Checkpointer:
         """Whether this run saved the checkpoint of `step`."""
         return self.last_saved is not None and self.last_saved.name == f"step_{step}"
 
-    def after_step(self, step: int) -> None:
-        """Collective: the checkpoint of `step` where one is due, else (with snapshots) its copy in host memory."""
+    def after_step(self, step: int, step_seconds: float = 0.0) -> None:
+        """Collective: the checkpoint of `step` where one is due, else (with snapshots) its copy in host memory;
+        with `when_slow`, snapshots from the first step that took long (`step_seconds`, this rank's) on any rank."""
+        if self.when_slow is not None and (started := self.when_slow.after_step(step, step_seconds)) is not None:
+            self.snapshots, self.when_slow = started, None
         if self.due(step):
             self.save(step)
             if self.snapshots is not None:

@@ -7,7 +7,7 @@
 - `CHATTUNE_SLOW_AT=step:N:SECONDS` makes every rank sleep that long in the middle of step N: a step longer
   than a launcher's grace period (torchrun kills its workers 30 s after passing a signal on), without a
   model that slow. `after_step:N:SECONDS` sleeps after step N instead (its metrics logged, before a save),
-  where a long save or evaluation would take the time.
+  where a long save or evaluation would take the time. Several, comma-separated: `step:2:2,step:3:60`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ def maybe_crash(point: str, step: int) -> None:
 
 
 def maybe_slow(point: str, step: int) -> None:
-    spec = os.environ.get(SLOW_ENV)
-    if not spec:
-        return
-    target_point, target_step, seconds = spec.split(":")
-    if target_point == point and int(target_step) == step:
-        time.sleep(float(seconds))  # a signal does not cut it short (PEP 475): the step really is this long
+    for spec in filter(None, os.environ.get(SLOW_ENV, "").split(",")):
+        target_point, target_step, seconds = spec.split(":")
+        if target_point == point and int(target_step) == step:
+            time.sleep(float(seconds))  # a signal does not cut it short (PEP 475): the step really is this long

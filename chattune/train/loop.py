@@ -54,7 +54,7 @@ from chattune.train.progress import Progress
 from chattune.train.resume import resume_training
 from chattune.train.run_state import Every, Horizon, SkippedSteps, training_state
 from chattune.train.samples import run_samples
-from chattune.train.snapshot import Snapshots, advise, killing_grace_s
+from chattune.train.snapshot import Snapshots, SnapshotsWhenSlow, advise, killing_grace_s
 from chattune.train.step import LossScale, StepResult, UpdateRule, train_step
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,8 @@ def train(
             evaluator.sample(step)
         run.progress.update(step, metric_logger.last)
         maybe_slow("after_step", step)  # fault injection: work after the step's all-reduce, as a long save takes
-        checkpointer.after_step(step)  # a checkpoint where due, else with snapshot_steps a copy in host memory
+        # a checkpoint where due, else with snapshot_steps a copy in host memory
+        checkpointer.after_step(step, run.updates.timer.host_seconds())
         if run.horizon.stops_after(step) and not run.horizon.is_last(step):
             return stop(run, step)
         if run.horizon.signalled:  # the last step: the run is complete, and its export is what a relaunch would do
@@ -167,7 +168,8 @@ class UpdateSteps:
         self.skipped, self.loss_scale, self.ledger = skipped, loss_scale, ledger
         self.timer = StepTimer(device)
         self.dims = parallel_dims_of(model)
-        self.grace = killing_grace_s(cfg.snapshot_steps)  # plain torchrun's, where nothing else saves a stop
+        # plain torchrun's, where nothing else saves a stop (snapshot_steps=auto starts snapshots instead)
+        self.grace = killing_grace_s(snapshots_on=cfg.snapshot_steps is not False)
         self.advised = False  # said that steps outlast it (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
         in_backward = getattr(cfg.optimizer, "in_backward", False)  # (a library caller's config may leave it out)
@@ -322,10 +324,18 @@ def set_up(
     checkpointer = Checkpointer(
         output_dir / "checkpoints", state, manifest, cfg.save_every, cfg.keep_last_n, horizon, background
     )
-    if cfg.snapshot_steps:  # every step's state in host memory, written without collectives on a stop signal
-        snapshots = Snapshots(checkpointer.root, state, manifest, checkpointer.extra_files(), device)
+
+    def start_snapshots() -> Snapshots:  # every step's state in host memory, written on a stop signal
+        snapshots = Snapshots(
+            checkpointer.root, state, manifest, checkpointer.extra_files(), device, learning.optimizer
+        )
         snapshots.watch()
-        checkpointer.snapshots = snapshots
+        return snapshots
+
+    if cfg.snapshot_steps is True:
+        checkpointer.snapshots = start_snapshots()
+    elif cfg.snapshot_steps == "auto" and (grace := killing_grace_s(snapshots_on=False)) is not None:
+        checkpointer.when_slow = SnapshotsWhenSlow(grace, start_snapshots)  # (plain torchrun: a stop has a grace)
     # eval.samples: a few prompts answered at every evaluation, into samples.jsonl (and wandb)
     samples = run_samples(
         cfg,

@@ -5,8 +5,9 @@ step longer than that would otherwise lose everything since the last checkpoint 
 The design, and why:
 - After every step that saves no checkpoint, each rank copies its part of the run state into host buffers
   allocated once (`Snapshots.stage`): its shards of the model and the optimizer (the local tensors of their
-  DTensors; on CUDA pinned buffers, non-blocking copies and one event, so the next step's kernels queue behind
-  the copy instead of waiting for it) and its own parts serialized (schedule, data position, random generators,
+  DTensors; on CUDA pinned buffers and non-blocking copies on a stream of their own, queued after the step's
+  kernels: the next step's forward and backward overlap them, and only its optimizer step, which overwrites
+  what they read, waits for their event) and its own parts serialized (schedule, data position, random generators,
   counters): the state a checkpoint of that step would hold, taken where the loop would have saved it.
 - Whether a step is staged is decided alike on every rank (a checkpoint due, or the step's all-reduce saying
   a stop is on, saves instead), so every rank holds the same step.
@@ -44,6 +45,7 @@ import signal
 import socket
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,7 +92,9 @@ class _HostCopy:
         self._flat: list[torch.Tensor] = []
         self._layout: tuple = ()
 
-    def __call__(self, state: dict) -> dict:
+    def __call__(self, state: dict, stream: torch.cuda.Stream | None = None) -> dict:
+        """The host copy of `state`'s tensors; on `stream` (a side stream: each source is recorded on it, so that
+        the allocator does not hand its memory out while the copy reads it)."""
         tensors: dict[tuple, torch.Tensor] = {}
         _leaves(state, (), tensors)
         layout = tuple((path, tuple(t.shape), t.dtype) for path, t in tensors.items())
@@ -98,6 +102,8 @@ class _HostCopy:
             self._allocate(tensors)
             self._layout = layout
         for path, tensor in tensors.items():
+            if stream is not None and tensor.is_cuda:
+                tensor.record_stream(stream)
             self._views[path].copy_(tensor.detach(), non_blocking=self.pinned and tensor.is_cuda)
         return self._rebuilt(state, ())
 
@@ -165,7 +171,13 @@ class Snapshots:
     files of a checkpoint, by name. Start the watcher with `watch()` from the main thread."""
 
     def __init__(
-        self, root: Path, state: RunState, manifest: dict, extra_files: dict[str, bytes], device: torch.device
+        self,
+        root: Path,
+        state: RunState,
+        manifest: dict,
+        extra_files: dict[str, bytes],
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.root, self.manifest, self.extra_files = root, manifest, extra_files
         self.state: RunState | None = state  # (None once closed)
@@ -173,6 +185,11 @@ class Snapshots:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.device = device
         self._copy = _HostCopy(pinned=device.type == "cuda")
+        # On CUDA the copies run on a stream of their own; `optimizer`'s next step waits for them (a pre-hook: the
+        # step in the backward's per-parameter steps too), since it overwrites the shards and states they read.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copies_pending: torch.cuda.Event | None = None
+        self._hook = optimizer.register_step_pre_hook(self._wait_for_copies) if optimizer is not None else None
         # settle()'s all-reduce is on the host (an nccl group takes no CPU tensors); collective to create
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() and self.world_size > 1 else None
         self._sockets: tuple[socket.socket, socket.socket] | None = None
@@ -199,14 +216,25 @@ class Snapshots:
                 for key, value in _flatten(sharded).items()
                 if isinstance(value, DTensor)
             }
-            copied = self._copy(sharded)
             ready = None
-            if self.device.type == "cuda":  # the device-to-host copies are queued: the writer waits for them
-                ready = torch.cuda.Event()
-                ready.record()
+            if self._stream is None:
+                copied = self._copy(sharded)
+            else:  # queued after the step's kernels, beside the next step's: the writer and the update wait for them
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    copied = self._copy(sharded, self._stream)
+                    ready = torch.cuda.Event()
+                    ready.record(self._stream)
+                self._copies_pending = ready
             own = serialize({"step": step, **state.state_dict()})
             self._staged = _Staged(step, copied, layout, own, ready)
             self._lock.notify_all()  # a signalled watcher writes this newer step too
+
+    def _wait_for_copies(self, *_) -> None:
+        """Before an optimizer step: the update's kernels wait for the staged copies of what they overwrite."""
+        if self._copies_pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copies_pending)
+            self._copies_pending = None
 
     def forget(self) -> None:
         """Drop the staged step (its checkpoint was just saved): a signal now has nothing older to write."""
@@ -323,8 +351,54 @@ class Snapshots:
                 end.close()
             self._sockets = None
         interrupts.keep_when_killed(None)
+        if self._hook is not None:
+            self._hook.remove()
+        if self._stream is not None:  # the copies done before their buffers are unregistered
+            self._stream.synchronize()
         self._copy.release()
         self._staged, self.state = None, None
+
+
+class SnapshotsWhenSlow:
+    """`snapshot_steps=auto` under plain torchrun: no snapshots while the steps are short, and from the first step
+    that took more than half of torchrun's `grace` on any rank, snapshots for the rest of the run (`start` makes them
+    and watches for the signal). The ranks agree in a one-number all-reduce on a gloo group (on the host: no device
+    sync) of the longest step since they last did: after each of the first `CHECKED_EVERY` steps (a run whose steps
+    are long from the start has them from step 1), then every `CHECKED_EVERY` steps (the all-reduce costs about
+    0.5 ms on 2 CPU ranks, BENCHMARKS.md: a tenth of it a step)."""
+
+    CHECKED_EVERY = 10
+
+    def __init__(self, grace: int, start: Callable[[], Snapshots]) -> None:
+        self.grace, self._start = grace, start
+        self._group = None  # the host's all-reduce: the run's own group where it is gloo's (the CPU), else one made
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._longest = 0.0  # this rank's longest step since the last check
+
+    def after_step(self, step: int, step_seconds: float) -> Snapshots | None:
+        """Collective: the snapshots, started now, where a step up to `step` (this rank's: `step_seconds`) was long
+        on any rank."""
+        self._longest = max(self._longest, step_seconds)
+        if step > self.CHECKED_EVERY and step % self.CHECKED_EVERY:
+            return None
+        slowest = torch.tensor([self._longest], dtype=torch.float64)
+        self._longest = 0.0
+        if self._group is not None:
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self._group)
+        if slowest.item() <= self.grace / 2:
+            return None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info(
+                "snapshot_steps=auto: a step took %.0f s (by step %d), more than half of the %d s torchrun waits "
+                "after a stop signal before it kills the workers: from now on each step's state is kept in host "
+                "memory, and a stop that cannot finish its step writes the step before it (snapshot_steps=false: "
+                "never)",
+                slowest.item(),
+                step,
+                self.grace,
+            )
+        return self._start()
 
 
 def killing_grace_s(snapshots_on: bool) -> int | None:
