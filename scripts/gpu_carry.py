@@ -8,7 +8,7 @@ Run it where a package registry is reachable. The folder (git-ignored, default `
   internet) lacks, for Python 3.12 manylinux x86_64 (`PACKAGES`, pinned as the project's venv and the earlier
   hand-built kit): hydra-core, omegaconf, antlr4-python3-runtime (built here from its sdist), torchdata,
   datasets with dill and multiprocess, peft (ours, over the machine's), trl (the comparison rows),
-  cut-cross-entropy and fla (the hybrid kernels). Not carried: what the machine has (pyarrow, pandas, xxhash,
+  cut-cross-entropy, torchao (float8, low-bit optimizer states) and fla (the hybrid kernels). Not carried: what the machine has (pyarrow, pandas, xxhash,
   fsspec, huggingface-hub, accelerate...); `run.sh` checks those and names what is missing or too old
   (`--extra NAME==VERSION` adds a wheel). bitsandbytes (43 MB) goes in a folder of its own.
 - `assets.tar.gz`: the files of ../shared/assets that scripts/gpu_check.py and scripts/bench_gpu.py read
@@ -57,6 +57,7 @@ PACKAGES = [
     ("peft", "0.21.2", "LoRA (ours over the machine's, of unknown version)"),
     ("trl", "1.16.0", "the TRL comparison rows"),
     ("cut-cross-entropy", "25.1.1", "the fused output-layer loss"),
+    ("torchao", "0.18.0", "float8 linear layers and low-bit optimizer states (Python; its C kernels are optional)"),
     ("pytest", "9.2.0", "gpu_check's cuda_tests row (the CUDA-only tests)"),
     ("pluggy", "1.7.0", "pytest's"),
     ("iniconfig", "2.3.1", "pytest's"),
@@ -93,6 +94,7 @@ IMPORTS = [
     ("peft", True, "peft"),
     ("chattune.cli.main", True, "the project"),
     ("cut_cross_entropy", False, "cut-cross-entropy"),
+    ("torchao", False, "torchao"),
     ("trl", False, "trl"),
     ("fla", False, "fla-core"),
     ("pytest", False, "pytest"),
@@ -167,9 +169,15 @@ def wheel_tags(filename: str) -> tuple[str, str, list[str], list[str], list[str]
 
 
 def fits_machine(filename: str) -> bool:
-    """Installable on CPython 3.12, Linux x86_64 (glibc 2.28 or later)."""
+    """Installable on CPython 3.12, Linux x86_64 (glibc 2.28 or later): a stable-ABI wheel (abi3) of an earlier
+    CPython too (torchao's cp310-abi3)."""
     _, _, pythons, abis, platforms = wheel_tags(filename)
-    python_ok = any(tag in ("py3", "py312", "cp312") for tag in pythons)
+
+    def stable_abi(tag: str) -> bool:
+        found = re.fullmatch(r"cp3(\d+)", tag)
+        return "abi3" in abis and bool(found) and int(found[1]) <= 12
+
+    python_ok = any(tag in ("py3", "py312", "cp312") or stable_abi(tag) for tag in pythons)
     abi_ok = any(tag in ("none", "abi3", "cp312") for tag in abis)
 
     def platform_ok(tag: str) -> bool:

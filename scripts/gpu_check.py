@@ -5,8 +5,8 @@ check, PASS / FAIL / SKIP with its figure.
     python scripts/gpu_check.py --budget 540 [--estimate-scale F]                # within 540 s (+ 20 s margin)
     python scripts/gpu_check.py --device cpu                                      # the CPU smoke test (CI runs it)
 
-Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`packed_vs_hf`,
-`cce_vs_chunked`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`),
+Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`float8`,
+`packed_vs_hf`, `cce_vs_chunked`, `cce_anchor`, `in_backward`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`),
 `throughput_0.6b_sft`, `resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and
 QLoRA launches, then `trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten
 minutes in all). With
@@ -24,6 +24,10 @@ recipe's settings); the environment's `varlen_gqa` says how torch's varlen_attn 
 `compute` the start-up line of those models.
 
 Checks (the tolerances are the documented ones; a row shows the measured figure next to its bound):
+- `float8`: `model.fp8=tensorwise` (emulate on the CPU): a float8 linear layer's forward and backward on rows of
+  1001, 1008 and 1 tokens (CUDA's `_scaled_mm` refuses inner dimensions that are not multiples of 16; the weight
+  gradient's is the row's tokens: torchao pads them), then 3 steps of the recipe's model against the same steps
+  without float8 (losses within 1%). SKIP where torchao is absent or the GPU has no float8 matmuls.
 - `packed_vs_hf`: a packed bf16 row (12 real chats) through chattune's sharded model (FSDP2 mixed precision,
   eager layers) against each chat alone through stock Hugging Face (sdpa) in bf16, both heads in fp32:
   per-token losses (max |diff| ≤ 0.05), their sum (relative ≤ 1e-3) and a q_proj gradient (relative ≤ 3e-2).
@@ -34,6 +38,13 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   (≤ 1e-4) and the output layer's and hidden states' gradients (≤ 3e-2: CCE 25.1.1 sums them in bf16 and
   drops blocks below `filter_eps`, see chattune.model.fused_loss). On the CPU, CCE's torch implementation,
   which rounds the logits to bf16: ≤ 5e-3 / 2.5e-4 / 1e-2, as tests/test_fused_loss.py.
+- `cce_anchor`: cut-cross-entropy on half a vocabulary (loss-parallel's rows, the other half's targets on an
+  anchor row of this half): the per-row error of its output-layer gradient against the exact fp32 chunked head,
+  row 0's within 5x the median row's (the kernels sum that gradient in bf16; anchors all on row 0 collected the
+  rounding of thousands of cancelling terms). CUDA only (tests/test_fused_loss.py checks a stand-in on the CPU).
+- `in_backward`: `optimizer.in_backward` (each parameter updated as FSDP2 reduces its gradient) against the
+  ordinary step, two steps on the same batch: every parameter within 1e-6; on CUDA its device syncs no more than
+  the ordinary step's.
 - `tf32_scope`: the chunked head with its matmuls in TF32 gives the fp32 forward (≤ 1e-5 relative) and leaves
   the process's matmul precision at `highest`.
 - `compile_vs_eager`, `recompiles`: compiled decoder layers against eager on the same batches (losses ≤ 1e-2,
@@ -222,18 +233,18 @@ def recipe_model(
     compile: bool = False,
     loss: str = "chunked",
     seed: int = 0,
-    param_dtype: str = "auto",
     head=None,
+    overrides: tuple[str, ...] = (),
 ):
     """The model as recipes/sft.py builds it, through the same function (chattune.model.build.build_sharded_model,
     which build_trained_model calls): the architecture check, the loss head's choice and its TF32 scope,
     `probe_native_gqa` on CUDA (how torch's varlen_attn takes grouped-query attention: the path a recipe's
     attention then takes), FSDP2 with the recipe's `model.fsdp` settings and the start-up "compute:" line. The
     config is the recipe's own (configs/sft/tiny.yaml's defaults) with `model.config` the Qwen3 shape: random
-    weights from `seed`, equal to hf_model(ctx, shape, layers, seed)'s. `param_dtype`: model.fsdp.param_dtype (auto:
-    bf16 compute on CUDA, fp32 on the CPU; float32 for an exact reference); `head`: the model's head
-    (chattune.model.heads; None: the causal LM's, SCORE_HEAD: a reward model's, as recipes/reward.py builds it).
-    A BuiltModel (hf_model, model, ...)."""
+    weights from `seed`, equal to hf_model(ctx, shape, layers, seed)'s. `head`: the model's head
+    (chattune.model.heads; None: the causal LM's, SCORE_HEAD: a reward model's, as recipes/reward.py builds it);
+    `overrides`: more of the recipe's keys (`model.fsdp.param_dtype=float32` for an exact reference: auto is bf16
+    compute on CUDA, fp32 on the CPU; `model.fp8=tensorwise`). A BuiltModel (hf_model, model, ...)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
@@ -248,7 +259,7 @@ def recipe_model(
                 f"device={ctx.device.type}",
                 f"model.compile={str(compile).lower()}",
                 f"loss.implementation={loss}",
-                f"model.fsdp.param_dtype={param_dtype}",
+                *overrides,
             ],
         )
     with open_dict(cfg):
@@ -403,6 +414,161 @@ def check_cce(ctx: Context) -> None:
         f"≤ {bounds[0]:g} / {bounds[1]:g} / {bounds[2]:g} / {bounds[2]:g}",
         f"{tokens}x{width}, vocab {vocab}, options {options}",
     )
+
+
+def check_float8(ctx: Context) -> None:
+    """model.fp8 (tensorwise on CUDA, emulate on the CPU): one float8 linear layer's forward and backward on rows
+    of 1001, 1008 and 1 tokens (CUDA's _scaled_mm wants every inner dimension a multiple of 16; the weight
+    gradient's is the row's token count), then 3 optimizer steps of the recipe's model in float8 against the same
+    steps without it: every step's loss within 1%."""
+    import importlib.util
+
+    from chattune.model.float8 import convert_linear_layers, fp8_problem
+
+    mode = "tensorwise" if ctx.cuda else "emulate"
+    problem = fp8_problem(mode, ctx.device, adapted=False)
+    if problem is None and importlib.util.find_spec("torchao") is None:
+        problem = "torchao is not installed (the lowbit extra; gpu_carry.py carries it)"
+    if problem is not None:
+        ctx.add("float8", None, problem)
+        return
+    width = 1024 if ctx.cuda else 64
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    for tokens in (1001, 1008, 1):  # raises where a matmul's shape is refused
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False)).to(ctx.device, dtype)
+        convert_linear_layers([layer], mode)
+        inputs = torch.randn(tokens, width, device=ctx.device, dtype=dtype, requires_grad=True)
+        layer(inputs).float().pow(2).sum().backward()
+        if not (torch.isfinite(inputs.grad).all() and torch.isfinite(layer[0].weight.grad).all()):
+            ctx.add("float8", False, f"non-finite gradients of a float8 layer at {tokens} tokens")
+            return
+    documents = chat_documents(ctx, 24, start=200)
+    batches = [collate_packed(documents[start : start + 8]) for start in (0, 8, 16)]
+    layers = 4 if ctx.cuda else None
+    losses = {}
+    for name, overrides in (("plain", ()), ("float8", (f"model.fp8={mode}",))):
+        model = recipe_model(ctx, ctx.shape, layers, overrides=overrides).model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        losses[name] = []
+        for batch in batches:
+            trained = int((batch.labels != IGNORE_INDEX).sum())
+            loss = model(batch.to(ctx.device)).sum() / trained
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[name].append(float(loss))
+        del model, optimizer
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["float8"], losses["plain"]))
+    plain = "bf16" if ctx.cuda else "fp32"
+    ctx.add(
+        "float8",
+        worst <= 0.01,
+        f"rows of 1001, 1008 and 1 tokens ran; 3 steps' losses within {worst:.2g} of {plain}'s",
+        "≤ 0.01",
+        f"model.fp8={mode}; losses {[round(x, 4) for x in losses['float8']]} vs {[round(x, 4) for x in losses['plain']]}",
+    )
+
+
+def check_cce_anchor(ctx: Context) -> None:
+    """Cut-cross-entropy under loss-parallel (a vocabulary split over tp): a token whose target is another rank's
+    is computed at an anchor row of this rank's whose logit is added back. The kernels sum the output layer's
+    gradient in bf16, so one anchor row taking (T-1)/T of the tokens kept their cancelling terms' rounding (a CPU
+    simulation: 860x a row's error). Per-row error of the weight gradient of this rank's half of the vocabulary
+    against the exact fp32 chunked head: row 0's within 5x the median row's. CUDA only (CCE's kernels)."""
+    import torch.distributed as dist
+
+    from chattune.model import fused_loss
+    from chattune.model.chunked_loss import chunked_token_losses
+    from chattune.model.vocab_parallel import VocabShard
+
+    if not ctx.cuda:
+        ctx.add("cce_anchor", None, "CUDA only: the kernels' bf16 sums (tests/test_fused_loss.py checks a stand-in)")
+        return
+    if not fused_loss.cce_available():
+        ctx.add("cce_anchor", None, "cut-cross-entropy cannot be imported", detail=str(fused_loss._import_cce()[1]))
+        return
+    tokens, width, vocab = 8192, 1024, len(tokenizer(ctx))
+    half = vocab // 2
+    generator = torch.Generator(device=ctx.device).manual_seed(3)
+    hidden = torch.randn(tokens, width, generator=generator, device=ctx.device).bfloat16()
+    weight = (torch.randn(half, width, generator=generator, device=ctx.device) * 4 / width**0.5).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator, device=ctx.device)  # half of them elsewhere
+    rows = VocabShard(0, half, dist.group.WORLD)  # this rank's half (the one-rank group: its sums are its own)
+
+    def weight_gradient(loss_fn, dtype: torch.dtype) -> torch.Tensor:
+        h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        loss_fn(h, w).sum().backward()
+        return w.grad.float()
+
+    exact = weight_gradient(lambda h, w: chunked_token_losses(h, w, labels, chunk_size=1024, rows=rows), torch.float32)
+    fused = weight_gradient(lambda h, w: fused_loss.cce_token_losses(h, w, labels, rows=rows), torch.bfloat16)
+    errors = (fused - exact).norm(dim=1)
+    median = float(errors.median())
+    ratio = float(errors[0]) / median if median > 0 else float("inf")
+    ctx.add(
+        "cce_anchor",
+        ratio <= 5,
+        f"row 0's error {ratio:.2g}x the median row's (largest {float(errors.max()) / median:.2g}x)",
+        "≤ 5",
+        f"{tokens}x{width}, {half} of {vocab} rows, options {fused_loss.cce_options(True)}",
+    )
+
+
+def check_in_backward(ctx: Context) -> None:
+    """optimizer.in_backward: one step of the recipe's model with each parameter updated as FSDP2 reduces its
+    gradient (in FSDP2's post-reduce stream on CUDA) against the ordinary step on the same batch: every parameter
+    within 1e-6 relative (the same AdamW arithmetic, element for element); on CUDA also the step's device syncs
+    (torch.cuda.set_sync_debug_mode): the ordinary step's count, not one per parameter."""
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.feed import StepBatches
+    from chattune.train.in_backward import UpdateInBackward
+    from chattune.train.step import UpdateRule, train_step
+
+    documents = chat_documents(ctx, 8, start=300)
+    layers = 4 if ctx.cuda else None
+    after, syncs = {}, {}
+    for name in ("ordinary", "in_backward"):
+        model = recipe_model(ctx, ctx.shape, layers).model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=ctx.cuda)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        updater = UpdateInBackward(model, optimizer, ctx.device) if name == "in_backward" else None
+        rule = UpdateRule(optimizer, scheduler, None, in_backward=updater)
+        batches = StepBatches([collate_packed(documents)])
+        train_step(model, TokenCrossEntropy(), batches, rule, ctx.device)  # warm (the optimizer's states exist)
+        counted = _count_syncs(
+            ctx, lambda m=model, b=batches, r=rule: train_step(m, TokenCrossEntropy(), b, r, ctx.device)
+        )
+        syncs[name] = counted
+        after[name] = {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
+        del model, optimizer
+    worst = max(relative(after["in_backward"][n], after["ordinary"][n]) for n in after["ordinary"])
+    synced = syncs["in_backward"] is None or syncs["in_backward"] <= syncs["ordinary"]
+    counts = "" if syncs["ordinary"] is None else f"; device syncs {syncs['in_backward']} vs {syncs['ordinary']}"
+    ctx.add(
+        "in_backward",
+        worst <= 1e-6 and synced,
+        f"parameters after 2 steps within {worst:.2g} of the ordinary step's{counts}",
+        "≤ 1e-6; syncs no more than the ordinary step's",
+    )
+
+
+def _count_syncs(ctx: Context, step: Callable[[], object]) -> int | None:
+    """The device syncs `step` makes (CUDA's sync debug mode warns at each); None on the CPU."""
+    if not ctx.cuda:
+        step()
+        return None
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def check_tf32_scope(ctx: Context) -> None:
@@ -650,7 +816,7 @@ def check_objectives_bf16(ctx: Context) -> None:
     def build(group: str, exact: bool) -> tuple:
         """The models of a group of objectives: the policy (seed 0) and its live reference (seed 1), or the
         reward model (seed 0), with the exact or the recipe's numerics."""
-        numerics = dict(loss="chunked", param_dtype="float32") if exact else dict(loss="auto")
+        numerics = dict(loss="chunked", overrides=("model.fsdp.param_dtype=float32",)) if exact else dict(loss="auto")
         if group == "reward":
             return (recipe_model(ctx, ctx.shape, seed=0, head=SCORE_HEAD, **numerics).model.train(),)
         policy = recipe_model(ctx, ctx.shape, seed=0, **numerics).model.train()
@@ -983,6 +1149,24 @@ def cuda_test_files() -> list[str]:
     return sorted(files | {"tests/test_varlen_fallback.py"})
 
 
+def cuda_tests_command() -> list[str]:
+    """The pytest command of `cuda_tests`: runs where pytest does but pytest-xdist is absent (the carry folder)."""
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",  # pyproject's `--dist worksteal` needs pytest-xdist, which the carry folder does not hold
+        *cuda_test_files(),
+        "-k",
+        "cuda or varlen_fallback",  # -k matches module names too: every test of test_varlen_fallback.py
+    ]
+
+
 def cuda_tests(ctx: Context) -> None:
     """The project's CUDA-only tests (`-k cuda` over cuda_test_files()) and the varlen stand-ins' tests (whose
     signature test then compares them with this machine's torch), a subprocess: CUDA only."""
@@ -993,18 +1177,7 @@ def cuda_tests(ctx: Context) -> None:
     if importable.returncode:  # absent, or a dependency of it missing (pygments for pytest 9)
         ctx.add("cuda_tests", None, "pytest does not import", detail=importable.stderr.strip()[-300:])
         return
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-rs",
-        "-p",
-        "no:cacheprovider",
-        *cuda_test_files(),
-        "-k",
-        "cuda or varlen_fallback",
-    ]  # -k matches module names too: every test of test_varlen_fallback.py
+    command = cuda_tests_command()
     done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
     log = done.stdout + done.stderr
     (ctx.out / "cuda_tests.log").write_text(log)
@@ -1121,7 +1294,10 @@ def resume_and_export(ctx: Context) -> None:
 # never run on a GPU yet); its CPU figure was measured at 16-40 s on two cores shared at a load of about 7, where
 # dpo_reference_memory (3) took 9 s. --estimate-scale adjusts them all.
 ESTIMATES = {
+    "float8": (45, 4),  # (guesses until measured: two 4-layer 0.6B builds, six steps, torchao's conversion)
     "packed_vs_hf": (40, 6),
+    "cce_anchor": (10, 0),  # (a guess: one CCE and one chunked backward of 8192 tokens; CUDA only)
+    "in_backward": (40, 3),  # (a guess: two 4-layer 0.6B builds, four steps)
     "cce_vs_chunked": (15, 8),
     "tf32_scope": (5, 2),
     "compile_vs_eager": (45, 25),
@@ -1145,8 +1321,11 @@ LAUNCH_ESTIMATES = {
     ("1.7b", "trl"): (180, 6.0),
 }
 IN_PROCESS = {
+    "float8": check_float8,
     "packed_vs_hf": check_packed_vs_hf,
     "cce_vs_chunked": check_cce,
+    "cce_anchor": check_cce_anchor,
+    "in_backward": check_in_backward,
     "tf32_scope": check_tf32_scope,
     "compile_vs_eager": check_compile,
     "host_syncs": check_host_syncs,

@@ -87,7 +87,9 @@ def test_the_folder_fits_and_holds_what_the_checks_need(built):
     for wheel in wheels:
         assert gpu_carry.fits_machine(wheel), wheel
         _, _, pythons, _, platforms = gpu_carry.wheel_tags(wheel)
-        assert set(pythons) & {"py3", "py312", "cp312"} and (platforms == ["any"] or "x86_64" in platforms[0])
+        _, _, _, abis, _ = gpu_carry.wheel_tags(wheel)
+        assert set(pythons) & {"py3", "py312", "cp312"} or "abi3" in abis, wheel  # (torchao: cp310-abi3)
+        assert platforms == ["any"] or "x86_64" in platforms[0]
 
     manifest = json.loads((folder / "MANIFEST.json").read_text())
     assert {w["file"] for w in manifest["wheels"]} == set(wheels)
@@ -380,3 +382,7 @@ def test_wheel_tags():
     assert not gpu_carry.fits_machine("x-1-cp312-cp312-manylinux_2_28_aarch64.whl")
     assert not gpu_carry.fits_machine("x-1-cp312-cp312-manylinux_2_34_x86_64.whl")  # newer glibc than we ask for
     assert not gpu_carry.fits_machine("x-1-cp312-cp312-macosx_11_0_arm64.whl")
+    # a stable-ABI wheel of an earlier CPython installs on 3.12 (torchao's); one of a later CPython, or not abi3, not
+    assert gpu_carry.fits_machine("torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl")
+    assert not gpu_carry.fits_machine("x-1-cp313-abi3-manylinux_2_28_x86_64.whl")
+    assert not gpu_carry.fits_machine("x-1-cp310-cp310-manylinux_2_28_x86_64.whl")

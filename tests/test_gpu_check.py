@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -24,6 +25,8 @@ MARGIN = 20  # scripts/bench_gpu.py's BUDGET_MARGIN_S
 OBJECTIVE_ROWS = [f"objectives_bf16_{name}" for name in ("dpo_sigmoid", "orpo", "kto", "reward")]  # one item's rows
 
 CPU_CHECKS = {
+    "float8",
+    "in_backward",
     "packed_vs_hf",
     "leak_control",
     "cce_vs_chunked",
@@ -37,7 +40,7 @@ CPU_CHECKS = {
     "export_masters",
     "export_after_eval",
 }
-CUDA_ONLY = {"host_syncs", "throughput_tiny_qlora", "cuda_tests"}
+CUDA_ONLY = {"cce_anchor", "host_syncs", "throughput_tiny_qlora", "cuda_tests"}
 
 
 def test_the_gpu_check_runs_its_cpu_parts(tmp_path):
@@ -78,7 +81,8 @@ def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "first" / "gpu_check.json").read_text())
     items = [row["check"] for row in report["rows"]]
-    assert items[:2] == ["packed_vs_hf", "cce_vs_chunked"] and "throughput_tiny_sft" in items  # the priority order
+    assert items[:4] == ["float8", "packed_vs_hf", "cce_vs_chunked", "cce_anchor"]  # the priority order
+    assert "throughput_tiny_sft" in items
     assert items.index("throughput_tiny_sft") < items.index("resume_and_export")
     # The CUDA-only items cost nothing (estimate 0): they say SKIP where a moment is left, else NOT RUN.
     not_run = [row["check"] for row in report["rows"] if row["check"] not in CUDA_ONLY or row["status"] != "SKIP"]
@@ -190,3 +194,16 @@ def test_bench_gpu_budget(tmp_path):
     assert "| tiny | chattune | not run (budget: needs ~" in done.stdout
     second = shlex.split(done.stdout.strip().splitlines()[-1])
     assert second[second.index("--runs") + 1 :] == ["tiny", "tiny_gemma4"] and "--budget" in second
+
+
+def test_the_cuda_tests_command_runs_where_pytest_xdist_is_absent():
+    """The carry folder holds pytest, not pytest-xdist; pyproject's `--dist worksteal` then stopped pytest with
+    "unrecognized arguments". `-p no:xdist` stands in for the absent plugin; the command collects its tests."""
+    sys.path.insert(0, str(Path("scripts").resolve()))
+    from gpu_check import cuda_tests_command
+
+    done = subprocess.run(
+        [*cuda_tests_command(), "-p", "no:xdist", "--collect-only"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"\d+ tests? collected|\d+/\d+ tests collected", done.stdout), done.stdout[-2000:]
