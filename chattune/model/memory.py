@@ -122,8 +122,7 @@ def usable_device_memory(device: torch.device) -> int:
 def spare_device_memory(device: torch.device) -> int:
     """What more a run can allocate on `device` now: the free memory and the allocator's cached, unused blocks
     (`mem_get_info` alone leaves those out, though torch reuses them first)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return usable_device_memory(device) - torch.cuda.memory_allocated(device)
 
 
 def format_gib(value: int | None) -> str:
