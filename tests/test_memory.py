@@ -654,3 +654,23 @@ def test_the_verdict_and_the_gathered_replies_count_what_the_gpu_really_has_free
             mock.patch("torch.cuda.memory_allocated", return_value=size),
         ):
             assert can_stay_gathered(model, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("setting", ["auto", "chunked", "cut_cross_entropy"])
+@pytest.mark.parametrize("device_type,dtype_name", [("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")])
+def test_the_estimate_counts_the_loss_head_the_run_builds(setting, device_type, dtype_name):
+    """The estimate's loss head is the one the run resolves (build's call, which warns and refuses): CCE's torch
+    implementation on CPU when asked for (the estimate used to count the chunked head there), CCE's kernels for
+    bf16 on CUDA; a setting the run refuses is estimated as the chunked head."""
+    from chattune.errors import UserError
+    from chattune.model import fused_loss
+    from chattune.model.memory import _loss_head_of
+
+    counted = _loss_head_of(setting, device_type == "cuda", dtype_name)["loss_implementation"]
+    try:
+        built = fused_loss.resolve_loss_implementation(setting, device_type, dtype_name)
+    except UserError:
+        built = None  # refused at start-up
+    assert counted == (built or "chunked"), (counted, built)
+    if (setting, device_type) == ("cut_cross_entropy", "cpu"):
+        assert counted == "cut_cross_entropy" and _loss_head_of(setting, False, dtype_name)["cce_fp32_gradients"]

@@ -85,23 +85,18 @@ def cce_options(on_cuda: bool) -> dict:
     return {"impl": "cce", **{name: True for name in FP32_ACCUMULATION_OPTIONS if name in parameters}}
 
 
-def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str) -> str:
-    """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype."""
+def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: str, *, quiet: bool = False) -> str:
+    """loss.implementation resolved to `chunked` or `cut_cross_entropy` for this device and dtype. `quiet`
+    neither warns nor refuses (the memory estimate's reading of a config: the run itself warns, or refuses a
+    setting it cannot take, which then reads as `chunked`)."""
     if setting == "cut_cross_entropy":
-        if device_type == "cuda" and compute_dtype == "float32":
-            raise UserError(
-                "loss.implementation=cut_cross_entropy: its CUDA kernels take bf16 or fp16 inputs; with "
-                "model.fsdp.param_dtype=float32 use loss.implementation=chunked (or auto)"
-            )
-        if not cce_available():
-            raise UserError(
-                "loss.implementation=cut_cross_entropy: the cut_cross_entropy package cannot be imported "
-                f'({_import_cce()[1]}); pip install -e ".[gpu]", or pip install cut-cross-entropy'
-            )
-        return setting
+        problem = _cce_refusal(device_type, compute_dtype)
+        if problem is not None and not quiet:
+            raise UserError(problem)
+        return "chunked" if problem is not None else setting
     if setting == "auto":
         fast = device_type == "cuda" and compute_dtype in ("bfloat16", "float16")
-        if fast and not cce_available():
+        if fast and not cce_available() and not quiet:
             logger.warning(
                 "loss.implementation=auto: cut-cross-entropy cannot be imported (%s), so the output layer's "
                 'loss is the chunked fp32 head, about twice as slow on CUDA (pip install -e ".[gpu]"; '
@@ -110,6 +105,21 @@ def resolve_loss_implementation(setting: str, device_type: str, compute_dtype: s
             )
         return "cut_cross_entropy" if fast and cce_available() else "chunked"
     return setting
+
+
+def _cce_refusal(device_type: str, compute_dtype: str) -> str | None:
+    """Why loss.implementation=cut_cross_entropy cannot run here, or None."""
+    if device_type == "cuda" and compute_dtype == "float32":
+        return (
+            "loss.implementation=cut_cross_entropy: its CUDA kernels take bf16 or fp16 inputs; with "
+            "model.fsdp.param_dtype=float32 use loss.implementation=chunked (or auto)"
+        )
+    if not cce_available():
+        return (
+            "loss.implementation=cut_cross_entropy: the cut_cross_entropy package cannot be imported "
+            f'({_import_cce()[1]}); pip install -e ".[gpu]", or pip install cut-cross-entropy'
+        )
+    return None
 
 
 def cce_takes_bias() -> bool:

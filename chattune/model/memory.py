@@ -461,14 +461,15 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
 
 
 def _loss_head_of(setting: str, on_cuda: bool, dtype_name: str) -> dict:
-    """The loss head a run takes (`chattune.model.fused_loss.resolve_loss_implementation`, without its warnings:
-    the run gives them) and whether its CCE release accumulates the output layer's gradient in fp32."""
+    """The loss head a run takes (the run's own resolution, quietly: the run gives its warnings) and whether the
+    output layer's gradient accumulates in fp32 there (CCE's CUDA kernels where the release has the option; its
+    torch implementation off CUDA computes in the inputs' dtype)."""
     from chattune.model import fused_loss
 
-    fast = on_cuda and dtype_name in ("bfloat16", "float16")
-    if not fast or setting == "chunked" or not fused_loss.cce_available():
+    device_type = "cuda" if on_cuda else "cpu"
+    if fused_loss.resolve_loss_implementation(setting, device_type, dtype_name, quiet=True) == "chunked":
         return {"loss_implementation": "chunked"}
-    fp32 = "accum_c_fp32" in fused_loss.cce_options(on_cuda=True)
+    fp32 = dtype_name == "float32" or "accum_c_fp32" in fused_loss.cce_options(on_cuda=on_cuda)
     return {"loss_implementation": "cut_cross_entropy", "cce_fp32_gradients": fp32}
 
 
