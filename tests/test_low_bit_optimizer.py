@@ -23,6 +23,7 @@ STEPS = 50
 # mean 2.4369 vs 2.4389; 4-bit 0.2953 nats, 2.6352 (8.1% above).
 MEAN_TOLERANCE = {"AdamW8bit": 0.005, "AdamW4bit": 0.12}
 STEP_TOLERANCE = {"AdamW8bit": 0.02, "AdamW4bit": 0.4}
+EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 RUN = (
     "max_steps=50",
     "log_every=1",
@@ -35,10 +36,13 @@ RUN = (
 )
 
 
-def _train(out: Path, optimizer: str, *overrides: str, nproc: int = 2) -> dict[int, float]:
+def _train(
+    out: Path, optimizer: str, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None
+) -> dict[int, float]:
     result = launch(  # sft/tiny's own model: the documented tolerance was measured on it
         torchrun("sft", f"output_dir={out}", f"optimizer._target_={optimizer}", *RUN, *overrides, nproc=nproc),
         small_model=False,
+        env_extra=env,
     )
     name = optimizer.rsplit(".", 1)[-1]
     assert (f"; levers: low-bit optimizer states ({name})" in result.stdout) == optimizer.startswith("torchao")
@@ -70,8 +74,10 @@ def test_low_bit_states_follow_fp32_adamw_within_the_documented_tolerance_and_re
     checkpoint = tmp_path / "AdamW8bit" / "checkpoints" / "step_5"
     resumed = _train(tmp_path / "resumed", optimizer, f"resume={checkpoint}", "stop_after_step=10")
     assert resumed == {s: straight[s] for s in range(6, 11)}  # exact, not close
-    # The same checkpoint on 1 rank (world-size-invariant steps): DCP reshards the quantized states.
-    one = _train(tmp_path / "one", optimizer, f"resume={checkpoint}", "stop_after_step=10", nproc=1)
+    # The same checkpoint on 1 rank (world-size-invariant steps): DCP reshards the quantized states. Its steps run
+    # eagerly (TORCHDYNAMO_DISABLE: torchao's step uncompiled, the same arithmetic to ~1e-7): compiled, they took
+    # 40 s to compile for whole-parameter shapes that no other run here has
+    one = _train(tmp_path / "one", optimizer, f"resume={checkpoint}", "stop_after_step=10", nproc=1, env=EAGER)
     assert sorted(one) == list(range(6, 11))
     assert all(abs(one[s] - straight[s]) <= 1e-5 * straight[s] for s in one), (one, straight)
 
