@@ -330,7 +330,10 @@ def _is_random(name: str, value) -> bool:
 
 
 def _size(name: str, value):
-    """The tiny value of one config attribute (`value` unchanged where SIZES does not cover it)."""
+    """The tiny value of one config attribute (`value` unchanged where SIZES does not cover it); a list of sizes
+    (Gemma 3n's intermediate size per layer) item by item."""
+    if name in SIZES and isinstance(value, list) and value and all(type(item) is int for item in value):
+        return [_size(name, item) for item in value]
     if name in SIZES and (
         value is None
         and name in FILLED_WHEN_NONE
