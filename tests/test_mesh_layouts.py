@@ -170,6 +170,7 @@ def test_preference_recipes_train_split_over_tp_as_over_data_ranks(tmp_path, rec
             "eval_every=2",
             "data.num_workers=0",
             "data.microbatches_per_step=4",
+            "eval.max_new_tokens=16",  # the tp group's generation: a gloo collective per layer and token, slow on CPU
             f"parallel.tensor={tensor}",
             nproc=2,
         )
@@ -206,6 +207,7 @@ def test_lora_trains_split_over_tp_as_over_data_ranks(tmp_path):
             "eval_every=0",
             "data.num_workers=0",
             "data.microbatches_per_step=4",
+            "eval.max_new_tokens=16",  # the tp group's generation: a gloo collective per layer and token, slow on CPU
             f"parallel.tensor={tensor}",
             nproc=2,
         )
