@@ -7,7 +7,6 @@ loss at step 0 and at the end equal to plain forwards over exactly those records
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -21,6 +20,7 @@ from test_token_cache import CHATS, PAIRS, data_section
 from test_validate import CONFIGS
 from transformers import AutoModelForCausalLM
 
+import conftest
 from chattune.config.schema import MixingConfig
 from chattune.data.cached_sources import open_documents
 from chattune.data.documents import IGNORE_INDEX, Document
@@ -29,7 +29,7 @@ from chattune.data.held_out import held_out_counts, held_out_records, hold_out, 
 from chattune.data.mixing_policy import mixture_sampling
 from chattune.errors import UserError
 from chattune.launch.validate import run_validate
-from conftest import demo_documents, free_port
+from conftest import demo_documents, torchrun
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MASK = 2**64 - 1
@@ -230,43 +230,27 @@ def plain_eval_loss(model_dir: Path, records: list[int]) -> float:
 
 
 def launch(out: Path, data: Path, model: Path, nproc: int | None, *extra: str) -> subprocess.CompletedProcess:
-    head = (
-        [sys.executable]
-        if nproc is None
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-        ]
+    """recipes/sft.py on `nproc` ranks under torchrun (None: `python recipes/sft.py`, one process)."""
+    overrides = [
+        f"output_dir={out}",
+        f"data.train=[{data}]",
+        "data.eval=[]",
+        f"data.eval_split={SPLIT}",
+        f"model.path={model}",
+        "max_steps=10",
+        "save_every=5",
+        "eval_every=5",
+        "log_every=1",
+        "ledger=true",
+        "data.microbatches_per_step=2",
+        "data.max_tokens_per_microbatch=512",
+        "data.buffer_records=8",
+        *extra,
+    ]
+    command = (
+        [sys.executable, "recipes/sft.py", *overrides] if nproc is None else torchrun("sft", *overrides, nproc=nproc)
     )
-    return subprocess.run(
-        [
-            *head,
-            "recipes/sft.py",
-            f"output_dir={out}",
-            f"data.train=[{data}]",
-            "data.eval=[]",
-            f"data.eval_split={SPLIT}",
-            f"model.path={model}",
-            "max_steps=10",
-            "save_every=5",
-            "eval_every=5",
-            "log_every=1",
-            "ledger=true",
-            "data.microbatches_per_step=2",
-            "data.max_tokens_per_microbatch=512",
-            "data.buffer_records=8",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    return conftest.launch(command, check=False)
 
 
 def ledger_records(out: Path) -> list[tuple[int, int]]:
