@@ -6,7 +6,6 @@ a 4-bit base on the CPU; these tests drive the library on bitsandbytes' CPU kern
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import distribute_tensor
 from transformers import AutoModelForCausalLM
 
+import conftest
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.model.adapters import add_adapters
@@ -198,7 +198,7 @@ def test_qlora_matches_a_plain_model_on_the_dequantized_base(tmp_path, base_dir,
 
 @pytest.mark.launch
 def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
-    result = subprocess.run(
+    result = conftest.launch(
         [
             sys.executable,
             "recipes/sft.py",
@@ -208,9 +208,7 @@ def test_recipes_refuse_a_4bit_base_on_the_cpu(tmp_path, base_dir):
             "peft=qlora",
             "device=cpu",
         ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        check=False,
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "peft.quantize_base" in output and "CUDA only" in output

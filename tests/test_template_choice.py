@@ -8,8 +8,6 @@ training used."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
+import conftest
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.chat_template import probe_template, render_conversation
 from chattune.data.formats import DataError, SourceSpec
@@ -335,7 +334,7 @@ def test_the_export_writes_the_template_training_used(tmp_path):
     transformers, renders and tokenizes the training conversation exactly as training did."""
     data = write_jsonl(tmp_path / "tools.jsonl", [{"messages": CONVERSATION, "tools": [WEATHER]}] * 8)
     out = tmp_path / "run"
-    result = subprocess.run(
+    conftest.launch(
         [
             sys.executable,
             "recipes/sft.py",
@@ -350,13 +349,8 @@ def test_the_export_writes_the_template_training_used(tmp_path):
             "data.report_records=0",
             "data.cache=off",
             "device=cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        ]
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     training = load_tokenizer(settings("chatml"))
     trained_ids = (
         SFTDocuments(RecordSource([SourceSpec(str(data))]), training, max_tokens=4096).get(0).input_ids.tolist()
