@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
+import types
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,6 +86,7 @@ class _KeptByPackedAttention(torch.autograd.Function):
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
 
 
+@torch.compiler.disable  # opaque to a compiled layer's trace, as the packed kernels are: it keeps what they keep
 def _traced_attention(module, query, key, value, attention_mask, **kwargs):
     return _KeptByPackedAttention.apply(query, key, value).transpose(1, 2), None
 
@@ -103,6 +106,7 @@ class _KeptByGroupedLinear(torch.autograd.Function):
         return torch.zeros_like(hidden), torch.zeros_like(weight), None, None
 
 
+@torch.compiler.disable  # opaque to a compiled layer's trace, as grouped_mm's backward keeps its input
 def _grouped_linear(experts, hidden, weight, offsets, bias):
     out_features = weight.shape[-1] if experts.is_transposed else weight.shape[-2]
     out = _KeptByGroupedLinear.apply(hidden, weight, offsets, out_features)
@@ -193,7 +197,7 @@ def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator
             handle.remove()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Trace:
     """What one traced forward keeps, in bytes: per decoder layer (each storage once) and outside them (the final
     norm's output, which the loss keeps, included); what offloading copies in and outside the layers; a layer's
@@ -204,6 +208,7 @@ class _Trace:
     moved_layers: int
     moved_outside: int
     layer_input: int
+    note: str | None = None  # said beside the row (a compiled trace that fell back to the eager one)
 
 
 # The last traces, by what decides them (the config object, held so its id stays its own, then dtype, tokens and
@@ -224,6 +229,8 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
     if isinstance(trace, str):
         notes.append(trace)
         return None, None
+    if trace.note:
+        notes.append(trace.note)
     largest = max(trace.per_layer, default=0)
     layers = len(trace.per_layer)
     checkpointed = inputs.activation_checkpointing
@@ -236,7 +243,14 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
 
 
 def _cached_trace(inputs: MemoryInputs) -> _Trace | str:
-    key = (id(inputs.hf_config), inputs.compute_dtype, inputs.tokens, inputs.lora_rank, inputs.lora_targets)
+    key = (
+        id(inputs.hf_config),
+        inputs.compute_dtype,
+        inputs.tokens,
+        inputs.lora_rank,
+        inputs.lora_targets,
+        inputs.compiled,
+    )
     if key not in _TRACES:
         _TRACES[key] = (inputs.hf_config, _trace(inputs))
         if len(_TRACES) > _TRACES_KEPT:
@@ -246,7 +260,26 @@ def _cached_trace(inputs: MemoryInputs) -> _Trace | str:
 
 
 def _trace(inputs: MemoryInputs) -> _Trace | str:
-    """The decoder's forward of `inputs.tokens` tokens on the meta device, counted; or why it cannot run."""
+    """The decoder's forward of `inputs.tokens` tokens on the meta device, counted, its layers compiled where the
+    run compiles them; or why it cannot run. A compiled trace that dynamo cannot make counts the eager layers (what
+    they keep is at least what compiled ones keep), and says so."""
+    if not inputs.compiled:
+        return _traced(inputs, compiled=False)
+    try:
+        return _traced(inputs, compiled=True)
+    except torch._dynamo.exc.TorchDynamoException as error:
+        eager = _traced(inputs, compiled=False)
+        if isinstance(eager, str):
+            return eager
+        reason = " ".join(str(error).split("Set TORCHDYNAMO_VERBOSE")[0].split())[:240]  # (without dynamo's hints)
+        note = (
+            f"activations counted as eager layers keep them, an upper bound: the compiled layers' trace failed "
+            f"({type(error).__name__}: {reason})"
+        )
+        return dataclasses.replace(eager, note=note)
+
+
+def _traced(inputs: MemoryInputs, compiled: bool) -> _Trace | str:
     _register_trace_attention()
     model = meta_model(inputs.hf_config, inputs.compute_dtype, attention=TRACE_ATTENTION)
     model.train()
@@ -254,6 +287,8 @@ def _trace(inputs: MemoryInputs) -> _Trace | str:
         model.requires_grad_(False)
         _add_meta_adapters(model, inputs.lora_rank, inputs.lora_targets, inputs.compute_dtype)
     layers = repeated_layers(model)
+    if compiled:
+        _compile_for_the_trace(layers)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if decoder is model:  # (Llama 4's causal LM names itself its decoder)
         decoder = getattr(model, "model", model)
@@ -278,6 +313,29 @@ def _trace(inputs: MemoryInputs) -> _Trace | str:
         moved_outside=moved.get(None, 0) + final,
         layer_input=inputs.tokens * inputs.hf_config.hidden_size * hidden.element_size(),
     )
+
+
+def _compile_for_the_trace(layers: list[nn.Module]) -> None:
+    """Each layer's forward compiled as `chattune.model.fsdp.compile_layers` compiles it, with the partition of
+    forward and backward inductor uses (AOTAutograd's min-cut: a fused RMSNorm's fp32 upcast or a SiLU's
+    intermediate is recomputed in the backward, not kept) and no code generated: the graphs run on the meta device,
+    where the saved-tensor hooks count what they keep. A copy of the forward's code object, so that dynamo's cache
+    of the real one (which the run's compile fills) never holds these graphs."""
+    compiled: dict[type, object] = {}
+    for layer in layers:
+        cls = type(layer)
+        if cls not in compiled:
+            forward = getattr(cls.forward, "__wrapped__", cls.forward)
+            copy_of_forward = types.FunctionType(
+                forward.__code__.replace(),
+                forward.__globals__,
+                forward.__name__,
+                forward.__defaults__,
+                forward.__closure__,
+            )
+            copy_of_forward.__kwdefaults__ = forward.__kwdefaults__
+            compiled[cls] = torch.compile(copy_of_forward, backend="aot_eager_decomp_partition")
+        layer.forward = functools.partial(compiled[cls], layer)
 
 
 def _add_meta_adapters(model: nn.Module, rank: int, targets: tuple[str, ...], dtype: torch.dtype) -> None:

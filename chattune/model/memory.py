@@ -66,6 +66,7 @@ class MemoryInputs:
     tokens: int  # tokens of one microbatch on one rank
     compute_dtype: torch.dtype = torch.float32
     activation_checkpointing: bool = False
+    compiled: bool = False  # model.compile resolved: compiled layers keep what the compiler's partition saves
     loss_chunk: int = 1024
     optimizer: str = "torch.optim.AdamW"
     momentum: float = 0.0  # SGD's
@@ -423,7 +424,7 @@ def hf_config_of(cfg, tokenizer_size: int | None = None):
 def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInputs:
     """The memory inputs of a run of `cfg` (a composed recipe config) laid out as `layout` (its meshes not
     needed: `ParallelDims.from_config`), on CUDA or on the CPU, in the compute dtype it takes there."""
-    from chattune.model.fsdp import compute_dtype
+    from chattune.model.fsdp import compile_enabled, compute_dtype
 
     fsdp, peft = cfg.model.fsdp, _get(cfg, "peft")
     dtype_name = compute_dtype(fsdp.param_dtype, "cuda" if on_cuda else "cpu")
@@ -443,6 +444,7 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
         tokens=int(cfg.data.max_tokens_per_microbatch),
         compute_dtype=getattr(torch, dtype_name),
         activation_checkpointing=bool(fsdp.activation_checkpointing),
+        compiled=compile_enabled(_get(cfg.model, "compile") or False, "cuda" if on_cuda else "cpu"),
         loss_chunk=int(cfg.loss.chunk_size),
         optimizer=str(_get(cfg.optimizer, "_target_")),
         momentum=float(_get(cfg.optimizer, "momentum") or 0.0),
