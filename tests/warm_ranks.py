@@ -42,6 +42,9 @@ IMPORT_TIME_ENV_PREFIXES = (
     "MKL_",
     "PYTHON",
 )
+# Read when they are used, not at import: torch.compile reads TORCHDYNAMO_DISABLE at each call (torch/_dynamo/
+# eval_frame.py's `optimize`), and torchao compiles its optimizer step at the step.
+CALL_TIME_ENV = frozenset({"TORCHDYNAMO_DISABLE"})
 # What the forkserver's environment holds before it imports anything (tests launch with the hub offline).
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -98,7 +101,8 @@ def context() -> multiprocessing.context.BaseContext:
 def can_launch(env_extra: dict[str, str]) -> bool:
     """Whether a launch with these extra environment variables can run on the preloaded server."""
     return not any(
-        name.startswith(IMPORT_TIME_ENV_PREFIXES) and SERVER_ENV.get(name) != value for name, value in env_extra.items()
+        name.startswith(IMPORT_TIME_ENV_PREFIXES) and name not in CALL_TIME_ENV and SERVER_ENV.get(name) != value
+        for name, value in env_extra.items()
     )
 
 

@@ -211,10 +211,10 @@ class _Trace:
     note: str | None = None  # said beside the row (a compiled trace that fell back to the eager one)
 
 
-# The last traces, by what decides them (the config object, held so its id stays its own, then dtype, tokens and
-# LoRA; a config is not changed once estimated): the memory advice estimates a run under a dozen changes, and most
-# change none of these.
-_TRACES: OrderedDict[tuple, tuple[object, _Trace | str]] = OrderedDict()
+# The last traces, by what decides them (the model config's class and contents, then dtype, tokens, LoRA and
+# compile): the memory advice estimates a run under a dozen changes, most of which change none of these, and
+# `validate`'s plans of one model each build the config anew.
+_TRACES: OrderedDict[tuple, _Trace | str] = OrderedDict()
 _TRACES_KEPT = 8
 
 
@@ -243,8 +243,10 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
 
 
 def _cached_trace(inputs: MemoryInputs) -> _Trace | str:
+    config = inputs.hf_config
     key = (
-        id(inputs.hf_config),
+        type(config).__qualname__,
+        config.to_json_string(use_diff=False),
         inputs.compute_dtype,
         inputs.tokens,
         inputs.lora_rank,
@@ -252,11 +254,11 @@ def _cached_trace(inputs: MemoryInputs) -> _Trace | str:
         inputs.compiled,
     )
     if key not in _TRACES:
-        _TRACES[key] = (inputs.hf_config, _trace(inputs))
+        _TRACES[key] = _trace(inputs)
         if len(_TRACES) > _TRACES_KEPT:
             _TRACES.popitem(last=False)
     _TRACES.move_to_end(key)
-    return _TRACES[key][1]
+    return _TRACES[key]
 
 
 def _trace(inputs: MemoryInputs) -> _Trace | str:
