@@ -40,7 +40,7 @@ CPU_CHECKS = {
     "export_masters",
     "export_after_eval",
 }
-CUDA_ONLY = {"cce_anchor", "host_syncs", "throughput_tiny_qlora", "cuda_tests"}
+CUDA_ONLY = {"cce_anchor", "host_syncs", "estimate_bound", "throughput_tiny_qlora", "cuda_tests"}
 
 
 def test_the_gpu_check_runs_its_cpu_parts(tmp_path):
