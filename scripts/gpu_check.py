@@ -73,7 +73,11 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   (chattune.model.memory); TRL's SFTTrainer beside full SFT when `trl` is importable; last, on the first shape,
   float8 linear layers (`model.fp8=tensorwise`, needs torchao) and offloaded, recomputed activations, against the
   full SFT row's tokens/s and peak. Targets: MFU ≥ 45% on the 1.7B full step; ≥ 3× TRL's tokens/s; peak memory ≤
-  TRL's. (The CPU smoke test runs the full SFT launch alone, on the tiny shape.)
+  TRL's. (The CPU smoke test runs the full SFT launch alone, on the tiny shape.) Each launch logs dynamo's
+  recompiles (`TORCH_LOGS=recompiles`); `steady_steps_<shape>_<mode>`: no step after the first 2 over 2x the
+  median step time, each that is named with what recompiled before it ("no recompile logged": it slowed for
+  another reason). The first shape's full SFT launch runs 24 steps on CUDA (the slow steps 11-12 of the first
+  GPU run, BENCHMARKS.md).
 - `longest_row`: the longest packed row (32k, 64k, 128k tokens, one step, activation checkpointing) the first shape
   trains on one GPU, without and with offloaded activations, each with its peak memory. CUDA only, last.
 - `cuda_tests`: the project's CUDA-only tests, `pytest -k cuda` over the test files with a
@@ -988,9 +992,12 @@ def recipe_environment() -> dict[str, str]:
     }
 
 
-def run_recipe(ctx: Context, name: str, overrides: list[str], recipe: str = "sft") -> tuple[Path, str]:
-    """Launch a recipe into work/<name> (a fresh directory unless a launch continues it); (output dir, log).
-    The launch is stopped when the budget runs out (OutOfBudget)."""
+def run_recipe(
+    ctx: Context, name: str, overrides: list[str], recipe: str = "sft", env: dict[str, str] | None = None
+) -> tuple[Path, str]:
+    """Launch a recipe into work/<name> (a fresh directory unless a launch continues it); (output dir, log: its
+    standard output and error as one stream, in the order the ranks wrote them). `env`: variables added to the
+    launch's environment. The launch is stopped when the budget runs out (OutOfBudget)."""
     output_dir = ctx.work / name
     command = [
         sys.executable,
@@ -1008,8 +1015,10 @@ def run_recipe(ctx: Context, name: str, overrides: list[str], recipe: str = "sft
         "data.report_records=0",
         *overrides,
     ]
-    done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
-    log = done.stdout + done.stderr
+    done = run_bounded(
+        command, ctx.budget.timeout(), stderr=subprocess.STDOUT, env={**recipe_environment(), **(env or {})}, cwd=ROOT
+    )
+    log = done.stdout
     (ctx.out / f"{name}.log").write_text(log)
     if done.returncode:
         raise RuntimeError(f"{name} failed ({done.returncode}): {log[-1200:]}")
@@ -1061,6 +1070,7 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
                 f"model.fsdp.activation_checkpointing={'true' if shape == '1.7b' or mode == 'offload' else 'false'}",
                 *extra,
             ],
+            env={"TORCH_LOGS": "recompiles"},  # what compiled again, for steady_steps
         )
     except RuntimeError as error:
         ctx.add(name, False, str(error).splitlines()[0][:200])
@@ -1086,6 +1096,46 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
     )
     if ctx.cuda and shape == "1.7b" and mode == "sft" and mfu is not None:
         ctx.add("target_mfu_1.7b", mfu >= 0.45, f"MFU {mfu:.1%}", "≥ 45%")
+    check_steady_steps(ctx, f"steady_steps_{shape}_{mode}", metrics(output_dir), log)
+
+
+STEP_LINE = re.compile(r"\] step (\d+) \|")
+SLOW_STEP = 2.0  # a step over this many times the median step time is named
+STEADY_AFTER = 2  # the first steps compile (and a 1-token empty microbatch's graphs may come later: named too)
+
+
+def check_steady_steps(ctx: Context, name: str, rows: list[dict], log: str) -> None:
+    """The launch's steps after the first STEADY_AFTER: none over SLOW_STEP times the median step time, and each
+    that is, named with what dynamo logged between the step before it and it (`TORCH_LOGS=recompiles`: the
+    guard that failed); a slow step with nothing logged is a slow step that did not recompile (a Triton
+    kernel specialised anew, an allocator's growth, the host)."""
+    times = {m["step"]: m["step_time_s"] for m in rows if "step_time_s" in m}
+    steady = sorted(t for step, t in times.items() if step > STEADY_AFTER)
+    if not steady:
+        ctx.add(name, None, "no steps after the first to compare")
+        return
+    median = steady[len(steady) // 2]
+    said: dict[int, list[str]] = {}  # the recompile lines printed before each step's own line
+    pending: list[str] = []
+    for line in log.splitlines():
+        found = STEP_LINE.search(line)
+        if found:
+            said[int(found.group(1))], pending = pending, []
+        elif "recompil" in line.lower() or "guard" in line.lower():
+            pending.append(line.split("] ", 1)[-1].strip()[:160])
+    slow = {step: t for step, t in sorted(times.items()) if step > STEADY_AFTER and t > SLOW_STEP * median}
+    named = "; ".join(
+        f"step {step} {t:.2f} s: " + (" / ".join(said.get(step, [])[:3]) or "no recompile logged")
+        for step, t in slow.items()
+    )
+    recompiled = [step for step, lines in said.items() if step > STEADY_AFTER and lines]
+    ctx.add(
+        name,
+        not slow,
+        f"median step {median:.3f} s; " + (named or "none slower than 2x"),
+        f"no step after the first {STEADY_AFTER} over {SLOW_STEP:g}x the median",
+        f"steps that recompiled: {recompiled or 'none'}",
+    )
 
 
 LONG_ROWS = (32768, 65536, 131072)  # tokens a microbatch, tried in turn until one does not run
@@ -1463,21 +1513,22 @@ def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
     MFU target), then LoRA and QLoRA and the remaining TRL runs."""
     warmup = max(1, steps // 3)
 
-    def estimate(shape: str, mode: str) -> float:
+    def estimate(shape: str, mode: str, steps: int = steps) -> float:
         start_up, per_step = LAUNCH_ESTIMATES.get((shape, mode), (150, 5.0)) if ctx.cuda else (15, 1.5)
         return start_up + per_step * steps
 
-    def launch(shape: str, mode: str) -> Item:
+    def launch(shape: str, mode: str, steps: int = steps) -> Item:
         if mode == "trl":
             return Item(f"trl_{shape}", estimate(shape, mode), lambda c: compare_with_trl(c, shape, steps, warmup))
-        needed = 0 if mode == "qlora" and not ctx.cuda else estimate(shape, mode)
+        needed = 0 if mode == "qlora" and not ctx.cuda else estimate(shape, mode, steps)
         return Item(f"throughput_{shape}_{mode}", needed, lambda c: throughput_run(c, shape, mode, steps, warmup))
 
     cost = 0 if ctx.cuda else 1  # the (CUDA, CPU) column of ESTIMATES
     items = [Item(name, ESTIMATES[name][cost], check, in_process=True) for name, check in IN_PROCESS.items()]
     first, *others = shapes
     items += [
-        launch(first, "sft"),
+        # 24 steps on CUDA (issue 68, item 10): steady_steps sees past a slow step 11 or 12
+        launch(first, "sft", max(steps, 24) if ctx.cuda else steps),
         Item("resume_and_export", ESTIMATES["resume_and_export"][cost], resume_and_export),
         Item("cuda_tests", ESTIMATES["cuda_tests"][cost], cuda_tests),
     ]

@@ -36,6 +36,7 @@ CPU_CHECKS = {
     "dpo_reference_memory",
     *OBJECTIVE_ROWS,
     "throughput_tiny_sft",
+    "steady_steps_tiny_sft",
     "resume_exact",
     "export_masters",
     "export_after_eval",
@@ -142,6 +143,7 @@ def test_a_launch_running_when_the_budget_ends_is_stopped_with_its_workers(tmp_p
             "0",
             "--only",
             "throughput_tiny_sft",
+            "steady_steps_tiny_sft",
             "resume_and_export",
         ]
     )
@@ -161,6 +163,7 @@ def test_a_launch_running_when_the_budget_ends_is_stopped_with_its_workers(tmp_p
         "export_masters",
         "export_after_eval",
         "throughput_tiny_sft",
+        "steady_steps_tiny_sft",
     } >= set(status), status
     assert report["budget"]["elapsed"] <= budget + MARGIN
     assert _processes_mentioning(str(tmp_path)) == []  # torchrun and its worker stopped, not orphaned
@@ -207,3 +210,34 @@ def test_the_cuda_tests_command_runs_where_pytest_xdist_is_absent():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"\d+ tests? collected|\d+/\d+ tests collected", done.stdout), done.stdout[-2000:]
+
+
+def test_a_slow_step_is_named_with_the_recompile_logged_before_it(tmp_path):
+    """steady_steps (issue 68, item 10): a step over twice the median after the first two is a FAIL that names
+    it with the guard dynamo logged between the step before it and it; a slow step with nothing logged says so."""
+    sys.path.insert(0, str(Path("scripts").resolve()))
+    import gpu_check
+    import torch
+
+    ctx = gpu_check.Context(torch.device("cpu"), tmp_path, tmp_path, tmp_path, tmp_path, real_assets=False)
+    times = {1: 9.0, 2: 3.0, 3: 0.3, 4: 0.31, 5: 0.29, 6: 2.4, 7: 0.3, 8: 1.9, 9: 0.3}
+    lines = []
+    for step in times:
+        if step == 6:
+            lines += [
+                "V1202 12:00:00 [0/1] [__recompiles] Recompiling function forward in modeling_qwen3.py:250",
+                "    triggered by the following guard failure(s):",
+                "    - 0/0: tensor 'hidden_states' size mismatch at index 1. expected 1, actual 4093",
+            ]
+        lines.append(f"12:00:0{step} [rank0] step {step} | loss 1.0 | step_time_s {times[step]}")
+    rows = [{"step": step, "step_time_s": t} for step, t in times.items()]
+    gpu_check.check_steady_steps(ctx, "steady_steps_x", rows, "\n".join(lines))
+    (row,) = ctx.rows
+    assert row.status == "FAIL", row
+    assert "step 6 2.40 s: " in row.figure and "Recompiling function forward" in row.figure, row.figure
+    assert "step 8 1.90 s: no recompile logged" in row.figure and "step 7" not in row.figure, row.figure
+    assert row.detail == "steps that recompiled: [6]"
+    ctx.rows.clear()
+    steady = [{"step": step, "step_time_s": 0.3 if step > 2 else 5.0} for step in range(1, 10)]
+    gpu_check.check_steady_steps(ctx, "steady_steps_x", steady, "")
+    assert ctx.rows[0].status == "PASS", ctx.rows
