@@ -7,6 +7,7 @@ of a second call for the rest. scripts/bench_gpu.py's --budget likewise."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -41,6 +42,8 @@ CPU_CHECKS = {
     "export_masters",
     "export_after_eval",
 }
+if importlib.util.find_spec("torchao") is not None:  # (the dev extra installs it)
+    CPU_CHECKS |= {"low_bit_AdamW8bit", "low_bit_AdamW4bit", "low_bit_AdamWFp8", "low_bit_resume"}
 CUDA_ONLY = {"cce_anchor", "host_syncs", "estimate_bound", "throughput_tiny_qlora", "cuda_tests"}
 
 

@@ -52,6 +52,7 @@ from chattune.files import set_aside
 from chattune.log import EACH_RANK
 from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
+from chattune.train.staging import SubclassSafeStager, subclass_leaves
 
 if TYPE_CHECKING:
     from chattune.train.snapshot import Snapshots, SnapshotsWhenSlow
@@ -101,6 +102,16 @@ def pinned_stager():
             use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
         )
     )
+
+
+def plain_stager():
+    """DCP's stager as `async_save` makes it when given none (pageable host copies, made before it returns), or
+    None on a torch without DefaultStager (`SubclassSafeStager` then copies every tensor itself)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    return DefaultStager(StagingOptions(False, False, False, False))
 
 
 @functools.cache
@@ -161,14 +172,19 @@ class BackgroundSaves:
 
     def start(self, state: dict, directory: Path, commit: Callable[[], None]) -> None:
         """Copy `state` to CPU memory now; write it to `directory` and then call `commit` in the background."""
-        written = dcp.async_save(
-            state, checkpoint_id=str(directory), process_group=self._group, async_stager=self._stager_for_next_save()
-        )
+        stager, own_stager = self._stager_for_next_save(), None
+        if subclass_leaves(state):  # torchao's quantized optimizer states (chattune.train.staging)
+            if stager is None:
+                stager = own_stager = plain_stager()
+            stager = SubclassSafeStager(stager)
+        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group, async_stager=stager)
 
         def write_then_commit() -> None:
             cast(
                 Future, written
             ).result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
+            if own_stager is not None:
+                own_stager.close()
             commit()
 
         self._pending = self._executor.submit(write_then_commit)
