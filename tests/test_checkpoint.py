@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,13 +27,20 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [
-        optimizer.state[p][key].full_tensor().clone() for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")
-    ]
+    """Every moment whole (a torchao quantized state as the values its codes and scales give)."""
+    moments = [optimizer.state[p][key].full_tensor() for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
+    return [m.dequantize() if hasattr(m, "dequantize") else m.clone() for m in moments]
 
 
-def sharded(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def sharded(seed: int, world_size: int, optimizer: str = "AdamW") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The tests' tiny model sharded, and its optimizer: torch's AdamW, or torchao's `AdamW8bit` (eager: no
+    compile of its step for one or two steps)."""
     model = shard_model(PackedCausalLM(tiny_model(seed=seed)), mesh_dims())
+    if optimizer == "AdamW8bit":
+        import torchao.optim
+
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"  # (a spawned worker's own environment)
+        return model, torchao.optim.AdamW8bit(model.parameters(), lr=1e-2)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

@@ -34,7 +34,9 @@ def _step(model, optimizer, rank: int, seed: int) -> None:
     )
 
 
-def _write_snapshot(rank: int, world_size: int, port: int, tmp: str, committer_killed: bool) -> None:
+def _write_snapshot(
+    rank: int, world_size: int, port: int, tmp: str, committer_killed: bool, optimizer_class: str = "AdamW"
+) -> None:
     """Train a step, stage it, train another (the state moves on), then write the staged step as a signal
     would: each rank alone, no collective. `committer_killed`: the last rank dies before its commit."""
     init_worker_process_group(rank, world_size, port)
@@ -45,7 +47,7 @@ def _write_snapshot(rank: int, world_size: int, port: int, tmp: str, committer_k
 
         snapshot._commit_directory = killed
     tmp_path = Path(tmp)
-    model, optimizer = sharded(seed=0, world_size=world_size)
+    model, optimizer = sharded(seed=0, world_size=world_size, optimizer=optimizer_class)
     _step(model, optimizer, rank, seed=0)
     snapshots = Snapshots(
         tmp_path / "checkpoints",
@@ -75,11 +77,11 @@ def _write_snapshot(rank: int, world_size: int, port: int, tmp: str, committer_k
     exit_process()
 
 
-def _load_snapshot(rank: int, world_size: int, port: int, tmp: str) -> None:
+def _load_snapshot(rank: int, world_size: int, port: int, tmp: str, optimizer_class: str = "AdamW") -> None:
     init_worker_process_group(rank, world_size, port)
     tmp_path = Path(tmp)
     expected = torch.load(tmp_path / "expected.pt")
-    model, optimizer = sharded(seed=1, world_size=world_size)
+    model, optimizer = sharded(seed=1, world_size=world_size, optimizer=optimizer_class)
     _step(model, optimizer, rank, seed=2)  # other weights and moments, to be replaced
     state = run_state(model, optimizer, {})
     assert load_checkpoint(tmp_path / "checkpoints" / "step_1", state) == 1
@@ -123,6 +125,25 @@ def test_a_snapshot_written_per_rank_is_a_checkpoint_that_loads_and_reshards(tmp
     assert (checkpoint / "extra.bin").read_bytes() == b"rank 0's"
     spawn(_load_snapshot, args=(2, free_port(), str(tmp_path)), nprocs=2)
     spawn(_load_snapshot, args=(1, free_port(), str(tmp_path)), nprocs=1)
+
+
+@pytest.mark.launch
+def test_a_snapshot_keeps_torchaos_quantized_states_as_they_are_and_resumes_them_exactly(tmp_path):
+    """torchao's 8-bit moments are copied as their codes and scales (their own copy_ into a plain host buffer
+    would dequantize them: 4 bytes an element where they hold 1), written, and loaded back to the same values."""
+    optim = pytest.importorskip("torchao.optim.subclass_8bit")
+    moment = optim.OptimState8bit.zeros((4096,), signed=True, block_size=256)
+    moment.copy_(torch.linspace(-1, 1, 4096))
+    copied = snapshot._HostCopy(pinned=False)({"m": moment, "w": torch.ones(3)})
+    assert type(copied["m"]) is type(moment) and torch.equal(copied["m"].codes, moment.codes)
+    assert sum(buffer.nbytes for buffer in copied_buffers(copied)) < 4096 * 2  # codes, scales and qmap: not fp32
+    spawn(_write_snapshot, args=(2, free_port(), str(tmp_path), False, "AdamW8bit"), nprocs=2)
+    spawn(_load_snapshot, args=(2, free_port(), str(tmp_path), "AdamW8bit"), nprocs=2)
+
+
+def copied_buffers(copied: dict) -> list[torch.Tensor]:
+    moment = copied["m"]
+    return [getattr(moment, name) for name in moment.__tensor_flatten__()[0]]
 
 
 def test_a_snapshot_missing_a_rank_is_never_committed(tmp_path):

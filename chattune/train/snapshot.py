@@ -47,10 +47,12 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -134,6 +136,11 @@ class _HostCopy:
 
     def _rebuilt(self, obj, path: tuple):
         if isinstance(obj, torch.Tensor):
+            local: Any = obj.to_local() if isinstance(obj, DTensor) else obj  # (a subclass's protocol: untyped)
+            if _is_subclass(local):  # its inner tensors' copies, made the subclass again
+                names, context = local.__tensor_flatten__()
+                inner = {name: self._views[(*path, _Inner(name))] for name in names}
+                return type(local).__tensor_unflatten__(inner, context, local.size(), local.stride())
             return self._views[path]
         if isinstance(obj, dict):
             return {key: self._rebuilt(value, (*path, key)) for key, value in obj.items()}
@@ -142,11 +149,29 @@ class _HostCopy:
         return copy.deepcopy(obj)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    """A path step into a tensor subclass: its inner tensor `name` (`__tensor_flatten__`)."""
+
+    name: str
+
+
+def _is_subclass(tensor: torch.Tensor) -> bool:
+    """A tensor subclass made of plain tensors (torchao's quantized optimizer states: codes and block scales).
+    Copied as a plain tensor it would be copied dequantized (their `copy_` into a plain tensor dequantizes):
+    4 bytes an element on the host where the state holds 1, and read back quantized again."""
+    return type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
+
+
 def _leaves(obj, path: tuple, found: dict) -> None:
-    """Every tensor of a nested state (a DTensor's local shard) by its path, into `found`."""
+    """Every tensor of a nested state (a DTensor's local shard; a tensor subclass's inner tensors) by its path,
+    into `found`."""
     if isinstance(obj, DTensor):
         obj = obj.to_local()
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and _is_subclass(obj):
+        for name in cast(Any, obj).__tensor_flatten__()[0]:
+            _leaves(getattr(obj, name), (*path, _Inner(name)), found)
+    elif isinstance(obj, torch.Tensor):
         found[path] = obj
     elif isinstance(obj, dict):
         for key, value in obj.items():

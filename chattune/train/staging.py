@@ -32,12 +32,10 @@ def subclass_leaves(state: Any, path: Path = ()) -> list[tuple[Path, torch.Tenso
     if isinstance(state, torch.Tensor):
         return [] if type(_local(state)) in (torch.Tensor, nn.Parameter) else [(path, state)]
     if isinstance(state, dict):
-        items = state.items()
-    elif isinstance(state, (list, tuple)):
-        items = enumerate(state)
-    else:
-        return []
-    return [leaf for key, value in items for leaf in subclass_leaves(value, (*path, key))]
+        return [leaf for key, value in state.items() for leaf in subclass_leaves(value, (*path, key))]
+    if isinstance(state, (list, tuple)):
+        return [leaf for index, value in enumerate(state) for leaf in subclass_leaves(value, (*path, index))]
+    return []
 
 
 def host_copy(value: torch.Tensor) -> torch.Tensor:
@@ -49,9 +47,10 @@ def host_copy(value: torch.Tensor) -> torch.Tensor:
         return DTensor(host_copy(value._local_tensor), value._spec, requires_grad=False)
     if type(value) in (torch.Tensor, nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
         return value.detach().to("cpu", copy=True)
-    names, context = value.__tensor_flatten__()
+    subclass: Any = value  # (a traceable tensor subclass: torch's protocol, not in Tensor's stubs)
+    names, context = subclass.__tensor_flatten__()
     inner = {name: host_copy(getattr(value, name)) for name in names}
-    return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
+    return type(subclass).__tensor_unflatten__(inner, context, value.size(), value.stride())
 
 
 def _with(state: Any, leaves: dict[Path, Any]) -> Any:
