@@ -123,6 +123,7 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest.mock import patch
 
 STARTED = time.monotonic()  # --budget counts from here: torch's import is part of it
 
@@ -1369,21 +1370,6 @@ def resume_and_export(ctx: Context) -> None:
 LOW_BIT_STEP_TOLERANCE = {"AdamW8bit": 0.02, "AdamW4bit": 0.4, "AdamWFp8": 0.02}
 
 
-@contextmanager
-def _environment(**variables: str):
-    """`variables` set in os.environ while the block runs, as they were after."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def check_low_bit(ctx: Context) -> None:
     """torchao.optim.AdamW8bit, AdamW4bit and AdamWFp8 as the recipe builds them (chattune.train.optimizer:
     each class's inductor cache of its own), 20 steps of the recipe's model (4 layers of the 0.6B shape, bf16
@@ -1406,7 +1392,7 @@ def check_low_bit(ctx: Context) -> None:
     saved_after = steps // 2
     documents = chat_documents(ctx, 4 * steps, start=500)
     rows = [collate_packed(documents[4 * i : 4 * i + 4]) for i in range(steps)]
-    eager = nullcontext() if ctx.cuda else _environment(TORCHDYNAMO_DISABLE="1")  # read at each torch.compile
+    eager = nullcontext() if ctx.cuda else patch.dict(os.environ, TORCHDYNAMO_DISABLE="1")  # read at each torch.compile
 
     def build(optimizer: str):
         cfg = recipe_config(ctx, ctx.shape, layers, overrides=(f"optimizer._target_={optimizer}", "optimizer.lr=1e-3"))

@@ -52,7 +52,6 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -64,6 +63,7 @@ from torch.distributed.tensor import DTensor
 from chattune import errors, interrupts
 from chattune.train.checkpoint import MANIFEST_FILE, commit, rank_state_file, serialize, write_synced
 from chattune.train.run_state import RunState
+from chattune.train.staging import is_tensor_subclass
 
 logger = logging.getLogger(__name__)
 # DCP's single-process save (each rank's own snapshot, on purpose) warns that it assumes a single process
@@ -137,7 +137,7 @@ class _HostCopy:
     def _rebuilt(self, obj, path: tuple):
         if isinstance(obj, torch.Tensor):
             local: Any = obj.to_local() if isinstance(obj, DTensor) else obj  # (a subclass's protocol: untyped)
-            if _is_subclass(local):  # its inner tensors' copies, made the subclass again
+            if is_tensor_subclass(local):  # its inner tensors' copies, made the subclass again
                 names, context = local.__tensor_flatten__()
                 inner = {name: self._views[(*path, _Inner(name))] for name in names}
                 return type(local).__tensor_unflatten__(inner, context, local.size(), local.stride())
@@ -156,19 +156,12 @@ class _Inner:
     name: str
 
 
-def _is_subclass(tensor: torch.Tensor) -> bool:
-    """A tensor subclass made of plain tensors (torchao's quantized optimizer states: codes and block scales).
-    Copied as a plain tensor it would be copied dequantized (their `copy_` into a plain tensor dequantizes):
-    4 bytes an element on the host where the state holds 1, and read back quantized again."""
-    return type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
-
-
 def _leaves(obj, path: tuple, found: dict) -> None:
     """Every tensor of a nested state (a DTensor's local shard; a tensor subclass's inner tensors) by its path,
     into `found`."""
     if isinstance(obj, DTensor):
         obj = obj.to_local()
-    if isinstance(obj, torch.Tensor) and _is_subclass(obj):
+    if isinstance(obj, torch.Tensor) and is_tensor_subclass(obj):
         for name in cast(Any, obj).__tensor_flatten__()[0]:
             _leaves(getattr(obj, name), (*path, _Inner(name)), found)
     elif isinstance(obj, torch.Tensor):

@@ -12,6 +12,7 @@ synchronous `dcp.save` needs none of this (it serializes them as they are).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,16 +27,28 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
-def subclass_leaves(state: Any, path: Path = ()) -> list[tuple[Path, torch.Tensor]]:
-    """(path, tensor) of every tensor in `state` (dicts, lists and tuples) whose data (a DTensor's local
-    shard) is a tensor subclass, not a plain tensor or parameter."""
+def is_tensor_subclass(tensor: torch.Tensor) -> bool:
+    """A traceable tensor subclass (one made of plain tensors, as torchao's quantized optimizer states are: codes
+    and block scales), not a plain tensor or parameter. A DTensor is asked of its local shard."""
+    return type(_local(tensor)) not in (torch.Tensor, nn.Parameter) and hasattr(_local(tensor), "__tensor_flatten__")
+
+
+def tensor_leaves(
+    state: Any, keep: Callable[[torch.Tensor], bool] = lambda _: True, path: Path = ()
+) -> list[tuple[Path, torch.Tensor]]:
+    """(path, tensor) of every tensor in `state` (dicts, lists and tuples) for which `keep` holds."""
     if isinstance(state, torch.Tensor):
-        return [] if type(_local(state)) in (torch.Tensor, nn.Parameter) else [(path, state)]
+        return [(path, state)] if keep(state) else []
     if isinstance(state, dict):
-        return [leaf for key, value in state.items() for leaf in subclass_leaves(value, (*path, key))]
+        return [leaf for key, value in state.items() for leaf in tensor_leaves(value, keep, (*path, key))]
     if isinstance(state, (list, tuple)):
-        return [leaf for index, value in enumerate(state) for leaf in subclass_leaves(value, (*path, index))]
+        return [leaf for index, value in enumerate(state) for leaf in tensor_leaves(value, keep, (*path, index))]
     return []
+
+
+def subclass_leaves(state: Any) -> list[tuple[Path, torch.Tensor]]:
+    """(path, tensor) of every tensor subclass in `state` (a DTensor whose local shard is one included)."""
+    return tensor_leaves(state, is_tensor_subclass)
 
 
 def host_copy(value: torch.Tensor) -> torch.Tensor:
@@ -45,7 +58,7 @@ def host_copy(value: torch.Tensor) -> torch.Tensor:
     would then change the staged copy while it is written."""
     if isinstance(value, DTensor):
         return DTensor(host_copy(value._local_tensor), value._spec, requires_grad=False)
-    if type(value) in (torch.Tensor, nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
+    if not is_tensor_subclass(value):
         return value.detach().to("cpu", copy=True)
     subclass: Any = value  # (a traceable tensor subclass: torch's protocol, not in Tensor's stubs)
     names, context = subclass.__tensor_flatten__()
@@ -81,8 +94,6 @@ class SubclassSafeStager:
     with tensor-subclass leaves: those are copied by `host_copy`, the rest by `inner`. Synchronous: the state
     is safe to change once `stage` returns."""
 
-    _synchronize_after_execute = False
-
     def __init__(self, inner: Any | None) -> None:
         self.inner = inner
 
@@ -93,8 +104,7 @@ class SubclassSafeStager:
     def stage(self, state_dict: dict) -> dict:
         leaves = subclass_leaves(state_dict)
         if self.inner is None:
-            everything = _every_tensor(state_dict)
-            return _with(state_dict, {path: host_copy(value) for path, value in everything})
+            return _with(state_dict, {path: host_copy(value) for path, value in tensor_leaves(state_dict)})
         staged = self.inner.stage(_with(state_dict, dict.fromkeys((path for path, _ in leaves), None)))
         if isinstance(staged, Future):
             staged = staged.result()
@@ -107,13 +117,3 @@ class SubclassSafeStager:
 
     def close(self) -> None:
         """The inner stager stays its maker's to close."""
-
-
-def _every_tensor(state: Any, path: Path = ()) -> list[tuple[Path, torch.Tensor]]:
-    if isinstance(state, torch.Tensor):
-        return [(path, state)]
-    if isinstance(state, dict):
-        return [leaf for key, value in state.items() for leaf in _every_tensor(value, (*path, key))]
-    if isinstance(state, (list, tuple)):
-        return [leaf for index, value in enumerate(state) for leaf in _every_tensor(value, (*path, index))]
-    return []
