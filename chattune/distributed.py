@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from chattune.config.layout_rules import context_ranks_problem, replicate_ranks_problem, tensor_ranks_problem
+from chattune.errors import UserError
 
 # The mesh's axes, outermost first: a rank's place along each is its coordinate (row-major, as `init_device_mesh`
 # lays ranks out), so the ranks of one context group are consecutive (the same machine first: the attention's
@@ -293,6 +294,22 @@ def default_cuda_allocator(environ: dict[str, str] = os.environ) -> None:
         environ[ALLOCATOR_SETTINGS[0]] = "expandable_segments:True"
 
 
+CPU_THREADS_ENV = "CHATTUNE_CPU_THREADS"
+
+
+def cpu_threads(environ: Mapping[str, str] = os.environ) -> int:
+    """Torch threads for a CPU rank: $CHATTUNE_CPU_THREADS where set (a machine shared with other jobs: threads
+    beyond the cores left free spin against each other, a few times slower on small matmuls; torchrun's own
+    OMP_NUM_THREADS=1 default is not taken as a choice), else this process's cores shared among the machine's
+    ranks: more threads than cores slows everyone down."""
+    value = environ.get(CPU_THREADS_ENV, "").strip()
+    if not value:
+        return max(1, len(os.sched_getaffinity(0)) // int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{CPU_THREADS_ENV}={value!r}: the torch threads of each CPU rank, a positive whole number")
+    return int(value)
+
+
 def init_distributed(device: str = "auto", parallel: object | None = None) -> ParallelDims:
     """Initialise torch.distributed (nccl on CUDA, gloo on CPU) from torchrun's environment, or as a
     one-rank group when launched without torchrun, and this run's device mesh (`ParallelDims.build`).
@@ -313,9 +330,7 @@ def init_distributed(device: str = "auto", parallel: object | None = None) -> Pa
         torch.cuda.set_device(local_rank)
         torch_device = torch.device("cuda", local_rank)
     else:
-        # Ranks on one machine share its cores; more threads than cores slows everyone down.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+        torch.set_num_threads(cpu_threads())
         torch_device = torch.device("cpu")
     if not dist.is_initialized():
         # Generous timeout: ranks wait in a barrier while rank 0 writes the final HF directory.
