@@ -6,7 +6,8 @@ check, PASS / FAIL / SKIP with its figure.
     python scripts/gpu_check.py --device cpu                                      # the CPU smoke test (CI runs it)
 
 Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`float8`,
-`packed_vs_hf`, `cce_vs_chunked`, `cce_anchor`, `in_backward`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`, `low_bit`, `estimate_bound`),
+`packed_vs_hf`, `cce_vs_chunked`, `cce_anchor`, `in_backward`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`, `low_bit`,
+`cpu_offload`, `estimate_bound`),
 `throughput_0.6b_sft`, `resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and
 QLoRA launches, then `trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten
 minutes in all). With
@@ -67,6 +68,9 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   within the documented tolerance (0.02 nats 8-bit, 0.4 4-bit; FP8 held to 8-bit's until measured); the 8-bit
   run saves asynchronously after step 10 and a resumed model gives steps 11-20 bit for bit. On the CPU 8 steps
   of the tiny shape, torchao's step eager. SKIP where torchao is absent.
+- `cpu_offload`: `model.fsdp.cpu_offload=true` (bf16 compute, layers compiled, activation checkpointing) against
+  the same model without it, two steps on the same rows: every parameter within 1e-5 relative; the second
+  step's time of each, the offloaded one's slowdown its figure. On the CPU the tiny shape, eager, fp32.
 - `estimate_bound` (rows `estimate_bound_{cce,chunked}_{ac,noac}[_offload]`): the start-up memory estimate of
   the recipe's config against the peak torch allocated in two steps of the model built from it (0.6B, one
   16,384-token row, layers compiled), for each loss head with and without activation checkpointing and
@@ -1451,6 +1455,54 @@ def check_low_bit(ctx: Context) -> None:
             del model, optimizer, rule
 
 
+CPU_OFFLOAD_TOLERANCE = 1e-5  # the same bf16 compute; only AdamW's kernel differs (the host's against CUDA's fused)
+
+
+def check_cpu_offload(ctx: Context) -> None:
+    """`model.fsdp.cpu_offload=true` as the recipe builds it (bf16 compute, layers compiled, activation
+    checkpointing: what the memory advice tells an 8B run on one GPU to do) against the same model without it:
+    two steps on the same rows, every parameter within CPU_OFFLOAD_TOLERANCE relative of the plain run's (the
+    shards, their gradients and AdamW's step on the host, copied in for each all-gather); the second step's time
+    of each, the offloaded one's slowdown as its figure. On the CPU the tiny shape, layers eager (compiling is the
+    `compile_vs_eager` item's), fp32."""
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.feed import StepBatches
+    from chattune.train.optimizer import build_optimizer
+    from chattune.train.step import UpdateRule, train_step
+
+    documents = chat_documents(ctx, 8, start=700)
+    rows = [collate_packed(documents[:4]), collate_packed(documents[4:])]
+    layers = 4 if ctx.cuda else None
+    after, seconds = {}, {}
+    for name, offload in (("plain", False), ("cpu_offload", True)):
+        settings = (f"model.fsdp.cpu_offload={str(offload).lower()}", "model.fsdp.activation_checkpointing=true")
+        cfg = recipe_config(ctx, ctx.shape, layers, compile=ctx.cuda, overrides=(*settings, "optimizer.lr=1e-3"))
+        model = built_from(ctx, cfg).model
+        optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad], ctx.device)
+        rule = UpdateRule(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), None)
+        for row in rows:
+            synchronize(ctx)
+            started = time.perf_counter()
+            train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, ctx.device)
+            synchronize(ctx)
+            seconds[name] = time.perf_counter() - started  # the last: the first compiles and makes the states
+        after[name] = {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
+        del model, optimizer, rule
+    worst = max(relative(after["cpu_offload"][n], after["plain"][n]) for n in after["plain"])
+    ctx.add(
+        "cpu_offload",
+        worst <= CPU_OFFLOAD_TOLERANCE,
+        f"parameters after 2 steps within {worst:.2g} of the plain run's; step 2 {seconds['cpu_offload']:.3f} s "
+        f"offloaded vs {seconds['plain']:.3f} s ({seconds['cpu_offload'] / seconds['plain']:.1f}x)",
+        f"≤ {CPU_OFFLOAD_TOLERANCE:g}",
+    )
+
+
+def synchronize(ctx: Context) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize()
+
+
 # The memory estimate held as a bound (issue 68, item 9): every combination of the loss head, activation
 # checkpointing and activation offload; the 0.6B shape at 16k tokens on CUDA. The bound is the documented one
 # (docs/memory.md): the estimate within 10% of the peak torch allocated.
@@ -1562,11 +1614,9 @@ ESTIMATES = {
     "objectives_bf16": (90, 6),
     "resume_and_export": (240, 75),
     "cuda_tests": (30, 0),
-    "estimate_bound": (150, 3),
-    "low_bit": (
-        90,
-        6,
-    ),  # (a guess: five 4-layer 0.6B builds, 90 steps, torchao compiling its step per shape)  # (a guess: eight 0.6B builds, two 16k-token steps each, the first compiling)
+    "estimate_bound": (150, 3),  # (a guess: eight 0.6B builds, two 16k-token steps each, the first compiling)
+    "low_bit": (90, 6),  # (a guess: five 4-layer 0.6B builds, 90 steps, torchao compiling its step per shape)
+    "cpu_offload": (60, 3),  # (a guess: two 4-layer 0.6B builds, compiled, four steps)
 }
 # A throughput launch: (start-up, per step) on one H100 by shape and mode; tiny on the CPU: (15, 1.5).
 LAUNCH_ESTIMATES = {
@@ -1593,6 +1643,7 @@ IN_PROCESS = {
     "dpo_reference_memory": check_dpo_reference,
     "objectives_bf16": check_objectives_bf16,
     "low_bit": check_low_bit,
+    "cpu_offload": check_cpu_offload,
     "estimate_bound": check_estimate_bound,
 }
 

@@ -36,6 +36,7 @@ CPU_CHECKS = {
     "recompiles",
     "dpo_reference_memory",
     *OBJECTIVE_ROWS,
+    "cpu_offload",
     "throughput_tiny_sft",
     "steady_steps_tiny_sft",
     "resume_exact",
