@@ -7,7 +7,7 @@ check, PASS / FAIL / SKIP with its figure.
 
 Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`float8`,
 `packed_vs_hf`, `cce_vs_chunked`, `cce_anchor`, `in_backward`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`, `low_bit`,
-`cpu_offload`, `estimate_bound`),
+`offload_races`, `cpu_offload`, `snapshots`, `estimate_bound`),
 `throughput_0.6b_sft`, `resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and
 QLoRA launches, then `trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten
 minutes in all). With
@@ -68,9 +68,20 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   within the documented tolerance (0.02 nats 8-bit, 0.4 4-bit; FP8 held to 8-bit's until measured); the 8-bit
   run saves asynchronously after step 10 and a resumed model gives steps 11-20 bit for bit. On the CPU 8 steps
   of the tiny shape, torchao's step eager. SKIP where torchao is absent.
+- `offload_races` (rows `offload_{eager,compiled}_{ac,noac}`): activation offload in bf16 on one 16k-token row
+  (4 layers of the 0.6B), eager and compiled, with and without checkpointing: 3 backwards each give the plain
+  run's gradients as exactly as the plain run repeats itself (bit for bit where it does: a copy racing the
+  compute shows in some repeat), a lower peak, and the bytes moved at most the saved tensors' unique storages
+  (counted eager by the check's own hook). On the CPU the tiny shape, eager, no peak.
 - `cpu_offload`: `model.fsdp.cpu_offload=true` (bf16 compute, layers compiled, activation checkpointing) against
   the same model without it, two steps on the same rows: every parameter within 1e-5 relative; the second
   step's time of each, the offloaded one's slowdown its figure. On the CPU the tiny shape, eager, fp32.
+- `snapshots` (rows `snapshot_overhead`, `snapshot_exact`, `snapshot_resume`): `snapshot_steps`' copy of the run
+  state to pinned host buffers after every step, on a side stream: the time it adds to a step (the full 0.6B,
+  compiled) at most half of the copy's own time (the state's bytes over the device-to-host bandwidth measured
+  there), since it overlaps the next step; then SIGTERM has the watcher write the staged step after the state
+  moved on, and a fresh model loaded from it holds that step's weights and AdamW states bit for bit and gives
+  the next step's loss bit for bit. On the CPU the tiny shape; the overhead row is SKIP (the copy is the step's).
 - `estimate_bound` (rows `estimate_bound_{cce,chunked}_{ac,noac}[_offload]`): the start-up memory estimate of
   the recipe's config against the peak torch allocated in two steps of the model built from it (0.6B, one
   16,384-token row, layers compiled), for each loss head with and without activation checkpointing and
@@ -1455,6 +1466,93 @@ def check_low_bit(ctx: Context) -> None:
             del model, optimizer, rule
 
 
+OFFLOAD_TOKENS = 16384  # the row of the offload check on CUDA (a long row: what offloading is for)
+OFFLOAD_REPEATS = 3  # a race between the copies and the compute shows as a gradient that differs in some repeat
+
+
+def check_offload_races(ctx: Context) -> None:
+    """`model.fsdp.offload_activations=true` (chattune.model.offload: the saved tensors copied to pinned host
+    memory on a side stream and back in the backward) in bf16 on one 16k-token row, eager and compiled, with and
+    without activation checkpointing (rows `offload_{eager,compiled}_{ac,noac}`): OFFLOAD_REPEATS backwards each
+    give the plain run's gradients as exactly as the plain run repeats itself (bit for bit where it does: a copy
+    that raced the compute changes some repeat); the peak lower than the plain run's; the bytes moved at most the
+    saved tensors' unique storages (each moved once however often it is saved; counted eager, by a hook of this
+    check's around the plain forward). On the CPU the tiny shape, eager (the hooks copy on the host)."""
+    from chattune.model.offload import MIN_OFFLOAD_BYTES, _is_weight
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.feed import StepBatches
+    from chattune.train.step import accumulate_gradients
+
+    documents, tokens = [], 0
+    for document in chat_documents(ctx, 400 if ctx.cuda else 8, start=1100):
+        if ctx.cuda and tokens + len(document.input_ids) > OFFLOAD_TOKENS:
+            break
+        documents.append(document)
+        tokens += len(document.input_ids)
+    row = StepBatches([collate_packed(documents)])
+    layers = 4 if ctx.cuda else None
+
+    def gradients(model, hooks=None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with hooks or nullcontext():
+            accumulate_gradients(model, TokenCrossEntropy(), row, ctx.device)
+        return {n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    unique: dict[int, int] = {}
+
+    def count(tensor: torch.Tensor) -> torch.Tensor:  # what the offload could move: its storages, once
+        if tensor.device == ctx.device and tensor.numel() * tensor.element_size() >= MIN_OFFLOAD_BYTES:
+            if not _is_weight(tensor):
+                unique[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    for compiled in (False, True) if ctx.cuda else (False,):
+        for checkpointing in (False, True):
+            name = f"offload_{'compiled' if compiled else 'eager'}_{'ac' if checkpointing else 'noac'}"
+            runs, peaks, moved = {}, {}, 0
+            for offload in (False, True):
+                settings = (
+                    f"model.fsdp.activation_checkpointing={str(checkpointing).lower()}",
+                    f"model.fsdp.offload_activations={str(offload).lower()}",
+                )
+                model = built_from(
+                    ctx, recipe_config(ctx, ctx.shape, layers, compile=compiled, overrides=settings)
+                ).model
+                gradients(model)  # (warm: compiles, allocates)
+                if ctx.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                counting = not offload and not compiled
+                if counting:
+                    unique.clear()
+                hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda t: t) if counting else None
+                runs[offload] = [
+                    gradients(model, hooks if i == 0 else None) for i in range(OFFLOAD_REPEATS if offload else 2)
+                ]
+                peaks[offload] = torch.cuda.max_memory_allocated() / 2**30 if ctx.cuda else None
+                if offload:
+                    moved = model.activation_offload.offloaded_bytes
+                del model
+            plain = runs[False][0]
+            noise = max(relative(runs[False][1][n], plain[n]) for n in plain)
+            errors_ = [max(relative(grads[n], plain[n]) for n in plain) for grads in runs[True]]
+            exact = all(e <= 4 * noise for e in errors_)
+            lower = peaks[True] < peaks[False] if ctx.cuda else True
+            storages = sum(unique.values()) if not compiled else None
+            once = storages is None or moved <= storages
+            peak_text = f"; peak {peaks[True]:.2f} vs {peaks[False]:.2f} GiB" if ctx.cuda else ""
+            share = f"; moved {moved / 2**20:,.1f} MiB" + (
+                f" of {storages / 2**20:,.1f} MiB saved storages" if storages else ""
+            )
+            ctx.add(
+                name,
+                exact and lower and once,
+                f"{len(errors_)} backwards {', '.join(f'{e:.2g}' for e in errors_)} from plain "
+                f"(plain against itself {noise:.2g}){peak_text}{share}",
+                "≤ 4x plain's own spread (0: bitwise); peak lower; moved ≤ unique storages",
+                f"{tokens:,} tokens",
+            )
+
+
 CPU_OFFLOAD_TOLERANCE = 1e-5  # the same bf16 compute; only AdamW's kernel differs (the host's against CUDA's fused)
 
 
@@ -1496,6 +1594,137 @@ def check_cpu_offload(ctx: Context) -> None:
         f"offloaded vs {seconds['plain']:.3f} s ({seconds['cpu_offload'] / seconds['plain']:.1f}x)",
         f"≤ {CPU_OFFLOAD_TOLERANCE:g}",
     )
+
+
+SNAPSHOT_OVERLAP = 0.5  # at most this share of the staged copy's own time (bytes / bandwidth) added to a step
+
+
+def check_snapshots(ctx: Context) -> None:
+    """`snapshot_steps=true`'s per-step copy of the run state to the host (chattune.train.snapshot: pinned
+    buffers, a side stream, the next optimizer step waits for it). `snapshot_overhead`: steps with a snapshot
+    staged after each against the same steps without, the added time per step beside the copy's own time (the
+    state's bytes over the device-to-host bandwidth measured here): at most SNAPSHOT_OVERLAP of it, since the
+    copy overlaps the next step's forward and backward (CUDA only: on the host the copy is the step's). Then a
+    stop signal (SIGTERM, to a handler of this check's) has the watcher write the staged step while the state has
+    moved on: `snapshot_exact`: a fresh model loaded from it holds that step's weights and AdamW states bit for bit;
+    `snapshot_resume`: its next step's loss equals the uninterrupted run's, bit for bit."""
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.checkpoint import load_checkpoint
+    from chattune.train.feed import StepBatches
+    from chattune.train.optimizer import build_optimizer
+    from chattune.train.run_state import model_and_optimizer
+    from chattune.train.snapshot import Snapshots
+    from chattune.train.step import UpdateRule, train_step
+
+    warm, timed = (3, 6) if ctx.cuda else (2, 3)
+    documents = chat_documents(ctx, 4 * (warm + timed + 1), start=900)
+    rows = [collate_packed(documents[4 * i : 4 * i + 4]) for i in range(len(documents) // 4)]
+
+    def build(seed: int):
+        cfg = recipe_config(ctx, ctx.shape, seed=seed, compile=ctx.cuda, overrides=("optimizer.lr=1e-3",))
+        model = built_from(ctx, cfg).model
+        optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad], ctx.device)
+        return (
+            model,
+            optimizer,
+            UpdateRule(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None),
+        )
+
+    def step(model, rule, row) -> float:
+        result, _ = train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, ctx.device)
+        return float(result.loss_sum / result.global_units)
+
+    def local_state(model, optimizer) -> dict[str, torch.Tensor]:
+        """Every local shard of the weights and AdamW's states, cloned on the device."""
+        found = {f"model.{n}": p.to_local().detach().clone() for n, p in model.named_parameters()}
+        for index, parameter in enumerate(model.parameters()):
+            for key, value in optimizer.state[parameter].items():
+                if torch.is_tensor(value) and value.dim():
+                    found[f"optimizer.{index}.{key}"] = getattr(value, "to_local", lambda v=value: v)().clone()
+        return found
+
+    model, optimizer, rule = build(0)
+    state = model_and_optimizer(model, optimizer)
+    snapshots = Snapshots(ctx.work / "snapshots" / "checkpoints", state, {"world_size": 1}, {}, ctx.device, optimizer)
+    for row in rows[:warm]:
+        step(model, rule, row)
+    state_bytes = sum(t.numel() * t.element_size() for t in local_state(model, optimizer).values())
+    bandwidth = _host_bandwidth(ctx, min(max(state_bytes, 2**26), 2**30))
+    seconds = {}
+    for phase, staged in (("plain", False), ("snapshots", True)):
+        synchronize(ctx)
+        started = time.perf_counter()
+        for number in range(warm, warm + timed):  # the same rows: their lengths decide a step's time
+            step(model, rule, rows[number])
+            if staged:
+                snapshots.stage(timed + number + 1)
+        synchronize(ctx)
+        seconds[phase] = (time.perf_counter() - started) / timed
+    added, copy_alone = seconds["snapshots"] - seconds["plain"], state_bytes / bandwidth
+    ctx.add(
+        "snapshot_overhead",
+        added <= SNAPSHOT_OVERLAP * copy_alone if ctx.cuda else None,
+        f"{added * 1e3:+.1f} ms a step ({seconds['plain'] * 1e3:.1f} ms plain); the copy alone "
+        f"{copy_alone * 1e3:.1f} ms ({state_bytes / 2**20:,.1f} MiB at {bandwidth / 2**30:.1f} GiB/s)",
+        f"≤ {SNAPSHOT_OVERLAP:g} of the copy alone",
+        "" if ctx.cuda else "CUDA only: on the host the copy is part of the step",
+    )
+    last = warm + 2 * timed  # the staged step
+    expected = local_state(model, optimizer)
+    straight = step(model, rule, rows[-1])  # the state moves on; the staged copy must not
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # (the watcher wakes on the signal's byte)
+    try:
+        snapshots.watch()
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while snapshots.written_step != last and time.monotonic() < deadline:
+            time.sleep(0.05)
+        written = snapshots.written_step == last
+        snapshots.settle()
+    finally:
+        snapshots.close()
+        signal.signal(signal.SIGTERM, previous)
+    del model, optimizer, rule, state
+    model, optimizer, rule = build(1)  # other weights, replaced by the load
+    step(model, rule, rows[0])  # (AdamW's states exist, to be replaced)
+    load_checkpoint(ctx.work / "snapshots" / "checkpoints" / f"step_{last}", model_and_optimizer(model, optimizer))
+    loaded = local_state(model, optimizer)
+    differing = [key for key in expected if not torch.equal(loaded.get(key, torch.empty(0)), expected[key])]
+    ctx.add(
+        "snapshot_exact",
+        written and not differing and loaded.keys() == expected.keys(),
+        f"step {last}'s snapshot written on SIGTERM after step {last + 1} ran: "
+        + (
+            "not written"
+            if not written
+            else f"{len(differing)} of {len(expected)} tensors differ"
+            if differing
+            else f"{len(expected)} tensors bit for bit"
+        ),
+        "bitwise equal",
+    )
+    resumed = step(model, rule, rows[-1])
+    ctx.add(
+        "snapshot_resume",
+        resumed == straight,
+        f"step {last + 1}'s loss after the resume {resumed!r} vs {straight!r}",
+        "bitwise equal",
+    )
+    del model, optimizer, rule
+
+
+def _host_bandwidth(ctx: Context, size: int) -> float:
+    """Bytes a second of the fastest of three copies of `size` bytes from the device into pinned host memory (on the CPU: a memcpy)."""
+    source = torch.empty(size, dtype=torch.uint8, device=ctx.device)
+    target = torch.empty(size, dtype=torch.uint8, pin_memory=ctx.cuda)
+    fastest = math.inf
+    for _ in range(3):  # (the first warms)
+        synchronize(ctx)
+        started = time.perf_counter()
+        target.copy_(source, non_blocking=ctx.cuda)
+        synchronize(ctx)
+        fastest = min(fastest, time.perf_counter() - started)
+    return size / fastest
 
 
 def synchronize(ctx: Context) -> None:
@@ -1616,7 +1845,9 @@ ESTIMATES = {
     "cuda_tests": (30, 0),
     "estimate_bound": (150, 3),  # (a guess: eight 0.6B builds, two 16k-token steps each, the first compiling)
     "low_bit": (90, 6),  # (a guess: five 4-layer 0.6B builds, 90 steps, torchao compiling its step per shape)
+    "offload_races": (120, 6),  # (a guess: eight 4-layer 0.6B builds, four compiled, 40 backwards of 16k tokens)
     "cpu_offload": (60, 3),  # (a guess: two 4-layer 0.6B builds, compiled, four steps)
+    "snapshots": (60, 4),  # (a guess: two 0.6B builds, compiled, 17 steps, one write and load)
 }
 # A throughput launch: (start-up, per step) on one H100 by shape and mode; tiny on the CPU: (15, 1.5).
 LAUNCH_ESTIMATES = {
@@ -1643,7 +1874,9 @@ IN_PROCESS = {
     "dpo_reference_memory": check_dpo_reference,
     "objectives_bf16": check_objectives_bf16,
     "low_bit": check_low_bit,
+    "offload_races": check_offload_races,
     "cpu_offload": check_cpu_offload,
+    "snapshots": check_snapshots,
     "estimate_bound": check_estimate_bound,
 }
 

@@ -36,7 +36,11 @@ CPU_CHECKS = {
     "recompiles",
     "dpo_reference_memory",
     *OBJECTIVE_ROWS,
+    "offload_eager_noac",
+    "offload_eager_ac",
     "cpu_offload",
+    "snapshot_exact",
+    "snapshot_resume",
     "throughput_tiny_sft",
     "steady_steps_tiny_sft",
     "resume_exact",
@@ -50,7 +54,7 @@ LOW_BIT_ROWS = (
     else set()
 )
 CPU_CHECKS |= LOW_BIT_ROWS
-CUDA_ONLY = {"cce_anchor", "host_syncs", "estimate_bound", "throughput_tiny_qlora", "cuda_tests"}
+CUDA_ONLY = {"cce_anchor", "host_syncs", "estimate_bound", "snapshot_overhead", "throughput_tiny_qlora", "cuda_tests"}
 
 
 def test_the_gpu_check_runs_its_cpu_parts(tmp_path):
@@ -105,7 +109,17 @@ def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_
         "steady_steps_tiny_sft",
         *OBJECTIVE_ROWS,
         *LOW_BIT_ROWS,
-    } | {"resume_and_export", "objectives_bf16", *(["low_bit"] if LOW_BIT_ROWS else [])}, report["rows"]
+        "snapshot_exact",
+        "snapshot_resume",
+        "offload_eager_noac",
+        "offload_eager_ac",
+    } | {
+        "resume_and_export",
+        "objectives_bf16",
+        "snapshots",
+        "offload_races",
+        *(["low_bit"] if LOW_BIT_ROWS else []),
+    }, report["rows"]
     assert items.index("dpo_reference_memory") + 1 == items.index("objectives_bf16")
     assert all(
         row["status"] == "NOT RUN" and row["figure"].startswith("not run (budget: needs ~")

@@ -305,6 +305,11 @@ class Snapshots:
                     self._written, self._writing = staged.step, False
                     self._lock.notify_all()
 
+    @property
+    def written_step(self) -> int | None:
+        """The step this rank's watcher last wrote (None: none yet)."""
+        return self._written
+
     def _newer_than_written(self) -> bool:
         return self._staged is not None and self._staged.step != self._written
 
