@@ -48,8 +48,8 @@ from chattune.model.causal_lm import build_hf_model  # noqa: E402
 # (one per core) would only wait for each other's (the tiny models' small matmuls: a subset of the architecture
 # walk took 205 s on 2 cores with 2 threads per worker, 28 s with 1). Launched ranks set their own threads.
 # The processes a test starts inherit the same (ranks through chattune's CHATTUNE_CPU_THREADS, other scripts through
-# OpenMP's own variable): two cores shared by two workers' launches, 2 threads a process ran a tiny model's steps
-# about 3x slower than 1 (BENCHMARKS.md, "Threads on shared cores").
+# OpenMP's own variable): on two cores beside other workers' processes, 2 threads ran a tiny model's steps 1.5-3x
+# slower than 1 (scripts/bench_shared_cores.py; BENCHMARKS.md).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ.setdefault("CHATTUNE_CPU_THREADS", "1")
