@@ -1263,6 +1263,12 @@ def cuda_tests_command() -> list[str]:
     ]
 
 
+def cuda_tests_environment() -> dict[str, str]:
+    """The recipes' environment without PYTEST_ADDOPTS: a shell's xdist options (`--dist load`) would stop the
+    plugin-less pytest as pyproject's addopts did."""
+    return {name: value for name, value in recipe_environment().items() if name != "PYTEST_ADDOPTS"}
+
+
 def cuda_tests(ctx: Context) -> None:
     """The project's CUDA-only tests (`-k cuda` over cuda_test_files()) and the varlen stand-ins' tests (whose
     signature test then compares them with this machine's torch), a subprocess: CUDA only."""
@@ -1274,7 +1280,7 @@ def cuda_tests(ctx: Context) -> None:
         ctx.add("cuda_tests", None, "pytest does not import", detail=importable.stderr.strip()[-300:])
         return
     command = cuda_tests_command()
-    done = run_bounded(command, ctx.budget.timeout(), env=recipe_environment(), cwd=ROOT)
+    done = run_bounded(command, ctx.budget.timeout(), env=cuda_tests_environment(), cwd=ROOT)
     log = done.stdout + done.stderr
     (ctx.out / "cuda_tests.log").write_text(log)
     counts = re.compile(r"\d+ (passed|failed|error|deselected|skipped)")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -225,12 +226,19 @@ def test_bench_gpu_budget(tmp_path):
 
 def test_the_cuda_tests_command_runs_where_pytest_xdist_is_absent():
     """The carry folder holds pytest, not pytest-xdist; pyproject's `--dist worksteal` then stopped pytest with
-    "unrecognized arguments". `-p no:xdist` stands in for the absent plugin; the command collects its tests."""
+    "unrecognized arguments". `-p no:xdist` stands in for the absent plugin; the command collects its tests, an
+    xdist option in PYTEST_ADDOPTS (a CI's `--dist load`) left out of its environment."""
     sys.path.insert(0, str(Path("scripts").resolve()))
-    from gpu_check import cuda_tests_command
+    from gpu_check import cuda_tests_command, cuda_tests_environment
 
+    with mock.patch.dict(os.environ, {"PYTEST_ADDOPTS": "--dist load"}):
+        environment = cuda_tests_environment()
     done = subprocess.run(
-        [*cuda_tests_command(), "-p", "no:xdist", "--collect-only"], capture_output=True, text=True, timeout=300
+        [*cuda_tests_command(), "-p", "no:xdist", "--collect-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"\d+ tests? collected|\d+/\d+ tests collected", done.stdout), done.stdout[-2000:]

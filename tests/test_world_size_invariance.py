@@ -119,7 +119,11 @@ def two_ranks(tmp_path_factory, data) -> Path:
     """SFT on 2 ranks × 2, checkpointed at step 10, with the document ledger."""
 
     def make(out: Path) -> None:
+        from chattune.data.token_cache import CACHE_DIR_ENV
+
         launch(out, 2, "sft", *data["sft"], "data.num_workers=2", "save_every=10", "ledger=true")
+        # the token caches of the worker that made it: another worker's test reads them there
+        (out / "token_cache_dir").write_text(os.environ[CACHE_DIR_ENV])
 
     return conftest.made_once(tmp_path_factory, "invariance-two-ranks", make)
 
@@ -184,12 +188,13 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, data, two_ran
 
 def test_the_token_cache_changes_no_document_and_no_loss(tmp_path, data, two_ranks):
     """`two_ranks` read its documents from the token cache (data.cache=auto, the default; built by its 2 ranks
-    together, or by an earlier launch on the same file); the same run tokenizing as it reads (data.cache=off) trains the same documents in every step, with
-    the same losses to 1e-6."""
-    from chattune.data.token_cache import CACHE_DIR_ENV, MANIFEST
+    together, or by an earlier launch on the same file) of the xdist worker that made it; the same run tokenizing as
+    it reads (data.cache=off) trains the same documents in every step, with the same losses to 1e-6."""
+    from chattune.data.token_cache import MANIFEST
 
     chats = data["sft"][0].removeprefix("data.train=[").removesuffix("]")
-    manifests = [json.loads(m.read_text()) for m in (Path(os.environ[CACHE_DIR_ENV]) / "tokens").glob(f"*/{MANIFEST}")]
+    caches = Path((two_ranks / "token_cache_dir").read_text()) / "tokens"
+    manifests = [json.loads(m.read_text()) for m in caches.glob(f"*/{MANIFEST}")]
     assert any(m["source"] == chats for m in manifests), "two_ranks should have read a token cache"
     out = tmp_path / "off"
     launch(out, 2, "sft", *data["sft"], "data.num_workers=2", "ledger=true", "data.cache=off")
