@@ -30,7 +30,8 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 def is_tensor_subclass(tensor: torch.Tensor) -> bool:
     """A traceable tensor subclass (one made of plain tensors, as torchao's quantized optimizer states are: codes
     and block scales), not a plain tensor or parameter. A DTensor is asked of its local shard."""
-    return type(_local(tensor)) not in (torch.Tensor, nn.Parameter) and hasattr(_local(tensor), "__tensor_flatten__")
+    data = _local(tensor)
+    return type(data) not in (torch.Tensor, nn.Parameter) and hasattr(data, "__tensor_flatten__")
 
 
 def tensor_leaves(
