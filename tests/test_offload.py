@@ -6,6 +6,7 @@ settings. On the CPU the host is the device: these check the mechanics and the n
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,59 @@ def test_a_tensor_saved_again_moves_once_and_a_freed_storage_is_never_taken_for_
         out_second = _SavesItsInput.apply(torch.full((32, 32), 2.0), weight)
     (out_first.sum() + out_second.sum()).backward()
     assert weight.grad.item() == 32 * 32 * (1.0 + 2.0)  # each its own values
+
+
+def _layers_and_gradients(offload=None, forwards: int = 1):
+    """Four chained linear layers (each saves its input, each input a distinct tensor of 8 KiB) and the gradients of
+    `forwards` forwards under `offload`'s hooks (None: plain), then one backward of their sum."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(4)]
+    inputs = [torch.randn(32, 64, requires_grad=True) for _ in range(forwards)]
+    total = 0
+    for x in inputs:
+        with offload.hooks() if offload is not None else contextlib.nullcontext():
+            for layer in layers:
+                x = layer(x).tanh()
+        total = total + x.sum()
+    total.backward()
+    return [layer.weight.grad for layer in layers] + [x.grad for x in inputs]
+
+
+def test_the_copies_come_back_ahead_of_their_use_within_the_prefetch_budget():
+    """The backward's first use of a tensor starts the copies back of those saved before it (the backward runs in
+    about the reverse order): gradients bit for bit the plain ones; with no prefetch budget every tensor comes back
+    when autograd asks for it, none ahead."""
+    from chattune.model.offload import ActivationOffload
+
+    plain = _layers_and_gradients()
+    for budget, ahead in ((2**30, True), (0, False)):
+        offload = ActivationOffload(torch.device("cpu"), prefetch_bytes=budget)
+        got = _layers_and_gradients(offload)
+        assert all(torch.equal(g, w) for g, w in zip(got, plain))
+        assert (offload.brought_ahead > 0) == ahead, (budget, offload.brought_ahead)
+    assert offload.offloaded_bytes > 0
+
+
+def test_the_copies_share_one_slab_reused_forward_after_forward(monkeypatch):
+    """Host memory is one flat slab cut into the copies: a first forward that outgrew its slabs leaves one slab of
+    what it needed (the bytes moved, each copy's start aligned), which the next forwards reuse instead of allocating;
+    not the up to 2x of a power-of-two pinned allocator. Two forwards before one backward each keep their own
+    copies (a reused slab would have the second overwrite the first's): gradients bit for bit."""
+    from chattune.model import offload as offload_module
+
+    monkeypatch.setattr(offload_module, "MIN_SLAB_BYTES", 4096)  # the first forward outgrows several slabs
+    offload = offload_module.ActivationOffload(torch.device("cpu"))
+    plain = _layers_and_gradients()
+    assert all(torch.equal(g, w) for g, w in zip(_layers_and_gradients(offload), plain))
+    moved = offload.offloaded_bytes
+    assert offload.host_bytes >= moved and len(offload._arena._slabs) > 1
+    _layers_and_gradients(offload)
+    slabs = list(offload._arena._slabs)
+    assert len(slabs) == 1 and moved <= offload.host_bytes <= moved + 4 * offload_module.SLAB_ALIGNMENT
+    assert all(torch.equal(g, w) for g, w in zip(_layers_and_gradients(offload), plain))
+    assert offload._arena._slabs == slabs  # the same slab, reused
+    two = _layers_and_gradients(forwards=2)
+    assert all(torch.equal(g, w) for g, w in zip(_layers_and_gradients(offload, forwards=2), two))
 
 
 @pytest.mark.parametrize(
