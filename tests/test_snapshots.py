@@ -22,6 +22,7 @@ from chattune.train import snapshot
 from chattune.train.checkpoint import MANIFEST_FILE, committed_checkpoints, damage, load_checkpoint, read_manifest
 from chattune.train.feed import StepBatches
 from chattune.train.snapshot import Snapshots, advise, complete_snapshots, killing_grace_s
+from chattune.train.staging import HostBuffers
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, free_port, init_worker_process_group, spawn
 
@@ -134,7 +135,7 @@ def test_a_snapshot_keeps_torchaos_quantized_states_as_they_are_and_resumes_them
     optim = pytest.importorskip("torchao.optim.subclass_8bit")
     moment = optim.OptimState8bit.zeros((4096,), signed=True, block_size=256)
     moment.copy_(torch.linspace(-1, 1, 4096))
-    copied = snapshot._HostCopy(pinned=False)({"m": moment, "w": torch.ones(3)})
+    copied = HostBuffers(pinned=False)({"m": moment, "w": torch.ones(3)})
     assert type(copied["m"]) is type(moment) and torch.equal(copied["m"].codes, moment.codes)
     assert sum(buffer.nbytes for buffer in copied_buffers(copied)) < 4096 * 2  # codes, scales and qmap: not fp32
     spawn(_write_snapshot, args=(2, free_port(), str(tmp_path), False, "AdamW8bit"), nprocs=2)
@@ -222,7 +223,7 @@ def test_on_cuda_the_copies_run_on_a_side_stream_and_only_the_next_optimizer_ste
         def __exit__(self, *_):
             current["stream"] = compute
 
-    copy = snapshot._HostCopy.__call__
+    copy = HostBuffers.__call__
 
     def logged_copy(self, state, stream=None):
         calls.append(f"copies on {current['stream'].name} (given {stream.name if stream else None})")
@@ -247,7 +248,7 @@ def test_on_cuda_the_copies_run_on_a_side_stream_and_only_the_next_optimizer_ste
         mock.patch("torch.cuda.Event", Event),
         mock.patch("torch.cuda.current_stream", lambda device=None: current["stream"]),
         mock.patch("torch.cuda.stream", On),
-        mock.patch.object(snapshot._HostCopy, "__call__", logged_copy),
+        mock.patch.object(HostBuffers, "__call__", logged_copy),
     ):
         snapshots = Snapshots(tmp_path, state, {}, {}, torch.device("cuda"), optimizer)
         snapshots.stage(1)

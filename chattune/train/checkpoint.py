@@ -13,13 +13,13 @@ A checkpoint is written under `step_{N}.partial` and renamed to `step_{N}` only 
 are complete, so a crash during a save leaves a `.partial` directory that is never resumed from (and is
 removed by the next save of that step). `find_latest` only considers committed directories.
 
-With `save_async` (`BackgroundSaves`), DCP copies the state to CPU memory (a few seconds' pause at most)
-and writes it from a thread while training goes on; on CUDA that copy goes into pinned buffers allocated at
-the first save and reused by every later one (DCP's `DefaultStager`; on torch 2.11 and 2.12, whose stager
-copies one state only, fresh pinned buffers per save), not into a fresh pageable copy of the whole state per
-save; the same rename commits it, from that thread, once every rank's shards and DCP's metadata are on disk.
-A crash before that leaves the `.partial` directory, as above; at most one save is in flight (the next one
-waits for it).
+With `save_async` (`BackgroundSaves`), the state is copied to host memory (a few seconds' pause at most) and DCP
+writes it from a thread while training goes on. The copy goes into host buffers allocated at the first save and
+reused by every later one (`chattune.train.staging.ReusedHostStager`: page-locked on CUDA, torchao's quantized
+states kept as their codes and scales, on every torch: 2.11 and 2.12's own stager copies one state only), not
+into a fresh copy of the whole state per save; the same rename commits it, from that thread, once every rank's
+shards and DCP's metadata are on disk. A crash before that leaves the `.partial` directory, as above; at most
+one save is in flight (the next one waits for it, and only then overwrites the buffers).
 
 `Checkpointer` is the training loop's: it decides when a checkpoint is due (every `save_every` steps, and
 before a stop) and saves the run state with the run's manifest.
@@ -27,7 +27,6 @@ before a stop) and saves the run state with the run's manifest.
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import logging
@@ -52,7 +51,7 @@ from chattune.files import set_aside
 from chattune.log import EACH_RANK
 from chattune.train.faults import maybe_crash
 from chattune.train.run_state import Horizon, RunState
-from chattune.train.staging import SubclassSafeStager, subclass_leaves
+from chattune.train.staging import ReusedHostStager
 
 if TYPE_CHECKING:
     from chattune.train.snapshot import Snapshots, SnapshotsWhenSlow
@@ -84,107 +83,28 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def pinned_stager():
-    """DCP's stager into pinned host buffers that it keeps (by source storage) and reuses for every save. The
-    copy is made before `async_save` returns (the optimizer changes the state right after), with
-    non-blocking copies and one device sync; nothing is shared with another process. None (DCP's default,
-    a fresh copy per save) on a torch without it, with a warning."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError as error:
-        logger.warning(
-            "save_async: this torch's DCP has no DefaultStager (%s): every save copies the state afresh", error
-        )
-        return None
-
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
-        )
-    )
-
-
-def plain_stager():
-    """DCP's stager as `async_save` makes it when given none (pageable host copies, made before it returns), or
-    None on a torch without DefaultStager (`SubclassSafeStager` then copies every tensor itself)."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return None
-    return DefaultStager(StagingOptions(False, False, False, False))
-
-
-@functools.cache
-def stager_is_reusable() -> bool:
-    """Whether one DCP `DefaultStager` can stage more than one save. torch 2.11 and 2.12 close its copier at
-    the end of every stage (to break a reference cycle), so a second save through the same stager fails
-    (`KeyError: <class 'type'>`, found by the first GPU run of scripts/gpu_check.py); 2.13 keeps it open
-    until `close()`. Settled by staging a tiny state twice through a CPU stager, not by version numbers."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return False
-    stager = DefaultStager(
-        StagingOptions(
-            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
-        )
-    )
-    try:
-        for _ in range(2):
-            stager.stage({"probe": torch.zeros(1), "nested": {"step": 0}})
-    except KeyError:
-        return False
-    finally:
-        stager.close()
-    return True
-
-
 class BackgroundSaves:
     """Checkpoint writes in a background thread (`dcp.async_save`), each committed by that thread when it is
     complete. Collective to create (a gloo group of its own, so the writer's collectives never interleave
-    with training's). On CUDA the state is staged through pinned buffers (`pinned_stager`): one stager and
-    its buffers for every save where this torch's stager can be reused (`stager_is_reusable`), else a fresh
-    one per save. `make_stager` replaces `pinned_stager` (the tests stage through a CPU stager)."""
+    with training's). Every save stages through one `ReusedHostStager` (page-locked buffers on CUDA)."""
 
-    def __init__(self, device: torch.device | None = None, make_stager: Callable[[], object] | None = None) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chattune-checkpoint")
         self._pending: Future | None = None
-        if make_stager is None and device is not None and device.type == "cuda":
-            make_stager = pinned_stager
-        self._make_stager = make_stager
-        self._stager = None
-
-    def _stager_for_next_save(self):
-        """The stager of the next save: the one made before where it can be reused, else a fresh one."""
-        if self._make_stager is None:
-            return None
-        if self._stager is not None and not stager_is_reusable():
-            self._stager.close()  # spent: this torch's stager copies one state only
-            self._stager = None
-        if self._stager is None:
-            if not stager_is_reusable():
-                logger.debug("save_async: this torch's DCP stager copies one state only: fresh pinned buffers")
-            self._stager = self._make_stager()
-            if self._stager is None:  # a torch without DefaultStager: DCP's default staging from now on
-                self._make_stager = None
-        return self._stager
+        self.stager = ReusedHostStager(pinned=device is not None and device.type == "cuda")
 
     def start(self, state: dict, directory: Path, commit: Callable[[], None]) -> None:
-        """Copy `state` to CPU memory now; write it to `directory` and then call `commit` in the background."""
-        stager, own_stager = self._stager_for_next_save(), None
-        if subclass_leaves(state):  # torchao's quantized optimizer states (chattune.train.staging)
-            if stager is None:
-                stager = own_stager = plain_stager()
-            stager = SubclassSafeStager(stager)
-        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._group, async_stager=stager)
+        """Copy `state` to host memory now; write it to `directory` and then call `commit` in the background."""
+        self.wait()  # the buffers are the last save's until it is written
+        written = dcp.async_save(
+            state, checkpoint_id=str(directory), process_group=self._group, async_stager=self.stager
+        )
 
         def write_then_commit() -> None:
             cast(
                 Future, written
             ).result()  # on rank 0 (DCP's coordinator) this returns once every rank's shards are written
-            if own_stager is not None:
-                own_stager.close()
             commit()
 
         self._pending = self._executor.submit(write_then_commit)
@@ -198,9 +118,7 @@ class BackgroundSaves:
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
-        if self._stager is not None:  # its pinned buffers (a stager we pass in stays ours to close)
-            self._stager.close()
-            self._stager = None
+        self.stager.close()  # its buffers
 
 
 def save_checkpoint(

@@ -34,7 +34,6 @@ state (the optimizer may be half-way through changing it).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -47,7 +46,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +61,7 @@ from torch.distributed.tensor import DTensor
 from chattune import errors, interrupts
 from chattune.train.checkpoint import MANIFEST_FILE, commit, rank_state_file, serialize, write_synced
 from chattune.train.run_state import RunState
-from chattune.train.staging import is_tensor_subclass
+from chattune.train.staging import HostBuffers
 
 logger = logging.getLogger(__name__)
 # DCP's single-process save (each rank's own snapshot, on purpose) warns that it assumes a single process
@@ -80,98 +78,6 @@ def _flatten(state: dict) -> dict:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     return flatten_state_dict(state)[0]
-
-
-class _HostCopy:
-    """Host buffers for the tensors of a state dict: one flat buffer per dtype, cut into a view per tensor,
-    allocated at the first copy and reused while the tensors keep their shapes. On CUDA the flat buffers are
-    page-locked with cudaHostRegister (as DCP's stager does), not allocated pinned: torch's pinned allocator
-    rounds each allocation up to a power of two, up to twice the state's size."""
-
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
-        self._views: dict[tuple, torch.Tensor] = {}
-        self._flat: list[torch.Tensor] = []
-        self._layout: tuple = ()
-
-    def __call__(self, state: dict, stream: torch.cuda.Stream | None = None) -> dict:
-        """The host copy of `state`'s tensors; on `stream` (a side stream: each source is recorded on it, so that
-        the allocator does not hand its memory out while the copy reads it)."""
-        tensors: dict[tuple, torch.Tensor] = {}
-        _leaves(state, (), tensors)
-        layout = tuple((path, tuple(t.shape), t.dtype) for path, t in tensors.items())
-        if layout != self._layout:
-            self._allocate(tensors)
-            self._layout = layout
-        for path, tensor in tensors.items():
-            if stream is not None and tensor.is_cuda:
-                tensor.record_stream(stream)
-            self._views[path].copy_(tensor.detach(), non_blocking=self.pinned and tensor.is_cuda)
-        return self._rebuilt(state, ())
-
-    def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
-        self.release()
-        sizes: dict[torch.dtype, int] = {}
-        for tensor in tensors.values():
-            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
-        flat = {dtype: torch.empty(numel, dtype=dtype) for dtype, numel in sizes.items()}
-        if self.pinned and torch.cuda.is_available():
-            for buffer in flat.values():
-                if buffer.numel() and int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 1)):
-                    raise RuntimeError("snapshot_steps: page-locking the host copy failed (cudaHostRegister)")
-        offsets = dict.fromkeys(sizes, 0)
-        for path, tensor in tensors.items():
-            start = offsets[tensor.dtype]
-            self._views[path] = flat[tensor.dtype][start : start + tensor.numel()].view(tensor.shape)
-            offsets[tensor.dtype] = start + tensor.numel()
-        self._flat = list(flat.values())
-
-    def release(self) -> None:
-        """Unregister and drop the buffers."""
-        if self.pinned and torch.cuda.is_available():
-            for buffer in self._flat:
-                if buffer.numel():
-                    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-        self._views, self._flat, self._layout = {}, [], ()
-
-    def _rebuilt(self, obj, path: tuple):
-        if isinstance(obj, torch.Tensor):
-            local: Any = obj.to_local() if isinstance(obj, DTensor) else obj  # (a subclass's protocol: untyped)
-            if is_tensor_subclass(local):  # its inner tensors' copies, made the subclass again
-                names, context = local.__tensor_flatten__()
-                inner = {name: self._views[(*path, _Inner(name))] for name in names}
-                return type(local).__tensor_unflatten__(inner, context, local.size(), local.stride())
-            return self._views[path]
-        if isinstance(obj, dict):
-            return {key: self._rebuilt(value, (*path, key)) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._rebuilt(value, (*path, i)) for i, value in enumerate(obj))
-        return copy.deepcopy(obj)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Inner:
-    """A path step into a tensor subclass: its inner tensor `name` (`__tensor_flatten__`)."""
-
-    name: str
-
-
-def _leaves(obj, path: tuple, found: dict) -> None:
-    """Every tensor of a nested state (a DTensor's local shard; a tensor subclass's inner tensors) by its path,
-    into `found`."""
-    if isinstance(obj, DTensor):
-        obj = obj.to_local()
-    if isinstance(obj, torch.Tensor) and is_tensor_subclass(obj):
-        for name in cast(Any, obj).__tensor_flatten__()[0]:
-            _leaves(getattr(obj, name), (*path, _Inner(name)), found)
-    elif isinstance(obj, torch.Tensor):
-        found[path] = obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            _leaves(value, (*path, key), found)
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _leaves(value, (*path, i), found)
 
 
 @dataclasses.dataclass
@@ -202,7 +108,7 @@ class Snapshots:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.device = device
-        self._copy = _HostCopy(pinned=device.type == "cuda")
+        self._copy = HostBuffers(pinned=device.type == "cuda")
         # On CUDA the copies run on a stream of their own; `optimizer`'s next step waits for them (a pre-hook: the
         # step in the backward's per-parameter steps too), since it overwrites the shards and states they read.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
