@@ -77,6 +77,9 @@ class ParallelDims:
     tp: int = 1  # tensor parallelism (parallel.tensor): ranks that split each decoder layer
     # The purposes' meshes (`build`); empty for a layout made by hand (arithmetic only, no groups).
     meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
+    # Purposes of degree 1 that still get a mesh (`build(keep=...)`): tensor parallelism on one GPU, so that the
+    # GPU check runs the tp and loss-parallel code (DTensor plans, NCCL collectives) where only one GPU is lent.
+    kept: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.world_size % self.cp:  # the words of chattune.config.layout_rules, with the old ones
@@ -108,22 +111,29 @@ class ParallelDims:
         return cls(0, 1, 0, device)
 
     @classmethod
-    def build(cls, device: torch.device, parallel: object | None = None) -> ParallelDims:
+    def build(
+        cls, device: torch.device, parallel: object | None = None, keep: frozenset[str] = frozenset()
+    ) -> ParallelDims:
         """This rank's layout on the live default process group, with its meshes. Collective: every rank
-        builds the same views in the same order (a view's new process groups are made by all ranks)."""
+        builds the same views in the same order (a view's new process groups are made by all ranks).
+        `keep`: purposes that get a mesh even at degree 1 (only "tp": a tp mesh of one rank composed with FSDP2's,
+        as a tp degree above 1 would be; the GPU check's tensor parallelism on one GPU)."""
+        if not keep <= {"tp"}:
+            raise ValueError(f"keep={sorted(keep)}: only the tp purpose can keep a mesh of degree 1")
         layout = cls.from_config(
             parallel, dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), device
         )
+        layout = replace(layout, kept=frozenset(keep))
         world = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
         R, T = layout.dp_replicate, layout.tp
         meshes = _views(world, {"dp": layout.data_ranks, "cp": layout.cp, "tp": T})
-        if R == 1 and T == 1:
+        if R == 1 and T == 1 and not keep:
             meshes.update(fsdp=world, dp_shard_cp=world)
         else:
             # FSDP2's mesh and the tp mesh it composes with come from one view (the shard axis kept at degree 1:
             # fully_shard needs a mesh even where nothing is left to shard)
             axes = {"dp_replicate": R, "dp_shard_cp": layout.shard_ranks, "tp": T}
-            axes = {name: degree for name, degree in axes.items() if degree > 1 or name == "dp_shard_cp"}
+            axes = {name: degree for name, degree in axes.items() if degree > 1 or name in {"dp_shard_cp", *keep}}
             view = world._unflatten(0, tuple(axes.values()), tuple(axes))
             meshes.update({name: view[name] for name in axes})
             meshes["fsdp"] = view[("dp_replicate", "dp_shard_cp")] if R > 1 else view["dp_shard_cp"]
@@ -203,7 +213,7 @@ class ParallelDims:
 
     def mesh(self, purpose: str) -> DeviceMesh | None:
         """The mesh of `purpose` (dp, cp, dp_replicate, dp_shard_cp, tp; see the class docstring); None where its
-        degree is 1."""
+        degree is 1 (unless `kept`)."""
         degree = {
             "dp": self.data_ranks,
             "cp": self.cp,
@@ -213,7 +223,7 @@ class ParallelDims:
         }
         if purpose not in degree:
             raise ValueError(f"no mesh for {purpose!r}: one of {', '.join(degree)}")
-        if degree[purpose] == 1:
+        if degree[purpose] == 1 and purpose not in self.kept:
             return None
         if purpose not in self.meshes:
             raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): no {purpose} group")
@@ -223,6 +233,12 @@ class ParallelDims:
         """The process group of this rank's ranks for `purpose`; None where its degree is 1."""
         mesh = self.mesh(purpose)
         return None if mesh is None else mesh.get_group()
+
+    @property
+    def splits_layers(self) -> bool:
+        """Whether the decoder layers and the vocabulary are split over a tp mesh (`chattune.model.tensor_parallel`):
+        a tp degree above 1, or a tp mesh kept at degree 1."""
+        return self.mesh("tp") is not None
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:

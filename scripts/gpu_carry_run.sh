@@ -8,7 +8,8 @@
 # --budget (seconds, the install included), leaves at most 8 files in --results (logs in logs.tar.gz), prints
 # a summary and the second command for what did not fit.
 # Options: --target DIR (/tmp/chattune-site)  --work DIR (/tmp/chattune-gpu-work: models, data, runs)
-#   --check-share PCT (60: gpu_check's share of what is left after the install; bench_gpu gets the rest)
+#   --check-share PCT (100: gpu_check's share of what is left after the install, its first ten items' 8 minutes;
+#     bench_gpu gets the rest, here none: the summary prints its call)
 #   --check-budget S (gpu_check's seconds, instead of the share)  --check-args "..." (to gpu_check.py)
 #   --runs "..." (bench_gpu.py's --runs)  --bench-args "..."  --no-check  --no-bench
 #   --extra-wheels DIR (more wheels, e.g. .gpu-carry-bnb/wheels; repeatable)  --project DIR  --python PY
@@ -17,7 +18,7 @@
 set -u
 FOLDER=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 TARGET=/tmp/chattune-site WORK=/tmp/chattune-gpu-work RESULTS=/tmp/chattune-gpu-results BUDGET=540
-CHECK_SHARE=60 CHECK_BUDGET="" CHECK_ARGS="" RUNS="" BENCH_ARGS="" DO_CHECK=1 DO_BENCH=1 EXTRA=() PROJECT=""
+CHECK_SHARE=100 CHECK_BUDGET="" CHECK_ARGS="" RUNS="" BENCH_ARGS="" DO_CHECK=1 DO_BENCH=1 EXTRA=() PROJECT=""
 PY=python3 DRY=0 CPU="" RESERVE=20 GRACE=30 MIN_SHARE=45
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-2}"; }
 need() { [ $# -ge 2 ] || { echo "run.sh: $1 needs a value" >&2; usage 2; }; }

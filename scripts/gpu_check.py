@@ -5,12 +5,13 @@ check, PASS / FAIL / SKIP with its figure.
     python scripts/gpu_check.py --budget 540 [--estimate-scale F]                # within 540 s (+ 20 s margin)
     python scripts/gpu_check.py --device cpu                                      # the CPU smoke test (CI runs it)
 
-Items, most valuable first (what `--budget` runs in this order): the in-process checks below (`float8`,
-`packed_vs_hf`, `cce_vs_chunked`, `cce_anchor`, `in_backward`, `tf32_scope`, `compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`, `low_bit`,
-`offload_races`, `cpu_offload`, `snapshots`, `estimate_bound`),
-`throughput_0.6b_sft`, `resume_and_export`, `cuda_tests`, `trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and
-QLoRA launches, then `trl_1.7b` and the 1.7B LoRA and QLoRA launches (about eleven launches: well past ten
-minutes in all). With
+Items, most valuable first (what `--budget` runs in this order): issue 68's ten (`float8`, `offload_races`,
+`cce_anchor`, `tensor_parallel`, `in_backward`, `low_bit`, `cpu_offload`, `snapshots`, `estimate_bound`, then the
+24-step `throughput_0.6b_sft` launch: about 430 s priced, within 8 minutes; `--plan` prints the order and the
+estimates without running anything), the other in-process checks (`packed_vs_hf`, `cce_vs_chunked`, `tf32_scope`,
+`compile_vs_eager`, `host_syncs`, `dpo_reference_memory`, `objectives_bf16`), `resume_and_export`, `cuda_tests`,
+`trl_0.6b`, `throughput_1.7b_sft`, the 0.6B LoRA and QLoRA launches, then `trl_1.7b` and the 1.7B LoRA and QLoRA
+launches (about eleven launches: well past ten minutes in all). With
 `--budget SECONDS` (counted from the start) an item starts only where its estimate (`ESTIMATES`,
 `LAUNCH_ESTIMATES`: rough H100 seconds; `--estimate-scale` multiplies them) fits the time left; an in-process
 check still running when the budget ends is stopped (SIGALRM), a launch is stopped with everything it started
@@ -43,6 +44,12 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   anchor row of this half): the per-row error of its output-layer gradient against the exact fp32 chunked head,
   row 0's within 5x the median row's (the kernels sum that gradient in bf16; anchors all on row 0 collected the
   rounding of thousands of cancelling terms). CUDA only (tests/test_fused_loss.py checks a stand-in on the CPU).
+- `tensor_parallel` (rows `tensor_parallel_chunked`, `_cut_cross_entropy`, `_padded_slice`): the decoder layers
+  and the vocabulary split over a tp mesh of one rank (loss-parallel; NCCL refuses two ranks on one GPU) with
+  FSDP2, one SGD step (its update is the gradient) against the unsplit model on the same batch: loss within
+  2e-3 and update within 2e-2 relative in bf16 (1e-5 / 1e-4 on the CPU in fp32), its device syncs no more than
+  the unsplit step's; a padded row slice (a row two ranks do not divide) makes no device sync. Two-GPU layouts:
+  docs/gpu-check.md.
 - `in_backward`: `optimizer.in_backward` (each parameter updated as FSDP2 reduces its gradient) against the
   ordinary step, two steps on the same batch: every parameter within 1e-6; on CUDA its device syncs no more than
   the ordinary step's.
@@ -71,20 +78,22 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
 - `offload_races` (rows `offload_{eager,compiled}_{ac,noac}`): activation offload in bf16 on one 16k-token row
   (4 layers of the 0.6B), eager and compiled, with and without checkpointing: 3 backwards each give the plain
   run's gradients as exactly as the plain run repeats itself (bit for bit where it does: a copy racing the
-  compute shows in some repeat), a lower peak, and the bytes moved at most the saved tensors' unique storages
-  (counted eager by the check's own hook). On the CPU the tiny shape, eager, no peak.
+  compute shows in some repeat), a lower peak, the bytes moved at most the saved tensors' unique storages
+  (counted eager by the check's own hook), and the host slab at most 1.05x the bytes moved (plus a first slab's 64 MiB); the figure also counts
+  the copies back that the prefetch started before autograd asked for them. On the CPU the tiny shape, eager, no peak.
 - `cpu_offload`: `model.fsdp.cpu_offload=true` (bf16 compute, layers compiled, activation checkpointing) against
   the same model without it, two steps on the same rows: every parameter within 1e-5 relative; the second
   step's time of each, the offloaded one's slowdown its figure. On the CPU the tiny shape, eager, fp32.
 - `snapshots` (rows `snapshot_overhead`, `snapshot_exact`, `snapshot_resume`): `snapshot_steps`' copy of the run
-  state to pinned host buffers after every step, on a side stream: the time it adds to a step (the full 0.6B,
-  compiled) at most half of the copy's own time (the state's bytes over the device-to-host bandwidth measured
-  there), since it overlaps the next step; then SIGTERM has the watcher write the staged step after the state
+  state to pinned host buffers after every step, on a side stream: the time it adds to a step (8 layers of the
+  0.6B, compiled, 16,384-token rows) at most what the copy takes beyond the step's compute plus half of the copy's
+  own time (the state's bytes over the device-to-host bandwidth measured there), since it overlaps the next
+  step; then SIGTERM has the watcher write the staged step after the state
   moved on, and a fresh model loaded from it holds that step's weights and AdamW states bit for bit and gives
   the next step's loss bit for bit. On the CPU the tiny shape; the overhead row is SKIP (the copy is the step's).
 - `estimate_bound` (rows `estimate_bound_{cce,chunked}_{ac,noac}[_offload]`): the start-up memory estimate of
-  the recipe's config against the peak torch allocated in two steps of the model built from it (0.6B, one
-  16,384-token row, layers compiled), for each loss head with and without activation checkpointing and
+  the recipe's config against the peak torch allocated in two steps of the model built from it (8 layers of the
+  0.6B, one 16,384-token row, layers compiled), for each loss head with and without activation checkpointing and
   activation offload: within ±10%; the first row also gives what torch does not count (total - free -
   reserved). On the CPU the estimates and steps run on the tiny shape and the row is SKIP (no device peak).
 - `throughput`: full SFT, LoRA and QLoRA steps of `recipes/sft.py` on the 0.6B and 1.7B Qwen3 shapes (random
@@ -136,7 +145,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from unittest.mock import patch
 
@@ -306,7 +315,7 @@ def recipe_model(
     return built_from(ctx, recipe_config(ctx, shape, layers, compile, loss, seed, overrides), head)
 
 
-def built_from(ctx: Context, cfg, head=None):
+def built_from(ctx: Context, cfg, head=None, dims=None):
     """The model of a recipe config, through recipes/sft.py's own function (chattune.model.build's
     build_sharded_model, which build_trained_model calls): the architecture check, the loss head's choice and
     its TF32 scope, `probe_native_gqa` on CUDA (how torch's varlen_attn takes grouped-query attention: the path
@@ -314,9 +323,10 @@ def built_from(ctx: Context, cfg, head=None):
     line."""
     from chattune.model.build import build_sharded_model
 
+    dims = dims or ctx.dims  # `dims`: another layout on the same group (check_tensor_parallel's kept tp mesh)
     if head is None:
-        return build_sharded_model(cfg, tokenizer(ctx), ctx.dims, None)
-    return build_sharded_model(cfg, tokenizer(ctx), ctx.dims, None, head=head)
+        return build_sharded_model(cfg, tokenizer(ctx), dims, None)
+    return build_sharded_model(cfg, tokenizer(ctx), dims, None, head=head)
 
 
 def model_dir(ctx: Context, shape: str) -> Path:
@@ -562,6 +572,96 @@ def check_cce_anchor(ctx: Context) -> None:
         f"row 0's error {ratio:.2g}x the median row's (largest {float(errors.max()) / median:.2g}x)",
         "≤ 5",
         f"{tokens}x{width}, {half} of {vocab} rows, options {fused_loss.cce_options(True)}",
+    )
+
+
+# Tensor parallelism on one GPU: the split model at degree 1 runs the same arithmetic as the unsplit one, so its
+# bounds are the rounding of a different order of operations (the vocabulary's logsumexp and target logit reduced
+# over the group, DTensor's redistributions): fp32 on the CPU, the recipe's bf16 on CUDA.
+TENSOR_PARALLEL_BOUNDS = {"cpu": (1e-5, 1e-4), "cuda": (2e-3, 2e-2)}  # (loss, update) relative
+
+
+def check_tensor_parallel(ctx: Context) -> None:
+    """Tensor parallelism and loss-parallel (the decoder layers and the vocabulary split over a tp mesh,
+    chattune.model.tensor_parallel and vocab_parallel) composed with FSDP2, on a tp mesh of one rank
+    (`ParallelDims.build(keep={"tp"})`: NCCL refuses two ranks on one GPU): for the chunked head and
+    cut-cross-entropy, one step of SGD (lr 1: the update is the gradient) against the unsplit model on the same
+    batch, its loss and update within TENSOR_PARALLEL_BOUNDS; on CUDA the split step's device syncs no more than
+    the unsplit one's, and none in a padded row slice (context_parallel.row_slice of a row whose length the
+    ranks do not divide: its padding made on the device, not copied from pageable memory)."""
+    from chattune.distributed import ParallelDims
+    from chattune.model import fused_loss
+    from chattune.model.context_parallel import row_slice
+    from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.train.feed import StepBatches
+    from chattune.train.step import UpdateRule, train_step
+
+    split_dims = ParallelDims.build(ctx.device, None, keep=frozenset({"tp"}))
+    documents = chat_documents(ctx, 8, start=500)
+    layers = 4 if ctx.cuda else None
+    loss_bound, update_bound = TENSOR_PARALLEL_BOUNDS[ctx.device.type]
+    for loss in ("chunked", "cut_cross_entropy"):
+        if loss == "cut_cross_entropy" and not fused_loss.cce_available():
+            ctx.add(f"tensor_parallel_{loss}", None, "cut-cross-entropy cannot be imported")
+            continue
+        losses, updates, syncs = {}, {}, {}
+        for name, dims in (("unsplit", ctx.dims), ("split", split_dims)):
+            cfg = recipe_config(ctx, ctx.shape, layers, loss=loss, overrides=("model.compile=false",))
+            model = built_from(ctx, cfg, dims=dims).model
+            if name == "split":
+                meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
+                if model.stream is None or ("dp_shard_cp", "tp") not in meshes:
+                    raise AssertionError(f"the kept tp mesh did not split the model (parameters on {meshes})")
+            before = {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            batches = StepBatches([collate_packed(documents)])
+            result, _ = train_step(
+                model, TokenCrossEntropy(), batches, UpdateRule(optimizer, scheduler, None), ctx.device
+            )
+            losses[name] = torch.tensor(result.loss_sum / result.global_units)
+            updates[name] = torch.cat(
+                [(p.full_tensor().float().cpu() - before[n]).flatten() for n, p in model.named_parameters()]
+            )
+            syncs[name] = _count_syncs(
+                ctx,
+                lambda m=model, b=batches, o=optimizer, s=scheduler: train_step(
+                    m, TokenCrossEntropy(), b, UpdateRule(o, s, None), ctx.device
+                ),
+            )
+            del model, optimizer
+        loss_error, update_error = (
+            relative(losses["split"], losses["unsplit"]),
+            relative(updates["split"], updates["unsplit"]),
+        )
+        synced = syncs["split"] is None or syncs["split"] <= syncs["unsplit"]
+        counts = "" if syncs["unsplit"] is None else f"; device syncs {syncs['split']} vs {syncs['unsplit']}"
+        ctx.add(
+            f"tensor_parallel_{loss}",
+            loss_error <= loss_bound and update_error <= update_bound and synced,
+            f"loss rel {loss_error:.2g}, update rel {update_error:.2g} against the unsplit model{counts}",
+            f"≤ {loss_bound:g} / {update_bound:g}; syncs no more than unsplit",
+            "tp mesh of 1 rank with FSDP2, one SGD step",
+        )
+    odd = collate_packed(documents[:3])
+    odd = replace(  # a row whose length 2 ranks do not divide: row_slice pads it
+        odd, **{f: getattr(odd, f).to(ctx.device) for f in ("input_ids", "labels", "position_ids", "cu_seqlens")}
+    )
+    if odd.num_tokens % 2 == 0:
+        odd = replace(
+            odd,
+            input_ids=odd.input_ids[:, :-1],
+            labels=odd.labels[:, :-1],
+            position_ids=odd.position_ids[:, :-1],
+            cu_seqlens=torch.cat([odd.cu_seqlens[:-1], odd.cu_seqlens[-1:] - 1]),
+        )
+    sliced = _count_syncs(ctx, lambda: row_slice(odd, 2, 1))
+    ctx.add(
+        "tensor_parallel_padded_slice",
+        None if sliced is None else sliced == 0,
+        "CUDA only (its slice ran)" if sliced is None else f"{sliced} device syncs in the padded row slice",
+        "" if sliced is None else "0",
+        f"a row of {odd.num_tokens} tokens over 2 ranks",
     )
 
 
@@ -1484,7 +1584,7 @@ def check_offload_races(ctx: Context) -> None:
     that raced the compute changes some repeat); the peak lower than the plain run's; the bytes moved at most the
     saved tensors' unique storages (each moved once however often it is saved; counted eager, by a hook of this
     check's around the plain forward). On the CPU the tiny shape, eager (the hooks copy on the host)."""
-    from chattune.model.offload import MIN_OFFLOAD_BYTES, _is_weight
+    from chattune.model.offload import MIN_OFFLOAD_BYTES, MIN_SLAB_BYTES, _is_weight
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.train.feed import StepBatches
     from chattune.train.step import accumulate_gradients
@@ -1515,7 +1615,7 @@ def check_offload_races(ctx: Context) -> None:
     for compiled in (False, True) if ctx.cuda else (False,):
         for checkpointing in (False, True):
             name = f"offload_{'compiled' if compiled else 'eager'}_{'ac' if checkpointing else 'noac'}"
-            runs, peaks, moved = {}, {}, 0
+            runs, peaks, moved, host, ahead = {}, {}, 0, 0, 0
             for offload in (False, True):
                 settings = (
                     f"model.fsdp.activation_checkpointing={str(checkpointing).lower()}",
@@ -1536,7 +1636,12 @@ def check_offload_races(ctx: Context) -> None:
                 ]
                 peaks[offload] = torch.cuda.max_memory_allocated() / 2**30 if ctx.cuda else None
                 if offload:
-                    moved = model.activation_offload.offloaded_bytes
+                    offload_hooks = model.activation_offload
+                    moved, host, ahead = (
+                        offload_hooks.offloaded_bytes,
+                        offload_hooks.host_bytes,
+                        offload_hooks.brought_ahead,
+                    )
                 del model
             plain = runs[False][0]
             noise = max(relative(runs[False][1][n], plain[n]) for n in plain)
@@ -1545,16 +1650,20 @@ def check_offload_races(ctx: Context) -> None:
             lower = peaks[True] < peaks[False] if ctx.cuda else True
             storages = sum(unique.values()) if not compiled else None
             once = storages is None or moved <= storages
+            # one slab of what a forward moved (each copy's start aligned; a first slab's least size), not a
+            # power-of-two pinned block each
+            slab_fits = host <= 1.05 * moved + MIN_SLAB_BYTES
             peak_text = f"; peak {peaks[True]:.2f} vs {peaks[False]:.2f} GiB" if ctx.cuda else ""
             share = f"; moved {moved / 2**20:,.1f} MiB" + (
                 f" of {storages / 2**20:,.1f} MiB saved storages" if storages else ""
             )
+            share += f"; host slab {host / 2**20:,.1f} MiB; {ahead} copies back started ahead of their use"
             ctx.add(
                 name,
-                exact and lower and once,
+                exact and lower and once and slab_fits,
                 f"{len(errors_)} backwards {', '.join(f'{e:.2g}' for e in errors_)} from plain "
                 f"(plain against itself {noise:.2g}){peak_text}{share}",
-                "≤ 4x plain's own spread (0: bitwise); peak lower; moved ≤ unique storages",
+                "≤ 4x plain's own spread (0: bitwise); peak lower; moved ≤ unique storages; slab ≤ 1.05x moved + 64 MiB",
                 f"{tokens:,} tokens",
             )
 
@@ -1603,14 +1712,16 @@ def check_cpu_offload(ctx: Context) -> None:
 
 
 SNAPSHOT_OVERLAP = 0.5  # at most this share of the staged copy's own time (bytes / bandwidth) added to a step
+SNAPSHOT_LAYERS = 8  # of the 0.6B on CUDA: 3.3 GB of state a step (the 8-minute call; 28 layers: 7.2 GB)
 
 
 def check_snapshots(ctx: Context) -> None:
     """`snapshot_steps=true`'s per-step copy of the run state to the host (chattune.train.snapshot: pinned
     buffers, a side stream, the next optimizer step waits for it). `snapshot_overhead`: steps with a snapshot
     staged after each against the same steps without, the added time per step beside the copy's own time (the
-    state's bytes over the device-to-host bandwidth measured here): at most SNAPSHOT_OVERLAP of it, since the
-    copy overlaps the next step's forward and backward (CUDA only: on the host the copy is the step's). Then a
+    state's bytes over the device-to-host bandwidth measured here): at most what the copy takes beyond the plain
+    step plus SNAPSHOT_OVERLAP of it, since the copy overlaps the next step's forward and backward (CUDA only: on
+    the host the copy is the step's). On CUDA SNAPSHOT_LAYERS of the 0.6B and 16,384-token rows. Then a
     stop signal (SIGTERM, to a handler of this check's) has the watcher write the staged step while the state has
     moved on: `snapshot_exact`: a fresh model loaded from it holds that step's weights and AdamW states bit for bit;
     `snapshot_resume`: its next step's loss equals the uninterrupted run's, bit for bit."""
@@ -1623,11 +1734,15 @@ def check_snapshots(ctx: Context) -> None:
     from chattune.train.step import UpdateRule, train_step
 
     warm, timed = (3, 6) if ctx.cuda else (2, 3)
-    documents = chat_documents(ctx, 4 * (warm + timed + 1), start=900)
-    rows = [collate_packed(documents[4 * i : 4 * i + 4]) for i in range(len(documents) // 4)]
+    if ctx.cuda:  # a training row (16,384 tokens), not a few chats: the copy overlaps what a real step computes
+        rows = [_row_of(ctx, 16384)] * (warm + timed + 1)
+    else:
+        documents = chat_documents(ctx, 4 * (warm + timed + 1), start=900)
+        rows = [collate_packed(documents[4 * i : 4 * i + 4]) for i in range(len(documents) // 4)]
+    layers = SNAPSHOT_LAYERS if ctx.cuda else None
 
     def build(seed: int):
-        cfg = recipe_config(ctx, ctx.shape, seed=seed, compile=ctx.cuda, overrides=("optimizer.lr=1e-3",))
+        cfg = recipe_config(ctx, ctx.shape, layers, seed=seed, compile=ctx.cuda, overrides=("optimizer.lr=1e-3",))
         model = built_from(ctx, cfg).model
         optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad], ctx.device)
         return (
@@ -1667,12 +1782,14 @@ def check_snapshots(ctx: Context) -> None:
         synchronize(ctx)
         seconds[phase] = (time.perf_counter() - started) / timed
     added, copy_alone = seconds["snapshots"] - seconds["plain"], state_bytes / bandwidth
+    # A copy that overlaps the next step perfectly still adds what it takes beyond that step's compute
+    unhidden = max(copy_alone - seconds["plain"], 0.0)
     ctx.add(
         "snapshot_overhead",
-        added <= SNAPSHOT_OVERLAP * copy_alone if ctx.cuda else None,
+        added <= unhidden + SNAPSHOT_OVERLAP * copy_alone if ctx.cuda else None,
         f"{added * 1e3:+.1f} ms a step ({seconds['plain'] * 1e3:.1f} ms plain); the copy alone "
         f"{copy_alone * 1e3:.1f} ms ({state_bytes / 2**20:,.1f} MiB at {bandwidth / 2**30:.1f} GiB/s)",
-        f"≤ {SNAPSHOT_OVERLAP:g} of the copy alone",
+        f"≤ the copy beyond the step ({unhidden * 1e3:.1f} ms) + {SNAPSHOT_OVERLAP:g} of the copy alone",
         "" if ctx.cuda else "CUDA only: on the host the copy is part of the step",
     )
     last = warm + 2 * timed  # the staged step
@@ -1748,6 +1865,9 @@ ESTIMATE_BOUND_ROWS = [
     for offload in (False, True)
 ]
 ESTIMATE_BOUND = 0.10
+# 8 of the 0.6B's 28 layers on CUDA: each layer's activations, the head's rows and the states are what a whole
+# model holds (layer by layer the same arithmetic), at two fifths of the build time (the 8-minute call, item 9)
+ESTIMATE_BOUND_LAYERS = 8
 
 
 def _row_of(ctx: Context, tokens: int) -> PackedBatch:
@@ -1789,7 +1909,9 @@ def check_estimate_bound(ctx: Context) -> None:
             f"model.fsdp.activation_checkpointing={str(checkpointing).lower()}",
             f"model.fsdp.offload_activations={str(offload).lower()}",
         )
-        cfg = recipe_config(ctx, ctx.shape, compile=ctx.cuda, loss=loss, overrides=keys)
+        cfg = recipe_config(
+            ctx, ctx.shape, ESTIMATE_BOUND_LAYERS if ctx.cuda else None, compile=ctx.cuda, loss=loss, overrides=keys
+        )
         inputs = inputs_of(cfg, hf_config_of(cfg, len(tokenizer(ctx))), ctx.dims, on_cuda=ctx.cuda)
         estimated = estimate(inputs).total
         gc.collect()
@@ -1828,36 +1950,75 @@ def check_estimate_bound(ctx: Context) -> None:
 
 # --- the items, in priority order, within a budget ---
 
-# Estimated seconds of each item: (one H100, the CPU smoke test's tiny shape on two cores). The GPU column is
-# what the first GPU run measured (2026-11-26, one H200, torch 2.11: BENCHMARKS.md) times about 1.5 for an
-# H100 and noise: packed_vs_hf 26 s, cce 9, compile 28, dpo 38, cuda_tests 15, one resume launch 84. A launch
-# is start-up (torchrun, tokenizing, building, compiling, the two slow first steps) plus its steps: 0.6B SFT
-# 71 s for 12 steps, 1.7B 98 s, 0.6B LoRA 83 s. QLoRA and TRL are not measured yet (guesses from the
-# ../shared/gpu/README.md baseline). objectives_bf16's GPU figure is a guess (six 0.6B builds, eight small steps;
-# never run on a GPU yet); its CPU figure was measured at 16-40 s on two cores shared at a load of about 7, where
-# dpo_reference_memory (3) took 9 s. --estimate-scale adjusts them all.
+# Estimated seconds of each item: (one H100/H200, the CPU smoke test's tiny shape on two cores). The CUDA column
+# is each item's work (docs/gpu-check.md, "The 8-minute call") priced at what the first GPU run measured
+# (2026-11-26, one H200, torch 2.11; BENCHMARKS.md), times GPU_MARGIN: a recipe build of the 0.6B shape (random
+# weights made on the host, sharded, moved: packed_vs_hf's two 28-layer builds and a step took 26 s) by its layers
+# (the tokenizer's 151,669-row embedding is 155M of a 4-layer model's 215M parameters), the first compile of a
+# decoder layer's graphs in the process (compile_vs_eager: 28 s for two 4-layer builds, the compile and 23 small
+# steps; later builds of the same layer reuse them), a forward and backward of 16,384 tokens by layers (the 0.6B
+# launch's steady steps: 0.29-0.36 s for 2 x 16,384 tokens over 28 layers), and what an item does besides. A
+# launch is start-up (torchrun, tokenizing, building, compiling, the two slow first steps) plus its steps: 0.6B
+# SFT 71 s for 12 steps, 1.7B 98 s, 0.6B LoRA 83 s; QLoRA and TRL are not measured yet (guesses from the
+# ../shared/gpu/README.md baseline). The CPU column is the smoke test's own time on two cores. The first GPU run of
+# an item replaces its pricing with its measured seconds (gpu_check.json's `seconds`); --estimate-scale adjusts
+# them all.
+BUILD_SECONDS = {4: 4.5, 8: 6.0, 28: 12.0}  # a recipe build of the 0.6B shape by its decoder layers
+FIRST_COMPILE_SECONDS = 15.0  # a decoder layer's graphs, the first time in the process, per checkpointing setting
+STEP_SECONDS = {4: 0.04, 8: 0.06, 28: 0.16}  # a forward and backward of 16,384 tokens by decoder layers
+GPU_MARGIN = 1.25  # the pricing's error: a margin, not a measurement
+
+
+def gpu_seconds(
+    builds: dict[int, int], compiles: int = 0, steps: dict[int, float] | None = None, other: float = 0.0
+) -> int:
+    """An item's CUDA estimate: `builds` (decoder layers: how many recipe builds), `compiles` (first compiles of a
+    layer's graphs), `steps` (decoder layers: forwards and backwards, in 16,384-token rows), `other` seconds."""
+    work = sum(BUILD_SECONDS[layers] * count for layers, count in builds.items())
+    work += FIRST_COMPILE_SECONDS * compiles + other
+    work += sum(STEP_SECONDS[layers] * rows for layers, rows in (steps or {}).items())
+    return math.ceil(GPU_MARGIN * work)
+
+
 ESTIMATES = {
-    "float8": (45, 4),  # (guesses until measured: two 4-layer 0.6B builds, six steps, torchao's conversion)
+    # issue 68's ten items first (the 24-step launch is plan()'s)
+    "float8": (gpu_seconds({4: 2}, steps={4: 1.5}, other=5), 4),  # + torchao's conversion, three float8 layers
+    "offload_races": (gpu_seconds({4: 8}, compiles=2, steps={4: 28}), 6),  # 4 x (1 warm + 2 or 3) backwards each
+    "cce_anchor": (gpu_seconds({}, other=4), 0),  # one CCE and one chunked backward of 8192 tokens; CUDA only
+    "tensor_parallel": (gpu_seconds({4: 4}, steps={4: 2}), 8),
+    "in_backward": (gpu_seconds({4: 2}, steps={4: 1}), 3),
+    # + torchao compiling its step per parameter shape (about 8 shapes, 2 s each, for each of the 3 classes)
+    "low_bit": (gpu_seconds({4: 5}, steps={4: 9}, other=48), 6),
+    "cpu_offload": (gpu_seconds({4: 2}, steps={4: 1}, other=6), 3),  # + AdamW on the host over 215M parameters
+    "snapshots": (gpu_seconds({8: 2}, steps={8: 11}, other=15), 4),  # + the bandwidth probe, a write and a load
+    "estimate_bound": (gpu_seconds({ESTIMATE_BOUND_LAYERS: 8}, steps={ESTIMATE_BOUND_LAYERS: 16}), 3),
+    # measured in the first GPU run: packed_vs_hf 26 s, cce 9, compile 28, dpo 38, cuda_tests 15 (x 1.5)
     "packed_vs_hf": (40, 6),
-    "cce_anchor": (10, 0),  # (a guess: one CCE and one chunked backward of 8192 tokens; CUDA only)
-    "in_backward": (40, 3),  # (a guess: two 4-layer 0.6B builds, four steps)
     "cce_vs_chunked": (15, 8),
     "tf32_scope": (5, 2),
     "compile_vs_eager": (45, 25),
     "host_syncs": (30, 3),
     "dpo_reference_memory": (60, 3),
-    "objectives_bf16": (90, 6),
-    "resume_and_export": (240, 75),
+    "objectives_bf16": (90, 6),  # (a guess: six 0.6B builds, eight small steps; never run on a GPU yet)
+    "resume_and_export": (240, 75),  # (one resume launch took 84 s)
     "cuda_tests": (30, 0),
-    "estimate_bound": (150, 3),  # (a guess: eight 0.6B builds, two 16k-token steps each, the first compiling)
-    "low_bit": (90, 6),  # (a guess: five 4-layer 0.6B builds, 90 steps, torchao compiling its step per shape)
-    "offload_races": (120, 6),  # (a guess: eight 4-layer 0.6B builds, four compiled, 40 backwards of 16k tokens)
-    "cpu_offload": (60, 3),  # (a guess: two 4-layer 0.6B builds, compiled, four steps)
-    "snapshots": (60, 4),  # (a guess: two 0.6B builds, compiled, 17 steps, one write and load)
 }
+# issue 68's order for the one call: items 1-9 in process, then the first shape's 24-step SFT launch (item 10)
+FIRST_ITEMS = (
+    "float8",
+    "offload_races",
+    "cce_anchor",
+    "tensor_parallel",
+    "in_backward",
+    "low_bit",
+    "cpu_offload",
+    "snapshots",
+    "estimate_bound",
+)
+ONE_CALL_SECONDS = 480  # issue 68: the first ten items within 8 minutes of one GPU
 # A throughput launch: (start-up, per step) on one H100 by shape and mode; tiny on the CPU: (15, 1.5).
 LAUNCH_ESTIMATES = {
-    ("0.6b", "sft"): (70, 1.5),
+    ("0.6b", "sft"): (65, 0.6),  # (71 s for 12 steps: start-up ~63 s, steps 0.3 s, two of 2.3-2.6 s)
     ("0.6b", "lora"): (75, 1.5),
     ("0.6b", "qlora"): (110, 2.0),
     ("0.6b", "fp8"): (90, 1.5),  # (guesses until measured: torchao's float8 conversion and compile at start-up)
@@ -1870,20 +2031,21 @@ LAUNCH_ESTIMATES = {
 }
 IN_PROCESS = {
     "float8": check_float8,
+    "offload_races": check_offload_races,
+    "cce_anchor": check_cce_anchor,
+    "tensor_parallel": check_tensor_parallel,
+    "in_backward": check_in_backward,
+    "low_bit": check_low_bit,
+    "cpu_offload": check_cpu_offload,
+    "snapshots": check_snapshots,
+    "estimate_bound": check_estimate_bound,
     "packed_vs_hf": check_packed_vs_hf,
     "cce_vs_chunked": check_cce,
-    "cce_anchor": check_cce_anchor,
-    "in_backward": check_in_backward,
     "tf32_scope": check_tf32_scope,
     "compile_vs_eager": check_compile,
     "host_syncs": check_host_syncs,
     "dpo_reference_memory": check_dpo_reference,
     "objectives_bf16": check_objectives_bf16,
-    "low_bit": check_low_bit,
-    "offload_races": check_offload_races,
-    "cpu_offload": check_cpu_offload,
-    "snapshots": check_snapshots,
-    "estimate_bound": check_estimate_bound,
 }
 
 
@@ -1896,9 +2058,10 @@ class Item:
 
 
 def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
-    """Every item, most valuable first: the in-process exactness checks, the first shape's SFT throughput,
-    resume and export, the CUDA-only tests, TRL beside the first shape, the next shape's SFT throughput (the
-    MFU target), then LoRA and QLoRA and the remaining TRL runs."""
+    """Every item, most valuable first: issue 68's ten (FIRST_ITEMS in process, then the first shape's SFT
+    throughput over 24 steps on CUDA), the other in-process exactness checks, resume and export, the CUDA-only
+    tests, TRL beside the first shape, the next shape's SFT throughput (the MFU target), then LoRA and QLoRA and
+    the remaining TRL runs."""
     warmup = max(1, steps // 3)
 
     def estimate(shape: str, mode: str, steps: int = steps) -> float:
@@ -1912,11 +2075,13 @@ def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
         return Item(f"throughput_{shape}_{mode}", needed, lambda c: throughput_run(c, shape, mode, steps, warmup))
 
     cost = 0 if ctx.cuda else 1  # the (CUDA, CPU) column of ESTIMATES
-    items = [Item(name, ESTIMATES[name][cost], check, in_process=True) for name, check in IN_PROCESS.items()]
+    checks = [Item(name, ESTIMATES[name][cost], check, in_process=True) for name, check in IN_PROCESS.items()]
     first, *others = shapes
+    items = [item for item in checks if item.name in FIRST_ITEMS]
+    # 24 steps on CUDA (issue 68, item 10): steady_steps sees past a slow step 11 or 12
+    items.append(launch(first, "sft", max(steps, 24) if ctx.cuda else steps))
+    items += [item for item in checks if item.name not in FIRST_ITEMS]
     items += [
-        # 24 steps on CUDA (issue 68, item 10): steady_steps sees past a slow step 11 or 12
-        launch(first, "sft", max(steps, 24) if ctx.cuda else steps),
         Item("resume_and_export", ESTIMATES["resume_and_export"][cost], resume_and_export),
         Item("cuda_tests", ESTIMATES["cuda_tests"][cost], cuda_tests),
     ]
@@ -1932,6 +2097,24 @@ def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
     if ctx.cuda:  # six one-step launches at most: last
         items.append(Item(f"longest_row_{first}", 6 * estimate(first, "sft"), lambda c: longest_row(c, first)))
     return items
+
+
+def plan_text(items: list[Item], started: float, scale: float, device: str) -> str:
+    """The dry run (`--plan`): each item's estimate and where the call stands after it, counted as --budget
+    counts (from the script's start), and whether issue 68's ten items (FIRST_ITEMS and the first SFT launch)
+    end within ONE_CALL_SECONDS."""
+    lines, elapsed = [f"start-up (imports, counted by --budget): {started:.0f} s"], started
+    first_ten = {*FIRST_ITEMS, next((i.name for i in items if i.name.startswith("throughput_")), "")}
+    ten_done = None
+    for item in items:
+        elapsed += item.estimate * scale
+        lines.append(f"{item.name:<32} ~{item.estimate * scale:5.0f} s   at {elapsed:6.0f} s")
+        if item.name in first_ten:
+            ten_done = elapsed
+    if ten_done is not None and first_ten <= {item.name for item in items}:
+        verdict = "within" if ten_done <= ONE_CALL_SECONDS else "NOT within"
+        lines.append(f"issue 68's ten items end at ~{ten_done:.0f} s on {device}: {verdict} {ONE_CALL_SECONDS} s")
+    return "\n".join(lines)
 
 
 def run_items(ctx: Context, items: list[Item], report: Callable[[], None]) -> None:
@@ -2183,6 +2366,12 @@ def main() -> int:
         help="run only these items (names as in the table's NOT RUN "
         "rows and the header; `throughput` for every throughput and TRL launch)",
     )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the items in order with their estimates for --device (cuda: the priced work; no GPU needed) "
+        "and whether issue 68's first ten fit in 8 minutes, and run nothing",
+    )
     add_budget_arguments(
         parser,
         "the items in priority order, each only where its estimate fits what is left, the "
@@ -2195,7 +2384,7 @@ def main() -> int:
     work = (args.work or out / "work").resolve()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    assets = find_assets(args.assets) if args.device == "cuda" else None
+    assets = find_assets(args.assets) if args.device == "cuda" and not args.plan else None
     if assets is not None:
         chats = bench_gpu.make_corpora(assets, work / "data")["short"]
         tokenizer_dir = assets / "tokenizers" / "qwen3"
@@ -2220,6 +2409,9 @@ def main() -> int:
             parser.error(f"--only {' '.join(unknown)}: the items are {', '.join(names)} (and `throughput`)")
         wanted = {n for name in args.only for n in aliases.get(name, [name])}
         items = [item for item in items if item.name in wanted]
+    if args.plan:
+        print(plan_text(items, time.monotonic() - STARTED, ctx.budget.scale, args.device))
+        return 0
     handler = ComputeLines(ctx)
     build_logger = logging.getLogger("chattune.model.build")
     build_logger.addHandler(handler)

@@ -270,3 +270,43 @@ def test_a_layout_made_by_hand_or_without_a_group():
         ParallelDims(0, 8, 0, torch.device("cpu"), cp=3)
     assert not dist.is_initialized()
     assert parallel_dims_of(tiny_model()) == one
+
+
+def _kept_tp_worker(rank: int, port: int, out_path: str) -> None:
+    init_worker_process_group(rank, 1, port)
+    plain = init_distributed("cpu")
+    kept = ParallelDims.build(torch.device("cpu"), None, keep=frozenset({"tp"}))
+    tp_mesh = kept.mesh("tp")
+    hf_model = tiny_model(seed=0, **HEADS)
+    split = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), kept)
+    found = {
+        "plain": (plain.splits_layers, plain.mesh("tp")),
+        "kept": (kept.splits_layers, tp_mesh.size(), kept.tp, kept.fsdp_mesh.mesh_dim_names),
+        "split": (split.stream is not None, {p.device_mesh.mesh_dim_names for p in split.parameters()}),
+        "norms": grad_norms(kept),
+    }
+    try:
+        ParallelDims.build(torch.device("cpu"), None, keep=frozenset({"cp"}))
+    except ValueError as error:
+        found["refused"] = str(error)
+    torch.save(found, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_a_tp_mesh_kept_at_degree_one_splits_the_model_and_trains_as_the_plain_one(tmp_path):
+    """`ParallelDims.build(keep={"tp"})` on one rank (the GPU check's tensor parallelism on one GPU): a tp mesh of
+    size 1 that `shard_model` splits the decoder layers and the vocabulary over (the parameters on the 2-D
+    (dp_shard_cp, tp) mesh), whose gradients equal stock transformers' on the documents unpacked; without `keep`
+    no tp mesh; another purpose refused."""
+    out = tmp_path / "found.pt"
+    spawn(_kept_tp_worker, (free_port(), str(out)))
+    found = torch.load(out, weights_only=False)
+    assert found["plain"] == (False, None)
+    assert found["kept"] == (True, 1, 1, ("dp_shard_cp",))
+    # the linear layers and the vocabulary split over tp; the norms (whole on every rank of a tp group) over FSDP's
+    assert found["split"] == (True, {("dp_shard_cp", "tp"), ("dp_shard_cp",)})
+    norm, full, plain_norm, worst, _ = found["norms"]
+    assert worst < 1e-5 and abs(norm - plain_norm) < 1e-5 * plain_norm and abs(full - plain_norm) < 1e-5 * plain_norm
+    assert "only the tp purpose" in found["refused"]

@@ -210,6 +210,8 @@ def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
         "--dry-run",
         "--budget",
         "300",
+        "--check-share",
+        "60",
         "--runs",
         "short06 long06",
         "--check-args",
@@ -227,6 +229,12 @@ def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     assert check[-2:] == ["--only", "packed_vs_hf"] and bench[-3:] == ["--runs", "short06", "long06"]
     assert ("--assets" in check) == (folder / "assets.tar.gz").exists()
     assert [p.name for p in (tmp_path / "results").iterdir()] == ["logs.tar.gz"]
+    # By default gpu_check gets all of it (issue 68's ten items in 8 minutes); bench_gpu is the second call's
+    done = run_sh(folder, tmp_path, "--dry-run", "--budget", "540")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    check = next(line for line in done.stdout.splitlines() if "scripts/gpu_check.py" in line).split()
+    assert 480 <= int(check[check.index("--budget") + 1]) <= 540 - 20
+    assert "scripts/bench_gpu.py" not in done.stdout and "bench_gpu not run" in done.stdout
 
 
 STAND_IN_CHECK = """import argparse, json, pathlib, sys
@@ -275,6 +283,8 @@ def test_run_sh_runs_both_scripts_and_leaves_a_summary(built, tmp_path):
         str(target),
         "--budget",
         "200",
+        "--check-share",
+        "60",
         "--runs",
         "short06 short17",
     )

@@ -28,6 +28,8 @@ OBJECTIVE_ROWS = [f"objectives_bf16_{name}" for name in ("dpo_sigmoid", "orpo", 
 
 CPU_CHECKS = {
     "float8",
+    "tensor_parallel_chunked",
+    "tensor_parallel_cut_cross_entropy",
     "in_backward",
     "packed_vs_hf",
     "leak_control",
@@ -55,7 +57,15 @@ LOW_BIT_ROWS = (
     else set()
 )
 CPU_CHECKS |= LOW_BIT_ROWS
-CUDA_ONLY = {"cce_anchor", "host_syncs", "estimate_bound", "snapshot_overhead", "throughput_tiny_qlora", "cuda_tests"}
+CUDA_ONLY = {
+    "cce_anchor",
+    "tensor_parallel_padded_slice",
+    "host_syncs",
+    "estimate_bound",
+    "snapshot_overhead",
+    "throughput_tiny_qlora",
+    "cuda_tests",
+}
 
 
 def test_the_gpu_check_runs_its_cpu_parts(tmp_path):
@@ -96,7 +106,19 @@ def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "first" / "gpu_check.json").read_text())
     items = [row["check"] for row in report["rows"]]
-    assert items[:4] == ["float8", "packed_vs_hf", "cce_vs_chunked", "cce_anchor"]  # the priority order
+    # the priority order: issue 68's ten first
+    assert items[:10] == [
+        "float8",
+        "offload_races",
+        "cce_anchor",
+        "tensor_parallel",
+        "in_backward",
+        "low_bit",
+        "cpu_offload",
+        "snapshots",
+        "estimate_bound",
+        "throughput_tiny_sft",
+    ]
     assert "throughput_tiny_sft" in items
     assert items.index("throughput_tiny_sft") < items.index("resume_and_export")
     # The CUDA-only items cost nothing (estimate 0): they say SKIP where a moment is left, else NOT RUN.
@@ -114,7 +136,10 @@ def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_
         "snapshot_resume",
         "offload_eager_noac",
         "offload_eager_ac",
+        "tensor_parallel_chunked",
+        "tensor_parallel_cut_cross_entropy",
     } | {
+        "tensor_parallel",
         "resume_and_export",
         "objectives_bf16",
         "snapshots",
@@ -151,6 +176,33 @@ def _processes_mentioning(text: str) -> list[str]:
         if text in command and entry.name != str(os.getpid()):
             found.append(command)
     return found
+
+
+def test_the_plan_fits_issue_68s_ten_items_in_eight_minutes_on_cuda(tmp_path):
+    """`--plan --device cuda` (no GPU needed: nothing runs): the ten items first, in issue 68's order, ending within
+    the one call's 480 s as priced (docs/gpu-check.md); the estimates are the ones --budget uses."""
+    done, _ = _run(["scripts/gpu_check.py", "--device", "cuda", "--plan", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    items = [line.split() for line in lines[1:] if line.split()[1:2] == ["~"]]  # name ~ N s at M s
+    names = [item[0] for item in items]
+    assert names[:10] == [
+        "float8",
+        "offload_races",
+        "cce_anchor",
+        "tensor_parallel",
+        "in_backward",
+        "low_bit",
+        "cpu_offload",
+        "snapshots",
+        "estimate_bound",
+        "throughput_0.6b_sft",
+    ], names
+    ends = {item[0]: float(item[-2]) for item in items}
+    assert ends["throughput_0.6b_sft"] <= 480 < ends[names[-1]]  # the rest are past it: the budget decides
+    assert lines[-1].startswith("issue 68's ten items end at") and "within 480 s" in lines[-1], lines[-1]
+    assert "NOT within" not in lines[-1]
+    assert not (tmp_path / "gpu_check.json").exists()  # nothing ran
 
 
 def test_a_launch_running_when_the_budget_ends_is_stopped_with_its_workers(tmp_path):

@@ -170,7 +170,7 @@ def build_sharded_model(
         probe_native_gqa(dims.device)  # before any layer is compiled: the attention reads what it settles
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     replicated = quantize.replicated_parameters(hf_model)
-    compile = _compiles(cfg.model.compile, device_type, quantized=bool(replicated), tensor_parallel=dims.tp > 1)
+    compile = _compiles(cfg.model.compile, device_type, quantized=bool(replicated), tensor_parallel=dims.splits_layers)
     router_loss = router_loss_for(hf_model, cfg.loss.router_aux_coef)
     if router_loss is not None and head is SCORE_HEAD:
         raise UserError(
