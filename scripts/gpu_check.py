@@ -105,8 +105,8 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   TRL's. (The CPU smoke test runs the full SFT launch alone, on the tiny shape.) Each launch logs dynamo's
   recompiles (`TORCH_LOGS=recompiles`); `steady_steps_<shape>_<mode>`: no step after the first 2 over 2x the
   median step time, each that is named with what recompiled before it ("no recompile logged": it slowed for
-  another reason). The first shape's full SFT launch runs 24 steps on CUDA (the slow steps 11-12 of the first
-  GPU run, BENCHMARKS.md).
+  another reason) and its own wait for data and garbage-collection time (the step's `data_wait_s`, `gc_s`). The
+  first shape's full SFT launch runs 24 steps on CUDA (the slow steps 11-12 of the first GPU run, BENCHMARKS.md).
 - `longest_row`: the longest packed row (32k, 64k, 128k tokens, one step, activation checkpointing) the first shape
   trains on one GPU, without and with offloaded activations, each with its peak memory. CUDA only, last.
 - `cuda_tests`: the project's CUDA-only tests, `pytest -k cuda` over the test files with a
@@ -1228,9 +1228,11 @@ STEADY_AFTER = 2  # the first steps compile (and a 1-token empty microbatch's gr
 def check_steady_steps(ctx: Context, name: str, rows: list[dict], log: str) -> None:
     """The launch's steps after the first STEADY_AFTER: none over SLOW_STEP times the median step time, and each
     that is, named with what dynamo logged between the step before it and it (`TORCH_LOGS=recompiles`: the
-    guard that failed); a slow step with nothing logged is a slow step that did not recompile (a Triton
-    kernel specialised anew, an allocator's growth, the host)."""
+    guard that failed), and with its own wait for data and Python's garbage collection (the step's `data_wait_s`,
+    `gc_s`); a slow step with none of these is one that neither recompiled, waited for data nor collected (a
+    Triton kernel specialised anew, an allocator's growth, the host)."""
     times = {m["step"]: m["step_time_s"] for m in rows if "step_time_s" in m}
+    parts = {m["step"]: ", ".join(f"{key} {m[key]:.2f} s" for key in ("data_wait_s", "gc_s") if key in m) for m in rows}
     steady = sorted(t for step, t in times.items() if step > STEADY_AFTER)
     if not steady:
         ctx.add(name, None, "no steps after the first to compare")
@@ -1246,7 +1248,10 @@ def check_steady_steps(ctx: Context, name: str, rows: list[dict], log: str) -> N
             pending.append(line.split("] ", 1)[-1].strip()[:160])
     slow = {step: t for step, t in sorted(times.items()) if step > STEADY_AFTER and t > SLOW_STEP * median}
     named = "; ".join(
-        f"step {step} {t:.2f} s: " + (" / ".join(said.get(step, [])[:3]) or "no recompile logged")
+        f"step {step} {t:.2f} s"
+        + (f" ({parts[step]})" if parts.get(step) else "")
+        + ": "
+        + (" / ".join(said.get(step, [])[:3]) or "no recompile logged")
         for step, t in slow.items()
     )
     recompiled = [step for step, lines in said.items() if step > STEADY_AFTER and lines]

@@ -48,7 +48,7 @@ from chattune.train.faults import maybe_crash, maybe_slow
 from chattune.train.feed import DocumentLedger, StepBatches, StepFeed
 from chattune.train.in_backward import UpdateInBackward
 from chattune.train.inputs import TrainingData
-from chattune.train.metrics import MetricLogger, StepFlops, StepTimer, step_metrics
+from chattune.train.metrics import MetricLogger, StepFlops, StepSeconds, StepTimer, step_metrics
 from chattune.train.output_dir import StartingPoint, release_output_dir, write_completion
 from chattune.train.progress import Progress
 from chattune.train.resume import resume_training
@@ -182,6 +182,7 @@ class UpdateSteps:
         self.timer.start()
         lr = float(learning.scheduler.get_last_lr()[0])  # a (CPU) tensor under torchao's optimizers
         batches = feed.next_step(step)
+        self.timer.data_ready()
         if self.ledger:
             self.ledger.write(step, batches)
         maybe_crash("step", step)  # fault injection for the crash tests (CHATTUNE_CRASH_AT); a no-op otherwise
@@ -252,7 +253,9 @@ class UpdateSteps:
             self.learning.objective,
             update.grad_norm,
             update.lr,
-            self.timer.seconds(),
+            StepSeconds(
+                self.timer.seconds(), {"data_wait_s": self.timer.data_wait_seconds(), "gc_s": self.timer.gc_seconds()}
+            ),
             device,
             StepFlops(step_flops, self.peak),
         )

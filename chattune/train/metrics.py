@@ -6,11 +6,12 @@ Every recipe reports through here, so the same name always means the same comput
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,29 +29,77 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class _GcClock:
+    """The seconds Python's garbage collector has spent since it was installed (`gc.callbacks`): a collection of
+    the oldest generation walks every tracked object (hundreds of thousands after tokenizing a corpus), so a step
+    it lands in is slower for reasons no profile of the step shows."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._started: float | None = None
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.total += time.perf_counter() - self._started
+            self._started = None
+
+
+_gc_clock: _GcClock | None = None
+
+
+def gc_seconds_so_far() -> float:
+    """The garbage collector's seconds since the first call (which installs the clock)."""
+    global _gc_clock
+    if _gc_clock is None:
+        _gc_clock = _GcClock()
+    return _gc_clock.total
+
+
 class StepTimer:
     """A step's time as the device runs it. On CUDA, events recorded at the step's start and end: reading
     their interval waits only for the step's own last kernel, and only on the steps that log it (a
     `torch.cuda.synchronize()` after every step stalled the host on every step, logged or not). Elsewhere
-    the host's clock, the device being the host."""
+    the host's clock, the device being the host. Within the step, on the host's clock: how long it waited for its
+    microbatches (`data_ready`) and how long the garbage collector ran, where a slow step's time went when
+    nothing in it compiled."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._start: torch.cuda.Event | None = None
         self._end: torch.cuda.Event | None = None
         self._host: list[float] = []
+        self._data_ready: float | None = None
+        self._gc: list[float] = []
 
     def start(self) -> None:
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
         self._host = [time.perf_counter()]
+        self._data_ready = None
+        self._gc = [gc_seconds_so_far()]
+
+    def data_ready(self) -> None:
+        """The step's microbatches are here."""
+        self._data_ready = time.perf_counter()
 
     def stop(self) -> None:
         if self.cuda:
             self._end = torch.cuda.Event(enable_timing=True)
             self._end.record()
         self._host.append(time.perf_counter())
+        self._gc.append(gc_seconds_so_far())
+
+    def data_wait_seconds(self) -> float:
+        """The last step's wait for its microbatches (0 where the step never said they were ready)."""
+        return self._data_ready - self._host[0] if self._data_ready is not None else 0.0
+
+    def gc_seconds(self) -> float:
+        """The garbage collector's time during the last step."""
+        return self._gc[1] - self._gc[0]
 
     def host_seconds(self) -> float:
         """The last step's time on the host's clock (no wait for the device)."""
@@ -62,6 +111,15 @@ class StepTimer:
             self._end.synchronize()
             return self._start.elapsed_time(self._end) / 1000.0
         return self._host[1] - self._host[0]
+
+
+@dataclass(frozen=True)
+class StepSeconds:
+    """A step's time (`StepTimer.seconds`) and its parts on the host's clock by metric name (`data_wait_s`,
+    `gc_s`)."""
+
+    total: float
+    host: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -79,7 +137,7 @@ def step_metrics(
     objective: Objective,
     grad_norm: float,
     lr: float,
-    step_time_s: float,
+    step_time_s: float | StepSeconds,
     device: torch.device,
     flops: StepFlops | None = None,
 ) -> dict[str, float]:
@@ -88,15 +146,19 @@ def step_metrics(
     The objective turns the summed figures into its metrics (loss, num_tokens, ...); tokens_per_sec is
     trainable tokens per second of step time (mean over ranks), all_tokens_per_sec every token's, and
     all_tokens_per_sec_per_device the same per rank. With the device's peak FLOP/s (`flops`), mfu is the
-    step's model FLOPs' rate per device over the peak. On CUDA, peak memory (allocated and reserved since the
+    step's model FLOPs' rate per device over the peak. `step_time_s` as `StepSeconds`: with the step's parts on
+    the host's clock by name (`data_wait_s`, `gc_s`), each the mean over ranks. On CUDA, peak memory (allocated and reserved since the
     start, GiB) is the largest of any rank's."""
     model_flops, peak_flops = (flops.model_flops, flops.peak_flops) if flops is not None else (0.0, None)
+    seconds = step_time_s if isinstance(step_time_s, StepSeconds) else StepSeconds(step_time_s)
+    host_seconds = seconds.host
     sums = reduce_sums(
         {
             "loss_sum": result.loss_sum,
-            "step_time_s": step_time_s,
+            "step_time_s": seconds.total,
             "all_tokens": result.local_tokens,
             "model_flops": model_flops,
+            **{f"host/{name}": seconds for name, seconds in host_seconds.items()},
             **result.figures,
         },
         device,
@@ -111,6 +173,7 @@ def step_metrics(
         lr=lr,
         grad_norm=grad_norm,
         step_time_s=step_time,
+        **{name: sums[f"host/{name}"] / world for name in host_seconds},
     )
     if peak_flops:
         metrics["mfu"] = sums["model_flops"] / step_time / world / peak_flops
