@@ -114,13 +114,87 @@ def chunked_token_losses(
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    chunks = -(-hidden.shape[0] // chunk_size)
+    # A bf16/fp16 output layer's gradient summed over the chunks in fp32 and rounded once (`_SummedInFp32`);
+    # upcast by each chunk, every chunk's gradient was rounded to bf16 and the chunks summed in bf16 (3x the
+    # rounding of one cast over 16 chunks: tests/test_chunked_loss.py).
+    sums = (_SummedInFp32.where_needed(weight, chunks), _SummedInFp32.where_needed(bias, chunks))
     losses = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         if needs_grad:
             losses.append(
-                checkpoint(_chunk_token_losses, h, weight, y, tf32, transform, bias, rows, use_reentrant=False)
+                checkpoint(
+                    _summed_chunk_token_losses,
+                    h,
+                    weight,
+                    y,
+                    tf32,
+                    transform,
+                    bias,
+                    rows,
+                    sums,
+                    use_reentrant=False,
+                )
             )
         else:
             losses.append(_chunk_token_losses(h, weight, y, tf32, transform, bias, rows))
     return torch.cat(losses)
+
+
+class _SummedInFp32:
+    """The fp32 sum of a low-precision output layer's gradient over the chunks of one loss. Each chunk upcasts the
+    layer inside its checkpoint (`_Upcast`: nothing of fp32 outlives a chunk's forward); each chunk's backward adds
+    its fp32 gradient into `total` in place and hands autograd nothing, and the last one hands it the sum rounded
+    to the layer's dtype once. At its peak: the sum, a chunk's gradient and its upcast (12 bytes an element, the
+    estimate's loss-head row)."""
+
+    def __init__(self, chunks: int) -> None:
+        self.left = chunks
+        self.total: torch.Tensor | None = None
+
+    @classmethod
+    def where_needed(cls, tensor: torch.Tensor | None, chunks: int) -> _SummedInFp32 | None:
+        """One for a trained low-precision `tensor` (an fp32 one's chunks already sum in fp32)."""
+        if tensor is None or not tensor.requires_grad or tensor.dtype == torch.float32:
+            return None
+        return cls(chunks)
+
+
+class _Upcast(torch.autograd.Function):
+    """tensor.float(), its gradient summed over the chunks in `summed` (see _SummedInFp32)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, summed: _SummedInFp32) -> torch.Tensor:
+        ctx.summed, ctx.dtype = summed, tensor.dtype
+        return tensor.float()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        summed = ctx.summed
+        summed.total = grad.float().clone() if summed.total is None else summed.total.add_(grad)
+        summed.left -= 1
+        if summed.left > 0:
+            return None, None
+        total, summed.total = summed.total, None
+        return total.to(ctx.dtype), None
+
+
+def _summed_chunk_token_losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    tf32: bool,
+    transform: LogitTransform | None,
+    bias: torch.Tensor | None,
+    rows: VocabShard | None,
+    sums: tuple[_SummedInFp32 | None, _SummedInFp32 | None],
+) -> torch.Tensor:
+    """A chunk's token losses with the output layer and its bias upcast through `_Upcast` where `sums` (theirs)
+    has a sum."""
+    weight_sum, bias_sum = sums
+    if weight_sum is not None:
+        weight = _Upcast.apply(weight, weight_sum)
+    if bias is not None and bias_sum is not None:
+        bias = _Upcast.apply(bias, bias_sum)
+    return _chunk_token_losses(hidden, weight, labels, tf32, transform, bias, rows)
