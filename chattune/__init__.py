@@ -30,3 +30,8 @@ class _CudaKernelsOnCpu(logging.Filter):
 
 logging.getLogger("torchao").addFilter(_CudaKernelsOnCpu())
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+# A recipe copied before a module moved gets an error naming its new place (chattune/moved.py)
+from chattune import moved as _moved  # noqa: E402
+
+_moved.install()

@@ -41,10 +41,10 @@ class ParallelDims:
     - `dp_shard`: data parallelism with FSDP2 sharding within a group. Each (dp_replicate, dp_shard) coordinate
       reads its own stream of microbatches (`data_rank`, `data_ranks`).
     - `cp`: context parallelism (parallel.context): the `cp` consecutive ranks of a context group share each packed
-      row, each holding a contiguous slice (`chattune.model.context_parallel`). They read the same microbatches,
+      row, each holding a contiguous slice (`chattune.parallel.context_parallel`). They read the same microbatches,
       and only the group's first rank reports them (`reports_rows`).
     - `tp`: tensor parallelism (parallel.tensor): the `tp` consecutive ranks of a tp group hold a split of each
-      decoder layer's linear layers (`chattune.model.tensor_parallel`) and compute the same rows; only the
+      decoder layer's linear layers (`chattune.parallel.tensor_parallel`) and compute the same rows; only the
       group's first rank reports them. Innermost: the busiest links (an all-reduce per layer) within a machine.
 
     Code asks for a mesh or group by its purpose, never by an axis (torchtitan's names):
@@ -236,7 +236,7 @@ class ParallelDims:
 
     @property
     def splits_layers(self) -> bool:
-        """Whether the decoder layers and the vocabulary are split over a tp mesh (`chattune.model.tensor_parallel`):
+        """Whether the decoder layers and the vocabulary are split over a tp mesh (`chattune.parallel.tensor_parallel`):
         a tp degree above 1, or a tp mesh kept at degree 1."""
         return self.mesh("tp") is not None
 
@@ -251,7 +251,7 @@ class ParallelDims:
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
         """This rank's context group (the ranks that share each packed row); None without context parallelism.
-        The builder sets it on the model (`chattune.model.context_parallel.set_context_group`)."""
+        The builder sets it on the model (`chattune.parallel.context_parallel.set_context_group`)."""
         return self.group("cp")
 
 
@@ -371,6 +371,20 @@ def init_distributed(device: str = "auto", parallel: object | None = None) -> Pa
         )
         _groups_made += 1
     return ParallelDims.build(torch_device, parallel)
+
+
+def usable_device_memory(device: torch.device) -> int:
+    """What a run can allocate on `device`, measured: its free memory and what torch's allocator already holds.
+    The GPU's total less what torch does not count (the CUDA context, NCCL's buffers, other processes): the
+    verdict compared with `total_memory` left nothing for them."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def spare_device_memory(device: torch.device) -> int:
+    """What more a run can allocate on `device` now: the free memory and the allocator's cached, unused blocks
+    (`mem_get_info` alone leaves those out, though torch reuses them first)."""
+    return usable_device_memory(device) - torch.cuda.memory_allocated(device)
 
 
 def host_values_on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:

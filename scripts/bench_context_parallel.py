@@ -70,8 +70,8 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     from chattune.data.packing import collate_packed
     from chattune.distributed import init_distributed, shutdown_distributed
     from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-    from chattune.model.fsdp import shard_model
     from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.parallel.fsdp import shard_model
     from chattune.train.feed import StepBatches
     from chattune.train.step import UpdateRule, train_step
 

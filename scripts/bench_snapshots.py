@@ -32,7 +32,7 @@ def main() -> None:
 
     from chattune.distributed import ParallelDims, free_port
     from chattune.model.causal_lm import PackedCausalLM
-    from chattune.model.fsdp import shard_model
+    from chattune.parallel.fsdp import shard_model
     from chattune.train.checkpoint import save_checkpoint
     from chattune.train.run_state import model_and_optimizer
     from chattune.train.snapshot import Snapshots

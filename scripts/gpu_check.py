@@ -540,7 +540,7 @@ def check_cce_anchor(ctx: Context) -> None:
 
     from chattune.model import fused_loss
     from chattune.model.chunked_loss import chunked_token_losses
-    from chattune.model.vocab_parallel import VocabShard
+    from chattune.parallel.vocab_parallel import VocabShard
 
     if not ctx.cuda:
         ctx.add("cce_anchor", None, "CUDA only: the kernels' bf16 sums (tests/test_fused_loss.py checks a stand-in)")
@@ -583,7 +583,7 @@ TENSOR_PARALLEL_BOUNDS = {"cpu": (1e-5, 1e-4), "cuda": (2e-3, 2e-2)}  # (loss, u
 
 def check_tensor_parallel(ctx: Context) -> None:
     """Tensor parallelism and loss-parallel (the decoder layers and the vocabulary split over a tp mesh,
-    chattune.model.tensor_parallel and vocab_parallel) composed with FSDP2, on a tp mesh of one rank
+    chattune.parallel.tensor_parallel and vocab_parallel) composed with FSDP2, on a tp mesh of one rank
     (`ParallelDims.build(keep={"tp"})`: NCCL refuses two ranks on one GPU): for the chunked head and
     cut-cross-entropy, one step of SGD (lr 1: the update is the gradient) against the unsplit model on the same
     batch, its loss and update within TENSOR_PARALLEL_BOUNDS; on CUDA the split step's device syncs no more than
@@ -591,8 +591,8 @@ def check_tensor_parallel(ctx: Context) -> None:
     ranks do not divide: its padding made on the device, not copied from pageable memory)."""
     from chattune.distributed import ParallelDims
     from chattune.model import fused_loss
-    from chattune.model.context_parallel import row_slice
     from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.parallel.context_parallel import row_slice
     from chattune.train.feed import StepBatches
     from chattune.train.step import UpdateRule, train_step
 
@@ -746,7 +746,7 @@ def check_tf32_scope(ctx: Context) -> None:
 
 
 def check_compile(ctx: Context) -> None:
-    from chattune.model.fsdp import compiled_graphs
+    from chattune.parallel.fsdp import compiled_graphs
 
     torch._dynamo.reset()
     documents = chat_documents(ctx, 80, start=100)
@@ -931,13 +931,13 @@ def check_objectives_bf16(ctx: Context) -> None:
 
     from torch.distributed.tensor import DTensor
 
-    from chattune.model.fsdp import compute_dtype
     from chattune.model.fused_loss import resolve_loss_implementation
     from chattune.model.heads import SCORE_HEAD
     from chattune.objectives.dpo import LiveReference, PreferenceObjective
     from chattune.objectives.kto import KTOObjective, KTOWeights
     from chattune.objectives.pair_losses import PreferenceLoss
     from chattune.objectives.reward import RewardObjective
+    from chattune.parallel.fsdp import compute_dtype
     from chattune.train.feed import StepBatches
     from chattune.train.step import accumulate_gradients
 
@@ -1582,15 +1582,15 @@ OFFLOAD_REPEATS = 3  # a race between the copies and the compute shows as a grad
 
 
 def check_offload_races(ctx: Context) -> None:
-    """`model.fsdp.offload_activations=true` (chattune.model.offload: the saved tensors copied to pinned host
+    """`model.fsdp.offload_activations=true` (chattune.parallel.offload: the saved tensors copied to pinned host
     memory on a side stream and back in the backward) in bf16 on one 16k-token row, eager and compiled, with and
     without activation checkpointing (rows `offload_{eager,compiled}_{ac,noac}`): OFFLOAD_REPEATS backwards each
     give the plain run's gradients as exactly as the plain run repeats itself (bit for bit where it does: a copy
     that raced the compute changes some repeat); the peak lower than the plain run's; the bytes moved at most the
     saved tensors' unique storages (each moved once however often it is saved; counted eager, by a hook of this
     check's around the plain forward). On the CPU the tiny shape, eager (the hooks copy on the host)."""
-    from chattune.model.offload import MIN_OFFLOAD_BYTES, MIN_SLAB_BYTES, _is_weight
     from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.parallel.offload import MIN_OFFLOAD_BYTES, MIN_SLAB_BYTES, _is_weight
     from chattune.train.feed import StepBatches
     from chattune.train.step import accumulate_gradients
 

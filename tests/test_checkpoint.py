@@ -13,8 +13,8 @@ from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_hf
-from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import shard_model
 from chattune.train.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer

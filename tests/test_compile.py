@@ -9,7 +9,7 @@ import torch
 from chattune.data.packing import collate_packed
 from chattune.distributed import free_port
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import compile_enabled, compiled_graphs, shard_model
+from chattune.parallel.fsdp import compile_enabled, compiled_graphs, shard_model
 from conftest import demo_documents, mesh_dims, relative_error, tiny_model
 
 

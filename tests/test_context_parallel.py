@@ -1,5 +1,5 @@
 """Context parallelism (parallel.context): one packed row split across the ranks of a group, attention exchanged
-all-to-all (`chattune.model.context_parallel`).
+all-to-all (`chattune.parallel.context_parallel`).
 
 - The gradient of a step over a long document (longer than one rank's slice) and a row of several documents (one
   straddling the slice boundaries, a length C does not divide) on C=2 and C=4 ranks equals a plain unpacked Hugging
@@ -32,13 +32,13 @@ from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.errors import UnsupportedModel
-from chattune.model import context_parallel
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import shard_model
 from chattune.model.packing_probe import check_context_split
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import CachedReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
+from chattune.parallel import context_parallel
+from chattune.parallel.fsdp import shard_model
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import (

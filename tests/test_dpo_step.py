@@ -17,9 +17,9 @@ from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import shard_model
 from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
+from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics

@@ -20,10 +20,11 @@ from chattune.config.paths import DEMO_ASSETS
 from chattune.data.formats import SourceSpec
 from chattune.data.prompts import Prompt, held_out_prompts
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
+from chattune.hf_layout import decoder_layers
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import compiled_graphs, decoder_layers, shard_model
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
+from chattune.parallel.fsdp import compiled_graphs, shard_model
 from chattune.train.samples import EvalSamples, run_samples
 from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, mesh_dims, spawn, torchrun
 

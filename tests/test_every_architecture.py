@@ -61,9 +61,9 @@ from chattune.model.architecture_check import MINIATURE_VOCAB, check_architectur
 from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.flops import attention_heads, model_flops, text_config
-from chattune.model.fsdp import compute_dtype
 from chattune.model.generate import generation_failure
 from chattune.model.output_logits import LogitTransform
+from chattune.parallel.fsdp import compute_dtype
 from conftest import PROJECT_ROOT
 
 # Sizes of the tiny configs, by the attribute names the configs use for them (only those a config has are set).

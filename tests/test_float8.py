@@ -55,9 +55,10 @@ def test_tensorwise_weights_are_gathered_in_float8(one_rank_group):
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from chattune.data.packing import collate_packed
+    from chattune.hf_layout import decoder_layers
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.model.float8 import convert_linear_layers
-    from chattune.model.fsdp import decoder_layers, shard_model
+    from chattune.parallel.fsdp import shard_model
     from conftest import demo_documents, tiny_model
 
     model = PackedCausalLM(tiny_model(hidden_size=64, intermediate_size=128))

@@ -17,9 +17,9 @@ from chattune.data.packing import collate_packed
 from chattune.model.adapters import BaseModelView, add_adapters
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_adapter, export_hf
-from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import LiveReference
+from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.step import UpdateRule, train_step

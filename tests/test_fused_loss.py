@@ -17,7 +17,7 @@ from chattune.errors import UserError
 from chattune.model import fused_loss
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.output_logits import LogitTransform
-from chattune.model.vocab_parallel import VocabShard
+from chattune.parallel.vocab_parallel import VocabShard
 from conftest import free_port, init_worker_process_group, relative_error, spawn
 
 pytest.importorskip("cut_cross_entropy")
@@ -99,7 +99,7 @@ def test_the_gradients_accumulate_in_fp32_where_the_release_allows_it(monkeypatc
     assert fused_loss.cce_options(on_cuda=True) == {"impl": "cce", "accum_e_fp32": True, "accum_c_fp32": True}
 
 
-# The vocabulary split over 2 ranks (loss-parallel, `chattune.model.vocab_parallel`): each loss computed from a
+# The vocabulary split over 2 ranks (loss-parallel, `chattune.parallel.vocab_parallel`): each loss computed from a
 # rank's rows of the output layer (501 of them: the first rank holds 251) and reduced over the group, against the
 # same loss computed whole, with a soft-cap; the hidden states' gradient summed over the ranks and the weight's
 # gathered from their rows, as the model's split does.

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
+from chattune.hf_layout import decoder_layers
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics

@@ -16,12 +16,15 @@ LAYERS = [
         "chattune.errors",
         "chattune.log",
         "chattune.files",
+        "chattune.hf_layout",
         "chattune.hub",
         "chattune.interrupts",
+        "chattune.moved",
         "chattune.distributed",
         "chattune.config",
     ),
     ("chattune.data",),
+    ("chattune.parallel",),
     ("chattune.model",),
     ("chattune.objectives",),
     ("chattune.train",),
@@ -92,7 +95,7 @@ def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
     (package / "data" / "stream.py").write_text("def f():\n    from chattune.train.loop import train\n")
     (package / "train" / "loop.py").write_text("from chattune.data import stream\n")
     monkeypatch.setitem(globals(), "PACKAGE", package)
-    assert upward_imports() == ["chattune.data.stream (layer 1) imports chattune.train.loop (layer 4)"]
+    assert upward_imports() == ["chattune.data.stream (layer 1) imports chattune.train.loop (layer 5)"]
 
 
 # `chattune export` reads a checkpoint: its format and its run state's parts, never the loop.

@@ -20,11 +20,12 @@ from chattune.config.schema import PeftConfig
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, shutdown_distributed
 from chattune.errors import UserError
+from chattune.hf_layout import decoder_layers
 from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.model.memory import MemoryInputs, estimate, parse_size
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import shard_model
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import (
@@ -635,7 +636,7 @@ def test_the_verdict_and_the_gathered_replies_count_what_the_gpu_really_has_free
     allocator holds (here 1 GiB short of the estimate, on a device whose total would fit it); and the sample
     replies' decision to gather the whole model counts the allocator's cached blocks, which `mem_get_info` leaves
     out (a trained model's device is mostly cached, not free)."""
-    from chattune.model.fsdp import can_stay_gathered
+    from chattune.parallel.fsdp import can_stay_gathered
 
     # (eager layers: a compiled trace under the mocked CUDA would read CUDA's random state)
     needed = estimate(replace(_tiny_inputs(on_cuda=True), compiled=False)).total
@@ -687,7 +688,7 @@ def test_compiled_layers_keep_what_the_compiled_estimate_counts(shape):
     activation in the backward instead of keeping them: the eager count was 46% above a GPU run's peak): the
     layers compiled by inductor as a run compiles them (`compile_layers`), their saved tensors counted in a real
     forward, against the estimate of `model.compile=true`, within 10%."""
-    from chattune.model.fsdp import compile_layers
+    from chattune.parallel.fsdp import compile_layers
 
     torch._dynamo.reset()
     batch = collate_packed(demo_documents(8))

@@ -21,8 +21,8 @@ from chattune.model.adapter_targets import expert_stacks, routers, trainable_by_
 from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_adapter, plan_tensors
-from chattune.model.fsdp import shard_model
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import shard_model
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import (
@@ -243,8 +243,8 @@ def test_the_merged_export_and_the_adapter_directory_equal_peft_over_the_base(tm
 
 def test_qlora_quantizes_the_linears_and_says_the_expert_stacks_stay_in_the_compute_dtype():
     pytest.importorskip("bitsandbytes")
+    from chattune.hf_layout import decoder_layers
     from chattune.model.adapter_targets import quantized_experts_note
-    from chattune.model.fsdp import decoder_layers
     from chattune.model.quantize import is_quantized, quantize_linears
 
     model, _ = moe_lora_model("qwen3_moe", OmegaConf.merge(LORA, {"quantize_base": "nf4"}))

@@ -11,8 +11,8 @@ from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch, collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import shard_model
 from chattune.objectives.base import Objective, model_losses
+from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients

@@ -1,4 +1,4 @@
-"""Activation offloading (`model.fsdp.offload_activations`, chattune.model.offload) and CPU offload
+"""Activation offloading (`model.fsdp.offload_activations`, chattune.parallel.offload) and CPU offload
 (`model.fsdp.cpu_offload`, FSDP2's CPUOffloadPolicy): what the hooks move and leave, gradients equal to the plain
 forward's (eager and compiled, with and without activation checkpointing), the estimate's offloaded bytes against
 the hooks' count, and on 2 real ranks the losses, gradient norms and export of the plain run, resumed across the
@@ -21,7 +21,7 @@ RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_eve
 def test_the_hooks_move_activations_and_leave_weights_and_small_tensors():
     """A linear layer saves its input and its weight: only the input moves (a copy, the same values), and a
     tensor under the threshold stays."""
-    from chattune.model.offload import ActivationOffload
+    from chattune.parallel.offload import ActivationOffload
 
     layer = torch.nn.Linear(64, 32)
     inputs = torch.randn(16, 64, requires_grad=True)
@@ -60,7 +60,7 @@ def test_a_tensor_saved_again_moves_once_and_a_freed_storage_is_never_taken_for_
     tensor once on the tiny 3-layer Llama). Saved again unchanged, it now moves once and serves every use. A tensor
     whose storage was freed is never taken for a later one (the allocator hands the memory out again): with every
     key made equal, a second tensor saved after the first one's storage died still gets its own copy."""
-    from chattune.model import offload as offload_module
+    from chattune.parallel import offload as offload_module
 
     layers = [torch.nn.Linear(64, 32) for _ in range(3)]
     inputs = torch.randn(16, 64, requires_grad=True)
@@ -108,7 +108,7 @@ def test_the_copies_come_back_ahead_of_their_use_within_the_prefetch_budget():
     """The backward's first use of a tensor starts the copies back of those saved before it (the backward runs in
     about the reverse order): gradients bit for bit the plain ones; with no prefetch budget every tensor comes back
     when autograd asks for it, none ahead."""
-    from chattune.model.offload import ActivationOffload
+    from chattune.parallel.offload import ActivationOffload
 
     plain = _layers_and_gradients()
     for budget, ahead in ((2**30, True), (0, False)):
@@ -124,7 +124,7 @@ def test_the_copies_share_one_slab_reused_forward_after_forward(monkeypatch):
     what it needed (the bytes moved, each copy's start aligned), which the next forwards reuse instead of allocating;
     not the up to 2x of a power-of-two pinned allocator. Two forwards before one backward each keep their own
     copies (a reused slab would have the second overwrite the first's): gradients bit for bit."""
-    from chattune.model import offload as offload_module
+    from chattune.parallel import offload as offload_module
 
     monkeypatch.setattr(offload_module, "MIN_SLAB_BYTES", 4096)  # the first forward outgrows several slabs
     offload = offload_module.ActivationOffload(torch.device("cpu"))
@@ -149,9 +149,9 @@ def test_offloaded_gradients_equal_the_plain_forwards(one_rank_group, compile, c
     """The packed model on one rank, bit for bit; with checkpointing, what moves is at least every layer's input."""
     from chattune.data.packing import collate_packed
     from chattune.model.causal_lm import PackedCausalLM
-    from chattune.model.fsdp import shard_model
-    from chattune.model.offload import activation_offload
     from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.parallel.fsdp import shard_model
+    from chattune.parallel.offload import activation_offload
 
     batch = collate_packed(demo_documents(4))
 
@@ -182,10 +182,10 @@ def test_the_estimates_offloaded_bytes_are_what_the_hooks_move(one_rank_group, c
     """The estimate's host row against the bytes the hooks moved in a real packed forward, within 10%."""
     from chattune.data.packing import collate_packed
     from chattune.model.causal_lm import PackedCausalLM
-    from chattune.model.fsdp import shard_model
     from chattune.model.memory import MemoryInputs, estimate
-    from chattune.model.offload import activation_offload
     from chattune.objectives.cross_entropy import TokenCrossEntropy
+    from chattune.parallel.fsdp import shard_model
+    from chattune.parallel.offload import activation_offload
 
     batch = collate_packed(demo_documents(6))
     hf_model = tiny_model(num_hidden_layers=3)
@@ -267,7 +267,7 @@ def test_on_cuda_offloaded_runs_equal_the_plain_run_and_use_less_device_memory(t
 
 def test_cpu_offload_puts_every_unit_under_fsdp2s_offload_policy(one_rank_group):
     from chattune.model.causal_lm import PackedCausalLM
-    from chattune.model.fsdp import shard_model
+    from chattune.parallel.fsdp import shard_model
 
     model = shard_model(PackedCausalLM(tiny_model()), mesh_dims(), cpu_offload=True)
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]

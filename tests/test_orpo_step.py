@@ -14,9 +14,9 @@ from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import shard_model
 from chattune.objectives.dpo import PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
+from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics

@@ -29,8 +29,8 @@ from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM, check_output_head, output_bias
 from chattune.model.chunked_loss import chunked_token_losses
 from chattune.model.export import export_hf
-from chattune.model.fsdp import shard_model
 from chattune.model.output_logits import LogitTransform
+from chattune.parallel.fsdp import shard_model
 from conftest import demo_tokenizer, exported_weights, mesh_dims
 
 LENGTHS = (21, 9, 14)

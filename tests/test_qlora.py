@@ -19,13 +19,14 @@ from transformers import AutoModelForCausalLM
 import conftest
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
+from chattune.hf_layout import decoder_layers
 from chattune.model.adapters import add_adapters
 from chattune.model.build import build_sharded_model
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_adapter, export_hf
-from chattune.model.fsdp import decoder_layers, shard_model
 from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import shard_model
 from chattune.train.checkpoint import load_checkpoint, save_checkpoint
 from chattune.train.feed import StepBatches
 from chattune.train.run_state import model_and_optimizer

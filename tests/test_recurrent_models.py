@@ -220,7 +220,7 @@ def test_a_packed_row_with_a_recurrent_state_is_refused():
 def test_fsdp_shards_mambas_blocks_not_the_mixers_inside_them():
     """Mamba lists both its block and its mixer as layers not to split (`_no_split_modules`): FSDP2 shards the
     blocks, each with its mixer (sharding the mixer too, after its block, failed on parameters sharded already)."""
-    from chattune.model.fsdp import decoder_layers
+    from chattune.hf_layout import decoder_layers
 
     model = build("mamba")
     assert [type(layer).__name__ for layer in decoder_layers(model)] == ["MambaBlock"] * model.config.num_hidden_layers

@@ -15,10 +15,10 @@ from test_dpo_step import NUM_PAIRS, pair_documents
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import build_hf_model
-from chattune.model.fsdp import shard_model
 from chattune.model.heads import SCORE_HEAD
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.reward import RewardObjective
+from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics

@@ -17,9 +17,9 @@ from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import UserError
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.fsdp import shard_model
 from chattune.model.router_loss import router_loss_for
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics

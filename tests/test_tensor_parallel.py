@@ -1,4 +1,4 @@
-"""`chattune.model.tensor_parallel.tensor_parallel_problem`: which models split over T ranks, and the reason for
+"""`chattune.parallel.tensor_parallel.tensor_parallel_problem`: which models split over T ranks, and the reason for
 those that do not (what `shard_model` raises as UnsupportedModel at start-up). The split itself is checked on
 real processes in test_device_mesh (gradients against stock transformers) and test_mesh_layouts (recipe runs)."""
 
@@ -17,11 +17,11 @@ from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.fsdp import shard_model
 from chattune.model.memory import MemoryInputs, estimate
 from chattune.model.router_loss import router_loss_for
-from chattune.model.tensor_parallel import split_over, tensor_parallel_problem
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import shard_model
+from chattune.parallel.tensor_parallel import split_over, tensor_parallel_problem
 from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_config

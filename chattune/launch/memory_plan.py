@@ -43,8 +43,8 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
     import torch
 
     from chattune.data.tokenizer import load_tokenizer
-    from chattune.distributed import ParallelDims
-    from chattune.model.memory import hf_config_of, inputs_of, usable_device_memory
+    from chattune.distributed import ParallelDims, usable_device_memory
+    from chattune.model.memory import hf_config_of, inputs_of
     from chattune.model.memory_advice import report
 
     on_cuda, why = planned_device(str(cfg.device), device_memory, torch.cuda.is_available())

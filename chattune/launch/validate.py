@@ -223,7 +223,7 @@ def check_architecture_of(cfg: DictConfig, findings: Findings, on_cuda: bool) ->
     launch builds it, as is a miniature over ARCHITECTURE_CHECK_PARAMETERS (said in a note)."""
     if cfg.model.path is not None or not isinstance(cfg.model.config, DictConfig):
         return
-    from chattune.model.fsdp import compute_dtype
+    from chattune.parallel.fsdp import compute_dtype
 
     config = json.dumps(OmegaConf.to_container(cfg.model.config, resolve=True), sort_keys=True)
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, "cuda" if on_cuda else "cpu")

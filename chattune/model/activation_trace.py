@@ -158,9 +158,9 @@ def _register_trace_attention() -> None:
 def _saved_bytes_by_layer(model: nn.Module, layers: list[nn.Module]) -> Iterator[tuple[dict, dict]]:
     """Count the bytes of every storage autograd saves in the block, once, parameters excluded, attributed to the
     decoder layer running (key its index; None: outside the layers); and the bytes activation offloading copies to
-    the host (`chattune.model.offload`: each saved tensor of at least MIN_OFFLOAD_BYTES once, however often it is
+    the host (`chattune.parallel.offload`: each saved tensor of at least MIN_OFFLOAD_BYTES once, however often it is
     saved, views each on their own)."""
-    from chattune.model.offload import MIN_OFFLOAD_BYTES
+    from chattune.parallel.offload import MIN_OFFLOAD_BYTES
 
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: set[int] = set()
@@ -222,7 +222,7 @@ def activation_bytes(inputs: MemoryInputs, notes: list[str]) -> tuple[int | None
     """The activations one microbatch keeps for its backward (see the module docstring), on the device and, with
     `offload_activations`, on the host; None where the forward cannot run on the meta device, with a note why.
     With activation checkpointing each layer keeps its input, and one layer's activations exist again in its
-    recompute; offloaded (chattune.model.offload), the device holds one layer's activations at a time (recomputed,
+    recompute; offloaded (chattune.parallel.offload), the device holds one layer's activations at a time (recomputed,
     or brought back for its backward) and the copies in flight (a layer's input, or a tensor of at most a layer's),
     the host a copy of each tensor the forward saved, once (views of one storage each their own)."""
     trace = _cached_trace(inputs)
@@ -318,7 +318,7 @@ def _traced(inputs: MemoryInputs, compiled: bool) -> _Trace | str:
 
 
 def _compile_for_the_trace(layers: list[nn.Module]) -> None:
-    """Each layer's forward compiled as `chattune.model.fsdp.compile_layers` compiles it, with the partition of
+    """Each layer's forward compiled as `chattune.parallel.fsdp.compile_layers` compiles it, with the partition of
     forward and backward inductor uses (AOTAutograd's min-cut: a fused RMSNorm's fp32 upcast or a SiLU's
     intermediate is recomputed in the backward, not kept) and no code generated: the graphs run on the meta device,
     where the saved-tensor hooks count what they keep. A copy of the forward's code object, so that dynamo's cache

@@ -196,12 +196,12 @@ class BaseModelView:
         return self
 
     def modules(self):
-        """The policy's modules (what resharding the view frees: `chattune.model.fsdp.reshard`)."""
+        """The policy's modules (what resharding the view frees: `chattune.parallel.fsdp.reshard`)."""
         return self.model.modules()
 
     @property
     def parallel_dims(self):
-        """The policy's layout (`chattune.model.fsdp.parallel_dims_of`)."""
+        """The policy's layout (`chattune.parallel.fsdp.parallel_dims_of`)."""
         return getattr(self.model, "parallel_dims", None)
 
     def __call__(self, batch: PackedBatch) -> torch.Tensor:

@@ -23,10 +23,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_hidden_states
+from chattune.hf_layout import decoder_of
+from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.causal_lm import check_output_head
 from chattune.model.code_failures import model_code_failure
-from chattune.model.context_parallel import check_heads, whole_rows
 from chattune.model.flops import attention_heads, text_config
 from chattune.model.indexed_attention import check_context_parallel as check_indexed_context_parallel
 from chattune.model.indexed_attention import check_indexed_attention
@@ -40,6 +40,7 @@ from chattune.model.packing_probe import (
     probe_documents,
 )
 from chattune.model.rotary import check_rotary_tables
+from chattune.parallel.context_parallel import check_heads, whole_rows
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ layers differ (`attention_features` reads what it needs from the model).
 Generation (a prompt, then one token at a time against a KV cache) is not a packed row: `stock_attention`
 gives the model transformers' SDPA attention for its duration (`chattune.model.generate`).
 
-With context parallelism (`chattune.model.context_parallel`) each rank holds a slice of the row: an all-to-all
+With context parallelism (`chattune.parallel.context_parallel`) each rank holds a slice of the row: an all-to-all
 gives every rank the whole row for a share of the heads before the same kernels run (with those heads'
 sinks), and another swaps back. The group is the attention module's own (`context_group`, set on every module
 of the model by the builder), which transformers hands the attention function as its first argument.
@@ -54,6 +54,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
+from chattune.hf_layout import decoder_of
 from chattune.model import attention_kernels as kernels
 from chattune.model import indexed_attention
 from chattune.model.chunked_attention import (
@@ -62,9 +63,9 @@ from chattune.model.chunked_attention import (
     per_document_temperature,
     temperature_tuned,
 )
-from chattune.model.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 from chattune.model.mixers import isolate_documents
 from chattune.model.rotary import isolate_rotaries
+from chattune.parallel.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 
 ATTENTION_NAME = "chattune_packed"
 
@@ -259,7 +260,7 @@ def packed_attention(
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     max_seqlen = kwargs.get("max_length_q")
-    group = context_group_of(module)  # the model's (`chattune.model.context_parallel.set_context_group`)
+    group = context_group_of(module)  # the model's (`chattune.parallel.context_parallel.set_context_group`)
     if cu_seqlens is None:
         if group is not None:  # a slice's position ids do not say where the row's documents start
             raise ValueError(f"{ATTENTION_NAME} attention under context parallelism needs the row's cu_seq_lens_q")
@@ -320,12 +321,6 @@ def stock_attention(hf_model: PreTrainedModel) -> Iterator[None]:
         yield
     finally:
         hf_model.set_attn_implementation(ATTENTION_NAME)
-
-
-def decoder_of(hf_model: PreTrainedModel) -> torch.nn.Module:
-    """The decoder a causal LM runs: its `base_model_prefix` attribute, or `.model` where that names none (Llama 4's
-    and Mllama's causal LMs: prefix language_model, decoder model)."""
-    return getattr(hf_model, hf_model.base_model_prefix, None) or hf_model.model
 
 
 def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:

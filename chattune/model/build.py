@@ -20,8 +20,9 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.config.schema import PeftConfig, SFTConfig
 from chattune.config.typed import config_dict
-from chattune.distributed import ParallelDims
+from chattune.distributed import ParallelDims, usable_device_memory
 from chattune.errors import UnsupportedModel, UserError
+from chattune.hf_layout import decoder_layers
 from chattune.hub import hub_hint, local_directory
 from chattune.model import load, quantize
 from chattune.model.adapter_targets import quantized_experts_note
@@ -39,22 +40,15 @@ from chattune.model.composite import (
     text_config_of,
 )
 from chattune.model.float8 import convert_linear_layers, fp8_problem
-from chattune.model.fsdp import (
-    TORCH_DTYPES,
-    compile_enabled,
-    compute_dtype,
-    decoder_layers,
-    parallel_dims_of,
-    shard_model,
-)
 from chattune.model.fused_loss import resolve_loss_implementation
 from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
 from chattune.model.indexed_attention import indexed_path_name
-from chattune.model.memory import inputs_of, memory_levers, usable_device_memory
+from chattune.model.memory import inputs_of, memory_levers
 from chattune.model.memory_advice import report
 from chattune.model.mixers import handled_mixers, mixer_path_name
 from chattune.model.router_loss import router_loss_for
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
+from chattune.parallel.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, parallel_dims_of, shard_model
 
 logger = logging.getLogger(__name__)
 

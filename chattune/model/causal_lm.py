@@ -21,16 +21,17 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel, UserError
-from chattune.model.attention import ATTENTION_NAME, decoder_of, packed_decoder_output, stock_attention
+from chattune.hf_layout import decoder_of
+from chattune.model.attention import ATTENTION_NAME, packed_decoder_output, stock_attention
 from chattune.model.chunked_loss import chunked_token_losses
-from chattune.model.context_parallel import gather_row, row_slice, set_context_group
 from chattune.model.flops import model_flops
 from chattune.model.fused_loss import cce_token_losses, describe_bias
 from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
 from chattune.model.output_logits import LogitTransform
 from chattune.model.router_loss import RouterLoss
-from chattune.model.sequence_parallel import Stream
-from chattune.model.vocab_parallel import local_head
+from chattune.parallel.context_parallel import gather_row, row_slice, set_context_group
+from chattune.parallel.sequence_parallel import Stream
+from chattune.parallel.vocab_parallel import local_head
 
 
 class PackedCausalLM(nn.Module):
@@ -49,7 +50,7 @@ class PackedCausalLM(nn.Module):
         in TF32 (CUDA with bf16/fp16 compute, where that is exact for its forward); `router_loss`: a MoE model's
         load-balancing loss, computed by training forwards that ask for it; `context_group`: the ranks its packed
         rows are split across (`ParallelDims.cp_group`; None: whole rows), set on it and on every module of
-        `hf_model` (`chattune.model.context_parallel.set_context_group`), where its attention reads it. Its
+        `hf_model` (`chattune.parallel.context_parallel.set_context_group`), where its attention reads it. Its
         architecture is checked by `chattune.model.architecture_check` (the builder runs it), not here: `hf_model`
         may be on the meta device, its weights loaded after sharding."""
         super().__init__()
@@ -64,8 +65,10 @@ class PackedCausalLM(nn.Module):
         self.logit_transform = LogitTransform.from_config(hf_model.config)  # verified by check_output_head
         self.router_loss = router_loss
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
-        self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
-        self.stream: Stream | None = None  # tensor parallelism's (`chattune.model.tensor_parallel`), set by shard_model
+        self.compiled, self.compute_dtype = False, "float32"  # as `chattune.parallel.fsdp.shard_model` applies them
+        self.stream: Stream | None = (
+            None  # tensor parallelism's (`chattune.parallel.tensor_parallel`), set by shard_model
+        )
         set_context_group(self, context_group)  # self.context_group, and the attention modules'
 
     def forward(
@@ -74,9 +77,9 @@ class PackedCausalLM(nn.Module):
         """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored. With
         `router_losses` (a model with a `router_loss`), also each segment's coefficient-weighted load-balancing
         loss (S,). Under context parallelism every rank of the group passes the whole row, computes its own
-        slice and returns the whole row's losses (`chattune.model.context_parallel`)."""
+        slice and returns the whole row's losses (`chattune.parallel.context_parallel`)."""
         group = self.context_group
-        # A stream split by tokens over a tp group (`chattune.model.sequence_parallel`) splits each rank's row
+        # A stream split by tokens over a tp group (`chattune.parallel.sequence_parallel`) splits each rank's row
         # evenly: a row T (or C x T) does not divide is padded by a segment of its own.
         tokens_over = self.stream.size if self.stream is not None else 1
         if group is None:
@@ -101,14 +104,14 @@ class PackedCausalLM(nn.Module):
         notes = [
             note for note, applies in (("its matmuls in TF32", self.tf32_head), ("with its bias", biased)) if applies
         ]
-        if split:  # loss-parallel (`chattune.model.vocab_parallel`)
+        if split:  # loss-parallel (`chattune.parallel.vocab_parallel`)
             notes.append(split)
         return "loss: chunked fp32 head" + (f" ({', '.join(notes)})" if notes else "")
 
     def generate(self, **kwargs) -> torch.Tensor:
         """The wrapped model's `generate` (transformers'), with its attention as transformers' SDPA for the
         duration (a KV cache is no packed row). Sharded, this is one of FSDP2's forward methods
-        (`chattune.model.fsdp.shard_model` registers it): the root's parameters (embeddings, final norm,
+        (`chattune.parallel.fsdp.shard_model` registers it): the root's parameters (embeddings, final norm,
         output layer) are gathered around it, each decoder layer's around each of its forwards, so every
         rank must make the same calls (`chattune.model.generate`)."""
         with stock_attention(self.hf_model), self.stream.whole() if self.stream is not None else nullcontext():

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.model.output_logits import LogitTransform
-from chattune.model.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
+from chattune.parallel.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
 
 
 @contextmanager
@@ -108,7 +108,7 @@ def chunked_token_losses(
     `bias`: (V,) the output layer's bias, where it has one: logits are hidden @ W.T + bias (added in fp32), then
     transformed; it gets its gradient like the weight (the sum over tokens of softmax - one-hot).
     `rows`: under loss-parallel, `weight` and `bias` are this rank's rows of the vocabulary
-    (`chattune.model.vocab_parallel`), and each chunk's log-sum-exp and target logit are reduced over the group.
+    (`chattune.parallel.vocab_parallel`), and each chunk's log-sum-exp and target logit are reduced over the group.
     """
     transform = None if transform is None or transform.is_identity else transform
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:

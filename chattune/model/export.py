@@ -37,10 +37,10 @@ from chattune.hub import hub_id
 from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.composite import adapter_targets, copy_source_files
-from chattune.model.fsdp import reshard
 from chattune.model.load import STORED_DTYPES, SafetensorsFile, checkpoint_files, saved_tensors, stored_name
 from chattune.model.quantize import dequantized, is_quantized, weight_shape
 from chattune.model.weights import SAFETENSORS_INDEX
+from chattune.parallel.fsdp import reshard
 
 if TYPE_CHECKING:  # peft is imported where an adapter is exported: it costs seconds per process
     from peft.tuners.lora import LoraLayer

@@ -49,7 +49,7 @@ import torch
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UserError
 from chattune.model.output_logits import LogitTransform
-from chattune.model.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
+from chattune.parallel.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
 
 logger = logging.getLogger(__name__)
 # Options of later releases that accumulate the hidden-state and output-layer gradients in fp32.
@@ -164,7 +164,7 @@ def cce_token_losses(
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32, 0 where the label is IGNORE_INDEX) of hidden (N, H) against the
     output embedding weight (V, H), in the inputs' dtype (bf16 under FSDP's mixed precision). `rows`: under
-    loss-parallel, `weight` and `bias` are this rank's rows of the vocabulary (`chattune.model.vocab_parallel`),
+    loss-parallel, `weight` and `bias` are this rank's rows of the vocabulary (`chattune.parallel.vocab_parallel`),
     each token's log-sum-exp over them and its target logit reduced over the group.
 
     `transform` (`chattune.model.output_logits`): CCE soft-caps natively (`softcap`); a logit scale s has no

@@ -24,7 +24,7 @@ from chattune.model.architecture_check import MINIATURE_LAYERS, miniature_config
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.code_failures import where_it_fails
 from chattune.model.flops import text_config
-from chattune.model.fsdp import can_stay_gathered, eager_layers, model_device, reshard, stay_gathered
+from chattune.parallel.fsdp import can_stay_gathered, eager_layers, model_device, reshard, stay_gathered
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,11 @@ def generate_reply(
 @contextlib.contextmanager
 def sharded_generation(model: PackedCausalLM, gather: bool | None = None) -> Iterator[bool]:
     """Collective: the sharded model being trained, ready for `generate_reply`: eval mode (no dropout), no
-    gradients, its decoder layers uncompiled (`chattune.model.fsdp.eager_layers`); afterwards its mode as it was
+    gradients, its decoder layers uncompiled (`chattune.parallel.fsdp.eager_layers`); afterwards its mode as it was
     and every FSDP unit resharded (the root stays gathered after a forward method).
 
     Yields whether each rank may generate on its own: with `gather` (None: where every rank has room,
-    `chattune.model.fsdp.can_stay_gathered`) the whole model is gathered once for the block and a forward runs
+    `chattune.parallel.fsdp.can_stay_gathered`) the whole model is gathered once for the block and a forward runs
     no collective; without it each forward gathers each layer, so every rank must call `generate_reply` alike,
     with `synced=True`."""
     was_training = model.training

@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chattune.errors import UnsupportedModel
-from chattune.model.context_parallel import context_group_of
+from chattune.parallel.context_parallel import context_group_of
 
 
 @dataclass(frozen=True)

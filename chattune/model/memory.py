@@ -33,7 +33,7 @@ What each row counts, and how:
 - **offloading**: with `cpu_offload` the parameter, gradient and optimizer rows move to `host_rows` (FSDP2 keeps them
   on the host) and the device keeps one unit's shards copied in and its gradients out; with `offload_activations`
   the device keeps one layer's activations and the copies in flight, the host a copy of each saved tensor
-  (`chattune.model.offload`).
+  (`chattune.parallel.offload`).
 
 Where the run does not fit, `chattune.model.memory_advice` says which changes would make it fit.
 
@@ -112,20 +112,6 @@ class MemoryEstimate:
         return "\n".join(lines + [f"  ({note})" for note in self.notes])
 
 
-def usable_device_memory(device: torch.device) -> int:
-    """What a run can allocate on `device`, measured: its free memory and what torch's allocator already holds.
-    The GPU's total less what torch does not count (the CUDA context, NCCL's buffers, other processes): the
-    verdict compared with `total_memory` left nothing for them."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device)
-
-
-def spare_device_memory(device: torch.device) -> int:
-    """What more a run can allocate on `device` now: the free memory and the allocator's cached, unused blocks
-    (`mem_get_info` alone leaves those out, though torch reuses them first)."""
-    return usable_device_memory(device) - torch.cuda.memory_allocated(device)
-
-
 def format_gib(value: int | None) -> str:
     return "not estimated" if value is None else f"{value / GiB:.2f} GiB"
 
@@ -144,9 +130,9 @@ def parse_size(text: str) -> int:
 
 
 def _split_over_tensor(model: nn.Module, layers: list[nn.Module]) -> set[int]:
-    """The ids of the parameters tensor parallelism splits (`chattune.model.tensor_parallel.PLAN`'s linears, and
-    the vocabulary's: the input embedding and the output layer, `chattune.model.vocab_parallel`)."""
-    from chattune.model.tensor_parallel import PLAN
+    """The ids of the parameters tensor parallelism splits (`chattune.parallel.tensor_parallel.PLAN`'s linears, and
+    the vocabulary's: the input embedding and the output layer, `chattune.parallel.vocab_parallel`)."""
+    from chattune.parallel.tensor_parallel import PLAN
 
     vocabulary = (model.get_input_embeddings(), model.get_output_embeddings())
     split = {id(p) for module in vocabulary if module is not None for p in module.parameters()}
@@ -161,7 +147,7 @@ def _split_over_tensor(model: nn.Module, layers: list[nn.Module]) -> set[int]:
 
 def _row_wise(model: nn.Module, linear: nn.Module) -> bool:
     """Whether tensor parallelism splits `linear` row-wise (its input features), not column-wise."""
-    from chattune.model.tensor_parallel import PLAN, RowwiseParallel
+    from chattune.parallel.tensor_parallel import PLAN, RowwiseParallel
 
     return any(
         path.endswith(name) and style is RowwiseParallel
@@ -311,7 +297,7 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     if inputs.lora_rank:  # adapters A (rank x in) and B (out x rank) on each target, sharded like the rest
         linears, stacks = lora_targets(model, inputs.lora_targets)
         for layer in linears.values():
-            # split with its base layer over tp (`chattune.model.tensor_parallel`): a column-wise layer's B, a
+            # split with its base layer over tp (`chattune.parallel.tensor_parallel`): a column-wise layer's B, a
             # row-wise layer's A
             split_by = inputs.tensor if id(layer.weight) in split else 1
             rows = split_by if split_by > 1 and _row_wise(model, layer) else 1  # a row-wise layer's A
@@ -424,7 +410,7 @@ def hf_config_of(cfg, tokenizer_size: int | None = None):
 def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInputs:
     """The memory inputs of a run of `cfg` (a composed recipe config) laid out as `layout` (its meshes not
     needed: `ParallelDims.from_config`), on CUDA or on the CPU, in the compute dtype it takes there."""
-    from chattune.model.fsdp import compile_enabled, compute_dtype
+    from chattune.parallel.fsdp import compile_enabled, compute_dtype
 
     fsdp, peft = cfg.model.fsdp, _get(cfg, "peft")
     dtype_name = compute_dtype(fsdp.param_dtype, "cuda" if on_cuda else "cpu")

@@ -75,6 +75,7 @@ import torch
 from torch import nn
 
 from chattune.errors import UnsupportedModel
+from chattune.hf_layout import decoder_of
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,6 @@ def isolate_documents(hf_model: nn.Module) -> None:
 def _decoder(hf_model: nn.Module) -> nn.Module:
     """The module `chattune.model.attention.packed_decoder_output` calls with the row (`decoder_of`), or the model
     itself where it is a decoder (no base model of its own)."""
-    from chattune.model.attention import decoder_of  # here: that module imports this one
 
     try:
         return decoder_of(hf_model)

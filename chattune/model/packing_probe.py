@@ -53,7 +53,7 @@ from chattune.errors import UnsupportedModel, UserError
 from chattune.model import mixers
 from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.code_failures import model_code_failure, where_it_fails
-from chattune.model.context_parallel import split_across, split_hidden_states, whole_rows
+from chattune.parallel.context_parallel import split_across, split_hidden_states, whole_rows
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
 PROBE_LENGTHS = (11, 9, 11)
@@ -271,7 +271,7 @@ def check_packing_isolation(hf_model: PreTrainedModel) -> None:
 
 
 def check_context_split(hf_model: PreTrainedModel, group) -> None:
-    """Under context parallelism (`chattune.model.context_parallel`): refuse a model whose packed row, split
+    """Under context parallelism (`chattune.parallel.context_parallel`): refuse a model whose packed row, split
     across the ranks of `group` (each its slice, attention exchanged), does not compute what the row run whole
     computes. Every rank of the group runs it on the same miniature, at start-up. One probe row [A, B, C] (31
     tokens) has document boundaries inside the slices and documents straddling them for any group size; the

@@ -23,7 +23,7 @@ would still be wrong for dynamic NTK, whose frequencies change with every length
 The module needs the row's document boundaries, which transformers does not pass to it: a forward pre-hook on the
 module that calls it (the decoder) records the row's `cu_seq_lens_q` each call (`None` in generation, where the
 stock forward runs untouched: a prompt is one document). Under context parallelism each rank holds a slice of the
-row with the row's position ids and boundaries (`chattune.model.context_parallel`): a token's document and its
+row with the row's position ids and boundaries (`chattune.parallel.context_parallel`): a token's document and its
 length come from the whole row's boundaries and the slice's offset.
 
 Cost: one call of the rotary forward per distinct document length (cheap: a table of L × head size), a host sync
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chattune.errors import UnsupportedModel
-from chattune.model.context_parallel import context_group_of
+from chattune.parallel.context_parallel import context_group_of
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from chattune.data.packing import PackedBatch
 from chattune.data.tokenizer import pad_token_id
 from chattune.errors import UnsupportedModel
 from chattune.model.attention import packed_decoder_output
-from chattune.model.context_parallel import row_slice
 from chattune.model.flops import model_flops
-from chattune.model.sequence_parallel import Stream, gather_whole_block_input
+from chattune.parallel.context_parallel import row_slice
+from chattune.parallel.sequence_parallel import Stream, gather_whole_block_input
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,10 @@ class PackedSequenceScorer(nn.Module):
         self.composite = None
         self.router_loss = None  # a MoE model's router loss is not trained next to a reward (the builder refuses it)
         self.flops = model_flops(hf_model)
-        self.compiled, self.compute_dtype = False, "float32"  # as `chattune.model.fsdp.shard_model` applies them
-        self.stream: Stream | None = None  # tensor parallelism's (`chattune.model.tensor_parallel`), set by shard_model
+        self.compiled, self.compute_dtype = False, "float32"  # as `chattune.parallel.fsdp.shard_model` applies them
+        self.stream: Stream | None = (
+            None  # tensor parallelism's (`chattune.parallel.tensor_parallel`), set by shard_model
+        )
         # The export is a sequence-classification directory whatever the checkpoint it started from said it was.
         hf_model.config.architectures = [type(hf_model).__name__]
 

@@ -24,10 +24,10 @@ from chattune.data.packing import PackedBatch
 from chattune.distributed import reduce_sums
 from chattune.hub import hub_id
 from chattune.model.adapters import BaseModelView
-from chattune.model.fsdp import reshard
 from chattune.objectives.base import Objective, model_losses, objective_loss
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.objectives.source_figures import source_figures
+from chattune.parallel.fsdp import reshard
 
 
 def pair_logps(token_losses: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:

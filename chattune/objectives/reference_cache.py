@@ -29,8 +29,8 @@ from chattune.data.packing import PackedBatch, empty_batch
 from chattune.data.template_choice import template_fingerprint
 from chattune.distributed import all_reduce_max, all_reduce_sum
 from chattune.hub import local_directory
-from chattune.model.fsdp import parallel_dims_of, reshard
 from chattune.objectives.dpo import pair_logps
+from chattune.parallel.fsdp import parallel_dims_of, reshard
 
 logger = logging.getLogger(__name__)
 

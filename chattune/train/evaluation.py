@@ -11,8 +11,8 @@ from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_max, all_reduce_sum, host_values_on
-from chattune.model.fsdp import parallel_dims_of, reshard
 from chattune.objectives.base import Objective
+from chattune.parallel.fsdp import parallel_dims_of, reshard
 from chattune.train.progress import Progress
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def evaluate(
 ) -> dict[str, float]:
     """The objective's metrics over all ranks' held-out batches, named `eval_*` (eval_loss, ...). A rank with
     fewer batches runs empty ones: every FSDP forward is a collective, so all ranks make the same number.
-    The model is resharded after the last forward (`chattune.model.fsdp.reshard`). `progress`: the run's, which
+    The model is resharded after the last forward (`chattune.parallel.fsdp.reshard`). `progress`: the run's, which
     shows where a long evaluation is (rank 0)."""
     # The losses and figures summed on the device (no transfer per batch: `float(loss)` waited for each batch's
     # kernels); the units on the host. One transfer at the end, with the all-reduce.

@@ -70,7 +70,7 @@ class StepFeed:
     epoch ends, and this rank trains the step's microbatches `invariant.slots`, seeded from `invariant.seed`, the
     step and the slot. `reports_figures`: whether this rank's figures (epoch counts, skips) go into the sums over
     ranks: not on the other ranks of a context group, which read the same microbatches as its first
-    (chattune.model.context_parallel)."""
+    (chattune.parallel.context_parallel)."""
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from chattune.model.tensor_parallel import split_over
+from chattune.parallel.tensor_parallel import split_over
 
 
 class UpdateInBackward:

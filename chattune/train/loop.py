@@ -39,9 +39,9 @@ from chattune.errors import UserError
 from chattune.model.build import BuiltModel
 from chattune.model.export import export_run
 from chattune.model.flops import batch_flops, peak_flops
-from chattune.model.fsdp import compiled_graphs, parallel_dims_of
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.base import Objective
+from chattune.parallel.fsdp import compiled_graphs, parallel_dims_of
 from chattune.train.checkpoint import BackgroundSaves, Checkpointer
 from chattune.train.evaluation import Evaluator
 from chattune.train.faults import maybe_crash, maybe_slow

@@ -6,7 +6,7 @@ per prompt: step, prompt, reply) and, with logger=wandb, as a table.
 the held-out set (`data.eval`: the context before each of its first records' last reply). Rank r answers prompts
 r, r + W, ... greedily with the same token limit (under tensor parallelism, the ranks of tp group g answer
 prompts g, g + W/T, ... together). Where every rank has room for the whole model, it is gathered
-once for all the replies and each rank generates on its own (`chattune.model.fsdp.stay_gathered`: a reply no
+once for all the replies and each rank generates on its own (`chattune.parallel.fsdp.stay_gathered`: a reply no
 longer gathers every layer for every token). Otherwise every forward is a collective: the ranks answer in turns
 of one prompt each (a rank out of prompts repeats its last one, whose answer nobody keeps) and transformers'
 `synced_gpus` keeps a rank whose reply has ended stepping until every rank's has (`chattune.model.generate`).

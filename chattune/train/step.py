@@ -15,7 +15,7 @@ Every rank runs the same number of forward/backward calls (ranks short of data g
 so the end of the data can never leave one rank waiting in a collective. The same all-reduce carries
 how many data streams have finished their share of the epoch (see `chattune.train.feed`).
 
-Under context parallelism (`chattune.model.context_parallel`) the C ranks of a group train the same rows,
+Under context parallelism (`chattune.parallel.context_parallel`) the C ranks of a group train the same rows,
 each computing a slice; the group's first rank alone counts their units and reports their sums, so the
 normaliser and the metrics count every row once.
 
@@ -39,10 +39,10 @@ from torch.distributed.tensor import DTensor
 
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_sum, host_values_on
-from chattune.model.fsdp import model_device, parallel_dims_of
-from chattune.model.offload import activation_offload
-from chattune.model.tensor_parallel import split_over
 from chattune.objectives.base import Objective
+from chattune.parallel.fsdp import model_device, parallel_dims_of
+from chattune.parallel.offload import activation_offload
+from chattune.parallel.tensor_parallel import split_over
 from chattune.train.feed import StepBatches
 from chattune.train.in_backward import UpdateInBackward
 

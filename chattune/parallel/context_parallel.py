@@ -141,7 +141,7 @@ def padded_length(num_tokens: int, context_size: int) -> int:
 def row_slice(batch: PackedBatch, context_size: int, context_rank: int, slice_multiple: int = 1) -> PackedBatch:
     """This rank's contiguous slice of a packed row, for the decoder and the output layer: its tokens, labels
     and position ids, with the whole row's `cu_seqlens` (attention, after the swap, sees the whole row). A row
-    whose length C (times `slice_multiple`: each slice split further by tokens, `chattune.model.sequence_parallel`)
+    whose length C (times `slice_multiple`: each slice split further by tokens, `chattune.parallel.sequence_parallel`)
     does not divide is first padded by a segment of its own (pad id 0, nothing trained); its losses are dropped by
     the caller (`PackedCausalLM`). Per-document bookkeeping (segment and document ids) stays with the whole row,
     which is what the objectives read."""

@@ -24,33 +24,15 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
 
 from chattune.config.schema import DTYPES, FSDPConfig
-from chattune.distributed import ParallelDims, world_size
-from chattune.model import tensor_parallel
-from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.memory import spare_device_memory
-from chattune.model.offload import ActivationOffload
-from chattune.model.sequence_score import PackedSequenceScorer
-from chattune.model.vocab_parallel import parallelize_vocabulary
+from chattune.distributed import ParallelDims, spare_device_memory, world_size
+from chattune.hf_layout import decoder_layers
+from chattune.parallel import tensor_parallel
+from chattune.parallel.offload import ActivationOffload
+from chattune.parallel.vocab_parallel import parallelize_vocabulary
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
-
-
-def decoder_layers(model: PackedCausalLM | PackedSequenceScorer | PreTrainedModel) -> list[nn.Module]:
-    """The repeated blocks, found through the class names HF lists in `_no_split_modules`; the outermost only where
-    the list names a block and a module inside it (Mamba's MambaBlock and MambaMixer: sharding the block and then
-    its mixer would shard the mixer's parameters twice)."""
-    hf_model = model.hf_model if isinstance(model, (PackedCausalLM, PackedSequenceScorer)) else model
-    names = set(hf_model._no_split_modules or [])
-    # Match along the MRO: once sharded, a layer's class is FSDP2's dynamic subclass (FSDPLlamaDecoderLayer).
-    matched = [m for m in hf_model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
-    inside = {id(inner) for m in matched for inner in m.modules() if inner is not m}
-    layers = [m for m in matched if id(m) not in inside]
-    if not layers:
-        raise ValueError(f"found no decoder layers in {type(hf_model).__name__} (looked for {sorted(names)})")
-    return layers
 
 
 def compute_dtype(param_dtype: str, device_type: str) -> str:
@@ -93,7 +75,7 @@ def compile_layers(layers: list[nn.Module], activation_checkpointing: bool) -> N
 
 
 @contextlib.contextmanager
-def eager_layers(model: PackedCausalLM) -> Iterator[None]:
+def eager_layers(model: nn.Module) -> Iterator[None]:
     """The decoder layers' own (uncompiled) forwards while the block runs: generation's shapes (a prompt, then
     one token against a growing cache) would otherwise compile graphs of their own, for a few short prompts,
     and count as recompiles in `compiled_graphs`. A no-op for layers that are not compiled."""
@@ -173,20 +155,22 @@ def stay_gathered(model: nn.Module) -> Iterator[None]:
 
 
 def shard_model(
-    model: PackedCausalLM,
+    model: nn.Module,
     dims: ParallelDims,
     compile: bool = False,
     replicated: set[nn.Parameter] | None = None,
     **fsdp: Any,
-) -> PackedCausalLM:
-    """`dims`: the run's layout (`chattune.distributed.ParallelDims`, built on its process group): the decoder
-    layers split over its tp group (`chattune.model.tensor_parallel`) with the vocabulary
-    (`chattune.model.vocab_parallel`), then each parameter sharded over its
+) -> nn.Module:
+    """`model`: the packed model (`chattune.model.causal_lm.PackedCausalLM`, or a reward model's
+    `PackedSequenceScorer`) around its HF model. `dims`: the run's layout (`chattune.distributed.ParallelDims`,
+    built on its process group): the decoder
+    layers split over its tp group (`chattune.parallel.tensor_parallel`) with the vocabulary
+    (`chattune.parallel.vocab_parallel`), then each parameter sharded over its
     `fsdp_mesh`; the model keeps it (`parallel_dims_of`) for the step and the figures.
     `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). `fsdp`: the
     keys of `model.fsdp` (`FSDPConfig`; those not given keep its defaults): the compute and reduction dtypes,
     activation checkpointing, offloaded activations (a training forward's saved tensors in host memory,
-    `chattune.model.offload`) and CPU offload (the shards, their gradients and the optimizer step on the host,
+    `chattune.parallel.offload`) and CPU offload (the shards, their gradients and the optimizer step on the host,
     FSDP2's CPUOffloadPolicy). The model records what was applied (`compiled`, `compute_dtype`, `compute_device`,
     `cpu_offload`, `activation_offload`, `parallel_dims`): the loop, the loader and the logs read it there."""
     settings = FSDPConfig(**fsdp)

@@ -8,12 +8,12 @@ reduce-scatter to the ranks' tokens, and the block's input an all-gather of them
 bytes), and the same in the backward.
 
 How the stream moves (`Stream` holds the group; each hook reads whether it is on):
-- the split embedding's lookups are reduce-scattered to the ranks' tokens (`chattune.model.vocab_parallel`);
+- the split embedding's lookups are reduce-scattered to the ranks' tokens (`chattune.parallel.vocab_parallel`);
 - the attention and the MLP take the tokens all-gathered (`gather_block_input`) and hand back their partial sums
   reduce-scattered (`finish_block_output`); a mixture of experts, whole on every rank, takes them gathered and
   hands back its own tokens' part (its gradient gathered back, so every rank's experts get the whole gradient);
 - the norms (the layers' and the final one) see their rank's tokens only: their weights' gradients are summed
-  over the group in the backward, as are the per-head q/k norms' (`chattune.model.tensor_parallel`);
+  over the group in the backward, as are the per-head q/k norms' (`chattune.parallel.tensor_parallel`);
 - the final hidden states are all-gathered for the split output layer (`gather_for_loss`), whose rows' gradients
   of them are summed back to each rank's tokens (reduce-scatter).
 A row whose length T does not divide is padded by a segment of its own (`PackedCausalLM`, as context parallelism

@@ -10,7 +10,7 @@ T times the head's matmuls. Split, each rank computes the logits of its own rows
   hold). The chunked loss computes both from its chunk's logits (`chattune.model.chunked_loss`), cut-cross-entropy
   from its loss over the rank's rows (`chattune.model.fused_loss`);
 - the hidden states' gradient is a sum over the group's rows, all-reduced once in the backward
-  (`chattune.model.tensor_parallel.sum_gradients_over`), before the final norm and the layers see it;
+  (`chattune.parallel.tensor_parallel.sum_gradients_over`), before the final norm and the layers see it;
 - the input embedding (`split_embedding`): each rank looks up the tokens among its rows, zeros for the others,
   and the group sums the rows (an all-reduce of the hidden states in the forward). A tied model's one matrix is
   split once and serves both. The embedding's `padding_idx` (whose row gets no gradient) is kept, on the rank
@@ -36,8 +36,8 @@ from transformers import PreTrainedModel
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UnsupportedModel
-from chattune.model.sequence_parallel import Stream, gather_for_loss, reduce_scatter_tokens
-from chattune.model.tensor_parallel import SumGradientOverGroup, split_over
+from chattune.parallel.sequence_parallel import Stream, gather_for_loss, reduce_scatter_tokens
+from chattune.parallel.tensor_parallel import SumGradientOverGroup, split_over
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def split_embedding(embedding: nn.Embedding, tp_mesh: DeviceMesh, stream: Stream
 def parallelize_vocabulary(hf_model: PreTrainedModel, tp_mesh: DeviceMesh, stream: Stream) -> None:
     """The input embedding's and the output layer's rows split over `tp_mesh` (in place; tied, one matrix; a model
     without an output layer, only its embedding); the embedding hands on the `stream`
-    (`chattune.model.sequence_parallel`)."""
+    (`chattune.parallel.sequence_parallel`)."""
     embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear | None):
         raise UnsupportedModel(

@@ -5,11 +5,11 @@ group (Megatron's layout, with torch's DTensor plans), before FSDP2 shards what 
   projection row-wise (its partial sums reduced over the group): the packed attention sees only its own heads,
   which it reads from the tensors' shapes. The MLP: gate and up column-wise, down row-wise.
 - Between the blocks the residual stream is split by tokens (sequence parallelism,
-  `chattune.model.sequence_parallel`): a block's input is all-gathered as one replicated DTensor, so its
+  `chattune.parallel.sequence_parallel`): a block's input is all-gathered as one replicated DTensor, so its
   column-wise layers add their input gradients into it and the backward reduces their sum once per block, and its
   partial sums are reduce-scattered back to the ranks' tokens. The norms between the blocks run on each rank's
   tokens; their gradients are summed over the group (`_sum_gradients_over`).
-- The vocabulary is split too (loss-parallel, `chattune.model.vocab_parallel`): the embedding's and the output
+- The vocabulary is split too (loss-parallel, `chattune.parallel.vocab_parallel`): the embedding's and the output
   layer's rows, the loss reduced over the group.
 - LoRA's adapters split with their base layers (`_layer_plan`).
 - A parameter that acts on one rank's heads while being whole on every rank (Qwen3's and Gemma 3's per-head q
@@ -42,8 +42,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from transformers import PretrainedConfig, PreTrainedModel
 
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import decoder_of
-from chattune.model.sequence_parallel import (
+from chattune.hf_layout import decoder_of
+from chattune.parallel.sequence_parallel import (
     Stream,
     finish_block_output,
     finish_whole_block_output,
@@ -132,7 +132,7 @@ def _sum_gradients_over(norm: nn.Module, group: dist.ProcessGroup) -> None:
 
 def parallelize(hf_model: PreTrainedModel, layers: list[nn.Module], tp_mesh: DeviceMesh) -> Stream:
     """Split each decoder layer of `layers` over `tp_mesh` (in place), before compiling and FSDP2, with the
-    residual stream split by tokens between the blocks (`chattune.model.sequence_parallel`): the returned
+    residual stream split by tokens between the blocks (`chattune.parallel.sequence_parallel`): the returned
     `Stream`, which the embedding and the loss read too."""
     problem = tensor_parallel_problem(hf_model.config, tp_mesh.size())
     if problem:
