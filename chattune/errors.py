@@ -162,9 +162,12 @@ def report_errors() -> Iterator[None]:
     except NothingToDo as done:  # raised alike by every rank
         if _rank() == 0:
             print(f"chattune: {done}", file=sys.stderr, flush=True)
-        from chattune.distributed import shutdown_distributed
-
-        shutdown_distributed()  # (a sweep's next job makes its own group)
+        # Every rank here, then the group torn down (a sweep's next job makes its own). This module talks to
+        # torch.distributed itself, as for the note's store: chattune.distributed is above it (it raises UserError).
+        dist = _process_group()
+        if dist is not None:
+            dist.barrier()
+            dist.destroy_process_group()
     except UserError as error:
         store = _note_store()
         if _claim_report(store):

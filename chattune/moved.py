@@ -15,6 +15,15 @@ MOVED = {
     "chattune.model.vocab_parallel": "chattune.parallel.vocab_parallel",
     "chattune.model.context_parallel": "chattune.parallel.context_parallel",
     "chattune.model.offload": "chattune.parallel.offload",
+    # (2026-12: the run's state on disk out of train/ into checkpoint/; the feed beside the data it assembles)
+    "chattune.train.checkpoint": "chattune.checkpoint.checkpoint",
+    "chattune.train.snapshot": "chattune.checkpoint.snapshot",
+    "chattune.train.staging": "chattune.checkpoint.staging",
+    "chattune.train.resume": "chattune.checkpoint.resume",
+    "chattune.train.run_state": "chattune.checkpoint.run_state",
+    "chattune.train.output_dir": "chattune.checkpoint.output_dir",
+    "chattune.train.faults": "chattune.faults",
+    "chattune.train.feed": "chattune.data.feed",
 }
 
 

@@ -15,6 +15,7 @@ import logging
 
 from omegaconf import DictConfig
 
+from chattune.checkpoint.output_dir import claim_output_dir
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
@@ -28,7 +29,6 @@ from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train
 from chattune.train.optimizer import build_optimizer, build_scheduler
-from chattune.train.output_dir import claim_output_dir
 from chattune.train.reference import reference_log_probs
 
 logger = logging.getLogger("chattune.dpo")

@@ -12,6 +12,7 @@ import logging
 
 from omegaconf import DictConfig
 
+from chattune.checkpoint.output_dir import claim_output_dir
 from chattune.data.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
@@ -24,7 +25,6 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train
 from chattune.train.optimizer import build_optimizer, build_scheduler
-from chattune.train.output_dir import claim_output_dir
 
 logger = logging.getLogger("chattune.sft")
 

@@ -1,4 +1,4 @@
-"""The price of `snapshot_steps=auto` while the steps are short (`chattune.train.snapshot.SnapshotsWhenSlow`): the
+"""The price of `snapshot_steps=auto` while the steps are short (`chattune.checkpoint.snapshot.SnapshotsWhenSlow`): the
 ranks' one-number gloo all-reduce after every step, on the host, that decides together whether a step was long.
 
     torchrun --nproc_per_node 2 scripts/bench_auto_snapshots.py [--steps 2000]
@@ -21,7 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
-    from chattune.train.snapshot import SnapshotsWhenSlow
+    from chattune.checkpoint.snapshot import SnapshotsWhenSlow
 
     dist.init_process_group("gloo")
     when_slow = SnapshotsWhenSlow(grace=30, start=lambda: None)

@@ -154,13 +154,13 @@ def worker(rank: int, world_size: int, replicate: int, context: int, tensor: int
     from chattune.config.paths import DEMO_ASSETS
     from chattune.config.schema import ParallelConfig
     from chattune.data.documents import IGNORE_INDEX, Document
+    from chattune.data.feed import StepBatches
     from chattune.data.packing import collate_packed
     from chattune.distributed import init_distributed, shutdown_distributed
     from chattune.model.causal_lm import PackedCausalLM, build_hf_model
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.fsdp import shard_model
     from chattune.parallel.tensor_parallel import PLAN
-    from chattune.train.feed import StepBatches
     from chattune.train.step import UpdateRule, train_step
 
     dims = init_distributed("cpu", ParallelConfig(replicate=replicate, context=context, tensor=tensor))

@@ -1,4 +1,4 @@
-"""The cost of `snapshot_steps` (`chattune.train.snapshot`): the copy of a rank's state into host memory after
+"""The cost of `snapshot_steps` (`chattune.checkpoint.snapshot`): the copy of a rank's state into host memory after
 every step, and the write of that copy on a stop signal, against an ordinary checkpoint's save.
 
     python scripts/bench_snapshots.py [--hidden 768] [--layers 12] [--steps 10] [--device cpu|cuda]
@@ -30,12 +30,12 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from chattune.checkpoint.checkpoint import save_checkpoint
+    from chattune.checkpoint.run_state import model_and_optimizer
+    from chattune.checkpoint.snapshot import Snapshots
     from chattune.distributed import ParallelDims, free_port
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.parallel.fsdp import shard_model
-    from chattune.train.checkpoint import save_checkpoint
-    from chattune.train.run_state import model_and_optimizer
-    from chattune.train.snapshot import Snapshots
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     device = torch.device(args.device)

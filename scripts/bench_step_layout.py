@@ -35,11 +35,11 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from chattune.data.cached_sources import open_documents
+from chattune.data.feed import InvariantSlots, StepFeed
 from chattune.data.formats import SourceSpec
 from chattune.data.records import RecordSource
 from chattune.data.sft_documents import SFTDocuments
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
-from chattune.train.feed import InvariantSlots, StepFeed
 
 
 def drive(feeds: list[StepFeed]) -> tuple[int, int, int, int]:

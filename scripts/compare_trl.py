@@ -44,6 +44,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
+from chattune.data.feed import StepBatches
 from chattune.data.formats import SourceSpec
 from chattune.data.kto_documents import KTODocuments
 from chattune.data.packing import collate_packed
@@ -57,7 +58,6 @@ from chattune.objectives.kto import KTOObjective, KTOWeights
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.objectives.reward import RewardObjective
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 

@@ -589,11 +589,11 @@ def check_tensor_parallel(ctx: Context) -> None:
     batch, its loss and update within TENSOR_PARALLEL_BOUNDS; on CUDA the split step's device syncs no more than
     the unsplit one's, and none in a padded row slice (context_parallel.row_slice of a row whose length the
     ranks do not divide: its padding made on the device, not copied from pageable memory)."""
+    from chattune.data.feed import StepBatches
     from chattune.distributed import ParallelDims
     from chattune.model import fused_loss
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.context_parallel import row_slice
-    from chattune.train.feed import StepBatches
     from chattune.train.step import UpdateRule, train_step
 
     split_dims = ParallelDims.build(ctx.device, None, keep=frozenset({"tp"}))
@@ -670,8 +670,8 @@ def check_in_backward(ctx: Context) -> None:
     gradient (in FSDP2's post-reduce stream on CUDA) against the ordinary step on the same batch: every parameter
     within 1e-6 relative (the same AdamW arithmetic, element for element); on CUDA also the step's device syncs
     (torch.cuda.set_sync_debug_mode): the ordinary step's count, not one per parameter."""
+    from chattune.data.feed import StepBatches
     from chattune.objectives.cross_entropy import TokenCrossEntropy
-    from chattune.train.feed import StepBatches
     from chattune.train.in_backward import UpdateInBackward
     from chattune.train.step import UpdateRule, train_step
 
@@ -827,9 +827,9 @@ def _pair_batches(ctx: Context, count: int) -> list:
 def check_dpo_reference(ctx: Context) -> None:
     from torch.distributed.tensor import DTensor
 
+    from chattune.data.feed import StepBatches
     from chattune.objectives.dpo import LiveReference, PreferenceObjective, pair_logps
     from chattune.objectives.pair_losses import PreferenceLoss
-    from chattune.train.feed import StepBatches
     from chattune.train.step import UpdateRule, train_step
 
     class WithoutReshard(LiveReference):  # the reference as it was: its root left gathered after a forward
@@ -931,6 +931,7 @@ def check_objectives_bf16(ctx: Context) -> None:
 
     from torch.distributed.tensor import DTensor
 
+    from chattune.data.feed import StepBatches
     from chattune.model.fused_loss import resolve_loss_implementation
     from chattune.model.heads import SCORE_HEAD
     from chattune.objectives.dpo import LiveReference, PreferenceObjective
@@ -938,7 +939,6 @@ def check_objectives_bf16(ctx: Context) -> None:
     from chattune.objectives.pair_losses import PreferenceLoss
     from chattune.objectives.reward import RewardObjective
     from chattune.parallel.fsdp import compute_dtype
-    from chattune.train.feed import StepBatches
     from chattune.train.step import accumulate_gradients
 
     # 2 microbatches: of 4 pairs on CUDA, each side cut to 512 tokens (the fp32 reference of the 0.6B shape keeps
@@ -1037,8 +1037,8 @@ def check_host_syncs(ctx: Context) -> None:
     syncs needs CUDA's sync debug mode."""
     from omegaconf import OmegaConf
 
+    from chattune.data.feed import StepBatches
     from chattune.objectives.cross_entropy import TokenCrossEntropy
-    from chattune.train.feed import StepBatches
     from chattune.train.optimizer import build_optimizer
     from chattune.train.step import UpdateRule, train_step
 
@@ -1500,15 +1500,15 @@ def check_low_bit(ctx: Context) -> None:
     """torchao.optim.AdamW8bit, AdamW4bit and AdamWFp8 as the recipe builds them (chattune.train.optimizer:
     each class's inductor cache of its own), 20 steps of the recipe's model (4 layers of the 0.6B shape, bf16
     compute) against fp32 AdamW on the same rows, every step's loss within LOW_BIT_STEP_TOLERANCE; the 8-bit run
-    saves its model and optimizer asynchronously after step 10 (chattune.train.checkpoint: DCP through the
+    saves its model and optimizer asynchronously after step 10 (chattune.checkpoint.checkpoint: DCP through the
     pinned stager) and a second model resumed from that save gives steps 11-20 bit for bit. On the CPU 8 steps
     of the tiny shape, the save after step 4, torchao's step eager (dynamo off: it compiles per shard shape,
     tens of seconds on the CPU)."""
+    from chattune.checkpoint.checkpoint import BackgroundSaves, load_sharded, save_checkpoint
+    from chattune.checkpoint.run_state import model_and_optimizer
+    from chattune.data.feed import StepBatches
     from chattune.objectives.cross_entropy import TokenCrossEntropy
-    from chattune.train.checkpoint import BackgroundSaves, load_sharded, save_checkpoint
-    from chattune.train.feed import StepBatches
     from chattune.train.optimizer import build_optimizer
-    from chattune.train.run_state import model_and_optimizer
     from chattune.train.step import UpdateRule, train_step
 
     if importlib.util.find_spec("torchao") is None:
@@ -1589,9 +1589,9 @@ def check_offload_races(ctx: Context) -> None:
     that raced the compute changes some repeat); the peak lower than the plain run's; the bytes moved at most the
     saved tensors' unique storages (each moved once however often it is saved; counted eager, by a hook of this
     check's around the plain forward). On the CPU the tiny shape, eager (the hooks copy on the host)."""
+    from chattune.data.feed import StepBatches
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.offload import MIN_OFFLOAD_BYTES, MIN_SLAB_BYTES, _is_weight
-    from chattune.train.feed import StepBatches
     from chattune.train.step import accumulate_gradients
 
     documents, tokens = [], 0
@@ -1683,8 +1683,8 @@ def check_cpu_offload(ctx: Context) -> None:
     shards, their gradients and AdamW's step on the host, copied in for each all-gather); the second step's time
     of each, the offloaded one's slowdown as its figure. On the CPU the tiny shape, layers eager (compiling is the
     `compile_vs_eager` item's), fp32."""
+    from chattune.data.feed import StepBatches
     from chattune.objectives.cross_entropy import TokenCrossEntropy
-    from chattune.train.feed import StepBatches
     from chattune.train.optimizer import build_optimizer
     from chattune.train.step import UpdateRule, train_step
 
@@ -1721,7 +1721,7 @@ SNAPSHOT_LAYERS = 8  # of the 0.6B on CUDA: 3.3 GB of state a step (the 8-minute
 
 
 def check_snapshots(ctx: Context) -> None:
-    """`snapshot_steps=true`'s per-step copy of the run state to the host (chattune.train.snapshot: pinned
+    """`snapshot_steps=true`'s per-step copy of the run state to the host (chattune.checkpoint.snapshot: pinned
     buffers, a side stream, the next optimizer step waits for it). `snapshot_overhead`: steps with a snapshot
     staged after each against the same steps without, the added time per step beside the copy's own time (the
     state's bytes over the device-to-host bandwidth measured here): at most what the copy takes beyond the plain
@@ -1730,12 +1730,12 @@ def check_snapshots(ctx: Context) -> None:
     stop signal (SIGTERM, to a handler of this check's) has the watcher write the staged step while the state has
     moved on: `snapshot_exact`: a fresh model loaded from it holds that step's weights and AdamW states bit for bit;
     `snapshot_resume`: its next step's loss equals the uninterrupted run's, bit for bit."""
+    from chattune.checkpoint.checkpoint import load_checkpoint
+    from chattune.checkpoint.run_state import model_and_optimizer
+    from chattune.checkpoint.snapshot import Snapshots
+    from chattune.data.feed import StepBatches
     from chattune.objectives.cross_entropy import TokenCrossEntropy
-    from chattune.train.checkpoint import load_checkpoint
-    from chattune.train.feed import StepBatches
     from chattune.train.optimizer import build_optimizer
-    from chattune.train.run_state import model_and_optimizer
-    from chattune.train.snapshot import Snapshots
     from chattune.train.step import UpdateRule, train_step
 
     warm, timed = (3, 6) if ctx.cuda else (2, 3)
@@ -1896,9 +1896,9 @@ def check_estimate_bound(ctx: Context) -> None:
     the first row also says what the device holds that torch does not count (total - free - reserved: the CUDA
     context, NCCL's and cuBLAS's buffers). On the CPU the estimates are made and the steps run on the tiny shape
     (chunked rows: the CPU's CCE is its torch implementation), no peak to hold them to: SKIP."""
+    from chattune.data.feed import StepBatches
     from chattune.model.memory import estimate, hf_config_of, inputs_of
     from chattune.objectives.cross_entropy import TokenCrossEntropy
-    from chattune.train.feed import StepBatches
     from chattune.train.optimizer import build_optimizer
     from chattune.train.step import UpdateRule, train_step
 

@@ -346,8 +346,8 @@ def test_the_remedy_for_a_tokenizer_without_a_chat_template_works_as_written(tmp
 @pytest.mark.launch
 def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
     """Hydra creates output_dir before the recipe runs, and its OSError (or the lock's) was what a launch gave."""
+    from chattune.checkpoint.output_dir import OutputDirInUse, OutputDirLock
     from chattune.launch.run_rules import output_dir_problem
-    from chattune.train.output_dir import OutputDirInUse, OutputDirLock
 
     with pytest.raises(OutputDirInUse, match=f"output_dir {tmp / 'file' / 'run'}: cannot create its lock file"):
         OutputDirLock(tmp / "file" / "run").acquire()

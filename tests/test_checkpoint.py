@@ -9,15 +9,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
+from chattune.checkpoint.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from chattune.checkpoint.layout import committed_checkpoints
+from chattune.checkpoint.run_state import model_and_optimizer
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_hf
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
-from chattune.train.checkpoint import committed_checkpoints, find_latest, load_checkpoint, save_checkpoint
-from chattune.train.feed import StepBatches
-from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, mesh_dims, spawn, tiny_model
 
@@ -118,12 +119,12 @@ def test_checkpoint_round_trip_and_hf_export(tmp_path):
 
 
 def test_async_saves_stage_through_one_reused_stager(monkeypatch, tmp_path):
-    """Every save of a run hands DCP the same stager (chattune.train.staging.ReusedHostStager: its buffers made
+    """Every save of a run hands DCP the same stager (chattune.checkpoint.staging.ReusedHostStager: its buffers made
     once; page-locked where CUDA is), closed at the end. Before, torch 2.11 and 2.12 got a fresh DCP stager, and a
     fresh pinned copy of the whole state, per save."""
     from concurrent.futures import Future
 
-    from chattune.train import checkpoint
+    from chattune.checkpoint import checkpoint
 
     passed = []
 
@@ -147,7 +148,7 @@ def test_three_async_saves_through_dcp_write_each_state_from_one_set_of_buffers(
     """Three saves through the real `dcp.async_save`, each of a different state, each read back equal, all staged
     into buffers allocated once. (DCP's own stager, kept for a run, raised `KeyError: <class 'type'>` at the second
     save on torch 2.11 and 2.12: the first GPU run's resume check.)"""
-    from chattune.train import checkpoint
+    from chattune.checkpoint import checkpoint
 
     saves = checkpoint.BackgroundSaves()
     states = [

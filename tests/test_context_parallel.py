@@ -29,6 +29,7 @@ import conftest
 from chattune.config.paths import DEMO_ASSETS
 from chattune.config.schema import ParallelConfig
 from chattune.data.documents import IGNORE_INDEX, Document
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.errors import UnsupportedModel
@@ -39,7 +40,6 @@ from chattune.objectives.dpo import CachedReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.parallel import context_parallel
 from chattune.parallel.fsdp import shard_model
-from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import (
     demo_tokenizer,
@@ -306,8 +306,8 @@ def test_a_context_size_must_divide_the_ranks_and_the_heads():
 def test_a_resume_accepts_another_context_size_only_with_world_size_invariant_steps(tmp_path):
     from test_validate import CONFIGS, compose_config, fake_checkpoint, problems
 
+    from chattune.checkpoint.resume import run_fingerprint
     from chattune.launch.validate import run_validate
-    from chattune.train.resume import run_fingerprint
 
     per_rank = [f"output_dir={tmp_path}"]
     checkpoint = fake_checkpoint(

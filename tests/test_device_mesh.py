@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from chattune.config.schema import ParallelConfig
 from chattune.data.documents import IGNORE_INDEX, Document
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
@@ -24,7 +25,6 @@ from chattune.model.memory import MemoryInputs, estimate
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel import tensor_parallel
 from chattune.parallel.fsdp import parallel_dims_of, shard_model
-from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
 from conftest import free_port, init_worker_process_group, spawn, tiny_model
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
@@ -21,7 +22,6 @@ from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceOb
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model

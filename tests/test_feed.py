@@ -12,9 +12,9 @@ import pytest
 from test_sft_recipe import read_metrics
 
 from chattune.data.documents import Document
+from chattune.data.feed import InvariantSlots, StepFeed, merge_states
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.errors import UserError
-from chattune.train.feed import InvariantSlots, StepFeed, merge_states
 from conftest import ListSource, launch, torchrun
 
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.model.adapters import BaseModelView, add_adapters
 from chattune.model.causal_lm import PackedCausalLM
@@ -21,7 +22,6 @@ from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import LiveReference
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, demo_tokenizer, exported_weights, mesh_dims, tiny_model
 

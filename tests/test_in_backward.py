@@ -111,11 +111,11 @@ def test_each_hook_steps_its_own_parameter_alone_with_its_groups_live_settings(m
 
 
 def _one_rank_step(max_grad_norm, poison_gradients: bool = False):
+    from chattune.data.feed import StepBatches
     from chattune.data.packing import collate_packed
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.fsdp import shard_model
-    from chattune.train.feed import StepBatches
     from chattune.train.in_backward import UpdateInBackward
     from chattune.train.step import UpdateRule, train_step
     from conftest import demo_documents, tiny_model

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.hf_layout import decoder_layers
@@ -15,7 +16,6 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients, clip_gradients
 from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model

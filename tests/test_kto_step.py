@@ -13,6 +13,7 @@ from test_dpo_step import demo_pairs, sequence_logps
 
 from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import Document, shifted_labels
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
@@ -20,7 +21,6 @@ from chattune.objectives.dpo import CachedReference, LiveReference
 from chattune.objectives.kto import KTOObjective, KTOWeights
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model

@@ -62,7 +62,7 @@ def test_low_bit_states_follow_fp32_adamw_within_the_documented_tolerance_and_re
         # the 8-bit run keeps its step-5 checkpoint, which the resumes below continue. The 4-bit run on 1 rank (the
         # steps are world-size-invariant: the same data as fp32's 2): torchao compiles its step per shard shape,
         # most of a launch's time, once per rank
-        # (saved in the background: DCP's stager cannot copy torchao's states itself, chattune.train.staging)
+        # (saved in the background: DCP's stager cannot copy torchao's states itself, chattune.checkpoint.staging)
         saves, nproc = (["save_every=5", "keep_last_n=null", "save_async=true"], 2) if name == "AdamW8bit" else ([], 1)
         low_bit = runs[name] = _train(tmp_path / name, f"torchao.optim.{name}", *saves, nproc=nproc)
         assert sorted(low_bit) == sorted(fp32_losses) == list(range(1, STEPS + 1))
@@ -100,7 +100,7 @@ def test_a_resume_onto_a_new_horizon_keeps_the_rate_a_tensor_as_torchao_needs():
     import torchao.optim
     from transformers import get_cosine_schedule_with_warmup
 
-    from chattune.train.resume import follow_new_schedule
+    from chattune.checkpoint.resume import follow_new_schedule
 
     weight = torch.nn.Parameter(torch.ones(4096))
     optimizer = torchao.optim.AdamW8bit([weight], lr=1e-3)

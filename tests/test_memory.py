@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import DeepseekV3Config, GraniteConfig, LlamaConfig, LongcatFlashConfig, Qwen3Config, Qwen3MoeConfig
 
 from chattune.config.schema import PeftConfig
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, shutdown_distributed
 from chattune.errors import UserError
@@ -26,7 +27,6 @@ from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.memory import MemoryInputs, estimate, parse_size
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
-from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import (
     PROJECT_ROOT,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import UserError
@@ -23,7 +24,6 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.export import export_adapter, plan_tensors
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
-from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import (
     demo_documents,

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
-from chattune.train.feed import StepBatches
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, spawn, tiny_model
 

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
+from chattune.data.feed import StepBatches
 from chattune.data.packing import PackedBatch, collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives.base import Objective, model_losses
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients
 from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 

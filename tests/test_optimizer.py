@@ -124,7 +124,7 @@ print(sorted(name for name in ("peft", "bitsandbytes", "transformers.optimizatio
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr[-3000:]
 
-    from chattune.train.resume import differences
+    from chattune.checkpoint.resume import differences
 
     def fingerprint(target: str) -> dict:
         return {"config": {"scheduler._target_": target, "scheduler.num_warmup_steps": 10}}

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_dpo_step import NUM_PAIRS, pair_documents, sequence_logps
 
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
@@ -18,7 +19,6 @@ from chattune.objectives.dpo import PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model

@@ -178,7 +178,7 @@ def test_a_note_of_the_run_is_printed_once_by_rank_0_and_a_ranks_own_by_that_ran
     for rank in (0, 1):
         printed[rank] = io.StringIO()
         setup_logging(rank, stream=printed[rank])
-        logger = logging.getLogger("chattune.train.resume")
+        logger = logging.getLogger("chattune.checkpoint.resume")
         logger.info("resumed from outputs/run/checkpoints/step_4 at step 4 (epoch 0)")
         logger.warning("resuming despite a change: config data.num_workers: 0 -> 2")
         logger.warning("skipped (bad_record): chats.jsonl record 9 (line 9): unparseable JSON", extra=EACH_RANK)

@@ -17,6 +17,9 @@ from torch.distributed.tensor import distribute_tensor
 from transformers import AutoModelForCausalLM
 
 import conftest
+from chattune.checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from chattune.checkpoint.run_state import model_and_optimizer
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.hf_layout import decoder_layers
@@ -27,9 +30,6 @@ from chattune.model.export import export_adapter, export_hf
 from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
-from chattune.train.checkpoint import load_checkpoint, save_checkpoint
-from chattune.train.feed import StepBatches
-from chattune.train.run_state import model_and_optimizer
 from chattune.train.step import UpdateRule, accumulate_gradients, train_step
 from conftest import (
     demo_documents,

@@ -105,9 +105,9 @@ def test_the_reference_table_is_kept_in_the_runs_output_dir_unless_a_shared_dire
     output_dir itself: where a table is kept is not what it holds)."""
     from test_validate import compose_config
 
+    from chattune.checkpoint.resume import differences, run_fingerprint
     from chattune.launch.recipe_kinds import DPO, KTO
     from chattune.launch.validate import checked_config
-    from chattune.train.resume import differences, run_fingerprint
 
     def config(*overrides: str):
         kind = DPO if recipe == "dpo" else KTO

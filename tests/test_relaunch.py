@@ -1,4 +1,4 @@
-"""What a launch does with an output_dir an earlier launch of a run left (`chattune.train.output_dir.decide_launch`),
+"""What a launch does with an output_dir an earlier launch of a run left (`chattune.checkpoint.output_dir.decide_launch`),
 decided in-process on the files such a launch leaves: the same run relaunched after a stop that committed no
 checkpoint starts again (and only that run), a complete run relaunched has nothing to do, overwrite=true sets the
 earlier config aside too, and a resume path that does not exist is said to be missing. (The launches themselves:
@@ -15,12 +15,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 
+from chattune.checkpoint.output_dir import OutputDirInUse, decide_launch, write_completion
+from chattune.checkpoint.resume import ResumeError, run_fingerprint, run_identity
 from chattune.config.paths import save_resolved_config
 from chattune.config.schema import SFTConfig
 from chattune.config.typed import typed_config
 from chattune.launch.validate import run_validate
-from chattune.train.output_dir import OutputDirInUse, decide_launch, write_completion
-from chattune.train.resume import ResumeError, run_fingerprint, run_identity
 from conftest import PROJECT_ROOT
 
 CONFIGS = PROJECT_ROOT / "configs"

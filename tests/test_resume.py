@@ -246,7 +246,7 @@ class FakeCuda:
 def test_a_rank_resumes_its_own_cuda_generator_on_fewer_visible_devices(monkeypatch):
     """Rank 1 saved on cuda:1 of 2 visible devices; relaunched with one device visible (one GPU a process) it
     runs on cuda:0 and gets the generator it saved, not every device's (which crashed the resume)."""
-    from chattune.train.run_state import rng_state, set_rng_state
+    from chattune.checkpoint.run_state import rng_state, set_rng_state
 
     saved_on = FakeCuda(visible=2, current=1)
     saved_on.install(monkeypatch)
@@ -261,7 +261,7 @@ def test_a_rank_resumes_its_own_cuda_generator_on_fewer_visible_devices(monkeypa
 
 def test_a_checkpoint_with_every_devices_generator_still_resumes(monkeypatch):
     """Checkpoints written before saved `get_rng_state_all()`: the rank's own device's entry is restored."""
-    from chattune.train.run_state import set_rng_state
+    from chattune.checkpoint.run_state import set_rng_state
 
     old = {
         "torch": torch.get_rng_state(),

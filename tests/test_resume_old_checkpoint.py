@@ -119,9 +119,9 @@ def test_the_kept_checkpoint_holds_every_part_of_the_run_state_by_name():
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from chattune.train.checkpoint import rank_states, read_manifest
-    from chattune.train.feed import StepFeed
-    from chattune.train.run_state import SkippedSteps, rng_state, set_rng_state, training_state
+    from chattune.checkpoint.checkpoint import rank_states, read_manifest
+    from chattune.checkpoint.run_state import SkippedSteps, rng_state, set_rng_state, training_state
+    from chattune.data.feed import StepFeed
     from chattune.train.step import LossScale
 
     checkpoint = FIXTURE / "step_3"

@@ -23,13 +23,13 @@ from test_dpo_step import NUM_PAIRS, demo_pairs, pair_documents
 from test_reward_step import CENTER, plain_rewards, tiny_reward_model
 
 from chattune.data.documents import Document, Skipped
+from chattune.data.feed import StepBatches
 from chattune.data.formats import DataError, SourceSpec
 from chattune.data.packing import collate_packed
 from chattune.data.sources import PAIR_DATA, REWARD_PAIR_DATA, document_settings
 from chattune.data.token_cache import CachedDocuments, build_source_cache, cache_name, source_key, tokenizer_digest
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.reward import RewardObjective
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, relative_error

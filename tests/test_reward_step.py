@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from test_dpo_step import NUM_PAIRS, pair_documents
 
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import build_hf_model
@@ -20,7 +21,6 @@ from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.reward import RewardObjective
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_config

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import UserError
@@ -21,7 +22,6 @@ from chattune.model.router_loss import router_loss_for
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
-from chattune.train.feed import StepBatches
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import (

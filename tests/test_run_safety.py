@@ -191,7 +191,7 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
 
 
 def OutputDirLockHeld(out: Path) -> bool:
-    from chattune.train.output_dir import OutputDirLock
+    from chattune.checkpoint.output_dir import OutputDirLock
 
     return OutputDirLock(out).is_held()
 

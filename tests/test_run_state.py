@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chattune.train.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from chattune.checkpoint.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from chattune.checkpoint.run_state import Every, Horizon, RunState, model_and_optimizer
 from chattune.train.evaluation import Evaluator
 from chattune.train.metrics import MetricLogger
-from chattune.train.run_state import Every, Horizon, RunState, model_and_optimizer
 
 
 class RunningMean:

@@ -1,5 +1,5 @@
 """A step's snapshot in host memory, written by each rank without collectives, is an ordinary checkpoint of that
-step: it loads exactly on the ranks that wrote it and reshards to another number (`chattune.train.snapshot`)."""
+step: it loads exactly on the ranks that wrote it and reshards to another number (`chattune.checkpoint.snapshot`)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ import torch
 from test_checkpoint import full_optimizer_state, full_state, run_state, sharded
 
 from chattune import interrupts
+from chattune.checkpoint import snapshot
+from chattune.checkpoint.checkpoint import damage, load_checkpoint, read_manifest
+from chattune.checkpoint.layout import MANIFEST_FILE, committed_checkpoints
+from chattune.checkpoint.snapshot import Snapshots, advise, complete_snapshots, killing_grace_s
+from chattune.checkpoint.staging import HostBuffers
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.objectives.cross_entropy import TokenCrossEntropy
-from chattune.train import snapshot
-from chattune.train.checkpoint import MANIFEST_FILE, committed_checkpoints, damage, load_checkpoint, read_manifest
-from chattune.train.feed import StepBatches
-from chattune.train.snapshot import Snapshots, advise, complete_snapshots, killing_grace_s
-from chattune.train.staging import HostBuffers
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, free_port, init_worker_process_group, spawn
 
@@ -170,7 +171,7 @@ def test_steps_longer_than_half_of_plain_torchruns_grace_are_told_of_the_remedie
     assert killing_grace_s(snapshots_on=True) is None  # the snapshot is written within the grace
     grace = killing_grace_s(snapshots_on=False)
     assert grace == 30 and not advise(14.0, grace) and not advise(40.0, None)
-    with caplog.at_level(logging.WARNING, logger="chattune.train.snapshot"):
+    with caplog.at_level(logging.WARNING, logger="chattune.checkpoint.snapshot"):
         assert advise(16.0, grace)
     (message,) = caplog.messages
     assert "a step takes 16 s and torchrun kills its workers 30 s after" in message

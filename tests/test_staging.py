@@ -1,4 +1,4 @@
-"""chattune.train.staging: the host copy of a run state that async saves and snapshots stage into: torchao's
+"""chattune.checkpoint.staging: the host copy of a run state that async saves and snapshots stage into: torchao's
 quantized optimizer states (tensor subclasses DCP's stager cannot copy: it makes each copy with `new_empty`) kept
 as their codes, DTensors kept as DTensors for DCP's planner, and one set of buffers for every save."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from chattune.train.staging import HostBuffers, ReusedHostStager, state_tensors
+from chattune.checkpoint.staging import HostBuffers, ReusedHostStager, state_tensors
 
 subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
 

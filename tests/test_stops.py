@@ -18,8 +18,8 @@ from test_run_safety import SMALL, chats, steps
 from test_sft_recipe import read_metrics
 
 import conftest
+from chattune.checkpoint.checkpoint import read_manifest
 from chattune.streams import ReaderGoneTolerant
-from chattune.train.checkpoint import read_manifest
 from conftest import free_port
 
 LONG = [*SMALL, "max_steps=40", "save_every=0"]
@@ -252,7 +252,7 @@ def test_a_stop_that_cannot_save_says_what_is_kept_at_the_signal_and_before_it_e
     assert exits == [128 + signal.SIGTERM]
 
     checkpoint = tmp_path / "checkpoints" / "step_4"
-    interrupts.note_checkpoint(checkpoint)  # committed (`chattune.train.checkpoint.commit`)
+    interrupts.note_checkpoint(checkpoint)  # committed (`chattune.checkpoint.layout.commit`)
     assert interrupts.kept() == (
         f"the checkpoint {checkpoint} is kept (the same command continues from it), the steps after it are not"
     )

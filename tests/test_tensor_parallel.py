@@ -13,6 +13,7 @@ from test_device_mesh import documents, plain_gradients
 from torch.distributed.tensor import DTensor
 
 from chattune.config.schema import ParallelConfig, PeftConfig
+from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.model.adapters import add_adapters
@@ -22,7 +23,6 @@ from chattune.model.router_loss import router_loss_for
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.parallel.tensor_parallel import split_over, tensor_parallel_problem
-from chattune.train.feed import StepBatches
 from chattune.train.step import accumulate_gradients, clip_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, relative_error, spawn, tiny_config
 

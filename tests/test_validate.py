@@ -614,8 +614,8 @@ def fake_checkpoint(output_dir, meta: dict):
 
 @pytest.mark.launch
 def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_path):
-    from chattune.train.output_dir import OutputDirLock
-    from chattune.train.resume import run_fingerprint
+    from chattune.checkpoint.output_dir import OutputDirLock
+    from chattune.checkpoint.resume import run_fingerprint
 
     checkpoint = fake_checkpoint(
         tmp_path,
@@ -696,7 +696,7 @@ def test_validate_decides_the_resume_and_the_output_dir_as_a_launch_would(tmp_pa
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from chattune.train.output_dir import OutputDirLock; OutputDirLock(Path(sys.argv[1])).acquire(); "
+            "from chattune.checkpoint.output_dir import OutputDirLock; OutputDirLock(Path(sys.argv[1])).acquire(); "
             "print('locked', flush=True); time.sleep(60)",
             str(tmp_path),
         ],
@@ -826,7 +826,7 @@ def test_notes_for_a_warmup_or_a_save_interval_longer_than_the_run(tmp_path):
 def test_a_resume_is_refused_when_the_chat_template_changes_even_in_a_file_of_the_same_name(tmp_path):
     """The fingerprint holds the template's text (by hash): a file edited in place is a change, refused with the
     remedy that accepts it; a checkpoint written before tokenizer.chat_template existed resumes with null."""
-    from chattune.train.resume import run_fingerprint
+    from chattune.checkpoint.resume import run_fingerprint
 
     template = tmp_path / "mine.jinja"
     template.write_text(

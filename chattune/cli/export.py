@@ -50,14 +50,14 @@ class Exported:
 
 def export_checkpoint(checkpoint: Path, to: Path | None = None) -> Exported:
     """Export `checkpoint` (a `step_N` directory, or a run's output_dir: its newest) into `to`."""
+    from chattune.checkpoint.checkpoint import damage, load_sharded, read_manifest
+    from chattune.checkpoint.run_state import ModelWeights, RunState
     from chattune.config.typed import typed_config
     from chattune.distributed import init_distributed, shutdown_distributed
     from chattune.launch.recipe_kinds import REWARD
     from chattune.model.build import build_trained_model
     from chattune.model.export import export_run
     from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD
-    from chattune.train.checkpoint import damage, load_sharded, read_manifest
-    from chattune.train.run_state import ModelWeights, RunState
 
     checkpoint = _checkpoint_of(Path(checkpoint))
     problems = damage(checkpoint)
@@ -97,7 +97,8 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> Exported:
 
 def _checkpoint_of(path: Path) -> Path:
     """`path` itself where it is a committed checkpoint, else the newest committed one of the run at `path`."""
-    from chattune.train.checkpoint import MANIFEST_FILE, find_latest
+    from chattune.checkpoint.checkpoint import find_latest
+    from chattune.checkpoint.layout import MANIFEST_FILE
 
     if (path / MANIFEST_FILE).is_file():
         return path

@@ -46,7 +46,7 @@ LOSS_TYPES = PREFERENCE_LOSSES.keys()  # the catalogue's (a view: a loss registe
 LOSS_IMPLEMENTATIONS = ("auto", "chunked", "cut_cross_entropy")
 PEFT_TYPES = ("lora",)
 QUANTIZE_BASE = ("nf4", "fp4")  # bitsandbytes' 4-bit formats (QLoRA: nf4)
-# What a resumed run may change of a key without resume_allow_changes (`chattune.train.resume`): "free" (where and
+# What a resumed run may change of a key without resume_allow_changes (`chattune.checkpoint.resume`): "free" (where and
 # how often it logs, saves and evaluates: not the trajectory), "horizon" (the run's length: the schedule is
 # recomputed, with a warning) or "numerics" (how, not what, is computed: a note).
 RESUME_CHANGES = ("free", "horizon", "numerics")
@@ -691,3 +691,12 @@ def keys_resumed_as(change: str) -> tuple[str, ...]:
         if metadata["resume"] == change
     ]
     return tuple(dict.fromkeys(keys))
+
+
+# The same schedule under another name: a resume does not count a change between them (chattune.checkpoint.resume).
+SAME_SCHEDULE_AS = {"chattune.train.schedule.cosine_with_warmup": "transformers.get_cosine_schedule_with_warmup"}
+
+
+def schedule_name(target: object) -> object:
+    """A schedule's `_target_` under the name resumes compare (its equivalent's, where it has one)."""
+    return SAME_SCHEDULE_AS.get(target, target) if isinstance(target, str) else target

@@ -509,7 +509,7 @@ class RunRules:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def output_dir(self, cfg: DictConfig, world_size: int | None) -> None:
-        """What a launch would do with output_dir, decided as the recipe decides it (`chattune.train.output_dir`):
+        """What a launch would do with output_dir, decided as the recipe decides it (`chattune.checkpoint.output_dir`):
         writable, not locked by a live run, and the checkpoint it continues fits this config (or an
         earlier run's results would be overwritten without overwrite=true)."""
         if world_size is not None and world_size < 1:
@@ -526,8 +526,8 @@ class RunRules:
         if not directory.is_dir() and not (isinstance(resume, str) and resume != "auto"):
             return  # nothing there to resume, lock or overwrite (and no need to import torch to say so)
         # torch.distributed.checkpoint and the data fingerprints take seconds to import: only where needed.
-        from chattune.train.output_dir import OutputDirLock, decide_launch, describe_holder
-        from chattune.train.resume import ResumeError, run_fingerprint, run_identity
+        from chattune.checkpoint.output_dir import OutputDirLock, decide_launch, describe_holder
+        from chattune.checkpoint.resume import ResumeError, run_fingerprint, run_identity
 
         lock = OutputDirLock(directory)
         if lock.is_held():

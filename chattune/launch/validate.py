@@ -35,7 +35,7 @@ The modules: `compose` (Hydra, as a recipe composes), `schema_checks` (against t
   model.path nor model.config;
 - `chattune validate` only (a recipe decides these itself, holding the output directory's lock):
   output_dir must be writable and not locked by a live run, and what a launch would continue is
-  decided as the launch decides it (`chattune.train.output_dir.decide_launch`: the resume's checks against the
+  decided as the launch decides it (`chattune.checkpoint.output_dir.decide_launch`: the resume's checks against the
   checkpoint, an earlier run that only overwrite=true may replace);
 - `chattune validate` only: a model built from model.config gets the launch's start-up architecture check
   (`check_architecture_of`: a miniature of it, no data, no weights), so that what a launch would refuse is

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from chattune.model.memory import MemoryInputs
+    from chattune.model.memory_inputs import MemoryInputs
 
 TRACE_ATTENTION = "chattune_memory_trace"  # the stand-ins' name in transformers' Attention and Experts interfaces
 

@@ -53,35 +53,9 @@ from torch import nn
 
 from chattune.distributed import ParallelDims
 from chattune.model.activation_trace import activation_bytes, lora_targets, meta_model, repeated_layers
+from chattune.model.memory_inputs import MemoryInputs
 
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class MemoryInputs:
-    """What decides a rank's memory: the model's HF config and the run's settings."""
-
-    hf_config: object
-    ranks: int  # the ranks FSDP shards each parameter over (`ParallelDims.shard_ranks`)
-    tokens: int  # tokens of one microbatch on one rank
-    compute_dtype: torch.dtype = torch.float32
-    activation_checkpointing: bool = False
-    compiled: bool = False  # model.compile resolved: compiled layers keep what the compiler's partition saves
-    loss_chunk: int = 1024
-    optimizer: str = "torch.optim.AdamW"
-    momentum: float = 0.0  # SGD's
-    lora_rank: int | None = None  # LoRA: the adapters' rank (targets: `lora_targets`)
-    lora_targets: tuple[str, ...] = ()
-    quantized_base: bool = False  # QLoRA (peft.quantize_base): the decoder's linear weights in 4 bits, replicated
-    live_reference: bool = False
-    update_in_backward: bool = False  # optimizer.in_backward
-    offload_activations: bool = False  # model.fsdp.offload_activations
-    cpu_offload: bool = False  # model.fsdp.cpu_offload
-    microbatches_per_rank: int = 1  # a step's, on each rank
-    tensor: int = 1  # parallel.tensor: the decoder layers' linear weights split over this many ranks first
-    on_cpu: bool = False  # the run computes on the CPU: the host is the device (offloading moves nothing)
-    loss_implementation: str = "chunked"  # as the run resolves loss.implementation: chunked | cut_cross_entropy
-    cce_fp32_gradients: bool = False  # the CCE release accumulates the output layer's gradient in fp32
 
 
 @dataclass

@@ -16,8 +16,8 @@ from chattune.parallel.fsdp import parallel_dims_of, reshard
 from chattune.train.progress import Progress
 
 if TYPE_CHECKING:
+    from chattune.checkpoint.run_state import Every
     from chattune.model.causal_lm import PackedCausalLM
-    from chattune.train.run_state import Every
     from chattune.train.samples import EvalSamples
 
 logger = logging.getLogger(__name__)

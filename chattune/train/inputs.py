@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from chattune.config.layout_rules import microbatch_ranks_problem
 from chattune.config.schema import SFTConfig
 from chattune.data.cached_sources import open_documents
+from chattune.data.feed import InvariantSlots, StepFeed
 from chattune.data.held_out import held_out_line, hold_out, joined
 from chattune.data.mixing_policy import Mixer, mixture_sampling
 from chattune.data.packing import PackedBatch
@@ -26,7 +27,6 @@ from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.tokenizer import pad_token_id
 from chattune.distributed import ParallelDims, reduce_sums
 from chattune.errors import UserError
-from chattune.train.feed import InvariantSlots, StepFeed
 
 logger = logging.getLogger(__name__)
 

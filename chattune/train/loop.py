@@ -3,7 +3,7 @@
 Recipes differ in their data and their objective (`chattune.objectives.base.Objective`); everything from the
 first step to the last is the same story, so it is told once here (`train`) and the recipes cannot drift apart:
 
-- the run state (`chattune.train.run_state.training_state`): model, optimizer, scheduler, data position, RNG,
+- the run state (`chattune.checkpoint.run_state.training_state`): model, optimizer, scheduler, data position, RNG,
   skip counters and fp16's loss scale, by name; restored from a checkpoint on resume (`resume=auto|PATH|null`);
 - each step (`UpdateSteps`): its microbatches (`StepFeed`, epochs in lockstep), the shared update step, a
   mixture's per-source figures and online update (`chattune.data.mixing_policy`), the epoch's figures when it
@@ -29,32 +29,32 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from chattune import interrupts
+from chattune.checkpoint.checkpoint import BackgroundSaves, Checkpointer
+from chattune.checkpoint.output_dir import StartingPoint, release_output_dir, write_completion
+from chattune.checkpoint.resume import resume_training
+from chattune.checkpoint.run_state import Every, Horizon, SkippedSteps, training_state
+from chattune.checkpoint.snapshot import Snapshots, SnapshotsWhenSlow, advise, killing_grace_s
 from chattune.config.schema import SFTConfig
 from chattune.config.typed import config_dict
 from chattune.data.documents import SKIP_REASONS
+from chattune.data.feed import DocumentLedger, StepBatches, StepFeed
 from chattune.data.report import epoch_line
 from chattune.data.sources import row_budget
 from chattune.distributed import ParallelDims, reduce_sums
 from chattune.errors import UserError
+from chattune.faults import maybe_crash, maybe_slow
 from chattune.model.build import BuiltModel
 from chattune.model.export import export_run
 from chattune.model.flops import batch_flops, peak_flops
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.base import Objective
 from chattune.parallel.fsdp import compiled_graphs, parallel_dims_of
-from chattune.train.checkpoint import BackgroundSaves, Checkpointer
 from chattune.train.evaluation import Evaluator
-from chattune.train.faults import maybe_crash, maybe_slow
-from chattune.train.feed import DocumentLedger, StepBatches, StepFeed
 from chattune.train.in_backward import UpdateInBackward
 from chattune.train.inputs import TrainingData
 from chattune.train.metrics import MetricLogger, StepFlops, StepSeconds, StepTimer, step_metrics
-from chattune.train.output_dir import StartingPoint, release_output_dir, write_completion
 from chattune.train.progress import Progress
-from chattune.train.resume import resume_training
-from chattune.train.run_state import Every, Horizon, SkippedSteps, training_state
 from chattune.train.samples import run_samples
-from chattune.train.snapshot import Snapshots, SnapshotsWhenSlow, advise, killing_grace_s
 from chattune.train.step import LossScale, StepResult, UpdateRule, train_step
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def train(
 ) -> None:
     """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
     `output_dir/hf`; or stop after `stop_after_step` or a stop signal, its checkpoint saved. `start` is what the
-    launch continues (`chattune.train.output_dir.claim_output_dir`); `built` and `data` are the builder's and
+    launch continues (`chattune.checkpoint.output_dir.claim_output_dir`); `built` and `data` are the builder's and
     the data set-up's results. With LoRA (`built.peft_model`), the export is a peft adapter directory,
     `output_dir/adapter`, and with export.merge the merged model in `hf`."""
     run = set_up(cfg, dims, start, built, data, learning, tokenizer)
@@ -397,7 +397,7 @@ def finish(
 ) -> None:
     """Collective: the end of a run that reached its last step, `step`: the records skipped over the run, the last
     checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory), and
-    the record that the run is complete (`chattune.train.output_dir.write_completion`)."""
+    the record that the run is complete (`chattune.checkpoint.output_dir.write_completion`)."""
     device, output_dir = dims.device, Path(cfg.output_dir)
     skipped = reduce_sums(run.updates.feed.skipped, device)
     logger.info(

@@ -24,7 +24,7 @@ from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
 
 if TYPE_CHECKING:
-    from chattune.train.run_state import Every
+    from chattune.checkpoint.run_state import Every
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def init_wandb(output_dir: str, run_config: dict | None, wandb_kwargs: dict | No
 def start_step_log(path: Path, resume_step: int | None) -> None:
     """One run's lines per file (metrics.jsonl, samples.jsonl: JSON objects with a `step`): a fresh run starts it
     afresh; a resumed run keeps the lines up to its checkpoint's step and drops later ones (the steps lost in a
-    crash are run and logged again; `chattune.train.output_dir` copied the dropped lines aside first)."""
+    crash are run and logged again; `chattune.checkpoint.output_dir` copied the dropped lines aside first)."""
     kept = ""
     if resume_step is not None and path.exists():
         lines = path.read_text().splitlines(keepends=True)

@@ -59,7 +59,7 @@ def run_samples(
     """The run's sample prompts, ready to answer (None: eval.samples=0, evaluation off, no prompts, or a model
     that stock transformers cannot generate with: `model`'s class, said once). Rank 0 starts samples.jsonl: afresh,
     or for a resumed run (`resume_step`) with its lines up to that step (the later ones were copied aside by
-    `chattune.train.output_dir`), also when sampling is now off."""
+    `chattune.checkpoint.output_dir`), also when sampling is now off."""
     path = Path(cfg.output_dir) / SAMPLES_FILE
     prompts = sample_prompts(cfg, held_out_records)
     if prompts and model is not None and (failure := generation_failure(model)):

@@ -16,9 +16,6 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-# The same schedule under another name: a resume does not count a change between them (chattune.train.resume).
-SAME_SCHEDULE_AS = {"chattune.train.schedule.cosine_with_warmup": "transformers.get_cosine_schedule_with_warmup"}
-
 
 def _cosine_with_warmup_factor(
     step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float
@@ -45,8 +42,3 @@ def cosine_with_warmup(
         num_cycles=num_cycles,
     )
     return LambdaLR(optimizer, factor, last_epoch)
-
-
-def schedule_name(target: object) -> object:
-    """A schedule's `_target_` under the name resumes compare (its equivalent's, where it has one)."""
-    return SAME_SCHEDULE_AS.get(target, target) if isinstance(target, str) else target

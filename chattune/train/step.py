@@ -1,6 +1,6 @@
 """The update step: the one place that owns microbatching and loss normalisation, for every recipe.
 
-For one optimizer step every rank trains the same number of microbatches (`chattune.train.feed`):
+For one optimizer step every rank trains the same number of microbatches (`chattune.data.feed`):
 `grad_accum_steps` of its own share, or with world-size-invariant steps its M/W of the
 `data.microbatches_per_step` M that every step takes from the one stream. It counts the units the loss
 averages over (trainable tokens for SFT, preference pairs for DPO), and all-reduces that count ONCE. Each microbatch's loss is then (sum of unit losses) / (global unit count), and FSDP reduces
@@ -13,7 +13,7 @@ mean log-ratio of the step's mismatched sequences) first runs a no-grad pass ove
 
 Every rank runs the same number of forward/backward calls (ranks short of data get empty microbatches),
 so the end of the data can never leave one rank waiting in a collective. The same all-reduce carries
-how many data streams have finished their share of the epoch (see `chattune.train.feed`).
+how many data streams have finished their share of the epoch (see `chattune.data.feed`).
 
 Under context parallelism (`chattune.parallel.context_parallel`) the C ranks of a group train the same rows,
 each computing a slice; the group's first rank alone counts their units and reports their sums, so the
@@ -37,13 +37,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from chattune.data.feed import StepBatches
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.distributed import all_reduce_sum, host_values_on
 from chattune.objectives.base import Objective
 from chattune.parallel.fsdp import model_device, parallel_dims_of
 from chattune.parallel.offload import activation_offload
 from chattune.parallel.tensor_parallel import split_over
-from chattune.train.feed import StepBatches
 from chattune.train.in_backward import UpdateInBackward
 
 

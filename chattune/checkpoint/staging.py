@@ -1,5 +1,5 @@
-"""Host copies of a run state: the buffers a snapshot (`chattune.train.snapshot`) and an async checkpoint save
-(`chattune.train.checkpoint.BackgroundSaves`) copy a step's shards into.
+"""Host copies of a run state: the buffers a snapshot (`chattune.checkpoint.snapshot`) and an async checkpoint save
+(`chattune.checkpoint.checkpoint.BackgroundSaves`) copy a step's shards into.
 
 Why our own and not DCP's stager (`DefaultStager`):
 - torch 2.11 and 2.12's `DefaultStager` closes its copier at the end of every stage, so a stager kept for the run

@@ -59,9 +59,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 
 from chattune import errors, interrupts
-from chattune.train.checkpoint import MANIFEST_FILE, commit, rank_state_file, serialize, write_synced
-from chattune.train.run_state import RunState
-from chattune.train.staging import HostBuffers
+from chattune.checkpoint.layout import MANIFEST_FILE, commit, rank_state_file, serialize, write_synced
+from chattune.checkpoint.run_state import RunState
+from chattune.checkpoint.staging import HostBuffers
 
 logger = logging.getLogger(__name__)
 # DCP's single-process save (each rank's own snapshot, on purpose) warns that it assumes a single process

@@ -1,7 +1,7 @@
 """Sharded training checkpoints (torch.distributed.checkpoint), written atomically: the one module that
 knows a checkpoint's files.
 
-A checkpoint saves a `RunState` (`chattune.train.run_state`) by its parts' names. Layout of
+A checkpoint saves a `RunState` (`chattune.checkpoint.run_state`) by its parts' names. Layout of
 `{output_dir}/checkpoints/step_{N}/`:
 - DCP shards of the sharded parts, {"model", "optimizer"} (each rank writes its own; loads reshard as DCP allows);
 - `train_state_rank{R}.pt`: that rank's own parts by name (scheduler, data position, RNG states, skip
@@ -15,7 +15,7 @@ removed by the next save of that step). `find_latest` only considers committed d
 
 With `save_async` (`BackgroundSaves`), the state is copied to host memory (a few seconds' pause at most) and DCP
 writes it from a thread while training goes on. The copy goes into host buffers allocated at the first save and
-reused by every later one (`chattune.train.staging.ReusedHostStager`: page-locked on CUDA, torchao's quantized
+reused by every later one (`chattune.checkpoint.staging.ReusedHostStager`: page-locked on CUDA, torchao's quantized
 states kept as their codes and scales, on every torch: 2.11 and 2.12's own stager copies one state only), not
 into a fresh copy of the whole state per save; the same rename commits it, from that thread, once every rank's
 shards and DCP's metadata are on disk. A crash before that leaves the `.partial` directory, as above; at most
@@ -27,11 +27,8 @@ before a stop) and saves the run state with the run's manifest.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -44,43 +41,25 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from chattune import interrupts
+from chattune.checkpoint.layout import (
+    MANIFEST_FILE,
+    barrier,
+    commit,
+    committed_checkpoints,
+    rank_state_file,
+    serialize,
+    write_synced,
+)
+from chattune.checkpoint.run_state import Horizon, RunState
+from chattune.checkpoint.staging import ReusedHostStager
 from chattune.data.fingerprint import RECORD_HASHES, record_hashes_file
 from chattune.distributed import world_rank
-from chattune.files import set_aside
-from chattune.log import EACH_RANK
-from chattune.train.faults import maybe_crash
-from chattune.train.run_state import Horizon, RunState
-from chattune.train.staging import ReusedHostStager
+from chattune.faults import maybe_crash
 
 if TYPE_CHECKING:
-    from chattune.train.snapshot import Snapshots, SnapshotsWhenSlow
+    from chattune.checkpoint.snapshot import Snapshots, SnapshotsWhenSlow
 
 logger = logging.getLogger(__name__)
-
-MANIFEST_FILE = "chattune.json"
-_COMMITTED = re.compile(r"step_(\d+)")
-
-
-def rank_state_file(directory: Path, rank: int) -> Path:
-    """A rank's own parts of the run state in the checkpoint `directory`."""
-    return directory / f"train_state_rank{rank}.pt"
-
-
-def _rank() -> int:
-    return world_rank()
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class BackgroundSaves:
@@ -137,13 +116,13 @@ def save_checkpoint(
     if background is not None:
         background.wait()  # one save in flight at a time
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
-    if _rank() == 0:
+    if world_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
         partial.mkdir(parents=True)
-    _barrier()  # nobody writes into the directory before it is clean
+    barrier()  # nobody writes into the directory before it is clean
     if background is None:
         dcp.save(state.sharded_state_dict(), checkpoint_id=str(partial))
-    write_synced(rank_state_file(partial, _rank()), serialize({"step": step, **state.state_dict()}))
+    write_synced(rank_state_file(partial, world_rank()), serialize({"step": step, **state.state_dict()}))
 
     def rank0_files() -> None:
         for name, data in (extra_files or {}).items():
@@ -151,61 +130,22 @@ def save_checkpoint(
         write_synced(partial / MANIFEST_FILE, json.dumps({**manifest, "step": step}, indent=1).encode())
 
     if background is not None:
-        if _rank() == 0:
+        if world_rank() == 0:
             rank0_files()  # the directory only counts once renamed, after every shard is written
         background.start(
-            state.sharded_state_dict(), partial, lambda: commit(partial, final, keep_last_n) if _rank() == 0 else None
+            state.sharded_state_dict(),
+            partial,
+            lambda: commit(partial, final, keep_last_n) if world_rank() == 0 else None,
         )
         maybe_crash("save", step)
         return final
     maybe_crash("save", step)
-    _barrier()  # every rank's files are complete
-    if _rank() == 0:
+    barrier()  # every rank's files are complete
+    if world_rank() == 0:
         rank0_files()
         commit(partial, final, keep_last_n)
-    _barrier()
+    barrier()
     return final
-
-
-def commit(partial: Path, final: Path, keep_last_n: int | None) -> None:
-    """The rename that makes a complete checkpoint count (rank 0's, or a snapshot's committing rank's), then
-    pruning."""
-    if final.exists():  # a step saved again (a run resumed from an older checkpoint): never replaced in place
-        # (the committing rank's alone: a snapshot's may be any rank)
-        logger.warning("moved aside: %s -> %s (saved again by this run)", final, set_aside(final), extra=EACH_RANK)
-    os.rename(partial, final)
-    _sync_directory(final.parent)
-    interrupts.note_checkpoint(final)  # what a stop that cannot save keeps from now on
-    if keep_last_n:
-        for old in committed_checkpoints(final.parent)[:-keep_last_n]:
-            shutil.rmtree(old)
-
-
-def serialize(obj: dict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _sync_directory(path: Path) -> None:
-    """Make a rename durable (on POSIX the directory entry needs its own fsync)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def committed_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _COMMITTED.fullmatch(p.name)) and (p / MANIFEST_FILE).is_file()
-    ]
-    return [p for _, p in sorted(found)]
 
 
 def find_latest(root: Path) -> Path | None:
@@ -269,7 +209,7 @@ def load_checkpoint(directory: Path, state: RunState) -> int:
     """Collective: restore every part of `state` by name, the sharded ones resharded as needed, this rank's
     own ones from its own file; returns the checkpoint's step."""
     load_sharded(directory, state)
-    saved = torch.load(rank_state_file(directory, _rank()), weights_only=False)
+    saved = torch.load(rank_state_file(directory, world_rank()), weights_only=False)
     state.load_state_dict(saved)
     return saved["step"]
 
@@ -292,7 +232,7 @@ class Checkpointer:
         self.root, self.state, self.manifest, self.every = root, state, manifest, every
         self.keep_last_n, self.horizon, self.background = keep_last_n, horizon, background
         self.snapshots: Snapshots | None = (
-            None  # a chattune.train.snapshot.Snapshots with snapshot_steps: every other step staged
+            None  # a chattune.checkpoint.snapshot.Snapshots with snapshot_steps: every other step staged
         )
         self.when_slow: SnapshotsWhenSlow | None = None  # snapshot_steps=auto: starts them after a long step
         self.last_saved: Path | None = None
@@ -319,7 +259,7 @@ class Checkpointer:
 
     def extra_files(self) -> dict[str, bytes]:
         """Rank 0's more files of a checkpoint, by name (the record hashes of the training files)."""
-        hashes = record_hashes_file(self.manifest["fingerprint"]) if _rank() == 0 else None
+        hashes = record_hashes_file(self.manifest["fingerprint"]) if world_rank() == 0 else None
         return {RECORD_HASHES: hashes} if hashes else {}
 
     def settle_snapshots(self, step: int | None) -> None:

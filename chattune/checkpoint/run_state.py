@@ -3,7 +3,7 @@
 An exact resume needs everything that decides the next steps: the weights and the optimizer's moments, the
 schedule, the data position, the random generators, the skip counters, fp16's loss scale. Listing them in
 one place (`training_state`), each under its name, lets a checkpoint save and restore them without knowing
-what they are (`chattune.train.checkpoint`), and a new piece of state is one more `state.add(name, part)`:
+what they are (`chattune.checkpoint.checkpoint`), and a new piece of state is one more `state.add(name, part)`:
 any object with torch's `Stateful` protocol. A checkpoint written before a part existed has no entry for it:
 `add(..., missing_ok=True)` lets such a part start afresh, otherwise loading it is an error that names the part.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -37,10 +37,16 @@ from chattune.log import EACH_RANK
 from chattune.model.quantize import has_quantized_weight
 
 if TYPE_CHECKING:
-    from chattune.train.feed import StepFeed
-    from chattune.train.step import LossScale
+    from chattune.data.feed import StepFeed
 
 logger = logging.getLogger(__name__)
+
+
+class LossScaleState(Stateful, Protocol):
+    """fp16's loss scale as a checkpoint holds it (`chattune.train.step.LossScale`): saved where enabled."""
+
+    enabled: bool
+
 
 # Frozen parameters (a LoRA run's base) are not saved: they are the model directory's, reloaded at resume.
 TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
@@ -211,7 +217,7 @@ def training_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     feed: StepFeed,
     skipped: SkippedSteps,
-    loss_scale: LossScale,
+    loss_scale: LossScaleState,
 ) -> RunState:
     """What a training run's checkpoints hold, by the names they are saved under."""
     state = model_and_optimizer(model, optimizer)

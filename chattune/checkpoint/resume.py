@@ -27,17 +27,16 @@ import numpy as np
 import torch
 from omegaconf import ListConfig
 
-from chattune.config.schema import SFTConfig, keys_resumed_as
+from chattune.checkpoint.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
+from chattune.checkpoint.run_state import OptimizerState, RunState
+from chattune.config.schema import SFTConfig, keys_resumed_as, schedule_name
 from chattune.config.typed import config_dict
+from chattune.data.feed import merge_states
 from chattune.data.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
 from chattune.data.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.template_choice import template_fingerprint
 from chattune.distributed import world_rank
 from chattune.errors import UserError
-from chattune.train.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
-from chattune.train.feed import merge_states
-from chattune.train.run_state import OptimizerState, RunState
-from chattune.train.schedule import schedule_name
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +299,7 @@ def run_identity(world_size: int, fingerprint: dict) -> dict:
 
 
 def resume_training(directory: Path, accepted: AcceptedChanges, state: RunState) -> int:
-    """Collective: restore the run state (`chattune.train.run_state.training_state`) from the checkpoint at
+    """Collective: restore the run state (`chattune.checkpoint.run_state.training_state`) from the checkpoint at
     `directory`, checked by `check_resumable`, and make the changes it accepted take effect; returns its step."""
     optimizer = cast(OptimizerState, state["optimizer"]).optimizer
     scheduler = cast(torch.optim.lr_scheduler.LRScheduler, state["scheduler"])

@@ -42,14 +42,9 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from chattune.config.paths import save_resolved_config
-from chattune.config.schema import SFTConfig
-from chattune.config.typed import config_dict
-from chattune.distributed import ParallelDims, broadcast_from_main
-from chattune.errors import NothingToDo, UserError
-from chattune.files import ABANDONED, aside_name, set_aside, write_atomically
-from chattune.train.checkpoint import committed_checkpoints, damage, find_latest, read_manifest
-from chattune.train.resume import (
+from chattune.checkpoint.checkpoint import damage, find_latest, read_manifest
+from chattune.checkpoint.layout import committed_checkpoints
+from chattune.checkpoint.resume import (
     AcceptedChanges,
     ResumeError,
     check_resumable,
@@ -58,7 +53,13 @@ from chattune.train.resume import (
     run_identity,
     trajectory_keys,
 )
-from chattune.train.snapshot import complete_snapshots
+from chattune.checkpoint.snapshot import complete_snapshots
+from chattune.config.paths import save_resolved_config
+from chattune.config.schema import SFTConfig
+from chattune.config.typed import config_dict
+from chattune.distributed import ParallelDims, broadcast_from_main
+from chattune.errors import NothingToDo, UserError
+from chattune.files import ABANDONED, aside_name, set_aside, write_atomically
 
 logger = logging.getLogger(__name__)
 
