@@ -22,8 +22,8 @@ from chattune.launch.app import recipe_main
 from chattune.launch.recipe_kinds import DPO
 from chattune.launch.validate import checked_config
 from chattune.log import setup_logging
-from chattune.model.adapters import trainable_parameters
 from chattune.model.build import build_trained_model
+from chattune.model.peft.adapters import trainable_parameters
 from chattune.objectives.dpo import PreferenceObjective, is_initial_policy
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.train.inputs import build_training_data

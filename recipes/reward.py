@@ -23,9 +23,9 @@ from chattune.launch.app import recipe_main
 from chattune.launch.recipe_kinds import REWARD
 from chattune.launch.validate import checked_config
 from chattune.log import setup_logging
-from chattune.model.adapters import trainable_parameters
 from chattune.model.build import build_trained_model
-from chattune.model.heads import SCORE_HEAD
+from chattune.model.head.kinds import SCORE_HEAD
+from chattune.model.peft.adapters import trainable_parameters
 from chattune.objectives.reward import RewardObjective
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train

@@ -19,8 +19,8 @@ from chattune.launch.app import recipe_main
 from chattune.launch.recipe_kinds import SFT
 from chattune.launch.validate import checked_config
 from chattune.log import setup_logging
-from chattune.model.adapters import trainable_parameters
 from chattune.model.build import build_trained_model
+from chattune.model.peft.adapters import trainable_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.inputs import build_training_data
 from chattune.train.loop import Learning, train

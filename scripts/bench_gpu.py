@@ -11,7 +11,7 @@ run trains `recipes/sft.py` (torchrun, one process) and, when `trl` is importabl
 markdown row per run and tool, and writes them as JSON to --work/results.json:
 - tokens/s: every token fed, per device, over steps --warmup+1..--steps (chattune: its metrics.jsonl,
   `all_tokens_per_sec_per_device`; TRL: tokens counted in `training_step` over that window's wall time);
-- MFU: chattune's own (`chattune.model.flops`: matmuls and causal attention per document). TRL's is the
+- MFU: chattune's own (`chattune.model.cost.flops`: matmuls and causal attention per document). TRL's is the
   same model FLOPs per token (same model and data) times its tokens/s;
 - peak memory: torch's peak allocated (GiB) in each process.
 

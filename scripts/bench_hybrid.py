@@ -1,4 +1,4 @@
-"""Hybrid models on the CPU: what the exact per-document path of `chattune.model.mixers` costs.
+"""Hybrid models on the CPU: what the exact per-document path of `chattune.model.packed.mixers` costs.
 
     python scripts/bench_hybrid.py [--tokens 2048] [--documents 8] [--steps 5] [--warmup 2] [--threads N]
 
@@ -40,7 +40,7 @@ from chattune.config.paths import DEMO_ASSETS  # noqa: E402
 from chattune.data.documents import Document  # noqa: E402
 from chattune.data.packing import collate_packed  # noqa: E402
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model  # noqa: E402
-from chattune.model.mixers import isolate_documents  # noqa: E402
+from chattune.model.packed.mixers import isolate_documents  # noqa: E402
 
 COMMON = dict(
     hidden_size=256,

@@ -109,7 +109,7 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     import chattune
     from chattune.distributed import init_distributed
     from chattune.model.build import build_sharded_model
-    from chattune.model.export import export_hf
+    from chattune.model.io.export import export_hf
 
     cfg = OmegaConf.create(
         {
@@ -139,7 +139,7 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     start = time.perf_counter()
     export_args = {}
     if "dtype" in inspect.signature(export_hf).parameters:  # export.dtype=auto: the source's (bf16 here)
-        from chattune.model.export import export_dtype
+        from chattune.model.io.export import export_dtype
 
         export_args["dtype"] = export_dtype("auto", model.source_dtype)
     export_hf(model, VocabularyOnly(0), Path(out_dir) / "hf", dims.is_main, **export_args)

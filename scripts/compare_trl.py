@@ -51,7 +51,7 @@ from chattune.data.packing import collate_packed
 from chattune.data.pair_documents import PairDocuments, RewardPairDocuments
 from chattune.data.records import RecordSource
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.heads import SCORE_HEAD
+from chattune.model.head.kinds import SCORE_HEAD
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.dpo import LiveReference, PreferenceObjective
 from chattune.objectives.kto import KTOObjective, KTOWeights

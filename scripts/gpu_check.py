@@ -38,7 +38,7 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
 - `cce_vs_chunked`: cut-cross-entropy against the exact fp32 chunked head on the same bf16 inputs (8192
   tokens, the tokenizer's vocabulary, peaked logits): per-token losses (≤ 1e-3 of the largest), their sum
   (≤ 1e-4) and the output layer's and hidden states' gradients (≤ 3e-2: CCE 25.1.1 sums them in bf16 and
-  drops blocks below `filter_eps`, see chattune.model.fused_loss). On the CPU, CCE's torch implementation,
+  drops blocks below `filter_eps`, see chattune.model.head.fused_loss). On the CPU, CCE's torch implementation,
   which rounds the logits to bf16: ≤ 5e-3 / 2.5e-4 / 1e-2, as tests/test_fused_loss.py.
 - `cce_anchor`: cut-cross-entropy on half a vocabulary (loss-parallel's rows, the other half's targets on an
   anchor row of this half): the per-row error of its output-layer gradient against the exact fp32 chunked head,
@@ -99,7 +99,7 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
 - `throughput`: full SFT, LoRA and QLoRA steps of `recipes/sft.py` on the 0.6B and 1.7B Qwen3 shapes (random
   weights, 20k short real chats, 2 × 16,384-token microbatches a step; the 1.7B with activation
   checkpointing): tokens/s per device, MFU and peak memory beside rank 0's start-up estimate of it
-  (chattune.model.memory); TRL's SFTTrainer beside full SFT when `trl` is importable; last, on the first shape,
+  (chattune.model.cost.memory); TRL's SFTTrainer beside full SFT when `trl` is importable; last, on the first shape,
   float8 linear layers (`model.fp8=tensorwise`, needs torchao) and offloaded, recomputed activations, against the
   full SFT row's tokens/s and peak. Targets: MFU ≥ 45% on the 1.7B full step; ≥ 3× TRL's tokens/s; peak memory ≤
   TRL's. (The CPU smoke test runs the full SFT launch alone, on the tiny shape.) Each launch logs dynamo's
@@ -275,7 +275,7 @@ def recipe_config(
     overrides: tuple[str, ...] = (),
 ):
     """recipes/sft.py's composed config (configs/sft/tiny.yaml's defaults) with `model.config` the Qwen3 shape:
-    what `recipe_model` builds, and what chattune.model.memory estimates."""
+    what `recipe_model` builds, and what chattune.model.cost.memory estimates."""
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
@@ -308,7 +308,7 @@ def recipe_model(
     overrides: tuple[str, ...] = (),
 ):
     """The model as recipes/sft.py builds it from `recipe_config`'s config (see built_from): random weights
-    from `seed`, equal to hf_model(ctx, shape, layers, seed)'s. `head`: the model's head (chattune.model.heads;
+    from `seed`, equal to hf_model(ctx, shape, layers, seed)'s. `head`: the model's head (chattune.model.head.kinds;
     None: the causal LM's, SCORE_HEAD: a reward model's, as recipes/reward.py builds it); `overrides`: more of
     the recipe's keys (`model.fsdp.param_dtype=float32` for an exact reference: auto is bf16 compute on CUDA,
     fp32 on the CPU; `model.fp8=tensorwise`). A BuiltModel (hf_model, model, ...)."""
@@ -435,8 +435,8 @@ def check_packed_vs_hf(ctx: Context) -> None:
 
 
 def check_cce(ctx: Context) -> None:
-    from chattune.model import fused_loss
-    from chattune.model.chunked_loss import chunked_token_losses
+    from chattune.model.head import fused_loss
+    from chattune.model.head.chunked_loss import chunked_token_losses
 
     if not fused_loss.cce_available():
         ctx.add("cce_vs_chunked", None, "cut-cross-entropy cannot be imported", detail=str(fused_loss._import_cce()[1]))
@@ -483,7 +483,7 @@ def check_float8(ctx: Context) -> None:
     steps without it: every step's loss within 1%."""
     import importlib.util
 
-    from chattune.model.float8 import convert_linear_layers, fp8_problem
+    from chattune.model.quantization.float8 import convert_linear_layers, fp8_problem
 
     mode = "tensorwise" if ctx.cuda else "emulate"
     problem = fp8_problem(mode, ctx.device, adapted=False)
@@ -538,8 +538,8 @@ def check_cce_anchor(ctx: Context) -> None:
     against the exact fp32 chunked head: row 0's within 5x the median row's. CUDA only (CCE's kernels)."""
     import torch.distributed as dist
 
-    from chattune.model import fused_loss
-    from chattune.model.chunked_loss import chunked_token_losses
+    from chattune.model.head import fused_loss
+    from chattune.model.head.chunked_loss import chunked_token_losses
     from chattune.parallel.vocab_parallel import VocabShard
 
     if not ctx.cuda:
@@ -591,7 +591,7 @@ def check_tensor_parallel(ctx: Context) -> None:
     ranks do not divide: its padding made on the device, not copied from pageable memory)."""
     from chattune.data.feed import StepBatches
     from chattune.distributed import ParallelDims
-    from chattune.model import fused_loss
+    from chattune.model.head import fused_loss
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.context_parallel import row_slice
     from chattune.train.step import UpdateRule, train_step
@@ -722,7 +722,7 @@ def _count_syncs(ctx: Context, step: Callable[[], object]) -> int | None:
 
 
 def check_tf32_scope(ctx: Context) -> None:
-    from chattune.model.chunked_loss import chunked_token_losses
+    from chattune.model.head.chunked_loss import chunked_token_losses
 
     tokens, width, vocab = (4096, 1024, 32768) if ctx.cuda else (256, 64, 1024)
     generator = torch.Generator(device=ctx.device).manual_seed(1)
@@ -932,8 +932,8 @@ def check_objectives_bf16(ctx: Context) -> None:
     from torch.distributed.tensor import DTensor
 
     from chattune.data.feed import StepBatches
-    from chattune.model.fused_loss import resolve_loss_implementation
-    from chattune.model.heads import SCORE_HEAD
+    from chattune.model.head.fused_loss import resolve_loss_implementation
+    from chattune.model.head.kinds import SCORE_HEAD
     from chattune.objectives.dpo import LiveReference, PreferenceObjective
     from chattune.objectives.kto import KTOObjective, KTOWeights
     from chattune.objectives.pair_losses import PreferenceLoss
@@ -1202,7 +1202,7 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
     mfu = sum(m.get("mfu", 0.0) * m["step_time_s"] for m in rows) / seconds if "mfu" in rows[-1] else None
     peak = max(m.get("peak_memory_allocated_gib", 0.0) for m in rows) or None
     compute = next((line.split("] ", 1)[-1] for line in log.splitlines() if "] compute:" in line), "")
-    # rank 0's start-up estimate (chattune.model.memory), beside the measured peak
+    # rank 0's start-up estimate (chattune.model.cost.memory), beside the measured peak
     estimated = re.search(r"peak per rank \(the rows at once\)\s+([0-9.]+) GiB", log)
     estimate = float(estimated.group(1)) if estimated else None
     ctx.figures[shape, mode] = {"tokens_per_s": tokens, "mfu": mfu, "peak_gib": peak, "estimated_gib": estimate}
@@ -1890,14 +1890,14 @@ def _row_of(ctx: Context, tokens: int) -> PackedBatch:
 
 
 def check_estimate_bound(ctx: Context) -> None:
-    """The start-up memory estimate (chattune.model.memory, from the recipe's own config) against the peak torch
+    """The start-up memory estimate (chattune.model.cost.memory, from the recipe's own config) against the peak torch
     allocated in two optimizer steps of the model built from that config, one row per combination of
     ESTIMATE_BOUND_ROWS (layers compiled, as `model.compile=auto` compiles them on CUDA): within 10% of the peak;
     the first row also says what the device holds that torch does not count (total - free - reserved: the CUDA
     context, NCCL's and cuBLAS's buffers). On the CPU the estimates are made and the steps run on the tiny shape
     (chunked rows: the CPU's CCE is its torch implementation), no peak to hold them to: SKIP."""
     from chattune.data.feed import StepBatches
-    from chattune.model.memory import estimate, hf_config_of, inputs_of
+    from chattune.model.cost.memory import estimate, hf_config_of, inputs_of
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.train.optimizer import build_optimizer
     from chattune.train.step import UpdateRule, train_step
@@ -2239,9 +2239,9 @@ def environment(ctx: Context) -> dict:
 
 
 def varlen_gqa(ctx: Context) -> str:
-    """How torch's varlen_attn takes grouped-query attention in this process (chattune.model.attention_kernels'
+    """How torch's varlen_attn takes grouped-query attention in this process (chattune.model.packed.kernels'
     `_varlen_gqa`: flag, native or repeat), and who settled it."""
-    from chattune.model import attention_kernels
+    from chattune.model.packed import kernels as attention_kernels
 
     value = attention_kernels._varlen_gqa
     if value == "flag":

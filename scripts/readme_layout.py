@@ -62,10 +62,10 @@ def layout_table() -> str:
             + ", ".join(f"`{p.stem}` ({first_docstring_line(p).split(':')[0].split('.')[0].lower()})" for p in top),
         )
     )
-    for package in sorted(p.parent for p in PACKAGE.glob("*/__init__.py")):
+    for package in sorted(p.parent for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE):
         rows.append(
             (
-                f"`chattune/{package.name}/`",
+                f"`chattune/{package.relative_to(PACKAGE).as_posix()}/`",
                 f"{first_docstring_line(package / '__init__.py')} Modules: {modules(package)}",
             )
         )

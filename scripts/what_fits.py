@@ -1,4 +1,4 @@
-"""What fits where, from the memory estimate (`chattune.model.memory`): three model shapes (Qwen3-0.6B, Llama-3.1-8B,
+"""What fits where, from the memory estimate (`chattune.model.cost.memory`): three model shapes (Qwen3-0.6B, Llama-3.1-8B,
 Qwen2.5-32B widths) x full fine-tuning, LoRA and QLoRA x 24/48/80 GiB GPUs, each with its peak per rank and, where it does
 not fit, the changes the estimate advises. bf16 compute, fp32 AdamW, 2048 tokens a microbatch. Also the optimizer
 states' bytes per trained parameter for each optimizer. Shapes only: nothing is downloaded or loaded.
@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from chattune.model.memory import GiB, MemoryInputs, estimate
-from chattune.model.memory_advice import ways_to_fit
+from chattune.model.cost.memory import GiB, MemoryInputs, estimate
+from chattune.model.cost.memory_advice import ways_to_fit
 
 SHAPES = {
     "0.6B (Qwen3-0.6B)": lambda: Qwen3Config(

@@ -21,8 +21,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, GptOssC
 
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
-from chattune.model import attention, attention_kernels
-from chattune.model.attention import (
+from chattune.model.packed import attention
+from chattune.model.packed import kernels as attention_kernels
+from chattune.model.packed.attention import (
     EXACT,
     SDPA,
     SINK_VARLEN,
@@ -33,7 +34,7 @@ from chattune.model.attention import (
     attention_path,
     packed_hidden_states,
 )
-from chattune.model.attention_kernels import VarlenOptions, _per_document_exact, sink_varlen_attn
+from chattune.model.packed.kernels import VarlenOptions, _per_document_exact, sink_varlen_attn
 
 WINDOW = 4
 LENGTHS = (13, 6, 11)  # longer than the window, of different lengths: windows and boundaries both matter

@@ -16,7 +16,7 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.export import export_hf
+from chattune.model.io.export import export_hf
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import UpdateRule, train_step

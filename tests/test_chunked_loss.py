@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
-from chattune.model.chunked_loss import chunked_token_losses
+from chattune.model.head.chunked_loss import chunked_token_losses
 from conftest import relative_error
 
 

@@ -1,4 +1,4 @@
-"""Vision-language checkpoints trained on text (chattune.model.composite), in process: tiny composite checkpoint
+"""Vision-language checkpoints trained on text (chattune.model.io.composite), in process: tiny composite checkpoint
 directories as transformers saves them (Mistral 3 in its legacy `language_model.model.*` names, the others in the
 current ones) are loaded as chattune loads them (meta-built text model, tensors read from the checkpoint's own
 keys), and the packed loss and gradients equal the stock composite class run on each document alone, fp32."""
@@ -14,24 +14,24 @@ import torch.nn.functional as F
 from test_every_architecture import tiny_config as walk_config
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
-import chattune.model.composite as composite_module
+import chattune.model.io.composite as composite_module
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel, UserError
-from chattune.model import load
-from chattune.model.adapters import initial_values
-from chattune.model.architecture_check import check_architecture
-from chattune.model.attention import stock_attention
 from chattune.model.build import _empty_or_full
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.composite import (
+from chattune.model.checks.architecture import check_architecture
+from chattune.model.head.kinds import SCORE_HEAD
+from chattune.model.io import load
+from chattune.model.io.composite import (
     VERIFIED_COMPOSITES,
     WRAPPED_TEXT_MODELS,
     is_composite,
     text_causal_lm_class,
     text_config_of,
 )
-from chattune.model.heads import SCORE_HEAD
+from chattune.model.packed.attention import stock_attention
+from chattune.model.peft.adapters import initial_values
 
 VOCAB = 200
 TEXT = dict(

@@ -1,4 +1,4 @@
-"""Vision-language checkpoints end to end on 2 ranks (chattune.model.composite): a tiny bf16 Mistral 3 checkpoint
+"""Vision-language checkpoints end to end on 2 ranks (chattune.model.io.composite): a tiny bf16 Mistral 3 checkpoint
 directory (legacy names, a processor file) trains with SFT, resumes bit for bit after stop_after_step, and comes back
 in its own class: the vision tower byte for byte, the language model moved, bf16, the processor file kept. DPO with
 LoRA from the same directory writes an adapter that peft loads over the original checkpoint, touching no vision

@@ -34,7 +34,7 @@ from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.errors import UnsupportedModel
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.packing_probe import check_context_split
+from chattune.model.checks.packing_probe import check_context_split
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import CachedReference, PreferenceObjective
 from chattune.objectives.pair_losses import PreferenceLoss
@@ -413,8 +413,8 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
     then the split check of a LongRoPE miniature whose rotary reads its input whole, as transformers' does."""
     from test_every_architecture import THRESHOLDS, tiny_config
 
-    from chattune.model import rotary
-    from chattune.model.architecture_check import build_miniature, check_architecture
+    from chattune.model.checks.architecture import build_miniature, check_architecture
+    from chattune.model.packed import rotary
 
     init_worker_process_group(rank, world_size, port)
     dims = init_distributed("cpu", ParallelConfig(context=world_size))

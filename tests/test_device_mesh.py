@@ -21,7 +21,7 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.memory import MemoryInputs, estimate
+from chattune.model.cost.memory import MemoryInputs, estimate
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel import tensor_parallel
 from chattune.parallel.fsdp import parallel_dims_of, shard_model
@@ -203,7 +203,7 @@ def test_the_mesh_derives_groups_ranks_and_the_gradient_norm_for_every_layout(tm
             assert abs(norm - full) <= 1e-5 * full, (*where, norm, full)  # the shards' norm is the whole's
             assert abs(norm - plain) <= 1e-5 * plain, (*where, norm, plain)  # ... and the plain model's
             assert worst <= 1e-5, (*where, worst)  # every gradient the plain model's
-            # the memory estimate's parameter shards (`chattune.model.memory`): this rank's, FSDP2's padding aside
+            # the memory estimate's parameter shards (`chattune.model.cost.memory`): this rank's, FSDP2's padding aside
             config = tiny_model(seed=0, **HEADS).config
             estimated = estimate(MemoryInputs(config, ranks=want["shards"], tokens=75, tensor=tp))
             assert abs(estimated.rows["parameters (fp32 shards)"] - held) <= 0.02 * held, (*where, held)

@@ -21,9 +21,9 @@ from chattune.data.formats import SourceSpec
 from chattune.data.prompts import Prompt, held_out_prompts
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.hf_layout import decoder_layers
-from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
+from chattune.model.packed.attention import ATTENTION_NAME
 from chattune.parallel.fsdp import compiled_graphs, shard_model
 from chattune.train.samples import EvalSamples, run_samples
 from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, mesh_dims, spawn, torchrun

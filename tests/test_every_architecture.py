@@ -56,13 +56,13 @@ import chattune
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
-from chattune.model import rotary
-from chattune.model.architecture_check import MINIATURE_VOCAB, check_architecture, miniature_config
-from chattune.model.attention import ATTENTION_NAME
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.flops import attention_heads, model_flops, text_config
+from chattune.model.checks.architecture import MINIATURE_VOCAB, check_architecture, miniature_config
+from chattune.model.cost.flops import attention_heads, model_flops, text_config
 from chattune.model.generate import generation_failure
-from chattune.model.output_logits import LogitTransform
+from chattune.model.head.output_logits import LogitTransform
+from chattune.model.packed import rotary
+from chattune.model.packed.attention import ATTENTION_NAME
 from chattune.parallel.fsdp import compute_dtype
 from conftest import PROJECT_ROOT
 
@@ -847,7 +847,7 @@ THRESHOLDS = {
 def _turned_off(fix: str):
     """chattune's handling of one threshold turned off: the whole row's rotary, the row's chunks, the row's
     temperature, as transformers computes them on a packed row."""
-    from chattune.model import attention
+    from chattune.model.packed import attention
 
     patch = pytest.MonkeyPatch()
     if fix == "rotary":

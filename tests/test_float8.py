@@ -1,4 +1,4 @@
-"""Float8 linear layers (`model.fp8`, chattune.model.float8) on 2 real ranks, emulated on the CPU: 3 steps within the
+"""Float8 linear layers (`model.fp8`, chattune.model.quantization.float8) on 2 real ranks, emulated on the CPU: 3 steps within the
 documented tolerance of the bf16 step, the decoder's linear layers (and only those) converted, the output layer and
 loss left in bf16/fp32; the refusals that name their remedy."""
 
@@ -57,7 +57,7 @@ def test_tensorwise_weights_are_gathered_in_float8(one_rank_group):
     from chattune.data.packing import collate_packed
     from chattune.hf_layout import decoder_layers
     from chattune.model.causal_lm import PackedCausalLM
-    from chattune.model.float8 import convert_linear_layers
+    from chattune.model.quantization.float8 import convert_linear_layers
     from chattune.parallel.fsdp import shard_model
     from conftest import demo_documents, tiny_model
 
@@ -84,7 +84,7 @@ def test_float8_is_checked_as_on_a_planned_gpu_and_refused_on_the_cpu():
     without CUDA raised "Torch not compiled with CUDA enabled"; a CPU run (device=cpu) is refused with the remedy."""
     from chattune.launch.memory_plan import MemoryPlan
     from chattune.launch.validate import run_validate
-    from chattune.model.memory import parse_size
+    from chattune.model.cost.memory import parse_size
     from conftest import PROJECT_ROOT
 
     configs, planned = PROJECT_ROOT / "configs", MemoryPlan(parse_size("24GiB"))
@@ -107,7 +107,7 @@ def test_float8_matmuls_meet_cudas_shape_rule_on_unpadded_rows_and_padding_chang
     the same float8 matmuls unpadded (CPU's `_scaled_mm` takes both)."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from chattune.model.float8 import convert_linear_layers
+    from chattune.model.quantization.float8 import convert_linear_layers
 
     scaled_mm, shapes = torch._scaled_mm, []
 

@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU (`chattune.model.flops`, `chattune.train.metrics.step_metrics`), against hand counts."""
+"""Model FLOPs and MFU (`chattune.model.cost.flops`, `chattune.train.metrics.step_metrics`), against hand counts."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from transformers import (
 
 from chattune.data.documents import Document
 from chattune.data.packing import collate_packed
-from chattune.model.flops import batch_flops, model_flops, peak_flops
+from chattune.model.cost.flops import batch_flops, model_flops, peak_flops
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.metrics import StepFlops, step_metrics
 from chattune.train.step import StepResult
@@ -329,7 +329,7 @@ def test_frozen_weights_count_four_times_their_size_per_token():
     not its own gradient; a trained one all three (6)."""
     from omegaconf import OmegaConf
 
-    from chattune.model.adapters import add_adapters
+    from chattune.model.peft.adapters import add_adapters
 
     config = LlamaConfig(
         hidden_size=64,

@@ -15,9 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
-from chattune.model.adapters import BaseModelView, add_adapters
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.export import export_adapter, export_hf
+from chattune.model.io.export import export_adapter, export_hf
+from chattune.model.peft.adapters import BaseModelView, add_adapters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import LiveReference
 from chattune.parallel.fsdp import shard_model

@@ -1,4 +1,4 @@
-"""The fused output-layer loss (`chattune.model.fused_loss`, cut-cross-entropy) against the exact fp32
+"""The fused output-layer loss (`chattune.model.head.fused_loss`, cut-cross-entropy) against the exact fp32
 chunked reference, through CCE's torch implementation on the CPU (its CUDA kernels run in bench_gpu.py).
 
 Tolerances: with fp32 inputs both compute the same fp32 logits, so per-token losses agree to 1e-5
@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UserError
-from chattune.model import fused_loss
-from chattune.model.chunked_loss import chunked_token_losses
-from chattune.model.output_logits import LogitTransform
+from chattune.model.head import fused_loss
+from chattune.model.head.chunked_loss import chunked_token_losses
+from chattune.model.head.output_logits import LogitTransform
 from chattune.parallel.vocab_parallel import VocabShard
 from conftest import free_port, init_worker_process_group, relative_error, spawn
 

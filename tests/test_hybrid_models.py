@@ -19,7 +19,7 @@ from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.mixers import (
+from chattune.model.packed.mixers import (
     GATED_DELTA_RULE,
     KDA,
     MAMBA,
@@ -284,10 +284,10 @@ def test_context_parallelism_is_refused_with_the_layer_and_the_remedy():
 
 
 def test_cuda_without_the_kernels_runs_per_document_and_says_how_to_install_them(caplog, monkeypatch):
-    from chattune.model import mixers
+    from chattune.model.packed import mixers
 
     monkeypatch.setattr(mixers, "kernels_available", lambda kind: False)
-    with caplog.at_level("WARNING", logger="chattune.model.mixers"):
+    with caplog.at_level("WARNING", logger="chattune.model.packed.mixers"):
         assert mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE, SHORT_CONV}) == set()
     assert 'pip install -e ".[hybrid]"' in caplog.text and "gated delta rule" in caplog.text
     monkeypatch.setattr(mixers, "kernels_available", lambda kind: True)
@@ -302,7 +302,7 @@ def test_cuda_without_the_kernels_runs_per_document_and_says_how_to_install_them
         mixers.choose_mixer_path(torch.device("cuda"), {GATED_DELTA_RULE})
         assert "varlen" in mixers.mixer_path_name({GATED_DELTA_RULE}, "cuda")
         assert mixers.mixer_path_name({GATED_DELTA_RULE}, "cpu") == "gated delta rule: per document"
-        with caplog.at_level("WARNING", logger="chattune.model.mixers"):
+        with caplog.at_level("WARNING", logger="chattune.model.packed.mixers"):
             mixers.fall_back_to_per_document("a reason")
         assert mixers.varlen_kinds() == set() and "a reason" in caplog.text
     finally:
@@ -368,7 +368,7 @@ def test_the_varlen_path_gives_the_kernels_the_rows_boundaries(name, monkeypatch
     layer equals stock transformers on each document alone."""
     import importlib
 
-    from chattune.model import mixers
+    from chattune.model.packed import mixers
 
     module_name, kernels = VARLEN_STAND_INS[name]
     module = importlib.import_module(module_name)
@@ -397,7 +397,7 @@ def test_the_varlen_path_gives_the_kernels_the_rows_boundaries(name, monkeypatch
     kind = FAMILIES[name][1]
     try:
         assert mixers.choose_mixer_path(torch.device("cuda"), {kind}) == {kind}
-        from chattune.model.packing_probe import check_fast_mixers
+        from chattune.model.checks.packing_probe import check_fast_mixers
 
         check_fast_mixers(tiny_model(**FAMILIES[name][0]), torch.device("cpu"))  # the start-up check keeps it
         assert mixers.varlen_kinds() == {kind}
@@ -433,15 +433,15 @@ def test_a_varlen_path_that_fails_on_the_device_falls_back_to_per_document(caplo
     """The start-up check of the varlen path (`check_fast_mixers`), on CPU: transformers' torch fallbacks refuse
     `seq_idx` (as kernels that are missing or refuse the row would), so the run is put on the per-document path
     with a warning that says why; the miniature itself is left as it was."""
-    from chattune.model import mixers
-    from chattune.model.packing_probe import check_fast_mixers
+    from chattune.model.checks.packing_probe import check_fast_mixers
+    from chattune.model.packed import mixers
 
     monkeypatch.setattr(mixers, "_VARLEN_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(mixers, "kernels_available", lambda kind: True)
     model = tiny_model(**FAMILIES["lfm2"][0]).eval()
     try:
         mixers.choose_mixer_path(torch.device("cuda"), {SHORT_CONV})
-        with caplog.at_level("WARNING", logger="chattune.model.mixers"):
+        with caplog.at_level("WARNING", logger="chattune.model.packed.mixers"):
             check_fast_mixers(model, torch.device("cpu"))
         assert mixers.varlen_kinds() == set()
     finally:
@@ -456,14 +456,14 @@ def test_kernels_that_are_installed_but_do_not_import_are_not_available(tmp_path
     torch convolution, so the varlen path is not chosen, and the import error is said."""
     import sys
 
-    from chattune.model import mixers
+    from chattune.model.packed import mixers
 
     package = tmp_path / "causal_conv1d"
     package.mkdir()
     (package / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10 (built for another torch)')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
-    with caplog.at_level("WARNING", logger="chattune.model.mixers"):
+    with caplog.at_level("WARNING", logger="chattune.model.packed.mixers"):
         assert not mixers.kernels_available(SHORT_CONV)
     assert "causal_conv1d is installed but does not import" in caplog.text and "another torch" in caplog.text
     (package / "__init__.py").write_text("")

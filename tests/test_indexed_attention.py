@@ -1,5 +1,5 @@
 """Attention that selects its keys per query (DeepSeek Sparse Attention and kin, Qwen4-Exp's QSA, MiniMax-M3's
-block-sparse layers, DeepSeek-V4's compressed attention) trains packed and exact (`chattune.model.indexed_attention`):
+block-sparse layers, DeepSeek-V4's compressed attention) trains packed and exact (`chattune.model.packed.indexed_attention`):
 one packed row of documents longer than the selection (index_topk 8 against 23 to 57 tokens) gives, forward and
 backward in training mode, the per-token losses and every gradient of stock transformers run on each document alone
 (eager attention, no chattune code), through the walk's start-up path (`tests/test_every_architecture.walk`). The
@@ -22,11 +22,11 @@ from transformers import AutoModelForCausalLM
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
-from chattune.model import indexed_attention
-from chattune.model.architecture_check import check_architecture
-from chattune.model.attention import ATTENTION_NAME, packed_attention, stock_attention
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.flops import text_config
+from chattune.model.checks.architecture import check_architecture
+from chattune.model.cost.flops import text_config
+from chattune.model.packed import indexed_attention
+from chattune.model.packed.attention import ATTENTION_NAME, packed_attention, stock_attention
 from chattune.objectives.dpo import LiveReference
 
 # Per family: what the walk's tiny config gets so that the selection is smaller than the documents (LENGTHS).

@@ -21,8 +21,8 @@ from chattune.data.documents import IGNORE_INDEX, shifted_labels
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
-from chattune.model.adapters import BaseModelView, add_adapters
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.peft.adapters import BaseModelView, add_adapters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import accumulate_gradients, clip_gradients

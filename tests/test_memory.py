@@ -1,4 +1,4 @@
-"""The memory estimate (`chattune.model.memory`) against measured byte counts: parameters, gradients and
+"""The memory estimate (`chattune.model.cost.memory`) against measured byte counts: parameters, gradients and
 optimizer states exactly as FSDP2 shards them on 2 real ranks, activations within 10% of what autograd really
 keeps in the packed forward on CPU (a saved-tensors hook), for three model shapes, full and LoRA."""
 
@@ -22,9 +22,9 @@ from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, shutdown_distributed
 from chattune.errors import UserError
 from chattune.hf_layout import decoder_layers
-from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.memory import MemoryInputs, estimate, parse_size
+from chattune.model.cost.memory import MemoryInputs, estimate, parse_size
+from chattune.model.peft.adapters import add_adapters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import accumulate_gradients
@@ -328,7 +328,7 @@ def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from chattune.model.memory_advice import ways_to_fit
+    from chattune.model.cost.memory_advice import ways_to_fit
 
     spec = OmegaConf.create(EIGHT_B.split("=", 1)[1])
     inputs = MemoryInputs(instantiate(spec), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)
@@ -376,7 +376,7 @@ def test_a_4_bit_base_is_counted_as_bitsandbytes_stores_it(one_rank_group, shape
     """QLoRA: the decoder's linear weights replicated in 4 bits (codes, scales, code books) and their biases, exactly
     as measured on the quantized model; the fp32 shards are the rest, the adapters included."""
     pytest.importorskip("bitsandbytes")
-    from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
+    from chattune.model.quantization.quantize import quantize_linears, quantized_modules, replicated_parameters
 
     hf_model = _model(shape, lora=True)
     quantize_linears(decoder_layers(hf_model), "nf4", torch.float32, torch.device("cpu"))
@@ -408,7 +408,7 @@ def test_a_4_bit_base_is_counted_as_bitsandbytes_stores_it(one_rank_group, shape
 def test_a_live_reference_is_counted_where_the_recipe_builds_a_second_model(overrides, second_model):
     """DPO's live reference: a second model sharded like the policy, where chattune.train.reference builds one."""
     from chattune.launch.compose import composed
-    from chattune.model.memory import inputs_of
+    from chattune.model.cost.memory import inputs_of
 
     cfg = composed("dpo/tiny", ["model.path=null", *overrides], PROJECT_ROOT / "configs")
     hf_model = _model("llama", lora=False)
@@ -465,7 +465,7 @@ def test_a_vision_language_checkpoint_is_estimated_as_the_language_model_the_run
     from chattune.config.paths import DEMO_ASSETS
     from chattune.launch.compose import composed
     from chattune.model.build import _empty_or_full
-    from chattune.model.memory import hf_config_of, inputs_of
+    from chattune.model.cost.memory import hf_config_of, inputs_of
 
     stock = save_composite("mistral3", tmp_path, vocab_size=len(demo_tokenizer()))
     demo_tokenizer().save_pretrained(tmp_path)
@@ -530,7 +530,7 @@ def test_a_cpu_run_is_planned_on_the_cpu_in_float32_and_a_planned_gpu_says_so():
 def _tiny_inputs(on_cuda: bool) -> MemoryInputs:
     """The memory inputs of sft/tiny on 1 rank, on CUDA or on the CPU."""
     from chattune.launch.compose import composed
-    from chattune.model.memory import hf_config_of, inputs_of
+    from chattune.model.cost.memory import hf_config_of, inputs_of
 
     cfg = composed("sft/tiny", [], CONFIGS)
     return inputs_of(cfg, hf_config_of(cfg, len(demo_tokenizer())), ParallelDims.from_config(cfg.parallel, 1), on_cuda)
@@ -552,7 +552,7 @@ def test_a_vocab_size_written_in_model_config_is_kept_by_the_run_and_the_estimat
     the estimate's parameters agree; a vocab_size the tokenizer's ids do not fit is refused by both, naming the key,
     and each remedy the message gives builds."""
     from chattune.model.build import build_trained_model
-    from chattune.model.memory import hf_config_of, inputs_of
+    from chattune.model.cost.memory import hf_config_of, inputs_of
 
     tokenizer = demo_tokenizer()
     for written, embeddings in ((2048, 2048), (None, len(tokenizer)), (len(tokenizer), len(tokenizer))):
@@ -614,7 +614,7 @@ def test_the_loss_head_rows_are_what_the_chunked_head_allocates(dtype):
     upcast to fp32, its fp32 gradient and its bf16 gradient come on top of a chunk's logits (about 10 bytes per
     weight element, 1.5 GiB at 0.6B), which the estimate counted as the chunk alone; in fp32 a chunk's gradient
     and autograd's sum of it beside the weight's own gradient (the gradients row)."""
-    from chattune.model.chunked_loss import chunked_token_losses
+    from chattune.model.head.chunked_loss import chunked_token_losses
 
     vocab, hidden, tokens, chunk = 4096, 256, 256, 64
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_hidden_layers=1)
@@ -668,8 +668,8 @@ def test_the_estimate_counts_the_loss_head_the_run_builds(setting, device_type, 
     implementation on CPU when asked for (the estimate used to count the chunked head there), CCE's kernels for
     bf16 on CUDA; a setting the run refuses is estimated as the chunked head."""
     from chattune.errors import UserError
-    from chattune.model import fused_loss
-    from chattune.model.memory import _loss_head_of
+    from chattune.model.cost.memory import _loss_head_of
+    from chattune.model.head import fused_loss
 
     counted = _loss_head_of(setting, device_type == "cuda", dtype_name)["loss_implementation"]
     try:
@@ -707,7 +707,7 @@ def test_a_compiled_trace_dynamo_cannot_make_counts_the_eager_layers_and_says_so
     with the reason beside it: never a start-up crash of a run whose own compile would have worked."""
     import functools
 
-    from chattune.model import activation_trace
+    from chattune.model.cost import activation_trace
 
     def failing_backend(graph, example_inputs):
         raise RuntimeError("a backend that cannot compile this layer")

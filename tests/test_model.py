@@ -9,8 +9,8 @@ from transformers.models.granite.modeling_granite import GraniteForCausalLM
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
 from chattune.errors import UnsupportedModel
-from chattune.model.architecture_check import check_architecture
 from chattune.model.causal_lm import check_output_head
+from chattune.model.checks.architecture import check_architecture
 from conftest import tiny_config, tiny_model
 
 GRANITE = {"model_type": "granite", "logits_scaling": 4.0}

@@ -1,4 +1,4 @@
-"""LoRA on mixture-of-experts models trains the experts (`chattune.model.adapter_targets`): on Qwen3-MoE,
+"""LoRA on mixture-of-experts models trains the experts (`chattune.model.peft.adapter_targets`): on Qwen3-MoE,
 gpt-oss, Mixtral, DeepSeek-V3 and Qwen3.5-MoE shapes, `all-linear` reaches every stacked expert weight; the
 experts' adapter gradients, sharded over two ranks and packed, equal a plain peft model's run on each document
 alone; the merged export equals peft's own merge; the adapter directory loads in peft over the base with the same
@@ -18,10 +18,10 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import UserError
-from chattune.model.adapter_targets import expert_stacks, routers, trainable_by_group
-from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.export import export_adapter, plan_tensors
+from chattune.model.io.export import export_adapter, plan_tensors
+from chattune.model.peft.adapter_targets import expert_stacks, routers, trainable_by_group
+from chattune.model.peft.adapters import add_adapters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import accumulate_gradients
@@ -120,7 +120,7 @@ def test_all_linear_adapts_every_expert_stack_and_the_log_says_so(name, caplog):
     linears = {p for p, m in plain.named_modules() if isinstance(m, torch.nn.Linear) and p != "lm_head"}
     router_paths = set(routers(plain))
     assert stacks and router_paths
-    with caplog.at_level(logging.INFO, logger="chattune.model.adapters"):
+    with caplog.at_level(logging.INFO, logger="chattune.model.peft.adapters"):
         model, _ = moe_lora_model(name, LORA)
     # Every expert stack has its adapter (gate_up_proj and down_proj of every MoE layer).
     wrapped = adapted_parameters(model)
@@ -244,8 +244,8 @@ def test_the_merged_export_and_the_adapter_directory_equal_peft_over_the_base(tm
 def test_qlora_quantizes_the_linears_and_says_the_expert_stacks_stay_in_the_compute_dtype():
     pytest.importorskip("bitsandbytes")
     from chattune.hf_layout import decoder_layers
-    from chattune.model.adapter_targets import quantized_experts_note
-    from chattune.model.quantize import is_quantized, quantize_linears
+    from chattune.model.peft.adapter_targets import quantized_experts_note
+    from chattune.model.quantization.quantize import is_quantized, quantize_linears
 
     model, _ = moe_lora_model("qwen3_moe", OmegaConf.merge(LORA, {"quantize_base": "nf4"}))
     quantized = quantize_linears(decoder_layers(model), "nf4", torch.float32, torch.device("cpu"))

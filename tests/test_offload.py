@@ -182,7 +182,7 @@ def test_the_estimates_offloaded_bytes_are_what_the_hooks_move(one_rank_group, c
     """The estimate's host row against the bytes the hooks moved in a real packed forward, within 10%."""
     from chattune.data.packing import collate_packed
     from chattune.model.causal_lm import PackedCausalLM
-    from chattune.model.memory import MemoryInputs, estimate
+    from chattune.model.cost.memory import MemoryInputs, estimate
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.fsdp import shard_model
     from chattune.parallel.offload import activation_offload

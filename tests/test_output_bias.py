@@ -23,13 +23,14 @@ from transformers import AutoModelForCausalLM
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
-from chattune.model import causal_lm, fused_loss
-from chattune.model.architecture_check import check_architecture
-from chattune.model.attention import ATTENTION_NAME
+from chattune.model import causal_lm
 from chattune.model.causal_lm import PackedCausalLM, check_output_head, output_bias
-from chattune.model.chunked_loss import chunked_token_losses
-from chattune.model.export import export_hf
-from chattune.model.output_logits import LogitTransform
+from chattune.model.checks.architecture import check_architecture
+from chattune.model.head import fused_loss
+from chattune.model.head.chunked_loss import chunked_token_losses
+from chattune.model.head.output_logits import LogitTransform
+from chattune.model.io.export import export_hf
+from chattune.model.packed.attention import ATTENTION_NAME
 from chattune.parallel.fsdp import shard_model
 from conftest import demo_tokenizer, exported_weights, mesh_dims
 
@@ -168,7 +169,7 @@ def test_a_release_that_takes_the_bias_is_given_it(monkeypatch):
 def test_lora_with_the_output_layer_trained_in_full_trains_its_bias():
     """peft.modules_to_save=[lm_head]: the losses read the trained copy's weight and bias (the adapters start at
     zero: the stock model's gradient)."""
-    from chattune.model.adapters import add_adapters
+    from chattune.model.peft.adapters import add_adapters
 
     model = biased_model("phi")
     stock = copy.deepcopy(model)

@@ -13,9 +13,9 @@ import torch
 from test_hybrid_models import compare_with_stock, random_documents, relative
 
 from chattune.errors import UnsupportedModel
-from chattune.model.architecture_check import check_architecture
 from chattune.model.causal_lm import PackedCausalLM, check_output_head
-from chattune.model.output_logits import LogitTransform
+from chattune.model.checks.architecture import check_architecture
+from chattune.model.head.output_logits import LogitTransform
 from conftest import tiny_config, tiny_model
 
 # Random-init logits are small (|logit| ~ 0.1-0.5): a cap of 0.1 bends most of them.

@@ -6,7 +6,7 @@ import torch
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import best_fit_decreasing, collate_packed
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout, epoch_share
-from chattune.model.attention import ATTENTION_NAME
+from chattune.model.packed.attention import ATTENTION_NAME
 from conftest import ListSource, demo_documents, tiny_model
 
 

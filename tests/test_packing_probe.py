@@ -13,8 +13,8 @@ from transformers import CONFIG_MAPPING
 
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import collate_packed
-from chattune.model.mixers import isolate_documents, leaking_mixers
-from chattune.model.packing_probe import ALONE_TOLERANCE, SWAP_TOLERANCE, check_packing_isolation, probe_packing
+from chattune.model.checks.packing_probe import ALONE_TOLERANCE, SWAP_TOLERANCE, check_packing_isolation, probe_packing
+from chattune.model.packed.mixers import isolate_documents, leaking_mixers
 from conftest import demo_documents, tiny_config, tiny_model
 
 # Softmax attention only. Windows shorter than the probe's documents, so the windowed path is probed too.
@@ -38,7 +38,7 @@ ORDINARY = {
 
 SMALL_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
 # (overrides, a module class the message must name). Torch fallback paths: no mamba_ssm / causal_conv1d.
-# chattune keeps their mixers per document (`chattune.model.mixers`): the probe accepts them, and refuses them
+# chattune keeps their mixers per document (`chattune.model.packed.mixers`): the probe accepts them, and refuses them
 # with the mixers over the whole row (`leaking_mixers`), as it refuses a mixer chattune does not handle.
 HYBRID = {
     "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
@@ -176,7 +176,7 @@ HYBRID.update(
 )
 # The recurrent families: their layers pass the mixers no document boundaries (pure Mamba-1, RWKV), or their forwards
 # take more than hidden states or return their state (MiniMax's lightning attention, RecurrentGemma): the decoder's
-# hook hands the mixers the boundaries (`chattune.model.mixers`).
+# hook hands the mixers the boundaries (`chattune.model.packed.mixers`).
 HYBRID.update(
     {
         "minimax": (
@@ -425,7 +425,7 @@ ALL_ARCHITECTURES = {
 def test_the_miniature_gives_the_full_models_verdict(name):
     """The builder checks a random-init miniature of the config (first layers, vocabulary cut to 1024), not
     the model it loads shard by shard: every architecture above gets the verdict its full model gets."""
-    from chattune.model.architecture_check import check_architecture
+    from chattune.model.checks.architecture import check_architecture
 
     overrides, accepted = ALL_ARCHITECTURES[name]
     skip_if_absent(overrides)
@@ -440,7 +440,7 @@ def test_the_miniature_gives_the_full_models_verdict(name):
 def test_the_miniature_keeps_a_late_kind_of_layer():
     """Six layers, the one convolution last: the miniature keeps all six (every kind the config lists),
     so the leak is found (the convolution over the whole row); without the convolution two layers suffice."""
-    from chattune.model.architecture_check import check_architecture, miniature_config
+    from chattune.model.checks.architecture import check_architecture, miniature_config
 
     leaky = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 5 + ["conv"])
     assert miniature_config(leaky).num_hidden_layers == 6
@@ -458,7 +458,7 @@ def test_a_config_that_stock_transformers_cannot_run_is_the_users_to_fix():
     from transformers import AutoConfig
 
     from chattune.errors import UserError
-    from chattune.model.architecture_check import check_architecture
+    from chattune.model.checks.architecture import check_architecture
 
     config = AutoConfig.for_model(
         "qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

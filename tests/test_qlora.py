@@ -23,11 +23,11 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.hf_layout import decoder_layers
-from chattune.model.adapters import add_adapters
 from chattune.model.build import build_sharded_model
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.export import export_adapter, export_hf
-from chattune.model.quantize import quantize_linears, quantized_modules, replicated_parameters
+from chattune.model.io.export import export_adapter, export_hf
+from chattune.model.peft.adapters import add_adapters
+from chattune.model.quantization.quantize import quantize_linears, quantized_modules, replicated_parameters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import UpdateRule, accumulate_gradients, train_step

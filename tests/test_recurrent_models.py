@@ -7,7 +7,7 @@ by 64, which they do not reach). The leak control runs the same row with the mix
 probe refuses it and the losses and gradients differ.
 
 Their decoders pass the row's boundaries to no layer (Mamba's, RWKV's, xLSTM's), so hooks on the model and its
-decoder hand them to the mixers (`chattune.model.mixers`): also when activation checkpointing recomputes a layer in
+decoder hand them to the mixers (`chattune.model.packed.mixers`): also when activation checkpointing recomputes a layer in
 the backward. Generation (a cache or recurrent state, no boundaries) runs the mixers' own forwards."""
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
-from chattune.model import mixers
-from chattune.model.architecture_check import _check_output_head
-from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.flops import text_config
-from chattune.model.output_logits import LogitTransform
-from chattune.model.packing_probe import check_packing_isolation
+from chattune.model.checks.architecture import _check_output_head
+from chattune.model.checks.packing_probe import check_packing_isolation
+from chattune.model.cost.flops import text_config
+from chattune.model.head.output_logits import LogitTransform
+from chattune.model.packed import mixers
+from chattune.model.packed.attention import ATTENTION_NAME, packed_hidden_states
 
 # model type: (what the walk's tiny config needs besides, the mixer kinds the model must hold)
 FAMILIES = {

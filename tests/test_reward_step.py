@@ -16,7 +16,7 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import build_hf_model
-from chattune.model.heads import SCORE_HEAD
+from chattune.model.head.kinds import SCORE_HEAD
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.reward import RewardObjective
 from chattune.parallel.fsdp import shard_model

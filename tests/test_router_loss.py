@@ -1,4 +1,4 @@
-"""MoE models train with their router's load-balancing loss, per document (`chattune.model.router_loss`):
+"""MoE models train with their router's load-balancing loss, per document (`chattune.model.packed.router_loss`):
 each document's value is transformers' own `aux_loss` of that document run alone, it weighs as many loss
 units as the document holds, and a step's gradient does not depend on how its documents are split into
 microbatches and ranks. Checked against stock transformers run on each document alone."""
@@ -18,7 +18,7 @@ from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.errors import UserError
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.router_loss import router_loss_for
+from chattune.model.packed.router_loss import router_loss_for
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate

@@ -25,7 +25,7 @@ from chattune.distributed import exit_process, init_distributed, shutdown_distri
 from chattune.errors import UserError
 from chattune.model.build import build_sharded_model
 from chattune.model.causal_lm import build_hf_model
-from chattune.model.export import export_dtype, export_hf
+from chattune.model.io.export import export_dtype, export_hf
 from conftest import demo_tokenizer, exported_weights, free_port, init_worker_process_group, spawn, tiny_config
 
 # Odd first dimensions (vocabulary, heads * head_dim, MLP width): rank 1 holds one row fewer than rank 0.
@@ -172,7 +172,7 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path):
     """config.json and the weights disagree (an edited config): a clear error, not a silent partial load."""
     import torch.distributed as dist
 
-    from chattune.model import load
+    from chattune.model.io import load
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config(**ODD_SHAPES)).save_pretrained(tmp_path)

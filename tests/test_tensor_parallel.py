@@ -16,10 +16,10 @@ from chattune.config.schema import ParallelConfig, PeftConfig
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
-from chattune.model.adapters import add_adapters
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
-from chattune.model.memory import MemoryInputs, estimate
-from chattune.model.router_loss import router_loss_for
+from chattune.model.cost.memory import MemoryInputs, estimate
+from chattune.model.packed.router_loss import router_loss_for
+from chattune.model.peft.adapters import add_adapters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel.fsdp import shard_model
 from chattune.parallel.tensor_parallel import split_over, tensor_parallel_problem

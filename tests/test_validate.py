@@ -183,7 +183,7 @@ def test_an_architecture_the_launch_refuses_is_a_problem_before_it(tmp_path):
     from hydra.utils import instantiate
 
     from chattune.errors import UnsupportedModel
-    from chattune.model.architecture_check import check_architecture
+    from chattune.model.checks.architecture import check_architecture
 
     bloom = "{_target_: transformers.BloomConfig, hidden_size: 64, n_layer: 2, n_head: 4}"
     report, ok = run_validate("sft/tiny", [f"output_dir={tmp_path}", f"model.config={bloom}"], CONFIGS)

@@ -12,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from chattune.model.attention_kernels import VarlenOptions, _per_document_sdpa, probe_native_gqa, torch_varlen_attn
+from chattune.model.packed.kernels import VarlenOptions, _per_document_sdpa, probe_native_gqa, torch_varlen_attn
 
 
 def _attention(q, k, v, cu_seqlens, scale):  # (N, H, D) in, (N, Hq, D) out, like the kernels

@@ -20,7 +20,7 @@
   (never picked up by resume=auto, never pruned by keep_last_n; delete them when you no longer need them).
   The metrics and sample lines after the step a run continues from are kept in a copy, `metrics.jsonl.abandoned`
   (`samples.jsonl.abandoned`);
-  an export that a later one replaces is set aside the same way (`chattune.model.export`).
+  an export that a later one replaces is set aside the same way (`chattune.model.io.export`).
 
 `claim_output_dir` does all of it before anything is loaded or written, so a refused launch costs seconds.
 """
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".chattune.lock"
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # one line per logged step (`chattune.train.metrics.start_step_log`)
-EXPORTS = ("hf", "adapter")  # what the end of a run writes (`chattune.model.export.export_run`)
+EXPORTS = ("hf", "adapter")  # what the end of a run writes (`chattune.model.io.export.export_run`)
 RESULTS = ("checkpoints", *STEP_LOGS, *EXPORTS, "ledger")  # what a run leaves
 CONFIG_FILE = "config.yaml"  # the resolved config, written at every start
 COMPLETE_FILE = "complete.json"  # written at the end of a run that reached it (`write_completion`)

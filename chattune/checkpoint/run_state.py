@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from chattune.log import EACH_RANK
-from chattune.model.quantize import has_quantized_weight
+from chattune.model.quantization.quantize import has_quantized_weight
 
 if TYPE_CHECKING:
     from chattune.data.feed import StepFeed

@@ -2,7 +2,7 @@
 
 A run that stopped (preempted, `stop_after_step`, a crash) has checkpoints but no `hf/`; a run that finished
 has the last step's export only. This writes any committed checkpoint's weights the way the run's end does
-(`chattune.model.export.export_run`): the Hugging Face directory `hf/` in export.dtype (auto: the source's),
+(`chattune.model.io.export.export_run`): the Hugging Face directory `hf/` in export.dtype (auto: the source's),
 and with LoRA the adapter directory `adapter/` (plus the merged `hf/` with export.merge), into DIR
 (default: OUTPUT_DIR/exports/step_N). Bit for bit what the run's own end would write at that step.
 
@@ -56,8 +56,8 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> Exported:
     from chattune.distributed import init_distributed, shutdown_distributed
     from chattune.launch.recipe_kinds import REWARD
     from chattune.model.build import build_trained_model
-    from chattune.model.export import export_run
-    from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD
+    from chattune.model.head.kinds import CAUSAL_LM_HEAD, SCORE_HEAD
+    from chattune.model.io.export import export_run
 
     checkpoint = _checkpoint_of(Path(checkpoint))
     problems = damage(checkpoint)

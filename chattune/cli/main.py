@@ -243,7 +243,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config_name, overrides = config_and_overrides(args, parser)
     config_path, config_dir = config_location(args, config_name)
     kind = kind_of_recipe(args.recipe) if args.recipe is not None else None  # a copied recipe's own keys
-    from chattune.model.memory import parse_size
+    from chattune.model.cost.memory import parse_size
 
     try:
         device_memory = parse_size(args.device_memory) if args.device_memory is not None else None

@@ -25,7 +25,9 @@ class ConfigError(UserError, ValueError):
 class Findings:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    memory: str | None = None  # the memory estimate's table (`chattune.model.memory`), for a config without problems
+    memory: str | None = (
+        None  # the memory estimate's table (`chattune.model.cost.memory`), for a config without problems
+    )
     # Keys passed on to a callable that takes any keyword (a Hugging Face config), noted for being close to one of its
     # named parameters: key -> the parameter's key (`model.config.hiden_size` -> `model.config.hidden_size`).
     near_misses: dict[str, str] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The memory plan `chattune validate` ends with: the estimate (`chattune.model.memory`) of a run of a config on
+"""The memory plan `chattune validate` ends with: the estimate (`chattune.model.cost.memory`) of a run of a config on
 some number of ranks, on the device and in the compute dtype it plans (`planned_device`): the CPU run the config
 asks for, this machine's GPU, or a GPU of a given size planned from a machine without one; its header says which."""
 
@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """End the report with the memory estimate's table (`chattune.model.memory`), planned for a GPU of
+    """End the report with the memory estimate's table (`chattune.model.cost.memory`), planned for a GPU of
     `device_memory` bytes (its CUDA-only settings checked as on that GPU; a `device=cpu` run: its memory per rank);
     None: this machine's GPU, else the CPU."""
 
@@ -37,15 +37,15 @@ def planned_device(device: str, device_memory: int | None, cuda_here: bool) -> t
 
 
 def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
-    """The memory estimate of a run of `cfg` on `ranks` ranks (`chattune.model.memory`) on the device it plans
+    """The memory estimate of a run of `cfg` on `ranks` ranks (`chattune.model.cost.memory`) on the device it plans
     (`planned_device`), with the verdict against `device_memory` bytes, else this machine's GPU's memory (the CPU
     without --device-memory: no verdict)."""
     import torch
 
     from chattune.data.tokenizer import load_tokenizer
     from chattune.distributed import ParallelDims, usable_device_memory
-    from chattune.model.memory import hf_config_of, inputs_of
-    from chattune.model.memory_advice import report
+    from chattune.model.cost.memory import hf_config_of, inputs_of
+    from chattune.model.cost.memory_advice import report
 
     on_cuda, why = planned_device(str(cfg.device), device_memory, torch.cuda.is_available())
     given = device_memory is not None

@@ -36,7 +36,7 @@ from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
 from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show
 from chattune.launch.recipe_kinds import RecipeKind
 from chattune.launch.schema_checks import SchemaChecks, number
-from chattune.model.weights import weights_problem
+from chattune.model.io.weights import weights_problem
 
 HUB_NOTE = "downloaded once per node into the Hugging Face cache, or read from it offline"
 
@@ -314,7 +314,7 @@ class RunRules:
             return
         import torch  # only for a config that asks for float8
 
-        from chattune.model.float8 import fp8_problem
+        from chattune.model.quantization.float8 import fp8_problem
 
         adapted = isinstance(get_value(self.values, "peft"), dict)
         problem = fp8_problem(mode, torch.device("cuda" if self.on_cuda() else "cpu"), adapted)

@@ -216,7 +216,7 @@ ARCHITECTURE_CHECK_PARAMETERS = 50_000_000
 
 
 def check_architecture_of(cfg: DictConfig, findings: Findings, on_cuda: bool) -> None:
-    """The architecture check a launch runs at start-up (`chattune.model.architecture_check`: a random-init
+    """The architecture check a launch runs at start-up (`chattune.model.checks.architecture`: a random-init
     miniature of the model's class and config, probed for what would train wrong), for a model built from
     model.config: what the launch would refuse (BLOOM's ALiBi lets packed documents see each other) is a problem
     here, found from the config alone (no data, no weights). A model directory's architecture is checked when the
@@ -245,8 +245,8 @@ def _architecture_outcome(config: str, dtype: str) -> str | int | None:
     from hydra.utils import instantiate
 
     from chattune.errors import UnsupportedModel
-    from chattune.model.activation_trace import meta_model
-    from chattune.model.architecture_check import check_architecture, miniature_config
+    from chattune.model.checks.architecture import check_architecture, miniature_config
+    from chattune.model.cost.activation_trace import meta_model
 
     hf_config = instantiate(json.loads(config), _convert_="all")  # as the launch builds it
     try:

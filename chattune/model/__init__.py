@@ -1,2 +1,2 @@
-"""Models: the HF model with packed attention and a chunked loss head (or a reward model's score head), its
-building and loading, its export and its replies."""
+"""Models: an HF model as chattune trains it (the packed causal LM, or a reward model's score head), built as a
+recipe asks and generating replies; its parts by concern in the packages below."""

@@ -1,10 +1,10 @@
 """The model a recipe trains, and DPO's frozen reference: an HF causal LM from a local directory or from
 `model.config` (random weights), with the chunked loss head (or, for a reward model, the same decoder under a
-score head: `chattune.model.heads`, `chattune.model.sequence_score`), sharded with FSDP2 per decoder layer and
+score head: `chattune.model.head.kinds`, `chattune.model.sequence_score`), sharded with FSDP2 per decoder layer and
 at the root. One builder, so the policy and a reference built from the config get the same weights.
 
 From a directory the model is built on the meta device, sharded, then each rank loads only its own shard
-(`chattune.model.load`): no rank ever holds the whole model. Random-init models (small, for experiments)
+(`chattune.model.io.load`): no rank ever holds the whole model. Random-init models (small, for experiments)
 are built whole on the CPU with the run's seed, as before, then sharded: the same weights on every rank
 and in every release."""
 
@@ -24,14 +24,14 @@ from chattune.distributed import ParallelDims, usable_device_memory
 from chattune.errors import UnsupportedModel, UserError
 from chattune.hf_layout import decoder_layers
 from chattune.hub import hub_hint, local_directory
-from chattune.model import load, quantize
-from chattune.model.adapter_targets import quantized_experts_note
-from chattune.model.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
-from chattune.model.architecture_check import check_architecture
-from chattune.model.attention import attention_backend, attention_features
-from chattune.model.attention_kernels import probe_native_gqa
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model, written_vocab_size
-from chattune.model.composite import (
+from chattune.model.checks.architecture import check_architecture
+from chattune.model.cost.memory import inputs_of, memory_levers
+from chattune.model.cost.memory_advice import report
+from chattune.model.head.fused_loss import resolve_loss_implementation
+from chattune.model.head.kinds import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
+from chattune.model.io import load
+from chattune.model.io.composite import (
     CompositeCheckpoint,
     describe,
     is_composite,
@@ -39,20 +39,21 @@ from chattune.model.composite import (
     read_composite,
     text_config_of,
 )
-from chattune.model.float8 import convert_linear_layers, fp8_problem
-from chattune.model.fused_loss import resolve_loss_implementation
-from chattune.model.heads import CAUSAL_LM_HEAD, SCORE_HEAD, ModelHead
-from chattune.model.indexed_attention import indexed_path_name
-from chattune.model.memory import inputs_of, memory_levers
-from chattune.model.memory_advice import report
-from chattune.model.mixers import handled_mixers, mixer_path_name
-from chattune.model.router_loss import router_loss_for
+from chattune.model.packed.attention import attention_backend, attention_features
+from chattune.model.packed.indexed_attention import indexed_path_name
+from chattune.model.packed.kernels import probe_native_gqa
+from chattune.model.packed.mixers import handled_mixers, mixer_path_name
+from chattune.model.packed.router_loss import router_loss_for
+from chattune.model.peft.adapter_targets import quantized_experts_note
+from chattune.model.peft.adapters import add_adapters, initial_values, set_dora_magnitudes, trainable_parameters
+from chattune.model.quantization import quantize
+from chattune.model.quantization.float8 import convert_linear_layers, fp8_problem
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
 from chattune.parallel.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, parallel_dims_of, shard_model
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # peft is imported only by runs with adapters (chattune.model.adapters): seconds per process
+if TYPE_CHECKING:  # peft is imported only by runs with adapters (chattune.model.peft.adapters): seconds per process
     from peft import PeftModel
 
 
@@ -91,7 +92,7 @@ def build_trained_model(
 
 
 def log_memory_estimate(cfg: SFTConfig, hf_config, dims: ParallelDims) -> None:
-    """Rank 0's start-up table of the run's memory per rank (`chattune.model.memory`), a warning if it will not
+    """Rank 0's start-up table of the run's memory per rank (`chattune.model.cost.memory`), a warning if it will not
     fit the device."""
     on_cuda = dims.device.type == "cuda"
     try:
@@ -119,7 +120,7 @@ def build_sharded_model(
     log_memory: bool = False,
 ) -> BuiltModel:
     """The model loaded from `path` (a local directory or a hub id, `chattune.hub`; `key` is its config key), or
-    built from `cfg.model.config` when `path` is None, ending in `head` (`chattune.model.heads`: a causal LM's
+    built from `cfg.model.config` when `path` is None, ending in `head` (`chattune.model.head.kinds`: a causal LM's
     output layer, or a reward model's score head), with LoRA `adapters` (the `peft` section) on its frozen base
     when given, sharded. `log_memory`: rank 0 logs the run's memory table (`log_memory_estimate`) before loading
     a weight: the trained model's builder asks for it, a DPO or KTO reference built the same way does not."""
@@ -157,7 +158,7 @@ def build_sharded_model(
         if note := quantized_experts_note(hf_model, dtype):
             logger.info(note)
     implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
-    # The chunked head's matmuls (and only those: `chattune.model.chunked_loss`) in TF32 on CUDA, where bf16/fp16
+    # The chunked head's matmuls (and only those: `chattune.model.head.chunked_loss`) in TF32 on CUDA, where bf16/fp16
     # inputs make its forward exact in TF32.
     tf32_head = device_type == "cuda" and dtype != "float32" and implementation == "chunked"
     if device_type == "cuda":
@@ -311,7 +312,7 @@ def _empty_or_full(directory: Path, head: ModelHead = CAUSAL_LM_HEAD) -> Checkpo
     """The model of `directory` ending in `head`: meta-built with its checkpoint's files when the checkpoint can be
     read shard by shard, else whole from `from_pretrained`, with a warning that says why. A score head the
     checkpoint lacks (a causal LM's directory) is initialised here, as `from_pretrained` would. A vision-language
-    checkpoint: its language model (`chattune.model.composite`)."""
+    checkpoint: its language model (`chattune.model.io.composite`)."""
     files = load.checkpoint_files(directory)
     config = AutoConfig.from_pretrained(directory)
     if is_composite(config):

@@ -1,11 +1,11 @@
 """Hugging Face causal LMs for packed training.
 
 `PackedCausalLM` wraps any `AutoModelForCausalLM` and returns per-token losses computed from the final
-hidden states in chunks (see `chattune.model.chunked_loss`), or by cut-cross-entropy on CUDA
-(`chattune.model.fused_loss`), instead of full logits, with the output layer's bias where it has one (Phi,
-GPT-J, CodeGen, CTRL) and the model's own logit scaling or soft-capping (`chattune.model.output_logits`); for
+hidden states in chunks (see `chattune.model.head.chunked_loss`), or by cut-cross-entropy on CUDA
+(`chattune.model.head.fused_loss`), instead of full logits, with the output layer's bias where it has one (Phi,
+GPT-J, CodeGen, CTRL) and the model's own logit scaling or soft-capping (`chattune.model.head.output_logits`); for
 a MoE model trained with its router loss, also each document's load-balancing loss
-(`chattune.model.router_loss`). It is also the FSDP root module, so the embedding, final norm and output head
+(`chattune.model.packed.router_loss`). It is also the FSDP root module, so the embedding, final norm and output head
 (tied or not, its bias with it) are gathered by the root's hooks when its forward runs.
 """
 
@@ -22,13 +22,13 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel, UserError
 from chattune.hf_layout import decoder_of
-from chattune.model.attention import ATTENTION_NAME, packed_decoder_output, stock_attention
-from chattune.model.chunked_loss import chunked_token_losses
-from chattune.model.flops import model_flops
-from chattune.model.fused_loss import cce_token_losses, describe_bias
-from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
-from chattune.model.output_logits import LogitTransform
-from chattune.model.router_loss import RouterLoss
+from chattune.model.cost.flops import model_flops
+from chattune.model.head.chunked_loss import chunked_token_losses
+from chattune.model.head.fused_loss import cce_token_losses, describe_bias
+from chattune.model.head.kinds import CAUSAL_LM_HEAD, ModelHead
+from chattune.model.head.output_logits import LogitTransform
+from chattune.model.packed.attention import ATTENTION_NAME, packed_decoder_output, stock_attention
+from chattune.model.packed.router_loss import RouterLoss
 from chattune.parallel.context_parallel import gather_row, row_slice, set_context_group
 from chattune.parallel.sequence_parallel import Stream
 from chattune.parallel.vocab_parallel import local_head
@@ -45,13 +45,13 @@ class PackedCausalLM(nn.Module):
         router_loss: RouterLoss | None = None,
         context_group: dist.ProcessGroup | None = None,
     ):
-        """`loss_implementation`: `chunked` (exact fp32, `chattune.model.chunked_loss`) or
-        `cut_cross_entropy` (`chattune.model.fused_loss`, for CUDA); `tf32_head`: the chunked head's matmuls
+        """`loss_implementation`: `chunked` (exact fp32, `chattune.model.head.chunked_loss`) or
+        `cut_cross_entropy` (`chattune.model.head.fused_loss`, for CUDA); `tf32_head`: the chunked head's matmuls
         in TF32 (CUDA with bf16/fp16 compute, where that is exact for its forward); `router_loss`: a MoE model's
         load-balancing loss, computed by training forwards that ask for it; `context_group`: the ranks its packed
         rows are split across (`ParallelDims.cp_group`; None: whole rows), set on it and on every module of
         `hf_model` (`chattune.parallel.context_parallel.set_context_group`), where its attention reads it. Its
-        architecture is checked by `chattune.model.architecture_check` (the builder runs it), not here: `hf_model`
+        architecture is checked by `chattune.model.checks.architecture` (the builder runs it), not here: `hf_model`
         may be on the meta device, its weights loaded after sharding."""
         super().__init__()
         self.hf_model = hf_model
@@ -60,7 +60,7 @@ class PackedCausalLM(nn.Module):
         self.tf32_head = tf32_head
         self.source_dtype = source_dtype  # the dtype the weights were stored in (export.dtype=auto writes it back)
         # The vision-language checkpoint whose language model this is, set by the builder: the export writes its
-        # layout back (`chattune.model.composite`).
+        # layout back (`chattune.model.io.composite`).
         self.composite = None
         self.logit_transform = LogitTransform.from_config(hf_model.config)  # verified by check_output_head
         self.router_loss = router_loss
@@ -255,7 +255,7 @@ def build_hf_model(
 ) -> PreTrainedModel:
     """A model ending in `head` (a causal LM unless told) with random weights built from a config, its vocabulary
     `vocab_size` (`written_vocab_size`: the one the user wrote), else the tokenizer's size. Seed torch before calling
-    for reproducible weights. (Model directories are loaded by `chattune.model.load`.)"""
+    for reproducible weights. (Model directories are loaded by `chattune.model.io.load`.)"""
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")

@@ -20,10 +20,10 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.data.chat_template import probe_template
-from chattune.model.architecture_check import MINIATURE_LAYERS, miniature_config
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.code_failures import where_it_fails
-from chattune.model.flops import text_config
+from chattune.model.checks.architecture import MINIATURE_LAYERS, miniature_config
+from chattune.model.checks.code_failures import where_it_fails
+from chattune.model.cost.flops import text_config
 from chattune.parallel.fsdp import can_stay_gathered, eager_layers, model_device, reshard, stay_gathered
 
 
@@ -131,7 +131,7 @@ def sharded_generation(model: PackedCausalLM, gather: bool | None = None) -> Ite
 
 def generation_failure(model: PreTrainedModel) -> str | None:
     """Why stock transformers cannot generate with a model like `model` (None: it can), seen on a random-init
-    miniature of its class and config (every kind of layer kept, `chattune.model.architecture_check`) generating
+    miniature of its class and config (every kind of layer kept, `chattune.model.checks.architecture`) generating
     3 tokens with a KV cache, as the sample replies do. Some hybrid and recurrent models' caches fail there in
     transformers itself (Bamba and Granite-4-H without an attention layer, HRM, Qwen4-Exp, xLSTM at some
     sizes); training them is unaffected. The global RNG is left as it was."""

@@ -10,7 +10,7 @@ the causal LM's per-token losses.
 
 Transformers' own forward of such a model scores each row at its last token that is not the config's
 `pad_token_id`: a conversation as `apply_chat_template` renders it is scored at its last token, as training scores it.
-The export (`chattune.model.export`) is such a model's directory; its config names the class
+The export (`chattune.model.io.export`) is such a model's directory; its config names the class
 (`architectures`), `num_labels=1` and a `pad_token_id`.
 """
 
@@ -27,8 +27,8 @@ from chattune.data.chat_template import render_conversation
 from chattune.data.packing import PackedBatch
 from chattune.data.tokenizer import pad_token_id
 from chattune.errors import UnsupportedModel
-from chattune.model.attention import packed_decoder_output
-from chattune.model.flops import model_flops
+from chattune.model.cost.flops import model_flops
+from chattune.model.packed.attention import packed_decoder_output
 from chattune.parallel.context_parallel import row_slice
 from chattune.parallel.sequence_parallel import Stream, gather_whole_block_input
 
@@ -48,7 +48,7 @@ class PackedSequenceScorer(nn.Module):
         self.hf_model = hf_model
         self.source_dtype = source_dtype  # the dtype the weights were stored in (export.dtype=auto writes it back)
         # The vision-language checkpoint whose language model this is, set by the builder: the export writes its
-        # layout back (`chattune.model.composite`).
+        # layout back (`chattune.model.io.composite`).
         self.composite = None
         self.router_loss = None  # a MoE model's router loss is not trained next to a reward (the builder refuses it)
         self.flops = model_flops(hf_model)

@@ -73,7 +73,7 @@ class Objective(ABC):
 
 def model_losses(model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's per-token losses (N,), and in training each segment's router loss (S,) where the model trains
-    with one (`chattune.model.router_loss`; None otherwise). Evaluation reports the objective's loss alone."""
+    with one (`chattune.model.packed.router_loss`; None otherwise). Evaluation reports the objective's loss alone."""
     if getattr(model, "router_loss", None) is not None and model.training:
         return model(batch, router_losses=True)
     return model(batch), None

@@ -7,7 +7,7 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
-from chattune.model.router_loss import segment_units
+from chattune.model.packed.router_loss import segment_units
 from chattune.objectives.base import Objective, model_losses, objective_loss
 from chattune.objectives.source_figures import document_sums, source_figures
 

@@ -23,7 +23,7 @@ from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
 from chattune.distributed import reduce_sums
 from chattune.hub import hub_id
-from chattune.model.adapters import BaseModelView
+from chattune.model.peft.adapters import BaseModelView
 from chattune.objectives.base import Objective, model_losses, objective_loss
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.objectives.source_figures import source_figures

@@ -211,7 +211,7 @@ def whole_rows(model: torch.nn.Module):
 def split_hidden_states(hidden_states_of, batch: PackedBatch, group: ProcessGroup) -> torch.Tensor:
     """The final hidden states (N, H) of a whole row computed split across `group`, each rank its slice
     (`hidden_states_of(slice)`, a decoder forward), gathered: what the start-up probe compares with the row run
-    whole (`chattune.model.packing_probe.check_context_split`)."""
+    whole (`chattune.model.checks.packing_probe.check_context_split`)."""
     local = hidden_states_of(row_slice(batch, dist.get_world_size(group), dist.get_rank(group)))
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)

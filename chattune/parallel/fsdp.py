@@ -167,7 +167,7 @@ def shard_model(
     layers split over its tp group (`chattune.parallel.tensor_parallel`) with the vocabulary
     (`chattune.parallel.vocab_parallel`), then each parameter sharded over its
     `fsdp_mesh`; the model keeps it (`parallel_dims_of`) for the step and the figures.
-    `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantize). `fsdp`: the
+    `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantization.quantize). `fsdp`: the
     keys of `model.fsdp` (`FSDPConfig`; those not given keep its defaults): the compute and reduction dtypes,
     activation checkpointing, offloaded activations (a training forward's saved tensors in host memory,
     `chattune.parallel.offload`) and CPU offload (the shards, their gradients and the optimizer step on the host,

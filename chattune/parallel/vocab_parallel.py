@@ -7,8 +7,8 @@ T times the head's matmuls. Split, each rank computes the logits of its own rows
 - the loss (`vocab_parallel_token_losses`): each rank's log-sum-exp over its rows and the target's logit where
   the target is among them, gathered over the group (2 floats a token and rank), give every rank the whole
   loss; the backward needs no exchange (each rank's log-sum-exp gets the share of the whole softmax its rows
-  hold). The chunked loss computes both from its chunk's logits (`chattune.model.chunked_loss`), cut-cross-entropy
-  from its loss over the rank's rows (`chattune.model.fused_loss`);
+  hold). The chunked loss computes both from its chunk's logits (`chattune.model.head.chunked_loss`), cut-cross-entropy
+  from its loss over the rank's rows (`chattune.model.head.fused_loss`);
 - the hidden states' gradient is a sum over the group's rows, all-reduced once in the backward
   (`chattune.parallel.tensor_parallel.sum_gradients_over`), before the final norm and the layers see it;
 - the input embedding (`split_embedding`): each rank looks up the tokens among its rows, zeros for the others,

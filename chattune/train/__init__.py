@@ -1,1 +1,2 @@
-"""Training: the update step, the loop, checkpoints and resume, metrics and sample replies, the run's output directory."""
+"""Training: the update step and its microbatches, the loop, the optimizer and its schedule, metrics, evaluation
+and sample replies, a reference model's log-probabilities."""

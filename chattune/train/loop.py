@@ -44,8 +44,8 @@ from chattune.distributed import ParallelDims, reduce_sums
 from chattune.errors import UserError
 from chattune.faults import maybe_crash, maybe_slow
 from chattune.model.build import BuiltModel
-from chattune.model.export import export_run
-from chattune.model.flops import batch_flops, peak_flops
+from chattune.model.cost.flops import batch_flops, peak_flops
+from chattune.model.io.export import export_run
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.base import Objective
 from chattune.parallel.fsdp import compiled_graphs, parallel_dims_of

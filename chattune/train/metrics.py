@@ -124,7 +124,7 @@ class StepSeconds:
 
 @dataclass(frozen=True)
 class StepFlops:
-    """What a step's MFU is computed from: this rank's model FLOPs of the step (`chattune.model.flops`) and the
+    """What a step's MFU is computed from: this rank's model FLOPs of the step (`chattune.model.cost.flops`) and the
     device's peak FLOP/s (None: unknown, no MFU)."""
 
     model_flops: float = 0.0

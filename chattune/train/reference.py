@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from chattune.config.schema import DPOConfig, KTOConfig
 from chattune.data.stream import StreamLayout
 from chattune.distributed import ParallelDims
-from chattune.model.adapters import BaseModelView
 from chattune.model.build import BuiltModel, build_sharded_model
+from chattune.model.peft.adapters import BaseModelView
 from chattune.objectives import reference_cache
 from chattune.objectives.dpo import CachedReference, LiveReference, Reference
 from chattune.train.inputs import TrainingData, packed_stream

@@ -23,7 +23,7 @@ On CUDA the host waits for the device once per step (`train_step`): the unit cou
 the normaliser, and the step's sums, counts, gradient norm and the finite checks come back in one
 transfer, right before the optimizer's step, which needs them. Host values go to the device from pinned
 memory (`host_values_on`, `PackedBatch.to`): a copy from pageable memory would wait for the device too.
-What remains: cut-cross-entropy's `nonzero()`, one sync per microbatch (`chattune.model.fused_loss`); and,
+What remains: cut-cross-entropy's `nonzero()`, one sync per microbatch (`chattune.model.head.fused_loss`); and,
 only on the steps that log, the step timer's event and the metrics' reductions (`chattune.train.metrics`).
 """
 

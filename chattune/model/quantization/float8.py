@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from chattune.model.adapter_targets import ROUTER_NAMES
+from chattune.model.peft.adapter_targets import ROUTER_NAMES
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 matmuls
 

@@ -23,7 +23,7 @@ it would not be exact: `topk` breaks ties by where they lie in the scores it is 
 document's L), and ties are common (the ReLU makes many scores exactly 0), so only scores of the document's own
 shape choose the keys stock chooses.
 
-So such a layer runs **per document**, as `chattune.model.mixers` runs convolutions and SSMs: the attention module's
+So such a layer runs **per document**, as `chattune.model.packed.mixers` runs convolutions and SSMs: the attention module's
 own forward is called once per document (each segment of `cu_seqlens`: a DPO pair's chosen and rejected replies are
 two), with that document's slice of the hidden states, position embeddings and position ids, and that document's own
 causal mask (with the layer's sliding window, as the stock decoder builds it), in the form stock transformers gives it
@@ -61,7 +61,7 @@ honoured as eager honours it, with its sinks; its hash routing and hyper-connect
 Context parallelism is refused for these layers (`check_context_parallel`): a rank holds a slice of a document, and
 the selection needs all of its earlier tokens. An attention layer with an indexer of a kind not in `HANDLED` is refused
 at start-up (`check_indexed_attention`), and so is a layer outside it that hands its attention function a selection
-(`refuse_selection`, in `chattune.model.attention.packed_attention`): chattune would otherwise attend densely.
+(`refuse_selection`, in `chattune.model.packed.attention.packed_attention`): chattune would otherwise attend densely.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the memory estimate (`chattune.model.memory`) reads of a run: the model's HF config and the settings that
+"""What the memory estimate (`chattune.model.cost.memory`) reads of a run: the model's HF config and the settings that
 decide a rank's bytes. Its own module, so that the activation trace and the estimate both read it and neither
 imports the other for it."""
 

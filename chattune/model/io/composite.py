@@ -6,14 +6,14 @@ causal LM that transformers also has on its own (`MistralForCausalLM`, `Deepseek
 that language model on text chats and leaves the vision tower and projector untouched:
 
 - **Built from the text config.** The trained model is the text config's own causal LM, built on the meta device
-  like any checkpoint (`chattune.model.load`): the vision weights are never materialised on a training rank, and
+  like any checkpoint (`chattune.model.io.load`): the vision weights are never materialised on a training rank, and
   every check, the packed forward, the FLOP count and the memory lines see a plain causal LM.
 - **Loaded from the checkpoint's own names.** Each text parameter's name in the composite is found on a meta-built
   composite (its language model module and its output layer), and each checkpoint tensor's name in the composite
   by transformers' own conversion of the checkpoint's keys (`mistral3`'s legacy `language_model.model.*` as well as
   the current `model.language_model.*`); a key that transformers converts by more than a rename (fused experts) is
   refused with its name, as rows of it could not be read per shard.
-- **Exported in the checkpoint's own layout and class** (`chattune.model.export`): the language weights under the
+- **Exported in the checkpoint's own layout and class** (`chattune.model.io.export`): the language weights under the
   checkpoint's names, in the export dtype; every other tensor copied byte for byte from the source; the source's
   config and processor files. A LoRA adapter names the composite's modules, so peft loads it over the original
   checkpoint.
@@ -246,7 +246,7 @@ def read_composite(
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
-    from chattune.model.load import saved_tensors
+    from chattune.model.io.load import saved_tensors
 
     with torch.device("meta"):
         composite = AutoModelForImageTextToText.from_config(config)

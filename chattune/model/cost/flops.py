@@ -14,7 +14,7 @@ A step's model FLOPs are those of its matmuls, forward and backward (backward = 
   per step, training included (the head sizes are equal but for multi-head latent attention). Heads and head
   sizes are read per layer from the attention modules (`attention_shapes`): Gemma 4's global layers have wider
   heads than its sliding ones. Sliding windows are not subtracted.
-- hybrid models (the token mixers of `chattune.model.mixers.HANDLED`: short convolutions, Mamba SSMs, the
+- hybrid models (the token mixers of `chattune.model.packed.mixers.HANDLED`: short convolutions, Mamba SSMs, the
   gated delta rule, KDA, the recurrent families): the attention term counts only their softmax-attention layers, and each mixer adds
   its sequence work beyond its `nn.Linear` projections (which the dense term counts), per token, forward
   (backward = 2 × forward; a frozen convolution's weight gradient, a negligible share, is counted too):
@@ -49,8 +49,8 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from chattune.data.packing import PackedBatch
-from chattune.model.mixers import BAILING_KDA, GATED_DELTA_RULE, HANDLED, KDA, LIGHTNING, MAMBA, MAMBA2, MLSTM
-from chattune.model.quantize import weight_shape
+from chattune.model.packed.mixers import BAILING_KDA, GATED_DELTA_RULE, HANDLED, KDA, LIGHTNING, MAMBA, MAMBA2, MLSTM
+from chattune.model.quantization.quantize import weight_shape
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts unless named), FLOP/s.
 # Matched against torch.cuda.get_device_name() in order: the first name it contains wins.

@@ -1,6 +1,6 @@
 """What autograd keeps for one microbatch's backward, found without memory: the decoder's forward run on the meta
 device (shapes only) under a saved-tensors hook that counts each storage once, parameters excluded
-(`activation_bytes`, the memory estimate's activations row, `chattune.model.memory`).
+(`activation_bytes`, the memory estimate's activations row, `chattune.model.cost.memory`).
 
 The kernels whose meta forward would not say what the real one keeps run through stand-ins registered in
 transformers' interfaces under TRACE_ATTENTION: attention keeps what the packed kernels keep (query, key, value,
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from chattune.model.memory_inputs import MemoryInputs
+    from chattune.model.cost.inputs import MemoryInputs
 
 TRACE_ATTENTION = "chattune_memory_trace"  # the stand-ins' name in transformers' Attention and Experts interfaces
 
@@ -50,12 +50,12 @@ def repeated_layers(model: nn.Module) -> list[nn.Module]:
 def lora_targets(
     model: nn.Module, targets: tuple[str, ...]
 ) -> tuple[dict[str, nn.Linear], list[tuple[nn.Module, str]]]:
-    """What LoRA adapts, as chattune resolves `peft.target_modules` (`chattune.model.adapter_targets`): the linear
+    """What LoRA adapts, as chattune resolves `peft.target_modules` (`chattune.model.peft.adapter_targets`): the linear
     layers by name (`all-linear`: every one but the output layer; on a mixture of experts also but its routers and
     the layers peft's conversion would move), and the stacked expert weights as (experts module, parameter name)."""
     from types import SimpleNamespace
 
-    from chattune.model.adapter_targets import resolve_targets
+    from chattune.model.peft.adapter_targets import resolve_targets
 
     named = "all-linear" if "all-linear" in targets else list(targets)
     settings = SimpleNamespace(target_modules=named, rank=8, alpha=16, train_router=False)

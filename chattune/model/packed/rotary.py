@@ -30,7 +30,7 @@ Cost: one call of the rotary forward per distinct document length (cheap: a tabl
 to read the boundaries, once per forward (not per layer), only for models with such rotary embeddings. Rotary
 modules whose type or position ids this module cannot handle (multimodal 3-D position ids) keep their stock forward;
 the start-up packing probe, run with a miniature whose thresholds lie between its documents' lengths
-(`chattune.model.architecture_check.THRESHOLDS`), then sees the difference and refuses the model.
+(`chattune.model.checks.architecture.THRESHOLDS`), then sees the difference and refuses the model.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ What each row counts, and how:
   gathered for the whole forward and backward.
 - **activations**: what autograd keeps for the backward over one microbatch of `tokens` (each rank's slice
   of a row under context parallelism), found by running the decoder's forward on the meta device (shapes
-  only) under a saved-tensors hook: each storage once, parameters excluded (`chattune.model.activation_trace`:
+  only) under a saved-tensors hook: each storage once, parameters excluded (`chattune.model.cost.activation_trace`:
   attention and a mixture of experts' experts through stand-ins that keep what the packed and grouped kernels
   keep, never a score matrix, whatever the routing). With activation checkpointing each
   layer keeps only its input, and one layer's activations exist again during its recompute. The final norm's
@@ -35,7 +35,7 @@ What each row counts, and how:
   the device keeps one layer's activations and the copies in flight, the host a copy of each saved tensor
   (`chattune.parallel.offload`).
 
-Where the run does not fit, `chattune.model.memory_advice` says which changes would make it fit.
+Where the run does not fit, `chattune.model.cost.memory_advice` says which changes would make it fit.
 
 Checked against measured byte counts (tests/test_memory.py): the counts exactly against the built model's
 shards, the activations within 10% of a saved-tensors hook on the real packed forward on CPU.
@@ -52,8 +52,8 @@ import torch
 from torch import nn
 
 from chattune.distributed import ParallelDims
-from chattune.model.activation_trace import activation_bytes, lora_targets, meta_model, repeated_layers
-from chattune.model.memory_inputs import MemoryInputs
+from chattune.model.cost.activation_trace import activation_bytes, lora_targets, meta_model, repeated_layers
+from chattune.model.cost.inputs import MemoryInputs
 
 GiB = 2**30
 
@@ -168,12 +168,12 @@ def _low_bit_state_bytes(elements: int, bits: int, block: int, book: int) -> int
 
 
 def _quantized_linears(layers: list[nn.Module]) -> list[nn.Linear]:
-    """The linear layers QLoRA stores in 4 bits: every nn.Linear of the decoder layers (chattune.model.quantize)."""
+    """The linear layers QLoRA stores in 4 bits: every nn.Linear of the decoder layers (chattune.model.quantization.quantize)."""
     return [module for layer in layers for module in layer.modules() if type(module) is nn.Linear]
 
 
 def _four_bit_bytes(elements: int) -> int:
-    """A bitsandbytes 4-bit weight with double-quantized statistics (chattune.model.quantize): two codes a byte, an
+    """A bitsandbytes 4-bit weight with double-quantized statistics (chattune.model.quantization.quantize): two codes a byte, an
     8-bit scale per block of 64, an fp32 scale per 256 of those, the 16-entry and 256-entry fp32 code books and an
     fp32 offset."""
     blocks = math.ceil(elements / 64)
@@ -196,13 +196,13 @@ def _optimizer_state_bytes(inputs: MemoryInputs, shards: list[int], notes: list[
 
 def trained_config(hf_config, notes: list[str]):
     """The config of the model a run trains from `hf_config`, as the builder builds it (`chattune.model.build`): a
-    causal LM's own, or a vision-language checkpoint's text config (`chattune.model.composite`: its vision tower and
+    causal LM's own, or a vision-language checkpoint's text config (`chattune.model.io.composite`: its vision tower and
     projector are never loaded on a training rank, so they take no memory; said in `notes`). None, the reason in
     `notes`, for a config the run refuses."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from chattune.errors import UnsupportedModel
-    from chattune.model.composite import is_composite, text_config_of
+    from chattune.model.io.composite import is_composite, text_config_of
 
     name = type(hf_config).__name__
     if not is_composite(hf_config):
@@ -426,7 +426,7 @@ def _loss_head_of(setting: str, on_cuda: bool, dtype_name: str) -> dict:
     """The loss head a run takes (the run's own resolution, quietly: the run gives its warnings) and whether the
     output layer's gradient accumulates in fp32 there (CCE's CUDA kernels where the release has the option; its
     torch implementation off CUDA computes in the inputs' dtype)."""
-    from chattune.model import fused_loss
+    from chattune.model.head import fused_loss
 
     device_type = "cuda" if on_cuda else "cpu"
     if fused_loss.resolve_loss_implementation(setting, device_type, dtype_name, quiet=True) == "chunked":

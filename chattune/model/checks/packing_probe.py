@@ -2,12 +2,12 @@
 
 chattune trains on packed rows: several documents back to back in one (1, N) row, kept apart by
 `cu_seqlens` and by position ids that restart at 0 per document. The attention function sees `cu_seqlens`,
-and so do the token mixers `chattune.model.mixers` knows (the short convolutions, Mamba SSMs and linear
+and so do the token mixers `chattune.model.packed.mixers` knows (the short convolutions, Mamba SSMs and linear
 attention of Qwen3.5, Nemotron-H, LFM2, ...). Any other layer that mixes tokens along the sequence (MiniMax's
 lightning attention, RWKV, a mixer of a new architecture, ...) runs over the whole row, so a document's hidden
 states depend on the documents packed before it, and packed training trains something else than the model
 run on one document at a time. The measurements below were made with the mixers over the whole row
-(`chattune.model.mixers.leaking_mixers`).
+(`chattune.model.packed.mixers.leaking_mixers`).
 
 `check_packing_isolation` measures this rather than trusting a list of model types. It runs the decoder
 exactly as `PackedCausalLM.forward` does on two packed rows of three short documents, [A, B, C] and
@@ -50,9 +50,9 @@ from transformers.pytorch_utils import Conv1D
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel, UserError
-from chattune.model import mixers
-from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
-from chattune.model.code_failures import model_code_failure, where_it_fails
+from chattune.model.checks.code_failures import model_code_failure, where_it_fails
+from chattune.model.packed import mixers
+from chattune.model.packed.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.parallel.context_parallel import split_across, split_hidden_states, whole_rows
 
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
@@ -211,7 +211,7 @@ def check_packing_isolation(hf_model: PreTrainedModel) -> None:
     """Refuse (UnsupportedModel, a NotImplementedError) a model whose final hidden states for a document change when it is
     packed after another document, as chattune trains it, or whose packed forward fails. Four forwards
     of 9 to 31 tokens. The builder runs it on a random-init miniature of the model
-    (`chattune.model.architecture_check`), like check_output_head."""
+    (`chattune.model.checks.architecture`), like check_output_head."""
     name = type(hf_model).__name__
     try:
         result = probe_packing(hf_model)
@@ -302,7 +302,7 @@ FAST_MIXER_TOLERANCE = 3e-2
 
 
 def check_fast_mixers(hf_model: PreTrainedModel, device: torch.device) -> None:
-    """Where a varlen path was chosen for the model's mixers (`chattune.model.mixers.choose_mixer_path`): run the
+    """Where a varlen path was chosen for the model's mixers (`chattune.model.packed.mixers.choose_mixer_path`): run the
     probe's rows through a bf16 copy of the miniature on `device` both ways, its mixers in training mode (the
     fused Mamba-2 kernel is the training path); a varlen path that fails or differs from the per-document path
     by more than FAST_MIXER_TOLERANCE is dropped for the per-document path, with a warning that says what was

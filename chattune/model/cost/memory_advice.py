@@ -1,4 +1,4 @@
-"""What would make a run fit its device, from the memory estimate (`chattune.model.memory`): the changes chattune
+"""What would make a run fit its device, from the memory estimate (`chattune.model.cost.memory`): the changes chattune
 offers that fit alone, cheapest first, each with the peak it gives, or changes that fit together (none of which can
 be left out), each an override (or `--ranks N`) to pass as written; and the table with that advice (`report`)."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from chattune.model.memory import MemoryEstimate, MemoryInputs, estimate, format_gib
+from chattune.model.cost.memory import MemoryEstimate, MemoryInputs, estimate, format_gib
 
 
 @dataclass(frozen=True)

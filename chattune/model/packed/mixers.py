@@ -1,8 +1,8 @@
 """Token mixers other than attention (short convolutions, SSMs, linear attention, recurrences) on packed rows.
 
 A packed row holds several documents back to back. Attention keeps them apart with `cu_seqlens`
-(`chattune.model.attention`); a convolution, an SSM scan or a linear-attention recurrence run over the
-whole row would carry state from one document into the next (the leak `chattune.model.packing_probe`
+(`chattune.model.packed.attention`); a convolution, an SSM scan or a linear-attention recurrence run over the
+whole row would carry state from one document into the next (the leak `chattune.model.checks.packing_probe`
 measures). Each mixer transformers implements for the model families of `HANDLED` is therefore made to see
 each document alone, by one of two paths:
 
@@ -33,7 +33,7 @@ torch loops:
   returned beside the output; per document each starts from zero, and the row's call returns no state;
 - RecurrentGemma's recurrent block: its convolution reads across boundaries (its RG-LRU resets where
   position_ids are 0, so it alone would not); its local attention goes through transformers' attention interface
-  (`chattune.model.attention`); its logits are soft-capped (`chattune.model.output_logits`);
+  (`chattune.model.packed.attention`); its logits are soft-capped (`chattune.model.head.output_logits`);
 - RWKV: the time mixing's WKV state and the token shift of both time and channel mixing (the previous token's
   hidden state: zeros at a document's start, as alone);
 - xLSTM: the mLSTM's matrix memory, chunked by `chunk_size` (its chunks and its recurrent remainder are those of
@@ -216,7 +216,7 @@ def isolate_documents(hf_model: nn.Module) -> None:
 
 
 def _decoder(hf_model: nn.Module) -> nn.Module:
-    """The module `chattune.model.attention.packed_decoder_output` calls with the row (`decoder_of`), or the model
+    """The module `chattune.model.packed.attention.packed_decoder_output` calls with the row (`decoder_of`), or the model
     itself where it is a decoder (no base model of its own)."""
 
     try:

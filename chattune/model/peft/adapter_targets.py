@@ -203,7 +203,7 @@ def describe_adapters(model: nn.Module, targets: AdapterTargets) -> str:
 
 def quantized_experts_note(model: nn.Module, dtype: str) -> str | None:
     """QLoRA's start-up note on an MoE model: its expert stacks are not in 4 bits."""
-    from chattune.model.quantize import is_quantized
+    from chattune.model.quantization.quantize import is_quantized
 
     stacks = [name for name in expert_stacks(model) if not is_quantized(_stack(model, name))]
     if not stacks:

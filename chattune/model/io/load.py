@@ -34,11 +34,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from chattune.errors import UserError
-from chattune.model import quantize
-from chattune.model.adapters import is_dora_magnitude
-from chattune.model.attention import ATTENTION_NAME
-from chattune.model.heads import CAUSAL_LM_HEAD, ModelHead
-from chattune.model.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from chattune.model.head.kinds import CAUSAL_LM_HEAD, ModelHead
+from chattune.model.io.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from chattune.model.packed.attention import ATTENTION_NAME
+from chattune.model.peft.adapters import is_dora_magnitude
+from chattune.model.quantization import quantize
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def missing_tensors(model: PreTrainedModel, files: dict[str, Path]) -> list[str]
 
 def checkpoint_key(name: str, keys: dict[str, str] | None) -> str:
     """Where a model's tensor lies in its checkpoint: its stored name, or, for the language model of a
-    vision-language checkpoint, the key `keys` gives it (`chattune.model.composite`)."""
+    vision-language checkpoint, the key `keys` gives it (`chattune.model.io.composite`)."""
     stored = stored_name(name)
     return keys.get(stored, stored) if keys else stored
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from chattune.data.documents import IGNORE_INDEX
-from chattune.model.output_logits import LogitTransform
+from chattune.model.head.output_logits import LogitTransform
 from chattune.parallel.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
 
 
@@ -104,7 +104,7 @@ def chunked_token_losses(
 
     hidden: (N, H) final hidden states; weight: (V, H) output embedding; labels: (N,) already shifted
     (labels[i] is the token that position i must predict). `tf32`: the head's matmuls in TF32 (see above).
-    `transform`: the model's scaling / soft-capping of hidden @ W.T (`chattune.model.output_logits`).
+    `transform`: the model's scaling / soft-capping of hidden @ W.T (`chattune.model.head.output_logits`).
     `bias`: (V,) the output layer's bias, where it has one: logits are hidden @ W.T + bias (added in fp32), then
     transformed; it gets its gradient like the weight (the sum over tokens of softmax - one-hot).
     `rows`: under loss-parallel, `weight` and `bias` are this rank's rows of the vocabulary

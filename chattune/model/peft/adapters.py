@@ -5,7 +5,7 @@ HF model object stays the one `PackedCausalLM` runs; the returned PeftModel is k
 switching the adapters off, its config and its adapter file format). Everything but the adapters is
 frozen, so the optimizer, its state and the checkpoints hold only those.
 
-On a meta-built model (loaded shard by shard, `chattune.model.load`) peft's initialisation of the adapters
+On a meta-built model (loaded shard by shard, `chattune.model.io.load`) peft's initialisation of the adapters
 is a no-op; they are given CPU memory and initialised here with peft's own `reset_lora_parameters` (seeded
 like the rest of the run), and `initial_values` hands them to the loader, which writes them into their
 shards after FSDP2 allocates them. DoRA's magnitudes are the norms of the base weights' rows: they are
@@ -29,12 +29,12 @@ from transformers import PreTrainedModel
 from chattune.config.schema import PeftConfig
 from chattune.data.packing import PackedBatch
 from chattune.distributed import whole_tensor
-from chattune.model.adapter_targets import AdapterTargets, describe_adapters, expert_stacks, resolve_targets
+from chattune.model.peft.adapter_targets import AdapterTargets, describe_adapters, expert_stacks, resolve_targets
 
 if TYPE_CHECKING:  # peft (and the bitsandbytes it imports) is imported where adapters are made: seconds per process
     from peft import LoraConfig, PeftModel
 from chattune.errors import UserError
-from chattune.model import quantize
+from chattune.model.quantization import quantize
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,9 @@ def check_module_names(hf_model: PreTrainedModel, settings: PeftConfig) -> None:
 def lora_config(
     settings: PeftConfig, task_type: str = "CAUSAL_LM", targets: AdapterTargets | None = None
 ) -> LoraConfig:
-    """The `peft` config section as peft's LoraConfig, for peft's `task_type` (`chattune.model.heads`: SEQ_CLS
+    """The `peft` config section as peft's LoraConfig, for peft's `task_type` (`chattune.model.head.kinds`: SEQ_CLS
     makes peft train a sequence-classification model's score head in full, next to the adapters), over the
-    resolved `targets` (`chattune.model.adapter_targets`; default: the names as written)."""
+    resolved `targets` (`chattune.model.peft.adapter_targets`; default: the names as written)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -100,7 +100,7 @@ def add_adapters(hf_model: PreTrainedModel, settings: PeftConfig, task_type: str
     """Inject LoRA adapters into `hf_model` in place and freeze the rest; returns peft's wrapper. A meta-built
     model's adapters are initialised here, its DoRA magnitudes (which need the base weights) by
     `set_dora_magnitudes` once the base is loaded. A 4-bit base (QLoRA) is quantized after this, under the
-    adapters (`chattune.model.quantize`)."""
+    adapters (`chattune.model.quantization.quantize`)."""
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 

@@ -34,12 +34,12 @@ from transformers import PreTrainedTokenizerBase
 from chattune.distributed import on_mesh_device, whole_tensor
 from chattune.files import set_aside
 from chattune.hub import hub_id
-from chattune.model.adapters import ADAPTER, LORA_PARAMETER
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.model.composite import adapter_targets, copy_source_files
-from chattune.model.load import STORED_DTYPES, SafetensorsFile, checkpoint_files, saved_tensors, stored_name
-from chattune.model.quantize import dequantized, is_quantized, weight_shape
-from chattune.model.weights import SAFETENSORS_INDEX
+from chattune.model.io.composite import adapter_targets, copy_source_files
+from chattune.model.io.load import STORED_DTYPES, SafetensorsFile, checkpoint_files, saved_tensors, stored_name
+from chattune.model.io.weights import SAFETENSORS_INDEX
+from chattune.model.peft.adapters import ADAPTER, LORA_PARAMETER
+from chattune.model.quantization.quantize import dequantized, is_quantized, weight_shape
 from chattune.parallel.fsdp import reshard
 
 if TYPE_CHECKING:  # peft is imported where an adapter is exported: it costs seconds per process

@@ -8,7 +8,7 @@ the models forward untouched to the attention function); we fall back to derivin
 
 The path is chosen per layer (`attention_path`), from the device, the dtype, the layer's head size and
 whether it has attention sinks (`s_aux`: gpt-oss) or logit soft-capping (`softcap`: Gemma 2). The kernels
-each path calls are in `chattune.model.attention_kernels`, whose docstring says how they compute sinks,
+each path calls are in `chattune.model.packed.kernels`, whose docstring says how they compute sinks,
 soft-capping, grouped-query attention and what the varlen kernels do not take:
 
 - CPU (and fp32 on CUDA): causal SDPA per document (`SDPA`: exact, simple; CPU runs are small). Layers with sinks
@@ -55,16 +55,15 @@ from transformers import AttentionInterface, PreTrainedModel
 from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel
 from chattune.hf_layout import decoder_of
-from chattune.model import attention_kernels as kernels
-from chattune.model import indexed_attention
-from chattune.model.chunked_attention import (
+from chattune.model.packed import indexed_attention, kernels
+from chattune.model.packed.chunked_attention import (
     attention_chunk,
     chunk_boundaries,
     per_document_temperature,
     temperature_tuned,
 )
-from chattune.model.mixers import isolate_documents
-from chattune.model.rotary import isolate_rotaries
+from chattune.model.packed.mixers import isolate_documents
+from chattune.model.packed.rotary import isolate_rotaries
 from chattune.parallel.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 
 ATTENTION_NAME = "chattune_packed"
@@ -331,8 +330,8 @@ def packed_hidden_states(hf_model: PreTrainedModel, batch: PackedBatch) -> torch
 def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outputs: bool):
     """The decoder's output for a packed (1, N) row: no attention mask and no cache; the document boundaries
     reach `packed_attention` as transformers' flash-attention kwargs, which the models pass on untouched; token
-    mixers other than attention take them too (`chattune.model.mixers`), and so do rotary embeddings whose tables
-    depend on the input's length (`chattune.model.rotary`). `outputs`: transformers' output_*
+    mixers other than attention take them too (`chattune.model.packed.mixers`), and so do rotary embeddings whose tables
+    depend on the input's length (`chattune.model.packed.rotary`). `outputs`: transformers' output_*
     flags (`output_router_logits=True` for a MoE model's router logits)."""
     isolate_documents(hf_model)
     isolate_rotaries(hf_model)

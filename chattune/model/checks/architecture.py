@@ -7,7 +7,7 @@ chattune's attention at all (`build_miniature`). These are properties of the arc
 scaling, softcapping, a bias, a conv or SSM layer, chunked attention), not of the trained weights, so they are
 checked on a random-init miniature: the same model class and config, with only the first decoder layers (enough
 to hold every kind of layer the config lists), a small vocabulary and short windows. The real model is never built
-in full on one rank (it is loaded shard by shard, see `chattune.model.load`), and the miniature costs two layers'
+in full on one rank (it is loaded shard by shard, see `chattune.model.io.load`), and the miniature costs two layers'
 weights instead of the whole model. Whatever the model's own code raises on the way is a refusal that names it,
 not a crash.
 """
@@ -24,14 +24,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.hf_layout import decoder_of
-from chattune.model.attention import ATTENTION_NAME, packed_hidden_states
 from chattune.model.causal_lm import check_output_head
-from chattune.model.code_failures import model_code_failure
-from chattune.model.flops import attention_heads, text_config
-from chattune.model.indexed_attention import check_context_parallel as check_indexed_context_parallel
-from chattune.model.indexed_attention import check_indexed_attention
-from chattune.model.mixers import check_context_parallel, choose_mixer_path, handled_mixers
-from chattune.model.packing_probe import (
+from chattune.model.checks.code_failures import model_code_failure
+from chattune.model.checks.packing_probe import (
     ALONE_TOLERANCE,
     PROBE_LENGTHS,
     check_context_split,
@@ -39,7 +34,12 @@ from chattune.model.packing_probe import (
     check_packing_isolation,
     probe_documents,
 )
-from chattune.model.rotary import check_rotary_tables
+from chattune.model.cost.flops import attention_heads, text_config
+from chattune.model.packed.attention import ATTENTION_NAME, packed_hidden_states
+from chattune.model.packed.indexed_attention import check_context_parallel as check_indexed_context_parallel
+from chattune.model.packed.indexed_attention import check_indexed_attention
+from chattune.model.packed.mixers import check_context_parallel, choose_mixer_path, handled_mixers
+from chattune.model.packed.rotary import check_rotary_tables
 from chattune.parallel.context_parallel import check_heads, whole_rows
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ WINDOWS = ("sliding_window", "attention_chunk_size")
 # nearly uniform, which the temperature barely sharpens).
 ROTARY_SWITCH = 10
 SCALES = {"floor_scale": MINIATURE_WINDOW}
-# Attention that selects its keys (`chattune.model.indexed_attention`) selects only once a document has more keys
+# Attention that selects its keys (`chattune.model.packed.indexed_attention`) selects only once a document has more keys
 # than its budget: the budgets cut below the probe's documents (at their defaults, 2048 keys or 128-token blocks, a
 # selection dropped or made over the whole row would pass the probe unseen).
 SCALES |= {

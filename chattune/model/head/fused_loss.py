@@ -33,7 +33,7 @@ through CCE's torch implementation (`tests/test_fused_loss.py`).
 `loss.implementation`:
 - `auto`: CCE on CUDA with bf16/fp16 compute when `cut_cross_entropy` is importable (the `gpu` extra),
   otherwise `chunked`, with a warning on CUDA that says why CCE could not be used;
-- `chunked`: the exact fp32 chunked path (`chattune.model.chunked_loss`), the CPU path and the reference;
+- `chunked`: the exact fp32 chunked path (`chattune.model.head.chunked_loss`), the CPU path and the reference;
 - `cut_cross_entropy`: always CCE. On the CPU it runs CCE's torch implementation, which is how the tests
   check it against the reference.
 """
@@ -48,7 +48,7 @@ import torch
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.errors import UserError
-from chattune.model.output_logits import LogitTransform
+from chattune.model.head.output_logits import LogitTransform
 from chattune.parallel.vocab_parallel import VocabShard, local_targets, vocab_parallel_token_losses
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def cce_token_losses(
     loss-parallel, `weight` and `bias` are this rank's rows of the vocabulary (`chattune.parallel.vocab_parallel`),
     each token's log-sum-exp over them and its target logit reduced over the group.
 
-    `transform` (`chattune.model.output_logits`): CCE soft-caps natively (`softcap`); a logit scale s has no
+    `transform` (`chattune.model.head.output_logits`): CCE soft-caps natively (`softcap`); a logit scale s has no
     option of its own, so the hidden states are scaled instead ((s·h) @ W.T = s·(h @ W.T)), in fp32 and rounded
     once to the inputs' dtype: one more bf16 rounding of each hidden state than the model's own forward.
     `bias` (V,): the output layer's bias, added before the scaling and the cap as the model's forward adds it:

@@ -1,6 +1,6 @@
 """What a model does to `hidden @ output_embedding.T` before its logits: scaling and soft-capping.
 
-The losses never build a model's full logits (`chattune.model.chunked_loss`, `chattune.model.fused_loss`), so
+The losses never build a model's full logits (`chattune.model.head.chunked_loss`, `chattune.model.head.fused_loss`), so
 they must apply what the model's own forward applies after its output layer:
 - Granite (and its MoE and hybrid variants) divides the logits by `config.logits_scaling`;
 - Cohere / Command-R multiplies them by `config.logit_scale`;

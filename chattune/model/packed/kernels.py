@@ -1,7 +1,7 @@
 """The attention kernels on a packed row: each attends causally within every document of a row that holds several
 back to back, given their boundaries (`cu_seqlens`).
 
-`chattune.model.attention` chooses one per layer (`attention_path`) and calls it; this module says how each one
+`chattune.model.packed.attention` chooses one per layer (`attention_path`) and calls it; this module says how each one
 computes. The per-document loops take (1, H, N, D), as transformers hands its attention functions; the varlen
 kernels take (N, H, D) (`_varlen` and `_sink_varlen` turn the one into the other). All return (1, N, Hq, D). Each
 takes the tensors as arguments and the call's other settings (longest document, scale, window, dropout,
@@ -140,7 +140,7 @@ _TORCH_SINK_GQA_FLAG = _TORCH_SINK_OPS is not None and _takes_gqa_flag(_TORCH_SI
 
 # The kernels mirror torch's `varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale,
 # window_size, ...)`: the tensors are arguments of their own, and the settings of one call, which always travel
-# together from `chattune.model.attention.packed_attention` to the kernel it picks, are one value. Frozen (hashable,
+# together from `chattune.model.packed.attention.packed_attention` to the kernel it picks, are one value. Frozen (hashable,
 # Python scalars only): torch.compile specializes on it like on the scalars it holds, and `_SinkVarlen` takes it as
 # one non-tensor input (whose gradient is None).
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Adapters: LoRA and its kin through peft, and which modules of a model they target."""
