@@ -52,6 +52,25 @@ MOVED = {
     "chattune.model.weights": "chattune.model.io.weights",
     "chattune.model.float8": "chattune.model.quantization.float8",
     "chattune.model.quantize": "chattune.model.quantization.quantize",
+    # (2026-12: data/ by stage: records/ in, templates/ to documents; packing, the stream and the cache stay)
+    "chattune.data.records": "chattune.data.records.records",
+    "chattune.data.formats": "chattune.data.records.formats",
+    "chattune.data.sources": "chattune.data.records.sources",
+    "chattune.data.cached_sources": "chattune.data.records.cached_sources",
+    "chattune.data.source_mixture": "chattune.data.records.source_mixture",
+    "chattune.data.mixing_policy": "chattune.data.records.mixing_policy",
+    "chattune.data.held_out": "chattune.data.records.held_out",
+    "chattune.data.fingerprint": "chattune.data.records.fingerprint",
+    "chattune.data.report": "chattune.data.records.report",
+    "chattune.data.chat_template": "chattune.data.templates.chat_template",
+    "chattune.data.template_choice": "chattune.data.templates.template_choice",
+    "chattune.data.template_documents": "chattune.data.templates.template_documents",
+    "chattune.data.sft_documents": "chattune.data.templates.sft_documents",
+    "chattune.data.pair_documents": "chattune.data.templates.pair_documents",
+    "chattune.data.kto_documents": "chattune.data.templates.kto_documents",
+    "chattune.data.prompts": "chattune.data.templates.prompts",
+    "chattune.data.text_encoder": "chattune.data.templates.text_encoder",
+    "chattune.data.tokenizer": "chattune.data.templates.tokenizer",
 }
 
 

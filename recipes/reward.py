@@ -17,7 +17,7 @@ import logging
 from omegaconf import DictConfig
 
 from chattune.checkpoint.output_dir import claim_output_dir
-from chattune.data.tokenizer import load_tokenizer
+from chattune.data.templates.tokenizer import load_tokenizer
 from chattune.distributed import init_distributed, shutdown_distributed
 from chattune.launch.app import recipe_main
 from chattune.launch.recipe_kinds import REWARD

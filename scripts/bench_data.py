@@ -32,10 +32,10 @@ from pathlib import Path
 import datasets
 from transformers import AutoTokenizer
 
-from chattune.data.formats import SourceSpec, to_conversation
-from chattune.data.records import RecordSource
-from chattune.data.sft_documents import SFTDocuments
+from chattune.data.records.formats import SourceSpec, to_conversation
+from chattune.data.records.records import RecordSource
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
+from chattune.data.templates.sft_documents import SFTDocuments
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"
 

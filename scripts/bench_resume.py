@@ -25,10 +25,10 @@ from transformers import AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import Document
 from chattune.data.feed import StepFeed
-from chattune.data.formats import SourceSpec
-from chattune.data.records import RecordSource
-from chattune.data.sft_documents import SFTDocuments
+from chattune.data.records.formats import SourceSpec
+from chattune.data.records.records import RecordSource
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
+from chattune.data.templates.sft_documents import SFTDocuments
 
 BUDGET, ACCUM, SEED = 2048, 2, 0
 

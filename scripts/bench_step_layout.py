@@ -34,12 +34,12 @@ from bench_data import SHARED, replicated_messages
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from chattune.data.cached_sources import open_documents
 from chattune.data.feed import InvariantSlots, StepFeed
-from chattune.data.formats import SourceSpec
-from chattune.data.records import RecordSource
-from chattune.data.sft_documents import SFTDocuments
+from chattune.data.records.cached_sources import open_documents
+from chattune.data.records.formats import SourceSpec
+from chattune.data.records.records import RecordSource
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
+from chattune.data.templates.sft_documents import SFTDocuments
 
 
 def drive(feeds: list[StepFeed]) -> tuple[int, int, int, int]:

@@ -45,11 +45,11 @@ from transformers import AutoConfig, AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.feed import StepBatches
-from chattune.data.formats import SourceSpec
-from chattune.data.kto_documents import KTODocuments
 from chattune.data.packing import collate_packed
-from chattune.data.pair_documents import PairDocuments, RewardPairDocuments
-from chattune.data.records import RecordSource
+from chattune.data.records.formats import SourceSpec
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.kto_documents import KTODocuments
+from chattune.data.templates.pair_documents import PairDocuments, RewardPairDocuments
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.head.kinds import SCORE_HEAD
 from chattune.model.sequence_score import PackedSequenceScorer

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX, shifted_labels
+from chattune.data.templates.chat_template import probe_template, tokenize_conversation
 
 EVAL_FILE = Path(__file__).resolve().parent.parent / "chattune" / "assets" / "demo" / "chat_eval.jsonl"
 

@@ -170,9 +170,9 @@ from bench_gpu import (  # noqa: E402
 )
 
 from chattune.config.paths import DEMO_ASSETS  # noqa: E402
-from chattune.data.chat_template import probe_template, tokenize_conversation  # noqa: E402
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
 from chattune.data.packing import PackedBatch, collate_packed  # noqa: E402
+from chattune.data.templates.chat_template import probe_template, tokenize_conversation  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied embeddings)
 SHAPES = {"tiny": (64, 128, 2, 4, 2), "0.6b": (1024, 3072, 28, 16, 8), "1.7b": (2048, 6144, 28, 16, 8)}

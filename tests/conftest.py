@@ -39,8 +39,8 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig  # noqa: E402
 
 from chattune.config.paths import DEMO_ASSETS  # noqa: E402
-from chattune.data.chat_template import probe_template, tokenize_conversation  # noqa: E402
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
+from chattune.data.templates.chat_template import probe_template, tokenize_conversation  # noqa: E402
 from chattune.distributed import ParallelDims, free_port  # noqa: E402, F401  (free_port: re-exported for the tests)
 from chattune.model.causal_lm import build_hf_model  # noqa: E402
 

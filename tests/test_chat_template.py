@@ -1,4 +1,4 @@
-"""Assistant-only masks from `chattune.data.chat_template`, checked against hand-written knowledge of each template.
+"""Assistant-only masks from `chattune.data.templates.chat_template`, checked against hand-written knowledge of each template.
 
 The expected answer never uses the module's own span logic (`assistant_spans`, `probe_template` output): for
 every tokenizer a `TemplateSpec` below states, from reading its chat template, which header opens an assistant
@@ -23,16 +23,21 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.chat_template import ChatTemplateError, probe_template, render_conversation, tokenize_conversation
-from chattune.data.formats import SourceSpec, to_conversation
-from chattune.data.records import RecordSource
+from chattune.data.records.formats import SourceSpec, to_conversation
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.chat_template import (
+    ChatTemplateError,
+    probe_template,
+    render_conversation,
+    tokenize_conversation,
+)
 from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 
 DEMO_CONVERSATIONS = 300
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Hand-written knowledge of the templates (independent of chattune.data.chat_template)
+# Hand-written knowledge of the templates (independent of chattune.data.templates.chat_template)
 # --------------------------------------------------------------------------------------------------------------
 
 

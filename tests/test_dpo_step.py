@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
+from chattune.data.templates.chat_template import probe_template, tokenize_conversation
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives.dpo import CachedReference, LiveReference, PreferenceObjective, is_initial_policy
@@ -42,7 +42,7 @@ def demo_pairs() -> list[dict]:
 
 
 def pair_documents() -> list[Document]:
-    """Built here, independently of chattune.data.pair_documents: each side tokenized alone, only its last reply trained."""
+    """Built here, independently of chattune.data.templates.pair_documents: each side tokenized alone, only its last reply trained."""
     tokenizer = demo_tokenizer()
     markers = probe_template(tokenizer)
     documents = []

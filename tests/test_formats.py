@@ -7,11 +7,11 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX
-from chattune.data.formats import Conversation, DataError, SourceSpec, to_conversation
-from chattune.data.records import RecordSource
-from chattune.data.sft_documents import SFTDocuments
+from chattune.data.records.formats import Conversation, DataError, SourceSpec, to_conversation
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.chat_template import probe_template, tokenize_conversation
+from chattune.data.templates.sft_documents import SFTDocuments
 from conftest import SHARED_ASSETS
 
 USER, ASSISTANT = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}

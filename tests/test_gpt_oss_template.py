@@ -32,11 +32,16 @@ from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.chat_template import ChatTemplateError, probe_template, render_conversation, tokenize_conversation
 from chattune.data.documents import Document
-from chattune.data.formats import DataError, SourceSpec
-from chattune.data.records import RecordSource
-from chattune.data.sft_documents import SFTDocuments
+from chattune.data.records.formats import DataError, SourceSpec
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.chat_template import (
+    ChatTemplateError,
+    probe_template,
+    render_conversation,
+    tokenize_conversation,
+)
+from chattune.data.templates.sft_documents import SFTDocuments
 from conftest import decode_exactly, trained_runs
 
 TEMPLATE = Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja"

@@ -114,7 +114,7 @@ def test_the_selection_left_out_of_the_attention_is_dense_attention(family, spar
 
 def pairs(vocab_size: int, lengths: tuple[tuple[int, int], ...] = ((40, 23), (30, 27))) -> list[Document]:
     """DPO pairs: one document each, chosen then rejected (two segments) sharing a 12-token prompt, trained on
-    their replies (`chattune.data.pair_documents`)."""
+    their replies (`chattune.data.templates.pair_documents`)."""
     rng = np.random.default_rng(1)
     documents = []
     for index, (chosen, rejected) in enumerate(lengths):

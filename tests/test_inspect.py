@@ -138,8 +138,8 @@ def test_the_highlighted_pieces_are_the_decoded_document(tokenizer_dir):
 
     from chattune.cli.inspect_data import trained_pieces
     from chattune.config.paths import DEMO_ASSETS
-    from chattune.data.chat_template import probe_template, tokenize_conversation
     from chattune.data.documents import Document, shifted_labels
+    from chattune.data.templates.chat_template import probe_template, tokenize_conversation
     from conftest import SHARED_ASSETS
 
     directory = DEMO_ASSETS / "tokenizer" if tokenizer_dir == "demo" else SHARED_ASSETS / "tokenizers" / tokenizer_dir

@@ -1,4 +1,4 @@
-"""KTO examples (`chattune.data.kto_documents`): one document per example, the example then its KL sequence (its own
+"""KTO examples (`chattune.data.templates.kto_documents`): one document per example, the example then its KL sequence (its own
 context with the reply of its partner, the same side of the next record, cyclically), each exactly
 `apply_chat_template(context + [reply])` with only the final reply and end-of-turn token trained; the label travels
 on the document, through the packed batch and the token cache.
@@ -17,7 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
-from chattune.data.formats import (
+from chattune.data.packing import collate_packed
+from chattune.data.records.formats import (
     DEFAULT_COLUMNS,
     DataError,
     SourceSpec,
@@ -26,11 +27,10 @@ from chattune.data.formats import (
     to_preference_pair,
     to_unpaired_example,
 )
-from chattune.data.kto_documents import KTODocuments
-from chattune.data.packing import collate_packed
-from chattune.data.pair_documents import PairDocuments
-from chattune.data.records import RecordSource
-from chattune.data.sources import KTO_DATA, PAIR_DATA, RECIPE_DATA, SFT_DATA, document_settings
+from chattune.data.records.records import RecordSource
+from chattune.data.records.sources import KTO_DATA, PAIR_DATA, RECIPE_DATA, SFT_DATA, document_settings
+from chattune.data.templates.kto_documents import KTODocuments
+from chattune.data.templates.pair_documents import PairDocuments
 from chattune.data.token_cache import CachedDocuments, build_source_cache, cache_name, source_key, tokenizer_digest
 from conftest import decode_exactly
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_dpo_step import demo_pairs, sequence_logps
 
-from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import Document, shifted_labels
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
+from chattune.data.templates.chat_template import probe_template, tokenize_conversation
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives.dpo import CachedReference, LiveReference
@@ -35,7 +35,7 @@ def desirable(index: int) -> bool:
 
 
 def kto_documents() -> list[Document]:
-    """Built here, independently of chattune.data.kto_documents: example i is pair i's prompt with its chosen reply
+    """Built here, independently of chattune.data.templates.kto_documents: example i is pair i's prompt with its chosen reply
     (desirable) or its rejected one (undesirable); its mismatched sequence is the same prompt with the same side of
     pair i + 1. Each sequence tokenized alone, only its last reply trained."""
     tokenizer = demo_tokenizer()

@@ -16,10 +16,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.chat_template import probe_template, tokenize_conversation
 from chattune.data.documents import IGNORE_INDEX, shifted_labels
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
+from chattune.data.templates.chat_template import probe_template, tokenize_conversation
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.peft.adapters import BaseModelView, add_adapters

@@ -426,7 +426,7 @@ def test_a_live_reference_run_logs_its_memory_table_once(one_rank_group, caplog,
     import logging
 
     from chattune.config.typed import typed_config
-    from chattune.data.tokenizer import load_tokenizer
+    from chattune.data.templates.tokenizer import load_tokenizer
     from chattune.launch.compose import composed
     from chattune.launch.recipe_kinds import DPO, KTO
     from chattune.model.build import build_trained_model

@@ -1,7 +1,7 @@
-"""Preference pairs (`chattune.data.pair_documents`): one document per pair, chosen then rejected, each side exactly
+"""Preference pairs (`chattune.data.templates.pair_documents`): one document per pair, chosen then rejected, each side exactly
 `apply_chat_template(context + [reply])` with only its final reply and end-of-turn token trained.
 
-The expected trained text is written by hand for each template (not from `chattune.data.chat_template`'s span
+The expected trained text is written by hand for each template (not from `chattune.data.templates.chat_template`'s span
 logic): what follows the assistant header of the final turn in the rendering, up to the end-of-turn token.
 """
 
@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
-from chattune.data.formats import (
+from chattune.data.packing import collate_packed
+from chattune.data.records.formats import (
     DEFAULT_COLUMNS,
     DataError,
     PreferencePair,
@@ -25,9 +26,8 @@ from chattune.data.formats import (
     to_conversation,
     to_preference_pair,
 )
-from chattune.data.packing import collate_packed
-from chattune.data.pair_documents import PairDocuments
-from chattune.data.records import RecordSource
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.pair_documents import PairDocuments
 from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 
 DEMO_PAIRS = DEMO_ASSETS / "preference_train.jsonl"

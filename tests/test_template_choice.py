@@ -17,19 +17,19 @@ from transformers import AutoTokenizer
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.chat_template import probe_template, render_conversation
-from chattune.data.formats import DataError, SourceSpec
-from chattune.data.records import RecordSource
-from chattune.data.sft_documents import SFTDocuments
-from chattune.data.template_choice import (
+from chattune.data.records.formats import DataError, SourceSpec
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.chat_template import probe_template, render_conversation
+from chattune.data.templates.sft_documents import SFTDocuments
+from chattune.data.templates.template_choice import (
     SHIPPED_DIR,
     ChatTemplateSettingError,
     read_chat_template,
     shipped_names,
     template_kind,
 )
+from chattune.data.templates.tokenizer import load_tokenizer
 from chattune.data.token_cache import tokenizer_digest
-from chattune.data.tokenizer import load_tokenizer
 from conftest import SHARED_ASSETS, decode_exactly, demo_tokenizer, trained_runs
 
 DEMO_TOKENIZER = str(DEMO_ASSETS / "tokenizer")

@@ -11,12 +11,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data import text_encoder
-from chattune.data.chat_template import probe_template, render_conversation
-from chattune.data.formats import SourceSpec, to_conversation
-from chattune.data.records import RecordSource
-from chattune.data.sft_documents import SFTDocuments
-from chattune.data.text_encoder import TextBatchEncoder
+from chattune.data.records.formats import SourceSpec, to_conversation
+from chattune.data.records.records import RecordSource
+from chattune.data.templates import text_encoder
+from chattune.data.templates.chat_template import probe_template, render_conversation
+from chattune.data.templates.sft_documents import SFTDocuments
+from chattune.data.templates.text_encoder import TextBatchEncoder
 from conftest import SHARED_ASSETS
 
 TOKENIZERS = {

@@ -8,7 +8,7 @@ up to the template's end-of-turn token (`chattune.model.generate`).
 
 - On a terminal (or with lines on stdin): one conversation, turn by turn; `/reset` starts it over, `/quit`
   (or Ctrl-D) ends it.
-- `--prompts FILE`: each prompt answered on its own (`chattune.data.prompts` reads the file: JSONL of
+- `--prompts FILE`: each prompt answered on its own (`chattune.data.templates.prompts` reads the file: JSONL of
   {"messages": [...]} or {"prompt": "text"}, else one prompt a line), one JSON line per prompt,
   {"prompt": [messages], "reply": text, "finished": bool}, to stdout or `--out FILE`.
 """
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
-    from chattune.data.prompts import Prompt
+    from chattune.data.templates.prompts import Prompt
     from chattune.model.generate import Reply, Sampling
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -74,7 +74,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
         raise UserError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
     if args.out is not None and args.prompts is None:
         raise UserError("--out writes the replies to --prompts: give the prompts file too")
-    from chattune.data.prompts import read_prompts_file
+    from chattune.data.templates.prompts import read_prompts_file
 
     prompts = (
         read_prompts_file(args.prompts) if args.prompts is not None else None

@@ -79,7 +79,7 @@ def export_checkpoint(checkpoint: Path, to: Path | None = None) -> Exported:
     to = Path(to) if to is not None else output_dir / "exports" / checkpoint.name
     dims = init_distributed(cfg.device)  # every degree 1: one process
     try:
-        from chattune.data.tokenizer import load_tokenizer
+        from chattune.data.templates.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
         head = SCORE_HEAD if kind is REWARD else CAUSAL_LM_HEAD

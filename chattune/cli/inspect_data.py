@@ -21,14 +21,14 @@ from transformers import PreTrainedTokenizerBase
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
 from chattune.config.schema import SFTConfig
 from chattune.config.typed import typed_config
-from chattune.data.cached_sources import open_documents
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
-from chattune.data.held_out import held_out_line, hold_out
-from chattune.data.records import source_specs
-from chattune.data.report import DataReport, count_lines, scan_documents
-from chattune.data.sources import row_budget
+from chattune.data.records.cached_sources import open_documents
+from chattune.data.records.held_out import held_out_line, hold_out
+from chattune.data.records.records import source_specs
+from chattune.data.records.report import DataReport, count_lines, scan_documents
+from chattune.data.records.sources import row_budget
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
-from chattune.data.tokenizer import load_tokenizer
+from chattune.data.templates.tokenizer import load_tokenizer
 from chattune.launch.compose import hydra_search_path
 from chattune.launch.findings import ConfigError
 from chattune.launch.recipe_kinds import RecipeKind, kind_of_config

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from chattune.data.documents import SKIP_REASONS, Document, Skipped, outcomes_by_record
-from chattune.data.formats import SourceSpec
+from chattune.data.records.formats import SourceSpec
 from chattune.errors import UserError
 from chattune.hub import hub_id
 
@@ -72,7 +72,7 @@ OVERLONG_MARKS = ("", "truncated", "split")
 # `Document.desirable` as stored: a shard written before KTO has no such array, and reads as None throughout.
 DESIRABLE_CODES: dict[bool | None, int] = {None: -1, False: 0, True: 1}
 _DESIRABLE = {code: value for value, code in DESIRABLE_CODES.items()}
-# `Document.margin` as stored: NaN for none (a margin is finite, `chattune.data.pair_documents`); a shard without
+# `Document.margin` as stored: NaN for none (a margin is finite, `chattune.data.templates.pair_documents`); a shard without
 # the array reads as None throughout.
 NO_MARGIN = np.nan
 _HASH_BLOCK = 8 << 20
@@ -101,7 +101,7 @@ def content_digest(spec: SourceSpec) -> str:
     path = Path(spec.path)
     digest = hashlib.sha256()
     if hub_id(spec.path) is not None:
-        from chattune.data.records import RecordSource
+        from chattune.data.records.records import RecordSource
 
         digest.update(f"hub {spec.path} {spec.split} {RecordSource([spec])._sources[0]._fingerprint}".encode())
         return digest.hexdigest()

@@ -42,7 +42,7 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
     without --device-memory: no verdict)."""
     import torch
 
-    from chattune.data.tokenizer import load_tokenizer
+    from chattune.data.templates.tokenizer import load_tokenizer
     from chattune.distributed import ParallelDims, usable_device_memory
     from chattune.model.cost.memory import hf_config_of, inputs_of
     from chattune.model.cost.memory_advice import report

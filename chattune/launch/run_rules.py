@@ -27,10 +27,10 @@ from chattune.config.layout_rules import (
 from chattune.config.losses import needs_reference
 from chattune.config.schema import FP8_MODES, QUANTIZE_BASE, TinyLlamaConfig
 from chattune.config.typed import typed_config
-from chattune.data.formats import DataError, SourceSpec
-from chattune.data.prompts import prompts_file_problem
-from chattune.data.template_choice import KEY as TEMPLATE_KEY
-from chattune.data.template_choice import template_problem
+from chattune.data.records.formats import DataError, SourceSpec
+from chattune.data.templates.prompts import prompts_file_problem
+from chattune.data.templates.template_choice import KEY as TEMPLATE_KEY
+from chattune.data.templates.template_choice import template_problem
 from chattune.errors import UserError
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_hint, hub_id
 from chattune.launch.findings import UNSET, Findings, did_you_mean, get_value, show

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from chattune.data.chat_template import probe_template
+from chattune.data.templates.chat_template import probe_template
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.checks.architecture import MINIATURE_LAYERS, miniature_config
 from chattune.model.checks.code_failures import where_it_fails
@@ -54,7 +54,7 @@ class Reply:
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids that end a reply: the chat template's end-of-turn token (`chattune.data.chat_template`: e.g.
+    """The ids that end a reply: the chat template's end-of-turn token (`chattune.data.templates.chat_template`: e.g.
     `<|im_end|>`, or Phi-3's `<|end|>`, which is not its eos), the token that ends a tool call where the template
     has one of its own (gpt-oss's `<|call|>`), and the eos token: the ends training teaches. A ChatTemplateError
     (a UserError) for a tokenizer without a usable chat template."""

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from chattune.data.chat_template import render_conversation
 from chattune.data.packing import PackedBatch
-from chattune.data.tokenizer import pad_token_id
+from chattune.data.templates.chat_template import render_conversation
+from chattune.data.templates.tokenizer import pad_token_id
 from chattune.errors import UnsupportedModel
 from chattune.model.cost.flops import model_flops
 from chattune.model.packed.attention import packed_decoder_output

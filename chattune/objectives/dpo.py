@@ -1,6 +1,6 @@
 """The DPO objective for the shared update step: the unit is the preference pair.
 
-A pair is one packed document of two segments, chosen then rejected (`chattune.data.pair_documents`), so a
+A pair is one packed document of two segments, chosen then rejected (`chattune.data.templates.pair_documents`), so a
 microbatch holds whole pairs: segment 2k is pair k's chosen reply in context, 2k+1 its rejected one,
 and a padding segment, if any, comes last. Per-pair log-probabilities are sums of the chunked loss's
 per-token values over each segment's trained positions (the final reply and its end-of-turn token):
@@ -110,7 +110,7 @@ class PreferenceObjective(Objective):
             raise ValueError(f"loss.type={loss.loss_type!r} needs reference log-probs (a reference model or cache)")
         self.loss, self.reference = loss, reference
         self.num_sources = (
-            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.mixing_policy)
+            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.records.mixing_policy)
         )
         self.reference_is_start = reference_is_start
         # ORPO's NLL term is averaged over the step's chosen tokens, not its pairs: the step's loss is divided by

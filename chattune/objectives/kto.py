@@ -1,7 +1,7 @@
 """KTO (Ethayarajh et al. 2024; TRL's `KTOTrainer`) for the shared update step: the unit is the example, one prompt
 with one completion labelled desirable or undesirable.
 
-An example is one packed document of two segments (`chattune.data.kto_documents`): the example itself, then a
+An example is one packed document of two segments (`chattune.data.templates.kto_documents`): the example itself, then a
 *mismatched* sequence, its prompt followed by another example's completion (its partner: the same side of the next
 record). Segment 2k is example k, 2k+1 its mismatched sequence. With r = log π(y|x) - log π_ref(y|x) (summed over
 the completion's tokens) and z the reference point:

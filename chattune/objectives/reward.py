@@ -1,7 +1,7 @@
 """The reward-model objective for the shared update step: Bradley–Terry on packed preference pairs; the unit is
 the pair.
 
-A pair is one packed document of two segments, chosen then rejected (`chattune.data.pair_documents`), so a
+A pair is one packed document of two segments, chosen then rejected (`chattune.data.templates.pair_documents`), so a
 microbatch holds whole pairs: segment 2k is pair k's chosen side, 2k+1 its rejected one, and a padding segment,
 if any, comes last. A side's reward is the score head's value (`chattune.model.sequence_score`) at the side's last
 token: the last token of the conversation as `apply_chat_template` renders it, after the reply's end-of-turn token
@@ -12,7 +12,7 @@ chattune reward model scores `apply_chat_template(conversation)` as it was train
 Per pair, with r the rewards and m the pair's margin: -log σ(r_chosen - r_rejected - m), plus
 c (r_chosen + r_rejected)² with c = loss.center_rewards_coefficient (TRL's `center_rewards_coefficient`: it keeps
 rewards near 0, which the difference alone leaves free). The margin is read from the data, as TRL's RewardTrainer
-reads its `margin` column: the record's `margin` field (`chattune.data.pair_documents.RewardPairDocuments`,
+reads its `margin` column: the record's `margin` field (`chattune.data.templates.pair_documents.RewardPairDocuments`,
 carried by `Document.margin` and `PackedBatch.doc_margins`); a pair without one has m = 0. The metrics do not see
 it: the accuracy is still the fraction of pairs with r_chosen > r_rejected. The sum over a microbatch's pairs is
 divided by the step's pair count over all ranks by the update step (`chattune.train.step`), so the gradient is that
@@ -69,7 +69,7 @@ class RewardObjective(Objective):
 
     def __init__(self, center_rewards_coefficient: float = 0.0, num_sources: int = 1):
         """`num_sources`: a mixture's sources, for the per-source sums the mixer reads
-        (`chattune.data.mixing_policy`)."""
+        (`chattune.data.records.mixing_policy`)."""
         self.center_rewards_coefficient = center_rewards_coefficient
         self.num_sources = num_sources
 

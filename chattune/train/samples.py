@@ -2,7 +2,7 @@
 prompts answered greedily by the model being trained, written by rank 0 to `output_dir/samples.jsonl` (one line
 per prompt: step, prompt, reply) and, with logger=wandb, as a table.
 
-`eval.samples` prompts come from `eval.sample_prompts` (a prompts file, `chattune.data.prompts`) or else from
+`eval.samples` prompts come from `eval.sample_prompts` (a prompts file, `chattune.data.templates.prompts`) or else from
 the held-out set (`data.eval`: the context before each of its first records' last reply). Rank r answers prompts
 r, r + W, ... greedily with the same token limit (under tensor parallelism, the ranks of tp group g answer
 prompts g, g + W/T, ... together). Where every rank has room for the whole model, it is gathered
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.config.schema import SFTConfig
-from chattune.data.prompts import Prompt, held_out_prompts, read_prompts_file
-from chattune.data.records import source_specs
+from chattune.data.records.records import source_specs
+from chattune.data.templates.prompts import Prompt, held_out_prompts, read_prompts_file
 from chattune.distributed import ParallelDims
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.generate import (

@@ -296,7 +296,7 @@ def _from_alpaca(record: dict, spec: SourceSpec, where: str) -> Conversation:
 
 def validate_messages(messages: object, where: str, require_reply: bool = True) -> list[dict]:
     """Check roles and contents; returns clean copies (None-valued fields from columnar files dropped).
-    `require_reply`: an assistant message must be among them (a prompt, `chattune.data.prompts`, needs none)."""
+    `require_reply`: an assistant message must be among them (a prompt, `chattune.data.templates.prompts`, needs none)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(
             f"{where}: the conversation must be a non-empty list of messages, got {type(messages).__name__}"

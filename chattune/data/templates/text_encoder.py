@@ -1,7 +1,7 @@
 """Many texts tokenized in one call, as flat numpy arrays, with the tokens of given character spans marked.
 
 The token ids are exactly `tokenizer(text, add_special_tokens=False)["input_ids"]` of each text, and a
-token is marked when its first character lies in one of its text's spans (what `chattune.data.chat_template`
+token is marked when its first character lies in one of its text's spans (what `chattune.data.templates.chat_template`
 trains). Three costs of the plain `tokenizer(...)` call are avoided, none of them by approximating:
 
 - a stock fast tokenizer is called through its Rust backend: transformers' per-text conversion of each

@@ -11,18 +11,18 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import ON_BAD_RECORD
-from chattune.data.chat_template import (
+from chattune.data.documents import Document, Skipped, outcomes_by_record, shifted_label_array
+from chattune.data.records.formats import DataError, SourceSpec
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.chat_template import (
     ChatTemplateError,
     TemplateMarkers,
     probe_template,
     render_conversation,
     trained_spans,
 )
-from chattune.data.documents import Document, Skipped, outcomes_by_record, shifted_label_array
-from chattune.data.formats import DataError, SourceSpec
-from chattune.data.records import RecordSource
-from chattune.data.template_choice import KEY, fitting_shipped_templates, shipped_names
-from chattune.data.text_encoder import TextBatchEncoder
+from chattune.data.templates.template_choice import KEY, fitting_shipped_templates, shipped_names
+from chattune.data.templates.text_encoder import TextBatchEncoder
 
 
 class TemplateDocuments:

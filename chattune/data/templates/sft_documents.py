@@ -1,4 +1,4 @@
-"""SFT documents: conversations (any format of `chattune.data.formats`) rendered with the chat template
+"""SFT documents: conversations (any format of `chattune.data.records.formats`) rendered with the chat template
 into shifted-label documents, trained on the assistant replies (`data.train_on`).
 
 Errors name the file, the record index and the problem. What is skipped rather than fatal is counted
@@ -13,11 +13,11 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG, TRAIN_ON
-from chattune.data.chat_template import render_conversation, trained_spans
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped, shifted_label_array
-from chattune.data.formats import DataError, SourceSpec, to_conversation
-from chattune.data.records import RecordSource
-from chattune.data.template_documents import TemplateDocuments
+from chattune.data.records.formats import DataError, SourceSpec, to_conversation
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.chat_template import render_conversation, trained_spans
+from chattune.data.templates.template_documents import TemplateDocuments
 
 
 class SFTDocuments(TemplateDocuments):

@@ -26,7 +26,7 @@ the reply, not what the model writes to end it (gpt-oss stops with `<|return|>` 
 Tokens whose first character lies in such a span are trained.
 
 For throughput, many rendered conversations are tokenized and masked in one call
-(`chattune.data.text_encoder.TextBatchEncoder`); `tokenize_conversation` is the same path for one conversation.
+(`chattune.data.templates.text_encoder.TextBatchEncoder`); `tokenize_conversation` is the same path for one conversation.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
 
-from chattune.data.text_encoder import TextBatchEncoder
+from chattune.data.templates.text_encoder import TextBatchEncoder
 from chattune.errors import UserError
 
 try:  # how transformers renders chat templates (private: checked against apply_chat_template by the tests)

@@ -18,7 +18,7 @@ independent of batching, ranks, shuffling and resumes.
 
 Both segments are rendered by the chat template exactly as `apply_chat_template(context + [reply])` renders
 them, and each trains exactly its final reply and the end-of-turn token (`last_turn_only`), as a DPO side does
-(`chattune.data.pair_documents`). Labels are shifted within each segment, whose last position predicts
+(`chattune.data.templates.pair_documents`). Labels are shifted within each segment, whose last position predicts
 nothing. A document longer than the budget (both segments: they share a microbatch) is dropped (counted) or an
 error; it is never cut.
 """
@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG_DPO
 from chattune.data.documents import Document, Skipped
-from chattune.data.formats import (
+from chattune.data.records.formats import (
     PREFERENCE_FORMATS,
     UNPAIRED_FORMATS,
     DataError,
@@ -42,8 +42,8 @@ from chattune.data.formats import (
     to_preference_pair,
     to_unpaired_example,
 )
-from chattune.data.records import RecordSource
-from chattune.data.template_documents import TwoSequenceDocuments, with_skip_remedy
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.template_documents import TwoSequenceDocuments, with_skip_remedy
 
 KTO_FORMATS = (*UNPAIRED_FORMATS, *PREFERENCE_FORMATS)
 SIDES = ("chosen", "rejected")  # a preference pair's examples, in example order (2r, 2r + 1)

@@ -1,5 +1,5 @@
 """DPO data: preference pairs of local JSON/JSONL/Parquet files (the `preference` and `sharegpt_preference`
-formats of `chattune.data.formats`), into one shifted-label document per pair.
+formats of `chattune.data.records.formats`), into one shifted-label document per pair.
 
 A pair's document is its chosen sequence then its rejected sequence, back to back (`Document.segments`
 gives their lengths, so they are packed as one unit and never attend to each other). Each side is the
@@ -8,7 +8,7 @@ its trained tokens are exactly its final assistant reply (as the template render
 prompt, e.g. Qwen3's empty think block) and the end-of-turn token. Labels are shifted within each side,
 and the last position of each side predicts nothing.
 
-Errors name the file, the record index and the problem, as in `chattune.data.sft_documents`. What is skipped rather
+Errors name the file, the record index and the problem, as in `chattune.data.templates.sft_documents`. What is skipped rather
 than fatal is counted by whoever consumes the documents: a pair whose two replies are identical (nothing
 to prefer) and a pair longer than the microbatch budget (chosen + rejected tokens: both sides must go into
 the same microbatch).
@@ -29,9 +29,9 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG_DPO
 from chattune.data.documents import Document, Skipped
-from chattune.data.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
-from chattune.data.records import RecordSource
-from chattune.data.template_documents import TwoSequenceDocuments
+from chattune.data.records.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
+from chattune.data.records.records import RecordSource
+from chattune.data.templates.template_documents import TwoSequenceDocuments
 
 
 class PairDocuments(TwoSequenceDocuments):

@@ -1,7 +1,7 @@
 """A run's tokenizer (the config's `tokenizer` section): from a local directory, or a hub id written
 `hf:org/name` (`chattune.hub`: a missing local path is never taken for a hub id, so a typo fails at once
 instead of trying the network), with the chat template chattune renders every record with: the tokenizer's
-own, or the one `tokenizer.chat_template` names (`chattune.data.template_choice`), which then becomes the
+own, or the one `tokenizer.chat_template` names (`chattune.data.templates.template_choice`), which then becomes the
 tokenizer's template everywhere (the token cache key, the export's `hf/` and `adapter/`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from chattune.data.template_choice import (
+from chattune.data.templates.template_choice import (
     KEY,
     ChatTemplateSettingError,
     fitting_shipped_templates,
