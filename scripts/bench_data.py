@@ -32,8 +32,8 @@ from pathlib import Path
 import datasets
 from transformers import AutoTokenizer
 
-from chattune.data.records.formats import SourceSpec, to_conversation
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import SourceSpec, to_conversation
+from chattune.data.ingest.records import RecordSource
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.templates.sft_documents import SFTDocuments
 

@@ -25,8 +25,8 @@ from transformers import AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import Document
 from chattune.data.feed import StepFeed
-from chattune.data.records.formats import SourceSpec
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import SourceSpec
+from chattune.data.ingest.records import RecordSource
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.templates.sft_documents import SFTDocuments
 

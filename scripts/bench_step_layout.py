@@ -35,9 +35,9 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from chattune.data.feed import InvariantSlots, StepFeed
-from chattune.data.records.cached_sources import open_documents
-from chattune.data.records.formats import SourceSpec
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.cached_sources import open_documents
+from chattune.data.ingest.formats import SourceSpec
+from chattune.data.ingest.records import RecordSource
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.templates.sft_documents import SFTDocuments
 

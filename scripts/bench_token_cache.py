@@ -6,7 +6,7 @@ and how a memory map reads documents against `datasets`' Arrow files.
 Data: `--records` short chats, the demo chats (chattune/assets/demo, 2-6 turns) repeated, each made distinct by
 its number, tokenized with the shared Qwen3 tokenizer (`../shared/assets`) at a 4096-token budget.
 - Build, per `RANKSxWORKERS`: ranks are processes of a gloo group (torch.multiprocessing), each building its
-  share of the records with WORKERS loader processes, through `chattune.data.records.cached_sources.open_documents`, the
+  share of the records with WORKERS loader processes, through `chattune.data.ingest.cached_sources.open_documents`, the
   recipes' own call; timed on rank 0 from the call to its return (hashing the file included), on a cold cache.
 - Warm start: a new process opens the warm cache (hashes the file and the tokenizer, reads the index) and packs
   the first microbatch of a world-size-invariant stream; the imports and the tokenizer's loading are given apart.
@@ -64,8 +64,8 @@ def _build_rank(rank: int, world: int, port: int, path: str, cache: str, workers
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from chattune.data.records.cached_sources import open_documents
-    from chattune.data.records.formats import SourceSpec
+    from chattune.data.ingest.cached_sources import open_documents
+    from chattune.data.ingest.formats import SourceSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -93,8 +93,8 @@ import json, sys, time
 started = time.perf_counter()
 from pathlib import Path
 from transformers import AutoTokenizer
-from chattune.data.records.cached_sources import open_documents
-from chattune.data.records.formats import SourceSpec
+from chattune.data.ingest.cached_sources import open_documents
+from chattune.data.ingest.formats import SourceSpec
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 sys.path.insert(0, "scripts")
 from bench_token_cache import data_section

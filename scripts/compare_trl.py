@@ -45,9 +45,9 @@ from transformers import AutoConfig, AutoTokenizer
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.feed import StepBatches
+from chattune.data.ingest.formats import SourceSpec
+from chattune.data.ingest.records import RecordSource
 from chattune.data.packing import collate_packed
-from chattune.data.records.formats import SourceSpec
-from chattune.data.records.records import RecordSource
 from chattune.data.templates.kto_documents import KTODocuments
 from chattune.data.templates.pair_documents import PairDocuments, RewardPairDocuments
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model

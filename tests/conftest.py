@@ -69,6 +69,18 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 USER_STATE = ("outputs", "multirun", "wandb")  # what runs launched from the checkout write there (README's job)
 
 
+# A step's metrics that time it (host and device clocks): two runs of the same steps differ in these alone
+TIMING_METRICS = (
+    "step_time_s",
+    "tokens_per_sec",
+    "all_tokens_per_sec",
+    "all_tokens_per_sec_per_device",
+    "mfu",
+    "data_wait_s",
+    "gc_s",
+)
+
+
 def checkout_copy(directory: Path, root: Path = PROJECT_ROOT) -> Path:
     """`directory` made a copy of the checkout at `root`: a link to each of its entries but the user's state."""
     directory.mkdir(parents=True, exist_ok=True)

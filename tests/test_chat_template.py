@@ -23,8 +23,8 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.records.formats import SourceSpec, to_conversation
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import SourceSpec, to_conversation
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.chat_template import (
     ChatTemplateError,
     probe_template,

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.records.formats import SourceSpec
+from chattune.data.ingest.formats import SourceSpec
 from chattune.data.templates.prompts import Prompt, held_out_prompts
 from chattune.distributed import ParallelDims, exit_process, init_distributed, shutdown_distributed
 from chattune.hf_layout import decoder_layers
@@ -292,7 +292,7 @@ def test_without_data_eval_the_samples_come_from_the_records_eval_split_holds_ou
         messages = json.loads(lines[i])["messages"]
         last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")
         want.append(messages[:last])
-    from chattune.data.records.held_out import held_out_records
+    from chattune.data.ingest.held_out import held_out_records
 
     split_records = held_out_records(50, 5, seed=7, source=0)  # what the run's split holds out (TrainingData)
     assert list(split_records) == held

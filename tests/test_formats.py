@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from chattune.data.documents import IGNORE_INDEX
-from chattune.data.records.formats import Conversation, DataError, SourceSpec, to_conversation
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import Conversation, DataError, SourceSpec, to_conversation
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.chat_template import probe_template, tokenize_conversation
 from chattune.data.templates.sft_documents import SFTDocuments
 from conftest import SHARED_ASSETS

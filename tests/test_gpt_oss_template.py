@@ -33,8 +33,8 @@ from transformers.utils import chat_template_utils
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import Document
-from chattune.data.records.formats import DataError, SourceSpec
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import DataError, SourceSpec
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.chat_template import (
     ChatTemplateError,
     probe_template,

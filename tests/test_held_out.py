@@ -23,10 +23,10 @@ from transformers import AutoModelForCausalLM
 import conftest
 from chattune.config.schema import MixingConfig
 from chattune.data.documents import IGNORE_INDEX, Document
-from chattune.data.records.cached_sources import open_documents
-from chattune.data.records.formats import SourceSpec
-from chattune.data.records.held_out import held_out_counts, held_out_records, hold_out, split_problem
-from chattune.data.records.mixing_policy import mixture_sampling
+from chattune.data.ingest.cached_sources import open_documents
+from chattune.data.ingest.formats import SourceSpec
+from chattune.data.ingest.held_out import held_out_counts, held_out_records, hold_out, split_problem
+from chattune.data.ingest.mixing_policy import mixture_sampling
 from chattune.errors import UserError
 from chattune.launch.validate import run_validate
 from conftest import demo_documents, torchrun

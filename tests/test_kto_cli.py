@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from test_validate import CONFIGS, compose_config, problems
 
 from chattune.cli.main import main
-from chattune.data.records.formats import SourceSpec
+from chattune.data.ingest.formats import SourceSpec
 from chattune.data.templates.prompts import held_out_prompts
 from chattune.launch.recipe_kinds import RECIPE_KINDS, kind_of_config
 from chattune.launch.validate import run_validate

@@ -17,8 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
-from chattune.data.packing import collate_packed
-from chattune.data.records.formats import (
+from chattune.data.ingest.formats import (
     DEFAULT_COLUMNS,
     DataError,
     SourceSpec,
@@ -27,8 +26,9 @@ from chattune.data.records.formats import (
     to_preference_pair,
     to_unpaired_example,
 )
-from chattune.data.records.records import RecordSource
-from chattune.data.records.sources import KTO_DATA, PAIR_DATA, RECIPE_DATA, SFT_DATA, document_settings
+from chattune.data.ingest.records import RecordSource
+from chattune.data.ingest.sources import KTO_DATA, PAIR_DATA, RECIPE_DATA, SFT_DATA, document_settings
+from chattune.data.packing import collate_packed
 from chattune.data.templates.kto_documents import KTODocuments
 from chattune.data.templates.pair_documents import PairDocuments
 from chattune.data.token_cache import CachedDocuments, build_source_cache, cache_name, source_key, tokenizer_digest

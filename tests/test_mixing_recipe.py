@@ -12,11 +12,9 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import torchrun
+from conftest import TIMING_METRICS, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
-
-TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +52,7 @@ def launch(out: Path, nproc: int, *overrides: str, small_model: bool = True):
 
 
 def untimed(out: Path) -> list[dict]:
-    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in read_metrics(out)]
+    return [{k: v for k, v in m.items() if k not in TIMING_METRICS} for m in read_metrics(out)]
 
 
 # (static on 1 rank is not run on its own: CI time; 2 ranks cover what one does, and the online runs cover 1 rank)

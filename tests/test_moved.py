@@ -24,10 +24,14 @@ def test_an_old_module_name_says_where_it_went(old):
         importlib.import_module(old)
 
 
-def test_a_copied_recipes_old_import_fails_with_the_new_one_named():
+@pytest.mark.launch
+def test_a_copied_recipes_old_import_fails_with_the_new_one_named(tmp_path):
     """As a user's script meets it: `from chattune.model.fsdp import shard_model` in a fresh process."""
     done = subprocess.run(
-        [sys.executable, "-c", "from chattune.model.fsdp import shard_model"], capture_output=True, text=True
+        [sys.executable, "-c", "from chattune.model.fsdp import shard_model"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert done.returncode == 1
     assert "chattune.model.fsdp moved to chattune.parallel.fsdp" in done.stderr

@@ -165,8 +165,8 @@ def test_stream_state_dict_resumes_the_same_microbatches(num_workers):
 def test_workers_yield_identical_microbatches(tokenizer):
     """Tokenizing in 2 worker processes gives the same microbatches, in the same order, as in-process."""
     from chattune.config.paths import DEMO_ASSETS
-    from chattune.data.records.formats import SourceSpec
-    from chattune.data.records.records import RecordSource
+    from chattune.data.ingest.formats import SourceSpec
+    from chattune.data.ingest.records import RecordSource
     from chattune.data.templates.sft_documents import SFTDocuments
 
     documents = SFTDocuments(RecordSource([SourceSpec(str(DEMO_ASSETS / "chat_train.jsonl"))]), tokenizer, 1024)

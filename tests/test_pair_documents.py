@@ -17,8 +17,7 @@ from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
-from chattune.data.packing import collate_packed
-from chattune.data.records.formats import (
+from chattune.data.ingest.formats import (
     DEFAULT_COLUMNS,
     DataError,
     PreferencePair,
@@ -26,7 +25,8 @@ from chattune.data.records.formats import (
     to_conversation,
     to_preference_pair,
 )
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.records import RecordSource
+from chattune.data.packing import collate_packed
 from chattune.data.templates.pair_documents import PairDocuments
 from conftest import SHARED_ASSETS, decode_exactly, trained_runs
 

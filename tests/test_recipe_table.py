@@ -18,8 +18,8 @@ from test_validate import CONFIGS, compose_config, problems
 from chattune.cli import catalog
 from chattune.config import losses as catalogue
 from chattune.config.schema import LOSS_TYPES, SCHEMAS
-from chattune.data.records.formats import PREFERENCE_FORMATS
-from chattune.data.records.sources import RECIPE_DATA
+from chattune.data.ingest.formats import PREFERENCE_FORMATS
+from chattune.data.ingest.sources import RECIPE_DATA
 from chattune.launch import recipe_kinds
 from chattune.launch.findings import ConfigError
 from chattune.launch.recipe_kinds import DPO, KTO, RECIPE_KINDS, REWARD, SFT, RecipeKindError, kind_of_config

@@ -15,10 +15,9 @@ from chattune.config.paths import DEMO_ASSETS
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives import reference_cache
-from conftest import ListSource, launch, tiny_model, torchrun
+from conftest import TIMING_METRICS, ListSource, launch, tiny_model, torchrun
 
 CPU = torch.device("cpu")
-TIMINGS = ("step_time_s", "tokens_per_sec", "all_tokens_per_sec", "all_tokens_per_sec_per_device", "mfu")
 
 
 def build_tables(cache_dir, fingerprint: dict, make_reference) -> dict[str, torch.Tensor]:
@@ -191,7 +190,7 @@ def test_cached_reference_run_matches_the_live_one_and_resumes_exactly(tmp_path)
 
 
 def untimed(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in metrics]
+    return [{k: v for k, v in m.items() if k not in TIMING_METRICS} for m in metrics]
 
 
 @pytest.mark.launch

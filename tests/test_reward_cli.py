@@ -14,8 +14,8 @@ from test_validate import CONFIGS, compose_config, problems
 from chattune.cli.main import main
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import Skipped
-from chattune.data.records.formats import DataError, SourceSpec
-from chattune.data.records.sources import REWARD_PAIR_DATA
+from chattune.data.ingest.formats import DataError, SourceSpec
+from chattune.data.ingest.sources import REWARD_PAIR_DATA
 from chattune.launch.recipe_kinds import RECIPE_KINDS, kind_of_config
 from chattune.launch.validate import run_validate
 from conftest import PROJECT_ROOT, demo_tokenizer

@@ -24,9 +24,9 @@ from test_reward_step import CENTER, plain_rewards, tiny_reward_model
 
 from chattune.data.documents import Document, Skipped
 from chattune.data.feed import StepBatches
+from chattune.data.ingest.formats import DataError, SourceSpec
+from chattune.data.ingest.sources import PAIR_DATA, REWARD_PAIR_DATA, document_settings
 from chattune.data.packing import collate_packed
-from chattune.data.records.formats import DataError, SourceSpec
-from chattune.data.records.sources import PAIR_DATA, REWARD_PAIR_DATA, document_settings
 from chattune.data.token_cache import CachedDocuments, build_source_cache, cache_name, source_key, tokenizer_digest
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.reward import RewardObjective

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from chattune.data.documents import Document, Skipped
-from chattune.data.records.formats import DataError, SourceSpec, to_conversation
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import DataError, SourceSpec, to_conversation
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.sft_documents import SFTDocuments
 from conftest import SHARED_ASSETS
 
@@ -253,7 +253,7 @@ def test_split_pieces_that_train_nothing_are_counted_and_logged_as_truncate_coun
     """data.overlong=split leaves out the pieces with no token to train (a piece of a long question alone): each one
     is counted where the split records are (the data report, the stream's figures that end a run) and the record
     that lost them is logged with its file, record and pieces, as a skip is."""
-    from chattune.data.records.report import count_lines, scan_documents
+    from chattune.data.ingest.report import count_lines, scan_documents
     from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 
     path = write_jsonl(tmp_path / "chats.jsonl", [good(), chat_with_a_long_question(), long_chat()])

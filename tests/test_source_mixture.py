@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from chattune.data.records.mixing_policy import Mixer
-from chattune.data.records.source_mixture import MixtureSampler, ProbabilitySchedule
-from chattune.data.records.sources import MixedDocuments
+from chattune.data.ingest.mixing_policy import Mixer
+from chattune.data.ingest.source_mixture import MixtureSampler, ProbabilitySchedule
+from chattune.data.ingest.sources import MixedDocuments
 from conftest import ListSource, demo_documents, free_port, init_worker_process_group, spawn
 
 SIZES = [50, 200, 10]
@@ -153,8 +153,8 @@ def test_online_update_matches_a_hand_computation_and_is_identical_on_every_rank
 def test_split_records_keep_every_piece_and_every_record_after_them(tmp_path):
     """data.overlong=split: one record gives several documents. The records after a split one in the same
     read must not be lost (they were, when outcomes were matched to records one to one)."""
-    from chattune.data.records.formats import SourceSpec
-    from chattune.data.records.records import RecordSource
+    from chattune.data.ingest.formats import SourceSpec
+    from chattune.data.ingest.records import RecordSource
     from chattune.data.stream import documents_of
     from chattune.data.templates.sft_documents import SFTDocuments
     from conftest import DEMO_ASSETS, demo_tokenizer

@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.records.formats import DataError, SourceSpec
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import DataError, SourceSpec
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.chat_template import probe_template, render_conversation
 from chattune.data.templates.sft_documents import SFTDocuments
 from chattune.data.templates.template_choice import (

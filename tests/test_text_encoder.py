@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
-from chattune.data.records.formats import SourceSpec, to_conversation
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import SourceSpec, to_conversation
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates import text_encoder
 from chattune.data.templates.chat_template import probe_template, render_conversation
 from chattune.data.templates.sft_documents import SFTDocuments

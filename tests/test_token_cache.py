@@ -20,9 +20,9 @@ from test_sft_documents import chat_with_a_long_question
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.documents import Document
-from chattune.data.records.cached_sources import open_documents
-from chattune.data.records.formats import DataError, SourceSpec
-from chattune.data.records.sources import RECIPE_DATA, document_settings
+from chattune.data.ingest.cached_sources import open_documents
+from chattune.data.ingest.formats import DataError, SourceSpec
+from chattune.data.ingest.sources import RECIPE_DATA, document_settings
 from chattune.data.token_cache import (
     MANIFEST,
     BuildShard,

@@ -7,7 +7,7 @@ A checkpoint saves a `RunState` (`chattune.checkpoint.run_state`) by its parts' 
 - `train_state_rank{R}.pt`: that rank's own parts by name (scheduler, data position, RNG states, skip
   counters, fp16's loss scale) and the step: what an exact resume needs per rank;
 - `chattune.json`, written last: the manifest (step, world size, the run's fingerprint, the wandb run id);
-- more files of rank 0's by name (`record_hashes.npz`, `chattune.data.records.fingerprint`).
+- more files of rank 0's by name (`record_hashes.npz`, `chattune.data.ingest.fingerprint`).
 
 A checkpoint is written under `step_{N}.partial` and renamed to `step_{N}` only once every rank's files
 are complete, so a crash during a save leaves a `.partial` directory that is never resumed from (and is
@@ -52,7 +52,7 @@ from chattune.checkpoint.layout import (
 )
 from chattune.checkpoint.run_state import Horizon, RunState
 from chattune.checkpoint.staging import ReusedHostStager
-from chattune.data.records.fingerprint import RECORD_HASHES, record_hashes_file
+from chattune.data.ingest.fingerprint import RECORD_HASHES, record_hashes_file
 from chattune.distributed import world_rank
 from chattune.faults import maybe_crash
 

@@ -32,7 +32,7 @@ from chattune.checkpoint.run_state import OptimizerState, RunState
 from chattune.config.schema import SFTConfig, keys_resumed_as, schedule_name
 from chattune.config.typed import config_dict
 from chattune.data.feed import merge_states
-from chattune.data.records.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
+from chattune.data.ingest.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
 from chattune.data.templates.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.templates.template_choice import template_fingerprint
 from chattune.distributed import world_rank

@@ -42,10 +42,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LossScaleState(Stateful, Protocol):
-    """fp16's loss scale as a checkpoint holds it (`chattune.train.step.LossScale`): saved where enabled."""
+class LossScaleState(Protocol):
+    """fp16's loss scale as a checkpoint holds it (`chattune.train.step.LossScale`): a Stateful, saved where enabled.
+    (Not a subclass of torch's runtime-checkable Stateful: a protocol with a data member beneath it breaks every
+    `isinstance(x, Stateful)`, which DCP asks of each part.)"""
 
     enabled: bool
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
 
 
 # Frozen parameters (a LoRA run's base) are not saved: they are the model directory's, reloaded at resume.

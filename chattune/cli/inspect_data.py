@@ -22,11 +22,11 @@ from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths 
 from chattune.config.schema import SFTConfig
 from chattune.config.typed import typed_config
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
-from chattune.data.records.cached_sources import open_documents
-from chattune.data.records.held_out import held_out_line, hold_out
-from chattune.data.records.records import source_specs
-from chattune.data.records.report import DataReport, count_lines, scan_documents
-from chattune.data.records.sources import row_budget
+from chattune.data.ingest.cached_sources import open_documents
+from chattune.data.ingest.held_out import held_out_line, hold_out
+from chattune.data.ingest.records import source_specs
+from chattune.data.ingest.report import DataReport, count_lines, scan_documents
+from chattune.data.ingest.sources import row_budget
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.templates.tokenizer import load_tokenizer
 from chattune.launch.compose import hydra_search_path

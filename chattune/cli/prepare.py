@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from chattune.cli.inspect_data import load_config
-from chattune.data.records.cached_sources import open_documents
-from chattune.data.records.records import source_specs
+from chattune.data.ingest.cached_sources import open_documents
+from chattune.data.ingest.records import source_specs
 from chattune.data.templates.tokenizer import load_tokenizer
 from chattune.data.token_cache import cache_root
 from chattune.errors import UserError

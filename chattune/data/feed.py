@@ -33,7 +33,7 @@ from chattune.data.packing import PackedBatch, empty_batch
 from chattune.errors import UserError
 
 if TYPE_CHECKING:
-    from chattune.data.records.mixing_policy import Mixer
+    from chattune.data.ingest.mixing_policy import Mixer
     from chattune.data.stream import PackedStream
 
 
@@ -93,7 +93,7 @@ class StepFeed:
         self.slots, self.seed = slots, seed  # None, 0: per rank
         # Whether this rank's figures go into the sums over ranks (the class docstring).
         self.reports_figures = reports_figures
-        self.mixer = mixer  # a mixture's sampling state (chattune.data.records.mixing_policy), checkpointed with the data position
+        self.mixer = mixer  # a mixture's sampling state (chattune.data.ingest.mixing_policy), checkpointed with the data position
         self.epoch = 0  # the epoch of the next microbatch
         self.epoch_end_reached = False  # per rank: the stream finished the epoch, empty steps until every rank has
         self.epoch_counts = _zero_counts()  # this rank's figures of the epoch so far
@@ -217,7 +217,7 @@ def merge_states(states: list[dict], rank: int) -> dict:
     counts = {name: sum(s["epoch_counts"][name] for s in states) if rank == 0 else 0 for name in first["epoch_counts"]}
     merged = {**first, "epoch_counts": counts}
     if first["mixer"] is not None:
-        from chattune.data.records.mixing_policy import Mixer
+        from chattune.data.ingest.mixing_policy import Mixer
 
         merged["mixer"] = Mixer.merge_states([s["mixer"] for s in states], rank)
     return merged

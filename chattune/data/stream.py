@@ -218,7 +218,7 @@ class PackedStream:
         `seed`: each epoch's permutation and the loader's; `budget`: how it packs them (`PackingBudget`);
         `num_workers`: loader processes that tokenize (0: this one).
         `sampler`: another source of (epoch, record indices, closes_epoch) chunks than the layout's share
-        of each epoch (`chattune.data.records.source_mixture.MixtureSampler`); it must be stateful like `ShareSampler`.
+        of each epoch (`chattune.data.ingest.source_mixture.MixtureSampler`); it must be stateful like `ShareSampler`.
         `log_skips`: log skipped records and empty epochs (they are counted either way)."""
         padding = pad_multiple_problem(budget.max_tokens, budget.pad_to_multiple_of)
         if padding:

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from chattune.data.documents import SKIP_REASONS, Document, Skipped, outcomes_by_record
-from chattune.data.records.formats import SourceSpec
+from chattune.data.ingest.formats import SourceSpec
 from chattune.errors import UserError
 from chattune.hub import hub_id
 
@@ -101,7 +101,7 @@ def content_digest(spec: SourceSpec) -> str:
     path = Path(spec.path)
     digest = hashlib.sha256()
     if hub_id(spec.path) is not None:
-        from chattune.data.records.records import RecordSource
+        from chattune.data.ingest.records import RecordSource
 
         digest.update(f"hub {spec.path} {spec.split} {RecordSource([spec])._sources[0]._fingerprint}".encode())
         return digest.hexdigest()

@@ -30,7 +30,7 @@ from chattune.config.schema import DPOConfig, KTOConfig, RewardConfig, SFTConfig
 from chattune.errors import UserError
 
 if TYPE_CHECKING:
-    from chattune.data.records.sources import RecipeData
+    from chattune.data.ingest.sources import RecipeData
 
 
 class RecipeKindError(UserError):
@@ -126,14 +126,14 @@ def _named(path: str) -> Any:
 SFT = RecipeKind(
     "sft",
     SFTConfig,
-    "chattune.data.records.sources:SFT_DATA",
+    "chattune.data.ingest.sources:SFT_DATA",
     "chattune.objectives.cross_entropy:TokenCrossEntropy",
     needs_reference=False,
 )
 DPO = RecipeKind(
     "dpo",
     DPOConfig,
-    "chattune.data.records.sources:PAIR_DATA",
+    "chattune.data.ingest.sources:PAIR_DATA",
     "chattune.objectives.dpo:PreferenceObjective",
     needs_reference=True,
 )
@@ -141,7 +141,7 @@ DPO = RecipeKind(
 REWARD = RecipeKind(
     "reward",
     RewardConfig,
-    "chattune.data.records.sources:REWARD_PAIR_DATA",
+    "chattune.data.ingest.sources:REWARD_PAIR_DATA",
     "chattune.objectives.reward:RewardObjective",
     needs_reference=False,
 )
@@ -149,7 +149,7 @@ REWARD = RecipeKind(
 KTO = RecipeKind(
     "kto",
     KTOConfig,
-    "chattune.data.records.sources:KTO_DATA",
+    "chattune.data.ingest.sources:KTO_DATA",
     "chattune.objectives.kto:KTOObjective",
     needs_reference=True,
 )

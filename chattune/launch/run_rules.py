@@ -27,7 +27,7 @@ from chattune.config.layout_rules import (
 from chattune.config.losses import needs_reference
 from chattune.config.schema import FP8_MODES, QUANTIZE_BASE, TinyLlamaConfig
 from chattune.config.typed import typed_config
-from chattune.data.records.formats import DataError, SourceSpec
+from chattune.data.ingest.formats import DataError, SourceSpec
 from chattune.data.templates.prompts import prompts_file_problem
 from chattune.data.templates.template_choice import KEY as TEMPLATE_KEY
 from chattune.data.templates.template_choice import template_problem

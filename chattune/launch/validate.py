@@ -270,8 +270,8 @@ def read_first_records(cfg: DictConfig, kind: RecipeKind, findings: Findings, co
     (format, chat template, masks, budget): an empty or malformed file, a bad first record or a tokenizer
     without a chat template is reported here rather than after the model is loaded."""
     from chattune.data.documents import Skipped
-    from chattune.data.records.held_out import split_problem
-    from chattune.data.records.records import source_specs
+    from chattune.data.ingest.held_out import split_problem
+    from chattune.data.ingest.records import source_specs
     from chattune.data.templates.tokenizer import load_tokenizer
 
     try:

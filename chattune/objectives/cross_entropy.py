@@ -19,7 +19,7 @@ class TokenCrossEntropy(Objective):
 
     def __init__(self, num_sources: int = 1):
         self.num_sources = (
-            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.records.mixing_policy)
+            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.ingest.mixing_policy)
         )
 
     def count_units(self, batch: PackedBatch) -> int:

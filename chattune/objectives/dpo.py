@@ -110,7 +110,7 @@ class PreferenceObjective(Objective):
             raise ValueError(f"loss.type={loss.loss_type!r} needs reference log-probs (a reference model or cache)")
         self.loss, self.reference = loss, reference
         self.num_sources = (
-            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.records.mixing_policy)
+            num_sources  # a mixture's sources: per-source sums for the mixer (chattune.data.ingest.mixing_policy)
         )
         self.reference_is_start = reference_is_start
         # ORPO's NLL term is averaged over the step's chosen tokens, not its pairs: the step's loss is divided by

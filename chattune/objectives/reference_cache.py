@@ -24,8 +24,8 @@ from torch import nn
 
 from chattune.config.schema import DPOConfig, KTOConfig
 from chattune.config.typed import config_dict
+from chattune.data.ingest.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.data.records.fingerprint import data_file_fingerprints
 from chattune.data.templates.template_choice import template_fingerprint
 from chattune.distributed import all_reduce_max, all_reduce_sum
 from chattune.hub import local_directory

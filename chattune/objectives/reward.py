@@ -69,7 +69,7 @@ class RewardObjective(Objective):
 
     def __init__(self, center_rewards_coefficient: float = 0.0, num_sources: int = 1):
         """`num_sources`: a mixture's sources, for the per-source sums the mixer reads
-        (`chattune.data.records.mixing_policy`)."""
+        (`chattune.data.ingest.mixing_policy`)."""
         self.center_rewards_coefficient = center_rewards_coefficient
         self.num_sources = num_sources
 

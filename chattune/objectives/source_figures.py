@@ -1,5 +1,5 @@
 """Per-source figures of a microbatch: what a mixture's metrics and online mixing read
-(`chattune.data.records.mixing_policy`), summed from the per-document losses an objective has already computed."""
+(`chattune.data.ingest.mixing_policy`), summed from the per-document losses an objective has already computed."""
 
 from __future__ import annotations
 

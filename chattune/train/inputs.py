@@ -1,7 +1,7 @@
 """The data side of every recipe's run, set up once: the documents of the recipe's kind (its `RecipeData`,
-`chattune.data.records.sources`, which `chattune validate` and `chattune inspect` read too), one record index over every source, less the records
-`data.eval_split` holds out for eval (`chattune.data.records.held_out`). `data.mixing` decides
-how the training records are drawn (`chattune.data.records.mixing_policy`); a sample is counted for the data report; each rank gets its step
+`chattune.data.ingest.sources`, which `chattune validate` and `chattune inspect` read too), one record index over every source, less the records
+`data.eval_split` holds out for eval (`chattune.data.ingest.held_out`). `data.mixing` decides
+how the training records are drawn (`chattune.data.ingest.mixing_policy`); a sample is counted for the data report; each rank gets its step
 feed (tokenized in loader workers, packed, epochs in lockstep) and its share of the held-out batches.
 """
 
@@ -16,13 +16,13 @@ from transformers import PreTrainedTokenizerBase
 from chattune.config.layout_rules import microbatch_ranks_problem
 from chattune.config.schema import SFTConfig
 from chattune.data.feed import InvariantSlots, StepFeed
+from chattune.data.ingest.cached_sources import open_documents
+from chattune.data.ingest.held_out import held_out_line, hold_out, joined
+from chattune.data.ingest.mixing_policy import Mixer, mixture_sampling
+from chattune.data.ingest.records import source_specs
+from chattune.data.ingest.report import count_lines, report_sample, scan_documents
+from chattune.data.ingest.sources import MixedDocuments, RecipeData, row_budget
 from chattune.data.packing import PackedBatch
-from chattune.data.records.cached_sources import open_documents
-from chattune.data.records.held_out import held_out_line, hold_out, joined
-from chattune.data.records.mixing_policy import Mixer, mixture_sampling
-from chattune.data.records.records import source_specs
-from chattune.data.records.report import count_lines, report_sample, scan_documents
-from chattune.data.records.sources import MixedDocuments, RecipeData, row_budget
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.templates.tokenizer import pad_token_id
 from chattune.distributed import ParallelDims, reduce_sums

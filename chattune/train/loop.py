@@ -6,7 +6,7 @@ first step to the last is the same story, so it is told once here (`train`) and 
 - the run state (`chattune.checkpoint.run_state.training_state`): model, optimizer, scheduler, data position, RNG,
   skip counters and fp16's loss scale, by name; restored from a checkpoint on resume (`resume=auto|PATH|null`);
 - each step (`UpdateSteps`): its microbatches (`StepFeed`, epochs in lockstep), the shared update step, a
-  mixture's per-source figures and online update (`chattune.data.records.mixing_policy`), the epoch's figures when it
+  mixture's per-source figures and online update (`chattune.data.ingest.mixing_policy`), the epoch's figures when it
   closes; a non-finite loss or gradient: the update is skipped on every rank (counted) or the run stops;
 - after each step, the components decide for themselves whether it is their turn (`due(step)`): the metric
   logger (every `log_every` steps and at the end), the evaluator (held-out metrics and sample replies at
@@ -38,8 +38,8 @@ from chattune.config.schema import SFTConfig
 from chattune.config.typed import config_dict
 from chattune.data.documents import SKIP_REASONS
 from chattune.data.feed import DocumentLedger, StepBatches, StepFeed
-from chattune.data.records.report import epoch_line
-from chattune.data.records.sources import row_budget
+from chattune.data.ingest.report import epoch_line
+from chattune.data.ingest.sources import row_budget
 from chattune.distributed import ParallelDims, reduce_sums
 from chattune.errors import UserError
 from chattune.faults import maybe_crash, maybe_slow

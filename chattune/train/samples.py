@@ -26,7 +26,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from chattune.config.schema import SFTConfig
-from chattune.data.records.records import source_specs
+from chattune.data.ingest.records import source_specs
 from chattune.data.templates.prompts import Prompt, held_out_prompts, read_prompts_file
 from chattune.distributed import ParallelDims
 from chattune.model.causal_lm import PackedCausalLM

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG_DPO
 from chattune.data.documents import Document, Skipped
-from chattune.data.records.formats import (
+from chattune.data.ingest.formats import (
     PREFERENCE_FORMATS,
     UNPAIRED_FORMATS,
     DataError,
@@ -42,7 +42,7 @@ from chattune.data.records.formats import (
     to_preference_pair,
     to_unpaired_example,
 )
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.template_documents import TwoSequenceDocuments, with_skip_remedy
 
 KTO_FORMATS = (*UNPAIRED_FORMATS, *PREFERENCE_FORMATS)

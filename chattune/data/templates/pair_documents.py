@@ -1,5 +1,5 @@
 """DPO data: preference pairs of local JSON/JSONL/Parquet files (the `preference` and `sharegpt_preference`
-formats of `chattune.data.records.formats`), into one shifted-label document per pair.
+formats of `chattune.data.ingest.formats`), into one shifted-label document per pair.
 
 A pair's document is its chosen sequence then its rejected sequence, back to back (`Document.segments`
 gives their lengths, so they are packed as one unit and never attend to each other). Each side is the
@@ -29,8 +29,8 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG_DPO
 from chattune.data.documents import Document, Skipped
-from chattune.data.records.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import PREFERENCE_FORMATS, DataError, PreferencePair, SourceSpec, to_preference_pair
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.template_documents import TwoSequenceDocuments
 
 

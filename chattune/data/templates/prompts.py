@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from chattune.data.records.formats import (
+from chattune.data.ingest.formats import (
     PREFERENCE_FORMATS,
     UNPAIRED_FORMATS,
     DataError,
@@ -29,7 +29,7 @@ from chattune.data.records.formats import (
     to_unpaired_example,
     validate_messages,
 )
-from chattune.data.records.records import RecordSource, json_problem
+from chattune.data.ingest.records import RecordSource, json_problem
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""SFT documents: conversations (any format of `chattune.data.records.formats`) rendered with the chat template
+"""SFT documents: conversations (any format of `chattune.data.ingest.formats`) rendered with the chat template
 into shifted-label documents, trained on the assistant replies (`data.train_on`).
 
 Errors name the file, the record index and the problem. What is skipped rather than fatal is counted
@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import OVERLONG, TRAIN_ON
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped, shifted_label_array
-from chattune.data.records.formats import DataError, SourceSpec, to_conversation
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import DataError, SourceSpec, to_conversation
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.chat_template import render_conversation, trained_spans
 from chattune.data.templates.template_documents import TemplateDocuments
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from chattune.errors import UserError
 
 KEY = "tokenizer.chat_template"
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "assets" / "chat_templates"
 _BARE_WORD = re.compile(r"[A-Za-z0-9_-]+")
 # The special-token markers a template writes (`<|im_end|>`, `<|eot_id|>`): each must be one token of the
 # tokenizer, or the model would learn its turn boundaries as pieces of ordinary text.

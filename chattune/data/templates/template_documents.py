@@ -12,8 +12,8 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import ON_BAD_RECORD
 from chattune.data.documents import Document, Skipped, outcomes_by_record, shifted_label_array
-from chattune.data.records.formats import DataError, SourceSpec
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import DataError, SourceSpec
+from chattune.data.ingest.records import RecordSource
 from chattune.data.templates.chat_template import (
     ChatTemplateError,
     TemplateMarkers,

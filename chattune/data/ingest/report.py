@@ -26,7 +26,7 @@ class DataReport:
     outcomes: list[int | Skipped] = field(default_factory=list)  # per document: its length, or why skipped
     microbatches: int = 0  # when packed (inspect): microbatches and the tokens in them
     packed_tokens: int = 0
-    held_out: str = ""  # what data.eval_split holds out of the sources (`chattune.data.records.held_out.held_out_line`)
+    held_out: str = ""  # what data.eval_split holds out of the sources (`chattune.data.ingest.held_out.held_out_line`)
 
     @property
     def tokens(self) -> int:

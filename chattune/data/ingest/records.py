@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import numpy as np
 
 from chattune.config.typed import config_dict
-from chattune.data.records.formats import DataError, SourceSpec
+from chattune.data.ingest.formats import DataError, SourceSpec
 from chattune.hub import HUB_LIKE, HUB_PREFIX, hub_id
 
 if (

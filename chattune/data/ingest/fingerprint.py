@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from chattune.config.typed import config_dict
-from chattune.data.records.formats import SourceSpec
+from chattune.data.ingest.formats import SourceSpec
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from chattune.config.schema import MIXING_MODES, MIXING_REWARDS, MixingConfig
-from chattune.data.records.formats import SourceSpec
-from chattune.data.records.source_mixture import MixtureSampler, ProbabilitySchedule
+from chattune.data.ingest.formats import SourceSpec
+from chattune.data.ingest.source_mixture import MixtureSampler, ProbabilitySchedule
 from chattune.distributed import all_reduce_sum, world_rank, world_size
 
 

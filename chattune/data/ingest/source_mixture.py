@@ -7,7 +7,7 @@ belongs to rank n % world_size, which tokenizes and trains it; the other ranks o
 ranks' shares are disjoint, no communication is needed to sample, and every sampling decision is the
 same on every rank.
 
-Probabilities may change during training (`chattune.data.records.mixing_policy`, online mixing). A change takes effect
+Probabilities may change during training (`chattune.data.ingest.mixing_policy`, online mixing). A change takes effect
 from a draw index every rank has agreed on and not generated yet, and the whole history of changes
 (`ProbabilitySchedule`) is part of the run's state, so draw n is the same in a resumed run.
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import DataConfig
-from chattune.data.records.formats import DataError, SourceSpec
-from chattune.data.records.sources import RECIPE_DATA, MixedDocuments, document_settings
+from chattune.data.ingest.formats import DataError, SourceSpec
+from chattune.data.ingest.sources import RECIPE_DATA, MixedDocuments, document_settings
 from chattune.data.token_cache import (
     BuildShard,
     CachedDocuments,
@@ -59,7 +59,7 @@ def open_documents(
     context: int = 1,
     build: bool = True,
 ) -> MixedDocuments:
-    """The documents of `specs` for recipe kind `recipe` (`chattune.data.records.sources.RECIPE_DATA`), each source from
+    """The documents of `specs` for recipe kind `recipe` (`chattune.data.ingest.sources.RECIPE_DATA`), each source from
     its token cache: found by its key, else built here (`build`; collective) or else tokenized as read. With
     data.cache=off every source is tokenized as read."""
     recipe_data = RECIPE_DATA[recipe]

@@ -20,8 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import DataConfig
 from chattune.data.documents import Document, Skipped, outcomes_by_record
-from chattune.data.records.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, UNPAIRED_FORMATS, SourceSpec
-from chattune.data.records.records import RecordSource
+from chattune.data.ingest.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, UNPAIRED_FORMATS, SourceSpec
+from chattune.data.ingest.records import RecordSource
 from chattune.data.stream import DocumentSource, documents_of
 from chattune.data.templates.kto_documents import KTO_FORMATS, KTODocuments, examples_per_record
 from chattune.data.templates.pair_documents import PairDocuments, RewardPairDocuments
@@ -34,7 +34,7 @@ class MixedDocuments:
 
     def __init__(self, sources: Sequence[tuple[str, DocumentSource]], examples_per_record: Sequence[int] | None = None):
         """`examples_per_record`: how many consecutive documents each record of a source gives (KTO: a preference
-        pair's two examples), kept together where records are split (`chattune.data.records.held_out`); 1 by default."""
+        pair's two examples), kept together where records are split (`chattune.data.ingest.held_out`); 1 by default."""
         self.names = [name for name, _ in sources]
         self.sources = [documents for _, documents in sources]
         self.examples_per_record = list(examples_per_record or [1] * len(self.sources))
@@ -54,7 +54,7 @@ class MixedDocuments:
 
     def origin(self, index: int) -> tuple[int, int]:
         """(source, the record's number in that source) of a record index. The number is the record's in its
-        file even where the source holds only some of the file's records (`chattune.data.records.held_out.RecordSubset`)."""
+        file even where the source holds only some of the file's records (`chattune.data.ingest.held_out.RecordSubset`)."""
         source = self.source_of(index)
         local = index - self.offsets[source]
         record = getattr(self.sources[source], "record", None)
@@ -220,5 +220,5 @@ KTO_DATA = RecipeData(
     sequence="an example or its mismatched sequence (a prompt and one completion)",
     examples_per_record=examples_per_record,
 )
-# By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.records.cached_sources`).
+# By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.ingest.cached_sources`).
 RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA, KTO_DATA)}

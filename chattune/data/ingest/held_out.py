@@ -28,7 +28,7 @@ import numpy as np
 
 from chattune.config.schema import is_eval_split
 from chattune.data.documents import Document, Skipped, outcomes_by_record
-from chattune.data.records.sources import MixedDocuments
+from chattune.data.ingest.sources import MixedDocuments
 from chattune.data.stream import DocumentSource, documents_of
 from chattune.errors import UserError
 
