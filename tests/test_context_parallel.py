@@ -414,7 +414,7 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
     from test_every_architecture import THRESHOLDS, tiny_config
 
     from chattune.model.checks.architecture import build_miniature, check_architecture
-    from chattune.model.packed import rotary
+    from chattune.model.packed import isolation, rotary
 
     init_worker_process_group(rank, world_size, port)
     dims = init_distributed("cpu", ParallelConfig(context=world_size))
@@ -428,7 +428,9 @@ def _positions_worker(rank: int, world_size: int, port: int, out_path: str) -> N
     torch.manual_seed(0)  # the same miniature on every rank, as check_architecture builds it
     miniature = build_miniature(change(tiny_config(model_type)))
     try:
-        with rotary.whole_row_rotaries():  # each rank's slice picks its own factors, from its own largest position
+        with isolation.leaking(
+            rotary.ROTARIES
+        ):  # each rank's slice picks its own factors, from its own largest position
             check_context_split(miniature, dims.cp_group)
         outcomes["whole-row rotary"] = "accepted"
     except UnsupportedModel as refusal:

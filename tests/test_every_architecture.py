@@ -38,9 +38,11 @@ cores (one torch thread per xdist worker).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +63,7 @@ from chattune.model.checks.architecture import MINIATURE_VOCAB, check_architectu
 from chattune.model.cost.flops import attention_heads, model_flops, text_config
 from chattune.model.generate import generation_failure
 from chattune.model.head.output_logits import LogitTransform
-from chattune.model.packed import rotary
+from chattune.model.packed import isolation, rotary
 from chattune.model.packed.attention import ATTENTION_NAME
 from chattune.parallel.fsdp import compute_dtype
 from conftest import PROJECT_ROOT
@@ -844,19 +846,20 @@ THRESHOLDS = {
 }
 
 
-def _turned_off(fix: str):
+@contextlib.contextmanager
+def _turned_off(fix: str) -> Iterator[None]:
     """chattune's handling of one threshold turned off: the whole row's rotary, the row's chunks, the row's
     temperature, as transformers computes them on a packed row."""
     from chattune.model.packed import attention
 
-    patch = pytest.MonkeyPatch()
-    if fix == "rotary":
-        patch.setattr(rotary, "_isolating", False)
-    elif fix == "chunks":
-        patch.setattr(attention, "attention_chunk", lambda module: None)
-    else:
-        patch.setattr(attention, "temperature_tuned", lambda module: False)
-    return patch
+    with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
+        if fix == "rotary":
+            stack.enter_context(isolation.leaking(rotary.ROTARIES))
+        elif fix == "chunks":
+            patch.setattr(attention, "attention_chunk", lambda module: None)
+        else:
+            patch.setattr(attention, "temperature_tuned", lambda module: False)
+        yield
 
 
 @pytest.mark.parametrize("name", sorted(THRESHOLDS))
@@ -872,12 +875,8 @@ def test_thresholds_within_documents_train_exactly(name):
     check_exact(trained)
     if fix is None:  # positions read from position ids: nothing of chattune's to turn off
         return
-    patch = _turned_off(fix)
-    try:
-        with pytest.raises(UnsupportedModel):
-            check_architecture(copy.deepcopy(config))
-    finally:
-        patch.undo()
+    with _turned_off(fix), pytest.raises(UnsupportedModel):
+        check_architecture(copy.deepcopy(config))
 
 
 def test_a_model_that_needs_an_attention_mask_is_told_so():
@@ -910,7 +909,7 @@ def test_a_longrope_pair_gives_each_side_its_own_factors():
         want = torch.tensor([side_logps(stock.eval(), document) for document in documents], dtype=torch.float64)
     got = torch.stack(LiveReference(PackedCausalLM(model))(batch), dim=1).double()
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
-    with rotary.whole_row_rotaries():
+    with isolation.leaking(rotary.ROTARIES):
         leaked = torch.stack(LiveReference(PackedCausalLM(model))(batch), dim=1).double()
     assert float((leaked[:, 1] - want[:, 1]).abs().min()) > 1e-3  # every rejected side took the long factors
 

@@ -19,15 +19,16 @@ from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.packed import isolation
 from chattune.model.packed.mixers import (
     GATED_DELTA_RULE,
     KDA,
     MAMBA,
     MAMBA2,
+    MIXERS,
     SHORT_CONV,
     check_context_parallel,
     handled_mixers,
-    leaking_mixers,
     seq_idx_from_cu_seqlens,
 )
 from conftest import tiny_model
@@ -201,7 +202,7 @@ def packed_and_stock(overrides: dict, documents_for, leak: bool = False):
     stock = copy.deepcopy(model)
     stock.set_attn_implementation("sdpa")
     documents = documents_for(model.config.vocab_size)
-    with leaking_mixers() if leak else contextlib.nullcontext():
+    with isolation.leaking(MIXERS) if leak else contextlib.nullcontext():
         return compare_with_stock(PackedCausalLM(model), stock, documents)
 
 

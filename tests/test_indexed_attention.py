@@ -25,7 +25,7 @@ from chattune.errors import UnsupportedModel
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.checks.architecture import check_architecture
 from chattune.model.cost.flops import text_config
-from chattune.model.packed import indexed_attention
+from chattune.model.packed import indexed_attention, isolation
 from chattune.model.packed.attention import ATTENTION_NAME, packed_attention, stock_attention
 from chattune.objectives.dpo import LiveReference
 
@@ -96,7 +96,7 @@ def test_the_layers_over_the_whole_row_read_earlier_documents(family, sparse, mo
     `topk` breaks ties (ReLU makes exact zeros common) by where they lie in the row it is given, so only scores of
     the document's own length choose as stock does."""
     monkeypatch.setattr(walk_module, "check_architecture", lambda config: None)
-    with indexed_attention.leaking_documents():
+    with isolation.leaking(indexed_attention.INDEXERS):
         trained = walk(family)
     with pytest.raises(AssertionError, match="packed losses differ"):
         check_exact(trained)
@@ -163,7 +163,7 @@ def test_the_dpo_reference_pass_gives_each_side_its_stock_log_probs(family, spar
         want = torch.tensor([side_logps(stock.eval(), document) for document in documents], dtype=torch.float64)
     got = torch.stack([chosen, rejected], dim=1).double()
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
-    with indexed_attention.leaking_documents():
+    with isolation.leaking(indexed_attention.INDEXERS):
         leaked = torch.stack(LiveReference(PackedCausalLM(model))(batch), dim=1).double()
     assert float((leaked[:, 1] - want[:, 1]).abs().min()) > 1e-2  # every rejected side read its chosen one
 
@@ -179,7 +179,7 @@ def test_the_start_up_check_sees_the_selection_when_it_is_cut_below_its_document
     if family == "minimax_m3_vl_text":
         text.layer_types = ["minimax_m3_sparse"] * text.num_hidden_layers
     check_architecture(copy.deepcopy(config))
-    with indexed_attention.leaking_documents(), pytest.raises(UnsupportedModel, match="does not keep packed"):
+    with isolation.leaking(indexed_attention.INDEXERS), pytest.raises(UnsupportedModel, match="does not keep packed"):
         check_architecture(copy.deepcopy(config))
     if family in ("deepseek_v32", "minimax_m3_vl_text"):  # their selection reaches the attention function
         monkeypatch.setattr(indexed_attention, "_selection_mask", lambda module, mask, *args: mask)

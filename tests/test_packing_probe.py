@@ -14,7 +14,8 @@ from transformers import CONFIG_MAPPING
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels
 from chattune.data.packing import collate_packed
 from chattune.model.checks.packing_probe import ALONE_TOLERANCE, SWAP_TOLERANCE, check_packing_isolation, probe_packing
-from chattune.model.packed.mixers import isolate_documents, leaking_mixers
+from chattune.model.packed import isolation
+from chattune.model.packed.mixers import MIXERS, isolate_documents
 from conftest import demo_documents, tiny_config, tiny_model
 
 # Softmax attention only. Windows shorter than the probe's documents, so the windowed path is probed too.
@@ -39,7 +40,7 @@ ORDINARY = {
 SMALL_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}
 # (overrides, a module class the message must name). Torch fallback paths: no mamba_ssm / causal_conv1d.
 # chattune keeps their mixers per document (`chattune.model.packed.mixers`): the probe accepts them, and refuses them
-# with the mixers over the whole row (`leaking_mixers`), as it refuses a mixer chattune does not handle.
+# with the mixers over the whole row (`isolation.leaking(MIXERS)`), as it refuses a mixer chattune does not handle.
 HYBRID = {
     "lfm2": ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
     # The smallest leak: a conv after the last attention reaches only the first 2 tokens after a boundary.
@@ -240,11 +241,14 @@ def test_hybrid_models_pass_with_their_mixers_per_document(name):
     assert result.swapped.max_relative <= SWAP_TOLERANCE / 10 and result.alone.max_relative <= 1e-5, result
     check_packing_isolation(model)
     # The leak control: the same mixers over the whole row are refused, and named.
-    with leaking_mixers(), pytest.raises(NotImplementedError, match="does not keep packed documents apart") as refusal:
+    with (
+        isolation.leaking(MIXERS),
+        pytest.raises(NotImplementedError, match="does not keep packed documents apart") as refusal,
+    ):
         check_packing_isolation(model)
     message = str(refusal.value)
     assert mixer in message and "document B changes by up to" in message and "not supported" in message, message
-    with leaking_mixers():  # orders of magnitude above the tolerance even with random weights
+    with isolation.leaking(MIXERS):  # orders of magnitude above the tolerance even with random weights
         assert probe_packing(model).swapped.max_relative > 30 * SWAP_TOLERANCE
 
 
@@ -262,7 +266,7 @@ def test_mixers_chattune_does_not_handle_are_refused(name):
 def test_the_lfm2_message_says_what_and_why():
     """The message a mixer chattune does not keep per document gets (LFM2's, with the handling off)."""
     model = tiny_model(model_type="lfm2", layer_types=["conv", "full_attention"])
-    with leaking_mixers(), pytest.raises(NotImplementedError) as refusal:
+    with isolation.leaking(MIXERS), pytest.raises(NotImplementedError) as refusal:
         check_packing_isolation(model)
     message = str(refusal.value)
     for part in (
@@ -444,7 +448,7 @@ def test_the_miniature_keeps_a_late_kind_of_layer():
 
     leaky = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 5 + ["conv"])
     assert miniature_config(leaky).num_hidden_layers == 6
-    with leaking_mixers(), pytest.raises(NotImplementedError, match="Lfm2ShortConv"):
+    with isolation.leaking(MIXERS), pytest.raises(NotImplementedError, match="Lfm2ShortConv"):
         check_architecture(leaky)
     check_architecture(leaky)  # per document, as chattune runs it
     plain = tiny_config(model_type="lfm2", num_hidden_layers=6, layer_types=["full_attention"] * 6)

@@ -35,7 +35,7 @@ from chattune.model.checks.architecture import _check_output_head
 from chattune.model.checks.packing_probe import check_packing_isolation
 from chattune.model.cost.flops import text_config
 from chattune.model.head.output_logits import LogitTransform
-from chattune.model.packed import mixers
+from chattune.model.packed import isolation, mixers
 from chattune.model.packed.attention import ATTENTION_NAME, packed_hidden_states
 
 # model type: (what the walk's tiny config needs besides, the mixer kinds the model must hold)
@@ -88,7 +88,7 @@ def packed_and_stock(model_type: str, lengths: tuple[int, ...], monkeypatch, lea
     packed = PackedCausalLM(model)
     packed.train(), stock.train()
     documents = random_documents(text_config(model.config).vocab_size)
-    with mixers.leaking_mixers() if leak else contextlib.nullcontext():
+    with isolation.leaking(mixers.MIXERS) if leak else contextlib.nullcontext():
         losses = packed(collate_packed(documents))
     losses.sum().backward()
     reference = stock_losses(stock, documents)
@@ -121,7 +121,10 @@ def test_the_leak_control_fails_with_mixers_over_the_whole_row(model_type, monke
 def test_the_packing_probe_accepts_them_and_refuses_the_leak(model_type):
     model = build(model_type)
     check_packing_isolation(model)
-    with mixers.leaking_mixers(), pytest.raises(UnsupportedModel, match="does not keep packed documents apart"):
+    with (
+        isolation.leaking(mixers.MIXERS),
+        pytest.raises(UnsupportedModel, match="does not keep packed documents apart"),
+    ):
         check_packing_isolation(model)
 
 

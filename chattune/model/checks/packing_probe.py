@@ -7,7 +7,7 @@ attention of Qwen3.5, Nemotron-H, LFM2, ...). Any other layer that mixes tokens 
 lightning attention, RWKV, a mixer of a new architecture, ...) runs over the whole row, so a document's hidden
 states depend on the documents packed before it, and packed training trains something else than the model
 run on one document at a time. The measurements below were made with the mixers over the whole row
-(`chattune.model.packed.mixers.leaking_mixers`).
+(`chattune.model.packed.isolation.leaking`).
 
 `check_packing_isolation` measures this rather than trusting a list of model types. It runs the decoder
 exactly as `PackedCausalLM.forward` does on two packed rows of three short documents, [A, B, C] and

@@ -70,7 +70,6 @@ import functools
 import inspect
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chattune.errors import UnsupportedModel
+from chattune.model.packed import isolation
 from chattune.parallel.context_parallel import context_group_of
 
 
@@ -112,7 +112,9 @@ _IN_DOCUMENT = "_chattune_in_document"  # set on an attention module while its f
 # The kwargs in which attention modules hand their attention function a selection of keys.
 SELECTION_KWARGS = ("indices", "block_indices")
 
-_isolating = True  # tests turn it off (`leaking_documents`) to show what per-document calls prevent
+INDEXERS = isolation.register(
+    "indexers", "indexers and compressors that choose keys among earlier tokens: each document's from its own"
+)
 
 
 def selects_keys(module: nn.Module) -> bool:
@@ -251,7 +253,7 @@ def _packed_forward(module: nn.Module, *args, **kwargs):
         raise ValueError(f"packed rows have batch size 1, got hidden states of shape {tuple(hidden.shape)}")
     length = hidden.shape[1]
     float_mask = HANDLED.get(type(module).__name__, IndexedLayer("")).float_mask
-    bounds = cu_seqlens.tolist() if _isolating else [0, length]
+    bounds = cu_seqlens.tolist() if isolation.isolating(INDEXERS) else [0, length]
     outputs = []
     setattr(module, _IN_DOCUMENT, True)
     try:
@@ -392,15 +394,3 @@ def refuse_selection(module: nn.Module, kwargs: dict) -> None:
             f"{type(module).__name__} hands its attention function a selection of keys per query ({', '.join(given)}), "
             "which chattune's packed attention does not apply: it would train dense attention instead"
         )
-
-
-@contextmanager
-def leaking_documents() -> Iterator[None]:
-    """The layers of this module run over the whole packed row as one document while the block runs: the indexer
-    chooses among earlier documents' tokens and attention reads them (tests only: what per-document calls prevent)."""
-    global _isolating
-    _isolating = False
-    try:
-        yield
-    finally:
-        _isolating = True

@@ -76,6 +76,7 @@ from torch import nn
 
 from chattune.errors import UnsupportedModel
 from chattune.hf_layout import decoder_of
+from chattune.model.packed import isolation
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,10 @@ _CALLS_ATTRIBUTE = "_chattune_row_calls"  # on the model and its decoder: how de
 
 _varlen: set[str] = set()  # the kinds on the varlen path, settled once at start-up (`choose_mixer_path`)
 _VARLEN_DEVICES = ("cuda",)  # where the varlen kernels run (tests add "cpu" with stand-in kernels)
-_isolating = True  # tests turn it off (`leaking_mixers`) to show the leak it removes
+MIXERS = isolation.register(
+    "mixers",
+    "the state of token mixers (convolutions, SSM and linear-attention recurrences): each document starts from zero",
+)
 
 
 def handled_mixers(hf_model: nn.Module) -> dict[str, str]:
@@ -286,7 +290,7 @@ def _packed_forward(mixer: nn.Module, *args, **kwargs):
             "packed row's documents each start from a zero state (xLSTM in eval mode cuts a row longer than its "
             "config.max_inference_chunksize into pieces that carry the state: raise it above the row's length)"
         )
-    if not _isolating:  # the whole row in one call, without its boundaries: the leak, for tests
+    if not isolation.isolating(MIXERS):  # the whole row in one call, without its boundaries: the leak, for tests
         return forward(*args, **{key: value for key, value in kwargs.items() if key not in _ROW_KWARGS})
     if _argument(mixer, "attention_mask", args, kwargs) is not None:
         raise ValueError(f"{type(mixer).__name__}: a packed row takes no attention_mask")
@@ -392,17 +396,6 @@ def per_document() -> Iterator[None]:
         yield
     finally:
         _varlen.update(chosen)
-
-
-@contextmanager
-def leaking_mixers() -> Iterator[None]:
-    """The mixers run over the whole row while the block runs: the leak this module removes (tests only)."""
-    global _isolating
-    _isolating = False
-    try:
-        yield
-    finally:
-        _isolating = True
 
 
 def check_context_parallel(hf_model: nn.Module, context_size: int) -> None:

@@ -39,21 +39,23 @@ import copy
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from chattune.errors import UnsupportedModel
+from chattune.model.packed import isolation
 from chattune.parallel.context_parallel import context_group_of
 
 logger = logging.getLogger(__name__)
 
 _ROW_ATTRIBUTE = "_chattune_row_cu_seqlens"  # the row's boundaries, recorded by the calling module's pre-hook
 _ISOLATED = "_chattune_rotaries_isolated"
-_isolating = True  # tests turn it off (`whole_row_rotaries`) to show the difference it removes
+ROTARIES = isolation.register(
+    "rotaries", "rotary tables whose factors depend on the largest position in the row: each document's from its own"
+)
 
 
 def _rope_types(module: nn.Module) -> list[str]:
@@ -142,7 +144,7 @@ def _per_document_forward(module: nn.Module, forward: Callable) -> Callable:
     def per_document_forward(x: torch.Tensor, position_ids: torch.Tensor | None = None, *args, **kwargs):
         cu_seqlens = module.__dict__.get(_ROW_ATTRIBUTE)
         if (
-            not _isolating
+            not isolation.isolating(ROTARIES)
             or cu_seqlens is None
             or position_ids is None
             or position_ids.dim() != 2
@@ -169,17 +171,6 @@ def _per_document_forward(module: nn.Module, forward: Callable) -> Callable:
         return joined if len(joined) > 1 else joined[0]
 
     return per_document_forward
-
-
-@contextmanager
-def whole_row_rotaries() -> Iterator[None]:
-    """The rotary modules read the whole row while the block runs, as transformers' own: tests only."""
-    global _isolating
-    _isolating = False
-    try:
-        yield
-    finally:
-        _isolating = True
 
 
 # Rotary tables of a packed row against each document's alone: the same arithmetic on the same positions, so equal
