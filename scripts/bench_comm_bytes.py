@@ -175,7 +175,8 @@ def worker(rank: int, world_size: int, replicate: int, context: int, tensor: int
 
     parameter_bytes = sum(part(p) for p in hf_model.parameters())
     layer_bytes = sum(part(p) for layer in hf_model.model.layers for p in layer.parameters())
-    model = shard_model(PackedCausalLM(hf_model, context_group=dims.cp_group), dims)
+    model = PackedCausalLM(hf_model, context_group=dims.cp_group)
+    placement = shard_model(model, dims)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -186,7 +187,7 @@ def worker(rank: int, world_size: int, replicate: int, context: int, tensor: int
     row = collate_packed([Document(0, ids.numpy(), labels.numpy())])
     for step in range(2):
         counter.counting = step == 1
-        train_step(model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), dims.device)
+        train_step(model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), placement)
     counter.counting = False
     if rank == 0:
         Path(out).write_text(

@@ -81,7 +81,8 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS / "tokenizer")
     torch.manual_seed(0)
     hf_model = build_hf_model(tokenizer, AutoConfig.for_model("qwen3", **MODEL))
-    model = shard_model(PackedCausalLM(hf_model, context_group=dims.cp_group), dims)
+    model = PackedCausalLM(hf_model, context_group=dims.cp_group)
+    placement = shard_model(model, dims)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -94,7 +95,7 @@ def worker(rank: int, context: int, port: int, tokens: int, steps: int, out: str
     for _ in range(steps):
         start = time.perf_counter()
         result, _ = train_step(
-            model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), dims.device
+            model, TokenCrossEntropy(), StepBatches([row]), UpdateRule(optimizer, scheduler, 1.0), placement
         )
         times.append(time.perf_counter() - start)
         losses.append(result.loss_sum / max(result.global_units, 1))

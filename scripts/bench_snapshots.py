@@ -48,7 +48,8 @@ def main() -> None:
         num_attention_heads=max(1, args.hidden // 64),
         num_key_value_heads=max(1, args.hidden // 64),
     )
-    model = shard_model(PackedCausalLM(LlamaForCausalLM(config)), ParallelDims.build(device))
+    model = PackedCausalLM(LlamaForCausalLM(config))
+    shard_model(model, ParallelDims.build(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)

@@ -50,6 +50,7 @@ from chattune.data.ingest.records import RecordSource
 from chattune.data.packing import collate_packed
 from chattune.data.templates.kto_documents import KTODocuments
 from chattune.data.templates.pair_documents import PairDocuments, RewardPairDocuments
+from chattune.distributed import ParallelDims
 from chattune.model.causal_lm import PackedCausalLM, build_hf_model
 from chattune.model.head.kinds import SCORE_HEAD
 from chattune.model.sequence_score import PackedSequenceScorer
@@ -57,6 +58,7 @@ from chattune.objectives.dpo import LiveReference, PreferenceObjective
 from chattune.objectives.kto import KTOObjective, KTOWeights
 from chattune.objectives.pair_losses import PreferenceLoss
 from chattune.objectives.reward import RewardObjective
+from chattune.parallel.fsdp import Placement
 from chattune.train.evaluation import evaluate
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
@@ -171,7 +173,9 @@ def relative_text(value: float) -> str:
 def chattune_orpo(model, documents: list[Document]) -> dict[str, float]:
     loss = PreferenceLoss(loss_type="orpo", beta=ORPO_BETA, orpo_lambda=ORPO_BETA)
     packed = PackedCausalLM(copy.deepcopy(model), loss_chunk_size=16)
-    metrics = evaluate(packed, PreferenceObjective(loss, None), [collate_packed(documents)], CPU, pad_token_id=0)
+    metrics = evaluate(
+        packed, PreferenceObjective(loss, None), [collate_packed(documents)], ParallelDims.one_rank(CPU), pad_token_id=0
+    )
     return {name.removeprefix("eval_"): value for name, value in metrics.items()}
 
 
@@ -322,7 +326,9 @@ def trailing(tokenizer, ids: list[int], count: int = 4) -> str:
 
 def chattune_reward(model, documents: list[Document]) -> dict[str, float]:
     scorer = PackedSequenceScorer(copy.deepcopy(model))
-    metrics = evaluate(scorer, RewardObjective(CENTER), [collate_packed(documents)], CPU, pad_token_id=0)
+    metrics = evaluate(
+        scorer, RewardObjective(CENTER), [collate_packed(documents)], ParallelDims.one_rank(CPU), pad_token_id=0
+    )
     return {name.removeprefix("eval_"): value for name, value in metrics.items()}
 
 
@@ -445,7 +451,7 @@ def chattune_kto(policy, reference, documents: list[Document]) -> dict[str, floa
     """chattune's held-out KTO metrics of `documents`, one microbatch: z is the set's (the same as a step's)."""
     objective = KTOObjective(KTO_WEIGHTS, LiveReference(PackedCausalLM(copy.deepcopy(reference))))
     packed = PackedCausalLM(copy.deepcopy(policy), loss_chunk_size=16)
-    metrics = evaluate(packed, objective, [collate_packed(documents)], CPU, pad_token_id=0)
+    metrics = evaluate(packed, objective, [collate_packed(documents)], ParallelDims.one_rank(CPU), pad_token_id=0)
     return {name.removeprefix("eval_"): value for name, value in metrics.items()}
 
 
@@ -504,7 +510,7 @@ def chattune_kto_step(policy, reference, documents: list[Document]) -> tuple[dic
     objective = KTOObjective(KTO_WEIGHTS, LiveReference(PackedCausalLM(copy.deepcopy(reference))))
     size = -(-len(documents) // KTO_STEP_MICROBATCHES)
     microbatches = [collate_packed(documents[i : i + size]) for i in range(0, len(documents), size)]
-    result = accumulate_gradients(model, objective, StepBatches(microbatches), CPU)
+    result = accumulate_gradients(model, objective, StepBatches(microbatches), Placement.one_rank(CPU))
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=CPU)
     grads = {name.removeprefix("hf_model."): p.grad.clone() for name, p in model.named_parameters()}
     return metrics, grads

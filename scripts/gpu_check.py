@@ -297,6 +297,11 @@ def recipe_config(
     return cfg
 
 
+def _model_and_placement(built) -> tuple:
+    """(the sharded model, its `Placement`) of a `BuiltModel`: what the step and the evaluation are handed."""
+    return built.model, built.placement
+
+
 def recipe_model(
     ctx: Context,
     shape: str,
@@ -607,7 +612,7 @@ def check_tensor_parallel(ctx: Context) -> None:
         losses, updates, syncs = {}, {}, {}
         for name, dims in (("unsplit", ctx.dims), ("split", split_dims)):
             cfg = recipe_config(ctx, ctx.shape, layers, loss=loss, overrides=("model.compile=false",))
-            model = built_from(ctx, cfg, dims=dims).model
+            model, placement = _model_and_placement(built_from(ctx, cfg, dims=dims))
             if name == "split":
                 meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
                 if model.stream is None or ("dp_shard_cp", "tp") not in meshes:
@@ -617,7 +622,7 @@ def check_tensor_parallel(ctx: Context) -> None:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             batches = StepBatches([collate_packed(documents)])
             result, _ = train_step(
-                model, TokenCrossEntropy(), batches, UpdateRule(optimizer, scheduler, None), ctx.device
+                model, TokenCrossEntropy(), batches, UpdateRule(optimizer, scheduler, None), placement
             )
             losses[name] = torch.tensor(result.loss_sum / result.global_units)
             updates[name] = torch.cat(
@@ -625,8 +630,8 @@ def check_tensor_parallel(ctx: Context) -> None:
             )
             syncs[name] = _count_syncs(
                 ctx,
-                lambda m=model, b=batches, o=optimizer, s=scheduler: train_step(
-                    m, TokenCrossEntropy(), b, UpdateRule(o, s, None), ctx.device
+                lambda m=model, b=batches, o=optimizer, s=scheduler, p=placement: train_step(
+                    m, TokenCrossEntropy(), b, UpdateRule(o, s, None), p
                 ),
             )
             del model, optimizer
@@ -679,15 +684,15 @@ def check_in_backward(ctx: Context) -> None:
     layers = 4 if ctx.cuda else None
     after, syncs = {}, {}
     for name in ("ordinary", "in_backward"):
-        model = recipe_model(ctx, ctx.shape, layers).model
+        model, placement = _model_and_placement(recipe_model(ctx, ctx.shape, layers))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=ctx.cuda)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        updater = UpdateInBackward(model, optimizer, ctx.device) if name == "in_backward" else None
+        updater = UpdateInBackward(model, optimizer, placement) if name == "in_backward" else None
         rule = UpdateRule(optimizer, scheduler, None, in_backward=updater)
         batches = StepBatches([collate_packed(documents)])
-        train_step(model, TokenCrossEntropy(), batches, rule, ctx.device)  # warm (the optimizer's states exist)
+        train_step(model, TokenCrossEntropy(), batches, rule, placement)  # warm (the optimizer's states exist)
         counted = _count_syncs(
-            ctx, lambda m=model, b=batches, r=rule: train_step(m, TokenCrossEntropy(), b, r, ctx.device)
+            ctx, lambda m=model, b=batches, r=rule, p=placement: train_step(m, TokenCrossEntropy(), b, r, p)
         )
         syncs[name] = counted
         after[name] = {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
@@ -852,7 +857,7 @@ def check_dpo_reference(ctx: Context) -> None:
             torch.cuda.reset_peak_memory_stats(ctx.device)
         before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
         befores.append(before / 2**30)
-        policy = recipe_model(ctx, ctx.shape).model
+        policy, placement = _model_and_placement(recipe_model(ctx, ctx.shape))
         reference_model = recipe_model(ctx, ctx.shape).model
         objective = PreferenceObjective(PreferenceLoss(loss_type="sigmoid", beta=0.1), reference_class(reference_model))
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
@@ -863,7 +868,7 @@ def check_dpo_reference(ctx: Context) -> None:
                 objective,
                 StepBatches(batches[step : step + 1]),
                 UpdateRule(optimizer, scheduler, 1.0),
-                ctx.device,
+                placement,
             )
         gathered = sum(not isinstance(p, DTensor) for p in reference_model.parameters())
         peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**30 if ctx.cuda else float("nan")
@@ -938,7 +943,7 @@ def check_objectives_bf16(ctx: Context) -> None:
     from chattune.objectives.kto import KTOObjective, KTOWeights
     from chattune.objectives.pair_losses import PreferenceLoss
     from chattune.objectives.reward import RewardObjective
-    from chattune.parallel.fsdp import compute_dtype
+    from chattune.parallel.fsdp import Placement, compute_dtype
     from chattune.train.step import accumulate_gradients
 
     # 2 microbatches: of 4 pairs on CUDA, each side cut to 512 tokens (the fp32 reference of the 0.6B shape keeps
@@ -954,7 +959,8 @@ def check_objectives_bf16(ctx: Context) -> None:
         """(the step's mean loss, every parameter's whole gradient, an fp32 copy on the device: four objectives'
         of the 0.6B shape are 10 GiB a run, compared there faster than on the host)."""
         model.zero_grad(set_to_none=True)
-        result = accumulate_gradients(model, objective, StepBatches(batches), ctx.device)
+        # (every model here is built on ctx.dims, nothing offloaded: what the step reads of its placement)
+        result = accumulate_gradients(model, objective, StepBatches(batches), Placement(ctx.dims))
         grads = {
             name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().clone()
             for name, p in model.named_parameters()
@@ -1042,7 +1048,7 @@ def check_host_syncs(ctx: Context) -> None:
     from chattune.train.optimizer import build_optimizer
     from chattune.train.step import UpdateRule, train_step
 
-    model = recipe_model(ctx, ctx.shape, layers=4, loss="auto").model  # layers not compiled, as before
+    model, placement = _model_and_placement(recipe_model(ctx, ctx.shape, layers=4, loss="auto"))  # not compiled
     loss = model.loss_implementation
     optimizer = build_optimizer(
         OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-5}),
@@ -1054,7 +1060,7 @@ def check_host_syncs(ctx: Context) -> None:
     microbatches = [collate_packed(documents[:8]), collate_packed(documents[8:])]
     for _ in range(2):  # warm: the first steps allocate, autotune and initialise the optimizer's state
         train_step(
-            model, TokenCrossEntropy(), StepBatches(microbatches), UpdateRule(optimizer, scheduler, 1.0), ctx.device
+            model, TokenCrossEntropy(), StepBatches(microbatches), UpdateRule(optimizer, scheduler, 1.0), placement
         )
     if not ctx.cuda:
         ctx.add("host_syncs", None, "CUDA only (its set-up and two warm steps ran)")
@@ -1065,7 +1071,7 @@ def check_host_syncs(ctx: Context) -> None:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             train_step(
-                model, TokenCrossEntropy(), StepBatches(microbatches), UpdateRule(optimizer, scheduler, 1.0), ctx.device
+                model, TokenCrossEntropy(), StepBatches(microbatches), UpdateRule(optimizer, scheduler, 1.0), placement
             )
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -1522,25 +1528,26 @@ def check_low_bit(ctx: Context) -> None:
 
     def build(optimizer: str):
         cfg = recipe_config(ctx, ctx.shape, layers, overrides=(f"optimizer._target_={optimizer}", "optimizer.lr=1e-3"))
-        model = built_from(ctx, cfg).model
+        model, placement = _model_and_placement(built_from(ctx, cfg))
         made = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad], ctx.device)
-        return model, made, UpdateRule(made, torch.optim.lr_scheduler.LambdaLR(made, lambda step: 1.0), None)
+        rule = UpdateRule(made, torch.optim.lr_scheduler.LambdaLR(made, lambda step: 1.0), None)
+        return model, made, rule, placement
 
-    def train(model, rule, first: int, last: int) -> dict[int, float]:
+    def train(model, placement, rule, first: int, last: int) -> dict[int, float]:
         losses = {}
         for step in range(first, last + 1):
-            result, _ = train_step(model, TokenCrossEntropy(), StepBatches([rows[step - 1]]), rule, ctx.device)
+            result, _ = train_step(model, TokenCrossEntropy(), StepBatches([rows[step - 1]]), rule, placement)
             losses[step] = result.loss_sum / result.global_units
         return losses
 
     with eager:
-        model, _, rule = build("torch.optim.AdamW")
-        reference = train(model, rule, 1, steps)
+        model, _, rule, placement = build("torch.optim.AdamW")
+        reference = train(model, placement, rule, 1, steps)
         del model, rule
         for name, tolerance in LOW_BIT_STEP_TOLERANCE.items():
-            model, optimizer, rule = build(f"torchao.optim.{name}")
+            model, optimizer, rule, placement = build(f"torchao.optim.{name}")
             saves = BackgroundSaves(ctx.device) if name == "AdamW8bit" else None
-            losses = train(model, rule, 1, saved_after)
+            losses = train(model, placement, rule, 1, saved_after)
             if saves is not None:
                 checkpoint = save_checkpoint(
                     ctx.work / "low_bit",
@@ -1549,7 +1556,7 @@ def check_low_bit(ctx: Context) -> None:
                     {"world_size": 1},
                     background=saves,
                 )
-            losses |= train(model, rule, saved_after + 1, steps)  # the save in flight while these step
+            losses |= train(model, placement, rule, saved_after + 1, steps)  # the save in flight while these step
             worst = max(abs(losses[s] - reference[s]) for s in reference)
             ctx.add(
                 f"low_bit_{name}",
@@ -1563,9 +1570,9 @@ def check_low_bit(ctx: Context) -> None:
                 continue
             saves.close()  # written and committed
             straight = losses
-            model, optimizer, rule = build(f"torchao.optim.{name}")
+            model, optimizer, rule, placement = build(f"torchao.optim.{name}")
             load_sharded(checkpoint, model_and_optimizer(model, optimizer))
-            resumed = train(model, rule, saved_after + 1, steps)
+            resumed = train(model, placement, rule, saved_after + 1, steps)
             differing = [s for s in resumed if resumed[s] != straight[s]]
             ctx.add(
                 "low_bit_resume",
@@ -1603,10 +1610,10 @@ def check_offload_races(ctx: Context) -> None:
     row = StepBatches([collate_packed(documents)])
     layers = 4 if ctx.cuda else None
 
-    def gradients(model, hooks=None) -> dict[str, torch.Tensor]:
+    def gradients(model, placement, hooks=None) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         with hooks or nullcontext():
-            accumulate_gradients(model, TokenCrossEntropy(), row, ctx.device)
+            accumulate_gradients(model, TokenCrossEntropy(), row, placement)
         return {n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None}
 
     unique: dict[int, int] = {}
@@ -1626,10 +1633,10 @@ def check_offload_races(ctx: Context) -> None:
                     f"model.fsdp.activation_checkpointing={str(checkpointing).lower()}",
                     f"model.fsdp.offload_activations={str(offload).lower()}",
                 )
-                model = built_from(
-                    ctx, recipe_config(ctx, ctx.shape, layers, compile=compiled, overrides=settings)
-                ).model
-                gradients(model)  # (warm: compiles, allocates)
+                model, placement = _model_and_placement(
+                    built_from(ctx, recipe_config(ctx, ctx.shape, layers, compile=compiled, overrides=settings))
+                )
+                gradients(model, placement)  # (warm: compiles, allocates)
                 if ctx.cuda:
                     torch.cuda.reset_peak_memory_stats()
                 counting = not offload and not compiled
@@ -1637,11 +1644,13 @@ def check_offload_races(ctx: Context) -> None:
                     unique.clear()
                 hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda t: t) if counting else None
                 runs[offload] = [
-                    gradients(model, hooks if i == 0 else None) for i in range(OFFLOAD_REPEATS if offload else 2)
+                    gradients(model, placement, hooks if i == 0 else None)
+                    for i in range(OFFLOAD_REPEATS if offload else 2)
                 ]
                 peaks[offload] = torch.cuda.max_memory_allocated() / 2**30 if ctx.cuda else None
                 if offload:
-                    offload_hooks = model.activation_offload
+                    offload_hooks = placement.activation_offload
+                    assert offload_hooks is not None
                     moved, host, ahead = (
                         offload_hooks.offloaded_bytes,
                         offload_hooks.host_bytes,
@@ -1695,13 +1704,13 @@ def check_cpu_offload(ctx: Context) -> None:
     for name, offload in (("plain", False), ("cpu_offload", True)):
         settings = (f"model.fsdp.cpu_offload={str(offload).lower()}", "model.fsdp.activation_checkpointing=true")
         cfg = recipe_config(ctx, ctx.shape, layers, compile=ctx.cuda, overrides=(*settings, "optimizer.lr=1e-3"))
-        model = built_from(ctx, cfg).model
+        model, placement = _model_and_placement(built_from(ctx, cfg))
         optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad], ctx.device)
         rule = UpdateRule(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), None)
         for row in rows:
             synchronize(ctx)
             started = time.perf_counter()
-            train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, ctx.device)
+            train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, placement)
             synchronize(ctx)
             seconds[name] = time.perf_counter() - started  # the last: the first compiles and makes the states
         after[name] = {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
@@ -1748,16 +1757,17 @@ def check_snapshots(ctx: Context) -> None:
 
     def build(seed: int):
         cfg = recipe_config(ctx, ctx.shape, layers, seed=seed, compile=ctx.cuda, overrides=("optimizer.lr=1e-3",))
-        model = built_from(ctx, cfg).model
+        model, placement = _model_and_placement(built_from(ctx, cfg))
         optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad], ctx.device)
         return (
             model,
             optimizer,
             UpdateRule(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None),
+            placement,
         )
 
-    def step(model, rule, row) -> float:
-        result, _ = train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, ctx.device)
+    def step(model, placement, rule, row) -> float:
+        result, _ = train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, placement)
         return float(result.loss_sum / result.global_units)
 
     def local_state(model, optimizer) -> dict[str, torch.Tensor]:
@@ -1769,11 +1779,11 @@ def check_snapshots(ctx: Context) -> None:
                     found[f"optimizer.{index}.{key}"] = getattr(value, "to_local", lambda v=value: v)().clone()
         return found
 
-    model, optimizer, rule = build(0)
+    model, optimizer, rule, placement = build(0)
     state = model_and_optimizer(model, optimizer)
     snapshots = Snapshots(ctx.work / "snapshots" / "checkpoints", state, {"world_size": 1}, {}, ctx.device, optimizer)
     for row in rows[:warm]:
-        step(model, rule, row)
+        step(model, placement, rule, row)
     state_bytes = sum(t.numel() * t.element_size() for t in local_state(model, optimizer).values())
     bandwidth = _host_bandwidth(ctx, min(max(state_bytes, 2**26), 2**30))
     seconds = {}
@@ -1781,7 +1791,7 @@ def check_snapshots(ctx: Context) -> None:
         synchronize(ctx)
         started = time.perf_counter()
         for number in range(warm, warm + timed):  # the same rows: their lengths decide a step's time
-            step(model, rule, rows[number])
+            step(model, placement, rule, rows[number])
             if staged:
                 snapshots.stage(timed + number + 1)
         synchronize(ctx)
@@ -1799,7 +1809,7 @@ def check_snapshots(ctx: Context) -> None:
     )
     last = warm + 2 * timed  # the staged step
     expected = local_state(model, optimizer)
-    straight = step(model, rule, rows[-1])  # the state moves on; the staged copy must not
+    straight = step(model, placement, rule, rows[-1])  # the state moves on; the staged copy must not
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # (the watcher wakes on the signal's byte)
     try:
         snapshots.watch()
@@ -1813,8 +1823,8 @@ def check_snapshots(ctx: Context) -> None:
         snapshots.close()
         signal.signal(signal.SIGTERM, previous)
     del model, optimizer, rule, state
-    model, optimizer, rule = build(1)  # other weights, replaced by the load
-    step(model, rule, rows[0])  # (AdamW's states exist, to be replaced)
+    model, optimizer, rule, placement = build(1)  # other weights, replaced by the load
+    step(model, placement, rule, rows[0])  # (AdamW's states exist, to be replaced)
     load_checkpoint(ctx.work / "snapshots" / "checkpoints" / f"step_{last}", model_and_optimizer(model, optimizer))
     loaded = local_state(model, optimizer)
     differing = [key for key in expected if not torch.equal(loaded.get(key, torch.empty(0)), expected[key])]
@@ -1831,7 +1841,7 @@ def check_snapshots(ctx: Context) -> None:
         ),
         "bitwise equal",
     )
-    resumed = step(model, rule, rows[-1])
+    resumed = step(model, placement, rule, rows[-1])
     ctx.add(
         "snapshot_resume",
         resumed == straight,
@@ -1925,11 +1935,11 @@ def check_estimate_bound(ctx: Context) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
         before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
-        model = built_from(ctx, cfg).model
+        model, placement = _model_and_placement(built_from(ctx, cfg))
         optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad], ctx.device)
         rule = UpdateRule(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), None)
         for _ in range(2):  # the second step holds the optimizer's states the first made
-            train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, ctx.device)
+            train_step(model, TokenCrossEntropy(), StepBatches([row]), rule, placement)
         if ctx.cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated(ctx.device) - before

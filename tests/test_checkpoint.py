@@ -18,7 +18,7 @@ from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.io.export import export_hf
 from chattune.objectives.cross_entropy import TokenCrossEntropy
-from chattune.parallel.fsdp import shard_model
+from chattune.parallel.fsdp import Placement, shard_model
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, demo_tokenizer, free_port, init_worker_process_group, mesh_dims, spawn, tiny_model
 
@@ -36,7 +36,8 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def sharded(seed: int, world_size: int, optimizer: str = "AdamW") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The tests' tiny model sharded, and its optimizer: torch's AdamW, or torchao's `AdamW8bit` (eager: no
     compile of its step for one or two steps)."""
-    model = shard_model(PackedCausalLM(tiny_model(seed=seed)), mesh_dims())
+    model = PackedCausalLM(tiny_model(seed=seed))
+    shard_model(model, mesh_dims())
     if optimizer == "AdamW8bit":
         import torchao.optim
 
@@ -73,7 +74,7 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batch = collate_packed(demo_documents(4, start=4 * rank))
     train_step(
-        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), torch.device("cpu")
+        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), Placement(mesh_dims())
     )
     root = tmp_path / "checkpoints"
     save_checkpoint(root, 1, run_state(model, optimizer, {"rank": rank}), manifest={"world_size": world_size})
@@ -86,7 +87,7 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
         TokenCrossEntropy(),
         StepBatches([batch]),
         UpdateRule(other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0), 1.0),
-        torch.device("cpu"),
+        Placement(mesh_dims()),
     )
     assert any(not torch.equal(weights[k], v) for k, v in full_state(other).items())
     restored_state = run_state(other, other_optimizer, {})

@@ -13,6 +13,12 @@ from chattune.parallel.fsdp import compile_enabled, compiled_graphs, shard_model
 from conftest import demo_documents, mesh_dims, relative_error, tiny_model
 
 
+def _sharded(model, dims, **settings):
+    """`model` sharded by `shard_model` (its placement unused: these tests call the model alone)."""
+    shard_model(model, dims, **settings)
+    return model
+
+
 def _losses_and_grads(model, batches):
     out = []
     for batch in batches:
@@ -42,12 +48,12 @@ def test_compiled_layers_match_eager(activation_checkpointing, monkeypatch):
         documents = demo_documents(20)
         batches = [collate_packed(documents[a:b]) for a, b in ((0, 5), (5, 12), (0, 3), (12, 20))]
         eager = _losses_and_grads(
-            shard_model(
+            _sharded(
                 PackedCausalLM(tiny_model(seed=0)), mesh_dims(), activation_checkpointing=activation_checkpointing
             ),
             batches,
         )
-        model = shard_model(
+        model = _sharded(
             PackedCausalLM(tiny_model(seed=0)),
             mesh_dims(),
             compile=True,
@@ -94,12 +100,12 @@ def test_a_hybrid_models_compiled_layers_match_eager(monkeypatch):
     try:
         batches = [collate_packed(demo_documents(5))]
         eager = _losses_and_grads(
-            shard_model(PackedCausalLM(tiny_model(seed=0, **overrides)), mesh_dims(), activation_checkpointing=True),
+            _sharded(PackedCausalLM(tiny_model(seed=0, **overrides)), mesh_dims(), activation_checkpointing=True),
             batches,
         )
         before = compiled_graphs()
         compiled = _losses_and_grads(
-            shard_model(
+            _sharded(
                 PackedCausalLM(tiny_model(seed=0, **overrides)),
                 mesh_dims(),
                 compile=True,

@@ -134,9 +134,10 @@ row_slice = causal_lm.row_slice
 
 
 def _gradients(objective, rows, dims: ParallelDims) -> dict[str, torch.Tensor]:
-    policy = shard_model(PackedCausalLM(model(), loss_chunk_size=64, context_group=dims.cp_group), dims)
+    policy = PackedCausalLM(model(), loss_chunk_size=64, context_group=dims.cp_group)
+    placement = shard_model(policy, dims)
     policy.train()
-    accumulate_gradients(policy, objective, StepBatches([collate_packed(row) for row in rows]), torch.device("cpu"))
+    accumulate_gradients(policy, objective, StepBatches([collate_packed(row) for row in rows]), placement)
     return {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
 
 
@@ -373,12 +374,11 @@ def _gpt_oss_model():
 def _sink_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     dims = init_distributed("cpu", ParallelConfig(context=world_size))
-    policy = shard_model(PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64, context_group=dims.cp_group), dims)
+    policy = PackedCausalLM(_gpt_oss_model(), loss_chunk_size=64, context_group=dims.cp_group)
+    placement = shard_model(policy, dims)
     policy.train()
     rows = sft_rows(len(demo_tokenizer()))
-    accumulate_gradients(
-        policy, TokenCrossEntropy(), StepBatches([collate_packed(row) for row in rows]), torch.device("cpu")
-    )
+    accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([collate_packed(row) for row in rows]), placement)
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
     check_context_split(_gpt_oss_model(), dims.cp_group)  # the start-up probe passes it too
     if rank == 0:

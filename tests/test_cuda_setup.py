@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
-from chattune.distributed import default_cuda_allocator
+from chattune.distributed import ParallelDims, default_cuda_allocator
 from chattune.model import build
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.parallel.fsdp import Placement
 from conftest import tiny_model
 
 
@@ -24,12 +26,15 @@ def test_expandable_segments_unless_the_user_configured_the_allocator():
         assert theirs == {name: "max_split_size_mb:512"}
 
 
-def _model(compute_dtype: str, loss: str = "cut_cross_entropy", compiled: bool = True) -> PackedCausalLM:
-    model = PackedCausalLM(
+def _model(compute_dtype: str, loss: str = "cut_cross_entropy") -> PackedCausalLM:
+    return PackedCausalLM(
         tiny_model(), loss_implementation=loss, tf32_head=loss == "chunked" and compute_dtype != "float32"
     )
-    model.compute_dtype, model.compiled = compute_dtype, compiled
-    return model
+
+
+def _placement(compute_dtype: str, device: str = "cuda", compiled: bool = True) -> Placement:
+    """What `shard_model` would record on `device` (the model is not sharded: describe_compute reads no shard)."""
+    return Placement(ParallelDims.one_rank(torch.device(device)), compiled, compute_dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +44,8 @@ def fresh_log(monkeypatch):
 
 def test_the_start_up_line_names_attention_loss_and_compile(caplog):
     with caplog.at_level(logging.INFO, logger="chattune.model.build"):
-        build.describe_compute(_model("bfloat16"), "cuda")
-        build.describe_compute(_model("bfloat16"), "cuda")  # a DPO reference built alike: said once
+        build.describe_compute(_model("bfloat16"), _placement("bfloat16"))
+        build.describe_compute(_model("bfloat16"), _placement("bfloat16"))  # a DPO reference built alike: said once
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
     assert "attention: torch varlen_attn" in lines[0] or "attention: flash-attn varlen" in lines[0]
@@ -49,14 +54,16 @@ def test_the_start_up_line_names_attention_loss_and_compile(caplog):
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="chattune.model.build"):
-        build.describe_compute(_model("bfloat16", loss="chunked", compiled=False), "cuda")
+        build.describe_compute(_model("bfloat16", loss="chunked"), _placement("bfloat16", compiled=False))
     assert "loss: chunked fp32 head (its matmuls in TF32)" in caplog.text and "not compiled" in caplog.text
 
 
 def test_fp32_compute_on_cuda_is_a_warning(caplog):
     with caplog.at_level(logging.INFO, logger="chattune.model.build"):
-        build.describe_compute(_model("float32", loss="chunked", compiled=False), "cuda")
-        build.describe_compute(_model("float32", loss="chunked", compiled=False), "cpu")  # the CPU's own path
+        build.describe_compute(_model("float32", loss="chunked"), _placement("float32", compiled=False))
+        build.describe_compute(
+            _model("float32", loss="chunked"), _placement("float32", "cpu", compiled=False)
+        )  # the CPU's own path
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "param_dtype=float32 on CUDA" in warnings[0]
     assert "attention: per-document SDPA" in caplog.text

@@ -24,7 +24,7 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.cost.memory import MemoryInputs, estimate
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.parallel import tensor_parallel
-from chattune.parallel.fsdp import parallel_dims_of, shard_model
+from chattune.parallel.fsdp import shard_model
 from chattune.train.step import accumulate_gradients, clip_gradients
 from conftest import free_port, init_worker_process_group, spawn, tiny_model
 
@@ -74,16 +74,17 @@ def grad_norms(mesh: ParallelDims) -> tuple[float, float, float, float, int]:
     reference's, the full gradient's largest relative difference from the plain reference's, the bytes of this
     rank's parameter shards)."""
     hf_model = tiny_model(seed=0, **HEADS)
-    policy = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64, context_group=mesh.cp_group), mesh)
+    policy = PackedCausalLM(hf_model, loss_chunk_size=64, context_group=mesh.cp_group)
+    placement = shard_model(policy, mesh)
     policy.train()
     row = collate_packed(documents(mesh.data_rank, hf_model.config.vocab_size))
-    accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
+    accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), placement)
     grads = {name.removeprefix("hf_model."): p.grad for name, p in policy.named_parameters() if p.grad is not None}
     assert all(isinstance(g, DTensor) for g in grads.values())
     whole = {name: g.full_tensor() for name, g in grads.items()}
     full = torch.nn.utils.get_total_norm(list(whole.values()), foreach=True)
-    norm, finite = clip_gradients(policy, None)
-    assert finite and parallel_dims_of(policy) is mesh
+    norm, finite = clip_gradients(policy, placement, None)
+    assert finite and placement.dims is mesh
     plain = plain_gradients(mesh.data_ranks)
     plain_norm = float(torch.nn.utils.get_total_norm(list(plain.values())))
     worst = max(float((whole[name] - g).norm() / g.norm()) for name, g in plain.items())
@@ -269,7 +270,6 @@ def test_a_layout_made_by_hand_or_without_a_group():
     with pytest.raises(ValueError, match=r"parallel.context=3 must divide the number of ranks, 8"):
         ParallelDims(0, 8, 0, torch.device("cpu"), cp=3)
     assert not dist.is_initialized()
-    assert parallel_dims_of(tiny_model()) == one
 
 
 def _kept_tp_worker(rank: int, port: int, out_path: str) -> None:
@@ -278,7 +278,8 @@ def _kept_tp_worker(rank: int, port: int, out_path: str) -> None:
     kept = ParallelDims.build(torch.device("cpu"), None, keep=frozenset({"tp"}))
     tp_mesh = kept.mesh("tp")
     hf_model = tiny_model(seed=0, **HEADS)
-    split = shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), kept)
+    split = PackedCausalLM(hf_model, loss_chunk_size=64)
+    shard_model(split, kept)
     found = {
         "plain": (plain.splits_layers, plain.mesh("tp")),
         "kept": (kept.splits_layers, tp_mesh.size(), kept.tp, kept.fsdp_mesh.mesh_dim_names),

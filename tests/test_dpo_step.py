@@ -119,15 +119,17 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path, ref_table):
     init_worker_process_group(rank, world_size, port)
     documents = pair_documents()
-    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), mesh_dims())
+    policy = PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16)
+    placement = shard_model(policy, mesh_dims())
     policy.train()
     if ref_table is None:
-        reference = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=1)), mesh_dims()))
+        shard_model(reference_model := PackedCausalLM(tiny_model(seed=1)), mesh_dims())
+        reference = LiveReference(reference_model)
     else:
         reference = CachedReference(ref_table)
     objective = PreferenceObjective(LOSS, reference)
     microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
-    result = accumulate_gradients(policy, objective, StepBatches(microbatches), torch.device("cpu"))
+    result = accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
     if rank == 0:
@@ -185,8 +187,10 @@ def test_dpo_metrics_before_the_first_step_are_known_where_the_reference_is_the_
     cpu = torch.device("cpu")
     documents = pair_documents()
     batches = [collate_packed(documents[:5]), collate_packed(documents[5:])]
-    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), mesh_dims())
-    live = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims()))  # the initial policy, again
+    policy = PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16)
+    placement = shard_model(policy, mesh_dims())
+    shard_model(initial := PackedCausalLM(tiny_model(seed=0)), mesh_dims())
+    live = LiveReference(initial)  # the initial policy, again
     table = torch.full((NUM_PAIRS, 2), float("nan"), dtype=torch.float64)
     for batch in batches:  # the reference cache's table, as reference_cache computes it: the live reference's values
         chosen, rejected = live(batch)
@@ -202,7 +206,7 @@ def test_dpo_metrics_before_the_first_step_are_known_where_the_reference_is_the_
         for reference in (live, CachedReference(table)):
             objective = PreferenceObjective(loss, reference, reference_is_start=True)
             known = objective.known_start_metrics(batches, cpu)
-            real = evaluate(policy, objective, batches, cpu, pad_token_id=0)
+            real = evaluate(policy, objective, batches, placement.dims, pad_token_id=0)
             assert {f"eval_{name}" for name in known} == set(real) - (
                 set() if reference is not live else {"eval_logps/chosen", "eval_logps/rejected"}
             )

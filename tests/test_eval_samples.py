@@ -24,7 +24,7 @@ from chattune.hf_layout import decoder_layers
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.generate import Sampling, generate_reply, prompt_ids, sharded_generation, stop_token_ids
 from chattune.model.packed.attention import ATTENTION_NAME
-from chattune.parallel.fsdp import compiled_graphs, shard_model
+from chattune.parallel.fsdp import Placement, compiled_graphs, shard_model
 from chattune.train.samples import EvalSamples, run_samples
 from conftest import demo_chat_prompts, free_port, init_worker_process_group, launch, mesh_dims, spawn, torchrun
 
@@ -168,13 +168,14 @@ def _answer_worker(rank: int, world_size: int, port: int, model_dir: str, out_pa
     init_worker_process_group(rank, world_size, port)
     dims = init_distributed("cpu")
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ATTENTION_NAME)
-    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), dims)
+    model = PackedCausalLM(hf_model, loss_chunk_size=16)
+    placement = shard_model(model, dims)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [Prompt(m) for m in demo_chat_prompts(3)]
     samples = EvalSamples(prompts, tokenizer, 24, dims, Path(f"{out_path}.jsonl"))
     found = {}
     for gather in (True, False):
-        replies = samples.answer(model, gather)
+        replies = samples.answer(model, placement, gather)
         sharded = all(isinstance(p, DTensor) for p in model.parameters())  # every unit resharded after
         found[gather] = (replies, sharded, model.training)
     torch.save(found, f"{out_path}.rank{rank}")
@@ -232,14 +233,20 @@ def test_the_sharded_model_generates_as_the_plain_one_and_compiles_nothing_for_i
     restored after it (a training forward still runs the packed attention)."""
     torch._dynamo.reset()
     hf_model = AutoModelForCausalLM.from_pretrained(chat_model_dir, attn_implementation=ATTENTION_NAME)
-    model = shard_model(PackedCausalLM(hf_model, loss_chunk_size=16), mesh_dims(), compile=compile)
+    model = PackedCausalLM(hf_model, loss_chunk_size=16)
+    placement = shard_model(model, mesh_dims(), compile=compile)
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     prompts = demo_chat_prompts(3)
     graphs = compiled_graphs()
-    with sharded_generation(model):
+    with sharded_generation(model, placement):
         replies = [
             generate_reply(
-                model, tokenizer, prompt_ids(tokenizer, m), Sampling(max_new_tokens=24), stop_token_ids(tokenizer)
+                model,
+                tokenizer,
+                prompt_ids(tokenizer, m),
+                Sampling(max_new_tokens=24),
+                stop_token_ids(tokenizer),
+                device=placement.device,
             ).text
             for m in prompts
         ]
@@ -326,4 +333,4 @@ def test_a_model_stock_transformers_cannot_generate_with_trains_with_its_sample_
     assert "sample replies are off for this run" in caplog.text
     gemma2 = tiny_model(model_type="gemma2", head_dim=16)
     samples = run_samples(cfg, tokenizer, one_rank, None, (), None, gemma2)
-    assert samples is not None and len(samples.answer(PackedCausalLM(gemma2))) == 1
+    assert samples is not None and len(samples.answer(PackedCausalLM(gemma2), Placement.one_rank())) == 1

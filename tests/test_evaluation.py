@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import collate_packed
+from chattune.distributed import ParallelDims
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.train.evaluation import evaluate
@@ -35,7 +36,7 @@ def test_evaluation_sums_on_the_device_and_transfers_once_at_the_end():
         return method
 
     with mock.patch.multiple(torch.Tensor, **{name: counted(name) for name in TRANSFERS}):
-        held_out = evaluate(model, TokenCrossEntropy(), batches, torch.device("cpu"), pad_token_id=0)
+        held_out = evaluate(model, TokenCrossEntropy(), batches, ParallelDims.one_rank(), pad_token_id=0)
     # (the per-document attention's host bounds and the host batch's unit count are not transfers on a GPU)
     from_evaluation = [name for name, caller in calls if caller.endswith("evaluation.py:evaluate")]
     assert from_evaluation == ["tolist"] and not any(name == "__float__" for name, _ in calls), calls

@@ -63,7 +63,7 @@ def test_tensorwise_weights_are_gathered_in_float8(one_rank_group):
 
     model = PackedCausalLM(tiny_model(hidden_size=64, intermediate_size=128))
     converted = convert_linear_layers(decoder_layers(model), "emulate")
-    model = shard_model(model, mesh_dims(), param_dtype="bfloat16")
+    shard_model(model, mesh_dims(), param_dtype="bfloat16")
     gathered = []
     original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
 

@@ -20,7 +20,7 @@ from chattune.model.io.export import export_adapter, export_hf
 from chattune.model.peft.adapters import BaseModelView, add_adapters
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import LiveReference
-from chattune.parallel.fsdp import shard_model
+from chattune.parallel.fsdp import Placement, shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.step import UpdateRule, train_step
 from conftest import demo_documents, demo_tokenizer, exported_weights, mesh_dims, tiny_model
@@ -40,11 +40,12 @@ LORA_WITH_EMBEDDINGS = OmegaConf.create(
 )
 
 
-def _bf16_model(hf_model) -> PackedCausalLM:
-    return shard_model(PackedCausalLM(hf_model, loss_chunk_size=64), mesh_dims(), param_dtype="bfloat16")
+def _bf16_model(hf_model) -> tuple[PackedCausalLM, Placement]:
+    model = PackedCausalLM(hf_model, loss_chunk_size=64)
+    return model, shard_model(model, mesh_dims(), param_dtype="bfloat16")
 
 
-def _train_then_evaluate(model: PackedCausalLM, steps: int = 2) -> dict[str, torch.Tensor]:
+def _train_then_evaluate(model: PackedCausalLM, placement: Placement, steps: int = 2) -> dict[str, torch.Tensor]:
     """A few bf16-compute updates (so the fp32 masters are no longer bf16 values), then an evaluation.
     Returns the masters: the optimizer's parameters (fp32 shards; one rank: whole), by their names in the
     HF model, named before any forward (a gathered unit registers other tensors under those names)."""
@@ -59,9 +60,9 @@ def _train_then_evaluate(model: PackedCausalLM, steps: int = 2) -> dict[str, tor
             TokenCrossEntropy(),
             StepBatches([collate_packed(documents[4 * (step % 2) : 4 * (step % 2) + 4])]),
             UpdateRule(optimizer, scheduler, 1.0),
-            CPU,
+            placement,
         )
-    evaluate(model, TokenCrossEntropy(), [collate_packed(demo_documents(3, start=20))], CPU, pad_token_id=0)
+    evaluate(model, TokenCrossEntropy(), [collate_packed(demo_documents(3, start=20))], placement.dims, pad_token_id=0)
     return {names[id(p)]: p.detach().full_tensor() for group in optimizer.param_groups for p in group["params"]}
 
 
@@ -71,8 +72,8 @@ def _not_bf16_values(tensor: torch.Tensor) -> float:
 
 
 def test_an_export_after_an_evaluation_writes_the_fp32_masters(tmp_path, one_rank_group):
-    model = _bf16_model(tiny_model(seed=0))
-    masters = _train_then_evaluate(model)
+    model, placement = _bf16_model(tiny_model(seed=0))
+    masters = _train_then_evaluate(model, placement)
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
     exported = exported_weights(tmp_path / "hf")
     for name in ("model.embed_tokens.weight", "model.norm.weight"):  # the root unit's parameters
@@ -84,8 +85,8 @@ def test_an_export_after_an_evaluation_writes_the_fp32_masters(tmp_path, one_ran
 def test_an_adapter_export_after_an_evaluation_writes_the_fp32_embeddings(tmp_path, one_rank_group):
     hf_model = tiny_model(seed=0)
     peft_model = add_adapters(hf_model, LORA_WITH_EMBEDDINGS)
-    model = _bf16_model(hf_model)
-    masters = _train_then_evaluate(model)
+    model, placement = _bf16_model(hf_model)
+    masters = _train_then_evaluate(model, placement)
     export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     embedding = next(
@@ -97,7 +98,7 @@ def test_an_adapter_export_after_an_evaluation_writes_the_fp32_embeddings(tmp_pa
 
 
 def test_a_live_reference_leaves_its_parameters_sharded(one_rank_group):
-    reference_model = _bf16_model(tiny_model(seed=0))
+    reference_model, _ = _bf16_model(tiny_model(seed=0))
     reference = LiveReference(reference_model)
     batch = collate_packed(demo_documents(4))
     batch.doc_ids = batch.doc_ids[:2]  # two "pairs": the logps are not what is checked here
@@ -108,6 +109,6 @@ def test_a_live_reference_leaves_its_parameters_sharded(one_rank_group):
     # A view of the policy's base (LoRA) shares the policy's root: left for the policy's backward.
     hf_model = tiny_model(seed=1)
     peft_model = add_adapters(hf_model, LORA_WITH_EMBEDDINGS)
-    policy = _bf16_model(hf_model)
+    policy, _ = _bf16_model(hf_model)
     LiveReference(BaseModelView(policy, peft_model))(batch)
     assert any(not isinstance(p, DTensor) for p in policy.parameters())

@@ -35,28 +35,38 @@ def gradients(model) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     init_worker_process_group(rank, world_size, port)
     batch = collate_packed(demo_documents(4, start=4 * rank))
-    cpu = torch.device("cpu")
+    torch.device("cpu")
     results = {}
     for name, dtype, scale in (("fp32", "float32", 1.0), ("fp16", "float16", 1.0), ("fp16_scaled", "float16", 2.0**16)):
-        model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims(), param_dtype=dtype)
-        accumulate_gradients(model, LargeStep(), StepBatches([batch]), cpu, loss_scale=scale)
-        norm, _ = clip_gradients(model, None, loss_scale=scale)
+        model = PackedCausalLM(tiny_model(seed=0))
+        placement = shard_model(model, mesh_dims(), param_dtype=dtype)
+        accumulate_gradients(model, LargeStep(), StepBatches([batch]), placement, loss_scale=scale)
+        norm, _ = clip_gradients(model, placement, None, loss_scale=scale)
         results[name] = (gradients(model), norm)
 
     # An overflow: finite losses, infinite gradients. Every rank skips the update and halves the scale.
-    model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims(), param_dtype="float16")
+    model = PackedCausalLM(tiny_model(seed=0))
+    placement = shard_model(model, mesh_dims(), param_dtype="float16")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.full_tensor().clone() for p in model.parameters()]
     loss_scale = LossScale(enabled=True, init_scale=2.0**100)
     overflowed, norm = train_step(
-        model, LargeStep(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0, loss_scale=loss_scale), cpu
+        model,
+        LargeStep(),
+        StepBatches([batch]),
+        UpdateRule(optimizer, scheduler, 1.0, loss_scale=loss_scale),
+        placement,
     )
     unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     after_overflow = loss_scale.scale
     loss_scale.scale = 2.0**16
     stepped, _ = train_step(
-        model, LargeStep(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0, loss_scale=loss_scale), cpu
+        model,
+        LargeStep(),
+        StepBatches([batch]),
+        UpdateRule(optimizer, scheduler, 1.0, loss_scale=loss_scale),
+        placement,
     )
     changed = not all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
     if rank == 0:

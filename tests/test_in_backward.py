@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_resume import read_metrics
 
+from chattune.parallel.fsdp import Placement
 from conftest import exported_weights, launch, mesh_dims, relative_error, torchrun
 
 RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_every=0", "max_grad_norm=null")
@@ -55,7 +56,7 @@ def test_no_whole_model_gradient_exists_and_the_step_is_the_optimizers_own():
     ordinary.step()
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    updater = UpdateInBackward(model, optimizer, torch.device("cpu"))
+    updater = UpdateInBackward(model, optimizer, Placement.one_rank())
     holding: list[int] = []
     for parameter in model.parameters():  # record, at each hook, how many parameters hold a gradient
         parameter.register_post_accumulate_grad_hook(
@@ -99,7 +100,7 @@ def test_each_hook_steps_its_own_parameter_alone_with_its_groups_live_settings(m
         "_init_group",
         lambda self, group, *args: scanned.append(len(group["params"])) or init_group(self, group, *args),
     )
-    updater = UpdateInBackward(model, optimizer, torch.device("cpu"))
+    updater = UpdateInBackward(model, optimizer, Placement.one_rank())
     model(inputs).square().sum().backward()
     assert scanned == [1] * 40  # each of the 40 parameters' steps saw one parameter
     assert [len(group["params"]) for group in optimizer.param_groups] == [20, 20]
@@ -120,10 +121,11 @@ def _one_rank_step(max_grad_norm, poison_gradients: bool = False):
     from chattune.train.step import UpdateRule, train_step
     from conftest import demo_documents, tiny_model
 
-    model = shard_model(PackedCausalLM(tiny_model()), mesh_dims())
+    model = PackedCausalLM(tiny_model())
+    placement = shard_model(model, mesh_dims())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    updater = UpdateInBackward(model, optimizer, torch.device("cpu"))
+    updater = UpdateInBackward(model, optimizer, placement)
     if poison_gradients:  # a finite loss whose gradients are not (registered first: runs before the update)
         for parameter in model.parameters():
             parameter._post_accumulate_grad_hooks = None
@@ -134,7 +136,7 @@ def _one_rank_step(max_grad_norm, poison_gradients: bool = False):
             parameter.register_post_accumulate_grad_hook(updater._update)
     rule = UpdateRule(optimizer, scheduler, max_grad_norm, in_backward=updater)
     batch = StepBatches([collate_packed(demo_documents(2))])
-    return train_step(model, TokenCrossEntropy(), batch, rule, torch.device("cpu")), model
+    return train_step(model, TokenCrossEntropy(), batch, rule, placement), model
 
 
 def test_a_library_caller_that_clips_is_refused_at_the_step(one_rank_group):

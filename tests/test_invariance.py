@@ -28,21 +28,18 @@ def _worker(
 ) -> None:
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
-    model = shard_model(
-        PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16),
-        mesh_dims(),
-        activation_checkpointing=checkpointing,
-    )
+    model = PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16)
+    placement = shard_model(model, mesh_dims(), activation_checkpointing=checkpointing)
     model.train()
     assert all(layer.gradient_checkpointing == checkpointing for layer in decoder_layers(model))
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
     objective = TokenCrossEntropy()
-    eval_loss = evaluate(model, objective, microbatches, torch.device("cpu"), pad_token_id=0)["eval_loss"]
-    result = accumulate_gradients(model, objective, StepBatches(microbatches), torch.device("cpu"))
+    eval_loss = evaluate(model, objective, microbatches, placement.dims, pad_token_id=0)["eval_loss"]
+    result = accumulate_gradients(model, objective, StepBatches(microbatches), placement)
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
-    grad_norm, _ = clip_gradients(model, max_norm=None)
-    clipped_norm, _ = clip_gradients(model, max_norm=grad_norm / 4)  # clips, returns the norm before
+    grad_norm, _ = clip_gradients(model, placement, max_norm=None)
+    clipped_norm, _ = clip_gradients(model, placement, max_norm=grad_norm / 4)  # clips, returns the norm before
     clipped = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
         torch.save(

@@ -117,19 +117,21 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path, ref_table):
     init_worker_process_group(rank, world_size, port)
     documents = kto_documents()
-    policy = shard_model(PackedCausalLM(tiny_model(seed=POLICY_SEED), loss_chunk_size=16), mesh_dims())
+    policy = PackedCausalLM(tiny_model(seed=POLICY_SEED), loss_chunk_size=16)
+    placement = shard_model(policy, mesh_dims())
     policy.train()
     if ref_table is None:
-        reference = LiveReference(shard_model(PackedCausalLM(tiny_model(seed=REFERENCE_SEED)), mesh_dims()))
+        shard_model(reference_model := PackedCausalLM(tiny_model(seed=REFERENCE_SEED)), mesh_dims())
+        reference = LiveReference(reference_model)
     else:
         reference = CachedReference(ref_table)
     objective = KTOObjective(WEIGHTS, reference)
     microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
-    result = accumulate_gradients(policy, objective, StepBatches(microbatches), torch.device("cpu"))
+    result = accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
     # The weights did not move: the held-out figures of the same examples are the step's (z over the whole set).
-    held_out = evaluate(policy, KTOObjective(WEIGHTS, reference), microbatches, torch.device("cpu"), pad_token_id=0)
+    held_out = evaluate(policy, KTOObjective(WEIGHTS, reference), microbatches, placement.dims, pad_token_id=0)
     if rank == 0:
         torch.save({"grads": grads, "metrics": metrics, "eval": held_out}, out_path)
     shutdown_distributed()

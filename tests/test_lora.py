@@ -82,19 +82,18 @@ def _worker(rank: int, world_size: int, port: int, splits, out_path: str, checkp
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
     hf_model, _ = lora_model(VARIANTS[variant])
-    model = shard_model(
-        PackedCausalLM(hf_model, loss_chunk_size=16), mesh_dims(), activation_checkpointing=checkpointing
-    )
+    model = PackedCausalLM(hf_model, loss_chunk_size=16)
+    placement = shard_model(model, mesh_dims(), activation_checkpointing=checkpointing)
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) for mb in splits[rank]]
-    accumulate_gradients(model, TokenCrossEntropy(), StepBatches(microbatches), torch.device("cpu"))
+    accumulate_gradients(model, TokenCrossEntropy(), StepBatches(microbatches), placement)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "the base must stay frozen"
     grads = {
         name.removeprefix("hf_model."): p.grad.full_tensor().clone()
         for name, p in model.named_parameters()
         if p.requires_grad
     }
-    grad_norm, _ = clip_gradients(model, max_norm=None)
+    grad_norm, _ = clip_gradients(model, placement, max_norm=None)
     if rank == 0:
         torch.save({"grads": grads, "grad_norm": grad_norm}, out_path)
     shutdown_distributed()

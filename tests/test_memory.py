@@ -166,11 +166,12 @@ def _counts_worker(rank: int, world_size: int, port: int, out: str) -> None:
                     for name in low_bit
                 }
             )
-            model = shard_model(PackedCausalLM(hf_model), mesh_dims())
+            model = PackedCausalLM(hf_model)
+            placement = shard_model(model, mesh_dims())
             trained = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(trained, lr=1e-3)
             batch = collate_packed(demo_documents(4, start=4 * rank))
-            accumulate_gradients(model, TokenCrossEntropy(), StepBatches([batch]), torch.device("cpu"))
+            accumulate_gradients(model, TokenCrossEntropy(), StepBatches([batch]), placement)
             measured = {
                 "parameters (fp32 shards)": _local_bytes(model.parameters()),
                 "gradients (fp32 shards)": _local_bytes(p.grad for p in trained),
@@ -387,7 +388,7 @@ def test_a_4_bit_base_is_counted_as_bitsandbytes_stores_it(one_rank_group, shape
         tensors = [module.weight.data, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
         four_bit += sum(t.numel() * t.element_size() for t in tensors)
         four_bit += 0 if module.bias is None else module.bias.numel() * 4
-    model = shard_model(PackedCausalLM(hf_model), mesh_dims(), replicated=replicated)
+    shard_model(model := PackedCausalLM(hf_model), mesh_dims(), replicated=replicated)
     shards = sum(p.to_local().numel() * 4 for p in model.parameters() if id(p) not in {id(q) for q in replicated})
     rows = estimate(replace(_inputs(hf_model, 1, 128, lora=True), quantized_base=True)).rows
     assert rows["4-bit base (replicated)"] == four_bit
@@ -636,7 +637,7 @@ def test_the_verdict_and_the_gathered_replies_count_what_the_gpu_really_has_free
     allocator holds (here 1 GiB short of the estimate, on a device whose total would fit it); and the sample
     replies' decision to gather the whole model counts the allocator's cached blocks, which `mem_get_info` leaves
     out (a trained model's device is mostly cached, not free)."""
-    from chattune.parallel.fsdp import can_stay_gathered
+    from chattune.parallel.fsdp import Placement, can_stay_gathered
 
     # (eager layers: a compiled trace under the mocked CUDA would read CUDA's random state)
     needed = estimate(replace(_tiny_inputs(on_cuda=True), compiled=False)).total
@@ -658,7 +659,7 @@ def test_the_verdict_and_the_gathered_replies_count_what_the_gpu_really_has_free
             mock.patch("torch.cuda.memory_reserved", return_value=3 * size),
             mock.patch("torch.cuda.memory_allocated", return_value=size),
         ):
-            assert can_stay_gathered(model, torch.device("cuda"))
+            assert can_stay_gathered(model, Placement.one_rank("cuda"))
 
 
 @pytest.mark.parametrize("setting", ["auto", "chunked", "cut_cross_entropy"])

@@ -176,12 +176,11 @@ def _worker(rank: int, world_size: int, port: int, name: str, splits, out_path: 
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
     hf_model, _ = moe_lora_model(name)
-    model = shard_model(
-        PackedCausalLM(hf_model, loss_chunk_size=16), mesh_dims(), activation_checkpointing=checkpointing
-    )
+    model = PackedCausalLM(hf_model, loss_chunk_size=16)
+    placement = shard_model(model, mesh_dims(), activation_checkpointing=checkpointing)
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) for mb in splits[rank]]
-    accumulate_gradients(model, TokenCrossEntropy(), StepBatches(microbatches), torch.device("cpu"))
+    accumulate_gradients(model, TokenCrossEntropy(), StepBatches(microbatches), placement)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "the base must stay frozen"
     grads = {
         n.removeprefix("hf_model."): p.grad.full_tensor().clone()

@@ -37,7 +37,8 @@ def full_weights(model) -> list[torch.Tensor]:
 
 def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     init_worker_process_group(rank, world_size, port)
-    model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims())
+    model = PackedCausalLM(tiny_model(seed=0))
+    placement = shard_model(model, mesh_dims())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batch = collate_packed(demo_documents(3, start=3 * rank))
@@ -48,14 +49,14 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
         PoisonedOnRank(rank, poisoned_rank=1),
         StepBatches([batch]),
         UpdateRule(optimizer, scheduler, 1.0),
-        torch.device("cpu"),
+        placement,
     )
     unchanged = all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
     no_optimizer_state = len(optimizer.state) == 0
     grads_cleared = all(p.grad is None for p in model.parameters())
 
     _, clean_norm = train_step(
-        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), torch.device("cpu")
+        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), placement
     )
     updated = not all(torch.equal(a, b) for a, b in zip(before, full_weights(model)))
     torch.save(

@@ -58,11 +58,12 @@ def test_an_objective_must_write_the_three_abstract_methods():
 def _worker(rank: int, out: str) -> None:
     init_worker_process_group(rank, 1, int(out.rsplit(":", 1)[1]))
     documents = demo_documents(3)
-    model = shard_model(PackedCausalLM(tiny_model(seed=0)), mesh_dims())
+    model = PackedCausalLM(tiny_model(seed=0))
+    placement = shard_model(model, mesh_dims())
     objective = DocumentMeanCrossEntropy()
-    accumulate_gradients(model, objective, StepBatches([collate_packed(documents)]), torch.device("cpu"))
+    accumulate_gradients(model, objective, StepBatches([collate_packed(documents)]), placement)
     packed = {name.removeprefix("hf_model."): p.grad.full_tensor() for name, p in model.named_parameters()}
-    held_out = evaluate(model, objective, [collate_packed(documents)], torch.device("cpu"), pad_token_id=0)
+    held_out = evaluate(model, objective, [collate_packed(documents)], placement.dims, pad_token_id=0)
 
     # Independently: stock transformers on each document alone, the mean of its tokens' losses, averaged.
     reference = tiny_model(seed=0)

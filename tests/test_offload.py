@@ -151,22 +151,18 @@ def test_offloaded_gradients_equal_the_plain_forwards(one_rank_group, compile, c
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.fsdp import shard_model
-    from chattune.parallel.offload import activation_offload
 
     batch = collate_packed(demo_documents(4))
 
     def gradients(offload: bool):
-        model = shard_model(
-            PackedCausalLM(tiny_model()),
-            mesh_dims(),
-            activation_checkpointing=checkpointing,
-            compile=compile,
-            offload_activations=offload,
+        model = PackedCausalLM(tiny_model())
+        placement = shard_model(
+            model, mesh_dims(), activation_checkpointing=checkpointing, compile=compile, offload_activations=offload
         )
-        with activation_offload(model):
+        with placement.training_forward():
             loss, _ = TokenCrossEntropy().loss_sum(model, batch)
         loss.backward()
-        moved = model.activation_offload.offloaded_bytes if offload else 0
+        moved = placement.activation_offload.offloaded_bytes if placement.activation_offload else 0
         return loss.detach(), [p.grad.to_local().clone() for p in model.parameters()], moved, model
 
     plain_loss, plain_grads, _, _ = gradients(False)
@@ -185,7 +181,6 @@ def test_the_estimates_offloaded_bytes_are_what_the_hooks_move(one_rank_group, c
     from chattune.model.cost.memory import MemoryInputs, estimate
     from chattune.objectives.cross_entropy import TokenCrossEntropy
     from chattune.parallel.fsdp import shard_model
-    from chattune.parallel.offload import activation_offload
 
     batch = collate_packed(demo_documents(6))
     hf_model = tiny_model(num_hidden_layers=3)
@@ -198,15 +193,12 @@ def test_the_estimates_offloaded_bytes_are_what_the_hooks_move(one_rank_group, c
         loss_chunk=16,
     )
     estimated = estimate(inputs).host_rows["activations (offloaded)"]
-    model = shard_model(
-        PackedCausalLM(hf_model, loss_chunk_size=16),
-        mesh_dims(),
-        activation_checkpointing=checkpointing,
-        offload_activations=True,
-    )
-    with activation_offload(model):
+    model = PackedCausalLM(hf_model, loss_chunk_size=16)
+    placement = shard_model(model, mesh_dims(), activation_checkpointing=checkpointing, offload_activations=True)
+    assert placement.activation_offload is not None
+    with placement.training_forward():
         TokenCrossEntropy().loss_sum(model, batch)
-    moved = model.activation_offload.offloaded_bytes
+    moved = placement.activation_offload.offloaded_bytes
     assert abs(estimated - moved) <= 0.1 * moved, (estimated, moved)
 
 
@@ -269,8 +261,9 @@ def test_cpu_offload_puts_every_unit_under_fsdp2s_offload_policy(one_rank_group)
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.parallel.fsdp import shard_model
 
-    model = shard_model(PackedCausalLM(tiny_model()), mesh_dims(), cpu_offload=True)
+    model = PackedCausalLM(tiny_model())
+    placement = shard_model(model, mesh_dims(), cpu_offload=True)
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     params = [p for group in groups if group is not None for p in group.fsdp_params]
     assert len(params) == len(list(model.parameters())) and all(p.offload_to_cpu for p in params)
-    assert model.cpu_offload and model.compute_device == torch.device("cpu")
+    assert placement.cpu_offload and placement.device == torch.device("cpu")

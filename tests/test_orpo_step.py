@@ -63,15 +63,16 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path):
     init_worker_process_group(rank, world_size, port)
     documents = pair_documents()
-    policy = shard_model(PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16), mesh_dims())
+    policy = PackedCausalLM(tiny_model(seed=0), loss_chunk_size=16)
+    placement = shard_model(policy, mesh_dims())
     policy.train()
     objective = PreferenceObjective(LOSS, None)
     microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
-    result = accumulate_gradients(policy, objective, StepBatches(microbatches), torch.device("cpu"))
+    result = accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
     # Evaluation has no training step to weigh the NLL: its loss comes from the sums, with the same value.
-    held_out = evaluate(policy, PreferenceObjective(LOSS, None), microbatches, torch.device("cpu"), pad_token_id=0)
+    held_out = evaluate(policy, PreferenceObjective(LOSS, None), microbatches, placement.dims, pad_token_id=0)
     if rank == 0:
         torch.save({"grads": grads, "metrics": metrics, "eval": held_out}, out_path)
     shutdown_distributed()

@@ -88,7 +88,7 @@ def random_b(name: str, shape) -> torch.Tensor:
 def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora: bool) -> None:
     init_worker_process_group(rank, world_size, port)
     dist_info = init_distributed("cpu")
-    hf_model, model, peft_model = build_sharded_model(
+    hf_model, model, peft_model, placement = build_sharded_model(
         run_config(base), demo_tokenizer(), dist_info, base, adapters=settings(use_dora)
     )
     quantized = [m for m in hf_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -108,7 +108,7 @@ def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora
         model,
         TokenCrossEntropy(),
         StepBatches([collate_packed(mine[:2]), collate_packed(mine[2:])]),
-        torch.device("cpu"),
+        placement,
     )
     trained = {
         name.removeprefix("hf_model."): (p.full_tensor().detach().clone(), p.grad.full_tensor().clone())
@@ -228,19 +228,15 @@ def test_bf16_compute_quantizes_from_bf16_and_exports_the_biases_exactly(tmp_pat
     modules = quantized_modules(hf_model)
     assert modules and all(m.weight.quant_state.dtype == torch.bfloat16 for m in modules)
 
-    model = shard_model(
-        PackedCausalLM(hf_model, loss_chunk_size=64),
-        mesh_dims(),
-        param_dtype="bfloat16",
-        replicated=replicated_parameters(hf_model),
-    )
+    model = PackedCausalLM(hf_model, loss_chunk_size=64)
+    placement = shard_model(model, mesh_dims(), param_dtype="bfloat16", replicated=replicated_parameters(hf_model))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     train_step(
         model,
         TokenCrossEntropy(),
         StepBatches([collate_packed(demo_documents(4))]),
         UpdateRule(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0),
-        torch.device("cpu"),
+        placement,
     )
     export_hf(model, demo_tokenizer(), tmp_path / "hf", is_main=True, dtype=torch.float32)
     export_adapter(model, peft_model, demo_tokenizer(), tmp_path / "adapter", is_main=True, base_path=None)

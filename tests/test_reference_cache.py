@@ -13,6 +13,7 @@ from test_sft_recipe import read_metrics
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
+from chattune.distributed import ParallelDims
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives import reference_cache
 from conftest import TIMING_METRICS, ListSource, launch, tiny_model, torchrun
@@ -30,9 +31,8 @@ def build_tables(cache_dir, fingerprint: dict, make_reference) -> dict[str, torc
         lambda split: PackedStream(
             documents, StreamLayout(shuffle=False, num_epochs=1), 0, PackingBudget(400, 0, buffer_records=3)
         ),
-        CPU,
+        ParallelDims.one_rank(CPU),
         0,
-        is_main=True,
     )
 
 

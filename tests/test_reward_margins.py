@@ -30,6 +30,7 @@ from chattune.data.packing import collate_packed
 from chattune.data.token_cache import CachedDocuments, build_source_cache, cache_name, source_key, tokenizer_digest
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.reward import RewardObjective
+from chattune.parallel.fsdp import Placement
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, relative_error
@@ -215,7 +216,7 @@ def test_the_loss_and_gradients_with_margins_match_plain_sequence_classification
     model.train()
     objective = RewardObjective(CENTER)
     microbatches = [collate_packed([documents[i] for i in mb], pad_to_multiple_of=64) for mb in splits]
-    result = accumulate_gradients(model, objective, StepBatches(microbatches), torch.device("cpu"))
+    result = accumulate_gradients(model, objective, StepBatches(microbatches), Placement.one_rank())
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad for name, p in model.named_parameters()}
     assert math.isclose(metrics["loss"], want_loss, rel_tol=1e-5, abs_tol=1e-6), (metrics["loss"], want_loss)

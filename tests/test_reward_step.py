@@ -78,14 +78,15 @@ def reference_step() -> dict:
 def _worker(rank, world_size, port, splits, out_path):
     init_worker_process_group(rank, world_size, port)
     documents = pair_documents()
-    model = shard_model(PackedSequenceScorer(tiny_reward_model()), mesh_dims())
+    model = PackedSequenceScorer(tiny_reward_model())
+    placement = shard_model(model, mesh_dims())
     model.train()
     objective = RewardObjective(CENTER)
     microbatches = [collate_packed([documents[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
-    result = accumulate_gradients(model, objective, StepBatches(microbatches), torch.device("cpu"))
+    result = accumulate_gradients(model, objective, StepBatches(microbatches), placement)
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
-    held_out = evaluate(model, objective, microbatches, torch.device("cpu"), pad_token_id=0)
+    held_out = evaluate(model, objective, microbatches, placement.dims, pad_token_id=0)
     if rank == 0:
         torch.save({"grads": grads, "metrics": metrics, "held_out": held_out}, out_path)
     shutdown_distributed()

@@ -166,12 +166,13 @@ def test_dpo_adds_each_pairs_mean_router_loss():
 def _worker(rank: int, world_size: int, port: int, splits: list[list[list[int]]], out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     docs = demo_documents(NUM_DOCS)
-    model = shard_model(packed_moe(), mesh_dims())
+    model = packed_moe()
+    placement = shard_model(model, mesh_dims())
     model.train()
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
     objective = TokenCrossEntropy()
-    eval_loss = evaluate(model, objective, microbatches, torch.device("cpu"), pad_token_id=0)["eval_loss"]
-    result = accumulate_gradients(model, objective, StepBatches(microbatches), torch.device("cpu"))
+    eval_loss = evaluate(model, objective, microbatches, placement.dims, pad_token_id=0)["eval_loss"]
+    result = accumulate_gradients(model, objective, StepBatches(microbatches), placement)
     grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
     metrics = step_metrics(1, result, objective, grad_norm=0.0, lr=0.0, step_time_s=1.0, device=torch.device("cpu"))
     if rank == 0:
@@ -254,9 +255,8 @@ def test_experts_run_transformers_grouped_gemm_under_fsdp_checkpointing_and_comp
         monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
-        model = shard_model(
-            packed, mesh_dims(), activation_checkpointing=True, compile=compile, param_dtype=param_dtype
-        )
+        model = packed
+        shard_model(packed, mesh_dims(), activation_checkpointing=True, compile=compile, param_dtype=param_dtype)
         model.train()
         batch = collate_packed(demo_documents(3))
         with profile(activities=[ProfilerActivity.CPU]) as trace:

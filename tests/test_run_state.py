@@ -7,6 +7,7 @@ import torch
 
 from chattune.checkpoint.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from chattune.checkpoint.run_state import Every, Horizon, RunState, model_and_optimizer
+from chattune.parallel.fsdp import Placement
 from chattune.train.evaluation import Evaluator
 from chattune.train.metrics import MetricLogger
 
@@ -77,15 +78,15 @@ def test_the_components_decide_their_timing_from_the_horizon(tmp_path):
     feed = Feed()
     horizon = Horizon(max_steps=10, stop_after_step=None, feed=feed)
     metrics = MetricLogger(str(tmp_path), is_main=False, every=Every(4, horizon))
-    evaluator = Evaluator(None, None, [], 0, torch.device("cpu"), None, Every(3, horizon))
+    evaluator = Evaluator(None, None, [], 0, Placement.one_rank(), None, Every(3, horizon))
     checkpointer = Checkpointer(tmp_path, RunState(), {}, 5, None, horizon)
     assert [s for s in range(11) if metrics.due(s)] == [0, 4, 8, 10]
     assert [s for s in range(11) if evaluator.due(s)] == [0, 3, 6, 9, 10]
     assert [s for s in range(1, 11) if checkpointer.due(s)] == [5, 10]
-    assert not Evaluator(None, None, None, 0, torch.device("cpu"), None, Every(3, horizon)).due(
+    assert not Evaluator(None, None, None, 0, Placement.one_rank(), None, Every(3, horizon)).due(
         3
     )  # nothing to evaluate
-    assert not Evaluator(None, None, [], 0, torch.device("cpu"), None, Every(0, horizon)).due(10)  # eval_every=0
+    assert not Evaluator(None, None, [], 0, Placement.one_rank(), None, Every(0, horizon)).due(10)  # eval_every=0
 
     feed.finished = True  # the data's last epoch ended at step 7
     assert metrics.due(7) and evaluator.due(7) and not checkpointer.due(7)
@@ -94,7 +95,7 @@ def test_the_components_decide_their_timing_from_the_horizon(tmp_path):
     horizon = Horizon(max_steps=10, stop_after_step=7, feed=feed)
     checkpointer = Checkpointer(tmp_path, RunState(), {}, 0, None, horizon)  # save_every=0
     assert [s for s in range(1, 11) if checkpointer.due(s)] == [7] and horizon.stops_after(7)
-    evaluator = Evaluator(None, None, [], 0, torch.device("cpu"), None, Every(3, horizon))
+    evaluator = Evaluator(None, None, [], 0, Placement.one_rank(), None, Every(3, horizon))
     horizon.hear(stop_ranks=1)  # a stop signal after step 6: saved, not evaluated (its grace is the checkpoint's)
     assert checkpointer.due(6) and horizon.stops_after(6) and not evaluator.due(6)
     horizon.hear(stop_ranks=0)

@@ -24,15 +24,16 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.objectives.cross_entropy import TokenCrossEntropy
+from chattune.parallel.fsdp import Placement
 from chattune.train.step import UpdateRule, train_step
-from conftest import demo_documents, free_port, init_worker_process_group, spawn
+from conftest import demo_documents, free_port, init_worker_process_group, mesh_dims, spawn
 
 
 def _step(model, optimizer, rank: int, seed: int) -> None:
     batch = collate_packed(demo_documents(4, start=4 * rank + seed))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     train_step(
-        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), torch.device("cpu")
+        model, TokenCrossEntropy(), StepBatches([batch]), UpdateRule(optimizer, scheduler, 1.0), Placement(mesh_dims())
     )
 
 

@@ -102,22 +102,19 @@ def _family_worker(rank: int, world_size: int, port: int, out_path: str) -> None
         # activation checkpointing recomputes a layer's forward, its exchanges included, in the backward
         recompute = name in RECOMPUTED
         loss = "cut_cross_entropy" if name == FUSED else "chunked"
-        policy = shard_model(
-            PackedCausalLM(hf_model, loss_chunk_size=64, loss_implementation=loss),
-            dims,
-            activation_checkpointing=recompute,
-        )
+        policy = PackedCausalLM(hf_model, loss_chunk_size=64, loss_implementation=loss)
+        placement = shard_model(policy, dims, activation_checkpointing=recompute)
         policy.train()
         assert hf_model.is_gradient_checkpointing == recompute, name
         head = "loss: cut-cross-entropy (fused, " if name == FUSED else "loss: chunked fp32 head ("
         assert policy.describe_head() == head + "its vocabulary split over 2 ranks)", name
         row = collate_packed(documents(0, hf_model.config.vocab_size))
-        accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
+        accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), placement)
         split = sum(split_over(p) for p in policy.parameters())
         vocabulary = [split_over(m.weight) for m in (hf_model.get_input_embeddings(), hf_model.get_output_embeddings())]
         assert all(vocabulary), name
         grads = {n.removeprefix("hf_model."): p.grad.full_tensor() for n, p in policy.named_parameters()}
-        norm = clip_gradients(policy, None)[0]
+        norm = clip_gradients(policy, placement, None)[0]
         # Generation reads the split embedding and gathers the split output layer's logits.
         policy.eval()
         prompt = torch.tensor([documents(1, hf_model.config.vocab_size)[0].input_ids[:6].tolist()])
@@ -167,7 +164,8 @@ def _router_losses(policy: PackedCausalLM) -> tuple[torch.Tensor, torch.Tensor, 
 def _router_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
     dims = init_distributed("cpu", ParallelConfig(tensor=world_size))
-    found = _router_losses(shard_model(_moe_with_router_loss(), dims))
+    shard_model(model := _moe_with_router_loss(), dims)
+    found = _router_losses(model)
     if rank == 0:
         torch.save(found, out_path)
     shutdown_distributed()
@@ -210,10 +208,11 @@ def _lora_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     dims = init_distributed("cpu", ParallelConfig(tensor=world_size))
     found = {}
     for name in LORA_FAMILIES:
-        policy = shard_model(PackedCausalLM(_lora_model(name), loss_chunk_size=64), dims)
+        policy = PackedCausalLM(_lora_model(name), loss_chunk_size=64)
+        placement = shard_model(policy, dims)
         policy.train()
         row = collate_packed(documents(0, policy.hf_model.config.vocab_size))
-        accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), torch.device("cpu"))
+        accumulate_gradients(policy, TokenCrossEntropy(), StepBatches([row]), placement)
         trained = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         split = sum(split_over(p) for _, p in trained)
         held = sum(4 * p.grad.to_local().numel() for _, p in trained)  # this rank's gradient shards, fp32

@@ -37,7 +37,7 @@ from chattune.log import EACH_RANK
 from chattune.model.quantization.quantize import has_quantized_weight
 
 if TYPE_CHECKING:
-    from chattune.data.feed import StepFeed
+    from chattune.data.feed import StepSource
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def training_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    feed: StepFeed,
+    feed: StepSource,
     skipped: SkippedSteps,
     loss_scale: LossScaleState,
 ) -> RunState:
@@ -253,7 +253,7 @@ class Horizon:
         self,
         max_steps: int,
         stop_after_step: int | None,
-        feed: StepFeed,
+        feed: StepSource,
         stop_vote: Callable[[], bool] | None = None,
     ):
         self.max_steps, self.stop_after_step, self.feed, self.stop_vote = max_steps, stop_after_step, feed, stop_vote

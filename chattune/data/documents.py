@@ -7,7 +7,7 @@ every document is IGNORE_INDEX: no token is trained to predict across a document
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -78,6 +78,11 @@ class Document:
     # A reward-model pair's margin (the record's `margin`, TRL's column): its loss is -log σ(r_chosen - r_rejected -
     # margin). None for a pair without one (trained at margin 0) and for every other document.
     margin: float | None = None
+    # Values a recipe's data declares, which packing carries to its objective without knowing what they mean:
+    # per token (an advantage, a weight, a teacher's log-prob: one value per position, the document's length) and
+    # per document (a reward, a group id). Every document of a batch that has one key has them all.
+    token_values: dict[str, np.ndarray] = field(default_factory=dict)
+    doc_values: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.input_ids, np.ndarray) and self.input_ids.dtype in (np.int32, np.int64)):

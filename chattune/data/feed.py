@@ -27,7 +27,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.errors import UserError
@@ -59,8 +59,53 @@ class InvariantSlots:
     seed: int = 0
 
 
+class StepSource(Protocol):
+    """Where the loop (`chattune.train.loop.train`) takes its update steps from: `StepFeed` reads them from the
+    run's data files; a recipe that makes its own steps (rollouts of the policy being trained, documents made from
+    the model's outputs) implements this instead and hands it to `train` in its `TrainingData`.
+
+    Every rank's source gives the same number of microbatches per step (a rank short of data gives empty ones:
+    every forward is a collective). `state_dict`/`load_state_dict` are this rank's position, saved in every
+    checkpoint under "data" and restored on resume, so that a resumed run makes the steps the uninterrupted run
+    would have made."""
+
+    mixer: Mixer | None  # a mixture's sampling state and per-source figures (None: one source)
+
+    @property
+    def finished(self) -> bool:
+        """No step after this one (the last epoch ended; False for a source without end: max_steps ends the run)."""
+        ...
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next step (0 for a source without epochs)."""
+        ...
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """This rank's counted skips by reason (summed over ranks at the end of the run); {} for none."""
+        ...
+
+    def next_step(self, step: int) -> StepBatches:
+        """Step `step`'s microbatches on this rank (`step` counts from 1)."""
+        ...
+
+    def close_step(self, ranks_at_epoch_end: int) -> list[tuple[int, dict[str, int]]]:
+        """After the step's all-reduce: how many ranks reached their epoch's end; the epochs the step closed, each
+        with this rank's figures (summable over ranks). [] for a source without epochs."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None:
+        """The run is over (complete or stopped): free what the source holds (loader workers, a generator)."""
+        ...
+
+
 class StepFeed:
-    """`next_step()` gives a step's microbatches; `close_step(ranks_at_epoch_end)` is told after the step's all-reduce
+    """The run's `StepSource` of its data files. `next_step()` gives a step's microbatches; `close_step(ranks_at_epoch_end)` is told after the step's all-reduce
     how many ranks have finished an epoch and returns the epochs the step closed. `num_epochs` (None:
     unbounded) ends the feed on the same step on every rank (`finished`).
 
@@ -115,6 +160,9 @@ class StepFeed:
         counts = {**self.stream.skipped, **self.stream.overlong}
         mine = self.reports_figures and (self.slots is None or self.slots.start == 0)
         return counts if mine else dict.fromkeys(counts, 0)
+
+    def close(self) -> None:
+        """Nothing to free: the stream's loader workers end with its iterator."""
 
     def next_step(self, step: int = 0) -> StepBatches:
         """`step`: the step number (the per-microbatch seeds of world-size-invariant steps)."""

@@ -35,6 +35,10 @@ class PackedBatch:
     doc_desirable: list[bool | None] = field(default_factory=list)
     # A reward-model pair's margin of each document (`Document.margin`), or None for a document that has none.
     doc_margins: list[float | None] = field(default_factory=list)
+    # The documents' declared values (`Document.token_values`, `doc_values`) by name: per token (1, N) float32,
+    # padding 0; per document, in doc_ids order.
+    token_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    doc_values: dict[str, list[float]] = field(default_factory=dict)
     padding: int = 0  # tokens of the padding segment (always last), if any
     epoch: int = 0  # the epoch its documents belong to
     ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
@@ -76,6 +80,8 @@ class PackedBatch:
             doc_sources=self.doc_sources,
             doc_desirable=self.doc_desirable,
             doc_margins=self.doc_margins,
+            token_values={name: moved(values) for name, values in self.token_values.items()},
+            doc_values=self.doc_values,
             padding=self.padding,
             epoch=self.epoch,
             ends_epoch=self.ends_epoch,
@@ -98,6 +104,7 @@ def collate_packed(
         raise ValueError("a document's segments must add up to its length")
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    token_values, doc_values = _declared_values(documents)
     return PackedBatch(
         input_ids=torch.from_numpy(np.concatenate([d.input_ids for d in documents], dtype=np.int64)).unsqueeze(0),
         labels=torch.from_numpy(np.concatenate([d.labels for d in documents], dtype=np.int64)).unsqueeze(0),
@@ -111,8 +118,34 @@ def collate_packed(
         doc_sources=[d.source for d in documents if d.doc_id >= 0],
         doc_desirable=[d.desirable for d in documents if d.doc_id >= 0],
         doc_margins=[d.margin for d in documents if d.doc_id >= 0],
+        token_values=token_values,
+        doc_values=doc_values,
         padding=sum(len(d) for d in documents if d.doc_id < 0),
     )
+
+
+def _declared_values(documents: list[Document]) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
+    """The documents' per-token values back to back (padding: 0) and their per-document values, by name. A
+    document without a name the others have is refused: a value missing is not a value of 0."""
+    real = [d for d in documents if d.doc_id >= 0]
+    token_names = sorted({name for d in real for name in d.token_values})
+    doc_names = sorted({name for d in real for name in d.doc_values})
+    for d in real:
+        missing = [n for n in token_names if n not in d.token_values] + [n for n in doc_names if n not in d.doc_values]
+        if missing:
+            raise ValueError(f"document {d.doc_id} has no value {missing}, which other documents of its batch have")
+        wrong = [n for n in token_names if len(d.token_values[n]) != len(d)]
+        if wrong:
+            raise ValueError(f"document {d.doc_id}: token values {wrong} are not one per token ({len(d)} tokens)")
+    tokens = {
+        name: torch.from_numpy(
+            np.concatenate(
+                [d.token_values[name] if d.doc_id >= 0 else np.zeros(len(d)) for d in documents], dtype=np.float32
+            )
+        ).unsqueeze(0)
+        for name in token_names
+    }
+    return tokens, {name: [float(d.doc_values[name]) for d in real] for name in doc_names}
 
 
 def _positions(lengths: list[int]) -> torch.Tensor:

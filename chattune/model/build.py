@@ -49,7 +49,7 @@ from chattune.model.peft.adapters import add_adapters, initial_values, set_dora_
 from chattune.model.quantization import quantize
 from chattune.model.quantization.float8 import convert_linear_layers, fp8_problem
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
-from chattune.parallel.fsdp import TORCH_DTYPES, compile_enabled, compute_dtype, parallel_dims_of, shard_model
+from chattune.parallel.fsdp import TORCH_DTYPES, Placement, compile_enabled, compute_dtype, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class BuiltModel(NamedTuple):
     hf_model: PreTrainedModel  # the Hugging Face model (with the adapters injected, if any)
     model: PackedCausalLM | PackedSequenceScorer  # the sharded loss-head model around it (FSDP2): what trains
     peft_model: PeftModel | None  # peft's handle on the adapters (None: full fine-tuning)
+    placement: Placement  # where and how `model` computes (`chattune.parallel.fsdp.shard_model`'s record)
 
 
 def build_trained_model(
@@ -200,14 +201,9 @@ def build_sharded_model(
     if fp8:  # the decoder layers' linear layers, before compiling and sharding them
         converted = convert_linear_layers(decoder_layers(packed), fp8)
         logger.info("model.fp8=%s: %d linear layers of the decoder in float8 (torchao)", fp8, converted)
-    model = shard_model(
-        packed,
-        dims,
-        **config_dict(cfg.model.fsdp),
-        compile=compile,
-        replicated=replicated,
-    )
-    describe_compute(model, device_type, memory_levers(cfg))
+    model = packed
+    placement = shard_model(model, dims, **config_dict(cfg.model.fsdp), compile=compile, replicated=replicated)
+    describe_compute(model, placement, memory_levers(cfg))
     if dims.cp > 1:
         logger.info(
             "context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
@@ -218,10 +214,12 @@ def build_sharded_model(
     model.composite = composite if head is CAUSAL_LM_HEAD else None
     if files is not None:
         keys = composite.stored_names if composite is not None else None
-        load.materialise_and_load(model, hf_model, directory, files, dims.device, initial, keys)
+        load.materialise_and_load(
+            model, hf_model, directory, files, dims.device, initial, keys, cpu_offload=placement.cpu_offload
+        )
     if adapters is not None and adapters.use_dora:
         set_dora_magnitudes(hf_model)  # from the loaded (or quantized) base: the norms of the weights it runs with
-    return BuiltModel(hf_model, model, peft_model)
+    return BuiltModel(hf_model, model, peft_model, placement)
 
 
 _described: set[str] = set()
@@ -245,16 +243,17 @@ def _compiles(setting: bool | str, device_type: str, quantized: bool, tensor_par
     return compile
 
 
-def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: str, levers: str = "") -> None:
+def describe_compute(model: PackedCausalLM | PackedSequenceScorer, placement: Placement, levers: str = "") -> None:
     """Log once what a step runs: the attention path, the output layer's loss (or the score head), whether
     the decoder layers are compiled and the memory `levers` in use; warn where a setting makes the CUDA path slow
     (nothing falls back silently)."""
+    device_type, dtype = placement.device.type, placement.compute_dtype
     line = (
-        f"compute: {model.compute_dtype} on {device_type}; attention: "
-        f"{attention_backend(device_type, model.compute_dtype, attention_features(model.hf_model))}; "
+        f"compute: {dtype} on {device_type}; attention: "
+        f"{attention_backend(device_type, dtype, attention_features(model.hf_model))}; "
         f"{model.describe_head()}; "
-        f"decoder layers {'compiled' if model.compiled else 'not compiled'}; "
-        f"mesh: {parallel_dims_of(model).describe()}"
+        f"decoder layers {'compiled' if placement.compiled else 'not compiled'}; "
+        f"mesh: {placement.dims.describe()}"
     )
     mixer_paths = mixer_path_name(set(handled_mixers(model.hf_model).values()), device_type)
     if mixer_paths:
@@ -265,7 +264,7 @@ def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: 
     transform = getattr(model, "logit_transform", None)  # a causal LM's (a score head has none)
     if transform is not None and transform.describe():
         line += f"; output logits: {transform.describe()}"
-    experts = experts_implementation(model.hf_model, model.compiled, model.compute_dtype)
+    experts = experts_implementation(model.hf_model, placement.compiled, dtype)
     if experts:
         line += f"; experts: {experts}"
     if model.router_loss is not None:
@@ -276,7 +275,7 @@ def describe_compute(model: PackedCausalLM | PackedSequenceScorer, device_type: 
         return
     _described.add(line)
     logger.info(line)
-    if device_type == "cuda" and model.compute_dtype == "float32":
+    if device_type == "cuda" and dtype == "float32":
         logger.warning(
             "model.fsdp.param_dtype=float32 on CUDA: attention runs per document through SDPA (a loop "
             "over documents, a graph break in every compiled layer) and every matmul in fp32, several "

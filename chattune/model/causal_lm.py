@@ -65,7 +65,6 @@ class PackedCausalLM(nn.Module):
         self.logit_transform = LogitTransform.from_config(hf_model.config)  # verified by check_output_head
         self.router_loss = router_loss
         self.flops = model_flops(hf_model)  # counted here, before sharding hides the full shapes
-        self.compiled, self.compute_dtype = False, "float32"  # as `chattune.parallel.fsdp.shard_model` applies them
         self.stream: Stream | None = (
             None  # tensor parallelism's (`chattune.parallel.tensor_parallel`), set by shard_model
         )

@@ -24,7 +24,7 @@ from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.checks.architecture import MINIATURE_LAYERS, miniature_config
 from chattune.model.checks.code_failures import where_it_fails
 from chattune.model.cost.flops import text_config
-from chattune.parallel.fsdp import can_stay_gathered, eager_layers, model_device, reshard, stay_gathered
+from chattune.parallel.fsdp import Placement, can_stay_gathered, eager_layers, model_device, reshard, stay_gathered
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,13 @@ def generate_reply(
     sampling: Sampling,
     stop_ids: list[int],
     synced: bool = False,
+    device: torch.device | None = None,
 ) -> Reply:
     """The model's reply to the prompt `ids` (`prompt_ids`). `model`: a Hugging Face causal LM (or a peft model
     over one), or chattune's sharded `PackedCausalLM` inside `sharded_generation`, where every rank must call
-    this alike with `synced=True`. Sampling draws from torch's global RNG (seed it for a repeatable reply)."""
-    device = model_device(model)
+    this alike with `synced=True`, on its `Placement`'s `device` (None: the parameters', a plain model's). Sampling
+    draws from torch's global RNG (seed it for a repeatable reply)."""
+    device = device or model_device(model)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     output = model.generate(
@@ -108,7 +110,7 @@ def generate_reply(
 
 
 @contextlib.contextmanager
-def sharded_generation(model: PackedCausalLM, gather: bool | None = None) -> Iterator[bool]:
+def sharded_generation(model: PackedCausalLM, placement: Placement, gather: bool | None = None) -> Iterator[bool]:
     """Collective: the sharded model being trained, ready for `generate_reply`: eval mode (no dropout), no
     gradients, its decoder layers uncompiled (`chattune.parallel.fsdp.eager_layers`); afterwards its mode as it was
     and every FSDP unit resharded (the root stays gathered after a forward method).
@@ -120,7 +122,7 @@ def sharded_generation(model: PackedCausalLM, gather: bool | None = None) -> Ite
     was_training = model.training
     model.eval()
     if gather is None:
-        gather = can_stay_gathered(model, model_device(model))
+        gather = can_stay_gathered(model, placement)
     try:
         with torch.no_grad(), eager_layers(model), stay_gathered(model) if gather else contextlib.nullcontext():
             yield gather

@@ -40,7 +40,7 @@ SCORE_MODULE = "score"  # transformers' name for the head of its decoder models'
 class PackedSequenceScorer(nn.Module):
     """The FSDP root around a sequence-classification model: its forward gathers the root's parameters
     (embeddings, final norm, score head) as `PackedCausalLM`'s does, and the loop reads the same attributes
-    (`source_dtype`, `flops`, `compiled`, `compute_dtype`)."""
+    (`source_dtype`, `flops`)."""
 
     def __init__(self, hf_model: PreTrainedModel, source_dtype: torch.dtype | None = None):
         super().__init__()
@@ -52,7 +52,6 @@ class PackedSequenceScorer(nn.Module):
         self.composite = None
         self.router_loss = None  # a MoE model's router loss is not trained next to a reward (the builder refuses it)
         self.flops = model_flops(hf_model)
-        self.compiled, self.compute_dtype = False, "float32"  # as `chattune.parallel.fsdp.shard_model` applies them
         self.stream: Stream | None = (
             None  # tensor parallelism's (`chattune.parallel.tensor_parallel`), set by shard_model
         )

@@ -27,10 +27,10 @@ from chattune.config.typed import config_dict
 from chattune.data.ingest.fingerprint import data_file_fingerprints
 from chattune.data.packing import PackedBatch, empty_batch
 from chattune.data.templates.template_choice import template_fingerprint
-from chattune.distributed import all_reduce_max, all_reduce_sum
+from chattune.distributed import ParallelDims, all_reduce_max, all_reduce_sum
 from chattune.hub import local_directory
 from chattune.objectives.dpo import pair_logps
-from chattune.parallel.fsdp import parallel_dims_of, reshard
+from chattune.parallel.fsdp import reshard
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def cache_key(fingerprint: dict) -> str:
 
 @torch.no_grad()
 def compute_reference_table(
-    reference: nn.Module, batches: Iterable[PackedBatch], num_records: int, device: torch.device, pad_token_id: int
+    reference: nn.Module, batches: Iterable[PackedBatch], num_records: int, dims: ParallelDims, pad_token_id: int
 ) -> torch.Tensor:
     """Collective: (num_records, 2) float64 table of (chosen, rejected) reference log-probs, each rank
     computing its own share's rows from `batches`. Ranks with fewer batches run empty ones (every FSDP
@@ -116,7 +116,7 @@ def compute_reference_table(
     filled = torch.zeros(num_records, dtype=torch.float64)
     batches = iter(batches)
     # context parallelism: the group's ranks compute the same rows, and its first one fills them
-    fills = parallel_dims_of(reference).reports_rows
+    fills, device = dims.reports_rows, dims.device
     while True:
         batch = next(batches, None)
         if all_reduce_max(int(batch is not None), device) == 0:
@@ -141,14 +141,14 @@ def load_or_build(
     num_records: dict[str, int],
     make_reference: Callable[[], nn.Module],
     make_batches: Callable[[str], Iterable[PackedBatch]],
-    device: torch.device,
+    dims: ParallelDims,
     pad_token_id: int,
-    is_main: bool,
 ) -> dict[str, torch.Tensor]:
     """Collective: the reference table of each named split (e.g. "train", "eval"), loaded from
     `cache_dir` where a valid one is stored, else computed with one reference model (built only if some
-    table is missing) and stored by rank 0."""
+    table is missing, sharded on `dims`) and stored by rank 0."""
     tables: dict[str, torch.Tensor] = {}
+    device = dims.device
     for split, fingerprint in fingerprints.items():
         path = cache_dir / f"{split}-{cache_key(fingerprint)}.pt"
         table = _load(path, fingerprint, num_records[split])
@@ -165,10 +165,8 @@ def load_or_build(
         logger.info(
             "reference log-probs of %s: computing %d records (one pass) into %s", split, num_records[split], path
         )
-        tables[split] = compute_reference_table(
-            reference, make_batches(split), num_records[split], device, pad_token_id
-        )
-        if is_main:
+        tables[split] = compute_reference_table(reference, make_batches(split), num_records[split], dims, pad_token_id)
+        if dims.is_main:
             cache_dir.mkdir(parents=True, exist_ok=True)
             content = {"fingerprint": fingerprints[split], "table": tables[split]}
             _write_atomically(path, lambda f, content=content: torch.save(content, f))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,13 +27,45 @@ from torch.distributed.fsdp import (
 from torch.utils.checkpoint import checkpoint
 
 from chattune.config.schema import DTYPES, FSDPConfig
-from chattune.distributed import ParallelDims, spare_device_memory, world_size
+from chattune.distributed import ParallelDims, spare_device_memory
 from chattune.hf_layout import decoder_layers
 from chattune.parallel import tensor_parallel
 from chattune.parallel.offload import ActivationOffload
 from chattune.parallel.vocab_parallel import parallelize_vocabulary
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a sharded model computes: what `shard_model` applied, handed explicitly to what reads it (the
+    update step, the evaluation, the reference pass, generation, the loop's figures) and never kept on the model.
+
+    `dims`: the run's layout (its device, its data, context and tensor groups). `compiled`: the decoder layers run
+    compiled. `compute_dtype`: what FSDP2 gathers the parameters in (fp32 masters either way). `cpu_offload`: the
+    shards, their gradients and the optimizer step live on the host. `activation_offload`: a training forward's
+    saved tensors go to host memory under its hooks (None: they stay)."""
+
+    dims: ParallelDims
+    compiled: bool = False
+    compute_dtype: str = "float32"
+    cpu_offload: bool = False
+    activation_offload: ActivationOffload | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (under `cpu_offload` its shards live on the host)."""
+        return self.dims.device
+
+    @classmethod
+    def one_rank(cls, device: torch.device | str = "cpu") -> Placement:
+        """An unsharded model on one process (a plain HF model, a test's): fp32, nothing compiled or offloaded."""
+        return cls(ParallelDims.one_rank(torch.device(device)))
+
+    def training_forward(self) -> contextlib.AbstractContextManager:
+        """The context a training forward runs under: the activation offload's hooks, or nothing."""
+        offload = self.activation_offload
+        return offload.hooks() if offload is not None else contextlib.nullcontext()
 
 
 def compute_dtype(param_dtype: str, device_type: str) -> str:
@@ -109,23 +142,23 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def gathered_size(model: nn.Module) -> int:
+def gathered_size(model: nn.Module, compute_dtype: str = "float32") -> int:
     """Bytes of `model`'s parameters gathered whole in the dtype they compute in (FSDP2's param_dtype)."""
-    dtype = TORCH_DTYPES[getattr(model, "compute_dtype", None) or "float32"]
-    element = torch.empty((), dtype=dtype).element_size()
+    element = torch.empty((), dtype=TORCH_DTYPES[compute_dtype]).element_size()
     return sum(
         p.numel() * element if p.is_floating_point() else p.numel() * p.element_size() for p in model.parameters()
     )
 
 
-def can_stay_gathered(model: nn.Module, device: torch.device) -> bool:
+def can_stay_gathered(model: nn.Module, placement: Placement) -> bool:
     """Collective: whether every rank has room for the whole model gathered (`stay_gathered`) with half its free
     device memory to spare. The CPU always has: the models trained there are small. Every rank gets the same
     answer (an all-reduce), since a rank that gathered alone would skip its peers' all-gathers. Free memory counts
     the allocator's cached blocks: a large model's training leaves most of the device cached, not free."""
+    device = placement.device
     if device.type != "cuda":
         return True
-    room = float(spare_device_memory(device)) - 2.0 * gathered_size(model)
+    room = float(spare_device_memory(device)) - 2.0 * gathered_size(model, placement.compute_dtype)
     if torch.distributed.is_initialized():
         least = torch.tensor([room], device=device)
         torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
@@ -160,19 +193,19 @@ def shard_model(
     compile: bool = False,
     replicated: set[nn.Parameter] | None = None,
     **fsdp: Any,
-) -> nn.Module:
+) -> Placement:
     """`model`: the packed model (`chattune.model.causal_lm.PackedCausalLM`, or a reward model's
     `PackedSequenceScorer`) around its HF model. `dims`: the run's layout (`chattune.distributed.ParallelDims`,
     built on its process group): the decoder
     layers split over its tp group (`chattune.parallel.tensor_parallel`) with the vocabulary
     (`chattune.parallel.vocab_parallel`), then each parameter sharded over its
-    `fsdp_mesh`; the model keeps it (`parallel_dims_of`) for the step and the figures.
+    `fsdp_mesh`, in place.
     `replicated`: parameters FSDP2 leaves whole on every rank (a 4-bit base, chattune.model.quantization.quantize). `fsdp`: the
     keys of `model.fsdp` (`FSDPConfig`; those not given keep its defaults): the compute and reduction dtypes,
     activation checkpointing, offloaded activations (a training forward's saved tensors in host memory,
     `chattune.parallel.offload`) and CPU offload (the shards, their gradients and the optimizer step on the host,
-    FSDP2's CPUOffloadPolicy). The model records what was applied (`compiled`, `compute_dtype`, `compute_device`,
-    `cpu_offload`, `activation_offload`, `parallel_dims`): the loop, the loader and the logs read it there."""
+    FSDP2's CPUOffloadPolicy). Returns what was applied (`Placement`): the caller hands it to what reads it, the
+    model keeps none of it."""
     settings = FSDPConfig(**fsdp)
     activation_checkpointing, cpu_offload = settings.activation_checkpointing, settings.cpu_offload
     tp_mesh = dims.mesh("tp")
@@ -191,10 +224,9 @@ def shard_model(
     device_type = device.type
     param_dtype = compute_dtype(settings.param_dtype, device_type)
     mesh = dims.fsdp_mesh
-    model.compiled, model.compute_dtype, model.compute_device = compile, param_dtype, device
-    model.parallel_dims = dims
-    model.cpu_offload = cpu_offload
-    model.activation_offload = ActivationOffload(device) if settings.offload_activations else None
+    placement = Placement(
+        dims, compile, param_dtype, cpu_offload, ActivationOffload(device) if settings.offload_activations else None
+    )
     # Parameters stay fp32 in their shards (the optimizer's master copy); FSDP casts them to
     # param_dtype when it gathers them for compute, and reduces gradients in reduce_dtype.
     policy = MixedPrecisionPolicy(
@@ -214,23 +246,10 @@ def shard_model(
             # gradient reduction must be a plain sum, not FSDP's default average.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def parallel_dims_of(model: nn.Module) -> ParallelDims:
-    """The layout `model` was sharded with (`shard_model`); a model never sharded runs on one process."""
-    dims = getattr(model, "parallel_dims", None)
-    if dims is not None:
-        return dims
-    if world_size() > 1:
-        raise ValueError(
-            f"{type(model).__name__} was not sharded by shard_model(model, dims): its layout over the "
-            f"{world_size()} ranks is unknown"
-        )
-    return ParallelDims.one_rank(model_device(model))
+    return placement
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """Where `model` computes: the device `shard_model` recorded (its shards may live on the host, `cpu_offload`),
-    else its parameters' (a plain HF model)."""
-    return getattr(model, "compute_device", None) or next(model.parameters()).device
+    """Where an unsharded `model` (a plain HF model, or a peft model over one) computes: its parameters' device. A
+    sharded model's is its `Placement`'s."""
+    return next(model.parameters()).device

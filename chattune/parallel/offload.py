@@ -285,9 +285,3 @@ class ActivationOffload:
         if saved.uses == 0:  # the last use lets it go
             saved.on_device, saved.ready = None, None
         return on_device
-
-
-def activation_offload(model: nn.Module) -> contextlib.AbstractContextManager:
-    """The context a training forward of `model` runs under: its offloading hooks, or nothing."""
-    offload = getattr(model, "activation_offload", None)
-    return offload.hooks() if offload is not None else contextlib.nullcontext()

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_max, all_reduce_sum, host_values_on
+from chattune.distributed import ParallelDims, all_reduce_max, all_reduce_sum, host_values_on
 from chattune.objectives.base import Objective
-from chattune.parallel.fsdp import parallel_dims_of, reshard
+from chattune.parallel.fsdp import Placement, reshard
 from chattune.train.progress import Progress
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ def evaluate(
     model: nn.Module,
     objective: Objective,
     batches: list[PackedBatch],
-    device: torch.device,
+    dims: ParallelDims,
     pad_token_id: int,
     progress: Progress | None = None,
 ) -> dict[str, float]:
@@ -38,13 +38,12 @@ def evaluate(
     shows where a long evaluation is (rank 0)."""
     # The losses and figures summed on the device (no transfer per batch: `float(loss)` waited for each batch's
     # kernels); the units on the host. One transfer at the end, with the all-reduce.
+    device = dims.device
     on_device: dict[str, torch.Tensor] = {"loss_sum": torch.zeros((), dtype=torch.float64, device=device)}
     units = 0.0
     was_training = model.training
     model.eval()
-    weight = (
-        1.0 if parallel_dims_of(model).reports_rows else 0.0
-    )  # context parallelism: a row's figures count on one rank of its group
+    weight = 1.0 if dims.reports_rows else 0.0  # context parallelism: a row's figures count on one rank of its group
     total = all_reduce_max(len(batches), device)
     held_out = [batches[i] if i < len(batches) else empty_batch(pad_token_id) for i in range(total)]
     local = objective.step_statistics(model, held_out, device)  # KTO: its reference point over the whole set first
@@ -86,16 +85,16 @@ def start_metrics(
     model: nn.Module,
     objective: Objective,
     batches: list[PackedBatch],
-    device: torch.device,
+    dims: ParallelDims,
     pad_id: int,
     progress: Progress | None = None,
 ) -> dict[str, float]:
     """Collective: the held-out metrics before the first step (`eval_*`): those the objective knows without a
     forward (`known_start_metrics`: DPO whose reference is the initial policy), else an evaluation."""
     # context parallelism: a row's figures count on one rank of its group (the others sum none)
-    metrics = objective.known_start_metrics(batches if parallel_dims_of(model).reports_rows else [], device)
+    metrics = objective.known_start_metrics(batches if dims.reports_rows else [], dims.device)
     if metrics is None:
-        return evaluate(model, objective, batches, device, pad_id, progress)
+        return evaluate(model, objective, batches, dims, pad_id, progress)
     logger.info(
         "step 0: held-out metrics known without evaluating (the reference is the initial policy: every "
         "reward 0, loss %.6g)%s",
@@ -117,13 +116,13 @@ class Evaluator:
         objective: Objective,
         batches: list[PackedBatch] | None,
         pad_id: int,
-        device: torch.device,
+        placement: Placement,
         samples: EvalSamples | None,
         every: Every,
         progress: Progress | None = None,
     ):
         self.model, self.objective, self.batches, self.pad_id = model, objective, batches, pad_id
-        self.device, self.samples, self.every, self.progress = device, samples, every, progress
+        self.placement, self.samples, self.every, self.progress = placement, samples, every, progress
 
     def due(self, step: int) -> bool:
         evaluates = self.batches is not None or self.samples is not None
@@ -147,9 +146,11 @@ class Evaluator:
         if self.batches is None:
             return {}
         score = start_metrics if step == 0 else evaluate
-        return score(self.model, self.objective, self.batches, self.device, self.pad_id, self.progress)
+        return score(self.model, self.objective, self.batches, self.placement.dims, self.pad_id, self.progress)
 
     def sample(self, step: int) -> None:
         """Collective: the sample prompts' replies, written to samples.jsonl (and wandb); nothing without prompts."""
         if self.samples is not None:
-            self.samples(cast("PackedCausalLM", self.model), step)  # (sample replies: a causal LM's alone)
+            self.samples(
+                cast("PackedCausalLM", self.model), self.placement, step
+            )  # (sample replies: a causal LM's alone)

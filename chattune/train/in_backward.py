@@ -25,20 +25,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from chattune.parallel.fsdp import Placement
 from chattune.parallel.tensor_parallel import split_over
 
 
 class UpdateInBackward:
     """Hooks on the trained parameters of `model` that step `optimizer` with each one's gradient as it arrives."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-        if getattr(model, "cpu_offload", False):  # FSDP2's copy of a gradient to the host completes with the backward
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, placement: Placement):
+        if placement.cpu_offload:  # FSDP2's copy of a gradient to the host completes with the backward
             raise ValueError("optimizer.in_backward cannot step a model under model.fsdp.cpu_offload")
         self.optimizer = optimizer
         # Under tensor parallelism a parameter whole on every rank of a tp group holds the same gradient T times:
         # its squares count 1/T on each (as `chattune.train.step` counts them).
-        self.tensor = getattr(getattr(model, "parallel_dims", None), "tp", 1)
-        self.local_squared_norm = torch.zeros((), dtype=torch.float64, device=device)
+        self.tensor = placement.dims.tp
+        self.local_squared_norm = torch.zeros((), dtype=torch.float64, device=placement.device)
         # Each parameter's group: its step sees that group holding that parameter alone (`_update`).
         self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self.handles = [

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.layout_rules import microbatch_ranks_problem
 from chattune.config.schema import SFTConfig
-from chattune.data.feed import InvariantSlots, StepFeed
+from chattune.data.feed import InvariantSlots, StepFeed, StepSource
 from chattune.data.ingest.cached_sources import open_documents
 from chattune.data.ingest.held_out import held_out_line, hold_out, joined
 from chattune.data.ingest.mixing_policy import Mixer, mixture_sampling
@@ -80,9 +80,9 @@ def step_layout(cfg: SFTConfig, dims: ParallelDims) -> StepLayout:
 
 @dataclass
 class TrainingData:
-    train: MixedDocuments
+    train: MixedDocuments | None  # the training records (None: a recipe's own steps, not read from records)
     eval: MixedDocuments | None  # data.eval_split's held-out records and data.eval's sources; None: no eval
-    feed: StepFeed  # each step's microbatches on this rank
+    feed: StepSource  # each step's microbatches on this rank (`StepFeed`: read from the records)
     eval_batches: list[PackedBatch]  # this rank's share of the held-out data
     mixer: Mixer | None  # data.mixing static or online; None: the sources are concatenated
     pad_id: int  # what pads an empty microbatch (`chattune.data.templates.tokenizer.pad_token_id`)

@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from chattune.checkpoint.snapshot import Snapshots, SnapshotsWhenSlow, advise, k
 from chattune.config.schema import SFTConfig
 from chattune.config.typed import config_dict
 from chattune.data.documents import SKIP_REASONS
-from chattune.data.feed import DocumentLedger, StepBatches, StepFeed
+from chattune.data.feed import DocumentLedger, StepSource
 from chattune.data.ingest.report import epoch_line
 from chattune.data.ingest.sources import row_budget
 from chattune.distributed import ParallelDims, reduce_sums
@@ -48,7 +49,8 @@ from chattune.model.cost.flops import batch_flops, peak_flops
 from chattune.model.io.export import export_run
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.base import Objective
-from chattune.parallel.fsdp import compiled_graphs, parallel_dims_of
+from chattune.parallel.fsdp import Placement, compiled_graphs
+from chattune.train.callbacks import Callback, SaveCheckpoints, ShowProgress, StepReport, Update
 from chattune.train.evaluation import Evaluator
 from chattune.train.in_backward import UpdateInBackward
 from chattune.train.inputs import TrainingData
@@ -80,23 +82,19 @@ def train(
     data: TrainingData,
     learning: Learning,
     tokenizer: PreTrainedTokenizerBase,
+    callbacks: Sequence[Callback] = (),
 ) -> None:
     """Collective: train until max_steps (or data.num_epochs), then write the Hugging Face directory
     `output_dir/hf`; or stop after `stop_after_step` or a stop signal, its checkpoint saved. `start` is what the
     launch continues (`chattune.checkpoint.output_dir.claim_output_dir`); `built` and `data` are the builder's and
     the data set-up's results. With LoRA (`built.peft_model`), the export is a peft adapter directory,
-    `output_dir/adapter`, and with export.merge the merged model in `hf`."""
-    run = set_up(cfg, dims, start, built, data, learning, tokenizer)
-    feed, metric_logger, evaluator, checkpointer = data.feed, run.metric_logger, run.evaluator, run.checkpointer
-    if run.start_step == 0 and evaluator.due(0):  # the starting point of the held-out curve
-        started = time.perf_counter()  # (on a CPU this can take minutes: said before, timed after)
-        logger.info(
-            "step 0: %s, before the first step (eval_every=0 and eval.samples=0 leave them out)", evaluator.describe()
-        )
-        if held_out := evaluator.held_out(0):
-            metric_logger.log({"step": 0, **held_out})
-        evaluator.sample(0)
-        logger.info("step 0: evaluated in %.1f s", time.perf_counter() - started)
+    `output_dir/adapter`, and with export.merge the merged model in `hf`. The steps come from `data.feed`, any
+    `chattune.data.feed.StepSource`; `callbacks` are the recipe's own components, called after the run's
+    (`chattune.train.callbacks`)."""
+    run = set_up(cfg, dims, start, built, data, learning, tokenizer, callbacks)
+    feed = data.feed
+    for callback in run.callbacks:
+        callback.pre_train(run.start_step)
 
     last_step = run.start_step
     for step in range(run.start_step + 1, cfg.max_steps + 1):
@@ -107,19 +105,13 @@ def train(
         # trained yet to save, and a stop during the set-up is cheaper to finish than to relaunch.)
         if step > 1 and run.horizon.stops_before(step):
             return stop(run, step - 1)
+        for callback in run.callbacks:
+            callback.pre_step(step)
         update = run.updates.run(step)
         last_step = step
         run.horizon.hear(update.result.stop_ranks)  # a stop signal on any rank (agreed in the step's all-reduce)
-        # (collective: every rank decides alike; never after a stop signal, whose grace belongs to the checkpoint)
-        evaluating = evaluator.due(step)
-        if metric_logger.due(step) or evaluating or update.mixing:
-            metric_logger.log({**run.updates.metrics(update), **(evaluator.held_out(step) if evaluating else {})})
-        if evaluating:
-            evaluator.sample(step)
-        run.progress.update(step, metric_logger.last)
-        maybe_slow("after_step", step)  # fault injection: work after the step's all-reduce, as a long save takes
-        # a checkpoint where due, else with snapshot_steps a copy in host memory
-        checkpointer.after_step(step, run.updates.timer.host_seconds())
+        for callback in run.callbacks:  # metrics and evaluations, progress, checkpoints, then the recipe's own
+            callback.post_step(update)
         if run.horizon.stops_after(step) and not run.horizon.is_last(step):
             return stop(run, step)
         if run.horizon.signalled:  # the last step: the run is complete, and its export is what a relaunch would do
@@ -130,21 +122,10 @@ def train(
         if feed.finished:
             logger.info("data.num_epochs=%d epochs done at step %d", cfg.data.num_epochs, step)
             break
-    run.progress.close()
+    for callback in run.callbacks:
+        callback.post_train(last_step)
+        callback.close()
     finish(cfg, dims, built, run, tokenizer, last_step)
-
-
-@dataclass
-class Update:
-    """One update step as it went: its result and gradient norm (NaN: skipped), the learning rate it used,
-    its microbatches, and a mixture's online update where the step made one."""
-
-    step: int
-    result: StepResult
-    grad_norm: float
-    lr: float
-    batches: StepBatches
-    mixing: dict[str, float] | None = None
 
 
 class UpdateSteps:
@@ -158,22 +139,23 @@ class UpdateSteps:
         cfg: SFTConfig,
         model: torch.nn.Module,
         learning: Learning,
-        feed: StepFeed,
+        feed: StepSource,
         skipped: SkippedSteps,
         loss_scale: LossScale,
-        device: torch.device,
+        placement: Placement,
         ledger: DocumentLedger | None = None,
     ):
-        self.cfg, self.model, self.learning, self.feed, self.device = cfg, model, learning, feed, device
+        self.cfg, self.model, self.learning, self.feed = cfg, model, learning, feed
+        self.placement, self.dims, self.device = placement, placement.dims, placement.device
         self.skipped, self.loss_scale, self.ledger = skipped, loss_scale, ledger
+        device = self.device
         self.timer = StepTimer(device)
-        self.dims = parallel_dims_of(model)
         # plain torchrun's, where nothing else saves a stop (snapshot_steps=auto starts snapshots instead)
         self.grace = killing_grace_s(snapshots_on=cfg.snapshot_steps is not False)
         self.advised = False  # said that steps outlast it (`advise`)
         self.peak = peak_flops(device)  # the device's peak FLOP/s (MFU), None where unknown
         in_backward = getattr(cfg.optimizer, "in_backward", False)  # (a library caller's config may leave it out)
-        self.in_backward = UpdateInBackward(model, learning.optimizer, device) if in_backward else None
+        self.in_backward = UpdateInBackward(model, learning.optimizer, placement) if in_backward else None
 
     def run(self, step: int) -> Update:
         """Collective: update step `step` (its microbatches: grad_accum_steps per rank, or with world-size-invariant
@@ -194,11 +176,12 @@ class UpdateSteps:
             UpdateRule(
                 learning.optimizer, learning.scheduler, self.cfg.max_grad_norm, self.loss_scale, self.in_backward
             ),
-            self.device,
+            self.placement,
             stop_requested=lambda: interrupts.requested() is not None,
         )
         self.timer.stop()
-        self.advised = self.advised or advise(self.timer.host_seconds(), self.grace)
+        host_seconds = self.timer.host_seconds()
+        self.advised = self.advised or advise(host_seconds, self.grace)
         closed_epochs = feed.close_step(result.ranks_at_epoch_end)
         if result.global_units == 0 and step == 1:  # (with the data report on, caught before the model loads)
             raise UserError(
@@ -206,7 +189,7 @@ class UpdateSteps:
                 "skipped or train nothing; `chattune inspect` with this config shows what each record gives"
             )
         self._count_skipped(step, result, grad_norm)
-        update = Update(step, result, grad_norm, lr, batches)
+        update = Update(step, result, grad_norm, lr, batches, host_seconds)
         if feed.mixer is not None:  # a mixture: per-source sums, and online mixing's update (collective)
             feed.mixer.observe(result.figures, math.isfinite(grad_norm))
             update.mixing = feed.mixer.maybe_update(step, self.device)
@@ -262,7 +245,7 @@ class UpdateSteps:
         metrics.update({"epoch": update.batches.epoch, **self.skipped.counts, **(update.mixing or {})})
         if self.loss_scale.enabled:
             metrics["loss_scale"] = self.loss_scale.scale
-        if model.compiled:  # as the builder decided (a 4-bit base stays uncompiled under model.compile=auto)
+        if self.placement.compiled:  # as the builder decided (a 4-bit base stays uncompiled under model.compile=auto)
             metrics["compiled_graphs"] = compiled_graphs()
         if self.feed.mixer is not None:
             metrics.update(self.feed.mixer.metrics(device))
@@ -281,6 +264,7 @@ class Run:
     evaluator: Evaluator
     checkpointer: Checkpointer
     progress: Progress
+    callbacks: list[Callback]  # the run's components (`chattune.train.callbacks`), then the recipe's
 
 
 def set_up(
@@ -291,12 +275,13 @@ def set_up(
     data: TrainingData,
     learning: Learning,
     tokenizer: PreTrainedTokenizerBase,
+    callbacks: Sequence[Callback] = (),
 ) -> Run:
     """Collective: the run state, restored from the checkpoint `start` continues (if any), and the loop's
     components, each told its timing."""
     device, output_dir, model, feed = dims.device, Path(cfg.output_dir), built.model, data.feed
     # fp16 compute needs loss scaling (its gradients underflow otherwise); bf16 and fp32 run unscaled.
-    loss_scale = LossScale(enabled=model.compute_dtype == "float16")
+    loss_scale = LossScale(enabled=built.placement.compute_dtype == "float16")
     skipped = SkippedSteps(overflow=loss_scale.enabled)
     state = training_state(model, learning.optimizer, learning.scheduler, feed, skipped, loss_scale)
     resumed = start.resume_from is not None
@@ -317,7 +302,7 @@ def set_up(
     )
     # (one ledger per row: a context group's other ranks train the same documents)
     ledger = (
-        DocumentLedger(output_dir, dims.rank, start_step, data.train.origin)
+        DocumentLedger(output_dir, dims.rank, start_step, data.train.origin if data.train is not None else None)
         if cfg.ledger and dims.reports_rows
         else None
     )
@@ -358,13 +343,20 @@ def set_up(
         learning.eval_objective or learning.objective,
         held_out,
         data.pad_id,
-        device,
+        built.placement,
         samples,
         Every(cfg.eval_every, horizon),
         progress,
     )
-    updates = UpdateSteps(cfg, model, learning, feed, skipped, loss_scale, device, ledger)
-    return Run(start_step, updates, horizon, metric_logger, evaluator, checkpointer, progress)
+    updates = UpdateSteps(cfg, model, learning, feed, skipped, loss_scale, built.placement, ledger)
+    components: list[Callback] = [
+        StepReport(metric_logger, evaluator, updates.metrics),
+        ShowProgress(progress, metric_logger),
+        SaveCheckpoints(checkpointer),
+    ]
+    return Run(
+        start_step, updates, horizon, metric_logger, evaluator, checkpointer, progress, [*components, *callbacks]
+    )
 
 
 def stop(run: Run, step: int) -> None:
@@ -376,7 +368,9 @@ def stop(run: Run, step: int) -> None:
         checkpointer.save(step)
     checkpointer.close()  # the checkpoint is committed before the job's slice ends
     interrupts.stop_over()
-    run.progress.close()
+    for callback in run.callbacks:
+        callback.close()
+    run.updates.feed.close()
     run.metric_logger.close()
     release_output_dir()
     if run.horizon.signalled:  # every rank stops here, after the same step
@@ -399,12 +393,13 @@ def finish(
     checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory), and
     the record that the run is complete (`chattune.checkpoint.output_dir.write_completion`)."""
     device, output_dir = dims.device, Path(cfg.output_dir)
-    skipped = reduce_sums(run.updates.feed.skipped, device)
-    logger.info(
-        "training records over all ranks and epochs: skipped %s; over the budget and kept %s",
-        {k: int(skipped[k]) for k in SKIP_REASONS},
-        {k: int(skipped[k]) for k in skipped if k not in SKIP_REASONS},
-    )
+    if counted := run.updates.feed.skipped:  # (a recipe's own steps may skip nothing: {})
+        skipped = reduce_sums(counted, device)
+        logger.info(
+            "training records over all ranks and epochs: skipped %s; over the budget and kept %s",
+            {k: int(skipped.get(k, 0)) for k in SKIP_REASONS},
+            {k: int(skipped[k]) for k in skipped if k not in SKIP_REASONS},
+        )
 
     run.checkpointer.settle_snapshots(None)  # no snapshot written during the export
     run.checkpointer.close()
@@ -416,6 +411,7 @@ def finish(
     if dims.is_main:
         write_completion(cfg, run.checkpointer.manifest, step, sorted(written))
     interrupts.stop_over()  # (a signal in the last step: its export is written)
+    run.updates.feed.close()
     release_output_dir()
     scores, base_saved = isinstance(built.model, PackedSequenceScorer), cfg.peft is None or cfg.model.path is not None
     logger.info("%s", done_line(output_dir, written, scores=scores, base_saved=base_saved))

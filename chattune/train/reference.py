@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import DPOConfig, KTOConfig
+from chattune.data.ingest.sources import MixedDocuments
 from chattune.data.stream import StreamLayout
 from chattune.distributed import ParallelDims
 from chattune.model.build import BuiltModel, build_sharded_model
@@ -51,7 +52,10 @@ def reference_log_probs(
         live = LiveReference(reference_model())
         return live, live
     device = dims.device
-    splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
+    if data.train is None:
+        raise ValueError("reference.cache computes the reference log-probs of the training records: this run has none")
+    train: MixedDocuments = data.train
+    splits = {"train": train, **({"eval": data.eval} if data.eval is not None else {})}
     tables = reference_cache.load_or_build(
         Path(cfg.reference.cache_dir),
         {split: reference_cache.cache_fingerprint(cfg, split, device.type, dims.cp, documents) for split in splits},
@@ -67,8 +71,7 @@ def reference_log_probs(
             dims.cp,
             log_skips=False,
         ),
-        device,
+        dims,
         data.pad_id,
-        dims.is_main,
     )
     return CachedReference(tables["train"]), CachedReference(tables["eval"]) if data.eval is not None else None

@@ -38,6 +38,7 @@ from chattune.model.generate import (
     sharded_generation,
     stop_token_ids,
 )
+from chattune.parallel.fsdp import Placement
 from chattune.train.metrics import start_step_log
 
 logger = logging.getLogger(__name__)
@@ -112,23 +113,24 @@ class EvalSamples:
         self.stop_ids = stop_token_ids(tokenizer)
         self.ids = [prompt_ids(tokenizer, p.messages, p.tools) for p in prompts]
 
-    def answer(self, model: PackedCausalLM, gather: bool | None = None) -> list[str]:
+    def answer(self, model: PackedCausalLM, placement: Placement, gather: bool | None = None) -> list[str]:
         """Collective: every prompt's greedy reply (rank 0 gets them all, in prompt order; the others []).
-        `gather`: as `sharded_generation` (None: where it fits)."""
+        `placement`: the model's (`chattune.parallel.fsdp.shard_model`); `gather`: as `sharded_generation` (None:
+        where it fits)."""
         rank, world = self.dims.rank, self.dims.world_size
         # The ranks of a tp group split every layer of the model: they answer the same prompts, in step, and the
         # group's first one hands the replies on.
         group, groups = rank // self.dims.tp, world // self.dims.tp
         mine = list(range(group, len(self.ids), groups))
         replies: dict[int, str] = {}
-        with sharded_generation(model, gather) as on_its_own:
+        with sharded_generation(model, placement, gather) as on_its_own:
             if on_its_own:  # the model whole on every rank: no collective until the replies are gathered
                 for index in mine:
-                    replies[index] = self._reply(model, index, synced=False)
+                    replies[index] = self._reply(model, placement, index, synced=False)
             else:  # every forward gathers: the ranks take turns of one prompt each, in step
                 for turn in range(-(-len(self.ids) // groups)):
                     index = mine[min(turn, len(mine) - 1)] if mine else 0  # out of prompts: one again, dropped
-                    reply = self._reply(model, index, synced=world > 1)
+                    reply = self._reply(model, placement, index, synced=world > 1)
                     if turn < len(mine):
                         replies[index] = reply
         if world > 1:
@@ -139,8 +141,9 @@ class EvalSamples:
             replies = {index: text for part in gathered or [] if part is not None for index, text in part.items()}
         return [replies[i] for i in range(len(self.ids))]
 
-    def _reply(self, model: PackedCausalLM, index: int, synced: bool) -> str:
-        return generate_reply(model, self.tokenizer, self.ids[index], self.sampling, self.stop_ids, synced).text
+    def _reply(self, model: PackedCausalLM, placement: Placement, index: int, synced: bool) -> str:
+        ids, sampling = self.ids[index], self.sampling
+        return generate_reply(model, self.tokenizer, ids, sampling, self.stop_ids, synced, placement.device).text
 
     def write(self, step: int, replies: list[str]) -> None:
         """Rank 0: one line per prompt in samples.jsonl, and the step's table to wandb."""
@@ -160,10 +163,10 @@ class EvalSamples:
             )
             self.wandb_run.log({"samples": table}, step=step)
 
-    def __call__(self, model: PackedCausalLM, step: int) -> None:
+    def __call__(self, model: PackedCausalLM, placement: Placement, step: int) -> None:
         """Collective: answer the prompts with the model as it is at `step`, and write the replies."""
         started = time.perf_counter()
-        replies = self.answer(model)
+        replies = self.answer(model, placement)
         self.write(step, replies)
         if self.dims.is_main:
             logger.info(

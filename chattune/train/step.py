@@ -39,10 +39,9 @@ from torch.distributed.tensor import DTensor
 
 from chattune.data.feed import StepBatches
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import all_reduce_sum, host_values_on
+from chattune.distributed import ParallelDims, all_reduce_sum, host_values_on
 from chattune.objectives.base import Objective
-from chattune.parallel.fsdp import model_device, parallel_dims_of
-from chattune.parallel.offload import activation_offload
+from chattune.parallel.fsdp import Placement
 from chattune.parallel.tensor_parallel import split_over
 from chattune.train.in_backward import UpdateInBackward
 
@@ -60,7 +59,7 @@ class StepResult:
 
 
 @dataclass
-class _DeviceSums:
+class StepSums:
     """A step's figures while they are still on the device (read later, in the step's one transfer)."""
 
     counts: torch.Tensor  # int64 (2 + extras,): all ranks' loss units, ranks whose stream is done, `step_extras`
@@ -104,19 +103,22 @@ def _seeded(microbatches: list[PackedBatch], seeds: list[int] | None) -> Iterato
         yield batch
 
 
-def _forward_backward(
+def forward_backward(
     model: nn.Module,
     objective: Objective,
     batches: StepBatches,
-    device: torch.device,
+    placement: Placement,
     loss_scale: float,
     agree_before_backward: bool = False,
-) -> _DeviceSums:
-    """`agree_before_backward` (the update in the backward): the ranks agree that their losses are finite before
-    the backward, and none runs it otherwise (the backward is the update there, and a non-finite loss skips it)."""
-    microbatches, seeds = batches.microbatches, batches.seeds
+) -> StepSums:
+    """Collective: forward/backward every microbatch of one step with the global normaliser (the module
+    docstring); the gradients accumulate in the parameters, the step's sums stay on the device (`StepSums`) for
+    `optim_step`. `agree_before_backward` (the update in the backward): the ranks agree that their losses are
+    finite before the backward, and none runs it otherwise (the backward is the update there, and a non-finite
+    loss skips it)."""
+    microbatches, seeds, device = batches.microbatches, batches.seeds, placement.device
     # Context parallelism: every rank of a group trains the same rows, and only the first counts and reports them.
-    counted = parallel_dims_of(model).reports_rows
+    counted = placement.dims.reports_rows
     weight = 1.0 if counted else 0.0
     local_units = sum(objective.count_units(b) for b in microbatches) if counted else 0
     extras = step_extras(objective, microbatches if counted else [])
@@ -142,14 +144,14 @@ def _forward_backward(
     for index, batch in enumerate(microbatches):
         if seeds is not None:
             torch.manual_seed(seeds[index])
-        with activation_offload(model):  # the forward's saved tensors on the host, where model.fsdp asks
+        with placement.training_forward():  # the forward's saved tensors on the host, where model.fsdp asks
             batch_loss, batch_figures = objective.loss_sum(model, batch.to(device))
         if not agree_before_backward or _finite_on_every_rank(batch_loss):
             (batch_loss * scale if scale is not None else batch_loss / normaliser).backward()
         loss_sum += batch_loss.detach().float() * weight
         for name, value in batch_figures.items():
             figures[name] = figures.get(name, 0.0) + value.detach().double() * weight
-    return _DeviceSums(counts, loss_sum, figures, local_units, local_tokens)
+    return StepSums(counts, loss_sum, figures, local_units, local_tokens)
 
 
 def _finite_on_every_rank(loss: torch.Tensor) -> bool:
@@ -158,19 +160,20 @@ def _finite_on_every_rank(loss: torch.Tensor) -> bool:
 
 
 def accumulate_gradients(
-    model: nn.Module, objective: Objective, batches: StepBatches, device: torch.device, loss_scale: float = 1.0
+    model: nn.Module, objective: Objective, batches: StepBatches, placement: Placement, loss_scale: float = 1.0
 ) -> StepResult:
     """Forward/backward every microbatch of one step with the global normaliser. The gradients come out
     multiplied by `loss_scale` (fp16 loss scaling; `clip_gradients` divides it out). Whether this rank's data
     stream finished the epoch (`batches.epoch_end_reached`) is counted over ranks in the same all-reduce;
     `batches.seeds`: the RNG seed of each microbatch (world-size-invariant steps: dropout independent of which
-    rank runs it)."""
-    sums = _forward_backward(model, objective, batches, device, loss_scale)
+    rank runs it). `placement`: what `chattune.parallel.fsdp.shard_model` applied to `model`."""
+    sums = forward_backward(model, objective, batches, placement, loss_scale)
     return sums.result(torch.stack(sums.tensors()).tolist())
 
 
 def _clip_on_device(
     model: nn.Module,
+    dims: ParallelDims,
     max_norm: float | None,
     local_loss_finite: torch.Tensor,
     loss_scale: float,
@@ -186,7 +189,6 @@ def _clip_on_device(
     shards' norm, measured already (the update in the backward freed the gradients)."""
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [g for p in params if (g := p.grad) is not None]
-    dims = parallel_dims_of(model)
     # FSDP2 gradients are DTensor shards: each rank's squared norm covers only its shards, so they sum (each shard
     # counted once: divided by how many ranks hold it).
     if any(not isinstance(g, DTensor) for g in grads) and dims.world_size > 1:
@@ -219,14 +221,18 @@ def _clip_on_device(
 
 
 def clip_gradients(
-    model: nn.Module, max_norm: float | None, local_loss_finite: bool = True, loss_scale: float = 1.0
+    model: nn.Module,
+    placement: Placement,
+    max_norm: float | None,
+    local_loss_finite: bool = True,
+    loss_scale: float = 1.0,
 ) -> tuple[float, bool]:
     """(Total gradient norm over all ranks, whether every rank's loss was finite); the gradients are
     divided by `loss_scale` and clipped to max_norm when set. The norm is NaN on every rank when any rank's
     loss or gradients are non-finite: one all-reduce carries both, so all ranks decide alike (and tell
     an fp16 overflow, finite losses with non-finite gradients, from a non-finite loss)."""
-    finite = torch.tensor(local_loss_finite, device=model_device(model))
-    total_norm, losses_finite, _ = _clip_on_device(model, max_norm, finite, loss_scale)
+    finite = torch.tensor(local_loss_finite, device=placement.device)
+    total_norm, losses_finite, _ = _clip_on_device(model, placement.dims, max_norm, finite, loss_scale)
     norm, all_finite = torch.stack([total_norm, losses_finite.double()]).tolist()
     return norm, bool(all_finite)
 
@@ -283,10 +289,11 @@ def train_step(
     objective: Objective,
     batches: StepBatches,
     update: UpdateRule,
-    device: torch.device,
+    placement: Placement,
     stop_requested: Callable[[], bool] | None = None,
 ) -> tuple[StepResult, float]:
-    """One optimizer step: gradients, clipping, optimizer and scheduler (`update`). Returns the step and grad norm.
+    """One optimizer step: `forward_backward`, then `optim_step` (clipping, optimizer and scheduler: `update`).
+    Returns the step and grad norm.
 
     A non-finite grad norm (any rank's loss or gradients) means the optimizer did not step, on every rank:
     the parameters and optimizer state stay as they were (the schedule still advances with the step
@@ -294,7 +301,7 @@ def train_step(
     a lower scale on the next data) from a non-finite loss, for which the caller decides whether to go
     on or stop. `stop_requested`: whether this rank has received a stop signal, asked after the backward;
     `result.stop_ranks` counts the ranks that had."""
-    optimizer, scheduler, in_backward = update.optimizer, update.scheduler, update.in_backward
+    in_backward = update.in_backward
     loss_scale = update.loss_scale or LossScale(enabled=False)
     if in_backward is not None:
         if update.max_grad_norm is not None or loss_scale.enabled or len(batches.microbatches) != 1:
@@ -303,9 +310,25 @@ def train_step(
                 f"(max_grad_norm={update.max_grad_norm}, {len(batches.microbatches)} microbatches)"
             )
         in_backward.begin_step()
-    sums = _forward_backward(model, objective, batches, device, loss_scale.scale, in_backward is not None)
+    sums = forward_backward(model, objective, batches, placement, loss_scale.scale, in_backward is not None)
+    return optim_step(model, placement, sums, update, stop_requested)
+
+
+def optim_step(
+    model: nn.Module,
+    placement: Placement,
+    sums: StepSums,
+    update: UpdateRule,
+    stop_requested: Callable[[], bool] | None = None,
+) -> tuple[StepResult, float]:
+    """Collective: the update of the gradients `forward_backward` left (its `sums`): unscaled and clipped, the
+    step's one device-to-host transfer, the optimizer's step where every rank's losses and gradients are finite,
+    the loss scale and the schedule advanced, the gradients freed. Returns the step and its gradient norm."""
+    optimizer, scheduler, in_backward = update.optimizer, update.scheduler, update.in_backward
+    loss_scale = update.loss_scale or LossScale(enabled=False)
     total_norm, losses_finite, stop_ranks = _clip_on_device(
         model,
+        placement.dims,
         update.max_grad_norm,
         torch.isfinite(sums.loss_sum),
         loss_scale.scale,

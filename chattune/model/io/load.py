@@ -142,8 +142,10 @@ def materialise_and_load(
     device: torch.device,
     initial: dict[str, torch.Tensor] | None = None,
     keys: dict[str, str] | None = None,
+    cpu_offload: bool = False,
 ) -> None:
-    """After `fully_shard` of a meta-built model: allocate each rank's shards on `device` and fill them from
+    """After `fully_shard` of a meta-built model: allocate each rank's shards on `device` (on the host under
+    `cpu_offload`, the model's `Placement`'s) and fill them from
     the checkpoint, reading only this rank's rows; parameters in `initial` (adapters created after the
     build) from those full values instead. Buffers keep the values they were built with, unless the
     checkpoint holds them (persistent buffers). `keys`: checkpoint keys by the model's names (`checkpoint_key`)."""
@@ -153,7 +155,7 @@ def materialise_and_load(
     # would hold the whole base in fp32) and filled, quantized, one layer at a time below.
     placeholders = {id(p) for p in quantize.replicated_parameters(hf_model)}
     # Under CPU offload (`shard_model(cpu_offload=True)`) the shards live on the host; buffers compute on `device`.
-    shards = {id(p) for p in model.parameters()} if getattr(model, "cpu_offload", False) else set()
+    shards = {id(p) for p in model.parameters()} if cpu_offload else set()
     model._apply(
         lambda t: t if id(t) in placeholders else torch.empty_like(t, device="cpu" if id(t) in shards else device)
     )

@@ -199,11 +199,6 @@ class BaseModelView:
         """The policy's modules (what resharding the view frees: `chattune.parallel.fsdp.reshard`)."""
         return self.model.modules()
 
-    @property
-    def parallel_dims(self):
-        """The policy's layout (`chattune.parallel.fsdp.parallel_dims_of`)."""
-        return getattr(self.model, "parallel_dims", None)
-
     def __call__(self, batch: PackedBatch) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
