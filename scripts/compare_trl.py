@@ -479,7 +479,12 @@ def trl_kto_row(doc: Document) -> dict:
     prompt, reply = prompt_and_reply(ids[:n], labels[:n])
     kl_prompt, kl_reply = prompt_and_reply(ids[n:], labels[n:])
     assert kl_prompt == prompt, "chattune's mismatched sequence starts with its example's prompt tokens"
-    return {"prompt_ids": prompt, "completion_ids": reply, "KL_completion_ids": kl_reply, "label": bool(doc.desirable)}
+    return {
+        "prompt_ids": prompt,
+        "completion_ids": reply,
+        "KL_completion_ids": kl_reply,
+        "label": doc.doc_values["desirable"] == 1.0,
+    }
 
 
 def trl_kto(trainer, model, rows: list[dict]) -> dict[str, float]:
@@ -641,7 +646,7 @@ def compare_kto(setup: Setup) -> Comparison:
         theirs_own = trl_kto(trainer, trl_policy, own_rows)
         result.add(f"{name}, TRL's own rows", kto_figures(ours, theirs_own), checked=False)
         order = "".join("d" if row["label"] else "u" for row in own_rows)
-        ours_order = "".join("d" if d.desirable else "u" for d in documents)
+        ours_order = "".join("d" if d.doc_values["desirable"] == 1.0 else "u" for d in documents)
         partners = [data.partner_of(d.doc_id) for d in documents]
         result.notes.append(
             f"{name}, pairing: TRL's own rows {order} (d desirable, u undesirable) take as KL completion the "

@@ -951,7 +951,7 @@ def check_objectives_bf16(ctx: Context) -> None:
     # cut to 64 tokens (the demo chats' sides are about 55: some are cut, as on CUDA).
     count = 8 if ctx.cuda else 4
     pairs = _pair_documents(ctx, count, max_side=512 if ctx.cuda else 64)
-    examples = [replace(pair, desirable=k % 2 == 0) for k, pair in enumerate(pairs)]  # KTO: alternating labels
+    examples = [replace(pair, doc_values={"desirable": float(k % 2 == 0)}) for k, pair in enumerate(pairs)]  # KTO
     pair_batches = [collate_packed(pairs[: count // 2]), collate_packed(pairs[count // 2 :])]
     kto_batches = [collate_packed(examples[: count // 2]), collate_packed(examples[count // 2 :])]
 

@@ -548,3 +548,25 @@ def token_cache_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("token_cache")
     os.environ[CACHE_DIR_ENV] = str(directory)
     return directory
+
+
+# --- the values the KTO and reward templates declare on their documents (`Document.doc_values`) ---
+
+
+def kto_label(document) -> bool | None:
+    """A KTO example's label (its declared value `desirable`: 1 desirable, 0 not); None for a document without."""
+    value = document.doc_values.get("desirable")
+    return None if value is None else value == 1.0
+
+
+def pair_margin_of(document) -> float | None:
+    """A reward pair's declared margin; None for a document that declares none (a DPO pair's)."""
+    return document.doc_values.get("margin")
+
+
+def with_values(document, **values):
+    """`document` with these declared values in place of its own (a value None: not declared)."""
+    from dataclasses import replace
+
+    declared = {name: float(value) for name, value in values.items() if value is not None}
+    return replace(document, doc_values=declared)

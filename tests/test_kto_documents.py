@@ -32,7 +32,7 @@ from chattune.data.packing import collate_packed
 from chattune.data.templates.kto_documents import KTODocuments
 from chattune.data.templates.pair_documents import PairDocuments
 from chattune.data.token_cache import CachedDocuments, build_source_cache, cache_name, source_key, tokenizer_digest
-from conftest import decode_exactly
+from conftest import decode_exactly, kto_label
 
 
 def write_jsonl(path: Path, records: list) -> str:
@@ -115,7 +115,7 @@ def test_unpaired_examples_and_their_kl_sequences(tmp_path, tokenizer, conversat
     assert [documents.get(i) for i in (2, 0)] == [outcomes[2], outcomes[0]]  # one by one as in a batch
     for i, document in enumerate(outcomes):
         assert isinstance(document, Document) and document.doc_id == i
-        assert document.desirable is LABELS[i] and document.piece == 0
+        assert kto_label(document) is LABELS[i] and document.piece == 0
         example, kl = segments_of(document)
         check_segment(tmp_path, tokenizer, example, contexts[i], replies[i], f"example {i}")
         check_segment(tmp_path, tokenizer, kl, contexts[i], replies[(i + 1) % 3], f"example {i} KL")
@@ -178,7 +178,7 @@ def test_kto_documents_refuse_conversations_and_cut_policies(tmp_path, tokenizer
 def test_a_source_of_one_record_is_its_own_partner(tmp_path, tokenizer):
     document = kto_documents(tmp_path, tokenizer, [{"prompt": "Q", "completion": "A", "label": False}]).get(0)
     example, kl = segments_of(document)
-    assert example == kl and document.desirable is False
+    assert example == kl and kto_label(document) is False
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def test_preference_pairs_give_two_examples_each(tmp_path, tokenizer):
     documents = kto_documents(tmp_path, tokenizer, pairs, format="preference")
     assert len(documents) == 4
     outcomes = documents.get_many(range(4))
-    assert [d.desirable for d in outcomes] == [True, False, True, False]
+    assert [kto_label(d) for d in outcomes] == [True, False, True, False]
     assert [d.doc_id for d in outcomes] == [0, 1, 2, 3]
     for index, document in enumerate(outcomes):
         record, side = divmod(index, 2)
@@ -215,7 +215,7 @@ def test_sharegpt_preference_pairs_read_as_examples(tmp_path, tokenizer):
     }
     documents = kto_documents(tmp_path, tokenizer, [record], format="sharegpt_preference")
     chosen, rejected = documents.get_many([0, 1])
-    assert (chosen.desirable, rejected.desirable) == (True, False)
+    assert (kto_label(chosen), kto_label(rejected)) == (True, False)
     assert trained_text(tokenizer, segments_of(chosen)[0][1]) == "Blue.<|im_end|>"
     assert trained_text(tokenizer, segments_of(rejected)[1][1]) == "Red.<|im_end|>"  # its own partner's rejected
 
@@ -350,12 +350,14 @@ def test_overlong_examples_are_dropped_or_an_error(tmp_path, tokenizer):
 def test_packed_batches_carry_the_label(tmp_path, tokenizer):
     records = [{**GOOD, "label": label} for label in (True, False, True)]
     documents = kto_documents(tmp_path, tokenizer, records).get_many(range(3))
-    sft_like = Document(9, np.arange(5), np.full(5, IGNORE_INDEX))
-    batch = collate_packed([documents[1], sft_like, documents[0]], pad_to_multiple_of=64)
-    assert batch.padding > 0 and batch.doc_ids == [1, 9, 0]
-    assert batch.doc_desirable == [False, None, True]
-    assert batch.to("cpu").doc_desirable == [False, None, True]
+    batch = collate_packed([documents[1], documents[2], documents[0]], pad_to_multiple_of=64)
+    assert batch.padding > 0 and batch.doc_ids == [1, 2, 0]
+    assert batch.doc_values == {"desirable": [0.0, 1.0, 1.0]}
+    assert batch.to("cpu").doc_values == {"desirable": [0.0, 1.0, 1.0]}
     assert batch.cu_seqlens.tolist()[:3] == [0, documents[1].segments[0], len(documents[1])]
+    sft_like = Document(9, np.arange(5), np.full(5, IGNORE_INDEX))  # a document without a label: not a KTO example
+    with pytest.raises(ValueError, match=r"document 9 has no value \['desirable'\]"):
+        collate_packed([documents[1], sft_like])
 
 
 def data_section(cache: Path, **settings):
@@ -400,11 +402,11 @@ def test_the_token_cache_keeps_the_label(tmp_path, tokenizer, format):
     for g, w in zip(got, want):
         assert g == w  # Document equality includes the label, the segments and the skip messages
         if isinstance(w, Document):
-            assert g.desirable is w.desirable and isinstance(w.desirable, bool)
-    assert [w.desirable for w in want if isinstance(w, Document)].count(False) > 0
-    # a shard written before KTO (no label array) reads as documents without a label
+            assert kto_label(g) is kto_label(w) and isinstance(kto_label(w), bool)
+    assert [kto_label(w) for w in want if isinstance(w, Document)].count(False) > 0
+    # a shard without the label's array reads as documents without a label
     index = final / "shard-00000" / "index.npz"
     with np.load(index) as arrays:
-        older = {name: arrays[name] for name in arrays.files if name != "doc_desirable"}
+        older = {name: arrays[name] for name in arrays.files if name != "value:desirable"}
     np.savez(index, **older)
-    assert all(d.desirable is None for d in CachedDocuments(final).get_many(every) if isinstance(d, Document))
+    assert all(kto_label(d) is None for d in CachedDocuments(final).get_many(every) if isinstance(d, Document))

@@ -23,7 +23,17 @@ from chattune.parallel.fsdp import shard_model
 from chattune.train.evaluation import evaluate
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
+from conftest import (
+    demo_tokenizer,
+    free_port,
+    init_worker_process_group,
+    kto_label,
+    mesh_dims,
+    relative_error,
+    spawn,
+    tiny_model,
+    with_values,
+)
 
 NUM_EXAMPLES = 8
 WEIGHTS = KTOWeights(beta=0.1, desirable=1.0, undesirable=1.5)  # unequal: a swapped weight would be caught
@@ -51,7 +61,9 @@ def kto_documents() -> list[Document]:
             ids += tokenized.input_ids
             labels += shifted_labels(tokenized.input_ids, tokenized.assistant_mask)
             lengths.append(len(tokenized.input_ids))
-        documents.append(Document(i, ids, labels, segments=tuple(lengths), desirable=desirable(i)))
+        documents.append(
+            Document(i, ids, labels, segments=tuple(lengths), doc_values={"desirable": float(desirable(i))})
+        )
     return documents
 
 
@@ -68,14 +80,14 @@ def hand_losses(policy, reference, documents, groups: list[list[int]]) -> tuple[
     rewards = []
     for i, doc in enumerate(documents):
         r = pol[i][0] - ref[i][0]
-        if doc.desirable:
+        if kto_label(doc):
             losses.append(WEIGHTS.desirable * (1 - torch.sigmoid(WEIGHTS.beta * (r - z_of[i]))))
         else:
             losses.append(WEIGHTS.undesirable * (1 - torch.sigmoid(WEIGHTS.beta * (z_of[i] - r))))
         rewards.append(WEIGHTS.beta * float(r.detach()))
     loss = torch.stack(losses).mean()
-    good = [i for i, d in enumerate(documents) if d.desirable]
-    bad = [i for i, d in enumerate(documents) if not d.desirable]
+    good = [i for i, d in enumerate(documents) if kto_label(d)]
+    bad = [i for i, d in enumerate(documents) if not kto_label(d)]
     chosen = sum(rewards[i] for i in good) / max(len(good), 1)
     rejected = sum(rewards[i] for i in bad) / max(len(bad), 1)
     metrics = {
@@ -179,7 +191,7 @@ def test_swapped_labels_would_be_caught():
     """The comparison can fail: the labels reach the loss (every example taken as desirable changes it)."""
     want = reference_step()["grads"]
     policy, reference = models()
-    documents = [replace(d, desirable=True) for d in kto_documents()]
+    documents = [with_values(d, desirable=True) for d in kto_documents()]
     loss, _ = hand_losses(policy, reference, documents, [list(range(NUM_EXAMPLES))])
     loss.backward()
     wrong = {name: p.grad for name, p in policy.named_parameters()}
@@ -202,6 +214,10 @@ def test_each_pass_runs_one_segment_of_each_example_padded_as_the_stream_pads():
         assert part.cu_seqlens.diff().tolist()[:3] == want and part.num_tokens % 64 == 0 and part.padding > 0
         assert part.input_ids[0, : sum(want)].tolist() == [t for ids, _ in pieces for t in ids.tolist()]
         assert part.labels[0, : sum(want)].tolist() == [t for _, labels in pieces for t in labels.tolist()]
-        assert (part.doc_ids, part.doc_sources, part.doc_desirable) == ([0, 1, 2], [0, 1, 0], [True, True, False])
+        assert (part.doc_ids, part.doc_sources, part.doc_values) == (
+            [0, 1, 2],
+            [0, 1, 0],
+            {"desirable": [1.0, 1.0, 0.0]},
+        )
     empty = empty_batch(0)
     assert segment_batch(empty, 1, 64) is empty

@@ -5,7 +5,6 @@ rest of margins: the token cache, the loss)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 from hydra.utils import instantiate
@@ -18,7 +17,7 @@ from chattune.data.ingest.formats import DataError, SourceSpec
 from chattune.data.ingest.sources import REWARD_PAIR_DATA
 from chattune.launch.recipe_kinds import RECIPE_KINDS, kind_of_config
 from chattune.launch.validate import run_validate
-from conftest import PROJECT_ROOT, demo_tokenizer
+from conftest import PROJECT_ROOT, demo_tokenizer, pair_margin_of, with_values
 
 PAIRS = [
     {"prompt": "What is 2 + 2?", "chosen": "4.", "rejected": "5."},
@@ -100,11 +99,11 @@ def test_reward_pairs_skip_identical_replies_read_a_margin_and_refuse_a_bad_one(
     documents = reward_documents(write_pairs(tmp_path / "pairs.jsonl", PAIRS))
     first, second = documents.get_many([0, 1])
     assert len(first.segments) == 2 and isinstance(second, Skipped) and second.reason == "identical_replies"
-    assert first.margin is None  # no margin field: trained at margin 0
+    assert pair_margin_of(first) == 0.0  # no margin field: trained at margin 0
 
     with_margin = write_pairs(tmp_path / "margins.jsonl", [{**PAIRS[0], "margin": 2.0}])
     read = reward_documents(with_margin).get(0)
-    assert read.margin == 2.0 and read == replace(first, margin=2.0)  # the same document, with its margin
+    assert pair_margin_of(read) == 2.0 and read == with_values(first, margin=2.0)  # the same document, with its margin
 
     bad_margin = write_pairs(tmp_path / "bad.jsonl", [{**PAIRS[0], "margin": "2.0"}])
     with pytest.raises(DataError) as error:

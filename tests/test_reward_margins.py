@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ from chattune.objectives.reward import RewardObjective
 from chattune.parallel.fsdp import Placement
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
-from conftest import demo_tokenizer, relative_error
+from conftest import demo_tokenizer, pair_margin_of, relative_error, with_values
 
 # One margin per demo pair (None: the record has no `margin` field); large enough to move every pair's loss.
 MARGINS = [1.5, None, -0.75, 3.0, None, 0.25, 2.0, -1.0]
@@ -84,15 +83,15 @@ def test_reward_pairs_read_the_margin_of_each_record_and_dpo_pairs_ignore_it(tmp
     ]
     path = write_lines(tmp_path / "pairs.jsonl", [json.dumps(r) for r in records])
     documents = reward_source(path).get_many(range(len(records)))
-    assert [d.margin for d in documents] == [2.0, None, None, 3.0, -0.5, 0.0]
-    assert all(type(d.margin) is float for d in documents if d.margin is not None)
+    assert [pair_margin_of(d) for d in documents] == [2.0, 0.0, 0.0, 3.0, -0.5, 0.0]  # none: trained at 0
+    assert all(type(pair_margin_of(d)) is float for d in documents)
     dpo = PAIR_DATA.source(SourceSpec(path, format="preference"), demo_tokenizer(), data_section()).get_many(
         range(len(records))
     )
-    assert all(isinstance(d, Document) and d.margin is None for d in dpo)
+    assert all(isinstance(d, Document) and pair_margin_of(d) is None for d in dpo)
     # the documents are otherwise DPO's: the same tokens, labels and segments
-    assert all(replace(r, margin=None) == d for r, d in zip(documents, dpo))
-    assert documents[0] != replace(documents[0], margin=2.5)  # Document equality sees the margin
+    assert all(with_values(r, margin=None) == d for r, d in zip(documents, dpo))
+    assert documents[0] != with_values(documents[0], margin=2.5)  # Document equality sees the margin
 
 
 def test_sharegpt_preference_pairs_read_the_margin_too(tmp_path):
@@ -104,7 +103,7 @@ def test_sharegpt_preference_pairs_read_the_margin_too(tmp_path):
     }
     path = write_lines(tmp_path / "pairs.jsonl", [json.dumps(record)])
     spec = SourceSpec(path, format="sharegpt_preference")
-    assert REWARD_PAIR_DATA.source(spec, demo_tokenizer(), data_section()).get(0).margin == 0.5
+    assert REWARD_PAIR_DATA.source(spec, demo_tokenizer(), data_section()).get(0).doc_values["margin"] == 0.5
 
 
 BAD_MARGINS = [
@@ -131,11 +130,11 @@ def test_a_margin_that_is_not_a_finite_number_is_one_clear_error_or_a_counted_sk
     assert str(error.value).startswith(message), str(error.value)
     assert "data.on_bad_record=skip" in str(error.value)
     kept, skipped = reward_source(path, on_bad_record="skip").get_many([0, 1])
-    assert kept.margin == 1.0
+    assert pair_margin_of(kept) == 1.0
     assert isinstance(skipped, Skipped) and skipped.reason == "bad_record" and skipped.detail == message
     # DPO reads the same record as a pair, the field ignored
     dpo = PAIR_DATA.source(SourceSpec(path, format="preference"), demo_tokenizer(), data_section()).get(1)
-    assert isinstance(dpo, Document) and dpo.margin is None
+    assert isinstance(dpo, Document) and pair_margin_of(dpo) is None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -148,8 +147,8 @@ def test_packed_batches_carry_the_margins(tmp_path):
     documents = reward_source(write_lines(tmp_path / "p.jsonl", [json.dumps(r) for r in records])).get_many(range(3))
     batch = collate_packed([documents[2], documents[1], documents[0]], pad_to_multiple_of=64)
     assert batch.padding > 0 and batch.doc_ids == [2, 1, 0]
-    assert batch.doc_margins == [-2.0, None, 0.5]  # one per real document, the padding has none
-    assert batch.to("cpu").doc_margins == [-2.0, None, 0.5]
+    assert batch.doc_values == {"margin": [-2.0, 0.0, 0.5]}  # one per real document (none: 0), the padding has none
+    assert batch.to("cpu").doc_values == {"margin": [-2.0, 0.0, 0.5]}
 
 
 def test_the_token_cache_keeps_the_margins(tmp_path):
@@ -166,19 +165,19 @@ def test_the_token_cache_keeps_the_margins(tmp_path):
     every = list(range(len(lines)))
     want, got = plain.get_many(every), CachedDocuments(final).get_many(every)
     assert [o.reason for o in want if isinstance(o, Skipped)] == ["identical_replies", "bad_record"]
-    assert [d.margin for d in want if isinstance(d, Document)] == MARGINS
+    assert [pair_margin_of(d) for d in want if isinstance(d, Document)] == [m or 0.0 for m in MARGINS]
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g == w  # Document equality includes the margin; a skip's reason and message
         if isinstance(w, Document):
-            assert g.margin == w.margin and (g.margin is None or type(g.margin) is float)
+            assert pair_margin_of(g) == pair_margin_of(w) and type(pair_margin_of(g)) is float
     # a shard written without margins (before they were read) reads as documents without one
     index = final / "shard-00000" / "index.npz"
     with np.load(index) as arrays:
-        assert arrays["doc_margin"].dtype == np.float64 and np.isnan(arrays["doc_margin"]).sum() == MARGINS.count(None)
-        older = {name: arrays[name] for name in arrays.files if name != "doc_margin"}
+        assert arrays["value:margin"].dtype == np.float64 and not np.isnan(arrays["value:margin"]).any()
+        older = {name: arrays[name] for name in arrays.files if name != "value:margin"}
     np.savez(index, **older)
-    assert all(d.margin is None for d in CachedDocuments(final).get_many(every) if isinstance(d, Document))
+    assert all(pair_margin_of(d) is None for d in CachedDocuments(final).get_many(every) if isinstance(d, Document))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -191,7 +190,7 @@ def margin_documents(tmp_path: Path) -> list[Document]:
     tokenized independently (test_dpo_step's `pair_documents`) with the margins as written."""
     lines = [json.dumps(with_margin(pair, m)) for pair, m in zip(demo_pairs(), MARGINS)]
     documents = reward_source(write_lines(tmp_path / "pairs.jsonl", lines)).get_many(range(NUM_PAIRS))
-    assert documents == [replace(d, margin=m) for d, m in zip(pair_documents(), MARGINS)]
+    assert documents == [with_values(d, margin=m or 0.0) for d, m in zip(pair_documents(), MARGINS)]
     return documents
 
 
@@ -236,7 +235,7 @@ def test_the_comparison_would_catch_margins_ignored_or_added():
     gives the margin-0 loss."""
     model = tiny_reward_model()
     model.set_attn_implementation("sdpa")
-    documents = [replace(d, margin=m) for d, m in zip(pair_documents(), MARGINS)]
+    documents = [with_values(d, margin=m or 0.0) for d, m in zip(pair_documents(), MARGINS)]
     with torch.no_grad():
         rewards = plain_rewards(model, documents)
         want = float(torch.stack(hand_losses(rewards, MARGINS)).mean())

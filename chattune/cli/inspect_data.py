@@ -28,6 +28,7 @@ from chattune.data.ingest.records import source_specs
 from chattune.data.ingest.report import DataReport, count_lines, scan_documents
 from chattune.data.ingest.sources import row_budget
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
+from chattune.data.templates.kto_documents import KTO_LABEL
 from chattune.data.templates.tokenizer import load_tokenizer
 from chattune.launch.compose import hydra_search_path
 from chattune.launch.findings import ConfigError
@@ -106,10 +107,10 @@ def sides(document: Document) -> list[tuple[str, Document]]:
     if len(document.segments) != 2:
         return [("", document)]
     first = document.segments[0]
-    if document.desirable is None:
+    if KTO_LABEL not in document.doc_values:
         titles = (" chosen", " rejected")
     else:
-        label = "desirable" if document.desirable else "undesirable"
+        label = "desirable" if document.doc_values[KTO_LABEL] == 1.0 else "undesirable"
         titles = (f" {label} example", " mismatched (its prompt, the next record's completion: KTO's reference point)")
     return [
         (titles[0], Document(document.doc_id, document.input_ids[:first], document.labels[:first])),

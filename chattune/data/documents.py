@@ -73,14 +73,10 @@ class Document:
     # unit (DPO: chosen then rejected, so a pair always shares a microbatch). Empty: one sequence.
     segments: tuple[int, ...] = ()
     source: int = 0  # which data source (of a mixture) the record belongs to
-    # KTO's label of the example: its reply is desirable (True) or undesirable (False); None for every other document.
-    desirable: bool | None = None
-    # A reward-model pair's margin (the record's `margin`, TRL's column): its loss is -log σ(r_chosen - r_rejected -
-    # margin). None for a pair without one (trained at margin 0) and for every other document.
-    margin: float | None = None
-    # Values a recipe's data declares, which packing carries to its objective without knowing what they mean:
-    # per token (an advantage, a weight, a teacher's log-prob: one value per position, the document's length) and
-    # per document (a reward, a group id). Every document of a batch that has one key has them all.
+    # Values a recipe's data declares, which packing and the token cache carry to its objective without knowing
+    # what they mean: per token (an advantage, a weight, a teacher's log-prob: one value per position, the
+    # document's length) and per document (KTO's label, a reward pair's margin, a group id). Every document of a
+    # batch that has one name has them all.
     token_values: dict[str, np.ndarray] = field(default_factory=dict)
     doc_values: dict[str, float] = field(default_factory=dict)
 
@@ -111,8 +107,8 @@ class Document:
             self.left_out_detail,
             self.segments,
             self.source,
-            self.desirable,
-            self.margin,
+            tuple(sorted(self.doc_values.items())),
+            tuple(sorted((name, values.tobytes()) for name, values in self.token_values.items())),
         )
 
     @property

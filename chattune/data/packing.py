@@ -31,10 +31,6 @@ class PackedBatch:
     doc_ids: list[int] = field(default_factory=list)
     doc_lengths: list[int] = field(default_factory=list)  # tokens of each document, in order
     doc_sources: list[int] = field(default_factory=list)  # data source of each document
-    # KTO's label of each document (`Document.desirable`): True, False, or None for a document that has none.
-    doc_desirable: list[bool | None] = field(default_factory=list)
-    # A reward-model pair's margin of each document (`Document.margin`), or None for a document that has none.
-    doc_margins: list[float | None] = field(default_factory=list)
     # The documents' declared values (`Document.token_values`, `doc_values`) by name: per token (1, N) float32,
     # padding 0; per document, in doc_ids order.
     token_values: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -78,8 +74,6 @@ class PackedBatch:
             doc_ids=self.doc_ids,
             doc_lengths=self.doc_lengths,
             doc_sources=self.doc_sources,
-            doc_desirable=self.doc_desirable,
-            doc_margins=self.doc_margins,
             token_values={name: moved(values) for name, values in self.token_values.items()},
             doc_values=self.doc_values,
             padding=self.padding,
@@ -116,8 +110,6 @@ def collate_packed(
         doc_ids=[d.doc_id for d in documents if d.doc_id >= 0],
         doc_lengths=[len(d) for d in documents if d.doc_id >= 0],
         doc_sources=[d.source for d in documents if d.doc_id >= 0],
-        doc_desirable=[d.desirable for d in documents if d.doc_id >= 0],
-        doc_margins=[d.margin for d in documents if d.doc_id >= 0],
         token_values=token_values,
         doc_values=doc_values,
         padding=sum(len(d) for d in documents if d.doc_id < 0),

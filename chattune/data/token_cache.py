@@ -13,8 +13,8 @@ One source's cache, `<root>/<kind>-<file stem>-<key>/`:
         ids.bin      every kept document's tokens back to back (int32)
         labels.bin   their shifted labels (int32; IGNORE_INDEX trains nothing)
         index.npz    per document: its start in the shard, its first segment's length (a preference pair's
-                     chosen side, a KTO example's own sequence), its KTO label (-1 none, 0 false, 1 true) and
-                     its reward-model margin (float64, NaN none);
+                     chosen side, a KTO example's own sequence) and each value its data declares
+                     (`Document.doc_values`: `value:NAME`, float64, NaN where a document declares none);
                      per record: its first document, its skip reason, its overlong mark and its pieces left
                      out (a split record's pieces that train nothing)
         skips.json   the message of each skipped record (logged as streaming logs it)
@@ -63,18 +63,14 @@ logger = logging.getLogger(__name__)
 
 # Bump when the arrays, or the documents chattune makes from records, change. 3: a reward pair's margin is read
 # (a reward cache of layout 2 holds a record with a margin as a skipped bad record). 4: a split record's pieces
-# left out are counted (`Document.pieces_left_out`).
-LAYOUT_VERSION = 4
+# left out are counted (`Document.pieces_left_out`). 5: the documents' declared values by name (`value:NAME`), in
+# place of a KTO label and a reward margin of their own.
+LAYOUT_VERSION = 5
 CACHE_DIR_ENV = "CHATTUNE_CACHE_DIR"  # where data.cache=auto keeps caches (default ~/.cache/chattune)
 MANIFEST = "manifest.json"
 CHUNK_RECORDS = 1024  # records tokenized in one batch (one loader item) while building
 OVERLONG_MARKS = ("", "truncated", "split")
-# `Document.desirable` as stored: a shard written before KTO has no such array, and reads as None throughout.
-DESIRABLE_CODES: dict[bool | None, int] = {None: -1, False: 0, True: 1}
-_DESIRABLE = {code: value for value, code in DESIRABLE_CODES.items()}
-# `Document.margin` as stored: NaN for none (a margin is finite, `chattune.data.templates.pair_documents`); a shard without
-# the array reads as None throughout.
-NO_MARGIN = np.nan
+VALUE_PREFIX = "value:"  # a declared value's array in index.npz: `value:NAME`, NaN where a document has none
 _HASH_BLOCK = 8 << 20
 
 
@@ -174,8 +170,7 @@ class TokenizedChunk:
     labels: np.ndarray  # int32
     doc_lengths: np.ndarray  # int64
     doc_chosen: np.ndarray  # int32: a pair's chosen side's tokens; 0 for a one-sequence document
-    doc_desirable: np.ndarray  # int8: a KTO example's label, 1 desirable, 0 undesirable, -1 none (`DESIRABLE_CODES`)
-    doc_margin: np.ndarray  # float64: a reward pair's margin, NaN none
+    doc_values: dict[str, np.ndarray]  # float64 per name: each document's declared value (NaN: none)
     record_docs: np.ndarray  # int64: documents of each record (0: skipped)
     record_skip: np.ndarray  # int8: 1 + the index in SKIP_REASONS of a skipped record, 0 kept
     record_overlong: np.ndarray  # int8: index in OVERLONG_MARKS of the record's first document's mark
@@ -190,6 +185,9 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
     kept = [d for outcome in outcomes for d in outcome if isinstance(d, Document)]
     if any(len(d.segment_lengths) > 2 for d in kept):
         raise ValueError("the token cache stores documents of one or two segments")
+    if any(d.token_values for d in kept):
+        raise ValueError("the token cache stores per-document values, not per-token ones (data.cache=false)")
+    names = sorted({name for d in kept for name in d.doc_values})
     skipped = [outcome[0] for outcome in outcomes if isinstance(outcome[0], Skipped)]
     firsts = [None if isinstance(o[0], Skipped) else o[0] for o in outcomes]  # per record: its first document
     return TokenizedChunk(
@@ -197,8 +195,7 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
         labels=np.concatenate([d.labels for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
         doc_lengths=np.array([len(d) for d in kept], dtype=np.int64),
         doc_chosen=np.array([d.segments[0] if d.segments else 0 for d in kept], dtype=np.int32),
-        doc_desirable=np.array([DESIRABLE_CODES[d.desirable] for d in kept], dtype=np.int8),
-        doc_margin=np.array([NO_MARGIN if d.margin is None else d.margin for d in kept], dtype=np.float64),
+        doc_values={name: np.array([d.doc_values.get(name, np.nan) for d in kept], dtype=np.float64) for name in names},
         record_docs=np.array([sum(isinstance(d, Document) for d in o) for o in outcomes], dtype=np.int64),
         record_skip=np.array(
             [1 + SKIP_REASONS.index(o[0].reason) if isinstance(o[0], Skipped) else 0 for o in outcomes], dtype=np.int8
@@ -260,7 +257,8 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
     as it comes, so memory does not grow with the data). Returns the shard's counts; a UserError (a bad record
     under on_bad_record=error, an overlong one under overlong=error) propagates, leaving the shard incomplete."""
     directory.mkdir(parents=True)
-    lengths, chosen, desirable, margins, record_docs, skip, overlong, details = [], [], [], [], [], [], [], []
+    lengths, chosen, record_docs, skip, overlong, details = [], [], [], [], [], []
+    values: list[dict[str, np.ndarray]] = []
     left_out, left_out_details = [], []
     with open(directory / "ids.bin", "wb") as ids, open(directory / "labels.bin", "wb") as labels:
         for chunk in _tokenized(documents, records, num_workers):
@@ -268,8 +266,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
             labels.write(chunk.labels.tobytes())
             lengths.append(chunk.doc_lengths)
             chosen.append(chunk.doc_chosen)
-            desirable.append(chunk.doc_desirable)
-            margins.append(chunk.doc_margin)
+            values.append(chunk.doc_values)
             record_docs.append(chunk.record_docs)
             skip.append(chunk.record_skip)
             overlong.append(chunk.record_overlong)
@@ -283,12 +280,18 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
     per_record = np.concatenate([np.zeros(0, np.int64), *record_docs])
     skip_codes = np.concatenate([np.zeros(0, np.int8), *skip])
     left_out_counts = np.concatenate([np.zeros(0, np.int32), *left_out])
+    names = sorted({name for chunk_values in values for name in chunk_values})
+    declared = {  # a chunk without a name the others declare: NaN for its documents
+        f"{VALUE_PREFIX}{name}": np.concatenate(
+            [np.zeros(0), *(v.get(name, np.full(len(n), np.nan)) for v, n in zip(values, lengths))]
+        )
+        for name in names
+    }
     np.savez(
         directory / "index.npz",
         doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
         doc_chosen=np.concatenate([np.zeros(0, np.int32), *chosen]),
-        doc_desirable=np.concatenate([np.zeros(0, np.int8), *desirable]),
-        doc_margin=np.concatenate([np.zeros(0, np.float64), *margins]),
+        **declared,
         record_first_doc=np.concatenate([[0], np.cumsum(per_record)]).astype(np.int64),
         record_skip=skip_codes,
         record_overlong=np.concatenate([np.zeros(0, np.int8), *overlong]),
@@ -458,19 +461,8 @@ class CachedDocuments:
                 f"token cache {self.directory}: layout {self.manifest.get('layout')}, this chattune reads "
                 f"{LAYOUT_VERSION}"
             )
-        self._ids, self._labels, shard_of, starts, stops, chosen, desirable, margins, first, skip, overlong = (
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
+        self._ids, self._labels, shard_of, starts, stops, chosen, first, skip, overlong = ([] for _ in range(9))
+        shard_values: list[dict[str, np.ndarray]] = []
         left_out: list[np.ndarray] = []
         self._details: dict[int, str] = {}
         self._left_out_details: dict[int, str] = {}
@@ -484,15 +476,8 @@ class CachedDocuments:
                 stops.append(doc_starts[1:])
                 shard_of.append(np.full(len(doc_starts) - 1, number, dtype=np.int32))
                 chosen.append(index["doc_chosen"])
-                desirable.append(
-                    index["doc_desirable"]
-                    if "doc_desirable" in index.files
-                    else np.full(len(doc_starts) - 1, DESIRABLE_CODES[None], dtype=np.int8)
-                )
-                margins.append(
-                    index["doc_margin"]
-                    if "doc_margin" in index.files
-                    else np.full(len(doc_starts) - 1, NO_MARGIN, dtype=np.float64)
+                shard_values.append(
+                    {k.removeprefix(VALUE_PREFIX): index[k] for k in index.files if k.startswith(VALUE_PREFIX)}
                 )
                 first.append(index["record_first_doc"][:-1] + documents)
                 skip.append(index["record_skip"])
@@ -504,8 +489,14 @@ class CachedDocuments:
                 {int(k): v for k, v in json.loads((shard / "left_out.json").read_text()).items()}
             )
         self._shard, self._starts, self._stops = np.concatenate(shard_of), np.concatenate(starts), np.concatenate(stops)
-        self._chosen, self._desirable = np.concatenate(chosen), np.concatenate(desirable)
-        self._margin = np.concatenate(margins)
+        self._chosen = np.concatenate(chosen)
+        names = sorted({name for v in shard_values for name in v})
+        self._values = {
+            name: np.concatenate(
+                [np.zeros(0), *(v.get(name, np.full(len(s), np.nan)) for v, s in zip(shard_values, starts))]
+            )
+            for name in names
+        }
         self._first = np.concatenate([*first, [documents]])
         self._skip, self._overlong = np.concatenate(skip), np.concatenate(overlong)
         self._left_out = np.concatenate(left_out)
@@ -550,8 +541,7 @@ class CachedDocuments:
                         pieces_left_out=int(self._left_out[index]) if d == first else 0,
                         left_out_detail=self._left_out_details.get(int(index), "") if d == first else "",
                         segments=(chosen, end - start - chosen) if chosen else (),
-                        desirable=_DESIRABLE[int(self._desirable[d])],
-                        margin=None if np.isnan(self._margin[d]) else float(self._margin[d]),
+                        doc_values={n: float(v[d]) for n, v in self._values.items() if not np.isnan(v[d])},
                     )
                 )
         return out

@@ -33,6 +33,7 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import PackedBatch, collate_packed
+from chattune.data.templates.kto_documents import KTO_LABEL
 from chattune.distributed import host_values_on
 from chattune.objectives.base import Objective, model_losses, objective_loss
 from chattune.objectives.dpo import Reference
@@ -75,7 +76,7 @@ def segment_batch(
     ]
     return replace(
         collate_packed(documents, pad_to_multiple_of, pad_token_id),
-        doc_desirable=list(batch.doc_desirable),
+        doc_values=batch.doc_values,
         epoch=batch.epoch,
         ends_epoch=batch.ends_epoch,
     )
@@ -156,7 +157,8 @@ class KTOObjective(Objective):
             raise RuntimeError(f"no reference log-probs for records {batch.doc_ids}: step_statistics runs first")
         reference = self._reference_logps.pop(_records(batch)) if batch.doc_ids else torch.zeros_like(policy)
         logratios = policy - reference.to(policy.dtype)
-        desirable = host_values_on(policy.device, [bool(label) for label in batch.doc_desirable], torch.bool)
+        labels = batch.doc_values.get(KTO_LABEL, [])  # (declared by every example: `KTODocuments`)
+        desirable = host_values_on(policy.device, [label == 1.0 for label in labels], torch.bool)
         z = self.reference_point.to(policy.dtype)
         losses = kto_losses(logratios, desirable, z, self.weights)
         # 0 * (all token losses): a microbatch without examples (an empty one) still runs backward, as FSDP needs.

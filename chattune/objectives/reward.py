@@ -13,7 +13,7 @@ Per pair, with r the rewards and m the pair's margin: -log σ(r_chosen - r_rejec
 c (r_chosen + r_rejected)² with c = loss.center_rewards_coefficient (TRL's `center_rewards_coefficient`: it keeps
 rewards near 0, which the difference alone leaves free). The margin is read from the data, as TRL's RewardTrainer
 reads its `margin` column: the record's `margin` field (`chattune.data.templates.pair_documents.RewardPairDocuments`,
-carried by `Document.margin` and `PackedBatch.doc_margins`); a pair without one has m = 0. The metrics do not see
+carried as the documents' declared value `margin` to `PackedBatch.doc_values`); a pair without one has m = 0. The metrics do not see
 it: the accuracy is still the fraction of pairs with r_chosen > r_rejected. The sum over a microbatch's pairs is
 divided by the step's pair count over all ranks by the update step (`chattune.train.step`), so the gradient is that
 of the mean over every pair of the step.
@@ -27,17 +27,17 @@ from torch import nn
 
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
+from chattune.data.templates.pair_documents import PAIR_MARGIN
 from chattune.distributed import host_values_on
 from chattune.objectives.base import Objective, objective_loss
 from chattune.objectives.source_figures import source_figures
 
 
 def pair_margins(batch: PackedBatch, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    """The margin of each pair of the microbatch (0 for a pair without one) on `device`, copied without waiting for
-    the device; None where no pair has one."""
-    if all(margin is None for margin in batch.doc_margins):
-        return None
-    return host_values_on(device, [0.0 if m is None else m for m in batch.doc_margins], dtype)
+    """The margin of each pair of the microbatch (its declared value `PAIR_MARGIN`: 0 for a pair whose record gives
+    none) on `device`, copied without waiting for the device; None where the pairs declare none."""
+    margins = batch.doc_values.get(PAIR_MARGIN)
+    return None if margins is None else host_values_on(device, margins, dtype)
 
 
 def side_end_positions(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:

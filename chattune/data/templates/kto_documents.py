@@ -1,7 +1,7 @@
 """KTO data: labelled replies (the `unpaired` format) or preference pairs read as labelled replies, into one
 document of two segments per example: the example, then its KL sequence.
 
-An example is a context and one assistant reply, desirable or not (KTO's label, `Document.desirable`). A source
+An example is a context and one assistant reply, desirable or not (KTO's label: the document's declared value `desirable`, `KTO_LABEL`). A source
 of the `unpaired` format has one example per record. A source of a preference format is unpaired as TRL's
 `unpair_preference_dataset` does it: record r gives example 2r (its chosen reply, desirable) and example 2r + 1
 (its rejected reply, undesirable); a pair whose two replies are the same gives two skipped examples (a reply
@@ -216,8 +216,12 @@ class KTODocuments(TwoSequenceDocuments):
             input_ids=np.concatenate(ids),
             labels=np.concatenate(labels),
             segments=(counts[0], counts[1]),
-            desirable=rendered.desirable,
+            doc_values={KTO_LABEL: 1.0 if rendered.desirable else 0.0},
         )
+
+
+# The name of KTO's label among a document's declared values (`Document.doc_values`): 1 desirable, 0 undesirable.
+KTO_LABEL = "desirable"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ to prefer) and a pair longer than the microbatch budget (chosen + rejected token
 the same microbatch).
 
 A reward model's pairs (`RewardPairDocuments`) also read a pair's margin, as TRL's RewardTrainer does: the record's
-`margin` field, a finite JSON number (`Document.margin`; the reward loss is -log σ(r_chosen - r_rejected - margin)).
+`margin` field, a finite JSON number (the document's declared value `margin`; the reward loss is -log σ(r_chosen - r_rejected - margin)).
 A record without the field, or with `"margin": null`, has none and trains at margin 0. DPO's pairs ignore the field.
 """
 
@@ -92,12 +92,12 @@ class PairDocuments(TwoSequenceDocuments):
             input_ids=np.concatenate(ids),
             labels=np.concatenate(labels),
             segments=(counts[0], counts[1]),
-            margin=rendered.margin,
+            doc_values={PAIR_MARGIN: rendered.margin} if rendered.margin is not None else {},
         )
 
 
 class RewardPairDocuments(PairDocuments):
-    """Preference pairs for a reward model: DPO's documents, each with its pair's margin (`Document.margin`), read
+    """Preference pairs for a reward model: DPO's documents, each with its pair's margin (its declared value `margin`, `Document.doc_values`), read
     from the record's `margin` field as TRL's RewardTrainer reads its `margin` column. A record without the field,
     or whose field is null (a table column where only some records give one), has no margin: the pair trains at
     margin 0. A margin that is not a finite number (a string, a boolean, NaN, an infinity) is a bad record: a
@@ -107,10 +107,12 @@ class RewardPairDocuments(PairDocuments):
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> _RenderedPair | Skipped:
         margin = pair_margin(record, where)
         rendered = super()._render(index, where, spec, record)
-        return rendered if isinstance(rendered, Skipped) else replace(rendered, margin=margin)
+        # (every pair declares one, so that a batch's pairs all have it: 0 where the record gives none)
+        return rendered if isinstance(rendered, Skipped) else replace(rendered, margin=margin or 0.0)
 
 
 MARGIN_FIELD = "margin"  # TRL's RewardTrainer reads a pair's margin from this column
+PAIR_MARGIN = "margin"  # its name among a document's declared values (`Document.doc_values`)
 
 
 def pair_margin(record: dict, where: str) -> float | None:
