@@ -5,6 +5,7 @@ never from its keys, and that a new loss is one function and one row."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import subprocess
 import sys
@@ -176,6 +177,31 @@ def test_a_loss_is_built_from_keywords_or_a_config_section_never_positionally():
         PreferenceLoss("sigmoid", 0.1)  # type: ignore[misc]
     with pytest.raises(ValueError, match=r"loss.type must be one of \('sigmoid', .*'orpo'\), got 'kto'"):
         PreferenceLoss(loss_type="kto")
+
+
+def test_each_loss_setting_is_declared_once_and_held_alike_by_the_config_and_the_loss():
+    """The catalogue's settings (default, meaning, bound) are the schema's keys and PreferenceLoss's fields; a value
+    out of bounds is refused by both, with the same words: the config through its checks, the loss itself."""
+    from chattune.config.schema import DPOLossConfig
+    from chattune.launch.findings import ConfigError
+    from chattune.launch.recipe_kinds import DPO
+    from chattune.launch.validate import check_config
+
+    fields = {f.name: f for f in dataclasses.fields(DPOLossConfig)}
+    loss_fields = {f.name: f.default for f in dataclasses.fields(PreferenceLoss)}
+    for name, setting in catalogue.LOSS_SETTINGS.items():
+        assert fields[name].default == setting.default == loss_fields[name], name
+        assert fields[name].metadata["help"].startswith(setting.meaning), name
+        assert fields[name].metadata["bound"] is setting.bound, name
+    assert "read by sigmoid, robust, sigmoid_norm, simpo" in fields["label_smoothing"].metadata["help"]
+    for name, bad in (("beta", 0.0), ("label_smoothing", 0.5), ("orpo_lambda", -1.0)):
+        with pytest.raises(ValueError) as refused:
+            PreferenceLoss(**{name: bad})
+        assert str(refused.value) == catalogue.LOSS_SETTINGS[name].problem(bad), name
+        with pytest.raises(ConfigError) as config_refused:
+            check_config(compose_config("dpo/tiny", [f"loss.{name}={bad}"]), DPO, world_size=1)
+        said = str(config_refused.value)
+        assert f"loss.{name}" in said and catalogue.LOSS_SETTINGS[name].bound[1] in said, said
 
 
 def odds_ratio(pairs: PairRewards, *, beta: float) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Any, TypedDict
 
 from typing_extensions import Unpack
 
-from chattune.config.losses import PREFERENCE_LOSSES
+from chattune.config.losses import LOSS_SETTINGS, PREFERENCE_LOSSES, setting_help
 
 # --- the choices of enum keys ---
 
@@ -101,6 +101,13 @@ def key(
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def loss_setting(name: str) -> Any:
+    """A preference loss's `loss.*` key as the loss catalogue declares it (`chattune.config.losses.LOSS_SETTINGS`):
+    its default, meaning and bound written once there."""
+    setting = LOSS_SETTINGS[name]
+    return key(setting.default, setting_help(name), bound=setting.bound)
 
 
 def section(cls: Callable[[], Any], help: str = "", *, resume: str | None = None, **rules: Unpack[KeyRules]) -> Any:
@@ -505,17 +512,11 @@ class DPODataConfig(DataConfig):
 @dataclass
 class DPOLossConfig(LossConfig):
     type: str = key("sigmoid", "the preference loss (simpo, orpo: reference-free)", choices=LOSS_TYPES)
-    beta: float = key(0.1, "the preference loss's inverse temperature", bound=(lambda v: v > 0, "must be positive"))
-    label_smoothing: float = key(
-        0.0, "sigmoid, sigmoid_norm, robust, simpo", bound=(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)")
-    )
-    simpo_gamma: float = key(0.5, "simpo's target reward margin")
-    sft_weight: float = key(0.0, "adds this times the chosen reply's mean token NLL")
-    orpo_lambda: float = key(
-        0.1,
-        "orpo: the weight of the odds-ratio term, beside the chosen replies' NLL per token (TRL's ORPOConfig.beta)",
-        bound=(lambda v: v >= 0, "must not be negative"),
-    )
+    beta: float = loss_setting("beta")
+    label_smoothing: float = loss_setting("label_smoothing")
+    simpo_gamma: float = loss_setting("simpo_gamma")
+    sft_weight: float = loss_setting("sft_weight")
+    orpo_lambda: float = loss_setting("orpo_lambda")
 
 
 @dataclass

@@ -98,7 +98,9 @@ def register_pair_loss(row: PairLossRow) -> PairLossRow:
         raise ValueError(f"a preference loss named {row.name!r} is registered already")
     unknown = [name for name in row.reads if name not in LOSS_SETTINGS]
     if unknown:
-        raise ValueError(f"preference loss {row.name!r} reads {unknown}, which are not loss settings {LOSS_SETTINGS}")
+        raise ValueError(
+            f"preference loss {row.name!r} reads {unknown}, which are not loss settings {tuple(LOSS_SETTINGS)}"
+        )
     parameters = list(inspect.signature(row.function).parameters.values())[1:]
     taken = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     if taken != set(row.reads):
@@ -173,21 +175,18 @@ class PreferenceLoss:
     `PreferenceLoss.from_config(cfg.loss)`."""
 
     loss_type: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    sft_weight: float = 0.0
-    orpo_lambda: float = 0.1
+    beta: float = LOSS_SETTINGS["beta"].default
+    label_smoothing: float = LOSS_SETTINGS["label_smoothing"].default
+    simpo_gamma: float = LOSS_SETTINGS["simpo_gamma"].default
+    sft_weight: float = LOSS_SETTINGS["sft_weight"].default
+    orpo_lambda: float = LOSS_SETTINGS["orpo_lambda"].default
 
     def __post_init__(self):
         if self.loss_type not in PAIR_LOSSES:
             raise ValueError(f"loss.type must be one of {tuple(PAIR_LOSSES)}, got {self.loss_type!r}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"loss.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.beta <= 0:
-            raise ValueError(f"loss.beta must be positive, got {self.beta}")
-        if self.orpo_lambda < 0:
-            raise ValueError(f"loss.orpo_lambda must not be negative, got {self.orpo_lambda}")
+        for name, setting in LOSS_SETTINGS.items():  # the catalogue's bounds, as the config's checks hold them
+            if problem := setting.problem(getattr(self, name)):
+                raise ValueError(problem)
 
     @classmethod
     def from_config(cls, loss: DPOLossConfig | Mapping[str, Any]) -> PreferenceLoss:
