@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from chattune.launch.torchrun import torchrun_command
+
 STARTED = time.monotonic()  # the budget counts from here: the process's imports are part of it
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied)
@@ -350,13 +352,7 @@ def run_chattune(
     size, _, budget, accum, checkpointing = RUNS[name]
     output_dir = args.work / f"chattune-{name}"
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "1",
-        str(ROOT / "recipes" / "sft.py"),
+        *torchrun_command(str(ROOT / "recipes" / "sft.py"), nproc=1),
         "--config-name",
         "sft/local_model",
         f"model.path={model_dir}",

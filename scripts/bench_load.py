@@ -23,11 +23,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from chattune.launch.torchrun import torchrun_command
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Qwen2.5-1.5B's shape in Qwen3's architecture (q/k norms): 1.54B parameters, embeddings tied.
@@ -174,14 +175,7 @@ def run(ranks: int, model_dir: Path, checkout: Path | None) -> list[dict]:
             env["PYTHONPATH"] = f"{checkout}{os.pathsep}{env.get('PYTHONPATH', '')}"
         subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(ranks),
-                "--master_port",
-                "29611",
-                __file__,
+                *torchrun_command(__file__, nproc=ranks, port=29611),
                 "--worker",
                 str(model_dir),
                 out,

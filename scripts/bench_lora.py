@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from chattune.launch.torchrun import torchrun_command
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(
     hidden_size=1024,
@@ -58,14 +60,7 @@ def one_run(recipe: str, overrides: list[str], nproc: int) -> None:
     with tempfile.TemporaryDirectory() as out:
         result = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(nproc),
-                "--master_port",
-                "29633",
-                f"recipes/{recipe}.py",
+                *torchrun_command(f"recipes/{recipe}.py", nproc=nproc, port=29633),
                 f"output_dir={out}",
                 "eval_every=0",
                 "save_every=0",

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from chattune.launch.torchrun import torchrun_command
+
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "dpo-sigmoid"
 
@@ -70,13 +72,7 @@ def run_once(
 ) -> tuple[list[dict], float, float]:
     """The run's step metrics, its wall time and the wall time from launch to the first step's metrics line."""
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(ranks),
-        str(ROOT / "recipes" / f"{recipe}.py"),
+        *torchrun_command(str(ROOT / "recipes" / f"{recipe}.py"), nproc=ranks),
         "model.path=null",
         f"output_dir={output_dir}",
         f"max_steps={steps}",

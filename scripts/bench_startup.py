@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from chattune.launch.torchrun import torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,12 +79,7 @@ def main() -> None:
             out = f"{scratch}/launch{repeat}"
             lines, _ = timed_lines(
                 [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nproc_per_node",
-                    "2",
-                    "recipes/sft.py",
+                    *torchrun_command("recipes/sft.py", nproc=2),
                     f"output_dir={out}",
                     "max_steps=1",
                     "log_every=1",

@@ -22,18 +22,14 @@ from pathlib import Path
 
 import torch
 
+from chattune.launch.torchrun import torchrun_command
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_once(ranks: int, steps: int, overrides: list[str], output_dir: Path) -> list[dict]:
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(ranks),
-        str(ROOT / "recipes" / "sft.py"),
+        *torchrun_command(str(ROOT / "recipes" / "sft.py"), nproc=ranks),
         f"output_dir={output_dir}",
         f"max_steps={steps}",
         "log_every=1",

@@ -173,6 +173,7 @@ from chattune.config.paths import DEMO_ASSETS  # noqa: E402
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
 from chattune.data.packing import PackedBatch, collate_packed  # noqa: E402
 from chattune.data.templates.chat_template import probe_template, tokenize_conversation  # noqa: E402
+from chattune.launch.torchrun import torchrun_command  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied embeddings)
 SHAPES = {"tiny": (64, 128, 2, 4, 2), "0.6b": (1024, 3072, 28, 16, 8), "1.7b": (2048, 6144, 28, 16, 8)}
@@ -1127,13 +1128,7 @@ def run_recipe(
     launch's environment. The launch is stopped when the budget runs out (OutOfBudget)."""
     output_dir = ctx.work / name
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "1",
-        str(ROOT / "recipes" / f"{recipe}.py"),
+        *torchrun_command(str(ROOT / "recipes" / f"{recipe}.py"), nproc=1),
         "--config-name",
         f"{recipe}/local_model",
         f"output_dir={output_dir}",

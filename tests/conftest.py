@@ -42,6 +42,7 @@ from chattune.config.paths import DEMO_ASSETS  # noqa: E402
 from chattune.data.documents import IGNORE_INDEX, Document, shifted_labels  # noqa: E402
 from chattune.data.templates.chat_template import probe_template, tokenize_conversation  # noqa: E402
 from chattune.distributed import ParallelDims, free_port  # noqa: E402, F401  (free_port: re-exported for the tests)
+from chattune.launch.torchrun import TORCHRUN, torchrun_command  # noqa: E402
 from chattune.model.causal_lm import build_hf_model  # noqa: E402
 
 # One torch thread per pytest-xdist worker: the workers already fill the cores, and each worker's default threads
@@ -57,7 +58,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 
 
 # --- the user's state: a test never sees what a user's own runs leave in the checkout (outputs/, Hydra's multirun/,
@@ -188,7 +188,7 @@ def _launches_are_marked(request, monkeypatch):
 def torchrun(recipe: str, *overrides: str, nproc: int = 2) -> list[str]:
     """The command line `torchrun --nproc_per_node NPROC RECIPE OVERRIDES...` (recipe: `sft` or a path)."""
     path = recipe if recipe.endswith(".py") else f"recipes/{recipe}.py"
-    return [*TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), path, *overrides]
+    return torchrun_command(path, *overrides, nproc=nproc, port=free_port())
 
 
 def _warm_launch(command: list[str]) -> tuple[str, list[str], int | None] | None:

@@ -18,6 +18,7 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
+from chattune.launch.torchrun import TORCHRUN
 from conftest import exported_weights, free_port
 
 NUM_RECORDS = 60
@@ -32,7 +33,6 @@ def small_data(tmp_path_factory) -> Path:
     return conftest.made_once(tmp_path_factory, "resume-data", make) / "chats.jsonl"
 
 
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 CHATTUNE_RUN = (sys.executable, "-m", "chattune.cli.main", "run")  # `chattune run`
 
 
