@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 from test_resume import read_metrics
 
-from conftest import launch, torchrun
+from conftest import launch, made_once, torchrun
 
 pytest.importorskip("torchao.optim")
 
@@ -53,44 +53,65 @@ def _train(
     return {m["step"]: m["loss"] for m in read_metrics(out)}
 
 
-@pytest.mark.launch
-def test_low_bit_states_follow_fp32_adamw_within_the_documented_tolerance_and_resume_bit_for_bit(tmp_path):
-    """One test, so that the runs it compares are made once (a module fixture is made once per xdist worker)."""
-    fp32_losses = _train(tmp_path / "fp32", "torch.optim.AdamW")
-    runs = {}
-    for name in MEAN_TOLERANCE:
-        # the 8-bit run keeps its step-5 checkpoint, which the resumes below continue. The 4-bit run on 1 rank (the
-        # steps are world-size-invariant: the same data as fp32's 2): torchao compiles its step per shard shape,
-        # most of a launch's time, once per rank
-        # (saved in the background: DCP's stager cannot copy torchao's states itself, chattune.checkpoint.staging)
-        saves, nproc = (["save_every=5", "keep_last_n=null", "save_async=true"], 2) if name == "AdamW8bit" else ([], 1)
-        low_bit = runs[name] = _train(tmp_path / name, f"torchao.optim.{name}", *saves, nproc=nproc)
-        assert sorted(low_bit) == sorted(fp32_losses) == list(range(1, STEPS + 1))
-        worst = max(abs(low_bit[s] - fp32_losses[s]) for s in fp32_losses)
-        tail = range(STEPS - 9, STEPS + 1)
-        mean_low, mean_fp32 = (sum(run[s] for s in tail) / len(tail) for run in (low_bit, fp32_losses))
-        print(f"{name}: worst step {worst:.4f} nats, last-10 mean {mean_low:.4f} vs {mean_fp32:.4f}")
-        assert worst <= STEP_TOLERANCE[name], (name, worst, low_bit, fp32_losses)
-        assert abs(mean_low - mean_fp32) <= MEAN_TOLERANCE[name] * mean_fp32, (name, mean_low, mean_fp32)
-        assert low_bit[STEPS] < 0.6 * low_bit[1], name  # it learns, as fp32 does
+# The runs the tests compare, each made once for the whole session (`made_once`: whichever xdist worker asks first),
+# so that the tests that read them run side by side. The 8-bit run keeps its step-5 checkpoint (an async save:
+# DCP's stager cannot copy torchao's states itself, chattune.checkpoint.staging), which the resumes continue. The
+# 4-bit run on 1 rank (the steps are world-size-invariant: the same data as fp32's 2): torchao compiles its step
+# per shard shape, most of a launch's time, once per rank.
+REFERENCE_RUNS = {
+    "fp32": ("torch.optim.AdamW", (), 2),
+    "AdamW8bit": ("torchao.optim.AdamW8bit", ("save_every=5", "keep_last_n=null", "save_async=true"), 2),
+    "AdamW4bit": ("torchao.optim.AdamW4bit", (), 1),
+}
 
-    # The 8-bit run's step-5 checkpoint (an async save) continued: the quantized states round-trip through DCP,
-    # bit for bit.
-    optimizer, straight = "torchao.optim.AdamW8bit", runs["AdamW8bit"]
-    checkpoint = tmp_path / "AdamW8bit" / "checkpoints" / "step_5"
-    resumed = _train(tmp_path / "resumed", optimizer, f"resume={checkpoint}", "stop_after_step=10")
-    assert resumed == {s: straight[s] for s in range(6, 11)}  # exact, not close
-    # The same checkpoint on 1 rank (world-size-invariant steps): DCP reshards the quantized states
-    one = _train(tmp_path / "one", optimizer, f"resume={checkpoint}", "stop_after_step=10", nproc=1)
-    assert sorted(one) == list(range(6, 11))
-    assert all(abs(one[s] - straight[s]) <= 1e-5 * straight[s] for s in one), (one, straight)
-    # and with torchao's step compiled (a user's run: a class's own inductor cache, the rate a tensor), the same
-    # arithmetic fused: within 1e-5 of the eager steps (measured COMPILED_GAP)
-    compiled = _train(tmp_path / "compiled", optimizer, f"resume={checkpoint}", "stop_after_step=10", env={})
-    assert sorted(compiled) == list(range(6, 11))
-    gap = max(abs(compiled[s] - straight[s]) / straight[s] for s in compiled)
-    print(f"compiled against eager 8-bit steps 6-10: {gap:.2e} relative")
-    assert gap <= 1e-5, (compiled, straight)
+
+def _reference_run(tmp_path_factory, name: str) -> tuple[Path, dict[int, float]]:
+    """(the output directory, the step losses) of REFERENCE_RUNS[name]."""
+    optimizer, overrides, nproc = REFERENCE_RUNS[name]
+    made = made_once(
+        tmp_path_factory, f"low-bit-{name}", lambda d: _train(d / "run", optimizer, *overrides, nproc=nproc)
+    )
+    return made / "run", {m["step"]: m["loss"] for m in read_metrics(made / "run")}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
+def test_low_bit_states_follow_fp32_adamw_within_the_documented_tolerance(tmp_path_factory, name):
+    _, fp32_losses = _reference_run(tmp_path_factory, "fp32")
+    _, low_bit = _reference_run(tmp_path_factory, name)
+    assert sorted(low_bit) == sorted(fp32_losses) == list(range(1, STEPS + 1))
+    worst = max(abs(low_bit[s] - fp32_losses[s]) for s in fp32_losses)
+    tail = range(STEPS - 9, STEPS + 1)
+    mean_low, mean_fp32 = (sum(run[s] for s in tail) / len(tail) for run in (low_bit, fp32_losses))
+    print(f"{name}: worst step {worst:.4f} nats, last-10 mean {mean_low:.4f} vs {mean_fp32:.4f}")
+    assert worst <= STEP_TOLERANCE[name], (name, worst, low_bit, fp32_losses)
+    assert abs(mean_low - mean_fp32) <= MEAN_TOLERANCE[name] * mean_fp32, (name, mean_low, mean_fp32)
+    assert low_bit[STEPS] < 0.6 * low_bit[1], name  # it learns, as fp32 does
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("how", ["2 ranks", "1 rank", "compiled"])
+def test_the_8bit_runs_step_5_checkpoint_continues_it(tmp_path_factory, tmp_path, how):
+    """The 8-bit run's step-5 checkpoint (an async save) continued: on its 2 ranks bit for bit (the quantized
+    states round-trip through DCP); on 1 rank (world-size-invariant steps: DCP reshards the quantized states)
+    within 1e-5; with torchao's step compiled (a user's run: a class's own inductor cache, the rate a tensor), the
+    same arithmetic fused, within 1e-5 of the eager steps (measured COMPILED_GAP)."""
+    run, straight = _reference_run(tmp_path_factory, "AdamW8bit")
+    checkpoint = run / "checkpoints" / "step_5"
+    resume = ("torchao.optim.AdamW8bit", f"resume={checkpoint}", "stop_after_step=10")
+    if how == "2 ranks":
+        resumed = _train(tmp_path / "resumed", *resume)
+        assert resumed == {s: straight[s] for s in range(6, 11)}  # exact, not close
+    elif how == "1 rank":
+        one = _train(tmp_path / "one", *resume, nproc=1)
+        assert sorted(one) == list(range(6, 11))
+        assert all(abs(one[s] - straight[s]) <= 1e-5 * straight[s] for s in one), (one, straight)
+    else:
+        compiled = _train(tmp_path / "compiled", *resume, env={})
+        assert sorted(compiled) == list(range(6, 11))
+        gap = max(abs(compiled[s] - straight[s]) / straight[s] for s in compiled)
+        print(f"compiled against eager 8-bit steps 6-10: {gap:.2e} relative")
+        assert gap <= 1e-5, (compiled, straight)
 
 
 def test_a_resume_onto_a_new_horizon_keeps_the_rate_a_tensor_as_torchao_needs():
