@@ -109,7 +109,7 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
 
     import chattune
     from chattune.distributed import init_distributed
-    from chattune.model.build import build_sharded_model
+    from chattune.model.build import ModelSections, ModelSource, build_sharded_model
     from chattune.model.io.export import export_hf
 
     cfg = OmegaConf.create(
@@ -129,7 +129,12 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
     before_load = RssSampler.current()
     sampler.reset()
     start = time.perf_counter()
-    built = build_sharded_model(cfg, VocabularyOnly(QWEN3_1_5B["vocab_size"]), dims, model_dir)
+    built = build_sharded_model(
+        sections=ModelSections.of(cfg),
+        tokenizer=VocabularyOnly(QWEN3_1_5B["vocab_size"]),
+        dims=dims,
+        source=ModelSource(str(model_dir)),
+    )
     hf_model, model = built[0], built[1]  # (hf_model, model[, peft_model]) depending on the checkout
     torch.distributed.barrier()
     load_s, load_peak = time.perf_counter() - start, sampler.peak()

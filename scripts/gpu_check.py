@@ -327,12 +327,16 @@ def built_from(ctx: Context, cfg, head=None, dims=None):
     its TF32 scope, `probe_native_gqa` on CUDA (how torch's varlen_attn takes grouped-query attention: the path
     a recipe's attention then takes), FSDP2 with the recipe's `model.fsdp` settings and the start-up "compute:"
     line."""
-    from chattune.model.build import build_sharded_model
+    from chattune.model.build import ModelSections, ModelSource, build_sharded_model
 
     dims = dims or ctx.dims  # `dims`: another layout on the same group (check_tensor_parallel's kept tp mesh)
     if head is None:
-        return build_sharded_model(cfg, tokenizer(ctx), dims, None)
-    return build_sharded_model(cfg, tokenizer(ctx), dims, None, head=head)
+        return build_sharded_model(
+            sections=ModelSections.of(cfg), tokenizer=tokenizer(ctx), dims=dims, source=ModelSource(None)
+        )
+    return build_sharded_model(
+        sections=ModelSections.of(cfg), tokenizer=tokenizer(ctx), dims=dims, source=ModelSource(None), head=head
+    )
 
 
 def model_dir(ctx: Context, shape: str) -> Path:

@@ -23,7 +23,7 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.hf_layout import decoder_layers
-from chattune.model.build import build_sharded_model
+from chattune.model.build import ModelSections, ModelSource, build_sharded_model
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.io.export import export_adapter, export_hf
 from chattune.model.peft.adapters import add_adapters
@@ -89,7 +89,11 @@ def _worker(rank: int, world_size: int, port: int, base: str, out: str, use_dora
     init_worker_process_group(rank, world_size, port)
     dist_info = init_distributed("cpu")
     hf_model, model, peft_model, placement = build_sharded_model(
-        run_config(base), demo_tokenizer(), dist_info, base, adapters=settings(use_dora)
+        sections=ModelSections.of(run_config(base)),
+        tokenizer=demo_tokenizer(),
+        dims=dist_info,
+        source=ModelSource(base),
+        adapters=settings(use_dora),
     )
     quantized = [m for m in hf_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 2 * len(LINEARS)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from chattune.distributed import exit_process, init_distributed, shutdown_distributed
 from chattune.errors import UserError
-from chattune.model.build import build_sharded_model
+from chattune.model.build import ModelSections, ModelSource, build_sharded_model
 from chattune.model.causal_lm import build_hf_model
 from chattune.model.io.export import export_dtype, export_hf
 from conftest import demo_tokenizer, exported_weights, free_port, init_worker_process_group, spawn, tiny_config
@@ -81,7 +81,12 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     tmp_path, tokenizer, dist_info = Path(tmp), demo_tokenizer(), init_distributed("cpu")
     for name, (_, dtype) in SOURCES.items():
         directory = tmp_path / name
-        hf_model, model, _, _ = build_sharded_model(run_config(str(directory)), tokenizer, dist_info, str(directory))
+        hf_model, model, _, _ = build_sharded_model(
+            sections=ModelSections.of(run_config(str(directory))),
+            tokenizer=tokenizer,
+            dims=dist_info,
+            source=ModelSource(str(directory)),
+        )
         local = sum(p.to_local().numel() for p in model.parameters())
         assert local < 0.6 * sum(p.numel() for p in model.parameters()), "each rank should hold about half"
         got = gathered(model, hf_model)
@@ -97,13 +102,21 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
         )
     # Stored under other names (no "model." prefix): every rank falls back to from_pretrained, same weights.
     hf_model, model, _, _ = build_sharded_model(
-        run_config(str(tmp_path / "legacy")), tokenizer, dist_info, str(tmp_path / "legacy")
+        sections=ModelSections.of(run_config(str(tmp_path / "legacy"))),
+        tokenizer=tokenizer,
+        dims=dist_info,
+        source=ModelSource(str(tmp_path / "legacy")),
     )
     got = gathered(model, hf_model)
     if rank == 0:
         assert_bit_equal(got, reference(tmp_path / "legacy"), "legacy")
     # Random init from model.config: the weights of a plain seeded build of the whole model.
-    hf_model, model, _, _ = build_sharded_model(run_config(None, seed=7), tokenizer, dist_info, None)
+    hf_model, model, _, _ = build_sharded_model(
+        sections=ModelSections.of(run_config(None, seed=7)),
+        tokenizer=tokenizer,
+        dims=dist_info,
+        source=ModelSource(None),
+    )
     got = {k: v for k, v in gathered(model, hf_model).items() if not k.startswith("buffer:")}
     if rank == 0:
         torch.manual_seed(7)

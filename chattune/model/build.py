@@ -11,14 +11,16 @@ and in every release."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from hydra.utils import instantiate
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from chattune.config.schema import PeftConfig, SFTConfig
+from chattune.config.schema import LossConfig, ModelConfig, PeftConfig, SFTConfig
 from chattune.config.typed import config_dict
 from chattune.distributed import ParallelDims, usable_device_memory
 from chattune.errors import UnsupportedModel, UserError
@@ -75,7 +77,14 @@ def build_trained_model(
     adapters, sharded, in training mode, its size logged; with `log_memory`, rank 0 logs the run's memory table
     first (a training run's: an export, which builds the same model, does not)."""
     built = build_sharded_model(
-        cfg, tokenizer, dims, cfg.model.path, adapters=cfg.peft, head=head, log_memory=log_memory
+        sections=ModelSections.of(cfg),
+        tokenizer=tokenizer,
+        dims=dims,
+        source=ModelSource(cfg.model.path),
+        adapters=cfg.peft,
+        head=head,
+        memory_table=(lambda hf_config: log_memory_estimate(cfg, hf_config, dims)) if log_memory else None,
+        levers=memory_levers(cfg),
     )
     built.model.train()  # from_pretrained returns eval mode, which also switches HF activation checkpointing off
     # (a 4-bit weight counts its matrix's elements)
@@ -110,38 +119,66 @@ def log_memory_estimate(cfg: SFTConfig, hf_config, dims: ParallelDims) -> None:
         logger.info("memory per rank, estimated:\n%s", table)
 
 
+@dataclass(frozen=True)
+class ModelSections:
+    """The run's sections a model's building reads, and no others: `model` (its config, FSDP2, compile, float8),
+    `loss` (the head's implementation and chunk, the router loss's coefficient) and the run's `seed`."""
+
+    model: ModelConfig
+    loss: LossConfig
+    seed: int
+
+    @classmethod
+    def of(cls, cfg: SFTConfig) -> ModelSections:
+        return cls(cfg.model, cfg.loss, cfg.seed)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Which of a run's models is built and from where: its `role` (the "policy" it trains, or a frozen
+    "reference"), its `path` (a directory or a hub id; None: built from model.config) and the config key that path
+    comes from (what a message about it names)."""
+
+    path: str | None
+    key: str = "model.path"
+    role: str = "policy"
+
+
 def build_sharded_model(
-    cfg: SFTConfig,
+    *,
+    sections: ModelSections,
     tokenizer: PreTrainedTokenizerBase,
     dims: ParallelDims,
-    path: str | None,
+    source: ModelSource,
     adapters: PeftConfig | None = None,
-    key: str = "model.path",
     head: ModelHead = CAUSAL_LM_HEAD,
-    log_memory: bool = False,
+    memory_table: Callable[[Any], None] | None = None,
+    levers: str = "",
 ) -> BuiltModel:
-    """The model loaded from `path` (a local directory or a hub id, `chattune.hub`; `key` is its config key), or
-    built from `cfg.model.config` when `path` is None, ending in `head` (`chattune.model.head.kinds`: a causal LM's
-    output layer, or a reward model's score head), with LoRA `adapters` (the `peft` section) on its frozen base
-    when given, sharded. `log_memory`: rank 0 logs the run's memory table (`log_memory_estimate`) before loading
-    a weight: the trained model's builder asks for it, a DPO or KTO reference built the same way does not."""
+    """The model of `source` (its role's: the policy or a reference) loaded from its path (a local directory or a
+    hub id, `chattune.hub`), or built from `sections.model.config` when the path is None, ending in `head`
+    (`chattune.model.head.kinds`: a causal LM's output layer, or a reward model's score head), with LoRA `adapters`
+    (the `peft` section) on its frozen base when given, sharded. `memory_table`: called with the model's HF
+    config on rank 0 before a weight loads (the trained model's builder logs the run's memory table there, a
+    reference built alike does not); `levers`: the memory levers the start-up line names."""
+    cfg, path, key = sections, source.path, source.key
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(sections.seed)
     files, stored_dtype, composite = None, None, None
     if path is None:
         # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
         config = instantiate(cfg.model.config, _convert_="all")
         vocab_size = written_vocab_size(cfg.model.config, len(tokenizer))  # the user's, else the tokenizer's
         hf_model = build_hf_model(tokenizer, config=config, head=head, vocab_size=vocab_size)  # whole, on CPU
-        if log_memory and dims.is_main:  # what the run will take per rank
-            log_memory_estimate(cfg, hf_model.config, dims)
+        if memory_table is not None and dims.is_main:  # what the run will take per rank
+            memory_table(hf_model.config)
     else:
         directory = local_directory(path, key)  # a hub id: downloaded once per node (collective)
         if not directory.is_dir():
             raise UserError(f"{key} {path!r} is not a local directory{hub_hint(path, 'model')}")
         stored_config = AutoConfig.from_pretrained(directory)
-        if log_memory and dims.is_main:  # what the run will take per rank, before loading a weight
-            log_memory_estimate(cfg, stored_config, dims)
+        if memory_table is not None and dims.is_main:  # what the run will take per rank, before loading a weight
+            memory_table(stored_config)
         hf_model, files, composite = _empty_or_full(directory, head)
         stored_dtype = load.source_dtype(stored_config)
         check_vocabulary(hf_model, tokenizer)
@@ -201,9 +238,8 @@ def build_sharded_model(
     if fp8:  # the decoder layers' linear layers, before compiling and sharding them
         converted = convert_linear_layers(decoder_layers(packed), fp8)
         logger.info("model.fp8=%s: %d linear layers of the decoder in float8 (torchao)", fp8, converted)
-    model = packed
-    placement = shard_model(model, dims, **config_dict(cfg.model.fsdp), compile=compile, replicated=replicated)
-    describe_compute(model, placement, memory_levers(cfg))
+    placement = shard_model(packed, dims, **config_dict(cfg.model.fsdp), compile=compile, replicated=replicated)
+    describe_compute(packed, placement, levers)
     if dims.cp > 1:
         logger.info(
             "context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
@@ -211,15 +247,15 @@ def build_sharded_model(
         )
     # What the export writes back: the composite's layout (None: the model's own). A reward model is a text
     # sequence classifier, which no composite class holds: it is exported as one.
-    model.composite = composite if head is CAUSAL_LM_HEAD else None
+    packed.composite = composite if head is CAUSAL_LM_HEAD else None
     if files is not None:
         keys = composite.stored_names if composite is not None else None
         load.materialise_and_load(
-            model, hf_model, directory, files, dims.device, initial, keys, cpu_offload=placement.cpu_offload
+            packed, hf_model, directory, files, dims.device, initial, keys, cpu_offload=placement.cpu_offload
         )
     if adapters is not None and adapters.use_dora:
         set_dora_magnitudes(hf_model)  # from the loaded (or quantized) base: the norms of the weights it runs with
-    return BuiltModel(hf_model, model, peft_model, placement)
+    return BuiltModel(hf_model, packed, peft_model, placement)
 
 
 _described: set[str] = set()

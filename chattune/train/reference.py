@@ -15,7 +15,8 @@ from chattune.config.schema import DPOConfig, KTOConfig
 from chattune.data.ingest.sources import MixedDocuments
 from chattune.data.stream import StreamLayout
 from chattune.distributed import ParallelDims
-from chattune.model.build import BuiltModel, build_sharded_model
+from chattune.model.build import BuiltModel, ModelSections, ModelSource, build_sharded_model
+from chattune.model.cost.memory import memory_levers
 from chattune.model.peft.adapters import BaseModelView
 from chattune.objectives import reference_cache
 from chattune.objectives.dpo import CachedReference, LiveReference, Reference
@@ -41,11 +42,15 @@ def reference_log_probs(
             logger.info("reference: the policy's base (adapters off)")
             return cast(torch.nn.Module, BaseModelView(built.model, built.peft_model))  # (a module's stand-in)
         return build_sharded_model(
-            cfg,
-            tokenizer,
-            dims,
-            cfg.reference.path or cfg.model.path,
-            key="reference.path" if cfg.reference.path else "model.path",
+            sections=ModelSections.of(cfg),
+            tokenizer=tokenizer,
+            dims=dims,
+            source=ModelSource(
+                cfg.reference.path or cfg.model.path,
+                "reference.path" if cfg.reference.path else "model.path",
+                role="reference",
+            ),
+            levers=memory_levers(cfg),
         ).model
 
     if not cfg.reference.cache:
