@@ -55,7 +55,7 @@ from chattune.checkpoint.resume import (
 )
 from chattune.checkpoint.snapshot import complete_snapshots
 from chattune.config.paths import save_resolved_config
-from chattune.config.schema import SFTConfig
+from chattune.config.schema import RunConfig
 from chattune.config.typed import config_dict
 from chattune.distributed import ParallelDims, broadcast_from_main
 from chattune.errors import NothingToDo, UserError
@@ -191,7 +191,7 @@ class LaunchDecision:
     complete: str | None = None  # the run is complete and the launch has nothing to do: what to say
 
 
-def decide_launch(cfg: SFTConfig, identity: dict) -> LaunchDecision:
+def decide_launch(cfg: RunConfig, identity: dict) -> LaunchDecision:
     """What this launch continues and what it moves aside (`identity`: this run's `run_identity`), without touching
     anything; a UserError for a launch that must not resume what it asks for, or would overwrite an earlier run
     without overwrite=true."""
@@ -276,7 +276,7 @@ def decide_launch(cfg: SFTConfig, identity: dict) -> LaunchDecision:
     return decision
 
 
-def _restart_refusal(cfg: SFTConfig, previous: list[str]) -> str | None:
+def _restart_refusal(cfg: RunConfig, previous: list[str]) -> str | None:
     """Why a launch with resume=auto must not start again the earlier run whose `previous` results, and no
     checkpoint, are in output_dir (None: it may). Only the same run may be started again: its config.yaml is this
     launch's config (its free keys aside: logging, saving, evaluating), and it had not ended (no export)."""
@@ -297,7 +297,7 @@ def _restart_refusal(cfg: SFTConfig, previous: list[str]) -> str | None:
     return None
 
 
-def completion(cfg: SFTConfig, identity: dict, latest: Path | None) -> str | None:
+def completion(cfg: RunConfig, identity: dict, latest: Path | None) -> str | None:
     """What to say when output_dir holds this very run, complete (its `complete.json` has this launch's fingerprint
     and export settings, its exports are there, no checkpoint is newer than its end): a relaunch has nothing to
     do. None otherwise. `latest`: the newest committed checkpoint of output_dir."""
@@ -329,7 +329,7 @@ def completion(cfg: SFTConfig, identity: dict, latest: Path | None) -> str | Non
     )
 
 
-def write_completion(cfg: SFTConfig, manifest: dict, step: int, exports: list[str]) -> None:
+def write_completion(cfg: RunConfig, manifest: dict, step: int, exports: list[str]) -> None:
     """Rank 0, at the end of a run: `complete.json`, what says that the run in output_dir reached its end
     (`completion`): its last step, its identity (`manifest`: world size and fingerprint), its export settings
     and the exports written. One an earlier trajectory left is set aside first."""
@@ -378,7 +378,7 @@ def set_aside_abandoned(decision: LaunchDecision) -> list[str]:
 _lock: OutputDirLock | None = None  # this process's lock, held until it exits
 
 
-def claim_output_dir(cfg: SFTConfig, dims: ParallelDims) -> StartingPoint:
+def claim_output_dir(cfg: RunConfig, dims: ParallelDims) -> StartingPoint:
     """Collective, before anything is loaded or written: rank 0 locks `output_dir`, decides what the
     launch continues (refusing what it must not), moves aside what another trajectory left and writes
     config.yaml. Every rank gets the same decision, or raises the same error (`NothingToDo` for a complete

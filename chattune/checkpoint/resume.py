@@ -29,7 +29,7 @@ from omegaconf import ListConfig
 
 from chattune.checkpoint.checkpoint import load_checkpoint, load_sharded, rank_states, read_manifest
 from chattune.checkpoint.run_state import OptimizerState, RunState
-from chattune.config.schema import SFTConfig, keys_resumed_as, schedule_name
+from chattune.config.schema import RunConfig, keys_resumed_as, schedule_name
 from chattune.config.typed import config_dict
 from chattune.data.feed import merge_states
 from chattune.data.ingest.fingerprint import data_file_fingerprints, record_files, record_hashes, saved_record_hashes
@@ -65,7 +65,7 @@ def trajectory_keys(config: dict) -> dict:
     return {k: v for k, v in _flatten(config).items() if not _under(k, RUNTIME_KEYS)}
 
 
-def run_fingerprint(cfg: SFTConfig) -> dict:
+def run_fingerprint(cfg: RunConfig) -> dict:
     config = trajectory_keys(config_dict(cfg))
     # The chat template as its text: a template file (or a shipped one) edited under the same name renders other
     # documents. (null: the tokenizer's own, among the tokenizer files below.)
@@ -194,7 +194,7 @@ class AcceptedChanges:
         return bool(self.horizon) or any(_under(key, ("scheduler", "optimizer.lr")) for key in self.changed_keys)
 
 
-def check_resumable(directory: Path, identity: dict, cfg: SFTConfig) -> AcceptedChanges:
+def check_resumable(directory: Path, identity: dict, cfg: RunConfig) -> AcceptedChanges:
     """Whether the checkpoint at `directory` can continue this run (`identity`: its `run_identity`): the changes
     it accepts, or a ResumeError that lists every refused difference and the exact `resume_allow_changes` that
     would accept them."""

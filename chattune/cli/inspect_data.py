@@ -19,7 +19,7 @@ from hydra import compose
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.paths import CONFIG_DIR  # importing chattune.config.paths registers ${demo_asset:...}
-from chattune.config.schema import SFTConfig
+from chattune.config.schema import RunConfig
 from chattune.config.typed import typed_config
 from chattune.data.documents import IGNORE_INDEX, Document, Skipped
 from chattune.data.ingest.cached_sources import open_documents
@@ -40,7 +40,7 @@ TRAINED, PLAIN, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
 def load_config(
     config_name: str, overrides: list[str], config_path: Path = CONFIG_DIR, config_dir: Path | None = None
-) -> tuple[SFTConfig, RecipeKind]:
+) -> tuple[RunConfig, RecipeKind]:
     """The config a recipe would compose (typed, `chattune.config.typed`) and its recipe kind (its name's), after
     `chattune validate`'s checks
     (ConfigError: every problem)."""
@@ -55,7 +55,7 @@ def load_config(
 
 
 def inspect_sources(
-    cfg: SFTConfig, kind: RecipeKind, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None
+    cfg: RunConfig, kind: RecipeKind, tokenizer: PreTrainedTokenizerBase, num_examples: int, limit: int | None
 ) -> DataReport:
     budget = row_budget(cfg.data, cfg.parallel.context)[0]  # a row's tokens (context parallelism: the group's)
     specs = source_specs(cfg.data.train)  # read as the recipe reads them

@@ -414,8 +414,9 @@ class PeftConfig:
 
 
 @dataclass
-class SFTConfig:
-    """The keys of `recipes/sft.py` (defaults: configs/sft/tiny.yaml)."""
+class RunConfig:
+    """The keys every recipe's run has: its output, steps, data, model, loss head, optimizer, parallelism, checkpoints
+    and metrics. SFT's config is this alone (`SFTConfig`); each preference recipe's adds its own (`PreferenceConfig`)."""
 
     output_dir: str = key("outputs/sft-tiny", "where checkpoints, metrics and the HF export go", resume="free")
     seed: int = key(42, "seeds model init, data order and dropout")
@@ -520,7 +521,12 @@ class DPOLossConfig(LossConfig):
 
 
 @dataclass
-class PreferenceConfig(SFTConfig):
+class SFTConfig(RunConfig):
+    """The keys of `recipes/sft.py` (defaults: configs/sft/tiny.yaml): a run's, none of its own."""
+
+
+@dataclass
+class PreferenceConfig(RunConfig):
     """The defaults the preference recipes share (DPO, the reward model, KTO): a short run that starts from the SFT
     demo's export."""
 

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from chattune.config.schema import LossConfig, ModelConfig, PeftConfig, SFTConfig
+from chattune.config.schema import LossConfig, ModelConfig, PeftConfig, RunConfig
 from chattune.config.typed import config_dict
 from chattune.distributed import ParallelDims, usable_device_memory
 from chattune.errors import UnsupportedModel, UserError
@@ -67,7 +67,7 @@ class BuiltModel(NamedTuple):
 
 
 def build_trained_model(
-    cfg: SFTConfig,
+    cfg: RunConfig,
     tokenizer: PreTrainedTokenizerBase,
     dims: ParallelDims,
     head: ModelHead = CAUSAL_LM_HEAD,
@@ -101,7 +101,7 @@ def build_trained_model(
     return built
 
 
-def log_memory_estimate(cfg: SFTConfig, hf_config, dims: ParallelDims) -> None:
+def log_memory_estimate(cfg: RunConfig, hf_config, dims: ParallelDims) -> None:
     """Rank 0's start-up table of the run's memory per rank (`chattune.model.cost.memory`), a warning if it will not
     fit the device."""
     on_cuda = dims.device.type == "cuda"
@@ -129,7 +129,7 @@ class ModelSections:
     seed: int
 
     @classmethod
-    def of(cls, cfg: SFTConfig) -> ModelSections:
+    def of(cls, cfg: RunConfig) -> ModelSections:
         return cls(cfg.model, cfg.loss, cfg.seed)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.layout_rules import microbatch_ranks_problem
-from chattune.config.schema import SFTConfig
+from chattune.config.schema import RunConfig
 from chattune.data.feed import InvariantSlots, StepFeed, StepSource
 from chattune.data.ingest.cached_sources import open_documents
 from chattune.data.ingest.held_out import held_out_line, hold_out, joined
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 def packed_stream(
-    cfg: SFTConfig,
+    cfg: RunConfig,
     documents: MixedDocuments,
     layout: StreamLayout,
     pad_id: int,
@@ -63,7 +63,7 @@ class StepLayout:
     slots: range | None  # world-size-invariant: this rank's microbatches of each step; None: all it takes
 
 
-def step_layout(cfg: SFTConfig, dims: ParallelDims) -> StepLayout:
+def step_layout(cfg: RunConfig, dims: ParallelDims) -> StepLayout:
     """Per rank: the rank's share, grad_accum_steps microbatches of it a step. World-size-invariant
     (data.microbatches_per_step = M): all the data, M microbatches a step, rank r training M/W consecutive ones.
     Under context parallelism a "rank" here is a data-parallel rank: the C ranks of a context group read and
@@ -95,7 +95,7 @@ class TrainingData:
 
 
 def check_something_trains(
-    cfg: SFTConfig, dims: ParallelDims, train: MixedDocuments, counts: dict[str, float] | None = None
+    cfg: RunConfig, dims: ParallelDims, train: MixedDocuments, counts: dict[str, float] | None = None
 ) -> None:
     """Collective: a UserError, with what the records gave, when not one record of the training data gives a
     token to train (every one over the budget with data.overlong=drop, say). `counts`: the whole data's, if
@@ -123,7 +123,7 @@ def check_something_trains(
 
 
 def build_training_data(
-    cfg: SFTConfig, dims: ParallelDims, tokenizer: PreTrainedTokenizerBase, recipe_data: RecipeData
+    cfg: RunConfig, dims: ParallelDims, tokenizer: PreTrainedTokenizerBase, recipe_data: RecipeData
 ) -> TrainingData:
     """Collective (the data report's counts are summed over ranks). `recipe_data`: what the recipe's kind reads
     (`chattune.launch.recipe_kinds.RecipeKind.data`)."""

@@ -35,7 +35,7 @@ from chattune.checkpoint.output_dir import StartingPoint, release_output_dir, wr
 from chattune.checkpoint.resume import resume_training
 from chattune.checkpoint.run_state import Every, Horizon, SkippedSteps, training_state
 from chattune.checkpoint.snapshot import Snapshots, SnapshotsWhenSlow, advise, killing_grace_s
-from chattune.config.schema import SFTConfig
+from chattune.config.schema import RunConfig
 from chattune.config.typed import config_dict
 from chattune.data.documents import SKIP_REASONS
 from chattune.data.feed import DocumentLedger, StepSource
@@ -75,7 +75,7 @@ class Learning:
 
 
 def train(
-    cfg: SFTConfig,
+    cfg: RunConfig,
     dims: ParallelDims,
     start: StartingPoint,
     built: BuiltModel,
@@ -136,7 +136,7 @@ class UpdateSteps:
 
     def __init__(
         self,
-        cfg: SFTConfig,
+        cfg: RunConfig,
         model: torch.nn.Module,
         learning: Learning,
         feed: StepSource,
@@ -268,7 +268,7 @@ class Run:
 
 
 def set_up(
-    cfg: SFTConfig,
+    cfg: RunConfig,
     dims: ParallelDims,
     start: StartingPoint,
     built: BuiltModel,
@@ -387,7 +387,7 @@ def stop(run: Run, step: int) -> None:
 
 
 def finish(
-    cfg: SFTConfig, dims: ParallelDims, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase, step: int
+    cfg: RunConfig, dims: ParallelDims, built: BuiltModel, run: Run, tokenizer: PreTrainedTokenizerBase, step: int
 ) -> None:
     """Collective: the end of a run that reached its last step, `step`: the records skipped over the run, the last
     checkpoint committed, then the export (a Hugging Face directory, and with LoRA the adapter directory), and

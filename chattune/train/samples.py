@@ -25,7 +25,7 @@ import numpy as np
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from chattune.config.schema import SFTConfig
+from chattune.config.schema import RunConfig
 from chattune.data.ingest.records import source_specs
 from chattune.data.templates.prompts import Prompt, held_out_prompts, read_prompts_file
 from chattune.distributed import ParallelDims
@@ -49,7 +49,7 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 def run_samples(
-    cfg: SFTConfig,
+    cfg: RunConfig,
     tokenizer: PreTrainedTokenizerBase,
     dims: ParallelDims,
     resume_step: int | None,
@@ -77,7 +77,7 @@ def run_samples(
     return EvalSamples(prompts, tokenizer, cfg.eval.max_new_tokens, dims, path, wandb_run)
 
 
-def sample_prompts(cfg: SFTConfig, held_out_records: Sequence[HeldOutRecords] = ()) -> list[Prompt]:
+def sample_prompts(cfg: RunConfig, held_out_records: Sequence[HeldOutRecords] = ()) -> list[Prompt]:
     """The prompts a run samples: the first eval.samples of eval.sample_prompts, or else of data.eval, then of
     the records data.eval_split holds out (`held_out_records`: their numbers in each training source); none with
     eval.samples=0, or evaluation off."""
