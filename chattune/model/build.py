@@ -161,14 +161,14 @@ def build_sharded_model(
     (the `peft` section) on its frozen base when given, sharded. `memory_table`: called with the model's HF
     config on rank 0 before a weight loads (the trained model's builder logs the run's memory table there, a
     reference built alike does not); `levers`: the memory levers the start-up line names."""
-    cfg, path, key = sections, source.path, source.key
+    path, key = source.path, source.key
     # The same seed on every rank, and for every model built: identical initial weights before sharding.
     torch.manual_seed(sections.seed)
     files, stored_dtype, composite = None, None, None
     if path is None:
         # _convert_="all": plain lists and dicts (transformers 5 configs validate `layer_types` as a list)
-        config = instantiate(cfg.model.config, _convert_="all")
-        vocab_size = written_vocab_size(cfg.model.config, len(tokenizer))  # the user's, else the tokenizer's
+        config = instantiate(sections.model.config, _convert_="all")
+        vocab_size = written_vocab_size(sections.model.config, len(tokenizer))  # the user's, else the tokenizer's
         hf_model = build_hf_model(tokenizer, config=config, head=head, vocab_size=vocab_size)  # whole, on CPU
         if memory_table is not None and dims.is_main:  # what the run will take per rank
             memory_table(hf_model.config)
@@ -188,14 +188,14 @@ def build_sharded_model(
         set_padding(hf_model, tokenizer)
     # on a random-init miniature: the real weights may not exist yet
     device_type = dims.device.type
-    dtype = compute_dtype(cfg.model.fsdp.param_dtype, device_type)
+    dtype = compute_dtype(sections.model.fsdp.param_dtype, device_type)
     check_architecture(hf_model.config, dims.device, dims.cp_group, dtype)
     peft_model = add_adapters(hf_model, adapters, head.peft_task_type) if adapters is not None else None
     if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
         quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dims.device)
         if note := quantized_experts_note(hf_model, dtype):
             logger.info(note)
-    implementation = resolve_loss_implementation(cfg.loss.implementation, device_type, dtype)
+    implementation = resolve_loss_implementation(sections.loss.implementation, device_type, dtype)
     # The chunked head's matmuls (and only those: `chattune.model.head.chunked_loss`) in TF32 on CUDA, where bf16/fp16
     # inputs make its forward exact in TF32.
     tf32_head = device_type == "cuda" and dtype != "float32" and implementation == "chunked"
@@ -203,8 +203,10 @@ def build_sharded_model(
         probe_native_gqa(dims.device)  # before any layer is compiled: the attention reads what it settles
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     replicated = quantize.replicated_parameters(hf_model)
-    compile = _compiles(cfg.model.compile, device_type, quantized=bool(replicated), tensor_parallel=dims.splits_layers)
-    router_loss = router_loss_for(hf_model, cfg.loss.router_aux_coef)
+    compile = _compiles(
+        sections.model.compile, device_type, quantized=bool(replicated), tensor_parallel=dims.splits_layers
+    )
+    router_loss = router_loss_for(hf_model, sections.loss.router_aux_coef)
     if router_loss is not None and head is SCORE_HEAD:
         raise UserError(
             f"loss.router_aux_coef: {type(hf_model).__name__} would train with its router load-balancing loss, "
@@ -216,7 +218,7 @@ def build_sharded_model(
             "computed per document, and parallel.context>1 splits documents across ranks; set "
             "loss.router_aux_coef=0 to train without it, or parallel.context=1"
         )
-    fp8 = getattr(cfg.model, "fp8", None)  # (a library caller's config may leave it out)
+    fp8 = getattr(sections.model, "fp8", None)  # (a library caller's config may leave it out)
     if fp8:
         problem = fp8_problem(fp8, dims.device, adapted=adapters is not None)
         if problem:
@@ -227,7 +229,7 @@ def build_sharded_model(
         if head is SCORE_HEAD
         else PackedCausalLM(
             hf_model,
-            cfg.loss.chunk_size,
+            sections.loss.chunk_size,
             implementation,
             stored_dtype,
             tf32_head,
@@ -238,7 +240,7 @@ def build_sharded_model(
     if fp8:  # the decoder layers' linear layers, before compiling and sharding them
         converted = convert_linear_layers(decoder_layers(packed), fp8)
         logger.info("model.fp8=%s: %d linear layers of the decoder in float8 (torchao)", fp8, converted)
-    placement = shard_model(packed, dims, **config_dict(cfg.model.fsdp), compile=compile, replicated=replicated)
+    placement = shard_model(packed, dims, **config_dict(sections.model.fsdp), compile=compile, replicated=replicated)
     describe_compute(packed, placement, levers)
     if dims.cp > 1:
         logger.info(
