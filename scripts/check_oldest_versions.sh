@@ -53,12 +53,12 @@ cd "$ROOT"
 # world-size invariance launches (7 minutes) and the SIGKILL variants of the resume tests (3 minutes).
 # About 14 minutes on 2 cores, and 2 for the set-up with the wheels at hand.
 CORE_TESTS=(
-    tests/test_model.py tests/test_layers.py tests/test_attention_features.py tests/test_varlen_fallback.py
-    tests/test_chunked_loss.py tests/test_fused_loss.py tests/test_pair_losses.py tests/test_output_logits.py
-    tests/test_dpo_step.py tests/test_checkpoint.py tests/test_compile.py tests/test_context_parallel.py
-    tests/test_sharded_load.py tests/test_lora.py tests/test_qlora.py tests/test_resume.py
-    tests/test_packing_probe.py tests/test_every_architecture.py tests/test_hybrid_models.py
-    tests/test_packing.py tests/test_sft_documents.py tests/test_feed.py
+    tests/unit/model/test_model.py tests/unit/test_layers.py tests/unit/model/packed/test_attention_features.py tests/unit/model/packed/test_varlen_fallback.py
+    tests/unit/model/head/test_chunked_loss.py tests/unit/model/head/test_fused_loss.py tests/unit/objectives/test_pair_losses.py tests/unit/model/head/test_output_logits.py
+    tests/distributed/test_dpo_step.py tests/distributed/test_checkpoint.py tests/unit/parallel/test_compile.py tests/distributed/test_context_parallel.py
+    tests/distributed/test_sharded_load.py tests/unit/model/peft/test_lora.py tests/unit/model/quantization/test_qlora.py tests/e2e/test_resume.py
+    tests/unit/model/checks/test_packing_probe.py tests/unit/model/checks/test_every_architecture.py tests/unit/model/packed/test_hybrid_models.py
+    tests/unit/data/test_packing.py tests/unit/data/templates/test_sft_documents.py tests/unit/data/test_feed.py
 )
 DESELECT=(-k "not sigkill_then_resume")
 

@@ -21,7 +21,7 @@ must agree to 1e-4 relative. "TRL tokenisation" rows let TRL render and tokenise
 they show how much its conventions move the figures. Every alignment made is printed.
 
 Exit status: 0 when every aligned figure agrees to 1e-4 relative, 1 when one does not, 77 when TRL cannot be
-imported from the folder (tests/test_trl_parity.py skips then).
+imported from the folder (tests/unit/objectives/test_trl_parity.py skips then).
 
 A comparison is one function `compare_<name>(setup) -> Comparison` listed in COMPARISONS.
 """
@@ -432,7 +432,7 @@ KTO_FIGURES = (
 
 
 def kto_unpaired_desirable(index: int) -> bool:
-    return index % 3 != 2  # as tests/test_kto_step.py: unbalanced, as real KTO data often is
+    return index % 3 != 2  # as tests/distributed/test_kto_step.py: unbalanced, as real KTO data often is
 
 
 def kto_unpaired_records(setup: Setup) -> list[dict]:

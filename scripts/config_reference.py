@@ -4,7 +4,7 @@ recipe with its type, default, meaning, the values it may take and what a resume
     python scripts/config_reference.py           # print the page
     python scripts/config_reference.py --write   # write docs/configuration.md
 
-tests/test_config_reference.py fails when the page is not this script's output: a key added, removed or
+tests/docs/test_config_reference.py fails when the page is not this script's output: a key added, removed or
 redescribed in the schema without running `--write`.
 """
 
@@ -108,7 +108,7 @@ def page() -> str:
         "# Configuration reference",
         "",
         "Generated from the config schema (`chattune/config/schema.py`) by `python scripts/config_reference.py "
-        "--write`; `tests/test_config_reference.py` fails when it is stale. Set a key on the command line "
+        "--write`; `tests/docs/test_config_reference.py` fails when it is stale. Set a key on the command line "
         "(`key=value`, a nested one as `section.key=value`) or in a config file; `chattune validate` checks both "
         "against this schema. *On resume*: what a resumed run does when the key changed since its checkpoint.",
         "",

@@ -39,11 +39,11 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
   tokens, the tokenizer's vocabulary, peaked logits): per-token losses (≤ 1e-3 of the largest), their sum
   (≤ 1e-4) and the output layer's and hidden states' gradients (≤ 3e-2: CCE 25.1.1 sums them in bf16 and
   drops blocks below `filter_eps`, see chattune.model.head.fused_loss). On the CPU, CCE's torch implementation,
-  which rounds the logits to bf16: ≤ 5e-3 / 2.5e-4 / 1e-2, as tests/test_fused_loss.py.
+  which rounds the logits to bf16: ≤ 5e-3 / 2.5e-4 / 1e-2, as tests/unit/model/head/test_fused_loss.py.
 - `cce_anchor`: cut-cross-entropy on half a vocabulary (loss-parallel's rows, the other half's targets on an
   anchor row of this half): the per-row error of its output-layer gradient against the exact fp32 chunked head,
   row 0's within 5x the median row's (the kernels sum that gradient in bf16; anchors all on row 0 collected the
-  rounding of thousands of cancelling terms). CUDA only (tests/test_fused_loss.py checks a stand-in on the CPU).
+  rounding of thousands of cancelling terms). CUDA only (tests/unit/model/head/test_fused_loss.py checks a stand-in on the CPU).
 - `tensor_parallel` (rows `tensor_parallel_chunked`, `_cut_cross_entropy`, `_padded_slice`): the decoder layers
   and the vocabulary split over a tp mesh of one rank (loss-parallel; NCCL refuses two ranks on one GPU) with
   FSDP2, one SGD step (its update is the gradient) against the unsplit model on the same batch: loss within
@@ -110,7 +110,7 @@ Checks (the tolerances are the documented ones; a row shows the measured figure 
 - `longest_row`: the longest packed row (32k, 64k, 128k tokens, one step, activation checkpointing) the first shape
   trains on one GPU, without and with offloaded activations, each with its peak memory. CUDA only, last.
 - `cuda_tests`: the project's CUDA-only tests, `pytest -k cuda` over the test files with a
-  `torch.cuda.is_available()` skip and tests/test_varlen_fallback.py, in a subprocess (needs pytest). CUDA only.
+  `torch.cuda.is_available()` skip and tests/unit/model/packed/test_varlen_fallback.py, in a subprocess (needs pytest). CUDA only.
 - `resume_exact`: 8 steps straight against 4, stop, resume, 4 with `save_async=true` and evaluation on:
   bitwise equal losses. `export_masters`: the export after a final step that saved a checkpoint equals that
   checkpoint's fp32 masters, tensor for tensor; `export_after_eval`: the export after a final step that
@@ -472,7 +472,7 @@ def check_cce(ctx: Context) -> None:
     total = abs(float(got[0].sum() - want[0].sum())) / abs(float(want[0].sum()))
     hidden_grad, head_grad = relative(got[1], want[1]), relative(got[2], want[2])
     # CUDA: the kernels accumulate the logits in fp32 and never round them; the CPU's torch implementation
-    # rounds them to bf16 (tests/test_fused_loss.py's bounds).
+    # rounds them to bf16 (tests/unit/model/head/test_fused_loss.py's bounds).
     bounds = (1e-3, 1e-4, 3e-2) if ctx.cuda else (5e-3, 2.5e-4, 1e-2)
     ok = token <= bounds[0] and total <= bounds[1] and max(hidden_grad, head_grad) <= bounds[2]
     options = fused_loss.cce_options(ctx.cuda)
@@ -553,7 +553,11 @@ def check_cce_anchor(ctx: Context) -> None:
     from chattune.parallel.vocab_parallel import VocabShard
 
     if not ctx.cuda:
-        ctx.add("cce_anchor", None, "CUDA only: the kernels' bf16 sums (tests/test_fused_loss.py checks a stand-in)")
+        ctx.add(
+            "cce_anchor",
+            None,
+            "CUDA only: the kernels' bf16 sums (tests/unit/model/head/test_fused_loss.py checks a stand-in)",
+        )
         return
     if not fused_loss.cce_available():
         ctx.add("cce_anchor", None, "cut-cross-entropy cannot be imported", detail=str(fused_loss._import_cce()[1]))
@@ -1345,14 +1349,14 @@ def compare_with_trl(ctx: Context, shape: str, steps: int, warmup: int) -> None:
 
 
 def cuda_test_files() -> list[str]:
-    """The test files with CUDA-only tests (a `torch.cuda.is_available()` skip), and tests/test_varlen_fallback.py
-    (torch's varlen_attn as the GPU machine's torch has it)."""
+    """The test files with CUDA-only tests (a `torch.cuda.is_available()` skip), and
+    tests/unit/model/packed/test_varlen_fallback.py (torch's varlen_attn as the GPU machine's torch has it)."""
     files = {
-        f"tests/{path.name}"
-        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "tests").rglob("test_*.py"))
         if "cuda.is_available()" in path.read_text()
     }
-    return sorted(files | {"tests/test_varlen_fallback.py"})
+    return sorted(files | {"tests/unit/model/packed/test_varlen_fallback.py"})
 
 
 def cuda_tests_command() -> list[str]:
@@ -1430,7 +1434,7 @@ def resume_and_export(ctx: Context) -> None:
         f"data.max_tokens_per_microbatch={budget}",
         "grad_accum_steps=2",
         # loader workers resumed with their stream; the CPU smoke test leaves them out (two more processes a
-        # launch on 2 cores; tests/test_resume.py resumes them)
+        # launch on 2 cores; tests/e2e/test_resume.py resumes them)
         f"data.num_workers={2 if ctx.cuda else 0}",
     ]
     started = time.perf_counter()

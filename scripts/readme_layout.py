@@ -4,7 +4,7 @@ with the first line of its `__init__` docstring and its modules.
     python scripts/readme_layout.py           # print the table
     python scripts/readme_layout.py --write   # replace the table in docs/layout.md
 
-tests/test_docs.py checks that docs/layout.md's table is this script's output.
+tests/docs/test_docs.py checks that docs/layout.md's table is this script's output.
 """
 
 from __future__ import annotations

@@ -59,6 +59,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = PROJECT_ROOT.parent / "shared" / "assets"
 
+# The tree mirrors the package (tests/unit/<package>/, tests/distributed/ for spawned gloo ranks, tests/e2e/ for
+# launches, tests/docs/, tests/scripts/; docs/install.md). A test module imports another's helpers by its name
+# (`from test_sft_recipe import read_metrics`) wherever either lives, and so do the ranks it spawns (the forkserver
+# hands them this path), so every folder of tests is on the path, not only the one pytest puts there.
+for _folder in sorted({path.parent for path in Path(__file__).parent.rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 
 # --- the user's state: a test never sees what a user's own runs leave in the checkout (outputs/, Hydra's multirun/,
 # wandb/), nor the user's caches. Each test runs from its own working directory, a copy of the checkout made of

@@ -2,7 +2,7 @@
 
 `SFTConfig` and `DPOConfig` describe the config `recipes/sft.py` and `recipes/dpo.py` read. Their defaults are the
 shipped base configs (`configs/sft/tiny.yaml`, `configs/dpo/tiny.yaml`, the embedded default run);
-tests/test_validate.py checks that the two agree key for key. The YAML files stay the user-facing
+tests/unit/launch/test_validate.py checks that the two agree key for key. The YAML files stay the user-facing
 configs that Hydra composes; `chattune validate` and each recipe's start-up check (`chattune.launch.schema_checks`)
 check a composed config against these classes: unknown keys (with the nearest valid one), missing keys,
 types (`X | None`: null allowed), choices, minimums and the other bounds in each key's metadata.

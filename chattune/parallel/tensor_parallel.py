@@ -23,7 +23,7 @@ group (Megatron's layout, with torch's DTensor plans), before FSDP2 shards what 
 Which families: those whose decoder layers are `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` (or a
 mixture of experts, left whole: Qwen3-MoE, Qwen2-MoE, Mixtral, which take the row's tokens gathered and hand back
 their rank's part) with no other layer acting on the heads than per-head norms (`FAMILIES`, each checked against
-stock transformers in tests/test_tensor_parallel.py); others are refused (UnsupportedModel): OLMo 2's q/k norms
+stock transformers in tests/distributed/test_tensor_parallel.py); others are refused (UnsupportedModel): OLMo 2's q/k norms
 over all heads at once, StableLM's partial per-head norms, OLMo's q/k/v clipped in place, Phi-3's fused
 projections among them.
 """

@@ -1,5 +1,5 @@
 """The default learning-rate schedule: a linear warm-up, then a half cosine down to 0. It equals transformers'
-`get_cosine_schedule_with_warmup` at every step (tests/test_optimizer.py checks it against that function).
+`get_cosine_schedule_with_warmup` at every step (tests/unit/train/test_optimizer.py checks it against that function).
 
 Why it is written here: importing `transformers.optimization`, where transformers' schedules live, imports
 `transformers.trainer_utils`, which imports peft and, through it, bitsandbytes. That adds 1.4 s to every rank's

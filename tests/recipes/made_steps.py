@@ -1,6 +1,6 @@
 """A recipe whose update steps come from a generator of its own, not from records: the loop's seams at work (a
 `StepSource`, per-token values carried on packed rows, an objective of its own), with nothing changed under
-chattune/. Tests only (tests/test_made_steps.py).
+chattune/. Tests only (tests/e2e/test_made_steps.py).
 
 Each step, every rank makes MICROBATCHES rows of documents of random tokens (seeded by the run's seed, the rank and
 the step) and weighs each token by how unsure the current model is of it, 1 - p(token), from a no-grad forward of

@@ -58,7 +58,7 @@ from chattune.parallel.context_parallel import split_across, split_hidden_states
 # A, B, C. A and C have the same length: swapping them keeps B at the same offset.
 PROBE_LENGTHS = (11, 9, 11)
 # Limits on max-over-tokens ||got - want|| / ||want|| of fp32 final hidden states (measurements in the
-# module docstring and tests/test_packing_probe.py).
+# module docstring and tests/unit/model/checks/test_packing_probe.py).
 SWAP_TOLERANCE = 1e-5
 ALONE_TOLERANCE = 1e-3
 NOISE_FACTOR = 10.0

@@ -37,7 +37,7 @@ What each row counts, and how:
 
 Where the run does not fit, `chattune.model.cost.memory_advice` says which changes would make it fit.
 
-Checked against measured byte counts (tests/test_memory.py): the counts exactly against the built model's
+Checked against measured byte counts (tests/unit/model/cost/test_memory.py): the counts exactly against the built model's
 shards, the activations within 10% of a saved-tensors hook on the real packed forward on CPU.
 """
 
@@ -339,7 +339,7 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
 
 def _loss_head_rows(inputs: MemoryInputs, model: nn.Module, result: MemoryEstimate, compute_bytes: int) -> None:
     """What the loss head holds besides the gathered output layer (a vocabulary split over tp: each rank's rows),
-    as tests/test_memory.py measures it op by op. Chunked: one chunk's fp32 logits and their gradient, and the
+    as tests/unit/model/cost/test_memory.py measures it op by op. Chunked: one chunk's fp32 logits and their gradient, and the
     output layer's gradients: with bf16/fp16 compute the layer upcast to fp32, its fp32 gradient and that gradient
     in the compute dtype (10 bytes an element in bf16); in fp32 (no upcast) a chunk's fresh gradient and the sum
     autograd makes of it beside the gradients row's (8 bytes an element, once the chunk's logits are freed: the

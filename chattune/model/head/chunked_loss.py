@@ -84,7 +84,7 @@ def _chunk_token_losses(
     # logsumexp minus the target logit, not F.cross_entropy: the same value and gradient, but cross_entropy's
     # fused log-softmax under-estimates the log-normaliser of a wide vocabulary by ~1e-5 nats a token on average
     # (a bias, which sums over a reply) where logsumexp stays within float rounding of a float64 computation
-    # (tests/test_chunked_loss.py).
+    # (tests/unit/model/head/test_chunked_loss.py).
     ignored = labels == IGNORE_INDEX
     target = logits.gather(1, labels.masked_fill(ignored, 0).unsqueeze(1)).squeeze(1)
     return (torch.logsumexp(logits, dim=-1) - target).masked_fill(ignored, 0.0)
@@ -117,7 +117,7 @@ def chunked_token_losses(
     chunks = -(-hidden.shape[0] // chunk_size)
     # A bf16/fp16 output layer's gradient summed over the chunks in fp32 and rounded once (`_SummedInFp32`);
     # upcast by each chunk, every chunk's gradient was rounded to bf16 and the chunks summed in bf16 (3x the
-    # rounding of one cast over 16 chunks: tests/test_chunked_loss.py).
+    # rounding of one cast over 16 chunks: tests/unit/model/head/test_chunked_loss.py).
     sums = (_SummedInFp32.where_needed(weight, chunks), _SummedInFp32.where_needed(bias, chunks))
     losses = []
     for start in range(0, hidden.shape[0], chunk_size):

@@ -28,7 +28,7 @@ What its kernels do (read from the release the registry has, 25.1.1, and the rep
 
 The tolerance against the exact fp32 chunked path, on the same bf16 inputs: `scripts/gpu_check.py` measures
 it on CUDA (per-token losses, summed loss, output-layer gradient; BENCHMARKS.md), the tests on the CPU
-through CCE's torch implementation (`tests/test_fused_loss.py`).
+through CCE's torch implementation (`tests/unit/model/head/test_fused_loss.py`).
 
 `loss.implementation`:
 - `auto`: CCE on CUDA with bf16/fp16 compute when `cut_cross_entropy` is importable (the `gpu` extra),

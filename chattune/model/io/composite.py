@@ -21,7 +21,7 @@ that language model on text chats and leaves the vision tower and projector unto
 - **A causal LM where transformers has none.** Some composites' language models exist only inside them (Qwen2-VL to
   Qwen3-VL, GLM-4.xV): `text_causal_lm_class` puts the composite's own text model under a plain output layer, as
   transformers' `*ForCausalLM` classes do. It is used only for the text models in `WRAPPED_TEXT_MODELS`, each
-  tested to give the stock composite's logits on text (tests/test_composite_models.py); any other is refused.
+  tested to give the stock composite's logits on text (tests/unit/model/io/test_composite_models.py); any other is refused.
 
 Image-and-text training comes next and starts from here.
 """
@@ -88,7 +88,7 @@ WRAPPED_TEXT_MODELS = {
 
 
 # The composite types whose language model, built as its text config's causal LM, gives the stock composite's
-# per-token losses and gradients on text, packed (tests/test_composite_models.py checks every one). Found by trying
+# per-token losses and gradients on text, packed (tests/unit/model/io/test_composite_models.py checks every one). Found by trying
 # every composite of transformers 5.24 whose text model has a causal LM (2026-11-28): the rest differ (Aya Vision and
 # Command-A Vision: Cohere's logit scale, which their composite does not apply; PaliGemma: 7e-2 in the loss) or are
 # not laid out as their text model's causal LM (BLIP-2, InstructBLIP, Florence-2: encoder-decoder text models).

@@ -8,7 +8,7 @@ in the row-major safetensors layout). This is how torchtitan and torchtune start
 ~256 GB in fp32).
 
 What `from_pretrained` does besides copying tensors is reproduced and tested bit for bit
-(tests/test_sharded_load.py): tied embeddings stay one parameter (the checkpoint's `lm_head.weight`, if
+(tests/distributed/test_sharded_load.py): tied embeddings stay one parameter (the checkpoint's `lm_head.weight`, if
 any, is ignored, as transformers does); non-persistent buffers (rotary `inv_freq`) are computed by the
 model's own `_init_weights`, which is what `from_pretrained` runs for them; the source dtype is cast to
 the fp32 of the shards exactly as `from_pretrained(dtype=float32)` casts it.

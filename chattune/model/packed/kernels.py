@@ -337,7 +337,7 @@ class _SinkVarlen(torch.autograd.Function):
         lse_with_sink = torch.logaddexp(lse, sink)  # (H, N), the kernel's lse layout
         rescaled = out * torch.sigmoid(lse - sink).transpose(0, 1).unsqueeze(-1)
         # No `.to` where the dtype is already right: torch 2.11's dynamo, given that no-op alias as the Function's
-        # output, traced zero gradients for every input (tests/test_attention_features.py, compiled in one graph).
+        # output, traced zero gradients for every input (tests/unit/model/packed/test_attention_features.py, compiled in one graph).
         out = rescaled if rescaled.dtype == out.dtype else rescaled.to(out.dtype)
         ctx.save_for_backward(q, k, v, out, lse_with_sink, sinks, cu_seqlens, rng_state)
         ctx.arguments = (max_seqlen, is_causal, options.scale, list(window_size), ops.backward)

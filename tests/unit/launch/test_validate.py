@@ -20,8 +20,9 @@ from chattune.config.paths import DEMO_ASSETS
 from chattune.config.schema import SCHEMAS
 from chattune.launch.recipe_kinds import RECIPE_KINDS, SFT
 from chattune.launch.validate import ConfigError, check_config, run_validate
+from conftest import PROJECT_ROOT
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = PROJECT_ROOT / "configs"
 
 
 def compose_config(name: str, overrides: list[str]) -> DictConfig:
@@ -829,9 +830,7 @@ def test_a_resume_is_refused_when_the_chat_template_changes_even_in_a_file_of_th
     from chattune.checkpoint.resume import run_fingerprint
 
     template = tmp_path / "mine.jinja"
-    template.write_text(
-        (Path(__file__).resolve().parents[1] / "chattune/assets/chat_templates/chatml.jinja").read_text()
-    )
+    template.write_text((PROJECT_ROOT / "chattune/assets/chat_templates/chatml.jinja").read_text())
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"tokenizer.chat_template={template}"]
     fake_checkpoint(

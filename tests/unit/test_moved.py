@@ -6,13 +6,13 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from chattune.moved import MOVED
+from conftest import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = PROJECT_ROOT
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "chattune"
+from conftest import PROJECT_ROOT
+
+PACKAGE = PROJECT_ROOT / "chattune"
 
 # Lowest first. The base: what every layer may use (errors, logging, files, the hub, signals, collectives, and
 # the config's schema and paths). A recipe sits above them all and is no module of the package.

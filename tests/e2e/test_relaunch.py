@@ -2,7 +2,7 @@
 decided in-process on the files such a launch leaves: the same run relaunched after a stop that committed no
 checkpoint starts again (and only that run), a complete run relaunched has nothing to do, overwrite=true sets the
 earlier config aside too, and a resume path that does not exist is said to be missing. (The launches themselves:
-tests/test_run_safety.py and tests/test_resume.py.)"""
+tests/e2e/test_run_safety.py and tests/e2e/test_resume.py.)"""
 
 from __future__ import annotations
 

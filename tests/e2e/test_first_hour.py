@@ -23,8 +23,8 @@ pytestmark = pytest.mark.launch
 # (whose model.path is the main job's outputs/sft-tiny/hf) and sft/tiny (whose resume=auto would find the main job's
 # checkpoints and note the resume, or refuse it for another model: a probe below).
 AFTER_THE_MAIN_JOB = (
-    "tests/test_cli.py::test_a_dpo_config_copied_out_of_its_group_is_checked_by_the_command_cp_prints",
-    "tests/test_validate.py::test_every_shipped_config_validates_without_a_note",
+    "tests/unit/cli/test_cli.py::test_a_dpo_config_copied_out_of_its_group_is_checked_by_the_command_cp_prints",
+    "tests/unit/launch/test_validate.py::test_every_shipped_config_validates_without_a_note",
 )
 
 GUARD_PROBES = """

@@ -1,7 +1,7 @@
 """Assistant-only labels with gpt-oss's real chat template (OpenAI's harmony format).
 
-The template is OpenAI's, byte for byte (tests/data/gpt_oss_chat_template.jinja; its source is in
-tests/data/README.md). o200k cannot be downloaded here, so the tokenizer is the demo tokenizer with harmony's
+The template is OpenAI's, byte for byte (tests/fixtures/gpt_oss_chat_template.jinja; its source is in
+tests/fixtures/README.md). o200k cannot be downloaded here, so the tokenizer is the demo tokenizer with harmony's
 special tokens added and that template set: which pieces the plain text splits into does not matter, only
 where the trained spans lie and which special tokens they hold.
 
@@ -42,9 +42,9 @@ from chattune.data.templates.chat_template import (
     tokenize_conversation,
 )
 from chattune.data.templates.sft_documents import SFTDocuments
-from conftest import decode_exactly, trained_runs
+from conftest import PROJECT_ROOT, decode_exactly, trained_runs
 
-TEMPLATE = Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja"
+TEMPLATE = PROJECT_ROOT / "tests" / "fixtures" / "gpt_oss_chat_template.jinja"
 TEMPLATE_SHA256 = "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"
 HARMONY_TOKENS = [
     "<|startoftext|>",

@@ -3,7 +3,7 @@ truncations, skips with their messages, preference pairs), whatever the number o
 it; any change to a record, the chat template or a setting makes a new cache; a build killed mid-way (SIGKILL)
 leaves nothing a later run trusts; two builds at once leave one good cache; a bad record's error is the one
 tokenizing raises and leaves no cache. (A world-size-invariant run with and without the cache:
-tests/test_world_size_invariance.py.)"""
+tests/e2e/test_world_size_invariance.py.)"""
 
 from __future__ import annotations
 

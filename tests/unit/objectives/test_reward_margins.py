@@ -4,7 +4,7 @@ cache, and the reward loss is -log σ(r_chosen - r_rejected - margin) + c (r_cho
 without a margin at margin 0. A margin that is not a finite number is one clear error, or a counted skip.
 
 The loss reference is computed independently: each reply scored alone by transformers' sequence classification
-(tests/test_reward_step.py's helpers), the margins taken from the records as written.
+(tests/distributed/test_reward_step.py's helpers), the margins taken from the records as written.
 """
 
 from __future__ import annotations

@@ -419,7 +419,7 @@ def test_demo_markers(demo_markers):
 
 
 def test_real_templates_close_every_reply_with_their_end_of_turn(real):
-    """Only harmony (tests/test_gpt_oss_template.py) closes earlier replies and tool calls differently."""
+    """Only harmony (tests/unit/data/templates/test_gpt_oss_template.py) closes earlier replies and tool calls differently."""
     tokenizer, markers, spec = real
     assert markers.end_of_turn == markers.end_of_earlier_turn == markers.end_of_tool_call == spec.end_of_turn
 

@@ -31,7 +31,6 @@ from chattune.errors import UserError
 from chattune.launch.validate import run_validate
 from conftest import demo_documents, kto_label, torchrun
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MASK = 2**64 - 1
 
 

@@ -2,7 +2,7 @@
 block-sparse layers, DeepSeek-V4's compressed attention) trains packed and exact (`chattune.model.packed.indexed_attention`):
 one packed row of documents longer than the selection (index_topk 8 against 23 to 57 tokens) gives, forward and
 backward in training mode, the per-token losses and every gradient of stock transformers run on each document alone
-(eager attention, no chattune code), through the walk's start-up path (`tests/test_every_architecture.walk`). The
+(eager attention, no chattune code), through the walk's start-up path (`tests/unit/model/checks/test_every_architecture.walk`). The
 controls: the stock model with its selection widened to every key computes other losses at these lengths (so the
 selection is exercised); the layers run over the whole row (their indexer choosing among earlier documents' tokens)
 or the selection left out of the attention, and the comparison fails; the start-up checks refuse both."""

@@ -1,5 +1,5 @@
-"""A checkpoint written by an earlier chattune still resumes: tests/data/checkpoint_before_run_state (step 3 of 6,
-1 rank, a tiny Llama; how it was made: tests/data/README.md) continues as an uninterrupted run of this code does."""
+"""A checkpoint written by an earlier chattune still resumes: tests/fixtures/checkpoint_before_run_state (step 3 of 6,
+1 rank, a tiny Llama; how it was made: tests/fixtures/README.md) continues as an uninterrupted run of this code does."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from test_resume import losses, read_metrics
 
 from chattune.config.paths import DEMO_ASSETS
-from conftest import launch
+from conftest import PROJECT_ROOT, launch
 
-FIXTURE = Path(__file__).parent / "data" / "checkpoint_before_run_state"
+FIXTURE = PROJECT_ROOT / "tests" / "fixtures" / "checkpoint_before_run_state"
 # The settings the fixture was written with (but its output_dir, data path and stop_after_step).
 SETTINGS = [
     "max_steps=6",

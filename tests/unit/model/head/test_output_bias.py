@@ -130,7 +130,7 @@ def test_the_chunked_loss_is_cross_entropy_of_the_biased_logits():
 @pytest.mark.parametrize("dtype, per_token, grads", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 5e-3, 1e-2)])
 @pytest.mark.parametrize("multiplier", [1.0, 0.25])
 def test_cce_with_the_bias_as_columns_matches_the_reference(dtype, per_token, grads, multiplier, eager_cce):
-    """25.1.1 takes no bias: it enters as extra columns. Tolerances as tests/test_fused_loss.py's."""
+    """25.1.1 takes no bias: it enters as extra columns. Tolerances as tests/unit/model/head/test_fused_loss.py's."""
     assert not fused_loss.cce_takes_bias()
     transform = LogitTransform(multiplier=multiplier)
     reference = _losses_and_grads(
@@ -194,7 +194,7 @@ def test_the_head_check_compares_the_bias():
     model = biased_model("phi")
     assert PackedCausalLM(model).describe_head() == "loss: chunked fp32 head (with its bias)"  # the compute: line
     bias = output_bias(model).detach().clone()
-    check_output_head(model)  # accepted (and in bf16: tests/test_model.py's tolerance)
+    check_output_head(model)  # accepted (and in bf16: tests/unit/model/test_model.py's tolerance)
     check_output_head(copy.deepcopy(model).to(torch.bfloat16))
     assert torch.equal(output_bias(model), bias), "the check must leave the bias as it was"
     twice = _BiasTwice(model.lm_head.in_features, model.lm_head.out_features)

@@ -1,5 +1,5 @@
 """The reward recipe in the command-line tools (ls, cp, validate, inspect), and its input: identical replies a counted
-skip, a pair's margin read, a margin that is not a number one clear error (tests/test_reward_margins.py has the
+skip, a pair's margin read, a margin that is not a number one clear error (tests/unit/objectives/test_reward_margins.py has the
 rest of margins: the token cache, the loss)."""
 
 from __future__ import annotations

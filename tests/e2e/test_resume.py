@@ -86,7 +86,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, small_data):
     """The uninterrupted 8-step run on 1 and on 2 ranks (made once, when first asked for): the reference of every
-    interrupted one. Loader workers change nothing of it (tests/test_sft_recipe.py), so one run serves them all."""
+    interrupted one. Loader workers change nothing of it (tests/e2e/test_sft_recipe.py), so one run serves them all."""
 
     def run_on(nproc: int) -> Path:
         def make(out: Path) -> None:
@@ -210,7 +210,7 @@ def test_changed_config_data_or_world_size_is_refused_with_what_differs(tmp_path
     assert f"resumed from {out}/checkpoints/step_3 at step 3" in explicit.stdout + explicit.stderr
     assert [m["step"] for m in read_metrics(out)] == list(range(1, 9))
     assert (out / "checkpoints" / "step_6.abandoned").is_dir()  # the trajectory it abandoned, set aside
-    # (resume=null and overwrite=true in a used directory: tests/test_run_safety.py)
+    # (resume=null and overwrite=true in a used directory: tests/e2e/test_run_safety.py)
 
 
 class FakeCuda:

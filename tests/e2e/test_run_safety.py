@@ -255,7 +255,7 @@ def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
         "start over with overwrite=true (its files are moved aside as *.abandoned, not deleted)."
     )
     assert again.stderr.splitlines()[-1] == complete and again.stderr.count(complete) == 1
-    assert files_of(out) == before and "resumed from" not in again.stdout  # (its remedies: tests/test_relaunch.py)
+    assert files_of(out) == before and "resumed from" not in again.stdout  # (its remedies: tests/e2e/test_relaunch.py)
 
 
 def files_of(directory: Path) -> list[tuple[str, int, int]]:

@@ -20,7 +20,7 @@ import pytest
 
 import conftest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = conftest.PROJECT_ROOT
 SPEC = importlib.util.spec_from_file_location("gpu_carry", ROOT / "scripts" / "gpu_carry.py")
 gpu_carry = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(gpu_carry)

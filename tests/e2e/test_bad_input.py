@@ -4,7 +4,7 @@ file or record and the problem (or a counted skip), never a traceback, a silent 
 Each row is checked through `chattune validate` (in-process, the same checks a recipe runs at its start,
 plus the first records of every source), and the rows marked `launch` also through a real recipe launch,
 whose stderr must hold the message exactly once and no traceback. Multi-rank failures (a bad record on
-one rank, a busy output directory, a refused resume) are in tests/test_run_safety.py."""
+one rank, a busy output directory, a refused resume) are in tests/e2e/test_run_safety.py."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def test_plain_heads_are_accepted_and_a_hidden_scaling_is_refused(hidden_scaling
 
 
 def test_scaled_logits_are_accepted_and_another_scaling_is_refused(hidden_scaling):
-    """Granite divides its logits by `logits_scaling`: the losses apply it too (tests/test_output_logits.py checks
+    """Granite divides its logits by `logits_scaling`: the losses apply it too (tests/unit/model/head/test_output_logits.py checks
     the numbers), so the head check accepts it, on the model and on the miniature; a scaling on top is not."""
     model, config = tiny_model(**GRANITE), tiny_config(**GRANITE, vocab_size=5000)
     check_output_head(model)

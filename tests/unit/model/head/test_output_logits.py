@@ -21,7 +21,7 @@ from conftest import tiny_config, tiny_model
 # Random-init logits are small (|logit| ~ 0.1-0.5): a cap of 0.1 bends most of them.
 FAMILIES = {
     "gemma2": {"model_type": "gemma2", "head_dim": 16, "final_logit_softcapping": 0.1, "attn_logit_softcapping": None},
-    # both of Gemma 2's soft-caps: the attention's (tests/test_attention_features.py) and the output's
+    # both of Gemma 2's soft-caps: the attention's (tests/unit/model/packed/test_attention_features.py) and the output's
     "gemma2_both": {
         "model_type": "gemma2",
         "head_dim": 16,
@@ -92,7 +92,7 @@ class _BiasLeftOut(torch.nn.Linear):
 
 
 def test_a_head_bias_is_added_not_refused():
-    """An output layer with a bias is trained with it (tests/test_output_bias.py); one whose forward leaves its
+    """An output layer with a bias is trained with it (tests/unit/model/head/test_output_bias.py); one whose forward leaves its
     bias out is refused (the check sets the bias to random values: at zero, the two would agree)."""
     model = tiny_model(tie_word_embeddings=False, model_type="granite", logits_scaling=4.0)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
