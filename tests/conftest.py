@@ -210,11 +210,10 @@ def _warm_launch(command: list[str]) -> tuple[str, list[str], int | None] | None
     return (recipe, arguments, int(command[4])) if recipe.endswith(".py") else None
 
 
-# The model a test launch trains unless the test names its own (another model class, a whole `model.config`, or
-# another config): the recipes' tiny default (192 wide, 4 layers) steps 4x slower on CI's 2 cores, and a launch
-# test checks what a run does (resumes, invariance, stops, files), which this one shows as well. Its keys come
-# before the test's own, which still win. Tests whose figures were measured on the default, and launches compared
-# with a run started otherwise, pass `small_model=False`.
+# The model a test launch trains, written in its command (`torchrun("sft", *SMALL_MODEL, ...)`): the recipes' tiny
+# default (192 wide, 4 layers) steps 4x slower on CI's 2 cores, and a launch test checks what a run does (resumes,
+# invariance, stops, files), which this one shows as well. A test whose figures were measured on the default, or
+# that compares with a run started otherwise, keeps the default and says so (`launch(..., default_model=True)`).
 SMALL_MODEL = (
     "model.config.hidden_size=64",
     "model.config.intermediate_size=128",
@@ -223,22 +222,25 @@ SMALL_MODEL = (
 )
 RECIPE_FILES = {"sft.py", "dpo.py", "kto.py", "reward.py"}
 OWN_MODEL = ("model.config._target_=", "model.config={", "--config-name", "-cn")  # (after any leading + or ~)
-HYDRA_FLAGS_WITH_VALUES = {"--cfg", "-c", "--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"}
 
 
-def with_small_model(command: list[str]) -> list[str]:
-    """`command` with SMALL_MODEL's keys where its overrides start (after its recipe file and Hydra's flags), when
-    it runs one of the four recipes and names no model of its own (no model.config class, no model.path)."""
-    recipe = next((i for i, a in enumerate(command) if Path(a).name in RECIPE_FILES), None)
-    if recipe is None or any(a.lstrip("+~").startswith(OWN_MODEL) for a in command):
-        return command
+def names_a_model(command: list[str]) -> bool:
+    """Whether `command` says which model it trains: it runs none of the four recipes, or it holds SMALL_MODEL's
+    keys, another model class or whole model config, another config, or a model directory."""
+    if not any(Path(a).name in RECIPE_FILES for a in command):
+        return True
     paths = [a.split("=", 1)[1] for a in command if a.startswith("model.path=")]
-    if paths and paths[-1] != "null":  # a model directory: model.config is not read (a note says so)
-        return command
-    at = recipe + 1
-    while at < len(command) and command[at].startswith("-"):
-        at += 2 if command[at] in HYDRA_FLAGS_WITH_VALUES else 1
-    return [*command[:at], *SMALL_MODEL, *command[at:]]
+    own = any(a.lstrip("+~").startswith(OWN_MODEL) for a in command) or bool(paths and paths[-1] != "null")
+    return own or set(SMALL_MODEL) <= set(command)
+
+
+def refuse_a_default_model(command: list[str]) -> None:
+    """Fail a launch that would train the recipe's own default model without saying so (4x slower steps)."""
+    if not names_a_model(command):
+        raise AssertionError(
+            f"this launch trains its recipe's default model, which steps 4x slower: write *SMALL_MODEL into its "
+            f"overrides, or pass default_model=True where the default is what the test checks: {' '.join(command)}"
+        )
 
 
 def launch(
@@ -248,19 +250,20 @@ def launch(
     check: bool = True,
     real_torchrun: bool = False,
     cwd: Path | None = None,
-    small_model: bool = True,
+    default_model: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `command` from `cwd` (the test's working directory, `work_dir`) with the hub offline; with `check`, fail the test (its output
     shown) unless it succeeds. A `torchrun(...)` command, or `python RECIPE ...`, runs its ranks (its process)
     forked from a process with the imports done (`warm_ranks`: seconds per launch instead of about 10) unless
     `real_torchrun` (what a test of the launcher itself, signals or torchrun's reports needs) or `env_extra`
-    changes what is read at import. A recipe from its default config trains SMALL_MODEL (`small_model`)."""
+    changes what is read at import. The command names its model (SMALL_MODEL, most often) unless `default_model`:
+    nothing is added to it, what runs is what the test wrote."""
     import warm_ranks
 
     cwd = Path(cwd if cwd is not None else os.getcwd())
     _refuse_the_checkout(cwd)
-    if small_model:
-        command = with_small_model(command)
+    if not default_model:
+        refuse_a_default_model(command)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}
     warm = None if real_torchrun or not warm_ranks.can_launch(env_extra or {}) else _warm_launch(command)
     if warm is None:

@@ -42,6 +42,7 @@ from chattune.parallel import context_parallel
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import accumulate_gradients
 from conftest import (
+    SMALL_MODEL,
     demo_tokenizer,
     free_port,
     init_worker_process_group,
@@ -224,6 +225,7 @@ def launch(
     conftest.launch(
         torchrun(
             f"recipes/{recipe}.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             f"max_steps={steps}",
             "log_every=1",

@@ -65,7 +65,7 @@ def test_the_main_command_and_the_tour_run_in_order_in_one_directory(tmp_path, m
         fewer = FEWER_STEPS + (["stop_after_step=2"] if "stop_after_step=" in line else [])
         # Ranks forked with the imports done (conftest.launch); test_sft_recipe runs README's launch under torchrun.
         command = torchrun(words[3], *words[4:], *fewer, nproc=int(words[2]))
-        result = launch(command, check=False, cwd=tmp_path, small_model=False)  # as the page says
+        result = launch(command, check=False, cwd=tmp_path, default_model=True)  # as the page says
         assert result.returncode == 0, f"{line}\n{result.stderr[-3000:]}"
         last = 2 if "stop_after_step=" in line else 4  # it trained, to the end or to its stop (a relaunch: again)
         assert f"step {last} |" in result.stdout, f"{line}\n{result.stdout[-3000:]}"

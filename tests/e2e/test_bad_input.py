@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
 from chattune.launch.validate import run_validate
-from conftest import PROJECT_ROOT, launch
+from conftest import PROJECT_ROOT, SMALL_MODEL, launch
 
 CONFIGS = PROJECT_ROOT / "configs"
 
@@ -249,7 +249,7 @@ def test_bad_input_gets_one_clear_error(name, tmp):
     if not case.launch:
         return
     recipe = "recipes/dpo.py" if case.config.startswith("dpo") else "recipes/sft.py"
-    result = recipe_launch([sys.executable, recipe, *overrides, "max_steps=2", "data.report_records=0"])
+    result = recipe_launch([sys.executable, recipe, *SMALL_MODEL, *overrides, "max_steps=2", "data.report_records=0"])
     assert result.returncode == 1
     assert result.stderr.count("chattune: error: ") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert expected.split(": ", 1)[1] in result.stderr
@@ -362,7 +362,9 @@ def test_a_read_only_output_dir_is_one_clear_error(tmp, monkeypatch):
         )
         return
     try:
-        result = recipe_launch([sys.executable, "recipes/sft.py", f"output_dir={read_only / 'run'}", "max_steps=2"])
+        result = recipe_launch(
+            [sys.executable, "recipes/sft.py", *SMALL_MODEL, f"output_dir={read_only / 'run'}", "max_steps=2"]
+        )
     finally:
         subprocess.run(["umount", str(read_only)])
     assert result.returncode == 1 and "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
@@ -383,6 +385,7 @@ def test_data_that_trains_nothing_is_refused_before_the_model_loads(tmp):
         [
             sys.executable,
             "recipes/sft.py",
+            *SMALL_MODEL,
             "data.max_tokens_per_microbatch=8",
             f"output_dir={tmp / 'out' / 'overlong'}",
             "max_steps=2",
@@ -406,6 +409,7 @@ def test_an_adapter_module_name_the_model_lacks_is_refused_at_start(tmp):
         [
             sys.executable,
             "recipes/sft.py",
+            *SMALL_MODEL,
             "peft=lora",
             "peft.modules_to_save=[embed_tokenz]",
             f"output_dir={tmp / 'out' / 'modules_to_save'}",

@@ -9,7 +9,7 @@ import torch
 from test_sft_recipe import read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import SHARED_ASSETS, launch, tiny_config, torchrun
+from conftest import SHARED_ASSETS, SMALL_MODEL, launch, tiny_config, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -34,6 +34,7 @@ def test_sft_then_dpo_raises_held_out_preference_accuracy(tmp_path):
     launch(
         torchrun(
             "recipes/sft.py",
+            *SMALL_MODEL,
             f"output_dir={sft}",
             "max_steps=60",
             "save_every=0",

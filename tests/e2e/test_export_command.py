@@ -34,7 +34,7 @@ def test_a_checkpoint_exports_as_its_run_ended_and_loads_in_stock_transformers(t
 
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"data.train=[{chats(tmp_path)}]", *SMALL]  # checkpoints at 2, 4, 6
-    conftest.launch(conftest.torchrun("recipes/sft.py", *overrides, nproc=2))
+    conftest.launch(conftest.torchrun("recipes/sft.py", *conftest.SMALL_MODEL, *overrides, nproc=2))
     (tmp_path / "chats.jsonl").unlink()  # the data, which an export does not read, may be gone
 
     newest = export(out)  # a run's output_dir: its newest checkpoint (written by 2 ranks, read by one)

@@ -84,7 +84,7 @@ def test_the_shipped_configs_tests_are_green_after_the_main_job(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "CHATTUNE_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(clone), *filter(None, [env.get("PYTHONPATH")])])
     # README's main job (sft/tiny as it ships, from the clone), short: a checkpoint and the hf/ export
-    launch(torchrun("sft", "max_steps=2", "save_every=1", "eval_every=0"), cwd=clone, env_extra=env, small_model=False)
+    launch(torchrun("sft", "max_steps=2", "save_every=1", "eval_every=0"), cwd=clone, env_extra=env, default_model=True)
     assert (clone / "outputs/sft-tiny/hf/config.json").is_file()
     assert (clone / "outputs/sft-tiny/checkpoints/step_2").is_dir()
     (clone / "tests" / "test_guard_probes.py").write_text(GUARD_PROBES)

@@ -48,7 +48,14 @@ def eval_file(tmp_path_factory) -> Path:
 def launch(output_dir: Path, ranks: int, overrides: list[str]) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
     conftest.launch(
-        [*torchrun, "--master_port", str(free_port()), "recipes/kto.py", f"output_dir={output_dir}", *overrides]
+        [
+            *torchrun,
+            "--master_port",
+            str(free_port()),
+            "recipes/kto.py",
+            f"output_dir={output_dir}",
+            *overrides,
+        ]
     )
 
 

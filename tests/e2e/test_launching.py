@@ -11,7 +11,7 @@ import sys
 import pytest
 from test_sft_recipe import read_metrics
 
-from conftest import launch, torchrun
+from conftest import SMALL_MODEL, launch, torchrun
 
 
 def test_an_unmarked_test_cannot_start_a_process():
@@ -30,6 +30,7 @@ def test_forked_ranks_train_as_torchruns_workers(tmp_path):
         out = tmp_path / ("torchrun" if real else "forked")
         command = torchrun(
             "sft",
+            *SMALL_MODEL,
             f"output_dir={out}",
             "max_steps=4",
             "log_every=1",

@@ -33,7 +33,7 @@ RUN = (*SMALL_MODEL, f"max_steps={STEPS}", f"seed={SEED}", "log_every=1", "eval_
 
 
 def _train(out, *overrides: str) -> list[dict]:
-    launch(torchrun(RECIPE, f"output_dir={out}", *RUN, *overrides, nproc=RANKS), small_model=False)
+    launch(torchrun(RECIPE, f"output_dir={out}", *RUN, *overrides, nproc=RANKS))
     return read_metrics(out)
 
 

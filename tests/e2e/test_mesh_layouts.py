@@ -21,7 +21,7 @@ from test_export_command import same_files
 from test_sft_recipe import read_metrics
 
 import conftest
-from conftest import torchrun
+from conftest import SMALL_MODEL, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -29,11 +29,13 @@ STEPS = 6
 TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
 
 
-def launch(out: Path, nproc: int, *overrides: str) -> str:
-    """SFT for STEPS steps of 4 microbatches on `nproc` ranks, checkpointed at step 3 and 6: its log."""
+def launch(out: Path, nproc: int, *overrides: str, model: tuple[str, ...] = SMALL_MODEL) -> str:
+    """SFT of `model` (a model directory's run: `model=()` and model.path among the overrides) for STEPS steps of 4
+    microbatches on `nproc` ranks, checkpointed at step 3 and 6: its log."""
     result = conftest.launch(
         torchrun(
             "recipes/sft.py",
+            *model,
             f"output_dir={out}",
             f"max_steps={STEPS}",
             "log_every=1",
@@ -147,8 +149,8 @@ def test_a_loaded_model_trains_split_as_whole(tmp_path, plain):
     """model.path: the weights of an HF directory loaded into the tp split (each rank reads its slices)."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     loaded = [f"model.path={plain / 'hf'}", "max_steps=2", "save_every=0"]
-    launch(whole, 4, *loaded)
-    assert MESHES["tp"] in launch(split, 4, *loaded, "parallel.tensor=2")
+    launch(whole, 4, *loaded, model=())
+    assert MESHES["tp"] in launch(split, 4, *loaded, "parallel.tensor=2", model=())
     assert_same_curve(losses(split), losses(whole), "tp from model.path against FSDP")
 
 
@@ -163,6 +165,7 @@ def test_preference_recipes_train_split_over_tp_as_over_data_ranks(tmp_path, rec
         runs[tensor] = out = tmp_path / f"tensor{tensor}"
         command = torchrun(
             f"recipes/{recipe}.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             "model.path=null",
             "max_steps=4",
@@ -200,6 +203,7 @@ def test_lora_trains_split_over_tp_as_over_data_ranks(tmp_path):
         runs[tensor] = out = tmp_path / f"tensor{tensor}"
         command = torchrun(
             "recipes/sft.py",
+            *SMALL_MODEL,
             "peft=lora",
             f"output_dir={out}",
             "max_steps=4",

@@ -12,7 +12,7 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import TIMING_METRICS, torchrun
+from conftest import SMALL_MODEL, TIMING_METRICS, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -33,10 +33,12 @@ def sources(tmp_path_factory) -> str:
     )
 
 
-def launch(out: Path, nproc: int, *overrides: str, small_model: bool = True):
+def launch(out: Path, nproc: int, *overrides: str, default_model: bool = False):
+    """SFT from the mixed sources on `nproc` ranks; SMALL_MODEL unless `default_model` (sft/tiny's own)."""
     return conftest.launch(
         torchrun(
             "recipes/sft.py",
+            *(() if default_model else SMALL_MODEL),
             f"output_dir={out}",
             "log_every=1",
             "save_every=0",
@@ -47,7 +49,7 @@ def launch(out: Path, nproc: int, *overrides: str, small_model: bool = True):
             *overrides,
             nproc=nproc,
         ),
-        small_model=small_model,
+        default_model=default_model,
     )
 
 
@@ -93,7 +95,7 @@ def test_online_mixing_moves_toward_the_hard_source(tmp_path, sources):
         "max_steps=30",
         "log_every=3",
         "optimizer.lr=3e-3",
-        small_model=False,  # what sft/tiny's model learns of each source in 30 steps
+        default_model=True,  # what sft/tiny's model learns of each source in 30 steps
     )
     updates = [m for m in read_metrics(out) if "mix/hard/probability" in m]
     first, last = updates[0], updates[-1]

@@ -10,12 +10,13 @@ import sys
 import pytest
 from test_sft_recipe import read_metrics
 
-from conftest import exported_weights, free_port, launch, relative_error, torchrun, with_small_model
+from conftest import SMALL_MODEL, exported_weights, free_port, launch, relative_error, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
 ARGS = [
     "recipes/sft.py",
+    *SMALL_MODEL,
     "max_steps=6",
     "log_every=1",
     "eval_every=0",
@@ -41,27 +42,25 @@ def test_two_nodes_train_as_one_node_with_two_processes(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     launches = [
         subprocess.Popen(
-            with_small_model(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes",
-                    "2",
-                    "--node_rank",
-                    str(rank),
-                    "--nproc_per_node",
-                    "1",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--rdzv-id",
-                    "chattune-test",
-                    *ARGS,
-                    f"output_dir={nodes}",
-                ]
-            ),
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "chattune-test",
+                *ARGS,
+                f"output_dir={nodes}",
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from test_run_safety import launch
 
+from conftest import SMALL_MODEL
+
 pytestmark = pytest.mark.launch  # every test here starts processes
 
 SWEEP = [
@@ -27,7 +29,7 @@ def test_each_multirun_job_trains_into_its_own_directory(tmp_path, nproc):
     out = tmp_path / "sweep"
     # Real torchrun: on the forked ranks (tests/warm_ranks.py) this 2-rank multirun hung in its second job (seen
     # once, its cause not looked into), and Hydra's multirun is a launcher feature: it runs as users run it.
-    result = launch("recipes/sft.py", "-m", f"output_dir={out}", *SWEEP, nproc=nproc, real_torchrun=True)
+    result = launch("recipes/sft.py", "-m", *SMALL_MODEL, f"output_dir={out}", *SWEEP, nproc=nproc, real_torchrun=True)
     assert result.returncode == 0, result.stderr[-3000:]
     for job, lr in ((0, 1e-3), (1, 3e-3)):
         directory = out / str(job)
@@ -47,6 +49,6 @@ def test_each_multirun_job_trains_into_its_own_directory(tmp_path, nproc):
 def test_a_refused_launch_leaves_no_empty_directory(tmp_path):
     """(A run that ends leaves no stale lock: the multirun jobs above.)"""
     fresh = tmp_path / "never_made"
-    refused = launch("recipes/sft.py", f"output_dir={fresh}", f"resume={tmp_path}", "max_steps=2")
+    refused = launch("recipes/sft.py", *SMALL_MODEL, f"output_dir={fresh}", f"resume={tmp_path}", "max_steps=2")
     assert refused.returncode == 1 and "is not a complete chattune checkpoint" in refused.stderr
     assert not fresh.exists(), "a refused launch left its output_dir behind"

@@ -19,7 +19,7 @@ from test_sft_recipe import read_metrics
 import conftest
 from chattune.config.paths import DEMO_ASSETS
 from chattune.launch.torchrun import TORCHRUN
-from conftest import exported_weights, free_port
+from conftest import SMALL_MODEL, exported_weights, free_port
 
 NUM_RECORDS = 60
 
@@ -47,6 +47,7 @@ def launch_command(
         "--master_port",
         str(free_port()),
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         "max_steps=8",
         "save_every=3",
@@ -324,6 +325,7 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
         "--master_port",
         str(free_port()),
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         "max_steps=8",
         "save_every=0",
@@ -338,7 +340,7 @@ def test_sigterm_to_torchrun_saves_and_the_relaunch_continues_exactly(tmp_path, 
         "ledger=true",
     ]
     with open(tmp_path / "stopped.log", "w") as log:
-        process = subprocess.Popen(conftest.with_small_model(command), stdout=log, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
@@ -395,6 +397,7 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     command = [
         sys.executable,
         "recipes/sft.py",
+        *SMALL_MODEL,
         "max_steps=200",
         "save_every=0",
         "log_every=1",
@@ -407,7 +410,7 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     out = tmp_path / "once"
     with open(tmp_path / "once.log", "w") as log:
         process = subprocess.Popen(
-            conftest.with_small_model([*command, f"output_dir={out}"]),
+            [*command, f"output_dir={out}"],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -428,7 +431,7 @@ def test_ctrl_c_saves_and_says_so_in_one_line_and_twice_exits_at_once(tmp_path, 
     twice = [*command, "max_steps=4", f"output_dir={out}"]
     slow = {**os.environ, "CHATTUNE_SLOW_AT": "after_step:2:20"}
     with open(tmp_path / "twice.log", "w") as log:
-        process = subprocess.Popen(conftest.with_small_model(twice), stdout=log, stderr=subprocess.STDOUT, env=slow)
+        process = subprocess.Popen(twice, stdout=log, stderr=subprocess.STDOUT, env=slow)
         _until_logged(process, out, 2)
         process.send_signal(signal.SIGINT)
         _until_said(process, tmp_path / "twice.log", "chattune: SIGINT: stopping after the current step")
@@ -509,7 +512,7 @@ def test_chattune_run_lets_a_step_longer_than_torchruns_grace_finish_and_save(
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(AGENT_GRACE_S),
     }
     with open(tmp_path / "stopped.log", "w") as log:
-        process = subprocess.Popen(conftest.with_small_model(command), stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         _until_step_started(process, out, 3)  # the workers are in step 3, asleep
         signalled = time.monotonic()
         for pid in _run_processes(out) if everyone else [process.pid]:

@@ -13,7 +13,7 @@ import torch
 from test_resume import losses, read_metrics
 
 from chattune.config.paths import DEMO_ASSETS
-from conftest import PROJECT_ROOT, launch
+from conftest import PROJECT_ROOT, SMALL_MODEL, launch
 
 FIXTURE = PROJECT_ROOT / "tests" / "fixtures" / "checkpoint_before_run_state"
 # The settings the fixture was written with (but its output_dir, data path and stop_after_step).
@@ -63,7 +63,7 @@ def test_a_checkpoint_of_an_earlier_chattune_resumes_and_continues_as_an_uninter
     data.write_text("".join((DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:60]))
     checkpoint = tmp_path / "old" / "step_3"
     shutil.copytree(FIXTURE / "step_3", checkpoint)
-    recipe = [sys.executable, "recipes/sft.py", f"data.train=[{data}]", *SETTINGS]
+    recipe = [sys.executable, "recipes/sft.py", *SMALL_MODEL, f"data.train=[{data}]", *SETTINGS]
     resumed = tmp_path / "resumed"
     # The fingerprint names the paths of the machine that wrote it (its data file, the demo tokenizer's).
     output = launch([*recipe, f"output_dir={resumed}", f"resume={checkpoint}", "resume_allow_changes=true"])

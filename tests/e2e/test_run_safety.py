@@ -18,7 +18,7 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, SMALL_MODEL
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -91,6 +91,7 @@ def test_dpo_on_two_ranks_counts_a_pair_with_identical_replies_on_one_rank(tmp_p
     result = torchrun(
         2,
         "recipes/dpo.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         "model.path=null",
         "max_steps=3",
@@ -121,6 +122,7 @@ def test_split_records_are_all_trained_on_two_ranks(tmp_path):
     result = torchrun(
         2,
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         f"data.train=[{data}]",
         "data.overlong=split",
@@ -150,9 +152,17 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_launcher_st
     """Two runs into one output_dir used to interleave their checkpoints and metrics (steps 1,2,3,4,10,5,...)."""
     data = chats(tmp_path)
     out = tmp_path / "run"
-    args = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL, "max_steps=400", "save_every=1"]
+    args = [
+        "recipes/sft.py",
+        *SMALL_MODEL,
+        f"output_dir={out}",
+        f"data.train=[{data}]",
+        *SMALL,
+        "max_steps=400",
+        "save_every=1",
+    ]
     first = subprocess.Popen(
-        conftest.with_small_model(conftest.torchrun(*args, nproc=2)),
+        conftest.torchrun(*args, nproc=2),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -199,7 +209,7 @@ def OutputDirLockHeld(out: Path) -> bool:
 def test_an_earlier_run_is_never_overwritten_nor_resumed_by_accident(tmp_path):
     data = chats(tmp_path)
     out = tmp_path / "run"
-    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
+    base = ["recipes/sft.py", *SMALL_MODEL, f"output_dir={out}", f"data.train=[{data}]", *SMALL]
     assert launch(*base).returncode == 0  # steps 1..6, checkpoints step_2, 4, 6, hf/
     first_metrics, first_config = (out / "metrics.jsonl").read_text(), (out / "config.yaml").read_text()
 
@@ -268,7 +278,7 @@ def files_of(directory: Path) -> list[tuple[str, int, int]]:
 
 
 def test_a_typo_at_launch_is_reported_as_validate_reports_it():
-    result = launch("recipes/sft.py", "optimizer.lrr=1e-3", "max_stepz=3", "data.overlong=trim")
+    result = launch("recipes/sft.py", *SMALL_MODEL, "optimizer.lrr=1e-3", "max_stepz=3", "data.overlong=trim")
     assert result.returncode != 0
     assert result.stderr.splitlines() == [
         "chattune: sft with sft/tiny on 1 rank(s): checking the config, then reading the data and loading the model",
@@ -296,6 +306,7 @@ def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
     data.write_text("".join(lines))
     command = conftest.torchrun(
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={tmp_path / 'run'}",
         f"data.train=[{data}]",
         "max_steps=50",
@@ -321,7 +332,7 @@ def test_a_user_error_on_one_rank_is_printed_once_without_a_traceback(tmp_path):
 
 
 def base_run(tmp_path: Path, data: Path, *extra: str) -> list[str]:
-    return ["recipes/sft.py", f"output_dir={tmp_path / 'run'}", f"data.train=[{data}]", *SMALL, *extra]
+    return ["recipes/sft.py", *SMALL_MODEL, f"output_dir={tmp_path / 'run'}", f"data.train=[{data}]", *SMALL, *extra]
 
 
 def test_resume_policy_horizon_numerics_and_refusals(tmp_path):
@@ -402,6 +413,7 @@ def test_bad_records_are_skipped_counted_and_logged_alike_by_whichever_rank_read
         result = torchrun(
             2,
             "recipes/sft.py",
+            *SMALL_MODEL,
             f"output_dir={tmp_path / str(invariant)}",
             f"data.train=[{data}]",
             "data.on_bad_record=skip",
@@ -439,7 +451,7 @@ def test_overwrite_starts_over_and_every_remedy_of_a_resume_refusal_works_as_wri
     refusal offers (a horizon behind the checkpoint, a stop_after_step with no step left) works as written."""
     data = chats(tmp_path)
     out = tmp_path / "run"
-    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
+    base = ["recipes/sft.py", *SMALL_MODEL, f"output_dir={out}", f"data.train=[{data}]", *SMALL]
     assert launch(*base, "max_steps=5").returncode == 0  # checkpoints step_2, step_4; hf/ at step 5
     first_metrics = (out / "metrics.jsonl").read_text()
     first_export = (out / "hf" / "model.safetensors.index.json").read_text()
@@ -505,6 +517,7 @@ def test_a_resumed_run_sets_aside_the_export_and_metrics_it_replaces(tmp_path):
     out = tmp_path / "run"
     base = [
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         f"data.train=[{data}]",
         *SMALL,
@@ -532,7 +545,7 @@ def test_a_damaged_checkpoint_is_named_with_the_intact_one_to_resume_from(tmp_pa
 
     data = chats(tmp_path)
     out = tmp_path / "run"
-    base = ["recipes/sft.py", f"output_dir={out}", f"data.train=[{data}]", *SMALL]
+    base = ["recipes/sft.py", *SMALL_MODEL, f"output_dir={out}", f"data.train=[{data}]", *SMALL]
     assert launch(*base, nproc=2).returncode == 0  # checkpoints step_2, 4, 6
     (out / "checkpoints" / "step_6" / "__1_0.distcp").unlink()
     expected = (
@@ -556,7 +569,7 @@ def test_a_damaged_checkpoint_is_named_with_the_intact_one_to_resume_from(tmp_pa
 def test_cfg_job_is_a_dry_run(tmp_path):
     """README's dry run: Hydra's --cfg job prints the composed config, overrides applied, and trains nothing."""
     out = tmp_path / "run"
-    result = launch("recipes/sft.py", "--cfg", "job", "max_steps=3", f"output_dir={out}")
+    result = launch("recipes/sft.py", "--cfg", "job", *SMALL_MODEL, "max_steps=3", f"output_dir={out}")
     assert result.returncode == 0, result.stderr
     from omegaconf import OmegaConf
 

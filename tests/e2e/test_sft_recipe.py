@@ -13,7 +13,7 @@ from test_optimizer import warmup_cosine_rates
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chattune.config.paths import DEMO_ASSETS
-from conftest import PROJECT_ROOT, free_port, launch, torchrun
+from conftest import PROJECT_ROOT, SMALL_MODEL, free_port, launch, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -31,6 +31,7 @@ def test_two_rank_torchrun_trains_and_writes_a_loadable_hf_model(tmp_path):
     launch(
         torchrun(
             "recipes/sft.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             "max_steps=40",
             "seed=3",
@@ -155,6 +156,7 @@ def test_a_bad_record_on_one_rank_stops_the_whole_job_with_its_name(tmp_path):
         "--master_port",
         str(free_port()),
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={tmp_path / 'run'}",
         "max_steps=50",
         f"data.train=[{data}]",
@@ -183,6 +185,7 @@ def test_losses_do_not_depend_on_loader_workers_or_eval_data(tmp_path):
             [
                 sys.executable,
                 "recipes/sft.py",
+                *SMALL_MODEL,
                 f"output_dir={out}",
                 "max_steps=3",
                 "log_every=1",

@@ -20,7 +20,7 @@ from test_sft_recipe import read_metrics
 import conftest
 from chattune.checkpoint.checkpoint import read_manifest
 from chattune.streams import ReaderGoneTolerant
-from conftest import free_port
+from conftest import SMALL_MODEL, free_port
 
 LONG = [*SMALL, "max_steps=40", "save_every=0"]
 
@@ -29,7 +29,8 @@ def _start(command: list[str], tmp_path: Path, slow: str, env_extra: dict | None
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTUNE_SLOW_AT": slow, **(env_extra or {})}
     popen.setdefault("stdout", open(tmp_path / "run.log", "w"))  # noqa: SIM115 (closed with the test's tmp_path)
     popen.setdefault("stderr", subprocess.STDOUT)
-    return subprocess.Popen(conftest.with_small_model(command), env=env, **popen)
+    conftest.refuse_a_default_model(command)
+    return subprocess.Popen(command, env=env, **popen)
 
 
 def _until_step_logged(process: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
@@ -73,6 +74,7 @@ def test_a_signal_during_a_step_stops_after_that_step_not_the_next(tmp_path):
     command = [
         sys.executable,
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         f"data.train=[{chats(tmp_path)}]",
         *LONG,
@@ -91,7 +93,9 @@ def test_a_signal_to_one_rank_after_a_step_stops_every_rank_before_the_next(tmp_
     would; one rank alone gets SIGTERM then. Both stop before step 3, with step 2's checkpoint: the vote
     before each step, not the step's own all-reduce (which would have trained step 3 first)."""
     out = tmp_path / "run"
-    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", f"data.train=[{chats(tmp_path)}]", *LONG)
+    command = conftest.torchrun(
+        "recipes/sft.py", *SMALL_MODEL, f"output_dir={out}", f"data.train=[{chats(tmp_path)}]", *LONG
+    )
     process = _start(command, tmp_path, "after_step:2:10")  # (real torchrun: the test signals one worker's pid)
     _until_step_logged(process, out, 2)  # (logged after the step's all-reduces: the ranks are past them)
     workers = _workers(process.pid)
@@ -113,7 +117,7 @@ def test_under_plain_torchrun_a_step_longer_than_its_grace_keeps_the_step_before
     (`test_a_stop_that_cannot_save_says_what_is_kept_at_the_signal_and_before_it_ends`)."""
     data, run = f"data.train=[{chats(tmp_path)}]", [*SMALL, "max_steps=4", "save_every=0"]
     out = tmp_path / "run"
-    command = conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run, "ledger=true")
+    command = conftest.torchrun("recipes/sft.py", *SMALL_MODEL, f"output_dir={out}", data, *run, "ledger=true")
     process = _start(command, tmp_path, "step:2:2,step:3:60", env_extra={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
     _until_step_started(process, out, 3)
     process.send_signal(signal.SIGTERM)
@@ -124,9 +128,11 @@ def test_under_plain_torchrun_a_step_longer_than_its_grace_keeps_the_step_before
     assert f"the snapshot of step 2 (the last completed step) is saved as {out}/checkpoints/step_2" in log
     assert "snapshot_steps=auto: a step took " in log and "from now on each step's state is kept in host memory" in log
 
-    conftest.launch(conftest.torchrun("recipes/sft.py", f"output_dir={out}", data, *run), real_torchrun=True)
+    conftest.launch(
+        conftest.torchrun("recipes/sft.py", *SMALL_MODEL, f"output_dir={out}", data, *run), real_torchrun=True
+    )
     reference = tmp_path / "reference"
-    conftest.launch(conftest.torchrun("recipes/sft.py", f"output_dir={reference}", data, *run))
+    conftest.launch(conftest.torchrun("recipes/sft.py", *SMALL_MODEL, f"output_dir={reference}", data, *run))
     resumed = {m["step"]: m["loss"] for m in read_metrics(out)}
     assert [resumed[step] for step in (3, 4)] == [m["loss"] for m in read_metrics(reference)][2:]
 
@@ -138,6 +144,7 @@ def test_a_signal_during_the_last_step_finishes_the_run_with_its_export(tmp_path
     command = [
         sys.executable,
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         f"data.train=[{chats(tmp_path)}]",
         *SMALL,
@@ -175,6 +182,7 @@ def test_ctrl_c_with_the_log_piped_to_tee_saves_and_exits_75(tmp_path, stderr):
         "--master_port",
         str(free_port()),
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         f"data.train=[{chats(tmp_path)}]",
         *LONG,

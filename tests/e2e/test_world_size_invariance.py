@@ -20,7 +20,7 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from chattune.config.paths import DEMO_ASSETS
-from conftest import torchrun
+from conftest import SMALL_MODEL, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -73,6 +73,7 @@ def launch(out: Path, nproc: int, recipe: str, *overrides: str) -> None:
     conftest.launch(
         torchrun(
             f"recipes/{recipe}.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             f"max_steps={STEPS}",
             "log_every=1",

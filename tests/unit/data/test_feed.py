@@ -15,7 +15,7 @@ from chattune.data.documents import Document
 from chattune.data.feed import InvariantSlots, StepFeed, merge_states
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.errors import UserError
-from conftest import ListSource, launch, torchrun
+from conftest import SMALL_MODEL, ListSource, launch, torchrun
 
 
 def uneven_documents(count: int = 61) -> list[Document]:
@@ -117,6 +117,7 @@ def test_two_rank_run_stops_after_num_epochs_and_reports_each_epoch(tmp_path):
     result = launch(
         torchrun(
             "recipes/sft.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             "max_steps=1000",
             "data.num_epochs=2",

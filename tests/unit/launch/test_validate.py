@@ -998,7 +998,7 @@ def test_a_section_given_whole_replaces_it_in_validate_and_the_launch_alike(tmp_
     # What the recipe's launch composes (Hydra's own --cfg job prints it), from the same command line.
     import conftest
 
-    shown = conftest.launch([sys.executable, "recipes/sft.py", "--cfg", "job", override], small_model=False)
+    shown = conftest.launch([sys.executable, "recipes/sft.py", "--cfg", "job", override], default_model=True)
     launched = OmegaConf.create(shown.stdout)
     assert OmegaConf.to_container(launched, resolve=False) == OmegaConf.to_container(validated, resolve=False)
     report, ok = run_validate("sft/tiny", [override, f"output_dir={tmp_path}"], CONFIGS)

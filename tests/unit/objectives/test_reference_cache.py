@@ -16,7 +16,7 @@ from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.distributed import ParallelDims
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives import reference_cache
-from conftest import TIMING_METRICS, ListSource, launch, tiny_model, torchrun
+from conftest import SMALL_MODEL, TIMING_METRICS, ListSource, launch, tiny_model, torchrun
 
 CPU = torch.device("cpu")
 
@@ -125,6 +125,7 @@ def dpo(out, cache_dir, *overrides: str) -> str:
     result = launch(
         torchrun(
             "recipes/dpo.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             "model.path=null",
             "max_steps=4",

@@ -13,7 +13,16 @@ import pytest
 import torch
 from test_sft_recipe import read_metrics
 
-from conftest import demo_documents, exported_weights, launch, mesh_dims, relative_error, tiny_model, torchrun
+from conftest import (
+    SMALL_MODEL,
+    demo_documents,
+    exported_weights,
+    launch,
+    mesh_dims,
+    relative_error,
+    tiny_model,
+    torchrun,
+)
 
 RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_every=0")
 
@@ -203,7 +212,7 @@ def test_the_estimates_offloaded_bytes_are_what_the_hooks_move(one_rank_group, c
 
 
 def _train(out: Path, *overrides: str) -> list[dict]:
-    result = launch(torchrun("sft", f"output_dir={out}", *RUN, *overrides))
+    result = launch(torchrun("sft", *SMALL_MODEL, f"output_dir={out}", *RUN, *overrides))
     compute = next(line for line in result.stdout.splitlines() if "] compute: " in line)
     for name, key in (("activation offloading", "offload_activations"), ("CPU offload", "cpu_offload")):
         assert (name in compute) == (f"model.fsdp.{key}=true" in overrides), compute  # the line names each lever
@@ -243,7 +252,7 @@ def test_on_cuda_offloaded_runs_equal_the_plain_run_and_use_less_device_memory(t
 
     def train(name: str, *overrides: str) -> list[dict]:
         arguments = [part.format(tmp_path / name) for part in common]
-        launch(torchrun("sft", *arguments, *overrides, nproc=1), real_torchrun=True)
+        launch(torchrun("sft", *SMALL_MODEL, *arguments, *overrides, nproc=1), real_torchrun=True)
         return read_metrics(tmp_path / name)
 
     plain = train("plain")

@@ -11,13 +11,13 @@ import torch
 from test_resume import read_metrics
 
 from chattune.parallel.fsdp import Placement
-from conftest import exported_weights, launch, mesh_dims, relative_error, torchrun
+from conftest import SMALL_MODEL, exported_weights, launch, mesh_dims, relative_error, torchrun
 
 RUN = ("max_steps=4", "log_every=1", "eval_every=0", "eval.samples=0", "save_every=0", "max_grad_norm=null")
 
 
 def _train(out: Path, *overrides: str) -> list[dict]:
-    result = launch(torchrun("sft", f"output_dir={out}", *RUN, *overrides))
+    result = launch(torchrun("sft", *SMALL_MODEL, f"output_dir={out}", *RUN, *overrides))
     in_backward = "optimizer.in_backward=true" in overrides
     assert ("; levers: optimizer step in the backward" in result.stdout) == in_backward  # the compute: line
     return read_metrics(out)

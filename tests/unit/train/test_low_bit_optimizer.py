@@ -45,7 +45,7 @@ def _train(
 ) -> dict[int, float]:
     result = launch(  # sft/tiny's own model: the documented tolerance was measured on it
         torchrun("sft", f"output_dir={out}", f"optimizer._target_={optimizer}", *RUN, *overrides, nproc=nproc),
-        small_model=False,
+        default_model=True,
         env_extra=EAGER if env is None else env,
     )
     name = optimizer.rsplit(".", 1)[-1]

@@ -16,7 +16,7 @@ import pytest
 from test_sft_recipe import read_metrics
 
 from chattune.train.metrics import MetricLogger
-from conftest import PROJECT_ROOT, launch
+from conftest import PROJECT_ROOT, SMALL_MODEL, launch
 
 _BLOCK = 32 * 1024  # the .wandb file is a LevelDB-style log: 32 KiB blocks of chunks
 _CHUNK_HEADER = 7  # CRC32C (4 bytes), length (2, little-endian), type (1: full, 2: first, 3: middle, 4: last)
@@ -112,6 +112,7 @@ def test_sft_run_records_config_every_metric_and_the_hf_directory(tmp_path, wand
         [
             sys.executable,
             "recipes/sft.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             "max_steps=3",
             "log_every=1",
@@ -204,6 +205,7 @@ def test_a_resumed_run_logs_into_the_wandb_run_it_started(tmp_path, wandb_env):
     command = [
         sys.executable,
         "recipes/sft.py",
+        *SMALL_MODEL,
         f"output_dir={out}",
         "max_steps=4",
         "log_every=1",

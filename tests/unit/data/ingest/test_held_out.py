@@ -29,7 +29,7 @@ from chattune.data.ingest.held_out import held_out_counts, held_out_records, hol
 from chattune.data.ingest.mixing_policy import mixture_sampling
 from chattune.errors import UserError
 from chattune.launch.validate import run_validate
-from conftest import demo_documents, kto_label, torchrun
+from conftest import SMALL_MODEL, demo_documents, kto_label, torchrun
 
 MASK = 2**64 - 1
 
@@ -247,7 +247,9 @@ def launch(out: Path, data: Path, model: Path, nproc: int | None, *extra: str) -
         *extra,
     ]
     command = (
-        [sys.executable, "recipes/sft.py", *overrides] if nproc is None else torchrun("sft", *overrides, nproc=nproc)
+        [sys.executable, "recipes/sft.py", *SMALL_MODEL, *overrides]
+        if nproc is None
+        else torchrun("sft", *SMALL_MODEL, *overrides, nproc=nproc)
     )
     return conftest.launch(command, check=False)
 

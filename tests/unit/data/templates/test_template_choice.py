@@ -30,7 +30,7 @@ from chattune.data.templates.template_choice import (
 )
 from chattune.data.templates.tokenizer import load_tokenizer
 from chattune.data.token_cache import tokenizer_digest
-from conftest import SHARED_ASSETS, decode_exactly, demo_tokenizer, trained_runs
+from conftest import SHARED_ASSETS, SMALL_MODEL, decode_exactly, demo_tokenizer, trained_runs
 
 DEMO_TOKENIZER = str(DEMO_ASSETS / "tokenizer")
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -338,6 +338,7 @@ def test_the_export_writes_the_template_training_used(tmp_path):
         [
             sys.executable,
             "recipes/sft.py",
+            *SMALL_MODEL,
             f"output_dir={out}",
             f"data.train=[{data}]",
             "data.eval=[]",

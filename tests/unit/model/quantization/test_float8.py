@@ -28,8 +28,8 @@ LOSS_TOLERANCE, NORM_TOLERANCE = 0.005, 0.05
 @pytest.mark.launch
 def test_emulated_float8_follows_the_bf16_step_within_the_documented_tolerance(tmp_path):
     # sft/tiny's own model: the documented figures were measured on it
-    bf16 = launch(torchrun("sft", f"output_dir={tmp_path / 'bf16'}", *RUN), small_model=False)
-    fp8 = launch(torchrun("sft", f"output_dir={tmp_path / 'fp8'}", *RUN, "model.fp8=emulate"), small_model=False)
+    bf16 = launch(torchrun("sft", f"output_dir={tmp_path / 'bf16'}", *RUN), default_model=True)
+    fp8 = launch(torchrun("sft", f"output_dir={tmp_path / 'fp8'}", *RUN, "model.fp8=emulate"), default_model=True)
     # the tiny model's 4 decoder layers, 7 linear layers each; the output layer is not among them
     assert "model.fp8=emulate: 28 linear layers of the decoder in float8 (torchao)" in fp8.stdout
     assert "; levers: float8 linear layers (emulate)" in fp8.stdout and "levers" not in bf16.stdout
