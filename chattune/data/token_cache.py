@@ -12,9 +12,12 @@ One source's cache, `<root>/<kind>-<file stem>-<key>/`:
     shard-00000/     records [start, stop) of the source, one shard per building rank, in record order
         ids.bin      every kept document's tokens back to back (int32)
         labels.bin   their shifted labels (int32; IGNORE_INDEX trains nothing)
+        tokens-NAME.bin  each per-token value its data declares (`Document.token_values`), float32, one per
+                     token of ids.bin (NaN under a document that declares none)
         index.npz    per document: its start in the shard, its first segment's length (a preference pair's
-                     chosen side, a KTO example's own sequence) and each value its data declares
-                     (`Document.doc_values`: `value:NAME`, float64, NaN where a document declares none);
+                     chosen side, a KTO example's own sequence), each value its data declares
+                     (`Document.doc_values`: `value:NAME`, float64, NaN where a document declares none) and
+                     which per-token values it declares (`tokens:NAME`, bool);
                      per record: its first document, its skip reason, its overlong mark and its pieces left
                      out (a split record's pieces that train nothing)
         skips.json   the message of each skipped record (logged as streaming logs it)
@@ -64,13 +67,14 @@ logger = logging.getLogger(__name__)
 # Bump when the arrays, or the documents chattune makes from records, change. 3: a reward pair's margin is read
 # (a reward cache of layout 2 holds a record with a margin as a skipped bad record). 4: a split record's pieces
 # left out are counted (`Document.pieces_left_out`). 5: the documents' declared values by name (`value:NAME`), in
-# place of a KTO label and a reward margin of their own.
-LAYOUT_VERSION = 5
+# place of a KTO label and a reward margin of their own. 6: the documents' per-token values (`tokens-NAME.bin`).
+LAYOUT_VERSION = 6
 CACHE_DIR_ENV = "CHATTUNE_CACHE_DIR"  # where data.cache=auto keeps caches (default ~/.cache/chattune)
 MANIFEST = "manifest.json"
 CHUNK_RECORDS = 1024  # records tokenized in one batch (one loader item) while building
 OVERLONG_MARKS = ("", "truncated", "split")
 VALUE_PREFIX = "value:"  # a declared value's array in index.npz: `value:NAME`, NaN where a document has none
+TOKENS_PREFIX = "tokens:"  # in index.npz: `tokens:NAME`, whether each document declares per-token value NAME
 _HASH_BLOCK = 8 << 20
 
 
@@ -171,6 +175,8 @@ class TokenizedChunk:
     doc_lengths: np.ndarray  # int64
     doc_chosen: np.ndarray  # int32: a pair's chosen side's tokens; 0 for a one-sequence document
     doc_values: dict[str, np.ndarray]  # float64 per name: each document's declared value (NaN: none)
+    token_values: dict[str, np.ndarray]  # float32 per name, one per token of `ids` (NaN under a document without)
+    token_declared: dict[str, np.ndarray]  # bool per name: whether each document declares it
     record_docs: np.ndarray  # int64: documents of each record (0: skipped)
     record_skip: np.ndarray  # int8: 1 + the index in SKIP_REASONS of a skipped record, 0 kept
     record_overlong: np.ndarray  # int8: index in OVERLONG_MARKS of the record's first document's mark
@@ -185,9 +191,8 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
     kept = [d for outcome in outcomes for d in outcome if isinstance(d, Document)]
     if any(len(d.segment_lengths) > 2 for d in kept):
         raise ValueError("the token cache stores documents of one or two segments")
-    if any(d.token_values for d in kept):
-        raise ValueError("the token cache stores per-document values, not per-token ones (data.cache=false)")
     names = sorted({name for d in kept for name in d.doc_values})
+    token_names = sorted({name for d in kept for name in d.token_values})
     skipped = [outcome[0] for outcome in outcomes if isinstance(outcome[0], Skipped)]
     firsts = [None if isinstance(o[0], Skipped) else o[0] for o in outcomes]  # per record: its first document
     return TokenizedChunk(
@@ -196,6 +201,11 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
         doc_lengths=np.array([len(d) for d in kept], dtype=np.int64),
         doc_chosen=np.array([d.segments[0] if d.segments else 0 for d in kept], dtype=np.int32),
         doc_values={name: np.array([d.doc_values.get(name, np.nan) for d in kept], dtype=np.float64) for name in names},
+        token_values={
+            name: np.concatenate([d.token_values.get(name, np.full(len(d), np.nan)) for d in kept]).astype(np.float32)
+            for name in token_names
+        },
+        token_declared={name: np.array([name in d.token_values for d in kept], dtype=bool) for name in token_names},
         record_docs=np.array([sum(isinstance(d, Document) for d in o) for o in outcomes], dtype=np.int64),
         record_skip=np.array(
             [1 + SKIP_REASONS.index(o[0].reason) if isinstance(o[0], Skipped) else 0 for o in outcomes], dtype=np.int8
@@ -260,10 +270,21 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
     lengths, chosen, record_docs, skip, overlong, details = [], [], [], [], [], []
     values: list[dict[str, np.ndarray]] = []
     left_out, left_out_details = [], []
+    token_files: dict[str, object] = {}  # per-token value name: its open file
+    token_declared: dict[str, list[np.ndarray]] = {}  # per-token value name: which documents declare it
+    written, documents_written = 0, 0  # so far (a name first declared in a later chunk: NaN under the earlier ones)
     with open(directory / "ids.bin", "wb") as ids, open(directory / "labels.bin", "wb") as labels:
         for chunk in _tokenized(documents, records, num_workers):
             ids.write(chunk.ids.tobytes())
             labels.write(chunk.labels.tobytes())
+            for name in chunk.token_values.keys() - token_files.keys():
+                token_files[name] = open(directory / f"tokens-{name}.bin", "wb")  # noqa: SIM115 (closed below)
+                token_files[name].write(np.full(written, np.nan, np.float32).tobytes())
+                token_declared[name] = [np.zeros(documents_written, bool)]
+            for name, file in token_files.items():
+                file.write(chunk.token_values.get(name, np.full(len(chunk.ids), np.nan, np.float32)).tobytes())
+                token_declared[name].append(chunk.token_declared.get(name, np.zeros(len(chunk.doc_lengths), bool)))
+            written, documents_written = written + len(chunk.ids), documents_written + len(chunk.doc_lengths)
             lengths.append(chunk.doc_lengths)
             chosen.append(chunk.doc_chosen)
             values.append(chunk.doc_values)
@@ -273,9 +294,11 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
             left_out.append(chunk.record_left_out)
             details += chunk.skip_details
             left_out_details += chunk.left_out_details
-        for f in (ids, labels):
+        for f in (ids, labels, *token_files.values()):
             f.flush()
             os.fsync(f.fileno())
+        for f in token_files.values():
+            f.close()
     doc_lengths = np.concatenate([np.zeros(0, np.int64), *lengths])
     per_record = np.concatenate([np.zeros(0, np.int64), *record_docs])
     skip_codes = np.concatenate([np.zeros(0, np.int8), *skip])
@@ -287,11 +310,14 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
         )
         for name in names
     }
+    doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
+    declared_tokens = {f"{TOKENS_PREFIX}{name}": np.concatenate(flags) for name, flags in token_declared.items()}
     np.savez(
         directory / "index.npz",
-        doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
+        doc_starts=doc_starts,
         doc_chosen=np.concatenate([np.zeros(0, np.int32), *chosen]),
         **declared,
+        **declared_tokens,
         record_first_doc=np.concatenate([[0], np.cumsum(per_record)]).astype(np.int64),
         record_skip=skip_codes,
         record_overlong=np.concatenate([np.zeros(0, np.int8), *overlong]),
@@ -463,6 +489,8 @@ class CachedDocuments:
             )
         self._ids, self._labels, shard_of, starts, stops, chosen, first, skip, overlong = ([] for _ in range(9))
         shard_values: list[dict[str, np.ndarray]] = []
+        shard_declared: list[dict[str, np.ndarray]] = []  # per shard: per-token value name: documents declaring it
+        self._token_values: list[dict[str, np.ndarray]] = []  # per shard: name: its memory map
         left_out: list[np.ndarray] = []
         self._details: dict[int, str] = {}
         self._left_out_details: dict[int, str] = {}
@@ -479,11 +507,17 @@ class CachedDocuments:
                 shard_values.append(
                     {k.removeprefix(VALUE_PREFIX): index[k] for k in index.files if k.startswith(VALUE_PREFIX)}
                 )
+                shard_declared.append(
+                    {k.removeprefix(TOKENS_PREFIX): index[k] for k in index.files if k.startswith(TOKENS_PREFIX)}
+                )
                 first.append(index["record_first_doc"][:-1] + documents)
                 skip.append(index["record_skip"])
                 overlong.append(index["record_overlong"])
                 left_out.append(index["record_left_out"])
                 documents += len(doc_starts) - 1
+            self._token_values.append(
+                {name: _memmap(shard / f"tokens-{name}.bin", np.float32) for name in shard_declared[-1]}
+            )
             self._details.update({int(k): v for k, v in json.loads((shard / "skips.json").read_text()).items()})
             self._left_out_details.update(
                 {int(k): v for k, v in json.loads((shard / "left_out.json").read_text()).items()}
@@ -496,6 +530,13 @@ class CachedDocuments:
                 [np.zeros(0), *(v.get(name, np.full(len(s), np.nan)) for v, s in zip(shard_values, starts))]
             )
             for name in names
+        }
+        token_names = sorted({name for declared in shard_declared for name in declared})
+        self._token_declared = {
+            name: np.concatenate(
+                [np.zeros(0, bool), *(d.get(name, np.zeros(len(s), bool)) for d, s in zip(shard_declared, starts))]
+            )
+            for name in token_names
         }
         self._first = np.concatenate([*first, [documents]])
         self._skip, self._overlong = np.concatenate(skip), np.concatenate(overlong)
@@ -542,12 +583,17 @@ class CachedDocuments:
                         left_out_detail=self._left_out_details.get(int(index), "") if d == first else "",
                         segments=(chosen, end - start - chosen) if chosen else (),
                         doc_values={n: float(v[d]) for n, v in self._values.items() if not np.isnan(v[d])},
+                        token_values={
+                            n: self._token_values[shard][n][start:end]
+                            for n, declared in self._token_declared.items()
+                            if declared[d]
+                        },
                     )
                 )
         return out
 
 
-def _memmap(path: Path) -> np.ndarray:
+def _memmap(path: Path, dtype: type = np.int32) -> np.ndarray:
     if path.stat().st_size == 0:  # numpy cannot map an empty file
-        return np.zeros(0, dtype=np.int32)
-    return np.memmap(path, dtype=np.int32, mode="r")
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")

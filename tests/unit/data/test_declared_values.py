@@ -43,3 +43,65 @@ def test_a_value_missing_or_of_the_wrong_length_is_refused():
         ValueError, match=r"document 0: token values \['advantage'\] are not one per token \(3 tokens\)"
     ):
         collate_packed([_document(0, 3, advantage=[1.0, 2.0])])
+
+
+class _ValuedRecords:
+    """A document source (one document a record) whose documents declare per-token values on some records only:
+    `weight` on every third, `advantage` from record 5 on (a name first met in a later chunk of a build)."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def get_many(self, indices):
+        out = []
+        for i in indices:
+            length = 2 + i % 5
+            tokens = {}
+            if i % 3 == 0:
+                tokens["weight"] = np.linspace(-1.0, 1.0, length).astype(np.float32) * (i + 1)
+            if i >= 5:
+                tokens["advantage"] = np.full(length, 0.25 * i, dtype=np.float32)
+            doc = _document(i, length, **tokens, **({"reward": float(i)} if i % 2 else {}))
+            out.append(doc)
+        return out
+
+
+def test_the_token_cache_keeps_each_documents_own_per_token_values(tmp_path, monkeypatch):
+    """A token cache built in chunks and shards holds each document's per-token values as the source made them
+    (float32), no value where a document declares none, and packing gets them from the cached documents as from
+    the source's own."""
+    from chattune.data import token_cache
+    from chattune.data.ingest.formats import SourceSpec
+
+    monkeypatch.setattr(token_cache, "CHUNK_RECORDS", 2)  # chunks of 2 records: `advantage` appears in the third
+    source = _ValuedRecords(12)
+    final = tmp_path / "cache" / "valued"
+    staged = tmp_path / "cache" / ".building-valued"
+    staged.mkdir(parents=True)
+    for shard in (1, 0):  # shard 0 (records 0-5) commits after shard 1 (records 6-11) is written
+        token_cache.build_source_cache(
+            source,
+            final,
+            "sft",
+            SourceSpec(str(tmp_path / "records.jsonl")),
+            "key",
+            part=token_cache.BuildShard(shard, num_shards=2, staging=staged, agree=lambda error: None),
+        )
+    cached = token_cache.CachedDocuments(final)
+    every = list(range(len(source)))
+    want, got = source.get_many(every), cached.get_many(every)
+    for mine, theirs in zip(want, got):
+        assert sorted(theirs.token_values) == sorted(mine.token_values), mine.doc_id
+        for name, values in mine.token_values.items():
+            assert theirs.token_values[name].dtype == np.float32 and np.array_equal(theirs.token_values[name], values)
+        assert theirs.doc_values == mine.doc_values
+    assert [d.doc_id for d in got if "advantage" in d.token_values] == list(range(5, 12))
+    for picked, names in (([6], ["advantage", "weight"]), ([5, 7], ["advantage"])):
+        batch = collate_packed([got[i] for i in picked])
+        plain = collate_packed([want[i] for i in picked])
+        assert sorted(batch.token_values) == names and batch.doc_values == plain.doc_values
+        for name in names:
+            assert torch.equal(batch.token_values[name], plain.token_values[name])
