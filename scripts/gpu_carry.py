@@ -11,7 +11,7 @@ Run it where a package registry is reachable. The folder (git-ignored, default `
   cut-cross-entropy, torchao (float8, low-bit optimizer states) and fla (the hybrid kernels). Not carried: what the machine has (pyarrow, pandas, xxhash,
   fsspec, huggingface-hub, accelerate...); `run.sh` checks those and names what is missing or too old
   (`--extra NAME==VERSION` adds a wheel). bitsandbytes (43 MB) goes in a folder of its own.
-- `assets.tar.gz`: the files of ../shared/assets that scripts/gpu_check.py and scripts/bench_gpu.py read
+- `assets.tar.gz`: the files of ../shared/assets that scripts/gpu_check and scripts/bench/bench_gpu.py read
   (`ASSETS`: the Qwen3 tokenizer, the FastChat chats, the long deita chats), which are not in the project.
 - `project.tar.gz`: the project, for a machine not given the checkout: by default the working tree as the
   device tool sends it (tracked and untracked-not-ignored files), `--archive head` for `git archive HEAD`.
@@ -19,7 +19,7 @@ Run it where a package registry is reachable. The folder (git-ignored, default `
 
 The folder (and the working tree sent beside it) must stay under 64 MiB: the build fails otherwise. It prints
 the `carry` list and the one command (at most 2,000 characters) to give the device tool, e.g.
-`bash .gpu-carry/run.sh --results "$OUT" --budget 540`: install, environment check, gpu_check.py and
+`bash .gpu-carry/run.sh --results "$OUT" --budget 540`: install, environment check, gpu_check and
 bench_gpu.py in their shares of the budget, a summary, and the second command for what did not fit.
 """
 
@@ -67,7 +67,7 @@ PACKAGES = [
 ]
 SDIST_ONLY = {"antlr4-python3-runtime"}
 BITSANDBYTES = ("bitsandbytes", "0.50.2", "QLoRA's 4-bit base (43 MB: a folder and a call of its own)")
-# What gpu_check.py and bench_gpu.py read under --assets (make_corpora, make_model, gpu_check's tokenizer).
+# What gpu_check and bench_gpu.py read under --assets (make_corpora, make_model, gpu_check's tokenizer).
 ASSETS = [
     "tokenizers/qwen3/tokenizer.json",
     "tokenizers/qwen3/tokenizer_config.json",

@@ -4,13 +4,13 @@
 # was not given the checkout (the folder's project.tar.gz is unpacked then):
 #   bash .gpu-carry/run.sh --results "$OUT" [--budget 540] [--dry-run]
 # It checks python/torch/transformers, installs the folder's wheels into --target, checks the imports the runs
-# need (naming what is missing), runs scripts/gpu_check.py and scripts/bench_gpu.py in their shares of
+# need (naming what is missing), runs scripts/gpu_check and scripts/bench/bench_gpu.py in their shares of
 # --budget (seconds, the install included), leaves at most 8 files in --results (logs in logs.tar.gz), prints
 # a summary and the second command for what did not fit.
 # Options: --target DIR (/tmp/chattune-site)  --work DIR (/tmp/chattune-gpu-work: models, data, runs)
 #   --check-share PCT (100: gpu_check's share of what is left after the install, its first ten items' 8 minutes;
 #     bench_gpu gets the rest, here none: the summary prints its call)
-#   --check-budget S (gpu_check's seconds, instead of the share)  --check-args "..." (to gpu_check.py)
+#   --check-budget S (gpu_check's seconds, instead of the share)  --check-args "..." (to gpu_check)
 #   --runs "..." (bench_gpu.py's --runs)  --bench-args "..."  --no-check  --no-bench
 #   --extra-wheels DIR (more wheels, e.g. .gpu-carry-bnb/wheels; repeatable)  --project DIR  --python PY
 #   --dry-run (check the environment and print the commands; install and run nothing)
@@ -57,7 +57,7 @@ act() {  # print, and run unless --dry-run
 }
 
 # The project: the checkout the device tool sent (the current directory or the folder's parent), else the archive.
-is_checkout() { [ -f "$1/scripts/gpu_check.py" ] && [ -f "$1/scripts/bench_gpu.py" ] && [ -d "$1/chattune" ]; }
+is_checkout() { [ -f "$1/scripts/gpu_check/__main__.py" ] && [ -f "$1/scripts/bench/bench_gpu.py" ] && [ -d "$1/chattune" ]; }
 if [ -z "$PROJECT" ]; then
   for c in "$PWD" "$(dirname "$FOLDER")"; do is_checkout "$c" && { PROJECT=$c; break; }; done
 fi
@@ -104,7 +104,7 @@ if [ "$DO_CHECK" = 1 ]; then
   [ "$s1" -gt "$(left)" ] && s1=$(left)
   if [ "$s1" -lt "$MIN_SHARE" ]; then say "gpu_check not run: $s1 s left"; else
     # shellcheck disable=SC2086
-    act $(stop "$s1") "$PY" scripts/gpu_check.py --budget "$s1" --out "$RESULTS/gpu_check" --work "$WORK/gpu_check" \
+    act $(stop "$s1") "$PY" scripts/gpu_check --budget "$s1" --out "$RESULTS/gpu_check" --work "$WORK/gpu_check" \
       ${ASSETS:+--assets "$ASSETS"} $CHECK_ARGS 2>&1 | tee "$RESULTS/gpu_check.log"
     check_rc=${PIPESTATUS[0]}
     [ "$DRY" = 1 ] && SECONDS=$(( SECONDS + s1 ))  # as if it took its whole budget
@@ -115,7 +115,7 @@ if [ "$DO_BENCH" = 1 ]; then
   if [ "$s2" -lt "$MIN_SHARE" ]; then say "bench_gpu not run: $s2 s left"; else
     [ -n "$ASSETS" ] || say "bench_gpu needs the shared assets, which this folder lacks"
     # shellcheck disable=SC2086
-    act $(stop "$s2") "$PY" scripts/bench_gpu.py --budget "$s2" --work "$WORK/bench" ${ASSETS:+--assets "$ASSETS"} \
+    act $(stop "$s2") "$PY" scripts/bench/bench_gpu.py --budget "$s2" --work "$WORK/bench" ${ASSETS:+--assets "$ASSETS"} \
       ${RUNS:+--runs $RUNS} $BENCH_ARGS 2>&1 | tee "$RESULTS/bench_gpu.log"
     bench_rc=${PIPESTATUS[0]}
     [ -f "$WORK/bench/results.json" ] && cp "$WORK/bench/results.json" "$RESULTS/bench_gpu.json"

@@ -26,7 +26,7 @@ The design, and why:
   waits for this rank's snapshot write: the snapshot is what is left when the SIGKILL comes first.
 
 Cost, per step: a copy of the rank's shards of the weights and the optimizer's states (on the host: about
-3x the trained parameters' fp32 bytes, divided by the ranks), measured by scripts/bench_snapshots.py.
+3x the trained parameters' fp32 bytes, divided by the ranks), measured by scripts/bench/bench_snapshots.py.
 Alternatives left out: an asynchronous DCP save every step (collective, so a rank killed mid-step takes the
 others' write with it, and DCP's planning costs a collective per step); writing on the signal from the live
 state (the optimizer may be half-way through changing it).

@@ -9,7 +9,7 @@ Why our own and not DCP's stager (`DefaultStager`):
 - torchao's low-bit optimizers keep AdamW's moments as tensor subclasses (`OptimState8bit`, `OptimState4bit`,
   `OptimStateFp8`: codes and block scales behind one tensor). DCP's stager copies every tensor through
   `new_empty`, which they do not implement (`save_async=true` with `torchao.optim.AdamW8bit` failed at its first
-  save, found by scripts/gpu_check.py's `low_bit` item), and their own `copy_` into a plain host tensor
+  save, found by scripts/gpu_check's `low_bit` item), and their own `copy_` into a plain host tensor
   dequantizes (4 bytes an element where they hold 1). The buffers hold each subclass's inner tensors (its codes
   and scales, `__tensor_flatten__`) and rebuild the subclass around the copies.
 - One flat buffer per dtype, cut into views, page-locked with cudaHostRegister on CUDA: torch's pinned allocator

@@ -1,7 +1,7 @@
 """The price of `snapshot_steps=auto` while the steps are short (`chattune.checkpoint.snapshot.SnapshotsWhenSlow`): the
 ranks' one-number gloo all-reduce after every step, on the host, that decides together whether a step was long.
 
-    torchrun --nproc_per_node 2 scripts/bench_auto_snapshots.py [--steps 2000]
+    torchrun --nproc_per_node 2 scripts/bench/bench_auto_snapshots.py [--steps 2000]
 
 Each rank times a check (`after_step` at a checked step) over `--steps` calls, then `--steps` steps as a run
 calls it (a check at steps 1-10, then every 10th), steps far shorter than the grace (nothing starts); rank 0

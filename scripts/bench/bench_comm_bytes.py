@@ -1,6 +1,6 @@
 """Bytes each rank sends in one training step, per layout of 4 ranks, counted against the formula.
 
-    python scripts/bench_comm_bytes.py [--ranks 4] [--layouts 1x1x1 2x1x1 1x2x1 2x2x1 1x1x2 1x2x2]
+    python scripts/bench/bench_comm_bytes.py [--ranks 4] [--layouts 1x1x1 2x1x1 1x2x1 2x2x1 1x1x2 1x2x2]
 
 A layout RxCxT is parallel.replicate=R, parallel.context=C, parallel.tensor=T. Each run spawns the ranks on gloo, builds a random-init
 Qwen3-shaped model (hidden 256, 4 layers, the demo tokenizer's vocabulary) sharded by chattune's `shard_model`,
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # scripts/bench/ is two below it
 sys.path.insert(0, str(PROJECT_ROOT))
 MODEL = dict(
     hidden_size=256,

@@ -1,6 +1,6 @@
 """Context parallelism on the CPU: peak host memory per rank and step time for one long document, on C=1 and C=2.
 
-    python scripts/bench_context_parallel.py [--tokens 16384] [--contexts 1 2] [--steps 3]
+    python scripts/bench/bench_context_parallel.py [--tokens 16384] [--contexts 1 2] [--steps 3]
 
 One document of `--tokens` tokens (random ids, its last three quarters trained) is one packed row; each run spawns
 C ranks on gloo that form one context group (`parallel.context=C`: each rank computes N/C tokens of the row) and
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # scripts/bench/ is two below it
 sys.path.insert(0, str(PROJECT_ROOT))
 # Small enough that a 16k-token step takes a minute on 2 CPU cores: attention's work grows as N^2.
 MODEL = dict(

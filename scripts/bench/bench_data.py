@@ -1,6 +1,6 @@
 """Data-pipeline throughput and pack fill: tokenize + assistant mask + pack, chattune vs TRL.
 
-    python scripts/bench_data.py [--conversations 20000] [--max-tokens 4096] [--repeats 3]
+    python scripts/bench/bench_data.py [--conversations 20000] [--max-tokens 4096] [--repeats 3]
 
 Data: the shared real chats (`../shared/assets/data`: the ShareGPT chats and the long messages-format
 conversations) replicated to about `--conversations` conversations, with the shared Qwen3 tokenizer.
@@ -37,7 +37,7 @@ from chattune.data.ingest.records import RecordSource
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.templates.sft_documents import SFTDocuments
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "assets"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "assets"  # ../shared/assets of the project
 
 
 def replicated_messages(count: int) -> list[dict]:

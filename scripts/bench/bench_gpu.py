@@ -1,6 +1,6 @@
 """chattune's SFT step on one GPU, next to TRL's SFTTrainer on the same model, data and token budget.
 
-    python scripts/bench_gpu.py --assets ../shared/assets [--runs short06 short17 long06] [--steps 30]
+    python scripts/bench/bench_gpu.py --assets ../shared/assets [--runs short06 short17 long06] [--steps 30]
 
 Builds random-init Qwen3-shaped models (0.6B, 1.7B), and for `--runs gptoss gemma4` a gpt-oss-shaped MoE with
 attention sinks (1B, 4 of 16 experts active) and a Gemma-4-shaped model with head size 512 on its global layers
@@ -43,7 +43,7 @@ from pathlib import Path
 from chattune.launch.torchrun import torchrun_command
 
 STARTED = time.monotonic()  # the budget counts from here: the process's imports are part of it
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the project: scripts/bench/ is two below it
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen3's published configs; head_dim 128, tied)
     "tiny": (64, 128, 2, 4, 2),
     "0.6b": (1024, 3072, 28, 16, 8),
@@ -218,7 +218,7 @@ def stop_process_group(process: subprocess.Popen) -> None:
 
 
 def add_budget_arguments(parser: argparse.ArgumentParser, order: str) -> None:
-    """--budget and --estimate-scale, as this script and gpu_check.py take them; `order`: what the budget does."""
+    """--budget and --estimate-scale, as this script and gpu_check take them; `order`: what the budget does."""
     parser.add_argument(
         "--budget",
         type=float,

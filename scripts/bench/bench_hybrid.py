@@ -1,6 +1,6 @@
 """Hybrid models on the CPU: what the exact per-document path of `chattune.model.packed.mixers` costs.
 
-    python scripts/bench_hybrid.py [--tokens 2048] [--documents 8] [--steps 5] [--warmup 2] [--threads N]
+    python scripts/bench/bench_hybrid.py [--tokens 2048] [--documents 8] [--steps 5] [--warmup 2] [--threads N]
 
 Token mixers other than attention (Qwen3.5's gated delta rule, LFM2's short convolutions) run once per
 document of a packed row on the CPU, a Python loop per layer: this measures what that costs in training speed.
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project: scripts/bench/ is two below it
 from chattune.config.paths import DEMO_ASSETS  # noqa: E402
 from chattune.data.documents import Document  # noqa: E402
 from chattune.data.packing import collate_packed  # noqa: E402

@@ -1,6 +1,6 @@
 """Host memory and time of loading a model directory into the sharded model, and of the final export.
 
-    python scripts/bench_load.py [--ranks 1 2] [--checkout DIR] [--model-dir DIR]
+    python scripts/bench/bench_load.py [--ranks 1 2] [--checkout DIR] [--model-dir DIR]
 
 Builds (once, cached under --model-dir) a random-init Qwen3-shaped model of ~1.5B parameters saved as
 bf16 safetensors, as checkpoints ship. Then, for each rank count, launches that many gloo ranks on the CPU
@@ -12,7 +12,7 @@ while loading, the load time, and the peak RSS added by the export over what the
 first on the path), e.g. the code before sharded loading:
 
     git worktree add /tmp/chattune-before e243350
-    python scripts/bench_load.py --checkout /tmp/chattune-before
+    python scripts/bench/bench_load.py --checkout /tmp/chattune-before
 
 On the CPU the shards themselves live in host memory (fp32, model size / W); on a GPU they would not.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from chattune.launch.torchrun import torchrun_command
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # scripts/bench/ is two below it
 # Qwen2.5-1.5B's shape in Qwen3's architecture (q/k norms): 1.54B parameters, embeddings tied.
 QWEN3_1_5B = dict(
     hidden_size=1536,

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning, SFT and DPO, on the CPU: trained parameters, peak host memory per rank,
 tokens/s.
 
-    python scripts/bench_lora.py [--nproc 2] [--steps 8] [--set key=value ...]
+    python scripts/bench/bench_lora.py [--nproc 2] [--steps 8] [--set key=value ...]
 
 Each run is the recipe itself under torchrun, in a fresh subprocess, with a model built from
 model directory made first (a random-init 127M-parameter Llama: hidden 1024, 8 layers, the demo
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from chattune.launch.torchrun import torchrun_command
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # scripts/bench/ is two below it
 MODEL = dict(
     hidden_size=1024,
     intermediate_size=4096,

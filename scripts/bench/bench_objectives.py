@@ -1,7 +1,7 @@
 """Step time and tokens/s of each preference objective against DPO (sigmoid, live reference), on the same demo
 preference pairs, packed, CPU or GPU, from each run's own metrics.jsonl.
 
-    python scripts/bench_objectives.py [--steps 40] [--warmup 10] [--rounds 3] [--ranks 1] [--only NAME ...]
+    python scripts/bench/bench_objectives.py [--steps 40] [--warmup 10] [--rounds 3] [--ranks 1] [--only NAME ...]
                                        [-- key=value ...]
 
 Every run starts from a random-initialised tiny model (`model.path=null`: `model.config` of sft/tiny, so no SFT run
@@ -43,7 +43,7 @@ import torch
 
 from chattune.launch.torchrun import torchrun_command
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the project: scripts/bench/ is two below it
 BASELINE = "dpo-sigmoid"
 
 # name -> (recipe, overrides, description). {cache} is a reference-cache directory shared by the benchmark's runs.
@@ -143,7 +143,7 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
         + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
     )
-    print(f"command: python scripts/bench_objectives.py {' '.join(sys.argv[1:])}")
+    print(f"command: python scripts/bench/bench_objectives.py {' '.join(sys.argv[1:])}")
     print(f"load average at start (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "reference_cache"

@@ -1,7 +1,7 @@
 """Resume cost does not grow with how far into the data a run is: time to the first step's microbatches
 after restoring a data position at the start of the data and about a million records in.
 
-    python scripts/bench_resume.py [--records 1100000] [--position 1000000] [--workers 0 2]
+    python scripts/bench/bench_resume.py [--records 1100000] [--position 1000000] [--workers 0 2]
 
 Data: `--records` short demo-style conversations written to a temporary JSONL file, the demo tokenizer,
 the recipe's pipeline (`SFTDocuments` -> `PackedStream` -> `StepFeed`, 2 microbatches per step).

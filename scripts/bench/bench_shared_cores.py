@@ -1,6 +1,6 @@
 """Torch threads on cores shared with other jobs (why CHATTUNE_CPU_THREADS exists and the test suite sets it to 1).
 
-    python scripts/bench_shared_cores.py [--busy N] [--steps 20] [--threads 1 2]
+    python scripts/bench/bench_shared_cores.py [--busy N] [--steps 20] [--threads 1 2]
 
 Runs forward and backward passes of a tiny Llama (4 layers, hidden 128, a 512-token row, fp32) with each thread
 count, first on an idle machine, then beside N busy processes (default: one per core, as two pytest-xdist workers'

@@ -1,7 +1,7 @@
 """The cost of `snapshot_steps` (`chattune.checkpoint.snapshot`): the copy of a rank's state into host memory after
 every step, and the write of that copy on a stop signal, against an ordinary checkpoint's save.
 
-    python scripts/bench_snapshots.py [--hidden 768] [--layers 12] [--steps 10] [--device cpu|cuda]
+    python scripts/bench/bench_snapshots.py [--hidden 768] [--layers 12] [--steps 10] [--device cpu|cuda]
 
 One process (a one-rank gloo or nccl group), a Llama-shaped model of random weights with AdamW's states
 filled in: the host copy holds the weights and both moments in fp32. Prints the median copy per step, the

@@ -1,7 +1,7 @@
 """Start-up times a user waits through: to a command's first line, to `chattune validate`'s verdict, and to a
 launch's first line and its step 1.
 
-    python scripts/bench_startup.py [--repeats 3]
+    python scripts/bench/bench_startup.py [--repeats 3]
 
 Each command runs as a fresh process (as a user runs it) from the project root, its output read line by line as
 it is written; the figures are the median (min-max) over the repeats, in seconds of wall time.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from chattune.launch.torchrun import torchrun_command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the project: scripts/bench/ is two below it
 
 
 def timed_lines(command: list[str], env: dict | None = None) -> tuple[list[tuple[float, str]], float]:

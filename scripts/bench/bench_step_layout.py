@@ -1,10 +1,10 @@
 """The cost of world-size-invariant steps in the data pipeline: pack fill and tokens/s, per-rank packing
 (today's default) against `data.microbatches_per_step`, for a job of `--ranks` ranks.
 
-    python scripts/bench_step_layout.py [--conversations 20000] [--max-tokens 4096] [--ranks 8] [--microbatches 8]
+    python scripts/bench/bench_step_layout.py [--conversations 20000] [--max-tokens 4096] [--ranks 8] [--microbatches 8]
                                         [--epochs 1] [--cache]
 
-Data: the shared real chats (`../shared/assets/data`, as `scripts/bench_data.py` reads them) replicated to
+Data: the shared real chats (`../shared/assets/data`, as `scripts/bench/bench_data.py` reads them) replicated to
 about `--conversations` conversations, with the shared Qwen3 tokenizer, `--epochs` epochs, no loader workers. The
 ranks are simulated in this one process, their step all-reduce done by hand:
 - per rank: each rank packs its own share, `--microbatches / --ranks` microbatches a step, the ranks

@@ -1,7 +1,7 @@
 """The cost of the stop vote before every step (`chattune.interrupts.StopVote`): one float all-reduced over a
 gloo group, on the host, per step.
 
-    python scripts/bench_stop_vote.py [--ranks 2] [--calls 2000]
+    python scripts/bench/bench_stop_vote.py [--ranks 2] [--calls 2000]
 
 Spawns the ranks on this machine (gloo over localhost) and prints the mean time of one vote. Across nodes it
 is one small TCP all-reduce: the network's latency, not the data, decides.

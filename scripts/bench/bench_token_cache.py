@@ -1,7 +1,7 @@
 """The token cache (`data.cache`): how long a first build takes, how fast a warm cache starts, its size on disk,
 and how a memory map reads documents against `datasets`' Arrow files.
 
-    python scripts/bench_token_cache.py [--records 1000000] [--builds 1x0,1x2,2x0,2x2]
+    python scripts/bench/bench_token_cache.py [--records 1000000] [--builds 1x0,1x2,2x0,2x2]
 
 Data: `--records` short chats, the demo chats (chattune/assets/demo, 2-6 turns) repeated, each made distinct by
 its number, tokenized with the shared Qwen3 tokenizer (`../shared/assets`) at a 4096-token budget.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]  # scripts/bench/ is two below it
 SHARED = PROJECT.parent / "shared" / "assets"
 QWEN3 = SHARED / "tokenizers" / "qwen3"
 BUDGET = 4096
@@ -96,7 +96,7 @@ from transformers import AutoTokenizer
 from chattune.data.ingest.cached_sources import open_documents
 from chattune.data.ingest.formats import SourceSpec
 from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/bench")  # (run from the project root)
 from bench_token_cache import data_section
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[3])
 imported = time.perf_counter()

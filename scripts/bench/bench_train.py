@@ -1,6 +1,6 @@
 """Training throughput of an SFT config for 1 and 2 ranks (torchrun), from the run's own metrics.jsonl.
 
-    python scripts/bench_train.py [--ranks 1 2] [--steps 60] [--warmup 10] [-- key=value ...]
+    python scripts/bench/bench_train.py [--ranks 1 2] [--steps 60] [--warmup 10] [-- key=value ...]
 
 Runs `recipes/sft.py` (default config `sft/tiny`) once per rank count with `log_every=1`, drops the
 first `--warmup` steps, and reports the mean over the rest of: trainable tokens/s (`tokens_per_sec`),
@@ -24,7 +24,7 @@ import torch
 
 from chattune.launch.torchrun import torchrun_command
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the project: scripts/bench/ is two below it
 
 
 def run_once(ranks: int, steps: int, overrides: list[str], output_dir: Path) -> list[dict]:
@@ -57,7 +57,7 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
         + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
     )
-    print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
+    print(f"command: python scripts/bench/bench_train.py {' '.join(sys.argv[1:])}")
     print("| ranks | trainable tokens/s | all tokens/s | step time (s) | steps measured |")
     print("|---|---|---|---|---|")
     for ranks in args.ranks:

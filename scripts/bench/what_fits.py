@@ -3,7 +3,7 @@ Qwen2.5-32B widths) x full fine-tuning, LoRA and QLoRA x 24/48/80 GiB GPUs, each
 not fit, the changes the estimate advises. bf16 compute, fp32 AdamW, 2048 tokens a microbatch. Also the optimizer
 states' bytes per trained parameter for each optimizer. Shapes only: nothing is downloaded or loaded.
 
-    python scripts/what_fits.py [--ranks 1]
+    python scripts/bench/what_fits.py [--ranks 1]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Accuracy of a trained demo model on the held-out demo chats, per task.
 
-    python scripts/eval_demo.py outputs/sft-tiny/hf [--limit 100]
+    python scripts/demo/eval_demo.py outputs/sft-tiny/hf [--limit 100]
 
 - token accuracy: teacher-forced, the share of assistant tokens (the trained ones, end of turn included)
   that are the model's top prediction;
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from chattune.data.documents import IGNORE_INDEX, shifted_labels
 from chattune.data.templates.chat_template import probe_template, tokenize_conversation
 
-EVAL_FILE = Path(__file__).resolve().parent.parent / "chattune" / "assets" / "demo" / "chat_eval.jsonl"
+EVAL_FILE = Path(__file__).resolve().parents[2] / "chattune" / "assets" / "demo" / "chat_eval.jsonl"
 
 
 def task_of(question: str) -> str:

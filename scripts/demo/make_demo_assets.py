@@ -3,7 +3,7 @@
 Deterministic (fixed seed): running it twice gives identical files. The outputs are committed under
 `chattune/assets/demo/` so the default recipe needs no network and no generation step:
 
-    python scripts/make_demo_assets.py            # rewrites chattune/assets/demo/
+    python scripts/demo/make_demo_assets.py            # rewrites chattune/assets/demo/
 
 The tasks (arithmetic, sorting, counting, string edits, with multi-turn follow-ups) are ones a tiny
 model can learn to measurable accuracy in minutes, so a falling loss means something. The preference
@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "chattune" / "assets" / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[2] / "chattune" / "assets" / "demo"
 
 # ChatML. Assistant turns end with <|im_end|>, which is also the tokenizer's eos (generation stops there).
 CHAT_TEMPLATE = (

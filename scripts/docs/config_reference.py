@@ -1,8 +1,8 @@
 """docs/configuration.md, generated from the config schema (`chattune.config.schema`): every key of every
 recipe with its type, default, meaning, the values it may take and what a resumed run may do with it.
 
-    python scripts/config_reference.py           # print the page
-    python scripts/config_reference.py --write   # write docs/configuration.md
+    python scripts/docs/config_reference.py           # print the page
+    python scripts/docs/config_reference.py --write   # write docs/configuration.md
 
 tests/docs/test_config_reference.py fails when the page is not this script's output: a key added, removed or
 redescribed in the schema without running `--write`.
@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the project: scripts/docs/ is two below it
 sys.path.insert(0, str(ROOT))
 
 from chattune.config.schema import SCHEMAS, schema_fields, section_type, type_options  # noqa: E402
@@ -107,7 +107,7 @@ def page() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the config schema (`chattune/config/schema.py`) by `python scripts/config_reference.py "
+        "Generated from the config schema (`chattune/config/schema.py`) by `python scripts/docs/config_reference.py "
         "--write`; `tests/docs/test_config_reference.py` fails when it is stale. Set a key on the command line "
         "(`key=value`, a nested one as `section.key=value`) or in a config file; `chattune validate` checks both "
         "against this schema. *On resume*: what a resumed run does when the key changed since its checkpoint.",

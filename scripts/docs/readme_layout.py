@@ -1,8 +1,8 @@
 """The package tree's table (docs/layout.md), generated from the real tree: one line per package of chattune/,
 with the first line of its `__init__` docstring and its modules.
 
-    python scripts/readme_layout.py           # print the table
-    python scripts/readme_layout.py --write   # replace the table in docs/layout.md
+    python scripts/docs/readme_layout.py           # print the table
+    python scripts/docs/readme_layout.py --write   # replace the table in docs/layout.md
 
 tests/docs/test_docs.py checks that docs/layout.md's table is this script's output.
 """
@@ -13,7 +13,7 @@ import ast
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the project: scripts/docs/ is two below it
 PACKAGE = ROOT / "chattune"
 FIXED_ROWS = {  # what is not a package of chattune/, before and after the packages
     "before": [
@@ -32,7 +32,25 @@ FIXED_ROWS = {  # what is not a package of chattune/, before and after the packa
             "`hydra_plugins/chattune_searchpath/`",
             "puts the shipped configs on Hydra's search path, for users' own config directories",
         ),
-        ("`scripts/`", "demo asset generator, demo accuracy, benchmarks, the GPU check (`gpu_check.py`), this table"),
+        (
+            "`scripts/bench/`",
+            "benchmarks (BENCHMARKS.md gives each result with its command); `what_fits.py`, the memory estimate",
+        ),
+        (
+            "`scripts/gpu_check/`",
+            "the GPU check, a package by concern: `python scripts/gpu_check` (docs/gpu-check.md)",
+        ),
+        (
+            "`scripts/gpu_carry.py`",
+            "the folder that takes the GPU check to a GPU machine without internet, and its `run.sh` "
+            "(`gpu_carry_run.sh`); `gpu_precision_resume.sh`, the precisions and exact resume on one GPU",
+        ),
+        (
+            "`scripts/parity/`",
+            "chattune against TRL (`compare_trl.py`), the oldest supported versions (`check_oldest_versions.sh`)",
+        ),
+        ("`scripts/demo/`", "the demo chats' generator, the demo accuracy, docs/demo.md's figures"),
+        ("`scripts/docs/`", "the generators of docs/configuration.md and of this table"),
         ("`BENCHMARKS.md`", "measured throughput and the commands that produced it"),
         (
             "`docs/`",

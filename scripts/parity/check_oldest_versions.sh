@@ -7,7 +7,7 @@
 # they run on CPU too). Run it by hand after changing the pins in pyproject.toml; its last result is in
 # BENCHMARKS.md ("Oldest supported versions").
 #
-#   scripts/check_oldest_versions.sh [--venv DIR] [--torch VER] [--transformers VER] [--python PY]
+#   scripts/parity/check_oldest_versions.sh [--venv DIR] [--torch VER] [--transformers VER] [--python PY]
 #                                    [--wheels DIR] [--workers N] [--keep] [-- extra pytest args]
 #
 #   --venv DIR          the venv to create (default /tmp/chattune-oldest; removed first unless --keep)
@@ -44,7 +44,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)  # the project: scripts/parity/ is two below it
 cd "$ROOT"
 
 # The core tests: the model and attention, the losses, the DPO step, checkpoints, compile, context

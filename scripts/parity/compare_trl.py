@@ -1,6 +1,6 @@
 """Compare chattune's ORPO, reward-model and KTO objectives with TRL's, numerically, on the same tiny model and records.
 
-    python scripts/compare_trl.py [--trl-path DIR] [--records N]
+    python scripts/parity/compare_trl.py [--trl-path DIR] [--records N]
 
 TRL is never a dependency of chattune. The script imports it from a folder of its own, appended to `sys.path` after
 the project's packages (so it shadows none of them): `--trl-path`, else the environment variable CHATTUNE_TRL_PATH,

@@ -47,8 +47,8 @@ def test_every_relative_link_and_anchor_exists(page):
 
 
 def test_the_layout_table_is_the_real_tree():
-    # Regenerate with `python scripts/readme_layout.py --write` after adding, moving or renaming a module.
-    layout = runpy.run_path(str(PROJECT_ROOT / "scripts" / "readme_layout.py"))
+    # Regenerate with `python scripts/docs/readme_layout.py --write` after adding, moving or renaming a module.
+    layout = runpy.run_path(str(PROJECT_ROOT / "scripts" / "docs" / "readme_layout.py"))
     page = (PROJECT_ROOT / "docs" / "layout.md").read_text()
     assert layout["layout_table"]() in page
     assert layout["replace_table"](page, layout["layout_table"]()) == page

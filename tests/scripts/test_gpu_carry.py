@@ -99,8 +99,8 @@ def test_the_folder_fits_and_holds_what_the_checks_need(built):
     with tarfile.open(folder / "project.tar.gz") as tar:
         names = set(tar.getnames())
     assert {
-        "scripts/gpu_check.py",
-        "scripts/bench_gpu.py",
+        "scripts/gpu_check/__main__.py",
+        "scripts/bench/bench_gpu.py",
         "scripts/gpu_carry_run.sh",
         "chattune/__init__.py",
         "recipes/sft.py",
@@ -202,7 +202,7 @@ def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     )
     assert done.returncode == 3, done.stdout[-3000:]
     assert "MISSING: no_such_module_xyz (a wheel not carried): ModuleNotFoundError" in done.stdout
-    assert "scripts/gpu_check.py" not in done.stdout and "scripts/bench_gpu.py" not in done.stdout
+    assert "scripts/gpu_check" not in done.stdout and "scripts/bench/bench_gpu.py" not in done.stdout
 
     done = run_sh(
         folder,
@@ -220,8 +220,8 @@ def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     out = done.stdout
     assert "pip install -q --no-index --no-deps --no-compile" in out and "--target /tmp/chattune-site" in out
-    check = next(line for line in out.splitlines() if "scripts/gpu_check.py" in line).split()
-    bench = next(line for line in out.splitlines() if "scripts/bench_gpu.py" in line).split()
+    check = next(line for line in out.splitlines() if "scripts/gpu_check" in line).split()
+    bench = next(line for line in out.splitlines() if "scripts/bench/bench_gpu.py" in line).split()
     s1, s2 = int(check[check.index("--budget") + 1]), int(bench[bench.index("--budget") + 1])
     assert 45 <= s2 < s1 and s1 + s2 <= 300 - 20  # 60% for gpu_check, the rest for the bench, 20 s kept back
     assert check[check.index("--out") + 1] == str(tmp_path / "results" / "gpu_check")
@@ -232,9 +232,9 @@ def test_run_sh_dry_run_budgets_arguments_and_missing_imports(built, tmp_path):
     # By default gpu_check gets all of it (issue 68's ten items in 8 minutes); bench_gpu is the second call's
     done = run_sh(folder, tmp_path, "--dry-run", "--budget", "540")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    check = next(line for line in done.stdout.splitlines() if "scripts/gpu_check.py" in line).split()
+    check = next(line for line in done.stdout.splitlines() if "scripts/gpu_check" in line).split()
     assert 480 <= int(check[check.index("--budget") + 1]) <= 540 - 20
-    assert "scripts/bench_gpu.py" not in done.stdout and "bench_gpu not run" in done.stdout
+    assert "scripts/bench/bench_gpu.py" not in done.stdout and "bench_gpu not run" in done.stdout
 
 
 STAND_IN_CHECK = """import argparse, json, pathlib, sys
@@ -268,10 +268,11 @@ def test_run_sh_runs_both_scripts_and_leaves_a_summary(built, tmp_path):
         if not wheel.name.startswith(("omegaconf", "antlr4")):
             wheel.unlink()
     project = tmp_path / "project"
-    (project / "scripts").mkdir(parents=True)
+    (project / "scripts" / "gpu_check").mkdir(parents=True)
+    (project / "scripts" / "bench").mkdir()
     (project / "chattune").symlink_to(ROOT / "chattune")
-    (project / "scripts" / "gpu_check.py").write_text(STAND_IN_CHECK)
-    (project / "scripts" / "bench_gpu.py").write_text(STAND_IN_BENCH)
+    (project / "scripts" / "gpu_check" / "__main__.py").write_text(STAND_IN_CHECK)
+    (project / "scripts" / "bench" / "bench_gpu.py").write_text(STAND_IN_BENCH)
     target = tmp_path / "site"
     done = run_sh(
         small,
@@ -320,7 +321,7 @@ def test_run_sh_runs_both_scripts_and_leaves_a_summary(built, tmp_path):
 
 
 def test_summary_names_the_second_call(tmp_path):
-    """The summary reads the reports in the formats gpu_check.py and bench_gpu.py write (their own tests
+    """The summary reads the reports in the formats gpu_check and bench_gpu.py write (their own tests
     check those): gpu_check.json's rows and `not_run`, results.json's rows with a `status`."""
     (tmp_path / "gpu_check").mkdir()
     rows = [

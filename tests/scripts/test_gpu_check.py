@@ -1,9 +1,9 @@
-"""scripts/gpu_check.py, the one command that verifies the GPU path, run as a smoke test in its CPU mode: a
+"""scripts/gpu_check, the one command that verifies the GPU path, run as a smoke test in its CPU mode: a
 tiny model, chattune's demo tokenizer and chats. Every check that can run on the CPU runs and passes; the
 CUDA-only ones say SKIP; the JSON and the markdown table are written. With --budget (one call on a lent GPU
 machine has a few minutes): what does not fit is a NOT RUN row, a launch running when the budget ends is
 stopped with all it started, the script returns within the budget and its margin, and it prints the command
-of a second call for the rest. scripts/bench_gpu.py's --budget likewise."""
+of a second call for the rest. scripts/bench/bench_gpu.py's --budget likewise."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
-MARGIN = 20  # scripts/bench_gpu.py's BUDGET_MARGIN_S
+MARGIN = 20  # scripts/bench/bench_gpu.py's BUDGET_MARGIN_S
 
 OBJECTIVE_ROWS = [f"objectives_bf16_{name}" for name in ("dpo_sigmoid", "orpo", "kto", "reward")]  # one item's rows
 
@@ -97,11 +97,11 @@ LAUNCH_ROWS = {
 @pytest.mark.parametrize("part", ["in_process", "launches"])
 def test_the_gpu_check_runs_its_cpu_parts(tmp_path, part):
     sys.path.insert(0, str(Path("scripts").resolve()))
-    import gpu_check
+    from gpu_check.plan import IN_PROCESS
 
-    items = [name for name in (*gpu_check.IN_PROCESS, *LAUNCH_ITEMS) if (name in LAUNCH_ITEMS) == (part == "launches")]
+    items = [name for name in (*IN_PROCESS, *LAUNCH_ITEMS) if (name in LAUNCH_ITEMS) == (part == "launches")]
     done = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path), "--only", *items],
+        [sys.executable, "scripts/gpu_check", "--device", "cpu", "--out", str(tmp_path), "--only", *items],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -134,7 +134,7 @@ def _second_call(stdout: str) -> list[str]:
 
 
 def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_printed(tmp_path):
-    done, _ = _run(["scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path / "first"), "--budget", "1"])
+    done, _ = _run(["scripts/gpu_check", "--device", "cpu", "--out", str(tmp_path / "first"), "--budget", "1"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "first" / "gpu_check.json").read_text())
     items = [row["check"] for row in report["rows"]]
@@ -201,7 +201,7 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_the_plan_fits_issue_68s_ten_items_in_eight_minutes_on_cuda(tmp_path):
     """`--plan --device cuda` (no GPU needed: nothing runs): the ten items first, in issue 68's order, ending within
     the one call's 480 s as priced (docs/gpu-check.md); the estimates are the ones --budget uses."""
-    done, _ = _run(["scripts/gpu_check.py", "--device", "cuda", "--plan", "--out", str(tmp_path)])
+    done, _ = _run(["scripts/gpu_check", "--device", "cuda", "--plan", "--out", str(tmp_path)])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     items = [line.split() for line in lines[1:] if line.split()[1:2] == ["~"]]  # name ~ N s at M s
@@ -219,7 +219,7 @@ def test_a_launch_running_when_the_budget_ends_is_stopped_with_its_workers(tmp_p
     budget = 15
     done, seconds = _run(
         [
-            "scripts/gpu_check.py",
+            "scripts/gpu_check",
             "--device",
             "cpu",
             "--out",
@@ -261,7 +261,7 @@ def test_bench_gpu_budget(tmp_path):
     table and results.json, and the command of the second call."""
     done, seconds = _run(
         [
-            "scripts/bench_gpu.py",
+            "scripts/bench/bench_gpu.py",
             "--device",
             "cpu",
             "--runs",
@@ -290,7 +290,7 @@ def test_the_cuda_tests_command_runs_where_pytest_xdist_is_absent():
     "unrecognized arguments". `-p no:xdist` stands in for the absent plugin; the command collects its tests, an
     xdist option in PYTEST_ADDOPTS (a CI's `--dist load`) left out of its environment."""
     sys.path.insert(0, str(Path("scripts").resolve()))
-    from gpu_check import cuda_tests_command, cuda_tests_environment
+    from gpu_check.runs import cuda_tests_command, cuda_tests_environment
 
     with mock.patch.dict(os.environ, {"PYTEST_ADDOPTS": "--dist load"}):
         environment = cuda_tests_environment()
@@ -309,10 +309,11 @@ def test_a_slow_step_is_named_with_the_recompile_logged_before_it(tmp_path):
     """steady_steps (issue 68, item 10): a step over twice the median after the first two is a FAIL that names
     it with the guard dynamo logged between the step before it and it; a slow step with nothing logged says so."""
     sys.path.insert(0, str(Path("scripts").resolve()))
-    import gpu_check
     import torch
+    from gpu_check.context import Context
+    from gpu_check.runs import check_steady_steps
 
-    ctx = gpu_check.Context(torch.device("cpu"), tmp_path, tmp_path, tmp_path, tmp_path, real_assets=False)
+    ctx = Context(torch.device("cpu"), tmp_path, tmp_path, tmp_path, tmp_path, real_assets=False)
     times = {1: 9.0, 2: 3.0, 3: 0.3, 4: 0.31, 5: 0.29, 6: 2.4, 7: 0.3, 8: 1.9, 9: 0.3}
     lines = []
     for step in times:
@@ -325,7 +326,7 @@ def test_a_slow_step_is_named_with_the_recompile_logged_before_it(tmp_path):
         lines.append(f"12:00:0{step} [rank0] step {step} | loss 1.0 | step_time_s {times[step]}")
     rows = [{"step": step, "step_time_s": t} for step, t in times.items()]
     rows[7] |= {"data_wait_s": 0.02, "gc_s": 1.5}  # step 8: the garbage collector's
-    gpu_check.check_steady_steps(ctx, "steady_steps_x", rows, "\n".join(lines))
+    check_steady_steps(ctx, "steady_steps_x", rows, "\n".join(lines))
     (row,) = ctx.rows
     assert row.status == "FAIL", row
     assert "step 6 2.40 s: " in row.figure and "Recompiling function forward" in row.figure, row.figure
@@ -334,5 +335,5 @@ def test_a_slow_step_is_named_with_the_recompile_logged_before_it(tmp_path):
     assert row.detail == "steps that recompiled: [6]"
     ctx.rows.clear()
     steady = [{"step": step, "step_time_s": 0.3 if step > 2 else 5.0} for step in range(1, 10)]
-    gpu_check.check_steady_steps(ctx, "steady_steps_x", steady, "")
+    check_steady_steps(ctx, "steady_steps_x", steady, "")
     assert ctx.rows[0].status == "PASS", ctx.rows

@@ -26,7 +26,7 @@ What its kernels do (read from the release the registry has, 25.1.1, and the rep
   otherwise as extra columns of the hidden states and the weight (`_bias_as_columns`), which CCE's dot products
   add like any other term: the same logits, one weight copy of V × (H + BIAS_COLUMNS) per forward.
 
-The tolerance against the exact fp32 chunked path, on the same bf16 inputs: `scripts/gpu_check.py` measures
+The tolerance against the exact fp32 chunked path, on the same bf16 inputs: `scripts/gpu_check` measures
 it on CUDA (per-token losses, summed loss, output-layer gradient; BENCHMARKS.md), the tests on the CPU
 through CCE's torch implementation (`tests/unit/model/head/test_fused_loss.py`).
 

@@ -1,6 +1,6 @@
 """chattune's ORPO loss (and its parts), its reward model's loss and accuracy, and its KTO loss, reference point z,
 rewards and training-step gradients equal TRL's to 1e-4 relative on the same tiny models and demo records, once both
-score the same tokens: scripts/compare_trl.py, run as a subprocess.
+score the same tokens: scripts/parity/compare_trl.py, run as a subprocess.
 
 TRL is no dependency of chattune: the script imports it from its own folder (CHATTUNE_TRL_PATH, else
 /work/trl-pkgs; see the script's docstring for the install). Where that folder holds no TRL, as in CI, the test
@@ -26,7 +26,7 @@ def test_orpo_reward_and_kto_figures_equal_trls():
         pytest.skip(f"no TRL at {TRL_PATH} (set CHATTUNE_TRL_PATH; pip install --target DIR trl --no-deps)")
     path = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     done = subprocess.run(
-        [sys.executable, "scripts/compare_trl.py", "--trl-path", str(TRL_PATH)],
+        [sys.executable, "scripts/parity/compare_trl.py", "--trl-path", str(TRL_PATH)],
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,

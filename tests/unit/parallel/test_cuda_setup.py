@@ -1,6 +1,6 @@
 """What a CUDA run sets up and says at start-up, checked on the CPU (issue 26, items 7 and 8): the allocator's
 expandable segments unless the user configured it, and one line naming the attention path, the loss and
-whether the layers are compiled, with a warning for the slow fp32 path. scripts/gpu_check.py runs them on a GPU."""
+whether the layers are compiled, with a warning for the slow fp32 path. scripts/gpu_check runs them on a GPU."""
 
 from __future__ import annotations
 

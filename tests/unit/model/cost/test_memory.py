@@ -361,8 +361,8 @@ def test_the_estimate_leaves_the_live_models_config_as_it_was():
 
 
 def test_what_fits_reports_the_estimate_and_the_advice_per_cell():
-    """scripts/what_fits.py's cells: the peak where it fits, else the advised change (the 0.6B shape, fp32 AdamW)."""
-    sys.path.insert(0, str(PROJECT_ROOT / "scripts"))
+    """scripts/bench/what_fits.py's cells: the peak where it fits, else the advised change (the 0.6B shape, fp32 AdamW)."""
+    sys.path.insert(0, str(PROJECT_ROOT / "scripts" / "bench"))
     from what_fits import SHAPES, advice
 
     inputs = MemoryInputs(SHAPES["0.6B (Qwen3-0.6B)"](), ranks=1, tokens=2048, compute_dtype=torch.bfloat16)
