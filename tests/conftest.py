@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from chattune.model.causal_lm import build_hf_model  # noqa: E402
 # walk took 205 s on 2 cores with 2 threads per worker, 28 s with 1). Launched ranks set their own threads.
 # The processes a test starts inherit the same (ranks through chattune's CHATTUNE_CPU_THREADS, other scripts through
 # OpenMP's own variable): on two cores beside other workers' processes, 2 threads ran a tiny model's steps 1.5-3x
-# slower than 1 (scripts/bench_shared_cores.py; BENCHMARKS.md).
+# slower than 1 (scripts/bench/bench_shared_cores.py; BENCHMARKS.md).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ.setdefault("CHATTUNE_CPU_THREADS", "1")
@@ -227,6 +228,7 @@ OWN_MODEL = ("model.config._target_=", "model.config={", "--config-name", "-cn")
 def names_a_model(command: list[str]) -> bool:
     """Whether `command` says which model it trains: it runs none of the four recipes, or it holds SMALL_MODEL's
     keys, another model class or whole model config, another config, or a model directory."""
+    command = [str(a) for a in command]  # (subprocess takes paths too)
     if not any(Path(a).name in RECIPE_FILES for a in command):
         return True
     paths = [a.split("=", 1)[1] for a in command if a.startswith("model.path=")]
@@ -241,6 +243,17 @@ def refuse_a_default_model(command: list[str]) -> None:
             f"this launch trains its recipe's default model, which steps 4x slower: write *SMALL_MODEL into its "
             f"overrides, or pass default_model=True where the default is what the test checks: {' '.join(command)}"
         )
+
+
+LAUNCH_LOG = "CHATTUNE_TEST_LAUNCH_LOG"  # a file: every launch's test, command and seconds, one JSON line each
+
+
+def _log_launch(command: list[str], seconds: float, warm: bool) -> None:
+    """With $CHATTUNE_TEST_LAUNCH_LOG set: which launches the suite repeats and what they cost (docs/install.md)."""
+    if path := os.environ.get(LAUNCH_LOG):
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "seconds": round(seconds, 2), "warm": warm}
+        with open(path, "a") as log:
+            log.write(json.dumps({**line, "command": command}) + "\n")
 
 
 def launch(
@@ -266,6 +279,7 @@ def launch(
         refuse_a_default_model(command)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}
     warm = None if real_torchrun or not warm_ranks.can_launch(env_extra or {}) else _warm_launch(command)
+    started = time.monotonic()
     if warm is None:
         result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     else:
@@ -273,6 +287,7 @@ def launch(
         with tempfile.TemporaryDirectory(prefix="chattune-ranks-") as logs:
             code, stdout, stderr = warm_ranks.launch(recipe, arguments, nproc, env, cwd, Path(logs), timeout)
         result = subprocess.CompletedProcess(command, code, stdout, stderr)
+    _log_launch(command, time.monotonic() - started, warm is not None)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result

@@ -14,7 +14,7 @@ from test_sft_recipe import read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import conftest
-from conftest import SMALL_MODEL, launch
+from conftest import launch
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -49,7 +49,6 @@ def torchrun(recipe: str, out, *overrides: str):
 def sft(out, *overrides: str):
     return torchrun(
         "recipes/sft.py",
-        *SMALL_MODEL,
         out,
         "max_steps=6",
         "save_every=3",
@@ -114,7 +113,6 @@ def test_a_qwen3_5_models_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
         launch(
             conftest.torchrun(
                 "recipes/sft.py",
-                *SMALL_MODEL,
                 f"output_dir={out}",
                 "max_steps=5",
                 "log_every=1",

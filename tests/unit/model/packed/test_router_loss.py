@@ -25,7 +25,6 @@ from chattune.train.evaluation import evaluate
 from chattune.train.metrics import step_metrics
 from chattune.train.step import accumulate_gradients
 from conftest import (
-    SMALL_MODEL,
     demo_documents,
     free_port,
     init_worker_process_group,
@@ -302,7 +301,6 @@ def test_the_recipe_trains_a_moe_model_with_its_router_loss_and_says_so(tmp_path
     common = [
         sys.executable,
         "recipes/sft.py",
-        *SMALL_MODEL,
         "max_steps=2",
         "log_every=1",
         "eval_every=0",
