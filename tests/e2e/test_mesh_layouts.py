@@ -22,33 +22,20 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from conftest import SMALL_MODEL, torchrun
+from reference_runs import MESH_KEYS, MESH_STEPS, RUNS, TP_LOSS, reference_run
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
-STEPS = 6
+STEPS = MESH_STEPS
 TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
 
 
 def launch(out: Path, nproc: int, *overrides: str, model: tuple[str, ...] = SMALL_MODEL) -> str:
-    """SFT of `model` (a model directory's run: `model=()` and model.path among the overrides) for STEPS steps of 4
-    microbatches on `nproc` ranks, checkpointed at step 3 and 6: its log."""
-    result = conftest.launch(
-        torchrun(
-            "recipes/sft.py",
-            *model,
-            f"output_dir={out}",
-            f"max_steps={STEPS}",
-            "log_every=1",
-            "eval_every=0",
-            "save_every=3",
-            "data.eval=[]",
-            "data.microbatches_per_step=4",
-            "data.max_tokens_per_microbatch=512",
-            "data.num_workers=0",
-            *overrides,
-            nproc=nproc,
-        )
-    )
+    """The layouts' runs' keys (`reference_runs.MESH_KEYS`: SFT for STEPS steps of 4 microbatches, checkpointed at step
+    3 and 6) of `model` (a model directory's run: `model=()` and model.path among the overrides) on `nproc` ranks:
+    its log."""
+    keys = [key for key in MESH_KEYS if key not in SMALL_MODEL]
+    result = conftest.launch(torchrun("recipes/sft.py", *model, *keys, f"output_dir={out}", *overrides, nproc=nproc))
     return result.stdout + result.stderr
 
 
@@ -58,20 +45,18 @@ def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
     assert worst <= TOLERANCE, f"{what}: relative difference {worst:.2e}"
 
 
-def _plain(out: Path) -> None:
-    assert "mesh: 4 ranks: dp_shard 4, parameters sharded over 4" in launch(out, 4)
-
-
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
-    return conftest.made_once(tmp_path_factory, "mesh-fsdp", _plain)
+    """Plain FSDP over 4 ranks (tests/reference_runs.py, made once per session)."""
+    return reference_run(tmp_path_factory, "mesh-fsdp")
 
 
-LAYOUTS = {
+LAYOUTS = {  # the overrides of each layout's reference run, beyond MESH_KEYS
     "hsdp": ["parallel.replicate=2"],
     "tp": ["parallel.tensor=2"],
     "tp x cp": ["parallel.tensor=2", "parallel.context=2", "data.max_tokens_per_microbatch=256"],  # the same rows
 }
+REFERENCE = {"hsdp": "mesh-hsdp", "tp": "mesh-tp", "tp x cp": "mesh-tp-cp"}
 MESHES = {
     "hsdp": "mesh: 4 ranks: dp_replicate 2 x dp_shard 2, parameters sharded over 2",
     "tp": "mesh: 4 ranks: dp_shard 2 x tp 2, parameters sharded over 2",
@@ -79,19 +64,30 @@ MESHES = {
 }
 
 
-def _layout_runs(root: Path) -> None:
-    for name, overrides in LAYOUTS.items():
-        log = launch(root / name.replace(" ", ""), 4, *overrides)
-        assert MESHES[name] in log, name
-        # the compute: line names the split vocabulary (loss-parallel) under tensor parallelism
-        assert ("loss: chunked fp32 head (its vocabulary split over 2 ranks)" in log) == ("tp" in name), name
+class _Runs(dict):
+    """Each layout's run on 4 ranks (its log names the mesh it ran on), launched when a test first reads it."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, layout: str) -> Path:
+        self[layout] = reference_run(self.tmp_path_factory, REFERENCE[layout])
+        return self[layout]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Each layout's run on 4 ranks (its log names the mesh it ran on)."""
-    root = conftest.made_once(tmp_path_factory, "mesh-layouts", _layout_runs)
-    return {name: root / name.replace(" ", "") for name in LAYOUTS}
+    return _Runs(tmp_path_factory)
+
+
+def test_the_reference_runs_are_the_layouts_of_this_module():
+    """What the layouts' reference runs launch is what these tests name (a change of one shows here)."""
+    assert RUNS["mesh-fsdp"].overrides == MESH_KEYS and RUNS["mesh-fsdp"].nproc == 4
+    for layout, name in REFERENCE.items():
+        assert RUNS[name].overrides == (*MESH_KEYS, *LAYOUTS[layout]) and RUNS[name].nproc == 4
+        assert MESHES[layout] in RUNS[name].log_holds
+        assert (TP_LOSS in RUNS[name].log_holds) == ("tp" in layout) == (TP_LOSS not in RUNS[name].log_lacks)
 
 
 def losses(out: Path) -> list[float]:

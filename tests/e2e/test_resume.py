@@ -17,20 +17,17 @@ import torch
 from test_sft_recipe import read_metrics
 
 import conftest
-from chattune.config.paths import DEMO_ASSETS
 from chattune.launch.torchrun import TORCHRUN
 from conftest import SMALL_MODEL, exported_weights, free_port
+from reference_runs import RESUME_KEYS, reference_data, reference_run
 
-NUM_RECORDS = 60
+NUM_RECORDS = 60  # reference_runs.DATA["chats-60"]
 
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory) -> Path:
-    def make(root: Path) -> None:  # one path on every xdist worker: the uninterrupted runs' fingerprints name it
-        lines = (DEMO_ASSETS / "chat_train.jsonl").read_text().splitlines(keepends=True)[:NUM_RECORDS]
-        (root / "chats.jsonl").write_text("".join(lines))
-
-    return conftest.made_once(tmp_path_factory, "resume-data", make) / "chats.jsonl"
+    """60 demo chats, at one path on every xdist worker: the reference runs' data fingerprints name it."""
+    return reference_data(tmp_path_factory, "chats-60")
 
 
 CHATTUNE_RUN = (sys.executable, "-m", "chattune.cli.main", "run")  # `chattune run`
@@ -39,27 +36,20 @@ CHATTUNE_RUN = (sys.executable, "-m", "chattune.cli.main", "run")  # `chattune r
 def launch_command(
     out: Path, data: Path, nproc: int, *overrides: str, launcher: tuple[str, ...] = TORCHRUN
 ) -> list[str]:
-    """8 steps over ~3 epochs of the small data (epochs end mid-run, with ranks waiting for each other)."""
+    """The reference resume runs' command (`reference_runs.RESUME_KEYS`: 8 steps over ~3 epochs of the small data,
+    a checkpoint every 3) into `out`, reading `data`."""
+    keys = [key.replace("{data:chats-60}", str(data)) for key in RESUME_KEYS]
+    port = str(free_port())
     return [
         *launcher,
         "--nproc_per_node",
         str(nproc),
         "--master_port",
-        str(free_port()),
+        port,
         "recipes/sft.py",
-        *SMALL_MODEL,
+        *keys,
         f"output_dir={out}",
-        "max_steps=8",
-        "save_every=3",
-        "log_every=1",
-        f"data.train=[{data}]",
-        "data.eval=[]",
-        "grad_accum_steps=2",
-        "data.max_tokens_per_microbatch=512",
-        "data.buffer_records=16",
-        "data.report_records=0",
-        *overrides,
-    ]
+    ] + [*overrides]
 
 
 def launch(
@@ -85,17 +75,11 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, small_data):
-    """The uninterrupted 8-step run on 1 and on 2 ranks (made once, when first asked for): the reference of every
-    interrupted one. Loader workers change nothing of it (tests/e2e/test_sft_recipe.py), so one run serves them all."""
-
-    def run_on(nproc: int) -> Path:
-        def make(out: Path) -> None:
-            launch(out, small_data, nproc, "data.num_workers=2")
-
-        return conftest.made_once(tmp_path_factory, f"resume-uninterrupted{nproc}", make)
-
-    return run_on
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted 8-step run on 1 and on 2 ranks (tests/reference_runs.py: made once, when first asked for):
+    the reference of every interrupted one. Loader workers change nothing of it (tests/e2e/test_sft_recipe.py), so one
+    run serves them all."""
+    return lambda nproc: reference_run(tmp_path_factory, "resume-1-rank" if nproc == 1 else "resume-2-ranks")
 
 
 @pytest.mark.parametrize(

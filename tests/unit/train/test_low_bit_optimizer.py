@@ -15,11 +15,11 @@ from unittest import mock
 import pytest
 from test_resume import read_metrics
 
-from conftest import launch, made_once, torchrun
+from conftest import launch, torchrun
+from reference_runs import EAGER, LOW_BIT_KEYS, LOW_BIT_STEPS, reference_run
 
 pytest.importorskip("torchao.optim")
 
-STEPS = 50
 # The documented tolerance (docs/memory.md, "Low-bit optimizer states"), against fp32 AdamW over these 50 steps: every step's
 # loss within 0.02 nats (8-bit), 0.4 (4-bit); the mean of the last 10 within 0.5% (8-bit), 12% (4-bit). Measured
 # (CPU, 2026-12-01; 4-bit on 1 rank 2026-12-02, the same figures as on 2): 8-bit 0.0046 nats at worst, last-10
@@ -27,51 +27,27 @@ STEPS = 50
 # 4-bit 0.2944, 2.6354; the compiled 8-bit steps 6-10 within 6.3e-8 of the eager ones.
 MEAN_TOLERANCE = {"AdamW8bit": 0.005, "AdamW4bit": 0.12}
 STEP_TOLERANCE = {"AdamW8bit": 0.02, "AdamW4bit": 0.4}
-EAGER = {"TORCHDYNAMO_DISABLE": "1"}  # every launch's default here (the module's docstring)
-RUN = (
-    "max_steps=50",
-    "log_every=1",
-    "eval_every=0",
-    "eval.samples=0",
-    "save_every=0",
-    "data.microbatches_per_step=2",
-    "data.max_tokens_per_microbatch=512",
-    "optimizer.lr=1e-3",
-)
 
 
 def _train(
     out: Path, optimizer: str, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None
 ) -> dict[int, float]:
+    """A run of the reference runs' keys (`reference_runs.LOW_BIT_KEYS`) with `optimizer`: its step losses."""
     result = launch(  # sft/tiny's own model: the documented tolerance was measured on it
-        torchrun("sft", f"output_dir={out}", f"optimizer._target_={optimizer}", *RUN, *overrides, nproc=nproc),
+        torchrun("sft", f"optimizer._target_={optimizer}", *LOW_BIT_KEYS, f"output_dir={out}", *overrides, nproc=nproc),
         default_model=True,
-        env_extra=EAGER if env is None else env,
+        env_extra=dict(EAGER) if env is None else env,
     )
     name = optimizer.rsplit(".", 1)[-1]
     assert (f"; levers: low-bit optimizer states ({name})" in result.stdout) == optimizer.startswith("torchao")
     return {m["step"]: m["loss"] for m in read_metrics(out)}
 
 
-# The runs the tests compare, each made once for the whole session (`made_once`: whichever xdist worker asks first),
-# so that the tests that read them run side by side. The 8-bit run keeps its step-5 checkpoint (an async save:
-# DCP's stager cannot copy torchao's states itself, chattune.checkpoint.staging), which the resumes continue. The
-# 4-bit run on 1 rank (the steps are world-size-invariant: the same data as fp32's 2): torchao compiles its step
-# per shard shape, most of a launch's time, once per rank.
-REFERENCE_RUNS = {
-    "fp32": ("torch.optim.AdamW", (), 2),
-    "AdamW8bit": ("torchao.optim.AdamW8bit", ("save_every=5", "keep_last_n=null", "save_async=true"), 2),
-    "AdamW4bit": ("torchao.optim.AdamW4bit", (), 1),
-}
-
-
 def _reference_run(tmp_path_factory, name: str) -> tuple[Path, dict[int, float]]:
-    """(the output directory, the step losses) of REFERENCE_RUNS[name]."""
-    optimizer, overrides, nproc = REFERENCE_RUNS[name]
-    made = made_once(
-        tmp_path_factory, f"low-bit-{name}", lambda d: _train(d / "run", optimizer, *overrides, nproc=nproc)
-    )
-    return made / "run", {m["step"]: m["loss"] for m in read_metrics(made / "run")}
+    """(the output directory, the step losses) of the reference run `low-bit-NAME` (tests/reference_runs.py: made
+    once for the whole session, so that the tests that read them run side by side)."""
+    out = reference_run(tmp_path_factory, f"low-bit-{name}")
+    return out, {m["step"]: m["loss"] for m in read_metrics(out)}
 
 
 @pytest.mark.launch
@@ -79,14 +55,14 @@ def _reference_run(tmp_path_factory, name: str) -> tuple[Path, dict[int, float]]
 def test_low_bit_states_follow_fp32_adamw_within_the_documented_tolerance(tmp_path_factory, name):
     _, fp32_losses = _reference_run(tmp_path_factory, "fp32")
     _, low_bit = _reference_run(tmp_path_factory, name)
-    assert sorted(low_bit) == sorted(fp32_losses) == list(range(1, STEPS + 1))
+    assert sorted(low_bit) == sorted(fp32_losses) == list(range(1, LOW_BIT_STEPS + 1))
     worst = max(abs(low_bit[s] - fp32_losses[s]) for s in fp32_losses)
-    tail = range(STEPS - 9, STEPS + 1)
+    tail = range(LOW_BIT_STEPS - 9, LOW_BIT_STEPS + 1)
     mean_low, mean_fp32 = (sum(run[s] for s in tail) / len(tail) for run in (low_bit, fp32_losses))
     print(f"{name}: worst step {worst:.4f} nats, last-10 mean {mean_low:.4f} vs {mean_fp32:.4f}")
     assert worst <= STEP_TOLERANCE[name], (name, worst, low_bit, fp32_losses)
     assert abs(mean_low - mean_fp32) <= MEAN_TOLERANCE[name] * mean_fp32, (name, mean_low, mean_fp32)
-    assert low_bit[STEPS] < 0.6 * low_bit[1], name  # it learns, as fp32 does
+    assert low_bit[LOW_BIT_STEPS] < 0.6 * low_bit[1], name  # it learns, as fp32 does
 
 
 @pytest.mark.launch
