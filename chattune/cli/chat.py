@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply, in tokens (default: 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default: 1.0)")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="sample among the K most probable tokens (0, default: all)"
+    )
+    parser.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens under this share of the most probable one's (default: 0)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds sampling (default: 0)")
     parser.add_argument(
         "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto (default): CUDA where there is one"
@@ -72,6 +78,8 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
+    if args.top_k < 0 or not 0 <= args.min_p < 1:
+        raise UserError(f"--top-k must be >= 0 and --min-p in [0, 1), got {args.top_k} and {args.min_p}")
     if args.out is not None and args.prompts is None:
         raise UserError("--out writes the replies to --prompts: give the prompts file too")
     from chattune.data.templates.prompts import read_prompts_file
@@ -85,7 +93,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
 
     model, tokenizer = load_chat_model(args.directory, args.base, args.device)
     stop_ids = stop_token_ids(tokenizer)
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.min_p)
     torch.manual_seed(args.seed)
     chat = Chat(model, tokenizer, sampling, stop_ids)
     if prompts is not None:

@@ -29,11 +29,18 @@ from chattune.parallel.fsdp import Placement, can_stay_gathered, eager_layers, m
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a reply is drawn: greedy at temperature 0, else sampled (nucleus `top_p`)."""
+    """How a reply is drawn: greedy at temperature 0, else sampled from the model's distribution at `temperature`,
+    truncated to the `top_k` most probable tokens (0: no limit), the nucleus of mass `top_p` and the tokens of at
+    least `min_p` times the most probable one's probability (0: none), in transformers' order (temperature, top-k,
+    top-p, min-p). Each setting is passed to `generate` whatever it is: a model's own generation config (Qwen3's
+    top_k 20, transformers' default top_k 50) never truncates the distribution unasked, so that a reply's
+    `log_probs` are those of the distribution named here."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def generate_kwargs(self) -> dict:
         if self.temperature <= 0:
@@ -42,6 +49,8 @@ class Sampling:
             "do_sample": True,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p or None,  # (transformers adds min-p's warper for any value that is not None)
             "max_new_tokens": self.max_new_tokens,
         }
 
@@ -51,6 +60,10 @@ class Reply:
     text: str  # the reply's tokens decoded, without the end-of-turn token that ended it
     token_ids: list[int]  # as generated, the end-of-turn token included when it ended the reply
     finished: bool  # ended by an end-of-turn token (False: cut at max_new_tokens)
+    # With `generate_reply(log_probs=True)` and sampling: each token's log-probability under the distribution it was
+    # drawn from (temperature and truncation applied: what an importance ratio against the policy divides by);
+    # None for a greedy reply, whose tokens were not drawn from a distribution.
+    log_probs: list[float] | None = None
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -82,11 +95,13 @@ def generate_reply(
     stop_ids: list[int],
     synced: bool = False,
     device: torch.device | None = None,
+    log_probs: bool = False,
 ) -> Reply:
     """The model's reply to the prompt `ids` (`prompt_ids`). `model`: a Hugging Face causal LM (or a peft model
     over one), or chattune's sharded `PackedCausalLM` inside `sharded_generation`, where every rank must call
     this alike with `synced=True`, on its `Placement`'s `device` (None: the parameters', a plain model's). Sampling
-    draws from torch's global RNG (seed it for a repeatable reply)."""
+    draws from torch's global RNG (seed it for a repeatable reply). `log_probs`: the sampled tokens' log-probabilities
+    under the distribution they were drawn from (`Reply.log_probs`), read from the scores `generate` sampled."""
     device = device or model_device(model)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
@@ -97,16 +112,23 @@ def generate_reply(
         pad_token_id=pad,
         use_cache=True,
         synced_gpus=synced,
+        output_scores=log_probs,
+        return_dict_in_generate=True,
         **sampling.generate_kwargs(),
     )
-    new = output[0, len(ids) :].tolist()
+    new = output.sequences[0, len(ids) :].tolist()
     end = next((i for i, token in enumerate(new) if token in stop_ids), None)
     # (a rank that finished first under synced_gpus pads its row until every rank has: cut at the stop token)
     token_ids = new if end is None else new[: end + 1]
     text = tokenizer.decode(
         token_ids if end is None else token_ids[:-1], skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
-    return Reply(text, token_ids, end is not None)
+    drawn = None
+    if log_probs and sampling.temperature > 0:  # the scores after every processor: the distribution sampled from
+        scores = torch.stack(output.scores[: len(token_ids)], dim=1)[0].float()
+        chosen = torch.tensor(token_ids, device=scores.device)[:, None]
+        drawn = torch.log_softmax(scores, dim=-1).gather(-1, chosen)[:, 0].tolist()
+    return Reply(text, token_ids, end is not None, drawn)
 
 
 @contextlib.contextmanager

@@ -106,7 +106,16 @@ def test_prompts_file_greedy_replies_are_plain_generate_cut_at_the_end_of_turn(c
     assert [r["reply"] for r in cut] == [plain_reply(model, tokenizer, m, max_new_tokens=3)[0] for m in single]
 
 
-def test_sampled_replies_follow_the_seed_as_transformers_samples(chat_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flags, settings",
+    [
+        # only what is asked truncates: no top-k (transformers' default of 50 is not applied unasked)
+        (["--top-p", "0.9"], {"top_p": 0.9, "top_k": 0}),
+        (["--top-k", "5", "--min-p", "0.1"], {"top_k": 5, "min_p": 0.1}),
+    ],
+    ids=["top-p", "top-k and min-p"],
+)
+def test_sampled_replies_follow_the_seed_as_transformers_samples(chat_model_dir, tmp_path, capsys, flags, settings):
     prompt_file = tmp_path / "prompts.txt"
     question = demo_chat_prompts()[0][-1]["content"]
     prompt_file.write_text(question + "\n")
@@ -117,8 +126,7 @@ def test_sampled_replies_follow_the_seed_as_transformers_samples(chat_model_dir,
         str(prompt_file),
         "--temperature",
         "1.5",
-        "--top-p",
-        "0.9",
+        *flags,
         "--max-new-tokens",
         "24",
     ]
@@ -139,7 +147,7 @@ def test_sampled_replies_follow_the_seed_as_transformers_samples(chat_model_dir,
                 24,
                 do_sample=True,
                 temperature=1.5,
-                top_p=0.9,
+                **settings,
             )[0]
         )
     assert replies[1] != replies[2]  # sampled, not greedy
@@ -239,6 +247,9 @@ def test_bad_input_is_one_clear_error(chat_model_dir, tmp_path, capsys):
 
     assert f"{tmp_path / 'nothing'} does not exist" in error_of(str(tmp_path / "nothing"))
     assert "holds neither config.json" in error_of(str(tmp_path))
+    for flags in (["--top-k", "-1"], ["--min-p", "1.0"]):
+        shown = "-1 and 0.0" if flags[0] == "--top-k" else "0 and 1.0"
+        assert f"--top-k must be >= 0 and --min-p in [0, 1), got {shown}" in error_of(str(chat_model_dir), *flags)
     no_template = tmp_path / "no_template"
     shutil.copytree(chat_model_dir, no_template)
     tokenizer = AutoTokenizer.from_pretrained(no_template)
