@@ -241,7 +241,7 @@ def refuse_a_default_model(command: list[str]) -> None:
     if not names_a_model(command):
         raise AssertionError(
             f"this launch trains its recipe's default model, which steps 4x slower: write *SMALL_MODEL into its "
-            f"overrides, or pass default_model=True where the default is what the test checks: {' '.join(command)}"
+            f"overrides, or pass default_model=True where the default is what the test checks: {' '.join(map(str, command))}"
         )
 
 
@@ -275,6 +275,7 @@ def launch(
 
     cwd = Path(cwd if cwd is not None else os.getcwd())
     _refuse_the_checkout(cwd)
+    command = [str(a) for a in command]  # (paths too: its log, its failure message)
     if not default_model:
         refuse_a_default_model(command)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}

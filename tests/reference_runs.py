@@ -61,7 +61,7 @@ RESUME_KEYS = (
 )
 
 # The layouts' runs (tests/e2e/test_mesh_layouts.py): SFT for 6 steps of 4 microbatches on 4 ranks, world-size
-# invariant, checkpointed at steps 3 and 6.
+# invariant, checkpointed at steps 3 and 6. Each layout's run's first `log_holds` line is the mesh it ran on.
 MESH_STEPS = 6
 MESH_KEYS = (
     *SMALL_MODEL,

@@ -103,6 +103,7 @@ def generate_reply(
     draws from torch's global RNG (seed it for a repeatable reply). `log_probs`: the sampled tokens' log-probabilities
     under the distribution they were drawn from (`Reply.log_probs`), read from the scores `generate` sampled."""
     device = device or model_device(model)
+    log_probs = log_probs and sampling.temperature > 0  # (a greedy reply's tokens were not drawn: none)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     output = model.generate(
@@ -124,7 +125,7 @@ def generate_reply(
         token_ids if end is None else token_ids[:-1], skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
     drawn = None
-    if log_probs and sampling.temperature > 0:  # the scores after every processor: the distribution sampled from
+    if log_probs:  # the scores after every processor: the distribution sampled from
         scores = torch.stack(output.scores[: len(token_ids)], dim=1)[0].float()
         chosen = torch.tensor(token_ids, device=scores.device)[:, None]
         drawn = torch.log_softmax(scores, dim=-1).gather(-1, chosen)[:, 0].tolist()

@@ -22,7 +22,7 @@ from test_sft_recipe import read_metrics
 
 import conftest
 from conftest import SMALL_MODEL, torchrun
-from reference_runs import MESH_KEYS, MESH_STEPS, RUNS, TP_LOSS, reference_run
+from reference_runs import MESH_KEYS, MESH_STEPS, RUNS, reference_run
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -51,17 +51,10 @@ def plain(tmp_path_factory) -> Path:
     return reference_run(tmp_path_factory, "mesh-fsdp")
 
 
-LAYOUTS = {  # the overrides of each layout's reference run, beyond MESH_KEYS
-    "hsdp": ["parallel.replicate=2"],
-    "tp": ["parallel.tensor=2"],
-    "tp x cp": ["parallel.tensor=2", "parallel.context=2", "data.max_tokens_per_microbatch=256"],  # the same rows
-}
+# Each layout's reference run (tests/reference_runs.py): its overrides beyond MESH_KEYS, and the mesh its log names
 REFERENCE = {"hsdp": "mesh-hsdp", "tp": "mesh-tp", "tp x cp": "mesh-tp-cp"}
-MESHES = {
-    "hsdp": "mesh: 4 ranks: dp_replicate 2 x dp_shard 2, parameters sharded over 2",
-    "tp": "mesh: 4 ranks: dp_shard 2 x tp 2, parameters sharded over 2",
-    "tp x cp": "mesh: 4 ranks: cp 2 x tp 2, parameters sharded over 2",
-}
+LAYOUTS = {layout: list(RUNS[name].overrides[len(MESH_KEYS) :]) for layout, name in REFERENCE.items()}
+MESHES = {layout: RUNS[name].log_holds[0] for layout, name in REFERENCE.items()}
 
 
 class _Runs(dict):
@@ -79,15 +72,6 @@ class _Runs(dict):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     return _Runs(tmp_path_factory)
-
-
-def test_the_reference_runs_are_the_layouts_of_this_module():
-    """What the layouts' reference runs launch is what these tests name (a change of one shows here)."""
-    assert RUNS["mesh-fsdp"].overrides == MESH_KEYS and RUNS["mesh-fsdp"].nproc == 4
-    for layout, name in REFERENCE.items():
-        assert RUNS[name].overrides == (*MESH_KEYS, *LAYOUTS[layout]) and RUNS[name].nproc == 4
-        assert MESHES[layout] in RUNS[name].log_holds
-        assert (TP_LOSS in RUNS[name].log_holds) == ("tp" in layout) == (TP_LOSS not in RUNS[name].log_lacks)
 
 
 def losses(out: Path) -> list[float]:

@@ -39,17 +39,17 @@ def launch_command(
     """The reference resume runs' command (`reference_runs.RESUME_KEYS`: 8 steps over ~3 epochs of the small data,
     a checkpoint every 3) into `out`, reading `data`."""
     keys = [key.replace("{data:chats-60}", str(data)) for key in RESUME_KEYS]
-    port = str(free_port())
     return [
         *launcher,
         "--nproc_per_node",
         str(nproc),
         "--master_port",
-        port,
+        str(free_port()),
         "recipes/sft.py",
         *keys,
         f"output_dir={out}",
-    ] + [*overrides]
+        *overrides,
+    ]
 
 
 def launch(
