@@ -26,6 +26,13 @@ from typing import Any, TypedDict
 from typing_extensions import Unpack
 
 from chattune.config.losses import LOSS_SETTINGS, PREFERENCE_LOSSES, setting_help
+from chattune.config.policy_losses import (
+    ADVANTAGE_SCALES,
+    IS_CORRECTIONS,
+    POLICY_LOSSES,
+    REWARD_ON_ERROR,
+    ROLLOUT_ENGINES,
+)
 
 # --- the choices of enum keys ---
 
@@ -647,7 +654,180 @@ class KTOConfig(PreferenceConfig):
     reference: ReferenceConfig = section(ReferenceConfig, "the frozen reference of KTO's log-ratios")
 
 
-SCHEMAS: dict[str, type] = {"sft": SFTConfig, "dpo": DPOConfig, "reward": RewardConfig, "kto": KTOConfig}
+@dataclass
+class RolloutConfig:
+    """How the GRPO recipe samples: P prompts a step, G completions of each, from the policy being trained."""
+
+    prompts_per_step: int = key(
+        16, "prompts sampled each rollout, over all data-parallel ranks (P; a multiple of their number)", at_least=1
+    )
+    completions_per_prompt: int = key(
+        8, "completions sampled of each prompt (G): the group whose rewards its advantages compare", at_least=2
+    )
+    steps_per_rollout: int = key(
+        1,
+        "optimizer steps on each rollout (mu); above 1 the old policy's log-probs are computed once, after sampling",
+        at_least=1,
+    )
+    temperature: float = key(
+        1.0,
+        "sampling temperature (the policy's logits are divided by it in the loss too)",
+        bound=(lambda v: v > 0, "must be positive (a policy gradient samples)"),
+    )
+    top_p: float = key(1.0, "nucleus sampling's mass (1: none)", bound=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    top_k: int = key(0, "sample among the k most probable tokens (0: no limit)", at_least=0)
+    min_p: float = key(
+        0.0,
+        "drop tokens below this times the most probable one's probability (0: none)",
+        bound=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    )
+    max_new_tokens: int = key(32, "the longest completion, in tokens", at_least=1)
+    stop_strings: list[str] = key(
+        factory=list, help="texts that end a completion besides the chat template's end of turn"
+    )
+    chat_template_kwargs: dict[str, Any] = key(
+        factory=dict, help="passed to the chat template with the prompt (e.g. {enable_thinking: false} for Qwen3)"
+    )
+    skip_uniform_groups: bool = key(
+        False, "leave out of the step the groups whose rewards are all equal (counted), as DAPO's dynamic sampling"
+    )
+    is_correction: str = key(
+        "truncate",
+        "truncate: each token's loss weighed by min(p_policy / p_sampled, rollout.is_cap), the sampled distribution "
+        "being the truncated one (top-k, top-p, min-p) | none",
+        choices=IS_CORRECTIONS,
+    )
+    is_cap: float = key(2.0, "the cap of the truncated importance weight", bound=(lambda v: v >= 1, "must be >= 1"))
+    engine: str = key(
+        "hf",
+        "what samples: hf (transformers' generate on the sharded policy) | vllm (not yet)",
+        choices=ROLLOUT_ENGINES,
+    )
+
+
+@dataclass
+class RewardFunctionsConfig:
+    functions: list[Any] = key(
+        factory=lambda: [{"_target_": "chattune.rl.demo_task.sorted_numbers", "weight": 1.0}],
+        help="reward functions, each {_target_, weight, name, its arguments}: called on a rollout's completions, "
+        "their weighted sum the reward (docs/grpo.md)",
+    )
+    on_error: str = key(
+        "error",
+        "a reward function that raises or returns no number: error (names it and the record) | skip (the prompt's "
+        "completions left out, counted, logged)",
+        choices=REWARD_ON_ERROR,
+    )
+
+
+@dataclass
+class AdvantageConfig:
+    scale: str = key(
+        "std",
+        "std: (reward - group mean) / (group std + 1e-4) | none: reward - group mean (Dr. GRPO)",
+        choices=ADVANTAGE_SCALES,
+    )
+
+
+@dataclass
+class PolicyLossConfig(LossConfig):
+    type: str = key(
+        "dapo", "grpo | dapo | dr_grpo | gspo | cispo (docs/grpo.md: what each averages over)", choices=POLICY_LOSSES
+    )
+    epsilon_low: float | None = key(
+        None,
+        "the ratio's clip below 1 (null: the loss's paper's: 0.2, gspo 3e-4)",
+        bound=(lambda v: v is None or 0 <= v < 1, "must be in [0, 1)"),
+    )
+    epsilon_high: float | None = key(
+        None,
+        "the ratio's clip above 1 (null: the loss's paper's: 0.2, dapo 0.28, gspo 4e-4)",
+        bound=(lambda v: v is None or v >= 0, "must be >= 0"),
+    )
+    beta: float = key(
+        0.0,
+        "the KL penalty to the reference (k3 estimator; 0: none, no reference built)",
+        bound=(lambda v: v >= 0, "must be >= 0"),
+    )
+    cispo_max_ratio: float = key(
+        5.0,
+        "cispo: the cap of its detached importance weight (TRL's epsilon_high for cispo)",
+        bound=(lambda v: v > 0, "must be positive"),
+    )
+
+
+@dataclass
+class GRPODataConfig(DataConfig):
+    train: list[Any] = key(
+        factory=lambda: [{"path": "${demo_asset:sort_prompts.jsonl}", "format": "prompt"}],
+        help="prompt sources (format: prompt): {prompt} or {messages}, with the fields the rewards read",
+    )
+    eval: list[Any] | None = key(None, "must be null: the GRPO recipe evaluates no held-out prompts yet", resume="free")
+    overlong: str = key(
+        "drop", "a prompt whose tokens and rollout.max_new_tokens exceed the budget: drop | error", choices=OVERLONG_DPO
+    )
+    microbatches_per_step: int | None = key(
+        None,
+        "must be null: a rollout's completions make the step's rows",
+        bound=(lambda v: v is None, "must be null"),
+    )
+
+
+@dataclass
+class GRPOReferenceConfig:
+    path: str | None = key(
+        None, "the frozen reference of the KL penalty (loss.beta > 0; null: the initial policy, model.path)"
+    )
+
+
+@dataclass
+class GRPOConfig(RunConfig):
+    """The keys of `recipes/grpo.py` (defaults: configs/grpo/tiny.yaml, which builds on sft/tiny)."""
+
+    output_dir: str = key("outputs/grpo-tiny", "where checkpoints, metrics and the HF export go", resume="free")
+    max_steps: int = key(60, "optimizer steps", at_least=1, resume="horizon")
+    grad_accum_steps: int = key(
+        1, "must be 1: a rollout's completions make each step's rows", bound=(lambda v: v == 1, "must be 1")
+    )
+    save_every: int = key(
+        30, "steps between sharded checkpoints (0: never)", at_least=0, hint=" (0: never)", resume="free"
+    )
+    eval_every: int = key(
+        0,
+        "must be 0: the GRPO recipe evaluates no held-out set yet (its rollouts' rewards are its metrics)",
+        bound=(lambda v: v == 0, "must be 0"),
+        resume="free",
+    )
+    eval: EvalConfig = section(lambda: EvalConfig(samples=0), "sample replies at every evaluation", resume="free")
+    model: ModelConfig = section(lambda: ModelConfig(path="outputs/sft-tiny/hf"))
+    parallel: WholeRowParallelConfig = section(
+        WholeRowParallelConfig, "how ranks share the work beyond FSDP's sharding"
+    )
+    data: GRPODataConfig = section(GRPODataConfig)
+    loss: PolicyLossConfig = section(PolicyLossConfig)
+    optimizer: OptimizerConfig = section(
+        lambda: OptimizerConfig(lr=5e-4, weight_decay=0.0),
+        "instantiated with the trainable parameters",
+        recipe_passes=(1, ()),
+    )
+    scheduler: SchedulerConfig = section(
+        lambda: SchedulerConfig(num_warmup_steps=0),
+        "instantiated with the optimizer",
+        recipe_passes=(1, ("num_training_steps",)),
+    )
+    rollout: RolloutConfig = section(RolloutConfig, "how completions are sampled from the policy")
+    reward: RewardFunctionsConfig = section(RewardFunctionsConfig, "what scores the completions")
+    advantage: AdvantageConfig = section(AdvantageConfig, "each completion's reward against its group's")
+    reference: GRPOReferenceConfig = section(GRPOReferenceConfig, "the frozen reference of the KL penalty")
+
+
+SCHEMAS: dict[str, type] = {
+    "sft": SFTConfig,
+    "dpo": DPOConfig,
+    "reward": RewardConfig,
+    "kto": KTOConfig,
+    "grpo": GRPOConfig,
+}
 
 
 # --- reading the schema: its keys, their types and metadata ---

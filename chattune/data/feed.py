@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -47,6 +47,9 @@ class StepBatches:
     # microbatch's place in the global step (dropout draws the same masks on any number of ranks). None:
     # the ranks' RNG streams as they run.
     seeds: list[int] | None = None
+    # A source's own figures of the step on this rank (a rollout's rewards, lengths and time), summed over ranks with
+    # the step's sums, where the objective's `metrics` reads them; the same names on every rank and every step.
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

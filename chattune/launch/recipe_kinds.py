@@ -1,4 +1,4 @@
-"""The recipe kinds chattune trains ("sft", "dpo", "reward", "kto"), in one table: the kind of run a config is for decides its
+"""The recipe kinds chattune trains ("sft", "dpo", "reward", "kto", "grpo"), in one table: the kind of run a config is for decides its
 schema, the documents its sources become and the record formats those accept, its objective and whether it
 may need a reference model, so code asks that of the kind's entry (`RECIPE_KINDS`) instead of guessing it
 where it is needed. Another kind is one more entry (and its recipe, configs and schema).
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chattune.config.paths import CONFIG_DIR
-from chattune.config.schema import DPOConfig, KTOConfig, RewardConfig, SFTConfig
+from chattune.config.schema import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, SFTConfig
 from chattune.errors import UserError
 
 if TYPE_CHECKING:
@@ -154,7 +154,15 @@ KTO = RecipeKind(
     needs_reference=True,
 )
 
-RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO, REWARD, KTO)}
+GRPO = RecipeKind(
+    "grpo",
+    GRPOConfig,
+    "chattune.data.ingest.sources:PROMPT_DATA",
+    "chattune.objectives.policy_gradient:PolicyGradientObjective",
+    needs_reference=False,  # (a reference only where loss.beta > 0: reference.path is its own key)
+)
+
+RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO, REWARD, KTO, GRPO)}
 
 
 @dataclass(frozen=True)

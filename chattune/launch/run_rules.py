@@ -175,7 +175,7 @@ class RunRules:
         problem = template_problem(template) if template is None or isinstance(template, str) else None
         if problem is not None:  # (a value of another type is reported by the schema checks)
             self.findings.problem(TEMPLATE_KEY, problem)
-        for key in ("model.path", *(("reference.path",) if self.kind.needs_reference else ())):
+        for key in ("model.path", "reference.path"):  # (a recipe without a reference has no such key: UNSET)
             path = get_value(self.values, key)
             if not isinstance(path, str):
                 continue
@@ -289,6 +289,50 @@ class RunRules:
                 f"model.path's max_position_embeddings {positions}: {sequence} longer than {positions} "
                 "tokens gets positions the model was not trained on",
             )
+
+    def rollouts(self) -> None:
+        """The GRPO recipe's own rules: what it does not read yet (held-out prompts, a mixture, vLLM) is refused,
+        not ignored; each reward function can be imported and takes the keys its entry gives; a reference without a
+        KL penalty is unused."""
+        if self.kind.name != "grpo":
+            return
+        for key, refused, why in (
+            (
+                "data.eval",
+                lambda v: v not in (None, [], UNSET),
+                "held-out prompts are not evaluated yet: set it to null",
+            ),
+            (
+                "data.eval_split",
+                lambda v: v not in (None, UNSET),
+                "held-out prompts are not evaluated yet: set it to null",
+            ),
+            ("data.mixing.mode", lambda v: v not in ("none", UNSET), "prompts are not mixed by weight yet: none"),
+            (
+                "rollout.engine",
+                lambda v: v == "vllm",
+                "vllm is not available in this chattune yet: rollout.engine=hf samples with transformers",
+            ),
+        ):
+            if refused(get_value(self.values, key)):
+                self.findings.problem(key, why)
+        if isinstance(get_value(self.values, "reference.path"), str) and number(self.values, "loss.beta") == 0:
+            self.findings.note("reference.path", "unused: loss.beta=0 builds no reference")
+        functions = get_value(self.values, "reward.functions")
+        if not isinstance(functions, list):
+            return
+        if not functions:
+            self.findings.problem("reward.functions", "no reward function: the policy would learn nothing")
+        from chattune.rl.rewards import RewardError, entry_problem
+
+        for index, entry in enumerate(functions):
+            key = f"reward.functions[{index}]"
+            try:
+                problem = entry_problem(entry)
+            except RewardError as error:
+                problem = str(error)
+            if problem is not None:
+                self.findings.problem(key, problem)
 
     def quantized_base(self) -> None:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""

@@ -338,6 +338,7 @@ def find_problems(
     rules.adapters_base()
     schema.bounds()
     rules.steps_and_budget()
+    rules.rollouts()
     rules.quantized_base()
     rules.float8()
     rules.device()

@@ -93,6 +93,11 @@ class TrainingData:
         """Sources the objective reports per-source sums for (1: no mixture, nothing per source)."""
         return self.mixer.num_sources if self.mixer else 1
 
+    @classmethod
+    def made_by(cls, feed: StepSource, pad_id: int) -> TrainingData:
+        """The data of a recipe that makes its own steps (`feed`: its rollouts, say): no records, no held-out set."""
+        return cls(train=None, eval=None, feed=feed, eval_batches=[], mixer=None, pad_id=pad_id, held_out_records=[])
+
 
 def check_something_trains(
     cfg: RunConfig, dims: ParallelDims, train: MixedDocuments, counts: dict[str, float] | None = None

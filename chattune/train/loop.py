@@ -180,6 +180,7 @@ class UpdateSteps:
             stop_requested=lambda: interrupts.requested() is not None,
         )
         self.timer.stop()
+        result.figures.update(batches.figures)  # (a rollout's figures: summed over ranks with the step's own)
         host_seconds = self.timer.host_seconds()
         self.advised = self.advised or advise(host_seconds, self.grace)
         closed_epochs = feed.close_step(result.ranks_at_epoch_end)

@@ -11,7 +11,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from chattune.config.schema import DPOConfig, KTOConfig
+from chattune.config.schema import DPOConfig, GRPOConfig, KTOConfig
 from chattune.data.ingest.sources import MixedDocuments
 from chattune.data.stream import StreamLayout
 from chattune.distributed import ParallelDims
@@ -25,6 +25,27 @@ from chattune.train.inputs import TrainingData, packed_stream
 logger = logging.getLogger(__name__)
 
 
+def reference_model(
+    cfg: DPOConfig | KTOConfig | GRPOConfig, tokenizer: PreTrainedTokenizerBase, dims: ParallelDims, built: BuiltModel
+) -> torch.nn.Module:
+    """Collective: the frozen reference: reference.path, else the initial policy, sharded like the policy; with LoRA
+    and no reference.path, the policy's own base (its adapters off): no second model."""
+    if built.peft_model is not None and cfg.reference.path is None:
+        logger.info("reference: the policy's base (adapters off)")
+        return cast(torch.nn.Module, BaseModelView(built.model, built.peft_model))  # (a module's stand-in)
+    return build_sharded_model(
+        sections=ModelSections.of(cfg),
+        tokenizer=tokenizer,
+        dims=dims,
+        source=ModelSource(
+            cfg.reference.path or cfg.model.path,
+            "reference.path" if cfg.reference.path else "model.path",
+            role="reference",
+        ),
+        levers=memory_levers(cfg),
+    ).model
+
+
 def reference_log_probs(
     cfg: DPOConfig | KTOConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -34,27 +55,14 @@ def reference_log_probs(
     documents: str,
 ) -> tuple[Reference, Reference | None]:
     """The reference log-probs of the training and held-out documents (of the recipe kind named `documents`): a live
-    frozen model, or (reference.cache) a table of them computed in one pass before training and stored under
-    reference.cache_dir."""
+    frozen model (`reference_model`), or (reference.cache) a table of them computed in one pass before training and
+    stored under reference.cache_dir."""
 
-    def reference_model() -> torch.nn.Module:  # frozen: reference.path, else the initial policy; sharded alike
-        if built.peft_model is not None and cfg.reference.path is None:  # LoRA: the policy's own base; no second model
-            logger.info("reference: the policy's base (adapters off)")
-            return cast(torch.nn.Module, BaseModelView(built.model, built.peft_model))  # (a module's stand-in)
-        return build_sharded_model(
-            sections=ModelSections.of(cfg),
-            tokenizer=tokenizer,
-            dims=dims,
-            source=ModelSource(
-                cfg.reference.path or cfg.model.path,
-                "reference.path" if cfg.reference.path else "model.path",
-                role="reference",
-            ),
-            levers=memory_levers(cfg),
-        ).model
+    def reference_model_now() -> torch.nn.Module:
+        return reference_model(cfg, tokenizer, dims, built)
 
     if not cfg.reference.cache:
-        live = LiveReference(reference_model())
+        live = LiveReference(reference_model_now())
         return live, live
     device = dims.device
     if data.train is None:
@@ -65,7 +73,7 @@ def reference_log_probs(
         Path(cfg.reference.cache_dir),
         {split: reference_cache.cache_fingerprint(cfg, split, device.type, dims.cp, documents) for split in splits},
         {split: len(split_documents) for split, split_documents in splits.items()},
-        reference_model,
+        reference_model_now,
         # The records this pass skips are the ones training and the held-out batches skip, and those log them
         # (once per run): logged here too, each would be listed twice.
         lambda split: packed_stream(

@@ -9,9 +9,11 @@
 | `preference` | `prompt` (or `messages`), `chosen`, `rejected`, `tools` | DPO pairs; each a string or a list of messages |
 | `sharegpt_preference` | `conversations`, `chosen`, `rejected` (turns of `from`/`value`), `system`, `tools` | DPO pairs |
 | `unpaired` | `prompt` (or `messages`), `completion`, `label`, `tools` | KTO examples; label true/false |
+| `prompt` | `prompt` (or `messages`), `tools`; every other field kept | prompts to sample (GRPO), e.g. with an `answer` |
 
 The two preference formats give a `PreferencePair` (`to_preference_pair`), the unpaired format an
-`UnpairedExample` (`to_unpaired_example`), not a `Conversation`.
+`UnpairedExample` (`to_unpaired_example`), the prompt format a `PromptRecord` (`to_prompt_record`), not a
+`Conversation`.
 
 A source may rename any column (`columns: {messages: chat}`) and, for ShareGPT, map more role names
 (`roles: {bot: assistant}`). Problems are `DataError`s that name the record and what is wrong.
@@ -67,12 +69,15 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "label": "label",
         "tools": "tools",
     },
+    "prompt": {"prompt": "prompt", "messages": "messages", "tools": "tools"},
 }
 
 # Formats of preference pairs (DPO), read with `to_preference_pair` rather than `to_conversation`.
 PREFERENCE_FORMATS = ("preference", "sharegpt_preference")
 # Formats of labelled single replies (KTO), read with `to_unpaired_example`.
 UNPAIRED_FORMATS = ("unpaired",)
+# Formats of prompts for a policy to answer, each with the fields its rewards read (GRPO), read with `to_prompt_record`.
+PROMPT_FORMATS = ("prompt",)
 
 # ShareGPT role names -> chat roles. `tool_call` marks a turn whose value is a JSON call {name, arguments},
 # which becomes an assistant message with `tool_calls`.
@@ -507,3 +512,38 @@ def to_unpaired_example(record: dict, spec: SourceSpec, where: str) -> UnpairedE
     )
     messages = _checked_side(context, completion, spec, "completion", where)
     return UnpairedExample(messages[:-1], messages[-1], label, _tools(record, spec, where))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompts to sample (GRPO)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """A prompt for the policy to answer: the conversation so far (ending with a user or tool turn), its tools, and
+    the record's other fields as they are (its answer, its tests), which the reward functions read."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    fields: dict = field(default_factory=dict)
+
+
+def to_prompt_record(record: dict, spec: SourceSpec, where: str) -> PromptRecord:
+    """Convert and validate one record of the `prompt` format: `prompt` (or, in its place, `messages`) as the
+    `preference` format reads a context, a string (one user turn) or a list of messages ending with a user or tool
+    turn; `tools` where given; every other field kept for the rewards."""
+    if spec.format not in PROMPT_FORMATS:
+        raise DataError(f"{where}: the {spec.format} format holds no prompts (prompt formats: {list(PROMPT_FORMATS)})")
+    context = _prompt_context(record, spec, where)
+    for turn, message in enumerate(context):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: message {turn} must be an object, got {type(message).__name__}")
+    messages = validate_messages(context, where, require_reply=False)
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise DataError(
+            f"{where}: a prompt must end with a user or tool turn (the policy writes the next assistant turn), "
+            f"got a last turn of role {messages[-1]['role']!r}"
+        )
+    own = {spec.column(name) for name in ("prompt", "messages", "tools")}
+    return PromptRecord(messages, _tools(record, spec, where), {k: v for k, v in record.items() if k not in own})

@@ -20,11 +20,18 @@ from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import DataConfig
 from chattune.data.documents import Document, Skipped, outcomes_by_record
-from chattune.data.ingest.formats import DEFAULT_COLUMNS, PREFERENCE_FORMATS, UNPAIRED_FORMATS, SourceSpec
+from chattune.data.ingest.formats import (
+    DEFAULT_COLUMNS,
+    PREFERENCE_FORMATS,
+    PROMPT_FORMATS,
+    UNPAIRED_FORMATS,
+    SourceSpec,
+)
 from chattune.data.ingest.records import RecordSource
 from chattune.data.stream import DocumentSource, documents_of
 from chattune.data.templates.kto_documents import KTO_FORMATS, KTODocuments, examples_per_record
 from chattune.data.templates.pair_documents import PairDocuments, RewardPairDocuments
+from chattune.data.templates.prompt_documents import PromptDocuments
 from chattune.data.templates.sft_documents import SFTDocuments
 
 
@@ -132,6 +139,16 @@ def kto_source(
     return _pairs_of(KTODocuments, spec, tokenizer, data, context)
 
 
+def prompt_source(
+    spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int = 1
+) -> PromptDocuments:
+    """A source's prompts (GRPO), each as the tokens the policy continues; nothing trained."""
+    settings = document_settings(spec, data, context)
+    return PromptDocuments(
+        RecordSource([spec]), tokenizer, settings["budget"], settings["on_bad_record"], settings["budget_name"]
+    )
+
+
 def _pairs_of(documents: type, spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int):
     settings = document_settings(spec, data, context)
     return documents(
@@ -190,7 +207,7 @@ class RecipeData:
 SFT_DATA = RecipeData(
     "sft",
     sft_source,
-    tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS + UNPAIRED_FORMATS),
+    tuple(f for f in DEFAULT_COLUMNS if f not in PREFERENCE_FORMATS + UNPAIRED_FORMATS + PROMPT_FORMATS),
     "",
     pairs=False,
     sequence="a document",
@@ -220,5 +237,16 @@ KTO_DATA = RecipeData(
     sequence="an example or its mismatched sequence (a prompt and one completion)",
     examples_per_record=examples_per_record,
 )
+# GRPO's prompts: the tokens the policy continues (its completions are made during training).
+PROMPT_DATA = RecipeData(
+    "grpo",
+    prompt_source,
+    PROMPT_FORMATS,
+    " (the GRPO recipe samples completions of prompts: format prompt)",
+    pairs=False,
+    sequence="a prompt and its longest completion",
+)
 # By kind name, for what is handed a kind's name (the token cache's key, `chattune.data.ingest.cached_sources`).
-RECIPE_DATA: dict[str, RecipeData] = {data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA, KTO_DATA)}
+RECIPE_DATA: dict[str, RecipeData] = {
+    data.name: data for data in (SFT_DATA, PAIR_DATA, REWARD_PAIR_DATA, KTO_DATA, PROMPT_DATA)
+}

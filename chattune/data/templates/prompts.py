@@ -21,11 +21,13 @@ import numpy as np
 
 from chattune.data.ingest.formats import (
     PREFERENCE_FORMATS,
+    PROMPT_FORMATS,
     UNPAIRED_FORMATS,
     DataError,
     SourceSpec,
     to_conversation,
     to_preference_pair,
+    to_prompt_record,
     to_unpaired_example,
     validate_messages,
 )
@@ -78,6 +80,9 @@ def held_out_prompts(
             elif spec.format in UNPAIRED_FORMATS:  # KTO's examples: the prompt its completion answers
                 example = to_unpaired_example(record, spec, where)
                 prompt = Prompt(example.context, example.tools)
+            elif spec.format in PROMPT_FORMATS:  # GRPO's prompts
+                record_prompt = to_prompt_record(record, spec, where)
+                prompt = Prompt(record_prompt.messages, record_prompt.tools)
             else:
                 conversation = to_conversation(record, spec, where)
                 prompt = Prompt(before_last_reply(conversation.messages), conversation.tools)

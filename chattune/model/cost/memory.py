@@ -393,7 +393,7 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
     # adapters off (chattune.train.reference).
     live_reference = (
         reference is not None
-        and not reference.cache
+        and not _get(reference, "cache")
         and _needs_reference(cfg)
         and (peft is None or reference.path is not None)
     )
@@ -458,9 +458,13 @@ def _microbatches_per_rank(cfg, data_ranks: int) -> int:
 
 
 def _needs_reference(cfg) -> bool:
-    """DPO and KTO compare with a reference; DPO's reference-free losses (simpo, orpo) do not."""
+    """DPO and KTO compare with a reference; DPO's reference-free losses (simpo, orpo) do not; a policy-gradient
+    loss where its KL penalty is on (loss.beta > 0)."""
     from chattune.config.losses import needs_reference
+    from chattune.config.policy_losses import POLICY_LOSSES
 
+    if _get(cfg.loss, "type") in POLICY_LOSSES:
+        return bool(_get(cfg.loss, "beta"))
     return needs_reference(_get(cfg.loss, "type"))
 
 

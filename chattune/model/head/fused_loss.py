@@ -177,9 +177,14 @@ def cce_token_losses(
         weight = weight.to(hidden.dtype)
     softcap, scale = None, 1.0
     if transform is not None:
-        scale = transform.multiplier / transform.divisor
-        if transform.multiplier != 1.0 or transform.divisor != 1.0:
-            hidden = (hidden.float() * transform.multiplier / transform.divisor).to(weight.dtype)
+        if (
+            transform.softcap is not None and transform.temperature != 1.0
+        ):  # (the recipe refuses it: loss.implementation)
+            raise ValueError("cut-cross-entropy cannot divide soft-capped logits by a temperature")
+        divisor = transform.divisor * transform.temperature  # (no cap: a temperature scales the logits too)
+        scale = transform.multiplier / divisor
+        if transform.multiplier != 1.0 or divisor != 1.0:
+            hidden = (hidden.float() * transform.multiplier / divisor).to(weight.dtype)
         softcap = transform.softcap
     options = cce_options(hidden.is_cuda)
     if bias is not None and cce_takes_bias():

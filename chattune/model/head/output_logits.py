@@ -8,6 +8,9 @@ they must apply what the model's own forward applies after its output layer:
   RecurrentGemma always, at `config.logits_soft_cap` (30 by default), and xLSTM where its
   `config.output_logit_soft_cap` is set (30 by default), the same way.
 
+A policy trained on its own samples (the GRPO recipe) scores them at the temperature they were drawn at:
+`at_temperature(t)` divides the model's logits by t last, as transformers' sampling does.
+
 `LogitTransform.from_config` reads these from the (text) config; `check_output_head` then verifies on a
 miniature that hidden @ W.T transformed this way is what the model's forward returns, so a model that does
 something else is refused rather than trained differently.
@@ -15,6 +18,7 @@ something else is refused rather than trained differently.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +33,7 @@ class LogitTransform:
     multiplier: float = 1.0  # Cohere's logit_scale
     divisor: float = 1.0  # Granite's logits_scaling (divided, as Granite's forward does: bit for bit)
     softcap: float | None = None  # Gemma's final_logit_softcapping, RecurrentGemma's and xLSTM's caps
+    temperature: float = 1.0  # the sampling temperature a policy's samples are scored at (last, after the cap)
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> LogitTransform:
@@ -39,9 +44,15 @@ class LogitTransform:
             softcap=next((cap for name in SOFTCAPS if (cap := getattr(text, name, None))), None),
         )
 
+    def at_temperature(self, temperature: float) -> LogitTransform:
+        """This transform, the logits then divided by `temperature` (> 0)."""
+        if not temperature > 0:
+            raise ValueError(f"a temperature must be positive, got {temperature}")
+        return dataclasses.replace(self, temperature=float(temperature))
+
     @property
     def is_identity(self) -> bool:
-        return self.multiplier == 1.0 and self.divisor == 1.0 and self.softcap is None
+        return self.multiplier == 1.0 and self.divisor == 1.0 and self.softcap is None and self.temperature == 1.0
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """The model's logits from hidden @ W.T, in the order its forward applies the operations."""
@@ -51,6 +62,8 @@ class LogitTransform:
             logits = logits / self.divisor
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         return logits
 
     def describe(self) -> str:
@@ -62,4 +75,6 @@ class LogitTransform:
             parts.append(f"logits / {self.divisor:g}")
         if self.softcap is not None:
             parts.append(f"soft-capped at {self.softcap:g}")
+        if self.temperature != 1.0:
+            parts.append(f"at temperature {self.temperature:g}")
         return ", ".join(parts)

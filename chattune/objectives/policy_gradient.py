@@ -1,0 +1,244 @@
+"""On-policy policy-gradient objectives (the GRPO recipe): GRPO, DAPO, Dr. GRPO, GSPO and CISPO, with an optional KL
+penalty to a reference model and truncated importance sampling of the sampler's tokens.
+
+A completion is one packed document: its prompt (untrained) and the tokens the policy sampled (trained). What each
+token's loss needs rides on the document as declared values (`chattune.data.documents.Document`), which packing
+carries to the objective: the completion's advantage (per document), and per token the log-probabilities of the
+policy that sampled it (`OLD_LOGP`, computed once per rollout where several optimizer steps reuse it), of the
+distribution the sampler actually drew from (`BEHAVIOUR_LOGP`: temperature and truncation applied) and of the
+reference model (`REF_LOGP`, with loss.beta > 0). A value sits at the position whose label is its token.
+
+With one optimizer step per rollout the old policy is the current one: its log-probs are the current ones detached
+(the ratio is 1, its gradient the policy gradient), as TRL does, with no second forward.
+
+The step's loss is the sum of its per-token (or per-completion) terms over every microbatch and rank divided by the
+count its paper defines over the whole step (`chattune.config.policy_losses`): the loop all-reduces that count once
+and divides each microbatch's sum by it (`chattune.train.step`), so the gradient does not depend on how the step's
+completions are split into microbatches and ranks. The formulas are TRL 1.16's `GRPOTrainer._compute_loss`'s where
+TRL defines the loss (differences: docs/grpo.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from chattune.config.policy_losses import POLICY_LOSSES, clip_range
+from chattune.config.schema import PolicyLossConfig, RolloutConfig
+from chattune.data.documents import IGNORE_INDEX
+from chattune.data.packing import PackedBatch
+from chattune.objectives.base import Objective
+
+# The declared values a completion document carries (`Document.token_values`, `Document.doc_values`).
+ADVANTAGE = "advantage"  # per document: the completion's advantage
+OLD_LOGP = "old_logp"  # per token: the rollout policy's log-prob (several optimizer steps per rollout)
+BEHAVIOUR_LOGP = "behaviour_logp"  # per token: the sampled distribution's log-prob (temperature, truncation)
+REF_LOGP = "ref_logp"  # per token: the reference model's log-prob (loss.beta > 0)
+
+# The figures every microbatch reports, summed over the step's microbatches and ranks (the same keys for an empty
+# microbatch: ranks all-reduce them stacked).
+FIGURES = (
+    "completions",
+    "completion_tokens",
+    "clipped_low",
+    "clipped_high",
+    "ratio_sum",
+    "kl_sum",
+    "is_weight_sum",
+    "mismatch_kl_sum",
+)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """One policy-gradient loss (`loss.type`, `chattune.config.policy_losses`) and its settings: the clip range, the
+    KL penalty `beta` (k3 estimator, against REF_LOGP), CISPO's cap on its weight, Dr. GRPO's constant
+    (`max_new_tokens`) and the cap of truncated importance sampling (`is_cap`, None: off) of the sampler's tokens."""
+
+    type: str
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    cispo_max_ratio: float = 5.0
+    max_new_tokens: int = 1
+    is_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {self.type!r}; one of {sorted(POLICY_LOSSES)}")
+
+    @classmethod
+    def from_config(cls, loss: PolicyLossConfig, rollout: RolloutConfig) -> PolicyLoss:
+        """The loss a GRPO run's `loss` and `rollout` sections name (null clip settings: the loss's paper's)."""
+        low, high = clip_range(loss.type, loss.epsilon_low, loss.epsilon_high)
+        return cls(
+            type=loss.type,
+            epsilon_low=low,
+            epsilon_high=high,
+            beta=loss.beta,
+            cispo_max_ratio=loss.cispo_max_ratio,
+            max_new_tokens=rollout.max_new_tokens,
+            is_cap=rollout.is_cap if rollout.is_correction == "truncate" else None,
+        )
+
+    @property
+    def per_token(self) -> bool:
+        """The step's loss is a mean over its completion tokens (else over its completions)."""
+        return POLICY_LOSSES[self.type].unit == "completion token"
+
+    def token_terms(
+        self,
+        logp: torch.Tensor,
+        advantages: torch.Tensor,
+        old_logp: torch.Tensor | None = None,
+        behaviour_logp: torch.Tensor | None = None,
+        ref_logp: torch.Tensor | None = None,
+        sequence_log_ratio: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-token loss terms (M,) of M completion tokens and their figures (per token, unsummed): `logp` the
+        policy's log-probs (with their graph), `advantages` each token's completion's advantage, `old_logp` the
+        rollout policy's (None: `logp` detached), `behaviour_logp` the sampler's (with `is_cap`: the correction),
+        `ref_logp` the reference's (with beta > 0); `sequence_log_ratio` (gspo): each token's completion's mean log
+        ratio, with its graph."""
+        old = logp.detach() if old_logp is None else old_logp
+        log_ratio = sequence_log_ratio if POLICY_LOSSES[self.type].sequence_ratio else logp - old
+        ratio = torch.exp(log_ratio)
+        if self.type == "cispo":  # the weight capped and detached: only the log-prob carries the gradient
+            terms = -torch.clamp(ratio, max=self.cispo_max_ratio).detach() * advantages * logp
+        else:
+            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            terms = -torch.min(ratio * advantages, clipped * advantages)
+        figures = {
+            "clipped_low": ((ratio < 1 - self.epsilon_low) & (advantages < 0)).double(),
+            "clipped_high": ((ratio > 1 + self.epsilon_high) & (advantages > 0)).double(),
+            "ratio": ratio.detach().double(),
+        }
+        if self.is_cap is not None and behaviour_logp is not None:  # the sampler drew from another distribution
+            weight = torch.clamp(torch.exp(old.detach() - behaviour_logp), max=self.is_cap)
+            terms = terms * weight
+            figures["is_weight"] = weight.double()
+        if behaviour_logp is not None:  # an estimate of KL(sampler || rollout policy) on the sampler's tokens
+            figures["mismatch_kl"] = (behaviour_logp - old.detach()).double()
+        if self.beta != 0.0:
+            if ref_logp is None:
+                raise ValueError("loss.beta > 0 needs the reference's log-probs of every completion token")
+            delta = ref_logp - logp
+            kl = torch.exp(delta) - delta - 1  # k3: an unbiased, non-negative estimate of KL(policy || reference)
+            terms = terms + self.beta * kl
+            figures["kl"] = kl.detach().double()
+        return terms, figures
+
+    def aggregate(self, terms: torch.Tensor, completion: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The microbatch's share of the step's loss sum: its terms summed as the loss's unit says (`completion`:
+        each term's completion, 0..D-1; `lengths`: each completion's tokens)."""
+        if self.type in ("grpo", "gspo"):  # each completion's token mean, summed over completions
+            return (terms / lengths[completion].to(terms.dtype)).sum()
+        if self.type == "dr_grpo":  # a constant per completion: the generation budget
+            return terms.sum() / self.max_new_tokens
+        return terms.sum()
+
+
+class PolicyGradientObjective(Objective):
+    """The GRPO recipe's objective: `loss` (a `PolicyLoss`) over completion documents. Its unit is the step's
+    completions or completion tokens, as the loss's paper normalises (`chattune.config.policy_losses`). The step's
+    rollout figures (rewards, lengths, the sampler's time), which the rollout source reports beside the microbatches
+    (`StepBatches.figures`), become metrics here with the loss's own."""
+
+    def __init__(self, loss: PolicyLoss):
+        self.loss = loss
+        self.unit_name = POLICY_LOSSES[loss.type].unit
+
+    def count_units(self, batch: PackedBatch) -> int:
+        if self.loss.per_token:
+            return batch.num_trainable_tokens
+        return len(batch.doc_ids)
+
+    def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        token_losses = model(batch)  # (N,) -log p of each label at the sampling temperature; 0 where untrained
+        device = token_losses.device
+        zeros = {name: token_losses.new_zeros((), dtype=torch.float64) for name in FIGURES}
+        if not batch.doc_ids:  # an empty microbatch (a rank short of completions): nothing to train
+            return token_losses.sum() * 0.0, zeros
+        trained = (batch.labels[0] != IGNORE_INDEX).to(device)
+        logp = -token_losses[trained]
+        completion = batch.document_ids.to(device)[trained]  # each trained token's document, 0..D-1
+        num_docs = len(batch.doc_ids)
+        lengths = torch.zeros(num_docs, dtype=torch.long, device=device).index_add_(
+            0, completion, torch.ones_like(completion)
+        )
+        advantages = torch.tensor(batch.doc_values[ADVANTAGE], dtype=logp.dtype, device=device)[completion]
+        values = {name: batch.token_values[name][0].to(device)[trained] for name in batch.token_values}
+        old = values.get(OLD_LOGP)
+        sequence_log_ratio = None
+        if POLICY_LOSSES[self.loss.type].sequence_ratio:  # each completion's mean log ratio, on each of its tokens
+            log_ratio = logp - (logp.detach() if old is None else old)
+            sums = torch.zeros(num_docs, dtype=logp.dtype, device=device).index_add(0, completion, log_ratio)
+            sequence_log_ratio = (sums / lengths.to(logp.dtype))[completion]
+        terms, token_figures = self.loss.token_terms(
+            logp, advantages, old, values.get(BEHAVIOUR_LOGP), values.get(REF_LOGP), sequence_log_ratio
+        )
+        figures = dict(zeros)
+        figures["completions"] = zeros["completions"] + num_docs
+        figures["completion_tokens"] = zeros["completion_tokens"] + int(trained.sum())
+        for name, per_token in token_figures.items():
+            figures[name if name.startswith("clipped") else f"{name}_sum"] = per_token.sum()
+        return self.loss.aggregate(terms, completion, lengths), figures
+
+    def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
+        """loss: the step's loss (its sum over the step's units); num_tokens: its completion tokens; the clipped
+        shares of its tokens (below the range with a negative advantage, above it with a positive one), the ratio's
+        mean, the mean k3 KL to the reference (loss.beta > 0), the sampler's mismatch and the importance weights
+        where the sampler's log-probs are known; then the rollout's figures (`rollout_metrics`)."""
+        tokens = max(sums.get("completion_tokens", 0.0), 1.0)
+        metrics = {
+            "loss": sums["loss_sum"] / max(global_units, 1),
+            "num_tokens": int(sums.get("completion_tokens", 0.0)),
+            "completions": int(sums.get("completions", 0.0)),
+            "clipped_low": sums.get("clipped_low", 0.0) / tokens,
+            "clipped_high": sums.get("clipped_high", 0.0) / tokens,
+            "ratio_mean": sums.get("ratio_sum", 0.0) / tokens,
+        }
+        if self.loss.beta != 0.0:
+            metrics["kl"] = sums.get("kl_sum", 0.0) / tokens
+        # the sampler's log-probs ride on every completion (rollout.temperature > 0: drawn, not greedy)
+        metrics["mismatch_kl"] = sums.get("mismatch_kl_sum", 0.0) / tokens
+        if self.loss.is_cap is not None:
+            metrics["is_weight_mean"] = sums.get("is_weight_sum", 0.0) / tokens
+        metrics.update(rollout_metrics(sums))
+        return metrics
+
+
+def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The metrics of a step's rollout from its sums over ranks (`chattune.rl.rollouts` reports them): the reward's
+    mean and standard deviation over the step's sampled completions, each reward function's mean, the advantages'
+    spread, the groups whose rewards were all equal, completion lengths and the share cut at the generation budget,
+    the policy's entropy at the sampled tokens, and the sampler's time and tokens per second (mean over ranks)."""
+    sampled = sums.get("sampled")
+    if not sampled:
+        return {}
+    mean = sums["reward_sum"] / sampled
+    metrics = {
+        "reward": mean,
+        "reward_std": math.sqrt(max(sums["reward_sq_sum"] / sampled - mean * mean, 0.0)),
+        **{
+            f"reward/{name[len('reward_sum/') :]}": value / sampled
+            for name, value in sums.items()
+            if name.startswith("reward_sum/")
+        },
+        "advantage_abs_mean": sums["advantage_abs_sum"] / sampled,
+        "groups": int(sums["groups"]),
+        "uniform_groups": int(sums["uniform_groups"]),
+        "completion_length": sums["sampled_tokens"] / sampled,
+        "truncated": sums["truncated"] / sampled,
+        "entropy": sums["entropy_sum"] / max(sums["sampled_tokens"], 1.0),
+    }
+    if sums.get("skipped_groups"):
+        metrics["skipped_groups"] = int(sums["skipped_groups"])
+    ranks = max(sums.get("ranks", 1.0), 1.0)
+    if sums.get("rollout_s"):
+        metrics["rollout_s"] = sums["rollout_s"] / ranks
+        metrics["rollout_tokens_per_sec"] = sums["sampled_tokens"] / (sums["rollout_s"] / ranks)
+    return metrics

@@ -1,0 +1,2 @@
+"""On-policy post-training: prompts, the policy's samples, their rewards and advantages, made into the update steps
+of the GRPO recipe (`recipes/grpo.py`); its losses are `chattune.objectives.policy_gradient`."""

@@ -1,0 +1,392 @@
+"""The GRPO recipe's update steps, made from the policy's own samples: a `chattune.data.feed.StepSource`.
+
+A rollout, on each data-parallel rank: take this rank's prompts of the step (`chattune.rl.prompts`), sample G
+completions of each from the current policy (`chattune.rl.sampling`; the sharded model gathered once for the whole
+rollout where every rank has room, as the sample replies are), score them (`chattune.rl.rewards`), turn each group's
+rewards into advantages (`chattune.rl.advantages`), and pack the completions as documents into rows of at most
+data.max_tokens_per_microbatch tokens. A completion document is its prompt (untrained) and its sampled tokens
+(trained), with the advantage and the sampler's log-probs declared on it for the objective
+(`chattune.objectives.policy_gradient`). With rollout.steps_per_rollout = μ > 1 the same rows serve μ optimizer steps,
+the old policy's log-probs computed once by a no-grad pass right after sampling; with loss.beta > 0 the reference's
+log-probs too. Every rank trains the same number of rows a step (the most any rank packed; empty rows fill the rest).
+
+Its state is the rollout it holds (μ > 1: a resume inside a rollout trains on the very rows the uninterrupted run did)
+and its counts; the prompts and the sampling RNG of each step follow from the step (`chattune.rl.prompts`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from chattune.config.schema import GRPOConfig
+from chattune.data.documents import IGNORE_INDEX, SKIP_REASONS, Document, Skipped
+from chattune.data.feed import StepBatches
+from chattune.data.packing import PackedBatch, best_fit_decreasing, collate_packed, empty_batch
+from chattune.distributed import all_reduce_max
+from chattune.errors import UserError
+from chattune.model.generate import Sampling, sharded_generation, stop_token_ids
+from chattune.model.peft.adapters import BaseModelView
+from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP
+from chattune.parallel.fsdp import Placement, reshard
+from chattune.rl.advantages import group_advantages, is_uniform
+from chattune.rl.prompts import Prompt, PromptOrder, PromptSource, place_seed
+from chattune.rl.rewards import RewardFunction, score
+from chattune.rl.sampling import GroupSampling, Sampled, sample_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a rollout takes and makes (the recipe's `rollout`, `advantage` and `reward` sections): P prompts over all
+    data-parallel ranks, G completions of each drawn as `sampling` says (ended by a stop token, one of
+    `stop_strings`, or the budget; the chat template called with `template_kwargs`), μ optimizer steps on each
+    rollout; the advantages' scale, whether groups of equal rewards are left out, what a failed reward does; the
+    token budget of a row and what a prompt too long for it does (`overlong`: drop, counted, or error)."""
+
+    prompts_per_step: int
+    completions_per_prompt: int
+    sampling: Sampling
+    steps_per_rollout: int = 1
+    stop_strings: tuple[str, ...] = ()
+    advantage_scale: str = "std"
+    skip_uniform_groups: bool = False
+    on_reward_error: str = "error"
+    budget: int = 2048
+    overlong: str = "drop"
+    seed: int = 0  # the run's: with a place in the prompt stream, it seeds that prompt's order and sampling
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig) -> RolloutSettings:
+        """The settings a GRPO run's `rollout`, `advantage`, `reward` and `data` sections name."""
+        rollout = cfg.rollout
+        return cls(
+            prompts_per_step=rollout.prompts_per_step,
+            completions_per_prompt=rollout.completions_per_prompt,
+            sampling=Sampling(
+                max_new_tokens=rollout.max_new_tokens,
+                temperature=rollout.temperature,
+                top_p=rollout.top_p,
+                top_k=rollout.top_k,
+                min_p=rollout.min_p,
+            ),
+            steps_per_rollout=rollout.steps_per_rollout,
+            stop_strings=tuple(rollout.stop_strings),
+            advantage_scale=cfg.advantage.scale,
+            skip_uniform_groups=rollout.skip_uniform_groups,
+            on_reward_error=cfg.reward.on_error,
+            budget=cfg.data.max_tokens_per_microbatch,
+            overlong=cfg.data.overlong,
+            seed=cfg.seed,
+        )
+
+
+@dataclass(frozen=True)
+class RolloutModels:
+    """The models a rollout runs: the `policy` being trained (sharded, and where it computes: `placement`), and
+    what scores the completions for the loss: the old policy's log-probs (`old_log_probs`: μ > 1) and a frozen
+    `reference` (loss.beta > 0; None: no reference)."""
+
+    policy: nn.Module
+    placement: Placement
+    old_log_probs: bool = False
+    reference: nn.Module | BaseModelView | None = None
+
+
+@dataclass(frozen=True)
+class SamplesLog:
+    """Where rank 0 writes a rollout's first group (samples.jsonl), on the rollouts whose first step is the first or
+    a multiple of `every`."""
+
+    path: Path
+    every: int = 1
+
+    def due(self, step: int) -> bool:
+        return step == 1 or step % max(self.every, 1) == 0
+
+
+@dataclass
+class Rollout:
+    """One rollout on this rank: its index, its rows (as every step of it trains them) and its figures."""
+
+    index: int
+    rows: list[PackedBatch]
+    figures: dict[str, float]
+    epoch: int = 0
+
+
+@dataclass
+class _Group:
+    place: int
+    prompt: Prompt
+    samples: list[Sampled]
+    rewards: list[float] = field(default_factory=list)
+    parts: dict[str, list[float]] = field(default_factory=dict)
+    failed: bool = False
+
+
+class RolloutSteps:
+    """The recipe's `StepSource` (the module docstring); `samples`: where rank 0 logs a group of some rollouts."""
+
+    mixer = None
+    finished = False
+
+    def __init__(
+        self,
+        models: RolloutModels,
+        tokenizer: PreTrainedTokenizerBase,
+        prompts: PromptSource,
+        rewards: Sequence[RewardFunction],
+        settings: RolloutSettings,
+        pad_id: int,
+        samples: SamplesLog | None = None,
+    ):
+        dims = models.placement.dims
+        if settings.prompts_per_step % dims.data_ranks:
+            raise UserError(
+                f"rollout.prompts_per_step={settings.prompts_per_step} does not divide over the run's "
+                f"{dims.data_ranks} data-parallel ranks: make it a multiple of {dims.data_ranks}"
+            )
+        if len(prompts) == 0:
+            raise UserError("data.train holds no prompt")
+        self.models, self.tokenizer, self.prompts, self.rewards = models, tokenizer, prompts, list(rewards)
+        self.settings, self.pad_id, self.samples = settings, pad_id, samples
+        self.order = PromptOrder(len(prompts), settings.seed)
+        self.how = GroupSampling(
+            settings.sampling,
+            settings.completions_per_prompt,
+            tuple(stop_token_ids(tokenizer)),
+            settings.stop_strings,
+        )
+        self.per_rank = settings.prompts_per_step // dims.data_ranks
+        self.current: Rollout | None = None
+        self.counts = dict.fromkeys(SKIP_REASONS, 0)
+
+    @property
+    def epoch(self) -> int:
+        """The prompt stream's epoch at the next rollout's first prompt."""
+        rollout = 0 if self.current is None else self.current.index + 1
+        return rollout * self.settings.prompts_per_step // len(self.prompts)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """This rank's prompts left out: over the budget (`overlong`) and unreadable (`bad_record`)."""
+        return dict(self.counts)
+
+    def next_step(self, step: int) -> StepBatches:
+        index = (step - 1) // self.settings.steps_per_rollout
+        fresh = self.current is None or self.current.index != index
+        if fresh:
+            self.current = self._rollout(index, step)
+        assert self.current is not None
+        figures = dict(self.current.figures)
+        if not fresh:  # a later step of the same rollout: trained again, not sampled again
+            figures["rollout_s"] = 0.0
+        return StepBatches(list(self.current.rows), epoch=self.current.epoch, figures=figures)
+
+    def close_step(self, ranks_at_epoch_end: int) -> list[tuple[int, dict[str, int]]]:
+        return []  # (epochs of prompts close silently: a run ends at max_steps)
+
+    def state_dict(self) -> dict:
+        return {"current": self.current, "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.current, self.counts = state["current"], dict(state["counts"])
+
+    def close(self) -> None:
+        self.current = None
+
+    # --- one rollout ---
+
+    def _rollout(self, index: int, step: int) -> Rollout:
+        """Collective: rollout `index` on this rank, its rows and figures."""
+        started = time.perf_counter()
+        settings, placement = self.settings, self.models.placement
+        first = index * settings.prompts_per_step + placement.dims.data_rank * self.per_rank
+        groups = self._sample(range(first, first + self.per_rank))
+        self._score(groups)
+        documents, figures = self._documents(groups)
+        rows = [collate_packed(row) for row in best_fit_decreasing(documents, settings.budget)]
+        self._score_tokens(rows)
+        # every rank trains as many rows as the most any packed (every forward is a collective)
+        count = max(all_reduce_max(len(rows), placement.device), 1)
+        rows += [empty_batch(self.pad_id) for _ in range(count - len(rows))]
+        figures["rollout_s"] = time.perf_counter() - started
+        if self.samples is not None and groups and self.samples.due(step):
+            self._write_samples(step, groups[0])
+        epoch = first // len(self.prompts)
+        return Rollout(index, rows, figures, epoch)
+
+    def _sample(self, places: range) -> list[_Group]:
+        """Collective: the groups of this rank's prompts at `places` (a skipped prompt gives none)."""
+        settings, models = self.settings, self.models
+        prompts: list[tuple[int, Prompt | None]] = []
+        for place in places:
+            prompt = self.prompts.get(self.order.at(place)[1])
+            if isinstance(prompt, Skipped):
+                self.counts[prompt.reason] += 1
+                prompts.append((place, None))
+                continue
+            longest = len(prompt.ids) + settings.sampling.max_new_tokens
+            if longest > settings.budget:
+                problem = (
+                    f"{prompt.where}: its prompt ({len(prompt.ids)} tokens) and rollout.max_new_tokens="
+                    f"{settings.sampling.max_new_tokens} exceed data.max_tokens_per_microbatch={settings.budget}"
+                )
+                if settings.overlong != "drop":
+                    raise UserError(problem + " (data.overlong=drop leaves such prompts out, counted)")
+                logger.warning("left out %s (data.overlong=drop)", problem)
+                self.counts["overlong"] += 1
+                prompts.append((place, None))
+                continue
+            prompts.append((place, prompt))
+        groups = []
+        with sharded_generation(models.policy, models.placement) as alone:
+            for place, prompt in prompts:
+                if prompt is None and alone:
+                    continue
+                # (ranks that generate together, synced: a rank without this prompt still steps alike, and keeps none)
+                ids = prompt.ids if prompt is not None else [self.pad_id]
+                samples = sample_group(
+                    models.policy,
+                    self.tokenizer,
+                    ids,
+                    self.how,
+                    seed=place_seed(settings.seed, place),
+                    device=models.placement.device,
+                    synced=not alone,
+                )
+                if prompt is not None:
+                    groups.append(_Group(place, prompt, samples))
+        return groups
+
+    def _score(self, groups: list[_Group]) -> None:
+        """Every completion's rewards, in one call of each reward function for the rank's whole rollout."""
+        if not groups:
+            return
+        flat = [(group, sample) for group in groups for sample in group.samples]
+        scores = score(
+            self.rewards,
+            [group.prompt.record.messages for group, _ in flat],
+            [sample.text for _, sample in flat],
+            [sample.token_ids for _, sample in flat],
+            [group.prompt.record.fields for group, _ in flat],
+            [group.prompt.where for group, _ in flat],
+            self.settings.on_reward_error,
+        )
+        size = self.settings.completions_per_prompt
+        for number, group in enumerate(groups):
+            span = range(number * size, (number + 1) * size)
+            group.rewards = [scores.total[i] for i in span]
+            group.parts = {name: [values[i] for i in span] for name, values in scores.parts.items()}
+            group.failed = any(i in scores.failed for i in span)
+
+    def _documents(self, groups: list[_Group]) -> tuple[list[Document], dict[str, float]]:
+        """The completions of the groups that train as documents, and the rollout's figures on this rank (sums)."""
+        settings, size = self.settings, self.settings.completions_per_prompt
+        figures = {
+            "ranks": 1.0,
+            "sampled": 0.0,
+            "reward_sum": 0.0,
+            "reward_sq_sum": 0.0,
+            **{f"reward_sum/{function.name}": 0.0 for function in self.rewards},
+            "advantage_abs_sum": 0.0,
+            "groups": 0.0,
+            "uniform_groups": 0.0,
+            "skipped_groups": 0.0,
+            "sampled_tokens": 0.0,
+            "truncated": 0.0,
+            "entropy_sum": 0.0,
+        }
+        documents = []
+        for group in groups:
+            figures["groups"] += 1
+            if group.failed:  # reward.on_error=skip: a group with a failed reward has no advantages
+                figures["skipped_groups"] += 1
+                continue
+            advantages = group_advantages(group.rewards, settings.advantage_scale)
+            group.parts[ADVANTAGE] = advantages
+            uniform = is_uniform(group.rewards)
+            figures["uniform_groups"] += uniform
+            for k, sample in enumerate(group.samples):
+                figures["sampled"] += 1
+                figures["reward_sum"] += group.rewards[k]
+                figures["reward_sq_sum"] += group.rewards[k] ** 2
+                for function in self.rewards:
+                    figures[f"reward_sum/{function.name}"] += group.parts[function.name][k]
+                figures["advantage_abs_sum"] += abs(advantages[k])
+                figures["sampled_tokens"] += len(sample.token_ids)
+                figures["truncated"] += not sample.finished
+                figures["entropy_sum"] += sum(sample.entropy)
+            if uniform and settings.skip_uniform_groups:
+                figures["skipped_groups"] += 1
+                continue
+            for k, sample in enumerate(group.samples):
+                if sample.token_ids:
+                    documents.append(
+                        completion_document(group.place * size + k, group.prompt.ids, sample, advantages[k])
+                    )
+        return documents, figures
+
+    @torch.no_grad()
+    def _score_tokens(self, rows: list[PackedBatch]) -> None:
+        """The old policy's (μ > 1) and the reference's (loss.beta > 0) log-probs of every row's tokens, declared on
+        the row: no-grad forwards of the models as they are now."""
+        models = self.models
+        for name, model in ((OLD_LOGP, models.policy if models.old_log_probs else None), (REF_LOGP, models.reference)):
+            if model is None:
+                continue
+            was_training = model.training
+            model.eval()
+            for row in rows:
+                losses = model(row.to(models.placement.device)).float().cpu()
+                row.token_values[name] = (-losses).reshape(1, -1)
+            model.train(was_training)
+            reshard(model)  # (a forward without a backward leaves the root gathered; a LoRA base view: the policy's)
+
+    def _write_samples(self, step: int, group: _Group) -> None:
+        """Rank 0: the group's completions, with their rewards, in samples.jsonl."""
+        if self.models.placement.dims.data_rank != 0 or not self.models.placement.dims.is_main:
+            return
+        assert self.samples is not None
+        with self.samples.path.open("a") as file:
+            for k, sample in enumerate(group.samples):
+                line = {
+                    "step": step,
+                    "prompt": group.prompt.record.messages,
+                    "reply": sample.text,
+                    "reward": group.rewards[k],
+                    "rewards": {name: values[k] for name, values in group.parts.items() if name != ADVANTAGE},
+                    "advantage": group.parts.get(ADVANTAGE, [0.0] * len(group.samples))[k],
+                    "finished": sample.finished,
+                }
+                file.write(json.dumps(line) + "\n")
+
+
+def completion_document(doc_id: int, prompt_ids: list[int], sample: Sampled, advantage: float) -> Document:
+    """A completion as a packed document: the prompt then the sampled tokens, the sampled tokens trained (the
+    position before each predicts it), the advantage declared on the document and each sampled token's behaviour
+    log-prob at the position that predicts it."""
+    ids = np.asarray([*prompt_ids, *sample.token_ids], dtype=np.int64)
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+    start = len(prompt_ids) - 1  # the prompt's last position predicts the first sampled token
+    labels[start : start + len(sample.token_ids)] = sample.token_ids
+    behaviour = np.zeros(len(ids), dtype=np.float32)
+    behaviour[start : start + len(sample.token_ids)] = sample.behaviour_logp
+    return Document(
+        doc_id=doc_id,
+        input_ids=ids,
+        labels=labels,
+        token_values={BEHAVIOUR_LOGP: behaviour},
+        doc_values={ADVANTAGE: float(advantage)},
+    )

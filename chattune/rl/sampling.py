@@ -1,0 +1,120 @@
+"""Sampling a group of completions of one prompt from the policy: transformers' `generate` with a KV cache, the G
+completions of a prompt in one batch, with what a policy-gradient step needs of each token.
+
+A token's behaviour log-probability is its log-probability under the distribution it was actually drawn from: the
+policy's logits after every processor `generate` applied (the temperature, top-k, top-p and min-p truncations, and
+whatever else the model's generation config adds), read from the scores `generate` sampled. The trainer's own
+log-probabilities are the policy's at the temperature alone: the two differ where sampling truncated, and the ratio
+between them (`chattune.objectives.policy_gradient`: `rollout.is_correction`) makes the update unbiased for the
+distribution sampled. The policy's entropy at each position is read from the raw logits at the temperature.
+
+Each prompt's group is drawn from torch's RNG seeded for that prompt alone (`seed`), so the same prompt of the same
+step draws the same completions on any number of ranks and after a resume; the global RNG is left as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from chattune.model.generate import Sampling
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One completion: its tokens as generated (the stop token or the token that completed a stop string included
+    when one ended it), each token's behaviour log-probability and the policy's entropy there, whether a stop ended
+    it (False: cut at max_new_tokens), and its text (without a stop token)."""
+
+    token_ids: list[int]
+    behaviour_logp: list[float]
+    entropy: list[float]
+    finished: bool
+    text: str
+
+
+@dataclass(frozen=True)
+class GroupSampling:
+    """How a prompt's group is drawn: `count` completions at `sampling`'s temperature (> 0) and truncations, each
+    ended by a token of `stop_ids`, by one of `stop_strings`, or at `sampling.max_new_tokens`."""
+
+    sampling: Sampling
+    count: int
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...] = ()
+
+
+def sample_group(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    how: GroupSampling,
+    seed: int = 0,
+    device: torch.device | None = None,
+    synced: bool = False,
+) -> list[Sampled]:
+    """A group of completions of the prompt `ids`, drawn as `how` says from torch's RNG seeded by `seed`. `model`: a
+    Hugging Face causal LM or chattune's sharded one inside `chattune.model.generate.sharded_generation` (`synced`:
+    every rank calls this alike, transformers' synced_gpus)."""
+    sampling, count, stop_ids, stop_strings = how.sampling, how.count, how.stop_ids, how.stop_strings
+    if sampling.temperature <= 0:
+        raise ValueError("sampling completions for a policy gradient needs a temperature > 0 (greedy draws nothing)")
+    device = device or next(model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            num_return_sequences=count,
+            eos_token_id=list(stop_ids),
+            pad_token_id=pad,
+            use_cache=True,
+            synced_gpus=synced,
+            output_scores=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **({"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}),
+            **sampling.generate_kwargs(),
+        )
+    new = output.sequences[:, len(ids) :]
+    steps = new.shape[1]
+    if steps == 0:
+        return [Sampled([], [], [], False, "") for _ in range(count)]
+    scores = torch.stack(output.scores[:steps], dim=1).float()  # (count, steps, V): the distribution drawn from
+    drawn = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None])[..., 0]
+    logits = torch.stack(output.logits[:steps], dim=1).float() / sampling.temperature
+    log_p = torch.log_softmax(logits, dim=-1)
+    entropy = -(log_p.exp() * log_p).nan_to_num().sum(-1)  # the policy's at the temperature, untruncated
+    samples = []
+    for row in range(count):
+        tokens = new[row].tolist()
+        end = _end(tokens, tokenizer, stop_ids, stop_strings)
+        kept = tokens if end is None else tokens[: end + 1]
+        shown = kept if end is None or kept[-1] not in stop_ids else kept[:-1]
+        text = tokenizer.decode(shown, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        samples.append(
+            Sampled(kept, drawn[row, : len(kept)].tolist(), entropy[row, : len(kept)].tolist(), end is not None, text)
+        )
+    return samples
+
+
+def _end(
+    tokens: list[int], tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int], stop_strings: Sequence[str]
+) -> int | None:
+    """The index of the token that ended a completion: the first stop token, or the first token whose text completes
+    a stop string; None where neither did (cut at the budget: `generate` pads what follows an end)."""
+    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    if stop_strings:
+        limit = len(tokens) if stop is None else stop
+        for i in range(limit):
+            text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if any(s in text for s in stop_strings):
+                return i
+    return stop
