@@ -140,5 +140,8 @@ def test_float8_matmuls_meet_cudas_shape_rule_on_unpadded_rows_and_padding_chang
 
     convert_to_float8_training(reference, config=Float8LinearConfig.from_recipe_name(mode))
     assert isinstance(reference[0], Float8Linear)
+    # The same float8 products; the weight gradient sums them over the row's tokens, which the CPU's matmul blocks
+    # differently at 1001 and 1008 (on some CPUs 1.5e-5 apart, its largest element near 340): compared to fp32's
+    # rounding of the largest element.
     for ours, unpadded in zip(padded, gradients(reference), strict=True):
-        torch.testing.assert_close(ours, unpadded, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours, unpadded, rtol=1e-6, atol=1e-6 * max(1.0, float(unpadded.abs().max())))
