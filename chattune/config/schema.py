@@ -708,7 +708,10 @@ class RolloutConfig:
 @dataclass
 class RewardFunctionsConfig:
     functions: list[Any] = key(
-        factory=lambda: [{"_target_": "chattune.rl.demo_task.sorted_numbers", "weight": 1.0}],
+        factory=lambda: [
+            {"_target_": "chattune.rl.demo_task.sorted_numbers", "weight": 1.0},
+            {"_target_": "chattune.rl.rewards.answer_check", "weight": 0.0, "name": "solved"},
+        ],
         help="reward functions, each {_target_, weight, name, its arguments}: called on a rollout's completions, "
         "their weighted sum the reward (docs/grpo.md)",
     )

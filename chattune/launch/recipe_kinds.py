@@ -159,7 +159,7 @@ GRPO = RecipeKind(
     GRPOConfig,
     "chattune.data.ingest.sources:PROMPT_DATA",
     "chattune.objectives.policy_gradient:PolicyGradientObjective",
-    needs_reference=False,  # (a reference only where loss.beta > 0: reference.path is its own key)
+    needs_reference=True,  # its KL penalty's, where loss.beta > 0
 )
 
 RECIPE_KINDS: dict[str, RecipeKind] = {kind.name: kind for kind in (SFT, DPO, REWARD, KTO, GRPO)}

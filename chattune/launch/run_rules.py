@@ -175,7 +175,7 @@ class RunRules:
         problem = template_problem(template) if template is None or isinstance(template, str) else None
         if problem is not None:  # (a value of another type is reported by the schema checks)
             self.findings.problem(TEMPLATE_KEY, problem)
-        for key in ("model.path", "reference.path"):  # (a recipe without a reference has no such key: UNSET)
+        for key in ("model.path", *(("reference.path",) if self.kind.needs_reference else ())):
             path = get_value(self.values, key)
             if not isinstance(path, str):
                 continue

@@ -27,6 +27,7 @@ RECIPE_FILES = {
     "dpo": "recipes/dpo.py",
     "reward": "recipes/reward.py",
     "kto": "recipes/kto.py",
+    "grpo": "recipes/grpo.py",
 }
 RESUME = {
     None: "refused unless `resume_allow_changes` names it",

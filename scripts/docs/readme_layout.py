@@ -18,11 +18,11 @@ PACKAGE = ROOT / "chattune"
 FIXED_ROWS = {  # what is not a package of chattune/, before and after the packages
     "before": [
         (
-            "`recipes/sft.py`, `recipes/dpo.py`, `recipes/reward.py`, `recipes/kto.py`",
-            "the SFT, DPO, reward-model and KTO recipes: flat, copyable Hydra apps",
+            "`recipes/sft.py`, `recipes/dpo.py`, `recipes/reward.py`, `recipes/kto.py`, `recipes/grpo.py`",
+            "the SFT, DPO, reward-model, KTO and GRPO recipes: flat, copyable Hydra apps",
         ),
         (
-            "`configs/sft/`, `configs/dpo/`, `configs/kto/`, `configs/reward/`, `configs/peft/`",
+            "`configs/sft/`, `configs/dpo/`, `configs/kto/`, `configs/reward/`, `configs/grpo/`, `configs/peft/`",
             "each recipe's `tiny` (`sft/tiny`: the default) and `local_model` (a real local model) configs; "
             "`peft/lora`, `peft/qlora`",
         ),

@@ -30,6 +30,7 @@ LAYERS = [
     ("chattune.parallel",),
     ("chattune.model",),
     ("chattune.objectives",),
+    ("chattune.rl",),  # a recipe's own steps: rollouts of the policy, scored (above the objectives it feeds)
     ("chattune.checkpoint",),
     ("chattune.train",),
     ("chattune.launch",),
@@ -99,7 +100,7 @@ def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
     (package / "data" / "stream.py").write_text("def f():\n    from chattune.train.loop import train\n")
     (package / "train" / "loop.py").write_text("from chattune.data import stream\n")
     monkeypatch.setitem(globals(), "PACKAGE", package)
-    assert upward_imports() == ["chattune.data.stream (layer 1) imports chattune.train.loop (layer 6)"]
+    assert upward_imports() == ["chattune.data.stream (layer 1) imports chattune.train.loop (layer 7)"]
 
 
 # `chattune export` reads a checkpoint: its format and its run state's parts, never the loop.

@@ -23,12 +23,13 @@ from chattune.data.ingest.formats import PREFERENCE_FORMATS
 from chattune.data.ingest.sources import RECIPE_DATA
 from chattune.launch import recipe_kinds
 from chattune.launch.findings import ConfigError
-from chattune.launch.recipe_kinds import DPO, KTO, RECIPE_KINDS, REWARD, SFT, RecipeKindError, kind_of_config
+from chattune.launch.recipe_kinds import DPO, GRPO, KTO, RECIPE_KINDS, REWARD, SFT, RecipeKindError, kind_of_config
 from chattune.launch.validate import check_config, run_validate
 from chattune.objectives import pair_losses
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import PreferenceObjective
 from chattune.objectives.kto import KTOObjective
+from chattune.objectives.policy_gradient import PolicyGradientObjective
 from chattune.objectives.pair_losses import PAIR_LOSSES, PairLossRow, PairRewards, PreferenceLoss, register_pair_loss
 from chattune.objectives.reward import RewardObjective
 from conftest import PROJECT_ROOT
@@ -37,7 +38,7 @@ from conftest import PROJECT_ROOT
 
 
 def test_each_kind_declares_its_schema_documents_formats_objective_and_reference():
-    assert list(RECIPE_KINDS) == ["sft", "dpo", "reward", "kto"]
+    assert list(RECIPE_KINDS) == ["sft", "dpo", "reward", "kto", "grpo"]
     assert RECIPE_KINDS["sft"] is SFT and RECIPE_KINDS["dpo"] is DPO
     assert RECIPE_KINDS["reward"] is REWARD and REWARD.schema is SCHEMAS["reward"] and REWARD.pairs
     assert REWARD.objective_class() is RewardObjective and not REWARD.needs_reference
@@ -48,6 +49,9 @@ def test_each_kind_declares_its_schema_documents_formats_objective_and_reference
     assert (SFT.objective_class(), DPO.objective_class()) == (TokenCrossEntropy, PreferenceObjective)
     assert (SFT.pairs, DPO.pairs) == (False, True) and (SFT.needs_reference, DPO.needs_reference) == (False, True)
     assert set(DPO.formats) == set(PREFERENCE_FORMATS) and not set(SFT.formats) & set(PREFERENCE_FORMATS)
+    assert RECIPE_KINDS["grpo"] is GRPO and GRPO.schema is SCHEMAS["grpo"] and GRPO.formats == ("prompt",)
+    assert GRPO.objective_class() is PolicyGradientObjective and GRPO.needs_reference  # its KL penalty's
+    assert "prompt" not in SFT.formats + DPO.formats + KTO.formats
     for name, kind in RECIPE_KINDS.items():
         assert kind.data is RECIPE_DATA[name] and kind.data.name == name  # the token caches' key is the kind's name
         assert ("reference" in kind.schema.__dataclass_fields__) is kind.needs_reference  # its section
@@ -101,7 +105,7 @@ def test_an_unknown_group_is_one_clear_error_naming_the_config(tmp_path):
     (tmp_path / "nope" / "run.yaml").write_text("# @package _global_\nmax_steps: 3\n")  # builds on nothing
     with pytest.raises(
         RecipeKindError,
-        match=r"^nope/run: no recipe kind: .* group \(sft/ or dpo/ or reward/ or kto/\).* nope/run is in "
+        match=r"^nope/run: no recipe kind: .* group \(sft/ or dpo/ or reward/ or kto/ or grpo/\).* nope/run is in "
         r"group nope/ and builds on none",
     ):
         kind_of_config("nope/run", tmp_path)

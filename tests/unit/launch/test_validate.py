@@ -330,11 +330,19 @@ SHIPPED_USES = {
             ["model.path={model}", "data.train=[{{path:${{demo_asset:preference_train.jsonl}},format:preference}}]"],
         )
     ],
+    "grpo/tiny": [("grpo/tiny", [])],
+    "grpo/local_model": [
+        (
+            "grpo/local_model",
+            ["model.path={model}", "data.train=[{{path:${{demo_asset:sort_prompts.jsonl}},format:prompt}}]"],
+        )
+    ],
     "peft/lora": [
         ("sft/tiny", ["peft=lora", "export.merge=true"]),  # (a random-init base: its merged export is what loads)
         ("dpo/tiny", ["peft=lora"]),
         ("reward/tiny", ["peft=lora"]),
         ("kto/tiny", ["peft=lora"]),
+        ("grpo/tiny", ["peft=lora"]),
     ],
     "peft/qlora": [  # CUDA with bitsandbytes only
         ("sft/local_model", ["model.path={model}", "data.train=[${{demo_asset:chat_train.jsonl}}]", "peft=qlora"])
@@ -368,6 +376,7 @@ def test_every_shipped_config_validates_without_a_note(tmp_path, monkeypatch, co
         "dpo/tiny",
         "reward/tiny",
         "kto/tiny",
+        "grpo/tiny",
     ):  # sft/tiny's export: its model.config, as the run writes it into hf/
         sft_export = tmp_path / "outputs" / "sft-tiny" / "hf"
         instantiate(compose_config("sft/tiny", []).model.config).save_pretrained(sft_export)

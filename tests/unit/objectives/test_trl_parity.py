@@ -21,6 +21,7 @@ TRL_PATH = Path(os.environ.get("CHATTUNE_TRL_PATH", "/work/trl-pkgs"))
 TRL_ABSENT = 77  # the script's exit status where TRL is there but cannot be imported
 
 
+@pytest.mark.launch
 def test_orpo_reward_and_kto_figures_equal_trls():
     if not (TRL_PATH / "trl" / "__init__.py").is_file():
         pytest.skip(f"no TRL at {TRL_PATH} (set CHATTUNE_TRL_PATH; pip install --target DIR trl --no-deps)")

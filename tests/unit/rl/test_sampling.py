@@ -1,0 +1,117 @@
+"""Sampling a group: each token's behaviour log-prob is its log-prob under the distribution it was drawn from
+(temperature, top-k and top-p applied), computed here from plain forwards of the model on each prefix; the
+untruncated distribution would be caught; the entropy is the policy's at the temperature; a group is the same for
+the same seed whoever draws it, and leaves the global RNG alone; a completion becomes the document the loss reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chattune.data.documents import IGNORE_INDEX
+from chattune.model.generate import Sampling, stop_token_ids
+from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP
+from chattune.rl.rollouts import completion_document
+from chattune.rl.sampling import GroupSampling, Sampled, sample_group
+from conftest import demo_tokenizer, tiny_model
+
+PROMPT = [{"role": "user", "content": "Sort these numbers in ascending order: 5, 3, 9"}]
+
+
+def setup(**sampling):
+    tokenizer = demo_tokenizer()
+    model = tiny_model(seed=3).eval()
+    model.set_attn_implementation("sdpa")
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=True)
+    how = GroupSampling(Sampling(max_new_tokens=12, **sampling), 4, tuple(stop_token_ids(tokenizer)))
+    return tokenizer, model, list(ids["input_ids"]), how
+
+
+def drawn_from(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The log-probs of the distribution sampled from, as the papers of top-k and nucleus sampling define it: the
+    k most probable tokens, then of those the fewest whose probability reaches p (transformers' rule: a token is
+    dropped where the mass of the tokens less probable than it and itself is at most 1 - p)."""
+    scaled = logits / temperature
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if top_k:
+        keep &= scaled >= torch.topk(scaled, top_k).values[-1]
+    if top_p < 1.0:
+        probs = torch.softmax(scaled.masked_fill(~keep, -float("inf")), -1)
+        order = torch.argsort(probs)  # ascending
+        below = torch.cumsum(probs[order], 0) <= 1 - top_p
+        below[-1] = False  # the most probable token stays
+        keep[order[below]] = False
+    return torch.log_softmax(scaled.masked_fill(~keep, -float("inf")), -1)
+
+
+def independent(model, prompt: list[int], sample: Sampled, temperature: float, top_k: int, top_p: float):
+    """Each sampled token's log-prob under the truncated and the untruncated distribution, and the entropy at
+    the temperature, from a plain forward of the model on the prompt and the tokens before it."""
+    truncated, whole, entropy = [], [], []
+    for t, token in enumerate(sample.token_ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + sample.token_ids[:t]])).logits[0, -1].float()
+        truncated.append(float(drawn_from(logits, temperature, top_k, top_p)[token]))
+        log_p = torch.log_softmax(logits / temperature, -1)
+        whole.append(float(log_p[token]))
+        entropy.append(float(-(log_p.exp() * log_p).sum()))
+    return truncated, whole, entropy
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.7, top_k=6, top_p=0.8), dict(temperature=1.3, top_k=0, top_p=0.5)]
+)
+def test_each_tokens_behaviour_log_prob_is_the_truncated_distributions_and_the_entropy_the_policys(sampling):
+    tokenizer, model, ids, how = setup(**sampling)
+    samples = sample_group(model, tokenizer, ids, how, seed=7)
+    assert len(samples) == 4 and all(s.token_ids for s in samples)
+    differs = 0.0
+    for sample in samples:
+        truncated, whole, entropy = independent(model, ids, sample, **sampling)
+        np.testing.assert_allclose(sample.behaviour_logp, truncated, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(sample.entropy, entropy, rtol=1e-5, atol=1e-5)
+        differs = max(differs, float(np.max(np.abs(np.array(sample.behaviour_logp) - np.array(whole)))))
+    assert differs > 1e-2  # the control: the untruncated log-probs are not what was drawn from
+
+
+def test_a_group_is_the_same_for_the_same_seed_and_leaves_the_global_rng_alone():
+    tokenizer, model, ids, how = setup(temperature=1.0)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = sample_group(model, tokenizer, ids, how, seed=11)
+    assert torch.equal(torch.get_rng_state(), state)
+    again = sample_group(model, tokenizer, ids, how, seed=11)
+    other = sample_group(model, tokenizer, ids, how, seed=12)
+    assert [s.token_ids for s in first] == [s.token_ids for s in again]
+    assert [s.token_ids for s in first] != [s.token_ids for s in other]
+    assert len({tuple(s.token_ids) for s in first}) > 1  # the group's completions are drawn, not copies
+
+
+def test_a_completion_ends_at_its_stop_token_or_is_cut_at_the_budget():
+    tokenizer, model, ids, how = setup(temperature=1.0)
+    stop = set(how.stop_ids)
+    for sample in sample_group(model, tokenizer, ids, how, seed=5):
+        inside = [t for t in sample.token_ids[:-1] if t in stop]
+        assert not inside
+        if sample.finished:
+            assert sample.token_ids[-1] in stop
+            assert sample.text == tokenizer.decode(sample.token_ids[:-1])
+        else:
+            assert len(sample.token_ids) == how.sampling.max_new_tokens
+        assert len(sample.behaviour_logp) == len(sample.token_ids) == len(sample.entropy)
+
+
+def test_a_greedy_group_is_refused():
+    tokenizer, model, ids, how = setup(temperature=0.0)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        sample_group(model, tokenizer, ids, how)
+
+
+def test_a_completion_document_trains_its_sampled_tokens_from_the_positions_before_them():
+    sample = Sampled([7, 8, 9], [-0.5, -1.0, -1.5], [1.0, 1.0, 1.0], True, "x")
+    doc = completion_document(42, [1, 2, 3, 4], sample, advantage=0.25)
+    assert doc.input_ids.tolist() == [1, 2, 3, 4, 7, 8, 9]
+    assert doc.labels.tolist() == [IGNORE_INDEX] * 3 + [7, 8, 9] + [IGNORE_INDEX]
+    assert doc.token_values[BEHAVIOUR_LOGP].tolist() == [0, 0, 0, -0.5, -1.0, -1.5, 0]
+    assert doc.doc_values == {ADVANTAGE: 0.25} and doc.doc_id == 42
