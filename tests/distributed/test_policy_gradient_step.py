@@ -1,0 +1,145 @@
+"""The policy-gradient losses through the shared update step on a real (tiny) model: each loss type's gradients and
+loss over a step of completions equal its paper's formula (tests/unit/objectives/test_policy_gradient.py's) applied to
+the log-probs of a plain unpacked Hugging Face forward of each completion at the sampling temperature, however the
+completions are split into microbatches and ranks (1 rank, 4 microbatches, 2 ranks unevenly, one rank empty)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_policy_gradient import MAX_NEW_TOKENS, SETTINGS, objective_for, paper_loss
+
+from chattune.config.paths import DEMO_ASSETS
+from chattune.config.policy_losses import POLICY_LOSSES
+from chattune.data.documents import IGNORE_INDEX, Document
+from chattune.data.feed import StepBatches
+from chattune.data.packing import collate_packed, empty_batch
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP
+from chattune.parallel.fsdp import shard_model
+from chattune.train.step import accumulate_gradients
+from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
+
+TEMPERATURE = 0.7
+POLICY_SEED = 0
+COUNT = 8
+SETTING = SETTINGS[1]  # old log-probs given (the clip in play), a KL penalty, truncated importance sampling
+
+
+def hf_policy():
+    model = tiny_model(seed=POLICY_SEED)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def completion_logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The log-probs of `tokens` after `prompt` at the temperature: a plain forward of the completion alone."""
+    ids = torch.tensor([prompt + tokens])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def items() -> list[dict]:
+    """`COUNT` completions of the demo's first prompts (2 groups of 4): random tokens (a loss does not ask how they
+    were drawn), and the old policy's, the sampler's and the reference's log-probs as perturbations of the policy's."""
+    tokenizer = demo_tokenizer()
+    lines = (DEMO_ASSETS / "sort_prompts.jsonl").read_text().splitlines()
+    rng = np.random.default_rng(0)
+    model, made = hf_policy(), []
+    for d in range(COUNT):
+        messages = json.loads(lines[d // 4])["messages"]
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+        tokens = rng.integers(10, len(tokenizer), size=int(rng.integers(2, MAX_NEW_TOKENS))).tolist()
+        with torch.no_grad():
+            logp = completion_logps(model, prompt, tokens).numpy()
+        made.append(
+            {
+                "prompt": prompt,
+                "tokens": np.array(tokens),
+                "old": logp + rng.normal(0, 0.2, len(tokens)),
+                "behaviour": logp + rng.normal(0, 0.3, len(tokens)),
+                "ref": logp + rng.normal(0, 0.4, len(tokens)),
+                "advantage": float(rng.normal()),
+            }
+        )
+    return made
+
+
+def documents(made: list[dict]) -> list[Document]:
+    docs = []
+    for d, item in enumerate(made):
+        prompt, tokens = item["prompt"], item["tokens"].tolist()
+        ids = np.array(prompt + tokens)
+        start = len(prompt) - 1
+        labels = np.full(len(ids), IGNORE_INDEX)
+        labels[start : start + len(tokens)] = tokens
+        values = {}
+        for name, key in ((OLD_LOGP, "old"), (BEHAVIOUR_LOGP, "behaviour"), (REF_LOGP, "ref")):
+            column = np.zeros(len(ids), dtype=np.float32)
+            column[start : start + len(tokens)] = item[key]
+            values[name] = column
+        docs.append(Document(d, ids, labels, token_values=values, doc_values={ADVANTAGE: item["advantage"]}))
+    return docs
+
+
+def hand_step(kind: str, made: list[dict]) -> dict:
+    model = hf_policy()
+    theta = [completion_logps(model, item["prompt"], item["tokens"].tolist()) for item in made]
+    loss = paper_loss(kind, theta, made, {**SETTING, "cispo_max": 1.3})
+    loss.backward()
+    return {"loss": float(loss), "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+
+
+def _worker(rank, world_size, port, splits, out_path, made):
+    init_worker_process_group(rank, world_size, port)
+    docs = documents(made)
+    policy = PackedCausalLM(hf_policy(), loss_chunk_size=16)
+    policy.logit_transform = policy.logit_transform.at_temperature(TEMPERATURE)
+    placement = shard_model(policy, mesh_dims())
+    policy.train()
+    microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
+    out = {}
+    for kind in POLICY_LOSSES:
+        objective = objective_for(kind, SETTING)
+        result = accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
+        total = torch.tensor([result.loss_sum], dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
+        out[kind] = {"loss": float(total) / result.global_units, "grads": grads}
+        policy.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save(out, out_path)
+    shutdown_distributed()
+    exit_process()
+
+
+SPLITS = {
+    "1rank_1mb": [[list(range(COUNT))]],
+    "1rank_4mb": [[[0, 1], [2, 3, 4], [5], [6, 7]]],
+    "2rank_uneven": [[[0, 1, 2, 3, 4], [5]], [[6], [7]]],
+    "2rank_one_empty": [[[0, 1, 2, 3], [4, 5, 6, 7]], [[], []]],
+}
+
+
+@pytest.mark.launch
+def test_every_loss_equals_its_formula_on_plain_forwards_however_the_step_is_split(tmp_path):
+    made = items()
+    want = {kind: hand_step(kind, made) for kind in POLICY_LOSSES}
+    runs = {}
+    for name, split in SPLITS.items():
+        out_path = str(tmp_path / f"{name}.pt")
+        spawn(_worker, args=(len(split), free_port(), split, out_path, made), nprocs=len(split))
+        runs[name] = torch.load(out_path)
+        for kind in POLICY_LOSSES:
+            got = runs[name][kind]
+            error = relative_error(got["grads"], want[kind]["grads"])
+            assert error <= 1e-5, f"{name} {kind}: relative gradient error {error:.3g} against the formula"
+            assert abs(got["loss"] - want[kind]["loss"]) <= 1e-5 * max(1.0, abs(want[kind]["loss"])), (name, kind)
+    for name in SPLITS:  # the split alone: the same update to 1e-6
+        for kind in POLICY_LOSSES:
+            error = relative_error(runs[name][kind]["grads"], runs["1rank_1mb"][kind]["grads"])
+            assert error <= 1e-6, f"{name} {kind}: {error:.3g} from one microbatch"
