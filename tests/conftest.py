@@ -221,7 +221,7 @@ SMALL_MODEL = (
     "model.config.num_hidden_layers=2",
     "model.config.num_attention_heads=4",
 )
-RECIPE_FILES = {"sft.py", "dpo.py", "kto.py", "reward.py"}
+RECIPE_FILES = {"sft.py", "dpo.py", "kto.py", "reward.py", "grpo.py"}
 OWN_MODEL = ("model.config._target_=", "model.config={", "--config-name", "-cn")  # (after any leading + or ~)
 
 

@@ -238,7 +238,7 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
     if sums.get("skipped_groups"):
         metrics["skipped_groups"] = int(sums["skipped_groups"])
     ranks = max(sums.get("ranks", 1.0), 1.0)
-    if sums.get("rollout_s"):
-        metrics["rollout_s"] = sums["rollout_s"] / ranks
-        metrics["rollout_tokens_per_sec"] = sums["sampled_tokens"] / (sums["rollout_s"] / ranks)
+    metrics["rollout_s"] = sums.get("rollout_s", 0.0) / ranks  # 0: a later step of the same rollout
+    if metrics["rollout_s"] > 0:
+        metrics["rollout_tokens_per_sec"] = sums["sampled_tokens"] / metrics["rollout_s"]
     return metrics
