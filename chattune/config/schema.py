@@ -752,6 +752,11 @@ class PolicyLossConfig(LossConfig):
         "the KL penalty to the reference (k3 estimator; 0: none, no reference built)",
         bound=(lambda v: v >= 0, "must be >= 0"),
     )
+    kl_ratio: bool = key(
+        True,
+        "each token's KL term weighed by its importance ratio (DeepSeek-V3.2; TRL's use_bias_correction_kl): the KL "
+        "gradient unbiased, on-policy too",
+    )
     cispo_max_ratio: float = key(
         5.0,
         "cispo: the cap of its detached importance weight (TRL's epsilon_high for cispo)",

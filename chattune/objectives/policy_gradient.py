@@ -55,8 +55,9 @@ FIGURES = (
 @dataclass(frozen=True)
 class PolicyLoss:
     """One policy-gradient loss (`loss.type`, `chattune.config.policy_losses`) and its settings: the clip range, the
-    KL penalty `beta` (k3 estimator, against REF_LOGP), CISPO's cap on its weight, Dr. GRPO's constant
-    (`max_new_tokens`) and the cap of truncated importance sampling (`is_cap`, None: off) of the sampler's tokens."""
+    KL penalty `beta` (k3 estimator, against REF_LOGP; `kl_ratio`: each token's weighed by its importance ratio, as
+    DeepSeek-V3.2 and TRL 1.16 by default), CISPO's cap on its weight, Dr. GRPO's constant (`max_new_tokens`) and the
+    cap of truncated importance sampling (`is_cap`, None: off) of the sampler's tokens."""
 
     type: str
     epsilon_low: float = 0.2
@@ -65,6 +66,7 @@ class PolicyLoss:
     cispo_max_ratio: float = 5.0
     max_new_tokens: int = 1
     is_cap: float | None = None
+    kl_ratio: bool = True
 
     def __post_init__(self) -> None:
         if self.type not in POLICY_LOSSES:
@@ -82,6 +84,7 @@ class PolicyLoss:
             cispo_max_ratio=loss.cispo_max_ratio,
             max_new_tokens=rollout.max_new_tokens,
             is_cap=rollout.is_cap if rollout.is_correction == "truncate" else None,
+            kl_ratio=loss.kl_ratio,
         )
 
     @property
@@ -126,9 +129,11 @@ class PolicyLoss:
             if ref_logp is None:
                 raise ValueError("loss.beta > 0 needs the reference's log-probs of every completion token")
             delta = ref_logp - logp
-            kl = torch.exp(delta) - delta - 1  # k3: an unbiased, non-negative estimate of KL(policy || reference)
-            terms = terms + self.beta * kl
+            kl = torch.exp(delta) - delta - 1  # k3: a non-negative estimate of KL(policy || reference)
             figures["kl"] = kl.detach().double()
+            if self.kl_ratio:  # DeepSeek-V3.2: weighed by the ratio, its gradient is the reverse KL's, unbiased
+                kl = kl * ratio
+            terms = terms + self.beta * kl
         return terms, figures
 
     def aggregate(self, terms: torch.Tensor, completion: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

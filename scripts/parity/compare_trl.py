@@ -710,7 +710,15 @@ def compare_kto(setup: Setup) -> Comparison:
     return result
 
 
-COMPARISONS: list[Callable[[Setup], Comparison]] = [compare_orpo, compare_reward, compare_kto]
+def compare_grpo(setup: Setup) -> Comparison:
+    """The GRPO family's losses against TRL's GRPOTrainer (scripts/parity/trl_grpo.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trl_grpo import compare_grpo as grpo
+
+    return grpo(setup)
+
+
+COMPARISONS: list[Callable[[Setup], Comparison]] = [compare_orpo, compare_reward, compare_kto, compare_grpo]
 
 
 def report(comparison: Comparison) -> bool:
@@ -736,7 +744,7 @@ def import_trl(path: str) -> str | None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     try:
         import trl
-        from trl import KTOTrainer, RewardTrainer  # noqa: F401
+        from trl import GRPOTrainer, KTOTrainer, RewardTrainer  # noqa: F401
         from trl.experimental.orpo import ORPOTrainer  # noqa: F401
     except Exception as error:  # absent, or broken against this environment
         print(f"TRL cannot be imported from {path}: {type(error).__name__}: {error}")

@@ -52,7 +52,9 @@ def items() -> list[dict]:
     model, made = hf_policy(), []
     for d in range(COUNT):
         messages = json.loads(lines[d // 4])["messages"]
-        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+        prompt = list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
         tokens = rng.integers(10, len(tokenizer), size=int(rng.integers(2, MAX_NEW_TOKENS))).tolist()
         with torch.no_grad():
             logp = completion_logps(model, prompt, tokens).numpy()

@@ -83,8 +83,23 @@ def test_the_demo_raises_its_reward_and_the_same_run_with_the_sign_flipped_does_
     assert (tmp_path / "learn" / "hf" / "config.json").is_file()
 
 
-RESUME = ("max_steps=6", "rollout.steps_per_rollout=2", "rollout.prompts_per_step=8", "rollout.completions_per_prompt=4")
-SAME = ("loss", "reward", "reward_std", "num_tokens", "grad_norm", "ratio_mean", "clipped_low", "clipped_high", "entropy")
+RESUME = (
+    "max_steps=6",
+    "rollout.steps_per_rollout=2",
+    "rollout.prompts_per_step=8",
+    "rollout.completions_per_prompt=4",
+)
+SAME = (
+    "loss",
+    "reward",
+    "reward_std",
+    "num_tokens",
+    "grad_norm",
+    "ratio_mean",
+    "clipped_low",
+    "clipped_high",
+    "entropy",
+)
 
 
 def test_a_run_stopped_inside_a_rollout_resumes_to_the_same_completions_rewards_and_losses(tmp_path, sft_base):

@@ -29,8 +29,8 @@ from chattune.objectives import pair_losses
 from chattune.objectives.cross_entropy import TokenCrossEntropy
 from chattune.objectives.dpo import PreferenceObjective
 from chattune.objectives.kto import KTOObjective
-from chattune.objectives.policy_gradient import PolicyGradientObjective
 from chattune.objectives.pair_losses import PAIR_LOSSES, PairLossRow, PairRewards, PreferenceLoss, register_pair_loss
+from chattune.objectives.policy_gradient import PolicyGradientObjective
 from chattune.objectives.reward import RewardObjective
 from conftest import PROJECT_ROOT
 

@@ -115,7 +115,8 @@ def paper_loss(kind: str, theta: list[torch.Tensor], items: list[dict], settings
                 term = term * torch.clamp(torch.exp(old[t] - behaviour[t]), max=cap).detach()
             if beta:
                 delta = ref[t] - logp[t]
-                term = term + beta * (torch.exp(delta) - delta - 1)  # k3
+                k3 = torch.exp(delta) - delta - 1
+                term = term + beta * (k3 * r if settings.get("kl_ratio", True) else k3)  # DeepSeek-V3.2's, or k3
             terms.append(term)
         token_count += len(terms)
         completion_terms.append(torch.stack(terms))
@@ -131,6 +132,7 @@ SETTINGS = [
     {"beta": 0.0, "is_cap": None, "old": True},
     {"beta": 0.04, "is_cap": 2.0, "old": True},
     {"beta": 0.0, "is_cap": None, "old": False},  # one step per rollout: the old policy is the current one
+    {"beta": 0.04, "is_cap": None, "old": False, "kl_ratio": False},  # plain k3, on-policy
 ]
 
 
@@ -144,6 +146,7 @@ def objective_for(kind: str, settings: dict) -> PolicyGradientObjective:
         cispo_max_ratio=1.3,
         max_new_tokens=MAX_NEW_TOKENS,
         is_cap=settings["is_cap"],
+        kl_ratio=settings.get("kl_ratio", True),
     )
     return PolicyGradientObjective(loss)
 
@@ -168,7 +171,7 @@ def declared(settings: dict) -> tuple[str, ...]:
     return (BEHAVIOUR_LOGP, REF_LOGP) + ((OLD_LOGP,) if settings["old"] else ())
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["clipped", "kl_and_is", "on_policy"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["clipped", "kl_and_is", "on_policy", "plain_k3"])
 @pytest.mark.parametrize("kind", list(POLICY_LOSSES))
 def test_each_loss_equals_its_papers_formula_and_its_gradient(kind, settings):
     items = completions()

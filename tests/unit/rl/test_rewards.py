@@ -33,7 +33,9 @@ def test_answer_check_exact_numeric_and_math():
     assert answer_check(PROMPTS[:1], ["5, 7, 9"], answer=[[5, 7, 9]]) == [1.0]  # a list answer: ", "-joined
     assert answer_check(PROMPTS[:2], ["7", "7"], solution=["7", None], answer_field="solution") == [1.0, 0.0]
     pytest.importorskip("math_verify")
-    maths = answer_check(PROMPTS[:3], ["so $\\frac{3}{4}$", "$0.75$", "$\\frac{1}{2}$"], mode="math", answer=["3/4"] * 3)
+    maths = answer_check(
+        PROMPTS[:3], ["so $\\frac{3}{4}$", "$0.75$", "$\\frac{1}{2}$"], mode="math", answer=["3/4"] * 3
+    )
     assert maths == [1.0, 1.0, 0.0]
 
 
