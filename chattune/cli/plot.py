@@ -1,7 +1,8 @@
 """`chattune plot`: training curves from one or more runs' metrics.jsonl, overlaid, as a PNG.
 
-One panel per metric family: loss (with eval_loss), learning rate, gradient norm, tokens/s, and for DPO
-runs the reward margins, preference accuracy and chosen/rejected rewards (train and eval). matplotlib is
+One panel per metric family: loss (with eval_loss), learning rate, gradient norm, tokens/s, for DPO
+runs the reward margins, preference accuracy and chosen/rejected rewards (train and eval), and for GRPO runs the
+rollouts' mean reward and completion length. matplotlib is
 an optional dependency (`pip install "chattune[plot]"`), imported only here.
 """
 
@@ -27,6 +28,8 @@ PANELS: list[tuple[str, list[str]]] = [
     ("reward margin", ["rewards/margins", "eval_rewards/margins"]),
     ("preference accuracy", ["rewards/accuracies", "eval_rewards/accuracies"]),
     ("rewards", ["rewards/chosen", "rewards/rejected", "eval_rewards/chosen", "eval_rewards/rejected"]),
+    ("rollout reward", ["reward"]),  # GRPO: the mean reward of each step's completions
+    ("completion length", ["completion_length"]),
 ]
 LINE_STYLES = ["-", "--", ":", "-."]
 
