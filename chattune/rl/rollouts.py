@@ -222,6 +222,8 @@ class RolloutSteps:
         count = max(all_reduce_max(len(rows), placement.device), 1)
         rows += [empty_batch(self.pad_id) for _ in range(count - len(rows))]
         figures["rollout_s"] = time.perf_counter() - started
+        if not placement.dims.reports_rows:  # (a tp group's other ranks made the same rollout: counted once)
+            figures = dict.fromkeys(figures, 0.0)
         if self.samples is not None and groups and self.samples.due(step):
             self._write_samples(step, groups[0])
         epoch = first // len(self.prompts)

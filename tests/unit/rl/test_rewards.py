@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 
@@ -74,7 +75,7 @@ def test_the_shipped_demo_prompts_are_the_generators_and_answer_themselves():
 
     path = DEMO_ASSETS / "sort_prompts.jsonl"
     lines = path.read_text().splitlines()
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     assert lines == [json.dumps(demo_task.make_prompt(rng)) for _ in range(len(lines))] and len(lines) == 1000
     for line in lines[:50]:
         record = json.loads(line)
@@ -173,3 +174,31 @@ def test_group_advantages_are_trls_and_dr_grpos():
     assert group_advantages([0.3] * 4) == [0.0] * 4 and is_uniform([0.3] * 4) and not is_uniform(rewards)
     with pytest.raises(ValueError, match="advantage.scale"):
         group_advantages(rewards, scale="rank")
+
+
+def test_reward_model_scores_each_prompt_with_its_completion_as_a_plain_forward_does(tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from chattune.rl.rewards import _reward_model, reward_model
+    from conftest import demo_tokenizer, tiny_config
+
+    tokenizer = demo_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(
+        tiny_config(num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    ).eval()
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    prompts = [[{"role": "user", "content": "Sort 3, 1"}], [{"role": "user", "content": "Sort 9, 2"}]]
+    scores = reward_model(prompts, ["1, 3", "9, 2"], None, path=str(tmp_path / "rm"))
+    for prompt, reply, score in zip(prompts, ["1, 3", "9, 2"], scores):
+        ids = tokenizer.apply_chat_template(
+            [*prompt, {"role": "assistant", "content": reply}], return_tensors="pt", return_dict=True
+        )
+        with torch.no_grad():
+            assert score == pytest.approx(float(model(input_ids=ids["input_ids"]).logits[0, 0]), abs=1e-6)
+    assert scores[0] != scores[1]
+    _reward_model.cache_clear()
+    with pytest.raises(Exception, match="reward_model: cannot load"):
+        reward_model(prompts, ["x", "y"], None, path=str(tmp_path / "none"))

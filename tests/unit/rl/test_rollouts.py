@@ -1,0 +1,172 @@
+"""The rollout step source on one rank: a step's rows hold every completion of its prompts as documents whose
+advantages are their group's (recomputed here from the decoded completions and the verifier), with the sampler's
+log-probs on their trained tokens; groups of equal rewards and groups whose reward failed are counted and, as asked,
+left out; a prompt over the budget is dropped and counted, or an error; with several steps per rollout the rows are
+reused and declare the old policy's log-probs; the source's state continues a run exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from chattune.config.paths import DEMO_ASSETS
+from chattune.data.documents import IGNORE_INDEX
+from chattune.data.ingest.formats import SourceSpec
+from chattune.errors import UserError
+from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.generate import Sampling
+from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP
+from chattune.parallel.fsdp import Placement
+from chattune.rl import demo_task
+from chattune.rl.prompts import PromptOrder, PromptSource
+from chattune.rl.rewards import RewardFunction
+from chattune.rl.rollouts import RolloutModels, RolloutSettings, RolloutSteps
+from conftest import demo_tokenizer, tiny_model
+
+PROMPTS, GROUP, NEW_TOKENS = 4, 3, 6
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join((DEMO_ASSETS / "sort_prompts.jsonl").read_text().splitlines()[:6]) + "\n")
+    return path
+
+
+def source(prompts_file, rewards=None, old_log_probs=False, **settings) -> RolloutSteps:
+    tokenizer = demo_tokenizer()
+    model = tiny_model(seed=2)
+    model.set_attn_implementation("sdpa")
+    policy = PackedCausalLM(model, loss_chunk_size=16)
+    prompts = PromptSource([SourceSpec(str(prompts_file), format="prompt")], tokenizer)
+    rewards = rewards or [RewardFunction("sorted_numbers", 1.0, demo_task.sorted_numbers)]
+    values = dict(
+        prompts_per_step=PROMPTS,
+        completions_per_prompt=GROUP,
+        sampling=Sampling(max_new_tokens=NEW_TOKENS, temperature=1.0),
+        seed=5,
+    )
+    values.update(settings)
+    return RolloutSteps(
+        RolloutModels(policy, Placement.one_rank(), old_log_probs),
+        tokenizer,
+        prompts,
+        rewards,
+        RolloutSettings(**values),
+        pad_id=0,
+    )
+
+
+def completions_of(batches) -> list[tuple[int, list[int], float]]:
+    """(document id, completion tokens, declared advantage) of every document of the step's rows."""
+    found = []
+    for row in batches.microbatches:
+        start = 0
+        for doc_id, length, advantage in zip(row.doc_ids, row.doc_lengths, row.doc_values.get(ADVANTAGE, [])):
+            labels = row.labels[0, start : start + length]
+            found.append((doc_id, labels[labels != IGNORE_INDEX].tolist(), advantage))
+            start += length
+    return found
+
+
+def test_a_steps_rows_hold_every_completion_with_its_groups_advantage(prompts_file):
+    steps = source(prompts_file)
+    batches = steps.next_step(1)
+    found = completions_of(batches)
+    assert sorted(d for d, _, _ in found) == list(range(PROMPTS * GROUP))  # place p's k-th completion: p*G + k
+    records = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    order = PromptOrder(len(records), 5)
+    tokenizer = demo_tokenizer()
+    stops = set(steps.how.stop_ids)
+    for place in range(PROMPTS):
+        record = records[order.at(place)[1]]
+        group = sorted((d, tokens, a) for d, tokens, a in found if d // GROUP == place)
+        texts = [tokenizer.decode([t for t in tokens if t not in stops]) for _, tokens, _ in group]
+        rewards = [demo_task.sort_score(text, record["numbers"], record["order"]) for text in texts]
+        mean = sum(rewards) / GROUP
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (GROUP - 1))
+        for (_, _, advantage), reward in zip(group, rewards):
+            assert advantage == pytest.approx((reward - mean) / (std + 1e-4), abs=1e-6)
+    for row in batches.microbatches:  # the sampler's log-probs on the trained tokens, nothing elsewhere
+        trained = row.labels[0] != IGNORE_INDEX
+        behaviour = row.token_values[BEHAVIOUR_LOGP][0]
+        assert (behaviour[trained] < 0).all() and (behaviour[~trained] == 0).all()
+    figures = batches.figures
+    assert (figures["sampled"], figures["groups"], figures["ranks"]) == (PROMPTS * GROUP, PROMPTS, 1.0)
+    assert figures["sampled_tokens"] == sum(len(tokens) for _, tokens, _ in found) and figures["rollout_s"] > 0
+
+
+def test_groups_of_equal_rewards_are_counted_and_left_out_where_asked(prompts_file):
+    constant = [
+        RewardFunction("constant", 1.0, lambda prompts, completions, completion_ids, **f: [0.5] * len(completions))
+    ]
+    kept = source(prompts_file, constant).next_step(1)
+    assert kept.figures["uniform_groups"] == PROMPTS and kept.figures["skipped_groups"] == 0
+    assert all(a == 0.0 for _, _, a in completions_of(kept)) and len(completions_of(kept)) == PROMPTS * GROUP
+    left_out = source(prompts_file, constant, skip_uniform_groups=True).next_step(1)
+    assert left_out.figures["skipped_groups"] == PROMPTS and completions_of(left_out) == []
+    assert len(left_out.microbatches) == 1 and left_out.microbatches[0].doc_ids == []  # an empty row: it still steps
+
+
+def test_a_failed_reward_under_skip_leaves_its_group_out(prompts_file):
+    def fails_on_the_first(prompts, completions, completion_ids, **fields):
+        return [None] + [1.0] * (len(completions) - 1)
+
+    batches = source(
+        prompts_file, [RewardFunction("flaky", 1.0, fails_on_the_first)], on_reward_error="skip"
+    ).next_step(1)
+    assert batches.figures["skipped_groups"] == 1
+    assert len(completions_of(batches)) == (PROMPTS - 1) * GROUP
+
+
+def test_a_prompt_over_the_budget_is_dropped_and_counted_or_an_error(prompts_file):
+    steps = source(prompts_file, budget=40)  # the descending prompts (two turns) do not fit with 6 new tokens
+    batches = steps.next_step(1)
+    dropped = steps.skipped["overlong"]
+    assert dropped > 0 and batches.figures["groups"] == PROMPTS - dropped
+    with pytest.raises(UserError, match="record .* exceed data.max_tokens_per_microbatch=40"):
+        source(prompts_file, budget=40, overlong="error").next_step(1)
+
+
+def test_a_rollout_serves_its_steps_with_the_old_policys_log_probs_then_the_next_is_sampled(prompts_file):
+    steps = source(prompts_file, old_log_probs=True, steps_per_rollout=2)
+    first, second, third = (steps.next_step(step) for step in (1, 2, 3))
+    assert second.microbatches == first.microbatches and second.figures["rollout_s"] == 0.0
+    assert completions_of(third) != completions_of(first) and third.figures["rollout_s"] > 0
+    for row in first.microbatches:  # the policy's own log-probs of the rows, as sampled
+        with torch.no_grad():
+            want = -steps.models.policy(row).float()
+        torch.testing.assert_close(row.token_values[OLD_LOGP][0], want)
+
+
+def test_the_sources_state_continues_a_run_inside_a_rollout(prompts_file):
+    steps = source(prompts_file, steps_per_rollout=2)
+    steps.next_step(1)
+    state = steps.state_dict()
+    want = completions_of(steps.next_step(2))
+    resumed = source(prompts_file, steps_per_rollout=2)
+    resumed.load_state_dict(state)
+    assert completions_of(resumed.next_step(2)) == want
+    # and a fresh rollout after a resume draws what the uninterrupted run draws
+    assert completions_of(resumed.next_step(3)) == completions_of(steps.next_step(3))
+
+
+def test_the_prompts_must_divide_over_the_data_ranks_and_be_prompts(prompts_file, tmp_path):
+    from chattune.data.ingest.formats import DataError
+    from chattune.distributed import ParallelDims
+
+    steps = source(prompts_file)
+    with pytest.raises(UserError, match="does not divide over the run's 2 data-parallel ranks"):
+        RolloutSteps(
+            RolloutModels(steps.models.policy, Placement(ParallelDims(0, 2, 0, torch.device("cpu")))),
+            steps.tokenizer,
+            steps.prompts,
+            steps.rewards,
+            RolloutSettings(prompts_per_step=3, completions_per_prompt=2, sampling=Sampling(temperature=1.0)),
+            pad_id=0,
+        )
+    with pytest.raises(DataError, match="format: prompt"):
+        PromptSource([SourceSpec(str(prompts_file), format="messages")], demo_tokenizer())
