@@ -192,12 +192,12 @@ def test_reward_model_scores_each_prompt_with_its_completion_as_a_plain_forward_
     tokenizer.save_pretrained(tmp_path / "rm")
     prompts = [[{"role": "user", "content": "Sort 3, 1"}], [{"role": "user", "content": "Sort 9, 2"}]]
     scores = reward_model(prompts, ["1, 3", "9, 2"], None, path=str(tmp_path / "rm"))
-    for prompt, reply, score in zip(prompts, ["1, 3", "9, 2"], scores):
+    for prompt, reply, got in zip(prompts, ["1, 3", "9, 2"], scores):
         ids = tokenizer.apply_chat_template(
             [*prompt, {"role": "assistant", "content": reply}], return_tensors="pt", return_dict=True
         )
         with torch.no_grad():
-            assert score == pytest.approx(float(model(input_ids=ids["input_ids"]).logits[0, 0]), abs=1e-6)
+            assert got == pytest.approx(float(model(input_ids=ids["input_ids"]).logits[0, 0]), abs=1e-6)
     assert scores[0] != scores[1]
     _reward_model.cache_clear()
     with pytest.raises(Exception, match="reward_model: cannot load"):
