@@ -3,10 +3,12 @@ completions of a prompt in one batch, with what a policy-gradient step needs of 
 
 A token's behaviour log-probability is its log-probability under the distribution it was actually drawn from: the
 policy's logits after every processor `generate` applied (the temperature, top-k, top-p and min-p truncations, and
-whatever else the model's generation config adds), read from the scores `generate` sampled. The trainer's own
+whatever else the model's generation config adds before them), read by the last processor, one step at a time: no
+scores of every generated token are kept (at 152k tokens a vocabulary, 8 completions of 1024 tokens would hold 5 GB
+of them). The trainer's own
 log-probabilities are the policy's at the temperature alone: the two differ where sampling truncated, and the ratio
 between them (`chattune.objectives.policy_gradient`: `rollout.is_correction`) makes the update unbiased for the
-distribution sampled. The policy's entropy at each position is read from the raw logits at the temperature.
+distribution sampled. The policy's entropy at each position is read before the truncations, at the temperature.
 
 Each prompt's group is drawn from torch's RNG seeded for that prompt alone (`seed`), so the same prompt of the same
 step draws the same completions on any number of ranks and after a resume; the global RNG is left as it was.
@@ -20,6 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from chattune.model.generate import Sampling
 
@@ -66,6 +76,7 @@ def sample_group(
     device = device or next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    entropy, recorder = _Entropy(sampling.temperature), _SampledLogProbs()
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -77,21 +88,18 @@ def sample_group(
             pad_token_id=pad,
             use_cache=True,
             synced_gpus=synced,
-            output_scores=True,
-            output_logits=True,
             return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([entropy, *_truncations(sampling), recorder]),
             **({"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}),
-            **sampling.generate_kwargs(),
+            **UNTRUNCATED,
+            max_new_tokens=sampling.max_new_tokens,
         )
     new = output.sequences[:, len(ids) :]
     steps = new.shape[1]
     if steps == 0:
         return [Sampled([], [], [], False, "") for _ in range(count)]
-    scores = torch.stack(output.scores[:steps], dim=1).float()  # (count, steps, V): the distribution drawn from
-    drawn = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None])[..., 0]
-    logits = torch.stack(output.logits[:steps], dim=1).float() / sampling.temperature
-    log_p = torch.log_softmax(logits, dim=-1)
-    entropy = -(log_p.exp() * log_p).nan_to_num().sum(-1)  # the policy's at the temperature, untruncated
+    drawn = recorder.log_probs(new)
+    entropies = torch.stack(entropy.values[:steps], dim=1)
     samples = []
     for row in range(count):
         tokens = new[row].tolist()
@@ -100,9 +108,64 @@ def sample_group(
         shown = kept if end is None or kept[-1] not in stop_ids else kept[:-1]
         text = tokenizer.decode(shown, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         samples.append(
-            Sampled(kept, drawn[row, : len(kept)].tolist(), entropy[row, : len(kept)].tolist(), end is not None, text)
+            Sampled(kept, drawn[row, : len(kept)].tolist(), entropies[row, : len(kept)].tolist(), end is not None, text)
         )
     return samples
+
+
+# What `generate` is told of sampling: draw, and truncate nothing itself. The truncations are chattune's processors
+# (`_truncations`, transformers' own warpers in transformers' order), so that the last processor sees the distribution
+# drawn from; a model's generation config (Qwen3's top_k 20) cannot add one after it.
+UNTRUNCATED = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None, "typical_p": 1.0,
+               "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}  # fmt: skip
+
+
+def _truncations(sampling: Sampling) -> list[LogitsProcessor]:
+    """transformers' warpers for `sampling`, in the order `generate` applies its own: temperature, top-k, top-p, min-p."""
+    warpers: list[LogitsProcessor] = []
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k:
+        warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+    if sampling.min_p:
+        warpers.append(MinPLogitsWarper(min_p=sampling.min_p))
+    return warpers
+
+
+class _Entropy(LogitsProcessor):
+    """First of chattune's processors: each step's entropy of the policy's distribution at the temperature, before any
+    truncation, (count,) a step."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.values = temperature, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        log_p = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self.values.append(-(log_p.exp() * log_p).nan_to_num().sum(-1))
+        return scores
+
+
+class _SampledLogProbs(LogitsProcessor):
+    """Last of the processors: the log-softmax of the distribution each step draws from, kept for one step only (a
+    vocabulary per sequence, not one per generated token); the next step's call reads the token drawn from it."""
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None
+        self.drawn: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.previous is not None:
+            self.drawn.append(self.previous.gather(-1, input_ids[:, -1:])[:, 0])
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def log_probs(self, new: torch.Tensor) -> torch.Tensor:
+        """(count, steps): each drawn token's log-prob, the last step's read from `new`, the generated tokens."""
+        assert self.previous is not None
+        last = self.previous.gather(-1, new[:, len(self.drawn) : len(self.drawn) + 1])[:, 0]
+        return torch.stack([*self.drawn, last], dim=1)[:, : new.shape[1]]
 
 
 def _end(
