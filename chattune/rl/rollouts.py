@@ -65,6 +65,7 @@ class RolloutSettings:
     budget: int = 2048
     overlong: str = "drop"
     seed: int = 0  # the run's: with a place in the prompt stream, it seeds that prompt's order and sampling
+    num_epochs: int | None = None  # passes over the prompts, then the run ends (None: max_steps decides)
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig) -> RolloutSettings:
@@ -88,6 +89,7 @@ class RolloutSettings:
             budget=cfg.data.max_tokens_per_microbatch,
             overlong=cfg.data.overlong,
             seed=cfg.seed,
+            num_epochs=cfg.data.num_epochs,
         )
 
 
@@ -139,7 +141,6 @@ class RolloutSteps:
     """The recipe's `StepSource` (the module docstring); `samples`: where rank 0 logs a group of some rollouts."""
 
     mixer = None
-    finished = False
 
     def __init__(
         self,
@@ -170,13 +171,25 @@ class RolloutSteps:
         )
         self.per_rank = settings.prompts_per_step // dims.data_ranks
         self.current: Rollout | None = None
+        self.last_step = 0  # the last step this source gave
         self.counts = dict.fromkeys(SKIP_REASONS, 0)
+
+    def _rollout_of(self, step: int) -> int:
+        return (step - 1) // self.settings.steps_per_rollout
 
     @property
     def epoch(self) -> int:
-        """The prompt stream's epoch at the next rollout's first prompt."""
-        rollout = 0 if self.current is None else self.current.index + 1
-        return rollout * self.settings.prompts_per_step // len(self.prompts)
+        """The prompt stream's epoch at the next step's rollout's first prompt."""
+        return self._rollout_of(self.last_step + 1) * self.settings.prompts_per_step // len(self.prompts)
+
+    @property
+    def finished(self) -> bool:
+        """data.num_epochs passes over the prompts are done: the next step would sample a rollout that starts past
+        them (a rollout's later steps still train on it)."""
+        if self.settings.num_epochs is None:
+            return False
+        fresh = self.current is None or self._rollout_of(self.last_step + 1) != self.current.index
+        return fresh and self.epoch >= self.settings.num_epochs
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -184,24 +197,25 @@ class RolloutSteps:
         return dict(self.counts)
 
     def next_step(self, step: int) -> StepBatches:
-        index = (step - 1) // self.settings.steps_per_rollout
+        index = self._rollout_of(step)
         fresh = self.current is None or self.current.index != index
         if fresh:
             self.current = self._rollout(index, step)
         assert self.current is not None
+        self.last_step = step
         figures = dict(self.current.figures)
         if not fresh:  # a later step of the same rollout: trained again, not sampled again
             figures["rollout_s"] = 0.0
         return StepBatches(list(self.current.rows), epoch=self.current.epoch, figures=figures)
 
     def close_step(self, ranks_at_epoch_end: int) -> list[tuple[int, dict[str, int]]]:
-        return []  # (epochs of prompts close silently: a run ends at max_steps)
+        return []  # (an epoch of prompts ends inside a rollout: no figures of its own)
 
     def state_dict(self) -> dict:
-        return {"current": self.current, "counts": dict(self.counts)}
+        return {"current": self.current, "last_step": self.last_step, "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.current, self.counts = state["current"], dict(state["counts"])
+        self.current, self.last_step, self.counts = state["current"], state["last_step"], dict(state["counts"])
 
     def close(self) -> None:
         self.current = None

@@ -170,3 +170,18 @@ def test_the_prompts_must_divide_over_the_data_ranks_and_be_prompts(prompts_file
         )
     with pytest.raises(DataError, match="format: prompt"):
         PromptSource([SourceSpec(str(prompts_file), format="messages")], demo_tokenizer())
+
+
+def test_data_num_epochs_ends_the_run_after_the_rollouts_that_start_within_them(prompts_file):
+    # 6 prompts, 4 a rollout, 2 steps a rollout: rollout 0 takes places 0-3, rollout 1 places 4-7 (the second epoch
+    # from place 6), rollout 2 starts in the second epoch
+    steps = source(prompts_file, steps_per_rollout=2, num_epochs=1)
+    assert not steps.finished
+    steps.next_step(1)
+    assert not steps.finished and steps.epoch == 0
+    steps.next_step(2)
+    assert not steps.finished  # rollout 1 starts at place 4, in the first epoch
+    steps.next_step(3)
+    assert not steps.finished  # its second step still trains on it
+    steps.next_step(4)
+    assert steps.finished and steps.epoch == 1  # rollout 2 would start at place 8, past the first epoch
