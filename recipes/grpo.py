@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from chattune.checkpoint.output_dir import claim_output_dir
+from chattune.config.policy_losses import needs_teacher
 from chattune.data.ingest.records import source_specs
 from chattune.data.templates.tokenizer import load_tokenizer, pad_token_id
 from chattune.distributed import init_distributed, shutdown_distributed
@@ -35,7 +36,7 @@ from chattune.rl.rollouts import RolloutModels, RolloutSettings, RolloutSteps, S
 from chattune.train.inputs import TrainingData
 from chattune.train.loop import Learning, train
 from chattune.train.optimizer import build_optimizer, build_scheduler
-from chattune.train.reference import reference_model
+from chattune.train.reference import reference_model, teacher_model
 
 logger = logging.getLogger("chattune.grpo")
 
@@ -57,7 +58,8 @@ def main(composed: DictConfig) -> None:
     prompts = PromptSource(
         source_specs(cfg.data.train), tokenizer, cfg.rollout.chat_template_kwargs, cfg.data.on_bad_record
     )
-    rewards = reward_functions(cfg.reward.functions)  # each a partial of its _target_, weighted
+    # each a partial of its _target_, weighted (on-policy distillation learns from its teacher: rewards only logged)
+    rewards = reward_functions(cfg.reward.functions, required=not needs_teacher(cfg.loss.type))
 
     # --- model: HF causal LM (LoRA adapters on its frozen base with peft=lora), chunked loss head, FSDP2 ---
     built = build_trained_model(cfg, tokenizer, dims)
@@ -68,13 +70,16 @@ def main(composed: DictConfig) -> None:
     optimizer = build_optimizer(cfg.optimizer, trainable, dims.device)  # fused on CUDA
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)  # step k at the schedule's value at k
     loss = PolicyLoss.from_config(cfg.loss, cfg.rollout)
-    # A frozen reference only for a KL penalty: reference.path, else the initial policy (with LoRA: its base).
+    # A frozen reference only for a KL penalty: reference.path, else the initial policy (with LoRA: its base);
+    # a teacher only for on-policy distillation (loss.type=reverse_kl). Both score the samples at their temperature.
     reference = reference_model(cfg, tokenizer, dims, built) if cfg.loss.beta > 0 else None
-    if reference is not None and reference is not policy and hasattr(reference, "logit_transform"):
-        reference.logit_transform = reference.logit_transform.at_temperature(cfg.rollout.temperature)
+    teacher = teacher_model(cfg, tokenizer, dims) if needs_teacher(cfg.loss.type) else None
+    for frozen in (reference, teacher):
+        if frozen is not None and hasattr(frozen, "logit_transform"):  # (a LoRA base view is the policy's own)
+            frozen.logit_transform = frozen.logit_transform.at_temperature(cfg.rollout.temperature)
 
     # --- the steps: rollouts of the policy as it trains (its old log-probs computed once where mu > 1) ---
-    models = RolloutModels(policy, built.placement, cfg.rollout.steps_per_rollout > 1, reference)
+    models = RolloutModels(policy, built.placement, cfg.rollout.steps_per_rollout > 1, reference, teacher)
     steps = RolloutSteps(
         models,
         tokenizer,

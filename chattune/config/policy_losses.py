@@ -12,6 +12,7 @@ every microbatch and rank, all-reduced once), never a per-rank or per-microbatch
 | `dr_grpo` | the clipped ratio times the advantage | the step's completions x rollout.max_new_tokens |
 | `gspo` | the clipped sequence-level ratio (the geometric mean of its tokens') times the advantage | the step's completions |
 | `cispo` | the detached, capped ratio times the advantage times the log-prob | the step's completion tokens |
+| `reverse_kl` | the ratio times the token's advantage log p_teacher - log p_old (on-policy distillation) | the step's completion tokens |
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class PolicyLossSpec:
     clip: tuple[float, float] | None
     sequence_ratio: bool = False
     paper: str = ""
+    teacher: bool = False  # its advantages are a teacher's log-probs against the sampler's (teacher.path)
 
 
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {
@@ -40,6 +42,13 @@ POLICY_LOSSES: dict[str, PolicyLossSpec] = {
         PolicyLossSpec("dr_grpo", "completion", (0.2, 0.2), paper="Dr. GRPO (arXiv 2503.20783)"),
         PolicyLossSpec("gspo", "completion", (3e-4, 4e-4), sequence_ratio=True, paper="GSPO (arXiv 2507.18071)"),
         PolicyLossSpec("cispo", "completion token", None, paper="MiniMax-M1 (arXiv 2506.13585)"),
+        PolicyLossSpec(
+            "reverse_kl",
+            "completion token",
+            None,
+            paper="on-policy distillation (Agarwal et al., arXiv 2306.13649; Thinking Machines 2025)",
+            teacher=True,
+        ),
     )
 }
 
@@ -47,6 +56,12 @@ ADVANTAGE_SCALES = ("std", "none")  # advantage.scale: the group's standard devi
 IS_CORRECTIONS = ("truncate", "none")  # rollout.is_correction: truncated importance sampling | none
 REWARD_ON_ERROR = ("error", "skip")
 ROLLOUT_ENGINES = ("hf", "vllm")
+
+
+def needs_teacher(loss_type: object) -> bool:
+    """Whether a run of `loss.type` scores its samples with a teacher (teacher.path)."""
+    spec = POLICY_LOSSES.get(loss_type) if isinstance(loss_type, str) else None
+    return spec is not None and spec.teacher
 
 
 def clip_range(loss_type: str, epsilon_low: float | None, epsilon_high: float | None) -> tuple[float, float]:

@@ -735,7 +735,10 @@ class AdvantageConfig:
 @dataclass
 class PolicyLossConfig(LossConfig):
     type: str = key(
-        "dapo", "grpo | dapo | dr_grpo | gspo | cispo (docs/grpo.md: what each averages over)", choices=POLICY_LOSSES
+        "dapo",
+        "grpo | dapo | dr_grpo | gspo | cispo | reverse_kl (on-policy distillation from teacher.path; docs/grpo.md: "
+        "what each averages over)",
+        choices=POLICY_LOSSES,
     )
     epsilon_low: float | None = key(
         None,
@@ -789,6 +792,15 @@ class GRPOReferenceConfig:
 
 
 @dataclass
+class TeacherConfig:
+    path: str | None = key(
+        None,
+        "on-policy distillation (loss.type=reverse_kl): the teacher's model directory, with the student's tokenizer; "
+        "frozen, sharded like the policy, scoring every sampled token",
+    )
+
+
+@dataclass
 class GRPOConfig(RunConfig):
     """The keys of `recipes/grpo.py` (defaults: configs/grpo/tiny.yaml, which builds on sft/tiny)."""
 
@@ -827,6 +839,7 @@ class GRPOConfig(RunConfig):
     reward: RewardFunctionsConfig = section(RewardFunctionsConfig, "what scores the completions")
     advantage: AdvantageConfig = section(AdvantageConfig, "each completion's reward against its group's")
     reference: GRPOReferenceConfig = section(GRPOReferenceConfig, "the frozen reference of the KL penalty")
+    teacher: TeacherConfig = section(TeacherConfig, "on-policy distillation's teacher")
 
 
 SCHEMAS: dict[str, type] = {

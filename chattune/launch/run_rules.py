@@ -25,6 +25,7 @@ from chattune.config.layout_rules import (
     tensor_ranks_problem,
 )
 from chattune.config.losses import needs_reference
+from chattune.config.policy_losses import needs_teacher
 from chattune.config.schema import FP8_MODES, QUANTIZE_BASE, TinyLlamaConfig
 from chattune.config.typed import typed_config
 from chattune.data.ingest.formats import DataError, SourceSpec
@@ -318,10 +319,25 @@ class RunRules:
                 self.findings.problem(key, why)
         if isinstance(get_value(self.values, "reference.path"), str) and number(self.values, "loss.beta") == 0:
             self.findings.note("reference.path", "unused: loss.beta=0 builds no reference")
+        distilled, teacher = needs_teacher(get_value(self.values, "loss.type")), get_value(self.values, "teacher.path")
+        if distilled and not isinstance(teacher, str):
+            self.findings.problem(
+                "teacher.path",
+                f"loss.type={get_value(self.values, 'loss.type')} distills from a teacher: name its directory",
+            )
+        elif isinstance(teacher, str) and not distilled:
+            self.findings.note("teacher.path", "unused: only loss.type=reverse_kl scores the samples with a teacher")
+        elif isinstance(teacher, str) and not (Path(teacher) / "config.json").is_file():
+            self.findings.problem("teacher.path", f"{teacher!r} is not a Hugging Face model directory (no config.json)")
+        if distilled and get_value(self.values, "rollout.skip_uniform_groups") is True:
+            self.findings.problem(
+                "rollout.skip_uniform_groups",
+                "must be false with a teacher: distillation learns from every completion, whatever its rewards",
+            )
         functions = get_value(self.values, "reward.functions")
         if not isinstance(functions, list):
             return
-        if not functions:
+        if not functions and not distilled:
             self.findings.problem("reward.functions", "no reward function: the policy would learn nothing")
         from chattune.rl.rewards import RewardError, entry_problem
 

@@ -11,6 +11,10 @@ reference model (`REF_LOGP`, with loss.beta > 0). A value sits at the position w
 With one optimizer step per rollout the old policy is the current one: its log-probs are the current ones detached
 (the ratio is 1, its gradient the policy gradient), as TRL does, with no second forward.
 
+On-policy distillation (`reverse_kl`) takes each token's advantage from a teacher instead of a reward: log p_teacher -
+log p_old at the sampled token (`TEACHER_LOGP`), whose expectation under the student is minus the reverse KL from the
+student to the teacher at that position, so the update descends that KL (Agarwal et al.'s on-policy distillation).
+
 The step's loss is the sum of its per-token (or per-completion) terms over every microbatch and rank divided by the
 count its paper defines over the whole step (`chattune.config.policy_losses`): the loop all-reduces that count once
 and divides each microbatch's sum by it (`chattune.train.step`), so the gradient does not depend on how the step's
@@ -37,6 +41,7 @@ ADVANTAGE = "advantage"  # per document: the completion's advantage
 OLD_LOGP = "old_logp"  # per token: the rollout policy's log-prob (several optimizer steps per rollout)
 BEHAVIOUR_LOGP = "behaviour_logp"  # per token: the sampled distribution's log-prob (temperature, truncation)
 REF_LOGP = "ref_logp"  # per token: the reference model's log-prob (loss.beta > 0)
+TEACHER_LOGP = "teacher_logp"  # per token: the teacher's log-prob (on-policy distillation: loss.type=reverse_kl)
 
 # The figures every microbatch reports, summed over the step's microbatches and ranks (the same keys for an empty
 # microbatch: ranks all-reduce them stacked).
@@ -49,6 +54,7 @@ FIGURES = (
     "kl_sum",
     "is_weight_sum",
     "mismatch_kl_sum",
+    "teacher_kl_sum",
 )
 
 
@@ -111,6 +117,8 @@ class PolicyLoss:
         ratio = torch.exp(log_ratio)
         if self.type == "cispo":  # the weight capped and detached: only the log-prob carries the gradient
             terms = -torch.clamp(ratio, max=self.cispo_max_ratio).detach() * advantages * logp
+        elif self.type == "reverse_kl":  # importance-weighted, unclipped: its advantages are per token already
+            terms = -ratio * advantages
         else:
             clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
             terms = -torch.min(ratio * advantages, clipped * advantages)
@@ -174,9 +182,17 @@ class PolicyGradientObjective(Objective):
         lengths = torch.zeros(num_docs, dtype=torch.long, device=device).index_add_(
             0, completion, torch.ones_like(completion)
         )
-        advantages = torch.tensor(batch.doc_values[ADVANTAGE], dtype=logp.dtype, device=device)[completion]
         values = {name: batch.token_values[name][0].to(device)[trained] for name in batch.token_values}
         old = values.get(OLD_LOGP)
+        teacher_kl = None
+        if POLICY_LOSSES[self.loss.type].teacher:  # each token's advantage: log p_teacher - log p_old
+            if TEACHER_LOGP not in values:
+                raise ValueError(f"loss.type={self.loss.type} needs the teacher's log-probs of every completion token")
+            sampler = logp.detach() if old is None else old
+            advantages = values[TEACHER_LOGP] - sampler
+            teacher_kl = -advantages  # log p_old - log p_teacher: the sampled estimate of KL(student || teacher)
+        else:
+            advantages = torch.tensor(batch.doc_values[ADVANTAGE], dtype=logp.dtype, device=device)[completion]
         sequence_log_ratio = None
         if POLICY_LOSSES[self.loss.type].sequence_ratio:  # each completion's mean log ratio, on each of its tokens
             log_ratio = logp - (logp.detach() if old is None else old)
@@ -190,6 +206,8 @@ class PolicyGradientObjective(Objective):
         figures["completion_tokens"] = zeros["completion_tokens"] + int(trained.sum())
         for name, per_token in token_figures.items():
             figures[name if name.startswith("clipped") else f"{name}_sum"] = per_token.sum()
+        if teacher_kl is not None:
+            figures["teacher_kl_sum"] = teacher_kl.double().sum()
         return self.loss.aggregate(terms, completion, lengths), figures
 
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
@@ -208,6 +226,8 @@ class PolicyGradientObjective(Objective):
         }
         if self.loss.beta != 0.0:
             metrics["kl"] = sums.get("kl_sum", 0.0) / tokens
+        if POLICY_LOSSES[self.loss.type].teacher:  # the student's sampled reverse KL to its teacher, per token
+            metrics["teacher_kl"] = sums.get("teacher_kl_sum", 0.0) / tokens
         # the sampler's log-probs ride on every completion (rollout.temperature > 0: drawn, not greedy)
         metrics["mismatch_kl"] = sums.get("mismatch_kl_sum", 0.0) / tokens
         if self.loss.is_cap is not None:
@@ -224,15 +244,19 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
     sampled = sums.get("sampled")
     if not sampled:
         return {}
-    mean = sums["reward_sum"] / sampled
-    metrics = {
-        "reward": mean,
-        "reward_std": math.sqrt(max(sums["reward_sq_sum"] / sampled - mean * mean, 0.0)),
-        **{
-            f"reward/{name[len('reward_sum/') :]}": value / sampled
-            for name, value in sums.items()
-            if name.startswith("reward_sum/")
-        },
+    metrics = {}
+    if "reward_sum" in sums:  # (a run without a reward function, distilling from a teacher, reports none)
+        mean = sums["reward_sum"] / sampled
+        metrics["reward"] = mean
+        metrics["reward_std"] = math.sqrt(max(sums["reward_sq_sum"] / sampled - mean * mean, 0.0))
+        metrics.update(
+            {
+                f"reward/{name[len('reward_sum/') :]}": value / sampled
+                for name, value in sums.items()
+                if name.startswith("reward_sum/")
+            }
+        )
+    metrics |= {
         "advantage_abs_mean": sums["advantage_abs_sum"] / sampled,
         "groups": int(sums["groups"]),
         "uniform_groups": int(sums["uniform_groups"]),

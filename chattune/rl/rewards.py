@@ -109,10 +109,11 @@ def _takes_any(parameters: Mapping[str, inspect.Parameter]) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def reward_functions(entries: Sequence[Mapping]) -> list[RewardFunction]:
+def reward_functions(entries: Sequence[Mapping], required: bool = True) -> list[RewardFunction]:
     """The configured functions (`reward.functions`), each made as a partial of its `_target_` (its keys but
     `_target_`, `weight` and `name` its arguments); names are the entry's `name`, else the target's last part
-    (numbered where two would share one). A RewardError for an entry that cannot be made (`entry_problem`)."""
+    (numbered where two would share one). A RewardError for an entry that cannot be made (`entry_problem`), and for
+    none where the loss learns from rewards (`required`; on-policy distillation learns from its teacher)."""
     from hydra.utils import instantiate
 
     made, seen = [], {}
@@ -126,7 +127,7 @@ def reward_functions(entries: Sequence[Mapping]) -> list[RewardFunction]:
         name = str(name or entry["_target_"].rsplit(".", 1)[-1])
         seen[name] = seen.get(name, 0) + 1
         made.append(RewardFunction(name if seen[name] == 1 else f"{name}_{seen[name]}", weight, fn))
-    if not made:
+    if not made and required:
         raise RewardError("reward.functions: no reward function: the policy would learn nothing")
     return made
 

@@ -36,7 +36,7 @@ from chattune.distributed import all_reduce_max
 from chattune.errors import UserError
 from chattune.model.generate import Sampling, sharded_generation, stop_token_ids
 from chattune.model.peft.adapters import BaseModelView
-from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP
+from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP, TEACHER_LOGP
 from chattune.parallel.fsdp import Placement, reshard
 from chattune.rl.advantages import group_advantages, is_uniform
 from chattune.rl.prompts import Prompt, PromptOrder, PromptSource, place_seed
@@ -96,13 +96,14 @@ class RolloutSettings:
 @dataclass(frozen=True)
 class RolloutModels:
     """The models a rollout runs: the `policy` being trained (sharded, and where it computes: `placement`), and
-    what scores the completions for the loss: the old policy's log-probs (`old_log_probs`: μ > 1) and a frozen
-    `reference` (loss.beta > 0; None: no reference)."""
+    what scores the completions for the loss: the old policy's log-probs (`old_log_probs`: μ > 1), a frozen
+    `reference` (loss.beta > 0; None: no reference) and a frozen `teacher` (on-policy distillation)."""
 
     policy: nn.Module
     placement: Placement
     old_log_probs: bool = False
     reference: nn.Module | BaseModelView | None = None
+    teacher: nn.Module | None = None  # on-policy distillation: scores every sampled token
 
 
 @dataclass(frozen=True)
@@ -231,10 +232,10 @@ class RolloutSteps:
         self._score(groups)
         documents, figures = self._documents(groups)
         rows = [collate_packed(row) for row in best_fit_decreasing(documents, settings.budget)]
-        self._score_tokens(rows)
-        # every rank trains as many rows as the most any packed (every forward is a collective)
+        # every rank scores and trains as many rows as the most any packed: every forward is a collective
         count = max(all_reduce_max(len(rows), placement.device), 1)
         rows += [empty_batch(self.pad_id) for _ in range(count - len(rows))]
+        self._score_tokens(rows)
         figures["rollout_s"] = time.perf_counter() - started
         if not placement.dims.reports_rows:  # (a tp group's other ranks made the same rollout: counted once)
             figures = dict.fromkeys(figures, 0.0)
@@ -310,11 +311,11 @@ class RolloutSteps:
     def _documents(self, groups: list[_Group]) -> tuple[list[Document], dict[str, float]]:
         """The completions of the groups that train as documents, and the rollout's figures on this rank (sums)."""
         settings, size = self.settings, self.settings.completions_per_prompt
+        rewarded = bool(self.rewards)  # (on-policy distillation may run without a reward: none reported)
         figures = {
             "ranks": 1.0,
             "sampled": 0.0,
-            "reward_sum": 0.0,
-            "reward_sq_sum": 0.0,
+            **({"reward_sum": 0.0, "reward_sq_sum": 0.0} if rewarded else {}),
             **{f"reward_sum/{function.name}": 0.0 for function in self.rewards},
             "advantage_abs_sum": 0.0,
             "groups": 0.0,
@@ -336,8 +337,9 @@ class RolloutSteps:
             figures["uniform_groups"] += uniform
             for k, sample in enumerate(group.samples):
                 figures["sampled"] += 1
-                figures["reward_sum"] += group.rewards[k]
-                figures["reward_sq_sum"] += group.rewards[k] ** 2
+                if rewarded:
+                    figures["reward_sum"] += group.rewards[k]
+                    figures["reward_sq_sum"] += group.rewards[k] ** 2
                 for function in self.rewards:
                     figures[f"reward_sum/{function.name}"] += group.parts[function.name][k]
                 figures["advantage_abs_sum"] += abs(advantages[k])
@@ -356,10 +358,15 @@ class RolloutSteps:
 
     @torch.no_grad()
     def _score_tokens(self, rows: list[PackedBatch]) -> None:
-        """The old policy's (μ > 1) and the reference's (loss.beta > 0) log-probs of every row's tokens, declared on
-        the row: no-grad forwards of the models as they are now."""
+        """The old policy's (μ > 1), the reference's (loss.beta > 0) and the teacher's (distillation) log-probs of
+        every row's tokens, declared on the row: no-grad forwards of the models as they are now."""
         models = self.models
-        for name, model in ((OLD_LOGP, models.policy if models.old_log_probs else None), (REF_LOGP, models.reference)):
+        scorers = (
+            (OLD_LOGP, models.policy if models.old_log_probs else None),
+            (REF_LOGP, models.reference),
+            (TEACHER_LOGP, models.teacher),
+        )
+        for name, model in scorers:
             if model is None:
                 continue
             was_training = model.training

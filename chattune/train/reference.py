@@ -15,6 +15,7 @@ from chattune.config.schema import DPOConfig, GRPOConfig, KTOConfig
 from chattune.data.ingest.sources import MixedDocuments
 from chattune.data.stream import StreamLayout
 from chattune.distributed import ParallelDims
+from chattune.errors import UserError
 from chattune.model.build import BuiltModel, ModelSections, ModelSource, build_sharded_model
 from chattune.model.cost.memory import memory_levers
 from chattune.model.peft.adapters import BaseModelView
@@ -44,6 +45,35 @@ def reference_model(
         ),
         levers=memory_levers(cfg),
     ).model
+
+
+def teacher_model(cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase, dims: ParallelDims) -> torch.nn.Module:
+    """Collective: on-policy distillation's teacher, teacher.path, frozen and sharded like the policy. It scores the
+    student's tokens, so its tokenizer must be the student's: a UserError names the difference otherwise."""
+    from transformers import AutoTokenizer
+
+    path = cfg.teacher.path
+    if path is None:
+        raise UserError(f"loss.type={cfg.loss.type} distills from a teacher: set teacher.path")
+    try:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise UserError(f"teacher.path {path}: no tokenizer to compare with the student's ({error})") from error
+    theirs, ours = teacher_tokenizer.get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+        raise UserError(
+            f"teacher.path {path}: its tokenizer differs from the student's ({len(theirs)} and {len(ours)} tokens; "
+            f"e.g. {differ}): the teacher scores the student's tokens, so both must share one tokenizer"
+        )
+    model = build_sharded_model(
+        sections=ModelSections.of(cfg),
+        tokenizer=tokenizer,
+        dims=dims,
+        source=ModelSource(path, "teacher.path", role="teacher"),
+        levers=memory_levers(cfg),
+    ).model
+    return model.eval().requires_grad_(False)
 
 
 def reference_log_probs(

@@ -39,6 +39,16 @@ def launch(recipe: str, directory: Path, overrides: list[str], nproc: int = 2) -
     return time.monotonic() - started
 
 
+def run_once(directory: Path, out: Path, overrides: list[str]) -> float:
+    """A GRPO run into `out`, unless a complete one is there already (`--keep`: a rerun reads it); its wall seconds."""
+    wall_file = out / "bench_wall_s.txt"
+    if (out / "complete.json").is_file() and wall_file.is_file():
+        return float(wall_file.read_text())
+    wall = launch("grpo", directory, [f"output_dir={out}", *overrides])
+    wall_file.write_text(f"{wall:.1f}")
+    return wall
+
+
 def figures(run: Path, wall: float) -> dict:
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if line.get("step", 0) > 0]
@@ -76,31 +86,17 @@ def main() -> None:
         launch("sft", directory, [f"output_dir={directory / 'sft-tiny'}"])
         base = directory / "sft-tiny" / "hf"
     runs = {}
+    common = [f"model.path={base}", f"max_steps={args.steps}", "log_every=1"]
     for seed in args.seeds:
         out = directory / f"grpo-seed{seed}"
-        wall = launch(
-            "grpo",
-            directory,
-            [f"model.path={base}", f"output_dir={out}", f"seed={seed}", f"max_steps={args.steps}", "log_every=1"],
-        )
-        runs[f"seed {seed}"] = figures(out, wall)
+        runs[f"seed {seed}"] = figures(out, run_once(directory, out, [*common, f"seed={seed}"]))
     out = directory / "grpo-flipped"
-    flipped = "reward.functions=[{_target_: chattune.rl.demo_task.sorted_numbers, weight: -1.0}]"
-    wall = launch(
-        "grpo",
-        directory,
-        [
-            f"model.path={base}",
-            f"output_dir={out}",
-            f"seed={args.seeds[0]}",
-            f"max_steps={args.steps}",
-            "log_every=1",
-            flipped,
-        ],
+    flipped = (
+        "reward.functions=[{_target_: chattune.rl.demo_task.sorted_numbers, weight: -1.0}, "
+        "{_target_: chattune.rl.rewards.answer_check, weight: 0.0, name: solved}]"
     )
-    flipped_figures = figures(out, wall)
-    flipped_figures["solved_start"] = flipped_figures["solved_end"] = float("nan")  # (not a function of that run)
-    runs[f"seed {args.seeds[0]}, sign flipped"] = flipped_figures
+    wall = run_once(directory, out, [*common, f"seed={args.seeds[0]}", flipped])
+    runs[f"seed {args.seeds[0]}, sign flipped"] = figures(out, wall)
     print(f"\n{args.steps} steps from {base}; reward: mean of the first 3 steps -> of the last 5")
     print(
         "| run | reward start -> end | rise | solved start -> end | rollout tokens/s | rollout share | train tokens/s | step s | wall s |"

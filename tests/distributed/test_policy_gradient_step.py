@@ -1,4 +1,4 @@
-"""The policy-gradient losses through the shared update step on a real (tiny) model: each loss type's gradients and
+"""The policy-gradient losses (on-policy distillation's included) through the shared update step on a real (tiny) model: each loss type's gradients and
 loss over a step of completions equal its paper's formula (tests/unit/objectives/test_policy_gradient.py's) applied to
 the log-probs of a plain unpacked Hugging Face forward of each completion at the sampling temperature, however the
 completions are split into microbatches and ranks (1 rank, 4 microbatches, 2 ranks unevenly, one rank empty)."""
@@ -19,7 +19,7 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP
+from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP, TEACHER_LOGP
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
@@ -65,6 +65,7 @@ def items() -> list[dict]:
                 "old": logp + rng.normal(0, 0.2, len(tokens)),
                 "behaviour": logp + rng.normal(0, 0.3, len(tokens)),
                 "ref": logp + rng.normal(0, 0.4, len(tokens)),
+                "teacher": logp + rng.normal(0, 0.5, len(tokens)),
                 "advantage": float(rng.normal()),
             }
         )
@@ -80,7 +81,12 @@ def documents(made: list[dict]) -> list[Document]:
         labels = np.full(len(ids), IGNORE_INDEX)
         labels[start : start + len(tokens)] = tokens
         values = {}
-        for name, key in ((OLD_LOGP, "old"), (BEHAVIOUR_LOGP, "behaviour"), (REF_LOGP, "ref")):
+        for name, key in (
+            (OLD_LOGP, "old"),
+            (BEHAVIOUR_LOGP, "behaviour"),
+            (REF_LOGP, "ref"),
+            (TEACHER_LOGP, "teacher"),
+        ):
             column = np.zeros(len(ids), dtype=np.float32)
             column[start : start + len(tokens)] = item[key]
             values[name] = column

@@ -24,6 +24,7 @@ from chattune.objectives.policy_gradient import (
     FIGURES,
     OLD_LOGP,
     REF_LOGP,
+    TEACHER_LOGP,
     PolicyGradientObjective,
     PolicyLoss,
 )
@@ -47,6 +48,7 @@ def completions(seed: int = 0, count: int = 8) -> list[dict]:
                 "old": logp + rng.normal(0, 0.3, size=length),
                 "behaviour": logp + rng.normal(0, 0.4, size=length),
                 "ref": logp + rng.normal(0, 0.5, size=length),
+                "teacher": logp + rng.normal(0, 0.6, size=length),
                 "advantage": float(rng.normal()),
                 "tokens": rng.integers(5, 50, size=length),
             }
@@ -62,7 +64,7 @@ def document(d: int, item: dict, declare: tuple[str, ...]) -> Document:
     labels = np.full(len(ids), IGNORE_INDEX)
     labels[PROMPT - 1 : PROMPT - 1 + length] = item["tokens"]
     values = {}
-    for name, key in ((OLD_LOGP, "old"), (BEHAVIOUR_LOGP, "behaviour"), (REF_LOGP, "ref")):
+    for name, key in ((OLD_LOGP, "old"), (BEHAVIOUR_LOGP, "behaviour"), (REF_LOGP, "ref"), (TEACHER_LOGP, "teacher")):
         if name in declare:
             column = np.zeros(len(ids), dtype=np.float32)
             column[PROMPT - 1 : PROMPT - 1 + length] = item[key]
@@ -109,6 +111,9 @@ def paper_loss(kind: str, theta: list[torch.Tensor], items: list[dict], settings
                 r = torch.exp(logp[t] - old[t])
             if kind == "cispo":  # MiniMax-M1: sg(min(r, eps_max)) * A * log pi
                 term = -torch.clamp(r, max=settings["cispo_max"]).detach() * a * logp[t]
+            elif kind == "reverse_kl":  # on-policy distillation: the token's advantage log p_teacher - log p_old
+                teacher = float(item["teacher"][t])
+                term = -r * (teacher - old[t].detach())
             else:  # PPO's clipped surrogate
                 term = -torch.min(r * a, torch.clamp(r, 1 - low, 1 + high) * a)
             if cap is not None:  # truncated importance sampling: the sampler drew from another distribution
@@ -125,7 +130,7 @@ def paper_loss(kind: str, theta: list[torch.Tensor], items: list[dict], settings
         return sum(t.mean() for t in completion_terms) / count
     if kind == "dr_grpo":  # sum over every token / (G x the generation budget)
         return sum(t.sum() for t in completion_terms) / (count * MAX_NEW_TOKENS)
-    return sum(t.sum() for t in completion_terms) / token_count  # dapo, cispo: over every token of the step
+    return sum(t.sum() for t in completion_terms) / token_count  # dapo, cispo, reverse_kl: over every token of the step
 
 
 SETTINGS = [
@@ -168,7 +173,7 @@ def step_loss(
 
 
 def declared(settings: dict) -> tuple[str, ...]:
-    return (BEHAVIOUR_LOGP, REF_LOGP) + ((OLD_LOGP,) if settings["old"] else ())
+    return (BEHAVIOUR_LOGP, REF_LOGP, TEACHER_LOGP) + ((OLD_LOGP,) if settings["old"] else ())
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["clipped", "kl_and_is", "on_policy", "plain_k3"])
@@ -189,7 +194,7 @@ def test_each_loss_equals_its_papers_formula_and_its_gradient(kind, settings):
     assert math.isclose(float(loss), float(want), rel_tol=1e-6, abs_tol=1e-7), (float(loss), float(want))
     for g, w in zip(got, [p.grad for p in want_policy.theta]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
-    if settings["old"] and kind != "cispo":  # the clip is in play: some ratios clipped, some not
+    if settings["old"] and kind not in ("cispo", "reverse_kl"):  # the clip is in play: some ratios clipped, some not
         figures = objective.loss_sum(policy, collate_packed(documents))[1]
         assert 0 < float(figures["clipped_low"] + figures["clipped_high"]) < sum(len(i["tokens"]) for i in items)
 
@@ -234,7 +239,7 @@ def test_the_units_are_completion_tokens_or_completions_as_the_paper_normalises(
     for kind, spec in POLICY_LOSSES.items():
         units = objective_for(kind, SETTINGS[2]).count_units(batch)
         assert units == (tokens if spec.unit == "completion token" else len(items)), kind
-    assert {k for k, s in POLICY_LOSSES.items() if s.unit == "completion token"} == {"dapo", "cispo"}
+    assert {k for k, s in POLICY_LOSSES.items() if s.unit == "completion token"} == {"dapo", "cispo", "reverse_kl"}
 
 
 def test_a_kl_penalty_without_reference_log_probs_is_refused():
@@ -280,3 +285,53 @@ def test_the_metrics_are_the_step_sums_over_its_tokens_and_rollout():
     assert metrics["completion_length"] == 5.0 and metrics["entropy"] == 0.5
     assert metrics["rollout_s"] == 2.0 and metrics["rollout_tokens_per_sec"] == 20.0  # mean over the 2 ranks
     assert "skipped_groups" not in metrics  # (none: said only where some were)
+
+
+def test_a_student_equal_to_its_teacher_has_zero_loss_and_zero_gradient():
+    items = [{**item, "teacher": item["logp"]} for item in completions()]
+    documents = [document(d, item, (TEACHER_LOGP,)) for d, item in enumerate(items)]
+    policy = ParameterPolicy(items)
+    objective = objective_for("reverse_kl", {"beta": 0.0, "is_cap": None, "old": False})
+    loss, figures = objective.loss_sum(policy, collate_packed(documents))
+    loss.backward()
+    assert float(loss) == 0.0 and float(figures["teacher_kl_sum"]) == 0.0
+    assert all(float(p.grad.abs().max()) == 0.0 for p in policy.theta)
+
+
+class LogitPolicy(nn.Module):
+    """One position's logits as parameters: a document's one trained token v has the loss -log softmax(logits)[v]."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = nn.Parameter(logits.clone())
+
+    def forward(self, batch) -> torch.Tensor:
+        losses = torch.zeros(batch.num_tokens)
+        trained = (batch.labels[0] != IGNORE_INDEX).nonzero()[:, 0]
+        return losses.index_put((trained,), -torch.log_softmax(self.logits, -1)[batch.labels[0, trained]])
+
+
+def test_reverse_kls_expected_gradient_is_the_exact_reverse_kls_over_the_vocabulary():
+    """Over every token v the student may sample at a position, weighed by its probability, the loss's gradient
+    is the gradient of KL(student || teacher) summed over the whole vocabulary, computed here by autograd."""
+    vocab = 7
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(vocab, generator=generator), torch.randn(vocab, generator=generator)
+    objective = objective_for("reverse_kl", {"beta": 0.0, "is_cap": None, "old": False})
+    probs = torch.softmax(student, -1)
+    expected = torch.zeros(vocab)
+    teacher_logp = torch.log_softmax(teacher, -1)
+    for v in range(vocab):  # a one-token completion of v, alone in its step
+        ids, labels = np.array([1, 2, v]), np.array([IGNORE_INDEX, v, IGNORE_INDEX])
+        column = np.zeros(3, dtype=np.float32)
+        column[1] = float(teacher_logp[v])
+        batch = collate_packed([Document(0, ids, labels, token_values={TEACHER_LOGP: column})])
+        policy = LogitPolicy(student)
+        loss, _ = objective.loss_sum(policy, batch)
+        loss.backward()
+        expected += float(probs[v]) * policy.logits.grad
+    logits = student.clone().requires_grad_()
+    log_p = torch.log_softmax(logits, -1)
+    (log_p.exp() * (log_p - teacher_logp)).sum().backward()  # KL(student || teacher), exactly
+    torch.testing.assert_close(expected, logits.grad, rtol=1e-5, atol=1e-6)
+    assert float(logits.grad.abs().max()) > 1e-2  # (the two differ: there is a gradient to match)
