@@ -174,10 +174,21 @@ def _end(
     """The index of the token that ended a completion: the first stop token, or the first token whose text completes
     a stop string; None where neither did (cut at the budget: `generate` pads what follows an end)."""
     stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
-    if stop_strings:
-        limit = len(tokens) if stop is None else stop
-        for i in range(limit):
-            text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            if any(s in text for s in stop_strings):
-                return i
-    return stop
+    if not stop_strings:
+        return stop
+    limit = len(tokens) if stop is None else stop
+
+    def holds_one(end: int) -> bool:  # the text up to token `end` holds a stop string: once true, true after
+        text = tokenizer.decode(tokens[: end + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return any(s in text for s in stop_strings)
+
+    if limit == 0 or not holds_one(limit - 1):
+        return stop
+    low, high = 0, limit - 1  # the first end whose text holds one: a binary search, log2(n) decodes
+    while low < high:
+        middle = (low + high) // 2
+        if holds_one(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low

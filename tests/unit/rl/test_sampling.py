@@ -115,3 +115,15 @@ def test_a_completion_document_trains_its_sampled_tokens_from_the_positions_befo
     assert doc.labels.tolist() == [IGNORE_INDEX] * 3 + [7, 8, 9] + [IGNORE_INDEX]
     assert doc.token_values[BEHAVIOUR_LOGP].tolist() == [0, 0, 0, -0.5, -1.0, -1.5, 0]
     assert doc.doc_values == {ADVANTAGE: 0.25} and doc.doc_id == 42
+
+
+def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it():
+    from chattune.rl.sampling import _end
+
+    tokenizer = demo_tokenizer()
+    tokens = tokenizer("12, 34, 56, 78", add_special_tokens=False)["input_ids"]
+    text_until = [tokenizer.decode(tokens[: i + 1]) for i in range(len(tokens))]
+    want = next(i for i, text in enumerate(text_until) if "56" in text)
+    assert _end(tokens, tokenizer, (), ("56",)) == want
+    assert _end(tokens, tokenizer, (), ("99",)) is None
+    assert _end(tokens, tokenizer, (tokens[1],), ("56",)) == 1  # a stop token before the string ends it first
