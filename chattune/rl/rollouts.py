@@ -41,7 +41,7 @@ from chattune.parallel.fsdp import Placement, reshard
 from chattune.rl.advantages import group_advantages, is_uniform
 from chattune.rl.prompts import Prompt, PromptOrder, PromptSource, place_seed
 from chattune.rl.rewards import RewardFunction, score
-from chattune.rl.sampling import GroupSampling, Sampled, sample_group
+from chattune.rl.sampling import GroupSampling, Sampled, sample_groups
 
 logger = logging.getLogger(__name__)
 
@@ -267,24 +267,20 @@ class RolloutSteps:
                 prompts.append((place, None))
                 continue
             prompts.append((place, prompt))
+        kept = [(place, prompt) for place, prompt in prompts if prompt is not None]
         groups = []
         with sharded_generation(models.policy, models.placement) as alone:
-            for place, prompt in prompts:
-                if prompt is None and alone:
-                    continue
-                # (ranks that generate together, synced: a rank without this prompt still steps alike, and keeps none)
-                ids = prompt.ids if prompt is not None else [self.pad_id]
-                samples = sample_group(
+            if kept or not alone:  # (ranks that generate together, synced, all call it: one without prompts too)
+                sampled = sample_groups(
                     models.policy,
                     self.tokenizer,
-                    ids,
+                    [prompt.ids for _, prompt in kept] or [[self.pad_id]],
                     self.how,
-                    seed=place_seed(settings.seed, place),
+                    seed=place_seed(settings.seed, places.start),
                     device=models.placement.device,
                     synced=not alone,
                 )
-                if prompt is not None:
-                    groups.append(_Group(place, prompt, samples))
+                groups = [_Group(place, prompt, samples) for (place, prompt), samples in zip(kept, sampled)]
         return groups
 
     def _score(self, groups: list[_Group]) -> None:

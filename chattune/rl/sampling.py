@@ -10,8 +10,8 @@ log-probabilities are the policy's at the temperature alone: the two differ wher
 between them (`chattune.objectives.policy_gradient`: `rollout.is_correction`) makes the update unbiased for the
 distribution sampled. The policy's entropy at each position is read before the truncations, at the temperature.
 
-Each prompt's group is drawn from torch's RNG seeded for that prompt alone (`seed`), so the same prompt of the same
-step draws the same completions on any number of ranks and after a resume; the global RNG is left as it was.
+A rank's prompts are sampled together, in one `generate` call (left-padded, each prompt repeated G times), from torch's
+RNG seeded for that call: the same step draws the same completions after a resume; the global RNG is left as it was.
 """
 
 from __future__ import annotations
@@ -67,22 +67,38 @@ def sample_group(
     device: torch.device | None = None,
     synced: bool = False,
 ) -> list[Sampled]:
-    """A group of completions of the prompt `ids`, drawn as `how` says from torch's RNG seeded by `seed`. `model`: a
-    Hugging Face causal LM or chattune's sharded one inside `chattune.model.generate.sharded_generation` (`synced`:
-    every rank calls this alike, transformers' synced_gpus)."""
+    """One prompt's group (`sample_groups` of that prompt alone)."""
+    return sample_groups(model, tokenizer, [ids], how, seed, device, synced)[0]
+
+
+def sample_groups(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    how: GroupSampling,
+    seed: int = 0,
+    device: torch.device | None = None,
+    synced: bool = False,
+) -> list[list[Sampled]]:
+    """A group of completions of each prompt (token ids), drawn as `how` says in one `generate` call (the prompts
+    left-padded, each repeated `how.count` times) from torch's RNG seeded by `seed`. `model`: a Hugging Face causal LM
+    or chattune's sharded one inside `chattune.model.generate.sharded_generation` (`synced`: every rank calls this
+    alike, transformers' synced_gpus)."""
     sampling, count, stop_ids, stop_strings = how.sampling, how.count, how.stop_ids, how.stop_strings
     if sampling.temperature <= 0:
         raise ValueError("sampling completions for a policy gradient needs a temperature > 0 (greedy draws nothing)")
     device = device or next(model.parameters()).device
-    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], dtype=torch.long, device=device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
     entropy, recorder = _Entropy(sampling.temperature), _SampledLogProbs()
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         output = model.generate(
             input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
+            attention_mask=attention_mask,
             num_return_sequences=count,
             eos_token_id=list(stop_ids),
             pad_token_id=pad,
@@ -94,23 +110,23 @@ def sample_group(
             **UNTRUNCATED,
             max_new_tokens=sampling.max_new_tokens,
         )
-    new = output.sequences[:, len(ids) :]
+    new = output.sequences[:, width:]  # row p*count + k: prompt p's k-th completion
     steps = new.shape[1]
     if steps == 0:
-        return [Sampled([], [], [], False, "") for _ in range(count)]
+        return [[Sampled([], [], [], False, "") for _ in range(count)] for _ in prompts]
     drawn = recorder.log_probs(new)
     entropies = torch.stack(entropy.values[:steps], dim=1)
-    samples = []
-    for row in range(count):
+    groups: list[list[Sampled]] = [[] for _ in prompts]
+    for row in range(new.shape[0]):
         tokens = new[row].tolist()
         end = _end(tokens, tokenizer, stop_ids, stop_strings)
         kept = tokens if end is None else tokens[: end + 1]
         shown = kept if end is None or kept[-1] not in stop_ids else kept[:-1]
         text = tokenizer.decode(shown, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        samples.append(
+        groups[row // count].append(
             Sampled(kept, drawn[row, : len(kept)].tolist(), entropies[row, : len(kept)].tolist(), end is not None, text)
         )
-    return samples
+    return groups
 
 
 # What `generate` is told of sampling: draw, and truncate nothing itself. The truncations are chattune's processors

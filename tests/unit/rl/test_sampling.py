@@ -127,3 +127,25 @@ def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it():
     assert _end(tokens, tokenizer, (), ("56",)) == want
     assert _end(tokens, tokenizer, (), ("99",)) is None
     assert _end(tokens, tokenizer, (tokens[1],), ("56",)) == 1  # a stop token before the string ends it first
+
+
+def test_prompts_of_different_lengths_sampled_together_are_each_continued_as_alone():
+    """One generate call, the shorter prompt left-padded: each completion's log-probs are those of a plain forward of
+    its own prompt and prefix, unpadded (padding that leaked into a prompt's attention would show here)."""
+    from chattune.rl.sampling import sample_groups
+
+    tokenizer, model, short, how = setup(temperature=0.8, top_k=8)
+    longer = [
+        {"role": "user", "content": "Sort these numbers in ascending order: 51, 7, 98, 3, 44, 12"},
+        {"role": "assistant", "content": "3, 7, 12, 44, 51, 98"},
+        {"role": "user", "content": "And in descending order?"},
+    ]
+    long_ids = list(tokenizer.apply_chat_template(longer, add_generation_prompt=True, return_dict=True)["input_ids"])
+    assert len(long_ids) > len(short) + 10
+    groups = sample_groups(model, tokenizer, [short, long_ids], how, seed=3)
+    assert [len(group) for group in groups] == [how.count, how.count]
+    for prompt, group in zip((short, long_ids), groups):
+        for sample in group:
+            truncated, _, entropy = independent(model, prompt, sample, temperature=0.8, top_k=8, top_p=1.0)
+            np.testing.assert_allclose(sample.behaviour_logp, truncated, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(sample.entropy, entropy, rtol=1e-5, atol=1e-5)
