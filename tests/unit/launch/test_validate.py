@@ -1088,3 +1088,46 @@ def test_a_tensor_group_wider_than_a_machine_is_advised_against(monkeypatch):
         "cross machines; keep it within one (at most 2)"
     ) in notes
     assert check_config(compose_config("sft/tiny", ["parallel.tensor=2", *four]), SFT, world_size=8) == []
+
+
+def test_the_grpo_recipe_refuses_what_it_does_not_read_yet_and_checks_its_rewards_and_teacher(tmp_path, model_dir):
+    """Held-out prompts, a mixture and vLLM are refused, not ignored; a reward function's typo'd argument and one that
+    cannot be imported are problems; distillation needs a teacher directory, and a teacher or reference the loss does
+    not use is said to be unused."""
+    base = [f"output_dir={tmp_path / 'out'}", f"model.path={model_dir}"]
+    report, ok = run_validate(
+        "grpo/tiny",
+        [
+            *base,
+            "data.eval_split=0.1",
+            "data.mixing.mode=static",
+            "rollout.engine=vllm",
+            "reward.functions=[{_target_: chattune.rl.rewards.answer_check, mdoe: numeric}, {_target_: nowhere.fn}]",
+        ],
+        CONFIGS,
+    )
+    assert not ok
+    found = problems(report)
+    for key, words in (
+        ("data.eval_split:", "held-out prompts are not evaluated yet"),
+        ("data.mixing.mode:", "prompts are not mixed by weight yet"),
+        ("rollout.engine:", "vllm is not available"),
+        ("reward.functions[0]:", "mdoe: not a parameter of chattune.rl.rewards.answer_check"),
+        ("reward.functions[1]:", "cannot import 'nowhere.fn'"),
+    ):
+        assert any(line.startswith(key) and words in line for line in found), (key, found)
+    report, ok = run_validate("grpo/tiny", [*base, "loss.type=reverse_kl", "reward.functions=[]"], CONFIGS)
+    assert problems(report) == ["teacher.path: loss.type=reverse_kl distills from a teacher: name its directory"]
+    report, ok = run_validate("grpo/tiny", [*base, "reward.functions=[]"], CONFIGS)
+    assert problems(report) == ["reward.functions: no reward function: the policy would learn nothing"]
+    report, ok = run_validate("grpo/tiny", [*base, f"teacher.path={model_dir}", f"reference.path={model_dir}"], CONFIGS)
+    assert ok and "note: teacher.path: unused" in report and "note: reference.path: unused: loss.beta=0" in report
+    report, ok = run_validate(
+        "grpo/tiny",
+        [*base, "loss.type=reverse_kl", f"teacher.path={model_dir}", "rollout.skip_uniform_groups=true"],
+        CONFIGS,
+    )
+    assert problems(report) == [
+        "rollout.skip_uniform_groups: must be false with a teacher: distillation learns from every completion, "
+        "whatever its rewards"
+    ]
