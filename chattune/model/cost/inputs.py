@@ -34,3 +34,7 @@ class MemoryInputs:
     on_cpu: bool = False  # the run computes on the CPU: the host is the device (offloading moves nothing)
     loss_implementation: str = "chunked"  # as the run resolves loss.implementation: chunked | cut_cross_entropy
     cce_fp32_gradients: bool = False  # the CCE release accumulates the output layer's gradient in fp32
+    # A policy that samples its own steps (the GRPO recipe): the sequences a rank generates at once and the longest
+    # of them in tokens (the prompt and its completion: at most the row budget); 0: no rollout.
+    rollout_sequences: int = 0
+    rollout_tokens: int = 0

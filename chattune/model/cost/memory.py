@@ -26,7 +26,11 @@ What each row counts, and how:
 - **the loss head**: one chunk of `loss_chunk` tokens' fp32 logits and their gradient (the chunked loss
   computes the output layer chunk by chunk); in bf16/fp16 also the output layer's fp32 upcast and its
   gradients; with cut-cross-entropy (no logits held) its output-layer gradient buffer (`_loss_head_rows`).
-- **a live reference** (DPO, KTO): its parameters sharded like the policy's, no gradients or states.
+- **a live reference** (DPO, KTO, a GRPO run's KL penalty): its parameters sharded like the policy's, no gradients or
+  states.
+- **a rollout** (the GRPO recipe): a second peak, while the policy samples and no gradient or activation exists: the
+  parameter shards and optimizer states, the model gathered whole in the compute dtype, the KV cache of the rank's
+  sequences at their longest, and one decoding step's scores (`MemoryEstimate.rollout_rows`); the peak is the higher.
 - **QLoRA's 4-bit base** (`quantized_base`): every linear weight of the decoder layers replicated on each rank as
   bitsandbytes stores it (`_four_bit_bytes`), its bias in fp32; the rest sharded as with LoRA. Each 4-bit matmul
   dequantizes its weight to the compute dtype first: the largest such weight is added to what is gathered.
@@ -56,27 +60,55 @@ from chattune.model.cost.activation_trace import activation_bytes, lora_targets,
 from chattune.model.cost.inputs import MemoryInputs
 
 GiB = 2**30
+# The rows a rollout keeps (`MemoryEstimate.rollout`): the shards and the optimizer's states; gradients are freed
+# after each optimizer step and no activation is saved while the policy samples.
+KEPT_THROUGH_ROLLOUTS = ("parameters", "optimizer states", "4-bit base", "live reference")
 
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per rank, by row, with notes on what was assumed or left out."""
+    """Bytes per rank, by row, with notes on what was assumed or left out. `rollout_rows`: what a rollout holds besides
+    the parameter shards and optimizer states, while no gradient or activation exists (the GRPO recipe)."""
 
     rows: dict[str, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     host_rows: dict[str, int | None] = field(default_factory=dict)  # what offloading keeps in host memory instead
+    rollout_rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def training(self) -> int | None:
+        """A training step's peak: every row at once (None when a row could not be estimated)."""
+        values = list(self.rows.values())
+        return None if any(v is None for v in values) else sum(values)
+
+    @property
+    def rollout(self) -> int | None:
+        """A rollout's peak: the parameter shards and optimizer states, and its own rows (None: no rollout)."""
+        if not self.rollout_rows:
+            return None
+        kept = [value for name, value in self.rows.items() if name.startswith(KEPT_THROUGH_ROLLOUTS)]
+        return None if any(v is None for v in kept) else sum(v or 0 for v in kept) + sum(self.rollout_rows.values())
 
     @property
     def total(self) -> int | None:
-        """The peak: every row at once (None when a row could not be estimated)."""
-        values = list(self.rows.values())
-        return None if any(v is None for v in values) else sum(values)
+        """The peak: a training step's, or a rollout's where that is higher."""
+        training = self.training
+        if training is None or not self.rollout_rows:
+            return training
+        rollout = self.rollout
+        return None if rollout is None else max(training, rollout)
 
     def table(self, device_memory: int | None = None, memory_name: str = "device memory") -> str:
         """The rows, the peak and, against `device_memory` bytes (named `memory_name`), whether it fits."""
         lines = [f"  {name:<34} {format_gib(value):>10}" for name, value in self.rows.items()]
+        if self.rollout_rows:
+            lines.append(f"  {'a training step (the rows at once)':<34} {format_gib(self.training):>10}")
+            lines.append("  a rollout: the parameter shards and optimizer states, and")
+            lines += [f"    {name:<32} {format_gib(value):>10}" for name, value in self.rollout_rows.items()]
+            lines.append(f"  {'a rollout (at once)':<34} {format_gib(self.rollout):>10}")
         total = self.total
-        lines.append(f"  {'peak per rank (the rows at once)':<34} {format_gib(total):>10}")
+        peak = "peak per rank (the higher)" if self.rollout_rows else "peak per rank (the rows at once)"
+        lines.append(f"  {peak:<34} {format_gib(total):>10}")
         if device_memory is not None:
             verdict = "unknown" if total is None else ("fits" if total <= device_memory else "does NOT fit")
             lines.append(f"  {memory_name:<34} {format_gib(device_memory):>10}  ({verdict})")
@@ -334,7 +366,34 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     if inputs.offload_activations:
         result.host_rows["activations (offloaded)"] = host_activations
     _loss_head_rows(inputs, model, result, compute_bytes)
+    if inputs.rollout_sequences:
+        result.rollout_rows.update(_rollout_rows(inputs, hf_config, parameters.values(), split, compute_bytes))
+        result.notes.append(
+            f"a rollout's KV cache counted for {inputs.rollout_sequences} sequences of {inputs.rollout_tokens} tokens "
+            "(data.max_tokens_per_microbatch, the longest a prompt and its completion may be): a bound; "
+            "on-policy distillation's teacher is not counted"
+        )
     return result
+
+
+def _rollout_rows(inputs: MemoryInputs, hf_config, parameters, split: set[int], compute_bytes: int) -> dict[str, int]:
+    """What sampling holds (`chattune.rl.rollouts`): the model gathered whole in the compute dtype (once for the rollout,
+    where every rank has room), the KV cache of the rank's sequences at their longest (keys and values of every
+    attention layer), and one decoding step's scores (its logits, their log-softmax and the entropy's, fp32)."""
+    from chattune.model.cost.flops import text_config
+
+    text = text_config(hf_config)
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    whole = sum(p.numel() // (inputs.tensor if id(p) in split else 1) for p in parameters)
+    kv_per_token = 2 * layers * math.ceil(kv_heads / inputs.tensor) * head_dim * compute_bytes
+    return {
+        "the model gathered whole": compute_bytes * whole,
+        "KV cache": inputs.rollout_sequences * inputs.rollout_tokens * kv_per_token,
+        "a decoding step's scores": 3 * 4 * inputs.rollout_sequences * int(text.vocab_size),
+    }
 
 
 def _loss_head_rows(inputs: MemoryInputs, model: nn.Module, result: MemoryEstimate, compute_bytes: int) -> None:
@@ -419,7 +478,21 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
         tensor=layout.tp,
         on_cpu=not on_cuda,
         **_loss_head_of(str(_get(cfg.loss, "implementation") or "auto"), on_cuda, dtype_name),
+        **_rollout_of(cfg, layout.data_ranks),
     )
+
+
+def _rollout_of(cfg, data_ranks: int) -> dict:
+    """A GRPO run's rollout: the sequences a rank samples at once (its prompts x their completions) and their longest
+    (the row budget bounds a prompt and its completion)."""
+    rollout = _get(cfg, "rollout")
+    if rollout is None:
+        return {}
+    prompts = max(1, int(_get(rollout, "prompts_per_step") or 1) // max(data_ranks, 1))
+    return {
+        "rollout_sequences": prompts * int(_get(rollout, "completions_per_prompt") or 1),
+        "rollout_tokens": int(cfg.data.max_tokens_per_microbatch),
+    }
 
 
 def _loss_head_of(setting: str, on_cuda: bool, dtype_name: str) -> dict:

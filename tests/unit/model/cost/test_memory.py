@@ -728,3 +728,51 @@ def test_a_compiled_trace_dynamo_cannot_make_counts_the_eager_layers_and_says_so
     assert fell_back.rows["activations"] == estimate(inputs).rows["activations"]
     note = next(n for n in fell_back.notes if "counted as eager layers" in n)
     assert "a backend that cannot compile this layer" in note and "upper bound" in note, fell_back.notes
+
+
+def test_a_rollout_is_counted_as_the_gathered_model_its_kv_cache_and_a_steps_scores():
+    """The GRPO recipe's rollout: the whole model in the compute dtype, the KV cache that transformers' generate holds
+    for the rank's sequences at their longest (measured on a real cache here), and one step's scores; the peak is the
+    higher of a training step's and a rollout's, and a KL reference counts in both."""
+    from chattune.launch.compose import composed
+    from chattune.model.cost.memory import inputs_of
+
+    cfg = composed("grpo/tiny", ["model.path=null", "loss.beta=0.04", *SMALL_GRPO], PROJECT_ROOT / "configs")
+    hf_model = _model("llama", lora=False)
+    inputs = inputs_of(cfg, hf_model.config, ParallelDims.from_config(cfg.parallel, 2), on_cuda=False)
+    assert (inputs.rollout_sequences, inputs.rollout_tokens) == (8 // 2 * 4, 48)  # 4 prompts a rank, 4 each
+    estimated = estimate(inputs)
+    rows = estimated.rollout_rows
+    assert rows["the model gathered whole"] == 4 * sum(p.numel() for p in hf_model.parameters())
+    # the cache generate holds for 16 sequences of 48 tokens: a 40-token prompt, 9 new tokens (the last not fed back)
+    model = hf_model.eval()
+    model.set_attn_implementation("sdpa")
+    prompt = torch.randint(5, 100, (inputs.rollout_sequences, 40))
+    with torch.no_grad():
+        output = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=9,
+            min_new_tokens=9,
+            do_sample=False,
+            use_cache=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    cache = output.past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == rows["KV cache"]
+    assert rows["a decoding step's scores"] == 3 * 4 * inputs.rollout_sequences * hf_model.config.vocab_size
+    assert "live reference (fp32 shards)" in estimated.rows  # loss.beta > 0: a second model, through both phases
+    assert estimated.rollout == sum(
+        v for k, v in estimated.rows.items() if k.startswith(("parameters", "optimizer", "live reference"))
+    ) + sum(rows.values())
+    assert estimated.total == max(estimated.training, estimated.rollout)
+    assert "a rollout (at once)" in estimated.table()
+
+
+SMALL_GRPO = (
+    "rollout.prompts_per_step=8",
+    "rollout.completions_per_prompt=4",
+    "data.max_tokens_per_microbatch=48",
+)
