@@ -135,3 +135,37 @@ def test_a_student_distilled_on_policy_from_a_teacher_directory_comes_closer_to_
     kl = [m["teacher_kl"] for m in metrics]  # the student's sampled reverse KL to its teacher (measured: 1.64 -> 1.26)
     assert kl[0] > 0.1 and sum(kl[-3:]) / 3 < 0.85 * sum(kl[:3]) / 3, [round(k, 3) for k in kl]
     assert "reward" not in metrics[0]  # (no reward function: nothing to report)
+
+
+LAYOUT = ("max_steps=2", "rollout.prompts_per_step=4", "rollout.completions_per_prompt=4")
+SAME_LAYOUT = ("reward", "num_tokens", "completions", "loss")
+
+
+def test_tensor_parallelism_and_hsdp_train_as_the_plain_layouts_with_as_many_data_ranks(tmp_path, sft_base):
+    """tp=2 on 2 ranks is one data rank: the same prompts, completions, rewards and losses as 1 rank; replicate=2 on 2
+    ranks is two data ranks: as plain FSDP on 2 ranks (the gradient norm to 1e-5)."""
+
+    def run(name: str, nproc: int, *overrides: str) -> list[dict]:
+        out = tmp_path / name
+        launch(
+            torchrun(
+                "grpo",
+                f"model.path={sft_base}",
+                f"output_dir={out}",
+                "log_every=1",
+                "save_every=0",
+                *LAYOUT,
+                *overrides,
+                nproc=nproc,
+            )
+        )
+        return read_metrics(out)
+
+    one, tp = run("one", 1), run("tp", 2, "parallel.tensor=2")
+    two, hsdp = run("two", 2), run("hsdp", 2, "parallel.replicate=2")
+    for got, want in ((tp, one), (hsdp, two)):
+        for g, w in zip(got, want):
+            assert {k: g[k] for k in SAME_LAYOUT if k != "loss"} == {k: w[k] for k in SAME_LAYOUT if k != "loss"}
+            assert g["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-7)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+    assert (tmp_path / "tp" / "samples.jsonl").read_text() == (tmp_path / "one" / "samples.jsonl").read_text()
