@@ -38,7 +38,7 @@ from .numerics import (
     check_tf32_scope,
 )
 from .objectives import check_dpo_reference, check_objectives_bf16
-from .runs import compare_with_trl, cuda_tests, longest_row, resume_and_export, throughput_run
+from .runs import compare_with_trl, cuda_tests, grpo_run, longest_row, resume_and_export, throughput_run
 
 # --- the items, in priority order, within a budget ---
 
@@ -120,6 +120,7 @@ LAUNCH_ESTIMATES = {
     ("1.7b", "lora"): (95, 2.5),
     ("1.7b", "qlora"): (140, 3.0),
     ("1.7b", "trl"): (180, 6.0),
+    ("0.6b", "grpo"): (80, 8.0),  # (a guess until measured: 32 prompts x 8 completions of 256 tokens a step)
 }
 IN_PROCESS = {
     "float8": check_float8,
@@ -181,6 +182,8 @@ def plan(ctx: Context, shapes: list[str], steps: int) -> list[Item]:
     modes = ["lora", "qlora", "fp8", "offload"] if ctx.cuda else ["qlora"]
     if ctx.cuda:
         items.append(launch(first, "trl"))
+        # the GRPO recipe's rollout and training speed, its peak against the estimate (issue 70): after TRL's row
+        items.append(Item(f"grpo_{first}", estimate(first, "grpo", 6), lambda c: grpo_run(c, first, 6, 2)))
     items += [launch(shape, "sft") for shape in others]
     items += [launch(first, mode) for mode in modes]
     for shape in others:

@@ -138,6 +138,65 @@ def throughput_run(ctx: Context, shape: str, mode: str, steps: int, warmup: int)
     check_steady_steps(ctx, f"steady_steps_{shape}_{mode}", metrics(output_dir), log)
 
 
+def grpo_run(ctx: Context, shape: str, steps: int, warmup: int) -> None:
+    """One launch of recipes/grpo.py (grpo/local_model) on the shape's random-init model and the demo's sorting
+    prompts: the rollout's and the training's tokens/s, the rollout's share of a step, the peak memory against the
+    start-up estimate (the higher of a training step's and a rollout's peak), and the sampler's mismatch. Random
+    weights never stop early: every completion runs to rollout.max_new_tokens, the rollout's worst case."""
+    name = f"grpo_{shape}"
+    new_tokens = 256 if ctx.cuda else 16
+    prompts = "${demo_asset:sort_prompts.jsonl}"
+    try:
+        output_dir, log = run_recipe(
+            ctx,
+            name,
+            [
+                f"model.path={model_dir(ctx, shape)}",
+                f"data.train=[{{path: '{prompts}', format: prompt}}]",
+                "overwrite=true",
+                f"max_steps={steps}",
+                "log_every=1",
+                "save_every=0",
+                f"rollout.prompts_per_step={32 if ctx.cuda else 4}",
+                "rollout.completions_per_prompt=8",
+                f"rollout.max_new_tokens={new_tokens}",
+                "data.max_tokens_per_microbatch=8192" if ctx.cuda else "data.max_tokens_per_microbatch=1024",
+                "reward.functions=[{_target_: chattune.rl.demo_task.sorted_numbers, weight: 1.0}]",
+            ],
+            recipe="grpo",
+        )
+    except RuntimeError as error:
+        ctx.add(name, False, str(error).splitlines()[0][:200])
+        return
+    rows = [m for m in metrics(output_dir) if warmup < m["step"] <= steps] or metrics(output_dir)[-1:]
+    rollout_s = sum(m["rollout_s"] for m in rows)
+    step_s = sum(m["step_time_s"] for m in rows)
+    sampled = sum(m["rollout_tokens_per_sec"] * m["rollout_s"] for m in rows if m["rollout_s"] > 0)
+    trained = sum(m["num_tokens"] for m in rows)
+    peak = max(m.get("peak_memory_allocated_gib", 0.0) for m in rows) or None
+    estimated = re.search(r"peak per rank \(the higher\)\s+([0-9.]+) GiB", log)
+    mismatch = max(abs(m["mismatch_kl"]) for m in rows)
+    ctx.figures[shape, "grpo"] = {
+        "rollout_tokens_per_s": sampled / rollout_s if rollout_s else None,
+        "train_tokens_per_s": trained / (step_s - rollout_s) if step_s > rollout_s else None,
+        "rollout_share": rollout_s / step_s if step_s else None,
+        "peak_gib": peak,
+        "estimated_gib": float(estimated.group(1)) if estimated else None,
+        "mismatch_kl": mismatch,
+    }
+    ctx.add(
+        name,
+        mismatch < 1e-2,
+        f"rollout {sampled / max(rollout_s, 1e-9):,.0f} tokens/s, training {trained / max(step_s - rollout_s, 1e-9):,.0f}"
+        f" completion tokens/s, the rollout {rollout_s / max(step_s, 1e-9):.0%} of a step",
+        ", ".join(
+            ([f"peak {peak:.1f} GiB"] if peak else [])
+            + ([f"estimated {estimated.group(1)} GiB"] if estimated else [])
+            + [f"mismatch_kl {mismatch:.1e}"]
+        ),
+    )
+
+
 STEP_LINE = re.compile(r"\] step (\d+) \|")
 SLOW_STEP = 2.0  # a step over this many times the median step time is named
 STEADY_AFTER = 2  # the first steps compile (and a 1-token empty microbatch's graphs may come later: named too)
