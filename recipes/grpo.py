@@ -6,9 +6,9 @@ updates it, with FSDP2.
 Each step's rows are made from the policy being trained (`chattune.rl.rollouts`): P prompts (over all ranks), G
 completions of each sampled with a KV cache, scored by the reward functions, their rewards turned into advantages
 within each prompt's group; each completion is a packed document whose sampled tokens are trained. The loss
-(`loss.type`: grpo, dapo, dr_grpo, gspo, cispo; `chattune.objectives.policy_gradient`) is normalised over the whole
-step as its paper says, however the completions are split into microbatches and ranks. Read top to bottom; copy
-this file to change the story (docs/grpo.md).
+(`loss.type`: grpo, dapo, dr_grpo, gspo, cispo; reverse_kl and gkd distil from a teacher instead;
+`chattune.objectives.policy_gradient`) is normalised over the whole step as its paper says, however the completions
+are split into microbatches and ranks. Read top to bottom; copy this file to change the story (docs/grpo.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from chattune.checkpoint.output_dir import claim_output_dir
-from chattune.config.policy_losses import needs_teacher
+from chattune.config.policy_losses import compares_vocabularies, needs_teacher
 from chattune.data.ingest.records import source_specs
 from chattune.data.templates.tokenizer import load_tokenizer, pad_token_id
 from chattune.distributed import init_distributed, shutdown_distributed
@@ -71,15 +71,19 @@ def main(composed: DictConfig) -> None:
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)  # step k at the schedule's value at k
     loss = PolicyLoss.from_config(cfg.loss, cfg.rollout)
     # A frozen reference only for a KL penalty: reference.path, else the initial policy (with LoRA: its base);
-    # a teacher only for on-policy distillation (loss.type=reverse_kl). Both score the samples at their temperature.
+    # a teacher only for on-policy distillation (loss.type=reverse_kl: it scores the sampled tokens in the rollout;
+    # gkd: it runs beside the policy on every microbatch). Both score the samples at their temperature.
     reference = reference_model(cfg, tokenizer, dims, built) if cfg.loss.beta > 0 else None
-    teacher = teacher_model(cfg, tokenizer, dims) if needs_teacher(cfg.loss.type) else None
+    teacher = teacher_model(cfg, tokenizer, dims, policy) if needs_teacher(cfg.loss.type) else None
     for frozen in (reference, teacher):
         if frozen is not None and hasattr(frozen, "logit_transform"):  # (a LoRA base view is the policy's own)
             frozen.logit_transform = frozen.logit_transform.at_temperature(cfg.rollout.temperature)
 
     # --- the steps: rollouts of the policy as it trains (its old log-probs computed once where mu > 1) ---
-    models = RolloutModels(policy, built.placement, cfg.rollout.steps_per_rollout > 1, reference, teacher)
+    live_teacher = teacher if compares_vocabularies(cfg.loss.type) else None
+    models = RolloutModels(
+        policy, built.placement, cfg.rollout.steps_per_rollout > 1, reference, None if live_teacher else teacher
+    )
     steps = RolloutSteps(
         models,
         tokenizer,
@@ -92,7 +96,15 @@ def main(composed: DictConfig) -> None:
     data = TrainingData.made_by(steps, pad_token_id(tokenizer))
 
     # --- training: resume, update steps, metrics, checkpoints, the HF export (shared by every recipe) ---
-    train(cfg, dims, start, built, data, Learning(PolicyGradientObjective(loss), optimizer, scheduler), tokenizer)
+    train(
+        cfg,
+        dims,
+        start,
+        built,
+        data,
+        Learning(PolicyGradientObjective(loss, live_teacher), optimizer, scheduler),
+        tokenizer,
+    )
     shutdown_distributed()
 
 

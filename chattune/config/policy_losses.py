@@ -13,6 +13,7 @@ every microbatch and rank, all-reduced once), never a per-rank or per-microbatch
 | `gspo` | the clipped sequence-level ratio (the geometric mean of its tokens') times the advantage | the step's completions |
 | `cispo` | the detached, capped ratio times the advantage times the log-prob | the step's completion tokens |
 | `reverse_kl` | the ratio times the token's advantage log p_teacher - log p_old (on-policy distillation) | the step's completion tokens |
+| `gkd` | the generalised JSD (loss.jsd_beta) between the teacher's and the policy's whole next-token distributions | the step's completion tokens |
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class PolicyLossSpec:
     clip: tuple[float, float] | None
     sequence_ratio: bool = False
     paper: str = ""
-    teacher: bool = False  # its advantages are a teacher's log-probs against the sampler's (teacher.path)
+    teacher: bool = False  # it learns from a teacher (teacher.path), not from rewards
+    vocabulary: bool = False  # it compares whole distributions (the teacher run live), not sampled tokens' log-probs
 
 
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {
@@ -49,6 +51,14 @@ POLICY_LOSSES: dict[str, PolicyLossSpec] = {
             paper="on-policy distillation (Agarwal et al., arXiv 2306.13649; Thinking Machines 2025)",
             teacher=True,
         ),
+        PolicyLossSpec(
+            "gkd",
+            "completion token",
+            None,
+            paper="GKD (Agarwal et al., arXiv 2306.13649): generalised JSD over the vocabulary",
+            teacher=True,
+            vocabulary=True,
+        ),
     )
 }
 
@@ -62,6 +72,12 @@ def needs_teacher(loss_type: object) -> bool:
     """Whether a run of `loss.type` scores its samples with a teacher (teacher.path)."""
     spec = POLICY_LOSSES.get(loss_type) if isinstance(loss_type, str) else None
     return spec is not None and spec.teacher
+
+
+def compares_vocabularies(loss_type: object) -> bool:
+    """Whether a run of `loss.type` compares the policy's whole distributions with its teacher's (gkd)."""
+    spec = POLICY_LOSSES.get(loss_type) if isinstance(loss_type, str) else None
+    return spec is not None and spec.vocabulary
 
 
 def clip_range(loss_type: str, epsilon_low: float | None, epsilon_high: float | None) -> tuple[float, float]:

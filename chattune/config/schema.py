@@ -736,8 +736,8 @@ class AdvantageConfig:
 class PolicyLossConfig(LossConfig):
     type: str = key(
         "dapo",
-        "grpo | dapo | dr_grpo | gspo | cispo | reverse_kl (on-policy distillation from teacher.path; docs/grpo.md: "
-        "what each averages over)",
+        "grpo | dapo | dr_grpo | gspo | cispo | reverse_kl | gkd (the last two: on-policy distillation from "
+        "teacher.path; docs/grpo.md: what each averages over)",
         choices=POLICY_LOSSES,
     )
     epsilon_low: float | None = key(
@@ -764,6 +764,12 @@ class PolicyLossConfig(LossConfig):
         5.0,
         "cispo: the cap of its detached importance weight (TRL's epsilon_high for cispo)",
         bound=(lambda v: v > 0, "must be positive"),
+    )
+    jsd_beta: float = key(
+        0.5,
+        "gkd: the generalised JSD's beta (TRL's convention: 0 the forward KL(teacher||policy), 1 the reverse "
+        "KL(policy||teacher))",
+        bound=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     )
 
 
@@ -795,8 +801,8 @@ class GRPOReferenceConfig:
 class TeacherConfig:
     path: str | None = key(
         None,
-        "on-policy distillation (loss.type=reverse_kl): the teacher's model directory, with the student's tokenizer; "
-        "frozen, sharded like the policy, scoring every sampled token",
+        "on-policy distillation (loss.type=reverse_kl or gkd): the teacher's model directory, with the student's "
+        "tokenizer; frozen, sharded like the policy, scoring every sampled token",
     )
 
 

@@ -25,7 +25,7 @@ from chattune.config.layout_rules import (
     tensor_ranks_problem,
 )
 from chattune.config.losses import needs_reference
-from chattune.config.policy_losses import needs_teacher
+from chattune.config.policy_losses import compares_vocabularies, needs_teacher
 from chattune.config.schema import FP8_MODES, QUANTIZE_BASE, TinyLlamaConfig
 from chattune.config.typed import typed_config
 from chattune.data.ingest.formats import DataError, SourceSpec
@@ -326,9 +326,24 @@ class RunRules:
                 f"loss.type={get_value(self.values, 'loss.type')} distills from a teacher: name its directory",
             )
         elif isinstance(teacher, str) and not distilled:
-            self.findings.note("teacher.path", "unused: only loss.type=reverse_kl scores the samples with a teacher")
+            self.findings.note(
+                "teacher.path", "unused: only loss.type=reverse_kl or gkd scores the samples with a teacher"
+            )
         elif isinstance(teacher, str) and not (Path(teacher) / "config.json").is_file():
             self.findings.problem("teacher.path", f"{teacher!r} is not a Hugging Face model directory (no config.json)")
+        if compares_vocabularies(get_value(self.values, "loss.type")):
+            # gkd's divergence needs each position's whole distribution from both models on one rank
+            if (number(self.values, "parallel.tensor") or 1) > 1:
+                self.findings.problem(
+                    "parallel.tensor",
+                    "must be 1 with loss.type=gkd: its divergence compares whole vocabularies, which tensor "
+                    "parallelism splits over ranks (loss.type=reverse_kl compares sampled tokens only and may split)",
+                )
+            if (number(self.values, "loss.beta") or 0) > 0:
+                self.findings.problem(
+                    "loss.beta",
+                    "must be 0 with loss.type=gkd: its loss is the divergence to the teacher, with no reference",
+                )
         if distilled and get_value(self.values, "rollout.skip_uniform_groups") is True:
             self.findings.problem(
                 "rollout.skip_uniform_groups",

@@ -23,6 +23,7 @@ from chattune.data.packing import PackedBatch
 from chattune.errors import UnsupportedModel, UserError
 from chattune.hf_layout import decoder_of
 from chattune.model.cost.flops import model_flops
+from chattune.model.head.chunked_divergence import DistillationTarget, chunked_token_divergence
 from chattune.model.head.chunked_loss import chunked_token_losses
 from chattune.model.head.fused_loss import cce_token_losses, describe_bias
 from chattune.model.head.kinds import CAUSAL_LM_HEAD, ModelHead
@@ -71,12 +72,28 @@ class PackedCausalLM(nn.Module):
         set_context_group(self, context_group)  # self.context_group, and the attention modules'
 
     def forward(
-        self, batch: PackedBatch, router_losses: bool = False
+        self, batch: PackedBatch, router_losses: bool = False, distill: DistillationTarget | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token losses (N,) in fp32 for a packed (1, N) microbatch; 0 where the label is ignored. With
         `router_losses` (a model with a `router_loss`), also each segment's coefficient-weighted load-balancing
-        loss (S,). Under context parallelism every rank of the group passes the whole row, computes its own
-        slice and returns the whole row's losses (`chattune.parallel.context_parallel`)."""
+        loss (S,). With `distill` (a teacher's `distillation_target` of the same row), each trained position's
+        generalised JSD to the teacher instead (`chattune.model.head.chunked_divergence`). Under context
+        parallelism every rank of the group passes the whole row, computes its own slice and returns the whole
+        row's losses (`chattune.parallel.context_parallel`)."""
+        if distill is not None:  # the whole vocabulary of the whole row on this rank (validate refuses the rest)
+            if self.stream is not None or self.context_group is not None or router_losses:
+                raise ValueError("distillation over the vocabulary needs whole rows and a whole output layer")
+            output = packed_decoder_output(self.hf_model, batch)
+            weight, bias = self.hf_model.get_output_embeddings().weight, output_bias(self.hf_model)
+            return chunked_token_divergence(
+                output.last_hidden_state[0],
+                weight,
+                batch.labels[0],
+                distill,
+                self.loss_chunk_size,
+                self.logit_transform,
+                bias,
+            )
         group = self.context_group
         # A stream split by tokens over a tp group (`chattune.parallel.sequence_parallel`) splits each rank's row
         # evenly: a row T (or C x T) does not divide is padded by a segment of its own.
@@ -92,6 +109,21 @@ class PackedCausalLM(nn.Module):
             raise ValueError("the router loss is computed per document, which context parallelism splits")
         local = row_slice(batch, dist.get_world_size(group), dist.get_rank(group), tokens_over)
         return gather_row(self._token_losses(local), group, batch.num_tokens)
+
+    @torch.no_grad()
+    def distillation_target(self, batch: PackedBatch, beta: float) -> DistillationTarget:
+        """As a teacher: what a student's `forward(batch, distill=...)` compares its distributions with on `batch`
+        (whole rows, a whole output layer). Sharded, this is one of FSDP2's forward methods: the root's gathered
+        output layer stays gathered after it (FSDP2 reshards a root only after a backward), which the student's
+        backward needs when it recomputes the teacher's logits."""
+        output = packed_decoder_output(self.hf_model, batch)
+        return DistillationTarget(
+            hidden=output.last_hidden_state[0],
+            weight=self.hf_model.get_output_embeddings().weight,
+            bias=output_bias(self.hf_model),
+            transform=self.logit_transform,
+            beta=beta,
+        )
 
     def describe_head(self) -> str:
         """What computes the loss from the final hidden states, for the start-up `compute:` line."""

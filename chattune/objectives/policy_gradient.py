@@ -14,6 +14,9 @@ With one optimizer step per rollout the old policy is the current one: its log-p
 On-policy distillation (`reverse_kl`) takes each token's advantage from a teacher instead of a reward: log p_teacher -
 log p_old at the sampled token (`TEACHER_LOGP`), whose expectation under the student is minus the reverse KL from the
 student to the teacher at that position, so the update descends that KL (Agarwal et al.'s on-policy distillation).
+`gkd` compares the whole distributions instead: at each sampled position the generalised Jensen-Shannon divergence
+between the teacher's and the student's next-token distributions over the vocabulary, the teacher run on each
+microbatch beside the student (`chattune.model.head.chunked_divergence`: neither model's full logits at once).
 
 The step's loss is the sum of its per-token (or per-completion) terms over every microbatch and rank divided by the
 count its paper defines over the whole step (`chattune.config.policy_losses`): the loop all-reduces that count once
@@ -73,6 +76,7 @@ class PolicyLoss:
     max_new_tokens: int = 1
     is_cap: float | None = None
     kl_ratio: bool = True
+    jsd_beta: float = 0.5
 
     def __post_init__(self) -> None:
         if self.type not in POLICY_LOSSES:
@@ -91,6 +95,7 @@ class PolicyLoss:
             max_new_tokens=rollout.max_new_tokens,
             is_cap=rollout.is_cap if rollout.is_correction == "truncate" else None,
             kl_ratio=loss.kl_ratio,
+            jsd_beta=loss.jsd_beta,
         )
 
     @property
@@ -160,8 +165,13 @@ class PolicyGradientObjective(Objective):
     rollout figures (rewards, lengths, the sampler's time), which the rollout source reports beside the microbatches
     (`StepBatches.figures`), become metrics here with the loss's own."""
 
-    def __init__(self, loss: PolicyLoss):
+    def __init__(self, loss: PolicyLoss, teacher: nn.Module | None = None):
+        """`teacher`: loss.type=gkd's, a frozen causal LM (`PackedCausalLM`, sharded like the policy) run on every
+        microbatch for its distributions."""
+        if POLICY_LOSSES[loss.type].vocabulary and teacher is None:
+            raise ValueError(f"loss.type={loss.type} compares the policy's distributions with a teacher's: pass it")
         self.loss = loss
+        self.teacher = teacher
         self.unit_name = POLICY_LOSSES[loss.type].unit
 
     def count_units(self, batch: PackedBatch) -> int:
@@ -170,6 +180,8 @@ class PolicyGradientObjective(Objective):
         return len(batch.doc_ids)
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.teacher is not None:
+            return self._divergence_sum(model, batch)
         token_losses = model(batch)  # (N,) -log p of each label at the sampling temperature; 0 where untrained
         device = token_losses.device
         zeros = {name: token_losses.new_zeros((), dtype=torch.float64) for name in FIGURES}
@@ -210,6 +222,17 @@ class PolicyGradientObjective(Objective):
             figures["teacher_kl_sum"] = teacher_kl.double().sum()
         return self.loss.aggregate(terms, completion, lengths), figures
 
+    def _divergence_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """gkd: the microbatch's summed per-token divergences to the teacher. Every rank runs the teacher on every
+        microbatch, an empty one too: its sharded layers gather collectively."""
+        assert self.teacher is not None
+        target = self.teacher.distillation_target(batch, self.loss.jsd_beta)  # type: ignore[operator]
+        divergences = model(batch, distill=target)  # (N,) at the sampled positions, 0 elsewhere
+        figures = {name: divergences.new_zeros((), dtype=torch.float64) for name in FIGURES}
+        figures["completions"] += len(batch.doc_ids)
+        figures["completion_tokens"] += batch.num_trainable_tokens
+        return divergences.sum(), figures
+
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
         """loss: the step's loss (its sum over the step's units); num_tokens: its completion tokens; the clipped
         shares of its tokens (below the range with a negative advantage, above it with a positive one), the ratio's
@@ -220,6 +243,10 @@ class PolicyGradientObjective(Objective):
             "loss": sums["loss_sum"] / max(global_units, 1),
             "num_tokens": int(sums.get("completion_tokens", 0.0)),
             "completions": int(sums.get("completions", 0.0)),
+        }
+        if self.teacher is not None:  # gkd: the loss is the mean divergence; no ratio, no sampled log-probs
+            return metrics | rollout_metrics(sums)
+        metrics |= {
             "clipped_low": sums.get("clipped_low", 0.0) / tokens,
             "clipped_high": sums.get("clipped_high", 0.0) / tokens,
             "ratio_mean": sums.get("ratio_sum", 0.0) / tokens,

@@ -240,6 +240,8 @@ def shard_model(
     # generate() runs the HF model directly: FSDP2 must gather the root's parameters around it as around forward.
     if hasattr(model, "generate"):  # a causal LM's (a reward model's score head generates nothing)
         register_fsdp_forward_method(model, "generate")
+    if hasattr(model, "distillation_target"):  # a causal LM as a teacher: its hidden states and output layer
+        register_fsdp_forward_method(model, "distillation_target")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Each rank's loss is already divided by the GLOBAL token count, so the cross-rank

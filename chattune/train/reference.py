@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from chattune.config.policy_losses import compares_vocabularies
 from chattune.config.schema import DPOConfig, GRPOConfig, KTOConfig
 from chattune.data.ingest.sources import MixedDocuments
 from chattune.data.stream import StreamLayout
@@ -47,9 +48,12 @@ def reference_model(
     ).model
 
 
-def teacher_model(cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase, dims: ParallelDims) -> torch.nn.Module:
+def teacher_model(
+    cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase, dims: ParallelDims, student: torch.nn.Module
+) -> torch.nn.Module:
     """Collective: on-policy distillation's teacher, teacher.path, frozen and sharded like the policy. It scores the
-    student's tokens, so its tokenizer must be the student's: a UserError names the difference otherwise."""
+    student's tokens, so its tokenizer must be the student's, and (loss.type=gkd, which compares distributions) its
+    output layer must have the student's rows: a UserError names the difference otherwise."""
     from transformers import AutoTokenizer
 
     path = cfg.teacher.path
@@ -73,7 +77,22 @@ def teacher_model(cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase, dims: Par
         source=ModelSource(path, "teacher.path", role="teacher"),
         levers=memory_levers(cfg),
     ).model
+    if compares_vocabularies(cfg.loss.type):
+        rows = {name: _output_rows(held) for name, held in (("teacher", model), ("student", student))}
+        if rows["teacher"] != rows["student"]:
+            raise UserError(
+                f"teacher.path {path}: its output layer has {rows['teacher']} rows and the student's "
+                f"{rows['student']}: loss.type={cfg.loss.type} compares distributions over one vocabulary "
+                "(loss.type=reverse_kl compares the sampled tokens only)"
+            )
     return model.eval().requires_grad_(False)
+
+
+def _output_rows(model: torch.nn.Module) -> int:
+    """The rows of a causal LM's output layer (sharded: the whole layer's, a DTensor's shape)."""
+    head = cast(PreTrainedModel, model.hf_model).get_output_embeddings()
+    assert head is not None, "a causal LM has an output layer"
+    return int(cast(torch.Tensor, head.weight).shape[0])
 
 
 def reference_log_probs(

@@ -1,7 +1,8 @@
-"""The policy-gradient losses (on-policy distillation's included) through the shared update step on a real (tiny) model: each loss type's gradients and
-loss over a step of completions equal its paper's formula (tests/unit/objectives/test_policy_gradient.py's) applied to
-the log-probs of a plain unpacked Hugging Face forward of each completion at the sampling temperature, however the
-completions are split into microbatches and ranks (1 rank, 4 microbatches, 2 ranks unevenly, one rank empty)."""
+"""The policy-gradient losses (on-policy distillation's included; gkd's teacher a second random model) through the
+shared update step on a real (tiny) model: each loss type's gradients and loss over a step of completions equal its
+paper's formula (tests/unit/objectives/test_policy_gradient.py's) applied to the log-probs (gkd: the distributions) of
+a plain unpacked Hugging Face forward of each completion at the sampling temperature, however the completions are
+split into microbatches and ranks (1 rank, 4 microbatches, 2 ranks unevenly, one rank empty)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
-from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP, TEACHER_LOGP
+from chattune.objectives.policy_gradient import (
+    ADVANTAGE,
+    BEHAVIOUR_LOGP,
+    OLD_LOGP,
+    REF_LOGP,
+    TEACHER_LOGP,
+    PolicyGradientObjective,
+    PolicyLoss,
+)
 from chattune.parallel.fsdp import shard_model
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
@@ -28,6 +37,7 @@ TEMPERATURE = 0.7
 POLICY_SEED = 0
 COUNT = 8
 SETTING = SETTINGS[1]  # old log-probs given (the clip in play), a KL penalty, truncated importance sampling
+TEACHER_SEED, JSD_BETA = 1, 0.3  # gkd: another random model as the teacher
 
 
 def hf_policy():
@@ -94,8 +104,31 @@ def documents(made: list[dict]) -> list[Document]:
     return docs
 
 
+def completion_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits at the positions that predict `tokens` after `prompt`, at the temperature: a plain forward."""
+    return model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE
+
+
+def gkd_paper_loss(model, made: list[dict]) -> torch.Tensor:
+    """GKD's generalised JSD (arXiv 2306.13649, eq. 1) at every completion token, over the whole vocabulary, from
+    the two models' probabilities, averaged over the step's completion tokens."""
+    teacher, terms = tiny_model(seed=TEACHER_SEED), []
+    for item in made:
+        prompt, tokens = item["prompt"], item["tokens"].tolist()
+        s = torch.softmax(completion_logits(model, prompt, tokens), -1)
+        with torch.no_grad():
+            t = torch.softmax(completion_logits(teacher, prompt, tokens), -1)
+        m = JSD_BETA * t + (1 - JSD_BETA) * s
+        terms.append(JSD_BETA * (t * (t / m).log()).sum(-1) + (1 - JSD_BETA) * (s * (s / m).log()).sum(-1))
+    return torch.cat(terms).mean()
+
+
 def hand_step(kind: str, made: list[dict]) -> dict:
     model = hf_policy()
+    if kind == "gkd":
+        loss = gkd_paper_loss(model, made)
+        loss.backward()
+        return {"loss": float(loss.detach()), "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
     theta = [completion_logps(model, item["prompt"], item["tokens"].tolist()) for item in made]
     loss = paper_loss(kind, theta, made, {**SETTING, "cispo_max": 1.3})
     loss.backward()
@@ -110,9 +143,16 @@ def _worker(rank, world_size, port, splits, out_path, made):
     placement = shard_model(policy, mesh_dims())
     policy.train()
     microbatches = [collate_packed([docs[i] for i in mb]) if mb else empty_batch(0) for mb in splits[rank]]
+    teacher = PackedCausalLM(tiny_model(seed=TEACHER_SEED), loss_chunk_size=16)
+    teacher.logit_transform = teacher.logit_transform.at_temperature(TEMPERATURE)
+    shard_model(teacher, mesh_dims())
+    teacher.eval().requires_grad_(False)
     out = {}
     for kind in POLICY_LOSSES:
-        objective = objective_for(kind, SETTING)
+        if kind == "gkd":  # the teacher run on each microbatch, an empty one too
+            objective = PolicyGradientObjective(PolicyLoss("gkd", jsd_beta=JSD_BETA), teacher)
+        else:
+            objective = objective_for(kind, SETTING)
         result = accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
         total = torch.tensor([result.loss_sum], dtype=torch.float64)
         torch.distributed.all_reduce(total)

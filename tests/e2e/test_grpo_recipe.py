@@ -137,6 +137,24 @@ def test_a_student_distilled_on_policy_from_a_teacher_directory_comes_closer_to_
     assert "reward" not in metrics[0]  # (no reward function: nothing to report)
 
 
+def test_a_student_distilled_by_gkd_over_the_whole_vocabulary_comes_closer_to_its_teacher(
+    tmp_path, tmp_path_factory, sft_base
+):
+    student = made_once(tmp_path_factory, "grpo-sft-student", sft(30)) / "run" / "hf"
+    metrics = grpo(
+        tmp_path / "gkd",
+        student,
+        "max_steps=8",
+        "loss.type=gkd",
+        f"teacher.path={sft_base}",
+        "reward.functions=[]",
+        lr=3e-3,
+    )
+    jsd = [m["loss"] for m in metrics]  # the generalised JSD (beta 0.5) per completion token
+    assert jsd[0] > 0.01 and sum(jsd[-3:]) / 3 < 0.85 * sum(jsd[:3]) / 3, [round(k, 4) for k in jsd]
+    assert "ratio_mean" not in metrics[0] and "reward" not in metrics[0]
+
+
 LAYOUT = ("max_steps=2", "rollout.prompts_per_step=4", "rollout.completions_per_prompt=4")
 SAME_LAYOUT = ("reward", "num_tokens", "completions", "loss")
 

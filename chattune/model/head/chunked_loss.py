@@ -115,10 +115,10 @@ def chunked_token_losses(
         raise ValueError(f"expected hidden (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     chunks = -(-hidden.shape[0] // chunk_size)
-    # A bf16/fp16 output layer's gradient summed over the chunks in fp32 and rounded once (`_SummedInFp32`);
+    # A bf16/fp16 output layer's gradient summed over the chunks in fp32 and rounded once (`SummedInFp32`);
     # upcast by each chunk, every chunk's gradient was rounded to bf16 and the chunks summed in bf16 (3x the
     # rounding of one cast over 16 chunks: tests/unit/model/head/test_chunked_loss.py).
-    sums = (_SummedInFp32.where_needed(weight, chunks), _SummedInFp32.where_needed(bias, chunks))
+    sums = (SummedInFp32.where_needed(weight, chunks), SummedInFp32.where_needed(bias, chunks))
     losses = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
@@ -142,9 +142,9 @@ def chunked_token_losses(
     return torch.cat(losses)
 
 
-class _SummedInFp32:
+class SummedInFp32:
     """The fp32 sum of a low-precision output layer's gradient over the chunks of one loss. Each chunk upcasts the
-    layer inside its checkpoint (`_Upcast`: nothing of fp32 outlives a chunk's forward); each chunk's backward adds
+    layer inside its checkpoint (`Upcast`: nothing of fp32 outlives a chunk's forward); each chunk's backward adds
     its fp32 gradient into `total` in place and hands autograd nothing, and the last one hands it the sum rounded
     to the layer's dtype once. At its peak: the sum, a chunk's gradient and its upcast (12 bytes an element, the
     estimate's loss-head row)."""
@@ -154,18 +154,18 @@ class _SummedInFp32:
         self.total: torch.Tensor | None = None
 
     @classmethod
-    def where_needed(cls, tensor: torch.Tensor | None, chunks: int) -> _SummedInFp32 | None:
+    def where_needed(cls, tensor: torch.Tensor | None, chunks: int) -> SummedInFp32 | None:
         """One for a trained low-precision `tensor` (an fp32 one's chunks already sum in fp32)."""
         if tensor is None or not tensor.requires_grad or tensor.dtype == torch.float32:
             return None
         return cls(chunks)
 
 
-class _Upcast(torch.autograd.Function):
-    """tensor.float(), its gradient summed over the chunks in `summed` (see _SummedInFp32)."""
+class Upcast(torch.autograd.Function):
+    """tensor.float(), its gradient summed over the chunks in `summed` (see SummedInFp32)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, summed: _SummedInFp32) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, summed: SummedInFp32) -> torch.Tensor:
         ctx.summed, ctx.dtype = summed, tensor.dtype
         return tensor.float()
 
@@ -188,13 +188,13 @@ def _summed_chunk_token_losses(
     transform: LogitTransform | None,
     bias: torch.Tensor | None,
     rows: VocabShard | None,
-    sums: tuple[_SummedInFp32 | None, _SummedInFp32 | None],
+    sums: tuple[SummedInFp32 | None, SummedInFp32 | None],
 ) -> torch.Tensor:
-    """A chunk's token losses with the output layer and its bias upcast through `_Upcast` where `sums` (theirs)
+    """A chunk's token losses with the output layer and its bias upcast through `Upcast` where `sums` (theirs)
     has a sum."""
     weight_sum, bias_sum = sums
     if weight_sum is not None:
-        weight = _Upcast.apply(weight, weight_sum)
+        weight = Upcast.apply(weight, weight_sum)
     if bias is not None and bias_sum is not None:
-        bias = _Upcast.apply(bias, bias_sum)
+        bias = Upcast.apply(bias, bias_sum)
     return _chunk_token_losses(hidden, weight, labels, tf32, transform, bias, rows)

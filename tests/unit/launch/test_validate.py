@@ -1131,3 +1131,15 @@ def test_the_grpo_recipe_refuses_what_it_does_not_read_yet_and_checks_its_reward
         "rollout.skip_uniform_groups: must be false with a teacher: distillation learns from every completion, "
         "whatever its rewards"
     ]
+    report, ok = run_validate(
+        "grpo/tiny",
+        [*base, "loss.type=gkd", f"teacher.path={model_dir}", "parallel.tensor=2", "loss.beta=0.1"],
+        CONFIGS,
+    )
+    assert problems(report) == [
+        "parallel.tensor: must be 1 with loss.type=gkd: its divergence compares whole vocabularies, which tensor "
+        "parallelism splits over ranks (loss.type=reverse_kl compares sampled tokens only and may split)",
+        "loss.beta: must be 0 with loss.type=gkd: its loss is the divergence to the teacher, with no reference",
+    ]
+    report, ok = run_validate("grpo/tiny", [*base, "loss.type=gkd", f"teacher.path={model_dir}"], CONFIGS)
+    assert ok, report  # the remedies as written: parallel.tensor=1 and loss.beta=0 (the defaults)

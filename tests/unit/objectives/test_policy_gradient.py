@@ -30,6 +30,9 @@ from chattune.objectives.policy_gradient import (
 )
 
 PROMPT = 3  # prompt tokens of every completion document
+# The losses of sampled tokens' log-probs (gkd compares whole distributions: tests/unit/model/head/
+# test_chunked_divergence.py, and on a real model tests/distributed/test_policy_gradient_step.py)
+SAMPLED = [kind for kind, spec in POLICY_LOSSES.items() if not spec.vocabulary]
 MAX_NEW_TOKENS = 9
 
 
@@ -177,7 +180,7 @@ def declared(settings: dict) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["clipped", "kl_and_is", "on_policy", "plain_k3"])
-@pytest.mark.parametrize("kind", list(POLICY_LOSSES))
+@pytest.mark.parametrize("kind", SAMPLED)
 def test_each_loss_equals_its_papers_formula_and_its_gradient(kind, settings):
     items = completions()
     documents = [document(d, item, declared(settings)) for d, item in enumerate(items)]
@@ -199,7 +202,7 @@ def test_each_loss_equals_its_papers_formula_and_its_gradient(kind, settings):
         assert 0 < float(figures["clipped_low"] + figures["clipped_high"]) < sum(len(i["tokens"]) for i in items)
 
 
-@pytest.mark.parametrize("kind", list(POLICY_LOSSES))
+@pytest.mark.parametrize("kind", SAMPLED)
 def test_the_loss_and_its_gradients_do_not_depend_on_the_microbatch_split_and_a_per_microbatch_normaliser_would(kind):
     settings = SETTINGS[1]
     items = completions(seed=1)
@@ -236,10 +239,24 @@ def test_the_units_are_completion_tokens_or_completions_as_the_paper_normalises(
     items = completions()
     batch = collate_packed([document(d, item, ()) for d, item in enumerate(items)])
     tokens = sum(len(item["tokens"]) for item in items)
-    for kind, spec in POLICY_LOSSES.items():
+    for kind in SAMPLED:
         units = objective_for(kind, SETTINGS[2]).count_units(batch)
-        assert units == (tokens if spec.unit == "completion token" else len(items)), kind
-    assert {k for k, s in POLICY_LOSSES.items() if s.unit == "completion token"} == {"dapo", "cispo", "reverse_kl"}
+        assert units == (tokens if POLICY_LOSSES[kind].unit == "completion token" else len(items)), kind
+    assert {k for k, s in POLICY_LOSSES.items() if s.unit == "completion token"} == {
+        "dapo",
+        "cispo",
+        "reverse_kl",
+        "gkd",
+    }
+
+
+def test_gkd_needs_its_teacher_and_reports_its_divergence_without_ratios():
+    loss = PolicyLoss("gkd")
+    with pytest.raises(ValueError, match="teacher"):
+        PolicyGradientObjective(loss)
+    objective = PolicyGradientObjective(loss, teacher=nn.Identity())
+    metrics = objective.metrics({"loss_sum": 3.0, "completion_tokens": 12.0, "completions": 2.0}, 12)
+    assert metrics == {"loss": 0.25, "num_tokens": 12, "completions": 2}
 
 
 def test_a_kl_penalty_without_reference_log_probs_is_refused():
