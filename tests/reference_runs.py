@@ -77,9 +77,9 @@ MESH_KEYS = (
 TP_LOSS = "loss: chunked fp32 head (its vocabulary split over 2 ranks)"  # the compute: line under tensor parallelism
 
 # The low-bit optimizer's runs (tests/unit/train/test_low_bit_optimizer.py): sft/tiny's own model (the documented
-# tolerance was measured on it) for 50 steps, stepped eagerly (TORCHDYNAMO_DISABLE: torchao's step uncompiled, the
+# tolerance was measured on it) for 30 steps, stepped eagerly (TORCHDYNAMO_DISABLE: torchao's step uncompiled, the
 # same arithmetic to ~1e-6; torchao compiles its step once per shard shape, half of a compiled launch's time).
-LOW_BIT_STEPS = 50
+LOW_BIT_STEPS = 30
 LOW_BIT_KEYS = (
     f"max_steps={LOW_BIT_STEPS}",
     "log_every=1",
