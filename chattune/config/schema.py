@@ -698,6 +698,17 @@ class RolloutConfig:
         choices=IS_CORRECTIONS,
     )
     is_cap: float = key(2.0, "the cap of the truncated importance weight", bound=(lambda v: v >= 1, "must be >= 1"))
+    on_policy_share: float = key(
+        1.0,
+        "loss.type=gkd: the share of rollouts sampled from the policy (GKD's lambda); the others train on the data's "
+        "own replies (rollout.reply_field), one per prompt",
+        bound=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    )
+    reply_field: str = key(
+        "reply",
+        "the prompt records' field holding their own reply (an assistant message's text), for gkd's "
+        "off-policy rollouts (rollout.on_policy_share < 1)",
+    )
     engine: str = key(
         "hf",
         "what samples: hf (transformers' generate on the sharded policy) | vllm (not yet)",

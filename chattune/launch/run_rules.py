@@ -344,6 +344,13 @@ class RunRules:
                     "loss.beta",
                     "must be 0 with loss.type=gkd: its loss is the divergence to the teacher, with no reference",
                 )
+        share = number(self.values, "rollout.on_policy_share")
+        if share is not None and share < 1 and not compares_vocabularies(get_value(self.values, "loss.type")):
+            self.findings.problem(
+                "rollout.on_policy_share",
+                "must be 1 unless loss.type=gkd: the other losses learn from the policy's own samples (their "
+                "log-probs, rewards or importance ratios); gkd's divergence also trains on the data's replies",
+            )
         if distilled and get_value(self.values, "rollout.skip_uniform_groups") is True:
             self.findings.problem(
                 "rollout.skip_uniform_groups",

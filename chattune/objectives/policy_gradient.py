@@ -267,7 +267,8 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
     """The metrics of a step's rollout from its sums over ranks (`chattune.rl.rollouts` reports them): the reward's
     mean and standard deviation over the step's sampled completions, each reward function's mean, the advantages'
     spread, the groups whose rewards were all equal, completion lengths and the share cut at the generation budget,
-    the policy's entropy at the sampled tokens, and the sampler's time and tokens per second (mean over ranks)."""
+    the policy's entropy at the sampled tokens, whether the step was sampled (GKD's λ < 1), and the sampler's time and
+    tokens per second (mean over ranks)."""
     sampled = sums.get("sampled")
     if not sampled:
         return {}
@@ -289,11 +290,14 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
         "uniform_groups": int(sums["uniform_groups"]),
         "completion_length": sums["sampled_tokens"] / sampled,
         "truncated": sums["truncated"] / sampled,
-        "entropy": sums["entropy_sum"] / max(sums["sampled_tokens"], 1.0),
     }
+    if "entropy_sum" in sums:  # (a rollout of the data's own replies, GKD's off-policy one, samples nothing)
+        metrics["entropy"] = sums["entropy_sum"] / max(sums["sampled_tokens"], 1.0)
     if sums.get("skipped_groups"):
         metrics["skipped_groups"] = int(sums["skipped_groups"])
     ranks = max(sums.get("ranks", 1.0), 1.0)
+    if "on_policy" in sums:  # GKD's λ < 1: 1 where the step's completions were sampled, 0 where the data's
+        metrics["on_policy"] = sums["on_policy"] / ranks
     metrics["rollout_s"] = sums.get("rollout_s", 0.0) / ranks  # 0: a later step of the same rollout
     if metrics["rollout_s"] > 0:
         metrics["rollout_tokens_per_sec"] = sums["sampled_tokens"] / metrics["rollout_s"]

@@ -10,6 +10,11 @@ data.max_tokens_per_microbatch tokens. A completion document is its prompt (untr
 the old policy's log-probs computed once by a no-grad pass right after sampling; with loss.beta > 0 the reference's
 log-probs too. Every rank trains the same number of rows a step (the most any rank packed; empty rows fill the rest).
 
+With loss.type=gkd and rollout.on_policy_share = λ < 1 (GKD's λ), a rollout is sampled with probability λ (a draw
+seeded by the run's seed and the rollout's index: the same on every rank and on a resume); the others train on the
+data's own replies (each prompt record's rollout.reply_field, rendered and located as SFT renders a last reply), one
+completion document per prompt.
+
 Its state is the rollout it holds (μ > 1: a resume inside a rollout trains on the very rows the uninterrupted run did)
 and its counts; the prompts and the sampling RNG of each step follow from the step (`chattune.rl.prompts`).
 """
@@ -31,7 +36,9 @@ from transformers import PreTrainedTokenizerBase
 from chattune.config.schema import GRPOConfig
 from chattune.data.documents import IGNORE_INDEX, SKIP_REASONS, Document, Skipped
 from chattune.data.feed import StepBatches
+from chattune.data.ingest.formats import DataError
 from chattune.data.packing import PackedBatch, best_fit_decreasing, collate_packed, empty_batch
+from chattune.data.templates.chat_template import ChatTemplateError, probe_template, tokenize_conversation
 from chattune.distributed import all_reduce_max
 from chattune.errors import UserError
 from chattune.model.generate import Sampling, sharded_generation, stop_token_ids
@@ -66,6 +73,8 @@ class RolloutSettings:
     overlong: str = "drop"
     seed: int = 0  # the run's: with a place in the prompt stream, it seeds that prompt's order and sampling
     num_epochs: int | None = None  # passes over the prompts, then the run ends (None: max_steps decides)
+    on_policy_share: float = 1.0  # GKD's λ: the share of rollouts sampled; the others are the data's replies
+    reply_field: str = "reply"  # where a prompt record holds its own reply
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig) -> RolloutSettings:
@@ -90,6 +99,8 @@ class RolloutSettings:
             overlong=cfg.data.overlong,
             seed=cfg.seed,
             num_epochs=cfg.data.num_epochs,
+            on_policy_share=rollout.on_policy_share,
+            reply_field=rollout.reply_field,
         )
 
 
@@ -171,6 +182,8 @@ class RolloutSteps:
             settings.stop_strings,
         )
         self.per_rank = settings.prompts_per_step // dims.data_ranks
+        # where a rendered conversation's last reply starts and ends (the data's replies: off-policy rollouts)
+        self.markers = probe_template(tokenizer) if settings.on_policy_share < 1 else None
         self.current: Rollout | None = None
         self.last_step = 0  # the last step this source gave
         self.counts = dict.fromkeys(SKIP_REASONS, 0)
@@ -223,14 +236,30 @@ class RolloutSteps:
 
     # --- one rollout ---
 
+    def on_policy(self, index: int) -> bool:
+        """Whether rollout `index` samples from the policy (else it trains on the data's replies): a draw of its own
+        against rollout.on_policy_share, from the run's seed and the index alone."""
+        share = self.settings.on_policy_share
+        if share >= 1:
+            return True
+        return bool(np.random.default_rng([self.settings.seed, index, 0x6B64]).random() < share)
+
     def _rollout(self, index: int, step: int) -> Rollout:
         """Collective: rollout `index` on this rank, its rows and figures."""
         started = time.perf_counter()
         settings, placement = self.settings, self.models.placement
         first = index * settings.prompts_per_step + placement.dims.data_rank * self.per_rank
-        groups = self._sample(range(first, first + self.per_rank))
-        self._score(groups)
-        documents, figures = self._documents(groups)
+        places = range(first, first + self.per_rank)
+        groups: list[_Group] = []
+        sampled = self.on_policy(index)
+        if sampled:
+            groups = self._sample(places)
+            self._score(groups)
+            documents, figures = self._documents(groups)
+        else:  # (every rank draws the same: none of them generates)
+            documents, figures = self._data_replies(places)
+        if settings.on_policy_share < 1:
+            figures["on_policy"] = float(sampled)
         rows = [collate_packed(row) for row in best_fit_decreasing(documents, settings.budget)]
         # every rank scores and trains as many rows as the most any packed: every forward is a collective
         count = max(all_reduce_max(len(rows), placement.device), 1)
@@ -244,26 +273,35 @@ class RolloutSteps:
         epoch = first // len(self.prompts)
         return Rollout(index, rows, figures, epoch)
 
+    def _fits(self, prompt: Prompt, tokens: int, what: str) -> bool:
+        """Whether `prompt`'s `tokens` fit a row; if not, a UserError naming it, or (data.overlong=drop) counted."""
+        budget = self.settings.budget
+        if tokens <= budget:
+            return True
+        problem = f"{prompt.where}: {what} exceed data.max_tokens_per_microbatch={budget}"
+        if self.settings.overlong != "drop":
+            raise UserError(problem + " (data.overlong=drop leaves such prompts out, counted)")
+        logger.warning("left out %s (data.overlong=drop)", problem)
+        self.counts["overlong"] += 1
+        return False
+
+    def _prompt_at(self, place: int) -> Prompt | None:
+        """The prompt at the stream's `place`, or None where it is skipped (counted)."""
+        prompt = self.prompts.get(self.order.at(place)[1])
+        if isinstance(prompt, Skipped):
+            self.counts[prompt.reason] += 1
+            return None
+        return prompt
+
     def _sample(self, places: range) -> list[_Group]:
         """Collective: the groups of this rank's prompts at `places` (a skipped prompt gives none)."""
         settings, models = self.settings, self.models
         prompts: list[tuple[int, Prompt | None]] = []
+        new_tokens = settings.sampling.max_new_tokens
         for place in places:
-            prompt = self.prompts.get(self.order.at(place)[1])
-            if isinstance(prompt, Skipped):
-                self.counts[prompt.reason] += 1
-                prompts.append((place, None))
-                continue
-            longest = len(prompt.ids) + settings.sampling.max_new_tokens
-            if longest > settings.budget:
-                problem = (
-                    f"{prompt.where}: its prompt ({len(prompt.ids)} tokens) and rollout.max_new_tokens="
-                    f"{settings.sampling.max_new_tokens} exceed data.max_tokens_per_microbatch={settings.budget}"
-                )
-                if settings.overlong != "drop":
-                    raise UserError(problem + " (data.overlong=drop leaves such prompts out, counted)")
-                logger.warning("left out %s (data.overlong=drop)", problem)
-                self.counts["overlong"] += 1
+            prompt = self._prompt_at(place)
+            what = f"its prompt ({len(prompt.ids)} tokens) and rollout.max_new_tokens={new_tokens}" if prompt else ""
+            if prompt is None or not self._fits(prompt, len(prompt.ids) + new_tokens, what):
                 prompts.append((place, None))
                 continue
             prompts.append((place, prompt))
@@ -351,6 +389,62 @@ class RolloutSteps:
                         completion_document(group.place * size + k, group.prompt.ids, sample, advantages[k])
                     )
         return documents, figures
+
+    def _data_replies(self, places: range) -> tuple[list[Document], dict[str, float]]:
+        """An off-policy rollout (GKD's 1 - λ): each prompt's own reply as its one completion document, rendered with
+        its conversation as SFT renders a last reply (its end of turn included), and the rollout's figures."""
+        field_name, size = self.settings.reply_field, self.settings.completions_per_prompt
+        figures = dict.fromkeys(
+            ("sampled", "advantage_abs_sum", "groups", "uniform_groups", "skipped_groups", "sampled_tokens"), 0.0
+        )
+        figures["ranks"], figures["truncated"] = 1.0, 0.0
+        documents = []
+        for place in places:
+            prompt = self._prompt_at(place)
+            rendered = self._rendered_reply(prompt, field_name) if prompt is not None else None
+            if prompt is None or rendered is None:
+                continue
+            ids, reply = rendered
+            if not self._fits(
+                prompt, len(ids) + len(reply), f"its prompt and its reply ({len(ids) + len(reply)} tokens)"
+            ):
+                continue
+            text = prompt.record.fields[field_name]
+            sample = Sampled(reply, [0.0] * len(reply), [0.0] * len(reply), finished=True, text=text)
+            documents.append(completion_document(place * size, ids, sample, 0.0))
+            figures["groups"] += 1
+            figures["sampled"] += 1
+            figures["sampled_tokens"] += len(reply)
+        return documents, figures
+
+    def _rendered_reply(self, prompt: Prompt, field_name: str) -> tuple[list[int], list[int]] | None:
+        """(the conversation's ids before its reply, the reply's ids) of `prompt`'s record's own reply; a DataError
+        naming the record where it has none or the template cannot render it (with data.on_bad_record=skip: None,
+        counted)."""
+        reply = prompt.record.fields.get(field_name)
+        try:
+            if not isinstance(reply, str) or not reply:
+                raise DataError(
+                    f"{prompt.where}: no reply in its field {field_name!r} (rollout.reply_field), which gkd's "
+                    "off-policy rollouts train on (rollout.on_policy_share < 1): give every record one, or set "
+                    "rollout.on_policy_share=1"
+                )
+            assert self.markers is not None
+            messages = [*prompt.record.messages, {"role": "assistant", "content": reply}]
+            try:
+                rendered = tokenize_conversation(
+                    self.tokenizer, messages, self.markers, prompt.record.tools, last_turn_only=True
+                )
+            except ChatTemplateError as error:
+                raise DataError(f"{prompt.where}: the chat template cannot render its reply: {error}") from error
+        except DataError as error:
+            if self.prompts.on_bad_record != "skip":
+                raise
+            logger.warning("skipped %s (data.on_bad_record=skip)", error)
+            self.counts["bad_record"] += 1
+            return None
+        trained = [i for i, kept in enumerate(rendered.assistant_mask) if kept]
+        return rendered.input_ids[: trained[0]], rendered.input_ids[trained[0] : trained[-1] + 1]
 
     @torch.no_grad()
     def _score_tokens(self, rows: list[PackedBatch]) -> None:

@@ -155,6 +155,33 @@ def test_a_student_distilled_by_gkd_over_the_whole_vocabulary_comes_closer_to_it
     assert "ratio_mean" not in metrics[0] and "reward" not in metrics[0]
 
 
+def test_gkd_with_lambda_mixes_rollouts_of_the_datas_replies_in_and_learns_on_both(
+    tmp_path, tmp_path_factory, sft_base
+):
+    """rollout.on_policy_share=0.5 (GKD's λ), the demo's answers as the data's replies: some steps train on sampled
+    completions, the others on one reply per prompt, and the divergence falls on both kinds."""
+    student = made_once(tmp_path_factory, "grpo-sft-student", sft(30)) / "run" / "hf"
+    metrics = grpo(
+        tmp_path / "lambda",
+        student,
+        "max_steps=6",
+        "loss.type=gkd",
+        f"teacher.path={sft_base}",
+        "reward.functions=[]",
+        "rollout.on_policy_share=0.5",
+        "rollout.reply_field=answer",
+        lr=3e-3,
+    )
+    kinds = [m["on_policy"] for m in metrics]
+    assert set(kinds) == {0.0, 1.0}, kinds
+    for kind in (0.0, 1.0):
+        jsd = [m["loss"] for m in metrics if m["on_policy"] == kind]
+        assert jsd[-1] < jsd[0], (kind, jsd)
+    data_steps = [m for m in metrics if m["on_policy"] == 0.0]
+    # one completion a prompt (16 a step), never cut at the budget, with no sampling entropy to report
+    assert all(m["completions"] == 16 and m["truncated"] == 0 and "entropy" not in m for m in data_steps)
+
+
 LAYOUT = ("max_steps=2", "rollout.prompts_per_step=4", "rollout.completions_per_prompt=4")
 SAME_LAYOUT = ("reward", "num_tokens", "completions", "loss")
 

@@ -1143,3 +1143,8 @@ def test_the_grpo_recipe_refuses_what_it_does_not_read_yet_and_checks_its_reward
     ]
     report, ok = run_validate("grpo/tiny", [*base, "loss.type=gkd", f"teacher.path={model_dir}"], CONFIGS)
     assert ok, report  # the remedies as written: parallel.tensor=1 and loss.beta=0 (the defaults)
+    report, ok = run_validate("grpo/tiny", [*base, "rollout.on_policy_share=0.5"], CONFIGS)
+    assert problems(report) == [
+        "rollout.on_policy_share: must be 1 unless loss.type=gkd: the other losses learn from the policy's own "
+        "samples (their log-probs, rewards or importance ratios); gkd's divergence also trains on the data's replies"
+    ]

@@ -185,3 +185,50 @@ def test_data_num_epochs_ends_the_run_after_the_rollouts_that_start_within_them(
     assert not steps.finished  # its second step still trains on it
     steps.next_step(4)
     assert steps.finished and steps.epoch == 1  # rollout 2 would start at place 8, past the first epoch
+
+
+def test_gkds_off_policy_rollouts_train_the_datas_own_replies_as_the_template_renders_them(prompts_file):
+    """rollout.on_policy_share=0: each prompt's one completion is its record's reply (the demo's `answer`): the tokens
+    the chat template writes for it as the conversation's next assistant turn, through its end of turn."""
+    steps = source(prompts_file, on_policy_share=0.0, reply_field="answer")
+    batches = steps.next_step(1)
+    found = completions_of(batches)
+    assert sorted(d for d, _, _ in found) == [p * GROUP for p in range(PROMPTS)]  # one a prompt, at its place
+    records = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    tokenizer = steps.tokenizer
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for doc_id, tokens, _ in found:
+        record = records[steps.order.at(doc_id // GROUP)[1]]
+        prompt = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=True)
+        whole = tokenizer.apply_chat_template(
+            [*record["messages"], {"role": "assistant", "content": record["answer"]}], tokenize=True
+        )
+        prompt, whole = list(prompt["input_ids"]), list(whole["input_ids"])
+        assert whole[: len(prompt)] == prompt
+        assert tokens == whole[len(prompt) : whole.index(end, len(prompt)) + 1]
+    figures = batches.figures
+    assert figures["on_policy"] == 0.0 and figures["sampled"] == PROMPTS and "entropy_sum" not in figures
+    assert figures["sampled_tokens"] == sum(len(tokens) for _, tokens, _ in found)
+
+
+def test_gkds_lambda_draws_each_rollout_from_the_seed_and_its_index(prompts_file):
+    half = source(prompts_file, on_policy_share=0.5, reply_field="answer")
+    draws = [half.on_policy(index) for index in range(40)]
+    assert 10 <= sum(draws) <= 30 and draws == [half.on_policy(index) for index in range(40)]
+    assert all(source(prompts_file).on_policy(index) for index in range(40))  # λ = 1: every rollout sampled
+    step = next(index for index, sampled in enumerate(draws) if not sampled) + 1
+    assert half.next_step(step).figures["on_policy"] == 0.0
+    step = next(index for index, sampled in enumerate(draws) if sampled) + 1
+    sampled = half.next_step(step)
+    assert sampled.figures["on_policy"] == 1.0 and len(completions_of(sampled)) == PROMPTS * GROUP
+
+
+def test_a_record_without_its_reply_is_an_error_naming_it_or_a_counted_skip(prompts_file, tmp_path):
+    from chattune.data.ingest.formats import DataError
+
+    with pytest.raises(DataError, match=r"record .*: no reply in its field 'reply' \(rollout.reply_field\)"):
+        source(prompts_file, on_policy_share=0.0).next_step(1)
+    steps = source(prompts_file, on_policy_share=0.0)
+    steps.prompts.on_bad_record = "skip"
+    batches = steps.next_step(1)
+    assert steps.skipped["bad_record"] == PROMPTS and completions_of(batches) == []
