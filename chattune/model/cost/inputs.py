@@ -38,3 +38,7 @@ class MemoryInputs:
     # of them in tokens (the prompt and its completion: at most the row budget); 0: no rollout.
     rollout_sequences: int = 0
     rollout_tokens: int = 0
+    # On-policy distillation's teacher (teacher.path): its HF config, sharded like the policy (None: no teacher); with
+    # loss.type=gkd it runs beside the policy in training and its embeddings and output layer stay gathered.
+    teacher_config: object | None = None
+    teacher_in_training: bool = False

@@ -27,7 +27,10 @@ What each row counts, and how:
   computes the output layer chunk by chunk); in bf16/fp16 also the output layer's fp32 upcast and its
   gradients; with cut-cross-entropy (no logits held) its output-layer gradient buffer (`_loss_head_rows`).
 - **a live reference** (DPO, KTO, a GRPO run's KL penalty): its parameters sharded like the policy's, no gradients or
-  states.
+  states; **on-policy distillation's teacher** likewise, from its own config, and with loss.type=gkd (it runs beside
+  the policy on every microbatch) its root unit gathered in the compute dtype for the whole run (FSDP2 reshards a root
+  only after a backward). GKD's divergence chunk (a quarter of the loss chunk's positions, about six fp32 logit blocks)
+  is smaller than the cross-entropy's chunk the loss-head row counts.
 - **a rollout** (the GRPO recipe): a second peak, while the policy samples and no gradient or activation exists: the
   parameter shards and optimizer states, the model gathered whole in the compute dtype, the KV cache of the rank's
   sequences at their longest, and one decoding step's scores (`MemoryEstimate.rollout_rows`); the peak is the higher.
@@ -51,6 +54,7 @@ import copy
 import math
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,7 +66,7 @@ from chattune.model.cost.inputs import MemoryInputs
 GiB = 2**30
 # The rows a rollout keeps (`MemoryEstimate.rollout`): the shards and the optimizer's states; gradients are freed
 # after each optimizer step and no activation is saved while the policy samples.
-KEPT_THROUGH_ROLLOUTS = ("parameters", "optimizer states", "4-bit base", "live reference")
+KEPT_THROUGH_ROLLOUTS = ("parameters", "optimizer states", "4-bit base", "live reference", "teacher")
 
 
 @dataclass
@@ -361,6 +365,8 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     result.rows["gathered for compute"] = compute_bytes * (2 * largest_layer + root + dequantized)
     if inputs.live_reference:
         result.rows["live reference (fp32 shards)"] = 4 * sharded
+    if inputs.teacher_config is not None:
+        result.rows.update(_teacher_rows(inputs, compute_bytes))
     device_activations, host_activations = activation_bytes(inputs, result.notes)
     result.rows["activations"] = device_activations
     if inputs.offload_activations:
@@ -370,10 +376,26 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         result.rollout_rows.update(_rollout_rows(inputs, hf_config, parameters.values(), split, compute_bytes))
         result.notes.append(
             f"a rollout's KV cache counted for {inputs.rollout_sequences} sequences of {inputs.rollout_tokens} tokens "
-            "(data.max_tokens_per_microbatch, the longest a prompt and its completion may be): a bound; "
-            "on-policy distillation's teacher is not counted"
+            "(data.max_tokens_per_microbatch, the longest a prompt and its completion may be): a bound"
         )
     return result
+
+
+def _teacher_rows(inputs: MemoryInputs, compute_bytes: int) -> dict[str, int]:
+    """On-policy distillation's teacher (`chattune.train.reference.teacher_model`): its fp32 shards, sharded like the
+    policy (FSDP2 over `inputs.ranks`; tensor parallelism splits a teacher's layers as the policy's, which the shards'
+    count here does not divide: an overestimate under tp), and with gkd its root unit gathered."""
+    config = trained_config(inputs.teacher_config, [])  # (a vision-language teacher: its language model)
+    if config is None:
+        return {}
+    teacher = meta_model(config)
+    parameters = dict(teacher.named_parameters())
+    rows = {"teacher (fp32 shards)": 4 * sum(_shard_numel(p, inputs.ranks) for p in parameters.values())}
+    if inputs.teacher_in_training:
+        in_layers = {id(p) for layer in repeated_layers(teacher) for p in layer.parameters()}
+        root = sum(p.numel() for p in parameters.values() if id(p) not in in_layers)
+        rows["teacher's root, kept gathered (gkd)"] = compute_bytes * root
+    return rows
 
 
 def _rollout_rows(inputs: MemoryInputs, hf_config, parameters, split: set[int], compute_bytes: int) -> dict[str, int]:
@@ -479,7 +501,21 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
         on_cpu=not on_cuda,
         **_loss_head_of(str(_get(cfg.loss, "implementation") or "auto"), on_cuda, dtype_name),
         **_rollout_of(cfg, layout.data_ranks),
+        **_teacher_of(cfg),
     )
+
+
+def _teacher_of(cfg) -> dict:
+    """On-policy distillation's teacher: its config (teacher.path's config.json) where the loss distills from one."""
+    from chattune.config.policy_losses import compares_vocabularies, needs_teacher
+
+    loss_type, teacher = _get(cfg.loss, "type"), _get(cfg, "teacher")
+    path = _get(teacher, "path") if teacher is not None else None
+    if not needs_teacher(loss_type) or path is None or not (Path(str(path)) / "config.json").is_file():
+        return {}  # (validate names a teacher.path that is no model directory)
+    from transformers import AutoConfig
+
+    return {"teacher_config": AutoConfig.from_pretrained(path), "teacher_in_training": compares_vocabularies(loss_type)}
 
 
 def _rollout_of(cfg, data_ranks: int) -> dict:

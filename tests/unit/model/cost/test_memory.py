@@ -37,6 +37,7 @@ from conftest import (
     init_worker_process_group,
     mesh_dims,
     spawn,
+    tiny_model,
 )
 
 SHAPES = {
@@ -420,6 +421,33 @@ def test_a_live_reference_is_counted_where_the_recipe_builds_a_second_model(over
     if second_model:  # the reference's shards: the policy's full model's, whatever trains
         full = estimate(_inputs(hf_model, 2, 512, lora=False)).rows["parameters (fp32 shards)"]
         assert estimated.rows["live reference (fp32 shards)"] == full
+
+
+@pytest.mark.parametrize("loss_type", ["reverse_kl", "gkd"])
+def test_a_distillation_teacher_is_counted_from_its_own_config(tmp_path, loss_type):
+    """On-policy distillation's teacher, a model of another shape than the policy: its fp32 shards (on one rank, every
+    parameter of the loaded teacher), kept through the rollout too; with gkd also its embeddings, final norm and output
+    layer gathered in the compute dtype (bf16 on a GPU) through the run. No teacher where the loss has none."""
+    from chattune.launch.compose import composed
+    from chattune.model.cost.memory import inputs_of
+
+    teacher = tiny_model(seed=1, hidden_size=96, num_hidden_layers=3, intermediate_size=160)
+    teacher.save_pretrained(tmp_path / "teacher")
+    overrides = ["model.path=null", f"teacher.path={tmp_path / 'teacher'}", f"loss.type={loss_type}"]
+    cfg = composed("grpo/tiny", overrides, PROJECT_ROOT / "configs")
+    policy = _model("llama", lora=False).config
+    inputs = inputs_of(cfg, policy, ParallelDims.from_config(cfg.parallel, 1), on_cuda=True)
+    estimated, alone = estimate(inputs), estimate(replace(inputs, teacher_config=None))
+    whole = sum(p.numel() for p in teacher.parameters())  # (tied: once)
+    assert estimated.rows["teacher (fp32 shards)"] == 4 * whole
+    in_layers = {id(p) for layer in teacher.model.layers for p in layer.parameters()}
+    root = sum(p.numel() for p in teacher.parameters() if id(p) not in in_layers)
+    teacher_rows = 4 * whole + (2 * root if loss_type == "gkd" else 0)
+    assert ("teacher's root, kept gathered (gkd)" in estimated.rows) == (loss_type == "gkd")
+    assert estimated.training - alone.training == teacher_rows
+    assert estimated.rollout - alone.rollout == teacher_rows
+    plain = composed("grpo/tiny", ["model.path=null", f"teacher.path={tmp_path / 'teacher'}"], PROJECT_ROOT / "configs")
+    assert inputs_of(plain, policy, ParallelDims.from_config(plain.parallel, 1), on_cuda=True).teacher_config is None
 
 
 @pytest.mark.parametrize("recipe", ["dpo", "kto"])
