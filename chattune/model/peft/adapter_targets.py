@@ -4,8 +4,8 @@ transformers 5 stores an MoE layer's experts as stacked 3-D parameters (`mlp.exp
 `mlp.experts.down_proj`), not as nn.Linear modules, so `all-linear` alone does not reach them. peft reaches
 them only in the families it converts for adapters trained on transformers 4 (Qwen3-MoE, DeepSeek-V3,
 Mixtral...), and that conversion also moves every linear named like a transformers-4 expert projection to the
-experts: a dense layer's or a shared expert's `down_proj` silently gets no adapter (huggingface/peft#3711),
-and it runs again when peft loads the adapter. gpt-oss and Qwen3.5-MoE experts are not reached at all.
+experts: a dense layer's or a shared expert's `down_proj` silently gets no adapter (huggingface/peft#3711, up to
+peft 0.21; 0.22 keeps the module), and it runs again when peft loads the adapter. gpt-oss and Qwen3.5-MoE experts are not reached at all.
 
 So on a model with stacked experts chattune names the targets itself: peft's `target_parameters` for every
 expert stack (gpt-oss's biases excepted: peft adapts weights), every linear layer but the output layer and the
@@ -151,11 +151,26 @@ def _moved_by_peft(model: PreTrainedModel, modules: list[str], parameters: list[
     config.target_parameters = list(parameters)
     probe = copy.deepcopy(config)
     convert_peft_config_for_transformers(probe, model=model, conversions=get_model_conversion_mapping(model))
-    kept = set(probe.target_modules or [])
-    moved = [m for m in modules if m not in kept]
-    if not moved and (set(probe.target_parameters or []) != set(parameters) or probe.rank_pattern):
+    # Compared by what the names reach in this model, not as names: peft 0.22 keeps a module name it used to move
+    # (huggingface/peft#3711) and adds it to the parameters too, where it reaches the stacks already targeted.
+    kept = _reached_modules(model, probe.target_modules or [])
+    moved = [m for m in modules if not _reached_modules(model, [m]) <= kept]
+    reached = _reached_parameters(model, parameters)
+    if not moved and (_reached_parameters(model, probe.target_parameters or []) != reached or probe.rank_pattern):
         return ["<the target parameters>"]  # changed in another way: the caller refuses
     return moved
+
+
+def _reached_modules(model: nn.Module, names) -> set[str]:
+    """The modules peft's `target_modules` names reach (a name: a module's path or its last parts)."""
+    names = [names] if isinstance(names, str) else list(names)
+    return {path for path, _ in model.named_modules() if path and any(_matches(path, n) for n in names)}
+
+
+def _reached_parameters(model: nn.Module, names) -> set[str]:
+    """The parameters peft's `target_parameters` names reach (a parameter's full name or its last parts)."""
+    names = [names] if isinstance(names, str) else list(names)
+    return {path for path, _ in model.named_parameters(remove_duplicate=False) if any(_matches(path, n) for n in names)}
 
 
 GROUPS = ("attention", "dense MLP", "experts", "router", "other")
