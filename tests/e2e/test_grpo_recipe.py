@@ -119,59 +119,45 @@ def test_a_run_stopped_inside_a_rollout_resumes_to_the_same_completions_rewards_
     assert samples[0] == samples[1]  # the same completions, with the same rewards and advantages
 
 
-def test_a_student_distilled_on_policy_from_a_teacher_directory_comes_closer_to_it(
-    tmp_path, tmp_path_factory, sft_base
-):
-    student = made_once(tmp_path_factory, "grpo-sft-student", sft(30)) / "run" / "hf"
-    metrics = grpo(
-        tmp_path / "distill",
-        student,
-        "max_steps=10",
-        "loss.type=reverse_kl",
-        f"teacher.path={sft_base}",
-        "reward.functions=[]",
-        lr=3e-3,
-    )
+@pytest.fixture
+def distill(tmp_path, tmp_path_factory, sft_base):
+    """A 2-rank distillation run of the small model SFT-trained 30 steps (made once), its teacher the one trained
+    SFT_STEPS, with no reward function, at lr 3e-3: its metrics."""
+
+    def run(loss_type: str, steps: int, *overrides: str) -> list[dict]:
+        student = made_once(tmp_path_factory, "grpo-sft-student", sft(30)) / "run" / "hf"
+        return grpo(
+            tmp_path / loss_type,
+            student,
+            f"max_steps={steps}",
+            f"loss.type={loss_type}",
+            f"teacher.path={sft_base}",
+            "reward.functions=[]",
+            *overrides,
+            lr=3e-3,
+        )
+
+    return run
+
+
+def test_a_student_distilled_on_policy_from_a_teacher_directory_comes_closer_to_it(distill):
+    metrics = distill("reverse_kl", 10)
     kl = [m["teacher_kl"] for m in metrics]  # the student's sampled reverse KL to its teacher (measured: 1.64 -> 1.26)
     assert kl[0] > 0.1 and sum(kl[-3:]) / 3 < 0.85 * sum(kl[:3]) / 3, [round(k, 3) for k in kl]
     assert "reward" not in metrics[0]  # (no reward function: nothing to report)
 
 
-def test_a_student_distilled_by_gkd_over_the_whole_vocabulary_comes_closer_to_its_teacher(
-    tmp_path, tmp_path_factory, sft_base
-):
-    student = made_once(tmp_path_factory, "grpo-sft-student", sft(30)) / "run" / "hf"
-    metrics = grpo(
-        tmp_path / "gkd",
-        student,
-        "max_steps=8",
-        "loss.type=gkd",
-        f"teacher.path={sft_base}",
-        "reward.functions=[]",
-        lr=3e-3,
-    )
-    jsd = [m["loss"] for m in metrics]  # the generalised JSD (beta 0.5) per completion token
+def test_a_student_distilled_by_gkd_over_the_whole_vocabulary_comes_closer_to_its_teacher(distill):
+    metrics = distill("gkd", 8)
+    jsd = [m["loss"] for m in metrics]  # the generalised JSD (beta 0.5) per completion token (measured: 0.291 -> 0.228)
     assert jsd[0] > 0.01 and sum(jsd[-3:]) / 3 < 0.85 * sum(jsd[:3]) / 3, [round(k, 4) for k in jsd]
     assert "ratio_mean" not in metrics[0] and "reward" not in metrics[0]
 
 
-def test_gkd_with_lambda_mixes_rollouts_of_the_datas_replies_in_and_learns_on_both(
-    tmp_path, tmp_path_factory, sft_base
-):
+def test_gkd_with_lambda_mixes_rollouts_of_the_datas_replies_in_and_learns_on_both(distill):
     """rollout.on_policy_share=0.5 (GKD's λ), the demo's answers as the data's replies: some steps train on sampled
     completions, the others on one reply per prompt, and the divergence falls on both kinds."""
-    student = made_once(tmp_path_factory, "grpo-sft-student", sft(30)) / "run" / "hf"
-    metrics = grpo(
-        tmp_path / "lambda",
-        student,
-        "max_steps=6",
-        "loss.type=gkd",
-        f"teacher.path={sft_base}",
-        "reward.functions=[]",
-        "rollout.on_policy_share=0.5",
-        "rollout.reply_field=answer",
-        lr=3e-3,
-    )
+    metrics = distill("gkd", 6, "rollout.on_policy_share=0.5", "rollout.reply_field=answer")
     kinds = [m["on_policy"] for m in metrics]
     assert set(kinds) == {0.0, 1.0}, kinds
     for kind in (0.0, 1.0):
