@@ -331,7 +331,8 @@ class RunRules:
             )
         elif isinstance(teacher, str) and not (Path(teacher) / "config.json").is_file():
             self.findings.problem("teacher.path", f"{teacher!r} is not a Hugging Face model directory (no config.json)")
-        if compares_vocabularies(get_value(self.values, "loss.type")):
+        whole_distributions = compares_vocabularies(get_value(self.values, "loss.type"))
+        if whole_distributions:
             # gkd's divergence needs each position's whole distribution from both models on one rank
             if (number(self.values, "parallel.tensor") or 1) > 1:
                 self.findings.problem(
@@ -345,7 +346,7 @@ class RunRules:
                     "must be 0 with loss.type=gkd: its loss is the divergence to the teacher, with no reference",
                 )
         share = number(self.values, "rollout.on_policy_share")
-        if share is not None and share < 1 and not compares_vocabularies(get_value(self.values, "loss.type")):
+        if share is not None and share < 1 and not whole_distributions:
             self.findings.problem(
                 "rollout.on_policy_share",
                 "must be 1 unless loss.type=gkd: the other losses learn from the policy's own samples (their "

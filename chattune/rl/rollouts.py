@@ -300,10 +300,9 @@ class RolloutSteps:
         new_tokens = settings.sampling.max_new_tokens
         for place in places:
             prompt = self._prompt_at(place)
-            what = f"its prompt ({len(prompt.ids)} tokens) and rollout.max_new_tokens={new_tokens}" if prompt else ""
-            if prompt is None or not self._fits(prompt, len(prompt.ids) + new_tokens, what):
-                prompts.append((place, None))
-                continue
+            if prompt is not None:
+                what = f"its prompt ({len(prompt.ids)} tokens) and rollout.max_new_tokens={new_tokens}"
+                prompt = prompt if self._fits(prompt, len(prompt.ids) + new_tokens, what) else None
             prompts.append((place, prompt))
         kept = [(place, prompt) for place, prompt in prompts if prompt is not None]
         groups = []
@@ -405,9 +404,8 @@ class RolloutSteps:
             if prompt is None or rendered is None:
                 continue
             ids, reply = rendered
-            if not self._fits(
-                prompt, len(ids) + len(reply), f"its prompt and its reply ({len(ids) + len(reply)} tokens)"
-            ):
+            tokens = len(ids) + len(reply)
+            if not self._fits(prompt, tokens, f"its prompt and its reply ({tokens} tokens)"):
                 continue
             text = prompt.record.fields[field_name]
             sample = Sampled(reply, [0.0] * len(reply), [0.0] * len(reply), finished=True, text=text)

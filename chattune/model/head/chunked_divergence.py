@@ -25,7 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from chattune.data.documents import IGNORE_INDEX
-from chattune.model.head.chunked_loss import SummedInFp32, Upcast
+from chattune.model.head.chunked_loss import SummedInFp32, chunk_logits, upcast_for_chunk
 from chattune.model.head.output_logits import LogitTransform
 
 CHUNK_SHARE = 4  # the divergence's chunk: the loss's chunk size divided by this (its (C, V) blocks, see above)
@@ -61,16 +61,6 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     ).sum(-1)
 
 
-def _logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
-) -> torch.Tensor:
-    # fp32 from the start: bf16 -> fp32 is exact, and a bf16 matmul would round every logit to 8 significant bits
-    logits = hidden.float() @ weight.float().t()
-    if bias is not None:
-        logits = logits + bias.float()
-    return logits if transform.is_identity else transform(logits)
-
-
 def _chunk_divergence(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -80,14 +70,10 @@ def _chunk_divergence(
     target: DistillationTarget,
     sums: tuple[SummedInFp32 | None, SummedInFp32 | None],
 ) -> torch.Tensor:
-    weight_sum, bias_sum = sums
-    if weight_sum is not None:  # a bf16 output layer's gradient summed over the chunks in fp32 (chunked_loss's)
-        weight = Upcast.apply(weight, weight_sum)
-    if bias is not None and bias_sum is not None:
-        bias = Upcast.apply(bias, bias_sum)
+    weight, bias = upcast_for_chunk(weight, bias, sums)  # a bf16 output layer's gradient summed in fp32
     with torch.no_grad():
-        teacher_logits = _logits(teacher_hidden, target.weight, target.bias, target.transform)
-    return generalized_jsd(_logits(hidden, weight, bias, transform), teacher_logits, target.beta)
+        teacher_logits = chunk_logits(teacher_hidden, target.weight, target.bias, target.transform)
+    return generalized_jsd(chunk_logits(hidden, weight, bias, transform), teacher_logits, target.beta)
 
 
 def chunked_token_divergence(

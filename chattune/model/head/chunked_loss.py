@@ -61,6 +61,24 @@ class _TF32Logits(torch.autograd.Function):
         return grad_hidden, grad_weight
 
 
+def chunk_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
+    tf32: bool = False,
+) -> torch.Tensor:
+    """A chunk's fp32 logits as the model's forward makes them: hidden @ W.T, its bias, then its transform."""
+    # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
+    # before the loss sees it. bf16 -> fp32 is exact.
+    logits = _TF32Logits.apply(hidden, weight) if tf32 else hidden.float() @ weight.float().t()
+    if bias is not None:  # the output layer's own (Phi, GPT-J, CodeGen): before any scaling, as its forward adds it
+        logits = logits + bias.float()
+    if transform is not None and not transform.is_identity:
+        logits = transform(logits)  # in fp32, inside the checkpoint: recomputed with the chunk's logits
+    return logits
+
+
 def _chunk_token_losses(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -70,13 +88,7 @@ def _chunk_token_losses(
     bias: torch.Tensor | None = None,
     rows: VocabShard | None = None,
 ) -> torch.Tensor:
-    # Upcast before the matmul: a bf16 matmul rounds every logit to 8 significant bits (0.125 at 20)
-    # before the loss sees it. bf16 -> fp32 is exact.
-    logits = _TF32Logits.apply(hidden, weight) if tf32 else hidden.float() @ weight.float().t()
-    if bias is not None:  # the output layer's own (Phi, GPT-J, CodeGen): before any scaling, as its forward adds it
-        logits = logits + bias.float()
-    if transform is not None:
-        logits = transform(logits)  # in fp32, inside the checkpoint: recomputed with the chunk's logits
+    logits = chunk_logits(hidden, weight, bias, transform, tf32)
     if rows is not None:  # this rank's rows of a vocabulary split over tp: reduced over the group
         index, here = local_targets(labels, rows)
         target = logits.gather(1, index.unsqueeze(1)).squeeze(1).masked_fill(~here, 0.0)
@@ -144,7 +156,7 @@ def chunked_token_losses(
 
 class SummedInFp32:
     """The fp32 sum of a low-precision output layer's gradient over the chunks of one loss. Each chunk upcasts the
-    layer inside its checkpoint (`Upcast`: nothing of fp32 outlives a chunk's forward); each chunk's backward adds
+    layer inside its checkpoint (`_Upcast`: nothing of fp32 outlives a chunk's forward); each chunk's backward adds
     its fp32 gradient into `total` in place and hands autograd nothing, and the last one hands it the sum rounded
     to the layer's dtype once. At its peak: the sum, a chunk's gradient and its upcast (12 bytes an element, the
     estimate's loss-head row)."""
@@ -161,7 +173,7 @@ class SummedInFp32:
         return cls(chunks)
 
 
-class Upcast(torch.autograd.Function):
+class _Upcast(torch.autograd.Function):
     """tensor.float(), its gradient summed over the chunks in `summed` (see SummedInFp32)."""
 
     @staticmethod
@@ -190,11 +202,19 @@ def _summed_chunk_token_losses(
     rows: VocabShard | None,
     sums: tuple[SummedInFp32 | None, SummedInFp32 | None],
 ) -> torch.Tensor:
-    """A chunk's token losses with the output layer and its bias upcast through `Upcast` where `sums` (theirs)
-    has a sum."""
+    """A chunk's token losses with the output layer and its bias upcast where `sums` (theirs) has a sum."""
+    weight, bias = upcast_for_chunk(weight, bias, sums)
+    return _chunk_token_losses(hidden, weight, labels, tf32, transform, bias, rows)
+
+
+def upcast_for_chunk(
+    weight: torch.Tensor, bias: torch.Tensor | None, sums: tuple[SummedInFp32 | None, SummedInFp32 | None]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer and its bias as one chunk uses them: through `_Upcast` where `sums` (their
+    `SummedInFp32.where_needed`) has a sum, so that their gradient adds up over the chunks in fp32."""
     weight_sum, bias_sum = sums
     if weight_sum is not None:
-        weight = Upcast.apply(weight, weight_sum)
+        weight = _Upcast.apply(weight, weight_sum)
     if bias is not None and bias_sum is not None:
-        bias = Upcast.apply(bias, bias_sum)
-    return _chunk_token_losses(hidden, weight, labels, tf32, transform, bias, rows)
+        bias = _Upcast.apply(bias, bias_sum)
+    return weight, bias

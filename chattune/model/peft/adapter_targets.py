@@ -5,7 +5,8 @@ transformers 5 stores an MoE layer's experts as stacked 3-D parameters (`mlp.exp
 them only in the families it converts for adapters trained on transformers 4 (Qwen3-MoE, DeepSeek-V3,
 Mixtral...), and that conversion also moves every linear named like a transformers-4 expert projection to the
 experts: a dense layer's or a shared expert's `down_proj` silently gets no adapter (huggingface/peft#3711, up to
-peft 0.21; 0.22 keeps the module), and it runs again when peft loads the adapter. gpt-oss and Qwen3.5-MoE experts are not reached at all.
+peft 0.21; 0.22 keeps the module), and it runs again when peft loads the adapter. gpt-oss and Qwen3.5-MoE experts
+are not reached at all.
 
 So on a model with stacked experts chattune names the targets itself: peft's `target_parameters` for every
 expert stack (gpt-oss's biases excepted: peft adapts weights), every linear layer but the output layer and the
@@ -153,24 +154,20 @@ def _moved_by_peft(model: PreTrainedModel, modules: list[str], parameters: list[
     convert_peft_config_for_transformers(probe, model=model, conversions=get_model_conversion_mapping(model))
     # Compared by what the names reach in this model, not as names: peft 0.22 keeps a module name it used to move
     # (huggingface/peft#3711) and adds it to the parameters too, where it reaches the stacks already targeted.
-    kept = _reached_modules(model, probe.target_modules or [])
-    moved = [m for m in modules if not _reached_modules(model, [m]) <= kept]
-    reached = _reached_parameters(model, parameters)
-    if not moved and (_reached_parameters(model, probe.target_parameters or []) != reached or probe.rank_pattern):
+    module_paths = [path for path, _ in model.named_modules() if path]
+    parameter_paths = [path for path, _ in model.named_parameters(remove_duplicate=False)]
+    kept = _reached(module_paths, probe.target_modules or [])
+    moved = [m for m in modules if not _reached(module_paths, [m]) <= kept]
+    changed = _reached(parameter_paths, probe.target_parameters or []) != _reached(parameter_paths, parameters)
+    if not moved and (changed or probe.rank_pattern):
         return ["<the target parameters>"]  # changed in another way: the caller refuses
     return moved
 
 
-def _reached_modules(model: nn.Module, names) -> set[str]:
-    """The modules peft's `target_modules` names reach (a name: a module's path or its last parts)."""
+def _reached(paths: list[str], names) -> set[str]:
+    """The `paths` (of modules or parameters) that peft's target `names` reach: a path or its last parts."""
     names = [names] if isinstance(names, str) else list(names)
-    return {path for path, _ in model.named_modules() if path and any(_matches(path, n) for n in names)}
-
-
-def _reached_parameters(model: nn.Module, names) -> set[str]:
-    """The parameters peft's `target_parameters` names reach (a parameter's full name or its last parts)."""
-    names = [names] if isinstance(names, str) else list(names)
-    return {path for path, _ in model.named_parameters(remove_duplicate=False) if any(_matches(path, n) for n in names)}
+    return {path for path in paths if any(_matches(path, name) for name in names)}
 
 
 GROUPS = ("attention", "dense MLP", "experts", "router", "other")
