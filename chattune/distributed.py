@@ -406,11 +406,24 @@ def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None)
     return values
 
 
+# A figure whose name starts with this is an extreme, not a sum: the largest over microbatches and ranks (a minimum
+# travels negated). Its value where nothing was seen is -inf.
+MAX_FIGURE = "max:"
+
+
 def reduce_sums(values: Mapping[str, float], device: torch.device) -> dict[str, float]:
-    """Sum named per-rank figures over all ranks with ONE stacked all-reduce."""
-    names = sorted(values)
+    """Sum named per-rank figures over all ranks with ONE stacked all-reduce; `MAX_FIGURE` ones take the largest
+    (a second, only where there are some)."""
+    names = sorted(name for name in values if not name.startswith(MAX_FIGURE))
     stacked = host_values_on(device, [float(values[n]) for n in names], torch.float64)
-    return dict(zip(names, all_reduce_sum(stacked).tolist()))
+    reduced = dict(zip(names, all_reduce_sum(stacked).tolist()))
+    extremes = sorted(name for name in values if name.startswith(MAX_FIGURE))
+    if extremes:
+        largest = host_values_on(device, [float(values[n]) for n in extremes], torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        reduced |= dict(zip(extremes, largest.tolist()))
+    return reduced
 
 
 def all_reduce_max(value: int, device: torch.device) -> int:

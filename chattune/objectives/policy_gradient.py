@@ -37,6 +37,7 @@ from chattune.config.policy_losses import POLICY_LOSSES, clip_range
 from chattune.config.schema import PolicyLossConfig, RolloutConfig
 from chattune.data.documents import IGNORE_INDEX
 from chattune.data.packing import PackedBatch
+from chattune.distributed import MAX_FIGURE
 from chattune.objectives.base import Objective
 
 # The declared values a completion document carries (`Document.token_values`, `Document.doc_values`).
@@ -45,6 +46,10 @@ OLD_LOGP = "old_logp"  # per token: the rollout policy's log-prob (several optim
 BEHAVIOUR_LOGP = "behaviour_logp"  # per token: the sampled distribution's log-prob (temperature, truncation)
 REF_LOGP = "ref_logp"  # per token: the reference model's log-prob (loss.beta > 0)
 TEACHER_LOGP = "teacher_logp"  # per token: the teacher's log-prob (on-policy distillation: loss.type=reverse_kl)
+
+# The ratio's range: the largest over the step's tokens, and the smallest (negated: extremes travel as maxima).
+RATIO_MAX = f"{MAX_FIGURE}ratio"
+RATIO_MIN_NEGATED = f"{MAX_FIGURE}-ratio"
 
 # The figures every microbatch reports, summed over the step's microbatches and ranks (the same keys for an empty
 # microbatch: ranks all-reduce them stacked).
@@ -58,7 +63,17 @@ FIGURES = (
     "is_weight_sum",
     "mismatch_kl_sum",
     "teacher_kl_sum",
+    RATIO_MAX,
+    RATIO_MIN_NEGATED,
 )
+
+
+def empty_figures(like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`FIGURES` of a microbatch with no completion token: sums 0, extremes -inf (nothing seen)."""
+    return {
+        name: like.new_full((), -math.inf if name.startswith(MAX_FIGURE) else 0.0, dtype=torch.float64)
+        for name in FIGURES
+    }
 
 
 @dataclass(frozen=True)
@@ -184,7 +199,7 @@ class PolicyGradientObjective(Objective):
             return self._divergence_sum(model, batch)
         token_losses = model(batch)  # (N,) -log p of each label at the sampling temperature; 0 where untrained
         device = token_losses.device
-        zeros = {name: token_losses.new_zeros((), dtype=torch.float64) for name in FIGURES}
+        zeros = empty_figures(token_losses)
         if not batch.doc_ids:  # an empty microbatch (a rank short of completions): nothing to train
             return token_losses.sum() * 0.0, zeros
         trained = (batch.labels[0] != IGNORE_INDEX).to(device)
@@ -218,6 +233,9 @@ class PolicyGradientObjective(Objective):
         figures["completion_tokens"] = zeros["completion_tokens"] + int(trained.sum())
         for name, per_token in token_figures.items():
             figures[name if name.startswith("clipped") else f"{name}_sum"] = per_token.sum()
+        if len(logp):
+            figures[RATIO_MAX] = token_figures["ratio"].max()
+            figures[RATIO_MIN_NEGATED] = -token_figures["ratio"].min()
         if teacher_kl is not None:
             figures["teacher_kl_sum"] = teacher_kl.double().sum()
         return self.loss.aggregate(terms, completion, lengths), figures
@@ -228,7 +246,7 @@ class PolicyGradientObjective(Objective):
         assert self.teacher is not None
         target = self.teacher.distillation_target(batch, self.loss.jsd_beta)  # type: ignore[operator]
         divergences = model(batch, distill=target)  # (N,) at the sampled positions, 0 elsewhere
-        figures = {name: divergences.new_zeros((), dtype=torch.float64) for name in FIGURES}
+        figures = empty_figures(divergences)
         figures["completions"] += len(batch.doc_ids)
         figures["completion_tokens"] += batch.num_trainable_tokens
         return divergences.sum(), figures
@@ -236,7 +254,7 @@ class PolicyGradientObjective(Objective):
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
         """loss: the step's loss (its sum over the step's units); num_tokens: its completion tokens; the clipped
         shares of its tokens (below the range with a negative advantage, above it with a positive one), the ratio's
-        mean, the mean k3 KL to the reference (loss.beta > 0), the sampler's mismatch and the importance weights
+        mean and range over the step's tokens (ratio_min, ratio_max), the mean k3 KL to the reference (loss.beta > 0), the sampler's mismatch and the importance weights
         where the sampler's log-probs are known; then the rollout's figures (`rollout_metrics`)."""
         tokens = max(sums.get("completion_tokens", 0.0), 1.0)
         metrics = {
@@ -251,6 +269,8 @@ class PolicyGradientObjective(Objective):
             "clipped_high": sums.get("clipped_high", 0.0) / tokens,
             "ratio_mean": sums.get("ratio_sum", 0.0) / tokens,
         }
+        if math.isfinite(sums.get(RATIO_MAX, -math.inf)):  # (a step with no completion token has no range)
+            metrics |= {"ratio_min": -sums[RATIO_MIN_NEGATED], "ratio_max": sums[RATIO_MAX]}
         if self.loss.beta != 0.0:
             metrics["kl"] = sums.get("kl_sum", 0.0) / tokens
         if POLICY_LOSSES[self.loss.type].teacher:  # the student's sampled reverse KL to its teacher, per token

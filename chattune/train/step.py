@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from chattune.data.feed import StepBatches
 from chattune.data.packing import PackedBatch, empty_batch
-from chattune.distributed import ParallelDims, all_reduce_sum, host_values_on
+from chattune.distributed import MAX_FIGURE, ParallelDims, all_reduce_sum, host_values_on
 from chattune.objectives.base import Objective
 from chattune.parallel.fsdp import Placement
 from chattune.parallel.tensor_parallel import split_over
@@ -150,8 +150,17 @@ def forward_backward(
             (batch_loss * scale if scale is not None else batch_loss / normaliser).backward()
         loss_sum += batch_loss.detach().float() * weight
         for name, value in batch_figures.items():
-            figures[name] = figures.get(name, 0.0) + value.detach().double() * weight
+            figures[name] = accumulate_figure(name, figures.get(name), value.detach().double(), weight)
     return StepSums(counts, loss_sum, figures, local_units, local_tokens)
+
+
+def accumulate_figure(name: str, total: torch.Tensor | None, value: torch.Tensor, weight: float) -> torch.Tensor:
+    """A figure over the step's microbatches: summed (times the rank's reporting weight), or the largest for a
+    `MAX_FIGURE` (-inf on a rank that does not report)."""
+    if name.startswith(MAX_FIGURE):
+        value = value if weight else torch.full_like(value, -math.inf)
+        return value if total is None else torch.maximum(total, value)
+    return value * weight if total is None else total + value * weight
 
 
 def _finite_on_every_rank(loss: torch.Tensor) -> bool:

@@ -18,12 +18,14 @@ from chattune.config.policy_losses import POLICY_LOSSES
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
-from chattune.distributed import exit_process, shutdown_distributed
+from chattune.distributed import exit_process, reduce_sums, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.objectives.policy_gradient import (
     ADVANTAGE,
     BEHAVIOUR_LOGP,
     OLD_LOGP,
+    RATIO_MAX,
+    RATIO_MIN_NEGATED,
     REF_LOGP,
     TEACHER_LOGP,
     PolicyGradientObjective,
@@ -132,7 +134,12 @@ def hand_step(kind: str, made: list[dict]) -> dict:
     theta = [completion_logps(model, item["prompt"], item["tokens"].tolist()) for item in made]
     loss = paper_loss(kind, theta, made, {**SETTING, "cispo_max": 1.3})
     loss.backward()
-    return {"loss": float(loss), "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+    ratios = torch.cat([torch.exp(logp.detach() - torch.tensor(item["old"])) for logp, item in zip(theta, made)])
+    return {
+        "loss": float(loss),
+        "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
+        "ratio_range": (float(ratios.min()), float(ratios.max())),
+    }
 
 
 def _worker(rank, world_size, port, splits, out_path, made):
@@ -158,6 +165,9 @@ def _worker(rank, world_size, port, splits, out_path, made):
         torch.distributed.all_reduce(total)
         grads = {name.removeprefix("hf_model."): p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
         out[kind] = {"loss": float(total) / result.global_units, "grads": grads}
+        if kind == "dapo":  # the ratio's range as the metrics reduce it: the extremes over microbatches and ranks
+            sums = reduce_sums(result.figures, torch.device("cpu"))
+            out[kind]["ratio_range"] = (-sums[RATIO_MIN_NEGATED], sums[RATIO_MAX])
         policy.zero_grad(set_to_none=True)
     if rank == 0:
         torch.save(out, out_path)
@@ -187,6 +197,8 @@ def test_every_loss_equals_its_formula_on_plain_forwards_however_the_step_is_spl
             error = relative_error(got["grads"], want[kind]["grads"])
             assert error <= 1e-5, f"{name} {kind}: relative gradient error {error:.3g} against the formula"
             assert abs(got["loss"] - want[kind]["loss"]) <= 1e-5 * max(1.0, abs(want[kind]["loss"])), (name, kind)
+        for got, want_ in zip(runs[name]["dapo"]["ratio_range"], want["dapo"]["ratio_range"]):
+            assert abs(got - want_) <= 1e-5, (name, runs[name]["dapo"]["ratio_range"], want["dapo"]["ratio_range"])
     for name in SPLITS:  # the split alone: the same update to 1e-6
         for kind in POLICY_LOSSES:
             error = relative_error(runs[name][kind]["grads"], runs["1rank_1mb"][kind]["grads"])

@@ -100,6 +100,8 @@ SAME = (
     "num_tokens",
     "grad_norm",
     "ratio_mean",
+    "ratio_min",
+    "ratio_max",
     "clipped_low",
     "clipped_high",
     "entropy",

@@ -18,16 +18,20 @@ from torch import nn
 from chattune.config.policy_losses import POLICY_LOSSES, clip_range
 from chattune.data.documents import IGNORE_INDEX, Document
 from chattune.data.packing import collate_packed, empty_batch
+from chattune.distributed import MAX_FIGURE
 from chattune.objectives.policy_gradient import (
     ADVANTAGE,
     BEHAVIOUR_LOGP,
     FIGURES,
     OLD_LOGP,
+    RATIO_MAX,
+    RATIO_MIN_NEGATED,
     REF_LOGP,
     TEACHER_LOGP,
     PolicyGradientObjective,
     PolicyLoss,
 )
+from chattune.train.step import accumulate_figure
 
 PROMPT = 3  # prompt tokens of every completion document
 # The losses of sampled tokens' log-probs (gkd compares whole distributions: tests/unit/model/head/
@@ -227,12 +231,41 @@ def test_the_loss_and_its_gradients_do_not_depend_on_the_microbatch_split_and_a_
     assert error > 1e-3  # the control: each microbatch over its own units changes the gradient
 
 
-def test_an_empty_microbatch_reports_every_figure_as_zero_and_trains_nothing():
+def test_an_empty_microbatch_reports_every_figure_as_nothing_seen_and_trains_nothing():
     objective = objective_for("dapo", SETTINGS[0])
     policy = ParameterPolicy(completions())
     loss, figures = objective.loss_sum(policy, empty_batch(0))
-    assert float(loss) == 0.0 and sorted(figures) == sorted(FIGURES) and all(float(v) == 0 for v in figures.values())
+    assert float(loss) == 0.0 and sorted(figures) == sorted(FIGURES)
+    sums = {name: float(v) for name, v in figures.items() if not name.startswith(MAX_FIGURE)}
+    assert (
+        all(v == 0 for v in sums.values())
+        and float(figures[RATIO_MAX]) == float(figures[RATIO_MIN_NEGATED]) == -math.inf
+    )
     assert objective.count_units(empty_batch(0)) == 0
+
+
+@pytest.mark.parametrize("kind", ["dapo", "gspo"])
+def test_the_ratio_range_over_a_step_split_into_microbatches_is_the_range_of_every_token_ratio(kind):
+    """ratio_min / ratio_max: the smallest and largest importance ratio of the step's tokens (gspo: of its
+    sequence ratios), computed here from the log-probs; the step's figures combined as the update step does."""
+    settings = SETTINGS[0]
+    items = completions(seed=3)
+    documents = [document(d, item, declared(settings)) for d, item in enumerate(items)]
+    objective = objective_for(kind, settings)
+    policy = ParameterPolicy(items)
+    if kind == "gspo":
+        ratios = [math.exp(float(np.mean(item["logp"] - item["old"]))) for item in items]
+    else:
+        ratios = [math.exp(x) for item in items for x in item["logp"] - item["old"]]
+    step = {}
+    for split in ([0, 1, 2], [], [3, 4, 5, 6, 7]):
+        batch = collate_packed([documents[i] for i in split]) if split else empty_batch(0)
+        for name, value in objective.loss_sum(policy, batch)[1].items():
+            step[name] = accumulate_figure(name, step.get(name), value.detach(), 1.0)
+    metrics = objective.metrics({"loss_sum": 0.0} | {name: float(v) for name, v in step.items()}, len(items))
+    assert math.isclose(metrics["ratio_min"], min(ratios), rel_tol=1e-6)
+    assert math.isclose(metrics["ratio_max"], max(ratios), rel_tol=1e-6)
+    assert metrics["ratio_min"] < 1 < metrics["ratio_max"]
 
 
 def test_the_units_are_completion_tokens_or_completions_as_the_paper_normalises():
@@ -302,6 +335,9 @@ def test_the_metrics_are_the_step_sums_over_its_tokens_and_rollout():
     assert metrics["completion_length"] == 5.0 and metrics["entropy"] == 0.5
     assert metrics["rollout_s"] == 2.0 and metrics["rollout_tokens_per_sec"] == 20.0  # mean over the 2 ranks
     assert "skipped_groups" not in metrics  # (none: said only where some were)
+    assert "ratio_min" not in metrics  # (no range given: none said)
+    ranged = objective.metrics(sums | {RATIO_MAX: 1.5, RATIO_MIN_NEGATED: -0.25}, 40)
+    assert (ranged["ratio_min"], ranged["ratio_max"]) == (0.25, 1.5)
 
 
 def test_a_student_equal_to_its_teacher_has_zero_loss_and_zero_gradient():
