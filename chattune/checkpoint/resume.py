@@ -269,6 +269,11 @@ def check_resumable(directory: Path, identity: dict, cfg: RunConfig) -> Accepted
             accepted.changed_keys.append(key)  # (a refused one raises below)
         if key in HORIZON_KEYS:
             accepted.horizon.append(difference.text.removeprefix("config "))
+        elif key == "data.share_prompts":  # the pairs' rows change length: the remaining ones may pack otherwise
+            accepted.notes.append(
+                f"{difference.text} (the same pairs and losses, computed with the prompt once or once per reply; "
+                "the pairs not yet trained may pack into other microbatches where the budget binds)"
+            )
         elif key in NUMERICS_KEYS and not (key == "data.num_workers" and online_mixing):
             accepted.notes.append(f"{difference.text} (the same documents and updates, computed differently)")
         elif anything or _accepts(entries, difference):

@@ -307,6 +307,12 @@ class DataConfig:
     report_records: int | None = key(
         1000, "records counted for the data report (null: all, 0: none)", at_least=0, resume="free"
     )
+    share_prompts: bool = key(
+        False,
+        "preference and reward pairs: the prompt computed once, each reply attending to it (exact; "
+        "docs/dpo.md); false: each reply with its own copy of the prompt",
+        resume="numerics",
+    )
     mixing: MixingConfig = section(MixingConfig, "how training sources are sampled")
 
 

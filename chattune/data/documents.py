@@ -72,6 +72,10 @@ class Document:
     # Sequences laid back to back inside the document that must not attend to each other, packed as one
     # unit (DPO: chosen then rejected, so a pair always shares a microbatch). Empty: one sequence.
     segments: tuple[int, ...] = ()
+    # Shared prompts (`data.share_prompts`): every segment after the first continues the first segment's first
+    # `shared_prefix` tokens (a pair's prompt, computed once): it attends to them and its positions start after
+    # them, as if they stood before it. 0: the segments are independent sequences.
+    shared_prefix: int = 0
     source: int = 0  # which data source (of a mixture) the record belongs to
     # Values a recipe's data declares, which packing and the token cache carry to its objective without knowing
     # what they mean: per token (an advantage, a weight, a teacher's log-prob: one value per position, the
@@ -106,6 +110,7 @@ class Document:
             self.pieces_left_out,
             self.left_out_detail,
             self.segments,
+            self.shared_prefix,
             self.source,
             tuple(sorted(self.doc_values.items())),
             tuple(sorted((name, values.tobytes()) for name, values in self.token_values.items())),

@@ -4,6 +4,11 @@ Documents are laid back to back in one row. Position ids restart at 0 for every 
 `cu_seqlens` marks the boundaries, so the attention function keeps documents apart. Labels are already
 shifted per document (labels[i] is the token position i predicts) and the last position of every
 document is IGNORE_INDEX: no token is trained to predict across a document boundary.
+
+Shared prompts (`Document.shared_prefix`): a pair [prompt + chosen][rejected reply] is two segments, the second
+continuing the first's prompt. Its positions start where the prompt ends, and `PackedBatch.prefixes` tells the
+attention function which earlier tokens each segment also sees, so that every token's computation equals the
+unshared layout's [prompt + chosen][prompt + rejected] while the prompt is computed once.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class PackedBatch:
     token_values: dict[str, torch.Tensor] = field(default_factory=dict)
     doc_values: dict[str, list[float]] = field(default_factory=dict)
     padding: int = 0  # tokens of the padding segment (always last), if any
+    # Shared prompts: (S, 2) int64 on the host, each segment's (row offset, length) of the earlier tokens it also
+    # attends to, before its own (length 0: none); None where no segment of the row continues another.
+    prefixes: torch.Tensor | None = None
     epoch: int = 0  # the epoch its documents belong to
     ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
 
@@ -79,7 +87,13 @@ class PackedBatch:
             padding=self.padding,
             epoch=self.epoch,
             ends_epoch=self.ends_epoch,
+            prefixes=self.prefixes,  # read on the host by the attention function (its loop over segments)
         )
+
+    @property
+    def shared_prompt_tokens(self) -> int:
+        """Tokens the shared prompts saved: each continuing segment's prefix, computed once instead of again."""
+        return 0 if self.prefixes is None else int(self.prefixes[:, 1].sum())
 
 
 def collate_packed(
@@ -96,13 +110,14 @@ def collate_packed(
     lengths = [n for d in documents for n in d.segment_lengths]
     if any(sum(d.segment_lengths) != len(d) for d in documents):
         raise ValueError("a document's segments must add up to its length")
+    starts, prefixes = _segment_starts(documents)
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
     token_values, doc_values = _declared_values(documents)
     return PackedBatch(
         input_ids=torch.from_numpy(np.concatenate([d.input_ids for d in documents], dtype=np.int64)).unsqueeze(0),
         labels=torch.from_numpy(np.concatenate([d.labels for d in documents], dtype=np.int64)).unsqueeze(0),
-        position_ids=_positions(lengths).unsqueeze(0),
+        position_ids=_positions(lengths, starts).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
         segment_ids=torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)),
@@ -113,7 +128,29 @@ def collate_packed(
         token_values=token_values,
         doc_values=doc_values,
         padding=sum(len(d) for d in documents if d.doc_id < 0),
+        prefixes=prefixes,
     )
+
+
+def _segment_starts(documents: list[Document]) -> tuple[list[int], torch.Tensor | None]:
+    """Each segment's first position, and the row's `PackedBatch.prefixes` (None where no document shares a
+    prompt): a continuing segment starts at its prompt's end and sees the prompt, the first segment's first tokens."""
+    if not any(d.shared_prefix for d in documents):
+        return [0] * sum(len(d.segment_lengths) for d in documents), None
+    starts, spans, offset = [], [], 0
+    for d in documents:
+        shared = d.shared_prefix
+        if shared and (len(d.segment_lengths) < 2 or shared >= d.segment_lengths[0]):
+            raise ValueError(
+                f"document {d.doc_id}: a shared prompt of {shared} tokens needs a first segment longer than it "
+                f"and a segment after it (segments {d.segment_lengths})"
+            )
+        for index in range(len(d.segment_lengths)):
+            continues = shared and index > 0
+            starts.append(shared if continues else 0)
+            spans.append((offset, shared) if continues else (0, 0))
+        offset += len(d)
+    return starts, torch.tensor(spans, dtype=torch.int64)
 
 
 def _declared_values(documents: list[Document]) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
@@ -140,11 +177,14 @@ def _declared_values(documents: list[Document]) -> tuple[dict[str, torch.Tensor]
     return tokens, {name: [float(d.doc_values[name]) for d in real] for name in doc_names}
 
 
-def _positions(lengths: list[int]) -> torch.Tensor:
-    """0, 1, ..., n-1 for each length n, back to back."""
+def _positions(lengths: list[int], first: list[int] | None = None) -> torch.Tensor:
+    """s, s+1, ..., s+n-1 for each length n and first position s (0 where `first` is None), back to back."""
     lengths_array = np.asarray(lengths, dtype=np.int64)
     starts = np.cumsum(lengths_array) - lengths_array
-    return torch.from_numpy(np.arange(int(lengths_array.sum()), dtype=np.int64) - np.repeat(starts, lengths_array))
+    positions = np.arange(int(lengths_array.sum()), dtype=np.int64) - np.repeat(starts, lengths_array)
+    if first is not None:
+        positions += np.repeat(np.asarray(first, dtype=np.int64), lengths_array)
+    return torch.from_numpy(positions)
 
 
 def _padding(length: int, pad_token_id: int) -> Document:

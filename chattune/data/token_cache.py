@@ -68,7 +68,8 @@ logger = logging.getLogger(__name__)
 # (a reward cache of layout 2 holds a record with a margin as a skipped bad record). 4: a split record's pieces
 # left out are counted (`Document.pieces_left_out`). 5: the documents' declared values by name (`value:NAME`), in
 # place of a KTO label and a reward margin of their own. 6: the documents' per-token values (`tokens-NAME.bin`).
-LAYOUT_VERSION = 6
+# 7: a pair's shared prompt (`doc_shared`, data.share_prompts).
+LAYOUT_VERSION = 7
 CACHE_DIR_ENV = "CHATTUNE_CACHE_DIR"  # where data.cache=auto keeps caches (default ~/.cache/chattune)
 MANIFEST = "manifest.json"
 CHUNK_RECORDS = 1024  # records tokenized in one batch (one loader item) while building
@@ -174,6 +175,7 @@ class TokenizedChunk:
     labels: np.ndarray  # int32
     doc_lengths: np.ndarray  # int64
     doc_chosen: np.ndarray  # int32: a pair's chosen side's tokens; 0 for a one-sequence document
+    doc_shared: np.ndarray  # int32: a pair's shared prompt (`Document.shared_prefix`); 0 where none
     doc_values: dict[str, np.ndarray]  # float64 per name: each document's declared value (NaN: none)
     token_values: dict[str, np.ndarray]  # float32 per name, one per token of `ids` (NaN under a document without)
     token_declared: dict[str, np.ndarray]  # bool per name: whether each document declares it
@@ -200,6 +202,7 @@ def tokenize_chunk(documents, records: range) -> TokenizedChunk:
         labels=np.concatenate([d.labels for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
         doc_lengths=np.array([len(d) for d in kept], dtype=np.int64),
         doc_chosen=np.array([d.segments[0] if d.segments else 0 for d in kept], dtype=np.int32),
+        doc_shared=np.array([d.shared_prefix for d in kept], dtype=np.int32),
         doc_values={name: np.array([d.doc_values.get(name, np.nan) for d in kept], dtype=np.float64) for name in names},
         token_values={
             name: np.concatenate([d.token_values.get(name, np.full(len(d), np.nan)) for d in kept]).astype(np.float32)
@@ -267,7 +270,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
     as it comes, so memory does not grow with the data). Returns the shard's counts; a UserError (a bad record
     under on_bad_record=error, an overlong one under overlong=error) propagates, leaving the shard incomplete."""
     directory.mkdir(parents=True)
-    lengths, chosen, record_docs, skip, overlong, details = [], [], [], [], [], []
+    lengths, chosen, shared, record_docs, skip, overlong, details = [], [], [], [], [], [], []
     values: list[dict[str, np.ndarray]] = []
     left_out, left_out_details = [], []
     token_files: dict[str, object] = {}  # per-token value name: its open file
@@ -287,6 +290,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
             written, documents_written = written + len(chunk.ids), documents_written + len(chunk.doc_lengths)
             lengths.append(chunk.doc_lengths)
             chosen.append(chunk.doc_chosen)
+            shared.append(chunk.doc_shared)
             values.append(chunk.doc_values)
             record_docs.append(chunk.record_docs)
             skip.append(chunk.record_skip)
@@ -316,6 +320,7 @@ def write_shard(documents, records: range, directory: Path, num_workers: int = 0
         directory / "index.npz",
         doc_starts=doc_starts,
         doc_chosen=np.concatenate([np.zeros(0, np.int32), *chosen]),
+        doc_shared=np.concatenate([np.zeros(0, np.int32), *shared]),
         **declared,
         **declared_tokens,
         record_first_doc=np.concatenate([[0], np.cumsum(per_record)]).astype(np.int64),
@@ -487,7 +492,9 @@ class CachedDocuments:
                 f"token cache {self.directory}: layout {self.manifest.get('layout')}, this chattune reads "
                 f"{LAYOUT_VERSION}"
             )
-        self._ids, self._labels, shard_of, starts, stops, chosen, first, skip, overlong = ([] for _ in range(9))
+        self._ids, self._labels, shard_of, starts, stops, chosen, shared, first, skip, overlong = (
+            [] for _ in range(10)
+        )
         shard_values: list[dict[str, np.ndarray]] = []
         shard_declared: list[dict[str, np.ndarray]] = []  # per shard: per-token value name: documents declaring it
         self._token_values: list[dict[str, np.ndarray]] = []  # per shard: name: its memory map
@@ -504,6 +511,7 @@ class CachedDocuments:
                 stops.append(doc_starts[1:])
                 shard_of.append(np.full(len(doc_starts) - 1, number, dtype=np.int32))
                 chosen.append(index["doc_chosen"])
+                shared.append(index["doc_shared"])
                 shard_values.append(
                     {k.removeprefix(VALUE_PREFIX): index[k] for k in index.files if k.startswith(VALUE_PREFIX)}
                 )
@@ -523,7 +531,7 @@ class CachedDocuments:
                 {int(k): v for k, v in json.loads((shard / "left_out.json").read_text()).items()}
             )
         self._shard, self._starts, self._stops = np.concatenate(shard_of), np.concatenate(starts), np.concatenate(stops)
-        self._chosen = np.concatenate(chosen)
+        self._chosen, self._shared = np.concatenate(chosen), np.concatenate(shared)
         names = sorted({name for v in shard_values for name in v})
         self._values = {
             name: np.concatenate(
@@ -582,6 +590,7 @@ class CachedDocuments:
                         pieces_left_out=int(self._left_out[index]) if d == first else 0,
                         left_out_detail=self._left_out_details.get(int(index), "") if d == first else "",
                         segments=(chosen, end - start - chosen) if chosen else (),
+                        shared_prefix=int(self._shared[d]),
                         doc_values={n: float(v[d]) for n, v in self._values.items() if not np.isnan(v[d])},
                         token_values={
                             n: self._token_values[shard][n][start:end]

@@ -373,6 +373,25 @@ class RunRules:
             if problem is not None:
                 self.findings.problem(key, problem)
 
+    def shared_prompts(self) -> None:
+        """data.share_prompts: a pair's replies continue one prompt (DPO, ORPO/SimPO, reward pairs); refused where the
+        recipe has no pairs and where a layout splits the row by its own boundaries."""
+        if get_value(self.values, "data.share_prompts") is not True:
+            return
+        if self.kind.name not in ("dpo", "reward"):
+            why = {
+                "kto": "KTO's records are unpaired: nothing to share",
+                "grpo": "a GRPO group's completions do not share their prompt yet",
+            }.get(self.kind.name, f"the {self.kind.name} recipe trains no pairs: nothing to share")
+            self.findings.problem("data.share_prompts", f"must be false: {why}")
+        for key in ("context", "tensor"):
+            if self._degree(key) > 1:
+                self.findings.problem(
+                    f"parallel.{key}",
+                    "must be 1 with data.share_prompts=true: a row whose replies continue a shared prompt is not "
+                    "split over ranks yet (or set data.share_prompts=false)",
+                )
+
     def quantized_base(self) -> None:
         """QLoRA (peft.quantize_base) needs CUDA and bitsandbytes (an optional install)."""
         if get_value(self.values, "peft.quantize_base") not in QUANTIZE_BASE:

@@ -227,7 +227,7 @@ def check_architecture_of(cfg: DictConfig, findings: Findings, on_cuda: bool) ->
 
     config = json.dumps(OmegaConf.to_container(cfg.model.config, resolve=True), sort_keys=True)
     dtype = compute_dtype(cfg.model.fsdp.param_dtype, "cuda" if on_cuda else "cpu")
-    outcome = _architecture_outcome(config, dtype)
+    outcome = _architecture_outcome(config, dtype, cfg.data.get("share_prompts") is True)
     if isinstance(outcome, int):
         findings.note(
             "model.config",
@@ -239,9 +239,10 @@ def check_architecture_of(cfg: DictConfig, findings: Findings, on_cuda: bool) ->
 
 
 @functools.lru_cache(maxsize=32)
-def _architecture_outcome(config: str, dtype: str) -> str | int | None:
-    """What the launch's architecture check says of the model.config `config` (JSON) in `dtype`: None where it
-    passes, the refusal, or the miniature's number of parameters where it is too large to check here."""
+def _architecture_outcome(config: str, dtype: str, shared_prompts: bool = False) -> str | int | None:
+    """What the launch's architecture check says of the model.config `config` (JSON) in `dtype` (and with shared
+    prompts): None where it passes, the refusal, or the miniature's number of parameters where it is too large to
+    check here."""
     from hydra.utils import instantiate
 
     from chattune.errors import UnsupportedModel
@@ -256,7 +257,7 @@ def _architecture_outcome(config: str, dtype: str) -> str | int | None:
     if size > ARCHITECTURE_CHECK_PARAMETERS:
         return size
     try:
-        check_architecture(hf_config, compute_dtype=dtype)
+        check_architecture(hf_config, compute_dtype=dtype, shared_prompts=shared_prompts)
     except UnsupportedModel as refusal:
         return str(refusal)
     return None
@@ -339,6 +340,7 @@ def find_problems(
     schema.bounds()
     rules.steps_and_budget()
     rules.rollouts()
+    rules.shared_prompts()
     rules.quantized_base()
     rules.float8()
     rules.device()

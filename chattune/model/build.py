@@ -127,10 +127,11 @@ class ModelSections:
     model: ModelConfig
     loss: LossConfig
     seed: int
+    shared_prompts: bool = False  # data.share_prompts: the model must compute replies continuing a shared prompt
 
     @classmethod
     def of(cls, cfg: RunConfig) -> ModelSections:
-        return cls(cfg.model, cfg.loss, cfg.seed)
+        return cls(cfg.model, cfg.loss, cfg.seed, cfg.data.share_prompts)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def build_sharded_model(
     # on a random-init miniature: the real weights may not exist yet
     device_type = dims.device.type
     dtype = compute_dtype(sections.model.fsdp.param_dtype, device_type)
-    check_architecture(hf_model.config, dims.device, dims.cp_group, dtype)
+    check_architecture(hf_model.config, dims.device, dims.cp_group, dtype, sections.shared_prompts)
     peft_model = add_adapters(hf_model, adapters, head.peft_task_type) if adapters is not None else None
     if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
         quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dims.device)

@@ -148,7 +148,8 @@ def step_metrics(
     all_tokens_per_sec_per_device the same per rank. With the device's peak FLOP/s (`flops`), mfu is the
     step's model FLOPs' rate per device over the peak. `step_time_s` as `StepSeconds`: with the step's parts on
     the host's clock by name (`data_wait_s`, `gc_s`), each the mean over ranks. On CUDA, peak memory (allocated and reserved since the
-    start, GiB) is the largest of any rank's."""
+    start, GiB) is the largest of any rank's. With shared prompts, shared_prompt_tokens: the prompt tokens the step
+    computed once instead of once per reply (all ranks)."""
     model_flops, peak_flops = (flops.model_flops, flops.peak_flops) if flops is not None else (0.0, None)
     seconds = step_time_s if isinstance(step_time_s, StepSeconds) else StepSeconds(step_time_s)
     host_seconds = seconds.host
@@ -157,6 +158,7 @@ def step_metrics(
             "loss_sum": result.loss_sum,
             "step_time_s": seconds.total,
             "all_tokens": result.local_tokens,
+            "shared_prompt_tokens": result.shared_tokens,
             "model_flops": model_flops,
             **{f"host/{name}": seconds for name, seconds in host_seconds.items()},
             **result.figures,
@@ -175,6 +177,8 @@ def step_metrics(
         step_time_s=step_time,
         **{name: sums[f"host/{name}"] / world for name in host_seconds},
     )
+    if sums["shared_prompt_tokens"]:  # data.share_prompts: the prompt tokens the step computed once, not again
+        metrics["shared_prompt_tokens"] = int(sums["shared_prompt_tokens"])
     if peak_flops:
         metrics["mfu"] = sums["model_flops"] / step_time / world / peak_flops
     if device.type == "cuda":

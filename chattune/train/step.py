@@ -52,6 +52,7 @@ class StepResult:
     local_units: int  # this rank's loss units
     global_units: int  # all ranks' loss units (the normaliser)
     local_tokens: int  # this rank's tokens, trained or not
+    shared_tokens: int = 0  # this rank's prompt tokens computed once instead of again (data.share_prompts)
     ranks_at_epoch_end: int = 0  # ranks whose data stream has finished the epoch
     figures: dict[str, float] = field(default_factory=dict)  # this rank's other per-unit sums (the objective's)
     overflow: bool = False  # fp16: finite losses, non-finite gradients (the loss scale was too high)
@@ -67,6 +68,7 @@ class StepSums:
     figures: dict[str, torch.Tensor]  # the objective's other sums (fp64)
     local_units: int
     local_tokens: int
+    shared_tokens: int = 0
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.loss_sum.double(), *self.figures.values(), *self.counts.double()]
@@ -81,6 +83,7 @@ class StepSums:
             local_units=self.local_units,
             global_units=int(global_units),
             local_tokens=self.local_tokens,
+            shared_tokens=self.shared_tokens,
             ranks_at_epoch_end=int(ranks_at_epoch_end),
             figures=dict(zip(self.figures, figures)),
         )
@@ -124,6 +127,7 @@ def forward_backward(
     extras = step_extras(objective, microbatches if counted else [])
     local_counts = host_values_on(device, [local_units, int(batches.epoch_end_reached), *extras], torch.int64)
     local_tokens = sum(b.num_tokens for b in microbatches) if counted else 0
+    shared_tokens = sum(b.shared_prompt_tokens for b in microbatches) if counted else 0
     # KTO's reference point: a no-grad pass over the whole step before its first backward (None for most)
     local = objective.step_statistics(model, _seeded(microbatches, seeds), device)
     if local is not None:
@@ -151,7 +155,7 @@ def forward_backward(
         loss_sum += batch_loss.detach().float() * weight
         for name, value in batch_figures.items():
             figures[name] = accumulate_figure(name, figures.get(name), value.detach().double(), weight)
-    return StepSums(counts, loss_sum, figures, local_units, local_tokens)
+    return StepSums(counts, loss_sum, figures, local_units, local_tokens, shared_tokens)
 
 
 def accumulate_figure(name: str, total: torch.Tensor | None, value: torch.Tensor, weight: float) -> torch.Tensor:

@@ -142,6 +142,7 @@ def main() -> None:
                     "on_bad_record": "error",
                     "max_tokens_per_microbatch": args.max_tokens,
                     "num_workers": 0,
+                    "share_prompts": False,
                 }
             )
             documents = open_documents("sft", [SourceSpec(str(path))], tokenizer, data).sources[0]

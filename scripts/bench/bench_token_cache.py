@@ -56,6 +56,7 @@ def data_section(cache: Path, workers: int):
             "on_bad_record": "error",
             "max_tokens_per_microbatch": BUDGET,
             "num_workers": workers,
+            "share_prompts": False,
         }
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -112,3 +113,39 @@ def test_dpo_local_model_config_on_a_qwen3_directory_and_real_preference_pairs(t
     # Step 1: the policy is its own (cached) reference, so every implicit reward is 0 and the loss log 2.
     assert abs(metrics[0]["rewards/margins"]) < 1e-4 and metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-4)
     assert (out / "hf" / "model.safetensors.index.json").is_file()
+
+
+def test_shared_prompts_follow_the_unshared_run_and_a_run_resumes_across_the_setting(tmp_path, base_dir):
+    """data.share_prompts on 2 ranks: each rank's step is one microbatch of the same 8 pairs either way (a budget
+    that holds them all), so the losses follow the unshared run's to rounding while the rows are shorter; a run
+    stopped at step 3 with shared prompts resumes without them (a note, not a refusal) and follows too."""
+
+    def dpo(out, *overrides):
+        return launch(
+            torchrun(
+                "recipes/dpo.py",
+                f"output_dir={out}",
+                f"model.path={base_dir}",
+                "max_steps=6",
+                "log_every=1",
+                "eval_every=0",
+                "save_every=3",
+                "data.buffer_records=8",
+                "data.max_tokens_per_microbatch=8192",
+                "data.report_records=0",
+                *overrides,
+                nproc=2,
+            )
+        )
+
+    dpo(unshared := tmp_path / "unshared")
+    dpo(shared := tmp_path / "shared", "data.share_prompts=true", "stop_after_step=3")
+    resumed = dpo(shared, "data.share_prompts=false")
+    assert re.search(r"data\.share_prompts.*the same pairs and losses", resumed.stdout + resumed.stderr)
+    want, got = read_metrics(unshared), read_metrics(shared)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    for before, after in zip(want, got):
+        for key in ("loss", "rewards/margins", "logps/chosen", "num_pairs", "num_tokens"):
+            assert after[key] == pytest.approx(before[key], rel=1e-5, abs=1e-6), (before["step"], key)
+    assert all(m["shared_prompt_tokens"] > 0 for m in got[:3]) and not any("shared_prompt_tokens" in m for m in want)
+    assert all(m["all_tokens_per_sec"] > 0 for m in got)

@@ -26,6 +26,7 @@ class DataReport:
     outcomes: list[int | Skipped] = field(default_factory=list)  # per document: its length, or why skipped
     microbatches: int = 0  # when packed (inspect): microbatches and the tokens in them
     packed_tokens: int = 0
+    shared_prompt_tokens: int = 0  # data.share_prompts: the prompt tokens each pair holds once instead of twice
     held_out: str = ""  # what data.eval_split holds out of the sources (`chattune.data.ingest.held_out.held_out_line`)
 
     @property
@@ -39,6 +40,7 @@ class DataReport:
             "documents": len(self.lengths),
             "tokens": self.tokens,
             "trainable_tokens": self.trainable_tokens,
+            "shared_prompt_tokens": self.shared_prompt_tokens,
             **{f"skipped/{r}": n for r, n in self.skipped.items()},
             **{f"overlong/{r}": n for r, n in self.overlong.items()},
         }
@@ -64,6 +66,7 @@ def scan_documents(documents, indices: Sequence[int], num_examples: int = 0, bat
         report.overlong["split_pieces_left_out"] += document.pieces_left_out
         report.lengths.append(len(document))
         report.trainable_tokens += int(np.count_nonzero(document.labels != IGNORE_INDEX))
+        report.shared_prompt_tokens += document.shared_prefix * (len(document.segment_lengths) - 1)
         if len(report.examples) < num_examples:
             report.examples.append(document)
     return report
@@ -74,6 +77,10 @@ def count_lines(counts: dict[str, float]) -> list[str]:
     skipped = {name.removeprefix("skipped/"): int(n) for name, n in counts.items() if name.startswith("skipped/")}
     reasons = ", ".join(f"{reason} {n}" for reason, n in skipped.items() if n)
     tokens, left_out = int(counts["tokens"]), int(counts["overlong/split_pieces_left_out"])
+    shared = int(counts.get("shared_prompt_tokens", 0))
+    saved = [
+        f"shared prompts: {shared} tokens not computed again ({shared / max(tokens + shared, 1):.1%} of the unshared tokens)"
+    ]
     return [
         f"records read: {int(counts['records'])}",
         f"skipped: {sum(skipped.values())}" + (f" ({reasons})" if reasons else ""),
@@ -82,6 +89,7 @@ def count_lines(counts: dict[str, float]) -> list[str]:
         f"documents: {int(counts['documents'])}",
         f"tokens: {tokens}",
         f"trainable tokens: {int(counts['trainable_tokens'])} ({counts['trainable_tokens'] / max(tokens, 1):.1%})",
+        *(saved if shared else []),
     ]
 
 

@@ -151,6 +151,8 @@ def prompt_source(
 
 def _pairs_of(documents: type, spec: SourceSpec, tokenizer: PreTrainedTokenizerBase, data: DataConfig, context: int):
     settings = document_settings(spec, data, context)
+    # a pair's two replies continue one prompt (data.share_prompts); KTO's examples are unpaired
+    shared = {"share_prompts": settings["share_prompts"]} if issubclass(documents, PairDocuments) else {}
     return documents(
         RecordSource([spec]),
         tokenizer,
@@ -158,6 +160,7 @@ def _pairs_of(documents: type, spec: SourceSpec, tokenizer: PreTrainedTokenizerB
         settings["overlong"],
         settings["on_bad_record"],
         settings["budget_name"],
+        **shared,
     )
 
 
@@ -172,6 +175,7 @@ def document_settings(spec: SourceSpec, data: DataConfig, context: int = 1) -> d
         "budget": budget,
         "budget_name": budget_name,
         "on_bad_record": data.on_bad_record,
+        "share_prompts": data.share_prompts,
     }
 
 

@@ -49,6 +49,7 @@ class PairDocuments(TwoSequenceDocuments):
         overlong: str = "drop",
         on_bad_record: str = "error",
         budget_name: str | None = None,
+        share_prompts: bool = False,
     ):
         if overlong not in OVERLONG_DPO:
             raise ValueError(f"data.overlong must be one of {OVERLONG_DPO} for preference data, got {overlong!r}")
@@ -56,6 +57,7 @@ class PairDocuments(TwoSequenceDocuments):
         if not_pairs:
             raise DataError(f"{not_pairs}: DPO needs preference data (format one of {list(PREFERENCE_FORMATS)})")
         super().__init__(source, tokenizer, max_tokens, overlong, on_bad_record, budget_name)
+        self.share_prompts = share_prompts
 
     def _render(self, index: int, where: str, spec: SourceSpec, record: dict) -> _RenderedPair | Skipped:
         """Convert and check one pair, render its two sides and locate the reply each trains."""
@@ -75,10 +77,12 @@ class PairDocuments(TwoSequenceDocuments):
     ) -> Document | Skipped:
         """The document of a pair whose sides have `counts` tokens (`ids`, `labels`: empty for a side over
         the budget), or why it is skipped."""
-        total = sum(counts)
+        shared = shared_prompt(ids, labels) if self.share_prompts and max(counts) <= self.max_tokens else 0
+        total = sum(counts) - shared
         if total > self.max_tokens:
+            prompt = f" - their shared prompt {shared}" if shared else ""
             message = (
-                f"{rendered.where}: {total} tokens (chosen {counts[0]} + rejected {counts[1]}) exceed "
+                f"{rendered.where}: {total} tokens (chosen {counts[0]} + rejected {counts[1]}{prompt}) exceed "
                 f"{self.budget_name}"
             )
             if self.overlong == "error":
@@ -89,11 +93,22 @@ class PairDocuments(TwoSequenceDocuments):
                 return self._bad_record(DataError(f"{rendered.where}: the {name} reply has no token to train"))
         return Document(
             doc_id=rendered.index,
-            input_ids=np.concatenate(ids),
-            labels=np.concatenate(labels),
-            segments=(counts[0], counts[1]),
+            input_ids=np.concatenate([ids[0], ids[1][shared:]]),
+            labels=np.concatenate([labels[0], labels[1][shared:]]),
+            segments=(counts[0], counts[1] - shared),
+            shared_prefix=shared,
             doc_values={PAIR_MARGIN: rendered.margin} if rendered.margin is not None else {},
         )
+
+
+def shared_prompt(ids: list[np.ndarray], labels: list[np.ndarray]) -> int:
+    """The tokens the two sides of a pair can share (data.share_prompts): their common first tokens, up to the first
+    position either trains (which predicts a token of its own side's reply). The prompt's last token is that
+    position, so each side keeps it and the shared part is the prompt less its last token. 0: nothing to share."""
+    common = min(len(ids[0]), len(ids[1]))
+    differ = np.flatnonzero(ids[0][:common] != ids[1][:common])
+    first_trained = min(int(np.argmax(side >= 0)) for side in labels)  # (each side trains some token: checked)
+    return min(int(differ[0]) if len(differ) else common, first_trained)
 
 
 class RewardPairDocuments(PairDocuments):

@@ -32,6 +32,7 @@ from chattune.model.checks.packing_probe import (
     check_context_split,
     check_fast_mixers,
     check_packing_isolation,
+    check_shared_prompts,
     probe_documents,
 )
 from chattune.model.cost.flops import attention_heads, text_config
@@ -257,13 +258,15 @@ def check_architecture(
     device: torch.device | None = None,
     context_group: torch.distributed.ProcessGroup | None = None,
     compute_dtype: str = "float32",
+    shared_prompts: bool = False,
 ) -> None:
     """Refuse (UnsupportedModel) an architecture whose packed forward lets documents see each other or whose
     logits are not hidden @ output_embedding.T, measured on a random-init miniature. The global RNG is left
     as it was, so random-init weights built after the check do not change. Under context parallelism
     (`context_group`, the run's: `ParallelDims.cp_group`) the miniature must also compute a row split across the
     context group as the whole row (`check_context_split`, on `device`). In a `compute_dtype` other than fp32 the
-    miniature must also train a packed row in it (`check_compute_dtype`)."""
+    miniature must also train a packed row in it (`check_compute_dtype`). With `shared_prompts` (data.share_prompts)
+    it must compute a reply continuing a shared prompt as after its own copy (`check_shared_prompts`)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MINIATURE_SEED)
         miniature = build_miniature(config)
@@ -276,6 +279,8 @@ def check_architecture(
         _check_output_head(miniature)
         check_stock_attention(miniature)
         check_compute_dtype(miniature, compute_dtype)
+        if shared_prompts:
+            check_shared_prompts(miniature)
         if device.type == "cuda":
             check_fast_mixers(miniature, device)  # the varlen kernels, where chosen, against the exact path
     group = context_group

@@ -328,3 +328,68 @@ def check_fast_mixers(hf_model: PreTrainedModel, device: torch.device) -> None:
             f"on the probe's packed row they differ from the per-document path by up to {difference.max_relative:.2e} "
             f"(limit {FAST_MIXER_TOLERANCE:.0e}, bf16 on {device})"
         )
+
+
+# The shared-prompt probe: a prompt, two replies, and a document packed before them (`check_shared_prompts`).
+SHARED_PROBE_LENGTHS = (9, 6, 5, 11)  # prompt, first reply, second reply, the document before
+
+
+@torch.no_grad()
+def probe_shared_prompts(hf_model: PreTrainedModel) -> tuple[Difference, Difference]:
+    """(noise, shared): the row [D][prompt + X][Y continuing the prompt] against the unshared [D][prompt + X][prompt
+    + Y], final hidden states relative to their norm: noise over D and prompt + X (the same tokens at the same
+    places in rows of other lengths), shared over Y."""
+    device = hf_model.get_input_embeddings().weight.device
+    prompt, x, y, before = (d.input_ids for d in probe_documents(_vocab_size(hf_model), SHARED_PROBE_LENGTHS))
+    untrained = np.full(len(prompt) + len(x) + len(y) + len(prompt), IGNORE_INDEX)
+    first = np.concatenate([prompt, x])
+    d = Document(doc_id=0, input_ids=before, labels=np.full(len(before), IGNORE_INDEX))
+    unshared = Document(1, np.concatenate([first, prompt, y]), untrained, segments=(len(first), len(prompt) + len(y)))
+    shared = Document(
+        1,
+        np.concatenate([first, y]),
+        untrained[: len(first) + len(y)],
+        segments=(len(first), len(y)),
+        shared_prefix=len(prompt),
+    )
+    was_training = hf_model.training
+    hf_model.eval()
+    try:
+        want = packed_hidden_states(hf_model, collate_packed([d, unshared]).to(device))
+        got = packed_hidden_states(hf_model, collate_packed([d, shared]).to(device))
+    finally:
+        hf_model.train(was_training)
+    common = len(before) + len(first)
+    return _difference(got[:common], want[:common]), _difference(got[common:], want[common + len(prompt) :])
+
+
+def check_shared_prompts(hf_model: PreTrainedModel) -> None:
+    """Refuse (UnsupportedModel) a model that does not compute a reply continuing a shared prompt (data.share_prompts)
+    as the reply after its own copy of the prompt: its layers other than attention (a convolution's or an SSM's state
+    would have to be handed from the prompt to each reply: refused by kind, unmeasured), or anything the probe
+    (`probe_shared_prompts`) sees differ beyond SWAP_TOLERANCE (raised to NOISE_FACTOR times the row's own rounding)."""
+    name = type(hf_model).__name__
+    kinds = sorted(set(mixers.handled_mixers(hf_model).values()))
+    if kinds:
+        raise UnsupportedModel(
+            f"{name}: shared prompts (data.share_prompts) need each reply to start from the prompt's state, and its "
+            f"{', '.join(kinds)} layers keep a state per document that chattune does not hand from a prompt to its "
+            "replies yet; set data.share_prompts=false"
+        )
+    try:
+        noise, shared = probe_shared_prompts(hf_model)
+    except UnsupportedModel:
+        raise
+    except Exception as error:  # the model's own code on a shared row: the refusal's cause
+        raise UnsupportedModel(
+            f"{name} cannot run a row whose replies share a prompt (data.share_prompts): "
+            f"{model_code_failure(error, ATTENTION_NAME)}; set data.share_prompts=false"
+        ) from error
+    limit = max(SWAP_TOLERANCE, NOISE_FACTOR * noise.max_relative)
+    if not shared.max_relative <= limit:
+        raise UnsupportedModel(
+            f"{name} computes a reply that continues a shared prompt differently from the reply after its own copy "
+            f"of the prompt: final hidden states differ by up to {shared.max_relative:.2e} (at its token "
+            f"{shared.position}; limit {limit:.1e}). Some layer reads the row by more than its attention's key "
+            "ranges and position ids; set data.share_prompts=false"
+        )

@@ -67,6 +67,10 @@ from chattune.model.packed.rotary import isolate_rotaries
 from chattune.parallel.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 
 ATTENTION_NAME = "chattune_packed"
+# The row's shared prompts (`PackedBatch.prefixes`), passed to the attention function beside transformers' own
+# kwargs, which the models forward to it untouched (`chattune.model.checks.packing_probe.check_shared_prompts`
+# measures that they do).
+PREFIXES_KWARG = "chattune_prefixes"
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -270,7 +274,8 @@ def packed_attention(
             )
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
-    if temperature_tuned(module):  # Llama 4's NoPE layers scaled their queries by the row's places
+    tuned = temperature_tuned(module)
+    if tuned:  # Llama 4's NoPE layers scaled their queries by the row's places
         offset = _rank_of(group) * query.shape[2] if group is not None else 0
         query = per_document_temperature(module, query, cu_seqlens, offset)
     if group is not None:  # this rank's slice of every head -> the whole row for its share of the heads
@@ -280,6 +285,15 @@ def packed_attention(
     chunk = attention_chunk(module)
     if chunk is not None:  # Llama 4's chunked layers: each chunk of a document attends as a document of its own
         cu_seqlens, max_seqlen = chunk_boundaries(cu_seqlens, chunk)
+    prefixes = kwargs.get(PREFIXES_KWARG)
+    if prefixes is not None:
+        if group is not None or chunk is not None or tuned:  # these read the row by its own boundaries
+            raise UnsupportedModel(
+                f"{type(module).__name__}: shared prompts (data.share_prompts) under context parallelism, or with "
+                "Llama 4's chunked or temperature-tuned attention, are not supported; set data.share_prompts=false"
+            )
+        options = kernels.VarlenOptions(None, scale=scaling, window=window, dropout=dropout, softcap=softcap)
+        return _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, options, sinks), None
     path = attention_path(
         query.device.type,
         query.dtype,
@@ -300,6 +314,16 @@ def packed_attention(
     else:
         output = kernels._per_document_exact(query, key, value, cu_seqlens, options, sinks)
     return (output if group is None else sequence_to_heads(output, group)), None
+
+
+def _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, options, sinks) -> torch.Tensor:
+    """A row with shared prompts: each segment attends to its prompt's keys, then causally to its own
+    (`PackedBatch.prefixes`), through the per-document loops on every device (SDPA with the explicit, bottom-right
+    aligned mask; the exact loop for sinks and soft-capping). The varlen kernels take separate key offsets too, but
+    that path awaits a GPU to measure it against this one."""
+    if sinks is not None or options.softcap is not None:
+        return kernels._per_document_exact(query, key, value, cu_seqlens, options, sinks, prefixes)
+    return kernels._per_document_sdpa(query, key, value, cu_seqlens, options, prefixes)
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_attention)
@@ -344,5 +368,6 @@ def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outpu
         cu_seq_lens_k=batch.cu_seqlens,
         max_length_q=batch.max_seqlen,
         max_length_k=batch.max_seqlen,
+        **({PREFIXES_KWARG: batch.prefixes} if batch.prefixes is not None else {}),
         **{name: value for name, value in outputs.items() if value},
     )

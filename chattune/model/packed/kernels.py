@@ -169,18 +169,32 @@ class _SinkOps(NamedTuple):
     takes_gqa_flag: bool
 
 
+def _segments(cu_seqlens, prefixes) -> list[tuple[int, int, int, int]]:
+    """(start, end, prefix start, prefix length) of each segment of the row: its own tokens, and the earlier ones it
+    also attends to first (shared prompts, `PackedBatch.prefixes`; length 0: none)."""
+    bounds = cu_seqlens.tolist()
+    spans = prefixes.tolist() if prefixes is not None else [(0, 0)] * (len(bounds) - 1)
+    return [(start, end, a, n) for start, end, (a, n) in zip(bounds[:-1], bounds[1:], spans, strict=True)]
+
+
+def _segment_keys(tensor: torch.Tensor, start: int, end: int, prefix_start: int, prefix: int) -> torch.Tensor:
+    """A segment's keys (or values) along dim 2: its prompt's, then its own."""
+    own = tensor[:, :, start:end]
+    return own if not prefix else torch.cat([tensor[:, :, prefix_start : prefix_start + prefix], own], dim=2)
+
+
 @torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
-def _per_document_sdpa(query, key, value, cu_seqlens, options: VarlenOptions):
-    # query: (1, Hq, N, D), key/value: (1, Hkv, N, D)
+def _per_document_sdpa(query, key, value, cu_seqlens, options: VarlenOptions, prefixes=None):
+    # query: (1, Hq, N, D), key/value: (1, Hkv, N, D); prefixes: shared prompts (`_segments`)
     window = options.window
     enable_gqa = query.shape[1] != key.shape[1]
-    bounds = cu_seqlens.tolist()
     outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+    for start, end, prefix_start, prefix in _segments(cu_seqlens, prefixes):
+        q = query[:, :, start:end]
+        k, v = (_segment_keys(t, start, end, prefix_start, prefix) for t in (key, value))
         mask = None  # causal, and only the last `window` keys where the window is shorter than the document
-        if window is not None and end - start > window:
-            mask = _document_mask(end - start, window, query.device)
+        if prefix or (window is not None and end - start > window):  # (SDPA's is_causal aligns top-left)
+            mask = _document_mask(end - start, window, query.device, prefix)
         outputs.append(
             F.scaled_dot_product_attention(
                 q,
@@ -196,15 +210,16 @@ def _per_document_sdpa(query, key, value, cu_seqlens, options: VarlenOptions):
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (1, N, Hq, D): some models .view() it
 
 
-def _document_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """(L, L) bool, True where query i may see key j: causal, and only the last `window` keys (itself included)."""
-    positions = torch.arange(length, device=device)
-    distance = positions[:, None] - positions[None, :]
+def _document_mask(length: int, window: int | None, device: torch.device, prefix: int = 0) -> torch.Tensor:
+    """(L, prefix + L) bool, True where query i may see key j: causal, and only the last `window` keys (itself
+    included). The `prefix` keys are a shared prompt standing before the segment's own: query i is at place
+    prefix + i (aligned bottom-right)."""
+    distance = (torch.arange(length, device=device) + prefix)[:, None] - torch.arange(prefix + length, device=device)
     return (distance >= 0) & (distance < window) if window is not None else distance >= 0
 
 
 @torch.compiler.disable  # a loop over documents whose bounds come from the data: left out of compiled graphs
-def _per_document_exact(query, key, value, cu_seqlens, options: VarlenOptions, sinks=None):
+def _per_document_exact(query, key, value, cu_seqlens, options: VarlenOptions, sinks=None, prefixes=None):
     """Attention per document with the scores written out, as transformers' eager attention computes them:
     soft-capping (Gemma 2) is tanh(scores / cap) * cap before the mask; sinks (gpt-oss) are one more logit per
     head in every query's softmax, whose probability is dropped. Scores and softmax in fp32 (exact on fp32)."""
@@ -214,14 +229,14 @@ def _per_document_exact(query, key, value, cu_seqlens, options: VarlenOptions, s
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = options.scale if options.scale is not None else query.shape[-1] ** -0.5
     softcap, window, dropout = options.softcap, options.window, options.dropout
-    bounds = cu_seqlens.tolist()
     outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = (t[:, :, start:end].float() for t in (query, key, value))
+    for start, end, prefix_start, prefix in _segments(cu_seqlens, prefixes):
+        q = query[:, :, start:end].float()
+        k, v = (_segment_keys(t, start, end, prefix_start, prefix).float() for t in (key, value))
         scores = torch.matmul(q, k.transpose(2, 3)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~_document_mask(end - start, window, query.device), float("-inf"))
+        scores = scores.masked_fill(~_document_mask(end - start, window, query.device, prefix), float("-inf"))
         if sinks is not None:
             sink = sinks.float().reshape(1, -1, 1, 1).expand(1, -1, end - start, 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

@@ -109,6 +109,26 @@ def test_inspect_reads_preference_pairs_for_a_dpo_config(tmp_path, capsys):
     assert "records read: 2" in out and "skipped: 1 (identical_replies 1)" in out and "documents: 1" in out
     assert "--- document 0 chosen (" in out and "--- document 0 rejected (" in out
     assert "[[4.<|im_end|>]]" in out and "[[5.<|im_end|>]]" in out
+    assert "shared prompts" not in out
+
+
+def test_inspect_says_what_shared_prompts_save_and_shows_each_side_whole(tmp_path, capsys, tokenizer):
+    pair = {"prompt": "What is 2 + 2?", "chosen": "4.", "rejected": "5."}
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(pair) + "\n")
+    command = ["inspect", "dpo/tiny", "--num-docs", "1", "--no-color", "model.path=null"]
+    assert main([*command, f"data.train=[{{path: {data}, format: preference}}]", "data.share_prompts=true"]) == 0
+    out = capsys.readouterr().out
+    question = [{"role": "user", "content": pair["prompt"]}]
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True)["input_ids"]
+    saved = len(prompt) - 1  # the prompt less its last token, which predicts each reply's first
+    sides = len(tokenizer.apply_chat_template([*question, {"role": "assistant", "content": "4."}])["input_ids"])
+    assert f"tokens: {2 * sides - saved}" in out
+    assert (
+        f"shared prompts: {saved} tokens not computed again ({saved / (2 * sides):.1%} of the unshared tokens)" in out
+    )
+    assert f"--- document 0 rejected (its first {saved} tokens shared with the chosen side, computed once)" in out
+    assert out.count("What is 2 + 2?") == 2 and "[[5.<|im_end|>]]" in out  # the rejected side whole, prompt too
 
 
 def test_inspect_runs_validates_checks_first_and_never_tries_a_hub(tmp_path, capsys):

@@ -277,3 +277,19 @@ def test_on_cuda_a_microbatch_and_host_values_go_to_the_device_without_a_host_sy
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(moved.input_ids.cpu(), batch.input_ids) and values.tolist() == [3, 1]
+
+
+def test_a_continuing_segment_starts_where_its_shared_prompt_ends_and_names_it():
+    """data.share_prompts: [prompt + X][Y] with Y continuing the first 3 tokens; a plain document and padding around."""
+    plain = Document(0, list(range(10, 14)), [IGNORE_INDEX] * 4)
+    pair = Document(1, list(range(20, 31)), [IGNORE_INDEX] * 11, segments=(6, 5), shared_prefix=3)
+    batch = collate_packed([plain, pair], pad_to_multiple_of=8)
+    assert batch.cu_seqlens.tolist() == [0, 4, 10, 15, 16]
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 0]
+    assert batch.prefixes.tolist() == [[0, 0], [0, 0], [4, 3], [0, 0]]  # the prompt: the row's tokens 4 to 6
+    assert batch.shared_prompt_tokens == 3 and batch.to("cpu").prefixes is batch.prefixes
+    assert collate_packed([plain]).prefixes is None and collate_packed([plain]).shared_prompt_tokens == 0
+    for shared, segments in ((6, (6, 5)), (3, ())):  # the whole first segment; no segment to continue it
+        bad = Document(2, list(range(11)), [IGNORE_INDEX] * 11, segments=segments, shared_prefix=shared)
+        with pytest.raises(ValueError, match=r"document 2: a shared prompt of \d+ tokens needs a first segment"):
+            collate_packed([bad])

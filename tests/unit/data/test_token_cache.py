@@ -47,6 +47,7 @@ def data_section(cache: Path | str, **settings) -> OmegaConf:
             "on_bad_record": "error",
             "max_tokens_per_microbatch": 256,
             "num_workers": 0,
+            "share_prompts": False,
             **settings,
         }
     )
@@ -58,6 +59,7 @@ def assert_same_outcomes(got: list, want: list) -> None:
         assert type(g) is type(w)
         if isinstance(w, Document):
             assert g == w and g.key == w.key and g.overlong == w.overlong and g.segments == w.segments
+            assert g.shared_prefix == w.shared_prefix
             assert g.input_ids.dtype.kind == "i" and len(g) == len(w)
         else:
             assert (g.reason, g.detail) == (w.reason, w.detail)
@@ -72,16 +74,17 @@ def staging(root: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize(
-    "kind, overlong, train_on",
+    "kind, overlong, train_on, share_prompts",
     [
-        ("sft", "split", "assistant"),
-        ("sft", "truncate", "last_assistant"),
-        ("sft", "drop", "assistant"),
-        ("dpo", "drop", "assistant"),
+        ("sft", "split", "assistant", False),
+        ("sft", "truncate", "last_assistant", False),
+        ("sft", "drop", "assistant", False),
+        ("dpo", "drop", "assistant", False),
+        ("dpo", "drop", "assistant", True),
     ],
 )
 @pytest.mark.launch
-def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train_on):
+def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train_on, share_prompts):
     """Against the source tokenized as read: every record's outcomes, in one batch and one by one, built in 3 shards
     (one with 2 loader workers). The data has records over the budget (split, one leaves pieces out), a pair with
     identical replies, and bad records (skipped under on_bad_record=skip, with their messages)."""
@@ -101,6 +104,7 @@ def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train
         train_on=train_on,
         on_bad_record="skip",
         max_tokens_per_microbatch=96 if kind == "sft" else 200,
+        share_prompts=share_prompts,
     )
     tokenizer = demo_tokenizer()
     plain = RECIPE_DATA[kind].source(spec, tokenizer, data)
@@ -133,6 +137,8 @@ def test_cached_documents_are_the_tokenized_ones(tmp_path, kind, overlong, train
         assert all(cached.get(w.doc_id).left_out_detail == w.left_out_detail for w in left_out)
     if overlong == "drop":
         assert "overlong" in {w.reason for w in skipped}
+    if kind == "dpo":  # every kept pair shares its prompt, or none does
+        assert all(bool(w.shared_prefix) == share_prompts for w in want if isinstance(w, Document))
     assert_same_outcomes(cached.get_many(every), want)
     assert_same_outcomes(cached.get_many([201, 5, 102, 0]), plain.get_many([201, 5, 102, 0]))
     assert_same_outcomes([cached.get(101)], [plain.get(101)])

@@ -1148,3 +1148,25 @@ def test_the_grpo_recipe_refuses_what_it_does_not_read_yet_and_checks_its_reward
         "rollout.on_policy_share: must be 1 unless loss.type=gkd: the other losses learn from the policy's own "
         "samples (their log-probs, rewards or importance ratios); gkd's divergence also trains on the data's replies"
     ]
+
+
+def test_shared_prompts_are_refused_where_there_are_no_pairs_or_the_row_is_split():
+    pairs = ["model.path=null", "data.share_prompts=true"]
+    for config in ("dpo/tiny", "reward/tiny"):
+        report, ok = run_validate(config, pairs, CONFIGS)
+        assert ok, report
+    for config, why in (
+        ("sft/tiny", "the sft recipe trains no pairs: nothing to share"),
+        ("kto/tiny", "KTO's records are unpaired: nothing to share"),
+        ("grpo/tiny", "a GRPO group's completions do not share their prompt yet"),
+    ):
+        report, _ = run_validate(config, pairs, CONFIGS)
+        assert f"data.share_prompts: must be false: {why}" in problems(report), (config, report)
+    report, _ = run_validate("dpo/tiny", [*pairs, "parallel.context=2", "parallel.tensor=2"], CONFIGS)
+    for key in ("context", "tensor"):
+        assert (
+            f"parallel.{key}: must be 1 with data.share_prompts=true: a row whose replies continue a shared prompt is "
+            "not split over ranks yet (or set data.share_prompts=false)"
+        ) in problems(report), report
+    report, ok = run_validate("dpo/tiny", ["model.path=null", "parallel.context=2", "parallel.tensor=2"], CONFIGS)
+    assert not any("share_prompts" in line for line in problems(report)), report  # the remedy as written

@@ -57,6 +57,7 @@ def data_section(cache: Path | str = "off", on_bad_record: str = "error"):
             "on_bad_record": on_bad_record,
             "max_tokens_per_microbatch": 512,
             "num_workers": 0,
+            "share_prompts": False,
         }
     )
 

@@ -369,6 +369,7 @@ def data_section(cache: Path, **settings):
             "on_bad_record": "skip",
             "max_tokens_per_microbatch": 120,
             "num_workers": 0,
+            "share_prompts": False,
             **settings,
         }
     )

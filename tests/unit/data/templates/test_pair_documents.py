@@ -510,3 +510,68 @@ def test_get_many_equals_get_one_by_one(tmp_path, tokenizer):
     assert [o.doc_id for o in batched if isinstance(o, Document)] == [3, 0, 45, 2, 41, 3, 20, 49]
     everything = documents.get_many(range(len(documents)))
     assert everything == [documents.get(i) for i in range(len(documents))]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared prompts (data.share_prompts)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_shared_pair(tokenizer, pair: PreferencePair, unshared: Document, shared: Document, label: str) -> int:
+    """The shared document of a pair is the unshared one less the rejected side's copy of the prompt: the prompt as
+    `apply_chat_template(..., add_generation_prompt=True)` writes it, less its last token (which predicts each
+    reply's first token, so each side keeps it). Returns the tokens saved."""
+    prompt = tokenizer.apply_chat_template(pair.context, tools=pair.tools, add_generation_prompt=True, tokenize=True)
+    saved = len(prompt["input_ids"]) - 1
+    assert shared.shared_prefix == saved, f"{label}: shared {shared.shared_prefix}, the prompt less one {saved}"
+    chosen, rejected = unshared.segments
+    assert shared.segments == (chosen, rejected - saved), label
+    assert (
+        shared.input_ids.tolist()
+        == unshared.input_ids[:chosen].tolist() + unshared.input_ids[chosen + saved :].tolist()
+    )
+    assert shared.labels.tolist() == unshared.labels[:chosen].tolist() + unshared.labels[chosen + saved :].tolist()
+    assert (unshared.labels[chosen : chosen + saved] == IGNORE_INDEX).all(), f"{label}: a dropped token was trained"
+    return saved
+
+
+def test_a_shared_pair_is_the_unshared_pair_less_the_second_copy_of_its_prompt(tokenizer, demo_pairs):
+    spec, pairs = demo_pairs
+    unshared = PairDocuments(RecordSource([spec]), tokenizer, max_tokens=4096).get_many(range(200))
+    shared = PairDocuments(RecordSource([spec]), tokenizer, max_tokens=4096, share_prompts=True).get_many(range(200))
+    for index, pair in enumerate(pairs[:200]):
+        check_shared_pair(tokenizer, pair, unshared[index], shared[index], f"demo pair {index}")
+
+
+@pytest.mark.parametrize("file", sorted(SHARED_FILES))
+def test_shared_prompts_on_the_shared_preference_files_with_qwen3(file):
+    tokenizer = AutoTokenizer.from_pretrained(_shared("tokenizers", "qwen3"))
+    spec = SourceSpec(str(_shared("data", file)), format=SHARED_FILES[file])
+    pairs = read_pairs(spec)
+    unshared = PairDocuments(RecordSource([spec]), tokenizer, max_tokens=1 << 20).get_many(range(len(pairs)))
+    shared = PairDocuments(RecordSource([spec]), tokenizer, 1 << 20, share_prompts=True).get_many(range(len(pairs)))
+    saved = sum(
+        check_shared_pair(tokenizer, pair, unshared[i], shared[i], f"{file} record {i}")
+        for i, pair in enumerate(pairs)
+        if pair is not None
+    )
+    assert saved > 0
+
+
+def test_the_budget_counts_a_shared_prompt_once(tmp_path, tokenizer):
+    prompt = "Tell me about the weather in a long sentence " * 6
+    records = [pair_record(prompt=prompt, chosen="Sunny.", rejected="Rain.")]
+    unshared = documents_of(tmp_path, tokenizer, records).get_many([0])[0]
+    budget = len(unshared) - 1  # the pair's two sides just do not fit unshared
+    over = documents_of(tmp_path, tokenizer, records, max_tokens=budget).get_many([0])[0]
+    assert isinstance(over, Skipped) and over.reason == "overlong"
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    fits = PairDocuments(
+        RecordSource([SourceSpec(path, format="preference")]), tokenizer, budget, share_prompts=True
+    ).get_many([0])[0]
+    assert isinstance(fits, Document) and len(fits) == len(unshared) - fits.shared_prefix <= budget
+    tight = PairDocuments(
+        RecordSource([SourceSpec(path, format="preference")]), tokenizer, len(fits) - 1, "drop", share_prompts=True
+    )
+    skipped = tight.get_many([0])[0]
+    assert isinstance(skipped, Skipped) and f"- their shared prompt {fits.shared_prefix})" in skipped.detail

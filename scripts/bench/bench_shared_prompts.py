@@ -1,0 +1,204 @@
+"""Shared prompts (data.share_prompts) on the shared assets' preference files (BENCHMARKS.md, docs/dpo.md): how much of a
+pair's tokens its prompt is, what sharing saves per pair and per microbatch, and a DPO run's step time with and without.
+
+    python scripts/bench/bench_shared_prompts.py --assets ../shared/assets [--time] [--pairs 8] [--budget 4096]
+
+Tokens (always): each file with each offline tokenizer (Qwen3's, Phi-3-mini's), as chattune's data layer makes the
+pairs (`PairDocuments`), both ways: the tokens of every pair, the prompt's share of them (both copies: each side renders
+it, less the one token each side keeps), what sharing saves (one copy) and the microbatches best-fit decreasing packs
+at the budget from the pairs that fit it unshared.
+
+`--time`: DPO's update step (`accumulate_gradients`: the policy's forward and backward and a live reference's forward,
+sigmoid loss) on one CPU process (both cores) with a random-init model of SmolLM2-135M's shape (30 layers, hidden 576,
+9 heads, 3 KV heads, MLP 1536, tied; Qwen3's tokenizer: no SmolLM2 tokenizer is offline), fp32: the same `--pairs`
+pairs of each file (the first that fit `--budget` unshared), packed at `--budget` tokens a microbatch both ways, and
+the seconds each way takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # scripts/bench/ is two below it
+sys.path.insert(0, str(PROJECT_ROOT))
+
+FILES = {
+    "preference_ultrafeedback_200.jsonl": "preference",
+    "preference_sharegpt_multiturn_300.json": "sharegpt_preference",
+}
+TOKENIZERS = ("qwen3", "phi-3-mini")
+SMOLLM2_135M = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def token_figures(assets: Path, budget: int) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from chattune.data.documents import Document
+    from chattune.data.ingest.formats import SourceSpec
+    from chattune.data.ingest.records import RecordSource
+    from chattune.data.packing import best_fit_decreasing
+    from chattune.data.templates.pair_documents import PairDocuments
+
+    rows = []
+    for name in TOKENIZERS:
+        tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / name)
+        for file, format in FILES.items():
+            spec = SourceSpec(str(assets / "data" / file), format=format)
+            made = {}
+            for shared in (False, True):
+                documents = PairDocuments(RecordSource([spec]), tokenizer, 1 << 20, share_prompts=shared)
+                made[shared] = [d for d in documents.get_many(range(len(documents))) if isinstance(d, Document)]
+            fitting = [i for i, d in enumerate(made[False]) if len(d) <= budget]  # the pairs both layouts can train
+            unshared, shared = (sum(len(made[s][i]) for i in range(len(made[s]))) for s in (False, True))
+            rows.append(
+                {
+                    "tokenizer": name,
+                    "file": file,
+                    "pairs": len(made[False]),
+                    "unshared_tokens": unshared,
+                    "shared_tokens": shared,
+                    "saved": (unshared - shared) / unshared,
+                    "microbatches_unshared": len(best_fit_decreasing([made[False][i] for i in fitting], budget)),
+                    "microbatches_shared": len(best_fit_decreasing([made[True][i] for i in fitting], budget)),
+                    "pairs_within_budget": len(fitting),
+                }
+            )
+    return rows
+
+
+def model_directory(assets: Path, directory: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = directory / "smollm2-135m-shape"
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / "qwen3")
+    config = AutoConfig.for_model(**SMOLLM2_135M, vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def timed_step(model_dir: Path, file: Path, format: str, pairs: int, budget: int) -> dict:
+    """The same `pairs` pairs of `file` (the first that fit `budget` unshared), packed both ways (best-fit decreasing at
+    `budget`), through DPO's step on one CPU process: the policy's forward and backward and a live reference's forward
+    per microbatch (`accumulate_gradients`), timed after a warm-up microbatch; each way's seconds and tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chattune.data.documents import Document
+    from chattune.data.feed import StepBatches
+    from chattune.data.ingest.formats import SourceSpec
+    from chattune.data.ingest.records import RecordSource
+    from chattune.data.packing import best_fit_decreasing, collate_packed
+    from chattune.data.templates.pair_documents import PairDocuments
+    from chattune.distributed import ParallelDims
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.packed.attention import ATTENTION_NAME
+    from chattune.objectives.dpo import LiveReference, PreferenceObjective
+    from chattune.objectives.pair_losses import PreferenceLoss
+    from chattune.parallel.fsdp import shard_model
+    from chattune.train.step import accumulate_gradients
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    spec = SourceSpec(str(file), format=format)
+    made = {}
+    for shared in (False, True):
+        documents = PairDocuments(RecordSource([spec]), tokenizer, 1 << 20, share_prompts=shared)
+        made[shared] = documents.get_many(range(len(documents)))
+    chosen = [i for i, d in enumerate(made[False]) if isinstance(d, Document) and len(d) <= budget][:pairs]
+    dims = ParallelDims.build(torch.device("cpu"))
+
+    def loaded() -> PackedCausalLM:
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ATTENTION_NAME)
+        hf_model.config.use_cache = False
+        return PackedCausalLM(hf_model, loss_chunk_size=2048)
+
+    policy, reference = loaded(), loaded()
+    placement = shard_model(policy, dims)
+    shard_model(reference, dims)
+    reference.eval().requires_grad_(False)
+    objective = PreferenceObjective(PreferenceLoss(loss_type="sigmoid", beta=0.1), LiveReference(reference))
+    out = {}
+    for shared in (False, True):
+        microbatches = [collate_packed(b) for b in best_fit_decreasing([made[shared][i] for i in chosen], budget)]
+        accumulate_gradients(policy, objective, StepBatches(microbatches[:1]), placement)  # warm-up
+        policy.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
+        seconds = time.perf_counter() - started
+        policy.zero_grad(set_to_none=True)
+        out[shared] = {
+            "seconds": seconds,
+            "tokens": sum(b.num_tokens for b in microbatches),
+            "microbatches": len(microbatches),
+        }
+    return {"file": file.name, "pairs": len(chosen), **{("shared" if k else "unshared"): v for k, v in out.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--assets", type=Path, default=PROJECT_ROOT.parent / "shared" / "assets")
+    parser.add_argument("--budget", type=int, default=4096, help="data.max_tokens_per_microbatch")
+    parser.add_argument("--time", action="store_true", help="also time DPO's step (minutes on 2 CPU cores)")
+    parser.add_argument("--pairs", type=int, default=8, help="pairs of each file timed (the same both ways)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the model here (default: a temporary folder)")
+    args = parser.parse_args()
+    print(
+        "| tokenizer | file | pairs | tokens unshared | tokens shared | the prompt (both copies) | saved by sharing "
+        f"| pairs within {args.budget} tokens | microbatches unshared | shared |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in token_figures(args.assets, args.budget):
+        print(
+            f"| {row['tokenizer']} | {row['file']} | {row['pairs']} | {row['unshared_tokens']:,} | "
+            f"{row['shared_tokens']:,} | {2 * row['saved']:.1%} | {row['saved']:.1%} | {row['pairs_within_budget']} | "
+            f"{row['microbatches_unshared']} | {row['microbatches_shared']} |",
+            flush=True,
+        )
+    if not args.time:
+        return
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as temporary:
+        directory = args.keep or Path(temporary)
+        directory.mkdir(parents=True, exist_ok=True)
+        model = model_directory(args.assets, directory)
+        print(
+            f"\n| file | pairs | microbatches of {args.budget} unshared / shared | tokens unshared / shared | "
+            "seconds unshared / shared | shared's speed-up |"
+        )
+        print("|---|---|---|---|---|---|")
+        for file, format in FILES.items():
+            run = timed_step(model, args.assets / "data" / file, format, args.pairs, args.budget)
+            plain, shared = run["unshared"], run["shared"]
+            print(
+                f"| {file} | {run['pairs']} | {plain['microbatches']} / {shared['microbatches']} | "
+                f"{plain['tokens']:,} / {shared['tokens']:,} | {plain['seconds']:.1f} / {shared['seconds']:.1f} | "
+                f"{plain['seconds'] / shared['seconds']:.2f}x |",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
