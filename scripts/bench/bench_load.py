@@ -122,6 +122,7 @@ def worker(model_dir: str, out_dir: str, result_file: str) -> None:
                 "fsdp": {"param_dtype": "float32", "reduce_dtype": "float32", "activation_checkpointing": False},
             },
             "loss": {"chunk_size": 1024, "implementation": "chunked", "router_aux_coef": None},
+            "data": {"share_prompts": False},
         }
     )
     dims = init_distributed("cpu")

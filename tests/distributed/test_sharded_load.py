@@ -53,6 +53,7 @@ def run_config(path: str | None, seed: int = 0):
                 "fsdp": {"param_dtype": "auto", "reduce_dtype": "float32", "activation_checkpointing": False},
             },
             "loss": {"chunk_size": 64, "implementation": "chunked", "router_aux_coef": None},
+            "data": {"share_prompts": False},
         }
     )
 
