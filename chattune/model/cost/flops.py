@@ -239,9 +239,15 @@ def causal_pairs(cu_seqlens: torch.Tensor) -> int:
 
 
 def batch_flops(flops: ModelFlops, batch: PackedBatch) -> float:
-    """Model FLOPs of a packed microbatch's documents (its padding segment, if any, is not model work)."""
+    """Model FLOPs of a packed microbatch's documents (its padding segment, if any, is not model work). A segment
+    continuing a shared prompt (data.share_prompts) also attends to the prompt's keys: its length times the prompt's
+    more query-key pairs."""
     segments = batch.cu_seqlens[:-1] if batch.padding else batch.cu_seqlens
-    return flops.step_flops(batch.num_document_tokens, causal_pairs(segments))
+    pairs = causal_pairs(segments)
+    if batch.prefixes is not None:
+        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(torch.int64)
+        pairs += int((lengths * batch.prefixes[:, 1]).sum())
+    return flops.step_flops(batch.num_document_tokens, pairs)
 
 
 def peak_flops(device: torch.device) -> float | None:

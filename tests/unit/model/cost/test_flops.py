@@ -46,6 +46,13 @@ def test_model_flops_are_the_hand_count(tied):
     batch = collate_packed(documents, pad_to_multiple_of=10)  # + a padding segment of 2 tokens: not model work
     pairs = 3 * 4 // 2 + 5 * 6 // 2
     assert batch_flops(flops, batch) == 6 * flops.matmul_weights * 8 + 12 * flops.attention_width * pairs
+    # a pair sharing its prompt: [4 prompt + 3 chosen][2 rejected], the rejected segment's 2 queries also see the 4
+    shared = Document(doc_id=0, input_ids=np.ones(9), labels=np.ones(9), segments=(7, 2), shared_prefix=4)
+    pairs = 7 * 8 // 2 + (2 * 3 // 2 + 2 * 4)
+    assert (
+        batch_flops(flops, collate_packed([shared]))
+        == 6 * flops.matmul_weights * 9 + 12 * flops.attention_width * pairs
+    )
 
 
 # (config overrides of `tiny_model` (hidden 64, 4 query heads), attention width, mixers' forward FLOPs per token),
