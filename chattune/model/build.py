@@ -242,7 +242,7 @@ def build_sharded_model(
         converted = convert_linear_layers(decoder_layers(packed), fp8)
         logger.info("model.fp8=%s: %d linear layers of the decoder in float8 (torchao)", fp8, converted)
     placement = shard_model(packed, dims, **config_dict(sections.model.fsdp), compile=compile, replicated=replicated)
-    describe_compute(packed, placement, levers)
+    describe_compute(packed, placement, levers, sections.shared_prompts)
     if dims.cp > 1:
         logger.info(
             "context parallelism: %d ranks share each packed row (a slice each; attention exchanged all-to-all)",
@@ -282,14 +282,24 @@ def _compiles(setting: bool | str, device_type: str, quantized: bool, tensor_par
     return compile
 
 
-def describe_compute(model: PackedCausalLM | PackedSequenceScorer, placement: Placement, levers: str = "") -> None:
-    """Log once what a step runs: the attention path, the output layer's loss (or the score head), whether
-    the decoder layers are compiled and the memory `levers` in use; warn where a setting makes the CUDA path slow
-    (nothing falls back silently)."""
+# What rows whose replies continue a shared prompt take, on every device (`chattune.model.packed.attention`).
+SHARED_PROMPT_ATTENTION = (
+    " (rows with shared prompts: per-segment SDPA with each prompt's keys, a loop outside compiled graphs, on every "
+    "device)"
+)
+
+
+def describe_compute(
+    model: PackedCausalLM | PackedSequenceScorer, placement: Placement, levers: str = "", shared_prompts: bool = False
+) -> None:
+    """Log once what a step runs: the attention path (and that of rows with `shared_prompts`), the output layer's loss
+    (or the score head), whether the decoder layers are compiled and the memory `levers` in use; warn where a setting
+    makes the CUDA path slow (nothing falls back silently)."""
     device_type, dtype = placement.device.type, placement.compute_dtype
     line = (
         f"compute: {dtype} on {device_type}; attention: "
-        f"{attention_backend(device_type, dtype, attention_features(model.hf_model))}; "
+        f"{attention_backend(device_type, dtype, attention_features(model.hf_model))}"
+        f"{SHARED_PROMPT_ATTENTION if shared_prompts else ''}; "
         f"{model.describe_head()}; "
         f"decoder layers {'compiled' if placement.compiled else 'not compiled'}; "
         f"mesh: {placement.dims.describe()}"

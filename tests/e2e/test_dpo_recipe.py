@@ -139,7 +139,12 @@ def test_shared_prompts_follow_the_unshared_run_and_a_run_resumes_across_the_set
         )
 
     dpo(unshared := tmp_path / "unshared")
-    dpo(shared := tmp_path / "shared", "data.share_prompts=true", "stop_after_step=3")
+    started = dpo(
+        shared := tmp_path / "shared", "data.share_prompts=true", "stop_after_step=3", "data.report_records=50"
+    )
+    log = started.stdout + started.stderr
+    assert "(rows with shared prompts: per-segment SDPA with each prompt's keys" in log
+    assert re.search(r"shared prompts: \d+ tokens not computed again", log)  # the data report
     resumed = dpo(shared, "data.share_prompts=false")
     assert re.search(r"data\.share_prompts.*the same pairs and losses", resumed.stdout + resumed.stderr)
     want, got = read_metrics(unshared), read_metrics(shared)
