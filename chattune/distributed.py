@@ -400,9 +400,19 @@ def host_values_on(device: torch.device, values: list, dtype: torch.dtype) -> to
 
 def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum a tensor over the ranks of `group` (None: all ranks) in one collective (returns a new tensor)."""
+    return _all_reduce(values, dist.ReduceOp.SUM, group)
+
+
+def all_reduce_largest(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The elementwise largest of a tensor over the ranks of `group` (None: all ranks), one collective (a new
+    tensor)."""
+    return _all_reduce(values, dist.ReduceOp.MAX, group)
+
+
+def _all_reduce(values: torch.Tensor, op, group: dist.ProcessGroup | None) -> torch.Tensor:
     values = values.clone()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(values, op=op, group=group)
     return values
 
 
@@ -419,19 +429,14 @@ def reduce_sums(values: Mapping[str, float], device: torch.device) -> dict[str, 
     reduced = dict(zip(names, all_reduce_sum(stacked).tolist()))
     extremes = sorted(name for name in values if name.startswith(MAX_FIGURE))
     if extremes:
-        largest = host_values_on(device, [float(values[n]) for n in extremes], torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        largest = all_reduce_largest(host_values_on(device, [float(values[n]) for n in extremes], torch.float64))
         reduced |= dict(zip(extremes, largest.tolist()))
     return reduced
 
 
 def all_reduce_max(value: int, device: torch.device) -> int:
     """The largest of an integer over all ranks."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return int(all_reduce_largest(torch.tensor([value], dtype=torch.int64, device=device)).item())
 
 
 def broadcast_from_main(obj):

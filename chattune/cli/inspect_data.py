@@ -113,21 +113,16 @@ def sides(document: Document) -> list[tuple[str, Document]]:
     else:
         label = "desirable" if document.doc_values[KTO_LABEL] == 1.0 else "undesirable"
         titles = (f" {label} example", " mismatched (its prompt, the next record's completion: KTO's reference point)")
-    shared = document.shared_prefix  # data.share_prompts: the rejected side continues the chosen side's prompt
+    shared = document.shared_prefix  # data.share_prompts: the second side continues the first side's prompt
     if shared:
         titles = (titles[0], f"{titles[1]} (its first {shared} tokens shared with the chosen side, computed once)")
-    prompt = document.input_ids[:shared], np.full(shared, IGNORE_INDEX)
-    return [
-        (titles[0], Document(document.doc_id, document.input_ids[:first], document.labels[:first])),
-        (
-            titles[1],
-            Document(
-                document.doc_id,
-                np.concatenate([prompt[0], document.input_ids[first:]]),
-                np.concatenate([prompt[1], document.labels[first:]]),
-            ),
-        ),
-    ]
+    ids, labels = document.input_ids, document.labels
+    second = Document(
+        document.doc_id,
+        np.concatenate([ids[:shared], ids[first:]]),  # shown whole: its prompt (untrained), then its own tokens
+        np.concatenate([np.full(shared, IGNORE_INDEX), labels[first:]]),
+    )
+    return [(titles[0], Document(document.doc_id, ids[:first], labels[:first])), (titles[1], second)]
 
 
 def trained_pieces(tokenizer: PreTrainedTokenizerBase, document: Document) -> list[tuple[str, bool]]:

@@ -132,11 +132,11 @@ def collate_packed(
     )
 
 
-def _segment_starts(documents: list[Document]) -> tuple[list[int], torch.Tensor | None]:
+def _segment_starts(documents: list[Document]) -> tuple[list[int] | None, torch.Tensor | None]:
     """Each segment's first position, and the row's `PackedBatch.prefixes` (None where no document shares a
     prompt): a continuing segment starts at its prompt's end and sees the prompt, the first segment's first tokens."""
     if not any(d.shared_prefix for d in documents):
-        return [0] * sum(len(d.segment_lengths) for d in documents), None
+        return None, None  # (every segment from 0: the plain row, no work added to it)
     starts, spans, offset = [], [], 0
     for d in documents:
         shared = d.shared_prefix

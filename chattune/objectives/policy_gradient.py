@@ -254,8 +254,9 @@ class PolicyGradientObjective(Objective):
     def metrics(self, sums: dict[str, float], global_units: int) -> dict[str, float]:
         """loss: the step's loss (its sum over the step's units); num_tokens: its completion tokens; the clipped
         shares of its tokens (below the range with a negative advantage, above it with a positive one), the ratio's
-        mean and range over the step's tokens (ratio_min, ratio_max), the mean k3 KL to the reference (loss.beta > 0), the sampler's mismatch and the importance weights
-        where the sampler's log-probs are known; then the rollout's figures (`rollout_metrics`)."""
+        mean and range over the step's tokens (ratio_min, ratio_max), the mean k3 KL to the reference (loss.beta > 0),
+        the sampler's mismatch and the importance weights where the sampler's log-probs are known; then the rollout's
+        figures (`rollout_metrics`)."""
         tokens = max(sums.get("completion_tokens", 0.0), 1.0)
         metrics = {
             "loss": sums["loss_sum"] / max(global_units, 1),

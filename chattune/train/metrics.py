@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from chattune.distributed import reduce_sums, world_size
+from chattune.distributed import all_reduce_largest, reduce_sums, world_size
 from chattune.files import write_atomically
 from chattune.objectives.base import Objective
 from chattune.train.step import StepResult
@@ -193,9 +192,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
         dtype=torch.float64,
         device=device,
     )
-    if dist.is_initialized():
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    allocated, reserved = (peaks / 2**30).tolist()
+    allocated, reserved = (all_reduce_largest(peaks) / 2**30).tolist()
     return {"peak_memory_allocated_gib": allocated, "peak_memory_reserved_gib": reserved}
 
 

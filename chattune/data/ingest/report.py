@@ -78,9 +78,7 @@ def count_lines(counts: dict[str, float]) -> list[str]:
     reasons = ", ".join(f"{reason} {n}" for reason, n in skipped.items() if n)
     tokens, left_out = int(counts["tokens"]), int(counts["overlong/split_pieces_left_out"])
     shared = int(counts.get("shared_prompt_tokens", 0))
-    saved = [
-        f"shared prompts: {shared} tokens not computed again ({shared / max(tokens + shared, 1):.1%} of the unshared tokens)"
-    ]
+    saved = f"shared prompts: {shared} tokens not computed again ({shared / max(tokens + shared, 1):.1%} of the unshared tokens)"
     return [
         f"records read: {int(counts['records'])}",
         f"skipped: {sum(skipped.values())}" + (f" ({reasons})" if reasons else ""),
@@ -89,7 +87,7 @@ def count_lines(counts: dict[str, float]) -> list[str]:
         f"documents: {int(counts['documents'])}",
         f"tokens: {tokens}",
         f"trainable tokens: {int(counts['trainable_tokens'])} ({counts['trainable_tokens'] / max(tokens, 1):.1%})",
-        *(saved if shared else []),
+        *([saved] if shared else []),
     ]
 
 
