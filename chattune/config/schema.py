@@ -309,8 +309,8 @@ class DataConfig:
     )
     share_prompts: bool = key(
         False,
-        "preference and reward pairs: the prompt computed once, each reply attending to it (exact; "
-        "docs/dpo.md); false: each reply with its own copy of the prompt",
+        "preference and reward pairs, GRPO groups: the prompt computed once, each reply attending to it "
+        "(exact; docs/dpo.md); false: each reply with its own copy of the prompt",
         resume="numerics",
     )
     mixing: MixingConfig = section(MixingConfig, "how training sources are sampled")

@@ -374,15 +374,15 @@ class RunRules:
                 self.findings.problem(key, problem)
 
     def shared_prompts(self) -> None:
-        """data.share_prompts: a pair's replies continue one prompt (DPO, ORPO/SimPO, reward pairs); refused where the
-        recipe has no pairs and where a layout splits the row by its own boundaries."""
+        """data.share_prompts: a pair's replies continue one prompt (DPO, ORPO/SimPO, reward pairs), a GRPO group's
+        completions theirs; refused where the recipe has no pairs or groups and where a layout splits the row by its
+        own boundaries."""
         if get_value(self.values, "data.share_prompts") is not True:
             return
-        if self.kind.name not in ("dpo", "reward"):
-            why = {
-                "kto": "KTO's records are unpaired: nothing to share",
-                "grpo": "a GRPO group's completions do not share their prompt yet",
-            }.get(self.kind.name, f"the {self.kind.name} recipe trains no pairs: nothing to share")
+        if self.kind.name not in ("dpo", "reward", "grpo"):
+            why = {"kto": "KTO's records are unpaired: nothing to share"}.get(
+                self.kind.name, f"the {self.kind.name} recipe trains no pairs or groups: nothing to share"
+            )
             self.findings.problem("data.share_prompts", f"must be false: {why}")
         for key in ("context", "tensor"):
             if self._degree(key) > 1:

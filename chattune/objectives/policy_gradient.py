@@ -40,8 +40,9 @@ from chattune.data.packing import PackedBatch
 from chattune.distributed import MAX_FIGURE
 from chattune.objectives.base import Objective
 
-# The declared values a completion document carries (`Document.token_values`, `Document.doc_values`).
-ADVANTAGE = "advantage"  # per document: the completion's advantage
+# The values a completion document declares on its tokens (`Document.token_values`), at the positions that predict
+# its sampled tokens. Per token, not per document: a group's completions may share one document (data.share_prompts).
+ADVANTAGE = "advantage"  # per token: its completion's advantage
 OLD_LOGP = "old_logp"  # per token: the rollout policy's log-prob (several optimizer steps per rollout)
 BEHAVIOUR_LOGP = "behaviour_logp"  # per token: the sampled distribution's log-prob (temperature, truncation)
 REF_LOGP = "ref_logp"  # per token: the reference model's log-prob (loss.beta > 0)
@@ -174,6 +175,19 @@ class PolicyLoss:
         return terms.sum()
 
 
+def completions_of(batch: PackedBatch) -> tuple[torch.Tensor, int]:
+    """Each trained token's completion (0..C-1, on the host) and the row's completion count C. A completion is a
+    segment with trained tokens: a document of its own, or one of a group's replies continuing their shared prompt
+    (data.share_prompts), so a completion's tokens are found the same way in both layouts."""
+    trained = (batch.labels[0] != IGNORE_INDEX).cpu()
+    segments = batch.segment_ids.cpu()[trained]
+    if not len(segments):
+        return segments, 0
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[1:] = segments[1:] != segments[:-1]  # (a segment's tokens are contiguous: a new id starts a completion)
+    return torch.cumsum(first, 0) - 1, int(first.sum())
+
+
 class PolicyGradientObjective(Objective):
     """The GRPO recipe's objective: `loss` (a `PolicyLoss`) over completion documents. Its unit is the step's
     completions or completion tokens, as the loss's paper normalises (`chattune.config.policy_losses`). The step's
@@ -192,7 +206,7 @@ class PolicyGradientObjective(Objective):
     def count_units(self, batch: PackedBatch) -> int:
         if self.loss.per_token:
             return batch.num_trainable_tokens
-        return len(batch.doc_ids)
+        return completions_of(batch)[1]
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.teacher is not None:
@@ -204,9 +218,9 @@ class PolicyGradientObjective(Objective):
             return token_losses.sum() * 0.0, zeros
         trained = (batch.labels[0] != IGNORE_INDEX).to(device)
         logp = -token_losses[trained]
-        completion = batch.document_ids.to(device)[trained]  # each trained token's document, 0..D-1
-        num_docs = len(batch.doc_ids)
-        lengths = torch.zeros(num_docs, dtype=torch.long, device=device).index_add_(
+        completion, num_completions = completions_of(batch)  # each trained token's completion, 0..C-1
+        completion = completion.to(device)
+        lengths = torch.zeros(num_completions, dtype=torch.long, device=device).index_add_(
             0, completion, torch.ones_like(completion)
         )
         values = {name: batch.token_values[name][0].to(device)[trained] for name in batch.token_values}
@@ -219,17 +233,19 @@ class PolicyGradientObjective(Objective):
             advantages = values[TEACHER_LOGP] - sampler
             teacher_kl = -advantages  # log p_old - log p_teacher: the sampled estimate of KL(student || teacher)
         else:
-            advantages = torch.tensor(batch.doc_values[ADVANTAGE], dtype=logp.dtype, device=device)[completion]
+            if ADVANTAGE not in values:
+                raise ValueError("a policy-gradient loss needs the advantage declared on every completion token")
+            advantages = values[ADVANTAGE].to(logp.dtype)
         sequence_log_ratio = None
         if POLICY_LOSSES[self.loss.type].sequence_ratio:  # each completion's mean log ratio, on each of its tokens
             log_ratio = logp - (logp.detach() if old is None else old)
-            sums = torch.zeros(num_docs, dtype=logp.dtype, device=device).index_add(0, completion, log_ratio)
+            sums = torch.zeros(num_completions, dtype=logp.dtype, device=device).index_add(0, completion, log_ratio)
             sequence_log_ratio = (sums / lengths.to(logp.dtype))[completion]
         terms, token_figures = self.loss.token_terms(
             logp, advantages, old, values.get(BEHAVIOUR_LOGP), values.get(REF_LOGP), sequence_log_ratio
         )
         figures = dict(zeros)
-        figures["completions"] = zeros["completions"] + num_docs
+        figures["completions"] = zeros["completions"] + num_completions
         figures["completion_tokens"] = zeros["completion_tokens"] + int(trained.sum())
         for name, per_token in token_figures.items():
             figures[name if name.startswith("clipped") else f"{name}_sum"] = per_token.sum()
@@ -247,7 +263,7 @@ class PolicyGradientObjective(Objective):
         target = self.teacher.distillation_target(batch, self.loss.jsd_beta)  # type: ignore[operator]
         divergences = model(batch, distill=target)  # (N,) at the sampled positions, 0 elsewhere
         figures = empty_figures(divergences)
-        figures["completions"] += len(batch.doc_ids)
+        figures["completions"] += completions_of(batch)[1]
         figures["completion_tokens"] += batch.num_trainable_tokens
         return divergences.sum(), figures
 

@@ -5,8 +5,9 @@ completions of each from the current policy (`chattune.rl.sampling`; the sharded
 rollout where every rank has room, as the sample replies are), score them (`chattune.rl.rewards`), turn each group's
 rewards into advantages (`chattune.rl.advantages`), and pack the completions as documents into rows of at most
 data.max_tokens_per_microbatch tokens. A completion document is its prompt (untrained) and its sampled tokens
-(trained), with the advantage and the sampler's log-probs declared on it for the objective
-(`chattune.objectives.policy_gradient`). With rollout.steps_per_rollout = μ > 1 the same rows serve μ optimizer steps,
+(trained), with the advantage and the sampler's log-probs declared on those tokens for the objective
+(`chattune.objectives.policy_gradient`); with data.share_prompts a group's completions continue one copy of their
+prompt in one document (`group_documents`). With rollout.steps_per_rollout = μ > 1 the same rows serve μ optimizer steps,
 the old policy's log-probs computed once by a no-grad pass right after sampling; with loss.beta > 0 the reference's
 log-probs too. Every rank trains the same number of rows a step (the most any rank packed; empty rows fill the rest).
 
@@ -75,6 +76,7 @@ class RolloutSettings:
     num_epochs: int | None = None  # passes over the prompts, then the run ends (None: max_steps decides)
     on_policy_share: float = 1.0  # GKD's λ: the share of rollouts sampled; the others are the data's replies
     reply_field: str = "reply"  # where a prompt record holds its own reply
+    share_prompts: bool = False  # a group's completions continue one copy of their prompt (data.share_prompts)
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig) -> RolloutSettings:
@@ -101,6 +103,7 @@ class RolloutSettings:
             num_epochs=cfg.data.num_epochs,
             on_policy_share=rollout.on_policy_share,
             reply_field=rollout.reply_field,
+            share_prompts=cfg.data.share_prompts,
         )
 
 
@@ -382,11 +385,15 @@ class RolloutSteps:
             if uniform and settings.skip_uniform_groups:
                 figures["skipped_groups"] += 1
                 continue
-            for k, sample in enumerate(group.samples):
-                if sample.token_ids:
-                    documents.append(
-                        completion_document(group.place * size + k, group.prompt.ids, sample, advantages[k])
-                    )
+            completions = [
+                (group.place * size + k, sample, advantages[k])
+                for k, sample in enumerate(group.samples)
+                if sample.token_ids
+            ]
+            if settings.share_prompts:
+                documents += group_documents(group.prompt.ids, completions, settings.budget)
+            else:
+                documents += [completion_document(doc_id, group.prompt.ids, *rest) for doc_id, *rest in completions]
         return documents, figures
 
     def _data_replies(self, places: range) -> tuple[list[Document], dict[str, float]]:
@@ -486,18 +493,56 @@ class RolloutSteps:
 
 def completion_document(doc_id: int, prompt_ids: list[int], sample: Sampled, advantage: float) -> Document:
     """A completion as a packed document: the prompt then the sampled tokens, the sampled tokens trained (the
-    position before each predicts it), the advantage declared on the document and each sampled token's behaviour
-    log-prob at the position that predicts it."""
-    ids = np.asarray([*prompt_ids, *sample.token_ids], dtype=np.int64)
-    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
-    start = len(prompt_ids) - 1  # the prompt's last position predicts the first sampled token
-    labels[start : start + len(sample.token_ids)] = sample.token_ids
-    behaviour = np.zeros(len(ids), dtype=np.float32)
-    behaviour[start : start + len(sample.token_ids)] = sample.behaviour_logp
+    position before each predicts it), with its advantage and each sampled token's behaviour log-prob declared at
+    the position that predicts that token."""
+    return group_documents(prompt_ids, [(doc_id, sample, advantage)], budget=None)[0]
+
+
+def group_documents(
+    prompt_ids: list[int], completions: Sequence[tuple[int, Sampled, float]], budget: int | None
+) -> list[Document]:
+    """A group's completions (doc id, sample, advantage) of one prompt as documents whose replies share one copy of
+    the prompt (data.share_prompts): [prompt + reply 1][reply 2]...[reply k], each later segment continuing the
+    prompt, as many completions in a document as fit `budget` tokens (None: all), in order. What is shared is the
+    prompt less its last token: that token predicts each reply's first token, so every reply keeps its own copy (the
+    unshared layout's labels at the same positions). A document of one completion is the plain [prompt + reply]."""
+    shared = len(prompt_ids) - 1
+    documents, chunk, size = [], [], 0
+    for completion in completions:
+        reply = 1 + len(completion[1].token_ids)  # (the prompt's last token, then the sampled ones)
+        if chunk and budget is not None and size + reply > budget:
+            documents.append(_shared_document(prompt_ids, chunk))
+            chunk, size = [], 0
+        chunk.append(completion)
+        size += reply if len(chunk) > 1 else shared + reply
+    if chunk:
+        documents.append(_shared_document(prompt_ids, chunk))
+    return documents
+
+
+def _shared_document(prompt_ids: list[int], completions: Sequence[tuple[int, Sampled, float]]) -> Document:
+    """[prompt + reply 1][prompt's last token + reply 2]...: one document, its first completion's doc id."""
+    shared = len(prompt_ids) - 1
+    ids: list[int] = []
+    labels, behaviour, advantage, segments = [], [], [], []
+    for number, (_, sample, value) in enumerate(completions):
+        context = prompt_ids if number == 0 else prompt_ids[shared:]
+        tokens = sample.token_ids
+        ids += [*context, *tokens]
+        # the context's last position predicts the first sampled token; the last sampled token predicts nothing
+        untrained = len(context) - 1
+        labels += [IGNORE_INDEX] * untrained + list(tokens) + [IGNORE_INDEX]
+        behaviour += [0.0] * untrained + list(sample.behaviour_logp) + [0.0]
+        advantage += [0.0] * untrained + [float(value)] * len(tokens) + [0.0]
+        segments.append(len(context) + len(tokens))
     return Document(
-        doc_id=doc_id,
-        input_ids=ids,
-        labels=labels,
-        token_values={BEHAVIOUR_LOGP: behaviour},
-        doc_values={ADVANTAGE: float(advantage)},
+        doc_id=completions[0][0],
+        input_ids=np.asarray(ids, dtype=np.int64),
+        labels=np.asarray(labels, dtype=np.int64),
+        token_values={
+            BEHAVIOUR_LOGP: np.asarray(behaviour, dtype=np.float32),
+            ADVANTAGE: np.asarray(advantage, dtype=np.float32),
+        },
+        segments=tuple(segments) if len(completions) > 1 else (),
+        shared_prefix=shared if len(completions) > 1 else 0,
     )

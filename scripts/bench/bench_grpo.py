@@ -3,11 +3,13 @@ recipes/grpo.py`, from the SFT demo's export, for several seeds (the spread), an
 (the control); each run's reward at its start and end, the share solved, its rollout and training speed.
 
     python scripts/bench/bench_grpo.py [--base outputs/sft-tiny/hf] [--seeds 1 2 3] [--steps 60] [--keep DIR]
+                                       [--shared-prompts]
 
 `--base`: the SFT demo's export (`torchrun --nproc_per_node 2 recipes/sft.py` makes it; trained here first where
 absent). Every run writes into a temporary directory (`--keep DIR`: into DIR, left there). The reward at the start
 is the mean of the first 3 steps, at the end the mean of the last 5 (`tests/e2e/test_grpo_recipe.py` asserts the same
-measure on a smaller model).
+measure on a smaller model). `--shared-prompts`: the first seed's run again with data.share_prompts=true (each group's
+completions continuing one copy of its prompt): its training speed, and the prompt tokens it computed once per step.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def figures(run: Path, wall: float) -> dict:
             line["num_tokens"] / (line["step_time_s"] - line["rollout_s"]) for line in steps
         ),
         "step_time_s": mean("step_time_s", steps),
+        "train_s": statistics.fmean(line["step_time_s"] - line["rollout_s"] for line in steps),
+        "shared_prompt_tokens": statistics.fmean(line.get("shared_prompt_tokens", 0) for line in steps),
         "wall_s": wall,
     }
 
@@ -78,6 +82,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--keep", type=Path)
+    parser.add_argument("--shared-prompts", action="store_true", help="also the first seed with data.share_prompts")
     args = parser.parse_args()
     directory = args.keep or Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -97,16 +102,22 @@ def main() -> None:
     )
     wall = run_once(directory, out, [*common, f"seed={args.seeds[0]}", flipped])
     runs[f"seed {args.seeds[0]}, sign flipped"] = figures(out, wall)
+    if args.shared_prompts:
+        out = directory / "grpo-shared-prompts"
+        wall = run_once(directory, out, [*common, f"seed={args.seeds[0]}", "data.share_prompts=true"])
+        runs[f"seed {args.seeds[0]}, shared prompts"] = figures(out, wall)
     print(f"\n{args.steps} steps from {base}; reward: mean of the first 3 steps -> of the last 5")
     print(
-        "| run | reward start -> end | rise | solved start -> end | rollout tokens/s | rollout share | train tokens/s | step s | wall s |"
+        "| run | reward start -> end | rise | solved start -> end | rollout tokens/s | rollout share | train tokens/s "
+        "| step s | training s | prompt tokens shared | wall s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, f in runs.items():
         print(
             f"| {name} | {f['start']:.3f} -> {f['end']:.3f} | {f['end'] - f['start']:+.3f} | "
             f"{f['solved_start']:.3f} -> {f['solved_end']:.3f} | {f['rollout_tokens_per_sec']:.0f} | "
-            f"{f['rollout_share']:.2f} | {f['train_tokens_per_sec']:.0f} | {f['step_time_s']:.2f} | {f['wall_s']:.0f} |"
+            f"{f['rollout_share']:.2f} | {f['train_tokens_per_sec']:.0f} | {f['step_time_s']:.2f} | "
+            f"{f['train_s']:.2f} | {f['shared_prompt_tokens']:.0f} | {f['wall_s']:.0f} |"
         )
     rises = [f["end"] - f["start"] for name, f in runs.items() if "flipped" not in name]
     print(

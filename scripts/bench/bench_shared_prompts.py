@@ -13,6 +13,11 @@ sigmoid loss) on one CPU process (both cores) with a random-init model of SmolLM
 9 heads, 3 KV heads, MLP 1536, tied; Qwen3's tokenizer: no SmolLM2 tokenizer is offline), fp32: the same `--pairs`
 pairs of each file (the first that fit `--budget` unshared), packed at `--budget` tokens a microbatch both ways, and
 the seconds each way takes.
+
+`--groups N`: GRPO's groups instead of pairs: each of the first N prompts of each file (as the pairs render them) with 8
+completions, the replies (chosen and rejected) of the 4 pairs from its own on (real reply lengths; a loss does not ask
+how its tokens were drawn), as the GRPO recipe packs them (`chattune.rl.rollouts.group_documents`) both ways: the
+tokens, the prompt's share and, with `--time`, the dapo loss's update step on the same model.
 """
 
 from __future__ import annotations
@@ -76,6 +81,78 @@ def token_figures(assets: Path, budget: int) -> list[dict]:
                     "microbatches_unshared": len(best_fit_decreasing([made[False][i] for i in fitting], budget)),
                     "microbatches_shared": len(best_fit_decreasing([made[True][i] for i in fitting], budget)),
                     "pairs_within_budget": len(fitting),
+                }
+            )
+    return rows
+
+
+GROUP = 8  # completions per prompt
+
+
+def groups_of(tokenizer, file: Path, format: str, count: int | None) -> list[tuple[list[int], list[list[int]]]]:
+    """(prompt ids, 8 completions' ids) of the first `count` prompts of `file` (None: every one with 3 pairs after
+    it): the prompt as its pair renders it, the completions the replies of that pair and the next 3."""
+    from chattune.data.documents import Document
+    from chattune.data.ingest.formats import SourceSpec
+    from chattune.data.ingest.records import RecordSource
+    from chattune.data.templates.pair_documents import PairDocuments
+
+    documents = PairDocuments(
+        RecordSource([SourceSpec(str(file), format=format)]), tokenizer, 1 << 20, share_prompts=True
+    )
+    pairs = [d for d in documents.get_many(range(len(documents))) if isinstance(d, Document)]
+    parts = []
+    for pair in pairs:
+        prompt, first = pair.shared_prefix + 1, pair.segment_lengths[0]
+        ids = pair.input_ids.tolist()
+        parts.append((ids[:prompt], [ids[prompt:first], ids[first + 1 :]]))
+    made = []
+    for index in range(len(parts) - GROUP // 2 + 1 if count is None else count):
+        completions = [reply for _, replies in parts[index : index + GROUP // 2] for reply in replies]
+        made.append((parts[index][0], completions))
+    return made
+
+
+def group_layouts(groups: list, budget: int | None) -> dict[bool, list]:
+    """Each group's completions as the GRPO recipe packs them, unshared and shared (`budget`: a row's tokens)."""
+    from chattune.rl.rollouts import completion_document, group_documents
+    from chattune.rl.sampling import Sampled
+
+    made: dict[bool, list] = {False: [], True: []}
+    for number, (prompt, completions) in enumerate(groups):
+        samples = [
+            (number * GROUP + k, Sampled(ids, [0.0] * len(ids), [0.0] * len(ids), True, ""), 0.5 - k % 2)
+            for k, ids in enumerate(completions)
+        ]
+        made[False] += [completion_document(doc_id, prompt, sample, a) for doc_id, sample, a in samples]
+        made[True] += group_documents(prompt, samples, budget)
+    return made
+
+
+def group_token_figures(assets: Path, budget: int) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from chattune.data.packing import best_fit_decreasing
+
+    rows = []
+    for name in TOKENIZERS:
+        tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizers" / name)
+        for file, format in FILES.items():
+            groups = groups_of(tokenizer, assets / "data" / file, format, None)
+            made = group_layouts(groups, budget)
+            unshared, shared = (sum(len(d) for d in made[s]) for s in (False, True))
+            prompts = sum(len(prompt) - 1 for prompt, _ in groups) * GROUP  # each copy less the token each keeps
+            rows.append(
+                {
+                    "tokenizer": name,
+                    "file": file,
+                    "groups": len(groups),
+                    "unshared_tokens": unshared,
+                    "shared_tokens": shared,
+                    "prompt_share": prompts / unshared,
+                    "saved": (unshared - shared) / unshared,
+                    "microbatches_unshared": len(best_fit_decreasing(made[False], budget)),
+                    "microbatches_shared": len(best_fit_decreasing(made[True], budget)),
                 }
             )
     return rows
@@ -153,6 +230,46 @@ def timed_step(model_dir: Path, file: Path, format: str, pairs: int, budget: int
     return {"file": file.name, "pairs": len(chosen), **{("shared" if k else "unshared"): v for k, v in out.items()}}
 
 
+def timed_group_step(model_dir: Path, file: Path, format: str, count: int, budget: int) -> dict:
+    """The first `count` groups of `file` packed both ways at `budget`, through the dapo loss's update step (the
+    policy's forward and backward, on-policy: no old log-probs, no reference) on one CPU process, timed after a
+    warm-up microbatch; each way's seconds and tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chattune.data.feed import StepBatches
+    from chattune.data.packing import best_fit_decreasing, collate_packed
+    from chattune.distributed import ParallelDims
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.packed.attention import ATTENTION_NAME
+    from chattune.objectives.policy_gradient import PolicyGradientObjective, PolicyLoss
+    from chattune.parallel.fsdp import shard_model
+    from chattune.train.step import accumulate_gradients
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    made = group_layouts(groups_of(tokenizer, file, format, count), budget)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ATTENTION_NAME)
+    hf_model.config.use_cache = False
+    policy = PackedCausalLM(hf_model, loss_chunk_size=2048)
+    placement = shard_model(policy, ParallelDims.build(torch.device("cpu")))
+    objective = PolicyGradientObjective(PolicyLoss("dapo"))
+    out = {}
+    for shared in (False, True):
+        microbatches = [collate_packed(b) for b in best_fit_decreasing(made[shared], budget)]
+        accumulate_gradients(policy, objective, StepBatches(microbatches[:1]), placement)  # warm-up
+        policy.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
+        seconds = time.perf_counter() - started
+        policy.zero_grad(set_to_none=True)
+        out[shared] = {
+            "seconds": seconds,
+            "tokens": sum(b.num_tokens for b in microbatches),
+            "microbatches": len(microbatches),
+        }
+    return {"file": file.name, "pairs": count * GROUP, **{("shared" if k else "unshared"): v for k, v in out.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--assets", type=Path, default=PROJECT_ROOT.parent / "shared" / "assets")
@@ -160,19 +277,34 @@ def main() -> None:
     parser.add_argument("--time", action="store_true", help="also time DPO's step (minutes on 2 CPU cores)")
     parser.add_argument("--pairs", type=int, default=8, help="pairs of each file timed (the same both ways)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the model here (default: a temporary folder)")
+    parser.add_argument("--groups", type=int, default=0, help="GRPO groups of 8 of each file timed (0: pairs)")
     args = parser.parse_args()
-    print(
-        "| tokenizer | file | pairs | tokens unshared | tokens shared | the prompt (both copies) | saved by sharing "
-        f"| pairs within {args.budget} tokens | microbatches unshared | shared |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in token_figures(args.assets, args.budget):
+    if args.groups:
         print(
-            f"| {row['tokenizer']} | {row['file']} | {row['pairs']} | {row['unshared_tokens']:,} | "
-            f"{row['shared_tokens']:,} | {2 * row['saved']:.1%} | {row['saved']:.1%} | {row['pairs_within_budget']} | "
-            f"{row['microbatches_unshared']} | {row['microbatches_shared']} |",
-            flush=True,
+            f"| tokenizer | file | groups of {GROUP} | tokens unshared | tokens shared | the prompt (every copy) | "
+            f"saved by sharing | microbatches of {args.budget} unshared | shared |"
         )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in group_token_figures(args.assets, args.budget):
+            print(
+                f"| {row['tokenizer']} | {row['file']} | {row['groups']} | {row['unshared_tokens']:,} | "
+                f"{row['shared_tokens']:,} | {row['prompt_share']:.1%} | {row['saved']:.1%} | "
+                f"{row['microbatches_unshared']} | {row['microbatches_shared']} |",
+                flush=True,
+            )
+    else:
+        print(
+            "| tokenizer | file | pairs | tokens unshared | tokens shared | the prompt (both copies) | saved by sharing "
+            f"| pairs within {args.budget} tokens | microbatches unshared | shared |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for row in token_figures(args.assets, args.budget):
+            print(
+                f"| {row['tokenizer']} | {row['file']} | {row['pairs']} | {row['unshared_tokens']:,} | "
+                f"{row['shared_tokens']:,} | {2 * row['saved']:.1%} | {row['saved']:.1%} | "
+                f"{row['pairs_within_budget']} | {row['microbatches_unshared']} | {row['microbatches_shared']} |",
+                flush=True,
+            )
     if not args.time:
         return
     import torch.distributed as dist
@@ -189,7 +321,10 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|")
         for file, format in FILES.items():
-            run = timed_step(model, args.assets / "data" / file, format, args.pairs, args.budget)
+            if args.groups:  # (the "pairs" column: the groups' completions)
+                run = timed_group_step(model, args.assets / "data" / file, format, args.groups, args.budget)
+            else:
+                run = timed_step(model, args.assets / "data" / file, format, args.pairs, args.budget)
             plain, shared = run["unshared"], run["shared"]
             print(
                 f"| {file} | {run['pairs']} | {plain['microbatches']} / {shared['microbatches']} | "

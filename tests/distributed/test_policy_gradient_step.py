@@ -2,7 +2,8 @@
 shared update step on a real (tiny) model: each loss type's gradients and loss over a step of completions equal its
 paper's formula (tests/unit/objectives/test_policy_gradient.py's) applied to the log-probs (gkd: the distributions) of
 a plain unpacked Hugging Face forward of each completion at the sampling temperature, however the completions are
-split into microbatches and ranks (1 rank, 4 microbatches, 2 ranks unevenly, one rank empty)."""
+split into microbatches and ranks (1 rank, 4 microbatches, 2 ranks unevenly, one rank empty), and however a group's
+completions are laid out (data.share_prompts: replies continuing one copy of their prompt, beside plain documents)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed, empty_batch
 from chattune.distributed import exit_process, reduce_sums, shutdown_distributed
 from chattune.model.causal_lm import PackedCausalLM
+from chattune.model.packed.attention import ATTENTION_NAME
 from chattune.objectives.policy_gradient import (
     ADVANTAGE,
     BEHAVIOUR_LOGP,
@@ -32,6 +34,8 @@ from chattune.objectives.policy_gradient import (
     PolicyLoss,
 )
 from chattune.parallel.fsdp import shard_model
+from chattune.rl.rollouts import group_documents
+from chattune.rl.sampling import Sampled
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model
 
@@ -84,6 +88,16 @@ def items() -> list[dict]:
     return made
 
 
+# the values a completion declares on its trained tokens, and where an item holds them
+VALUES = (
+    (ADVANTAGE, "advantage"),
+    (OLD_LOGP, "old"),
+    (BEHAVIOUR_LOGP, "behaviour"),
+    (REF_LOGP, "ref"),
+    (TEACHER_LOGP, "teacher"),
+)
+
+
 def documents(made: list[dict]) -> list[Document]:
     docs = []
     for d, item in enumerate(made):
@@ -93,16 +107,33 @@ def documents(made: list[dict]) -> list[Document]:
         labels = np.full(len(ids), IGNORE_INDEX)
         labels[start : start + len(tokens)] = tokens
         values = {}
-        for name, key in (
-            (OLD_LOGP, "old"),
-            (BEHAVIOUR_LOGP, "behaviour"),
-            (REF_LOGP, "ref"),
-            (TEACHER_LOGP, "teacher"),
-        ):
+        for name, key in VALUES:
             column = np.zeros(len(ids), dtype=np.float32)
             column[start : start + len(tokens)] = item[key]
             values[name] = column
-        docs.append(Document(d, ids, labels, token_values=values, doc_values={ADVANTAGE: item["advantage"]}))
+        docs.append(Document(d, ids, labels, token_values=values))
+    return docs
+
+
+def shared_documents(made: list[dict]) -> list[Document]:
+    """The same completions with each group's replies sharing one copy of its prompt (data.share_prompts): the first
+    group's four in one document, the second's first three in one and its last alone (a plain document), each
+    completion's declared values at its trained positions as `documents` declares them."""
+    groups = [made[:4], made[4:7], made[7:]]
+    docs = []
+    for number, group in enumerate(groups):
+        samples = [
+            (number, Sampled(item["tokens"].tolist(), item["behaviour"], [0.0] * len(item["tokens"]), True, ""), 0.0)
+            for item in group
+        ]
+        (doc,) = group_documents(group[0]["prompt"], samples, budget=None)
+        trained = np.flatnonzero(doc.labels != IGNORE_INDEX)
+        for name, key in VALUES:
+            column = np.zeros(len(doc), dtype=np.float32)
+            column[trained] = np.concatenate([np.broadcast_to(item[key], len(item["tokens"])) for item in group])
+            doc.token_values[name] = column
+        docs.append(doc)
+    assert [bool(doc.shared_prefix) for doc in docs] == [True, True, False]
     return docs
 
 
@@ -142,10 +173,12 @@ def hand_step(kind: str, made: list[dict]) -> dict:
     }
 
 
-def _worker(rank, world_size, port, splits, out_path, made):
+def _worker(rank, world_size, port, splits, out_path, made, shared):
     init_worker_process_group(rank, world_size, port)
-    docs = documents(made)
-    policy = PackedCausalLM(hf_policy(), loss_chunk_size=16)
+    docs = shared_documents(made) if shared else documents(made)
+    model = hf_policy()
+    model.set_attn_implementation(ATTENTION_NAME)  # (as the recipe builds it: the packed attention)
+    policy = PackedCausalLM(model, loss_chunk_size=16)
     policy.logit_transform = policy.logit_transform.at_temperature(TEMPERATURE)
     placement = shard_model(policy, mesh_dims())
     policy.train()
@@ -180,6 +213,9 @@ SPLITS = {
     "1rank_4mb": [[[0, 1], [2, 3, 4], [5], [6, 7]]],
     "2rank_uneven": [[[0, 1, 2, 3, 4], [5]], [[6], [7]]],
     "2rank_one_empty": [[[0, 1, 2, 3], [4, 5, 6, 7]], [[], []]],
+    # data.share_prompts: the documents of `shared_documents` (a group of 4, one of 3 beside a plain completion)
+    "shared_1rank_2mb": [[[0, 2], [1]]],
+    "shared_2rank": [[[1]], [[2, 0]]],
 }
 
 
@@ -190,7 +226,8 @@ def test_every_loss_equals_its_formula_on_plain_forwards_however_the_step_is_spl
     runs = {}
     for name, split in SPLITS.items():
         out_path = str(tmp_path / f"{name}.pt")
-        spawn(_worker, args=(len(split), free_port(), split, out_path, made), nprocs=len(split))
+        shared = name.startswith("shared")
+        spawn(_worker, args=(len(split), free_port(), split, out_path, made, shared), nprocs=len(split))
         runs[name] = torch.load(out_path)
         for kind in POLICY_LOSSES:
             got = runs[name][kind]

@@ -1,7 +1,7 @@
 """End to end: the GRPO recipe on 2 ranks. From a small model SFT-trained on the demo chats, the demo task's reward
 rises by a margin that the same run with the reward's sign flipped does not reach (it falls); a run stopped inside a
 rollout (two optimizer steps per rollout) and resumed makes the same completions, rewards and losses as the
-uninterrupted run, bit for bit; a less-trained student distilled on-policy from that model (a teacher directory)
+uninterrupted run, bit for bit, and its first step with each group sharing its prompt (data.share_prompts) the same; a less-trained student distilled on-policy from that model (a teacher directory)
 comes closer to it."""
 
 from __future__ import annotations
@@ -119,6 +119,11 @@ def test_a_run_stopped_inside_a_rollout_resumes_to_the_same_completions_rewards_
         assert {k: got[k] for k in SAME} == {k: want[k] for k in SAME}, got["step"]
     samples = [(tmp_path / run / "samples.jsonl").read_text() for run in ("whole", "cut")]
     assert samples[0] == samples[1]  # the same completions, with the same rewards and advantages
+    # data.share_prompts: each group's completions continue one copy of its prompt; the same first step, exact up to
+    # fp32 rounding (rows of other lengths), in fewer tokens
+    (shared,) = grpo(tmp_path / "shared", sft_base, *RESUME, "max_steps=1", "data.share_prompts=true")
+    assert shared["shared_prompt_tokens"] > 0
+    assert {k: shared[k] for k in SAME} == pytest.approx({k: whole[0][k] for k in SAME}, rel=1e-5, abs=1e-6)
 
 
 @pytest.fixture

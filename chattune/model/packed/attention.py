@@ -357,6 +357,12 @@ def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outpu
     mixers other than attention take them too (`chattune.model.packed.mixers`), and so do rotary embeddings whose tables
     depend on the input's length (`chattune.model.packed.rotary`). `outputs`: transformers' output_*
     flags (`output_router_logits=True` for a MoE model's router logits)."""
+    if batch.prefixes is not None and hf_model.config._attn_implementation != ATTENTION_NAME:
+        # (another attention function would ignore the prompts' key ranges: each reply would miss its prompt)
+        raise ValueError(
+            f"a row whose replies share a prompt needs the {ATTENTION_NAME} attention, not "
+            f"{hf_model.config._attn_implementation!r}"
+        )
     isolate_documents(hf_model)
     isolate_rotaries(hf_model)
     indexed_attention.isolate_indexed_attention(hf_model)

@@ -1150,15 +1150,14 @@ def test_the_grpo_recipe_refuses_what_it_does_not_read_yet_and_checks_its_reward
     ]
 
 
-def test_shared_prompts_are_refused_where_there_are_no_pairs_or_the_row_is_split():
+def test_shared_prompts_are_refused_where_there_are_no_pairs_or_groups_or_the_row_is_split():
     pairs = ["model.path=null", "data.share_prompts=true"]
-    for config in ("dpo/tiny", "reward/tiny"):
+    for config in ("dpo/tiny", "reward/tiny", "grpo/tiny"):
         report, ok = run_validate(config, pairs, CONFIGS)
         assert ok, report
     for config, why in (
-        ("sft/tiny", "the sft recipe trains no pairs: nothing to share"),
+        ("sft/tiny", "the sft recipe trains no pairs or groups: nothing to share"),
         ("kto/tiny", "KTO's records are unpaired: nothing to share"),
-        ("grpo/tiny", "a GRPO group's completions do not share their prompt yet"),
     ):
         report, _ = run_validate(config, pairs, CONFIGS)
         assert f"data.share_prompts: must be false: {why}" in problems(report), (config, report)

@@ -76,7 +76,9 @@ def document(d: int, item: dict, declare: tuple[str, ...]) -> Document:
             column = np.zeros(len(ids), dtype=np.float32)
             column[PROMPT - 1 : PROMPT - 1 + length] = item[key]
             values[name] = column
-    return Document(d, ids, labels, token_values=values, doc_values={ADVANTAGE: item["advantage"]})
+    values[ADVANTAGE] = np.zeros(len(ids), dtype=np.float32)
+    values[ADVANTAGE][PROMPT - 1 : PROMPT - 1 + length] = item["advantage"]
+    return Document(d, ids, labels, token_values=values)
 
 
 class ParameterPolicy(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -61,14 +62,23 @@ def source(prompts_file, rewards=None, old_log_probs=False, **settings) -> Rollo
 
 
 def completions_of(batches) -> list[tuple[int, list[int], float]]:
-    """(document id, completion tokens, declared advantage) of every document of the step's rows."""
+    """(completion id, completion tokens, declared advantage) of every completion of the step's rows: a segment with
+    trained tokens; the k-th segment of a document (a group sharing its prompt) is its doc id's k-th successor."""
     found = []
     for row in batches.microbatches:
-        start = 0
-        for doc_id, length, advantage in zip(row.doc_ids, row.doc_lengths, row.doc_values.get(ADVANTAGE, [])):
-            labels = row.labels[0, start : start + length]
-            found.append((doc_id, labels[labels != IGNORE_INDEX].tolist(), advantage))
-            start += length
+        bounds = row.cu_seqlens.tolist()
+        earlier: dict[int, int] = {}  # segments seen of each document
+        for start, end in zip(bounds, bounds[1:]):
+            labels = row.labels[0, start:end]
+            trained = labels != IGNORE_INDEX
+            if not trained.any():
+                continue
+            document = int(row.document_ids[start])
+            k = earlier.get(document, 0)
+            earlier[document] = k + 1
+            advantages = row.token_values[ADVANTAGE][0, start:end][trained]
+            assert (advantages == advantages[0]).all()  # one advantage on each of the completion's tokens
+            found.append((row.doc_ids[document] + k, labels[trained].tolist(), float(advantages[0])))
     return found
 
 
@@ -232,3 +242,35 @@ def test_a_record_without_its_reply_is_an_error_naming_it_or_a_counted_skip(prom
     steps.prompts.on_bad_record = "skip"
     batches = steps.next_step(1)
     assert steps.skipped["bad_record"] == PROMPTS and completions_of(batches) == []
+
+
+def trained_values(batches, name: str) -> list[float]:
+    """The values `name` declared on every trained token of the step, sorted."""
+    return sorted(
+        v for row in batches.microbatches for v in row.token_values[name][0][row.labels[0] != IGNORE_INDEX].tolist()
+    )
+
+
+def test_a_groups_completions_sharing_their_prompt_are_the_unshared_completions_in_fewer_tokens(prompts_file):
+    unshared = source(prompts_file).next_step(1)
+    shared = source(prompts_file, share_prompts=True).next_step(1)
+    assert sorted(completions_of(shared)) == sorted(completions_of(unshared))
+    assert trained_values(shared, BEHAVIOUR_LOGP) == trained_values(unshared, BEHAVIOUR_LOGP)
+    saved = sum(row.shared_prompt_tokens for row in shared.microbatches)
+    tokens = {id(kind): sum(row.num_tokens for row in kind.microbatches) for kind in (unshared, shared)}
+    assert saved > 0 and tokens[id(shared)] == tokens[id(unshared)] - saved
+    assert shared.figures == pytest.approx(unshared.figures | {"rollout_s": shared.figures["rollout_s"]})
+
+
+def test_a_group_over_the_row_budget_shares_its_prompt_in_as_many_documents_as_fit(prompts_file):
+    budget = 48
+    steps = source(prompts_file, share_prompts=True, budget=budget)
+    batches = steps.next_step(1)
+    assert sorted(completions_of(batches)) == sorted(completions_of(source(prompts_file, budget=budget).next_step(1)))
+    assert all(row.num_tokens <= budget for row in batches.microbatches)
+    per_document = [
+        count
+        for row in batches.microbatches
+        for count in Counter(int(row.document_ids[start]) for start in row.cu_seqlens[:-1].tolist()).values()
+    ]
+    assert 1 < max(per_document) < GROUP and min(per_document) == 1  # groups split: 2 sharing a prompt, 1 alone

@@ -12,7 +12,7 @@ import torch
 from chattune.data.documents import IGNORE_INDEX
 from chattune.model.generate import Sampling, stop_token_ids
 from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP
-from chattune.rl.rollouts import completion_document
+from chattune.rl.rollouts import completion_document, group_documents
 from chattune.rl.sampling import GroupSampling, Sampled, sample_group
 from conftest import demo_tokenizer, tiny_model
 
@@ -114,7 +114,28 @@ def test_a_completion_document_trains_its_sampled_tokens_from_the_positions_befo
     assert doc.input_ids.tolist() == [1, 2, 3, 4, 7, 8, 9]
     assert doc.labels.tolist() == [IGNORE_INDEX] * 3 + [7, 8, 9] + [IGNORE_INDEX]
     assert doc.token_values[BEHAVIOUR_LOGP].tolist() == [0, 0, 0, -0.5, -1.0, -1.5, 0]
-    assert doc.doc_values == {ADVANTAGE: 0.25} and doc.doc_id == 42
+    assert doc.token_values[ADVANTAGE].tolist() == [0, 0, 0, 0.25, 0.25, 0.25, 0]
+    assert doc.doc_id == 42 and not doc.shared_prefix and doc.doc_values == {}
+
+
+def test_a_groups_documents_continue_one_copy_of_the_prompt_less_its_last_token_as_many_as_fit():
+    prompt = [1, 2, 3, 4]
+    samples = [Sampled(ids, [-0.5] * len(ids), [1.0] * len(ids), True, "x") for ids in ([7, 8], [9], [5, 6, 7])]
+    completions = [(10 + k, sample, advantage) for k, (sample, advantage) in enumerate(zip(samples, [0.5, -1.0, 2.0]))]
+    (doc,) = group_documents(prompt, completions, budget=None)
+    # [prompt + reply 1][4 + reply 2][4 + reply 3]: each later segment continues the prompt's first 3 tokens
+    assert doc.input_ids.tolist() == [1, 2, 3, 4, 7, 8, 4, 9, 4, 5, 6, 7]
+    assert doc.segments == (6, 2, 4) and doc.shared_prefix == 3 and doc.doc_id == 10
+    skip = IGNORE_INDEX
+    assert doc.labels.tolist() == [skip, skip, skip, 7, 8, skip, 9, skip, 5, 6, 7, skip]
+    assert doc.token_values[ADVANTAGE].tolist() == [0, 0, 0, 0.5, 0.5, 0, -1, 0, 2, 2, 2, 0]
+    assert doc.token_values[BEHAVIOUR_LOGP].tolist() == [0, 0, 0, -0.5, -0.5, 0, -0.5, 0, -0.5, -0.5, -0.5, 0]
+    # a budget of 8 holds [prompt + reply 1] and [4 + reply 2]; reply 3 alone is the plain completion document
+    first, second = group_documents(prompt, completions, budget=8)
+    assert first.segments == (6, 2) and len(first) == 8
+    plain = completion_document(12, prompt, samples[2], 2.0)
+    assert second.input_ids.tolist() == plain.input_ids.tolist() and not second.shared_prefix and second.doc_id == 12
+    assert second.token_values[ADVANTAGE].tolist() == plain.token_values[ADVANTAGE].tolist()
 
 
 def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it():

@@ -205,3 +205,11 @@ def test_the_probe_refuses_attention_that_ignores_the_shared_prompt(monkeypatch)
     )
     with pytest.raises(UnsupportedModel, match=r"differ by up to .* set data.share_prompts=false"):
         check_shared_prompts(tiny_model(seed=0))
+
+
+def test_a_shared_row_through_another_attention_function_is_refused_not_computed_without_its_prompts():
+    model = tiny_model(seed=0)
+    model.set_attn_implementation("sdpa")  # (transformers' own would ignore the prompts' key ranges)
+    _, shared, _ = pair_layouts(seed=0)
+    with pytest.raises(ValueError, match="share a prompt needs the chattune_packed attention, not 'sdpa'"):
+        PackedCausalLM(model, loss_chunk_size=16)(collate_packed(shared))
