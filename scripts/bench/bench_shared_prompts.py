@@ -181,10 +181,8 @@ def timed_step(model_dir: Path, file: Path, format: str, pairs: int, budget: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from chattune.data.documents import Document
-    from chattune.data.feed import StepBatches
     from chattune.data.ingest.formats import SourceSpec
     from chattune.data.ingest.records import RecordSource
-    from chattune.data.packing import best_fit_decreasing, collate_packed
     from chattune.data.templates.pair_documents import PairDocuments
     from chattune.distributed import ParallelDims
     from chattune.model.causal_lm import PackedCausalLM
@@ -192,7 +190,6 @@ def timed_step(model_dir: Path, file: Path, format: str, pairs: int, budget: int
     from chattune.objectives.dpo import LiveReference, PreferenceObjective
     from chattune.objectives.pair_losses import PreferenceLoss
     from chattune.parallel.fsdp import shard_model
-    from chattune.train.step import accumulate_gradients
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     spec = SourceSpec(str(file), format=format)
@@ -213,21 +210,8 @@ def timed_step(model_dir: Path, file: Path, format: str, pairs: int, budget: int
     shard_model(reference, dims)
     reference.eval().requires_grad_(False)
     objective = PreferenceObjective(PreferenceLoss(loss_type="sigmoid", beta=0.1), LiveReference(reference))
-    out = {}
-    for shared in (False, True):
-        microbatches = [collate_packed(b) for b in best_fit_decreasing([made[shared][i] for i in chosen], budget)]
-        accumulate_gradients(policy, objective, StepBatches(microbatches[:1]), placement)  # warm-up
-        policy.zero_grad(set_to_none=True)
-        started = time.perf_counter()
-        accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
-        seconds = time.perf_counter() - started
-        policy.zero_grad(set_to_none=True)
-        out[shared] = {
-            "seconds": seconds,
-            "tokens": sum(b.num_tokens for b in microbatches),
-            "microbatches": len(microbatches),
-        }
-    return {"file": file.name, "pairs": len(chosen), **{("shared" if k else "unshared"): v for k, v in out.items()}}
+    out = time_both(policy, objective, placement, {s: [made[s][i] for i in chosen] for s in (False, True)}, budget)
+    return {"file": file.name, "pairs": len(chosen), **out}
 
 
 def timed_group_step(model_dir: Path, file: Path, format: str, count: int, budget: int) -> dict:
@@ -237,14 +221,11 @@ def timed_group_step(model_dir: Path, file: Path, format: str, count: int, budge
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from chattune.data.feed import StepBatches
-    from chattune.data.packing import best_fit_decreasing, collate_packed
     from chattune.distributed import ParallelDims
     from chattune.model.causal_lm import PackedCausalLM
     from chattune.model.packed.attention import ATTENTION_NAME
     from chattune.objectives.policy_gradient import PolicyGradientObjective, PolicyLoss
     from chattune.parallel.fsdp import shard_model
-    from chattune.train.step import accumulate_gradients
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     made = group_layouts(groups_of(tokenizer, file, format, count), budget)
@@ -253,21 +234,42 @@ def timed_group_step(model_dir: Path, file: Path, format: str, count: int, budge
     policy = PackedCausalLM(hf_model, loss_chunk_size=2048)
     placement = shard_model(policy, ParallelDims.build(torch.device("cpu")))
     objective = PolicyGradientObjective(PolicyLoss("dapo"))
-    out = {}
-    for shared in (False, True):
-        microbatches = [collate_packed(b) for b in best_fit_decreasing(made[shared], budget)]
-        accumulate_gradients(policy, objective, StepBatches(microbatches[:1]), placement)  # warm-up
-        policy.zero_grad(set_to_none=True)
+    return {"file": file.name, "pairs": count * GROUP, **time_both(policy, objective, placement, made, budget)}
+
+
+REPEATS = 1  # (--repeats: each way's step timed this many times, alternating, its fastest kept)
+
+
+def time_both(policy, objective, placement, made: dict[bool, list], budget: int) -> dict[str, dict]:
+    """The update step on `made`'s documents of each layout (False: unshared, True: shared), packed best-fit at
+    `budget`: after a warm-up microbatch of each, REPEATS timings alternating between the two, the fastest of each."""
+    from chattune.data.feed import StepBatches
+    from chattune.data.packing import best_fit_decreasing, collate_packed
+    from chattune.train.step import accumulate_gradients
+
+    rows = {shared: [collate_packed(b) for b in best_fit_decreasing(made[shared], budget)] for shared in made}
+
+    def step(microbatches: list) -> float:
         started = time.perf_counter()
         accumulate_gradients(policy, objective, StepBatches(microbatches), placement)
         seconds = time.perf_counter() - started
         policy.zero_grad(set_to_none=True)
-        out[shared] = {
-            "seconds": seconds,
+        return seconds
+
+    for microbatches in rows.values():
+        step(microbatches[:1])  # warm-up
+    seconds: dict[bool, list[float]] = {shared: [] for shared in rows}
+    for _ in range(REPEATS):
+        for shared, microbatches in rows.items():
+            seconds[shared].append(step(microbatches))
+    return {
+        ("shared" if shared else "unshared"): {
+            "seconds": min(seconds[shared]),
             "tokens": sum(b.num_tokens for b in microbatches),
             "microbatches": len(microbatches),
         }
-    return {"file": file.name, "pairs": count * GROUP, **{("shared" if k else "unshared"): v for k, v in out.items()}}
+        for shared, microbatches in rows.items()
+    }
 
 
 def main() -> None:
@@ -278,7 +280,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8, help="pairs of each file timed (the same both ways)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the model here (default: a temporary folder)")
     parser.add_argument("--groups", type=int, default=0, help="GRPO groups of 8 of each file timed (0: pairs)")
+    parser.add_argument("--repeats", type=int, default=1, help="time each way this often, alternating; the fastest")
     args = parser.parse_args()
+    global REPEATS
+    REPEATS = args.repeats
     if args.groups:
         print(
             f"| tokenizer | file | groups of {GROUP} | tokens unshared | tokens shared | the prompt (every copy) | "
