@@ -30,6 +30,7 @@ from chattune.log import setup_logging
 from chattune.model.build import build_trained_model
 from chattune.model.peft.adapters import trainable_parameters
 from chattune.objectives.policy_gradient import PolicyGradientObjective, PolicyLoss
+from chattune.rl.held_out import HeldOutPrompts
 from chattune.rl.prompts import PromptSource
 from chattune.rl.rewards import reward_functions
 from chattune.rl.rollouts import RolloutModels, RolloutSettings, RolloutSteps, SamplesLog
@@ -93,7 +94,16 @@ def main(composed: DictConfig) -> None:
         pad_token_id(tokenizer),
         SamplesLog(Path(cfg.output_dir) / "samples.jsonl", cfg.log_every),  # a group of each logged step, rewarded
     )
-    data = TrainingData.made_by(steps, pad_token_id(tokenizer))
+    # data.eval: held-out prompts answered and rewarded at every evaluation (eval_every), nothing trained on them
+    held_out = None
+    if cfg.data.eval:
+        eval_prompts = PromptSource(
+            source_specs(cfg.data.eval), tokenizer, cfg.rollout.chat_template_kwargs, cfg.data.on_bad_record
+        )
+        held_out = HeldOutPrompts(
+            models, tokenizer, eval_prompts, rewards, RolloutSettings.from_config(cfg), pad_token_id(tokenizer)
+        )
+    data = TrainingData.made_by(steps, pad_token_id(tokenizer), held_out)
 
     # --- training: resume, update steps, metrics, checkpoints, the HF export (shared by every recipe) ---
     train(

@@ -2,7 +2,7 @@
 
 One panel per metric family: loss (with eval_loss), learning rate, gradient norm, tokens/s, for DPO
 runs the reward margins, preference accuracy and chosen/rejected rewards (train and eval), and for GRPO runs the
-rollouts' mean reward and completion length. matplotlib is
+rollouts' mean reward and completion length (and the held-out prompts'). matplotlib is
 an optional dependency (`pip install "chattune[plot]"`), imported only here.
 """
 
@@ -28,8 +28,8 @@ PANELS: list[tuple[str, list[str]]] = [
     ("reward margin", ["rewards/margins", "eval_rewards/margins"]),
     ("preference accuracy", ["rewards/accuracies", "eval_rewards/accuracies"]),
     ("rewards", ["rewards/chosen", "rewards/rejected", "eval_rewards/chosen", "eval_rewards/rejected"]),
-    ("rollout reward", ["reward"]),  # GRPO: the mean reward of each step's completions
-    ("completion length", ["completion_length"]),
+    ("rollout reward", ["reward", "eval_reward"]),  # GRPO: each step's completions' mean reward, the held-out's
+    ("completion length", ["completion_length", "eval_completion_length"]),
 ]
 LINE_STYLES = ["-", "--", ":", "-."]
 

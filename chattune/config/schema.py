@@ -796,7 +796,11 @@ class GRPODataConfig(DataConfig):
         factory=lambda: [{"path": "${demo_asset:sort_prompts.jsonl}", "format": "prompt"}],
         help="prompt sources (format: prompt): {prompt} or {messages}, with the fields the rewards read",
     )
-    eval: list[Any] | None = key(None, "must be null: the GRPO recipe evaluates no held-out prompts yet", resume="free")
+    eval: list[Any] | None = key(
+        None,
+        "held-out prompt sources (format: prompt), answered and rewarded at every evaluation (eval_every); null: none",
+        resume="free",
+    )
     overlong: str = key(
         "drop", "a prompt whose tokens and rollout.max_new_tokens exceed the budget: drop | error", choices=OVERLONG_DPO
     )
@@ -837,8 +841,9 @@ class GRPOConfig(RunConfig):
     )
     eval_every: int = key(
         0,
-        "must be 0: the GRPO recipe evaluates no held-out set yet (its rollouts' rewards are its metrics)",
-        bound=(lambda v: v == 0, "must be 0"),
+        "steps between rewarding the held-out prompts (data.eval), and at the end (0: never)",
+        at_least=0,
+        hint=" (0: never)",
         resume="free",
     )
     eval: EvalConfig = section(lambda: EvalConfig(samples=0), "sample replies at every evaluation", resume="free")

@@ -292,21 +292,23 @@ class RunRules:
             )
 
     def rollouts(self) -> None:
-        """The GRPO recipe's own rules: what it does not read yet (held-out prompts, a mixture, vLLM) is refused,
-        not ignored; each reward function can be imported and takes the keys its entry gives; a reference without a
-        KL penalty is unused."""
+        """The GRPO recipe's own rules: what it does not read yet (a split of the training prompts, a mixture, vLLM)
+        is refused, not ignored; held-out prompts are evaluated; each reward function can be imported and takes the
+        keys its entry gives; a reference without a KL penalty is unused."""
         if self.kind.name != "grpo":
             return
+        held_out = get_value(self.values, "data.eval")
+        if isinstance(held_out, list) and held_out and number(self.values, "eval_every") == 0:
+            self.findings.problem(
+                "eval_every",
+                "is 0, so data.eval's held-out prompts are never answered: set eval_every (steps between "
+                "evaluations), or data.eval=null",
+            )
         for key, refused, why in (
-            (
-                "data.eval",
-                lambda v: v not in (None, [], UNSET),
-                "held-out prompts are not evaluated yet: set it to null",
-            ),
             (
                 "data.eval_split",
                 lambda v: v not in (None, UNSET),
-                "held-out prompts are not evaluated yet: set it to null",
+                "the training prompts are not split yet: give held-out prompts as data.eval, and set this to null",
             ),
             ("data.mixing.mode", lambda v: v not in ("none", UNSET), "prompts are not mixed by weight yet: none"),
             (

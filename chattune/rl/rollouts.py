@@ -237,6 +237,20 @@ class RolloutSteps:
     def close(self) -> None:
         self.current = None
 
+    def held_out_sums(self) -> dict[str, float]:
+        """Collective: every prompt of the source answered once (this data-parallel rank's share, in the source's
+        order), its G completions sampled and scored as a rollout's, and their figures summed on this rank (a
+        rollout's, nothing trained): the GRPO recipe's held-out evaluation (`chattune.rl.held_out`)."""
+        ranks, rank = self.models.placement.dims.data_ranks, self.models.placement.dims.data_rank
+        per_rank = -(-len(self.prompts) // ranks)
+        first = min(rank * per_rank, len(self.prompts))
+        groups = self._sample(range(first, min(first + per_rank, len(self.prompts))))
+        self._score(groups)
+        _, figures = self._documents(groups)
+        if not self.models.placement.dims.reports_rows:  # (a tp group's other ranks sampled the same)
+            figures = dict.fromkeys(figures, 0.0)
+        return figures
+
     # --- one rollout ---
 
     def on_policy(self, index: int) -> bool:

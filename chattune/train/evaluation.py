@@ -4,7 +4,7 @@ unit losses / global units), and the sample replies (`chattune.train.samples`), 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -104,33 +104,45 @@ def start_metrics(
     return {f"eval_{name}": value for name, value in metrics.items()}
 
 
+class HeldOutScorer(Protocol):
+    """A recipe's own held-out evaluation (the GRPO recipe's rollouts on held-out prompts): collective when called,
+    its `eval_*` metrics of the model as it is."""
+
+    def __call__(self) -> dict[str, float]: ...
+
+    def describe(self) -> str: ...
+
+
 class Evaluator:
-    """A run's evaluations: the held-out metrics of `batches` under `objective` (this rank's share; None: no
-    held-out data) and the replies to the sample prompts (`samples`; None: none), at step 0 of a fresh run,
-    every eval_every steps and at the end (`every`) — never after a stop signal, whose grace period belongs to
-    the checkpoint. Every rank decides alike (the config, the step's all-reduce): an evaluation is collective."""
+    """A run's evaluations: the held-out metrics (`held_out`: this rank's share of the held-out batches, scored by
+    `objective`, or a recipe's own `HeldOutScorer`; None: no held-out data) and the replies to the sample prompts
+    (`samples`; None: none), at step 0 of a fresh run, every eval_every steps and at the end (`every`) — never after
+    a stop signal, whose grace period belongs to the checkpoint. Every rank decides alike (the config, the step's
+    all-reduce): an evaluation is collective."""
 
     def __init__(
         self,
         model: nn.Module,
         objective: Objective,
-        batches: list[PackedBatch] | None,
+        held_out: list[PackedBatch] | HeldOutScorer | None,
         pad_id: int,
         placement: Placement,
         samples: EvalSamples | None,
         every: Every,
         progress: Progress | None = None,
     ):
-        self.model, self.objective, self.batches, self.pad_id = model, objective, batches, pad_id
+        self.model, self.objective, self.pad_id = model, objective, pad_id
+        self.batches = held_out if isinstance(held_out, list) else None
+        self.scorer = None if isinstance(held_out, list) else held_out
         self.placement, self.samples, self.every, self.progress = placement, samples, every, progress
 
     def due(self, step: int) -> bool:
-        evaluates = self.batches is not None or self.samples is not None
+        evaluates = self.batches is not None or self.samples is not None or self.scorer is not None
         return evaluates and self.every.due(step) and not self.every.horizon.signalled
 
     def describe(self) -> str:
         """What one evaluation runs (this rank's share of the held-out set), for the line before step 0's."""
-        parts = []
+        parts = [self.scorer.describe()] if self.scorer is not None else []
         if self.batches is not None:
             tokens = sum(batch.input_ids.shape[-1] for batch in self.batches)
             parts.append(f"the held-out metrics over {len(self.batches)} batches ({tokens} tokens on this rank)")
@@ -143,6 +155,8 @@ class Evaluator:
     def held_out(self, step: int) -> dict[str, float]:
         """Collective: the held-out metrics of the model as it is after `step` (before the first: `start_metrics`),
         `eval_*`; {} without held-out data."""
+        if self.scorer is not None:
+            return self.scorer()
         if self.batches is None:
             return {}
         score = start_metrics if step == 0 else evaluate

@@ -27,6 +27,7 @@ from chattune.data.stream import PackedStream, PackingBudget, StreamLayout
 from chattune.data.templates.tokenizer import pad_token_id
 from chattune.distributed import ParallelDims, reduce_sums
 from chattune.errors import UserError
+from chattune.train.evaluation import HeldOutScorer
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class TrainingData:
     mixer: Mixer | None  # data.mixing static or online; None: the sources are concatenated
     pad_id: int  # what pads an empty microbatch (`chattune.data.templates.tokenizer.pad_token_id`)
     held_out_records: list[np.ndarray]  # per training source, the record numbers data.eval_split holds out
+    # a recipe's own held-out evaluation in place of held-out batches (the GRPO recipe's prompts); None: none
+    held_out_scorer: HeldOutScorer | None = None
 
     @property
     def num_sources(self) -> int:
@@ -94,9 +97,19 @@ class TrainingData:
         return self.mixer.num_sources if self.mixer else 1
 
     @classmethod
-    def made_by(cls, feed: StepSource, pad_id: int) -> TrainingData:
-        """The data of a recipe that makes its own steps (`feed`: its rollouts, say): no records, no held-out set."""
-        return cls(train=None, eval=None, feed=feed, eval_batches=[], mixer=None, pad_id=pad_id, held_out_records=[])
+    def made_by(cls, feed: StepSource, pad_id: int, held_out: HeldOutScorer | None = None) -> TrainingData:
+        """The data of a recipe that makes its own steps (`feed`: its rollouts, say): no records; its own held-out
+        evaluation, if any (`held_out`)."""
+        return cls(
+            train=None,
+            eval=None,
+            feed=feed,
+            eval_batches=[],
+            mixer=None,
+            pad_id=pad_id,
+            held_out_records=[],
+            held_out_scorer=held_out,
+        )
 
 
 def check_something_trains(

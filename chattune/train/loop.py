@@ -338,7 +338,8 @@ def set_up(
     progress = Progress(start_step, cfg.max_steps, cfg.progress, dims.is_main)  # a bar on a terminal, else lines
     metric_logger.step_lines = not progress.shows_bar  # the bar shows the steps; held-out results still print
     # data.eval's sources, data.eval_split's held-out records, or both (None: no held-out data)
-    held_out = data.eval_batches if data.eval is not None else None
+    # (a recipe that makes its own steps may score held-out data its own way: the GRPO recipe's prompts)
+    held_out = data.eval_batches if data.eval is not None else data.held_out_scorer
     evaluator = Evaluator(
         model,
         learning.eval_objective or learning.objective,

@@ -213,17 +213,21 @@ def test_plot_overlays_runs_with_one_panel_per_metric(tmp_path, capsys):
     assert [a.get_title() for a in only_sft.axes] == ["loss", "learning rate", "grad norm", "tokens/s"]
 
 
-def test_plot_draws_a_grpo_runs_reward_curve(tmp_path):
+def test_plot_draws_a_grpo_runs_reward_curve_and_its_held_out_reward(tmp_path):
     pytest.importorskip("matplotlib")
     from chattune.cli.plot import plot_runs
 
     run = tmp_path / "grpo-run"
     run.mkdir()
-    lines = [{"step": s, "loss": 0.0, "reward": 0.1 * s, "completion_length": 10 - s} for s in range(1, 4)]
+    lines = [{"step": 0, "eval_reward": 0.05}]
+    lines += [{"step": s, "loss": 0.0, "reward": 0.1 * s, "completion_length": 10 - s} for s in range(1, 4)]
+    lines[-1]["eval_reward"] = 0.25
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     figure = plot_runs([run], tmp_path / "grpo.png")
     rewards = next(axes for axes in figure.axes if axes.get_title() == "rollout reward")
-    assert [list(line.get_ydata()) for line in rewards.get_lines()] == [[0.1, 0.2, 0.30000000000000004]]
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in rewards.get_lines()}
+    assert drawn["grpo-run reward"] == ([1, 2, 3], [0.1, 0.2, 0.30000000000000004])
+    assert drawn["grpo-run eval_reward"] == ([0, 3], [0.05, 0.25])
     assert "completion length" in [a.get_title() for a in figure.axes]
 
 

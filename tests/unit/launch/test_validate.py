@@ -1109,7 +1109,7 @@ def test_the_grpo_recipe_refuses_what_it_does_not_read_yet_and_checks_its_reward
     assert not ok
     found = problems(report)
     for key, words in (
-        ("data.eval_split:", "held-out prompts are not evaluated yet"),
+        ("data.eval_split:", "the training prompts are not split yet: give held-out prompts as data.eval"),
         ("data.mixing.mode:", "prompts are not mixed by weight yet"),
         ("rollout.engine:", "vllm is not available"),
         ("reward.functions[0]:", "mdoe: not a parameter of chattune.rl.rewards.answer_check"),
@@ -1118,6 +1118,17 @@ def test_the_grpo_recipe_refuses_what_it_does_not_read_yet_and_checks_its_reward
         assert any(line.startswith(key) and words in line for line in found), (key, found)
     report, ok = run_validate("grpo/tiny", [*base, "loss.type=reverse_kl", "reward.functions=[]"], CONFIGS)
     assert problems(report) == ["teacher.path: loss.type=reverse_kl distills from a teacher: name its directory"]
+    # held-out prompts that would never be answered; the remedies as written
+    report, ok = run_validate("grpo/tiny", [*base, "eval_every=0"], CONFIGS)
+    assert problems(report) == [
+        "eval_every: is 0, so data.eval's held-out prompts are never answered: set eval_every (steps between "
+        "evaluations), or data.eval=null"
+    ]
+    for remedy in ("eval_every=5", "data.eval=null"):
+        report, ok = run_validate("grpo/tiny", [*base, "eval_every=0", remedy], CONFIGS)
+        assert ok, (remedy, report)
+    report, ok = run_validate("grpo/tiny", [*base, "data.eval=[{path: nowhere.jsonl, format: prompt}]"], CONFIGS)
+    assert problems(report) == ["data.eval[0]: data file 'nowhere.jsonl' does not exist"]
     report, ok = run_validate("grpo/tiny", [*base, "reward.functions=[]"], CONFIGS)
     assert problems(report) == ["reward.functions: no reward function: the policy would learn nothing"]
     report, ok = run_validate("grpo/tiny", [*base, f"teacher.path={model_dir}", f"reference.path={model_dir}"], CONFIGS)
