@@ -2,7 +2,8 @@
 prompt is answered by G completions sampled from the policy as the rollouts sample (the rollout section's settings),
 scored by the run's reward functions, and reported as the rollouts' figures are, named `eval_*`: eval_reward,
 eval_reward_std, eval_reward/NAME, eval_completion_length, eval_truncated, eval_entropy, eval_uniform_groups. Nothing
-is trained on them. The draws are seeded by an evaluation seed of their own and the prompt's place: every evaluation
+is trained on them. A rank samples as many prompts at once as a training rollout does (its KV cache no larger).
+The draws are seeded by an evaluation seed of their own and the prompt's place: every evaluation
 samples the same way (a change between two is the policy's), and a resumed run's evaluations are the uninterrupted
 run's."""
 
@@ -48,6 +49,7 @@ class HeldOutPrompts:
             share_prompts=False,
         )
         self.prompts = prompts
+        self.at_once = max(settings.prompts_per_step // dims.data_ranks, 1)  # a training rollout's prompts per rank
         self.rollouts = RolloutSteps(
             RolloutModels(models.policy, models.placement), tokenizer, prompts, rewards, held_out, pad_id
         )
@@ -60,6 +62,6 @@ class HeldOutPrompts:
         )
 
     def __call__(self) -> dict[str, float]:
-        sums = reduce_sums(self.rollouts.held_out_sums(), self.rollouts.models.placement.device)
+        sums = reduce_sums(self.rollouts.held_out_sums(self.at_once), self.rollouts.models.placement.device)
         metrics = rollout_metrics(sums)
         return {f"eval_{name}": value for name, value in metrics.items() if name not in NOT_REPORTED}

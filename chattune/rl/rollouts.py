@@ -237,14 +237,18 @@ class RolloutSteps:
     def close(self) -> None:
         self.current = None
 
-    def held_out_sums(self) -> dict[str, float]:
+    def held_out_sums(self, at_once: int) -> dict[str, float]:
         """Collective: every prompt of the source answered once (this data-parallel rank's share, in the source's
-        order), its G completions sampled and scored as a rollout's, and their figures summed on this rank (a
-        rollout's, nothing trained): the GRPO recipe's held-out evaluation (`chattune.rl.held_out`)."""
+        order; `at_once` prompts a generation call, as a training rollout's, so that the KV cache is no larger),
+        its G completions sampled and scored as a rollout's, and their figures summed on this rank (a rollout's,
+        nothing trained): the GRPO recipe's held-out evaluation (`chattune.rl.held_out`)."""
         ranks, rank = self.models.placement.dims.data_ranks, self.models.placement.dims.data_rank
         per_rank = -(-len(self.prompts) // ranks)
         first = min(rank * per_rank, len(self.prompts))
-        groups = self._sample(range(first, min(first + per_rank, len(self.prompts))))
+        end = min(first + per_rank, len(self.prompts))
+        groups = []
+        for start in range(first, first + per_rank, at_once):  # (as many calls on every rank: they may be synced)
+            groups += self._sample(range(min(start, end), min(start + at_once, end)))
         self._score(groups)
         _, figures = self._documents(groups)
         if not self.models.placement.dims.reports_rows:  # (a tp group's other ranks sampled the same)

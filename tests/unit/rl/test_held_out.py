@@ -61,7 +61,7 @@ def test_every_held_out_prompt_is_answered_and_the_metrics_are_its_completions_f
     reward = Recorded()
     metrics = held_out(models, reward)()
     records = [json.loads(line) for line in EVAL_PROMPTS.read_text().splitlines()]
-    (call,) = reward.calls  # one call for the rank's whole evaluation
+    (call,) = reward.calls  # one call for the rank's whole evaluation, sampled 4 prompts at a time
     asked = [json.dumps(messages) for messages in call["prompts"]]
     assert sorted(asked) == sorted(json.dumps(r["messages"]) for r in records for _ in range(GROUP))
     rewards = call["rewards"]
@@ -93,4 +93,4 @@ def test_the_same_policy_gives_the_same_figures_and_an_evaluation_leaves_the_tra
     assert training_step(evaluate_first=True) == training_step(evaluate_first=False)
     # the held-out draws are not the training rollouts': the same prompts as training prompts are sampled otherwise
     as_training = RolloutSteps(models, tokenizer, evaluation.prompts, reward, settings(), 0)
-    assert as_training.held_out_sums() != evaluation.rollouts.held_out_sums()
+    assert as_training.held_out_sums(4) != evaluation.rollouts.held_out_sums(4)
