@@ -100,9 +100,7 @@ def main(composed: DictConfig) -> None:
         eval_prompts = PromptSource(
             source_specs(cfg.data.eval), tokenizer, cfg.rollout.chat_template_kwargs, cfg.data.on_bad_record
         )
-        held_out = HeldOutPrompts(
-            models, tokenizer, eval_prompts, rewards, RolloutSettings.from_config(cfg), pad_token_id(tokenizer)
-        )
+        held_out = HeldOutPrompts(steps, eval_prompts)
     data = TrainingData.made_by(steps, pad_token_id(tokenizer), held_out)
 
     # --- training: resume, update steps, metrics, checkpoints, the HF export (shared by every recipe) ---

@@ -1,9 +1,10 @@
 """On-policy policy-gradient objectives (the GRPO recipe): GRPO, DAPO, Dr. GRPO, GSPO and CISPO, with an optional KL
 penalty to a reference model and truncated importance sampling of the sampler's tokens.
 
-A completion is one packed document: its prompt (untrained) and the tokens the policy sampled (trained). What each
-token's loss needs rides on the document as declared values (`chattune.data.documents.Document`), which packing
-carries to the objective: the completion's advantage (per document), and per token the log-probabilities of the
+A completion is one segment of a packed row: its prompt (untrained; with data.share_prompts a group's later
+completions continue one copy of it) and the tokens the policy sampled (trained). What each token's loss needs rides
+on the document as declared values (`chattune.data.documents.Document`), which packing carries to the objective, per
+token: its completion's advantage, and the log-probabilities of the
 policy that sampled it (`OLD_LOGP`, computed once per rollout where several optimizer steps reuse it), of the
 distribution the sampler actually drew from (`BEHAVIOUR_LOGP`: temperature and truncation applied) and of the
 reference model (`REF_LOGP`, with loss.beta > 0). A value sits at the position whose label is its token.
@@ -167,7 +168,7 @@ class PolicyLoss:
 
     def aggregate(self, terms: torch.Tensor, completion: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The microbatch's share of the step's loss sum: its terms summed as the loss's unit says (`completion`:
-        each term's completion, 0..D-1; `lengths`: each completion's tokens)."""
+        each term's completion, its segment; `lengths`: each segment's trained tokens)."""
         if self.type in ("grpo", "gspo"):  # each completion's token mean, summed over completions
             return (terms / lengths[completion].to(terms.dtype)).sum()
         if self.type == "dr_grpo":  # a constant per completion: the generation budget
@@ -175,17 +176,12 @@ class PolicyLoss:
         return terms.sum()
 
 
-def completions_of(batch: PackedBatch) -> tuple[torch.Tensor, int]:
-    """Each trained token's completion (0..C-1, on the host) and the row's completion count C. A completion is a
-    segment with trained tokens: a document of its own, or one of a group's replies continuing their shared prompt
-    (data.share_prompts), so a completion's tokens are found the same way in both layouts."""
-    trained = (batch.labels[0] != IGNORE_INDEX).cpu()
-    segments = batch.segment_ids.cpu()[trained]
-    if not len(segments):
-        return segments, 0
-    first = torch.ones_like(segments, dtype=torch.bool)
-    first[1:] = segments[1:] != segments[:-1]  # (a segment's tokens are contiguous: a new id starts a completion)
-    return torch.cumsum(first, 0) - 1, int(first.sum())
+def completion_lengths(batch: PackedBatch, trained: torch.Tensor) -> torch.Tensor:
+    """Each segment's trained tokens (S,), where the batch is. A completion is a segment with trained tokens: a
+    document of its own, or one of a group's replies continuing their shared prompt (data.share_prompts), so a
+    completion's tokens are found the same way in both layouts; its index is its segment's."""
+    lengths = torch.zeros(batch.cu_seqlens.numel() - 1, dtype=torch.long, device=trained.device)
+    return lengths.index_add_(0, batch.segment_ids.to(trained.device), trained.long())
 
 
 class PolicyGradientObjective(Objective):
@@ -206,7 +202,8 @@ class PolicyGradientObjective(Objective):
     def count_units(self, batch: PackedBatch) -> int:
         if self.loss.per_token:
             return batch.num_trainable_tokens
-        return completions_of(batch)[1]
+        trained = batch.labels[0] != IGNORE_INDEX
+        return int((completion_lengths(batch, trained) > 0).sum())
 
     def loss_sum(self, model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.teacher is not None:
@@ -218,11 +215,8 @@ class PolicyGradientObjective(Objective):
             return token_losses.sum() * 0.0, zeros
         trained = (batch.labels[0] != IGNORE_INDEX).to(device)
         logp = -token_losses[trained]
-        completion, num_completions = completions_of(batch)  # each trained token's completion, 0..C-1
-        completion = completion.to(device)
-        lengths = torch.zeros(num_completions, dtype=torch.long, device=device).index_add_(
-            0, completion, torch.ones_like(completion)
-        )
+        completion = batch.segment_ids.to(device)[trained]  # each trained token's completion: its segment
+        lengths = completion_lengths(batch, trained)  # (0 for a segment without a completion: never indexed)
         values = {name: batch.token_values[name][0].to(device)[trained] for name in batch.token_values}
         old = values.get(OLD_LOGP)
         teacher_kl = None
@@ -239,13 +233,13 @@ class PolicyGradientObjective(Objective):
         sequence_log_ratio = None
         if POLICY_LOSSES[self.loss.type].sequence_ratio:  # each completion's mean log ratio, on each of its tokens
             log_ratio = logp - (logp.detach() if old is None else old)
-            sums = torch.zeros(num_completions, dtype=logp.dtype, device=device).index_add(0, completion, log_ratio)
-            sequence_log_ratio = (sums / lengths.to(logp.dtype))[completion]
+            sums = torch.zeros(len(lengths), dtype=logp.dtype, device=device).index_add(0, completion, log_ratio)
+            sequence_log_ratio = (sums / lengths.clamp(min=1).to(logp.dtype))[completion]
         terms, token_figures = self.loss.token_terms(
             logp, advantages, old, values.get(BEHAVIOUR_LOGP), values.get(REF_LOGP), sequence_log_ratio
         )
         figures = dict(zeros)
-        figures["completions"] = zeros["completions"] + num_completions
+        figures["completions"] = zeros["completions"] + (lengths > 0).sum()
         figures["completion_tokens"] = zeros["completion_tokens"] + int(trained.sum())
         for name, per_token in token_figures.items():
             figures[name if name.startswith("clipped") else f"{name}_sum"] = per_token.sum()
@@ -263,7 +257,7 @@ class PolicyGradientObjective(Objective):
         target = self.teacher.distillation_target(batch, self.loss.jsd_beta)  # type: ignore[operator]
         divergences = model(batch, distill=target)  # (N,) at the sampled positions, 0 elsewhere
         figures = empty_figures(divergences)
-        figures["completions"] += completions_of(batch)[1]
+        figures["completions"] += (completion_lengths(batch, batch.labels[0] != IGNORE_INDEX) > 0).sum()
         figures["completion_tokens"] += batch.num_trainable_tokens
         return divergences.sum(), figures
 

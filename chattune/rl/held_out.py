@@ -9,16 +9,12 @@ run's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
-
-from transformers import PreTrainedTokenizerBase
 
 from chattune.distributed import reduce_sums
 from chattune.objectives.policy_gradient import rollout_metrics
 from chattune.rl.prompts import PromptSource
-from chattune.rl.rewards import RewardFunction
-from chattune.rl.rollouts import RolloutModels, RolloutSettings, RolloutSteps
+from chattune.rl.rollouts import RolloutModels, RolloutSteps
 
 # Metrics of a rollout that say nothing about held-out prompts: its time, and what only training uses.
 NOT_REPORTED = ("rollout_s", "rollout_tokens_per_sec", "advantage_abs_mean", "skipped_groups", "on_policy")
@@ -26,18 +22,12 @@ EVAL_SEED = 0x6576616C  # mixed into the run's seed: held-out draws apart from t
 
 
 class HeldOutPrompts:
-    """Collective when called: the `eval_*` metrics of the policy on `prompts` (the module docstring)."""
+    """Collective when called: the `eval_*` metrics of the policy on `prompts` (the module docstring), sampled and
+    scored as `training` (the run's rollouts) samples and scores."""
 
-    def __init__(
-        self,
-        models: RolloutModels,
-        tokenizer: PreTrainedTokenizerBase,
-        prompts: PromptSource,
-        rewards: Sequence[RewardFunction],
-        settings: RolloutSettings,
-        pad_id: int,
-    ):
-        dims = models.placement.dims
+    def __init__(self, training: RolloutSteps, prompts: PromptSource):
+        dims = training.models.placement.dims
+        settings = training.settings
         per_step = -(-len(prompts) // dims.data_ranks) * dims.data_ranks  # (every prompt in one pass)
         # sampled on-policy, every group kept: the rollout's settings less what only training reads
         held_out = replace(
@@ -48,16 +38,14 @@ class HeldOutPrompts:
             on_policy_share=1.0,
             share_prompts=False,
         )
-        self.prompts = prompts
-        self.at_once = max(settings.prompts_per_step // dims.data_ranks, 1)  # a training rollout's prompts per rank
-        self.rollouts = RolloutSteps(
-            RolloutModels(models.policy, models.placement), tokenizer, prompts, rewards, held_out, pad_id
-        )
+        self.at_once = training.per_rank  # a training rollout's prompts per rank: its KV cache no larger
+        models = RolloutModels(training.models.policy, training.models.placement)  # (no scores: nothing trains)
+        self.rollouts = RolloutSteps(models, training.tokenizer, prompts, training.rewards, held_out, training.pad_id)
 
     def describe(self) -> str:
         settings = self.rollouts.settings
         return (
-            f"{len(self.prompts)} held-out prompts answered {settings.completions_per_prompt} times each "
+            f"{len(self.rollouts.prompts)} held-out prompts answered {settings.completions_per_prompt} times each "
             f"(up to {settings.sampling.max_new_tokens} new tokens)"
         )
 

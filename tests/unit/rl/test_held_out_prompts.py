@@ -53,8 +53,11 @@ def models() -> RolloutModels:
 
 def held_out(models, reward) -> HeldOutPrompts:
     tokenizer = demo_tokenizer()
-    prompts = PromptSource([SourceSpec(str(EVAL_PROMPTS), format="prompt")], tokenizer)
-    return HeldOutPrompts(models, tokenizer, prompts, [RewardFunction("sorted_numbers", 1.0, reward)], settings(), 0)
+    train_prompts = PromptSource([SourceSpec(str(DEMO_ASSETS / "sort_prompts.jsonl"), format="prompt")], tokenizer)
+    training = RolloutSteps(
+        models, tokenizer, train_prompts, [RewardFunction("sorted_numbers", 1.0, reward)], settings(), 0
+    )
+    return HeldOutPrompts(training, PromptSource([SourceSpec(str(EVAL_PROMPTS), format="prompt")], tokenizer))
 
 
 def test_every_held_out_prompt_is_answered_and_the_metrics_are_its_completions_figures(models):
@@ -92,5 +95,5 @@ def test_the_same_policy_gives_the_same_figures_and_an_evaluation_leaves_the_tra
     assert evaluation() == first
     assert training_step(evaluate_first=True) == training_step(evaluate_first=False)
     # the held-out draws are not the training rollouts': the same prompts as training prompts are sampled otherwise
-    as_training = RolloutSteps(models, tokenizer, evaluation.prompts, reward, settings(), 0)
+    as_training = RolloutSteps(models, tokenizer, evaluation.rollouts.prompts, reward, settings(), 0)
     assert as_training.held_out_sums(4) != evaluation.rollouts.held_out_sums(4)
