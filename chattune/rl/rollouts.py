@@ -4,12 +4,10 @@ A rollout, on each data-parallel rank: take this rank's prompts of the step (`ch
 completions of each from the current policy (`chattune.rl.sampling`; the sharded model gathered once for the whole
 rollout where every rank has room, as the sample replies are), score them (`chattune.rl.rewards`), turn each group's
 rewards into advantages (`chattune.rl.advantages`), and pack the completions as documents into rows of at most
-data.max_tokens_per_microbatch tokens. A completion document is its prompt (untrained) and its sampled tokens
-(trained), with the advantage and the sampler's log-probs declared on those tokens for the objective
-(`chattune.objectives.policy_gradient`); with data.share_prompts a group's completions continue one copy of their
-prompt in one document (`group_documents`). With rollout.steps_per_rollout = μ > 1 the same rows serve μ optimizer steps,
-the old policy's log-probs computed once by a no-grad pass right after sampling; with loss.beta > 0 the reference's
-log-probs too. Every rank trains the same number of rows a step (the most any rank packed; empty rows fill the rest).
+data.max_tokens_per_microbatch tokens (`chattune.rl.completion_documents`: the prompt untrained, the sampled tokens
+trained with their advantage and the sampler's log-probs; with data.share_prompts a group's completions continue one
+copy of their prompt). With rollout.steps_per_rollout = μ > 1 the same rows serve μ optimizer steps, the old policy's
+log-probs computed once by a no-grad pass right after sampling; with loss.beta > 0 the reference's log-probs too. Every rank trains the same number of rows a step (the most any rank packed; empty rows fill the rest).
 
 With loss.type=gkd and rollout.on_policy_share = λ < 1 (GKD's λ), a rollout is sampled with probability λ (a draw
 seeded by the run's seed and the rollout's index: the same on every rank and on a resume); the others train on the
@@ -35,7 +33,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from chattune.config.schema import GRPOConfig
-from chattune.data.documents import IGNORE_INDEX, SKIP_REASONS, Document, Skipped
+from chattune.data.documents import SKIP_REASONS, Document, Skipped
 from chattune.data.feed import StepBatches
 from chattune.data.ingest.formats import DataError
 from chattune.data.packing import PackedBatch, best_fit_decreasing, collate_packed, empty_batch
@@ -44,9 +42,10 @@ from chattune.distributed import all_reduce_max
 from chattune.errors import UserError
 from chattune.model.generate import Sampling, sharded_generation, stop_token_ids
 from chattune.model.peft.adapters import BaseModelView
-from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP, OLD_LOGP, REF_LOGP, TEACHER_LOGP
+from chattune.objectives.policy_gradient import ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP
 from chattune.parallel.fsdp import Placement, reshard
 from chattune.rl.advantages import group_advantages, is_uniform
+from chattune.rl.completion_documents import completion_document, group_documents
 from chattune.rl.prompts import Prompt, PromptOrder, PromptSource, place_seed
 from chattune.rl.rewards import RewardFunction, score
 from chattune.rl.sampling import GroupSampling, Sampled, sample_groups
@@ -507,60 +506,3 @@ class RolloutSteps:
                     "finished": sample.finished,
                 }
                 file.write(json.dumps(line) + "\n")
-
-
-def completion_document(doc_id: int, prompt_ids: list[int], sample: Sampled, advantage: float) -> Document:
-    """A completion as a packed document: the prompt then the sampled tokens, the sampled tokens trained (the
-    position before each predicts it), with its advantage and each sampled token's behaviour log-prob declared at
-    the position that predicts that token."""
-    return group_documents(prompt_ids, [(doc_id, sample, advantage)], budget=None)[0]
-
-
-def group_documents(
-    prompt_ids: list[int], completions: Sequence[tuple[int, Sampled, float]], budget: int | None
-) -> list[Document]:
-    """A group's completions (doc id, sample, advantage) of one prompt as documents whose replies share one copy of
-    the prompt (data.share_prompts): [prompt + reply 1][reply 2]...[reply k], each later segment continuing the
-    prompt, as many completions in a document as fit `budget` tokens (None: all), in order. What is shared is the
-    prompt less its last token: that token predicts each reply's first token, so every reply keeps its own copy (the
-    unshared layout's labels at the same positions). A document of one completion is the plain [prompt + reply]."""
-    shared = len(prompt_ids) - 1
-    documents, chunk, size = [], [], 0
-    for completion in completions:
-        reply = 1 + len(completion[1].token_ids)  # (the prompt's last token, then the sampled ones)
-        if chunk and budget is not None and size + reply > budget:
-            documents.append(_shared_document(prompt_ids, chunk))
-            chunk, size = [], 0
-        chunk.append(completion)
-        size += reply if len(chunk) > 1 else shared + reply
-    if chunk:
-        documents.append(_shared_document(prompt_ids, chunk))
-    return documents
-
-
-def _shared_document(prompt_ids: list[int], completions: Sequence[tuple[int, Sampled, float]]) -> Document:
-    """[prompt + reply 1][prompt's last token + reply 2]...: one document, its first completion's doc id."""
-    shared = len(prompt_ids) - 1
-    ids: list[int] = []
-    labels, behaviour, advantage, segments = [], [], [], []
-    for number, (_, sample, value) in enumerate(completions):
-        context = prompt_ids if number == 0 else prompt_ids[shared:]
-        tokens = sample.token_ids
-        ids += [*context, *tokens]
-        # the context's last position predicts the first sampled token; the last sampled token predicts nothing
-        untrained = len(context) - 1
-        labels += [IGNORE_INDEX] * untrained + list(tokens) + [IGNORE_INDEX]
-        behaviour += [0.0] * untrained + list(sample.behaviour_logp) + [0.0]
-        advantage += [0.0] * untrained + [float(value)] * len(tokens) + [0.0]
-        segments.append(len(context) + len(tokens))
-    return Document(
-        doc_id=completions[0][0],
-        input_ids=np.asarray(ids, dtype=np.int64),
-        labels=np.asarray(labels, dtype=np.int64),
-        token_values={
-            BEHAVIOUR_LOGP: np.asarray(behaviour, dtype=np.float32),
-            ADVANTAGE: np.asarray(advantage, dtype=np.float32),
-        },
-        segments=tuple(segments) if len(completions) > 1 else (),
-        shared_prefix=shared if len(completions) > 1 else 0,
-    )

@@ -16,7 +16,7 @@ the seconds each way takes.
 
 `--groups N`: GRPO's groups instead of pairs: each of the first N prompts of each file (as the pairs render them) with 8
 completions, the replies (chosen and rejected) of the 4 pairs from its own on (real reply lengths; a loss does not ask
-how its tokens were drawn), as the GRPO recipe packs them (`chattune.rl.rollouts.group_documents`) both ways: the
+how its tokens were drawn), as the GRPO recipe packs them (`chattune.rl.completion_documents.group_documents`) both ways: the
 tokens, the prompt's share and, with `--time`, the dapo loss's update step on the same model.
 """
 
@@ -115,7 +115,7 @@ def groups_of(tokenizer, file: Path, format: str, count: int | None) -> list[tup
 
 def group_layouts(groups: list, budget: int | None) -> dict[bool, list]:
     """Each group's completions as the GRPO recipe packs them, unshared and shared (`budget`: a row's tokens)."""
-    from chattune.rl.rollouts import completion_document, group_documents
+    from chattune.rl.completion_documents import completion_document, group_documents
     from chattune.rl.sampling import Sampled
 
     made: dict[bool, list] = {False: [], True: []}

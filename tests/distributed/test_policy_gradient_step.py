@@ -34,7 +34,7 @@ from chattune.objectives.policy_gradient import (
     PolicyLoss,
 )
 from chattune.parallel.fsdp import shard_model
-from chattune.rl.rollouts import group_documents
+from chattune.rl.completion_documents import group_documents
 from chattune.rl.sampling import Sampled
 from chattune.train.step import accumulate_gradients
 from conftest import demo_tokenizer, free_port, init_worker_process_group, mesh_dims, relative_error, spawn, tiny_model

@@ -12,7 +12,7 @@ import torch
 from chattune.data.documents import IGNORE_INDEX
 from chattune.model.generate import Sampling, stop_token_ids
 from chattune.objectives.policy_gradient import ADVANTAGE, BEHAVIOUR_LOGP
-from chattune.rl.rollouts import completion_document, group_documents
+from chattune.rl.completion_documents import completion_document, group_documents
 from chattune.rl.sampling import GroupSampling, Sampled, sample_group
 from conftest import demo_tokenizer, tiny_model
 
