@@ -8,18 +8,45 @@ document is IGNORE_INDEX: no token is trained to predict across a document bound
 Shared prompts (`Document.shared_prefix`): a pair [prompt + chosen][rejected reply] is two segments, the second
 continuing the first's prompt. Its positions start where the prompt ends, and `PackedBatch.prefixes` tells the
 attention function which earlier tokens each segment also sees, so that every token's computation equals the
-unshared layout's [prompt + chosen][prompt + rejected] while the prompt is computed once.
+unshared layout's [prompt + chosen][prompt + rejected] while the prompt is computed once. `PackedBatch.shared_keys`
+lays the same structure out for one varlen attention call (`SharedKeys`).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from chattune.data.documents import IGNORE_INDEX, Document
+
+
+class SharedKeys(NamedTuple):
+    """A row with shared prompts laid out for one varlen attention call with separate query and key offsets: the
+    queries are the row's segments (`cu_seqlens`), each segment's keys its prompt's then its own. The varlen kernels
+    align a causal mask bottom-right where a segment has more keys than queries, so each reply's query i sees the
+    whole prompt and its own first i + 1 keys. Built on the host by the collator (no host sync per layer)."""
+
+    index: torch.Tensor  # (K,) long: the row positions of every segment's keys, back to back
+    cu_seqlens_k: torch.Tensor  # (S + 1,) int32: where each segment's keys start in `index`
+    max_k: int  # the most keys a segment has
+
+
+def shared_keys(cu_seqlens: torch.Tensor, prefixes: torch.Tensor) -> SharedKeys:
+    """`SharedKeys` of a row from its segment boundaries and its `PackedBatch.prefixes` (both on the host)."""
+    bounds, spans = cu_seqlens.tolist(), prefixes.tolist()
+    pieces, counts = [], []
+    for start, end, (prefix_start, prefix) in zip(bounds[:-1], bounds[1:], spans, strict=True):
+        if prefix:
+            pieces.append(np.arange(prefix_start, prefix_start + prefix))
+        pieces.append(np.arange(start, end))
+        counts.append(prefix + end - start)
+    cu_seqlens_k = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    cu_seqlens_k[1:] = torch.cumsum(torch.tensor(counts), 0)
+    return SharedKeys(torch.from_numpy(np.concatenate(pieces).astype(np.int64)), cu_seqlens_k, max(counts))
 
 
 @dataclass
@@ -44,6 +71,8 @@ class PackedBatch:
     # Shared prompts: (S, 2) int64 on the host, each segment's (row offset, length) of the earlier tokens it also
     # attends to, before its own (length 0: none); None where no segment of the row continues another.
     prefixes: torch.Tensor | None = None
+    # The same for a varlen kernel (`SharedKeys`), where prefixes is not None (`to` builds it where absent).
+    shared_keys: SharedKeys | None = None
     epoch: int = 0  # the epoch its documents belong to
     ends_epoch: bool = False  # the last microbatch of its rank's share of that epoch
 
@@ -71,6 +100,7 @@ class PackedBatch:
                 tensor = tensor.pin_memory()
             return tensor.to(device, non_blocking=True)
 
+        keys = self.keys_of_shared_prompts() if self.prefixes is not None else None
         return PackedBatch(
             input_ids=moved(self.input_ids),
             labels=moved(self.labels),
@@ -88,7 +118,14 @@ class PackedBatch:
             epoch=self.epoch,
             ends_epoch=self.ends_epoch,
             prefixes=self.prefixes,  # read on the host by the attention function (its loop over segments)
+            shared_keys=SharedKeys(moved(keys.index), moved(keys.cu_seqlens_k), keys.max_k) if keys else None,
         )
+
+    def keys_of_shared_prompts(self) -> SharedKeys:
+        """`shared_keys`, built from the host's prefixes and boundaries where the batch was made without it."""
+        if self.prefixes is None:
+            raise ValueError("a row without shared prompts has no shared keys")
+        return self.shared_keys if self.shared_keys is not None else shared_keys(self.cu_seqlens.cpu(), self.prefixes)
 
     @property
     def shared_prompt_tokens(self) -> int:
@@ -129,6 +166,7 @@ def collate_packed(
         doc_values=doc_values,
         padding=sum(len(d) for d in documents if d.doc_id < 0),
         prefixes=prefixes,
+        shared_keys=shared_keys(cu_seqlens, prefixes) if prefixes is not None else None,
     )
 
 

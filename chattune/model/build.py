@@ -41,9 +41,10 @@ from chattune.model.io.composite import (
     read_composite,
     text_config_of,
 )
+from chattune.model.packed import kernels
 from chattune.model.packed.attention import attention_backend, attention_features
 from chattune.model.packed.indexed_attention import indexed_path_name
-from chattune.model.packed.kernels import probe_native_gqa
+from chattune.model.packed.kernels import probe_native_gqa, probe_shared_varlen
 from chattune.model.packed.mixers import handled_mixers, mixer_path_name
 from chattune.model.packed.router_loss import router_loss_for
 from chattune.model.peft.adapter_targets import quantized_experts_note
@@ -202,6 +203,8 @@ def build_sharded_model(
     tf32_head = device_type == "cuda" and dtype != "float32" and implementation == "chunked"
     if device_type == "cuda":
         probe_native_gqa(dims.device)  # before any layer is compiled: the attention reads what it settles
+        if sections.shared_prompts:  # rows with shared prompts on the varlen kernel only where it agrees here
+            probe_shared_varlen(dims.device)
     initial = initial_values(hf_model) if files is not None else None  # the adapters of a meta-built model
     replicated = quantize.replicated_parameters(hf_model)
     compile = _compiles(
@@ -283,10 +286,14 @@ def _compiles(setting: bool | str, device_type: str, quantized: bool, tensor_par
 
 
 # What rows whose replies continue a shared prompt take, on every device (`chattune.model.packed.attention`).
-SHARED_PROMPT_ATTENTION = (
-    " (rows with shared prompts: per-segment SDPA with each prompt's keys, a loop outside compiled graphs, on every "
-    "device)"
-)
+def shared_prompt_attention(device_type: str) -> str:
+    """The start-up line's words for the attention of rows with shared prompts (`chattune.model.packed.attention`)."""
+    if device_type == "cuda" and kernels._shared_varlen:
+        return (
+            " (rows with shared prompts: the varlen kernel with each segment's prompt keys gathered before its own, "
+            "where a layer takes it; otherwise per-segment SDPA)"
+        )
+    return " (rows with shared prompts: per-segment SDPA with each prompt's keys, a loop outside compiled graphs)"
 
 
 def describe_compute(
@@ -299,7 +306,7 @@ def describe_compute(
     line = (
         f"compute: {dtype} on {device_type}; attention: "
         f"{attention_backend(device_type, dtype, attention_features(model.hf_model))}"
-        f"{SHARED_PROMPT_ATTENTION if shared_prompts else ''}; "
+        f"{shared_prompt_attention(device_type) if shared_prompts else ''}; "
         f"{model.describe_head()}; "
         f"decoder layers {'compiled' if placement.compiled else 'not compiled'}; "
         f"mesh: {placement.dims.describe()}"

@@ -39,6 +39,7 @@ from .numerics import (
 )
 from .objectives import check_dpo_reference, check_objectives_bf16
 from .runs import compare_with_trl, cuda_tests, grpo_run, longest_row, resume_and_export, throughput_run
+from .shared_prompts import check_shared_prompt_attention
 
 # --- the items, in priority order, within a budget ---
 
@@ -92,6 +93,7 @@ ESTIMATES = {
     "host_syncs": (30, 3),
     "dpo_reference_memory": (60, 3),
     "objectives_bf16": (90, 6),  # (a guess: six 0.6B builds, eight small steps; never run on a GPU yet)
+    "shared_prompt_attention": (45, 2),  # (a guess: FlexAttention's compile ~20 s, 4 x 11 steps of one layer)
     "resume_and_export": (240, 75),  # (one resume launch took 84 s)
     "cuda_tests": (30, 0),
 }
@@ -139,6 +141,7 @@ IN_PROCESS = {
     "host_syncs": check_host_syncs,
     "dpo_reference_memory": check_dpo_reference,
     "objectives_bf16": check_objectives_bf16,
+    "shared_prompt_attention": check_shared_prompt_attention,
 }
 
 

@@ -59,6 +59,7 @@ LOW_BIT_ROWS = (
 CPU_CHECKS |= LOW_BIT_ROWS
 CUDA_ONLY = {
     "cce_anchor",
+    "shared_prompt_attention",
     "tensor_parallel_padded_slice",
     "host_syncs",
     "estimate_bound",

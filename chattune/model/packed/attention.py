@@ -43,6 +43,7 @@ of the model by the builder), which transformers hands the attention function as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Iterator, Sequence
@@ -71,6 +72,7 @@ ATTENTION_NAME = "chattune_packed"
 # kwargs, which the models forward to it untouched (`chattune.model.checks.packing_probe.check_shared_prompts`
 # measures that they do).
 PREFIXES_KWARG = "chattune_prefixes"
+SHARED_KEYS_KWARG = "chattune_shared_keys"  # the same row laid out for a varlen kernel (`PackedBatch.shared_keys`)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -292,8 +294,10 @@ def packed_attention(
                 f"{type(module).__name__}: shared prompts (data.share_prompts) under context parallelism, or with "
                 "Llama 4's chunked or temperature-tuned attention, are not supported; set data.share_prompts=false"
             )
-        options = kernels.VarlenOptions(None, scale=scaling, window=window, dropout=dropout, softcap=softcap)
-        return _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, options, sinks), None
+        longest = int(max_seqlen) if max_seqlen is not None else None  # (the varlen kernel's max_q)
+        options = kernels.VarlenOptions(longest, scale=scaling, window=window, dropout=dropout, softcap=softcap)
+        keys = kwargs.get(SHARED_KEYS_KWARG)
+        return _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, keys, options, sinks), None
     path = attention_path(
         query.device.type,
         query.dtype,
@@ -316,11 +320,23 @@ def packed_attention(
     return (output if group is None else sequence_to_heads(output, group)), None
 
 
-def _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, options, sinks) -> torch.Tensor:
+def _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, keys, options, sinks) -> torch.Tensor:
     """A row with shared prompts: each segment attends to its prompt's keys, then causally to its own
-    (`PackedBatch.prefixes`), through the per-document loops on every device (SDPA with the explicit, bottom-right
-    aligned mask; the exact loop for sinks and soft-capping). The varlen kernels take separate key offsets too, but
-    that path awaits a GPU to measure it against this one."""
+    (`PackedBatch.prefixes`). Where the layer would take the varlen kernel and `probe_shared_varlen` saw it agree on
+    this device at start-up, that kernel with separate key offsets (`PackedBatch.shared_keys`); otherwise the
+    per-document loops (SDPA with the explicit, bottom-right aligned mask; the exact loop for sinks and
+    soft-capping). Sinks with shared prompts always take the exact loop (the sink kernel takes one set of offsets)."""
+    path = attention_path(
+        query.device.type,
+        query.dtype,
+        query.shape[-1],
+        sinks=sinks is not None,
+        softcap=options.softcap is not None,
+        value_head_dim=value.shape[-1],
+    )
+    if path == VARLEN and kernels._shared_varlen and keys is not None:
+        return kernels._varlen(query, key, value, cu_seqlens, options, keys)
+    options = dataclasses.replace(options, max_seqlen=None)  # (the loops read no longest document)
     if sinks is not None or options.softcap is not None:
         return kernels._per_document_exact(query, key, value, cu_seqlens, options, sinks, prefixes)
     return kernels._per_document_sdpa(query, key, value, cu_seqlens, options, prefixes)
@@ -374,6 +390,10 @@ def packed_decoder_output(hf_model: PreTrainedModel, batch: PackedBatch, **outpu
         cu_seq_lens_k=batch.cu_seqlens,
         max_length_q=batch.max_seqlen,
         max_length_k=batch.max_seqlen,
-        **({PREFIXES_KWARG: batch.prefixes} if batch.prefixes is not None else {}),
+        **(
+            {PREFIXES_KWARG: batch.prefixes, SHARED_KEYS_KWARG: batch.keys_of_shared_prompts()}
+            if batch.prefixes is not None
+            else {}
+        ),
         **{name: value for name, value in outputs.items() if value},
     )

@@ -16,7 +16,12 @@ soft-capping) in one `VarlenOptions`.
   (Gemma 2 without flash-attn: install it, `pip install -e ".[gpu]"`).
 - `_varlen`: flash-attn's `flash_attn_varlen_func` where flash-attn is importable, soft-capping through its
   `softcap`; otherwise torch's `varlen_attn` (`torch_varlen_attn`), which has no soft-capping (those layers take
-  the exact loop). Grouped-query attention (fewer kv heads than query heads) goes to torch's flash kernel as it
+  the exact loop). A row with shared prompts (`chattune.data.packing.SharedKeys`) takes it too, with separate
+  query and key offsets: each segment's keys and values are gathered as its prompt's then its own, and the
+  kernels align the causal mask (and a window) bottom-right where a segment has more keys than queries, so reply
+  token i sees the prompt and its own first i + 1 tokens, as after its own copy of the prompt. No GPU has run that
+  yet, so it is used only where `probe_shared_varlen` saw it agree with the per-document loop on the device at
+  start-up (`_shared_varlen`); elsewhere shared rows take the loops, which take the prompt's key range directly. Grouped-query attention (fewer kv heads than query heads) goes to torch's flash kernel as it
   is (the kernel supports it): with `enable_gqa` on torch >= 2.12; on torch 2.11, whose wrapper has no such
   flag, once `probe_native_gqa` has seen unequal head counts agree with repeated kv heads on the device at
   start-up; otherwise the kv heads are repeated first (Hq/Hkv times their memory and bandwidth).
@@ -41,8 +46,8 @@ soft-capping) in one `VarlenOptions`.
 
 Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
 The loops over documents are left out of compiled graphs (`torch.compiler.disable`); every choice that
-depends on what is installed is made here at import, outside compiled code. One of them changes after import:
-`_varlen_gqa`, which `probe_native_gqa` rebinds at start-up. Other modules read these through this module
+depends on what is installed is made here at import, outside compiled code. Two of them change after import:
+`_varlen_gqa`, which `probe_native_gqa` rebinds at start-up, and `_shared_varlen` (`probe_shared_varlen`). Other modules read these through this module
 (`attention_kernels._varlen_gqa`), never `from ... import` them: a copy would keep the import-time value, and a
 test's monkeypatch here would not reach it.
 """
@@ -50,6 +55,7 @@ test's monkeypatch here would not reach it.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +64,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
+
+from chattune.data.packing import SharedKeys, shared_keys
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +85,14 @@ _TORCH_VARLEN_PARAMETERS = frozenset(inspect.signature(_torch_varlen_attn).param
 # How torch's varlen_attn is given fewer kv heads than query heads: "flag" (its enable_gqa), "native" (unequal
 # head counts as they are: a wrapper without the flag, verified by `probe_native_gqa`) or "repeat".
 _varlen_gqa = "flag" if "enable_gqa" in _TORCH_VARLEN_PARAMETERS else "repeat"
+# Whether rows with shared prompts take `_varlen` (module docstring): False until `probe_shared_varlen` saw it agree
+# with the per-document loop on the run's device.
+_shared_varlen = False
 _FLASH_ATTN_SOFTCAP = _FLASH_ATTN_VARLEN is not None and "softcap" in inspect.signature(_FLASH_ATTN_VARLEN).parameters
-VARLEN_MAX_HEAD_DIM = 256  # the largest head size flash-attn's and torch's varlen flash kernels take
+VARLEN_MAX_HEAD_DIM = 256
+# How far `probe_shared_varlen` lets the varlen kernel's shared rows differ from the per-document loop, relative to the
+# largest value: a few units of bf16's rounding (2^-8) over two kernels' summation orders.
+SHARED_VARLEN_TOLERANCE = 2e-2  # the largest head size flash-attn's and torch's varlen flash kernels take
 
 # The arguments `_SinkVarlen` passes torch's varlen flash ops by name (torch >= 2.11's schemas; `enable_gqa`
 # too where the forward op has it, from 2.12).
@@ -257,12 +271,22 @@ def _kv_heads_for_kernel(q, k, v, takes_gqa_flag: bool, gqa: str):
     return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
-def torch_varlen_attn(q, k, v, cu_seqlens, options: VarlenOptions, varlen_attn=None, gqa: str | None = None):
+def torch_varlen_attn(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    options: VarlenOptions,
+    varlen_attn=None,
+    gqa: str | None = None,
+    key_bounds: tuple[torch.Tensor, int] | None = None,
+):
     """torch's `varlen_attn` on (N, H, D) tensors, on the torch a machine has: torch 2.11's has no `enable_gqa`
     (grouped-query attention then passes unequal head counts as they are where `gqa` is "native", else repeats
     the kv heads). `gqa`: "native" or "repeat" for a wrapper without the flag (default: what `probe_native_gqa`
     settled). Every supported torch (>= 2.11) takes `scale` and `window_size`, and none takes dropout or
-    soft-capping (`_varlen` and `attention_path` send no such call here)."""
+    soft-capping (`_varlen` and `attention_path` send no such call here). `key_bounds`: the keys' own (cu_seqlens_k,
+    max_k) where they differ from the queries' (shared prompts)."""
     if varlen_attn is None:
         varlen_attn, parameters = _torch_varlen_attn, _TORCH_VARLEN_PARAMETERS
     else:  # a stand-in (tests, the probe)
@@ -271,14 +295,15 @@ def torch_varlen_attn(q, k, v, cu_seqlens, options: VarlenOptions, varlen_attn=N
     extra = {"enable_gqa": True} if takes_gqa_flag and q.shape[1] != k.shape[1] else {}
     k, v = _kv_heads_for_kernel(q, k, v, takes_gqa_flag, gqa or _varlen_gqa)
     max_seqlen = options.max_seqlen
+    cu_seqlens_k, max_seqlen_k = key_bounds if key_bounds is not None else (cu_seqlens, max_seqlen)
     return varlen_attn(
         q,
         k,
         v,
         cu_seqlens,
-        cu_seqlens,
+        cu_seqlens_k,
         max_seqlen,
-        max_seqlen,
+        max_seqlen_k,
         scale=options.scale,
         window_size=options.window_size,
         **extra,
@@ -319,6 +344,64 @@ def probe_native_gqa(device: torch.device, varlen_attn=None) -> str:
     if varlen_attn is None:
         _varlen_gqa = "native" if agree else "repeat"
     return "native" if agree else "repeat"
+
+
+# The shared-prompt probe's row: a plain segment, a prompt with a first reply, and two replies continuing that prompt
+# less its last token (as `chattune.data.packing` lays a group out); a window shorter than the prompt in one case.
+_SHARED_PROBE_SEGMENTS = (9, 19, 10, 6)
+_SHARED_PROBE_PREFIXES = ((0, 0), (0, 0), (9, 11), (9, 11))
+_SHARED_PROBE_WINDOWS = (None, 5)
+
+
+def probe_shared_varlen(device: torch.device) -> bool:
+    """Settle, once at start-up, whether rows with shared prompts take `_varlen` with their `SharedKeys` on `device`
+    (module docstring): the probe's row (`_SHARED_PROBE_SEGMENTS`, grouped-query heads, causal and windowed) through
+    `_varlen` and through `_per_document_sdpa` with the prompts' key ranges, outputs and the gradients of q, k and v;
+    used only where it runs and agrees (within bf16's rounding; a kernel aligning the mask top-left misses most of
+    each prompt and differs by far more). Returns what it settled."""
+    global _shared_varlen
+    generator = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens = sum(_SHARED_PROBE_SEGMENTS)
+    inputs = [torch.randn(1, heads, tokens, 64, generator=generator, device=device, dtype=dtype) for heads in (4, 2, 2)]
+    upstream = torch.randn(1, tokens, 4, 64, generator=generator, device=device, dtype=dtype)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(_SHARED_PROBE_SEGMENTS)], dtype=torch.int32)
+    prefixes = torch.tensor(_SHARED_PROBE_PREFIXES, dtype=torch.int64)
+    keys = shared_keys(cu_seqlens, prefixes)
+    keys = SharedKeys(keys.index.to(device), keys.cu_seqlens_k.to(device), keys.max_k)
+
+    def run(varlen: bool, options: VarlenOptions) -> list[torch.Tensor]:
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        if varlen:
+            out = _varlen(q, k, v, cu_seqlens.to(device), options, keys)
+        else:
+            out = _per_document_sdpa(q, k, v, cu_seqlens, options, prefixes)
+        (out.float() * upstream.float()).sum().backward()
+        return [out.detach().float(), *(t.grad.float() for t in (q, k, v))]
+
+    worst = 0.0
+    try:
+        for window in _SHARED_PROBE_WINDOWS:
+            options = VarlenOptions(max(_SHARED_PROBE_SEGMENTS), scale=0.125, window=window)
+            for a, b in zip(run(True, options), run(False, options), strict=True):
+                worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)))
+    except (RuntimeError, ValueError, AssertionError, TypeError) as error:  # a kernel that refuses the call
+        logger.warning(
+            "rows with shared prompts take the per-document loop: the varlen kernel failed on them (%s)", error
+        )
+        _shared_varlen = False
+        return False
+    _shared_varlen = worst <= SHARED_VARLEN_TOLERANCE
+    if _shared_varlen:
+        logger.info("rows with shared prompts take the varlen kernel (it agrees with the per-document loop here)")
+    else:
+        logger.warning(
+            "rows with shared prompts take the per-document loop: the varlen kernel differs from it by up to %.2e "
+            "of the largest value here (limit %.0e)",
+            worst,
+            SHARED_VARLEN_TOLERANCE,
+        )
+    return _shared_varlen
 
 
 class _SinkVarlen(torch.autograd.Function):
@@ -399,10 +482,14 @@ def sink_varlen_attn(q, k, v, sinks, cu_seqlens, options: VarlenOptions, ops=Non
     return _SinkVarlen.apply(q, k, v, sinks, cu_seqlens, options, _SinkOps(ops[0], ops[1], gqa_flag))
 
 
-def _varlen(query, key, value, cu_seqlens, options: VarlenOptions):
+def _varlen(query, key, value, cu_seqlens, options: VarlenOptions, keys: SharedKeys | None = None):
     # varlen kernels take (N, H, D); window (W-1, 0) = causal over the last W keys, as transformers does
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     max_seqlen, softcap = options.max_seqlen, options.softcap
+    cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    if keys is not None:  # shared prompts: each segment's keys are its prompt's, then its own (bottom-right causal)
+        k, v = k.index_select(0, keys.index), v.index_select(0, keys.index)
+        cu_seqlens_k, max_seqlen_k = keys.cu_seqlens_k, keys.max_k
     if _FLASH_ATTN_VARLEN is not None:
         extra = {"softcap": softcap} if softcap is not None else {}  # attention_path: only where it takes softcap
         out = _FLASH_ATTN_VARLEN(
@@ -410,9 +497,9 @@ def _varlen(query, key, value, cu_seqlens, options: VarlenOptions):
             k,
             v,
             cu_seqlens,
-            cu_seqlens,
+            cu_seqlens_k,
             max_seqlen,
-            max_seqlen,
+            max_seqlen_k,
             dropout_p=options.dropout,
             softmax_scale=options.scale,
             causal=True,
@@ -422,7 +509,7 @@ def _varlen(query, key, value, cu_seqlens, options: VarlenOptions):
     else:
         if options.dropout:
             raise ValueError("torch varlen_attn has no dropout; set attention_dropout=0 or install flash-attn")
-        out = torch_varlen_attn(q, k, v, cu_seqlens, options)
+        out = torch_varlen_attn(q, k, v, cu_seqlens, options, key_bounds=(cu_seqlens_k, max_seqlen_k))
     return out.unsqueeze(0)  # (1, N, Hq, D)
 
 

@@ -67,3 +67,14 @@ def test_fp32_compute_on_cuda_is_a_warning(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "param_dtype=float32 on CUDA" in warnings[0]
     assert "attention: per-document SDPA" in caplog.text
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+def test_the_start_up_line_says_which_attention_rows_with_shared_prompts_take(agreed, caplog, monkeypatch):
+    from chattune.model.packed import kernels
+
+    monkeypatch.setattr(kernels, "_shared_varlen", agreed)  # what `probe_shared_varlen` settled on the device
+    with caplog.at_level(logging.INFO, logger="chattune.model.build"):
+        build.describe_compute(_model("bfloat16"), _placement("bfloat16"), shared_prompts=True)
+    taken = "the varlen kernel with each segment's prompt keys" if agreed else "per-segment SDPA with each prompt's"
+    assert f"(rows with shared prompts: {taken}" in caplog.text
