@@ -20,6 +20,9 @@ SFT_STEPS = 120  # the small model learns the demo's form (a list of numbers) in
 LEARN_STEPS, FLIPPED_STEPS = 20, 8
 MARGIN = 0.05  # the demo's reward: the mean of the last 5 steps over the mean of the first 3 (measured: +0.12)
 SORT_REWARD = "reward/sorted_numbers"
+# The demo's held-out prompts are answered (32 x 8 completions) before the first step and at the last: the runs that
+# check nothing of them leave them out.
+NO_EVAL = "data.eval=null"
 
 
 def sft(steps: int):
@@ -79,6 +82,7 @@ def test_the_demo_raises_its_reward_and_the_same_run_with_the_sign_flipped_does_
         sft_base,
         f"max_steps={FLIPPED_STEPS}",
         "reward.functions=[{_target_: chattune.rl.demo_task.sorted_numbers, weight: -1.0}]",
+        NO_EVAL,
     )
     assert raised(flipped) < MARGIN and raised(flipped) < 0, [round(m[SORT_REWARD], 3) for m in flipped]
     samples = [json.loads(line) for line in (tmp_path / "learn" / "samples.jsonl").read_text().splitlines()]
@@ -131,7 +135,7 @@ def test_a_run_stopped_inside_a_rollout_resumes_to_the_same_completions_rewards_
     assert samples[0] == samples[1]  # the same completions, with the same rewards and advantages
     # data.share_prompts: each group's completions continue one copy of its prompt; the same first step, exact up to
     # fp32 rounding (rows of other lengths), in fewer tokens
-    (shared,) = grpo(tmp_path / "shared", sft_base, *RESUME, "max_steps=1", "data.share_prompts=true")
+    (shared,) = grpo(tmp_path / "shared", sft_base, *RESUME, "max_steps=1", "data.share_prompts=true", NO_EVAL)
     assert shared["shared_prompt_tokens"] > 0
     assert {k: shared[k] for k in SAME} == pytest.approx({k: whole[0][k] for k in SAME}, rel=1e-5, abs=1e-6)
 
@@ -150,6 +154,7 @@ def distill(tmp_path, tmp_path_factory, sft_base):
             f"loss.type={loss_type}",
             f"teacher.path={sft_base}",
             "reward.functions=[]",
+            NO_EVAL,
             *overrides,
             lr=3e-3,
         )
@@ -203,6 +208,7 @@ def test_tensor_parallelism_and_hsdp_train_as_the_plain_layouts_with_as_many_dat
                 "log_every=1",
                 "save_every=0",
                 *LAYOUT,
+                NO_EVAL,
                 *overrides,
                 nproc=nproc,
             )

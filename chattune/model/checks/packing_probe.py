@@ -391,5 +391,6 @@ def check_shared_prompts(hf_model: PreTrainedModel) -> None:
             f"{name} computes a reply that continues a shared prompt differently from the reply after its own copy "
             f"of the prompt: final hidden states differ by up to {shared.max_relative:.2e} (at its token "
             f"{shared.position}; limit {limit:.1e}). Some layer reads the row by more than its attention's key "
-            "ranges and position ids; set data.share_prompts=false"
+            "ranges and position ids, or does not pass the row's arguments on to its attention (StableLM's and "
+            "Nemotron's decoder layers do not: their attention never learns of the prompt); set data.share_prompts=false"
         )

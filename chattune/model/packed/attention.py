@@ -65,14 +65,10 @@ from chattune.model.packed.chunked_attention import (
 )
 from chattune.model.packed.mixers import isolate_documents
 from chattune.model.packed.rotary import isolate_rotaries
+from chattune.model.packed.row_kwargs import PREFIXES_KWARG, SHARED_KEYS_KWARG
 from chattune.parallel.context_parallel import context_group_of, heads_to_sequence, sequence_to_heads
 
 ATTENTION_NAME = "chattune_packed"
-# The row's shared prompts (`PackedBatch.prefixes`), passed to the attention function beside transformers' own
-# kwargs, which the models forward to it untouched (`chattune.model.checks.packing_probe.check_shared_prompts`
-# measures that they do).
-PREFIXES_KWARG = "chattune_prefixes"
-SHARED_KEYS_KWARG = "chattune_shared_keys"  # the same row laid out for a varlen kernel (`PackedBatch.shared_keys`)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

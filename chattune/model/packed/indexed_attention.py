@@ -78,6 +78,7 @@ from torch import nn
 
 from chattune.errors import UnsupportedModel
 from chattune.model.packed import isolation
+from chattune.model.packed.row_kwargs import SHARED_PROMPT_KWARGS
 from chattune.parallel.context_parallel import context_group_of
 
 
@@ -246,6 +247,11 @@ def _packed_forward(module: nn.Module, *args, **kwargs):
         raise UnsupportedModel(
             f"{type(module).__name__} selects its keys among each document's earlier tokens, which needs the "
             "whole document on one rank: train it with parallel.context=1"
+        )
+    if any(arguments.get(name) is not None for name in SHARED_PROMPT_KWARGS):  # (its call is per segment)
+        raise UnsupportedModel(
+            f"{type(module).__name__} selects its keys among each document's earlier tokens, document by document, "
+            "and does not select among a shared prompt's for the replies that continue it; set data.share_prompts=false"
         )
     arguments = {key: value for key, value in arguments.items() if key not in _ROW_KWARGS}
     hidden = arguments["hidden_states"]

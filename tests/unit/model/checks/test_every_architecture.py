@@ -60,6 +60,7 @@ from chattune.data.packing import collate_packed
 from chattune.errors import UnsupportedModel
 from chattune.model.causal_lm import PackedCausalLM
 from chattune.model.checks.architecture import MINIATURE_VOCAB, check_architecture, miniature_config
+from chattune.model.checks.packing_probe import check_shared_prompts
 from chattune.model.cost.flops import attention_heads, model_flops, text_config
 from chattune.model.generate import generation_failure
 from chattune.model.head.output_logits import LogitTransform
@@ -320,6 +321,54 @@ REFUSED = frozenset(
     rembert roberta roberta-prelayernorm roc_bert roformer trocr xglm xlm xlm-roberta xlm-roberta-xl xlnet xmod
     zaya""".split()
 )
+# The accepted architectures whose shared rows (data.share_prompts) the start-up probe refuses (`check_shared_rows`),
+# 2026-12-08: the hybrid and recurrent ones by their mixers' kind (a prompt's state is not handed to its replies), those
+# whose layers run per document (indexers: DeepSeek-V3.2, ...; Qwen4-Exp's n-gram embeddings), Llama 4 (chunked and
+# temperature-tuned attention), and StableLM and Nemotron, whose decoder layers do not pass the row's arguments on.
+SHARED_REFUSED_MIXERS = frozenset(
+    {
+        "bailing_hybrid",
+        "bamba",
+        "falcon_h1",
+        "falcon_mamba",
+        "granitemoehybrid",
+        "jamba",
+        "kimi_linear",
+        "lara_mini",
+        "lfm2_moe",
+        "lfm3",
+        "mamba",
+        "mamba2",
+        "minimax",
+        "nemotron_h",
+        "olmo_hybrid",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
+        "qwen3_next",
+        "recurrent_gemma",
+        "rwkv",
+        "xlstm",
+        "zamba",
+        "zamba2",
+    }
+)
+SHARED_REFUSED_PER_DOCUMENT = frozenset(
+    {
+        "axk2",
+        "deepseek_v32",
+        "deepseek_v4",
+        "dots3_note",
+        "dots3_note_text",
+        "glm_moe_dsa",
+        "hy_v4",
+        "minimax_m3_vl_text",
+        "qwen4_exp",
+        "qwen4_exp_text",
+    }
+)
+SHARED_REFUSED = SHARED_REFUSED_MIXERS | SHARED_REFUSED_PER_DOCUMENT | {"llama4", "llama4_text", "stablelm", "nemotron"}
 WALKED_VERSION = transformers.__version__.startswith(WALKED_WITH + ".")
 
 
@@ -633,6 +682,11 @@ def test_every_architecture_is_refused_or_trains_exactly(model_type):
     check_exact(train(built))
     check_exact(train(built, LONG_LENGTHS))
     check_sample_replies(built)
+    shared = check_shared_rows(built)
+    if WALKED_VERSION:
+        assert (shared == "refused") == (model_type in SHARED_REFUSED), (
+            f"{model_type}'s shared rows are {shared} now: update SHARED_REFUSED and the counts docs/dpo.md quotes"
+        )
 
 
 def test_the_quoted_counts_are_the_walks():
@@ -651,6 +705,65 @@ def test_the_quoted_counts_are_the_walks():
     )
     assert f"{total} architectures:\n- {trained} train exactly" in __doc__ and f"- {refused} are refused" in __doc__
     assert f"- {skipped} are skipped" in __doc__
+    dpo = (PROJECT_ROOT / "docs" / "dpo.md").read_text()
+    no_sharing = len(SHARED_REFUSED)
+    assert (
+        f"of the {trained} that train packed, {trained - no_sharing} take shared rows exactly and {no_sharing} refuse "
+        f"them at start-up: {len(SHARED_REFUSED_MIXERS)} by their sequence mixers' kind" in " ".join(dpo.split())
+    )
+    assert f"{len(SHARED_REFUSED_PER_DOCUMENT)} whose layers select or read keys per document" in " ".join(dpo.split())
+
+
+# Shared prompts (data.share_prompts): a plain document, then a prompt of 12 tokens whose two replies (9 and 7 tokens)
+# continue it, against the same pair unshared.
+SHARED_LENGTHS = (10, 12, 9, 7)
+
+
+def shared_rows(vocab_size: int) -> tuple[list[Document], list[Document], int, int]:
+    """(shared, unshared) documents of the same tokens, and where the unshared row's second copy of the prompt (less
+    its last token, which predicts the reply) starts and how long it is: the tokens the shared row does not hold."""
+    plain_length, prompt, first, second = SHARED_LENGTHS
+    rng = np.random.default_rng(2)
+    plain = random_documents(vocab_size, seed=3, lengths=(plain_length,))[0]
+    ids = rng.integers(0, vocab_size, size=prompt + first + second)
+    one, two = ids[: prompt + first], np.concatenate([ids[:prompt], ids[prompt + first :]])
+    labels = [np.append(side[1:], IGNORE_INDEX) for side in (one, two)]
+    labels = [np.where(np.arange(len(side)) >= prompt - 1, side, IGNORE_INDEX) for side in labels]  # the replies
+    shared_length = prompt - 1
+    unshared = Document(1, np.concatenate([one, two]), np.concatenate(labels), segments=(len(one), len(two)))
+    pair = Document(
+        1,
+        np.concatenate([one, two[shared_length:]]),
+        np.concatenate([labels[0], labels[1][shared_length:]]),
+        segments=(len(one), len(two) - shared_length),
+        shared_prefix=shared_length,
+    )
+    return [plain, pair], [plain, unshared], plain_length + len(one), shared_length
+
+
+def check_shared_rows(built: Built) -> str:
+    """What a run with data.share_prompts=true does with the model: the start-up probe (`check_shared_prompts`)
+    refuses it with a reason ("refused"), or a row whose pair shares its prompt gives every token's loss and every
+    gradient of the same row unshared ("exact"); the unshared row is the one `check_exact` holds to stock."""
+    try:
+        check_shared_prompts(built.model)
+    except UnsupportedModel as refusal:
+        check_refusal(refusal)
+        assert "share_prompts=false" in str(refusal), refusal
+        return "refused"
+    shared, unshared, dropped_start, dropped = shared_rows(built.vocab_size)
+
+    def losses_and_grads(documents: list[Document]) -> tuple[torch.Tensor, dict]:
+        built.model.zero_grad(set_to_none=True)
+        losses = built.packed(collate_packed(documents))
+        losses.sum().backward()
+        return losses.detach(), {name: p.grad for name, p in built.model.named_parameters()}
+
+    want, want_grads = losses_and_grads(unshared)
+    got, got_grads = losses_and_grads(shared)
+    want = torch.cat([want[:dropped_start], want[dropped_start + dropped :]])
+    check_exact(Trained(got, want, {name: (got_grads[name], want_grads[name]) for name in want_grads}))
+    return "exact"
 
 
 def check_sample_replies(built: Built) -> None:
