@@ -1,2 +1,2 @@
 """The run's layout over ranks: FSDP2 sharding, tensor, sequence, vocabulary and context parallelism, and
-activation offloading (expert parallelism goes here next)."""
+activation offloading, and expert parallelism's token exchange (its `parallel.expert` key is not wired yet)."""

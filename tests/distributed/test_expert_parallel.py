@@ -1,0 +1,112 @@
+"""Expert parallelism's token exchange (`chattune.parallel.expert_parallel`) on 2 real gloo ranks: every MoE family's
+stacked experts split over the ranks (2 experts of 4 each), each rank's tokens dispatched to the experts their router
+chose by all-to-all with uneven splits and combined back. Against the whole model on one process (no chattune code):
+each rank's loss equals the whole model's on that rank's tokens, each rank's dense and router gradients the whole
+model's on its tokens, and each rank's experts' gradients the whole model's summed over both ranks' tokens (what an
+expert's gradient is when the group's tokens reach it). Families: Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral,
+OLMoE, Granite-MoE, gpt-oss (biases, clamped SwiGLU), DeepSeek-V3 (shared experts, group-limited routing), GLM-4.5."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chattune.distributed import exit_process, shutdown_distributed
+from chattune.parallel.expert_parallel import expert_range, split_experts
+from conftest import free_port, init_worker_process_group, spawn, tiny_model
+
+FAMILIES = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(
+        model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1, num_key_value_heads=4,
+    ),
+    "glm4_moe": dict(
+        model_type="glm4_moe", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+    ),
+}  # fmt: skip
+LENGTHS = (13, 5)  # each rank's tokens: uneven, so the exchanges' splits are too
+
+
+def _tokens(rank: int, vocab_size: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(0, vocab_size, (1, LENGTHS[rank]), generator=generator)
+
+
+def _loss_and_grads(model, input_ids) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    init_worker_process_group(rank, world_size, port)
+    results = {}
+    for name, settings in FAMILIES.items():
+        model = tiny_model(seed=0, **settings)
+        model.set_attn_implementation("eager")
+        vocab = model.config.vocab_size
+        references = [_loss_and_grads(model, _tokens(r, vocab)) for r in range(world_size)]  # the whole model
+        replaced = split_experts(model)
+        loss, grads = _loss_and_grads(model, _tokens(rank, vocab))
+        errors = {"loss": abs(loss - references[rank][0]) / abs(references[rank][0])}
+        dense = {}
+        experts = {}
+        for parameter_name, grad in grads.items():
+            if ".experts.local." in parameter_name:  # this rank's experts: the group's tokens' gradient
+                whole_name = parameter_name.replace(".experts.local.", ".experts.")
+                first, end = expert_range(4)
+                want = sum(reference[1][whole_name] for reference in references)[first:end]
+                experts[parameter_name] = _relative(grad, want)
+            else:
+                dense[parameter_name] = _relative(grad, references[rank][1][parameter_name])
+        missing = sorted(
+            n for n in references[rank][1] if ".experts." not in n and n not in grads
+        )  # a dense or router weight left without its gradient
+        results[name] = {
+            "replaced": replaced,
+            "loss": errors["loss"],
+            "dense": max(dense.values()),
+            "experts": max(experts.values()) if experts else None,
+            "expert_weights": len(experts),
+            "missing": missing,
+        }
+    if rank == 0:
+        with open(out_path, "w") as file:
+            json.dump(results, file)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_each_family_split_over_two_ranks_trains_as_the_whole_model(tmp_path):
+    out = tmp_path / "results.json"
+    spawn(_worker, args=(2, free_port(), str(out)), nprocs=2)
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(FAMILIES)
+    for name, result in results.items():
+        assert result["replaced"] >= 1 and result["expert_weights"] >= 2 and not result["missing"], (name, result)
+        assert result["loss"] <= 1e-6, (name, result)
+        assert result["dense"] <= 1e-5 and result["experts"] <= 1e-5, (name, result)
