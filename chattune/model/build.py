@@ -285,7 +285,6 @@ def _compiles(setting: bool | str, device_type: str, quantized: bool, tensor_par
     return compile
 
 
-# What rows whose replies continue a shared prompt take, on every device (`chattune.model.packed.attention`).
 def shared_prompt_attention(device_type: str) -> str:
     """The start-up line's words for the attention of rows with shared prompts (`chattune.model.packed.attention`)."""
     if device_type == "cuda" and kernels._shared_varlen:

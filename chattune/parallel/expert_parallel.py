@@ -119,7 +119,9 @@ def split_experts(hf_model: nn.Module, group: dist.ProcessGroup | None = None) -
         (parent, name, child)
         for parent in hf_model.modules()
         for name, child in parent.named_children()
-        if name == "experts" and isinstance(getattr(child, "num_experts", None), int)
+        if name == "experts"
+        and isinstance(getattr(child, "num_experts", None), int)
+        and not isinstance(child, ExpertParallelExperts)  # (split already)
     ]
     for parent, name, child in targets:
         setattr(parent, name, ExpertParallelExperts(child, group))

@@ -70,6 +70,7 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
         vocab = model.config.vocab_size
         references = [_loss_and_grads(model, _tokens(r, vocab)) for r in range(world_size)]  # the whole model
         replaced = split_experts(model)
+        assert split_experts(model) == 0  # a model split once is not split again
         loss, grads = _loss_and_grads(model, _tokens(rank, vocab))
         errors = {"loss": abs(loss - references[rank][0]) / abs(references[rank][0])}
         dense = {}

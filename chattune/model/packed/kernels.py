@@ -21,8 +21,9 @@ soft-capping) in one `VarlenOptions`.
   kernels align the causal mask (and a window) bottom-right where a segment has more keys than queries, so reply
   token i sees the prompt and its own first i + 1 tokens, as after its own copy of the prompt. No GPU has run that
   yet, so it is used only where `probe_shared_varlen` saw it agree with the per-document loop on the device at
-  start-up (`_shared_varlen`); elsewhere shared rows take the loops, which take the prompt's key range directly. Grouped-query attention (fewer kv heads than query heads) goes to torch's flash kernel as it
-  is (the kernel supports it): with `enable_gqa` on torch >= 2.12; on torch 2.11, whose wrapper has no such
+  start-up (`_shared_varlen`); elsewhere shared rows take the loops, which take the prompt's key range directly.
+  Grouped-query attention (fewer kv heads than query heads) goes to torch's flash kernel as it is (the kernel
+  supports it): with `enable_gqa` on torch >= 2.12; on torch 2.11, whose wrapper has no such
   flag, once `probe_native_gqa` has seen unequal head counts agree with repeated kv heads on the device at
   start-up; otherwise the kv heads are repeated first (Hq/Hkv times their memory and bandwidth).
 - Neither flash kernel takes head sizes over 256 (`VARLEN_MAX_HEAD_DIM`; Gemma 4's global layers: 512), nor value
@@ -47,8 +48,8 @@ soft-capping) in one `VarlenOptions`.
 Sliding windows follow transformers' convention (a query sees itself and the `window - 1` keys before it).
 The loops over documents are left out of compiled graphs (`torch.compiler.disable`); every choice that
 depends on what is installed is made here at import, outside compiled code. Two of them change after import:
-`_varlen_gqa`, which `probe_native_gqa` rebinds at start-up, and `_shared_varlen` (`probe_shared_varlen`). Other modules read these through this module
-(`attention_kernels._varlen_gqa`), never `from ... import` them: a copy would keep the import-time value, and a
+`_varlen_gqa`, which `probe_native_gqa` rebinds at start-up, and `_shared_varlen` (`probe_shared_varlen`). Other
+modules read these through this module (`attention_kernels._varlen_gqa`), never `from ... import` them: a copy would keep the import-time value, and a
 test's monkeypatch here would not reach it.
 """
 
@@ -89,10 +90,10 @@ _varlen_gqa = "flag" if "enable_gqa" in _TORCH_VARLEN_PARAMETERS else "repeat"
 # with the per-document loop on the run's device.
 _shared_varlen = False
 _FLASH_ATTN_SOFTCAP = _FLASH_ATTN_VARLEN is not None and "softcap" in inspect.signature(_FLASH_ATTN_VARLEN).parameters
-VARLEN_MAX_HEAD_DIM = 256
+VARLEN_MAX_HEAD_DIM = 256  # the largest head size flash-attn's and torch's varlen flash kernels take
 # How far `probe_shared_varlen` lets the varlen kernel's shared rows differ from the per-document loop, relative to the
 # largest value: a few units of bf16's rounding (2^-8) over two kernels' summation orders.
-SHARED_VARLEN_TOLERANCE = 2e-2  # the largest head size flash-attn's and torch's varlen flash kernels take
+SHARED_VARLEN_TOLERANCE = 2e-2
 
 # The arguments `_SinkVarlen` passes torch's varlen flash ops by name (torch >= 2.11's schemas; `enable_gqa`
 # too where the forward op has it, from 2.12).
