@@ -43,7 +43,6 @@ of the model by the builder), which transformers hands the attention function as
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 from collections.abc import Iterator, Sequence
@@ -283,17 +282,6 @@ def packed_attention(
     chunk = attention_chunk(module)
     if chunk is not None:  # Llama 4's chunked layers: each chunk of a document attends as a document of its own
         cu_seqlens, max_seqlen = chunk_boundaries(cu_seqlens, chunk)
-    prefixes = kwargs.get(PREFIXES_KWARG)
-    if prefixes is not None:
-        if group is not None or chunk is not None or tuned:  # these read the row by its own boundaries
-            raise UnsupportedModel(
-                f"{type(module).__name__}: shared prompts (data.share_prompts) under context parallelism, or with "
-                "Llama 4's chunked or temperature-tuned attention, are not supported; set data.share_prompts=false"
-            )
-        longest = int(max_seqlen) if max_seqlen is not None else None  # (the varlen kernel's max_q)
-        options = kernels.VarlenOptions(longest, scale=scaling, window=window, dropout=dropout, softcap=softcap)
-        keys = kwargs.get(SHARED_KEYS_KWARG)
-        return _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, keys, options, sinks), None
     path = attention_path(
         query.device.type,
         query.dtype,
@@ -305,6 +293,19 @@ def packed_attention(
     # The row's longest document only where a varlen kernel reads it.
     max_seqlen = int(max_seqlen) if path in (VARLEN, SINK_VARLEN) else None
     options = kernels.VarlenOptions(max_seqlen, scale=scaling, window=window, dropout=dropout, softcap=softcap)
+    prefixes = kwargs.get(PREFIXES_KWARG)
+    if prefixes is not None:
+        if group is not None or chunk is not None or tuned:  # these read the row by its own boundaries
+            raise UnsupportedModel(
+                f"{type(module).__name__}: shared prompts (data.share_prompts) under context parallelism, or with "
+                "Llama 4's chunked or temperature-tuned attention, are not supported; set data.share_prompts=false"
+            )
+        # The varlen kernel with separate key offsets (`PackedBatch.shared_keys`) only where `probe_shared_varlen` saw
+        # it agree on this device at start-up; sinks (never the VARLEN path) keep the exact loop.
+        keys = kwargs.get(SHARED_KEYS_KWARG)
+        if path == VARLEN and kernels._shared_varlen and keys is not None:
+            return kernels._varlen(query, key, value, cu_seqlens, options, keys), None
+        return _shared_prompt_loops(query, key, value, cu_seqlens, prefixes, options, sinks), None
     if path == VARLEN:
         output = kernels._varlen(query, key, value, cu_seqlens, options)
     elif path == SINK_VARLEN:
@@ -316,23 +317,10 @@ def packed_attention(
     return (output if group is None else sequence_to_heads(output, group)), None
 
 
-def _shared_prompt_attention(query, key, value, cu_seqlens, prefixes, keys, options, sinks) -> torch.Tensor:
-    """A row with shared prompts: each segment attends to its prompt's keys, then causally to its own
-    (`PackedBatch.prefixes`). Where the layer would take the varlen kernel and `probe_shared_varlen` saw it agree on
-    this device at start-up, that kernel with separate key offsets (`PackedBatch.shared_keys`); otherwise the
-    per-document loops (SDPA with the explicit, bottom-right aligned mask; the exact loop for sinks and
-    soft-capping). Sinks with shared prompts always take the exact loop (the sink kernel takes one set of offsets)."""
-    path = attention_path(
-        query.device.type,
-        query.dtype,
-        query.shape[-1],
-        sinks=sinks is not None,
-        softcap=options.softcap is not None,
-        value_head_dim=value.shape[-1],
-    )
-    if path == VARLEN and kernels._shared_varlen and keys is not None:
-        return kernels._varlen(query, key, value, cu_seqlens, options, keys)
-    options = dataclasses.replace(options, max_seqlen=None)  # (the loops read no longest document)
+def _shared_prompt_loops(query, key, value, cu_seqlens, prefixes, options, sinks) -> torch.Tensor:
+    """A row with shared prompts through the per-document loops: each segment attends to its prompt's keys, then
+    causally to its own (`PackedBatch.prefixes`): SDPA with the explicit, bottom-right aligned mask; the exact loop
+    for sinks and soft-capping."""
     if sinks is not None or options.softcap is not None:
         return kernels._per_document_exact(query, key, value, cu_seqlens, options, sinks, prefixes)
     return kernels._per_document_sdpa(query, key, value, cu_seqlens, options, prefixes)
