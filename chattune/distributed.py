@@ -16,7 +16,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from chattune.config.layout_rules import context_ranks_problem, replicate_ranks_problem, tensor_ranks_problem
+from chattune.config.layout_rules import (
+    context_ranks_problem,
+    expert_ranks_problem,
+    replicate_ranks_problem,
+    tensor_ranks_problem,
+)
 from chattune.errors import UserError
 
 # The mesh's axes, outermost first: a rank's place along each is its coordinate (row-major, as `init_device_mesh`
@@ -26,6 +31,8 @@ MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 HOST = torch.device("cpu")
 # Each axis's key under `parallel.` (the schema's ParallelConfig): the axes a config sets; dp_shard is the rest.
 CONFIG_AXES = {"replicate": "dp_replicate", "context": "cp", "tensor": "tp"}
+# Degrees a config sets that are not axes of their own: expert parallelism borrows its ranks from dp_shard x cp.
+CONFIG_BORROWED = {"expert": "ep"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,12 @@ class ParallelDims:
     - `tp`: tensor parallelism (parallel.tensor): the `tp` consecutive ranks of a tp group hold a split of each
       decoder layer's linear layers (`chattune.parallel.tensor_parallel`) and compute the same rows; only the
       group's first rank reports them. Innermost: the busiest links (an all-reduce per layer) within a machine.
+    - `ep` (not an axis: borrowed, as torchtitan does): expert parallelism (parallel.expert) splits the
+      dp_shard x cp ranks FSDP2 shards over into groups of `ep` consecutive ranks, each holding 1/ep of every MoE
+      layer's experts whole and exchanging tokens with its group (`chattune.parallel.expert_parallel`); the
+      experts are sharded by FSDP2 over the rest (`ep_shard`: the ranks holding the same experts, `ep_fsdp` what
+      `fully_shard` takes, with dp_replicate under HSDP). Dense layers are sharded over all data ranks as before,
+      and every rank still trains its own rows.
 
     Code asks for a mesh or group by its purpose, never by an axis (torchtitan's names):
     - `dp`: the data-loading ranks (`data_rank` is this rank's place on it);
@@ -53,7 +66,8 @@ class ParallelDims:
     - `dp_replicate`: the replicas of this rank's shards;
     - `dp_shard_cp`: the ranks FSDP2 shards each parameter over (`shard_ranks`); `fsdp_mesh`, what `fully_shard`
       takes, is (dp_replicate, dp_shard_cp) under HSDP;
-    - `tp`: the tensor-parallel group.
+    - `tp`: the tensor-parallel group;
+    - `ep`: the expert-parallel group, and `ep_fsdp` the mesh the experts' FSDP2 units shard over.
     A step's counts, the loss's figures and the gradient norm's squares are summed over every rank in one
     all-reduce (torchtitan's `dp_cp` are the ranks that matter): a rank that does not report its rows
     (`reports_rows`) adds zeros, and the squares of a gradient several ranks hold are divided by how many hold it
@@ -75,6 +89,7 @@ class ParallelDims:
     cp: int = 1  # context parallelism (parallel.context): ranks per context group
     dp_replicate: int = 1  # HSDP (parallel.replicate): groups holding a sharded copy of the parameters each
     tp: int = 1  # tensor parallelism (parallel.tensor): ranks that split each decoder layer
+    ep: int = 1  # expert parallelism (parallel.expert): ranks of dp_shard x cp that split each MoE layer's experts
     # The purposes' meshes (`build`); empty for a layout made by hand (arithmetic only, no groups).
     meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
     # Purposes of degree 1 that still get a mesh (`build(keep=...)`): tensor parallelism on one GPU, so that the
@@ -93,6 +108,9 @@ class ParallelDims:
         if self.dp_replicate < 1 or self.world_size % (self.dp_replicate * self.cp * self.tp):
             problem = replicate_ranks_problem(self.dp_replicate, self.cp * self.tp, self.world_size)
             raise ValueError(f"parallel.replicate={self.dp_replicate}: {problem or 'not a group count'}")
+        problem = expert_ranks_problem(self.ep, self.shard_ranks, self.tp)
+        if self.ep < 1 or problem:
+            raise ValueError(f"parallel.expert={self.ep}: {problem or 'not an expert-parallel degree'}")
 
     # --- construction ---
 
@@ -102,7 +120,8 @@ class ParallelDims:
     ) -> ParallelDims:
         """The layout `parallel` (the config's `parallel` section; None: every degree 1) gives `world_size` ranks,
         without meshes: arithmetic only (what a launch would do, `chattune validate`'s estimate)."""
-        degrees = {axis: int(getattr(parallel, key, None) or 1) for key, axis in CONFIG_AXES.items()}
+        keys = {**CONFIG_AXES, **CONFIG_BORROWED}
+        degrees = {axis: int(getattr(parallel, key, None) or 1) for key, axis in keys.items()}
         return cls(rank, world_size, local_rank, device, **degrees)
 
     @classmethod
@@ -137,6 +156,14 @@ class ParallelDims:
             view = world._unflatten(0, tuple(axes.values()), tuple(axes))
             meshes.update({name: view[name] for name in axes})
             meshes["fsdp"] = view[("dp_replicate", "dp_shard_cp")] if R > 1 else view["dp_shard_cp"]
+        if layout.ep > 1:
+            # The experts' meshes come from one view, as fully_shard composes a DTensor's mesh (ep) with its own
+            # (ep_fsdp) only where both share a root; the shard axis is kept at degree 1 (ep over every data rank).
+            axes = {"ep_replicate": R, "ep_shard": layout.shard_ranks // layout.ep, "ep": layout.ep}
+            axes = {name: degree for name, degree in axes.items() if degree > 1 or name != "ep_replicate"}
+            view = world._unflatten(0, tuple(axes.values()), tuple(axes))
+            meshes.update(ep=view["ep"], ep_shard=view["ep_shard"])
+            meshes["ep_fsdp"] = view[("ep_replicate", "ep_shard")] if R > 1 else view["ep_shard"]
         return replace(layout, meshes=meshes)
 
     # --- the axes ---
@@ -207,7 +234,10 @@ class ParallelDims:
         axes = " x ".join(f"{axis} {degree}" for axis, degree in self.degrees.items() if degree > 1)
         if not axes:
             return "1 rank"
-        return f"{self.world_size} ranks: {axes}, parameters sharded over {self.shard_ranks}"
+        experts = (
+            f"; experts split over ep {self.ep} (sharded over {self.shard_ranks // self.ep})" if self.ep > 1 else ""
+        )
+        return f"{self.world_size} ranks: {axes}, parameters sharded over {self.shard_ranks}{experts}"
 
     # --- meshes and process groups ---
 
@@ -220,6 +250,7 @@ class ParallelDims:
             "dp_replicate": self.dp_replicate,
             "dp_shard_cp": self.shard_ranks,
             "tp": self.tp,
+            "ep": self.ep,
         }
         if purpose not in degree:
             raise ValueError(f"no mesh for {purpose!r}: one of {', '.join(degree)}")
@@ -247,6 +278,14 @@ class ParallelDims:
         if "fsdp" not in self.meshes:
             raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): nothing to shard over")
         return self.meshes["fsdp"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh the experts' `fully_shard` units take under expert parallelism: the ranks holding the same
+        experts (dp_shard x cp / ep; kept at degree 1), with dp_replicate under HSDP."""
+        if "ep_fsdp" not in self.meshes:
+            raise ValueError(f"{self} has no expert mesh (parallel.expert=1, or made without ParallelDims.build)")
+        return self.meshes["ep_fsdp"]
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:

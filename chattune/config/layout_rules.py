@@ -51,6 +51,45 @@ def replicate_ranks_problem(replicate: int, context: int, world_size: int) -> st
     return None
 
 
+def expert_ranks_problem(expert: int, shard_ranks: int, tensor: int = 1) -> str | None:
+    """parallel.expert against the ranks FSDP2 shards over (the ranks / parallel.replicate / parallel.tensor, context
+    ranks included): groups of `expert` consecutive ones each split every MoE layer's experts. Not composed with
+    tensor parallelism (the ranks of a tp group compute the same tokens: each would send them to the experts again)."""
+    if expert <= 1:
+        return None
+    if tensor > 1:
+        return (
+            f"expert parallelism is not composed with parallel.tensor={tensor} yet (the ranks of a tp group compute "
+            "the same tokens, which each would dispatch to the experts again); set parallel.tensor=1 or "
+            "parallel.expert=1"
+        )
+    if shard_ranks >= 1 and shard_ranks % expert:
+        return (
+            f"{expert} does not divide the {shard_ranks} ranks each parameter is sharded over (the ranks / "
+            "parallel.replicate): each group of that many ranks splits the experts; choose a divisor of "
+            f"{shard_ranks} or launch a multiple of {expert} ranks per replica"
+        )
+    return None
+
+
+# Why LoRA is refused under expert parallelism: peft wraps the stacked experts in modules of its own, which the
+# expert split does not take apart yet.
+EXPERT_LORA_REFUSED = (
+    "LoRA with parallel.expert>1 is not built yet (peft wraps the stacked experts, and each expert's adapters would "
+    "have to be split with them)"
+)
+
+
+def experts_split_problem(expert: int, num_experts: int) -> str | None:
+    """parallel.expert against a MoE model's experts per layer: each rank of an expert group holds as many whole."""
+    if expert > 1 and num_experts % expert:
+        return (
+            f"{expert} does not divide the model's {num_experts} experts per layer: each rank of an expert group "
+            f"holds num_experts / {expert} whole ones; choose a divisor of {num_experts}"
+        )
+    return None
+
+
 def microbatch_ranks_problem(microbatches: int, world_size: int, context: int) -> str | None:
     """data.microbatches_per_step against the data-parallel ranks (ranks / parallel.context): each takes an
     equal share of a step's microbatches."""

@@ -216,6 +216,14 @@ class ParallelConfig:
         "and the model's attention heads",
         at_least=1,
     )
+    expert: int = key(
+        1,
+        "expert parallelism: consecutive ranks that split each MoE layer's experts (num_experts / expert whole "
+        "experts each) and exchange tokens all-to-all, borrowed from the ranks FSDP2 shards over (the experts "
+        "sharded over the rest); divides those ranks and the experts per layer; not with parallel.tensor",
+        at_least=1,
+        resume="numerics",
+    )
 
 
 @dataclass

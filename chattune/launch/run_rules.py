@@ -18,7 +18,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from chattune.config.layout_rules import (
+    EXPERT_LORA_REFUSED,
     context_ranks_problem,
+    expert_ranks_problem,
+    experts_split_problem,
     microbatch_ranks_problem,
     pad_multiple_problem,
     replicate_ranks_problem,
@@ -583,6 +586,44 @@ class RunRules:
         problem = replicate_ranks_problem(replicate, self.context_size() * self.tensor_size(), world_size)
         if problem:
             self.findings.problem("parallel.replicate", problem)
+
+    def expert_parallel(self, world_size: int | None) -> None:
+        """parallel.expert: groups of that many of the ranks FSDP2 shards over split every MoE layer's experts; it
+        divides those ranks and the model's experts per layer, and what is not built with it is refused."""
+        expert = number(self.values, "parallel.expert")
+        if not isinstance(expert, int) or expert <= 1:
+            return  # below 1: the schema checks' problem
+        tensor, replicate = self.tensor_size(), self._degree("replicate")
+        shard_ranks = world_size // (replicate * tensor) if world_size and not world_size % (replicate * tensor) else 0
+        problem = expert_ranks_problem(expert, shard_ranks, tensor)
+        if problem:
+            self.findings.problem("parallel.expert", problem)
+        experts = self.experts_per_layer()
+        if experts is None and self.model_described():
+            self.findings.problem(
+                "parallel.expert",
+                "the model has no mixture-of-experts layers (no num_experts, num_local_experts or n_routed_experts in "
+                "its config) whose experts it could split; set parallel.expert=1",
+            )
+        elif experts is not None and (problem := experts_split_problem(expert, experts)):
+            self.findings.problem("parallel.expert", problem)
+        peft = get_value(self.values, "peft")
+        if isinstance(peft, dict) and peft:
+            self.findings.problem("peft", f"{EXPERT_LORA_REFUSED}; set parallel.expert=1 or drop peft")
+
+    def experts_per_layer(self) -> int | None:
+        """The model's routed experts per MoE layer (its config's num_experts, num_local_experts or
+        n_routed_experts), None where it names none."""
+        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+            if (count := self.attention_heads(name)) is not None:
+                return count
+        return None
+
+    def model_described(self) -> bool:
+        """Whether the model's config can be read here: a model directory's config.json, or model.config."""
+        if isinstance(get_value(self.values, "model.path"), str):
+            return bool(self.pretrained_config)
+        return isinstance(get_value(self.values, "model.config"), dict)
 
     def attention_heads(self, name: str = "num_attention_heads") -> int | None:
         """The model's query heads (`name`: another head count of its config): model.path's config.json, or

@@ -350,6 +350,7 @@ def find_problems(
     rules.context_parallel(world_size)
     rules.tensor_parallel(world_size)
     rules.replicated_shards(world_size)
+    rules.expert_parallel(world_size)
     if rules.cfg is not None:
         rules.output_dir(rules.cfg, world_size)
     return findings

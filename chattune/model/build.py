@@ -20,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from chattune.config.layout_rules import EXPERT_LORA_REFUSED
 from chattune.config.schema import LossConfig, ModelConfig, PeftConfig, RunConfig
 from chattune.config.typed import config_dict
 from chattune.distributed import ParallelDims, usable_device_memory
@@ -52,6 +53,7 @@ from chattune.model.peft.adapters import add_adapters, initial_values, set_dora_
 from chattune.model.quantization import quantize
 from chattune.model.quantization.float8 import convert_linear_layers, fp8_problem
 from chattune.model.sequence_score import PackedSequenceScorer, initialise_missing_head, set_padding
+from chattune.parallel.expert_parallel import ExpertParallelExperts
 from chattune.parallel.fsdp import TORCH_DTYPES, Placement, compile_enabled, compute_dtype, shard_model
 
 logger = logging.getLogger(__name__)
@@ -192,6 +194,8 @@ def build_sharded_model(
     device_type = dims.device.type
     dtype = compute_dtype(sections.model.fsdp.param_dtype, device_type)
     check_architecture(hf_model.config, dims.device, dims.cp_group, dtype, sections.shared_prompts)
+    if adapters is not None and dims.ep > 1:
+        raise UserError(f"peft: {EXPERT_LORA_REFUSED}; set parallel.expert=1 or train without adapters")
     peft_model = add_adapters(hf_model, adapters, head.peft_task_type) if adapters is not None else None
     if adapters is not None and adapters.quantize_base is not None:  # QLoRA: the frozen base's linears in 4 bits
         quantize.quantize_linears(decoder_layers(hf_model), adapters.quantize_base, TORCH_DTYPES[dtype], dims.device)
@@ -343,7 +347,8 @@ def experts_implementation(hf_model: PreTrainedModel, compiled: bool, compute_dt
     torch's grouped GEMM can dispatch, else eager, the per-expert loop), None for a model without experts
     modules of transformers' experts interface. Inside compiled layers transformers keeps the grouped GEMM for
     bf16 weights only (inductor has none for other dtypes) and loops over the experts otherwise."""
-    if not any(hasattr(module, "_is_expert_parallel") for module in hf_model.modules()):  # set by that interface
+    modules = [*hf_model.modules(), *(m.compute for m in hf_model.modules() if isinstance(m, ExpertParallelExperts))]
+    if not any(hasattr(module, "_is_expert_parallel") for module in modules):  # set by that interface
         return None
     name = hf_model.config.get_text_config()._experts_implementation
     if name == "grouped_mm" and compiled and compute_dtype != "bfloat16":

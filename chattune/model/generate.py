@@ -141,14 +141,15 @@ def sharded_generation(model: PackedCausalLM, placement: Placement, gather: bool
     Yields whether each rank may generate on its own: with `gather` (None: where every rank has room,
     `chattune.parallel.fsdp.can_stay_gathered`) the whole model is gathered once for the block and a forward runs
     no collective; without it each forward gathers each layer, so every rank must call `generate_reply` alike,
-    with `synced=True`."""
+    with `synced=True`. Under expert parallelism every forward exchanges tokens with the expert group, gathered
+    or not: never on its own."""
     was_training = model.training
     model.eval()
     if gather is None:
         gather = can_stay_gathered(model, placement)
     try:
         with torch.no_grad(), eager_layers(model), stay_gathered(model) if gather else contextlib.nullcontext():
-            yield gather
+            yield gather and placement.dims.ep == 1
     finally:
         model.train(was_training)
         reshard(model)

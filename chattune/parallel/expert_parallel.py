@@ -1,27 +1,31 @@
-"""Expert parallelism's token exchange (issue 72, its first part): a MoE layer's experts split over the ranks of an
-expert group, each rank holding num_experts / E whole experts, and every token sent to the ranks that hold the experts
-its router chose, computed there, and sent back.
+"""Expert parallelism (parallel.expert=E): a MoE layer's experts split over the E ranks of an expert group, each rank
+holding num_experts / E whole experts, and every token sent to the ranks that hold the experts its router chose,
+computed there, and sent back.
 
 transformers 5 gives the MoE families one experts interface: `experts(hidden (T, H), top_k_index (T, k),
 top_k_weights (T, k)) -> (T, H)`, the stacked expert weights as parameters whose first dimension is the expert
 (Qwen3-MoE's `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I); biases, gpt-oss's clamped SwiGLU and the rest live
-in each family's own class). `ExpertParallelExperts` wraps such a module: the router runs as before on every rank
-(the routing computed once, on the rank that holds the token), then
+in each family's own class). `ExpertParallelExperts` takes such a module's place, under the same name and with
+parameters of the same names and global shapes: each a DTensor on the expert mesh, sharded by expert (Shard(0)), so
+that checkpoints, the HF export and loading see the stock layout on every layout, and FSDP2 shards what each rank
+holds over the ranks holding the same experts (`chattune.parallel.fsdp.shard_model`). The router runs as before on
+every rank (the routing computed once, on the rank that holds the token), then
 
 1. dispatch: each (token, choice) pair goes to the rank holding its expert, by one all-to-all with uneven splits
    (the counts exchanged first: a rank learns how many pairs it receives from each);
-2. compute: the family's own experts class, holding this rank's experts only, runs each received pair with its
-   local expert index and weight 1;
+2. compute: the family's own experts class, run on this rank's experts only (its weights the local parts of the
+   DTensors), computes each received pair with its local expert index and weight 1;
 3. combine: a second all-to-all sends each result back, where it is weighted by its routing weight and summed over
    the token's choices, as the stock class does inside.
 
 Nothing is dropped (no capacity factor): every pair reaches its expert, so the layer's output and every gradient
 equal the whole layer's (tested on gloo with real processes against the unsplit model). The all-to-alls are
 torch's functional ones, whose backward is the reverse exchange: an expert's gradient sums the contributions of every
-rank's tokens routed to it, which is what the whole layer's gradient over the group's tokens is.
+rank's tokens routed to it, which is what the whole layer's gradient over the group's tokens is. The exchange is a
+collective: every rank of a group runs each MoE layer as often as the others (the update step's equal microbatch
+counts, generation's synced forwards) and it stays outside compiled graphs (its split sizes are host values).
 
-Not yet here (the rest of issue 72): the `parallel.expert` key and its mesh axis, FSDP2 over the expert shards, the
-router's global load-balancing counts, checkpoints, export and the memory estimate.
+Not here yet (issue 72): tensor parallelism with it, LoRA on the experts, the exchange's own figures.
 """
 
 from __future__ import annotations
@@ -32,35 +36,57 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 
-def expert_range(num_experts: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """The experts [first, end) this rank holds: num_experts / E consecutive ones (E: the group's size)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+def expert_range(num_experts: int, size: int, rank: int) -> tuple[int, int]:
+    """The experts [first, end) rank `rank` of an expert group of `size` holds: num_experts / size consecutive
+    ones."""
     if num_experts % size:
         raise ValueError(f"{num_experts} experts cannot be split evenly over an expert group of {size} ranks")
     per_rank = num_experts // size
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def local_experts(experts: nn.Module, first: int, end: int) -> nn.Module:
-    """A copy of a stacked experts module holding experts [first, end) only: every parameter and buffer whose first
-    dimension is the expert count cut to that range, and the module's `num_experts` set to the range's size."""
+def stacked_tensors(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """A stacked experts module's own parameters and buffers by name, each checked to be stacked by expert (its
+    first dimension `num_experts`): a ValueError naming the one that is not."""
     num_experts = experts.num_experts
-    local = copy.deepcopy(experts)
-    for name, tensor in [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]:
+    tensors = dict([*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)])
+    for name, tensor in tensors.items():
         if tensor.dim() == 0 or tensor.shape[0] != num_experts:
             raise ValueError(
                 f"{type(experts).__name__}.{name} of shape {tuple(tensor.shape)} is not stacked by expert "
                 f"({num_experts}): its experts cannot be split over ranks"
             )
-        part = tensor.detach()[first:end].clone()
-        if isinstance(tensor, nn.Parameter):
-            setattr(local, name, nn.Parameter(part, requires_grad=tensor.requires_grad))
-        else:
-            local.register_buffer(name, part)
-    local.num_experts = end - first
-    return local
+    inner = [name for name, _ in experts.named_parameters() if "." in name]
+    if not any(isinstance(t, nn.Parameter) for t in tensors.values()) or inner:
+        raise ValueError(
+            f"{type(experts).__name__} holds no stacked expert weights of its own, or weights in modules "
+            f"({', '.join(inner)}): its experts cannot be split over ranks"
+        )
+    return tensors
+
+
+def _compute_module(experts: nn.Module, first: int, end: int) -> nn.Module:
+    """A copy of `experts` that computes experts [first, end): its parameters empty placeholders of the local shape
+    (on the meta device: the weights are handed to each call, `torch.func.functional_call`), its stacked buffers
+    cut to the range, its `num_experts` the range's size."""
+    memo: dict[int, object] = {}
+    for parameter in experts.parameters(recurse=False):
+        shape = (end - first, *parameter.shape[1:])
+        memo[id(parameter)] = nn.Parameter(
+            torch.empty(shape, dtype=parameter.dtype, device="meta"), requires_grad=parameter.requires_grad
+        )
+    for buffer in experts.buffers(recurse=False):
+        memo[id(buffer)] = buffer.detach()[first:end].clone()
+    for value in vars(experts).values():  # process groups set on every module (the context group) are shared
+        if isinstance(value, (dist.ProcessGroup, DeviceMesh)):
+            memo[id(value)] = value
+    compute = copy.deepcopy(experts, memo)
+    compute.num_experts = end - first
+    return compute
 
 
 def _exchange(tensor: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
@@ -68,27 +94,52 @@ def _exchange(tensor: torch.Tensor, send: list[int], receive: list[int], group) 
     autograd where `tensor` requires a gradient (its backward the reverse exchange, so every rank of the group must
     take the same path: `ExpertParallelExperts.forward` keeps that so where a rank has nothing to send or compute)."""
     if tensor.requires_grad:  # (torch's functional collective: asynchronous, waited for here)
-        group = group if group is not None else dist.group.WORLD
         return wait_tensor(all_to_all_single_autograd(tensor.contiguous(), receive, send, group))
     output = tensor.new_empty((sum(receive), *tensor.shape[1:]))
     dist.all_to_all_single(output, tensor.contiguous(), receive, send, group=group)
     return output
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight (a DTensor's local part, through autograd: its gradient arrives as
+    the DTensor's, sharded by expert)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class ExpertParallelExperts(nn.Module):
-    """A stacked experts module (module docstring) split over an expert group: this rank holds experts
-    [first, end) in `local`, and its forward exchanges tokens with the group (collective: every rank of the group
-    calls it the same number of times, a rank with no tokens too)."""
+    """A stacked experts module (module docstring) split over the ranks of `mesh` (1-D, the expert group): its
+    parameters keep their names and global shapes as DTensors sharded by expert, this rank's part experts
+    [first, end); its forward exchanges tokens with the group (collective: every rank of the group calls it the
+    same number of times, a rank with no tokens too)."""
 
-    def __init__(self, experts: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
         super().__init__()
-        self.group = group
+        tensors = stacked_tensors(experts)
+        self.mesh, self.group = mesh, mesh.get_group()
         self.num_experts = experts.num_experts
-        self.first, self.end = expert_range(self.num_experts, group)
-        self.local = local_experts(experts, self.first, self.end)
+        self.first, self.end = expert_range(self.num_experts, mesh.size(), mesh.get_local_rank())
+        self.family = type(experts).__name__
+        self._compute = (_compute_module(experts, self.first, self.end),)  # (a tuple: not a submodule, no names)
+        self._weights = [name for name, t in tensors.items() if isinstance(t, nn.Parameter)]
+        for name in self._weights:
+            whole = tensors[name]
+            local = whole.detach()[self.first : self.end].clone()
+            sharded = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
+            )
+            self.register_parameter(name, nn.Parameter(sharded, requires_grad=whole.requires_grad))
 
+    @property
+    def compute(self) -> nn.Module:
+        """The family's own experts module that computes this rank's experts (its weights handed to each call)."""
+        return self._compute[0]
+
+    def extra_repr(self) -> str:
+        return f"{self.family}, experts {self.first}..{self.end - 1} of {self.num_experts} on this rank"
+
+    @torch._dynamo.disable  # host-side split sizes and collectives: outside a compiled layer's graph
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        size = dist.get_world_size(self.group)
+        size = self.mesh.size()
         per_rank = self.num_experts // size
         tokens, choices = top_k_index.shape
         experts = top_k_index.reshape(-1)  # (T * k): each pair's expert, token-major
@@ -102,7 +153,8 @@ class ExpertParallelExperts(nn.Module):
         arrived = _exchange(hidden[pair_tokens], send, receive, self.group)
         arrived_experts = _exchange(experts[order], send, receive, self.group) - self.first  # this rank's indices
         ones = arrived.new_ones(arrived.shape[0], 1)
-        computed = self.local(arrived, arrived_experts.unsqueeze(1), ones)  # each pair's expert output, weight 1
+        weights = {name: _local(getattr(self, name)).to(arrived.dtype) for name in self._weights}
+        computed = torch.func.functional_call(self.compute, weights, (arrived, arrived_experts.unsqueeze(1), ones))
         if arrived.requires_grad and not computed.requires_grad:  # nothing arrived: the experts' loop ran no expert
             computed = computed + arrived.sum() * 0  # still in the graph, so this rank's backward exchanges too
         returned = _exchange(computed, receive, send, self.group)  # back, in the order the pairs were sent
@@ -111,18 +163,22 @@ class ExpertParallelExperts(nn.Module):
         return weighted.sum(1).to(hidden.dtype)
 
 
-def split_experts(hf_model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
-    """Replace every stacked experts module of `hf_model` (a module with `num_experts` and a parameter stacked by
-    expert, called as `experts(hidden, top_k_index, top_k_weights)`) by its `ExpertParallelExperts`. Returns how many
-    it replaced."""
-    targets = [
+def experts_modules(root: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Every stacked experts module under `root` (a child named `experts` with an int `num_experts`, called as
+    `experts(hidden, top_k_index, top_k_weights)`) as (parent, name, module), split ones included."""
+    return [
         (parent, name, child)
-        for parent in hf_model.modules()
+        for parent in root.modules()
         for name, child in parent.named_children()
-        if name == "experts"
-        and isinstance(getattr(child, "num_experts", None), int)
-        and not isinstance(child, ExpertParallelExperts)  # (split already)
+        if name == "experts" and isinstance(getattr(child, "num_experts", None), int)
     ]
+
+
+def split_experts(hf_model: nn.Module, mesh: DeviceMesh) -> int:
+    """Replace every stacked experts module of `hf_model` by its `ExpertParallelExperts` over `mesh` (the expert
+    group). Returns how many it replaced (those split already are left as they are). A ValueError where a module's
+    weights are not all stacked by expert or its experts do not split evenly over the group."""
+    targets = [t for t in experts_modules(hf_model) if not isinstance(t[2], ExpertParallelExperts)]
     for parent, name, child in targets:
-        setattr(parent, name, ExpertParallelExperts(child, group))
+        setattr(parent, name, ExpertParallelExperts(child, mesh))
     return len(targets)

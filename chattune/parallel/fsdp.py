@@ -26,10 +26,13 @@ from torch.distributed.fsdp import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from chattune.config.layout_rules import experts_split_problem
 from chattune.config.schema import DTYPES, FSDPConfig
 from chattune.distributed import ParallelDims, spare_device_memory
+from chattune.errors import UnsupportedModel, UserError
 from chattune.hf_layout import decoder_layers
 from chattune.parallel import tensor_parallel
+from chattune.parallel.expert_parallel import experts_modules, split_experts
 from chattune.parallel.offload import ActivationOffload
 from chattune.parallel.vocab_parallel import parallelize_vocabulary
 
@@ -212,6 +215,8 @@ def shard_model(
     if tp_mesh is not None:  # the layers split over tp first: FSDP2 then shards what each rank holds
         model.stream = tensor_parallel.parallelize(model.hf_model, decoder_layers(model), tp_mesh)
         parallelize_vocabulary(model.hf_model, tp_mesh, model.stream)  # loss-parallel: the vocabulary's rows
+    if dims.ep > 1:  # each MoE layer's experts split over the expert group (before compiling: a graph break)
+        _split_experts(model.hf_model, dims)
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
     elif activation_checkpointing:
@@ -235,6 +240,10 @@ def shard_model(
     # Page-locked host shards copy to and from the GPU without a staging copy, overlapped with compute.
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
+        if dims.ep > 1:  # the experts' own units, over the ranks holding the same experts (their DTensors' ep mesh
+            # composed with it): a layer's all-gather then moves 1/ep of its experts, not all of them
+            for _, _, experts in experts_modules(layer):
+                fully_shard(experts, mesh=dims.expert_fsdp_mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload, ignored_params=replicated)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, ignored_params=replicated)
     # generate() runs the HF model directly: FSDP2 must gather the root's parameters around it as around forward.
@@ -249,6 +258,27 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return placement
+
+
+def _split_experts(hf_model: nn.Module, dims: ParallelDims) -> None:
+    """parallel.expert: every MoE layer's stacked experts split over the expert group
+    (`chattune.parallel.expert_parallel`); refused with the reason where the model has none, or its experts
+    cannot be split."""
+    name = type(hf_model).__name__
+    found = experts_modules(hf_model)
+    if not found:
+        raise UnsupportedModel(
+            f"parallel.expert={dims.ep}: {name} has no mixture-of-experts layers with stacked experts "
+            "(transformers' experts interface) to split; set parallel.expert=1"
+        )
+    for _, _, experts in found:
+        problem = experts_split_problem(dims.ep, experts.num_experts)
+        if problem:
+            raise UserError(f"parallel.expert={dims.ep}: {problem}")
+    try:
+        split_experts(hf_model, dims.mesh("ep"))
+    except ValueError as error:
+        raise UnsupportedModel(f"parallel.expert={dims.ep}: {name}: {error}; set parallel.expert=1") from None
 
 
 def model_device(model: nn.Module) -> torch.device:

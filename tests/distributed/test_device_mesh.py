@@ -269,6 +269,18 @@ def test_a_layout_made_by_hand_or_without_a_group():
         hand.mesh("pp")
     with pytest.raises(ValueError, match=r"parallel.context=3 must divide the number of ranks, 8"):
         ParallelDims(0, 8, 0, torch.device("cpu"), cp=3)
+    # expert parallelism borrows ranks from those FSDP2 shards over: no axis of its own, the data layout unchanged
+    experts = ParallelDims.from_config(ParallelConfig(expert=2, replicate=2), 8, rank=5)
+    assert (experts.data_rank, experts.data_ranks, experts.shard_ranks, experts.ep) == (5, 8, 4, 2)
+    assert experts.describe() == (
+        "8 ranks: dp_replicate 2 x dp_shard 4, parameters sharded over 4; experts split over ep 2 (sharded over 2)"
+    )
+    with pytest.raises(ValueError, match="no expert mesh"):
+        _ = experts.expert_fsdp_mesh
+    with pytest.raises(ValueError, match=r"parallel.expert=3: 3 does not divide the 4 ranks each parameter"):
+        ParallelDims(0, 8, 0, torch.device("cpu"), dp_replicate=2, ep=3)
+    with pytest.raises(ValueError, match=r"parallel.expert=2: expert parallelism is not composed with parallel.tensor"):
+        ParallelDims(0, 8, 0, torch.device("cpu"), tp=2, ep=2)
     assert not dist.is_initialized()
 
 

@@ -1,10 +1,13 @@
-"""Expert parallelism's token exchange (`chattune.parallel.expert_parallel`) on 2 real gloo ranks: every MoE family's
-stacked experts split over the ranks (2 experts of 4 each), each rank's tokens dispatched to the experts their router
+"""Expert parallelism's token exchange (`chattune.parallel.expert_parallel`) on 2 and 4 real gloo ranks: every MoE
+family's stacked experts split over the ranks (2 or 1 experts of 4 each), each rank's tokens dispatched to the experts their router
 chose by all-to-all with uneven splits and combined back. Against the whole model on one process (no chattune code):
 each rank's loss equals the whole model's on that rank's tokens, each rank's dense and router gradients the whole
 model's on its tokens, and each rank's experts' gradients the whole model's summed over both ranks' tokens (what an
 expert's gradient is when the group's tokens reach it). Families: Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral,
-OLMoE, Granite-MoE, gpt-oss (biases, clamped SwiGLU), DeepSeek-V3 (shared experts, group-limited routing), GLM-4.5."""
+OLMoE, Granite-MoE, gpt-oss (biases, clamped SwiGLU), DeepSeek-V3 (shared experts, group-limited routing), GLM-4.5,
+and Qwen3-MoE with routing ties (a router of zeros: every expert scores the same for every token). Controls: a
+combine that leaves out the routing weights, and a token whose choices are dropped (as a capacity factor would),
+are caught."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import json
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from chattune.distributed import exit_process, shutdown_distributed
-from chattune.parallel.expert_parallel import expert_range, split_experts
+from chattune.parallel.expert_parallel import ExpertParallelExperts, expert_range, experts_modules, split_experts
 from conftest import free_port, init_worker_process_group, spawn, tiny_model
 
 FAMILIES = {
@@ -42,7 +47,34 @@ FAMILIES = {
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
     ),
 }  # fmt: skip
-LENGTHS = (13, 5)  # each rank's tokens: uneven, so the exchanges' splits are too
+LENGTHS = (13, 5, 9, 2)  # each rank's tokens: uneven, so the exchanges' splits are too
+TIES = "qwen3_moe, routing ties"  # qwen3_moe with its routers zeroed
+
+
+class WeightsLeftOut(ExpertParallelExperts):
+    """A control: the combine sums the experts' outputs without their routing weights."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        return super().forward(hidden, top_k_index, torch.ones_like(top_k_weights))
+
+
+class TokenDropped(ExpertParallelExperts):
+    """A control: each rank's first token reaches no expert (a capacity factor's drop)."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        kept = top_k_weights.clone()
+        kept[0] = 0
+        return super().forward(hidden, top_k_index, kept)
+
+
+def _control_error(model, control: type, mesh, rank: int) -> float:
+    """The largest relative error of this rank's dense gradients with the experts split by `control`, against
+    the whole model's (the test's measure of the real split: at most 1e-5)."""
+    _, reference = _loss_and_grads(model, _tokens(rank, model.config.vocab_size))
+    for parent, name, child in experts_modules(model):
+        setattr(parent, name, control(child, mesh))
+    _, grads = _loss_and_grads(model, _tokens(rank, model.config.vocab_size))
+    return max(_relative(grad, reference[n]) for n, grad in grads.items() if not isinstance(grad, DTensor))
 
 
 def _tokens(rank: int, vocab_size: int) -> torch.Tensor:
@@ -63,24 +95,29 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
     init_worker_process_group(rank, world_size, port)
+    mesh = init_device_mesh("cpu", (world_size,))
     results = {}
-    for name, settings in FAMILIES.items():
+    for name, settings in [*FAMILIES.items(), (TIES, FAMILIES["qwen3_moe"])]:
         model = tiny_model(seed=0, **settings)
         model.set_attn_implementation("eager")
+        if name == TIES:
+            for layer in model.model.layers:
+                torch.nn.init.zeros_(layer.mlp.gate.weight)
         vocab = model.config.vocab_size
         references = [_loss_and_grads(model, _tokens(r, vocab)) for r in range(world_size)]  # the whole model
-        replaced = split_experts(model)
-        assert split_experts(model) == 0  # a model split once is not split again
+        names = [n for n, _ in model.named_parameters()]
+        replaced = split_experts(model, mesh)
+        assert split_experts(model, mesh) == 0  # a model split once is not split again
+        assert [n for n, _ in model.named_parameters()] == names  # the stock names (checkpoints, export)
         loss, grads = _loss_and_grads(model, _tokens(rank, vocab))
         errors = {"loss": abs(loss - references[rank][0]) / abs(references[rank][0])}
         dense = {}
         experts = {}
         for parameter_name, grad in grads.items():
-            if ".experts.local." in parameter_name:  # this rank's experts: the group's tokens' gradient
-                whole_name = parameter_name.replace(".experts.local.", ".experts.")
-                first, end = expert_range(4)
-                want = sum(reference[1][whole_name] for reference in references)[first:end]
-                experts[parameter_name] = _relative(grad, want)
+            if isinstance(grad, DTensor):  # this rank's experts: the group's tokens' gradient
+                first, end = expert_range(4, world_size, rank)
+                want = sum(reference[1][parameter_name] for reference in references)[first:end]
+                experts[parameter_name] = _relative(grad.to_local(), want)
             else:
                 dense[parameter_name] = _relative(grad, references[rank][1][parameter_name])
         missing = sorted(
@@ -94,6 +131,10 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
             "expert_weights": len(experts),
             "missing": missing,
         }
+    for control in (WeightsLeftOut, TokenDropped):
+        model = tiny_model(seed=0, **FAMILIES["qwen3_moe"])
+        model.set_attn_implementation("eager")
+        results[control.__name__] = _control_error(model, control, mesh, rank)
     if rank == 0:
         with open(out_path, "w") as file:
             json.dump(results, file)
@@ -102,11 +143,14 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
 
 
 @pytest.mark.launch
-def test_each_family_split_over_two_ranks_trains_as_the_whole_model(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_each_family_split_over_the_ranks_trains_as_the_whole_model(tmp_path, ranks):
     out = tmp_path / "results.json"
-    spawn(_worker, args=(2, free_port(), str(out)), nprocs=2)
+    spawn(_worker, args=(ranks, free_port(), str(out)), nprocs=ranks)
     results = json.loads(out.read_text())
-    assert sorted(results) == sorted(FAMILIES)
+    controls = {name: results.pop(name) for name in ("WeightsLeftOut", "TokenDropped")}
+    assert min(controls.values()) > 1e-3, controls  # each control moves rank 0's gradients: caught
+    assert sorted(results) == sorted([*FAMILIES, TIES])
     for name, result in results.items():
         assert result["replaced"] >= 1 and result["expert_weights"] >= 2 and not result["missing"], (name, result)
         assert result["loss"] <= 1e-6, (name, result)

@@ -1180,3 +1180,62 @@ def test_shared_prompts_are_refused_where_there_are_no_pairs_or_groups_or_the_ro
         ) in problems(report), report
     report, ok = run_validate("dpo/tiny", ["model.path=null", "parallel.context=2", "parallel.tensor=2"], CONFIGS)
     assert not any("share_prompts" in line for line in problems(report)), report  # the remedy as written
+
+
+MOE = [  # a tiny Qwen3-MoE as model.config: 4 experts per layer
+    "model.config._target_=transformers.Qwen3MoeConfig",
+    "+model.config.num_experts=4",
+    "+model.config.num_experts_per_tok=2",
+    "+model.config.moe_intermediate_size=32",
+]
+
+
+def test_expert_parallelism_is_checked_before_a_launch(model_dir):
+    """parallel.expert: it divides the ranks FSDP2 shards over and the experts per layer, needs a MoE model, and what
+    is not built with it (tensor parallelism, LoRA) is refused with the key named; the remedies work as written."""
+
+    def layout_problems(world_size: int, *overrides: str) -> list[str]:
+        try:
+            return check_config(compose_config("sft/tiny", list(overrides)), SFT, world_size=world_size)
+        except ConfigError as error:
+            return error.problems
+
+    assert layout_problems(4, "parallel.expert=2", *MOE) == []
+    assert layout_problems(4, "parallel.expert=4", *MOE) == []
+    assert layout_problems(8, "parallel.expert=2", "parallel.replicate=2", "parallel.context=2", *MOE) == []
+    assert layout_problems(6, "parallel.expert=4", *MOE) == [
+        "parallel.expert: 4 does not divide the 6 ranks each parameter is sharded over (the ranks / "
+        "parallel.replicate): each group of that many ranks splits the experts; choose a divisor of 6 or launch a "
+        "multiple of 4 ranks per replica"
+    ]
+    assert layout_problems(4, "parallel.expert=2", "parallel.replicate=4", *MOE)[0].startswith(
+        "parallel.expert: 2 does not divide the 1 ranks"
+    )
+    assert layout_problems(6, "parallel.expert=3", *MOE) == [
+        "parallel.expert: 3 does not divide the model's 4 experts per layer: each rank of an expert group holds "
+        "num_experts / 3 whole ones; choose a divisor of 4"
+    ]
+    assert layout_problems(4, "parallel.expert=2") == [  # sft/tiny's Llama
+        "parallel.expert: the model has no mixture-of-experts layers (no num_experts, num_local_experts or "
+        "n_routed_experts in its config) whose experts it could split; set parallel.expert=1"
+    ]
+    assert layout_problems(4, "parallel.expert=2", "parallel.tensor=2", *MOE) == [
+        "parallel.expert: expert parallelism is not composed with parallel.tensor=2 yet (the ranks of a tp group "
+        "compute the same tokens, which each would dispatch to the experts again); set parallel.tensor=1 or "
+        "parallel.expert=1"
+    ]
+    assert layout_problems(4, "parallel.expert=2", "peft=lora", "export.merge=true", *MOE) == [
+        "peft: LoRA with parallel.expert>1 is not built yet (peft wraps the stacked experts, and each expert's "
+        "adapters would have to be split with them); set parallel.expert=1 or drop peft"
+    ]
+    # the remedies as written
+    assert layout_problems(4, "parallel.expert=1", "peft=lora", "export.merge=true", *MOE) == []
+    assert layout_problems(4, "parallel.expert=2", "parallel.tensor=1", *MOE) == []
+    assert layout_problems(4, "parallel.expert=1", "parallel.tensor=2", *MOE) == []
+    # a model directory's config.json names its experts
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
+    assert layout_problems(4, f"model.path={model_dir}", "parallel.expert=4") == []
+    assert layout_problems(6, f"model.path={model_dir}", "parallel.expert=3")[-1].startswith(
+        "parallel.expert: 3 does not divide the model's 8 experts per layer"
+    )
