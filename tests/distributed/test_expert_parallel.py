@@ -1,13 +1,13 @@
 """Expert parallelism's token exchange (`chattune.parallel.expert_parallel`) on 2 and 4 real gloo ranks: every MoE
-family's stacked experts split over the ranks (2 or 1 experts of 4 each), each rank's tokens dispatched to the experts their router
-chose by all-to-all with uneven splits and combined back. Against the whole model on one process (no chattune code):
-each rank's loss equals the whole model's on that rank's tokens, each rank's dense and router gradients the whole
-model's on its tokens, and each rank's experts' gradients the whole model's summed over both ranks' tokens (what an
-expert's gradient is when the group's tokens reach it). Families: Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral,
-OLMoE, Granite-MoE, gpt-oss (biases, clamped SwiGLU), DeepSeek-V3 (shared experts, group-limited routing), GLM-4.5,
-and Qwen3-MoE with routing ties (a router of zeros: every expert scores the same for every token). Controls: a
-combine that leaves out the routing weights, and a token whose choices are dropped (as a capacity factor would),
-are caught."""
+family's stacked experts split over the ranks (2 or 1 experts of 4 each), each rank's tokens dispatched to the experts
+their router chose by all-to-all with uneven splits and combined back. Against the whole model on one process (no
+chattune code): each rank's loss equals the whole model's on that rank's tokens, each rank's dense and router
+gradients the whole model's on its tokens, and each rank's experts' gradients the whole model's summed over every
+rank's tokens (what an expert's gradient is when the group's tokens reach it). Families: Qwen3-MoE, Qwen2-MoE (shared
+expert), Mixtral, OLMoE, Granite-MoE, gpt-oss (biases, clamped SwiGLU), DeepSeek-V3 (shared experts, group-limited
+routing), GLM-4.5, Qwen3.5-MoE (hybrid layers, a shared expert), and Qwen3-MoE with routing ties (a router of zeros:
+every expert scores the same for every token). Controls: a combine that leaves out the routing weights, and a token
+whose choices are dropped (as a capacity factor would), are caught."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ FAMILIES = {
     "glm4_moe": dict(
         model_type="glm4_moe", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+    ),
+    "qwen3_5_moe": dict(  # its hybrid layers: a gated-delta-net layer and an attention layer, each with a MoE MLP
+        model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
     ),
 }  # fmt: skip
 LENGTHS = (13, 5, 9, 2)  # each rank's tokens: uneven, so the exchanges' splits are too

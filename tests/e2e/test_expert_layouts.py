@@ -153,3 +153,16 @@ def test_dpo_with_split_experts_follows_dpo_over_data_ranks(tmp_path):
             assert abs(split[key] - value) <= TOLERANCE * max(abs(value), 1.0), (key, split[key], value)
     samples = [(out / "samples.jsonl").read_text() for out in runs.values()]
     assert samples[0] == samples[1] and samples[0].count("\n") == 8  # 4 replies at steps 0 and 2
+
+
+def test_a_loaded_model_trains_with_split_experts_as_whole(tmp_path, tmp_path_factory):
+    """model.path: an HF directory's stacked experts loaded into the split (each rank reads its experts' rows of
+    its FSDP2 shard), on 2 ranks with and without parallel.expert=2."""
+    loaded = [f"model.path={run(tmp_path_factory, 'fsdp') / 'hf'}", "max_steps=2", "save_every=0"]
+    curves = {}
+    for expert in (1, 2):
+        out = tmp_path / f"expert{expert}"
+        command = torchrun("recipes/sft.py", *KEYS[len(SMALL_MODEL) + len(MOE) :], *loaded, f"output_dir={out}")
+        conftest.launch([*command, f"parallel.expert={expert}"])
+        curves[expert] = losses(out)
+    assert_same_curve(curves[2], curves[1], "split experts from model.path against FSDP")
