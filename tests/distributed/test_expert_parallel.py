@@ -160,3 +160,65 @@ def test_each_family_split_over_the_ranks_trains_as_the_whole_model(tmp_path, ra
         assert result["replaced"] >= 1 and result["expert_weights"] >= 2 and not result["missing"], (name, result)
         assert result["loss"] <= 1e-6, (name, result)
         assert result["dense"] <= 1e-5 and result["experts"] <= 1e-5, (name, result)
+
+
+def _memory_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    """A tiny Qwen3-MoE (8 experts) sharded by `shard_model` with parallel.expert=2 on 4 ranks: the parameter bytes
+    this rank holds and the expert elements a forward gathers, against the memory estimate's."""
+    from chattune.config.schema import ParallelConfig
+    from chattune.data.packing import collate_packed
+    from chattune.distributed import ParallelDims
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.model.cost.memory import MemoryInputs, estimate
+    from chattune.parallel.fsdp import reshard, shard_model
+    from conftest import demo_documents
+
+    init_worker_process_group(rank, world_size, port)
+    settings = {**FAMILIES["qwen3_moe"], "num_experts": 8}
+    hf_model = tiny_model(seed=0, **settings)
+    whole_experts = sum(p.numel() for _, _, m in experts_modules(hf_model) for p in m.parameters(recurse=False))
+    stacked = {id(p) for _, _, m in experts_modules(hf_model) for p in m.parameters(recurse=False)}
+    layers = hf_model.model.layers
+    dense_per_layer = [sum(p.numel() for p in layer.parameters() if id(p) not in stacked) for layer in layers]
+    in_layers = {id(p) for p in layers.parameters()}
+    root = sum(p.numel() for p in hf_model.parameters() if id(p) not in in_layers)
+    dims = ParallelDims.build(torch.device("cpu"), ParallelConfig(expert=2))
+    model = PackedCausalLM(hf_model)
+    shard_model(model, dims)
+    gathered = []
+
+    def count(module, _args):  # (after FSDP2's own pre-forward hook: the experts unit is gathered)
+        gathered.append(sum(p.to_local().numel() for p in module.parameters(recurse=False)))
+
+    for _, _, module in experts_modules(model):
+        module.register_forward_pre_hook(count)
+    with torch.no_grad():
+        model(collate_packed(demo_documents(2, start=2 * rank)))
+    reshard(model)  # (a forward alone leaves the root gathered)
+    inputs = MemoryInputs(hf_model.config, ranks=world_size, tokens=512, expert=2)
+    results = {
+        "held": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
+        "estimated": estimate(inputs).rows["parameters (fp32 shards)"],
+        "gathered experts": sum(gathered),
+        "whole experts / ep": whole_experts // 2,
+        "dispatch row": "expert dispatch buffers" in estimate(inputs).rows,
+        # FSDP2 gathers two layers at once (one prefetched) and keeps the root: fp32 here
+        "gathered bytes": 4 * (2 * max(d + g for d, g in zip(dense_per_layer, gathered)) + root),
+        "estimated gathered": estimate(inputs).rows["gathered for compute"],
+    }
+    if rank == 0:  # (the first rank holds the largest shards)
+        with open(out_path, "w") as file:
+            json.dump(results, file)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_the_memory_estimate_counts_what_a_rank_holds_and_gathers_with_split_experts(tmp_path):
+    out = tmp_path / "results.json"
+    spawn(_memory_worker, args=(4, free_port(), str(out)), nprocs=4)
+    results = json.loads(out.read_text())
+    assert results["held"] == results["estimated"], results
+    assert results["gathered experts"] == results["whole experts / ep"], results
+    assert results["dispatch row"], results
+    assert results["gathered bytes"] == results["estimated gathered"], results

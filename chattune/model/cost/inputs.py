@@ -31,6 +31,7 @@ class MemoryInputs:
     cpu_offload: bool = False  # model.fsdp.cpu_offload
     microbatches_per_rank: int = 1  # a step's, on each rank
     tensor: int = 1  # parallel.tensor: the decoder layers' linear weights split over this many ranks first
+    expert: int = 1  # parallel.expert: each MoE layer's experts split over this many of the `ranks`
     on_cpu: bool = False  # the run computes on the CPU: the host is the device (offloading moves nothing)
     loss_implementation: str = "chunked"  # as the run resolves loss.implementation: chunked | cut_cross_entropy
     cce_fp32_gradients: bool = False  # the CCE release accumulates the output layer's gradient in fp32

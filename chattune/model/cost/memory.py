@@ -155,6 +155,19 @@ def _split_over_tensor(model: nn.Module, layers: list[nn.Module]) -> set[int]:
     return split
 
 
+def _stacked_experts(model: nn.Module) -> set[int]:
+    """The ids of the stacked expert weights expert parallelism splits (`chattune.parallel.expert_parallel`): each
+    experts module's own parameters, stacked by expert."""
+    from chattune.parallel.expert_parallel import experts_modules
+
+    return {
+        id(parameter)
+        for _, _, module in experts_modules(model)
+        for parameter in module.parameters(recurse=False)
+        if parameter.dim() > 0 and parameter.shape[0] == module.num_experts
+    }
+
+
 def _row_wise(model: nn.Module, linear: nn.Module) -> bool:
     """Whether tensor parallelism splits `linear` row-wise (its input features), not column-wise."""
     from chattune.parallel.tensor_parallel import PLAN, RowwiseParallel
@@ -289,10 +302,19 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
     quantized = _quantized_linears(layers) if inputs.quantized_base else []
     replicated = {id(p) for linear in quantized for p in linear.parameters()}  # not FSDP2's: whole on every rank
     split = _split_over_tensor(model, layers) if inputs.tensor > 1 else set()
+    split_experts = _stacked_experts(model) if inputs.expert > 1 else set()
 
-    def shard(parameter: torch.Tensor) -> int:  # one rank's elements: split over tp first, then FSDP2's shard
+    def shard(parameter: torch.Tensor) -> int:  # one rank's elements: split over tp or ep first, then FSDP2's shard
+        if id(parameter) in split_experts:  # 1/ep of the experts, sharded over the ranks holding the same ones
+            local = torch.empty((parameter.shape[0] // inputs.expert, *parameter.shape[1:]), device="meta")
+            return _shard_numel(local, inputs.ranks // inputs.expert)
         whole = _shard_numel(parameter, inputs.ranks)
         return math.ceil(whole / inputs.tensor) if id(parameter) in split else whole
+
+    def gathered(parameter: torch.Tensor) -> int:  # one rank's elements gathered for compute
+        return parameter.numel() // (
+            inputs.tensor if id(parameter) in split else inputs.expert if id(parameter) in split_experts else 1
+        )
 
     if split:
         result.notes.append(
@@ -347,22 +369,14 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
         result.rows["offload copies (one unit's shards)"] = 2 * 4 * max([*unit_shards, root_shards])
     compute_bytes = torch.empty((), dtype=inputs.compute_dtype).element_size()
     largest_layer = max(
-        (
-            sum(
-                p.numel() // (inputs.tensor if id(p) in split else 1)
-                for p in layer.parameters()
-                if id(p) not in replicated
-            )
-            for layer in layers
-        ),
-        default=0,
+        (sum(gathered(p) for p in layer.parameters() if id(p) not in replicated) for layer in layers), default=0
     )
-    root = sum(
-        p.numel() // (inputs.tensor if id(p) in split else 1) for p in parameters.values() if id(p) not in in_layers
-    )
+    root = sum(gathered(p) for p in parameters.values() if id(p) not in in_layers)
     # A 4-bit layer's matmul dequantizes its whole weight to the compute dtype first (bitsandbytes): one at a time.
     dequantized = max((linear.weight.numel() for linear in quantized), default=0)
     result.rows["gathered for compute"] = compute_bytes * (2 * largest_layer + root + dequantized)
+    if split_experts:
+        _expert_dispatch_rows(inputs, hf_config, result, compute_bytes)
     if inputs.live_reference:
         result.rows["live reference (fp32 shards)"] = 4 * sharded
     if inputs.teacher_config is not None:
@@ -379,6 +393,18 @@ def estimate(inputs: MemoryInputs) -> MemoryEstimate:
             "(data.max_tokens_per_microbatch, the longest a prompt and its completion may be): a bound"
         )
     return result
+
+
+def _expert_dispatch_rows(inputs: MemoryInputs, hf_config, result: MemoryEstimate, compute_bytes: int) -> None:
+    """Expert parallelism's exchange (`chattune.parallel.expert_parallel`): each MoE layer's (token, choice) pairs sent
+    to the experts' ranks and back, one layer at a time: the send and receive buffers of both exchanges, with routing
+    spread evenly (a rank whose experts draw more receives more)."""
+    top_k = int(getattr(hf_config, "num_experts_per_tok", 1) or 1)
+    result.rows["expert dispatch buffers"] = compute_bytes * 4 * inputs.tokens * top_k * hf_config.hidden_size
+    result.notes.append(
+        f"parallel.expert={inputs.expert}: each rank holds 1/{inputs.expert} of every MoE layer's experts, sharded "
+        f"over {inputs.ranks // inputs.expert} ranks; the dispatch buffers assume routing spread evenly"
+    )
 
 
 def _teacher_rows(inputs: MemoryInputs, compute_bytes: int) -> dict[str, int]:
@@ -498,6 +524,7 @@ def inputs_of(cfg, hf_config, layout: ParallelDims, on_cuda: bool) -> MemoryInpu
         cpu_offload=bool(_get(fsdp, "cpu_offload")),
         microbatches_per_rank=_microbatches_per_rank(cfg, layout.data_ranks),
         tensor=layout.tp,
+        expert=layout.ep,
         on_cpu=not on_cuda,
         **_loss_head_of(str(_get(cfg.loss, "implementation") or "auto"), on_cuda, dtype_name),
         **_rollout_of(cfg, layout.data_ranks),

@@ -22,12 +22,22 @@ class Change:
 
 
 def candidate_changes(inputs: MemoryInputs) -> list[Change]:
-    """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: 8-bit
-    optimizer states (a small cost in precision, none in speed), recomputed activations (compute), offloaded
+    """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: a mixture of
+    experts' experts split over the ranks (communication only, `_expert_degree`), 8-bit optimizer states (a small cost in precision, none in speed), recomputed activations (compute), offloaded
     activations (copies, overlapped on CUDA), the update in the backward (no clipping), 4-bit states (more
     precision), CPU offload (a slower step), shorter rows, training adapters only (over a 4-bit base), more GPUs. On
     the CPU (`MemoryInputs.on_cpu`) neither offloading, a 4-bit base nor more ranks on the host is offered."""
     changes = []
+    expert = _expert_degree(inputs)
+    if expert > 1:
+        changes.append(
+            Change(
+                f"parallel.expert={expert}",
+                "each MoE layer's tokens sent to the ranks holding their experts and back (all-to-all), "
+                "instead of every rank gathering every expert",
+                replace(inputs, expert=expert),
+            )
+        )
     adam = inputs.optimizer.rsplit(".", 1)[-1] in ("Adam", "AdamW") and inputs.optimizer.startswith("torch.")
     if adam:
         changes.append(
@@ -115,6 +125,25 @@ def candidate_changes(inputs: MemoryInputs) -> list[Change]:
             Change(f"--ranks {ranks}", f"twice the GPUs: --nproc_per_node {ranks}", replace(inputs, ranks=ranks))
         )
     return changes
+
+
+def _expert_degree(inputs: MemoryInputs) -> int:
+    """The expert parallelism chattune would offer `inputs`: the most ranks that divide both the ranks FSDP2 shards
+    over and a MoE model's experts per layer; 1 where it offers none (a dense model, ep set already, tensor
+    parallelism or LoRA, which expert parallelism does not compose with yet)."""
+    if inputs.expert > 1 or inputs.tensor > 1 or inputs.lora_rank is not None:
+        return 1
+    text = inputs.hf_config.get_text_config() if hasattr(inputs.hf_config, "get_text_config") else inputs.hf_config
+    experts = next(
+        (count for name in EXPERT_COUNTS if isinstance(count := getattr(text, name, None), int) and count > 1), 0
+    )
+    if not experts:  # a dense model
+        return 1
+    return max(d for d in range(1, inputs.ranks + 1) if inputs.ranks % d == 0 and experts % d == 0)
+
+
+# A MoE config's routed experts per layer, by the names transformers' families give it
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def ways_to_fit(inputs: MemoryInputs, device_memory: int, estimated: MemoryEstimate) -> list[str]:

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import DeepseekV3Config, GraniteConfig, LlamaConfig, LongcatFlashConfig, Qwen3Config, Qwen3MoeConfig
 
-from chattune.config.schema import PeftConfig
+from chattune.config.schema import PeftConfig, TinyLlamaConfig
 from chattune.data.feed import StepBatches
 from chattune.data.packing import collate_packed
 from chattune.distributed import ParallelDims, exit_process, shutdown_distributed
@@ -352,6 +352,52 @@ def test_each_change_that_fits_alone_is_listed_cheapest_first_with_its_peak():
     for line, change in zip(lines[1:], ("AdamW8bit", "AdamW4bit")):  # each peak is that change's own estimate
         peak = estimate(MemoryInputs(**{**inputs.__dict__, "optimizer": f"torchao.optim.{change}"})).total
         assert f"{peak / 2**30:.2f} GiB" in line and peak <= device < estimated.total
+
+
+QWEN3_30B_A3B = dict(  # Qwen3-30B-A3B's shape: 48 layers of 128 experts (8 routed per token)
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def test_expert_parallelism_is_offered_first_for_a_mixture_of_experts_where_it_fits():
+    """Qwen3-30B-A3B's shape trained whole on 8 ranks, 4,096-token rows, recomputed activations, bf16: each rank
+    gathers two layers of 128 experts; split over 8 ranks it gathers 16 of them and holds the tokens' dispatch
+    buffers instead. On a device between the two peaks, parallel.expert=8 is the change listed first (it costs no
+    precision and no compute), and `chattune validate` takes it as written for that model on 8 ranks; a dense
+    model, and a run already split, are offered none."""
+    from chattune.launch.recipe_kinds import SFT
+    from chattune.launch.validate import check_config
+    from chattune.model.cost.memory_advice import candidate_changes, ways_to_fit
+    from test_validate import compose_config
+
+    inputs = MemoryInputs(
+        Qwen3MoeConfig(**QWEN3_30B_A3B), ranks=8, tokens=4096, compute_dtype=torch.bfloat16,
+        activation_checkpointing=True, compiled=True,
+    )  # fmt: skip
+    whole, split = estimate(inputs), estimate(replace(inputs, expert=8))
+    assert split.rows["gathered for compute"] < whole.rows["gathered for compute"] / 2
+    assert split.total < whole.total
+    device = (split.total + whole.total) // 2
+    # ways_to_fit lists the changes that fit alone in this order (the others' estimates, shorter rows' and LoRA's
+    # traces of 128 experts, take half a minute: test_each_change_that_fits_alone_is_listed_cheapest_first runs it)
+    first = candidate_changes(inputs)[0]
+    assert first.setting == "parallel.expert=8" and estimate(first.inputs).total == split.total <= device
+    with mock.patch("chattune.model.cost.memory_advice.candidate_changes", lambda _: [first]):
+        lines = ways_to_fit(inputs, device, whole)
+    assert lines[:2] == [
+        "changes that make it fit, each alone, cheapest first:",
+        f"  {first.setting:<58} {split.total / 2**30:>6.2f} GiB  ({first.cost})",
+    ]
+    tiny_keys = set(TinyLlamaConfig.__dataclass_fields__)  # sft/tiny's model.config keys: set; others added (+)
+    shape = {k: v for k, v in QWEN3_30B_A3B.items() if k != "head_dim"}  # (a keyword the config class does not name)
+    overrides = [f"{'' if k in tiny_keys else '+'}model.config.{k}={v}" for k, v in shape.items()]
+    overrides += ["model.config._target_=transformers.Qwen3MoeConfig", "parallel.expert=8"]
+    assert check_config(compose_config("sft/tiny", overrides), SFT, world_size=8) == []
+    dense = replace(inputs, hf_config=LlamaConfig(hidden_size=64, num_hidden_layers=2))
+    assert not [c for c in candidate_changes(dense) if c.setting.startswith("parallel.expert")]
+    assert not [c for c in candidate_changes(replace(inputs, expert=8)) if c.setting.startswith("parallel.expert")]
 
 
 def test_the_estimate_leaves_the_live_models_config_as_it_was():
