@@ -367,10 +367,11 @@ def test_expert_parallelism_is_offered_first_for_a_mixture_of_experts_where_it_f
     buffers instead. On a device between the two peaks, parallel.expert=8 is the change listed first (it costs no
     precision and no compute), and `chattune validate` takes it as written for that model on 8 ranks; a dense
     model, and a run already split, are offered none."""
+    from test_validate import compose_config
+
     from chattune.launch.recipe_kinds import SFT
     from chattune.launch.validate import check_config
     from chattune.model.cost.memory_advice import candidate_changes, ways_to_fit
-    from test_validate import compose_config
 
     inputs = MemoryInputs(
         Qwen3MoeConfig(**QWEN3_30B_A3B), ranks=8, tokens=4096, compute_dtype=torch.bfloat16,
