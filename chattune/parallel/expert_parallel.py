@@ -25,7 +25,10 @@ rank's tokens routed to it, which is what the whole layer's gradient over the gr
 collective: every rank of a group runs each MoE layer as often as the others (the update step's equal microbatch
 counts, generation's synced forwards) and it stays outside compiled graphs (its split sizes are host values).
 
-Not here yet (issue 72): tensor parallelism with it, LoRA on the experts, the exchange's own figures.
+The routing of the training forwards is counted per expert where the exchange already computes it (outside compiled
+graphs, no extra sync) and logged over the steps since the last logged one (`routing_figures`): the busiest expert's
+load over the mean, per MoE layer. Not here yet (issue 72): tensor parallelism with it, LoRA on the experts, the
+routing figures without expert parallelism.
 """
 
 from __future__ import annotations
@@ -100,6 +103,36 @@ def _exchange(tensor: torch.Tensor, send: list[int], receive: list[int], group) 
     return output
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward: activation checkpointing's recomputation of a layer."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def routing_figures(model: nn.Module, device: torch.device) -> dict[str, float]:
+    """Collective (every rank, in the same order): the routing of the training forwards since the last call, over
+    every rank, from each split experts module's counts (then reset): `experts_imbalance`, the largest over MoE
+    layers of the busiest expert's pairs over the mean per expert (1: even), `experts_imbalance_mean` its mean over
+    the layers, and `experts_routed`, the (token, choice) pairs a layer routed (every token's top-k). {} for a model
+    without split experts."""
+    from chattune.distributed import all_reduce_sum
+
+    modules = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    if not modules:
+        return {}
+    local = [
+        (m.routed if m.routed is not None else torch.zeros(m.num_experts, dtype=torch.long)).to(device) for m in modules
+    ]
+    for module in modules:
+        module.routed = None
+    counts = all_reduce_sum(torch.cat(local).double()).split([m.num_experts for m in modules])  # one collective
+    imbalance = torch.stack([c.max() / c.mean().clamp_min(1e-12) for c in counts])
+    return {
+        "experts_imbalance": float(imbalance.max()),
+        "experts_imbalance_mean": float(imbalance.mean()),
+        "experts_routed": float(torch.stack([c.sum() for c in counts]).mean()),
+    }
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight (a DTensor's local part, through autograd: its gradient arrives as
     the DTensor's, sharded by expert)."""
@@ -119,6 +152,9 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts = experts.num_experts
         self.first, self.end = expert_range(self.num_experts, mesh.size(), mesh.get_local_rank())
         self.family = type(experts).__name__
+        # (token, choice) pairs this rank's training forwards routed to each expert since `routing_figures` last
+        # read them (None: none yet); evaluation, references, generation and recomputed forwards are not counted
+        self.routed: torch.Tensor | None = None
         self._compute = (_compute_module(experts, self.first, self.end),)  # (a tuple: not a submodule, no names)
         self._weights = [name for name, t in tensors.items() if isinstance(t, nn.Parameter)]
         for name in self._weights:
@@ -145,6 +181,9 @@ class ExpertParallelExperts(nn.Module):
         experts = top_k_index.reshape(-1)  # (T * k): each pair's expert, token-major
         destination = torch.div(experts, per_rank, rounding_mode="floor")
         order = torch.argsort(destination, stable=True)  # the pairs grouped by the rank they go to
+        if self.training and torch.is_grad_enabled() and not _recomputing():
+            routed = torch.bincount(experts, minlength=self.num_experts)
+            self.routed = routed if self.routed is None else self.routed + routed
         send_counts = torch.bincount(destination, minlength=size)
         receive_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(receive_counts, send_counts, group=self.group)  # how many each rank sends here

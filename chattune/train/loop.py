@@ -49,6 +49,7 @@ from chattune.model.cost.flops import batch_flops, peak_flops
 from chattune.model.io.export import export_run
 from chattune.model.sequence_score import PackedSequenceScorer
 from chattune.objectives.base import Objective
+from chattune.parallel.expert_parallel import routing_figures
 from chattune.parallel.fsdp import Placement, compiled_graphs
 from chattune.train.callbacks import Callback, SaveCheckpoints, ShowProgress, StepReport, Update
 from chattune.train.evaluation import Evaluator
@@ -250,6 +251,7 @@ class UpdateSteps:
             metrics["compiled_graphs"] = compiled_graphs()
         if self.feed.mixer is not None:
             metrics.update(self.feed.mixer.metrics(device))
+        metrics.update(routing_figures(model, device))  # (split experts only)
         return metrics
 
 

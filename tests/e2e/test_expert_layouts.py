@@ -1,8 +1,8 @@
 """Expert parallelism (parallel.expert) in the recipes, against plain FSDP over the same 4 ranks with
 world-size-invariant steps (the same documents in every step): a tiny Qwen3-MoE (4 experts per layer, top 2) trained
-with SFT for 4 steps with its experts split over 4 ranks, over 2 under HSDP (the experts' groups replicated), and
-over 2 with context parallelism (the rows split over the 2 ranks of each context group). Each follows plain FSDP's
-losses to float summation order; a checkpoint resumes across layouts (ep 4 to no ep on 2 ranks, no ep to ep 2);
+with SFT for 4 steps with its experts split over 4 ranks, over 2 under HSDP (the experts' groups replicated; with
+activation checkpointing), and over 2 with context parallelism (the rows split over the 2 ranks of each context
+group). Each follows plain FSDP's losses to float summation order and logs the same routing; a checkpoint resumes across layouts (ep 4 to no ep on 2 ranks, no ep to ep 2);
 the run's HF export, the experts gathered into the stock stacked layout, equals its last checkpoint exported by one
 process; DPO with its reference and sample replies (synced generation: every forward exchanges tokens) follows DPO
 over data ranks. That the split layer equals stock transformers per family, gradients included, is
@@ -47,8 +47,8 @@ KEYS = (
 LAYOUTS = {
     "fsdp": ((), "mesh: 4 ranks: dp_shard 4, parameters sharded over 4;"),
     "ep 4": (("parallel.expert=4",), "parameters sharded over 4; experts split over ep 4 (sharded over 1)"),
-    "ep 2 x hsdp": (
-        ("parallel.expert=2", "parallel.replicate=2"),
+    "ep 2 x hsdp": (  # with activation checkpointing: the recomputed forwards exchange again, and are not counted
+        ("parallel.expert=2", "parallel.replicate=2", "model.fsdp.activation_checkpointing=true"),
         "dp_replicate 2 x dp_shard 2, parameters sharded over 2; experts split over ep 2 (sharded over 1)",
     ),
     "ep 2 x cp": (  # rows of 2 x 256 tokens: the same rows as plain FSDP's 512
@@ -90,6 +90,23 @@ def test_each_expert_layout_follows_plain_fsdp(tmp_path_factory, layout):
     want = losses(run(tmp_path_factory, "fsdp"))
     assert len(set(want)) == 4, "the loss should move"
     assert_same_curve(losses(run(tmp_path_factory, layout)), want, f"{layout} against FSDP over 4 ranks")
+
+
+def test_the_routing_is_logged_the_same_on_every_expert_layout(tmp_path_factory):
+    """experts_routed: every token's top 2 choices, once per step (all_tokens x 2: the recomputed forwards of
+    activation checkpointing left out; under context parallelism a row's padding to a multiple of its 2 slices too,
+    at most a token per microbatch); experts_imbalance: the busiest expert's pairs over the mean, the same routing
+    on every layout of the same rows."""
+    logged = {layout: read_metrics(run(tmp_path_factory, layout)) for layout in LAYOUTS}
+    assert "experts_imbalance" not in logged.pop("fsdp")[0]  # (without split experts: not counted yet)
+    for layout, rows in logged.items():
+        for row in rows:
+            padding = row["experts_routed"] - 2 * round(row["all_tokens_per_sec"] * row["step_time_s"])
+            assert padding == 0 or (layout == "ep 2 x cp" and 0 < padding <= 2 * 4), (layout, padding, row)
+            assert 1 < row["experts_imbalance_mean"] <= row["experts_imbalance"] <= 4, (layout, row)
+    for row, want in zip(logged["ep 2 x hsdp"], logged["ep 4"]):
+        assert abs(row["experts_imbalance"] - want["experts_imbalance"]) <= 1e-12, (row, want)
+        assert row["experts_imbalance_mean"] == pytest.approx(want["experts_imbalance_mean"], abs=1e-12)
 
 
 @pytest.mark.parametrize(
