@@ -92,8 +92,9 @@ class ParallelDims:
     ep: int = 1  # expert parallelism (parallel.expert): ranks of dp_shard x cp that split each MoE layer's experts
     # The purposes' meshes (`build`); empty for a layout made by hand (arithmetic only, no groups).
     meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
-    # Purposes of degree 1 that still get a mesh (`build(keep=...)`): tensor parallelism on one GPU, so that the
-    # GPU check runs the tp and loss-parallel code (DTensor plans, NCCL collectives) where only one GPU is lent.
+    # Purposes of degree 1 that still get a mesh (`build(keep=...)`): tensor or expert parallelism on one GPU, so that
+    # the GPU check runs the tp and loss-parallel code (DTensor plans, NCCL collectives), or the experts' split and
+    # exchange, where only one GPU is lent.
     kept: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
@@ -135,10 +136,11 @@ class ParallelDims:
     ) -> ParallelDims:
         """This rank's layout on the live default process group, with its meshes. Collective: every rank
         builds the same views in the same order (a view's new process groups are made by all ranks).
-        `keep`: purposes that get a mesh even at degree 1 (only "tp": a tp mesh of one rank composed with FSDP2's,
-        as a tp degree above 1 would be; the GPU check's tensor parallelism on one GPU)."""
-        if not keep <= {"tp"}:
-            raise ValueError(f"keep={sorted(keep)}: only the tp purpose can keep a mesh of degree 1")
+        `keep`: purposes that get a mesh even at degree 1 ("tp": a tp mesh of one rank composed with FSDP2's, as a tp
+        degree above 1 would be; "ep": the experts split over an expert group of one rank, all of them local; the
+        GPU check's tensor and expert parallelism on one GPU)."""
+        if not keep <= {"tp", "ep"}:
+            raise ValueError(f"keep={sorted(keep)}: only the tp and ep purposes can keep a mesh of degree 1")
         layout = cls.from_config(
             parallel, dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), device
         )
@@ -156,7 +158,7 @@ class ParallelDims:
             view = world._unflatten(0, tuple(axes.values()), tuple(axes))
             meshes.update({name: view[name] for name in axes})
             meshes["fsdp"] = view[("dp_replicate", "dp_shard_cp")] if R > 1 else view["dp_shard_cp"]
-        if layout.ep > 1:
+        if layout.ep > 1 or "ep" in keep:
             # The experts' meshes come from one view, as fully_shard composes a DTensor's mesh (ep) with its own
             # (ep_fsdp) only where both share a root; the shard axis is kept at degree 1 (ep over every data rank).
             axes = {"ep_replicate": R, "ep_shard": layout.shard_ranks // layout.ep, "ep": layout.ep}
@@ -232,11 +234,13 @@ class ParallelDims:
         """The layout for the logs: its axes of degree above 1 and what FSDP2 shards over, e.g. "4 ranks:
         dp_replicate 2 x dp_shard 2, parameters sharded over 2"."""
         axes = " x ".join(f"{axis} {degree}" for axis, degree in self.degrees.items() if degree > 1)
-        if not axes:
-            return "1 rank"
         experts = (
-            f"; experts split over ep {self.ep} (sharded over {self.shard_ranks // self.ep})" if self.ep > 1 else ""
+            f"; experts split over ep {self.ep} (sharded over {self.shard_ranks // self.ep})"
+            if self.ep > 1 or "ep" in self.kept
+            else ""
         )
+        if not axes:
+            return f"1 rank{experts}"
         return f"{self.world_size} ranks: {axes}, parameters sharded over {self.shard_ranks}{experts}"
 
     # --- meshes and process groups ---
@@ -278,6 +282,12 @@ class ParallelDims:
         if "fsdp" not in self.meshes:
             raise ValueError(f"{self} has no device mesh (made without ParallelDims.build): nothing to shard over")
         return self.meshes["fsdp"]
+
+    @property
+    def splits_experts(self) -> bool:
+        """Whether MoE layers' experts are split over an ep mesh (`chattune.parallel.expert_parallel`): an ep degree
+        above 1, or an ep mesh kept at degree 1."""
+        return self.mesh("ep") is not None
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:

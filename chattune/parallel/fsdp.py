@@ -215,7 +215,7 @@ def shard_model(
     if tp_mesh is not None:  # the layers split over tp first: FSDP2 then shards what each rank holds
         model.stream = tensor_parallel.parallelize(model.hf_model, decoder_layers(model), tp_mesh)
         parallelize_vocabulary(model.hf_model, tp_mesh, model.stream)  # loss-parallel: the vocabulary's rows
-    if dims.ep > 1:  # each MoE layer's experts split over the expert group (before compiling: a graph break)
+    if dims.splits_experts:  # each MoE layer's experts split over the expert group (before compiling: a graph break)
         _split_experts(model.hf_model, dims)
     if compile:
         compile_layers(decoder_layers(model), activation_checkpointing)
@@ -240,7 +240,9 @@ def shard_model(
     # Page-locked host shards copy to and from the GPU without a staging copy, overlapped with compute.
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
-        if dims.ep > 1:  # the experts' own units, over the ranks holding the same experts (their DTensors' ep mesh
+        if (
+            dims.splits_experts
+        ):  # the experts' own units, over the ranks holding the same experts (their DTensors' ep mesh
             # composed with it): a layer's all-gather then moves 1/ep of its experts, not all of them
             for _, _, experts in experts_modules(layer):
                 fully_shard(experts, mesh=dims.expert_fsdp_mesh, mp_policy=policy, offload_policy=offload)

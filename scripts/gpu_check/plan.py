@@ -18,6 +18,7 @@ import torch
 from bench_gpu import BUDGET_MARGIN_S, OutOfBudget, stop_process_group
 
 from .context import Context, one_rank_group
+from .experts import check_expert_parallel
 from .memory import (
     ESTIMATE_BOUND_LAYERS,
     check_cpu_offload,
@@ -94,6 +95,7 @@ ESTIMATES = {
     "dpo_reference_memory": (60, 3),
     "objectives_bf16": (90, 6),  # (a guess: six 0.6B builds, eight small steps; never run on a GPU yet)
     "shared_prompt_attention": (45, 2),  # (a guess: FlexAttention's compile ~20 s, 4 x 11 steps of one layer)
+    "expert_parallel": (gpu_seconds({4: 2}, compiles=2, steps={4: 10}), 6),  # (a guess: never run on a GPU)
     "resume_and_export": (240, 75),  # (one resume launch took 84 s)
     "cuda_tests": (30, 0),
 }
@@ -142,6 +144,7 @@ IN_PROCESS = {
     "dpo_reference_memory": check_dpo_reference,
     "objectives_bf16": check_objectives_bf16,
     "shared_prompt_attention": check_shared_prompt_attention,
+    "expert_parallel": check_expert_parallel,
 }
 
 

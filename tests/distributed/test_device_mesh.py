@@ -322,4 +322,4 @@ def test_a_tp_mesh_kept_at_degree_one_splits_the_model_and_trains_as_the_plain_o
     assert found["split"] == (True, {("dp_shard_cp", "tp"), ("dp_shard_cp",)})
     norm, full, plain_norm, worst, _ = found["norms"]
     assert worst < 1e-5 and abs(norm - plain_norm) < 1e-5 * plain_norm and abs(full - plain_norm) < 1e-5 * plain_norm
-    assert "only the tp purpose" in found["refused"]
+    assert "only the tp and ep purposes" in found["refused"]

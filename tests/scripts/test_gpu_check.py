@@ -28,6 +28,7 @@ OBJECTIVE_ROWS = [f"objectives_bf16_{name}" for name in ("dpo_sigmoid", "orpo", 
 
 CPU_CHECKS = {
     "float8",
+    "expert_parallel_one_rank",
     "tensor_parallel_chunked",
     "tensor_parallel_cut_cross_entropy",
     "in_backward",
@@ -159,8 +160,10 @@ def test_with_no_budget_left_every_item_is_a_not_run_row_and_the_second_call_is_
         "offload_eager_ac",
         "tensor_parallel_chunked",
         "tensor_parallel_cut_cross_entropy",
+        "expert_parallel_one_rank",
     } | {
         "tensor_parallel",
+        "expert_parallel",
         "resume_and_export",
         "objectives_bf16",
         "snapshots",
