@@ -25,8 +25,8 @@ rank's tokens routed to it, which is what the whole layer's gradient over the gr
 collective: every rank of a group runs each MoE layer as often as the others (the update step's equal microbatch
 counts, generation's synced forwards) and it stays outside compiled graphs (its split sizes are host values).
 
-The routing of the training forwards is counted per expert where the exchange already computes it (outside compiled
-graphs, no extra sync) and logged over the steps since the last logged one (`routing_figures`): the busiest expert's
+The routing of the training forwards is counted per expert where the exchange already runs (outside compiled graphs,
+no extra host sync) and logged over the steps since the last logged one (`routing_figures`): the busiest expert's
 load over the mean, per MoE layer. Not here yet (issue 72): tensor parallelism with it, LoRA on the experts, the
 routing figures without expert parallelism.
 """
@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from transformers import PretrainedConfig
 
 
 def expert_range(num_experts: int, size: int, rank: int) -> tuple[int, int]:
@@ -53,10 +54,15 @@ def expert_range(num_experts: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def stacked_tensors(experts: nn.Module) -> dict[str, torch.Tensor]:
-    """A stacked experts module's own parameters and buffers by name, each checked to be stacked by expert (its
-    first dimension `num_experts`): a ValueError naming the one that is not."""
+    """A stacked experts module's own parameters by name, each checked to be stacked by expert (its first dimension
+    `num_experts`): a ValueError naming the one that is not, or the module's buffers."""
     num_experts = experts.num_experts
-    tensors = dict([*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)])
+    if buffers := [name for name, _ in experts.named_buffers()]:  # (no transformers family has any)
+        raise ValueError(
+            f"{type(experts).__name__} holds buffers ({', '.join(buffers)}), which the split does not carry: its "
+            "experts cannot be split over ranks"
+        )
+    tensors = dict(experts.named_parameters(recurse=False))
     for name, tensor in tensors.items():
         if tensor.dim() == 0 or tensor.shape[0] != num_experts:
             raise ValueError(
@@ -74,18 +80,17 @@ def stacked_tensors(experts: nn.Module) -> dict[str, torch.Tensor]:
 
 def _compute_module(experts: nn.Module, first: int, end: int) -> nn.Module:
     """A copy of `experts` that computes experts [first, end): its parameters empty placeholders of the local shape
-    (on the meta device: the weights are handed to each call, `torch.func.functional_call`), its stacked buffers
-    cut to the range, its `num_experts` the range's size."""
+    (on the meta device: the weights are handed to each call, `torch.func.functional_call`), its `num_experts` the
+    range's size; its config the model's own (shared, not copied: the experts implementation is read from it)."""
     memo: dict[int, object] = {}
     for parameter in experts.parameters(recurse=False):
         shape = (end - first, *parameter.shape[1:])
         memo[id(parameter)] = nn.Parameter(
             torch.empty(shape, dtype=parameter.dtype, device="meta"), requires_grad=parameter.requires_grad
         )
-    for buffer in experts.buffers(recurse=False):
-        memo[id(buffer)] = buffer.detach()[first:end].clone()
-    for value in vars(experts).values():  # process groups set on every module (the context group) are shared
-        if isinstance(value, (dist.ProcessGroup, DeviceMesh)):
+    for value in vars(experts).values():  # the config, and process groups set on every module (the context
+        # group), are shared
+        if isinstance(value, (dist.ProcessGroup, DeviceMesh, PretrainedConfig)):
             memo[id(value)] = value
     compute = copy.deepcopy(experts, memo)
     compute.num_experts = end - first
@@ -181,8 +186,10 @@ class ExpertParallelExperts(nn.Module):
         experts = top_k_index.reshape(-1)  # (T * k): each pair's expert, token-major
         destination = torch.div(experts, per_rank, rounding_mode="floor")
         order = torch.argsort(destination, stable=True)  # the pairs grouped by the rank they go to
-        if self.training and torch.is_grad_enabled() and not _recomputing():
-            routed = torch.bincount(experts, minlength=self.num_experts)
+        if self.training and torch.is_grad_enabled() and not _recomputing():  # (index_add: no host sync, which
+            # bincount makes on CUDA to size its output)
+            routed = torch.zeros(self.num_experts, dtype=torch.long, device=experts.device)
+            routed.index_add_(0, experts, torch.ones_like(experts))
             self.routed = routed if self.routed is None else self.routed + routed
         send_counts = torch.bincount(destination, minlength=size)
         receive_counts = torch.empty_like(send_counts)
@@ -194,8 +201,11 @@ class ExpertParallelExperts(nn.Module):
         ones = arrived.new_ones(arrived.shape[0], 1)
         weights = {name: _local(getattr(self, name)).to(arrived.dtype) for name in self._weights}
         computed = torch.func.functional_call(self.compute, weights, (arrived, arrived_experts.unsqueeze(1), ones))
-        if arrived.requires_grad and not computed.requires_grad:  # nothing arrived: the experts' loop ran no expert
-            computed = computed + arrived.sum() * 0  # still in the graph, so this rank's backward exchanges too
+        if torch.is_grad_enabled() and arrived.shape[0] == 0:  # nothing arrived: the experts' loop ran no expert
+            # Still in the graph, tokens and weights: this rank's backward exchanges too, and its experts get a zero
+            # gradient, so that their FSDP2 unit reduce-scatters with the ranks holding the same experts (a weight
+            # without a gradient skips it, and those ranks would wait for it)
+            computed = computed + (arrived.sum() + sum(w.sum() for w in weights.values())) * 0
         returned = _exchange(computed, receive, send, self.group)  # back, in the order the pairs were sent
         outputs = torch.empty_like(returned).index_copy(0, order, returned)  # token-major again
         weighted = outputs.view(tokens, choices, -1) * top_k_weights.unsqueeze(-1).to(outputs.dtype)

@@ -222,3 +222,51 @@ def test_the_memory_estimate_counts_what_a_rank_holds_and_gathers_with_split_exp
     assert results["gathered experts"] == results["whole experts / ep"], results
     assert results["dispatch row"], results
     assert results["gathered bytes"] == results["estimated gathered"], results
+
+
+def _skewed_worker(rank: int, world_size: int, port: int, out_path: str) -> None:
+    """4 ranks, parallel.expert=2 (experts 0-1 on ranks 0 and 2, 2-3 on ranks 1 and 3, each pair one FSDP2 unit's
+    group), transformers' per-expert loop, and a routing skewed so that ep group {0, 1} sends every token to experts
+    2-3 and ep group {2, 3} to experts 0-1: rank 0's experts receive nothing while rank 2's, in the same FSDP2 group,
+    receive tokens. One forward and backward must finish (a rank whose experts ran no token still reduce-scatters
+    their zero gradient with its peer), and every expert weight gets a gradient."""
+    from datetime import timedelta
+
+    from chattune.config.schema import ParallelConfig
+    from chattune.data.packing import collate_packed
+    from chattune.distributed import ParallelDims
+    from chattune.model.causal_lm import PackedCausalLM
+    from chattune.parallel.fsdp import shard_model
+    from conftest import demo_documents
+
+    init_worker_process_group(rank, world_size, port)
+    torch.distributed.destroy_process_group()  # (again, with a timeout that fails a hang within the test's time)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    hf_model = tiny_model(seed=0, **FAMILIES["qwen3_moe"])
+    hf_model.config._experts_implementation = "eager"
+    stock = ExpertParallelExperts.forward
+
+    def skewed(self, hidden, top_k_index, top_k_weights):
+        first = 0 if rank >= 2 else 2
+        chosen = torch.stack([torch.full_like(top_k_index[:, 0], first), torch.full_like(top_k_index[:, 0], first + 1)])
+        return stock(self, hidden, chosen.T.contiguous(), top_k_weights)
+
+    ExpertParallelExperts.forward = skewed
+    model = PackedCausalLM(hf_model)
+    shard_model(model, ParallelDims.build(torch.device("cpu"), ParallelConfig(expert=2)))
+    model(collate_packed(demo_documents(2, start=2 * rank))).sum().backward()
+    experts = [p for _, _, m in experts_modules(model) for p in m.parameters(recurse=False)]
+    results = {"grads": sum(p.grad is not None for p in experts), "weights": len(experts)}
+    with open(f"{out_path}.{rank}", "w") as file:
+        json.dump(results, file)
+    shutdown_distributed()
+    exit_process()
+
+
+@pytest.mark.launch
+def test_a_rank_whose_experts_receive_no_token_still_reduces_their_gradients(tmp_path):
+    out = tmp_path / "results.json"
+    spawn(_skewed_worker, args=(4, free_port(), str(out)), nprocs=4)
+    for rank in range(4):
+        results = json.loads((tmp_path / f"results.json.{rank}").read_text())
+        assert results["grads"] == results["weights"] > 0, (rank, results)
