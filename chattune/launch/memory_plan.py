@@ -52,7 +52,10 @@ def memory_table(cfg: DictConfig, ranks: int, device_memory: int | None) -> str:
     if device_memory is None and on_cuda:  # this machine's GPU: what a run could allocate there now
         device_memory = usable_device_memory(torch.device("cuda", 0))
     tokenizer_size = None if cfg.model.path is not None else len(load_tokenizer(cfg.tokenizer))
-    layout = ParallelDims.from_config(cfg.parallel, ranks)
+    try:
+        layout = ParallelDims.from_config(cfg.parallel, ranks)
+    except ValueError as error:  # a layout of several ranks, planned without --ranks (the rules skip the ranks then)
+        return f"memory per rank: not estimated on {ranks} rank(s): {error}; pass --ranks N, the launch's ranks"
     inputs = inputs_of(cfg, hf_config_of(cfg, tokenizer_size), layout, on_cuda)
     where = "on a GPU" if on_cuda else "on the CPU"
     header = (

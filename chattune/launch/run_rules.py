@@ -617,7 +617,25 @@ class RunRules:
         for name in ("num_experts", "num_local_experts", "n_routed_experts"):
             if (count := self.attention_heads(name)) is not None:
                 return count
+        defaults = self.config_class_defaults()  # model.config's class, where its keys leave the count unset
+        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+            count = getattr(defaults, name, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                return count
         return None
+
+    def config_class_defaults(self) -> object | None:
+        """An instance of model.config's `_target_` class with its defaults (its text config for a composite), for a
+        model built from a config; None where there is none or it cannot be made here (the launch reports why)."""
+        target = get_value(self.values, "model.config._target_")
+        if isinstance(get_value(self.values, "model.path"), str) or not isinstance(target, str):
+            return None
+        module, _, name = target.rpartition(".")
+        try:
+            config = getattr(importlib.import_module(module), name)()
+        except Exception:  # (an unknown or unimportable class: the schema checks report it)
+            return None
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def model_described(self) -> bool:
         """Whether the model's config can be read here: a model directory's config.json, or model.config."""

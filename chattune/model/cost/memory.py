@@ -403,7 +403,8 @@ def _expert_dispatch_rows(inputs: MemoryInputs, hf_config, result: MemoryEstimat
     result.rows["expert dispatch buffers"] = compute_bytes * 4 * inputs.tokens * top_k * hf_config.hidden_size
     result.notes.append(
         f"parallel.expert={inputs.expert}: each rank holds 1/{inputs.expert} of every MoE layer's experts, sharded "
-        f"over {inputs.ranks // inputs.expert} ranks; the dispatch buffers assume routing spread evenly"
+        f"over {inputs.ranks // inputs.expert} ranks; the dispatch buffers assume routing spread evenly (a rank "
+        f"whose experts draw more tokens receives more: up to {inputs.expert} times as much if all go to its experts)"
     )
 
 

@@ -1232,6 +1232,22 @@ def test_expert_parallelism_is_checked_before_a_launch(model_dir):
     assert layout_problems(4, "parallel.expert=1", "peft=lora", "export.merge=true", *MOE) == []
     assert layout_problems(4, "parallel.expert=2", "parallel.tensor=1", *MOE) == []
     assert layout_problems(4, "parallel.expert=1", "parallel.tensor=2", *MOE) == []
+    # a config class's own default count where model.config leaves it unset (Qwen3MoeConfig: 128 experts)
+    assert layout_problems(4, "parallel.expert=2", "model.config._target_=transformers.Qwen3MoeConfig") == []
+    assert layout_problems(6, "parallel.expert=3", "model.config._target_=transformers.Qwen3MoeConfig") == [
+        "parallel.expert: 3 does not divide the model's 128 experts per layer: each rank of an expert group holds "
+        "num_experts / 3 whole ones; choose a divisor of 128"
+    ]
+    # planned without --ranks: the memory table says what it needs instead of failing
+    from chattune.launch.memory_plan import MemoryPlan
+
+    report, ok = run_validate("sft/tiny", ["parallel.expert=2", *MOE], CONFIGS, memory=MemoryPlan(24 * 2**30))
+    assert ok and "memory per rank: not estimated on 1 rank(s): parallel.expert=2: 2 does not divide" in report
+    assert report.rstrip().splitlines()[-2].endswith("pass --ranks N, the launch's ranks"), report
+    report, ok = run_validate(
+        "sft/tiny", ["parallel.expert=2", *MOE], CONFIGS, world_size=2, memory=MemoryPlan(24 * 2**30)
+    )
+    assert ok and "expert dispatch buffers" in report, report
     # a model directory's config.json names its experts
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
