@@ -11,8 +11,9 @@ that checkpoints, the HF export and loading see the stock layout on every layout
 holds over the ranks holding the same experts (`chattune.parallel.fsdp.shard_model`). The router runs as before on
 every rank (the routing computed once, on the rank that holds the token), then
 
-1. dispatch: each (token, choice) pair goes to the rank holding its expert, by one all-to-all with uneven splits
-   (the counts exchanged first: a rank learns how many pairs it receives from each);
+1. dispatch: each (token, choice) pair goes to the rank holding its expert, by one all-to-all with uneven splits,
+   sorted by expert (the counts per expert exchanged first: a rank learns how many pairs it receives from each rank
+   for each of its experts, so the pairs' expert indices need no exchange of their own);
 2. compute: the family's own experts class, run on this rank's experts only (its weights the local parts of the
    DTensors), computes each received pair with its local expert index and weight 1;
 3. combine: a second all-to-all sends each result back, where it is weighted by its routing weight and summed over
@@ -184,20 +185,23 @@ class ExpertParallelExperts(nn.Module):
         per_rank = self.num_experts // size
         tokens, choices = top_k_index.shape
         experts = top_k_index.reshape(-1)  # (T * k): each pair's expert, token-major
-        destination = torch.div(experts, per_rank, rounding_mode="floor")
-        order = torch.argsort(destination, stable=True)  # the pairs grouped by the rank they go to
-        if self.training and torch.is_grad_enabled() and not _recomputing():  # (index_add: no host sync, which
-            # bincount makes on CUDA to size its output)
-            routed = torch.zeros(self.num_experts, dtype=torch.long, device=experts.device)
-            routed.index_add_(0, experts, torch.ones_like(experts))
+        order = torch.argsort(experts, stable=True)  # the pairs by expert: grouped by the rank they go to, too
+        routed = torch.zeros(self.num_experts, dtype=torch.long, device=experts.device)  # (index_add: no host sync,
+        routed.index_add_(0, experts, torch.ones_like(experts))  # which bincount makes on CUDA to size its output)
+        if self.training and torch.is_grad_enabled() and not _recomputing():
             self.routed = routed if self.routed is None else self.routed + routed
-        send_counts = torch.bincount(destination, minlength=size)
-        receive_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(receive_counts, send_counts, group=self.group)  # how many each rank sends here
-        send, receive = send_counts.tolist(), receive_counts.tolist()  # (the split sizes: a host sync per layer)
+        # Each rank learns how many pairs every rank sends to each of its experts: the split sizes of the exchange,
+        # and (the pairs arrive sorted by expert) each arrived pair's local expert, with no exchange of indices
+        arriving = torch.empty_like(routed)
+        dist.all_to_all_single(arriving, routed, group=self.group)  # (size, per_rank): from each rank, per expert
+        counts = torch.cat([routed, arriving]).tolist()  # (the split sizes: a host sync per layer)
+        sent_per_expert, arrived_per_expert = counts[: self.num_experts], counts[self.num_experts :]
+        send = [sum(sent_per_expert[r * per_rank : (r + 1) * per_rank]) for r in range(size)]
+        receive = [sum(arrived_per_expert[r * per_rank : (r + 1) * per_rank]) for r in range(size)]
+        local = torch.arange(per_rank, device=experts.device).repeat(size)
+        arrived_experts = local.repeat_interleave(arriving, output_size=sum(receive))  # this rank's indices
         pair_tokens = torch.div(order, choices, rounding_mode="floor")
         arrived = _exchange(hidden[pair_tokens], send, receive, self.group)
-        arrived_experts = _exchange(experts[order], send, receive, self.group) - self.first  # this rank's indices
         ones = arrived.new_ones(arrived.shape[0], 1)
         weights = {name: _local(getattr(self, name)).to(arrived.dtype) for name in self._weights}
         computed = torch.func.functional_call(self.compute, weights, (arrived, arrived_experts.unsqueeze(1), ones))

@@ -38,9 +38,8 @@ expert of a layer for its forward and again for its backward, as above (X is in 
 each rank holds X/E of them, sharded over the S/E ranks holding the same ones: the experts' all-gathers send
 2 (X/E)(S/E-1)/(S/E) and their reduce-scatter (X/E)(S/E-1)/(S/E), the rest (P - X, L - X) as above over S; a
 layer gathers Xl/E of experts, not Xl. The tokens move instead: per MoE layer the forward exchanges the (token,
-choice) pairs' split sizes (E int64), their hidden states (N k H fp32) and expert indices (N k int64) to the ranks
-holding their experts, and the results back (N k H); the backward sends the hidden states' gradients both ways
-again. A rank sends the pairs whose expert another rank holds: with routing spread evenly (E-1)/E of them, the
+choice) pairs' counts per expert (num_experts int64) and their hidden states (N k H fp32) to the ranks holding their
+experts, and the results back (N k H); the backward sends the hidden states' gradients both ways again. A rank sends the pairs whose expert another rank holds: with routing spread evenly (E-1)/E of them, the
 formula's figure; the counted one is the model's real routing. The backward's exchanges run inside autograd,
 where no Python wrapper sees them: each sends back exactly what its forward received (counted from the forward
 call's split sizes).
@@ -289,7 +288,7 @@ def formula(found: dict, world_size: int, replicate: int, tensor: int, expert: i
     if expert > 1:  # per MoE layer: the split sizes, hidden states and indices there, the results back; the backward's
         # two exchanges of hidden-state gradients; (E-1)/E of the pairs to other ranks with routing spread evenly
         pairs = found["tokens"] * MOE["num_experts_per_tok"]
-        layer = expert * 8 + pairs * (4 * MODEL["hidden_size"] * 4 + 8)
+        layer = MOE["num_experts"] * 8 + pairs * 4 * MODEL["hidden_size"] * 4
         kinds["all-to-all"] = found["moe_layers"] * layer * (expert - 1) / expert
     return kinds
 
