@@ -232,6 +232,8 @@ def split_experts(hf_model: nn.Module, mesh: DeviceMesh) -> int:
     group). Returns how many it replaced (those split already are left as they are). A ValueError where a module's
     weights are not all stacked by expert or its experts do not split evenly over the group."""
     targets = [t for t in experts_modules(hf_model) if not isinstance(t[2], ExpertParallelExperts)]
+    for _, _, child in targets:  # every module checked before any is split: a refusal leaves the model whole
+        stacked_tensors(child)
     for parent, name, child in targets:
         setattr(parent, name, ExpertParallelExperts(child, mesh))
     return len(targets)

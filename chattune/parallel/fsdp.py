@@ -277,9 +277,10 @@ def _split_experts(hf_model: nn.Module, dims: ParallelDims) -> None:
         problem = experts_split_problem(dims.ep, experts.num_experts)
         if problem:
             raise UserError(f"parallel.expert={dims.ep}: {problem}")
+    mesh = dims.mesh("ep")
     try:
-        split_experts(hf_model, dims.mesh("ep"))
-    except ValueError as error:
+        split_experts(hf_model, mesh)
+    except ValueError as error:  # (stacked_tensors' reasons)
         raise UnsupportedModel(f"parallel.expert={dims.ep}: {name}: {error}; set parallel.expert=1") from None
 
 
