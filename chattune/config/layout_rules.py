@@ -72,6 +72,9 @@ def expert_ranks_problem(expert: int, shard_ranks: int, tensor: int = 1) -> str 
     return None
 
 
+# A MoE config's routed experts per layer, by the names transformers' families give it
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
 # Why LoRA is refused under expert parallelism: peft wraps the stacked experts in modules of its own, which the
 # expert split does not take apart yet.
 EXPERT_LORA_REFUSED = (

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from chattune.config.layout_rules import (
+    EXPERT_COUNT_KEYS,
     EXPERT_LORA_REFUSED,
     context_ranks_problem,
     expert_ranks_problem,
@@ -614,12 +615,12 @@ class RunRules:
     def experts_per_layer(self) -> int | None:
         """The model's routed experts per MoE layer (its config's num_experts, num_local_experts or
         n_routed_experts), None where it names none."""
-        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-            if (count := self.attention_heads(name)) is not None:
-                return count
-        defaults = self.config_class_defaults()  # model.config's class, where its keys leave the count unset
-        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-            count = getattr(defaults, name, None)
+        defaults = None
+        for name in EXPERT_COUNT_KEYS:
+            count = self.attention_heads(name)
+            if count is None:  # model.config's class's own default, where its keys leave the count unset
+                defaults = defaults or self.config_class_defaults()
+                count = getattr(defaults, name, None)
             if isinstance(count, int) and not isinstance(count, bool) and count > 0:
                 return count
         return None

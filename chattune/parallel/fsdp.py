@@ -240,10 +240,9 @@ def shard_model(
     # Page-locked host shards copy to and from the GPU without a staging copy, overlapped with compute.
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
-        if (
-            dims.splits_experts
-        ):  # the experts' own units, over the ranks holding the same experts (their DTensors' ep mesh
-            # composed with it): a layer's all-gather then moves 1/ep of its experts, not all of them
+        # The experts' own units, over the ranks holding the same experts (their DTensors' ep mesh composed with
+        # it): a layer's all-gather then moves 1/ep of its experts, not all of them
+        if dims.splits_experts:
             for _, _, experts in experts_modules(layer):
                 fully_shard(experts, mesh=dims.expert_fsdp_mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload, ignored_params=replicated)

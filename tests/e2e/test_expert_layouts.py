@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_export_command import same_files
+from test_mesh_layouts import TOLERANCE, assert_same_curve, losses
 from test_sft_recipe import read_metrics
 
 import conftest
@@ -23,7 +24,6 @@ from conftest import SMALL_MODEL, made_once, torchrun
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
-TOLERANCE = 1e-5  # relative, per step: the same documents, summed in another order
 MOE = (
     "model.config._target_=transformers.Qwen3MoeConfig",
     "+model.config.num_experts=4",
@@ -73,16 +73,6 @@ def run(tmp_path_factory, layout: str) -> Path:
 
     name = "experts-" + layout.replace(" ", "")
     return made_once(tmp_path_factory, name, make) / "run"
-
-
-def losses(out: Path) -> list[float]:
-    return [m["loss"] for m in read_metrics(out)]
-
-
-def assert_same_curve(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want), what
-    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
-    assert worst <= TOLERANCE, f"{what}: relative difference {worst:.2e}"
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "fsdp"])

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from chattune.config.layout_rules import EXPERT_COUNT_KEYS
 from chattune.model.cost.memory import MemoryEstimate, MemoryInputs, estimate, format_gib
 
 
@@ -23,10 +24,10 @@ class Change:
 
 def candidate_changes(inputs: MemoryInputs) -> list[Change]:
     """The changes chattune offers that `inputs` does not use yet, in the order a user would try them: a mixture of
-    experts' experts split over the ranks (communication only, `_expert_degree`), 8-bit optimizer states (a small cost in precision, none in speed), recomputed activations (compute), offloaded
-    activations (copies, overlapped on CUDA), the update in the backward (no clipping), 4-bit states (more
-    precision), CPU offload (a slower step), shorter rows, training adapters only (over a 4-bit base), more GPUs. On
-    the CPU (`MemoryInputs.on_cpu`) neither offloading, a 4-bit base nor more ranks on the host is offered."""
+    experts' experts split over the ranks (communication only, `_expert_degree`), 8-bit optimizer states (a small
+    cost in precision, none in speed), recomputed activations (compute), offloaded activations (copies, overlapped
+    on CUDA), the update in the backward (no clipping), 4-bit states (more precision), CPU offload (a slower step),
+    shorter rows, training adapters only (over a 4-bit base), more GPUs. On the CPU (`MemoryInputs.on_cpu`) neither offloading, a 4-bit base nor more ranks on the host is offered."""
     changes = []
     expert = _expert_degree(inputs)
     if expert > 1:
@@ -135,15 +136,11 @@ def _expert_degree(inputs: MemoryInputs) -> int:
         return 1
     text = inputs.hf_config.get_text_config() if hasattr(inputs.hf_config, "get_text_config") else inputs.hf_config
     experts = next(
-        (count for name in EXPERT_COUNTS if isinstance(count := getattr(text, name, None), int) and count > 1), 0
+        (count for name in EXPERT_COUNT_KEYS if isinstance(count := getattr(text, name, None), int) and count > 1), 0
     )
     if not experts:  # a dense model
         return 1
     return max(d for d in range(1, inputs.ranks + 1) if inputs.ranks % d == 0 and experts % d == 0)
-
-
-# A MoE config's routed experts per layer, by the names transformers' families give it
-EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def ways_to_fit(inputs: MemoryInputs, device_memory: int, estimated: MemoryEstimate) -> list[str]:
